@@ -1,0 +1,135 @@
+//! Datasets and the distributed sampler.
+//!
+//! Every source yields the same in-memory [`Dataset`]: `f32` inputs, row-major, normalised, and
+//! `u32` labels, split into a training and a held-out part.
+
+mod cifar;
+mod mnist;
+mod sampler;
+mod synthetic;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+pub use sampler::DistributedSampler;
+pub use synthetic::SyntheticConfig;
+
+use crate::error::{Error, Result};
+
+/// One split of a dataset, in memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Split {
+    /// Inputs, `len x dim`, row-major.
+    pub x: Vec<f32>,
+    /// Labels, each below `classes`.
+    pub y: Vec<u32>,
+}
+
+impl Split {
+    /// Number of samples.
+    pub fn len(&self) -> usize {
+        self.y.len()
+    }
+
+    /// Whether the split has no samples.
+    pub fn is_empty(&self) -> bool {
+        self.y.is_empty()
+    }
+}
+
+/// A dataset: training and held-out splits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dataset {
+    /// A short name (`synthetic`, `mnist`, `cifar10`).
+    pub name: String,
+    /// Input width.
+    pub dim: usize,
+    /// Number of classes.
+    pub classes: usize,
+    /// Training samples.
+    pub train: Split,
+    /// Held-out samples.
+    pub test: Split,
+}
+
+impl Dataset {
+    /// Copy the samples `indices` of the training split into `x` and `y` (cleared first).
+    pub fn gather(&self, indices: &[usize], x: &mut Vec<f32>, y: &mut Vec<u32>) {
+        x.clear();
+        y.clear();
+        for &i in indices {
+            x.extend_from_slice(&self.train.x[i * self.dim..(i + 1) * self.dim]);
+            y.push(self.train.y[i]);
+        }
+    }
+}
+
+/// Where the data comes from (`--data`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum DataSource {
+    /// The built-in synthetic classification task.
+    Synthetic(SyntheticConfig),
+    /// MNIST IDX files (raw or .gz) in a directory.
+    Mnist(PathBuf),
+    /// The CIFAR-10 binary version in a directory.
+    Cifar10(PathBuf),
+}
+
+impl FromStr for DataSource {
+    type Err = Error;
+
+    /// `synthetic`, `synthetic:N` (training samples), `synthetic:N:DIM:CLASSES`, `mnist:DIR`,
+    /// `cifar10:DIR`.
+    fn from_str(s: &str) -> Result<Self> {
+        let (kind, rest) = s.split_once(':').unwrap_or((s, ""));
+        match kind {
+            "synthetic" => SyntheticConfig::parse(rest).map(DataSource::Synthetic),
+            "mnist" | "cifar10" if rest.is_empty() => {
+                Err(Error::invalid("data", format!("'{s}': give the directory, as {kind}:DIR")))
+            }
+            "mnist" => Ok(DataSource::Mnist(PathBuf::from(rest))),
+            "cifar10" => Ok(DataSource::Cifar10(PathBuf::from(rest))),
+            _ => Err(Error::invalid(
+                "data",
+                format!("'{s}' (expected synthetic[:N[:DIM:CLASSES]], mnist:DIR or cifar10:DIR)"),
+            )),
+        }
+    }
+}
+
+impl fmt::Display for DataSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DataSource::Synthetic(c) => write!(f, "synthetic:{}:{}:{}", c.train, c.dim, c.classes),
+            DataSource::Mnist(p) => write!(f, "mnist:{}", p.display()),
+            DataSource::Cifar10(p) => write!(f, "cifar10:{}", p.display()),
+        }
+    }
+}
+
+impl DataSource {
+    /// Load (or generate) the dataset; `seed` drives the synthetic generator.
+    pub fn load(&self, seed: u64) -> Result<Dataset> {
+        match self {
+            DataSource::Synthetic(c) => Ok(c.generate(seed)),
+            DataSource::Mnist(dir) => mnist::load(dir),
+            DataSource::Cifar10(dir) => cifar::load(dir),
+        }
+    }
+
+    /// The synthetic source with `dim` inputs and `classes` classes (a model's shape).
+    pub fn synthetic_for(dim: usize, classes: usize) -> Self {
+        DataSource::Synthetic(SyntheticConfig { dim, classes, ..SyntheticConfig::default() })
+    }
+}
+
+/// Read a whole file, naming it in any error.
+fn read_file(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| Error::io(path, e))
+}
+
+/// A directory that must exist.
+fn require_dir(dir: &Path) -> Result<()> {
+    if dir.is_dir() { Ok(()) } else { Err(Error::file(dir, "no such directory")) }
+}

@@ -1,0 +1,245 @@
+//! The CPU device: GEMMs through the `gemm` crate (runtime-dispatched AVX2/AVX-512/NEON
+//! kernels), elementwise work through rayon, all inside one thread pool of `--threads` threads.
+
+use std::ops::Range;
+
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+use super::backend::Backend;
+use crate::error::{Error, Result};
+use crate::optim::{SgdConfig, sgd_step};
+
+/// Values per parallel chunk in elementwise kernels.
+const CHUNK: usize = 1 << 14;
+
+/// The CPU backend.
+#[derive(Debug)]
+pub struct Cpu {
+    threads: usize,
+    pool: rayon::ThreadPool,
+}
+
+impl Cpu {
+    /// A CPU device with its own pool of `threads` threads (0: one per core).
+    pub fn new(threads: usize) -> Result<Self> {
+        let threads =
+            if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("gradsync-cpu-{i}"))
+            .build()
+            .map_err(|e| Error::invalid("threads", e.to_string()))?;
+        Ok(Cpu { threads, pool })
+    }
+
+    /// The pool's size.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    fn par(&self) -> Parallelism {
+        if self.threads > 1 { Parallelism::Rayon(self.threads) } else { Parallelism::None }
+    }
+}
+
+impl Backend for Cpu {
+    type Buf = Vec<f32>;
+    type Labels = Vec<u32>;
+    type View<'a> = &'a [f32];
+    type ViewMut<'a> = &'a mut [f32];
+
+    fn describe(&self) -> String {
+        format!("cpu ({} thread{})", self.threads, if self.threads == 1 { "" } else { "s" })
+    }
+
+    fn zeros(&self, n: usize) -> Result<Vec<f32>> {
+        Ok(vec![0.0; n])
+    }
+
+    fn write(&self, dst: &mut Vec<f32>, offset: usize, src: &[f32]) -> Result<()> {
+        dst[offset..offset + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn read(&self, src: &Vec<f32>, range: Range<usize>, dst: &mut [f32]) -> Result<()> {
+        dst.copy_from_slice(&src[range]);
+        Ok(())
+    }
+
+    fn write_labels(&self, dst: &mut Option<Vec<u32>>, src: &[u32]) -> Result<()> {
+        let d = dst.get_or_insert_with(Vec::new);
+        d.clear();
+        d.extend_from_slice(src);
+        Ok(())
+    }
+
+    fn view(buf: &Vec<f32>, range: Range<usize>) -> &[f32] {
+        &buf[range]
+    }
+
+    fn view_mut(buf: &mut Vec<f32>, range: Range<usize>) -> &mut [f32] {
+        &mut buf[range]
+    }
+
+    fn split_at<'a>(view: &'a mut [f32], mid: usize) -> (&'a mut [f32], &'a mut [f32])
+    where
+        Self: 'a,
+    {
+        view.split_at_mut(mid)
+    }
+
+    fn sub<'b>(view: &'b mut &mut [f32], range: Range<usize>) -> &'b mut [f32] {
+        &mut view[range]
+    }
+
+    fn gemm(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &[f32],
+        ta: bool,
+        b: &[f32],
+        tb: bool,
+        c: &mut [f32],
+        accumulate: bool,
+    ) -> Result<()> {
+        assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n, "gemm: view too short");
+        // Strides of op(A) (m x k) and op(B) (k x n) over row-major storage.
+        let (a_rs, a_cs) = if ta { (1, m as isize) } else { (k as isize, 1) };
+        let (b_rs, b_cs) = if tb { (1, k as isize) } else { (n as isize, 1) };
+        let par = self.par();
+        self.pool.install(|| {
+            // SAFETY: the asserts above keep every index the strides reach inside the slices;
+            // `c` is exclusive and cannot alias `a` or `b`.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    n,
+                    k,
+                    c.as_mut_ptr(),
+                    1,
+                    n as isize,
+                    accumulate,
+                    a.as_ptr(),
+                    a_cs,
+                    a_rs,
+                    b.as_ptr(),
+                    b_cs,
+                    b_rs,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    par,
+                )
+            }
+        });
+        Ok(())
+    }
+
+    fn bias_act(&self, z: &mut [f32], bias: &[f32], rows: usize, cols: usize, relu: bool) -> Result<()> {
+        debug_assert_eq!(z.len(), rows * cols);
+        let rows_per = (CHUNK / cols.max(1)).max(1);
+        self.pool.install(|| {
+            z.par_chunks_mut(rows_per * cols).for_each(|block| {
+                for row in block.chunks_exact_mut(cols) {
+                    for (v, &b) in row.iter_mut().zip(bias) {
+                        let x = *v + b;
+                        *v = if relu { x.max(0.0) } else { x };
+                    }
+                }
+            })
+        });
+        Ok(())
+    }
+
+    fn relu_backward(&self, dz: &mut [f32], a: &[f32]) -> Result<()> {
+        self.pool.install(|| {
+            dz.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK)).for_each(|(d, a)| {
+                for (d, &a) in d.iter_mut().zip(a) {
+                    if a <= 0.0 {
+                        *d = 0.0;
+                    }
+                }
+            })
+        });
+        Ok(())
+    }
+
+    fn bias_grad(
+        &self,
+        db: &mut [f32],
+        dz: &[f32],
+        rows: usize,
+        cols: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        if !accumulate {
+            db.fill(0.0);
+        }
+        // Row order is fixed, so the sum is deterministic whatever the thread count.
+        for row in dz.chunks_exact(cols).take(rows) {
+            for (d, &g) in db.iter_mut().zip(row) {
+                *d += g;
+            }
+        }
+        Ok(())
+    }
+
+    fn softmax_xent(
+        &self,
+        logits: &[f32],
+        labels: &Vec<u32>,
+        dlogits: Option<&mut [f32]>,
+        rows: usize,
+        cols: usize,
+        scale: f32,
+    ) -> Result<(f64, u64)> {
+        let mut loss = 0.0f64;
+        let mut correct = 0u64;
+        let mut dl = dlogits;
+        for (i, z) in logits.chunks_exact(cols).take(rows).enumerate() {
+            let y = labels[i] as usize;
+            let (arg, max) = z
+                .iter()
+                .enumerate()
+                .fold((0, f32::NEG_INFINITY), |(ai, m), (j, &v)| if v > m { (j, v) } else { (ai, m) });
+            let sum: f32 = z.iter().map(|&v| (v - max).exp()).sum();
+            loss += f64::from(sum.ln() - (z[y] - max));
+            correct += u64::from(arg == y);
+            if let Some(d) = dl.as_deref_mut() {
+                let row = &mut d[i * cols..(i + 1) * cols];
+                let inv = 1.0 / sum;
+                for (j, (o, &v)) in row.iter_mut().zip(z).enumerate() {
+                    let p = (v - max).exp() * inv;
+                    *o = scale * (p - if j == y { 1.0 } else { 0.0 });
+                }
+            }
+        }
+        Ok((loss, correct))
+    }
+
+    fn sgd(
+        &self,
+        cfg: &SgdConfig,
+        params: &mut [f32],
+        grads: &[f32],
+        momentum: &mut [f32],
+        grad_scale: f32,
+    ) -> Result<()> {
+        self.pool.install(|| sgd_step(cfg, params, grads, momentum, grad_scale));
+        Ok(())
+    }
+
+    fn scale(&self, v: &mut [f32], factor: f32) -> Result<()> {
+        self.pool.install(|| v.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= factor)));
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,132 @@
+//! [`Engine`]: the model on whichever device was chosen. Callers hold one type; the match on
+//! the device happens here and nowhere else.
+
+use std::ops::Range;
+
+use crate::device::{Cpu, Device};
+use crate::error::Result;
+use crate::mlp::{BatchLoss, Mlp};
+use crate::model::{BucketPlan, Fingerprint, Layout, ModelSpec};
+use crate::optim::SgdConfig;
+
+/// The model on one device.
+pub enum Engine {
+    /// On the CPU.
+    Cpu(Mlp<Cpu>),
+}
+
+/// Run `$body` with `$m` bound to the device's [`Mlp`], whatever the device.
+macro_rules! on_device {
+    ($engine:expr, $m:ident => $body:expr) => {
+        match $engine {
+            Engine::Cpu($m) => $body,
+        }
+    };
+}
+
+impl Engine {
+    /// The model `spec`, initialised from `seed`, on `device`.
+    pub fn new(device: Device, spec: ModelSpec, seed: u64) -> Result<Self> {
+        match device {
+            Device::Cpu { threads } => Ok(Engine::Cpu(Mlp::new(Cpu::new(threads)?, spec, seed)?)),
+            Device::Cuda { ordinal } => Err(crate::Error::NoCuda(format!("cuda:{ordinal}: no CUDA backend"))),
+        }
+    }
+
+    /// The device, described.
+    pub fn describe(&self) -> String {
+        on_device!(self, m => crate::device::Backend::describe(m.backend()))
+    }
+
+    /// Whether the model lives in GPU memory.
+    pub fn is_cuda(&self) -> bool {
+        !matches!(self, Engine::Cpu(_))
+    }
+
+    /// The layer widths.
+    pub fn spec(&self) -> &ModelSpec {
+        on_device!(self, m => m.spec())
+    }
+
+    /// The flat layout.
+    pub fn layout(&self) -> &Layout {
+        on_device!(self, m => m.layout())
+    }
+
+    /// Forward over a batch ([`Mlp::forward`]).
+    pub fn forward(&mut self, x: &[f32], labels: &[u32], train: bool) -> Result<BatchLoss> {
+        on_device!(self, m => m.forward(x, labels, train))
+    }
+
+    /// Backward into the gradient buffer, with no bucket hook.
+    pub fn backward(&mut self, accumulate: bool) -> Result<()> {
+        on_device!(self, m => {
+            let plan = BucketPlan::whole(m.layout());
+            m.backward(&plan, accumulate, &mut |_, _, _| {})
+        })
+    }
+
+    /// One optimiser step ([`Mlp::update`]).
+    pub fn update(&mut self, cfg: &SgdConfig, grad_scale: f32) -> Result<()> {
+        on_device!(self, m => m.update(cfg, grad_scale))
+    }
+
+    /// Multiply every gradient by `factor`.
+    pub fn scale_grads(&mut self, factor: f32) -> Result<()> {
+        on_device!(self, m => m.scale_grads(factor))
+    }
+
+    /// Copy parameters `range` to host memory.
+    pub fn read_params(&self, range: Range<usize>, dst: &mut [f32]) -> Result<()> {
+        on_device!(self, m => m.read_params(range, dst))
+    }
+
+    /// Overwrite parameters from host memory at `offset`.
+    pub fn write_params(&mut self, offset: usize, src: &[f32]) -> Result<()> {
+        on_device!(self, m => m.write_params(offset, src))
+    }
+
+    /// Copy gradients `range` to host memory.
+    pub fn read_grads(&self, range: Range<usize>, dst: &mut [f32]) -> Result<()> {
+        on_device!(self, m => m.read_grads(range, dst))
+    }
+
+    /// Overwrite gradients from host memory at `offset`.
+    pub fn write_grads(&mut self, offset: usize, src: &[f32]) -> Result<()> {
+        on_device!(self, m => m.write_grads(offset, src))
+    }
+
+    /// Copy the momentum buffer to host memory.
+    pub fn read_momentum(&self, dst: &mut [f32]) -> Result<()> {
+        on_device!(self, m => m.read_momentum(dst))
+    }
+
+    /// Overwrite the momentum buffer.
+    pub fn write_momentum(&mut self, src: &[f32]) -> Result<()> {
+        on_device!(self, m => m.write_momentum(src))
+    }
+
+    /// All parameters in host memory.
+    pub fn params(&self) -> Result<Vec<f32>> {
+        let mut v = vec![0.0; self.layout().len];
+        self.read_params(0..v.len(), &mut v)?;
+        Ok(v)
+    }
+
+    /// All gradients in host memory.
+    pub fn grads(&self) -> Result<Vec<f32>> {
+        let mut v = vec![0.0; self.layout().len];
+        self.read_grads(0..v.len(), &mut v)?;
+        Ok(v)
+    }
+
+    /// Wait for queued device work (timings).
+    pub fn synchronize(&self) -> Result<()> {
+        on_device!(self, m => crate::device::Backend::synchronize(m.backend()))
+    }
+
+    /// This model's fingerprint for `seed`.
+    pub fn fingerprint(&self, seed: u64) -> Fingerprint {
+        Fingerprint::new(self.spec(), seed)
+    }
+}

@@ -1,0 +1,32 @@
+//! gradsync's shared core: what every process (server, worker, bench) agrees on.
+//!
+//! # Layout
+//! - [`device`]: `--device auto|cpu|cuda[:N]`, the [`device::Backend`] trait, the CPU (gemm +
+//!   rayon) and CUDA (cuBLAS + NVRTC through cudarc) backends.
+//! - [`model`]: layer widths and presets, the flat parameter [`model::Layout`], gradient
+//!   buckets, the [`model::Fingerprint`] and deterministic initialisation.
+//! - [`mlp`]: forward, backward (handing out finished buckets) and update, written once over
+//!   any backend.
+//! - [`engine`]: [`Engine`], the model on the chosen device; the one place that matches on it.
+//! - [`optim`]: SGD with momentum and weight decay (host version, shared with the server).
+//! - [`data`]: the synthetic dataset, MNIST and CIFAR-10 loaders, the distributed sampler.
+//! - [`metrics`]: the per-step metrics schema and its JSON-lines writer.
+//! - [`checkpoint`]: parameter files with a fingerprint, written atomically.
+//! - [`rng`]: the version-stable generator behind every seed.
+
+pub mod checkpoint;
+pub mod data;
+pub mod device;
+pub mod engine;
+mod error;
+pub mod metrics;
+pub mod mlp;
+pub mod model;
+pub mod optim;
+pub mod rng;
+
+pub use engine::Engine;
+pub use error::{Error, Result};
+
+/// gradsync's version, as recorded in metrics headers and checkpoints.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -1,0 +1,228 @@
+//! The metrics schema: one JSON object per line, a header first, then one record per step.
+//! Every process (worker rank, DP master, server shard) writes its own file; the comparison
+//! runner merges them. This file is the schema's single definition; docs/metrics.md describes
+//! it for users.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Bumped whenever a field changes meaning or disappears (adding fields does not bump it).
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// One line of a metrics file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Record {
+    /// The run's configuration; always the first line.
+    Header(Header),
+    /// One training step of one worker rank.
+    Step(Step),
+    /// One update applied by a parameter-server shard.
+    ServerApply(ServerApply),
+}
+
+/// The run configuration, written once at the top of every metrics file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Header {
+    /// [`SCHEMA_VERSION`].
+    pub schema: u32,
+    /// `local`, `dp`, `ps`, `ddp`, or `server`.
+    pub mode: String,
+    /// Mode detail: `bsp`, `asp`, `ssp:3`, `tcp`, `nccl`, or empty.
+    pub variant: String,
+    /// `cpu` or `cuda:N`.
+    pub device: String,
+    /// Model preset name (or `custom`).
+    pub preset: String,
+    /// Layer widths, `784-1024-1024-10`.
+    pub widths: String,
+    /// Number of parameters.
+    pub params: usize,
+    /// Samples per step per worker.
+    pub batch: usize,
+    /// Samples per step across all workers.
+    pub global_batch: usize,
+    /// Number of workers (ranks or replicas).
+    pub world_size: usize,
+    /// This process's rank (0 for the server and DP).
+    pub rank: usize,
+    /// The seed behind init, data and shuffles.
+    pub seed: u64,
+    /// The dataset (`synthetic:8192:784:10`, `mnist:/data`).
+    pub data: String,
+    /// The model fingerprint.
+    pub fingerprint: String,
+    /// Learning rate, momentum, weight decay.
+    pub lr: f32,
+    /// Momentum.
+    pub momentum: f32,
+    /// Weight decay.
+    pub weight_decay: f32,
+    /// CPU threads per process.
+    pub threads: usize,
+    /// gradsync's version.
+    pub gradsync_version: String,
+    /// Host name.
+    pub host: String,
+    /// Logical CPU cores on the host.
+    pub cores: usize,
+    /// GPU name, when the device is a GPU.
+    pub gpu: Option<String>,
+    /// Unix time (ms) when the run started.
+    pub start_unix_ms: u128,
+    /// Anything mode-specific (bucket size, servers, shard, staleness bound).
+    #[serde(default)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// One training step of one rank. Times are wall-clock milliseconds; byte counts are this
+/// rank's payload bytes for the step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Step {
+    /// Rank that took the step.
+    pub rank: usize,
+    /// Step number, from 1.
+    pub step: u64,
+    /// Epoch, from 0.
+    pub epoch: u64,
+    /// Samples processed by all workers so far (global batch x steps).
+    pub samples: u64,
+    /// Milliseconds since the run started, at the end of this step.
+    pub wall_ms: f64,
+    /// Duration of the whole step.
+    pub step_ms: f64,
+    /// Mean training loss of this rank's batch.
+    pub loss: f64,
+    /// Training accuracy of this rank's batch.
+    pub train_accuracy: f64,
+    /// Held-out loss, on steps where the model was evaluated.
+    pub eval_loss: Option<f64>,
+    /// Held-out accuracy, on steps where the model was evaluated.
+    pub accuracy: Option<f64>,
+    /// Forward pass.
+    pub forward_ms: f64,
+    /// Backward pass.
+    pub backward_ms: f64,
+    /// Optimiser update (zero where the server updates).
+    pub update_ms: f64,
+    /// Time spent communicating, overlapped or not.
+    pub comm_ms: f64,
+    /// The part of `comm_ms` not hidden behind computation.
+    pub comm_exposed_ms: f64,
+    /// Time blocked on other workers (BSP barrier, SSP bound).
+    pub wait_ms: f64,
+    /// Payload bytes sent this step.
+    pub bytes_sent: u64,
+    /// Payload bytes received this step.
+    pub bytes_recv: u64,
+    /// Parameter-server staleness: the steps the server applied between this worker's pull
+    /// and the application of its gradient.
+    pub staleness: Option<u64>,
+}
+
+/// One update applied by a parameter-server shard.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct ServerApply {
+    /// The shard index.
+    pub shard: usize,
+    /// The server's version after this update.
+    pub version: u64,
+    /// Milliseconds since the server started.
+    pub wall_ms: f64,
+    /// Gradients combined in this update.
+    pub gradients: usize,
+    /// Ranks whose gradients were combined.
+    pub ranks: Vec<usize>,
+    /// Staleness of each combined gradient (versions behind).
+    pub staleness: Vec<u64>,
+    /// Time the first gradient of this update waited for the last (BSP), ms.
+    pub queue_wait_ms: f64,
+    /// Time to average the gradients, ms.
+    pub aggregate_ms: f64,
+    /// Time to apply the optimiser step, ms.
+    pub apply_ms: f64,
+    /// Bytes received for this update.
+    pub bytes_in: u64,
+    /// Bytes sent (pulls answered) since the previous update.
+    pub bytes_out: u64,
+    /// The rank the update waited for longest, when any waited.
+    pub waited_for: Option<usize>,
+}
+
+/// Appends [`Record`]s to a file, one JSON object per line, flushed per line so a crash
+/// loses at most the line being written.
+pub struct MetricsWriter {
+    path: PathBuf,
+    out: BufWriter<File>,
+}
+
+impl MetricsWriter {
+    /// Create (truncate) `path`, creating its directory.
+    pub fn create(path: &Path) -> Result<Self> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        }
+        let f = File::create(path).map_err(|e| Error::io(path, e))?;
+        Ok(MetricsWriter { path: path.to_path_buf(), out: BufWriter::new(f) })
+    }
+
+    /// Write one record.
+    pub fn write(&mut self, rec: &Record) -> Result<()> {
+        let line = serde_json::to_string(rec).map_err(|e| Error::file(&self.path, e.to_string()))?;
+        writeln!(self.out, "{line}").and_then(|_| self.out.flush()).map_err(|e| Error::io(&self.path, e))
+    }
+}
+
+/// Parse one metrics line.
+pub fn parse_line(line: &str) -> std::result::Result<Record, serde_json::Error> {
+    serde_json::from_str(line)
+}
+
+/// Facts about this machine for the header.
+#[derive(Debug, Clone, Default)]
+pub struct HostInfo {
+    /// Host name.
+    pub host: String,
+    /// Logical cores.
+    pub cores: usize,
+}
+
+impl HostInfo {
+    /// Read them.
+    pub fn detect() -> Self {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+            .map(|s| s.trim().to_string())
+            .or_else(|_| std::env::var("HOSTNAME"))
+            .unwrap_or_else(|_| "unknown".into());
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        HostInfo { host, cores }
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn unix_ms() -> u128 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_with_kind_tag() {
+        let s = Record::Step(Step { rank: 1, step: 3, loss: 0.5, staleness: Some(2), ..Step::default() });
+        let line = serde_json::to_string(&s).unwrap();
+        assert!(line.starts_with("{\"kind\":\"step\""));
+        assert_eq!(parse_line(&line).unwrap(), s);
+        let h = Record::Header(Header { mode: "local".into(), ..Header::default() });
+        assert_eq!(parse_line(&serde_json::to_string(&h).unwrap()).unwrap(), h);
+        assert!(parse_line("{\"kind\":\"step\",\"step\":\"x\"}").is_err());
+    }
+}
