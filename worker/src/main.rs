@@ -1,1 +1,15 @@
-fn main() {}
+use clap::Parser;
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("GRADSYNC_LOG"))
+        .with_writer(std::io::stderr)
+        .init();
+    match gradsync_worker::main_with_args(gradsync_worker::cli::Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gradsync-worker: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,240 @@
+//! Command-line flags of `gradsync-worker`. Every flag that a launcher or scheduler sets also
+//! reads its conventional environment variable (torchrun's and Slurm's names).
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use gradsync_core::data::DataSource;
+use gradsync_core::device::DeviceRequest;
+use gradsync_core::model::ModelSpec;
+
+/// gradsync worker: trains the model locally, as DataParallel replicas, against parameter
+/// servers, or in a DDP ring.
+#[derive(Debug, Parser)]
+#[command(name = "gradsync-worker", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Train the model.
+    Train(Box<TrainArgs>),
+}
+
+/// How gradients become an update.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// One process, one replica: the reference every other mode must match.
+    Local,
+    /// One process, several replicas; replica 0 gathers, updates and broadcasts.
+    Dp,
+    /// Workers push gradients to parameter servers and pull parameters back.
+    Ps,
+    /// Every rank keeps a replica; gradients are all-reduced in buckets during backward.
+    Ddp,
+}
+
+impl Mode {
+    /// The name used in metrics and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Local => "local",
+            Mode::Dp => "dp",
+            Mode::Ps => "ps",
+            Mode::Ddp => "ddp",
+        }
+    }
+}
+
+/// Flags of `gradsync-worker train`.
+#[derive(Debug, Clone, Args)]
+pub struct TrainArgs {
+    /// Training mode.
+    #[arg(long, value_enum, default_value_t = Mode::Local, env = "GRADSYNC_MODE")]
+    pub mode: Mode,
+    /// Device: auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto", value_parser = parse_device, env = "GRADSYNC_DEVICE")]
+    pub device: DeviceRequest,
+    /// CPU threads per process (0: one per core).
+    #[arg(long, default_value_t = 0, env = "GRADSYNC_THREADS")]
+    pub threads: usize,
+    /// Model: a preset (tiny, mnist, wide) or widths such as 784-256-10. Input and class widths
+    /// are fitted to the data.
+    #[arg(long, default_value = "mnist", value_parser = parse_model)]
+    pub model: ModelSpec,
+    /// Data: synthetic[:N[:DIM:CLASSES]], mnist:DIR or cifar10:DIR. The synthetic default
+    /// takes its width and classes from the model.
+    #[arg(long, value_parser = parse_data)]
+    pub data: Option<DataSource>,
+    /// Samples per step per worker (per replica in DP mode).
+    #[arg(long, default_value_t = 64, value_parser = parse_positive)]
+    pub batch: usize,
+    /// Stop after this many steps (default: run the epochs).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Epochs over the training split.
+    #[arg(long, default_value_t = 1, value_parser = parse_positive)]
+    pub epochs: usize,
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.05)]
+    pub lr: f32,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f32,
+    /// L2 weight decay.
+    #[arg(long, default_value_t = 1e-4)]
+    pub weight_decay: f32,
+    /// Seed for initialisation, data and shuffling.
+    #[arg(long, default_value_t = 42, env = "GRADSYNC_SEED")]
+    pub seed: u64,
+    /// Do not shuffle the training data.
+    #[arg(long)]
+    pub no_shuffle: bool,
+    /// Drop the tail of the dataset that does not fill every rank equally.
+    #[arg(long)]
+    pub drop_last: bool,
+    /// Evaluate on the held-out split every N steps (0: only at the end).
+    #[arg(long, default_value_t = 50)]
+    pub eval_every: u64,
+    /// Write per-step metrics (JSON lines) here.
+    #[arg(long, env = "GRADSYNC_METRICS")]
+    pub metrics: Option<PathBuf>,
+    /// Write the trained parameters here (rank 0 only).
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Start from these parameters (the fingerprint must match).
+    #[arg(long)]
+    pub load: Option<PathBuf>,
+    /// Print nothing but errors.
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// Distributed-run identity (DDP and PS).
+    #[command(flatten)]
+    pub dist: DistArgs,
+    /// DataParallel flags.
+    #[command(flatten)]
+    pub dp: DpArgs,
+    /// Parameter-server flags.
+    #[command(flatten)]
+    pub ps: PsArgs,
+    /// DDP flags.
+    #[command(flatten)]
+    pub ddp: DdpArgs,
+}
+
+/// `--mode dp`.
+#[derive(Debug, Clone, Args, Default)]
+pub struct DpArgs {
+    /// Replicas in the process (threads on the CPU; spread over the visible GPUs, several per
+    /// GPU allowed). Defaults to --world-size.
+    #[arg(long)]
+    pub replicas: Option<usize>,
+}
+
+/// `--mode ps`.
+#[derive(Debug, Clone, Args, Default)]
+pub struct PsArgs {
+    /// Parameter servers, host:port[,host:port...]: one per shard, in shard order.
+    #[arg(long, env = "GRADSYNC_SERVERS", value_delimiter = ',')]
+    pub servers: Vec<String>,
+    /// Shared secret sent with every request.
+    #[arg(long, env = "GRADSYNC_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Seconds any one request to a server may take before the worker gives up.
+    #[arg(long, default_value_t = 60.0)]
+    pub rpc_timeout: f64,
+}
+
+/// `--mode ddp`.
+#[derive(Debug, Clone, Args, Default)]
+pub struct DdpArgs {
+    /// Collective backend.
+    #[arg(long, value_enum, default_value_t = Backend::Tcp)]
+    pub backend: Backend,
+    /// Gradient bucket size in MB (DDP's bucket_cap_mb).
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_mb: f64,
+    /// Synchronise gradients every K steps, accumulating in between (DDP's no_sync).
+    #[arg(long, default_value_t = 1)]
+    pub sync_every: u64,
+    /// Address of rank 0's rendezvous store (MASTER_ADDR, else the first Slurm host).
+    #[arg(long, env = "MASTER_ADDR")]
+    pub master_addr: Option<String>,
+    /// Port of rank 0's rendezvous store.
+    #[arg(long, env = "MASTER_PORT")]
+    pub master_port: Option<u16>,
+    /// Seconds any blocking collective or rendezvous call may wait before failing.
+    #[arg(long, default_value_t = 60.0)]
+    pub comm_timeout: f64,
+    /// Shared secret checked in the ring handshake.
+    #[arg(long, env = "GRADSYNC_RING_TOKEN", hide_env_values = true)]
+    pub ring_token: Option<String>,
+}
+
+/// Collective backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum Backend {
+    /// TCP ring on host memory (GPU buffers staged through the host).
+    #[default]
+    Tcp,
+    /// NCCL on GPU memory.
+    Nccl,
+}
+
+/// Who this process is in a distributed run: torchrun's flags and variables, or Slurm's.
+#[derive(Debug, Clone, Args, Default)]
+pub struct DistArgs {
+    /// This process's rank (RANK, else SLURM_PROCID).
+    #[arg(long, env = "RANK")]
+    pub rank: Option<usize>,
+    /// Number of worker processes (WORLD_SIZE, else SLURM_NTASKS).
+    #[arg(long, env = "WORLD_SIZE")]
+    pub world_size: Option<usize>,
+    /// Rank within this node, which picks the GPU for `--device auto` (LOCAL_RANK, else
+    /// SLURM_LOCALID).
+    #[arg(long, env = "LOCAL_RANK")]
+    pub local_rank: Option<usize>,
+}
+
+impl DistArgs {
+    /// (rank, world size), falling back to Slurm's variables, then to a single process.
+    pub fn resolve(&self) -> anyhow::Result<(usize, usize)> {
+        let slurm = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<usize>().ok());
+        let rank = self.rank.or_else(|| slurm("SLURM_PROCID")).unwrap_or(0);
+        let world = self.world_size.or_else(|| slurm("SLURM_NTASKS")).unwrap_or(1);
+        anyhow::ensure!(world >= 1, "--world-size must be at least 1");
+        anyhow::ensure!(rank < world, "--rank {rank} is not below --world-size {world}");
+        Ok((rank, world))
+    }
+
+    /// The local rank (LOCAL_RANK, SLURM_LOCALID, else 0).
+    pub fn local(&self) -> usize {
+        self.local_rank
+            .or_else(|| std::env::var("SLURM_LOCALID").ok().and_then(|v| v.parse().ok()))
+            .unwrap_or(0)
+    }
+}
+
+fn parse_device(s: &str) -> Result<DeviceRequest, String> {
+    s.parse().map_err(|e: gradsync_core::Error| e.to_string())
+}
+
+fn parse_model(s: &str) -> Result<ModelSpec, String> {
+    ModelSpec::parse(s).map_err(|e| e.to_string())
+}
+
+fn parse_data(s: &str) -> Result<DataSource, String> {
+    s.parse().map_err(|e: gradsync_core::Error| e.to_string())
+}
+
+fn parse_positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("'{s}': {e}")),
+    }
+}

@@ -1,0 +1,56 @@
+//! How one step's gradients become an update: the one seam between the training loop (written
+//! once, in [`crate::train`]) and the ways of synchronising, each in its own file.
+
+mod local;
+
+use std::time::Instant;
+
+use gradsync_core::Engine;
+use gradsync_core::metrics::Step;
+use gradsync_core::mlp::BatchLoss;
+
+pub use local::Local;
+
+/// One way of training: local, DP, PS or DDP.
+pub trait Strategy {
+    /// Before the first step: agree on the initial parameters (broadcast, register, pull).
+    fn start(&mut self, engine: &mut Engine) -> anyhow::Result<()>;
+
+    /// One step on this rank's batch `x` (`rows x input`) and labels `y`: forward, backward,
+    /// gradient synchronisation and update. Fills the timing and traffic fields of `rec`.
+    fn step(&mut self, engine: &mut Engine, x: &[f32], y: &[u32], rec: &mut Step) -> anyhow::Result<BatchLoss>;
+
+    /// After the last step: leave cleanly (deregister, close the ring).
+    fn finish(&mut self, engine: &mut Engine) -> anyhow::Result<()>;
+
+    /// Per-strategy detail for the metrics header (`variant`, `extra`).
+    fn describe(&self) -> (String, serde_json::Map<String, serde_json::Value>) {
+        (String::new(), serde_json::Map::new())
+    }
+}
+
+/// Run `f` on the engine and return its result with the milliseconds it took, queued device
+/// work included.
+pub fn timed<T>(
+    engine: &mut Engine,
+    f: impl FnOnce(&mut Engine) -> gradsync_core::Result<T>,
+) -> anyhow::Result<(T, f64)> {
+    let t = Instant::now();
+    let out = f(engine)?;
+    engine.synchronize()?;
+    Ok((out, ms_since(t)))
+}
+
+/// Milliseconds since `t`.
+pub fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+/// Forward and backward of one batch into the gradient buffer, timed into `rec`.
+pub fn forward_backward(engine: &mut Engine, x: &[f32], y: &[u32], rec: &mut Step) -> anyhow::Result<BatchLoss> {
+    let (loss, ms) = timed(engine, |e| e.forward(x, y, true))?;
+    rec.forward_ms = ms;
+    let ((), ms) = timed(engine, |e| e.backward(false))?;
+    rec.backward_ms = ms;
+    Ok(loss)
+}

@@ -1,0 +1,300 @@
+//! The training loop, written once for every mode: data, sampler, epochs, evaluation, metrics,
+//! progress, saving. The mode's [`Strategy`] does the step.
+
+use std::io::IsTerminal;
+use std::time::Instant;
+
+use anyhow::Context;
+use gradsync_core::Engine;
+use gradsync_core::checkpoint::{Checkpoint, CheckpointHeader};
+use gradsync_core::data::{DataSource, Dataset, DistributedSampler};
+use gradsync_core::device::Device;
+use gradsync_core::metrics::{Header, HostInfo, MetricsWriter, Record, SCHEMA_VERSION, Step, unix_ms};
+use gradsync_core::model::Fingerprint;
+use gradsync_core::optim::SgdConfig;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::cli::{Mode, TrainArgs};
+use crate::strategy::{Local, Strategy, ms_since};
+
+/// What a finished run reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Summary {
+    /// Steps taken.
+    pub steps: u64,
+    /// Mean training loss of the first step.
+    pub first_loss: f64,
+    /// Mean training loss of the last step.
+    pub last_loss: f64,
+    /// Held-out loss and accuracy at the end (rank 0).
+    pub eval: Option<(f64, f64)>,
+    /// Wall-clock seconds of the training loop.
+    pub seconds: f64,
+}
+
+/// Everything a run needs that the flags determine, resolved once.
+pub struct Run {
+    /// The flags.
+    pub args: TrainArgs,
+    /// This process's rank and the number of workers.
+    pub rank: usize,
+    /// Number of worker processes (replicas in DP).
+    pub world: usize,
+    /// The resolved device.
+    pub device: Device,
+    /// The data, loaded.
+    pub data: Dataset,
+    /// The optimiser settings.
+    pub sgd: SgdConfig,
+}
+
+impl Run {
+    /// Resolve the flags: rank, device, data and the model's shape.
+    pub fn prepare(mut args: TrainArgs) -> anyhow::Result<Run> {
+        let (rank, world) = args.dist.resolve()?;
+        let device = Device::resolve(args.device, args.threads).context("--device")?;
+        let source = args
+            .data
+            .clone()
+            .unwrap_or_else(|| DataSource::synthetic_for(args.model.input(), args.model.classes()));
+        let data = source.load(args.seed).with_context(|| format!("--data {source}"))?;
+        args.model = args.model.clone().with_io(data.dim, data.classes);
+        args.data = Some(source);
+        let sgd = SgdConfig { lr: args.lr, momentum: args.momentum, weight_decay: args.weight_decay };
+        Ok(Run { args, rank, world, device, data, sgd })
+    }
+
+    /// The model's fingerprint.
+    pub fn fingerprint(&self) -> Fingerprint {
+        Fingerprint::new(&self.args.model, self.args.seed)
+    }
+}
+
+/// Train according to `args`, with the strategy its `--mode` names.
+pub fn train(args: TrainArgs) -> anyhow::Result<Summary> {
+    let run = Run::prepare(args)?;
+    let strategy: Box<dyn Strategy> = match run.args.mode {
+        Mode::Local => Box::new(Local::new(run.sgd)),
+        other => anyhow::bail!("--mode {} is not available in this build", other.name()),
+    };
+    run_loop(&run, strategy)
+}
+
+/// The loop itself, given a strategy.
+pub fn run_loop(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summary> {
+    let args = &run.args;
+    // DP scatters one global batch over its replicas inside the process; every other mode
+    // draws its own shard.
+    let (world, rank, batch) = match args.mode {
+        Mode::Dp => (1, 0, args.batch * run.world),
+        _ => (run.world, run.rank, args.batch),
+    };
+    let global_batch = args.batch * run.world;
+    let leader = run.rank == 0;
+    let mut engine = Engine::new(run.device, args.model.clone(), args.seed)?;
+    let fingerprint = run.fingerprint();
+    if let Some(path) = &args.load {
+        load_params(&mut engine, path, &fingerprint)?;
+    }
+    let sampler = DistributedSampler::new(run.data.train.len(), world, rank, !args.no_shuffle, args.seed, args.drop_last)?;
+    let steps_per_epoch = (sampler.num_samples() / batch) as u64;
+    anyhow::ensure!(
+        steps_per_epoch > 0,
+        "--batch {batch} is larger than this rank's {} training samples",
+        sampler.num_samples()
+    );
+    let total_steps = args.steps.unwrap_or(steps_per_epoch * args.epochs as u64);
+
+    let mut metrics = match &args.metrics {
+        Some(p) => Some(MetricsWriter::create(p)?),
+        None => None,
+    };
+    let start_ms = unix_ms();
+    if let Some(m) = metrics.as_mut() {
+        let (variant, extra) = strategy.describe();
+        let host = HostInfo::detect();
+        m.write(&Record::Header(Header {
+            schema: SCHEMA_VERSION,
+            mode: args.mode.name().into(),
+            variant,
+            device: run.device.label(),
+            preset: args.model.name.clone(),
+            widths: args.model.widths_str(),
+            params: engine.layout().len,
+            batch: args.batch,
+            global_batch,
+            world_size: run.world,
+            rank: run.rank,
+            seed: args.seed,
+            data: args.data.as_ref().map(|d| d.to_string()).unwrap_or_default(),
+            fingerprint: fingerprint.text.clone(),
+            lr: args.lr,
+            momentum: args.momentum,
+            weight_decay: args.weight_decay,
+            threads: args.threads,
+            gradsync_version: gradsync_core::VERSION.into(),
+            host: host.host,
+            cores: host.cores,
+            gpu: None,
+            start_unix_ms: start_ms,
+            extra,
+        }))?;
+    }
+
+    let progress = Progress::new(leader && !args.quiet, total_steps, &engine);
+    strategy.start(&mut engine).context("starting the run")?;
+    let t0 = Instant::now();
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    let mut summary = Summary { steps: 0, first_loss: f64::NAN, last_loss: f64::NAN, eval: None, seconds: 0.0 };
+    'epochs: for epoch in 0.. {
+        let indices = sampler.indices(epoch);
+        for chunk in indices.chunks_exact(batch) {
+            if summary.steps >= total_steps {
+                break 'epochs;
+            }
+            let ts = Instant::now();
+            summary.steps += 1;
+            let step = summary.steps;
+            run.data.gather(chunk, &mut x, &mut y);
+            let mut rec = Step { rank: run.rank, step, epoch, samples: step * global_batch as u64, ..Step::default() };
+            let loss = strategy.step(&mut engine, &x, &y, &mut rec).with_context(|| format!("step {step}"))?;
+            rec.step_ms = ms_since(ts);
+            rec.loss = loss.loss;
+            rec.train_accuracy = loss.correct as f64 / loss.rows.max(1) as f64;
+            anyhow::ensure!(loss.loss.is_finite(), "step {step}: the loss is {} (lower --lr?)", loss.loss);
+            if step == 1 {
+                summary.first_loss = loss.loss;
+            }
+            summary.last_loss = loss.loss;
+            let eval_now = step == total_steps || (args.eval_every > 0 && step % args.eval_every == 0);
+            if leader && eval_now {
+                let (l, a) = evaluate(&mut engine, &run.data)?;
+                rec.eval_loss = Some(l);
+                rec.accuracy = Some(a);
+                summary.eval = Some((l, a));
+            }
+            rec.wall_ms = ms_since(t0);
+            if let Some(m) = metrics.as_mut() {
+                m.write(&Record::Step(rec.clone()))?;
+            }
+            progress.step(&rec);
+        }
+        if args.steps.is_none() && epoch + 1 >= args.epochs as u64 {
+            break;
+        }
+    }
+    strategy.finish(&mut engine).context("finishing the run")?;
+    summary.seconds = t0.elapsed().as_secs_f64();
+    progress.finish(&summary);
+    if leader && let Some(path) = &args.save {
+        save_params(&engine, path, &fingerprint, summary.steps)?;
+    }
+    Ok(summary)
+}
+
+/// Held-out loss and accuracy, in batches so activations stay small.
+pub fn evaluate(engine: &mut Engine, data: &Dataset) -> anyhow::Result<(f64, f64)> {
+    const EVAL_BATCH: usize = 512;
+    let (mut loss, mut correct) = (0.0, 0u64);
+    let n = data.test.len();
+    for start in (0..n).step_by(EVAL_BATCH) {
+        let end = (start + EVAL_BATCH).min(n);
+        let b = engine.forward(&data.test.x[start * data.dim..end * data.dim], &data.test.y[start..end], false)?;
+        loss += b.loss * b.rows as f64;
+        correct += b.correct;
+    }
+    Ok((loss / n.max(1) as f64, correct as f64 / n.max(1) as f64))
+}
+
+/// Write the engine's parameters and momentum to `path`.
+pub fn save_params(engine: &Engine, path: &std::path::Path, fp: &Fingerprint, step: u64) -> anyhow::Result<()> {
+    let n = engine.layout().len;
+    let mut momentum = vec![0.0; n];
+    engine.read_momentum(&mut momentum)?;
+    Checkpoint {
+        header: CheckpointHeader {
+            fingerprint: fp.text.clone(),
+            step,
+            start: 0,
+            end: n,
+            has_momentum: true,
+            version: gradsync_core::VERSION.into(),
+        },
+        params: engine.params()?,
+        momentum: Some(momentum),
+    }
+    .save(path)
+    .context("--save")?;
+    Ok(())
+}
+
+/// Read parameters (and momentum) from `path`, refusing another model's.
+pub fn load_params(engine: &mut Engine, path: &std::path::Path, fp: &Fingerprint) -> anyhow::Result<()> {
+    let ck = Checkpoint::load(path).context("--load")?;
+    fp.check(&ck.header.fingerprint).with_context(|| format!("--load {}", path.display()))?;
+    anyhow::ensure!(
+        ck.header.start == 0 && ck.header.end == engine.layout().len,
+        "--load {}: holds parameters {}..{}, the model has {}",
+        path.display(),
+        ck.header.start,
+        ck.header.end,
+        engine.layout().len
+    );
+    engine.write_params(0, &ck.params)?;
+    if let Some(m) = &ck.momentum {
+        engine.write_momentum(m)?;
+    }
+    Ok(())
+}
+
+/// A progress bar on a terminal, a log line every few steps otherwise; silent off rank 0.
+struct Progress {
+    bar: Option<ProgressBar>,
+    enabled: bool,
+    every: u64,
+}
+
+impl Progress {
+    fn new(enabled: bool, total: u64, engine: &Engine) -> Self {
+        if enabled {
+            eprintln!(
+                "gradsync: {} parameters on {}, {} steps",
+                engine.layout().len,
+                engine.describe(),
+                total
+            );
+        }
+        let bar = (enabled && std::io::stderr().is_terminal()).then(|| {
+            let b = ProgressBar::new(total);
+            b.set_style(
+                ProgressStyle::with_template("{bar:40} {pos}/{len} steps {per_sec} eta {eta} {msg}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            b
+        });
+        Progress { bar, enabled, every: (total / 20).max(1) }
+    }
+
+    fn step(&self, rec: &Step) {
+        let acc = rec.accuracy.map(|a| format!(" eval acc {:.1}%", 100.0 * a)).unwrap_or_default();
+        if let Some(b) = &self.bar {
+            b.set_position(rec.step);
+            b.set_message(format!("loss {:.4}{acc}", rec.loss));
+        } else if self.enabled && (rec.step % self.every == 0 || rec.accuracy.is_some()) {
+            eprintln!("step {:>6}  epoch {:>3}  loss {:.4}  {:.1} ms/step{acc}", rec.step, rec.epoch, rec.loss, rec.step_ms);
+        }
+    }
+
+    fn finish(&self, s: &Summary) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+        if self.enabled {
+            let eval = s.eval.map(|(l, a)| format!(", held-out loss {l:.4}, accuracy {:.2}%", 100.0 * a)).unwrap_or_default();
+            eprintln!(
+                "gradsync: {} steps in {:.1} s, loss {:.4} -> {:.4}{eval}",
+                s.steps, s.seconds, s.first_loss, s.last_loss
+            );
+        }
+    }
+}
