@@ -1,1 +1,18 @@
-//! placeholder
+//! gradsync's benchmarks, the comparison runner, charts and report.
+//!
+//! # Layout
+//! - [`cli`]: the subcommands of `gradsync-bench`.
+//! - [`step`]: time of one forward+backward+update step, and GFLOP/s, per device, beside
+//!   PyTorch eager when a Python with torch is given.
+//! - [`table`]: plain-text tables shared by every benchmark's output.
+
+pub mod cli;
+pub mod step;
+pub mod table;
+
+/// Run the parsed command line; the binary's whole body.
+pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
+    match cli.command {
+        cli::Command::Step(a) => step::run(&a),
+    }
+}

@@ -96,7 +96,14 @@ pub fn run_loop(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Su
     if let Some(path) = &args.load {
         load_params(&mut engine, path, &fingerprint)?;
     }
-    let sampler = DistributedSampler::new(run.data.train.len(), world, rank, !args.no_shuffle, args.seed, args.drop_last)?;
+    let sampler = DistributedSampler::new(
+        run.data.train.len(),
+        world,
+        rank,
+        !args.no_shuffle,
+        args.seed,
+        args.drop_last,
+    )?;
     let steps_per_epoch = (sampler.num_samples() / batch) as u64;
     anyhow::ensure!(
         steps_per_epoch > 0,
@@ -145,7 +152,8 @@ pub fn run_loop(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Su
     strategy.start(&mut engine).context("starting the run")?;
     let t0 = Instant::now();
     let (mut x, mut y) = (Vec::new(), Vec::new());
-    let mut summary = Summary { steps: 0, first_loss: f64::NAN, last_loss: f64::NAN, eval: None, seconds: 0.0 };
+    let mut summary =
+        Summary { steps: 0, first_loss: f64::NAN, last_loss: f64::NAN, eval: None, seconds: 0.0 };
     'epochs: for epoch in 0.. {
         let indices = sampler.indices(epoch);
         for chunk in indices.chunks_exact(batch) {
@@ -156,8 +164,10 @@ pub fn run_loop(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Su
             summary.steps += 1;
             let step = summary.steps;
             run.data.gather(chunk, &mut x, &mut y);
-            let mut rec = Step { rank: run.rank, step, epoch, samples: step * global_batch as u64, ..Step::default() };
-            let loss = strategy.step(&mut engine, &x, &y, &mut rec).with_context(|| format!("step {step}"))?;
+            let mut rec =
+                Step { rank: run.rank, step, epoch, samples: step * global_batch as u64, ..Step::default() };
+            let loss =
+                strategy.step(&mut engine, &x, &y, &mut rec).with_context(|| format!("step {step}"))?;
             rec.step_ms = ms_since(ts);
             rec.loss = loss.loss;
             rec.train_accuracy = loss.correct as f64 / loss.rows.max(1) as f64;
@@ -199,7 +209,11 @@ pub fn evaluate(engine: &mut Engine, data: &Dataset) -> anyhow::Result<(f64, f64
     let n = data.test.len();
     for start in (0..n).step_by(EVAL_BATCH) {
         let end = (start + EVAL_BATCH).min(n);
-        let b = engine.forward(&data.test.x[start * data.dim..end * data.dim], &data.test.y[start..end], false)?;
+        let b = engine.forward(
+            &data.test.x[start * data.dim..end * data.dim],
+            &data.test.y[start..end],
+            false,
+        )?;
         loss += b.loss * b.rows as f64;
         correct += b.correct;
     }
@@ -207,7 +221,12 @@ pub fn evaluate(engine: &mut Engine, data: &Dataset) -> anyhow::Result<(f64, f64
 }
 
 /// Write the engine's parameters and momentum to `path`.
-pub fn save_params(engine: &Engine, path: &std::path::Path, fp: &Fingerprint, step: u64) -> anyhow::Result<()> {
+pub fn save_params(
+    engine: &Engine,
+    path: &std::path::Path,
+    fp: &Fingerprint,
+    step: u64,
+) -> anyhow::Result<()> {
     let n = engine.layout().len;
     let mut momentum = vec![0.0; n];
     engine.read_momentum(&mut momentum)?;
@@ -281,7 +300,10 @@ impl Progress {
             b.set_position(rec.step);
             b.set_message(format!("loss {:.4}{acc}", rec.loss));
         } else if self.enabled && (rec.step % self.every == 0 || rec.accuracy.is_some()) {
-            eprintln!("step {:>6}  epoch {:>3}  loss {:.4}  {:.1} ms/step{acc}", rec.step, rec.epoch, rec.loss, rec.step_ms);
+            eprintln!(
+                "step {:>6}  epoch {:>3}  loss {:.4}  {:.1} ms/step{acc}",
+                rec.step, rec.epoch, rec.loss, rec.step_ms
+            );
         }
     }
 
@@ -290,7 +312,10 @@ impl Progress {
             b.finish_and_clear();
         }
         if self.enabled {
-            let eval = s.eval.map(|(l, a)| format!(", held-out loss {l:.4}, accuracy {:.2}%", 100.0 * a)).unwrap_or_default();
+            let eval = s
+                .eval
+                .map(|(l, a)| format!(", held-out loss {l:.4}, accuracy {:.2}%", 100.0 * a))
+                .unwrap_or_default();
             eprintln!(
                 "gradsync: {} steps in {:.1} s, loss {:.4} -> {:.4}{eval}",
                 s.steps, s.seconds, s.first_loss, s.last_loss

@@ -26,7 +26,13 @@ impl Strategy for Local {
         Ok(())
     }
 
-    fn step(&mut self, engine: &mut Engine, x: &[f32], y: &[u32], rec: &mut Step) -> anyhow::Result<BatchLoss> {
+    fn step(
+        &mut self,
+        engine: &mut Engine,
+        x: &[f32],
+        y: &[u32],
+        rec: &mut Step,
+    ) -> anyhow::Result<BatchLoss> {
         let loss = forward_backward(engine, x, y, rec)?;
         let ((), ms) = timed(engine, |e| e.update(&self.sgd, 1.0))?;
         rec.update_ms = ms;

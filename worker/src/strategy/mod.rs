@@ -18,7 +18,13 @@ pub trait Strategy {
 
     /// One step on this rank's batch `x` (`rows x input`) and labels `y`: forward, backward,
     /// gradient synchronisation and update. Fills the timing and traffic fields of `rec`.
-    fn step(&mut self, engine: &mut Engine, x: &[f32], y: &[u32], rec: &mut Step) -> anyhow::Result<BatchLoss>;
+    fn step(
+        &mut self,
+        engine: &mut Engine,
+        x: &[f32],
+        y: &[u32],
+        rec: &mut Step,
+    ) -> anyhow::Result<BatchLoss>;
 
     /// After the last step: leave cleanly (deregister, close the ring).
     fn finish(&mut self, engine: &mut Engine) -> anyhow::Result<()>;
@@ -47,7 +53,12 @@ pub fn ms_since(t: Instant) -> f64 {
 }
 
 /// Forward and backward of one batch into the gradient buffer, timed into `rec`.
-pub fn forward_backward(engine: &mut Engine, x: &[f32], y: &[u32], rec: &mut Step) -> anyhow::Result<BatchLoss> {
+pub fn forward_backward(
+    engine: &mut Engine,
+    x: &[f32],
+    y: &[u32],
+    rec: &mut Step,
+) -> anyhow::Result<BatchLoss> {
     let (loss, ms) = timed(engine, |e| e.forward(x, y, true))?;
     rec.forward_ms = ms;
     let ((), ms) = timed(engine, |e| e.backward(false))?;

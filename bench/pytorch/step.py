@@ -1,0 +1,55 @@
+"""PyTorch eager reference for `gradsync-bench step`: the same MLP (Linear+ReLU, softmax
+cross-entropy, SGD with momentum and weight decay), timed the same way. Prints one JSON object."""
+import argparse, json, statistics, time
+
+import torch
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--widths", default="784-1024-1024-10")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    a = p.parse_args()
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
+    w = [int(x) for x in a.widths.split("-")]
+    layers = []
+    for i in range(len(w) - 1):
+        layers.append(torch.nn.Linear(w[i], w[i + 1]))
+        if i < len(w) - 2:
+            layers.append(torch.nn.ReLU())
+    model = torch.nn.Sequential(*layers).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    x = torch.randn(a.batch, w[0], device=dev)
+    y = torch.randint(0, w[-1], (a.batch,), device=dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    f, b, u, t = [], [], [], []
+    for i in range(a.warmup + a.steps):
+        t0 = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        sync()
+        t1 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        sync()
+        t2 = time.perf_counter()
+        opt.step()
+        sync()
+        t3 = time.perf_counter()
+        if i >= a.warmup:
+            f.append((t1 - t0) * 1e3)
+            b.append((t2 - t1) * 1e3)
+            u.append((t3 - t2) * 1e3)
+            t.append((t3 - t0) * 1e3)
+    med = statistics.median
+    print(json.dumps({"step_ms": med(t), "forward_ms": med(f), "backward_ms": med(b), "update_ms": med(u),
+                      "torch": torch.__version__}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+//! `gradsync-bench step`: the time of one training step (forward + backward + update) and the
+//! GFLOP/s it reaches, for each device asked for, with PyTorch eager on the same shapes in the
+//! same run when a Python with torch is available (`--python`).
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Args;
+use gradsync_core::Engine;
+use gradsync_core::data::SyntheticConfig;
+use gradsync_core::device::{Device, DeviceRequest};
+use gradsync_core::model::{Layout, ModelSpec};
+use gradsync_core::optim::SgdConfig;
+
+use crate::table::{Table, median};
+
+/// Flags of `gradsync-bench step`.
+#[derive(Debug, Clone, Args)]
+pub struct StepArgs {
+    /// Model preset or widths.
+    #[arg(long, default_value = "mnist", value_delimiter = ',')]
+    pub model: Vec<String>,
+    /// Batch sizes to time.
+    #[arg(long, default_value = "128", value_delimiter = ',')]
+    pub batch: Vec<usize>,
+    /// CPU thread counts to time.
+    #[arg(long, default_value = "1,2", value_delimiter = ',')]
+    pub threads: Vec<usize>,
+    /// Also time CUDA device 0 when one can be used.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub gpu: bool,
+    /// Timed steps per configuration (after warm-up).
+    #[arg(long, default_value_t = 30)]
+    pub steps: usize,
+    /// Warm-up steps per configuration.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    /// A Python with torch: run the same MLP in PyTorch eager beside gradsync.
+    #[arg(long, env = "GRADSYNC_PYTHON")]
+    pub python: Option<PathBuf>,
+    /// Write the figures as JSON lines here too.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// One timed configuration.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StepFigure {
+    /// `gradsync` or `pytorch`.
+    pub impl_: String,
+    /// `cpu` or `cuda:0`.
+    pub device: String,
+    /// CPU threads (0 on the GPU).
+    pub threads: usize,
+    /// Model widths.
+    pub model: String,
+    /// Batch size.
+    pub batch: usize,
+    /// Median ms per step.
+    pub step_ms: f64,
+    /// Median forward, backward and update ms.
+    pub forward_ms: f64,
+    /// Backward.
+    pub backward_ms: f64,
+    /// Update.
+    pub update_ms: f64,
+    /// GFLOP/s of the whole step.
+    pub gflops: f64,
+}
+
+/// Time gradsync's step on `device`.
+pub fn time_gradsync(
+    device: Device,
+    spec: &ModelSpec,
+    batch: usize,
+    warmup: usize,
+    steps: usize,
+) -> anyhow::Result<StepFigure> {
+    let data =
+        SyntheticConfig { train: batch, test: 1, dim: spec.input(), classes: spec.classes() }.generate(1);
+    let mut engine = Engine::new(device, spec.clone(), 1)?;
+    let sgd = SgdConfig::default();
+    let (mut f, mut b, mut u, mut total) = (vec![], vec![], vec![], vec![]);
+    for i in 0..warmup + steps {
+        let t0 = Instant::now();
+        engine.forward(&data.train.x, &data.train.y, true)?;
+        engine.synchronize()?;
+        let t1 = Instant::now();
+        engine.backward(false)?;
+        engine.synchronize()?;
+        let t2 = Instant::now();
+        engine.update(&sgd, 1.0)?;
+        engine.synchronize()?;
+        let t3 = Instant::now();
+        if i >= warmup {
+            f.push((t1 - t0).as_secs_f64() * 1e3);
+            b.push((t2 - t1).as_secs_f64() * 1e3);
+            u.push((t3 - t2).as_secs_f64() * 1e3);
+            total.push((t3 - t0).as_secs_f64() * 1e3);
+        }
+    }
+    let step_ms = median(&total);
+    Ok(StepFigure {
+        impl_: "gradsync".into(),
+        device: device.label(),
+        threads: match device {
+            Device::Cpu { threads } => threads,
+            Device::Cuda { .. } => 0,
+        },
+        model: spec.widths_str(),
+        batch,
+        step_ms,
+        forward_ms: median(&f),
+        backward_ms: median(&b),
+        update_ms: median(&u),
+        gflops: Layout::new(spec).step_flops(batch) / (step_ms * 1e6),
+    })
+}
+
+/// Time PyTorch eager through `bench/pytorch/step.py`.
+fn time_pytorch(
+    python: &PathBuf,
+    device: &str,
+    threads: usize,
+    spec: &ModelSpec,
+    batch: usize,
+    a: &StepArgs,
+) -> anyhow::Result<StepFigure> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/pytorch/step.py");
+    let out = Command::new(python)
+        .args([script, "--device", device, "--threads", &threads.to_string(), "--widths", &spec.widths_str()])
+        .args([
+            "--batch",
+            &batch.to_string(),
+            "--steps",
+            &a.steps.to_string(),
+            "--warmup",
+            &a.warmup.to_string(),
+        ])
+        .output()
+        .with_context(|| format!("running {}", python.display()))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "PyTorch step failed: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    let mut fig: StepFigure = serde_json::from_slice::<serde_json::Value>(&out.stdout)
+        .ok()
+        .and_then(|v| {
+            Some(StepFigure {
+                impl_: "pytorch".into(),
+                device: device.into(),
+                threads,
+                model: spec.widths_str(),
+                batch,
+                step_ms: v["step_ms"].as_f64()?,
+                forward_ms: v["forward_ms"].as_f64()?,
+                backward_ms: v["backward_ms"].as_f64()?,
+                update_ms: v["update_ms"].as_f64()?,
+                gflops: 0.0,
+            })
+        })
+        .context("PyTorch step printed no figures")?;
+    fig.gflops = Layout::new(spec).step_flops(batch) / (fig.step_ms * 1e6);
+    Ok(fig)
+}
+
+/// Run the benchmark and print its table.
+pub fn run(a: &StepArgs) -> anyhow::Result<()> {
+    let mut devices: Vec<Device> = a.threads.iter().map(|&t| Device::Cpu { threads: t }).collect();
+    if a.gpu {
+        match Device::resolve(DeviceRequest::Cuda(0), 0) {
+            Ok(d) => devices.push(d),
+            Err(e) => eprintln!("gradsync-bench step: GPU skipped: {e}"),
+        }
+    }
+    let mut table = Table::new(&[
+        "model", "batch", "device", "threads", "impl", "ms/step", "fwd ms", "bwd ms", "upd ms", "GFLOP/s",
+        "vs torch",
+    ]);
+    let mut figures = Vec::new();
+    for m in &a.model {
+        let spec = ModelSpec::parse(m)?;
+        for &batch in &a.batch {
+            for &dev in &devices {
+                let ours = time_gradsync(dev, &spec, batch, a.warmup, a.steps)?;
+                let torch = match &a.python {
+                    Some(py) => match time_pytorch(py, &dev.label(), ours.threads, &spec, batch, a) {
+                        Ok(t) => Some(t),
+                        Err(e) => {
+                            eprintln!("gradsync-bench step: PyTorch skipped: {e:#}");
+                            None
+                        }
+                    },
+                    None => None,
+                };
+                for (fig, ratio) in
+                    [(Some(&ours), torch.as_ref().map(|t| t.step_ms / ours.step_ms)), (torch.as_ref(), None)]
+                {
+                    let Some(fig) = fig else { continue };
+                    table.row(vec![
+                        spec.name.clone(),
+                        batch.to_string(),
+                        fig.device.clone(),
+                        fig.threads.to_string(),
+                        fig.impl_.clone(),
+                        format!("{:.2}", fig.step_ms),
+                        format!("{:.2}", fig.forward_ms),
+                        format!("{:.2}", fig.backward_ms),
+                        format!("{:.2}", fig.update_ms),
+                        format!("{:.1}", fig.gflops),
+                        ratio.map(|r| format!("{r:.2}x")).unwrap_or_default(),
+                    ]);
+                    figures.push(fig.clone());
+                }
+            }
+        }
+    }
+    print!("{}", table.render());
+    println!("vs torch: PyTorch's ms/step divided by gradsync's (above 1: gradsync is faster).");
+    if let Some(path) = &a.json {
+        let lines: Vec<String> =
+            figures.iter().map(|f| serde_json::to_string(f).unwrap_or_default()).collect();
+        std::fs::write(path, lines.join("\n") + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
