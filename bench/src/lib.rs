@@ -4,9 +4,11 @@
 //! - [`cli`]: the subcommands of `gradsync-bench`.
 //! - [`step`]: time of one forward+backward+update step, and GFLOP/s, per device, beside
 //!   PyTorch eager when a Python with torch is given.
+//! - [`rawtcp`]: the raw TCP bandwidth of the machine, the yardstick for every network figure.
 //! - [`table`]: plain-text tables shared by every benchmark's output.
 
 pub mod cli;
+pub mod rawtcp;
 pub mod step;
 pub mod table;
 

@@ -13,6 +13,7 @@
 //! - [`metrics`]: the per-step metrics schema and its JSON-lines writer.
 //! - [`checkpoint`]: parameter files with a fingerprint, written atomically.
 //! - [`rng`]: the version-stable generator behind every seed.
+//! - [`trace`]: Chrome trace-event timelines (`--trace`).
 
 pub mod checkpoint;
 pub mod data;
@@ -24,6 +25,7 @@ pub mod mlp;
 pub mod model;
 pub mod optim;
 pub mod rng;
+pub mod trace;
 
 pub use engine::Engine;
 pub use error::{Error, Result};
