@@ -1,1 +1,133 @@
-//! placeholder
+//! gradsync's parameter server: holds the parameters and the optimiser state of one shard of
+//! the flat buffer, and turns workers' gradients into updates under BSP, ASP or SSP.
+//!
+//! # Layout
+//! - [`config`]: the flags ([`ServerArgs`]), `--sync` and `--shard` parsing, the resolved
+//!   [`Config`].
+//! - [`state`]: the shard's parameters, momentum, membership and the synchronisation rules,
+//!   with no transport (what a push, a timeout or a departure does).
+//! - [`service`]: the gRPC edge: chunk streams in and out, the token interceptor, errors to
+//!   statuses.
+//! - [`error`]: the crate's [`Error`].
+//!
+//! [`ParamServer::serve`] takes a bound listener and a shutdown future; `main.rs` only parses
+//! flags, binds and prints the `listening on` line.
+
+pub mod config;
+pub mod error;
+pub mod service;
+pub mod state;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gradsync_proto::pb::parameter_server_server::ParameterServerServer;
+use tokio::net::TcpListener;
+use tokio::sync::{Mutex, watch};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::server::TcpIncoming;
+
+pub use config::{Config, ServerArgs, ShardSpec, SyncMode};
+pub use error::{Error, Result};
+
+/// One parameter-server shard, ready to serve.
+pub struct ParamServer {
+    service: service::Service,
+}
+
+impl ParamServer {
+    /// Build the shard: initial (or resumed) parameters, metrics file.
+    pub fn new(cfg: Config) -> Result<Self> {
+        let (shared, state) = state::State::new(cfg)?;
+        let service = service::Service {
+            shared: Arc::new(shared),
+            state: Arc::new(Mutex::new(state)),
+            stop: Arc::new(watch::channel(false).0),
+        };
+        Ok(ParamServer { service })
+    }
+
+    /// The server's version (updates applied, or resumed from).
+    pub async fn version(&self) -> u64 {
+        self.service.state.lock().await.version()
+    }
+
+    /// Serve on `listener` until `shutdown` completes or a client calls Shutdown; then fail
+    /// waiting pushes, let in-flight RPCs finish, and write the final checkpoint.
+    pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
+        let svc = self.service;
+        let shared = svc.shared.clone();
+        let tuning = shared.cfg.tuning;
+
+        let (health_reporter, health) = tonic_health::server::health_reporter();
+        health_reporter.set_service_status(gradsync_proto::SERVICE_NAME, tonic_health::ServingStatus::Serving).await;
+        health_reporter.set_service_status("", tonic_health::ServingStatus::Serving).await;
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(gradsync_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .map_err(|e| Error::invalid("reflection", e.to_string()))?;
+        let ps = ParameterServerServer::new(svc.clone())
+            .max_decoding_message_size(tuning.max_message())
+            .max_encoding_message_size(tuning.max_message());
+        let ps = InterceptedService::new(ps, service::auth(shared.cfg.token.as_deref().map(Arc::from)));
+
+        // Elastic runs drop silent workers even when nobody is waiting on them yet.
+        let reaper = {
+            let svc = svc.clone();
+            let period = (shared.cfg.worker_timeout / 4).max(Duration::from_millis(50));
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(period);
+                loop {
+                    tick.tick().await;
+                    let mut st = svc.state.lock().await;
+                    st.reap(&svc.shared);
+                }
+            })
+        };
+
+        let mut stop_rx = svc.stop.subscribe();
+        let state = svc.state.clone();
+        let stop_shared = shared.clone();
+        let signal = async move {
+            tokio::select! {
+                () = shutdown => {}
+                _ = stop_rx.wait_for(|s| *s) => {}
+            }
+            tracing::info!("shutting down");
+            health_reporter.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+            state.lock().await.close(&stop_shared);
+        };
+        let incoming = TcpIncoming::from(listener).with_nodelay(Some(tuning.nodelay));
+        let served = tuning
+            .server()
+            .add_service(health)
+            .add_service(reflection)
+            .add_service(ps)
+            .serve_with_incoming_shutdown(incoming, signal)
+            .await;
+        reaper.abort();
+        let mut st = svc.state.lock().await;
+        let ck = if shared.cfg.checkpoint.is_some() { st.checkpoint(&shared) } else { Ok(()) };
+        served?;
+        ck
+    }
+}
+
+/// What `gradsync-server` does: resolve the flags, bind, announce, serve until SIGTERM,
+/// Ctrl-C or a Shutdown RPC.
+pub async fn run(args: ServerArgs, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::io::Write;
+    let cfg = Config::from_args(&args)?;
+    let server = ParamServer::new(cfg)?;
+    let listener = TcpListener::bind(args.listen).await.with_context(|| format!("--listen {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "gradsync-server listening on {addr}")?;
+    out.flush()?;
+    drop(out);
+    server.serve(listener, shutdown).await?;
+    Ok(())
+}

@@ -1,1 +1,45 @@
-fn main() {}
+use clap::Parser;
+
+/// gradsync parameter server: one shard of the flat parameter buffer over gRPC.
+#[derive(Debug, Parser)]
+#[command(name = "gradsync-server", version, about)]
+struct Cli {
+    #[command(flatten)]
+    args: gradsync_server::ServerArgs,
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+async fn signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            },
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("GRADSYNC_LOG"))
+        .with_writer(std::io::stderr)
+        .init();
+    match gradsync_server::run(Cli::parse().args, signal()).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gradsync-server: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,88 @@
+//! f32 buffers to and from chunk payloads. Payloads are raw little-endian f32 (no per-value
+//! framing), so converting is one pass over the buffer each way, and chunks of one encoded
+//! buffer are zero-copy slices of it ([`Bytes::slice`]).
+
+use bytes::{Bytes, BytesMut};
+
+use crate::Error;
+
+/// Encode `src` as little-endian bytes into `buf` (cleared first, its allocation reused) and
+/// freeze it. One pass; the compiler turns it into a plain copy on little-endian hosts.
+pub fn encode(src: &[f32], mut buf: BytesMut) -> Bytes {
+    buf.clear();
+    buf.resize(src.len() * 4, 0);
+    for (d, v) in buf.chunks_exact_mut(4).zip(src) {
+        d.copy_from_slice(&v.to_le_bytes());
+    }
+    buf.freeze()
+}
+
+/// Take back the allocation of an encoded buffer once every slice of it has been dropped (the
+/// RPC that sent it finished), or start a fresh one.
+pub fn reclaim(b: Option<Bytes>) -> BytesMut {
+    b.and_then(|b| b.try_into_mut().ok()).unwrap_or_default()
+}
+
+/// Decode the payload of a chunk at `offset` (in values) into `dst`, one pass. Returns whether
+/// every value is finite (the check rides along with the copy).
+pub fn decode_into(payload: &[u8], offset: u64, dst: &mut [f32]) -> Result<bool, Error> {
+    if payload.len() % 4 != 0 {
+        return Err(Error::Ragged(payload.len()));
+    }
+    let len = payload.len() / 4;
+    let start = usize::try_from(offset).ok().filter(|&o| o.checked_add(len).is_some_and(|e| e <= dst.len()));
+    let Some(start) = start else {
+        return Err(Error::Overrun { offset, len, range: dst.len() });
+    };
+    let mut finite = true;
+    for (d, c) in dst[start..start + len].iter_mut().zip(payload.chunks_exact(4)) {
+        let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        finite &= v.is_finite();
+        *d = v;
+    }
+    Ok(finite)
+}
+
+/// The chunk boundaries of `len` bytes in chunks of `chunk` bytes (rounded down to whole
+/// values, at least one value).
+pub fn chunks(len: usize, chunk: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let step = (chunk / 4).max(1) * 4;
+    (0..len).step_by(step).map(move |s| s..(s + step).min(len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_in_chunks() {
+        let v: Vec<f32> = (0..1001).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let b = encode(&v, BytesMut::new());
+        let mut out = vec![0.0; v.len()];
+        for r in chunks(b.len(), 64) {
+            assert!(decode_into(&b.slice(r.clone()), (r.start / 4) as u64, &mut out).unwrap());
+        }
+        assert_eq!(out, v);
+        assert_eq!(chunks(10, 3).count(), 3, "3-byte chunks round down to one value: 4+4+2");
+    }
+
+    #[test]
+    fn refuses_ragged_overrun_and_flags_nonfinite() {
+        let mut out = vec![0.0; 4];
+        assert_eq!(decode_into(&[0; 5], 0, &mut out), Err(Error::Ragged(5)));
+        assert!(matches!(decode_into(&[0; 8], 3, &mut out), Err(Error::Overrun { .. })));
+        assert!(matches!(decode_into(&[0; 8], u64::MAX, &mut out), Err(Error::Overrun { .. })));
+        let bad = encode(&[1.0, f32::NAN], BytesMut::new());
+        assert_eq!(decode_into(&bad, 0, &mut out), Ok(false));
+        let inf = encode(&[f32::INFINITY], BytesMut::new());
+        assert_eq!(decode_into(&inf, 0, &mut out), Ok(false));
+    }
+
+    #[test]
+    fn reclaims_the_allocation() {
+        let b = encode(&[1.0; 256], BytesMut::with_capacity(4096));
+        let s = b.slice(0..16);
+        drop(s);
+        assert!(reclaim(Some(b)).capacity() >= 1024);
+    }
+}

@@ -1,0 +1,278 @@
+//! What a server shard is: flags (`gradsync-server ...`) resolved into a [`Config`].
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use clap::Args;
+use gradsync_core::data::DataSource;
+use gradsync_core::model::{Fingerprint, ModelSpec};
+use gradsync_core::optim::SgdConfig;
+use gradsync_proto::tuning::Tuning;
+
+use crate::error::{Error, Result};
+
+/// How gradients from several workers become updates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncMode {
+    /// Bulk synchronous: one update per step from every live worker's gradient, averaged.
+    Bsp,
+    /// Asynchronous: each gradient is applied as it arrives.
+    Asp,
+    /// Stale synchronous: applied as they arrive, but no worker runs more than `S` steps
+    /// ahead of the slowest.
+    Ssp(u64),
+}
+
+impl FromStr for SyncMode {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "bsp" => Ok(SyncMode::Bsp),
+            "asp" => Ok(SyncMode::Asp),
+            _ => s
+                .strip_prefix("ssp:")
+                .and_then(|n| n.parse().ok())
+                .map(SyncMode::Ssp)
+                .ok_or_else(|| Error::invalid("--sync", format!("'{s}' (expected bsp, asp or ssp:S, S a bound in steps)"))),
+        }
+    }
+}
+
+impl fmt::Display for SyncMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SyncMode::Bsp => f.write_str("bsp"),
+            SyncMode::Asp => f.write_str("asp"),
+            SyncMode::Ssp(s) => write!(f, "ssp:{s}"),
+        }
+    }
+}
+
+/// `I/K`: this process is shard `I` of `K`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardSpec {
+    /// This shard, from 0.
+    pub index: usize,
+    /// Number of shards.
+    pub count: usize,
+}
+
+impl FromStr for ShardSpec {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || Error::invalid("--shard", format!("'{s}' (expected I/K with 0 <= I < K, e.g. 0/2)"));
+        let (i, k) = s.split_once('/').ok_or_else(bad)?;
+        let (index, count) = (i.trim().parse().map_err(|_| bad())?, k.trim().parse().map_err(|_| bad())?);
+        if count == 0 || index >= count {
+            return Err(bad());
+        }
+        Ok(ShardSpec { index, count })
+    }
+}
+
+impl ShardSpec {
+    /// The whole buffer.
+    pub const WHOLE: ShardSpec = ShardSpec { index: 0, count: 1 };
+
+    /// This shard's contiguous range of a flat buffer of `len` values (shards differ in
+    /// length by at most one value).
+    pub fn range(&self, len: usize) -> Range<usize> {
+        len * self.index / self.count..len * (self.index + 1) / self.count
+    }
+}
+
+/// Flags of `gradsync-server`.
+#[derive(Debug, Clone, Args)]
+pub struct ServerArgs {
+    /// Address to serve on.
+    #[arg(long, default_value = "0.0.0.0:50051", env = "GRADSYNC_LISTEN")]
+    pub listen: SocketAddr,
+    /// bsp, asp or ssp:S (a worker may run at most S steps ahead of the slowest).
+    #[arg(long, default_value = "bsp")]
+    pub sync: SyncMode,
+    /// This process's shard of the flat buffer, I/K.
+    #[arg(long, default_value = "0/1")]
+    pub shard: ShardSpec,
+    /// Model: a preset (tiny, mnist, wide) or widths; input and class widths are fitted to
+    /// --data exactly as the workers fit them.
+    #[arg(long, default_value = "mnist", value_parser = parse_model)]
+    pub model: ModelSpec,
+    /// The workers' --data (only its input width and classes matter here).
+    #[arg(long, value_parser = parse_data)]
+    pub data: Option<DataSource>,
+    /// The workers' --seed (initial parameters).
+    #[arg(long, default_value_t = 42, env = "GRADSYNC_SEED")]
+    pub seed: u64,
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.05)]
+    pub lr: f32,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f32,
+    /// L2 weight decay.
+    #[arg(long, default_value_t = 1e-4)]
+    pub weight_decay: f32,
+    /// Shared secret every worker must send (none: no authentication).
+    #[arg(long, env = "GRADSYNC_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Checkpoint file of this shard.
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    /// Write a checkpoint every N updates (0: only at shutdown).
+    #[arg(long, default_value_t = 0)]
+    pub checkpoint_every: u64,
+    /// Start from --checkpoint: parameters, momentum and version.
+    #[arg(long, requires = "checkpoint")]
+    pub resume: bool,
+    /// Seconds to wait for a worker (a BSP barrier, the SSP bound, silence) before giving up
+    /// on it.
+    #[arg(long, default_value_t = 30.0)]
+    pub worker_timeout: f64,
+    /// On a worker timeout, drop the missing workers and continue with the live ones (else
+    /// the step fails with a status naming them).
+    #[arg(long)]
+    pub elastic: bool,
+    /// Per-update metrics (JSON lines) here.
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+    /// Payload bytes per chunk in pulls.
+    #[arg(long, default_value_t = Tuning::tuned().chunk_bytes)]
+    pub chunk_bytes: usize,
+    /// Serve with tonic's default HTTP/2 windows and frame size (for comparisons).
+    #[arg(long)]
+    pub default_transport: bool,
+}
+
+/// A shard's resolved configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Synchronisation.
+    pub sync: SyncMode,
+    /// Which shard.
+    pub shard: ShardSpec,
+    /// The model, widths fitted to the data.
+    pub spec: ModelSpec,
+    /// Initialisation seed.
+    pub seed: u64,
+    /// The data source's text, for the metrics header.
+    pub data: String,
+    /// Optimiser.
+    pub sgd: SgdConfig,
+    /// Shared secret.
+    pub token: Option<String>,
+    /// Checkpoint file.
+    pub checkpoint: Option<PathBuf>,
+    /// Checkpoint period in updates (0: at shutdown only).
+    pub checkpoint_every: u64,
+    /// Restore from the checkpoint.
+    pub resume: bool,
+    /// How long to wait for a worker.
+    pub worker_timeout: Duration,
+    /// Continue without missing workers.
+    pub elastic: bool,
+    /// Metrics file.
+    pub metrics: Option<PathBuf>,
+    /// Transport settings.
+    pub tuning: Tuning,
+}
+
+impl Config {
+    /// A configuration for `spec` with default settings (tests and benchmarks).
+    pub fn new(spec: ModelSpec, seed: u64) -> Self {
+        Config {
+            sync: SyncMode::Bsp,
+            shard: ShardSpec::WHOLE,
+            spec,
+            seed,
+            data: String::new(),
+            sgd: SgdConfig::default(),
+            token: None,
+            checkpoint: None,
+            checkpoint_every: 0,
+            resume: false,
+            worker_timeout: Duration::from_secs(30),
+            elastic: false,
+            metrics: None,
+            tuning: Tuning::tuned(),
+        }
+    }
+
+    /// Resolve the flags: the data's widths, the timeout, the transport.
+    pub fn from_args(a: &ServerArgs) -> Result<Self> {
+        let (spec, data) = match &a.data {
+            Some(src) => {
+                // Loading is the one way to learn a data directory's widths exactly as the
+                // workers will.
+                let d = src.load(a.seed)?;
+                (a.model.clone().with_io(d.dim, d.classes), src.to_string())
+            }
+            None => (a.model.clone(), DataSource::synthetic_for(a.model.input(), a.model.classes()).to_string()),
+        };
+        if !(a.worker_timeout.is_finite() && a.worker_timeout > 0.0) {
+            return Err(Error::invalid("--worker-timeout", format!("{} (must be a positive number of seconds)", a.worker_timeout)));
+        }
+        if a.chunk_bytes < 4 || a.chunk_bytes > 64 << 20 {
+            return Err(Error::invalid("--chunk-bytes", format!("{} (must be 4 bytes to 64 MiB)", a.chunk_bytes)));
+        }
+        if a.token.as_deref().is_some_and(|t| t.is_empty() || gradsync_proto::auth::bearer(t).is_err()) {
+            return Err(Error::invalid("--token", "must be non-empty visible ASCII"));
+        }
+        let mut tuning = if a.default_transport { Tuning::tonic_defaults() } else { Tuning::tuned() };
+        tuning.chunk_bytes = a.chunk_bytes;
+        Ok(Config {
+            sync: a.sync,
+            shard: a.shard,
+            spec,
+            seed: a.seed,
+            data,
+            sgd: SgdConfig { lr: a.lr, momentum: a.momentum, weight_decay: a.weight_decay },
+            token: a.token.clone(),
+            checkpoint: a.checkpoint.clone(),
+            checkpoint_every: a.checkpoint_every,
+            resume: a.resume,
+            worker_timeout: Duration::from_secs_f64(a.worker_timeout),
+            elastic: a.elastic,
+            metrics: a.metrics.clone(),
+            tuning,
+        })
+    }
+
+    /// The model fingerprint workers must present.
+    pub fn fingerprint(&self) -> Fingerprint {
+        Fingerprint::new(&self.spec, self.seed)
+    }
+}
+
+fn parse_model(s: &str) -> std::result::Result<ModelSpec, String> {
+    ModelSpec::parse(s).map_err(|e| e.to_string())
+}
+
+fn parse_data(s: &str) -> std::result::Result<DataSource, String> {
+    s.parse().map_err(|e: gradsync_core::Error| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_sync_and_shard() {
+        assert_eq!("bsp".parse::<SyncMode>().unwrap(), SyncMode::Bsp);
+        assert_eq!("ssp:3".parse::<SyncMode>().unwrap(), SyncMode::Ssp(3));
+        assert_eq!(SyncMode::Ssp(3).to_string(), "ssp:3");
+        assert!("ssp".parse::<SyncMode>().is_err());
+        assert!("ssp:-1".parse::<SyncMode>().is_err());
+        assert_eq!("1/2".parse::<ShardSpec>().unwrap(), ShardSpec { index: 1, count: 2 });
+        assert!("2/2".parse::<ShardSpec>().is_err());
+        assert!("0/0".parse::<ShardSpec>().is_err());
+        let k = 3;
+        let ranges: Vec<_> = (0..k).map(|i| ShardSpec { index: i, count: k }.range(10)).collect();
+        assert_eq!(ranges, vec![0..3, 3..6, 6..10]);
+    }
+}

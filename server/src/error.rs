@@ -1,0 +1,108 @@
+//! The server crate's one error type, turned into a gRPC status only at the service edge
+//! ([`From<Error> for tonic::Status`]).
+
+use tonic::Code;
+
+/// Everything the parameter server refuses or fails at.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A flag or configuration value that cannot be used; the message names it.
+    #[error("invalid {what}: {why}")]
+    Invalid {
+        /// Which value.
+        what: String,
+        /// Why it was refused.
+        why: String,
+    },
+    /// A core failure: a checkpoint, data or metrics file, a fingerprint.
+    #[error(transparent)]
+    Core(#[from] gradsync_core::Error),
+    /// Serving failed (binding, HTTP/2).
+    #[error("transport: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    /// A worker holds another model than the server's.
+    #[error("rank {rank}: model fingerprint mismatch: the server holds {server}, the worker {worker}")]
+    Fingerprint {
+        /// The worker's rank.
+        rank: usize,
+        /// The server's fingerprint.
+        server: String,
+        /// The worker's fingerprint.
+        worker: String,
+    },
+    /// A rank asked to register while it is already registered.
+    #[error("rank {0} is already registered")]
+    AlreadyRegistered(usize),
+    /// A request from a rank that is not (or no longer) registered.
+    #[error("rank {0} is not registered (register first, or it was dropped as dead)")]
+    NotRegistered(usize),
+    /// A registration that disagrees with the run's shape (rank or world size).
+    #[error("registration refused: {0}")]
+    Membership(String),
+    /// A malformed gradient stream (length, offsets, chunk sizes, mixed ranks).
+    #[error("bad gradient from rank {rank}: {why}")]
+    BadGradient {
+        /// The sender.
+        rank: usize,
+        /// What was wrong.
+        why: String,
+    },
+    /// A gradient holding NaN or Inf; refused and counted.
+    #[error("gradient from rank {rank} holds NaN or Inf; refused, parameters unchanged")]
+    NonFinite {
+        /// The sender.
+        rank: usize,
+    },
+    /// A BSP gradient computed from parameters other than the current ones.
+    #[error("rank {rank}: gradient is for version {base}, the server is at version {version} (BSP needs the current one)")]
+    Stale {
+        /// The sender.
+        rank: usize,
+        /// The version the gradient was computed from.
+        base: u64,
+        /// The server's version.
+        version: u64,
+    },
+    /// Ranks that did not arrive within the worker timeout; the step failed (not elastic).
+    #[error("step {version} failed: rank(s) {ranks:?} sent nothing within the worker timeout of {timeout_s} s")]
+    Missing {
+        /// The version the step would have produced.
+        version: u64,
+        /// The ranks waited for.
+        ranks: Vec<usize>,
+        /// The timeout, seconds.
+        timeout_s: f64,
+    },
+    /// The server is shutting down.
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}
+
+impl Error {
+    /// Shorthand for [`Error::Invalid`].
+    pub fn invalid(what: impl Into<String>, why: impl Into<String>) -> Self {
+        Error::Invalid { what: what.into(), why: why.into() }
+    }
+
+    /// The gRPC code a client sees.
+    pub fn code(&self) -> Code {
+        match self {
+            Error::Invalid { .. } | Error::BadGradient { .. } | Error::NonFinite { .. } => Code::InvalidArgument,
+            Error::Fingerprint { .. } | Error::NotRegistered(_) | Error::Stale { .. } => Code::FailedPrecondition,
+            Error::Membership(_) => Code::InvalidArgument,
+            Error::AlreadyRegistered(_) => Code::AlreadyExists,
+            Error::Missing { .. } => Code::Aborted,
+            Error::ShuttingDown => Code::Unavailable,
+            Error::Core(_) | Error::Transport(_) => Code::Internal,
+        }
+    }
+}
+
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> Self {
+        tonic::Status::new(e.code(), e.to_string())
+    }
+}
+
+/// The server crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

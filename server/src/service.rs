@@ -1,0 +1,241 @@
+//! The gRPC edge: receives chunk streams, checks the token, calls [`crate::state`], and turns
+//! [`crate::Error`] into a `tonic::Status`. Nothing here decides what an update is.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use gradsync_proto::pb::parameter_server_server::ParameterServer;
+use gradsync_proto::pb::{
+    DeregisterReply, DeregisterRequest, GradientChunk, HeartbeatReply, HeartbeatRequest, ParameterChunk,
+    PullRequest, PushReply, RegisterReply, RegisterRequest, ShutdownReply, ShutdownRequest, VersionReply,
+    VersionRequest,
+};
+use gradsync_proto::wire;
+use tokio::sync::{Mutex, oneshot, watch};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::config::SyncMode;
+use crate::error::{Error, Result};
+use crate::state::{Applied, Shared, State};
+
+/// The service: the shared configuration, the state behind one async mutex, and the stop
+/// switch the Shutdown RPC pulls.
+#[derive(Clone)]
+pub struct Service {
+    /// Immutable configuration and lock-free counters.
+    pub shared: Arc<Shared>,
+    /// The mutable state.
+    pub state: Arc<Mutex<State>>,
+    /// Set to `true` to stop serving.
+    pub stop: Arc<watch::Sender<bool>>,
+}
+
+fn rank_of(r: u32) -> usize {
+    r as usize
+}
+
+impl Service {
+    /// Run `f` on the state on a blocking thread: updates sum and step hundreds of MB.
+    async fn with_state<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut State, &Shared) -> T + Send + 'static,
+    ) -> Result<T> {
+        let mut guard = self.state.clone().lock_owned().await;
+        let shared = self.shared.clone();
+        tokio::task::spawn_blocking(move || f(&mut guard, &shared))
+            .await
+            .map_err(|e| Error::invalid("server task", e.to_string()))
+    }
+
+    /// Receive one gradient stream into a buffer of this shard's length. Returns the rank,
+    /// base version, buffer and payload bytes.
+    async fn receive(&self, mut stream: Streaming<GradientChunk>) -> Result<(usize, u64, Vec<f32>, u64), Status> {
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| Error::BadGradient { rank: 0, why: "empty stream".into() })?;
+        let (rank, base) = (rank_of(first.rank), first.base_version);
+        self.state.lock().await.touch(rank)?;
+        let mut grad = self.shared.take_buffer();
+        let (mut received, mut finite, mut bytes) = (0u64, true, 0u64);
+        let mut chunk = Some(first);
+        while let Some(c) = chunk {
+            if rank_of(c.rank) != rank || c.base_version != base {
+                return Err(Error::BadGradient { rank, why: "rank or base version changes mid-stream".into() }.into());
+            }
+            if c.offset != received {
+                return Err(Error::BadGradient {
+                    rank,
+                    why: format!("chunk at offset {} where {} was expected (chunks must arrive in order)", c.offset, received),
+                }
+                .into());
+            }
+            finite &= wire::decode_into(&c.data, c.offset, &mut grad)
+                .map_err(|e| Error::BadGradient { rank, why: format!("{e} (this shard's range holds {} values)", grad.len()) })?;
+            received += (c.data.len() / 4) as u64;
+            bytes += c.data.len() as u64;
+            chunk = stream.message().await?;
+        }
+        if received != grad.len() as u64 {
+            return Err(Error::BadGradient {
+                rank,
+                why: format!("{received} values, this shard's range holds {}", grad.len()),
+            }
+            .into());
+        }
+        if !finite {
+            self.shared.rejected_nonfinite.fetch_add(1, Ordering::Relaxed);
+            self.shared.give_buffer(grad);
+            return Err(Error::NonFinite { rank }.into());
+        }
+        Ok((rank, base, grad, bytes))
+    }
+
+    async fn push_bsp(&self, rank: usize, base: u64, grad: Vec<f32>, bytes: u64) -> Result<Applied> {
+        let arrived = Instant::now();
+        let (tx, mut rx) = oneshot::channel();
+        self.with_state(move |st, sh| st.submit_bsp(sh, rank, base, grad, bytes, arrived, tx)).await??;
+        match tokio::time::timeout(self.shared.cfg.worker_timeout, &mut rx).await {
+            Ok(r) => r.unwrap_or(Err(Error::ShuttingDown)),
+            Err(_) => {
+                self.with_state(move |st, sh| st.barrier_timeout(sh, base)).await?;
+                rx.await.unwrap_or(Err(Error::ShuttingDown))
+            }
+        }
+    }
+
+    /// Hold an SSP push until `rank` is no more than `s` steps ahead of every expected rank.
+    async fn ssp_wait(&self, rank: usize, s: u64) -> Result<f64> {
+        let t = Instant::now();
+        let deadline = tokio::time::Instant::now() + self.shared.cfg.worker_timeout;
+        let mut rx = self.shared.progress.subscribe();
+        loop {
+            {
+                let st = self.state.lock().await;
+                if st.closing() {
+                    return Err(Error::ShuttingDown);
+                }
+                if st.ssp_blockers(rank, s).is_empty() {
+                    return Ok(t.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
+                let mut st = self.state.lock().await;
+                let blockers = st.ssp_blockers(rank, s);
+                let step = st.version() + 1;
+                if !blockers.is_empty() && !self.shared.cfg.elastic {
+                    return Err(Error::Missing {
+                        version: step,
+                        ranks: blockers,
+                        timeout_s: self.shared.cfg.worker_timeout.as_secs_f64(),
+                    });
+                }
+                st.give_up_on(&self.shared, blockers, step);
+            }
+        }
+    }
+}
+
+type ChunkStream = Pin<Box<dyn Stream<Item = Result<ParameterChunk, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl ParameterServer for Service {
+    async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterReply>, Status> {
+        let r = req.into_inner();
+        let sh = &self.shared;
+        let reg = self.state.lock().await.register(sh, rank_of(r.rank), r.world_size as usize, &r.fingerprint)?;
+        Ok(Response::new(RegisterReply {
+            shard: sh.cfg.shard.index as u32,
+            shards: sh.cfg.shard.count as u32,
+            start: sh.range.start as u64,
+            end: sh.range.end as u64,
+            total: sh.total as u64,
+            version: reg.version,
+            sync: sh.cfg.sync.to_string(),
+            chunk_bytes: sh.cfg.tuning.chunk_bytes as u32,
+        }))
+    }
+
+    async fn push_gradients(&self, req: Request<Streaming<GradientChunk>>) -> Result<Response<PushReply>, Status> {
+        let (rank, base, grad, bytes) = self.receive(req.into_inner()).await?;
+        let applied = match self.shared.cfg.sync {
+            SyncMode::Bsp => self.push_bsp(rank, base, grad, bytes).await?,
+            SyncMode::Asp => self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??,
+            SyncMode::Ssp(s) => {
+                let mut a = self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??;
+                a.wait_ms = self.ssp_wait(rank, s).await?;
+                a
+            }
+        };
+        Ok(Response::new(PushReply { version: applied.version, staleness: applied.staleness, wait_ms: applied.wait_ms }))
+    }
+
+    type PullParametersStream = ChunkStream;
+
+    async fn pull_parameters(&self, req: Request<PullRequest>) -> Result<Response<ChunkStream>, Status> {
+        let rank = rank_of(req.into_inner().rank);
+        let (version, bytes) = self
+            .with_state(move |st, _| {
+                // Pulls from outside the run (monitoring) are allowed; a member's counts as a
+                // sign of life.
+                let _ = st.touch(rank);
+                st.snapshot()
+            })
+            .await?;
+        self.shared.bytes_out.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        let chunk = self.shared.cfg.tuning.chunk_bytes;
+        let chunks: Vec<_> = wire::chunks(bytes.len(), chunk)
+            .map(move |r| Ok(ParameterChunk { version, offset: (r.start / 4) as u64, data: bytes.slice(r) }))
+            .collect();
+        Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
+    }
+
+    async fn get_version(&self, _req: Request<VersionRequest>) -> Result<Response<VersionReply>, Status> {
+        let st = self.state.lock().await;
+        Ok(Response::new(VersionReply {
+            version: st.version(),
+            live_ranks: st.live_ranks().into_iter().map(|r| r as u32).collect(),
+            rejected_nonfinite: self.shared.rejected_nonfinite.load(Ordering::Relaxed),
+        }))
+    }
+
+    async fn heartbeat(&self, req: Request<HeartbeatRequest>) -> Result<Response<HeartbeatReply>, Status> {
+        let mut st = self.state.lock().await;
+        st.touch(rank_of(req.into_inner().rank))?;
+        Ok(Response::new(HeartbeatReply { version: st.version() }))
+    }
+
+    async fn deregister(&self, req: Request<DeregisterRequest>) -> Result<Response<DeregisterReply>, Status> {
+        let rank = rank_of(req.into_inner().rank);
+        self.with_state(move |st, sh| st.deregister(sh, rank)).await??;
+        Ok(Response::new(DeregisterReply {}))
+    }
+
+    async fn shutdown(&self, _req: Request<ShutdownRequest>) -> Result<Response<ShutdownReply>, Status> {
+        let version = self.state.lock().await.version();
+        tracing::info!(version, "shutdown requested");
+        self.stop.send_replace(true);
+        Ok(Response::new(ShutdownReply { version }))
+    }
+}
+
+/// The token check, run before any ParameterServer RPC: `authorization: Bearer TOKEN`,
+/// compared in constant time.
+pub fn auth(token: Option<Arc<str>>) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Clone {
+    move |req: Request<()>| {
+        let Some(token) = &token else { return Ok(req) };
+        let given = req
+            .metadata()
+            .get(gradsync_proto::auth::KEY)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        match given {
+            Some(g) if gradsync_proto::auth::constant_time_eq(g.as_bytes(), token.as_bytes()) => Ok(req),
+            Some(_) => Err(Status::unauthenticated("wrong token")),
+            None => Err(Status::unauthenticated("missing token: send `authorization: Bearer TOKEN`")),
+        }
+    }
+}

@@ -1,0 +1,562 @@
+//! The shard's state and its synchronisation rules, with no transport: what a push, a pull,
+//! a registration or a timeout does to the parameters, the optimiser state and the membership.
+//! [`crate::service`] receives the bytes and calls in here; waiting (the BSP barrier, the SSP
+//! bound) is expressed as a oneshot per pending push and a counter every waiter watches.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
+use std::sync::Mutex as StdMutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use bytes::Bytes;
+use gradsync_core::checkpoint::{Checkpoint, CheckpointHeader};
+use gradsync_core::metrics::{Header, HostInfo, MetricsWriter, Record, SCHEMA_VERSION, ServerApply, unix_ms};
+use gradsync_core::model::{Fingerprint, Layout, init_params};
+use gradsync_core::optim::sgd_step;
+use rayon::prelude::*;
+use tokio::sync::{oneshot, watch};
+
+use crate::config::{Config, SyncMode};
+use crate::error::{Error, Result};
+
+/// What the service hands back for an applied gradient.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Applied {
+    /// The version the update produced.
+    pub version: u64,
+    /// Versions applied between the gradient's base and its update.
+    pub staleness: u64,
+    /// Milliseconds the push was held waiting for other workers.
+    pub wait_ms: f64,
+}
+
+/// What never changes while the shard serves, and the counters updated without the lock.
+pub struct Shared {
+    /// The configuration.
+    pub cfg: Config,
+    /// This shard's range of the flat buffer.
+    pub range: Range<usize>,
+    /// The flat buffer's length.
+    pub total: usize,
+    /// The model fingerprint.
+    pub fingerprint: Fingerprint,
+    /// When the shard started (metrics clock).
+    pub started: Instant,
+    /// Pull bytes sent since the last update.
+    pub bytes_out: AtomicU64,
+    /// Gradients refused for NaN or Inf.
+    pub rejected_nonfinite: AtomicU64,
+    /// Bumped whenever clocks or membership change: SSP waiters watch it.
+    pub progress: watch::Sender<u64>,
+    /// Spare gradient buffers (one per rank in flight), reused across steps.
+    pool: StdMutex<Vec<Vec<f32>>>,
+}
+
+impl Shared {
+    /// A gradient buffer of this shard's length, reused when one is spare.
+    pub fn take_buffer(&self) -> Vec<f32> {
+        let n = self.range.len();
+        let mut v = self.pool.lock().map(|mut p| p.pop()).ok().flatten().unwrap_or_default();
+        v.resize(n, 0.0);
+        v
+    }
+
+    /// Give a gradient buffer back.
+    pub fn give_buffer(&self, v: Vec<f32>) {
+        if let Ok(mut p) = self.pool.lock() {
+            p.push(v);
+        }
+    }
+
+    fn bump(&self) {
+        self.progress.send_modify(|v| *v += 1);
+    }
+}
+
+/// A registered worker.
+#[derive(Debug, Clone)]
+struct Member {
+    last_seen: Instant,
+    /// Gradients of this rank applied (its SSP clock).
+    clock: u64,
+}
+
+/// A BSP gradient waiting for the others of its step.
+struct Pending {
+    rank: usize,
+    grad: Vec<f32>,
+    arrived: Instant,
+    bytes: u64,
+    reply: oneshot::Sender<Result<Applied>>,
+}
+
+/// The shard's mutable state; lives behind one async mutex.
+pub struct State {
+    params: Vec<f32>,
+    momentum: Vec<f32>,
+    version: u64,
+    /// Little-endian parameters of `.0`'s version, shared (zero-copy) by every pull until the
+    /// next update; encoded on the first pull after an update.
+    snapshot: Option<(u64, Bytes)>,
+    world: Option<usize>,
+    members: BTreeMap<usize, Member>,
+    departed: BTreeSet<usize>,
+    pending: Vec<Pending>,
+    metrics: Option<MetricsWriter>,
+    last_checkpoint: u64,
+    closing: bool,
+}
+
+/// What a registration tells the worker.
+#[derive(Debug, Clone, Copy)]
+pub struct Registered {
+    /// The server's version.
+    pub version: u64,
+}
+
+impl State {
+    /// Initial parameters from the model and seed, or the checkpoint with `resume`; opens the
+    /// metrics file.
+    pub fn new(cfg: Config) -> Result<(Shared, State)> {
+        let layout = Layout::new(&cfg.spec);
+        let total = layout.len;
+        let range = cfg.shard.range(total);
+        let fingerprint = cfg.fingerprint();
+        let (params, momentum, version) = match (&cfg.checkpoint, cfg.resume) {
+            (Some(path), true) => {
+                let ck = Checkpoint::load(path)?;
+                fingerprint.check(&ck.header.fingerprint)?;
+                if ck.header.start != range.start || ck.header.end != range.end {
+                    return Err(Error::invalid(
+                        "--resume",
+                        format!(
+                            "{} holds values {}..{}, shard {}/{} owns {}..{}",
+                            path.display(),
+                            ck.header.start,
+                            ck.header.end,
+                            cfg.shard.index,
+                            cfg.shard.count,
+                            range.start,
+                            range.end
+                        ),
+                    ));
+                }
+                let n = range.len();
+                (ck.params, ck.momentum.unwrap_or_else(|| vec![0.0; n]), ck.header.step)
+            }
+            _ => {
+                let mut p = init_params(&layout, cfg.seed);
+                p.truncate(range.end);
+                p.drain(..range.start);
+                let n = p.len();
+                (p, vec![0.0; n], 0)
+            }
+        };
+        let metrics = match &cfg.metrics {
+            Some(path) => {
+                let mut w = MetricsWriter::create(path)?;
+                w.write(&Record::Header(header(&cfg, total, &range, &fingerprint)))?;
+                Some(w)
+            }
+            None => None,
+        };
+        let shared = Shared {
+            range,
+            total,
+            fingerprint,
+            started: Instant::now(),
+            bytes_out: AtomicU64::new(0),
+            rejected_nonfinite: AtomicU64::new(0),
+            progress: watch::channel(0).0,
+            pool: StdMutex::new(Vec::new()),
+            cfg,
+        };
+        let state = State {
+            params,
+            momentum,
+            version,
+            snapshot: None,
+            world: None,
+            members: BTreeMap::new(),
+            departed: BTreeSet::new(),
+            pending: Vec::new(),
+            metrics,
+            last_checkpoint: version,
+            closing: false,
+        };
+        Ok((shared, state))
+    }
+
+    /// Updates applied so far.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The registered ranks.
+    pub fn live_ranks(&self) -> Vec<usize> {
+        self.members.keys().copied().collect()
+    }
+
+    /// This shard's parameters (tests, checkpoints).
+    pub fn params(&self) -> &[f32] {
+        &self.params
+    }
+
+    /// Whether shutdown has begun.
+    pub fn closing(&self) -> bool {
+        self.closing
+    }
+
+    /// Ranks the run expects: every rank of the world that has not left or been dropped.
+    fn expected(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.world.unwrap_or(0)).filter(|r| !self.departed.contains(r))
+    }
+
+    /// `rank` joins as one of `world` with the model `fingerprint`.
+    pub fn register(&mut self, sh: &Shared, rank: usize, world: usize, fingerprint: &str) -> Result<Registered> {
+        if self.closing {
+            return Err(Error::ShuttingDown);
+        }
+        if fingerprint != sh.fingerprint.text {
+            return Err(Error::Fingerprint { rank, server: sh.fingerprint.text.clone(), worker: fingerprint.into() });
+        }
+        if world == 0 || rank >= world {
+            return Err(Error::Membership(format!("rank {rank} is not below the world size {world}")));
+        }
+        if let Some(w) = self.world.filter(|&w| w != world) {
+            return Err(Error::Membership(format!("world size {world} differs from the run's {w}")));
+        }
+        if self.members.contains_key(&rank) {
+            return Err(Error::AlreadyRegistered(rank));
+        }
+        if self.departed.contains(&rank) {
+            return Err(Error::Membership(format!(
+                "rank {rank} left this run or was dropped as dead; it cannot rejoin until every rank has left"
+            )));
+        }
+        self.world = Some(world);
+        // A rank joining late starts at the slowest live clock, so SSP does not stall on it.
+        let clock = self.members.values().map(|m| m.clock).min().unwrap_or(0);
+        self.members.insert(rank, Member { last_seen: Instant::now(), clock });
+        sh.bump();
+        tracing::info!(rank, world, version = self.version, "registered");
+        Ok(Registered { version: self.version })
+    }
+
+    /// Note that `rank` is alive; errors if it is not registered.
+    pub fn touch(&mut self, rank: usize) -> Result<()> {
+        if self.closing {
+            return Err(Error::ShuttingDown);
+        }
+        let m = self.members.get_mut(&rank).ok_or(Error::NotRegistered(rank))?;
+        m.last_seen = Instant::now();
+        Ok(())
+    }
+
+    /// `rank` leaves; a BSP step waiting only for it goes ahead.
+    pub fn deregister(&mut self, sh: &Shared, rank: usize) -> Result<()> {
+        self.members.remove(&rank).ok_or(Error::NotRegistered(rank))?;
+        self.departed.insert(rank);
+        tracing::info!(rank, version = self.version, "deregistered");
+        self.after_departure(sh);
+        Ok(())
+    }
+
+    fn after_departure(&mut self, sh: &Shared) {
+        if sh.cfg.sync == SyncMode::Bsp {
+            self.try_complete(sh);
+        }
+        if self.members.is_empty() && self.pending.is_empty() {
+            // Everyone left: the next run may register afresh (another world size included).
+            self.world = None;
+            self.departed.clear();
+        }
+        sh.bump();
+    }
+
+    /// A BSP gradient of `rank` computed from version `base`. The answer comes through `reply`
+    /// once the step's update is applied (or fails); an error here means it was refused.
+    pub fn submit_bsp(
+        &mut self,
+        sh: &Shared,
+        rank: usize,
+        base: u64,
+        grad: Vec<f32>,
+        bytes: u64,
+        arrived: Instant,
+        reply: oneshot::Sender<Result<Applied>>,
+    ) -> Result<()> {
+        self.touch(rank)?;
+        if base != self.version {
+            return Err(Error::Stale { rank, base, version: self.version });
+        }
+        if self.pending.iter().any(|p| p.rank == rank) {
+            return Err(Error::BadGradient { rank, why: format!("a second gradient for version {base}") });
+        }
+        self.pending.push(Pending { rank, grad, arrived, bytes, reply });
+        self.try_complete(sh);
+        Ok(())
+    }
+
+    /// Apply the pending BSP step if every expected rank has pushed.
+    fn try_complete(&mut self, sh: &Shared) {
+        if self.pending.is_empty() || self.expected().any(|r| !self.pending.iter().any(|p| p.rank == r)) {
+            return;
+        }
+        let pending = std::mem::take(&mut self.pending);
+        let t0 = Instant::now();
+        let mut it = pending.into_iter();
+        let Some(first) = it.next() else { return };
+        let (mut acc, mut done) = (first.grad, vec![(first.rank, first.arrived, first.bytes, first.reply)]);
+        for p in it {
+            acc.par_chunks_mut(1 << 15).zip(p.grad.par_chunks(1 << 15)).for_each(|(a, g)| {
+                for (a, g) in a.iter_mut().zip(g) {
+                    *a += g;
+                }
+            });
+            sh.give_buffer(p.grad);
+            done.push((p.rank, p.arrived, p.bytes, p.reply));
+        }
+        let aggregate_ms = ms(t0.elapsed());
+        let n = done.len();
+        let t1 = Instant::now();
+        sgd_step(&sh.cfg.sgd, &mut self.params, &acc, &mut self.momentum, 1.0 / n as f32);
+        sh.give_buffer(acc);
+        self.version += 1;
+        let apply_ms = ms(t1.elapsed());
+        for (rank, ..) in &done {
+            if let Some(m) = self.members.get_mut(rank) {
+                m.clock += 1;
+            }
+        }
+        done.sort_by_key(|d| d.1);
+        let first_at = done[0].1;
+        let last = &done[n - 1];
+        let rec = ServerApply {
+            shard: sh.cfg.shard.index,
+            version: self.version,
+            wall_ms: ms(sh.started.elapsed()),
+            gradients: n,
+            ranks: done.iter().map(|d| d.0).collect(),
+            staleness: vec![0; n],
+            queue_wait_ms: ms(last.1 - first_at),
+            aggregate_ms,
+            apply_ms,
+            bytes_in: done.iter().map(|d| d.2).sum(),
+            bytes_out: sh.bytes_out.swap(0, Ordering::Relaxed),
+            waited_for: (n > 1).then_some(last.0),
+        };
+        self.after_update(sh, rec);
+        let now = Instant::now();
+        for (_, arrived, _, reply) in done {
+            let _ = reply.send(Ok(Applied { version: self.version, staleness: 0, wait_ms: ms(now - arrived) }));
+        }
+    }
+
+    /// An ASP or SSP gradient: applied at once, as one worker's mean gradient.
+    pub fn apply_now(&mut self, sh: &Shared, rank: usize, base: u64, grad: Vec<f32>, bytes: u64) -> Result<Applied> {
+        self.touch(rank)?;
+        if base > self.version {
+            return Err(Error::BadGradient {
+                rank,
+                why: format!("computed from version {base}, the server is only at {}", self.version),
+            });
+        }
+        let staleness = self.version - base;
+        let t = Instant::now();
+        sgd_step(&sh.cfg.sgd, &mut self.params, &grad, &mut self.momentum, 1.0);
+        sh.give_buffer(grad);
+        self.version += 1;
+        let apply_ms = ms(t.elapsed());
+        if let Some(m) = self.members.get_mut(&rank) {
+            m.clock += 1;
+        }
+        let rec = ServerApply {
+            shard: sh.cfg.shard.index,
+            version: self.version,
+            wall_ms: ms(sh.started.elapsed()),
+            gradients: 1,
+            ranks: vec![rank],
+            staleness: vec![staleness],
+            queue_wait_ms: 0.0,
+            aggregate_ms: 0.0,
+            apply_ms,
+            bytes_in: bytes,
+            bytes_out: sh.bytes_out.swap(0, Ordering::Relaxed),
+            waited_for: None,
+        };
+        self.after_update(sh, rec);
+        Ok(Applied { version: self.version, staleness, wait_ms: 0.0 })
+    }
+
+    fn after_update(&mut self, sh: &Shared, rec: ServerApply) {
+        if let Some(m) = self.metrics.as_mut()
+            && let Err(e) = m.write(&Record::ServerApply(rec))
+        {
+            tracing::warn!("metrics: {e}");
+        }
+        let every = sh.cfg.checkpoint_every;
+        if every > 0 && self.version % every == 0 {
+            if let Err(e) = self.checkpoint(sh) {
+                tracing::error!("checkpoint at version {} failed: {e}", self.version);
+            }
+        }
+        sh.bump();
+    }
+
+    /// The ranks `rank` is waiting for under SSP with bound `s` (empty: it may go on). Ranks
+    /// expected but not yet registered count as clock 0.
+    pub fn ssp_blockers(&self, rank: usize, s: u64) -> Vec<usize> {
+        let mine = self.members.get(&rank).map_or(0, |m| m.clock);
+        self.expected()
+            .filter(|r| *r != rank)
+            .filter(|r| mine.saturating_sub(self.members.get(r).map_or(0, |m| m.clock)) > s)
+            .collect()
+    }
+
+    /// The BSP step from `base` did not gather every gradient within the worker timeout. With
+    /// `elastic`, drop the missing ranks and apply what arrived; otherwise fail every pending
+    /// push with an error naming them. Nothing happens if that step is already done.
+    pub fn barrier_timeout(&mut self, sh: &Shared, base: u64) {
+        if self.version != base || self.pending.is_empty() {
+            return;
+        }
+        let missing: Vec<usize> = self.expected().filter(|r| !self.pending.iter().any(|p| p.rank == *r)).collect();
+        self.give_up_on(sh, missing, base + 1);
+    }
+
+    /// Drop (elastic) or fail on (strict) `missing` ranks.
+    pub fn give_up_on(&mut self, sh: &Shared, missing: Vec<usize>, step: u64) {
+        if missing.is_empty() {
+            return;
+        }
+        if sh.cfg.elastic {
+            tracing::warn!(?missing, version = self.version, "dropping workers that missed the timeout");
+            for r in &missing {
+                self.members.remove(r);
+                self.departed.insert(*r);
+            }
+            self.after_departure(sh);
+        } else {
+            tracing::warn!(?missing, version = self.version, "step failed: workers missed the timeout");
+            let err = || Error::Missing {
+                version: step,
+                ranks: missing.clone(),
+                timeout_s: sh.cfg.worker_timeout.as_secs_f64(),
+            };
+            for p in std::mem::take(&mut self.pending) {
+                let _ = p.reply.send(Err(err()));
+                sh.give_buffer(p.grad);
+            }
+            sh.bump();
+        }
+    }
+
+    /// Elastic mode: drop every registered rank silent for longer than the worker timeout.
+    pub fn reap(&mut self, sh: &Shared) {
+        let now = Instant::now();
+        let silent: Vec<usize> = self
+            .members
+            .iter()
+            .filter(|(_, m)| now - m.last_seen > sh.cfg.worker_timeout)
+            .map(|(r, _)| *r)
+            .collect();
+        if !silent.is_empty() && sh.cfg.elastic {
+            let step = self.version + 1;
+            self.give_up_on(sh, silent, step);
+        }
+    }
+
+    /// The parameters as little-endian bytes, encoded once per version and shared by every
+    /// pull of that version.
+    pub fn snapshot(&mut self) -> (u64, Bytes) {
+        match &self.snapshot {
+            Some((v, b)) if *v == self.version => (*v, b.clone()),
+            _ => {
+                let old = self.snapshot.take().map(|(_, b)| b);
+                let b = gradsync_proto::wire::encode(&self.params, gradsync_proto::wire::reclaim(old));
+                self.snapshot = Some((self.version, b.clone()));
+                (self.version, b)
+            }
+        }
+    }
+
+    /// Write the checkpoint (parameters, momentum, version) atomically, when configured.
+    pub fn checkpoint(&mut self, sh: &Shared) -> Result<()> {
+        let Some(path) = &sh.cfg.checkpoint else { return Ok(()) };
+        let ck = Checkpoint {
+            header: CheckpointHeader {
+                fingerprint: sh.fingerprint.text.clone(),
+                step: self.version,
+                start: sh.range.start,
+                end: sh.range.end,
+                has_momentum: true,
+                version: gradsync_core::VERSION.into(),
+            },
+            // Moved out and back rather than cloned: a shard may hold hundreds of MB.
+            params: std::mem::take(&mut self.params),
+            momentum: Some(std::mem::take(&mut self.momentum)),
+        };
+        let result = ck.save(path);
+        self.params = ck.params;
+        self.momentum = ck.momentum.unwrap_or_default();
+        result?;
+        self.last_checkpoint = self.version;
+        tracing::info!(version = self.version, path = %path.display(), "checkpoint written");
+        Ok(())
+    }
+
+    /// Stop: refuse new work and fail every waiting push.
+    pub fn close(&mut self, sh: &Shared) {
+        self.closing = true;
+        for p in std::mem::take(&mut self.pending) {
+            let _ = p.reply.send(Err(Error::ShuttingDown));
+        }
+        sh.bump();
+    }
+
+    /// Version of the last checkpoint written (or resumed from).
+    pub fn last_checkpoint(&self) -> u64 {
+        self.last_checkpoint
+    }
+}
+
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn header(cfg: &Config, total: usize, range: &Range<usize>, fp: &Fingerprint) -> Header {
+    let host = HostInfo::detect();
+    let mut extra = serde_json::Map::new();
+    extra.insert("shard".into(), cfg.shard.index.into());
+    extra.insert("shards".into(), cfg.shard.count.into());
+    extra.insert("start".into(), range.start.into());
+    extra.insert("end".into(), range.end.into());
+    extra.insert("worker_timeout_s".into(), cfg.worker_timeout.as_secs_f64().into());
+    extra.insert("elastic".into(), cfg.elastic.into());
+    extra.insert("checkpoint_every".into(), cfg.checkpoint_every.into());
+    extra.insert("transport".into(), cfg.tuning.name.into());
+    extra.insert("chunk_bytes".into(), cfg.tuning.chunk_bytes.into());
+    Header {
+        schema: SCHEMA_VERSION,
+        mode: "server".into(),
+        variant: cfg.sync.to_string(),
+        device: "cpu".into(),
+        preset: cfg.spec.name.clone(),
+        widths: cfg.spec.widths_str(),
+        params: total,
+        seed: cfg.seed,
+        data: cfg.data.clone(),
+        fingerprint: fp.text.clone(),
+        lr: cfg.sgd.lr,
+        momentum: cfg.sgd.momentum,
+        weight_decay: cfg.sgd.weight_decay,
+        gradsync_version: gradsync_core::VERSION.into(),
+        host: host.host,
+        cores: host.cores,
+        start_unix_ms: unix_ms(),
+        extra,
+        ..Header::default()
+    }
+}
