@@ -199,6 +199,9 @@ impl ParameterServer for Service {
             version: st.version(),
             live_ranks: st.live_ranks().into_iter().map(|r| r as u32).collect(),
             rejected_nonfinite: self.shared.rejected_nonfinite.load(Ordering::Relaxed),
+            sync: self.shared.cfg.sync.to_string(),
+            shard: self.shared.cfg.shard.index as u32,
+            shards: self.shared.cfg.shard.count as u32,
         }))
     }
 

@@ -147,6 +147,9 @@ pub struct PsArgs {
     /// Seconds any one request to a server may take before the worker gives up.
     #[arg(long, default_value_t = 60.0)]
     pub rpc_timeout: f64,
+    /// Payload bytes per pushed chunk (default: gradsync's tuned 1 MiB).
+    #[arg(long)]
+    pub chunk_bytes: Option<usize>,
 }
 
 /// `--mode ddp`.

@@ -15,7 +15,7 @@ use gradsync_core::optim::SgdConfig;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::cli::{Mode, TrainArgs};
-use crate::strategy::{Local, Strategy, ms_since};
+use crate::strategy::{Local, Ps, Strategy, ms_since};
 
 /// What a finished run reports.
 #[derive(Debug, Clone, PartialEq)]
@@ -75,6 +75,7 @@ pub fn train(args: TrainArgs) -> anyhow::Result<Summary> {
     let run = Run::prepare(args)?;
     let strategy: Box<dyn Strategy> = match run.args.mode {
         Mode::Local => Box::new(Local::new(run.sgd)),
+        Mode::Ps => Box::new(Ps::new(&run.args.ps, run.rank, run.world, run.fingerprint().text)?),
         other => anyhow::bail!("--mode {} is not available in this build", other.name()),
     };
     run_loop(&run, strategy)

@@ -2,6 +2,7 @@
 //! once, in [`crate::train`]) and the ways of synchronising, each in its own file.
 
 mod local;
+pub mod ps;
 
 use std::time::Instant;
 
@@ -10,6 +11,7 @@ use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
 
 pub use local::Local;
+pub use ps::Ps;
 
 /// One way of training: local, DP, PS or DDP.
 pub trait Strategy {
