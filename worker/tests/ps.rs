@@ -1,0 +1,435 @@
+//! The parameter server end to end, as real processes on 127.0.0.1: BSP against local
+//! training, bad input, faults, resume. The server binary is built beside this test's (see
+//! [`server_bin`]); every child is killed when its guard drops.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use gradsync_core::checkpoint::Checkpoint;
+use gradsync_core::model::{Fingerprint, Layout, ModelSpec, init_params};
+use gradsync_proto::pb::parameter_server_client::ParameterServerClient;
+use gradsync_proto::pb::{GradientChunk, PullRequest, RegisterRequest, ShutdownRequest, VersionRequest};
+use tonic::Code;
+
+const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
+const DATA: &str = "synthetic:256:32:8";
+const SEED: &str = "7";
+
+/// `gradsync-server`, built into the same target directory as this test (cargo sets
+/// CARGO_BIN_EXE_* only for the package's own binaries). Building first keeps it fresh; set
+/// GRADSYNC_SERVER_BIN to use another.
+fn server_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Ok(p) = std::env::var("GRADSYNC_SERVER_BIN") {
+            return PathBuf::from(p);
+        }
+        let dir = Path::new(WORKER).parent().expect("worker binary has a directory").to_path_buf();
+        let bin = dir.join("gradsync-server");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = Command::new(cargo);
+        cmd.args(["build", "-q", "-p", "gradsync-server", "--bin", "gradsync-server"]);
+        if dir.file_name().is_some_and(|n| n == "release") {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("running cargo build for gradsync-server");
+        assert!(status.success(), "building gradsync-server failed");
+        assert!(bin.exists(), "{} missing after the build", bin.display());
+        bin
+    })
+    .clone()
+}
+
+/// A child process killed (and reaped) on drop.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A running server shard and its address.
+struct Server {
+    proc: Proc,
+    addr: String,
+}
+
+impl Server {
+    /// Start a shard with `extra` flags and wait for its `listening on` line.
+    fn start(extra: &[&str]) -> Server {
+        let mut child = Command::new(server_bin())
+            .args(["--listen", "127.0.0.1:0", "--model", "tiny", "--seed", SEED, "--data", DATA])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawning gradsync-server");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let proc = Proc(child);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx.recv_timeout(Duration::from_secs(60)).expect("server announced itself");
+        let addr = line
+            .trim()
+            .strip_prefix("gradsync-server listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .to_string();
+        Server { proc, addr }
+    }
+
+    /// Wait for the process to exit (with a deadline) and return its exit code.
+    fn wait(&mut self, limit: Duration) -> Option<i32> {
+        wait_child(&mut self.proc.0, limit).code()
+    }
+
+    fn signal(&self, sig: &str) {
+        let ok = Command::new("kill").args([sig, &self.proc.0.id().to_string()]).status().expect("kill");
+        assert!(ok.success());
+    }
+}
+
+fn wait_child(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().expect("try_wait") {
+            return s;
+        }
+        assert!(t.elapsed() < limit, "process {} still running after {limit:?}", child.id());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Run workers to completion (each a process); returns (exit code, stderr) per rank.
+fn run_workers(world: usize, servers: &str, batch: usize, steps: usize, save: &Path, extra: &[&str]) -> Vec<(i32, String)> {
+    let procs: Vec<_> = (0..world)
+        .map(|r| {
+            let child = Command::new(WORKER)
+                .args(["train", "--mode", "ps", "--servers", servers, "--model", "tiny", "--seed", SEED])
+                .args(["--data", DATA, "--device", "cpu", "--threads", "1", "--quiet"])
+                .args(["--batch", &batch.to_string(), "--steps", &steps.to_string()])
+                .args(["--rank", &r.to_string(), "--world-size", &world.to_string(), "--rpc-timeout", "30"])
+                .arg("--save")
+                .arg(save)
+                .args(extra)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawning gradsync-worker");
+            Proc(child)
+        })
+        .collect();
+    procs
+        .into_iter()
+        .map(|mut p| {
+            let stderr = p.0.stderr.take().expect("piped stderr");
+            let reader = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap_or_default());
+            let status = wait_child(&mut p.0, Duration::from_secs(120));
+            (status.code().unwrap_or(-1), reader.join().unwrap_or_default())
+        })
+        .collect()
+}
+
+/// Local training as the serial reference.
+fn run_local(batch: usize, steps: usize, save: &Path, extra: &[&str]) {
+    let out = Command::new(WORKER)
+        .args(["train", "--mode", "local", "--model", "tiny", "--seed", SEED, "--data", DATA])
+        .args(["--device", "cpu", "--threads", "1", "--quiet"])
+        .args(["--batch", &batch.to_string(), "--steps", &steps.to_string()])
+        .arg("--save")
+        .arg(save)
+        .args(extra)
+        .output()
+        .expect("running the local reference");
+    assert!(out.status.success(), "local run failed: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn params(path: &Path) -> Vec<f32> {
+    Checkpoint::load(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())).params
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("gradsync-ps-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d
+}
+
+fn start_shards(k: usize, extra: &[&str]) -> (Vec<Server>, String) {
+    let servers: Vec<Server> =
+        (0..k).map(|i| Server::start(&[&["--shard", &format!("{i}/{k}")], extra].concat())).collect();
+    let addrs = servers.iter().map(|s| s.addr.clone()).collect::<Vec<_>>().join(",");
+    (servers, addrs)
+}
+
+/// The tiny model fitted to DATA, as the workers build it.
+fn spec() -> ModelSpec {
+    ModelSpec::parse("tiny").expect("preset").with_io(32, 8)
+}
+
+#[test]
+fn bsp_matches_local_training_with_the_combined_batch() {
+    let dir = tmp("bsp");
+    let (b, steps) = (4, 6);
+    for w in [1usize, 2, 4] {
+        let reference = dir.join(format!("local-{w}.ckpt"));
+        run_local(w * b, steps, &reference, &[]);
+        let want = params(&reference);
+        for k in [1usize, 2] {
+            let (_servers, addrs) = start_shards(k, &["--worker-timeout", "30"]);
+            let save = dir.join(format!("ps-{w}-{k}.ckpt"));
+            for (rank, (code, err)) in run_workers(w, &addrs, b, steps, &save, &[]).into_iter().enumerate() {
+                assert_eq!(code, 0, "W={w} K={k} rank {rank} failed: {err}");
+            }
+            let got = params(&save);
+            let d = max_diff(&got, &want);
+            assert!(d < 1e-5, "W={w} K={k}: parameters differ from local batch {} by {d}", w * b);
+            assert!(max_diff(&got, &init_params(&Layout::new(&spec()), 7)) > 1e-3, "W={w} K={k}: nothing trained");
+        }
+    }
+}
+
+async fn connect(addr: &str) -> ParameterServerClient<tonic::transport::Channel> {
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).expect("uri").connect().await;
+    ParameterServerClient::new(ch.expect("connecting")).max_decoding_message_size(64 << 20)
+}
+
+fn authed<T>(msg: T, token: &str) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.set_timeout(Duration::from_secs(10));
+    r.metadata_mut().insert(gradsync_proto::auth::KEY, gradsync_proto::auth::bearer(token).expect("token"));
+    r
+}
+
+fn grad_stream(rank: u32, values: &[f32], token: &str) -> tonic::Request<impl tonic::codegen::tokio_stream::Stream<Item = GradientChunk> + use<>> {
+    let data = gradsync_proto::wire::encode(values, Default::default());
+    let chunks: Vec<_> = gradsync_proto::wire::chunks(data.len(), 256)
+        .map(|r| GradientChunk { rank, base_version: 0, offset: (r.start / 4) as u64, data: data.slice(r) })
+        .collect();
+    authed(tonic::codegen::tokio_stream::iter(chunks), token)
+}
+
+async fn pull_all(c: &mut ParameterServerClient<tonic::transport::Channel>, token: &str) -> (u64, Vec<f32>) {
+    let mut s = c.pull_parameters(authed(PullRequest { rank: 0 }, token)).await.expect("pull").into_inner();
+    let mut out = Vec::new();
+    let mut version = 0;
+    while let Some(chunk) = s.message().await.expect("chunk") {
+        version = chunk.version;
+        out.extend(chunk.data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+    }
+    (version, out)
+}
+
+#[test]
+fn bad_input_is_refused_and_leaves_parameters_unchanged() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let dir = tmp("bad");
+    let ck = dir.join("s.ckpt");
+    let mut server = Server::start(&["--token", "s3cret", "--checkpoint", ck.to_str().expect("utf8")]);
+    let mut c = rt.block_on(connect(&server.addr));
+    let fp = Fingerprint::new(&spec(), 7).text;
+    let init = init_params(&Layout::new(&spec()), 7);
+    let n = init.len();
+    let reg = |rank: u32, fp: &str| RegisterRequest { rank, world_size: 2, fingerprint: fp.into() };
+    rt.block_on(async {
+        // Token: missing, wrong.
+        let e = c.register(tonic::Request::new(reg(0, &fp))).await.expect_err("no token");
+        assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
+        let e = c.register(authed(reg(0, &fp), "wrong")).await.expect_err("wrong token");
+        assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
+        // Another model.
+        let e = c.register(authed(reg(0, "mlp:1-2:f32:seed=7"), "s3cret")).await.expect_err("fingerprint");
+        assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+        assert!(e.message().contains("fingerprint"), "{}", e.message());
+        // Twice.
+        let r = c.register(authed(reg(0, &fp), "s3cret")).await.expect("register").into_inner();
+        assert_eq!((r.start, r.end, r.total), (0, n as u64, n as u64));
+        let e = c.register(authed(reg(0, &fp), "s3cret")).await.expect_err("twice");
+        assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
+        // Wrong length, both ways.
+        for len in [n - 1, n + 1] {
+            let e = c.push_gradients(grad_stream(0, &vec![0.5; len], "s3cret")).await.expect_err("length");
+            assert_eq!(e.code(), Code::InvalidArgument, "{len}: {e:?}");
+        }
+        // NaN and Inf.
+        for bad in [f32::NAN, f32::INFINITY] {
+            let mut g = vec![0.5; n];
+            g[n / 2] = bad;
+            let e = c.push_gradients(grad_stream(0, &g, "s3cret")).await.expect_err("non-finite");
+            assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        }
+        // A rank that never registered.
+        let e = c.push_gradients(grad_stream(1, &vec![0.5; n], "s3cret")).await.expect_err("unregistered");
+        assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+        let v = c.get_version(authed(VersionRequest {}, "s3cret")).await.expect("version").into_inner();
+        assert_eq!((v.version, v.rejected_nonfinite, v.live_ranks), (0, 2, vec![0]));
+        let (version, now) = pull_all(&mut c, "s3cret").await;
+        assert_eq!(version, 0);
+        assert_eq!(now, init, "parameters changed after refused pushes");
+
+        // Health needs no token and says SERVING.
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr)).expect("uri");
+        let mut h = tonic_health::pb::health_client::HealthClient::new(ch.connect().await.expect("connect"));
+        let req = tonic_health::pb::HealthCheckRequest { service: gradsync_proto::SERVICE_NAME.into() };
+        let s = h.check(req).await.expect("health").into_inner();
+        assert_eq!(s.status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+
+        c.shutdown(authed(ShutdownRequest {}, "s3cret")).await.expect("shutdown");
+    });
+    assert_eq!(server.wait(Duration::from_secs(30)), Some(0), "clean exit after Shutdown");
+    let saved = Checkpoint::load(&ck).expect("final checkpoint");
+    assert_eq!((saved.header.step, saved.params), (0, init));
+}
+
+#[test]
+fn token_mismatch_stops_a_worker_with_a_clear_error() {
+    let dir = tmp("token");
+    let server = Server::start(&["--token", "s3cret"]);
+    let save = dir.join("x.ckpt");
+    for extra in [&["--token", "nope"][..], &[][..]] {
+        let (code, err) = run_workers(1, &server.addr, 4, 2, &save, extra).remove(0);
+        assert_ne!(code, 0);
+        assert!(err.contains("Unauthenticated"), "{err}");
+    }
+    // Another seed is another model.
+    let out = Command::new(WORKER)
+        .args(["train", "--mode", "ps", "--servers", &server.addr, "--token", "s3cret", "--model", "tiny"])
+        .args(["--seed", "8", "--data", DATA, "--device", "cpu", "--quiet", "--steps", "2", "--batch", "4"])
+        .output()
+        .expect("worker");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("FailedPrecondition") && err.contains("fingerprint"), "{err}");
+    let (code, err) = run_workers(1, &server.addr, 4, 2, &save, &["--token", "s3cret"]).remove(0);
+    assert_eq!(code, 0, "{err}");
+}
+
+#[test]
+fn a_dead_worker_fails_the_bsp_step_naming_it() {
+    let (code, err, _) = dead_rank_1_only_rank0(false);
+    assert_ne!(code, 0, "{err}");
+    assert!(err.contains("rank(s) [1]"), "{err}");
+}
+
+#[test]
+fn a_dead_worker_is_dropped_when_elastic() {
+    let (code, err, metrics) = dead_rank_1_only_rank0(true);
+    assert_eq!(code, 0, "{err}");
+    let applies = metrics.lines().filter(|l| l.contains("\"server_apply\"")).count();
+    assert_eq!(applies, 3, "{metrics}");
+}
+
+/// Like [`dead_rank_1`] but only rank 0 is a process.
+fn dead_rank_1_only_rank0(elastic: bool) -> (i32, String, String) {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let dir = tmp(if elastic { "elastic" } else { "strict" });
+    let metrics = dir.join("server.jsonl");
+    let mut flags = vec!["--worker-timeout", "1", "--metrics", metrics.to_str().expect("utf8")];
+    if elastic {
+        flags.push("--elastic");
+    }
+    let server = Server::start(&flags);
+    let mut c = rt.block_on(connect(&server.addr));
+    let fp = Fingerprint::new(&spec(), 7).text;
+    rt.block_on(c.register(authed(RegisterRequest { rank: 1, world_size: 2, fingerprint: fp }, "x")))
+        .expect("rank 1 registers");
+    let child = Command::new(WORKER)
+        .args(["train", "--mode", "ps", "--servers", &server.addr, "--model", "tiny", "--seed", SEED])
+        .args(["--data", DATA, "--device", "cpu", "--threads", "1", "--quiet", "--batch", "4", "--steps", "3"])
+        .args(["--rank", "0", "--world-size", "2", "--rpc-timeout", "30"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("worker");
+    let mut p = Proc(child);
+    let stderr = p.0.stderr.take().expect("stderr");
+    let reader = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap_or_default());
+    let status = wait_child(&mut p.0, Duration::from_secs(60));
+    drop(server);
+    (status.code().unwrap_or(-1), reader.join().unwrap_or_default(), std::fs::read_to_string(&metrics).unwrap_or_default())
+}
+
+#[test]
+fn sigkill_then_resume_continues_from_the_checkpoint() {
+    let dir = tmp("resume");
+    let ck = dir.join("shard.ckpt");
+    let ckf = ck.to_str().expect("utf8");
+    let mut server = Server::start(&["--checkpoint", ckf, "--checkpoint-every", "3"]);
+    let (code, err) = run_workers(1, &server.addr, 4, 7, &dir.join("a.ckpt"), &[]).remove(0);
+    assert_eq!(code, 0, "{err}");
+    server.signal("-KILL");
+    server.wait(Duration::from_secs(10));
+    let saved = Checkpoint::load(&ck).expect("checkpoint");
+    assert_eq!(saved.header.step, 6, "the last periodic checkpoint");
+
+    let server = Server::start(&["--checkpoint", ckf, "--resume"]);
+    // No steps: the worker pulls and saves exactly what the server resumed with.
+    let (code, err) = run_workers(1, &server.addr, 4, 0, &dir.join("pulled.ckpt"), &[]).remove(0);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(params(&dir.join("pulled.ckpt")), saved.params, "resumed parameters differ from the checkpoint");
+    // Training continues with the checkpointed momentum: the same as local training loaded
+    // from the checkpoint.
+    let (code, err) = run_workers(1, &server.addr, 4, 4, &dir.join("cont.ckpt"), &[]).remove(0);
+    assert_eq!(code, 0, "{err}");
+    run_local(4, 4, &dir.join("ref.ckpt"), &["--load", ckf]);
+    let d = max_diff(&params(&dir.join("cont.ckpt")), &params(&dir.join("ref.ckpt")));
+    assert!(d < 1e-6, "continued training differs from the local reference by {d}");
+}
+
+#[test]
+fn sigterm_writes_the_final_checkpoint_and_exits_zero() {
+    let dir = tmp("term");
+    let ck = dir.join("s.ckpt");
+    let mut server = Server::start(&["--checkpoint", ck.to_str().expect("utf8"), "--sync", "ssp:1"]);
+    let save = dir.join("w.ckpt");
+    for (rank, (code, err)) in run_workers(2, &server.addr, 4, 5, &save, &[]).into_iter().enumerate() {
+        assert_eq!(code, 0, "rank {rank}: {err}");
+    }
+    server.signal("-TERM");
+    assert_eq!(server.wait(Duration::from_secs(30)), Some(0));
+    let saved = Checkpoint::load(&ck).expect("final checkpoint");
+    assert_eq!(saved.header.step, 10, "SSP applies each of 2 x 5 gradients");
+}
+
+#[test]
+fn asp_runs_and_reports_staleness() {
+    let dir = tmp("asp");
+    let metrics: Vec<PathBuf> = (0..2).map(|i| dir.join(format!("shard{i}.jsonl"))).collect();
+    let servers: Vec<Server> = (0..2)
+        .map(|i| {
+            let m = metrics[i].to_str().expect("utf8");
+            Server::start(&["--sync", "asp", "--shard", &format!("{i}/2"), "--metrics", m])
+        })
+        .collect();
+    let addrs = format!("{},{}", servers[0].addr, servers[1].addr);
+    for (rank, (code, err)) in run_workers(2, &addrs, 4, 5, &dir.join("w.ckpt"), &[]).into_iter().enumerate() {
+        assert_eq!(code, 0, "rank {rank}: {err}");
+    }
+    drop(servers);
+    for m in &metrics {
+        let text = std::fs::read_to_string(m).expect("metrics");
+        let applies: Vec<gradsync_core::metrics::ServerApply> = text
+            .lines()
+            .filter_map(|l| match gradsync_core::metrics::parse_line(l) {
+                Ok(gradsync_core::metrics::Record::ServerApply(a)) => Some(a),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(applies.len(), 10, "each shard applies all 2 x 5 gradients one by one: {text}");
+        assert!(applies.iter().all(|a| a.gradients == 1 && a.staleness.len() == 1));
+        assert_eq!(applies.last().map(|a| a.version), Some(10));
+    }
+}
