@@ -16,4 +16,6 @@ pub struct Cli {
 pub enum Command {
     /// Time per training step (forward + backward + update) and GFLOP/s per device.
     Step(crate::step::StepArgs),
+    /// Parameter-server push+pull throughput (BSP), tonic defaults vs tuned, against raw TCP.
+    Ps(crate::ps::PsBenchArgs),
 }

@@ -4,10 +4,13 @@
 //! - [`cli`]: the subcommands of `gradsync-bench`.
 //! - [`step`]: time of one forward+backward+update step, and GFLOP/s, per device, beside
 //!   PyTorch eager when a Python with torch is given.
+//! - [`ps`]: parameter-server push+pull throughput for model sizes, workers and shards, tonic's
+//!   default HTTP/2 settings beside the tuned ones, as a ratio to raw TCP.
 //! - [`rawtcp`]: the raw TCP bandwidth of the machine, the yardstick for every network figure.
 //! - [`table`]: plain-text tables shared by every benchmark's output.
 
 pub mod cli;
+pub mod ps;
 pub mod rawtcp;
 pub mod step;
 pub mod table;
@@ -16,5 +19,6 @@ pub mod table;
 pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
     match cli.command {
         cli::Command::Step(a) => step::run(&a),
+        cli::Command::Ps(a) => ps::run(&a),
     }
 }

@@ -1,0 +1,179 @@
+//! `gradsync-bench ps`: parameter-server push+pull throughput under BSP for a range of model
+//! sizes, worker counts and shard counts, with tonic's default HTTP/2 settings and gradsync's
+//! tuned ones side by side, against the raw TCP bandwidth of the same machine measured in the
+//! same run.
+//!
+//! Servers and workers run in this process (one tokio runtime, real loopback sockets); each
+//! step every worker pushes its whole gradient to every shard and pulls every shard back, as
+//! `gradsync-worker --mode ps` does. The bound for one BSP step is two directions of
+//! `max(S/B, W*S/(K*B))` (BytePS): a worker's link moves `S` each way, and a shard's link
+//! moves `W*S/K` each way.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use gradsync_core::model::{Fingerprint, Layout, ModelSpec};
+use gradsync_proto::tuning::Tuning;
+use gradsync_server::{Config, ParamServer, ShardSpec};
+use gradsync_worker::strategy::ps::PsClient;
+use tokio::net::TcpListener;
+
+use crate::table::{Table, median};
+
+/// Flags of `gradsync-bench ps`.
+#[derive(Debug, Clone, Args)]
+pub struct PsBenchArgs {
+    /// Parameter buffer sizes, MB.
+    #[arg(long, default_value = "4,16,64,256", value_delimiter = ',')]
+    pub sizes_mb: Vec<usize>,
+    /// Worker counts.
+    #[arg(long, default_value = "1,2,4", value_delimiter = ',')]
+    pub workers: Vec<usize>,
+    /// Shard counts.
+    #[arg(long, default_value = "1,2", value_delimiter = ',')]
+    pub shards: Vec<usize>,
+    /// Timed steps per configuration (after one warm-up step).
+    #[arg(long, default_value_t = 3)]
+    pub steps: usize,
+    /// Seconds of raw TCP measurement.
+    #[arg(long, default_value_t = 1.0)]
+    pub raw_secs: f64,
+    /// Only the tuned transport (skip tonic's defaults).
+    #[arg(long)]
+    pub tuned_only: bool,
+    /// A smoke test: 4 MB, 1-2 workers, 1-2 shards, 2 steps.
+    #[arg(long)]
+    pub quick: bool,
+}
+
+/// One measured configuration.
+#[derive(Debug, Clone)]
+struct Figure {
+    step_ms: f64,
+}
+
+/// `d` such that a `d x d` layer (plus bias) holds about `mb` MB of f32.
+fn spec_for(mb: usize) -> ModelSpec {
+    let values = (mb << 20) / 4;
+    let d = (values as f64).sqrt().floor().max(2.0) as usize;
+    ModelSpec { name: "custom".into(), widths: vec![d, d] }
+}
+
+async fn measure(spec: &ModelSpec, workers: usize, shards: usize, tuning: Tuning, steps: usize) -> anyhow::Result<Figure> {
+    let total = Layout::new(spec).len;
+    let fp = Fingerprint::new(spec, 1).text;
+    let mut addrs = Vec::new();
+    let mut stops = Vec::new();
+    let mut tasks = Vec::new();
+    for k in 0..shards {
+        let mut cfg = Config::new(spec.clone(), 1);
+        cfg.shard = ShardSpec { index: k, count: shards };
+        cfg.tuning = tuning;
+        cfg.worker_timeout = Duration::from_secs(120);
+        let server = ParamServer::new(cfg)?;
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        addrs.push(listener.local_addr()?.to_string());
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        stops.push(tx);
+        tasks.push(tokio::spawn(server.serve(listener, async move {
+            let _ = rx.await;
+        })));
+    }
+    let mut clients = Vec::new();
+    for r in 0..workers {
+        let mut c = PsClient::connect(&addrs, None, Duration::from_secs(120), tuning).await?;
+        clients.push(c.register(r, workers, &fp, total).await.map(|_| c)?);
+    }
+    let mut state: Vec<_> = clients.into_iter().map(|c| (c, vec![1e-4f32; total], vec![0f32; total])).collect();
+    let mut times = Vec::new();
+    for step in 0..=steps {
+        let t = Instant::now();
+        let handles: Vec<_> = state
+            .drain(..)
+            .map(|(mut c, g, mut p)| {
+                tokio::spawn(async move {
+                    c.push(&g).await?;
+                    c.pull(&mut p).await?;
+                    anyhow::Ok((c, g, p))
+                })
+            })
+            .collect();
+        for h in handles {
+            state.push(h.await.context("worker task")??);
+        }
+        if step > 0 {
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    for (c, ..) in &mut state {
+        c.deregister().await?;
+    }
+    drop(state);
+    for s in stops {
+        let _ = s.send(());
+    }
+    for t in tasks {
+        t.await.context("server task")??;
+    }
+    Ok(Figure { step_ms: median(&times) })
+}
+
+/// Run the benchmark and print its table.
+pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
+    let (sizes, workers, shards, steps) = if a.quick {
+        (vec![4], vec![1, 2], vec![1, 2], 2)
+    } else {
+        (a.sizes_mb.clone(), a.workers.clone(), a.shards.clone(), a.steps.max(1))
+    };
+    let raw_secs = if a.quick { 0.3 } else { a.raw_secs };
+    let raw = crate::rawtcp::bandwidth("127.0.0.1", Duration::from_secs_f64(raw_secs))?;
+    println!("raw loopback TCP, one stream: {:.2} GB/s", raw / 1e9);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let tunings: Vec<Tuning> =
+        if a.tuned_only { vec![Tuning::tuned()] } else { vec![Tuning::tonic_defaults(), Tuning::tuned()] };
+    let mut table = Table::new(&[
+        "MB", "workers", "shards", "transport", "ms/step", "GB/s", "bound ms", "x bound", "vs default",
+    ]);
+    for &mb in &sizes {
+        let spec = spec_for(mb);
+        let bytes = Layout::new(&spec).len as f64 * 4.0;
+        for &k in &shards {
+            for &w in &workers {
+                let bound_ms = 2.0 * (bytes / raw).max(w as f64 * bytes / (k as f64 * raw)) * 1e3;
+                let mut default_ms = None;
+                for &tuning in &tunings {
+                    let fig = rt
+                        .block_on(measure(&spec, w, k, tuning, steps))
+                        .with_context(|| format!("{mb} MB, {w} workers, {k} shards, {}", tuning.name))?;
+                    if tuning == Tuning::tonic_defaults() {
+                        default_ms = Some(fig.step_ms);
+                    }
+                    table.row(vec![
+                        format!("{:.1}", bytes / 1e6),
+                        w.to_string(),
+                        k.to_string(),
+                        tuning.name.into(),
+                        format!("{:.1}", fig.step_ms),
+                        format!("{:.2}", 2.0 * w as f64 * bytes / (fig.step_ms * 1e6)),
+                        format!("{bound_ms:.1}"),
+                        format!("{:.2}", fig.step_ms / bound_ms),
+                        match (tuning == Tuning::tuned(), default_ms) {
+                            (true, Some(d)) => format!("{:.2}x", d / fig.step_ms),
+                            _ => String::new(),
+                        },
+                    ]);
+                    eprint!(".");
+                }
+            }
+        }
+    }
+    eprintln!();
+    print!("{}", table.render());
+    println!(
+        "GB/s: bytes pushed and pulled by all workers per second. bound: 2 x max(S/B, W*S/(K*B)) with B the raw \
+         TCP figure above. x bound: ms/step over the bound (1.0 is the link's limit). vs default: how much faster the \
+         tuned transport is than tonic's defaults."
+    );
+    Ok(())
+}
