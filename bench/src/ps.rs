@@ -60,7 +60,13 @@ fn spec_for(mb: usize) -> ModelSpec {
     ModelSpec { name: "custom".into(), widths: vec![d, d] }
 }
 
-async fn measure(spec: &ModelSpec, workers: usize, shards: usize, tuning: Tuning, steps: usize) -> anyhow::Result<Figure> {
+async fn measure(
+    spec: &ModelSpec,
+    workers: usize,
+    shards: usize,
+    tuning: Tuning,
+    steps: usize,
+) -> anyhow::Result<Figure> {
     let total = Layout::new(spec).len;
     let fp = Fingerprint::new(spec, 1).text;
     let mut addrs = Vec::new();
@@ -85,7 +91,8 @@ async fn measure(spec: &ModelSpec, workers: usize, shards: usize, tuning: Tuning
         let mut c = PsClient::connect(&addrs, None, Duration::from_secs(120), tuning).await?;
         clients.push(c.register(r, workers, &fp, total).await.map(|_| c)?);
     }
-    let mut state: Vec<_> = clients.into_iter().map(|c| (c, vec![1e-4f32; total], vec![0f32; total])).collect();
+    let mut state: Vec<_> =
+        clients.into_iter().map(|c| (c, vec![1e-4f32; total], vec![0f32; total])).collect();
     let mut times = Vec::new();
     for step in 0..=steps {
         let t = Instant::now();
@@ -133,7 +140,15 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
     let tunings: Vec<Tuning> =
         if a.tuned_only { vec![Tuning::tuned()] } else { vec![Tuning::tonic_defaults(), Tuning::tuned()] };
     let mut table = Table::new(&[
-        "MB", "workers", "shards", "transport", "ms/step", "GB/s", "bound ms", "x bound", "vs default",
+        "MB",
+        "workers",
+        "shards",
+        "transport",
+        "ms/step",
+        "GB/s",
+        "bound ms",
+        "x bound",
+        "vs default",
     ]);
     for &mb in &sizes {
         let spec = spec_for(mb);

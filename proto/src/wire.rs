@@ -26,7 +26,7 @@ pub fn reclaim(b: Option<Bytes>) -> BytesMut {
 /// Decode the payload of a chunk at `offset` (in values) into `dst`, one pass. Returns whether
 /// every value is finite (the check rides along with the copy).
 pub fn decode_into(payload: &[u8], offset: u64, dst: &mut [f32]) -> Result<bool, Error> {
-    if payload.len() % 4 != 0 {
+    if !payload.len().is_multiple_of(4) {
         return Err(Error::Ragged(payload.len()));
     }
     let len = payload.len() / 4;
@@ -51,6 +51,7 @@ pub fn chunks(len: usize, chunk: usize) -> impl Iterator<Item = std::ops::Range<
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

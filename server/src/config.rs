@@ -34,11 +34,9 @@ impl FromStr for SyncMode {
         match s {
             "bsp" => Ok(SyncMode::Bsp),
             "asp" => Ok(SyncMode::Asp),
-            _ => s
-                .strip_prefix("ssp:")
-                .and_then(|n| n.parse().ok())
-                .map(SyncMode::Ssp)
-                .ok_or_else(|| Error::invalid("--sync", format!("'{s}' (expected bsp, asp or ssp:S, S a bound in steps)"))),
+            _ => s.strip_prefix("ssp:").and_then(|n| n.parse().ok()).map(SyncMode::Ssp).ok_or_else(|| {
+                Error::invalid("--sync", format!("'{s}' (expected bsp, asp or ssp:S, S a bound in steps)"))
+            }),
         }
     }
 }
@@ -212,13 +210,21 @@ impl Config {
                 let d = src.load(a.seed)?;
                 (a.model.clone().with_io(d.dim, d.classes), src.to_string())
             }
-            None => (a.model.clone(), DataSource::synthetic_for(a.model.input(), a.model.classes()).to_string()),
+            None => {
+                (a.model.clone(), DataSource::synthetic_for(a.model.input(), a.model.classes()).to_string())
+            }
         };
         if !(a.worker_timeout.is_finite() && a.worker_timeout > 0.0) {
-            return Err(Error::invalid("--worker-timeout", format!("{} (must be a positive number of seconds)", a.worker_timeout)));
+            return Err(Error::invalid(
+                "--worker-timeout",
+                format!("{} (must be a positive number of seconds)", a.worker_timeout),
+            ));
         }
         if a.chunk_bytes < 4 || a.chunk_bytes > 64 << 20 {
-            return Err(Error::invalid("--chunk-bytes", format!("{} (must be 4 bytes to 64 MiB)", a.chunk_bytes)));
+            return Err(Error::invalid(
+                "--chunk-bytes",
+                format!("{} (must be 4 bytes to 64 MiB)", a.chunk_bytes),
+            ));
         }
         if a.token.as_deref().is_some_and(|t| t.is_empty() || gradsync_proto::auth::bearer(t).is_err()) {
             return Err(Error::invalid("--token", "must be non-empty visible ASCII"));
@@ -258,6 +264,7 @@ fn parse_data(s: &str) -> std::result::Result<DataSource, String> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -54,7 +54,9 @@ pub enum Error {
         rank: usize,
     },
     /// A BSP gradient computed from parameters other than the current ones.
-    #[error("rank {rank}: gradient is for version {base}, the server is at version {version} (BSP needs the current one)")]
+    #[error(
+        "rank {rank}: gradient is for version {base}, the server is at version {version} (BSP needs the current one)"
+    )]
     Stale {
         /// The sender.
         rank: usize,
@@ -64,7 +66,9 @@ pub enum Error {
         version: u64,
     },
     /// Ranks that did not arrive within the worker timeout; the step failed (not elastic).
-    #[error("step {version} failed: rank(s) {ranks:?} sent nothing within the worker timeout of {timeout_s} s")]
+    #[error(
+        "step {version} failed: rank(s) {ranks:?} sent nothing within the worker timeout of {timeout_s} s"
+    )]
     Missing {
         /// The version the step would have produced.
         version: u64,
@@ -87,8 +91,12 @@ impl Error {
     /// The gRPC code a client sees.
     pub fn code(&self) -> Code {
         match self {
-            Error::Invalid { .. } | Error::BadGradient { .. } | Error::NonFinite { .. } => Code::InvalidArgument,
-            Error::Fingerprint { .. } | Error::NotRegistered(_) | Error::Stale { .. } => Code::FailedPrecondition,
+            Error::Invalid { .. } | Error::BadGradient { .. } | Error::NonFinite { .. } => {
+                Code::InvalidArgument
+            }
+            Error::Fingerprint { .. } | Error::NotRegistered(_) | Error::Stale { .. } => {
+                Code::FailedPrecondition
+            }
             Error::Membership(_) => Code::InvalidArgument,
             Error::AlreadyRegistered(_) => Code::AlreadyExists,
             Error::Missing { .. } => Code::Aborted,

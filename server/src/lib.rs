@@ -61,7 +61,9 @@ impl ParamServer {
         let tuning = shared.cfg.tuning;
 
         let (health_reporter, health) = tonic_health::server::health_reporter();
-        health_reporter.set_service_status(gradsync_proto::SERVICE_NAME, tonic_health::ServingStatus::Serving).await;
+        health_reporter
+            .set_service_status(gradsync_proto::SERVICE_NAME, tonic_health::ServingStatus::Serving)
+            .await;
         health_reporter.set_service_status("", tonic_health::ServingStatus::Serving).await;
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(gradsync_proto::FILE_DESCRIPTOR_SET)
@@ -122,7 +124,8 @@ pub async fn run(args: ServerArgs, shutdown: impl Future<Output = ()> + Send) ->
     use std::io::Write;
     let cfg = Config::from_args(&args)?;
     let server = ParamServer::new(cfg)?;
-    let listener = TcpListener::bind(args.listen).await.with_context(|| format!("--listen {}", args.listen))?;
+    let listener =
+        TcpListener::bind(args.listen).await.with_context(|| format!("--listen {}", args.listen))?;
     let addr = listener.local_addr()?;
     let mut out = std::io::stdout().lock();
     writeln!(out, "gradsync-server listening on {addr}")?;

@@ -52,7 +52,10 @@ impl Service {
 
     /// Receive one gradient stream into a buffer of this shard's length. Returns the rank,
     /// base version, buffer and payload bytes.
-    async fn receive(&self, mut stream: Streaming<GradientChunk>) -> Result<(usize, u64, Vec<f32>, u64), Status> {
+    async fn receive(
+        &self,
+        mut stream: Streaming<GradientChunk>,
+    ) -> Result<(usize, u64, Vec<f32>, u64), Status> {
         let first = stream
             .message()
             .await?
@@ -64,17 +67,26 @@ impl Service {
         let mut chunk = Some(first);
         while let Some(c) = chunk {
             if rank_of(c.rank) != rank || c.base_version != base {
-                return Err(Error::BadGradient { rank, why: "rank or base version changes mid-stream".into() }.into());
+                return Err(Error::BadGradient {
+                    rank,
+                    why: "rank or base version changes mid-stream".into(),
+                }
+                .into());
             }
             if c.offset != received {
                 return Err(Error::BadGradient {
                     rank,
-                    why: format!("chunk at offset {} where {} was expected (chunks must arrive in order)", c.offset, received),
+                    why: format!(
+                        "chunk at offset {} where {} was expected (chunks must arrive in order)",
+                        c.offset, received
+                    ),
                 }
                 .into());
             }
-            finite &= wire::decode_into(&c.data, c.offset, &mut grad)
-                .map_err(|e| Error::BadGradient { rank, why: format!("{e} (this shard's range holds {} values)", grad.len()) })?;
+            finite &= wire::decode_into(&c.data, c.offset, &mut grad).map_err(|e| Error::BadGradient {
+                rank,
+                why: format!("{e} (this shard's range holds {} values)", grad.len()),
+            })?;
             received += (c.data.len() / 4) as u64;
             bytes += c.data.len() as u64;
             chunk = stream.message().await?;
@@ -146,7 +158,8 @@ impl ParameterServer for Service {
     async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterReply>, Status> {
         let r = req.into_inner();
         let sh = &self.shared;
-        let reg = self.state.lock().await.register(sh, rank_of(r.rank), r.world_size as usize, &r.fingerprint)?;
+        let reg =
+            self.state.lock().await.register(sh, rank_of(r.rank), r.world_size as usize, &r.fingerprint)?;
         Ok(Response::new(RegisterReply {
             shard: sh.cfg.shard.index as u32,
             shards: sh.cfg.shard.count as u32,
@@ -159,18 +172,28 @@ impl ParameterServer for Service {
         }))
     }
 
-    async fn push_gradients(&self, req: Request<Streaming<GradientChunk>>) -> Result<Response<PushReply>, Status> {
+    async fn push_gradients(
+        &self,
+        req: Request<Streaming<GradientChunk>>,
+    ) -> Result<Response<PushReply>, Status> {
         let (rank, base, grad, bytes) = self.receive(req.into_inner()).await?;
         let applied = match self.shared.cfg.sync {
             SyncMode::Bsp => self.push_bsp(rank, base, grad, bytes).await?,
-            SyncMode::Asp => self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??,
+            SyncMode::Asp => {
+                self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??
+            }
             SyncMode::Ssp(s) => {
-                let mut a = self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??;
+                let mut a =
+                    self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??;
                 a.wait_ms = self.ssp_wait(rank, s).await?;
                 a
             }
         };
-        Ok(Response::new(PushReply { version: applied.version, staleness: applied.staleness, wait_ms: applied.wait_ms }))
+        Ok(Response::new(PushReply {
+            version: applied.version,
+            staleness: applied.staleness,
+            wait_ms: applied.wait_ms,
+        }))
     }
 
     type PullParametersStream = ChunkStream;

@@ -214,12 +214,22 @@ impl State {
     }
 
     /// `rank` joins as one of `world` with the model `fingerprint`.
-    pub fn register(&mut self, sh: &Shared, rank: usize, world: usize, fingerprint: &str) -> Result<Registered> {
+    pub fn register(
+        &mut self,
+        sh: &Shared,
+        rank: usize,
+        world: usize,
+        fingerprint: &str,
+    ) -> Result<Registered> {
         if self.closing {
             return Err(Error::ShuttingDown);
         }
         if fingerprint != sh.fingerprint.text {
-            return Err(Error::Fingerprint { rank, server: sh.fingerprint.text.clone(), worker: fingerprint.into() });
+            return Err(Error::Fingerprint {
+                rank,
+                server: sh.fingerprint.text.clone(),
+                worker: fingerprint.into(),
+            });
         }
         if world == 0 || rank >= world {
             return Err(Error::Membership(format!("rank {rank} is not below the world size {world}")));
@@ -277,6 +287,7 @@ impl State {
 
     /// A BSP gradient of `rank` computed from version `base`. The answer comes through `reply`
     /// once the step's update is applied (or fails); an error here means it was refused.
+    #[allow(clippy::too_many_arguments)] // one push's facts, passed once from one caller
     pub fn submit_bsp(
         &mut self,
         sh: &Shared,
@@ -350,12 +361,20 @@ impl State {
         self.after_update(sh, rec);
         let now = Instant::now();
         for (_, arrived, _, reply) in done {
-            let _ = reply.send(Ok(Applied { version: self.version, staleness: 0, wait_ms: ms(now - arrived) }));
+            let _ =
+                reply.send(Ok(Applied { version: self.version, staleness: 0, wait_ms: ms(now - arrived) }));
         }
     }
 
     /// An ASP or SSP gradient: applied at once, as one worker's mean gradient.
-    pub fn apply_now(&mut self, sh: &Shared, rank: usize, base: u64, grad: Vec<f32>, bytes: u64) -> Result<Applied> {
+    pub fn apply_now(
+        &mut self,
+        sh: &Shared,
+        rank: usize,
+        base: u64,
+        grad: Vec<f32>,
+        bytes: u64,
+    ) -> Result<Applied> {
         self.touch(rank)?;
         if base > self.version {
             return Err(Error::BadGradient {
@@ -397,10 +416,11 @@ impl State {
             tracing::warn!("metrics: {e}");
         }
         let every = sh.cfg.checkpoint_every;
-        if every > 0 && self.version % every == 0 {
-            if let Err(e) = self.checkpoint(sh) {
-                tracing::error!("checkpoint at version {} failed: {e}", self.version);
-            }
+        if every > 0
+            && self.version.is_multiple_of(every)
+            && let Err(e) = self.checkpoint(sh)
+        {
+            tracing::error!("checkpoint at version {} failed: {e}", self.version);
         }
         sh.bump();
     }
@@ -422,7 +442,8 @@ impl State {
         if self.version != base || self.pending.is_empty() {
             return;
         }
-        let missing: Vec<usize> = self.expected().filter(|r| !self.pending.iter().any(|p| p.rank == *r)).collect();
+        let missing: Vec<usize> =
+            self.expected().filter(|r| !self.pending.iter().any(|p| p.rank == *r)).collect();
         self.give_up_on(sh, missing, base + 1);
     }
 

@@ -131,7 +131,14 @@ fn wait_child(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
 }
 
 /// Run workers to completion (each a process); returns (exit code, stderr) per rank.
-fn run_workers(world: usize, servers: &str, batch: usize, steps: usize, save: &Path, extra: &[&str]) -> Vec<(i32, String)> {
+fn run_workers(
+    world: usize,
+    servers: &str,
+    batch: usize,
+    steps: usize,
+    save: &Path,
+    extra: &[&str],
+) -> Vec<(i32, String)> {
     let procs: Vec<_> = (0..world)
         .map(|r| {
             let child = Command::new(WORKER)
@@ -219,7 +226,10 @@ fn bsp_matches_local_training_with_the_combined_batch() {
             let got = params(&save);
             let d = max_diff(&got, &want);
             assert!(d < 1e-5, "W={w} K={k}: parameters differ from local batch {} by {d}", w * b);
-            assert!(max_diff(&got, &init_params(&Layout::new(&spec()), 7)) > 1e-3, "W={w} K={k}: nothing trained");
+            assert!(
+                max_diff(&got, &init_params(&Layout::new(&spec()), 7)) > 1e-3,
+                "W={w} K={k}: nothing trained"
+            );
         }
     }
 }
@@ -236,7 +246,11 @@ fn authed<T>(msg: T, token: &str) -> tonic::Request<T> {
     r
 }
 
-fn grad_stream(rank: u32, values: &[f32], token: &str) -> tonic::Request<impl tonic::codegen::tokio_stream::Stream<Item = GradientChunk> + use<>> {
+fn grad_stream(
+    rank: u32,
+    values: &[f32],
+    token: &str,
+) -> tonic::Request<impl tonic::codegen::tokio_stream::Stream<Item = GradientChunk> + use<>> {
     let data = gradsync_proto::wire::encode(values, Default::default());
     let chunks: Vec<_> = gradsync_proto::wire::chunks(data.len(), 256)
         .map(|r| GradientChunk { rank, base_version: 0, offset: (r.start / 4) as u64, data: data.slice(r) })
@@ -309,6 +323,27 @@ fn bad_input_is_refused_and_leaves_parameters_unchanged() {
         let s = h.check(req).await.expect("health").into_inner();
         assert_eq!(s.status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
 
+        // Reflection lists the service (what grpcurl asks first).
+        use tonic_reflection::pb::v1::ServerReflectionRequest;
+        use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+        use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+        use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+        let mut refl = ServerReflectionClient::new(ch.connect().await.expect("connect"));
+        let ask = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut answers = refl
+            .server_reflection_info(tonic::codegen::tokio_stream::iter([ask]))
+            .await
+            .expect("reflection")
+            .into_inner();
+        let first = answers.message().await.expect("answer").expect("one answer");
+        let Some(MessageResponse::ListServicesResponse(list)) = first.message_response else {
+            panic!("unexpected reflection answer {first:?}")
+        };
+        assert!(list.service.iter().any(|s| s.name == gradsync_proto::SERVICE_NAME), "{list:?}");
+
         c.shutdown(authed(ShutdownRequest {}, "s3cret")).await.expect("shutdown");
     });
     assert_eq!(server.wait(Duration::from_secs(30)), Some(0), "clean exit after Shutdown");
@@ -370,7 +405,19 @@ fn dead_rank_1_only_rank0(elastic: bool) -> (i32, String, String) {
         .expect("rank 1 registers");
     let child = Command::new(WORKER)
         .args(["train", "--mode", "ps", "--servers", &server.addr, "--model", "tiny", "--seed", SEED])
-        .args(["--data", DATA, "--device", "cpu", "--threads", "1", "--quiet", "--batch", "4", "--steps", "3"])
+        .args([
+            "--data",
+            DATA,
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--quiet",
+            "--batch",
+            "4",
+            "--steps",
+            "3",
+        ])
         .args(["--rank", "0", "--world-size", "2", "--rpc-timeout", "30"])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -381,7 +428,11 @@ fn dead_rank_1_only_rank0(elastic: bool) -> (i32, String, String) {
     let reader = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap_or_default());
     let status = wait_child(&mut p.0, Duration::from_secs(60));
     drop(server);
-    (status.code().unwrap_or(-1), reader.join().unwrap_or_default(), std::fs::read_to_string(&metrics).unwrap_or_default())
+    (
+        status.code().unwrap_or(-1),
+        reader.join().unwrap_or_default(),
+        std::fs::read_to_string(&metrics).unwrap_or_default(),
+    )
 }
 
 #[test]
@@ -401,7 +452,11 @@ fn sigkill_then_resume_continues_from_the_checkpoint() {
     // No steps: the worker pulls and saves exactly what the server resumed with.
     let (code, err) = run_workers(1, &server.addr, 4, 0, &dir.join("pulled.ckpt"), &[]).remove(0);
     assert_eq!(code, 0, "{err}");
-    assert_eq!(params(&dir.join("pulled.ckpt")), saved.params, "resumed parameters differ from the checkpoint");
+    assert_eq!(
+        params(&dir.join("pulled.ckpt")),
+        saved.params,
+        "resumed parameters differ from the checkpoint"
+    );
     // Training continues with the checkpointed momentum: the same as local training loaded
     // from the checkpoint.
     let (code, err) = run_workers(1, &server.addr, 4, 4, &dir.join("cont.ckpt"), &[]).remove(0);
@@ -437,7 +492,8 @@ fn asp_runs_and_reports_staleness() {
         })
         .collect();
     let addrs = format!("{},{}", servers[0].addr, servers[1].addr);
-    for (rank, (code, err)) in run_workers(2, &addrs, 4, 5, &dir.join("w.ckpt"), &[]).into_iter().enumerate() {
+    for (rank, (code, err)) in run_workers(2, &addrs, 4, 5, &dir.join("w.ckpt"), &[]).into_iter().enumerate()
+    {
         assert_eq!(code, 0, "rank {rank}: {err}");
     }
     drop(servers);

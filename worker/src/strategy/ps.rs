@@ -101,7 +101,9 @@ async fn deadline<T>(
 ) -> anyhow::Result<T> {
     match tokio::time::timeout(timeout, f).await {
         Ok(r) => r.map_err(|s| rpc_err(addr, what, s)),
-        Err(_) => anyhow::bail!("{what} at {addr}: no answer within {} s (--rpc-timeout)", timeout.as_secs_f64()),
+        Err(_) => {
+            anyhow::bail!("{what} at {addr}: no answer within {} s (--rpc-timeout)", timeout.as_secs_f64())
+        }
     }
 }
 
@@ -127,7 +129,9 @@ impl PsClient {
                 let ep = tuning.endpoint(&uri(a), timeout).with_context(|| format!("--servers: '{a}'"))?;
                 let ch = tokio::time::timeout(timeout, ep.connect())
                     .await
-                    .map_err(|_| anyhow::anyhow!("connecting to {a}: no answer within {} s", timeout.as_secs_f64()))?
+                    .map_err(|_| {
+                        anyhow::anyhow!("connecting to {a}: no answer within {} s", timeout.as_secs_f64())
+                    })?
                     .with_context(|| format!("connecting to {a}"))?;
                 let client = ParameterServerClient::with_interceptor(ch, auth)
                     .max_decoding_message_size(tuning.max_message())
@@ -136,26 +140,48 @@ impl PsClient {
             }
         }))
         .await?;
-        Ok(PsClient { shards, timeout, chunk_bytes: tuning.chunk_bytes, rank: 0, total: 0, sync: String::new() })
+        Ok(PsClient {
+            shards,
+            timeout,
+            chunk_bytes: tuning.chunk_bytes,
+            rank: 0,
+            total: 0,
+            sync: String::new(),
+        })
     }
 
     /// The servers' synchronisation mode (`bsp`, `asp`, `ssp:S`), asked of shard 0.
     pub async fn sync_mode(&mut self) -> anyhow::Result<String> {
         let s = &mut self.shards[0];
-        let r = deadline(self.timeout, &s.addr, "GetVersion", s.client.get_version(request(VersionRequest {}, self.timeout)))
-            .await?
-            .into_inner();
+        let r = deadline(
+            self.timeout,
+            &s.addr,
+            "GetVersion",
+            s.client.get_version(request(VersionRequest {}, self.timeout)),
+        )
+        .await?
+        .into_inner();
         self.sync = r.sync.clone();
         Ok(r.sync)
     }
 
     /// Register with every shard and check that together they cover a buffer of `total`
     /// values in order. Returns the servers' version.
-    pub async fn register(&mut self, rank: usize, world: usize, fingerprint: &str, total: usize) -> anyhow::Result<u64> {
+    pub async fn register(
+        &mut self,
+        rank: usize,
+        world: usize,
+        fingerprint: &str,
+        total: usize,
+    ) -> anyhow::Result<u64> {
         let timeout = self.timeout;
         let n = self.shards.len();
         let replies = try_join_all(self.shards.iter_mut().map(|s| async move {
-            let req = RegisterRequest { rank: rank as u32, world_size: world as u32, fingerprint: fingerprint.into() };
+            let req = RegisterRequest {
+                rank: rank as u32,
+                world_size: world as u32,
+                fingerprint: fingerprint.into(),
+            };
             let r = deadline(timeout, &s.addr, "Register", s.client.register(request(req, timeout))).await?;
             anyhow::Ok(r.into_inner())
         }))
@@ -169,8 +195,18 @@ impl PsClient {
                 r.shard,
                 r.shards
             );
-            anyhow::ensure!(r.total as usize == total, "{}: holds {} values, this model has {total}", s.addr, r.total);
-            anyhow::ensure!(r.start as usize == end, "{}: its range starts at {}, expected {end}", s.addr, r.start);
+            anyhow::ensure!(
+                r.total as usize == total,
+                "{}: holds {} values, this model has {total}",
+                s.addr,
+                r.total
+            );
+            anyhow::ensure!(
+                r.start as usize == end,
+                "{}: its range starts at {}, expected {end}",
+                s.addr,
+                r.start
+            );
             s.range = r.start as usize..r.end as usize;
             s.version = r.version;
             end = r.end as usize;
@@ -188,21 +224,36 @@ impl PsClient {
 
     /// Push `grads` (the whole flat buffer): each shard gets its range, all concurrently.
     pub async fn push(&mut self, grads: &[f32]) -> anyhow::Result<Traffic> {
-        anyhow::ensure!(grads.len() == self.total, "push: {} values for a model of {}", grads.len(), self.total);
+        anyhow::ensure!(
+            grads.len() == self.total,
+            "push: {} values for a model of {}",
+            grads.len(),
+            self.total
+        );
         let (timeout, chunk, rank) = (self.timeout, self.chunk_bytes, self.rank);
         let replies = try_join_all(self.shards.iter_mut().map(|s| {
             let buf = wire::encode(&grads[s.range.clone()], wire::reclaim(s.spare.take()));
             s.spare = Some(buf.clone());
             let base = s.version;
             let chunks: Vec<GradientChunk> = wire::chunks(buf.len(), chunk)
-                .map(|r| GradientChunk { rank, base_version: base, offset: (r.start / 4) as u64, data: buf.slice(r) })
+                .map(|r| GradientChunk {
+                    rank,
+                    base_version: base,
+                    offset: (r.start / 4) as u64,
+                    data: buf.slice(r),
+                })
                 .collect();
             let bytes = buf.len() as u64;
             async move {
                 let stream = tokio_stream_iter(chunks);
-                let r = deadline(timeout, &s.addr, "PushGradients", s.client.push_gradients(request(stream, timeout)))
-                    .await?
-                    .into_inner();
+                let r = deadline(
+                    timeout,
+                    &s.addr,
+                    "PushGradients",
+                    s.client.push_gradients(request(stream, timeout)),
+                )
+                .await?
+                .into_inner();
                 anyhow::Ok((r, bytes))
             }
         }))
@@ -217,7 +268,12 @@ impl PsClient {
     /// Pull every shard's parameters into `params` (the whole flat buffer), concurrently,
     /// decoding each chunk straight into place.
     pub async fn pull(&mut self, params: &mut [f32]) -> anyhow::Result<Traffic> {
-        anyhow::ensure!(params.len() == self.total, "pull: {} values for a model of {}", params.len(), self.total);
+        anyhow::ensure!(
+            params.len() == self.total,
+            "pull: {} values for a model of {}",
+            params.len(),
+            self.total
+        );
         let (timeout, rank) = (self.timeout, self.rank);
         // Split the buffer into each shard's disjoint slice (ranges are contiguous, in order).
         let mut rest = params;
@@ -229,13 +285,17 @@ impl PsClient {
         }
         let got = try_join_all(self.shards.iter_mut().zip(slices).map(|(s, dst)| async move {
             let fut = async {
-                let mut stream = s.client.pull_parameters(request(PullRequest { rank }, timeout)).await?.into_inner();
+                let mut stream =
+                    s.client.pull_parameters(request(PullRequest { rank }, timeout)).await?.into_inner();
                 let (mut received, mut version) = (0u64, None);
                 while let Some(c) = stream.message().await? {
                     if *version.get_or_insert(c.version) != c.version || c.offset != received {
-                        return Err(tonic::Status::data_loss("chunks of one pull disagree on version or order"));
+                        return Err(tonic::Status::data_loss(
+                            "chunks of one pull disagree on version or order",
+                        ));
                     }
-                    wire::decode_into(&c.data, c.offset, dst).map_err(|e| tonic::Status::data_loss(e.to_string()))?;
+                    wire::decode_into(&c.data, c.offset, dst)
+                        .map_err(|e| tonic::Status::data_loss(e.to_string()))?;
                     received += (c.data.len() / 4) as u64;
                 }
                 if received as usize != dst.len() {
@@ -255,7 +315,13 @@ impl PsClient {
     pub async fn heartbeat(&mut self) -> anyhow::Result<()> {
         let (timeout, rank) = (self.timeout, self.rank);
         try_join_all(self.shards.iter_mut().map(|s| async move {
-            deadline(timeout, &s.addr, "Heartbeat", s.client.heartbeat(request(HeartbeatRequest { rank }, timeout))).await
+            deadline(
+                timeout,
+                &s.addr,
+                "Heartbeat",
+                s.client.heartbeat(request(HeartbeatRequest { rank }, timeout)),
+            )
+            .await
         }))
         .await?;
         Ok(())
@@ -265,8 +331,13 @@ impl PsClient {
     pub async fn deregister(&mut self) -> anyhow::Result<()> {
         let (timeout, rank) = (self.timeout, self.rank);
         try_join_all(self.shards.iter_mut().map(|s| async move {
-            deadline(timeout, &s.addr, "Deregister", s.client.deregister(request(DeregisterRequest { rank }, timeout)))
-                .await
+            deadline(
+                timeout,
+                &s.addr,
+                "Deregister",
+                s.client.deregister(request(DeregisterRequest { rank }, timeout)),
+            )
+            .await
         }))
         .await?;
         Ok(())
@@ -296,7 +367,9 @@ impl PsClient {
 }
 
 /// A stream over owned chunks, as a client-streaming request body.
-fn tokio_stream_iter(chunks: Vec<GradientChunk>) -> impl tonic::codegen::tokio_stream::Stream<Item = GradientChunk> {
+fn tokio_stream_iter(
+    chunks: Vec<GradientChunk>,
+) -> impl tonic::codegen::tokio_stream::Stream<Item = GradientChunk> {
     tonic::codegen::tokio_stream::iter(chunks)
 }
 
@@ -380,7 +453,13 @@ impl Strategy for Ps {
         Ok(())
     }
 
-    fn step(&mut self, engine: &mut Engine, x: &[f32], y: &[u32], rec: &mut Step) -> anyhow::Result<BatchLoss> {
+    fn step(
+        &mut self,
+        engine: &mut Engine,
+        x: &[f32],
+        y: &[u32],
+        rec: &mut Step,
+    ) -> anyhow::Result<BatchLoss> {
         let loss = forward_backward(engine, x, y, rec)?;
         let t = Instant::now();
         engine.read_grads(0..self.grads.len(), &mut self.grads)?;
