@@ -15,7 +15,8 @@ fn train(threads: usize, steps: usize) -> Vec<f32> {
     for s in 0..steps {
         let rows = 32;
         let start = (s * rows) % 256;
-        e.forward(&data.train.x[start * 64..(start + rows) * 64], &data.train.y[start..start + rows], true).unwrap();
+        e.forward(&data.train.x[start * 64..(start + rows) * 64], &data.train.y[start..start + rows], true)
+            .unwrap();
         e.backward(false).unwrap();
         e.update(&SgdConfig::default(), 1.0).unwrap();
     }

@@ -50,7 +50,10 @@ fn every_layer_matches_finite_differences() {
             let lm = loss_at(&mut engine, &shifted(-1.0), &x, &y);
             let numeric = (lp - lm) / (2.0 * f64::from(EPS));
             let err = (analytic - numeric).abs() / analytic.abs().max(numeric.abs()).max(1e-3);
-            assert!(err < 2e-2, "layer {l} {name}: analytic {analytic:.6} numeric {numeric:.6} (rel err {err:.2e})");
+            assert!(
+                err < 2e-2,
+                "layer {l} {name}: analytic {analytic:.6} numeric {numeric:.6} (rel err {err:.2e})"
+            );
         }
     }
 }
