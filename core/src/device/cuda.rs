@@ -43,7 +43,7 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::{CompileError, CompileOptions};
+use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 
 use super::backend::Backend;
 use crate::error::{Error, Result};
@@ -225,6 +225,14 @@ impl ColMajorGemm {
     }
 }
 
+/// Compile `cuda_kernels.cu` to PTX with NVRTC (needs libnvrtc, not a GPU).
+fn compile_kernels() -> Result<Ptx> {
+    // No FMA contraction: the kernels then round exactly as the CPU backend does.
+    let opts =
+        CompileOptions { fmad: Some(false), name: Some("gradsync_kernels.cu".into()), ..Default::default() };
+    cudarc::nvrtc::compile_ptx_with_opts(KERNELS_SRC, opts).map_err(compile_err)
+}
+
 /// The NVRTC-compiled kernels of `cuda_kernels.cu`.
 struct Kernels {
     bias_act: CudaFunction,
@@ -291,14 +299,15 @@ impl Cuda {
         unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), cublasMath_t::CUBLAS_DEFAULT_MATH) }
             .result()
             .map_err(cuda_err("cuBLAS math mode"))?;
-        // No FMA contraction: the kernels then round exactly as the CPU backend does.
-        let opts = CompileOptions {
-            fmad: Some(false),
-            name: Some("gradsync_kernels.cu".into()),
-            ..Default::default()
-        };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS_SRC, opts).map_err(compile_err)?;
-        let module = ctx.load_module(ptx).map_err(cuda_err("load kernels"))?;
+        let module = ctx.load_module(compile_kernels()?).map_err(|e| {
+            // The driver JIT-compiles the PTX and refuses PTX newer than itself.
+            let hint = if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION {
+                " (libnvrtc is newer than the driver: use an NVRTC no newer than the driver's CUDA version)"
+            } else {
+                ""
+            };
+            Error::Cuda { op: "load kernels", msg: format!("{e}{hint}") }
+        })?;
         let load = |name: &str| module.load_function(name).map_err(cuda_err("load kernel"));
         let [bias_act, relu_backward, bias_grad, softmax_xent, sgd, scale] = KERNEL_NAMES;
         let kernels = Kernels {
@@ -762,6 +771,22 @@ mod tests {
                 "kernel {name} missing from cuda_kernels.cu"
             );
         }
+    }
+
+    #[test]
+    fn kernels_compile_with_nvrtc() -> Result<()> {
+        // NVRTC needs no GPU, so this runs wherever libnvrtc is installed (a CUDA toolkit, or
+        // the nvidia-cuda-nvrtc wheel's lib folder on LD_LIBRARY_PATH).
+        // SAFETY: only tries to dlopen the library.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("SKIPPED (no libnvrtc): the kernels' compilation is checked where NVRTC is installed");
+            return Ok(());
+        }
+        let ptx = compile_kernels()?.to_src();
+        for name in KERNEL_NAMES {
+            assert!(ptx.contains(&format!(".entry {name}(")), "no entry point {name} in the PTX");
+        }
+        Ok(())
     }
 
     #[test]
