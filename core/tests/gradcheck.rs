@@ -5,6 +5,8 @@
 //! `grad . d` against `(L(p + eps d) - L(p - eps d)) / 2 eps`. A wrong gradient in any
 //! element of the tensor moves that dot product.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use gradsync_core::Engine;
 use gradsync_core::device::{Backend, Cpu, Device};
 use gradsync_core::model::ModelSpec;

@@ -1,6 +1,8 @@
 //! The MNIST and CIFAR-10 loaders: a good file loads; truncated files, wrong magic numbers,
 //! image/label count mismatches and missing directories are clear errors naming the file.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 

@@ -1,6 +1,8 @@
 //! `gradsync-worker train --mode local` as a real process: it learns, saves, loads, refuses a
 //! mismatched checkpoint, writes the metrics schema, and rejects bad flags clearly.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -63,7 +65,7 @@ fn learns_and_writes_metrics() {
         s.iter().map(|v| v["loss"].as_f64().unwrap()).sum::<f64>() / s.len() as f64
     };
     assert!(mean(&steps[100..]) < 0.5 * mean(&steps[..10]), "loss did not fall");
-    assert!(evals[2] > 0.5 && evals[2] > 2.0 * 0.1, "held-out accuracy {evals:?} did not rise above chance");
+    assert!(evals[2] > 0.5, "held-out accuracy {evals:?} did not rise well above chance (0.1)");
     std::fs::remove_dir_all(d).unwrap();
 }
 
