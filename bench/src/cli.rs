@@ -16,4 +16,6 @@ pub struct Cli {
 pub enum Command {
     /// Time per training step (forward + backward + update) and GFLOP/s per device.
     Step(crate::step::StepArgs),
+    /// Compare two parameter files; fail beyond a tolerance.
+    Diff(crate::diff::DiffArgs),
 }

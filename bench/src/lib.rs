@@ -4,10 +4,12 @@
 //! - [`cli`]: the subcommands of `gradsync-bench`.
 //! - [`step`]: time of one forward+backward+update step, and GFLOP/s, per device, beside
 //!   PyTorch eager when a Python with torch is given.
+//! - [`diff`]: how far apart two parameter files are.
 //! - [`rawtcp`]: the raw TCP bandwidth of the machine, the yardstick for every network figure.
 //! - [`table`]: plain-text tables shared by every benchmark's output.
 
 pub mod cli;
+pub mod diff;
 pub mod rawtcp;
 pub mod step;
 pub mod table;
@@ -16,5 +18,6 @@ pub mod table;
 pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
     match cli.command {
         cli::Command::Step(a) => step::run(&a),
+        cli::Command::Diff(a) => diff::run(&a),
     }
 }
