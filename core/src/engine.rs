@@ -66,6 +66,22 @@ impl Engine {
         })
     }
 
+    /// Backward into the gradient buffer, handing each finished bucket of `plan` to
+    /// `on_ready(index, range, view)` as an exclusive host view that stays valid for the whole
+    /// borrow: another thread may reduce a bucket while backward writes the rest (DDP overlap).
+    /// Only engines whose gradients live in host memory can do this; others return
+    /// [`crate::Error::Invalid`] (read and write their gradients through the host instead).
+    pub fn backward_host_buckets<'a>(
+        &'a mut self,
+        plan: &BucketPlan,
+        accumulate: bool,
+        on_ready: &mut dyn FnMut(usize, Range<usize>, &'a mut [f32]),
+    ) -> Result<()> {
+        match self {
+            Engine::Cpu(m) => m.backward(plan, accumulate, on_ready),
+        }
+    }
+
     /// One optimiser step ([`Mlp::update`]).
     pub fn update(&mut self, cfg: &SgdConfig, grad_scale: f32) -> Result<()> {
         on_device!(self, m => m.update(cfg, grad_scale))

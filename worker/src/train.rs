@@ -15,7 +15,7 @@ use gradsync_core::optim::SgdConfig;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::cli::{Mode, TrainArgs};
-use crate::strategy::{Local, Strategy, ms_since};
+use crate::strategy::{Ddp, Dp, Local, Strategy, ms_since};
 
 /// What a finished run reports.
 #[derive(Debug, Clone, PartialEq)]
@@ -61,6 +61,13 @@ impl Run {
         args.model = args.model.clone().with_io(data.dim, data.classes);
         args.data = Some(source);
         let sgd = SgdConfig { lr: args.lr, momentum: args.momentum, weight_decay: args.weight_decay };
+        // One metrics file per process: `{rank}` in the path becomes this rank (launcher runs).
+        if let Some(p) = &args.metrics
+            && let Some(text) = p.to_str()
+            && text.contains("{rank}")
+        {
+            args.metrics = Some(text.replace("{rank}", &rank.to_string()).into());
+        }
         Ok(Run { args, rank, world, device, data, sgd })
     }
 
@@ -72,9 +79,15 @@ impl Run {
 
 /// Train according to `args`, with the strategy its `--mode` names.
 pub fn train(args: TrainArgs) -> anyhow::Result<Summary> {
-    let run = Run::prepare(args)?;
+    let mut run = Run::prepare(args)?;
+    if run.args.mode == Mode::Dp {
+        // DP's "world" is its replicas: the loop draws one global batch of replicas x batch.
+        run.world = run.args.dp.replicas.unwrap_or(run.world);
+    }
     let strategy: Box<dyn Strategy> = match run.args.mode {
         Mode::Local => Box::new(Local::new(run.sgd)),
+        Mode::Dp => Box::new(Dp::new(&run)?),
+        Mode::Ddp => Box::new(Ddp::connect(&run)?),
         other => anyhow::bail!("--mode {} is not available in this build", other.name()),
     };
     run_loop(&run, strategy)
