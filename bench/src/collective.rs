@@ -157,7 +157,12 @@ fn nccl_single(sizes: &[usize], a: &CollectiveArgs) -> anyhow::Result<Vec<Row>> 
 }
 
 /// gloo through `bench/pytorch/allreduce.py`: (bytes, seconds) per size.
-fn gloo(python: &PathBuf, world: usize, sizes: &[usize], a: &CollectiveArgs) -> anyhow::Result<Vec<(usize, f64)>> {
+fn gloo(
+    python: &PathBuf,
+    world: usize,
+    sizes: &[usize],
+    a: &CollectiveArgs,
+) -> anyhow::Result<Vec<(usize, f64)>> {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/pytorch/allreduce.py");
     let list: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
     let out = Command::new(python)
@@ -165,16 +170,17 @@ fn gloo(python: &PathBuf, world: usize, sizes: &[usize], a: &CollectiveArgs) -> 
         .args(["--budget-bytes", &a.budget_bytes.to_string()])
         .output()
         .with_context(|| format!("running {}", python.display()))?;
-    anyhow::ensure!(out.status.success(), "gloo benchmark failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    anyhow::ensure!(
+        out.status.success(),
+        "gloo benchmark failed: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter(|l| l.starts_with('{'))
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l)?;
-            Ok((
-                v["bytes"].as_u64().context("bytes")? as usize,
-                v["seconds"].as_f64().context("seconds")?,
-            ))
+            Ok((v["bytes"].as_u64().context("bytes")? as usize, v["seconds"].as_f64().context("seconds")?))
         })
         .collect()
 }
@@ -193,7 +199,15 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
     let raw = crate::rawtcp::bandwidth("127.0.0.1", Duration::from_secs_f64(a.raw_secs))? / 1e9;
     println!("raw loopback TCP, one stream, measured now: {raw:.2} GB/s");
     let mut t = Table::new(&[
-        "ranks", "backend", "size", "time us", "algbw GB/s", "busbw GB/s", "busbw/raw", "gloo busbw", "vs gloo",
+        "ranks",
+        "backend",
+        "size",
+        "time us",
+        "algbw GB/s",
+        "busbw GB/s",
+        "busbw/raw",
+        "gloo busbw",
+        "vs gloo",
         "#wrong",
     ]);
     for &world in &a.ranks {
@@ -227,9 +241,10 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                 other => anyhow::bail!("--backend {other}: expected tcp or nccl"),
             };
             for row in rows {
-                let g = torch.as_ref().and_then(|v| v.iter().find(|(b, _)| *b == row.bytes)).map(|&(b, s)| {
-                    busbw(b as f64 / s / 1e9, world)
-                });
+                let g = torch
+                    .as_ref()
+                    .and_then(|v| v.iter().find(|(b, _)| *b == row.bytes))
+                    .map(|&(b, s)| busbw(b as f64 / s / 1e9, world));
                 let bus = busbw(row.algbw(), world);
                 t.row(vec![
                     world.to_string(),

@@ -59,7 +59,11 @@ fn worker_path(a: &OverlapArgs) -> anyhow::Result<PathBuf> {
     }
     let me = std::env::current_exe()?;
     let w = me.with_file_name("gradsync-worker");
-    anyhow::ensure!(w.exists(), "{} not found: build it (cargo build --release -p gradsync-worker) or pass --worker", w.display());
+    anyhow::ensure!(
+        w.exists(),
+        "{} not found: build it (cargo build --release -p gradsync-worker) or pass --worker",
+        w.display()
+    );
     Ok(w)
 }
 
@@ -121,7 +125,14 @@ pub fn run(a: &OverlapArgs) -> anyhow::Result<()> {
         let _ = std::fs::remove_dir_all(&tmp);
     }
     let mut t = Table::new(&[
-        "buckets reduced", "ranks", "step ms", "backward ms", "comm ms", "exposed ms", "hidden", "MB moved/step",
+        "buckets reduced",
+        "ranks",
+        "step ms",
+        "backward ms",
+        "comm ms",
+        "exposed ms",
+        "hidden",
+        "MB moved/step",
     ]);
     for (overlap, f) in [true, false].into_iter().zip(runs) {
         let f = f?;
@@ -136,7 +147,10 @@ pub fn run(a: &OverlapArgs) -> anyhow::Result<()> {
             format!("{:.1}", f.bytes / 1e6),
         ]);
     }
-    println!("DDP {} with {} ranks, batch {} per rank, {} MB buckets (medians over ranks and steps 2..)", a.model, a.ranks, a.batch, a.bucket_mb);
+    println!(
+        "DDP {} with {} ranks, batch {} per rank, {} MB buckets (medians over ranks and steps 2..)",
+        a.model, a.ranks, a.batch, a.bucket_mb
+    );
     print!("{}", t.render());
     println!("hidden = 1 - exposed/comm: the share of all-reduce time spent while backward still ran.");
     Ok(())

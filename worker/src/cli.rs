@@ -221,7 +221,11 @@ impl DdpArgs {
         let host = self.master_addr.clone().or(slurm).unwrap_or_else(|| "127.0.0.1".into());
         let port = self.master_port.unwrap_or(29500);
         anyhow::ensure!(port != 0, "--master-port 0: every rank must know the store's port; use a fixed one");
-        Ok(if host.contains(':') && !host.starts_with('[') { format!("[{host}]:{port}") } else { format!("{host}:{port}") })
+        Ok(if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        })
     }
 }
 

@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::collective::tcp::{Hello, MAGIC, MeshInfo, connect_retry, read_line, refuse, token_hash, write_line};
+use crate::collective::tcp::{
+    Hello, MAGIC, MeshInfo, connect_retry, read_line, refuse, token_hash, write_line,
+};
 use crate::collective::{CommError, Result, RingConfig, TcpComm, nccl};
 
 /// Who this rank is and where the store is.
@@ -107,11 +109,19 @@ pub fn serve_store(
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
                     let missing: Vec<usize> = (0..world).filter(|&r| pending[r].is_none()).collect();
-                    let why = format!("ranks {missing:?} never registered within {:.1} s", timeout.as_secs_f64());
+                    let why =
+                        format!("ranks {missing:?} never registered within {:.1} s", timeout.as_secs_f64());
                     for (mut s, _) in pending.into_iter().flatten() {
-                        let _ = write_line(&mut s, &StoreReply { refused: Some(why.clone()), addrs: vec![], nccl_id: None });
+                        let _ = write_line(
+                            &mut s,
+                            &StoreReply { refused: Some(why.clone()), addrs: vec![], nccl_id: None },
+                        );
                     }
-                    return Err(CommError::Timeout { peer: missing[0], op: "rendezvous", secs: timeout.as_secs_f64() });
+                    return Err(CommError::Timeout {
+                        peer: missing[0],
+                        op: "rendezvous",
+                        secs: timeout.as_secs_f64(),
+                    });
                 }
                 std::thread::sleep(Duration::from_millis(2));
                 continue;
@@ -132,7 +142,9 @@ pub fn serve_store(
             }
         };
         let verdict = refuse(&hello, None, world, fingerprint, token)
-            .or_else(|| pending[hello.rank].is_some().then(|| format!("rank {} registered twice", hello.rank)))
+            .or_else(|| {
+                pending[hello.rank].is_some().then(|| format!("rank {} registered twice", hello.rank))
+            })
             .or_else(|| hello.addr.is_none().then(|| "no ring address given".to_string()));
         match (verdict, hello.addr) {
             (None, Some(addr)) => pending[hello.rank] = Some((s, addr)),
@@ -162,7 +174,10 @@ pub fn join(cfg: &RendezvousConfig) -> Result<Joined> {
 /// test) instead of binding `cfg.master` itself.
 pub fn join_with_store(cfg: &RendezvousConfig, store: Option<TcpListener>) -> Result<Joined> {
     if cfg.rank >= cfg.world {
-        return Err(CommError::Invalid { what: "rank", why: format!("{} is not below the world size {}", cfg.rank, cfg.world) });
+        return Err(CommError::Invalid {
+            what: "rank",
+            why: format!("{} is not below the world size {}", cfg.rank, cfg.world),
+        });
     }
     let master = resolve(&cfg.master)?;
     let store: Option<JoinHandle<Result<()>>> = if cfg.rank == 0 {
@@ -177,10 +192,12 @@ pub fn join_with_store(cfg: &RendezvousConfig, store: Option<TcpListener>) -> Re
         None
     };
     let deadline = Instant::now() + cfg.timeout;
-    let s = connect_retry(&master, deadline).map_err(|e| rdzv(&cfg.master, format!("cannot reach the store: {e}")))?;
+    let s = connect_retry(&master, deadline)
+        .map_err(|e| rdzv(&cfg.master, format!("cannot reach the store: {e}")))?;
     // Listen on the interface that reaches the store: the one the other ranks can reach too.
     let ip = s.local_addr().map_err(|e| rdzv(&cfg.master, e.to_string()))?.ip();
-    let listener = TcpListener::bind((ip, 0)).map_err(|e| rdzv(&cfg.master, format!("binding {ip}:0: {e}")))?;
+    let listener =
+        TcpListener::bind((ip, 0)).map_err(|e| rdzv(&cfg.master, format!("binding {ip}:0: {e}")))?;
     let addr = listener.local_addr().map_err(|e| rdzv(&cfg.master, e.to_string()))?;
     let hello = Hello {
         magic: MAGIC.into(),
@@ -200,17 +217,19 @@ pub fn join_with_store(cfg: &RendezvousConfig, store: Option<TcpListener>) -> Re
         h.join().map_err(|_| rdzv(&cfg.master, "the store thread panicked"))??;
     }
     let reply = reply.map_err(|e| match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => rdzv(
-            &cfg.master,
-            format!("not every rank registered within {:.1} s", cfg.timeout.as_secs_f64()),
-        ),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            rdzv(&cfg.master, format!("not every rank registered within {:.1} s", cfg.timeout.as_secs_f64()))
+        }
         _ => rdzv(&cfg.master, format!("bad answer: {e}")),
     })?;
     if let Some(why) = reply.refused {
         return Err(rdzv(&cfg.master, format!("refused: {why}")));
     }
     if reply.addrs.len() != cfg.world {
-        return Err(rdzv(&cfg.master, format!("answered {} addresses for {} ranks", reply.addrs.len(), cfg.world)));
+        return Err(rdzv(
+            &cfg.master,
+            format!("answered {} addresses for {} ranks", reply.addrs.len(), cfg.world),
+        ));
     }
     let nccl_id = match reply.nccl_id {
         Some(v) => Some(

@@ -234,7 +234,11 @@ fn all_reduce_traffic_is_the_ring_optimum() {
             let want = (2 * (world - 1) * n / world * 4) as u64;
             // Uneven segments (4000 over 3) shift a few values between ranks.
             assert!(t.sent.abs_diff(want) <= 16 * world as u64, "{world} ranks: sent {} want {want}", t.sent);
-            assert!(t.recv.abs_diff(want) <= 16 * world as u64, "{world} ranks: received {} want {want}", t.recv);
+            assert!(
+                t.recv.abs_diff(want) <= 16 * world as u64,
+                "{world} ranks: received {} want {want}",
+                t.recv
+            );
         }
     }
 }
@@ -247,7 +251,16 @@ fn nccl_matches_the_reference_at_world_size_one() {
     }
     let id = nccl::unique_id().unwrap();
     let mut c = Nccl::new(0, 0, 1, &id, Duration::from_secs(30)).unwrap();
-    for op in [Op::AllReduce, Op::ReduceScatter, Op::AllGather, Op::Broadcast, Op::Reduce, Op::Gather, Op::Scatter, Op::Barrier] {
+    for op in [
+        Op::AllReduce,
+        Op::ReduceScatter,
+        Op::AllGather,
+        Op::Broadcast,
+        Op::Reduce,
+        Op::Gather,
+        Op::Scatter,
+        Op::Barrier,
+    ] {
         for n in sizes(1) {
             assert_eq!(run_op(&mut c, op, n), expected(op, 1, 0, n), "NCCL {op:?}, {n} values");
         }

@@ -90,8 +90,22 @@ fn run_ok(args: &[&str]) -> Output {
 /// Flags every run shares: the tiny model on a small synthetic set, a few steps.
 fn common(save: &Path) -> Vec<String> {
     [
-        "--model", "tiny", "--data", "synthetic:600:32:8", "--device", "cpu", "--threads", "1", "--steps", "6",
-        "--eval-every", "0", "--lr", "0.1", "--quiet", "--save",
+        "--model",
+        "tiny",
+        "--data",
+        "synthetic:600:32:8",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--steps",
+        "6",
+        "--eval-every",
+        "0",
+        "--lr",
+        "0.1",
+        "--quiet",
+        "--save",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -121,22 +135,40 @@ fn check_equivalence(world: usize, batch: usize) {
     a.extend(common(&local));
     run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
 
-    let mut a: Vec<String> = ["train", "--mode", "dp", "--replicas", &w, "--batch", &b].map(String::from).to_vec();
+    let mut a: Vec<String> =
+        ["train", "--mode", "dp", "--replicas", &w, "--batch", &b].map(String::from).to_vec();
     a.extend(common(&dp));
     run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
 
     // Small buckets, so several all-reduces overlap backward.
-    let mut a: Vec<String> =
-        ["launch", "--nproc-per-node", &w, "--master-port", "0", "--", "train", "--mode", "ddp", "--batch", &b]
-            .map(String::from)
-            .to_vec();
+    let mut a: Vec<String> = [
+        "launch",
+        "--nproc-per-node",
+        &w,
+        "--master-port",
+        "0",
+        "--",
+        "train",
+        "--mode",
+        "ddp",
+        "--batch",
+        &b,
+    ]
+    .map(String::from)
+    .to_vec();
     a.extend(["--bucket-mb", "0.002", "--comm-timeout", "30", "--chunk-kb", "1"].map(String::from));
     a.extend(common(&ddp));
     run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
 
     let (l, p, d) = (params(&local), params(&dp), params(&ddp));
-    assert_ne!(l, gradsync_core::model::init_params(&gradsync_core::model::Layout::new(
-        &gradsync_core::model::ModelSpec::parse("tiny").unwrap()), 42), "local did not train");
+    assert_ne!(
+        l,
+        gradsync_core::model::init_params(
+            &gradsync_core::model::Layout::new(&gradsync_core::model::ModelSpec::parse("tiny").unwrap()),
+            42
+        ),
+        "local did not train"
+    );
     assert!(max_diff(&l, &p) < 1e-5, "DP vs local: max diff {}", max_diff(&l, &p));
     assert!(max_diff(&l, &d) < 1e-5, "DDP vs local: max diff {}", max_diff(&l, &d));
 }
@@ -156,17 +188,21 @@ fn ddp_metrics_report_communication() {
     let dir = Scratch::new("metrics");
     let m = dir.0.join("m-{rank}.jsonl");
     let save = dir.0.join("s.ckpt");
-    let mut a: Vec<String> = ["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "train", "--mode", "ddp"]
-        .map(String::from)
-        .to_vec();
+    let mut a: Vec<String> =
+        ["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "train", "--mode", "ddp"]
+            .map(String::from)
+            .to_vec();
     a.extend(["--batch", "8", "--bucket-mb", "0.002", "--metrics"].map(String::from));
     a.push(m.display().to_string());
     a.extend(common(&save));
     run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
     let text = std::fs::read_to_string(dir.0.join("m-1.jsonl")).unwrap();
     assert!(dir.0.join("m-0.jsonl").exists());
-    let steps: Vec<serde_json::Value> =
-        text.lines().map(|l| serde_json::from_str(l).unwrap()).filter(|v: &serde_json::Value| v["kind"] == "step").collect();
+    let steps: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &serde_json::Value| v["kind"] == "step")
+        .collect();
     assert_eq!(steps.len(), 6);
     let params = 4456u64;
     for s in &steps {
@@ -181,14 +217,31 @@ fn ddp_metrics_report_communication() {
 
 #[test]
 fn launcher_prefixes_output_and_stops_everyone_when_one_fails() {
-    let out = run_ok(&["launch", "--nproc-per-node", "3", "--master-port", "0", "--", "sh", "-c", "echo hi from $RANK of $WORLD_SIZE local $LOCAL_RANK"]);
+    let out = run_ok(&[
+        "launch",
+        "--nproc-per-node",
+        "3",
+        "--master-port",
+        "0",
+        "--",
+        "sh",
+        "-c",
+        "echo hi from $RANK of $WORLD_SIZE local $LOCAL_RANK",
+    ]);
     let text = String::from_utf8_lossy(&out.stdout);
     for r in 0..3 {
         assert!(text.contains(&format!("[{r}] hi from {r} of 3 local {r}")), "{text}");
     }
     let t0 = Instant::now();
     let out = spawn(&[
-        "launch", "--nproc-per-node", "3", "--master-port", "0", "--", "sh", "-c",
+        "launch",
+        "--nproc-per-node",
+        "3",
+        "--master-port",
+        "0",
+        "--",
+        "sh",
+        "-c",
         "if [ \"$RANK\" = 1 ]; then echo failing >&2; exit 3; fi; exec sleep 60",
     ])
     .wait(Duration::from_secs(30));
@@ -206,9 +259,30 @@ fn ddp_refuses_a_rank_of_another_model() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
     let rank = |r: &str, seed: &str| {
         spawn(&[
-            "train", "--mode", "ddp", "--rank", r, "--world-size", "2", "--master-addr", "127.0.0.1",
-            "--master-port", &port, "--model", "tiny", "--data", "synthetic:64:32:8", "--device", "cpu",
-            "--steps", "1", "--quiet", "--seed", seed, "--comm-timeout", "5",
+            "train",
+            "--mode",
+            "ddp",
+            "--rank",
+            r,
+            "--world-size",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--model",
+            "tiny",
+            "--data",
+            "synthetic:64:32:8",
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--quiet",
+            "--seed",
+            seed,
+            "--comm-timeout",
+            "5",
         ])
     };
     let (a, b) = (rank("0", "1"), rank("1", "2"));

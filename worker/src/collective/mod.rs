@@ -161,7 +161,10 @@ pub fn segment(len: usize, parts: usize, k: usize) -> Range<usize> {
 /// Check that `root` (or `peer`) names a rank.
 pub(crate) fn check_rank(what: &'static str, r: usize, world: usize) -> Result<()> {
     if r >= world {
-        return Err(CommError::Invalid { what, why: format!("rank {r} is not below the world size {world}") });
+        return Err(CommError::Invalid {
+            what,
+            why: format!("rank {r} is not below the world size {world}"),
+        });
     }
     Ok(())
 }

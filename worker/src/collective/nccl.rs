@@ -58,13 +58,25 @@ pub struct Nccl {
 
 impl std::fmt::Debug for Nccl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Nccl(rank {} of {} on cuda:{})", self.comm.rank(), self.comm.world_size(), self.ctx.ordinal())
+        write!(
+            f,
+            "Nccl(rank {} of {} on cuda:{})",
+            self.comm.rank(),
+            self.comm.world_size(),
+            self.ctx.ordinal()
+        )
     }
 }
 
 impl Nccl {
     /// Join the communicator `id` as `rank` of `world` on CUDA device `ordinal`.
-    pub fn new(ordinal: usize, rank: usize, world: usize, id: &[u8; ID_BYTES], timeout: Duration) -> Result<Nccl> {
+    pub fn new(
+        ordinal: usize,
+        rank: usize,
+        world: usize,
+        id: &[u8; ID_BYTES],
+        timeout: Duration,
+    ) -> Result<Nccl> {
         available()?;
         check_rank("rank", rank, world)?;
         let ctx = CudaContext::new(ordinal).map_err(nccl_err("cuCtxCreate"))?;
@@ -84,7 +96,11 @@ impl Nccl {
     /// # Safety
     /// `ptr` must point to `len` `f32` values of device memory on this communicator's GPU that
     /// nothing else reads or writes until this returns.
-    pub unsafe fn all_reduce_device(&mut self, ptr: cudarc::driver::sys::CUdeviceptr, len: usize) -> Result<()> {
+    pub unsafe fn all_reduce_device(
+        &mut self,
+        ptr: cudarc::driver::sys::CUdeviceptr,
+        len: usize,
+    ) -> Result<()> {
         if len == 0 {
             return Ok(());
         }
@@ -205,9 +221,12 @@ impl Collective for Nccl {
         }
         self.upload(&padded, piece * (w + 1))?;
         let Nccl { comm, staging, .. } = self;
-        let st = staging.as_mut().ok_or_else(|| CommError::Nccl { op: "reduce_scatter", msg: "no buffer".into() })?;
+        let st = staging
+            .as_mut()
+            .ok_or_else(|| CommError::Nccl { op: "reduce_scatter", msg: "no buffer".into() })?;
         let (src, mut dst) = st.split_at_mut(piece * w);
-        comm.reduce_scatter(&src, &mut dst.slice_mut(0..piece), &ReduceOp::Sum).map_err(nccl_err("ncclReduceScatter"))?;
+        comm.reduce_scatter(&src, &mut dst.slice_mut(0..piece), &ReduceOp::Sum)
+            .map_err(nccl_err("ncclReduceScatter"))?;
         self.wait("reduce_scatter")?;
         let at = piece * w;
         self.download(at..at + mine.len(), &mut buf[mine.clone()])?;
@@ -223,7 +242,8 @@ impl Collective for Nccl {
         padded[..mine.len()].copy_from_slice(&buf[mine]);
         self.upload(&padded, piece * (w + 1))?;
         let Nccl { comm, staging, .. } = self;
-        let st = staging.as_mut().ok_or_else(|| CommError::Nccl { op: "all_gather", msg: "no buffer".into() })?;
+        let st =
+            staging.as_mut().ok_or_else(|| CommError::Nccl { op: "all_gather", msg: "no buffer".into() })?;
         let (src, mut dst) = st.split_at_mut(piece);
         comm.all_gather(&src, &mut dst.slice_mut(0..piece * w)).map_err(nccl_err("ncclAllGather"))?;
         self.wait("all_gather")?;
@@ -259,7 +279,10 @@ impl Collective for Nccl {
         let (w, r, n) = (self.world_size(), self.rank(), send.len());
         check_rank("root", root, w)?;
         if r == root && out.len() != n * w {
-            return Err(CommError::Invalid { what: "gather output", why: format!("{} values, need {}", out.len(), n * w) });
+            return Err(CommError::Invalid {
+                what: "gather output",
+                why: format!("{} values, need {}", out.len(), n * w),
+            });
         }
         self.upload(send, n * (w + 1))?;
         let Nccl { comm, staging, .. } = self;
@@ -288,7 +311,10 @@ impl Collective for Nccl {
         let (w, r, n) = (self.world_size(), self.rank(), recv.len());
         check_rank("root", root, w)?;
         if r == root && src.len() != n * w {
-            return Err(CommError::Invalid { what: "scatter input", why: format!("{} values, need {}", src.len(), n * w) });
+            return Err(CommError::Invalid {
+                what: "scatter input",
+                why: format!("{} values, need {}", src.len(), n * w),
+            });
         }
         if r == root {
             self.upload(src, n * (w + 1))?;
@@ -296,7 +322,8 @@ impl Collective for Nccl {
             self.staging(n * (w + 1))?;
         }
         let Nccl { comm, staging, .. } = self;
-        let st = staging.as_mut().ok_or_else(|| CommError::Nccl { op: "scatter", msg: "no buffer".into() })?;
+        let st =
+            staging.as_mut().ok_or_else(|| CommError::Nccl { op: "scatter", msg: "no buffer".into() })?;
         let (all, mut mine) = st.split_at_mut(n * w);
         group_start().map_err(nccl_err("ncclGroupStart"))?;
         if r == root {

@@ -138,8 +138,10 @@ impl Link {
 
 /// Write one frame of `vals`; returns the payload bytes written.
 pub(crate) fn write_frame(w: &mut TcpStream, op: Op, vals: &[f32], peer: usize, t: Duration) -> Result<u64> {
-    let count = u32::try_from(vals.len())
-        .map_err(|_| CommError::Invalid { what: "chunk", why: format!("{} values in one frame", vals.len()) })?;
+    let count = u32::try_from(vals.len()).map_err(|_| CommError::Invalid {
+        what: "chunk",
+        why: format!("{} values in one frame", vals.len()),
+    })?;
     let mut head = [0u8; 8];
     head[..4].copy_from_slice(&(op as u32).to_le_bytes());
     head[4..].copy_from_slice(&count.to_le_bytes());
@@ -176,7 +178,13 @@ fn read_header(r: &mut TcpStream, op: Op, expect: usize, peer: usize, t: Duratio
 }
 
 /// Read one frame of exactly `dst.len()` values into `dst`; returns the payload bytes.
-pub(crate) fn read_frame(r: &mut TcpStream, op: Op, dst: &mut [f32], peer: usize, t: Duration) -> Result<u64> {
+pub(crate) fn read_frame(
+    r: &mut TcpStream,
+    op: Op,
+    dst: &mut [f32],
+    peer: usize,
+    t: Duration,
+) -> Result<u64> {
     read_header(r, op, dst.len(), peer, t)?;
     if !dst.is_empty() {
         r.read_exact(bytemuck::cast_slice_mut(dst)).map_err(peer_err(peer, op, t))?;
@@ -300,7 +308,10 @@ const MAX_LINE: usize = 64 << 10;
 
 /// Hash of a shared token as sent in a [`Hello`].
 pub(crate) fn token_hash(token: Option<&str>) -> u64 {
-    token.unwrap_or("").bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+    token
+        .unwrap_or("")
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// Write `v` as one JSON line.
@@ -320,7 +331,8 @@ pub(crate) fn read_line<T: for<'de> Deserialize<'de>>(mut s: &TcpStream) -> io::
         match s.read(&mut byte)? {
             0 => break,
             _ if byte[0] == b'\n' => {
-                return serde_json::from_slice(&line).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e));
+                return serde_json::from_slice(&line)
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e));
             }
             _ => line.push(byte[0]),
         }
@@ -337,7 +349,13 @@ pub(crate) struct Welcome {
 
 /// Why `h` may not join a ring of `world` ranks training `fingerprint` with `token` (as seen
 /// by rank `me`, or by the store when `me` is `None`). `None` if it may.
-pub(crate) fn refuse(h: &Hello, me: Option<usize>, world: usize, fingerprint: &str, token: u64) -> Option<String> {
+pub(crate) fn refuse(
+    h: &Hello,
+    me: Option<usize>,
+    world: usize,
+    fingerprint: &str,
+    token: u64,
+) -> Option<String> {
     if h.magic != MAGIC {
         return Some(format!("not a gradsync ring client (magic '{}', expected '{MAGIC}')", h.magic));
     }
@@ -351,7 +369,10 @@ pub(crate) fn refuse(h: &Hello, me: Option<usize>, world: usize, fingerprint: &s
         return Some(format!("rank {} is not below the world size {world}", h.rank));
     }
     if h.fingerprint != fingerprint {
-        return Some(format!("model fingerprint '{}' does not match this run's '{fingerprint}'", h.fingerprint));
+        return Some(format!(
+            "model fingerprint '{}' does not match this run's '{fingerprint}'",
+            h.fingerprint
+        ));
     }
     if let Some(me) = me {
         if h.to != Some(me) {
@@ -410,15 +431,23 @@ impl TcpComm {
                 to: Some(peer),
                 addr: None,
             };
-            let s = connect_retry(addr, deadline)
-                .map_err(|e| CommError::Io { what: format!("connecting to rank {peer} at {addr}"), source: e })?;
+            let s = connect_retry(addr, deadline).map_err(|e| CommError::Io {
+                what: format!("connecting to rank {peer} at {addr}"),
+                source: e,
+            })?;
             s.set_read_timeout(Some(cfg.timeout)).ok();
-            let hs = |e: io::Error| CommError::Handshake { who: format!("rank {peer} at {addr}"), why: e.to_string() };
+            let hs = |e: io::Error| CommError::Handshake {
+                who: format!("rank {peer} at {addr}"),
+                why: e.to_string(),
+            };
             let mut w = s.try_clone().map_err(hs)?;
             write_line(&mut w, &hello).map_err(hs)?;
             let welcome: Welcome = read_line(&s).map_err(hs)?;
             if let Some(why) = welcome.refused {
-                return Err(CommError::Handshake { who: format!("rank {peer} at {addr}"), why: format!("refused: {why}") });
+                return Err(CommError::Handshake {
+                    who: format!("rank {peer} at {addr}"),
+                    why: format!("refused: {why}"),
+                });
             }
             links[peer] = Some(Link::new(peer, s, &cfg)?);
         }
@@ -431,7 +460,11 @@ impl TcpComm {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
                         let missing = (rank + 1..world).find(|&p| links[p].is_none()).unwrap_or(rank);
-                        return Err(CommError::Timeout { peer: missing, op: "connecting the ring", secs: cfg.timeout.as_secs_f64() });
+                        return Err(CommError::Timeout {
+                            peer: missing,
+                            op: "connecting the ring",
+                            secs: cfg.timeout.as_secs_f64(),
+                        });
                     }
                     // Accept has no timeout in std; a short nap bounds the wait at the deadline.
                     std::thread::sleep(Duration::from_millis(2));
@@ -441,7 +474,9 @@ impl TcpComm {
             };
             match accept_one(s, rank, world, &info.fingerprint, token, &cfg) {
                 Ok((peer, s)) if links[peer].is_none() => links[peer] = Some(Link::new(peer, s, &cfg)?),
-                Ok((peer, _)) => tracing::warn!("refused a second connection claiming rank {peer} from {from}"),
+                Ok((peer, _)) => {
+                    tracing::warn!("refused a second connection claiming rank {peer} from {from}")
+                }
                 Err(why) => tracing::warn!("refused a connection from {from}: {why}"),
             }
         }
@@ -489,10 +524,13 @@ impl TcpComm {
 
     /// The links to the left and right ring neighbours (the same link when there are two
     /// ranks), split so that one can be written while the other is read.
-    pub(crate) fn neighbours(&mut self) -> Result<(&mut TcpStream, &mut TcpStream, &mut Vec<f32>, &RingConfig)> {
+    pub(crate) fn neighbours(
+        &mut self,
+    ) -> Result<(&mut TcpStream, &mut TcpStream, &mut Vec<f32>, &RingConfig)> {
         let (w, r) = (self.world, self.rank);
         let (left, right) = ((r + w - 1) % w, (r + 1) % w);
-        let missing = |p| CommError::Invalid { what: "peer", why: format!("rank {r} has no link to rank {p}") };
+        let missing =
+            |p| CommError::Invalid { what: "peer", why: format!("rank {r} has no link to rank {p}") };
         if left == right {
             let l = self.links[left].as_mut().ok_or_else(|| missing(left))?;
             return Ok((&mut l.reader, &mut l.writer, &mut self.scratch, &self.cfg));
@@ -602,7 +640,9 @@ impl super::Collective for TcpComm {
     }
 
     fn all_gather(&mut self, buf: &mut [f32]) -> Result<()> {
-        self.guarded(Op::AllGather, |c| super::ring::run(c, buf, super::ring::Phases::AllGather, Op::AllGather))
+        self.guarded(Op::AllGather, |c| {
+            super::ring::run(c, buf, super::ring::Phases::AllGather, Op::AllGather)
+        })
     }
 
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
@@ -623,14 +663,20 @@ impl super::Collective for TcpComm {
 
     fn send(&mut self, buf: &[f32], peer: usize) -> Result<()> {
         if peer == self.rank {
-            return Err(CommError::Invalid { what: "peer", why: format!("rank {peer} cannot send to itself") });
+            return Err(CommError::Invalid {
+                what: "peer",
+                why: format!("rank {peer} cannot send to itself"),
+            });
         }
         self.guarded(Op::SendRecv, |c| super::chain::send_to(c, buf, peer, Op::SendRecv))
     }
 
     fn recv(&mut self, buf: &mut [f32], peer: usize) -> Result<()> {
         if peer == self.rank {
-            return Err(CommError::Invalid { what: "peer", why: format!("rank {peer} cannot receive from itself") });
+            return Err(CommError::Invalid {
+                what: "peer",
+                why: format!("rank {peer} cannot receive from itself"),
+            });
         }
         self.guarded(Op::SendRecv, |c| super::chain::recv_from(c, buf, peer, Op::SendRecv))
     }

@@ -83,8 +83,9 @@ impl Ddp {
             Backend::Tcp => {
                 let ring = RingConfig { timeout, chunk_bytes: d.chunk_kb << 10, ..RingConfig::default() };
                 Comm::Tcp(
-                    rendezvous::connect_tcp(&cfg, ring)
-                        .with_context(|| format!("joining the ring of {} ranks at {}", run.world, cfg.master))?,
+                    rendezvous::connect_tcp(&cfg, ring).with_context(|| {
+                        format!("joining the ring of {} ranks at {}", run.world, cfg.master)
+                    })?,
                 )
             }
             Backend::Nccl => {
@@ -154,7 +155,8 @@ fn backward_overlapped(
         });
         let bwd_end = Instant::now();
         drop(tx);
-        let reduced = worker.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the communication thread panicked")));
+        let reduced =
+            worker.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the communication thread panicked")));
         (bwd, bwd_end, reduced)
     });
     let (busy, comm_end) = reduced?;
@@ -176,7 +178,13 @@ impl Strategy for Ddp {
         Ok(())
     }
 
-    fn step(&mut self, engine: &mut Engine, x: &[f32], y: &[u32], rec: &mut Step) -> anyhow::Result<BatchLoss> {
+    fn step(
+        &mut self,
+        engine: &mut Engine,
+        x: &[f32],
+        y: &[u32],
+        rec: &mut Step,
+    ) -> anyhow::Result<BatchLoss> {
         let plan = self.plan.take().context("step before start")?;
         let out = self.step_with(engine, &plan, x, y, rec);
         self.plan = Some(plan);

@@ -81,7 +81,13 @@ impl Strategy for Dp {
         Ok(())
     }
 
-    fn step(&mut self, engine: &mut Engine, x: &[f32], y: &[u32], rec: &mut Step) -> anyhow::Result<BatchLoss> {
+    fn step(
+        &mut self,
+        engine: &mut Engine,
+        x: &[f32],
+        y: &[u32],
+        rec: &mut Step,
+    ) -> anyhow::Result<BatchLoss> {
         let n = self.replicas;
         anyhow::ensure!(y.len() % n == 0, "a batch of {} rows does not split over {n} replicas", y.len());
         let (rows, dim) = (y.len() / n, x.len() / y.len().max(1));
@@ -94,12 +100,8 @@ impl Strategy for Dp {
                 let ((), b) = timed(e, |e| e.backward(false))?;
                 Ok((loss, f, b))
             };
-            let handles: Vec<_> = self
-                .others
-                .iter_mut()
-                .enumerate()
-                .map(|(i, e)| s.spawn(move || work(e, i + 1)))
-                .collect();
+            let handles: Vec<_> =
+                self.others.iter_mut().enumerate().map(|(i, e)| s.spawn(move || work(e, i + 1))).collect();
             let mut out = vec![work(engine, 0)];
             out.extend(
                 handles
