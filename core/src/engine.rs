@@ -94,6 +94,35 @@ impl Engine {
     ) -> Result<()> {
         match self {
             Engine::Cpu(m) => m.backward(plan, accumulate, on_ready),
+            Engine::Cuda(_) => Err(crate::Error::invalid(
+                "bucket hook",
+                "the gradients live on the GPU: use backward_device_buckets or the host copies",
+            )),
+        }
+    }
+
+    /// Backward on a GPU engine, handing each finished bucket of `plan` to
+    /// `on_ready(index, range, device_address, stream)`: the bucket's values are final once
+    /// the work queued so far on `stream` (the engine's compute stream) completes, so a
+    /// collective on another stream that waits for an event recorded on `stream` may reduce
+    /// it in place while backward goes on. The address stays valid while the engine lives;
+    /// nothing but that collective may touch the bucket until the next backward. CPU engines
+    /// return [`crate::Error::Invalid`] (use [`Engine::backward_host_buckets`]).
+    pub fn backward_device_buckets(
+        &mut self,
+        plan: &BucketPlan,
+        accumulate: bool,
+        on_ready: &mut dyn FnMut(usize, Range<usize>, u64, &std::sync::Arc<cudarc::driver::CudaStream>),
+    ) -> Result<()> {
+        match self {
+            Engine::Cuda(m) => {
+                let stream = m.backend().stream().clone();
+                m.backward(plan, accumulate, &mut |i, r, v| on_ready(i, r, v.device_ptr(), &stream))
+            }
+            Engine::Cpu(_) => Err(crate::Error::invalid(
+                "device bucket hook",
+                "the gradients live in host memory: use backward_host_buckets",
+            )),
         }
     }
 

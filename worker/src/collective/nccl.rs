@@ -91,25 +91,35 @@ impl Nccl {
         &self.stream
     }
 
-    /// Sum `len` values at device address `ptr` across ranks, in place, and wait for it.
+    /// Queue the in-place sum of `len` values at device address `ptr` across ranks, to start
+    /// once the work queued so far on `after` (the stream that produced them) is done. Returns
+    /// at once; [`Nccl::wait_all`] waits for every queued reduction.
     ///
     /// # Safety
     /// `ptr` must point to `len` `f32` values of device memory on this communicator's GPU that
-    /// nothing else reads or writes until this returns.
-    pub unsafe fn all_reduce_device(
+    /// stay allocated, and that nothing else reads or writes, until [`Nccl::wait_all`] returns.
+    pub unsafe fn all_reduce_device_after(
         &mut self,
         ptr: cudarc::driver::sys::CUdeviceptr,
         len: usize,
+        after: &CudaStream,
     ) -> Result<()> {
         if len == 0 {
             return Ok(());
         }
+        let ready = after.record_event(None).map_err(nccl_err("cuEventRecord"))?;
+        self.stream.wait(&ready).map_err(nccl_err("cuStreamWaitEvent"))?;
         // SAFETY: the caller vouches for the allocation; the slice is leaked below, never freed.
         let mut view = unsafe { self.stream.upgrade_device_ptr::<f32>(ptr, len) };
         let out = self.comm.all_reduce_in_place(&mut view, &ReduceOp::Sum);
         let _ = view.leak();
         out.map_err(nccl_err("ncclAllReduce"))?;
         self.count(len, 2);
+        Ok(())
+    }
+
+    /// Wait (bounded by the timeout) for every reduction queued so far.
+    pub fn wait_all(&mut self) -> Result<()> {
         self.wait("all_reduce")
     }
 

@@ -6,8 +6,10 @@
 //! backward produces them (last layer first). On a CPU engine with the TCP backend, each
 //! bucket is handed to a communication thread the moment backward finishes it, so its
 //! all-reduce runs while backward computes the earlier layers; what is left when backward
-//! ends is the *exposed* communication. GPU engines (and `--no-overlap`) reduce the buckets
-//! after backward, staged through host memory for TCP.
+//! ends is the *exposed* communication. On a GPU engine with NCCL, each finished bucket's
+//! all-reduce is queued on NCCL's stream behind an event on the compute stream, in GPU memory.
+//! GPU engines with TCP (and `--no-overlap`) reduce the buckets after backward, staged
+//! through host memory for TCP.
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -165,6 +167,51 @@ fn backward_overlapped(
     Ok(((bwd_end - t0).as_secs_f64() * 1e3, busy, exposed))
 }
 
+/// Backward on a GPU engine with NCCL reducing the buckets in GPU memory: each bucket's
+/// all-reduce is queued on NCCL's stream behind an event on the compute stream the moment
+/// backward finishes it (or, without overlap, all of them after backward). Returns (backward
+/// ms, communication ms from the first queued reduction to the last one's end, exposed ms).
+fn backward_nccl(
+    engine: &mut Engine,
+    nccl: &mut Nccl,
+    plan: &BucketPlan,
+    accumulate: bool,
+    overlap: bool,
+) -> anyhow::Result<(f64, f64, f64)> {
+    let t0 = Instant::now();
+    let mut first: Option<Instant> = None;
+    let mut deferred = Vec::new();
+    let mut failed = None;
+    engine.backward_device_buckets(plan, accumulate, &mut |_, range, ptr, stream| {
+        if !overlap {
+            deferred.push((ptr, range.len(), stream.clone()));
+            return;
+        }
+        if failed.is_none() {
+            first.get_or_insert_with(Instant::now);
+            // SAFETY: the engine's gradient buffer outlives this step, and nothing touches the
+            // bucket until wait_all below returns.
+            if let Err(e) = unsafe { nccl.all_reduce_device_after(ptr, range.len(), stream) } {
+                failed = Some(e);
+            }
+        }
+    })?;
+    if let Some(e) = failed {
+        return Err(e).context("queueing a bucket's all-reduce");
+    }
+    engine.synchronize()?;
+    let bwd_end = Instant::now();
+    for (ptr, len, stream) in deferred {
+        first.get_or_insert_with(Instant::now);
+        // SAFETY: as above; backward has finished with the buffer.
+        unsafe { nccl.all_reduce_device_after(ptr, len, &stream) }.context("queueing an all-reduce")?;
+    }
+    nccl.wait_all().context("waiting for the all-reduces")?;
+    let end = Instant::now();
+    let busy = first.map_or(0.0, |f| (end - f).as_secs_f64() * 1e3);
+    Ok(((bwd_end - t0).as_secs_f64() * 1e3, busy, (end - bwd_end).as_secs_f64() * 1e3))
+}
+
 impl Strategy for Ddp {
     fn start(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
         self.plan = Some(BucketPlan::with_cap(engine.layout(), self.bucket_values));
@@ -235,6 +282,12 @@ impl Ddp {
         match &mut self.comm {
             Comm::Tcp(comm) if self.overlap && !engine.is_cuda() => {
                 let (bwd, busy, exposed) = backward_overlapped(engine, comm, plan, accumulate)?;
+                rec.backward_ms = bwd;
+                rec.comm_ms = busy;
+                rec.comm_exposed_ms = exposed;
+            }
+            Comm::Nccl(nccl) if engine.is_cuda() => {
+                let (bwd, busy, exposed) = backward_nccl(engine, nccl, plan, accumulate, self.overlap)?;
                 rec.backward_ms = bwd;
                 rec.comm_ms = busy;
                 rec.comm_exposed_ms = exposed;
