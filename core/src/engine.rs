@@ -9,6 +9,11 @@ use crate::mlp::{BatchLoss, Mlp};
 use crate::model::{BucketPlan, Fingerprint, Layout, ModelSpec};
 use crate::optim::SgdConfig;
 
+/// What [`Engine::backward_device_buckets`] calls per bucket: index, range, device address,
+/// and the compute stream that writes it.
+pub type DeviceBucketHook<'h> =
+    dyn FnMut(usize, Range<usize>, u64, &std::sync::Arc<cudarc::driver::CudaStream>) + 'h;
+
 /// The model on one device.
 #[expect(
     clippy::large_enum_variant,
@@ -112,7 +117,7 @@ impl Engine {
         &mut self,
         plan: &BucketPlan,
         accumulate: bool,
-        on_ready: &mut dyn FnMut(usize, Range<usize>, u64, &std::sync::Arc<cudarc::driver::CudaStream>),
+        on_ready: &mut DeviceBucketHook<'_>,
     ) -> Result<()> {
         match self {
             Engine::Cuda(m) => {

@@ -6,6 +6,8 @@
 //! NCCL runs the same check at world size 1 where a GPU is present (NCCL refuses two ranks
 //! on one GPU); without one the test says it skipped.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::net::TcpListener;
 use std::time::Duration;
 

@@ -2,6 +2,8 @@
 //! different lengths, a stranger at the door, another model, a wrong token. Every case must
 //! end in an error that says what happened (naming the rank), quickly, never in a hang.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};

@@ -4,6 +4,8 @@
 //! gives the union of the ranks' k-th batches as local's k-th batch. Also the launcher's
 //! contract: rank-prefixed output, and one failing rank stops the rest.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};

@@ -271,8 +271,8 @@ impl Ddp {
         let (loss, ms) = timed(engine, |e| e.forward(x, y, true))?;
         rec.forward_ms = ms;
         self.micro += 1;
-        let accumulate = (self.micro - 1) % self.sync_every != 0;
-        if self.micro % self.sync_every != 0 {
+        let accumulate = !(self.micro - 1).is_multiple_of(self.sync_every);
+        if !self.micro.is_multiple_of(self.sync_every) {
             // DDP's no_sync: accumulate locally, no communication, no update.
             let ((), ms) = timed(engine, |e| e.backward(accumulate))?;
             rec.backward_ms = ms;

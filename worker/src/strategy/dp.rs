@@ -89,7 +89,11 @@ impl Strategy for Dp {
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
         let n = self.replicas;
-        anyhow::ensure!(y.len() % n == 0, "a batch of {} rows does not split over {n} replicas", y.len());
+        anyhow::ensure!(
+            y.len().is_multiple_of(n),
+            "a batch of {} rows does not split over {n} replicas",
+            y.len()
+        );
         let (rows, dim) = (y.len() / n, x.len() / y.len().max(1));
         // Scatter: replica k takes rows k*rows..(k+1)*rows and runs forward and backward on
         // its own thread.
