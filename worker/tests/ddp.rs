@@ -218,6 +218,33 @@ fn ddp_metrics_report_communication() {
 }
 
 #[test]
+fn sync_every_communicates_only_on_sync_steps() {
+    let dir = Scratch::new("nosync");
+    let save = dir.0.join("s.ckpt");
+    let mut a: Vec<String> = ["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "train", "--mode", "ddp"]
+        .map(String::from)
+        .to_vec();
+    a.extend(["--batch", "8", "--sync-every", "3", "--metrics"].map(String::from));
+    a.push(dir.0.join("m-{rank}.jsonl").display().to_string());
+    a.extend(common(&save));
+    run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let text = std::fs::read_to_string(dir.0.join("m-0.jsonl")).unwrap();
+    let sent: Vec<u64> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["kind"] == "step")
+        .map(|v| v["bytes_sent"].as_u64().unwrap())
+        .collect();
+    assert_eq!(sent.len(), 6);
+    for (i, b) in sent.iter().enumerate() {
+        assert_eq!(*b > 0, (i + 1) % 3 == 0, "step {}: {b} bytes sent", i + 1);
+    }
+    // Accumulated steps still train: the saved parameters are finite.
+    let p0 = params(&save);
+    assert!(p0.iter().all(|v| v.is_finite()));
+}
+
+#[test]
 fn launcher_prefixes_output_and_stops_everyone_when_one_fails() {
     let out = run_ok(&[
         "launch",
