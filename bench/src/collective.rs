@@ -43,6 +43,9 @@ pub struct CollectiveArgs {
     /// Ring chunk size, KiB.
     #[arg(long, default_value_t = 1024)]
     pub chunk_kb: usize,
+    /// Socket buffer size to ask for, KiB (0: the kernel's autotuning).
+    #[arg(long, default_value_t = 4096)]
+    pub socket_buffer_kb: usize,
     /// Seconds of raw TCP measurement.
     #[arg(long, default_value_t = 2.0)]
     pub raw_secs: f64,
@@ -111,7 +114,11 @@ fn tcp(world: usize, sizes: &[usize], a: &CollectiveArgs) -> anyhow::Result<Vec<
     let store = TcpListener::bind("127.0.0.1:0")?;
     let master = store.local_addr()?.to_string();
     let mut store = Some(store);
-    let ring = RingConfig { chunk_bytes: a.chunk_kb << 10, ..RingConfig::default() };
+    let ring = RingConfig {
+        chunk_bytes: a.chunk_kb << 10,
+        socket_buffer: (a.socket_buffer_kb > 0).then_some(a.socket_buffer_kb << 10),
+        ..RingConfig::default()
+    };
     let per_rank: Vec<anyhow::Result<Vec<Row>>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
             .map(|rank| {

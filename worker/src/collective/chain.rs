@@ -13,7 +13,8 @@
 //! one transfer plus `W - 2` chunks, and no rank sends more than the buffer once, unlike a
 //! root that sends to every rank in turn.
 
-use super::tcp::{Op, TcpComm, duplex, read_frame, read_frame_add, write_frame};
+use super::pump::Pump;
+use super::tcp::{Op, TcpComm, read_frame, write_frame};
 use super::{CommError, Result, check_rank};
 
 /// The buffer as chunks of at most `chunk` values (at least one, possibly empty, chunk).
@@ -51,22 +52,18 @@ fn chain(comm: &mut TcpComm, buf: &mut [f32], op: Op, head: bool, forward: bool,
     let (reader, writer, scratch, cfg) = comm.neighbours()?;
     let timeout = cfg.timeout;
     let parts = chunks(buf, cfg.chunk_values());
-    let mut recv = 0u64;
-    let ((), sent) = duplex(writer, right, op, timeout, |out| {
-        for (id, c) in parts.into_iter().enumerate() {
-            if !head {
-                recv += if add {
-                    read_frame_add(reader, op, c, scratch, left, timeout)?
-                } else {
-                    read_frame(reader, op, c, left, timeout)?
-                };
-            }
-            if head || forward {
-                out.send(id, c)?;
-            }
+    let mut pump = Pump::new(reader, writer, (left, right), op, timeout, scratch)?;
+    for (id, c) in parts.into_iter().enumerate() {
+        if !head {
+            pump.recv(c, add)?;
         }
-        Ok(())
-    })?;
+        if head || forward {
+            pump.send(id, c)?;
+        }
+    }
+    pump.flush()?;
+    let (sent, recv) = (pump.sent, pump.recv);
+    drop(pump);
     comm.traffic.sent += sent;
     comm.traffic.recv += recv;
     Ok(())

@@ -1,6 +1,7 @@
 //! Collective communication between the ranks of a DDP run: one small trait, two backends.
 //!
-//! - [`tcp`]: links between ranks (sockets, frames, the handshake), with no reduction math.
+//! - [`tcp`]: links between ranks (sockets, frames, the handshake), with no reduction math;
+//!   `pump`: the one-thread full-duplex engine that moves frames both ways at once.
 //! - [`ring`]: the bandwidth-optimal ring algorithms (reduce-scatter, all-gather, all-reduce)
 //!   over those links, pipelined in chunks.
 //! - [`chain`]: pipelined chains for broadcast and reduce, direct sends for gather, scatter
@@ -13,6 +14,7 @@
 
 mod chain;
 pub mod nccl;
+mod pump;
 mod ring;
 pub mod tcp;
 

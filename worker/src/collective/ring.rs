@@ -23,11 +23,13 @@
 //!
 //! What a rank receives at one step is exactly what it sends at the next, so the operation is
 //! one stream: each chunk, once received (and reduced), is queued on the sender thread at
-//! once, and goes out while the next chunk comes in. Each rank sends and receives
+//! once, and goes out while the next chunk comes in (one thread per rank does both, see
+//! [`super::pump`]). Each rank sends and receives
 //! `2 (W-1)/W` of the buffer, the lower bound for all-reduce; the reduction is a plain
 //! vectorised add over data still in cache.
 
-use super::tcp::{Op, TcpComm, duplex, read_frame, read_frame_add};
+use super::pump::Pump;
+use super::tcp::{Op, TcpComm};
 use super::{CommError, Result, segment};
 
 /// Which halves of the all-reduce to run.
@@ -76,35 +78,30 @@ pub(crate) fn run(comm: &mut TcpComm, buf: &mut [f32], phases: Phases, op: Op) -
     if phases != Phases::ReduceScatter {
         steps.extend((0..w - 1).map(|s| (at(s), at(s + 1), false)));
     }
-    let mut recv = 0u64;
-    let ((), sent) = duplex(writer, right, op, timeout, |out| {
-        let first = steps[0].0;
-        for id in first * m..(first + 1) * m {
-            out.send(id, take_ready(&mut slots, id)?)?;
-        }
-        for (i, &(_, from, reduce)) in steps.iter().enumerate() {
-            let forward = i + 1 < steps.len();
-            for id in from * m..(from + 1) * m {
-                // The chunk may still be on its way out from an earlier step.
-                while slots[id].is_none() {
-                    let (back, c) = out.returned()?;
-                    slots[back] = Some(c);
-                }
-                let c = take_ready(&mut slots, id)?;
-                recv += if reduce {
-                    read_frame_add(reader, op, c, scratch, left, timeout)?
-                } else {
-                    read_frame(reader, op, c, left, timeout)?
-                };
-                if forward {
-                    out.send(id, c)?;
-                } else {
-                    slots[id] = Some(c);
-                }
+    let mut pump = Pump::new(reader, writer, (left, right), op, timeout, scratch)?;
+    let first = steps[0].0;
+    for id in first * m..(first + 1) * m {
+        pump.send(id, take_ready(&mut slots, id)?)?;
+    }
+    for (i, &(_, from, reduce)) in steps.iter().enumerate() {
+        let forward = i + 1 < steps.len();
+        for id in from * m..(from + 1) * m {
+            // The chunk may still be on its way out from an earlier step.
+            let c = match slots[id].take() {
+                Some(c) => c,
+                None => pump.take_back(id)?,
+            };
+            pump.recv(c, reduce)?;
+            if forward {
+                pump.send(id, c)?;
+            } else {
+                slots[id] = Some(c);
             }
         }
-        Ok(())
-    })?;
+    }
+    pump.flush()?;
+    let (sent, recv) = (pump.sent, pump.recv);
+    drop(pump);
     comm.traffic.sent += sent;
     comm.traffic.recv += recv;
     Ok(())

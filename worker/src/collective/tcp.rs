@@ -1,7 +1,8 @@
 //! The TCP transport: one connection per pair of ranks, a handshake that keeps strangers
-//! out, length-checked frames, and a sender thread per operation so a rank sends to one
-//! neighbour while it receives from another (full duplex). No reduction math lives here; the
+//! out, length-checked frames, and blocking helpers for the direct transfers. No reduction math lives here; the
 //! algorithms are in [`super::ring`] and [`super::chain`].
+//!
+//! The full-duplex engine the ring and chains run on is in [`super::pump`].
 //!
 //! Wire format after the handshake: each frame is an 8-byte header (operation tag and value
 //! count, both `u32` little-endian) followed by the values as little-endian `f32`. The
@@ -10,7 +11,6 @@
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -136,15 +136,19 @@ impl Link {
     }
 }
 
-/// Write one frame of `vals`; returns the payload bytes written.
-pub(crate) fn write_frame(w: &mut TcpStream, op: Op, vals: &[f32], peer: usize, t: Duration) -> Result<u64> {
-    let count = u32::try_from(vals.len()).map_err(|_| CommError::Invalid {
-        what: "chunk",
-        why: format!("{} values in one frame", vals.len()),
-    })?;
+/// The 8-byte header of a frame of `count` values of `op`.
+pub(crate) fn frame_header(op: Op, count: usize) -> Result<[u8; 8]> {
+    let count = u32::try_from(count)
+        .map_err(|_| CommError::Invalid { what: "chunk", why: format!("{count} values in one frame") })?;
     let mut head = [0u8; 8];
     head[..4].copy_from_slice(&(op as u32).to_le_bytes());
     head[4..].copy_from_slice(&count.to_le_bytes());
+    Ok(head)
+}
+
+/// Write one frame of `vals`; returns the payload bytes written.
+pub(crate) fn write_frame(w: &mut TcpStream, op: Op, vals: &[f32], peer: usize, t: Duration) -> Result<u64> {
+    let head = frame_header(op, vals.len())?;
     w.write_all(&head).map_err(peer_err(peer, op, t))?;
     if !vals.is_empty() {
         w.write_all(bytemuck::cast_slice(vals)).map_err(peer_err(peer, op, t))?;
@@ -152,10 +156,8 @@ pub(crate) fn write_frame(w: &mut TcpStream, op: Op, vals: &[f32], peer: usize, 
     Ok(vals.len() as u64 * 4)
 }
 
-/// Read one frame header and check it announces `op` with `expect` values.
-fn read_header(r: &mut TcpStream, op: Op, expect: usize, peer: usize, t: Duration) -> Result<()> {
-    let mut head = [0u8; 8];
-    r.read_exact(&mut head).map_err(peer_err(peer, op, t))?;
+/// Check a frame header from `peer`: it must announce `op` with `expect` values.
+pub(crate) fn parse_header(head: &[u8; 8], op: Op, expect: usize, peer: usize) -> Result<()> {
     let tag = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
     let count = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
     if tag != op as u32 {
@@ -177,36 +179,14 @@ fn read_header(r: &mut TcpStream, op: Op, expect: usize, peer: usize, t: Duratio
     Ok(())
 }
 
-/// Read one frame of exactly `dst.len()` values into `dst`; returns the payload bytes.
-pub(crate) fn read_frame(
-    r: &mut TcpStream,
-    op: Op,
-    dst: &mut [f32],
-    peer: usize,
-    t: Duration,
-) -> Result<u64> {
-    read_header(r, op, dst.len(), peer, t)?;
+/// Read one frame of exactly `dst.len()` values into `dst`, blocking; returns the payload
+/// bytes.
+pub(crate) fn read_frame(r: &mut TcpStream, op: Op, dst: &mut [f32], peer: usize, t: Duration) -> Result<u64> {
+    let mut head = [0u8; 8];
+    r.read_exact(&mut head).map_err(peer_err(peer, op, t))?;
+    parse_header(&head, op, dst.len(), peer)?;
     if !dst.is_empty() {
         r.read_exact(bytemuck::cast_slice_mut(dst)).map_err(peer_err(peer, op, t))?;
-    }
-    Ok(dst.len() as u64 * 4)
-}
-
-/// Read one frame of `dst.len()` values and add it into `dst`, through `scratch`.
-pub(crate) fn read_frame_add(
-    r: &mut TcpStream,
-    op: Op,
-    dst: &mut [f32],
-    scratch: &mut [f32],
-    peer: usize,
-    t: Duration,
-) -> Result<u64> {
-    read_header(r, op, dst.len(), peer, t)?;
-    // Piece by piece through a cache-sized scratch, so the add reads hot data.
-    for piece in dst.chunks_mut(scratch.len().max(1)) {
-        let s = &mut scratch[..piece.len()];
-        r.read_exact(bytemuck::cast_slice_mut(s)).map_err(peer_err(peer, op, t))?;
-        add_into(piece, s);
     }
     Ok(dst.len() as u64 * 4)
 }
@@ -216,66 +196,6 @@ pub(crate) fn add_into(dst: &mut [f32], src: &[f32]) {
     for (d, s) in dst.iter_mut().zip(src) {
         *d += *s;
     }
-}
-
-/// The sending half of an operation in flight: chunks queued here are written to one peer,
-/// in order, by a thread of their own, and come back (with their id) once written.
-pub(crate) struct Outbox<'b> {
-    to_sender: Option<mpsc::Sender<(usize, &'b mut [f32])>>,
-    back: mpsc::Receiver<(usize, &'b mut [f32])>,
-}
-
-impl<'b> Outbox<'b> {
-    /// Queue `chunk` (known as `id`) for sending.
-    pub(crate) fn send(&self, id: usize, chunk: &'b mut [f32]) -> Result<()> {
-        self.to_sender.as_ref().and_then(|t| t.send((id, chunk)).ok()).ok_or_else(sender_gone)
-    }
-
-    /// The next chunk the sender has finished with, blocking until there is one.
-    pub(crate) fn returned(&self) -> Result<(usize, &'b mut [f32])> {
-        self.back.recv().map_err(|_| sender_gone())
-    }
-}
-
-fn sender_gone() -> CommError {
-    CommError::Invalid { what: "sender", why: "stopped early".into() }
-}
-
-/// Run `body` (the receiving side, on this thread) while a scoped thread writes every chunk
-/// `body` queues on its [`Outbox`] to `writer`. Returns `body`'s result and the bytes sent.
-/// A sender error takes precedence, since it is usually the cause of the receiver's.
-pub(crate) fn duplex<'b, T>(
-    writer: &mut TcpStream,
-    peer: usize,
-    op: Op,
-    timeout: Duration,
-    body: impl FnOnce(&mut Outbox<'b>) -> Result<T>,
-) -> Result<(T, u64)> {
-    let (to_sender, from_main) = mpsc::channel::<(usize, &'b mut [f32])>();
-    let (to_main, back) = mpsc::channel();
-    std::thread::scope(|s| {
-        let sender = s.spawn(move || -> Result<u64> {
-            let mut sent = 0;
-            for (id, chunk) in from_main {
-                sent += write_frame(writer, op, chunk, peer, timeout)?;
-                // The receiver may have finished (or failed) and no longer want it back.
-                let _ = to_main.send((id, chunk));
-            }
-            writer.flush().map_err(peer_err(peer, op, timeout))?;
-            Ok(sent)
-        });
-        let mut outbox = Outbox { to_sender: Some(to_sender), back };
-        let out = body(&mut outbox);
-        outbox.to_sender = None;
-        drop(outbox);
-        let sent = sender.join().unwrap_or_else(|_| {
-            Err(CommError::Invalid { what: "sender thread", why: format!("panicked during {}", op.name()) })
-        });
-        match (out, sent) {
-            (Ok(v), Ok(n)) => Ok((v, n)),
-            (_, Err(e)) | (Err(e), Ok(_)) => Err(e),
-        }
-    })
 }
 
 /// The handshake every connection opens with (to the store and between ranks), one JSON line.

@@ -1,0 +1,209 @@
+//! The full-duplex engine under the ring and chain algorithms: one thread per rank moves
+//! frames out to one neighbour and in from another at the same time, with non-blocking
+//! sockets and `poll(2)`, the way gloo's pairs and NCCL's proxy thread do. One thread (not a
+//! sender thread beside a receiver) matters on small machines: two ranks on two cores keep
+//! exactly two busy threads.
+//!
+//! The algorithm above drives it as if it were blocking: [`Pump::send`] queues a chunk,
+//! [`Pump::recv`] returns once the next frame has arrived in a chunk (added into it, or
+//! copied), and [`Pump::take_back`] returns a sent chunk. Whenever one of them waits, both
+//! directions make progress. A peer that neither reads nor writes for the whole timeout is
+//! named in the error.
+
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::time::Duration;
+
+use super::tcp::{Op, add_into, frame_header, parse_header, peer_err};
+use super::{CommError, Result};
+
+/// A frame being written: its header, then its chunk.
+struct Outgoing<'b> {
+    id: usize,
+    head: [u8; 8],
+    chunk: &'b mut [f32],
+    /// Bytes of header + payload written so far.
+    done: usize,
+}
+
+/// Frames out to `right`, frames in from `left`, on one thread.
+pub(crate) struct Pump<'s, 'b> {
+    reader: &'s mut TcpStream,
+    writer: &'s mut TcpStream,
+    left: usize,
+    right: usize,
+    op: Op,
+    timeout: Duration,
+    queue: VecDeque<Outgoing<'b>>,
+    sent_back: Vec<(usize, &'b mut [f32])>,
+    scratch: &'s mut Vec<f32>,
+    /// Payload bytes moved.
+    pub(crate) sent: u64,
+    pub(crate) recv: u64,
+}
+
+impl<'s, 'b> Pump<'s, 'b> {
+    /// A pump over these streams (switched to non-blocking until it is dropped).
+    pub(crate) fn new(
+        reader: &'s mut TcpStream,
+        writer: &'s mut TcpStream,
+        (left, right): (usize, usize),
+        op: Op,
+        timeout: Duration,
+        scratch: &'s mut Vec<f32>,
+    ) -> Result<Self> {
+        let nb = |e| CommError::Io { what: "switching a link to non-blocking".into(), source: e };
+        reader.set_nonblocking(true).map_err(nb)?;
+        writer.set_nonblocking(true).map_err(nb)?;
+        Ok(Pump {
+            reader,
+            writer,
+            left,
+            right,
+            op,
+            timeout,
+            queue: VecDeque::new(),
+            sent_back: Vec::new(),
+            scratch,
+            sent: 0,
+            recv: 0,
+        })
+    }
+
+    /// Queue `chunk` (known as `id`) to be sent to the right.
+    pub(crate) fn send(&mut self, id: usize, chunk: &'b mut [f32]) -> Result<()> {
+        let head = frame_header(self.op, chunk.len())?;
+        self.queue.push_back(Outgoing { id, head, chunk, done: 0 });
+        // Start writing at once: the peer may be waiting for exactly this.
+        self.write_some()?;
+        Ok(())
+    }
+
+    /// Chunk `id`, once it has been sent.
+    pub(crate) fn take_back(&mut self, id: usize) -> Result<&'b mut [f32]> {
+        loop {
+            if let Some(i) = self.sent_back.iter().position(|(k, _)| *k == id) {
+                return Ok(self.sent_back.swap_remove(i).1);
+            }
+            if !self.queue.iter().any(|o| o.id == id) {
+                return Err(CommError::Invalid { what: "ring schedule", why: format!("chunk {id} was never sent") });
+            }
+            self.wait(false)?;
+        }
+    }
+
+    /// Receive the next frame from the left into `dst` (added into it when `add`).
+    pub(crate) fn recv(&mut self, dst: &mut [f32], add: bool) -> Result<()> {
+        let mut head = [0u8; 8];
+        self.read_fully(&mut head)?;
+        parse_header(&head, self.op, dst.len(), self.left)?;
+        if add {
+            // Through a cache-sized scratch, so the add reads data still in cache.
+            let piece = self.scratch.len().max(1);
+            for part in dst.chunks_mut(piece) {
+                let mut s = std::mem::take(self.scratch);
+                let r = self.read_fully(bytemuck::cast_slice_mut(&mut s[..part.len()]));
+                add_into(part, &s[..part.len()]);
+                *self.scratch = s;
+                r?;
+            }
+        } else {
+            self.read_fully(bytemuck::cast_slice_mut(dst))?;
+        }
+        self.recv += dst.len() as u64 * 4;
+        Ok(())
+    }
+
+    /// Send everything queued.
+    pub(crate) fn flush(&mut self) -> Result<()> {
+        while !self.queue.is_empty() {
+            self.wait(false)?;
+        }
+        Ok(())
+    }
+
+    /// Read exactly `buf.len()` bytes from the left, writing to the right whenever possible.
+    fn read_fully(&mut self, buf: &mut [u8]) -> Result<()> {
+        let mut got = 0;
+        while got < buf.len() {
+            match self.reader.read(&mut buf[got..]) {
+                Ok(0) => return Err(peer_err(self.left, self.op, self.timeout)(io::ErrorKind::UnexpectedEof.into())),
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.wait(true)?,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(peer_err(self.left, self.op, self.timeout)(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Write as much of the queue as the socket takes now.
+    fn write_some(&mut self) -> Result<()> {
+        while let Some(o) = self.queue.front_mut() {
+            let payload: &[u8] = bytemuck::cast_slice(&*o.chunk);
+            let total = 8 + payload.len();
+            let res = if o.done < 8 {
+                // Header and payload in one system call.
+                let bufs = [io::IoSlice::new(&o.head[o.done..]), io::IoSlice::new(payload)];
+                self.writer.write_vectored(&bufs)
+            } else {
+                self.writer.write(&payload[o.done - 8..])
+            };
+            match res {
+                Ok(0) => {
+                    return Err(peer_err(self.right, self.op, self.timeout)(io::ErrorKind::WriteZero.into()));
+                }
+                Ok(n) => {
+                    o.done += n;
+                    if o.done == total {
+                        self.sent += payload.len() as u64;
+                        if let Some(o) = self.queue.pop_front() {
+                            self.sent_back.push((o.id, o.chunk));
+                        }
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(peer_err(self.right, self.op, self.timeout)(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Block until the reader has data (if `reading`) or the writer has room (if anything is
+    /// queued), writing what it can; time out naming the peer waited for.
+    fn wait(&mut self, reading: bool) -> Result<()> {
+        let writing = !self.queue.is_empty();
+        let mut fds = [
+            libc::pollfd { fd: self.reader.as_raw_fd(), events: if reading { libc::POLLIN } else { 0 }, revents: 0 },
+            libc::pollfd { fd: self.writer.as_raw_fd(), events: if writing { libc::POLLOUT } else { 0 }, revents: 0 },
+        ];
+        let ms = self.timeout.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: `fds` is a valid array of two pollfd structs for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                return Ok(());
+            }
+            return Err(CommError::Io { what: "poll".into(), source: e });
+        }
+        if n == 0 {
+            let peer = if reading { self.left } else { self.right };
+            return Err(CommError::Timeout { peer, op: self.op.name(), secs: self.timeout.as_secs_f64() });
+        }
+        if writing && fds[1].revents != 0 {
+            self.write_some()?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Pump<'_, '_> {
+    fn drop(&mut self) {
+        let _ = self.reader.set_nonblocking(false);
+        let _ = self.writer.set_nonblocking(false);
+    }
+}
