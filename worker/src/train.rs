@@ -80,6 +80,16 @@ impl Run {
 /// Train according to `args`, with the strategy its `--mode` names.
 pub fn train(args: TrainArgs) -> anyhow::Result<Summary> {
     let mut run = Run::prepare(args)?;
+    if run.args.mode == Mode::Ddp
+        && run.args.device == gradsync_core::device::DeviceRequest::Auto
+        && run.device.is_cuda()
+    {
+        // One GPU per rank on a node, as torchrun users expect: --device auto means
+        // cuda:LOCAL_RANK.
+        let local = run.args.dist.local();
+        run.device = Device::resolve(gradsync_core::device::DeviceRequest::Cuda(local), run.args.threads)
+            .with_context(|| format!("--device auto with LOCAL_RANK {local}"))?;
+    }
     if run.args.mode == Mode::Dp {
         // DP's "world" is its replicas: the loop draws one global batch of replicas x batch.
         run.world = run.args.dp.replicas.unwrap_or(run.world);

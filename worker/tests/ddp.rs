@@ -321,3 +321,31 @@ fn ddp_refuses_a_rank_of_another_model() {
     assert!(e.contains("fingerprint"), "{e}");
     drop(dir);
 }
+
+#[test]
+fn ddp_with_nccl_matches_local_on_one_gpu() {
+    if let Err(e) = gradsync_worker::collective::nccl::available() {
+        eprintln!("SKIPPED: DDP over NCCL needs a GPU and libnccl: {e}");
+        return;
+    }
+    // NCCL refuses two ranks on one GPU: world size 1 is what one GPU can check.
+    let dir = Scratch::new("nccl");
+    let (local, ddp) = (dir.0.join("local.ckpt"), dir.0.join("ddp.ckpt"));
+    let gpu = |mut v: Vec<String>| {
+        let i = v.iter().position(|a| a == "cpu").unwrap();
+        v[i] = "cuda".into();
+        v
+    };
+    let mut a: Vec<String> = ["train", "--mode", "local", "--batch", "8"].map(String::from).to_vec();
+    a.extend(gpu(common(&local)));
+    run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut a: Vec<String> =
+        ["launch", "--nproc-per-node", "1", "--master-port", "0", "--", "train", "--mode", "ddp", "--backend", "nccl"]
+            .map(String::from)
+            .to_vec();
+    a.extend(["--batch", "8", "--bucket-mb", "0.002"].map(String::from));
+    a.extend(gpu(common(&ddp)));
+    run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let d = max_diff(&params(&local), &params(&ddp));
+    assert!(d < 1e-5, "DDP over NCCL vs local: max diff {d}");
+}

@@ -61,11 +61,8 @@ fn chain(comm: &mut TcpComm, buf: &mut [f32], op: Op, head: bool, forward: bool,
             pump.send(id, c)?;
         }
     }
-    pump.flush()?;
-    let (sent, recv) = (pump.sent, pump.recv);
-    drop(pump);
-    comm.traffic.sent += sent;
-    comm.traffic.recv += recv;
+    let moved = pump.finish()?;
+    comm.traffic += moved;
     Ok(())
 }
 

@@ -108,6 +108,13 @@ pub struct Traffic {
     pub recv: u64,
 }
 
+impl std::ops::AddAssign for Traffic {
+    fn add_assign(&mut self, o: Traffic) {
+        self.sent += o.sent;
+        self.recv += o.recv;
+    }
+}
+
 impl std::ops::Sub for Traffic {
     type Output = Traffic;
     fn sub(self, o: Traffic) -> Traffic {

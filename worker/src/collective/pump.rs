@@ -17,7 +17,7 @@ use std::os::fd::AsRawFd;
 use std::time::Duration;
 
 use super::tcp::{Op, add_into, frame_header, parse_header, peer_err};
-use super::{CommError, Result};
+use super::{CommError, Result, Traffic};
 
 /// A frame being written: its header, then its chunk.
 struct Outgoing<'b> {
@@ -39,9 +39,9 @@ pub(crate) struct Pump<'s, 'b> {
     queue: VecDeque<Outgoing<'b>>,
     sent_back: Vec<(usize, &'b mut [f32])>,
     scratch: &'s mut Vec<f32>,
-    /// Payload bytes moved.
-    pub(crate) sent: u64,
-    pub(crate) recv: u64,
+    /// Payload bytes moved each way.
+    sent: u64,
+    recv: u64,
 }
 
 impl<'s, 'b> Pump<'s, 'b> {
@@ -116,12 +116,12 @@ impl<'s, 'b> Pump<'s, 'b> {
         Ok(())
     }
 
-    /// Send everything queued.
-    pub(crate) fn flush(&mut self) -> Result<()> {
+    /// Send everything queued; the payload bytes moved each way.
+    pub(crate) fn finish(mut self) -> Result<Traffic> {
         while !self.queue.is_empty() {
             self.wait(false)?;
         }
-        Ok(())
+        Ok(Traffic { sent: self.sent, recv: self.recv })
     }
 
     /// Read exactly `buf.len()` bytes from the left, writing to the right whenever possible.

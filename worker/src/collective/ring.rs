@@ -99,11 +99,8 @@ pub(crate) fn run(comm: &mut TcpComm, buf: &mut [f32], phases: Phases, op: Op) -
             }
         }
     }
-    pump.flush()?;
-    let (sent, recv) = (pump.sent, pump.recv);
-    drop(pump);
-    comm.traffic.sent += sent;
-    comm.traffic.recv += recv;
+    let moved = pump.finish()?;
+    comm.traffic += moved;
     Ok(())
 }
 
