@@ -221,9 +221,10 @@ fn ddp_metrics_report_communication() {
 fn sync_every_communicates_only_on_sync_steps() {
     let dir = Scratch::new("nosync");
     let save = dir.0.join("s.ckpt");
-    let mut a: Vec<String> = ["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "train", "--mode", "ddp"]
-        .map(String::from)
-        .to_vec();
+    let mut a: Vec<String> =
+        ["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "train", "--mode", "ddp"]
+            .map(String::from)
+            .to_vec();
     a.extend(["--batch", "8", "--sync-every", "3", "--metrics"].map(String::from));
     a.push(dir.0.join("m-{rank}.jsonl").display().to_string());
     a.extend(common(&save));
@@ -339,10 +340,21 @@ fn ddp_with_nccl_matches_local_on_one_gpu() {
     let mut a: Vec<String> = ["train", "--mode", "local", "--batch", "8"].map(String::from).to_vec();
     a.extend(gpu(common(&local)));
     run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
-    let mut a: Vec<String> =
-        ["launch", "--nproc-per-node", "1", "--master-port", "0", "--", "train", "--mode", "ddp", "--backend", "nccl"]
-            .map(String::from)
-            .to_vec();
+    let mut a: Vec<String> = [
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--master-port",
+        "0",
+        "--",
+        "train",
+        "--mode",
+        "ddp",
+        "--backend",
+        "nccl",
+    ]
+    .map(String::from)
+    .to_vec();
     a.extend(["--batch", "8", "--bucket-mb", "0.002"].map(String::from));
     a.extend(gpu(common(&ddp)));
     run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());

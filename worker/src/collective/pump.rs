@@ -19,6 +19,9 @@ use std::time::Duration;
 use super::tcp::{Op, add_into, frame_header, parse_header, peer_err};
 use super::{CommError, Result, Traffic};
 
+/// The most a reader waits to accumulate before it wakes.
+const LOWAT: usize = 256 << 10;
+
 /// A frame being written: its header, then its chunk.
 struct Outgoing<'b> {
     id: usize,
@@ -39,6 +42,8 @@ pub(crate) struct Pump<'s, 'b> {
     queue: VecDeque<Outgoing<'b>>,
     sent_back: Vec<(usize, &'b mut [f32])>,
     scratch: &'s mut Vec<f32>,
+    /// The reader's current SO_RCVLOWAT.
+    lowat: usize,
     /// Payload bytes moved each way.
     sent: u64,
     recv: u64,
@@ -67,6 +72,7 @@ impl<'s, 'b> Pump<'s, 'b> {
             queue: VecDeque::new(),
             sent_back: Vec::new(),
             scratch,
+            lowat: 1,
             sent: 0,
             recv: 0,
         })
@@ -88,7 +94,10 @@ impl<'s, 'b> Pump<'s, 'b> {
                 return Ok(self.sent_back.swap_remove(i).1);
             }
             if !self.queue.iter().any(|o| o.id == id) {
-                return Err(CommError::Invalid { what: "ring schedule", why: format!("chunk {id} was never sent") });
+                return Err(CommError::Invalid {
+                    what: "ring schedule",
+                    why: format!("chunk {id} was never sent"),
+                });
             }
             self.wait(false)?;
         }
@@ -129,14 +138,45 @@ impl<'s, 'b> Pump<'s, 'b> {
         let mut got = 0;
         while got < buf.len() {
             match self.reader.read(&mut buf[got..]) {
-                Ok(0) => return Err(peer_err(self.left, self.op, self.timeout)(io::ErrorKind::UnexpectedEof.into())),
+                Ok(0) => {
+                    return Err(peer_err(self.left, self.op, self.timeout)(
+                        io::ErrorKind::UnexpectedEof.into(),
+                    ));
+                }
                 Ok(n) => got += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.wait(true)?,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // Wake only once a worthwhile piece (or the rest of the read) is there:
+                    // every wake-up costs a trip through the scheduler, which on a busy
+                    // machine is what limits the link, not the copies.
+                    self.set_lowat((buf.len() - got).min(LOWAT));
+                    self.wait(true)?;
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(peer_err(self.left, self.op, self.timeout)(e)),
             }
         }
         Ok(())
+    }
+
+    /// Set the reader's SO_RCVLOWAT (best effort: without it, poll just wakes more often).
+    fn set_lowat(&mut self, bytes: usize) {
+        if bytes == self.lowat {
+            return;
+        }
+        let v = bytes.min(i32::MAX as usize) as libc::c_int;
+        // SAFETY: a valid socket descriptor and a c_int option value of the right size.
+        let rc = unsafe {
+            libc::setsockopt(
+                self.reader.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVLOWAT,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc == 0 {
+            self.lowat = bytes;
+        }
     }
 
     /// Write as much of the queue as the socket takes now.
@@ -177,8 +217,16 @@ impl<'s, 'b> Pump<'s, 'b> {
     fn wait(&mut self, reading: bool) -> Result<()> {
         let writing = !self.queue.is_empty();
         let mut fds = [
-            libc::pollfd { fd: self.reader.as_raw_fd(), events: if reading { libc::POLLIN } else { 0 }, revents: 0 },
-            libc::pollfd { fd: self.writer.as_raw_fd(), events: if writing { libc::POLLOUT } else { 0 }, revents: 0 },
+            libc::pollfd {
+                fd: self.reader.as_raw_fd(),
+                events: if reading { libc::POLLIN } else { 0 },
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.writer.as_raw_fd(),
+                events: if writing { libc::POLLOUT } else { 0 },
+                revents: 0,
+            },
         ];
         let ms = self.timeout.as_millis().min(i32::MAX as u128) as i32;
         // SAFETY: `fds` is a valid array of two pollfd structs for the duration of the call.
@@ -203,6 +251,7 @@ impl<'s, 'b> Pump<'s, 'b> {
 
 impl Drop for Pump<'_, '_> {
     fn drop(&mut self) {
+        self.set_lowat(1);
         let _ = self.reader.set_nonblocking(false);
         let _ = self.writer.set_nonblocking(false);
     }

@@ -85,9 +85,9 @@ pub(crate) fn run(comm: &mut TcpComm, buf: &mut [f32], phases: Phases, op: Op) -
     }
     for (i, &(_, from, reduce)) in steps.iter().enumerate() {
         let forward = i + 1 < steps.len();
-        for id in from * m..(from + 1) * m {
+        for (id, slot) in slots.iter_mut().enumerate().skip(from * m).take(m) {
             // The chunk may still be on its way out from an earlier step.
-            let c = match slots[id].take() {
+            let c = match slot.take() {
                 Some(c) => c,
                 None => pump.take_back(id)?,
             };
@@ -95,7 +95,7 @@ pub(crate) fn run(comm: &mut TcpComm, buf: &mut [f32], phases: Phases, op: Op) -
             if forward {
                 pump.send(id, c)?;
             } else {
-                slots[id] = Some(c);
+                *slot = Some(c);
             }
         }
     }

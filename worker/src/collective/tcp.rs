@@ -181,7 +181,13 @@ pub(crate) fn parse_header(head: &[u8; 8], op: Op, expect: usize, peer: usize) -
 
 /// Read one frame of exactly `dst.len()` values into `dst`, blocking; returns the payload
 /// bytes.
-pub(crate) fn read_frame(r: &mut TcpStream, op: Op, dst: &mut [f32], peer: usize, t: Duration) -> Result<u64> {
+pub(crate) fn read_frame(
+    r: &mut TcpStream,
+    op: Op,
+    dst: &mut [f32],
+    peer: usize,
+    t: Duration,
+) -> Result<u64> {
     let mut head = [0u8; 8];
     r.read_exact(&mut head).map_err(peer_err(peer, op, t))?;
     parse_header(&head, op, dst.len(), peer)?;
