@@ -15,6 +15,29 @@ use anyhow::{Context, bail, ensure};
 
 use crate::cli::LaunchArgs;
 
+/// Set by SIGTERM or SIGINT once [`stop_on_signals`] has run: a signal handler can do no more
+/// than store a flag, so the supervisor polls it.
+static SIGNALLED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    SIGNALLED.store(true, Ordering::Relaxed);
+}
+
+/// Make SIGTERM (Slurm's, a scheduler's) and SIGINT stop the ranks cleanly: each gets
+/// SIGTERM, then SIGKILL if it has not exited within [`GRACE`]. Call once, before
+/// [`launch`], from the binary (the ranks reset the handlers when they exec).
+pub fn stop_on_signals() {
+    let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGTERM, handler);
+        libc::signal(libc::SIGINT, handler);
+    }
+}
+
+/// How long stopped ranks get to exit after SIGTERM before they are killed.
+const GRACE: Duration = Duration::from_secs(5);
+
 /// The started ranks; any still running when this is dropped are killed, so no path out of
 /// [`launch`] (error, panic) leaves a process behind.
 struct Ranks(Vec<(usize, Child)>);
@@ -152,11 +175,33 @@ fn supervise(ranks: &mut Ranks, stop: &AtomicBool) -> anyhow::Result<Option<(usi
         if done.iter().all(|&d| d) {
             return Ok(None);
         }
-        if stop.load(Ordering::Relaxed) {
-            bail!("stopped: the ranks were killed");
+        if stop.load(Ordering::Relaxed) || SIGNALLED.load(Ordering::Relaxed) {
+            terminate(ranks);
+            bail!("stopped by a signal: the ranks were terminated");
         }
         // std offers no wait-for-any-child; a short nap keeps supervision cheap.
         std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// SIGTERM every running rank, give them [`GRACE`] to exit, then kill the rest.
+fn terminate(ranks: &mut Ranks) {
+    for (_, c) in &mut ranks.0 {
+        if matches!(c.try_wait(), Ok(None))
+            && let Ok(pid) = libc::pid_t::try_from(c.id())
+        {
+            // SAFETY: kill(2) on a child we started and have not reaped.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+    }
+    let t = std::time::Instant::now();
+    while t.elapsed() < GRACE && ranks.0.iter_mut().any(|(_, c)| matches!(c.try_wait(), Ok(None))) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for (_, c) in &mut ranks.0 {
+        if matches!(c.try_wait(), Ok(None)) {
+            let _ = c.kill();
+        }
     }
 }
 

@@ -26,6 +26,7 @@ pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
         }
         cli::Command::Launch(args) => {
             let worker = std::env::current_exe()?;
+            launch::stop_on_signals();
             launch::launch(&args, &worker, std::sync::Arc::default())
         }
     }

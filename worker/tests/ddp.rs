@@ -283,6 +283,36 @@ fn launcher_prefixes_output_and_stops_everyone_when_one_fails() {
 }
 
 #[test]
+fn launcher_stops_its_ranks_on_sigterm() {
+    let dir = Scratch::new("sigterm");
+    let marker = dir.0.join("rank-{}.pid");
+    let script = format!(
+        "echo $$ > {}; echo ready; exec sleep 60",
+        marker.display().to_string().replace("{}", "$RANK")
+    );
+    let g = spawn(&["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "sh", "-c", &script]);
+    let pid = g.0.as_ref().unwrap().id().to_string();
+    // Wait (bounded) until both ranks have said they run, by reading the launcher's output.
+    let mut g = g;
+    let stdout = g.0.as_mut().unwrap().stdout.take().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
+    for _ in 0..2 {
+        assert!(lines.next().unwrap().unwrap().contains("ready"));
+    }
+    let t0 = Instant::now();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let out = g.wait(Duration::from_secs(20));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("stopped by a signal"));
+    assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
+    for r in 0..2 {
+        let rank_pid = std::fs::read_to_string(dir.0.join(format!("rank-{r}.pid"))).unwrap();
+        let alive = Command::new("kill").args(["-0", rank_pid.trim()]).status().unwrap().success();
+        assert!(!alive, "rank {r} (pid {}) survived the launcher", rank_pid.trim());
+    }
+}
+
+#[test]
 fn ddp_refuses_a_rank_of_another_model() {
     // Two ranks started by hand, with different seeds: the handshake must refuse them.
     let dir = Scratch::new("mismatch");
