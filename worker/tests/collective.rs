@@ -44,8 +44,14 @@ fn cfg() -> RingConfig {
     RingConfig { timeout: Duration::from_secs(20), chunk_bytes: 64, socket_buffer: None }
 }
 
+thread_local! {
+    /// Chunk size for the groups this test thread makes (large-buffer tests raise it).
+    static CHUNK: std::cell::Cell<usize> = const { std::cell::Cell::new(64) };
+}
+
 /// `world` connected communicators, one per thread, through the rendezvous store.
 fn with_group<T: Send>(world: usize, body: impl Fn(TcpComm) -> T + Sync) -> Vec<T> {
+    let cfg = || RingConfig { chunk_bytes: CHUNK.with(|c| c.get()), ..cfg() };
     let store = TcpListener::bind("127.0.0.1:0").unwrap();
     let master = store.local_addr().unwrap().to_string();
     let mut store = Some(store);
@@ -220,6 +226,23 @@ fn send_recv() {
 #[test]
 fn barrier() {
     check(Op::Barrier);
+}
+
+/// Buffers of 4 MiB and more take the two-thread engine: the same reference must hold.
+#[test]
+fn large_buffers_on_the_threaded_engine() {
+    CHUNK.with(|c| c.set(64 << 10));
+    let n = (1 << 20) + 3;
+    for op in [Op::AllReduce, Op::ReduceScatter, Op::AllGather, Op::Broadcast, Op::Reduce] {
+        for world in [2, 3, 4] {
+            for (rank, got) in with_group(world, |mut c| (c.rank(), run_op(&mut c, op, n))) {
+                assert!(
+                    got == expected(op, world, rank, n),
+                    "{op:?}, {world} ranks, {n} values, rank {rank}"
+                );
+            }
+        }
+    }
 }
 
 #[test]

@@ -43,15 +43,14 @@ fn group<T: Send>(world: usize, timeout_ms: u64, body: impl Fn(TcpComm) -> T + S
     })
 }
 
-#[test]
-fn a_dead_peer_is_named_not_waited_for() {
+fn dead_peer(n: usize) {
     let t0 = Instant::now();
     let out = group(3, 20_000, |mut c| {
         if c.rank() == 2 {
             drop(c); // the process "dies": its sockets close
             return None;
         }
-        let mut b = vec![1.0f32; 10_000];
+        let mut b = vec![1.0f32; n];
         Some(c.all_reduce(&mut b).unwrap_err())
     });
     // Rank 0 reads from rank 2 (its left neighbour) and must say so.
@@ -59,6 +58,16 @@ fn a_dead_peer_is_named_not_waited_for() {
     assert!(e.contains("rank 2"), "{e}");
     assert!(out[1].is_some());
     assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}: waited for a timeout", t0.elapsed());
+}
+
+#[test]
+fn a_dead_peer_is_named_not_waited_for() {
+    dead_peer(10_000);
+}
+
+#[test]
+fn a_dead_peer_is_named_on_the_threaded_engine_too() {
+    dead_peer(2 << 20);
 }
 
 #[test]

@@ -13,7 +13,7 @@
 //! one transfer plus `W - 2` chunks, and no rank sends more than the buffer once, unlike a
 //! root that sends to every rank in turn.
 
-use super::pump::Pump;
+use super::pump::{THREADED_MIN_BYTES, duplex};
 use super::tcp::{Op, TcpComm, read_frame, write_frame};
 use super::{CommError, Result, check_rank};
 
@@ -51,17 +51,19 @@ fn chain(comm: &mut TcpComm, buf: &mut [f32], op: Op, head: bool, forward: bool,
     let (left, right) = ((r + w - 1) % w, (r + 1) % w);
     let (reader, writer, scratch, cfg) = comm.neighbours()?;
     let timeout = cfg.timeout;
+    let threaded = buf.len() * 4 >= THREADED_MIN_BYTES;
     let parts = chunks(buf, cfg.chunk_values());
-    let mut pump = Pump::new(reader, writer, (left, right), op, timeout, scratch)?;
-    for (id, c) in parts.into_iter().enumerate() {
-        if !head {
-            pump.recv(c, add)?;
+    let ((), moved) = duplex(threaded, reader, writer, (left, right), op, timeout, scratch, |pump| {
+        for (id, c) in parts.into_iter().enumerate() {
+            if !head {
+                pump.recv(c, add)?;
+            }
+            if head || forward {
+                pump.send(id, c)?;
+            }
         }
-        if head || forward {
-            pump.send(id, c)?;
-        }
-    }
-    let moved = pump.finish()?;
+        Ok(())
+    })?;
     comm.traffic += moved;
     Ok(())
 }

@@ -28,7 +28,7 @@
 //! `2 (W-1)/W` of the buffer, the lower bound for all-reduce; the reduction is a plain
 //! vectorised add over data still in cache.
 
-use super::pump::Pump;
+use super::pump::{THREADED_MIN_BYTES, duplex};
 use super::tcp::{Op, TcpComm};
 use super::{CommError, Result, segment};
 
@@ -78,28 +78,30 @@ pub(crate) fn run(comm: &mut TcpComm, buf: &mut [f32], phases: Phases, op: Op) -
     if phases != Phases::ReduceScatter {
         steps.extend((0..w - 1).map(|s| (at(s), at(s + 1), false)));
     }
-    let mut pump = Pump::new(reader, writer, (left, right), op, timeout, scratch)?;
-    let first = steps[0].0;
-    for id in first * m..(first + 1) * m {
-        pump.send(id, take_ready(&mut slots, id)?)?;
-    }
-    for (i, &(_, from, reduce)) in steps.iter().enumerate() {
-        let forward = i + 1 < steps.len();
-        for (id, slot) in slots.iter_mut().enumerate().skip(from * m).take(m) {
-            // The chunk may still be on its way out from an earlier step.
-            let c = match slot.take() {
-                Some(c) => c,
-                None => pump.take_back(id)?,
-            };
-            pump.recv(c, reduce)?;
-            if forward {
-                pump.send(id, c)?;
-            } else {
-                *slot = Some(c);
+    let threaded = n * 4 >= THREADED_MIN_BYTES;
+    let ((), moved) = duplex(threaded, reader, writer, (left, right), op, timeout, scratch, |pump| {
+        let first = steps[0].0;
+        for id in first * m..(first + 1) * m {
+            pump.send(id, take_ready(&mut slots, id)?)?;
+        }
+        for (i, &(_, from, reduce)) in steps.iter().enumerate() {
+            let forward = i + 1 < steps.len();
+            for (id, slot) in slots.iter_mut().enumerate().skip(from * m).take(m) {
+                // The chunk may still be on its way out from an earlier step.
+                let c = match slot.take() {
+                    Some(c) => c,
+                    None => pump.take_back(id)?,
+                };
+                pump.recv(c, reduce)?;
+                if forward {
+                    pump.send(id, c)?;
+                } else {
+                    *slot = Some(c);
+                }
             }
         }
-    }
-    let moved = pump.finish()?;
+        Ok(())
+    })?;
     comm.traffic += moved;
     Ok(())
 }
