@@ -1,7 +1,8 @@
 //! Collective communication between the ranks of a DDP run: one small trait, two backends.
 //!
 //! - [`tcp`]: links between ranks (sockets, frames, the handshake), with no reduction math;
-//!   `pump`: the one-thread full-duplex engine that moves frames both ways at once.
+//!   `pump`: the full-duplex engines that move frames both ways at once (one thread with
+//!   `poll` for small transfers, a sender thread beside the receiver for large ones).
 //! - [`ring`]: the bandwidth-optimal ring algorithms (reduce-scatter, all-gather, all-reduce)
 //!   over those links, pipelined in chunks.
 //! - [`chain`]: pipelined chains for broadcast and reduce, direct sends for gather, scatter

@@ -1,8 +1,9 @@
-//! The full-duplex engine under the ring and chain algorithms: one thread per rank moves
-//! frames out to one neighbour and in from another at the same time, with non-blocking
-//! sockets and `poll(2)`, the way gloo's pairs and NCCL's proxy thread do. One thread (not a
-//! sender thread beside a receiver) matters on small machines: two ranks on two cores keep
-//! exactly two busy threads.
+//! The full-duplex engines under the ring and chain algorithms, which move frames out to one
+//! neighbour and in from another at the same time. [`Pump`]: one thread per rank, with
+//! non-blocking sockets and `poll(2)`, the way gloo's pairs and NCCL's proxy thread do; no
+//! thread start per call, so small collectives cost a few system calls. For large transfers,
+//! [`duplex`] runs a scoped sender thread beside the receiving one instead, so the kernel's
+//! copies in and out use two cores.
 //!
 //! The algorithm above drives it as if it were blocking: [`Pump::send`] queues a chunk,
 //! [`Pump::recv`] returns once the next frame has arrived in a chunk (added into it, or
