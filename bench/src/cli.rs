@@ -21,4 +21,6 @@ pub enum Command {
     Collective(crate::collective::CollectiveArgs),
     /// How much of DDP's communication hides behind backward, from real DDP processes.
     Overlap(crate::overlap::OverlapArgs),
+    /// Compare two parameter files; fail beyond a tolerance.
+    Diff(crate::diff::DiffArgs),
 }

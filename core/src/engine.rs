@@ -63,6 +63,14 @@ impl Engine {
         }
     }
 
+    /// The GPU's peak FP32 throughput in FLOP/s (none on the CPU, or when unknown).
+    pub fn peak_fp32_flops(&self) -> Option<f64> {
+        match self {
+            Engine::Cpu(_) => None,
+            Engine::Cuda(m) => m.backend().peak_fp32_flops().ok(),
+        }
+    }
+
     /// The layer widths.
     pub fn spec(&self) -> &ModelSpec {
         on_device!(self, m => m.spec())

@@ -165,7 +165,7 @@ pub fn run_loop(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Su
             gradsync_version: gradsync_core::VERSION.into(),
             host: host.host,
             cores: host.cores,
-            gpu: None,
+            gpu: engine.gpu_name(),
             start_unix_ms: start_ms,
             extra,
         }))?;

@@ -331,6 +331,29 @@ impl Cuda {
         self.name.clone()
     }
 
+    /// The GPU's peak FP32 (non-tensor-core) throughput in FLOP/s: SMs x FP32 lanes per SM x 2
+    /// (a fused multiply-add) x the maximum SM clock. Lanes per SM follow NVIDIA's tables for
+    /// each compute capability; an unknown one is an error rather than a guess.
+    pub fn peak_fp32_flops(&self) -> Result<f64> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let err = |e: cudarc::driver::DriverError| Error::Cuda { op: "device attribute", msg: e.to_string() };
+        let sms = self.ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(err)?;
+        let khz = self.ctx.attribute(A::CU_DEVICE_ATTRIBUTE_CLOCK_RATE).map_err(err)?;
+        let (major, minor) = self.ctx.compute_capability().map_err(err)?;
+        let lanes = match (major, minor) {
+            (7, _) => 64,
+            (8, 0) => 64,
+            (8, _) | (9, _) | (10, _) | (12, _) => 128,
+            _ => {
+                return Err(Error::Cuda {
+                    op: "peak FP32",
+                    msg: format!("FP32 lanes per SM unknown for compute capability {major}.{minor}"),
+                });
+            }
+        };
+        Ok(f64::from(sms) * f64::from(lanes) * 2.0 * f64::from(khz) * 1e3)
+    }
+
     /// The CUDA context (for NCCL communicators and extra streams on this device).
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
