@@ -13,8 +13,8 @@
 
 pub mod cli;
 pub mod collective;
-pub mod overlap;
 pub mod diff;
+pub mod overlap;
 pub mod rawtcp;
 pub mod step;
 pub mod table;
