@@ -16,6 +16,13 @@ pub struct Cli {
 pub enum Command {
     /// Time per training step (forward + backward + update) and GFLOP/s per device.
     Step(crate::step::StepArgs),
+    /// All-reduce bandwidth per backend, size and rank count (nccl-tests style), beside raw
+    /// TCP and PyTorch gloo.
+    Collective(crate::collective::CollectiveArgs),
+    /// How much of DDP's communication hides behind backward, from real DDP processes.
+    Overlap(crate::overlap::OverlapArgs),
+    /// Compare two parameter files; fail beyond a tolerance.
+    Diff(crate::diff::DiffArgs),
     /// Parameter-server push+pull throughput (BSP), tonic defaults vs tuned, against raw TCP.
     Ps(crate::ps::PsBenchArgs),
 }

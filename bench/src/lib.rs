@@ -4,12 +4,19 @@
 //! - [`cli`]: the subcommands of `gradsync-bench`.
 //! - [`step`]: time of one forward+backward+update step, and GFLOP/s, per device, beside
 //!   PyTorch eager when a Python with torch is given.
+//! - [`collective`]: all-reduce time, algbw and busbw per backend, size and rank count, beside
+//!   raw TCP and PyTorch gloo.
+//! - [`overlap`]: the share of DDP's communication hidden behind backward, from real runs.
+//! - [`diff`]: how far apart two parameter files are.
 //! - [`ps`]: parameter-server push+pull throughput for model sizes, workers and shards, tonic's
 //!   default HTTP/2 settings beside the tuned ones, as a ratio to raw TCP.
 //! - [`rawtcp`]: the raw TCP bandwidth of the machine, the yardstick for every network figure.
 //! - [`table`]: plain-text tables shared by every benchmark's output.
 
 pub mod cli;
+pub mod collective;
+pub mod diff;
+pub mod overlap;
 pub mod ps;
 pub mod rawtcp;
 pub mod step;
@@ -19,6 +26,9 @@ pub mod table;
 pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
     match cli.command {
         cli::Command::Step(a) => step::run(&a),
+        cli::Command::Collective(a) => collective::run(&a),
+        cli::Command::Overlap(a) => overlap::run(&a),
+        cli::Command::Diff(a) => diff::run(&a),
         cli::Command::Ps(a) => ps::run(&a),
     }
 }

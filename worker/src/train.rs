@@ -15,7 +15,7 @@ use gradsync_core::optim::SgdConfig;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::cli::{Mode, TrainArgs};
-use crate::strategy::{Local, Ps, Strategy, ms_since};
+use crate::strategy::{Ddp, Dp, Local, Ps, Strategy, ms_since};
 
 /// What a finished run reports.
 #[derive(Debug, Clone, PartialEq)]
@@ -61,6 +61,13 @@ impl Run {
         args.model = args.model.clone().with_io(data.dim, data.classes);
         args.data = Some(source);
         let sgd = SgdConfig { lr: args.lr, momentum: args.momentum, weight_decay: args.weight_decay };
+        // One metrics file per process: `{rank}` in the path becomes this rank (launcher runs).
+        if let Some(p) = &args.metrics
+            && let Some(text) = p.to_str()
+            && text.contains("{rank}")
+        {
+            args.metrics = Some(text.replace("{rank}", &rank.to_string()).into());
+        }
         Ok(Run { args, rank, world, device, data, sgd })
     }
 
@@ -72,11 +79,26 @@ impl Run {
 
 /// Train according to `args`, with the strategy its `--mode` names.
 pub fn train(args: TrainArgs) -> anyhow::Result<Summary> {
-    let run = Run::prepare(args)?;
+    let mut run = Run::prepare(args)?;
+    if run.args.mode == Mode::Ddp
+        && run.args.device == gradsync_core::device::DeviceRequest::Auto
+        && run.device.is_cuda()
+    {
+        // One GPU per rank on a node, as torchrun users expect: --device auto means
+        // cuda:LOCAL_RANK.
+        let local = run.args.dist.local();
+        run.device = Device::resolve(gradsync_core::device::DeviceRequest::Cuda(local), run.args.threads)
+            .with_context(|| format!("--device auto with LOCAL_RANK {local}"))?;
+    }
+    if run.args.mode == Mode::Dp {
+        // DP's "world" is its replicas: the loop draws one global batch of replicas x batch.
+        run.world = run.args.dp.replicas.unwrap_or(run.world);
+    }
     let strategy: Box<dyn Strategy> = match run.args.mode {
         Mode::Local => Box::new(Local::new(run.sgd)),
+        Mode::Dp => Box::new(Dp::new(&run)?),
         Mode::Ps => Box::new(Ps::new(&run.args.ps, run.rank, run.world, run.fingerprint().text)?),
-        other => anyhow::bail!("--mode {} is not available in this build", other.name()),
+        Mode::Ddp => Box::new(Ddp::connect(&run)?),
     };
     run_loop(&run, strategy)
 }
@@ -143,7 +165,7 @@ pub fn run_loop(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Su
             gradsync_version: gradsync_core::VERSION.into(),
             host: host.host,
             cores: host.cores,
-            gpu: None,
+            gpu: engine.gpu_name(),
             start_unix_ms: start_ms,
             extra,
         }))?;
@@ -177,7 +199,8 @@ pub fn run_loop(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Su
                 summary.first_loss = loss.loss;
             }
             summary.last_loss = loss.loss;
-            let eval_now = step == total_steps || (args.eval_every > 0 && step % args.eval_every == 0);
+            let eval_now =
+                step == total_steps || (args.eval_every > 0 && step.is_multiple_of(args.eval_every));
             if leader && eval_now {
                 let (l, a) = evaluate(&mut engine, &run.data)?;
                 rec.eval_loss = Some(l);
@@ -300,7 +323,7 @@ impl Progress {
         if let Some(b) = &self.bar {
             b.set_position(rec.step);
             b.set_message(format!("loss {:.4}{acc}", rec.loss));
-        } else if self.enabled && (rec.step % self.every == 0 || rec.accuracy.is_some()) {
+        } else if self.enabled && (rec.step.is_multiple_of(self.every) || rec.accuracy.is_some()) {
             eprintln!(
                 "step {:>6}  epoch {:>3}  loss {:.4}  {:.1} ms/step{acc}",
                 rec.step, rec.epoch, rec.loss, rec.step_ms

@@ -1,6 +1,8 @@
 //! How one step's gradients become an update: the one seam between the training loop (written
 //! once, in [`crate::train`]) and the ways of synchronising, each in its own file.
 
+mod ddp;
+mod dp;
 mod local;
 pub mod ps;
 
@@ -10,6 +12,8 @@ use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
 
+pub use ddp::Ddp;
+pub use dp::Dp;
 pub use local::Local;
 pub use ps::Ps;
 
