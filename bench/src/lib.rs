@@ -6,8 +6,11 @@
 //!   PyTorch eager when a Python with torch is given.
 //! - [`rawtcp`]: the raw TCP bandwidth of the machine, the yardstick for every network figure.
 //! - [`table`]: plain-text tables shared by every benchmark's output.
+//! - [`compare`]: the comparison runner (`compare`: scenario, processes, results) and the
+//!   charts and report built from run directories (`plot`), with the alpha-beta cost model.
 
 pub mod cli;
+pub mod compare;
 pub mod rawtcp;
 pub mod step;
 pub mod table;
@@ -16,5 +19,7 @@ pub mod table;
 pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
     match cli.command {
         cli::Command::Step(a) => step::run(&a),
+        cli::Command::Compare(a) => compare::run_compare(&a),
+        cli::Command::Plot(a) => compare::run_plot(&a),
     }
 }
