@@ -26,8 +26,16 @@ fn bin_dir() -> PathBuf {
     dir
 }
 
-const CHARTS: [&str; 8] =
-    ["throughput", "step_time", "loss_step", "loss_wall", "bytes", "staleness", "cost_model", "cost_extrapolation"];
+const CHARTS: [&str; 8] = [
+    "throughput",
+    "step_time",
+    "loss_step",
+    "loss_wall",
+    "bytes",
+    "staleness",
+    "cost_model",
+    "cost_extrapolation",
+];
 
 #[test]
 fn default_scenario_scaled_down_runs_end_to_end() {
@@ -99,7 +107,8 @@ fn default_scenario_scaled_down_runs_end_to_end() {
     assert_eq!(metrics.lines().count(), 7);
     let trace: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(local_dir.join("trace-rank0.json")).unwrap()).unwrap();
-    let names: Vec<&str> = trace["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
+    let names: Vec<&str> =
+        trace["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
     for span in ["forward", "backward", "update", "step 6"] {
         assert!(names.contains(&span), "no {span} span in {names:?}");
     }
@@ -121,7 +130,8 @@ fn default_scenario_scaled_down_runs_end_to_end() {
 #[test]
 fn a_bad_scenario_is_refused_with_its_name() {
     let p = std::env::temp_dir().join(format!("gs-bad-scenario-{}.toml", std::process::id()));
-    std::fs::write(&p, "name = 'x'\nmodes = ['local']\nworkers = [1]\nmodels = ['tiny']\nbatches = [8]\n").unwrap();
+    std::fs::write(&p, "name = 'x'\nmodes = ['local']\nworkers = [1]\nmodels = ['tiny']\nbatches = [8]\n")
+        .unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
         .args(["compare", p.to_str().unwrap(), "--bin-dir", "/nonexistent"])
         .output()

@@ -78,8 +78,12 @@ fn write_run(
     }
     if mode == "ps" {
         let mut w = MetricsWriter::create(&dir.join("server0.jsonl")).unwrap();
-        w.write(&Record::Header(Header { mode: "server".into(), rank: 0, ..header(mode, variant, world, 0, start - 50) }))
-            .unwrap();
+        w.write(&Record::Header(Header {
+            mode: "server".into(),
+            rank: 0,
+            ..header(mode, variant, world, 0, start - 50)
+        }))
+        .unwrap();
         for v in 1..=20u64 {
             w.write(&Record::ServerApply(ServerApply {
                 shard: 0,
@@ -109,7 +113,17 @@ fn fixture(root: &Path) {
     write_run(&runs.join("001-local-w1"), "local", "", 1, next(0), 10.0, 0.0, 0, false);
     write_run(&runs.join("002-dp-w2"), "dp", "", 2, next(10_000), 7.0, 0.0, 0, false);
     for (i, v) in ["bsp", "asp", "ssp:2"].iter().enumerate() {
-        write_run(&runs.join(format!("00{}-ps-w2", 3 + i)), "ps", v, 2, next(10_000), 9.0, 3.0, 2 * s, *v != "bsp");
+        write_run(
+            &runs.join(format!("00{}-ps-w2", 3 + i)),
+            "ps",
+            v,
+            2,
+            next(10_000),
+            9.0,
+            3.0,
+            2 * s,
+            *v != "bsp",
+        );
     }
     write_run(&runs.join("006-ddp-w2"), "ddp", "tcp", 2, next(10_000), 8.0, 2.0, 2 * s, false);
     std::fs::write(
@@ -129,8 +143,16 @@ fn plot(dirs: &[&Path], out: &Path) -> std::process::Output {
         .unwrap()
 }
 
-const CHARTS: [&str; 8] =
-    ["throughput", "step_time", "loss_step", "loss_wall", "bytes", "staleness", "cost_model", "cost_extrapolation"];
+const CHARTS: [&str; 8] = [
+    "throughput",
+    "step_time",
+    "loss_step",
+    "loss_wall",
+    "bytes",
+    "staleness",
+    "cost_model",
+    "cost_extrapolation",
+];
 
 fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
@@ -165,7 +187,10 @@ fn identical_input_gives_identical_output() {
     }
     assert_eq!(html.matches("<svg").count(), CHARTS.len());
     // The figures are read from the data: the fixture's ring at 2 workers is faster than its PS.
-    assert!(html.contains("Ring all-reduce (ddp-tcp) against the best synchronous parameter server"), "{html}");
+    assert!(
+        html.contains("Ring all-reduce (ddp-tcp) against the best synchronous parameter server"),
+        "{html}"
+    );
     assert!(html.contains("ps-asp k=1 at 2 workers: mean"), "staleness reading missing");
     let csv = std::fs::read_to_string(a.join("summary.csv")).unwrap();
     assert_eq!(csv.lines().count(), 1 + 6, "{csv}");

@@ -121,10 +121,8 @@ pub fn groups<'a>(rows: &'a [Summary], runs: &'a [RunData]) -> Vec<Group<'a>> {
                 .iter()
                 .filter(|r| r.model == model && r.global_batch == gb && r.samples_per_s.is_some())
                 .collect();
-            let runs = runs
-                .iter()
-                .filter(|d| d.header().preset == model && d.header().global_batch == gb)
-                .collect();
+            let runs =
+                runs.iter().filter(|d| d.header().preset == model && d.header().global_batch == gb).collect();
             Group {
                 suffix: if many { format!("-{model}-b{gb}") } else { String::new() },
                 params: rows.iter().map(|r| r.params).max().unwrap_or(0),
@@ -242,10 +240,8 @@ impl Charts {
         let series = g.by_series();
         let wmax = g.rows.iter().map(|r| r.workers).max().unwrap_or(1) as f64;
         let base = g.baseline();
-        let ymax = max_or(
-            g.rows.iter().filter_map(|r| r.samples_per_s).chain(base.map(|b| b * wmax)),
-            1.0,
-        ) * 1.1;
+        let ymax =
+            max_or(g.rows.iter().filter_map(|r| r.samples_per_s).chain(base.map(|b| b * wmax)), 1.0) * 1.1;
         let title = format!("Throughput against workers ({}, global batch {})", g.model, g.global_batch);
         render!(self, format!("throughput{}", g.suffix), title.clone(), (900, 560), |root| {
             let mut c = ChartBuilder::on(&root)
@@ -259,7 +255,9 @@ impl Charts {
                 .y_desc("samples/s")
                 .label_style(font(13))
                 .axis_desc_style(font(14))
-                .x_label_formatter(&|x| format!("{x:.0}"))
+                .x_labels(wmax as usize + 2)
+                .x_label_formatter(&int_label)
+                .y_label_formatter(&|y| format!("{y:.0}"))
                 .draw()?;
             if let Some(b) = base {
                 let mut ws: Vec<usize> = g.rows.iter().map(|r| r.workers).collect();
@@ -306,7 +304,7 @@ impl Charts {
             ("update", |r| r.update_ms, color(2)),
             ("other", |r| r.other_ms, color(7)),
         ];
-        let n = rows.len().max(1);
+        let n = rows.len().max(2);
         let ymax = max_or(rows.iter().filter_map(|r| r.step_ms), 1.0) * 1.15;
         let title = format!("Step time by phase ({}, global batch {})", g.model, g.global_batch);
         let labels: Vec<String> = rows.iter().map(|r| short_label(r)).collect();
@@ -320,7 +318,7 @@ impl Charts {
                     .margin(15)
                     .x_label_area_size(45)
                     .y_label_area_size(70)
-                    .build_cartesian_2d((0..n).into_segmented(), 0f64..ymax)?;
+                    .build_cartesian_2d((0..n - 1).into_segmented(), 0f64..ymax)?;
                 c.configure_mesh()
                     .disable_x_mesh()
                     .x_labels(n)
@@ -335,11 +333,8 @@ impl Charts {
                     .draw()?;
                 for (name, get, col) in parts {
                     let bars = rows.iter().enumerate().filter_map(|(i, r)| {
-                        let below: f64 = parts
-                            .iter()
-                            .take_while(|p| p.0 != name)
-                            .filter_map(|p| (p.1)(r))
-                            .sum();
+                        let below: f64 =
+                            parts.iter().take_while(|p| p.0 != name).filter_map(|p| (p.1)(r)).sum();
                         let v = get(r)?;
                         let mut bar = Rectangle::new(
                             [(SegmentValue::Exact(i), below), (SegmentValue::Exact(i + 1), below + v)],
@@ -368,7 +363,11 @@ impl Charts {
         let curves: Vec<(String, RGBColor, Vec<(f64, f64)>)> = runs
             .iter()
             .map(|r| {
-                let pts = r.loss_curve().into_iter().map(|(s, l, w)| (if wall { w } else { s as f64 }, l)).collect();
+                let pts = r
+                    .loss_curve()
+                    .into_iter()
+                    .map(|(s, l, w)| (if wall { w } else { s as f64 }, l))
+                    .collect();
                 let name = format!(
                     "{} ({} workers{})",
                     r.mode.label(),
@@ -407,7 +406,9 @@ impl Charts {
                     let col = *col;
                     c.draw_series(LineSeries::new(pts.clone(), col.stroke_width(2)))?
                         .label(name.clone())
-                        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
+                        .legend(move |(x, y)| {
+                            PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2))
+                        });
                 }
                 c.configure_series_labels()
                     .label_font(font(13))
@@ -450,30 +451,33 @@ impl Charts {
             ));
         }
         let mut measured: Vec<(String, RGBColor, bool, Vec<(f64, f64)>)> = Vec::new();
-        for (i, (name, rows)) in series.iter().enumerate() {
+        // ASP and SSP move the same bytes per step as BSP: measuring BSP and the ring suffices.
+        for (i, (name, rows)) in
+            series.iter().enumerate().filter(|(_, (n, _))| n.starts_with("ps-bsp") || n.starts_with("ddp"))
+        {
+            let family = if name.starts_with("ddp") { mode_color("ddp-tcp") } else { mode_color("ps-bsp") };
             let w: Vec<(f64, f64)> = rows
                 .iter()
                 .filter_map(|r| Some((r.workers as f64, r.bytes_per_step_worker? / MB)))
                 .filter(|p| p.1 > 0.0)
                 .collect();
             if !w.is_empty() {
-                measured.push((format!("{name}, per worker"), color(i), false, w));
+                measured.push((format!("{name}, per worker"), family, false, w));
             }
             let sv: Vec<(f64, f64)> =
                 rows.iter().filter_map(|r| Some((r.workers as f64, r.bytes_per_step_server? / MB))).collect();
             if !sv.is_empty() {
-                measured.push((format!("{name}, all servers"), color(i), true, sv));
+                measured.push((format!("{name}, all servers"), color(6 + i % 4), true, sv));
             }
         }
         let ymax = max_or(
-            theory.iter().flat_map(|t| t.2.iter().map(|p| p.1)).chain(measured.iter().flat_map(|m| m.3.iter().map(|p| p.1))),
+            theory
+                .iter()
+                .flat_map(|t| t.2.iter().map(|p| p.1))
+                .chain(measured.iter().flat_map(|m| m.3.iter().map(|p| p.1))),
             1.0,
         ) * 1.1;
-        let title = format!(
-            "Bytes moved per step ({}: {:.1} MB of gradients)",
-            g.model,
-            s / MB
-        );
+        let title = format!("Bytes moved per step ({}: {:.1} MB of gradients)", g.model, s / MB);
         render!(self, format!("bytes{}", g.suffix), title.clone(), (900, 560), |root| {
             if theory.is_empty() && measured.is_empty() {
                 empty(&root, "no run that communicates over the network")?;
@@ -489,13 +493,16 @@ impl Charts {
                     .y_desc("MB sent + received per step")
                     .label_style(font(13))
                     .axis_desc_style(font(14))
-                    .x_label_formatter(&|x| format!("{x:.0}"))
+                    .x_labels(wmax as usize + 2)
+                    .x_label_formatter(&int_label)
                     .draw()?;
                 for (name, col, pts) in &theory {
                     let col = *col;
                     c.draw_series(DashedLineSeries::new(pts.clone(), 8, 6, col.stroke_width(2)))?
                         .label(name.clone())
-                        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 8, y)], col.stroke_width(2)));
+                        .legend(move |(x, y)| {
+                            PathElement::new(vec![(x, y), (x + 8, y)], col.stroke_width(2))
+                        });
                 }
                 for (name, col, server, pts) in &measured {
                     let col = *col;
@@ -605,17 +612,16 @@ impl Charts {
         let measured: Vec<(String, RGBColor, Vec<(f64, f64)>)> = g
             .by_series()
             .into_iter()
-            .filter(|(_, rows)| rows.first().is_some_and(|r| r.mode.starts_with("ps") || r.mode.starts_with("ddp")))
+            .filter(|(_, rows)| {
+                rows.first().is_some_and(|r| r.mode.starts_with("ps") || r.mode.starts_with("ddp"))
+            })
             .enumerate()
             .map(|(i, (name, rows))| {
                 let pts = rows.iter().filter_map(|r| Some((r.workers as f64, r.comm_ms?))).collect();
                 (format!("{name} measured"), color(i), pts)
             })
             .collect();
-        let ymax = max_or(
-            model.iter().chain(&measured).flat_map(|m| m.2.iter().map(|p| p.1)),
-            1.0,
-        ) * 1.1;
+        let ymax = max_or(model.iter().chain(&measured).flat_map(|m| m.2.iter().map(|p| p.1)), 1.0) * 1.1;
         let title = match link {
             Some(l) => format!(
                 "Communication per step: alpha-beta model (a = {:.1} us, B = {:.2} GB/s) and measurements",
@@ -639,13 +645,16 @@ impl Charts {
                     .y_desc("ms of communication per step")
                     .label_style(font(13))
                     .axis_desc_style(font(14))
-                    .x_label_formatter(&|x| format!("{x:.0}"))
+                    .x_labels(wmax as usize + 2)
+                    .x_label_formatter(&int_label)
                     .draw()?;
                 for (name, col, pts) in &model {
                     let col = *col;
                     c.draw_series(DashedLineSeries::new(pts.clone(), 8, 6, col.stroke_width(2)))?
                         .label(name.clone())
-                        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 8, y)], col.stroke_width(2)));
+                        .legend(move |(x, y)| {
+                            PathElement::new(vec![(x, y), (x + 8, y)], col.stroke_width(2))
+                        });
                 }
                 for (name, col, pts) in &measured {
                     let col = *col;
@@ -676,12 +685,26 @@ impl Charts {
                 let pts = |f: &dyn Fn(usize) -> f64| -> Vec<(f64, f64)> {
                     ns.iter().skip(1).map(|&n| (n as f64, f(n) * 1e3)).collect()
                 };
-                lines.push((format!("ring, {gb:.0} Gbit/s"), col, 0, pts(&|n| cost::ring(n, s, l))));
-                lines.push((format!("PS k=1, {gb:.0} Gbit/s"), col, 3, pts(&|n| cost::ps(n, 1, s, l))));
-                lines.push((format!("PS k=n, {gb:.0} Gbit/s"), col, 10, pts(&|n| cost::ps(n, n, s, l))));
+                lines.push((format!("ring, {gb:.0} Gbit/s (solid)"), col, 0, pts(&|n| cost::ring(n, s, l))));
+                lines.push((
+                    format!("PS k=1, {gb:.0} Gbit/s (dotted)"),
+                    col,
+                    3,
+                    pts(&|n| cost::ps(n, 1, s, l)),
+                ));
+                lines.push((
+                    format!("PS k=n, {gb:.0} Gbit/s (dashed)"),
+                    col,
+                    10,
+                    pts(&|n| cost::ps(n, n, s, l)),
+                ));
             }
         }
-        let ymin = lines.iter().flat_map(|l| l.3.iter().map(|p| p.1)).filter(|&y| y > 0.0).fold(f64::INFINITY, f64::min);
+        let ymin = lines
+            .iter()
+            .flat_map(|l| l.3.iter().map(|p| p.1))
+            .filter(|&y| y > 0.0)
+            .fold(f64::INFINITY, f64::min);
         let ymax = max_or(lines.iter().flat_map(|l| l.3.iter().map(|p| p.1)), 1.0);
         let title = format!(
             "Model extrapolated to 1024 workers ({}: {:.1} MB of gradients, a = {})",
@@ -705,7 +728,7 @@ impl Charts {
                     .label_style(font(13))
                     .axis_desc_style(font(14))
                     .x_label_formatter(&|x| format!("{x:.0}"))
-                    .y_label_formatter(&|y| format!("{y:.3}"))
+                    .y_label_formatter(&|y| if *y >= 1.0 { format!("{y:.0}") } else { format!("{y:.2}") })
                     .draw()?;
                 for (name, col, dash, pts) in &lines {
                     let (col, dash) = (*col, *dash);
@@ -727,6 +750,11 @@ impl Charts {
         });
         Ok(())
     }
+}
+
+/// Tick labels at whole numbers only (worker counts).
+fn int_label(x: &f64) -> String {
+    if (x - x.round()).abs() < 1e-6 { format!("{x:.0}") } else { String::new() }
 }
 
 /// A bar label short enough to sit under one bar: `bsp4k2`, `ring4`, `dp2`, `local`.

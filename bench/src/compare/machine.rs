@@ -75,7 +75,11 @@ pub fn gpus() -> Vec<String> {
         .ok()
         .filter(|o| o.status.success())
         .map(|o| {
-            String::from_utf8_lossy(&o.stdout).lines().map(|l| l.trim().to_string()).filter(|l| !l.is_empty()).collect()
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .map(|l| l.trim().to_string())
+                .filter(|l| !l.is_empty())
+                .collect()
         })
         .unwrap_or_default()
 }

@@ -143,7 +143,8 @@ pub fn compare(scenario: &Scenario, bins: &modes::Bins, out: &Path) -> anyhow::R
         let dir = out.join(&rel);
         let t = Instant::now();
         let skip = spec.skip.clone().or_else(|| {
-            (spec.mode == ModeKind::DdpNccl && !gpu).then(|| "no GPU on this machine (nvidia-smi found none)".into())
+            (spec.mode == ModeKind::DdpNccl && !gpu)
+                .then(|| "no GPU on this machine (nvidia-smi found none)".into())
         });
         let (status, error) = if let Some(why) = skip {
             ("skipped", Some(why))
@@ -156,7 +157,12 @@ pub fn compare(scenario: &Scenario, bins: &modes::Bins, out: &Path) -> anyhow::R
                     .progress_chars("=> "),
             );
             bar.set_prefix(short(&spec.id));
-            let ctx = modes::Ctx { scenario: scenario.clone(), spec: spec.clone(), dir: dir.clone(), bins: bins.clone() };
+            let ctx = modes::Ctx {
+                scenario: scenario.clone(),
+                spec: spec.clone(),
+                dir: dir.clone(),
+                bins: bins.clone(),
+            };
             let result = modes::plan(&ctx).and_then(|plan| {
                 exec::execute(
                     plan,
@@ -170,7 +176,9 @@ pub fn compare(scenario: &Scenario, bins: &modes::Bins, out: &Path) -> anyhow::R
             multi.remove(&bar);
             match result {
                 Ok(exec::Ended::Finished) => ("ok", None),
-                Ok(exec::Ended::TimeBudget) => ("stopped", Some(format!("time budget of {:?} s", scenario.time_s))),
+                Ok(exec::Ended::TimeBudget) => {
+                    ("stopped", Some(format!("time budget of {:?} s", scenario.time_s)))
+                }
                 Err(e) => ("failed", Some(format!("{e:#}"))),
             }
         };
@@ -225,14 +233,19 @@ pub fn plot(dirs: &[PathBuf], out: &Path) -> anyhow::Result<PathBuf> {
         let text = std::fs::read_to_string(d.join("machine.json")).ok()?;
         serde_json::from_str(&text).ok()
     });
-    let scenario: Option<String> = dirs.iter().find_map(|d| std::fs::read_to_string(d.join("scenario.toml")).ok());
+    let scenario: Option<String> =
+        dirs.iter().find_map(|d| std::fs::read_to_string(d.join("scenario.toml")).ok());
     let html = report::write(&collected, machine.as_ref(), scenario.as_deref(), out)?;
     Ok(html)
 }
 
 fn first_chars(s: &str, n: usize) -> String {
     let one_line = s.replace('\n', " ");
-    if one_line.chars().count() <= n { one_line } else { one_line.chars().take(n).collect::<String>() + "..." }
+    if one_line.chars().count() <= n {
+        one_line
+    } else {
+        one_line.chars().take(n).collect::<String>() + "..."
+    }
 }
 
 /// A progress-bar prefix: the run id without its leading number.

@@ -182,7 +182,10 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
                 ctx.path(&name, "jsonl").display().to_string(),
             ];
             if s.trace {
-                args.extend(["--trace".into(), ctx.path(&format!("trace-{name}"), "json").display().to_string()]);
+                args.extend([
+                    "--trace".into(),
+                    ctx.path(&format!("trace-{name}"), "json").display().to_string(),
+                ]);
             }
             ProcSpec { metrics: ctx.path(&name, "jsonl"), name, program: ctx.bins.server.clone(), args }
         })

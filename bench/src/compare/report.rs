@@ -29,11 +29,17 @@ fn opt(v: Option<f64>, digits: usize) -> String {
 /// The link the model is fitted to, when the run directory measured one.
 pub fn link_of(m: Option<&Machine>) -> Option<Link> {
     let m = m?;
-    (m.tcp_bandwidth > 0.0 && m.tcp_latency_s > 0.0).then_some(Link { a: m.tcp_latency_s, b: m.tcp_bandwidth })
+    (m.tcp_bandwidth > 0.0 && m.tcp_latency_s > 0.0)
+        .then_some(Link { a: m.tcp_latency_s, b: m.tcp_bandwidth })
 }
 
 /// Draw the charts and write the report into `out`; returns its path.
-pub fn write(c: &Collected, machine: Option<&Machine>, scenario: Option<&str>, out: &Path) -> anyhow::Result<PathBuf> {
+pub fn write(
+    c: &Collected,
+    machine: Option<&Machine>,
+    scenario: Option<&str>,
+    out: &Path,
+) -> anyhow::Result<PathBuf> {
     let link = link_of(machine);
     let mut charts = Charts::new(out)?;
     let mut gs = groups(&c.summaries, &c.runs);
@@ -105,8 +111,10 @@ pub fn write(c: &Collected, machine: Option<&Machine>, scenario: Option<&str>, o
 
 fn machine_section(h: &mut String, m: Option<&Machine>) {
     let Some(m) = m else {
-        h.push_str("<p>No <code>machine.json</code> in these directories: the machine is not described and \
-                    the cost model has no link figures.</p>\n");
+        h.push_str(
+            "<p>No <code>machine.json</code> in these directories: the machine is not described and \
+                    the cost model has no link figures.</p>\n",
+        );
         return;
     };
     let _ = writeln!(
@@ -241,7 +249,14 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
         let Some(best) = at.first() else { continue };
         let next = at
             .get(1)
-            .map(|s| format!(", {:.2}x the next ({}, {:.0} samples/s)", thr(best) / thr(s).max(1e-9), Group::series(s), thr(s)))
+            .map(|s| {
+                format!(
+                    ", {:.2}x the next ({}, {:.0} samples/s)",
+                    thr(best) / thr(s).max(1e-9),
+                    Group::series(s),
+                    thr(s)
+                )
+            })
             .unwrap_or_default();
         out.push(format!(
             "At {n} worker{}: {} is fastest with {:.0} samples/s{next}.",
@@ -261,10 +276,9 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
             .filter(|r| r.workers == nmax)
             .map(|r| (Group::series(r), thr(r) / (nmax as f64 * b)))
             .collect();
-        if let (Some(hi), Some(lo)) = (
-            effs.iter().max_by(|a, b| a.1.total_cmp(&b.1)),
-            effs.iter().min_by(|a, b| a.1.total_cmp(&b.1)),
-        ) {
+        if let (Some(hi), Some(lo)) =
+            (effs.iter().max_by(|a, b| a.1.total_cmp(&b.1)), effs.iter().min_by(|a, b| a.1.total_cmp(&b.1)))
+        {
             out.push(format!(
                 "Scaling efficiency at {nmax} workers (throughput / ({nmax} x one worker's {b:.0} samples/s)) ranges \
                  from {:.0}% ({}) to {:.0}% ({}).",
@@ -277,8 +291,12 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
     }
 
     // Ring against the best parameter server, worker count by worker count.
-    let ring: BTreeMap<usize, f64> =
-        g.rows.iter().filter(|r| r.mode == "ddp-tcp").filter_map(|r| Some((r.workers, r.samples_per_s?))).collect();
+    let ring: BTreeMap<usize, f64> = g
+        .rows
+        .iter()
+        .filter(|r| r.mode == "ddp-tcp")
+        .filter_map(|r| Some((r.workers, r.samples_per_s?)))
+        .collect();
     let mut ps_best: BTreeMap<usize, (f64, String)> = BTreeMap::new();
     for r in g.rows.iter().filter(|r| r.mode.starts_with("ps-bsp")) {
         let t = thr(r);
@@ -287,8 +305,11 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
             *e = (t, Group::series(r));
         }
     }
-    let both: Vec<(usize, f64, f64, String)> =
-        ring.iter().filter_map(|(&n, &rt)| ps_best.get(&n).map(|(pt, name)| (n, rt, *pt, name.clone()))).collect();
+    let both: Vec<(usize, f64, f64, String)> = ring
+        .iter()
+        .filter(|(n, _)| **n > 1)
+        .filter_map(|(&n, &rt)| ps_best.get(&n).map(|(pt, name)| (n, rt, *pt, name.clone())))
+        .collect();
     if !both.is_empty() {
         let parts: Vec<String> = both
             .iter()
@@ -299,9 +320,11 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
             "Ring all-reduce (ddp-tcp) against the best synchronous parameter server: {}. {}",
             parts.join("; "),
             match ahead {
-                Some(0) => format!("The ring is ahead at every worker count measured, from {} on.", both[0].0),
+                Some(0) =>
+                    format!("The ring is ahead at every worker count measured, from {} on.", both[0].0),
                 Some(i) => format!("The ring pulls ahead at {} workers and stays ahead.", both[i].0),
-                None if both.iter().all(|b| b.2 >= b.1) => "The parameter server is ahead at every worker count measured.".into(),
+                None if both.iter().all(|b| b.2 >= b.1) =>
+                    "The parameter server is ahead at every worker count measured.".into(),
                 None => "Neither stays ahead over the whole range.".into(),
             }
         ));
@@ -318,7 +341,8 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
             })
             .collect();
         if let Some((bps, r)) = loads.iter().max_by(|a, b| a.0.total_cmp(&b.0)) {
-            let series: Vec<&Summary> = g.rows.iter().copied().filter(|x| Group::series(x) == Group::series(r)).collect();
+            let series: Vec<&Summary> =
+                g.rows.iter().copied().filter(|x| Group::series(x) == Group::series(r)).collect();
             let flat = series.windows(2).find(|w| thr(&w[1]) < 1.1 * thr(&w[0]));
             out.push(format!(
                 "The busiest parameter-server shard ({} at {} workers) moves {:.2} GB/s, {:.0}% of the raw TCP link \
@@ -372,7 +396,11 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
         let s = g.grad_bytes();
         for r in g.rows.iter().filter(|r| r.workers > 1 && (r.mode == "ddp-tcp" || r.mode == "ps-bsp")) {
             let Some(c) = r.comm_ms.filter(|&c| c > 0.0) else { continue };
-            let model = if r.mode == "ddp-tcp" { cost::ring(r.workers, s, l) } else { cost::ps(r.workers, r.shards, s, l) };
+            let model = if r.mode == "ddp-tcp" {
+                cost::ring(r.workers, s, l)
+            } else {
+                cost::ps(r.workers, r.shards, s, l)
+            };
             if r.workers == ws.last().copied().unwrap_or(0) {
                 out.push(format!(
                     "{} at {} workers: {:.2} ms of communication per step measured, {:.2} ms predicted by the \
@@ -391,7 +419,7 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
             "Extrapolated to 10 Gbit/s links and 1024 workers, one exchange of {:.1} MB costs {:.1} ms on the ring, \
              {:.1} ms through one server and {:.1} ms with one server per worker. With a server per worker the PS \
              beats the ring from {} workers on (S/B against 2(n-1)/n S/B plus the ring's 2(n-1) latencies); with \
-             half as many servers as workers it {}; with a single server it never does beyond {} workers.",
+             half as many servers as workers it {}; with a single server {}.",
             s / 1e6,
             cost::ring(1024, s, ten) * 1e3,
             cost::ps(1024, 1, s, ten) * 1e3,
@@ -401,7 +429,10 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
                 Some((a, _)) => format!("wins from {a} workers on, once the ring's latency term outgrows the server's extra bandwidth"),
                 None => "never wins up to 1024 workers".into(),
             },
-            cost::ps_wins(1024, s, ten, |_| 1).map_or(1, |w| w.1)
+            match cost::ps_wins(1024, s, ten, |_| 1) {
+                Some((_, b)) => format!("it is faster only up to {b} workers"),
+                None => "it is slower than the ring at every worker count from 2 to 1024".into(),
+            }
         ));
     }
 
@@ -410,6 +441,7 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
         .rows
         .iter()
         .filter(|r| r.staleness_mean.is_some() && (r.mode == "ps-asp" || r.mode == "ps-ssp"))
+        .filter(|r| Some(&r.workers) == ws.last())
         .map(|r| {
             format!(
                 "{} at {} workers: mean {:.2}, max {}",
@@ -424,22 +456,27 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
         out.push(format!("Staleness of applied gradients: {}.", stale.join("; ")));
     }
 
-    // Final loss spread: same seed, data and global batch, so differences come from the mode.
-    let losses: Vec<(String, f64)> = g
-        .rows
-        .iter()
-        .filter(|r| r.workers == ws.last().copied().unwrap_or(1) || r.mode == "local")
-        .filter_map(|r| Some((format!("{} w{}", Group::series(r), r.workers), r.final_loss?)))
-        .collect();
-    if let (Some(lo), Some(hi)) = (
-        losses.iter().min_by(|a, b| a.1.total_cmp(&b.1)),
-        losses.iter().max_by(|a, b| a.1.total_cmp(&b.1)),
-    ) {
-        out.push(format!(
-            "Final training loss ranges from {:.4} ({}) to {:.4} ({}): synchronous modes follow the same \
-             trajectory as local training; asynchronous ones drift by their staleness.",
-            lo.1, lo.0, hi.1, hi.0
-        ));
+    // Final loss against local training: same seed, data and global batch, so a difference
+    // comes from the mode (asynchrony, reduction order).
+    let local_loss = g.rows.iter().find(|r| r.mode == "local").and_then(|r| r.final_loss);
+    if let Some(ll) = local_loss {
+        let dev = |sync: bool| -> Option<(f64, String)> {
+            g.rows
+                .iter()
+                .filter(|r| r.mode != "local" && (r.mode == "ps-asp" || r.mode == "ps-ssp") != sync)
+                .filter_map(|r| {
+                    Some(((r.final_loss? - ll).abs(), format!("{} w{}", Group::series(r), r.workers)))
+                })
+                .max_by(|a, b| a.0.total_cmp(&b.0))
+        };
+        let mut parts = vec![format!("Final training loss of local training: {ll:.4}")];
+        if let Some((d, who)) = dev(true) {
+            parts.push(format!("synchronous modes end within {d:.4} of it (largest: {who})"));
+        }
+        if let Some((d, who)) = dev(false) {
+            parts.push(format!("asynchronous ones within {d:.4} (largest: {who})"));
+        }
+        out.push(parts.join("; ") + ".");
     }
 
     // Contention: every process shares this machine's cores.

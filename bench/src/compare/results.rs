@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use gradsync_core::metrics::{Header, Record, ServerApply, Step, parse_line};
+use gradsync_core::metrics::{Header, Record, ServerApply, Step};
 use serde::{Deserialize, Serialize};
 
 use super::scenario::ModeKind;
@@ -125,7 +125,8 @@ impl RunData {
     /// Staleness values seen: the workers' per-step figures, else the servers' per-gradient
     /// figures.
     pub fn staleness(&self) -> Vec<u64> {
-        let w: Vec<u64> = self.workers.iter().flat_map(|f| f.steps.iter().filter_map(|s| s.staleness)).collect();
+        let w: Vec<u64> =
+            self.workers.iter().flat_map(|f| f.steps.iter().filter_map(|s| s.staleness)).collect();
         if !w.is_empty() {
             return w;
         }
@@ -358,7 +359,8 @@ pub fn collect(roots: &[PathBuf]) -> anyhow::Result<Collected> {
 
 /// Every `*.jsonl` file under `dir`, in sorted order.
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    let mut entries: Vec<PathBuf> =
+        std::fs::read_dir(dir)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
     entries.sort();
     for p in entries {
         if p.is_dir() {
@@ -432,6 +434,24 @@ fn read_metrics(path: &Path, rel: String, warnings: &mut Vec<String>) -> Option<
         return None;
     };
     Some(MetricsFile { rel, header, steps, applies })
+}
+
+/// Parse one metrics line. `gradsync_core::metrics::parse_line` goes through serde's
+/// internally-tagged path, which cannot hold the header's u128 `start_unix_ms`; dispatching on
+/// `kind` by hand and reading each record from a JSON value has no such limit.
+pub fn parse_line(line: &str) -> Result<Record, serde_json::Error> {
+    use serde::de::Error as _;
+    let mut v: serde_json::Value = serde_json::from_str(line)?;
+    let kind = v
+        .as_object_mut()
+        .and_then(|o| o.remove("kind"))
+        .ok_or_else(|| serde_json::Error::custom("not a record: no \"kind\""))?;
+    match kind.as_str() {
+        Some("header") => serde_json::from_value(v).map(Record::Header),
+        Some("step") => serde_json::from_value(v).map(Record::Step),
+        Some("server_apply") => serde_json::from_value(v).map(Record::ServerApply),
+        _ => Err(serde_json::Error::custom(format!("unknown record kind {kind}"))),
+    }
 }
 
 /// The configuration that processes of one run share.
@@ -575,6 +595,22 @@ pub fn write_merged(c: &Collected, dir: &Path) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_every_record_kind_with_a_real_start_time() {
+        let h = Record::Header(Header {
+            mode: "ps".into(),
+            start_unix_ms: 1_700_000_000_123,
+            ..Header::default()
+        });
+        let s = Record::Step(Step { rank: 1, step: 2, staleness: Some(3), ..Step::default() });
+        let a = Record::ServerApply(ServerApply { version: 4, ranks: vec![0, 1], ..ServerApply::default() });
+        for r in [h, s, a] {
+            assert_eq!(parse_line(&serde_json::to_string(&r).unwrap()).unwrap(), r);
+        }
+        assert!(parse_line("{\"kind\":\"nope\"}").unwrap_err().to_string().contains("nope"));
+        assert!(parse_line("[1]").is_err());
+    }
 
     #[test]
     fn common_dir_of_paths() {

@@ -13,7 +13,9 @@ use serde::{Deserialize, Serialize};
 pub const DEFAULT: &str = include_str!("../../scenarios/default.toml");
 
 /// One way of training that the comparison runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, clap::ValueEnum,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum ModeKind {
     /// One process, one replica (the baseline every speed-up is measured against).
@@ -319,14 +321,23 @@ mod tests {
 
     #[test]
     fn rejects_bad_scenarios_by_name() {
-        let e = Scenario::parse("name='x'\nmodes=['warp']\nworkers=[1]\nmodels=['tiny']\nbatches=[8]\nsteps=1", "t")
-            .unwrap_err();
+        let e = Scenario::parse(
+            "name='x'\nmodes=['warp']\nworkers=[1]\nmodels=['tiny']\nbatches=[8]\nsteps=1",
+            "t",
+        )
+        .unwrap_err();
         assert!(format!("{e:#}").contains("warp"), "{e:#}");
-        let e = Scenario::parse("name='x'\nmodes=['dp']\nworkers=[0]\nmodels=['tiny']\nbatches=[8]\nsteps=1", "t")
-            .unwrap_err();
+        let e = Scenario::parse(
+            "name='x'\nmodes=['dp']\nworkers=[0]\nmodels=['tiny']\nbatches=[8]\nsteps=1",
+            "t",
+        )
+        .unwrap_err();
         assert!(format!("{e:#}").contains("workers"), "{e:#}");
-        let e = Scenario::parse("name='x'\nmodes=['dp']\nworkers=[1]\nmodels=['huge']\nbatches=[8]\nsteps=1", "t")
-            .unwrap_err();
+        let e = Scenario::parse(
+            "name='x'\nmodes=['dp']\nworkers=[1]\nmodels=['huge']\nbatches=[8]\nsteps=1",
+            "t",
+        )
+        .unwrap_err();
         assert!(format!("{e:#}").contains("huge"), "{e:#}");
     }
 
