@@ -93,6 +93,7 @@ pub fn latency(ip: &str, rounds: usize) -> anyhow::Result<f64> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     #[test]
     fn latency_is_small_and_positive() {

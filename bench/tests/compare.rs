@@ -1,6 +1,7 @@
 //! `gradsync-bench compare` end to end: the default scenario scaled down (tiny model, a few
 //! steps, 1 and 2 workers) with real worker and server processes. Every mode is started; a
 //! mode this build cannot run fails, is reported with its error, and the others go on.
+#![allow(clippy::unwrap_used)] // a test fails loudly on anything unexpected
 
 use std::path::PathBuf;
 use std::process::Command;

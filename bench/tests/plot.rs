@@ -1,5 +1,6 @@
 //! `gradsync-bench plot` on metrics files written here: every mode present (so every chart has
 //! data), output identical for identical input, bad files reported by path and line.
+#![allow(clippy::unwrap_used)] // a test fails loudly on anything unexpected
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -135,6 +135,15 @@ pub fn groups<'a>(rows: &'a [Summary], runs: &'a [RunData]) -> Vec<Group<'a>> {
         .collect()
 }
 
+/// A named, coloured series of points.
+type Line = (String, RGBColor, Vec<(f64, f64)>);
+/// A measured series: name, colour, whether it is the servers' figure, points.
+type Measured = (String, RGBColor, bool, Vec<(f64, f64)>);
+/// A model line: name, colour, dash length (0: solid), points.
+type Dashed = (String, RGBColor, u32, Vec<(f64, f64)>);
+/// One phase of the step: its name, how to read it from a summary, its colour.
+type Phase = (&'static str, fn(&Summary) -> Option<f64>, RGBColor);
+
 /// Fixed colours per series position so every chart agrees.
 fn color(i: usize) -> RGBColor {
     const C: [RGBColor; 10] = [
@@ -296,7 +305,7 @@ impl Charts {
         rows.sort_by_key(|r| {
             (ModeKind::ALL.iter().position(|k| k.label() == r.mode).unwrap_or(99), r.workers, r.shards)
         });
-        let parts: [(&str, fn(&Summary) -> Option<f64>, RGBColor); 6] = [
+        let parts: [Phase; 6] = [
             ("forward", |r| r.forward_ms, color(0)),
             ("backward", |r| r.backward_ms, color(1)),
             ("exposed comm", |r| r.comm_exposed_ms, color(3)),
@@ -360,7 +369,7 @@ impl Charts {
 
     fn loss(&mut self, g: &Group, wall: bool) -> anyhow::Result<()> {
         let runs = g.widest_per_mode();
-        let curves: Vec<(String, RGBColor, Vec<(f64, f64)>)> = runs
+        let curves: Vec<Line> = runs
             .iter()
             .map(|r| {
                 let pts = r
@@ -430,7 +439,7 @@ impl Charts {
         ws.dedup();
         let wmax = ws.last().copied().unwrap_or(1) as f64;
         let has = |m: &str| g.rows.iter().any(|r| r.mode.starts_with(m));
-        let mut theory: Vec<(String, RGBColor, Vec<(f64, f64)>)> = Vec::new();
+        let mut theory: Vec<Line> = Vec::new();
         if has("ddp") {
             theory.push((
                 "ring, per worker (theory)".into(),
@@ -450,7 +459,7 @@ impl Charts {
                 ws.iter().map(|&n| (n as f64, cost::ps_bytes_at_servers(n, s) / MB)).collect(),
             ));
         }
-        let mut measured: Vec<(String, RGBColor, bool, Vec<(f64, f64)>)> = Vec::new();
+        let mut measured: Vec<Measured> = Vec::new();
         // ASP and SSP move the same bytes per step as BSP: measuring BSP and the ring suffices.
         for (i, (name, rows)) in
             series.iter().enumerate().filter(|(_, (n, _))| n.starts_with("ps-bsp") || n.starts_with("ddp"))
@@ -594,7 +603,7 @@ impl Charts {
         shards.sort();
         shards.dedup();
         let ns: Vec<usize> = (1..=wmax.max(2)).collect();
-        let mut model: Vec<(String, RGBColor, Vec<(f64, f64)>)> = Vec::new();
+        let mut model: Vec<Line> = Vec::new();
         if let Some(l) = link {
             model.push((
                 "ring model".into(),
@@ -609,7 +618,7 @@ impl Charts {
                 ));
             }
         }
-        let measured: Vec<(String, RGBColor, Vec<(f64, f64)>)> = g
+        let measured: Vec<Line> = g
             .by_series()
             .into_iter()
             .filter(|(_, rows)| {
@@ -645,7 +654,7 @@ impl Charts {
                     .y_desc("ms of communication per step")
                     .label_style(font(13))
                     .axis_desc_style(font(14))
-                    .x_labels(wmax as usize + 2)
+                    .x_labels(wmax.max(2) + 2)
                     .x_label_formatter(&int_label)
                     .draw()?;
                 for (name, col, pts) in &model {
@@ -677,7 +686,7 @@ impl Charts {
         let s = g.grad_bytes();
         let a = link.map(|l| l.a);
         let ns: Vec<usize> = (0..=10).map(|p| 1usize << p).collect();
-        let mut lines: Vec<(String, RGBColor, u32, Vec<(f64, f64)>)> = Vec::new();
+        let mut lines: Vec<Dashed> = Vec::new();
         if let Some(a) = a {
             for (i, gb) in [1.0, 10.0, 100.0].into_iter().enumerate() {
                 let l = Link { a, b: cost::gbit(gb) };

@@ -593,6 +593,7 @@ pub fn write_merged(c: &Collected, dir: &Path) -> anyhow::Result<()> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
