@@ -181,6 +181,9 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
                 "--metrics".into(),
                 ctx.path(&name, "jsonl").display().to_string(),
             ];
+            if let Some(d) = &s.data {
+                args.extend(["--data".into(), d.clone()]);
+            }
             if s.trace {
                 args.extend([
                     "--trace".into(),
