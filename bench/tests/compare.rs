@@ -27,16 +27,7 @@ fn bin_dir() -> PathBuf {
     dir
 }
 
-const CHARTS: [&str; 8] = [
-    "throughput",
-    "step_time",
-    "loss_step",
-    "loss_wall",
-    "bytes",
-    "staleness",
-    "cost_model",
-    "cost_extrapolation",
-];
+use gradsync_bench::compare::charts::NAMES as CHARTS;
 
 #[test]
 fn default_scenario_scaled_down_runs_end_to_end() {

@@ -144,16 +144,7 @@ fn plot(dirs: &[&Path], out: &Path) -> std::process::Output {
         .unwrap()
 }
 
-const CHARTS: [&str; 8] = [
-    "throughput",
-    "step_time",
-    "loss_step",
-    "loss_wall",
-    "bytes",
-    "staleness",
-    "cost_model",
-    "cost_extrapolation",
-];
+use gradsync_bench::compare::charts::NAMES as CHARTS;
 
 fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)

@@ -194,6 +194,18 @@ macro_rules! render {
     }};
 }
 
+/// The file stems of the charts of one group, in report order.
+pub const NAMES: [&str; 8] = [
+    "throughput",
+    "step_time",
+    "loss_step",
+    "loss_wall",
+    "bytes",
+    "staleness",
+    "cost_model",
+    "cost_extrapolation",
+];
+
 /// Where charts go, and those drawn so far.
 pub struct Charts {
     dir: PathBuf,
@@ -216,6 +228,38 @@ where
         )),
     ))?;
     let _ = w;
+    Ok(())
+}
+
+/// A chart frame: caption and the margins every chart shares.
+fn frame<'a, 'b, DB: DrawingBackend>(
+    root: &'a DrawingArea<DB, Shift>,
+    title: &str,
+    caption: u32,
+    y_area: u32,
+) -> ChartBuilder<'a, 'b, DB> {
+    let mut b = ChartBuilder::on(root);
+    b.caption(title, font(caption)).margin(15).x_label_area_size(45).y_label_area_size(y_area);
+    b
+}
+
+/// The series legend, the same on every chart.
+fn legend<'a, DB, CT>(
+    c: &mut ChartContext<'a, DB, CT>,
+    size: u32,
+    pos: SeriesLabelPosition,
+) -> anyhow::Result<()>
+where
+    DB: DrawingBackend + 'a,
+    DB::ErrorType: 'static,
+    CT: plotters::coord::CoordTranslate,
+{
+    c.configure_series_labels()
+        .label_font(font(size))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(pos)
+        .draw()?;
     Ok(())
 }
 
@@ -253,12 +297,7 @@ impl Charts {
             max_or(g.rows.iter().filter_map(|r| r.samples_per_s).chain(base.map(|b| b * wmax)), 1.0) * 1.1;
         let title = format!("Throughput against workers ({}, global batch {})", g.model, g.global_batch);
         render!(self, format!("throughput{}", g.suffix), title.clone(), (900, 560), |root| {
-            let mut c = ChartBuilder::on(&root)
-                .caption(&title, font(20))
-                .margin(15)
-                .x_label_area_size(45)
-                .y_label_area_size(70)
-                .build_cartesian_2d(0.5f64..wmax + 0.5, 0f64..ymax)?;
+            let mut c = frame(&root, &title, 20, 70).build_cartesian_2d(0.5f64..wmax + 0.5, 0f64..ymax)?;
             c.configure_mesh()
                 .x_desc("workers")
                 .y_desc("samples/s")
@@ -290,12 +329,7 @@ impl Charts {
                     .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
                 c.draw_series(pts.iter().map(|&p| Circle::new(p, 4, col.filled())))?;
             }
-            c.configure_series_labels()
-                .label_font(font(13))
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .position(SeriesLabelPosition::UpperLeft)
-                .draw()?;
+            legend(&mut c, 13, SeriesLabelPosition::UpperLeft)?;
         });
         Ok(())
     }
@@ -322,11 +356,7 @@ impl Charts {
             if rows.is_empty() {
                 empty(&root, "no run with step timings")?;
             } else {
-                let mut c = ChartBuilder::on(&root)
-                    .caption(&title, font(20))
-                    .margin(15)
-                    .x_label_area_size(45)
-                    .y_label_area_size(70)
+                let mut c = frame(&root, &title, 20, 70)
                     .build_cartesian_2d((0..n - 1).into_segmented(), 0f64..ymax)?;
                 c.configure_mesh()
                     .disable_x_mesh()
@@ -356,12 +386,7 @@ impl Charts {
                         .label(name)
                         .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], col.filled()));
                 }
-                c.configure_series_labels()
-                    .label_font(font(13))
-                    .background_style(WHITE.mix(0.85))
-                    .border_style(BLACK)
-                    .position(SeriesLabelPosition::UpperLeft)
-                    .draw()?;
+                legend(&mut c, 13, SeriesLabelPosition::UpperLeft)?;
             }
         });
         Ok(())
@@ -399,12 +424,7 @@ impl Charts {
             if curves.is_empty() {
                 empty(&root, "no run with loss figures")?;
             } else {
-                let mut c = ChartBuilder::on(&root)
-                    .caption(&title, font(20))
-                    .margin(15)
-                    .x_label_area_size(45)
-                    .y_label_area_size(70)
-                    .build_cartesian_2d(0f64..xmax, 0f64..ymax)?;
+                let mut c = frame(&root, &title, 20, 70).build_cartesian_2d(0f64..xmax, 0f64..ymax)?;
                 c.configure_mesh()
                     .x_desc(xdesc)
                     .y_desc("mean training loss over ranks")
@@ -419,12 +439,7 @@ impl Charts {
                             PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2))
                         });
                 }
-                c.configure_series_labels()
-                    .label_font(font(13))
-                    .background_style(WHITE.mix(0.85))
-                    .border_style(BLACK)
-                    .position(SeriesLabelPosition::UpperRight)
-                    .draw()?;
+                legend(&mut c, 13, SeriesLabelPosition::UpperRight)?;
             }
         });
         Ok(())
@@ -491,12 +506,8 @@ impl Charts {
             if theory.is_empty() && measured.is_empty() {
                 empty(&root, "no run that communicates over the network")?;
             } else {
-                let mut c = ChartBuilder::on(&root)
-                    .caption(&title, font(20))
-                    .margin(15)
-                    .x_label_area_size(45)
-                    .y_label_area_size(70)
-                    .build_cartesian_2d(0.5f64..wmax + 0.5, 0f64..ymax)?;
+                let mut c =
+                    frame(&root, &title, 20, 70).build_cartesian_2d(0.5f64..wmax + 0.5, 0f64..ymax)?;
                 c.configure_mesh()
                     .x_desc("workers")
                     .y_desc("MB sent + received per step")
@@ -526,12 +537,7 @@ impl Charts {
                             .legend(move |(x, y)| Circle::new((x + 8, y), 4, col.filled()));
                     }
                 }
-                c.configure_series_labels()
-                    .label_font(font(12))
-                    .background_style(WHITE.mix(0.85))
-                    .border_style(BLACK)
-                    .position(SeriesLabelPosition::UpperLeft)
-                    .draw()?;
+                legend(&mut c, 12, SeriesLabelPosition::UpperLeft)?;
             }
         });
         Ok(())
@@ -562,12 +568,8 @@ impl Charts {
             if hists.is_empty() {
                 empty(&root, "no ASP or SSP run reported staleness")?;
             } else {
-                let mut c = ChartBuilder::on(&root)
-                    .caption(&title, font(20))
-                    .margin(15)
-                    .x_label_area_size(45)
-                    .y_label_area_size(70)
-                    .build_cartesian_2d(-0.5f64..xmax - 0.5, 0f64..ymax)?;
+                let mut c =
+                    frame(&root, &title, 20, 70).build_cartesian_2d(-0.5f64..xmax - 0.5, 0f64..ymax)?;
                 c.configure_mesh()
                     .x_desc("staleness (server versions between pull and apply)")
                     .y_desc("gradients")
@@ -585,12 +587,7 @@ impl Charts {
                     .label(name.clone())
                     .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], col.filled()));
                 }
-                c.configure_series_labels()
-                    .label_font(font(13))
-                    .background_style(WHITE.mix(0.85))
-                    .border_style(BLACK)
-                    .position(SeriesLabelPosition::UpperRight)
-                    .draw()?;
+                legend(&mut c, 13, SeriesLabelPosition::UpperRight)?;
             }
         });
         Ok(())
@@ -643,11 +640,7 @@ impl Charts {
             if model.is_empty() && measured.iter().all(|m| m.2.is_empty()) {
                 empty(&root, "no link measurement and no communicating run")?;
             } else {
-                let mut c = ChartBuilder::on(&root)
-                    .caption(&title, font(17))
-                    .margin(15)
-                    .x_label_area_size(45)
-                    .y_label_area_size(70)
+                let mut c = frame(&root, &title, 17, 70)
                     .build_cartesian_2d(0.5f64..wmax.max(2) as f64 + 0.5, 0f64..ymax)?;
                 c.configure_mesh()
                     .x_desc("workers")
@@ -671,12 +664,7 @@ impl Charts {
                         .label(name.clone())
                         .legend(move |(x, y)| Circle::new((x + 8, y), 4, col.filled()));
                 }
-                c.configure_series_labels()
-                    .label_font(font(12))
-                    .background_style(WHITE.mix(0.85))
-                    .border_style(BLACK)
-                    .position(SeriesLabelPosition::UpperLeft)
-                    .draw()?;
+                legend(&mut c, 12, SeriesLabelPosition::UpperLeft)?;
             }
         });
         Ok(())
@@ -725,11 +713,7 @@ impl Charts {
             if lines.is_empty() {
                 empty(&root, "no latency measurement in these runs: nothing to extrapolate")?;
             } else {
-                let mut c = ChartBuilder::on(&root)
-                    .caption(&title, font(17))
-                    .margin(15)
-                    .x_label_area_size(45)
-                    .y_label_area_size(80)
+                let mut c = frame(&root, &title, 17, 80)
                     .build_cartesian_2d((2f64..1024f64).log_scale(), (ymin * 0.8..ymax * 1.25).log_scale())?;
                 c.configure_mesh()
                     .x_desc("workers (log)")
@@ -749,12 +733,7 @@ impl Charts {
                     .label(name.clone())
                     .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
                 }
-                c.configure_series_labels()
-                    .label_font(font(12))
-                    .background_style(WHITE.mix(0.85))
-                    .border_style(BLACK)
-                    .position(SeriesLabelPosition::UpperLeft)
-                    .draw()?;
+                legend(&mut c, 12, SeriesLabelPosition::UpperLeft)?;
             }
         });
         Ok(())

@@ -87,34 +87,24 @@ impl Ctx {
     /// metrics and trace.
     fn worker_common(&self, name: &str, batch: usize) -> Vec<String> {
         let s = &self.scenario;
-        let mut a = vec![
-            "train".into(),
-            "--model".into(),
-            self.spec.model.clone(),
-            "--batch".into(),
-            batch.to_string(),
-            "--steps".into(),
-            s.steps.to_string(),
-            "--seed".into(),
-            s.seed.to_string(),
-            "--device".into(),
-            s.device.clone(),
-            "--threads".into(),
-            s.threads.to_string(),
-            "--lr".into(),
-            s.lr.to_string(),
-            "--momentum".into(),
-            s.momentum.to_string(),
-            "--weight-decay".into(),
-            s.weight_decay.to_string(),
-            "--metrics".into(),
-            self.path(name, "jsonl").display().to_string(),
-        ];
+        let mut a = vec!["train".to_string()];
+        a.extend(flags([
+            ("--model", self.spec.model.clone()),
+            ("--batch", batch.to_string()),
+            ("--steps", s.steps.to_string()),
+            ("--seed", s.seed.to_string()),
+            ("--device", s.device.clone()),
+            ("--threads", s.threads.to_string()),
+            ("--lr", s.lr.to_string()),
+            ("--momentum", s.momentum.to_string()),
+            ("--weight-decay", s.weight_decay.to_string()),
+            ("--metrics", self.path(name, "jsonl").display().to_string()),
+        ]));
         if let Some(d) = &s.data {
-            a.extend(["--data".into(), d.clone()]);
+            a.extend(flags([("--data", d.clone())]));
         }
         if s.trace {
-            a.extend(["--trace".into(), self.path(&format!("trace-{name}"), "json").display().to_string()]);
+            a.extend(flags([("--trace", self.path(&format!("trace-{name}"), "json").display().to_string())]));
         }
         a
     }
@@ -140,7 +130,7 @@ pub fn plan(ctx: &Ctx) -> anyhow::Result<Plan> {
 /// `gradsync-worker train --mode local`, with the whole global batch.
 pub fn local(ctx: &Ctx) -> Plan {
     let mut args = ctx.worker_common("rank0", ctx.spec.global_batch);
-    args.extend(["--mode".into(), "local".into()]);
+    args.extend(flags([("--mode", "local".into())]));
     let p = ctx.worker("rank0".into(), args);
     Plan { servers: vec![], workers: Box::new(move |_| vec![p]) }
 }
@@ -148,7 +138,7 @@ pub fn local(ctx: &Ctx) -> Plan {
 /// `gradsync-worker train --mode dp --replicas W`, one process, `--batch` per replica.
 pub fn dp(ctx: &Ctx) -> Plan {
     let mut args = ctx.worker_common("rank0", ctx.spec.batch);
-    args.extend(["--mode".into(), "dp".into(), "--replicas".into(), ctx.spec.workers.to_string()]);
+    args.extend(flags([("--mode", "dp".into()), ("--replicas", ctx.spec.workers.to_string())]));
     let p = ctx.worker("rank0".into(), args);
     Plan { servers: vec![], workers: Box::new(move |_| vec![p]) }
 }
@@ -161,34 +151,25 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
     let servers = (0..k)
         .map(|i| {
             let name = format!("server{i}");
-            let mut args = vec![
-                "--listen".into(),
-                "127.0.0.1:0".into(),
-                "--sync".into(),
-                sync.clone(),
-                "--shard".into(),
-                format!("{i}/{k}"),
-                "--model".into(),
-                ctx.spec.model.clone(),
-                "--seed".into(),
-                s.seed.to_string(),
-                "--lr".into(),
-                s.lr.to_string(),
-                "--momentum".into(),
-                s.momentum.to_string(),
-                "--weight-decay".into(),
-                s.weight_decay.to_string(),
-                "--metrics".into(),
-                ctx.path(&name, "jsonl").display().to_string(),
-            ];
+            let mut args = flags([
+                ("--listen", "127.0.0.1:0".into()),
+                ("--sync", sync.clone()),
+                ("--shard", format!("{i}/{k}")),
+                ("--model", ctx.spec.model.clone()),
+                ("--seed", s.seed.to_string()),
+                ("--lr", s.lr.to_string()),
+                ("--momentum", s.momentum.to_string()),
+                ("--weight-decay", s.weight_decay.to_string()),
+                ("--metrics", ctx.path(&name, "jsonl").display().to_string()),
+            ]);
             if let Some(d) = &s.data {
-                args.extend(["--data".into(), d.clone()]);
+                args.extend(flags([("--data", d.clone())]));
             }
             if s.trace {
-                args.extend([
-                    "--trace".into(),
+                args.extend(flags([(
+                    "--trace",
                     ctx.path(&format!("trace-{name}"), "json").display().to_string(),
-                ]);
+                )]));
             }
             ProcSpec { metrics: ctx.path(&name, "jsonl"), name, program: ctx.bins.server.clone(), args }
         })
@@ -201,16 +182,12 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
                 .map(|r| {
                     let name = format!("rank{r}");
                     let mut args = ctx.worker_common(&name, ctx.spec.batch);
-                    args.extend([
-                        "--mode".into(),
-                        "ps".into(),
-                        "--servers".into(),
-                        addrs.join(","),
-                        "--rank".into(),
-                        r.to_string(),
-                        "--world-size".into(),
-                        ctx.spec.workers.to_string(),
-                    ]);
+                    args.extend(flags([
+                        ("--mode", "ps".into()),
+                        ("--servers", addrs.join(",")),
+                        ("--rank", r.to_string()),
+                        ("--world-size", ctx.spec.workers.to_string()),
+                    ]));
                     ctx.worker(name, args)
                 })
                 .collect()
@@ -226,29 +203,27 @@ pub fn ddp(ctx: &Ctx, backend: &str) -> anyhow::Result<Plan> {
         .map(|r| {
             let name = format!("rank{r}");
             let mut args = ctx.worker_common(&name, ctx.spec.batch);
-            args.extend([
-                "--mode".into(),
-                "ddp".into(),
-                "--backend".into(),
-                backend.into(),
-                "--rank".into(),
-                r.to_string(),
-                "--world-size".into(),
-                ctx.spec.workers.to_string(),
-                "--local-rank".into(),
-                r.to_string(),
-                "--master-addr".into(),
-                "127.0.0.1".into(),
-                "--master-port".into(),
-                port.to_string(),
-            ]);
+            args.extend(flags([
+                ("--mode", "ddp".into()),
+                ("--backend", backend.into()),
+                ("--rank", r.to_string()),
+                ("--world-size", ctx.spec.workers.to_string()),
+                ("--local-rank", r.to_string()),
+                ("--master-addr", "127.0.0.1".into()),
+                ("--master-port", port.to_string()),
+            ]));
             if let Some(mb) = ctx.scenario.bucket_mb {
-                args.extend(["--bucket-mb".into(), mb.to_string()]);
+                args.extend(flags([("--bucket-mb", mb.to_string())]));
             }
             ctx.worker(name, args)
         })
         .collect();
     Ok(Plan { servers: vec![], workers: Box::new(move |_| procs) })
+}
+
+/// `--flag value` pairs as arguments.
+fn flags<const N: usize>(pairs: [(&str, String); N]) -> Vec<String> {
+    pairs.into_iter().flat_map(|(f, v)| [f.to_string(), v]).collect()
 }
 
 /// A loopback port nobody listens on now. Another process may take it before rank 0 binds
