@@ -615,6 +615,20 @@ impl Charts {
                 ));
             }
         }
+        // The ring model fitted to the ring's own measurements, where they pin it down.
+        let ring_pts: Vec<(usize, f64, f64)> = g
+            .rows
+            .iter()
+            .filter(|r| r.mode == "ddp-tcp" && r.workers > 1)
+            .filter_map(|r| Some((r.workers, s, r.comm_ms? / 1e3)))
+            .collect();
+        if let Some(fit) = cost::fit_ring(&ring_pts).filter(|_| ring_pts.len() >= 2) {
+            model.push((
+                format!("ring fitted: a = {:.1} us, B = {:.2} GB/s", fit.a * 1e6, fit.b / 1e9),
+                BLACK,
+                ns.iter().map(|&n| (n as f64, cost::ring(n, s, fit) * 1e3)).collect(),
+            ));
+        }
         let measured: Vec<Line> = g
             .by_series()
             .into_iter()

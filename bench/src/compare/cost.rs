@@ -61,6 +61,40 @@ pub fn ps_wins(max: usize, s: f64, l: Link, k: impl Fn(usize) -> usize) -> Optio
     Some((*wins.first()?, *wins.last()?))
 }
 
+/// Least-squares fit of the ring model to measured all-reduce times: `points` holds (ranks,
+/// bytes, seconds) and the fit solves `t = a * 2(n-1) + (1/B) * 2(n-1)/n * S` for `a` and `1/B`
+/// (normal equations of the two-column regression). `None` unless the points determine both
+/// terms and give a positive bandwidth; a negative latency is clamped to zero (a pure
+/// bandwidth fit, refitted through the origin).
+pub fn fit_ring(points: &[(usize, f64, f64)]) -> Option<Link> {
+    let rows: Vec<(f64, f64, f64)> = points
+        .iter()
+        .filter(|p| p.0 > 1 && p.2 > 0.0)
+        .map(|&(n, s, t)| {
+            let n = n as f64;
+            (2.0 * (n - 1.0), 2.0 * (n - 1.0) / n * s, t)
+        })
+        .collect();
+    let (mut s11, mut s12, mut s22, mut s1t, mut s2t) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &(x1, x2, t) in &rows {
+        s11 += x1 * x1;
+        s12 += x1 * x2;
+        s22 += x2 * x2;
+        s1t += x1 * t;
+        s2t += x2 * t;
+    }
+    let det = s11 * s22 - s12 * s12;
+    if rows.len() >= 2 && det.abs() > 1e-12 * s11 * s22 {
+        let a = (s1t * s22 - s2t * s12) / det;
+        let inv_b = (s11 * s2t - s12 * s1t) / det;
+        if a >= 0.0 && inv_b > 0.0 {
+            return Some(Link { a, b: 1.0 / inv_b });
+        }
+    }
+    // One size or a negative latency: bandwidth only.
+    (s22 > 0.0 && s2t > 0.0).then(|| Link { a: 0.0, b: s22 / s2t })
+}
+
 /// Gbit/s to bytes/s.
 pub fn gbit(g: f64) -> f64 {
     g * 1e9 / 8.0
@@ -90,5 +124,20 @@ mod tests {
         let w = ps_wins(64, 4e6, l, |n| n).unwrap();
         assert_eq!(w.0, 3);
         assert!(ps_wins(64, 4e6, l, |_| 1).is_none());
+    }
+
+    #[test]
+    fn fit_recovers_the_link_that_made_the_points() {
+        let truth = Link { a: 30e-6, b: 1.5e9 };
+        let pts: Vec<(usize, f64, f64)> = [(2, 4e6), (4, 4e6), (8, 1e6), (3, 8e6)]
+            .iter()
+            .map(|&(n, s)| (n, s, ring(n, s, truth)))
+            .collect();
+        let f = fit_ring(&pts).unwrap();
+        assert!((f.a - truth.a).abs() < 1e-9 && (f.b / truth.b - 1.0).abs() < 1e-9, "{f:?}");
+        // One point: bandwidth only, through the origin.
+        let f = fit_ring(&pts[..1]).unwrap();
+        assert_eq!(f.a, 0.0);
+        assert!(fit_ring(&[]).is_none());
     }
 }

@@ -413,6 +413,24 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
                 ));
             }
         }
+        let ring_pts: Vec<(usize, f64, f64)> = g
+            .rows
+            .iter()
+            .filter(|r| r.mode == "ddp-tcp" && r.workers > 1)
+            .filter_map(|r| Some((r.workers, s, r.comm_ms? / 1e3)))
+            .collect();
+        if ring_pts.len() >= 2
+            && let Some(fit) = cost::fit_ring(&ring_pts)
+        {
+            out.push(format!(
+                "Fitting the ring model to the ring's own {} measurements gives a = {:.1} us per message and an \
+                 effective B = {:.2} GB/s, {:.0}% of the raw link.",
+                ring_pts.len(),
+                fit.a * 1e6,
+                fit.b / 1e9,
+                100.0 * fit.b / l.b
+            ));
+        }
         let ten = Link { a: l.a, b: cost::gbit(10.0) };
         let ps_half = cost::ps_wins(1024, s, ten, |n| (n / 2).max(1));
         out.push(format!(
