@@ -604,13 +604,13 @@ impl Charts {
         if let Some(l) = link {
             model.push((
                 "ring model".into(),
-                mode_color("ddp-tcp"),
+                color(0),
                 ns.iter().map(|&n| (n as f64, cost::ring(n, s, l) * 1e3)).collect(),
             ));
             for (i, &k) in shards.iter().enumerate() {
                 model.push((
                     format!("PS model, k={k}"),
-                    color(3 + i * 2),
+                    color(1 + i * 2),
                     ns.iter().map(|&n| (n as f64, cost::ps(n, k, s, l) * 1e3)).collect(),
                 ));
             }
@@ -632,13 +632,15 @@ impl Charts {
         let measured: Vec<Line> = g
             .by_series()
             .into_iter()
-            .filter(|(_, rows)| {
-                rows.first().is_some_and(|r| r.mode.starts_with("ps") || r.mode.starts_with("ddp"))
-            })
-            .enumerate()
-            .map(|(i, (name, rows))| {
+            // The model is of a synchronous exchange: BSP and the ring.
+            .filter(|(_, rows)| rows.first().is_some_and(|r| r.mode == "ps-bsp" || r.mode.starts_with("ddp")))
+            .map(|(name, rows)| {
+                let col = match rows.first().map(|r| r.shards) {
+                    Some(k) if k > 0 => color(1 + 2 * shards.iter().position(|&x| x == k).unwrap_or(0)),
+                    _ => color(0),
+                };
                 let pts = rows.iter().filter_map(|r| Some((r.workers as f64, r.comm_ms?))).collect();
-                (format!("{name} measured"), color(i), pts)
+                (format!("{name} measured"), col, pts)
             })
             .collect();
         let ymax = max_or(model.iter().chain(&measured).flat_map(|m| m.2.iter().map(|p| p.1)), 1.0) * 1.1;
