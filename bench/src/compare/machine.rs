@@ -1,7 +1,9 @@
 //! A description of the machine a comparison ran on (`machine.json`), and the link figures the
 //! cost model is fitted to, measured in the same run.
 
-use std::process::Command;
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -67,19 +69,35 @@ impl Machine {
     }
 }
 
-/// GPU names from `nvidia-smi` (none when it is missing or fails).
+/// GPU names from `nvidia-smi` (none when it is missing, fails, or takes more than 10 s, as a
+/// wedged driver can).
 pub fn gpus() -> Vec<String> {
-    Command::new("nvidia-smi")
+    let Ok(mut child) = Command::new("nvidia-smi")
         .args(["--query-gpu=name", "--format=csv,noheader"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .map(|l| l.trim().to_string())
-                .filter(|l| !l.is_empty())
-                .collect()
-        })
-        .unwrap_or_default()
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+    else {
+        return Vec::new();
+    };
+    let until = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(st)) => break Some(st),
+            Ok(None) if Instant::now() < until => std::thread::sleep(Duration::from_millis(20)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+        }
+    };
+    let mut out = String::new();
+    if status.is_some_and(|s| s.success())
+        && let Some(mut o) = child.stdout.take()
+    {
+        let _ = o.read_to_string(&mut out);
+    }
+    out.lines().map(|l| l.trim().to_string()).filter(|l| !l.is_empty()).collect()
 }
