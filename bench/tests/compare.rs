@@ -116,6 +116,19 @@ fn default_scenario_scaled_down_runs_end_to_end() {
     }
     assert!(html.contains("Scaling efficiency") && html.contains("Cost model, extrapolated"));
     assert!(html.contains("is fastest with"), "no computed reading in the report");
+
+    // A second comparison into the same directory is refused rather than mixed in.
+    let again = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
+        .arg("compare")
+        .arg(&scenario)
+        .arg("--out")
+        .arg(&out)
+        .arg("--bin-dir")
+        .arg(bin_dir())
+        .output()
+        .unwrap();
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already holds a comparison"));
     std::fs::remove_dir_all(&root).unwrap();
 }
 

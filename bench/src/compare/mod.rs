@@ -105,6 +105,12 @@ pub fn run_plot(a: &PlotArgs) -> anyhow::Result<()> {
 /// now), each run's processes, and `outcomes.jsonl`. A failed run is recorded and the next one
 /// starts.
 pub fn compare(scenario: &Scenario, bins: &modes::Bins, out: &Path) -> anyhow::Result<Vec<Outcome>> {
+    // Old metrics left beside new ones would be merged into this comparison's results.
+    anyhow::ensure!(
+        !out.join("outcomes.jsonl").exists(),
+        "{} already holds a comparison; choose another --out",
+        out.display()
+    );
     std::fs::create_dir_all(out.join("runs")).with_context(|| format!("creating {}", out.display()))?;
     let write = |name: &str, text: &str| -> anyhow::Result<()> {
         let p = out.join(name);
