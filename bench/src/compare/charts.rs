@@ -403,9 +403,9 @@ impl Charts {
                     .map(|(s, l, w)| (if wall { w } else { s as f64 }, l))
                     .collect();
                 let name = format!(
-                    "{} ({} workers{})",
+                    "{} ({}{})",
                     r.mode.label(),
-                    r.world(),
+                    workers(r.world()),
                     if r.shards() > 0 { format!(", k={}", r.shards()) } else { String::new() }
                 );
                 (name, mode_color(r.mode.label()), pts)
@@ -557,7 +557,7 @@ impl Charts {
                 for s in v {
                     *h.entry(s).or_insert(0) += 1;
                 }
-                Some((format!("{} ({} workers)", r.mode.label(), r.world()), mode_color(r.mode.label()), h))
+                Some((format!("{} ({})", r.mode.label(), workers(r.world())), mode_color(r.mode.label()), h))
             })
             .collect();
         let xmax = hists.iter().flat_map(|h| h.2.keys().copied()).max().unwrap_or(1) as f64 + 1.0;
@@ -754,6 +754,11 @@ impl Charts {
         });
         Ok(())
     }
+}
+
+/// "1 worker", "4 workers".
+pub fn workers(n: usize) -> String {
+    if n == 1 { "1 worker".into() } else { format!("{n} workers") }
 }
 
 /// Tick labels at whole numbers only (worker counts).
