@@ -247,3 +247,21 @@ fn a_missing_directory_is_an_error_naming_it() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("/nonexistent/gradsync-runs is not a directory"));
 }
+
+#[test]
+fn back_to_back_runs_of_one_configuration_stay_apart() {
+    // Two PS runs of the same configuration, the second starting as the first ends (as
+    // `compare` runs them): each keeps its own workers and its own server.
+    let root = tmp("b2b");
+    let runs = root.join("in/runs");
+    write_run(&runs.join("a"), "ps", "bsp", 2, 1_700_000_000_000, 5.0, 1.0, 100, false);
+    write_run(&runs.join("b"), "ps", "bsp", 2, 1_700_000_000_000 + 101, 5.0, 1.0, 100, false);
+    let out = root.join("out");
+    let o = plot(&[&root.join("in")], &out);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let csv = std::fs::read_to_string(out.join("summary.csv")).unwrap();
+    let rows: Vec<&str> = csv.lines().skip(1).collect();
+    assert_eq!(rows.len(), 2, "{csv}");
+    assert!(rows[0].starts_with("runs/a,ps-bsp,2,1,") && rows[1].starts_with("runs/b,ps-bsp,2,1,"), "{csv}");
+    std::fs::remove_dir_all(&root).unwrap();
+}

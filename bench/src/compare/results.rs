@@ -465,15 +465,33 @@ fn config_key(h: &Header) -> (String, String, String, u64, usize, usize) {
     (mode, variant, h.widths.clone(), h.seed, h.world_size, h.global_batch)
 }
 
+/// The directory part of a relative path.
+fn dir_of(rel: &str) -> &str {
+    rel.rsplit_once('/').map_or("", |(d, _)| d)
+}
+
+/// Worker files one run holds: one for local and DP (replicas share a process), one per rank
+/// otherwise.
+fn expected_files(h: &Header) -> usize {
+    if h.mode == "local" || h.mode == "dp" { 1 } else { h.world_size.max(1) }
+}
+
 /// Group worker files into runs: the same configuration and overlapping lifetimes (processes
-/// of one run run together; repeated runs of one configuration follow each other). Server
-/// files join the PS run of their configuration whose lifetime they overlap.
+/// of one run run together; repeated runs of one configuration follow each other), never two
+/// files of one rank, never more files than the run has processes. Files of the same directory
+/// are matched first, with exact lifetimes (one clock); files of other directories (other
+/// hosts) then, with a little slack for clock skew. Server files join the PS run of their
+/// configuration whose lifetime they overlap, preferring their own directory.
 fn group(files: Vec<MetricsFile>, warnings: &mut Vec<String>) -> Vec<RunData> {
-    let (servers, mut workers): (Vec<_>, Vec<_>) = files.into_iter().partition(MetricsFile::is_server);
-    workers.sort_by(|a, b| a.start().total_cmp(&b.start()).then_with(|| a.rel.cmp(&b.rel)));
+    let (mut servers, mut workers): (Vec<_>, Vec<_>) = files.into_iter().partition(MetricsFile::is_server);
+    let by_start =
+        |a: &MetricsFile, b: &MetricsFile| a.start().total_cmp(&b.start()).then_with(|| a.rel.cmp(&b.rel));
+    workers.sort_by(by_start);
+    servers.sort_by(by_start);
     let mut runs: Vec<(RunData, f64, f64)> = Vec::new();
     // Clocks of different hosts disagree a little; lifetimes that miss by less still match.
     const SLACK_MS: f64 = 2000.0;
+    let overlaps = |s: f64, e: f64, rs: f64, re: f64, slack: f64| s <= re + slack && e + slack >= rs;
     for f in workers {
         let Some(mode) = ModeKind::from_header(&f.header.mode, &f.header.variant) else {
             warnings.push(format!("{}:1: unknown mode '{}'; file skipped", f.rel, f.header.mode));
@@ -482,14 +500,26 @@ fn group(files: Vec<MetricsFile>, warnings: &mut Vec<String>) -> Vec<RunData> {
         let key = config_key(&f.header);
         let (s, e) = (f.start(), f.end());
         let rank = f.header.rank;
-        let found = runs.iter_mut().find(|(r, rs, re)| {
+        let fits = |r: &RunData| {
             config_key(r.header()) == key
-                && s <= *re + SLACK_MS
-                && e + SLACK_MS >= *rs
+                && r.workers.len() < expected_files(r.header())
                 && !r.workers.iter().any(|w| w.header.rank == rank)
+        };
+        let same_dir = runs.iter().position(|(r, rs, re)| {
+            fits(r)
+                && r.workers.iter().any(|w| dir_of(&w.rel) == dir_of(&f.rel))
+                && overlaps(s, e, *rs, *re, 0.0)
+        });
+        let found = same_dir.or_else(|| {
+            runs.iter().position(|(r, rs, re)| {
+                fits(r)
+                    && r.workers.iter().all(|w| dir_of(&w.rel) != dir_of(&f.rel))
+                    && overlaps(s, e, *rs, *re, SLACK_MS)
+            })
         });
         match found {
-            Some((r, rs, re)) => {
+            Some(i) => {
+                let (r, rs, re) = &mut runs[i];
                 *rs = rs.min(s);
                 *re = re.max(e);
                 r.workers.push(f);
@@ -500,14 +530,27 @@ fn group(files: Vec<MetricsFile>, warnings: &mut Vec<String>) -> Vec<RunData> {
     for f in servers {
         let key = config_key(&f.header);
         let (s, e) = (f.start(), f.end());
-        let found = runs.iter_mut().find(|(r, rs, re)| {
+        let shard = f.header.extra.get("shard").and_then(|v| v.as_u64());
+        let fits = |r: &RunData| {
             let k = config_key(r.header());
+            let want =
+                r.header().extra.get("shards").and_then(|v| v.as_u64()).map_or(usize::MAX, |k| k as usize);
             (k.0.as_str(), &k.1, &k.2, k.3) == ("ps", &key.1, &key.2, key.3)
-                && s <= *re + SLACK_MS
-                && e + SLACK_MS >= *rs
+                && r.servers.len() < want
+                && !r
+                    .servers
+                    .iter()
+                    .any(|x| shard.is_some() && x.header.extra.get("shard").and_then(|v| v.as_u64()) == shard)
+        };
+        let same_dir = runs.iter().position(|(r, rs, re)| {
+            fits(r)
+                && r.workers.iter().any(|w| dir_of(&w.rel) == dir_of(&f.rel))
+                && overlaps(s, e, *rs, *re, 0.0)
         });
+        let found = same_dir
+            .or_else(|| runs.iter().position(|(r, rs, re)| fits(r) && overlaps(s, e, *rs, *re, SLACK_MS)));
         match found {
-            Some((r, _, _)) => r.servers.push(f),
+            Some(i) => runs[i].0.servers.push(f),
             None => warnings.push(format!("{}: a server's metrics with no matching workers; skipped", f.rel)),
         }
     }
