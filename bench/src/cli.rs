@@ -22,4 +22,6 @@ pub enum Command {
     /// Rebuild tables, charts and report.html from run directories (or any directories of
     /// metrics files, walked recursively).
     Plot(crate::compare::PlotArgs),
+    /// Compare two parameter files; fail beyond a tolerance.
+    Diff(crate::diff::DiffArgs),
 }

@@ -4,6 +4,7 @@
 //! - [`cli`]: the subcommands of `gradsync-bench`.
 //! - [`step`]: time of one forward+backward+update step, and GFLOP/s, per device, beside
 //!   PyTorch eager when a Python with torch is given.
+//! - [`diff`]: how far apart two parameter files are.
 //! - [`rawtcp`]: the raw TCP bandwidth of the machine, the yardstick for every network figure.
 //! - [`table`]: plain-text tables shared by every benchmark's output.
 //! - [`compare`]: the comparison runner (`compare`: scenario, processes, results) and the
@@ -11,6 +12,7 @@
 
 pub mod cli;
 pub mod compare;
+pub mod diff;
 pub mod rawtcp;
 pub mod step;
 pub mod table;
@@ -21,5 +23,6 @@ pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
         cli::Command::Step(a) => step::run(&a),
         cli::Command::Compare(a) => compare::run_compare(&a),
         cli::Command::Plot(a) => compare::run_plot(&a),
+        cli::Command::Diff(a) => diff::run(&a),
     }
 }

@@ -68,6 +68,8 @@ pub struct StepFigure {
     pub update_ms: f64,
     /// GFLOP/s of the whole step.
     pub gflops: f64,
+    /// Fraction of the GPU's peak FP32 throughput (GPU rows only).
+    pub peak_fraction: Option<f64>,
 }
 
 /// Time gradsync's step on `device`.
@@ -102,6 +104,7 @@ pub fn time_gradsync(
         }
     }
     let step_ms = median(&total);
+    let gflops = Layout::new(spec).step_flops(batch) / (step_ms * 1e6);
     Ok(StepFigure {
         impl_: "gradsync".into(),
         device: device.label(),
@@ -115,7 +118,8 @@ pub fn time_gradsync(
         forward_ms: median(&f),
         backward_ms: median(&b),
         update_ms: median(&u),
-        gflops: Layout::new(spec).step_flops(batch) / (step_ms * 1e6),
+        gflops,
+        peak_fraction: engine.peak_fp32_flops().map(|peak| gflops * 1e9 / peak),
     })
 }
 
@@ -160,6 +164,7 @@ fn time_pytorch(
                 backward_ms: v["backward_ms"].as_f64()?,
                 update_ms: v["update_ms"].as_f64()?,
                 gflops: 0.0,
+                peak_fraction: None,
             })
         })
         .context("PyTorch step printed no figures")?;
@@ -211,6 +216,7 @@ pub fn run(a: &StepArgs) -> anyhow::Result<()> {
                         format!("{:.2}", fig.backward_ms),
                         format!("{:.2}", fig.update_ms),
                         format!("{:.1}", fig.gflops),
+                        fig.peak_fraction.map(|p| format!("{:.1}", 100.0 * p)).unwrap_or_default(),
                         ratio.map(|r| format!("{r:.2}x")).unwrap_or_default(),
                     ]);
                     figures.push(fig.clone());

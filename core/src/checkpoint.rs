@@ -102,7 +102,7 @@ impl Checkpoint {
         let floats: Vec<f32> =
             body[12 + hlen..].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         let want = if header.has_momentum { 2 * n } else { n };
-        if floats.len() != want || (body.len() - 12 - hlen) % 4 != 0 {
+        if floats.len() != want || !(body.len() - 12 - hlen).is_multiple_of(4) {
             return Err(Error::file(path, format!("holds {} values, header promises {want}", floats.len())));
         }
         let (params, momentum) = if header.has_momentum {

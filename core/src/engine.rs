@@ -3,16 +3,22 @@
 
 use std::ops::Range;
 
-use crate::device::{Cpu, Device};
+use crate::device::{Cpu, Cuda, Device};
 use crate::error::Result;
 use crate::mlp::{BatchLoss, Mlp};
 use crate::model::{BucketPlan, Fingerprint, Layout, ModelSpec};
 use crate::optim::SgdConfig;
 
 /// The model on one device.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one Engine per process, built once and never moved in a hot loop; boxing would buy nothing"
+)]
 pub enum Engine {
     /// On the CPU.
     Cpu(Mlp<Cpu>),
+    /// On one CUDA device.
+    Cuda(Mlp<Cuda>),
 }
 
 /// Run `$body` with `$m` bound to the device's [`Mlp`], whatever the device.
@@ -20,6 +26,7 @@ macro_rules! on_device {
     ($engine:expr, $m:ident => $body:expr) => {
         match $engine {
             Engine::Cpu($m) => $body,
+            Engine::Cuda($m) => $body,
         }
     };
 }
@@ -29,7 +36,7 @@ impl Engine {
     pub fn new(device: Device, spec: ModelSpec, seed: u64) -> Result<Self> {
         match device {
             Device::Cpu { threads } => Ok(Engine::Cpu(Mlp::new(Cpu::new(threads)?, spec, seed)?)),
-            Device::Cuda { ordinal } => Err(crate::Error::NoCuda(format!("cuda:{ordinal}: no CUDA backend"))),
+            Device::Cuda { ordinal } => Ok(Engine::Cuda(Mlp::new(Cuda::new(ordinal)?, spec, seed)?)),
         }
     }
 
@@ -40,7 +47,23 @@ impl Engine {
 
     /// Whether the model lives in GPU memory.
     pub fn is_cuda(&self) -> bool {
-        !matches!(self, Engine::Cpu(_))
+        matches!(self, Engine::Cuda(_))
+    }
+
+    /// The GPU's name, when the model lives on one.
+    pub fn gpu_name(&self) -> Option<String> {
+        match self {
+            Engine::Cpu(_) => None,
+            Engine::Cuda(m) => Some(m.backend().name()),
+        }
+    }
+
+    /// The GPU's peak FP32 throughput in FLOP/s (none on the CPU, or when unknown).
+    pub fn peak_fp32_flops(&self) -> Option<f64> {
+        match self {
+            Engine::Cpu(_) => None,
+            Engine::Cuda(m) => m.backend().peak_fp32_flops().ok(),
+        }
     }
 
     /// The layer widths.

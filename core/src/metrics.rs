@@ -75,7 +75,7 @@ pub struct Header {
     /// GPU name, when the device is a GPU.
     pub gpu: Option<String>,
     /// Unix time (ms) when the run started.
-    pub start_unix_ms: u128,
+    pub start_unix_ms: u64,
     /// Anything mode-specific (bucket size, servers, shard, staleness bound).
     #[serde(default)]
     pub extra: serde_json::Map<String, serde_json::Value>,
@@ -207,8 +207,8 @@ impl HostInfo {
 }
 
 /// Milliseconds since the Unix epoch.
-pub fn unix_ms() -> u128 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis())
+pub fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 #[cfg(test)]

@@ -144,7 +144,7 @@ pub struct BucketPlan {
 impl BucketPlan {
     /// One bucket holding everything (no overlap; local training, PS).
     pub fn whole(layout: &Layout) -> Self {
-        BucketPlan { buckets: vec![0..layout.len] }
+        BucketPlan { buckets: std::iter::once(0..layout.len).collect() }
     }
 
     /// Buckets of at least `cap_values` values each (the last may be smaller).

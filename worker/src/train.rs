@@ -156,7 +156,7 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             gradsync_version: gradsync_core::VERSION.into(),
             host: host.host,
             cores: host.cores,
-            gpu: None,
+            gpu: engine.gpu_name(),
             start_unix_ms: start_ms,
             extra,
         }))?;
@@ -190,7 +190,8 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
                 summary.first_loss = loss.loss;
             }
             summary.last_loss = loss.loss;
-            let eval_now = step == total_steps || (args.eval_every > 0 && step % args.eval_every == 0);
+            let eval_now =
+                step == total_steps || (args.eval_every > 0 && step.is_multiple_of(args.eval_every));
             if leader && eval_now {
                 let (l, a) = evaluate(&mut engine, &run.data)?;
                 rec.eval_loss = Some(l);
@@ -321,7 +322,7 @@ impl Progress {
         if let Some(b) = &self.bar {
             b.set_position(rec.step);
             b.set_message(format!("loss {:.4}{acc}", rec.loss));
-        } else if self.enabled && (rec.step % self.every == 0 || rec.accuracy.is_some()) {
+        } else if self.enabled && (rec.step.is_multiple_of(self.every) || rec.accuracy.is_some()) {
             eprintln!(
                 "step {:>6}  epoch {:>3}  loss {:.4}  {:.1} ms/step{acc}",
                 rec.step, rec.epoch, rec.loss, rec.step_ms

@@ -12,6 +12,7 @@ use std::str::FromStr;
 
 pub use backend::Backend;
 pub use cpu::Cpu;
+pub use cuda::{Cuda, GpuView, GpuViewMut};
 
 use crate::error::{Error, Result};
 

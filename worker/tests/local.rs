@@ -1,0 +1,141 @@
+//! `gradsync-worker train --mode local` as a real process: it learns, saves, loads, refuses a
+//! mismatched checkpoint, writes the metrics schema, and rejects bad flags clearly.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_gradsync-worker");
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("gs-local-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn worker(args: &[&str]) -> Output {
+    Command::new(BIN).arg("train").args(args).output().expect("gradsync-worker runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn learns_and_writes_metrics() {
+    let d = tmp("learn");
+    let metrics = d.join("m.jsonl");
+    let o = worker(&[
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--model",
+        "64-64-10",
+        "--data",
+        "synthetic:2048:64:10",
+        "--batch",
+        "32",
+        "--steps",
+        "120",
+        "--eval-every",
+        "40",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0]["kind"], "header");
+    assert_eq!(lines[0]["mode"], "local");
+    assert_eq!(lines[0]["widths"], "64-64-10");
+    let steps: Vec<&serde_json::Value> = lines.iter().filter(|l| l["kind"] == "step").collect();
+    assert_eq!(steps.len(), 120);
+    for field in ["forward_ms", "backward_ms", "update_ms", "comm_ms", "wait_ms", "bytes_sent", "samples"] {
+        assert!(steps[0].get(field).is_some(), "step record lacks {field}");
+    }
+    let evals: Vec<f64> = steps.iter().filter_map(|s| s["accuracy"].as_f64()).collect();
+    assert_eq!(evals.len(), 3);
+    let mean = |s: &[&serde_json::Value]| {
+        s.iter().map(|v| v["loss"].as_f64().unwrap()).sum::<f64>() / s.len() as f64
+    };
+    assert!(mean(&steps[100..]) < 0.5 * mean(&steps[..10]), "loss did not fall");
+    assert!(evals[2] > 0.5, "held-out accuracy {evals:?} did not rise well above chance (0.1)");
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[test]
+fn save_load_and_fingerprint_refusal() {
+    let d = tmp("save");
+    let ckpt = d.join("p.ckpt");
+    let base = [
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--model",
+        "tiny",
+        "--data",
+        "synthetic:256:32:8",
+        "--batch",
+        "16",
+    ];
+    let o = worker(&[&base[..], &["--steps", "5", "--save", ckpt.to_str().unwrap(), "-q"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = worker(&[&base[..], &["--steps", "1", "--load", ckpt.to_str().unwrap(), "-q"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = worker(&[&base[..], &["--steps", "1", "--seed", "7", "--load", ckpt.to_str().unwrap()]].concat());
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("fingerprint mismatch") && stderr(&o).contains("seed=42"), "{}", stderr(&o));
+    std::fs::write(&ckpt, b"garbage").unwrap();
+    let o = worker(&[&base[..], &["--steps", "1", "--load", ckpt.to_str().unwrap()]].concat());
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("p.ckpt"), "{}", stderr(&o));
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[test]
+fn bad_flags_are_clear_errors() {
+    for (args, needle) in [
+        (&["--model", "huge"][..], "unknown preset 'huge'"),
+        (&["--model", "10-0-3"][..], "widths must be positive integers"),
+        (&["--batch", "0"][..], "must be at least 1"),
+        (&["--device", "tpu"][..], "'tpu' (expected auto, cpu, cuda or cuda:N)"),
+        (&["--data", "imagenet:/x"][..], "'imagenet:/x'"),
+        (&["--data", "mnist:/nonexistent/gs"][..], "/nonexistent/gs: no such directory"),
+        (&["--device", "cuda"][..], "CUDA unavailable"),
+        (&["--rank", "3", "--world-size", "2"][..], "--rank 3 is not below --world-size 2"),
+    ] {
+        let model: &[&str] = if args[0] == "--model" { &[] } else { &["--model", "tiny"] };
+        let o = worker(&[&["--steps", "1"][..], model, args].concat());
+        assert!(!o.status.success(), "{args:?} succeeded");
+        assert!(stderr(&o).contains(needle), "{args:?}: expected '{needle}' in: {}", stderr(&o));
+        assert!(!stderr(&o).contains("panicked"), "{args:?} panicked: {}", stderr(&o));
+    }
+}
+
+#[test]
+fn auto_device_falls_back_with_one_line() {
+    let o = worker(&[
+        "--model",
+        "tiny",
+        "--data",
+        "synthetic:64:32:8",
+        "--batch",
+        "16",
+        "--steps",
+        "1",
+        "--device",
+        "auto",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    if !err.contains("on cuda") {
+        assert_eq!(err.lines().filter(|l| l.contains("using the CPU")).count(), 1, "{err}");
+    }
+}
