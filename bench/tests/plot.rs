@@ -16,7 +16,7 @@ fn tmp(name: &str) -> PathBuf {
 
 const PARAMS: usize = 50_000;
 
-fn header(mode: &str, variant: &str, world: usize, rank: usize, start: u128) -> Header {
+fn header(mode: &str, variant: &str, world: usize, rank: usize, start: u64) -> Header {
     Header {
         schema: 1,
         mode: mode.into(),
@@ -42,7 +42,7 @@ fn write_run(
     mode: &str,
     variant: &str,
     world: usize,
-    start: u128,
+    start: u64,
     step_ms: f64,
     comm_ms: f64,
     bytes: u64,
@@ -105,8 +105,8 @@ fn write_run(
 /// A run directory as `compare` leaves it, with every mode, 1 and 2 workers.
 fn fixture(root: &Path) {
     let s = PARAMS as u64 * 4;
-    let mut t = 1_700_000_000_000u128;
-    let mut next = |d: u128| {
+    let mut t = 1_700_000_000_000u64;
+    let mut next = |d: u64| {
         t += d;
         t
     };

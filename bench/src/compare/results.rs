@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use gradsync_core::metrics::{Header, Record, ServerApply, Step};
+use gradsync_core::metrics::{Header, Record, ServerApply, Step, parse_line};
 use serde::{Deserialize, Serialize};
 
 use super::scenario::ModeKind;
@@ -436,24 +436,6 @@ fn read_metrics(path: &Path, rel: String, warnings: &mut Vec<String>) -> Option<
     Some(MetricsFile { rel, header, steps, applies })
 }
 
-/// Parse one metrics line. `gradsync_core::metrics::parse_line` goes through serde's
-/// internally-tagged path, which cannot hold the header's u128 `start_unix_ms`; dispatching on
-/// `kind` by hand and reading each record from a JSON value has no such limit.
-pub fn parse_line(line: &str) -> Result<Record, serde_json::Error> {
-    use serde::de::Error as _;
-    let mut v: serde_json::Value = serde_json::from_str(line)?;
-    let kind = v
-        .as_object_mut()
-        .and_then(|o| o.remove("kind"))
-        .ok_or_else(|| serde_json::Error::custom("not a record: no \"kind\""))?;
-    match kind.as_str() {
-        Some("header") => serde_json::from_value(v).map(Record::Header),
-        Some("step") => serde_json::from_value(v).map(Record::Step),
-        Some("server_apply") => serde_json::from_value(v).map(Record::ServerApply),
-        _ => Err(serde_json::Error::custom(format!("unknown record kind {kind}"))),
-    }
-}
-
 /// The configuration that processes of one run share.
 fn config_key(h: &Header) -> (String, String, String, u64, usize, usize) {
     let variant = if h.mode == "server" || h.mode == "ps" {
@@ -639,22 +621,6 @@ pub fn write_merged(c: &Collected, dir: &Path) -> anyhow::Result<()> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_every_record_kind_with_a_real_start_time() {
-        let h = Record::Header(Header {
-            mode: "ps".into(),
-            start_unix_ms: 1_700_000_000_123,
-            ..Header::default()
-        });
-        let s = Record::Step(Step { rank: 1, step: 2, staleness: Some(3), ..Step::default() });
-        let a = Record::ServerApply(ServerApply { version: 4, ranks: vec![0, 1], ..ServerApply::default() });
-        for r in [h, s, a] {
-            assert_eq!(parse_line(&serde_json::to_string(&r).unwrap()).unwrap(), r);
-        }
-        assert!(parse_line("{\"kind\":\"nope\"}").unwrap_err().to_string().contains("nope"));
-        assert!(parse_line("[1]").is_err());
-    }
 
     #[test]
     fn common_dir_of_paths() {
