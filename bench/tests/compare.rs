@@ -3,7 +3,7 @@
 //! mode this build cannot run fails, is reported with its error, and the others go on.
 #![allow(clippy::unwrap_used)] // a test fails loudly on anything unexpected
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use gradsync_bench::compare::scenario::Scenario;
@@ -29,6 +29,18 @@ fn bin_dir() -> PathBuf {
 
 use gradsync_bench::compare::charts::NAMES as CHARTS;
 
+fn compare(scenario: &Path, out: &Path) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
+        .arg("compare")
+        .arg(scenario)
+        .arg("--out")
+        .arg(out)
+        .arg("--bin-dir")
+        .arg(bin_dir())
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn default_scenario_scaled_down_runs_end_to_end() {
     let root = std::env::temp_dir().join(format!("gs-compare-{}", std::process::id()));
@@ -46,15 +58,7 @@ fn default_scenario_scaled_down_runs_end_to_end() {
     let scenario = root.join("small.toml");
     std::fs::write(&scenario, toml::to_string(&s).unwrap()).unwrap();
     let out = root.join("out");
-    let o = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
-        .arg("compare")
-        .arg(&scenario)
-        .arg("--out")
-        .arg(&out)
-        .arg("--bin-dir")
-        .arg(bin_dir())
-        .output()
-        .unwrap();
+    let o = compare(&scenario, &out);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "compare failed:\n{err}");
 
@@ -118,15 +122,7 @@ fn default_scenario_scaled_down_runs_end_to_end() {
     assert!(html.contains("is fastest with"), "no computed reading in the report");
 
     // A second comparison into the same directory is refused rather than mixed in.
-    let again = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
-        .arg("compare")
-        .arg(&scenario)
-        .arg("--out")
-        .arg(&out)
-        .arg("--bin-dir")
-        .arg(bin_dir())
-        .output()
-        .unwrap();
+    let again = compare(&scenario, &out);
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("already holds a comparison"));
     std::fs::remove_dir_all(&root).unwrap();

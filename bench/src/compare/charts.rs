@@ -92,6 +92,16 @@ impl Group<'_> {
             .collect()
     }
 
+    /// The TCP ring's measured exchanges as (ranks, gradient bytes, seconds per step), for
+    /// fitting the ring model.
+    pub fn ring_points(&self) -> Vec<(usize, f64, f64)> {
+        self.rows
+            .iter()
+            .filter(|r| r.mode == "ddp-tcp" && r.workers > 1)
+            .filter_map(|r| Some((r.workers, self.grad_bytes(), r.comm_ms? / 1e3)))
+            .collect()
+    }
+
     /// For each mode, its run at the most workers (fewest shards on a tie).
     pub fn widest_per_mode(&self) -> Vec<&RunData> {
         let mut best: BTreeMap<ModeKind, &RunData> = BTreeMap::new();
@@ -616,12 +626,7 @@ impl Charts {
             }
         }
         // The ring model fitted to the ring's own measurements, where they pin it down.
-        let ring_pts: Vec<(usize, f64, f64)> = g
-            .rows
-            .iter()
-            .filter(|r| r.mode == "ddp-tcp" && r.workers > 1)
-            .filter_map(|r| Some((r.workers, s, r.comm_ms? / 1e3)))
-            .collect();
+        let ring_pts = g.ring_points();
         if let Some(fit) = cost::fit_ring(&ring_pts).filter(|_| ring_pts.len() >= 2) {
             model.push((
                 format!("ring fitted: a = {:.1} us, B = {:.2} GB/s", fit.a * 1e6, fit.b / 1e9),

@@ -413,12 +413,7 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
                 ));
             }
         }
-        let ring_pts: Vec<(usize, f64, f64)> = g
-            .rows
-            .iter()
-            .filter(|r| r.mode == "ddp-tcp" && r.workers > 1)
-            .filter_map(|r| Some((r.workers, s, r.comm_ms? / 1e3)))
-            .collect();
+        let ring_pts = g.ring_points();
         if ring_pts.len() >= 2
             && let Some(fit) = cost::fit_ring(&ring_pts)
         {
