@@ -5,6 +5,7 @@
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 
 use anyhow::Context;
 
@@ -17,6 +18,9 @@ pub struct Bins {
     pub worker: PathBuf,
     /// `gradsync-server`.
     pub server: PathBuf,
+    /// Whether this gradsync-server takes `--trace` (older builds do not; their servers then
+    /// run without a timeline rather than failing).
+    pub server_trace: bool,
 }
 
 impl Bins {
@@ -30,7 +34,13 @@ impl Bins {
                 .map(Path::to_path_buf)
                 .context("gradsync-bench has no directory")?,
         };
-        let bins = Bins { worker: dir.join("gradsync-worker"), server: dir.join("gradsync-server") };
+        let server = dir.join("gradsync-server");
+        let server_trace = Command::new(&server)
+            .arg("--help")
+            .stdin(Stdio::null())
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("--trace"));
+        let bins = Bins { worker: dir.join("gradsync-worker"), server, server_trace };
         anyhow::ensure!(
             bins.worker.is_file(),
             "{} not found (build it with `cargo build --release -p gradsync-worker -p gradsync-server`, \
@@ -165,7 +175,7 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
             if let Some(d) = &s.data {
                 args.extend(flags([("--data", d.clone())]));
             }
-            if s.trace {
+            if s.trace && ctx.bins.server_trace {
                 args.extend(flags([(
                     "--trace",
                     ctx.path(&format!("trace-{name}"), "json").display().to_string(),
