@@ -22,6 +22,11 @@ pub enum Command {
     /// Rebuild tables, charts and report.html from run directories (or any directories of
     /// metrics files, walked recursively).
     Plot(crate::compare::PlotArgs),
+    /// All-reduce bandwidth per backend, size and rank count (nccl-tests style), beside raw
+    /// TCP and PyTorch gloo.
+    Collective(crate::collective::CollectiveArgs),
+    /// How much of DDP's communication hides behind backward, from real DDP processes.
+    Overlap(crate::overlap::OverlapArgs),
     /// Compare two parameter files; fail beyond a tolerance.
     Diff(crate::diff::DiffArgs),
 }

@@ -4,6 +4,9 @@
 //! - [`cli`]: the subcommands of `gradsync-bench`.
 //! - [`step`]: time of one forward+backward+update step, and GFLOP/s, per device, beside
 //!   PyTorch eager when a Python with torch is given.
+//! - [`collective`]: all-reduce time, algbw and busbw per backend, size and rank count, beside
+//!   raw TCP and PyTorch gloo.
+//! - [`overlap`]: the share of DDP's communication hidden behind backward, from real runs.
 //! - [`diff`]: how far apart two parameter files are.
 //! - [`rawtcp`]: the raw TCP bandwidth of the machine, the yardstick for every network figure.
 //! - [`table`]: plain-text tables shared by every benchmark's output.
@@ -12,7 +15,9 @@
 
 pub mod cli;
 pub mod compare;
+pub mod collective;
 pub mod diff;
+pub mod overlap;
 pub mod rawtcp;
 pub mod step;
 pub mod table;
@@ -23,6 +28,8 @@ pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
         cli::Command::Step(a) => step::run(&a),
         cli::Command::Compare(a) => compare::run_compare(&a),
         cli::Command::Plot(a) => compare::run_plot(&a),
+        cli::Command::Collective(a) => collective::run(&a),
+        cli::Command::Overlap(a) => overlap::run(&a),
         cli::Command::Diff(a) => diff::run(&a),
     }
 }

@@ -9,6 +9,11 @@ use crate::mlp::{BatchLoss, Mlp};
 use crate::model::{BucketPlan, Fingerprint, Layout, ModelSpec};
 use crate::optim::SgdConfig;
 
+/// What [`Engine::backward_device_buckets`] calls per bucket: index, range, device address,
+/// and the compute stream that writes it.
+pub type DeviceBucketHook<'h> =
+    dyn FnMut(usize, Range<usize>, u64, &std::sync::Arc<cudarc::driver::CudaStream>) + 'h;
+
 /// The model on one device.
 #[expect(
     clippy::large_enum_variant,
@@ -87,6 +92,51 @@ impl Engine {
             let plan = BucketPlan::whole(m.layout());
             m.backward(&plan, accumulate, &mut |_, _, _| {})
         })
+    }
+
+    /// Backward into the gradient buffer, handing each finished bucket of `plan` to
+    /// `on_ready(index, range, view)` as an exclusive host view that stays valid for the whole
+    /// borrow: another thread may reduce a bucket while backward writes the rest (DDP overlap).
+    /// Only engines whose gradients live in host memory can do this; others return
+    /// [`crate::Error::Invalid`] (read and write their gradients through the host instead).
+    pub fn backward_host_buckets<'a>(
+        &'a mut self,
+        plan: &BucketPlan,
+        accumulate: bool,
+        on_ready: &mut dyn FnMut(usize, Range<usize>, &'a mut [f32]),
+    ) -> Result<()> {
+        match self {
+            Engine::Cpu(m) => m.backward(plan, accumulate, on_ready),
+            Engine::Cuda(_) => Err(crate::Error::invalid(
+                "bucket hook",
+                "the gradients live on the GPU: use backward_device_buckets or the host copies",
+            )),
+        }
+    }
+
+    /// Backward on a GPU engine, handing each finished bucket of `plan` to
+    /// `on_ready(index, range, device_address, stream)`: the bucket's values are final once
+    /// the work queued so far on `stream` (the engine's compute stream) completes, so a
+    /// collective on another stream that waits for an event recorded on `stream` may reduce
+    /// it in place while backward goes on. The address stays valid while the engine lives;
+    /// nothing but that collective may touch the bucket until the next backward. CPU engines
+    /// return [`crate::Error::Invalid`] (use [`Engine::backward_host_buckets`]).
+    pub fn backward_device_buckets(
+        &mut self,
+        plan: &BucketPlan,
+        accumulate: bool,
+        on_ready: &mut DeviceBucketHook<'_>,
+    ) -> Result<()> {
+        match self {
+            Engine::Cuda(m) => {
+                let stream = m.backend().stream().clone();
+                m.backward(plan, accumulate, &mut |i, r, v| on_ready(i, r, v.device_ptr(), &stream))
+            }
+            Engine::Cpu(_) => Err(crate::Error::invalid(
+                "device bucket hook",
+                "the gradients live in host memory: use backward_host_buckets",
+            )),
+        }
     }
 
     /// One optimiser step ([`Mlp::update`]).

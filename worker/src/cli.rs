@@ -23,6 +23,33 @@ pub struct Cli {
 pub enum Command {
     /// Train the model.
     Train(Box<TrainArgs>),
+    /// Start this node's ranks of a distributed run (torchrun's job): sets RANK, WORLD_SIZE,
+    /// LOCAL_RANK, MASTER_ADDR, MASTER_PORT, prefixes output with the rank, stops all ranks
+    /// if one fails. Example: `launch --nproc-per-node 4 -- train --mode ddp`.
+    Launch(LaunchArgs),
+}
+
+/// Flags of `gradsync-worker launch`.
+#[derive(Debug, Clone, Args)]
+pub struct LaunchArgs {
+    /// Processes (ranks) to start on this node.
+    #[arg(long, default_value_t = 1, env = "LOCAL_WORLD_SIZE")]
+    pub nproc_per_node: usize,
+    /// Number of nodes in the run.
+    #[arg(long, default_value_t = 1, env = "NNODES")]
+    pub nnodes: usize,
+    /// This node's index, from 0; its ranks are node_rank * nproc_per_node onwards.
+    #[arg(long, default_value_t = 0, env = "NODE_RANK")]
+    pub node_rank: usize,
+    /// Address of rank 0's rendezvous store (the first node).
+    #[arg(long, default_value = "127.0.0.1", env = "MASTER_ADDR")]
+    pub master_addr: String,
+    /// Port of the rendezvous store; 0 picks a free one (one node only).
+    #[arg(long, default_value_t = 29500, env = "MASTER_PORT")]
+    pub master_port: u16,
+    /// What each rank runs: `train ...` (this worker) or any program and its arguments.
+    #[arg(last = true, required = true)]
+    pub cmd: Vec<String>,
 }
 
 /// How gradients become an update.
@@ -100,7 +127,7 @@ pub struct TrainArgs {
     /// Evaluate on the held-out split every N steps (0: only at the end).
     #[arg(long, default_value_t = 50)]
     pub eval_every: u64,
-    /// Write per-step metrics (JSON lines) here.
+    /// Write per-step metrics (JSON lines) here; `{rank}` in the path becomes the rank.
     #[arg(long, env = "GRADSYNC_METRICS")]
     pub metrics: Option<PathBuf>,
     /// Write a Chrome trace-event timeline (forward, backward, communication, update spans) of
@@ -177,6 +204,33 @@ pub struct DdpArgs {
     /// Shared secret checked in the ring handshake.
     #[arg(long, env = "GRADSYNC_RING_TOKEN", hide_env_values = true)]
     pub ring_token: Option<String>,
+    /// Ring chunk size in KiB: the unit of pipelining on the TCP ring.
+    #[arg(long, default_value_t = 1024, value_parser = parse_positive)]
+    pub chunk_kb: usize,
+    /// Reduce each bucket after the whole backward pass instead of during it (to measure what
+    /// overlap buys; GPU engines with --backend tcp always do this).
+    #[arg(long)]
+    pub no_overlap: bool,
+}
+
+impl DdpArgs {
+    /// The store's `host:port`: --master-addr / MASTER_ADDR, else the first host of Slurm's
+    /// node list, else 127.0.0.1 for a single-node run; --master-port / MASTER_PORT, else
+    /// 29500.
+    pub fn master(&self) -> anyhow::Result<String> {
+        let slurm = ["SLURM_JOB_NODELIST", "SLURM_NODELIST"]
+            .iter()
+            .find_map(|v| std::env::var(v).ok())
+            .and_then(|l| crate::rendezvous::first_slurm_host(&l));
+        let host = self.master_addr.clone().or(slurm).unwrap_or_else(|| "127.0.0.1".into());
+        let port = self.master_port.unwrap_or(29500);
+        anyhow::ensure!(port != 0, "--master-port 0: every rank must know the store's port; use a fixed one");
+        Ok(if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        })
+    }
 }
 
 /// Collective backends.

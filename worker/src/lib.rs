@@ -4,8 +4,16 @@
 //! - [`cli`]: the flags of `gradsync-worker` (clap, with torchrun and Slurm variables).
 //! - [`train`]: the training loop, written once: data, sampler, evaluation, metrics, saving.
 //! - [`strategy`]: the [`strategy::Strategy`] seam and one file per mode behind it.
+//! - [`collective`]: collectives between ranks behind one trait: the TCP ring (links in
+//!   `tcp`, algorithms in `ring` and `chain`) and NCCL.
+//! - [`rendezvous`]: rank 0's store through which ranks exchange addresses and the NCCL id.
+//! - [`launch`]: `gradsync-worker launch`, torchrun's job: start the local ranks, prefix their
+//!   output, stop them all if one fails.
 
 pub mod cli;
+pub mod collective;
+pub mod launch;
+pub mod rendezvous;
 pub mod strategy;
 pub mod train;
 
@@ -15,6 +23,11 @@ pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
         cli::Command::Train(args) => {
             train::train(*args)?;
             Ok(())
+        }
+        cli::Command::Launch(args) => {
+            let worker = std::env::current_exe()?;
+            launch::stop_on_signals();
+            launch::launch(&args, &worker, std::sync::Arc::default())
         }
     }
 }

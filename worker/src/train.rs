@@ -16,7 +16,7 @@ use gradsync_core::trace::Trace;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::cli::{Mode, TrainArgs};
-use crate::strategy::{Local, Strategy, ms_since};
+use crate::strategy::{Ddp, Dp, Local, Strategy, ms_since};
 
 /// What a finished run reports.
 #[derive(Debug, Clone, PartialEq)]
@@ -65,6 +65,13 @@ impl Run {
         args.model = args.model.clone().with_io(data.dim, data.classes);
         args.data = Some(source);
         let sgd = SgdConfig { lr: args.lr, momentum: args.momentum, weight_decay: args.weight_decay };
+        // One metrics file per process: `{rank}` in the path becomes this rank (launcher runs).
+        if let Some(p) = &args.metrics
+            && let Some(text) = p.to_str()
+            && text.contains("{rank}")
+        {
+            args.metrics = Some(text.replace("{rank}", &rank.to_string()).into());
+        }
         let trace = if args.trace.is_some() { Trace::new(rank) } else { Trace::disabled() };
         Ok(Run { args, rank, world, device, data, sgd, trace })
     }
@@ -77,9 +84,25 @@ impl Run {
 
 /// Train according to `args`, with the strategy its `--mode` names.
 pub fn train(args: TrainArgs) -> anyhow::Result<Summary> {
-    let run = Run::prepare(args)?;
+    let mut run = Run::prepare(args)?;
+    if run.args.mode == Mode::Ddp
+        && run.args.device == gradsync_core::device::DeviceRequest::Auto
+        && run.device.is_cuda()
+    {
+        // One GPU per rank on a node, as torchrun users expect: --device auto means
+        // cuda:LOCAL_RANK.
+        let local = run.args.dist.local();
+        run.device = Device::resolve(gradsync_core::device::DeviceRequest::Cuda(local), run.args.threads)
+            .with_context(|| format!("--device auto with LOCAL_RANK {local}"))?;
+    }
+    if run.args.mode == Mode::Dp {
+        // DP's "world" is its replicas: the loop draws one global batch of replicas x batch.
+        run.world = run.args.dp.replicas.unwrap_or(run.world);
+    }
     let strategy: Box<dyn Strategy> = match run.args.mode {
         Mode::Local => Box::new(Local::new(run.sgd, run.trace.clone())),
+        Mode::Dp => Box::new(Dp::new(&run)?),
+        Mode::Ddp => Box::new(Ddp::connect(&run)?),
         other => anyhow::bail!("--mode {} is not available in this build", other.name()),
     };
     run_loop(&run, strategy)

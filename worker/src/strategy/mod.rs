@@ -1,6 +1,8 @@
 //! How one step's gradients become an update: the one seam between the training loop (written
 //! once, in [`crate::train`]) and the ways of synchronising, each in its own file.
 
+mod ddp;
+mod dp;
 mod local;
 
 use std::time::Instant;
@@ -10,6 +12,8 @@ use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
 use gradsync_core::trace::Trace;
 
+pub use ddp::Ddp;
+pub use dp::Dp;
 pub use local::Local;
 
 /// One way of training: local, DP, PS or DDP.

@@ -1,0 +1,201 @@
+//! Collective communication between the ranks of a DDP run: one small trait, two backends.
+//!
+//! - [`tcp`]: links between ranks (sockets, frames, the handshake), with no reduction math;
+//!   `pump`: the full-duplex engines that move frames both ways at once (one thread with
+//!   `poll` for small transfers, a sender thread beside the receiver for large ones).
+//! - [`ring`]: the bandwidth-optimal ring algorithms (reduce-scatter, all-gather, all-reduce)
+//!   over those links, pipelined in chunks.
+//! - [`chain`]: pipelined chains for broadcast and reduce, direct sends for gather, scatter
+//!   and send/recv.
+//! - [`nccl`]: NCCL through cudarc, on GPU memory.
+//!
+//! Every operation works in place on `f32` buffers of the same length on every rank and is
+//! collective: all ranks call the same operations in the same order. Every blocking call is
+//! bounded by the communicator's timeout, and a dead or silent peer is reported by rank.
+
+mod chain;
+pub mod nccl;
+mod pump;
+mod ring;
+pub mod tcp;
+
+use std::ops::Range;
+
+pub use nccl::Nccl;
+pub use tcp::{RingConfig, TcpComm};
+
+/// What can go wrong between ranks.
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    /// A peer sent nothing (or accepted nothing) for longer than the timeout.
+    #[error("rank {peer} did not answer within {secs:.1} s during {op} (dead, hung, or much slower?)")]
+    Timeout {
+        /// The silent peer's rank.
+        peer: usize,
+        /// The operation under way.
+        op: &'static str,
+        /// The timeout that expired.
+        secs: f64,
+    },
+    /// The connection to a peer failed or was closed.
+    #[error("rank {peer}: {op}: {source}")]
+    Peer {
+        /// The peer's rank.
+        peer: usize,
+        /// The operation under way.
+        op: &'static str,
+        /// The socket error (an unexpected end of file means the peer went away).
+        source: std::io::Error,
+    },
+    /// A peer sent something this rank did not expect (another collective, another length).
+    #[error("rank {peer}: protocol error: {why}")]
+    Protocol {
+        /// The peer's rank.
+        peer: usize,
+        /// What was wrong.
+        why: String,
+    },
+    /// A connection was refused in the handshake (another run, another model, a bad token).
+    #[error("handshake with {who}: {why}")]
+    Handshake {
+        /// The address or rank of the other side.
+        who: String,
+        /// Why it was refused.
+        why: String,
+    },
+    /// The rendezvous store could not be reached or answered badly.
+    #[error("rendezvous at {addr}: {why}")]
+    Rendezvous {
+        /// The store's address.
+        addr: String,
+        /// What went wrong.
+        why: String,
+    },
+    /// A local socket could not be created or configured.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// An argument this rank passed makes no sense (a root out of range, buffer sizes).
+    #[error("invalid {what}: {why}")]
+    Invalid {
+        /// Which argument.
+        what: &'static str,
+        /// Why.
+        why: String,
+    },
+    /// NCCL or the CUDA driver failed, or is not available on this machine.
+    #[error("NCCL {op}: {msg}")]
+    Nccl {
+        /// The call that failed.
+        op: &'static str,
+        /// The library's message.
+        msg: String,
+    },
+}
+
+/// The result type of this module.
+pub type Result<T, E = CommError> = std::result::Result<T, E>;
+
+/// Payload bytes moved by a communicator since it was created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Bytes this rank sent.
+    pub sent: u64,
+    /// Bytes this rank received.
+    pub recv: u64,
+}
+
+impl std::ops::AddAssign for Traffic {
+    fn add_assign(&mut self, o: Traffic) {
+        self.sent += o.sent;
+        self.recv += o.recv;
+    }
+}
+
+impl std::ops::Sub for Traffic {
+    type Output = Traffic;
+    fn sub(self, o: Traffic) -> Traffic {
+        Traffic { sent: self.sent - o.sent, recv: self.recv - o.recv }
+    }
+}
+
+/// The collectives, all in place on `f32` buffers, summing where they reduce.
+///
+/// Lengths must agree across ranks; a mismatch is detected on the wire and reported as a
+/// [`CommError::Protocol`] error, never as silently corrupted data.
+pub trait Collective {
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// Payload bytes moved so far.
+    fn traffic(&self) -> Traffic;
+
+    /// Every rank ends with the element-wise sum of every rank's `buf`.
+    fn all_reduce(&mut self, buf: &mut [f32]) -> Result<()>;
+    /// Rank `r` ends with the sum of every rank's `buf[segment(len, world, r)]` in that range,
+    /// which is returned; the rest of `buf` holds partial sums.
+    fn reduce_scatter(&mut self, buf: &mut [f32]) -> Result<Range<usize>>;
+    /// Each rank contributes `buf[segment(len, world, rank)]`; every rank ends with all of them.
+    fn all_gather(&mut self, buf: &mut [f32]) -> Result<()>;
+    /// Every rank ends with `root`'s `buf`.
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<()>;
+    /// `root` ends with the sum of every rank's `buf`; other ranks' buffers hold partial sums.
+    fn reduce(&mut self, buf: &mut [f32], root: usize) -> Result<()>;
+    /// `root`'s `out` (`world * send.len()` values) ends with every rank's `send`, in rank
+    /// order; `out` is ignored elsewhere.
+    fn gather(&mut self, send: &[f32], out: &mut [f32], root: usize) -> Result<()>;
+    /// Rank `r`'s `recv` ends with `root`'s `src[r * len..(r + 1) * len]`; `src` is read on
+    /// `root` only.
+    fn scatter(&mut self, src: &[f32], recv: &mut [f32], root: usize) -> Result<()>;
+    /// Send `buf` to `peer`, which must call [`Collective::recv`] with as many values.
+    fn send(&mut self, buf: &[f32], peer: usize) -> Result<()>;
+    /// Receive `buf.len()` values from `peer`.
+    fn recv(&mut self, buf: &mut [f32], peer: usize) -> Result<()>;
+    /// Return once every rank has called it.
+    fn barrier(&mut self) -> Result<()>;
+}
+
+/// Segment `k` of `0..len` split as evenly as possible into `parts`: the first `len % parts`
+/// segments hold one value more. Segments may be empty when `len < parts`.
+pub fn segment(len: usize, parts: usize, k: usize) -> Range<usize> {
+    let (q, r) = (len / parts, len % parts);
+    let start = k * q + k.min(r);
+    start..start + q + usize::from(k < r)
+}
+
+/// Check that `root` (or `peer`) names a rank.
+pub(crate) fn check_rank(what: &'static str, r: usize, world: usize) -> Result<()> {
+    if r >= world {
+        return Err(CommError::Invalid {
+            what,
+            why: format!("rank {r} is not below the world size {world}"),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::segment;
+
+    #[test]
+    fn segments_tile_the_range() {
+        for len in [0, 1, 2, 7, 8, 9, 100] {
+            for parts in 1..=8 {
+                let mut end = 0;
+                for k in 0..parts {
+                    let s = segment(len, parts, k);
+                    assert_eq!(s.start, end);
+                    assert!(s.len() <= len / parts + 1);
+                    end = s.end;
+                }
+                assert_eq!(end, len);
+            }
+        }
+    }
+}

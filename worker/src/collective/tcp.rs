@@ -1,0 +1,624 @@
+//! The TCP transport: one connection per pair of ranks, a handshake that keeps strangers
+//! out, length-checked frames, and blocking helpers for the direct transfers. No reduction math lives here; the
+//! algorithms are in [`super::ring`] and [`super::chain`].
+//!
+//! The full-duplex engine the ring and chains run on is in [`super::pump`].
+//!
+//! Wire format after the handshake: each frame is an 8-byte header (operation tag and value
+//! count, both `u32` little-endian) followed by the values as little-endian `f32`. The
+//! receiver knows what it expects and refuses anything else, so ranks that call different
+//! collectives, or pass buffers of different lengths, get an error instead of corrupt data.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use socket2::SockRef;
+
+use super::{CommError, Result, Traffic};
+
+/// Tunables of the TCP backend.
+#[derive(Debug, Clone)]
+pub struct RingConfig {
+    /// How long any blocking call (connect, accept, read, write) may wait for a peer.
+    pub timeout: Duration,
+    /// Bytes per pipelined chunk: small enough that the ring keeps every link busy, large
+    /// enough that per-frame costs vanish.
+    pub chunk_bytes: usize,
+    /// Socket send/receive buffer size to ask for (`None`: the kernel's autotuning).
+    pub socket_buffer: Option<usize>,
+}
+
+impl Default for RingConfig {
+    fn default() -> Self {
+        RingConfig { timeout: Duration::from_secs(60), chunk_bytes: 1 << 20, socket_buffer: Some(4 << 20) }
+    }
+}
+
+impl RingConfig {
+    /// Values per chunk.
+    pub(crate) fn chunk_values(&self) -> usize {
+        (self.chunk_bytes / 4).max(1)
+    }
+}
+
+/// Which collective a frame belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub(crate) enum Op {
+    AllReduce = 1,
+    ReduceScatter = 2,
+    AllGather = 3,
+    Broadcast = 4,
+    Reduce = 5,
+    Gather = 6,
+    Scatter = 7,
+    SendRecv = 8,
+    Barrier = 9,
+}
+
+impl Op {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "all_reduce",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::AllGather => "all_gather",
+            Op::Broadcast => "broadcast",
+            Op::Reduce => "reduce",
+            Op::Gather => "gather",
+            Op::Scatter => "scatter",
+            Op::SendRecv => "send/recv",
+            Op::Barrier => "barrier",
+        }
+    }
+
+    fn from_tag(t: u32) -> Option<Op> {
+        [
+            Op::AllReduce,
+            Op::ReduceScatter,
+            Op::AllGather,
+            Op::Broadcast,
+            Op::Reduce,
+            Op::Gather,
+            Op::Scatter,
+            Op::SendRecv,
+            Op::Barrier,
+        ]
+        .into_iter()
+        .find(|o| *o as u32 == t)
+    }
+}
+
+/// Turn a socket error into one that names the peer; timeouts become [`CommError::Timeout`].
+pub(crate) fn peer_err(peer: usize, op: Op, timeout: Duration) -> impl FnOnce(io::Error) -> CommError {
+    move |e| match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            CommError::Timeout { peer, op: op.name(), secs: timeout.as_secs_f64() }
+        }
+        io::ErrorKind::UnexpectedEof => CommError::Peer {
+            peer,
+            op: op.name(),
+            source: io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection"),
+        },
+        _ => CommError::Peer { peer, op: op.name(), source: e },
+    }
+}
+
+/// One connection to one peer, split into a reading and a writing handle so that both
+/// directions can be busy at once.
+pub(crate) struct Link {
+    pub(crate) reader: TcpStream,
+    pub(crate) writer: TcpStream,
+}
+
+impl Link {
+    fn new(peer: usize, s: TcpStream, cfg: &RingConfig) -> Result<Link> {
+        let io = |what: &str| {
+            let what = format!("configuring the link to rank {peer}: {what}");
+            move |source| CommError::Io { what, source }
+        };
+        s.set_nodelay(true).map_err(io("TCP_NODELAY"))?;
+        s.set_read_timeout(Some(cfg.timeout)).map_err(io("read timeout"))?;
+        s.set_write_timeout(Some(cfg.timeout)).map_err(io("write timeout"))?;
+        if let Some(n) = cfg.socket_buffer {
+            let sock = SockRef::from(&s);
+            // Only ever grow: a fixed size below what autotuning would reach slows the link.
+            if sock.send_buffer_size().map_or(true, |cur| cur < n) {
+                sock.set_send_buffer_size(n).map_err(io("SO_SNDBUF"))?;
+            }
+            if sock.recv_buffer_size().map_or(true, |cur| cur < n) {
+                sock.set_recv_buffer_size(n).map_err(io("SO_RCVBUF"))?;
+            }
+        }
+        let writer = s.try_clone().map_err(io("cloning the socket"))?;
+        Ok(Link { reader: s, writer })
+    }
+}
+
+/// The 8-byte header of a frame of `count` values of `op`.
+pub(crate) fn frame_header(op: Op, count: usize) -> Result<[u8; 8]> {
+    let count = u32::try_from(count)
+        .map_err(|_| CommError::Invalid { what: "chunk", why: format!("{count} values in one frame") })?;
+    let mut head = [0u8; 8];
+    head[..4].copy_from_slice(&(op as u32).to_le_bytes());
+    head[4..].copy_from_slice(&count.to_le_bytes());
+    Ok(head)
+}
+
+/// Write one frame of `vals`; returns the payload bytes written.
+pub(crate) fn write_frame(w: &mut TcpStream, op: Op, vals: &[f32], peer: usize, t: Duration) -> Result<u64> {
+    let head = frame_header(op, vals.len())?;
+    w.write_all(&head).map_err(peer_err(peer, op, t))?;
+    if !vals.is_empty() {
+        w.write_all(bytemuck::cast_slice(vals)).map_err(peer_err(peer, op, t))?;
+    }
+    Ok(vals.len() as u64 * 4)
+}
+
+/// Check a frame header from `peer`: it must announce `op` with `expect` values.
+pub(crate) fn parse_header(head: &[u8; 8], op: Op, expect: usize, peer: usize) -> Result<()> {
+    let tag = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
+    let count = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
+    if tag != op as u32 {
+        let theirs = Op::from_tag(tag).map_or_else(|| format!("unknown tag {tag}"), |o| o.name().to_string());
+        return Err(CommError::Protocol {
+            peer,
+            why: format!("sent a {theirs} frame during {} (ranks called different collectives)", op.name()),
+        });
+    }
+    if count != expect {
+        return Err(CommError::Protocol {
+            peer,
+            why: format!(
+                "sent {count} values where {expect} were expected during {} (buffers of different lengths?)",
+                op.name()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Read one frame of exactly `dst.len()` values into `dst`, blocking; returns the payload
+/// bytes.
+pub(crate) fn read_frame(
+    r: &mut TcpStream,
+    op: Op,
+    dst: &mut [f32],
+    peer: usize,
+    t: Duration,
+) -> Result<u64> {
+    let mut head = [0u8; 8];
+    r.read_exact(&mut head).map_err(peer_err(peer, op, t))?;
+    parse_header(&head, op, dst.len(), peer)?;
+    if !dst.is_empty() {
+        r.read_exact(bytemuck::cast_slice_mut(dst)).map_err(peer_err(peer, op, t))?;
+    }
+    Ok(dst.len() as u64 * 4)
+}
+
+/// `dst += src`, element-wise; a plain loop the compiler vectorises.
+pub(crate) fn add_into(dst: &mut [f32], src: &[f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d += *s;
+    }
+}
+
+/// The handshake every connection opens with (to the store and between ranks), one JSON line.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub(crate) struct Hello {
+    /// Always [`MAGIC`].
+    pub magic: String,
+    /// The sender's rank.
+    pub rank: usize,
+    /// The sender's world size.
+    pub world: usize,
+    /// The model the sender trains.
+    pub fingerprint: String,
+    /// FNV-1a hash of the shared token (empty token: no token). Not a cryptographic check: it
+    /// keeps other runs and stray clients out, it does not stop an attacker on the network.
+    pub token: u64,
+    /// Between ranks: the rank the sender believes it is talking to.
+    #[serde(default)]
+    pub to: Option<usize>,
+    /// To the store: where the sender's ring listener is.
+    #[serde(default)]
+    pub addr: Option<SocketAddr>,
+}
+
+/// Identifies gradsync ring traffic and its version.
+pub(crate) const MAGIC: &str = "gradsync-ring/1";
+
+/// The longest handshake line accepted: bounds what a stray client can make a rank read.
+const MAX_LINE: usize = 64 << 10;
+
+/// Hash of a shared token as sent in a [`Hello`].
+pub(crate) fn token_hash(token: Option<&str>) -> u64 {
+    token
+        .unwrap_or("")
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Write `v` as one JSON line.
+pub(crate) fn write_line<T: Serialize>(s: &mut TcpStream, v: &T) -> io::Result<()> {
+    let mut line = serde_json::to_vec(v).map_err(io::Error::other)?;
+    line.push(b'\n');
+    s.write_all(&line)?;
+    s.flush()
+}
+
+/// Read one JSON line of at most [`MAX_LINE`] bytes. Byte by byte, on purpose: a buffered
+/// reader would swallow the frames a peer may send right after the line.
+pub(crate) fn read_line<T: for<'de> Deserialize<'de>>(mut s: &TcpStream) -> io::Result<T> {
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while line.len() < MAX_LINE {
+        match s.read(&mut byte)? {
+            0 => break,
+            _ if byte[0] == b'\n' => {
+                return serde_json::from_slice(&line)
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e));
+            }
+            _ => line.push(byte[0]),
+        }
+    }
+    Err(io::Error::new(io::ErrorKind::InvalidData, "no complete handshake line"))
+}
+
+/// The answer to a [`Hello`] between ranks.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Welcome {
+    /// `None` when accepted, else why not.
+    pub refused: Option<String>,
+}
+
+/// Why `h` may not join a ring of `world` ranks training `fingerprint` with `token` (as seen
+/// by rank `me`, or by the store when `me` is `None`). `None` if it may.
+pub(crate) fn refuse(
+    h: &Hello,
+    me: Option<usize>,
+    world: usize,
+    fingerprint: &str,
+    token: u64,
+) -> Option<String> {
+    if h.magic != MAGIC {
+        return Some(format!("not a gradsync ring client (magic '{}', expected '{MAGIC}')", h.magic));
+    }
+    if h.token != token {
+        return Some("wrong ring token (--ring-token / GRADSYNC_RING_TOKEN)".into());
+    }
+    if h.world != world {
+        return Some(format!("world size {} does not match this run's {world}", h.world));
+    }
+    if h.rank >= world {
+        return Some(format!("rank {} is not below the world size {world}", h.rank));
+    }
+    if h.fingerprint != fingerprint {
+        return Some(format!(
+            "model fingerprint '{}' does not match this run's '{fingerprint}'",
+            h.fingerprint
+        ));
+    }
+    if let Some(me) = me {
+        if h.to != Some(me) {
+            return Some(format!("it meant to reach rank {:?}, this is rank {me}", h.to));
+        }
+        if h.rank <= me {
+            return Some(format!("rank {} should be accepted by, not connect to, rank {me}", h.rank));
+        }
+    }
+    None
+}
+
+/// The TCP backend: a full mesh of links (the ring uses the neighbours; rooted collectives
+/// and send/recv use the others).
+pub struct TcpComm {
+    rank: usize,
+    world: usize,
+    pub(crate) cfg: RingConfig,
+    links: Vec<Option<Link>>,
+    pub(crate) scratch: Vec<f32>,
+    pub(crate) traffic: Traffic,
+    /// Set when an operation failed part-way: the streams are out of step from then on.
+    poisoned: Option<String>,
+}
+
+/// What a rank needs to join the mesh.
+#[derive(Debug, Clone)]
+pub struct MeshInfo {
+    /// This rank.
+    pub rank: usize,
+    /// Every rank's ring listener, by rank.
+    pub addrs: Vec<SocketAddr>,
+    /// The model fingerprint every rank must share.
+    pub fingerprint: String,
+    /// The shared token, if any.
+    pub token: Option<String>,
+}
+
+impl TcpComm {
+    /// Connect the mesh: connect to every lower rank, accept every higher one on `listener`
+    /// (already bound, its address published as `info.addrs[rank]`). Connections that fail
+    /// the handshake are refused and do not count.
+    pub fn connect(listener: TcpListener, info: &MeshInfo, cfg: RingConfig) -> Result<TcpComm> {
+        let (rank, world) = (info.rank, info.addrs.len());
+        super::check_rank("rank", rank, world)?;
+        let token = token_hash(info.token.as_deref());
+        let deadline = Instant::now() + cfg.timeout;
+        let mut links: Vec<Option<Link>> = (0..world).map(|_| None).collect();
+        for (peer, addr) in info.addrs.iter().enumerate().take(rank) {
+            let hello = Hello {
+                magic: MAGIC.into(),
+                rank,
+                world,
+                fingerprint: info.fingerprint.clone(),
+                token,
+                to: Some(peer),
+                addr: None,
+            };
+            let s = connect_retry(addr, deadline).map_err(|e| CommError::Io {
+                what: format!("connecting to rank {peer} at {addr}"),
+                source: e,
+            })?;
+            s.set_read_timeout(Some(cfg.timeout)).ok();
+            let hs = |e: io::Error| CommError::Handshake {
+                who: format!("rank {peer} at {addr}"),
+                why: e.to_string(),
+            };
+            let mut w = s.try_clone().map_err(hs)?;
+            write_line(&mut w, &hello).map_err(hs)?;
+            let welcome: Welcome = read_line(&s).map_err(hs)?;
+            if let Some(why) = welcome.refused {
+                return Err(CommError::Handshake {
+                    who: format!("rank {peer} at {addr}"),
+                    why: format!("refused: {why}"),
+                });
+            }
+            links[peer] = Some(Link::new(peer, s, &cfg)?);
+        }
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| CommError::Io { what: "configuring the ring listener".into(), source: e })?;
+        while links.iter().enumerate().any(|(p, l)| p > rank && l.is_none()) {
+            let (s, from) = match listener.accept() {
+                Ok(c) => c,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        let missing = (rank + 1..world).find(|&p| links[p].is_none()).unwrap_or(rank);
+                        return Err(CommError::Timeout {
+                            peer: missing,
+                            op: "connecting the ring",
+                            secs: cfg.timeout.as_secs_f64(),
+                        });
+                    }
+                    // Accept has no timeout in std; a short nap bounds the wait at the deadline.
+                    std::thread::sleep(Duration::from_millis(2));
+                    continue;
+                }
+                Err(e) => return Err(CommError::Io { what: "accepting ring connections".into(), source: e }),
+            };
+            match accept_one(s, rank, world, &info.fingerprint, token, &cfg) {
+                Ok((peer, s)) if links[peer].is_none() => links[peer] = Some(Link::new(peer, s, &cfg)?),
+                Ok((peer, _)) => {
+                    tracing::warn!("refused a second connection claiming rank {peer} from {from}")
+                }
+                Err(why) => tracing::warn!("refused a connection from {from}: {why}"),
+            }
+        }
+        let scratch = vec![0.0; cfg.chunk_values().min(1 << 16)];
+        Ok(TcpComm { rank, world, cfg, links, scratch, traffic: Traffic::default(), poisoned: None })
+    }
+
+    /// A communicator of one rank (no sockets).
+    pub fn single(cfg: RingConfig) -> TcpComm {
+        TcpComm {
+            rank: 0,
+            world: 1,
+            cfg,
+            links: vec![None],
+            scratch: Vec::new(),
+            traffic: Traffic::default(),
+            poisoned: None,
+        }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// Payload bytes moved so far.
+    pub fn traffic(&self) -> Traffic {
+        self.traffic
+    }
+
+    /// The link to `peer`, and the scratch buffer and settings beside it.
+    pub(crate) fn link(&mut self, peer: usize) -> Result<(&mut Link, &mut Vec<f32>, &RingConfig)> {
+        let rank = self.rank;
+        let l = self.links.get_mut(peer).and_then(Option::as_mut).ok_or_else(|| CommError::Invalid {
+            what: "peer",
+            why: format!("rank {rank} has no link to rank {peer}"),
+        })?;
+        Ok((l, &mut self.scratch, &self.cfg))
+    }
+
+    /// The links to the left and right ring neighbours (the same link when there are two
+    /// ranks), split so that one can be written while the other is read.
+    pub(crate) fn neighbours(
+        &mut self,
+    ) -> Result<(&mut TcpStream, &mut TcpStream, &mut Vec<f32>, &RingConfig)> {
+        let (w, r) = (self.world, self.rank);
+        let (left, right) = ((r + w - 1) % w, (r + 1) % w);
+        let missing =
+            |p| CommError::Invalid { what: "peer", why: format!("rank {r} has no link to rank {p}") };
+        if left == right {
+            let l = self.links[left].as_mut().ok_or_else(|| missing(left))?;
+            return Ok((&mut l.reader, &mut l.writer, &mut self.scratch, &self.cfg));
+        }
+        let (lo, hi) = self.links.split_at_mut(left.max(right));
+        let (a, b) = (lo[left.min(right)].as_mut(), hi[0].as_mut());
+        let (l, rt) = if left < right { (a, b) } else { (b, a) };
+        let l = l.ok_or_else(|| missing(left))?;
+        let rt = rt.ok_or_else(|| missing(right))?;
+        Ok((&mut l.reader, &mut rt.writer, &mut self.scratch, &self.cfg))
+    }
+
+    /// Run one operation, refusing to start after an earlier failure (the streams would be
+    /// out of step) and remembering a failure for the next call.
+    pub(crate) fn guarded<T>(&mut self, op: Op, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        if let Some(why) = &self.poisoned {
+            return Err(CommError::Invalid {
+                what: "communicator",
+                why: format!("{} after an earlier failure: {why}", op.name()),
+            });
+        }
+        let out = f(self);
+        if let Err(e) = &out
+            && !matches!(e, CommError::Invalid { .. })
+        {
+            self.poisoned = Some(e.to_string());
+            // Wake peers blocked on us at once rather than at their timeout.
+            for l in self.links.iter().flatten() {
+                let _ = l.reader.shutdown(Shutdown::Both);
+            }
+        }
+        out
+    }
+}
+
+impl std::fmt::Debug for TcpComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TcpComm(rank {} of {})", self.rank, self.world)
+    }
+}
+
+/// Connect to `addr`, retrying while nobody listens yet, until `deadline`.
+pub(crate) fn connect_retry(addr: &SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
+    let mut nap = Duration::from_millis(5);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "nobody answered before the timeout"));
+        }
+        match TcpStream::connect_timeout(addr, left) {
+            Ok(s) => return Ok(s),
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                // The peer has not bound yet: the one unavoidable wait of a rendezvous.
+                std::thread::sleep(nap.min(left));
+                nap = (nap * 2).min(Duration::from_millis(200));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Read and check one incoming [`Hello`]; answer it. `Ok` with the peer's rank if accepted.
+fn accept_one(
+    s: TcpStream,
+    me: usize,
+    world: usize,
+    fingerprint: &str,
+    token: u64,
+    cfg: &RingConfig,
+) -> std::result::Result<(usize, TcpStream), String> {
+    s.set_nonblocking(false).map_err(|e| e.to_string())?;
+    // A stray client that says nothing must not hold the ring up for long.
+    s.set_read_timeout(Some(cfg.timeout.min(Duration::from_secs(10)))).map_err(|e| e.to_string())?;
+    let hello: Hello = read_line(&s).map_err(|e| format!("bad handshake: {e}"))?;
+    let verdict = refuse(&hello, Some(me), world, fingerprint, token);
+    let mut w = s.try_clone().map_err(|e| e.to_string())?;
+    write_line(&mut w, &Welcome { refused: verdict.clone() }).map_err(|e| e.to_string())?;
+    match verdict {
+        Some(why) => Err(why),
+        None => Ok((hello.rank, s)),
+    }
+}
+
+impl super::Collective for TcpComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn traffic(&self) -> Traffic {
+        self.traffic
+    }
+
+    fn all_reduce(&mut self, buf: &mut [f32]) -> Result<()> {
+        self.guarded(Op::AllReduce, |c| super::ring::run(c, buf, super::ring::Phases::Both, Op::AllReduce))
+    }
+
+    fn reduce_scatter(&mut self, buf: &mut [f32]) -> Result<std::ops::Range<usize>> {
+        let mine = super::segment(buf.len(), self.world, self.rank);
+        self.guarded(Op::ReduceScatter, |c| {
+            super::ring::run(c, buf, super::ring::Phases::ReduceScatter, Op::ReduceScatter)
+        })?;
+        Ok(mine)
+    }
+
+    fn all_gather(&mut self, buf: &mut [f32]) -> Result<()> {
+        self.guarded(Op::AllGather, |c| {
+            super::ring::run(c, buf, super::ring::Phases::AllGather, Op::AllGather)
+        })
+    }
+
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
+        self.guarded(Op::Broadcast, |c| super::chain::broadcast(c, buf, root))
+    }
+
+    fn reduce(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
+        self.guarded(Op::Reduce, |c| super::chain::reduce(c, buf, root))
+    }
+
+    fn gather(&mut self, send: &[f32], out: &mut [f32], root: usize) -> Result<()> {
+        self.guarded(Op::Gather, |c| super::chain::gather(c, send, out, root))
+    }
+
+    fn scatter(&mut self, src: &[f32], recv: &mut [f32], root: usize) -> Result<()> {
+        self.guarded(Op::Scatter, |c| super::chain::scatter(c, src, recv, root))
+    }
+
+    fn send(&mut self, buf: &[f32], peer: usize) -> Result<()> {
+        if peer == self.rank {
+            return Err(CommError::Invalid {
+                what: "peer",
+                why: format!("rank {peer} cannot send to itself"),
+            });
+        }
+        self.guarded(Op::SendRecv, |c| super::chain::send_to(c, buf, peer, Op::SendRecv))
+    }
+
+    fn recv(&mut self, buf: &mut [f32], peer: usize) -> Result<()> {
+        if peer == self.rank {
+            return Err(CommError::Invalid {
+                what: "peer",
+                why: format!("rank {peer} cannot receive from itself"),
+            });
+        }
+        self.guarded(Op::SendRecv, |c| super::chain::recv_from(c, buf, peer, Op::SendRecv))
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        let world = self.world;
+        self.guarded(Op::Barrier, |c| {
+            let mut one = [1.0f32];
+            super::ring::run(c, &mut one, super::ring::Phases::Both, Op::Barrier)?;
+            if one[0] != world as f32 {
+                return Err(CommError::Protocol {
+                    peer: (c.rank + 1) % world,
+                    why: format!("barrier counted {} ranks, expected {world}", one[0]),
+                });
+            }
+            Ok(())
+        })
+    }
+}

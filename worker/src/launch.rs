@@ -1,0 +1,224 @@
+//! `gradsync-worker launch`: torchrun's job for gradsync. Starts `--nproc-per-node` local
+//! processes with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+//! set, prefixes every line they print with their rank, and stops all of them as soon as one
+//! fails, exiting with an error that names it.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, bail, ensure};
+
+use crate::cli::LaunchArgs;
+
+/// Set by SIGTERM or SIGINT once [`stop_on_signals`] has run: a signal handler can do no more
+/// than store a flag, so the supervisor polls it.
+static SIGNALLED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    SIGNALLED.store(true, Ordering::Relaxed);
+}
+
+/// Make SIGTERM (Slurm's, a scheduler's) and SIGINT stop the ranks cleanly: each gets
+/// SIGTERM, then SIGKILL if it has not exited within [`GRACE`]. Call once, before
+/// [`launch`], from the binary (the ranks reset the handlers when they exec).
+pub fn stop_on_signals() {
+    let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGTERM, handler);
+        libc::signal(libc::SIGINT, handler);
+    }
+}
+
+/// How long stopped ranks get to exit after SIGTERM before they are killed.
+const GRACE: Duration = Duration::from_secs(5);
+
+/// The started ranks; any still running when this is dropped are killed, so no path out of
+/// [`launch`] (error, panic) leaves a process behind.
+struct Ranks(Vec<(usize, Child)>);
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.0 {
+            if matches!(c.try_wait(), Ok(None)) {
+                let _ = c.kill();
+            }
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Copy `from` to our stdout or stderr line by line, each line prefixed with `[rank] `.
+fn relay(from: impl Read + Send + 'static, rank: usize, to_stderr: bool) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(from);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match r.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+            if line.last() != Some(&b'\n') {
+                line.push(b'\n');
+            }
+            let prefix = format!("[{rank}] ");
+            // One write per line under the lock keeps lines from different ranks whole.
+            let _ = if to_stderr {
+                let mut e = std::io::stderr().lock();
+                e.write_all(prefix.as_bytes()).and_then(|_| e.write_all(&line))
+            } else {
+                let mut o = std::io::stdout().lock();
+                o.write_all(prefix.as_bytes()).and_then(|_| o.write_all(&line)).and_then(|_| o.flush())
+            };
+        }
+    })
+}
+
+/// A free TCP port on `addr` for the rendezvous store (single-node runs asking for port 0).
+fn free_port(addr: &str) -> anyhow::Result<u16> {
+    let l = TcpListener::bind((addr, 0)).with_context(|| format!("finding a free port on {addr}"))?;
+    Ok(l.local_addr()?.port())
+}
+
+/// What the ranks run: the worker itself for `train ...`, else the given program.
+fn program(cmd: &[String], worker: &Path) -> anyhow::Result<(PathBuf, Vec<String>)> {
+    let Some(first) = cmd.first() else { bail!("nothing to launch: give the command after `--`") };
+    if first == "train" || first.starts_with('-') {
+        let mut args = cmd.to_vec();
+        if first.starts_with('-') {
+            args.insert(0, "train".into());
+        }
+        Ok((worker.to_path_buf(), args))
+    } else {
+        Ok((PathBuf::from(first), cmd[1..].to_vec()))
+    }
+}
+
+/// Start the local ranks and supervise them until all exit; `stop` (Ctrl-C, a test) ends them
+/// early. `worker` is the `gradsync-worker` binary, run for `-- train ...` commands.
+pub fn launch(a: &LaunchArgs, worker: &Path, stop: Arc<AtomicBool>) -> anyhow::Result<()> {
+    ensure!(a.nproc_per_node >= 1, "--nproc-per-node must be at least 1");
+    ensure!(a.nnodes >= 1, "--nnodes must be at least 1");
+    ensure!(a.node_rank < a.nnodes, "--node-rank {} is not below --nnodes {}", a.node_rank, a.nnodes);
+    ensure!(
+        a.master_port != 0 || a.nnodes == 1,
+        "--master-port 0 (pick a free port) only works on one node: the other nodes must know the port"
+    );
+    let port = if a.master_port == 0 { free_port(&a.master_addr)? } else { a.master_port };
+    let world = a.nnodes * a.nproc_per_node;
+    let (prog, args) = program(&a.cmd, worker)?;
+    let mut ranks = Ranks(Vec::new());
+    let mut relays = Vec::new();
+    for local in 0..a.nproc_per_node {
+        let rank = a.node_rank * a.nproc_per_node + local;
+        let mut child = Command::new(&prog)
+            .args(&args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", a.nproc_per_node.to_string())
+            .env("GROUP_RANK", a.node_rank.to_string())
+            .env("MASTER_ADDR", &a.master_addr)
+            .env("MASTER_PORT", port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting rank {rank}: {}", prog.display()))?;
+        if let Some(o) = child.stdout.take() {
+            relays.push(relay(o, rank, false));
+        }
+        if let Some(e) = child.stderr.take() {
+            relays.push(relay(e, rank, true));
+        }
+        ranks.0.push((rank, child));
+    }
+    let failed = supervise(&mut ranks, &stop)?;
+    drop(ranks);
+    for r in relays {
+        let _ = r.join();
+    }
+    match failed {
+        None => Ok(()),
+        Some((rank, status)) => bail!("rank {rank} failed ({status}); stopped the other ranks"),
+    }
+}
+
+/// Wait until every rank has exited (`None`) or one has failed (its rank and status), in
+/// which case the others are killed.
+fn supervise(ranks: &mut Ranks, stop: &AtomicBool) -> anyhow::Result<Option<(usize, ExitStatus)>> {
+    let mut done = vec![false; ranks.0.len()];
+    loop {
+        for (i, (rank, c)) in ranks.0.iter_mut().enumerate() {
+            if done[i] {
+                continue;
+            }
+            if let Some(st) = c.try_wait().with_context(|| format!("waiting for rank {rank}"))? {
+                done[i] = true;
+                if !st.success() {
+                    let failed = (*rank, st);
+                    for (_, other) in ranks.0.iter_mut() {
+                        if matches!(other.try_wait(), Ok(None)) {
+                            let _ = other.kill();
+                        }
+                    }
+                    return Ok(Some(failed));
+                }
+            }
+        }
+        if done.iter().all(|&d| d) {
+            return Ok(None);
+        }
+        if stop.load(Ordering::Relaxed) || SIGNALLED.load(Ordering::Relaxed) {
+            terminate(ranks);
+            bail!("stopped by a signal: the ranks were terminated");
+        }
+        // std offers no wait-for-any-child; a short nap keeps supervision cheap.
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// SIGTERM every running rank, give them [`GRACE`] to exit, then kill the rest.
+fn terminate(ranks: &mut Ranks) {
+    for (_, c) in &mut ranks.0 {
+        if matches!(c.try_wait(), Ok(None))
+            && let Ok(pid) = libc::pid_t::try_from(c.id())
+        {
+            // SAFETY: kill(2) on a child we started and have not reaped.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+    }
+    let t = std::time::Instant::now();
+    while t.elapsed() < GRACE && ranks.0.iter_mut().any(|(_, c)| matches!(c.try_wait(), Ok(None))) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for (_, c) in &mut ranks.0 {
+        if matches!(c.try_wait(), Ok(None)) {
+            let _ = c.kill();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::program;
+    use std::path::Path;
+
+    #[test]
+    fn picks_the_program() {
+        let w = Path::new("/bin/gradsync-worker");
+        let (p, a) = program(&["train".into(), "--mode".into(), "ddp".into()], w).unwrap();
+        assert_eq!((p.as_path(), a[0].as_str()), (w, "train"));
+        let (p, a) = program(&["--mode".into(), "ddp".into()], w).unwrap();
+        assert_eq!((p.as_path(), a[0].as_str()), (w, "train"));
+        let (p, a) = program(&["python3".into(), "x.py".into()], w).unwrap();
+        assert_eq!((p.to_str().unwrap(), a.len()), ("python3", 1));
+        assert!(program(&[], w).is_err());
+    }
+}

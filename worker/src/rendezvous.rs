@@ -1,0 +1,311 @@
+//! Rendezvous: how the ranks of a DDP run find each other, torchrun-style.
+//!
+//! Rank 0 hosts a one-shot store at `--master-addr:--master-port`. Every rank (rank 0
+//! included) binds a ring listener, connects to the store, and registers: its rank, the world
+//! size, the model fingerprint, a hash of the shared token, and its listener's address. Once
+//! all `world` ranks have registered, the store answers each with every rank's address (and,
+//! for NCCL, the unique id rank 0 made), then closes. Registrations that do not fit (another
+//! run, another model, a rank registered twice) are refused with the reason and do not
+//! count. Every wait is bounded by the timeout; a rank that never arrives is named.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::collective::tcp::{
+    Hello, MAGIC, MeshInfo, connect_retry, read_line, refuse, token_hash, write_line,
+};
+use crate::collective::{CommError, Result, RingConfig, TcpComm, nccl};
+
+/// Who this rank is and where the store is.
+#[derive(Debug, Clone)]
+pub struct RendezvousConfig {
+    /// The store's `host:port` (rank 0 binds it).
+    pub master: String,
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world: usize,
+    /// The model fingerprint every rank must share.
+    pub fingerprint: String,
+    /// The shared token, if any.
+    pub token: Option<String>,
+    /// How long to wait for the store and for every rank.
+    pub timeout: Duration,
+    /// Rank 0 makes an NCCL unique id and the store hands it out.
+    pub nccl: bool,
+}
+
+/// What the store answers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct StoreReply {
+    /// Why the registration was refused, if it was.
+    refused: Option<String>,
+    /// Every rank's ring listener, by rank.
+    addrs: Vec<SocketAddr>,
+    /// The NCCL unique id, when asked for.
+    nccl_id: Option<Vec<u8>>,
+}
+
+/// A rank that has met the others.
+#[derive(Debug)]
+pub struct Joined {
+    /// This rank's ring listener (its address is `mesh.addrs[rank]`).
+    pub listener: TcpListener,
+    /// Every rank's address and the shared identity.
+    pub mesh: MeshInfo,
+    /// The NCCL unique id, when asked for.
+    pub nccl_id: Option<[u8; nccl::ID_BYTES]>,
+}
+
+fn rdzv(addr: &str, why: impl Into<String>) -> CommError {
+    CommError::Rendezvous { addr: addr.to_string(), why: why.into() }
+}
+
+/// Resolve `host:port`, preferring IPv4.
+pub fn resolve(master: &str) -> Result<SocketAddr> {
+    let addrs: Vec<SocketAddr> =
+        master.to_socket_addrs().map_err(|e| rdzv(master, format!("cannot resolve: {e}")))?.collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| rdzv(master, "resolves to no address"))
+}
+
+/// Bind the store's listener at `addr` (all interfaces if `addr`'s IP is not local).
+pub fn bind_store(addr: SocketAddr) -> Result<TcpListener> {
+    TcpListener::bind(addr)
+        .or_else(|e| {
+            if e.kind() == std::io::ErrorKind::AddrNotAvailable {
+                TcpListener::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), addr.port()))
+            } else {
+                Err(e)
+            }
+        })
+        .map_err(|e| rdzv(&addr.to_string(), format!("rank 0 cannot bind the store: {e}")))
+}
+
+/// Serve one rendezvous of `world` ranks on `listener`, then return.
+pub fn serve_store(
+    listener: TcpListener,
+    world: usize,
+    fingerprint: &str,
+    token: Option<&str>,
+    nccl_id: Option<[u8; nccl::ID_BYTES]>,
+    timeout: Duration,
+) -> Result<()> {
+    let here = listener.local_addr().map_or_else(|_| "?".to_string(), |a| a.to_string());
+    let token = token_hash(token);
+    let deadline = Instant::now() + timeout;
+    let mut pending: Vec<Option<(TcpStream, SocketAddr)>> = (0..world).map(|_| None).collect();
+    listener.set_nonblocking(true).map_err(|e| rdzv(&here, e.to_string()))?;
+    while pending.iter().any(Option::is_none) {
+        let s = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let missing: Vec<usize> = (0..world).filter(|&r| pending[r].is_none()).collect();
+                    let why =
+                        format!("ranks {missing:?} never registered within {:.1} s", timeout.as_secs_f64());
+                    for (mut s, _) in pending.into_iter().flatten() {
+                        let _ = write_line(
+                            &mut s,
+                            &StoreReply { refused: Some(why.clone()), addrs: vec![], nccl_id: None },
+                        );
+                    }
+                    return Err(CommError::Timeout {
+                        peer: missing[0],
+                        op: "rendezvous",
+                        secs: timeout.as_secs_f64(),
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            }
+            Err(e) => return Err(rdzv(&here, format!("accept: {e}"))),
+        };
+        let _ = s.set_nonblocking(false);
+        let _ = s.set_read_timeout(Some(timeout.min(Duration::from_secs(10))));
+        let mut w = match s.try_clone() {
+            Ok(w) => w,
+            Err(_) => continue,
+        };
+        let hello: Hello = match read_line(&s) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!("rendezvous store refused a client: bad registration: {e}");
+                continue;
+            }
+        };
+        let verdict = refuse(&hello, None, world, fingerprint, token)
+            .or_else(|| {
+                pending[hello.rank].is_some().then(|| format!("rank {} registered twice", hello.rank))
+            })
+            .or_else(|| hello.addr.is_none().then(|| "no ring address given".to_string()));
+        match (verdict, hello.addr) {
+            (None, Some(addr)) => pending[hello.rank] = Some((s, addr)),
+            (why, _) => {
+                let why = why.unwrap_or_default();
+                tracing::warn!("rendezvous store refused rank {}: {why}", hello.rank);
+                let _ = write_line(&mut w, &StoreReply { refused: Some(why), addrs: vec![], nccl_id: None });
+            }
+        }
+    }
+    let all: Vec<(TcpStream, SocketAddr)> = pending.into_iter().flatten().collect();
+    let addrs: Vec<SocketAddr> = all.iter().map(|(_, a)| *a).collect();
+    let reply = StoreReply { refused: None, addrs, nccl_id: nccl_id.map(|id| id.to_vec()) };
+    for (rank, (mut s, _)) in all.into_iter().enumerate() {
+        write_line(&mut s, &reply).map_err(|e| rdzv(&here, format!("answering rank {rank}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Register with the store and learn every rank's address. Rank 0 binds and serves the
+/// store first, on a thread that ends once everyone has registered.
+pub fn join(cfg: &RendezvousConfig) -> Result<Joined> {
+    join_with_store(cfg, None)
+}
+
+/// [`join`], with rank 0 serving the store on `store` (already bound, e.g. to port 0 by a
+/// test) instead of binding `cfg.master` itself.
+pub fn join_with_store(cfg: &RendezvousConfig, store: Option<TcpListener>) -> Result<Joined> {
+    if cfg.rank >= cfg.world {
+        return Err(CommError::Invalid {
+            what: "rank",
+            why: format!("{} is not below the world size {}", cfg.rank, cfg.world),
+        });
+    }
+    let master = resolve(&cfg.master)?;
+    let store: Option<JoinHandle<Result<()>>> = if cfg.rank == 0 {
+        let listener = match store {
+            Some(l) => l,
+            None => bind_store(master)?,
+        };
+        let id = if cfg.nccl { Some(nccl::unique_id()?) } else { None };
+        let (world, fp, token, t) = (cfg.world, cfg.fingerprint.clone(), cfg.token.clone(), cfg.timeout);
+        Some(std::thread::spawn(move || serve_store(listener, world, &fp, token.as_deref(), id, t)))
+    } else {
+        None
+    };
+    let deadline = Instant::now() + cfg.timeout;
+    let s = connect_retry(&master, deadline)
+        .map_err(|e| rdzv(&cfg.master, format!("cannot reach the store: {e}")))?;
+    // Listen on the interface that reaches the store: the one the other ranks can reach too.
+    let ip = s.local_addr().map_err(|e| rdzv(&cfg.master, e.to_string()))?.ip();
+    let listener =
+        TcpListener::bind((ip, 0)).map_err(|e| rdzv(&cfg.master, format!("binding {ip}:0: {e}")))?;
+    let addr = listener.local_addr().map_err(|e| rdzv(&cfg.master, e.to_string()))?;
+    let hello = Hello {
+        magic: MAGIC.into(),
+        rank: cfg.rank,
+        world: cfg.world,
+        fingerprint: cfg.fingerprint.clone(),
+        token: token_hash(cfg.token.as_deref()),
+        to: None,
+        addr: Some(addr),
+    };
+    let mut w = s.try_clone().map_err(|e| rdzv(&cfg.master, e.to_string()))?;
+    write_line(&mut w, &hello).map_err(|e| rdzv(&cfg.master, format!("registering: {e}")))?;
+    // The store answers once the last rank registers: wait as long as it may.
+    let _ = s.set_read_timeout(Some(cfg.timeout + Duration::from_secs(5)));
+    let reply: std::result::Result<StoreReply, _> = read_line(&s);
+    if let Some(h) = store {
+        h.join().map_err(|_| rdzv(&cfg.master, "the store thread panicked"))??;
+    }
+    let reply = reply.map_err(|e| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            rdzv(&cfg.master, format!("not every rank registered within {:.1} s", cfg.timeout.as_secs_f64()))
+        }
+        _ => rdzv(&cfg.master, format!("bad answer: {e}")),
+    })?;
+    if let Some(why) = reply.refused {
+        return Err(rdzv(&cfg.master, format!("refused: {why}")));
+    }
+    if reply.addrs.len() != cfg.world {
+        return Err(rdzv(
+            &cfg.master,
+            format!("answered {} addresses for {} ranks", reply.addrs.len(), cfg.world),
+        ));
+    }
+    let nccl_id = match reply.nccl_id {
+        Some(v) => Some(
+            <[u8; nccl::ID_BYTES]>::try_from(v.as_slice())
+                .map_err(|_| rdzv(&cfg.master, format!("NCCL id of {} bytes", v.len())))?,
+        ),
+        None if cfg.nccl => return Err(rdzv(&cfg.master, "no NCCL id in the answer")),
+        None => None,
+    };
+    Ok(Joined {
+        listener,
+        mesh: MeshInfo {
+            rank: cfg.rank,
+            addrs: reply.addrs,
+            fingerprint: cfg.fingerprint.clone(),
+            token: cfg.token.clone(),
+        },
+        nccl_id,
+    })
+}
+
+/// Rendezvous, then connect the TCP mesh.
+pub fn connect_tcp(cfg: &RendezvousConfig, ring: RingConfig) -> Result<TcpComm> {
+    if cfg.world == 1 {
+        return Ok(TcpComm::single(ring));
+    }
+    let joined = join(cfg)?;
+    TcpComm::connect(joined.listener, &joined.mesh, ring)
+}
+
+/// The first host of a Slurm node list: `node[01-04,07]` gives `node01`, `a,b` gives `a`,
+/// `gpu[3-4]-ib,cpu1` gives `gpu3-ib`.
+pub fn first_slurm_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    // The first comma at bracket depth 0 ends the first entry.
+    let mut depth = 0i32;
+    let end = list
+        .char_indices()
+        .find(|&(_, c)| {
+            match c {
+                '[' => depth += 1,
+                ']' => depth -= 1,
+                _ => {}
+            }
+            c == ',' && depth == 0
+        })
+        .map_or(list.len(), |(i, _)| i);
+    let entry = &list[..end];
+    let host = match (entry.find('['), entry.find(']')) {
+        (Some(open), Some(close)) if open < close => {
+            let first = entry[open + 1..close].split(',').next()?.split('-').next()?.trim();
+            if first.is_empty() {
+                return None;
+            }
+            format!("{}{first}{}", &entry[..open], &entry[close + 1..])
+        }
+        (None, None) => entry.to_string(),
+        _ => return None,
+    };
+    (!host.is_empty()).then_some(host)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_slurm_host;
+
+    #[test]
+    fn slurm_node_lists() {
+        assert_eq!(first_slurm_host("node[01-04,07]").as_deref(), Some("node01"));
+        assert_eq!(first_slurm_host("node[07,01-04]").as_deref(), Some("node07"));
+        assert_eq!(first_slurm_host("alpha,beta").as_deref(), Some("alpha"));
+        assert_eq!(first_slurm_host("gpu[3-4]-ib,cpu1").as_deref(), Some("gpu3-ib"));
+        assert_eq!(first_slurm_host("single").as_deref(), Some("single"));
+        assert_eq!(first_slurm_host("a[1-2],b[3]").as_deref(), Some("a1"));
+        assert_eq!(first_slurm_host("").as_deref(), None);
+        assert_eq!(first_slurm_host("bad[1-2").as_deref(), None);
+        assert_eq!(first_slurm_host("bad[]").as_deref(), None);
+    }
+}

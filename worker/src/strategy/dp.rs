@@ -1,0 +1,171 @@
+//! DataParallel: one process, N replicas (threads on the CPU; one per visible GPU, several per
+//! GPU allowed). Each step scatters the global batch, every replica computes its gradient in
+//! parallel, replica 0 gathers and sums them, takes the optimiser step alone, and broadcasts
+//! the parameters back: `torch.nn.DataParallel`'s semantics, master bottleneck included,
+//! which is what this mode exists to measure.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use gradsync_core::Engine;
+use gradsync_core::device::Device;
+use gradsync_core::metrics::Step;
+use gradsync_core::mlp::BatchLoss;
+use gradsync_core::model::ModelSpec;
+use gradsync_core::optim::SgdConfig;
+
+use super::{Strategy, ms_since, timed};
+use crate::collective::tcp::add_into;
+use crate::train::Run;
+
+/// Replica 0 is the engine the training loop owns; these are the others.
+pub struct Dp {
+    sgd: SgdConfig,
+    replicas: usize,
+    devices: Vec<Device>,
+    spec: ModelSpec,
+    seed: u64,
+    others: Vec<Engine>,
+    sum: Vec<f32>,
+    tmp: Vec<f32>,
+    params: Vec<f32>,
+}
+
+/// How many CUDA devices can be used (ordinals 0.. that open).
+fn cuda_count() -> usize {
+    (0..64).take_while(|&i| gradsync_core::device::cuda::probe(i).is_ok()).count()
+}
+
+impl Dp {
+    /// `--replicas` (default: --world-size) replicas of the run's model.
+    pub fn new(run: &Run) -> anyhow::Result<Dp> {
+        let replicas = run.args.dp.replicas.unwrap_or(run.world);
+        anyhow::ensure!(replicas >= 1, "--replicas must be at least 1");
+        let devices = match run.device {
+            Device::Cpu { threads } => vec![Device::Cpu { threads }; replicas],
+            Device::Cuda { ordinal } => {
+                let n = cuda_count().max(ordinal + 1);
+                (0..replicas).map(|k| Device::Cuda { ordinal: (ordinal + k) % n }).collect()
+            }
+        };
+        Ok(Dp {
+            sgd: run.sgd,
+            replicas,
+            devices,
+            spec: run.args.model.clone(),
+            seed: run.args.seed,
+            others: Vec::new(),
+            sum: Vec::new(),
+            tmp: Vec::new(),
+            params: Vec::new(),
+        })
+    }
+}
+
+impl Strategy for Dp {
+    fn start(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
+        let p = engine.params()?;
+        self.others = self.devices[1..]
+            .iter()
+            .enumerate()
+            .map(|(k, &d)| -> anyhow::Result<Engine> {
+                let mut e = Engine::new(d, self.spec.clone(), self.seed)
+                    .with_context(|| format!("replica {} on {}", k + 1, d.label()))?;
+                e.write_params(0, &p)?;
+                Ok(e)
+            })
+            .collect::<anyhow::Result<_>>()?;
+        let n = p.len();
+        self.sum = vec![0.0; n];
+        self.tmp = vec![0.0; n];
+        Ok(())
+    }
+
+    fn step(
+        &mut self,
+        engine: &mut Engine,
+        x: &[f32],
+        y: &[u32],
+        rec: &mut Step,
+    ) -> anyhow::Result<BatchLoss> {
+        let n = self.replicas;
+        anyhow::ensure!(
+            y.len().is_multiple_of(n),
+            "a batch of {} rows does not split over {n} replicas",
+            y.len()
+        );
+        let (rows, dim) = (y.len() / n, x.len() / y.len().max(1));
+        // Scatter: replica k takes rows k*rows..(k+1)*rows and runs forward and backward on
+        // its own thread.
+        let results: Vec<anyhow::Result<(BatchLoss, f64, f64)>> = std::thread::scope(|s| {
+            let work = |e: &mut Engine, k: usize| -> anyhow::Result<(BatchLoss, f64, f64)> {
+                let (xs, ys) = (&x[k * rows * dim..(k + 1) * rows * dim], &y[k * rows..(k + 1) * rows]);
+                let (loss, f) = timed(e, |e| e.forward(xs, ys, true))?;
+                let ((), b) = timed(e, |e| e.backward(false))?;
+                Ok((loss, f, b))
+            };
+            let handles: Vec<_> =
+                self.others.iter_mut().enumerate().map(|(i, e)| s.spawn(move || work(e, i + 1))).collect();
+            let mut out = vec![work(engine, 0)];
+            out.extend(
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a replica thread panicked")))),
+            );
+            out
+        });
+        let mut total = BatchLoss::default();
+        let mut weighted = 0.0;
+        for (k, r) in results.into_iter().enumerate() {
+            let (l, f, b) = r.with_context(|| format!("replica {k}"))?;
+            rec.forward_ms = rec.forward_ms.max(f);
+            rec.backward_ms = rec.backward_ms.max(b);
+            weighted += l.loss * l.rows as f64;
+            total.correct += l.correct;
+            total.rows += l.rows;
+        }
+        total.loss = weighted / total.rows.max(1) as f64;
+
+        // Gather and sum on replica 0.
+        let t = Instant::now();
+        let len = self.sum.len();
+        engine.read_grads(0..len, &mut self.sum)?;
+        for e in &self.others {
+            e.read_grads(0..len, &mut self.tmp)?;
+            add_into(&mut self.sum, &self.tmp);
+        }
+        engine.write_grads(0, &self.sum)?;
+        let gather_ms = ms_since(t);
+        let ((), ms) = timed(engine, |e| e.update(&self.sgd, 1.0 / n as f32))?;
+        rec.update_ms = ms;
+        // Broadcast the new parameters back to every replica.
+        let t = Instant::now();
+        self.params.resize(len, 0.0);
+        engine.read_params(0..len, &mut self.params)?;
+        for e in &mut self.others {
+            e.write_params(0, &self.params)?;
+        }
+        rec.comm_ms = gather_ms + ms_since(t);
+        // Replica 0 waits for all of it: nothing overlaps.
+        rec.comm_exposed_ms = rec.comm_ms;
+        let bytes = (n as u64 - 1) * len as u64 * 4;
+        rec.bytes_recv = bytes;
+        rec.bytes_sent = bytes;
+        Ok(total)
+    }
+
+    fn finish(&mut self, _engine: &mut Engine) -> anyhow::Result<()> {
+        self.others.clear();
+        Ok(())
+    }
+
+    fn describe(&self) -> (String, serde_json::Map<String, serde_json::Value>) {
+        let mut m = serde_json::Map::new();
+        m.insert("replicas".into(), self.replicas.into());
+        m.insert(
+            "replica_devices".into(),
+            self.devices.iter().map(|d| serde_json::Value::from(d.label())).collect::<Vec<_>>().into(),
+        );
+        (String::new(), m)
+    }
+}

@@ -1,0 +1,197 @@
+//! What the TCP backend does when something is wrong: a dead peer, a silent peer, buffers of
+//! different lengths, a stranger at the door, another model, a wrong token. Every case must
+//! end in an error that says what happened (naming the rank), quickly, never in a hang.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use gradsync_worker::collective::tcp::MeshInfo;
+use gradsync_worker::collective::{Collective, CommError, RingConfig, TcpComm};
+use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
+
+fn cfg(timeout_ms: u64) -> RingConfig {
+    RingConfig { timeout: Duration::from_millis(timeout_ms), chunk_bytes: 256, socket_buffer: None }
+}
+
+/// Listeners and the mesh description for `world` ranks, with per-rank fingerprints.
+fn mesh(world: usize) -> (Vec<TcpListener>, Vec<SocketAddr>) {
+    let ls: Vec<TcpListener> = (0..world).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    let addrs = ls.iter().map(|l| l.local_addr().unwrap()).collect();
+    (ls, addrs)
+}
+
+fn info(rank: usize, addrs: &[SocketAddr], fp: &str) -> MeshInfo {
+    MeshInfo { rank, addrs: addrs.to_vec(), fingerprint: fp.into(), token: Some("t".into()) }
+}
+
+/// Run rank bodies on threads over a connected mesh of `world`; returns their results.
+fn group<T: Send>(world: usize, timeout_ms: u64, body: impl Fn(TcpComm) -> T + Sync) -> Vec<T> {
+    let (ls, addrs) = mesh(world);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = ls
+            .into_iter()
+            .enumerate()
+            .map(|(r, l)| {
+                let (addrs, body) = (&addrs, &body);
+                s.spawn(move || body(TcpComm::connect(l, &info(r, addrs, "fp"), cfg(timeout_ms)).unwrap()))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn dead_peer(n: usize) {
+    let t0 = Instant::now();
+    let out = group(3, 20_000, |mut c| {
+        if c.rank() == 2 {
+            drop(c); // the process "dies": its sockets close
+            return None;
+        }
+        let mut b = vec![1.0f32; n];
+        Some(c.all_reduce(&mut b).unwrap_err())
+    });
+    // Rank 0 reads from rank 2 (its left neighbour) and must say so.
+    let e = out[0].as_ref().unwrap().to_string();
+    assert!(e.contains("rank 2"), "{e}");
+    assert!(out[1].is_some());
+    assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}: waited for a timeout", t0.elapsed());
+}
+
+#[test]
+fn a_dead_peer_is_named_not_waited_for() {
+    dead_peer(10_000);
+}
+
+#[test]
+fn a_dead_peer_is_named_on_the_threaded_engine_too() {
+    dead_peer(2 << 20);
+}
+
+#[test]
+fn a_silent_peer_times_out_with_its_rank() {
+    let t0 = Instant::now();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let rx = std::sync::Mutex::new(rx);
+    let out = group(3, 500, |mut c| {
+        if c.rank() == 2 {
+            // Alive but never joins the all-reduce, until the others are done.
+            let _ = rx.lock().unwrap().recv_timeout(Duration::from_secs(10));
+            return None;
+        }
+        let mut b = vec![1.0f32; 100];
+        let e = c.all_reduce(&mut b).unwrap_err();
+        if c.rank() == 0 {
+            let _ = tx.send(());
+        }
+        Some(e)
+    });
+    match out[0].as_ref().unwrap() {
+        CommError::Timeout { peer: 2, .. } => {}
+        e => panic!("expected a timeout naming rank 2, got: {e}"),
+    }
+    assert!(out[0].as_ref().unwrap().to_string().contains("rank 2 did not answer"));
+    assert!(t0.elapsed() < Duration::from_secs(8), "took {:?}", t0.elapsed());
+}
+
+#[test]
+fn different_lengths_are_refused_not_mixed() {
+    let out = group(2, 5_000, |mut c| {
+        let mut b = vec![1.0f32; if c.rank() == 0 { 100 } else { 101 }];
+        c.all_reduce(&mut b).unwrap_err().to_string()
+    });
+    assert!(out.iter().any(|e| e.contains("values where") && e.contains("expected")), "{out:?}");
+}
+
+#[test]
+fn after_a_failure_the_communicator_refuses_to_continue() {
+    let out = group(2, 5_000, |mut c| {
+        let mut b = vec![1.0f32; if c.rank() == 0 { 10 } else { 11 }];
+        let _ = c.all_reduce(&mut b);
+        let mut ok = vec![1.0f32; 10];
+        c.all_reduce(&mut ok).unwrap_err().to_string()
+    });
+    assert!(out.iter().all(|e| e.contains("earlier failure")), "{out:?}");
+}
+
+#[test]
+fn strangers_are_refused_and_the_ring_still_forms() {
+    let (ls, addrs) = mesh(2);
+    // Before rank 1 connects, strangers knock on rank 0's listener (they wait in its backlog,
+    // ahead of rank 1): one with garbage, one with a proper handshake and the wrong token.
+    let mut garbage = TcpStream::connect(addrs[0]).unwrap();
+    garbage.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    let mut wrong = TcpStream::connect(addrs[0]).unwrap();
+    wrong
+        .write_all(b"{\"magic\":\"gradsync-ring/1\",\"rank\":1,\"world\":2,\"fingerprint\":\"fp\",\"token\":1,\"to\":0}\n")
+        .unwrap();
+    let sums: Vec<f32> = std::thread::scope(|s| {
+        let hs: Vec<_> = ls
+            .into_iter()
+            .enumerate()
+            .map(|(r, l)| {
+                let addrs = &addrs;
+                s.spawn(move || {
+                    let mut c = TcpComm::connect(l, &info(r, addrs, "fp"), cfg(10_000)).unwrap();
+                    let mut b = [r as f32 + 1.0];
+                    c.all_reduce(&mut b).unwrap();
+                    b[0]
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(sums, vec![3.0, 3.0]);
+    let mut refusal = String::new();
+    BufReader::new(&wrong).read_line(&mut refusal).unwrap();
+    assert!(refusal.contains("wrong ring token"), "{refusal}");
+}
+
+#[test]
+fn another_model_cannot_join() {
+    let (ls, addrs) = mesh(2);
+    let errs: Vec<Option<String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = ls
+            .into_iter()
+            .enumerate()
+            .map(|(r, l)| {
+                let addrs = &addrs;
+                s.spawn(move || {
+                    let fp = if r == 0 { "mlp:784-10:f32:seed=1" } else { "mlp:784-10:f32:seed=2" };
+                    TcpComm::connect(l, &info(r, addrs, fp), cfg(1_500)).err().map(|e| e.to_string())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let e1 = errs[1].as_deref().unwrap();
+    assert!(e1.contains("fingerprint") && e1.contains("seed=2"), "{e1}");
+    // Rank 0 never got a valid rank 1, and says so.
+    assert!(errs[0].as_deref().unwrap().contains("rank 1"), "{:?}", errs[0]);
+}
+
+#[test]
+fn the_store_refuses_a_wrong_token_and_names_missing_ranks() {
+    let store = TcpListener::bind("127.0.0.1:0").unwrap();
+    let master = store.local_addr().unwrap().to_string();
+    let rc = |rank, token: &str| RendezvousConfig {
+        master: master.clone(),
+        rank,
+        world: 2,
+        fingerprint: "fp".into(),
+        token: Some(token.into()),
+        timeout: Duration::from_millis(1_500),
+        nccl: false,
+    };
+    let (r0, r1) = std::thread::scope(|s| {
+        let a = s.spawn(|| join_with_store(&rc(0, "right"), Some(store)).map(|_| ()));
+        let b = s.spawn(|| join_with_store(&rc(1, "wrong"), None).map(|_| ()));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    let e1 = r1.unwrap_err().to_string();
+    assert!(e1.contains("wrong ring token"), "{e1}");
+    let e0 = r0.unwrap_err().to_string();
+    assert!(e0.contains("rank 1") || e0.contains("[1]") || e0.contains("within"), "{e0}");
+}

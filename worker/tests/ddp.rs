@@ -1,0 +1,393 @@
+//! DDP and DP against local training, as real processes: W ranks with batch b (DDP, started
+//! by `gradsync-worker launch` over 127.0.0.1, TCP backend) and W replicas with batch b (DP)
+//! must end at the parameters of one process with batch W*b, because the distributed sampler
+//! gives the union of the ranks' k-th batches as local's k-th batch. Also the launcher's
+//! contract: rank-prefixed output, and one failing rank stops the rest.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use gradsync_core::checkpoint::Checkpoint;
+
+const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
+
+/// A scratch directory removed at the end.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let d = std::env::temp_dir().join(format!("gradsync-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        Scratch(d)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A child killed if the test ends early.
+struct Guard(Option<Child>);
+
+impl Guard {
+    fn wait(mut self, limit: Duration) -> Output {
+        let child = self.0.take().unwrap();
+        let id = child.id();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(child.wait_with_output());
+        });
+        match rx.recv_timeout(limit) {
+            Ok(out) => out.unwrap(),
+            Err(_) => {
+                let _ = Command::new("kill").args(["-9", &id.to_string()]).status();
+                panic!("process {id} did not finish within {limit:?}");
+            }
+        }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn spawn(args: &[&str]) -> Guard {
+    Guard(Some(
+        Command::new(WORKER)
+            .args(args)
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .env_remove("MASTER_ADDR")
+            .env_remove("MASTER_PORT")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ))
+}
+
+fn run_ok(args: &[&str]) -> Output {
+    let out = spawn(args).wait(Duration::from_secs(120));
+    assert!(
+        out.status.success(),
+        "gradsync-worker {args:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Flags every run shares: the tiny model on a small synthetic set, a few steps.
+fn common(save: &Path) -> Vec<String> {
+    [
+        "--model",
+        "tiny",
+        "--data",
+        "synthetic:600:32:8",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--steps",
+        "6",
+        "--eval-every",
+        "0",
+        "--lr",
+        "0.1",
+        "--quiet",
+        "--save",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([save.display().to_string()])
+    .collect()
+}
+
+fn params(p: &Path) -> Vec<f32> {
+    Checkpoint::load(p).unwrap().params
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn check_equivalence(world: usize, batch: usize) {
+    let dir = Scratch::new(&format!("equiv{world}"));
+    let local = dir.0.join("local.ckpt");
+    let dp = dir.0.join("dp.ckpt");
+    let ddp = dir.0.join("ddp.ckpt");
+    let w = world.to_string();
+    let global = (world * batch).to_string();
+    let b = batch.to_string();
+
+    let mut a = vec!["train".to_string(), "--mode".into(), "local".into(), "--batch".into(), global];
+    a.extend(common(&local));
+    run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+
+    let mut a: Vec<String> =
+        ["train", "--mode", "dp", "--replicas", &w, "--batch", &b].map(String::from).to_vec();
+    a.extend(common(&dp));
+    run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+
+    // Small buckets, so several all-reduces overlap backward.
+    let mut a: Vec<String> = [
+        "launch",
+        "--nproc-per-node",
+        &w,
+        "--master-port",
+        "0",
+        "--",
+        "train",
+        "--mode",
+        "ddp",
+        "--batch",
+        &b,
+    ]
+    .map(String::from)
+    .to_vec();
+    a.extend(["--bucket-mb", "0.002", "--comm-timeout", "30", "--chunk-kb", "1"].map(String::from));
+    a.extend(common(&ddp));
+    run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+
+    let (l, p, d) = (params(&local), params(&dp), params(&ddp));
+    assert_ne!(
+        l,
+        gradsync_core::model::init_params(
+            &gradsync_core::model::Layout::new(&gradsync_core::model::ModelSpec::parse("tiny").unwrap()),
+            42
+        ),
+        "local did not train"
+    );
+    assert!(max_diff(&l, &p) < 1e-5, "DP vs local: max diff {}", max_diff(&l, &p));
+    assert!(max_diff(&l, &d) < 1e-5, "DDP vs local: max diff {}", max_diff(&l, &d));
+}
+
+#[test]
+fn ddp_and_dp_match_local_with_two_ranks() {
+    check_equivalence(2, 8);
+}
+
+#[test]
+fn ddp_and_dp_match_local_with_three_ranks() {
+    check_equivalence(3, 5);
+}
+
+#[test]
+fn ddp_metrics_report_communication() {
+    let dir = Scratch::new("metrics");
+    let m = dir.0.join("m-{rank}.jsonl");
+    let save = dir.0.join("s.ckpt");
+    let mut a: Vec<String> =
+        ["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "train", "--mode", "ddp"]
+            .map(String::from)
+            .to_vec();
+    a.extend(["--batch", "8", "--bucket-mb", "0.002", "--metrics"].map(String::from));
+    a.push(m.display().to_string());
+    a.extend(common(&save));
+    run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let text = std::fs::read_to_string(dir.0.join("m-1.jsonl")).unwrap();
+    assert!(dir.0.join("m-0.jsonl").exists());
+    let steps: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &serde_json::Value| v["kind"] == "step")
+        .collect();
+    assert_eq!(steps.len(), 6);
+    let params = 4456u64;
+    for s in &steps {
+        assert!(s["comm_ms"].as_f64().unwrap() > 0.0, "{s}");
+        let exposed = s["comm_exposed_ms"].as_f64().unwrap();
+        assert!(exposed >= 0.0, "{s}");
+        // Two ranks: each sends and receives half the gradient twice, i.e. all of it.
+        assert_eq!(s["bytes_sent"].as_u64().unwrap(), params * 4, "{s}");
+        assert_eq!(s["bytes_recv"].as_u64().unwrap(), params * 4, "{s}");
+    }
+}
+
+#[test]
+fn sync_every_communicates_only_on_sync_steps() {
+    let dir = Scratch::new("nosync");
+    let save = dir.0.join("s.ckpt");
+    let mut a: Vec<String> =
+        ["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "train", "--mode", "ddp"]
+            .map(String::from)
+            .to_vec();
+    a.extend(["--batch", "8", "--sync-every", "3", "--metrics"].map(String::from));
+    a.push(dir.0.join("m-{rank}.jsonl").display().to_string());
+    a.extend(common(&save));
+    run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let text = std::fs::read_to_string(dir.0.join("m-0.jsonl")).unwrap();
+    let sent: Vec<u64> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["kind"] == "step")
+        .map(|v| v["bytes_sent"].as_u64().unwrap())
+        .collect();
+    assert_eq!(sent.len(), 6);
+    for (i, b) in sent.iter().enumerate() {
+        assert_eq!(*b > 0, (i + 1) % 3 == 0, "step {}: {b} bytes sent", i + 1);
+    }
+    // Accumulated steps still train: the saved parameters are finite.
+    let p0 = params(&save);
+    assert!(p0.iter().all(|v| v.is_finite()));
+}
+
+#[test]
+fn launcher_prefixes_output_and_stops_everyone_when_one_fails() {
+    let out = run_ok(&[
+        "launch",
+        "--nproc-per-node",
+        "3",
+        "--master-port",
+        "0",
+        "--",
+        "sh",
+        "-c",
+        "echo hi from $RANK of $WORLD_SIZE local $LOCAL_RANK",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    for r in 0..3 {
+        assert!(text.contains(&format!("[{r}] hi from {r} of 3 local {r}")), "{text}");
+    }
+    let t0 = Instant::now();
+    let out = spawn(&[
+        "launch",
+        "--nproc-per-node",
+        "3",
+        "--master-port",
+        "0",
+        "--",
+        "sh",
+        "-c",
+        "if [ \"$RANK\" = 1 ]; then echo failing >&2; exit 3; fi; exec sleep 60",
+    ])
+    .wait(Duration::from_secs(30));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("[1] failing"), "{err}");
+    assert!(err.contains("rank 1 failed"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(20), "the launcher waited for the sleeping ranks");
+}
+
+#[test]
+fn launcher_stops_its_ranks_on_sigterm() {
+    let dir = Scratch::new("sigterm");
+    let marker = dir.0.join("rank-{}.pid");
+    let script = format!(
+        "echo $$ > {}; echo ready; exec sleep 60",
+        marker.display().to_string().replace("{}", "$RANK")
+    );
+    let g = spawn(&["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "sh", "-c", &script]);
+    let pid = g.0.as_ref().unwrap().id().to_string();
+    // Wait (bounded) until both ranks have said they run, by reading the launcher's output.
+    let mut g = g;
+    let stdout = g.0.as_mut().unwrap().stdout.take().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
+    for _ in 0..2 {
+        assert!(lines.next().unwrap().unwrap().contains("ready"));
+    }
+    let t0 = Instant::now();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let out = g.wait(Duration::from_secs(20));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("stopped by a signal"));
+    assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
+    for r in 0..2 {
+        let rank_pid = std::fs::read_to_string(dir.0.join(format!("rank-{r}.pid"))).unwrap();
+        let alive = Command::new("kill").args(["-0", rank_pid.trim()]).status().unwrap().success();
+        assert!(!alive, "rank {r} (pid {}) survived the launcher", rank_pid.trim());
+    }
+}
+
+#[test]
+fn ddp_refuses_a_rank_of_another_model() {
+    // Two ranks started by hand, with different seeds: the handshake must refuse them.
+    let dir = Scratch::new("mismatch");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let rank = |r: &str, seed: &str| {
+        spawn(&[
+            "train",
+            "--mode",
+            "ddp",
+            "--rank",
+            r,
+            "--world-size",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--model",
+            "tiny",
+            "--data",
+            "synthetic:64:32:8",
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--quiet",
+            "--seed",
+            seed,
+            "--comm-timeout",
+            "5",
+        ])
+    };
+    let (a, b) = (rank("0", "1"), rank("1", "2"));
+    let (a, b) = (a.wait(Duration::from_secs(30)), b.wait(Duration::from_secs(30)));
+    assert!(!a.status.success() && !b.status.success());
+    let e = String::from_utf8_lossy(&b.stderr).to_string() + &String::from_utf8_lossy(&a.stderr);
+    assert!(e.contains("fingerprint"), "{e}");
+    drop(dir);
+}
+
+#[test]
+fn ddp_with_nccl_matches_local_on_one_gpu() {
+    if let Err(e) = gradsync_worker::collective::nccl::available() {
+        eprintln!("SKIPPED: DDP over NCCL needs a GPU and libnccl: {e}");
+        return;
+    }
+    // NCCL refuses two ranks on one GPU: world size 1 is what one GPU can check.
+    let dir = Scratch::new("nccl");
+    let (local, ddp) = (dir.0.join("local.ckpt"), dir.0.join("ddp.ckpt"));
+    let gpu = |mut v: Vec<String>| {
+        let i = v.iter().position(|a| a == "cpu").unwrap();
+        v[i] = "cuda".into();
+        v
+    };
+    let mut a: Vec<String> = ["train", "--mode", "local", "--batch", "8"].map(String::from).to_vec();
+    a.extend(gpu(common(&local)));
+    run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut a: Vec<String> = [
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--master-port",
+        "0",
+        "--",
+        "train",
+        "--mode",
+        "ddp",
+        "--backend",
+        "nccl",
+    ]
+    .map(String::from)
+    .to_vec();
+    a.extend(["--batch", "8", "--bucket-mb", "0.002"].map(String::from));
+    a.extend(gpu(common(&ddp)));
+    run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let d = max_diff(&params(&local), &params(&ddp));
+    assert!(d < 1e-5, "DDP over NCCL vs local: max diff {d}");
+}
