@@ -89,6 +89,9 @@ impl Guard {
     fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        if lines.is_empty() {
+            return format!("no output (log {})", self.log.display());
+        }
         lines[lines.len().saturating_sub(3)..].join(" / ")
     }
 }
