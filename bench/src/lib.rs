@@ -14,8 +14,8 @@
 //!   charts and report built from run directories (`plot`), with the alpha-beta cost model.
 
 pub mod cli;
-pub mod compare;
 pub mod collective;
+pub mod compare;
 pub mod diff;
 pub mod overlap;
 pub mod rawtcp;
