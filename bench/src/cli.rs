@@ -16,6 +16,12 @@ pub struct Cli {
 pub enum Command {
     /// Time per training step (forward + backward + update) and GFLOP/s per device.
     Step(crate::step::StepArgs),
+    /// Run an experiment matrix (every mode x workers x models x batches x shards) with real
+    /// server and worker processes, then write tables, charts and report.html.
+    Compare(crate::compare::CompareArgs),
+    /// Rebuild tables, charts and report.html from run directories (or any directories of
+    /// metrics files, walked recursively).
+    Plot(crate::compare::PlotArgs),
     /// All-reduce bandwidth per backend, size and rank count (nccl-tests style), beside raw
     /// TCP and PyTorch gloo.
     Collective(crate::collective::CollectiveArgs),

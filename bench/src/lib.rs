@@ -12,9 +12,12 @@
 //!   default HTTP/2 settings beside the tuned ones, as a ratio to raw TCP.
 //! - [`rawtcp`]: the raw TCP bandwidth of the machine, the yardstick for every network figure.
 //! - [`table`]: plain-text tables shared by every benchmark's output.
+//! - [`compare`]: the comparison runner (`compare`: scenario, processes, results) and the
+//!   charts and report built from run directories (`plot`), with the alpha-beta cost model.
 
 pub mod cli;
 pub mod collective;
+pub mod compare;
 pub mod diff;
 pub mod overlap;
 pub mod ps;
@@ -26,6 +29,8 @@ pub mod table;
 pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
     match cli.command {
         cli::Command::Step(a) => step::run(&a),
+        cli::Command::Compare(a) => compare::run_compare(&a),
+        cli::Command::Plot(a) => compare::run_plot(&a),
         cli::Command::Collective(a) => collective::run(&a),
         cli::Command::Overlap(a) => overlap::run(&a),
         cli::Command::Diff(a) => diff::run(&a),

@@ -130,6 +130,10 @@ pub struct TrainArgs {
     /// Write per-step metrics (JSON lines) here; `{rank}` in the path becomes the rank.
     #[arg(long, env = "GRADSYNC_METRICS")]
     pub metrics: Option<PathBuf>,
+    /// Write a Chrome trace-event timeline (forward, backward, communication, update spans) of
+    /// this process here; open it in Perfetto or chrome://tracing.
+    #[arg(long, env = "GRADSYNC_TRACE")]
+    pub trace: Option<PathBuf>,
     /// Write the trained parameters here (rank 0 only).
     #[arg(long)]
     pub save: Option<PathBuf>,

@@ -12,6 +12,7 @@ use gradsync_core::device::Device;
 use gradsync_core::metrics::{Header, HostInfo, MetricsWriter, Record, SCHEMA_VERSION, Step, unix_ms};
 use gradsync_core::model::Fingerprint;
 use gradsync_core::optim::SgdConfig;
+use gradsync_core::trace::Trace;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::cli::{Mode, TrainArgs};
@@ -46,6 +47,9 @@ pub struct Run {
     pub data: Dataset,
     /// The optimiser settings.
     pub sgd: SgdConfig,
+    /// The timeline recorder (`--trace`; disabled without it). Strategies clone it to record
+    /// their own spans (push, pull, wait, apply, each bucket's all-reduce).
+    pub trace: Trace,
 }
 
 impl Run {
@@ -68,7 +72,8 @@ impl Run {
         {
             args.metrics = Some(text.replace("{rank}", &rank.to_string()).into());
         }
-        Ok(Run { args, rank, world, device, data, sgd })
+        let trace = if args.trace.is_some() { Trace::new(rank) } else { Trace::disabled() };
+        Ok(Run { args, rank, world, device, data, sgd, trace })
     }
 
     /// The model's fingerprint.
@@ -95,7 +100,7 @@ pub fn train(args: TrainArgs) -> anyhow::Result<Summary> {
         run.world = run.args.dp.replicas.unwrap_or(run.world);
     }
     let strategy: Box<dyn Strategy> = match run.args.mode {
-        Mode::Local => Box::new(Local::new(run.sgd)),
+        Mode::Local => Box::new(Local::new(run.sgd, run.trace.clone())),
         Mode::Dp => Box::new(Dp::new(&run)?),
         Mode::Ps => Box::new(Ps::new(&run.args.ps, run.rank, run.world, run.fingerprint().text)?),
         Mode::Ddp => Box::new(Ddp::connect(&run)?),
@@ -103,8 +108,17 @@ pub fn train(args: TrainArgs) -> anyhow::Result<Summary> {
     run_loop(&run, strategy)
 }
 
-/// The loop itself, given a strategy.
-pub fn run_loop(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summary> {
+/// The loop itself, given a strategy. The `--trace` timeline is written even when the run
+/// fails, since a timeline is most wanted then.
+pub fn run_loop(run: &Run, strategy: Box<dyn Strategy>) -> anyhow::Result<Summary> {
+    let out = run_steps(run, strategy);
+    if let Some(path) = &run.args.trace {
+        run.trace.write(path).context("--trace")?;
+    }
+    out
+}
+
+fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summary> {
     let args = &run.args;
     // DP scatters one global batch over its replicas inside the process; every other mode
     // draws its own shard.
@@ -208,6 +222,14 @@ pub fn run_loop(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Su
                 summary.eval = Some((l, a));
             }
             rec.wall_ms = ms_since(t0);
+            run.trace.span_with(
+                format!("step {step}"),
+                "step",
+                "step",
+                ts,
+                Instant::now(),
+                serde_json::Map::from_iter([("loss".to_string(), serde_json::json!(loss.loss))]),
+            );
             if let Some(m) = metrics.as_mut() {
                 m.write(&Record::Step(rec.clone()))?;
             }

@@ -5,19 +5,21 @@ use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
 use gradsync_core::optim::SgdConfig;
+use gradsync_core::trace::Trace;
 
-use super::{Strategy, forward_backward, timed};
+use super::{Strategy, forward_backward_traced, timed_span};
 
 /// Forward, backward, update.
 #[derive(Debug)]
 pub struct Local {
     sgd: SgdConfig,
+    trace: Trace,
 }
 
 impl Local {
-    /// With these optimiser settings.
-    pub fn new(sgd: SgdConfig) -> Self {
-        Local { sgd }
+    /// With these optimiser settings, recording spans in `trace`.
+    pub fn new(sgd: SgdConfig, trace: Trace) -> Self {
+        Local { sgd, trace }
     }
 }
 
@@ -33,8 +35,8 @@ impl Strategy for Local {
         y: &[u32],
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
-        let loss = forward_backward(engine, x, y, rec)?;
-        let ((), ms) = timed(engine, |e| e.update(&self.sgd, 1.0))?;
+        let loss = forward_backward_traced(engine, x, y, rec, &self.trace)?;
+        let ((), ms) = timed_span(engine, &self.trace, "update", |e| e.update(&self.sgd, 1.0))?;
         rec.update_ms = ms;
         Ok(loss)
     }

@@ -11,6 +11,7 @@ use std::time::Instant;
 use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
+use gradsync_core::trace::Trace;
 
 pub use ddp::Ddp;
 pub use dp::Dp;
@@ -53,6 +54,19 @@ pub fn timed<T>(
     Ok((out, ms_since(t)))
 }
 
+/// [`timed`], also recording the span as `name` on the `compute` lane of `trace`.
+pub fn timed_span<T>(
+    engine: &mut Engine,
+    trace: &Trace,
+    name: &'static str,
+    f: impl FnOnce(&mut Engine) -> gradsync_core::Result<T>,
+) -> anyhow::Result<(T, f64)> {
+    let t = Instant::now();
+    let out = timed(engine, f)?;
+    trace.span(name, "compute", "compute", t);
+    Ok(out)
+}
+
 /// Milliseconds since `t`.
 pub fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
@@ -65,9 +79,20 @@ pub fn forward_backward(
     y: &[u32],
     rec: &mut Step,
 ) -> anyhow::Result<BatchLoss> {
-    let (loss, ms) = timed(engine, |e| e.forward(x, y, true))?;
+    forward_backward_traced(engine, x, y, rec, &Trace::disabled())
+}
+
+/// [`forward_backward`], also recording `forward` and `backward` spans in `trace`.
+pub fn forward_backward_traced(
+    engine: &mut Engine,
+    x: &[f32],
+    y: &[u32],
+    rec: &mut Step,
+    trace: &Trace,
+) -> anyhow::Result<BatchLoss> {
+    let (loss, ms) = timed_span(engine, trace, "forward", |e| e.forward(x, y, true))?;
     rec.forward_ms = ms;
-    let ((), ms) = timed(engine, |e| e.backward(false))?;
+    let ((), ms) = timed_span(engine, trace, "backward", |e| e.backward(false))?;
     rec.backward_ms = ms;
     Ok(loss)
 }

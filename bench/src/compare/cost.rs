@@ -1,0 +1,143 @@
+//! The alpha-beta cost model of one step's gradient exchange, fitted to the link measured in
+//! the same run (`a`: one-way small-message latency; `B`: raw TCP bandwidth).
+//!
+//! - Ring all-reduce (reduce-scatter then all-gather, Thakur et al.):
+//!   `T = 2(n-1)a + 2(n-1)/n * S/B`.
+//! - Parameter server with `k` shards, per direction (BytePS, OSDI'20): the busiest link is
+//!   either one worker's (S/B) or one server's (n S / (k B)): `max(S/B, nS/(kB))`. Pushes use
+//!   one direction of a full-duplex link and pulls the other, so when they are pipelined (chunk
+//!   i pulled while chunk i+1 is pushed) a step costs `T = 2a + max(S/B, nS/(kB))`; a PS that
+//!   pushes everything before it pulls pays the max twice ([`ps_sequential`]).
+
+/// The link the model is fitted to.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Link {
+    /// Seconds per message.
+    pub a: f64,
+    /// Bytes per second.
+    pub b: f64,
+}
+
+/// Seconds for a ring all-reduce of `s` bytes over `n` ranks.
+pub fn ring(n: usize, s: f64, l: Link) -> f64 {
+    if n <= 1 {
+        return 0.0;
+    }
+    let n = n as f64;
+    2.0 * (n - 1.0) * l.a + 2.0 * (n - 1.0) / n * s / l.b
+}
+
+/// Seconds for one push and one pull of `s` bytes by each of `n` workers through `k` shards,
+/// push and pull pipelined over the two directions of the link.
+pub fn ps(n: usize, k: usize, s: f64, l: Link) -> f64 {
+    let (n, k) = (n.max(1) as f64, k.max(1) as f64);
+    2.0 * l.a + (s / l.b).max(n * s / (k * l.b))
+}
+
+/// [`ps`] with the pull starting only after the whole push.
+pub fn ps_sequential(n: usize, k: usize, s: f64, l: Link) -> f64 {
+    2.0 * ps(n, k, s, l) - 2.0 * l.a
+}
+
+/// Bytes one worker sends plus receives per step, in theory.
+pub fn ring_bytes_per_worker(n: usize, s: f64) -> f64 {
+    if n <= 1 { 0.0 } else { 2.0 * 2.0 * (n as f64 - 1.0) / n as f64 * s }
+}
+
+/// Bytes one PS worker sends plus receives per step (push S, pull S).
+pub fn ps_bytes_per_worker(s: f64) -> f64 {
+    2.0 * s
+}
+
+/// Bytes in plus out at all servers together per step (n pushes and n pulls of S).
+pub fn ps_bytes_at_servers(n: usize, s: f64) -> f64 {
+    2.0 * n as f64 * s
+}
+
+/// The smallest worker count in `1..=max` at which the PS with `k(n)` shards is faster than
+/// the ring, and the largest, if any.
+pub fn ps_wins(max: usize, s: f64, l: Link, k: impl Fn(usize) -> usize) -> Option<(usize, usize)> {
+    let wins: Vec<usize> = (2..=max).filter(|&n| ps(n, k(n), s, l) < ring(n, s, l)).collect();
+    Some((*wins.first()?, *wins.last()?))
+}
+
+/// Least-squares fit of the ring model to measured all-reduce times: `points` holds (ranks,
+/// bytes, seconds) and the fit solves `t = a * 2(n-1) + (1/B) * 2(n-1)/n * S` for `a` and `1/B`
+/// (normal equations of the two-column regression). `None` unless the points determine both
+/// terms and give a positive bandwidth; a negative latency is clamped to zero (a pure
+/// bandwidth fit, refitted through the origin).
+pub fn fit_ring(points: &[(usize, f64, f64)]) -> Option<Link> {
+    let rows: Vec<(f64, f64, f64)> = points
+        .iter()
+        .filter(|p| p.0 > 1 && p.2 > 0.0)
+        .map(|&(n, s, t)| {
+            let n = n as f64;
+            (2.0 * (n - 1.0), 2.0 * (n - 1.0) / n * s, t)
+        })
+        .collect();
+    let (mut s11, mut s12, mut s22, mut s1t, mut s2t) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &(x1, x2, t) in &rows {
+        s11 += x1 * x1;
+        s12 += x1 * x2;
+        s22 += x2 * x2;
+        s1t += x1 * t;
+        s2t += x2 * t;
+    }
+    let det = s11 * s22 - s12 * s12;
+    if rows.len() >= 2 && det.abs() > 1e-12 * s11 * s22 {
+        let a = (s1t * s22 - s2t * s12) / det;
+        let inv_b = (s11 * s2t - s12 * s1t) / det;
+        if a >= 0.0 && inv_b > 0.0 {
+            return Some(Link { a, b: 1.0 / inv_b });
+        }
+    }
+    // One size or a negative latency: bandwidth only.
+    (s22 > 0.0 && s2t > 0.0).then(|| Link { a: 0.0, b: s22 / s2t })
+}
+
+/// Gbit/s to bytes/s.
+pub fn gbit(g: f64) -> f64 {
+    g * 1e9 / 8.0
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn textbook_values() {
+        let l = Link { a: 0.0, b: 1.0 };
+        // Bandwidth-only ring: 2(n-1)/n S.
+        assert!((ring(4, 100.0, l) - 150.0).abs() < 1e-9);
+        assert_eq!(ring(1, 100.0, l), 0.0);
+        // PS, k = n: S/B per direction; k = 1: n S/B.
+        assert!((ps(4, 4, 100.0, l) - 100.0).abs() < 1e-9);
+        assert!((ps(4, 1, 100.0, l) - 400.0).abs() < 1e-9);
+        assert!((ps_sequential(4, 1, 100.0, l) - 800.0).abs() < 1e-9);
+        // Latency: 2(n-1) messages for the ring, 2 for the PS.
+        let l = Link { a: 1.0, b: f64::INFINITY };
+        assert_eq!(ring(5, 1.0, l), 8.0);
+        assert_eq!(ps(5, 1, 1.0, l), 2.0);
+        // With as many shards as workers the PS wins on bandwidth from 3 workers on.
+        let l = Link { a: 1e-6, b: gbit(10.0) };
+        let w = ps_wins(64, 4e6, l, |n| n).unwrap();
+        assert_eq!(w.0, 3);
+        assert!(ps_wins(64, 4e6, l, |_| 1).is_none());
+    }
+
+    #[test]
+    fn fit_recovers_the_link_that_made_the_points() {
+        let truth = Link { a: 30e-6, b: 1.5e9 };
+        let pts: Vec<(usize, f64, f64)> = [(2, 4e6), (4, 4e6), (8, 1e6), (3, 8e6)]
+            .iter()
+            .map(|&(n, s)| (n, s, ring(n, s, truth)))
+            .collect();
+        let f = fit_ring(&pts).unwrap();
+        assert!((f.a - truth.a).abs() < 1e-9 && (f.b / truth.b - 1.0).abs() < 1e-9, "{f:?}");
+        // One point: bandwidth only, through the origin.
+        let f = fit_ring(&pts[..1]).unwrap();
+        assert_eq!(f.a, 0.0);
+        assert!(fit_ring(&[]).is_none());
+    }
+}

@@ -1,0 +1,256 @@
+//! Running one [`Plan`]: servers first (each ready once it prints its listening line), then
+//! the workers; a run ends when every worker has exited, fails as soon as one exits non-zero
+//! or the deadline passes, and always leaves no process behind (each child is killed when its
+//! guard drops).
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use indicatif::ProgressBar;
+
+use super::modes::{Plan, ProcSpec};
+
+/// How long a server may take to print its listening line.
+const SERVER_READY: Duration = Duration::from_secs(60);
+/// How long a process may take to exit after SIGTERM before it is killed.
+const TERM_GRACE: Duration = Duration::from_secs(10);
+/// How often the workers' state and the progress bar are refreshed.
+const TICK: Duration = Duration::from_millis(100);
+
+/// How one run ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Ended {
+    /// Every worker exited 0.
+    Finished,
+    /// The scenario's time budget stopped the workers.
+    TimeBudget,
+}
+
+/// A child process that is killed (and reaped) when dropped.
+struct Guard {
+    name: String,
+    child: Child,
+    log: PathBuf,
+    done: Option<ExitStatus>,
+}
+
+impl Guard {
+    fn spawn(p: &ProcSpec, logs: &Path, stdout: Stdio) -> anyhow::Result<Guard> {
+        let log = logs.join(format!("{}.log", p.name));
+        let err = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let child = Command::new(&p.program)
+            .args(&p.args)
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(err)
+            .spawn()
+            .with_context(|| format!("starting {} ({})", p.name, p.program.display()))?;
+        Ok(Guard { name: p.name.clone(), child, log, done: None })
+    }
+
+    /// SIGTERM, so the process can write its final metrics and checkpoint.
+    fn terminate(&mut self) {
+        if self.done.is_none()
+            && let Ok(pid) = i32::try_from(self.child.id())
+        {
+            // SAFETY: kill(2) with a pid we spawned and have not reaped yet; no memory is touched.
+            unsafe {
+                libc::kill(pid, libc::SIGTERM);
+            }
+        }
+    }
+
+    fn poll(&mut self) -> Option<ExitStatus> {
+        if self.done.is_none() {
+            self.done = self.child.try_wait().ok().flatten();
+        }
+        self.done
+    }
+
+    /// Wait up to `grace` for the exit, then kill.
+    fn reap(&mut self, grace: Duration) -> Option<ExitStatus> {
+        let until = Instant::now() + grace;
+        while self.poll().is_none() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if self.done.is_none() {
+            let _ = self.child.kill();
+            self.done = self.child.wait().ok();
+        }
+        self.done
+    }
+
+    /// The last lines the process wrote to stderr, for error messages.
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        if lines.is_empty() {
+            return format!("no output (log {})", self.log.display());
+        }
+        lines[lines.len().saturating_sub(3)..].join(" / ")
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if self.done.is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Start the plan's processes and wait for them. `timeout` fails the run; `budget` stops it
+/// early and keeps it. `bar` follows rank 0's steps.
+pub fn execute(
+    plan: Plan,
+    dir: &Path,
+    timeout: Duration,
+    budget: Option<Duration>,
+    bar: &ProgressBar,
+) -> anyhow::Result<Ended> {
+    let logs = dir.join("logs");
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    let start = Instant::now();
+    let mut servers = Vec::new();
+    let mut addrs = Vec::new();
+    for s in &plan.servers {
+        let mut g = Guard::spawn(s, &logs, Stdio::piped())?;
+        let addr = wait_listening(&mut g).with_context(|| format!("{} did not start", s.name))?;
+        addrs.push(addr);
+        servers.push(g);
+    }
+    let specs = (plan.workers)(&addrs);
+    let rank0 = specs.first().map(|p| p.metrics.clone());
+    let mut workers = Vec::new();
+    for p in &specs {
+        workers.push(Guard::spawn(p, &logs, Stdio::null())?);
+    }
+    let mut follow = rank0.map(StepCounter::new);
+    let mut ended = Ended::Finished;
+    loop {
+        if let Some(c) = follow.as_mut() {
+            bar.set_position(c.count());
+        }
+        for w in workers.iter_mut() {
+            if let Some(st) = w.poll()
+                && !st.success()
+                && ended == Ended::Finished
+            {
+                anyhow::bail!("{} exited with {st}: {}", w.name, w.log_tail());
+            }
+        }
+        if let Some(s) = servers.iter_mut().find_map(|s| s.poll().is_some().then_some(s)) {
+            let st = s.done.map(|s| s.to_string()).unwrap_or_default();
+            anyhow::bail!("{} exited early ({st}): {}", s.name, s.log_tail());
+        }
+        if workers.iter_mut().all(|w| w.poll().is_some()) {
+            break;
+        }
+        let elapsed = start.elapsed();
+        if budget.is_some_and(|b| elapsed >= b) && ended == Ended::Finished {
+            ended = Ended::TimeBudget;
+            workers.iter_mut().for_each(Guard::terminate);
+        }
+        if elapsed >= timeout {
+            anyhow::bail!(
+                "still running after {:.0} s (run_timeout_s); stopped. rank0: {}",
+                timeout.as_secs_f64(),
+                workers.first().map(Guard::log_tail).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(TICK);
+    }
+    if let Some(c) = follow.as_mut() {
+        bar.set_position(c.count());
+    }
+    for s in servers.iter_mut() {
+        s.terminate();
+    }
+    for s in servers.iter_mut() {
+        match s.reap(TERM_GRACE) {
+            Some(st) if st.success() => {}
+            st => anyhow::bail!(
+                "{} did not exit cleanly after SIGTERM ({}): {}",
+                s.name,
+                st.map(|s| s.to_string()).unwrap_or_else(|| "no status".into()),
+                s.log_tail()
+            ),
+        }
+    }
+    Ok(ended)
+}
+
+/// Read the server's stdout until its `gradsync-server listening on ADDR` line; a reader
+/// thread hands lines over a channel so the wait has a deadline.
+fn wait_listening(g: &mut Guard) -> anyhow::Result<String> {
+    let out = g.child.stdout.take().context("server stdout not captured")?;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+        // Dropping the sender tells the waiter the server closed its stdout.
+    });
+    let until = Instant::now() + SERVER_READY;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => {
+                if let Some(addr) = line.trim().strip_prefix("gradsync-server listening on ") {
+                    // Keep draining stdout so the server never blocks on a full pipe.
+                    std::thread::spawn(move || while rx.recv().is_ok() {});
+                    return Ok(addr.trim().to_string());
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                anyhow::bail!("no listening line after {} s", SERVER_READY.as_secs())
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                let st = g.reap(Duration::from_secs(2)).map(|s| s.to_string()).unwrap_or_default();
+                anyhow::bail!("exited ({st}) before listening: {}", g.log_tail())
+            }
+        }
+    }
+}
+
+/// Counts the step records appended to a metrics file, reading only what is new.
+struct StepCounter {
+    path: PathBuf,
+    offset: u64,
+    steps: u64,
+    partial: String,
+}
+
+impl StepCounter {
+    fn new(path: PathBuf) -> Self {
+        StepCounter { path, offset: 0, steps: 0, partial: String::new() }
+    }
+
+    fn count(&mut self) -> u64 {
+        let Ok(mut f) = File::open(&self.path) else { return self.steps };
+        if f.seek(SeekFrom::Start(self.offset)).is_err() {
+            return self.steps;
+        }
+        let mut buf = String::new();
+        if let Ok(n) = f.read_to_string(&mut buf) {
+            self.offset += n as u64;
+            self.partial.push_str(&buf);
+            while let Some(i) = self.partial.find('\n') {
+                if self.partial[..i].contains("\"kind\":\"step\"") {
+                    self.steps += 1;
+                }
+                self.partial.drain(..=i);
+            }
+        }
+        self.steps
+    }
+}

@@ -1,0 +1,244 @@
+//! The command line of every mode, one function per mode: the only place that knows the
+//! worker's and the server's flags. Each returns a [`Plan`]: the server processes to start
+//! first (each printing `gradsync-server listening on ADDR` once it serves) and a function
+//! from their addresses to the worker processes.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::Context;
+
+use super::scenario::{ModeKind, RunSpec, Scenario};
+
+/// Where the binaries are.
+#[derive(Debug, Clone)]
+pub struct Bins {
+    /// `gradsync-worker`.
+    pub worker: PathBuf,
+    /// `gradsync-server`.
+    pub server: PathBuf,
+    /// Whether this gradsync-server takes `--trace` (older builds do not; their servers then
+    /// run without a timeline rather than failing).
+    pub server_trace: bool,
+}
+
+impl Bins {
+    /// In `dir`, else beside the running executable.
+    pub fn find(dir: Option<&Path>) -> anyhow::Result<Bins> {
+        let dir = match dir {
+            Some(d) => d.to_path_buf(),
+            None => std::env::current_exe()
+                .context("locating gradsync-bench")?
+                .parent()
+                .map(Path::to_path_buf)
+                .context("gradsync-bench has no directory")?,
+        };
+        let server = dir.join("gradsync-server");
+        let server_trace = Command::new(&server)
+            .arg("--help")
+            .stdin(Stdio::null())
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("--trace"));
+        let bins = Bins { worker: dir.join("gradsync-worker"), server, server_trace };
+        anyhow::ensure!(
+            bins.worker.is_file(),
+            "{} not found (build it with `cargo build --release -p gradsync-worker -p gradsync-server`, \
+             or pass --bin-dir)",
+            bins.worker.display()
+        );
+        Ok(bins)
+    }
+}
+
+/// One process to start.
+#[derive(Debug, Clone)]
+pub struct ProcSpec {
+    /// `rank0`, `server1`: names its metrics, trace and log files.
+    pub name: String,
+    /// The executable.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Its metrics file.
+    pub metrics: PathBuf,
+}
+
+/// The worker processes, given the servers' addresses in shard order.
+pub type WorkersFn = Box<dyn FnOnce(&[String]) -> Vec<ProcSpec>>;
+
+/// The processes of one run.
+pub struct Plan {
+    /// Started first; each must print its listening line.
+    pub servers: Vec<ProcSpec>,
+    /// Started once every server listens.
+    pub workers: WorkersFn,
+}
+
+/// What every command line needs.
+#[derive(Debug, Clone)]
+pub struct Ctx {
+    /// The scenario.
+    pub scenario: Scenario,
+    /// The cell of the matrix.
+    pub spec: RunSpec,
+    /// The run's directory (metrics, traces, logs).
+    pub dir: PathBuf,
+    /// The binaries.
+    pub bins: Bins,
+}
+
+impl Ctx {
+    fn path(&self, name: &str, ext: &str) -> PathBuf {
+        self.dir.join(format!("{name}.{ext}"))
+    }
+
+    /// The flags every worker takes: model, data, batch, budget, seed, optimiser, device,
+    /// metrics and trace.
+    fn worker_common(&self, name: &str, batch: usize) -> Vec<String> {
+        let s = &self.scenario;
+        let mut a = vec!["train".to_string()];
+        a.extend(flags([
+            ("--model", self.spec.model.clone()),
+            ("--batch", batch.to_string()),
+            ("--steps", s.steps.to_string()),
+            ("--seed", s.seed.to_string()),
+            ("--device", s.device.clone()),
+            ("--threads", s.threads.to_string()),
+            ("--lr", s.lr.to_string()),
+            ("--momentum", s.momentum.to_string()),
+            ("--weight-decay", s.weight_decay.to_string()),
+            ("--metrics", self.path(name, "jsonl").display().to_string()),
+        ]));
+        if let Some(d) = &s.data {
+            a.extend(flags([("--data", d.clone())]));
+        }
+        if s.trace {
+            a.extend(flags([("--trace", self.path(&format!("trace-{name}"), "json").display().to_string())]));
+        }
+        a
+    }
+
+    fn worker(&self, name: String, args: Vec<String>) -> ProcSpec {
+        ProcSpec { metrics: self.path(&name, "jsonl"), name, program: self.bins.worker.clone(), args }
+    }
+}
+
+/// The plan for `ctx`'s mode.
+pub fn plan(ctx: &Ctx) -> anyhow::Result<Plan> {
+    match ctx.spec.mode {
+        ModeKind::Local => Ok(local(ctx)),
+        ModeKind::Dp => Ok(dp(ctx)),
+        ModeKind::PsBsp => Ok(ps(ctx, "bsp".into())),
+        ModeKind::PsAsp => Ok(ps(ctx, "asp".into())),
+        ModeKind::PsSsp => Ok(ps(ctx, format!("ssp:{}", ctx.scenario.ssp_staleness))),
+        ModeKind::DdpTcp => ddp(ctx, "tcp"),
+        ModeKind::DdpNccl => ddp(ctx, "nccl"),
+    }
+}
+
+/// `gradsync-worker train --mode local`, with the whole global batch.
+pub fn local(ctx: &Ctx) -> Plan {
+    let mut args = ctx.worker_common("rank0", ctx.spec.global_batch);
+    args.extend(flags([("--mode", "local".into())]));
+    let p = ctx.worker("rank0".into(), args);
+    Plan { servers: vec![], workers: Box::new(move |_| vec![p]) }
+}
+
+/// `gradsync-worker train --mode dp --replicas W`, one process, `--batch` per replica.
+pub fn dp(ctx: &Ctx) -> Plan {
+    let mut args = ctx.worker_common("rank0", ctx.spec.batch);
+    args.extend(flags([("--mode", "dp".into()), ("--replicas", ctx.spec.workers.to_string())]));
+    let p = ctx.worker("rank0".into(), args);
+    Plan { servers: vec![], workers: Box::new(move |_| vec![p]) }
+}
+
+/// `gradsync-server --shard I/K ...` per shard, then `gradsync-worker train --mode ps
+/// --servers A,B --rank R --world-size W` per worker.
+pub fn ps(ctx: &Ctx, sync: String) -> Plan {
+    let s = &ctx.scenario;
+    let k = ctx.spec.shards.max(1);
+    let servers = (0..k)
+        .map(|i| {
+            let name = format!("server{i}");
+            let mut args = flags([
+                ("--listen", "127.0.0.1:0".into()),
+                ("--sync", sync.clone()),
+                ("--shard", format!("{i}/{k}")),
+                ("--model", ctx.spec.model.clone()),
+                ("--seed", s.seed.to_string()),
+                ("--lr", s.lr.to_string()),
+                ("--momentum", s.momentum.to_string()),
+                ("--weight-decay", s.weight_decay.to_string()),
+                ("--metrics", ctx.path(&name, "jsonl").display().to_string()),
+            ]);
+            if let Some(d) = &s.data {
+                args.extend(flags([("--data", d.clone())]));
+            }
+            if s.trace && ctx.bins.server_trace {
+                args.extend(flags([(
+                    "--trace",
+                    ctx.path(&format!("trace-{name}"), "json").display().to_string(),
+                )]));
+            }
+            ProcSpec { metrics: ctx.path(&name, "jsonl"), name, program: ctx.bins.server.clone(), args }
+        })
+        .collect();
+    let ctx = ctx.clone();
+    Plan {
+        servers,
+        workers: Box::new(move |addrs: &[String]| {
+            (0..ctx.spec.workers)
+                .map(|r| {
+                    let name = format!("rank{r}");
+                    let mut args = ctx.worker_common(&name, ctx.spec.batch);
+                    args.extend(flags([
+                        ("--mode", "ps".into()),
+                        ("--servers", addrs.join(",")),
+                        ("--rank", r.to_string()),
+                        ("--world-size", ctx.spec.workers.to_string()),
+                    ]));
+                    ctx.worker(name, args)
+                })
+                .collect()
+        }),
+    }
+}
+
+/// `gradsync-worker train --mode ddp --backend B --rank R --world-size W --master-addr
+/// 127.0.0.1 --master-port P` per rank, P a port free when picked.
+pub fn ddp(ctx: &Ctx, backend: &str) -> anyhow::Result<Plan> {
+    let port = free_port()?;
+    let procs: Vec<ProcSpec> = (0..ctx.spec.workers)
+        .map(|r| {
+            let name = format!("rank{r}");
+            let mut args = ctx.worker_common(&name, ctx.spec.batch);
+            args.extend(flags([
+                ("--mode", "ddp".into()),
+                ("--backend", backend.into()),
+                ("--rank", r.to_string()),
+                ("--world-size", ctx.spec.workers.to_string()),
+                ("--local-rank", r.to_string()),
+                ("--master-addr", "127.0.0.1".into()),
+                ("--master-port", port.to_string()),
+            ]));
+            if let Some(mb) = ctx.scenario.bucket_mb {
+                args.extend(flags([("--bucket-mb", mb.to_string())]));
+            }
+            ctx.worker(name, args)
+        })
+        .collect();
+    Ok(Plan { servers: vec![], workers: Box::new(move |_| procs) })
+}
+
+/// `--flag value` pairs as arguments.
+fn flags<const N: usize>(pairs: [(&str, String); N]) -> Vec<String> {
+    pairs.into_iter().flat_map(|(f, v)| [f.to_string(), v]).collect()
+}
+
+/// A loopback port nobody listens on now. Another process may take it before rank 0 binds
+/// it; the run then fails with rank 0's bind error and is reported like any failure.
+fn free_port() -> anyhow::Result<u16> {
+    let l = TcpListener::bind("127.0.0.1:0").context("picking a free port")?;
+    Ok(l.local_addr()?.port())
+}

@@ -1,0 +1,527 @@
+//! `report.html`: one self-contained page (SVGs inlined, no scripts, no external files) with
+//! the machine, the scenario, a reading of the figures computed from them, every chart and
+//! the tables. Nothing in it depends on when or where it was rendered.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+
+use super::charts::{Charts, Group, groups};
+use super::cost::{self, Link};
+use super::machine::Machine;
+use super::results::{Collected, Summary};
+
+/// Worker counts at which the cost model is tabulated.
+const EXTRAPOLATE_N: [usize; 6] = [2, 8, 32, 128, 512, 1024];
+/// Link speeds of the extrapolation, Gbit/s.
+const LINKS_GBIT: [f64; 3] = [1.0, 10.0, 100.0];
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+fn opt(v: Option<f64>, digits: usize) -> String {
+    v.map(|x| format!("{x:.digits$}")).unwrap_or_else(|| "-".into())
+}
+
+/// The link the model is fitted to, when the run directory measured one.
+pub fn link_of(m: Option<&Machine>) -> Option<Link> {
+    let m = m?;
+    (m.tcp_bandwidth > 0.0 && m.tcp_latency_s > 0.0)
+        .then_some(Link { a: m.tcp_latency_s, b: m.tcp_bandwidth })
+}
+
+/// Draw the charts and write the report into `out`; returns its path.
+pub fn write(
+    c: &Collected,
+    machine: Option<&Machine>,
+    scenario: Option<&str>,
+    out: &Path,
+) -> anyhow::Result<PathBuf> {
+    let link = link_of(machine);
+    let mut charts = Charts::new(out)?;
+    let mut gs = groups(&c.summaries, &c.runs);
+    if gs.is_empty() {
+        // No run produced figures: the charts still exist, each saying so.
+        gs.push(Group {
+            suffix: String::new(),
+            model: "no data".into(),
+            global_batch: 0,
+            params: 0,
+            rows: vec![],
+            runs: vec![],
+        });
+    }
+    let mut h = String::new();
+    h.push_str(
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n<title>gradsync comparison</title>\n<style>\n\
+         body{font-family:'DejaVu Sans',sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}\n\
+         table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px solid #bbb;padding:3px 7px;text-align:right}\n\
+         th{background:#eee}td.l,th.l{text-align:left}.failed{color:#b00}.skipped{color:#888}\n\
+         figure{margin:1.5em 0}figure svg{max-width:100%;height:auto}figcaption{font-size:13px;color:#555}\n\
+         code,pre{background:#f5f5f5}pre{padding:.5em;overflow-x:auto;font-size:12px}\n</style></head><body>\n",
+    );
+    h.push_str("<h1>gradsync: local, DP, parameter server and ring all-reduce compared</h1>\n");
+    machine_section(&mut h, machine);
+    for g in &gs {
+        charts.draw_group(g, link)?;
+        if gs.len() > 1 {
+            let _ = writeln!(h, "<h2>{} at global batch {}</h2>", esc(&g.model), g.global_batch);
+        }
+        h.push_str("<h2>Reading</h2>\n<ul>\n");
+        for p in reading(g, link, machine, &c.summaries) {
+            let _ = writeln!(h, "<li>{}</li>", esc(&p));
+        }
+        h.push_str("</ul>\n<h2>Charts</h2>\n");
+        for ch in charts.charts.iter().filter(|ch| ch.name.ends_with(&g.suffix)) {
+            let inline = ch.svg.find("<svg").map_or(ch.svg.as_str(), |i| &ch.svg[i..]);
+            let _ = writeln!(
+                h,
+                "<figure id=\"{name}\">\n{inline}\n<figcaption>{title} (<a href=\"{name}.png\">PNG</a>, \
+                 <a href=\"{name}.svg\">SVG</a>)</figcaption></figure>",
+                name = esc(&ch.name),
+                title = esc(&ch.title)
+            );
+        }
+        efficiency_table(&mut h, g);
+        extrapolation_table(&mut h, g, link);
+    }
+    summary_table(&mut h, &c.summaries);
+    if !c.warnings.is_empty() {
+        h.push_str("<h2>Problems in the input</h2>\n<ul>\n");
+        for w in &c.warnings {
+            let _ = writeln!(h, "<li><code>{}</code></li>", esc(w));
+        }
+        h.push_str("</ul>\n");
+    }
+    if let Some(s) = scenario {
+        let _ = writeln!(h, "<h2>Scenario</h2>\n<pre>{}</pre>", esc(s));
+    }
+    h.push_str(
+        "<p>Files: <code>summary.csv</code> (one row per run), <code>runs.jsonl</code> (every step and \
+         server update with its run's columns), <code>runs/&lt;id&gt;/</code> (each process's metrics, logs \
+         and traces).</p>\n</body></html>\n",
+    );
+    let path = out.join("report.html");
+    std::fs::write(&path, h).with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
+fn machine_section(h: &mut String, m: Option<&Machine>) {
+    let Some(m) = m else {
+        h.push_str(
+            "<p>No <code>machine.json</code> in these directories: the machine is not described and \
+                    the cost model has no link figures.</p>\n",
+        );
+        return;
+    };
+    let _ = writeln!(
+        h,
+        "<table><tr><th class=l>host</th><td class=l>{}</td></tr><tr><th class=l>CPU</th><td class=l>{} ({} logical cores)</td></tr>\
+         <tr><th class=l>memory</th><td class=l>{:.1} GiB</td></tr><tr><th class=l>GPU</th><td class=l>{}</td></tr>\
+         <tr><th class=l>kernel</th><td class=l>{}</td></tr><tr><th class=l>gradsync</th><td class=l>{} (commit {})</td></tr>\
+         <tr><th class=l>raw loopback TCP</th><td class=l>{:.2} GB/s one stream; {:.1} us one-way small-message latency</td></tr></table>",
+        esc(&m.host),
+        esc(&m.cpu),
+        m.cores,
+        m.memory_bytes as f64 / (1u64 << 30) as f64,
+        if m.gpus.is_empty() { "none".into() } else { esc(&m.gpus.join(", ")) },
+        esc(&m.kernel),
+        esc(&m.gradsync_version),
+        esc(&m.gradsync_commit),
+        m.tcp_bandwidth / 1e9,
+        m.tcp_latency_s * 1e6
+    );
+}
+
+fn efficiency_table(h: &mut String, g: &Group) {
+    let mut ws: Vec<usize> = g.rows.iter().map(|r| r.workers).collect();
+    ws.sort();
+    ws.dedup();
+    let base = g.baseline();
+    let _ = writeln!(
+        h,
+        "<h2>Scaling efficiency</h2>\n<p>Samples/s, and in brackets throughput<sub>n</sub> / (n x {}) with \
+         the one-worker baseline at {} samples/s.</p>\n<table><tr><th class=l>mode</th>{}</tr>",
+        if g.rows.iter().any(|r| r.mode == "local") { "local" } else { "the fastest one-worker run" },
+        opt(base, 0),
+        ws.iter().map(|w| format!("<th>{w} workers</th>")).collect::<String>()
+    );
+    for (name, rows) in g.by_series() {
+        let cells: String = ws
+            .iter()
+            .map(|&w| match rows.iter().find(|r| r.workers == w).and_then(|r| r.samples_per_s) {
+                Some(t) => match base {
+                    Some(b) if b > 0.0 => format!("<td>{t:.0} ({:.0}%)</td>", 100.0 * t / (w as f64 * b)),
+                    _ => format!("<td>{t:.0}</td>"),
+                },
+                None => "<td>-</td>".into(),
+            })
+            .collect();
+        let _ = writeln!(h, "<tr><td class=l>{}</td>{cells}</tr>", esc(&name));
+    }
+    h.push_str("</table>\n");
+}
+
+fn extrapolation_table(h: &mut String, g: &Group, link: Option<Link>) {
+    let Some(l) = link else { return };
+    let s = g.grad_bytes();
+    let _ = writeln!(
+        h,
+        "<h2>Cost model, extrapolated</h2>\n<p>Milliseconds of gradient exchange per step for {:.1} MB of \
+         gradients, a = {:.1} us (measured). Ring: 2(n-1)a + 2(n-1)/n S/B. PS: 2a + max(S/B, nS/(kB)).</p>\n\
+         <table><tr><th>workers</th>{}</tr>",
+        s / 1e6,
+        l.a * 1e6,
+        LINKS_GBIT
+            .iter()
+            .map(|gb| format!("<th>ring {gb:.0} Gbit/s</th><th>PS k=1</th><th>PS k=n</th>"))
+            .collect::<String>()
+    );
+    for n in EXTRAPOLATE_N {
+        let cells: String = LINKS_GBIT
+            .iter()
+            .map(|&gb| {
+                let l = Link { a: l.a, b: cost::gbit(gb) };
+                format!(
+                    "<td>{:.2}</td><td>{:.2}</td><td>{:.2}</td>",
+                    cost::ring(n, s, l) * 1e3,
+                    cost::ps(n, 1, s, l) * 1e3,
+                    cost::ps(n, n, s, l) * 1e3
+                )
+            })
+            .collect();
+        let _ = writeln!(h, "<tr><td>{n}</td>{cells}</tr>");
+    }
+    h.push_str("</table>\n");
+}
+
+fn summary_table(h: &mut String, rows: &[Summary]) {
+    h.push_str(
+        "<h2>Every run</h2>\n<table><tr><th class=l>run</th><th class=l>status</th><th>workers</th><th>shards</th>\
+         <th>samples/s</th><th>ms/step</th><th>fwd</th><th>bwd</th><th>comm</th><th>exposed</th><th>wait</th>\
+         <th>update</th><th>MB/step/worker</th><th>final loss</th><th>accuracy</th><th class=l>error</th></tr>\n",
+    );
+    for r in rows {
+        let _ = writeln!(
+            h,
+            "<tr class=\"{st}\"><td class=l>{id}</td><td class=l>{st}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
+             <td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
+             <td class=l>{}</td></tr>",
+            r.workers,
+            r.shards,
+            opt(r.samples_per_s, 0),
+            opt(r.step_ms, 2),
+            opt(r.forward_ms, 2),
+            opt(r.backward_ms, 2),
+            opt(r.comm_ms, 2),
+            opt(r.comm_exposed_ms, 2),
+            opt(r.wait_ms, 2),
+            opt(r.update_ms, 2),
+            opt(r.bytes_per_step_worker.map(|b| b / 1e6), 2),
+            opt(r.final_loss, 4),
+            opt(r.final_accuracy.map(|a| 100.0 * a), 1),
+            esc(&r.error),
+            st = esc(&r.status),
+            id = esc(&r.id),
+        );
+    }
+    h.push_str("</table>\n");
+}
+
+/// What the figures say, sentence by sentence, computed from them.
+pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summary]) -> Vec<String> {
+    let mut out = Vec::new();
+    let thr = |r: &&Summary| r.samples_per_s.unwrap_or(0.0);
+    let mut ws: Vec<usize> = g.rows.iter().map(|r| r.workers).collect();
+    ws.sort();
+    ws.dedup();
+    if g.rows.is_empty() {
+        out.push("No run produced metrics, so there is nothing to compare; the table below says why each run failed.".into());
+    }
+
+    // Fastest mode at each worker count.
+    for &n in &ws {
+        let mut at: Vec<&Summary> = g.rows.iter().copied().filter(|r| r.workers == n).collect();
+        at.sort_by(|a, b| thr(b).total_cmp(&thr(a)).then_with(|| a.id.cmp(&b.id)));
+        let Some(best) = at.first() else { continue };
+        let next = at
+            .get(1)
+            .map(|s| {
+                format!(
+                    ", {:.2}x the next ({}, {:.0} samples/s)",
+                    thr(best) / thr(s).max(1e-9),
+                    Group::series(s),
+                    thr(s)
+                )
+            })
+            .unwrap_or_default();
+        out.push(format!(
+            "At {n} worker{}: {} is fastest with {:.0} samples/s{next}.",
+            if n == 1 { "" } else { "s" },
+            Group::series(best),
+            thr(best)
+        ));
+    }
+
+    // Scaling efficiency at the most workers.
+    if let (Some(b), Some(&nmax)) = (g.baseline(), ws.last())
+        && nmax > 1
+    {
+        let effs: Vec<(String, f64)> = g
+            .rows
+            .iter()
+            .filter(|r| r.workers == nmax)
+            .map(|r| (Group::series(r), thr(r) / (nmax as f64 * b)))
+            .collect();
+        if let (Some(hi), Some(lo)) =
+            (effs.iter().max_by(|a, b| a.1.total_cmp(&b.1)), effs.iter().min_by(|a, b| a.1.total_cmp(&b.1)))
+        {
+            out.push(format!(
+                "Scaling efficiency at {nmax} workers (throughput / ({nmax} x one worker's {b:.0} samples/s)) ranges \
+                 from {:.0}% ({}) to {:.0}% ({}).",
+                100.0 * lo.1,
+                lo.0,
+                100.0 * hi.1,
+                hi.0
+            ));
+        }
+    }
+
+    // Ring against the best parameter server, worker count by worker count.
+    let ring: BTreeMap<usize, f64> = g
+        .rows
+        .iter()
+        .filter(|r| r.mode == "ddp-tcp")
+        .filter_map(|r| Some((r.workers, r.samples_per_s?)))
+        .collect();
+    let mut ps_best: BTreeMap<usize, (f64, String)> = BTreeMap::new();
+    for r in g.rows.iter().filter(|r| r.mode.starts_with("ps-bsp")) {
+        let t = thr(r);
+        let e = ps_best.entry(r.workers).or_insert((0.0, String::new()));
+        if t > e.0 {
+            *e = (t, Group::series(r));
+        }
+    }
+    let both: Vec<(usize, f64, f64, String)> = ring
+        .iter()
+        .filter(|(n, _)| **n > 1)
+        .filter_map(|(&n, &rt)| ps_best.get(&n).map(|(pt, name)| (n, rt, *pt, name.clone())))
+        .collect();
+    if !both.is_empty() {
+        let parts: Vec<String> = both
+            .iter()
+            .map(|(n, rt, pt, name)| format!("{n} workers: ring/PS = {:.2} (vs {name})", rt / pt.max(1e-9)))
+            .collect();
+        let ahead = both.iter().position(|b| b.1 > b.2).filter(|&i| both[i..].iter().all(|b| b.1 > b.2));
+        out.push(format!(
+            "Ring all-reduce (ddp-tcp) against the best synchronous parameter server: {}. {}",
+            parts.join("; "),
+            match ahead {
+                Some(0) =>
+                    format!("The ring is ahead at every worker count measured, from {} on.", both[0].0),
+                Some(i) => format!("The ring pulls ahead at {} workers and stays ahead.", both[i].0),
+                None if both.iter().all(|b| b.2 >= b.1) =>
+                    "The parameter server is ahead at every worker count measured.".into(),
+                None => "Neither stays ahead over the whole range.".into(),
+            }
+        ));
+    }
+
+    // The servers' link: bytes per second through all servers against the raw link.
+    if let Some(l) = link {
+        let loads: Vec<(f64, &Summary)> = g
+            .rows
+            .iter()
+            .filter_map(|r| {
+                let steps_per_s = r.samples_per_s? / r.global_batch.max(1) as f64;
+                Some((r.bytes_per_step_server? * steps_per_s / r.shards.max(1) as f64, *r))
+            })
+            .collect();
+        if let Some((bps, r)) = loads.iter().max_by(|a, b| a.0.total_cmp(&b.0)) {
+            let series: Vec<&Summary> =
+                g.rows.iter().copied().filter(|x| Group::series(x) == Group::series(r)).collect();
+            let flat = series.windows(2).find(|w| thr(&w[1]) < 1.1 * thr(&w[0]));
+            out.push(format!(
+                "The busiest parameter-server shard ({} at {} workers) moves {:.2} GB/s, {:.0}% of the raw TCP link \
+                 ({:.2} GB/s){}.",
+                Group::series(r),
+                r.workers,
+                bps / 1e9,
+                100.0 * bps / l.b,
+                l.b / 1e9,
+                match flat {
+                    Some(w) => format!(
+                        "; its throughput stops growing between {} and {} workers ({:.0} -> {:.0} samples/s)",
+                        w[0].workers,
+                        w[1].workers,
+                        thr(&w[0]),
+                        thr(&w[1])
+                    ),
+                    None => "; its throughput still grows with every worker added".into(),
+                }
+            ));
+        }
+    }
+
+    // Where the step time goes at the most workers.
+    if let Some(&nmax) = ws.last() {
+        let shares: Vec<(String, f64, f64)> = g
+            .rows
+            .iter()
+            .filter(|r| r.workers == nmax)
+            .filter_map(|r| {
+                let t = r.step_ms?;
+                let c = r.comm_exposed_ms.unwrap_or(0.0) + r.wait_ms.unwrap_or(0.0);
+                (t > 0.0).then(|| (Group::series(r), c / t, t))
+            })
+            .collect();
+        if let Some(w) = shares.iter().max_by(|a, b| a.1.total_cmp(&b.1))
+            && w.1 > 0.0
+        {
+            out.push(format!(
+                "At {nmax} workers, {} spends the largest share of its step ({:.0}% of {:.1} ms) on exposed \
+                 communication and waiting.",
+                w.0,
+                100.0 * w.1,
+                w.2
+            ));
+        }
+    }
+
+    // Measured communication against the model.
+    if let Some(l) = link {
+        let s = g.grad_bytes();
+        for r in g.rows.iter().filter(|r| r.workers > 1 && (r.mode == "ddp-tcp" || r.mode == "ps-bsp")) {
+            let Some(c) = r.comm_ms.filter(|&c| c > 0.0) else { continue };
+            let model = if r.mode == "ddp-tcp" {
+                cost::ring(r.workers, s, l)
+            } else {
+                cost::ps(r.workers, r.shards, s, l)
+            };
+            if r.workers == ws.last().copied().unwrap_or(0) {
+                out.push(format!(
+                    "{} at {} workers: {:.2} ms of communication per step measured, {:.2} ms predicted by the \
+                     alpha-beta model: the implementation reaches {:.0}% of what the raw link allows.",
+                    Group::series(r),
+                    r.workers,
+                    c,
+                    model * 1e3,
+                    100.0 * model * 1e3 / c
+                ));
+            }
+        }
+        let ring_pts = g.ring_points();
+        if ring_pts.len() >= 2
+            && let Some(fit) = cost::fit_ring(&ring_pts)
+        {
+            out.push(format!(
+                "Fitting the ring model to the ring's own {} measurements gives a = {:.1} us per message and an \
+                 effective B = {:.2} GB/s, {:.0}% of the raw link.",
+                ring_pts.len(),
+                fit.a * 1e6,
+                fit.b / 1e9,
+                100.0 * fit.b / l.b
+            ));
+        }
+        let ten = Link { a: l.a, b: cost::gbit(10.0) };
+        let ps_half = cost::ps_wins(1024, s, ten, |n| (n / 2).max(1));
+        out.push(format!(
+            "Extrapolated to 10 Gbit/s links and 1024 workers, one exchange of {:.1} MB costs {:.1} ms on the ring, \
+             {:.1} ms through one server and {:.1} ms with one server per worker. With a server per worker the PS \
+             beats the ring from {} workers on (S/B against 2(n-1)/n S/B plus the ring's 2(n-1) latencies); with \
+             half as many servers as workers it {}; with a single server {}.",
+            s / 1e6,
+            cost::ring(1024, s, ten) * 1e3,
+            cost::ps(1024, 1, s, ten) * 1e3,
+            cost::ps(1024, 1024, s, ten) * 1e3,
+            cost::ps_wins(1024, s, ten, |n| n).map_or("no worker count".into(), |w| w.0.to_string()),
+            match ps_half {
+                Some((a, _)) => format!("wins from {a} workers on, once the ring's latency term outgrows the server's extra bandwidth"),
+                None => "never wins up to 1024 workers".into(),
+            },
+            match cost::ps_wins(1024, s, ten, |_| 1) {
+                Some((_, b)) => format!("it is faster only up to {b} workers"),
+                None => "it is slower than the ring at every worker count from 2 to 1024".into(),
+            }
+        ));
+    }
+
+    // Staleness.
+    let stale: Vec<String> = g
+        .rows
+        .iter()
+        .filter(|r| r.staleness_mean.is_some() && (r.mode == "ps-asp" || r.mode == "ps-ssp"))
+        .filter(|r| Some(&r.workers) == ws.last())
+        .map(|r| {
+            format!(
+                "{} at {} workers: mean {:.2}, max {}",
+                Group::series(r),
+                r.workers,
+                r.staleness_mean.unwrap_or(0.0),
+                r.staleness_max.unwrap_or(0)
+            )
+        })
+        .collect();
+    if !stale.is_empty() {
+        out.push(format!("Staleness of applied gradients: {}.", stale.join("; ")));
+    }
+
+    // Final loss against local training: same seed, data and global batch, so a difference
+    // comes from the mode (asynchrony, reduction order).
+    let local_loss = g.rows.iter().find(|r| r.mode == "local").and_then(|r| r.final_loss);
+    if let Some(ll) = local_loss {
+        let dev = |sync: bool| -> Option<(f64, String)> {
+            g.rows
+                .iter()
+                .filter(|r| r.mode != "local" && (r.mode == "ps-asp" || r.mode == "ps-ssp") != sync)
+                .filter_map(|r| {
+                    Some(((r.final_loss? - ll).abs(), format!("{} w{}", Group::series(r), r.workers)))
+                })
+                .max_by(|a, b| a.0.total_cmp(&b.0))
+        };
+        let mut parts = vec![format!("Final training loss of local training: {ll:.4}")];
+        if let Some((d, who)) = dev(true) {
+            parts.push(format!("synchronous modes end within {d:.4} of it (largest: {who})"));
+        }
+        if let Some((d, who)) = dev(false) {
+            parts.push(format!("asynchronous ones within {d:.4} (largest: {who})"));
+        }
+        out.push(parts.join("; ") + ".");
+    }
+
+    // Contention: every process shares this machine's cores.
+    if let (Some(m), Some(&nmax)) = (m, ws.last())
+        && nmax > m.cores
+    {
+        out.push(format!(
+            "All processes share one machine with {} logical cores, and up to {nmax} workers ran at once (plus \
+             servers): beyond {} workers compute time grows with contention, so throughput there measures the CPU \
+             as much as the network.",
+            m.cores, m.cores
+        ));
+    }
+
+    // Failures.
+    let failed: Vec<&Summary> = all.iter().filter(|r| r.status == "failed").collect();
+    if !failed.is_empty() {
+        let mut by_mode: BTreeMap<&str, usize> = BTreeMap::new();
+        for f in &failed {
+            *by_mode.entry(f.mode.as_str()).or_insert(0) += 1;
+        }
+        out.push(format!(
+            "{} run{} failed ({}); first error: {}",
+            failed.len(),
+            if failed.len() == 1 { "" } else { "s" },
+            by_mode.iter().map(|(m, n)| format!("{m}: {n}")).collect::<Vec<_>>().join(", "),
+            failed[0].error.chars().take(200).collect::<String>()
+        ));
+    }
+    let skipped = all.iter().filter(|r| r.status == "skipped").count();
+    if skipped > 0 {
+        out.push(format!("{skipped} run(s) were skipped; the table below gives each reason."));
+    }
+    out
+}

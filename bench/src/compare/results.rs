@@ -1,0 +1,631 @@
+//! From metrics files to results: discover every process's file by walking directories, parse
+//! it (a bad line is reported with its path and line number and skipped), group the files into
+//! runs by their headers and timing, and reduce each run to one row of figures. Everything is
+//! sorted, so identical input gives identical output.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use gradsync_core::metrics::{Header, Record, ServerApply, Step, parse_line};
+use serde::{Deserialize, Serialize};
+
+use super::scenario::ModeKind;
+
+/// Files the runner writes beside the metrics that are not metrics.
+const NOT_METRICS: [&str; 2] = ["runs.jsonl", "outcomes.jsonl"];
+
+/// One process's metrics file.
+#[derive(Debug, Clone)]
+pub struct MetricsFile {
+    /// Its path, relative to the directory it was found under (prefixed by that directory's
+    /// name when several are read).
+    pub rel: String,
+    /// The header.
+    pub header: Header,
+    /// Step records.
+    pub steps: Vec<Step>,
+    /// Server updates.
+    pub applies: Vec<ServerApply>,
+}
+
+impl MetricsFile {
+    fn is_server(&self) -> bool {
+        self.header.mode == "server"
+    }
+
+    fn start(&self) -> f64 {
+        self.header.start_unix_ms as f64
+    }
+
+    fn end(&self) -> f64 {
+        let last = self
+            .steps
+            .iter()
+            .map(|s| s.wall_ms)
+            .chain(self.applies.iter().map(|a| a.wall_ms))
+            .fold(0.0, f64::max);
+        self.start() + last
+    }
+}
+
+/// How the runner recorded a run (`outcomes.jsonl`), joined to the metrics by `id`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Outcome {
+    /// The run's directory relative to the run root, e.g. `runs/003-ps-bsp-w2-mnist-b128-k1`.
+    pub id: String,
+    /// Mode label.
+    pub mode: ModeKind,
+    /// Workers.
+    pub workers: usize,
+    /// Model preset or widths.
+    pub model: String,
+    /// Global batch.
+    pub global_batch: usize,
+    /// Server shards (0: none).
+    pub shards: usize,
+    /// `ok`, `stopped` (time budget), `failed` or `skipped`.
+    pub status: String,
+    /// Why it failed or was skipped.
+    pub error: Option<String>,
+    /// Seconds the run took, processes' start-up included.
+    pub seconds: f64,
+}
+
+/// The metrics of one run: its worker files and its server files.
+#[derive(Debug, Clone)]
+pub struct RunData {
+    /// Directory of its files (relative), unique.
+    pub id: String,
+    /// Mode.
+    pub mode: ModeKind,
+    /// Worker processes' files (one for DP).
+    pub workers: Vec<MetricsFile>,
+    /// Server shards' files.
+    pub servers: Vec<MetricsFile>,
+}
+
+impl RunData {
+    /// The header of rank 0 (or the first worker).
+    pub fn header(&self) -> &Header {
+        &self.workers[0].header
+    }
+
+    /// Worker count (ranks or replicas).
+    pub fn world(&self) -> usize {
+        self.header().world_size.max(1)
+    }
+
+    /// Server shards: the server files found, else the header's `servers` list.
+    pub fn shards(&self) -> usize {
+        if !self.servers.is_empty() {
+            return self.servers.len();
+        }
+        match self.header().extra.get("servers") {
+            Some(serde_json::Value::Array(a)) => a.len(),
+            Some(serde_json::Value::Number(n)) => n.as_u64().unwrap_or(0) as usize,
+            _ => 0,
+        }
+    }
+
+    /// Mean training loss over ranks, per step, with the latest wall time (s) of that step.
+    pub fn loss_curve(&self) -> Vec<(u64, f64, f64)> {
+        let mut by_step: BTreeMap<u64, (f64, usize, f64)> = BTreeMap::new();
+        for f in &self.workers {
+            for s in &f.steps {
+                let e = by_step.entry(s.step).or_insert((0.0, 0, 0.0));
+                e.0 += s.loss;
+                e.1 += 1;
+                e.2 = e.2.max(s.wall_ms / 1e3);
+            }
+        }
+        by_step.into_iter().map(|(k, (l, n, w))| (k, l / n as f64, w)).collect()
+    }
+
+    /// Staleness values seen: the workers' per-step figures, else the servers' per-gradient
+    /// figures.
+    pub fn staleness(&self) -> Vec<u64> {
+        let w: Vec<u64> =
+            self.workers.iter().flat_map(|f| f.steps.iter().filter_map(|s| s.staleness)).collect();
+        if !w.is_empty() {
+            return w;
+        }
+        self.servers.iter().flat_map(|f| f.applies.iter().flat_map(|a| a.staleness.iter().copied())).collect()
+    }
+}
+
+/// One row of `summary.csv`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Summary {
+    /// Run id (its directory).
+    pub id: String,
+    /// Mode label.
+    pub mode: String,
+    /// Workers.
+    pub workers: usize,
+    /// Server shards (0: none).
+    pub shards: usize,
+    /// Model preset.
+    pub model: String,
+    /// Layer widths.
+    pub widths: String,
+    /// Parameters.
+    pub params: usize,
+    /// Global batch.
+    pub global_batch: usize,
+    /// Batch per worker.
+    pub batch: usize,
+    /// `ok`, `stopped`, `failed`, `skipped`, or `partial` (metrics without a runner record).
+    pub status: String,
+    /// Why it failed.
+    pub error: String,
+    /// Steps every worker completed.
+    pub steps: u64,
+    /// Samples per second over all workers, first step (warm-up) excluded.
+    pub samples_per_s: Option<f64>,
+    /// Mean step time, ms.
+    pub step_ms: Option<f64>,
+    /// Mean forward, ms.
+    pub forward_ms: Option<f64>,
+    /// Mean backward, ms.
+    pub backward_ms: Option<f64>,
+    /// Mean communication (overlapped or not), ms.
+    pub comm_ms: Option<f64>,
+    /// Mean exposed communication, ms.
+    pub comm_exposed_ms: Option<f64>,
+    /// Mean wait, ms.
+    pub wait_ms: Option<f64>,
+    /// Mean update, ms.
+    pub update_ms: Option<f64>,
+    /// Step time not in any of the above, ms.
+    pub other_ms: Option<f64>,
+    /// Mean bytes sent + received per step per worker.
+    pub bytes_per_step_worker: Option<f64>,
+    /// Bytes in + out per worker step at all servers together.
+    pub bytes_per_step_server: Option<f64>,
+    /// Mean training loss over ranks at the last step.
+    pub final_loss: Option<f64>,
+    /// Held-out accuracy at the end.
+    pub final_accuracy: Option<f64>,
+    /// Mean staleness (PS).
+    pub staleness_mean: Option<f64>,
+    /// Largest staleness (PS).
+    pub staleness_max: Option<u64>,
+    /// Wall-clock seconds of the training loop (longest rank).
+    pub train_s: Option<f64>,
+}
+
+fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
+    let (s, n) = v.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    (n > 0).then(|| s / n as f64)
+}
+
+impl Summary {
+    /// The figures of one run. Step 1 is left out of the means (allocation, connection set-up)
+    /// whenever there are later steps.
+    pub fn of(run: &RunData) -> Summary {
+        let h = run.header();
+        let steady = |f: &MetricsFile| -> Vec<Step> {
+            let skip = usize::from(f.steps.len() > 1);
+            f.steps.iter().skip(skip).cloned().collect()
+        };
+        let all: Vec<Step> = run.workers.iter().flat_map(steady).collect();
+        let field = |g: fn(&Step) -> f64| mean(all.iter().map(g));
+        let step_ms = field(|s| s.step_ms);
+        let parts = [
+            field(|s| s.forward_ms),
+            field(|s| s.backward_ms),
+            field(|s| s.comm_exposed_ms),
+            field(|s| s.wait_ms),
+            field(|s| s.update_ms),
+        ];
+        let other = step_ms.map(|t| (t - parts.iter().flatten().sum::<f64>()).max(0.0));
+        // Each worker file accounts for an equal share of the global batch (the whole of it
+        // for DP's single process).
+        let per_file = h.global_batch as f64 / run.workers.len() as f64;
+        let rates: Vec<f64> = run
+            .workers
+            .iter()
+            .filter_map(|f| {
+                let (first, last) = (f.steps.first()?, f.steps.last()?);
+                if f.steps.len() > 1 && last.wall_ms > first.wall_ms {
+                    Some(per_file * (f.steps.len() - 1) as f64 / ((last.wall_ms - first.wall_ms) / 1e3))
+                } else if first.step_ms > 0.0 {
+                    Some(per_file / (first.step_ms / 1e3))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let steps = run.workers.iter().map(|f| f.steps.last().map_or(0, |s| s.step)).min().unwrap_or(0);
+        let curve = run.loss_curve();
+        let stale = run.staleness();
+        let worker_steps: usize = run.workers.iter().map(|f| f.steps.len()).sum();
+        let server_bytes: u64 =
+            run.servers.iter().flat_map(|f| f.applies.iter().map(|a| a.bytes_in + a.bytes_out)).sum();
+        let worker_steps_per_rank = worker_steps as f64 / run.workers.len() as f64;
+        Summary {
+            id: run.id.clone(),
+            mode: run.mode.label().into(),
+            workers: run.world(),
+            shards: run.shards(),
+            model: h.preset.clone(),
+            widths: h.widths.clone(),
+            params: h.params,
+            global_batch: h.global_batch,
+            batch: h.batch,
+            status: "partial".into(),
+            error: String::new(),
+            steps,
+            samples_per_s: (!rates.is_empty()).then(|| rates.iter().sum()),
+            step_ms,
+            forward_ms: parts[0],
+            backward_ms: parts[1],
+            comm_ms: field(|s| s.comm_ms),
+            comm_exposed_ms: parts[2],
+            wait_ms: parts[3],
+            update_ms: parts[4],
+            other_ms: other,
+            bytes_per_step_worker: field(|s| (s.bytes_sent + s.bytes_recv) as f64),
+            bytes_per_step_server: (!run.servers.is_empty() && worker_steps > 0)
+                .then(|| server_bytes as f64 / worker_steps_per_rank),
+            final_loss: curve.last().map(|c| c.1),
+            final_accuracy: run
+                .workers
+                .iter()
+                .flat_map(|f| f.steps.iter().rev().find_map(|s| s.accuracy))
+                .next(),
+            staleness_mean: mean(stale.iter().map(|&s| s as f64)),
+            staleness_max: stale.iter().copied().max(),
+            train_s: run
+                .workers
+                .iter()
+                .filter_map(|f| f.steps.last().map(|s| s.wall_ms / 1e3))
+                .reduce(f64::max),
+        }
+    }
+
+    /// A row for a run that left no metrics.
+    pub fn missing(o: &Outcome) -> Summary {
+        Summary {
+            id: o.id.clone(),
+            mode: o.mode.label().into(),
+            workers: o.workers,
+            shards: o.shards,
+            model: o.model.clone(),
+            global_batch: o.global_batch,
+            batch: o.global_batch / o.workers.max(1),
+            status: o.status.clone(),
+            error: o.error.clone().unwrap_or_default(),
+            ..Summary::default()
+        }
+    }
+}
+
+/// Everything read from a set of run directories.
+#[derive(Debug, Default)]
+pub struct Collected {
+    /// Runs with metrics, sorted by id.
+    pub runs: Vec<RunData>,
+    /// The runner's records (may name runs without metrics).
+    pub outcomes: Vec<Outcome>,
+    /// One row per run: every run with metrics, then every recorded run without.
+    pub summaries: Vec<Summary>,
+    /// Problems with the input, each naming a path and line.
+    pub warnings: Vec<String>,
+}
+
+/// Walk `roots`, read every metrics file and every `outcomes.jsonl`, and group and summarise.
+pub fn collect(roots: &[PathBuf]) -> anyhow::Result<Collected> {
+    let mut files = Vec::new();
+    let mut out = Collected::default();
+    for root in roots {
+        anyhow::ensure!(root.is_dir(), "{} is not a directory", root.display());
+        let prefix = if roots.len() > 1 {
+            root.file_name().map(|n| format!("{}/", n.to_string_lossy())).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        let mut paths = Vec::new();
+        walk(root, &mut paths).with_context(|| format!("walking {}", root.display()))?;
+        for p in paths {
+            let rel = format!("{prefix}{}", p.strip_prefix(root).unwrap_or(&p).display());
+            let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+            if name == "outcomes.jsonl" {
+                read_outcomes(&p, &rel, &prefix, &mut out);
+            } else if !NOT_METRICS.contains(&name.as_str())
+                && let Some(f) = read_metrics(&p, rel, &mut out.warnings)
+            {
+                files.push(f);
+            }
+        }
+    }
+    out.runs = group(files, &mut out.warnings);
+    let mut summaries: Vec<Summary> = out.runs.iter().map(Summary::of).collect();
+    for s in summaries.iter_mut() {
+        if let Some(o) = out.outcomes.iter().find(|o| o.id == s.id) {
+            s.status = o.status.clone();
+            s.error = o.error.clone().unwrap_or_default();
+        }
+    }
+    for o in &out.outcomes {
+        if !summaries.iter().any(|s| s.id == o.id) {
+            summaries.push(Summary::missing(o));
+        }
+    }
+    out.summaries = summaries;
+    Ok(out)
+}
+
+/// Every `*.jsonl` file under `dir`, in sorted order.
+fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
+    let mut entries: Vec<PathBuf> =
+        std::fs::read_dir(dir)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    entries.sort();
+    for p in entries {
+        if p.is_dir() {
+            walk(&p, out)?;
+        } else if p.extension().is_some_and(|e| e == "jsonl") {
+            out.push(p);
+        }
+    }
+    Ok(())
+}
+
+fn read_outcomes(path: &Path, rel: &str, prefix: &str, out: &mut Collected) {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) => {
+            out.warnings.push(format!("{rel}: {e}"));
+            return;
+        }
+    };
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        match serde_json::from_str::<Outcome>(line) {
+            Ok(mut o) => {
+                o.id = format!("{prefix}{}", o.id);
+                out.outcomes.push(o);
+            }
+            Err(e) => out.warnings.push(format!("{rel}:{}: {e}", i + 1)),
+        }
+    }
+}
+
+/// Parse one metrics file; `None` (with a warning) when it has no usable header.
+fn read_metrics(path: &Path, rel: String, warnings: &mut Vec<String>) -> Option<MetricsFile> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) => {
+            warnings.push(format!("{rel}: {e}"));
+            return None;
+        }
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    let mut header = None;
+    let (mut steps, mut applies) = (Vec::new(), Vec::new());
+    let complete = text.ends_with('\n');
+    let lines: Vec<&str> = text.lines().collect();
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let n = i + 1;
+        match parse_line(line) {
+            Ok(Record::Header(h)) if header.is_none() && n == 1 => header = Some(h),
+            Ok(Record::Header(_)) => warnings.push(format!("{rel}:{n}: a second header; line skipped")),
+            Ok(_) if header.is_none() => {
+                warnings.push(format!("{rel}:{n}: records before any header; file skipped"));
+                return None;
+            }
+            Ok(Record::Step(s)) => steps.push(s),
+            Ok(Record::ServerApply(a)) => applies.push(a),
+            Err(e) if n == 1 => {
+                warnings.push(format!("{rel}:1: not a metrics header ({e}); file skipped"));
+                return None;
+            }
+            Err(e) if n == lines.len() && !complete => {
+                warnings.push(format!("{rel}:{n}: truncated last line ({e}); skipped"))
+            }
+            Err(e) => warnings.push(format!("{rel}:{n}: {e}; line skipped")),
+        }
+    }
+    let Some(header) = header else {
+        warnings.push(format!("{rel}: empty metrics file; skipped"));
+        return None;
+    };
+    Some(MetricsFile { rel, header, steps, applies })
+}
+
+/// The configuration that processes of one run share.
+fn config_key(h: &Header) -> (String, String, String, u64, usize, usize) {
+    let variant = if h.mode == "server" || h.mode == "ps" {
+        h.variant.split(':').next().unwrap_or("").to_string()
+    } else {
+        h.variant.clone()
+    };
+    let mode = if h.mode == "server" { "ps".to_string() } else { h.mode.clone() };
+    (mode, variant, h.widths.clone(), h.seed, h.world_size, h.global_batch)
+}
+
+/// The directory part of a relative path.
+fn dir_of(rel: &str) -> &str {
+    rel.rsplit_once('/').map_or("", |(d, _)| d)
+}
+
+/// Worker files one run holds: one for local and DP (replicas share a process), one per rank
+/// otherwise.
+fn expected_files(h: &Header) -> usize {
+    if h.mode == "local" || h.mode == "dp" { 1 } else { h.world_size.max(1) }
+}
+
+/// Group worker files into runs: the same configuration and overlapping lifetimes (processes
+/// of one run run together; repeated runs of one configuration follow each other), never two
+/// files of one rank, never more files than the run has processes. Files of the same directory
+/// are matched first, with exact lifetimes (one clock); files of other directories (other
+/// hosts) then, with a little slack for clock skew. Server files join the PS run of their
+/// configuration whose lifetime they overlap, preferring their own directory.
+fn group(files: Vec<MetricsFile>, warnings: &mut Vec<String>) -> Vec<RunData> {
+    let (mut servers, mut workers): (Vec<_>, Vec<_>) = files.into_iter().partition(MetricsFile::is_server);
+    let by_start =
+        |a: &MetricsFile, b: &MetricsFile| a.start().total_cmp(&b.start()).then_with(|| a.rel.cmp(&b.rel));
+    workers.sort_by(by_start);
+    servers.sort_by(by_start);
+    let mut runs: Vec<(RunData, f64, f64)> = Vec::new();
+    // Clocks of different hosts disagree a little; lifetimes that miss by less still match.
+    const SLACK_MS: f64 = 2000.0;
+    let overlaps = |s: f64, e: f64, rs: f64, re: f64, slack: f64| s <= re + slack && e + slack >= rs;
+    for f in workers {
+        let Some(mode) = ModeKind::from_header(&f.header.mode, &f.header.variant) else {
+            warnings.push(format!("{}:1: unknown mode '{}'; file skipped", f.rel, f.header.mode));
+            continue;
+        };
+        let key = config_key(&f.header);
+        let (s, e) = (f.start(), f.end());
+        let rank = f.header.rank;
+        let fits = |r: &RunData| {
+            config_key(r.header()) == key
+                && r.workers.len() < expected_files(r.header())
+                && !r.workers.iter().any(|w| w.header.rank == rank)
+        };
+        let same_dir = runs.iter().position(|(r, rs, re)| {
+            fits(r)
+                && r.workers.iter().any(|w| dir_of(&w.rel) == dir_of(&f.rel))
+                && overlaps(s, e, *rs, *re, 0.0)
+        });
+        let found = same_dir.or_else(|| {
+            runs.iter().position(|(r, rs, re)| {
+                fits(r)
+                    && r.workers.iter().all(|w| dir_of(&w.rel) != dir_of(&f.rel))
+                    && overlaps(s, e, *rs, *re, SLACK_MS)
+            })
+        });
+        match found {
+            Some(i) => {
+                let (r, rs, re) = &mut runs[i];
+                *rs = rs.min(s);
+                *re = re.max(e);
+                r.workers.push(f);
+            }
+            None => runs.push((RunData { id: String::new(), mode, workers: vec![f], servers: vec![] }, s, e)),
+        }
+    }
+    for f in servers {
+        let key = config_key(&f.header);
+        let (s, e) = (f.start(), f.end());
+        let shard = f.header.extra.get("shard").and_then(|v| v.as_u64());
+        let fits = |r: &RunData| {
+            let k = config_key(r.header());
+            let want =
+                r.header().extra.get("shards").and_then(|v| v.as_u64()).map_or(usize::MAX, |k| k as usize);
+            (k.0.as_str(), &k.1, &k.2, k.3) == ("ps", &key.1, &key.2, key.3)
+                && r.servers.len() < want
+                && !r
+                    .servers
+                    .iter()
+                    .any(|x| shard.is_some() && x.header.extra.get("shard").and_then(|v| v.as_u64()) == shard)
+        };
+        let same_dir = runs.iter().position(|(r, rs, re)| {
+            fits(r)
+                && r.workers.iter().any(|w| dir_of(&w.rel) == dir_of(&f.rel))
+                && overlaps(s, e, *rs, *re, 0.0)
+        });
+        let found = same_dir
+            .or_else(|| runs.iter().position(|(r, rs, re)| fits(r) && overlaps(s, e, *rs, *re, SLACK_MS)));
+        match found {
+            Some(i) => runs[i].0.servers.push(f),
+            None => warnings.push(format!("{}: a server's metrics with no matching workers; skipped", f.rel)),
+        }
+    }
+    let mut out: Vec<RunData> = runs
+        .into_iter()
+        .map(|(mut r, _, _)| {
+            r.workers.sort_by_key(|w| w.header.rank);
+            r.servers.sort_by(|a, b| a.rel.cmp(&b.rel));
+            r.id = common_dir(r.workers.iter().chain(&r.servers).map(|f| f.rel.as_str()));
+            r
+        })
+        .collect();
+    out.sort_by(|a, b| a.id.cmp(&b.id).then_with(|| a.workers[0].rel.cmp(&b.workers[0].rel)));
+    // Runs whose files share no directory below the root would share an id.
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    for r in out.iter_mut() {
+        let n = seen.entry(r.id.clone()).or_insert(0);
+        *n += 1;
+        if *n > 1 {
+            r.id = format!("{}#{n}", r.id);
+        }
+    }
+    out
+}
+
+/// The longest common directory of relative paths (`.` when none).
+fn common_dir<'a>(paths: impl Iterator<Item = &'a str>) -> String {
+    let mut common: Option<Vec<&str>> = None;
+    for p in paths {
+        let dirs: Vec<&str> = p.split('/').collect();
+        let dirs = &dirs[..dirs.len().saturating_sub(1)];
+        common = Some(match common {
+            None => dirs.to_vec(),
+            Some(c) => c.iter().zip(dirs).take_while(|(a, b)| a == b).map(|(a, _)| *a).collect(),
+        });
+    }
+    let c = common.unwrap_or_default();
+    if c.is_empty() { ".".into() } else { c.join("/") }
+}
+
+/// Write `runs.jsonl` (every step and server update, with its run's columns) and
+/// `summary.csv` (one row per run) into `dir`.
+pub fn write_merged(c: &Collected, dir: &Path) -> anyhow::Result<()> {
+    let mut lines = String::new();
+    for r in &c.runs {
+        let h = r.header();
+        let mut base = serde_json::Map::new();
+        base.insert("run".into(), r.id.clone().into());
+        base.insert("mode".into(), r.mode.label().into());
+        base.insert("workers".into(), r.world().into());
+        base.insert("shards".into(), r.shards().into());
+        base.insert("model".into(), h.preset.clone().into());
+        base.insert("global_batch".into(), h.global_batch.into());
+        let mut emit = |kind: &str, rec: serde_json::Value| {
+            let mut m = base.clone();
+            m.insert("kind".into(), kind.into());
+            if let serde_json::Value::Object(o) = rec {
+                m.extend(o);
+            }
+            lines.push_str(&serde_json::Value::Object(m).to_string());
+            lines.push('\n');
+        };
+        for f in &r.workers {
+            for s in &f.steps {
+                emit("step", serde_json::to_value(s).unwrap_or_default());
+            }
+        }
+        for f in &r.servers {
+            for a in &f.applies {
+                emit("server_apply", serde_json::to_value(a).unwrap_or_default());
+            }
+        }
+    }
+    let p = dir.join("runs.jsonl");
+    std::fs::write(&p, lines).with_context(|| format!("writing {}", p.display()))?;
+    let p = dir.join("summary.csv");
+    let mut w = csv::Writer::from_path(&p).with_context(|| format!("writing {}", p.display()))?;
+    for s in &c.summaries {
+        w.serialize(s).with_context(|| format!("writing {}", p.display()))?;
+    }
+    w.flush().with_context(|| format!("writing {}", p.display()))?;
+    Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn common_dir_of_paths() {
+        assert_eq!(common_dir(["runs/a/rank0.jsonl", "runs/a/rank1.jsonl"].into_iter()), "runs/a");
+        assert_eq!(common_dir(["h1/a/rank0.jsonl", "h2/a/rank1.jsonl"].into_iter()), ".");
+        assert_eq!(common_dir(["rank0.jsonl"].into_iter()), ".");
+    }
+}

@@ -1,0 +1,356 @@
+//! The experiment matrix: a TOML scenario and its expansion into runs. Every run of a scenario
+//! shares the seed, the data, the global batch and the step budget, so the modes differ only in
+//! how they synchronise.
+
+use std::fmt;
+use std::path::Path;
+use std::str::FromStr;
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+/// The scenario `gradsync-bench compare` runs when given none.
+pub const DEFAULT: &str = include_str!("../../scenarios/default.toml");
+
+/// One way of training that the comparison runs.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum ModeKind {
+    /// One process, one replica (the baseline every speed-up is measured against).
+    Local,
+    /// One process, several replicas.
+    Dp,
+    /// Parameter server, bulk-synchronous.
+    PsBsp,
+    /// Parameter server, asynchronous.
+    PsAsp,
+    /// Parameter server, stale-synchronous.
+    PsSsp,
+    /// DDP ring all-reduce over TCP.
+    DdpTcp,
+    /// DDP over NCCL (GPU only).
+    DdpNccl,
+}
+
+impl ModeKind {
+    /// Every mode, in report order.
+    pub const ALL: [ModeKind; 7] = [
+        ModeKind::Local,
+        ModeKind::Dp,
+        ModeKind::PsBsp,
+        ModeKind::PsAsp,
+        ModeKind::PsSsp,
+        ModeKind::DdpTcp,
+        ModeKind::DdpNccl,
+    ];
+
+    /// The label used in file names, tables and charts.
+    pub fn label(self) -> &'static str {
+        match self {
+            ModeKind::Local => "local",
+            ModeKind::Dp => "dp",
+            ModeKind::PsBsp => "ps-bsp",
+            ModeKind::PsAsp => "ps-asp",
+            ModeKind::PsSsp => "ps-ssp",
+            ModeKind::DdpTcp => "ddp-tcp",
+            ModeKind::DdpNccl => "ddp-nccl",
+        }
+    }
+
+    /// Whether it runs parameter servers (and so is crossed with shard counts).
+    pub fn is_ps(self) -> bool {
+        matches!(self, ModeKind::PsBsp | ModeKind::PsAsp | ModeKind::PsSsp)
+    }
+
+    /// Whether it is a ring all-reduce.
+    pub fn is_ring(self) -> bool {
+        matches!(self, ModeKind::DdpTcp | ModeKind::DdpNccl)
+    }
+
+    /// The mode a metrics header describes (`mode`, `variant`), if any.
+    pub fn from_header(mode: &str, variant: &str) -> Option<ModeKind> {
+        Some(match (mode, variant) {
+            ("local", _) => ModeKind::Local,
+            ("dp", _) => ModeKind::Dp,
+            ("ps" | "server", v) if v.starts_with("bsp") => ModeKind::PsBsp,
+            ("ps" | "server", v) if v.starts_with("asp") => ModeKind::PsAsp,
+            ("ps" | "server", v) if v.starts_with("ssp") => ModeKind::PsSsp,
+            ("ddp", "nccl") => ModeKind::DdpNccl,
+            ("ddp", _) => ModeKind::DdpTcp,
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for ModeKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+impl FromStr for ModeKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        ModeKind::ALL.into_iter().find(|m| m.label() == s).ok_or_else(|| {
+            let names: Vec<_> = ModeKind::ALL.iter().map(|m| m.label()).collect();
+            format!("unknown mode '{s}' (modes: {})", names.join(", "))
+        })
+    }
+}
+
+/// A scenario file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// A name for the report.
+    pub name: String,
+    /// Modes to run.
+    pub modes: Vec<ModeKind>,
+    /// Worker counts.
+    pub workers: Vec<usize>,
+    /// Model presets or widths.
+    pub models: Vec<String>,
+    /// Global batch sizes.
+    pub batches: Vec<usize>,
+    /// Server shard counts (PS modes).
+    #[serde(default = "one")]
+    pub shards: Vec<usize>,
+    /// SSP staleness bound.
+    #[serde(default = "two")]
+    pub ssp_staleness: u64,
+    /// Steps per run.
+    pub steps: u64,
+    /// Optional wall-clock budget per run, seconds: workers still running then are stopped and
+    /// the run keeps the steps it took.
+    #[serde(default)]
+    pub time_s: Option<f64>,
+    /// Seed of every run.
+    #[serde(default = "seed")]
+    pub seed: u64,
+    /// Data source (the workers' `--data`); default: synthetic data shaped for the model.
+    #[serde(default)]
+    pub data: Option<String>,
+    /// Worker device: cpu, cuda, auto.
+    #[serde(default = "cpu")]
+    pub device: String,
+    /// CPU threads per process.
+    #[serde(default = "one_usize")]
+    pub threads: usize,
+    /// Learning rate.
+    #[serde(default = "lr")]
+    pub lr: f32,
+    /// Momentum.
+    #[serde(default = "momentum")]
+    pub momentum: f32,
+    /// Weight decay.
+    #[serde(default)]
+    pub weight_decay: f32,
+    /// DDP bucket size in MB (default: the worker's).
+    #[serde(default)]
+    pub bucket_mb: Option<f64>,
+    /// Record Chrome trace-event timelines.
+    #[serde(default)]
+    pub trace: bool,
+    /// Seconds before a run is stopped and reported as failed.
+    #[serde(default = "timeout")]
+    pub run_timeout_s: f64,
+    /// Seconds of raw TCP bandwidth measurement.
+    #[serde(default = "rawtcp")]
+    pub rawtcp_s: f64,
+}
+
+fn one() -> Vec<usize> {
+    vec![1]
+}
+fn two() -> u64 {
+    2
+}
+fn seed() -> u64 {
+    42
+}
+fn cpu() -> String {
+    "cpu".into()
+}
+fn one_usize() -> usize {
+    1
+}
+fn lr() -> f32 {
+    0.05
+}
+fn momentum() -> f32 {
+    0.9
+}
+fn timeout() -> f64 {
+    300.0
+}
+fn rawtcp() -> f64 {
+    1.0
+}
+
+impl Scenario {
+    /// Parse and check a scenario's TOML text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> anyhow::Result<Scenario> {
+        let s: Scenario = toml::from_str(text).with_context(|| format!("scenario {origin}"))?;
+        s.validate().with_context(|| format!("scenario {origin}"))?;
+        Ok(s)
+    }
+
+    /// Read a scenario file, or the default one.
+    pub fn load(path: Option<&Path>) -> anyhow::Result<Scenario> {
+        match path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+                Scenario::parse(&text, &p.display().to_string())
+            }
+            None => Scenario::parse(DEFAULT, "default.toml (built in)"),
+        }
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        let nonempty = |name: &str, n: usize| -> anyhow::Result<()> {
+            anyhow::ensure!(n > 0, "`{name}` is empty");
+            Ok(())
+        };
+        nonempty("modes", self.modes.len())?;
+        nonempty("workers", self.workers.len())?;
+        nonempty("models", self.models.len())?;
+        nonempty("batches", self.batches.len())?;
+        nonempty("shards", self.shards.len())?;
+        for (name, v) in [("workers", &self.workers), ("batches", &self.batches), ("shards", &self.shards)] {
+            anyhow::ensure!(v.iter().all(|&x| x > 0), "`{name}` must hold positive numbers, not {v:?}");
+        }
+        anyhow::ensure!(self.steps > 0, "`steps` must be at least 1");
+        anyhow::ensure!(self.run_timeout_s > 0.0, "`run_timeout_s` must be positive");
+        anyhow::ensure!(self.rawtcp_s > 0.0 && self.rawtcp_s <= 60.0, "`rawtcp_s` must be in (0, 60]");
+        if let Some(t) = self.time_s {
+            anyhow::ensure!(t > 0.0, "`time_s` must be positive");
+        }
+        for m in &self.models {
+            gradsync_core::model::ModelSpec::parse(m).with_context(|| format!("`models`: '{m}'"))?;
+        }
+        Ok(())
+    }
+
+    /// The runs, in a fixed order: model, batch, mode, workers, shards. A combination that
+    /// cannot run (a global batch that does not split over the workers) is kept with the
+    /// reason, so the results say why it is missing.
+    pub fn expand(&self) -> Vec<RunSpec> {
+        let mut out = Vec::new();
+        for model in &self.models {
+            for &global_batch in &self.batches {
+                for &mode in &self.modes {
+                    let workers: Vec<usize> =
+                        if mode == ModeKind::Local { vec![1] } else { self.workers.clone() };
+                    for &w in &workers {
+                        let shards: Vec<usize> = if mode.is_ps() { self.shards.clone() } else { vec![0] };
+                        for &k in &shards {
+                            let skip = if global_batch % w != 0 {
+                                Some(format!("global batch {global_batch} does not split over {w} workers"))
+                            } else {
+                                None
+                            };
+                            let id = format!(
+                                "{:03}-{}-w{w}-{}-b{global_batch}{}",
+                                out.len() + 1,
+                                mode.label(),
+                                sanitize(model),
+                                if k > 0 { format!("-k{k}") } else { String::new() }
+                            );
+                            out.push(RunSpec {
+                                id,
+                                mode,
+                                workers: w,
+                                model: model.clone(),
+                                global_batch,
+                                batch: (global_batch / w).max(1),
+                                shards: k,
+                                skip,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Keep file names to letters, digits and dashes.
+fn sanitize(s: &str) -> String {
+    s.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect()
+}
+
+/// One cell of the matrix.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunSpec {
+    /// Directory name under `runs/`, unique within the scenario.
+    pub id: String,
+    /// Mode.
+    pub mode: ModeKind,
+    /// Worker processes (replicas for DP).
+    pub workers: usize,
+    /// Model preset or widths.
+    pub model: String,
+    /// Samples per step across all workers.
+    pub global_batch: usize,
+    /// Samples per step per worker.
+    pub batch: usize,
+    /// Server shards (0 when the mode has none).
+    pub shards: usize,
+    /// Why the run is not started, when it cannot be.
+    pub skip: Option<String>,
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_parses_and_expands() {
+        let s = Scenario::load(None).unwrap();
+        let runs = s.expand();
+        // local once; dp, ddp-tcp, ddp-nccl per worker count; ps per worker count and shards.
+        let w = s.workers.len();
+        assert_eq!(runs.len(), 1 + 3 * w + 3 * w * s.shards.len());
+        assert!(runs.iter().all(|r| r.global_batch == s.batches[0]));
+        let ids: std::collections::BTreeSet<_> = runs.iter().map(|r| &r.id).collect();
+        assert_eq!(ids.len(), runs.len());
+    }
+
+    #[test]
+    fn rejects_bad_scenarios_by_name() {
+        let e = Scenario::parse(
+            "name='x'\nmodes=['warp']\nworkers=[1]\nmodels=['tiny']\nbatches=[8]\nsteps=1",
+            "t",
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("warp"), "{e:#}");
+        let e = Scenario::parse(
+            "name='x'\nmodes=['dp']\nworkers=[0]\nmodels=['tiny']\nbatches=[8]\nsteps=1",
+            "t",
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("workers"), "{e:#}");
+        let e = Scenario::parse(
+            "name='x'\nmodes=['dp']\nworkers=[1]\nmodels=['huge']\nbatches=[8]\nsteps=1",
+            "t",
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("huge"), "{e:#}");
+    }
+
+    #[test]
+    fn uneven_split_is_kept_with_a_reason() {
+        let s = Scenario::parse(
+            "name='x'\nmodes=['dp']\nworkers=[3]\nmodels=['tiny']\nbatches=[8]\nsteps=1",
+            "t",
+        )
+        .unwrap();
+        let r = s.expand();
+        assert_eq!(r.len(), 1);
+        assert!(r[0].skip.as_deref().unwrap_or("").contains("does not split"));
+    }
+}
