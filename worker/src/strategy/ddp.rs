@@ -21,8 +21,9 @@ use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
 use gradsync_core::model::BucketPlan;
 use gradsync_core::optim::SgdConfig;
+use gradsync_core::trace::Trace;
 
-use super::{Strategy, ms_since, timed};
+use super::{Strategy, ms_since, timed_span};
 use crate::cli::Backend;
 use crate::collective::{Collective, Nccl, RingConfig, TcpComm, Traffic};
 use crate::rendezvous::{self, RendezvousConfig};
@@ -59,6 +60,8 @@ pub struct Ddp {
     chunk_kb: usize,
     /// Host copy of the gradients for staged reductions.
     staging: Vec<f32>,
+    /// Timeline recorder (`--trace`).
+    trace: Trace,
 }
 
 impl Ddp {
@@ -114,6 +117,7 @@ impl Ddp {
             backend: d.backend,
             chunk_kb: d.chunk_kb,
             staging: Vec::new(),
+            trace: run.trace.clone(),
         })
     }
 
@@ -138,24 +142,29 @@ fn backward_overlapped(
     comm: &mut TcpComm,
     plan: &BucketPlan,
     accumulate: bool,
+    trace: &Trace,
 ) -> anyhow::Result<(f64, f64, f64)> {
     let t0 = Instant::now();
-    let (tx, rx) = mpsc::channel::<(std::ops::Range<usize>, &mut [f32])>();
+    let (tx, rx) = mpsc::channel::<(usize, std::ops::Range<usize>, &mut [f32])>();
     let (bwd, bwd_end, reduced) = std::thread::scope(|s| {
         let worker = s.spawn(move || -> anyhow::Result<(f64, Instant)> {
             let mut busy = 0.0;
-            for (range, bucket) in rx {
+            for (i, range, bucket) in rx {
                 let t = Instant::now();
                 comm.all_reduce(bucket).with_context(|| format!("all-reduce of bucket {range:?}"))?;
                 busy += ms_since(t);
+                let mut args = serde_json::Map::new();
+                args.insert("bytes".into(), (4 * range.len()).into());
+                trace.span_with(format!("allreduce b{i}"), "comm", "comm", t, Instant::now(), args);
             }
             Ok((busy, Instant::now()))
         });
-        let bwd = engine.backward_host_buckets(plan, accumulate, &mut |_, range, view| {
+        let bwd = engine.backward_host_buckets(plan, accumulate, &mut |i, range, view| {
             // If the thread has failed it has dropped the receiver; its error is reported below.
-            let _ = tx.send((range, view));
+            let _ = tx.send((i, range, view));
         });
         let bwd_end = Instant::now();
+        trace.span("backward", "compute", "compute", t0);
         drop(tx);
         let reduced =
             worker.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the communication thread panicked")));
@@ -268,20 +277,21 @@ impl Ddp {
         y: &[u32],
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
-        let (loss, ms) = timed(engine, |e| e.forward(x, y, true))?;
+        let trace = self.trace.clone();
+        let (loss, ms) = timed_span(engine, &trace, "forward", |e| e.forward(x, y, true))?;
         rec.forward_ms = ms;
         self.micro += 1;
         let accumulate = !(self.micro - 1).is_multiple_of(self.sync_every);
         if !self.micro.is_multiple_of(self.sync_every) {
             // DDP's no_sync: accumulate locally, no communication, no update.
-            let ((), ms) = timed(engine, |e| e.backward(accumulate))?;
+            let ((), ms) = timed_span(engine, &trace, "backward", |e| e.backward(accumulate))?;
             rec.backward_ms = ms;
             return Ok(loss);
         }
         let before: Traffic = self.comm.get().traffic();
         match &mut self.comm {
             Comm::Tcp(comm) if self.overlap && !engine.is_cuda() => {
-                let (bwd, busy, exposed) = backward_overlapped(engine, comm, plan, accumulate)?;
+                let (bwd, busy, exposed) = backward_overlapped(engine, comm, plan, accumulate, &trace)?;
                 rec.backward_ms = bwd;
                 rec.comm_ms = busy;
                 rec.comm_exposed_ms = exposed;
@@ -293,10 +303,11 @@ impl Ddp {
                 rec.comm_exposed_ms = exposed;
             }
             _ => {
-                let ((), ms) = timed(engine, |e| e.backward(accumulate))?;
+                let ((), ms) = timed_span(engine, &trace, "backward", |e| e.backward(accumulate))?;
                 rec.backward_ms = ms;
                 let t = Instant::now();
                 self.reduce_after(engine, plan)?;
+                trace.span("allreduce", "comm", "comm", t);
                 rec.comm_ms = ms_since(t);
                 rec.comm_exposed_ms = rec.comm_ms;
             }
@@ -306,7 +317,7 @@ impl Ddp {
         rec.bytes_recv = moved.recv;
         // The sum of W ranks' (and K micro-steps') mean gradients, scaled to their mean.
         let scale = 1.0 / (self.world as f32 * self.sync_every as f32);
-        let ((), ms) = timed(engine, |e| e.update(&self.sgd, scale))?;
+        let ((), ms) = timed_span(engine, &trace, "update", |e| e.update(&self.sgd, scale))?;
         rec.update_ms = ms;
         Ok(loss)
     }

@@ -18,6 +18,7 @@ use anyhow::Context;
 use bytes::Bytes;
 use futures_util::future::try_join_all;
 use gradsync_core::Engine;
+use gradsync_core::trace::Trace;
 use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
 use gradsync_proto::pb::parameter_server_client::ParameterServerClient;
@@ -31,7 +32,7 @@ use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
-use super::{Strategy, forward_backward, ms_since};
+use super::{Strategy, forward_backward_traced, ms_since};
 use crate::cli::PsArgs;
 
 /// Adds the token to every request.
@@ -384,6 +385,8 @@ pub struct Ps {
     grads: Vec<f32>,
     params: Vec<f32>,
     heartbeat: Option<tokio::task::JoinHandle<()>>,
+    /// Timeline recorder (`--trace`).
+    trace: Trace,
 }
 
 /// How often a worker tells the servers it is alive, whatever it is doing.
@@ -424,7 +427,14 @@ impl Ps {
             grads: Vec::new(),
             params: Vec::new(),
             heartbeat: None,
+            trace: Trace::disabled(),
         })
+    }
+
+    /// Record push and pull spans (and forward/backward) in `trace`.
+    pub fn with_trace(mut self, trace: Trace) -> Self {
+        self.trace = trace;
+        self
     }
 }
 
@@ -460,15 +470,22 @@ impl Strategy for Ps {
         y: &[u32],
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
-        let loss = forward_backward(engine, x, y, rec)?;
+        let loss = forward_backward_traced(engine, x, y, rec, &self.trace)?;
         let t = Instant::now();
         engine.read_grads(0..self.grads.len(), &mut self.grads)?;
         let (client, grads, params) = (&mut self.client, &self.grads, &mut self.params);
-        let (push, pull) = self.rt.block_on(async {
+        let (push, pull, pushed) = self.rt.block_on(async {
             let push = client.push(grads).await?;
+            let pushed = Instant::now();
             let pull = client.pull(params).await?;
-            anyhow::Ok((push, pull))
+            anyhow::Ok((push, pull, pushed))
         })?;
+        let mut args = serde_json::Map::new();
+        args.insert("bytes".into(), push.bytes.into());
+        args.insert("wait_ms".into(), push.wait_ms.into());
+        args.insert("staleness".into(), push.staleness.into());
+        self.trace.span_with("push", "comm", "comm", t, pushed, args);
+        self.trace.span("pull", "comm", "comm", pushed);
         engine.write_params(0, &self.params)?;
         engine.synchronize()?;
         rec.comm_ms = ms_since(t);
