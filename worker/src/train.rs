@@ -65,12 +65,12 @@ impl Run {
         args.model = args.model.clone().with_io(data.dim, data.classes);
         args.data = Some(source);
         let sgd = SgdConfig { lr: args.lr, momentum: args.momentum, weight_decay: args.weight_decay };
-        // One metrics file per process: `{rank}` in the path becomes this rank (launcher runs).
-        if let Some(p) = &args.metrics
-            && let Some(text) = p.to_str()
-            && text.contains("{rank}")
-        {
-            args.metrics = Some(text.replace("{rank}", &rank.to_string()).into());
+        // One metrics and trace file per process: `{rank}` in a path becomes this rank, so one
+        // launcher command line serves every child.
+        for path in [&mut args.metrics, &mut args.trace] {
+            if let Some(text) = path.as_ref().and_then(|p| p.to_str()).filter(|t| t.contains("{rank}")) {
+                *path = Some(text.replace("{rank}", &rank.to_string()).into());
+            }
         }
         let trace = if args.trace.is_some() { Trace::new(rank) } else { Trace::disabled() };
         Ok(Run { args, rank, world, device, data, sgd, trace })
