@@ -34,6 +34,10 @@ pub struct StepArgs {
     /// Timed steps per configuration (after warm-up).
     #[arg(long, default_value_t = 30)]
     pub steps: usize,
+    /// Rounds per configuration, gradsync and PyTorch alternating, so drift on a noisy
+    /// machine hits both; the median round is reported.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
     /// Warm-up steps per configuration.
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
@@ -172,6 +176,13 @@ fn time_pytorch(
     Ok(fig)
 }
 
+/// The round with the median step time.
+fn median_round(mut rounds: Vec<StepFigure>) -> Option<StepFigure> {
+    rounds.sort_by(|a, b| a.step_ms.total_cmp(&b.step_ms));
+    let mid = rounds.len() / 2;
+    rounds.into_iter().nth(mid)
+}
+
 /// Run the benchmark and print its table.
 pub fn run(a: &StepArgs) -> anyhow::Result<()> {
     let mut devices: Vec<Device> = a.threads.iter().map(|&t| Device::Cpu { threads: t }).collect();
@@ -183,24 +194,30 @@ pub fn run(a: &StepArgs) -> anyhow::Result<()> {
     }
     let mut table = Table::new(&[
         "model", "batch", "device", "threads", "impl", "ms/step", "fwd ms", "bwd ms", "upd ms", "GFLOP/s",
-        "vs torch",
+        "% FP32 peak", "vs torch",
     ]);
     let mut figures = Vec::new();
     for m in &a.model {
         let spec = ModelSpec::parse(m)?;
         for &batch in &a.batch {
             for &dev in &devices {
-                let ours = time_gradsync(dev, &spec, batch, a.warmup, a.steps)?;
-                let torch = match &a.python {
-                    Some(py) => match time_pytorch(py, &dev.label(), ours.threads, &spec, batch, a) {
-                        Ok(t) => Some(t),
-                        Err(e) => {
-                            eprintln!("gradsync-bench step: PyTorch skipped: {e:#}");
-                            None
+                let (mut ours_rounds, mut torch_rounds) = (Vec::new(), Vec::new());
+                for _ in 0..a.rounds.max(1) {
+                    let ours = time_gradsync(dev, &spec, batch, a.warmup, a.steps)?;
+                    if let Some(py) = &a.python {
+                        match time_pytorch(py, &dev.label(), ours.threads, &spec, batch, a) {
+                            Ok(t) => torch_rounds.push(t),
+                            Err(e) => eprintln!("gradsync-bench step: PyTorch skipped: {e:#}"),
                         }
-                    },
-                    None => None,
-                };
+                    }
+                    ours_rounds.push(ours);
+                }
+                let ours = median_round(ours_rounds).context("no gradsync round")?;
+                let torch = median_round(torch_rounds).map(|mut t| {
+                    // The same GPU's peak, so both rows are read against one yardstick.
+                    t.peak_fraction = ours.peak_fraction.map(|p| p * t.gflops / ours.gflops);
+                    t
+                });
                 for (fig, ratio) in
                     [(Some(&ours), torch.as_ref().map(|t| t.step_ms / ours.step_ms)), (torch.as_ref(), None)]
                 {
