@@ -40,10 +40,11 @@ pub struct ClusterArgs {
     /// Link rates to emulate, Gbit/s; one cluster each.
     #[arg(long, value_delimiter = ',', default_value = "1,10")]
     pub rates: Vec<f64>,
-    /// Delay added to each direction of each host's link, microseconds (host to host: twice).
-    #[arg(long, default_value_t = 50)]
+    /// Delay added to each direction of each host's link, microseconds (host to host: twice);
+    /// needs the kernel's netem qdisc.
+    #[arg(long, default_value_t = 0)]
     pub delay_us: u64,
-    /// Packet loss on each direction of each link, percent.
+    /// Packet loss on each direction of each link, percent; needs the kernel's netem qdisc.
     #[arg(long, default_value_t = 0.0)]
     pub loss: f64,
     /// Worker processes, each on its own host.

@@ -39,6 +39,9 @@ pub enum ClusterError {
         /// What it wrote to stderr.
         stderr: String,
     },
+    /// Delay or loss was asked for and the kernel has no netem qdisc.
+    #[error("delay and loss need the kernel's netem qdisc (sch_netem), which this kernel lacks: {0}")]
+    NoNetem(String),
     /// A host index outside the cluster.
     #[error("no host {0} in this cluster of {1}")]
     NoHost(usize, usize),
@@ -261,17 +264,26 @@ fn shape_dev(ns: &str, dev: &str, s: &Shape) -> Result<(), ClusterError> {
             if !netem_ref.is_empty() {
                 let mut a = vec!["add", "dev", dev, "parent", "1:1", "handle", "10:", "netem"];
                 a.extend_from_slice(&netem_ref);
-                tc(&a)?;
+                tc(&a).map_err(netem_err)?;
             }
         }
         None if !netem_ref.is_empty() => {
             let mut a = vec!["add", "dev", dev, "root", "netem"];
             a.extend_from_slice(&netem_ref);
-            tc(&a)?;
+            tc(&a).map_err(netem_err)?;
         }
         None => {}
     }
     Ok(())
+}
+
+fn netem_err(e: ClusterError) -> ClusterError {
+    match e {
+        ClusterError::Command { cmd, stderr } if stderr.contains("qdisc kind is unknown") => {
+            ClusterError::NoNetem(format!("`{cmd}`: {stderr}"))
+        }
+        e => e,
+    }
 }
 
 fn ip(args: &[&str]) -> Result<(), ClusterError> {
