@@ -98,7 +98,8 @@ pub fn run(a: &ClusterArgs) -> anyhow::Result<()> {
     std::thread::spawn(|| {
         let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
         rt.block_on(async {
-            let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) else {
+            let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            else {
                 return;
             };
             tokio::select! {
@@ -112,7 +113,10 @@ pub fn run(a: &ClusterArgs) -> anyhow::Result<()> {
     });
     anyhow::ensure!(a.workers >= 1, "--workers must be at least 1");
     anyhow::ensure!(a.shards >= 1, "--shards must be at least 1");
-    anyhow::ensure!(!a.rates.is_empty() && a.rates.iter().all(|r| *r > 0.0), "--rates must be positive Gbit/s");
+    anyhow::ensure!(
+        !a.rates.is_empty() && a.rates.iter().all(|r| *r > 0.0),
+        "--rates must be positive Gbit/s"
+    );
     anyhow::ensure!((0.0..100.0).contains(&a.loss), "--loss must be a percentage below 100");
     let mut s = Scenario::load(a.scenario.as_deref())?;
     s.modes = a.modes.clone();
@@ -126,7 +130,10 @@ pub fn run(a: &ClusterArgs) -> anyhow::Result<()> {
     }
     let s = Scenario::parse(&toml::to_string(&s).context("writing the scenario")?, "the cluster scenario")?;
     let bins = modes::Bins::find(a.bin_dir.as_deref())?;
-    let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(format!("cluster-{}", crate::compare::utc_stamp())));
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("runs").join(format!("cluster-{}", crate::compare::utc_stamp())));
     let shape = |rate: f64| Shape {
         rate_bit: Some(rate * 1e9),
         delay: Duration::from_micros(a.delay_us),
@@ -177,10 +184,8 @@ pub fn run_cluster(
             let (placement, skip, cluster) = match Cluster::create(hosts, sh) {
                 Ok(c) => {
                     let h = c.hosts();
-                    let p = Placement::Hosts {
-                        servers: h[..k.max(1)].to_vec(),
-                        workers: h[k.max(1)..].to_vec(),
-                    };
+                    let p =
+                        Placement::Hosts { servers: h[..k.max(1)].to_vec(), workers: h[k.max(1)..].to_vec() };
                     (p, None, Some(c))
                 }
                 Err(e) => (Placement::Loopback, Some(format!("{e}")), None),
@@ -218,7 +223,10 @@ pub fn load(dirs: &[PathBuf]) -> Vec<ClusterRun> {
     for d in dirs {
         let Ok(text) = std::fs::read_to_string(d.join(CLUSTER_FILE)) else { continue };
         let Ok(runs) = serde_json::from_str::<Vec<ClusterRun>>(&text) else {
-            eprintln!("gradsync-bench plot: warning: {} is not a list of cluster runs", d.join(CLUSTER_FILE).display());
+            eprintln!(
+                "gradsync-bench plot: warning: {} is not a list of cluster runs",
+                d.join(CLUSTER_FILE).display()
+            );
             continue;
         };
         let prefix = if dirs.len() > 1 {

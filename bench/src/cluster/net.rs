@@ -158,11 +158,7 @@ pub fn available() -> Result<(), ClusterError> {
         return Err(ClusterError::Unavailable("not running as root".into()));
     }
     for tool in ["ip", "tc"] {
-        let ok = Command::new(tool)
-            .arg("-V")
-            .stdin(Stdio::null())
-            .output()
-            .is_ok_and(|o| o.status.success());
+        let ok = Command::new(tool).arg("-V").stdin(Stdio::null()).output().is_ok_and(|o| o.status.success());
         if !ok {
             return Err(ClusterError::Unavailable(format!("`{tool}` not found (install iproute2)")));
         }
@@ -257,8 +253,8 @@ fn shape_dev(ns: &str, dev: &str, s: &Shape) -> Result<(), ClusterError> {
             run(
                 "tc",
                 &[
-                    "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", &rate,
-                    "ceil", &rate, "burst", "256k", "cburst", "256k", "quantum", "65536",
+                    "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate",
+                    &rate, "ceil", &rate, "burst", "256k", "cburst", "256k", "quantum", "65536",
                 ],
             )?;
             if !netem_ref.is_empty() {

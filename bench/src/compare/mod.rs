@@ -217,7 +217,9 @@ pub fn run_spec(
         multi.remove(&bar);
         match result {
             Ok(exec::Ended::Finished) => ("ok", None),
-            Ok(exec::Ended::TimeBudget) => ("stopped", Some(format!("time budget of {:?} s", scenario.time_s))),
+            Ok(exec::Ended::TimeBudget) => {
+                ("stopped", Some(format!("time budget of {:?} s", scenario.time_s)))
+            }
             Err(e) => ("failed", Some(format!("{e:#}"))),
         }
     };

@@ -236,7 +236,13 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
                     ctx.path(&format!("trace-{name}"), "json").display().to_string(),
                 )]));
             }
-            ProcSpec { metrics: ctx.path(&name, "jsonl"), name, program: ctx.bins.server.clone(), args, netns }
+            ProcSpec {
+                metrics: ctx.path(&name, "jsonl"),
+                name,
+                program: ctx.bins.server.clone(),
+                args,
+                netns,
+            }
         })
         .collect();
     let ctx = ctx.clone();

@@ -138,7 +138,7 @@ fn cluster_section(h: &mut String, runs: &[ClusterRun], all: &[Summary]) {
          link shaped with tc in both directions; the model's latency is the two hops' added delay, its \
          bandwidth the shaped rate.</p>\n<table><tr><th>link</th><th class=l>mode</th><th>workers</th>\
          <th>shards</th><th class=l>status</th><th>step ms</th><th>communication ms</th><th>model ms</th>\
-         <th>communication / model</th></tr>\n",
+         <th>model ms, push then pull</th><th>communication / model</th></tr>\n",
     );
     // rate -> (mode -> measured comm ms, predicted ms) for the reading.
     let mut by_rate: BTreeMap<String, Vec<(ClusterRun, Option<f64>, Option<f64>)>> = BTreeMap::new();
@@ -146,10 +146,15 @@ fn cluster_section(h: &mut String, runs: &[ClusterRun], all: &[Summary]) {
         let Some(s) = all.iter().find(|s| s.id == r.id) else { continue };
         let pred = cluster_prediction(r, s.params).map(|t| t * 1e3);
         let ratio = s.comm_ms.zip(pred).map(|(m, p)| m / p);
+        // A PS that pulls only after its whole push pays the busiest link twice.
+        let seq = r.mode.is_ps().then(|| {
+            let l = Link { a: 2.0 * r.delay_us as f64 * 1e-6, b: cost::gbit(r.rate_gbit) };
+            cost::ps_sequential(r.workers, r.shards.max(1), 4.0 * s.params as f64, l) * 1e3
+        });
         let _ = writeln!(
             h,
             "<tr><td>{} Gbit/s, {} us, {}% loss</td><td class=l>{}</td><td>{}</td><td>{}</td>\
-             <td class=\"l {st}\">{st}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+             <td class=\"l {st}\">{st}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             r.rate_gbit,
             r.delay_us,
             r.loss_pct,
@@ -159,6 +164,7 @@ fn cluster_section(h: &mut String, runs: &[ClusterRun], all: &[Summary]) {
             opt(s.step_ms, 1),
             opt(s.comm_ms, 1),
             opt(pred, 1),
+            opt(seq, 1),
             opt(ratio, 2),
             st = esc(&s.status)
         );
