@@ -234,7 +234,7 @@ fn ps_link_cut(elastic: bool) {
     let mut server = Proc::start(&plan.servers[0], &server_flags, &dir, Stdio::piped());
     let addr = server.listening();
     assert!(addr.starts_with(&c.hosts()[0].addr), "server on {addr}, not on host 0");
-    let specs = (plan.workers)(&[addr.clone()]);
+    let specs = (plan.workers)(std::slice::from_ref(&addr));
     // A worker must wait on a request longer than the server waits on a silent peer, or it gives
     // up before the server's answer (go on without it, or fail naming it) arrives.
     let rpc_timeout = (3 * TIMEOUT_S).to_string();

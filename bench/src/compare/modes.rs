@@ -94,23 +94,28 @@ pub enum Placement {
 impl Placement {
     /// The address and namespace of server shard `i`.
     fn server(&self, i: usize) -> (String, Option<String>) {
-        match self {
-            Placement::Loopback => ("127.0.0.1".into(), None),
-            Placement::Hosts { servers, .. } => {
-                let h = &servers[i % servers.len().max(1)];
-                (h.addr.clone(), Some(h.netns.clone()))
-            }
-        }
+        self.slot(i, |servers, _| servers)
     }
 
     /// The address and namespace of worker rank `r`.
     fn worker(&self, r: usize) -> (String, Option<String>) {
+        self.slot(r, |_, workers| workers)
+    }
+
+    fn slot<'a>(
+        &'a self,
+        i: usize,
+        list: fn(&'a [HostSlot], &'a [HostSlot]) -> &'a [HostSlot],
+    ) -> (String, Option<String>) {
         match self {
             Placement::Loopback => ("127.0.0.1".into(), None),
-            Placement::Hosts { workers, .. } => {
-                let h = &workers[r % workers.len().max(1)];
-                (h.addr.clone(), Some(h.netns.clone()))
-            }
+            Placement::Hosts { servers, workers } => match list(servers, workers) {
+                [] => ("127.0.0.1".into(), None),
+                l => {
+                    let h = &l[i % l.len()];
+                    (h.addr.clone(), Some(h.netns.clone()))
+                }
+            },
         }
     }
 }
