@@ -31,4 +31,7 @@ pub enum Command {
     Diff(crate::diff::DiffArgs),
     /// Parameter-server push+pull throughput (BSP), tonic defaults vs tuned, against raw TCP.
     Ps(crate::ps::PsBenchArgs),
+    /// The comparison's runs on an emulated cluster: one network namespace per host, links
+    /// shaped with tc (rate, delay, loss); needs root and iproute2.
+    Cluster(crate::cluster::ClusterArgs),
 }

@@ -14,8 +14,11 @@
 //! - [`table`]: plain-text tables shared by every benchmark's output.
 //! - [`compare`]: the comparison runner (`compare`: scenario, processes, results) and the
 //!   charts and report built from run directories (`plot`), with the alpha-beta cost model.
+//! - [`cluster`]: emulated hosts (network namespaces, veth, a bridge, tc-shaped links) and
+//!   the comparison's runs placed on them.
 
 pub mod cli;
+pub mod cluster;
 pub mod collective;
 pub mod compare;
 pub mod diff;
@@ -35,5 +38,6 @@ pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
         cli::Command::Overlap(a) => overlap::run(&a),
         cli::Command::Diff(a) => diff::run(&a),
         cli::Command::Ps(a) => ps::run(&a),
+        cli::Command::Cluster(a) => cluster::run(&a),
     }
 }

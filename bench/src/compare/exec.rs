@@ -43,7 +43,17 @@ impl Guard {
     fn spawn(p: &ProcSpec, logs: &Path, stdout: Stdio) -> anyhow::Result<Guard> {
         let log = logs.join(format!("{}.log", p.name));
         let err = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-        let child = Command::new(&p.program)
+        // `ip netns exec` enters the namespace and execs the program: the child's pid is the
+        // program's, so signals and exit statuses are its own.
+        let mut cmd = match &p.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&p.program);
+                c
+            }
+            None => Command::new(&p.program),
+        };
+        let child = cmd
             .args(&p.args)
             .stdin(Stdio::null())
             .stdout(stdout)

@@ -145,68 +145,9 @@ pub fn compare(scenario: &Scenario, bins: &modes::Bins, out: &Path) -> anyhow::R
     let gpu = !machine.gpus.is_empty();
     let mut outcomes = Vec::new();
     for spec in specs {
-        let rel = format!("runs/{}", spec.id);
-        let dir = out.join(&rel);
-        let t = Instant::now();
-        let skip = spec.skip.clone().or_else(|| {
-            (spec.mode == ModeKind::DdpNccl && !gpu)
-                .then(|| "no GPU on this machine (nvidia-smi found none)".into())
-        });
-        let (status, error) = if let Some(why) = skip {
-            ("skipped", Some(why))
-        } else {
-            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-            let bar = multi.insert_before(&overall, ProgressBar::new(scenario.steps));
-            bar.set_style(
-                ProgressStyle::with_template("{prefix:>10} [{bar:30}] {pos}/{len} steps {per_sec} {msg}")
-                    .unwrap_or_else(|_| ProgressStyle::default_bar())
-                    .progress_chars("=> "),
-            );
-            bar.set_prefix(short(&spec.id));
-            let ctx = modes::Ctx {
-                scenario: scenario.clone(),
-                spec: spec.clone(),
-                dir: dir.clone(),
-                bins: bins.clone(),
-            };
-            let result = modes::plan(&ctx).and_then(|plan| {
-                exec::execute(
-                    plan,
-                    &dir,
-                    Duration::from_secs_f64(scenario.run_timeout_s),
-                    scenario.time_s.map(Duration::from_secs_f64),
-                    &bar,
-                )
-            });
-            bar.finish_and_clear();
-            multi.remove(&bar);
-            match result {
-                Ok(exec::Ended::Finished) => ("ok", None),
-                Ok(exec::Ended::TimeBudget) => {
-                    ("stopped", Some(format!("time budget of {:?} s", scenario.time_s)))
-                }
-                Err(e) => ("failed", Some(format!("{e:#}"))),
-            }
-        };
-        let o = Outcome {
-            id: rel,
-            mode: spec.mode,
-            workers: spec.workers,
-            model: spec.model.clone(),
-            global_batch: spec.global_batch,
-            shards: spec.shards,
-            status: status.into(),
-            error,
-            seconds: t.elapsed().as_secs_f64(),
-        };
-        let line = format!(
-            "{:<44} {:<8} {:>6.1} s{}",
-            spec.id,
-            o.status,
-            o.seconds,
-            o.error.as_deref().map(|e| format!("  {}", first_chars(e, 160))).unwrap_or_default()
-        );
-        multi.suspend(|| eprintln!("{line}"));
+        let skip = (spec.mode == ModeKind::DdpNccl && !gpu)
+            .then(|| "no GPU on this machine (nvidia-smi found none)".to_string());
+        let o = run_spec(scenario, &spec, bins, out, modes::Placement::Loopback, skip, &multi, &overall)?;
         writeln!(outcomes_file, "{}", serde_json::to_string(&o)?)
             .and_then(|_| outcomes_file.flush())
             .with_context(|| format!("writing {}", outcomes_path.display()))?;
@@ -226,6 +167,84 @@ pub fn compare(scenario: &Scenario, bins: &modes::Bins, out: &Path) -> anyhow::R
     Ok(outcomes)
 }
 
+/// Run one cell of the matrix into `out/runs/<id>` with its processes placed by `placement`
+/// (unless `skip` or the spec's own skip says why it cannot run), print its line above the
+/// progress bars, and return its outcome. Only a run directory that cannot be made is an
+/// error; a run that fails is an outcome.
+#[allow(clippy::too_many_arguments)]
+pub fn run_spec(
+    scenario: &Scenario,
+    spec: &scenario::RunSpec,
+    bins: &modes::Bins,
+    out: &Path,
+    placement: modes::Placement,
+    skip: Option<String>,
+    multi: &MultiProgress,
+    overall: &ProgressBar,
+) -> anyhow::Result<Outcome> {
+    let rel = format!("runs/{}", spec.id);
+    let dir = out.join(&rel);
+    let t = Instant::now();
+    let skip = spec.skip.clone().or(skip);
+    let (status, error) = if let Some(why) = skip {
+        ("skipped", Some(why))
+    } else {
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let bar = multi.insert_before(overall, ProgressBar::new(scenario.steps));
+        bar.set_style(
+            ProgressStyle::with_template("{prefix:>10} [{bar:30}] {pos}/{len} steps {per_sec} {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        bar.set_prefix(short(&spec.id));
+        let ctx = modes::Ctx {
+            scenario: scenario.clone(),
+            spec: spec.clone(),
+            dir: dir.clone(),
+            bins: bins.clone(),
+            placement,
+        };
+        let result = modes::plan(&ctx).and_then(|plan| {
+            exec::execute(
+                plan,
+                &dir,
+                Duration::from_secs_f64(scenario.run_timeout_s),
+                scenario.time_s.map(Duration::from_secs_f64),
+                &bar,
+            )
+        });
+        bar.finish_and_clear();
+        multi.remove(&bar);
+        match result {
+            Ok(exec::Ended::Finished) => ("ok", None),
+            Ok(exec::Ended::TimeBudget) => {
+                ("stopped", Some(format!("time budget of {:?} s", scenario.time_s)))
+            }
+            Err(e) => ("failed", Some(format!("{e:#}"))),
+        }
+    };
+    let o = Outcome {
+        id: rel,
+        mode: spec.mode,
+        workers: spec.workers,
+        model: spec.model.clone(),
+        global_batch: spec.global_batch,
+        shards: spec.shards,
+        status: status.into(),
+        error,
+        seconds: t.elapsed().as_secs_f64(),
+    };
+    let line = format!(
+        "{:<44} {:<8} {:>6.1} s{}",
+        spec.id,
+        o.status,
+        o.seconds,
+        o.error.as_deref().map(|e| format!("  {}", first_chars(e, 160))).unwrap_or_default()
+    );
+    multi.suspend(|| eprintln!("{line}"));
+    Ok(o)
+}
+
 /// Rebuild tables, charts and the report of `dirs` into `out`; returns the report's path.
 /// Deterministic: the output depends only on the input files.
 pub fn plot(dirs: &[PathBuf], out: &Path) -> anyhow::Result<PathBuf> {
@@ -241,7 +260,8 @@ pub fn plot(dirs: &[PathBuf], out: &Path) -> anyhow::Result<PathBuf> {
     });
     let scenario: Option<String> =
         dirs.iter().find_map(|d| std::fs::read_to_string(d.join("scenario.toml")).ok());
-    let html = report::write(&collected, machine.as_ref(), scenario.as_deref(), out)?;
+    let cluster = crate::cluster::load(dirs);
+    let html = report::write(&collected, machine.as_ref(), scenario.as_deref(), &cluster, out)?;
     Ok(html)
 }
 
@@ -260,7 +280,7 @@ fn short(id: &str) -> String {
 }
 
 /// `YYYYMMDD-HHMMSS` in UTC, from the system clock (civil-from-days, Howard Hinnant).
-fn utc_stamp() -> String {
+pub(crate) fn utc_stamp() -> String {
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let (days, rem) = ((secs / 86400) as i64, secs % 86400);
     let z = days + 719_468;

@@ -62,6 +62,62 @@ pub struct ProcSpec {
     pub args: Vec<String>,
     /// Its metrics file.
     pub metrics: PathBuf,
+    /// The network namespace it runs in (`ip netns exec`), when placed on an emulated host.
+    pub netns: Option<String>,
+}
+
+/// One host of an emulated cluster: a network namespace and its address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostSlot {
+    /// The namespace's name.
+    pub netns: String,
+    /// The host's IPv4 address.
+    pub addr: String,
+}
+
+/// Where a run's processes go.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Placement {
+    /// Every process on this machine's loopback.
+    #[default]
+    Loopback,
+    /// Server shard `i` on `servers[i]`, rank `r` on `workers[r]` (each list at least as long
+    /// as the run needs), each process inside its host's namespace.
+    Hosts {
+        /// One host per server shard.
+        servers: Vec<HostSlot>,
+        /// One host per worker rank.
+        workers: Vec<HostSlot>,
+    },
+}
+
+impl Placement {
+    /// The address and namespace of server shard `i`.
+    fn server(&self, i: usize) -> (String, Option<String>) {
+        self.slot(i, |servers, _| servers)
+    }
+
+    /// The address and namespace of worker rank `r`.
+    fn worker(&self, r: usize) -> (String, Option<String>) {
+        self.slot(r, |_, workers| workers)
+    }
+
+    fn slot<'a>(
+        &'a self,
+        i: usize,
+        list: fn(&'a [HostSlot], &'a [HostSlot]) -> &'a [HostSlot],
+    ) -> (String, Option<String>) {
+        match self {
+            Placement::Loopback => ("127.0.0.1".into(), None),
+            Placement::Hosts { servers, workers } => match list(servers, workers) {
+                [] => ("127.0.0.1".into(), None),
+                l => {
+                    let h = &l[i % l.len()];
+                    (h.addr.clone(), Some(h.netns.clone()))
+                }
+            },
+        }
+    }
 }
 
 /// The worker processes, given the servers' addresses in shard order.
@@ -86,6 +142,8 @@ pub struct Ctx {
     pub dir: PathBuf,
     /// The binaries.
     pub bins: Bins,
+    /// Where the processes run.
+    pub placement: Placement,
 }
 
 impl Ctx {
@@ -119,8 +177,9 @@ impl Ctx {
         a
     }
 
-    fn worker(&self, name: String, args: Vec<String>) -> ProcSpec {
-        ProcSpec { metrics: self.path(&name, "jsonl"), name, program: self.bins.worker.clone(), args }
+    fn worker(&self, rank: usize, name: String, args: Vec<String>) -> ProcSpec {
+        let netns = self.placement.worker(rank).1;
+        ProcSpec { metrics: self.path(&name, "jsonl"), name, program: self.bins.worker.clone(), args, netns }
     }
 }
 
@@ -141,7 +200,7 @@ pub fn plan(ctx: &Ctx) -> anyhow::Result<Plan> {
 pub fn local(ctx: &Ctx) -> Plan {
     let mut args = ctx.worker_common("rank0", ctx.spec.global_batch);
     args.extend(flags([("--mode", "local".into())]));
-    let p = ctx.worker("rank0".into(), args);
+    let p = ctx.worker(0, "rank0".into(), args);
     Plan { servers: vec![], workers: Box::new(move |_| vec![p]) }
 }
 
@@ -149,7 +208,7 @@ pub fn local(ctx: &Ctx) -> Plan {
 pub fn dp(ctx: &Ctx) -> Plan {
     let mut args = ctx.worker_common("rank0", ctx.spec.batch);
     args.extend(flags([("--mode", "dp".into()), ("--replicas", ctx.spec.workers.to_string())]));
-    let p = ctx.worker("rank0".into(), args);
+    let p = ctx.worker(0, "rank0".into(), args);
     Plan { servers: vec![], workers: Box::new(move |_| vec![p]) }
 }
 
@@ -161,8 +220,9 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
     let servers = (0..k)
         .map(|i| {
             let name = format!("server{i}");
+            let (addr, netns) = ctx.placement.server(i);
             let mut args = flags([
-                ("--listen", "127.0.0.1:0".into()),
+                ("--listen", format!("{addr}:0")),
                 ("--sync", sync.clone()),
                 ("--shard", format!("{i}/{k}")),
                 ("--model", ctx.spec.model.clone()),
@@ -181,7 +241,13 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
                     ctx.path(&format!("trace-{name}"), "json").display().to_string(),
                 )]));
             }
-            ProcSpec { metrics: ctx.path(&name, "jsonl"), name, program: ctx.bins.server.clone(), args }
+            ProcSpec {
+                metrics: ctx.path(&name, "jsonl"),
+                name,
+                program: ctx.bins.server.clone(),
+                args,
+                netns,
+            }
         })
         .collect();
     let ctx = ctx.clone();
@@ -198,7 +264,7 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
                         ("--rank", r.to_string()),
                         ("--world-size", ctx.spec.workers.to_string()),
                     ]));
-                    ctx.worker(name, args)
+                    ctx.worker(r, name, args)
                 })
                 .collect()
         }),
@@ -206,9 +272,11 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
 }
 
 /// `gradsync-worker train --mode ddp --backend B --rank R --world-size W --master-addr
-/// 127.0.0.1 --master-port P` per rank, P a port free when picked.
+/// A --master-port P` per rank: A rank 0's address, P a port free when picked (on loopback;
+/// an emulated host's namespace has every port free).
 pub fn ddp(ctx: &Ctx, backend: &str) -> anyhow::Result<Plan> {
     let port = free_port()?;
+    let master = ctx.placement.worker(0).0;
     let procs: Vec<ProcSpec> = (0..ctx.spec.workers)
         .map(|r| {
             let name = format!("rank{r}");
@@ -219,13 +287,13 @@ pub fn ddp(ctx: &Ctx, backend: &str) -> anyhow::Result<Plan> {
                 ("--rank", r.to_string()),
                 ("--world-size", ctx.spec.workers.to_string()),
                 ("--local-rank", r.to_string()),
-                ("--master-addr", "127.0.0.1".into()),
+                ("--master-addr", master.clone()),
                 ("--master-port", port.to_string()),
             ]));
             if let Some(mb) = ctx.scenario.bucket_mb {
                 args.extend(flags([("--bucket-mb", mb.to_string())]));
             }
-            ctx.worker(name, args)
+            ctx.worker(r, name, args)
         })
         .collect();
     Ok(Plan { servers: vec![], workers: Box::new(move |_| procs) })

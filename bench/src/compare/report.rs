@@ -12,6 +12,8 @@ use super::charts::{Charts, Group, groups};
 use super::cost::{self, Link};
 use super::machine::Machine;
 use super::results::{Collected, Summary};
+use super::scenario::ModeKind;
+use crate::cluster::ClusterRun;
 
 /// Worker counts at which the cost model is tabulated.
 const EXTRAPOLATE_N: [usize; 6] = [2, 8, 32, 128, 512, 1024];
@@ -38,6 +40,7 @@ pub fn write(
     c: &Collected,
     machine: Option<&Machine>,
     scenario: Option<&str>,
+    cluster: &[ClusterRun],
     out: &Path,
 ) -> anyhow::Result<PathBuf> {
     let link = link_of(machine);
@@ -88,6 +91,7 @@ pub fn write(
         efficiency_table(&mut h, g);
         extrapolation_table(&mut h, g, link);
     }
+    cluster_section(&mut h, cluster, &c.summaries);
     summary_table(&mut h, &c.summaries);
     if !c.warnings.is_empty() {
         h.push_str("<h2>Problems in the input</h2>\n<ul>\n");
@@ -107,6 +111,92 @@ pub fn write(
     let path = out.join("report.html");
     std::fs::write(&path, h).with_context(|| format!("writing {}", path.display()))?;
     Ok(path)
+}
+
+/// The gradient exchange the cost model predicts for a cluster run's link, seconds: the
+/// one-way latency is the two shaped hops' delay, the bandwidth the shaped rate.
+pub fn cluster_prediction(r: &ClusterRun, params: usize) -> Option<f64> {
+    let s = 4.0 * params as f64;
+    let l = Link { a: 2.0 * r.delay_us as f64 * 1e-6, b: cost::gbit(r.rate_gbit) };
+    if r.mode.is_ps() {
+        Some(cost::ps(r.workers, r.shards.max(1), s, l))
+    } else if r.mode.is_ring() {
+        Some(cost::ring(r.workers, s, l))
+    } else {
+        None
+    }
+}
+
+/// A cluster run, its measured step and its predicted exchange, ms.
+type MeasuredRun = (ClusterRun, Option<f64>, Option<f64>);
+
+/// Runs on emulated links: measured step and communication beside the model's prediction, per
+/// link rate, and the PS-to-ring ratio measured and predicted.
+fn cluster_section(h: &mut String, runs: &[ClusterRun], all: &[Summary]) {
+    if runs.is_empty() {
+        return;
+    }
+    h.push_str(
+        "<h2>Emulated cluster</h2>\n<p>Each process on its own host (a network namespace), every host's \
+         link shaped with tc in both directions; the model's latency is the two hops' added delay, its \
+         bandwidth the shaped rate.</p>\n<table><tr><th>link</th><th class=l>mode</th><th>workers</th>\
+         <th>shards</th><th class=l>status</th><th>step ms</th><th>communication ms</th><th>model ms</th>\
+         <th>model ms, push then pull</th><th>communication / model (PS: push then pull)</th></tr>\n",
+    );
+    // Per link rate: each run with its measured step and predicted exchange, ms, for the reading.
+    let mut by_rate: BTreeMap<String, Vec<MeasuredRun>> = BTreeMap::new();
+    for r in runs {
+        let Some(s) = all.iter().find(|s| s.id == r.id) else { continue };
+        let pred = cluster_prediction(r, s.params).map(|t| t * 1e3);
+        // A PS that pulls only after its whole push pays the busiest link twice.
+        let seq = r.mode.is_ps().then(|| {
+            let l = Link { a: 2.0 * r.delay_us as f64 * 1e-6, b: cost::gbit(r.rate_gbit) };
+            cost::ps_sequential(r.workers, r.shards.max(1), 4.0 * s.params as f64, l) * 1e3
+        });
+        // A worker pushes, then pulls (under BSP the pull waits for every push), so the
+        // push-then-pull figure is the one a PS run is held to.
+        let ratio = s.comm_ms.zip(seq.or(pred)).map(|(m, p)| m / p);
+        let _ = writeln!(
+            h,
+            "<tr><td>{} Gbit/s, {} us, {}% loss</td><td class=l>{}</td><td>{}</td><td>{}</td>\
+             <td class=\"l {st}\">{st}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            r.rate_gbit,
+            r.delay_us,
+            r.loss_pct,
+            r.mode.label(),
+            r.workers,
+            r.shards,
+            opt(s.step_ms, 1),
+            opt(s.comm_ms, 1),
+            opt(pred, 1),
+            opt(seq, 1),
+            opt(ratio, 2),
+            st = esc(&s.status)
+        );
+        by_rate.entry(format!("{:08.2}", r.rate_gbit)).or_default().push((
+            r.clone(),
+            s.step_ms,
+            seq.or(pred),
+        ));
+    }
+    h.push_str("</table>\n<ul>\n");
+    for rows in by_rate.values() {
+        let ps = rows.iter().find(|(r, ..)| r.mode == ModeKind::PsBsp);
+        let ring = rows.iter().find(|(r, ..)| r.mode == ModeKind::DdpTcp);
+        if let (Some((r, Some(ps_t), Some(ps_p))), Some((_, Some(ring_t), Some(ring_p)))) = (ps, ring) {
+            let _ = writeln!(
+                h,
+                "<li>At {} Gbit/s with {} workers, a PS-BSP step ({} shard(s)) takes {:.2} x a ring step \
+                 (measured); the model (push, then pull) predicts {:.2} x for the gradient exchange alone.</li>",
+                r.rate_gbit,
+                r.workers,
+                r.shards,
+                ps_t / ring_t,
+                ps_p / ring_p
+            );
+        }
+    }
+    h.push_str("</ul>\n");
 }
 
 fn machine_section(h: &mut String, m: Option<&Machine>) {

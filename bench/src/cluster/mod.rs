@@ -1,0 +1,249 @@
+//! `gradsync-bench cluster`: the comparison's runs on an emulated multi-host cluster. Each
+//! link rate gets a fresh cluster ([`net`]): server shard `i` on host `i`, worker rank `r` on
+//! host `k + r`, every process started by the comparison runner's own command lines
+//! ([`crate::compare::modes`]) inside its host's namespace. The run directory is a comparison
+//! run directory plus `cluster.json` (which run had which link), so `plot` renders it, with a
+//! section setting each measured step beside the cost model's prediction for that link.
+
+pub mod net;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use indicatif::{MultiProgress, ProgressBar};
+use serde::{Deserialize, Serialize};
+
+use crate::compare::machine::Machine;
+use crate::compare::modes::{self, Placement};
+use crate::compare::scenario::{ModeKind, Scenario};
+
+pub use net::{Cluster, ClusterError, Shape};
+
+/// The file in a run directory naming each run's emulated link.
+pub const CLUSTER_FILE: &str = "cluster.json";
+
+/// Flags of `gradsync-bench cluster`.
+#[derive(Debug, Clone, Args)]
+pub struct ClusterArgs {
+    /// Scenario file (TOML) for the model, batch, steps and optimiser; the built-in default
+    /// when absent. Its modes, workers and shards are replaced by the flags below.
+    pub scenario: Option<PathBuf>,
+    /// Run directory (default: runs/cluster-<UTC timestamp>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Directory holding gradsync-worker and gradsync-server (default: beside this program).
+    #[arg(long, env = "GRADSYNC_BIN_DIR")]
+    pub bin_dir: Option<PathBuf>,
+    /// Link rates to emulate, Gbit/s; one cluster each.
+    #[arg(long, value_delimiter = ',', default_value = "1,10")]
+    pub rates: Vec<f64>,
+    /// Delay added to each direction of each host's link, microseconds (host to host: twice);
+    /// needs the kernel's netem qdisc.
+    #[arg(long, default_value_t = 0)]
+    pub delay_us: u64,
+    /// Packet loss on each direction of each link, percent; needs the kernel's netem qdisc.
+    #[arg(long, default_value_t = 0.0)]
+    pub loss: f64,
+    /// Worker processes, each on its own host.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Parameter-server shards, each on its own host.
+    #[arg(long, default_value_t = 1)]
+    pub shards: usize,
+    /// Modes to run.
+    #[arg(long, value_delimiter = ',', default_value = "ps-bsp,ddp-tcp")]
+    pub modes: Vec<ModeKind>,
+    /// Override the scenario's models.
+    #[arg(long, value_delimiter = ',')]
+    pub models: Option<Vec<String>>,
+    /// Override the scenario's step budget.
+    #[arg(long)]
+    pub steps: Option<u64>,
+}
+
+/// One run's emulated link, as recorded in `cluster.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClusterRun {
+    /// The run's id (`runs/<id>`), as in `outcomes.jsonl`.
+    pub id: String,
+    /// Mode.
+    pub mode: ModeKind,
+    /// Workers.
+    pub workers: usize,
+    /// Server shards (0: none).
+    pub shards: usize,
+    /// Hosts in the cluster.
+    pub hosts: usize,
+    /// Link rate, Gbit/s.
+    pub rate_gbit: f64,
+    /// Delay per direction per link, microseconds.
+    pub delay_us: u64,
+    /// Loss per direction per link, percent.
+    pub loss_pct: f64,
+}
+
+/// Run `cluster`.
+pub fn run(a: &ClusterArgs) -> anyhow::Result<()> {
+    if let Err(e) = net::available() {
+        eprintln!("gradsync-bench cluster: skipped: {e}");
+        return Ok(());
+    }
+    for n in net::sweep_stale() {
+        eprintln!("gradsync-bench cluster: deleted namespace {n} left by a killed run");
+    }
+    // Ctrl-C or SIGTERM: kill what runs in the namespaces and delete them before exiting.
+    std::thread::spawn(|| {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+        rt.block_on(async {
+            let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            else {
+                return;
+            };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            eprintln!("gradsync-bench cluster: interrupted; deleting the emulated hosts");
+            net::cleanup_all();
+            std::process::exit(130);
+        });
+    });
+    anyhow::ensure!(a.workers >= 1, "--workers must be at least 1");
+    anyhow::ensure!(a.shards >= 1, "--shards must be at least 1");
+    anyhow::ensure!(
+        !a.rates.is_empty() && a.rates.iter().all(|r| *r > 0.0),
+        "--rates must be positive Gbit/s"
+    );
+    anyhow::ensure!((0.0..100.0).contains(&a.loss), "--loss must be a percentage below 100");
+    let mut s = Scenario::load(a.scenario.as_deref())?;
+    s.modes = a.modes.clone();
+    s.workers = vec![a.workers];
+    s.shards = vec![a.shards];
+    if let Some(m) = &a.models {
+        s.models = m.clone();
+    }
+    if let Some(n) = a.steps {
+        s.steps = n;
+    }
+    let s = Scenario::parse(&toml::to_string(&s).context("writing the scenario")?, "the cluster scenario")?;
+    let bins = modes::Bins::find(a.bin_dir.as_deref())?;
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("runs").join(format!("cluster-{}", crate::compare::utc_stamp())));
+    let shape = |rate: f64| Shape {
+        rate_bit: Some(rate * 1e9),
+        delay: Duration::from_micros(a.delay_us),
+        loss_pct: a.loss,
+    };
+    run_cluster(&s, &bins, &out, &a.rates, shape)?;
+    let html = crate::compare::plot(std::slice::from_ref(&out), &out)?;
+    eprintln!("gradsync-bench cluster: report in {}", html.display());
+    Ok(())
+}
+
+/// Run every cell of `scenario` once per rate in `rates`, each rate on a fresh cluster shaped
+/// by `shape(rate)`, into the run directory `out`. Returns the runs with their links.
+pub fn run_cluster(
+    scenario: &Scenario,
+    bins: &modes::Bins,
+    out: &Path,
+    rates: &[f64],
+    shape: impl Fn(f64) -> Shape,
+) -> anyhow::Result<Vec<ClusterRun>> {
+    anyhow::ensure!(
+        !out.join("outcomes.jsonl").exists(),
+        "{} already holds a comparison; choose another --out",
+        out.display()
+    );
+    std::fs::create_dir_all(out.join("runs")).with_context(|| format!("creating {}", out.display()))?;
+    let write = |name: &str, text: &str| -> anyhow::Result<()> {
+        let p = out.join(name);
+        std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
+    };
+    write("scenario.toml", &toml::to_string(scenario).context("writing the scenario")?)?;
+    write("machine.json", &(serde_json::to_string_pretty(&Machine::detect())? + "\n"))?;
+    let specs = scenario.expand();
+    let multi = MultiProgress::new();
+    let overall = multi.add(ProgressBar::new((specs.len() * rates.len()) as u64));
+    let outcomes_path = out.join("outcomes.jsonl");
+    let mut outcomes = std::fs::File::create(&outcomes_path)
+        .with_context(|| format!("creating {}", outcomes_path.display()))?;
+    let mut runs = Vec::new();
+    for &rate in rates {
+        let sh = shape(rate);
+        for spec in &specs {
+            let k = if spec.mode.is_ps() { spec.shards.max(1) } else { 0 };
+            let hosts = k.max(1) + spec.workers;
+            let mut spec = spec.clone();
+            spec.id = format!("{}-{}g", spec.id, fmt_rate(rate));
+            // A fresh cluster per run: no queue or socket state carries over.
+            let (placement, skip, cluster) = match Cluster::create(hosts, sh) {
+                Ok(c) => {
+                    let h = c.hosts();
+                    let p =
+                        Placement::Hosts { servers: h[..k.max(1)].to_vec(), workers: h[k.max(1)..].to_vec() };
+                    (p, None, Some(c))
+                }
+                Err(e) => (Placement::Loopback, Some(format!("{e}")), None),
+            };
+            let skip = skip.or_else(|| {
+                (spec.mode == ModeKind::DdpNccl).then(|| "NCCL does not run over emulated links".to_string())
+            });
+            let o = crate::compare::run_spec(scenario, &spec, bins, out, placement, skip, &multi, &overall)?;
+            drop(cluster);
+            writeln!(outcomes, "{}", serde_json::to_string(&o)?)
+                .and_then(|_| outcomes.flush())
+                .with_context(|| format!("writing {}", outcomes_path.display()))?;
+            runs.push(ClusterRun {
+                id: o.id,
+                mode: spec.mode,
+                workers: spec.workers,
+                shards: spec.shards,
+                hosts,
+                rate_gbit: rate,
+                delay_us: sh.delay.as_micros() as u64,
+                loss_pct: sh.loss_pct,
+            });
+            overall.inc(1);
+        }
+    }
+    overall.finish_and_clear();
+    write(CLUSTER_FILE, &(serde_json::to_string_pretty(&runs)? + "\n"))?;
+    Ok(runs)
+}
+
+/// The runs with emulated links recorded in `dirs` (ids prefixed like
+/// [`crate::compare::results::collect`] prefixes them when given several directories).
+pub fn load(dirs: &[PathBuf]) -> Vec<ClusterRun> {
+    let mut all = Vec::new();
+    for d in dirs {
+        let Ok(text) = std::fs::read_to_string(d.join(CLUSTER_FILE)) else { continue };
+        let Ok(runs) = serde_json::from_str::<Vec<ClusterRun>>(&text) else {
+            eprintln!(
+                "gradsync-bench plot: warning: {} is not a list of cluster runs",
+                d.join(CLUSTER_FILE).display()
+            );
+            continue;
+        };
+        let prefix = if dirs.len() > 1 {
+            d.file_name().map(|n| format!("{}/", n.to_string_lossy())).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        all.extend(runs.into_iter().map(|mut r| {
+            r.id = format!("{prefix}{}", r.id);
+            r
+        }));
+    }
+    all
+}
+
+/// `1`, `10`, `2.5`: a rate as it appears in run ids.
+fn fmt_rate(r: f64) -> String {
+    let s = format!("{r}");
+    s.replace('.', "p")
+}

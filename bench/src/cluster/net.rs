@@ -1,0 +1,301 @@
+//! Emulated hosts on one Linux machine: one network namespace per host, each with a veth pair
+//! whose other end sits on a bridge in a hub namespace of its own, so nothing is added to the
+//! machine's own network and parallel clusters never see each other.
+//!
+//! ```text
+//!   gs-<pid>-<n>-h0          gs-<pid>-<n>-hub             gs-<pid>-<n>-h1
+//!  [eth0 10.77.0.1] ==veth== [h0]--br0--[h1] ==veth== [eth0 10.77.0.2]   ...
+//!      tc: htb rate,            tc: htb rate,               tc: ...
+//!          netem delay/loss         netem delay/loss
+//! ```
+//!
+//! Each link is shaped in both directions: the host's `eth0` shapes what the host sends, the
+//! hub's end shapes what it receives. A [`Cluster`] deletes its namespaces (and kills whatever
+//! still runs in them) when dropped; [`cleanup_all`] does the same from a signal handler's
+//! thread, and [`sweep_stale`] removes what a killed run left behind.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use thiserror::Error;
+
+use crate::compare::modes::HostSlot;
+
+/// Why a cluster could not be made or changed.
+#[derive(Debug, Error)]
+pub enum ClusterError {
+    /// Not root, no `ip`/`tc`, or the kernel refused a namespace: the cluster cannot exist here.
+    #[error("the emulated cluster needs root and iproute2 (ip, tc): {0}")]
+    Unavailable(String),
+    /// An `ip` or `tc` command failed.
+    #[error("`{cmd}` failed: {stderr}")]
+    Command {
+        /// The command line.
+        cmd: String,
+        /// What it wrote to stderr.
+        stderr: String,
+    },
+    /// Delay or loss was asked for and the kernel has no netem qdisc.
+    #[error("delay and loss need the kernel's netem qdisc (sch_netem), which this kernel lacks: {0}")]
+    NoNetem(String),
+    /// A host index outside the cluster.
+    #[error("no host {0} in this cluster of {1}")]
+    NoHost(usize, usize),
+}
+
+/// One direction of every host's link.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Shape {
+    /// Bits per second (none: as fast as the machine copies).
+    pub rate_bit: Option<f64>,
+    /// Delay added in each direction of each link: host to host is twice this.
+    pub delay: Duration,
+    /// Percentage of packets dropped in each direction.
+    pub loss_pct: f64,
+}
+
+/// Every namespace made by this process and not yet deleted, for [`cleanup_all`].
+static LIVE: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+/// Clusters made by this process so far: names stay unique within it.
+static SEQ: AtomicUsize = AtomicUsize::new(0);
+/// Every namespace name starts with this, then the creating process's id.
+const PREFIX: &str = "gs-";
+/// The hosts' subnet (inside the cluster's own namespaces, so it never meets the machine's).
+const SUBNET: &str = "10.77";
+
+/// Hosts in network namespaces, joined by a bridge, each link shaped.
+#[derive(Debug)]
+pub struct Cluster {
+    hub: String,
+    hosts: Vec<HostSlot>,
+    shape: Shape,
+}
+
+impl Cluster {
+    /// Make `n` hosts with links shaped by `shape`. Everything made so far is deleted again
+    /// if a step fails.
+    pub fn create(n: usize, shape: Shape) -> Result<Cluster, ClusterError> {
+        available()?;
+        let tag = format!("{PREFIX}{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+        let hub = format!("{tag}-hub");
+        let mut c = Cluster { hub: hub.clone(), hosts: Vec::new(), shape };
+        add_ns(&hub).map_err(|e| match e {
+            ClusterError::Command { stderr, .. } => {
+                ClusterError::Unavailable(format!("`ip netns add` failed: {stderr}"))
+            }
+            e => e,
+        })?;
+        ip(&["-n", &hub, "link", "set", "lo", "up"])?;
+        ip(&["-n", &hub, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &hub, "link", "set", "br0", "up"])?;
+        for i in 0..n {
+            let ns = format!("{tag}-h{i}");
+            add_ns(&ns)?;
+            let addr = format!("{SUBNET}.{}.{}", (i + 1) / 250, (i + 1) % 250 + 1);
+            c.hosts.push(HostSlot { netns: ns.clone(), addr: addr.clone() });
+            let port = format!("h{i}");
+            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+            ip(&["-n", &ns, "link", "add", "eth0", "type", "veth", "peer", "name", &port, "netns", &hub])?;
+            ip(&["-n", &ns, "addr", "add", &format!("{addr}/16"), "dev", "eth0"])?;
+            ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
+            ip(&["-n", &hub, "link", "set", &port, "master", "br0"])?;
+            ip(&["-n", &hub, "link", "set", &port, "up"])?;
+            shape_dev(&ns, "eth0", &shape)?;
+            shape_dev(&hub, &port, &shape)?;
+        }
+        Ok(c)
+    }
+
+    /// The hosts, in order.
+    pub fn hosts(&self) -> &[HostSlot] {
+        &self.hosts
+    }
+
+    /// How every link is shaped.
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
+
+    /// A command that runs `program` on host `i`.
+    pub fn command(&self, i: usize, program: impl AsRef<std::ffi::OsStr>) -> Result<Command, ClusterError> {
+        let h = self.hosts.get(i).ok_or(ClusterError::NoHost(i, self.hosts.len()))?;
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &h.netns]).arg(program);
+        Ok(c)
+    }
+
+    /// Cut host `i`'s link (its `eth0` goes down): packets to and from it are lost, sockets
+    /// are not told.
+    pub fn cut(&self, i: usize) -> Result<(), ClusterError> {
+        let h = self.hosts.get(i).ok_or(ClusterError::NoHost(i, self.hosts.len()))?;
+        ip(&["-n", &h.netns, "link", "set", "eth0", "down"])
+    }
+
+    /// Bring host `i`'s link back.
+    pub fn restore(&self, i: usize) -> Result<(), ClusterError> {
+        let h = self.hosts.get(i).ok_or(ClusterError::NoHost(i, self.hosts.len()))?;
+        ip(&["-n", &h.netns, "link", "set", "eth0", "up"])
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for h in &self.hosts {
+            delete_ns(&h.netns);
+        }
+        delete_ns(&self.hub);
+    }
+}
+
+/// Whether a cluster can be made here: root, `ip` and `tc` present.
+pub fn available() -> Result<(), ClusterError> {
+    // SAFETY: geteuid has no preconditions and touches no memory.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(ClusterError::Unavailable("not running as root".into()));
+    }
+    for tool in ["ip", "tc"] {
+        let ok = Command::new(tool).arg("-V").stdin(Stdio::null()).output().is_ok_and(|o| o.status.success());
+        if !ok {
+            return Err(ClusterError::Unavailable(format!("`{tool}` not found (install iproute2)")));
+        }
+    }
+    Ok(())
+}
+
+/// Kill the processes in, and delete, every namespace this process made and has not deleted:
+/// what a signal handler calls before exiting.
+pub fn cleanup_all() {
+    let names: Vec<String> = LIVE.lock().map(|l| l.iter().cloned().collect()).unwrap_or_default();
+    for n in names {
+        delete_ns(&n);
+    }
+}
+
+/// Delete the namespaces left by gradsync processes that no longer exist (a run killed with
+/// SIGKILL cannot clean up after itself). Returns the names deleted.
+pub fn sweep_stale() -> Vec<String> {
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).stdin(Stdio::null()).output() else {
+        return vec![];
+    };
+    let mut gone = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let name = line.split_whitespace().next().unwrap_or("");
+        let Some(pid) = name.strip_prefix(PREFIX).and_then(|r| r.split('-').next()) else { continue };
+        let Ok(pid) = pid.parse::<u32>() else { continue };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            delete_ns(name);
+            gone.push(name.to_string());
+        }
+    }
+    gone
+}
+
+fn add_ns(name: &str) -> Result<(), ClusterError> {
+    ip(&["netns", "add", name])?;
+    if let Ok(mut l) = LIVE.lock() {
+        l.insert(name.to_string());
+    }
+    Ok(())
+}
+
+/// Kill what still runs in `name`, then delete it (its veth ends go with it).
+fn delete_ns(name: &str) {
+    if let Ok(o) = Command::new("ip").args(["netns", "pids", name]).stdin(Stdio::null()).output() {
+        for pid in String::from_utf8_lossy(&o.stdout).split_whitespace() {
+            if let Ok(pid) = pid.parse::<i32>() {
+                // SAFETY: kill(2) on a pid read from the namespace; no memory is touched.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                }
+            }
+        }
+    }
+    let _ = Command::new("ip")
+        .args(["netns", "del", name])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    if let Ok(mut l) = LIVE.lock() {
+        l.remove(name);
+    }
+}
+
+/// htb for the rate (netem's own rate drops the GSO batches veth hands it), netem under it
+/// for delay and loss.
+fn shape_dev(ns: &str, dev: &str, s: &Shape) -> Result<(), ClusterError> {
+    let mut netem: Vec<String> = Vec::new();
+    if !s.delay.is_zero() {
+        netem.extend(["delay".into(), format!("{}us", s.delay.as_micros())]);
+    }
+    if s.loss_pct > 0.0 {
+        netem.extend(["loss".into(), format!("{}%", s.loss_pct)]);
+    }
+    if !netem.is_empty() {
+        // A queue deep enough for a 10 Gbit/s link's bandwidth-delay product.
+        netem.extend(["limit".into(), "100000".into()]);
+    }
+    let tc = |args: &[&str]| -> Result<(), ClusterError> {
+        let mut a = vec!["-n", ns, "qdisc"];
+        a.extend_from_slice(args);
+        run("tc", &a)
+    };
+    let netem_ref: Vec<&str> = netem.iter().map(String::as_str).collect();
+    match s.rate_bit {
+        Some(rate) => {
+            let rate = format!("{}bit", rate.round() as u64);
+            tc(&["add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"])?;
+            // A burst of 64 KiB or more lets a GSO batch through at once, as a NIC would.
+            run(
+                "tc",
+                &[
+                    "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate",
+                    &rate, "ceil", &rate, "burst", "256k", "cburst", "256k", "quantum", "65536",
+                ],
+            )?;
+            if !netem_ref.is_empty() {
+                let mut a = vec!["add", "dev", dev, "parent", "1:1", "handle", "10:", "netem"];
+                a.extend_from_slice(&netem_ref);
+                tc(&a).map_err(netem_err)?;
+            }
+        }
+        None if !netem_ref.is_empty() => {
+            let mut a = vec!["add", "dev", dev, "root", "netem"];
+            a.extend_from_slice(&netem_ref);
+            tc(&a).map_err(netem_err)?;
+        }
+        None => {}
+    }
+    Ok(())
+}
+
+fn netem_err(e: ClusterError) -> ClusterError {
+    match e {
+        ClusterError::Command { cmd, stderr } if stderr.contains("qdisc kind is unknown") => {
+            ClusterError::NoNetem(format!("`{cmd}`: {stderr}"))
+        }
+        e => e,
+    }
+}
+
+fn ip(args: &[&str]) -> Result<(), ClusterError> {
+    run("ip", args)
+}
+
+fn run(program: &str, args: &[&str]) -> Result<(), ClusterError> {
+    let cmd = format!("{program} {}", args.join(" "));
+    let o = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| ClusterError::Unavailable(format!("running `{cmd}`: {e}")))?;
+    if o.status.success() {
+        Ok(())
+    } else {
+        Err(ClusterError::Command { cmd, stderr: String::from_utf8_lossy(&o.stderr).trim().to_string() })
+    }
+}
