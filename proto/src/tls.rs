@@ -9,9 +9,14 @@ use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 use crate::Error;
 
 fn read_pem(flag: &'static str, path: &Path) -> Result<Vec<u8>, Error> {
-    let bytes = std::fs::read(path).map_err(|e| Error::TlsFile { flag, path: path.into(), why: e.to_string() })?;
+    let bytes =
+        std::fs::read(path).map_err(|e| Error::TlsFile { flag, path: path.into(), why: e.to_string() })?;
     if !bytes.windows(11).any(|w| w == b"-----BEGIN ") {
-        return Err(Error::TlsFile { flag, path: path.into(), why: "not a PEM file (no -----BEGIN line)".into() });
+        return Err(Error::TlsFile {
+            flag,
+            path: path.into(),
+            why: "not a PEM file (no -----BEGIN line)".into(),
+        });
     }
     Ok(bytes)
 }

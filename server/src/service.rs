@@ -80,15 +80,15 @@ impl Service {
             }
             asm.push(c.offset, &c.data).map_err(bad)?;
             // A sender that stops mid-stream must not hold a shard-sized buffer forever.
-            chunk = tokio::time::timeout(self.shared.cfg.worker_timeout, stream.message())
-                .await
-                .map_err(|_| Error::BadGradient {
+            chunk = tokio::time::timeout(self.shared.cfg.worker_timeout, stream.message()).await.map_err(
+                |_| Error::BadGradient {
                     rank,
                     why: format!(
                         "stream stalled for {} s before the range was full",
                         self.shared.cfg.worker_timeout.as_secs_f64()
                     ),
-                })??;
+                },
+            )??;
         }
         let (finite, bytes) = asm.finish().map_err(bad)?;
         if !finite {

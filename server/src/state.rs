@@ -236,7 +236,9 @@ impl State {
             });
         }
         if world > MAX_WORLD {
-            return Err(Error::Membership(format!("world size {world} is above the most supported, {MAX_WORLD}")));
+            return Err(Error::Membership(format!(
+                "world size {world} is above the most supported, {MAX_WORLD}"
+            )));
         }
         if world == 0 || rank >= world {
             return Err(Error::Membership(format!("rank {rank} is not below the world size {world}")));

@@ -79,8 +79,10 @@ fn hostile_grpc_client_is_refused_and_changes_nothing() {
 
     let flags = ["--listen", "127.0.0.1:0", "--model", "tiny", "--seed", "42", "--sync", "bsp"];
     let flags = [&flags[..], &["--worker-timeout", "2", "--token", TOKEN]].concat();
-    let cfg = Config::from_args(&Cli::parse_from(std::iter::once("gradsync-server").chain(flags.iter().copied())).args)
-        .expect("server flags");
+    let cfg = Config::from_args(
+        &Cli::parse_from(std::iter::once("gradsync-server").chain(flags.iter().copied())).args,
+    )
+    .expect("server flags");
     let mut child = Command::new(SERVER)
         .args(&flags)
         .stdout(Stdio::piped())
@@ -111,7 +113,11 @@ fn hostile_grpc_client_is_refused_and_changes_nothing() {
         .output()
         .expect("running the hostile client");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "hostile client failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "hostile client failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     let got: BTreeMap<String, (String, String)> = stdout
         .lines()
@@ -159,7 +165,11 @@ fn hostile_grpc_client_is_refused_and_changes_nothing() {
             None => wrong.push(format!("{case}: not reported")),
         }
     }
-    assert!(wrong.is_empty(), "hostile cases answered wrongly:\n{}\nfull output:\n{stdout}", wrong.join("\n"));
+    assert!(
+        wrong.is_empty(),
+        "hostile cases answered wrongly:\n{}\nfull output:\n{stdout}",
+        wrong.join("\n")
+    );
     assert_eq!(got.len(), expected.len(), "unexpected extra cases:\n{stdout}");
 
     // Still up, and its memory bounded: nothing a peer declared was allocated.

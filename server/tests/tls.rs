@@ -129,7 +129,8 @@ fn bad_tls_files_are_named() {
     let garbage = d.join("garbage.pem");
     std::fs::write(&garbage, "this is not a certificate\n").expect("write");
     let bad_key = d.join("bad.key");
-    std::fs::write(&bad_key, "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n").expect("write");
+    std::fs::write(&bad_key, "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n")
+        .expect("write");
 
     let err = refused(&["--tls-cert".as_ref(), missing.as_os_str(), "--tls-key".as_ref(), key.as_os_str()]);
     assert!(err.contains("--tls-cert") && err.contains("missing.pem"), "{err}");

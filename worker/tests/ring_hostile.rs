@@ -21,7 +21,14 @@ fn fnv(s: &str) -> u64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
-fn hello(rank: usize, world: usize, fp: &str, token: u64, to: Option<usize>, addr: Option<SocketAddr>) -> Vec<u8> {
+fn hello(
+    rank: usize,
+    world: usize,
+    fp: &str,
+    token: u64,
+    to: Option<usize>,
+    addr: Option<SocketAddr>,
+) -> Vec<u8> {
     let mut v = serde_json::to_vec(&serde_json::json!({
         "magic": "gradsync-ring/1", "rank": rank, "world": world, "fingerprint": fp,
         "token": token, "to": to, "addr": addr,
@@ -139,7 +146,8 @@ fn a_rank_refuses_hostile_handshakes_and_the_ring_still_computes() {
         ("other model", knock(addrs[0], &hello(1, world, "x", right, Some(0), None))),
         ("wrong addressee", knock(addrs[0], &hello(1, world, FP, right, Some(5), None))),
     ];
-    let info = |rank| MeshInfo { rank, addrs: addrs.clone(), fingerprint: FP.into(), token: Some(TOKEN.into()) };
+    let info =
+        |rank| MeshInfo { rank, addrs: addrs.clone(), fingerprint: FP.into(), token: Some(TOKEN.into()) };
     let ring = RingConfig { timeout: Duration::from_secs(30), chunk_bytes: 256, socket_buffer: None };
     let n = 777;
     let outs: Vec<Vec<f32>> = std::thread::scope(|s| {
@@ -160,7 +168,8 @@ fn a_rank_refuses_hostile_handshakes_and_the_ring_still_computes() {
     });
     let want = serial_sum(world, n);
     assert!(outs.iter().all(|o| o == &want), "the ring computed another sum");
-    let expect = ["closed", "closed", "closed", "wrong ring token", "world size", "fingerprint", "meant to reach"];
+    let expect =
+        ["closed", "closed", "closed", "wrong ring token", "world size", "fingerprint", "meant to reach"];
     for ((name, mut s), want) in strangers.into_iter().zip(expect) {
         if want == "closed" {
             // Refused without an answer: the rank dropped the connection.

@@ -79,13 +79,7 @@ pub struct Welcome {
 
 /// Why `h` may not join a ring of `world` ranks training `fingerprint` with `token` (as seen
 /// by rank `me`, or by the store when `me` is `None`). `None` if it may.
-pub fn refuse(
-    h: &Hello,
-    me: Option<usize>,
-    world: usize,
-    fingerprint: &str,
-    token: u64,
-) -> Option<String> {
+pub fn refuse(h: &Hello, me: Option<usize>, world: usize, fingerprint: &str, token: u64) -> Option<String> {
     if h.magic != MAGIC {
         return Some(format!("not a gradsync ring client (magic '{}', expected '{MAGIC}')", h.magic));
     }

@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 
 use socket2::SockRef;
 
-use super::{CommError, Result, Traffic};
 pub(crate) use super::handshake::{
     HeaderError, Hello, MAGIC, Welcome, check_header, read_line, refuse, token_hash, write_line,
 };
+use super::{CommError, Result, Traffic};
 
 /// Tunables of the TCP backend.
 #[derive(Debug, Clone)]
@@ -164,7 +164,8 @@ pub(crate) fn parse_header(head: &[u8; 8], op: Op, expect: usize, peer: usize) -
         peer,
         why: match e {
             HeaderError::Tag(tag) => {
-                let theirs = Op::from_tag(tag).map_or_else(|| format!("unknown tag {tag}"), |o| o.name().to_string());
+                let theirs =
+                    Op::from_tag(tag).map_or_else(|| format!("unknown tag {tag}"), |o| o.name().to_string());
                 format!("sent a {theirs} frame during {} (ranks called different collectives)", op.name())
             }
             HeaderError::Count(count) => format!(

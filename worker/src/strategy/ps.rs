@@ -146,9 +146,9 @@ impl PsClient {
                     .endpoint(&uri(a, tls.is_some()), timeout)
                     .with_context(|| format!("--servers: '{a}'"))?;
                 if let Some(tls) = tls {
-                    ep = ep.tls_config(tls).map_err(|e| {
-                        anyhow::anyhow!("--tls-ca: {}", gradsync_proto::tls::tls_why(&e))
-                    })?;
+                    ep = ep
+                        .tls_config(tls)
+                        .map_err(|e| anyhow::anyhow!("--tls-ca: {}", gradsync_proto::tls::tls_why(&e)))?;
                 }
                 let ch = tokio::time::timeout(timeout, ep.connect())
                     .await
