@@ -55,7 +55,7 @@ pub struct Reassembly<'a> {
 }
 
 /// Why a chunk stream was refused by [`Reassembly`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq)]
 pub enum StreamError {
     /// A chunk whose offset is not where the previous one ended.
     OutOfOrder {
