@@ -91,6 +91,7 @@ async fn tls_serves_the_right_ca_and_refuses_others() {
     let wrong = get_version(&format!("https://127.0.0.1:{port}"), Some(&other)).await;
     let why = wrong.expect_err("a client trusting another CA was served");
     assert!(why.to_lowercase().contains("certificate"), "unclear error for the wrong CA: {why}");
+    eprintln!("plaintext client: {}; wrong CA: {why}", plain.unwrap_err());
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -138,6 +139,7 @@ fn bad_tls_files_are_named() {
     assert!(err.contains("--tls-key") && err.contains("garbage.pem") && err.contains("PEM"), "{err}");
     let err = refused(&["--tls-cert".as_ref(), cert.as_os_str(), "--tls-key".as_ref(), bad_key.as_os_str()]);
     assert!(err.contains("bad.key"), "{err}");
+    eprintln!("bad key: {err}");
     let err = refused(&["--tls-cert".as_ref(), cert.as_os_str()]);
     assert!(err.contains("--tls-key"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
