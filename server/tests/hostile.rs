@@ -7,32 +7,23 @@
 //! and passes without running (install with `python3 -m pip install grpcio grpcio-tools`).
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::process::{Command, Stdio};
 
 use clap::Parser;
 use gradsync_core::model::{Layout, init_params};
 use gradsync_server::{Config, ServerArgs};
 
-const SERVER: &str = env!("CARGO_BIN_EXE_gradsync-server");
+mod common;
+
+use common::start_server;
+
 const TOKEN: &str = "hostile-test-token";
 
 #[derive(Parser)]
 struct Cli {
     #[command(flatten)]
     args: ServerArgs,
-}
-
-/// A child process killed (and reaped) on drop.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// Resident memory of `pid`, KiB.
@@ -83,22 +74,8 @@ fn hostile_grpc_client_is_refused_and_changes_nothing() {
         &Cli::parse_from(std::iter::once("gradsync-server").chain(flags.iter().copied())).args,
     )
     .expect("server flags");
-    let mut child = Command::new(SERVER)
-        .args(&flags)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawning gradsync-server");
-    let stdout = child.stdout.take().expect("piped stdout");
-    let mut server = Proc(child);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = BufReader::new(stdout).read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    let line = rx.recv_timeout(Duration::from_secs(60)).expect("server announced itself");
-    let addr = line.trim().strip_prefix("gradsync-server listening on ").expect("listening line").to_string();
+    let os_flags: Vec<&std::ffi::OsStr> = flags.iter().map(AsRef::as_ref).collect();
+    let (mut server, addr) = start_server(&os_flags);
     let pid = server.0.id();
     let rss_before = rss_kib(pid);
 

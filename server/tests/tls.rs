@@ -3,9 +3,9 @@
 //! client trusting another CA are refused, and bad certificate files are refused at start
 //! with an error naming the file.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use gradsync_proto::pb::VersionRequest;
@@ -14,15 +14,9 @@ use tonic::transport::Endpoint;
 
 const SERVER: &str = env!("CARGO_BIN_EXE_gradsync-server");
 
-/// A child process killed (and reaped) on drop.
-struct Proc(Child);
+mod common;
 
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use common::start_server;
 
 fn dir(name: &str) -> PathBuf {
     let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("tls-{name}-{}", std::process::id()));
@@ -40,25 +34,13 @@ fn self_signed(d: &Path, name: &str) -> (PathBuf, PathBuf) {
     (cert, key)
 }
 
-fn start(extra: &[&Path]) -> (Proc, String) {
-    let mut cmd = Command::new(SERVER);
-    cmd.args(["--listen", "127.0.0.1:0", "--model", "tiny"]);
-    if let [cert, key] = extra {
-        cmd.arg("--tls-cert").arg(cert).arg("--tls-key").arg(key);
+fn start(tls: &[&Path]) -> (common::Proc, String) {
+    let mut args: Vec<&std::ffi::OsStr> =
+        ["--listen", "127.0.0.1:0", "--model", "tiny"].map(AsRef::as_ref).to_vec();
+    if let [cert, key] = tls {
+        args.extend(["--tls-cert".as_ref(), cert.as_os_str(), "--tls-key".as_ref(), key.as_os_str()]);
     }
-    let mut child =
-        cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("spawning gradsync-server");
-    let stdout = child.stdout.take().expect("piped stdout");
-    let proc = Proc(child);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = BufReader::new(stdout).read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    let line = rx.recv_timeout(Duration::from_secs(60)).expect("server announced itself");
-    let addr = line.trim().strip_prefix("gradsync-server listening on ").expect("listening line").to_string();
-    (proc, addr)
+    start_server(&args)
 }
 
 /// GetVersion over `uri`, with `ca` trusted when given. The error text if it fails.

@@ -59,6 +59,28 @@ def pull(stub):
     return bytes(out)
 
 
+def flood(case, count, fn):
+    """Run fn(i) for i < count on as many threads at once; report the set of codes seen."""
+    codes = {}
+    lock = threading.Lock()
+
+    def one(i):
+        try:
+            fn(i)
+            code = "OK"
+        except grpc.RpcError as e:
+            code = e.code().name
+        with lock:
+            codes[code] = codes.get(code, 0) + 1
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(json.dumps({"case": case, "code": "|".join(sorted(codes)), "detail": json.dumps(codes)}), flush=True)
+
+
 def main():
     chan = grpc.insecure_channel(ADDR, options=[("grpc.max_send_message_length", 64 << 20)])
     stub = pbg.ParameterServerStub(chan)
@@ -80,25 +102,7 @@ def main():
     call("push_unregistered", stub.PushGradients, chunks(1, 0, [(0, f32([0.0] * n))]), metadata=AUTH)
     call("register", lambda **kw: reg(0, 2))
     # A flood of registrations, concurrent: every one refused, the membership unchanged.
-    codes = {}
-    lock = threading.Lock()
-
-    def flood(i):
-        try:
-            reg(0, 2) if i % 2 == 0 else reg(1, 3)
-            code = "OK"
-        except grpc.RpcError as e:
-            code = e.code().name
-        with lock:
-            codes[code] = codes.get(code, 0) + 1
-
-    threads = [threading.Thread(target=flood, args=(i,)) for i in range(400)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    print(json.dumps({"case": "registration_flood", "code": "|".join(sorted(codes)),
-                      "detail": json.dumps(codes)}), flush=True)
+    flood("registration_flood", 400, lambda i: reg(0, 2) if i % 2 == 0 else reg(1, 3))
 
     # Gradient streams from the registered rank 0, each malformed.
     push = lambda case, parts, rank=0: call(  # noqa: E731
@@ -133,26 +137,10 @@ def main():
         report("stalled_stream", e)
 
     # Many truncated streams at once.
-    codes = {}
+    flood("truncated_flood", 64, lambda i: stub.PushGradients(
+        chunks(0, 0, [(0, f32([0.0] * (n // 3)))]), timeout=TIMEOUT, metadata=AUTH))
 
-    def trunc(i):
-        try:
-            stub.PushGradients(chunks(0, 0, [(0, f32([0.0] * (n // 3)))]), timeout=TIMEOUT, metadata=AUTH)
-            code = "OK"
-        except grpc.RpcError as e:
-            code = e.code().name
-        with lock:
-            codes[code] = codes.get(code, 0) + 1
-
-    threads = [threading.Thread(target=trunc, args=(i,)) for i in range(64)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    print(json.dumps({"case": "truncated_flood", "code": "|".join(sorted(codes)),
-                      "detail": json.dumps(codes)}), flush=True)
-
-    # Garbage bytes on the gRPC port, then a half-open connection that says nothing.
+    # Garbage bytes on the gRPC port.
     host, port = ADDR.rsplit(":", 1)
     s = socket.create_connection((host, int(port)))
     s.sendall(b"\xff" * 4096 + b"GET / HTTP/1.1\r\n\r\n" + bytes(range(256)) * 64)

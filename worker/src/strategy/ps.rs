@@ -93,7 +93,13 @@ fn uri(addr: &str, tls: bool) -> String {
 
 /// A status as a readable error naming the server.
 fn rpc_err(addr: &str, what: &str, s: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{what} at {addr}: {:?}: {}", s.code(), s.message())
+    // A plaintext client talking to a TLS server only ever sees the connection drop.
+    let hint = if s.code() == tonic::Code::Unknown && s.message().contains("transport error") {
+        " (if the server serves TLS, pass --tls-ca)"
+    } else {
+        ""
+    };
+    anyhow::anyhow!("{what} at {addr}: {:?}: {}{hint}", s.code(), s.message())
 }
 
 /// Run `f` with a deadline: sent to the server as grpc-timeout and enforced here too.
