@@ -7,10 +7,12 @@
 //! - [`tuning`]: HTTP/2 and TCP settings for bulk transfers (windows, frame size, chunk
 //!   size), tuned and tonic's defaults side by side, applied to both ends the same way.
 //! - [`auth`]: the token's metadata entry.
+//! - [`tls`]: optional TLS settings for both ends from PEM files.
 //!
 //! Errors are [`Error`].
 
 pub mod auth;
+pub mod tls;
 pub mod tuning;
 pub mod wire;
 
@@ -45,4 +47,22 @@ pub enum Error {
     /// A token that cannot travel as an HTTP header value.
     #[error("the token must be visible ASCII (it travels as an HTTP header)")]
     BadToken,
+    /// A TLS file that cannot be read or is not PEM.
+    #[error("{flag} {}: {why}", path.display())]
+    TlsFile {
+        /// The flag that named it.
+        flag: &'static str,
+        /// The file.
+        path: std::path::PathBuf,
+        /// What was wrong.
+        why: String,
+    },
+    /// TLS settings that do not work together (a key that does not parse or fit).
+    #[error("TLS with {what}: {why}")]
+    Tls {
+        /// Which files.
+        what: String,
+        /// What was wrong.
+        why: String,
+    },
 }

@@ -43,6 +43,78 @@ pub fn decode_into(payload: &[u8], offset: u64, dst: &mut [f32]) -> Result<bool,
     Ok(finite)
 }
 
+/// Reassembles one streamed buffer of exactly `len` values from chunks that must arrive in
+/// order. Pure (no I/O) so the service and the fuzzer run the same code. The destination is
+/// allocated by the caller from the model's real size: nothing a peer declares sizes it.
+#[derive(Debug)]
+pub struct Reassembly<'a> {
+    dst: &'a mut [f32],
+    received: usize,
+    finite: bool,
+    bytes: u64,
+}
+
+/// Why a chunk stream was refused by [`Reassembly`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum StreamError {
+    /// A chunk whose offset is not where the previous one ended.
+    OutOfOrder {
+        /// The chunk's offset, in values.
+        offset: u64,
+        /// The offset expected next.
+        expected: u64,
+    },
+    /// A chunk that is ragged or overruns the buffer.
+    Chunk(Error),
+    /// The stream ended before (or after) the buffer was full.
+    Short {
+        /// Values received.
+        received: u64,
+        /// Values the buffer holds.
+        len: u64,
+    },
+}
+
+impl std::fmt::Display for StreamError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StreamError::OutOfOrder { offset, expected } => write!(
+                f,
+                "chunk at offset {offset} where {expected} was expected (chunks must arrive in order)"
+            ),
+            StreamError::Chunk(e) => write!(f, "{e}"),
+            StreamError::Short { received, len } => write!(f, "{received} values, the range holds {len}"),
+        }
+    }
+}
+
+impl<'a> Reassembly<'a> {
+    /// Reassemble into `dst` (its length is the expected length).
+    pub fn new(dst: &'a mut [f32]) -> Self {
+        Reassembly { dst, received: 0, finite: true, bytes: 0 }
+    }
+
+    /// Add the chunk at `offset` (values). Refuses a gap, an overlap, a ragged or an
+    /// overrunning chunk; nothing is allocated.
+    pub fn push(&mut self, offset: u64, payload: &[u8]) -> Result<(), StreamError> {
+        if offset != self.received as u64 {
+            return Err(StreamError::OutOfOrder { offset, expected: self.received as u64 });
+        }
+        self.finite &= decode_into(payload, offset, self.dst).map_err(StreamError::Chunk)?;
+        self.received += payload.len() / 4;
+        self.bytes += payload.len() as u64;
+        Ok(())
+    }
+
+    /// The stream ended: `Ok((all values finite, payload bytes))` if the buffer is full.
+    pub fn finish(self) -> Result<(bool, u64), StreamError> {
+        if self.received != self.dst.len() {
+            return Err(StreamError::Short { received: self.received as u64, len: self.dst.len() as u64 });
+        }
+        Ok((self.finite, self.bytes))
+    }
+}
+
 /// The chunk boundaries of `len` bytes in chunks of `chunk` bytes (rounded down to whole
 /// values, at least one value).
 pub fn chunks(len: usize, chunk: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
@@ -77,6 +149,24 @@ mod tests {
         assert_eq!(decode_into(&bad, 0, &mut out), Ok(false));
         let inf = encode(&[f32::INFINITY], BytesMut::new());
         assert_eq!(decode_into(&inf, 0, &mut out), Ok(false));
+    }
+
+    #[test]
+    fn reassembles_in_order_only() {
+        let v: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        let b = encode(&v, BytesMut::new());
+        let mut out = vec![0.0; 10];
+        let mut r = Reassembly::new(&mut out);
+        r.push(0, &b[..16]).unwrap();
+        assert_eq!(r.push(0, &b[..16]), Err(StreamError::OutOfOrder { offset: 0, expected: 4 }));
+        assert!(matches!(r.push(4, &[0; 64]), Err(StreamError::Chunk(Error::Overrun { .. }))));
+        r.push(4, &b[16..]).unwrap();
+        assert_eq!(r.finish(), Ok((true, 40)));
+        assert_eq!(out, v);
+        let mut out = vec![0.0; 10];
+        let mut r = Reassembly::new(&mut out);
+        r.push(0, &b[..8]).unwrap();
+        assert_eq!(r.finish(), Err(StreamError::Short { received: 2, len: 10 }));
     }
 
     #[test]

@@ -145,6 +145,12 @@ pub struct ServerArgs {
     /// Serve with tonic's default HTTP/2 windows and frame size (for comparisons).
     #[arg(long)]
     pub default_transport: bool,
+    /// Serve TLS with this certificate chain (PEM); needs --tls-key.
+    #[arg(long, requires = "tls_key", env = "GRADSYNC_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, requires = "tls_cert", env = "GRADSYNC_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
 }
 
 /// A shard's resolved configuration.
@@ -178,6 +184,8 @@ pub struct Config {
     pub metrics: Option<PathBuf>,
     /// Transport settings.
     pub tuning: Tuning,
+    /// TLS, checked (None: plaintext HTTP/2).
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
 }
 
 impl Config {
@@ -198,6 +206,7 @@ impl Config {
             elastic: false,
             metrics: None,
             tuning: Tuning::tuned(),
+            tls: None,
         }
     }
 
@@ -231,6 +240,11 @@ impl Config {
         }
         let mut tuning = if a.default_transport { Tuning::tonic_defaults() } else { Tuning::tuned() };
         tuning.chunk_bytes = a.chunk_bytes;
+        let tls = match (&a.tls_cert, &a.tls_key) {
+            (Some(cert), Some(key)) => Some(gradsync_proto::tls::server(cert, key)?),
+            (None, None) => None,
+            _ => return Err(Error::invalid("--tls-cert/--tls-key", "give both or neither")),
+        };
         Ok(Config {
             sync: a.sync,
             shard: a.shard,
@@ -246,6 +260,7 @@ impl Config {
             elastic: a.elastic,
             metrics: a.metrics.clone(),
             tuning,
+            tls,
         })
     }
 

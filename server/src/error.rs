@@ -17,6 +17,9 @@ pub enum Error {
     /// A core failure: a checkpoint, data or metrics file, a fingerprint.
     #[error(transparent)]
     Core(#[from] gradsync_core::Error),
+    /// A protocol helper refused a value (TLS files, the token).
+    #[error(transparent)]
+    Proto(#[from] gradsync_proto::Error),
     /// Serving failed (binding, HTTP/2).
     #[error("transport: {0}")]
     Transport(#[from] tonic::transport::Error),
@@ -101,7 +104,7 @@ impl Error {
             Error::AlreadyRegistered(_) => Code::AlreadyExists,
             Error::Missing { .. } => Code::Aborted,
             Error::ShuttingDown => Code::Unavailable,
-            Error::Core(_) | Error::Transport(_) => Code::Internal,
+            Error::Core(_) | Error::Transport(_) | Error::Proto(_) => Code::Internal,
         }
     }
 }

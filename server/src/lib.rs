@@ -102,8 +102,11 @@ impl ParamServer {
             state.lock().await.close(&stop_shared);
         };
         let incoming = TcpIncoming::from(listener).with_nodelay(Some(tuning.nodelay));
-        let served = tuning
-            .server()
+        let mut builder = tuning.server();
+        if let Some(tls) = shared.cfg.tls.clone() {
+            builder = builder.tls_config(tls)?;
+        }
+        let served = builder
             .add_service(health)
             .add_service(reflection)
             .add_service(ps)

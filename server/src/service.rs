@@ -63,7 +63,12 @@ impl Service {
         let (rank, base) = (rank_of(first.rank), first.base_version);
         self.state.lock().await.touch(rank)?;
         let mut grad = self.shared.take_buffer();
-        let (mut received, mut finite, mut bytes) = (0u64, true, 0u64);
+        let len = grad.len();
+        let bad = |why: wire::StreamError| Error::BadGradient {
+            rank,
+            why: format!("{why} (this shard's range holds {len} values)"),
+        };
+        let mut asm = wire::Reassembly::new(&mut grad);
         let mut chunk = Some(first);
         while let Some(c) = chunk {
             if rank_of(c.rank) != rank || c.base_version != base {
@@ -73,31 +78,19 @@ impl Service {
                 }
                 .into());
             }
-            if c.offset != received {
-                return Err(Error::BadGradient {
+            asm.push(c.offset, &c.data).map_err(bad)?;
+            // A sender that stops mid-stream must not hold a shard-sized buffer forever.
+            chunk = tokio::time::timeout(self.shared.cfg.worker_timeout, stream.message()).await.map_err(
+                |_| Error::BadGradient {
                     rank,
                     why: format!(
-                        "chunk at offset {} where {} was expected (chunks must arrive in order)",
-                        c.offset, received
+                        "stream stalled for {} s before the range was full",
+                        self.shared.cfg.worker_timeout.as_secs_f64()
                     ),
-                }
-                .into());
-            }
-            finite &= wire::decode_into(&c.data, c.offset, &mut grad).map_err(|e| Error::BadGradient {
-                rank,
-                why: format!("{e} (this shard's range holds {} values)", grad.len()),
-            })?;
-            received += (c.data.len() / 4) as u64;
-            bytes += c.data.len() as u64;
-            chunk = stream.message().await?;
+                },
+            )??;
         }
-        if received != grad.len() as u64 {
-            return Err(Error::BadGradient {
-                rank,
-                why: format!("{received} values, this shard's range holds {}", grad.len()),
-            }
-            .into());
-        }
+        let (finite, bytes) = asm.finish().map_err(bad)?;
         if !finite {
             self.shared.rejected_nonfinite.fetch_add(1, Ordering::Relaxed);
             self.shared.give_buffer(grad);

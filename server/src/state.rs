@@ -108,6 +108,10 @@ pub struct State {
     closing: bool,
 }
 
+/// The largest world size a registration may declare: the barrier walks every expected rank,
+/// so a peer must not be able to make that walk billions long.
+pub const MAX_WORLD: usize = 1 << 16;
+
 /// What a registration tells the worker.
 #[derive(Debug, Clone, Copy)]
 pub struct Registered {
@@ -230,6 +234,11 @@ impl State {
                 server: sh.fingerprint.text.clone(),
                 worker: fingerprint.into(),
             });
+        }
+        if world > MAX_WORLD {
+            return Err(Error::Membership(format!(
+                "world size {world} is above the most supported, {MAX_WORLD}"
+            )));
         }
         if world == 0 || rank >= world {
             return Err(Error::Membership(format!("rank {rank} is not below the world size {world}")));

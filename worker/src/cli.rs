@@ -181,6 +181,12 @@ pub struct PsArgs {
     /// Payload bytes per pushed chunk (default: gradsync's tuned 1 MiB).
     #[arg(long)]
     pub chunk_bytes: Option<usize>,
+    /// Talk TLS to the servers, trusting this CA certificate (PEM).
+    #[arg(long, env = "GRADSYNC_TLS_CA")]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// The name the servers' certificates carry (default: the host in --servers).
+    #[arg(long, requires = "tls_ca")]
+    pub tls_domain: Option<String>,
 }
 
 /// `--mode ddp`.

@@ -1,6 +1,7 @@
 //! Collective communication between the ranks of a DDP run: one small trait, two backends.
 //!
 //! - [`tcp`]: links between ranks (sockets, frames, the handshake), with no reduction math;
+//!   `handshake`: the handshake line and frame header decoded as pure functions (fuzzed);
 //!   `pump`: the full-duplex engines that move frames both ways at once (one thread with
 //!   `poll` for small transfers, a sender thread beside the receiver for large ones).
 //! - [`ring`]: the bandwidth-optimal ring algorithms (reduce-scatter, all-gather, all-reduce)
@@ -14,6 +15,7 @@
 //! bounded by the communicator's timeout, and a dead or silent peer is reported by rank.
 
 mod chain;
+pub(crate) mod handshake;
 pub mod nccl;
 mod pump;
 mod ring;

@@ -13,9 +13,11 @@ use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
 use socket2::SockRef;
 
+pub(crate) use super::handshake::{
+    HeaderError, Hello, MAGIC, Welcome, check_header, read_line, refuse, token_hash, write_line,
+};
 use super::{CommError, Result, Traffic};
 
 /// Tunables of the TCP backend.
@@ -158,25 +160,20 @@ pub(crate) fn write_frame(w: &mut TcpStream, op: Op, vals: &[f32], peer: usize, 
 
 /// Check a frame header from `peer`: it must announce `op` with `expect` values.
 pub(crate) fn parse_header(head: &[u8; 8], op: Op, expect: usize, peer: usize) -> Result<()> {
-    let tag = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
-    let count = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
-    if tag != op as u32 {
-        let theirs = Op::from_tag(tag).map_or_else(|| format!("unknown tag {tag}"), |o| o.name().to_string());
-        return Err(CommError::Protocol {
-            peer,
-            why: format!("sent a {theirs} frame during {} (ranks called different collectives)", op.name()),
-        });
-    }
-    if count != expect {
-        return Err(CommError::Protocol {
-            peer,
-            why: format!(
+    check_header(head, op as u32, expect).map_err(|e| CommError::Protocol {
+        peer,
+        why: match e {
+            HeaderError::Tag(tag) => {
+                let theirs =
+                    Op::from_tag(tag).map_or_else(|| format!("unknown tag {tag}"), |o| o.name().to_string());
+                format!("sent a {theirs} frame during {} (ranks called different collectives)", op.name())
+            }
+            HeaderError::Count(count) => format!(
                 "sent {count} values where {expect} were expected during {} (buffers of different lengths?)",
                 op.name()
             ),
-        });
-    }
-    Ok(())
+        },
+    })
 }
 
 /// Read one frame of exactly `dst.len()` values into `dst`, blocking; returns the payload
@@ -202,113 +199,6 @@ pub(crate) fn add_into(dst: &mut [f32], src: &[f32]) {
     for (d, s) in dst.iter_mut().zip(src) {
         *d += *s;
     }
-}
-
-/// The handshake every connection opens with (to the store and between ranks), one JSON line.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub(crate) struct Hello {
-    /// Always [`MAGIC`].
-    pub magic: String,
-    /// The sender's rank.
-    pub rank: usize,
-    /// The sender's world size.
-    pub world: usize,
-    /// The model the sender trains.
-    pub fingerprint: String,
-    /// FNV-1a hash of the shared token (empty token: no token). Not a cryptographic check: it
-    /// keeps other runs and stray clients out, it does not stop an attacker on the network.
-    pub token: u64,
-    /// Between ranks: the rank the sender believes it is talking to.
-    #[serde(default)]
-    pub to: Option<usize>,
-    /// To the store: where the sender's ring listener is.
-    #[serde(default)]
-    pub addr: Option<SocketAddr>,
-}
-
-/// Identifies gradsync ring traffic and its version.
-pub(crate) const MAGIC: &str = "gradsync-ring/1";
-
-/// The longest handshake line accepted: bounds what a stray client can make a rank read.
-const MAX_LINE: usize = 64 << 10;
-
-/// Hash of a shared token as sent in a [`Hello`].
-pub(crate) fn token_hash(token: Option<&str>) -> u64 {
-    token
-        .unwrap_or("")
-        .bytes()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
-}
-
-/// Write `v` as one JSON line.
-pub(crate) fn write_line<T: Serialize>(s: &mut TcpStream, v: &T) -> io::Result<()> {
-    let mut line = serde_json::to_vec(v).map_err(io::Error::other)?;
-    line.push(b'\n');
-    s.write_all(&line)?;
-    s.flush()
-}
-
-/// Read one JSON line of at most [`MAX_LINE`] bytes. Byte by byte, on purpose: a buffered
-/// reader would swallow the frames a peer may send right after the line.
-pub(crate) fn read_line<T: for<'de> Deserialize<'de>>(mut s: &TcpStream) -> io::Result<T> {
-    let mut line = Vec::new();
-    let mut byte = [0u8; 1];
-    while line.len() < MAX_LINE {
-        match s.read(&mut byte)? {
-            0 => break,
-            _ if byte[0] == b'\n' => {
-                return serde_json::from_slice(&line)
-                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e));
-            }
-            _ => line.push(byte[0]),
-        }
-    }
-    Err(io::Error::new(io::ErrorKind::InvalidData, "no complete handshake line"))
-}
-
-/// The answer to a [`Hello`] between ranks.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(crate) struct Welcome {
-    /// `None` when accepted, else why not.
-    pub refused: Option<String>,
-}
-
-/// Why `h` may not join a ring of `world` ranks training `fingerprint` with `token` (as seen
-/// by rank `me`, or by the store when `me` is `None`). `None` if it may.
-pub(crate) fn refuse(
-    h: &Hello,
-    me: Option<usize>,
-    world: usize,
-    fingerprint: &str,
-    token: u64,
-) -> Option<String> {
-    if h.magic != MAGIC {
-        return Some(format!("not a gradsync ring client (magic '{}', expected '{MAGIC}')", h.magic));
-    }
-    if h.token != token {
-        return Some("wrong ring token (--ring-token / GRADSYNC_RING_TOKEN)".into());
-    }
-    if h.world != world {
-        return Some(format!("world size {} does not match this run's {world}", h.world));
-    }
-    if h.rank >= world {
-        return Some(format!("rank {} is not below the world size {world}", h.rank));
-    }
-    if h.fingerprint != fingerprint {
-        return Some(format!(
-            "model fingerprint '{}' does not match this run's '{fingerprint}'",
-            h.fingerprint
-        ));
-    }
-    if let Some(me) = me {
-        if h.to != Some(me) {
-            return Some(format!("it meant to reach rank {:?}, this is rank {me}", h.to));
-        }
-        if h.rank <= me {
-            return Some(format!("rank {} should be accepted by, not connect to, rank {me}", h.rank));
-        }
-    }
-    None
 }
 
 /// The TCP backend: a full mesh of links (the ring uses the neighbours; rooted collectives

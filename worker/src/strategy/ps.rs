@@ -83,14 +83,24 @@ pub struct PsClient {
     sync: String,
 }
 
-/// `host:port` to `http://host:port`.
-fn uri(addr: &str) -> String {
-    if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") }
+/// `host:port` to `http://host:port` (`https://` with TLS).
+fn uri(addr: &str, tls: bool) -> String {
+    match (addr.contains("://"), tls) {
+        (true, _) => addr.to_string(),
+        (false, false) => format!("http://{addr}"),
+        (false, true) => format!("https://{addr}"),
+    }
 }
 
 /// A status as a readable error naming the server.
 fn rpc_err(addr: &str, what: &str, s: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{what} at {addr}: {:?}: {}", s.code(), s.message())
+    // A plaintext client talking to a TLS server only ever sees the connection drop.
+    let hint = if s.code() == tonic::Code::Unknown && s.message().contains("transport error") {
+        " (if the server serves TLS, pass --tls-ca)"
+    } else {
+        ""
+    };
+    anyhow::anyhow!("{what} at {addr}: {:?}: {}{hint}", s.code(), s.message())
 }
 
 /// Run `f` with a deadline: sent to the server as grpc-timeout and enforced here too.
@@ -122,18 +132,39 @@ impl PsClient {
         timeout: Duration,
         tuning: Tuning,
     ) -> anyhow::Result<Self> {
+        Self::connect_tls(addrs, token, timeout, tuning, None).await
+    }
+
+    /// [`PsClient::connect`], over TLS when `tls` is given (addresses become `https://`).
+    pub async fn connect_tls(
+        addrs: &[String],
+        token: Option<&str>,
+        timeout: Duration,
+        tuning: Tuning,
+        tls: Option<tonic::transport::ClientTlsConfig>,
+    ) -> anyhow::Result<Self> {
         anyhow::ensure!(!addrs.is_empty(), "--servers: give at least one host:port");
         let auth = Auth(token.map(gradsync_proto::auth::bearer).transpose().context("--token")?);
         let shards = try_join_all(addrs.iter().map(|a| {
             let auth = auth.clone();
+            let tls = tls.clone();
             async move {
-                let ep = tuning.endpoint(&uri(a), timeout).with_context(|| format!("--servers: '{a}'"))?;
+                let mut ep = tuning
+                    .endpoint(&uri(a, tls.is_some()), timeout)
+                    .with_context(|| format!("--servers: '{a}'"))?;
+                if let Some(tls) = tls {
+                    ep = ep
+                        .tls_config(tls)
+                        .map_err(|e| anyhow::anyhow!("--tls-ca: {}", gradsync_proto::tls::tls_why(&e)))?;
+                }
                 let ch = tokio::time::timeout(timeout, ep.connect())
                     .await
                     .map_err(|_| {
                         anyhow::anyhow!("connecting to {a}: no answer within {} s", timeout.as_secs_f64())
                     })?
-                    .with_context(|| format!("connecting to {a}"))?;
+                    .map_err(|e| {
+                        anyhow::anyhow!("connecting to {a}: {}", gradsync_proto::tls::tls_why(&e))
+                    })?;
                 let client = ParameterServerClient::with_interceptor(ch, auth)
                     .max_decoding_message_size(tuning.max_message())
                     .max_encoding_message_size(tuning.max_message());
@@ -413,7 +444,12 @@ impl Ps {
             tuning.chunk_bytes = c;
         }
         let client = rt.block_on(async {
-            let mut c = PsClient::connect(&args.servers, args.token.as_deref(), timeout, tuning).await?;
+            let tls = match &args.tls_ca {
+                Some(ca) => Some(gradsync_proto::tls::client(ca, args.tls_domain.as_deref())?),
+                None => None,
+            };
+            let mut c =
+                PsClient::connect_tls(&args.servers, args.token.as_deref(), timeout, tuning, tls).await?;
             c.sync_mode().await?;
             anyhow::Ok(c)
         })?;

@@ -1,0 +1,38 @@
+//! What the server's integration tests share: a `gradsync-server` child that is killed on
+//! drop, started and waited for through its `listening on` line.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// A child process killed (and reaped) on drop.
+pub struct Proc(pub Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Start `gradsync-server` with `args` and wait for its `listening on` line: the process and
+/// its address.
+pub fn start_server(args: &[&std::ffi::OsStr]) -> (Proc, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gradsync-server"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawning gradsync-server");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let proc = Proc(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let line = rx.recv_timeout(Duration::from_secs(60)).expect("server announced itself");
+    let addr = line.trim().strip_prefix("gradsync-server listening on ").expect("listening line").to_string();
+    (proc, addr)
+}
