@@ -490,12 +490,15 @@ impl State {
         }
     }
 
-    /// Elastic mode: drop every registered rank silent for longer than the worker timeout.
+    /// Elastic mode: drop every registered rank silent for longer than the worker timeout. A
+    /// rank whose push the server itself is holding (BSP barrier, SSP bound) is not silent:
+    /// it is waiting for the others.
     pub fn reap(&mut self, sh: &Shared) {
         let now = Instant::now();
         let silent: Vec<usize> = self
             .members
             .iter()
+            .filter(|(r, _)| !self.pending.iter().any(|p| p.rank == **r) && !self.ssp_held.contains_key(r))
             .filter(|(_, m)| now - m.last_seen > sh.cfg.worker_timeout)
             .map(|(r, _)| *r)
             .collect();
