@@ -448,3 +448,68 @@ fn slow_rank_is_validated() {
         assert!(err.contains(want), "--slow-rank {flag}: {err}");
     }
 }
+
+/// A straggler under the parameter server: rank 1 is delayed 40 ms per step. BSP names it in
+/// every update's `waited_for`; SSP names it on the updates that released a held push (and
+/// never names the fast rank); ASP waits for nobody.
+fn straggler_named(sync: &str) -> Vec<ServerApply> {
+    let dir = tmp(&format!("straggler-{}", sync.replace(':', "")));
+    let metrics = dir.join("server.jsonl");
+    let (mut srv, addr) = server(&["--sync", sync, "--metrics", metrics.to_str().unwrap()]);
+    let mut ws: Vec<Proc> =
+        (0..2).map(|r| ps_worker(&addr, r, 8, &["--quiet", "--slow-rank", "1:40"])).collect();
+    for (r, w) in ws.iter_mut().enumerate() {
+        let (code, err, _) = w.finish(Duration::from_secs(60));
+        assert_eq!(code, 0, "rank {r}: {err}");
+    }
+    let (code, log, _) = stop(&mut srv);
+    assert_eq!(code, 0, "{log}");
+    applies(&metrics)
+}
+
+#[test]
+fn bsp_names_the_straggler_in_every_update() {
+    let a = straggler_named("bsp");
+    assert_eq!(a.len(), 8);
+    assert!(a.iter().all(|a| a.waited_for == Some(1)), "{a:?}");
+    // The fast rank's gradient waited about the injected delay for the straggler's.
+    let mean = a.iter().map(|a| a.queue_wait_ms).sum::<f64>() / a.len() as f64;
+    assert!(mean > 20.0, "mean queue wait {mean} ms with a 40 ms straggler");
+}
+
+#[test]
+fn ssp_names_the_straggler_it_held_a_push_for() {
+    let a = straggler_named("ssp:1");
+    assert_eq!(a.len(), 16, "SSP applies every gradient");
+    assert!(a.iter().any(|a| a.waited_for == Some(1)), "{a:?}");
+    assert!(a.iter().all(|a| a.waited_for != Some(0)), "the fast rank is never the straggler: {a:?}");
+}
+
+#[test]
+fn asp_waits_for_nobody() {
+    let a = straggler_named("asp");
+    assert_eq!(a.len(), 16);
+    assert!(a.iter().all(|a| a.waited_for.is_none()), "{a:?}");
+}
+
+#[test]
+fn dp_slow_replica_is_recorded_and_delays_the_step() {
+    let dir = tmp("dp-slow");
+    let m = dir.join("dp.jsonl");
+    let mut cmd = Command::new(WORKER);
+    cmd.args(["train", "--mode", "dp", "--replicas", "2", "--model", "tiny", "--data", DATA])
+        .args(["--device", "cpu", "--threads", "1", "--steps", "3", "--quiet", "--slow-rank", "1:60"])
+        .args(["--metrics", m.to_str().unwrap()])
+        .stdout(Stdio::null());
+    let (code, err, _) = Proc::spawn(&mut cmd).finish(Duration::from_secs(60));
+    assert_eq!(code, 0, "{err}");
+    let text = std::fs::read_to_string(&m).unwrap();
+    let mut recs = text.lines().map(|l| parse_line(l).unwrap());
+    let Some(Record::Header(h)) = recs.next() else { panic!("no header: {text}") };
+    assert_eq!((h.extra.get("slow_rank"), h.extra.get("slow_ms")), (Some(&1.into()), Some(&60.into())));
+    for r in recs {
+        if let Record::Step(s) = r {
+            assert!(s.step_ms >= 60.0, "step {} took {} ms with a 60 ms replica delay", s.step, s.step_ms);
+        }
+    }
+}
