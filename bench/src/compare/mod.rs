@@ -195,6 +195,7 @@ pub fn compare(scenario: &Scenario, bins: &modes::Bins, out: &Path) -> anyhow::R
             model: spec.model.clone(),
             global_batch: spec.global_batch,
             shards: spec.shards,
+            slow_ms: spec.slow_ms,
             status: status.into(),
             error,
             seconds: t.elapsed().as_secs_f64(),

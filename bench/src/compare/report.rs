@@ -52,6 +52,7 @@ pub fn write(
             params: 0,
             rows: vec![],
             runs: vec![],
+            sweep: vec![],
         });
     }
     let mut h = String::new();
@@ -504,6 +505,8 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
         ));
     }
 
+    out.extend(straggler_reading(g));
+
     // Failures.
     let failed: Vec<&Summary> = all.iter().filter(|r| r.status == "failed").collect();
     if !failed.is_empty() {
@@ -522,6 +525,52 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
     let skipped = all.iter().filter(|r| r.status == "skipped").count();
     if skipped > 0 {
         out.push(format!("{skipped} run(s) were skipped; the table below gives each reason."));
+    }
+    out
+}
+
+/// What the straggler sweep says: per series, at its largest delay, the slowdown and the share
+/// of the injected delay the whole job pays per global step, against what the mode's
+/// synchronisation predicts (synchronous modes pay all of it; ASP at most W/(W-1) of the
+/// undelayed step; SSP all of it once the fast ranks reach the staleness bound).
+pub fn straggler_reading(g: &Group) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut paid: Vec<(String, f64)> = Vec::new();
+    for (name, mode, w, k, pts) in g.slowdowns() {
+        let (Some(&(d, slow)), Some(t0)) = (pts.last(), g.undelayed_step_s(mode, w, k)) else { continue };
+        if d <= 0.0 {
+            continue;
+        }
+        let extra_ms = (slow - 1.0) * t0 * 1e3;
+        let share = extra_ms / d;
+        let expect = match mode {
+            "ps-asp" => format!(
+                "asynchronous: the other ranks go on, so the slowdown is bounded by W/(W-1) = {:.2}x",
+                w as f64 / (w as f64 - 1.0).max(1.0)
+            ),
+            "ps-ssp" => "stale-synchronous: the fast ranks run ahead up to the bound, then wait".into(),
+            _ => "synchronous: every step waits for the slowest rank".into(),
+        };
+        out.push(format!(
+            "Straggler, {name}: with one rank {d:.0} ms slower per step, a global step takes {slow:.2}x as long              ({:.1} -> {:.1} ms); the job pays {:.0}% of the injected delay ({expect}).",
+            t0 * 1e3,
+            t0 * 1e3 * slow,
+            100.0 * share
+        ));
+        paid.push((name, share));
+    }
+    if paid.len() > 1 {
+        paid.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let waits: Vec<&str> = paid.iter().filter(|p| p.1 >= 0.8).map(|p| p.0.as_str()).collect();
+        let spared: Vec<&str> = paid.iter().filter(|p| p.1 < 0.5).map(|p| p.0.as_str()).collect();
+        out.push(format!(
+            "At the largest delay, {} absorb(s) the straggler best ({:.0}% of the delay paid); {}              wait(s) for it every step (80% or more paid): {}; less than half paid: {}.",
+            paid[0].0,
+            100.0 * paid[0].1,
+            if waits.is_empty() { "no series" } else { "these" },
+            if waits.is_empty() { "none".to_string() } else { waits.join(", ") },
+            if spared.is_empty() { "none".to_string() } else { spared.join(", ") },
+        ));
     }
     out
 }
