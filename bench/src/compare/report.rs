@@ -574,3 +574,46 @@ pub fn straggler_reading(g: &Group) -> Vec<String> {
     }
     out
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn row(mode: &str, slow_ms: u64, samples_per_s: f64) -> Summary {
+        Summary {
+            id: format!("{mode}-{slow_ms}"),
+            mode: mode.into(),
+            workers: 4,
+            shards: usize::from(mode.starts_with("ps")),
+            model: "mnist".into(),
+            global_batch: 128,
+            samples_per_s: Some(samples_per_s),
+            slow_ms,
+            ..Summary::default()
+        }
+    }
+
+    #[test]
+    fn straggler_reading_measures_the_share_of_the_delay_paid() {
+        // Undelayed: 1000 samples/s, 128 ms per global step. BSP pays the whole 100 ms
+        // (228 ms per step); ASP pays 10 ms of it.
+        let rows = [
+            row("ps-bsp", 0, 1000.0),
+            row("ps-bsp", 100, 128.0 / 0.228),
+            row("ps-asp", 0, 1000.0),
+            row("ps-asp", 100, 128.0 / 0.138),
+            row("ddp-tcp", 0, 1000.0),
+        ];
+        let g = &crate::compare::charts::groups(&rows, &[])[0];
+        assert_eq!(g.rows.len(), 3, "the other charts see only the undelayed runs");
+        let s = g.slowdowns();
+        assert_eq!(s.len(), 2, "ddp-tcp has no delayed run: {s:?}");
+        let text = straggler_reading(g).join("\n");
+        assert!(text.contains("ps-bsp k=1 (4 workers): with one rank 100 ms slower per step, a global step takes 1.78x"), "{text}");
+        assert!(text.contains("pays 100% of the injected delay"), "{text}");
+        assert!(text.contains("pays 10% of the injected delay"), "{text}");
+        assert!(text.contains("ps-asp k=1 (4 workers) absorbs the straggler best"), "{text}");
+        assert!(text.contains("80% or more paid): ps-bsp k=1 (4 workers)."), "{text}");
+    }
+}
