@@ -291,10 +291,12 @@ fn server_killed(sync: &str) {
     let saved = Checkpoint::load(&ck).expect("the last periodic checkpoint");
     assert!(saved.header.step >= 4 && saved.header.step.is_multiple_of(4), "{}", saved.header.step);
 
-    let (mut srv, addr) = server(&["--sync", sync, "--checkpoint", ckf, "--resume", "--metrics"]
-        .into_iter()
-        .chain([dir.join("resumed.jsonl").to_str().unwrap()])
-        .collect::<Vec<_>>());
+    let (mut srv, addr) = server(
+        &["--sync", sync, "--checkpoint", ckf, "--resume", "--metrics"]
+            .into_iter()
+            .chain([dir.join("resumed.jsonl").to_str().unwrap()])
+            .collect::<Vec<_>>(),
+    );
     // No steps: the worker pulls and saves what the server resumed with.
     let pulled = dir.join("pulled.ckpt");
     let mut cmd = Command::new(WORKER);

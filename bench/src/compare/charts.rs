@@ -123,7 +123,13 @@ impl Group<'_> {
                 pts.sort_by(|a, b| a.0.total_cmp(&b.0));
                 (pts.len() > 1).then(|| {
                     let r = v[0];
-                    (format!("{} ({})", Self::series(r), workers(r.workers)), r.mode.as_str(), r.workers, r.shards, pts)
+                    (
+                        format!("{} ({})", Self::series(r), workers(r.workers)),
+                        r.mode.as_str(),
+                        r.workers,
+                        r.shards,
+                        pts,
+                    )
                 })
             })
             .collect()
@@ -348,9 +354,15 @@ impl Charts {
         let series = g.slowdowns();
         let xmax = max_or(g.sweep.iter().map(|r| r.slow_ms as f64), 1.0);
         // The "whole delay paid" lines end at (t0 + xmax) / t0; keep them inside the frame.
-        let full_at_max = series.iter().filter_map(|s| Some(1.0 + xmax / 1e3 / g.undelayed_step_s(s.1, s.2, s.3)?));
-        let ymax = max_or(series.iter().flat_map(|s| s.4.iter().map(|p| p.1)).chain(full_at_max), 1.0).max(1.0) * 1.1;
-        let title = format!("Slowdown against one straggler's injected delay ({}, global batch {})", g.model, g.global_batch);
+        let full_at_max =
+            series.iter().filter_map(|s| Some(1.0 + xmax / 1e3 / g.undelayed_step_s(s.1, s.2, s.3)?));
+        let ymax = max_or(series.iter().flat_map(|s| s.4.iter().map(|p| p.1)).chain(full_at_max), 1.0)
+            .max(1.0)
+            * 1.1;
+        let title = format!(
+            "Slowdown against one straggler's injected delay ({}, global batch {})",
+            g.model, g.global_batch
+        );
         render!(self, format!("slowdown{}", g.suffix), title.clone(), (900, 560), |root| {
             if series.is_empty() {
                 empty(&root, "no series has both an undelayed and a delayed run")?;
@@ -363,9 +375,14 @@ impl Charts {
                     .axis_desc_style(font(14))
                     .y_label_formatter(&|y| format!("{y:.1}x"))
                     .draw()?;
-                c.draw_series(DashedLineSeries::new([(0.0, 1.0), (xmax * 1.05, 1.0)], 8, 6, BLACK.stroke_width(1)))?
-                    .label("no slowdown")
-                    .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
+                c.draw_series(DashedLineSeries::new(
+                    [(0.0, 1.0), (xmax * 1.05, 1.0)],
+                    8,
+                    6,
+                    BLACK.stroke_width(1),
+                ))?
+                .label("no slowdown")
+                .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
                 for (i, (name, mode, w, k, pts)) in series.iter().enumerate() {
                     let col = color(i);
                     if let Some(t0) = g.undelayed_step_s(mode, *w, *k) {
@@ -375,7 +392,9 @@ impl Charts {
                     }
                     c.draw_series(LineSeries::new(pts.clone(), col.stroke_width(2)))?
                         .label(name.clone())
-                        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
+                        .legend(move |(x, y)| {
+                            PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2))
+                        });
                     c.draw_series(pts.iter().map(|&p| Circle::new(p, 4, col.filled())))?;
                 }
                 legend(&mut c, 13, SeriesLabelPosition::UpperLeft)?;

@@ -610,7 +610,12 @@ mod tests {
         let s = g.slowdowns();
         assert_eq!(s.len(), 2, "ddp-tcp has no delayed run: {s:?}");
         let text = straggler_reading(g).join("\n");
-        assert!(text.contains("ps-bsp k=1 (4 workers): with one rank 100 ms slower per step, a global step takes 1.78x"), "{text}");
+        assert!(
+            text.contains(
+                "ps-bsp k=1 (4 workers): with one rank 100 ms slower per step, a global step takes 1.78x"
+            ),
+            "{text}"
+        );
         assert!(text.contains("pays 100% of the injected delay"), "{text}");
         assert!(text.contains("pays 10% of the injected delay"), "{text}");
         assert!(text.contains("ps-asp k=1 (4 workers) absorbs the straggler best"), "{text}");

@@ -259,7 +259,9 @@ impl Scenario {
                         for &k in &shards {
                             for &slow_ms in &self.slow_ms {
                                 let skip = if global_batch % w != 0 {
-                                    Some(format!("global batch {global_batch} does not split over {w} workers"))
+                                    Some(format!(
+                                        "global batch {global_batch} does not split over {w} workers"
+                                    ))
                                 } else if slow_ms > 0 && self.slow_rank >= w {
                                     Some(format!("slow_rank {} is not among {w} workers", self.slow_rank))
                                 } else {
@@ -371,9 +373,13 @@ mod tests {
         )
         .unwrap();
         let r = s.expand();
-        let got: Vec<(&str, u64, bool)> = r.iter().map(|r| (r.mode.label(), r.slow_ms, r.skip.is_some())).collect();
+        let got: Vec<(&str, u64, bool)> =
+            r.iter().map(|r| (r.mode.label(), r.slow_ms, r.skip.is_some())).collect();
         // ps-bsp at 0 and 20 ms; local has one worker, so rank 1 cannot be delayed there.
-        assert_eq!(got, [("ps-bsp", 0, false), ("ps-bsp", 20, false), ("local", 0, false), ("local", 20, true)]);
+        assert_eq!(
+            got,
+            [("ps-bsp", 0, false), ("ps-bsp", 20, false), ("local", 0, false), ("local", 20, true)]
+        );
         assert!(r[1].id.ends_with("-slow20"), "{}", r[1].id);
         assert!(r[3].skip.as_deref().unwrap_or("").contains("slow_rank 1"));
         let e = Scenario::parse(
