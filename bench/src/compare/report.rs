@@ -552,7 +552,8 @@ pub fn straggler_reading(g: &Group) -> Vec<String> {
             _ => "synchronous: every step waits for the slowest rank".into(),
         };
         out.push(format!(
-            "Straggler, {name}: with one rank {d:.0} ms slower per step, a global step takes {slow:.2}x as long              ({:.1} -> {:.1} ms); the job pays {:.0}% of the injected delay ({expect}).",
+            "Straggler, {name}: with one rank {d:.0} ms slower per step, a global step takes {slow:.2}x as \
+             long ({:.1} -> {:.1} ms); the job pays {:.0}% of the injected delay ({expect}).",
             t0 * 1e3,
             t0 * 1e3 * slow,
             100.0 * share
@@ -564,10 +565,12 @@ pub fn straggler_reading(g: &Group) -> Vec<String> {
         let waits: Vec<&str> = paid.iter().filter(|p| p.1 >= 0.8).map(|p| p.0.as_str()).collect();
         let spared: Vec<&str> = paid.iter().filter(|p| p.1 < 0.5).map(|p| p.0.as_str()).collect();
         out.push(format!(
-            "At the largest delay, {} absorb(s) the straggler best ({:.0}% of the delay paid); {}              wait(s) for it every step (80% or more paid): {}; less than half paid: {}.",
+            "At the largest delay, {} absorbs the straggler best ({:.0}% of the delay paid). Waiting for it \
+             every step (80% or more paid): {}. Less than half paid: {}. Where processes outnumber cores, a \
+             sleeping straggler also frees a core for the others, so synchronous modes pay less than the \
+             whole delay.",
             paid[0].0,
             100.0 * paid[0].1,
-            if waits.is_empty() { "no series" } else { "these" },
             if waits.is_empty() { "none".to_string() } else { waits.join(", ") },
             if spared.is_empty() { "none".to_string() } else { spared.join(", ") },
         ));
