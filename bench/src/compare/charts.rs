@@ -109,7 +109,7 @@ impl Group<'_> {
     /// sorted by delay, where the slowdown is the time per global step (global batch over
     /// samples/s) with the delay over the same without it. Series without an undelayed run or
     /// without a delayed one are left out.
-    pub fn slowdowns(&self) -> Vec<(String, &str, usize, usize, Vec<(f64, f64)>)> {
+    pub fn slowdowns(&self) -> Vec<Slowdown<'_>> {
         let mut m: BTreeMap<(usize, usize, usize), Vec<&Summary>> = BTreeMap::new();
         for r in &self.sweep {
             let order = ModeKind::ALL.iter().position(|k| k.label() == r.mode).unwrap_or(99);
@@ -123,13 +123,13 @@ impl Group<'_> {
                 pts.sort_by(|a, b| a.0.total_cmp(&b.0));
                 (pts.len() > 1).then(|| {
                     let r = v[0];
-                    (
-                        format!("{} ({})", Self::series(r), workers(r.workers)),
-                        r.mode.as_str(),
-                        r.workers,
-                        r.shards,
-                        pts,
-                    )
+                    Slowdown {
+                        name: format!("{} ({})", Self::series(r), workers(r.workers)),
+                        mode: r.mode.as_str(),
+                        workers: r.workers,
+                        shards: r.shards,
+                        points: pts,
+                    }
                 })
             })
             .collect()
@@ -155,6 +155,21 @@ impl Group<'_> {
         }
         best.into_values().collect()
     }
+}
+
+/// One series of the straggler sweep.
+#[derive(Debug, Clone)]
+pub struct Slowdown<'a> {
+    /// Legend name: mode, shards, workers.
+    pub name: String,
+    /// Mode label.
+    pub mode: &'a str,
+    /// Workers.
+    pub workers: usize,
+    /// Server shards (0: none).
+    pub shards: usize,
+    /// (injected ms, slowdown), sorted by delay; the first is (0, 1).
+    pub points: Vec<(f64, f64)>,
 }
 
 /// Split the summaries into chart groups (model x global batch), with their runs.
@@ -354,9 +369,10 @@ impl Charts {
         let series = g.slowdowns();
         let xmax = max_or(g.sweep.iter().map(|r| r.slow_ms as f64), 1.0);
         // The "whole delay paid" lines end at (t0 + xmax) / t0; keep them inside the frame.
-        let full_at_max =
-            series.iter().filter_map(|s| Some(1.0 + xmax / 1e3 / g.undelayed_step_s(s.1, s.2, s.3)?));
-        let ymax = max_or(series.iter().flat_map(|s| s.4.iter().map(|p| p.1)).chain(full_at_max), 1.0)
+        let full_at_max = series
+            .iter()
+            .filter_map(|s| Some(1.0 + xmax / 1e3 / g.undelayed_step_s(s.mode, s.workers, s.shards)?));
+        let ymax = max_or(series.iter().flat_map(|s| s.points.iter().map(|p| p.1)).chain(full_at_max), 1.0)
             .max(1.0)
             * 1.1;
         let title = format!(
@@ -383,9 +399,10 @@ impl Charts {
                 ))?
                 .label("no slowdown")
                 .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
-                for (i, (name, mode, w, k, pts)) in series.iter().enumerate() {
+                for (i, s) in series.iter().enumerate() {
+                    let (name, pts) = (&s.name, &s.points);
                     let col = color(i);
-                    if let Some(t0) = g.undelayed_step_s(mode, *w, *k) {
+                    if let Some(t0) = g.undelayed_step_s(s.mode, s.workers, s.shards) {
                         // Waiting for the straggler every step: (t0 + d) / t0.
                         let full = [(0.0, 1.0), (xmax, 1.0 + xmax / 1e3 / t0)];
                         c.draw_series(DashedLineSeries::new(full, 3, 4, col.stroke_width(1)))?;

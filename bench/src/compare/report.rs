@@ -536,8 +536,11 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
 pub fn straggler_reading(g: &Group) -> Vec<String> {
     let mut out = Vec::new();
     let mut paid: Vec<(String, f64)> = Vec::new();
-    for (name, mode, w, k, pts) in g.slowdowns() {
-        let (Some(&(d, slow)), Some(t0)) = (pts.last(), g.undelayed_step_s(mode, w, k)) else { continue };
+    for s in g.slowdowns() {
+        let (name, mode, w) = (s.name, s.mode, s.workers);
+        let (Some(&(d, slow)), Some(t0)) = (s.points.last(), g.undelayed_step_s(mode, w, s.shards)) else {
+            continue;
+        };
         if d <= 0.0 {
             continue;
         }
