@@ -119,11 +119,14 @@ impl Service {
         let mut rx = self.shared.progress.subscribe();
         loop {
             {
-                let st = self.state.lock().await;
+                let mut st = self.state.lock().await;
                 if st.closing() {
+                    st.ssp_hold(rank, &[]);
                     return Err(Error::ShuttingDown);
                 }
-                if st.ssp_blockers(rank, s).is_empty() {
+                let blockers = st.ssp_blockers(rank, s);
+                st.ssp_hold(rank, &blockers);
+                if blockers.is_empty() {
                     return Ok(t.elapsed().as_secs_f64() * 1e3);
                 }
             }
@@ -132,6 +135,7 @@ impl Service {
                 let blockers = st.ssp_blockers(rank, s);
                 let step = st.version() + 1;
                 if !blockers.is_empty() && !self.shared.cfg.elastic {
+                    st.ssp_hold(rank, &[]);
                     return Err(Error::Missing {
                         version: step,
                         ranks: blockers,

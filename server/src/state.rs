@@ -103,6 +103,9 @@ pub struct State {
     members: BTreeMap<usize, Member>,
     departed: BTreeSet<usize>,
     pending: Vec<Pending>,
+    /// SSP: each held push's rank and the slowest rank it is held for, so the update that
+    /// releases it can name the straggler (`waited_for`).
+    ssp_held: BTreeMap<usize, usize>,
     metrics: Option<MetricsWriter>,
     last_checkpoint: u64,
     closing: bool,
@@ -185,6 +188,7 @@ impl State {
             members: BTreeMap::new(),
             departed: BTreeSet::new(),
             pending: Vec::new(),
+            ssp_held: BTreeMap::new(),
             metrics,
             last_checkpoint: version,
             closing: false,
@@ -412,7 +416,9 @@ impl State {
             apply_ms,
             bytes_in: bytes,
             bytes_out: sh.bytes_out.swap(0, Ordering::Relaxed),
-            waited_for: None,
+            // Under SSP, an update from the rank a held push waits for is what the wait
+            // was for: name that straggler.
+            waited_for: self.ssp_held.values().any(|b| *b == rank).then_some(rank),
         };
         self.after_update(sh, rec);
         Ok(Applied { version: self.version, staleness, wait_ms: 0.0 })
@@ -442,6 +448,16 @@ impl State {
             .filter(|r| *r != rank)
             .filter(|r| mine.saturating_sub(self.members.get(r).map_or(0, |m| m.clock)) > s)
             .collect()
+    }
+
+    /// Note that `rank`'s push is held under SSP, for `blockers` (empty: released). The
+    /// slowest blocker is the one whose next update the metrics attribute the wait to.
+    pub fn ssp_hold(&mut self, rank: usize, blockers: &[usize]) {
+        let slowest = blockers.iter().copied().min_by_key(|r| self.members.get(r).map_or(0, |m| m.clock));
+        match slowest {
+            Some(b) => self.ssp_held.insert(rank, b),
+            None => self.ssp_held.remove(&rank),
+        };
     }
 
     /// The BSP step from `base` did not gather every gradient within the worker timeout. With
@@ -483,12 +499,15 @@ impl State {
         }
     }
 
-    /// Elastic mode: drop every registered rank silent for longer than the worker timeout.
+    /// Elastic mode: drop every registered rank silent for longer than the worker timeout. A
+    /// rank whose push the server itself is holding (BSP barrier, SSP bound) is not silent:
+    /// it is waiting for the others.
     pub fn reap(&mut self, sh: &Shared) {
         let now = Instant::now();
         let silent: Vec<usize> = self
             .members
             .iter()
+            .filter(|(r, _)| !self.pending.iter().any(|p| p.rank == **r) && !self.ssp_held.contains_key(r))
             .filter(|(_, m)| now - m.last_seen > sh.cfg.worker_timeout)
             .map(|(r, _)| *r)
             .collect();

@@ -143,6 +143,10 @@ pub struct TrainArgs {
     /// Print nothing but errors.
     #[arg(long, short)]
     pub quiet: bool,
+    /// Inject a straggler: rank R (replica R in DP) sleeps MS milliseconds before every
+    /// step's forward pass. Written as R:MS, e.g. 1:50; recorded in the metrics header.
+    #[arg(long, value_parser = parse_slow_rank, env = "GRADSYNC_SLOW_RANK")]
+    pub slow_rank: Option<SlowRank>,
     /// Distributed-run identity (DDP and PS).
     #[command(flatten)]
     pub dist: DistArgs,
@@ -284,6 +288,41 @@ impl DistArgs {
             .or_else(|| std::env::var("SLURM_LOCALID").ok().and_then(|v| v.parse().ok()))
             .unwrap_or(0)
     }
+}
+
+/// `--slow-rank R:MS`: the rank to delay and by how much per step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlowRank {
+    /// The delayed rank (replica in DP).
+    pub rank: usize,
+    /// Milliseconds of delay before each step's forward pass.
+    pub ms: u64,
+}
+
+impl SlowRank {
+    /// The delay.
+    pub fn delay(self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.ms)
+    }
+
+    /// Refuse a rank that is not in a run of `world` ranks (replicas in DP).
+    pub fn check(self, world: usize) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.rank < world,
+            "--slow-rank {}:{}: rank {} is not below the world size {world}",
+            self.rank,
+            self.ms,
+            self.rank
+        );
+        Ok(())
+    }
+}
+
+fn parse_slow_rank(s: &str) -> Result<SlowRank, String> {
+    let (r, ms) = s.split_once(':').ok_or_else(|| format!("'{s}': expected RANK:MS, e.g. 1:50"))?;
+    let rank = r.trim().parse().map_err(|e| format!("'{s}': rank '{r}': {e}"))?;
+    let ms = ms.trim().parse().map_err(|e| format!("'{s}': milliseconds '{ms}': {e}"))?;
+    Ok(SlowRank { rank, ms })
 }
 
 fn parse_device(s: &str) -> Result<DeviceRequest, String> {

@@ -99,6 +99,9 @@ pub fn train(args: TrainArgs) -> anyhow::Result<Summary> {
         // DP's "world" is its replicas: the loop draws one global batch of replicas x batch.
         run.world = run.args.dp.replicas.unwrap_or(run.world);
     }
+    if let Some(slow) = run.args.slow_rank {
+        slow.check(run.world)?;
+    }
     let strategy: Box<dyn Strategy> = match run.args.mode {
         Mode::Local => Box::new(Local::new(run.sgd, run.trace.clone())),
         Mode::Dp => Box::new(Dp::new(&run)?),
@@ -157,7 +160,12 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
     };
     let start_ms = unix_ms();
     if let Some(m) = metrics.as_mut() {
-        let (variant, extra) = strategy.describe();
+        let (variant, mut extra) = strategy.describe();
+        if let Some(slow) = args.slow_rank {
+            // Charts need the injected delay beside the measured step times.
+            extra.insert("slow_rank".into(), slow.rank.into());
+            extra.insert("slow_ms".into(), slow.ms.into());
+        }
         let host = HostInfo::detect();
         m.write(&Record::Header(Header {
             schema: SCHEMA_VERSION,
@@ -205,6 +213,15 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             run.data.gather(chunk, &mut x, &mut y);
             let mut rec =
                 Step { rank: run.rank, step, epoch, samples: step * global_batch as u64, ..Step::default() };
+            // The injected straggler delay (DP delays its replica inside the strategy).
+            if let Some(slow) = args.slow_rank
+                && slow.rank == run.rank
+                && args.mode != Mode::Dp
+            {
+                let t = Instant::now();
+                std::thread::sleep(slow.delay());
+                run.trace.span("slow-rank delay", "compute", "compute", t);
+            }
             let loss =
                 strategy.step(&mut engine, &x, &y, &mut rec).with_context(|| format!("step {step}"))?;
             rec.step_ms = ms_since(ts);

@@ -56,6 +56,9 @@ pub struct Group<'a> {
     pub rows: Vec<&'a Summary>,
     /// Its runs' metrics.
     pub runs: Vec<&'a RunData>,
+    /// The straggler sweep: every run with figures, delayed or not (`rows` and `runs` hold
+    /// only the undelayed ones, so the other charts compare like with like).
+    pub sweep: Vec<&'a Summary>,
 }
 
 impl Group<'_> {
@@ -102,6 +105,45 @@ impl Group<'_> {
             .collect()
     }
 
+    /// The straggler sweep per series (mode, workers, shards): (injected ms, slowdown) points
+    /// sorted by delay, where the slowdown is the time per global step (global batch over
+    /// samples/s) with the delay over the same without it. Series without an undelayed run or
+    /// without a delayed one are left out.
+    pub fn slowdowns(&self) -> Vec<Slowdown<'_>> {
+        let mut m: BTreeMap<(usize, usize, usize), Vec<&Summary>> = BTreeMap::new();
+        for r in &self.sweep {
+            let order = ModeKind::ALL.iter().position(|k| k.label() == r.mode).unwrap_or(99);
+            m.entry((order, r.workers, r.shards)).or_default().push(r);
+        }
+        m.into_values()
+            .filter_map(|v| {
+                let base = v.iter().find(|r| r.slow_ms == 0)?.samples_per_s?;
+                let mut pts: Vec<(f64, f64)> =
+                    v.iter().filter_map(|r| Some((r.slow_ms as f64, base / r.samples_per_s?))).collect();
+                pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+                (pts.len() > 1).then(|| {
+                    let r = v[0];
+                    Slowdown {
+                        name: format!("{} ({})", Self::series(r), workers(r.workers)),
+                        mode: r.mode.as_str(),
+                        workers: r.workers,
+                        shards: r.shards,
+                        points: pts,
+                    }
+                })
+            })
+            .collect()
+    }
+
+    /// Seconds per global step of an undelayed series, for converting slowdowns to ms.
+    pub fn undelayed_step_s(&self, mode: &str, workers: usize, shards: usize) -> Option<f64> {
+        let r = self
+            .sweep
+            .iter()
+            .find(|r| r.mode == mode && r.workers == workers && r.shards == shards && r.slow_ms == 0)?;
+        Some(r.global_batch as f64 / r.samples_per_s?)
+    }
+
     /// For each mode, its run at the most workers (fewest shards on a tie).
     pub fn widest_per_mode(&self) -> Vec<&RunData> {
         let mut best: BTreeMap<ModeKind, &RunData> = BTreeMap::new();
@@ -113,6 +155,21 @@ impl Group<'_> {
         }
         best.into_values().collect()
     }
+}
+
+/// One series of the straggler sweep.
+#[derive(Debug, Clone)]
+pub struct Slowdown<'a> {
+    /// Legend name: mode, shards, workers.
+    pub name: String,
+    /// Mode label.
+    pub mode: &'a str,
+    /// Workers.
+    pub workers: usize,
+    /// Server shards (0: none).
+    pub shards: usize,
+    /// (injected ms, slowdown), sorted by delay; the first is (0, 1).
+    pub points: Vec<(f64, f64)>,
 }
 
 /// Split the summaries into chart groups (model x global batch), with their runs.
@@ -127,13 +184,17 @@ pub fn groups<'a>(rows: &'a [Summary], runs: &'a [RunData]) -> Vec<Group<'a>> {
     let many = keys.len() > 1;
     keys.into_iter()
         .map(|(model, gb)| {
-            let rows: Vec<&Summary> = rows
+            let sweep: Vec<&Summary> = rows
                 .iter()
                 .filter(|r| r.model == model && r.global_batch == gb && r.samples_per_s.is_some())
                 .collect();
-            let runs =
-                runs.iter().filter(|d| d.header().preset == model && d.header().global_batch == gb).collect();
+            let rows: Vec<&Summary> = sweep.iter().copied().filter(|r| r.slow_ms == 0).collect();
+            let runs = runs
+                .iter()
+                .filter(|d| d.header().preset == model && d.header().global_batch == gb && d.slow_ms() == 0)
+                .collect();
             Group {
+                sweep,
                 suffix: if many { format!("-{model}-b{gb}") } else { String::new() },
                 params: rows.iter().map(|r| r.params).max().unwrap_or(0),
                 model,
@@ -296,6 +357,66 @@ impl Charts {
         self.staleness(g)?;
         self.cost_model(g, link)?;
         self.extrapolation(g, link)?;
+        if g.sweep.iter().any(|r| r.slow_ms > 0) {
+            self.slowdown(g)?;
+        }
+        Ok(())
+    }
+
+    /// The straggler sweep: slowdown of each series against the injected delay, with the
+    /// two bounds that frame it: 1 (nobody waits) and "the whole delay is paid every step".
+    fn slowdown(&mut self, g: &Group) -> anyhow::Result<()> {
+        let series = g.slowdowns();
+        let xmax = max_or(g.sweep.iter().map(|r| r.slow_ms as f64), 1.0);
+        // The "whole delay paid" lines end at (t0 + xmax) / t0; keep them inside the frame.
+        let full_at_max = series
+            .iter()
+            .filter_map(|s| Some(1.0 + xmax / 1e3 / g.undelayed_step_s(s.mode, s.workers, s.shards)?));
+        let ymax = max_or(series.iter().flat_map(|s| s.points.iter().map(|p| p.1)).chain(full_at_max), 1.0)
+            .max(1.0)
+            * 1.1;
+        let title = format!(
+            "Slowdown against one straggler's injected delay ({}, global batch {})",
+            g.model, g.global_batch
+        );
+        render!(self, format!("slowdown{}", g.suffix), title.clone(), (900, 560), |root| {
+            if series.is_empty() {
+                empty(&root, "no series has both an undelayed and a delayed run")?;
+            } else {
+                let mut c = frame(&root, &title, 18, 70).build_cartesian_2d(0f64..xmax * 1.05, 0f64..ymax)?;
+                c.configure_mesh()
+                    .x_desc("injected delay of one rank, ms per step")
+                    .y_desc("time per global step / undelayed")
+                    .label_style(font(13))
+                    .axis_desc_style(font(14))
+                    .y_label_formatter(&|y| format!("{y:.1}x"))
+                    .draw()?;
+                c.draw_series(DashedLineSeries::new(
+                    [(0.0, 1.0), (xmax * 1.05, 1.0)],
+                    8,
+                    6,
+                    BLACK.stroke_width(1),
+                ))?
+                .label("no slowdown")
+                .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
+                for (i, s) in series.iter().enumerate() {
+                    let (name, pts) = (&s.name, &s.points);
+                    let col = color(i);
+                    if let Some(t0) = g.undelayed_step_s(s.mode, s.workers, s.shards) {
+                        // Waiting for the straggler every step: (t0 + d) / t0.
+                        let full = [(0.0, 1.0), (xmax, 1.0 + xmax / 1e3 / t0)];
+                        c.draw_series(DashedLineSeries::new(full, 3, 4, col.stroke_width(1)))?;
+                    }
+                    c.draw_series(LineSeries::new(pts.clone(), col.stroke_width(2)))?
+                        .label(name.clone())
+                        .legend(move |(x, y)| {
+                            PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2))
+                        });
+                    c.draw_series(pts.iter().map(|&p| Circle::new(p, 4, col.filled())))?;
+                }
+                legend(&mut c, 13, SeriesLabelPosition::UpperLeft)?;
+            }
+        });
         Ok(())
     }
 

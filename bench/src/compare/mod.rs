@@ -145,8 +145,10 @@ pub fn compare(scenario: &Scenario, bins: &modes::Bins, out: &Path) -> anyhow::R
     let gpu = !machine.gpus.is_empty();
     let mut outcomes = Vec::new();
     for spec in specs {
-        let skip = (spec.mode == ModeKind::DdpNccl && !gpu)
-            .then(|| "no GPU on this machine (nvidia-smi found none)".to_string());
+        let skip = spec.skip.clone().or_else(|| {
+            (spec.mode == ModeKind::DdpNccl && !gpu)
+                .then(|| "no GPU on this machine (nvidia-smi found none)".to_string())
+        });
         let o = run_spec(scenario, &spec, bins, out, modes::Placement::Loopback, skip, &multi, &overall)?;
         writeln!(outcomes_file, "{}", serde_json::to_string(&o)?)
             .and_then(|_| outcomes_file.flush())
@@ -230,6 +232,7 @@ pub fn run_spec(
         model: spec.model.clone(),
         global_batch: spec.global_batch,
         shards: spec.shards,
+        slow_ms: spec.slow_ms,
         status: status.into(),
         error,
         seconds: t.elapsed().as_secs_f64(),

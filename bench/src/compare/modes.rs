@@ -171,6 +171,10 @@ impl Ctx {
         if let Some(d) = &s.data {
             a.extend(flags([("--data", d.clone())]));
         }
+        if self.spec.slow_ms > 0 {
+            // Every process gets the flag; only the named rank (DP: replica) sleeps.
+            a.extend(flags([("--slow-rank", format!("{}:{}", s.slow_rank, self.spec.slow_ms))]));
+        }
         if s.trace {
             a.extend(flags([("--trace", self.path(&format!("trace-{name}"), "json").display().to_string())]));
         }

@@ -55,6 +55,7 @@ pub fn write(
             params: 0,
             rows: vec![],
             runs: vec![],
+            sweep: vec![],
         });
     }
     let mut h = String::new();
@@ -594,6 +595,8 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
         ));
     }
 
+    out.extend(straggler_reading(g));
+
     // Failures.
     let failed: Vec<&Summary> = all.iter().filter(|r| r.status == "failed").collect();
     if !failed.is_empty() {
@@ -614,4 +617,104 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
         out.push(format!("{skipped} run(s) were skipped; the table below gives each reason."));
     }
     out
+}
+
+/// What the straggler sweep says: per series, at its largest delay, the slowdown and the share
+/// of the injected delay the whole job pays per global step, against what the mode's
+/// synchronisation predicts (synchronous modes pay all of it; ASP at most W/(W-1) of the
+/// undelayed step; SSP all of it once the fast ranks reach the staleness bound).
+pub fn straggler_reading(g: &Group) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut paid: Vec<(String, f64)> = Vec::new();
+    for s in g.slowdowns() {
+        let (name, mode, w) = (s.name, s.mode, s.workers);
+        let (Some(&(d, slow)), Some(t0)) = (s.points.last(), g.undelayed_step_s(mode, w, s.shards)) else {
+            continue;
+        };
+        if d <= 0.0 {
+            continue;
+        }
+        let extra_ms = (slow - 1.0) * t0 * 1e3;
+        let share = extra_ms / d;
+        let expect = match mode {
+            "ps-asp" => format!(
+                "asynchronous: the other ranks go on, so the slowdown is bounded by W/(W-1) = {:.2}x",
+                w as f64 / (w as f64 - 1.0).max(1.0)
+            ),
+            "ps-ssp" => "stale-synchronous: the fast ranks run ahead up to the bound, then wait".into(),
+            _ => "synchronous: every step waits for the slowest rank".into(),
+        };
+        out.push(format!(
+            "Straggler, {name}: with one rank {d:.0} ms slower per step, a global step takes {slow:.2}x as \
+             long ({:.1} -> {:.1} ms); the job pays {:.0}% of the injected delay ({expect}).",
+            t0 * 1e3,
+            t0 * 1e3 * slow,
+            100.0 * share
+        ));
+        paid.push((name, share));
+    }
+    if paid.len() > 1 {
+        paid.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let waits: Vec<&str> = paid.iter().filter(|p| p.1 >= 0.8).map(|p| p.0.as_str()).collect();
+        let spared: Vec<&str> = paid.iter().filter(|p| p.1 < 0.5).map(|p| p.0.as_str()).collect();
+        out.push(format!(
+            "At the largest delay, {} absorbs the straggler best ({:.0}% of the delay paid). Waiting for it \
+             every step (80% or more paid): {}. Less than half paid: {}. Where processes outnumber cores, a \
+             sleeping straggler also frees a core for the others, so synchronous modes pay less than the \
+             whole delay.",
+            paid[0].0,
+            100.0 * paid[0].1,
+            if waits.is_empty() { "none".to_string() } else { waits.join(", ") },
+            if spared.is_empty() { "none".to_string() } else { spared.join(", ") },
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn row(mode: &str, slow_ms: u64, samples_per_s: f64) -> Summary {
+        Summary {
+            id: format!("{mode}-{slow_ms}"),
+            mode: mode.into(),
+            workers: 4,
+            shards: usize::from(mode.starts_with("ps")),
+            model: "mnist".into(),
+            global_batch: 128,
+            samples_per_s: Some(samples_per_s),
+            slow_ms,
+            ..Summary::default()
+        }
+    }
+
+    #[test]
+    fn straggler_reading_measures_the_share_of_the_delay_paid() {
+        // Undelayed: 1000 samples/s, 128 ms per global step. BSP pays the whole 100 ms
+        // (228 ms per step); ASP pays 10 ms of it.
+        let rows = [
+            row("ps-bsp", 0, 1000.0),
+            row("ps-bsp", 100, 128.0 / 0.228),
+            row("ps-asp", 0, 1000.0),
+            row("ps-asp", 100, 128.0 / 0.138),
+            row("ddp-tcp", 0, 1000.0),
+        ];
+        let g = &crate::compare::charts::groups(&rows, &[])[0];
+        assert_eq!(g.rows.len(), 3, "the other charts see only the undelayed runs");
+        let s = g.slowdowns();
+        assert_eq!(s.len(), 2, "ddp-tcp has no delayed run: {s:?}");
+        let text = straggler_reading(g).join("\n");
+        assert!(
+            text.contains(
+                "ps-bsp k=1 (4 workers): with one rank 100 ms slower per step, a global step takes 1.78x"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("pays 100% of the injected delay"), "{text}");
+        assert!(text.contains("pays 10% of the injected delay"), "{text}");
+        assert!(text.contains("ps-asp k=1 (4 workers) absorbs the straggler best"), "{text}");
+        assert!(text.contains("80% or more paid): ps-bsp k=1 (4 workers)."), "{text}");
+    }
 }

@@ -64,6 +64,9 @@ pub struct Outcome {
     pub global_batch: usize,
     /// Server shards (0: none).
     pub shards: usize,
+    /// Injected straggler delay, ms per step (0: none).
+    #[serde(default)]
+    pub slow_ms: u64,
     /// `ok`, `stopped` (time budget), `failed` or `skipped`.
     pub status: String,
     /// Why it failed or was skipped.
@@ -120,6 +123,11 @@ impl RunData {
             }
         }
         by_step.into_iter().map(|(k, (l, n, w))| (k, l / n as f64, w)).collect()
+    }
+
+    /// The injected straggler delay (`--slow-rank`), ms per step, from the workers' header.
+    pub fn slow_ms(&self) -> u64 {
+        self.header().extra.get("slow_ms").and_then(serde_json::Value::as_u64).unwrap_or(0)
     }
 
     /// Staleness values seen: the workers' per-step figures, else the servers' per-gradient
@@ -193,6 +201,8 @@ pub struct Summary {
     pub staleness_max: Option<u64>,
     /// Wall-clock seconds of the training loop (longest rank).
     pub train_s: Option<f64>,
+    /// Injected straggler delay of one rank, ms per step (0: none).
+    pub slow_ms: u64,
 }
 
 fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
@@ -282,6 +292,7 @@ impl Summary {
                 .iter()
                 .filter_map(|f| f.steps.last().map(|s| s.wall_ms / 1e3))
                 .reduce(f64::max),
+            slow_ms: run.slow_ms(),
         }
     }
 
@@ -297,6 +308,7 @@ impl Summary {
             batch: o.global_batch / o.workers.max(1),
             status: o.status.clone(),
             error: o.error.clone().unwrap_or_default(),
+            slow_ms: o.slow_ms,
             ..Summary::default()
         }
     }

@@ -159,6 +159,13 @@ pub struct Scenario {
     /// Seconds of raw TCP bandwidth measurement.
     #[serde(default = "rawtcp")]
     pub rawtcp_s: f64,
+    /// Straggler sweep: every run is repeated with `slow_rank` delayed by each of these
+    /// milliseconds per step (`--slow-rank`); 0 is the undelayed run. Default `[0]`: no sweep.
+    #[serde(default = "no_delay")]
+    pub slow_ms: Vec<u64>,
+    /// The rank (DP: replica) the sweep delays.
+    #[serde(default)]
+    pub slow_rank: usize,
 }
 
 fn one() -> Vec<usize> {
@@ -187,6 +194,9 @@ fn timeout() -> f64 {
 }
 fn rawtcp() -> f64 {
     1.0
+}
+fn no_delay() -> Vec<u64> {
+    vec![0]
 }
 
 impl Scenario {
@@ -218,6 +228,7 @@ impl Scenario {
         nonempty("models", self.models.len())?;
         nonempty("batches", self.batches.len())?;
         nonempty("shards", self.shards.len())?;
+        nonempty("slow_ms", self.slow_ms.len())?;
         for (name, v) in [("workers", &self.workers), ("batches", &self.batches), ("shards", &self.shards)] {
             anyhow::ensure!(v.iter().all(|&x| x > 0), "`{name}` must hold positive numbers, not {v:?}");
         }
@@ -246,28 +257,36 @@ impl Scenario {
                     for &w in &workers {
                         let shards: Vec<usize> = if mode.is_ps() { self.shards.clone() } else { vec![0] };
                         for &k in &shards {
-                            let skip = if global_batch % w != 0 {
-                                Some(format!("global batch {global_batch} does not split over {w} workers"))
-                            } else {
-                                None
-                            };
-                            let id = format!(
-                                "{:03}-{}-w{w}-{}-b{global_batch}{}",
-                                out.len() + 1,
-                                mode.label(),
-                                sanitize(model),
-                                if k > 0 { format!("-k{k}") } else { String::new() }
-                            );
-                            out.push(RunSpec {
-                                id,
-                                mode,
-                                workers: w,
-                                model: model.clone(),
-                                global_batch,
-                                batch: (global_batch / w).max(1),
-                                shards: k,
-                                skip,
-                            });
+                            for &slow_ms in &self.slow_ms {
+                                let skip = if global_batch % w != 0 {
+                                    Some(format!(
+                                        "global batch {global_batch} does not split over {w} workers"
+                                    ))
+                                } else if slow_ms > 0 && self.slow_rank >= w {
+                                    Some(format!("slow_rank {} is not among {w} workers", self.slow_rank))
+                                } else {
+                                    None
+                                };
+                                let id = format!(
+                                    "{:03}-{}-w{w}-{}-b{global_batch}{}{}",
+                                    out.len() + 1,
+                                    mode.label(),
+                                    sanitize(model),
+                                    if k > 0 { format!("-k{k}") } else { String::new() },
+                                    if slow_ms > 0 { format!("-slow{slow_ms}") } else { String::new() }
+                                );
+                                out.push(RunSpec {
+                                    id,
+                                    mode,
+                                    workers: w,
+                                    model: model.clone(),
+                                    global_batch,
+                                    batch: (global_batch / w).max(1),
+                                    shards: k,
+                                    slow_ms,
+                                    skip,
+                                });
+                            }
                         }
                     }
                 }
@@ -299,6 +318,9 @@ pub struct RunSpec {
     pub batch: usize,
     /// Server shards (0 when the mode has none).
     pub shards: usize,
+    /// Milliseconds the scenario's `slow_rank` is delayed per step (0: none).
+    #[serde(default)]
+    pub slow_ms: u64,
     /// Why the run is not started, when it cannot be.
     pub skip: Option<String>,
 }
@@ -340,6 +362,32 @@ mod tests {
         )
         .unwrap_err();
         assert!(format!("{e:#}").contains("huge"), "{e:#}");
+    }
+
+    #[test]
+    fn straggler_sweep_crosses_every_run_with_each_delay() {
+        let s = Scenario::parse(
+            "name='x'\nmodes=['ps-bsp','local']\nworkers=[2]\nmodels=['tiny']\nbatches=[8]\nsteps=1\n\
+             slow_ms=[0,20]\nslow_rank=1",
+            "t",
+        )
+        .unwrap();
+        let r = s.expand();
+        let got: Vec<(&str, u64, bool)> =
+            r.iter().map(|r| (r.mode.label(), r.slow_ms, r.skip.is_some())).collect();
+        // ps-bsp at 0 and 20 ms; local has one worker, so rank 1 cannot be delayed there.
+        assert_eq!(
+            got,
+            [("ps-bsp", 0, false), ("ps-bsp", 20, false), ("local", 0, false), ("local", 20, true)]
+        );
+        assert!(r[1].id.ends_with("-slow20"), "{}", r[1].id);
+        assert!(r[3].skip.as_deref().unwrap_or("").contains("slow_rank 1"));
+        let e = Scenario::parse(
+            "name='x'\nmodes=['dp']\nworkers=[1]\nmodels=['tiny']\nbatches=[8]\nsteps=1\nslow_ms=[]",
+            "t",
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("slow_ms"), "{e:#}");
     }
 
     #[test]

@@ -29,6 +29,8 @@ pub struct Dp {
     sum: Vec<f32>,
     tmp: Vec<f32>,
     params: Vec<f32>,
+    /// `--slow-rank`: the replica to delay and its delay.
+    slow: Option<(usize, std::time::Duration)>,
 }
 
 /// How many CUDA devices can be used (ordinals 0.. that open).
@@ -58,6 +60,7 @@ impl Dp {
             sum: Vec::new(),
             tmp: Vec::new(),
             params: Vec::new(),
+            slow: run.args.slow_rank.map(|s| (s.rank, s.delay())),
         })
     }
 }
@@ -98,7 +101,13 @@ impl Strategy for Dp {
         // Scatter: replica k takes rows k*rows..(k+1)*rows and runs forward and backward on
         // its own thread.
         let results: Vec<anyhow::Result<(BatchLoss, f64, f64)>> = std::thread::scope(|s| {
-            let work = |e: &mut Engine, k: usize| -> anyhow::Result<(BatchLoss, f64, f64)> {
+            let slow = self.slow;
+            let work = move |e: &mut Engine, k: usize| -> anyhow::Result<(BatchLoss, f64, f64)> {
+                if let Some((r, d)) = slow
+                    && r == k
+                {
+                    std::thread::sleep(d);
+                }
                 let (xs, ys) = (&x[k * rows * dim..(k + 1) * rows * dim], &y[k * rows..(k + 1) * rows]);
                 let (loss, f) = timed(e, |e| e.forward(xs, ys, true))?;
                 let ((), b) = timed(e, |e| e.backward(false))?;
