@@ -193,8 +193,18 @@ pub fn run(a: &StepArgs) -> anyhow::Result<()> {
         }
     }
     let mut table = Table::new(&[
-        "model", "batch", "device", "threads", "impl", "ms/step", "fwd ms", "bwd ms", "upd ms", "GFLOP/s",
-        "% FP32 peak", "vs torch",
+        "model",
+        "batch",
+        "device",
+        "threads",
+        "impl",
+        "ms/step",
+        "fwd ms",
+        "bwd ms",
+        "upd ms",
+        "GFLOP/s",
+        "% FP32 peak",
+        "vs torch",
     ]);
     let mut figures = Vec::new();
     for m in &a.model {

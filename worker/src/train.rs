@@ -105,9 +105,9 @@ pub fn train(args: TrainArgs) -> anyhow::Result<Summary> {
     let strategy: Box<dyn Strategy> = match run.args.mode {
         Mode::Local => Box::new(Local::new(run.sgd, run.trace.clone())),
         Mode::Dp => Box::new(Dp::new(&run)?),
-        Mode::Ps => {
-            Box::new(Ps::new(&run.args.ps, run.rank, run.world, run.fingerprint().text)?.with_trace(run.trace.clone()))
-        }
+        Mode::Ps => Box::new(
+            Ps::new(&run.args.ps, run.rank, run.world, run.fingerprint().text)?.with_trace(run.trace.clone()),
+        ),
         Mode::Ddp => Box::new(Ddp::connect(&run)?),
     };
     run_loop(&run, strategy)

@@ -18,9 +18,9 @@ use anyhow::Context;
 use bytes::Bytes;
 use futures_util::future::try_join_all;
 use gradsync_core::Engine;
-use gradsync_core::trace::Trace;
 use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
+use gradsync_core::trace::Trace;
 use gradsync_proto::pb::parameter_server_client::ParameterServerClient;
 use gradsync_proto::pb::{
     DeregisterRequest, GradientChunk, HeartbeatRequest, PullRequest, RegisterRequest, VersionRequest,
