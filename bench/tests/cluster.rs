@@ -201,6 +201,7 @@ fn plan(c: &Cluster, mode: ModeKind, workers: usize, steps: u64, dir: &Path) -> 
             global_batch: 16 * workers,
             batch: 16,
             shards: usize::from(mode.is_ps()),
+            slow_ms: 0,
             skip: None,
         },
         dir: dir.to_path_buf(),
