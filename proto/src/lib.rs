@@ -4,6 +4,8 @@
 //! # Layout
 //! - [`pb`]: the generated messages, client and server of `gradsync.ps.v1`.
 //! - [`wire`]: f32 buffers to and from chunk payloads (little-endian, one pass), chunking.
+//! - [`frames`]: gRPC messages straight over HTTP/2 frames for the bulk RPCs, without the
+//!   codec's copies (same wire format).
 //! - [`tuning`]: HTTP/2 and TCP settings for bulk transfers (windows, frame size, chunk
 //!   size), tuned and tonic's defaults side by side, applied to both ends the same way.
 //! - [`auth`]: the token's metadata entry.
@@ -12,6 +14,7 @@
 //! Errors are [`Error`].
 
 pub mod auth;
+pub mod frames;
 pub mod tls;
 pub mod tuning;
 pub mod wire;

@@ -8,6 +8,8 @@
 //!   own header, poll and wake-up; a larger frame cuts that per-byte overhead.
 //! - `TCP_NODELAY` keeps the small control frames (window updates, trailers) from waiting
 //!   behind Nagle's algorithm.
+//! - The bulk RPCs go straight over HTTP/2 frames ([`crate::frames`]), skipping the two
+//!   copies tonic's codec makes of every message.
 //! - Chunks of about 1 MiB: large enough that per-message costs vanish, small enough that
 //!   decoding one overlaps the arrival of the next and no chunk nears the 4 MiB default
 //!   message limit.
@@ -36,6 +38,9 @@ pub struct Tuning {
     pub nodelay: bool,
     /// Payload bytes per chunk message.
     pub chunk_bytes: usize,
+    /// PushGradients and PullParameters framed by [`crate::frames`] (no codec copies) rather
+    /// than by tonic's codec. The wire format is the same either way.
+    pub direct: bool,
 }
 
 impl Tuning {
@@ -49,7 +54,14 @@ impl Tuning {
             adaptive_window: false,
             nodelay: true,
             chunk_bytes: 1 << 20,
+            direct: true,
         }
+    }
+
+    /// The tuned windows and frames, but the bulk RPCs through tonic's codec: what gradsync
+    /// used before [`crate::frames`], kept as the benchmark's middle row.
+    pub const fn tonic_codec() -> Self {
+        Tuning { name: "tuned-codec", direct: false, ..Tuning::tuned() }
     }
 
     /// tonic's defaults (64 KiB windows, 16 KiB frames), with the same chunking: the baseline
@@ -63,6 +75,7 @@ impl Tuning {
             adaptive_window: false,
             nodelay: true,
             chunk_bytes: 1 << 20,
+            direct: false,
         }
     }
 

@@ -8,12 +8,15 @@
 //!   with no transport (what a push, a timeout or a departure does).
 //! - [`service`]: the gRPC edge: chunk streams in and out, the token interceptor, errors to
 //!   statuses.
+//! - [`direct`]: PushGradients and PullParameters served straight from HTTP/2 frames (no
+//!   codec copies), in front of the generated service.
 //! - [`error`]: the crate's [`Error`].
 //!
 //! [`ParamServer::serve`] takes a bound listener and a shutdown future; `main.rs` only parses
 //! flags, binds and prints the `listening on` line.
 
 pub mod config;
+pub mod direct;
 pub mod error;
 pub mod service;
 pub mod state;
@@ -73,7 +76,7 @@ impl ParamServer {
         let ps = ParameterServerServer::new(svc.clone())
             .max_decoding_message_size(tuning.max_message())
             .max_encoding_message_size(tuning.max_message());
-        let ps = InterceptedService::new(ps, service::auth(shared.cfg.token.as_deref().map(Arc::from)));
+        let auth = service::auth(shared.cfg.token.as_deref().map(Arc::from));
 
         // Elastic runs drop silent workers even when nobody is waiting on them yet.
         let reaper = {
@@ -106,12 +109,13 @@ impl ParamServer {
         if let Some(tls) = shared.cfg.tls.clone() {
             builder = builder.tls_config(tls)?;
         }
-        let served = builder
-            .add_service(health)
-            .add_service(reflection)
-            .add_service(ps)
-            .serve_with_incoming_shutdown(incoming, signal)
-            .await;
+        let router = builder.add_service(health).add_service(reflection);
+        let router = if tuning.direct {
+            router.add_service(InterceptedService::new(direct::Direct::new(svc.clone(), ps), auth))
+        } else {
+            router.add_service(InterceptedService::new(ps, auth))
+        };
+        let served = router.serve_with_incoming_shutdown(incoming, signal).await;
         reaper.abort();
         let mut st = svc.state.lock().await;
         let ck = if shared.cfg.checkpoint.is_some() { st.checkpoint(&shared) } else { Ok(()) };

@@ -6,6 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use bytes::Bytes;
+use gradsync_proto::frames::Incoming;
 use gradsync_proto::pb::parameter_server_server::ParameterServer;
 use gradsync_proto::pb::{
     DeregisterReply, DeregisterRequest, GradientChunk, HeartbeatReply, HeartbeatRequest, ParameterChunk,
@@ -54,7 +56,7 @@ impl Service {
     /// base version, buffer and payload bytes.
     async fn receive(
         &self,
-        mut stream: Streaming<GradientChunk>,
+        mut stream: Incoming<GradientChunk>,
     ) -> Result<(usize, u64, Vec<f32>, u64), Status> {
         let first = stream
             .message()
@@ -146,6 +148,38 @@ impl Service {
             }
         }
     }
+
+    /// PushGradients, whichever framing delivered the chunks.
+    pub(crate) async fn push(&self, chunks: Incoming<GradientChunk>) -> Result<PushReply, Status> {
+        let (rank, base, grad, bytes) = self.receive(chunks).await?;
+        let applied = match self.shared.cfg.sync {
+            SyncMode::Bsp => self.push_bsp(rank, base, grad, bytes).await?,
+            SyncMode::Asp => {
+                self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??
+            }
+            SyncMode::Ssp(s) => {
+                let mut a =
+                    self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??;
+                a.wait_ms = self.ssp_wait(rank, s).await?;
+                a
+            }
+        };
+        Ok(PushReply { version: applied.version, staleness: applied.staleness, wait_ms: applied.wait_ms })
+    }
+
+    /// PullParameters: the version and the encoded parameters every chunk is a slice of.
+    pub(crate) async fn snapshot(&self, rank: usize) -> Result<(u64, Bytes), Status> {
+        let (version, bytes) = self
+            .with_state(move |st, _| {
+                // Pulls from outside the run (monitoring) are allowed; a member's counts as a
+                // sign of life.
+                let _ = st.touch(rank);
+                st.snapshot()
+            })
+            .await?;
+        self.shared.bytes_out.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        Ok((version, bytes))
+    }
 }
 
 type ChunkStream = Pin<Box<dyn Stream<Item = Result<ParameterChunk, Status>> + Send + 'static>>;
@@ -173,39 +207,13 @@ impl ParameterServer for Service {
         &self,
         req: Request<Streaming<GradientChunk>>,
     ) -> Result<Response<PushReply>, Status> {
-        let (rank, base, grad, bytes) = self.receive(req.into_inner()).await?;
-        let applied = match self.shared.cfg.sync {
-            SyncMode::Bsp => self.push_bsp(rank, base, grad, bytes).await?,
-            SyncMode::Asp => {
-                self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??
-            }
-            SyncMode::Ssp(s) => {
-                let mut a =
-                    self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??;
-                a.wait_ms = self.ssp_wait(rank, s).await?;
-                a
-            }
-        };
-        Ok(Response::new(PushReply {
-            version: applied.version,
-            staleness: applied.staleness,
-            wait_ms: applied.wait_ms,
-        }))
+        Ok(Response::new(self.push(Incoming::Codec(req.into_inner())).await?))
     }
 
     type PullParametersStream = ChunkStream;
 
     async fn pull_parameters(&self, req: Request<PullRequest>) -> Result<Response<ChunkStream>, Status> {
-        let rank = rank_of(req.into_inner().rank);
-        let (version, bytes) = self
-            .with_state(move |st, _| {
-                // Pulls from outside the run (monitoring) are allowed; a member's counts as a
-                // sign of life.
-                let _ = st.touch(rank);
-                st.snapshot()
-            })
-            .await?;
-        self.shared.bytes_out.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        let (version, bytes) = self.snapshot(rank_of(req.into_inner().rank)).await?;
         let chunk = self.shared.cfg.tuning.chunk_bytes;
         let chunks: Vec<_> = wire::chunks(bytes.len(), chunk)
             .map(move |r| Ok(ParameterChunk { version, offset: (r.start / 4) as u64, data: bytes.slice(r) }))

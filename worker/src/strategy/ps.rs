@@ -21,9 +21,11 @@ use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
 use gradsync_core::trace::Trace;
+use gradsync_proto::frames::{self, Frames, Incoming};
 use gradsync_proto::pb::parameter_server_client::ParameterServerClient;
 use gradsync_proto::pb::{
-    DeregisterRequest, GradientChunk, HeartbeatRequest, PullRequest, RegisterRequest, VersionRequest,
+    DeregisterRequest, GradientChunk, HeartbeatRequest, PullRequest, PushReply, RegisterRequest,
+    VersionRequest,
 };
 use gradsync_proto::tuning::Tuning;
 use gradsync_proto::wire;
@@ -54,6 +56,8 @@ type Client = ParameterServerClient<InterceptedService<Channel, Auth>>;
 struct Shard {
     addr: String,
     client: Client,
+    /// The same connection, for the bulk RPCs sent straight as HTTP/2 frames.
+    channel: Channel,
     /// Its range of the flat buffer (known once registered).
     range: Range<usize>,
     /// Version of the parameters last pulled from it.
@@ -78,6 +82,11 @@ pub struct PsClient {
     shards: Vec<Shard>,
     timeout: Duration,
     chunk_bytes: usize,
+    /// Bulk RPCs through [`frames`] rather than tonic's codec ([`Tuning::direct`]).
+    direct: bool,
+    /// The largest message accepted, bytes.
+    limit: usize,
+    auth: Auth,
     rank: u32,
     total: usize,
     sync: String,
@@ -165,10 +174,17 @@ impl PsClient {
                     .map_err(|e| {
                         anyhow::anyhow!("connecting to {a}: {}", gradsync_proto::tls::tls_why(&e))
                     })?;
-                let client = ParameterServerClient::with_interceptor(ch, auth)
+                let client = ParameterServerClient::with_interceptor(ch.clone(), auth)
                     .max_decoding_message_size(tuning.max_message())
                     .max_encoding_message_size(tuning.max_message());
-                anyhow::Ok(Shard { addr: a.clone(), client, range: 0..0, version: 0, spare: None })
+                anyhow::Ok(Shard {
+                    addr: a.clone(),
+                    client,
+                    channel: ch,
+                    range: 0..0,
+                    version: 0,
+                    spare: None,
+                })
             }
         }))
         .await?;
@@ -176,6 +192,9 @@ impl PsClient {
             shards,
             timeout,
             chunk_bytes: tuning.chunk_bytes,
+            direct: tuning.direct,
+            limit: tuning.max_message(),
+            auth,
             rank: 0,
             total: 0,
             sync: String::new(),
@@ -263,29 +282,51 @@ impl PsClient {
             self.total
         );
         let (timeout, chunk, rank) = (self.timeout, self.chunk_bytes, self.rank);
+        let (direct, limit, auth) = (self.direct, self.limit, &self.auth);
         let replies = try_join_all(self.shards.iter_mut().map(|s| {
             let buf = wire::encode(&grads[s.range.clone()], wire::reclaim(s.spare.take()));
             s.spare = Some(buf.clone());
             let base = s.version;
-            let chunks: Vec<GradientChunk> = wire::chunks(buf.len(), chunk)
-                .map(|r| GradientChunk {
+            let bytes = buf.len() as u64;
+            // Each chunk: its header fields, and its payload as a zero-copy slice of `buf`.
+            let chunks = wire::chunks(buf.len(), chunk).map(move |r| {
+                let head = GradientChunk {
                     rank,
                     base_version: base,
                     offset: (r.start / 4) as u64,
-                    data: buf.slice(r),
-                })
-                .collect();
-            let bytes = buf.len() as u64;
+                    data: Bytes::new(),
+                };
+                (head, buf.slice(r))
+            });
             async move {
-                let stream = tokio_stream_iter(chunks);
-                let r = deadline(
-                    timeout,
-                    &s.addr,
-                    "PushGradients",
-                    s.client.push_gradients(request(stream, timeout)),
-                )
-                .await?
-                .into_inner();
+                let r = if direct {
+                    let mut body = Frames::new();
+                    for (head, data) in chunks {
+                        for part in frames::payload_message(&head, 4, data) {
+                            body.data(part);
+                        }
+                    }
+                    let fut = async {
+                        let mut replies = call(&mut s.channel, auth, PUSH, timeout, body, limit).await?;
+                        let r = replies.message::<PushReply>().await?;
+                        match (r, replies.message::<PushReply>().await?) {
+                            (Some(r), None) => Ok(r),
+                            _ => Err(tonic::Status::internal("PushGradients must answer one PushReply")),
+                        }
+                    };
+                    deadline(timeout, &s.addr, "PushGradients", fut).await?
+                } else {
+                    let chunks: Vec<GradientChunk> =
+                        chunks.map(|(head, data)| GradientChunk { data, ..head }).collect();
+                    deadline(
+                        timeout,
+                        &s.addr,
+                        "PushGradients",
+                        s.client.push_gradients(request(tokio_stream_iter(chunks), timeout)),
+                    )
+                    .await?
+                    .into_inner()
+                };
                 anyhow::Ok((r, bytes))
             }
         }))
@@ -307,6 +348,7 @@ impl PsClient {
             self.total
         );
         let (timeout, rank) = (self.timeout, self.rank);
+        let (direct, limit, auth) = (self.direct, self.limit, &self.auth);
         // Split the buffer into each shard's disjoint slice (ranges are contiguous, in order).
         let mut rest = params;
         let mut slices = Vec::with_capacity(self.shards.len());
@@ -317,8 +359,14 @@ impl PsClient {
         }
         let got = try_join_all(self.shards.iter_mut().zip(slices).map(|(s, dst)| async move {
             let fut = async {
-                let mut stream =
-                    s.client.pull_parameters(request(PullRequest { rank }, timeout)).await?.into_inner();
+                let mut stream = if direct {
+                    let mut body = Frames::new();
+                    body.data(frames::message(&PullRequest { rank }));
+                    Incoming::Direct(call(&mut s.channel, auth, PULL, timeout, body, limit).await?)
+                } else {
+                    let r = s.client.pull_parameters(request(PullRequest { rank }, timeout)).await?;
+                    Incoming::Codec(r.into_inner())
+                };
                 let (mut received, mut version) = (0u64, None);
                 while let Some(c) = stream.message().await? {
                     if *version.get_or_insert(c.version) != c.version || c.offset != received {
@@ -384,6 +432,7 @@ impl PsClient {
                 .map(|s| Shard {
                     addr: s.addr.clone(),
                     client: s.client.clone(),
+                    channel: s.channel.clone(),
                     range: s.range.clone(),
                     version: s.version,
                     spare: None,
@@ -391,11 +440,44 @@ impl PsClient {
                 .collect(),
             timeout: self.timeout,
             chunk_bytes: self.chunk_bytes,
+            direct: self.direct,
+            limit: self.limit,
+            auth: self.auth.clone(),
             rank: self.rank,
             total: self.total,
             sync: self.sync.clone(),
         }
     }
+}
+
+const PUSH: &str = "/gradsync.ps.v1.ParameterServer/PushGradients";
+const PULL: &str = "/gradsync.ps.v1.ParameterServer/PullParameters";
+
+/// Call `path` with `body` as the request, straight over the channel (no codec): the
+/// response's messages, its HTTP and trailers-only errors already checked.
+async fn call(
+    ch: &mut Channel,
+    auth: &Auth,
+    path: &str,
+    timeout: Duration,
+    body: Frames,
+    limit: usize,
+) -> Result<frames::Messages<tonic::body::Body>, tonic::Status> {
+    let mut req = http::Request::builder()
+        .method(http::Method::POST)
+        .uri(path)
+        .header(http::header::CONTENT_TYPE, frames::CONTENT_TYPE)
+        .header(http::header::TE, "trailers")
+        .header("grpc-timeout", frames::timeout_header(timeout));
+    if let Some(v) = &auth.0 {
+        req = req.header(gradsync_proto::auth::KEY, v.as_encoded_bytes());
+    }
+    let req = req.body(body.into_body()).map_err(|e| tonic::Status::internal(e.to_string()))?;
+    std::future::poll_fn(|cx| tonic::codegen::Service::poll_ready(ch, cx))
+        .await
+        .map_err(|e| frames::status_of(e.into()))?;
+    let resp = tonic::codegen::Service::call(ch, req).await.map_err(|e| frames::status_of(e.into()))?;
+    frames::response_messages(resp, limit)
 }
 
 /// A stream over owned chunks, as a client-streaming request body.
