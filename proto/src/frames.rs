@@ -8,10 +8,10 @@
 //! buffers. Here the wire format is the same (a 5-byte prefix, then the protobuf message;
 //! trailers carry `grpc-status`), so any gRPC peer still talks to gradsync, but:
 //!
-//! - sending: a chunk message is two `Bytes`: the prefix together with the small fields and
-//!   the payload's key and length ([`payload_message`]), and the payload itself, a zero-copy
-//!   slice of the encoded buffer. h2 writes payloads above 256 bytes with `writev` straight
-//!   from that slice ([`Frames`] is the body).
+//! - sending: the f32 buffer is encoded once straight into its wire image, every chunk's
+//!   message prefix and small fields in front of its payload ([`Framed`]); each message is then
+//!   a zero-copy slice, one body frame ([`Frames`]) and one HTTP/2 DATA frame, which h2 writes
+//!   with `writev` straight from the slice.
 //! - receiving: [`MessageReader`] cuts messages out of the received frames as ropes of slices
 //!   of them ([`Rope`]), and prost decodes a `bytes` field from a rope as one more slice when it
 //!   lies in one frame (the usual case), so the payload reaches its destination with a single
@@ -37,22 +37,97 @@ pub const PREFIX: usize = 5;
 /// The headers every gRPC request and response carries.
 pub const CONTENT_TYPE: &str = "application/grpc";
 
+/// Write the part of a gRPC message that precedes its payload: the prefix, `head`'s fields,
+/// and the key and length of the `bytes` field numbered `tag` that holds `payload_len` bytes.
+/// `head` must leave that field empty (proto3 then does not encode it).
+fn put_head<M: Message>(head: &M, tag: u32, payload_len: usize, out: &mut BytesMut) {
+    let total = head.encoded_len()
+        + prost::encoding::key_len(tag)
+        + prost::encoding::encoded_len_varint(payload_len as u64)
+        + payload_len;
+    out.put_u8(0);
+    out.put_u32(u32::try_from(total).unwrap_or(u32::MAX));
+    // Encoding into a BytesMut cannot run out of room (it grows).
+    let _ = head.encode(out);
+    prost::encoding::encode_key(tag, prost::encoding::WireType::LengthDelimited, out);
+    prost::encoding::encode_varint(payload_len as u64, out);
+}
+
+/// Room for [`put_head`]'s bytes: the prefix and at most a few varints.
+const HEAD_ROOM: usize = 64;
+
 /// `head` followed by a `bytes` field numbered `tag` holding `payload`, as the two `Bytes` of
 /// one length-prefixed gRPC message: everything but the payload, then the payload (not
-/// copied). `head` must leave that field empty (proto3 then does not encode it).
+/// copied).
 pub fn payload_message<M: Message>(head: &M, tag: u32, payload: Bytes) -> [Bytes; 2] {
-    let head_len = head.encoded_len();
-    let key_len = prost::encoding::key_len(tag);
-    let len_len = prost::encoding::encoded_len_varint(payload.len() as u64);
-    let total = head_len + key_len + len_len + payload.len();
-    let mut prefix = BytesMut::with_capacity(PREFIX + head_len + key_len + len_len);
-    prefix.put_u8(0);
-    prefix.put_u32(u32::try_from(total).unwrap_or(u32::MAX));
-    // Writing into a BytesMut with enough capacity reserved cannot fail.
-    let _ = head.encode(&mut prefix);
-    prost::encoding::encode_key(tag, prost::encoding::WireType::LengthDelimited, &mut prefix);
-    prost::encoding::encode_varint(payload.len() as u64, &mut prefix);
+    let mut prefix = BytesMut::with_capacity(HEAD_ROOM + head.encoded_len());
+    put_head(head, tag, payload.len(), &mut prefix);
     [prefix.freeze(), payload]
+}
+
+/// A buffer of f32 values laid out as it goes on the wire: chunk after chunk, each a whole
+/// gRPC message (prefix, header fields, payload key and length, then the little-endian
+/// payload). Sending is then one zero-copy slice per message ([`Framed::message`]), so every
+/// DATA frame carries one whole message and the receiver finds each payload in one piece;
+/// tonic's codec path takes the payloads alone ([`Framed::payload`]).
+#[derive(Debug, Clone, Default)]
+pub struct Framed {
+    /// The wire image.
+    pub bytes: Bytes,
+    /// Each chunk's message and payload, as ranges of `bytes`, and its offset in values.
+    chunks: Vec<(std::ops::Range<usize>, std::ops::Range<usize>, u64)>,
+}
+
+impl Framed {
+    /// Lay out `src` in chunks of `chunk_bytes` payload bytes, each message `head(offset)`
+    /// (offset in values) with the payload in field `tag`. One pass over `src`; `buf`'s
+    /// allocation is reused ([`crate::wire::reclaim`]).
+    pub fn encode<M: Message>(
+        src: &[f32],
+        chunk_bytes: usize,
+        tag: u32,
+        head: impl Fn(u64) -> M,
+        mut buf: BytesMut,
+    ) -> Framed {
+        let len = src.len() * 4;
+        let n = crate::wire::chunks(len, chunk_bytes).count();
+        buf.clear();
+        buf.reserve(len + n * (HEAD_ROOM + head(0).encoded_len()));
+        let mut chunks = Vec::with_capacity(n);
+        for r in crate::wire::chunks(len, chunk_bytes) {
+            let (start, offset) = (buf.len(), (r.start / 4) as u64);
+            put_head(&head(offset), tag, r.len(), &mut buf);
+            let p = buf.len();
+            crate::wire::put_f32(&src[r.start / 4..r.end / 4], &mut buf);
+            chunks.push((start..buf.len(), p..buf.len(), offset));
+        }
+        Framed { bytes: buf.freeze(), chunks }
+    }
+
+    /// The number of chunks.
+    pub fn len(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// Whether there are none (an empty range).
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    /// Chunk `i` as a whole gRPC message, prefix included (a slice, no copy).
+    pub fn message(&self, i: usize) -> Bytes {
+        self.bytes.slice(self.chunks[i].0.clone())
+    }
+
+    /// Chunk `i`'s payload alone and its offset in values.
+    pub fn payload(&self, i: usize) -> (u64, Bytes) {
+        (self.chunks[i].2, self.bytes.slice(self.chunks[i].1.clone()))
+    }
+
+    /// Payload bytes in all chunks.
+    pub fn payload_len(&self) -> u64 {
+        self.chunks.iter().map(|c| c.1.len() as u64).sum()
+    }
 }
 
 /// One small message (no payload) with its gRPC prefix.
@@ -458,6 +533,27 @@ mod tests {
         let m = GradientChunk::decode(&mut r.next_message().unwrap().unwrap()).unwrap();
         let at = m.data.as_ptr() as usize - wire.as_ptr() as usize;
         assert!(at < wire.len(), "the payload was copied");
+    }
+
+    /// Each framed message is what prost and tonic would send for that chunk.
+    #[test]
+    fn framed_messages_are_standard_messages() {
+        let v: Vec<f32> = (0..1001).map(|i| i as f32 * 0.25).collect();
+        let f = Framed::encode(&v, 400, 4, |o| chunk(o, &[]), BytesMut::new());
+        assert_eq!(f.len(), 11);
+        assert_eq!(f.payload_len(), 4004);
+        let mut r = MessageReader::new(1 << 20);
+        let mut out = vec![0.0; v.len()];
+        for i in 0..f.len() {
+            r.push(f.message(i));
+            let m = GradientChunk::decode(&mut r.next_message().unwrap().unwrap()).unwrap();
+            let (offset, payload) = f.payload(i);
+            assert_eq!((m.offset, &m.data), (offset, &payload));
+            assert_eq!((m.rank, m.base_version), (3, 7));
+            crate::wire::decode_into(&m.data, m.offset, &mut out).unwrap();
+        }
+        assert_eq!(out, v);
+        assert!(Framed::encode(&[], 400, 4, |o| chunk(o, &[]), BytesMut::new()).is_empty());
     }
 
     #[test]

@@ -10,6 +10,12 @@ use crate::Error;
 /// freeze it. One pass: on little-endian hosts a plain copy, with no zeroing first.
 pub fn encode(src: &[f32], mut buf: BytesMut) -> Bytes {
     buf.clear();
+    put_f32(src, &mut buf);
+    buf.freeze()
+}
+
+/// Append `src` as little-endian bytes.
+pub fn put_f32(src: &[f32], buf: &mut BytesMut) {
     buf.reserve(src.len() * 4);
     if cfg!(target_endian = "little") {
         buf.extend_from_slice(bytemuck::cast_slice(src));
@@ -18,7 +24,6 @@ pub fn encode(src: &[f32], mut buf: BytesMut) -> Bytes {
             buf.extend_from_slice(&v.to_le_bytes());
         }
     }
-    buf.freeze()
 }
 
 /// Take back the allocation of an encoded buffer once every slice of it has been dropped (the

@@ -9,8 +9,7 @@ use std::convert::Infallible;
 use std::task::{Context, Poll};
 
 use gradsync_proto::frames::{self, Frames, Incoming, Messages};
-use gradsync_proto::pb::{ParameterChunk, PullRequest};
-use gradsync_proto::wire;
+use gradsync_proto::pb::PullRequest;
 use tonic::Status;
 use tonic::body::Body;
 use tonic::codegen::{BoxFuture, Service as TowerService};
@@ -113,13 +112,10 @@ async fn pull(svc: Service, req: http::Request<Body>, limit: usize) -> Result<Fr
         .await
         .map_err(|_| Status::deadline_exceeded("no PullRequest within the worker timeout"))??
         .ok_or_else(|| Status::invalid_argument("PullParameters without a PullRequest"))?;
-    let (version, bytes) = svc.snapshot(pr.rank as usize).await?;
+    let (_, snapshot) = svc.snapshot(pr.rank as usize).await?;
     let mut f = Frames::new();
-    for r in wire::chunks(bytes.len(), svc.shared.cfg.tuning.chunk_bytes) {
-        let head = ParameterChunk { version, offset: (r.start / 4) as u64, data: bytes::Bytes::new() };
-        let [prefix, payload] = frames::payload_message(&head, 3, bytes.slice(r));
-        f.data(prefix);
-        f.data(payload);
+    for i in 0..snapshot.len() {
+        f.data(snapshot.message(i));
     }
     f.ok_trailers();
     Ok(f)

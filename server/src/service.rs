@@ -6,8 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use bytes::Bytes;
-use gradsync_proto::frames::Incoming;
+use gradsync_proto::frames::{Framed, Incoming};
 use gradsync_proto::pb::parameter_server_server::ParameterServer;
 use gradsync_proto::pb::{
     DeregisterReply, DeregisterRequest, GradientChunk, HeartbeatReply, HeartbeatRequest, ParameterChunk,
@@ -167,18 +166,18 @@ impl Service {
         Ok(PushReply { version: applied.version, staleness: applied.staleness, wait_ms: applied.wait_ms })
     }
 
-    /// PullParameters: the version and the encoded parameters every chunk is a slice of.
-    pub(crate) async fn snapshot(&self, rank: usize) -> Result<(u64, Bytes), Status> {
-        let (version, bytes) = self
-            .with_state(move |st, _| {
+    /// PullParameters: the version and the parameters' wire image every chunk is a slice of.
+    pub(crate) async fn snapshot(&self, rank: usize) -> Result<(u64, Framed), Status> {
+        let (version, f) = self
+            .with_state(move |st, sh| {
                 // Pulls from outside the run (monitoring) are allowed; a member's counts as a
                 // sign of life.
                 let _ = st.touch(rank);
-                st.snapshot()
+                st.snapshot(sh.cfg.tuning.chunk_bytes)
             })
             .await?;
-        self.shared.bytes_out.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        Ok((version, bytes))
+        self.shared.bytes_out.fetch_add(f.payload_len(), Ordering::Relaxed);
+        Ok((version, f))
     }
 }
 
@@ -213,10 +212,12 @@ impl ParameterServer for Service {
     type PullParametersStream = ChunkStream;
 
     async fn pull_parameters(&self, req: Request<PullRequest>) -> Result<Response<ChunkStream>, Status> {
-        let (version, bytes) = self.snapshot(rank_of(req.into_inner().rank)).await?;
-        let chunk = self.shared.cfg.tuning.chunk_bytes;
-        let chunks: Vec<_> = wire::chunks(bytes.len(), chunk)
-            .map(move |r| Ok(ParameterChunk { version, offset: (r.start / 4) as u64, data: bytes.slice(r) }))
+        let (version, f) = self.snapshot(rank_of(req.into_inner().rank)).await?;
+        let chunks: Vec<_> = (0..f.len())
+            .map(|i| {
+                let (offset, data) = f.payload(i);
+                Ok(ParameterChunk { version, offset, data })
+            })
             .collect();
         Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
     }

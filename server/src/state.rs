@@ -14,6 +14,8 @@ use gradsync_core::checkpoint::{Checkpoint, CheckpointHeader};
 use gradsync_core::metrics::{Header, HostInfo, MetricsWriter, Record, SCHEMA_VERSION, ServerApply, unix_ms};
 use gradsync_core::model::{Fingerprint, Layout, init_params};
 use gradsync_core::optim::sgd_step;
+use gradsync_proto::frames::Framed;
+use gradsync_proto::pb::ParameterChunk;
 use rayon::prelude::*;
 use tokio::sync::{oneshot, watch};
 
@@ -96,9 +98,10 @@ pub struct State {
     params: Vec<f32>,
     momentum: Vec<f32>,
     version: u64,
-    /// Little-endian parameters of `.0`'s version, shared (zero-copy) by every pull until the
-    /// next update; encoded on the first pull after an update.
-    snapshot: Option<(u64, Bytes)>,
+    /// The parameters of `.0`'s version in their wire image (one ParameterChunk message per
+    /// chunk), shared (zero-copy) by every pull until the next update; encoded on the first
+    /// pull after an update.
+    snapshot: Option<(u64, Framed)>,
     world: Option<usize>,
     members: BTreeMap<usize, Member>,
     departed: BTreeSet<usize>,
@@ -517,16 +520,19 @@ impl State {
         }
     }
 
-    /// The parameters as little-endian bytes, encoded once per version and shared by every
-    /// pull of that version.
-    pub fn snapshot(&mut self) -> (u64, Bytes) {
+    /// The parameters as ParameterChunk messages in chunks of `chunk_bytes`, encoded once per
+    /// version and shared by every pull of that version.
+    pub fn snapshot(&mut self, chunk_bytes: usize) -> (u64, Framed) {
         match &self.snapshot {
-            Some((v, b)) if *v == self.version => (*v, b.clone()),
+            Some((v, f)) if *v == self.version => (*v, f.clone()),
             _ => {
-                let old = self.snapshot.take().map(|(_, b)| b);
-                let b = gradsync_proto::wire::encode(&self.params, gradsync_proto::wire::reclaim(old));
-                self.snapshot = Some((self.version, b.clone()));
-                (self.version, b)
+                let old = self.snapshot.take().map(|(_, f)| f.bytes);
+                let version = self.version;
+                let head = |offset| ParameterChunk { version, offset, data: Bytes::new() };
+                let f =
+                    Framed::encode(&self.params, chunk_bytes, 3, head, gradsync_proto::wire::reclaim(old));
+                self.snapshot = Some((version, f.clone()));
+                (version, f)
             }
         }
     }

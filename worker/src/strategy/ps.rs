@@ -284,27 +284,24 @@ impl PsClient {
         let (timeout, chunk, rank) = (self.timeout, self.chunk_bytes, self.rank);
         let (direct, limit, auth) = (self.direct, self.limit, &self.auth);
         let replies = try_join_all(self.shards.iter_mut().map(|s| {
-            let buf = wire::encode(&grads[s.range.clone()], wire::reclaim(s.spare.take()));
-            s.spare = Some(buf.clone());
-            let base = s.version;
-            let bytes = buf.len() as u64;
-            // Each chunk: its header fields, and its payload as a zero-copy slice of `buf`.
-            let chunks = wire::chunks(buf.len(), chunk).map(move |r| {
-                let head = GradientChunk {
-                    rank,
-                    base_version: base,
-                    offset: (r.start / 4) as u64,
-                    data: Bytes::new(),
-                };
-                (head, buf.slice(r))
-            });
+            let (base, src) = (s.version, &grads[s.range.clone()]);
+            let head = move |offset| GradientChunk { rank, base_version: base, offset, data: Bytes::new() };
+            // Encoded once, into the allocation the previous push let go of, as one GradientChunk
+            // message per chunk (direct) or as bare payloads (tonic's codec); every chunk is a
+            // zero-copy slice.
+            let spare = wire::reclaim(s.spare.take());
+            let (framed, plain) = if direct {
+                (Some(frames::Framed::encode(src, chunk, 4, head, spare)), None)
+            } else {
+                (None, Some(wire::encode(src, spare)))
+            };
+            s.spare = framed.as_ref().map(|f| f.bytes.clone()).or_else(|| plain.clone());
+            let bytes = (src.len() * 4) as u64;
             async move {
-                let r = if direct {
+                let r = if let Some(framed) = framed {
                     let mut body = Frames::new();
-                    for (head, data) in chunks {
-                        for part in frames::payload_message(&head, 4, data) {
-                            body.data(part);
-                        }
+                    for i in 0..framed.len() {
+                        body.data(framed.message(i));
                     }
                     let fut = async {
                         let mut replies = call(&mut s.channel, auth, PUSH, timeout, body, limit).await?;
@@ -316,8 +313,10 @@ impl PsClient {
                     };
                     deadline(timeout, &s.addr, "PushGradients", fut).await?
                 } else {
-                    let chunks: Vec<GradientChunk> =
-                        chunks.map(|(head, data)| GradientChunk { data, ..head }).collect();
+                    let plain = plain.unwrap_or_default();
+                    let chunks: Vec<GradientChunk> = wire::chunks(plain.len(), chunk)
+                        .map(|r| GradientChunk { data: plain.slice(r.clone()), ..head((r.start / 4) as u64) })
+                        .collect();
                     deadline(
                         timeout,
                         &s.addr,
@@ -513,6 +512,7 @@ impl Ps {
             "--rpc-timeout {} must be a positive number of seconds",
             args.rpc_timeout
         );
+        gradsync_proto::tuning::keep_freed_memory();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
