@@ -68,11 +68,16 @@ impl ParamServer {
             .set_service_status(gradsync_proto::SERVICE_NAME, tonic_health::ServingStatus::Serving)
             .await;
         health_reporter.set_service_status("", tonic_health::ServingStatus::Serving).await;
-        let reflection = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(gradsync_proto::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-            .build_v1()
-            .map_err(|e| Error::invalid("reflection", e.to_string()))?;
+        // Both reflection versions: grpcurl asks for v1 and falls back to v1alpha, older
+        // tools (and grpcio's Python client) know only v1alpha.
+        let reflection = || {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(gradsync_proto::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        };
+        let reflection_v1alpha =
+            reflection().build_v1alpha().map_err(|e| Error::invalid("reflection", e.to_string()))?;
+        let reflection = reflection().build_v1().map_err(|e| Error::invalid("reflection", e.to_string()))?;
         let ps = ParameterServerServer::new(svc.clone())
             .max_decoding_message_size(tuning.max_message())
             .max_encoding_message_size(tuning.max_message());
@@ -102,6 +107,9 @@ impl ParamServer {
             }
             tracing::info!("shutting down");
             health_reporter.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+            health_reporter
+                .set_service_status(gradsync_proto::SERVICE_NAME, tonic_health::ServingStatus::NotServing)
+                .await;
             state.lock().await.close(&stop_shared);
         };
         let incoming = TcpIncoming::from(listener).with_nodelay(Some(tuning.nodelay));
@@ -109,7 +117,8 @@ impl ParamServer {
         if let Some(tls) = shared.cfg.tls.clone() {
             builder = builder.tls_config(tls)?;
         }
-        let router = builder.add_service(health).add_service(reflection);
+        let router =
+            builder.add_service(health).add_service(reflection).add_service(reflection_v1alpha);
         let router = if tuning.direct {
             router.add_service(InterceptedService::new(direct::Direct::new(svc.clone(), ps), auth))
         } else {
