@@ -117,8 +117,7 @@ impl ParamServer {
         if let Some(tls) = shared.cfg.tls.clone() {
             builder = builder.tls_config(tls)?;
         }
-        let router =
-            builder.add_service(health).add_service(reflection).add_service(reflection_v1alpha);
+        let router = builder.add_service(health).add_service(reflection).add_service(reflection_v1alpha);
         let router = if tuning.direct {
             router.add_service(InterceptedService::new(direct::Direct::new(svc.clone(), ps), auth))
         } else {

@@ -48,11 +48,7 @@ fn health_and_reflection_answer_an_independent_client() {
         .output()
         .expect("running the health and reflection client");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "the client failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "the client failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     let mut seen = Vec::new();
     let mut failed = Vec::new();
     for l in stdout.lines() {
