@@ -9,26 +9,18 @@
 //! them the test says so on stderr and passes without running.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 mod common;
 
-use common::start_server;
+use common::{python_has, start_server};
 
 const TOKEN: &str = "tools-test-token";
 
-fn python_has_modules() -> bool {
-    Command::new("python3")
-        .args(["-c", "import grpc, grpc_health.v1.health_pb2, grpc_reflection.v1alpha.reflection_pb2"])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
 #[test]
 fn health_and_reflection_answer_an_independent_client() {
-    if !python_has_modules() {
+    if !python_has("grpc, grpc_health.v1.health_pb2, grpc_reflection.v1alpha.reflection_pb2") {
         eprintln!(
             "SKIPPED health_and_reflection_answer_an_independent_client: python3 with grpcio, \
              grpcio-health-checking and grpcio-reflection is missing (python3 -m pip install \

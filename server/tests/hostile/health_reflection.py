@@ -64,20 +64,14 @@ def main():
 
     # grpcurl -plaintext ADDR list, through v1alpha (older grpcurl) and v1; each version lists
     # the services and itself.
-    want = [PS, "grpc.health.v1.Health"]
     db = ProtoReflectionDescriptorDatabase(channel)
-    try:
-        listed = sorted(db.get_services())
-        need = want + ["grpc.reflection.v1alpha.ServerReflection"]
-        report("reflection_list_v1alpha", all(s in listed for s in need), listed)
-    except grpc.RpcError as e:
-        report("reflection_list_v1alpha", False, e.code().name)
-    try:
-        listed = reflection_v1(channel)
-        need = want + ["grpc.reflection.v1.ServerReflection"]
-        report("reflection_list_v1", all(s in listed for s in need), listed)
-    except grpc.RpcError as e:
-        report("reflection_list_v1", False, e.code().name)
+    for version, list_services in [("v1alpha", db.get_services), ("v1", lambda: reflection_v1(channel))]:
+        need = [PS, "grpc.health.v1.Health", f"grpc.reflection.{version}.ServerReflection"]
+        try:
+            listed = sorted(list_services())
+            report(f"reflection_list_{version}", all(s in listed for s in need), listed)
+        except grpc.RpcError as e:
+            report(f"reflection_list_{version}", False, e.code().name)
 
     # grpcurl describe: the service's methods and a message's fields, from the descriptors the
     # server sends.
