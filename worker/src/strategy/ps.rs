@@ -3,9 +3,12 @@
 //! parameters to the device. The servers own the optimiser; this side owns no update.
 //!
 //! ```text
-//!   device grads --read_grads--> host f32 --encode (1 pass)--> Bytes --slices--> shard k
-//!   device params <-write_params-- host f32 <--decode (1 pass)-- chunks <------- shard k
+//!   device grads --read_grads--> host f32 --encode (1 pass)--> wire image --slices--> shard k
+//!   device params <-write_params-- host f32 <--decode (1 pass)-- DATA frames <------- shard k
 //! ```
+//!
+//! The two bulk RPCs go straight over the channel's HTTP/2 frames ([`frames`]), without
+//! tonic's codec and its two copies per message; the rest use the generated client.
 //!
 //! [`PsClient`] is the transport-level client (also driven by `gradsync-bench ps`); [`Ps`] is
 //! the [`Strategy`] that wraps it with a tokio runtime, because the training loop is
