@@ -4,13 +4,16 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use gradsync_worker::collective::tcp::MeshInfo;
 use gradsync_worker::collective::{Collective, CommError, RingConfig, TcpComm};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
+
+mod ring_client;
+use ring_client::{Claim, knock_as, line, nonce_of, read_one};
 
 fn cfg(timeout_ms: u64) -> RingConfig {
     RingConfig { timeout: Duration::from_millis(timeout_ms), chunk_bytes: 256, socket_buffer: None }
@@ -123,10 +126,8 @@ fn strangers_are_refused_and_the_ring_still_forms() {
     // ahead of rank 1): one with garbage, one with a proper handshake and the wrong token.
     let mut garbage = TcpStream::connect(addrs[0]).unwrap();
     garbage.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
-    let mut wrong = TcpStream::connect(addrs[0]).unwrap();
-    wrong
-        .write_all(b"{\"magic\":\"gradsync-ring/1\",\"rank\":1,\"world\":2,\"fingerprint\":\"fp\",\"token\":1,\"to\":0}\n")
-        .unwrap();
+    let claim = Claim { rank: 1, world: 2, fingerprint: "fp".into(), to: Some(0), addr: None };
+    let wrong = knock_as(addrs[0], claim, "not-t");
     let sums: Vec<f32> = std::thread::scope(|s| {
         let hs: Vec<_> = ls
             .into_iter()
@@ -144,9 +145,57 @@ fn strangers_are_refused_and_the_ring_still_forms() {
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(sums, vec![3.0, 3.0]);
-    let mut refusal = String::new();
-    BufReader::new(&wrong).read_line(&mut refusal).unwrap();
-    assert!(refusal.contains("wrong ring token"), "{refusal}");
+    let lines = wrong.join().unwrap();
+    assert!(lines.last().is_some_and(|l| l.contains("wrong ring token")), "{lines:?}");
+}
+
+#[test]
+fn a_wrong_token_is_refused_on_both_sides() {
+    // Real ranks with different tokens: the acceptor refuses the connector's proof, and says so.
+    let (ls, addrs) = mesh(2);
+    let errs: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = ls
+            .into_iter()
+            .enumerate()
+            .map(|(r, l)| {
+                let addrs = &addrs;
+                s.spawn(move || {
+                    let mut i = info(r, addrs, "fp");
+                    i.token = Some(if r == 0 { "right" } else { "wrong" }.into());
+                    TcpComm::connect(l, &i, cfg(1_500)).unwrap_err().to_string()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(
+        errs[1].contains(&format!("rank 0 at {}", addrs[0])) && errs[1].contains("wrong ring token"),
+        "{}",
+        errs[1]
+    );
+    assert!(errs[0].contains("rank 1"), "{}", errs[0]);
+
+    // A listener that answers with a proof made from another token: the connecting rank
+    // checks the acceptor too, and refuses it.
+    let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+    let fake_addr = fake.local_addr().unwrap();
+    let acceptor = std::thread::spawn(move || {
+        let (mut s, _) = fake.accept().unwrap();
+        let mut r = BufReader::new(s.try_clone().unwrap());
+        let hello: serde_json::Value = serde_json::from_str(&read_one(&mut r).unwrap()).unwrap();
+        let theirs = nonce_of(&hello["nonce"]).unwrap();
+        let mine = [9u8; 32];
+        s.write_all(&line(&serde_json::json!({ "refused": null, "nonce": mine.to_vec() }))).unwrap();
+        let _answer = read_one(&mut r).unwrap();
+        let claim = Claim { rank: 1, world: 2, fingerprint: "fp".into(), to: Some(0), addr: None };
+        let proof = claim.proof("wrong", "acceptor", &theirs, &mine);
+        s.write_all(&line(&serde_json::json!({ "refused": null, "proof": proof.to_vec() }))).unwrap();
+    });
+    let own = TcpListener::bind("127.0.0.1:0").unwrap();
+    let a1 = own.local_addr().unwrap();
+    let e = TcpComm::connect(own, &info(1, &[fake_addr, a1], "fp"), cfg(5_000)).unwrap_err().to_string();
+    assert!(e.contains(&format!("rank 0 at {fake_addr}")) && e.contains("without proving"), "{e}");
+    acceptor.join().unwrap();
 }
 
 #[test]

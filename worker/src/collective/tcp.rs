@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use socket2::SockRef;
 
 pub(crate) use super::handshake::{
-    HeaderError, Hello, MAGIC, Welcome, check_header, read_line, refuse, token_hash, write_line,
+    HeaderError, Hello, MAGIC, check_header, fresh_nonce, read_line, write_line,
 };
 use super::{CommError, Result, Traffic};
 
@@ -234,37 +234,11 @@ impl TcpComm {
     pub fn connect(listener: TcpListener, info: &MeshInfo, cfg: RingConfig) -> Result<TcpComm> {
         let (rank, world) = (info.rank, info.addrs.len());
         super::check_rank("rank", rank, world)?;
-        let token = token_hash(info.token.as_deref());
+        let token = info.token.as_deref();
         let deadline = Instant::now() + cfg.timeout;
         let mut links: Vec<Option<Link>> = (0..world).map(|_| None).collect();
         for (peer, addr) in info.addrs.iter().enumerate().take(rank) {
-            let hello = Hello {
-                magic: MAGIC.into(),
-                rank,
-                world,
-                fingerprint: info.fingerprint.clone(),
-                token,
-                to: Some(peer),
-                addr: None,
-            };
-            let s = connect_retry(addr, deadline).map_err(|e| CommError::Io {
-                what: format!("connecting to rank {peer} at {addr}"),
-                source: e,
-            })?;
-            s.set_read_timeout(Some(cfg.timeout)).ok();
-            let hs = |e: io::Error| CommError::Handshake {
-                who: format!("rank {peer} at {addr}"),
-                why: e.to_string(),
-            };
-            let mut w = s.try_clone().map_err(hs)?;
-            write_line(&mut w, &hello).map_err(hs)?;
-            let welcome: Welcome = read_line(&s).map_err(hs)?;
-            if let Some(why) = welcome.refused {
-                return Err(CommError::Handshake {
-                    who: format!("rank {peer} at {addr}"),
-                    why: format!("refused: {why}"),
-                });
-            }
+            let s = dial(peer, addr, info, &cfg, deadline)?;
             links[peer] = Some(Link::new(peer, s, &cfg)?);
         }
         listener
@@ -408,26 +382,60 @@ pub(crate) fn connect_retry(addr: &SocketAddr, deadline: Instant) -> io::Result<
     }
 }
 
-/// Read and check one incoming [`Hello`]; answer it. `Ok` with the peer's rank if accepted.
+/// Connect to rank `peer` at `addr` and run the connector's side of the handshake
+/// (challenge-response over the token, both ways).
+fn dial(
+    peer: usize,
+    addr: &SocketAddr,
+    info: &MeshInfo,
+    cfg: &RingConfig,
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let who = || format!("rank {peer} at {addr}");
+    let hs = |e: io::Error| CommError::Handshake { who: who(), why: e.to_string() };
+    let hello = Hello {
+        magic: MAGIC.into(),
+        rank: info.rank,
+        world: info.addrs.len(),
+        fingerprint: info.fingerprint.clone(),
+        to: Some(peer),
+        addr: None,
+        nonce: fresh_nonce().map_err(hs)?,
+    };
+    let s = connect_retry(addr, deadline)
+        .map_err(|e| CommError::Io { what: format!("connecting to {}", who()), source: e })?;
+    // The acceptor answers at once unless it is busy with another caller's handshake.
+    s.set_read_timeout(Some(cfg.timeout)).map_err(hs)?;
+    s.set_write_timeout(Some(cfg.timeout)).map_err(hs)?;
+    let mut w = s.try_clone().map_err(hs)?;
+    super::handshake::connect(&s, &mut w, &hello, info.token.as_deref())
+        .map_err(|e| CommError::Handshake { who: who(), why: e.to_string() })?;
+    Ok(s)
+}
+
+/// Run the acceptor's side of the handshake on one incoming connection. `Ok` with the peer's
+/// rank if it proved it belongs to this run.
 fn accept_one(
     s: TcpStream,
     me: usize,
     world: usize,
     fingerprint: &str,
-    token: u64,
+    token: Option<&str>,
     cfg: &RingConfig,
 ) -> std::result::Result<(usize, TcpStream), String> {
     s.set_nonblocking(false).map_err(|e| e.to_string())?;
     // A stray client that says nothing must not hold the ring up for long.
-    s.set_read_timeout(Some(cfg.timeout.min(Duration::from_secs(10)))).map_err(|e| e.to_string())?;
-    let hello: Hello = read_line(&s).map_err(|e| format!("bad handshake: {e}"))?;
-    let verdict = refuse(&hello, Some(me), world, fingerprint, token);
+    let t = Some(cfg.timeout.min(Duration::from_secs(10)));
+    s.set_read_timeout(t).map_err(|e| e.to_string())?;
+    s.set_write_timeout(t).map_err(|e| e.to_string())?;
     let mut w = s.try_clone().map_err(|e| e.to_string())?;
-    write_line(&mut w, &Welcome { refused: verdict.clone() }).map_err(|e| e.to_string())?;
-    match verdict {
-        Some(why) => Err(why),
-        None => Ok((hello.rank, s)),
-    }
+    let nonce = fresh_nonce().map_err(|e| e.to_string())?;
+    let hello = super::handshake::accept(&s, &mut w, Some(me), world, fingerprint, token, &nonce)
+        .map_err(|e| e.to_string())?;
+    let proof = super::handshake::proof(token, super::handshake::Role::Acceptor, &hello, &nonce);
+    write_line(&mut w, &super::handshake::Welcome { refused: None, proof: Some(proof) })
+        .map_err(|e| format!("rank {}: answering the handshake: {e}", hello.rank))?;
+    Ok((hello.rank, s))
 }
 
 impl super::Collective for TcpComm {
