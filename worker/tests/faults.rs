@@ -519,3 +519,60 @@ fn dp_slow_replica_is_recorded_and_delays_the_step() {
         }
     }
 }
+
+/// DP is one process: a replica that fails (its thread panics, or its device errors) must end
+/// the run with an error naming the replica and the step, exit 1 without waiting on anything,
+/// and leave the `--save` of the run before it as it was.
+#[test]
+fn dp_replica_failure_names_it_and_keeps_the_last_save() {
+    let dir = tmp("dp-fail");
+    let save = dir.join("params.ckpt");
+    let dp = |steps: &str, extra: &[&str]| {
+        let mut cmd = Command::new(WORKER);
+        cmd.args(["train", "--mode", "dp", "--replicas", "3", "--model", "tiny", "--data", DATA])
+            .args(["--device", "cpu", "--threads", "1", "--eval-every", "0", "--quiet", "--steps", steps])
+            .args(["--save", save.to_str().unwrap()])
+            .args(extra)
+            .env_remove("GRADSYNC_DP_FAULT")
+            .stdout(Stdio::null());
+        Proc::spawn(&mut cmd).finish(Duration::from_secs(60))
+    };
+    let (code, err, _) = dp("3", &[]);
+    assert_eq!(code, 0, "{err}");
+    let before = std::fs::read(&save).unwrap();
+    let saved = Checkpoint::load(&save).unwrap();
+    assert_eq!(saved.header.step, 3);
+    for (fault, want) in [
+        ("1:2:panic", "step 2: replica 1: the replica's thread panicked: injected fault"),
+        ("0:2:panic", "step 2: replica 0: the replica's thread panicked: injected fault"),
+        ("2:3:error", "step 3: replica 2: injected device error"),
+    ] {
+        let metrics = dir.join(format!("{}.jsonl", fault.replace(':', "-")));
+        let (code, err, took) = dp(
+            "5",
+            &[
+                "--load",
+                save.to_str().unwrap(),
+                "--metrics",
+                metrics.to_str().unwrap(),
+                "--fail-replica",
+                fault,
+            ],
+        );
+        assert_eq!(code, 1, "--fail-replica {fault}: exit {code}\n{err}");
+        let last = err.lines().rfind(|l| l.starts_with("gradsync-worker: error:")).unwrap_or_default();
+        assert!(last.contains(want), "--fail-replica {fault}: the error line is {last:?}\n{err}");
+        assert!(took < Duration::from_secs(30), "--fail-replica {fault} took {took:?}");
+        // The save of the run before is untouched, and the steps before the failure were recorded.
+        assert_eq!(std::fs::read(&save).unwrap(), before, "--fail-replica {fault} changed the last save");
+        let text = std::fs::read_to_string(&metrics).unwrap();
+        let steps = text.lines().filter(|l| matches!(parse_line(l), Ok(Record::Step(_)))).count();
+        let failed_at: usize = fault.split(':').nth(1).unwrap().parse().unwrap();
+        assert_eq!(steps, failed_at - 1, "--fail-replica {fault}: {text}");
+    }
+    // A replica outside the run is refused before anything starts.
+    let (code, err, _) = dp("1", &["--fail-replica", "3:1:panic"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("replica 3 is not below the 3 replicas"), "{err}");
+    assert_eq!(std::fs::read(&save).unwrap(), before);
+}
