@@ -1,6 +1,7 @@
 //! Fuzz what a stranger can send a ring rank or the rendezvous store, and what a rank reads
 //! back from whatever answers its dial: handshake lines (bounded JSON) through the
-//! challenge-response state machines of both sides, then a frame header. The production module
+//! challenge-response state machines of both sides, then a frame header
+//! (or an abort notice). The production module
 //! is compiled in as is (`#[path]`), so this runs exactly the code the ranks run.
 #![no_main]
 
@@ -65,6 +66,10 @@ fuzz_target!(|data: &[u8]| {
             Ok(()) => assert_eq!(u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize, expect),
             Err(handshake::HeaderError::Count(c)) => assert_ne!(c, expect),
             Err(handshake::HeaderError::Tag(t)) => assert_ne!(t, 1),
+            Err(handshake::HeaderError::Aborted(c)) => {
+                assert_eq!(handshake::ends_with_abort(&head), Some(c));
+                assert_eq!(handshake::abort_notice(c), head);
+            }
         }
     }
 });

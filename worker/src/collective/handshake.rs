@@ -343,9 +343,34 @@ pub fn refuse(h: &Hello, me: Option<usize>, world: usize, fingerprint: &str) -> 
     None
 }
 
+/// The tag of an abort notice: an 8-byte frame header whose count is the rank the sender
+/// blames. A rank whose collective fails writes one on every link before closing it, so that
+/// the others name the rank that failed rather than the neighbour that closed on them. (A NaN
+/// bit pattern: improbable as the last word of a payload cut short.)
+pub const ABORT_TAG: u32 = 0x7fab_0127;
+
+/// The abort notice blaming `culprit`.
+pub fn abort_notice(culprit: usize) -> [u8; 8] {
+    let mut n = [0u8; 8];
+    n[..4].copy_from_slice(&ABORT_TAG.to_le_bytes());
+    n[4..].copy_from_slice(&(culprit.min(u32::MAX as usize) as u32).to_le_bytes());
+    n
+}
+
+/// The rank blamed by an abort notice that ends `tail` (the bytes read from a peer up to the
+/// end of its stream), if it ends with one: a notice cut into a frame's payload is found this
+/// way.
+pub fn ends_with_abort(tail: &[u8]) -> Option<usize> {
+    let n = tail.len().checked_sub(8).map(|at| &tail[at..])?;
+    let tag = u32::from_le_bytes([n[0], n[1], n[2], n[3]]);
+    (tag == ABORT_TAG).then(|| u32::from_le_bytes([n[4], n[5], n[6], n[7]]) as usize)
+}
+
 /// Why a frame header was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HeaderError {
+    /// The header is an abort notice blaming this rank.
+    Aborted(usize),
     /// The header's operation tag is not the expected one.
     Tag(u32),
     /// The header announces another number of values than expected.
@@ -358,6 +383,9 @@ pub enum HeaderError {
 pub fn check_header(head: &[u8; 8], tag: u32, expect: usize) -> Result<(), HeaderError> {
     let theirs = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
     let count = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
+    if theirs == ABORT_TAG {
+        return Err(HeaderError::Aborted(count));
+    }
     if theirs != tag {
         return Err(HeaderError::Tag(theirs));
     }

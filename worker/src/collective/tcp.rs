@@ -18,7 +18,11 @@ use socket2::SockRef;
 pub(crate) use super::handshake::{
     HeaderError, Hello, MAGIC, check_header, fresh_nonce, read_line, write_line,
 };
+use super::handshake::{abort_notice, ends_with_abort};
 use super::{CommError, Result, Traffic};
+
+/// How long a failing rank spends telling one peer whom to blame, or reading a peer's notice.
+const ABORT_WRITE_TIMEOUT: Duration = Duration::from_millis(200);
 
 /// Tunables of the TCP backend.
 #[derive(Debug, Clone)]
@@ -107,6 +111,37 @@ pub(crate) fn peer_err(peer: usize, op: Op, timeout: Duration) -> impl FnOnce(io
     }
 }
 
+/// What ended a read from `peer` with error `e`, given the bytes `tail` read from it just
+/// before: an abort notice at the end of them names the rank to blame.
+pub(crate) fn lost(peer: usize, op: Op, timeout: Duration, tail: &[u8], e: io::Error) -> CommError {
+    match ends_with_abort(tail) {
+        Some(culprit) if !matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            CommError::Aborted { peer, culprit, op: op.name() }
+        }
+        _ => peer_err(peer, op, timeout)(e),
+    }
+}
+
+/// `read_exact` from `peer`, blocking, with the end of the stream explained by [`lost`].
+pub(crate) fn read_exact_from(
+    r: &mut TcpStream,
+    buf: &mut [u8],
+    peer: usize,
+    op: Op,
+    t: Duration,
+) -> Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) => return Err(lost(peer, op, t, &buf[..got], io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(lost(peer, op, t, &buf[..got], e)),
+        }
+    }
+    Ok(())
+}
+
 /// One connection to one peer, split into a reading and a writing handle so that both
 /// directions can be busy at once.
 pub(crate) struct Link {
@@ -163,6 +198,7 @@ pub(crate) fn parse_header(head: &[u8; 8], op: Op, expect: usize, peer: usize) -
     check_header(head, op as u32, expect).map_err(|e| CommError::Protocol {
         peer,
         why: match e {
+            HeaderError::Aborted(culprit) => return CommError::Aborted { peer, culprit, op: op.name() },
             HeaderError::Tag(tag) => {
                 let theirs =
                     Op::from_tag(tag).map_or_else(|| format!("unknown tag {tag}"), |o| o.name().to_string());
@@ -186,10 +222,10 @@ pub(crate) fn read_frame(
     t: Duration,
 ) -> Result<u64> {
     let mut head = [0u8; 8];
-    r.read_exact(&mut head).map_err(peer_err(peer, op, t))?;
+    read_exact_from(r, &mut head, peer, op, t)?;
     parse_header(&head, op, dst.len(), peer)?;
     if !dst.is_empty() {
-        r.read_exact(bytemuck::cast_slice_mut(dst)).map_err(peer_err(peer, op, t))?;
+        read_exact_from(r, bytemuck::cast_slice_mut(dst), peer, op, t)?;
     }
     Ok(dst.len() as u64 * 4)
 }
@@ -342,17 +378,60 @@ impl TcpComm {
                 why: format!("{} after an earlier failure: {why}", op.name()),
             });
         }
-        let out = f(self);
+        let out = f(self).map_err(|e| self.blame(e));
         if let Err(e) = &out
             && !matches!(e, CommError::Invalid { .. })
         {
             self.poisoned = Some(e.to_string());
-            // Wake peers blocked on us at once rather than at their timeout.
-            for l in self.links.iter().flatten() {
+            // Tell every peer whom to blame (this rank, if nobody else), then wake the ones
+            // blocked on us at once rather than at their timeout.
+            let notice = abort_notice(e.culprit().unwrap_or(self.rank));
+            for l in self.links.iter_mut().flatten() {
+                let _ = l.writer.set_nonblocking(false);
+                // A peer that no longer reads must not hold this rank up.
+                let _ = l.writer.set_write_timeout(Some(ABORT_WRITE_TIMEOUT));
+                let _ = l.writer.write_all(&notice);
                 let _ = l.reader.shutdown(Shutdown::Both);
             }
         }
         out
+    }
+
+    /// A connection error from a peer that sent an abort notice before closing (one this rank
+    /// had not read yet, e.g. because it was writing to that peer) becomes the notice's
+    /// [`CommError::Aborted`]: the survivors of a failure name the rank that failed.
+    fn blame(&mut self, e: CommError) -> CommError {
+        let CommError::Peer { peer, op, .. } = e else { return e };
+        let Some(l) = self.links.get_mut(peer).and_then(Option::as_mut) else { return e };
+        let mut tail = Vec::new();
+        if l.reader.set_nonblocking(false).is_err()
+            || l.reader.set_read_timeout(Some(ABORT_WRITE_TIMEOUT)).is_err()
+        {
+            return e;
+        }
+        // What is left in the stream, up to its end (bounded by the socket buffer and time).
+        let mut buf = [0u8; 64 << 10];
+        let start = Instant::now();
+        let ended = loop {
+            match l.reader.read(&mut buf) {
+                Ok(0) => break true,
+                Ok(n) => {
+                    tail.extend_from_slice(&buf[..n]);
+                    let keep = tail.len().saturating_sub(8);
+                    tail.drain(..keep);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => break true,
+            }
+            if start.elapsed() > ABORT_WRITE_TIMEOUT {
+                break false;
+            }
+        };
+        let _ = l.reader.set_read_timeout(Some(self.cfg.timeout));
+        match ends_with_abort(&tail) {
+            Some(culprit) if ended => CommError::Aborted { peer, culprit, op },
+            _ => e,
+        }
     }
 }
 
