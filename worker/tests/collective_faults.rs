@@ -30,20 +30,19 @@ fn info(rank: usize, addrs: &[SocketAddr], fp: &str) -> MeshInfo {
     MeshInfo { rank, addrs: addrs.to_vec(), fingerprint: fp.into(), token: Some("t".into()) }
 }
 
+/// Run `body(rank, listener)` for every listener, each on its own thread; their results.
+fn per_rank<T: Send>(ls: Vec<TcpListener>, body: impl Fn(usize, TcpListener) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let body = &body;
+        let hs: Vec<_> = ls.into_iter().enumerate().map(|(r, l)| s.spawn(move || body(r, l))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// Run rank bodies on threads over a connected mesh of `world`; returns their results.
 fn group<T: Send>(world: usize, timeout_ms: u64, body: impl Fn(TcpComm) -> T + Sync) -> Vec<T> {
     let (ls, addrs) = mesh(world);
-    std::thread::scope(|s| {
-        let hs: Vec<_> = ls
-            .into_iter()
-            .enumerate()
-            .map(|(r, l)| {
-                let (addrs, body) = (&addrs, &body);
-                s.spawn(move || body(TcpComm::connect(l, &info(r, addrs, "fp"), cfg(timeout_ms)).unwrap()))
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    per_rank(ls, |r, l| body(TcpComm::connect(l, &info(r, &addrs, "fp"), cfg(timeout_ms)).unwrap()))
 }
 
 fn dead_peer(n: usize) {
@@ -131,21 +130,11 @@ fn strangers_are_refused_and_the_ring_still_forms() {
     garbage.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
     let claim = Claim { rank: 1, world: 2, fingerprint: "fp".into(), to: Some(0), addr: None };
     let wrong = knock_as(addrs[0], claim, "not-t");
-    let sums: Vec<f32> = std::thread::scope(|s| {
-        let hs: Vec<_> = ls
-            .into_iter()
-            .enumerate()
-            .map(|(r, l)| {
-                let addrs = &addrs;
-                s.spawn(move || {
-                    let mut c = TcpComm::connect(l, &info(r, addrs, "fp"), cfg(10_000)).unwrap();
-                    let mut b = [r as f32 + 1.0];
-                    c.all_reduce(&mut b).unwrap();
-                    b[0]
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let sums = per_rank(ls, |r, l| {
+        let mut c = TcpComm::connect(l, &info(r, &addrs, "fp"), cfg(10_000)).unwrap();
+        let mut b = [r as f32 + 1.0];
+        c.all_reduce(&mut b).unwrap();
+        b[0]
     });
     assert_eq!(sums, vec![3.0, 3.0]);
     let lines = wrong.join().unwrap();
@@ -156,20 +145,10 @@ fn strangers_are_refused_and_the_ring_still_forms() {
 fn a_wrong_token_is_refused_on_both_sides() {
     // Real ranks with different tokens: the acceptor refuses the connector's proof, and says so.
     let (ls, addrs) = mesh(2);
-    let errs: Vec<String> = std::thread::scope(|s| {
-        let hs: Vec<_> = ls
-            .into_iter()
-            .enumerate()
-            .map(|(r, l)| {
-                let addrs = &addrs;
-                s.spawn(move || {
-                    let mut i = info(r, addrs, "fp");
-                    i.token = Some(if r == 0 { "right" } else { "wrong" }.into());
-                    TcpComm::connect(l, &i, cfg(1_500)).unwrap_err().to_string()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let errs = per_rank(ls, |r, l| {
+        let mut i = info(r, &addrs, "fp");
+        i.token = Some(if r == 0 { "right" } else { "wrong" }.into());
+        TcpComm::connect(l, &i, cfg(1_500)).unwrap_err().to_string()
     });
     assert!(
         errs[1].contains(&format!("rank 0 at {}", addrs[0])) && errs[1].contains("wrong ring token"),
@@ -204,19 +183,9 @@ fn a_wrong_token_is_refused_on_both_sides() {
 #[test]
 fn another_model_cannot_join() {
     let (ls, addrs) = mesh(2);
-    let errs: Vec<Option<String>> = std::thread::scope(|s| {
-        let hs: Vec<_> = ls
-            .into_iter()
-            .enumerate()
-            .map(|(r, l)| {
-                let addrs = &addrs;
-                s.spawn(move || {
-                    let fp = if r == 0 { "mlp:784-10:f32:seed=1" } else { "mlp:784-10:f32:seed=2" };
-                    TcpComm::connect(l, &info(r, addrs, fp), cfg(1_500)).err().map(|e| e.to_string())
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let errs = per_rank(ls, |r, l| {
+        let fp = if r == 0 { "mlp:784-10:f32:seed=1" } else { "mlp:784-10:f32:seed=2" };
+        TcpComm::connect(l, &info(r, &addrs, fp), cfg(1_500)).err().map(|e| e.to_string())
     });
     let e1 = errs[1].as_deref().unwrap();
     assert!(e1.contains("fingerprint") && e1.contains("seed=2"), "{e1}");
