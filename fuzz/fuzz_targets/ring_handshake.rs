@@ -1,8 +1,8 @@
 //! Fuzz what a stranger can send a ring rank or the rendezvous store, and what a rank reads
 //! back from whatever answers its dial: handshake lines (bounded JSON) through the
-//! challenge-response state machines of both sides, then a frame header
-//! (or an abort notice). The production module
-//! is compiled in as is (`#[path]`), so this runs exactly the code the ranks run.
+//! challenge-response state machines of both sides, then a frame header (or an abort notice).
+//! The production module is compiled in as is (`#[path]`), so this runs exactly the code the
+//! ranks run.
 #![no_main]
 
 #[path = "../../worker/src/collective/handshake.rs"]

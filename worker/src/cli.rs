@@ -254,7 +254,8 @@ pub struct DdpArgs {
     /// Seconds any blocking collective or rendezvous call may wait before failing.
     #[arg(long, default_value_t = 60.0)]
     pub comm_timeout: f64,
-    /// Shared secret checked in the ring handshake.
+    /// Shared secret each side of every ring connection proves it knows (HMAC-SHA256
+    /// challenge-response; never sent). Use a long random one.
     #[arg(long, env = "GRADSYNC_RING_TOKEN", hide_env_values = true)]
     pub ring_token: Option<String>,
     /// Ring chunk size in KiB: the unit of pipelining on the TCP ring.

@@ -1,7 +1,8 @@
 //! Collective communication between the ranks of a DDP run: one small trait, two backends.
 //!
 //! - [`tcp`]: links between ranks (sockets, frames, the handshake), with no reduction math;
-//!   `handshake`: the handshake line and frame header decoded as pure functions (fuzzed);
+//!   `handshake`: the challenge-response handshake (HMAC-SHA256 over fresh nonces), the frame
+//!   header and the abort notice, as pure functions over bytes and streams (fuzzed);
 //!   `pump`: the full-duplex engines that move frames both ways at once (one thread with
 //!   `poll` for small transfers, a sender thread beside the receiver for large ones).
 //! - [`ring`]: the bandwidth-optimal ring algorithms (reduce-scatter, all-gather, all-reduce)
