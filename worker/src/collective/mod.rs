@@ -41,7 +41,7 @@ pub enum CommError {
         secs: f64,
     },
     /// The connection to a peer failed or was closed.
-    #[error("rank {peer}: {op}: {source}")]
+    #[error("rank {peer}: {op}")]
     Peer {
         /// The peer's rank.
         peer: usize,
@@ -86,7 +86,7 @@ pub enum CommError {
         why: String,
     },
     /// A local socket could not be created or configured.
-    #[error("{what}: {source}")]
+    #[error("{what}")]
     Io {
         /// What was being done.
         what: String,
