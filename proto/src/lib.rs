@@ -28,6 +28,10 @@ pub mod pb {
 /// The encoded `FileDescriptorSet` of every proto file, for gRPC server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/gradsync_descriptor.bin"));
 
+/// How often a worker sends a heartbeat to every server, whatever it is doing. An elastic
+/// server's `--worker-timeout` must be longer, or it would drop live workers between beats.
+pub const HEARTBEAT_INTERVAL: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The fully qualified name of the service (for the health service).
 pub const SERVICE_NAME: &str = "gradsync.ps.v1.ParameterServer";
 

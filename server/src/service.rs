@@ -143,7 +143,7 @@ impl Service {
                         timeout_s: self.shared.cfg.worker_timeout.as_secs_f64(),
                     });
                 }
-                st.give_up_on(&self.shared, blockers, step);
+                st.give_up_on(&self.shared, blockers, step, "fell more than the staleness bound behind");
             }
         }
     }

@@ -468,20 +468,28 @@ impl State {
         }
         let missing: Vec<usize> =
             self.expected().filter(|r| !self.pending.iter().any(|p| p.rank == *r)).collect();
-        self.give_up_on(sh, missing, base + 1);
+        self.give_up_on(sh, missing, base + 1, "sent no gradient for the BSP step");
     }
 
-    /// Drop (elastic) or fail on (strict) `missing` ranks.
-    pub fn give_up_on(&mut self, sh: &Shared, missing: Vec<usize>, step: u64) {
+    /// Drop (elastic) or fail on (strict) `missing` ranks, which did not do `what` within the
+    /// worker timeout.
+    pub fn give_up_on(&mut self, sh: &Shared, missing: Vec<usize>, step: u64, what: &str) {
         if missing.is_empty() {
             return;
         }
         if sh.cfg.elastic {
-            tracing::warn!(?missing, version = self.version, "dropping workers that missed the timeout");
             for r in &missing {
                 self.members.remove(r);
                 self.departed.insert(*r);
             }
+            // At the default log level: an elastic run shrinking is news its user must see.
+            let remain: Vec<usize> = self.members.keys().copied().collect();
+            tracing::warn!(
+                "dropping workers that missed the timeout: rank(s) {missing:?} {what} within --worker-timeout \
+                 {} s (step {step}); {} worker(s) remain: {remain:?}",
+                sh.cfg.worker_timeout.as_secs_f64(),
+                remain.len()
+            );
             self.after_departure(sh);
         } else {
             tracing::warn!(?missing, version = self.version, "step failed: workers missed the timeout");
@@ -512,7 +520,7 @@ impl State {
             .collect();
         if !silent.is_empty() && sh.cfg.elastic {
             let step = self.version + 1;
-            self.give_up_on(sh, silent, step);
+            self.give_up_on(sh, silent, step, "sent nothing (no request, no heartbeat)");
         }
     }
 

@@ -411,7 +411,8 @@ fn dead_rank_1_only_rank0(elastic: bool) -> (i32, String, String) {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let dir = tmp(if elastic { "elastic" } else { "strict" });
     let metrics = dir.join("server.jsonl");
-    let mut flags = vec!["--worker-timeout", "1", "--metrics", metrics.to_str().expect("utf8")];
+    // Above the workers' 2 s heartbeat interval, which an elastic server requires.
+    let mut flags = vec!["--worker-timeout", "2.5", "--metrics", metrics.to_str().expect("utf8")];
     if elastic {
         flags.push("--elastic");
     }

@@ -505,7 +505,7 @@ pub struct Ps {
 }
 
 /// How often a worker tells the servers it is alive, whatever it is doing.
-const HEARTBEAT: Duration = Duration::from_secs(2);
+const HEARTBEAT: Duration = gradsync_proto::HEARTBEAT_INTERVAL;
 
 impl Ps {
     /// Connect to the servers of `args` (registration waits for [`Strategy::start`]).
