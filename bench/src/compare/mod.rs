@@ -50,6 +50,9 @@ pub struct CompareArgs {
     /// Override the scenario's modes.
     #[arg(long, value_delimiter = ',')]
     pub modes: Option<Vec<ModeKind>>,
+    /// Override the scenario's worker device (cpu, cuda, cuda:N, auto).
+    #[arg(long)]
+    pub device: Option<String>,
     /// Record Chrome trace-event timelines of every process.
     #[arg(long)]
     pub trace: bool,
@@ -80,6 +83,9 @@ pub fn run_compare(a: &CompareArgs) -> anyhow::Result<()> {
     }
     if let Some(m) = &a.modes {
         scenario.modes = m.clone();
+    }
+    if let Some(d) = &a.device {
+        scenario.device = d.clone();
     }
     scenario.trace |= a.trace;
     let text = toml::to_string(&scenario).context("writing the scenario")?;

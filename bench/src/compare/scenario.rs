@@ -227,6 +227,9 @@ impl Scenario {
         nonempty("workers", self.workers.len())?;
         nonempty("models", self.models.len())?;
         nonempty("batches", self.batches.len())?;
+        self.device
+            .parse::<gradsync_core::device::DeviceRequest>()
+            .map_err(|e| anyhow::anyhow!("`device`: {e}"))?;
         nonempty("shards", self.shards.len())?;
         nonempty("slow_ms", self.slow_ms.len())?;
         for (name, v) in [("workers", &self.workers), ("batches", &self.batches), ("shards", &self.shards)] {
@@ -362,6 +365,12 @@ mod tests {
         )
         .unwrap_err();
         assert!(format!("{e:#}").contains("huge"), "{e:#}");
+        let e = Scenario::parse(
+            "name='x'\nmodes=['dp']\nworkers=[1]\nmodels=['tiny']\nbatches=[8]\nsteps=1\ndevice='tpu'",
+            "t",
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("`device`") && format!("{e:#}").contains("tpu"), "{e:#}");
     }
 
     #[test]
