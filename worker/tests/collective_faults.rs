@@ -1,6 +1,7 @@
 //! What the TCP backend does when something is wrong: a dead peer, a silent peer, buffers of
 //! different lengths, a stranger at the door, another model, a wrong token. Every case must
-//! end in an error that says what happened (naming the rank), quickly, never in a hang.
+//! end in an error that says what happened (naming the rank), quickly, never in a hang. The
+//! cases inside a collective run on both transports (sockets, shared memory).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -9,11 +10,16 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use gradsync_worker::collective::tcp::MeshInfo;
-use gradsync_worker::collective::{Collective, CommError, RingConfig, TcpComm};
+use gradsync_worker::collective::{Collective, CommError, RingConfig, TcpComm, Transport};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
-fn cfg(timeout_ms: u64) -> RingConfig {
-    RingConfig { timeout: Duration::from_millis(timeout_ms), chunk_bytes: 256, socket_buffer: None }
+fn cfg(timeout_ms: u64, transport: Transport) -> RingConfig {
+    RingConfig {
+        timeout: Duration::from_millis(timeout_ms),
+        chunk_bytes: 256,
+        socket_buffer: None,
+        transport,
+    }
 }
 
 /// Listeners and the mesh description for `world` ranks, with per-rank fingerprints.
@@ -27,8 +33,14 @@ fn info(rank: usize, addrs: &[SocketAddr], fp: &str) -> MeshInfo {
     MeshInfo { rank, addrs: addrs.to_vec(), fingerprint: fp.into(), token: Some("t".into()) }
 }
 
-/// Run rank bodies on threads over a connected mesh of `world`; returns their results.
-fn group<T: Send>(world: usize, timeout_ms: u64, body: impl Fn(TcpComm) -> T + Sync) -> Vec<T> {
+/// Run rank bodies on threads over a connected mesh of `world` on `transport`; returns their
+/// results.
+fn group<T: Send>(
+    world: usize,
+    timeout_ms: u64,
+    transport: Transport,
+    body: impl Fn(TcpComm) -> T + Sync,
+) -> Vec<T> {
     let (ls, addrs) = mesh(world);
     std::thread::scope(|s| {
         let hs: Vec<_> = ls
@@ -36,16 +48,20 @@ fn group<T: Send>(world: usize, timeout_ms: u64, body: impl Fn(TcpComm) -> T + S
             .enumerate()
             .map(|(r, l)| {
                 let (addrs, body) = (&addrs, &body);
-                s.spawn(move || body(TcpComm::connect(l, &info(r, addrs, "fp"), cfg(timeout_ms)).unwrap()))
+                s.spawn(move || {
+                    let c = TcpComm::connect(l, &info(r, addrs, "fp"), cfg(timeout_ms, transport)).unwrap();
+                    assert_eq!(c.transport(), transport);
+                    body(c)
+                })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
 
-fn dead_peer(n: usize) {
+fn dead_peer(n: usize, transport: Transport) {
     let t0 = Instant::now();
-    let out = group(3, 20_000, |mut c| {
+    let out = group(3, 20_000, transport, |mut c| {
         if c.rank() == 2 {
             drop(c); // the process "dies": its sockets close
             return None;
@@ -62,20 +78,26 @@ fn dead_peer(n: usize) {
 
 #[test]
 fn a_dead_peer_is_named_not_waited_for() {
-    dead_peer(10_000);
+    dead_peer(10_000, Transport::Tcp);
 }
 
 #[test]
 fn a_dead_peer_is_named_on_the_threaded_engine_too() {
-    dead_peer(2 << 20);
+    dead_peer(2 << 20, Transport::Tcp);
 }
 
 #[test]
-fn a_silent_peer_times_out_with_its_rank() {
+fn a_dead_peer_is_named_over_shared_memory() {
+    // Larger than a ring: rank 1 also waits for room rank 2 will never free.
+    dead_peer(10_000, Transport::Shm);
+    dead_peer(2 << 20, Transport::Shm);
+}
+
+fn silent_peer(transport: Transport) {
     let t0 = Instant::now();
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     let rx = std::sync::Mutex::new(rx);
-    let out = group(3, 500, |mut c| {
+    let out = group(3, 500, transport, |mut c| {
         if c.rank() == 2 {
             // Alive but never joins the all-reduce, until the others are done.
             let _ = rx.lock().unwrap().recv_timeout(Duration::from_secs(10));
@@ -97,23 +119,46 @@ fn a_silent_peer_times_out_with_its_rank() {
 }
 
 #[test]
-fn different_lengths_are_refused_not_mixed() {
-    let out = group(2, 5_000, |mut c| {
+fn a_silent_peer_times_out_with_its_rank() {
+    silent_peer(Transport::Tcp);
+}
+
+#[test]
+fn a_silent_peer_times_out_with_its_rank_over_shared_memory() {
+    silent_peer(Transport::Shm);
+}
+
+fn different_lengths(transport: Transport) {
+    let t0 = Instant::now();
+    let out = group(2, 5_000, transport, |mut c| {
         let mut b = vec![1.0f32; if c.rank() == 0 { 100 } else { 101 }];
         c.all_reduce(&mut b).unwrap_err().to_string()
     });
     assert!(out.iter().any(|e| e.contains("values where") && e.contains("expected")), "{out:?}");
+    assert!(t0.elapsed() < Duration::from_secs(4), "took {:?}: waited for a timeout", t0.elapsed());
+}
+
+#[test]
+fn different_lengths_are_refused_not_mixed() {
+    different_lengths(Transport::Tcp);
+}
+
+#[test]
+fn different_lengths_are_refused_over_shared_memory() {
+    different_lengths(Transport::Shm);
 }
 
 #[test]
 fn after_a_failure_the_communicator_refuses_to_continue() {
-    let out = group(2, 5_000, |mut c| {
-        let mut b = vec![1.0f32; if c.rank() == 0 { 10 } else { 11 }];
-        let _ = c.all_reduce(&mut b);
-        let mut ok = vec![1.0f32; 10];
-        c.all_reduce(&mut ok).unwrap_err().to_string()
-    });
-    assert!(out.iter().all(|e| e.contains("earlier failure")), "{out:?}");
+    for transport in [Transport::Tcp, Transport::Shm] {
+        let out = group(2, 5_000, transport, |mut c| {
+            let mut b = vec![1.0f32; if c.rank() == 0 { 10 } else { 11 }];
+            let _ = c.all_reduce(&mut b);
+            let mut ok = vec![1.0f32; 10];
+            c.all_reduce(&mut ok).unwrap_err().to_string()
+        });
+        assert!(out.iter().all(|e| e.contains("earlier failure")), "{transport:?}: {out:?}");
+    }
 }
 
 #[test]
@@ -134,7 +179,8 @@ fn strangers_are_refused_and_the_ring_still_forms() {
             .map(|(r, l)| {
                 let addrs = &addrs;
                 s.spawn(move || {
-                    let mut c = TcpComm::connect(l, &info(r, addrs, "fp"), cfg(10_000)).unwrap();
+                    let mut c =
+                        TcpComm::connect(l, &info(r, addrs, "fp"), cfg(10_000, Transport::Tcp)).unwrap();
                     let mut b = [r as f32 + 1.0];
                     c.all_reduce(&mut b).unwrap();
                     b[0]
@@ -160,7 +206,9 @@ fn another_model_cannot_join() {
                 let addrs = &addrs;
                 s.spawn(move || {
                     let fp = if r == 0 { "mlp:784-10:f32:seed=1" } else { "mlp:784-10:f32:seed=2" };
-                    TcpComm::connect(l, &info(r, addrs, fp), cfg(1_500)).err().map(|e| e.to_string())
+                    TcpComm::connect(l, &info(r, addrs, fp), cfg(1_500, Transport::Tcp))
+                        .err()
+                        .map(|e| e.to_string())
                 })
             })
             .collect();

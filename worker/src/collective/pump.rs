@@ -18,7 +18,7 @@ use std::os::fd::AsRawFd;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use super::tcp::{Op, add_into, frame_header, parse_header, peer_err, write_frame};
+use super::tcp::{Op, TcpComm, add_into, frame_header, parse_header, peer_err, write_frame};
 use super::{CommError, Result, Traffic};
 
 /// The most a reader waits to accumulate before it wakes.
@@ -339,11 +339,35 @@ impl<'b> Duplex<'b> for Threaded<'_, 'b> {
     }
 }
 
+/// Run `body` over a full-duplex engine to the ring neighbours of `comm`, for an operation
+/// on a buffer of `bytes`: the shared-memory rings when `comm` has them, else the sockets
+/// (the one-thread [`Pump`], or from [`THREADED_MIN_BYTES`] up a sender thread beside this
+/// one). Counts the traffic; returns `body`'s result once everything queued is sent.
+pub(crate) fn over_neighbours<'b, T>(
+    comm: &mut TcpComm,
+    op: Op,
+    bytes: usize,
+    body: impl FnOnce(&mut dyn Duplex<'b>) -> Result<T>,
+) -> Result<T> {
+    let (w, r) = (comm.world_size(), comm.rank());
+    let timeout = comm.cfg.timeout;
+    let (out, moved) = match &comm.shm {
+        Some(shm) => shm.duplex(op, timeout, body)?,
+        None => {
+            let (reader, writer, scratch, _) = comm.neighbours()?;
+            let threaded = bytes >= THREADED_MIN_BYTES;
+            duplex(threaded, reader, writer, ((r + w - 1) % w, (r + 1) % w), op, timeout, scratch, body)?
+        }
+    };
+    comm.traffic += moved;
+    Ok(out)
+}
+
 /// Run `body` over a full-duplex engine between `reader` (from `left`) and `writer` (to
 /// `right`): the one-thread [`Pump`], or for `threaded` transfers a sender thread beside this
 /// one. Returns `body`'s result and the payload bytes moved once everything queued is sent.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn duplex<'b, T>(
+fn duplex<'b, T>(
     threaded: bool,
     reader: &mut TcpStream,
     writer: &mut TcpStream,

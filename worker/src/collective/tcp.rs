@@ -18,6 +18,7 @@ use socket2::SockRef;
 pub(crate) use super::handshake::{
     HeaderError, Hello, MAGIC, Welcome, check_header, read_line, refuse, token_hash, write_line,
 };
+use super::shm::{Shm, Transport};
 use super::{CommError, Result, Traffic};
 
 /// Tunables of the TCP backend.
@@ -30,11 +31,18 @@ pub struct RingConfig {
     pub chunk_bytes: usize,
     /// Socket send/receive buffer size to ask for (`None`: the kernel's autotuning).
     pub socket_buffer: Option<usize>,
+    /// How the ring and chain collectives reach the neighbours (see [`super::shm`]).
+    pub transport: Transport,
 }
 
 impl Default for RingConfig {
     fn default() -> Self {
-        RingConfig { timeout: Duration::from_secs(60), chunk_bytes: 1 << 20, socket_buffer: Some(4 << 20) }
+        RingConfig {
+            timeout: Duration::from_secs(60),
+            chunk_bytes: 1 << 20,
+            socket_buffer: Some(4 << 20),
+            transport: Transport::Auto,
+        }
     }
 }
 
@@ -212,6 +220,8 @@ pub struct TcpComm {
     pub(crate) traffic: Traffic,
     /// Set when an operation failed part-way: the streams are out of step from then on.
     poisoned: Option<String>,
+    /// The shared-memory rings to the neighbours, when the ring uses them.
+    pub(crate) shm: Option<Shm>,
 }
 
 /// What a rank needs to join the mesh.
@@ -296,8 +306,9 @@ impl TcpComm {
                 Err(why) => tracing::warn!("refused a connection from {from}: {why}"),
             }
         }
+        let shm = Shm::setup(&mut links, rank, &cfg)?;
         let scratch = vec![0.0; cfg.chunk_values().min(1 << 16)];
-        Ok(TcpComm { rank, world, cfg, links, scratch, traffic: Traffic::default(), poisoned: None })
+        Ok(TcpComm { rank, world, cfg, links, scratch, traffic: Traffic::default(), poisoned: None, shm })
     }
 
     /// A communicator of one rank (no sockets).
@@ -310,6 +321,7 @@ impl TcpComm {
             scratch: Vec::new(),
             traffic: Traffic::default(),
             poisoned: None,
+            shm: None,
         }
     }
 
@@ -326,6 +338,12 @@ impl TcpComm {
     /// Payload bytes moved so far.
     pub fn traffic(&self) -> Traffic {
         self.traffic
+    }
+
+    /// What the ring and chain collectives run on: [`Transport::Shm`] or [`Transport::Tcp`]
+    /// (never `Auto`: that has been decided at connection).
+    pub fn transport(&self) -> Transport {
+        if self.shm.is_some() { Transport::Shm } else { Transport::Tcp }
     }
 
     /// The link to `peer`, and the scratch buffer and settings beside it.
@@ -373,6 +391,9 @@ impl TcpComm {
             && !matches!(e, CommError::Invalid { .. })
         {
             self.poisoned = Some(e.to_string());
+            if let Some(shm) = &self.shm {
+                shm.abort();
+            }
             // Wake peers blocked on us at once rather than at their timeout.
             for l in self.links.iter().flatten() {
                 let _ = l.reader.shutdown(Shutdown::Both);
