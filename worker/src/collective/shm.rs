@@ -82,11 +82,22 @@ const DATA_OFFSET: usize = 4096;
 /// The most bytes moved between two publications: the receiver starts on a piece while the
 /// sender writes the next, and reduces data still in cache.
 const PIECE: usize = 256 << 10;
-/// Checks of the ring before sleeping on the bell: long enough to catch a peer a few
-/// microseconds behind, short enough not to starve other ranks of the core.
-const SPINS: u32 = 200;
+/// How long a waiter checks the rings before sleeping on the bell, when every rank has a core
+/// of its own: a peer a few microseconds behind is caught without two system calls and a
+/// trip through the scheduler, and a rank that waits longer (its peer computes) gives the
+/// core back soon.
+const SPIN: Duration = Duration::from_micros(50);
+/// Checks before sleeping when there are more ranks than cores: a spinning rank would hold
+/// the core its peer needs to make progress.
+const SPINS_OVERSUBSCRIBED: u32 = 100;
 /// The longest a waiter sleeps before checking that its peer is still alive.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
+/// A bell ring for data published into the owner's ring.
+const DATA: u32 = 1;
+/// A bell ring for room freed in the ring the owner writes to.
+const ROOM: u32 = 2;
+/// Both, and failures, which end any wait.
+const ANY: u32 = DATA | ROOM;
 /// Marks an initialised mailbox ("gradshm1").
 const MAGIC: u64 = 0x6772_6164_7368_6d31;
 
@@ -106,7 +117,8 @@ struct Control {
     cap: Line<AtomicU64>,
     /// The owner's futex word, bumped by every event it may be waiting for.
     bell: Line<AtomicU32>,
-    /// Non-zero while the owner sleeps (or is about to sleep) on the bell.
+    /// What the owner sleeps (or is about to sleep) on the bell for: [`DATA`] and/or
+    /// [`ROOM`]; zero while it is awake. Events nobody waits for cost no system call.
     waiters: Line<AtomicU32>,
     /// Set by the owner when it fails mid-operation: its neighbours stop at once.
     aborted: Line<AtomicU32>,
@@ -147,12 +159,16 @@ impl Mailbox {
         (c.head.0.load(Ordering::Acquire) - tail) as usize
     }
 
-    /// Wake the owner if it sleeps: after this mailbox's ring gained data or its owner's
-    /// outgoing ring gained room.
-    fn ring(&self) {
+    /// Wake the owner if it sleeps waiting for `event` ([`DATA`]: this mailbox's ring gained
+    /// data; [`ROOM`]: its owner's outgoing ring gained room).
+    fn ring(&self, event: u32) {
         let c = self.ctl();
         c.bell.0.fetch_add(1, Ordering::SeqCst);
-        if c.waiters.0.load(Ordering::SeqCst) != 0 {
+        // Only the first ring after the owner registered pays for the system call: it clears
+        // the registration (unless the owner changed it meanwhile), and the owner registers
+        // again before it next sleeps.
+        let want = c.waiters.0.load(Ordering::SeqCst);
+        if want & event != 0 && c.waiters.0.compare_exchange(want, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
             futex_wake(&c.bell.0);
         }
     }
@@ -350,6 +366,8 @@ pub(crate) struct Shm {
     /// The TCP links to the neighbours, watched for a peer's death.
     left_fd: RawFd,
     right_fd: RawFd,
+    /// More ranks than cores on this host: spin only briefly before sleeping.
+    oversubscribed: bool,
 }
 
 impl Shm {
@@ -410,14 +428,17 @@ impl Shm {
         let (Some(left_fd), Some(right_fd)) = (fd(left_rank), fd(right_rank)) else {
             return Err(CommError::Invalid { what: "peer", why: "no link to a ring neighbour".into() });
         };
-        Ok(Some(Shm { own, left, right, left_rank, right_rank, left_fd, right_fd }))
+        // Every rank is on this host (or shared memory would not be in use).
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let oversubscribed = world > cores;
+        Ok(Some(Shm { own, left, right, left_rank, right_rank, left_fd, right_fd, oversubscribed }))
     }
 
     /// Tell the neighbours this rank failed, and wake them.
     pub(crate) fn abort(&self) {
         self.own.ctl().aborted.0.store(1, Ordering::SeqCst);
-        self.left.ring();
-        self.right.ring();
+        self.left.ring(ANY);
+        self.right.ring(ANY);
     }
 
     /// Run `body` over the rings to and from the neighbours; `body`'s result and the payload
@@ -505,7 +526,7 @@ impl ShmPump<'_, '_> {
                 from += len;
             }
             c.head.0.store(head, Ordering::Release);
-            out.ring();
+            out.ring(DATA);
             o.done += n;
             moved = true;
             if o.done == total {
@@ -540,7 +561,7 @@ impl ShmPump<'_, '_> {
             }
         }
         c.tail.0.store(tail + n as u64, Ordering::Release);
-        self.shm.left.ring();
+        self.shm.left.ring(ROOM);
         self.progress = Instant::now();
     }
 
@@ -550,25 +571,40 @@ impl ShmPump<'_, '_> {
     fn wait(&mut self, reading: bool) -> Result<()> {
         let writing = !self.queue.is_empty();
         let ready = |p: &Self| (reading && p.available() > 0) || (writing && p.room() > 0);
-        for _ in 0..SPINS {
-            if ready(self) {
-                return Ok(());
+        if self.shm.oversubscribed {
+            for _ in 0..SPINS_OVERSUBSCRIBED {
+                if ready(self) {
+                    return Ok(());
+                }
+                std::hint::spin_loop();
             }
-            std::hint::spin_loop();
+        } else {
+            let t = Instant::now();
+            while t.elapsed() < SPIN {
+                for _ in 0..64 {
+                    if ready(self) {
+                        return Ok(());
+                    }
+                    std::hint::spin_loop();
+                }
+            }
         }
         let c = self.shm.own.ctl();
         let mut slice_over = false;
         loop {
-            c.waiters.0.fetch_add(1, Ordering::SeqCst);
+            // Say what would wake this rank before the last look (the notifier publishes, then
+            // reads this word: one of the two sees the other's write).
+            let want = if reading { DATA } else { 0 } | if writing { ROOM } else { 0 };
+            c.waiters.0.store(want, Ordering::SeqCst);
             let seen = c.bell.0.load(Ordering::SeqCst);
             let stuck = if ready(self) { Ok(false) } else { self.why_stuck(reading, writing, slice_over) };
             if !matches!(stuck, Ok(true)) {
-                c.waiters.0.fetch_sub(1, Ordering::SeqCst);
+                c.waiters.0.store(0, Ordering::SeqCst);
                 return stuck.map(|_| ());
             }
             let left = self.timeout.saturating_sub(self.progress.elapsed());
             slice_over = !futex_wait(&c.bell.0, seen, left.min(WAIT_SLICE));
-            c.waiters.0.fetch_sub(1, Ordering::SeqCst);
+            c.waiters.0.store(0, Ordering::SeqCst);
         }
     }
 
