@@ -82,14 +82,12 @@ const DATA_OFFSET: usize = 4096;
 /// The most bytes moved between two publications: the receiver starts on a piece while the
 /// sender writes the next, and reduces data still in cache.
 const PIECE: usize = 256 << 10;
-/// How long a waiter checks the rings before sleeping on the bell, when every rank has a core
-/// of its own: a peer a few microseconds behind is caught without two system calls and a
-/// trip through the scheduler, and a rank that waits longer (its peer computes) gives the
-/// core back soon.
-const SPIN: Duration = Duration::from_micros(50);
-/// Checks before sleeping when there are more ranks than cores: a spinning rank would hold
-/// the core its peer needs to make progress.
-const SPINS_OVERSUBSCRIBED: u32 = 100;
+/// Checks of the rings before sleeping on the bell (about a microsecond): enough to catch a
+/// peer just behind without two system calls, short enough not to hold a core the peer needs
+/// (more ranks than cores, or other work on the machine). Measured on a loaded 2-core
+/// machine, 2-rank all-reduces of 8 B: 8 us with this, 16 us with a 5 us spin, 70-180 us
+/// with 20-50 us spins.
+const SPINS: u32 = 100;
 /// The longest a waiter sleeps before checking that its peer is still alive.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
 /// A bell ring for data published into the owner's ring.
@@ -366,8 +364,6 @@ pub(crate) struct Shm {
     /// The TCP links to the neighbours, watched for a peer's death.
     left_fd: RawFd,
     right_fd: RawFd,
-    /// More ranks than cores on this host: spin only briefly before sleeping.
-    oversubscribed: bool,
 }
 
 impl Shm {
@@ -428,10 +424,7 @@ impl Shm {
         let (Some(left_fd), Some(right_fd)) = (fd(left_rank), fd(right_rank)) else {
             return Err(CommError::Invalid { what: "peer", why: "no link to a ring neighbour".into() });
         };
-        // Every rank is on this host (or shared memory would not be in use).
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let oversubscribed = world > cores;
-        Ok(Some(Shm { own, left, right, left_rank, right_rank, left_fd, right_fd, oversubscribed }))
+        Ok(Some(Shm { own, left, right, left_rank, right_rank, left_fd, right_fd }))
     }
 
     /// Tell the neighbours this rank failed, and wake them.
@@ -571,23 +564,11 @@ impl ShmPump<'_, '_> {
     fn wait(&mut self, reading: bool) -> Result<()> {
         let writing = !self.queue.is_empty();
         let ready = |p: &Self| (reading && p.available() > 0) || (writing && p.room() > 0);
-        if self.shm.oversubscribed {
-            for _ in 0..SPINS_OVERSUBSCRIBED {
-                if ready(self) {
-                    return Ok(());
-                }
-                std::hint::spin_loop();
+        for _ in 0..SPINS {
+            if ready(self) {
+                return Ok(());
             }
-        } else {
-            let t = Instant::now();
-            while t.elapsed() < SPIN {
-                for _ in 0..64 {
-                    if ready(self) {
-                        return Ok(());
-                    }
-                    std::hint::spin_loop();
-                }
-            }
+            std::hint::spin_loop();
         }
         let c = self.shm.own.ctl();
         let mut slice_over = false;
