@@ -166,7 +166,9 @@ impl Mailbox {
         // the registration (unless the owner changed it meanwhile), and the owner registers
         // again before it next sleeps.
         let want = c.waiters.0.load(Ordering::SeqCst);
-        if want & event != 0 && c.waiters.0.compare_exchange(want, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+        if want & event != 0
+            && c.waiters.0.compare_exchange(want, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+        {
             futex_wake(&c.bell.0);
         }
     }
@@ -182,7 +184,14 @@ impl Mailbox {
     }
 
     fn init(file: &File, nonce: u64) -> io::Result<Mailbox> {
-        file.set_len((DATA_OFFSET + RING_BYTES) as u64)?;
+        let len = (DATA_OFFSET + RING_BYTES) as libc::off_t;
+        // Reserve the pages now: a full /dev/shm must be an error here, not a SIGBUS on the
+        // first write into a sparse page later (MAP_POPULATE ignores failures).
+        // SAFETY: a valid descriptor we own, a non-negative range.
+        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) };
+        if rc != 0 {
+            return Err(io::Error::from_raw_os_error(rc));
+        }
         // SAFETY: the file was just created by this process with O_EXCL and is only resized
         // by nobody; peers change its contents only through the atomics of Control and the
         // ring's free space, as the protocol of this module allows.
@@ -345,12 +354,25 @@ where
     Ok(out)
 }
 
-/// A mailbox file name no other process uses.
+/// A mailbox file name no other process uses, and a random nonce (std's randomly keyed
+/// SipHash, so no extra crate).
 fn fresh_name(rank: usize) -> (PathBuf, u64) {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    let nonce = (t.as_nanos() as u64) ^ (u64::from(std::process::id()) << 32) ^ (rank as u64).rotate_right(7);
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_usize(rank);
+    let nonce = h.finish();
     let path = PathBuf::from(format!("/dev/shm/gradsync-{}-{rank}-{nonce:016x}", std::process::id()));
     (path, nonce)
+}
+
+/// Removes a mailbox's name when dropped: once the neighbours have mapped it, or when the
+/// set-up fails part-way.
+struct Unlink(PathBuf);
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 /// The shared-memory rings of one rank: its own mailbox (data in from the left) and its
@@ -381,6 +403,7 @@ impl Shm {
         }
         let (path, nonce) = fresh_name(rank);
         let own = Mailbox::create(&path, nonce);
+        let unlink = own.is_ok().then(|| Unlink(path.clone()));
         let offer = match &own {
             Ok(_) => Offer { path: Some(path.clone()), nonce, error: None },
             Err(e) => Offer { path: None, nonce, error: Some(format!("creating {}: {e}", path.display())) },
@@ -399,9 +422,7 @@ impl Shm {
         let mapped = exchange(links, rank, &Mapped { error: peers.as_ref().err().cloned() })?;
         // Every neighbour has mapped it (or given up): the name is no longer needed, and a
         // crash from here on leaves nothing behind in /dev/shm.
-        if own.is_ok() {
-            let _ = std::fs::remove_file(&path);
-        }
+        drop(unlink);
         let failed = mapped.iter().find_map(|m| m.error.clone());
         let (own, (left, right)) = match (own, peers, failed) {
             (Ok(own), Ok(peers), None) => (own, peers),
