@@ -221,7 +221,7 @@ pub struct TcpComm {
     /// Set when an operation failed part-way: the streams are out of step from then on.
     poisoned: Option<String>,
     /// The shared-memory rings to the neighbours, when the ring uses them.
-    pub(crate) shm: Option<Shm>,
+    pub(crate) shm: Option<Box<Shm>>,
 }
 
 /// What a rank needs to join the mesh.
@@ -306,7 +306,7 @@ impl TcpComm {
                 Err(why) => tracing::warn!("refused a connection from {from}: {why}"),
             }
         }
-        let shm = Shm::setup(&mut links, rank, &cfg)?;
+        let shm = Shm::setup(&mut links, rank, &cfg)?.map(Box::new);
         let scratch = vec![0.0; cfg.chunk_values().min(1 << 16)];
         Ok(TcpComm { rank, world, cfg, links, scratch, traffic: Traffic::default(), poisoned: None, shm })
     }
