@@ -233,7 +233,7 @@ per_transport! {
 }
 
 /// Buffers of 4 MiB and more take the two-thread engine on sockets, and wrap around the
-/// shared-memory rings (4 MiB each) many times: the same reference must hold.
+/// shared-memory rings (2 MiB each) many times: the same reference must hold.
 fn large_buffers(transport: Transport) {
     CHUNK.with(|c| c.set(64 << 10));
     let n = (1 << 20) + 3;
