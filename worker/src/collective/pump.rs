@@ -92,14 +92,9 @@ impl<'s, 'b> Pump<'s, 'b> {
     /// Chunk `id`, once it has been sent.
     pub(crate) fn take_back(&mut self, id: usize) -> Result<&'b mut [f32]> {
         loop {
-            if let Some(i) = self.sent_back.iter().position(|(k, _)| *k == id) {
-                return Ok(self.sent_back.swap_remove(i).1);
-            }
-            if !self.queue.iter().any(|o| o.id == id) {
-                return Err(CommError::Invalid {
-                    what: "ring schedule",
-                    why: format!("chunk {id} was never sent"),
-                });
+            let queued = self.queue.iter().any(|o| o.id == id);
+            if let Some(done) = returned(&mut self.sent_back, queued, id) {
+                return done;
             }
             self.wait(false)?;
         }
@@ -257,6 +252,20 @@ impl Drop for Pump<'_, '_> {
         let _ = self.reader.set_nonblocking(false);
         let _ = self.writer.set_nonblocking(false);
     }
+}
+
+/// Chunk `id` if the sender is done with it, an error if it was never `queued`, `None` while
+/// it is still on its way out (for the engines' `take_back`).
+pub(crate) fn returned<'b>(
+    sent_back: &mut Vec<(usize, &'b mut [f32])>,
+    queued: bool,
+    id: usize,
+) -> Option<Result<&'b mut [f32]>> {
+    if let Some(i) = sent_back.iter().position(|(k, _)| *k == id) {
+        return Some(Ok(sent_back.swap_remove(i).1));
+    }
+    (!queued)
+        .then(|| Err(CommError::Invalid { what: "ring schedule", why: format!("chunk {id} was never sent") }))
 }
 
 /// What the ring and chain algorithms drive: chunks out to the right, frames in from the left.

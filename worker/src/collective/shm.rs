@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 use memmap2::{MmapMut, MmapOptions};
 use serde::{Deserialize, Serialize};
 
-use super::pump::Duplex;
+use super::pump::{Duplex, returned};
 use super::tcp::{Link, Op, RingConfig, add_into, frame_header, parse_header, read_line, write_line};
 use super::{CommError, Result, Traffic};
 
@@ -669,14 +669,9 @@ impl<'b> Duplex<'b> for ShmPump<'_, 'b> {
 
     fn take_back(&mut self, id: usize) -> Result<&'b mut [f32]> {
         loop {
-            if let Some(i) = self.sent_back.iter().position(|(k, _)| *k == id) {
-                return Ok(self.sent_back.swap_remove(i).1);
-            }
-            if !self.queue.iter().any(|o| o.id == id) {
-                return Err(CommError::Invalid {
-                    what: "ring schedule",
-                    why: format!("chunk {id} was never sent"),
-                });
+            let queued = self.queue.iter().any(|o| o.id == id);
+            if let Some(done) = returned(&mut self.sent_back, queued, id) {
+                return done;
             }
             if !self.write_some() {
                 self.wait(false)?;
