@@ -394,8 +394,9 @@ impl Shm {
     /// module documentation). `None`: the ring stays on sockets.
     pub(crate) fn setup(links: &mut [Option<Link>], rank: usize, cfg: &RingConfig) -> Result<Option<Shm>> {
         let world = links.len();
-        if cfg.transport == Transport::Tcp {
-            // Every rank is given the same --transport: no rank expects the set-up lines.
+        if cfg.transport == Transport::Tcp || world == 1 {
+            // Every rank is given the same --transport: no rank expects the set-up lines. A
+            // single rank has no neighbour to share memory with.
             return Ok(None);
         }
         let all = exchange(links, rank, &Where { place: place(), transport: cfg.transport })?;
@@ -476,7 +477,7 @@ impl Shm {
         let out = body(&mut p)?;
         while !p.queue.is_empty() {
             if !p.write_some() {
-                p.wait(false)?;
+                p.wait(0)?;
             }
         }
         Ok((out, p.traffic))
@@ -580,12 +581,13 @@ impl ShmPump<'_, '_> {
         self.progress = Instant::now();
     }
 
-    /// Block until data arrives from the left (if `reading`) or room frees up on the right
-    /// (if anything is queued); fail if the awaited peer died, failed, or stayed silent for
-    /// the whole timeout.
-    fn wait(&mut self, reading: bool) -> Result<()> {
-        let writing = !self.queue.is_empty();
-        let ready = |p: &Self| (reading && p.available() > 0) || (writing && p.room() > 0);
+    /// Block until `need` bytes wait in this rank's ring (if `need > 0`; a header is read
+    /// whole, so a half-written one must not end the wait) or room frees up on the right (if
+    /// anything is queued); fail if the awaited peer died, failed, or stayed silent for the
+    /// whole timeout.
+    fn wait(&mut self, need: usize) -> Result<()> {
+        let (reading, writing) = (need > 0, !self.queue.is_empty());
+        let ready = |p: &Self| (reading && p.available() >= need) || (writing && p.room() > 0);
         for _ in 0..SPINS {
             if ready(self) {
                 return Ok(());
@@ -674,7 +676,7 @@ impl<'b> Duplex<'b> for ShmPump<'_, 'b> {
                 return done;
             }
             if !self.write_some() {
-                self.wait(false)?;
+                self.wait(0)?;
             }
         }
     }
@@ -684,7 +686,7 @@ impl<'b> Duplex<'b> for ShmPump<'_, 'b> {
         // before them is consumed.
         while self.available() < 8 {
             if !self.write_some() {
-                self.wait(true)?;
+                self.wait(8)?;
             }
         }
         let mut head = [0u8; 8];
@@ -701,7 +703,7 @@ impl<'b> Duplex<'b> for ShmPump<'_, 'b> {
             let avail = self.available() / 4;
             if avail == 0 {
                 if !self.write_some() {
-                    self.wait(true)?;
+                    self.wait(4)?;
                 }
                 continue;
             }
