@@ -1,7 +1,8 @@
 //! `gradsync-bench ps`: parameter-server push+pull throughput under BSP for a range of model
-//! sizes, worker counts and shard counts, with tonic's default HTTP/2 settings and gradsync's
-//! tuned ones side by side, against the raw TCP bandwidth of the same machine measured in the
-//! same run.
+//! sizes, worker counts and shard counts, with three transports side by side (tonic's default
+//! HTTP/2 settings; tuned windows and frames through tonic's codec; gradsync's transport, the
+//! tuned settings with the bulk RPCs framed directly), against the raw TCP bandwidth of the
+//! same machine measured in the same run.
 //!
 //! Servers and workers run in this process (one tokio runtime, real loopback sockets); each
 //! step every worker pushes its whole gradient to every shard and pulls every shard back, as
@@ -36,12 +37,15 @@ pub struct PsBenchArgs {
     /// Timed steps per configuration (after one warm-up step).
     #[arg(long, default_value_t = 3)]
     pub steps: usize,
-    /// Seconds of raw TCP measurement.
-    #[arg(long, default_value_t = 1.0)]
+    /// Seconds of raw TCP measurement (before every worker/shard group).
+    #[arg(long, default_value_t = 0.5)]
     pub raw_secs: f64,
-    /// Only the tuned transport (skip tonic's defaults).
+    /// Only gradsync's transport (skip tonic's defaults and tonic's codec).
     #[arg(long)]
     pub tuned_only: bool,
+    /// Payload bytes per chunk message, for every transport.
+    #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u32).range(4..=(16 << 20)))]
+    pub chunk_bytes: u32,
     /// A smoke test: 4 MB, 1-2 workers, 1-2 shards, 2 steps.
     #[arg(long)]
     pub quick: bool,
@@ -51,6 +55,11 @@ pub struct PsBenchArgs {
 #[derive(Debug, Clone)]
 struct Figure {
     step_ms: f64,
+    /// Median over steps of the slowest worker's push (server wait included), pull, and the
+    /// longest time a server held a push for the barrier and the update.
+    push_ms: f64,
+    pull_ms: f64,
+    wait_ms: f64,
 }
 
 /// `d` such that a `d x d` layer (plus bias) holds about `mb` MB of f32.
@@ -93,24 +102,36 @@ async fn measure(
     }
     let mut state: Vec<_> =
         clients.into_iter().map(|c| (c, vec![1e-4f32; total], vec![0f32; total])).collect();
-    let mut times = Vec::new();
+    let (mut times, mut push, mut pull, mut wait) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for step in 0..=steps {
         let t = Instant::now();
         let handles: Vec<_> = state
             .drain(..)
             .map(|(mut c, g, mut p)| {
                 tokio::spawn(async move {
-                    c.push(&g).await?;
+                    let t = Instant::now();
+                    let traffic = c.push(&g).await?;
+                    let pushed = t.elapsed().as_secs_f64() * 1e3;
+                    let t = Instant::now();
                     c.pull(&mut p).await?;
-                    anyhow::Ok((c, g, p))
+                    let phases = [pushed, t.elapsed().as_secs_f64() * 1e3, traffic.wait_ms];
+                    anyhow::Ok(((c, g, p), phases))
                 })
             })
             .collect();
+        let mut slowest = [0.0f64; 3];
         for h in handles {
-            state.push(h.await.context("worker task")??);
+            let (s, phases) = h.await.context("worker task")??;
+            state.push(s);
+            for (m, p) in slowest.iter_mut().zip(phases) {
+                *m = m.max(p);
+            }
         }
         if step > 0 {
             times.push(t.elapsed().as_secs_f64() * 1e3);
+            push.push(slowest[0]);
+            pull.push(slowest[1]);
+            wait.push(slowest[2]);
         }
     }
     for (c, ..) in &mut state {
@@ -123,7 +144,12 @@ async fn measure(
     for t in tasks {
         t.await.context("server task")??;
     }
-    Ok(Figure { step_ms: median(&times) })
+    Ok(Figure {
+        step_ms: median(&times),
+        push_ms: median(&push),
+        pull_ms: median(&pull),
+        wait_ms: median(&wait),
+    })
 }
 
 /// Run the benchmark and print its table.
@@ -134,18 +160,29 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         (a.sizes_mb.clone(), a.workers.clone(), a.shards.clone(), a.steps.max(1))
     };
     let raw_secs = if a.quick { 0.3 } else { a.raw_secs };
-    let raw = crate::rawtcp::bandwidth("127.0.0.1", Duration::from_secs_f64(raw_secs))?;
-    println!("raw loopback TCP, one stream: {:.2} GB/s", raw / 1e9);
+    gradsync_proto::tuning::keep_freed_memory();
+    let raw_tcp = || crate::rawtcp::bandwidth("127.0.0.1", Duration::from_secs_f64(raw_secs));
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let tunings: Vec<Tuning> =
-        if a.tuned_only { vec![Tuning::tuned()] } else { vec![Tuning::tonic_defaults(), Tuning::tuned()] };
+    let mut tunings: Vec<Tuning> = if a.tuned_only {
+        vec![Tuning::tuned()]
+    } else {
+        vec![Tuning::tonic_defaults(), Tuning::tonic_codec(), Tuning::tuned()]
+    };
+    for t in &mut tunings {
+        t.chunk_bytes = a.chunk_bytes as usize;
+    }
     let mut table = Table::new(&[
         "MB",
         "workers",
         "shards",
         "transport",
         "ms/step",
+        "push ms",
+        "(wait)",
+        "pull ms",
         "GB/s",
+        "raw GB/s",
+        "x raw",
         "bound ms",
         "x bound",
         "vs default",
@@ -155,26 +192,37 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         let bytes = Layout::new(&spec).len as f64 * 4.0;
         for &k in &shards {
             for &w in &workers {
+                // Measured again before every group: on a shared machine the link's speed
+                // drifts over a run, and the ratios must compare like with like.
+                let raw = raw_tcp()?;
                 let bound_ms = 2.0 * (bytes / raw).max(w as f64 * bytes / (k as f64 * raw)) * 1e3;
                 let mut default_ms = None;
                 for &tuning in &tunings {
                     let fig = rt
                         .block_on(measure(&spec, w, k, tuning, steps))
                         .with_context(|| format!("{mb} MB, {w} workers, {k} shards, {}", tuning.name))?;
-                    if tuning == Tuning::tonic_defaults() {
+                    if tuning.name == Tuning::tonic_defaults().name {
                         default_ms = Some(fig.step_ms);
                     }
+                    let gbs = 2.0 * w as f64 * bytes / (fig.step_ms * 1e6);
                     table.row(vec![
                         format!("{:.1}", bytes / 1e6),
                         w.to_string(),
                         k.to_string(),
                         tuning.name.into(),
                         format!("{:.1}", fig.step_ms),
-                        format!("{:.2}", 2.0 * w as f64 * bytes / (fig.step_ms * 1e6)),
+                        format!("{:.1}", fig.push_ms),
+                        format!("{:.1}", fig.wait_ms),
+                        format!("{:.1}", fig.pull_ms),
+                        format!("{gbs:.2}"),
+                        format!("{:.2}", raw / 1e9),
+                        format!("{:.2}", gbs * 1e9 / raw),
                         format!("{bound_ms:.1}"),
                         format!("{:.2}", fig.step_ms / bound_ms),
-                        match (tuning == Tuning::tuned(), default_ms) {
-                            (true, Some(d)) => format!("{:.2}x", d / fig.step_ms),
+                        match default_ms {
+                            Some(d) if tuning.name != Tuning::tonic_defaults().name => {
+                                format!("{:.2}x", d / fig.step_ms)
+                            }
                             _ => String::new(),
                         },
                     ]);
@@ -186,9 +234,14 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
     eprintln!();
     print!("{}", table.render());
     println!(
-        "GB/s: bytes pushed and pulled by all workers per second. bound: 2 x max(S/B, W*S/(K*B)) with B the raw \
-         TCP figure above. x bound: ms/step over the bound (1.0 is the link's limit). vs default: how much faster the \
-         tuned transport is than tonic's defaults."
+        "push, pull: the slowest worker's, median step; (wait): the longest a server held a push for the \
+         barrier and the update (part of push). GB/s: bytes pushed and pulled by all workers per second; raw GB/s: one plain TCP stream over \
+         loopback, measured just before the row's group; x raw: GB/s over raw. bound: 2 x max(S/B, W*S/(K*B)) with \
+         B the raw figure. x bound: ms/step over the bound (1.0 is the \
+         link's limit). vs default: how much faster than tonic's defaults. Transports: default = tonic's HTTP/2 \
+         defaults; tuned-codec = tuned windows and frames, messages through tonic's codec; tuned = the same \
+         settings with the bulk RPCs framed straight over HTTP/2 (gradsync's transport). Chunks of {} bytes.",
+        a.chunk_bytes
     );
     Ok(())
 }

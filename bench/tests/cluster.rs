@@ -211,7 +211,7 @@ fn plan(c: &Cluster, mode: ModeKind, workers: usize, steps: u64, dir: &Path) -> 
     modes::plan(&ctx).unwrap()
 }
 
-/// 1 Gbit/s links (rate only: delay and loss need netem, which some kernels lack).
+/// 1 Gbit/s links (rate only: delay needs netem, which some kernels lack).
 const SLOW: Shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0 };
 /// A model big enough (0.8 MB of gradients) that a step takes milliseconds on [`SLOW`] links, so
 /// the cut lands mid-training.
@@ -310,4 +310,64 @@ fn ddp_fails_naming_a_rank_when_a_link_is_cut() {
     }
     assert!(cut_at.elapsed() < Duration::from_secs(4 * TIMEOUT_S + 20));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Run `f` on a thread inside host namespace `netns` (sockets it makes stay in it).
+fn in_host<T: Send + 'static>(netns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    use std::os::fd::AsRawFd;
+    let path = format!("/var/run/netns/{netns}");
+    std::thread::spawn(move || {
+        let ns = File::open(&path).unwrap();
+        // SAFETY: setns(2) with a valid namespace descriptor; it moves this thread only.
+        let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        f()
+    })
+    .join()
+    .unwrap()
+}
+
+/// `--loss` without netem: the BPF classifier drops the asked share of packets. Host to host a
+/// packet leaves through two shaped ends (the sender's eth0, the hub's port to the receiver),
+/// so 30% per end delivers 0.7 x 0.7 = 49%.
+#[test]
+fn loss_is_emulated_without_netem() {
+    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 30.0 };
+    let Some(c) = cluster_or_skip("loss_is_emulated_without_netem", 2, shape) else { return };
+    let (h0, h1) = (c.hosts()[0].clone(), c.hosts()[1].clone());
+    let to = format!("{}:9999", h1.addr);
+    let rx = in_host(&h1.netns, move || std::net::UdpSocket::bind(to).unwrap());
+    let tx = in_host(&h0.netns, || std::net::UdpSocket::bind("0.0.0.0:0").unwrap());
+    let sent = 4000;
+    let dest = rx.local_addr().unwrap();
+    let mut buf = [0u8; 128];
+    // ARP is subject to the loss too: resolve the neighbour first (marked datagrams, not
+    // counted), so that none of the counted ones wait in the neighbour queue.
+    rx.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let resolved = (0..100).any(|_| {
+        tx.send_to(&[1u8; 64], dest).unwrap();
+        rx.recv(&mut buf).is_ok()
+    });
+    assert!(resolved, "no datagram crossed the lossy link in 100 tries");
+    // Read while sending: a socket buffer holds only a few hundred datagrams.
+    rx.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+    let counter = std::thread::spawn(move || {
+        let mut got = 0;
+        let mut buf = [0u8; 128];
+        while let Ok(n) = rx.recv(&mut buf) {
+            got += usize::from(n == 64 && buf[0] == 0);
+        }
+        got
+    });
+    for i in 0..sent {
+        tx.send_to(&[0u8; 64], dest).unwrap();
+        if i % 50 == 0 {
+            // Paced well below the link rate, so no queue overflows: every loss is the filter's.
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    let got = counter.join().unwrap();
+    let share = got as f64 / sent as f64;
+    eprintln!("loss_is_emulated_without_netem: delivered {got} of {sent} ({share:.3}; expected 0.49)");
+    assert!((share - 0.49).abs() < 0.05, "delivered {got} of {sent} ({share:.3}), expected about 0.49");
 }

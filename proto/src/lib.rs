@@ -4,6 +4,8 @@
 //! # Layout
 //! - [`pb`]: the generated messages, client and server of `gradsync.ps.v1`.
 //! - [`wire`]: f32 buffers to and from chunk payloads (little-endian, one pass), chunking.
+//! - [`frames`]: gRPC messages straight over HTTP/2 frames for the bulk RPCs, without the
+//!   codec's copies (same wire format).
 //! - [`tuning`]: HTTP/2 and TCP settings for bulk transfers (windows, frame size, chunk
 //!   size), tuned and tonic's defaults side by side, applied to both ends the same way.
 //! - [`auth`]: the token's metadata entry.
@@ -12,6 +14,7 @@
 //! Errors are [`Error`].
 
 pub mod auth;
+pub mod frames;
 pub mod tls;
 pub mod tuning;
 pub mod wire;
@@ -24,6 +27,10 @@ pub mod pb {
 
 /// The encoded `FileDescriptorSet` of every proto file, for gRPC server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/gradsync_descriptor.bin"));
+
+/// How often a worker sends a heartbeat to every server, whatever it is doing. An elastic
+/// server's `--worker-timeout` must be longer, or it would drop live workers between beats.
+pub const HEARTBEAT_INTERVAL: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The fully qualified name of the service (for the health service).
 pub const SERVICE_NAME: &str = "gradsync.ps.v1.ParameterServer";

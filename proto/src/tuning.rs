@@ -8,6 +8,8 @@
 //!   own header, poll and wake-up; a larger frame cuts that per-byte overhead.
 //! - `TCP_NODELAY` keeps the small control frames (window updates, trailers) from waiting
 //!   behind Nagle's algorithm.
+//! - The bulk RPCs go straight over HTTP/2 frames ([`crate::frames`]), skipping the two
+//!   copies tonic's codec makes of every message.
 //! - Chunks of about 1 MiB: large enough that per-message costs vanish, small enough that
 //!   decoding one overlaps the arrival of the next and no chunk nears the 4 MiB default
 //!   message limit.
@@ -36,6 +38,9 @@ pub struct Tuning {
     pub nodelay: bool,
     /// Payload bytes per chunk message.
     pub chunk_bytes: usize,
+    /// PushGradients and PullParameters framed by [`crate::frames`] (no codec copies) rather
+    /// than by tonic's codec. The wire format is the same either way.
+    pub direct: bool,
 }
 
 impl Tuning {
@@ -49,7 +54,14 @@ impl Tuning {
             adaptive_window: false,
             nodelay: true,
             chunk_bytes: 1 << 20,
+            direct: true,
         }
+    }
+
+    /// The tuned windows and frames, but the bulk RPCs through tonic's codec: what gradsync
+    /// used before [`crate::frames`], kept as the benchmark's middle row.
+    pub const fn tonic_codec() -> Self {
+        Tuning { name: "tuned-codec", direct: false, ..Tuning::tuned() }
     }
 
     /// tonic's defaults (64 KiB windows, 16 KiB frames), with the same chunking: the baseline
@@ -63,6 +75,7 @@ impl Tuning {
             adaptive_window: false,
             nodelay: true,
             chunk_bytes: 1 << 20,
+            direct: false,
         }
     }
 
@@ -96,6 +109,25 @@ impl Tuning {
             .initial_connection_window_size(self.connection_window)
             .max_frame_size(self.max_frame)
             .http2_adaptive_window(self.adaptive_window.then_some(true))
+    }
+}
+
+/// Keep freed memory in the process rather than handing it back to the kernel at once.
+///
+/// h2 reads every DATA frame into a fresh buffer of the frame's size (1 MiB and more here), and
+/// glibc by default serves such sizes with `mmap` or trims them off the heap as soon as they
+/// are freed, so every received megabyte lands in pages the kernel must fault in and zero
+/// again: measured, 150 k page faults per 12 steps of a 64 MB push+pull and a fifth of the
+/// process's CPU time (`docs/ps.md`). With these thresholds the buffers are recycled from the
+/// heap. Process-wide; called by the server, the PS worker and the PS benchmark. A no-op
+/// outside glibc.
+pub fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator thresholds; any value is valid for these two.
+    unsafe {
+        // 32 MiB: glibc's largest mmap threshold; frames and chunks stay below it.
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20);
     }
 }
 

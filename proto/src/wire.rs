@@ -7,14 +7,23 @@ use bytes::{Bytes, BytesMut};
 use crate::Error;
 
 /// Encode `src` as little-endian bytes into `buf` (cleared first, its allocation reused) and
-/// freeze it. One pass; the compiler turns it into a plain copy on little-endian hosts.
+/// freeze it. One pass: on little-endian hosts a plain copy, with no zeroing first.
 pub fn encode(src: &[f32], mut buf: BytesMut) -> Bytes {
     buf.clear();
-    buf.resize(src.len() * 4, 0);
-    for (d, v) in buf.chunks_exact_mut(4).zip(src) {
-        d.copy_from_slice(&v.to_le_bytes());
-    }
+    put_f32(src, &mut buf);
     buf.freeze()
+}
+
+/// Append `src` as little-endian bytes.
+pub fn put_f32(src: &[f32], buf: &mut BytesMut) {
+    buf.reserve(src.len() * 4);
+    if cfg!(target_endian = "little") {
+        buf.extend_from_slice(bytemuck::cast_slice(src));
+    } else {
+        for v in src {
+            buf.extend_from_slice(&v.to_le_bytes());
+        }
+    }
 }
 
 /// Take back the allocation of an encoded buffer once every slice of it has been dropped (the
@@ -24,7 +33,7 @@ pub fn reclaim(b: Option<Bytes>) -> BytesMut {
 }
 
 /// Decode the payload of a chunk at `offset` (in values) into `dst`, one pass. Returns whether
-/// every value is finite (the check rides along with the copy).
+/// every value is finite (checked block by block right behind the copy, while still in L1).
 pub fn decode_into(payload: &[u8], offset: u64, dst: &mut [f32]) -> Result<bool, Error> {
     if !payload.len().is_multiple_of(4) {
         return Err(Error::Ragged(payload.len()));
@@ -34,13 +43,29 @@ pub fn decode_into(payload: &[u8], offset: u64, dst: &mut [f32]) -> Result<bool,
     let Some(start) = start else {
         return Err(Error::Overrun { offset, len, range: dst.len() });
     };
+    Ok(copy_checked(payload, &mut dst[start..start + len]))
+}
+
+/// Values per block of [`copy_checked`]: small enough that a block is still in L1 when it is
+/// checked.
+const BLOCK: usize = 1024;
+
+/// Copy little-endian `src` into `dst` (same length in values) and say whether every value is
+/// finite. Block by block, a copy then a check that vectorises, so the check reads from L1.
+fn copy_checked(src: &[u8], dst: &mut [f32]) -> bool {
     let mut finite = true;
-    for (d, c) in dst[start..start + len].iter_mut().zip(payload.chunks_exact(4)) {
-        let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-        finite &= v.is_finite();
-        *d = v;
+    for (d, s) in dst.chunks_mut(BLOCK).zip(src.chunks(BLOCK * 4)) {
+        if cfg!(target_endian = "little") {
+            bytemuck::cast_slice_mut::<f32, u8>(d).copy_from_slice(s);
+        } else {
+            for (v, c) in d.iter_mut().zip(s.chunks_exact(4)) {
+                *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        // Exponent bits all ones: NaN or Inf.
+        finite &= d.iter().fold(true, |ok, v| ok & (v.to_bits() & 0x7f80_0000 != 0x7f80_0000));
     }
-    Ok(finite)
+    finite
 }
 
 /// Reassembles one streamed buffer of exactly `len` values from chunks that must arrive in

@@ -129,7 +129,7 @@ pub struct ServerArgs {
     #[arg(long, requires = "checkpoint")]
     pub resume: bool,
     /// Seconds to wait for a worker (a BSP barrier, the SSP bound, silence) before giving up
-    /// on it.
+    /// on it. With --elastic it must exceed the workers' 2 s heartbeat interval.
     #[arg(long, default_value_t = 30.0)]
     pub worker_timeout: f64,
     /// On a worker timeout, drop the missing workers and continue with the live ones (else
@@ -227,6 +227,18 @@ impl Config {
             return Err(Error::invalid(
                 "--worker-timeout",
                 format!("{} (must be a positive number of seconds)", a.worker_timeout),
+            ));
+        }
+        let beat = gradsync_proto::HEARTBEAT_INTERVAL.as_secs_f64();
+        if a.elastic && a.worker_timeout <= beat {
+            // Workers beat every 2 s: a shorter silence limit would drop live workers.
+            return Err(Error::invalid(
+                "--worker-timeout",
+                format!(
+                    "{} s with --elastic (must be longer than the workers' heartbeat interval of {beat} s, \
+                     or live workers are dropped between beats)",
+                    a.worker_timeout
+                ),
             ));
         }
         if a.chunk_bytes < 4 || a.chunk_bytes > 64 << 20 {

@@ -8,12 +8,15 @@
 //!   with no transport (what a push, a timeout or a departure does).
 //! - [`service`]: the gRPC edge: chunk streams in and out, the token interceptor, errors to
 //!   statuses.
+//! - [`direct`]: PushGradients and PullParameters served straight from HTTP/2 frames (no
+//!   codec copies), in front of the generated service.
 //! - [`error`]: the crate's [`Error`].
 //!
 //! [`ParamServer::serve`] takes a bound listener and a shutdown future; `main.rs` only parses
 //! flags, binds and prints the `listening on` line.
 
 pub mod config;
+pub mod direct;
 pub mod error;
 pub mod service;
 pub mod state;
@@ -65,15 +68,20 @@ impl ParamServer {
             .set_service_status(gradsync_proto::SERVICE_NAME, tonic_health::ServingStatus::Serving)
             .await;
         health_reporter.set_service_status("", tonic_health::ServingStatus::Serving).await;
-        let reflection = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(gradsync_proto::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-            .build_v1()
-            .map_err(|e| Error::invalid("reflection", e.to_string()))?;
+        // Both reflection versions: grpcurl asks for v1 and falls back to v1alpha, older
+        // tools (and grpcio's Python client) know only v1alpha.
+        let reflection = || {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(gradsync_proto::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        };
+        let reflection_v1alpha =
+            reflection().build_v1alpha().map_err(|e| Error::invalid("reflection", e.to_string()))?;
+        let reflection = reflection().build_v1().map_err(|e| Error::invalid("reflection", e.to_string()))?;
         let ps = ParameterServerServer::new(svc.clone())
             .max_decoding_message_size(tuning.max_message())
             .max_encoding_message_size(tuning.max_message());
-        let ps = InterceptedService::new(ps, service::auth(shared.cfg.token.as_deref().map(Arc::from)));
+        let auth = service::auth(shared.cfg.token.as_deref().map(Arc::from));
 
         // Elastic runs drop silent workers even when nobody is waiting on them yet.
         let reaper = {
@@ -99,6 +107,9 @@ impl ParamServer {
             }
             tracing::info!("shutting down");
             health_reporter.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+            health_reporter
+                .set_service_status(gradsync_proto::SERVICE_NAME, tonic_health::ServingStatus::NotServing)
+                .await;
             state.lock().await.close(&stop_shared);
         };
         let incoming = TcpIncoming::from(listener).with_nodelay(Some(tuning.nodelay));
@@ -106,12 +117,13 @@ impl ParamServer {
         if let Some(tls) = shared.cfg.tls.clone() {
             builder = builder.tls_config(tls)?;
         }
-        let served = builder
-            .add_service(health)
-            .add_service(reflection)
-            .add_service(ps)
-            .serve_with_incoming_shutdown(incoming, signal)
-            .await;
+        let router = builder.add_service(health).add_service(reflection).add_service(reflection_v1alpha);
+        let router = if tuning.direct {
+            router.add_service(InterceptedService::new(direct::Direct::new(svc.clone(), ps), auth))
+        } else {
+            router.add_service(InterceptedService::new(ps, auth))
+        };
+        let served = router.serve_with_incoming_shutdown(incoming, signal).await;
         reaper.abort();
         let mut st = svc.state.lock().await;
         let ck = if shared.cfg.checkpoint.is_some() { st.checkpoint(&shared) } else { Ok(()) };
@@ -126,6 +138,7 @@ pub async fn run(args: ServerArgs, shutdown: impl Future<Output = ()> + Send) ->
     use anyhow::Context;
     use std::io::Write;
     let cfg = Config::from_args(&args)?;
+    gradsync_proto::tuning::keep_freed_memory();
     let server = ParamServer::new(cfg)?;
     let listener =
         TcpListener::bind(args.listen).await.with_context(|| format!("--listen {}", args.listen))?;

@@ -31,10 +31,12 @@ async fn signal() {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("GRADSYNC_LOG"))
-        .with_writer(std::io::stderr)
-        .init();
+    // Warnings by default (a refused client, a dropped worker); GRADSYNC_LOG overrides.
+    let filter = tracing_subscriber::EnvFilter::builder()
+        .with_default_directive(tracing_subscriber::filter::LevelFilter::WARN.into())
+        .with_env_var("GRADSYNC_LOG")
+        .from_env_lossy();
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     match gradsync_server::run(Cli::parse().args, signal()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

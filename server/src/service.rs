@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use gradsync_proto::frames::{Framed, Incoming};
 use gradsync_proto::pb::parameter_server_server::ParameterServer;
 use gradsync_proto::pb::{
     DeregisterReply, DeregisterRequest, GradientChunk, HeartbeatReply, HeartbeatRequest, ParameterChunk,
@@ -54,7 +55,7 @@ impl Service {
     /// base version, buffer and payload bytes.
     async fn receive(
         &self,
-        mut stream: Streaming<GradientChunk>,
+        mut stream: Incoming<GradientChunk>,
     ) -> Result<(usize, u64, Vec<f32>, u64), Status> {
         let first = stream
             .message()
@@ -142,9 +143,41 @@ impl Service {
                         timeout_s: self.shared.cfg.worker_timeout.as_secs_f64(),
                     });
                 }
-                st.give_up_on(&self.shared, blockers, step);
+                st.give_up_on(&self.shared, blockers, step, "fell more than the staleness bound behind");
             }
         }
+    }
+
+    /// PushGradients, whichever framing delivered the chunks.
+    pub(crate) async fn push(&self, chunks: Incoming<GradientChunk>) -> Result<PushReply, Status> {
+        let (rank, base, grad, bytes) = self.receive(chunks).await?;
+        let applied = match self.shared.cfg.sync {
+            SyncMode::Bsp => self.push_bsp(rank, base, grad, bytes).await?,
+            SyncMode::Asp => {
+                self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??
+            }
+            SyncMode::Ssp(s) => {
+                let mut a =
+                    self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??;
+                a.wait_ms = self.ssp_wait(rank, s).await?;
+                a
+            }
+        };
+        Ok(PushReply { version: applied.version, staleness: applied.staleness, wait_ms: applied.wait_ms })
+    }
+
+    /// PullParameters: the version and the parameters' wire image every chunk is a slice of.
+    pub(crate) async fn snapshot(&self, rank: usize) -> Result<(u64, Framed), Status> {
+        let (version, f) = self
+            .with_state(move |st, sh| {
+                // Pulls from outside the run (monitoring) are allowed; a member's counts as a
+                // sign of life.
+                let _ = st.touch(rank);
+                st.snapshot(sh.cfg.tuning.chunk_bytes)
+            })
+            .await?;
+        self.shared.bytes_out.fetch_add(f.payload_len(), Ordering::Relaxed);
+        Ok((version, f))
     }
 }
 
@@ -173,42 +206,18 @@ impl ParameterServer for Service {
         &self,
         req: Request<Streaming<GradientChunk>>,
     ) -> Result<Response<PushReply>, Status> {
-        let (rank, base, grad, bytes) = self.receive(req.into_inner()).await?;
-        let applied = match self.shared.cfg.sync {
-            SyncMode::Bsp => self.push_bsp(rank, base, grad, bytes).await?,
-            SyncMode::Asp => {
-                self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??
-            }
-            SyncMode::Ssp(s) => {
-                let mut a =
-                    self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??;
-                a.wait_ms = self.ssp_wait(rank, s).await?;
-                a
-            }
-        };
-        Ok(Response::new(PushReply {
-            version: applied.version,
-            staleness: applied.staleness,
-            wait_ms: applied.wait_ms,
-        }))
+        Ok(Response::new(self.push(Incoming::Codec(req.into_inner())).await?))
     }
 
     type PullParametersStream = ChunkStream;
 
     async fn pull_parameters(&self, req: Request<PullRequest>) -> Result<Response<ChunkStream>, Status> {
-        let rank = rank_of(req.into_inner().rank);
-        let (version, bytes) = self
-            .with_state(move |st, _| {
-                // Pulls from outside the run (monitoring) are allowed; a member's counts as a
-                // sign of life.
-                let _ = st.touch(rank);
-                st.snapshot()
+        let (version, f) = self.snapshot(rank_of(req.into_inner().rank)).await?;
+        let chunks: Vec<_> = (0..f.len())
+            .map(|i| {
+                let (offset, data) = f.payload(i);
+                Ok(ParameterChunk { version, offset, data })
             })
-            .await?;
-        self.shared.bytes_out.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        let chunk = self.shared.cfg.tuning.chunk_bytes;
-        let chunks: Vec<_> = wire::chunks(bytes.len(), chunk)
-            .map(move |r| Ok(ParameterChunk { version, offset: (r.start / 4) as u64, data: bytes.slice(r) }))
             .collect();
         Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
     }

@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use clap::Parser;
 use gradsync_core::model::{Layout, init_params};
@@ -16,7 +16,7 @@ use gradsync_server::{Config, ServerArgs};
 
 mod common;
 
-use common::start_server;
+use common::{python_has, start_server};
 
 const TOKEN: &str = "hostile-test-token";
 
@@ -36,17 +36,9 @@ fn rss_kib(pid: u32) -> u64 {
         .expect("VmRSS in /proc/PID/status")
 }
 
-fn python_has_grpc() -> bool {
-    Command::new("python3")
-        .args(["-c", "import grpc, grpc_tools.protoc"])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
 #[test]
 fn hostile_grpc_client_is_refused_and_changes_nothing() {
-    if !python_has_grpc() {
+    if !python_has("grpc, grpc_tools.protoc") {
         eprintln!(
             "SKIPPED hostile_grpc_client_is_refused_and_changes_nothing: python3 with grpcio and \
              grpcio-tools is missing (python3 -m pip install grpcio grpcio-tools)"

@@ -170,6 +170,46 @@ pub struct DpArgs {
     /// GPU allowed). Defaults to --world-size.
     #[arg(long)]
     pub replicas: Option<usize>,
+    /// Fault injection for the fault suite: replica K fails in step N, by panicking
+    /// (`K:N:panic`) or as a failing device would, with an error (`K:N:error`). Hidden: a
+    /// test's tool, not a training option.
+    #[arg(long, hide = true, value_parser = parse_replica_fault, env = "GRADSYNC_DP_FAULT")]
+    pub fail_replica: Option<ReplicaFault>,
+}
+
+/// How an injected replica fault shows (`--fail-replica`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    /// The replica's thread panics.
+    Panic,
+    /// The replica's forward pass returns an error, as a failing device's would.
+    Error,
+}
+
+/// `--fail-replica K:N:KIND`: which replica fails, in which step, and how.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaFault {
+    /// The failing replica.
+    pub replica: usize,
+    /// The step (1-based) it fails in.
+    pub step: u64,
+    /// Panic or error.
+    pub kind: FaultKind,
+}
+
+fn parse_replica_fault(s: &str) -> Result<ReplicaFault, String> {
+    let parts: Vec<&str> = s.split(':').map(str::trim).collect();
+    let [k, n, kind] = parts[..] else {
+        return Err(format!("'{s}': expected REPLICA:STEP:panic|error, e.g. 1:3:panic"));
+    };
+    let replica = k.parse().map_err(|e| format!("'{s}': replica '{k}': {e}"))?;
+    let step = n.parse().map_err(|e| format!("'{s}': step '{n}': {e}"))?;
+    let kind = match kind {
+        "panic" => FaultKind::Panic,
+        "error" => FaultKind::Error,
+        other => return Err(format!("'{s}': kind '{other}': expected panic or error")),
+    };
+    Ok(ReplicaFault { replica, step, kind })
 }
 
 /// `--mode ps`.
@@ -216,7 +256,8 @@ pub struct DdpArgs {
     /// Seconds any blocking collective or rendezvous call may wait before failing.
     #[arg(long, default_value_t = 60.0)]
     pub comm_timeout: f64,
-    /// Shared secret checked in the ring handshake.
+    /// Shared secret each side of every ring connection proves it knows (HMAC-SHA256
+    /// challenge-response; never sent). Use a long random one.
     #[arg(long, env = "GRADSYNC_RING_TOKEN", hide_env_values = true)]
     pub ring_token: Option<String>,
     /// Ring chunk size in KiB: the unit of pipelining on the TCP ring.

@@ -5,10 +5,11 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
@@ -34,6 +35,10 @@ pub fn stop_on_signals() {
         libc::signal(libc::SIGINT, handler);
     }
 }
+
+/// How long the supervisor keeps collecting exits after the first failure, to tell the rank
+/// that failed from the ones that failed because of it.
+const SETTLE: Duration = Duration::from_millis(1000);
 
 /// How long stopped ranks get to exit after SIGTERM before they are killed.
 const GRACE: Duration = Duration::from_secs(5);
@@ -146,41 +151,100 @@ pub fn launch(a: &LaunchArgs, worker: &Path, stop: Arc<AtomicBool>) -> anyhow::R
     }
     match failed {
         None => Ok(()),
-        Some((rank, status)) => bail!("rank {rank} failed ({status}); stopped the other ranks"),
+        Some(((rank, status), also)) => {
+            let also: String = also.iter().map(|(r, s)| format!("rank {r} ended after it ({s}); ")).collect();
+            bail!("rank {rank} failed first ({status}); {also}stopped the other ranks")
+        }
     }
 }
 
-/// Wait until every rank has exited (`None`) or one has failed (its rank and status), in
-/// which case the others are killed.
-fn supervise(ranks: &mut Ranks, stop: &AtomicBool) -> anyhow::Result<Option<(usize, ExitStatus)>> {
-    let mut done = vec![false; ranks.0.len()];
-    loop {
-        for (i, (rank, c)) in ranks.0.iter_mut().enumerate() {
-            if done[i] {
-                continue;
+/// Tell `tx` the moment child `pid` exits, without reaping it (the supervisor reaps it with
+/// `try_wait`): the order of these messages is the order in which the ranks ended, which a
+/// polling loop cannot tell apart within its nap.
+fn watch_exit(rank: usize, pid: u32, tx: mpsc::Sender<usize>) {
+    std::thread::spawn(move || {
+        let pid = libc::id_t::from(pid);
+        loop {
+            // SAFETY: a zeroed siginfo_t is a valid out-parameter for waitid.
+            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: waitid(2) on a child we started; WNOWAIT leaves it for try_wait.
+            let rc = unsafe { libc::waitid(libc::P_PID, pid, &mut info, libc::WEXITED | libc::WNOWAIT) };
+            if rc == 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+                break;
             }
-            if let Some(st) = c.try_wait().with_context(|| format!("waiting for rank {rank}"))? {
-                done[i] = true;
+        }
+        let _ = tx.send(rank);
+    });
+}
+
+/// Which rank failed first, with its status, and the ranks that had also failed by then.
+type Failed = ((usize, ExitStatus), Vec<(usize, ExitStatus)>);
+
+/// Wait until every rank has exited (`None`) or one has failed, in which case the others are
+/// killed. The rank reported is the first to end with a failure; among ranks that had
+/// already ended when it was seen, one killed by a signal is reported first (a rank killed
+/// from outside failed on its own; one that exits with an error usually reports a peer's
+/// failure).
+fn supervise(ranks: &mut Ranks, stop: &AtomicBool) -> anyhow::Result<Option<Failed>> {
+    let (tx, exits) = mpsc::channel();
+    for (rank, c) in &ranks.0 {
+        watch_exit(*rank, c.id(), tx.clone());
+    }
+    drop(tx);
+    let mut running = ranks.0.len();
+    let status_of = |ranks: &mut Ranks, rank: usize| -> anyhow::Result<Option<ExitStatus>> {
+        match ranks.0.iter_mut().find(|(r, _)| *r == rank) {
+            Some((_, c)) => c.try_wait().with_context(|| format!("waiting for rank {rank}")),
+            None => Ok(None),
+        }
+    };
+    loop {
+        match exits.recv_timeout(Duration::from_millis(20)) {
+            Ok(rank) => {
+                let Some(st) = status_of(ranks, rank)? else { continue };
+                running -= 1;
                 if !st.success() {
-                    let failed = (*rank, st);
+                    // The others usually fail within milliseconds because of this one, and a
+                    // rank killed by a signal may be reported after them (its sockets close,
+                    // waking its peers, before its exit is). Collect what ends within a
+                    // moment before deciding and stopping the rest.
+                    let mut failed = vec![(rank, st)];
+                    let settle = std::time::Instant::now() + SETTLE;
+                    while running > 0 {
+                        let left = settle.saturating_duration_since(std::time::Instant::now());
+                        let Ok(r) = exits.recv_timeout(left) else { break };
+                        if let Some(s) = status_of(ranks, r)? {
+                            running -= 1;
+                            if !s.success() {
+                                failed.push((r, s));
+                            }
+                        }
+                    }
+                    if let Some(i) = failed.iter().position(|(_, s)| s.signal().is_some())
+                        && failed[0].1.signal().is_none()
+                    {
+                        let killed = failed.remove(i);
+                        failed.insert(0, killed);
+                    }
                     for (_, other) in ranks.0.iter_mut() {
                         if matches!(other.try_wait(), Ok(None)) {
                             let _ = other.kill();
                         }
                     }
-                    return Ok(Some(failed));
+                    let first = failed.remove(0);
+                    return Ok(Some((first, failed)));
+                }
+                if running == 0 {
+                    return Ok(None);
                 }
             }
-        }
-        if done.iter().all(|&d| d) {
-            return Ok(None);
+            Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(None),
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
         }
         if stop.load(Ordering::Relaxed) || SIGNALLED.load(Ordering::Relaxed) {
             terminate(ranks);
             bail!("stopped by a signal: the ranks were terminated");
         }
-        // std offers no wait-for-any-child; a short nap keeps supervision cheap.
-        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

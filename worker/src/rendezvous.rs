@@ -2,9 +2,11 @@
 //!
 //! Rank 0 hosts a one-shot store at `--master-addr:--master-port`. Every rank (rank 0
 //! included) binds a ring listener, connects to the store, and registers: its rank, the world
-//! size, the model fingerprint, a hash of the shared token, and its listener's address. Once
-//! all `world` ranks have registered, the store answers each with every rank's address (and,
-//! for NCCL, the unique id rank 0 made), then closes. Registrations that do not fit (another
+//! size, the model fingerprint and its listener's address, proving it knows the shared token
+//! in the ring's challenge-response handshake ([`crate::collective::handshake`]). Once all
+//! `world` ranks have registered, the store answers each with every rank's address (and, for
+//! NCCL, the unique id rank 0 made) and its own proof of the token, which the rank checks
+//! before it trusts the addresses; then it closes. Registrations that do not fit (another
 //! run, another model, a rank registered twice) are refused with the reason and do not
 //! count. Every wait is bounded by the timeout; a rank that never arrives is named.
 
@@ -14,9 +16,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::collective::tcp::{
-    Hello, MAGIC, MeshInfo, connect_retry, read_line, refuse, token_hash, write_line,
-};
+use crate::collective::handshake::{self, Nonce, Proof, Role};
+use crate::collective::tcp::{Hello, MAGIC, MeshInfo, connect_retry, fresh_nonce, read_line, write_line};
 use crate::collective::{CommError, Result, RingConfig, TcpComm, nccl};
 
 /// Who this rank is and where the store is.
@@ -43,10 +44,30 @@ pub struct RendezvousConfig {
 struct StoreReply {
     /// Why the registration was refused, if it was.
     refused: Option<String>,
-    /// Every rank's ring listener, by rank.
+    /// Every rank's ring listener, by rank. (Defaulted: a refusal in the handshake is a
+    /// [`handshake::Welcome`], which has no addresses.)
+    #[serde(default)]
     addrs: Vec<SocketAddr>,
     /// The NCCL unique id, when asked for.
+    #[serde(default)]
     nccl_id: Option<Vec<u8>>,
+    /// The store's proof that it knows the token, for this registration's handshake.
+    #[serde(default)]
+    proof: Option<Proof>,
+}
+
+impl StoreReply {
+    fn refusal(why: String) -> StoreReply {
+        StoreReply { refused: Some(why), addrs: vec![], nccl_id: None, proof: None }
+    }
+}
+
+/// A registration the store has accepted: the connection, the rank's hello and the store's
+/// nonce (to prove the token back in the reply).
+struct Registered {
+    stream: TcpStream,
+    hello: Hello,
+    nonce: Nonce,
 }
 
 /// A rank that has met the others.
@@ -99,23 +120,19 @@ pub fn serve_store(
     timeout: Duration,
 ) -> Result<()> {
     let here = listener.local_addr().map_or_else(|_| "?".to_string(), |a| a.to_string());
-    let token = token_hash(token);
     let deadline = Instant::now() + timeout;
-    let mut pending: Vec<Option<(TcpStream, SocketAddr)>> = (0..world).map(|_| None).collect();
+    let mut pending: Vec<Option<Registered>> = (0..world).map(|_| None).collect();
     listener.set_nonblocking(true).map_err(|e| rdzv(&here, e.to_string()))?;
     while pending.iter().any(Option::is_none) {
-        let s = match listener.accept() {
-            Ok((s, _)) => s,
+        let (s, from) = match listener.accept() {
+            Ok(c) => c,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
                     let missing: Vec<usize> = (0..world).filter(|&r| pending[r].is_none()).collect();
                     let why =
                         format!("ranks {missing:?} never registered within {:.1} s", timeout.as_secs_f64());
-                    for (mut s, _) in pending.into_iter().flatten() {
-                        let _ = write_line(
-                            &mut s,
-                            &StoreReply { refused: Some(why.clone()), addrs: vec![], nccl_id: None },
-                        );
+                    for mut reg in pending.into_iter().flatten() {
+                        let _ = write_line(&mut reg.stream, &StoreReply::refusal(why.clone()));
                     }
                     return Err(CommError::Timeout {
                         peer: missing[0],
@@ -129,37 +146,41 @@ pub fn serve_store(
             Err(e) => return Err(rdzv(&here, format!("accept: {e}"))),
         };
         let _ = s.set_nonblocking(false);
+        // A silent client must not hold the store up for long.
         let _ = s.set_read_timeout(Some(timeout.min(Duration::from_secs(10))));
-        let mut w = match s.try_clone() {
-            Ok(w) => w,
-            Err(_) => continue,
+        let _ = s.set_write_timeout(Some(timeout.min(Duration::from_secs(10))));
+        let (mut w, nonce) = match (s.try_clone(), fresh_nonce()) {
+            (Ok(w), Ok(n)) => (w, n),
+            _ => continue,
         };
-        let hello: Hello = match read_line(&s) {
+        let hello = match handshake::accept(&s, &mut w, None, world, fingerprint, token, &nonce) {
             Ok(h) => h,
             Err(e) => {
-                tracing::warn!("rendezvous store refused a client: bad registration: {e}");
+                tracing::warn!("rendezvous store refused a client at {from}: {e}");
                 continue;
             }
         };
-        let verdict = refuse(&hello, None, world, fingerprint, token)
-            .or_else(|| {
-                pending[hello.rank].is_some().then(|| format!("rank {} registered twice", hello.rank))
-            })
-            .or_else(|| hello.addr.is_none().then(|| "no ring address given".to_string()));
-        match (verdict, hello.addr) {
-            (None, Some(addr)) => pending[hello.rank] = Some((s, addr)),
-            (why, _) => {
-                let why = why.unwrap_or_default();
-                tracing::warn!("rendezvous store refused rank {}: {why}", hello.rank);
-                let _ = write_line(&mut w, &StoreReply { refused: Some(why), addrs: vec![], nccl_id: None });
-            }
+        if pending[hello.rank].is_some() {
+            let why = format!("rank {} registered twice", hello.rank);
+            tracing::warn!("rendezvous store refused {from}: {why}");
+            let _ = write_line(&mut w, &StoreReply::refusal(why));
+            continue;
         }
+        let rank = hello.rank;
+        pending[rank] = Some(Registered { stream: s, hello, nonce });
     }
-    let all: Vec<(TcpStream, SocketAddr)> = pending.into_iter().flatten().collect();
-    let addrs: Vec<SocketAddr> = all.iter().map(|(_, a)| *a).collect();
-    let reply = StoreReply { refused: None, addrs, nccl_id: nccl_id.map(|id| id.to_vec()) };
-    for (rank, (mut s, _)) in all.into_iter().enumerate() {
-        write_line(&mut s, &reply).map_err(|e| rdzv(&here, format!("answering rank {rank}: {e}")))?;
+    let all: Vec<Registered> = pending.into_iter().flatten().collect();
+    // Every slot is filled with a hello that passed `refuse`, which requires an address.
+    let addrs: Vec<SocketAddr> = all.iter().filter_map(|r| r.hello.addr).collect();
+    for (rank, mut reg) in all.into_iter().enumerate() {
+        let reply = StoreReply {
+            refused: None,
+            addrs: addrs.clone(),
+            nccl_id: nccl_id.map(|id| id.to_vec()),
+            proof: Some(handshake::proof(token, Role::Acceptor, &reg.hello, &reg.nonce)),
+        };
+        write_line(&mut reg.stream, &reply)
+            .map_err(|e| rdzv(&here, format!("answering rank {rank}: {e}")))?;
     }
     Ok(())
 }
@@ -204,27 +225,33 @@ pub fn join_with_store(cfg: &RendezvousConfig, store: Option<TcpListener>) -> Re
         rank: cfg.rank,
         world: cfg.world,
         fingerprint: cfg.fingerprint.clone(),
-        token: token_hash(cfg.token.as_deref()),
         to: None,
         addr: Some(addr),
+        nonce: fresh_nonce().map_err(|e| rdzv(&cfg.master, e.to_string()))?,
     };
+    let token = cfg.token.as_deref();
     let mut w = s.try_clone().map_err(|e| rdzv(&cfg.master, e.to_string()))?;
-    write_line(&mut w, &hello).map_err(|e| rdzv(&cfg.master, format!("registering: {e}")))?;
+    let _ = s.set_read_timeout(Some(cfg.timeout));
+    let _ = s.set_write_timeout(Some(cfg.timeout));
+    let registered = handshake::offer(&s, &mut w, &hello, token);
     // The store answers once the last rank registers: wait as long as it may.
     let _ = s.set_read_timeout(Some(cfg.timeout + Duration::from_secs(5)));
-    let reply: std::result::Result<StoreReply, _> = read_line(&s);
+    let reply: std::io::Result<StoreReply> = match &registered {
+        Ok(_) => read_line(&s),
+        Err(_) => Ok(StoreReply::refusal(String::new())),
+    };
     if let Some(h) = store {
         h.join().map_err(|_| rdzv(&cfg.master, "the store thread panicked"))??;
     }
+    let nonce = registered.map_err(|e| rdzv(&cfg.master, format!("registering: {e}")))?;
     let reply = reply.map_err(|e| match e.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
             rdzv(&cfg.master, format!("not every rank registered within {:.1} s", cfg.timeout.as_secs_f64()))
         }
         _ => rdzv(&cfg.master, format!("bad answer: {e}")),
     })?;
-    if let Some(why) = reply.refused {
-        return Err(rdzv(&cfg.master, format!("refused: {why}")));
-    }
+    handshake::confirm(token, &hello, &nonce, reply.refused, reply.proof.as_ref())
+        .map_err(|e| rdzv(&cfg.master, e.to_string()))?;
     if reply.addrs.len() != cfg.world {
         return Err(rdzv(
             &cfg.master,

@@ -5,13 +5,16 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use gradsync_worker::collective::tcp::MeshInfo;
 use gradsync_worker::collective::{Collective, CommError, RingConfig, TcpComm, Transport};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
+
+mod ring_client;
+use ring_client::{Claim, knock_as, line, nonce_of, read_one};
 
 fn cfg(timeout_ms: u64, transport: Transport) -> RingConfig {
     RingConfig {
@@ -33,6 +36,15 @@ fn info(rank: usize, addrs: &[SocketAddr], fp: &str) -> MeshInfo {
     MeshInfo { rank, addrs: addrs.to_vec(), fingerprint: fp.into(), token: Some("t".into()) }
 }
 
+/// Run `body(rank, listener)` for every listener, each on its own thread; their results.
+fn per_rank<T: Send>(ls: Vec<TcpListener>, body: impl Fn(usize, TcpListener) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let body = &body;
+        let hs: Vec<_> = ls.into_iter().enumerate().map(|(r, l)| s.spawn(move || body(r, l))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// Run rank bodies on threads over a connected mesh of `world` on `transport`; returns their
 /// results.
 fn group<T: Send>(
@@ -42,20 +54,10 @@ fn group<T: Send>(
     body: impl Fn(TcpComm) -> T + Sync,
 ) -> Vec<T> {
     let (ls, addrs) = mesh(world);
-    std::thread::scope(|s| {
-        let hs: Vec<_> = ls
-            .into_iter()
-            .enumerate()
-            .map(|(r, l)| {
-                let (addrs, body) = (&addrs, &body);
-                s.spawn(move || {
-                    let c = TcpComm::connect(l, &info(r, addrs, "fp"), cfg(timeout_ms, transport)).unwrap();
-                    assert_eq!(c.transport(), transport);
-                    body(c)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    per_rank(ls, |r, l| {
+        let c = TcpComm::connect(l, &info(r, &addrs, "fp"), cfg(timeout_ms, transport)).unwrap();
+        assert_eq!(c.transport(), transport);
+        body(c)
     })
 }
 
@@ -72,7 +74,10 @@ fn dead_peer(n: usize, transport: Transport) {
     // Rank 0 reads from rank 2 (its left neighbour) and must say so.
     let e = out[0].as_ref().unwrap().to_string();
     assert!(e.contains("rank 2"), "{e}");
-    assert!(out[1].is_some());
+    // Rank 1 reads from rank 0, which tells it whom it blames before closing: rank 1 blames
+    // rank 2 too (it learns it from rank 0's notice, or from its own write to rank 2).
+    let e1 = out[1].as_ref().unwrap();
+    assert_eq!(e1.culprit(), Some(2), "{e1}");
     assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}: waited for a timeout", t0.elapsed());
 }
 
@@ -88,9 +93,19 @@ fn a_dead_peer_is_named_on_the_threaded_engine_too() {
 
 #[test]
 fn a_dead_peer_is_named_over_shared_memory() {
-    // Larger than a ring: rank 1 also waits for room rank 2 will never free.
+    // Larger than a ring too: rank 1 then also waits for room rank 2 will never free.
     dead_peer(10_000, Transport::Shm);
     dead_peer(2 << 20, Transport::Shm);
+}
+
+#[test]
+fn a_silent_peer_times_out_with_its_rank() {
+    silent_peer(Transport::Tcp);
+}
+
+#[test]
+fn a_silent_peer_times_out_with_its_rank_over_shared_memory() {
+    silent_peer(Transport::Shm);
 }
 
 fn silent_peer(transport: Transport) {
@@ -119,26 +134,6 @@ fn silent_peer(transport: Transport) {
 }
 
 #[test]
-fn a_silent_peer_times_out_with_its_rank() {
-    silent_peer(Transport::Tcp);
-}
-
-#[test]
-fn a_silent_peer_times_out_with_its_rank_over_shared_memory() {
-    silent_peer(Transport::Shm);
-}
-
-fn different_lengths(transport: Transport) {
-    let t0 = Instant::now();
-    let out = group(2, 5_000, transport, |mut c| {
-        let mut b = vec![1.0f32; if c.rank() == 0 { 100 } else { 101 }];
-        c.all_reduce(&mut b).unwrap_err().to_string()
-    });
-    assert!(out.iter().any(|e| e.contains("values where") && e.contains("expected")), "{out:?}");
-    assert!(t0.elapsed() < Duration::from_secs(4), "took {:?}: waited for a timeout", t0.elapsed());
-}
-
-#[test]
 fn different_lengths_are_refused_not_mixed() {
     different_lengths(Transport::Tcp);
 }
@@ -148,17 +143,29 @@ fn different_lengths_are_refused_over_shared_memory() {
     different_lengths(Transport::Shm);
 }
 
+fn different_lengths(transport: Transport) {
+    let out = group(2, 5_000, transport, |mut c| {
+        let mut b = vec![1.0f32; if c.rank() == 0 { 100 } else { 101 }];
+        c.all_reduce(&mut b).unwrap_err().to_string()
+    });
+    assert!(out.iter().any(|e| e.contains("values where") && e.contains("expected")), "{out:?}");
+}
+
 #[test]
 fn after_a_failure_the_communicator_refuses_to_continue() {
     for transport in [Transport::Tcp, Transport::Shm] {
-        let out = group(2, 5_000, transport, |mut c| {
-            let mut b = vec![1.0f32; if c.rank() == 0 { 10 } else { 11 }];
-            let _ = c.all_reduce(&mut b);
-            let mut ok = vec![1.0f32; 10];
-            c.all_reduce(&mut ok).unwrap_err().to_string()
-        });
-        assert!(out.iter().all(|e| e.contains("earlier failure")), "{transport:?}: {out:?}");
+        after_a_failure(transport);
     }
+}
+
+fn after_a_failure(transport: Transport) {
+    let out = group(2, 5_000, transport, |mut c| {
+        let mut b = vec![1.0f32; if c.rank() == 0 { 10 } else { 11 }];
+        let _ = c.all_reduce(&mut b);
+        let mut ok = vec![1.0f32; 10];
+        c.all_reduce(&mut ok).unwrap_err().to_string()
+    });
+    assert!(out.iter().all(|e| e.contains("earlier failure")), "{out:?}");
 }
 
 #[test]
@@ -168,51 +175,66 @@ fn strangers_are_refused_and_the_ring_still_forms() {
     // ahead of rank 1): one with garbage, one with a proper handshake and the wrong token.
     let mut garbage = TcpStream::connect(addrs[0]).unwrap();
     garbage.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
-    let mut wrong = TcpStream::connect(addrs[0]).unwrap();
-    wrong
-        .write_all(b"{\"magic\":\"gradsync-ring/1\",\"rank\":1,\"world\":2,\"fingerprint\":\"fp\",\"token\":1,\"to\":0}\n")
-        .unwrap();
-    let sums: Vec<f32> = std::thread::scope(|s| {
-        let hs: Vec<_> = ls
-            .into_iter()
-            .enumerate()
-            .map(|(r, l)| {
-                let addrs = &addrs;
-                s.spawn(move || {
-                    let mut c =
-                        TcpComm::connect(l, &info(r, addrs, "fp"), cfg(10_000, Transport::Tcp)).unwrap();
-                    let mut b = [r as f32 + 1.0];
-                    c.all_reduce(&mut b).unwrap();
-                    b[0]
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let claim = Claim { rank: 1, world: 2, fingerprint: "fp".into(), to: Some(0), addr: None };
+    let wrong = knock_as(addrs[0], claim, "not-t");
+    let sums = per_rank(ls, |r, l| {
+        let mut c = TcpComm::connect(l, &info(r, &addrs, "fp"), cfg(10_000, Transport::Tcp)).unwrap();
+        let mut b = [r as f32 + 1.0];
+        c.all_reduce(&mut b).unwrap();
+        b[0]
     });
     assert_eq!(sums, vec![3.0, 3.0]);
-    let mut refusal = String::new();
-    BufReader::new(&wrong).read_line(&mut refusal).unwrap();
-    assert!(refusal.contains("wrong ring token"), "{refusal}");
+    let lines = wrong.join().unwrap();
+    assert!(lines.last().is_some_and(|l| l.contains("wrong ring token")), "{lines:?}");
+}
+
+#[test]
+fn a_wrong_token_is_refused_on_both_sides() {
+    // Real ranks with different tokens: the acceptor refuses the connector's proof, and says so.
+    let (ls, addrs) = mesh(2);
+    let errs = per_rank(ls, |r, l| {
+        let mut i = info(r, &addrs, "fp");
+        i.token = Some(if r == 0 { "right" } else { "wrong" }.into());
+        TcpComm::connect(l, &i, cfg(1_500, Transport::Tcp)).unwrap_err().to_string()
+    });
+    assert!(
+        errs[1].contains(&format!("rank 0 at {}", addrs[0])) && errs[1].contains("wrong ring token"),
+        "{}",
+        errs[1]
+    );
+    assert!(errs[0].contains("rank 1"), "{}", errs[0]);
+
+    // A listener that answers with a proof made from another token: the connecting rank
+    // checks the acceptor too, and refuses it.
+    let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+    let fake_addr = fake.local_addr().unwrap();
+    let acceptor = std::thread::spawn(move || {
+        let (mut s, _) = fake.accept().unwrap();
+        let mut r = BufReader::new(s.try_clone().unwrap());
+        let hello: serde_json::Value = serde_json::from_str(&read_one(&mut r).unwrap()).unwrap();
+        let theirs = nonce_of(&hello["nonce"]).unwrap();
+        let mine = [9u8; 32];
+        s.write_all(&line(&serde_json::json!({ "refused": null, "nonce": mine.to_vec() }))).unwrap();
+        let _answer = read_one(&mut r).unwrap();
+        let claim = Claim { rank: 1, world: 2, fingerprint: "fp".into(), to: Some(0), addr: None };
+        let proof = claim.proof("wrong", "acceptor", &theirs, &mine);
+        s.write_all(&line(&serde_json::json!({ "refused": null, "proof": proof.to_vec() }))).unwrap();
+    });
+    let own = TcpListener::bind("127.0.0.1:0").unwrap();
+    let a1 = own.local_addr().unwrap();
+    let e = TcpComm::connect(own, &info(1, &[fake_addr, a1], "fp"), cfg(5_000, Transport::Tcp))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&format!("rank 0 at {fake_addr}")) && e.contains("without proving"), "{e}");
+    acceptor.join().unwrap();
 }
 
 #[test]
 fn another_model_cannot_join() {
     let (ls, addrs) = mesh(2);
-    let errs: Vec<Option<String>> = std::thread::scope(|s| {
-        let hs: Vec<_> = ls
-            .into_iter()
-            .enumerate()
-            .map(|(r, l)| {
-                let addrs = &addrs;
-                s.spawn(move || {
-                    let fp = if r == 0 { "mlp:784-10:f32:seed=1" } else { "mlp:784-10:f32:seed=2" };
-                    TcpComm::connect(l, &info(r, addrs, fp), cfg(1_500, Transport::Tcp))
-                        .err()
-                        .map(|e| e.to_string())
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let errs = per_rank(ls, |r, l| {
+        let fp = if r == 0 { "mlp:784-10:f32:seed=1" } else { "mlp:784-10:f32:seed=2" };
+        TcpComm::connect(l, &info(r, &addrs, fp), cfg(1_500, Transport::Tcp)).err().map(|e| e.to_string())
     });
     let e1 = errs[1].as_deref().unwrap();
     assert!(e1.contains("fingerprint") && e1.contains("seed=2"), "{e1}");

@@ -234,6 +234,23 @@ fn bsp_matches_local_training_with_the_combined_batch() {
     }
 }
 
+/// gradsync's worker frames its pushes and reads its pulls straight from HTTP/2 frames; a
+/// server answering through tonic's codec (`--default-transport`) must see the same messages.
+#[test]
+fn direct_framing_interoperates_with_a_tonic_codec_server() {
+    let dir = tmp("interop");
+    let (w, k, b, steps) = (2, 2, 4, 4);
+    let reference = dir.join("local.ckpt");
+    run_local(w * b, steps, &reference, &[]);
+    let (_servers, addrs) = start_shards(k, &["--worker-timeout", "30", "--default-transport"]);
+    let save = dir.join("ps.ckpt");
+    for (rank, (code, err)) in run_workers(w, &addrs, b, steps, &save, &[]).into_iter().enumerate() {
+        assert_eq!(code, 0, "rank {rank} failed: {err}");
+    }
+    let d = max_diff(&params(&save), &params(&reference));
+    assert!(d < 1e-5, "parameters differ from local batch {} by {d}", w * b);
+}
+
 async fn connect(addr: &str) -> ParameterServerClient<tonic::transport::Channel> {
     let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).expect("uri").connect().await;
     ParameterServerClient::new(ch.expect("connecting")).max_decoding_message_size(64 << 20)
@@ -394,7 +411,8 @@ fn dead_rank_1_only_rank0(elastic: bool) -> (i32, String, String) {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let dir = tmp(if elastic { "elastic" } else { "strict" });
     let metrics = dir.join("server.jsonl");
-    let mut flags = vec!["--worker-timeout", "1", "--metrics", metrics.to_str().expect("utf8")];
+    // Above the workers' 2 s heartbeat interval, which an elastic server requires.
+    let mut flags = vec!["--worker-timeout", "2.5", "--metrics", metrics.to_str().expect("utf8")];
     if elastic {
         flags.push("--elastic");
     }

@@ -44,7 +44,8 @@ pub struct ClusterArgs {
     /// needs the kernel's netem qdisc.
     #[arg(long, default_value_t = 0)]
     pub delay_us: u64,
-    /// Packet loss on each direction of each link, percent; needs the kernel's netem qdisc.
+    /// Packet loss on each direction of each link, percent (a BPF classifier drops them; no
+    /// netem needed).
     #[arg(long, default_value_t = 0.0)]
     pub loss: f64,
     /// Worker processes, each on its own host.

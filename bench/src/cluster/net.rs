@@ -6,8 +6,12 @@
 //!   gs-<pid>-<n>-h0          gs-<pid>-<n>-hub             gs-<pid>-<n>-h1
 //!  [eth0 10.77.0.1] ==veth== [h0]--br0--[h1] ==veth== [eth0 10.77.0.2]   ...
 //!      tc: htb rate,            tc: htb rate,               tc: ...
-//!          netem delay/loss         netem delay/loss
+//!          bpf loss, netem delay    bpf loss, netem delay
 //! ```
+//!
+//! Loss does not need netem (which some kernels lack): a classic-BPF classifier draws a
+//! random number per packet (`ld rand`) and sends the chosen share to an htb class whose queue
+//! holds nothing (`pfifo limit 0`), where they are dropped. Delay needs netem.
 //!
 //! Each link is shaped in both directions: the host's `eth0` shapes what the host sends, the
 //! hub's end shapes what it receives. A [`Cluster`] deletes its namespaces (and kills whatever
@@ -39,9 +43,15 @@ pub enum ClusterError {
         /// What it wrote to stderr.
         stderr: String,
     },
-    /// Delay or loss was asked for and the kernel has no netem qdisc.
-    #[error("delay and loss need the kernel's netem qdisc (sch_netem), which this kernel lacks: {0}")]
+    /// Delay was asked for and the kernel has no netem qdisc.
+    #[error(
+        "--delay-us needs the kernel's netem qdisc (sch_netem), which this kernel lacks (rate shaping \
+         and --loss work without it): {0}"
+    )]
     NoNetem(String),
+    /// Loss was asked for and the kernel cannot classify with BPF or drop in htb.
+    #[error("--loss needs the kernel's bpf classifier (cls_bpf) and htb: {0}")]
+    NoLoss(String),
     /// A host index outside the cluster.
     #[error("no host {0} in this cluster of {1}")]
     NoHost(usize, usize),
@@ -225,57 +235,77 @@ fn delete_ns(name: &str) {
     }
 }
 
+/// An htb rate for links given no rate: far above what loopback copies reach.
+const UNSHAPED: &str = "100gbit";
+
 /// htb for the rate (netem's own rate drops the GSO batches veth hands it), netem under it
-/// for delay and loss.
+/// for delay, and a BPF classifier in front of it for loss.
 fn shape_dev(ns: &str, dev: &str, s: &Shape) -> Result<(), ClusterError> {
-    let mut netem: Vec<String> = Vec::new();
-    if !s.delay.is_zero() {
-        netem.extend(["delay".into(), format!("{}us", s.delay.as_micros())]);
-    }
-    if s.loss_pct > 0.0 {
-        netem.extend(["loss".into(), format!("{}%", s.loss_pct)]);
-    }
-    if !netem.is_empty() {
-        // A queue deep enough for a 10 Gbit/s link's bandwidth-delay product.
-        netem.extend(["limit".into(), "100000".into()]);
-    }
     let tc = |args: &[&str]| -> Result<(), ClusterError> {
-        let mut a = vec!["-n", ns, "qdisc"];
+        let mut a = vec!["-n", ns];
         a.extend_from_slice(args);
         run("tc", &a)
     };
-    let netem_ref: Vec<&str> = netem.iter().map(String::as_str).collect();
-    match s.rate_bit {
-        Some(rate) => {
-            let rate = format!("{}bit", rate.round() as u64);
-            tc(&["add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"])?;
-            // A burst of 64 KiB or more lets a GSO batch through at once, as a NIC would.
-            run(
-                "tc",
-                &[
-                    "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate",
-                    &rate, "ceil", &rate, "burst", "256k", "cburst", "256k", "quantum", "65536",
-                ],
-            )?;
-            if !netem_ref.is_empty() {
-                let mut a = vec!["add", "dev", dev, "parent", "1:1", "handle", "10:", "netem"];
-                a.extend_from_slice(&netem_ref);
-                tc(&a).map_err(netem_err)?;
-            }
+    // A queue deep enough for a 10 Gbit/s link's bandwidth-delay product.
+    let delay = format!("{}us", s.delay.as_micros());
+    let netem = ["netem", "delay", delay.as_str(), "limit", "100000"];
+    let rate = s.rate_bit.map(|r| format!("{}bit", r.round() as u64));
+    if rate.is_none() && s.loss_pct <= 0.0 {
+        if !s.delay.is_zero() {
+            tc(&[&["qdisc", "add", "dev", dev, "root"][..], &netem].concat()).map_err(netem_err)?;
         }
-        None if !netem_ref.is_empty() => {
-            let mut a = vec!["add", "dev", dev, "root", "netem"];
-            a.extend_from_slice(&netem_ref);
-            tc(&a).map_err(netem_err)?;
-        }
-        None => {}
+        return Ok(());
+    }
+    let rate = rate.as_deref().unwrap_or(UNSHAPED);
+    tc(&["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"])?;
+    // A burst of 64 KiB or more lets a GSO batch through at once, as a NIC would.
+    let class = |id: &str| {
+        tc(&[
+            "class", "add", "dev", dev, "parent", "1:", "classid", id, "htb", "rate", rate, "ceil", rate,
+            "burst", "256k", "cburst", "256k", "quantum", "65536",
+        ])
+    };
+    class("1:1")?;
+    if !s.delay.is_zero() {
+        tc(&[&["qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:"][..], &netem].concat())
+            .map_err(netem_err)?;
+    }
+    if s.loss_pct > 0.0 {
+        let lossy = |e: ClusterError| ClusterError::NoLoss(e.to_string());
+        class("1:2").map_err(lossy)?;
+        tc(&["qdisc", "add", "dev", dev, "parent", "1:2", "handle", "20:", "pfifo", "limit", "0"])
+            .map_err(lossy)?;
+        let program = drop_program(s.loss_pct);
+        tc(&[
+            "filter", "add", "dev", dev, "parent", "1:", "protocol", "all", "prio", "1", "bpf", "bytecode",
+            &program, "flowid", "1:2",
+        ])
+        .map_err(lossy)?;
     }
     Ok(())
 }
 
+/// Classic BPF for `tc ... bpf bytecode`: a packet goes to the dropping class (the filter's
+/// flowid, return -1) when a fresh random u32 is below `pct`% of 2^32, else on to the default
+/// class (return 0: no match).
+fn drop_program(pct: f64) -> String {
+    // SKF_AD_OFF + SKF_AD_RANDOM: the "ld rand" ancillary load.
+    const LD_RAND: u32 = 0xffff_f000 + 56;
+    let threshold = ((pct / 100.0) * 4_294_967_296.0).round().clamp(0.0, u32::MAX as f64) as u32;
+    // ld rand; jge #threshold (skip 1 : fall through); ret #-1; ret #0
+    let insns = [(0x20, 0, 0, LD_RAND), (0x35, 1, 0, threshold), (0x06, 0, 0, u32::MAX), (0x06, 0, 0, 0)];
+    let mut out = format!("{},", insns.len());
+    for (code, jt, jf, k) in insns {
+        out.push_str(&format!("{code} {jt} {jf} {k},"));
+    }
+    out
+}
+
 fn netem_err(e: ClusterError) -> ClusterError {
     match e {
-        ClusterError::Command { cmd, stderr } if stderr.contains("qdisc kind is unknown") => {
+        ClusterError::Command { cmd, stderr }
+            if stderr.contains("qdisc kind is unknown") || stderr.contains("Unknown qdisc") =>
+        {
             ClusterError::NoNetem(format!("`{cmd}`: {stderr}"))
         }
         e => e,

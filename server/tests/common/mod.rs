@@ -36,3 +36,14 @@ pub fn start_server(args: &[&std::ffi::OsStr]) -> (Proc, String) {
     let addr = line.trim().strip_prefix("gradsync-server listening on ").expect("listening line").to_string();
     (proc, addr)
 }
+
+/// Whether `python3` can import every module in `modules` (comma-separated, as `import` takes
+/// them).
+#[allow(dead_code)] // each test binary uses its own subset of this module
+pub fn python_has(modules: &str) -> bool {
+    Command::new("python3")
+        .args(["-c", &format!("import {modules}")])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}

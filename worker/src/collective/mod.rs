@@ -1,7 +1,8 @@
 //! Collective communication between the ranks of a DDP run: one small trait, two backends.
 //!
 //! - [`tcp`]: links between ranks (sockets, frames, the handshake), with no reduction math;
-//!   `handshake`: the handshake line and frame header decoded as pure functions (fuzzed);
+//!   `handshake`: the challenge-response handshake (HMAC-SHA256 over fresh nonces), the frame
+//!   header and the abort notice, as pure functions over bytes and streams (fuzzed);
 //!   `pump`: the full-duplex engines that move frames both ways at once (one thread with
 //!   `poll` for small transfers, a sender thread beside the receiver for large ones).
 //! - [`shm`]: the shared-memory transport the ring and chains use instead of sockets when every
@@ -44,7 +45,7 @@ pub enum CommError {
         secs: f64,
     },
     /// The connection to a peer failed or was closed.
-    #[error("rank {peer}: {op}: {source}")]
+    #[error("rank {peer}: {op}")]
     Peer {
         /// The peer's rank.
         peer: usize,
@@ -52,6 +53,17 @@ pub enum CommError {
         op: &'static str,
         /// The socket error (an unexpected end of file means the peer went away).
         source: std::io::Error,
+    },
+    /// A peer gave up on the operation because of another rank, and said which: the rank to
+    /// blame is `culprit`, not the neighbour that closed the connection.
+    #[error("rank {culprit} failed: rank {peer} stopped {op} because of it")]
+    Aborted {
+        /// The rank that sent the abort notice.
+        peer: usize,
+        /// The rank it blames (dead, silent, or out of step).
+        culprit: usize,
+        /// The operation under way.
+        op: &'static str,
     },
     /// A peer sent something this rank did not expect (another collective, another length).
     #[error("rank {peer}: protocol error: {why}")]
@@ -78,7 +90,7 @@ pub enum CommError {
         why: String,
     },
     /// A local socket could not be created or configured.
-    #[error("{what}: {source}")]
+    #[error("{what}")]
     Io {
         /// What was being done.
         what: String,
@@ -101,6 +113,19 @@ pub enum CommError {
         /// The library's message.
         msg: String,
     },
+}
+
+impl CommError {
+    /// The rank this error blames, if it blames one.
+    pub fn culprit(&self) -> Option<usize> {
+        match self {
+            CommError::Timeout { peer, .. }
+            | CommError::Peer { peer, .. }
+            | CommError::Protocol { peer, .. } => Some(*peer),
+            CommError::Aborted { culprit, .. } => Some(*culprit),
+            _ => None,
+        }
+    }
 }
 
 /// The result type of this module.

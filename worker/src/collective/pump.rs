@@ -18,7 +18,9 @@ use std::os::fd::AsRawFd;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use super::tcp::{Op, TcpComm, add_into, frame_header, parse_header, peer_err, write_frame};
+use super::tcp::{
+    Op, TcpComm, add_into, frame_header, lost, parse_header, peer_err, read_exact_from, write_frame,
+};
 use super::{CommError, Result, Traffic};
 
 /// The most a reader waits to accumulate before it wakes.
@@ -136,9 +138,8 @@ impl<'s, 'b> Pump<'s, 'b> {
         while got < buf.len() {
             match self.reader.read(&mut buf[got..]) {
                 Ok(0) => {
-                    return Err(peer_err(self.left, self.op, self.timeout)(
-                        io::ErrorKind::UnexpectedEof.into(),
-                    ));
+                    let eof = io::ErrorKind::UnexpectedEof.into();
+                    return Err(lost(self.left, self.op, self.timeout, &buf[..got], eof));
                 }
                 Ok(n) => got += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -149,7 +150,7 @@ impl<'s, 'b> Pump<'s, 'b> {
                     self.wait(true)?;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(peer_err(self.left, self.op, self.timeout)(e)),
+                Err(e) => return Err(lost(self.left, self.op, self.timeout, &buf[..got], e)),
             }
         }
         Ok(())
@@ -329,19 +330,19 @@ impl<'b> Duplex<'b> for Threaded<'_, 'b> {
     }
 
     fn recv(&mut self, dst: &mut [f32], add: bool) -> Result<()> {
-        let err = |e| peer_err(self.left, self.op, self.timeout)(e);
+        let (left, op, t) = (self.left, self.op, self.timeout);
         let mut head = [0u8; 8];
-        self.reader.read_exact(&mut head).map_err(err)?;
+        read_exact_from(self.reader, &mut head, left, op, t)?;
         parse_header(&head, self.op, dst.len(), self.left)?;
         if add {
             let piece = self.scratch.len().max(1);
             for part in dst.chunks_mut(piece) {
                 let s = &mut self.scratch[..part.len()];
-                self.reader.read_exact(bytemuck::cast_slice_mut(s)).map_err(err)?;
+                read_exact_from(self.reader, bytemuck::cast_slice_mut(s), left, op, t)?;
                 add_into(part, s);
             }
         } else {
-            self.reader.read_exact(bytemuck::cast_slice_mut(dst)).map_err(err)?;
+            read_exact_from(self.reader, bytemuck::cast_slice_mut(dst), left, op, t)?;
         }
         self.recv += dst.len() as u64 * 4;
         Ok(())

@@ -16,10 +16,14 @@ use std::time::{Duration, Instant};
 use socket2::SockRef;
 
 pub(crate) use super::handshake::{
-    HeaderError, Hello, MAGIC, Welcome, check_header, read_line, refuse, token_hash, write_line,
+    HeaderError, Hello, MAGIC, check_header, fresh_nonce, read_line, write_line,
 };
+use super::handshake::{abort_notice, ends_with_abort};
 use super::shm::{Shm, Transport};
 use super::{CommError, Result, Traffic};
+
+/// How long a failing rank spends telling one peer whom to blame, or reading a peer's notice.
+const ABORT_WRITE_TIMEOUT: Duration = Duration::from_millis(200);
 
 /// Tunables of the TCP backend.
 #[derive(Debug, Clone)]
@@ -115,6 +119,37 @@ pub(crate) fn peer_err(peer: usize, op: Op, timeout: Duration) -> impl FnOnce(io
     }
 }
 
+/// What ended a read from `peer` with error `e`, given the bytes `tail` read from it just
+/// before: an abort notice at the end of them names the rank to blame.
+pub(crate) fn lost(peer: usize, op: Op, timeout: Duration, tail: &[u8], e: io::Error) -> CommError {
+    match ends_with_abort(tail) {
+        Some(culprit) if !matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            CommError::Aborted { peer, culprit, op: op.name() }
+        }
+        _ => peer_err(peer, op, timeout)(e),
+    }
+}
+
+/// `read_exact` from `peer`, blocking, with the end of the stream explained by [`lost`].
+pub(crate) fn read_exact_from(
+    r: &mut TcpStream,
+    buf: &mut [u8],
+    peer: usize,
+    op: Op,
+    t: Duration,
+) -> Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) => return Err(lost(peer, op, t, &buf[..got], io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(lost(peer, op, t, &buf[..got], e)),
+        }
+    }
+    Ok(())
+}
+
 /// One connection to one peer, split into a reading and a writing handle so that both
 /// directions can be busy at once.
 pub(crate) struct Link {
@@ -171,6 +206,7 @@ pub(crate) fn parse_header(head: &[u8; 8], op: Op, expect: usize, peer: usize) -
     check_header(head, op as u32, expect).map_err(|e| CommError::Protocol {
         peer,
         why: match e {
+            HeaderError::Aborted(culprit) => return CommError::Aborted { peer, culprit, op: op.name() },
             HeaderError::Tag(tag) => {
                 let theirs =
                     Op::from_tag(tag).map_or_else(|| format!("unknown tag {tag}"), |o| o.name().to_string());
@@ -194,10 +230,10 @@ pub(crate) fn read_frame(
     t: Duration,
 ) -> Result<u64> {
     let mut head = [0u8; 8];
-    r.read_exact(&mut head).map_err(peer_err(peer, op, t))?;
+    read_exact_from(r, &mut head, peer, op, t)?;
     parse_header(&head, op, dst.len(), peer)?;
     if !dst.is_empty() {
-        r.read_exact(bytemuck::cast_slice_mut(dst)).map_err(peer_err(peer, op, t))?;
+        read_exact_from(r, bytemuck::cast_slice_mut(dst), peer, op, t)?;
     }
     Ok(dst.len() as u64 * 4)
 }
@@ -244,37 +280,11 @@ impl TcpComm {
     pub fn connect(listener: TcpListener, info: &MeshInfo, cfg: RingConfig) -> Result<TcpComm> {
         let (rank, world) = (info.rank, info.addrs.len());
         super::check_rank("rank", rank, world)?;
-        let token = token_hash(info.token.as_deref());
+        let token = info.token.as_deref();
         let deadline = Instant::now() + cfg.timeout;
         let mut links: Vec<Option<Link>> = (0..world).map(|_| None).collect();
         for (peer, addr) in info.addrs.iter().enumerate().take(rank) {
-            let hello = Hello {
-                magic: MAGIC.into(),
-                rank,
-                world,
-                fingerprint: info.fingerprint.clone(),
-                token,
-                to: Some(peer),
-                addr: None,
-            };
-            let s = connect_retry(addr, deadline).map_err(|e| CommError::Io {
-                what: format!("connecting to rank {peer} at {addr}"),
-                source: e,
-            })?;
-            s.set_read_timeout(Some(cfg.timeout)).ok();
-            let hs = |e: io::Error| CommError::Handshake {
-                who: format!("rank {peer} at {addr}"),
-                why: e.to_string(),
-            };
-            let mut w = s.try_clone().map_err(hs)?;
-            write_line(&mut w, &hello).map_err(hs)?;
-            let welcome: Welcome = read_line(&s).map_err(hs)?;
-            if let Some(why) = welcome.refused {
-                return Err(CommError::Handshake {
-                    who: format!("rank {peer} at {addr}"),
-                    why: format!("refused: {why}"),
-                });
-            }
+            let s = dial(peer, addr, info, &cfg, deadline)?;
             links[peer] = Some(Link::new(peer, s, &cfg)?);
         }
         listener
@@ -386,20 +396,64 @@ impl TcpComm {
                 why: format!("{} after an earlier failure: {why}", op.name()),
             });
         }
-        let out = f(self);
+        let out = f(self).map_err(|e| self.blame(e));
         if let Err(e) = &out
             && !matches!(e, CommError::Invalid { .. })
         {
             self.poisoned = Some(e.to_string());
+            // Tell every peer whom to blame (this rank, if nobody else), then wake the ones
+            // blocked on us at once rather than at their timeout.
+            let notice = abort_notice(e.culprit().unwrap_or(self.rank));
+            for l in self.links.iter_mut().flatten() {
+                let _ = l.writer.set_nonblocking(false);
+                // A peer that no longer reads must not hold this rank up.
+                let _ = l.writer.set_write_timeout(Some(ABORT_WRITE_TIMEOUT));
+                let _ = l.writer.write_all(&notice);
+                let _ = l.reader.shutdown(Shutdown::Both);
+            }
+            // Neighbours asleep on the shared-memory rings: the notice is on the links by now.
             if let Some(shm) = &self.shm {
                 shm.abort();
             }
-            // Wake peers blocked on us at once rather than at their timeout.
-            for l in self.links.iter().flatten() {
-                let _ = l.reader.shutdown(Shutdown::Both);
-            }
         }
         out
+    }
+
+    /// A connection error from a peer that sent an abort notice before closing (one this rank
+    /// had not read yet, e.g. because it was writing to that peer) becomes the notice's
+    /// [`CommError::Aborted`]: the survivors of a failure name the rank that failed.
+    fn blame(&mut self, e: CommError) -> CommError {
+        let CommError::Peer { peer, op, .. } = e else { return e };
+        let Some(l) = self.links.get_mut(peer).and_then(Option::as_mut) else { return e };
+        let mut tail = Vec::new();
+        if l.reader.set_nonblocking(false).is_err()
+            || l.reader.set_read_timeout(Some(ABORT_WRITE_TIMEOUT)).is_err()
+        {
+            return e;
+        }
+        // What is left in the stream, up to its end (bounded by the socket buffer and time).
+        let mut buf = [0u8; 64 << 10];
+        let start = Instant::now();
+        let ended = loop {
+            match l.reader.read(&mut buf) {
+                Ok(0) => break true,
+                Ok(n) => {
+                    tail.extend_from_slice(&buf[..n]);
+                    let keep = tail.len().saturating_sub(8);
+                    tail.drain(..keep);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => break true,
+            }
+            if start.elapsed() > ABORT_WRITE_TIMEOUT {
+                break false;
+            }
+        };
+        let _ = l.reader.set_read_timeout(Some(self.cfg.timeout));
+        match ends_with_abort(&tail) {
+            Some(culprit) if ended => CommError::Aborted { peer, culprit, op },
+            _ => e,
+        }
     }
 }
 
@@ -429,26 +483,60 @@ pub(crate) fn connect_retry(addr: &SocketAddr, deadline: Instant) -> io::Result<
     }
 }
 
-/// Read and check one incoming [`Hello`]; answer it. `Ok` with the peer's rank if accepted.
+/// Connect to rank `peer` at `addr` and run the connector's side of the handshake
+/// (challenge-response over the token, both ways).
+fn dial(
+    peer: usize,
+    addr: &SocketAddr,
+    info: &MeshInfo,
+    cfg: &RingConfig,
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let who = || format!("rank {peer} at {addr}");
+    let hs = |e: io::Error| CommError::Handshake { who: who(), why: e.to_string() };
+    let hello = Hello {
+        magic: MAGIC.into(),
+        rank: info.rank,
+        world: info.addrs.len(),
+        fingerprint: info.fingerprint.clone(),
+        to: Some(peer),
+        addr: None,
+        nonce: fresh_nonce().map_err(hs)?,
+    };
+    let s = connect_retry(addr, deadline)
+        .map_err(|e| CommError::Io { what: format!("connecting to {}", who()), source: e })?;
+    // The acceptor answers at once unless it is busy with another caller's handshake.
+    s.set_read_timeout(Some(cfg.timeout)).map_err(hs)?;
+    s.set_write_timeout(Some(cfg.timeout)).map_err(hs)?;
+    let mut w = s.try_clone().map_err(hs)?;
+    super::handshake::connect(&s, &mut w, &hello, info.token.as_deref())
+        .map_err(|e| CommError::Handshake { who: who(), why: e.to_string() })?;
+    Ok(s)
+}
+
+/// Run the acceptor's side of the handshake on one incoming connection. `Ok` with the peer's
+/// rank if it proved it belongs to this run.
 fn accept_one(
     s: TcpStream,
     me: usize,
     world: usize,
     fingerprint: &str,
-    token: u64,
+    token: Option<&str>,
     cfg: &RingConfig,
 ) -> std::result::Result<(usize, TcpStream), String> {
     s.set_nonblocking(false).map_err(|e| e.to_string())?;
     // A stray client that says nothing must not hold the ring up for long.
-    s.set_read_timeout(Some(cfg.timeout.min(Duration::from_secs(10)))).map_err(|e| e.to_string())?;
-    let hello: Hello = read_line(&s).map_err(|e| format!("bad handshake: {e}"))?;
-    let verdict = refuse(&hello, Some(me), world, fingerprint, token);
+    let t = Some(cfg.timeout.min(Duration::from_secs(10)));
+    s.set_read_timeout(t).map_err(|e| e.to_string())?;
+    s.set_write_timeout(t).map_err(|e| e.to_string())?;
     let mut w = s.try_clone().map_err(|e| e.to_string())?;
-    write_line(&mut w, &Welcome { refused: verdict.clone() }).map_err(|e| e.to_string())?;
-    match verdict {
-        Some(why) => Err(why),
-        None => Ok((hello.rank, s)),
-    }
+    let nonce = fresh_nonce().map_err(|e| e.to_string())?;
+    let hello = super::handshake::accept(&s, &mut w, Some(me), world, fingerprint, token, &nonce)
+        .map_err(|e| e.to_string())?;
+    let proof = super::handshake::proof(token, super::handshake::Role::Acceptor, &hello, &nonce);
+    write_line(&mut w, &super::handshake::Welcome { refused: None, proof: Some(proof) })
+        .map_err(|e| format!("rank {}: answering the handshake: {e}", hello.rank))?;
+    Ok((hello.rank, s))
 }
 
 impl super::Collective for TcpComm {

@@ -15,6 +15,7 @@ use gradsync_core::model::ModelSpec;
 use gradsync_core::optim::SgdConfig;
 
 use super::{Strategy, ms_since, timed};
+use crate::cli::{FaultKind, ReplicaFault};
 use crate::collective::tcp::add_into;
 use crate::train::Run;
 
@@ -31,6 +32,10 @@ pub struct Dp {
     params: Vec<f32>,
     /// `--slow-rank`: the replica to delay and its delay.
     slow: Option<(usize, std::time::Duration)>,
+    /// `--fail-replica`: the injected fault, if any.
+    fault: Option<ReplicaFault>,
+    /// Steps begun so far (the fault fires in one of them).
+    steps: u64,
 }
 
 /// How many CUDA devices can be used (ordinals 0.. that open).
@@ -43,6 +48,13 @@ impl Dp {
     pub fn new(run: &Run) -> anyhow::Result<Dp> {
         let replicas = run.args.dp.replicas.unwrap_or(run.world);
         anyhow::ensure!(replicas >= 1, "--replicas must be at least 1");
+        if let Some(f) = run.args.dp.fail_replica {
+            anyhow::ensure!(
+                f.replica < replicas,
+                "--fail-replica: replica {} is not below the {replicas} replicas",
+                f.replica
+            );
+        }
         let devices = match run.device {
             Device::Cpu { threads } => vec![Device::Cpu { threads }; replicas],
             Device::Cuda { ordinal } => {
@@ -61,8 +73,20 @@ impl Dp {
             tmp: Vec::new(),
             params: Vec::new(),
             slow: run.args.slow_rank.map(|s| (s.rank, s.delay())),
+            fault: run.args.dp.fail_replica,
+            steps: 0,
         })
     }
+}
+
+/// A replica thread's panic as an error carrying the panic's message.
+fn panicked(payload: Box<dyn std::any::Any + Send>) -> anyhow::Error {
+    let msg = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into());
+    anyhow::anyhow!("the replica's thread panicked: {msg}")
 }
 
 impl Strategy for Dp {
@@ -100,6 +124,8 @@ impl Strategy for Dp {
         let (rows, dim) = (y.len() / n, x.len() / y.len().max(1));
         // Scatter: replica k takes rows k*rows..(k+1)*rows and runs forward and backward on
         // its own thread.
+        self.steps += 1;
+        let fault = self.fault.filter(|f| f.step == self.steps);
         let results: Vec<anyhow::Result<(BatchLoss, f64, f64)>> = std::thread::scope(|s| {
             let slow = self.slow;
             let work = move |e: &mut Engine, k: usize| -> anyhow::Result<(BatchLoss, f64, f64)> {
@@ -108,6 +134,15 @@ impl Strategy for Dp {
                 {
                     std::thread::sleep(d);
                 }
+                match fault {
+                    Some(f) if f.replica == k && f.kind == FaultKind::Panic => {
+                        panic!("injected fault (--fail-replica {k}:{}:panic)", f.step)
+                    }
+                    Some(f) if f.replica == k => {
+                        anyhow::bail!("injected device error (--fail-replica {k}:{}:error)", f.step)
+                    }
+                    _ => {}
+                }
                 let (xs, ys) = (&x[k * rows * dim..(k + 1) * rows * dim], &y[k * rows..(k + 1) * rows]);
                 let (loss, f) = timed(e, |e| e.forward(xs, ys, true))?;
                 let ((), b) = timed(e, |e| e.backward(false))?;
@@ -115,12 +150,11 @@ impl Strategy for Dp {
             };
             let handles: Vec<_> =
                 self.others.iter_mut().enumerate().map(|(i, e)| s.spawn(move || work(e, i + 1))).collect();
-            let mut out = vec![work(engine, 0)];
-            out.extend(
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a replica thread panicked")))),
-            );
+            // Replica 0 runs on this thread: a panic there is caught too, so that every replica's
+            // failure ends the step the same way (an error naming it) once all are joined.
+            let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(engine, 0)));
+            let mut out = vec![mine.unwrap_or_else(|p| Err(panicked(p)))];
+            out.extend(handles.into_iter().map(|h| h.join().unwrap_or_else(|p| Err(panicked(p)))));
             out
         });
         let mut total = BatchLoss::default();

@@ -3,9 +3,12 @@
 //! parameters to the device. The servers own the optimiser; this side owns no update.
 //!
 //! ```text
-//!   device grads --read_grads--> host f32 --encode (1 pass)--> Bytes --slices--> shard k
-//!   device params <-write_params-- host f32 <--decode (1 pass)-- chunks <------- shard k
+//!   device grads --read_grads--> host f32 --encode (1 pass)--> wire image --slices--> shard k
+//!   device params <-write_params-- host f32 <--decode (1 pass)-- DATA frames <------- shard k
 //! ```
+//!
+//! The two bulk RPCs go straight over the channel's HTTP/2 frames ([`frames`]), without
+//! tonic's codec and its two copies per message; the rest use the generated client.
 //!
 //! [`PsClient`] is the transport-level client (also driven by `gradsync-bench ps`); [`Ps`] is
 //! the [`Strategy`] that wraps it with a tokio runtime, because the training loop is
@@ -21,9 +24,11 @@ use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
 use gradsync_core::trace::Trace;
+use gradsync_proto::frames::{self, Frames, Incoming};
 use gradsync_proto::pb::parameter_server_client::ParameterServerClient;
 use gradsync_proto::pb::{
-    DeregisterRequest, GradientChunk, HeartbeatRequest, PullRequest, RegisterRequest, VersionRequest,
+    DeregisterRequest, GradientChunk, HeartbeatRequest, PullRequest, PushReply, RegisterRequest,
+    VersionRequest,
 };
 use gradsync_proto::tuning::Tuning;
 use gradsync_proto::wire;
@@ -54,6 +59,8 @@ type Client = ParameterServerClient<InterceptedService<Channel, Auth>>;
 struct Shard {
     addr: String,
     client: Client,
+    /// The same connection, for the bulk RPCs sent straight as HTTP/2 frames.
+    channel: Channel,
     /// Its range of the flat buffer (known once registered).
     range: Range<usize>,
     /// Version of the parameters last pulled from it.
@@ -78,6 +85,11 @@ pub struct PsClient {
     shards: Vec<Shard>,
     timeout: Duration,
     chunk_bytes: usize,
+    /// Bulk RPCs through [`frames`] rather than tonic's codec ([`Tuning::direct`]).
+    direct: bool,
+    /// The largest message accepted, bytes.
+    limit: usize,
+    auth: Auth,
     rank: u32,
     total: usize,
     sync: String,
@@ -165,10 +177,17 @@ impl PsClient {
                     .map_err(|e| {
                         anyhow::anyhow!("connecting to {a}: {}", gradsync_proto::tls::tls_why(&e))
                     })?;
-                let client = ParameterServerClient::with_interceptor(ch, auth)
+                let client = ParameterServerClient::with_interceptor(ch.clone(), auth)
                     .max_decoding_message_size(tuning.max_message())
                     .max_encoding_message_size(tuning.max_message());
-                anyhow::Ok(Shard { addr: a.clone(), client, range: 0..0, version: 0, spare: None })
+                anyhow::Ok(Shard {
+                    addr: a.clone(),
+                    client,
+                    channel: ch,
+                    range: 0..0,
+                    version: 0,
+                    spare: None,
+                })
             }
         }))
         .await?;
@@ -176,6 +195,9 @@ impl PsClient {
             shards,
             timeout,
             chunk_bytes: tuning.chunk_bytes,
+            direct: tuning.direct,
+            limit: tuning.max_message(),
+            auth,
             rank: 0,
             total: 0,
             sync: String::new(),
@@ -263,29 +285,50 @@ impl PsClient {
             self.total
         );
         let (timeout, chunk, rank) = (self.timeout, self.chunk_bytes, self.rank);
+        let (direct, limit, auth) = (self.direct, self.limit, &self.auth);
         let replies = try_join_all(self.shards.iter_mut().map(|s| {
-            let buf = wire::encode(&grads[s.range.clone()], wire::reclaim(s.spare.take()));
-            s.spare = Some(buf.clone());
-            let base = s.version;
-            let chunks: Vec<GradientChunk> = wire::chunks(buf.len(), chunk)
-                .map(|r| GradientChunk {
-                    rank,
-                    base_version: base,
-                    offset: (r.start / 4) as u64,
-                    data: buf.slice(r),
-                })
-                .collect();
-            let bytes = buf.len() as u64;
+            let (base, src) = (s.version, &grads[s.range.clone()]);
+            let head = move |offset| GradientChunk { rank, base_version: base, offset, data: Bytes::new() };
+            // Encoded once, into the allocation the previous push let go of, as one GradientChunk
+            // message per chunk (direct) or as bare payloads (tonic's codec); every chunk is a
+            // zero-copy slice.
+            let spare = wire::reclaim(s.spare.take());
+            let (framed, plain) = if direct {
+                (Some(frames::Framed::encode(src, chunk, 4, head, spare)), None)
+            } else {
+                (None, Some(wire::encode(src, spare)))
+            };
+            s.spare = framed.as_ref().map(|f| f.bytes.clone()).or_else(|| plain.clone());
+            let bytes = (src.len() * 4) as u64;
             async move {
-                let stream = tokio_stream_iter(chunks);
-                let r = deadline(
-                    timeout,
-                    &s.addr,
-                    "PushGradients",
-                    s.client.push_gradients(request(stream, timeout)),
-                )
-                .await?
-                .into_inner();
+                let r = if let Some(framed) = framed {
+                    let mut body = Frames::new();
+                    for i in 0..framed.len() {
+                        body.data(framed.message(i));
+                    }
+                    let fut = async {
+                        let mut replies = call(&mut s.channel, auth, PUSH, timeout, body, limit).await?;
+                        let r = replies.message::<PushReply>().await?;
+                        match (r, replies.message::<PushReply>().await?) {
+                            (Some(r), None) => Ok(r),
+                            _ => Err(tonic::Status::internal("PushGradients must answer one PushReply")),
+                        }
+                    };
+                    deadline(timeout, &s.addr, "PushGradients", fut).await?
+                } else {
+                    let plain = plain.unwrap_or_default();
+                    let chunks: Vec<GradientChunk> = wire::chunks(plain.len(), chunk)
+                        .map(|r| GradientChunk { data: plain.slice(r.clone()), ..head((r.start / 4) as u64) })
+                        .collect();
+                    deadline(
+                        timeout,
+                        &s.addr,
+                        "PushGradients",
+                        s.client.push_gradients(request(tokio_stream_iter(chunks), timeout)),
+                    )
+                    .await?
+                    .into_inner()
+                };
                 anyhow::Ok((r, bytes))
             }
         }))
@@ -307,6 +350,7 @@ impl PsClient {
             self.total
         );
         let (timeout, rank) = (self.timeout, self.rank);
+        let (direct, limit, auth) = (self.direct, self.limit, &self.auth);
         // Split the buffer into each shard's disjoint slice (ranges are contiguous, in order).
         let mut rest = params;
         let mut slices = Vec::with_capacity(self.shards.len());
@@ -317,8 +361,14 @@ impl PsClient {
         }
         let got = try_join_all(self.shards.iter_mut().zip(slices).map(|(s, dst)| async move {
             let fut = async {
-                let mut stream =
-                    s.client.pull_parameters(request(PullRequest { rank }, timeout)).await?.into_inner();
+                let mut stream = if direct {
+                    let mut body = Frames::new();
+                    body.data(frames::message(&PullRequest { rank }));
+                    Incoming::Direct(call(&mut s.channel, auth, PULL, timeout, body, limit).await?)
+                } else {
+                    let r = s.client.pull_parameters(request(PullRequest { rank }, timeout)).await?;
+                    Incoming::Codec(r.into_inner())
+                };
                 let (mut received, mut version) = (0u64, None);
                 while let Some(c) = stream.message().await? {
                     if *version.get_or_insert(c.version) != c.version || c.offset != received {
@@ -384,6 +434,7 @@ impl PsClient {
                 .map(|s| Shard {
                     addr: s.addr.clone(),
                     client: s.client.clone(),
+                    channel: s.channel.clone(),
                     range: s.range.clone(),
                     version: s.version,
                     spare: None,
@@ -391,11 +442,44 @@ impl PsClient {
                 .collect(),
             timeout: self.timeout,
             chunk_bytes: self.chunk_bytes,
+            direct: self.direct,
+            limit: self.limit,
+            auth: self.auth.clone(),
             rank: self.rank,
             total: self.total,
             sync: self.sync.clone(),
         }
     }
+}
+
+const PUSH: &str = "/gradsync.ps.v1.ParameterServer/PushGradients";
+const PULL: &str = "/gradsync.ps.v1.ParameterServer/PullParameters";
+
+/// Call `path` with `body` as the request, straight over the channel (no codec): the
+/// response's messages, its HTTP and trailers-only errors already checked.
+async fn call(
+    ch: &mut Channel,
+    auth: &Auth,
+    path: &str,
+    timeout: Duration,
+    body: Frames,
+    limit: usize,
+) -> Result<frames::Messages<tonic::body::Body>, tonic::Status> {
+    let mut req = http::Request::builder()
+        .method(http::Method::POST)
+        .uri(path)
+        .header(http::header::CONTENT_TYPE, frames::CONTENT_TYPE)
+        .header(http::header::TE, "trailers")
+        .header("grpc-timeout", frames::timeout_header(timeout));
+    if let Some(v) = &auth.0 {
+        req = req.header(gradsync_proto::auth::KEY, v.as_encoded_bytes());
+    }
+    let req = req.body(body.into_body()).map_err(|e| tonic::Status::internal(e.to_string()))?;
+    std::future::poll_fn(|cx| tonic::codegen::Service::poll_ready(ch, cx))
+        .await
+        .map_err(|e| frames::status_of(e.into()))?;
+    let resp = tonic::codegen::Service::call(ch, req).await.map_err(|e| frames::status_of(e.into()))?;
+    frames::response_messages(resp, limit)
 }
 
 /// A stream over owned chunks, as a client-streaming request body.
@@ -421,7 +505,7 @@ pub struct Ps {
 }
 
 /// How often a worker tells the servers it is alive, whatever it is doing.
-const HEARTBEAT: Duration = Duration::from_secs(2);
+const HEARTBEAT: Duration = gradsync_proto::HEARTBEAT_INTERVAL;
 
 impl Ps {
     /// Connect to the servers of `args` (registration waits for [`Strategy::start`]).
@@ -431,6 +515,7 @@ impl Ps {
             "--rpc-timeout {} must be a positive number of seconds",
             args.rpc_timeout
         );
+        gradsync_proto::tuning::keep_freed_memory();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
