@@ -1,10 +1,12 @@
 //! `gradsync-bench collective`: an nccl-tests-style table for all-reduce (size, time, algbw,
-//! busbw, wrong values) from 8 B to 256 MB over 2 to 8 ranks, per backend, beside the raw TCP
-//! bandwidth of the same machine measured in the same run, and PyTorch gloo on the same sizes
-//! when a Python with torch is given.
+//! busbw, wrong values) from 8 B to 256 MB over 2 to 8 ranks, per backend and, for the TCP
+//! backend, per transport (sockets only; `auto`, which here means shared memory), beside the
+//! raw TCP bandwidth of the same machine measured in the same run, and PyTorch gloo on the
+//! same sizes when a Python with torch is given.
 //!
 //! Ranks are threads of this process, each with its own communicator over real loopback
-//! sockets (the same code path as separate processes: nothing is shared but the kernel).
+//! sockets and, on the shared-memory transport, its own mailbox in `/dev/shm` (the same code
+//! path as separate processes: nothing is shared but the kernel and those files).
 //! Definitions follow nccl-tests: algbw = S / t, busbw = algbw * 2(n-1)/n.
 
 use std::net::TcpListener;
@@ -14,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use gradsync_worker::collective::{Collective, Nccl, RingConfig, TcpComm, nccl};
+use gradsync_worker::collective::{Collective, Nccl, RingConfig, TcpComm, Transport, nccl};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
 use crate::table::Table;
@@ -40,6 +42,10 @@ pub struct CollectiveArgs {
     /// Bytes to move per size (sets the iteration count: more for small buffers).
     #[arg(long, default_value_t = 512 << 20)]
     pub budget_bytes: usize,
+    /// Transports of the TCP backend to measure, one row set each: tcp (sockets only), auto
+    /// (shared memory between ranks of one host), shm.
+    #[arg(long, value_enum, default_value = "tcp,auto", value_delimiter = ',', env = "GRADSYNC_TRANSPORT")]
+    pub transport: Vec<Transport>,
     /// Ring chunk size, KiB.
     #[arg(long, default_value_t = 1024)]
     pub chunk_kb: usize,
@@ -109,17 +115,24 @@ fn time_rank(c: &mut dyn Collective, sizes: &[usize], budget: usize) -> anyhow::
     Ok(rows)
 }
 
-/// Run the TCP backend with `world` rank threads; the slowest rank's time per size.
-fn tcp(world: usize, sizes: &[usize], a: &CollectiveArgs) -> anyhow::Result<Vec<Row>> {
+/// Run the TCP backend on `transport` with `world` rank threads; the slowest rank's time per
+/// size, and the transport the ranks ended up on.
+fn tcp(
+    world: usize,
+    sizes: &[usize],
+    a: &CollectiveArgs,
+    transport: Transport,
+) -> anyhow::Result<(Vec<Row>, Transport)> {
     let store = TcpListener::bind("127.0.0.1:0")?;
     let master = store.local_addr()?.to_string();
     let mut store = Some(store);
     let ring = RingConfig {
         chunk_bytes: a.chunk_kb << 10,
         socket_buffer: (a.socket_buffer_kb > 0).then_some(a.socket_buffer_kb << 10),
+        transport,
         ..RingConfig::default()
     };
-    let per_rank: Vec<anyhow::Result<Vec<Row>>> = std::thread::scope(|s| {
+    let per_rank: Vec<anyhow::Result<(Vec<Row>, Transport)>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
             .map(|rank| {
                 let rc = RendezvousConfig {
@@ -132,18 +145,20 @@ fn tcp(world: usize, sizes: &[usize], a: &CollectiveArgs) -> anyhow::Result<Vec<
                     nccl: false,
                 };
                 let (l, ring) = (if rank == 0 { store.take() } else { None }, ring.clone());
-                s.spawn(move || -> anyhow::Result<Vec<Row>> {
+                s.spawn(move || -> anyhow::Result<(Vec<Row>, Transport)> {
                     let j = join_with_store(&rc, l)?;
                     let mut c = TcpComm::connect(j.listener, &j.mesh, ring)?;
-                    time_rank(&mut c, sizes, a.budget_bytes)
+                    Ok((time_rank(&mut c, sizes, a.budget_bytes)?, c.transport()))
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a rank panicked")))).collect()
     });
     let mut out: Option<Vec<Row>> = None;
+    let mut used = transport;
     for rows in per_rank {
-        let rows = rows?;
+        let (rows, t) = rows?;
+        used = t;
         out = Some(match out {
             None => rows,
             Some(acc) => acc
@@ -153,7 +168,7 @@ fn tcp(world: usize, sizes: &[usize], a: &CollectiveArgs) -> anyhow::Result<Vec<
                 .collect(),
         });
     }
-    out.context("no ranks")
+    Ok((out.context("no ranks")?, used))
 }
 
 /// NCCL at world size 1 (one GPU here): what the library costs with no peer.
@@ -208,6 +223,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
     let mut t = Table::new(&[
         "ranks",
         "backend",
+        "transport",
         "size",
         "time us",
         "algbw GB/s",
@@ -228,9 +244,21 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
             },
             None => None,
         };
-        for backend in &a.backend {
-            let rows = match backend.as_str() {
-                "tcp" => tcp(world, &sizes, a)?,
+        let runs = a.backend.iter().flat_map(|b| {
+            let per = if b == "tcp" { a.transport.clone() } else { vec![Transport::Auto] };
+            per.into_iter().map(move |t| (b, t))
+        });
+        for (backend, transport) in runs {
+            let (rows, label) = match backend.as_str() {
+                "tcp" => {
+                    let (rows, used) = tcp(world, &sizes, a, transport)?;
+                    let label = if used == transport {
+                        used.name().to_string()
+                    } else {
+                        format!("{} ({})", transport.name(), used.name())
+                    };
+                    (rows, label)
+                }
                 "nccl" => match nccl::available() {
                     Err(e) => {
                         eprintln!("gradsync-bench collective: NCCL skipped ({world} ranks): {e}");
@@ -243,7 +271,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                         );
                         continue;
                     }
-                    Ok(()) => nccl_single(&sizes, a)?,
+                    Ok(()) => (nccl_single(&sizes, a)?, "-".to_string()),
                 },
                 other => anyhow::bail!("--backend {other}: expected tcp or nccl"),
             };
@@ -256,6 +284,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                 t.row(vec![
                     world.to_string(),
                     backend.clone(),
+                    label.clone(),
                     human(row.bytes),
                     format!("{:.1}", row.secs * 1e6),
                     format!("{:.3}", row.algbw()),
@@ -271,7 +300,8 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
     print!("{}", t.render());
     println!(
         "busbw = algbw * 2(n-1)/n (nccl-tests); busbw/raw: link efficiency against one raw TCP stream; \
-         vs gloo: our busbw over gloo's."
+         vs gloo: our busbw over gloo's; transport: what the TCP backend's ring ran on (tcp: \
+         loopback sockets; auto (shm): shared memory, chosen because every rank is on this host)."
     );
     Ok(())
 }

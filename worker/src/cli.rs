@@ -8,6 +8,8 @@ use gradsync_core::data::DataSource;
 use gradsync_core::device::DeviceRequest;
 use gradsync_core::model::ModelSpec;
 
+pub use crate::collective::Transport;
+
 /// gradsync worker: trains the model locally, as DataParallel replicas, against parameter
 /// servers, or in a DDP ring.
 #[derive(Debug, Parser)]
@@ -261,6 +263,11 @@ pub struct DdpArgs {
     /// Ring chunk size in KiB: the unit of pipelining on the TCP ring.
     #[arg(long, default_value_t = 1024, value_parser = parse_positive)]
     pub chunk_kb: usize,
+    /// How the TCP backend's ring reaches its neighbours: auto (shared memory when every rank
+    /// is on this host and in this network namespace, else sockets), tcp, or shm (fail
+    /// unless shared memory works). Every rank must be given the same value.
+    #[arg(long, value_enum, default_value_t = Transport::Auto, env = "GRADSYNC_TRANSPORT")]
+    pub transport: Transport,
     /// Reduce each bucket after the whole backward pass instead of during it (to measure what
     /// overlap buys; GPU engines with --backend tcp always do this).
     #[arg(long)]

@@ -5,7 +5,8 @@
 //! - [`train`]: the training loop, written once: data, sampler, evaluation, metrics, saving.
 //! - [`strategy`]: the [`strategy::Strategy`] seam and one file per mode behind it.
 //! - [`collective`]: collectives between ranks behind one trait: the TCP ring (links in
-//!   `tcp`, algorithms in `ring` and `chain`) and NCCL.
+//!   `tcp`, shared-memory rings between ranks of one host in `shm`, algorithms in `ring` and
+//!   `chain`) and NCCL.
 //! - [`rendezvous`]: rank 0's store through which ranks exchange addresses and the NCCL id.
 //! - [`launch`]: `gradsync-worker launch`, torchrun's job: start the local ranks, prefix their
 //!   output, stop them all if one fails.

@@ -1,7 +1,9 @@
 //! Every collective of the TCP backend against a serial reference, for 1 to 8 ranks and
-//! awkward sizes (zero, smaller than the world, not divisible by it, many pipelined chunks).
-//! Ranks are threads, each with its own communicator over real loopback sockets, meeting
-//! through the real rendezvous store. Inputs are small integers, so every sum is exact.
+//! awkward sizes (zero, smaller than the world, not divisible by it, many pipelined chunks),
+//! on both transports: sockets only, and shared memory (the rings in `/dev/shm`) for the ring
+//! and chain collectives. Ranks are threads, each with its own communicator over real
+//! loopback sockets, meeting through the real rendezvous store. Inputs are small integers, so
+//! every sum is exact.
 //!
 //! NCCL runs the same check at world size 1 where a GPU is present (NCCL refuses two ranks
 //! on one GPU); without one the test says it skipped.
@@ -11,7 +13,7 @@
 use std::net::TcpListener;
 use std::time::Duration;
 
-use gradsync_worker::collective::{Collective, Nccl, RingConfig, TcpComm, nccl, segment};
+use gradsync_worker::collective::{Collective, Nccl, RingConfig, TcpComm, Transport, nccl, segment};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
 #[derive(Debug, Clone, Copy)]
@@ -41,7 +43,12 @@ fn input(rank: usize, i: usize) -> f32 {
 
 /// Small chunks, so even 1001 values travel as many pipelined frames.
 fn cfg() -> RingConfig {
-    RingConfig { timeout: Duration::from_secs(20), chunk_bytes: 64, socket_buffer: None }
+    RingConfig {
+        timeout: Duration::from_secs(20),
+        chunk_bytes: 64,
+        socket_buffer: None,
+        transport: Transport::Tcp,
+    }
 }
 
 thread_local! {
@@ -49,9 +56,10 @@ thread_local! {
     static CHUNK: std::cell::Cell<usize> = const { std::cell::Cell::new(64) };
 }
 
-/// `world` connected communicators, one per thread, through the rendezvous store.
-fn with_group<T: Send>(world: usize, body: impl Fn(TcpComm) -> T + Sync) -> Vec<T> {
-    let cfg = || RingConfig { chunk_bytes: CHUNK.with(|c| c.get()), ..cfg() };
+/// `world` connected communicators on `transport`, one per thread, through the rendezvous
+/// store.
+fn with_group<T: Send>(world: usize, transport: Transport, body: impl Fn(TcpComm) -> T + Sync) -> Vec<T> {
+    let cfg = || RingConfig { chunk_bytes: CHUNK.with(|c| c.get()), transport, ..cfg() };
     let store = TcpListener::bind("127.0.0.1:0").unwrap();
     let master = store.local_addr().unwrap().to_string();
     let mut store = Some(store);
@@ -74,7 +82,12 @@ fn with_group<T: Send>(world: usize, body: impl Fn(TcpComm) -> T + Sync) -> Vec<
                         TcpComm::single(cfg())
                     } else {
                         let j = join_with_store(&rc, l).unwrap();
-                        TcpComm::connect(j.listener, &j.mesh, cfg()).unwrap()
+                        let c = TcpComm::connect(j.listener, &j.mesh, cfg()).unwrap();
+                        // The transport asked for is the one in use (threads share a host).
+                        if transport != Transport::Auto {
+                            assert_eq!(c.transport(), transport);
+                        }
+                        c
                     };
                     body(comm)
                 })
@@ -165,9 +178,9 @@ fn expected(op: Op, w: usize, r: usize, n: usize) -> Vec<f32> {
 }
 
 /// The generic test: every size for `op` with every world size from 1 to 8.
-fn check(op: Op) {
+fn check(op: Op, transport: Transport) {
     for world in 1..=8 {
-        let results = with_group(world, |mut c| {
+        let results = with_group(world, transport, |mut c| {
             let mut per_size = Vec::new();
             for n in sizes(world) {
                 per_size.push((n, run_op(&mut c, op, n)));
@@ -177,68 +190,59 @@ fn check(op: Op) {
         for (rank, per_size, _) in results {
             for (n, got) in per_size {
                 let want = expected(op, world, rank, n);
-                assert_eq!(got, want, "{op:?}, {world} ranks, {n} values, rank {rank}");
+                assert_eq!(got, want, "{op:?} over {transport:?}, {world} ranks, {n} values, rank {rank}");
             }
         }
     }
 }
 
-#[test]
-fn all_reduce() {
-    check(Op::AllReduce);
+/// One test per operation and transport.
+macro_rules! per_transport {
+    ($($name:ident: $op:expr),* $(,)?) => {
+        /// Sockets only.
+        mod tcp {
+            use super::*;
+            $(#[test]
+            fn $name() {
+                check($op, Transport::Tcp);
+            })*
+        }
+
+        /// Shared memory for the ring and chains (gather, scatter and send/recv stay on
+        /// sockets).
+        mod shm {
+            use super::*;
+            $(#[test]
+            fn $name() {
+                check($op, Transport::Shm);
+            })*
+        }
+    };
 }
 
-#[test]
-fn reduce_scatter() {
-    check(Op::ReduceScatter);
+per_transport! {
+    all_reduce: Op::AllReduce,
+    reduce_scatter: Op::ReduceScatter,
+    all_gather: Op::AllGather,
+    broadcast: Op::Broadcast,
+    reduce: Op::Reduce,
+    gather: Op::Gather,
+    scatter: Op::Scatter,
+    send_recv: Op::SendRecv,
+    barrier: Op::Barrier,
 }
 
-#[test]
-fn all_gather() {
-    check(Op::AllGather);
-}
-
-#[test]
-fn broadcast() {
-    check(Op::Broadcast);
-}
-
-#[test]
-fn reduce() {
-    check(Op::Reduce);
-}
-
-#[test]
-fn gather() {
-    check(Op::Gather);
-}
-
-#[test]
-fn scatter() {
-    check(Op::Scatter);
-}
-
-#[test]
-fn send_recv() {
-    check(Op::SendRecv);
-}
-
-#[test]
-fn barrier() {
-    check(Op::Barrier);
-}
-
-/// Buffers of 4 MiB and more take the two-thread engine: the same reference must hold.
-#[test]
-fn large_buffers_on_the_threaded_engine() {
+/// Buffers of 4 MiB and more take the two-thread engine on sockets, and wrap around the
+/// shared-memory rings (2 MiB each) many times: the same reference must hold.
+fn large_buffers(transport: Transport) {
     CHUNK.with(|c| c.set(64 << 10));
     let n = (1 << 20) + 3;
     for op in [Op::AllReduce, Op::ReduceScatter, Op::AllGather, Op::Broadcast, Op::Reduce] {
         for world in [2, 3, 4] {
-            for (rank, got) in with_group(world, |mut c| (c.rank(), run_op(&mut c, op, n))) {
+            for (rank, got) in with_group(world, transport, |mut c| (c.rank(), run_op(&mut c, op, n))) {
                 assert!(
                     got == expected(op, world, rank, n),
-                    "{op:?}, {world} ranks, {n} values, rank {rank}"
+                    "{op:?} over {transport:?}, {world} ranks, {n} values, rank {rank}"
                 );
             }
         }
@@ -246,11 +250,30 @@ fn large_buffers_on_the_threaded_engine() {
 }
 
 #[test]
+fn large_buffers_on_the_threaded_engine() {
+    large_buffers(Transport::Tcp);
+}
+
+#[test]
+fn large_buffers_over_shared_memory() {
+    large_buffers(Transport::Shm);
+}
+
+#[test]
+fn auto_picks_shared_memory_on_one_host() {
+    for (_, t) in with_group(3, Transport::Auto, |c| (c.rank(), c.transport())) {
+        assert_eq!(t, Transport::Shm);
+    }
+}
+
+#[test]
 fn all_reduce_traffic_is_the_ring_optimum() {
     // Each rank sends and receives 2 (W-1)/W of the buffer, in whole chunks of segments.
     let n = 4000;
-    for world in [2, 3, 4] {
-        for (_, _, t) in with_group(world, |mut c| {
+    for (world, transport) in
+        [(2, Transport::Tcp), (3, Transport::Tcp), (4, Transport::Tcp), (3, Transport::Shm)]
+    {
+        for (_, _, t) in with_group(world, transport, |mut c| {
             let mut b = vec![1.0f32; n];
             c.all_reduce(&mut b).unwrap();
             assert!(b.iter().all(|&v| v == world as f32));

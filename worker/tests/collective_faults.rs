@@ -1,6 +1,7 @@
 //! What the TCP backend does when something is wrong: a dead peer, a silent peer, buffers of
 //! different lengths, a stranger at the door, another model, a wrong token. Every case must
-//! end in an error that says what happened (naming the rank), quickly, never in a hang.
+//! end in an error that says what happened (naming the rank), quickly, never in a hang. The
+//! cases inside a collective run on both transports (sockets, shared memory).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -9,14 +10,19 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use gradsync_worker::collective::tcp::MeshInfo;
-use gradsync_worker::collective::{Collective, CommError, RingConfig, TcpComm};
+use gradsync_worker::collective::{Collective, CommError, RingConfig, TcpComm, Transport};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
 mod ring_client;
 use ring_client::{Claim, knock_as, line, nonce_of, read_one};
 
-fn cfg(timeout_ms: u64) -> RingConfig {
-    RingConfig { timeout: Duration::from_millis(timeout_ms), chunk_bytes: 256, socket_buffer: None }
+fn cfg(timeout_ms: u64, transport: Transport) -> RingConfig {
+    RingConfig {
+        timeout: Duration::from_millis(timeout_ms),
+        chunk_bytes: 256,
+        socket_buffer: None,
+        transport,
+    }
 }
 
 /// Listeners and the mesh description for `world` ranks, with per-rank fingerprints.
@@ -39,15 +45,25 @@ fn per_rank<T: Send>(ls: Vec<TcpListener>, body: impl Fn(usize, TcpListener) -> 
     })
 }
 
-/// Run rank bodies on threads over a connected mesh of `world`; returns their results.
-fn group<T: Send>(world: usize, timeout_ms: u64, body: impl Fn(TcpComm) -> T + Sync) -> Vec<T> {
+/// Run rank bodies on threads over a connected mesh of `world` on `transport`; returns their
+/// results.
+fn group<T: Send>(
+    world: usize,
+    timeout_ms: u64,
+    transport: Transport,
+    body: impl Fn(TcpComm) -> T + Sync,
+) -> Vec<T> {
     let (ls, addrs) = mesh(world);
-    per_rank(ls, |r, l| body(TcpComm::connect(l, &info(r, &addrs, "fp"), cfg(timeout_ms)).unwrap()))
+    per_rank(ls, |r, l| {
+        let c = TcpComm::connect(l, &info(r, &addrs, "fp"), cfg(timeout_ms, transport)).unwrap();
+        assert_eq!(c.transport(), transport);
+        body(c)
+    })
 }
 
-fn dead_peer(n: usize) {
+fn dead_peer(n: usize, transport: Transport) {
     let t0 = Instant::now();
-    let out = group(3, 20_000, |mut c| {
+    let out = group(3, 20_000, transport, |mut c| {
         if c.rank() == 2 {
             drop(c); // the process "dies": its sockets close
             return None;
@@ -67,20 +83,36 @@ fn dead_peer(n: usize) {
 
 #[test]
 fn a_dead_peer_is_named_not_waited_for() {
-    dead_peer(10_000);
+    dead_peer(10_000, Transport::Tcp);
 }
 
 #[test]
 fn a_dead_peer_is_named_on_the_threaded_engine_too() {
-    dead_peer(2 << 20);
+    dead_peer(2 << 20, Transport::Tcp);
+}
+
+#[test]
+fn a_dead_peer_is_named_over_shared_memory() {
+    // Larger than a ring too: rank 1 then also waits for room rank 2 will never free.
+    dead_peer(10_000, Transport::Shm);
+    dead_peer(2 << 20, Transport::Shm);
 }
 
 #[test]
 fn a_silent_peer_times_out_with_its_rank() {
+    silent_peer(Transport::Tcp);
+}
+
+#[test]
+fn a_silent_peer_times_out_with_its_rank_over_shared_memory() {
+    silent_peer(Transport::Shm);
+}
+
+fn silent_peer(transport: Transport) {
     let t0 = Instant::now();
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     let rx = std::sync::Mutex::new(rx);
-    let out = group(3, 500, |mut c| {
+    let out = group(3, 500, transport, |mut c| {
         if c.rank() == 2 {
             // Alive but never joins the all-reduce, until the others are done.
             let _ = rx.lock().unwrap().recv_timeout(Duration::from_secs(10));
@@ -103,7 +135,16 @@ fn a_silent_peer_times_out_with_its_rank() {
 
 #[test]
 fn different_lengths_are_refused_not_mixed() {
-    let out = group(2, 5_000, |mut c| {
+    different_lengths(Transport::Tcp);
+}
+
+#[test]
+fn different_lengths_are_refused_over_shared_memory() {
+    different_lengths(Transport::Shm);
+}
+
+fn different_lengths(transport: Transport) {
+    let out = group(2, 5_000, transport, |mut c| {
         let mut b = vec![1.0f32; if c.rank() == 0 { 100 } else { 101 }];
         c.all_reduce(&mut b).unwrap_err().to_string()
     });
@@ -112,7 +153,13 @@ fn different_lengths_are_refused_not_mixed() {
 
 #[test]
 fn after_a_failure_the_communicator_refuses_to_continue() {
-    let out = group(2, 5_000, |mut c| {
+    for transport in [Transport::Tcp, Transport::Shm] {
+        after_a_failure(transport);
+    }
+}
+
+fn after_a_failure(transport: Transport) {
+    let out = group(2, 5_000, transport, |mut c| {
         let mut b = vec![1.0f32; if c.rank() == 0 { 10 } else { 11 }];
         let _ = c.all_reduce(&mut b);
         let mut ok = vec![1.0f32; 10];
@@ -131,7 +178,7 @@ fn strangers_are_refused_and_the_ring_still_forms() {
     let claim = Claim { rank: 1, world: 2, fingerprint: "fp".into(), to: Some(0), addr: None };
     let wrong = knock_as(addrs[0], claim, "not-t");
     let sums = per_rank(ls, |r, l| {
-        let mut c = TcpComm::connect(l, &info(r, &addrs, "fp"), cfg(10_000)).unwrap();
+        let mut c = TcpComm::connect(l, &info(r, &addrs, "fp"), cfg(10_000, Transport::Tcp)).unwrap();
         let mut b = [r as f32 + 1.0];
         c.all_reduce(&mut b).unwrap();
         b[0]
@@ -148,7 +195,7 @@ fn a_wrong_token_is_refused_on_both_sides() {
     let errs = per_rank(ls, |r, l| {
         let mut i = info(r, &addrs, "fp");
         i.token = Some(if r == 0 { "right" } else { "wrong" }.into());
-        TcpComm::connect(l, &i, cfg(1_500)).unwrap_err().to_string()
+        TcpComm::connect(l, &i, cfg(1_500, Transport::Tcp)).unwrap_err().to_string()
     });
     assert!(
         errs[1].contains(&format!("rank 0 at {}", addrs[0])) && errs[1].contains("wrong ring token"),
@@ -175,7 +222,9 @@ fn a_wrong_token_is_refused_on_both_sides() {
     });
     let own = TcpListener::bind("127.0.0.1:0").unwrap();
     let a1 = own.local_addr().unwrap();
-    let e = TcpComm::connect(own, &info(1, &[fake_addr, a1], "fp"), cfg(5_000)).unwrap_err().to_string();
+    let e = TcpComm::connect(own, &info(1, &[fake_addr, a1], "fp"), cfg(5_000, Transport::Tcp))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains(&format!("rank 0 at {fake_addr}")) && e.contains("without proving"), "{e}");
     acceptor.join().unwrap();
 }
@@ -185,7 +234,7 @@ fn another_model_cannot_join() {
     let (ls, addrs) = mesh(2);
     let errs = per_rank(ls, |r, l| {
         let fp = if r == 0 { "mlp:784-10:f32:seed=1" } else { "mlp:784-10:f32:seed=2" };
-        TcpComm::connect(l, &info(r, &addrs, fp), cfg(1_500)).err().map(|e| e.to_string())
+        TcpComm::connect(l, &info(r, &addrs, fp), cfg(1_500, Transport::Tcp)).err().map(|e| e.to_string())
     });
     let e1 = errs[1].as_deref().unwrap();
     assert!(e1.contains("fingerprint") && e1.contains("seed=2"), "{e1}");

@@ -1,5 +1,6 @@
 //! DDP and DP against local training, as real processes: W ranks with batch b (DDP, started
-//! by `gradsync-worker launch` over 127.0.0.1, TCP backend) and W replicas with batch b (DP)
+//! by `gradsync-worker launch` over 127.0.0.1, TCP backend, on sockets or on the shared-memory
+//! transport) and W replicas with batch b (DP)
 //! must end at the parameters of one process with batch W*b, because the distributed sampler
 //! gives the union of the ranks' k-th batches as local's k-th batch. Also the launcher's
 //! contract: rank-prefixed output, and one failing rank stops the rest.
@@ -124,8 +125,8 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
-fn check_equivalence(world: usize, batch: usize) {
-    let dir = Scratch::new(&format!("equiv{world}"));
+fn check_equivalence(world: usize, batch: usize, transport: &str) {
+    let dir = Scratch::new(&format!("equiv{world}{transport}"));
     let local = dir.0.join("local.ckpt");
     let dp = dir.0.join("dp.ckpt");
     let ddp = dir.0.join("ddp.ckpt");
@@ -159,8 +160,16 @@ fn check_equivalence(world: usize, batch: usize) {
     .map(String::from)
     .to_vec();
     a.extend(["--bucket-mb", "0.002", "--comm-timeout", "30", "--chunk-kb", "1"].map(String::from));
+    a.extend(["--transport", transport, "--metrics"].map(String::from));
+    a.push(dir.0.join("m-{rank}.jsonl").display().to_string());
     a.extend(common(&ddp));
     run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    // The ring really ran on the transport asked for: the metrics header says which.
+    for r in 0..world {
+        let text = std::fs::read_to_string(dir.0.join(format!("m-{r}.jsonl"))).unwrap();
+        let header: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+        assert_eq!(header["extra"]["transport"], transport, "rank {r}: {header}");
+    }
 
     let (l, p, d) = (params(&local), params(&dp), params(&ddp));
     assert_ne!(
@@ -177,12 +186,17 @@ fn check_equivalence(world: usize, batch: usize) {
 
 #[test]
 fn ddp_and_dp_match_local_with_two_ranks() {
-    check_equivalence(2, 8);
+    check_equivalence(2, 8, "tcp");
 }
 
 #[test]
 fn ddp_and_dp_match_local_with_three_ranks() {
-    check_equivalence(3, 5);
+    check_equivalence(3, 5, "tcp");
+}
+
+#[test]
+fn ddp_over_shared_memory_matches_local_with_three_ranks() {
+    check_equivalence(3, 5, "shm");
 }
 
 #[test]

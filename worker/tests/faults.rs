@@ -360,14 +360,15 @@ fn ddp_args(steps: u64) -> Vec<String> {
         .collect()
 }
 
-#[test]
-fn ddp_rank_sigkill_fails_the_others_naming_it() {
+/// Rank 2 of 3 is killed with SIGKILL while the others wait for it inside an all-reduce, on
+/// `transport`: the others fail within the timeout and name it.
+fn ddp_rank_sigkill(transport: &str) {
     let port = free_port().to_string();
     let spawn = |rank: usize, extra: &[&str]| {
         let mut cmd = Command::new(WORKER);
         cmd.args(ddp_args(100))
             .args(["--rank", &rank.to_string(), "--world-size", "3", "--master-addr", "127.0.0.1"])
-            .args(["--master-port", &port])
+            .args(["--master-port", &port, "--transport", transport])
             .args(extra)
             .env_remove("RANK")
             .env_remove("WORLD_SIZE")
@@ -396,6 +397,16 @@ fn first_rank_named(stderr: &str) -> Option<usize> {
     let line = stderr.lines().rfind(|l| l.contains("error:"))?;
     let at = line.find("rank ")? + "rank ".len();
     line[at..].split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+}
+
+#[test]
+fn ddp_rank_sigkill_fails_the_others_naming_it() {
+    ddp_rank_sigkill("tcp");
+}
+
+#[test]
+fn ddp_rank_sigkill_over_shared_memory_fails_the_others_naming_it() {
+    ddp_rank_sigkill("shm");
 }
 
 #[test]

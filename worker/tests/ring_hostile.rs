@@ -10,7 +10,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
 use gradsync_worker::collective::tcp::MeshInfo;
-use gradsync_worker::collective::{Collective, RingConfig, TcpComm};
+use gradsync_worker::collective::{Collective, RingConfig, TcpComm, Transport};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
 mod ring_client;
@@ -76,7 +76,12 @@ fn the_store_refuses_hostile_clients_and_the_ring_still_computes() {
         timeout: Duration::from_secs(30),
         nccl: false,
     };
-    let ring = RingConfig { timeout: Duration::from_secs(30), chunk_bytes: 256, socket_buffer: None };
+    let ring = RingConfig {
+        timeout: Duration::from_secs(30),
+        chunk_bytes: 256,
+        socket_buffer: None,
+        ..RingConfig::default()
+    };
     let mut store = Some(store);
     let outs: Vec<Vec<f32>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
@@ -141,7 +146,12 @@ fn a_rank_refuses_hostile_handshakes_and_the_ring_still_computes() {
     ];
     let info =
         |rank| MeshInfo { rank, addrs: addrs.clone(), fingerprint: FP.into(), token: Some(TOKEN.into()) };
-    let ring = RingConfig { timeout: Duration::from_secs(30), chunk_bytes: 256, socket_buffer: None };
+    let ring = RingConfig {
+        timeout: Duration::from_secs(30),
+        chunk_bytes: 256,
+        socket_buffer: None,
+        ..RingConfig::default()
+    };
     let n = 777;
     let outs: Vec<Vec<f32>> = std::thread::scope(|s| {
         let hs: Vec<_> = ls
@@ -187,7 +197,13 @@ fn an_oversized_frame_header_is_refused_without_allocating() {
     let fake = TcpListener::bind("127.0.0.1:0").unwrap();
     let addrs = vec![l.local_addr().unwrap(), fake.local_addr().unwrap()];
     let info = MeshInfo { rank: 0, addrs: addrs.clone(), fingerprint: FP.into(), token: Some(TOKEN.into()) };
-    let ring = RingConfig { timeout: Duration::from_secs(20), chunk_bytes: 256, socket_buffer: None };
+    // The fake peer speaks frames right after the handshake: no transport set-up.
+    let ring = RingConfig {
+        timeout: Duration::from_secs(20),
+        chunk_bytes: 256,
+        socket_buffer: None,
+        transport: Transport::Tcp,
+    };
     let peer = std::thread::spawn(move || {
         let mut s = TcpStream::connect(addrs[0]).unwrap();
         let me = claim(1, 2, FP, Some(0), None);
@@ -265,7 +281,12 @@ fn a_recorded_handshake_replayed_on_a_new_connection_is_refused() {
         fingerprint: FP.into(),
         token: Some(TOKEN.into()),
     };
-    let ring = RingConfig { timeout: Duration::from_secs(20), chunk_bytes: 256, socket_buffer: None };
+    let ring = RingConfig {
+        timeout: Duration::from_secs(20),
+        chunk_bytes: 256,
+        socket_buffer: None,
+        transport: Transport::Tcp,
+    };
     let sums: Vec<f32> = std::thread::scope(|s| {
         let r0 = s.spawn(|| TcpComm::connect(l0, &info(0, vec![a0, a1]), ring.clone()).unwrap());
         // Rank 1 reaches rank 0 through the tap.

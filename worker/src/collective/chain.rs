@@ -13,7 +13,7 @@
 //! one transfer plus `W - 2` chunks, and no rank sends more than the buffer once, unlike a
 //! root that sends to every rank in turn.
 
-use super::pump::{THREADED_MIN_BYTES, duplex};
+use super::pump::over_neighbours;
 use super::tcp::{Op, TcpComm, read_frame, write_frame};
 use super::{CommError, Result, check_rank};
 
@@ -47,13 +47,9 @@ pub(crate) fn reduce(comm: &mut TcpComm, buf: &mut [f32], root: usize) -> Result
 /// One link of a chain: the head sends its own chunks; every other rank receives each chunk
 /// from the left (adding it into its own when `add`) and, unless it is the tail, forwards it.
 fn chain(comm: &mut TcpComm, buf: &mut [f32], op: Op, head: bool, forward: bool, add: bool) -> Result<()> {
-    let (w, r) = (comm.world_size(), comm.rank());
-    let (left, right) = ((r + w - 1) % w, (r + 1) % w);
-    let (reader, writer, scratch, cfg) = comm.neighbours()?;
-    let timeout = cfg.timeout;
-    let threaded = buf.len() * 4 >= THREADED_MIN_BYTES;
-    let parts = chunks(buf, cfg.chunk_values());
-    let ((), moved) = duplex(threaded, reader, writer, (left, right), op, timeout, scratch, |pump| {
+    let bytes = buf.len() * 4;
+    let parts = chunks(buf, comm.cfg.chunk_values());
+    over_neighbours(comm, op, bytes, |pump| {
         for (id, c) in parts.into_iter().enumerate() {
             if !head {
                 pump.recv(c, add)?;
@@ -63,9 +59,7 @@ fn chain(comm: &mut TcpComm, buf: &mut [f32], op: Op, head: bool, forward: bool,
             }
         }
         Ok(())
-    })?;
-    comm.traffic += moved;
-    Ok(())
+    })
 }
 
 /// Every rank's `send` into `root`'s `out`, in rank order.

@@ -5,6 +5,8 @@
 //!   header and the abort notice, as pure functions over bytes and streams (fuzzed);
 //!   `pump`: the full-duplex engines that move frames both ways at once (one thread with
 //!   `poll` for small transfers, a sender thread beside the receiver for large ones).
+//! - [`shm`]: the shared-memory transport the ring and chains use instead of sockets when every
+//!   rank is on one host and in one network namespace (`--transport auto|tcp|shm`).
 //! - [`ring`]: the bandwidth-optimal ring algorithms (reduce-scatter, all-gather, all-reduce)
 //!   over those links, pipelined in chunks.
 //! - [`chain`]: pipelined chains for broadcast and reduce, direct sends for gather, scatter
@@ -20,11 +22,13 @@ pub(crate) mod handshake;
 pub mod nccl;
 mod pump;
 mod ring;
+pub mod shm;
 pub mod tcp;
 
 use std::ops::Range;
 
 pub use nccl::Nccl;
+pub use shm::Transport;
 pub use tcp::{RingConfig, TcpComm};
 
 /// What can go wrong between ranks.

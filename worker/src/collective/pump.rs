@@ -18,7 +18,9 @@ use std::os::fd::AsRawFd;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use super::tcp::{Op, add_into, frame_header, lost, parse_header, peer_err, read_exact_from, write_frame};
+use super::tcp::{
+    Op, TcpComm, add_into, frame_header, lost, parse_header, peer_err, read_exact_from, write_frame,
+};
 use super::{CommError, Result, Traffic};
 
 /// The most a reader waits to accumulate before it wakes.
@@ -92,14 +94,9 @@ impl<'s, 'b> Pump<'s, 'b> {
     /// Chunk `id`, once it has been sent.
     pub(crate) fn take_back(&mut self, id: usize) -> Result<&'b mut [f32]> {
         loop {
-            if let Some(i) = self.sent_back.iter().position(|(k, _)| *k == id) {
-                return Ok(self.sent_back.swap_remove(i).1);
-            }
-            if !self.queue.iter().any(|o| o.id == id) {
-                return Err(CommError::Invalid {
-                    what: "ring schedule",
-                    why: format!("chunk {id} was never sent"),
-                });
+            let queued = self.queue.iter().any(|o| o.id == id);
+            if let Some(done) = returned(&mut self.sent_back, queued, id) {
+                return done;
             }
             self.wait(false)?;
         }
@@ -258,6 +255,20 @@ impl Drop for Pump<'_, '_> {
     }
 }
 
+/// Chunk `id` if the sender is done with it, an error if it was never `queued`, `None` while
+/// it is still on its way out (for the engines' `take_back`).
+pub(crate) fn returned<'b>(
+    sent_back: &mut Vec<(usize, &'b mut [f32])>,
+    queued: bool,
+    id: usize,
+) -> Option<Result<&'b mut [f32]>> {
+    if let Some(i) = sent_back.iter().position(|(k, _)| *k == id) {
+        return Some(Ok(sent_back.swap_remove(i).1));
+    }
+    (!queued)
+        .then(|| Err(CommError::Invalid { what: "ring schedule", why: format!("chunk {id} was never sent") }))
+}
+
 /// What the ring and chain algorithms drive: chunks out to the right, frames in from the left.
 pub(crate) trait Duplex<'b> {
     /// Queue `chunk` (known as `id`) to be sent to the right.
@@ -338,11 +349,35 @@ impl<'b> Duplex<'b> for Threaded<'_, 'b> {
     }
 }
 
+/// Run `body` over a full-duplex engine to the ring neighbours of `comm`, for an operation
+/// on a buffer of `bytes`: the shared-memory rings when `comm` has them, else the sockets
+/// (the one-thread [`Pump`], or from [`THREADED_MIN_BYTES`] up a sender thread beside this
+/// one). Counts the traffic; returns `body`'s result once everything queued is sent.
+pub(crate) fn over_neighbours<'b, T>(
+    comm: &mut TcpComm,
+    op: Op,
+    bytes: usize,
+    body: impl FnOnce(&mut dyn Duplex<'b>) -> Result<T>,
+) -> Result<T> {
+    let (w, r) = (comm.world_size(), comm.rank());
+    let timeout = comm.cfg.timeout;
+    let (out, moved) = match &comm.shm {
+        Some(shm) => shm.duplex(op, timeout, body)?,
+        None => {
+            let (reader, writer, scratch, _) = comm.neighbours()?;
+            let threaded = bytes >= THREADED_MIN_BYTES;
+            duplex(threaded, reader, writer, ((r + w - 1) % w, (r + 1) % w), op, timeout, scratch, body)?
+        }
+    };
+    comm.traffic += moved;
+    Ok(out)
+}
+
 /// Run `body` over a full-duplex engine between `reader` (from `left`) and `writer` (to
 /// `right`): the one-thread [`Pump`], or for `threaded` transfers a sender thread beside this
 /// one. Returns `body`'s result and the payload bytes moved once everything queued is sent.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn duplex<'b, T>(
+fn duplex<'b, T>(
     threaded: bool,
     reader: &mut TcpStream,
     writer: &mut TcpStream,

@@ -28,7 +28,7 @@
 //! `2 (W-1)/W` of the buffer, the lower bound for all-reduce; the reduction is a plain
 //! vectorised add over data still in cache.
 
-use super::pump::{THREADED_MIN_BYTES, duplex};
+use super::pump::over_neighbours;
 use super::tcp::{Op, TcpComm};
 use super::{CommError, Result, segment};
 
@@ -50,10 +50,7 @@ pub(crate) fn run(comm: &mut TcpComm, buf: &mut [f32], phases: Phases, op: Op) -
         return Ok(());
     }
     let n = buf.len();
-    let (left, right) = ((r + w - 1) % w, (r + 1) % w);
-    let (reader, writer, scratch, cfg) = comm.neighbours()?;
-    let timeout = cfg.timeout;
-    let m = segment(n, w, 0).len().div_ceil(cfg.chunk_values()).max(1);
+    let m = segment(n, w, 0).len().div_ceil(comm.cfg.chunk_values()).max(1);
 
     // Chunk `j` of segment `k` is `slots[k * m + j]`: disjoint exclusive views of `buf` that
     // travel to the sender thread and back.
@@ -78,8 +75,7 @@ pub(crate) fn run(comm: &mut TcpComm, buf: &mut [f32], phases: Phases, op: Op) -
     if phases != Phases::ReduceScatter {
         steps.extend((0..w - 1).map(|s| (at(s), at(s + 1), false)));
     }
-    let threaded = n * 4 >= THREADED_MIN_BYTES;
-    let ((), moved) = duplex(threaded, reader, writer, (left, right), op, timeout, scratch, |pump| {
+    over_neighbours(comm, op, n * 4, |pump| {
         let first = steps[0].0;
         for id in first * m..(first + 1) * m {
             pump.send(id, take_ready(&mut slots, id)?)?;
@@ -101,9 +97,7 @@ pub(crate) fn run(comm: &mut TcpComm, buf: &mut [f32], phases: Phases, op: Op) -
             }
         }
         Ok(())
-    })?;
-    comm.traffic += moved;
-    Ok(())
+    })
 }
 
 fn take_ready<'b>(slots: &mut [Option<&'b mut [f32]>], id: usize) -> Result<&'b mut [f32]> {

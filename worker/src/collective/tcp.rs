@@ -19,6 +19,7 @@ pub(crate) use super::handshake::{
     HeaderError, Hello, MAGIC, check_header, fresh_nonce, read_line, write_line,
 };
 use super::handshake::{abort_notice, ends_with_abort};
+use super::shm::{Shm, Transport};
 use super::{CommError, Result, Traffic};
 
 /// How long a failing rank spends telling one peer whom to blame, or reading a peer's notice.
@@ -34,11 +35,18 @@ pub struct RingConfig {
     pub chunk_bytes: usize,
     /// Socket send/receive buffer size to ask for (`None`: the kernel's autotuning).
     pub socket_buffer: Option<usize>,
+    /// How the ring and chain collectives reach the neighbours (see [`super::shm`]).
+    pub transport: Transport,
 }
 
 impl Default for RingConfig {
     fn default() -> Self {
-        RingConfig { timeout: Duration::from_secs(60), chunk_bytes: 1 << 20, socket_buffer: Some(4 << 20) }
+        RingConfig {
+            timeout: Duration::from_secs(60),
+            chunk_bytes: 1 << 20,
+            socket_buffer: Some(4 << 20),
+            transport: Transport::Auto,
+        }
     }
 }
 
@@ -248,6 +256,8 @@ pub struct TcpComm {
     pub(crate) traffic: Traffic,
     /// Set when an operation failed part-way: the streams are out of step from then on.
     poisoned: Option<String>,
+    /// The shared-memory rings to the neighbours, when the ring uses them.
+    pub(crate) shm: Option<Box<Shm>>,
 }
 
 /// What a rank needs to join the mesh.
@@ -306,8 +316,9 @@ impl TcpComm {
                 Err(why) => tracing::warn!("refused a connection from {from}: {why}"),
             }
         }
+        let shm = Shm::setup(&mut links, rank, &cfg)?.map(Box::new);
         let scratch = vec![0.0; cfg.chunk_values().min(1 << 16)];
-        Ok(TcpComm { rank, world, cfg, links, scratch, traffic: Traffic::default(), poisoned: None })
+        Ok(TcpComm { rank, world, cfg, links, scratch, traffic: Traffic::default(), poisoned: None, shm })
     }
 
     /// A communicator of one rank (no sockets).
@@ -320,6 +331,7 @@ impl TcpComm {
             scratch: Vec::new(),
             traffic: Traffic::default(),
             poisoned: None,
+            shm: None,
         }
     }
 
@@ -336,6 +348,12 @@ impl TcpComm {
     /// Payload bytes moved so far.
     pub fn traffic(&self) -> Traffic {
         self.traffic
+    }
+
+    /// What the ring and chain collectives run on: [`Transport::Shm`] or [`Transport::Tcp`]
+    /// (never `Auto`: that has been decided at connection).
+    pub fn transport(&self) -> Transport {
+        if self.shm.is_some() { Transport::Shm } else { Transport::Tcp }
     }
 
     /// The link to `peer`, and the scratch buffer and settings beside it.
@@ -392,6 +410,10 @@ impl TcpComm {
                 let _ = l.writer.set_write_timeout(Some(ABORT_WRITE_TIMEOUT));
                 let _ = l.writer.write_all(&notice);
                 let _ = l.reader.shutdown(Shutdown::Both);
+            }
+            // Neighbours asleep on the shared-memory rings: the notice is on the links by now.
+            if let Some(shm) = &self.shm {
+                shm.abort();
             }
         }
         out

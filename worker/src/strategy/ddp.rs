@@ -86,7 +86,12 @@ impl Ddp {
         };
         let comm = match d.backend {
             Backend::Tcp => {
-                let ring = RingConfig { timeout, chunk_bytes: d.chunk_kb << 10, ..RingConfig::default() };
+                let ring = RingConfig {
+                    timeout,
+                    chunk_bytes: d.chunk_kb << 10,
+                    transport: d.transport,
+                    ..RingConfig::default()
+                };
                 Comm::Tcp(
                     rendezvous::connect_tcp(&cfg, ring).with_context(|| {
                         format!("joining the ring of {} ranks at {}", run.world, cfg.master)
@@ -260,6 +265,10 @@ impl Strategy for Ddp {
         m.insert("sync_every".into(), self.sync_every.into());
         m.insert("overlap".into(), self.overlap.into());
         m.insert("chunk_kb".into(), self.chunk_kb.into());
+        if let Comm::Tcp(c) = &self.comm {
+            // What `--transport auto` chose.
+            m.insert("transport".into(), c.transport().name().into());
+        }
         let v = match self.backend {
             Backend::Tcp => "tcp",
             Backend::Nccl => "nccl",
