@@ -21,30 +21,11 @@ use std::time::{Duration, Instant};
 use gradsync_core::checkpoint::Checkpoint;
 use gradsync_core::metrics::{Record, ServerApply, parse_line};
 
+mod common;
+use common::server_bin;
+
 const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
 const DATA: &str = "synthetic:2048:32:8";
-
-/// `gradsync-server` beside this test's worker binary (GRADSYNC_SERVER_BIN overrides), built
-/// first: cargo sets CARGO_BIN_EXE_* only for the package's own binaries, and these tests
-/// depend on the server's current behaviour. The build is a no-op when nothing changed.
-fn server_bin() -> PathBuf {
-    static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BIN.get_or_init(|| {
-        if let Ok(p) = std::env::var("GRADSYNC_SERVER_BIN") {
-            return PathBuf::from(p);
-        }
-        let dir = Path::new(WORKER).parent().unwrap().to_path_buf();
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut cmd = Command::new(cargo);
-        cmd.args(["build", "-q", "-p", "gradsync-server", "-p", "gradsync-worker", "--bins"]);
-        if dir.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
-        }
-        assert!(cmd.status().unwrap().success(), "building gradsync-server failed");
-        dir.join("gradsync-server")
-    })
-    .clone()
-}
 
 /// A child process killed (SIGKILL) and reaped on drop, with its stderr collected.
 struct Proc {

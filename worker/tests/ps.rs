@@ -5,7 +5,6 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use gradsync_core::checkpoint::Checkpoint;
@@ -14,56 +13,12 @@ use gradsync_proto::pb::parameter_server_client::ParameterServerClient;
 use gradsync_proto::pb::{GradientChunk, PullRequest, RegisterRequest, ShutdownRequest, VersionRequest};
 use tonic::Code;
 
+mod common;
+use common::server_bin;
+
 const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
 const DATA: &str = "synthetic:256:32:8";
 const SEED: &str = "7";
-
-/// `gradsync-server`, built into the same target directory as this test (cargo sets
-/// CARGO_BIN_EXE_* only for the package's own binaries). Building first keeps it fresh; the
-/// build names both packages so it resolves the same features as this test's build (the
-/// server is a dev-dependency for that reason) and is a no-op when nothing changed. Set
-/// GRADSYNC_SERVER_BIN to use another binary.
-fn server_bin() -> PathBuf {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        if let Ok(p) = std::env::var("GRADSYNC_SERVER_BIN") {
-            return PathBuf::from(p);
-        }
-        let dir = Path::new(WORKER).parent().expect("worker binary has a directory").to_path_buf();
-        let bin = dir.join("gradsync-server");
-        if fresh(&bin, &dir.join("deps")) {
-            return bin;
-        }
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut cmd = Command::new(cargo);
-        cmd.args(["build", "-q", "-p", "gradsync-server", "-p", "gradsync-worker", "--bins"]);
-        if dir.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
-        }
-        let status = cmd.status().expect("running cargo build for gradsync-server");
-        assert!(status.success(), "building gradsync-server failed");
-        assert!(bin.exists(), "{} missing after the build", bin.display());
-        bin
-    })
-    .clone()
-}
-
-/// Whether `bin` is at least as new as the server library this test was built against (the
-/// dev-dependency rebuilds that library whenever the server's sources change).
-fn fresh(bin: &Path, deps: &Path) -> bool {
-    let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let newest_lib = std::fs::read_dir(deps)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            name.starts_with("libgradsync_server-") && name.ends_with(".rlib")
-        })
-        .filter_map(|e| mtime(&e.path()))
-        .max();
-    matches!((mtime(bin), newest_lib), (Some(b), Some(l)) if b >= l)
-}
 
 /// A child process killed (and reaped) on drop.
 struct Proc(Child);
