@@ -74,6 +74,7 @@ async fn measure(
     workers: usize,
     shards: usize,
     tuning: Tuning,
+    serial: bool,
     steps: usize,
 ) -> anyhow::Result<Figure> {
     let total = Layout::new(spec).len;
@@ -109,12 +110,13 @@ async fn measure(
             .drain(..)
             .map(|(mut c, g, mut p)| {
                 tokio::spawn(async move {
-                    let t = Instant::now();
-                    let traffic = c.push(&g).await?;
-                    let pushed = t.elapsed().as_secs_f64() * 1e3;
-                    let t = Instant::now();
-                    c.pull(&mut p).await?;
-                    let phases = [pushed, t.elapsed().as_secs_f64() * 1e3, traffic.wait_ms];
+                    let (push, pull) = if serial {
+                        let push = c.push(&g).await?;
+                        (push, c.pull(&mut p).await?)
+                    } else {
+                        c.step(&g, &mut p).await?
+                    };
+                    let phases = [push.ms, pull.ms, push.wait_ms];
                     anyhow::Ok(((c, g, p), phases))
                 })
             })
@@ -163,12 +165,19 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
     gradsync_proto::tuning::keep_freed_memory();
     let raw_tcp = || crate::rawtcp::bandwidth("127.0.0.1", Duration::from_secs_f64(raw_secs));
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let mut tunings: Vec<Tuning> = if a.tuned_only {
-        vec![Tuning::tuned()]
+    // (transport, push then pull rather than both at once): the serial row is the same
+    // transport without the pipelined step, for the comparison in one run.
+    let mut tunings: Vec<(Tuning, bool)> = if a.tuned_only {
+        vec![(Tuning::tuned(), true), (Tuning::tuned(), false)]
     } else {
-        vec![Tuning::tonic_defaults(), Tuning::tonic_codec(), Tuning::tuned()]
+        vec![
+            (Tuning::tonic_defaults(), false),
+            (Tuning::tonic_codec(), false),
+            (Tuning::tuned(), true),
+            (Tuning::tuned(), false),
+        ]
     };
-    for t in &mut tunings {
+    for (t, _) in &mut tunings {
         t.chunk_bytes = a.chunk_bytes as usize;
     }
     let mut table = Table::new(&[
@@ -197,10 +206,11 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                 let raw = raw_tcp()?;
                 let bound_ms = 2.0 * (bytes / raw).max(w as f64 * bytes / (k as f64 * raw)) * 1e3;
                 let mut default_ms = None;
-                for &tuning in &tunings {
+                for &(tuning, serial) in &tunings {
+                    let name = if serial { format!("{} serial", tuning.name) } else { tuning.name.to_string() };
                     let fig = rt
-                        .block_on(measure(&spec, w, k, tuning, steps))
-                        .with_context(|| format!("{mb} MB, {w} workers, {k} shards, {}", tuning.name))?;
+                        .block_on(measure(&spec, w, k, tuning, serial, steps))
+                        .with_context(|| format!("{mb} MB, {w} workers, {k} shards, {name}"))?;
                     if tuning.name == Tuning::tonic_defaults().name {
                         default_ms = Some(fig.step_ms);
                     }
@@ -209,7 +219,7 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                         format!("{:.1}", bytes / 1e6),
                         w.to_string(),
                         k.to_string(),
-                        tuning.name.into(),
+                        name,
                         format!("{:.1}", fig.step_ms),
                         format!("{:.1}", fig.push_ms),
                         format!("{:.1}", fig.wait_ms),
@@ -234,13 +244,15 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
     eprintln!();
     print!("{}", table.render());
     println!(
-        "push, pull: the slowest worker's, median step; (wait): the longest a server held a push for the \
-         barrier and the update (part of push). GB/s: bytes pushed and pulled by all workers per second; raw GB/s: one plain TCP stream over \
+        "push, pull: the slowest worker's, median step, timed from the step's start (push and pull run at \
+         once, except in `serial` rows: push, then pull, timed each); (wait): the longest a server held a push \
+         after receiving it, for the barrier and the update's last block (part of push). GB/s: bytes pushed and pulled by all workers per second; raw GB/s: one plain TCP stream over \
          loopback, measured just before the row's group; x raw: GB/s over raw. bound: 2 x max(S/B, W*S/(K*B)) with \
          B the raw figure. x bound: ms/step over the bound (1.0 is the \
          link's limit). vs default: how much faster than tonic's defaults. Transports: default = tonic's HTTP/2 \
          defaults; tuned-codec = tuned windows and frames, messages through tonic's codec; tuned = the same \
-         settings with the bulk RPCs framed straight over HTTP/2 (gradsync's transport). Chunks of {} bytes.",
+         settings with the bulk RPCs framed straight over HTTP/2 (gradsync's transport); tuned serial = the same, \
+         pushing then pulling rather than both at once. Chunks of {} bytes.",
         a.chunk_bytes
     );
     Ok(())

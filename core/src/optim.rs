@@ -33,16 +33,22 @@ const CHUNK: usize = 1 << 15;
 pub fn sgd_step(cfg: &SgdConfig, params: &mut [f32], grads: &[f32], momentum: &mut [f32], grad_scale: f32) {
     assert_eq!(params.len(), grads.len(), "sgd_step: params and grads differ in length");
     assert_eq!(params.len(), momentum.len(), "sgd_step: params and momentum differ in length");
+    params
+        .par_chunks_mut(CHUNK)
+        .zip(grads.par_chunks(CHUNK))
+        .zip(momentum.par_chunks_mut(CHUNK))
+        .for_each(|((p, g), m)| sgd_step_serial(cfg, p, g, m, grad_scale));
+}
+
+/// [`sgd_step`] on the calling thread, for callers that already work block by block (the
+/// parameter server's pipelined update): the same arithmetic, so the same bits.
+pub fn sgd_step_serial(cfg: &SgdConfig, params: &mut [f32], grads: &[f32], momentum: &mut [f32], grad_scale: f32) {
     let SgdConfig { lr, momentum: mu, weight_decay: wd } = *cfg;
-    params.par_chunks_mut(CHUNK).zip(grads.par_chunks(CHUNK)).zip(momentum.par_chunks_mut(CHUNK)).for_each(
-        |((p, g), m)| {
-            for ((p, &g), m) in p.iter_mut().zip(g).zip(m.iter_mut()) {
-                let g = grad_scale * g + wd * *p;
-                *m = mu * *m + g;
-                *p -= lr * *m;
-            }
-        },
-    );
+    for ((p, &g), m) in params.iter_mut().zip(grads).zip(momentum.iter_mut()) {
+        let g = grad_scale * g + wd * *p;
+        *m = mu * *m + g;
+        *p -= lr * *m;
+    }
 }
 
 #[cfg(test)]

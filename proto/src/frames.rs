@@ -67,41 +67,72 @@ pub fn payload_message<M: Message>(head: &M, tag: u32, payload: Bytes) -> [Bytes
 
 /// A buffer of f32 values laid out as it goes on the wire: chunk after chunk, each a whole
 /// gRPC message (prefix, header fields, payload key and length, then the little-endian
-/// payload). Sending is then one zero-copy slice per message ([`Framed::message`]), so every
-/// DATA frame carries one whole message and the receiver finds each payload in one piece;
-/// tonic's codec path takes the payloads alone ([`Framed::payload`]).
+/// payload) in its own allocation. Sending is then one zero-copy slice per message
+/// ([`Framed::message`]), so every DATA frame carries one whole message and the receiver finds
+/// each payload in one piece; tonic's codec path takes the payloads alone ([`Framed::payload`]).
+/// One allocation per chunk (not one for the whole buffer) keeps each below glibc's mmap
+/// threshold, so it comes back from the heap warm instead of freshly faulted in, and lets a
+/// producer hand out chunk `i` while it still writes chunk `i + 1` ([`FramedChunk::build`]).
 #[derive(Debug, Clone, Default)]
 pub struct Framed {
-    /// The wire image.
-    pub bytes: Bytes,
-    /// Each chunk's message and payload, as ranges of `bytes`, and its offset in values.
-    chunks: Vec<(std::ops::Range<usize>, std::ops::Range<usize>, u64)>,
+    chunks: Vec<FramedChunk>,
+}
+
+/// One chunk of a [`Framed`] buffer: a whole gRPC message whose payload starts at `at`.
+#[derive(Debug, Clone)]
+pub struct FramedChunk {
+    msg: Bytes,
+    at: usize,
+    offset: u64,
+}
+
+impl FramedChunk {
+    /// The message `head` (at `offset` values) whose `bytes` field `tag` holds `payload_len`
+    /// bytes, which `fill` appends (little-endian f32) straight into the message's buffer.
+    pub fn build<M: Message>(
+        head: &M,
+        tag: u32,
+        offset: u64,
+        payload_len: usize,
+        fill: impl FnOnce(&mut BytesMut),
+    ) -> FramedChunk {
+        let mut buf = BytesMut::with_capacity(HEAD_ROOM + head.encoded_len() + payload_len);
+        put_head(head, tag, payload_len, &mut buf);
+        let at = buf.len();
+        fill(&mut buf);
+        debug_assert_eq!(buf.len(), at + payload_len, "fill wrote another length than declared");
+        FramedChunk { msg: buf.freeze(), at, offset }
+    }
+
+    /// The whole message, prefix included (a slice, no copy).
+    pub fn message(&self) -> Bytes {
+        self.msg.clone()
+    }
+
+    /// The payload alone and its offset in values.
+    pub fn payload(&self) -> (u64, Bytes) {
+        (self.offset, self.msg.slice(self.at..))
+    }
 }
 
 impl Framed {
     /// Lay out `src` in chunks of `chunk_bytes` payload bytes, each message `head(offset)`
-    /// (offset in values) with the payload in field `tag`. One pass over `src`; `buf`'s
-    /// allocation is reused ([`crate::wire::reclaim`]).
-    pub fn encode<M: Message>(
-        src: &[f32],
-        chunk_bytes: usize,
-        tag: u32,
-        head: impl Fn(u64) -> M,
-        mut buf: BytesMut,
-    ) -> Framed {
-        let len = src.len() * 4;
-        let n = crate::wire::chunks(len, chunk_bytes).count();
-        buf.clear();
-        buf.reserve(len + n * (HEAD_ROOM + head(0).encoded_len()));
-        let mut chunks = Vec::with_capacity(n);
-        for r in crate::wire::chunks(len, chunk_bytes) {
-            let (start, offset) = (buf.len(), (r.start / 4) as u64);
-            put_head(&head(offset), tag, r.len(), &mut buf);
-            let p = buf.len();
-            crate::wire::put_f32(&src[r.start / 4..r.end / 4], &mut buf);
-            chunks.push((start..buf.len(), p..buf.len(), offset));
-        }
-        Framed { bytes: buf.freeze(), chunks }
+    /// (offset in values) with the payload in field `tag`. One pass over `src`.
+    pub fn encode<M: Message>(src: &[f32], chunk_bytes: usize, tag: u32, head: impl Fn(u64) -> M) -> Framed {
+        let chunks = crate::wire::chunks(src.len() * 4, chunk_bytes)
+            .map(|r| {
+                let offset = (r.start / 4) as u64;
+                FramedChunk::build(&head(offset), tag, offset, r.len(), |buf| {
+                    crate::wire::put_f32(&src[r.start / 4..r.end / 4], buf)
+                })
+            })
+            .collect();
+        Framed { chunks }
+    }
+
+    /// Chunks built one by one ([`FramedChunk::build`]), in order.
+    pub fn from_chunks(chunks: Vec<FramedChunk>) -> Framed {
+        Framed { chunks }
     }
 
     /// The number of chunks.
@@ -116,17 +147,22 @@ impl Framed {
 
     /// Chunk `i` as a whole gRPC message, prefix included (a slice, no copy).
     pub fn message(&self, i: usize) -> Bytes {
-        self.bytes.slice(self.chunks[i].0.clone())
+        self.chunks[i].message()
     }
 
     /// Chunk `i`'s payload alone and its offset in values.
     pub fn payload(&self, i: usize) -> (u64, Bytes) {
-        (self.chunks[i].2, self.bytes.slice(self.chunks[i].1.clone()))
+        self.chunks[i].payload()
+    }
+
+    /// Chunk `i`.
+    pub fn chunk(&self, i: usize) -> FramedChunk {
+        self.chunks[i].clone()
     }
 
     /// Payload bytes in all chunks.
     pub fn payload_len(&self) -> u64 {
-        self.chunks.iter().map(|c| c.1.len() as u64).sum()
+        self.chunks.iter().map(|c| (c.msg.len() - c.at) as u64).sum()
     }
 }
 
@@ -539,7 +575,7 @@ mod tests {
     #[test]
     fn framed_messages_are_standard_messages() {
         let v: Vec<f32> = (0..1001).map(|i| i as f32 * 0.25).collect();
-        let f = Framed::encode(&v, 400, 4, |o| chunk(o, &[]), BytesMut::new());
+        let f = Framed::encode(&v, 400, 4, |o| chunk(o, &[]));
         assert_eq!(f.len(), 11);
         assert_eq!(f.payload_len(), 4004);
         let mut r = MessageReader::new(1 << 20);
@@ -553,7 +589,7 @@ mod tests {
             crate::wire::decode_into(&m.data, m.offset, &mut out).unwrap();
         }
         assert_eq!(out, v);
-        assert!(Framed::encode(&[], 400, 4, |o| chunk(o, &[]), BytesMut::new()).is_empty());
+        assert!(Framed::encode(&[], 400, 4, |o| chunk(o, &[])).is_empty());
     }
 
     #[test]

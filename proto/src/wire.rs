@@ -68,12 +68,23 @@ fn copy_checked(src: &[u8], dst: &mut [f32]) -> bool {
     finite
 }
 
+/// Whether every little-endian f32 in `payload` (a whole number of values) is finite: one
+/// read-only pass, for payloads kept as they arrived rather than copied out.
+pub fn all_finite(payload: &[u8]) -> bool {
+    payload.chunks_exact(4).fold(true, |ok, c| {
+        ok & (u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7f80_0000 != 0x7f80_0000)
+    })
+}
+
 /// Reassembles one streamed buffer of exactly `len` values from chunks that must arrive in
 /// order. Pure (no I/O) so the service and the fuzzer run the same code. The destination is
 /// allocated by the caller from the model's real size: nothing a peer declares sizes it.
+/// [`Reassembly::checking`] runs the same checks without a destination, for a receiver that
+/// keeps the payloads themselves.
 #[derive(Debug)]
 pub struct Reassembly<'a> {
-    dst: &'a mut [f32],
+    dst: Option<&'a mut [f32]>,
+    len: usize,
     received: usize,
     finite: bool,
     bytes: u64,
@@ -116,7 +127,23 @@ impl std::fmt::Display for StreamError {
 impl<'a> Reassembly<'a> {
     /// Reassemble into `dst` (its length is the expected length).
     pub fn new(dst: &'a mut [f32]) -> Self {
-        Reassembly { dst, received: 0, finite: true, bytes: 0 }
+        Reassembly { len: dst.len(), dst: Some(dst), received: 0, finite: true, bytes: 0 }
+    }
+
+    /// Check a stream of `len` values chunk by chunk (order, length, finiteness) without
+    /// copying it anywhere.
+    pub fn checking(len: usize) -> Reassembly<'static> {
+        Reassembly { dst: None, len, received: 0, finite: true, bytes: 0 }
+    }
+
+    /// Values received so far.
+    pub fn received(&self) -> usize {
+        self.received
+    }
+
+    /// Whether every value so far is finite.
+    pub fn finite(&self) -> bool {
+        self.finite
     }
 
     /// Add the chunk at `offset` (values). Refuses a gap, an overlap, a ragged or an
@@ -125,7 +152,19 @@ impl<'a> Reassembly<'a> {
         if offset != self.received as u64 {
             return Err(StreamError::OutOfOrder { offset, expected: self.received as u64 });
         }
-        self.finite &= decode_into(payload, offset, self.dst).map_err(StreamError::Chunk)?;
+        self.finite &= match self.dst.as_deref_mut() {
+            Some(dst) => decode_into(payload, offset, dst).map_err(StreamError::Chunk)?,
+            None => {
+                let len = payload.len() / 4;
+                if !payload.len().is_multiple_of(4) {
+                    return Err(StreamError::Chunk(Error::Ragged(payload.len())));
+                }
+                if self.received + len > self.len {
+                    return Err(StreamError::Chunk(Error::Overrun { offset, len, range: self.len }));
+                }
+                all_finite(payload)
+            }
+        };
         self.received += payload.len() / 4;
         self.bytes += payload.len() as u64;
         Ok(())
@@ -133,8 +172,8 @@ impl<'a> Reassembly<'a> {
 
     /// The stream ended: `Ok((all values finite, payload bytes))` if the buffer is full.
     pub fn finish(self) -> Result<(bool, u64), StreamError> {
-        if self.received != self.dst.len() {
-            return Err(StreamError::Short { received: self.received as u64, len: self.dst.len() as u64 });
+        if self.received != self.len {
+            return Err(StreamError::Short { received: self.received as u64, len: self.len as u64 });
         }
         Ok((self.finite, self.bytes))
     }
@@ -192,6 +231,25 @@ mod tests {
         let mut r = Reassembly::new(&mut out);
         r.push(0, &b[..8]).unwrap();
         assert_eq!(r.finish(), Err(StreamError::Short { received: 2, len: 10 }));
+    }
+
+    #[test]
+    fn checking_refuses_what_reassembly_refuses() {
+        let v: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        let b = encode(&v, BytesMut::new());
+        let mut r = Reassembly::checking(10);
+        r.push(0, &b[..16]).unwrap();
+        assert_eq!(r.push(0, &b[..16]), Err(StreamError::OutOfOrder { offset: 0, expected: 4 }));
+        assert!(matches!(r.push(4, &[0; 64]), Err(StreamError::Chunk(Error::Overrun { .. }))));
+        assert!(matches!(r.push(4, &[0; 5]), Err(StreamError::Chunk(Error::Ragged(5)))));
+        r.push(4, &b[16..]).unwrap();
+        assert_eq!((r.received(), r.finite()), (10, true));
+        assert_eq!(r.finish(), Ok((true, 40)));
+        let mut r = Reassembly::checking(3);
+        r.push(0, &encode(&[1.0, f32::NAN, f32::NEG_INFINITY], BytesMut::new())).unwrap();
+        assert_eq!(r.finish(), Ok((false, 12)));
+        assert!(all_finite(&encode(&[0.0, -1.0, f32::MAX], BytesMut::new())));
+        assert!(!all_finite(&encode(&[f32::INFINITY], BytesMut::new())));
     }
 
     #[test]

@@ -6,7 +6,11 @@
 //! server still enforces `grpc-timeout` around it.
 
 use std::convert::Infallible;
+use std::pin::Pin;
 use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::Frame;
 
 use gradsync_proto::frames::{self, Frames, Incoming, Messages};
 use gradsync_proto::pb::PullRequest;
@@ -14,8 +18,10 @@ use tonic::Status;
 use tonic::body::Body;
 use tonic::codegen::{BoxFuture, Service as TowerService};
 use tonic::server::NamedService;
+use tokio::sync::mpsc;
 
-use crate::service::Service;
+use crate::service::{PULL_QUEUE, Service};
+use crate::state::PullSource;
 
 const PUSH: &str = "/gradsync.ps.v1.ParameterServer/PushGradients";
 const PULL: &str = "/gradsync.ps.v1.ParameterServer/PullParameters";
@@ -70,11 +76,40 @@ where
     }
 }
 
+/// A response body: frames known up front, or frames produced while the response is sent.
+enum Reply {
+    Whole(Frames),
+    Streamed(mpsc::Receiver<Frame<Bytes>>),
+}
+
+/// Frames from a channel, as a response body.
+struct Streamed(mpsc::Receiver<Frame<Bytes>>);
+
+impl http_body::Body for Streamed {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        self.0.poll_recv(cx).map(|f| f.map(Ok))
+    }
+}
+
+/// `s` as the trailers that end a response whose data already went out.
+fn trailers(s: Status) -> http::HeaderMap {
+    let mut h = s.into_http::<()>().into_parts().0.headers;
+    h.remove(http::header::CONTENT_TYPE);
+    h
+}
+
 /// A response with `frames` as its body, or the status as a trailers-only response.
-fn answer(r: Result<Frames, Status>) -> http::Response<Body> {
+fn answer(r: Result<Reply, Status>) -> http::Response<Body> {
     match r {
         Ok(f) => {
-            let mut resp = http::Response::new(f.into_body());
+            let body = match f {
+                Reply::Whole(f) => f.into_body(),
+                Reply::Streamed(rx) => Body::new(Streamed(rx)),
+            };
+            let mut resp = http::Response::new(body);
             resp.headers_mut()
                 .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static(frames::CONTENT_TYPE));
             resp
@@ -94,16 +129,16 @@ fn uncompressed(req: &http::Request<Body>) -> Result<(), Status> {
     }
 }
 
-async fn push(svc: Service, req: http::Request<Body>, limit: usize) -> Result<Frames, Status> {
+async fn push(svc: Service, req: http::Request<Body>, limit: usize) -> Result<Reply, Status> {
     uncompressed(&req)?;
     let reply = svc.push(Incoming::Direct(Messages::new(req.into_body(), limit))).await?;
     let mut f = Frames::new();
     f.data(frames::message(&reply));
     f.ok_trailers();
-    Ok(f)
+    Ok(Reply::Whole(f))
 }
 
-async fn pull(svc: Service, req: http::Request<Body>, limit: usize) -> Result<Frames, Status> {
+async fn pull(svc: Service, req: http::Request<Body>, limit: usize) -> Result<Reply, Status> {
     uncompressed(&req)?;
     let mut msgs = Messages::new(req.into_body(), limit);
     // A client that never sends its request must not hold the handler forever.
@@ -112,11 +147,26 @@ async fn pull(svc: Service, req: http::Request<Body>, limit: usize) -> Result<Fr
         .await
         .map_err(|_| Status::deadline_exceeded("no PullRequest within the worker timeout"))??
         .ok_or_else(|| Status::invalid_argument("PullParameters without a PullRequest"))?;
-    let (_, snapshot) = svc.snapshot(pr.rank as usize).await?;
-    let mut f = Frames::new();
-    for i in 0..snapshot.len() {
-        f.data(snapshot.message(i));
+    match svc.pull_source(pr.rank as usize, pr.stream_version).await? {
+        PullSource::Ready(_, snapshot) => {
+            let mut f = Frames::new();
+            for i in 0..snapshot.len() {
+                f.data(snapshot.message(i));
+            }
+            f.ok_trailers();
+            Ok(Reply::Whole(f))
+        }
+        PullSource::Round(round) => {
+            // Each block goes out as soon as it is stepped; the status comes last, as trailers.
+            let (tx, rx) = mpsc::channel(PULL_QUEUE);
+            tokio::spawn(async move {
+                let status = match svc.stream_round(&round, &tx, |c| Frame::data(c.message())).await {
+                    Ok(()) => Status::ok(""),
+                    Err(s) => s,
+                };
+                let _ = tx.send(Frame::trailers(trailers(status))).await;
+            });
+            Ok(Reply::Streamed(rx))
+        }
     }
-    f.ok_trailers();
-    Ok(f)
 }

@@ -6,6 +6,8 @@
 //!   [`Config`].
 //! - [`state`]: the shard's parameters, momentum, membership and the synchronisation rules,
 //!   with no transport (what a push, a timeout or a departure does).
+//! - [`round`]: one pipelined BSP step: blocks summed and stepped as the gradients arrive,
+//!   into next buffers committed only when the whole step succeeded.
 //! - [`service`]: the gRPC edge: chunk streams in and out, the token interceptor, errors to
 //!   statuses.
 //! - [`direct`]: PushGradients and PullParameters served straight from HTTP/2 frames (no
@@ -18,6 +20,7 @@
 pub mod config;
 pub mod direct;
 pub mod error;
+pub mod round;
 pub mod service;
 pub mod state;
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use gradsync_proto::frames::{Framed, Incoming};
+use gradsync_proto::frames::{FramedChunk, Incoming};
 use gradsync_proto::pb::parameter_server_server::ParameterServer;
 use gradsync_proto::pb::{
     DeregisterReply, DeregisterRequest, GradientChunk, HeartbeatReply, HeartbeatRequest, ParameterChunk,
@@ -14,13 +14,14 @@ use gradsync_proto::pb::{
     VersionRequest,
 };
 use gradsync_proto::wire;
-use tokio::sync::{Mutex, oneshot, watch};
+use tokio::sync::{Mutex, mpsc, watch};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::config::SyncMode;
 use crate::error::{Error, Result};
-use crate::state::{Applied, Shared, State};
+use crate::round::Round;
+use crate::state::{PullSource, Shared, State};
 
 /// The service: the shared configuration, the state behind one async mutex, and the stop
 /// switch the Shutdown RPC pulls.
@@ -80,16 +81,7 @@ impl Service {
                 .into());
             }
             asm.push(c.offset, &c.data).map_err(bad)?;
-            // A sender that stops mid-stream must not hold a shard-sized buffer forever.
-            chunk = tokio::time::timeout(self.shared.cfg.worker_timeout, stream.message()).await.map_err(
-                |_| Error::BadGradient {
-                    rank,
-                    why: format!(
-                        "stream stalled for {} s before the range was full",
-                        self.shared.cfg.worker_timeout.as_secs_f64()
-                    ),
-                },
-            )??;
+            chunk = self.next_chunk(rank, &mut stream).await?;
         }
         let (finite, bytes) = asm.finish().map_err(bad)?;
         if !finite {
@@ -100,17 +92,109 @@ impl Service {
         Ok((rank, base, grad, bytes))
     }
 
-    async fn push_bsp(&self, rank: usize, base: u64, grad: Vec<f32>, bytes: u64) -> Result<Applied> {
+    /// A BSP push, pipelined: each checked piece goes into the step's [`Round`] as it arrives
+    /// (which steps every block it completes); the reply comes when the round commits or
+    /// fails.
+    async fn push_bsp(&self, mut stream: Incoming<GradientChunk>) -> Result<PushReply, Status> {
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| Error::BadGradient { rank: 0, why: "empty stream".into() })?;
+        let (rank, base) = (rank_of(first.rank), first.base_version);
+        let round = self.state.lock().await.join_round(&self.shared, rank, base)?;
+        let bytes = match self.feed(&round, rank, base, first, stream).await {
+            Ok(b) => b,
+            Err(e) => {
+                // Withdrawn: blocks already stepped with it are thrown away.
+                round.remove(rank);
+                return Err(e);
+            }
+        };
         let arrived = Instant::now();
-        let (tx, mut rx) = oneshot::channel();
-        self.with_state(move |st, sh| st.submit_bsp(sh, rank, base, grad, bytes, arrived, tx)).await??;
-        match tokio::time::timeout(self.shared.cfg.worker_timeout, &mut rx).await {
-            Ok(r) => r.unwrap_or(Err(Error::ShuttingDown)),
+        if round.done(rank, bytes) {
+            self.with_state(|st, sh| st.commit(sh)).await?;
+        }
+        let mut rx = round.subscribe();
+        let timeout = self.shared.cfg.worker_timeout;
+        let ended = |p: &crate::round::Progress| p.end.is_some();
+        let first_wait = tokio::time::timeout(timeout, rx.wait_for(ended)).await;
+        let end = match first_wait.map(|p| p.map(|p| p.end.clone()).ok().flatten()) {
+            Ok(end) => end,
             Err(_) => {
                 self.with_state(move |st, sh| st.barrier_timeout(sh, base)).await?;
-                rx.await.unwrap_or(Err(Error::ShuttingDown))
+                let again = tokio::time::timeout(timeout, rx.wait_for(ended)).await;
+                again.ok().and_then(|p| p.map(|p| p.end.clone()).ok().flatten())
             }
+        };
+        match end {
+            Some(Ok(c)) if c.ranks.contains(&rank) => Ok(PushReply {
+                version: c.version,
+                staleness: 0,
+                wait_ms: c.at.saturating_duration_since(arrived).as_secs_f64() * 1e3,
+            }),
+            Some(Ok(c)) => Err(Status::aborted(format!(
+                "rank {rank} was dropped from step {} before it completed; its gradient is not in it",
+                c.version
+            ))),
+            Some(Err(s)) => Err(s),
+            None => Err(Error::Missing {
+                version: base + 1,
+                ranks: round.missing(),
+                timeout_s: timeout.as_secs_f64(),
+            }
+            .into()),
         }
+    }
+
+    /// Check `rank`'s chunks one by one (order, length, finiteness) and hand each to `round`.
+    /// Returns the payload bytes.
+    async fn feed(
+        &self,
+        round: &Round,
+        rank: usize,
+        base: u64,
+        first: GradientChunk,
+        mut stream: Incoming<GradientChunk>,
+    ) -> Result<u64, Status> {
+        let len = self.shared.range.len();
+        let bad = |why: wire::StreamError| Error::BadGradient {
+            rank,
+            why: format!("{why} (this shard's range holds {len} values)"),
+        };
+        let mut check = wire::Reassembly::checking(len);
+        let mut chunk = Some(first);
+        while let Some(c) = chunk {
+            if rank_of(c.rank) != rank || c.base_version != base {
+                return Err(Error::BadGradient { rank, why: "rank or base version changes mid-stream".into() }.into());
+            }
+            let at = check.received();
+            check.push(c.offset, &c.data).map_err(bad)?;
+            if !check.finite() {
+                self.shared.rejected_nonfinite.fetch_add(1, Ordering::Relaxed);
+                return Err(Error::NonFinite { rank }.into());
+            }
+            round.add(rank, at, c.data);
+            chunk = self.next_chunk(rank, &mut stream).await?;
+        }
+        Ok(check.finish().map_err(bad)?.1)
+    }
+
+    /// The next chunk of `rank`'s stream: a sender that stops mid-stream must not hold a
+    /// shard-sized buffer (or a step) forever.
+    async fn next_chunk(
+        &self,
+        rank: usize,
+        stream: &mut Incoming<GradientChunk>,
+    ) -> Result<Option<GradientChunk>, Status> {
+        tokio::time::timeout(self.shared.cfg.worker_timeout, stream.message()).await.map_err(|_| {
+            Error::BadGradient {
+                rank,
+                why: format!(
+                    "stream stalled for {} s before the range was full",
+                    self.shared.cfg.worker_timeout.as_secs_f64()
+                ),
+            }
+        })?
     }
 
     /// Hold an SSP push until `rank` is no more than `s` steps ahead of every expected rank.
@@ -150,10 +234,12 @@ impl Service {
 
     /// PushGradients, whichever framing delivered the chunks.
     pub(crate) async fn push(&self, chunks: Incoming<GradientChunk>) -> Result<PushReply, Status> {
+        if self.shared.cfg.sync == SyncMode::Bsp {
+            return self.push_bsp(chunks).await;
+        }
         let (rank, base, grad, bytes) = self.receive(chunks).await?;
         let applied = match self.shared.cfg.sync {
-            SyncMode::Bsp => self.push_bsp(rank, base, grad, bytes).await?,
-            SyncMode::Asp => {
+            SyncMode::Bsp | SyncMode::Asp => {
                 self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??
             }
             SyncMode::Ssp(s) => {
@@ -166,20 +252,77 @@ impl Service {
         Ok(PushReply { version: applied.version, staleness: applied.staleness, wait_ms: applied.wait_ms })
     }
 
-    /// PullParameters: the version and the parameters' wire image every chunk is a slice of.
-    pub(crate) async fn snapshot(&self, rank: usize) -> Result<(u64, Framed), Status> {
-        let (version, f) = self
+    /// PullParameters: a version's wire image, or the round producing the version asked for.
+    pub(crate) async fn pull_source(&self, rank: usize, want: Option<u64>) -> Result<PullSource, Status> {
+        let src = self
             .with_state(move |st, sh| {
                 // Pulls from outside the run (monitoring) are allowed; a member's counts as a
                 // sign of life.
                 let _ = st.touch(rank);
-                st.snapshot(sh.cfg.tuning.chunk_bytes)
+                st.pull_source(sh, want)
             })
-            .await?;
-        self.shared.bytes_out.fetch_add(f.payload_len(), Ordering::Relaxed);
-        Ok((version, f))
+            .await??;
+        if let PullSource::Ready(_, f) = &src {
+            self.shared.bytes_out.fetch_add(f.payload_len(), Ordering::Relaxed);
+        }
+        Ok(src)
+    }
+
+    /// Send `round`'s blocks through `tx` (as `item` makes them) as they are stepped, until it
+    /// commits; its error if it fails, or if blocks already sent are thrown away.
+    pub(crate) async fn stream_round<T>(
+        &self,
+        round: &Round,
+        tx: &mpsc::Sender<T>,
+        item: impl Fn(FramedChunk) -> T,
+    ) -> Result<(), Status> {
+        let mut rx = round.subscribe();
+        let (mut sent, mut epoch) = (0, rx.borrow().epoch);
+        // The step may wait for every worker's compute and push, and then a barrier timeout.
+        let patience = self.shared.cfg.worker_timeout * 2;
+        loop {
+            let p = rx.borrow_and_update().clone();
+            if p.epoch != epoch {
+                if sent > 0 {
+                    return Err(Status::aborted(format!(
+                        "step {}: a gradient was withdrawn after part of the new parameters was sent; pull again",
+                        round.version
+                    )));
+                }
+                epoch = p.epoch;
+            }
+            if let Some(Err(s)) = p.end {
+                return Err(s);
+            }
+            while sent < p.stepped {
+                let Some(c) = round.chunk(sent, epoch) else { break };
+                self.shared.bytes_out.fetch_add(c.payload().1.len() as u64, Ordering::Relaxed);
+                if tx.send(item(c)).await.is_err() {
+                    // The client went away.
+                    return Ok(());
+                }
+                sent += 1;
+            }
+            if matches!(p.end, Some(Ok(_))) && sent == round.blocks() {
+                return Ok(());
+            }
+            match tokio::time::timeout(patience, rx.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return Err(Error::ShuttingDown.into()),
+                Err(_) => {
+                    return Err(Status::deadline_exceeded(format!(
+                        "step {} made no progress within {} s",
+                        round.version,
+                        patience.as_secs_f64()
+                    )));
+                }
+            }
+        }
     }
 }
+
+/// Blocks of a streamed pull queued ahead of the connection (each one chunk).
+pub(crate) const PULL_QUEUE: usize = 8;
 
 type ChunkStream = Pin<Box<dyn Stream<Item = Result<ParameterChunk, Status>> + Send + 'static>>;
 
@@ -212,14 +355,28 @@ impl ParameterServer for Service {
     type PullParametersStream = ChunkStream;
 
     async fn pull_parameters(&self, req: Request<PullRequest>) -> Result<Response<ChunkStream>, Status> {
-        let (version, f) = self.snapshot(rank_of(req.into_inner().rank)).await?;
-        let chunks: Vec<_> = (0..f.len())
-            .map(|i| {
-                let (offset, data) = f.payload(i);
-                Ok(ParameterChunk { version, offset, data })
-            })
-            .collect();
-        Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
+        let req = req.into_inner();
+        let chunk = |version, c: &FramedChunk| {
+            let (offset, data) = c.payload();
+            ParameterChunk { version, offset, data }
+        };
+        match self.pull_source(rank_of(req.rank), req.stream_version).await? {
+            PullSource::Ready(version, f) => {
+                let chunks: Vec<_> = (0..f.len()).map(|i| Ok(chunk(version, &f.chunk(i)))).collect();
+                Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
+            }
+            PullSource::Round(round) => {
+                let (tx, rx) = mpsc::channel(PULL_QUEUE);
+                let svc = self.clone();
+                tokio::spawn(async move {
+                    let version = round.version;
+                    if let Err(s) = svc.stream_round(&round, &tx, |c| Ok(chunk(version, &c))).await {
+                        let _ = tx.send(Err(s)).await;
+                    }
+                });
+                Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+            }
+        }
     }
 
     async fn get_version(&self, _req: Request<VersionRequest>) -> Result<Response<VersionReply>, Status> {

@@ -1,11 +1,12 @@
 //! The shard's state and its synchronisation rules, with no transport: what a push, a pull,
 //! a registration or a timeout does to the parameters, the optimiser state and the membership.
 //! [`crate::service`] receives the bytes and calls in here; waiting (the BSP barrier, the SSP
-//! bound) is expressed as a oneshot per pending push and a counter every waiter watches.
+//! bound) is expressed as the BSP round's progress ([`crate::round`]) and a counter every SSP
+//! waiter watches.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
-use std::sync::Mutex as StdMutex;
+use std::sync::{Arc, Mutex as StdMutex};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -16,11 +17,11 @@ use gradsync_core::model::{Fingerprint, Layout, init_params};
 use gradsync_core::optim::sgd_step;
 use gradsync_proto::frames::Framed;
 use gradsync_proto::pb::ParameterChunk;
-use rayon::prelude::*;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 
 use crate::config::{Config, SyncMode};
 use crate::error::{Error, Result};
+use crate::round::{Committed, Round, Start};
 
 /// What the service hands back for an applied gradient.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -84,20 +85,17 @@ struct Member {
     clock: u64,
 }
 
-/// A BSP gradient waiting for the others of its step.
-struct Pending {
-    rank: usize,
-    grad: Vec<f32>,
-    arrived: Instant,
-    bytes: u64,
-    reply: oneshot::Sender<Result<Applied>>,
-}
-
 /// The shard's mutable state; lives behind one async mutex.
 pub struct State {
-    params: Vec<f32>,
-    momentum: Vec<f32>,
+    /// Shared read-only with a BSP round while it steps ([`Round`]); replaced at its commit.
+    params: Arc<Vec<f32>>,
+    momentum: Arc<Vec<f32>>,
     version: u64,
+    /// The BSP step in progress (from `version` to `version + 1`), if any push or pull of it
+    /// has begun.
+    round: Option<Arc<Round>>,
+    /// The buffers the last committed round replaced: the next round writes into them.
+    spare: Option<(Vec<f32>, Vec<f32>)>,
     /// The parameters of `.0`'s version in their wire image (one ParameterChunk message per
     /// chunk), shared (zero-copy) by every pull until the next update; encoded on the first
     /// pull after an update.
@@ -105,7 +103,6 @@ pub struct State {
     world: Option<usize>,
     members: BTreeMap<usize, Member>,
     departed: BTreeSet<usize>,
-    pending: Vec<Pending>,
     /// SSP: each held push's rank and the slowest rank it is held for, so the update that
     /// releases it can name the straggler (`waited_for`).
     ssp_held: BTreeMap<usize, usize>,
@@ -117,6 +114,14 @@ pub struct State {
 /// The largest world size a registration may declare: the barrier walks every expected rank,
 /// so a peer must not be able to make that walk billions long.
 pub const MAX_WORLD: usize = 1 << 16;
+
+/// Where a pull's parameters come from.
+pub enum PullSource {
+    /// A version already applied, and its wire image.
+    Ready(u64, Framed),
+    /// The BSP round producing the next version: stream its blocks as they are stepped.
+    Round(Arc<Round>),
+}
 
 /// What a registration tells the worker.
 #[derive(Debug, Clone, Copy)]
@@ -183,14 +188,15 @@ impl State {
             cfg,
         };
         let state = State {
-            params,
-            momentum,
+            params: Arc::new(params),
+            momentum: Arc::new(momentum),
             version,
+            round: None,
+            spare: None,
             snapshot: None,
             world: None,
             members: BTreeMap::new(),
             departed: BTreeSet::new(),
-            pending: Vec::new(),
             ssp_held: BTreeMap::new(),
             metrics,
             last_checkpoint: version,
@@ -211,7 +217,7 @@ impl State {
 
     /// This shard's parameters (tests, checkpoints).
     pub fn params(&self) -> &[f32] {
-        &self.params
+        &self.params[..]
     }
 
     /// Whether shutdown has begun.
@@ -290,10 +296,12 @@ impl State {
     }
 
     fn after_departure(&mut self, sh: &Shared) {
-        if sh.cfg.sync == SyncMode::Bsp {
-            self.try_complete(sh);
+        if let Some(round) = self.round.clone()
+            && round.set_expected(self.expected().collect())
+        {
+            self.commit(sh);
         }
-        if self.members.is_empty() && self.pending.is_empty() {
+        if self.members.is_empty() && !self.round.as_ref().is_some_and(|r| r.any_rank()) {
             // Everyone left: the next run may register afresh (another world size included).
             self.world = None;
             self.departed.clear();
@@ -301,81 +309,106 @@ impl State {
         sh.bump();
     }
 
-    /// A BSP gradient of `rank` computed from version `base`. The answer comes through `reply`
-    /// once the step's update is applied (or fails); an error here means it was refused.
-    #[allow(clippy::too_many_arguments)] // one push's facts, passed once from one caller
-    pub fn submit_bsp(
-        &mut self,
-        sh: &Shared,
-        rank: usize,
-        base: u64,
-        grad: Vec<f32>,
-        bytes: u64,
-        arrived: Instant,
-        reply: oneshot::Sender<Result<Applied>>,
-    ) -> Result<()> {
+    /// The BSP step from the current version, started if no push or pull of it has begun.
+    fn round(&mut self, sh: &Shared) -> Arc<Round> {
+        if let Some(r) = &self.round {
+            return r.clone();
+        }
+        let (next_params, next_momentum) = self.spare.take().unwrap_or_default();
+        let start = Start {
+            params: self.params.clone(),
+            momentum: self.momentum.clone(),
+            next_params,
+            next_momentum,
+        };
+        let r = Arc::new(Round::new(
+            self.version + 1,
+            start,
+            sh.cfg.tuning.chunk_bytes,
+            sh.cfg.sgd,
+            self.expected().collect(),
+        ));
+        self.round = Some(r.clone());
+        r
+    }
+
+    /// `rank` starts pushing a BSP gradient computed from version `base`: the round it feeds.
+    pub fn join_round(&mut self, sh: &Shared, rank: usize, base: u64) -> Result<Arc<Round>> {
         self.touch(rank)?;
         if base != self.version {
             return Err(Error::Stale { rank, base, version: self.version });
         }
-        if self.pending.iter().any(|p| p.rank == rank) {
-            return Err(Error::BadGradient { rank, why: format!("a second gradient for version {base}") });
-        }
-        self.pending.push(Pending { rank, grad, arrived, bytes, reply });
-        self.try_complete(sh);
-        Ok(())
+        let round = self.round(sh);
+        round.join(rank)?;
+        Ok(round)
     }
 
-    /// Apply the pending BSP step if every expected rank has pushed.
-    fn try_complete(&mut self, sh: &Shared) {
-        if self.pending.is_empty() || self.expected().any(|r| !self.pending.iter().any(|p| p.rank == r)) {
-            return;
+    /// What a pull asking for `want` (BSP, streamed) gets: the current snapshot if `want` is
+    /// the current version (or absent), or the round producing it if it is the next one.
+    pub fn pull_source(&mut self, sh: &Shared, want: Option<u64>) -> Result<PullSource> {
+        match want {
+            Some(v) if sh.cfg.sync == SyncMode::Bsp && v == self.version + 1 => {
+                if self.closing {
+                    return Err(Error::ShuttingDown);
+                }
+                Ok(PullSource::Round(self.round(sh)))
+            }
+            Some(v) if v > self.version + 1 => Err(Error::Membership(format!(
+                "a pull of version {v} streamed: the server is at version {}, only it or the next can be asked for",
+                self.version
+            ))),
+            _ => {
+                let (v, f) = self.snapshot(sh.cfg.tuning.chunk_bytes);
+                Ok(PullSource::Ready(v, f))
+            }
         }
-        let pending = std::mem::take(&mut self.pending);
+    }
+
+    /// Commit the BSP round if it is complete: the next buffers become the current ones, the
+    /// version goes up, and every push and pull of it is told. True if it committed.
+    pub fn commit(&mut self, sh: &Shared) -> bool {
+        let Some(round) = self.round.clone() else { return false };
+        let Some(fin) = round.finish() else { return false };
+        self.round = None;
         let t0 = Instant::now();
-        let mut grads = Vec::with_capacity(pending.len());
-        let mut done = Vec::with_capacity(pending.len());
-        for p in pending {
-            grads.push(p.grad);
-            done.push((p.rank, p.arrived, p.bytes, p.reply));
-        }
-        let Some((acc, others)) = grads.split_first_mut() else { return };
-        let n = done.len();
-        sum_and_step(&sh.cfg.sgd, &mut self.params, &mut self.momentum, acc, others, 1.0 / n as f32);
-        for g in grads {
-            sh.give_buffer(g);
+        let old_p = std::mem::replace(&mut self.params, Arc::new(fin.params));
+        let old_m = std::mem::replace(&mut self.momentum, Arc::new(fin.momentum));
+        // The round let go of its references in `finish`; pulls of the old version hold
+        // their image, not these.
+        if let (Ok(p), Ok(m)) = (Arc::try_unwrap(old_p), Arc::try_unwrap(old_m)) {
+            self.spare = Some((p, m));
         }
         self.version += 1;
-        // Summing and stepping are one pass (see `sum_and_step`): the whole of it is apply time.
-        let (aggregate_ms, apply_ms) = (0.0, ms(t0.elapsed()));
+        self.snapshot = Some((self.version, Framed::from_chunks(fin.image)));
+        let mut done = fin.ranks;
+        let n = done.len();
         for (rank, ..) in &done {
             if let Some(m) = self.members.get_mut(rank) {
                 m.clock += 1;
             }
         }
+        let ranks: Vec<usize> = done.iter().map(|d| d.0).collect();
         done.sort_by_key(|d| d.1);
-        let first_at = done[0].1;
-        let last = &done[n - 1];
+        let (first_at, last) = (done[0].1, done[n - 1]);
         let rec = ServerApply {
             shard: sh.cfg.shard.index,
             version: self.version,
             wall_ms: ms(sh.started.elapsed()),
             gradients: n,
-            ranks: done.iter().map(|d| d.0).collect(),
+            ranks: ranks.clone(),
             staleness: vec![0; n],
             queue_wait_ms: ms(last.1 - first_at),
-            aggregate_ms,
-            apply_ms,
+            // Summing and stepping ran block by block while the gradients arrived; what is
+            // left after the last one is its last block and this swap.
+            aggregate_ms: 0.0,
+            apply_ms: ms(t0 - last.1),
             bytes_in: done.iter().map(|d| d.2).sum(),
             bytes_out: sh.bytes_out.swap(0, Ordering::Relaxed),
             waited_for: (n > 1).then_some(last.0),
         };
         self.after_update(sh, rec);
-        let now = Instant::now();
-        for (_, arrived, _, reply) in done {
-            let _ =
-                reply.send(Ok(Applied { version: self.version, staleness: 0, wait_ms: ms(now - arrived) }));
-        }
+        round.committed(Committed { version: self.version, at: Instant::now(), ranks });
+        true
     }
 
     /// An ASP or SSP gradient: applied at once, as one worker's mean gradient.
@@ -396,7 +429,8 @@ impl State {
         }
         let staleness = self.version - base;
         let t = Instant::now();
-        sgd_step(&sh.cfg.sgd, &mut self.params, &grad, &mut self.momentum, 1.0);
+        let (p, m) = (Arc::make_mut(&mut self.params), Arc::make_mut(&mut self.momentum));
+        sgd_step(&sh.cfg.sgd, p, &grad, m, 1.0);
         sh.give_buffer(grad);
         self.version += 1;
         let apply_ms = ms(t.elapsed());
@@ -460,14 +494,13 @@ impl State {
     }
 
     /// The BSP step from `base` did not gather every gradient within the worker timeout. With
-    /// `elastic`, drop the missing ranks and apply what arrived; otherwise fail every pending
-    /// push with an error naming them. Nothing happens if that step is already done.
+    /// `elastic`, drop the missing ranks and apply what arrived; otherwise fail the step with
+    /// an error naming them. Nothing happens if that step is already done.
     pub fn barrier_timeout(&mut self, sh: &Shared, base: u64) {
-        if self.version != base || self.pending.is_empty() {
+        let Some(round) = self.round.clone().filter(|r| r.version == base + 1 && !r.ended()) else {
             return;
-        }
-        let missing: Vec<usize> =
-            self.expected().filter(|r| !self.pending.iter().any(|p| p.rank == *r)).collect();
+        };
+        let missing = round.missing();
         self.give_up_on(sh, missing, base + 1, "sent no gradient for the BSP step");
     }
 
@@ -498,9 +531,8 @@ impl State {
                 ranks: missing.clone(),
                 timeout_s: sh.cfg.worker_timeout.as_secs_f64(),
             };
-            for p in std::mem::take(&mut self.pending) {
-                let _ = p.reply.send(Err(err()));
-                sh.give_buffer(p.grad);
+            if let Some(round) = self.round.take() {
+                round.fail(err().into());
             }
             sh.bump();
         }
@@ -514,7 +546,9 @@ impl State {
         let silent: Vec<usize> = self
             .members
             .iter()
-            .filter(|(r, _)| !self.pending.iter().any(|p| p.rank == **r) && !self.ssp_held.contains_key(r))
+            .filter(|(r, _)| {
+                !self.round.as_ref().is_some_and(|round| round.has(**r)) && !self.ssp_held.contains_key(r)
+            })
             .filter(|(_, m)| now - m.last_seen > sh.cfg.worker_timeout)
             .map(|(r, _)| *r)
             .collect();
@@ -530,11 +564,9 @@ impl State {
         match &self.snapshot {
             Some((v, f)) if *v == self.version => (*v, f.clone()),
             _ => {
-                let old = self.snapshot.take().map(|(_, f)| f.bytes);
                 let version = self.version;
                 let head = |offset| ParameterChunk { version, offset, data: Bytes::new() };
-                let f =
-                    Framed::encode(&self.params, chunk_bytes, 3, head, gradsync_proto::wire::reclaim(old));
+                let f = Framed::encode(&self.params, chunk_bytes, 3, head);
                 self.snapshot = Some((version, f.clone()));
                 (version, f)
             }
@@ -553,13 +585,14 @@ impl State {
                 has_momentum: true,
                 version: gradsync_core::VERSION.into(),
             },
-            // Moved out and back rather than cloned: a shard may hold hundreds of MB.
-            params: std::mem::take(&mut self.params),
-            momentum: Some(std::mem::take(&mut self.momentum)),
+            // Moved out and back rather than cloned: a shard may hold hundreds of MB (no copy
+            // unless a round still shares them).
+            params: std::mem::take(Arc::make_mut(&mut self.params)),
+            momentum: Some(std::mem::take(Arc::make_mut(&mut self.momentum))),
         };
         let result = ck.save(path);
-        self.params = ck.params;
-        self.momentum = ck.momentum.unwrap_or_default();
+        self.params = Arc::new(ck.params);
+        self.momentum = Arc::new(ck.momentum.unwrap_or_default());
         result?;
         self.last_checkpoint = self.version;
         tracing::info!(version = self.version, path = %path.display(), "checkpoint written");
@@ -569,8 +602,8 @@ impl State {
     /// Stop: refuse new work and fail every waiting push.
     pub fn close(&mut self, sh: &Shared) {
         self.closing = true;
-        for p in std::mem::take(&mut self.pending) {
-            let _ = p.reply.send(Err(Error::ShuttingDown));
+        if let Some(round) = self.round.take() {
+            round.fail(Error::ShuttingDown.into());
         }
         sh.bump();
     }
@@ -579,38 +612,6 @@ impl State {
     pub fn last_checkpoint(&self) -> u64 {
         self.last_checkpoint
     }
-}
-
-/// Values per block of [`sum_and_step`]: a block of every buffer fits in L2 together.
-const SUM_BLOCK: usize = 1 << 15;
-
-/// BSP's update in one pass over memory: block by block (in parallel), add the other ranks'
-/// gradients into `acc`, then step the parameters with that block while it is still in cache.
-/// Summing whole buffers first and stepping afterwards read and wrote the aggregate once per
-/// extra rank and again for the step: with 4 workers 14 buffer-lengths of memory traffic
-/// against 9 here. The sum is in rank-arrival order either way, so the result is the same.
-fn sum_and_step(
-    cfg: &gradsync_core::optim::SgdConfig,
-    params: &mut [f32],
-    momentum: &mut [f32],
-    acc: &mut [f32],
-    others: &[Vec<f32>],
-    scale: f32,
-) {
-    params
-        .par_chunks_mut(SUM_BLOCK)
-        .zip(momentum.par_chunks_mut(SUM_BLOCK))
-        .zip(acc.par_chunks_mut(SUM_BLOCK))
-        .enumerate()
-        .for_each(|(i, ((p, m), a))| {
-            let block = i * SUM_BLOCK..i * SUM_BLOCK + a.len();
-            for g in others {
-                for (a, g) in a.iter_mut().zip(&g[block.clone()]) {
-                    *a += g;
-                }
-            }
-            sgd_step(cfg, p, a, m, scale);
-        });
 }
 
 fn ms(d: std::time::Duration) -> f64 {
@@ -649,36 +650,5 @@ fn header(cfg: &Config, total: usize, range: &Range<usize>, fp: &Fingerprint) ->
         start_unix_ms: unix_ms(),
         extra,
         ..Header::default()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use gradsync_core::optim::{SgdConfig, sgd_step};
-
-    /// The fused pass equals summing whole buffers, then one step (computed serially here).
-    #[test]
-    fn sum_and_step_equals_sum_then_step() {
-        let n = 3 * super::SUM_BLOCK + 77;
-        let val = |k: usize, i: usize| ((i * 7 + k * 13) % 101) as f32 * 0.01 - 0.5;
-        let grads: Vec<Vec<f32>> = (0..3).map(|k| (0..n).map(|i| val(k, i)).collect()).collect();
-        let cfg = SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.01 };
-        let p0: Vec<f32> = (0..n).map(|i| val(9, i)).collect();
-        let m0: Vec<f32> = (0..n).map(|i| val(5, i) * 0.1).collect();
-
-        let (mut want_p, mut want_m) = (p0.clone(), m0.clone());
-        let mut sum = grads[0].clone();
-        for g in &grads[1..] {
-            for (s, g) in sum.iter_mut().zip(g) {
-                *s += g;
-            }
-        }
-        sgd_step(&cfg, &mut want_p, &sum, &mut want_m, 1.0 / 3.0);
-
-        let (mut p, mut m) = (p0, m0);
-        let mut acc = grads[0].clone();
-        super::sum_and_step(&cfg, &mut p, &mut m, &mut acc, &grads[1..], 1.0 / 3.0);
-        assert_eq!(p, want_p);
-        assert_eq!(m, want_m);
     }
 }

@@ -65,8 +65,6 @@ struct Shard {
     range: Range<usize>,
     /// Version of the parameters last pulled from it.
     version: u64,
-    /// The last encoded gradient, kept so its allocation is reused once the RPC let go of it.
-    spare: Option<Bytes>,
 }
 
 /// What one push or pull moved.
@@ -78,6 +76,8 @@ pub struct Traffic {
     pub wait_ms: f64,
     /// Largest staleness reported by any shard.
     pub staleness: u64,
+    /// Milliseconds from the start of the call until the last shard finished.
+    pub ms: f64,
 }
 
 /// A connection to every shard of a parameter server.
@@ -186,7 +186,6 @@ impl PsClient {
                     channel: ch,
                     range: 0..0,
                     version: 0,
-                    spare: None,
                 })
             }
         }))
@@ -276,121 +275,107 @@ impl PsClient {
         Ok(replies.iter().map(|r| r.version).min().unwrap_or(0))
     }
 
-    /// Push `grads` (the whole flat buffer): each shard gets its range, all concurrently.
-    pub async fn push(&mut self, grads: &[f32]) -> anyhow::Result<Traffic> {
-        anyhow::ensure!(
-            grads.len() == self.total,
-            "push: {} values for a model of {}",
-            grads.len(),
-            self.total
-        );
-        let (timeout, chunk, rank) = (self.timeout, self.chunk_bytes, self.rank);
-        let (direct, limit, auth) = (self.direct, self.limit, &self.auth);
-        let replies = try_join_all(self.shards.iter_mut().map(|s| {
-            let (base, src) = (s.version, &grads[s.range.clone()]);
-            let head = move |offset| GradientChunk { rank, base_version: base, offset, data: Bytes::new() };
-            // Encoded once, into the allocation the previous push let go of, as one GradientChunk
-            // message per chunk (direct) or as bare payloads (tonic's codec); every chunk is a
-            // zero-copy slice.
-            let spare = wire::reclaim(s.spare.take());
-            let (framed, plain) = if direct {
-                (Some(frames::Framed::encode(src, chunk, 4, head, spare)), None)
-            } else {
-                (None, Some(wire::encode(src, spare)))
-            };
-            s.spare = framed.as_ref().map(|f| f.bytes.clone()).or_else(|| plain.clone());
-            let bytes = (src.len() * 4) as u64;
-            async move {
-                let r = if let Some(framed) = framed {
-                    let mut body = Frames::new();
-                    for i in 0..framed.len() {
-                        body.data(framed.message(i));
-                    }
-                    let fut = async {
-                        let mut replies = call(&mut s.channel, auth, PUSH, timeout, body, limit).await?;
-                        let r = replies.message::<PushReply>().await?;
-                        match (r, replies.message::<PushReply>().await?) {
-                            (Some(r), None) => Ok(r),
-                            _ => Err(tonic::Status::internal("PushGradients must answer one PushReply")),
-                        }
-                    };
-                    deadline(timeout, &s.addr, "PushGradients", fut).await?
-                } else {
-                    let plain = plain.unwrap_or_default();
-                    let chunks: Vec<GradientChunk> = wire::chunks(plain.len(), chunk)
-                        .map(|r| GradientChunk { data: plain.slice(r.clone()), ..head((r.start / 4) as u64) })
-                        .collect();
-                    deadline(
-                        timeout,
-                        &s.addr,
-                        "PushGradients",
-                        s.client.push_gradients(request(tokio_stream_iter(chunks), timeout)),
-                    )
-                    .await?
-                    .into_inner()
-                };
-                anyhow::Ok((r, bytes))
-            }
-        }))
-        .await?;
-        Ok(replies.iter().fold(Traffic::default(), |t, (r, b)| Traffic {
-            bytes: t.bytes + b,
-            wait_ms: t.wait_ms.max(r.wait_ms),
-            staleness: t.staleness.max(r.staleness),
-        }))
+    fn opts(&self) -> Opts<'_> {
+        Opts {
+            timeout: self.timeout,
+            chunk_bytes: self.chunk_bytes,
+            direct: self.direct,
+            limit: self.limit,
+            auth: &self.auth,
+            rank: self.rank,
+        }
     }
 
-    /// Pull every shard's parameters into `params` (the whole flat buffer), concurrently,
-    /// decoding each chunk straight into place.
-    pub async fn pull(&mut self, params: &mut [f32]) -> anyhow::Result<Traffic> {
-        anyhow::ensure!(
-            params.len() == self.total,
-            "pull: {} values for a model of {}",
-            params.len(),
-            self.total
-        );
-        let (timeout, rank) = (self.timeout, self.rank);
-        let (direct, limit, auth) = (self.direct, self.limit, &self.auth);
-        // Split the buffer into each shard's disjoint slice (ranges are contiguous, in order).
-        let mut rest = params;
+    fn check_len(&self, what: &str, n: usize) -> anyhow::Result<()> {
+        anyhow::ensure!(n == self.total, "{what}: {n} values for a model of {}", self.total);
+        Ok(())
+    }
+
+    /// Each shard's disjoint slice of `buf` (ranges are contiguous, in order).
+    fn split<'a>(&self, buf: &'a mut [f32]) -> Vec<&'a mut [f32]> {
+        let mut rest = buf;
         let mut slices = Vec::with_capacity(self.shards.len());
         for s in &self.shards {
             let (mine, tail) = std::mem::take(&mut rest).split_at_mut(s.range.len());
             slices.push(mine);
             rest = tail;
         }
-        let got = try_join_all(self.shards.iter_mut().zip(slices).map(|(s, dst)| async move {
-            let fut = async {
-                let mut stream = if direct {
-                    let mut body = Frames::new();
-                    body.data(frames::message(&PullRequest { rank }));
-                    Incoming::Direct(call(&mut s.channel, auth, PULL, timeout, body, limit).await?)
-                } else {
-                    let r = s.client.pull_parameters(request(PullRequest { rank }, timeout)).await?;
-                    Incoming::Codec(r.into_inner())
+        slices
+    }
+
+    /// Push `grads` (the whole flat buffer): each shard gets its range, all concurrently.
+    pub async fn push(&mut self, grads: &[f32]) -> anyhow::Result<Traffic> {
+        self.check_len("push", grads.len())?;
+        let (t, o) = (Instant::now(), self.opts());
+        let replies = try_join_all(self.shards.iter().map(|s| push_shard(&o, s, &grads[s.range.clone()]))).await?;
+        Ok(push_traffic(&replies, t))
+    }
+
+    /// Pull every shard's parameters into `params` (the whole flat buffer), concurrently,
+    /// decoding each chunk straight into place.
+    pub async fn pull(&mut self, params: &mut [f32]) -> anyhow::Result<Traffic> {
+        self.check_len("pull", params.len())?;
+        let t = Instant::now();
+        let slices = self.split(params);
+        let o = self.opts();
+        let got = try_join_all(self.shards.iter().zip(slices).map(|(s, dst)| pull_shard(&o, s, dst, None))).await?;
+        for (s, (v, _)) in self.shards.iter_mut().zip(&got) {
+            s.version = *v;
+        }
+        Ok(Traffic { bytes: got.iter().map(|g| g.1).sum(), ms: ms_since(t), ..Traffic::default() })
+    }
+
+    /// One step's communication: push `grads` and pull the parameters the update makes into
+    /// `params`. Under BSP both go at once on each shard's connection (HTTP/2 is full duplex):
+    /// the pull asks for the next version streamed, so its blocks arrive while the rest of the
+    /// gradient is still going out and the server steps block by block. Other sync modes push
+    /// then pull. Returns the push's and the pull's traffic.
+    pub async fn step(&mut self, grads: &[f32], params: &mut [f32]) -> anyhow::Result<(Traffic, Traffic)> {
+        if self.sync != "bsp" {
+            let push = self.push(grads).await?;
+            let mut pull = self.pull(params).await?;
+            pull.ms += push.ms;
+            return Ok((push, pull));
+        }
+        self.check_len("push", grads.len())?;
+        self.check_len("pull", params.len())?;
+        let t = Instant::now();
+        let slices = self.split(params);
+        let o = self.opts();
+        let got = try_join_all(self.shards.iter().zip(slices).map(|(s, dst)| {
+            let o = &o;
+            async move {
+                let push = async {
+                    let r = push_shard(o, s, &grads[s.range.clone()]).await;
+                    (r, ms_since(t))
                 };
-                let (mut received, mut version) = (0u64, None);
-                while let Some(c) = stream.message().await? {
-                    if *version.get_or_insert(c.version) != c.version || c.offset != received {
-                        return Err(tonic::Status::data_loss(
-                            "chunks of one pull disagree on version or order",
-                        ));
+                let ((push, push_ms), pull) = tokio::join!(push, pull_shard(o, s, dst, Some(s.version + 1)));
+                let push = push?;
+                let pull = match pull {
+                    Ok(p) => p,
+                    // The streamed pull ends with an error when its step fails (and then so
+                    // did the push, reported above) or had to be redone without a dropped
+                    // worker's gradient: the push succeeded, so pull the version it made.
+                    Err(e) => {
+                        tracing::debug!("{e:#}; pulling version {} again", push.0.version);
+                        pull_shard(o, s, dst, None).await?
                     }
-                    wire::decode_into(&c.data, c.offset, dst)
-                        .map_err(|e| tonic::Status::data_loss(e.to_string()))?;
-                    received += (c.data.len() / 4) as u64;
-                }
-                if received as usize != dst.len() {
-                    return Err(tonic::Status::data_loss(format!("{received} values of {}", dst.len())));
-                }
-                Ok((version.unwrap_or(0), received * 4))
-            };
-            let (v, b) = deadline(timeout, &s.addr, "PullParameters", fut).await?;
-            s.version = v;
-            anyhow::Ok(b)
+                };
+                anyhow::Ok((push, push_ms, pull, ms_since(t)))
+            }
         }))
         .await?;
-        Ok(Traffic { bytes: got.iter().sum(), ..Traffic::default() })
+        let mut push = push_traffic(&got.iter().map(|g| g.0).collect::<Vec<_>>(), t);
+        push.ms = got.iter().map(|g| g.1).fold(0.0, f64::max);
+        let pull = Traffic {
+            bytes: got.iter().map(|g| g.2.1).sum(),
+            ms: got.iter().map(|g| g.3).fold(0.0, f64::max),
+            ..Traffic::default()
+        };
+        for (s, g) in self.shards.iter_mut().zip(&got) {
+            s.version = g.2.0;
+        }
+        Ok((push, pull))
     }
 
     /// Tell every shard this rank is alive.
@@ -437,7 +422,6 @@ impl PsClient {
                     channel: s.channel.clone(),
                     range: s.range.clone(),
                     version: s.version,
-                    spare: None,
                 })
                 .collect(),
             timeout: self.timeout,
@@ -454,6 +438,93 @@ impl PsClient {
 
 const PUSH: &str = "/gradsync.ps.v1.ParameterServer/PushGradients";
 const PULL: &str = "/gradsync.ps.v1.ParameterServer/PullParameters";
+
+/// What the bulk RPCs need of a [`PsClient`].
+struct Opts<'a> {
+    timeout: Duration,
+    chunk_bytes: usize,
+    direct: bool,
+    limit: usize,
+    auth: &'a Auth,
+    rank: u32,
+}
+
+/// The pushes' replies (and payload bytes) as one [`Traffic`], timed from `t`.
+fn push_traffic(replies: &[(PushReply, u64)], t: Instant) -> Traffic {
+    replies.iter().fold(Traffic { ms: ms_since(t), ..Traffic::default() }, |a, (r, b)| Traffic {
+        bytes: a.bytes + b,
+        wait_ms: a.wait_ms.max(r.wait_ms),
+        staleness: a.staleness.max(r.staleness),
+        ms: a.ms,
+    })
+}
+
+/// Push `src` (shard `s`'s range, computed from the version last pulled from it) as one
+/// PushGradients call. Returns the reply and the payload bytes.
+async fn push_shard(o: &Opts<'_>, s: &Shard, src: &[f32]) -> anyhow::Result<(PushReply, u64)> {
+    let (rank, base) = (o.rank, s.version);
+    let head = move |offset| GradientChunk { rank, base_version: base, offset, data: Bytes::new() };
+    let bytes = (src.len() * 4) as u64;
+    let r = if o.direct {
+        // Encoded once, as one GradientChunk message per chunk; every chunk is a zero-copy
+        // slice of it.
+        let framed = frames::Framed::encode(src, o.chunk_bytes, 4, head);
+        let mut body = Frames::new();
+        for i in 0..framed.len() {
+            body.data(framed.message(i));
+        }
+        let mut ch = s.channel.clone();
+        let fut = async {
+            let mut replies = call(&mut ch, o.auth, PUSH, o.timeout, body, o.limit).await?;
+            let r = replies.message::<PushReply>().await?;
+            match (r, replies.message::<PushReply>().await?) {
+                (Some(r), None) => Ok(r),
+                _ => Err(tonic::Status::internal("PushGradients must answer one PushReply")),
+            }
+        };
+        deadline(o.timeout, &s.addr, "PushGradients", fut).await?
+    } else {
+        let plain = wire::encode(src, bytes::BytesMut::new());
+        let chunks: Vec<GradientChunk> = wire::chunks(plain.len(), o.chunk_bytes)
+            .map(|r| GradientChunk { data: plain.slice(r.clone()), ..head((r.start / 4) as u64) })
+            .collect();
+        let mut client = s.client.clone();
+        let req = request(tokio_stream_iter(chunks), o.timeout);
+        deadline(o.timeout, &s.addr, "PushGradients", client.push_gradients(req)).await?.into_inner()
+    };
+    Ok((r, bytes))
+}
+
+/// Pull shard `s`'s parameters into `dst`, decoding each chunk straight into place: the
+/// current version, or `want` streamed as the server produces it (BSP). Returns the version
+/// and the payload bytes.
+async fn pull_shard(o: &Opts<'_>, s: &Shard, dst: &mut [f32], want: Option<u64>) -> anyhow::Result<(u64, u64)> {
+    let req = PullRequest { rank: o.rank, stream_version: want };
+    let fut = async {
+        let mut stream = if o.direct {
+            let mut body = Frames::new();
+            body.data(frames::message(&req));
+            let mut ch = s.channel.clone();
+            Incoming::Direct(call(&mut ch, o.auth, PULL, o.timeout, body, o.limit).await?)
+        } else {
+            let mut client = s.client.clone();
+            Incoming::Codec(client.pull_parameters(request(req, o.timeout)).await?.into_inner())
+        };
+        let (mut received, mut version) = (0u64, None);
+        while let Some(c) = stream.message().await? {
+            if *version.get_or_insert(c.version) != c.version || c.offset != received {
+                return Err(tonic::Status::data_loss("chunks of one pull disagree on version or order"));
+            }
+            wire::decode_into(&c.data, c.offset, dst).map_err(|e| tonic::Status::data_loss(e.to_string()))?;
+            received += (c.data.len() / 4) as u64;
+        }
+        if received as usize != dst.len() {
+            return Err(tonic::Status::data_loss(format!("{received} values of {}", dst.len())));
+        }
+        Ok((version.or(want).unwrap_or(0), received * 4))
+    };
+    deadline(o.timeout, &s.addr, "PullParameters", fut).await
+}
 
 /// Call `path` with `body` as the request, straight over the channel (no codec): the
 /// response's messages, its HTTP and trailers-only errors already checked.
@@ -595,18 +666,17 @@ impl Strategy for Ps {
         let t = Instant::now();
         engine.read_grads(0..self.grads.len(), &mut self.grads)?;
         let (client, grads, params) = (&mut self.client, &self.grads, &mut self.params);
-        let (push, pull, pushed) = self.rt.block_on(async {
-            let push = client.push(grads).await?;
-            let pushed = Instant::now();
-            let pull = client.pull(params).await?;
-            anyhow::Ok((push, pull, pushed))
-        })?;
+        let t_comm = Instant::now();
+        let (push, pull) = self.rt.block_on(client.step(grads, params))?;
+        let at = |ms: f64| t_comm + Duration::from_secs_f64(ms / 1e3);
         let mut args = serde_json::Map::new();
         args.insert("bytes".into(), push.bytes.into());
         args.insert("wait_ms".into(), push.wait_ms.into());
         args.insert("staleness".into(), push.staleness.into());
-        self.trace.span_with("push", "comm", "comm", t, pushed, args);
-        self.trace.span("pull", "comm", "comm", pushed);
+        self.trace.span_with("push", "comm", "comm", t, at(push.ms), args);
+        // Under BSP the pull runs beside the push (the lane shows them overlapping).
+        let pull_from = if self.client.sync == "bsp" { t_comm } else { at(push.ms) };
+        self.trace.span("pull", "comm", "comm", pull_from);
         engine.write_params(0, &self.params)?;
         engine.synchronize()?;
         rec.comm_ms = ms_since(t);

@@ -1,0 +1,557 @@
+//! One pipelined BSP step (BytePS-style): the update of block `c` runs as soon as every
+//! expected rank's block `c` has arrived and been checked, and the pulls of the new version
+//! stream block `c` as soon as it is stepped, so a step costs about one push (or pull) plus a
+//! block rather than push + update + pull.
+//!
+//! ```text
+//!   rank 0 push:  [b0][b1][b2][b3]                  pieces kept as they arrived (no copy)
+//!   rank 1 push:    [b0][b1][b2][b3]
+//!   step:             [b0][b1][b2][b3]              sum in rank order + SGD, written into
+//!   pull v+1:           [b0][b1][b2][b3]            next params/momentum and the pull image
+//!   commit:                            *            swap next <-> current, version + 1
+//! ```
+//!
+//! Why it is safe: a step never writes the current parameters or momentum. Each block's result
+//! goes into the *next* buffers (and the next version's wire image); only [`Round::finish`],
+//! once every block is stepped and every expected rank's stream has ended cleanly, hands them
+//! over for the swap. A NaN, a short or stalled stream, or a rank dropped before that point
+//! withdraws that rank's pieces; if blocks were already stepped with them they are thrown
+//! away (the `epoch` changes) and any pull that received one ends with an error, so no client
+//! keeps parameters that never became a version. A step that fails outright (a strict
+//! timeout, shutdown) ends every push and pull with its error and leaves the version as it
+//! was. Memory traffic is that of an in-place step: the next buffers are the previous
+//! version's, reused.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
+use std::sync::{Arc, Mutex as StdMutex, MutexGuard};
+use std::time::Instant;
+
+use bytes::Bytes;
+use gradsync_core::optim::{SgdConfig, sgd_step_serial};
+use gradsync_proto::frames::FramedChunk;
+use gradsync_proto::pb::ParameterChunk;
+use tokio::sync::watch;
+use tonic::Status;
+
+use crate::error::{Error, Result};
+
+/// Values per inner block of a step: a block of every buffer fits in L2 together.
+const SUB: usize = 1 << 15;
+
+/// How far a round has got, as every push and pull of it sees it.
+#[derive(Debug, Clone, Default)]
+pub struct Progress {
+    /// Blocks stepped (and their wire image built) in the current epoch.
+    pub stepped: usize,
+    /// Bumped whenever stepped blocks are thrown away because a contributor withdrew.
+    pub epoch: u64,
+    /// Set once: the round was committed, or failed with this status.
+    pub end: Option<std::result::Result<Committed, Status>>,
+}
+
+/// What a committed round produced.
+#[derive(Debug, Clone)]
+pub struct Committed {
+    /// The new version.
+    pub version: u64,
+    /// When the swap happened.
+    pub at: Instant,
+    /// The ranks whose gradients the update holds.
+    pub ranks: Vec<usize>,
+}
+
+/// One rank's gradient as it arrived: payload pieces (little-endian f32) at value offsets.
+#[derive(Debug, Default)]
+struct Contribution {
+    pieces: Vec<(usize, Bytes)>,
+    received: usize,
+    /// When the stream ended cleanly, and its payload bytes.
+    done: Option<(Instant, u64)>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    expected: BTreeSet<usize>,
+    ranks: BTreeMap<usize, Contribution>,
+    stepped: usize,
+    epoch: u64,
+    /// A task is stepping blocks (one at a time: blocks are stepped in order).
+    stepping: bool,
+    /// The wire image of the stepped blocks (this epoch).
+    image: Vec<FramedChunk>,
+    ended: bool,
+}
+
+/// The buffers one stepper writes; only the task holding `Inner::stepping` locks this.
+#[derive(Debug, Default)]
+struct Work {
+    params: Arc<Vec<f32>>,
+    momentum: Arc<Vec<f32>>,
+    next_params: Vec<f32>,
+    next_momentum: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+/// What [`Round::finish`] hands over for the swap.
+#[derive(Debug)]
+pub struct Finished {
+    /// The new parameters.
+    pub params: Vec<f32>,
+    /// The new momentum.
+    pub momentum: Vec<f32>,
+    /// Their wire image, one ParameterChunk message per block.
+    pub image: Vec<FramedChunk>,
+    /// The contributing ranks with when each stream ended and its payload bytes, by rank.
+    pub ranks: Vec<(usize, Instant, u64)>,
+}
+
+/// The step from `version - 1` to `version`.
+#[derive(Debug)]
+pub struct Round {
+    /// The version this round produces.
+    pub version: u64,
+    len: usize,
+    block: usize,
+    nblocks: usize,
+    sgd: SgdConfig,
+    inner: StdMutex<Inner>,
+    work: StdMutex<Work>,
+    progress: watch::Sender<Progress>,
+}
+
+/// A poisoned lock means a stepper panicked; the data under it is still only this round's,
+/// which the failure then throws away.
+fn lock<T>(m: &StdMutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The buffers a round starts from: the current parameters and momentum (read only) and two
+/// buffers of the same length for the results.
+#[derive(Debug)]
+pub struct Start {
+    /// The current parameters.
+    pub params: Arc<Vec<f32>>,
+    /// The current momentum.
+    pub momentum: Arc<Vec<f32>>,
+    /// Room for the next parameters (any contents).
+    pub next_params: Vec<f32>,
+    /// Room for the next momentum (any contents).
+    pub next_momentum: Vec<f32>,
+}
+
+impl Round {
+    /// The step producing `version` from `start`, in blocks of `chunk_bytes` (the pull chunk),
+    /// waiting for the `expected` ranks.
+    pub fn new(version: u64, start: Start, chunk_bytes: usize, sgd: SgdConfig, expected: BTreeSet<usize>) -> Self {
+        let len = start.params.len();
+        let block = (chunk_bytes / 4).max(1);
+        let mut w = Work {
+            params: start.params,
+            momentum: start.momentum,
+            next_params: start.next_params,
+            next_momentum: start.next_momentum,
+            sum: vec![0.0; SUB.min(block)],
+        };
+        w.next_params.resize(len, 0.0);
+        w.next_momentum.resize(len, 0.0);
+        Round {
+            version,
+            len,
+            block,
+            nblocks: len.div_ceil(block),
+            sgd,
+            inner: StdMutex::new(Inner { expected, ..Inner::default() }),
+            work: StdMutex::new(w),
+            progress: watch::channel(Progress::default()).0,
+        }
+    }
+
+    /// Blocks in the step.
+    pub fn blocks(&self) -> usize {
+        self.nblocks
+    }
+
+    fn range(&self, c: usize) -> Range<usize> {
+        c * self.block..((c + 1) * self.block).min(self.len)
+    }
+
+    /// Watch the round's progress.
+    pub fn subscribe(&self) -> watch::Receiver<Progress> {
+        self.progress.subscribe()
+    }
+
+    fn publish(&self, g: &Inner, end: Option<std::result::Result<Committed, Status>>) {
+        let (stepped, epoch) = (g.stepped, g.epoch);
+        self.progress.send_modify(|p| {
+            p.stepped = stepped;
+            p.epoch = epoch;
+            if end.is_some() {
+                p.end = end;
+            }
+        });
+    }
+
+    /// `rank` starts pushing its gradient for this step.
+    pub fn join(&self, rank: usize) -> Result<()> {
+        let mut g = lock(&self.inner);
+        if g.ended {
+            return Err(Error::Stale { rank, base: self.version - 1, version: self.version });
+        }
+        if g.ranks.contains_key(&rank) {
+            return Err(Error::BadGradient {
+                rank,
+                why: format!("a second gradient for version {}", self.version - 1),
+            });
+        }
+        g.ranks.insert(rank, Contribution::default());
+        Ok(())
+    }
+
+    /// Whether `rank` is pushing (or has pushed) into this round.
+    pub fn has(&self, rank: usize) -> bool {
+        lock(&self.inner).ranks.contains_key(&rank)
+    }
+
+    /// A checked piece of `rank`'s gradient at value `offset` (directly after the previous
+    /// one). Steps whatever blocks it completes.
+    pub fn add(&self, rank: usize, offset: usize, payload: Bytes) {
+        {
+            let mut g = lock(&self.inner);
+            let Some(c) = g.ranks.get_mut(&rank) else { return };
+            c.received = offset + payload.len() / 4;
+            c.pieces.push((offset, payload));
+        }
+        self.advance();
+    }
+
+    /// `rank`'s stream ended cleanly with `bytes` of payload; true when the round can commit.
+    pub fn done(&self, rank: usize, bytes: u64) -> bool {
+        let mut g = lock(&self.inner);
+        if let Some(c) = g.ranks.get_mut(&rank) {
+            c.done = Some((Instant::now(), bytes));
+        }
+        self.complete(&g)
+    }
+
+    /// Throw away stepped blocks (a contributor is gone): pulls that had any must fail.
+    fn invalidate(&self, g: &mut Inner) {
+        if g.stepped > 0 {
+            g.stepped = 0;
+            g.epoch += 1;
+            g.image.clear();
+            self.publish(g, None);
+        }
+    }
+
+    /// Withdraw `rank`'s gradient (its stream failed, or it left).
+    pub fn remove(&self, rank: usize) {
+        let mut g = lock(&self.inner);
+        if g.ranks.remove(&rank).is_some() {
+            self.invalidate(&mut g);
+        }
+    }
+
+    /// The ranks the step waits for changed (departures); true when the round can now commit.
+    pub fn set_expected(&self, expected: BTreeSet<usize>) -> bool {
+        {
+            let mut g = lock(&self.inner);
+            if g.expected != expected {
+                g.ranks.retain(|r, _| expected.contains(r));
+                g.expected = expected;
+                // The scale (1/W) and the sum change: every stepped block is wrong now.
+                self.invalidate(&mut g);
+            }
+        }
+        self.advance();
+        let g = lock(&self.inner);
+        self.complete(&g)
+    }
+
+    /// Expected ranks that have not finished pushing.
+    pub fn missing(&self) -> Vec<usize> {
+        let g = lock(&self.inner);
+        g.expected.iter().copied().filter(|r| g.ranks.get(r).is_none_or(|c| c.done.is_none())).collect()
+    }
+
+    /// Whether any rank has started pushing.
+    pub fn any_rank(&self) -> bool {
+        !lock(&self.inner).ranks.is_empty()
+    }
+
+    fn complete(&self, g: &Inner) -> bool {
+        !g.ended
+            && !g.expected.is_empty()
+            && g.stepped == self.nblocks
+            && g.expected.iter().all(|r| g.ranks.get(r).is_some_and(|c| c.done.is_some()))
+    }
+
+    /// Blocks every expected rank has delivered in full.
+    fn ready(&self, g: &Inner) -> usize {
+        if g.expected.is_empty() {
+            return 0;
+        }
+        g.expected
+            .iter()
+            .map(|r| match g.ranks.get(r) {
+                Some(c) if c.received == self.len => self.nblocks,
+                Some(c) => c.received / self.block,
+                None => 0,
+            })
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// Step every block that is ready, in order, one task at a time.
+    pub fn advance(&self) {
+        loop {
+            let (c, parts, epoch, scale) = {
+                let mut g = lock(&self.inner);
+                if g.stepping || g.ended || g.stepped >= self.ready(&g) {
+                    return;
+                }
+                g.stepping = true;
+                let c = g.stepped;
+                let r = self.range(c);
+                // Rank order: the sum is the same whichever rank arrived first.
+                let parts: Vec<Vec<(usize, Bytes)>> = g
+                    .expected
+                    .iter()
+                    .filter_map(|rank| g.ranks.get(rank))
+                    .map(|con| {
+                        con.pieces
+                            .iter()
+                            .filter(|(o, p)| *o < r.end && o + p.len() / 4 > r.start)
+                            .cloned()
+                            .collect()
+                    })
+                    .collect();
+                (c, parts, g.epoch, 1.0 / g.expected.len() as f32)
+            };
+            let chunk = self.step_block(c, &parts, scale);
+            let mut g = lock(&self.inner);
+            g.stepping = false;
+            if g.epoch == epoch && !g.ended && g.stepped == c {
+                g.image.push(chunk);
+                g.stepped += 1;
+                self.publish(&g, None);
+            }
+        }
+    }
+
+    /// Sum block `c` of every rank (`parts`, in rank order), step it into the next buffers and
+    /// write the stepped parameters into the block's pull message, inner block by inner block
+    /// while each is in cache.
+    fn step_block(&self, c: usize, parts: &[Vec<(usize, Bytes)>], scale: f32) -> FramedChunk {
+        let r = self.range(c);
+        let mut w = lock(&self.work);
+        let Work { params, momentum, next_params, next_momentum, sum } = &mut *w;
+        let head = ParameterChunk { version: self.version, offset: r.start as u64, data: Bytes::new() };
+        FramedChunk::build(&head, 3, r.start as u64, r.len() * 4, |buf| {
+            for s in r.clone().step_by(SUB) {
+                let s = s..(s + SUB).min(r.end);
+                let acc = &mut sum[..s.len()];
+                for (k, pieces) in parts.iter().enumerate() {
+                    gather(pieces, s.clone(), acc, k == 0);
+                }
+                next_params[s.clone()].copy_from_slice(&params[s.clone()]);
+                next_momentum[s.clone()].copy_from_slice(&momentum[s.clone()]);
+                sgd_step_serial(&self.sgd, &mut next_params[s.clone()], acc, &mut next_momentum[s.clone()], scale);
+                gradsync_proto::wire::put_f32(&next_params[s], buf);
+            }
+        })
+    }
+
+    /// Block `i` of the next version's wire image, if it is stepped in `epoch`.
+    pub fn chunk(&self, i: usize, epoch: u64) -> Option<FramedChunk> {
+        let g = lock(&self.inner);
+        if g.epoch != epoch {
+            return None;
+        }
+        g.image.get(i).cloned()
+    }
+
+    /// Every block stepped and every expected stream ended: take the results for the swap.
+    /// `None` if not complete (or already taken).
+    pub fn finish(&self) -> Option<Finished> {
+        let mut g = lock(&self.inner);
+        if !self.complete(&g) {
+            return None;
+        }
+        g.ended = true;
+        let mut w = lock(&self.work);
+        let ranks = g
+            .expected
+            .iter()
+            .filter_map(|r| g.ranks.get(r).and_then(|c| c.done).map(|(t, b)| (*r, t, b)))
+            .collect();
+        g.ranks.clear();
+        w.params = Arc::default();
+        w.momentum = Arc::default();
+        Some(Finished {
+            params: std::mem::take(&mut w.next_params),
+            momentum: std::mem::take(&mut w.next_momentum),
+            // Cloned (slices, no copy): pulls still streaming this round read what they have
+            // not sent yet from the round.
+            image: g.image.clone(),
+            ranks,
+        })
+    }
+
+    /// Tell every push and pull of the round that it was committed.
+    pub fn committed(&self, c: Committed) {
+        let g = lock(&self.inner);
+        self.publish(&g, Some(Ok(c)));
+    }
+
+    /// The step failed: end every push and pull of it with `status`; nothing is committed.
+    pub fn fail(&self, status: Status) {
+        let mut g = lock(&self.inner);
+        if g.ended {
+            return;
+        }
+        g.ended = true;
+        g.ranks.clear();
+        g.image.clear();
+        self.publish(&g, Some(Err(status)));
+        drop(g);
+        // Let go of the current buffers so nothing else has to copy them to write them.
+        let mut w = lock(&self.work);
+        w.params = Arc::default();
+        w.momentum = Arc::default();
+    }
+
+    /// Whether the round ended (committed or failed).
+    pub fn ended(&self) -> bool {
+        lock(&self.inner).ended
+    }
+}
+
+/// Values `s` of one rank's gradient, from its payload `pieces`, into `acc`: assigned when
+/// `first`, added otherwise (so the sum is exactly `g0 + g1 + ...`, as a serial sum).
+fn gather(pieces: &[(usize, Bytes)], s: Range<usize>, acc: &mut [f32], first: bool) {
+    for (o, p) in pieces {
+        let (lo, hi) = (s.start.max(*o), s.end.min(o + p.len() / 4));
+        if lo >= hi {
+            continue;
+        }
+        let src = &p[(lo - o) * 4..(hi - o) * 4];
+        let dst = &mut acc[lo - s.start..hi - s.start];
+        if first {
+            for (a, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *a = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        } else {
+            for (a, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *a += f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use gradsync_core::optim::sgd_step;
+
+    fn val(k: usize, i: usize) -> f32 {
+        ((i * 7 + k * 13) % 101) as f32 * 0.01 - 0.5
+    }
+
+    fn le(v: &[f32]) -> Bytes {
+        gradsync_proto::wire::encode(v, bytes::BytesMut::new())
+    }
+
+    /// The pipelined step (blocks stepped as pieces arrive, ranks arriving interleaved and in
+    /// odd piece sizes, sums in rank order) equals the serial one bit for bit: whole buffers
+    /// summed in rank order, then one `sgd_step`.
+    #[test]
+    fn pipelined_step_equals_the_serial_step_bit_for_bit() {
+        let n = 3 * SUB + 77;
+        let ranks = 3;
+        let grads: Vec<Vec<f32>> = (0..ranks).map(|k| (0..n).map(|i| val(k, i)).collect()).collect();
+        let cfg = SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.01 };
+        let p0: Vec<f32> = (0..n).map(|i| val(9, i)).collect();
+        let m0: Vec<f32> = (0..n).map(|i| val(5, i) * 0.1).collect();
+
+        let (mut want_p, mut want_m) = (p0.clone(), m0.clone());
+        let mut sum = grads[0].clone();
+        for g in &grads[1..] {
+            for (s, g) in sum.iter_mut().zip(g) {
+                *s += g;
+            }
+        }
+        sgd_step(&cfg, &mut want_p, &sum, &mut want_m, 1.0 / 3.0);
+
+        // Blocks of 10 000 values; rank k sends pieces of 7 000 + 1 000 k values, ranks
+        // interleaved with rank 2 first.
+        let start = Start {
+            params: Arc::new(p0),
+            momentum: Arc::new(m0),
+            next_params: Vec::new(),
+            next_momentum: Vec::new(),
+        };
+        let round = Round::new(1, start, 40_000, cfg, (0..ranks).collect());
+        let mut at = vec![0usize; ranks];
+        for k in (0..ranks).rev() {
+            round.join(k).unwrap();
+        }
+        while at.iter().any(|&a| a < n) {
+            for k in (0..ranks).rev() {
+                let piece = 7_000 + 1_000 * k;
+                if at[k] < n {
+                    let end = (at[k] + piece).min(n);
+                    round.add(k, at[k], le(&grads[k][at[k]..end]));
+                    at[k] = end;
+                }
+            }
+        }
+        let mut complete = false;
+        for k in 0..ranks {
+            complete = round.done(k, (n * 4) as u64);
+        }
+        assert!(complete);
+        let f = round.finish().unwrap();
+        assert_eq!(f.params, want_p);
+        assert_eq!(f.momentum, want_m);
+        // The image holds the new parameters, block by block.
+        let mut from_image = Vec::new();
+        for c in &f.image {
+            let (offset, payload) = c.payload();
+            assert_eq!(offset as usize, from_image.len());
+            from_image.extend(payload.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        }
+        assert_eq!(from_image, want_p);
+        assert_eq!(f.ranks.iter().map(|r| r.0).collect::<Vec<_>>(), vec![0, 1, 2]);
+    }
+
+    /// A contributor withdrawn after blocks were stepped throws them away (epoch bump) and the
+    /// round steps again from block 0 without it.
+    #[test]
+    fn withdrawing_a_rank_restarts_the_stepped_blocks() {
+        let n = 100;
+        let cfg = SgdConfig { lr: 0.5, momentum: 0.0, weight_decay: 0.0 };
+        let start = Start {
+            params: Arc::new(vec![1.0; n]),
+            momentum: Arc::new(vec![0.0; n]),
+            next_params: Vec::new(),
+            next_momentum: Vec::new(),
+        };
+        let round = Round::new(1, start, 40, cfg, [0, 1].into());
+        let rx = round.subscribe();
+        round.join(0).unwrap();
+        round.join(1).unwrap();
+        round.add(0, 0, le(&vec![2.0; n]));
+        round.add(1, 0, le(&vec![4.0; 50]));
+        assert_eq!((rx.borrow().stepped, rx.borrow().epoch), (5, 0));
+        round.remove(1);
+        assert_eq!((rx.borrow().stepped, rx.borrow().epoch), (0, 1));
+        assert!(round.chunk(0, 0).is_none(), "blocks of the old epoch are gone");
+        assert!(!round.done(0, 400));
+        assert!(round.set_expected([0].into()), "rank 0 alone completes the step");
+        let f = round.finish().unwrap();
+        assert_eq!(f.params, vec![0.0; n], "1 - 0.5 * 2, rank 1's 4.0 not in it");
+        assert!(round.finish().is_none(), "taken once");
+    }
+}
