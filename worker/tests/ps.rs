@@ -231,7 +231,7 @@ fn grad_stream(
 }
 
 async fn pull_all(c: &mut ParameterServerClient<tonic::transport::Channel>, token: &str) -> (u64, Vec<f32>) {
-    let mut s = c.pull_parameters(authed(PullRequest { rank: 0 }, token)).await.expect("pull").into_inner();
+    let mut s = c.pull_parameters(authed(PullRequest { rank: 0, stream_version: None }, token)).await.expect("pull").into_inner();
     let mut out = Vec::new();
     let mut version = 0;
     while let Some(chunk) = s.message().await.expect("chunk") {
@@ -483,4 +483,159 @@ fn asp_runs_and_reports_staleness() {
         assert!(applies.iter().all(|a| a.gradients == 1 && a.staleness.len() == 1));
         assert_eq!(applies.last().map(|a| a.version), Some(10));
     }
+}
+
+/// A request with the token and a deadline long enough for a whole step.
+fn authed_long<T>(msg: T, token: &str) -> tonic::Request<T> {
+    let mut r = authed(msg, token);
+    r.set_timeout(Duration::from_secs(60));
+    r
+}
+
+/// A gradient's values, different per rank.
+fn rank_grad(rank: usize, n: usize) -> Vec<f32> {
+    (0..n).map(|i| ((i * 7 + rank * 13) % 101) as f32 * 0.01 - 0.5).collect()
+}
+
+/// Pipelined BSP: the blocks of the next version stream to a pull while the gradients are
+/// still arriving. A NaN in the LAST block of one worker's push then ends that pull with an
+/// error and leaves the parameters, the momentum and the version as they were; a good
+/// gradient then completes the step, which equals the serial update (rank-order sum, one
+/// `sgd_step`) of the good gradients bit for bit.
+#[test]
+fn nan_in_the_last_block_fails_the_streamed_pull_and_commits_nothing() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let dir = tmp("pipenan");
+    let ck = dir.join("s.ckpt");
+    let mut server = Server::start(&[
+        "--token",
+        "s3cret",
+        "--checkpoint",
+        ck.to_str().expect("utf8"),
+        "--chunk-bytes",
+        "4096",
+        "--worker-timeout",
+        "60",
+        "--lr",
+        "0.1",
+        "--momentum",
+        "0.9",
+        "--weight-decay",
+        "0.01",
+    ]);
+    let fp = Fingerprint::new(&spec(), 7).text;
+    let init = init_params(&Layout::new(&spec()), 7);
+    let n = init.len();
+    let (block, token) = (1024, "s3cret");
+    let blocks = n.div_ceil(block);
+    assert!(blocks >= 3, "the test needs several blocks");
+    let (g0, g1) = (rank_grad(0, n), rank_grad(1, n));
+    rt.block_on(async {
+        let mut c = connect(&server.addr).await;
+        for rank in 0..2 {
+            let req = RegisterRequest { rank, world_size: 2, fingerprint: fp.clone() };
+            c.register(authed(req, token)).await.expect("register");
+        }
+        let req = PullRequest { rank: 0, stream_version: Some(1) };
+        let mut pull = c.pull_parameters(authed_long(req, token)).await.expect("streamed pull").into_inner();
+        // Rank 0 pushes everything; its reply waits for the step.
+        let push0 = tokio::spawn({
+            let mut c = c.clone();
+            let g0 = g0.clone();
+            async move {
+                let mut req = grad_stream(0, &g0, token);
+                req.set_timeout(Duration::from_secs(60));
+                c.push_gradients(req).await
+            }
+        });
+        // Rank 1 sends every block but the last, in the server's block size.
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let push1 = tokio::spawn({
+            let mut c = c.clone();
+            async move {
+                let s = tonic::codegen::tokio_stream::wrappers::ReceiverStream::new(rx);
+                c.push_gradients(authed_long(s, token)).await
+            }
+        });
+        let piece = |from: usize, values: &[f32]| GradientChunk {
+            rank: 1,
+            base_version: 0,
+            offset: from as u64,
+            data: gradsync_proto::wire::encode(values, Default::default()),
+        };
+        let last = (blocks - 1) * block;
+        for b in 0..blocks - 1 {
+            tx.send(piece(b * block, &g1[b * block..(b + 1) * block])).await.expect("send");
+        }
+        // Those blocks are stepped and streamed before the step can complete.
+        for b in 0..blocks - 1 {
+            let m = pull.message().await.expect("a block of version 1").expect("not the end");
+            assert_eq!((m.version, m.offset), (1, (b * block) as u64));
+        }
+        let mut bad = g1[last..].to_vec();
+        *bad.last_mut().expect("values") = f32::NAN;
+        tx.send(piece(last, &bad)).await.expect("send");
+        drop(tx);
+        let e = push1.await.expect("task").expect_err("a NaN is refused");
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        let e = pull.message().await.expect_err("the streamed pull ends with an error");
+        assert_eq!(e.code(), Code::Aborted, "{e:?}");
+        let v = c.get_version(authed(VersionRequest {}, token)).await.expect("version").into_inner();
+        assert_eq!((v.version, v.rejected_nonfinite), (0, 1));
+        assert_eq!(pull_all(&mut c, token).await, (0, init.clone()), "parameters changed");
+
+        // A good gradient from rank 1 completes the step.
+        let mut req = grad_stream(1, &g1, token);
+        req.set_timeout(Duration::from_secs(60));
+        let r1 = c.push_gradients(req).await.expect("rank 1's good push").into_inner();
+        let r0 = push0.await.expect("task").expect("rank 0's push").into_inner();
+        assert_eq!((r0.version, r1.version), (1, 1));
+        c.shutdown(authed(ShutdownRequest {}, token)).await.expect("shutdown");
+    });
+    assert_eq!(server.wait(Duration::from_secs(30)), Some(0), "clean exit after Shutdown");
+    let cfg = gradsync_core::optim::SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.01 };
+    let (mut want_p, mut want_m) = (init, vec![0.0; n]);
+    let sum: Vec<f32> = g0.iter().zip(&g1).map(|(a, b)| a + b).collect();
+    gradsync_core::optim::sgd_step(&cfg, &mut want_p, &sum, &mut want_m, 0.5);
+    let saved = Checkpoint::load(&ck).expect("final checkpoint");
+    assert_eq!(saved.header.step, 1);
+    assert_eq!(saved.params, want_p, "parameters: not the serial update of the good gradients");
+    assert_eq!(saved.momentum, Some(want_m), "momentum: not the serial update of the good gradients");
+}
+
+/// A step that fails (strict: a rank missed the barrier) ends a pull streaming its version
+/// with the step's error, and leaves the version and parameters as they were. Against a
+/// server answering through tonic's generated service (`--default-transport`), so both of the
+/// server's pull paths stream.
+#[test]
+fn a_failed_step_ends_the_streamed_pull_with_its_error() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let server = Server::start(&["--token", "s3cret", "--worker-timeout", "2", "--default-transport"]);
+    let fp = Fingerprint::new(&spec(), 7).text;
+    let init = init_params(&Layout::new(&spec()), 7);
+    let token = "s3cret";
+    rt.block_on(async {
+        let mut c = connect(&server.addr).await;
+        for rank in 0..2 {
+            let req = RegisterRequest { rank, world_size: 2, fingerprint: fp.clone() };
+            c.register(authed(req, token)).await.expect("register");
+        }
+        let req = PullRequest { rank: 0, stream_version: Some(1) };
+        let mut pull = c.pull_parameters(authed_long(req, token)).await.expect("streamed pull").into_inner();
+        let mut req = grad_stream(0, &rank_grad(0, init.len()), token);
+        req.set_timeout(Duration::from_secs(60));
+        let e = c.push_gradients(req).await.expect_err("rank 1 never pushes");
+        assert_eq!(e.code(), Code::Aborted, "{e:?}");
+        assert!(e.message().contains("[1]"), "names rank 1: {}", e.message());
+        let e = pull.message().await.expect_err("the streamed pull ends with the step's error");
+        assert_eq!(e.code(), Code::Aborted, "{e:?}");
+        assert!(e.message().contains("[1]"), "names rank 1: {}", e.message());
+        let v = c.get_version(authed(VersionRequest {}, token)).await.expect("version").into_inner();
+        assert_eq!(v.version, 0);
+        assert_eq!(pull_all(&mut c, token).await, (0, init.clone()), "parameters changed");
+        // A version beyond the next is refused.
+        let req = PullRequest { rank: 0, stream_version: Some(5) };
+        let e = c.pull_parameters(authed(req, token)).await.expect_err("too far ahead");
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    });
 }
