@@ -43,12 +43,39 @@ pub struct PsBenchArgs {
     /// Only gradsync's transport (skip tonic's defaults and tonic's codec).
     #[arg(long)]
     pub tuned_only: bool,
+    /// Only this row (e.g. for `perf stat` of one configuration).
+    #[arg(long, value_enum)]
+    pub only: Option<Row>,
     /// Payload bytes per chunk message, for every transport.
     #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u32).range(4..=(16 << 20)))]
     pub chunk_bytes: u32,
     /// A smoke test: 4 MB, 1-2 workers, 1-2 shards, 2 steps.
     #[arg(long)]
     pub quick: bool,
+}
+
+/// A row of the table: a transport, pipelined or not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Row {
+    /// tonic's HTTP/2 defaults and codec.
+    Default,
+    /// gradsync's windows and frames, tonic's codec.
+    TunedCodec,
+    /// gradsync's transport, push and pull at once (pipelined BSP).
+    Tuned,
+    /// gradsync's transport, push then pull.
+    TunedSerial,
+}
+
+impl Row {
+    fn setup(self) -> (Tuning, bool) {
+        match self {
+            Row::Default => (Tuning::tonic_defaults(), false),
+            Row::TunedCodec => (Tuning::tonic_codec(), false),
+            Row::Tuned => (Tuning::tuned(), false),
+            Row::TunedSerial => (Tuning::tuned(), true),
+        }
+    }
 }
 
 /// One measured configuration.
@@ -167,16 +194,12 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     // (transport, push then pull rather than both at once): the serial row is the same
     // transport without the pipelined step, for the comparison in one run.
-    let mut tunings: Vec<(Tuning, bool)> = if a.tuned_only {
-        vec![(Tuning::tuned(), true), (Tuning::tuned(), false)]
-    } else {
-        vec![
-            (Tuning::tonic_defaults(), false),
-            (Tuning::tonic_codec(), false),
-            (Tuning::tuned(), true),
-            (Tuning::tuned(), false),
-        ]
+    let rows = match (a.only, a.tuned_only) {
+        (Some(r), _) => vec![r],
+        (None, true) => vec![Row::TunedSerial, Row::Tuned],
+        (None, false) => vec![Row::Default, Row::TunedCodec, Row::TunedSerial, Row::Tuned],
     };
+    let mut tunings: Vec<(Tuning, bool)> = rows.into_iter().map(Row::setup).collect();
     for (t, _) in &mut tunings {
         t.chunk_bytes = a.chunk_bytes as usize;
     }

@@ -43,12 +43,35 @@ pub fn sgd_step(cfg: &SgdConfig, params: &mut [f32], grads: &[f32], momentum: &m
 /// [`sgd_step`] on the calling thread, for callers that already work block by block (the
 /// parameter server's pipelined update): the same arithmetic, so the same bits.
 pub fn sgd_step_serial(cfg: &SgdConfig, params: &mut [f32], grads: &[f32], momentum: &mut [f32], grad_scale: f32) {
-    let SgdConfig { lr, momentum: mu, weight_decay: wd } = *cfg;
     for ((p, &g), m) in params.iter_mut().zip(grads).zip(momentum.iter_mut()) {
-        let g = grad_scale * g + wd * *p;
-        *m = mu * *m + g;
-        *p -= lr * *m;
+        (*p, *m) = sgd_one(cfg, *p, g, *m, grad_scale);
     }
+}
+
+/// [`sgd_step_serial`] reading the current parameters and momentum and writing the results
+/// elsewhere (`next_params`, `next_momentum`), in the same pass: an update that must not touch
+/// the current values until it is committed costs no more memory traffic than one in place.
+pub fn sgd_step_into(
+    cfg: &SgdConfig,
+    params: &[f32],
+    grads: &[f32],
+    momentum: &[f32],
+    grad_scale: f32,
+    next_params: &mut [f32],
+    next_momentum: &mut [f32],
+) {
+    let (cur, next) = (params.iter().zip(momentum), next_params.iter_mut().zip(next_momentum.iter_mut()));
+    for (((&p, &m), &g), (np, nm)) in cur.zip(grads).zip(next) {
+        (*np, *nm) = sgd_one(cfg, p, g, m, grad_scale);
+    }
+}
+
+/// One value's step, the one place the arithmetic is written: `(p, m)` after it.
+#[inline(always)]
+fn sgd_one(cfg: &SgdConfig, p: f32, g: f32, m: f32, grad_scale: f32) -> (f32, f32) {
+    let g = grad_scale * g + cfg.weight_decay * p;
+    let m = cfg.momentum * m + g;
+    (p - cfg.lr * m, m)
 }
 
 #[cfg(test)]
@@ -65,5 +88,18 @@ mod tests {
         assert!((p[0] - 0.949).abs() < 1e-6);
         sgd_step(&cfg, &mut p, &[0.5], &mut m, 1.0);
         assert!((p[0] - 0.852151).abs() < 1e-6, "{}", p[0]);
+    }
+
+    #[test]
+    fn step_into_equals_step_in_place() {
+        let cfg = SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.01 };
+        let p: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin()).collect();
+        let g: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.11).cos()).collect();
+        let m: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.05).sin() * 0.1).collect();
+        let (mut want_p, mut want_m) = (p.clone(), m.clone());
+        sgd_step(&cfg, &mut want_p, &g, &mut want_m, 0.25);
+        let (mut np, mut nm) = (vec![0.0; 1000], vec![0.0; 1000]);
+        sgd_step_into(&cfg, &p, &g, &m, 0.25, &mut np, &mut nm);
+        assert_eq!((np, nm), (want_p, want_m));
     }
 }

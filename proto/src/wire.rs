@@ -71,8 +71,14 @@ fn copy_checked(src: &[u8], dst: &mut [f32]) -> bool {
 /// Whether every little-endian f32 in `payload` (a whole number of values) is finite: one
 /// read-only pass, for payloads kept as they arrived rather than copied out.
 pub fn all_finite(payload: &[u8]) -> bool {
-    payload.chunks_exact(4).fold(true, |ok, c| {
-        ok & (u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7f80_0000 != 0x7f80_0000)
+    // Blocks of 64 values, each folded without branches (it vectorises), with an early exit
+    // between blocks.
+    payload.chunks(256).all(|block| {
+        let bad = block.chunks_exact(4).fold(0u32, |bad, c| {
+            let exp = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7f80_0000;
+            bad | u32::from(exp == 0x7f80_0000)
+        });
+        bad == 0
     })
 }
 

@@ -29,8 +29,19 @@ async fn signal() {
     }
 }
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+fn main() -> std::process::ExitCode {
+    // Allocator settings must precede the runtime's threads (each would take its own arena).
+    gradsync_proto::tuning::keep_freed_memory();
+    match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt.block_on(serve()),
+        Err(e) => {
+            eprintln!("gradsync-server: error: starting the runtime: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve() -> std::process::ExitCode {
     // Warnings by default (a refused client, a dropped worker); GRADSYNC_LOG overrides.
     let filter = tracing_subscriber::EnvFilter::builder()
         .with_default_directive(tracing_subscriber::filter::LevelFilter::WARN.into())

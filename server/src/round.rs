@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex as StdMutex, MutexGuard};
 use std::time::Instant;
 
 use bytes::Bytes;
-use gradsync_core::optim::{SgdConfig, sgd_step_serial};
+use gradsync_core::optim::{SgdConfig, sgd_step_into};
 use gradsync_proto::frames::FramedChunk;
 use gradsync_proto::pb::ParameterChunk;
 use tokio::sync::watch;
@@ -354,10 +354,10 @@ impl Round {
                 for (k, pieces) in parts.iter().enumerate() {
                     gather(pieces, s.clone(), acc, k == 0);
                 }
-                next_params[s.clone()].copy_from_slice(&params[s.clone()]);
-                next_momentum[s.clone()].copy_from_slice(&momentum[s.clone()]);
-                sgd_step_serial(&self.sgd, &mut next_params[s.clone()], acc, &mut next_momentum[s.clone()], scale);
-                gradsync_proto::wire::put_f32(&next_params[s], buf);
+                let (p, m) = (&params[s.clone()], &momentum[s.clone()]);
+                let (np, nm) = (&mut next_params[s.clone()], &mut next_momentum[s.clone()]);
+                sgd_step_into(&self.sgd, p, acc, m, scale, np, nm);
+                gradsync_proto::wire::put_f32(np, buf);
             }
         })
     }
