@@ -104,6 +104,47 @@ impl FramedChunk {
         FramedChunk { msg: buf.freeze(), at, offset }
     }
 
+    /// The message `head` (at `offset` values) whose `bytes` field `tag` holds `values` f32,
+    /// which `fill` writes straight into the message's buffer as values. The message starts
+    /// where its payload lands 4-byte aligned, so the payload can be handed out as `&mut [f32]`
+    /// (for example to a device's copy-out); little-endian order is restored afterwards on
+    /// big-endian hosts.
+    pub fn build_f32<M: Message, E>(
+        head: &M,
+        tag: u32,
+        offset: u64,
+        values: usize,
+        fill: impl FnOnce(&mut [f32]) -> Result<(), E>,
+    ) -> Result<FramedChunk, E> {
+        let mut h = BytesMut::with_capacity(HEAD_ROOM + head.encoded_len());
+        put_head(head, tag, values * 4, &mut h);
+        let pad = (4 - h.len() % 4) % 4;
+        let mut buf = BytesMut::with_capacity(pad + h.len() + values * 4);
+        buf.resize(pad, 0);
+        buf.extend_from_slice(&h);
+        let at = buf.len();
+        buf.resize(at + values * 4, 0);
+        match bytemuck::try_cast_slice_mut::<u8, f32>(&mut buf[at..]) {
+            Ok(dst) => {
+                fill(dst)?;
+                if cfg!(target_endian = "big") {
+                    for v in dst.iter_mut() {
+                        *v = f32::from_bits(v.to_bits().swap_bytes());
+                    }
+                }
+            }
+            // An allocator that does not align to 4 (none known): fill aside and copy.
+            Err(_) => {
+                let mut tmp = vec![0.0f32; values];
+                fill(&mut tmp)?;
+                let mut le = BytesMut::with_capacity(values * 4);
+                crate::wire::put_f32(&tmp, &mut le);
+                buf[at..].copy_from_slice(&le);
+            }
+        }
+        Ok(FramedChunk { msg: buf.freeze().slice(pad..), at: at - pad, offset })
+    }
+
     /// The whole message, prefix included (a slice, no copy).
     pub fn message(&self) -> Bytes {
         self.msg.clone()
@@ -128,6 +169,25 @@ impl Framed {
             })
             .collect();
         Framed { chunks }
+    }
+
+    /// `values` f32 in chunks of `chunk_bytes` payload bytes, each message `head(offset)` with
+    /// the payload in field `tag`, every payload written in place by `fill(range, dst)` (range
+    /// in values from 0): one pass, with no f32 buffer in between ([`FramedChunk::build_f32`]).
+    pub fn fill<M: Message, E>(
+        values: usize,
+        chunk_bytes: usize,
+        tag: u32,
+        head: impl Fn(u64) -> M,
+        mut fill: impl FnMut(std::ops::Range<usize>, &mut [f32]) -> Result<(), E>,
+    ) -> Result<Framed, E> {
+        let chunks = crate::wire::chunks(values * 4, chunk_bytes)
+            .map(|r| {
+                let v = r.start / 4..r.end / 4;
+                FramedChunk::build_f32(&head(v.start as u64), tag, v.start as u64, v.len(), |dst| fill(v.clone(), dst))
+            })
+            .collect::<Result<_, E>>()?;
+        Ok(Framed { chunks })
     }
 
     /// Chunks built one by one ([`FramedChunk::build`]), in order.
@@ -590,6 +650,17 @@ mod tests {
         }
         assert_eq!(out, v);
         assert!(Framed::encode(&[], 400, 4, |o| chunk(o, &[])).is_empty());
+        // Filled in place: the same messages, byte for byte.
+        let filled = Framed::fill(v.len(), 400, 4, |o| chunk(o, &[]), |r, dst: &mut [f32]| {
+            dst.copy_from_slice(&v[r]);
+            Ok::<(), ()>(())
+        })
+        .unwrap();
+        assert_eq!(filled.len(), f.len());
+        for i in 0..f.len() {
+            assert_eq!(filled.message(i), f.message(i), "chunk {i}");
+            assert_eq!(filled.payload(i), f.payload(i), "chunk {i}");
+        }
     }
 
     #[test]

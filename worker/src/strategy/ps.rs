@@ -14,6 +14,7 @@
 //! the [`Strategy`] that wraps it with a tokio runtime, because the training loop is
 //! synchronous.
 
+use std::cell::RefCell;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -278,7 +279,6 @@ impl PsClient {
     fn opts(&self) -> Opts<'_> {
         Opts {
             timeout: self.timeout,
-            chunk_bytes: self.chunk_bytes,
             direct: self.direct,
             limit: self.limit,
             auth: &self.auth,
@@ -303,11 +303,36 @@ impl PsClient {
         slices
     }
 
+    /// Each shard's gradient as its wire image, its payloads written in place by `src` (one
+    /// pass from the gradient to the wire: a device's copy-out lands in the message buffers).
+    pub fn images(&self, src: Src<'_>) -> anyhow::Result<Vec<frames::Framed>> {
+        if let Src::Host(g) = src {
+            self.check_len("push", g.len())?;
+        }
+        let rank = self.rank;
+        self.shards
+            .iter()
+            .map(|s| {
+                let base = s.version;
+                let head = move |offset| GradientChunk { rank, base_version: base, offset, data: Bytes::new() };
+                let start = s.range.start;
+                frames::Framed::fill(s.range.len(), self.chunk_bytes, 4, head, |r, dst: &mut [f32]| {
+                    let r = start + r.start..start + r.end;
+                    match src {
+                        Src::Host(g) => dst.copy_from_slice(&g[r]),
+                        Src::Engine(e) => e.read_grads(r, dst)?,
+                    }
+                    anyhow::Ok(())
+                })
+            })
+            .collect()
+    }
+
     /// Push `grads` (the whole flat buffer): each shard gets its range, all concurrently.
     pub async fn push(&mut self, grads: &[f32]) -> anyhow::Result<Traffic> {
-        self.check_len("push", grads.len())?;
+        let images = self.images(Src::Host(grads))?;
         let (t, o) = (Instant::now(), self.opts());
-        let replies = try_join_all(self.shards.iter().map(|s| push_shard(&o, s, &grads[s.range.clone()]))).await?;
+        let replies = try_join_all(self.shards.iter().zip(&images).map(|(s, f)| push_shard(&o, s, f))).await?;
         Ok(push_traffic(&replies, t))
     }
 
@@ -316,9 +341,13 @@ impl PsClient {
     pub async fn pull(&mut self, params: &mut [f32]) -> anyhow::Result<Traffic> {
         self.check_len("pull", params.len())?;
         let t = Instant::now();
-        let slices = self.split(params);
         let o = self.opts();
-        let got = try_join_all(self.shards.iter().zip(slices).map(|(s, dst)| pull_shard(&o, s, dst, None))).await?;
+        let slices = self.split(params);
+        let got = try_join_all(self.shards.iter().zip(slices).map(|(s, dst)| {
+            let o = &o;
+            async move { pull_shard(o, s, &mut Sink::Host(dst), None).await }
+        }))
+        .await?;
         for (s, (v, _)) in self.shards.iter_mut().zip(&got) {
             s.version = *v;
         }
@@ -326,40 +355,63 @@ impl PsClient {
     }
 
     /// One step's communication: push `grads` and pull the parameters the update makes into
-    /// `params`. Under BSP both go at once on each shard's connection (HTTP/2 is full duplex):
-    /// the pull asks for the next version streamed, so its blocks arrive while the rest of the
-    /// gradient is still going out and the server steps block by block. Other sync modes push
-    /// then pull. Returns the push's and the pull's traffic.
+    /// `params` (both the whole flat buffer). See [`PsClient::exchange`].
     pub async fn step(&mut self, grads: &[f32], params: &mut [f32]) -> anyhow::Result<(Traffic, Traffic)> {
-        if self.sync != "bsp" {
-            let push = self.push(grads).await?;
-            let mut pull = self.pull(params).await?;
-            pull.ms += push.ms;
-            return Ok((push, pull));
-        }
-        self.check_len("push", grads.len())?;
-        self.check_len("pull", params.len())?;
+        let images = self.images(Src::Host(grads))?;
+        self.exchange(&images, Dest::Host(params)).await
+    }
+
+    /// One step's communication: push the gradient `images` ([`PsClient::images`]) and pull
+    /// the parameters the update makes into `dst`. Under BSP the push and the pull go at
+    /// once on each shard's connection (HTTP/2 is full duplex): the pull asks for the next
+    /// version streamed, so its blocks arrive while the rest of the gradient is still going
+    /// out and the server steps block by block. Other sync modes push, then pull. Returns the
+    /// push's and the pull's traffic (times from the start of the call).
+    pub async fn exchange(
+        &mut self,
+        images: &[frames::Framed],
+        dst: Dest<'_>,
+    ) -> anyhow::Result<(Traffic, Traffic)> {
         let t = Instant::now();
-        let slices = self.split(params);
+        anyhow::ensure!(images.len() == self.shards.len(), "one gradient image per shard");
+        let pipelined = self.sync == "bsp";
         let o = self.opts();
-        let got = try_join_all(self.shards.iter().zip(slices).map(|(s, dst)| {
+        let (slices, engine) = match dst {
+            Dest::Host(p) => {
+                self.check_len("pull", p.len())?;
+                (self.split(p).into_iter().map(Some).collect::<Vec<_>>(), None)
+            }
+            Dest::Engine(e) => (self.shards.iter().map(|_| None).collect(), Some(RefCell::new(e))),
+        };
+        let engine = engine.as_ref();
+        let got = try_join_all(self.shards.iter().zip(images).zip(slices).map(|((s, image), slice)| {
             let o = &o;
             async move {
+                let mut sink = match slice {
+                    Some(d) => Sink::Host(d),
+                    None => Sink::Engine { engine: engine.context("no engine")?, start: s.range.start, len: s.range.len(), scratch: Vec::new() },
+                };
                 let push = async {
-                    let r = push_shard(o, s, &grads[s.range.clone()]).await;
+                    let r = push_shard(o, s, image).await;
                     (r, ms_since(t))
                 };
-                let ((push, push_ms), pull) = tokio::join!(push, pull_shard(o, s, dst, Some(s.version + 1)));
+                let ((push, push_ms), pull) = if pipelined {
+                    let (push, pull) = tokio::join!(push, pull_shard(o, s, &mut sink, Some(s.version + 1)));
+                    (push, Some(pull))
+                } else {
+                    (push.await, None)
+                };
                 let push = push?;
                 let pull = match pull {
-                    Ok(p) => p,
+                    Some(Ok(p)) => p,
                     // The streamed pull ends with an error when its step fails (and then so
                     // did the push, reported above) or had to be redone without a dropped
                     // worker's gradient: the push succeeded, so pull the version it made.
-                    Err(e) => {
+                    Some(Err(e)) => {
                         tracing::debug!("{e:#}; pulling version {} again", push.0.version);
-                        pull_shard(o, s, dst, None).await?
+                        pull_shard(o, s, &mut sink, None).await?
                     }
+                    None => pull_shard(o, s, &mut sink, None).await?,
                 };
                 anyhow::Ok((push, push_ms, pull, ms_since(t)))
             }
@@ -439,10 +491,63 @@ impl PsClient {
 const PUSH: &str = "/gradsync.ps.v1.ParameterServer/PushGradients";
 const PULL: &str = "/gradsync.ps.v1.ParameterServer/PullParameters";
 
+/// Where a push's gradient comes from.
+#[derive(Clone, Copy)]
+pub enum Src<'a> {
+    /// A host buffer of the whole flat length.
+    Host(&'a [f32]),
+    /// The engine's gradients, copied out straight into the wire image.
+    Engine(&'a Engine),
+}
+
+/// Where pulled parameters go.
+pub enum Dest<'a> {
+    /// A host buffer of the whole flat length.
+    Host(&'a mut [f32]),
+    /// The engine's parameters, chunk by chunk as they arrive (for a host-memory device: no
+    /// whole-buffer copy in between; a GPU takes a host buffer and one copy instead).
+    Engine(&'a mut Engine),
+}
+
+/// One shard's destination for pulled chunks.
+enum Sink<'a, 'e> {
+    /// Its slice of a host buffer.
+    Host(&'a mut [f32]),
+    /// The engine (shared by the shards' pulls, which run on one task and never hold it across
+    /// an await), from `start` for `len` values, through a chunk-sized buffer.
+    Engine { engine: &'a RefCell<&'e mut Engine>, start: usize, len: usize, scratch: Vec<f32> },
+}
+
+impl Sink<'_, '_> {
+    /// Put the chunk `payload` at `offset` values of this shard's range.
+    fn put(&mut self, payload: &[u8], offset: u64) -> Result<(), tonic::Status> {
+        let bad = |e: String| tonic::Status::data_loss(e);
+        match self {
+            Sink::Host(dst) => wire::decode_into(payload, offset, dst).map(|_| ()).map_err(|e| bad(e.to_string())),
+            Sink::Engine { engine, start, len, scratch } => {
+                let n = payload.len() / 4;
+                if usize::try_from(offset).ok().and_then(|o| o.checked_add(n)).is_none_or(|end| end > *len) {
+                    return Err(bad(format!("a chunk of {n} values at {offset} overruns the {len} of the range")));
+                }
+                scratch.resize(n, 0.0);
+                wire::decode_into(payload, 0, scratch).map_err(|e| bad(e.to_string()))?;
+                let mut e = engine.try_borrow_mut().map_err(|e| tonic::Status::internal(e.to_string()))?;
+                e.write_params(*start + offset as usize, scratch).map_err(|e| tonic::Status::internal(e.to_string()))
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Sink::Host(d) => d.len(),
+            Sink::Engine { len, .. } => *len,
+        }
+    }
+}
+
 /// What the bulk RPCs need of a [`PsClient`].
 struct Opts<'a> {
     timeout: Duration,
-    chunk_bytes: usize,
     direct: bool,
     limit: usize,
     auth: &'a Auth,
@@ -459,19 +564,15 @@ fn push_traffic(replies: &[(PushReply, u64)], t: Instant) -> Traffic {
     })
 }
 
-/// Push `src` (shard `s`'s range, computed from the version last pulled from it) as one
-/// PushGradients call. Returns the reply and the payload bytes.
-async fn push_shard(o: &Opts<'_>, s: &Shard, src: &[f32]) -> anyhow::Result<(PushReply, u64)> {
-    let (rank, base) = (o.rank, s.version);
-    let head = move |offset| GradientChunk { rank, base_version: base, offset, data: Bytes::new() };
-    let bytes = (src.len() * 4) as u64;
+/// Push shard `s`'s gradient, already in its wire `image`, as one PushGradients call. Returns
+/// the reply and the payload bytes.
+async fn push_shard(o: &Opts<'_>, s: &Shard, image: &frames::Framed) -> anyhow::Result<(PushReply, u64)> {
+    let bytes = image.payload_len();
     let r = if o.direct {
-        // Encoded once, as one GradientChunk message per chunk; every chunk is a zero-copy
-        // slice of it.
-        let framed = frames::Framed::encode(src, o.chunk_bytes, 4, head);
+        // Every message a zero-copy slice of the image.
         let mut body = Frames::new();
-        for i in 0..framed.len() {
-            body.data(framed.message(i));
+        for i in 0..image.len() {
+            body.data(image.message(i));
         }
         let mut ch = s.channel.clone();
         let fut = async {
@@ -484,9 +585,12 @@ async fn push_shard(o: &Opts<'_>, s: &Shard, src: &[f32]) -> anyhow::Result<(Pus
         };
         deadline(o.timeout, &s.addr, "PushGradients", fut).await?
     } else {
-        let plain = wire::encode(src, bytes::BytesMut::new());
-        let chunks: Vec<GradientChunk> = wire::chunks(plain.len(), o.chunk_bytes)
-            .map(|r| GradientChunk { data: plain.slice(r.clone()), ..head((r.start / 4) as u64) })
+        let (rank, base) = (o.rank, s.version);
+        let chunks: Vec<GradientChunk> = (0..image.len())
+            .map(|i| {
+                let (offset, data) = image.payload(i);
+                GradientChunk { rank, base_version: base, offset, data }
+            })
             .collect();
         let mut client = s.client.clone();
         let req = request(tokio_stream_iter(chunks), o.timeout);
@@ -495,10 +599,14 @@ async fn push_shard(o: &Opts<'_>, s: &Shard, src: &[f32]) -> anyhow::Result<(Pus
     Ok((r, bytes))
 }
 
-/// Pull shard `s`'s parameters into `dst`, decoding each chunk straight into place: the
-/// current version, or `want` streamed as the server produces it (BSP). Returns the version
-/// and the payload bytes.
-async fn pull_shard(o: &Opts<'_>, s: &Shard, dst: &mut [f32], want: Option<u64>) -> anyhow::Result<(u64, u64)> {
+/// Pull shard `s`'s parameters into `dst` chunk by chunk: the current version, or `want`
+/// streamed as the server produces it (BSP). Returns the version and the payload bytes.
+async fn pull_shard(
+    o: &Opts<'_>,
+    s: &Shard,
+    dst: &mut Sink<'_, '_>,
+    want: Option<u64>,
+) -> anyhow::Result<(u64, u64)> {
     let req = PullRequest { rank: o.rank, stream_version: want };
     let fut = async {
         let mut stream = if o.direct {
@@ -515,7 +623,7 @@ async fn pull_shard(o: &Opts<'_>, s: &Shard, dst: &mut [f32], want: Option<u64>)
             if *version.get_or_insert(c.version) != c.version || c.offset != received {
                 return Err(tonic::Status::data_loss("chunks of one pull disagree on version or order"));
             }
-            wire::decode_into(&c.data, c.offset, dst).map_err(|e| tonic::Status::data_loss(e.to_string()))?;
+            dst.put(&c.data, c.offset)?;
             received += (c.data.len() / 4) as u64;
         }
         if received as usize != dst.len() {
@@ -526,8 +634,6 @@ async fn pull_shard(o: &Opts<'_>, s: &Shard, dst: &mut [f32], want: Option<u64>)
     deadline(o.timeout, &s.addr, "PullParameters", fut).await
 }
 
-/// Call `path` with `body` as the request, straight over the channel (no codec): the
-/// response's messages, its HTTP and trailers-only errors already checked.
 async fn call(
     ch: &mut Channel,
     auth: &Auth,
@@ -664,10 +770,21 @@ impl Strategy for Ps {
     ) -> anyhow::Result<BatchLoss> {
         let loss = forward_backward_traced(engine, x, y, rec, &self.trace)?;
         let t = Instant::now();
-        engine.read_grads(0..self.grads.len(), &mut self.grads)?;
-        let (client, grads, params) = (&mut self.client, &self.grads, &mut self.params);
-        let t_comm = Instant::now();
-        let (push, pull) = self.rt.block_on(client.step(grads, params))?;
+        let (client, grads, params) = (&mut self.client, &mut self.grads, &mut self.params);
+        let (t_comm, (push, pull)) = if engine.is_cuda() {
+            // Device memory: one copy to a host buffer each way.
+            engine.read_grads(0..grads.len(), grads)?;
+            let t_comm = Instant::now();
+            let r = self.rt.block_on(client.step(grads, params))?;
+            engine.write_params(0, params)?;
+            (t_comm, r)
+        } else {
+            // Host memory: the gradients go straight into the wire image and each pulled
+            // chunk straight into the engine's parameters.
+            let images = client.images(Src::Engine(engine))?;
+            let t_comm = Instant::now();
+            (t_comm, self.rt.block_on(client.exchange(&images, Dest::Engine(engine)))?)
+        };
         let at = |ms: f64| t_comm + Duration::from_secs_f64(ms / 1e3);
         let mut args = serde_json::Map::new();
         args.insert("bytes".into(), push.bytes.into());
@@ -677,7 +794,6 @@ impl Strategy for Ps {
         // Under BSP the pull runs beside the push (the lane shows them overlapping).
         let pull_from = if self.client.sync == "bsp" { t_comm } else { at(push.ms) };
         self.trace.span("pull", "comm", "comm", pull_from);
-        engine.write_params(0, &self.params)?;
         engine.synchronize()?;
         rec.comm_ms = ms_since(t);
         rec.comm_exposed_ms = rec.comm_ms;
