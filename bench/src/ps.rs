@@ -230,7 +230,8 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                 let bound_ms = 2.0 * (bytes / raw).max(w as f64 * bytes / (k as f64 * raw)) * 1e3;
                 let mut default_ms = None;
                 for &(tuning, serial) in &tunings {
-                    let name = if serial { format!("{} serial", tuning.name) } else { tuning.name.to_string() };
+                    let name =
+                        if serial { format!("{} serial", tuning.name) } else { tuning.name.to_string() };
                     let fig = rt
                         .block_on(measure(&spec, w, k, tuning, serial, steps))
                         .with_context(|| format!("{mb} MB, {w} workers, {k} shards, {name}"))?;

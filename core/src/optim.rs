@@ -42,7 +42,13 @@ pub fn sgd_step(cfg: &SgdConfig, params: &mut [f32], grads: &[f32], momentum: &m
 
 /// [`sgd_step`] on the calling thread, for callers that already work block by block (the
 /// parameter server's pipelined update): the same arithmetic, so the same bits.
-pub fn sgd_step_serial(cfg: &SgdConfig, params: &mut [f32], grads: &[f32], momentum: &mut [f32], grad_scale: f32) {
+pub fn sgd_step_serial(
+    cfg: &SgdConfig,
+    params: &mut [f32],
+    grads: &[f32],
+    momentum: &mut [f32],
+    grad_scale: f32,
+) {
     for ((p, &g), m) in params.iter_mut().zip(grads).zip(momentum.iter_mut()) {
         (*p, *m) = sgd_one(cfg, *p, g, *m, grad_scale);
     }

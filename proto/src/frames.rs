@@ -184,7 +184,9 @@ impl Framed {
         let chunks = crate::wire::chunks(values * 4, chunk_bytes)
             .map(|r| {
                 let v = r.start / 4..r.end / 4;
-                FramedChunk::build_f32(&head(v.start as u64), tag, v.start as u64, v.len(), |dst| fill(v.clone(), dst))
+                FramedChunk::build_f32(&head(v.start as u64), tag, v.start as u64, v.len(), |dst| {
+                    fill(v.clone(), dst)
+                })
             })
             .collect::<Result<_, E>>()?;
         Ok(Framed { chunks })
@@ -651,10 +653,16 @@ mod tests {
         assert_eq!(out, v);
         assert!(Framed::encode(&[], 400, 4, |o| chunk(o, &[])).is_empty());
         // Filled in place: the same messages, byte for byte.
-        let filled = Framed::fill(v.len(), 400, 4, |o| chunk(o, &[]), |r, dst: &mut [f32]| {
-            dst.copy_from_slice(&v[r]);
-            Ok::<(), ()>(())
-        })
+        let filled = Framed::fill(
+            v.len(),
+            400,
+            4,
+            |o| chunk(o, &[]),
+            |r, dst: &mut [f32]| {
+                dst.copy_from_slice(&v[r]);
+                Ok::<(), ()>(())
+            },
+        )
         .unwrap();
         assert_eq!(filled.len(), f.len());
         for i in 0..f.len() {

@@ -14,11 +14,11 @@ use http_body::Frame;
 
 use gradsync_proto::frames::{self, Frames, Incoming, Messages};
 use gradsync_proto::pb::PullRequest;
+use tokio::sync::mpsc;
 use tonic::Status;
 use tonic::body::Body;
 use tonic::codegen::{BoxFuture, Service as TowerService};
 use tonic::server::NamedService;
-use tokio::sync::mpsc;
 
 use crate::service::{PULL_QUEUE, Service};
 use crate::state::PullSource;
@@ -89,7 +89,10 @@ impl http_body::Body for Streamed {
     type Data = Bytes;
     type Error = Status;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         self.0.poll_recv(cx).map(|f| f.map(Ok))
     }
 }

@@ -143,7 +143,13 @@ pub struct Start {
 impl Round {
     /// The step producing `version` from `start`, in blocks of `chunk_bytes` (the pull chunk),
     /// waiting for the `expected` ranks.
-    pub fn new(version: u64, start: Start, chunk_bytes: usize, sgd: SgdConfig, expected: BTreeSet<usize>) -> Self {
+    pub fn new(
+        version: u64,
+        start: Start,
+        chunk_bytes: usize,
+        sgd: SgdConfig,
+        expected: BTreeSet<usize>,
+    ) -> Self {
         let len = start.params.len();
         let block = (chunk_bytes / 4).max(1);
         let mut w = Work {
@@ -543,7 +549,7 @@ mod tests {
         round.join(0).unwrap();
         round.join(1).unwrap();
         round.add(0, 0, le(&vec![2.0; n]));
-        round.add(1, 0, le(&vec![4.0; 50]));
+        round.add(1, 0, le(&[4.0; 50]));
         assert_eq!((rx.borrow().stepped, rx.borrow().epoch), (5, 0));
         round.remove(1);
         assert_eq!((rx.borrow().stepped, rx.borrow().epoch), (0, 1));

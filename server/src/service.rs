@@ -165,7 +165,11 @@ impl Service {
         let mut chunk = Some(first);
         while let Some(c) = chunk {
             if rank_of(c.rank) != rank || c.base_version != base {
-                return Err(Error::BadGradient { rank, why: "rank or base version changes mid-stream".into() }.into());
+                return Err(Error::BadGradient {
+                    rank,
+                    why: "rank or base version changes mid-stream".into(),
+                }
+                .into());
             }
             let at = check.received();
             check.push(c.offset, &c.data).map_err(bad)?;

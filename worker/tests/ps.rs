@@ -231,7 +231,11 @@ fn grad_stream(
 }
 
 async fn pull_all(c: &mut ParameterServerClient<tonic::transport::Channel>, token: &str) -> (u64, Vec<f32>) {
-    let mut s = c.pull_parameters(authed(PullRequest { rank: 0, stream_version: None }, token)).await.expect("pull").into_inner();
+    let mut s = c
+        .pull_parameters(authed(PullRequest { rank: 0, stream_version: None }, token))
+        .await
+        .expect("pull")
+        .into_inner();
     let mut out = Vec::new();
     let mut version = 0;
     while let Some(chunk) = s.message().await.expect("chunk") {

@@ -181,13 +181,7 @@ impl PsClient {
                 let client = ParameterServerClient::with_interceptor(ch.clone(), auth)
                     .max_decoding_message_size(tuning.max_message())
                     .max_encoding_message_size(tuning.max_message());
-                anyhow::Ok(Shard {
-                    addr: a.clone(),
-                    client,
-                    channel: ch,
-                    range: 0..0,
-                    version: 0,
-                })
+                anyhow::Ok(Shard { addr: a.clone(), client, channel: ch, range: 0..0, version: 0 })
             }
         }))
         .await?;
@@ -314,7 +308,8 @@ impl PsClient {
             .iter()
             .map(|s| {
                 let base = s.version;
-                let head = move |offset| GradientChunk { rank, base_version: base, offset, data: Bytes::new() };
+                let head =
+                    move |offset| GradientChunk { rank, base_version: base, offset, data: Bytes::new() };
                 let start = s.range.start;
                 frames::Framed::fill(s.range.len(), self.chunk_bytes, 4, head, |r, dst: &mut [f32]| {
                     let r = start + r.start..start + r.end;
@@ -332,7 +327,8 @@ impl PsClient {
     pub async fn push(&mut self, grads: &[f32]) -> anyhow::Result<Traffic> {
         let images = self.images(Src::Host(grads))?;
         let (t, o) = (Instant::now(), self.opts());
-        let replies = try_join_all(self.shards.iter().zip(&images).map(|(s, f)| push_shard(&o, s, f))).await?;
+        let replies =
+            try_join_all(self.shards.iter().zip(&images).map(|(s, f)| push_shard(&o, s, f))).await?;
         Ok(push_traffic(&replies, t))
     }
 
@@ -345,7 +341,7 @@ impl PsClient {
         let slices = self.split(params);
         let got = try_join_all(self.shards.iter().zip(slices).map(|(s, dst)| {
             let o = &o;
-            async move { pull_shard(o, s, &mut Sink::Host(dst), None).await }
+            async move { pull_shard(o, s, &mut HostSlice(dst), None).await }
         }))
         .await?;
         for (s, (v, _)) in self.shards.iter_mut().zip(&got) {
@@ -354,11 +350,34 @@ impl PsClient {
         Ok(Traffic { bytes: got.iter().map(|g| g.1).sum(), ms: ms_since(t), ..Traffic::default() })
     }
 
+    /// [`PsClient::exchange`] with the pulled chunks written straight into `engine`'s
+    /// parameters (a host-memory device: no whole-buffer copy in between).
+    pub async fn exchange_into_engine(
+        &mut self,
+        images: &[frames::Framed],
+        engine: &mut Engine,
+    ) -> anyhow::Result<(Traffic, Traffic)> {
+        let engine = RefCell::new(engine);
+        let sinks = self
+            .shards
+            .iter()
+            .map(|s| EngineRange {
+                engine: &engine,
+                start: s.range.start,
+                len: s.range.len(),
+                scratch: Vec::new(),
+            })
+            .collect();
+        self.exchange(images, sinks).await
+    }
+
     /// One step's communication: push `grads` and pull the parameters the update makes into
     /// `params` (both the whole flat buffer). See [`PsClient::exchange`].
     pub async fn step(&mut self, grads: &[f32], params: &mut [f32]) -> anyhow::Result<(Traffic, Traffic)> {
         let images = self.images(Src::Host(grads))?;
-        self.exchange(&images, Dest::Host(params)).await
+        self.check_len("pull", params.len())?;
+        let sinks = self.split(params).into_iter().map(HostSlice).collect();
+        self.exchange(&images, sinks).await
     }
 
     /// One step's communication: push the gradient `images` ([`PsClient::images`]) and pull
@@ -367,30 +386,21 @@ impl PsClient {
     /// version streamed, so its blocks arrive while the rest of the gradient is still going
     /// out and the server steps block by block. Other sync modes push, then pull. Returns the
     /// push's and the pull's traffic (times from the start of the call).
-    pub async fn exchange(
+    pub async fn exchange<S: ChunkSink>(
         &mut self,
         images: &[frames::Framed],
-        dst: Dest<'_>,
+        sinks: Vec<S>,
     ) -> anyhow::Result<(Traffic, Traffic)> {
         let t = Instant::now();
-        anyhow::ensure!(images.len() == self.shards.len(), "one gradient image per shard");
+        anyhow::ensure!(
+            images.len() == self.shards.len() && sinks.len() == self.shards.len(),
+            "one gradient image and one destination per shard"
+        );
         let pipelined = self.sync == "bsp";
         let o = self.opts();
-        let (slices, engine) = match dst {
-            Dest::Host(p) => {
-                self.check_len("pull", p.len())?;
-                (self.split(p).into_iter().map(Some).collect::<Vec<_>>(), None)
-            }
-            Dest::Engine(e) => (self.shards.iter().map(|_| None).collect(), Some(RefCell::new(e))),
-        };
-        let engine = engine.as_ref();
-        let got = try_join_all(self.shards.iter().zip(images).zip(slices).map(|((s, image), slice)| {
+        let got = try_join_all(self.shards.iter().zip(images).zip(sinks).map(|((s, image), mut sink)| {
             let o = &o;
             async move {
-                let mut sink = match slice {
-                    Some(d) => Sink::Host(d),
-                    None => Sink::Engine { engine: engine.context("no engine")?, start: s.range.start, len: s.range.len(), scratch: Vec::new() },
-                };
                 let push = async {
                     let r = push_shard(o, s, image).await;
                     (r, ms_since(t))
@@ -500,48 +510,58 @@ pub enum Src<'a> {
     Engine(&'a Engine),
 }
 
-/// Where pulled parameters go.
-pub enum Dest<'a> {
-    /// A host buffer of the whole flat length.
-    Host(&'a mut [f32]),
-    /// The engine's parameters, chunk by chunk as they arrive (for a host-memory device: no
-    /// whole-buffer copy in between; a GPU takes a host buffer and one copy instead).
-    Engine(&'a mut Engine),
+/// Where one shard's pulled chunks go.
+pub trait ChunkSink {
+    /// Put the chunk `payload` (little-endian f32) at `offset` values of the shard's range.
+    fn put(&mut self, payload: &[u8], offset: u64) -> Result<(), tonic::Status>;
+    /// The shard's range length, values.
+    fn values(&self) -> usize;
 }
 
-/// One shard's destination for pulled chunks.
-enum Sink<'a, 'e> {
-    /// Its slice of a host buffer.
-    Host(&'a mut [f32]),
-    /// The engine (shared by the shards' pulls, which run on one task and never hold it across
-    /// an await), from `start` for `len` values, through a chunk-sized buffer.
-    Engine { engine: &'a RefCell<&'e mut Engine>, start: usize, len: usize, scratch: Vec<f32> },
-}
+/// A shard's slice of a host buffer.
+pub struct HostSlice<'a>(pub &'a mut [f32]);
 
-impl Sink<'_, '_> {
-    /// Put the chunk `payload` at `offset` values of this shard's range.
+impl ChunkSink for HostSlice<'_> {
     fn put(&mut self, payload: &[u8], offset: u64) -> Result<(), tonic::Status> {
-        let bad = |e: String| tonic::Status::data_loss(e);
-        match self {
-            Sink::Host(dst) => wire::decode_into(payload, offset, dst).map(|_| ()).map_err(|e| bad(e.to_string())),
-            Sink::Engine { engine, start, len, scratch } => {
-                let n = payload.len() / 4;
-                if usize::try_from(offset).ok().and_then(|o| o.checked_add(n)).is_none_or(|end| end > *len) {
-                    return Err(bad(format!("a chunk of {n} values at {offset} overruns the {len} of the range")));
-                }
-                scratch.resize(n, 0.0);
-                wire::decode_into(payload, 0, scratch).map_err(|e| bad(e.to_string()))?;
-                let mut e = engine.try_borrow_mut().map_err(|e| tonic::Status::internal(e.to_string()))?;
-                e.write_params(*start + offset as usize, scratch).map_err(|e| tonic::Status::internal(e.to_string()))
-            }
-        }
+        wire::decode_into(payload, offset, self.0)
+            .map(|_| ())
+            .map_err(|e| tonic::Status::data_loss(e.to_string()))
     }
 
-    fn len(&self) -> usize {
-        match self {
-            Sink::Host(d) => d.len(),
-            Sink::Engine { len, .. } => *len,
+    fn values(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// A shard's range of the engine's parameters, from `start` for `len` values, written through
+/// a chunk-sized buffer. The shards' pulls share the engine: they run on one task and never
+/// hold it across an await.
+struct EngineRange<'a, 'e> {
+    engine: &'a RefCell<&'e mut Engine>,
+    start: usize,
+    len: usize,
+    scratch: Vec<f32>,
+}
+
+impl ChunkSink for EngineRange<'_, '_> {
+    fn put(&mut self, payload: &[u8], offset: u64) -> Result<(), tonic::Status> {
+        let n = payload.len() / 4;
+        if usize::try_from(offset).ok().and_then(|o| o.checked_add(n)).is_none_or(|end| end > self.len) {
+            return Err(tonic::Status::data_loss(format!(
+                "a chunk of {n} values at {offset} overruns the {} of the range",
+                self.len
+            )));
         }
+        self.scratch.resize(n, 0.0);
+        wire::decode_into(payload, 0, &mut self.scratch)
+            .map_err(|e| tonic::Status::data_loss(e.to_string()))?;
+        let internal = |e: String| tonic::Status::internal(e);
+        let mut engine = self.engine.try_borrow_mut().map_err(|e| internal(e.to_string()))?;
+        engine.write_params(self.start + offset as usize, &self.scratch).map_err(|e| internal(e.to_string()))
+    }
+
+    fn values(&self) -> usize {
+        self.len
     }
 }
 
@@ -604,7 +624,7 @@ async fn push_shard(o: &Opts<'_>, s: &Shard, image: &frames::Framed) -> anyhow::
 async fn pull_shard(
     o: &Opts<'_>,
     s: &Shard,
-    dst: &mut Sink<'_, '_>,
+    dst: &mut impl ChunkSink,
     want: Option<u64>,
 ) -> anyhow::Result<(u64, u64)> {
     let req = PullRequest { rank: o.rank, stream_version: want };
@@ -626,8 +646,8 @@ async fn pull_shard(
             dst.put(&c.data, c.offset)?;
             received += (c.data.len() / 4) as u64;
         }
-        if received as usize != dst.len() {
-            return Err(tonic::Status::data_loss(format!("{received} values of {}", dst.len())));
+        if received as usize != dst.values() {
+            return Err(tonic::Status::data_loss(format!("{received} values of {}", dst.values())));
         }
         Ok((version.or(want).unwrap_or(0), received * 4))
     };
@@ -783,7 +803,7 @@ impl Strategy for Ps {
             // chunk straight into the engine's parameters.
             let images = client.images(Src::Engine(engine))?;
             let t_comm = Instant::now();
-            (t_comm, self.rt.block_on(client.exchange(&images, Dest::Engine(engine)))?)
+            (t_comm, self.rt.block_on(client.exchange_into_engine(&images, engine))?)
         };
         let at = |ms: f64| t_comm + Duration::from_secs_f64(ms / 1e3);
         let mut args = serde_json::Map::new();
