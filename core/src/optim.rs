@@ -66,9 +66,12 @@ pub fn sgd_step_into(
     next_params: &mut [f32],
     next_momentum: &mut [f32],
 ) {
-    let (cur, next) = (params.iter().zip(momentum), next_params.iter_mut().zip(next_momentum.iter_mut()));
-    for (((&p, &m), &g), (np, nm)) in cur.zip(grads).zip(next) {
-        (*np, *nm) = sgd_one(cfg, p, g, m, grad_scale);
+    // Equal-length slices and an index: the bounds checks go and the loop vectorises.
+    let n = params.len();
+    let (grads, momentum) = (&grads[..n], &momentum[..n]);
+    let (next_params, next_momentum) = (&mut next_params[..n], &mut next_momentum[..n]);
+    for i in 0..n {
+        (next_params[i], next_momentum[i]) = sgd_one(cfg, params[i], grads[i], momentum[i], grad_scale);
     }
 }
 

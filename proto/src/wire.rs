@@ -71,15 +71,10 @@ fn copy_checked(src: &[u8], dst: &mut [f32]) -> bool {
 /// Whether every little-endian f32 in `payload` (a whole number of values) is finite: one
 /// read-only pass, for payloads kept as they arrived rather than copied out.
 pub fn all_finite(payload: &[u8]) -> bool {
-    // Blocks of 64 values, each folded without branches (it vectorises), with an early exit
-    // between blocks.
-    payload.chunks(256).all(|block| {
-        let bad = block.chunks_exact(4).fold(0u32, |bad, c| {
-            let exp = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7f80_0000;
-            bad | u32::from(exp == 0x7f80_0000)
-        });
-        bad == 0
-    })
+    // Through an aligned block in L1, the same copy-then-check as `copy_checked` (a check
+    // straight on unaligned bytes does not vectorise and ran at half the speed).
+    let mut block = [0f32; BLOCK];
+    payload.chunks(BLOCK * 4).all(|s| copy_checked(s, &mut block[..s.len() / 4]))
 }
 
 /// Reassembles one streamed buffer of exactly `len` values from chunks that must arrive in

@@ -311,14 +311,19 @@ impl PsClient {
                 let head =
                     move |offset| GradientChunk { rank, base_version: base, offset, data: Bytes::new() };
                 let start = s.range.start;
-                frames::Framed::fill(s.range.len(), self.chunk_bytes, 4, head, |r, dst: &mut [f32]| {
-                    let r = start + r.start..start + r.end;
-                    match src {
-                        Src::Host(g) => dst.copy_from_slice(&g[r]),
-                        Src::Engine(e) => e.read_grads(r, dst)?,
+                match src {
+                    // Host values: appended as they are (no zeroing first).
+                    Src::Host(g) => {
+                        Ok(frames::Framed::encode(&g[s.range.clone()], self.chunk_bytes, 4, head))
                     }
-                    anyhow::Ok(())
-                })
+                    Src::Engine(e) => frames::Framed::fill(
+                        s.range.len(),
+                        self.chunk_bytes,
+                        4,
+                        head,
+                        |r, dst: &mut [f32]| Ok(e.read_grads(start + r.start..start + r.end, dst)?),
+                    ),
+                }
             })
             .collect()
     }
