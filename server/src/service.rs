@@ -39,6 +39,11 @@ fn rank_of(r: u32) -> usize {
     r as usize
 }
 
+/// A push's first chunk (it names the rank and base version); an empty stream is refused.
+async fn first_chunk(stream: &mut Incoming<GradientChunk>) -> Result<GradientChunk, Status> {
+    stream.message().await?.ok_or_else(|| Error::BadGradient { rank: 0, why: "empty stream".into() }.into())
+}
+
 impl Service {
     /// Run `f` on the state on a blocking thread: updates sum and step hundreds of MB.
     async fn with_state<T: Send + 'static>(
@@ -58,19 +63,36 @@ impl Service {
         &self,
         mut stream: Incoming<GradientChunk>,
     ) -> Result<(usize, u64, Vec<f32>, u64), Status> {
-        let first = stream
-            .message()
-            .await?
-            .ok_or_else(|| Error::BadGradient { rank: 0, why: "empty stream".into() })?;
+        let first = first_chunk(&mut stream).await?;
         let (rank, base) = (rank_of(first.rank), first.base_version);
         self.state.lock().await.touch(rank)?;
         let mut grad = self.shared.take_buffer();
-        let len = grad.len();
+        let got = self.read(rank, base, first, stream, wire::Reassembly::new(&mut grad), |_, _| {}).await;
+        match got {
+            Ok(bytes) => Ok((rank, base, grad, bytes)),
+            Err(e) => {
+                self.shared.give_buffer(grad);
+                Err(e)
+            }
+        }
+    }
+
+    /// Read `rank`'s chunks into `asm` one by one (order, length, finiteness), handing each
+    /// checked one to `each` with its offset in values. Returns the payload bytes.
+    async fn read(
+        &self,
+        rank: usize,
+        base: u64,
+        first: GradientChunk,
+        mut stream: Incoming<GradientChunk>,
+        mut asm: wire::Reassembly<'_>,
+        mut each: impl FnMut(usize, bytes::Bytes),
+    ) -> Result<u64, Status> {
+        let len = self.shared.range.len();
         let bad = |why: wire::StreamError| Error::BadGradient {
             rank,
             why: format!("{why} (this shard's range holds {len} values)"),
         };
-        let mut asm = wire::Reassembly::new(&mut grad);
         let mut chunk = Some(first);
         while let Some(c) = chunk {
             if rank_of(c.rank) != rank || c.base_version != base {
@@ -80,29 +102,28 @@ impl Service {
                 }
                 .into());
             }
+            let at = asm.received();
             asm.push(c.offset, &c.data).map_err(bad)?;
+            if !asm.finite() {
+                self.shared.rejected_nonfinite.fetch_add(1, Ordering::Relaxed);
+                return Err(Error::NonFinite { rank }.into());
+            }
+            each(at, c.data);
             chunk = self.next_chunk(rank, &mut stream).await?;
         }
-        let (finite, bytes) = asm.finish().map_err(bad)?;
-        if !finite {
-            self.shared.rejected_nonfinite.fetch_add(1, Ordering::Relaxed);
-            self.shared.give_buffer(grad);
-            return Err(Error::NonFinite { rank }.into());
-        }
-        Ok((rank, base, grad, bytes))
+        Ok(asm.finish().map_err(bad)?.1)
     }
 
     /// A BSP push, pipelined: each checked piece goes into the step's [`Round`] as it arrives
     /// (which steps every block it completes); the reply comes when the round commits or
     /// fails.
     async fn push_bsp(&self, mut stream: Incoming<GradientChunk>) -> Result<PushReply, Status> {
-        let first = stream
-            .message()
-            .await?
-            .ok_or_else(|| Error::BadGradient { rank: 0, why: "empty stream".into() })?;
+        let first = first_chunk(&mut stream).await?;
         let (rank, base) = (rank_of(first.rank), first.base_version);
         let round = self.state.lock().await.join_round(&self.shared, rank, base)?;
-        let bytes = match self.feed(&round, rank, base, first, stream).await {
+        let check = wire::Reassembly::checking(self.shared.range.len());
+        let fed = self.read(rank, base, first, stream, check, |at, data| round.add(rank, at, data)).await;
+        let bytes = match fed {
             Ok(b) => b,
             Err(e) => {
                 // Withdrawn: blocks already stepped with it are thrown away.
@@ -144,43 +165,6 @@ impl Service {
             }
             .into()),
         }
-    }
-
-    /// Check `rank`'s chunks one by one (order, length, finiteness) and hand each to `round`.
-    /// Returns the payload bytes.
-    async fn feed(
-        &self,
-        round: &Round,
-        rank: usize,
-        base: u64,
-        first: GradientChunk,
-        mut stream: Incoming<GradientChunk>,
-    ) -> Result<u64, Status> {
-        let len = self.shared.range.len();
-        let bad = |why: wire::StreamError| Error::BadGradient {
-            rank,
-            why: format!("{why} (this shard's range holds {len} values)"),
-        };
-        let mut check = wire::Reassembly::checking(len);
-        let mut chunk = Some(first);
-        while let Some(c) = chunk {
-            if rank_of(c.rank) != rank || c.base_version != base {
-                return Err(Error::BadGradient {
-                    rank,
-                    why: "rank or base version changes mid-stream".into(),
-                }
-                .into());
-            }
-            let at = check.received();
-            check.push(c.offset, &c.data).map_err(bad)?;
-            if !check.finite() {
-                self.shared.rejected_nonfinite.fetch_add(1, Ordering::Relaxed);
-                return Err(Error::NonFinite { rank }.into());
-            }
-            round.add(rank, at, c.data);
-            chunk = self.next_chunk(rank, &mut stream).await?;
-        }
-        Ok(check.finish().map_err(bad)?.1)
     }
 
     /// The next chunk of `rank`'s stream: a sender that stops mid-stream must not hold a

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use gradsync_core::checkpoint::Checkpoint;
 use gradsync_core::model::{Fingerprint, Layout, ModelSpec, init_params};
 use gradsync_proto::pb::parameter_server_client::ParameterServerClient;
-use gradsync_proto::pb::{GradientChunk, PullRequest, RegisterRequest, ShutdownRequest, VersionRequest};
+use gradsync_proto::pb::{
+    GradientChunk, ParameterChunk, PullRequest, RegisterRequest, ShutdownRequest, VersionRequest,
+};
 use tonic::Code;
 
 mod common;
@@ -496,6 +498,22 @@ fn authed_long<T>(msg: T, token: &str) -> tonic::Request<T> {
     r
 }
 
+/// Register ranks 0 and 1 of 2 and open a pull of version 1, streamed as it is produced.
+async fn two_ranks_and_a_streamed_pull(
+    addr: &str,
+    fp: &str,
+    token: &str,
+) -> (ParameterServerClient<tonic::transport::Channel>, tonic::Streaming<ParameterChunk>) {
+    let mut c = connect(addr).await;
+    for rank in 0..2 {
+        let req = RegisterRequest { rank, world_size: 2, fingerprint: fp.into() };
+        c.register(authed(req, token)).await.expect("register");
+    }
+    let req = PullRequest { rank: 0, stream_version: Some(1) };
+    let pull = c.pull_parameters(authed_long(req, token)).await.expect("streamed pull").into_inner();
+    (c, pull)
+}
+
 /// A gradient's values, different per rank.
 fn rank_grad(rank: usize, n: usize) -> Vec<f32> {
     (0..n).map(|i| ((i * 7 + rank * 13) % 101) as f32 * 0.01 - 0.5).collect()
@@ -535,13 +553,7 @@ fn nan_in_the_last_block_fails_the_streamed_pull_and_commits_nothing() {
     assert!(blocks >= 3, "the test needs several blocks");
     let (g0, g1) = (rank_grad(0, n), rank_grad(1, n));
     rt.block_on(async {
-        let mut c = connect(&server.addr).await;
-        for rank in 0..2 {
-            let req = RegisterRequest { rank, world_size: 2, fingerprint: fp.clone() };
-            c.register(authed(req, token)).await.expect("register");
-        }
-        let req = PullRequest { rank: 0, stream_version: Some(1) };
-        let mut pull = c.pull_parameters(authed_long(req, token)).await.expect("streamed pull").into_inner();
+        let (mut c, mut pull) = two_ranks_and_a_streamed_pull(&server.addr, &fp, token).await;
         // Rank 0 pushes everything; its reply waits for the step.
         let push0 = tokio::spawn({
             let mut c = c.clone();
@@ -619,13 +631,7 @@ fn a_failed_step_ends_the_streamed_pull_with_its_error() {
     let init = init_params(&Layout::new(&spec()), 7);
     let token = "s3cret";
     rt.block_on(async {
-        let mut c = connect(&server.addr).await;
-        for rank in 0..2 {
-            let req = RegisterRequest { rank, world_size: 2, fingerprint: fp.clone() };
-            c.register(authed(req, token)).await.expect("register");
-        }
-        let req = PullRequest { rank: 0, stream_version: Some(1) };
-        let mut pull = c.pull_parameters(authed_long(req, token)).await.expect("streamed pull").into_inner();
+        let (mut c, mut pull) = two_ranks_and_a_streamed_pull(&server.addr, &fp, token).await;
         let mut req = grad_stream(0, &rank_grad(0, init.len()), token);
         req.set_timeout(Duration::from_secs(60));
         let e = c.push_gradients(req).await.expect_err("rank 1 never pushes");
