@@ -1,12 +1,13 @@
 //! `gradsync-bench ps`: parameter-server push+pull throughput under BSP for a range of model
-//! sizes, worker counts and shard counts, with three transports side by side (tonic's default
-//! HTTP/2 settings; tuned windows and frames through tonic's codec; gradsync's transport, the
-//! tuned settings with the bulk RPCs framed directly), against the raw TCP bandwidth of the
-//! same machine measured in the same run.
+//! sizes, worker counts and shard counts, with four rows side by side (tonic's default HTTP/2
+//! settings; tuned windows and frames through tonic's codec; gradsync's transport, the tuned
+//! settings with the bulk RPCs framed directly; the same pushing then pulling instead of both at
+//! once, [`Row`]), against the raw TCP bandwidth of the same machine measured in the same run.
 //!
 //! Servers and workers run in this process (one tokio runtime, real loopback sockets); each
 //! step every worker pushes its whole gradient to every shard and pulls every shard back, as
-//! `gradsync-worker --mode ps` does. The bound for one BSP step is two directions of
+//! `gradsync-worker --mode ps` does (under BSP both at once: the pull streams the next version
+//! as the servers produce it). The bound for one BSP step is two directions of
 //! `max(S/B, W*S/(K*B))` (BytePS): a worker's link moves `S` each way, and a shard's link
 //! moves `W*S/K` each way.
 
