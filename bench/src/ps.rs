@@ -160,7 +160,7 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         (a.sizes_mb.clone(), a.workers.clone(), a.shards.clone(), a.steps.max(1))
     };
     let raw_secs = if a.quick { 0.3 } else { a.raw_secs };
-    gradsync_proto::tuning::keep_freed_memory();
+    gradsync_core::heap::keep_freed_memory();
     let raw_tcp = || crate::rawtcp::bandwidth("127.0.0.1", Duration::from_secs_f64(raw_secs));
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut tunings: Vec<Tuning> = if a.tuned_only {
