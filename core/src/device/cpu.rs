@@ -315,7 +315,7 @@ thread_local! {
 /// forward GEMM (128 x 1024 x 1024) ran at 62-65 GFLOP/s as laid out and at 81-84 with the rows
 /// restaged one cache line apart, copy included (one thread; 74-81 against 131-137 with two).
 fn restage(k: usize, rows: usize) -> bool {
-    (k * 4) % 1024 == 0 && rows >= 64
+    (k * 4).is_multiple_of(1024) && rows >= 64
 }
 
 /// A destination pointer shared by the parts of a split GEMM, which write disjoint columns.
