@@ -30,19 +30,30 @@ const CHUNK: usize = 1 << 15;
 
 /// One SGD step over matching slices; `grad_scale` multiplies the gradient first (1/W to turn a
 /// sum of W workers' gradients into their mean).
+/// Chunks go to the current rayon pool; [`sgd_block`] is the same step on the calling thread.
 pub fn sgd_step(cfg: &SgdConfig, params: &mut [f32], grads: &[f32], momentum: &mut [f32], grad_scale: f32) {
+    check_lengths(params, grads, momentum);
+    params
+        .par_chunks_mut(CHUNK)
+        .zip(grads.par_chunks(CHUNK))
+        .zip(momentum.par_chunks_mut(CHUNK))
+        .for_each(|((p, g), m)| sgd_block(cfg, p, g, m, grad_scale));
+}
+
+/// [`sgd_step`] on the calling thread.
+pub fn sgd_block(cfg: &SgdConfig, params: &mut [f32], grads: &[f32], momentum: &mut [f32], grad_scale: f32) {
+    check_lengths(params, grads, momentum);
+    let SgdConfig { lr, momentum: mu, weight_decay: wd } = *cfg;
+    for ((p, &g), m) in params.iter_mut().zip(grads).zip(momentum.iter_mut()) {
+        let g = grad_scale * g + wd * *p;
+        *m = mu * *m + g;
+        *p -= lr * *m;
+    }
+}
+
+fn check_lengths(params: &[f32], grads: &[f32], momentum: &[f32]) {
     assert_eq!(params.len(), grads.len(), "sgd_step: params and grads differ in length");
     assert_eq!(params.len(), momentum.len(), "sgd_step: params and momentum differ in length");
-    let SgdConfig { lr, momentum: mu, weight_decay: wd } = *cfg;
-    params.par_chunks_mut(CHUNK).zip(grads.par_chunks(CHUNK)).zip(momentum.par_chunks_mut(CHUNK)).for_each(
-        |((p, g), m)| {
-            for ((p, &g), m) in p.iter_mut().zip(g).zip(m.iter_mut()) {
-                let g = grad_scale * g + wd * *p;
-                *m = mu * *m + g;
-                *p -= lr * *m;
-            }
-        },
-    );
 }
 
 #[cfg(test)]

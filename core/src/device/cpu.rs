@@ -1,5 +1,8 @@
 //! The CPU device: GEMMs through the `gemm` crate (runtime-dispatched AVX2/AVX-512/NEON
 //! kernels), elementwise work through rayon, all inside one thread pool of `--threads` threads.
+//! With one thread there is no pool: every kernel runs on the calling thread, as PyTorch's do,
+//! rather than handing each one to a pool thread and sleeping until it is done (two wake-ups
+//! per kernel, about twenty kernels per step, each a scheduling delay on a busy machine).
 
 use std::ops::Range;
 
@@ -8,7 +11,7 @@ use rayon::prelude::*;
 
 use super::backend::Backend;
 use crate::error::{Error, Result};
-use crate::optim::{SgdConfig, sgd_step};
+use crate::optim::{SgdConfig, sgd_block, sgd_step};
 
 /// Values per parallel chunk in elementwise kernels.
 const CHUNK: usize = 1 << 14;
@@ -17,7 +20,8 @@ const CHUNK: usize = 1 << 14;
 #[derive(Debug)]
 pub struct Cpu {
     threads: usize,
-    pool: rayon::ThreadPool,
+    /// `None` with one thread: kernels run on the caller.
+    pool: Option<rayon::ThreadPool>,
 }
 
 impl Cpu {
@@ -27,21 +31,21 @@ impl Cpu {
         crate::heap::keep_freed_memory();
         let threads =
             if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("gradsync-cpu-{i}"))
-            .build()
-            .map_err(|e| Error::invalid("threads", e.to_string()))?;
+        let pool = (threads > 1)
+            .then(|| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .thread_name(|i| format!("gradsync-cpu-{i}"))
+                    .build()
+                    .map_err(|e| Error::invalid("threads", e.to_string()))
+            })
+            .transpose()?;
         Ok(Cpu { threads, pool })
     }
 
     /// The pool's size.
     pub fn threads(&self) -> usize {
         self.threads
-    }
-
-    fn par(&self) -> Parallelism {
-        if self.threads > 1 { Parallelism::Rayon(self.threads) } else { Parallelism::None }
     }
 }
 
@@ -178,8 +182,12 @@ impl Backend for Cpu {
             })
         };
         let c = SendPtr(c.as_mut_ptr());
-        self.pool.install(|| match Split::choose(self.threads, m, n) {
-            Split::Whole => part(0..m, 0..n, c, self.par()),
+        let Some(pool) = &self.pool else {
+            part(0..m, 0..n, c, Parallelism::None);
+            return Ok(());
+        };
+        pool.install(|| match Split::choose(self.threads, m, n) {
+            Split::Whole => part(0..m, 0..n, c, Parallelism::Rayon(self.threads)),
             Split::Rows(parts) => (0..parts)
                 .into_par_iter()
                 .for_each(|i| part(split_range(m, parts, i), 0..n, c, Parallelism::None)),
@@ -192,30 +200,34 @@ impl Backend for Cpu {
 
     fn bias_act(&self, z: &mut [f32], bias: &[f32], rows: usize, cols: usize, relu: bool) -> Result<()> {
         debug_assert_eq!(z.len(), rows * cols);
-        let rows_per = (CHUNK / cols.max(1)).max(1);
-        self.pool.install(|| {
-            z.par_chunks_mut(rows_per * cols).for_each(|block| {
-                for row in block.chunks_exact_mut(cols) {
-                    for (v, &b) in row.iter_mut().zip(bias) {
-                        let x = *v + b;
-                        *v = if relu { x.max(0.0) } else { x };
-                    }
+        let body = |block: &mut [f32]| {
+            for row in block.chunks_exact_mut(cols) {
+                for (v, &b) in row.iter_mut().zip(bias) {
+                    let x = *v + b;
+                    *v = if relu { x.max(0.0) } else { x };
                 }
-            })
-        });
+            }
+        };
+        let rows_per = (CHUNK / cols.max(1)).max(1);
+        match &self.pool {
+            None => body(z),
+            Some(pool) => pool.install(|| z.par_chunks_mut(rows_per * cols).for_each(body)),
+        }
         Ok(())
     }
 
     fn relu_backward(&self, dz: &mut [f32], a: &[f32]) -> Result<()> {
-        self.pool.install(|| {
-            dz.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK)).for_each(|(d, a)| {
-                for (d, &a) in d.iter_mut().zip(a) {
-                    if a <= 0.0 {
-                        *d = 0.0;
-                    }
+        let body = |(d, a): (&mut [f32], &[f32])| {
+            for (d, &a) in d.iter_mut().zip(a) {
+                if a <= 0.0 {
+                    *d = 0.0;
                 }
-            })
-        });
+            }
+        };
+        match &self.pool {
+            None => body((dz, a)),
+            Some(pool) => pool.install(|| dz.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK)).for_each(body)),
+        }
         Ok(())
     }
 
@@ -280,12 +292,19 @@ impl Backend for Cpu {
         momentum: &mut [f32],
         grad_scale: f32,
     ) -> Result<()> {
-        self.pool.install(|| sgd_step(cfg, params, grads, momentum, grad_scale));
+        match &self.pool {
+            None => sgd_block(cfg, params, grads, momentum, grad_scale),
+            Some(pool) => pool.install(|| sgd_step(cfg, params, grads, momentum, grad_scale)),
+        }
         Ok(())
     }
 
     fn scale(&self, v: &mut [f32], factor: f32) -> Result<()> {
-        self.pool.install(|| v.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= factor)));
+        let body = |c: &mut [f32]| c.iter_mut().for_each(|x| *x *= factor);
+        match &self.pool {
+            None => body(v),
+            Some(pool) => pool.install(|| v.par_chunks_mut(CHUNK).for_each(body)),
+        }
         Ok(())
     }
 
