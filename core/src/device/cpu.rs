@@ -218,10 +218,10 @@ impl Backend for Cpu {
 
     fn relu_backward(&self, dz: &mut [f32], a: &[f32]) -> Result<()> {
         let body = |(d, a): (&mut [f32], &[f32])| {
+            // A select and a store for every element, not a branch around the store: the
+            // compiler vectorises this form (the branch cost about 1 ms per mnist step).
             for (d, &a) in d.iter_mut().zip(a) {
-                if a <= 0.0 {
-                    *d = 0.0;
-                }
+                *d = if a <= 0.0 { 0.0 } else { *d };
             }
         };
         match &self.pool {
