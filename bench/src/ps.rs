@@ -190,7 +190,8 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         (a.sizes_mb.clone(), a.workers.clone(), a.shards.clone(), a.steps.max(1))
     };
     let raw_secs = if a.quick { 0.3 } else { a.raw_secs };
-    gradsync_proto::tuning::keep_freed_memory();
+    gradsync_core::heap::keep_freed_memory();
+    gradsync_core::heap::single_arena();
     let raw_tcp = || crate::rawtcp::bandwidth("127.0.0.1", Duration::from_secs_f64(raw_secs));
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     // (transport, push then pull rather than both at once): the serial row is the same

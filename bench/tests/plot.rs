@@ -265,3 +265,30 @@ fn back_to_back_runs_of_one_configuration_stay_apart() {
     assert!(rows[0].starts_with("runs/a,ps-bsp,2,1,") && rows[1].starts_with("runs/b,ps-bsp,2,1,"), "{csv}");
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+#[test]
+fn asp_workers_that_never_overlap_join_through_their_server() {
+    // Under ASP a fast rank 0 may finish before rank 1 starts; the server served both.
+    let root = tmp("asp-apart");
+    let run = root.join("in/runs/asp");
+    let start = 1_700_000_000_000u64;
+    write_run(&run, "ps", "asp", 2, start, 5.0, 1.0, 100, true);
+    // Rank 0 lives start..start+100; rank 1 from start+105; the server start+10..start+160.
+    let shift = |file: &str, from: u64, to: u64| {
+        let p = run.join(file);
+        let text = std::fs::read_to_string(&p).unwrap();
+        let (a, b) = (format!("\"start_unix_ms\":{from}"), format!("\"start_unix_ms\":{to}"));
+        assert!(text.contains(&a), "{file}: {a} not found");
+        std::fs::write(&p, text.replace(&a, &b)).unwrap();
+    };
+    shift("rank1.jsonl", start, start + 105);
+    shift("server0.jsonl", start - 50, start + 10);
+    let out = root.join("out");
+    let o = plot(&[&root.join("in")], &out);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let csv = std::fs::read_to_string(out.join("summary.csv")).unwrap();
+    let rows: Vec<&str> = csv.lines().skip(1).collect();
+    assert_eq!(rows.len(), 1, "{csv}");
+    assert!(rows[0].starts_with("runs/asp,ps-asp,2,1,"), "{csv}");
+    std::fs::remove_dir_all(&root).unwrap();
+}

@@ -11,6 +11,8 @@
 //! - [`optim`]: SGD with momentum and weight decay (host version, shared with the server).
 //! - [`data`]: the synthetic dataset, MNIST and CIFAR-10 loaders, the distributed sampler.
 //! - [`metrics`]: the per-step metrics schema and its JSON-lines writer.
+//! - [`heap`]: allocator thresholds that keep freed buffers (GEMM packing, HTTP/2 frames), and
+//!   one malloc arena for the parameter-server processes.
 //! - [`checkpoint`]: parameter files with a fingerprint, written atomically.
 //! - [`rng`]: the version-stable generator behind every seed.
 //! - [`trace`]: Chrome trace-event timelines (`--trace`).
@@ -20,6 +22,7 @@ pub mod data;
 pub mod device;
 pub mod engine;
 mod error;
+pub mod heap;
 pub mod metrics;
 pub mod mlp;
 pub mod model;

@@ -30,33 +30,28 @@ const CHUNK: usize = 1 << 15;
 
 /// One SGD step over matching slices; `grad_scale` multiplies the gradient first (1/W to turn a
 /// sum of W workers' gradients into their mean).
+/// Chunks go to the current rayon pool; [`sgd_block`] is the same step on the calling thread.
 pub fn sgd_step(cfg: &SgdConfig, params: &mut [f32], grads: &[f32], momentum: &mut [f32], grad_scale: f32) {
-    assert_eq!(params.len(), grads.len(), "sgd_step: params and grads differ in length");
-    assert_eq!(params.len(), momentum.len(), "sgd_step: params and momentum differ in length");
+    check_lengths(params, grads, momentum);
     params
         .par_chunks_mut(CHUNK)
         .zip(grads.par_chunks(CHUNK))
         .zip(momentum.par_chunks_mut(CHUNK))
-        .for_each(|((p, g), m)| sgd_step_serial(cfg, p, g, m, grad_scale));
+        .for_each(|((p, g), m)| sgd_block(cfg, p, g, m, grad_scale));
 }
 
-/// [`sgd_step`] on the calling thread, for callers that already work block by block (the
-/// parameter server's pipelined update): the same arithmetic, so the same bits.
-pub fn sgd_step_serial(
-    cfg: &SgdConfig,
-    params: &mut [f32],
-    grads: &[f32],
-    momentum: &mut [f32],
-    grad_scale: f32,
-) {
+/// [`sgd_step`] on the calling thread.
+pub fn sgd_block(cfg: &SgdConfig, params: &mut [f32], grads: &[f32], momentum: &mut [f32], grad_scale: f32) {
+    check_lengths(params, grads, momentum);
     for ((p, &g), m) in params.iter_mut().zip(grads).zip(momentum.iter_mut()) {
         (*p, *m) = sgd_one(cfg, *p, g, *m, grad_scale);
     }
 }
 
-/// [`sgd_step_serial`] reading the current parameters and momentum and writing the results
-/// elsewhere (`next_params`, `next_momentum`), in the same pass: an update that must not touch
-/// the current values until it is committed costs no more memory traffic than one in place.
+/// [`sgd_block`] reading the current parameters and momentum and writing the results elsewhere
+/// (`next_params`, `next_momentum`) in the same pass, for an update that must not touch the
+/// current values until it is committed (the parameter server's pipelined step). The same
+/// arithmetic, so the same bits.
 pub fn sgd_step_into(
     cfg: &SgdConfig,
     params: &[f32],
@@ -81,6 +76,11 @@ fn sgd_one(cfg: &SgdConfig, p: f32, g: f32, m: f32, grad_scale: f32) -> (f32, f3
     let g = grad_scale * g + cfg.weight_decay * p;
     let m = cfg.momentum * m + g;
     (p - cfg.lr * m, m)
+}
+
+fn check_lengths(params: &[f32], grads: &[f32], momentum: &[f32]) {
+    assert_eq!(params.len(), grads.len(), "sgd_step: params and grads differ in length");
+    assert_eq!(params.len(), momentum.len(), "sgd_step: params and momentum differ in length");
 }
 
 #[cfg(test)]

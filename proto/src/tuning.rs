@@ -112,30 +112,6 @@ impl Tuning {
     }
 }
 
-/// Keep freed memory in the process rather than handing it back to the kernel at once.
-///
-/// h2 reads every DATA frame into a fresh buffer of the frame's size (1 MiB and more here), and
-/// glibc by default serves such sizes with `mmap` or trims them off the heap as soon as they
-/// are freed, so every received megabyte lands in pages the kernel must fault in and zero
-/// again: measured, 150 k page faults per 12 steps of a 64 MB push+pull and a fifth of the
-/// process's CPU time (`docs/ps.md`). With these thresholds the buffers are recycled from the
-/// heap. One arena, too: a thread's own arena lives in 64 MiB heaps that glibc unmaps as soon
-/// as they empty, whatever the trim threshold, so chunk buffers allocated on one runtime
-/// thread and freed on another kept mapping and faulting in fresh pages (7 k page faults per
-/// 64 MB step, and the TLB shootdowns of the unmaps; none with one arena, `docs/ps.md`).
-/// Process-wide; called by the server, the PS worker and the PS benchmark. A no-op outside
-/// glibc.
-pub fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator settings; any value is valid for these three.
-    unsafe {
-        // 32 MiB: glibc's largest mmap threshold; frames and chunks stay below it.
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20);
-        libc::mallopt(libc::M_ARENA_MAX, 1);
-    }
-}
-
 impl Default for Tuning {
     fn default() -> Self {
         Tuning::tuned()

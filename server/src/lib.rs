@@ -141,7 +141,7 @@ pub async fn run(args: ServerArgs, shutdown: impl Future<Output = ()> + Send) ->
     use anyhow::Context;
     use std::io::Write;
     let cfg = Config::from_args(&args)?;
-    gradsync_proto::tuning::keep_freed_memory();
+    gradsync_core::heap::keep_freed_memory();
     let server = ParamServer::new(cfg)?;
     let listener =
         TcpListener::bind(args.listen).await.with_context(|| format!("--listen {}", args.listen))?;

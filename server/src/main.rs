@@ -31,7 +31,8 @@ async fn signal() {
 
 fn main() -> std::process::ExitCode {
     // Allocator settings must precede the runtime's threads (each would take its own arena).
-    gradsync_proto::tuning::keep_freed_memory();
+    gradsync_core::heap::keep_freed_memory();
+    gradsync_core::heap::single_arena();
     match tokio::runtime::Runtime::new() {
         Ok(rt) => rt.block_on(serve()),
         Err(e) => {

@@ -476,6 +476,10 @@ fn expected_files(h: &Header) -> usize {
 /// are matched first, with exact lifetimes (one clock); files of other directories (other
 /// hosts) then, with a little slack for clock skew. Server files join the PS run of their
 /// configuration whose lifetime they overlap, preferring their own directory.
+///
+/// A PS worker's lifetime counts as its server's too (a server of its configuration in its
+/// directory whose lifetime overlaps its own): under ASP a fast worker may finish before
+/// another has started, and only the server that served both ties them together.
 fn group(files: Vec<MetricsFile>, warnings: &mut Vec<String>) -> Vec<RunData> {
     let (mut servers, mut workers): (Vec<_>, Vec<_>) = files.into_iter().partition(MetricsFile::is_server);
     let by_start =
@@ -486,13 +490,26 @@ fn group(files: Vec<MetricsFile>, warnings: &mut Vec<String>) -> Vec<RunData> {
     // Clocks of different hosts disagree a little; lifetimes that miss by less still match.
     const SLACK_MS: f64 = 2000.0;
     let overlaps = |s: f64, e: f64, rs: f64, re: f64, slack: f64| s <= re + slack && e + slack >= rs;
+    let lifetime = |f: &MetricsFile| {
+        let key = config_key(&f.header);
+        servers
+            .iter()
+            .filter(|x| {
+                let k = config_key(&x.header);
+                key.0 == "ps"
+                    && (&k.1, &k.2, k.3) == (&key.1, &key.2, key.3)
+                    && dir_of(&x.rel) == dir_of(&f.rel)
+                    && overlaps(f.start(), f.end(), x.start(), x.end(), 0.0)
+            })
+            .fold((f.start(), f.end()), |(s, e), x| (s.min(x.start()), e.max(x.end())))
+    };
     for f in workers {
         let Some(mode) = ModeKind::from_header(&f.header.mode, &f.header.variant) else {
             warnings.push(format!("{}:1: unknown mode '{}'; file skipped", f.rel, f.header.mode));
             continue;
         };
         let key = config_key(&f.header);
-        let (s, e) = (f.start(), f.end());
+        let (s, e) = lifetime(&f);
         let rank = f.header.rank;
         let fits = |r: &RunData| {
             config_key(r.header()) == key

@@ -19,7 +19,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use super::tcp::{
-    Op, TcpComm, add_into, frame_header, lost, parse_header, peer_err, read_exact_from, write_frame,
+    Op, TcpComm, add_into, frame_header, lost, parse_header, peer_err, read_exact_from, remember, write_frame,
 };
 use super::{CommError, Result, Traffic};
 
@@ -48,6 +48,8 @@ pub(crate) struct Pump<'s, 'b> {
     scratch: &'s mut Vec<f32>,
     /// The reader's current SO_RCVLOWAT.
     lowat: usize,
+    /// The last 8 bytes read from the left (see [`remember`]).
+    tail: [u8; 8],
     /// Payload bytes moved each way.
     sent: u64,
     recv: u64,
@@ -77,6 +79,7 @@ impl<'s, 'b> Pump<'s, 'b> {
             sent_back: Vec::new(),
             scratch,
             lowat: 1,
+            tail: [0; 8],
             sent: 0,
             recv: 0,
         })
@@ -139,9 +142,12 @@ impl<'s, 'b> Pump<'s, 'b> {
             match self.reader.read(&mut buf[got..]) {
                 Ok(0) => {
                     let eof = io::ErrorKind::UnexpectedEof.into();
-                    return Err(lost(self.left, self.op, self.timeout, &buf[..got], eof));
+                    return Err(lost(self.left, self.op, self.timeout, &self.tail, eof));
                 }
-                Ok(n) => got += n,
+                Ok(n) => {
+                    remember(&mut self.tail, &buf[got..got + n]);
+                    got += n;
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     // Wake only once a worthwhile piece (or the rest of the read) is there:
                     // every wake-up costs a trip through the scheduler, which on a busy
@@ -150,7 +156,7 @@ impl<'s, 'b> Pump<'s, 'b> {
                     self.wait(true)?;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(lost(self.left, self.op, self.timeout, &buf[..got], e)),
+                Err(e) => return Err(lost(self.left, self.op, self.timeout, &self.tail, e)),
             }
         }
         Ok(())
@@ -307,6 +313,8 @@ struct Threaded<'s, 'b> {
     to_sender: Option<mpsc::Sender<(usize, &'b mut [f32])>>,
     back: mpsc::Receiver<(usize, &'b mut [f32])>,
     returned: Vec<(usize, &'b mut [f32])>,
+    /// The last 8 bytes read from the left (see [`remember`]).
+    tail: [u8; 8],
     recv: u64,
 }
 
@@ -332,17 +340,17 @@ impl<'b> Duplex<'b> for Threaded<'_, 'b> {
     fn recv(&mut self, dst: &mut [f32], add: bool) -> Result<()> {
         let (left, op, t) = (self.left, self.op, self.timeout);
         let mut head = [0u8; 8];
-        read_exact_from(self.reader, &mut head, left, op, t)?;
+        read_exact_from(self.reader, &mut head, &mut self.tail, left, op, t)?;
         parse_header(&head, self.op, dst.len(), self.left)?;
         if add {
             let piece = self.scratch.len().max(1);
             for part in dst.chunks_mut(piece) {
                 let s = &mut self.scratch[..part.len()];
-                read_exact_from(self.reader, bytemuck::cast_slice_mut(s), left, op, t)?;
+                read_exact_from(self.reader, bytemuck::cast_slice_mut(s), &mut self.tail, left, op, t)?;
                 add_into(part, s);
             }
         } else {
-            read_exact_from(self.reader, bytemuck::cast_slice_mut(dst), left, op, t)?;
+            read_exact_from(self.reader, bytemuck::cast_slice_mut(dst), &mut self.tail, left, op, t)?;
         }
         self.recv += dst.len() as u64 * 4;
         Ok(())
@@ -413,6 +421,7 @@ fn duplex<'b, T>(
             to_sender: Some(to_sender),
             back,
             returned: Vec::new(),
+            tail: [0; 8],
             recv: 0,
         };
         let out = body(&mut t);
@@ -430,4 +439,80 @@ fn duplex<'b, T>(
             (Err(e), _) | (Ok(_), Err(e)) => Err(e),
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{TcpListener, TcpStream};
+
+    use super::*;
+    use crate::collective::handshake::abort_notice;
+
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (a, b)
+    }
+
+    #[test]
+    fn the_tail_is_the_streams_last_bytes_whatever_the_reads() {
+        let stream: Vec<u8> = (0..40).collect();
+        for cut in [1, 3, 7, 8, 9, 13] {
+            let mut tail = [0; 8];
+            for piece in stream.chunks(cut) {
+                remember(&mut tail, piece);
+            }
+            assert_eq!(&tail[..], &stream[32..], "pieces of {cut}");
+        }
+    }
+
+    /// A left neighbour that fails mid-frame and writes its abort notice, which lands across
+    /// the boundary of two of the receiver's summing pieces of 16 values; the stream then ends.
+    fn left_neighbour_aborting_mid_frame(values: usize) -> TcpStream {
+        let (mut left_end, reader) = pair();
+        let mut sent = frame_header(Op::AllReduce, values).unwrap().to_vec();
+        // One full piece less 4 bytes, then the notice: its halves fall in pieces 1 and 2.
+        sent.extend(std::iter::repeat_n(0u8, 16 * 4 - 4));
+        sent.extend(abort_notice(5));
+        left_end.write_all(&sent).unwrap();
+        reader
+    }
+
+    fn expect_culprit_5(got: Result<()>) {
+        match got {
+            Err(CommError::Aborted { peer: 1, culprit: 5, .. }) => {}
+            other => panic!("expected the notice's culprit (5), got {other:?}"),
+        }
+    }
+
+    /// The receiver blames the rank the notice names, not the neighbour that closed on it,
+    /// on both engines.
+    #[test]
+    fn an_abort_notice_cut_between_pieces_names_the_culprit() {
+        let t = Duration::from_secs(5);
+        let mut reader = left_neighbour_aborting_mid_frame(64);
+        let (mut writer, _right_end) = pair();
+        let mut scratch = vec![0f32; 16];
+        let mut pump = Pump::new(&mut reader, &mut writer, (1, 2), Op::AllReduce, t, &mut scratch).unwrap();
+        expect_culprit_5(pump.recv(&mut [0f32; 64], true));
+        drop(pump);
+
+        let mut reader = left_neighbour_aborting_mid_frame(64);
+        let (to_sender, _) = mpsc::channel();
+        let (_, back) = mpsc::channel();
+        let mut threaded = Threaded {
+            reader: &mut reader,
+            left: 1,
+            op: Op::AllReduce,
+            timeout: t,
+            scratch: &mut scratch,
+            to_sender: Some(to_sender),
+            back,
+            returned: Vec::new(),
+            tail: [0; 8],
+            recv: 0,
+        };
+        expect_culprit_5(threaded.recv(&mut [0f32; 64], true));
+    }
 }

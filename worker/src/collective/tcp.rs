@@ -130,10 +130,24 @@ pub(crate) fn lost(peer: usize, op: Op, timeout: Duration, tail: &[u8], e: io::E
     }
 }
 
-/// `read_exact` from `peer`, blocking, with the end of the stream explained by [`lost`].
+/// Shift `bytes`, just read from a peer, into `tail`: the last 8 bytes of its stream so far,
+/// whichever reads they came in, so that an abort notice a receive loop cut between two of
+/// its reads is still found at the end of the stream.
+pub(crate) fn remember(tail: &mut [u8; 8], bytes: &[u8]) {
+    if bytes.len() >= 8 {
+        tail.copy_from_slice(&bytes[bytes.len() - 8..]);
+    } else {
+        tail.rotate_left(bytes.len());
+        tail[8 - bytes.len()..].copy_from_slice(bytes);
+    }
+}
+
+/// `read_exact` from `peer`, blocking, keeping `tail` ([`remember`]), with the end of the
+/// stream explained by [`lost`].
 pub(crate) fn read_exact_from(
     r: &mut TcpStream,
     buf: &mut [u8],
+    tail: &mut [u8; 8],
     peer: usize,
     op: Op,
     t: Duration,
@@ -141,10 +155,13 @@ pub(crate) fn read_exact_from(
     let mut got = 0;
     while got < buf.len() {
         match r.read(&mut buf[got..]) {
-            Ok(0) => return Err(lost(peer, op, t, &buf[..got], io::ErrorKind::UnexpectedEof.into())),
-            Ok(n) => got += n,
+            Ok(0) => return Err(lost(peer, op, t, tail, io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => {
+                remember(tail, &buf[got..got + n]);
+                got += n;
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(lost(peer, op, t, &buf[..got], e)),
+            Err(e) => return Err(lost(peer, op, t, tail, e)),
         }
     }
     Ok(())
@@ -229,11 +246,11 @@ pub(crate) fn read_frame(
     peer: usize,
     t: Duration,
 ) -> Result<u64> {
-    let mut head = [0u8; 8];
-    read_exact_from(r, &mut head, peer, op, t)?;
+    let (mut head, mut tail) = ([0u8; 8], [0u8; 8]);
+    read_exact_from(r, &mut head, &mut tail, peer, op, t)?;
     parse_header(&head, op, dst.len(), peer)?;
     if !dst.is_empty() {
-        read_exact_from(r, bytemuck::cast_slice_mut(dst), peer, op, t)?;
+        read_exact_from(r, bytemuck::cast_slice_mut(dst), &mut tail, peer, op, t)?;
     }
     Ok(dst.len() as u64 * 4)
 }

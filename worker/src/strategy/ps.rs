@@ -720,7 +720,8 @@ impl Ps {
             "--rpc-timeout {} must be a positive number of seconds",
             args.rpc_timeout
         );
-        gradsync_proto::tuning::keep_freed_memory();
+        gradsync_core::heap::keep_freed_memory();
+        gradsync_core::heap::single_arena();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
