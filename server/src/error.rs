@@ -80,6 +80,12 @@ pub enum Error {
         /// The timeout, seconds.
         timeout_s: f64,
     },
+    /// Every worker left the run while a BSP step was still open (a streamed pull waited on it).
+    #[error("step {version} abandoned: every worker left the run before it completed")]
+    Abandoned {
+        /// The version the step would have produced.
+        version: u64,
+    },
     /// The server is shutting down.
     #[error("the server is shutting down")]
     ShuttingDown,
@@ -102,7 +108,7 @@ impl Error {
             }
             Error::Membership(_) => Code::InvalidArgument,
             Error::AlreadyRegistered(_) => Code::AlreadyExists,
-            Error::Missing { .. } => Code::Aborted,
+            Error::Missing { .. } | Error::Abandoned { .. } => Code::Aborted,
             Error::ShuttingDown => Code::Unavailable,
             Error::Core(_) | Error::Transport(_) | Error::Proto(_) => Code::Internal,
         }
@@ -111,6 +117,12 @@ impl Error {
 
 impl From<Error> for tonic::Status {
     fn from(e: Error) -> Self {
+        tonic::Status::from(&e)
+    }
+}
+
+impl From<&Error> for tonic::Status {
+    fn from(e: &Error) -> Self {
         tonic::Status::new(e.code(), e.to_string())
     }
 }

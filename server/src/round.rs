@@ -32,7 +32,6 @@ use gradsync_core::optim::{SgdConfig, sgd_step_into};
 use gradsync_proto::frames::FramedChunk;
 use gradsync_proto::pb::ParameterChunk;
 use tokio::sync::watch;
-use tonic::Status;
 
 use crate::error::{Error, Result};
 
@@ -46,8 +45,8 @@ pub struct Progress {
     pub stepped: usize,
     /// Bumped whenever stepped blocks are thrown away because a contributor withdrew.
     pub epoch: u64,
-    /// Set once: the round was committed, or failed with this status.
-    pub end: Option<std::result::Result<Committed, Status>>,
+    /// Set once: the round was committed, or failed with this error.
+    pub end: Option<std::result::Result<Committed, Arc<Error>>>,
 }
 
 /// What a committed round produced.
@@ -187,7 +186,7 @@ impl Round {
         self.progress.subscribe()
     }
 
-    fn publish(&self, g: &Inner, end: Option<std::result::Result<Committed, Status>>) {
+    fn publish(&self, g: &Inner, end: Option<std::result::Result<Committed, Arc<Error>>>) {
         let (stepped, epoch) = (g.stepped, g.epoch);
         self.progress.send_modify(|p| {
             p.stepped = stepped;
@@ -410,8 +409,8 @@ impl Round {
         self.publish(&g, Some(Ok(c)));
     }
 
-    /// The step failed: end every push and pull of it with `status`; nothing is committed.
-    pub fn fail(&self, status: Status) {
+    /// The step failed: end every push and pull of it with `error`; nothing is committed.
+    pub fn fail(&self, error: Error) {
         let mut g = lock(&self.inner);
         if g.ended {
             return;
@@ -419,7 +418,7 @@ impl Round {
         g.ended = true;
         g.ranks.clear();
         g.image.clear();
-        self.publish(&g, Some(Err(status)));
+        self.publish(&g, Some(Err(Arc::new(error))));
         drop(g);
         // Let go of the current buffers so nothing else has to copy them to write them.
         let mut w = lock(&self.work);

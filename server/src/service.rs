@@ -157,7 +157,7 @@ impl Service {
                 "rank {rank} was dropped from step {} before it completed; its gradient is not in it",
                 c.version
             ))),
-            Some(Err(s)) => Err(s),
+            Some(Err(e)) => Err(Status::from(&*e)),
             None => Err(Error::Missing {
                 version: base + 1,
                 ranks: round.missing(),
@@ -279,8 +279,8 @@ impl Service {
                 }
                 epoch = p.epoch;
             }
-            if let Some(Err(s)) = p.end {
-                return Err(s);
+            if let Some(Err(e)) = p.end {
+                return Err(Status::from(&*e));
             }
             while sent < p.stepped {
                 let Some(c) = round.chunk(sent, epoch) else { break };

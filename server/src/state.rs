@@ -305,6 +305,10 @@ impl State {
             // Everyone left: the next run may register afresh (another world size included).
             self.world = None;
             self.departed.clear();
+            // A round only a streamed pull opened would wait for ranks of the old run.
+            if let Some(round) = self.round.take() {
+                round.fail(Error::Abandoned { version: round.version });
+            }
         }
         sh.bump();
     }
@@ -532,7 +536,7 @@ impl State {
                 timeout_s: sh.cfg.worker_timeout.as_secs_f64(),
             };
             if let Some(round) = self.round.take() {
-                round.fail(err().into());
+                round.fail(err());
             }
             sh.bump();
         }
@@ -603,7 +607,7 @@ impl State {
     pub fn close(&mut self, sh: &Shared) {
         self.closing = true;
         if let Some(round) = self.round.take() {
-            round.fail(Error::ShuttingDown.into());
+            round.fail(Error::ShuttingDown);
         }
         sh.bump();
     }

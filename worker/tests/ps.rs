@@ -11,7 +11,8 @@ use gradsync_core::checkpoint::Checkpoint;
 use gradsync_core::model::{Fingerprint, Layout, ModelSpec, init_params};
 use gradsync_proto::pb::parameter_server_client::ParameterServerClient;
 use gradsync_proto::pb::{
-    GradientChunk, ParameterChunk, PullRequest, RegisterRequest, ShutdownRequest, VersionRequest,
+    DeregisterRequest, GradientChunk, ParameterChunk, PullRequest, RegisterRequest, ShutdownRequest,
+    VersionRequest,
 };
 use tonic::Code;
 
@@ -647,5 +648,14 @@ fn a_failed_step_ends_the_streamed_pull_with_its_error() {
         let req = PullRequest { rank: 0, stream_version: Some(5) };
         let e = c.pull_parameters(authed(req, token)).await.expect_err("too far ahead");
         assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        // A streamed pull whose step every worker leaves ends with an error, not a hang.
+        let req = PullRequest { rank: 0, stream_version: Some(1) };
+        let mut pull = c.pull_parameters(authed_long(req, token)).await.expect("streamed pull").into_inner();
+        for rank in 0..2 {
+            c.deregister(authed(DeregisterRequest { rank }, token)).await.expect("deregister");
+        }
+        let e = pull.message().await.expect_err("the step is abandoned");
+        assert_eq!(e.code(), Code::Aborted, "{e:?}");
+        assert!(e.message().contains("every worker left"), "{}", e.message());
     });
 }
