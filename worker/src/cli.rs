@@ -233,6 +233,12 @@ pub struct PsArgs {
     /// The name the servers' certificates carry (default: the host in --servers).
     #[arg(long, requires = "tls_ca")]
     pub tls_domain: Option<String>,
+    /// Under BSP, push the whole gradient and only then pull the parameters, rather than
+    /// pulling the next version block by block while pushing (the pipelined step). For
+    /// comparisons: on one host the two are level; over a link-bound network pipelining is
+    /// faster (docs/ps.md).
+    #[arg(long)]
+    pub no_pipeline: bool,
 }
 
 /// `--mode ddp`.

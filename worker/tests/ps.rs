@@ -175,18 +175,21 @@ fn bsp_matches_local_training_with_the_combined_batch() {
         let reference = dir.join(format!("local-{w}.ckpt"));
         run_local(w * b, steps, &reference, &[]);
         let want = params(&reference);
-        for k in [1usize, 2] {
+        // The pipelined step, and (with two workers) pushing, then pulling.
+        let variants: &[&[&str]] = if w == 2 { &[&[], &["--no-pipeline"]] } else { &[&[]] };
+        for (k, extra) in [1usize, 2].into_iter().flat_map(|k| variants.iter().map(move |v| (k, *v))) {
             let (_servers, addrs) = start_shards(k, &["--worker-timeout", "30"]);
-            let save = dir.join(format!("ps-{w}-{k}.ckpt"));
-            for (rank, (code, err)) in run_workers(w, &addrs, b, steps, &save, &[]).into_iter().enumerate() {
-                assert_eq!(code, 0, "W={w} K={k} rank {rank} failed: {err}");
+            let save = dir.join(format!("ps-{w}-{k}{}.ckpt", extra.concat()));
+            for (rank, (code, err)) in run_workers(w, &addrs, b, steps, &save, extra).into_iter().enumerate()
+            {
+                assert_eq!(code, 0, "W={w} K={k} {extra:?} rank {rank} failed: {err}");
             }
             let got = params(&save);
             let d = max_diff(&got, &want);
-            assert!(d < 1e-5, "W={w} K={k}: parameters differ from local batch {} by {d}", w * b);
+            assert!(d < 1e-5, "W={w} K={k} {extra:?}: parameters differ from local batch {} by {d}", w * b);
             assert!(
                 max_diff(&got, &init_params(&Layout::new(&spec()), 7)) > 1e-3,
-                "W={w} K={k}: nothing trained"
+                "W={w} K={k} {extra:?}: nothing trained"
             );
         }
     }

@@ -97,6 +97,8 @@ pub struct PsClient {
     rank: u32,
     total: usize,
     sync: String,
+    /// Under BSP, pull the next version while pushing (`--no-pipeline` clears it).
+    pipeline: bool,
 }
 
 /// `host:port` to `http://host:port` (`https://` with TLS).
@@ -198,7 +200,14 @@ impl PsClient {
             rank: 0,
             total: 0,
             sync: String::new(),
+            pipeline: true,
         })
+    }
+
+    /// Whether a BSP exchange pulls the next version while pushing (the default) or pushes,
+    /// then pulls.
+    pub fn set_pipeline(&mut self, on: bool) {
+        self.pipeline = on;
     }
 
     /// The servers' synchronisation mode (`bsp`, `asp`, `ssp:S`), asked of shard 0.
@@ -404,7 +413,7 @@ impl PsClient {
             images.len() == self.shards.len() && sinks.len() == self.shards.len(),
             "one gradient image and one destination per shard"
         );
-        let pipelined = self.sync == "bsp";
+        let pipelined = self.sync == "bsp" && self.pipeline;
         let o = self.opts();
         let got = try_join_all(self.shards.iter().zip(images).zip(sinks).map(|((s, image), mut sink)| {
             let o = &o;
@@ -502,6 +511,7 @@ impl PsClient {
             rank: self.rank,
             total: self.total,
             sync: self.sync.clone(),
+            pipeline: self.pipeline,
         }
     }
 }
@@ -742,6 +752,7 @@ impl Ps {
             let mut c =
                 PsClient::connect_tls(&args.servers, args.token.as_deref(), timeout, tuning, tls).await?;
             c.sync_mode().await?;
+            c.set_pipeline(!args.no_pipeline);
             anyhow::Ok(c)
         })?;
         Ok(Ps {
@@ -845,6 +856,7 @@ impl Strategy for Ps {
         extra.insert("servers".into(), self.servers.clone().into());
         extra.insert("shards".into(), self.client.shards.len().into());
         extra.insert("chunk_bytes".into(), self.client.chunk_bytes.into());
+        extra.insert("pipeline".into(), (self.client.sync == "bsp" && self.client.pipeline).into());
         (self.client.sync.clone(), extra)
     }
 }
