@@ -30,6 +30,7 @@ const CHUNK: usize = 1 << 15;
 
 /// One SGD step over matching slices; `grad_scale` multiplies the gradient first (1/W to turn a
 /// sum of W workers' gradients into their mean).
+///
 /// Chunks go to the current rayon pool; [`sgd_block`] is the same step on the calling thread.
 pub fn sgd_step(cfg: &SgdConfig, params: &mut [f32], grads: &[f32], momentum: &mut [f32], grad_scale: f32) {
     check_lengths(params, grads, momentum);
