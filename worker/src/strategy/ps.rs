@@ -28,7 +28,7 @@ use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
 use gradsync_core::trace::Trace;
-use gradsync_proto::frames::{self, Frames, Incoming};
+use gradsync_proto::frames::{self, FramedChunk, Frames, Incoming};
 use gradsync_proto::pb::parameter_server_client::ParameterServerClient;
 use gradsync_proto::pb::{
     DeregisterRequest, GradientChunk, HeartbeatRequest, PullRequest, PushReply, RegisterRequest,
@@ -39,7 +39,7 @@ use gradsync_proto::wire;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::Channel;
+use tonic::transport::{Channel, Endpoint};
 
 use super::{Strategy, forward_backward_traced, ms_since};
 use crate::cli::PsArgs;
@@ -59,12 +59,39 @@ impl Interceptor for Auth {
 
 type Client = ParameterServerClient<InterceptedService<Channel, Auth>>;
 
+/// One HTTP/2 connection to a shard, with a tonic client on it; the bulk RPCs go straight on
+/// the channel as HTTP/2 frames.
+#[derive(Clone)]
+struct Conn {
+    client: Client,
+    channel: Channel,
+}
+
+/// Open one connection to `a` through `ep`.
+async fn dial(
+    ep: &Endpoint,
+    a: &str,
+    timeout: Duration,
+    tuning: Tuning,
+    auth: &Auth,
+) -> anyhow::Result<Conn> {
+    let channel = tokio::time::timeout(timeout, ep.connect())
+        .await
+        .map_err(|_| anyhow::anyhow!("connecting to {a}: no answer within {} s", timeout.as_secs_f64()))?
+        .map_err(|e| anyhow::anyhow!("connecting to {a}: {}", gradsync_proto::tls::tls_why(&e)))?;
+    let client = ParameterServerClient::with_interceptor(channel.clone(), auth.clone())
+        .max_decoding_message_size(tuning.max_message())
+        .max_encoding_message_size(tuning.max_message());
+    Ok(Conn { client, channel })
+}
+
 /// One server shard as this worker sees it.
 struct Shard {
     addr: String,
-    client: Client,
-    /// The same connection, for the bulk RPCs sent straight as HTTP/2 frames.
-    channel: Channel,
+    /// The connection for pushes and the small RPCs.
+    rpc: Conn,
+    /// The connection for pulls.
+    pull: Conn,
     /// Its range of the flat buffer (known once registered).
     range: Range<usize>,
     /// Version of the parameters last pulled from it.
@@ -175,18 +202,14 @@ impl PsClient {
                         .tls_config(tls)
                         .map_err(|e| anyhow::anyhow!("--tls-ca: {}", gradsync_proto::tls::tls_why(&e)))?;
                 }
-                let ch = tokio::time::timeout(timeout, ep.connect())
-                    .await
-                    .map_err(|_| {
-                        anyhow::anyhow!("connecting to {a}: no answer within {} s", timeout.as_secs_f64())
-                    })?
-                    .map_err(|e| {
-                        anyhow::anyhow!("connecting to {a}: {}", gradsync_proto::tls::tls_why(&e))
-                    })?;
-                let client = ParameterServerClient::with_interceptor(ch.clone(), auth)
-                    .max_decoding_message_size(tuning.max_message())
-                    .max_encoding_message_size(tuning.max_message());
-                anyhow::Ok(Shard { addr: a.clone(), client, channel: ch, range: 0..0, version: 0 })
+                // Pulls get their own connection: on one TCP connection carrying both
+                // directions at once, the sender's socket lock also processes the incoming
+                // segments, and each direction runs at about half its rate (docs/ps.md).
+                let (rpc, pull) = tokio::try_join!(
+                    dial(&ep, a, timeout, tuning, &auth),
+                    dial(&ep, a, timeout, tuning, &auth)
+                )?;
+                anyhow::Ok(Shard { addr: a.clone(), rpc, pull, range: 0..0, version: 0 })
             }
         }))
         .await?;
@@ -217,7 +240,7 @@ impl PsClient {
             self.timeout,
             &s.addr,
             "GetVersion",
-            s.client.get_version(request(VersionRequest {}, self.timeout)),
+            s.rpc.client.get_version(request(VersionRequest {}, self.timeout)),
         )
         .await?
         .into_inner();
@@ -242,7 +265,8 @@ impl PsClient {
                 world_size: world as u32,
                 fingerprint: fingerprint.into(),
             };
-            let r = deadline(timeout, &s.addr, "Register", s.client.register(request(req, timeout))).await?;
+            let r =
+                deadline(timeout, &s.addr, "Register", s.rpc.client.register(request(req, timeout))).await?;
             anyhow::Ok(r.into_inner())
         }))
         .await?;
@@ -289,6 +313,7 @@ impl PsClient {
             limit: self.limit,
             auth: &self.auth,
             rank: self.rank,
+            chunk_bytes: self.chunk_bytes,
         }
     }
 
@@ -309,43 +334,12 @@ impl PsClient {
         slices
     }
 
-    /// Each shard's gradient as its wire image, its payloads written in place by `src` (one
-    /// pass from the gradient to the wire: a device's copy-out lands in the message buffers).
-    pub fn images(&self, src: Src<'_>) -> anyhow::Result<Vec<frames::Framed>> {
-        if let Src::Host(g) = src {
-            self.check_len("push", g.len())?;
-        }
-        let rank = self.rank;
-        self.shards
-            .iter()
-            .map(|s| {
-                let base = s.version;
-                let head =
-                    move |offset| GradientChunk { rank, base_version: base, offset, data: Bytes::new() };
-                let start = s.range.start;
-                match src {
-                    // Host values: appended as they are (no zeroing first).
-                    Src::Host(g) => {
-                        Ok(frames::Framed::encode(&g[s.range.clone()], self.chunk_bytes, 4, head))
-                    }
-                    Src::Engine(e) => frames::Framed::fill(
-                        s.range.len(),
-                        self.chunk_bytes,
-                        4,
-                        head,
-                        |r, dst: &mut [f32]| Ok(e.read_grads(start + r.start..start + r.end, dst)?),
-                    ),
-                }
-            })
-            .collect()
-    }
-
     /// Push `grads` (the whole flat buffer): each shard gets its range, all concurrently.
     pub async fn push(&mut self, grads: &[f32]) -> anyhow::Result<Traffic> {
-        let images = self.images(Src::Host(grads))?;
+        self.check_len("push", grads.len())?;
         let (t, o) = (Instant::now(), self.opts());
-        let replies =
-            try_join_all(self.shards.iter().zip(&images).map(|(s, f)| push_shard(&o, s, f))).await?;
+        let grads = HostGrads(grads);
+        let replies = try_join_all(self.shards.iter().map(|s| push_shard(&o, s, &grads))).await?;
         Ok(push_traffic(&replies, t))
     }
 
@@ -367,13 +361,11 @@ impl PsClient {
         Ok(Traffic { bytes: got.iter().map(|g| g.1).sum(), ms: ms_since(t), ..Traffic::default() })
     }
 
-    /// [`PsClient::exchange`] with the pulled chunks written straight into `engine`'s
-    /// parameters (a host-memory device: no whole-buffer copy in between).
-    pub async fn exchange_into_engine(
-        &mut self,
-        images: &[frames::Framed],
-        engine: &mut Engine,
-    ) -> anyhow::Result<(Traffic, Traffic)> {
+    /// [`PsClient::exchange`] between the gradients and the parameters of `engine` (a
+    /// host-memory device): each gradient chunk is copied out straight into its message and
+    /// each pulled chunk written straight into the parameters, with no whole-buffer copy in
+    /// between.
+    pub async fn exchange_engine(&mut self, engine: &mut Engine) -> anyhow::Result<(Traffic, Traffic)> {
         let engine = RefCell::new(engine);
         let sinks = self
             .shards
@@ -385,41 +377,38 @@ impl PsClient {
                 scratch: Vec::new(),
             })
             .collect();
-        self.exchange(images, sinks).await
+        self.exchange(&EngineGrads(&engine), sinks).await
     }
 
     /// One step's communication: push `grads` and pull the parameters the update makes into
     /// `params` (both the whole flat buffer). See [`PsClient::exchange`].
     pub async fn step(&mut self, grads: &[f32], params: &mut [f32]) -> anyhow::Result<(Traffic, Traffic)> {
-        let images = self.images(Src::Host(grads))?;
+        self.check_len("push", grads.len())?;
         self.check_len("pull", params.len())?;
         let sinks = self.split(params).into_iter().map(HostSlice).collect();
-        self.exchange(&images, sinks).await
+        self.exchange(&HostGrads(grads), sinks).await
     }
 
-    /// One step's communication: push the gradient `images` ([`PsClient::images`]) and pull
-    /// the parameters the update makes into `dst`. Under BSP the push and the pull go at
-    /// once on each shard's connection (HTTP/2 is full duplex): the pull asks for the next
-    /// version streamed, so its blocks arrive while the rest of the gradient is still going
-    /// out and the server steps block by block. Other sync modes push, then pull. Returns the
-    /// push's and the pull's traffic (times from the start of the call).
-    pub async fn exchange<S: ChunkSink>(
+    /// One step's communication: push the gradient `grads` and pull the parameters the update
+    /// makes into `sinks` (one per shard). Under BSP the push and the pull go at once to each
+    /// shard, the pull on its own connection: it asks for the next version streamed, so its
+    /// blocks arrive while the rest of the gradient is still going out and the server steps
+    /// block by block. Other sync modes push, then pull. Returns the push's and the pull's
+    /// traffic (times from the start of the call).
+    pub async fn exchange<G: Gradients + ?Sized, S: ChunkSink>(
         &mut self,
-        images: &[frames::Framed],
+        grads: &G,
         sinks: Vec<S>,
     ) -> anyhow::Result<(Traffic, Traffic)> {
         let t = Instant::now();
-        anyhow::ensure!(
-            images.len() == self.shards.len() && sinks.len() == self.shards.len(),
-            "one gradient image and one destination per shard"
-        );
+        anyhow::ensure!(sinks.len() == self.shards.len(), "one destination per shard");
         let pipelined = self.sync == "bsp" && self.pipeline;
         let o = self.opts();
-        let got = try_join_all(self.shards.iter().zip(images).zip(sinks).map(|((s, image), mut sink)| {
+        let got = try_join_all(self.shards.iter().zip(sinks).map(|(s, mut sink)| {
             let o = &o;
             async move {
                 let push = async {
-                    let r = push_shard(o, s, image).await;
+                    let r = push_shard(o, s, grads).await;
                     (r, ms_since(t))
                 };
                 let ((push, push_ms), pull) = if pipelined {
@@ -465,7 +454,7 @@ impl PsClient {
                 timeout,
                 &s.addr,
                 "Heartbeat",
-                s.client.heartbeat(request(HeartbeatRequest { rank }, timeout)),
+                s.rpc.client.heartbeat(request(HeartbeatRequest { rank }, timeout)),
             )
             .await
         }))
@@ -481,7 +470,7 @@ impl PsClient {
                 timeout,
                 &s.addr,
                 "Deregister",
-                s.client.deregister(request(DeregisterRequest { rank }, timeout)),
+                s.rpc.client.deregister(request(DeregisterRequest { rank }, timeout)),
             )
             .await
         }))
@@ -497,8 +486,8 @@ impl PsClient {
                 .iter()
                 .map(|s| Shard {
                     addr: s.addr.clone(),
-                    client: s.client.clone(),
-                    channel: s.channel.clone(),
+                    rpc: s.rpc.clone(),
+                    pull: s.pull.clone(),
                     range: s.range.clone(),
                     version: s.version,
                 })
@@ -519,14 +508,44 @@ impl PsClient {
 const PUSH: &str = "/gradsync.ps.v1.ParameterServer/PushGradients";
 const PULL: &str = "/gradsync.ps.v1.ParameterServer/PullParameters";
 
-/// Where a push's gradient comes from.
-#[derive(Clone, Copy)]
-pub enum Src<'a> {
-    /// A host buffer of the whole flat length.
-    Host(&'a [f32]),
-    /// The engine's gradients, copied out straight into the wire image.
-    Engine(&'a Engine),
+/// Where a push's gradient values come from.
+pub trait Gradients {
+    /// The message `head` carrying `values` (of the whole flat buffer) as its payload, written
+    /// straight into the message's buffer.
+    fn chunk(&self, head: &GradientChunk, values: Range<usize>) -> anyhow::Result<FramedChunk>;
 }
+
+/// A host buffer of the whole flat length.
+pub struct HostGrads<'a>(pub &'a [f32]);
+
+impl Gradients for HostGrads<'_> {
+    fn chunk(&self, head: &GradientChunk, values: Range<usize>) -> anyhow::Result<FramedChunk> {
+        let src =
+            self.0.get(values.clone()).with_context(|| format!("values {values:?} of {}", self.0.len()))?;
+        // Appended as they are (no zeroing first).
+        Ok(FramedChunk::build(head, GRADIENT_DATA, head.offset, src.len() * 4, |buf| wire::put_f32(src, buf)))
+    }
+}
+
+/// The engine's gradients, copied out straight into the message. The shards' pushes share
+/// the engine: they run on one task and never hold it across an await.
+struct EngineGrads<'a, 'e>(&'a RefCell<&'e mut Engine>);
+
+impl Gradients for EngineGrads<'_, '_> {
+    fn chunk(&self, head: &GradientChunk, values: Range<usize>) -> anyhow::Result<FramedChunk> {
+        let engine = self.0.try_borrow().map_err(|e| anyhow::anyhow!("the engine is busy: {e}"))?;
+        FramedChunk::build_f32(head, GRADIENT_DATA, head.offset, values.len(), |dst| {
+            engine.read_grads(values.clone(), dst)
+        })
+        .map_err(Into::into)
+    }
+}
+
+/// `GradientChunk.data`'s field number.
+const GRADIENT_DATA: u32 = 4;
+
+/// Gradient messages a push builds ahead of what HTTP/2 has taken.
+const PUSH_AHEAD: usize = 4;
 
 /// Where one shard's pulled chunks go.
 pub trait ChunkSink {
@@ -590,6 +609,7 @@ struct Opts<'a> {
     limit: usize,
     auth: &'a Auth,
     rank: u32,
+    chunk_bytes: usize,
 }
 
 /// The pushes' replies (and payload bytes) as one [`Traffic`], timed from `t`.
@@ -602,17 +622,46 @@ fn push_traffic(replies: &[(PushReply, u64)], t: Instant) -> Traffic {
     })
 }
 
-/// Push shard `s`'s gradient, already in its wire `image`, as one PushGradients call. Returns
-/// the reply and the payload bytes.
-async fn push_shard(o: &Opts<'_>, s: &Shard, image: &frames::Framed) -> anyhow::Result<(PushReply, u64)> {
-    let bytes = image.payload_len();
+/// Push shard `s`'s range of `grads` as one PushGradients call. Returns the reply and the
+/// payload bytes. Each message is built (one copy, from the gradient into the message) just
+/// before it is sent, so the first leaves at once and each is still in cache when the kernel
+/// copies it into the socket.
+async fn push_shard<G: Gradients + ?Sized>(
+    o: &Opts<'_>,
+    s: &Shard,
+    grads: &G,
+) -> anyhow::Result<(PushReply, u64)> {
+    let (rank, base) = (o.rank, s.version);
+    let chunk = |r: Range<usize>| {
+        let head = GradientChunk { rank, base_version: base, offset: r.start as u64, data: Bytes::new() };
+        grads.chunk(&head, s.range.start + r.start..s.range.start + r.end)
+    };
+    let ranges = || wire::chunks(s.range.len() * 4, o.chunk_bytes).map(|b| b.start / 4..b.end / 4);
     let r = if o.direct {
-        // Every message a zero-copy slice of the image.
-        let mut body = Frames::new();
-        for i in 0..image.len() {
-            body.data(image.message(i));
-        }
-        let mut ch = s.channel.clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(PUSH_AHEAD);
+        let body = tonic::body::Body::new(http_body_util::StreamBody::new(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        ));
+        // Owns the sender: the body ends when the last message is handed over.
+        let produce = async move {
+            for r in ranges() {
+                match chunk(r) {
+                    Ok(c) => {
+                        if tx.send(Ok(http_body::Frame::data(c.message()))).await.is_err() {
+                            // The call ended early; its error says why.
+                            return Ok(());
+                        }
+                    }
+                    Err(e) => {
+                        // Reset the stream: the server must not take a short push.
+                        let _ = tx.send(Err(tonic::Status::cancelled(format!("{e:#}")))).await;
+                        return Err(e);
+                    }
+                }
+            }
+            anyhow::Ok(())
+        };
+        let mut ch = s.rpc.channel.clone();
         let fut = async {
             let mut replies = call(&mut ch, o.auth, PUSH, o.timeout, body, o.limit).await?;
             let r = replies.message::<PushReply>().await?;
@@ -621,20 +670,21 @@ async fn push_shard(o: &Opts<'_>, s: &Shard, image: &frames::Framed) -> anyhow::
                 _ => Err(tonic::Status::internal("PushGradients must answer one PushReply")),
             }
         };
-        deadline(o.timeout, &s.addr, "PushGradients", fut).await?
+        let (produced, reply) = tokio::join!(produce, deadline(o.timeout, &s.addr, "PushGradients", fut));
+        produced.context("reading the gradient")?;
+        reply?
     } else {
-        let (rank, base) = (o.rank, s.version);
-        let chunks: Vec<GradientChunk> = (0..image.len())
-            .map(|i| {
-                let (offset, data) = image.payload(i);
-                GradientChunk { rank, base_version: base, offset, data }
+        let chunks = ranges()
+            .map(|r| {
+                let (offset, data) = chunk(r)?.payload();
+                anyhow::Ok(GradientChunk { rank, base_version: base, offset, data })
             })
-            .collect();
-        let mut client = s.client.clone();
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let mut client = s.rpc.client.clone();
         let req = request(tokio_stream_iter(chunks), o.timeout);
         deadline(o.timeout, &s.addr, "PushGradients", client.push_gradients(req)).await?.into_inner()
     };
-    Ok((r, bytes))
+    Ok((r, s.range.len() as u64 * 4))
 }
 
 /// Pull shard `s`'s parameters into `dst` chunk by chunk: the current version, or `want`
@@ -650,10 +700,10 @@ async fn pull_shard(
         let mut stream = if o.direct {
             let mut body = Frames::new();
             body.data(frames::message(&req));
-            let mut ch = s.channel.clone();
-            Incoming::Direct(call(&mut ch, o.auth, PULL, o.timeout, body, o.limit).await?)
+            let mut ch = s.pull.channel.clone();
+            Incoming::Direct(call(&mut ch, o.auth, PULL, o.timeout, body.into_body(), o.limit).await?)
         } else {
-            let mut client = s.client.clone();
+            let mut client = s.pull.client.clone();
             Incoming::Codec(client.pull_parameters(request(req, o.timeout)).await?.into_inner())
         };
         let (mut received, mut version) = (0u64, None);
@@ -677,7 +727,7 @@ async fn call(
     auth: &Auth,
     path: &str,
     timeout: Duration,
-    body: Frames,
+    body: tonic::body::Body,
     limit: usize,
 ) -> Result<frames::Messages<tonic::body::Body>, tonic::Status> {
     let mut req = http::Request::builder()
@@ -689,7 +739,7 @@ async fn call(
     if let Some(v) = &auth.0 {
         req = req.header(gradsync_proto::auth::KEY, v.as_encoded_bytes());
     }
-    let req = req.body(body.into_body()).map_err(|e| tonic::Status::internal(e.to_string()))?;
+    let req = req.body(body).map_err(|e| tonic::Status::internal(e.to_string()))?;
     std::future::poll_fn(|cx| tonic::codegen::Service::poll_ready(ch, cx))
         .await
         .map_err(|e| frames::status_of(e.into()))?;
@@ -821,9 +871,8 @@ impl Strategy for Ps {
         } else {
             // Host memory: the gradients go straight into the wire image and each pulled
             // chunk straight into the engine's parameters.
-            let images = client.images(Src::Engine(engine))?;
             let t_comm = Instant::now();
-            (t_comm, self.rt.block_on(client.exchange_into_engine(&images, engine))?)
+            (t_comm, self.rt.block_on(client.exchange_engine(engine))?)
         };
         let at = |ms: f64| t_comm + Duration::from_secs_f64(ms / 1e3);
         let mut args = serde_json::Map::new();
