@@ -2,7 +2,8 @@
 //! sizes, worker counts and shard counts, with four rows side by side (tonic's default HTTP/2
 //! settings; tuned windows and frames through tonic's codec; gradsync's transport, the tuned
 //! settings with the bulk RPCs framed directly; the same pushing then pulling instead of both at
-//! once, [`Row`]), against the raw TCP bandwidth of the same machine measured in the same run.
+//! once, [`Row`]), against the raw TCP bandwidth of the same machine measured in the same run
+//! and the same traffic over plain sockets in the same topology (the machine's floor for it).
 //!
 //! Servers and workers run in this process (one tokio runtime, real loopback sockets); each
 //! step every worker pushes its whole gradient to every shard and pulls every shard back, as
@@ -35,12 +36,19 @@ pub struct PsBenchArgs {
     /// Shard counts.
     #[arg(long, default_value = "1,2", value_delimiter = ',')]
     pub shards: Vec<usize>,
-    /// Timed steps per configuration (after one warm-up step).
-    #[arg(long, default_value_t = 3)]
+    /// Timed steps per configuration (the median is reported).
+    #[arg(long, default_value_t = 5)]
     pub steps: usize,
-    /// Seconds of raw TCP measurement (before every worker/shard group).
-    #[arg(long, default_value_t = 0.5)]
+    /// Untimed steps first: the first steps fault in and first touch every buffer.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// Seconds of each raw TCP measurement (three before every worker/shard group; the
+    /// median is the group's raw figure).
+    #[arg(long, default_value_t = 0.3)]
     pub raw_secs: f64,
+    /// Skip the plain-sockets row (the same traffic over plain TCP sockets, no PS).
+    #[arg(long)]
+    pub no_plain: bool,
     /// Only gradsync's transport (skip tonic's defaults and tonic's codec).
     #[arg(long)]
     pub tuned_only: bool,
@@ -103,6 +111,7 @@ async fn measure(
     shards: usize,
     tuning: Tuning,
     serial: bool,
+    warmup: usize,
     steps: usize,
 ) -> anyhow::Result<Figure> {
     let total = Layout::new(spec).len;
@@ -132,7 +141,7 @@ async fn measure(
     let mut state: Vec<_> =
         clients.into_iter().map(|c| (c, vec![1e-4f32; total], vec![0f32; total])).collect();
     let (mut times, mut push, mut pull, mut wait) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for step in 0..=steps {
+    for step in 0..warmup + steps {
         let t = Instant::now();
         let handles: Vec<_> = state
             .drain(..)
@@ -157,7 +166,7 @@ async fn measure(
                 *m = m.max(p);
             }
         }
-        if step > 0 {
+        if step >= warmup {
             times.push(t.elapsed().as_secs_f64() * 1e3);
             push.push(slowest[0]);
             pull.push(slowest[1]);
@@ -182,17 +191,37 @@ async fn measure(
     })
 }
 
+/// The plain-sockets row: the step's traffic over plain TCP sockets in the same topology
+/// ([`crate::rawtcp::Exchange`]); push and pull run at once, so both are the step's time.
+fn plain_tcp(
+    bytes: usize,
+    workers: usize,
+    shards: usize,
+    warmup: usize,
+    steps: usize,
+) -> anyhow::Result<Figure> {
+    let times = crate::rawtcp::Exchange::new(bytes, workers, shards)?.run(warmup, steps)?;
+    let ms = median(&times);
+    Ok(Figure { step_ms: ms, push_ms: ms, pull_ms: ms, wait_ms: 0.0 })
+}
+
 /// Run the benchmark and print its table.
 pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
-    let (sizes, workers, shards, steps) = if a.quick {
-        (vec![4], vec![1, 2], vec![1, 2], 2)
+    let (sizes, workers, shards, warmup, steps) = if a.quick {
+        (vec![4], vec![1, 2], vec![1, 2], 1, 2)
     } else {
-        (a.sizes_mb.clone(), a.workers.clone(), a.shards.clone(), a.steps.max(1))
+        (a.sizes_mb.clone(), a.workers.clone(), a.shards.clone(), a.warmup, a.steps.max(1))
     };
-    let raw_secs = if a.quick { 0.3 } else { a.raw_secs };
+    let raw_secs = if a.quick { 0.1 } else { a.raw_secs };
     gradsync_core::heap::keep_freed_memory();
     gradsync_core::heap::single_arena();
-    let raw_tcp = || crate::rawtcp::bandwidth("127.0.0.1", Duration::from_secs_f64(raw_secs));
+    // The median of three: one short measurement can land on a burst of other load.
+    let raw_tcp = || -> anyhow::Result<f64> {
+        let d = Duration::from_secs_f64(raw_secs);
+        let b =
+            (0..3).map(|_| crate::rawtcp::bandwidth("127.0.0.1", d)).collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(median(&b))
+    };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     // (transport, push then pull rather than both at once): the serial row is the same
     // transport without the pipelined step, for the comparison in one run.
@@ -231,12 +260,21 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                 let raw = raw_tcp()?;
                 let bound_ms = 2.0 * (bytes / raw).max(w as f64 * bytes / (k as f64 * raw)) * 1e3;
                 let mut default_ms = None;
-                for &(tuning, serial) in &tunings {
-                    let name =
-                        if serial { format!("{} serial", tuning.name) } else { tuning.name.to_string() };
-                    let fig = rt
-                        .block_on(measure(&spec, w, k, tuning, serial, steps))
-                        .with_context(|| format!("{mb} MB, {w} workers, {k} shards, {name}"))?;
+                let plain = (!a.no_plain && a.only.is_none()).then_some(None);
+                for (tuning, serial) in
+                    plain.into_iter().chain(tunings.iter().map(|t| Some(*t))).map(Option::unzip)
+                {
+                    let name = match (tuning, serial) {
+                        (None, _) => "plain tcp".to_string(),
+                        (Some(t), Some(true)) => format!("{} serial", t.name),
+                        (Some(t), _) => t.name.to_string(),
+                    };
+                    let fig = match tuning {
+                        None => plain_tcp(bytes as usize, w, k, warmup, steps),
+                        Some(t) => rt.block_on(measure(&spec, w, k, t, serial == Some(true), warmup, steps)),
+                    }
+                    .with_context(|| format!("{mb} MB, {w} workers, {k} shards, {name}"))?;
+                    let tuning = tuning.unwrap_or(Tuning::tuned());
                     if tuning.name == Tuning::tonic_defaults().name {
                         default_ms = Some(fig.step_ms);
                     }
@@ -273,9 +311,11 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         "push, pull: the slowest worker's, median step, timed from the step's start (push and pull run at \
          once, except in `serial` rows: push, then pull, timed each); (wait): the longest a server held a push \
          after receiving it, for the barrier and the update's last block (part of push). GB/s: bytes pushed and pulled by all workers per second; raw GB/s: one plain TCP stream over \
-         loopback, measured just before the row's group; x raw: GB/s over raw. bound: 2 x max(S/B, W*S/(K*B)) with \
+         loopback, the median of three measured just before the row's group; x raw: GB/s over raw. bound: 2 x max(S/B, W*S/(K*B)) with \
          B the raw figure. x bound: ms/step over the bound (1.0 is the \
-         link's limit). vs default: how much faster than tonic's defaults. Transports: default = tonic's HTTP/2 \
+         link's limit). vs default: how much faster than tonic's defaults. Rows: plain tcp = the same bytes over plain \
+         sockets in the same topology (a socket per worker, shard and direction, push and pull at once; no \
+         framing, no update): the floor on this machine; default = tonic's HTTP/2 \
          defaults; tuned-codec = tuned windows and frames, messages through tonic's codec; tuned = the same \
          settings with the bulk RPCs framed straight over HTTP/2 (gradsync's transport); tuned serial = the same, \
          pushing then pulling rather than both at once. Chunks of {} bytes.",

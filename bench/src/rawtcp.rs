@@ -92,6 +92,107 @@ pub fn latency(ip: &str, rounds: usize) -> anyhow::Result<f64> {
     Ok(crate::table::median(&rtts) / 2.0)
 }
 
+/// One connected pair of plain sockets on loopback: (sending end, receiving end).
+fn socket_pair() -> anyhow::Result<(TcpStream, TcpStream)> {
+    let listener = TcpListener::bind("127.0.0.1:0").context("binding 127.0.0.1:0")?;
+    let tx = TcpStream::connect_timeout(&listener.local_addr()?, Duration::from_secs(10))
+        .context("connecting a plain socket pair")?;
+    let (rx, _) = listener.accept().context("accepting a plain socket pair")?;
+    for s in [&tx, &rx] {
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(Duration::from_secs(30)))?;
+        s.set_write_timeout(Some(Duration::from_secs(30)))?;
+    }
+    Ok((tx, rx))
+}
+
+/// A parameter-server step's traffic moved by plain sockets, with no framing, no copies
+/// beyond the kernel's and no update: the floor of what any transport can do with the same
+/// bytes in the same topology on this machine.
+///
+/// `workers` workers each hold a `bytes`-byte gradient and parameter buffer; `shards` servers
+/// each own a contiguous range of it. Every (worker, shard) pair has a socket for the push
+/// and another for the pull, as gradsync's worker does. In one exchange every worker sends
+/// each shard its range of the gradient (received into that shard's per-worker buffer) and
+/// every shard sends each worker its range of the parameters (received in place), both
+/// directions at once, one thread per socket end.
+pub struct Exchange {
+    /// Per pair (worker-major): the push socket (worker end, shard end) and the pull socket
+    /// (shard end, worker end).
+    pairs: Vec<[(TcpStream, TcpStream); 2]>,
+    workers: usize,
+    shards: usize,
+    bytes: usize,
+}
+
+impl Exchange {
+    /// Connect every pair.
+    pub fn new(bytes: usize, workers: usize, shards: usize) -> anyhow::Result<Exchange> {
+        let mut pairs = Vec::with_capacity(workers * shards);
+        for _ in 0..workers * shards {
+            let push = socket_pair()?;
+            let (to_worker, at_worker) = socket_pair()?;
+            pairs.push([push, (to_worker, at_worker)]);
+        }
+        Ok(Exchange { pairs, workers, shards, bytes })
+    }
+
+    /// Shard `k`'s byte range of a buffer.
+    fn range(&self, k: usize) -> std::ops::Range<usize> {
+        self.bytes * k / self.shards..self.bytes * (k + 1) / self.shards
+    }
+
+    /// Time `steps` exchanges after `warmup` more, returning each one's milliseconds.
+    pub fn run(&mut self, warmup: usize, steps: usize) -> anyhow::Result<Vec<f64>> {
+        let (w, k) = (self.workers, self.shards);
+        let grads = vec![vec![1u8; self.bytes]; w];
+        let mut params = vec![vec![0u8; self.bytes]; w];
+        let server_params: Vec<Vec<u8>> = (0..k).map(|j| vec![2u8; self.range(j).len()]).collect();
+        let mut received: Vec<Vec<u8>> = (0..w * k).map(|p| vec![0u8; self.range(p % k).len()]).collect();
+        let mut times = Vec::with_capacity(steps);
+        for step in 0..warmup + steps {
+            let t = Instant::now();
+            std::thread::scope(|scope| -> anyhow::Result<()> {
+                let ranges: Vec<_> = (0..k).map(|j| self.range(j)).collect();
+                let mut handles = Vec::new();
+                let mut dsts: Vec<&mut [u8]> = Vec::new();
+                for p in params.iter_mut() {
+                    let mut rest = p.as_mut_slice();
+                    for r in &ranges {
+                        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
+                        dsts.push(mine);
+                        rest = tail;
+                    }
+                }
+                for (((pair, got), dst), p) in self.pairs.iter_mut().zip(&mut received).zip(dsts).zip(0..) {
+                    let (i, j) = (p / k, p % k);
+                    let [(push_tx, push_rx), (pull_tx, pull_rx)] = pair;
+                    let src = &grads[i][ranges[j].clone()];
+                    let back = &server_params[j][..];
+                    handles.push(scope.spawn(move || push_tx.write_all(src)));
+                    handles.push(scope.spawn(move || push_rx.read_exact(got)));
+                    handles.push(scope.spawn(move || pull_tx.write_all(back)));
+                    handles.push(scope.spawn(move || pull_rx.read_exact(dst)));
+                }
+                for h in handles {
+                    h.join()
+                        .map_err(|_| anyhow::anyhow!("a socket thread panicked"))?
+                        .context("plain sockets")?;
+                }
+                Ok(())
+            })?;
+            if step >= warmup {
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        anyhow::ensure!(
+            params.iter().flatten().all(|&b| b == 2) && received.iter().flatten().all(|&b| b == 1),
+            "plain sockets delivered other bytes than were sent"
+        );
+        Ok(times)
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -99,6 +200,14 @@ mod tests {
     fn latency_is_small_and_positive() {
         let a = super::latency("127.0.0.1", 50).unwrap();
         assert!(a > 0.0 && a < 0.1, "loopback one-way latency {a} s");
+    }
+
+    #[test]
+    fn exchange_moves_every_byte() {
+        let mut x = super::Exchange::new(1 << 20, 2, 2).unwrap();
+        let t = x.run(0, 2).unwrap();
+        assert_eq!(t.len(), 2);
+        assert!(t.iter().all(|ms| *ms > 0.0));
     }
 
     #[test]

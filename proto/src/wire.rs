@@ -35,15 +35,38 @@ pub fn reclaim(b: Option<Bytes>) -> BytesMut {
 /// Decode the payload of a chunk at `offset` (in values) into `dst`, one pass. Returns whether
 /// every value is finite (checked block by block right behind the copy, while still in L1).
 pub fn decode_into(payload: &[u8], offset: u64, dst: &mut [f32]) -> Result<bool, Error> {
+    Ok(copy_checked(payload, place(payload, offset, dst)?))
+}
+
+/// [`decode_into`] without the finiteness check, for a receiver that takes whatever values
+/// arrive (a worker taking the server's parameters): a plain copy.
+pub fn copy_into(payload: &[u8], offset: u64, dst: &mut [f32]) -> Result<(), Error> {
+    copy_le(payload, place(payload, offset, dst)?);
+    Ok(())
+}
+
+/// The part of `dst` that a chunk `payload` at `offset` (in values) fills.
+fn place<'a>(payload: &[u8], offset: u64, dst: &'a mut [f32]) -> Result<&'a mut [f32], Error> {
     if !payload.len().is_multiple_of(4) {
         return Err(Error::Ragged(payload.len()));
     }
     let len = payload.len() / 4;
-    let start = usize::try_from(offset).ok().filter(|&o| o.checked_add(len).is_some_and(|e| e <= dst.len()));
-    let Some(start) = start else {
-        return Err(Error::Overrun { offset, len, range: dst.len() });
-    };
-    Ok(copy_checked(payload, &mut dst[start..start + len]))
+    let range = dst.len();
+    match usize::try_from(offset).ok().filter(|&o| o.checked_add(len).is_some_and(|e| e <= range)) {
+        Some(start) => Ok(&mut dst[start..start + len]),
+        None => Err(Error::Overrun { offset, len, range }),
+    }
+}
+
+/// Copy little-endian `src` into `dst` (same length in values).
+fn copy_le(src: &[u8], dst: &mut [f32]) {
+    if cfg!(target_endian = "little") {
+        bytemuck::cast_slice_mut::<f32, u8>(dst).copy_from_slice(src);
+    } else {
+        for (v, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+            *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+    }
 }
 
 /// Values per block of [`copy_checked`]: small enough that a block is still in L1 when it is
@@ -55,13 +78,7 @@ const BLOCK: usize = 1024;
 fn copy_checked(src: &[u8], dst: &mut [f32]) -> bool {
     let mut finite = true;
     for (d, s) in dst.chunks_mut(BLOCK).zip(src.chunks(BLOCK * 4)) {
-        if cfg!(target_endian = "little") {
-            bytemuck::cast_slice_mut::<f32, u8>(d).copy_from_slice(s);
-        } else {
-            for (v, c) in d.iter_mut().zip(s.chunks_exact(4)) {
-                *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-        }
+        copy_le(s, d);
         // Exponent bits all ones: NaN or Inf.
         finite &= d.iter().fold(true, |ok, v| ok & (v.to_bits() & 0x7f80_0000 != 0x7f80_0000));
     }

@@ -560,9 +560,7 @@ pub struct HostSlice<'a>(pub &'a mut [f32]);
 
 impl ChunkSink for HostSlice<'_> {
     fn put(&mut self, payload: &[u8], offset: u64) -> Result<(), tonic::Status> {
-        wire::decode_into(payload, offset, self.0)
-            .map(|_| ())
-            .map_err(|e| tonic::Status::data_loss(e.to_string()))
+        wire::copy_into(payload, offset, self.0).map_err(|e| tonic::Status::data_loss(e.to_string()))
     }
 
     fn values(&self) -> usize {
@@ -590,7 +588,7 @@ impl ChunkSink for EngineRange<'_, '_> {
             )));
         }
         self.scratch.resize(n, 0.0);
-        wire::decode_into(payload, 0, &mut self.scratch)
+        wire::copy_into(payload, 0, &mut self.scratch)
             .map_err(|e| tonic::Status::data_loss(e.to_string()))?;
         let internal = |e: String| tonic::Status::internal(e);
         let mut engine = self.engine.try_borrow_mut().map_err(|e| internal(e.to_string()))?;
