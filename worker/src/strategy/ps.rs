@@ -1,11 +1,11 @@
 //! Parameter-server mode: compute the gradient on the device, send each shard its range and
 //! receive the parameters back, all shards concurrently. The servers own the optimiser; this
-//! side owns no update. Under BSP the push and the pull of the next version go at once on each
-//! shard's connection, and the servers stream the new parameters block by block as they step
-//! them (`gradsync_server::round`); under ASP and SSP the worker pushes, then pulls.
+//! side owns no update. Under BSP the push and the pull of the next version go at once, each on
+//! its own connection to the shard, and the servers stream the new parameters block by block as
+//! they step them (`gradsync_server::round`); under ASP and SSP the worker pushes, then pulls.
 //!
 //! ```text
-//!   device grads --read_grads (1 pass)--> wire image --slices--> shard k
+//!   device grads --read_grads per chunk (1 pass)--> messages --------> shard k
 //!   device params <-write_params per chunk-- DATA frames <------- shard k   (CPU engine)
 //!   device params <-write_params-- host f32 <--decode-- DATA frames          (GPU engine)
 //! ```
