@@ -19,9 +19,15 @@ pub struct SgdConfig {
     pub weight_decay: f32,
 }
 
+impl SgdConfig {
+    /// The defaults of every command line that takes them (worker and server must agree: the
+    /// server applies the updates a local run would).
+    pub const DEFAULT: SgdConfig = SgdConfig { lr: 0.05, momentum: 0.9, weight_decay: 1e-4 };
+}
+
 impl Default for SgdConfig {
     fn default() -> Self {
-        SgdConfig { lr: 0.05, momentum: 0.9, weight_decay: 1e-4 }
+        SgdConfig::DEFAULT
     }
 }
 

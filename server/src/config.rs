@@ -108,13 +108,13 @@ pub struct ServerArgs {
     #[arg(long, default_value_t = 42, env = "GRADSYNC_SEED")]
     pub seed: u64,
     /// Learning rate.
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = SgdConfig::DEFAULT.lr)]
     pub lr: f32,
     /// SGD momentum.
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(long, default_value_t = SgdConfig::DEFAULT.momentum)]
     pub momentum: f32,
     /// L2 weight decay.
-    #[arg(long, default_value_t = 1e-4)]
+    #[arg(long, default_value_t = SgdConfig::DEFAULT.weight_decay)]
     pub weight_decay: f32,
     /// Shared secret every worker must send (none: no authentication).
     #[arg(long, env = "GRADSYNC_TOKEN", hide_env_values = true)]

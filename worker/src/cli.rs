@@ -7,6 +7,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use gradsync_core::data::DataSource;
 use gradsync_core::device::DeviceRequest;
 use gradsync_core::model::ModelSpec;
+use gradsync_core::optim::SgdConfig;
 
 pub use crate::collective::Transport;
 
@@ -109,13 +110,13 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 1, value_parser = parse_positive)]
     pub epochs: usize,
     /// Learning rate.
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = SgdConfig::DEFAULT.lr)]
     pub lr: f32,
     /// SGD momentum.
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(long, default_value_t = SgdConfig::DEFAULT.momentum)]
     pub momentum: f32,
     /// L2 weight decay.
-    #[arg(long, default_value_t = 1e-4)]
+    #[arg(long, default_value_t = SgdConfig::DEFAULT.weight_decay)]
     pub weight_decay: f32,
     /// Seed for initialisation, data and shuffling.
     #[arg(long, default_value_t = 42, env = "GRADSYNC_SEED")]
