@@ -248,6 +248,7 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         "x raw",
         "bound ms",
         "x bound",
+        "x plain",
         "vs default",
     ]);
     for &mb in &sizes {
@@ -259,7 +260,7 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                 // drifts over a run, and the ratios must compare like with like.
                 let raw = raw_tcp()?;
                 let bound_ms = 2.0 * (bytes / raw).max(w as f64 * bytes / (k as f64 * raw)) * 1e3;
-                let mut default_ms = None;
+                let (mut default_ms, mut plain_ms) = (None, None);
                 let plain = (!a.no_plain && a.only.is_none()).then_some(None);
                 for (tuning, serial) in
                     plain.into_iter().chain(tunings.iter().map(|t| Some(*t))).map(Option::unzip)
@@ -274,8 +275,8 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                         Some(t) => rt.block_on(measure(&spec, w, k, t, serial == Some(true), warmup, steps)),
                     }
                     .with_context(|| format!("{mb} MB, {w} workers, {k} shards, {name}"))?;
-                    let tuning = tuning.unwrap_or(Tuning::tuned());
-                    if tuning.name == Tuning::tonic_defaults().name {
+                    let is_default = tuning.is_some_and(|t| t.name == Tuning::tonic_defaults().name);
+                    if is_default {
                         default_ms = Some(fig.step_ms);
                     }
                     let gbs = 2.0 * w as f64 * bytes / (fig.step_ms * 1e6);
@@ -293,13 +294,18 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                         format!("{:.2}", gbs * 1e9 / raw),
                         format!("{bound_ms:.1}"),
                         format!("{:.2}", fig.step_ms / bound_ms),
+                        match plain_ms {
+                            Some(p) => format!("{:.2}", fig.step_ms / p),
+                            None => String::new(),
+                        },
                         match default_ms {
-                            Some(d) if tuning.name != Tuning::tonic_defaults().name => {
-                                format!("{:.2}x", d / fig.step_ms)
-                            }
+                            Some(d) if !is_default => format!("{:.2}x", d / fig.step_ms),
                             _ => String::new(),
                         },
                     ]);
+                    if tuning.is_none() {
+                        plain_ms = Some(fig.step_ms);
+                    }
                     eprint!(".");
                 }
             }
@@ -313,7 +319,7 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
          after receiving it, for the barrier and the update's last block (part of push). GB/s: bytes pushed and pulled by all workers per second; raw GB/s: one plain TCP stream over \
          loopback, the median of three measured just before the row's group; x raw: GB/s over raw. bound: 2 x max(S/B, W*S/(K*B)) with \
          B the raw figure. x bound: ms/step over the bound (1.0 is the \
-         link's limit). vs default: how much faster than tonic's defaults. Rows: plain tcp = the same bytes over plain \
+         link's limit). x plain: ms/step over the plain tcp row's. vs default: how much faster than tonic's defaults. Rows: plain tcp = the same bytes over plain \
          sockets in the same topology (a socket per worker, shard and direction, push and pull at once; no \
          framing, no update): the floor on this machine; default = tonic's HTTP/2 \
          defaults; tuned-codec = tuned windows and frames, messages through tonic's codec; tuned = the same \
