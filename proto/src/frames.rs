@@ -171,27 +171,6 @@ impl Framed {
         Framed { chunks }
     }
 
-    /// `values` f32 in chunks of `chunk_bytes` payload bytes, each message `head(offset)` with
-    /// the payload in field `tag`, every payload written in place by `fill(range, dst)` (range
-    /// in values from 0): one pass, with no f32 buffer in between ([`FramedChunk::build_f32`]).
-    pub fn fill<M: Message, E>(
-        values: usize,
-        chunk_bytes: usize,
-        tag: u32,
-        head: impl Fn(u64) -> M,
-        mut fill: impl FnMut(std::ops::Range<usize>, &mut [f32]) -> Result<(), E>,
-    ) -> Result<Framed, E> {
-        let chunks = crate::wire::chunks(values * 4, chunk_bytes)
-            .map(|r| {
-                let v = r.start / 4..r.end / 4;
-                FramedChunk::build_f32(&head(v.start as u64), tag, v.start as u64, v.len(), |dst| {
-                    fill(v.clone(), dst)
-                })
-            })
-            .collect::<Result<_, E>>()?;
-        Ok(Framed { chunks })
-    }
-
     /// Chunks built one by one ([`FramedChunk::build`]), in order.
     pub fn from_chunks(chunks: Vec<FramedChunk>) -> Framed {
         Framed { chunks }
@@ -652,22 +631,17 @@ mod tests {
         }
         assert_eq!(out, v);
         assert!(Framed::encode(&[], 400, 4, |o| chunk(o, &[])).is_empty());
-        // Filled in place: the same messages, byte for byte.
-        let filled = Framed::fill(
-            v.len(),
-            400,
-            4,
-            |o| chunk(o, &[]),
-            |r, dst: &mut [f32]| {
-                dst.copy_from_slice(&v[r]);
+        // Filled in place as f32 (a device's copy-out): the same messages, byte for byte.
+        for (i, r) in crate::wire::chunks(v.len() * 4, 400).enumerate() {
+            let vals = r.start / 4..r.end / 4;
+            let o = vals.start as u64;
+            let filled = FramedChunk::build_f32(&chunk(o, &[]), 4, o, vals.len(), |dst| {
+                dst.copy_from_slice(&v[vals.clone()]);
                 Ok::<(), ()>(())
-            },
-        )
-        .unwrap();
-        assert_eq!(filled.len(), f.len());
-        for i in 0..f.len() {
-            assert_eq!(filled.message(i), f.message(i), "chunk {i}");
-            assert_eq!(filled.payload(i), f.payload(i), "chunk {i}");
+            })
+            .unwrap();
+            assert_eq!(filled.message(), f.message(i), "chunk {i}");
+            assert_eq!(filled.payload(), f.payload(i), "chunk {i}");
         }
     }
 

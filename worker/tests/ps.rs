@@ -9,11 +9,14 @@ use std::time::{Duration, Instant};
 
 use gradsync_core::checkpoint::Checkpoint;
 use gradsync_core::model::{Fingerprint, Layout, ModelSpec, init_params};
+use gradsync_proto::frames::FramedChunk;
 use gradsync_proto::pb::parameter_server_client::ParameterServerClient;
 use gradsync_proto::pb::{
     DeregisterRequest, GradientChunk, ParameterChunk, PullRequest, RegisterRequest, ShutdownRequest,
     VersionRequest,
 };
+use gradsync_proto::tuning::Tuning;
+use gradsync_worker::strategy::ps::{Gradients, HostGrads, HostSlice, PsClient};
 use tonic::Code;
 
 mod common;
@@ -661,4 +664,61 @@ fn a_failed_step_ends_the_streamed_pull_with_its_error() {
         assert_eq!(e.code(), Code::Aborted, "{e:?}");
         assert!(e.message().contains("every worker left"), "{}", e.message());
     });
+}
+
+/// A device whose gradient copy-out fails from value `fail_from` on (a lost GPU, say).
+struct FailingGrads {
+    grads: Vec<f32>,
+    fail_from: usize,
+}
+
+impl Gradients for FailingGrads {
+    fn chunk(&self, head: &GradientChunk, values: std::ops::Range<usize>) -> anyhow::Result<FramedChunk> {
+        anyhow::ensure!(values.start < self.fail_from, "device lost at value {}", values.start);
+        HostGrads(&self.grads).chunk(head, values)
+    }
+}
+
+#[test]
+fn a_push_that_fails_midway_is_not_taken_and_returns_at_once() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    // A long barrier: were the streamed pull awaited after the failed push, the exchange would
+    // take that long.
+    let server = Server::start(&["--worker-timeout", "60"]);
+    let n = Layout::new(&spec()).len;
+    let fp = Fingerprint::new(&spec(), SEED.parse().expect("seed")).text;
+    // Small chunks, so the model is many messages and the failure falls in the middle.
+    let tuning = Tuning { chunk_bytes: 256, ..Tuning::tuned() };
+    let mut c = rt
+        .block_on(PsClient::connect(
+            std::slice::from_ref(&server.addr),
+            None,
+            Duration::from_secs(30),
+            tuning,
+        ))
+        .expect("connect");
+    rt.block_on(c.register(0, 1, &fp, n)).expect("register");
+    let mut before = vec![0f32; n];
+    rt.block_on(c.pull(&mut before)).expect("pull");
+
+    let bad = FailingGrads { grads: vec![0.5; n], fail_from: n / 2 };
+    let mut params = before.clone();
+    let t = Instant::now();
+    let err = rt.block_on(c.exchange(&bad, vec![HostSlice(&mut params)])).expect_err("the push must fail");
+    assert!(t.elapsed() < Duration::from_secs(20), "the failed exchange waited {:?}", t.elapsed());
+    assert!(format!("{err:#}").contains("device lost"), "{err:#}");
+    assert_eq!(params, before, "nothing was pulled into the parameters");
+
+    // Nothing of it was taken: still version 0, the same parameters; a whole gradient then
+    // makes version 1.
+    let mut now = vec![0f32; n];
+    rt.block_on(c.pull(&mut now)).expect("pull");
+    assert_eq!(now, before, "a short push changed the parameters");
+    let good = vec![0.5f32; n];
+    rt.block_on(c.step(&good, &mut now)).expect("a whole push after the failed one");
+    assert_ne!(now, before, "the good step changed nothing");
+    let mut raw = rt.block_on(connect(&server.addr));
+    let v =
+        rt.block_on(raw.get_version(tonic::Request::new(VersionRequest {}))).expect("version").into_inner();
+    assert_eq!(v.version, 1, "only the whole push made a version");
 }

@@ -412,8 +412,17 @@ impl PsClient {
                     (r, ms_since(t))
                 };
                 let ((push, push_ms), pull) = if pipelined {
-                    let (push, pull) = tokio::join!(push, pull_shard(o, s, &mut sink, Some(s.version + 1)));
-                    (push, Some(pull))
+                    let pull = pull_shard(o, s, &mut sink, Some(s.version + 1));
+                    tokio::pin!(push, pull);
+                    tokio::select! {
+                        // A failed push ends the exchange at once: its streamed pull could only
+                        // fail too, once the server gave up on the step.
+                        p = &mut push => match p {
+                            (Err(e), _) => return Err(e),
+                            p => (p, Some(pull.await)),
+                        },
+                        q = &mut pull => (push.await, Some(q)),
+                    }
                 } else {
                     (push.await, None)
                 };
