@@ -677,9 +677,17 @@ async fn push_shard<G: Gradients + ?Sized>(
                 _ => Err(tonic::Status::internal("PushGradients must answer one PushReply")),
             }
         };
-        let (produced, reply) = tokio::join!(produce, deadline(o.timeout, &s.addr, "PushGradients", fut));
-        produced.context("reading the gradient")?;
-        reply?
+        let call = deadline(o.timeout, &s.addr, "PushGradients", fut);
+        tokio::pin!(produce, call);
+        tokio::select! {
+            // The call ended first (refused early, or past its deadline): nothing more to send,
+            // whether or not the transport has let go of the body yet.
+            reply = &mut call => reply?,
+            produced = &mut produce => {
+                produced.context("reading the gradient")?;
+                call.await?
+            }
+        }
     } else {
         let chunks = ranges()
             .map(|r| {
