@@ -29,7 +29,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use gradsync_core::optim::{SgdConfig, sgd_step_into};
-use gradsync_proto::frames::FramedChunk;
+use gradsync_proto::frames::{Framed, FramedChunk};
 use gradsync_proto::pb::ParameterChunk;
 use tokio::sync::watch;
 
@@ -83,23 +83,80 @@ struct Inner {
 }
 
 /// The buffers one stepper writes; only the task holding `Inner::stepping` locks this.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Work {
-    params: Arc<Vec<f32>>,
+    params: Params,
     momentum: Arc<Vec<f32>>,
-    next_params: Vec<f32>,
     next_momentum: Vec<f32>,
     sum: Vec<f32>,
+    /// One inner block of the current parameters, read out of their image.
+    current: Vec<f32>,
+    /// One inner block of the new parameters, before it goes into the image.
+    new: Vec<f32>,
+}
+
+/// The parameters a step starts from: as values (at start, after a resume, or after updates
+/// applied in place under ASP and SSP), or only in the wire image of the step that made them
+/// (one `ParameterChunk` message per block), which the pulls of that version stream. A step
+/// then writes the new parameters once, into the next image, rather than into a buffer of
+/// values and then the image.
+#[derive(Debug, Clone, Default)]
+pub struct Params {
+    /// The values; empty while `image` holds them.
+    values: Arc<Vec<f32>>,
+    image: Option<Framed>,
+}
+
+impl Params {
+    /// Parameters held as values.
+    pub fn from_values(values: Vec<f32>) -> Params {
+        Params { values: Arc::new(values), image: None }
+    }
+
+    /// Parameters held only in a step's wire image.
+    pub fn from_image(image: Framed) -> Params {
+        Params { values: Arc::default(), image: Some(image) }
+    }
+
+    /// The number of values.
+    pub fn len(&self) -> usize {
+        match &self.image {
+            Some(f) => (f.payload_len() / 4) as usize,
+            None => self.values.len(),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The image holding the parameters, if that is how they are held.
+    pub fn image(&self) -> Option<&Framed> {
+        self.image.as_ref()
+    }
+
+    /// The parameters as values, decoded from the image the first time they are asked for.
+    pub fn values(&mut self) -> &mut Arc<Vec<f32>> {
+        if let Some(f) = self.image.take() {
+            let mut v = vec![0f32; (f.payload_len() / 4) as usize];
+            for i in 0..f.len() {
+                let (offset, payload) = f.payload(i);
+                // The image was written by a step over exactly these values.
+                let _ = gradsync_proto::wire::copy_into(&payload, offset, &mut v);
+            }
+            self.values = Arc::new(v);
+        }
+        &mut self.values
+    }
 }
 
 /// What [`Round::finish`] hands over for the swap.
 #[derive(Debug)]
 pub struct Finished {
-    /// The new parameters.
-    pub params: Vec<f32>,
     /// The new momentum.
     pub momentum: Vec<f32>,
-    /// Their wire image, one ParameterChunk message per block.
+    /// The new parameters, in their wire image: one ParameterChunk message per block.
     pub image: Vec<FramedChunk>,
     /// The contributing ranks with when each stream ended and its payload bytes, by rank.
     pub ranks: Vec<(usize, Instant, u64)>,
@@ -125,16 +182,14 @@ fn lock<T>(m: &StdMutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The buffers a round starts from: the current parameters and momentum (read only) and two
-/// buffers of the same length for the results.
+/// The buffers a round starts from: the current parameters and momentum (read only) and a
+/// buffer of the same length for the next momentum (the next parameters go into the image).
 #[derive(Debug)]
 pub struct Start {
     /// The current parameters.
-    pub params: Arc<Vec<f32>>,
+    pub params: Params,
     /// The current momentum.
     pub momentum: Arc<Vec<f32>>,
-    /// Room for the next parameters (any contents).
-    pub next_params: Vec<f32>,
     /// Room for the next momentum (any contents).
     pub next_momentum: Vec<f32>,
 }
@@ -149,16 +204,26 @@ impl Round {
         sgd: SgdConfig,
         expected: BTreeSet<usize>,
     ) -> Self {
-        let len = start.params.len();
+        let mut params = start.params;
+        let len = params.len();
         let block = (chunk_bytes / 4).max(1);
+        // An image is read block by block: its chunks must be this round's blocks.
+        if let Some(f) = params.image() {
+            let fits = f.len() == len.div_ceil(block)
+                && (0..f.len()).all(|c| f.payload(c).1.len() == block.min(len - c * block) * 4);
+            if !fits {
+                params.values();
+            }
+        }
+        let inner = SUB.min(block);
         let mut w = Work {
-            params: start.params,
+            params,
             momentum: start.momentum,
-            next_params: start.next_params,
             next_momentum: start.next_momentum,
-            sum: vec![0.0; SUB.min(block)],
+            sum: vec![0.0; inner],
+            current: vec![0.0; inner],
+            new: vec![0.0; inner],
         };
-        w.next_params.resize(len, 0.0);
         w.next_momentum.resize(len, 0.0);
         Round {
             version,
@@ -350,7 +415,8 @@ impl Round {
     fn step_block(&self, c: usize, parts: &[Vec<(usize, Bytes)>], scale: f32) -> FramedChunk {
         let r = self.range(c);
         let mut w = lock(&self.work);
-        let Work { params, momentum, next_params, next_momentum, sum } = &mut *w;
+        let Work { params, momentum, next_momentum, sum, current, new } = &mut *w;
+        let image = params.image().map(|f| f.payload(c).1);
         let head = ParameterChunk { version: self.version, offset: r.start as u64, data: Bytes::new() };
         FramedChunk::build(&head, 3, r.start as u64, r.len() * 4, |buf| {
             for s in r.clone().step_by(SUB) {
@@ -359,9 +425,18 @@ impl Round {
                 for (k, pieces) in parts.iter().enumerate() {
                     gather(pieces, s.clone(), acc, k == 0);
                 }
-                let (p, m) = (&params[s.clone()], &momentum[s.clone()]);
-                let (np, nm) = (&mut next_params[s.clone()], &mut next_momentum[s.clone()]);
-                sgd_step_into(&self.sgd, p, acc, m, scale, np, nm);
+                let p = match &image {
+                    None => &params.values[s.clone()],
+                    Some(payload) => {
+                        let at = (s.start - r.start) * 4..(s.end - r.start) * 4;
+                        let cur = &mut current[..s.len()];
+                        // Same length by construction (checked in `new`).
+                        let _ = gradsync_proto::wire::copy_into(&payload[at], 0, cur);
+                        &*cur
+                    }
+                };
+                let (np, nm) = (&mut new[..s.len()], &mut next_momentum[s.clone()]);
+                sgd_step_into(&self.sgd, p, acc, &momentum[s.clone()], scale, np, nm);
                 gradsync_proto::wire::put_f32(np, buf);
             }
         })
@@ -391,10 +466,9 @@ impl Round {
             .filter_map(|r| g.ranks.get(r).and_then(|c| c.done).map(|(t, b)| (*r, t, b)))
             .collect();
         g.ranks.clear();
-        w.params = Arc::default();
+        w.params = Params::default();
         w.momentum = Arc::default();
         Some(Finished {
-            params: std::mem::take(&mut w.next_params),
             momentum: std::mem::take(&mut w.next_momentum),
             // Cloned (slices, no copy): pulls still streaming this round read what they have
             // not sent yet from the round.
@@ -422,7 +496,7 @@ impl Round {
         drop(g);
         // Let go of the current buffers so nothing else has to copy them to write them.
         let mut w = lock(&self.work);
-        w.params = Arc::default();
+        w.params = Params::default();
         w.momentum = Arc::default();
     }
 
@@ -491,12 +565,8 @@ mod tests {
 
         // Blocks of 10 000 values; rank k sends pieces of 7 000 + 1 000 k values, ranks
         // interleaved with rank 2 first.
-        let start = Start {
-            params: Arc::new(p0),
-            momentum: Arc::new(m0),
-            next_params: Vec::new(),
-            next_momentum: Vec::new(),
-        };
+        let start =
+            Start { params: Params::from_values(p0), momentum: Arc::new(m0), next_momentum: Vec::new() };
         let round = Round::new(1, start, 40_000, cfg, (0..ranks).collect());
         let mut at = vec![0usize; ranks];
         for k in (0..ranks).rev() {
@@ -518,7 +588,6 @@ mod tests {
         }
         assert!(complete);
         let f = round.finish().unwrap();
-        assert_eq!(f.params, want_p);
         assert_eq!(f.momentum, want_m);
         // The image holds the new parameters, block by block.
         let mut from_image = Vec::new();
@@ -529,6 +598,26 @@ mod tests {
         }
         assert_eq!(from_image, want_p);
         assert_eq!(f.ranks.iter().map(|r| r.0).collect::<Vec<_>>(), vec![0, 1, 2]);
+
+        // A second step reads the parameters out of the first one's image: with the same
+        // blocks, and with other blocks (then decoded to values first). Both equal a second
+        // serial step bit for bit.
+        sgd_step(&cfg, &mut want_p, &sum, &mut want_m, 1.0 / 3.0);
+        for chunk_bytes in [40_000, 30_000] {
+            let params = Params::from_image(Framed::from_chunks(f.image.clone()));
+            let start = Start { params, momentum: Arc::new(f.momentum.clone()), next_momentum: Vec::new() };
+            let round = Round::new(2, start, chunk_bytes, cfg, (0..ranks).collect());
+            for (k, g) in grads.iter().enumerate() {
+                round.join(k).unwrap();
+                round.add(k, 0, le(g));
+            }
+            let complete: Vec<bool> = (0..ranks).map(|k| round.done(k, (n * 4) as u64)).collect();
+            assert_eq!(complete.last(), Some(&true));
+            let g = round.finish().unwrap();
+            let mut p = Params::from_image(Framed::from_chunks(g.image));
+            assert_eq!(**p.values(), want_p, "blocks of {chunk_bytes} bytes");
+            assert_eq!(g.momentum, want_m, "blocks of {chunk_bytes} bytes");
+        }
     }
 
     /// A contributor withdrawn after blocks were stepped throws them away (epoch bump) and the
@@ -538,9 +627,8 @@ mod tests {
         let n = 100;
         let cfg = SgdConfig { lr: 0.5, momentum: 0.0, weight_decay: 0.0 };
         let start = Start {
-            params: Arc::new(vec![1.0; n]),
+            params: Params::from_values(vec![1.0; n]),
             momentum: Arc::new(vec![0.0; n]),
-            next_params: Vec::new(),
             next_momentum: Vec::new(),
         };
         let round = Round::new(1, start, 40, cfg, [0, 1].into());
@@ -556,7 +644,8 @@ mod tests {
         assert!(!round.done(0, 400));
         assert!(round.set_expected([0].into()), "rank 0 alone completes the step");
         let f = round.finish().unwrap();
-        assert_eq!(f.params, vec![0.0; n], "1 - 0.5 * 2, rank 1's 4.0 not in it");
+        let mut p = Params::from_image(Framed::from_chunks(f.image));
+        assert_eq!(**p.values(), vec![0.0; n], "1 - 0.5 * 2, rank 1's 4.0 not in it");
         assert!(round.finish().is_none(), "taken once");
     }
 }

@@ -21,7 +21,7 @@ use tokio::sync::watch;
 
 use crate::config::{Config, SyncMode};
 use crate::error::{Error, Result};
-use crate::round::{Committed, Round, Start};
+use crate::round::{Committed, Params, Round, Start};
 
 /// What the service hands back for an applied gradient.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -87,15 +87,16 @@ struct Member {
 
 /// The shard's mutable state; lives behind one async mutex.
 pub struct State {
-    /// Shared read-only with a BSP round while it steps ([`Round`]); replaced at its commit.
-    params: Arc<Vec<f32>>,
+    /// Shared read-only with a BSP round while it steps ([`Round`]); replaced at its commit,
+    /// after which they live only in the step's wire image until values are needed.
+    params: Params,
     momentum: Arc<Vec<f32>>,
     version: u64,
     /// The BSP step in progress (from `version` to `version + 1`), if any push or pull of it
     /// has begun.
     round: Option<Arc<Round>>,
-    /// The buffers the last committed round replaced: the next round writes into them.
-    spare: Option<(Vec<f32>, Vec<f32>)>,
+    /// The momentum buffer the last committed round replaced: the next round writes into it.
+    spare: Option<Vec<f32>>,
     /// The parameters of `.0`'s version in their wire image (one ParameterChunk message per
     /// chunk), shared (zero-copy) by every pull until the next update; encoded on the first
     /// pull after an update.
@@ -188,7 +189,7 @@ impl State {
             cfg,
         };
         let state = State {
-            params: Arc::new(params),
+            params: Params::from_values(params),
             momentum: Arc::new(momentum),
             version,
             round: None,
@@ -213,11 +214,6 @@ impl State {
     /// The registered ranks.
     pub fn live_ranks(&self) -> Vec<usize> {
         self.members.keys().copied().collect()
-    }
-
-    /// This shard's parameters (tests, checkpoints).
-    pub fn params(&self) -> &[f32] {
-        &self.params[..]
     }
 
     /// Whether shutdown has begun.
@@ -318,12 +314,10 @@ impl State {
         if let Some(r) = &self.round {
             return r.clone();
         }
-        let (next_params, next_momentum) = self.spare.take().unwrap_or_default();
         let start = Start {
             params: self.params.clone(),
             momentum: self.momentum.clone(),
-            next_params,
-            next_momentum,
+            next_momentum: self.spare.take().unwrap_or_default(),
         };
         let r = Arc::new(Round::new(
             self.version + 1,
@@ -375,15 +369,13 @@ impl State {
         let Some(fin) = round.finish() else { return false };
         self.round = None;
         let t0 = Instant::now();
-        let old_p = std::mem::replace(&mut self.params, Arc::new(fin.params));
+        let image = Framed::from_chunks(fin.image);
+        self.params = Params::from_image(image.clone());
         let old_m = std::mem::replace(&mut self.momentum, Arc::new(fin.momentum));
-        // The round let go of its references in `finish`; pulls of the old version hold
-        // their image, not these.
-        if let (Ok(p), Ok(m)) = (Arc::try_unwrap(old_p), Arc::try_unwrap(old_m)) {
-            self.spare = Some((p, m));
-        }
+        // The round let go of its reference in `finish`.
+        self.spare = Arc::try_unwrap(old_m).ok();
         self.version += 1;
-        self.snapshot = Some((self.version, Framed::from_chunks(fin.image)));
+        self.snapshot = Some((self.version, image));
         let mut done = fin.ranks;
         let n = done.len();
         for (rank, ..) in &done {
@@ -433,7 +425,7 @@ impl State {
         }
         let staleness = self.version - base;
         let t = Instant::now();
-        let (p, m) = (Arc::make_mut(&mut self.params), Arc::make_mut(&mut self.momentum));
+        let (p, m) = (Arc::make_mut(self.params.values()), Arc::make_mut(&mut self.momentum));
         sgd_step(&sh.cfg.sgd, p, &grad, m, 1.0);
         sh.give_buffer(grad);
         self.version += 1;
@@ -570,7 +562,10 @@ impl State {
             _ => {
                 let version = self.version;
                 let head = |offset| ParameterChunk { version, offset, data: Bytes::new() };
-                let f = Framed::encode(&self.params, chunk_bytes, 3, head);
+                let f = match self.params.image() {
+                    Some(f) => f.clone(),
+                    None => Framed::encode(self.params.values(), chunk_bytes, 3, head),
+                };
                 self.snapshot = Some((version, f.clone()));
                 (version, f)
             }
@@ -591,11 +586,11 @@ impl State {
             },
             // Moved out and back rather than cloned: a shard may hold hundreds of MB (no copy
             // unless a round still shares them).
-            params: std::mem::take(Arc::make_mut(&mut self.params)),
+            params: std::mem::take(Arc::make_mut(self.params.values())),
             momentum: Some(std::mem::take(Arc::make_mut(&mut self.momentum))),
         };
         let result = ck.save(path);
-        self.params = Arc::new(ck.params);
+        self.params = Params::from_values(ck.params);
         self.momentum = Arc::new(ck.momentum.unwrap_or_default());
         result?;
         self.last_checkpoint = self.version;
