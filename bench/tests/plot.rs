@@ -157,6 +157,13 @@ fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
     v
 }
 
+/// Plot `inputs` into `out`, which must succeed, and return its summary.csv.
+fn plot_summary(inputs: &[&Path], out: &Path) -> String {
+    let o = plot(inputs, out);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::read_to_string(out.join("summary.csv")).unwrap()
+}
+
 #[test]
 fn identical_input_gives_identical_output() {
     let root = tmp("same");
@@ -232,10 +239,7 @@ fn files_from_several_hosts_join_one_run() {
         std::fs::create_dir_all(&host).unwrap();
         std::fs::rename(all.join(format!("run/rank{r}.jsonl")), host.join(format!("rank{r}.jsonl"))).unwrap();
     }
-    let out = root.join("out");
-    let o = plot(&[&root.join("host0"), &root.join("host1")], &out);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let csv = std::fs::read_to_string(out.join("summary.csv")).unwrap();
+    let csv = plot_summary(&[&root.join("host0"), &root.join("host1")], &root.join("out"));
     assert_eq!(csv.lines().count(), 2, "one run from two files:\n{csv}");
     assert!(csv.lines().nth(1).unwrap().contains(",ddp-tcp,2,0,"), "{csv}");
     std::fs::remove_dir_all(&root).unwrap();
@@ -256,10 +260,7 @@ fn back_to_back_runs_of_one_configuration_stay_apart() {
     let runs = root.join("in/runs");
     write_run(&runs.join("a"), "ps", "bsp", 2, 1_700_000_000_000, 5.0, 1.0, 100, false);
     write_run(&runs.join("b"), "ps", "bsp", 2, 1_700_000_000_000 + 101, 5.0, 1.0, 100, false);
-    let out = root.join("out");
-    let o = plot(&[&root.join("in")], &out);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let csv = std::fs::read_to_string(out.join("summary.csv")).unwrap();
+    let csv = plot_summary(&[&root.join("in")], &root.join("out"));
     let rows: Vec<&str> = csv.lines().skip(1).collect();
     assert_eq!(rows.len(), 2, "{csv}");
     assert!(rows[0].starts_with("runs/a,ps-bsp,2,1,") && rows[1].starts_with("runs/b,ps-bsp,2,1,"), "{csv}");
@@ -283,10 +284,7 @@ fn asp_workers_that_never_overlap_join_through_their_server() {
     };
     shift("rank1.jsonl", start, start + 105);
     shift("server0.jsonl", start - 50, start + 10);
-    let out = root.join("out");
-    let o = plot(&[&root.join("in")], &out);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let csv = std::fs::read_to_string(out.join("summary.csv")).unwrap();
+    let csv = plot_summary(&[&root.join("in")], &root.join("out"));
     let rows: Vec<&str> = csv.lines().skip(1).collect();
     assert_eq!(rows.len(), 1, "{csv}");
     assert!(rows[0].starts_with("runs/asp,ps-asp,2,1,"), "{csv}");
