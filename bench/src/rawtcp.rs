@@ -106,6 +106,31 @@ fn socket_pair() -> anyhow::Result<(TcpStream, TcpStream)> {
     Ok((tx, rx))
 }
 
+/// One socket end of an [`Exchange`], on its own thread for the whole run: `io` once per
+/// exchange, between two waits on `barrier`. After an error it only keeps to the barriers (its
+/// peer's read then fails on its timeout) and returns the error at the end.
+fn socket_end<'scope, F>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    barrier: &'scope std::sync::Barrier,
+    rounds: usize,
+    mut io: F,
+) -> std::thread::ScopedJoinHandle<'scope, std::io::Result<()>>
+where
+    F: FnMut() -> std::io::Result<()> + Send + 'scope,
+{
+    scope.spawn(move || {
+        let mut failed = None;
+        for _ in 0..rounds {
+            barrier.wait();
+            if failed.is_none() {
+                failed = io().err();
+            }
+            barrier.wait();
+        }
+        failed.map_or(Ok(()), Err)
+    })
+}
+
 /// A parameter-server step's traffic moved by plain sockets, with no framing, no copies
 /// beyond the kernel's and no update: the floor of what any transport can do with the same
 /// bytes in the same topology on this machine.
@@ -149,42 +174,49 @@ impl Exchange {
         let mut params = vec![vec![0u8; self.bytes]; w];
         let server_params: Vec<Vec<u8>> = (0..k).map(|j| vec![2u8; self.range(j).len()]).collect();
         let mut received: Vec<Vec<u8>> = (0..w * k).map(|p| vec![0u8; self.range(p % k).len()]).collect();
+        let rounds = warmup + steps;
         let mut times = Vec::with_capacity(steps);
-        for step in 0..warmup + steps {
-            let t = Instant::now();
-            std::thread::scope(|scope| -> anyhow::Result<()> {
-                let ranges: Vec<_> = (0..k).map(|j| self.range(j)).collect();
-                let mut handles = Vec::new();
-                let mut dsts: Vec<&mut [u8]> = Vec::new();
-                for p in params.iter_mut() {
-                    let mut rest = p.as_mut_slice();
-                    for r in &ranges {
-                        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
-                        dsts.push(mine);
-                        rest = tail;
-                    }
+        // One thread per socket end for the whole run (spawning them per exchange would add
+        // about half a millisecond to a 16-thread exchange); a barrier starts and ends each.
+        let barrier = std::sync::Barrier::new(4 * w * k + 1);
+        std::thread::scope(|scope| -> anyhow::Result<()> {
+            let ranges: Vec<_> = (0..k).map(|j| self.range(j)).collect();
+            let mut dsts: Vec<&mut [u8]> = Vec::new();
+            for p in params.iter_mut() {
+                let mut rest = p.as_mut_slice();
+                for r in &ranges {
+                    let (mine, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
+                    dsts.push(mine);
+                    rest = tail;
                 }
-                for (((pair, got), dst), p) in self.pairs.iter_mut().zip(&mut received).zip(dsts).zip(0..) {
-                    let (i, j) = (p / k, p % k);
-                    let [(push_tx, push_rx), (pull_tx, pull_rx)] = pair;
-                    let src = &grads[i][ranges[j].clone()];
-                    let back = &server_params[j][..];
-                    handles.push(scope.spawn(move || push_tx.write_all(src)));
-                    handles.push(scope.spawn(move || push_rx.read_exact(got)));
-                    handles.push(scope.spawn(move || pull_tx.write_all(back)));
-                    handles.push(scope.spawn(move || pull_rx.read_exact(dst)));
-                }
-                for h in handles {
-                    h.join()
-                        .map_err(|_| anyhow::anyhow!("a socket thread panicked"))?
-                        .context("plain sockets")?;
-                }
-                Ok(())
-            })?;
-            if step >= warmup {
-                times.push(t.elapsed().as_secs_f64() * 1e3);
             }
-        }
+            let barrier = &barrier;
+            let mut handles = Vec::new();
+            for (((pair, got), dst), p) in self.pairs.iter_mut().zip(&mut received).zip(dsts).zip(0..) {
+                let (i, j) = (p / k, p % k);
+                let [(push_tx, push_rx), (pull_tx, pull_rx)] = pair;
+                let src = &grads[i][ranges[j].clone()];
+                let back = &server_params[j][..];
+                handles.push(socket_end(scope, barrier, rounds, move || push_tx.write_all(src)));
+                handles.push(socket_end(scope, barrier, rounds, move || push_rx.read_exact(got)));
+                handles.push(socket_end(scope, barrier, rounds, move || pull_tx.write_all(back)));
+                handles.push(socket_end(scope, barrier, rounds, move || pull_rx.read_exact(dst)));
+            }
+            for step in 0..rounds {
+                barrier.wait();
+                let t = Instant::now();
+                barrier.wait();
+                if step >= warmup {
+                    times.push(t.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            for h in handles {
+                h.join()
+                    .map_err(|_| anyhow::anyhow!("a socket thread panicked"))?
+                    .context("plain sockets")?;
+            }
+            Ok(())
+        })?;
         anyhow::ensure!(
             params.iter().flatten().all(|&b| b == 2) && received.iter().flatten().all(|&b| b == 1),
             "plain sockets delivered other bytes than were sent"

@@ -562,10 +562,9 @@ impl State {
             _ => {
                 let version = self.version;
                 let head = |offset| ParameterChunk { version, offset, data: Bytes::new() };
-                let f = match self.params.image() {
-                    Some(f) => f.clone(),
-                    None => Framed::encode(self.params.values(), chunk_bytes, 3, head),
-                };
+                // (A BSP commit sets the snapshot to the image it made, so an image is never
+                // encoded again here.)
+                let f = Framed::encode(self.params.values(), chunk_bytes, 3, head);
                 self.snapshot = Some((version, f.clone()));
                 (version, f)
             }
