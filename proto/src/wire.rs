@@ -45,6 +45,13 @@ pub fn copy_into(payload: &[u8], offset: u64, dst: &mut [f32]) -> Result<(), Err
     Ok(())
 }
 
+/// `payload` read in place as f32 values, where that needs no conversion: a little-endian host
+/// and a 4-byte-aligned payload of whole values (as [`crate::frames::FramedChunk::build_f32`]
+/// lays them out). `None` otherwise: decode it with [`copy_into`].
+pub fn as_f32(payload: &[u8]) -> Option<&[f32]> {
+    bytemuck::try_cast_slice(payload).ok().filter(|_| cfg!(target_endian = "little"))
+}
+
 /// The part of `dst` that a chunk `payload` at `offset` (in values) fills.
 fn place<'a>(payload: &[u8], offset: u64, dst: &'a mut [f32]) -> Result<&'a mut [f32], Error> {
     if !payload.len().is_multiple_of(4) {
@@ -276,5 +283,25 @@ mod tests {
         let s = b.slice(0..16);
         drop(s);
         assert!(reclaim(Some(b)).capacity() >= 1024);
+    }
+
+    #[test]
+    fn reads_aligned_payloads_in_place_only() {
+        let vals = [1.5f32, -2.0, 3.25, 0.0];
+        let head = crate::pb::ParameterChunk::default();
+        let f = crate::frames::FramedChunk::build_f32(&head, 3, 0, 4, |d| {
+            d.copy_from_slice(&vals);
+            Ok::<(), ()>(())
+        })
+        .unwrap();
+        let (_, payload) = f.payload();
+        if cfg!(target_endian = "little") {
+            assert_eq!(as_f32(&payload), Some(&vals[..]));
+        }
+        // Off by one byte from an aligned start, or not whole values: decode instead.
+        let words = [0u32; 5];
+        let bytes: &[u8] = bytemuck::cast_slice(&words);
+        assert_eq!(as_f32(&bytes[1..13]), None);
+        assert_eq!(as_f32(&bytes[..6]), None);
     }
 }

@@ -89,10 +89,9 @@ struct Work {
     momentum: Arc<Vec<f32>>,
     next_momentum: Vec<f32>,
     sum: Vec<f32>,
-    /// One inner block of the current parameters, read out of their image.
+    /// One inner block of the current parameters, copied out of an image whose payload is
+    /// not aligned f32.
     current: Vec<f32>,
-    /// One inner block of the new parameters, before it goes into the image.
-    new: Vec<f32>,
 }
 
 /// The parameters a step starts from: as values (at start, after a resume, or after updates
@@ -222,7 +221,6 @@ impl Round {
             next_momentum: start.next_momentum,
             sum: vec![0.0; inner],
             current: vec![0.0; inner],
-            new: vec![0.0; inner],
         };
         w.next_momentum.resize(len, 0.0);
         Round {
@@ -409,16 +407,17 @@ impl Round {
         }
     }
 
-    /// Sum block `c` of every rank (`parts`, in rank order), step it into the next buffers and
-    /// write the stepped parameters into the block's pull message, inner block by inner block
-    /// while each is in cache.
+    /// Sum block `c` of every rank (`parts`, in rank order) and step it inner block by inner
+    /// block while each is in cache: the new momentum goes into the next buffer, the new
+    /// parameters straight into the block's pull message. The current parameters are read
+    /// straight out of their image where its payload is aligned f32 (images built here are).
     fn step_block(&self, c: usize, parts: &[Vec<(usize, Bytes)>], scale: f32) -> FramedChunk {
         let r = self.range(c);
         let mut w = lock(&self.work);
-        let Work { params, momentum, next_momentum, sum, current, new } = &mut *w;
+        let Work { params, momentum, next_momentum, sum, current } = &mut *w;
         let image = params.image().map(|f| f.payload(c).1);
         let head = ParameterChunk { version: self.version, offset: r.start as u64, data: Bytes::new() };
-        FramedChunk::build(&head, 3, r.start as u64, r.len() * 4, |buf| {
+        let built = FramedChunk::build_f32(&head, 3, r.start as u64, r.len(), |out| {
             for s in r.clone().step_by(SUB) {
                 let s = s..(s + SUB).min(r.end);
                 let acc = &mut sum[..s.len()];
@@ -428,18 +427,35 @@ impl Round {
                 let p = match &image {
                     None => &params.values[s.clone()],
                     Some(payload) => {
-                        let at = (s.start - r.start) * 4..(s.end - r.start) * 4;
-                        let cur = &mut current[..s.len()];
-                        // Same length by construction (checked in `new`).
-                        let _ = gradsync_proto::wire::copy_into(&payload[at], 0, cur);
-                        &*cur
+                        let bytes = &payload[(s.start - r.start) * 4..(s.end - r.start) * 4];
+                        match gradsync_proto::wire::as_f32(bytes) {
+                            Some(p) => p,
+                            None => {
+                                let cur = &mut current[..s.len()];
+                                // Same length by construction (checked in `new`).
+                                let _ = gradsync_proto::wire::copy_into(bytes, 0, cur);
+                                &*cur
+                            }
+                        }
                     }
                 };
-                let (np, nm) = (&mut new[..s.len()], &mut next_momentum[s.clone()]);
-                sgd_step_into(&self.sgd, p, acc, &momentum[s.clone()], scale, np, nm);
-                gradsync_proto::wire::put_f32(np, buf);
+                let out = &mut out[s.start - r.start..s.end - r.start];
+                sgd_step_into(
+                    &self.sgd,
+                    p,
+                    acc,
+                    &momentum[s.clone()],
+                    scale,
+                    out,
+                    &mut next_momentum[s.clone()],
+                );
             }
-        })
+            Ok::<(), std::convert::Infallible>(())
+        });
+        match built {
+            Ok(chunk) => chunk,
+            Err(never) => match never {},
+        }
     }
 
     /// Block `i` of the next version's wire image, if it is stepped in `epoch`.
