@@ -10,6 +10,8 @@
 //! - [`diff`]: how far apart two parameter files are.
 //! - [`ps`]: parameter-server push+pull throughput for model sizes, workers and shards, tonic's
 //!   default HTTP/2 settings beside the tuned ones, as a ratio to raw TCP.
+//! - [`hosts`]: where the `ps` benchmark's sockets live: loopback, or emulated hosts with
+//!   shaped links.
 //! - [`rawtcp`]: the raw TCP bandwidth of the machine, the yardstick for every network figure.
 //! - [`table`]: plain-text tables shared by every benchmark's output.
 //! - [`compare`]: the comparison runner (`compare`: scenario, processes, results) and the
@@ -22,6 +24,7 @@ pub mod cluster;
 pub mod collective;
 pub mod compare;
 pub mod diff;
+pub mod hosts;
 pub mod overlap;
 pub mod ps;
 pub mod rawtcp;

@@ -22,6 +22,8 @@ use gradsync_server::{Config, ParamServer, ShardSpec};
 use gradsync_worker::strategy::ps::PsClient;
 use tokio::net::TcpListener;
 
+use crate::cluster::net::{Cluster, Shape};
+use crate::hosts::Hosts;
 use crate::table::{Table, median};
 
 /// Flags of `gradsync-bench ps`.
@@ -58,9 +60,22 @@ pub struct PsBenchArgs {
     /// Payload bytes per chunk message, for every transport.
     #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u32).range(4..=(16 << 20)))]
     pub chunk_bytes: u32,
+    /// Put every shard and every worker on an emulated host of its own, each host's link shaped
+    /// to this many Gbit/s each way (network namespaces and tc: needs root and iproute2), as
+    /// the bound's model has it. The raw figure is then one plain TCP stream from a worker's
+    /// host to a shard's. Without it everything runs on loopback.
+    #[arg(long, value_parser = positive_gbit)]
+    pub link_gbit: Option<f64>,
     /// A smoke test: 4 MB, 1-2 workers, 1-2 shards, 2 steps.
     #[arg(long)]
     pub quick: bool,
+}
+
+fn positive_gbit(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
+        _ => Err(format!("'{s}' is not a positive rate in Gbit/s")),
+    }
 }
 
 /// A row of the table: a transport, pipelined or not.
@@ -105,6 +120,14 @@ fn spec_for(mb: usize) -> ModelSpec {
     ModelSpec { name: "custom".into(), widths: vec![d, d] }
 }
 
+/// Where a group runs: shard `j` on host `j`, worker `i` on host `first_worker + i`.
+#[derive(Clone, Copy)]
+struct Place<'a> {
+    hosts: Hosts<'a>,
+    first_worker: usize,
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn measure(
     spec: &ModelSpec,
     workers: usize,
@@ -113,6 +136,7 @@ async fn measure(
     serial: bool,
     warmup: usize,
     steps: usize,
+    at: Place<'_>,
 ) -> anyhow::Result<Figure> {
     let total = Layout::new(spec).len;
     let fp = Fingerprint::new(spec, 1).text;
@@ -125,7 +149,9 @@ async fn measure(
         cfg.tuning = tuning;
         cfg.worker_timeout = Duration::from_secs(120);
         let server = ParamServer::new(cfg)?;
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let listener = at.hosts.listen(k)?;
+        listener.set_nonblocking(true)?;
+        let listener = TcpListener::from_std(listener)?;
         addrs.push(listener.local_addr()?.to_string());
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         stops.push(tx);
@@ -134,8 +160,20 @@ async fn measure(
         })));
     }
     let mut clients = Vec::new();
+    // On emulated hosts each worker's connections live on a runtime on its host, kept until
+    // the end of the group.
+    let mut runtimes = Vec::new();
     for r in 0..workers {
-        let mut c = PsClient::connect(&addrs, None, Duration::from_secs(120), tuning).await?;
+        let addrs = addrs.clone();
+        let connect = async move { PsClient::connect(&addrs, None, Duration::from_secs(120), tuning).await };
+        let mut c = match at.hosts.runtime(at.first_worker + r)? {
+            Some(host) => {
+                let c = host.handle.spawn(connect).await.context("connecting on the worker's host")??;
+                runtimes.push(host);
+                c
+            }
+            None => connect.await?,
+        };
         clients.push(c.register(r, workers, &fp, total).await.map(|_| c)?);
     }
     let mut state: Vec<_> =
@@ -183,6 +221,7 @@ async fn measure(
     for t in tasks {
         t.await.context("server task")??;
     }
+    drop(runtimes);
     Ok(Figure {
         step_ms: median(&times),
         push_ms: median(&push),
@@ -199,8 +238,10 @@ fn plain_tcp(
     shards: usize,
     warmup: usize,
     steps: usize,
+    at: Place<'_>,
 ) -> anyhow::Result<Figure> {
-    let times = crate::rawtcp::Exchange::new(bytes, workers, shards)?.run(warmup, steps)?;
+    let times = crate::rawtcp::Exchange::new(bytes, workers, shards, at.hosts, at.first_worker)?
+        .run(warmup, steps)?;
     let ms = median(&times);
     Ok(Figure { step_ms: ms, push_ms: ms, pull_ms: ms, wait_ms: 0.0 })
 }
@@ -213,13 +254,35 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         (a.sizes_mb.clone(), a.workers.clone(), a.shards.clone(), a.warmup, a.steps.max(1))
     };
     let raw_secs = if a.quick { 0.1 } else { a.raw_secs };
+    anyhow::ensure!(
+        sizes.iter().all(|&s| s > 0) && workers.iter().all(|&w| w > 0) && shards.iter().all(|&k| k > 0),
+        "--sizes-mb, --workers and --shards take positive numbers"
+    );
     gradsync_core::heap::keep_freed_memory();
     gradsync_core::heap::single_arena();
-    // The median of three: one short measurement can land on a burst of other load.
+    // Shards on the first hosts, workers on the hosts after them.
+    let first_worker = shards.iter().copied().max().unwrap_or(1);
+    let cluster = match a.link_gbit {
+        None => None,
+        Some(gbit) => {
+            crate::cluster::net::available().context("--link-gbit")?;
+            crate::cluster::net::guard("gradsync-bench ps");
+            let n = first_worker + workers.iter().copied().max().unwrap_or(1);
+            let shape = Shape { rate_bit: Some(gbit * 1e9), ..Shape::default() };
+            Some(Cluster::create(n, shape).context("--link-gbit: making the emulated hosts")?)
+        }
+    };
+    let hosts = cluster.as_ref().map_or(Hosts::Loopback, Hosts::Emulated);
+    let at = Place { hosts, first_worker };
+    // The median of three: one short measurement can land on a burst of other load. From a
+    // worker's host to a shard's, the push's direction (on loopback both are 127.0.0.1).
     let raw_tcp = || -> anyhow::Result<f64> {
         let d = Duration::from_secs_f64(raw_secs);
-        let b =
-            (0..3).map(|_| crate::rawtcp::bandwidth("127.0.0.1", d)).collect::<anyhow::Result<Vec<_>>>()?;
+        let mut b = Vec::new();
+        for _ in 0..3 {
+            let (tx, rx) = hosts.pair(first_worker, 0)?;
+            b.push(crate::rawtcp::stream_rate(tx, rx, d)?);
+        }
         Ok(median(&b))
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
@@ -271,8 +334,10 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                         (Some(t), _) => t.name.to_string(),
                     };
                     let fig = match tuning {
-                        None => plain_tcp(bytes as usize, w, k, warmup, steps),
-                        Some(t) => rt.block_on(measure(&spec, w, k, t, serial == Some(true), warmup, steps)),
+                        None => plain_tcp(bytes as usize, w, k, warmup, steps, at),
+                        Some(t) => {
+                            rt.block_on(measure(&spec, w, k, t, serial == Some(true), warmup, steps, at))
+                        }
                     }
                     .with_context(|| format!("{mb} MB, {w} workers, {k} shards, {name}"))?;
                     let is_default = tuning.is_some_and(|t| t.name == Tuning::tonic_defaults().name);
@@ -312,12 +377,20 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         }
     }
     eprintln!();
+    let link = match a.link_gbit {
+        None => "loopback (every shard and worker on 127.0.0.1)".to_string(),
+        Some(g) => format!(
+            "emulated hosts, one per shard and per worker, each link shaped to {g} Gbit/s each way; raw = one \
+             plain TCP stream from a worker's host to a shard's"
+        ),
+    };
+    println!("links: {link}");
     print!("{}", table.render());
     println!(
         "push, pull: the slowest worker's, median step, timed from the step's start (push and pull run at \
          once, except in `serial` rows: push, then pull, timed each); (wait): the longest a server held a push \
          after receiving it, for the barrier and the update's last block (part of push). GB/s: bytes pushed and pulled by all workers per second; raw GB/s: one plain TCP stream over \
-         loopback, the median of three measured just before the row's group; x raw: GB/s over raw. bound: 2 x max(S/B, W*S/(K*B)) with \
+         the links, the median of three measured just before the row's group; x raw: GB/s over raw. bound: 2 x max(S/B, W*S/(K*B)) with \
          B the raw figure. x bound: ms/step over the bound (1.0 is the \
          link's limit). x plain: ms/step over the plain tcp row's. vs default: how much faster than tonic's defaults. Rows: plain tcp = the same bytes over plain \
          sockets in the same topology (a socket per worker, shard and direction, push and pull at once; no \

@@ -9,47 +9,54 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
+use crate::hosts::Hosts;
+
 /// Bytes per write: large enough that syscall overhead is negligible.
 const CHUNK: usize = 4 << 20;
 
-/// Measure one-direction throughput over `addr`'s loopback (or any local address) for about
-/// `duration`, returning bytes per second. `ip` is the address to bind (127.0.0.1 normally;
-/// an emulated host's address in a network namespace).
+/// Measure one-direction throughput over `ip` (127.0.0.1 normally; any local address) for
+/// about `duration`, returning bytes per second.
 pub fn bandwidth(ip: &str, duration: Duration) -> anyhow::Result<f64> {
     let listener = TcpListener::bind((ip, 0)).with_context(|| format!("binding {ip}:0"))?;
-    let addr = listener.local_addr()?;
+    let tx = TcpStream::connect_timeout(&listener.local_addr()?, Duration::from_secs(10))
+        .context("connecting to the receiver")?;
+    let (rx, _) = listener.accept().context("accepting the sender")?;
+    stream_rate(tx, rx, duration)
+}
+
+/// Stream large writes from `tx` to its peer `rx` for about `duration` (after a fifth of it
+/// to warm up) and return the bytes per second: one plain socket pair, however connected
+/// (loopback, or between emulated hosts).
+pub fn stream_rate(mut tx: TcpStream, mut rx: TcpStream, duration: Duration) -> anyhow::Result<f64> {
+    rx.set_read_timeout(Some(Duration::from_secs(30)))?;
     let receiver = std::thread::spawn(move || -> std::io::Result<u64> {
-        let (mut s, _) = listener.accept()?;
-        s.set_read_timeout(Some(Duration::from_secs(30)))?;
         let mut buf = vec![0u8; CHUNK];
         let mut total = 0u64;
         loop {
-            let n = s.read(&mut buf)?;
+            let n = rx.read(&mut buf)?;
             if n == 0 {
                 return Ok(total);
             }
             total += n as u64;
         }
     });
-    let mut s =
-        TcpStream::connect_timeout(&addr, Duration::from_secs(10)).context("connecting to the receiver")?;
-    s.set_nodelay(true)?;
-    s.set_write_timeout(Some(Duration::from_secs(30)))?;
+    tx.set_nodelay(true)?;
+    tx.set_write_timeout(Some(Duration::from_secs(30)))?;
     let buf = vec![1u8; CHUNK];
     // A short warm-up lets the congestion window and socket buffers grow first.
     let warm = Instant::now();
     while warm.elapsed() < duration / 5 {
-        s.write_all(&buf)?;
+        tx.write_all(&buf)?;
     }
     let t = Instant::now();
     let mut sent = 0u64;
     while t.elapsed() < duration {
-        s.write_all(&buf)?;
+        tx.write_all(&buf)?;
         sent += CHUNK as u64;
     }
-    s.flush()?;
+    tx.flush()?;
     let secs = t.elapsed().as_secs_f64();
-    drop(s);
+    drop(tx);
     receiver.join().map_err(|_| anyhow::anyhow!("receiver thread panicked"))?.context("receiving")?;
     Ok(sent as f64 / secs)
 }
@@ -90,20 +97,6 @@ pub fn latency(ip: &str, rounds: usize) -> anyhow::Result<f64> {
     drop(s);
     echo.join().map_err(|_| anyhow::anyhow!("echo thread panicked"))?.context("echoing")?;
     Ok(crate::table::median(&rtts) / 2.0)
-}
-
-/// One connected pair of plain sockets on loopback: (sending end, receiving end).
-fn socket_pair() -> anyhow::Result<(TcpStream, TcpStream)> {
-    let listener = TcpListener::bind("127.0.0.1:0").context("binding 127.0.0.1:0")?;
-    let tx = TcpStream::connect_timeout(&listener.local_addr()?, Duration::from_secs(10))
-        .context("connecting a plain socket pair")?;
-    let (rx, _) = listener.accept().context("accepting a plain socket pair")?;
-    for s in [&tx, &rx] {
-        s.set_nodelay(true)?;
-        s.set_read_timeout(Some(Duration::from_secs(30)))?;
-        s.set_write_timeout(Some(Duration::from_secs(30)))?;
-    }
-    Ok((tx, rx))
 }
 
 /// One socket end of an [`Exchange`], on its own thread for the whole run: `io` once per
@@ -151,12 +144,20 @@ pub struct Exchange {
 }
 
 impl Exchange {
-    /// Connect every pair.
-    pub fn new(bytes: usize, workers: usize, shards: usize) -> anyhow::Result<Exchange> {
+    /// Connect every pair through `hosts`: shard `j` on host `j`, worker `i` on host
+    /// `first_worker + i`; each worker dials both of its sockets to a shard, as gradsync's does.
+    pub fn new(
+        bytes: usize,
+        workers: usize,
+        shards: usize,
+        hosts: Hosts<'_>,
+        first_worker: usize,
+    ) -> anyhow::Result<Exchange> {
         let mut pairs = Vec::with_capacity(workers * shards);
-        for _ in 0..workers * shards {
-            let push = socket_pair()?;
-            let (to_worker, at_worker) = socket_pair()?;
+        for p in 0..workers * shards {
+            let (worker, shard) = (first_worker + p / shards, p % shards);
+            let push = hosts.pair(worker, shard)?;
+            let (at_worker, to_worker) = hosts.pair(worker, shard)?;
             pairs.push([push, (to_worker, at_worker)]);
         }
         Ok(Exchange { pairs, workers, shards, bytes })
@@ -236,7 +237,7 @@ mod tests {
 
     #[test]
     fn exchange_moves_every_byte() {
-        let mut x = super::Exchange::new(1 << 20, 2, 2).unwrap();
+        let mut x = super::Exchange::new(1 << 20, 2, 2, crate::hosts::Hosts::Loopback, 2).unwrap();
         let t = x.run(0, 2).unwrap();
         assert_eq!(t.len(), 2);
         assert!(t.iter().all(|ms| *ms > 0.0));

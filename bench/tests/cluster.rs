@@ -84,6 +84,11 @@ fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
     let runs = cluster::run_cluster(&s, &bins, &out, &[1.0], |_| shape).unwrap();
     assert_eq!(runs.len(), 2);
     assert!(runs.iter().all(|r| r.hosts == 3 && r.rate_gbit == 1.0));
+    // The link as measured on each run's cluster: TCP over a 1 Gbit/s link carries a little less.
+    for r in &runs {
+        let g = r.measured_gbit.unwrap_or_else(|| panic!("{}: the link was not measured", r.id));
+        assert!((0.7..1.0).contains(&g), "{}: {g} Gbit/s measured over a 1 Gbit/s link", r.id);
+    }
     let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
     for line in outcomes.lines() {
         assert!(line.contains("\"status\":\"ok\""), "a run failed: {line}");
@@ -98,6 +103,7 @@ fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
     let html = gradsync_bench::compare::plot(std::slice::from_ref(&out), &out).unwrap();
     let html = std::fs::read_to_string(html).unwrap();
     assert!(html.contains("Emulated cluster") && html.contains("ddp-tcp"), "no cluster section");
+    assert!(html.contains("measured)"), "the report does not show the measured link");
     let _ = std::fs::remove_dir_all(&out);
 }
 
@@ -312,21 +318,6 @@ fn ddp_fails_naming_a_rank_when_a_link_is_cut() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Run `f` on a thread inside host namespace `netns` (sockets it makes stay in it).
-fn in_host<T: Send + 'static>(netns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    use std::os::fd::AsRawFd;
-    let path = format!("/var/run/netns/{netns}");
-    std::thread::spawn(move || {
-        let ns = File::open(&path).unwrap();
-        // SAFETY: setns(2) with a valid namespace descriptor; it moves this thread only.
-        let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
-        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
-        f()
-    })
-    .join()
-    .unwrap()
-}
-
 /// `--loss` without netem: the BPF classifier drops the asked share of packets. Host to host a
 /// packet leaves through two shaped ends (the sender's eth0, the hub's port to the receiver),
 /// so 30% per end delivers 0.7 x 0.7 = 49%.
@@ -334,10 +325,12 @@ fn in_host<T: Send + 'static>(netns: &str, f: impl FnOnce() -> T + Send + 'stati
 fn loss_is_emulated_without_netem() {
     let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 30.0 };
     let Some(c) = cluster_or_skip("loss_is_emulated_without_netem", 2, shape) else { return };
-    let (h0, h1) = (c.hosts()[0].clone(), c.hosts()[1].clone());
-    let to = format!("{}:9999", h1.addr);
-    let rx = in_host(&h1.netns, move || std::net::UdpSocket::bind(to).unwrap());
-    let tx = in_host(&h0.netns, || std::net::UdpSocket::bind("0.0.0.0:0").unwrap());
+    let on = |host: usize, f: Box<dyn FnOnce() -> std::net::UdpSocket + Send>| {
+        c.spawn_on(host, f).unwrap().join().unwrap().unwrap()
+    };
+    let to = format!("{}:9999", c.hosts()[1].addr);
+    let rx = on(1, Box::new(move || std::net::UdpSocket::bind(to).unwrap()));
+    let tx = on(0, Box::new(|| std::net::UdpSocket::bind("0.0.0.0:0").unwrap()));
     let sent = 4000;
     let dest = rx.local_addr().unwrap();
     let mut buf = [0u8; 128];

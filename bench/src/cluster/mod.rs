@@ -80,6 +80,11 @@ pub struct ClusterRun {
     pub hosts: usize,
     /// Link rate, Gbit/s.
     pub rate_gbit: f64,
+    /// What one plain TCP stream carried between two of the run's hosts over their shaped
+    /// links, measured on the run's cluster just before the run, Gbit/s (absent in runs made
+    /// before it was measured, and where measuring failed).
+    #[serde(default)]
+    pub measured_gbit: Option<f64>,
     /// Delay per direction per link, microseconds.
     pub delay_us: u64,
     /// Loss per direction per link, percent.
@@ -92,26 +97,7 @@ pub fn run(a: &ClusterArgs) -> anyhow::Result<()> {
         eprintln!("gradsync-bench cluster: skipped: {e}");
         return Ok(());
     }
-    for n in net::sweep_stale() {
-        eprintln!("gradsync-bench cluster: deleted namespace {n} left by a killed run");
-    }
-    // Ctrl-C or SIGTERM: kill what runs in the namespaces and delete them before exiting.
-    std::thread::spawn(|| {
-        let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
-        rt.block_on(async {
-            let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            else {
-                return;
-            };
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-            eprintln!("gradsync-bench cluster: interrupted; deleting the emulated hosts");
-            net::cleanup_all();
-            std::process::exit(130);
-        });
-    });
+    net::guard("gradsync-bench cluster");
     anyhow::ensure!(a.workers >= 1, "--workers must be at least 1");
     anyhow::ensure!(a.shards >= 1, "--shards must be at least 1");
     anyhow::ensure!(
@@ -191,6 +177,17 @@ pub fn run_cluster(
                 }
                 Err(e) => (Placement::Loopback, Some(format!("{e}")), None),
             };
+            // The link as TCP sees it: from the last host to the first, crossing two shaped ends
+            // as every message between hosts does.
+            let measured_gbit = cluster.as_ref().and_then(|c| {
+                let d = Duration::from_secs_f64(scenario.rawtcp_s);
+                let rate = crate::hosts::Hosts::Emulated(c)
+                    .pair(hosts - 1, 0)
+                    .and_then(|(tx, rx)| crate::rawtcp::stream_rate(tx, rx, d));
+                rate.map_err(|e| multi.suspend(|| eprintln!("{}: measuring the link: {e:#}", spec.id)))
+                    .ok()
+                    .map(|b| b * 8.0 / 1e9)
+            });
             let skip = skip.or_else(|| {
                 (spec.mode == ModeKind::DdpNccl).then(|| "NCCL does not run over emulated links".to_string())
             });
@@ -206,6 +203,7 @@ pub fn run_cluster(
                 shards: spec.shards,
                 hosts,
                 rate_gbit: rate,
+                measured_gbit,
                 delay_us: sh.delay.as_micros() as u64,
                 loss_pct: sh.loss_pct,
             });

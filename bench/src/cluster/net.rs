@@ -138,6 +138,27 @@ impl Cluster {
         Ok(c)
     }
 
+    /// Start a thread inside host `i`'s network namespace running `f`: every socket it makes
+    /// belongs to that host and stays there when handed to another thread (accepted ones too,
+    /// for a listener made here). Threads it starts inherit the namespace.
+    pub fn spawn_on<T: Send + 'static>(
+        &self,
+        i: usize,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<std::thread::JoinHandle<std::io::Result<T>>, ClusterError> {
+        let h = self.hosts.get(i).ok_or(ClusterError::NoHost(i, self.hosts.len()))?;
+        let path = Path::new("/var/run/netns").join(&h.netns);
+        Ok(std::thread::spawn(move || {
+            let ns = std::fs::File::open(&path)?;
+            // SAFETY: setns reads only its two integer arguments; with CLONE_NEWNET it moves
+            // this thread alone (not the process) into the namespace the open file names.
+            if unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(f())
+        }))
+    }
+
     /// Cut host `i`'s link (its `eth0` goes down): packets to and from it are lost, sockets
     /// are not told.
     pub fn cut(&self, i: usize) -> Result<(), ClusterError> {
@@ -174,6 +195,31 @@ pub fn available() -> Result<(), ClusterError> {
         }
     }
     Ok(())
+}
+
+/// Before making clusters: delete what killed runs left behind (saying so, as `tool`), and on
+/// Ctrl-C or SIGTERM kill what runs in this process's namespaces and delete them before
+/// exiting with 130.
+pub fn guard(tool: &'static str) {
+    for n in sweep_stale() {
+        eprintln!("{tool}: deleted namespace {n} left by a killed run");
+    }
+    std::thread::spawn(move || {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+        rt.block_on(async {
+            let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            else {
+                return;
+            };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            eprintln!("{tool}: interrupted; deleting the emulated hosts");
+            cleanup_all();
+            std::process::exit(130);
+        });
+    });
 }
 
 /// Kill the processes in, and delete, every namespace this process made and has not deleted:

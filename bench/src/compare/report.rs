@@ -114,11 +114,17 @@ pub fn write(
     Ok(path)
 }
 
-/// The gradient exchange the cost model predicts for a cluster run's link, seconds: the
-/// one-way latency is the two shaped hops' delay, the bandwidth the shaped rate.
+/// A cluster run's link for the cost model: the one-way latency is the two shaped hops' delay,
+/// the bandwidth what a plain TCP stream measured over them (the shaped rate for runs that did
+/// not measure it).
+fn cluster_link(r: &ClusterRun) -> Link {
+    Link { a: 2.0 * r.delay_us as f64 * 1e-6, b: cost::gbit(r.measured_gbit.unwrap_or(r.rate_gbit)) }
+}
+
+/// The gradient exchange the cost model predicts for a cluster run's link, seconds.
 pub fn cluster_prediction(r: &ClusterRun, params: usize) -> Option<f64> {
     let s = 4.0 * params as f64;
-    let l = Link { a: 2.0 * r.delay_us as f64 * 1e-6, b: cost::gbit(r.rate_gbit) };
+    let l = cluster_link(r);
     if r.mode.is_ps() {
         Some(cost::ps(r.workers, r.shards.max(1), s, l))
     } else if r.mode.is_ring() {
@@ -140,7 +146,8 @@ fn cluster_section(h: &mut String, runs: &[ClusterRun], all: &[Summary]) {
     h.push_str(
         "<h2>Emulated cluster</h2>\n<p>Each process on its own host (a network namespace), every host's \
          link shaped with tc in both directions; the model's latency is the two hops' added delay, its \
-         bandwidth the shaped rate.</p>\n<table><tr><th>link</th><th class=l>mode</th><th>workers</th>\
+         bandwidth what one plain TCP stream carried between two hosts of the run's cluster, measured just \
+         before the run (the shaped rate where it was not measured).</p>\n<table><tr><th>link</th><th class=l>mode</th><th>workers</th>\
          <th>shards</th><th class=l>status</th><th>step ms</th><th>communication ms</th><th>model ms</th>\
          <th>model ms, push then pull</th><th>communication / model (PS: push then pull)</th></tr>\n",
     );
@@ -151,17 +158,17 @@ fn cluster_section(h: &mut String, runs: &[ClusterRun], all: &[Summary]) {
         let pred = cluster_prediction(r, s.params).map(|t| t * 1e3);
         // A PS that pulls only after its whole push pays the busiest link twice.
         let seq = r.mode.is_ps().then(|| {
-            let l = Link { a: 2.0 * r.delay_us as f64 * 1e-6, b: cost::gbit(r.rate_gbit) };
-            cost::ps_sequential(r.workers, r.shards.max(1), 4.0 * s.params as f64, l) * 1e3
+            cost::ps_sequential(r.workers, r.shards.max(1), 4.0 * s.params as f64, cluster_link(r)) * 1e3
         });
         // A worker pushes, then pulls (under BSP the pull waits for every push), so the
         // push-then-pull figure is the one a PS run is held to.
         let ratio = s.comm_ms.zip(seq.or(pred)).map(|(m, p)| m / p);
         let _ = writeln!(
             h,
-            "<tr><td>{} Gbit/s, {} us, {}% loss</td><td class=l>{}</td><td>{}</td><td>{}</td>\
+            "<tr><td>{} Gbit/s{}, {} us, {}% loss</td><td class=l>{}</td><td>{}</td><td>{}</td>\
              <td class=\"l {st}\">{st}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             r.rate_gbit,
+            r.measured_gbit.map(|g| format!(" ({g:.3} measured)")).unwrap_or_default(),
             r.delay_us,
             r.loss_pct,
             r.mode.label(),
