@@ -79,8 +79,9 @@ fn quick_grid_on_shaped_links_is_held_to_the_link() {
     let rows = rows(&out);
     check_groups(&rows);
     for r in &rows {
-        // 1 Gbit/s is 0.125 GB/s; TCP over it carries a little less.
-        assert!((0.08..0.13).contains(&r.5), "raw {} GB/s over a 1 Gbit/s link: {r:?}", r.5);
+        // 1 Gbit/s is 0.125 GB/s (printed to two decimals); unshaped, the same pair of
+        // namespaces carries more than 1 GB/s.
+        assert!((0.08..=0.14).contains(&r.5), "raw {} GB/s over a 1 Gbit/s link: {r:?}", r.5);
         // The bound counts the two directions one after the other; the links are full duplex,
         // so the busiest one allows half of it at best.
         assert!(r.6 > 0.45, "faster than the links allow: {r:?}");

@@ -86,26 +86,24 @@ fn copy_checked(src: &[u8], dst: &mut [f32]) -> bool {
     let mut finite = true;
     for (d, s) in dst.chunks_mut(BLOCK).zip(src.chunks(BLOCK * 4)) {
         copy_le(s, d);
-        // Exponent bits all ones: NaN or Inf.
-        finite &= d.iter().fold(true, |ok, v| ok & (v.to_bits() & 0x7f80_0000 != 0x7f80_0000));
+        finite &= all_finite(d);
     }
     finite
 }
 
-/// Whether every little-endian f32 in `payload` (a whole number of values) is finite: one
-/// read-only pass, for payloads kept as they arrived rather than copied out.
-pub fn all_finite(payload: &[u8]) -> bool {
-    // Through an aligned block in L1, the same copy-then-check as `copy_checked` (a check
-    // straight on unaligned bytes does not vectorise and ran at half the speed).
-    let mut block = [0f32; BLOCK];
-    payload.chunks(BLOCK * 4).all(|s| copy_checked(s, &mut block[..s.len() / 4]))
+/// Whether every value is finite, in one pass without branches, which vectorises: a value is
+/// NaN or Inf when its exponent bits are all ones. A sum of values is finite only if every
+/// value is (or it overflowed), so a receiver that sums can check the sum instead of each
+/// input.
+pub fn all_finite(v: &[f32]) -> bool {
+    v.iter().fold(true, |ok, v| ok & (v.to_bits() & 0x7f80_0000 != 0x7f80_0000))
 }
 
 /// Reassembles one streamed buffer of exactly `len` values from chunks that must arrive in
 /// order. Pure (no I/O) so the service and the fuzzer run the same code. The destination is
 /// allocated by the caller from the model's real size: nothing a peer declares sizes it.
-/// [`Reassembly::checking`] runs the same checks without a destination, for a receiver that
-/// keeps the payloads themselves.
+/// [`Reassembly::checking`] checks order and length without a destination, for a receiver that
+/// keeps the payloads themselves (and checks finiteness where it reads them).
 #[derive(Debug)]
 pub struct Reassembly<'a> {
     dst: Option<&'a mut [f32]>,
@@ -155,8 +153,8 @@ impl<'a> Reassembly<'a> {
         Reassembly { len: dst.len(), dst: Some(dst), received: 0, finite: true, bytes: 0 }
     }
 
-    /// Check a stream of `len` values chunk by chunk (order, length, finiteness) without
-    /// copying it anywhere.
+    /// Check a stream of `len` values chunk by chunk (order and length, not finiteness: the
+    /// values are not read) without copying it anywhere.
     pub fn checking(len: usize) -> Reassembly<'static> {
         Reassembly { dst: None, len, received: 0, finite: true, bytes: 0 }
     }
@@ -187,7 +185,7 @@ impl<'a> Reassembly<'a> {
                 if self.received + len > self.len {
                     return Err(StreamError::Chunk(Error::Overrun { offset, len, range: self.len }));
                 }
-                all_finite(payload)
+                true
             }
         };
         self.received += payload.len() / 4;
@@ -270,11 +268,21 @@ mod tests {
         r.push(4, &b[16..]).unwrap();
         assert_eq!((r.received(), r.finite()), (10, true));
         assert_eq!(r.finish(), Ok((true, 40)));
+        // It does not read the values; reassembling does.
+        let bad = encode(&[1.0, f32::NAN, f32::NEG_INFINITY], BytesMut::new());
         let mut r = Reassembly::checking(3);
-        r.push(0, &encode(&[1.0, f32::NAN, f32::NEG_INFINITY], BytesMut::new())).unwrap();
+        r.push(0, &bad).unwrap();
+        assert_eq!(r.finish(), Ok((true, 12)));
+        let mut out = [0.0; 3];
+        let mut r = Reassembly::new(&mut out);
+        r.push(0, &bad).unwrap();
         assert_eq!(r.finish(), Ok((false, 12)));
-        assert!(all_finite(&encode(&[0.0, -1.0, f32::MAX], BytesMut::new())));
-        assert!(!all_finite(&encode(&[f32::INFINITY], BytesMut::new())));
+        assert!(all_finite(&[0.0, -1.0, f32::MAX, f32::MIN_POSITIVE / 2.0]));
+        for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN] {
+            let mut v = vec![1.0f32; 100];
+            v[77] = bad;
+            assert!(!all_finite(&v), "{bad}");
+        }
     }
 
     #[test]

@@ -47,6 +47,8 @@ pub struct Progress {
     pub epoch: u64,
     /// Set once: the round was committed, or failed with this error.
     pub end: Option<std::result::Result<Committed, Arc<Error>>>,
+    /// Ranks whose gradient was refused for NaN or Inf (until they join again).
+    pub refused: BTreeSet<usize>,
 }
 
 /// What a committed round produced.
@@ -59,6 +61,9 @@ pub struct Committed {
     /// The ranks whose gradients the update holds.
     pub ranks: Vec<usize>,
 }
+
+/// One rank's pieces that overlap a block: (rank, [(value offset, payload)]).
+type Part = (usize, Vec<(usize, Bytes)>);
 
 /// One rank's gradient as it arrived: payload pieces (little-endian f32) at value offsets.
 #[derive(Debug, Default)]
@@ -80,6 +85,8 @@ struct Inner {
     /// The wire image of the stepped blocks (this epoch).
     image: Vec<FramedChunk>,
     ended: bool,
+    /// Ranks whose gradient held NaN or Inf, found while summing (withdrawn).
+    refused: BTreeSet<usize>,
 }
 
 /// The buffers one stepper writes; only the task holding `Inner::stepping` locks this.
@@ -90,7 +97,7 @@ struct Work {
     next_momentum: Vec<f32>,
     sum: Vec<f32>,
     /// One inner block of the current parameters, copied out of an image whose payload is
-    /// not aligned f32.
+    /// not aligned f32; or one rank's inner block, when looking for a non-finite one.
     current: Vec<f32>,
 }
 
@@ -254,6 +261,9 @@ impl Round {
         self.progress.send_modify(|p| {
             p.stepped = stepped;
             p.epoch = epoch;
+            if p.refused != g.refused {
+                p.refused.clone_from(&g.refused);
+            }
             if end.is_some() {
                 p.end = end;
             }
@@ -273,6 +283,9 @@ impl Round {
             });
         }
         g.ranks.insert(rank, Contribution::default());
+        if g.refused.remove(&rank) {
+            self.publish(&g, None);
+        }
         Ok(())
     }
 
@@ -281,16 +294,47 @@ impl Round {
         lock(&self.inner).ranks.contains_key(&rank)
     }
 
-    /// A checked piece of `rank`'s gradient at value `offset` (directly after the previous
-    /// one). Steps whatever blocks it completes.
-    pub fn add(&self, rank: usize, offset: usize, payload: Bytes) {
+    /// A piece of `rank`'s gradient at value `offset` (directly after the previous one),
+    /// checked for order and length; its values are checked while they are summed. Steps
+    /// whatever blocks it completes. False once `rank`'s gradient has been refused for NaN or
+    /// Inf (then it is withdrawn, and the rest of its stream can go).
+    pub fn add(&self, rank: usize, offset: usize, payload: Bytes) -> bool {
         {
             let mut g = lock(&self.inner);
-            let Some(c) = g.ranks.get_mut(&rank) else { return };
+            if g.refused.contains(&rank) {
+                return false;
+            }
+            let Some(c) = g.ranks.get_mut(&rank) else { return true };
             c.received = offset + payload.len() / 4;
             c.pieces.push((offset, payload));
         }
         self.advance();
+        !lock(&self.inner).refused.contains(&rank)
+    }
+
+    /// Check the values of `rank`'s pieces that no step has summed yet (they wait for other
+    /// ranks' blocks) and refuse the rank, as summing would, if any is NaN or Inf: for a push
+    /// whose stream has ended, so that its refusal does not depend on ranks that may never
+    /// send. True if `rank` is refused.
+    pub fn refuse_if_non_finite(&self, rank: usize) -> bool {
+        let mut g = lock(&self.inner);
+        let summed = g.stepped * self.block;
+        let Some(c) = g.ranks.get(&rank) else { return g.refused.contains(&rank) };
+        let mut scratch = vec![0f32; 1024];
+        let bad = c.pieces.iter().any(|(o, p)| {
+            let from = summed.saturating_sub(*o).min(p.len() / 4) * 4;
+            p[from..].chunks(scratch.len() * 4).any(|b| {
+                let dst = &mut scratch[..b.len() / 4];
+                !gradsync_proto::wire::decode_into(b, 0, dst).unwrap_or(false)
+            })
+        });
+        if bad {
+            g.ranks.remove(&rank);
+            g.refused.insert(rank);
+            self.invalidate(&mut g);
+            self.publish(&g, None);
+        }
+        bad
     }
 
     /// `rank`'s stream ended cleanly with `bytes` of payload; true when the round can commit.
@@ -382,27 +426,43 @@ impl Round {
                 let c = g.stepped;
                 let r = self.range(c);
                 // Rank order: the sum is the same whichever rank arrived first.
-                let parts: Vec<Vec<(usize, Bytes)>> = g
+                let parts: Vec<Part> = g
                     .expected
                     .iter()
-                    .filter_map(|rank| g.ranks.get(rank))
-                    .map(|con| {
-                        con.pieces
+                    .filter_map(|rank| g.ranks.get(rank).map(|con| (rank, con)))
+                    .map(|(rank, con)| {
+                        let pieces = con
+                            .pieces
                             .iter()
                             .filter(|(o, p)| *o < r.end && o + p.len() / 4 > r.start)
                             .cloned()
-                            .collect()
+                            .collect();
+                        (*rank, pieces)
                     })
                     .collect();
                 (c, parts, g.epoch, 1.0 / g.expected.len() as f32)
             };
-            let chunk = self.step_block(c, &parts, scale);
+            let stepped = self.step_block(c, &parts, scale);
             let mut g = lock(&self.inner);
             g.stepping = false;
-            if g.epoch == epoch && !g.ended && g.stepped == c {
-                g.image.push(chunk);
-                g.stepped += 1;
-                self.publish(&g, None);
+            if g.epoch != epoch || g.ended || g.stepped != c {
+                continue;
+            }
+            match stepped {
+                Ok(chunk) => {
+                    g.image.push(chunk);
+                    g.stepped += 1;
+                    self.publish(&g, None);
+                }
+                // Withdrawn like a failed stream: blocks already stepped with them go.
+                Err(bad) => {
+                    for r in bad {
+                        g.ranks.remove(&r);
+                        g.refused.insert(r);
+                    }
+                    self.invalidate(&mut g);
+                    self.publish(&g, None);
+                }
             }
         }
     }
@@ -411,18 +471,37 @@ impl Round {
     /// block while each is in cache: the new momentum goes into the next buffer, the new
     /// parameters straight into the block's pull message. The current parameters are read
     /// straight out of their image where its payload is aligned f32 (images built here are).
-    fn step_block(&self, c: usize, parts: &[Vec<(usize, Bytes)>], scale: f32) -> FramedChunk {
+    ///
+    /// Finiteness is checked on the sum, in cache, rather than on every rank's gradient as it
+    /// arrives: a NaN or Inf in any rank makes the sum NaN or Inf. Only then are the ranks'
+    /// values checked one by one, and the ranks holding NaN or Inf are returned (refused).
+    /// A sum that overflows from finite gradients is stepped as before.
+    fn step_block(&self, c: usize, parts: &[Part], scale: f32) -> std::result::Result<FramedChunk, Vec<usize>> {
         let r = self.range(c);
         let mut w = lock(&self.work);
         let Work { params, momentum, next_momentum, sum, current } = &mut *w;
         let image = params.image().map(|f| f.payload(c).1);
         let head = ParameterChunk { version: self.version, offset: r.start as u64, data: Bytes::new() };
-        let built = FramedChunk::build_f32(&head, 3, r.start as u64, r.len(), |out| {
+        FramedChunk::build_f32(&head, 3, r.start as u64, r.len(), |out| {
             for s in r.clone().step_by(SUB) {
                 let s = s..(s + SUB).min(r.end);
                 let acc = &mut sum[..s.len()];
-                for (k, pieces) in parts.iter().enumerate() {
+                for (k, (_, pieces)) in parts.iter().enumerate() {
                     gather(pieces, s.clone(), acc, k == 0);
+                }
+                if !gradsync_proto::wire::all_finite(acc) {
+                    let own = &mut current[..s.len()];
+                    let bad: Vec<usize> = parts
+                        .iter()
+                        .filter(|(_, pieces)| {
+                            gather(pieces, s.clone(), own, true);
+                            !gradsync_proto::wire::all_finite(own)
+                        })
+                        .map(|(rank, _)| *rank)
+                        .collect();
+                    if !bad.is_empty() {
+                        return Err(bad);
+                    }
                 }
                 let p = match &image {
                     None => &params.values[s.clone()],
@@ -450,12 +529,8 @@ impl Round {
                     &mut next_momentum[s.clone()],
                 );
             }
-            Ok::<(), std::convert::Infallible>(())
-        });
-        match built {
-            Ok(chunk) => chunk,
-            Err(never) => match never {},
-        }
+            Ok(())
+        })
     }
 
     /// Block `i` of the next version's wire image, if it is stepped in `epoch`.
@@ -663,5 +738,75 @@ mod tests {
         let mut p = Params::from_image(Framed::from_chunks(f.image));
         assert_eq!(**p.values(), vec![0.0; n], "1 - 0.5 * 2, rank 1's 4.0 not in it");
         assert!(round.finish().is_none(), "taken once");
+    }
+
+    /// Finiteness is checked on the sum: a NaN or Inf in one rank's block refuses that rank
+    /// alone (withdrawn, blocks stepped with it thrown away), even when another rank's value
+    /// at the same place would cancel it; the refusal ends when the rank joins again. A sum
+    /// that overflows from finite values is no refusal.
+    #[test]
+    fn a_non_finite_rank_is_refused_while_summing() {
+        let n = 100;
+        let cfg = SgdConfig { lr: 0.5, momentum: 0.0, weight_decay: 0.0 };
+        let start = |v: f32| Start {
+            params: Params::from_values(vec![v; n]),
+            momentum: Arc::new(vec![0.0; n]),
+            next_momentum: Vec::new(),
+        };
+        let round = Round::new(1, start(1.0), 160, cfg, [0, 1, 2].into());
+        let rx = round.subscribe();
+        for k in 0..3 {
+            round.join(k).unwrap();
+        }
+        let mut bad = vec![2.0; n];
+        bad[95] = f32::INFINITY;
+        let mut cancels = vec![2.0; n];
+        cancels[95] = f32::NEG_INFINITY;
+        assert!(round.add(0, 0, le(&vec![2.0; n])));
+        // Blocks of 40 values: the Inf and the -Inf are in the third.
+        assert!(round.add(1, 0, le(&bad[..50])));
+        assert!(round.add(2, 0, le(&cancels[..60])));
+        assert_eq!(rx.borrow().stepped, 1);
+        assert!(round.add(1, 50, le(&bad[50..])));
+        assert_eq!(rx.borrow().stepped, 1, "rank 2's block 1 is not in yet");
+        assert!(!round.add(2, 60, le(&cancels[60..])), "the third block holds rank 1's Inf and rank 2's -Inf");
+        assert_eq!(rx.borrow().refused, [1, 2].into());
+        assert_eq!((rx.borrow().stepped, rx.borrow().epoch), (0, 1), "block 0 had them in it");
+        assert!(!round.add(1, 0, le(&[0.0])), "a refused rank's further pieces are not taken");
+        assert!(!round.done(0, 400));
+        // Both push again, finite this time: the round completes with all three.
+        for k in [1, 2] {
+            round.join(k).unwrap();
+            assert!(round.add(k, 0, le(&vec![2.0; n])));
+        }
+        assert!(rx.borrow().refused.is_empty());
+        round.done(1, 400);
+        assert!(round.done(2, 400));
+        let f = round.finish().unwrap();
+        let mut p = Params::from_image(Framed::from_chunks(f.image));
+        assert_eq!(**p.values(), vec![0.0; n], "1 - 0.5 * 2");
+
+        // A rank whose Inf waits in a block another rank has not sent: found when asked (its
+        // stream ended), not before.
+        let round = Round::new(1, start(1.0), 160, cfg, [0, 1].into());
+        let rx = round.subscribe();
+        round.join(0).unwrap();
+        round.join(1).unwrap();
+        assert!(round.add(1, 0, le(&bad)));
+        assert!(round.add(0, 0, le(&vec![2.0; 50])));
+        assert!(rx.borrow().refused.is_empty(), "the Inf is in a block not summed yet");
+        assert!(!round.refuse_if_non_finite(0));
+        assert!(round.refuse_if_non_finite(1));
+        assert_eq!((rx.borrow().refused.clone(), rx.borrow().epoch), ([1].into(), 1));
+
+        // Two finite gradients whose sum overflows: stepped, as a serial step would.
+        let round = Round::new(1, start(0.0), 160, cfg, [0, 1].into());
+        for k in 0..2 {
+            round.join(k).unwrap();
+            assert!(round.add(k, 0, le(&vec![f32::MAX; n])));
+        }
+        round.done(0, 400);
+        assert!(round.done(1, 400), "not refused");
+        assert!(round.subscribe().borrow().refused.is_empty());
     }
 }

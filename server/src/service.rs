@@ -67,7 +67,7 @@ impl Service {
         let (rank, base) = (rank_of(first.rank), first.base_version);
         self.state.lock().await.touch(rank)?;
         let mut grad = self.shared.take_buffer();
-        let got = self.read(rank, base, first, stream, wire::Reassembly::new(&mut grad), |_, _| {}).await;
+        let got = self.read(rank, base, first, stream, wire::Reassembly::new(&mut grad), |_, _| true).await;
         match got {
             Ok(bytes) => Ok((rank, base, grad, bytes)),
             Err(e) => {
@@ -77,8 +77,10 @@ impl Service {
         }
     }
 
-    /// Read `rank`'s chunks into `asm` one by one (order, length, finiteness), handing each
-    /// checked one to `each` with its offset in values. Returns the payload bytes.
+    /// Read `rank`'s chunks into `asm` one by one (order, length, and finiteness where `asm`
+    /// reads the values), handing each checked one to `each` with its offset in values; `each`
+    /// returning false means the values were found to hold NaN or Inf. Returns the payload
+    /// bytes.
     async fn read(
         &self,
         rank: usize,
@@ -86,7 +88,7 @@ impl Service {
         first: GradientChunk,
         mut stream: Incoming<GradientChunk>,
         mut asm: wire::Reassembly<'_>,
-        mut each: impl FnMut(usize, bytes::Bytes),
+        mut each: impl FnMut(usize, bytes::Bytes) -> bool,
     ) -> Result<u64, Status> {
         let len = self.shared.range.len();
         let bad = |why: wire::StreamError| Error::BadGradient {
@@ -104,19 +106,24 @@ impl Service {
             }
             let at = asm.received();
             asm.push(c.offset, &c.data).map_err(bad)?;
-            if !asm.finite() {
-                self.shared.rejected_nonfinite.fetch_add(1, Ordering::Relaxed);
-                return Err(Error::NonFinite { rank }.into());
+            if !asm.finite() || !each(at, c.data) {
+                return Err(self.refuse_nonfinite(rank));
             }
-            each(at, c.data);
             chunk = self.next_chunk(rank, &mut stream).await?;
         }
         Ok(asm.finish().map_err(bad)?.1)
     }
 
-    /// A BSP push, pipelined: each checked piece goes into the step's [`Round`] as it arrives
-    /// (which steps every block it completes); the reply comes when the round commits or
-    /// fails.
+    /// Count a gradient refused for NaN or Inf; the status that says so.
+    fn refuse_nonfinite(&self, rank: usize) -> Status {
+        self.shared.rejected_nonfinite.fetch_add(1, Ordering::Relaxed);
+        Error::NonFinite { rank }.into()
+    }
+
+    /// A BSP push, pipelined: each piece checked for order and length goes into the step's
+    /// [`Round`] as it arrives (which steps every block it completes, checking the values as
+    /// it sums them); the reply comes when the round commits or fails, or when this rank's
+    /// gradient is refused for NaN or Inf.
     async fn push_bsp(&self, mut stream: Incoming<GradientChunk>) -> Result<PushReply, Status> {
         let first = first_chunk(&mut stream).await?;
         let (rank, base) = (rank_of(first.rank), first.base_version);
@@ -131,22 +138,32 @@ impl Service {
                 return Err(e);
             }
         };
+        // What of the gradient still waits for other ranks' blocks is checked now, so that a
+        // NaN or Inf is refused whether or not the others ever send (with one worker, or the
+        // last to finish, nothing is left to check here).
+        if round.refuse_if_non_finite(rank) {
+            return Err(self.refuse_nonfinite(rank));
+        }
         let arrived = Instant::now();
         if round.done(rank, bytes) {
             self.with_state(|st, sh| st.commit(sh)).await?;
         }
         let mut rx = round.subscribe();
         let timeout = self.shared.cfg.worker_timeout;
-        let ended = |p: &crate::round::Progress| p.end.is_some();
+        let ended = |p: &crate::round::Progress| p.end.is_some() || p.refused.contains(&rank);
+        let outcome = |p: &crate::round::Progress| (p.refused.contains(&rank), p.end.clone());
         let first_wait = tokio::time::timeout(timeout, rx.wait_for(ended)).await;
-        let end = match first_wait.map(|p| p.map(|p| p.end.clone()).ok().flatten()) {
-            Ok(end) => end,
+        let (refused, end) = match first_wait.map(|p| p.map(|p| outcome(&p)).ok()) {
+            Ok(seen) => seen.unwrap_or((false, None)),
             Err(_) => {
                 self.with_state(move |st, sh| st.barrier_timeout(sh, base)).await?;
                 let again = tokio::time::timeout(timeout, rx.wait_for(ended)).await;
-                again.ok().and_then(|p| p.map(|p| p.end.clone()).ok().flatten())
+                again.ok().and_then(|p| p.map(|p| outcome(&p)).ok()).unwrap_or((false, None))
             }
         };
+        if refused {
+            return Err(self.refuse_nonfinite(rank));
+        }
         match end {
             Some(Ok(c)) if c.ranks.contains(&rank) => Ok(PushReply {
                 version: c.version,
