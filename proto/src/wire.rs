@@ -164,7 +164,8 @@ impl<'a> Reassembly<'a> {
         self.received
     }
 
-    /// Whether every value so far is finite.
+    /// Whether every value so far is finite (always true for [`Reassembly::checking`], which
+    /// does not read the values).
     pub fn finite(&self) -> bool {
         self.finite
     }
