@@ -476,7 +476,12 @@ impl Round {
     /// arrives: a NaN or Inf in any rank makes the sum NaN or Inf. Only then are the ranks'
     /// values checked one by one, and the ranks holding NaN or Inf are returned (refused).
     /// A sum that overflows from finite gradients is stepped as before.
-    fn step_block(&self, c: usize, parts: &[Part], scale: f32) -> std::result::Result<FramedChunk, Vec<usize>> {
+    fn step_block(
+        &self,
+        c: usize,
+        parts: &[Part],
+        scale: f32,
+    ) -> std::result::Result<FramedChunk, Vec<usize>> {
         let r = self.range(c);
         let mut w = lock(&self.work);
         let Work { params, momentum, next_momentum, sum, current } = &mut *w;
@@ -769,7 +774,10 @@ mod tests {
         assert_eq!(rx.borrow().stepped, 1);
         assert!(round.add(1, 50, le(&bad[50..])));
         assert_eq!(rx.borrow().stepped, 1, "rank 2's block 1 is not in yet");
-        assert!(!round.add(2, 60, le(&cancels[60..])), "the third block holds rank 1's Inf and rank 2's -Inf");
+        assert!(
+            !round.add(2, 60, le(&cancels[60..])),
+            "the third block holds rank 1's Inf and rank 2's -Inf"
+        );
         assert_eq!(rx.borrow().refused, [1, 2].into());
         assert_eq!((rx.borrow().stepped, rx.borrow().epoch), (0, 1), "block 0 had them in it");
         assert!(!round.add(1, 0, le(&[0.0])), "a refused rank's further pieces are not taken");
