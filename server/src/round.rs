@@ -317,21 +317,33 @@ impl Round {
     /// whose stream has ended, so that its refusal does not depend on ranks that may never
     /// send. True if `rank` is refused.
     pub fn refuse_if_non_finite(&self, rank: usize) -> bool {
-        let mut g = lock(&self.inner);
-        let summed = g.stepped * self.block;
-        let Some(c) = g.ranks.get(&rank) else { return g.refused.contains(&rank) };
+        // The pieces are taken (slices, no copy) and read outside the lock: other ranks keep
+        // adding theirs meanwhile.
+        let (summed, pieces) = {
+            let g = lock(&self.inner);
+            if g.refused.contains(&rank) {
+                return true;
+            }
+            let Some(c) = g.ranks.get(&rank) else { return false };
+            let summed = g.stepped * self.block;
+            let pieces: Vec<(usize, Bytes)> =
+                c.pieces.iter().filter(|(o, p)| o + p.len() / 4 > summed).cloned().collect();
+            (summed, pieces)
+        };
         let mut scratch = vec![0f32; 1024];
-        let bad = c.pieces.iter().any(|(o, p)| {
-            let from = summed.saturating_sub(*o).min(p.len() / 4) * 4;
+        let bad = pieces.iter().any(|(o, p)| {
+            let from = summed.saturating_sub(*o) * 4;
             p[from..].chunks(scratch.len() * 4).any(|b| {
                 let dst = &mut scratch[..b.len() / 4];
                 !gradsync_proto::wire::decode_into(b, 0, dst).unwrap_or(false)
             })
         });
         if bad {
-            g.ranks.remove(&rank);
+            let mut g = lock(&self.inner);
             g.refused.insert(rank);
-            self.invalidate(&mut g);
+            if g.ranks.remove(&rank).is_some() {
+                self.invalidate(&mut g);
+            }
             self.publish(&g, None);
         }
         bad
