@@ -813,7 +813,7 @@ mod tests {
         round.join(0).unwrap();
         round.join(1).unwrap();
         assert!(round.add(1, 0, le(&bad)));
-        assert!(round.add(0, 0, le(&vec![2.0; 50])));
+        assert!(round.add(0, 0, le(&[2.0; 50])));
         assert!(rx.borrow().refused.is_empty(), "the Inf is in a block not summed yet");
         assert!(!round.refuse_if_non_finite(0));
         assert!(round.refuse_if_non_finite(1));
