@@ -120,24 +120,20 @@ fn spec_for(mb: usize) -> ModelSpec {
     ModelSpec { name: "custom".into(), widths: vec![d, d] }
 }
 
-/// Where a group runs: shard `j` on host `j`, worker `i` on host `first_worker + i`.
+/// One worker/shard group of the grid, and where it runs: shard `j` on host `j`, worker `i` on
+/// host `first_worker + i`; each row runs `warmup` untimed steps, then `steps` timed ones.
 #[derive(Clone, Copy)]
-struct Place<'a> {
+struct Group<'a> {
+    workers: usize,
+    shards: usize,
+    warmup: usize,
+    steps: usize,
     hosts: Hosts<'a>,
     first_worker: usize,
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn measure(
-    spec: &ModelSpec,
-    workers: usize,
-    shards: usize,
-    tuning: Tuning,
-    serial: bool,
-    warmup: usize,
-    steps: usize,
-    at: Place<'_>,
-) -> anyhow::Result<Figure> {
+async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -> anyhow::Result<Figure> {
+    let Group { workers, shards, warmup, steps, hosts, first_worker } = g;
     let total = Layout::new(spec).len;
     let fp = Fingerprint::new(spec, 1).text;
     let mut addrs = Vec::new();
@@ -149,7 +145,7 @@ async fn measure(
         cfg.tuning = tuning;
         cfg.worker_timeout = Duration::from_secs(120);
         let server = ParamServer::new(cfg)?;
-        let listener = at.hosts.listen(k)?;
+        let listener = hosts.listen(k)?;
         listener.set_nonblocking(true)?;
         let listener = TcpListener::from_std(listener)?;
         addrs.push(listener.local_addr()?.to_string());
@@ -166,7 +162,7 @@ async fn measure(
     for r in 0..workers {
         let addrs = addrs.clone();
         let connect = async move { PsClient::connect(&addrs, None, Duration::from_secs(120), tuning).await };
-        let mut c = match at.hosts.runtime(at.first_worker + r)? {
+        let mut c = match hosts.runtime(first_worker + r)? {
             Some(host) => {
                 let c = host.handle.spawn(connect).await.context("connecting on the worker's host")??;
                 runtimes.push(host);
@@ -232,16 +228,9 @@ async fn measure(
 
 /// The plain-sockets row: the step's traffic over plain TCP sockets in the same topology
 /// ([`crate::rawtcp::Exchange`]); push and pull run at once, so both are the step's time.
-fn plain_tcp(
-    bytes: usize,
-    workers: usize,
-    shards: usize,
-    warmup: usize,
-    steps: usize,
-    at: Place<'_>,
-) -> anyhow::Result<Figure> {
-    let times = crate::rawtcp::Exchange::new(bytes, workers, shards, at.hosts, at.first_worker)?
-        .run(warmup, steps)?;
+fn plain_tcp(bytes: usize, g: Group<'_>) -> anyhow::Result<Figure> {
+    let times = crate::rawtcp::Exchange::new(bytes, g.workers, g.shards, g.hosts, g.first_worker)?
+        .run(g.warmup, g.steps)?;
     let ms = median(&times);
     Ok(Figure { step_ms: ms, push_ms: ms, pull_ms: ms, wait_ms: 0.0 })
 }
@@ -273,7 +262,6 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         }
     };
     let hosts = cluster.as_ref().map_or(Hosts::Loopback, Hosts::Emulated);
-    let at = Place { hosts, first_worker };
     // The median of three: one short measurement can land on a burst of other load. From a
     // worker's host to a shard's, the push's direction (on loopback both are 127.0.0.1).
     let raw_tcp = || -> anyhow::Result<f64> {
@@ -322,6 +310,7 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                 // Measured again before every group: on a shared machine the link's speed
                 // drifts over a run, and the ratios must compare like with like.
                 let raw = raw_tcp()?;
+                let group = Group { workers: w, shards: k, warmup, steps, hosts, first_worker };
                 let bound_ms = 2.0 * (bytes / raw).max(w as f64 * bytes / (k as f64 * raw)) * 1e3;
                 let (mut default_ms, mut plain_ms) = (None, None);
                 let plain = (!a.no_plain && a.only.is_none()).then_some(None);
@@ -334,10 +323,8 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                         (Some(t), _) => t.name.to_string(),
                     };
                     let fig = match tuning {
-                        None => plain_tcp(bytes as usize, w, k, warmup, steps, at),
-                        Some(t) => {
-                            rt.block_on(measure(&spec, w, k, t, serial == Some(true), warmup, steps, at))
-                        }
+                        None => plain_tcp(bytes as usize, group),
+                        Some(t) => rt.block_on(measure(&spec, group, t, serial == Some(true))),
                     }
                     .with_context(|| format!("{mb} MB, {w} workers, {k} shards, {name}"))?;
                     let is_default = tuning.is_some_and(|t| t.name == Tuning::tonic_defaults().name);
