@@ -339,14 +339,23 @@ impl Round {
             })
         });
         if bad {
-            let mut g = lock(&self.inner);
-            g.refused.insert(rank);
-            if g.ranks.remove(&rank).is_some() {
-                self.invalidate(&mut g);
-            }
-            self.publish(&g, None);
+            self.refuse(&mut lock(&self.inner), &[rank]);
         }
         bad
+    }
+
+    /// Refuse `ranks` for NaN or Inf: withdrawn like a failed stream (blocks already stepped
+    /// with them go), and told so through the progress until they join again.
+    fn refuse(&self, g: &mut Inner, ranks: &[usize]) {
+        let mut withdrawn = false;
+        for r in ranks {
+            withdrawn |= g.ranks.remove(r).is_some();
+            g.refused.insert(*r);
+        }
+        if withdrawn {
+            self.invalidate(g);
+        }
+        self.publish(g, None);
     }
 
     /// `rank`'s stream ended cleanly with `bytes` of payload; true when the round can commit.
@@ -466,15 +475,7 @@ impl Round {
                     g.stepped += 1;
                     self.publish(&g, None);
                 }
-                // Withdrawn like a failed stream: blocks already stepped with them go.
-                Err(bad) => {
-                    for r in bad {
-                        g.ranks.remove(&r);
-                        g.refused.insert(r);
-                    }
-                    self.invalidate(&mut g);
-                    self.publish(&g, None);
-                }
+                Err(bad) => self.refuse(&mut g, &bad),
             }
         }
     }
