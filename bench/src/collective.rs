@@ -218,8 +218,9 @@ fn human(bytes: usize) -> String {
 /// Run the benchmark and print its table.
 pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
     let sizes = sizes(a);
-    let raw = crate::rawtcp::bandwidth("127.0.0.1", Duration::from_secs_f64(a.raw_secs))? / 1e9;
-    println!("raw loopback TCP, one stream, measured now: {raw:.2} GB/s");
+    let yard = crate::rawtcp::Yardstick::loopback("127.0.0.1", 3, Duration::from_secs_f64(a.raw_secs))?;
+    let raw = yard.median() / 1e9;
+    println!("raw loopback TCP, one stream, measured now: {}", yard.describe());
     let mut t = Table::new(&[
         "ranks",
         "backend",

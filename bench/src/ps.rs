@@ -266,12 +266,7 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
     // worker's host to a shard's, the push's direction (on loopback both are 127.0.0.1).
     let raw_tcp = || -> anyhow::Result<f64> {
         let d = Duration::from_secs_f64(raw_secs);
-        let mut b = Vec::new();
-        for _ in 0..3 {
-            let (tx, rx) = hosts.pair(first_worker, 0)?;
-            b.push(crate::rawtcp::stream_rate(tx, rx, d)?);
-        }
-        Ok(median(&b))
+        Ok(crate::rawtcp::Yardstick::measure(3, d, || hosts.pair(first_worker, 0))?.median())
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     // (transport, push then pull rather than both at once): the serial row is the same

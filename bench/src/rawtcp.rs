@@ -14,14 +14,71 @@ use crate::hosts::Hosts;
 /// Bytes per write: large enough that syscall overhead is negligible.
 const CHUNK: usize = 4 << 20;
 
-/// Measure one-direction throughput over `ip` (127.0.0.1 normally; any local address) for
-/// about `duration`, returning bytes per second.
-pub fn bandwidth(ip: &str, duration: Duration) -> anyhow::Result<f64> {
-    let listener = TcpListener::bind((ip, 0)).with_context(|| format!("binding {ip}:0"))?;
-    let tx = TcpStream::connect_timeout(&listener.local_addr()?, Duration::from_secs(10))
-        .context("connecting to the receiver")?;
-    let (rx, _) = listener.accept().context("accepting the sender")?;
-    stream_rate(tx, rx, duration)
+/// The raw TCP yardstick every benchmark quotes its figures against: `rounds` separate
+/// measurements of one plain stream (each about `each` long), kept whole so a report can show
+/// their spread, since a single one can land on a burst of other load.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Yardstick {
+    /// Each measurement, bytes per second, in the order taken.
+    pub samples: Vec<f64>,
+}
+
+impl Yardstick {
+    /// Measure between the two ends `pair` makes (a fresh connected sender and receiver each
+    /// round: loopback, or one emulated host to another).
+    pub fn measure(
+        rounds: usize,
+        each: Duration,
+        mut pair: impl FnMut() -> anyhow::Result<(TcpStream, TcpStream)>,
+    ) -> anyhow::Result<Yardstick> {
+        let mut samples = Vec::with_capacity(rounds.max(1));
+        for _ in 0..rounds.max(1) {
+            let (tx, rx) = pair()?;
+            samples.push(stream_rate(tx, rx, each)?);
+        }
+        Ok(Yardstick { samples })
+    }
+
+    /// [`Yardstick::measure`] over loopback (`ip`, normally 127.0.0.1).
+    pub fn loopback(ip: &str, rounds: usize, each: Duration) -> anyhow::Result<Yardstick> {
+        Yardstick::measure(rounds, each, || {
+            let listener = TcpListener::bind((ip, 0)).with_context(|| format!("binding {ip}:0"))?;
+            let tx = TcpStream::connect_timeout(&listener.local_addr()?, Duration::from_secs(10))
+                .context("connecting to the receiver")?;
+            let (rx, _) = listener.accept().context("accepting the sender")?;
+            Ok((tx, rx))
+        })
+    }
+
+    /// The median, bytes per second: the figure models are fitted to.
+    pub fn median(&self) -> f64 {
+        let mut v = self.samples.clone();
+        v.sort_by(f64::total_cmp);
+        match v.len() {
+            0 => 0.0,
+            n if n % 2 == 1 => v[n / 2],
+            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+        }
+    }
+
+    /// The smallest and largest measurement, bytes per second.
+    pub fn range(&self) -> (f64, f64) {
+        let lo = self.samples.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = self.samples.iter().copied().fold(0.0, f64::max);
+        (if lo.is_finite() { lo } else { 0.0 }, hi)
+    }
+
+    /// `median GB/s (min-max, n measurements)`, for tables and logs.
+    pub fn describe(&self) -> String {
+        let (lo, hi) = self.range();
+        format!(
+            "{:.2} GB/s (median of {}; {:.2}-{:.2})",
+            self.median() / 1e9,
+            self.samples.len(),
+            lo / 1e9,
+            hi / 1e9
+        )
+    }
 }
 
 /// Stream large writes from `tx` to its peer `rx` for about `duration` (after a fifth of it
@@ -245,7 +302,12 @@ mod tests {
 
     #[test]
     fn measures_something_positive() {
-        let b = super::bandwidth("127.0.0.1", std::time::Duration::from_millis(200)).unwrap();
-        assert!(b > 1e6, "loopback moved only {b} B/s");
+        let y = super::Yardstick::loopback("127.0.0.1", 3, std::time::Duration::from_millis(100)).unwrap();
+        assert_eq!(y.samples.len(), 3);
+        let (lo, hi) = y.range();
+        assert!(lo > 1e6 && lo <= y.median() && y.median() <= hi, "{y:?}");
+        assert!(y.describe().contains("median of 3"), "{}", y.describe());
+        let even = super::Yardstick { samples: vec![4.0, 1.0, 3.0, 2.0] };
+        assert_eq!((even.median(), even.range()), (2.5, (1.0, 4.0)));
     }
 }

@@ -124,6 +124,13 @@ pub struct Step {
     /// Parameter-server staleness: the steps the server applied between this worker's pull
     /// and the application of its gradient.
     pub staleness: Option<u64>,
+    /// The training clock at the end of this step: `wall_ms` less the time spent evaluating
+    /// before it. Time-to-accuracy and throughput read this clock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_ms: Option<f64>,
+    /// Time spent evaluating after this step, when it was evaluated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_ms: Option<f64>,
 }
 
 /// One update applied by a parameter-server shard.

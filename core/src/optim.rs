@@ -31,6 +31,49 @@ impl Default for SgdConfig {
     }
 }
 
+/// How an asynchronous parameter server scales a stale gradient (ASP, SSP): a gradient computed
+/// from parameters `s` versions old is applied with `lr / (s + 1)` under [`StalenessLr::Inverse`]
+/// (staleness-aware asynchronous SGD, Zhang et al., IJCAI'16), which keeps ASP stable as workers
+/// are added. The scale multiplies the gradient, so the momentum buffer holds scaled gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StalenessLr {
+    /// Every gradient at the full learning rate, however stale.
+    #[default]
+    None,
+    /// The learning rate divided by staleness + 1.
+    Inverse,
+}
+
+impl StalenessLr {
+    /// The gradient scale for a gradient `staleness` versions old.
+    pub fn scale(self, staleness: u64) -> f32 {
+        match self {
+            StalenessLr::None => 1.0,
+            StalenessLr::Inverse => 1.0 / (staleness as f32 + 1.0),
+        }
+    }
+
+    /// The name used on command lines and in metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            StalenessLr::None => "none",
+            StalenessLr::Inverse => "inverse",
+        }
+    }
+}
+
+impl std::str::FromStr for StalenessLr {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "none" => Ok(StalenessLr::None),
+            "inverse" => Ok(StalenessLr::Inverse),
+            _ => Err(format!("'{s}' (expected none or inverse)")),
+        }
+    }
+}
+
 /// Values per parallel chunk: below this a rayon split costs more than it saves.
 const CHUNK: usize = 1 << 15;
 

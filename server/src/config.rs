@@ -10,7 +10,7 @@ use std::time::Duration;
 use clap::Args;
 use gradsync_core::data::DataSource;
 use gradsync_core::model::{Fingerprint, ModelSpec};
-use gradsync_core::optim::SgdConfig;
+use gradsync_core::optim::{SgdConfig, StalenessLr};
 use gradsync_proto::tuning::Tuning;
 
 use crate::error::{Error, Result};
@@ -116,6 +116,11 @@ pub struct ServerArgs {
     /// L2 weight decay.
     #[arg(long, default_value_t = SgdConfig::DEFAULT.weight_decay)]
     pub weight_decay: f32,
+    /// Under ASP and SSP, scale each gradient's learning rate by its staleness: `none`, or
+    /// `inverse` (lr / (staleness + 1), Zhang et al., IJCAI'16; keeps ASP stable as workers
+    /// are added). BSP gradients are never stale.
+    #[arg(long, default_value = "none", value_parser = parse_staleness_lr)]
+    pub staleness_lr: StalenessLr,
     /// Shared secret every worker must send (none: no authentication).
     #[arg(long, env = "GRADSYNC_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
@@ -168,6 +173,8 @@ pub struct Config {
     pub data: String,
     /// Optimiser.
     pub sgd: SgdConfig,
+    /// How ASP/SSP scale a stale gradient.
+    pub staleness_lr: StalenessLr,
     /// Shared secret.
     pub token: Option<String>,
     /// Checkpoint file.
@@ -198,6 +205,7 @@ impl Config {
             seed,
             data: String::new(),
             sgd: SgdConfig::default(),
+            staleness_lr: StalenessLr::None,
             token: None,
             checkpoint: None,
             checkpoint_every: 0,
@@ -264,6 +272,7 @@ impl Config {
             seed: a.seed,
             data,
             sgd: SgdConfig { lr: a.lr, momentum: a.momentum, weight_decay: a.weight_decay },
+            staleness_lr: a.staleness_lr,
             token: a.token.clone(),
             checkpoint: a.checkpoint.clone(),
             checkpoint_every: a.checkpoint_every,
@@ -284,6 +293,10 @@ impl Config {
 
 fn parse_model(s: &str) -> std::result::Result<ModelSpec, String> {
     ModelSpec::parse(s).map_err(|e| e.to_string())
+}
+
+fn parse_staleness_lr(s: &str) -> std::result::Result<StalenessLr, String> {
+    s.parse()
 }
 
 fn parse_data(s: &str) -> std::result::Result<DataSource, String> {

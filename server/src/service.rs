@@ -347,6 +347,10 @@ impl ParameterServer for Service {
             version: reg.version,
             sync: sh.cfg.sync.to_string(),
             chunk_bytes: sh.cfg.tuning.chunk_bytes as u32,
+            lr: sh.cfg.sgd.lr,
+            momentum: sh.cfg.sgd.momentum,
+            weight_decay: sh.cfg.sgd.weight_decay,
+            staleness_lr: sh.cfg.staleness_lr.name().into(),
         }))
     }
 

@@ -426,7 +426,7 @@ impl State {
         let staleness = self.version - base;
         let t = Instant::now();
         let (p, m) = (Arc::make_mut(self.params.values()), Arc::make_mut(&mut self.momentum));
-        sgd_step(&sh.cfg.sgd, p, &grad, m, 1.0);
+        sgd_step(&sh.cfg.sgd, p, &grad, m, sh.cfg.staleness_lr.scale(staleness));
         sh.give_buffer(grad);
         self.version += 1;
         let apply_ms = ms(t.elapsed());
@@ -627,6 +627,7 @@ fn header(cfg: &Config, total: usize, range: &Range<usize>, fp: &Fingerprint) ->
     extra.insert("elastic".into(), cfg.elastic.into());
     extra.insert("checkpoint_every".into(), cfg.checkpoint_every.into());
     extra.insert("transport".into(), cfg.tuning.name.into());
+    extra.insert("staleness_lr".into(), cfg.staleness_lr.name().into());
     extra.insert("chunk_bytes".into(), cfg.tuning.chunk_bytes.into());
     Header {
         schema: SCHEMA_VERSION,

@@ -109,15 +109,16 @@ pub struct TrainArgs {
     /// Epochs over the training split.
     #[arg(long, default_value_t = 1, value_parser = parse_positive)]
     pub epochs: usize,
-    /// Learning rate.
-    #[arg(long, default_value_t = SgdConfig::DEFAULT.lr)]
-    pub lr: f32,
-    /// SGD momentum.
-    #[arg(long, default_value_t = SgdConfig::DEFAULT.momentum)]
-    pub momentum: f32,
-    /// L2 weight decay.
-    #[arg(long, default_value_t = SgdConfig::DEFAULT.weight_decay)]
-    pub weight_decay: f32,
+    /// Learning rate [default: 0.05]. Under --mode ps the servers' value applies: leave it
+    /// out, or give the same value (a different one is an error naming both).
+    #[arg(long)]
+    pub lr: Option<f32>,
+    /// SGD momentum [default: 0.9]; under --mode ps, as --lr.
+    #[arg(long)]
+    pub momentum: Option<f32>,
+    /// L2 weight decay [default: 0.0001]; under --mode ps, as --lr.
+    #[arg(long)]
+    pub weight_decay: Option<f32>,
     /// Seed for initialisation, data and shuffling.
     #[arg(long, default_value_t = 42, env = "GRADSYNC_SEED")]
     pub seed: u64,
@@ -130,6 +131,17 @@ pub struct TrainArgs {
     /// Evaluate on the held-out split every N steps (0: only at the end).
     #[arg(long, default_value_t = 50)]
     pub eval_every: u64,
+    /// Evaluate on the held-out split every time the samples seen by all workers together
+    /// pass another multiple of N (a cadence every mode shares whatever its batch per worker;
+    /// replaces --eval-every). Every rank evaluates its own parameters at the same points, so
+    /// synchronous ranks pause together; the time is recorded as `eval_ms` and kept out of
+    /// the training clock (`train_ms`).
+    #[arg(long)]
+    pub eval_samples: Option<u64>,
+    /// Seed of the order in which the training data is drawn (default: --seed). Repeats of a
+    /// run that differ only here start from the same parameters.
+    #[arg(long)]
+    pub order_seed: Option<u64>,
     /// Write per-step metrics (JSON lines) here; `{rank}` in the path becomes the rank.
     #[arg(long, env = "GRADSYNC_METRICS")]
     pub metrics: Option<PathBuf>,
@@ -279,6 +291,37 @@ pub struct DdpArgs {
     /// overlap buys; GPU engines with --backend tcp always do this).
     #[arg(long)]
     pub no_overlap: bool,
+}
+
+impl TrainArgs {
+    /// The optimiser the flags ask for, defaults filled in.
+    pub fn sgd(&self) -> SgdConfig {
+        let d = SgdConfig::DEFAULT;
+        SgdConfig {
+            lr: self.lr.unwrap_or(d.lr),
+            momentum: self.momentum.unwrap_or(d.momentum),
+            weight_decay: self.weight_decay.unwrap_or(d.weight_decay),
+        }
+    }
+
+    /// Refuse a flag that contradicts the optimiser the servers apply (`applied`): the
+    /// servers' values are the ones used, so a different flag would be recorded falsely.
+    pub fn check_optimiser(&self, applied: &SgdConfig, source: &str) -> anyhow::Result<()> {
+        for (flag, given, used) in [
+            ("--lr", self.lr, applied.lr),
+            ("--momentum", self.momentum, applied.momentum),
+            ("--weight-decay", self.weight_decay, applied.weight_decay),
+        ] {
+            if let Some(g) = given {
+                anyhow::ensure!(
+                    g == used,
+                    "{flag} {g} contradicts {source}, which apply {flag} {used}: leave the flag out \
+                     (the servers' value is used) or give the same value"
+                );
+            }
+        }
+        Ok(())
+    }
 }
 
 impl DdpArgs {

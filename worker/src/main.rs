@@ -9,7 +9,11 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("gradsync-worker: error: {e:#}");
-            std::process::ExitCode::FAILURE
+            if e.chain().any(|c| c.is::<gradsync_worker::train::Diverged>()) {
+                std::process::ExitCode::from(gradsync_worker::train::EXIT_DIVERGED)
+            } else {
+                std::process::ExitCode::FAILURE
+            }
         }
     }
 }

@@ -64,7 +64,7 @@ impl Run {
         let data = source.load(args.seed).with_context(|| format!("--data {source}"))?;
         args.model = args.model.clone().with_io(data.dim, data.classes);
         args.data = Some(source);
-        let sgd = SgdConfig { lr: args.lr, momentum: args.momentum, weight_decay: args.weight_decay };
+        let sgd = args.sgd();
         // One metrics and trace file per process: `{rank}` in a path becomes this rank, so one
         // launcher command line serves every child.
         for path in [&mut args.metrics, &mut args.trace] {
@@ -143,7 +143,7 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
         world,
         rank,
         !args.no_shuffle,
-        args.seed,
+        args.order_seed.unwrap_or(args.seed),
         args.drop_last,
     )?;
     let steps_per_epoch = (sampler.num_samples() / batch) as u64;
@@ -154,13 +154,29 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
     );
     let total_steps = args.steps.unwrap_or(steps_per_epoch * args.epochs as u64);
 
+    let progress = Progress::new(leader && !args.quiet, total_steps, &engine);
+    strategy.start(&mut engine).context("starting the run")?;
+    // The optimiser actually applied: this process's own, or the one the servers told it at
+    // registration (a contradicting flag is refused, never recorded).
+    let sgd = match strategy.applied_optimiser() {
+        Some(applied) => {
+            args.check_optimiser(&applied, "the parameter servers")?;
+            applied
+        }
+        None => run.sgd,
+    };
     let mut metrics = match &args.metrics {
         Some(p) => Some(MetricsWriter::create(p)?),
         None => None,
     };
     let start_ms = unix_ms();
+    let (header_variant, header_extra) = strategy.describe();
     if let Some(m) = metrics.as_mut() {
-        let (variant, mut extra) = strategy.describe();
+        let (variant, mut extra) = (header_variant.clone(), header_extra.clone());
+        if let Some(every) = args.eval_samples {
+            extra.insert("eval_samples".into(), every.into());
+        }
+        extra.insert("order_seed".into(), args.order_seed.unwrap_or(args.seed).into());
         if let Some(slow) = args.slow_rank {
             // Charts need the injected delay beside the measured step times.
             extra.insert("slow_rank".into(), slow.rank.into());
@@ -182,9 +198,9 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             seed: args.seed,
             data: args.data.as_ref().map(|d| d.to_string()).unwrap_or_default(),
             fingerprint: fingerprint.text.clone(),
-            lr: args.lr,
-            momentum: args.momentum,
-            weight_decay: args.weight_decay,
+            lr: sgd.lr,
+            momentum: sgd.momentum,
+            weight_decay: sgd.weight_decay,
             threads: args.threads,
             gradsync_version: gradsync_core::VERSION.into(),
             host: host.host,
@@ -195,9 +211,8 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
         }))?;
     }
 
-    let progress = Progress::new(leader && !args.quiet, total_steps, &engine);
-    strategy.start(&mut engine).context("starting the run")?;
     let t0 = Instant::now();
+    let mut eval_ms = 0.0;
     let (mut x, mut y) = (Vec::new(), Vec::new());
     let mut summary =
         Summary { steps: 0, first_loss: f64::NAN, last_loss: f64::NAN, eval: None, seconds: 0.0 };
@@ -227,15 +242,39 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             rec.step_ms = ms_since(ts);
             rec.loss = loss.loss;
             rec.train_accuracy = loss.correct as f64 / loss.rows.max(1) as f64;
-            anyhow::ensure!(loss.loss.is_finite(), "step {step}: the loss is {} (lower --lr?)", loss.loss);
             if step == 1 {
                 summary.first_loss = loss.loss;
             }
+            if let Some(why) = divergence(loss.loss, summary.first_loss, run.data.classes) {
+                return Err(Diverged {
+                    step,
+                    why,
+                    hint: divergence_hint(&sgd, &header_variant, &header_extra),
+                }
+                .into());
+            }
             summary.last_loss = loss.loss;
-            let eval_now =
-                step == total_steps || (args.eval_every > 0 && step.is_multiple_of(args.eval_every));
-            if leader && eval_now {
+            // The training clock stops while the model is evaluated.
+            rec.train_ms = Some(ms_since(t0) - eval_ms);
+            let cadence = match args.eval_samples {
+                Some(every) => {
+                    let before = (step - 1) * global_batch as u64 / every.max(1);
+                    (rec.samples / every.max(1) > before).then_some(true)
+                }
+                None => (args.eval_every > 0 && step.is_multiple_of(args.eval_every)).then_some(false),
+            };
+            // At a samples cadence every rank evaluates (synchronous ranks then pause together
+            // and every clock leaves it out); otherwise, and after the last step, rank 0 alone.
+            let eval_here = match cadence {
+                Some(all_ranks) => all_ranks || leader,
+                None => leader && step == total_steps,
+            } || (leader && step == total_steps);
+            if eval_here {
+                let te = Instant::now();
                 let (l, a) = evaluate(&mut engine, &run.data)?;
+                let took = ms_since(te);
+                eval_ms += took;
+                rec.eval_ms = Some(took);
                 rec.eval_loss = Some(l);
                 rec.accuracy = Some(a);
                 summary.eval = Some((l, a));
@@ -265,6 +304,65 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
         save_params(&engine, path, &fingerprint, summary.steps)?;
     }
     Ok(summary)
+}
+
+/// A run stopped because its loss became non-finite or exploded. `gradsync-worker` exits with
+/// [`EXIT_DIVERGED`] on it, so a runner can tell divergence from a failure.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Diverged {
+    /// The step whose loss diverged.
+    pub step: u64,
+    /// What the loss did.
+    pub why: String,
+    /// What to change.
+    pub hint: String,
+}
+
+impl std::fmt::Display for Diverged {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "diverged at step {}: {}; {}", self.step, self.why, self.hint)
+    }
+}
+
+impl std::error::Error for Diverged {}
+
+/// The exit status of a worker whose training diverged.
+pub const EXIT_DIVERGED: u8 = 3;
+
+/// How many times the larger of the first loss and chance level (ln classes) a loss may reach
+/// before the run counts as exploded. Healthy cross-entropy training falls from chance level;
+/// a stable run's noisiest batch stays well inside this.
+const EXPLODED: f64 = 20.0;
+
+/// Why `loss` means the run diverged, if it does.
+pub fn divergence(loss: f64, first_loss: f64, classes: usize) -> Option<String> {
+    if !loss.is_finite() {
+        return Some(format!("the loss is {loss}"));
+    }
+    let chance = (classes.max(2) as f64).ln();
+    let limit = EXPLODED * first_loss.max(chance);
+    (loss > limit).then(|| {
+        format!(
+            "the loss is {loss:.4e}, above {EXPLODED} x max(first loss {first_loss:.4}, ln {classes} classes)"
+        )
+    })
+}
+
+/// The settings that decide convergence, named with what they are now.
+fn divergence_hint(
+    sgd: &SgdConfig,
+    variant: &str,
+    extra: &serde_json::Map<String, serde_json::Value>,
+) -> String {
+    let mut h = format!("lower the learning rate (--lr {})", sgd.lr);
+    if variant.starts_with("asp") || variant.starts_with("ssp") {
+        let policy = extra.get("staleness_lr").and_then(|v| v.as_str()).unwrap_or("none");
+        h.push_str(&format!(
+            ", or scale stale gradients on the servers (--staleness-lr inverse; now {policy}){}",
+            if variant.starts_with("asp") { ", or bound the staleness (--sync ssp:S)" } else { "" }
+        ));
+    }
+    h
 }
 
 /// Held-out loss and accuracy, in batches so activations stay small.

@@ -25,6 +25,9 @@ pub use net::{Cluster, ClusterError, Shape};
 /// The file in a run directory naming each run's emulated link.
 pub const CLUSTER_FILE: &str = "cluster.json";
 
+/// Steps per cluster run unless `--steps` says otherwise.
+const CLUSTER_STEPS: u64 = 30;
+
 /// Flags of `gradsync-bench cluster`.
 #[derive(Debug, Clone, Args)]
 pub struct ClusterArgs {
@@ -112,9 +115,10 @@ pub fn run(a: &ClusterArgs) -> anyhow::Result<()> {
     if let Some(m) = &a.models {
         s.models = m.clone();
     }
-    if let Some(n) = a.steps {
-        s.steps = n;
-    }
+    // The cluster measures the step's communication, not convergence: a step budget, one run
+    // per cell, no evaluation pauses.
+    (s.steps, s.epochs) = (Some(a.steps.unwrap_or(CLUSTER_STEPS)), None);
+    (s.repeats, s.eval_samples, s.target_accuracy) = (1, None, None);
     let s = Scenario::parse(&toml::to_string(&s).context("writing the scenario")?, "the cluster scenario")?;
     let bins = modes::Bins::find(a.bin_dir.as_deref())?;
     let out = a

@@ -5,8 +5,10 @@
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -29,7 +31,46 @@ pub enum Ended {
     Finished,
     /// The scenario's time budget stopped the workers.
     TimeBudget,
+    /// A worker's loss became non-finite or exploded (it exited with
+    /// `gradsync_worker::train::EXIT_DIVERGED`); what it said.
+    Diverged(String),
+    /// Ctrl-C or SIGTERM reached the runner: the processes were stopped, the run is partial.
+    Interrupted,
 }
+
+/// Set once Ctrl-C or SIGTERM has reached the runner; the run under way stops and no other
+/// starts.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Whether Ctrl-C or SIGTERM has reached the runner.
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
+
+/// Catch Ctrl-C and SIGTERM: instead of dying with the runs' processes, the runner stops the
+/// run under way, records it as interrupted and writes what the finished runs show. (Run
+/// processes sit in their own process group, so a terminal's Ctrl-C reaches only the runner.)
+pub fn catch_interrupts() {
+    std::thread::spawn(|| {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+        rt.block_on(async {
+            let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            else {
+                return;
+            };
+            loop {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+                INTERRUPTED.store(true, Ordering::SeqCst);
+            }
+        });
+    });
+}
+
+/// Exit status of a worker whose training diverged (`gradsync_worker::train::EXIT_DIVERGED`).
+const EXIT_DIVERGED: i32 = 3;
 
 /// A child process that is killed (and reaped) when dropped.
 struct Guard {
@@ -55,6 +96,9 @@ impl Guard {
         };
         let child = cmd
             .args(&p.args)
+            // Its own process group: a terminal's Ctrl-C goes to the runner alone, which then
+            // stops its processes in order and records what finished.
+            .process_group(0)
             .stdin(Stdio::null())
             .stdout(stdout)
             .stderr(err)
@@ -147,13 +191,28 @@ pub fn execute(
         if let Some(c) = follow.as_mut() {
             bar.set_position(c.count());
         }
-        for w in workers.iter_mut() {
-            if let Some(st) = w.poll()
-                && !st.success()
-                && ended == Ended::Finished
-            {
-                anyhow::bail!("{} exited with {st}: {}", w.name, w.log_tail());
+        if interrupted() {
+            workers.iter_mut().chain(servers.iter_mut()).for_each(Guard::terminate);
+            for g in workers.iter_mut().chain(servers.iter_mut()) {
+                g.reap(TERM_GRACE);
             }
+            return Ok(Ended::Interrupted);
+        }
+        if let Some(i) = workers.iter_mut().position(|w| w.poll().is_some_and(|st| !st.success()))
+            && ended == Ended::Finished
+        {
+            // One rank's divergence makes its peers fail too (a ring or a barrier loses a
+            // member): give them a moment to exit, and report a divergence if any rank saw one.
+            let until = Instant::now() + Duration::from_secs(2);
+            while Instant::now() < until && workers.iter_mut().any(|w| w.poll().is_none()) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if let Some(d) = workers.iter().find(|w| w.done.and_then(|s| s.code()) == Some(EXIT_DIVERGED)) {
+                return Ok(Ended::Diverged(format!("{}: {}", d.name, d.log_tail())));
+            }
+            let w = &workers[i];
+            let st = w.done.map(|s| s.to_string()).unwrap_or_default();
+            anyhow::bail!("{} exited with {st}: {}", w.name, w.log_tail());
         }
         if let Some(s) = servers.iter_mut().find_map(|s| s.poll().is_some().then_some(s)) {
             let st = s.done.map(|s| s.to_string()).unwrap_or_default();

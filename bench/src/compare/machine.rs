@@ -5,6 +5,7 @@ use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
 /// What the report needs to know about the machine.
@@ -26,8 +27,11 @@ pub struct Machine {
     pub gradsync_version: String,
     /// The git commit gradsync-bench was built from, or "unknown".
     pub gradsync_commit: String,
-    /// Raw loopback TCP bandwidth, bytes/s (one stream).
+    /// Raw loopback TCP bandwidth, bytes/s (one stream): the median of `tcp_yardstick`.
     pub tcp_bandwidth: f64,
+    /// Every measurement behind `tcp_bandwidth`, for its spread.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp_yardstick: Option<crate::rawtcp::Yardstick>,
     /// One-way small-message latency over loopback TCP, seconds (half the round trip).
     pub tcp_latency_s: f64,
 }
@@ -64,8 +68,25 @@ impl Machine {
             gradsync_version: gradsync_core::VERSION.into(),
             gradsync_commit: env!("GRADSYNC_COMMIT").into(),
             tcp_bandwidth: 0.0,
+            tcp_yardstick: None,
             tcp_latency_s: 0.0,
         }
+    }
+
+    /// Measure the loopback link the cost model is fitted to: the raw TCP yardstick (five
+    /// measurements splitting `seconds`) and the small-message latency.
+    pub fn measure_link(&mut self, seconds: f64) -> anyhow::Result<()> {
+        const ROUNDS: usize = 5;
+        let y = crate::rawtcp::Yardstick::loopback(
+            "127.0.0.1",
+            ROUNDS,
+            std::time::Duration::from_secs_f64(seconds / ROUNDS as f64),
+        )
+        .context("measuring raw TCP bandwidth")?;
+        self.tcp_bandwidth = y.median();
+        self.tcp_yardstick = Some(y);
+        self.tcp_latency_s = crate::rawtcp::latency("127.0.0.1", 2000).context("measuring TCP latency")?;
+        Ok(())
     }
 }
 

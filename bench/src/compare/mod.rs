@@ -38,9 +38,20 @@ pub struct CompareArgs {
     /// Directory holding gradsync-worker and gradsync-server (default: beside this program).
     #[arg(long, env = "GRADSYNC_BIN_DIR")]
     pub bin_dir: Option<PathBuf>,
-    /// Override the scenario's step budget.
-    #[arg(long)]
+    /// Override the scenario's budget with this many steps per run.
+    #[arg(long, conflicts_with = "epochs")]
     pub steps: Option<u64>,
+    /// Override the scenario's budget with this many epochs per run.
+    #[arg(long)]
+    pub epochs: Option<u64>,
+    /// Override the scenario's repeats per cell.
+    #[arg(long)]
+    pub repeats: Option<usize>,
+    /// Finish an interrupted comparison in DIR: run the cells it has no outcome for (and the
+    /// one that was interrupted) with its own scenario and machine record; the finished runs
+    /// stay as they are.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["scenario", "out", "steps", "epochs", "repeats", "models", "workers", "modes", "device", "trace"])]
+    pub resume: Option<PathBuf>,
     /// Override the scenario's model list.
     #[arg(long, value_delimiter = ',')]
     pub models: Option<Vec<String>>,
@@ -71,9 +82,25 @@ pub struct PlotArgs {
 
 /// Run `compare`.
 pub fn run_compare(a: &CompareArgs) -> anyhow::Result<()> {
+    exec::catch_interrupts();
+    let bins = modes::Bins::find(a.bin_dir.as_deref())?;
+    if let Some(dir) = &a.resume {
+        let path = dir.join("scenario.toml");
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("--resume {}: reading {}", dir.display(), path.display()))?;
+        let scenario = Scenario::parse(&text, &path.display().to_string())?;
+        let outcomes = compare_into(&scenario, &bins, dir, true)?;
+        return finish(&outcomes, dir);
+    }
     let mut scenario = Scenario::load(a.scenario.as_deref())?;
     if let Some(s) = a.steps {
-        scenario.steps = s;
+        (scenario.steps, scenario.epochs) = (Some(s), None);
+    }
+    if let Some(e) = a.epochs {
+        (scenario.steps, scenario.epochs) = (None, Some(e));
+    }
+    if let Some(r) = a.repeats {
+        scenario.repeats = r;
     }
     if let Some(m) = &a.models {
         scenario.models = m.clone();
@@ -91,10 +118,24 @@ pub fn run_compare(a: &CompareArgs) -> anyhow::Result<()> {
     let text = toml::to_string(&scenario).context("writing the scenario")?;
     // Re-parse what will be recorded, so overrides are checked like the file.
     let scenario = Scenario::parse(&text, "the scenario with command-line overrides")?;
-    let bins = modes::Bins::find(a.bin_dir.as_deref())?;
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(utc_stamp()));
-    compare(&scenario, &bins, &out)?;
-    let html = plot(std::slice::from_ref(&out), &out)?;
+    let outcomes = compare(&scenario, &bins, &out)?;
+    finish(&outcomes, &out)
+}
+
+/// After the runs (all, or those finished before an interruption): the report, and what to
+/// do next when the comparison was interrupted.
+fn finish(outcomes: &[Outcome], out: &Path) -> anyhow::Result<()> {
+    let html = plot(&[out.to_path_buf()], out)?;
+    if exec::interrupted() {
+        let done = outcomes.iter().filter(|o| o.status != "interrupted").count();
+        eprintln!(
+            "gradsync-bench compare: interrupted; the summary and report in {} cover the {done} finished              run(s) (the interrupted one is listed apart and feeds no reading). Finish the comparison with              `gradsync-bench compare --resume {}`.",
+            html.display(),
+            out.display()
+        );
+        std::process::exit(130);
+    }
     eprintln!("gradsync-bench compare: report in {}", html.display());
     Ok(())
 }
@@ -111,23 +152,59 @@ pub fn run_plot(a: &PlotArgs) -> anyhow::Result<()> {
 /// now), each run's processes, and `outcomes.jsonl`. A failed run is recorded and the next one
 /// starts.
 pub fn compare(scenario: &Scenario, bins: &modes::Bins, out: &Path) -> anyhow::Result<Vec<Outcome>> {
-    // Old metrics left beside new ones would be merged into this comparison's results.
-    anyhow::ensure!(
-        !out.join("outcomes.jsonl").exists(),
-        "{} already holds a comparison; choose another --out",
-        out.display()
-    );
+    compare_into(scenario, bins, out, false)
+}
+
+/// [`compare`], or with `resume` the cells of `out` that have no outcome yet (an interrupted
+/// run's outcome and files are dropped first, so nothing partial is merged).
+fn compare_into(
+    scenario: &Scenario,
+    bins: &modes::Bins,
+    out: &Path,
+    resume: bool,
+) -> anyhow::Result<Vec<Outcome>> {
+    let outcomes_path = out.join("outcomes.jsonl");
+    let mut outcomes: Vec<Outcome> = Vec::new();
+    if resume {
+        let text = std::fs::read_to_string(&outcomes_path)
+            .with_context(|| format!("--resume: reading {}", outcomes_path.display()))?;
+        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let o: Outcome = serde_json::from_str(line)
+                .with_context(|| format!("--resume: {}:{}", outcomes_path.display(), i + 1))?;
+            if o.status == "interrupted" {
+                let dir = out.join(&o.id);
+                if dir.exists() {
+                    std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+                }
+            } else {
+                outcomes.push(o);
+            }
+        }
+    } else {
+        // Old metrics left beside new ones would be merged into this comparison's results.
+        anyhow::ensure!(
+            !outcomes_path.exists(),
+            "{} already holds a comparison; choose another --out (or finish it with --resume)",
+            out.display()
+        );
+    }
     std::fs::create_dir_all(out.join("runs")).with_context(|| format!("creating {}", out.display()))?;
     let write = |name: &str, text: &str| -> anyhow::Result<()> {
         let p = out.join(name);
         std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
     };
-    write("scenario.toml", &toml::to_string(scenario).context("writing the scenario")?)?;
-    let mut machine = Machine::detect();
-    machine.tcp_bandwidth = crate::rawtcp::bandwidth("127.0.0.1", Duration::from_secs_f64(scenario.rawtcp_s))
-        .context("measuring raw TCP bandwidth")?;
-    machine.tcp_latency_s = crate::rawtcp::latency("127.0.0.1", 2000).context("measuring TCP latency")?;
-    write("machine.json", &(serde_json::to_string_pretty(&machine)? + "\n"))?;
+    let machine = if resume {
+        let p = out.join("machine.json");
+        let text =
+            std::fs::read_to_string(&p).with_context(|| format!("--resume: reading {}", p.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("--resume: {}", p.display()))?
+    } else {
+        write("scenario.toml", &toml::to_string(scenario).context("writing the scenario")?)?;
+        let mut machine = Machine::detect();
+        machine.measure_link(scenario.rawtcp_s)?;
+        write("machine.json", &(serde_json::to_string_pretty(&machine)? + "\n"))?;
+        machine
+    };
     eprintln!(
         "gradsync-bench compare: {} ({} cores); raw TCP {:.2} GB/s, latency {:.1} us",
         machine.cpu,
@@ -135,8 +212,22 @@ pub fn compare(scenario: &Scenario, bins: &modes::Bins, out: &Path) -> anyhow::R
         machine.tcp_bandwidth / 1e9,
         machine.tcp_latency_s * 1e6
     );
+    // The file is rewritten with what stays, then appended to run by run.
+    let mut kept = String::new();
+    for o in &outcomes {
+        kept.push_str(&serde_json::to_string(o)?);
+        kept.push('\n');
+    }
+    std::fs::write(&outcomes_path, kept).with_context(|| format!("writing {}", outcomes_path.display()))?;
 
-    let specs = scenario.expand();
+    let specs: Vec<_> = scenario
+        .expand()
+        .into_iter()
+        .filter(|s| !outcomes.iter().any(|o| o.id == format!("runs/{}", s.id)))
+        .collect();
+    if resume {
+        eprintln!("gradsync-bench compare: resuming {}: {} run(s) to go", out.display(), specs.len());
+    }
     let multi = MultiProgress::new();
     let overall = multi.add(ProgressBar::new(specs.len() as u64));
     overall.set_style(
@@ -145,12 +236,15 @@ pub fn compare(scenario: &Scenario, bins: &modes::Bins, out: &Path) -> anyhow::R
             .progress_chars("=> "),
     );
     overall.set_prefix("overall");
-    let outcomes_path = out.join("outcomes.jsonl");
-    let mut outcomes_file = std::fs::File::create(&outcomes_path)
-        .with_context(|| format!("creating {}", outcomes_path.display()))?;
+    let mut outcomes_file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&outcomes_path)
+        .with_context(|| format!("opening {}", outcomes_path.display()))?;
     let gpu = !machine.gpus.is_empty();
-    let mut outcomes = Vec::new();
     for spec in specs {
+        if exec::interrupted() {
+            break;
+        }
         let skip = spec.skip.clone().or_else(|| {
             (spec.mode == ModeKind::DdpNccl && !gpu)
                 .then(|| "no GPU on this machine (nvidia-smi found none)".to_string())
@@ -165,12 +259,15 @@ pub fn compare(scenario: &Scenario, bins: &modes::Bins, out: &Path) -> anyhow::R
     overall.finish_and_clear();
     let n = |s: &str| outcomes.iter().filter(|o| o.status == s).count();
     eprintln!(
-        "gradsync-bench compare: {} runs: {} ok, {} stopped by the time budget, {} failed, {} skipped",
+        "gradsync-bench compare: {} runs: {} ok, {} diverged, {} stopped by the time budget, {} failed, {} \
+         skipped, {} interrupted",
         outcomes.len(),
         n("ok"),
+        n("diverged"),
         n("stopped"),
         n("failed"),
-        n("skipped")
+        n("skipped"),
+        n("interrupted")
     );
     Ok(outcomes)
 }
@@ -198,9 +295,15 @@ pub fn run_spec(
         ("skipped", Some(why))
     } else {
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let bar = multi.insert_before(overall, ProgressBar::new(scenario.steps));
+        // With an epoch budget the step count depends on the data: a counter then.
+        let bar = multi.insert_before(overall, ProgressBar::new(scenario.steps.unwrap_or(0)));
+        let template = if scenario.steps.is_some() {
+            "{prefix:>10} [{bar:30}] {pos}/{len} steps {per_sec} {msg}"
+        } else {
+            "{prefix:>10} {pos} steps {per_sec} {msg}"
+        };
         bar.set_style(
-            ProgressStyle::with_template("{prefix:>10} [{bar:30}] {pos}/{len} steps {per_sec} {msg}")
+            ProgressStyle::with_template(template)
                 .unwrap_or_else(|_| ProgressStyle::default_bar())
                 .progress_chars("=> "),
         );
@@ -228,6 +331,8 @@ pub fn run_spec(
             Ok(exec::Ended::TimeBudget) => {
                 ("stopped", Some(format!("time budget of {:?} s", scenario.time_s)))
             }
+            Ok(exec::Ended::Diverged(why)) => ("diverged", Some(why)),
+            Ok(exec::Ended::Interrupted) => ("interrupted", Some("stopped by Ctrl-C or SIGTERM".into())),
             Err(e) => ("failed", Some(format!("{e:#}"))),
         }
     };
@@ -239,6 +344,7 @@ pub fn run_spec(
         global_batch: spec.global_batch,
         shards: spec.shards,
         slow_ms: spec.slow_ms,
+        repeat: spec.repeat,
         status: status.into(),
         error,
         seconds: t.elapsed().as_secs_f64(),

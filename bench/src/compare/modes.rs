@@ -159,8 +159,8 @@ impl Ctx {
         a.extend(flags([
             ("--model", self.spec.model.clone()),
             ("--batch", batch.to_string()),
-            ("--steps", s.steps.to_string()),
             ("--seed", s.seed.to_string()),
+            ("--order-seed", (s.seed + self.spec.repeat as u64).to_string()),
             ("--device", s.device.clone()),
             ("--threads", s.threads.to_string()),
             ("--lr", s.lr.to_string()),
@@ -170,6 +170,14 @@ impl Ctx {
         ]));
         if let Some(d) = &s.data {
             a.extend(flags([("--data", d.clone())]));
+        }
+        match (s.steps, s.epochs) {
+            (Some(n), _) => a.extend(flags([("--steps", n.to_string())])),
+            (None, Some(e)) => a.extend(flags([("--epochs", e.to_string())])),
+            (None, None) => {}
+        }
+        if let Some(e) = s.eval_samples {
+            a.extend(flags([("--eval-samples", e.to_string())]));
         }
         if self.spec.slow_ms > 0 {
             // Every process gets the flag; only the named rank (DP: replica) sleeps.
@@ -195,8 +203,9 @@ pub fn plan(ctx: &Ctx) -> anyhow::Result<Plan> {
         ModeKind::PsBsp => Ok(ps(ctx, "bsp".into())),
         ModeKind::PsAsp => Ok(ps(ctx, "asp".into())),
         ModeKind::PsSsp => Ok(ps(ctx, format!("ssp:{}", ctx.scenario.ssp_staleness))),
-        ModeKind::DdpTcp => ddp(ctx, "tcp"),
-        ModeKind::DdpNccl => ddp(ctx, "nccl"),
+        ModeKind::DdpTcp => ddp(ctx, "tcp", Some("tcp")),
+        ModeKind::DdpShm => ddp(ctx, "tcp", Some("shm")),
+        ModeKind::DdpNccl => ddp(ctx, "nccl", None),
     }
 }
 
@@ -234,6 +243,7 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
                 ("--lr", s.lr.to_string()),
                 ("--momentum", s.momentum.to_string()),
                 ("--weight-decay", s.weight_decay.to_string()),
+                ("--staleness-lr", s.staleness_lr.name().to_string()),
                 ("--metrics", ctx.path(&name, "jsonl").display().to_string()),
             ]);
             if let Some(d) = &s.data {
@@ -275,10 +285,11 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
     }
 }
 
-/// `gradsync-worker train --mode ddp --backend B --rank R --world-size W --master-addr
-/// A --master-port P` per rank: A rank 0's address, P a port free when picked (on loopback;
-/// an emulated host's namespace has every port free).
-pub fn ddp(ctx: &Ctx, backend: &str) -> anyhow::Result<Plan> {
+/// `gradsync-worker train --mode ddp --backend B [--transport T] --rank R --world-size W
+/// --master-addr A --master-port P` per rank: A rank 0's address, P a port free when picked
+/// (on loopback; an emulated host's namespace has every port free). The transport is always
+/// named, never left to `auto`, so `ddp-tcp` is sockets even when every rank shares a host.
+pub fn ddp(ctx: &Ctx, backend: &str, transport: Option<&str>) -> anyhow::Result<Plan> {
     let port = free_port()?;
     let master = ctx.placement.worker(0).0;
     let procs: Vec<ProcSpec> = (0..ctx.spec.workers)
@@ -294,6 +305,9 @@ pub fn ddp(ctx: &Ctx, backend: &str) -> anyhow::Result<Plan> {
                 ("--master-addr", master.clone()),
                 ("--master-port", port.to_string()),
             ]));
+            if let Some(t) = transport {
+                args.extend(flags([("--transport", t.into())]));
+            }
             if let Some(mb) = ctx.scenario.bucket_mb {
                 args.extend(flags([("--bucket-mb", mb.to_string())]));
             }

@@ -67,7 +67,10 @@ pub struct Outcome {
     /// Injected straggler delay, ms per step (0: none).
     #[serde(default)]
     pub slow_ms: u64,
-    /// `ok`, `stopped` (time budget), `failed` or `skipped`.
+    /// Which repeat of its cell, from 0.
+    #[serde(default)]
+    pub repeat: usize,
+    /// `ok`, `diverged`, `stopped` (time budget), `failed`, `skipped` or `interrupted`.
     pub status: String,
     /// Why it failed or was skipped.
     pub error: Option<String>,
@@ -504,7 +507,11 @@ fn group(files: Vec<MetricsFile>, warnings: &mut Vec<String>) -> Vec<RunData> {
             .fold((f.start(), f.end()), |(s, e), x| (s.min(x.start()), e.max(x.end())))
     };
     for f in workers {
-        let Some(mode) = ModeKind::from_header(&f.header.mode, &f.header.variant) else {
+        let Some(mode) = ModeKind::from_header(
+            &f.header.mode,
+            &f.header.variant,
+            f.header.extra.get("transport").and_then(|v| v.as_str()),
+        ) else {
             warnings.push(format!("{}:1: unknown mode '{}'; file skipped", f.rel, f.header.mode));
             continue;
         };

@@ -28,21 +28,24 @@ pub enum ModeKind {
     PsAsp,
     /// Parameter server, stale-synchronous.
     PsSsp,
-    /// DDP ring all-reduce over TCP.
+    /// DDP ring all-reduce over TCP sockets (on loopback here: the parameter server's wire).
     DdpTcp,
+    /// DDP ring all-reduce over shared memory (one host only; not a network).
+    DdpShm,
     /// DDP over NCCL (GPU only).
     DdpNccl,
 }
 
 impl ModeKind {
     /// Every mode, in report order.
-    pub const ALL: [ModeKind; 7] = [
+    pub const ALL: [ModeKind; 8] = [
         ModeKind::Local,
         ModeKind::Dp,
         ModeKind::PsBsp,
         ModeKind::PsAsp,
         ModeKind::PsSsp,
         ModeKind::DdpTcp,
+        ModeKind::DdpShm,
         ModeKind::DdpNccl,
     ];
 
@@ -55,8 +58,27 @@ impl ModeKind {
             ModeKind::PsAsp => "ps-asp",
             ModeKind::PsSsp => "ps-ssp",
             ModeKind::DdpTcp => "ddp-tcp",
+            ModeKind::DdpShm => "ddp-shm",
             ModeKind::DdpNccl => "ddp-nccl",
         }
+    }
+
+    /// What carries its traffic, for every label a reader sees: modes are only compared as
+    /// like for like when this says so.
+    pub fn wire(self) -> &'static str {
+        match self {
+            ModeKind::Local => "none",
+            ModeKind::Dp => "memory (one process)",
+            ModeKind::PsBsp | ModeKind::PsAsp | ModeKind::PsSsp => "gRPC over TCP",
+            ModeKind::DdpTcp => "TCP sockets",
+            ModeKind::DdpShm => "shared memory",
+            ModeKind::DdpNccl => "NCCL",
+        }
+    }
+
+    /// Whether its traffic crosses TCP (so its figures compare with each other's).
+    pub fn over_tcp(self) -> bool {
+        self.is_ps() || self == ModeKind::DdpTcp
     }
 
     /// Whether it runs parameter servers (and so is crossed with shard counts).
@@ -66,11 +88,12 @@ impl ModeKind {
 
     /// Whether it is a ring all-reduce.
     pub fn is_ring(self) -> bool {
-        matches!(self, ModeKind::DdpTcp | ModeKind::DdpNccl)
+        matches!(self, ModeKind::DdpTcp | ModeKind::DdpShm | ModeKind::DdpNccl)
     }
 
-    /// The mode a metrics header describes (`mode`, `variant`), if any.
-    pub fn from_header(mode: &str, variant: &str) -> Option<ModeKind> {
+    /// The mode a metrics header describes (`mode`, `variant`, and for the TCP backend the
+    /// transport it ran over: `extra.transport`), if any.
+    pub fn from_header(mode: &str, variant: &str, transport: Option<&str>) -> Option<ModeKind> {
         Some(match (mode, variant) {
             ("local", _) => ModeKind::Local,
             ("dp", _) => ModeKind::Dp,
@@ -78,6 +101,7 @@ impl ModeKind {
             ("ps" | "server", v) if v.starts_with("asp") => ModeKind::PsAsp,
             ("ps" | "server", v) if v.starts_with("ssp") => ModeKind::PsSsp,
             ("ddp", "nccl") => ModeKind::DdpNccl,
+            ("ddp", _) if transport == Some("shm") => ModeKind::DdpShm,
             ("ddp", _) => ModeKind::DdpTcp,
             _ => return None,
         })
@@ -120,8 +144,25 @@ pub struct Scenario {
     /// SSP staleness bound.
     #[serde(default = "two")]
     pub ssp_staleness: u64,
-    /// Steps per run.
-    pub steps: u64,
+    /// Steps per run (leave out to run `epochs`).
+    #[serde(default)]
+    pub steps: Option<u64>,
+    /// Epochs per run, when `steps` is not given: every mode sees the same samples.
+    #[serde(default)]
+    pub epochs: Option<u64>,
+    /// Held-out evaluation every this many samples (all workers together), in every mode.
+    #[serde(default)]
+    pub eval_samples: Option<u64>,
+    /// Held-out accuracy (0..1) whose first crossing is each run's time-to-accuracy.
+    #[serde(default)]
+    pub target_accuracy: Option<f64>,
+    /// Runs of every cell; repeat `r` (from 0) draws the data in the order of seed `seed + r`
+    /// from the same initial parameters.
+    #[serde(default = "three")]
+    pub repeats: usize,
+    /// ASP/SSP servers' staleness policy: `none` or `inverse` (lr / (staleness + 1)).
+    #[serde(default)]
+    pub staleness_lr: gradsync_core::optim::StalenessLr,
     /// Optional wall-clock budget per run, seconds: workers still running then are stopped and
     /// the run keeps the steps it took.
     #[serde(default)]
@@ -173,6 +214,9 @@ fn one() -> Vec<usize> {
 }
 fn two() -> u64 {
     2
+}
+fn three() -> usize {
+    3
 }
 fn seed() -> u64 {
     42
@@ -235,7 +279,23 @@ impl Scenario {
         for (name, v) in [("workers", &self.workers), ("batches", &self.batches), ("shards", &self.shards)] {
             anyhow::ensure!(v.iter().all(|&x| x > 0), "`{name}` must hold positive numbers, not {v:?}");
         }
-        anyhow::ensure!(self.steps > 0, "`steps` must be at least 1");
+        match (self.steps, self.epochs) {
+            (Some(0), _) => anyhow::bail!("`steps` must be at least 1"),
+            (_, Some(0)) => anyhow::bail!("`epochs` must be at least 1"),
+            (Some(_), Some(_)) => anyhow::bail!("give `steps` or `epochs`, not both"),
+            (None, None) => anyhow::bail!("give a budget: `steps` or `epochs`"),
+            _ => {}
+        }
+        anyhow::ensure!(self.repeats >= 1, "`repeats` must be at least 1");
+        if let Some(t) = self.target_accuracy {
+            anyhow::ensure!(t > 0.0 && t <= 1.0, "`target_accuracy` must be in (0, 1], not {t}");
+        }
+        if let Some(e) = self.eval_samples {
+            anyhow::ensure!(e > 0, "`eval_samples` must be at least 1");
+        }
+        if let Some(d) = &self.data {
+            d.parse::<gradsync_core::data::DataSource>().map_err(|e| anyhow::anyhow!("`data`: {e}"))?;
+        }
         anyhow::ensure!(self.run_timeout_s > 0.0, "`run_timeout_s` must be positive");
         anyhow::ensure!(self.rawtcp_s > 0.0 && self.rawtcp_s <= 60.0, "`rawtcp_s` must be in (0, 60]");
         if let Some(t) = self.time_s {
@@ -260,7 +320,9 @@ impl Scenario {
                     for &w in &workers {
                         let shards: Vec<usize> = if mode.is_ps() { self.shards.clone() } else { vec![0] };
                         for &k in &shards {
-                            for &slow_ms in &self.slow_ms {
+                            for (&slow_ms, repeat) in
+                                self.slow_ms.iter().flat_map(|d| (0..self.repeats).map(move |r| (d, r)))
+                            {
                                 let skip = if global_batch % w != 0 {
                                     Some(format!(
                                         "global batch {global_batch} does not split over {w} workers"
@@ -271,12 +333,17 @@ impl Scenario {
                                     None
                                 };
                                 let id = format!(
-                                    "{:03}-{}-w{w}-{}-b{global_batch}{}{}",
+                                    "{:03}-{}-w{w}-{}-b{global_batch}{}{}{}",
                                     out.len() + 1,
                                     mode.label(),
                                     sanitize(model),
                                     if k > 0 { format!("-k{k}") } else { String::new() },
-                                    if slow_ms > 0 { format!("-slow{slow_ms}") } else { String::new() }
+                                    if slow_ms > 0 { format!("-slow{slow_ms}") } else { String::new() },
+                                    if self.repeats > 1 {
+                                        format!("-r{}", repeat + 1)
+                                    } else {
+                                        String::new()
+                                    }
                                 );
                                 out.push(RunSpec {
                                     id,
@@ -287,6 +354,7 @@ impl Scenario {
                                     batch: (global_batch / w).max(1),
                                     shards: k,
                                     slow_ms,
+                                    repeat,
                                     skip,
                                 });
                             }
@@ -324,6 +392,9 @@ pub struct RunSpec {
     /// Milliseconds the scenario's `slow_rank` is delayed per step (0: none).
     #[serde(default)]
     pub slow_ms: u64,
+    /// Which repeat of its cell, from 0 (its data order's seed is the scenario's seed + this).
+    #[serde(default)]
+    pub repeat: usize,
     /// Why the run is not started, when it cannot be.
     pub skip: Option<String>,
 }
@@ -337,12 +408,19 @@ mod tests {
     fn default_parses_and_expands() {
         let s = Scenario::load(None).unwrap();
         let runs = s.expand();
-        // local once; dp, ddp-tcp, ddp-nccl per worker count; ps per worker count and shards.
+        // local once; dp, ddp-tcp, ddp-shm, ddp-nccl per worker count; ps per worker count and
+        // shards; every cell `repeats` times.
         let w = s.workers.len();
-        assert_eq!(runs.len(), 1 + 3 * w + 3 * w * s.shards.len());
+        assert_eq!(runs.len(), s.repeats * (1 + 4 * w + 3 * w * s.shards.len()));
         assert!(runs.iter().all(|r| r.global_batch == s.batches[0]));
         let ids: std::collections::BTreeSet<_> = runs.iter().map(|r| &r.id).collect();
         assert_eq!(ids.len(), runs.len());
+        // Real data, a convergence target, and the repeats of a cell one after another.
+        assert_eq!(s.data.as_deref(), Some("digits"));
+        assert!(s.target_accuracy.is_some() && s.eval_samples.is_some() && s.repeats >= 3);
+        let reps: Vec<usize> = runs.iter().take(s.repeats).map(|r| r.repeat).collect();
+        assert_eq!(reps, (0..s.repeats).collect::<Vec<_>>());
+        assert!(runs[0].id.ends_with("-r1") && runs[1].id.ends_with("-r2"), "{}", runs[1].id);
     }
 
     #[test]
@@ -377,7 +455,7 @@ mod tests {
     fn straggler_sweep_crosses_every_run_with_each_delay() {
         let s = Scenario::parse(
             "name='x'\nmodes=['ps-bsp','local']\nworkers=[2]\nmodels=['tiny']\nbatches=[8]\nsteps=1\n\
-             slow_ms=[0,20]\nslow_rank=1",
+             slow_ms=[0,20]\nslow_rank=1\nrepeats=1",
             "t",
         )
         .unwrap();
@@ -400,9 +478,41 @@ mod tests {
     }
 
     #[test]
+    fn budgets_and_targets_are_checked() {
+        let base = "name='x'\nmodes=['dp']\nworkers=[1]\nmodels=['tiny']\nbatches=[8]\n";
+        for (extra, wanted) in [
+            ("", "give a budget"),
+            ("steps=2\nepochs=1", "not both"),
+            ("epochs=0", "`epochs`"),
+            ("steps=2\nrepeats=0", "`repeats`"),
+            ("steps=2\ntarget_accuracy=97", "`target_accuracy`"),
+            ("steps=2\ndata='digits:5'", "`data`"),
+            ("steps=2\nstaleness_lr='half'", "half"),
+        ] {
+            let e = Scenario::parse(&format!("{base}{extra}"), "t").unwrap_err();
+            assert!(format!("{e:#}").contains(wanted), "{extra}: {e:#}");
+        }
+        let s = Scenario::parse(&format!("{base}epochs=2\nrepeats=2\nstaleness_lr='inverse'"), "t").unwrap();
+        assert_eq!((s.steps, s.epochs, s.repeats), (None, Some(2), 2));
+        assert_eq!(s.staleness_lr, gradsync_core::optim::StalenessLr::Inverse);
+        let r = s.expand();
+        assert_eq!(r.iter().map(|r| r.repeat).collect::<Vec<_>>(), [0, 1]);
+    }
+
+    #[test]
+    fn ddp_modes_are_told_apart_by_their_transport() {
+        assert_eq!(ModeKind::from_header("ddp", "tcp", Some("tcp")), Some(ModeKind::DdpTcp));
+        assert_eq!(ModeKind::from_header("ddp", "tcp", Some("shm")), Some(ModeKind::DdpShm));
+        assert_eq!(ModeKind::from_header("ddp", "tcp", None), Some(ModeKind::DdpTcp));
+        assert_eq!(ModeKind::from_header("ddp", "nccl", None), Some(ModeKind::DdpNccl));
+        assert!(ModeKind::DdpTcp.over_tcp() && ModeKind::PsAsp.over_tcp() && !ModeKind::DdpShm.over_tcp());
+        assert_ne!(ModeKind::DdpTcp.wire(), ModeKind::DdpShm.wire());
+    }
+
+    #[test]
     fn uneven_split_is_kept_with_a_reason() {
         let s = Scenario::parse(
-            "name='x'\nmodes=['dp']\nworkers=[3]\nmodels=['tiny']\nbatches=[8]\nsteps=1",
+            "name='x'\nmodes=['dp']\nworkers=[3]\nmodels=['tiny']\nbatches=[8]\nsteps=1\nrepeats=1",
             "t",
         )
         .unwrap();

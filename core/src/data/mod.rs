@@ -4,6 +4,7 @@
 //! `u32` labels, split into a training and a held-out part.
 
 mod cifar;
+mod digits;
 mod mnist;
 mod sampler;
 mod synthetic;
@@ -70,6 +71,8 @@ impl Dataset {
 pub enum DataSource {
     /// The built-in synthetic classification task.
     Synthetic(SyntheticConfig),
+    /// The built-in UCI handwritten digits (8x8 pixels, 10 classes; real data, fixed split).
+    Digits,
     /// MNIST IDX files (raw or .gz) in a directory.
     Mnist(PathBuf),
     /// The CIFAR-10 binary version in a directory.
@@ -79,12 +82,16 @@ pub enum DataSource {
 impl FromStr for DataSource {
     type Err = Error;
 
-    /// `synthetic`, `synthetic:N` (training samples), `synthetic:N:DIM:CLASSES`, `mnist:DIR`,
-    /// `cifar10:DIR`.
+    /// `digits`, `synthetic`, `synthetic:N` (training samples), `synthetic:N:DIM:CLASSES`,
+    /// `mnist:DIR`, `cifar10:DIR`.
     fn from_str(s: &str) -> Result<Self> {
         let (kind, rest) = s.split_once(':').unwrap_or((s, ""));
         match kind {
             "synthetic" => SyntheticConfig::parse(rest).map(DataSource::Synthetic),
+            "digits" if rest.is_empty() => Ok(DataSource::Digits),
+            "digits" => {
+                Err(Error::invalid("data", format!("'{s}': digits is built in and takes no argument")))
+            }
             "mnist" | "cifar10" if rest.is_empty() => {
                 Err(Error::invalid("data", format!("'{s}': give the directory, as {kind}:DIR")))
             }
@@ -92,7 +99,7 @@ impl FromStr for DataSource {
             "cifar10" => Ok(DataSource::Cifar10(PathBuf::from(rest))),
             _ => Err(Error::invalid(
                 "data",
-                format!("'{s}' (expected synthetic[:N[:DIM:CLASSES]], mnist:DIR or cifar10:DIR)"),
+                format!("'{s}' (expected digits, synthetic[:N[:DIM:CLASSES]], mnist:DIR or cifar10:DIR)"),
             )),
         }
     }
@@ -102,6 +109,7 @@ impl fmt::Display for DataSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DataSource::Synthetic(c) => write!(f, "synthetic:{}:{}:{}", c.train, c.dim, c.classes),
+            DataSource::Digits => f.write_str("digits"),
             DataSource::Mnist(p) => write!(f, "mnist:{}", p.display()),
             DataSource::Cifar10(p) => write!(f, "cifar10:{}", p.display()),
         }
@@ -113,6 +121,7 @@ impl DataSource {
     pub fn load(&self, seed: u64) -> Result<Dataset> {
         match self {
             DataSource::Synthetic(c) => Ok(c.generate(seed)),
+            DataSource::Digits => digits::load(),
             DataSource::Mnist(dir) => mnist::load(dir),
             DataSource::Cifar10(dir) => cifar::load(dir),
         }

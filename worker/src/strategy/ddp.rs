@@ -152,17 +152,17 @@ fn backward_overlapped(
     let t0 = Instant::now();
     let (tx, rx) = mpsc::channel::<(usize, std::ops::Range<usize>, &mut [f32])>();
     let (bwd, bwd_end, reduced) = std::thread::scope(|s| {
-        let worker = s.spawn(move || -> anyhow::Result<(f64, Instant)> {
-            let mut busy = 0.0;
+        let worker = s.spawn(move || -> anyhow::Result<Vec<(Instant, Instant)>> {
+            let mut spans = Vec::new();
             for (i, range, bucket) in rx {
                 let t = Instant::now();
                 comm.all_reduce(bucket).with_context(|| format!("all-reduce of bucket {range:?}"))?;
-                busy += ms_since(t);
+                spans.push((t, Instant::now()));
                 let mut args = serde_json::Map::new();
                 args.insert("bytes".into(), (4 * range.len()).into());
                 trace.span_with(format!("allreduce b{i}"), "comm", "comm", t, Instant::now(), args);
             }
-            Ok((busy, Instant::now()))
+            Ok(spans)
         });
         let bwd = engine.backward_host_buckets(plan, accumulate, &mut |i, range, view| {
             // If the thread has failed it has dropped the receiver; its error is reported below.
@@ -175,9 +175,9 @@ fn backward_overlapped(
             worker.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the communication thread panicked")));
         (bwd, bwd_end, reduced)
     });
-    let (busy, comm_end) = reduced?;
+    let spans = reduced?;
     bwd?;
-    let exposed = comm_end.saturating_duration_since(bwd_end).as_secs_f64() * 1e3;
+    let (busy, exposed) = comm_split(&spans, bwd_end);
     Ok(((bwd_end - t0).as_secs_f64() * 1e3, busy, exposed))
 }
 
@@ -222,8 +222,20 @@ fn backward_nccl(
     }
     nccl.wait_all().context("waiting for the all-reduces")?;
     let end = Instant::now();
-    let busy = first.map_or(0.0, |f| (end - f).as_secs_f64() * 1e3);
-    Ok(((bwd_end - t0).as_secs_f64() * 1e3, busy, (end - bwd_end).as_secs_f64() * 1e3))
+    let spans: Vec<(Instant, Instant)> = first.map(|f| (f, end)).into_iter().collect();
+    let (busy, exposed) = comm_split(&spans, bwd_end);
+    Ok(((bwd_end - t0).as_secs_f64() * 1e3, busy, exposed))
+}
+
+/// Communication time and its exposed part, ms, from the spans `(start, end)` the reductions
+/// ran in: busy is their total length; exposed the part of each after backward ended at
+/// `bwd_end`, so it never exceeds busy. Time between the spans (a hand-off to the
+/// communication thread, its wake-up) is neither; the step's `other` holds it.
+fn comm_split(spans: &[(Instant, Instant)], bwd_end: Instant) -> (f64, f64) {
+    let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
+    let busy = spans.iter().map(|&(s, e)| ms(s, e)).sum();
+    let exposed = spans.iter().map(|&(s, e)| ms(s.max(bwd_end), e)).sum();
+    (busy, exposed)
 }
 
 impl Strategy for Ddp {
@@ -329,5 +341,25 @@ impl Ddp {
         let ((), ms) = timed_span(engine, &trace, "update", |e| e.update(&self.sgd, scale))?;
         rec.update_ms = ms;
         Ok(loss)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn exposed_communication_never_exceeds_busy() {
+        let t = Instant::now();
+        let at = |ms: u64| t + Duration::from_millis(ms);
+        // One bucket that starts after backward ends (a late hand-off): all of it is exposed,
+        // and the gap before it is not communication.
+        let (busy, exposed) = comm_split(&[(at(12), at(15))], at(10));
+        assert!((busy - 3.0).abs() < 1e-6 && (exposed - 3.0).abs() < 1e-6, "{busy} {exposed}");
+        // Two buckets: the first hidden behind backward, the second half exposed.
+        let (busy, exposed) = comm_split(&[(at(2), at(5)), (at(8), at(12))], at(10));
+        assert!((busy - 7.0).abs() < 1e-6 && (exposed - 2.0).abs() < 1e-6, "{busy} {exposed}");
+        assert_eq!(comm_split(&[], at(10)), (0.0, 0.0));
     }
 }

@@ -36,6 +36,12 @@ pub trait Strategy {
     /// After the last step: leave cleanly (deregister, close the ring).
     fn finish(&mut self, engine: &mut Engine) -> anyhow::Result<()>;
 
+    /// The optimiser applied to this run's parameters when it is not this process's own (the
+    /// parameter servers'), known after [`Strategy::start`].
+    fn applied_optimiser(&self) -> Option<gradsync_core::optim::SgdConfig> {
+        None
+    }
+
     /// Per-strategy detail for the metrics header (`variant`, `extra`).
     fn describe(&self) -> (String, serde_json::Map<String, serde_json::Value>) {
         (String::new(), serde_json::Map::new())

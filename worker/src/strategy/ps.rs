@@ -27,12 +27,13 @@ use futures_util::future::try_join_all;
 use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
+use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 use gradsync_proto::frames::{self, FramedChunk, Frames, Incoming};
 use gradsync_proto::pb::parameter_server_client::ParameterServerClient;
 use gradsync_proto::pb::{
-    DeregisterRequest, GradientChunk, HeartbeatRequest, PullRequest, PushReply, RegisterRequest,
-    VersionRequest,
+    DeregisterRequest, GradientChunk, HeartbeatRequest, PullRequest, PushReply, RegisterReply,
+    RegisterRequest, VersionRequest,
 };
 use gradsync_proto::tuning::Tuning;
 use gradsync_proto::wire;
@@ -126,6 +127,8 @@ pub struct PsClient {
     sync: String,
     /// Under BSP, pull the next version while pushing (`--no-pipeline` clears it).
     pipeline: bool,
+    /// The optimiser the servers apply and their staleness policy, known once registered.
+    optimiser: Option<(SgdConfig, String)>,
 }
 
 /// `host:port` to `http://host:port` (`https://` with TLS).
@@ -224,6 +227,7 @@ impl PsClient {
             total: 0,
             sync: String::new(),
             pipeline: true,
+            optimiser: None,
         })
     }
 
@@ -231,6 +235,12 @@ impl PsClient {
     /// then pulls.
     pub fn set_pipeline(&mut self, on: bool) {
         self.pipeline = on;
+    }
+
+    /// The optimiser the servers apply (learning rate, momentum, weight decay) and how they
+    /// scale stale gradients, as they told this worker at registration.
+    pub fn optimiser(&self) -> Option<&(SgdConfig, String)> {
+        self.optimiser.as_ref()
     }
 
     /// The servers' synchronisation mode (`bsp`, `asp`, `ssp:S`), asked of shard 0.
@@ -301,6 +311,19 @@ impl PsClient {
             anyhow::bail!("the shards disagree on the sync mode: {sync} and {}", r.sync);
         }
         self.sync = sync.clone();
+        let optimiser = |r: &RegisterReply| {
+            (
+                SgdConfig { lr: r.lr, momentum: r.momentum, weight_decay: r.weight_decay },
+                r.staleness_lr.clone(),
+            )
+        };
+        let first = optimiser(&replies[0]);
+        if let Some((i, other)) = replies.iter().map(optimiser).enumerate().find(|(_, o)| *o != first) {
+            anyhow::bail!(
+                "the shards disagree on the optimiser: shard 0 applies {first:?}, shard {i} {other:?}"
+            );
+        }
+        self.optimiser = Some(first);
         self.rank = rank as u32;
         self.total = total;
         Ok(replies.iter().map(|r| r.version).min().unwrap_or(0))
@@ -510,6 +533,7 @@ impl PsClient {
             total: self.total,
             sync: self.sync.clone(),
             pipeline: self.pipeline,
+            optimiser: self.optimiser.clone(),
         }
     }
 }
@@ -915,8 +939,15 @@ impl Strategy for Ps {
         self.rt.block_on(self.client.deregister())
     }
 
+    fn applied_optimiser(&self) -> Option<SgdConfig> {
+        self.client.optimiser().map(|o| o.0)
+    }
+
     fn describe(&self) -> (String, serde_json::Map<String, serde_json::Value>) {
         let mut extra = serde_json::Map::new();
+        if let Some((_, stale)) = self.client.optimiser() {
+            extra.insert("staleness_lr".into(), stale.clone().into());
+        }
         extra.insert("servers".into(), self.servers.clone().into());
         extra.insert("shards".into(), self.client.shards.len().into());
         extra.insert("chunk_bytes".into(), self.client.chunk_bytes.into());
