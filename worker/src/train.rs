@@ -177,6 +177,8 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             extra.insert("eval_samples".into(), every.into());
         }
         extra.insert("order_seed".into(), args.order_seed.unwrap_or(args.seed).into());
+        // Samples per epoch, so readers can turn samples seen into epochs.
+        extra.insert("train_samples".into(), run.data.train.len().into());
         if let Some(slow) = args.slow_rank {
             // Charts need the injected delay beside the measured step times.
             extra.insert("slow_rank".into(), slow.rank.into());

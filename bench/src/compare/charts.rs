@@ -13,7 +13,7 @@ use plotters::prelude::*;
 use plotters::style::FontStyle;
 
 use super::cost::{self, Link};
-use super::results::{RunData, Summary};
+use super::results::{Cell, Collected, EvalPoint, RunData, Summary, median};
 use super::scenario::ModeKind;
 
 /// DejaVu Sans (Bitstream Vera licence, see bench/assets/DejaVuSans-LICENSE.txt).
@@ -59,6 +59,10 @@ pub struct Group<'a> {
     /// The straggler sweep: every run with figures, delayed or not (`rows` and `runs` hold
     /// only the undelayed ones, so the other charts compare like with like).
     pub sweep: Vec<&'a Summary>,
+    /// The undelayed cells behind `rows` (same order), with their repeats' ranges.
+    pub cells: Vec<&'a Cell>,
+    /// The accuracy time-to-target is measured to.
+    pub target: Option<f64>,
 }
 
 impl Group<'_> {
@@ -75,9 +79,52 @@ impl Group<'_> {
         })
     }
 
-    /// Series key of a row: the mode, with the shard count for PS modes.
+    /// Series key of a row: the mode, with the shard count for PS modes and the wire its
+    /// traffic crosses, so no label compares two wires unannounced.
     pub fn series(r: &Summary) -> String {
-        if r.shards > 0 { format!("{} k={}", r.mode, r.shards) } else { r.mode.clone() }
+        let wire = r.mode.parse::<ModeKind>().map(ModeKind::wire).unwrap_or("");
+        let name = if r.shards > 0 { format!("{} k={}", r.mode, r.shards) } else { r.mode.clone() };
+        match wire {
+            "" | "none" => name,
+            w => format!("{name} ({w})"),
+        }
+    }
+
+    /// The cell behind a row of `rows`.
+    pub fn cell_of(&self, r: &Summary) -> Option<&Cell> {
+        self.cells.iter().copied().find(|c| std::ptr::eq(&c.median, r))
+    }
+
+    /// Per cell with a convergence curve: the median held-out accuracy and training time at
+    /// each evaluation point over its complete repeats, at the cadence they share.
+    pub fn accuracy_curves(&self) -> Vec<(&Summary, Vec<EvalPoint>)> {
+        self.cells
+            .iter()
+            .map(|c| {
+                let curves: Vec<Vec<EvalPoint>> =
+                    self.runs.iter().filter(|r| c.runs.contains(&r.id)).map(|r| r.accuracy_curve()).collect();
+                let mut at: BTreeMap<u64, Vec<EvalPoint>> = BTreeMap::new();
+                for p in curves.iter().flatten() {
+                    at.entry(p.samples).or_default().push(*p);
+                }
+                let pts = at
+                    .into_iter()
+                    .filter(|(_, v)| 2 * v.len() > curves.len())
+                    .filter_map(|(samples, v)| {
+                        let m = |g: fn(&EvalPoint) -> f64| median(&v.iter().map(g).collect::<Vec<_>>());
+                        Some(EvalPoint {
+                            samples,
+                            epoch: m(|p| p.epoch)?,
+                            train_s: m(|p| p.train_s)?,
+                            accuracy: m(|p| p.accuracy)?,
+                            loss: m(|p| p.loss).unwrap_or(f64::NAN),
+                        })
+                    })
+                    .collect();
+                (&c.median, pts)
+            })
+            .filter(|(_, p): &(&Summary, Vec<EvalPoint>)| !p.is_empty())
+            .collect()
     }
 
     /// Rows by series, in mode order then shard count, each sorted by workers.
@@ -173,26 +220,26 @@ pub struct Slowdown<'a> {
 }
 
 /// Split the summaries into chart groups (model x global batch), with their runs.
-pub fn groups<'a>(rows: &'a [Summary], runs: &'a [RunData]) -> Vec<Group<'a>> {
-    let mut keys: Vec<(String, usize)> = rows
-        .iter()
-        .filter(|r| r.samples_per_s.is_some())
-        .map(|r| (r.model.clone(), r.global_batch))
-        .collect();
+/// Only complete runs take part: each group's rows are its cells' medians over their complete
+/// repeats, and its runs the complete ones.
+pub fn groups(c: &Collected) -> Vec<Group<'_>> {
+    let cells: Vec<&Cell> = c.cells.iter().filter(|x| x.median.samples_per_s.is_some()).collect();
+    let mut keys: Vec<(String, usize)> =
+        cells.iter().map(|x| (x.median.model.clone(), x.median.global_batch)).collect();
     keys.sort();
     keys.dedup();
     let many = keys.len() > 1;
     keys.into_iter()
         .map(|(model, gb)| {
-            let sweep: Vec<&Summary> = rows
+            let mine: Vec<&Cell> = cells
                 .iter()
-                .filter(|r| r.model == model && r.global_batch == gb && r.samples_per_s.is_some())
+                .copied()
+                .filter(|x| x.median.model == model && x.median.global_batch == gb)
                 .collect();
-            let rows: Vec<&Summary> = sweep.iter().copied().filter(|r| r.slow_ms == 0).collect();
-            let runs = runs
-                .iter()
-                .filter(|d| d.header().preset == model && d.header().global_batch == gb && d.slow_ms() == 0)
-                .collect();
+            let sweep: Vec<&Summary> = mine.iter().map(|x| &x.median).collect();
+            let undelayed: Vec<&Cell> = mine.iter().copied().filter(|x| x.median.slow_ms == 0).collect();
+            let rows: Vec<&Summary> = undelayed.iter().map(|x| &x.median).collect();
+            let runs = c.runs.iter().filter(|d| undelayed.iter().any(|x| x.runs.contains(&d.id))).collect();
             Group {
                 sweep,
                 suffix: if many { format!("-{model}-b{gb}") } else { String::new() },
@@ -201,6 +248,8 @@ pub fn groups<'a>(rows: &'a [Summary], runs: &'a [RunData]) -> Vec<Group<'a>> {
                 global_batch: gb,
                 rows,
                 runs,
+                cells: undelayed,
+                target: c.target,
             }
         })
         .collect()
@@ -266,7 +315,9 @@ macro_rules! render {
 }
 
 /// The file stems of the charts of one group, in report order.
-pub const NAMES: [&str; 8] = [
+pub const NAMES: [&str; 10] = [
+    "accuracy_time",
+    "accuracy_samples",
     "throughput",
     "step_time",
     "loss_step",
@@ -349,6 +400,8 @@ impl Charts {
 
     /// Every chart of one group.
     pub fn draw_group(&mut self, g: &Group, link: Option<Link>) -> anyhow::Result<()> {
+        self.accuracy(g, true)?;
+        self.accuracy(g, false)?;
         self.throughput(g)?;
         self.step_time(g)?;
         self.loss(g, false)?;
@@ -426,7 +479,10 @@ impl Charts {
         let base = g.baseline();
         let ymax =
             max_or(g.rows.iter().filter_map(|r| r.samples_per_s).chain(base.map(|b| b * wmax)), 1.0) * 1.1;
-        let title = format!("Throughput against workers ({}, global batch {})", g.model, g.global_batch);
+        let title = format!(
+            "Throughput against workers ({}, global batch {}; median and range of repeats)",
+            g.model, g.global_batch
+        );
         render!(self, format!("throughput{}", g.suffix), title.clone(), (900, 560), |root| {
             let mut c = frame(&root, &title, 20, 70).build_cartesian_2d(0.5f64..wmax + 0.5, 0f64..ymax)?;
             c.configure_mesh()
@@ -459,6 +515,12 @@ impl Charts {
                     .label(name.clone())
                     .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
                 c.draw_series(pts.iter().map(|&p| Circle::new(p, 4, col.filled())))?;
+                // The range over the repeats (the point is their median).
+                let bars = rows.iter().filter_map(|r| {
+                    let (lo, hi) = g.cell_of(r)?.throughput?;
+                    Some(ErrorBar::new_vertical(r.workers as f64, lo, r.samples_per_s?, hi, col.filled(), 8))
+                });
+                c.draw_series(bars)?;
             }
             legend(&mut c, 13, SeriesLabelPosition::UpperLeft)?;
         });
@@ -523,6 +585,77 @@ impl Charts {
         Ok(())
     }
 
+    /// Held-out accuracy against training time (evaluation left out) or samples seen, the
+    /// median of each cell's complete repeats, at the largest worker count (and local), with
+    /// the target dashed: where a curve crosses it is that mode's time-to-accuracy.
+    fn accuracy(&mut self, g: &Group, time: bool) -> anyhow::Result<()> {
+        let all = g.accuracy_curves();
+        let wmax = all.iter().map(|(r, _)| r.workers).max().unwrap_or(1);
+        let curves: Vec<Line> = all
+            .iter()
+            .filter(|(r, _)| r.workers == wmax || r.mode == "local")
+            .enumerate()
+            .map(|(i, (r, pts))| {
+                let name = format!("{}, {}", Group::series(r), workers(r.workers));
+                let xy =
+                    pts.iter().map(|p| (if time { p.train_s } else { p.samples as f64 }, 100.0 * p.accuracy));
+                (name, color(i), xy.collect())
+            })
+            .collect();
+        let xmax = max_or(curves.iter().flat_map(|c| c.2.iter().map(|p| p.0)), 1.0) * 1.02;
+        // From the lowest median reached after the first evaluation, so the end game is visible.
+        let ymin = curves
+            .iter()
+            .filter_map(|c| c.2.get(1).map(|p| p.1))
+            .fold(100.0f64, f64::min)
+            .min(g.target.map_or(100.0, |t| 100.0 * t - 2.0))
+            .clamp(0.0, 95.0);
+        let (name, xdesc) = if time {
+            ("accuracy_time", "training time, s (evaluation left out; median of repeats)")
+        } else {
+            ("accuracy_samples", "samples seen by all workers")
+        };
+        let title = format!(
+            "Held-out accuracy against {} ({}, global batch {})",
+            if time { "time" } else { "samples" },
+            g.model,
+            g.global_batch
+        );
+        render!(self, format!("{name}{}", g.suffix), title.clone(), (900, 560), |root| {
+            if curves.is_empty() {
+                empty(&root, "no complete run evaluated on held-out data")?;
+            } else {
+                let mut c = frame(&root, &title, 20, 70).build_cartesian_2d(0f64..xmax, ymin..100.5f64)?;
+                c.configure_mesh()
+                    .x_desc(xdesc)
+                    .y_desc("held-out accuracy, % (median of repeats)")
+                    .label_style(font(13))
+                    .axis_desc_style(font(14))
+                    .draw()?;
+                if let Some(t) = g.target {
+                    c.draw_series(DashedLineSeries::new(
+                        [(0.0, 100.0 * t), (xmax, 100.0 * t)],
+                        8,
+                        6,
+                        BLACK.stroke_width(1),
+                    ))?
+                    .label(format!("target {:.1}%", 100.0 * t))
+                    .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
+                }
+                for (name, col, pts) in &curves {
+                    let col = *col;
+                    c.draw_series(LineSeries::new(pts.clone(), col.stroke_width(2)))?
+                        .label(name.clone())
+                        .legend(move |(x, y)| {
+                            PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2))
+                        });
+                }
+                legend(&mut c, 12, SeriesLabelPosition::LowerRight)?;
+            }
+        });
+        Ok(())
+    }
+
     fn loss(&mut self, g: &Group, wall: bool) -> anyhow::Result<()> {
         let runs = g.widest_per_mode();
         let curves: Vec<Line> = runs
@@ -543,7 +676,10 @@ impl Charts {
             })
             .collect();
         let xmax = max_or(curves.iter().flat_map(|c| c.2.iter().map(|p| p.0)), 1.0);
-        let ymax = max_or(curves.iter().flat_map(|c| c.2.iter().map(|p| p.1)), 1.0) * 1.05;
+        // A spike (an unstable asynchronous run) must not flatten every other curve: the axis
+        // stops at twice the highest starting loss, and what lies above is cut off.
+        let start = max_or(curves.iter().filter_map(|c| c.2.first().map(|p| p.1)), 1.0);
+        let ymax = max_or(curves.iter().flat_map(|c| c.2.iter().map(|p| p.1)), 1.0).min(2.0 * start) * 1.05;
         let (name, xdesc) = if wall { ("loss_wall", "wall-clock time (s)") } else { ("loss_step", "step") };
         let title = format!(
             "Training loss against {} ({}, global batch {})",

@@ -363,7 +363,14 @@ pub fn run_spec(
 /// Rebuild tables, charts and the report of `dirs` into `out`; returns the report's path.
 /// Deterministic: the output depends only on the input files.
 pub fn plot(dirs: &[PathBuf], out: &Path) -> anyhow::Result<PathBuf> {
-    let collected = results::collect(dirs)?;
+    let scenario: Option<String> =
+        dirs.iter().find_map(|d| std::fs::read_to_string(d.join("scenario.toml")).ok());
+    // The target is read leniently: a scenario of an older gradsync still plots.
+    let target = scenario
+        .as_deref()
+        .and_then(|t| toml::from_str::<toml::Table>(t).ok())
+        .and_then(|t| t.get("target_accuracy").and_then(toml::Value::as_float));
+    let collected = results::collect(dirs, target)?;
     for w in &collected.warnings {
         eprintln!("gradsync-bench plot: warning: {w}");
     }
@@ -373,8 +380,6 @@ pub fn plot(dirs: &[PathBuf], out: &Path) -> anyhow::Result<PathBuf> {
         let text = std::fs::read_to_string(d.join("machine.json")).ok()?;
         serde_json::from_str(&text).ok()
     });
-    let scenario: Option<String> =
-        dirs.iter().find_map(|d| std::fs::read_to_string(d.join("scenario.toml")).ok());
     let cluster = crate::cluster::load(dirs);
     let html = report::write(&collected, machine.as_ref(), scenario.as_deref(), &cluster, out)?;
     Ok(html)

@@ -11,7 +11,7 @@ use anyhow::Context;
 use super::charts::{Charts, Group, groups};
 use super::cost::{self, Link};
 use super::machine::Machine;
-use super::results::{Collected, Summary};
+use super::results::{Collected, Summary, overlap};
 use super::scenario::ModeKind;
 use crate::cluster::ClusterRun;
 
@@ -45,7 +45,7 @@ pub fn write(
 ) -> anyhow::Result<PathBuf> {
     let link = link_of(machine);
     let mut charts = Charts::new(out)?;
-    let mut gs = groups(&c.summaries, &c.runs);
+    let mut gs = groups(c);
     if gs.is_empty() {
         // No run produced figures: the charts still exist, each saying so.
         gs.push(Group {
@@ -56,6 +56,8 @@ pub fn write(
             rows: vec![],
             runs: vec![],
             sweep: vec![],
+            cells: vec![],
+            target: c.target,
         });
     }
     let mut h = String::new();
@@ -89,6 +91,7 @@ pub fn write(
                 title = esc(&ch.title)
             );
         }
+        convergence_table(&mut h, g);
         efficiency_table(&mut h, g);
         extrapolation_table(&mut h, g, link);
     }
@@ -220,7 +223,10 @@ fn machine_section(h: &mut String, m: Option<&Machine>) {
         "<table><tr><th class=l>host</th><td class=l>{}</td></tr><tr><th class=l>CPU</th><td class=l>{} ({} logical cores)</td></tr>\
          <tr><th class=l>memory</th><td class=l>{:.1} GiB</td></tr><tr><th class=l>GPU</th><td class=l>{}</td></tr>\
          <tr><th class=l>kernel</th><td class=l>{}</td></tr><tr><th class=l>gradsync</th><td class=l>{} (commit {})</td></tr>\
-         <tr><th class=l>raw loopback TCP</th><td class=l>{:.2} GB/s one stream; {:.1} us one-way small-message latency</td></tr></table>",
+         <tr><th class=l>raw loopback TCP</th><td class=l>{} one stream; {:.1} us one-way small-message latency</td></tr></table>\n\
+         <p>Wires: the parameter server speaks gRPC over TCP and <code>ddp-tcp</code> rings over TCP sockets, \
+         the same loopback wire, so those two compare directly; <code>ddp-shm</code> rings over shared memory \
+         and <code>dp</code> inside one process, neither a network.</p>",
         esc(&m.host),
         esc(&m.cpu),
         m.cores,
@@ -229,9 +235,58 @@ fn machine_section(h: &mut String, m: Option<&Machine>) {
         esc(&m.kernel),
         esc(&m.gradsync_version),
         esc(&m.gradsync_commit),
-        m.tcp_bandwidth / 1e9,
+        match &m.tcp_yardstick {
+            Some(y) => esc(&y.describe()),
+            None => format!("{:.2} GB/s (one measurement)", m.tcp_bandwidth / 1e9),
+        },
         m.tcp_latency_s * 1e6
     );
+}
+
+/// Time-to-accuracy per series and worker count: the median over the complete repeats that
+/// reached the target, their range, and the epochs it took; statistical efficiency beside
+/// throughput.
+fn convergence_table(h: &mut String, g: &Group) {
+    let Some(t) = g.target else { return };
+    let mut ws: Vec<usize> = g.rows.iter().map(|r| r.workers).collect();
+    ws.sort();
+    ws.dedup();
+    let _ = writeln!(
+        h,
+        "<h2>Time to {:.1}% held-out accuracy</h2>\n<p>Training-clock seconds (evaluation left out) until rank 0 \
+         first measured the target: median over the complete repeats (range in brackets), then epochs and \
+         samples/s. \"not reached\" when fewer than half the repeats got there. Time = samples to target / \
+         throughput: the first factor is statistical efficiency, the second system throughput.</p>\n\
+         <table><tr><th class=l>mode</th>{}</tr>",
+        100.0 * t,
+        ws.iter()
+            .map(|w| format!("<th>{w} worker{}</th>", if *w == 1 { "" } else { "s" }))
+            .collect::<String>()
+    );
+    for (name, rows) in g.by_series() {
+        let cells: String = ws
+            .iter()
+            .map(|&w| {
+                let Some(r) = rows.iter().find(|r| r.workers == w) else { return "<td>-</td>".into() };
+                let c = g.cell_of(r);
+                let reps = c.map_or(0, |c| c.runs.len());
+                match (r.time_to_target_s, c.and_then(|c| c.time_to_target)) {
+                    (Some(tt), Some((lo, hi))) => format!(
+                        "<td>{tt:.2} s ({lo:.2}-{hi:.2}); {} ep; {} /s</td>",
+                        opt(r.epochs_to_target, 1),
+                        opt(r.samples_per_s, 0)
+                    ),
+                    _ => format!(
+                        "<td>not reached ({}/{reps}); best {}%</td>",
+                        c.map_or(0, |c| c.reached),
+                        opt(r.best_accuracy.map(|a| 100.0 * a), 1)
+                    ),
+                }
+            })
+            .collect();
+        let _ = writeln!(h, "<tr><td class=l>{}</td>{cells}</tr>", esc(&name));
+    }
+    h.push_str("</table>\n");
 }
 
 fn efficiency_table(h: &mut String, g: &Group) {
@@ -300,14 +355,14 @@ fn summary_table(h: &mut String, rows: &[Summary]) {
     h.push_str(
         "<h2>Every run</h2>\n<table><tr><th class=l>run</th><th class=l>status</th><th>workers</th><th>shards</th>\
          <th>samples/s</th><th>ms/step</th><th>fwd</th><th>bwd</th><th>comm</th><th>exposed</th><th>wait</th>\
-         <th>update</th><th>MB/step/worker</th><th>final loss</th><th>accuracy</th><th class=l>error</th></tr>\n",
+         <th>update</th><th>MB/step/worker</th><th>final loss</th><th>accuracy</th><th>to target s</th><th class=l>error</th></tr>\n",
     );
     for r in rows {
         let _ = writeln!(
             h,
             "<tr class=\"{st}\"><td class=l>{id}</td><td class=l>{st}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
              <td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
-             <td class=l>{}</td></tr>",
+             <td>{}</td><td class=l>{}</td></tr>",
             r.workers,
             r.shards,
             opt(r.samples_per_s, 0),
@@ -321,6 +376,7 @@ fn summary_table(h: &mut String, rows: &[Summary]) {
             opt(r.bytes_per_step_worker.map(|b| b / 1e6), 2),
             opt(r.final_loss, 4),
             opt(r.final_accuracy.map(|a| 100.0 * a), 1),
+            opt(r.time_to_target_s, 2),
             esc(&r.error),
             st = esc(&r.status),
             id = esc(&r.id),
@@ -340,28 +396,115 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
         out.push("No run produced metrics, so there is nothing to compare; the table below says why each run failed.".into());
     }
 
-    // Fastest mode at each worker count.
+    // Fastest mode at each worker count: medians compared, level when the repeats overlap.
+    let spread = |r: &Summary| -> String {
+        match g.cell_of(r) {
+            Some(c) => match c.throughput {
+                Some((lo, hi)) if c.runs.len() > 1 => format!("median of {}, {lo:.0}-{hi:.0}", c.runs.len()),
+                _ => "one run".into(),
+            },
+            None => "one run".into(),
+        }
+    };
+    let thr_range = |r: &Summary| g.cell_of(r).and_then(|c| c.throughput);
     for &n in &ws {
         let mut at: Vec<&Summary> = g.rows.iter().copied().filter(|r| r.workers == n).collect();
         at.sort_by(|a, b| thr(b).total_cmp(&thr(a)).then_with(|| a.id.cmp(&b.id)));
         let Some(best) = at.first() else { continue };
-        let next = at
-            .get(1)
-            .map(|s| {
-                format!(
-                    ", {:.2}x the next ({}, {:.0} samples/s)",
-                    thr(best) / thr(s).max(1e-9),
-                    Group::series(s),
-                    thr(s)
-                )
-            })
-            .unwrap_or_default();
-        out.push(format!(
-            "At {n} worker{}: {} is fastest with {:.0} samples/s{next}.",
-            if n == 1 { "" } else { "s" },
-            Group::series(best),
-            thr(best)
-        ));
+        let s = if n == 1 { "" } else { "s" };
+        match at.get(1) {
+            Some(next) if matches!((thr_range(best), thr_range(next)), (Some(a), Some(b)) if overlap(a, b)) =>
+            {
+                let level: Vec<String> = at
+                    .iter()
+                    .take_while(
+                        |r| matches!((thr_range(best), thr_range(r)), (Some(a), Some(b)) if overlap(a, b)),
+                    )
+                    .map(|r| format!("{} {:.0} ({})", Group::series(r), thr(r), spread(r)))
+                    .collect();
+                out.push(format!(
+                    "At {n} worker{s} the fastest are level, their repeats' ranges overlapping: {} samples/s.",
+                    level.join("; ")
+                ));
+            }
+            next => out.push(format!(
+                "At {n} worker{s}: {} is fastest with {:.0} samples/s ({}){}.",
+                Group::series(best),
+                thr(best),
+                spread(best),
+                next.map(|x| format!(
+                    ", {:.2}x the next ({}, {:.0} samples/s, {})",
+                    thr(best) / thr(x).max(1e-9),
+                    Group::series(x),
+                    thr(x),
+                    spread(x)
+                ))
+                .unwrap_or_default()
+            )),
+        }
+    }
+
+    // Time to accuracy: what the user gets, throughput times statistical efficiency.
+    if let Some(target) = g.target {
+        for &n in ws.iter().filter(|&&n| n > 1) {
+            let mut at: Vec<&Summary> =
+                g.rows.iter().copied().filter(|r| r.workers == n && r.time_to_target_s.is_some()).collect();
+            at.sort_by(|a, b| {
+                a.time_to_target_s.unwrap_or(f64::MAX).total_cmp(&b.time_to_target_s.unwrap_or(f64::MAX))
+            });
+            let missed: Vec<String> = g
+                .rows
+                .iter()
+                .filter(|r| r.workers == n && r.time_to_target_s.is_none())
+                .map(|r| Group::series(r))
+                .collect();
+            let Some(best) = at.first() else {
+                out.push(format!(
+                    "At {n} workers no mode reached {:.1}% held-out accuracy in most of its repeats.",
+                    100.0 * target
+                ));
+                continue;
+            };
+            let tt = |r: &Summary| r.time_to_target_s.unwrap_or(f64::NAN);
+            let tt_range = |r: &Summary| g.cell_of(r).and_then(|c| c.time_to_target);
+            let mut line = format!(
+                "At {n} workers {} reaches {:.1}% held-out accuracy first, in {:.2} s of training ({:.1} epochs",
+                Group::series(best),
+                100.0 * target,
+                tt(best),
+                best.epochs_to_target.unwrap_or(f64::NAN)
+            );
+            if let Some((lo, hi)) = tt_range(best) {
+                let _ = write!(line, "; repeats {lo:.2}-{hi:.2} s");
+            }
+            line.push(')');
+            if let Some(next) = at.get(1) {
+                let level = matches!((tt_range(best), tt_range(next)), (Some(a), Some(b)) if overlap(a, b));
+                let speed = thr(best) / thr(next).max(1e-9);
+                let samples = next.samples_to_target.unwrap_or(0) as f64
+                    / best.samples_to_target.unwrap_or(1).max(1) as f64;
+                let _ = write!(
+                    line,
+                    "; {} follows in {:.2} s{}. Its throughput is {speed:.2}x and its statistical efficiency \
+                     {samples:.2}x the runner-up's (samples needed: {} against {}), so {}",
+                    Group::series(next),
+                    tt(next),
+                    if level { ", level with it (their repeats' ranges overlap)" } else { "" },
+                    best.samples_to_target.unwrap_or(0),
+                    next.samples_to_target.unwrap_or(0),
+                    if (speed - 1.0).abs() >= (samples - 1.0).abs() {
+                        "speed decides the order"
+                    } else {
+                        "convergence per sample decides the order"
+                    }
+                );
+            }
+            line.push('.');
+            if !missed.is_empty() {
+                let _ = write!(line, " Not reached in most repeats: {}.", missed.join(", "));
+            }
+            out.push(line);
+        }
     }
 
     // Scaling efficiency at the most workers.
@@ -415,7 +558,8 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
             .collect();
         let ahead = both.iter().position(|b| b.1 > b.2).filter(|&i| both[i..].iter().all(|b| b.1 > b.2));
         out.push(format!(
-            "Ring all-reduce (ddp-tcp) against the best synchronous parameter server: {}. {}",
+            "Ring all-reduce over TCP sockets (ddp-tcp) against the best synchronous parameter server (gRPC over \
+             TCP, the same wire), by median throughput: {}. {}",
             parts.join("; "),
             match ahead {
                 Some(0) =>
@@ -567,25 +711,29 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
         out.push(format!("Staleness of applied gradients: {}.", stale.join("; ")));
     }
 
-    // Final loss against local training: same seed, data and global batch, so a difference
-    // comes from the mode (asynchrony, reduction order).
-    let local_loss = g.rows.iter().find(|r| r.mode == "local").and_then(|r| r.final_loss);
-    if let Some(ll) = local_loss {
+    // Final held-out accuracy against local training: same initial parameters, data and
+    // global batch, so a difference comes from the mode (asynchrony, reduction order).
+    let local_acc = g.rows.iter().find(|r| r.mode == "local").and_then(|r| r.final_accuracy);
+    if let Some(la) = local_acc {
         let dev = |sync: bool| -> Option<(f64, String)> {
             g.rows
                 .iter()
                 .filter(|r| r.mode != "local" && (r.mode == "ps-asp" || r.mode == "ps-ssp") != sync)
                 .filter_map(|r| {
-                    Some(((r.final_loss? - ll).abs(), format!("{} w{}", Group::series(r), r.workers)))
+                    Some(((r.final_accuracy? - la).abs(), format!("{} w{}", Group::series(r), r.workers)))
                 })
                 .max_by(|a, b| a.0.total_cmp(&b.0))
         };
-        let mut parts = vec![format!("Final training loss of local training: {ll:.4}")];
+        let mut parts = vec![format!(
+            "Final held-out accuracy of local training (median of repeats): {:.2}%",
+            100.0 * la
+        )];
         if let Some((d, who)) = dev(true) {
-            parts.push(format!("synchronous modes end within {d:.4} of it (largest: {who})"));
+            parts
+                .push(format!("synchronous modes end within {:.2} points of it (largest: {who})", 100.0 * d));
         }
         if let Some((d, who)) = dev(false) {
-            parts.push(format!("asynchronous ones within {d:.4} (largest: {who})"));
+            parts.push(format!("asynchronous ones within {:.2} points (largest: {who})", 100.0 * d));
         }
         out.push(parts.join("; ") + ".");
     }
@@ -617,6 +765,36 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
             if failed.len() == 1 { "" } else { "s" },
             by_mode.iter().map(|(m, n)| format!("{m}: {n}")).collect::<Vec<_>>().join(", "),
             failed[0].error.chars().take(200).collect::<String>()
+        ));
+    }
+    let diverged: Vec<&Summary> = all.iter().filter(|r| r.status == "diverged").collect();
+    if !diverged.is_empty() {
+        let which: Vec<String> = diverged
+            .iter()
+            .map(|r| {
+                let at = r.error.split("diverged at step ").nth(1).and_then(|t| t.split(':').next());
+                format!(
+                    "{} w{}{}",
+                    r.mode,
+                    r.workers,
+                    at.map(|s| format!(" at step {s}")).unwrap_or_default()
+                )
+            })
+            .collect();
+        out.push(format!(
+            "{} run{} diverged ({}): listed apart in the table below, never read as a speed. {}",
+            diverged.len(),
+            if diverged.len() == 1 { "" } else { "s" },
+            which.join(", "),
+            diverged[0].error.split("; ").skip(1).collect::<Vec<_>>().join("; ")
+        ));
+    }
+    let partial =
+        all.iter().filter(|r| matches!(r.status.as_str(), "interrupted" | "stopped" | "partial")).count();
+    if partial > 0 {
+        out.push(format!(
+            "{partial} run(s) did not run to their end (interrupted, stopped by the time budget, or without a \
+             record): listed apart, they feed no figure and no reading."
         ));
     }
     let skipped = all.iter().filter(|r| r.status == "skipped").count();

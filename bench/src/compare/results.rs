@@ -128,6 +128,29 @@ impl RunData {
         by_step.into_iter().map(|(k, (l, n, w))| (k, l / n as f64, w)).collect()
     }
 
+    /// Rank 0's held-out evaluations in order (the first worker file's; under ASP/SSP rank 0's
+    /// parameters are the servers' at the version it last pulled).
+    pub fn accuracy_curve(&self) -> Vec<EvalPoint> {
+        let Some(f) = self.workers.first() else { return vec![] };
+        let h = &f.header;
+        let train = h.extra.get("train_samples").and_then(serde_json::Value::as_u64);
+        f.steps
+            .iter()
+            .filter_map(|s| {
+                Some(EvalPoint {
+                    samples: s.samples,
+                    epoch: match train {
+                        Some(n) if n > 0 => s.samples as f64 / n as f64,
+                        _ => s.epoch as f64,
+                    },
+                    train_s: clock(s) / 1e3,
+                    accuracy: s.accuracy?,
+                    loss: s.eval_loss.unwrap_or(f64::NAN),
+                })
+            })
+            .collect()
+    }
+
     /// The injected straggler delay (`--slow-rank`), ms per step, from the workers' header.
     pub fn slow_ms(&self) -> u64 {
         self.header().extra.get("slow_ms").and_then(serde_json::Value::as_u64).unwrap_or(0)
@@ -206,6 +229,17 @@ pub struct Summary {
     pub train_s: Option<f64>,
     /// Injected straggler delay of one rank, ms per step (0: none).
     pub slow_ms: u64,
+    /// Which repeat of its cell, from 0.
+    pub repeat: usize,
+    /// Best held-out accuracy rank 0 measured.
+    pub best_accuracy: Option<f64>,
+    /// Training-clock seconds (evaluation left out) until rank 0 first measured the target
+    /// accuracy; empty when never reached or no target was set.
+    pub time_to_target_s: Option<f64>,
+    /// Samples seen by all workers together by then.
+    pub samples_to_target: Option<u64>,
+    /// Epochs over the training split by then.
+    pub epochs_to_target: Option<f64>,
 }
 
 fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
@@ -216,7 +250,7 @@ fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
 impl Summary {
     /// The figures of one run. Step 1 is left out of the means (allocation, connection set-up)
     /// whenever there are later steps.
-    pub fn of(run: &RunData) -> Summary {
+    pub fn of(run: &RunData, target: Option<f64>) -> Summary {
         let h = run.header();
         let steady = |f: &MetricsFile| -> Vec<Step> {
             let skip = usize::from(f.steps.len() > 1);
@@ -241,8 +275,10 @@ impl Summary {
             .iter()
             .filter_map(|f| {
                 let (first, last) = (f.steps.first()?, f.steps.last()?);
-                if f.steps.len() > 1 && last.wall_ms > first.wall_ms {
-                    Some(per_file * (f.steps.len() - 1) as f64 / ((last.wall_ms - first.wall_ms) / 1e3))
+                // The training clock: evaluation pauses are not throughput.
+                let (t0, t1) = (clock(first), clock(last));
+                if f.steps.len() > 1 && t1 > t0 {
+                    Some(per_file * (f.steps.len() - 1) as f64 / ((t1 - t0) / 1e3))
                 } else if first.step_ms > 0.0 {
                     Some(per_file / (first.step_ms / 1e3))
                 } else {
@@ -257,6 +293,8 @@ impl Summary {
         let server_bytes: u64 =
             run.servers.iter().flat_map(|f| f.applies.iter().map(|a| a.bytes_in + a.bytes_out)).sum();
         let worker_steps_per_rank = worker_steps as f64 / run.workers.len() as f64;
+        let curve_acc = run.accuracy_curve();
+        let reached = target.and_then(|t| curve_acc.iter().find(|p| p.accuracy >= t));
         Summary {
             id: run.id.clone(),
             mode: run.mode.label().into(),
@@ -293,9 +331,14 @@ impl Summary {
             train_s: run
                 .workers
                 .iter()
-                .filter_map(|f| f.steps.last().map(|s| s.wall_ms / 1e3))
+                .filter_map(|f| f.steps.last().map(|s| clock(s) / 1e3))
                 .reduce(f64::max),
             slow_ms: run.slow_ms(),
+            repeat: 0,
+            best_accuracy: run.accuracy_curve().iter().map(|p| p.accuracy).reduce(f64::max),
+            time_to_target_s: reached.map(|p| p.train_s),
+            samples_to_target: reached.map(|p| p.samples),
+            epochs_to_target: reached.map(|p| p.epoch),
         }
     }
 
@@ -312,9 +355,145 @@ impl Summary {
             status: o.status.clone(),
             error: o.error.clone().unwrap_or_default(),
             slow_ms: o.slow_ms,
+            repeat: o.repeat,
             ..Summary::default()
         }
     }
+
+    /// Whether the run finished as planned: only such runs feed charts and readings
+    /// (failed, diverged, stopped, interrupted and partial runs are listed apart).
+    pub fn complete(&self) -> bool {
+        self.status == "ok"
+    }
+}
+
+/// A step's time on the training clock, ms: evaluation pauses left out (older files, which
+/// have no such clock, give their wall clock).
+fn clock(s: &Step) -> f64 {
+    s.train_ms.unwrap_or(s.wall_ms)
+}
+
+/// One held-out evaluation of rank 0.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalPoint {
+    /// Samples seen by all workers together.
+    pub samples: u64,
+    /// Epochs over the training split (fractional).
+    pub epoch: f64,
+    /// Training-clock seconds.
+    pub train_s: f64,
+    /// Held-out accuracy.
+    pub accuracy: f64,
+    /// Held-out loss.
+    pub loss: f64,
+}
+
+/// The median of `v` (empty: none).
+pub fn median(v: &[f64]) -> Option<f64> {
+    let mut v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => None,
+        n if n % 2 == 1 => Some(v[n / 2]),
+        n => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+    }
+}
+
+/// One cell of the matrix (mode, workers, shards, model, global batch, delay) over its
+/// repeats: the median of each figure over the complete repeats, and the range of the two a
+/// reading ranks by.
+#[derive(Debug, Clone)]
+pub struct Cell {
+    /// The medians, as a summary row (status `ok`, `repeat` the number of complete repeats).
+    pub median: Summary,
+    /// Ids of its complete repeats.
+    pub runs: Vec<String>,
+    /// Repeats of any status.
+    pub attempts: usize,
+    /// (min, max) samples/s over the complete repeats.
+    pub throughput: Option<(f64, f64)>,
+    /// (min, max) time-to-target over the complete repeats that reached it.
+    pub time_to_target: Option<(f64, f64)>,
+    /// Complete repeats that reached the target.
+    pub reached: usize,
+}
+
+impl Cell {
+    /// Group `rows` into cells, keeping only complete runs for the figures.
+    pub fn all(rows: &[Summary]) -> Vec<Cell> {
+        let mut by: BTreeMap<(String, usize, String, usize, usize, u64), Vec<&Summary>> = BTreeMap::new();
+        for r in rows {
+            by.entry((r.model.clone(), r.global_batch, r.mode.clone(), r.workers, r.shards, r.slow_ms))
+                .or_default()
+                .push(r);
+        }
+        by.into_values()
+            .filter_map(|all| {
+                let ok: Vec<&Summary> = all.iter().copied().filter(|r| r.complete()).collect();
+                let first = *ok.first()?;
+                let med = |g: fn(&Summary) -> Option<f64>| {
+                    median(&ok.iter().filter_map(|r| g(r)).collect::<Vec<_>>())
+                };
+                let range = |g: fn(&Summary) -> Option<f64>| {
+                    let v: Vec<f64> = ok.iter().filter_map(|r| g(r)).collect();
+                    (!v.is_empty()).then(|| {
+                        (
+                            v.iter().copied().fold(f64::INFINITY, f64::min),
+                            v.iter().copied().fold(0.0, f64::max),
+                        )
+                    })
+                };
+                // Time-to-target is a median only when most repeats reached it.
+                let reached = ok.iter().filter(|r| r.time_to_target_s.is_some()).count();
+                let most = 2 * reached > ok.len();
+                let median = Summary {
+                    id: first.id.clone(),
+                    status: "ok".into(),
+                    error: String::new(),
+                    steps: ok.iter().map(|r| r.steps).min().unwrap_or(0),
+                    samples_per_s: med(|r| r.samples_per_s),
+                    step_ms: med(|r| r.step_ms),
+                    forward_ms: med(|r| r.forward_ms),
+                    backward_ms: med(|r| r.backward_ms),
+                    comm_ms: med(|r| r.comm_ms),
+                    comm_exposed_ms: med(|r| r.comm_exposed_ms),
+                    wait_ms: med(|r| r.wait_ms),
+                    update_ms: med(|r| r.update_ms),
+                    other_ms: med(|r| r.other_ms),
+                    bytes_per_step_worker: med(|r| r.bytes_per_step_worker),
+                    bytes_per_step_server: med(|r| r.bytes_per_step_server),
+                    final_loss: med(|r| r.final_loss),
+                    final_accuracy: med(|r| r.final_accuracy),
+                    staleness_mean: med(|r| r.staleness_mean),
+                    staleness_max: ok.iter().filter_map(|r| r.staleness_max).max(),
+                    train_s: med(|r| r.train_s),
+                    repeat: ok.len(),
+                    best_accuracy: med(|r| r.best_accuracy),
+                    time_to_target_s: if most { med(|r| r.time_to_target_s) } else { None },
+                    samples_to_target: if most {
+                        med(|r| r.samples_to_target.map(|s| s as f64)).map(|s| s.round() as u64)
+                    } else {
+                        None
+                    },
+                    epochs_to_target: if most { med(|r| r.epochs_to_target) } else { None },
+                    ..first.clone()
+                };
+                Some(Cell {
+                    runs: ok.iter().map(|r| r.id.clone()).collect(),
+                    attempts: all.len(),
+                    throughput: range(|r| r.samples_per_s),
+                    time_to_target: range(|r| r.time_to_target_s),
+                    reached,
+                    median,
+                })
+            })
+            .collect()
+    }
+}
+
+/// Whether two (min, max) ranges overlap: the modes behind them are level.
+pub fn overlap(a: (f64, f64), b: (f64, f64)) -> bool {
+    a.0 <= b.1 && b.0 <= a.1
 }
 
 /// Everything read from a set of run directories.
@@ -326,12 +505,17 @@ pub struct Collected {
     pub outcomes: Vec<Outcome>,
     /// One row per run: every run with metrics, then every recorded run without.
     pub summaries: Vec<Summary>,
+    /// The cells of the matrix over their complete repeats.
+    pub cells: Vec<Cell>,
+    /// The held-out accuracy time-to-target is measured to, when the scenario set one.
+    pub target: Option<f64>,
     /// Problems with the input, each naming a path and line.
     pub warnings: Vec<String>,
 }
 
-/// Walk `roots`, read every metrics file and every `outcomes.jsonl`, and group and summarise.
-pub fn collect(roots: &[PathBuf]) -> anyhow::Result<Collected> {
+/// Walk `roots`, read every metrics file and every `outcomes.jsonl`, and group and summarise;
+/// time-to-accuracy is measured to `target`.
+pub fn collect(roots: &[PathBuf], target: Option<f64>) -> anyhow::Result<Collected> {
     let mut files = Vec::new();
     let mut out = Collected::default();
     for root in roots {
@@ -356,11 +540,12 @@ pub fn collect(roots: &[PathBuf]) -> anyhow::Result<Collected> {
         }
     }
     out.runs = group(files, &mut out.warnings);
-    let mut summaries: Vec<Summary> = out.runs.iter().map(Summary::of).collect();
+    let mut summaries: Vec<Summary> = out.runs.iter().map(|r| Summary::of(r, target)).collect();
     for s in summaries.iter_mut() {
         if let Some(o) = out.outcomes.iter().find(|o| o.id == s.id) {
             s.status = o.status.clone();
             s.error = o.error.clone().unwrap_or_default();
+            s.repeat = o.repeat;
         }
     }
     for o in &out.outcomes {
@@ -368,7 +553,9 @@ pub fn collect(roots: &[PathBuf]) -> anyhow::Result<Collected> {
             summaries.push(Summary::missing(o));
         }
     }
+    out.cells = Cell::all(&summaries);
     out.summaries = summaries;
+    out.target = target;
     Ok(out)
 }
 

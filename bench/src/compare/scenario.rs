@@ -68,7 +68,7 @@ impl ModeKind {
     pub fn wire(self) -> &'static str {
         match self {
             ModeKind::Local => "none",
-            ModeKind::Dp => "memory (one process)",
+            ModeKind::Dp => "in one process",
             ModeKind::PsBsp | ModeKind::PsAsp | ModeKind::PsSsp => "gRPC over TCP",
             ModeKind::DdpTcp => "TCP sockets",
             ModeKind::DdpShm => "shared memory",

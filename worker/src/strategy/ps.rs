@@ -923,9 +923,11 @@ impl Strategy for Ps {
         let pull_from = if self.client.sync == "bsp" { t_comm } else { at(push.ms) };
         self.trace.span("pull", "comm", "comm", pull_from);
         engine.synchronize()?;
-        rec.comm_ms = ms_since(t);
+        // The time the servers held the push for other workers is waiting, not communication:
+        // the step's parts (exposed communication + wait + ...) then add up to at most the step.
+        rec.wait_ms = push.wait_ms.min(ms_since(t));
+        rec.comm_ms = ms_since(t) - rec.wait_ms;
         rec.comm_exposed_ms = rec.comm_ms;
-        rec.wait_ms = push.wait_ms;
         rec.bytes_sent = push.bytes;
         rec.bytes_recv = pull.bytes;
         rec.staleness = Some(push.staleness);
