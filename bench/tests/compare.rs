@@ -48,8 +48,10 @@ fn default_scenario_scaled_down_runs_end_to_end() {
     std::fs::create_dir_all(&root).unwrap();
     let mut s = Scenario::load(None).unwrap();
     s.models = vec!["tiny".into()];
-    s.steps = 6;
-    s.workers = vec![1, 2];
+    (s.steps, s.epochs) = (Some(6), None);
+    s.eval_samples = Some(64);
+    s.repeats = 2;
+    s.workers = vec![2];
     s.shards = vec![1];
     s.batches = vec![32];
     s.rawtcp_s = 0.2;
@@ -119,12 +121,164 @@ fn default_scenario_scaled_down_runs_end_to_end() {
         assert!(html.contains(&format!("<figure id=\"{c}\">")), "{c} not in the report");
     }
     assert!(html.contains("Scaling efficiency") && html.contains("Cost model, extrapolated"));
-    assert!(html.contains("is fastest with"), "no computed reading in the report");
+    assert!(
+        html.contains("is fastest with") || html.contains("the fastest are level"),
+        "no computed reading in the report"
+    );
+    assert!(html.contains("Time to 97.0% held-out accuracy"), "no convergence table");
+
+    // Each cell ran `repeats` times with another data order; the ring's two modes ran on the
+    // wire they are named for, and every chart label names it.
+    for mode in ["local", "ps-bsp", "ddp-tcp"] {
+        let n = rows.iter().filter(|r| &r[col("mode")] == mode && &r[col("status")] == "ok").count();
+        assert_eq!(n, 2, "{mode}: one row per repeat");
+    }
+    for (mode, transport) in [("ddp-tcp", "tcp"), ("ddp-shm", "shm")] {
+        let r = rows.iter().find(|r| &r[col("mode")] == mode && &r[col("status")] == "ok").unwrap();
+        let header: serde_json::Value = serde_json::from_str(
+            std::fs::read_to_string(out.join(&r[col("id")]).join("rank0.jsonl"))
+                .unwrap()
+                .lines()
+                .next()
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(header["extra"]["transport"], transport, "{mode}: {header}");
+    }
+    let orders: Vec<u64> = rows
+        .iter()
+        .filter(|r| &r[col("mode")] == "local")
+        .map(|r| {
+            let h: serde_json::Value = serde_json::from_str(
+                std::fs::read_to_string(out.join(&r[col("id")]).join("rank0.jsonl"))
+                    .unwrap()
+                    .lines()
+                    .next()
+                    .unwrap(),
+            )
+            .unwrap();
+            h["extra"]["order_seed"].as_u64().unwrap()
+        })
+        .collect();
+    assert_eq!(orders, [s.seed, s.seed + 1], "repeats draw the data in other orders");
+    for label in ["ddp-tcp (TCP sockets)", "ddp-shm (shared memory)", "ps-bsp k=1 (gRPC over TCP)"] {
+        assert!(html.contains(label), "{label} not labelled in the report");
+    }
 
     // A second comparison into the same directory is refused rather than mixed in.
     let again = compare(&scenario, &out);
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("already holds a comparison"));
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// A small scenario of `modes` at 2 workers into `root/name.toml`.
+fn small(root: &Path, name: &str, modes: &[&str], steps: u64, extra: &str) -> PathBuf {
+    let text = format!(
+        "name = '{name}'\nmodes = {modes:?}\nworkers = [2]\nmodels = ['tiny']\nbatches = [32]\ndata = 'digits'\n\
+         steps = {steps}\nrepeats = 2\nrawtcp_s = 0.2\nrun_timeout_s = 60\n{extra}"
+    );
+    let p = root.join(format!("{name}.toml"));
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn outcomes(out: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(out.join("outcomes.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn ctrl_c_keeps_the_finished_runs_and_resume_runs_the_rest() {
+    use std::io::{BufRead, BufReader};
+    let root = std::env::temp_dir().join(format!("gs-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let scenario = small(&root, "resume", &["local", "ps-asp"], 400, "");
+    let out = root.join("out");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
+        .arg("compare")
+        .arg(&scenario)
+        .arg("--out")
+        .arg(&out)
+        .arg("--bin-dir")
+        .arg(bin_dir())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Each finished run prints its line: interrupt right after the first one, as Ctrl-C would.
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    loop {
+        let mut line = String::new();
+        assert!(err.read_line(&mut line).unwrap() > 0, "compare ended before a run finished:\n{seen}");
+        seen.push_str(&line);
+        if line.starts_with("001-local") {
+            break;
+        }
+    }
+    let pid = i32::try_from(child.id()).unwrap();
+    // SAFETY: kill(2) on the child we spawned and have not reaped.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    let rest = std::io::read_to_string(err).unwrap();
+    let st = child.wait().unwrap();
+    assert_eq!(st.code(), Some(130), "{seen}{rest}");
+    assert!(rest.contains("interrupted") && rest.contains("--resume"), "{rest}");
+    // What finished is summarised; the run under way is listed apart, never in a figure.
+    assert!(out.join("report.html").is_file() && out.join("summary.csv").is_file());
+    let first = outcomes(&out);
+    assert_eq!(first[0]["status"], "ok");
+    assert!(first.iter().all(|o| o["status"] == "ok" || o["status"] == "interrupted"), "{first:?}");
+    assert!(first.len() < 4, "interrupted after the first run, yet {} ran", first.len());
+
+    let o = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
+        .arg("compare")
+        .arg("--resume")
+        .arg(&out)
+        .arg("--bin-dir")
+        .arg(bin_dir())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let all = outcomes(&out);
+    let mut ids: Vec<&str> = all.iter().map(|o| o["id"].as_str().unwrap()).collect();
+    ids.sort();
+    assert_eq!(ids.len(), 4, "{all:?}");
+    ids.dedup();
+    assert_eq!(ids.len(), 4, "a run recorded twice: {all:?}");
+    assert!(all.iter().all(|o| o["status"] == "ok"), "{all:?}");
+    // The finished run was kept as it was, not run again.
+    assert_eq!(all[0], first[0]);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn a_diverged_run_is_recorded_as_such_and_read_as_nothing() {
+    let root = std::env::temp_dir().join(format!("gs-diverge-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let scenario = small(&root, "diverge", &["local", "ps-asp"], 60, "lr = 40.0\n");
+    let out = root.join("out");
+    let o = compare(&scenario, &out);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let all = outcomes(&out);
+    assert_eq!(all.len(), 4);
+    for x in &all {
+        assert_eq!(x["status"], "diverged", "{x}");
+        assert!(x["error"].as_str().unwrap().contains("diverged at step"), "{x}");
+    }
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(
+        html.contains("4 runs diverged") && html.contains("never read as a speed"),
+        "report says nothing"
+    );
+    assert!(
+        !html.contains("is fastest with") && !html.contains("are level"),
+        "a speed read from diverged runs"
+    );
     std::fs::remove_dir_all(&root).unwrap();
 }
 

@@ -144,6 +144,11 @@ pub struct ServerArgs {
     /// Per-update metrics (JSON lines) here.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
+    /// Write a Chrome trace-event timeline of this shard here at shutdown (process 1000 +
+    /// shard): each BSP round's wait for pushes and apply, each ASP/SSP apply, each encoding
+    /// of the parameters for pulls, in the workers' trace format.
+    #[arg(long, env = "GRADSYNC_SERVER_TRACE")]
+    pub trace: Option<PathBuf>,
     /// Payload bytes per chunk in pulls.
     #[arg(long, default_value_t = Tuning::tuned().chunk_bytes)]
     pub chunk_bytes: usize,
@@ -189,6 +194,8 @@ pub struct Config {
     pub elastic: bool,
     /// Metrics file.
     pub metrics: Option<PathBuf>,
+    /// Trace file, written at shutdown.
+    pub trace: Option<PathBuf>,
     /// Transport settings.
     pub tuning: Tuning,
     /// TLS, checked (None: plaintext HTTP/2).
@@ -213,6 +220,7 @@ impl Config {
             worker_timeout: Duration::from_secs(30),
             elastic: false,
             metrics: None,
+            trace: None,
             tuning: Tuning::tuned(),
             tls: None,
         }
@@ -280,6 +288,7 @@ impl Config {
             worker_timeout: Duration::from_secs_f64(a.worker_timeout),
             elastic: a.elastic,
             metrics: a.metrics.clone(),
+            trace: a.trace.clone(),
             tuning,
             tls,
         })

@@ -130,6 +130,9 @@ impl ParamServer {
         reaper.abort();
         let mut st = svc.state.lock().await;
         let ck = if shared.cfg.checkpoint.is_some() { st.checkpoint(&shared) } else { Ok(()) };
+        if let Some(path) = &shared.cfg.trace {
+            shared.trace.write(path)?;
+        }
         served?;
         ck
     }

@@ -15,6 +15,7 @@ use gradsync_core::checkpoint::{Checkpoint, CheckpointHeader};
 use gradsync_core::metrics::{Header, HostInfo, MetricsWriter, Record, SCHEMA_VERSION, ServerApply, unix_ms};
 use gradsync_core::model::{Fingerprint, Layout, init_params};
 use gradsync_core::optim::sgd_step;
+use gradsync_core::trace::Trace;
 use gradsync_proto::frames::Framed;
 use gradsync_proto::pb::ParameterChunk;
 use tokio::sync::watch;
@@ -54,6 +55,8 @@ pub struct Shared {
     pub progress: watch::Sender<u64>,
     /// Spare gradient buffers (one per rank in flight), reused across steps.
     pool: StdMutex<Vec<Vec<f32>>>,
+    /// The timeline (`--trace`; disabled without it).
+    pub trace: Trace,
 }
 
 impl Shared {
@@ -186,6 +189,7 @@ impl State {
             rejected_nonfinite: AtomicU64::new(0),
             progress: watch::channel(0).0,
             pool: StdMutex::new(Vec::new()),
+            trace: if cfg.trace.is_some() { Trace::new(1000 + cfg.shard.index) } else { Trace::disabled() },
             cfg,
         };
         let state = State {
@@ -356,7 +360,12 @@ impl State {
                 self.version
             ))),
             _ => {
+                let t = Instant::now();
+                let encoded = !matches!(&self.snapshot, Some((v, _)) if *v == self.version);
                 let (v, f) = self.snapshot(sh.cfg.tuning.chunk_bytes);
+                if encoded {
+                    sh.trace.span(format!("encode v{v}"), "encode", "pulls", t);
+                }
                 Ok(PullSource::Ready(v, f))
             }
         }
@@ -386,6 +395,25 @@ impl State {
         let ranks: Vec<usize> = done.iter().map(|d| d.0).collect();
         done.sort_by_key(|d| d.1);
         let (first_at, last) = (done[0].1, done[n - 1]);
+        let args = |k: &str, v: serde_json::Value| serde_json::Map::from_iter([(k.to_string(), v)]);
+        sh.trace.span_with(
+            format!("wait for pushes v{}", self.version),
+            "wait",
+            "rounds",
+            first_at,
+            last.1,
+            args("gradients", n.into()),
+        );
+        // Summing and stepping ran block by block as the gradients arrived; this is what was
+        // left after the last one: its last blocks and the swap.
+        sh.trace.span_with(
+            format!("apply v{}", self.version),
+            "update",
+            "rounds",
+            last.1,
+            Instant::now(),
+            args("ranks", n.into()),
+        );
         let rec = ServerApply {
             shard: sh.cfg.shard.index,
             version: self.version,
@@ -428,6 +456,14 @@ impl State {
         let (p, m) = (Arc::make_mut(self.params.values()), Arc::make_mut(&mut self.momentum));
         sgd_step(&sh.cfg.sgd, p, &grad, m, sh.cfg.staleness_lr.scale(staleness));
         sh.give_buffer(grad);
+        sh.trace.span_with(
+            format!("apply rank {rank}"),
+            "update",
+            "updates",
+            t,
+            Instant::now(),
+            serde_json::Map::from_iter([("staleness".to_string(), serde_json::json!(staleness))]),
+        );
         self.version += 1;
         let apply_ms = ms(t.elapsed());
         if let Some(m) = self.members.get_mut(&rank) {

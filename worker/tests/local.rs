@@ -139,3 +139,79 @@ fn auto_device_falls_back_with_one_line() {
         assert_eq!(err.lines().filter(|l| l.contains("using the CPU")).count(), 1, "{err}");
     }
 }
+
+#[test]
+fn divergence_is_its_own_exit_status_and_names_the_fix() {
+    let d = tmp("diverge");
+    let metrics = d.join("m.jsonl");
+    // The built-in digits at a learning rate no SGD survives.
+    let o = worker(&[
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--model",
+        "64-64-10",
+        "--data",
+        "digits",
+        "--batch",
+        "32",
+        "--steps",
+        "60",
+        "--lr",
+        "40",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("diverged at step") && err.contains("--lr 40"), "{err}");
+    // Every record written is finite: the diverged step itself is not recorded.
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    for l in text.lines().skip(1) {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert!(v["loss"].as_f64().is_some_and(f64::is_finite), "{l}");
+    }
+    // A healthy run of the same data does not trip it, and evaluates on its samples cadence
+    // with the evaluation kept off the training clock.
+    let o = worker(&[
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--model",
+        "64-64-10",
+        "--data",
+        "digits",
+        "--batch",
+        "32",
+        "--steps",
+        "40",
+        "--eval-samples",
+        "320",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let steps: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let evaluated: Vec<u64> =
+        steps.iter().filter(|s| s["accuracy"].is_number()).map(|s| s["step"].as_u64().unwrap()).collect();
+    assert_eq!(evaluated, [10, 20, 30, 40], "every 320 samples of batch 32");
+    let last = steps.last().unwrap();
+    let (wall, train) = (last["wall_ms"].as_f64().unwrap(), last["train_ms"].as_f64().unwrap());
+    let eval: f64 = steps.iter().filter_map(|s| s["eval_ms"].as_f64()).sum();
+    assert!(eval > 0.0 && train < wall, "train {train} wall {wall} eval {eval}");
+    assert!(last["accuracy"].as_f64().unwrap() > 0.5, "the digits are learnable: {last}");
+}
+
+#[test]
+fn digits_is_built_in_and_takes_no_argument() {
+    let o = worker(&["--data", "digits:/tmp", "--steps", "1"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("built in"), "{}", stderr(&o));
+}

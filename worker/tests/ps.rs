@@ -722,3 +722,29 @@ fn a_push_that_fails_midway_is_not_taken_and_returns_at_once() {
         rt.block_on(raw.get_version(tonic::Request::new(VersionRequest {}))).expect("version").into_inner();
     assert_eq!(v.version, 1, "only the whole push made a version");
 }
+
+#[test]
+fn the_servers_optimiser_is_the_one_recorded_and_a_contradicting_flag_is_refused() {
+    let dir = tmp("optimiser");
+    let server =
+        Server::start(&["--lr", "0.02", "--momentum", "0.5", "--sync", "asp", "--staleness-lr", "inverse"]);
+    let save = dir.join("x.ckpt");
+    // A flag that contradicts the server: an error naming both values, nothing trained.
+    let (code, err) = run_workers(1, &server.addr, 4, 2, &save, &["--lr", "0.5"]).remove(0);
+    assert_ne!(code, 0);
+    assert!(err.contains("--lr 0.5") && err.contains("--lr 0.02"), "{err}");
+    // The same value, or none: the metrics header records what the server applies.
+    for (tag, extra) in [("same", &["--lr", "0.02"][..]), ("none", &[][..])] {
+        let m = dir.join(format!("{tag}.jsonl"));
+        let flags = [extra, &["--metrics", m.to_str().expect("utf8")][..]].concat();
+        let (code, err) = run_workers(1, &server.addr, 4, 2, &save, &flags).remove(0);
+        assert_eq!(code, 0, "{tag}: {err}");
+        let header: serde_json::Value = serde_json::from_str(
+            std::fs::read_to_string(&m).expect("metrics").lines().next().expect("header"),
+        )
+        .expect("json");
+        assert_eq!(header["lr"].as_f64().map(|v| v as f32), Some(0.02), "{tag}: {header}");
+        assert_eq!(header["momentum"].as_f64().map(|v| v as f32), Some(0.5), "{tag}: {header}");
+        assert_eq!(header["extra"]["staleness_lr"], "inverse", "{tag}: {header}");
+    }
+}

@@ -845,6 +845,64 @@ pub fn write_merged(c: &Collected, dir: &Path) -> anyhow::Result<()> {
 mod tests {
     use super::*;
 
+    fn row(mode: &str, repeat: usize, status: &str, thr: f64, tt: Option<f64>) -> Summary {
+        Summary {
+            id: format!("runs/{mode}-r{repeat}"),
+            mode: mode.into(),
+            workers: 2,
+            model: "mnist".into(),
+            global_batch: 64,
+            status: status.into(),
+            repeat,
+            samples_per_s: Some(thr),
+            step_ms: Some(64e3 / thr),
+            time_to_target_s: tt,
+            samples_to_target: tt.map(|t| (t * thr) as u64),
+            ..Summary::default()
+        }
+    }
+
+    #[test]
+    fn cells_take_medians_and_ranges_of_complete_repeats_only() {
+        let rows = vec![
+            row("ps-bsp", 0, "ok", 1000.0, Some(3.0)),
+            row("ps-bsp", 1, "ok", 1200.0, Some(2.5)),
+            row("ps-bsp", 2, "ok", 900.0, None),
+            // Faster, but not complete: must not move any figure.
+            row("ps-bsp", 3, "interrupted", 9000.0, Some(0.1)),
+            row("ps-bsp", 4, "diverged", 8000.0, None),
+            row("ps-asp", 0, "failed", 5000.0, Some(0.2)),
+        ];
+        let cells = Cell::all(&rows);
+        // ps-asp has no complete run: no cell, so it can never be read as a speed.
+        assert_eq!(cells.len(), 1);
+        let c = &cells[0];
+        assert_eq!((c.attempts, c.runs.len(), c.reached), (5, 3, 2));
+        assert_eq!(c.median.samples_per_s, Some(1000.0));
+        assert_eq!(c.throughput, Some((900.0, 1200.0)));
+        // Two of three reached the target: the median of those two.
+        assert_eq!(c.median.time_to_target_s, Some(2.75));
+        assert_eq!(c.time_to_target, Some((2.5, 3.0)));
+        assert_eq!(c.median.status, "ok");
+        // One of three reaching it is not enough for a time-to-target.
+        let rows = vec![
+            row("dp", 0, "ok", 1.0, Some(1.0)),
+            row("dp", 1, "ok", 1.0, None),
+            row("dp", 2, "ok", 1.0, None),
+        ];
+        assert_eq!(Cell::all(&rows)[0].median.time_to_target_s, None);
+    }
+
+    #[test]
+    fn ranges_that_overlap_are_level() {
+        assert!(overlap((1.0, 3.0), (2.0, 4.0)));
+        assert!(overlap((1.0, 3.0), (3.0, 4.0)));
+        assert!(!overlap((1.0, 2.0), (2.5, 4.0)));
+        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(&[4.0, 1.0]), Some(2.5));
+        assert_eq!(median(&[f64::NAN]), None);
+    }
+
     #[test]
     fn common_dir_of_paths() {
         assert_eq!(common_dir(["runs/a/rank0.jsonl", "runs/a/rank1.jsonl"].into_iter()), "runs/a");
