@@ -55,7 +55,8 @@ fn scenario(steps: u64) -> Scenario {
     let mut s = Scenario::load(None).unwrap();
     s.models = vec!["tiny".into()];
     s.batches = vec![32];
-    s.steps = steps;
+    (s.steps, s.epochs) = (Some(steps), None);
+    (s.repeats, s.eval_samples, s.target_accuracy) = (1, None, None);
     s.run_timeout_s = 120.0;
     s
 }
@@ -208,6 +209,7 @@ fn plan(c: &Cluster, mode: ModeKind, workers: usize, steps: u64, dir: &Path) -> 
             batch: 16,
             shards: usize::from(mode.is_ps()),
             slow_ms: 0,
+            repeat: 0,
             skip: None,
         },
         dir: dir.to_path_buf(),

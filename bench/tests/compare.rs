@@ -144,6 +144,14 @@ fn default_scenario_scaled_down_runs_end_to_end() {
         )
         .unwrap();
         assert_eq!(header["extra"]["transport"], transport, "{mode}: {header}");
+        assert!(header["extra"]["buckets"].as_u64() >= Some(1), "{mode}: no bucket count: {header}");
+        // The breakdown adds up: the exposed part of communication is part of it.
+        let text = std::fs::read_to_string(out.join(&r[col("id")]).join("rank0.jsonl")).unwrap();
+        for l in text.lines().skip(1) {
+            let st: serde_json::Value = serde_json::from_str(l).unwrap();
+            let (c, e) = (st["comm_ms"].as_f64().unwrap(), st["comm_exposed_ms"].as_f64().unwrap());
+            assert!(e <= c + 1e-9, "{mode}: exposed {e} ms > communication {c} ms: {l}");
+        }
     }
     let orders: Vec<u64> = rows
         .iter()
@@ -279,6 +287,37 @@ fn a_diverged_run_is_recorded_as_such_and_read_as_nothing() {
         !html.contains("is fastest with") && !html.contains("are level"),
         "a speed read from diverged runs"
     );
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn a_run_can_stop_at_its_target_accuracy() {
+    let root = std::env::temp_dir().join(format!("gs-target-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let scenario = small(
+        &root,
+        "target",
+        &["local"],
+        2000,
+        "eval_samples = 320\ntarget_accuracy = 0.6\nstop_at_target = true\n",
+    );
+    let out = root.join("out");
+    let o = compare(&scenario, &out);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let all = outcomes(&out);
+    assert_eq!(all.len(), 2);
+    for x in &all {
+        assert_eq!(x["status"], "ok", "{x}");
+        let text = std::fs::read_to_string(out.join(x["id"].as_str().unwrap()).join("rank0.jsonl")).unwrap();
+        let steps: Vec<serde_json::Value> =
+            text.lines().skip(1).filter_map(|l| serde_json::from_str(l).ok()).collect();
+        assert!(steps.len() < 2000, "ran its whole budget of 2000 steps");
+        let best = steps.iter().filter_map(|s| s["accuracy"].as_f64()).fold(0.0, f64::max);
+        assert!(best >= 0.6, "stopped before the target: {best}");
+    }
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(html.contains("Time to 60.0% held-out accuracy"), "no convergence table");
     std::fs::remove_dir_all(&root).unwrap();
 }
 

@@ -31,6 +31,8 @@ fn header(mode: &str, variant: &str, world: usize, rank: usize, start: u64) -> H
         rank,
         seed: 42,
         start_unix_ms: start,
+        // Every fixture run is complete: its workers reach the steps they planned.
+        extra: serde_json::Map::from_iter([("total_steps".to_string(), 20.into())]),
         ..Header::default()
     }
 }
@@ -187,10 +189,12 @@ fn identical_input_gives_identical_output() {
     assert_eq!(html.matches("<svg").count(), CHARTS.len());
     // The figures are read from the data: the fixture's ring at 2 workers is faster than its PS.
     assert!(
-        html.contains("Ring all-reduce (ddp-tcp) against the best synchronous parameter server"),
+        html.contains(
+            "Ring all-reduce over TCP sockets (ddp-tcp) against the best synchronous parameter server"
+        ),
         "{html}"
     );
-    assert!(html.contains("ps-asp k=1 at 2 workers: mean"), "staleness reading missing");
+    assert!(html.contains("ps-asp k=1 (gRPC over TCP) at 2 workers: mean"), "staleness reading missing");
     let csv = std::fs::read_to_string(a.join("summary.csv")).unwrap();
     assert_eq!(csv.lines().count(), 1 + 6, "{csv}");
     assert!(csv.lines().any(|l| l.starts_with("runs/006-ddp-w2,ddp-tcp,2,0,")), "{csv}");

@@ -160,7 +160,12 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
     // registration (a contradicting flag is refused, never recorded).
     let sgd = match strategy.applied_optimiser() {
         Some(applied) => {
-            args.check_optimiser(&applied, "the parameter servers")?;
+            if let Err(e) = args.check_optimiser(&applied, "the parameter servers") {
+                // Leave the servers as they were: without this they would hold the rank as
+                // registered until it timed out, and refuse it when started again.
+                let _ = strategy.finish(&mut engine);
+                return Err(e);
+            }
             applied
         }
         None => run.sgd,
@@ -177,8 +182,10 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             extra.insert("eval_samples".into(), every.into());
         }
         extra.insert("order_seed".into(), args.order_seed.unwrap_or(args.seed).into());
-        // Samples per epoch, so readers can turn samples seen into epochs.
+        // Samples per epoch, so readers can turn samples seen into epochs; the steps planned,
+        // so a run collected without its runner's record can still be told complete or not.
         extra.insert("train_samples".into(), run.data.train.len().into());
+        extra.insert("total_steps".into(), total_steps.into());
         if let Some(slow) = args.slow_rank {
             // Charts need the injected delay beside the measured step times.
             extra.insert("slow_rank".into(), slow.rank.into());
@@ -258,19 +265,15 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             summary.last_loss = loss.loss;
             // The training clock stops while the model is evaluated.
             rec.train_ms = Some(ms_since(t0) - eval_ms);
-            let cadence = match args.eval_samples {
-                Some(every) => {
-                    let before = (step - 1) * global_batch as u64 / every.max(1);
-                    (rec.samples / every.max(1) > before).then_some(true)
-                }
-                None => (args.eval_every > 0 && step.is_multiple_of(args.eval_every)).then_some(false),
+            let at_cadence = match args.eval_samples {
+                Some(every) => rec.samples / every.max(1) > (step - 1) * global_batch as u64 / every.max(1),
+                None => args.eval_every > 0 && step.is_multiple_of(args.eval_every),
             };
             // At a samples cadence every rank evaluates (synchronous ranks then pause together
-            // and every clock leaves it out); otherwise, and after the last step, rank 0 alone.
-            let eval_here = match cadence {
-                Some(all_ranks) => all_ranks || leader,
-                None => leader && step == total_steps,
-            } || (leader && step == total_steps);
+            // and every clock leaves it out); at a steps cadence, and after the last step, rank
+            // 0 alone.
+            let eval_here =
+                (at_cadence && (args.eval_samples.is_some() || leader)) || (leader && step == total_steps);
             if eval_here {
                 let te = Instant::now();
                 let (l, a) = evaluate(&mut engine, &run.data)?;

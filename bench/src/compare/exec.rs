@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use indicatif::ProgressBar;
 
+use gradsync_core::metrics::{Record, parse_line};
+
 use super::modes::{Plan, ProcSpec};
 
 /// How long a server may take to print its listening line.
@@ -36,6 +38,9 @@ pub enum Ended {
     Diverged(String),
     /// Ctrl-C or SIGTERM reached the runner: the processes were stopped, the run is partial.
     Interrupted,
+    /// Rank 0 measured the target accuracy (`stop_at_target`): the workers were stopped there,
+    /// the run is complete for time-to-accuracy.
+    Target,
 }
 
 /// Set once Ctrl-C or SIGTERM has reached the runner; the run under way stops and no other
@@ -166,6 +171,7 @@ pub fn execute(
     dir: &Path,
     timeout: Duration,
     budget: Option<Duration>,
+    stop_at: Option<f64>,
     bar: &ProgressBar,
 ) -> anyhow::Result<Ended> {
     let logs = dir.join("logs");
@@ -190,6 +196,10 @@ pub fn execute(
     loop {
         if let Some(c) = follow.as_mut() {
             bar.set_position(c.count());
+            if stop_at.is_some_and(|t| c.best_accuracy >= t) && ended == Ended::Finished {
+                ended = Ended::Target;
+                workers.iter_mut().for_each(Guard::terminate);
+            }
         }
         if interrupted() {
             workers.iter_mut().chain(servers.iter_mut()).for_each(Guard::terminate);
@@ -291,17 +301,19 @@ fn wait_listening(g: &mut Guard) -> anyhow::Result<String> {
     }
 }
 
-/// Counts the step records appended to a metrics file, reading only what is new.
+/// Counts the step records appended to a metrics file, and the best held-out accuracy among
+/// them, reading only what is new.
 struct StepCounter {
     path: PathBuf,
     offset: u64,
     steps: u64,
+    best_accuracy: f64,
     partial: String,
 }
 
 impl StepCounter {
     fn new(path: PathBuf) -> Self {
-        StepCounter { path, offset: 0, steps: 0, partial: String::new() }
+        StepCounter { path, offset: 0, steps: 0, best_accuracy: f64::NEG_INFINITY, partial: String::new() }
     }
 
     fn count(&mut self) -> u64 {
@@ -314,8 +326,15 @@ impl StepCounter {
             self.offset += n as u64;
             self.partial.push_str(&buf);
             while let Some(i) = self.partial.find('\n') {
-                if self.partial[..i].contains("\"kind\":\"step\"") {
+                let line = &self.partial[..i];
+                if line.contains("\"kind\":\"step\"") {
                     self.steps += 1;
+                    if line.contains("\"accuracy\"")
+                        && let Ok(Record::Step(s)) = parse_line(line)
+                        && let Some(a) = s.accuracy
+                    {
+                        self.best_accuracy = self.best_accuracy.max(a);
+                    }
                 }
                 self.partial.drain(..=i);
             }

@@ -83,8 +83,8 @@ pub struct PlotArgs {
 /// Run `compare`.
 pub fn run_compare(a: &CompareArgs) -> anyhow::Result<()> {
     exec::catch_interrupts();
-    let bins = modes::Bins::find(a.bin_dir.as_deref())?;
     if let Some(dir) = &a.resume {
+        let bins = modes::Bins::find(a.bin_dir.as_deref())?;
         let path = dir.join("scenario.toml");
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("--resume {}: reading {}", dir.display(), path.display()))?;
@@ -118,6 +118,7 @@ pub fn run_compare(a: &CompareArgs) -> anyhow::Result<()> {
     let text = toml::to_string(&scenario).context("writing the scenario")?;
     // Re-parse what will be recorded, so overrides are checked like the file.
     let scenario = Scenario::parse(&text, "the scenario with command-line overrides")?;
+    let bins = modes::Bins::find(a.bin_dir.as_deref())?;
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(utc_stamp()));
     let outcomes = compare(&scenario, &bins, &out)?;
     finish(&outcomes, &out)
@@ -321,6 +322,7 @@ pub fn run_spec(
                 &dir,
                 Duration::from_secs_f64(scenario.run_timeout_s),
                 scenario.time_s.map(Duration::from_secs_f64),
+                scenario.target_accuracy.filter(|_| scenario.stop_at_target),
                 &bar,
             )
         });
@@ -333,6 +335,7 @@ pub fn run_spec(
             }
             Ok(exec::Ended::Diverged(why)) => ("diverged", Some(why)),
             Ok(exec::Ended::Interrupted) => ("interrupted", Some("stopped by Ctrl-C or SIGTERM".into())),
+            Ok(exec::Ended::Target) => ("ok", None),
             Err(e) => ("failed", Some(format!("{e:#}"))),
         }
     };

@@ -823,7 +823,7 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
             diverged.len(),
             if diverged.len() == 1 { "" } else { "s" },
             which.join(", "),
-            diverged[0].error.split("; ").skip(1).collect::<Vec<_>>().join("; ")
+            diverged.iter().find_map(|r| r.error.split_once("; ").map(|(_, fix)| fix)).unwrap_or_default()
         ));
     }
     let partial =
@@ -936,14 +936,14 @@ mod tests {
         let text = straggler_reading(g).join("\n");
         assert!(
             text.contains(
-                "ps-bsp k=1 (4 workers): with one rank 100 ms slower per step, a global step takes 1.78x"
+                "ps-bsp k=1 (gRPC over TCP) (4 workers): with one rank 100 ms slower per step, a global step takes 1.78x"
             ),
             "{text}"
         );
         assert!(text.contains("pays 100% of the injected delay"), "{text}");
         assert!(text.contains("pays 10% of the injected delay"), "{text}");
-        assert!(text.contains("ps-asp k=1 (4 workers) absorbs the straggler best"), "{text}");
-        assert!(text.contains("80% or more paid): ps-bsp k=1 (4 workers)."), "{text}");
+        assert!(text.contains("ps-asp k=1 (gRPC over TCP) (4 workers) absorbs the straggler best"), "{text}");
+        assert!(text.contains("80% or more paid): ps-bsp k=1 (gRPC over TCP) (4 workers)."), "{text}");
     }
 
     fn rep_row(mode: &str, repeat: usize, status: &str, thr: f64, tt: Option<f64>) -> Summary {

@@ -189,7 +189,9 @@ pub struct Summary {
     pub global_batch: usize,
     /// Batch per worker.
     pub batch: usize,
-    /// `ok`, `stopped`, `failed`, `skipped`, or `partial` (metrics without a runner record).
+    /// `ok`, `diverged`, `stopped`, `failed`, `skipped`, `interrupted`, or, for metrics
+    /// without a runner record, `ok` when every worker reached its planned steps and `partial`
+    /// otherwise.
     pub status: String,
     /// Why it failed.
     pub error: String,
@@ -305,7 +307,9 @@ impl Summary {
             params: h.params,
             global_batch: h.global_batch,
             batch: h.batch,
-            status: "partial".into(),
+            // Without a runner's record: complete when every worker reached the steps it
+            // planned (a run by hand, collected from its hosts), else partial.
+            status: if planned(run).is_some_and(|p| p > 0 && steps >= p) { "ok" } else { "partial" }.into(),
             error: String::new(),
             steps,
             samples_per_s: (!rates.is_empty()).then(|| rates.iter().sum()),
@@ -365,6 +369,16 @@ impl Summary {
     pub fn complete(&self) -> bool {
         self.status == "ok"
     }
+}
+
+/// The steps a run's workers planned (`extra.total_steps`), when every header says.
+fn planned(run: &RunData) -> Option<u64> {
+    let p: Vec<u64> = run
+        .workers
+        .iter()
+        .map(|f| f.header.extra.get("total_steps").and_then(serde_json::Value::as_u64))
+        .collect::<Option<_>>()?;
+    p.iter().copied().max()
 }
 
 /// A step's time on the training clock, ms: evaluation pauses left out (older files, which

@@ -156,6 +156,10 @@ pub struct Scenario {
     /// Held-out accuracy (0..1) whose first crossing is each run's time-to-accuracy.
     #[serde(default)]
     pub target_accuracy: Option<f64>,
+    /// Stop each run as soon as rank 0 measures `target_accuracy` (the budget then only bounds
+    /// runs that never get there).
+    #[serde(default)]
+    pub stop_at_target: bool,
     /// Runs of every cell; repeat `r` (from 0) draws the data in the order of seed `seed + r`
     /// from the same initial parameters.
     #[serde(default = "three")]
@@ -290,6 +294,10 @@ impl Scenario {
         if let Some(t) = self.target_accuracy {
             anyhow::ensure!(t > 0.0 && t <= 1.0, "`target_accuracy` must be in (0, 1], not {t}");
         }
+        anyhow::ensure!(
+            !self.stop_at_target || (self.target_accuracy.is_some() && self.eval_samples.is_some()),
+            "`stop_at_target` needs `target_accuracy` and `eval_samples`"
+        );
         if let Some(e) = self.eval_samples {
             anyhow::ensure!(e > 0, "`eval_samples` must be at least 1");
         }
@@ -488,6 +496,7 @@ mod tests {
             ("steps=2\ntarget_accuracy=97", "`target_accuracy`"),
             ("steps=2\ndata='digits:5'", "`data`"),
             ("steps=2\nstaleness_lr='half'", "half"),
+            ("steps=2\nstop_at_target=true", "`stop_at_target`"),
         ] {
             let e = Scenario::parse(&format!("{base}{extra}"), "t").unwrap_err();
             assert!(format!("{e:#}").contains(wanted), "{extra}: {e:#}");

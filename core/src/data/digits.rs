@@ -2,11 +2,11 @@
 //! labels 0..9; CC BY 4.0, see `core/data/README.md`), embedded in the binary so every mode
 //! trains on real, labelled data with no download.
 //!
-//! The split is fixed and documented so accuracies compare across runs and machines: row `i`
-//! of the file is held out when `i % 5 == 4` (359 images, 20%), the other 1438 train. The rows
-//! cycle through the classes, so both parts hold every digit in about equal numbers. Pixels
-//! are scaled to `p / 16` and then standardised with the mean and standard deviation of the
-//! training part's pixels (as torchvision's MNIST constants are), the same for both parts.
+//! The split is fixed, stratified and documented so accuracies compare across runs and
+//! machines: in file order, every fifth image of each digit (its 5th, 10th, ...) is held out
+//! (355 images, 34-36 per digit), the other 1442 train. Pixels are scaled to `p / 16` and then
+//! standardised with the mean and standard deviation of the training part's pixels (as
+//! torchvision's MNIST constants are), the same for both parts.
 
 use std::io::Read;
 
@@ -19,7 +19,7 @@ const GZ: &[u8] = include_bytes!("../../data/digits.csv.gz");
 pub const DIM: usize = 64;
 /// Classes.
 pub const CLASSES: usize = 10;
-/// Every `HOLD_OUT`-th row (from the `HOLD_OUT - 1`-th) is held out.
+/// Every `HOLD_OUT`-th image of each digit is held out.
 const HOLD_OUT: usize = 5;
 
 /// Decode the embedded file and split it.
@@ -36,22 +36,25 @@ pub fn load() -> Result<Dataset> {
 fn parse(text: &str) -> Result<(Split, Split)> {
     let bad = |line: usize, why: String| Error::invalid("data", format!("digits line {}: {why}", line + 1));
     let (mut train, mut test) = (Split { x: vec![], y: vec![] }, Split { x: vec![], y: vec![] });
+    let mut seen = [0usize; CLASSES];
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let fields: Vec<&str> = line.split(',').map(str::trim).collect();
         if fields.len() != DIM + 1 {
             return Err(bad(i, format!("{} fields, expected {}", fields.len(), DIM + 1)));
         }
-        let part = if i % HOLD_OUT == HOLD_OUT - 1 { &mut test } else { &mut train };
+        let label: u32 = fields[DIM].parse().map_err(|e| bad(i, format!("label '{}': {e}", fields[DIM])))?;
+        if label as usize >= CLASSES {
+            return Err(bad(i, format!("label {label} is not a digit")));
+        }
+        let nth = &mut seen[label as usize];
+        let part = if *nth % HOLD_OUT == HOLD_OUT - 1 { &mut test } else { &mut train };
+        *nth += 1;
         for f in &fields[..DIM] {
             let p: u8 = f.parse().map_err(|e| bad(i, format!("pixel '{f}': {e}")))?;
             if p > 16 {
                 return Err(bad(i, format!("pixel {p} is above 16")));
             }
             part.x.push(f32::from(p) / 16.0);
-        }
-        let label: u32 = fields[DIM].parse().map_err(|e| bad(i, format!("label '{}': {e}", fields[DIM])))?;
-        if label as usize >= CLASSES {
-            return Err(bad(i, format!("label {label} is not a digit")));
         }
         part.y.push(label);
     }
@@ -73,19 +76,20 @@ mod tests {
     #[test]
     fn the_fixed_split_holds_every_digit() {
         let d = load().unwrap();
-        assert_eq!((d.train.len(), d.test.len()), (1438, 359));
-        assert_eq!(d.train.x.len(), 1438 * DIM);
+        assert_eq!((d.train.len(), d.test.len()), (1442, 355));
+        assert_eq!(d.train.x.len(), 1442 * DIM);
         for part in [&d.train, &d.test] {
             let mut count = [0usize; CLASSES];
             part.y.iter().for_each(|&y| count[y as usize] += 1);
-            let (lo, hi) = (count.iter().min().unwrap(), count.iter().max().unwrap());
-            assert!(*lo * 10 >= *hi * 9, "classes unbalanced: {count:?}");
+            // Stratified: every digit close to a tenth of each part.
+            let n = part.len();
+            assert!(count.iter().all(|&c| c * 100 >= n * 9 && c * 100 <= n * 11), "{count:?} of {n}");
         }
         // Standardised with the training part's statistics.
         let mean = d.train.x.iter().map(|&v| f64::from(v)).sum::<f64>() / d.train.x.len() as f64;
         assert!(mean.abs() < 1e-4, "{mean}");
-        // The first row of the file is a 0, the fifth (held out) a 4.
-        assert_eq!((d.train.y[0], d.test.y[0]), (0, 4));
+        // The file's first row is a 0; the first held out is row 34, the fifth 5.
+        assert_eq!((d.train.y[0], d.test.y[0]), (0, 5));
     }
 
     #[test]
