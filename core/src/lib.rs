@@ -9,7 +9,8 @@
 //!   any backend.
 //! - [`engine`]: [`Engine`], the model on the chosen device; the one place that matches on it.
 //! - [`optim`]: SGD with momentum and weight decay (host version, shared with the server).
-//! - [`data`]: the synthetic dataset, MNIST and CIFAR-10 loaders, the distributed sampler.
+//! - [`data`]: the built-in UCI digits (real data, embedded) and synthetic datasets, MNIST and
+//!   CIFAR-10 loaders, the distributed sampler.
 //! - [`metrics`]: the per-step metrics schema and its JSON-lines writer.
 //! - [`heap`]: allocator thresholds that keep freed buffers (GEMM packing, HTTP/2 frames), and
 //!   one malloc arena for the parameter-server processes.
