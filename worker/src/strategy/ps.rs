@@ -199,13 +199,25 @@ fn uri(addr: &str, tls: bool) -> String {
 
 /// A status as a readable error naming the server.
 fn rpc_err(addr: &str, what: &str, s: tonic::Status) -> anyhow::Error {
-    // A plaintext client talking to a TLS server only ever sees the connection drop.
-    let hint = if s.code() == tonic::Code::Unknown && s.message().contains("transport error") {
-        " (if the server serves TLS, pass --tls-ca)"
-    } else {
-        ""
-    };
+    let hint = if spoke_other_than_http2(&s) { " (if the server serves TLS, pass --tls-ca)" } else { "" };
     anyhow::anyhow!("{what} at {addr}: {:?}: {}{hint}", s.code(), s.message())
+}
+
+/// Whether the connection under `s` failed on bytes that are not HTTP/2 (as a TLS server's
+/// alert to a plaintext client is), rather than being closed, reset or refused (a server
+/// that died).
+fn spoke_other_than_http2(s: &tonic::Status) -> bool {
+    let mut cur = std::error::Error::source(s);
+    while let Some(e) = cur {
+        let text = e.to_string();
+        // h2's codec: a connection that ended inside a frame header, or a "frame" whose
+        // header makes no sense (TLS records read as HTTP/2 frames).
+        if text.contains("bytes remaining on stream") || text.contains("frame with invalid size") {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
 }
 
 /// Run `f` with a deadline: sent to the server as grpc-timeout and enforced here too.
