@@ -119,10 +119,10 @@ impl ParamServer {
                 .await;
             state.lock().await.close(&stop_shared);
         };
-        let limits = shared.cfg.limits;
+        let (limits, warned) = (shared.cfg.limits, limits::LastWarned::default());
         let incoming = TcpIncoming::from(listener)
             .with_nodelay(Some(tuning.nodelay))
-            .map(move |s| s.map(|s| limits::Guarded::new(s, limits)));
+            .then(move |s| limits::accepted(s, limits, warned.clone()));
         let guard = limits::Guard {
             body: shared.cfg.worker_timeout,
             budget: Arc::new(limits::Budget::new(limits.push_bytes)),

@@ -461,6 +461,35 @@ impl Drop for Budgeted {
     }
 }
 
+/// When [`accepted`] last said the process is out of descriptors.
+pub type LastWarned = Arc<Mutex<Option<Instant>>>;
+
+/// An accepted socket, guarded; or the accept's error, after a pause if the process is out
+/// of descriptors (the listener stays ready then, and accepting again at once would spin
+/// until the handshake limit closes some). Says so at most every 10 s.
+pub async fn accepted(r: io::Result<TcpStream>, limits: Limits, warned: LastWarned) -> io::Result<Guarded> {
+    let e = match r {
+        Ok(s) => return Ok(Guarded::new(s, limits)),
+        Err(e) => e,
+    };
+    if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) {
+        let now = Instant::now();
+        let mut last = warned.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_none_or(|t| now - t > Duration::from_secs(10)) {
+            tracing::warn!(
+                "out of file descriptors ({e}): new connections wait until idle ones are closed \
+                 (--handshake-timeout {} s, --idle-timeout {} s)",
+                limits.handshake.as_secs_f64(),
+                limits.idle.as_secs_f64()
+            );
+            *last = Some(now);
+        }
+        drop(last);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Err(e)
+}
+
 /// Raise this process's soft limit on open files to its hard limit. Returns the limit before
 /// and after.
 pub fn raise_open_files() -> io::Result<(u64, u64)> {

@@ -188,6 +188,39 @@ fn silent_and_half_open_connections_are_closed() {
     }
 }
 
+/// With every descriptor taken by connections that send nothing, the server still answers
+/// a real client once the handshake limit has closed them.
+#[tokio::test]
+async fn silent_connections_cannot_starve_the_server_of_descriptors() {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gradsync-server"));
+    cmd.args(["--listen", "127.0.0.1:0", "--model", "tiny", "--handshake-timeout", "1"])
+        .stderr(Stdio::null());
+    // SAFETY: setrlimit is async-signal-safe; it lowers only this child's limits (both, so
+    // that the server cannot raise them).
+    unsafe {
+        cmd.pre_exec(|| {
+            let l = libc::rlimit { rlim_cur: 64, rlim_max: 64 };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &l) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    let (_server, addr) = spawn_server(cmd);
+    let silent: Vec<StdTcp> = (0..150).map(|_| StdTcp::connect(&addr).expect("connect")).collect();
+    let t = Instant::now();
+    let version = tokio::time::timeout(Duration::from_secs(20), async {
+        let mut c = client(&addr).await;
+        c.get_version(gradsync_proto::pb::VersionRequest {}).await
+    })
+    .await
+    .expect("GetVersion answered within 20 s");
+    assert_eq!(version.expect("GetVersion").into_inner().version, 0);
+    eprintln!("answered after {:?} behind {} silent connections", t.elapsed(), silent.len());
+}
+
 /// A literal header field (RFC 7541, without indexing, new name, no Huffman).
 fn literal(name: &str, value: &str) -> Vec<u8> {
     let mut h = vec![0u8, name.len() as u8];
