@@ -473,25 +473,33 @@ pub async fn accepted(r: io::Result<TcpStream>, limits: Limits, warned: LastWarn
         Err(e) => e,
     };
     if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) {
-        let now = Instant::now();
-        let mut last = warned.lock().unwrap_or_else(|e| e.into_inner());
-        if last.is_none_or(|t| now - t > Duration::from_secs(10)) {
+        if due(&warned, Duration::from_secs(10)) {
             tracing::warn!(
                 "out of file descriptors ({e}): new connections wait until idle ones are closed \
                  (--handshake-timeout {} s, --idle-timeout {} s)",
                 limits.handshake.as_secs_f64(),
                 limits.idle.as_secs_f64()
             );
-            *last = Some(now);
         }
-        drop(last);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Err(e)
 }
 
+/// Whether `every` has passed since `last` (then it is now).
+fn due(last: &LastWarned, every: Duration) -> bool {
+    let now = Instant::now();
+    let mut last = last.lock().unwrap_or_else(|e| e.into_inner());
+    let due = last.is_none_or(|t| now - t > every);
+    if due {
+        *last = Some(now);
+    }
+    due
+}
+
 /// Raise this process's soft limit on open files to its hard limit. Returns the limit before
 /// and after.
+#[allow(clippy::unnecessary_cast)] // rlim_t is u64 on 64-bit Linux only
 pub fn raise_open_files() -> io::Result<(u64, u64)> {
     let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: `lim` is a valid rlimit for getrlimit to fill.

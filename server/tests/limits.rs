@@ -400,12 +400,10 @@ async fn a_streamed_pull_nobody_pushes_to_ends_after_the_worker_timeout() {
         .await
         .expect("the pull starts")
         .into_inner();
-    let end = loop {
-        match stream.message().await {
-            Ok(Some(_)) => panic!("a block of a step nobody pushed to"),
-            Ok(None) => panic!("the pull ended without an error"),
-            Err(s) => break s,
-        }
+    let end = match stream.message().await {
+        Ok(Some(_)) => panic!("a block of a step nobody pushed to"),
+        Ok(None) => panic!("the pull ended without an error"),
+        Err(s) => s,
     };
     let took = t.elapsed();
     assert_eq!(end.code(), Code::DeadlineExceeded, "{end:?}");
