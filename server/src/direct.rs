@@ -166,7 +166,12 @@ async fn pull(svc: Service, req: http::Request<Body>, limit: usize) -> Result<Re
                     Ok(()) => Status::ok(""),
                     Err(s) => s,
                 };
-                let _ = tx.send(Frame::trailers(trailers(status))).await;
+                // Within the same limit: the client may be the one not reading.
+                let _ = tokio::time::timeout(
+                    svc.shared.cfg.worker_timeout,
+                    tx.send(Frame::trailers(trailers(status))),
+                )
+                .await;
             });
             Ok(Reply::Streamed(rx))
         }

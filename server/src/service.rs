@@ -207,6 +207,17 @@ impl Service {
         })?
     }
 
+    /// A response the client has not taken for `limit` (its flow-control window stays shut):
+    /// the stream serving it must not wait longer.
+    pub(crate) fn not_taken(limit: std::time::Duration) -> Status {
+        Error::Silent {
+            what: "room for the next block of a pull (the client stopped reading)".into(),
+            secs: limit.as_secs_f64(),
+            flag: "--worker-timeout",
+        }
+        .into()
+    }
+
     /// Hold an SSP push until `rank` is no more than `s` steps ahead of every expected rank.
     async fn ssp_wait(&self, rank: usize, s: u64) -> Result<f64> {
         let t = Instant::now();
@@ -290,11 +301,15 @@ impl Service {
     ) -> Result<(), Status> {
         let mut rx = round.subscribe();
         let (mut sent, mut epoch) = (0, rx.borrow().epoch);
-        // A push under way is heard from (it starts, sends a piece, ends) or given up on (its
-        // silence, or the barrier once it ended) within the worker timeout of the last sign:
-        // a round not heard from for as long has no push under way, or one that is being
-        // given up on (which ends or changes the round, waking this loop first).
+        // Every push into the round is heard from (it starts, sends a piece, ends) within the
+        // worker timeout of the last sign, or is given up on by its own timers (silence
+        // mid-stream; the barrier once it has ended). A round not heard from for as long has
+        // no push under way (then the pull ends), or pushes that are about to be given up on:
+        // the pull then applies the barrier itself (it changes or ends the round, as the
+        // pushes' timers would, at the same moment), so that it ends with the step's outcome
+        // rather than a timeout of its own.
         let (patience, started) = (self.shared.cfg.worker_timeout, std::time::Instant::now());
+        let mut barrier_applied = false;
         loop {
             let p = rx.borrow_and_update().clone();
             if p.epoch != epoch {
@@ -312,9 +327,11 @@ impl Service {
             while sent < p.stepped {
                 let Some(c) = round.chunk(sent, epoch) else { break };
                 self.shared.bytes_out.fetch_add(c.payload().1.len() as u64, Ordering::Relaxed);
-                if tx.send(item(c)).await.is_err() {
+                match tokio::time::timeout(patience, tx.send(item(c))).await {
+                    Ok(Ok(())) => {}
                     // The client went away.
-                    return Ok(());
+                    Ok(Err(_)) => return Ok(()),
+                    Err(_) => return Err(Self::not_taken(patience)),
                 }
                 sent += 1;
             }
@@ -327,6 +344,11 @@ impl Service {
                 Ok(Err(_)) => return Err(Error::ShuttingDown.into()),
                 // Heard from since: wait on.
                 Err(_) if quiet_until() > std::time::Instant::now() => {}
+                Err(_) if round.any_rank() && !barrier_applied => {
+                    barrier_applied = true;
+                    let base = round.version - 1;
+                    self.with_state(move |st, sh| st.barrier_timeout(sh, base)).await?;
+                }
                 Err(_) => {
                     return Err(Status::deadline_exceeded(format!(
                         "step {}: no push under way for {} s (--worker-timeout)",
@@ -389,7 +411,8 @@ impl ParameterServer for Service {
                 tokio::spawn(async move {
                     let version = round.version;
                     if let Err(s) = svc.stream_round(&round, &tx, |c| Ok(chunk(version, &c))).await {
-                        let _ = tx.send(Err(s)).await;
+                        // Within the same limit: the client may be the one not reading.
+                        let _ = tokio::time::timeout(svc.shared.cfg.worker_timeout, tx.send(Err(s))).await;
                     }
                 });
                 Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
