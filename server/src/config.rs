@@ -14,6 +14,7 @@ use gradsync_core::optim::{SgdConfig, StalenessLr};
 use gradsync_proto::tuning::Tuning;
 
 use crate::error::{Error, Result};
+use crate::limits::Limits;
 
 /// How gradients from several workers become updates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,6 +162,28 @@ pub struct ServerArgs {
     /// The private key (PEM) of --tls-cert.
     #[arg(long, requires = "tls_cert", env = "GRADSYNC_TLS_KEY")]
     pub tls_key: Option<PathBuf>,
+    /// Seconds a new connection has to send its first request (TCP accepted to request
+    /// headers, TLS handshake and HTTP/2 preface included) before it is closed.
+    #[arg(long, default_value_t = Limits::DEFAULT.handshake.as_secs_f64())]
+    pub handshake_timeout: f64,
+    /// Seconds a connection may stay open with no request in progress before it is closed
+    /// (clients reconnect on their next call).
+    #[arg(long, default_value_t = Limits::DEFAULT.idle.as_secs_f64())]
+    pub idle_timeout: f64,
+    /// Seconds between HTTP/2 pings on a connection; one not answered within as long closes
+    /// it (peers that vanished without closing).
+    #[arg(long, default_value_t = Limits::DEFAULT.keepalive.as_secs_f64())]
+    pub keepalive: f64,
+    /// Requests one connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS;
+    /// a worker uses at most 3).
+    #[arg(long, default_value_t = Limits::DEFAULT.max_streams)]
+    pub max_streams: u32,
+    /// MiB that pushes may hold in gradient messages not yet received in full, all clients
+    /// together; a push past it is refused with RESOURCE_EXHAUSTED. Each pushing rank holds
+    /// at most one chunk (--chunk-bytes) at a time: raise it above ranks x chunk for more
+    /// than 256 ranks of 1 MiB chunks.
+    #[arg(long, default_value_t = Limits::DEFAULT.push_bytes >> 20)]
+    pub push_buffer_mb: usize,
 }
 
 /// A shard's resolved configuration.
@@ -200,6 +223,8 @@ pub struct Config {
     pub tuning: Tuning,
     /// TLS, checked (None: plaintext HTTP/2).
     pub tls: Option<tonic::transport::ServerTlsConfig>,
+    /// What one client may hold, and for how long.
+    pub limits: Limits,
 }
 
 impl Config {
@@ -223,6 +248,7 @@ impl Config {
             trace: None,
             tuning: Tuning::tuned(),
             tls: None,
+            limits: Limits::DEFAULT,
         }
     }
 
@@ -239,12 +265,15 @@ impl Config {
                 (a.model.clone(), DataSource::synthetic_for(a.model.input(), a.model.classes()).to_string())
             }
         };
-        if !(a.worker_timeout.is_finite() && a.worker_timeout > 0.0) {
-            return Err(Error::invalid(
-                "--worker-timeout",
-                format!("{} (must be a positive number of seconds)", a.worker_timeout),
-            ));
-        }
+        // Bounded above too: `Duration` cannot hold every float.
+        let secs = |flag: &str, v: f64| {
+            if v.is_finite() && v > 0.0 && v < 1e9 {
+                Ok(Duration::from_secs_f64(v))
+            } else {
+                Err(Error::invalid(flag, format!("{v} (must be a positive number of seconds, below 1e9)")))
+            }
+        };
+        let worker_timeout = secs("--worker-timeout", a.worker_timeout)?;
         let beat = gradsync_proto::HEARTBEAT_INTERVAL.as_secs_f64();
         if a.elastic && a.worker_timeout <= beat {
             // Workers beat every 2 s: a shorter silence limit would drop live workers.
@@ -273,6 +302,22 @@ impl Config {
             (None, None) => None,
             _ => return Err(Error::invalid("--tls-cert/--tls-key", "give both or neither")),
         };
+        if a.max_streams == 0 {
+            return Err(Error::invalid("--max-streams", "0 (a connection must be allowed one request)"));
+        }
+        if a.push_buffer_mb == 0 || a.push_buffer_mb > 1 << 30 {
+            return Err(Error::invalid(
+                "--push-buffer-mb",
+                format!("{} (must be 1 to 2^30)", a.push_buffer_mb),
+            ));
+        }
+        let limits = Limits {
+            handshake: secs("--handshake-timeout", a.handshake_timeout)?,
+            idle: secs("--idle-timeout", a.idle_timeout)?,
+            keepalive: secs("--keepalive", a.keepalive)?,
+            max_streams: a.max_streams,
+            push_bytes: a.push_buffer_mb << 20,
+        };
         Ok(Config {
             sync: a.sync,
             shard: a.shard,
@@ -285,12 +330,13 @@ impl Config {
             checkpoint: a.checkpoint.clone(),
             checkpoint_every: a.checkpoint_every,
             resume: a.resume,
-            worker_timeout: Duration::from_secs_f64(a.worker_timeout),
+            worker_timeout,
             elastic: a.elastic,
             metrics: a.metrics.clone(),
             trace: a.trace.clone(),
             tuning,
             tls,
+            limits,
         })
     }
 

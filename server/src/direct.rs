@@ -126,7 +126,7 @@ fn uncompressed(req: &http::Request<Body>) -> Result<(), Status> {
     match req.headers().get("grpc-encoding") {
         Some(e) if e != "identity" => Err(Status::unimplemented(format!(
             "grpc-encoding {}: this server accepts only uncompressed messages",
-            String::from_utf8_lossy(e.as_bytes())
+            crate::error::abbreviate(&String::from_utf8_lossy(e.as_bytes()))
         ))),
         _ => Ok(()),
     }
@@ -144,11 +144,10 @@ async fn push(svc: Service, req: http::Request<Body>, limit: usize) -> Result<Re
 async fn pull(svc: Service, req: http::Request<Body>, limit: usize) -> Result<Reply, Status> {
     uncompressed(&req)?;
     let mut msgs = Messages::new(req.into_body(), limit);
-    // A client that never sends its request must not hold the handler forever.
-    let timeout = svc.shared.cfg.worker_timeout;
-    let pr: PullRequest = tokio::time::timeout(timeout, msgs.message())
-        .await
-        .map_err(|_| Status::deadline_exceeded("no PullRequest within the worker timeout"))??
+    // (A client that never sends its request is cut off by `limits::Guard`.)
+    let pr: PullRequest = msgs
+        .message()
+        .await?
         .ok_or_else(|| Status::invalid_argument("PullParameters without a PullRequest"))?;
     match svc.pull_source(pr.rank as usize, pr.stream_version).await? {
         PullSource::Ready(_, snapshot) => {
@@ -167,7 +166,12 @@ async fn pull(svc: Service, req: http::Request<Body>, limit: usize) -> Result<Re
                     Ok(()) => Status::ok(""),
                     Err(s) => s,
                 };
-                let _ = tx.send(Frame::trailers(trailers(status))).await;
+                // Within the same limit: the client may be the one not reading.
+                let _ = tokio::time::timeout(
+                    svc.shared.cfg.worker_timeout,
+                    tx.send(Frame::trailers(trailers(status))),
+                )
+                .await;
             });
             Ok(Reply::Streamed(rx))
         }

@@ -30,7 +30,8 @@ pub enum Error {
         rank: usize,
         /// The server's fingerprint.
         server: String,
-        /// The worker's fingerprint.
+        /// The worker's fingerprint, cut short by [`abbreviate`] (a peer's text is not echoed
+        /// back whole).
         worker: String,
     },
     /// A rank asked to register while it is already registered.
@@ -69,16 +70,37 @@ pub enum Error {
         version: u64,
     },
     /// Ranks that did not arrive within the worker timeout; the step failed (not elastic).
-    #[error(
-        "step {version} failed: rank(s) {ranks:?} sent nothing within the worker timeout of {timeout_s} s"
-    )]
+    #[error("step {version} failed: {} within the worker timeout of {timeout_s} s", absent(ranks, refused))]
     Missing {
         /// The version the step would have produced.
         version: u64,
-        /// The ranks waited for.
+        /// The ranks that sent nothing.
         ranks: Vec<usize>,
+        /// The ranks whose gradient was refused for NaN or Inf, and which sent no other.
+        refused: Vec<usize>,
         /// The timeout, seconds.
         timeout_s: f64,
+    },
+    /// A client did not send what it had to within the time it is given.
+    #[error("{what} did not arrive within {secs} s ({flag})")]
+    Silent {
+        /// What was waited for.
+        what: String,
+        /// The limit, seconds.
+        secs: f64,
+        /// The flag that sets it.
+        flag: &'static str,
+    },
+    /// Pushes already hold as many bytes of incomplete messages as the server allows.
+    #[error(
+        "pushes hold {held} bytes of gradient messages not yet received in full, and this one would \
+         pass the limit of {limit} bytes (--push-buffer-mb); retry later"
+    )]
+    Exhausted {
+        /// Bytes held, all pushes together.
+        held: usize,
+        /// The limit.
+        limit: usize,
     },
     /// Every worker left the run while a BSP step was still open (a streamed pull waited on it).
     #[error("step {version} abandoned: every worker left the run before it completed")]
@@ -92,6 +114,17 @@ pub enum Error {
 }
 
 impl Error {
+    /// [`Error::Missing`]: the step to `version` failed waiting `timeout` for `missing` ranks,
+    /// of which `refused` sent only a gradient refused for NaN or Inf.
+    pub fn missing(version: u64, missing: &[usize], refused: &[usize], timeout: std::time::Duration) -> Self {
+        Error::Missing {
+            version,
+            ranks: missing.iter().copied().filter(|r| !refused.contains(r)).collect(),
+            refused: refused.to_vec(),
+            timeout_s: timeout.as_secs_f64(),
+        }
+    }
+
     /// Shorthand for [`Error::Invalid`].
     pub fn invalid(what: impl Into<String>, why: impl Into<String>) -> Self {
         Error::Invalid { what: what.into(), why: why.into() }
@@ -109,10 +142,38 @@ impl Error {
             Error::Membership(_) => Code::InvalidArgument,
             Error::AlreadyRegistered(_) => Code::AlreadyExists,
             Error::Missing { .. } | Error::Abandoned { .. } => Code::Aborted,
+            Error::Silent { .. } => Code::DeadlineExceeded,
+            Error::Exhausted { .. } => Code::ResourceExhausted,
             Error::ShuttingDown => Code::Unavailable,
             Error::Core(_) | Error::Transport(_) | Error::Proto(_) => Code::Internal,
         }
     }
+}
+
+/// `ranks` that sent nothing and `refused` ones that sent only a gradient refused for NaN or
+/// Inf, in words.
+fn absent(ranks: &[usize], refused: &[usize]) -> String {
+    let silent = (!ranks.is_empty()).then(|| format!("rank(s) {ranks:?} sent nothing"));
+    let refused = (!refused.is_empty())
+        .then(|| format!("rank(s) {refused:?} sent a gradient refused for NaN or Inf and no other"));
+    match (silent, refused) {
+        (Some(s), Some(r)) => format!("{s}, {r}"),
+        (Some(s), None) => s,
+        (None, Some(r)) => r,
+        (None, None) => "no rank was missing".into(),
+    }
+}
+
+/// Text a peer sent, as an error may quote it: at most its first 64 bytes (cut at a
+/// character boundary) and its length, so that an error never echoes back what a peer made
+/// arbitrarily long.
+pub fn abbreviate(text: &str) -> String {
+    const KEEP: usize = 64;
+    if text.len() <= KEEP {
+        return text.to_string();
+    }
+    let cut = (0..=KEEP).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0);
+    format!("{}... ({} bytes)", &text[..cut], text.len())
 }
 
 impl From<Error> for tonic::Status {

@@ -12,6 +12,8 @@
 //!   statuses.
 //! - [`direct`]: PushGradients and PullParameters served straight from HTTP/2 frames (no
 //!   codec copies), in front of the generated service.
+//! - [`limits`]: what one client may hold and for how long (connections, requests, bytes of
+//!   incomplete pushes), and the open-file limit.
 //! - [`error`]: the crate's [`Error`].
 //!
 //! [`ParamServer::serve`] takes a bound listener and a shutdown future; `main.rs` only parses
@@ -20,6 +22,7 @@
 pub mod config;
 pub mod direct;
 pub mod error;
+pub mod limits;
 pub mod round;
 pub mod service;
 pub mod state;
@@ -31,6 +34,7 @@ use std::time::Duration;
 use gradsync_proto::pb::parameter_server_server::ParameterServerServer;
 use tokio::net::TcpListener;
 use tokio::sync::{Mutex, watch};
+use tokio_stream::StreamExt;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
 
@@ -115,8 +119,20 @@ impl ParamServer {
                 .await;
             state.lock().await.close(&stop_shared);
         };
-        let incoming = TcpIncoming::from(listener).with_nodelay(Some(tuning.nodelay));
-        let mut builder = tuning.server();
+        let (limits, warned) = (shared.cfg.limits, limits::LastWarned::default());
+        let incoming = TcpIncoming::from(listener)
+            .with_nodelay(Some(tuning.nodelay))
+            .then(move |s| limits::accepted(s, limits, warned.clone()));
+        let guard = limits::Guard {
+            body: shared.cfg.worker_timeout,
+            budget: Arc::new(limits::Budget::new(limits.push_bytes)),
+        };
+        let mut builder = tuning
+            .server()
+            .max_concurrent_streams(limits.max_streams)
+            .http2_keepalive_interval(Some(limits.keepalive))
+            .http2_keepalive_timeout(Some(limits.keepalive))
+            .layer(guard);
         if let Some(tls) = shared.cfg.tls.clone() {
             builder = builder.tls_config(tls)?;
         }
@@ -144,6 +160,13 @@ pub async fn run(args: ServerArgs, shutdown: impl Future<Output = ()> + Send) ->
     use anyhow::Context;
     use std::io::Write;
     let cfg = Config::from_args(&args)?;
+    // Every connection is a descriptor: the usual soft limit of 1024 is a few hundred idle
+    // clients away from refusing workers.
+    match limits::raise_open_files() {
+        Ok((before, after)) if before == after => eprintln!("gradsync-server: open-file limit {after}"),
+        Ok((before, after)) => eprintln!("gradsync-server: open-file limit {after} (raised from {before})"),
+        Err(e) => eprintln!("gradsync-server: open-file limit unchanged: {e}"),
+    }
     gradsync_core::heap::keep_freed_memory();
     let server = ParamServer::new(cfg)?;
     let listener =

@@ -74,7 +74,7 @@ struct Contribution {
     done: Option<(Instant, u64)>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Inner {
     expected: BTreeSet<usize>,
     ranks: BTreeMap<usize, Contribution>,
@@ -87,6 +87,8 @@ struct Inner {
     ended: bool,
     /// Ranks whose gradient held NaN or Inf, found while summing (withdrawn).
     refused: BTreeSet<usize>,
+    /// See [`Round::heard`].
+    heard: Instant,
 }
 
 /// The buffers one stepper writes; only the task holding `Inner::stepping` locks this.
@@ -236,7 +238,17 @@ impl Round {
             block,
             nblocks: len.div_ceil(block),
             sgd,
-            inner: StdMutex::new(Inner { expected, ..Inner::default() }),
+            inner: StdMutex::new(Inner {
+                expected,
+                ranks: BTreeMap::new(),
+                stepped: 0,
+                epoch: 0,
+                stepping: false,
+                image: Vec::new(),
+                ended: false,
+                refused: BTreeSet::new(),
+                heard: Instant::now(),
+            }),
             work: StdMutex::new(w),
             progress: watch::channel(Progress::default()).0,
         }
@@ -283,6 +295,7 @@ impl Round {
             });
         }
         g.ranks.insert(rank, Contribution::default());
+        g.heard = Instant::now();
         if g.refused.remove(&rank) {
             self.publish(&g, None);
         }
@@ -307,6 +320,7 @@ impl Round {
             let Some(c) = g.ranks.get_mut(&rank) else { return true };
             c.received = offset + payload.len() / 4;
             c.pieces.push((offset, payload));
+            g.heard = Instant::now();
         }
         self.advance();
         !lock(&self.inner).refused.contains(&rank)
@@ -363,6 +377,7 @@ impl Round {
         let mut g = lock(&self.inner);
         if let Some(c) = g.ranks.get_mut(&rank) {
             c.done = Some((Instant::now(), bytes));
+            g.heard = Instant::now();
         }
         self.complete(&g)
     }
@@ -401,10 +416,19 @@ impl Round {
         self.complete(&g)
     }
 
-    /// Expected ranks that have not finished pushing.
-    pub fn missing(&self) -> Vec<usize> {
+    /// Expected ranks that have not finished pushing, and those of them whose gradient was
+    /// refused for NaN or Inf (and which have not pushed again).
+    pub fn missing(&self) -> (Vec<usize>, Vec<usize>) {
         let g = lock(&self.inner);
-        g.expected.iter().copied().filter(|r| g.ranks.get(r).is_none_or(|c| c.done.is_none())).collect()
+        let missing: Vec<usize> =
+            g.expected.iter().copied().filter(|r| g.ranks.get(r).is_none_or(|c| c.done.is_none())).collect();
+        let refused = missing.iter().copied().filter(|r| g.refused.contains(r)).collect();
+        (missing, refused)
+    }
+
+    /// When a push last started, sent a piece or ended in this round (or the round began).
+    pub fn heard(&self) -> Instant {
+        lock(&self.inner).heard
     }
 
     /// Whether any rank has started pushing.

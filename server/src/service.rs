@@ -39,11 +39,6 @@ fn rank_of(r: u32) -> usize {
     r as usize
 }
 
-/// A push's first chunk (it names the rank and base version); an empty stream is refused.
-async fn first_chunk(stream: &mut Incoming<GradientChunk>) -> Result<GradientChunk, Status> {
-    stream.message().await?.ok_or_else(|| Error::BadGradient { rank: 0, why: "empty stream".into() }.into())
-}
-
 impl Service {
     /// Run `f` on the state on a blocking thread: updates sum and step hundreds of MB.
     async fn with_state<T: Send + 'static>(
@@ -63,7 +58,7 @@ impl Service {
         &self,
         mut stream: Incoming<GradientChunk>,
     ) -> Result<(usize, u64, Vec<f32>, u64), Status> {
-        let first = first_chunk(&mut stream).await?;
+        let first = self.first_chunk(&mut stream).await?;
         let (rank, base) = (rank_of(first.rank), first.base_version);
         self.state.lock().await.touch(rank)?;
         let mut grad = self.shared.take_buffer();
@@ -109,7 +104,7 @@ impl Service {
             if !asm.finite() || !each(at, c.data) {
                 return Err(self.refuse_nonfinite(rank));
             }
-            chunk = self.next_chunk(rank, &mut stream).await?;
+            chunk = self.next_chunk(Some(rank), &mut stream).await?;
         }
         Ok(asm.finish().map_err(bad)?.1)
     }
@@ -125,7 +120,7 @@ impl Service {
     /// it sums them); the reply comes when the round commits or fails, or when this rank's
     /// gradient is refused for NaN or Inf.
     async fn push_bsp(&self, mut stream: Incoming<GradientChunk>) -> Result<PushReply, Status> {
-        let first = first_chunk(&mut stream).await?;
+        let first = self.first_chunk(&mut stream).await?;
         let (rank, base) = (rank_of(first.rank), first.base_version);
         let round = self.state.lock().await.join_round(&self.shared, rank, base)?;
         let check = wire::Reassembly::checking(self.shared.range.len());
@@ -175,31 +170,52 @@ impl Service {
                 c.version
             ))),
             Some(Err(e)) => Err(Status::from(&*e)),
-            None => Err(Error::Missing {
-                version: base + 1,
-                ranks: round.missing(),
-                timeout_s: timeout.as_secs_f64(),
+            None => {
+                let (missing, refused) = round.missing();
+                Err(Error::missing(base + 1, &missing, &refused, timeout).into())
             }
-            .into()),
         }
     }
 
-    /// The next chunk of `rank`'s stream: a sender that stops mid-stream must not hold a
-    /// shard-sized buffer (or a step) forever.
+    /// A push's first chunk (it names the rank and base version); an empty stream is refused.
+    async fn first_chunk(&self, stream: &mut Incoming<GradientChunk>) -> Result<GradientChunk, Status> {
+        self.next_chunk(None, stream)
+            .await?
+            .ok_or_else(|| Error::BadGradient { rank: 0, why: "empty stream".into() }.into())
+    }
+
+    /// The next chunk of a push (from `rank`, once its first chunk named it), within the
+    /// worker timeout: a sender that goes silent, before its first chunk or mid-stream, must
+    /// not hold a stream, a shard-sized buffer or a step for longer. (This waits only for the
+    /// client's bytes: nothing here waits for other workers.)
     async fn next_chunk(
         &self,
-        rank: usize,
+        rank: Option<usize>,
         stream: &mut Incoming<GradientChunk>,
     ) -> Result<Option<GradientChunk>, Status> {
-        tokio::time::timeout(self.shared.cfg.worker_timeout, stream.message()).await.map_err(|_| {
-            Error::BadGradient {
+        let timeout = self.shared.cfg.worker_timeout;
+        tokio::time::timeout(timeout, stream.message()).await.map_err(|_| match rank {
+            Some(rank) => Error::BadGradient {
                 rank,
-                why: format!(
-                    "stream stalled for {} s before the range was full",
-                    self.shared.cfg.worker_timeout.as_secs_f64()
-                ),
-            }
+                why: format!("stream stalled for {} s before the range was full", timeout.as_secs_f64()),
+            },
+            None => Error::Silent {
+                what: "the first gradient chunk of a push".into(),
+                secs: timeout.as_secs_f64(),
+                flag: "--worker-timeout",
+            },
         })?
+    }
+
+    /// A response the client has not taken for `limit` (its flow-control window stays shut):
+    /// the stream serving it must not wait longer.
+    pub(crate) fn not_taken(limit: std::time::Duration) -> Status {
+        Error::Silent {
+            what: "room for the next block of a pull (the client stopped reading)".into(),
+            secs: limit.as_secs_f64(),
+            flag: "--worker-timeout",
+        }
+        .into()
     }
 
     /// Hold an SSP push until `rank` is no more than `s` steps ahead of every expected rank.
@@ -226,13 +242,15 @@ impl Service {
                 let step = st.version() + 1;
                 if !blockers.is_empty() && !self.shared.cfg.elastic {
                     st.ssp_hold(rank, &[]);
-                    return Err(Error::Missing {
-                        version: step,
-                        ranks: blockers,
-                        timeout_s: self.shared.cfg.worker_timeout.as_secs_f64(),
-                    });
+                    return Err(Error::missing(step, &blockers, &[], self.shared.cfg.worker_timeout));
                 }
-                st.give_up_on(&self.shared, blockers, step, "fell more than the staleness bound behind");
+                st.give_up_on(
+                    &self.shared,
+                    blockers,
+                    Vec::new(),
+                    step,
+                    "fell more than the staleness bound behind",
+                );
             }
         }
     }
@@ -283,8 +301,15 @@ impl Service {
     ) -> Result<(), Status> {
         let mut rx = round.subscribe();
         let (mut sent, mut epoch) = (0, rx.borrow().epoch);
-        // The step may wait for every worker's compute and push, and then a barrier timeout.
-        let patience = self.shared.cfg.worker_timeout * 2;
+        // Every push into the round is heard from (it starts, sends a piece, ends) within the
+        // worker timeout of the last sign, or is given up on by its own timers (silence
+        // mid-stream; the barrier once it has ended). A round not heard from for as long has
+        // no push under way (then the pull ends), or pushes that are about to be given up on:
+        // the pull then applies the barrier itself (it changes or ends the round, as the
+        // pushes' timers would, at the same moment), so that it ends with the step's outcome
+        // rather than a timeout of its own.
+        let (patience, started) = (self.shared.cfg.worker_timeout, std::time::Instant::now());
+        let mut barrier_applied = false;
         loop {
             let p = rx.borrow_and_update().clone();
             if p.epoch != epoch {
@@ -302,21 +327,31 @@ impl Service {
             while sent < p.stepped {
                 let Some(c) = round.chunk(sent, epoch) else { break };
                 self.shared.bytes_out.fetch_add(c.payload().1.len() as u64, Ordering::Relaxed);
-                if tx.send(item(c)).await.is_err() {
+                match tokio::time::timeout(patience, tx.send(item(c))).await {
+                    Ok(Ok(())) => {}
                     // The client went away.
-                    return Ok(());
+                    Ok(Err(_)) => return Ok(()),
+                    Err(_) => return Err(Self::not_taken(patience)),
                 }
                 sent += 1;
             }
             if matches!(p.end, Some(Ok(_))) && sent == round.blocks() {
                 return Ok(());
             }
-            match tokio::time::timeout(patience, rx.changed()).await {
+            let quiet_until = || round.heard().max(started) + patience;
+            match tokio::time::timeout_at(quiet_until().into(), rx.changed()).await {
                 Ok(Ok(())) => {}
                 Ok(Err(_)) => return Err(Error::ShuttingDown.into()),
+                // Heard from since: wait on.
+                Err(_) if quiet_until() > std::time::Instant::now() => {}
+                Err(_) if round.any_rank() && !barrier_applied => {
+                    barrier_applied = true;
+                    let base = round.version - 1;
+                    self.with_state(move |st, sh| st.barrier_timeout(sh, base)).await?;
+                }
                 Err(_) => {
                     return Err(Status::deadline_exceeded(format!(
-                        "step {} made no progress within {} s",
+                        "step {}: no push under way for {} s (--worker-timeout)",
                         round.version,
                         patience.as_secs_f64()
                     )));
@@ -380,7 +415,8 @@ impl ParameterServer for Service {
                 tokio::spawn(async move {
                     let version = round.version;
                     if let Err(s) = svc.stream_round(&round, &tx, |c| Ok(chunk(version, &c))).await {
-                        let _ = tx.send(Err(s)).await;
+                        // Within the same limit: the client may be the one not reading.
+                        let _ = tokio::time::timeout(svc.shared.cfg.worker_timeout, tx.send(Err(s))).await;
                     }
                 });
                 Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))

@@ -245,7 +245,7 @@ impl State {
             return Err(Error::Fingerprint {
                 rank,
                 server: sh.fingerprint.text.clone(),
-                worker: fingerprint.into(),
+                worker: crate::error::abbreviate(fingerprint),
             });
         }
         if world > MAX_WORLD {
@@ -532,13 +532,25 @@ impl State {
         let Some(round) = self.round.clone().filter(|r| r.version == base + 1 && !r.ended()) else {
             return;
         };
-        let missing = round.missing();
-        self.give_up_on(sh, missing, base + 1, "sent no gradient for the BSP step");
+        let (missing, refused) = round.missing();
+        let what = if refused.is_empty() {
+            "sent no gradient for the BSP step".to_string()
+        } else {
+            format!("sent no gradient for the BSP step (refused for NaN or Inf: {refused:?})")
+        };
+        self.give_up_on(sh, missing, refused, base + 1, &what);
     }
 
     /// Drop (elastic) or fail on (strict) `missing` ranks, which did not do `what` within the
-    /// worker timeout.
-    pub fn give_up_on(&mut self, sh: &Shared, missing: Vec<usize>, step: u64, what: &str) {
+    /// worker timeout (`refused`, a subset, sent only a gradient refused for NaN or Inf).
+    pub fn give_up_on(
+        &mut self,
+        sh: &Shared,
+        missing: Vec<usize>,
+        refused: Vec<usize>,
+        step: u64,
+        what: &str,
+    ) {
         if missing.is_empty() {
             return;
         }
@@ -558,11 +570,7 @@ impl State {
             self.after_departure(sh);
         } else {
             tracing::warn!(?missing, version = self.version, "step failed: workers missed the timeout");
-            let err = || Error::Missing {
-                version: step,
-                ranks: missing.clone(),
-                timeout_s: sh.cfg.worker_timeout.as_secs_f64(),
-            };
+            let err = || Error::missing(step, &missing, &refused, sh.cfg.worker_timeout);
             if let Some(round) = self.round.take() {
                 round.fail(err());
             }
@@ -586,7 +594,7 @@ impl State {
             .collect();
         if !silent.is_empty() && sh.cfg.elastic {
             let step = self.version + 1;
-            self.give_up_on(sh, silent, step, "sent nothing (no request, no heartbeat)");
+            self.give_up_on(sh, silent, Vec::new(), step, "sent nothing (no request, no heartbeat)");
         }
     }
 

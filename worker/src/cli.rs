@@ -237,6 +237,10 @@ pub struct PsArgs {
     /// Seconds any one request to a server may take before the worker gives up.
     #[arg(long, default_value_t = 60.0)]
     pub rpc_timeout: f64,
+    /// Seconds to wait for the servers to accept connections, retrying with back-off: a
+    /// worker may start before its servers (0: one attempt).
+    #[arg(long, default_value_t = 300.0, env = "GRADSYNC_CONNECT_TIMEOUT")]
+    pub connect_timeout: f64,
     /// Payload bytes per pushed chunk (default: gradsync's tuned 1 MiB).
     #[arg(long)]
     pub chunk_bytes: Option<usize>,

@@ -45,8 +45,13 @@ struct Server {
 impl Server {
     /// Start a shard with `extra` flags and wait for its `listening on` line.
     fn start(extra: &[&str]) -> Server {
+        Server::start_on("127.0.0.1:0", extra)
+    }
+
+    /// [`Server::start`], listening on `listen`.
+    fn start_on(listen: &str, extra: &[&str]) -> Server {
         let mut child = Command::new(server_bin())
-            .args(["--listen", "127.0.0.1:0", "--model", "tiny", "--seed", SEED, "--data", DATA])
+            .args(["--listen", listen, "--model", "tiny", "--seed", SEED, "--data", DATA])
             .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -747,4 +752,118 @@ fn the_servers_optimiser_is_the_one_recorded_and_a_contradicting_flag_is_refused
         assert_eq!(header["momentum"].as_f64().map(|v| v as f32), Some(0.5), "{tag}: {header}");
         assert_eq!(header["extra"]["staleness_lr"], "inverse", "{tag}: {header}");
     }
+
+/// A port on 127.0.0.1 nothing listens on (bound, then let go).
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port()
+}
+
+/// A PS worker of one rank training 2 steps against `addr`, with `extra` flags; its stderr
+/// comes line by line through the receiver.
+fn ps_worker(addr: &str, extra: &[&str]) -> (Proc, std::sync::mpsc::Receiver<String>) {
+    let mut child = Command::new(WORKER)
+        .args(["train", "--mode", "ps", "--servers", addr, "--model", "tiny", "--seed", SEED, "--data", DATA])
+        .args(["--device", "cpu", "--threads", "1", "--quiet", "--batch", "4", "--steps", "2"])
+        .args(["--rank", "0", "--world-size", "1", "--rpc-timeout", "30"])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawning gradsync-worker");
+    let stderr = child.stderr.take().expect("piped stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (Proc(child), rx)
+}
+
+/// A worker started before its server says what it waits for, and trains once the server
+/// is up.
+#[test]
+fn a_worker_started_before_its_server_waits_for_it() {
+    // Built before the worker starts waiting (a build can take longer than the wait).
+    server_bin();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let (mut worker, lines) = ps_worker(&addr, &["--connect-timeout", "60"]);
+    let want = format!("waiting for the parameter server at {addr}");
+    let waiting = lines.recv_timeout(Duration::from_secs(60)).expect("a line from the worker");
+    assert!(waiting.contains(&want), "{waiting}");
+    let _server = Server::start_on(&addr, &[]);
+    let status = wait_child(&mut worker.0, Duration::from_secs(120));
+    let rest: Vec<String> = lines.try_iter().collect();
+    assert!(status.success(), "the worker failed once its server was up: {rest:?}");
+}
+
+/// A worker whose server never comes gives up at --connect-timeout, saying where it waited.
+#[test]
+fn a_worker_gives_up_on_a_server_that_never_comes() {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let (mut worker, lines) = ps_worker(&addr, &["--connect-timeout", "1"]);
+    let status = wait_child(&mut worker.0, Duration::from_secs(30));
+    let err: Vec<String> = lines.iter().collect();
+    assert!(!status.success());
+    let want = format!("no parameter server answered at {addr} within --connect-timeout 1 s");
+    assert!(err.iter().any(|l| l.contains(&want)), "{err:?}");
+}
+
+/// A server that died under a call is not taken for one that serves TLS; a TLS server asked
+/// in plaintext still is.
+#[test]
+fn only_a_failure_that_looks_like_tls_suggests_tls_ca() {
+    use std::io::Read;
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let connect = |addr: String| async move {
+        let mut c = PsClient::connect(&[addr], None, Duration::from_secs(10), Tuning::tuned()).await?;
+        c.sync_mode().await?;
+        anyhow::Ok(c)
+    };
+    // A server that dies once the client's first call is on the wire: it takes the client's
+    // two connections, reads the first until a request's HEADERS frame arrives, then is gone.
+    let fake = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = fake.local_addr().expect("addr").to_string();
+    let dies = std::thread::spawn(move || {
+        let (mut rpc, _) = fake.accept().expect("accept");
+        let _pull = fake.accept().expect("accept");
+        let (mut wire, mut buf) = (Vec::new(), [0u8; 4096]);
+        loop {
+            match rpc.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => wire.extend_from_slice(&buf[..n]),
+            }
+            // After the 24-byte preface, frames: 3 bytes of length, then the type.
+            let mut at = 24;
+            while at + 9 <= wire.len() {
+                if wire[at + 3] == 1 {
+                    return;
+                }
+                at += 9 + u32::from_be_bytes([0, wire[at], wire[at + 1], wire[at + 2]]) as usize;
+            }
+        }
+    });
+    let dead = rt.block_on(connect(addr)).map(|_| ()).expect_err("a dead server answered");
+    dies.join().expect("the dying server");
+    let dead = format!("{dead:#}");
+    assert!(dead.contains("GetVersion at"), "it did not die under the call: {dead}");
+
+    let dir = tmp("tls-hint");
+    let ck = rcgen::generate_simple_self_signed(vec!["localhost".into()]).expect("rcgen");
+    let (cert, key) = (dir.join("s.crt"), dir.join("s.key"));
+    std::fs::write(&cert, ck.cert.pem()).expect("write cert");
+    std::fs::write(&key, ck.key_pair.serialize_pem()).expect("write key");
+    let tls = Server::start(&[
+        "--tls-cert",
+        cert.to_str().expect("utf8"),
+        "--tls-key",
+        key.to_str().expect("utf8"),
+    ]);
+    let plain = rt.block_on(connect(tls.addr.clone())).map(|_| ()).expect_err("plaintext served over TLS");
+    let plain = format!("{plain:#}");
+    assert!(!dead.contains("--tls-ca"), "{dead}");
+    assert!(plain.contains("--tls-ca"), "{plain}");
 }

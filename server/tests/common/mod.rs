@@ -18,12 +18,16 @@ impl Drop for Proc {
 /// Start `gradsync-server` with `args` and wait for its `listening on` line: the process and
 /// its address.
 pub fn start_server(args: &[&std::ffi::OsStr]) -> (Proc, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_gradsync-server"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawning gradsync-server");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gradsync-server"));
+    cmd.args(args).stderr(Stdio::null());
+    spawn_server(cmd)
+}
+
+/// Spawn `cmd` (a `gradsync-server` command; its stdout is piped here) and wait for its
+/// `listening on` line: the process and its address.
+#[allow(dead_code)] // each test binary uses its own subset of this module
+pub fn spawn_server(mut cmd: Command) -> (Proc, String) {
+    let mut child = cmd.stdout(Stdio::piped()).spawn().expect("spawning gradsync-server");
     let stdout = child.stdout.take().expect("piped stdout");
     let proc = Proc(child);
     let (tx, rx) = std::sync::mpsc::channel();

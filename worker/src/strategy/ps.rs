@@ -68,22 +68,82 @@ struct Conn {
     channel: Channel,
 }
 
-/// Open one connection to `a` through `ep`.
+/// The longest pause between two attempts to reach a server that is not up yet.
+const MAX_NAP: Duration = Duration::from_secs(2);
+
+/// Open one connection to `a` through `ep`, each attempt within `timeout`. While nothing
+/// answers at the address (refused, reset, unreachable, unknown to DNS yet: a server not up
+/// yet), attempts go on with back-off for `wait` in all, saying once what they wait for.
 async fn dial(
     ep: &Endpoint,
     a: &str,
     timeout: Duration,
     tuning: Tuning,
     auth: &Auth,
+    wait: Duration,
 ) -> anyhow::Result<Conn> {
-    let channel = tokio::time::timeout(timeout, ep.connect())
-        .await
-        .map_err(|_| anyhow::anyhow!("connecting to {a}: no answer within {} s", timeout.as_secs_f64()))?
-        .map_err(|e| anyhow::anyhow!("connecting to {a}: {}", gradsync_proto::tls::tls_why(&e)))?;
+    let until = Instant::now() + wait;
+    let mut nap = Duration::from_millis(50);
+    let mut told = false;
+    let channel = loop {
+        let why = match tokio::time::timeout(timeout, ep.connect()).await {
+            Ok(Ok(ch)) => break ch,
+            Ok(Err(e)) if unanswered(&e) => gradsync_proto::tls::tls_why(&e),
+            Ok(Err(e)) => anyhow::bail!("connecting to {a}: {}", gradsync_proto::tls::tls_why(&e)),
+            Err(_) => format!("no answer within {} s", timeout.as_secs_f64()),
+        };
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            anyhow::ensure!(
+                !told,
+                "no parameter server answered at {a} within --connect-timeout {} s (last: {why})",
+                wait.as_secs_f64()
+            );
+            anyhow::bail!("connecting to {a}: {why}");
+        }
+        if !told {
+            eprintln!(
+                "gradsync-worker: waiting for the parameter server at {a} ({why}); retrying for up to {} s (--connect-timeout)",
+                wait.as_secs_f64()
+            );
+            told = true;
+        }
+        tokio::time::sleep(nap.min(left)).await;
+        nap = (nap * 2).min(MAX_NAP);
+    };
     let client = ParameterServerClient::with_interceptor(channel.clone(), auth.clone())
         .max_decoding_message_size(tuning.max_message())
         .max_encoding_message_size(tuning.max_message());
     Ok(Conn { client, channel })
+}
+
+/// Whether a failed connection attempt found nobody at the address (yet), rather than
+/// somebody who refused it (TLS, HTTP/2).
+fn unanswered(e: &(dyn std::error::Error + 'static)) -> bool {
+    use std::io::ErrorKind as K;
+    let mut cur = Some(e);
+    while let Some(e) = cur {
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                K::ConnectionRefused
+                    | K::ConnectionReset
+                    | K::ConnectionAborted
+                    | K::TimedOut
+                    | K::HostUnreachable
+                    | K::NetworkUnreachable
+                    | K::AddrNotAvailable
+            )
+        {
+            return true;
+        }
+        // hyper-util's resolver failure: the name is not (yet) known.
+        if e.to_string().starts_with("dns error") {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
 }
 
 /// One server shard as this worker sees it.
@@ -142,13 +202,25 @@ fn uri(addr: &str, tls: bool) -> String {
 
 /// A status as a readable error naming the server.
 fn rpc_err(addr: &str, what: &str, s: tonic::Status) -> anyhow::Error {
-    // A plaintext client talking to a TLS server only ever sees the connection drop.
-    let hint = if s.code() == tonic::Code::Unknown && s.message().contains("transport error") {
-        " (if the server serves TLS, pass --tls-ca)"
-    } else {
-        ""
-    };
+    let hint = if spoke_other_than_http2(&s) { " (if the server serves TLS, pass --tls-ca)" } else { "" };
     anyhow::anyhow!("{what} at {addr}: {:?}: {}{hint}", s.code(), s.message())
+}
+
+/// Whether the connection under `s` failed on bytes that are not HTTP/2 (as a TLS server's
+/// alert to a plaintext client is), rather than being closed, reset or refused (a server
+/// that died).
+fn spoke_other_than_http2(s: &tonic::Status) -> bool {
+    let mut cur = std::error::Error::source(s);
+    while let Some(e) = cur {
+        let text = e.to_string();
+        // h2's codec: a connection that ended inside a frame header, or a "frame" whose
+        // header makes no sense (TLS records read as HTTP/2 frames).
+        if text.contains("bytes remaining on stream") || text.contains("frame with invalid size") {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
 }
 
 /// Run `f` with a deadline: sent to the server as grpc-timeout and enforced here too.
@@ -191,6 +263,18 @@ impl PsClient {
         tuning: Tuning,
         tls: Option<tonic::transport::ClientTlsConfig>,
     ) -> anyhow::Result<Self> {
+        Self::connect_waiting(addrs, token, timeout, tuning, tls, Duration::ZERO).await
+    }
+
+    /// [`PsClient::connect_tls`], waiting up to `wait` for servers that are not up yet.
+    pub async fn connect_waiting(
+        addrs: &[String],
+        token: Option<&str>,
+        timeout: Duration,
+        tuning: Tuning,
+        tls: Option<tonic::transport::ClientTlsConfig>,
+        wait: Duration,
+    ) -> anyhow::Result<Self> {
         anyhow::ensure!(!addrs.is_empty(), "--servers: give at least one host:port");
         let auth = Auth(token.map(gradsync_proto::auth::bearer).transpose().context("--token")?);
         let shards = try_join_all(addrs.iter().map(|a| {
@@ -208,10 +292,9 @@ impl PsClient {
                 // Pulls get their own connection: on one TCP connection carrying both
                 // directions at once, the sender's socket lock also processes the incoming
                 // segments, and each direction runs at about half its rate (docs/ps.md).
-                let (rpc, pull) = tokio::try_join!(
-                    dial(&ep, a, timeout, tuning, &auth),
-                    dial(&ep, a, timeout, tuning, &auth)
-                )?;
+                // The first connection waits for the server; the second finds it up.
+                let rpc = dial(&ep, a, timeout, tuning, &auth, wait).await?;
+                let pull = dial(&ep, a, timeout, tuning, &auth, Duration::ZERO).await?;
                 anyhow::Ok(Shard { addr: a.clone(), rpc, pull, range: 0..0, version: 0 })
             }
         }))
@@ -815,7 +898,7 @@ impl Ps {
     /// Connect to the servers of `args` (registration waits for [`Strategy::start`]).
     pub fn new(args: &PsArgs, rank: usize, world: usize, fingerprint: String) -> anyhow::Result<Self> {
         anyhow::ensure!(
-            args.rpc_timeout.is_finite() && args.rpc_timeout > 0.0,
+            args.rpc_timeout.is_finite() && args.rpc_timeout > 0.0 && args.rpc_timeout < 1e9,
             "--rpc-timeout {} must be a positive number of seconds",
             args.rpc_timeout
         );
@@ -827,7 +910,13 @@ impl Ps {
             .thread_name("gradsync-ps")
             .build()
             .context("starting the PS client runtime")?;
+        anyhow::ensure!(
+            args.connect_timeout.is_finite() && (0.0..1e9).contains(&args.connect_timeout),
+            "--connect-timeout {} must be 0 or a positive number of seconds",
+            args.connect_timeout
+        );
         let timeout = Duration::from_secs_f64(args.rpc_timeout);
+        let wait = Duration::from_secs_f64(args.connect_timeout);
         let mut tuning = Tuning::tuned();
         if let Some(c) = args.chunk_bytes {
             anyhow::ensure!((4..=(64 << 20)).contains(&c), "--chunk-bytes {c} must be 4 bytes to 64 MiB");
@@ -839,7 +928,8 @@ impl Ps {
                 None => None,
             };
             let mut c =
-                PsClient::connect_tls(&args.servers, args.token.as_deref(), timeout, tuning, tls).await?;
+                PsClient::connect_waiting(&args.servers, args.token.as_deref(), timeout, tuning, tls, wait)
+                    .await?;
             c.sync_mode().await?;
             c.set_pipeline(!args.no_pipeline);
             anyhow::Ok(c)
