@@ -752,6 +752,7 @@ fn the_servers_optimiser_is_the_one_recorded_and_a_contradicting_flag_is_refused
         assert_eq!(header["momentum"].as_f64().map(|v| v as f32), Some(0.5), "{tag}: {header}");
         assert_eq!(header["extra"]["staleness_lr"], "inverse", "{tag}: {header}");
     }
+}
 
 /// A port on 127.0.0.1 nothing listens on (bound, then let go).
 fn free_port() -> u16 {

@@ -517,16 +517,20 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
                 let _ = write!(
                     line,
                     "; {} follows in {:.2} s{}. Its throughput is {speed:.2}x and its statistical efficiency \
-                     {samples:.2}x the runner-up's (samples needed: {} against {}), so {}",
+                     {samples:.2}x the runner-up's (samples needed: {} against {}): {}",
                     Group::series(next),
                     tt(next),
                     if level { ", level with it (their repeats' ranges overlap)" } else { "" },
                     best.samples_to_target.unwrap_or(0),
                     next.samples_to_target.unwrap_or(0),
-                    if (speed - 1.0).abs() >= (samples - 1.0).abs() {
-                        "speed decides the order"
-                    } else {
-                        "convergence per sample decides the order"
+                    match (speed >= 1.0, samples >= 1.0) {
+                        (true, true) if speed >= samples => "both favour it, throughput the more",
+                        (true, true) => "both favour it, convergence per sample the more",
+                        (true, false) =>
+                            "its throughput outweighs the runner-up's better convergence per sample",
+                        (false, true) =>
+                            "its convergence per sample outweighs the runner-up's higher throughput",
+                        (false, false) => "neither favours it alone; the two measurements disagree",
                     }
                 );
             }
