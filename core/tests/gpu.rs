@@ -20,28 +20,40 @@ use gradsync_core::model::{BucketPlan, Layout, ModelSpec};
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::rng::Rng;
 use gradsync_core::{Engine, Error, Result};
+use gradsync_testkit::{Counters, GpuRun, gpu_test};
 
 /// Agreement asked of the two devices, in the measure of the module docs.
 const TOL: f64 = 1e-4;
 
-/// The GPU to test on, or `None` after saying on stderr why the test is skipped.
-fn gpu_or_skip(test: &str) -> Option<usize> {
-    match cuda::probe(0) {
-        Ok(name) => {
-            eprintln!("{test}: running on cuda:0 ({name})");
-            Some(0)
-        }
-        Err(e) => {
-            eprintln!("SKIPPED (no GPU): {e} [{test}]");
+/// The GPU to run `test`'s body on here (a real GPU, or the fake CUDA in the child process
+/// [`gpu_test`] started), or `None` when the body does not run in this process: it already ran
+/// against the fake CUDA in a child, whose counters `check` examines, or the test is skipped.
+fn gpu_or_skip(test: &str, check: impl FnOnce(&Counters)) -> Option<usize> {
+    match gpu_test(test) {
+        GpuRun::Here => match cuda::probe(0) {
+            Ok(name) => {
+                eprintln!("{test}: running on cuda:0 ({name})");
+                Some(0)
+            }
+            Err(e) => panic!("{test}: a GPU was expected here: {e}"),
+        },
+        GpuRun::Fake(counters) => {
+            check(&counters);
             None
         }
+        GpuRun::Skipped => None,
     }
+}
+
+/// The counters of a test that trains: kernels and GEMMs ran.
+fn computed(c: &Counters) {
+    assert!(c.launches > 0 && c.gemms > 0, "the GPU did no work: {c}");
 }
 
 /// Every device present: the CPU, then cuda:0 when it can be used.
 fn devices(test: &str) -> Vec<Device> {
     let mut v = vec![Device::Cpu { threads: 2 }];
-    if let Some(ordinal) = gpu_or_skip(test) {
+    if let Some(ordinal) = gpu_or_skip(test, computed) {
         v.push(Device::Cuda { ordinal });
     }
     v
@@ -130,7 +142,7 @@ fn cpu_and_gpu_agree(test: &str, spec: &str, rows: usize, cap: usize) -> Result<
     assert_tensors_agree("cpu: accumulating the same batch twice", &layout, &doubled, &cpu.grads_accumulated);
     assert!(cpu.eval_loss < cpu.loss, "cpu: one step on the batch should lower its loss");
 
-    let Some(ordinal) = gpu_or_skip(test) else { return Ok(()) };
+    let Some(ordinal) = gpu_or_skip(test, computed) else { return Ok(()) };
     let gpu = exercise(Cuda::new(ordinal)?, &spec, &x, &y, cap)?;
 
     let loss_diff = (cpu.loss - gpu.loss).abs() / cpu.loss.abs().max(1e-3);
@@ -222,7 +234,8 @@ fn asking_for_a_missing_gpu_is_a_clear_error() -> Result<()> {
 
 #[test]
 fn gpu_views_are_bounds_checked_and_tied_to_their_backend() -> Result<()> {
-    let Some(ordinal) = gpu_or_skip("gpu_views_are_bounds_checked_and_tied_to_their_backend") else {
+    let test = "gpu_views_are_bounds_checked_and_tied_to_their_backend";
+    let Some(ordinal) = gpu_or_skip(test, |c| assert_eq!(c.launches, 2, "two scale kernels: {c}")) else {
         return Ok(());
     };
     let gpu = Cuda::new(ordinal)?;
