@@ -282,13 +282,15 @@ typedef struct {
     size_t count;
     int root;
     void *stream;
+    uint64_t ticket;
 } deferred_t;
 
 static __thread int group_depth;
 static __thread deferred_t *deferred;
 static __thread size_t n_deferred, cap_deferred;
 
-static ncclResult_t post(comm_t *c, int kind, float *send, float *recv, size_t count, int root, void *stream);
+static ncclResult_t post(comm_t *c, int kind, float *send, float *recv, size_t count, int root, void *stream,
+                         uint64_t ticket);
 
 EXPORT ncclResult_t ncclGroupStart(void) {
     group_depth++;
@@ -303,7 +305,7 @@ EXPORT ncclResult_t ncclGroupEnd(void) {
     ncclResult_t r = ncclSuccess;
     for (size_t i = 0; i < n; i++) {
         deferred_t *d = &deferred[i];
-        ncclResult_t ri = post(d->comm, d->kind, d->send, d->recv, d->count, d->root, d->stream);
+        ncclResult_t ri = post(d->comm, d->kind, d->send, d->recv, d->count, d->root, d->stream, d->ticket);
         if (r == ncclSuccess) r = ri;
     }
     return r;
@@ -392,17 +394,22 @@ static void unlink_op(op_t **list, op_t *op) {
     *list = op->next;
 }
 
-static ncclResult_t post(comm_t *c, int kind, float *send, float *recv, size_t count, int root, void *stream) {
+/* `ticket` is the one taken when the operation was queued in a group, or 0. */
+static ncclResult_t post(comm_t *c, int kind, float *send, float *recv, size_t count, int root, void *stream,
+                         uint64_t ticket) {
     world_t *w = c->world;
     int n = w->nranks;
-    if (w->aborted) return fail(c, ncclRemoteError, "%s: the communicator was aborted", OP_NAMES[kind]);
+    if (w->aborted) {
+        if (ticket) fake_cuda_ticket_end(ticket);
+        return fail(c, ncclRemoteError, "%s: the communicator was aborted", OP_NAMES[kind]);
+    }
     if (count > 0) {
         size_t ns = elems_in(kind, count, n, 1) * sizeof(float), nr = elems_in(kind, count, n, 0) * sizeof(float);
         if (send) fake_cuda_check((uint64_t)(uintptr_t)send, ns, "NCCL send buffer");
         if (recv) fake_cuda_check((uint64_t)(uintptr_t)recv, nr, "NCCL receive buffer");
     }
     fake_cuda_count_collective();
-    uint64_t ticket = fake_cuda_ticket_begin(stream);
+    if (!ticket) ticket = fake_cuda_ticket_begin(stream);
     if (count > 0) {
         size_t ns = elems_in(kind, count, n, 1) * sizeof(float), nr = elems_in(kind, count, n, 0) * sizeof(float);
         if (send) fake_cuda_ticket_uses(ticket, (uint64_t)(uintptr_t)send, ns);
@@ -483,10 +490,13 @@ static ncclResult_t enqueue(comm_t *c, int kind, const void *send, void *recv, s
             deferred = realloc(deferred, cap_deferred * sizeof *deferred);
             if (!deferred) fake_cuda_fatal("out of host memory");
         }
-        deferred[n_deferred++] = (deferred_t){c, kind, (float *)send, recv, count, root, stream};
+        /* Queued on the stream now, posted at the group's end: a group never ended leaves the
+         * stream waiting for it. */
+        uint64_t ticket = fake_cuda_ticket_begin(stream);
+        deferred[n_deferred++] = (deferred_t){c, kind, (float *)send, recv, count, root, stream, ticket};
         return ncclSuccess;
     }
-    return post(c, kind, (float *)send, recv, count, root, stream);
+    return post(c, kind, (float *)send, recv, count, root, stream, 0);
 }
 
 EXPORT ncclResult_t ncclAllReduce(const void *s, void *r, size_t n, int dt, int op, comm_t *c, void *st) {
@@ -600,10 +610,6 @@ EXPORT ncclResult_t ncclCommDestroy(comm_t *c) {
 
 EXPORT ncclResult_t ncclCommAbort(comm_t *c) {
     comm_of(c);
-    if (group_depth > 0) {
-        group_depth = 0;
-        n_deferred = 0;
-    }
     pthread_mutex_lock(&lock);
     abort_rank(c->world, c->rank);
     release(c);
