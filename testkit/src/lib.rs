@@ -136,6 +136,13 @@ pub fn in_ci() -> bool {
 /// - when NVRTC cannot be installed (no network), [`GpuRun::Skipped`], except under CI where
 ///   that fails the test.
 pub fn gpu_test(test: &str) -> GpuRun {
+    gpu_test_with_env(test, &[])
+}
+
+/// [`gpu_test`], with `env` added to the child's environment (e.g. a binary the parent built,
+/// so that the child, whose library path differs, runs no `cargo build` of its own: cargo
+/// would see a changed environment and rebuild).
+pub fn gpu_test_with_env(test: &str, env: &[(&str, &std::ffi::OsStr)]) -> GpuRun {
     if std::env::var_os(CHILD_ENV).is_some() || real_gpu() {
         return GpuRun::Here;
     }
@@ -147,7 +154,7 @@ pub fn gpu_test(test: &str) -> GpuRun {
         }
         Err(e) => panic!("{test}: {e} (CI must run the GPU tests against the fake CUDA)"),
     };
-    match run_child(test, &tools) {
+    match run_child(test, &tools, env) {
         Ok(c) => {
             eprintln!("{test}: passed against the fake CUDA: {c}");
             GpuRun::Fake(c)
@@ -165,7 +172,7 @@ pub fn fake_library_path(tools: &Tools) -> String {
     dirs.join(":")
 }
 
-fn run_child(test: &str, tools: &Tools) -> Result<Counters, Error> {
+fn run_child(test: &str, tools: &Tools, env: &[(&str, &std::ffi::OsStr)]) -> Result<Counters, Error> {
     let exe =
         std::env::current_exe().map_err(|e| Error::Child(format!("cannot find the test binary: {e}")))?;
     let report =
@@ -176,6 +183,7 @@ fn run_child(test: &str, tools: &Tools) -> Result<Counters, Error> {
         .env(REPORT_ENV, &report)
         .env("LD_LIBRARY_PATH", fake_library_path(tools))
         .env("GRADSYNC_PTXAS", &tools.ptxas)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
