@@ -56,6 +56,8 @@ pub struct Counters {
     pub collectives: u64,
     /// Device allocations made.
     pub allocations: u64,
+    /// The most allocations alive at once in any one process.
+    pub peak_live: u64,
     /// Allocations still alive when a process exited (a failure; the fake also fails the
     /// process).
     pub alive_at_exit: u64,
@@ -65,8 +67,15 @@ impl fmt::Display for Counters {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} process(es): {} kernel launches, {} GEMM calls, {} collectives, {} allocations, {} alive at exit",
-            self.processes, self.launches, self.gemms, self.collectives, self.allocations, self.alive_at_exit
+            "{} process(es): {} kernel launches, {} GEMM calls, {} collectives, {} allocations (at most {} alive at \
+             once), {} alive at exit",
+            self.processes,
+            self.launches,
+            self.gemms,
+            self.collectives,
+            self.allocations,
+            self.peak_live,
+            self.alive_at_exit
         )
     }
 }
@@ -85,6 +94,7 @@ impl Counters {
                     "gemms" => c.gemms += v,
                     "collectives" => c.collectives += v,
                     "allocations" => c.allocations += v,
+                    "peak_live" => c.peak_live = c.peak_live.max(v),
                     "alive_at_exit" => c.alive_at_exit += v,
                     _ => {}
                 }
