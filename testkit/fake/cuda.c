@@ -181,19 +181,26 @@ static struct sigaction previous_segv;
 /* A fault on a guard page or in a freed allocation is a kernel or GEMM running outside its
  * buffer: name the allocation. Any other fault goes to the handler that was there before. */
 static void on_segv(int sig, siginfo_t *info, void *uctx) {
+    /* This runs on the thread's small signal stack (8 KiB under Rust): a static buffer and
+     * write(2), not fprintf, whose unbuffered path alone takes more stack than that. */
+    static char msg[256];
     uint64_t addr = (uint64_t)(uintptr_t)info->si_addr;
     /* No locking: the process is about to die, and the lock may be held by this thread. */
     alloc_t *f = find_freed(addr);
+    alloc_t *g = f ? NULL : find_guard(addr);
+    int n = 0;
     if (f) {
-        fprintf(stderr, "fake-cuda: FATAL: a kernel touched 0x%llx in allocation #%llu (%zu bytes), already freed\n",
-                (unsigned long long)addr, (unsigned long long)f->id, f->size);
-        abort();
+        n = snprintf(msg, sizeof msg, "fake-cuda: FATAL: a kernel touched 0x%llx in allocation #%llu (%zu bytes), already freed\n",
+                     (unsigned long long)addr, (unsigned long long)f->id, f->size);
+    } else if (g) {
+        n = snprintf(msg, sizeof msg, "fake-cuda: FATAL: a kernel touched 0x%llx, %llu bytes past the end of allocation #%llu (%zu bytes)\n",
+                     (unsigned long long)addr, (unsigned long long)(addr - (g->base + g->size)), (unsigned long long)g->id,
+                     g->size);
     }
-    alloc_t *g = find_guard(addr);
-    if (g) {
-        fprintf(stderr, "fake-cuda: FATAL: a kernel touched 0x%llx, %llu bytes past the end of allocation #%llu (%zu bytes)\n",
-                (unsigned long long)addr, (unsigned long long)(addr - (g->base + g->size)), (unsigned long long)g->id,
-                g->size);
+    if (n > 0) {
+        ssize_t w = write(2, msg, (size_t)n < sizeof msg ? (size_t)n : sizeof msg - 1);
+        (void)w;
+        signal(SIGABRT, SIG_DFL);
         abort();
     }
     if (previous_segv.sa_flags & SA_SIGINFO) {

@@ -263,6 +263,7 @@ mod tests {
                 gemms: 6,
                 collectives: 6,
                 allocations: 7,
+                peak_live: 4,
                 alive_at_exit: 1
             }
         );
