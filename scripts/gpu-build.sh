@@ -10,13 +10,20 @@ for b in gradsync-server gradsync-worker gradsync-bench; do
   cp "target/release/$b" .gpu/bin/
   strip .gpu/bin/$b
 done
-# The core GPU tests (CPU-vs-GPU gradients, training on the GPU) as one executable.
-exe=$(cargo test --release -p gradsync-core --test gpu --no-run --message-format=json 2>/dev/null |
-  python3 -c 'import json,sys
+# The GPU test executables: core's (CPU-vs-GPU, training on the GPU) and the worker's
+# collectives (NCCL), each as one file.
+test_exe() { # test_exe PACKAGE TEST
+  cargo test --release -p "$1" --test "$2" --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
-        print(m["executable"])')
-cp "$exe" .gpu/tests/gpu
-strip .gpu/tests/gpu
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
+        print(m["executable"])' "$2"
+}
+for t in "gradsync-core gpu" "gradsync-worker collective"; do
+  set -- $t
+  exe=$(test_exe "$1" "$2")
+  cp "$exe" ".gpu/tests/$2"
+  strip ".gpu/tests/$2"
+done
 du -sh .gpu

@@ -19,8 +19,31 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"; pkill -P $$ 2>/dev/null' EXIT
 : >"$LOG"
 
-# CUDA libraries: cuBLAS, NVRTC and NCCL may live only inside PyTorch's Python environment.
-PY=${PYTHON:-python3}
+# PyTorch's Python: $PYTHON if set, else the first of the usual places whose Python imports
+# torch (an active virtualenv or conda environment, python3 on PATH, common install folders).
+# Its environment holds cuBLAS, NVRTC and NCCL when no CUDA toolkit is installed, and the
+# step benchmark compares against its PyTorch.
+find_torch_python() {
+  local c
+  for c in ${PYTHON:+"$PYTHON"} ${VIRTUAL_ENV:+"$VIRTUAL_ENV/bin/python"} ${CONDA_PREFIX:+"$CONDA_PREFIX/bin/python"} \
+    python3 python "$HOME"/.venv/bin/python "$HOME"/venv/bin/python /opt/conda/bin/python \
+    "$HOME"/miniconda3/bin/python "$HOME"/anaconda3/bin/python "$HOME"/miniforge3/bin/python \
+    /usr/local/bin/python3 /usr/bin/python3; do
+    command -v "$c" >/dev/null 2>&1 || continue
+    if "$c" -c 'import torch' >/dev/null 2>&1; then
+      command -v "$c"
+      return 0
+    fi
+  done
+  return 1
+}
+if PY=$(find_torch_python); then
+  PY_NOTE="$PY (imports torch $("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null))"
+else
+  PY=${PYTHON:-python3}
+  PY_NOTE="NONE: no Python that imports torch was found (set PYTHON=/path/to/python); CUDA libraries come from system paths only and the PyTorch comparison will fail"
+  echo "gpu-check: $PY_NOTE" >&2
+fi
 libs=$("$PY" - <<'PYEOF' 2>/dev/null
 import glob, os, site
 dirs = []
@@ -31,6 +54,7 @@ except Exception:
     pass
 for sp in site.getsitepackages():
     dirs += sorted(glob.glob(os.path.join(sp, "nvidia", "*", "lib")))
+    dirs += sorted(glob.glob(os.path.join(sp, "nvidia", "cu*", "lib")))
 print(":".join(d for d in dirs if os.path.isdir(d)))
 PYEOF
 )
@@ -41,6 +65,7 @@ export LD_LIBRARY_PATH=${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   echo
   echo "- date: $(date -u +%FT%TZ)"
   echo "- gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
+  echo "- python: $PY_NOTE"
   echo "- cuda libraries from: ${libs:-system paths}"
   echo "- gradsync: $("$BIN/gradsync-worker" --version)"
   echo
@@ -101,8 +126,11 @@ ps_run() { # ps_run WORKERS BATCH SAVE: BSP on the GPU, W workers sharing it
   return $rc
 }
 
-# 1. The core GPU tests: gradients on the GPU against the CPU, training on the GPU.
+# 1. The core GPU tests: every backend method and whole steps on the GPU against the CPU,
+# NaN/Inf, determinism, allocations; then NCCL against a serial reference (as many ranks as
+# there are GPUs, up to 3) and its failure paths (set-up and call timeouts abort).
 check "core GPU tests" .gpu/tests/gpu --nocapture --test-threads 1
+check "NCCL collective tests" .gpu/tests/collective nccl --nocapture --test-threads 1
 
 # 2. Local training on the GPU learns, and matches the CPU after 40 steps.
 check "local, mnist, GPU" "$W" train --device cuda --model mnist --steps 300 --eval-every 100 --batch 128
@@ -133,7 +161,8 @@ check "DP vs local" "$B" diff "$WORK/cpu-64.ckpt" "$WORK/dp.ckpt" --tol 1e-4
 # 7. compute-sanitizer (memcheck) over a short GPU training run.
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 if [ -n "$SAN" ]; then
-  check "compute-sanitizer memcheck" "$SAN" --tool memcheck --error-exitcode 3 "$W" "${TRAIN[@]}" --device cuda --batch 64 --steps 10
+  check "compute-sanitizer memcheck" "$SAN" --tool memcheck --leak-check full --error-exitcode 3 \
+    "$W" "${TRAIN[@]}" --device cuda --batch 64 --steps 10
 else
   echo "| compute-sanitizer memcheck | SKIPPED: compute-sanitizer not found | |" >>"$SUM"
 fi

@@ -1,9 +1,12 @@
 //! The CUDA backend against the CPU backend, on every device present.
 //!
-//! Each GPU test asks [`cuda::probe`] first; on a machine without a usable GPU it prints
-//! `SKIPPED (no GPU): <reason>` to stderr and passes, so the suite stays green everywhere and the
-//! skip is visible (`cargo nextest run --success-output immediate`, or `cargo test --
-//! --nocapture`). The CPU backend is the independent reference.
+//! Each GPU test asks [`gpu_test`] where its body runs: in place on a machine with a real GPU;
+//! elsewhere again in a child process against gradsync-testkit's fake CUDA (host memory with
+//! every access checked, the project's own kernels compiled for the host, a reference SGEMM)
+//! with the real NVRTC from NVIDIA's wheels, the fake's counters (kernel launches, GEMM calls,
+//! allocations, none alive at exit) coming back to be checked here. Only when NVRTC cannot be
+//! installed (no network) does a test print `SKIPPED (...)` and pass, and never under CI. The
+//! CPU backend is the independent reference.
 //!
 //! Agreement measure, per tensor: `max_i |gpu_i - cpu_i| / max(max_i |cpu_i|, 1e-3)`, i.e. the
 //! worst absolute difference relative to the tensor's largest magnitude (a plain per-element
@@ -20,28 +23,40 @@ use gradsync_core::model::{BucketPlan, Layout, ModelSpec};
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::rng::Rng;
 use gradsync_core::{Engine, Error, Result};
+use gradsync_testkit::{Counters, GpuRun, gpu_test};
 
 /// Agreement asked of the two devices, in the measure of the module docs.
 const TOL: f64 = 1e-4;
 
-/// The GPU to test on, or `None` after saying on stderr why the test is skipped.
-fn gpu_or_skip(test: &str) -> Option<usize> {
-    match cuda::probe(0) {
-        Ok(name) => {
-            eprintln!("{test}: running on cuda:0 ({name})");
-            Some(0)
-        }
-        Err(e) => {
-            eprintln!("SKIPPED (no GPU): {e} [{test}]");
+/// The GPU to run `test`'s body on here (a real GPU, or the fake CUDA in the child process
+/// [`gpu_test`] started), or `None` when the body does not run in this process: it already ran
+/// against the fake CUDA in a child, whose counters `check` examines, or the test is skipped.
+fn gpu_or_skip(test: &str, check: impl FnOnce(&Counters)) -> Option<usize> {
+    match gpu_test(test) {
+        GpuRun::Here => match cuda::probe(0) {
+            Ok(name) => {
+                eprintln!("{test}: running on cuda:0 ({name})");
+                Some(0)
+            }
+            Err(e) => panic!("{test}: a GPU was expected here: {e}"),
+        },
+        GpuRun::Fake(counters) => {
+            check(&counters);
             None
         }
+        GpuRun::Skipped => None,
     }
+}
+
+/// The counters of a test that trains: kernels and GEMMs ran.
+fn computed(c: &Counters) {
+    assert!(c.launches > 0 && c.gemms > 0, "the GPU did no work: {c}");
 }
 
 /// Every device present: the CPU, then cuda:0 when it can be used.
 fn devices(test: &str) -> Vec<Device> {
     let mut v = vec![Device::Cpu { threads: 2 }];
-    if let Some(ordinal) = gpu_or_skip(test) {
+    if let Some(ordinal) = gpu_or_skip(test, computed) {
         v.push(Device::Cuda { ordinal });
     }
     v
@@ -130,7 +145,7 @@ fn cpu_and_gpu_agree(test: &str, spec: &str, rows: usize, cap: usize) -> Result<
     assert_tensors_agree("cpu: accumulating the same batch twice", &layout, &doubled, &cpu.grads_accumulated);
     assert!(cpu.eval_loss < cpu.loss, "cpu: one step on the batch should lower its loss");
 
-    let Some(ordinal) = gpu_or_skip(test) else { return Ok(()) };
+    let Some(ordinal) = gpu_or_skip(test, computed) else { return Ok(()) };
     let gpu = exercise(Cuda::new(ordinal)?, &spec, &x, &y, cap)?;
 
     let loss_diff = (cpu.loss - gpu.loss).abs() / cpu.loss.abs().max(1e-3);
@@ -222,7 +237,8 @@ fn asking_for_a_missing_gpu_is_a_clear_error() -> Result<()> {
 
 #[test]
 fn gpu_views_are_bounds_checked_and_tied_to_their_backend() -> Result<()> {
-    let Some(ordinal) = gpu_or_skip("gpu_views_are_bounds_checked_and_tied_to_their_backend") else {
+    let test = "gpu_views_are_bounds_checked_and_tied_to_their_backend";
+    let Some(ordinal) = gpu_or_skip(test, |c| assert_eq!(c.launches, 2, "two scale kernels: {c}")) else {
         return Ok(());
     };
     let gpu = Cuda::new(ordinal)?;
@@ -249,4 +265,288 @@ fn gpu_views_are_bounds_checked_and_tied_to_their_backend() -> Result<()> {
     let refused = other.scale(Cuda::view_mut(&mut buf, 0..10), 2.0);
     assert!(matches!(refused, Err(Error::Cuda { .. })), "{refused:?}");
     Ok(())
+}
+
+/// `n` values from `seed`; with `special`, NaN, infinities and signed zeros at fixed places.
+fn values(n: usize, seed: u64, special: bool) -> Vec<f32> {
+    let mut rng = Rng::new(seed, 11);
+    // Large buffers take a cheap hash instead of normal draws, to keep the test quick.
+    let mut v: Vec<f32> = if n <= 1 << 20 {
+        (0..n).map(|_| rng.normal()).collect()
+    } else {
+        let salt = rng.below(1 << 16);
+        (0..n as u64).map(|i| ((i * 2_654_435_761 + salt) % 4001) as f32 / 1000.0 - 2.0).collect()
+    };
+    if special {
+        for (i, s) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0].into_iter().enumerate() {
+            // Spread over the buffer, so that large buffers have them in the grid-stride tail.
+            if let Some(x) = v.get_mut((i * 7919 + n - 1 - i) % n.max(1)) {
+                *x = s;
+            }
+        }
+    }
+    v
+}
+
+fn upload<B: Backend>(b: &B, v: &[f32]) -> Result<B::Buf> {
+    let mut buf = b.zeros(v.len())?;
+    b.write(&mut buf, 0, v)?;
+    Ok(buf)
+}
+
+fn download<B: Backend>(b: &B, buf: &B::Buf, n: usize) -> Result<Vec<f32>> {
+    let mut v = vec![0.0; n];
+    b.read(buf, 0..n, &mut v)?;
+    Ok(v)
+}
+
+/// Every backend method once on buffers of about `n` values; what each produced, by name.
+/// Matrices are `n` rows by a few columns (one, above 2^20 values, to keep memory small).
+fn every_method<B: Backend>(b: &B, n: usize, special: bool) -> Result<Vec<(String, Vec<f32>)>> {
+    let mut out = Vec::new();
+    let cols = if n > 1 << 20 { 1 } else { 3 };
+
+    let mut v = upload(b, &values(n, 1, special))?;
+    b.scale(B::view_mut(&mut v, 0..n), 0.37)?;
+    out.push(("scale".into(), download(b, &v, n)?));
+    drop(v);
+
+    let a = upload(b, &values(n, 2, special))?;
+    let mut dz = upload(b, &values(n, 3, special))?;
+    b.relu_backward(B::view_mut(&mut dz, 0..n), B::view(&a, 0..n))?;
+    out.push(("relu_backward".into(), download(b, &dz, n)?));
+    drop((a, dz));
+
+    let mut p = upload(b, &values(n, 4, special))?;
+    let g = upload(b, &values(n, 5, special))?;
+    let mut m = upload(b, &values(n, 6, false))?;
+    let cfg = SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 1e-4 };
+    b.sgd(&cfg, B::view_mut(&mut p, 0..n), B::view(&g, 0..n), B::view_mut(&mut m, 0..n), 0.5)?;
+    out.push(("sgd params".into(), download(b, &p, n)?));
+    out.push(("sgd momentum".into(), download(b, &m, n)?));
+    drop((p, g, m));
+
+    for relu in [false, true] {
+        let mut z = upload(b, &values(n * cols, 7, special))?;
+        let bias = upload(b, &values(cols, 8, false))?;
+        b.bias_act(B::view_mut(&mut z, 0..n * cols), B::view(&bias, 0..cols), n, cols, relu)?;
+        out.push((format!("bias_act relu={relu}"), download(b, &z, n * cols)?));
+    }
+
+    // One thread per column on the GPU: n columns, few rows.
+    let rows = cols;
+    let dz = upload(b, &values(rows * n, 9, special))?;
+    let mut db = upload(b, &values(n, 10, false))?;
+    for accumulate in [true, false] {
+        b.bias_grad(B::view_mut(&mut db, 0..n), B::view(&dz, 0..rows * n), rows, n, accumulate)?;
+        out.push((format!("bias_grad accumulate={accumulate}"), download(b, &db, n)?));
+    }
+    drop((dz, db));
+
+    let classes = cols + 1;
+    let logits = upload(b, &values(n * classes, 11, special))?;
+    let labels: Vec<u32> = (0..n).map(|i| (i % classes) as u32).collect();
+    let mut on_device = None;
+    b.write_labels(&mut on_device, &labels)?;
+    let labels = on_device.expect("labels were written");
+    let mut dl = b.zeros(n * classes)?;
+    let (loss, correct) = b.softmax_xent(
+        B::view(&logits, 0..n * classes),
+        &labels,
+        Some(B::view_mut(&mut dl, 0..n * classes)),
+        n,
+        classes,
+        0.25,
+    )?;
+    out.push(("softmax_xent dlogits".into(), download(b, &dl, n * classes)?));
+    out.push(("softmax_xent loss, correct".into(), vec![loss as f32, correct as f32]));
+    drop((logits, labels, dl));
+
+    // C (n x cols) = op(A) (n x k) op(B) (k x cols), every transpose, then accumulated.
+    let k = cols + 2;
+    let a = upload(b, &values(n * k, 12, special))?;
+    let bm = upload(b, &values(k * cols, 13, false))?;
+    let transposes: &[(bool, bool)] = if n > 1 << 20 {
+        &[(false, false), (true, true)]
+    } else {
+        &[(false, false), (true, false), (false, true), (true, true)]
+    };
+    for &(ta, tb) in transposes {
+        // C starts as NaN: without accumulate it must not be read.
+        let mut c = upload(b, &vec![f32::NAN; n * cols])?;
+        b.gemm(
+            n,
+            cols,
+            k,
+            B::view(&a, 0..n * k),
+            ta,
+            B::view(&bm, 0..k * cols),
+            tb,
+            B::view_mut(&mut c, 0..n * cols),
+            false,
+        )?;
+        b.gemm(
+            n,
+            cols,
+            k,
+            B::view(&a, 0..n * k),
+            ta,
+            B::view(&bm, 0..k * cols),
+            tb,
+            B::view_mut(&mut c, 0..n * cols),
+            true,
+        )?;
+        out.push((format!("gemm ta={ta} tb={tb}"), download(b, &c, n * cols)?));
+    }
+    b.synchronize()?;
+    Ok(out)
+}
+
+/// The GPU's values against the CPU's: NaN where the CPU has NaN, the same infinities, the
+/// rest within `tol` of the largest finite magnitude.
+fn assert_same_values(what: &str, cpu: &[f32], gpu: &[f32], tol: f64) {
+    assert_eq!(cpu.len(), gpu.len(), "{what}: lengths");
+    let scale = cpu.iter().filter(|v| v.is_finite()).fold(1e-3f64, |m, &v| m.max(f64::from(v).abs()));
+    for (i, (&c, &g)) in cpu.iter().zip(gpu).enumerate() {
+        let ok = if c.is_nan() {
+            g.is_nan()
+        } else if c.is_infinite() {
+            c == g
+        } else {
+            g.is_finite() && (f64::from(c) - f64::from(g)).abs() <= tol * scale
+        };
+        assert!(ok, "{what}: value {i} of {}: cpu {c} gpu {g}", cpu.len());
+    }
+}
+
+/// Both devices run every method at `n`; the GPU must agree with the CPU everywhere.
+fn methods_agree(ordinal: usize, n: usize, special: bool) -> Result<()> {
+    let cpu = every_method(&Cpu::new(2)?, n, special)?;
+    let gpu = every_method(&Cuda::new(ordinal)?, n, special)?;
+    for ((what, c), (_, g)) in cpu.iter().zip(&gpu) {
+        // GEMMs and the softmax's exponentials round differently on the GPU; the rest is the
+        // same arithmetic in the same order.
+        let tol = if what.starts_with("gemm") || what.starts_with("softmax") { TOL } else { 1e-6 };
+        assert_same_values(&format!("{what}, n = {n}, special = {special}"), c, g, tol);
+    }
+    Ok(())
+}
+
+#[test]
+fn every_method_matches_the_cpu_at_awkward_sizes() -> Result<()> {
+    let Some(ordinal) = gpu_or_skip("every_method_matches_the_cpu_at_awkward_sizes", computed) else {
+        return Ok(());
+    };
+    // Around warp and block sizes, and one past what one launch's grid covers
+    // (65,536 blocks x 256 threads), so the grid-stride loops take a second lap.
+    for n in [1, 31, 33, 255, 257, 65_536 * 256 + 3] {
+        methods_agree(ordinal, n, false)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn nan_and_infinity_behave_as_on_the_cpu() -> Result<()> {
+    let Some(ordinal) = gpu_or_skip("nan_and_infinity_behave_as_on_the_cpu", computed) else {
+        return Ok(());
+    };
+    for n in [1, 33, 257] {
+        methods_agree(ordinal, n, true)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn two_identical_gpu_runs_give_identical_bytes() -> Result<()> {
+    let Some(ordinal) = gpu_or_skip("two_identical_gpu_runs_give_identical_bytes", computed) else {
+        return Ok(());
+    };
+    let spec = ModelSpec::parse("13-33-17-5")?;
+    let (x, y) = batch(&spec, 29, 3);
+    let first = exercise(Cuda::new(ordinal)?, &spec, &x, &y, 200)?;
+    let second = exercise(Cuda::new(ordinal)?, &spec, &x, &y, 200)?;
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(first.loss.to_bits(), second.loss.to_bits(), "loss");
+    assert_eq!(bits(&first.grads), bits(&second.grads), "gradients");
+    assert_eq!(bits(&first.grads_accumulated), bits(&second.grads_accumulated), "accumulated gradients");
+    assert_eq!(bits(&first.params), bits(&second.params), "parameters");
+    assert_eq!(first.eval_loss.to_bits(), second.eval_loss.to_bits(), "loss after the update");
+    Ok(())
+}
+
+#[test]
+fn a_many_step_gpu_run_allocates_only_at_the_start() -> Result<()> {
+    let steps = 300;
+    let bounded = |c: &Counters| {
+        computed(c);
+        // Parameters, gradients, momentum, activations and scratch: a fixed set, whatever the
+        // number of steps; all of it freed at exit (the fake checks that too).
+        assert!(
+            c.allocations < 40,
+            "{steps} steps made {} allocations: something allocates per step",
+            c.allocations
+        );
+        assert_eq!(c.alive_at_exit, 0, "{c}");
+    };
+    let Some(ordinal) = gpu_or_skip("a_many_step_gpu_run_allocates_only_at_the_start", bounded) else {
+        return Ok(());
+    };
+    let spec = ModelSpec::parse("tiny")?.with_io(32, 8);
+    let mut engine = Engine::new(Device::Cuda { ordinal }, spec.clone(), 3)?;
+    let cfg = SgdConfig::default();
+    for step in 0..steps {
+        let (x, y) = batch(&spec, 16, step as u64);
+        engine.forward(&x, &y, true)?;
+        engine.backward(false)?;
+        engine.update(&cfg, 1.0)?;
+    }
+    engine.synchronize()?;
+    Ok(())
+}
+
+/// On the fake CUDA only (a real GPU cannot be made newer than its NVRTC): a device whose
+/// architecture NVRTC does not know gets PTX for the newest one NVRTC knows, which runs when
+/// the driver reads that PTX version and fails with every attempt named when it does not.
+fn newer_than_nvrtc(test: &str, driver: &str, body: impl FnOnce() -> Result<()>) -> Result<()> {
+    let env =
+        [("FAKE_CUDA_CC", std::ffi::OsStr::new("99.0")), ("FAKE_CUDA_DRIVER", std::ffi::OsStr::new(driver))];
+    match gradsync_testkit::gpu_test_with_env(test, &env) {
+        GpuRun::Here if std::env::var_os(gradsync_testkit::CHILD_ENV).is_some() => body(),
+        GpuRun::Here => {
+            eprintln!("{test}: needs the fake CUDA (a real GPU's architecture cannot be changed)");
+            Ok(())
+        }
+        GpuRun::Fake(_) | GpuRun::Skipped => Ok(()),
+    }
+}
+
+#[test]
+fn a_device_newer_than_nvrtc_runs_ptx_when_the_driver_reads_it() -> Result<()> {
+    // A CUDA 13.5 driver reads NVRTC 13.5's PTX.
+    newer_than_nvrtc("a_device_newer_than_nvrtc_runs_ptx_when_the_driver_reads_it", "13050", || {
+        let gpu = Cuda::new(0)?;
+        let mut buf = gpu.zeros(3)?;
+        gpu.write(&mut buf, 0, &[1.0, 2.0, 3.0])?;
+        gpu.scale(Cuda::view_mut(&mut buf, 0..3), 2.0)?;
+        let mut host = [0.0; 3];
+        gpu.read(&buf, 0..3, &mut host)?;
+        assert_eq!(host, [2.0, 4.0, 6.0]);
+        Ok(())
+    })
+}
+
+#[test]
+fn kernels_that_load_nowhere_are_a_clear_error() -> Result<()> {
+    // A CUDA 13.0 driver refuses NVRTC 13.5's PTX, and there is no cubin for sm_990.
+    newer_than_nvrtc("kernels_that_load_nowhere_are_a_clear_error", "13000", || {
+        let err = Cuda::new(0).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            err.contains("no kernel image loads on sm_990")
+                && err.contains("PTX for compute_")
+                && err.contains("CUDA_ERROR_UNSUPPORTED_PTX_VERSION")
+                && err.contains("13.0 driver"),
+            "{err}"
+        );
+        Ok(())
+    })
 }

@@ -5,14 +5,18 @@
 //! loopback sockets, meeting through the real rendezvous store. Inputs are small integers, so
 //! every sum is exact.
 //!
-//! NCCL runs the same check at world size 1 where a GPU is present (NCCL refuses two ranks
-//! on one GPU); without one the test says it skipped.
+//! NCCL runs the same check with up to three ranks, one GPU each (NCCL refuses two ranks on
+//! one GPU): on a real GPU machine with as many GPUs as it has, and everywhere else against
+//! the fake CUDA and NCCL of gradsync-testkit (four fake GPUs), in a child process. The NCCL
+//! tests also check the failure paths: a set-up that times out, a call that times out, both
+//! aborting the communicator before any buffer it uses is freed.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::TcpListener;
 use std::time::Duration;
 
+use gradsync_testkit::{Counters, GpuRun, gpu_test};
 use gradsync_worker::collective::{Collective, Nccl, RingConfig, TcpComm, Transport, nccl, segment};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
@@ -291,15 +295,49 @@ fn all_reduce_traffic_is_the_ring_optimum() {
     }
 }
 
+/// Whether a GPU test's body runs in this process; when it ran against the fake CUDA in a
+/// child instead, `check` looks at the fake's counters.
+fn gpu_here(test: &str, check: impl FnOnce(&Counters)) -> bool {
+    match gpu_test(test) {
+        GpuRun::Here => {
+            // Here a GPU and NCCL must work: a missing libnccl.so.2 is a failure, not a skip.
+            nccl::available().unwrap();
+            true
+        }
+        GpuRun::Fake(c) => {
+            check(&c);
+            false
+        }
+        GpuRun::Skipped => false,
+    }
+}
+
+/// How many GPUs can be opened here (the fake has four).
+fn gpus() -> usize {
+    (0..16).take_while(|&i| gradsync_core::device::cuda::probe(i).is_ok()).count()
+}
+
+/// `world` NCCL communicators, one per thread and GPU (NCCL refuses two ranks on one GPU).
+fn with_nccl<T: Send>(world: usize, timeout: Duration, body: impl Fn(Nccl) -> T + Sync) -> Vec<T> {
+    let id = nccl::unique_id().unwrap();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let body = &body;
+                s.spawn(move || body(Nccl::new(rank, rank, world, &id, timeout).unwrap()))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 #[test]
-fn nccl_matches_the_reference_at_world_size_one() {
-    if let Err(e) = nccl::available() {
-        eprintln!("SKIPPED: NCCL collectives need a GPU and libnccl: {e}");
+fn nccl_matches_the_reference() {
+    if !gpu_here("nccl_matches_the_reference", |c| assert!(c.collectives > 0 && c.alive_at_exit == 0, "{c}"))
+    {
         return;
     }
-    let id = nccl::unique_id().unwrap();
-    let mut c = Nccl::new(0, 0, 1, &id, Duration::from_secs(30)).unwrap();
-    for op in [
+    let ops = [
         Op::AllReduce,
         Op::ReduceScatter,
         Op::AllGather,
@@ -307,10 +345,90 @@ fn nccl_matches_the_reference_at_world_size_one() {
         Op::Reduce,
         Op::Gather,
         Op::Scatter,
+        Op::SendRecv,
         Op::Barrier,
-    ] {
-        for n in sizes(1) {
-            assert_eq!(run_op(&mut c, op, n), expected(op, 1, 0, n), "NCCL {op:?}, {n} values");
+    ];
+    for world in 1..=gpus().min(3) {
+        let results = with_nccl(world, Duration::from_secs(30), |mut c| {
+            let mut got = Vec::new();
+            for op in ops {
+                for n in sizes(world) {
+                    got.push((op, n, run_op(&mut c, op, n)));
+                }
+            }
+            (c.rank(), got)
+        });
+        for (rank, got) in results {
+            for (op, n, v) in got {
+                assert_eq!(
+                    v,
+                    expected(op, world, rank, n),
+                    "NCCL {op:?}, {world} ranks, {n} values, rank {rank}"
+                );
+            }
         }
     }
+}
+
+/// A short limit on how long the fake CUDA lets a stream wait, so a missing abort fails the
+/// test in seconds; only in the child that runs against the fake.
+fn short_fake_hang_limit() {
+    if std::env::var_os(gradsync_testkit::CHILD_ENV).is_some() {
+        // SAFETY: set before this test starts any thread; the fake reads it at each wait.
+        unsafe { std::env::set_var("FAKE_CUDA_HANG_SECS", "15") };
+    }
+}
+
+#[test]
+fn nccl_set_up_times_out_and_aborts_when_a_rank_never_joins() {
+    if !gpu_here("nccl_set_up_times_out_and_aborts_when_a_rank_never_joins", |_| {}) {
+        return;
+    }
+    short_fake_hang_limit();
+    let id = nccl::unique_id().unwrap();
+    // Rank 1 never comes.
+    let err = Nccl::new(0, 0, 2, &id, Duration::from_secs(1)).unwrap_err().to_string();
+    assert!(err.contains("did not finish within 1.0 s") && err.contains("aborted"), "{err}");
+}
+
+#[test]
+fn a_timed_out_nccl_call_aborts_before_any_buffer_is_freed() {
+    if !gpu_here("a_timed_out_nccl_call_aborts_before_any_buffer_is_freed", |_| {}) {
+        return;
+    }
+    if gpus() < 2 {
+        eprintln!(
+            "SKIPPED (two ranks need two GPUs; the fake CUDA has four) [a_timed_out_nccl_call_aborts_before_any_buffer_is_freed]"
+        );
+        return;
+    }
+    short_fake_hang_limit();
+    use gradsync_core::device::{Backend, Cuda};
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let done_rx = std::sync::Mutex::new(done_rx);
+    let errors = with_nccl(2, Duration::from_secs(1), |mut c| {
+        if c.rank() == 1 {
+            // Absent while rank 0 reduces; afterwards its own call finds the world aborted.
+            done_rx.lock().unwrap().recv().unwrap();
+            return c.all_reduce(&mut [1.0; 4]).unwrap_err().to_string();
+        }
+        // A gradient buffer of the compute backend, reduced in place on the GPU.
+        let gpu = Cuda::new(0).unwrap();
+        let mut grads = gpu.zeros(1000).unwrap();
+        let (ptr, len) = Cuda::raw_range(&grads, 0..1000);
+        // SAFETY: `grads` stays allocated until after wait_all, which aborts on failure.
+        unsafe { c.all_reduce_device_after(ptr, len, gpu.stream()) }.unwrap();
+        let err = c.wait_all().unwrap_err().to_string();
+        assert!(err.contains("did not finish within 1.0 s") && err.contains("aborted"), "{err}");
+        // NCCL no longer writes into the buffer: freeing it now is safe (the fake CUDA fails
+        // the process if a collective still uses it).
+        gpu.write(&mut grads, 0, &[2.0; 1000]).unwrap();
+        drop(grads);
+        // Later calls fail at once, naming the first failure.
+        let again = c.all_reduce(&mut [1.0; 4]).unwrap_err().to_string();
+        assert!(again.contains("aborted earlier") && again.contains("did not finish"), "{again}");
+        done_tx.send(()).unwrap();
+        err
+    });
+    assert!(errors[1].contains("NCCL"), "rank 1: {}", errors[1]);
 }

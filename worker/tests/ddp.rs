@@ -12,6 +12,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use gradsync_core::checkpoint::Checkpoint;
+use gradsync_testkit::{Counters, GpuRun, gpu_test};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
 
@@ -367,23 +368,46 @@ fn ddp_refuses_a_rank_of_another_model() {
     drop(dir);
 }
 
+/// Whether a GPU test's body runs in this process (a real GPU, or the child that runs against
+/// the fake CUDA; then the worker processes it starts load the fake too). When the body ran
+/// in such a child, `check` looks at what the fake counted over all of its processes.
+fn gpu_here(test: &str, check: impl FnOnce(&Counters)) -> bool {
+    match gpu_test(test) {
+        GpuRun::Here => true,
+        GpuRun::Fake(c) => {
+            check(&c);
+            false
+        }
+        GpuRun::Skipped => false,
+    }
+}
+
+/// `v` with `--device cpu` replaced by `--device cuda`.
+fn on_gpu(mut v: Vec<String>) -> Vec<String> {
+    let i = v.iter().position(|a| a == "cpu").unwrap();
+    v[i] = "cuda".into();
+    v
+}
+
+fn run_strings(a: &[String]) -> Output {
+    run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
 #[test]
 fn ddp_with_nccl_matches_local_on_one_gpu() {
-    if let Err(e) = gradsync_worker::collective::nccl::available() {
-        eprintln!("SKIPPED: DDP over NCCL needs a GPU and libnccl: {e}");
+    let trained = |c: &Counters| {
+        // Two processes (local, one DDP rank), each training and reducing on the GPU.
+        assert!(c.processes >= 2 && c.launches > 0 && c.gemms > 0 && c.collectives > 0, "{c}");
+    };
+    if !gpu_here("ddp_with_nccl_matches_local_on_one_gpu", trained) {
         return;
     }
     // NCCL refuses two ranks on one GPU: world size 1 is what one GPU can check.
     let dir = Scratch::new("nccl");
     let (local, ddp) = (dir.0.join("local.ckpt"), dir.0.join("ddp.ckpt"));
-    let gpu = |mut v: Vec<String>| {
-        let i = v.iter().position(|a| a == "cpu").unwrap();
-        v[i] = "cuda".into();
-        v
-    };
     let mut a: Vec<String> = ["train", "--mode", "local", "--batch", "8"].map(String::from).to_vec();
-    a.extend(gpu(common(&local)));
-    run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    a.extend(on_gpu(common(&local)));
+    run_strings(&a);
     let mut a: Vec<String> = [
         "launch",
         "--nproc-per-node",
@@ -400,8 +424,55 @@ fn ddp_with_nccl_matches_local_on_one_gpu() {
     .map(String::from)
     .to_vec();
     a.extend(["--batch", "8", "--bucket-mb", "0.002"].map(String::from));
-    a.extend(gpu(common(&ddp)));
-    run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    a.extend(on_gpu(common(&ddp)));
+    run_strings(&a);
     let d = max_diff(&params(&local), &params(&ddp));
     assert!(d < 1e-5, "DDP over NCCL vs local: max diff {d}");
+}
+
+/// DP with two replicas on the GPU(s) and DDP with two GPU ranks over the TCP ring (gradients
+/// staged through the host) end where local training on the CPU with the global batch does,
+/// to the GPU's rounding.
+#[test]
+fn dp_and_ddp_over_tcp_on_gpus_match_local() {
+    let trained = |c: &Counters| {
+        // DP's process and the launcher's two ranks trained on the GPU; nothing was left
+        // allocated by any of them.
+        assert!(c.processes >= 3 && c.launches > 0 && c.gemms > 0 && c.alive_at_exit == 0, "{c}");
+    };
+    if !gpu_here("dp_and_ddp_over_tcp_on_gpus_match_local", trained) {
+        return;
+    }
+    let dir = Scratch::new("gpu-equiv");
+    let (local, dp, ddp) = (dir.0.join("local.ckpt"), dir.0.join("dp.ckpt"), dir.0.join("ddp.ckpt"));
+    let mut a: Vec<String> = ["train", "--mode", "local", "--batch", "16"].map(String::from).to_vec();
+    a.extend(common(&local));
+    run_strings(&a);
+    let mut a: Vec<String> =
+        ["train", "--mode", "dp", "--replicas", "2", "--batch", "8"].map(String::from).to_vec();
+    a.extend(on_gpu(common(&dp)));
+    run_strings(&a);
+    let mut a: Vec<String> = [
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "0",
+        "--",
+        "train",
+        "--mode",
+        "ddp",
+        "--batch",
+        "8",
+    ]
+    .map(String::from)
+    .to_vec();
+    a.extend(["--backend", "tcp", "--bucket-mb", "0.002", "--comm-timeout", "30"].map(String::from));
+    a.extend(on_gpu(common(&ddp)));
+    run_strings(&a);
+    let l = params(&local);
+    for (what, p) in [("DP on GPUs", params(&dp)), ("DDP over TCP on GPUs", params(&ddp))] {
+        let d = max_diff(&l, &p);
+        assert!(d < 1e-4, "{what} vs local on the CPU: max diff {d}");
+    }
 }

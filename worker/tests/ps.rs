@@ -105,11 +105,14 @@ fn run_workers(
     save: &Path,
     extra: &[&str],
 ) -> Vec<(i32, String)> {
+    // The CPU unless `extra` names a device.
+    let device: &[&str] = if extra.contains(&"--device") { &[] } else { &["--device", "cpu"] };
     let procs: Vec<_> = (0..world)
         .map(|r| {
             let child = Command::new(WORKER)
                 .args(["train", "--mode", "ps", "--servers", servers, "--model", "tiny", "--seed", SEED])
-                .args(["--data", DATA, "--device", "cpu", "--threads", "1", "--quiet"])
+                .args(["--data", DATA, "--threads", "1", "--quiet"])
+                .args(device)
                 .args(["--batch", &batch.to_string(), "--steps", &steps.to_string()])
                 .args(["--rank", &r.to_string(), "--world-size", &world.to_string(), "--rpc-timeout", "30"])
                 .arg("--save")
@@ -201,6 +204,40 @@ fn bsp_matches_local_training_with_the_combined_batch() {
             );
         }
     }
+}
+
+/// PS workers on the GPU (gradients copied out of device memory, parameters written back into
+/// it) end where local training on the CPU with the combined batch does, to the GPU's
+/// rounding: on a real GPU, or against the fake CUDA in a child process whose workers load it.
+#[test]
+fn bsp_with_gpu_workers_matches_local_training() {
+    use gradsync_testkit::{GpuRun, gpu_test_with_env};
+    let server = server_bin();
+    match gpu_test_with_env(
+        "bsp_with_gpu_workers_matches_local_training",
+        &[("GRADSYNC_SERVER_BIN", server.as_os_str())],
+    ) {
+        GpuRun::Here => {}
+        GpuRun::Fake(c) => {
+            // Two workers trained on the GPU, and left nothing allocated.
+            assert!(c.processes >= 2 && c.launches > 0 && c.gemms > 0 && c.alive_at_exit == 0, "{c}");
+            return;
+        }
+        GpuRun::Skipped => return,
+    }
+    let dir = tmp("bsp-gpu");
+    let (w, b, steps) = (2, 4, 6);
+    let reference = dir.join("local.ckpt");
+    run_local(w * b, steps, &reference, &[]);
+    let (_servers, addrs) = start_shards(1, &["--worker-timeout", "30"]);
+    let save = dir.join("ps-gpu.ckpt");
+    for (rank, (code, err)) in
+        run_workers(w, &addrs, b, steps, &save, &["--device", "cuda"]).into_iter().enumerate()
+    {
+        assert_eq!(code, 0, "GPU worker {rank} failed: {err}");
+    }
+    let d = max_diff(&params(&save), &params(&reference));
+    assert!(d < 1e-4, "PS with GPU workers vs local on the CPU: max diff {d}");
 }
 
 /// gradsync's worker frames its pushes and reads its pulls straight from HTTP/2 frames; a

@@ -6,6 +6,7 @@
 mod backend;
 mod cpu;
 pub mod cuda;
+pub mod nvrtc;
 
 use std::fmt;
 use std::str::FromStr;

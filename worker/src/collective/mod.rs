@@ -11,7 +11,8 @@
 //!   over those links, pipelined in chunks.
 //! - [`chain`]: pipelined chains for broadcast and reduce, direct sends for gather, scatter
 //!   and send/recv.
-//! - [`nccl`]: NCCL through cudarc, on GPU memory.
+//! - [`nccl`]: NCCL on GPU memory, with timeouts that abort the communicator; `nccl_lib`:
+//!   finding and loading `libnccl.so.2` (system paths, Python environments) and its functions.
 //!
 //! Every operation works in place on `f32` buffers of the same length on every rank and is
 //! collective: all ranks call the same operations in the same order. Every blocking call is
@@ -20,6 +21,7 @@
 mod chain;
 pub(crate) mod handshake;
 pub mod nccl;
+mod nccl_lib;
 mod pump;
 mod ring;
 pub mod shm;

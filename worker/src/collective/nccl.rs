@@ -1,75 +1,103 @@
-//! NCCL through cudarc: collectives on GPU memory.
+//! NCCL on GPU memory.
 //!
-//! The NCCL and driver libraries are loaded at run time, so this compiles everywhere; on a
-//! machine without them, [`Nccl::new`] and [`unique_id`] return [`CommError::Nccl`] instead of
-//! panicking. The unique id is made by rank 0 and travels through the rendezvous store.
+//! The library is found and loaded by gradsync ([`nccl_lib`](super::nccl_lib): cudarc never
+//! looks for `libnccl.so.2`), so this compiles everywhere; on a machine without NCCL or a GPU,
+//! [`Nccl::new`] and [`unique_id`] return [`CommError::Nccl`] instead of panicking. The unique
+//! id is made by rank 0 and travels through the rendezvous store.
 //!
-//! Device buffers go straight to NCCL ([`Nccl::all_reduce_device`]). Host buffers (the
+//! Device buffers go straight to NCCL ([`Nccl::all_reduce_device_after`]). Host buffers (the
 //! [`Collective`] trait, used by the tests and by engines whose gradients live on the host)
-//! are staged through one device buffer that grows on demand. NCCL itself has no per-call
-//! timeout: every wait here polls the stream and aborts the communicator once the timeout
-//! passes, so a dead peer gives an error, not a hang. NCCL refuses two ranks on one GPU, so
-//! more than one rank needs as many GPUs.
+//! are staged through one device buffer that grows on demand. NCCL refuses two ranks on one
+//! GPU, so more than one rank needs as many GPUs.
+//!
+//! # Timeouts and failures
+//! NCCL has no per-call timeout, and a collective whose peer is dead runs forever on the GPU,
+//! writing into its buffers. So:
+//! - the communicator is nonblocking: set-up returns at once and is polled
+//!   (`ncclCommGetAsyncError`) until every rank has joined, up to the timeout;
+//! - every wait polls the stream and NCCL's asynchronous error, up to the timeout;
+//! - any failure (a timeout, an error from NCCL) aborts the communicator (`ncclCommAbort`),
+//!   which stops its kernels, and then waits for the stream to drain before returning, so no
+//!   buffer is freed while NCCL still writes into it. If the stream still does not drain, the
+//!   staging buffer is leaked rather than freed. An aborted communicator refuses every later
+//!   call with the reason;
+//! - a group (`ncclGroupStart`/`End`) is a guard that ends on every path ([`Group`]);
+//! - dropping a communicator whose work has not finished waits up to the timeout, then
+//!   aborts instead of destroying (NCCL's destroy would wait forever).
 //!
 //! The communicator is not `Send`: it stays on the thread that made it.
 
+use std::ffi::c_int;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use cudarc::nccl::{Comm, Id, ReduceOp, group_end, group_start};
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
+use super::nccl_lib::{self, Config, FLOAT32, Group, IN_PROGRESS, Lib, RawComm, RawStream, SUCCESS, SUM};
 use super::{Collective, CommError, Result, Traffic, check_rank, segment};
 
-/// Bytes in an NCCL unique id.
-pub const ID_BYTES: usize = 128;
+pub use super::nccl_lib::ID_BYTES;
 
-fn nccl_err<E: std::fmt::Debug>(op: &'static str) -> impl FnOnce(E) -> CommError {
+fn cuda_err<E: std::fmt::Debug>(op: &'static str) -> impl FnOnce(E) -> CommError {
     move |e| CommError::Nccl { op, msg: format!("{e:?}") }
 }
 
-/// Whether the NCCL library (and a GPU driver) can be loaded here; the reason if not.
+/// Whether NCCL (and a GPU driver) can be used here; the reason if not.
 pub fn available() -> Result<()> {
     gradsync_core::device::cuda::probe(0).map_err(|e| CommError::Nccl { op: "probe", msg: e.to_string() })?;
-    // SAFETY: only tries to dlopen libnccl; no NCCL call is made.
-    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
-        return Err(CommError::Nccl { op: "probe", msg: "libnccl was not found".into() });
-    }
-    Ok(())
+    nccl_lib::lib().map(|_| ())
 }
 
 /// A fresh NCCL unique id (rank 0 makes it; the store hands it to the others).
 pub fn unique_id() -> Result<[u8; ID_BYTES]> {
     available()?;
-    let id = Id::new().map_err(nccl_err("ncclGetUniqueId"))?;
-    Ok(id.internal().map(|c| c as u8))
+    let lib = nccl_lib::lib()?;
+    let mut id = [0u8; ID_BYTES];
+    // SAFETY: an out-pointer to ID_BYTES writable bytes, ncclUniqueId's size.
+    lib.check("ncclGetUniqueId", unsafe { (lib.get_unique_id)(&mut id) }, None)?;
+    Ok(id)
+}
+
+/// The device buffer host data is staged through, and its address.
+struct Staging {
+    buf: CudaSlice<f32>,
+    ptr: CUdeviceptr,
 }
 
 /// One rank's NCCL communicator on one GPU.
 pub struct Nccl {
-    comm: Comm,
+    lib: &'static Lib,
+    /// Null once destroyed or aborted.
+    comm: RawComm,
+    rank: usize,
+    world: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    staging: Option<CudaSlice<f32>>,
+    staging: Option<Staging>,
     timeout: Duration,
     traffic: Traffic,
+    /// Why the communicator was aborted; every later call fails with it.
+    broken: Option<String>,
 }
 
 impl std::fmt::Debug for Nccl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "Nccl(rank {} of {} on cuda:{})",
-            self.comm.rank(),
-            self.comm.world_size(),
-            self.ctx.ordinal()
+            "Nccl(rank {} of {} on cuda:{}, {})",
+            self.rank,
+            self.world,
+            self.ctx.ordinal(),
+            self.lib.path
         )
     }
 }
 
 impl Nccl {
-    /// Join the communicator `id` as `rank` of `world` on CUDA device `ordinal`.
+    /// Join the communicator `id` as `rank` of `world` on CUDA device `ordinal`, waiting at
+    /// most `timeout` for every rank to join.
     pub fn new(
         ordinal: usize,
         rank: usize,
@@ -79,11 +107,41 @@ impl Nccl {
     ) -> Result<Nccl> {
         available()?;
         check_rank("rank", rank, world)?;
-        let ctx = CudaContext::new(ordinal).map_err(nccl_err("cuCtxCreate"))?;
-        let stream = ctx.new_stream().map_err(nccl_err("cuStreamCreate"))?;
-        let id = Id::uninit(id.map(|b| b as ::core::ffi::c_char));
-        let comm = Comm::from_rank(stream.clone(), rank, world, id).map_err(nccl_err("ncclCommInitRank"))?;
-        Ok(Nccl { comm, ctx, stream, staging: None, timeout, traffic: Traffic::default() })
+        let lib = nccl_lib::lib()?;
+        let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuCtxCreate"))?;
+        let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
+        let size = |v: usize| {
+            c_int::try_from(v)
+                .map_err(|_| CommError::Invalid { what: "world size", why: format!("{v} ranks") })
+        };
+        let mut comm: RawComm = std::ptr::null_mut();
+        let mut config = Config::nonblocking();
+        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        // SAFETY: an out-pointer for the handle, the id by value, a live config.
+        let r =
+            unsafe { (lib.comm_init_rank_config)(&mut comm, size(world)?, *id, size(rank)?, &mut config) };
+        let mut nccl = Nccl {
+            lib,
+            comm,
+            rank,
+            world,
+            ctx,
+            stream,
+            staging: None,
+            timeout,
+            traffic: Traffic::default(),
+            broken: None,
+        };
+        if comm.is_null() {
+            nccl.broken = Some("set-up failed".into());
+            lib.check("ncclCommInitRankConfig", r, None)?;
+            return Err(CommError::Nccl {
+                op: "ncclCommInitRankConfig",
+                msg: "no communicator was made".into(),
+            });
+        }
+        nccl.settle("ncclCommInitRank (waiting for every rank to join)", r)?;
+        Ok(nccl)
     }
 
     /// The stream NCCL works on.
@@ -97,23 +155,24 @@ impl Nccl {
     ///
     /// # Safety
     /// `ptr` must point to `len` `f32` values of device memory on this communicator's GPU that
-    /// stay allocated, and that nothing else reads or writes, until [`Nccl::wait_all`] returns.
+    /// stay allocated, and that nothing else reads or writes, until [`Nccl::wait_all`] returns
+    /// (an error included: on failure the communicator is aborted first).
     pub unsafe fn all_reduce_device_after(
         &mut self,
-        ptr: cudarc::driver::sys::CUdeviceptr,
+        ptr: CUdeviceptr,
         len: usize,
         after: &CudaStream,
     ) -> Result<()> {
+        self.usable()?;
         if len == 0 {
             return Ok(());
         }
-        let ready = after.record_event(None).map_err(nccl_err("cuEventRecord"))?;
-        self.stream.wait(&ready).map_err(nccl_err("cuStreamWaitEvent"))?;
-        // SAFETY: the caller vouches for the allocation; the slice is leaked below, never freed.
-        let mut view = unsafe { self.stream.upgrade_device_ptr::<f32>(ptr, len) };
-        let out = self.comm.all_reduce_in_place(&mut view, &ReduceOp::Sum);
-        let _ = view.leak();
-        out.map_err(nccl_err("ncclAllReduce"))?;
+        let ready = after.record_event(None).map_err(cuda_err("cuEventRecord"))?;
+        self.stream.wait(&ready).map_err(cuda_err("cuStreamWaitEvent"))?;
+        self.call("ncclAllReduce", |lib, comm, stream| {
+            // SAFETY: the caller vouches for `len` values at `ptr`; in place is allowed.
+            unsafe { (lib.all_reduce)(ptr as *const _, ptr as *mut _, len, FLOAT32, SUM, comm, stream) }
+        })?;
         self.count(len, 2);
         Ok(())
     }
@@ -123,87 +182,236 @@ impl Nccl {
         self.wait("all_reduce")
     }
 
+    /// Fail at once if the communicator was aborted.
+    fn usable(&self) -> Result<()> {
+        match &self.broken {
+            None => Ok(()),
+            Some(why) => Err(CommError::Nccl { op: "communicator", msg: format!("aborted earlier: {why}") }),
+        }
+    }
+
+    /// Abort the communicator (once) and wait for its stream to drain; returns the error to
+    /// report for `op`.
+    fn fail(&mut self, op: &'static str, why: String) -> CommError {
+        if !self.comm.is_null() {
+            let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
+            // SAFETY: a live communicator, used by nobody else; null afterwards.
+            let aborted = unsafe { (self.lib.comm_abort)(comm) };
+            self.broken = Some(format!("{op}: {why}"));
+            // The abort stopped NCCL's kernels; the stream now drains. Until it has, buffers
+            // it used must stay allocated.
+            let drained = self.stream.record_event(None).is_ok_and(|ev| self.poll(&ev, None).is_ok());
+            if aborted != SUCCESS || !drained {
+                if let Some(st) = self.staging.take() {
+                    std::mem::forget(st.buf);
+                }
+                return CommError::Nccl {
+                    op,
+                    msg: format!(
+                        "{why}; the communicator was aborted but its stream did not drain, so its buffers were \
+                         left allocated"
+                    ),
+                };
+            }
+        }
+        CommError::Nccl { op, msg: format!("{why}; the communicator was aborted") }
+    }
+
+    /// After a call that returned `r`: wait while NCCL reports the call in progress (a
+    /// nonblocking communicator), up to the timeout; abort on an error or at the timeout.
+    fn settle(&mut self, op: &'static str, r: c_int) -> Result<()> {
+        if r != SUCCESS && r != IN_PROGRESS {
+            let why = match self.lib.check(op, r, Some(self.comm)) {
+                Err(CommError::Nccl { msg, .. }) => msg,
+                _ => format!("NCCL error {r}"),
+            };
+            return Err(self.fail(op, why));
+        }
+        let t0 = Instant::now();
+        loop {
+            match self.async_state() {
+                Ok(SUCCESS) => return Ok(()),
+                Ok(IN_PROGRESS) if t0.elapsed() < self.timeout => {
+                    std::thread::sleep(Duration::from_micros(200))
+                }
+                Ok(IN_PROGRESS) => {
+                    let why = format!(
+                        "did not finish within {:.1} s (a rank never joined, or is dead or hung)",
+                        self.timeout.as_secs_f64()
+                    );
+                    return Err(self.fail(op, why));
+                }
+                Ok(other) => {
+                    let why = self.describe(other);
+                    return Err(self.fail(op, why));
+                }
+                Err(why) => return Err(self.fail(op, why)),
+            }
+        }
+    }
+
+    /// `ncclCommGetAsyncError`'s state.
+    fn async_state(&self) -> std::result::Result<c_int, String> {
+        let mut state = SUCCESS;
+        // SAFETY: a live communicator and an out-pointer to a live integer.
+        let r = unsafe { (self.lib.comm_get_async_error)(self.comm, &mut state) };
+        if r == SUCCESS { Ok(state) } else { Err(self.describe(r)) }
+    }
+
+    fn describe(&self, r: c_int) -> String {
+        match self.lib.check("", r, Some(self.comm)) {
+            Err(CommError::Nccl { msg, .. }) => msg,
+            _ => format!("NCCL state {r}"),
+        }
+    }
+
+    /// Run one NCCL call on this communicator and stream, then settle it.
+    fn call(&mut self, op: &'static str, f: impl FnOnce(&Lib, RawComm, RawStream) -> c_int) -> Result<()> {
+        self.usable()?;
+        self.ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        let r = f(self.lib, self.comm, self.stream.cu_stream() as RawStream);
+        self.settle(op, r)
+    }
+
+    /// Run several NCCL calls as one group (`f` returns the first failure); the group is ended
+    /// on every path, and a failure aborts the communicator.
+    fn grouped(
+        &mut self,
+        op: &'static str,
+        f: impl FnOnce(&Lib, RawComm, RawStream) -> std::result::Result<(), c_int>,
+    ) -> Result<()> {
+        self.usable()?;
+        self.ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        let group = Group::start(self.lib)?;
+        let inner = f(self.lib, self.comm, self.stream.cu_stream() as RawStream);
+        let end = group.end();
+        match (inner, end) {
+            (Err(r), _) => self.settle(op, r),
+            (Ok(()), Err(e)) => Err(self.fail(op, e.to_string())),
+            (Ok(()), Ok(r)) => self.settle(op, r),
+        }
+    }
+
     /// Ring-equivalent traffic of an operation over `len` values (`factor` full passes).
     fn count(&mut self, len: usize, factor: u64) {
-        let w = self.comm.world_size() as u64;
+        let w = self.world as u64;
         let bytes = len as u64 * 4 * factor * (w - 1) / w.max(1);
         self.traffic.sent += bytes;
         self.traffic.recv += bytes;
     }
 
-    /// Wait for the stream, polling so that a hung peer turns into an error at the timeout.
-    fn wait(&mut self, op: &'static str) -> Result<()> {
-        let ev = self.stream.record_event(None).map_err(nccl_err("cuEventRecord"))?;
+    /// Poll `ev` until it completes, for at most the timeout; with a communicator, also fail
+    /// as soon as NCCL reports an asynchronous error.
+    fn poll(&self, ev: &CudaEvent, comm: Option<RawComm>) -> std::result::Result<(), String> {
         let t0 = Instant::now();
         loop {
             match ev.try_is_complete() {
                 Ok(true) => return Ok(()),
-                Ok(false) if t0.elapsed() < self.timeout => std::thread::sleep(Duration::from_micros(50)),
+                Ok(false) if t0.elapsed() < self.timeout => {}
                 Ok(false) => {
-                    return Err(CommError::Nccl {
-                        op,
-                        msg: format!(
-                            "did not finish within {:.1} s (a rank is dead or hung; NCCL cannot say which)",
-                            self.timeout.as_secs_f64()
-                        ),
-                    });
+                    return Err(format!(
+                        "did not finish within {:.1} s (a rank is dead or hung; NCCL cannot say which)",
+                        self.timeout.as_secs_f64()
+                    ));
                 }
-                Err(e) => return Err(CommError::Nccl { op, msg: format!("{e:?}") }),
+                Err(e) => return Err(format!("{e:?}")),
+            }
+            if comm.is_some() {
+                match self.async_state() {
+                    Ok(SUCCESS) | Ok(IN_PROGRESS) => {}
+                    Ok(other) => return Err(self.describe(other)),
+                    Err(why) => return Err(why),
+                }
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
+    /// Wait for the stream, polling so that a hung peer turns into an error (and an abort) at
+    /// the timeout.
+    fn wait(&mut self, op: &'static str) -> Result<()> {
+        self.usable()?;
+        let ev = self.stream.record_event(None).map_err(cuda_err("cuEventRecord"))?;
+        match self.poll(&ev, Some(self.comm)) {
+            Ok(()) => Ok(()),
+            Err(why) => Err(self.fail(op, why)),
+        }
+    }
+
+    /// The staging buffer's address, the buffer holding at least `n` values.
+    fn staging(&mut self, n: usize) -> Result<CUdeviceptr> {
+        match &self.staging {
+            Some(s) if s.buf.len() >= n.max(1) => Ok(s.ptr),
+            _ => {
+                // The old buffer is freed on this stream, after the work queued on it.
+                let buf = self.stream.alloc_zeros::<f32>(n.max(1)).map_err(cuda_err("cuMemAlloc"))?;
+                let ptr = {
+                    let (ptr, _record) = buf.device_ptr(&self.stream);
+                    ptr
+                };
+                self.staging = Some(Staging { buf, ptr });
+                Ok(ptr)
             }
         }
     }
 
-    /// The staging buffer, at least `n` values long.
-    fn staging(&mut self, n: usize) -> Result<&mut CudaSlice<f32>> {
-        if self.staging.as_ref().is_none_or(|s| s.len() < n.max(1)) {
-            self.staging = Some(self.stream.alloc_zeros::<f32>(n.max(1)).map_err(nccl_err("cuMemAlloc"))?);
+    /// Copy `src` to the start of the staging buffer, grown to `n` values. Returns its address.
+    fn upload(&mut self, src: &[f32], n: usize) -> Result<CUdeviceptr> {
+        let ptr = self.staging(n.max(src.len()))?;
+        if let Some(st) = &mut self.staging
+            && !src.is_empty()
+        {
+            self.stream
+                .memcpy_htod(src, &mut st.buf.slice_mut(0..src.len()))
+                .map_err(cuda_err("cuMemcpyHtoD"))?;
         }
-        self.staging.as_mut().ok_or_else(|| CommError::Nccl { op: "cuMemAlloc", msg: "no buffer".into() })
+        Ok(ptr)
     }
 
-    fn upload(&mut self, src: &[f32], n: usize) -> Result<()> {
-        let stream = self.stream.clone();
-        let st = self.staging(n)?;
-        if !src.is_empty() {
-            stream.memcpy_htod(src, &mut st.slice_mut(0..src.len())).map_err(nccl_err("cuMemcpyHtoD"))?;
-        }
-        Ok(())
-    }
-
+    /// Wait for the queued work, then copy `range` of the staging buffer into `dst`.
     fn download(&mut self, range: Range<usize>, dst: &mut [f32]) -> Result<()> {
         self.wait("copy")?;
-        let stream = self.stream.clone();
-        let st = self.staging(range.end)?;
-        if !dst.is_empty() {
-            stream.memcpy_dtoh(&st.slice(range), dst).map_err(nccl_err("cuMemcpyDtoH"))?;
+        self.staging(range.end)?;
+        if let Some(st) = &self.staging
+            && !dst.is_empty()
+        {
+            self.stream.memcpy_dtoh(&st.buf.slice(range), dst).map_err(cuda_err("cuMemcpyDtoH"))?;
         }
         Ok(())
     }
+}
 
-    /// Run `f` on the staging buffer holding `buf`, then copy `back` of it into `buf[back]`.
-    fn staged(
-        &mut self,
-        buf: &mut [f32],
-        back: Range<usize>,
-        op: &'static str,
-        f: impl FnOnce(&Comm, &mut CudaSlice<f32>) -> std::result::Result<(), cudarc::nccl::result::NcclError>,
-    ) -> Result<()> {
-        self.upload(buf, buf.len())?;
-        let Nccl { comm, staging, .. } = self;
-        let st = staging.as_mut().ok_or_else(|| CommError::Nccl { op, msg: "no staging buffer".into() })?;
-        f(comm, st).map_err(nccl_err(op))?;
-        self.wait(op)?;
-        self.download(back.clone(), &mut buf[back])
+/// The address `n` f32 values past `ptr`, as NCCL takes buffers.
+fn at(ptr: CUdeviceptr, n: usize) -> *mut std::ffi::c_void {
+    (ptr + (n * size_of::<f32>()) as CUdeviceptr) as *mut std::ffi::c_void
+}
+
+impl Drop for Nccl {
+    fn drop(&mut self) {
+        if self.comm.is_null() {
+            return;
+        }
+        // NCCL's destroy waits for the communicator's work, forever if a peer is dead: wait
+        // here with the timeout, and abort when it does not finish.
+        let finished = self.stream.record_event(None).is_ok_and(|ev| self.poll(&ev, Some(self.comm)).is_ok());
+        if finished {
+            let _ = self.ctx.bind_to_thread();
+            let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
+            // SAFETY: a live communicator with no work left, destroyed once.
+            let _ = unsafe { (self.lib.comm_destroy)(comm) };
+        } else {
+            let _ = self.fail("drop", "work still running when the communicator was dropped".into());
+        }
     }
 }
 
 impl Collective for Nccl {
     fn rank(&self) -> usize {
-        self.comm.rank()
+        self.rank
     }
 
     fn world_size(&self) -> usize {
-        self.comm.world_size()
+        self.world
     }
 
     fn traffic(&self) -> Traffic {
@@ -213,13 +421,16 @@ impl Collective for Nccl {
     fn all_reduce(&mut self, buf: &mut [f32]) -> Result<()> {
         let n = buf.len();
         self.count(n, 2);
-        self.staged(buf, 0..n, "ncclAllReduce", |c, st| {
-            c.all_reduce_in_place(&mut st.slice_mut(0..n), &ReduceOp::Sum).map(|_| ())
-        })
+        let p = self.upload(buf, n)?;
+        // SAFETY: the staging buffer holds n values; in place is allowed.
+        self.call("ncclAllReduce", |lib, c, s| unsafe {
+            (lib.all_reduce)(at(p, 0), at(p, 0), n, FLOAT32, SUM, c, s)
+        })?;
+        self.download(0..n, buf)
     }
 
     fn reduce_scatter(&mut self, buf: &mut [f32]) -> Result<Range<usize>> {
-        let (n, w, r) = (buf.len(), self.world_size(), self.rank());
+        let (n, w, r) = (buf.len(), self.world, self.rank);
         let mine = segment(n, w, r);
         self.count(n, 1);
         // NCCL needs equal pieces: pad each segment to the longest, reduce, and unpad.
@@ -229,34 +440,28 @@ impl Collective for Nccl {
             let s = segment(n, w, k);
             padded[k * piece..k * piece + s.len()].copy_from_slice(&buf[s]);
         }
-        self.upload(&padded, piece * (w + 1))?;
-        let Nccl { comm, staging, .. } = self;
-        let st = staging
-            .as_mut()
-            .ok_or_else(|| CommError::Nccl { op: "reduce_scatter", msg: "no buffer".into() })?;
-        let (src, mut dst) = st.split_at_mut(piece * w);
-        comm.reduce_scatter(&src, &mut dst.slice_mut(0..piece), &ReduceOp::Sum)
-            .map_err(nccl_err("ncclReduceScatter"))?;
-        self.wait("reduce_scatter")?;
-        let at = piece * w;
-        self.download(at..at + mine.len(), &mut buf[mine.clone()])?;
+        let p = self.upload(&padded, piece * (w + 1))?;
+        // SAFETY: the staging buffer holds piece * w values to send, then piece to receive.
+        self.call("ncclReduceScatter", |lib, c, s| unsafe {
+            (lib.reduce_scatter)(at(p, 0), at(p, piece * w), piece, FLOAT32, SUM, c, s)
+        })?;
+        let from = piece * w;
+        self.download(from..from + mine.len(), &mut buf[mine.clone()])?;
         Ok(mine)
     }
 
     fn all_gather(&mut self, buf: &mut [f32]) -> Result<()> {
-        let (n, w, r) = (buf.len(), self.world_size(), self.rank());
+        let (n, w, r) = (buf.len(), self.world, self.rank);
         self.count(n, 1);
         let piece = segment(n, w, 0).len();
         let mine = segment(n, w, r);
         let mut padded = vec![0.0f32; piece];
         padded[..mine.len()].copy_from_slice(&buf[mine]);
-        self.upload(&padded, piece * (w + 1))?;
-        let Nccl { comm, staging, .. } = self;
-        let st =
-            staging.as_mut().ok_or_else(|| CommError::Nccl { op: "all_gather", msg: "no buffer".into() })?;
-        let (src, mut dst) = st.split_at_mut(piece);
-        comm.all_gather(&src, &mut dst.slice_mut(0..piece * w)).map_err(nccl_err("ncclAllGather"))?;
-        self.wait("all_gather")?;
+        let p = self.upload(&padded, piece * (w + 1))?;
+        // SAFETY: the staging buffer holds piece values to send, then piece * w to receive.
+        self.call("ncclAllGather", |lib, c, s| unsafe {
+            (lib.all_gather)(at(p, 0), at(p, piece), piece, FLOAT32, c, s)
+        })?;
         let mut all = vec![0.0f32; piece * w];
         self.download(piece..piece * (w + 1), &mut all)?;
         for k in 0..w {
@@ -267,26 +472,34 @@ impl Collective for Nccl {
     }
 
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
-        check_rank("root", root, self.world_size())?;
+        check_rank("root", root, self.world)?;
         let n = buf.len();
         self.count(n, 1);
-        self.staged(buf, 0..n, "ncclBroadcast", |c, st| {
-            c.broadcast_in_place(&mut st.slice_mut(0..n), root as i32).map(|_| ())
-        })
+        let p = self.upload(buf, n)?;
+        let root = root as c_int;
+        // SAFETY: the staging buffer holds n values; in place is allowed.
+        self.call("ncclBroadcast", |lib, c, s| unsafe {
+            (lib.broadcast)(at(p, 0), at(p, 0), n, FLOAT32, root, c, s)
+        })?;
+        self.download(0..n, buf)
     }
 
     fn reduce(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
-        check_rank("root", root, self.world_size())?;
+        check_rank("root", root, self.world)?;
         let n = buf.len();
         self.count(n, 1);
-        let back = if self.rank() == root { 0..n } else { 0..0 };
-        self.staged(buf, back, "ncclReduce", |c, st| {
-            c.reduce_in_place(&mut st.slice_mut(0..n), &ReduceOp::Sum, root as i32).map(|_| ())
-        })
+        let back = if self.rank == root { 0..n } else { 0..0 };
+        let p = self.upload(buf, n)?;
+        let root = root as c_int;
+        // SAFETY: the staging buffer holds n values; in place is allowed.
+        self.call("ncclReduce", |lib, c, s| unsafe {
+            (lib.reduce)(at(p, 0), at(p, 0), n, FLOAT32, SUM, root, c, s)
+        })?;
+        self.download(back.clone(), &mut buf[back])
     }
 
     fn gather(&mut self, send: &[f32], out: &mut [f32], root: usize) -> Result<()> {
-        let (w, r, n) = (self.world_size(), self.rank(), send.len());
+        let (w, r, n) = (self.world, self.rank, send.len());
         check_rank("root", root, w)?;
         if r == root && out.len() != n * w {
             return Err(CommError::Invalid {
@@ -294,19 +507,27 @@ impl Collective for Nccl {
                 why: format!("{} values, need {}", out.len(), n * w),
             });
         }
-        self.upload(send, n * (w + 1))?;
-        let Nccl { comm, staging, .. } = self;
-        let st = staging.as_mut().ok_or_else(|| CommError::Nccl { op: "gather", msg: "no buffer".into() })?;
-        let (src, mut dst) = st.split_at_mut(n);
-        group_start().map_err(nccl_err("ncclGroupStart"))?;
-        if r == root {
-            for p in (0..w).filter(|&p| p != r) {
-                comm.recv(&mut dst.slice_mut(p * n..(p + 1) * n), p as i32).map_err(nccl_err("ncclRecv"))?;
+        let p = self.upload(send, n * (w + 1))?;
+        let root_c = root as c_int;
+        self.grouped("gather", |lib, c, s| {
+            // SAFETY: the staging buffer holds this rank's n values, then n per rank.
+            unsafe {
+                if r == root {
+                    for peer in (0..w).filter(|&peer| peer != r) {
+                        let res = (lib.recv)(at(p, n + peer * n), n, FLOAT32, peer as c_int, c, s);
+                        if res != SUCCESS && res != IN_PROGRESS {
+                            return Err(res);
+                        }
+                    }
+                    Ok(())
+                } else {
+                    match (lib.send)(at(p, 0), n, FLOAT32, root_c, c, s) {
+                        SUCCESS | IN_PROGRESS => Ok(()),
+                        res => Err(res),
+                    }
+                }
             }
-        } else {
-            comm.send(&src, root as i32).map_err(nccl_err("ncclSend"))?;
-        }
-        group_end().map_err(nccl_err("ncclGroupEnd"))?;
+        })?;
         self.wait("gather")?;
         if r == root {
             let mut all = vec![0.0f32; n * w];
@@ -318,7 +539,7 @@ impl Collective for Nccl {
     }
 
     fn scatter(&mut self, src: &[f32], recv: &mut [f32], root: usize) -> Result<()> {
-        let (w, r, n) = (self.world_size(), self.rank(), recv.len());
+        let (w, r, n) = (self.world, self.rank, recv.len());
         check_rank("root", root, w)?;
         if r == root && src.len() != n * w {
             return Err(CommError::Invalid {
@@ -326,24 +547,27 @@ impl Collective for Nccl {
                 why: format!("{} values, need {}", src.len(), n * w),
             });
         }
-        if r == root {
-            self.upload(src, n * (w + 1))?;
-        } else {
-            self.staging(n * (w + 1))?;
-        }
-        let Nccl { comm, staging, .. } = self;
-        let st =
-            staging.as_mut().ok_or_else(|| CommError::Nccl { op: "scatter", msg: "no buffer".into() })?;
-        let (all, mut mine) = st.split_at_mut(n * w);
-        group_start().map_err(nccl_err("ncclGroupStart"))?;
-        if r == root {
-            for p in (0..w).filter(|&p| p != r) {
-                comm.send(&all.slice(p * n..(p + 1) * n), p as i32).map_err(nccl_err("ncclSend"))?;
+        let p = if r == root { self.upload(src, n * (w + 1))? } else { self.staging(n * (w + 1))? };
+        let root_c = root as c_int;
+        self.grouped("scatter", |lib, c, s| {
+            // SAFETY: the staging buffer holds n values per rank, then this rank's n.
+            unsafe {
+                if r == root {
+                    for peer in (0..w).filter(|&peer| peer != r) {
+                        let res = (lib.send)(at(p, peer * n), n, FLOAT32, peer as c_int, c, s);
+                        if res != SUCCESS && res != IN_PROGRESS {
+                            return Err(res);
+                        }
+                    }
+                    Ok(())
+                } else {
+                    match (lib.recv)(at(p, n * w), n, FLOAT32, root_c, c, s) {
+                        SUCCESS | IN_PROGRESS => Ok(()),
+                        res => Err(res),
+                    }
+                }
             }
-        } else {
-            comm.recv(&mut mine.slice_mut(0..n), root as i32).map_err(nccl_err("ncclRecv"))?;
-        }
-        group_end().map_err(nccl_err("ncclGroupEnd"))?;
+        })?;
         self.wait("scatter")?;
         if r == root {
             recv.copy_from_slice(&src[r * n..(r + 1) * n]);
@@ -354,23 +578,23 @@ impl Collective for Nccl {
     }
 
     fn send(&mut self, buf: &[f32], peer: usize) -> Result<()> {
-        check_rank("peer", peer, self.world_size())?;
-        self.upload(buf, buf.len())?;
+        check_rank("peer", peer, self.world)?;
         let n = buf.len();
-        let Nccl { comm, staging, .. } = self;
-        let st = staging.as_mut().ok_or_else(|| CommError::Nccl { op: "send", msg: "no buffer".into() })?;
-        comm.send(&st.slice(0..n), peer as i32).map_err(nccl_err("ncclSend"))?;
+        let p = self.upload(buf, n)?;
+        let peer = peer as c_int;
+        // SAFETY: the staging buffer holds n values.
+        self.call("ncclSend", |lib, c, s| unsafe { (lib.send)(at(p, 0), n, FLOAT32, peer, c, s) })?;
         self.traffic.sent += n as u64 * 4;
         self.wait("send")
     }
 
     fn recv(&mut self, buf: &mut [f32], peer: usize) -> Result<()> {
-        check_rank("peer", peer, self.world_size())?;
+        check_rank("peer", peer, self.world)?;
         let n = buf.len();
-        self.staging(n)?;
-        let Nccl { comm, staging, .. } = self;
-        let st = staging.as_mut().ok_or_else(|| CommError::Nccl { op: "recv", msg: "no buffer".into() })?;
-        comm.recv(&mut st.slice_mut(0..n), peer as i32).map_err(nccl_err("ncclRecv"))?;
+        let p = self.staging(n)?;
+        let peer = peer as c_int;
+        // SAFETY: the staging buffer holds n values.
+        self.call("ncclRecv", |lib, c, s| unsafe { (lib.recv)(at(p, 0), n, FLOAT32, peer, c, s) })?;
         self.traffic.recv += n as u64 * 4;
         self.download(0..n, buf)
     }
@@ -378,5 +602,32 @@ impl Collective for Nccl {
     fn barrier(&mut self) -> Result<()> {
         let mut one = [1.0f32];
         self.all_reduce(&mut one)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// A call failing inside a group must still end the group: an open group would hold back
+    /// every later NCCL call of the thread (NCCL only posts a group's work at its end), so the
+    /// next communicator's all-reduce would never run.
+    #[test]
+    fn a_failure_inside_a_group_still_ends_it() {
+        const TEST: &str = "collective::nccl::tests::a_failure_inside_a_group_still_ends_it";
+        if !matches!(gradsync_testkit::gpu_test(TEST), gradsync_testkit::GpuRun::Here) {
+            return;
+        }
+        let timeout = Duration::from_secs(2);
+        let mut first = Nccl::new(0, 0, 1, &unique_id().unwrap(), timeout).unwrap();
+        // ncclInvalidArgument from the second call of a group.
+        let err = first.grouped("test group", |_, _, _| Err(4)).unwrap_err().to_string();
+        assert!(err.contains("invalid argument") && err.contains("aborted"), "{err}");
+        drop(first);
+        let mut second = Nccl::new(0, 0, 1, &unique_id().unwrap(), timeout).unwrap();
+        let mut buf = [1.0, 2.0, 3.0];
+        second.all_reduce(&mut buf).unwrap();
+        assert_eq!(buf, [1.0, 2.0, 3.0]);
     }
 }

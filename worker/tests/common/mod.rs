@@ -26,6 +26,18 @@ pub fn server_bin() -> PathBuf {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = Command::new(cargo);
         cmd.args(["build", "-q", "-p", "gradsync-server", "-p", "gradsync-worker", "--bins"]);
+        // Cargo gives this test its package's variables; build scripts that watch them (ring
+        // watches CARGO_PKG_NAME and CARGO_MANIFEST_DIR) would then rerun, and the next
+        // `cargo nextest` would rebuild everything after them again.
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy();
+            if ["CARGO_PKG_", "CARGO_MANIFEST_", "CARGO_CRATE_", "CARGO_PRIMARY_PACKAGE"]
+                .iter()
+                .any(|p| k.starts_with(p))
+            {
+                cmd.env_remove(k.as_ref());
+            }
+        }
         if dir.file_name().is_some_and(|n| n == "release") {
             cmd.arg("--release");
         }

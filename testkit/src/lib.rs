@@ -1,0 +1,271 @@
+//! # Layout
+//! Test support shared by gradsync's crates, so that GPU code is exercised on machines without
+//! a GPU.
+//! - `fake/` (C, built by `build.rs`): a fake CUDA driver, cuBLAS and NCCL. Device memory is
+//!   host memory with every access checked; the project's own kernels run serially on the host;
+//!   allocations alive at exit fail the process. See the comment at the top of each file.
+//! - [`tools`]: NVRTC and ptxas from NVIDIA's wheels on PyPI, installed into a local cache the
+//!   first time they are needed.
+//! - [`gpu_test`]: how a GPU test runs here: in place on a real GPU, or again in a child process
+//!   whose library path holds the fake CUDA and NVRTC, with the fake's counters handed back.
+
+use std::fmt;
+use std::io::Read;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub mod tools;
+
+pub use tools::{Tools, tools};
+
+/// Set in the child process that runs a test against the fake CUDA.
+pub const CHILD_ENV: &str = "GRADSYNC_FAKE_CUDA_CHILD";
+/// The file the fake appends its per-process counters to.
+const REPORT_ENV: &str = "FAKE_CUDA_REPORT";
+/// The longest a child test may run before it is killed and the test fails.
+const CHILD_LIMIT: Duration = Duration::from_secs(600);
+
+/// Errors of the test support.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// NVRTC and ptxas could not be installed or found.
+    #[error("NVRTC unavailable: {0}")]
+    Tools(String),
+    /// The child process could not be run or did not pass.
+    #[error("{0}")]
+    Child(String),
+}
+
+/// The folder holding the fake `libcuda.so.1`, `libcublas.so.13` and `libnccl.so.2`.
+pub fn fake_cuda_dir() -> &'static Path {
+    Path::new(env!("GRADSYNC_FAKE_CUDA_DIR"))
+}
+
+/// What the fake counted over every process of one test (the test's child and the processes
+/// it started).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Processes that loaded the fake driver.
+    pub processes: u64,
+    /// Kernels launched.
+    pub launches: u64,
+    /// `cublasSgemm` calls accepted.
+    pub gemms: u64,
+    /// NCCL operations posted.
+    pub collectives: u64,
+    /// Device allocations made.
+    pub allocations: u64,
+    /// The most allocations alive at once in any one process.
+    pub peak_live: u64,
+    /// Allocations still alive when a process exited (a failure; the fake also fails the
+    /// process).
+    pub alive_at_exit: u64,
+}
+
+impl fmt::Display for Counters {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} process(es): {} kernel launches, {} GEMM calls, {} collectives, {} allocations (at most {} alive at \
+             once), {} alive at exit",
+            self.processes,
+            self.launches,
+            self.gemms,
+            self.collectives,
+            self.allocations,
+            self.peak_live,
+            self.alive_at_exit
+        )
+    }
+}
+
+impl Counters {
+    /// Sum the `key=value` lines the fake wrote, one per process.
+    fn parse(report: &str) -> Counters {
+        let mut c = Counters::default();
+        for line in report.lines().filter(|l| l.starts_with("pid=")) {
+            c.processes += 1;
+            for kv in line.split_whitespace() {
+                let Some((k, v)) = kv.split_once('=') else { continue };
+                let v: u64 = v.parse().unwrap_or(0);
+                match k {
+                    "launches" => c.launches += v,
+                    "gemms" => c.gemms += v,
+                    "collectives" => c.collectives += v,
+                    "allocations" => c.allocations += v,
+                    "peak_live" => c.peak_live = c.peak_live.max(v),
+                    "alive_at_exit" => c.alive_at_exit += v,
+                    _ => {}
+                }
+            }
+        }
+        c
+    }
+}
+
+/// How a GPU test runs on this machine.
+#[derive(Debug)]
+pub enum GpuRun {
+    /// This process can use a GPU (a real one, or the fake in the child): run the test's body.
+    Here,
+    /// The body ran in a child process against the fake CUDA and passed; what it counted.
+    Fake(Counters),
+    /// Neither is possible; the reason was printed as `SKIPPED (...)`.
+    Skipped,
+}
+
+/// Whether a real NVIDIA driver with at least one device can be opened.
+fn real_gpu() -> bool {
+    // SAFETY: loading the driver library runs its initialisers, which expect nothing of us;
+    // cuInit and cuDeviceGetCount take plain values and an out-pointer to a live i32.
+    unsafe {
+        let Ok(lib) = libloading::Library::new("libcuda.so.1") else { return false };
+        let (Ok(init), Ok(count)) = (
+            lib.get::<unsafe extern "C" fn(u32) -> i32>(b"cuInit\0"),
+            lib.get::<unsafe extern "C" fn(*mut i32) -> i32>(b"cuDeviceGetCount\0"),
+        ) else {
+            return false;
+        };
+        let mut n = 0;
+        init(0) == 0 && count(&mut n) == 0 && n > 0
+    }
+}
+
+/// Whether this is a CI run, where a test that cannot get its tools fails instead of skipping.
+pub fn in_ci() -> bool {
+    std::env::var_os("CI").is_some_and(|v| !v.is_empty() && v != "false" && v != "0")
+}
+
+/// Decide how the GPU test `test` (its exact name as the test harness lists it, e.g.
+/// `cpu_and_gpu_agree_on_tiny` or `device::cuda::tests::kernels_compile`) runs:
+/// - in the child started below, or on a machine with a real GPU: [`GpuRun::Here`];
+/// - otherwise the test binary is run again for this one test, with the fake CUDA, NVRTC and
+///   ptxas on its library path; the child's output is shown, the test fails unless the child
+///   passed, and the fake's counters come back as [`GpuRun::Fake`];
+/// - when NVRTC cannot be installed (no network), [`GpuRun::Skipped`], except under CI where
+///   that fails the test.
+pub fn gpu_test(test: &str) -> GpuRun {
+    gpu_test_with_env(test, &[])
+}
+
+/// [`gpu_test`], with `env` added to the child's environment (e.g. a binary the parent built,
+/// so that the child, whose library path differs, runs no `cargo build` of its own: cargo
+/// would see a changed environment and rebuild).
+pub fn gpu_test_with_env(test: &str, env: &[(&str, &std::ffi::OsStr)]) -> GpuRun {
+    if std::env::var_os(CHILD_ENV).is_some() || real_gpu() {
+        return GpuRun::Here;
+    }
+    let tools = match tools() {
+        Ok(t) => t,
+        Err(e) if !in_ci() => {
+            eprintln!("SKIPPED (no GPU, and {e}) [{test}]");
+            return GpuRun::Skipped;
+        }
+        Err(e) => panic!("{test}: {e} (CI must run the GPU tests against the fake CUDA)"),
+    };
+    match run_child(test, &tools, env) {
+        Ok(c) => {
+            eprintln!("{test}: passed against the fake CUDA: {c}");
+            GpuRun::Fake(c)
+        }
+        Err(e) => panic!("{test}: {e}"),
+    }
+}
+
+/// The library path for a process that should load the fake CUDA and NVRTC.
+pub fn fake_library_path(tools: &Tools) -> String {
+    let mut dirs = vec![fake_cuda_dir().display().to_string(), tools.lib_dir.display().to_string()];
+    if let Ok(old) = std::env::var("LD_LIBRARY_PATH") {
+        dirs.extend(old.split(':').filter(|d| !d.is_empty()).map(str::to_owned));
+    }
+    dirs.join(":")
+}
+
+fn run_child(test: &str, tools: &Tools, env: &[(&str, &std::ffi::OsStr)]) -> Result<Counters, Error> {
+    let exe =
+        std::env::current_exe().map_err(|e| Error::Child(format!("cannot find the test binary: {e}")))?;
+    let report =
+        std::env::temp_dir().join(format!("gradsync-fake-cuda-{}-{}.txt", std::process::id(), nonce()));
+    let mut child = Command::new(&exe)
+        .args([test, "--exact", "--nocapture", "--test-threads", "1"])
+        .env(CHILD_ENV, "1")
+        .env(REPORT_ENV, &report)
+        .env("LD_LIBRARY_PATH", fake_library_path(tools))
+        .env("GRADSYNC_PTXAS", &tools.ptxas)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| Error::Child(format!("cannot run {}: {e}", exe.display())))?;
+    // Both pipes are drained on threads so a chatty child cannot block on a full pipe.
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = r.read_to_string(&mut s);
+            s
+        })
+    };
+    let out = child.stdout.take().map(|o| drain(Box::new(o)));
+    let err = child.stderr.take().map(|e| drain(Box::new(e)));
+    let t0 = Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break Ok(s),
+            Ok(None) if t0.elapsed() < CHILD_LIMIT => std::thread::sleep(Duration::from_millis(20)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break Err(format!("killed after {} s", CHILD_LIMIT.as_secs()));
+            }
+            Err(e) => break Err(format!("cannot wait for it: {e}")),
+        }
+    };
+    let stdout = out.and_then(|h| h.join().ok()).unwrap_or_default();
+    let stderr = err.and_then(|h| h.join().ok()).unwrap_or_default();
+    eprintln!("---- {test} against the fake CUDA ----\n{stdout}{stderr}---- end of {test} ----");
+    let counters = Counters::parse(&std::fs::read_to_string(&report).unwrap_or_default());
+    let _ = std::fs::remove_file(&report);
+    let status = status.map_err(|e| Error::Child(format!("the child test {e}")))?;
+    if !status.success() {
+        return Err(Error::Child(format!("failed against the fake CUDA ({status}); its output is above")));
+    }
+    if !stdout.contains("test result: ok. 1 passed") {
+        return Err(Error::Child(format!("no test named exactly '{test}' ran in the child")));
+    }
+    if counters.alive_at_exit > 0 {
+        return Err(Error::Child(format!("allocations alive at exit: {counters}")));
+    }
+    Ok(counters)
+}
+
+/// A value distinct between calls in one process.
+fn nonce() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_sum_every_process() {
+        let report = "pid=1 launches=3 gemms=2 collectives=0 allocations=5 peak_live=4 alive_at_exit=0\n\
+                      pid=2 launches=1 gemms=4 collectives=6 allocations=2 peak_live=2 alive_at_exit=1\n";
+        let c = Counters::parse(report);
+        assert_eq!(
+            c,
+            Counters {
+                processes: 2,
+                launches: 4,
+                gemms: 6,
+                collectives: 6,
+                allocations: 7,
+                peak_live: 4,
+                alive_at_exit: 1
+            }
+        );
+    }
+}
