@@ -249,6 +249,9 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
             if let Some(d) = &s.data {
                 args.extend(flags([("--data", d.clone())]));
             }
+            if let Some(c) = s.ps_chunk_bytes {
+                args.extend(flags([("--chunk-bytes", c.to_string())]));
+            }
             if s.trace && ctx.bins.server_trace {
                 args.extend(flags([(
                     "--trace",
@@ -278,6 +281,9 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
                         ("--rank", r.to_string()),
                         ("--world-size", ctx.spec.workers.to_string()),
                     ]));
+                    if let Some(c) = ctx.scenario.ps_chunk_bytes {
+                        args.extend(flags([("--chunk-bytes", c.to_string())]));
+                    }
                     ctx.worker(r, name, args)
                 })
                 .collect()
@@ -327,4 +333,46 @@ fn flags<const N: usize>(pairs: [(&str, String); N]) -> Vec<String> {
 fn free_port() -> anyhow::Result<u16> {
     let l = TcpListener::bind("127.0.0.1:0").context("picking a free port")?;
     Ok(l.local_addr()?.port())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn ctx(mode: &str, extra: &str) -> Ctx {
+        let scenario = Scenario::parse(
+            &format!(
+                "name='x'\nmodes=['{mode}']\nworkers=[2]\nmodels=['tiny']\nbatches=[8]\nsteps=3\n{extra}"
+            ),
+            "t",
+        )
+        .unwrap();
+        let spec = scenario.expand().remove(0);
+        let bins = Bins { worker: "w".into(), server: "s".into(), server_trace: true };
+        Ctx { scenario, spec, dir: "d".into(), bins, placement: Placement::Loopback }
+    }
+
+    fn has(args: &[String], flag: &str, value: &str) -> bool {
+        args.windows(2).any(|w| w[0] == flag && w[1] == value)
+    }
+
+    #[test]
+    fn each_ring_mode_names_its_transport_and_the_ps_its_chunks_and_staleness_policy() {
+        for (mode, transport) in [("ddp-tcp", "tcp"), ("ddp-shm", "shm")] {
+            let p = plan(&ctx(mode, "")).unwrap();
+            let w = (p.workers)(&[]);
+            assert!(w.iter().all(|w| has(&w.args, "--transport", transport)), "{mode}: {:?}", w[0].args);
+        }
+        let p =
+            plan(&ctx("ps-asp", "ps_chunk_bytes = 131072\nstaleness_lr = 'inverse'\nrepeats = 2")).unwrap();
+        assert!(
+            has(&p.servers[0].args, "--chunk-bytes", "131072")
+                && has(&p.servers[0].args, "--staleness-lr", "inverse")
+        );
+        let w = (p.workers)(&["a:1".to_string()]);
+        assert!(w.iter().all(|w| has(&w.args, "--chunk-bytes", "131072")));
+        // The first repeat draws the data in the seed's own order.
+        assert!(w.iter().all(|w| has(&w.args, "--order-seed", "42")));
+    }
 }

@@ -195,6 +195,11 @@ pub struct Scenario {
     /// DDP bucket size in MB (default: the worker's).
     #[serde(default)]
     pub bucket_mb: Option<f64>,
+    /// Parameter-server chunk size in bytes, pushes and pulls (default: the tuned 1 MiB). The
+    /// pipelined BSP step pulls a block once every worker has pushed it, so a shard of only a
+    /// chunk or two has nothing to overlap.
+    #[serde(default)]
+    pub ps_chunk_bytes: Option<usize>,
     /// Record Chrome trace-event timelines.
     #[serde(default)]
     pub trace: bool,
