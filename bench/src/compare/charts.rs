@@ -385,6 +385,28 @@ where
     Ok(())
 }
 
+/// Named, coloured curves as solid lines, each with its legend entry.
+fn draw_lines<'a, DB>(
+    c: &mut ChartContext<
+        'a,
+        DB,
+        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+    >,
+    curves: &[Line],
+) -> anyhow::Result<()>
+where
+    DB: DrawingBackend + 'a,
+    DB::ErrorType: 'static,
+{
+    for (name, col, pts) in curves {
+        let col = *col;
+        c.draw_series(LineSeries::new(pts.clone(), col.stroke_width(2)))?
+            .label(name.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
+    }
+    Ok(())
+}
+
 fn max_or(v: impl Iterator<Item = f64>, d: f64) -> f64 {
     let m = v.filter(|x| x.is_finite()).fold(f64::NAN, f64::max);
     if m.is_finite() && m > 0.0 { m } else { d }
@@ -642,14 +664,7 @@ impl Charts {
                     .label(format!("target {:.1}%", 100.0 * t))
                     .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
                 }
-                for (name, col, pts) in &curves {
-                    let col = *col;
-                    c.draw_series(LineSeries::new(pts.clone(), col.stroke_width(2)))?
-                        .label(name.clone())
-                        .legend(move |(x, y)| {
-                            PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2))
-                        });
-                }
+                draw_lines(&mut c, &curves)?;
                 legend(&mut c, 12, SeriesLabelPosition::LowerRight)?;
             }
         });
@@ -698,14 +713,7 @@ impl Charts {
                     .label_style(font(13))
                     .axis_desc_style(font(14))
                     .draw()?;
-                for (name, col, pts) in &curves {
-                    let col = *col;
-                    c.draw_series(LineSeries::new(pts.clone(), col.stroke_width(2)))?
-                        .label(name.clone())
-                        .legend(move |(x, y)| {
-                            PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2))
-                        });
-                }
+                draw_lines(&mut c, &curves)?;
                 legend(&mut c, 13, SeriesLabelPosition::UpperRight)?;
             }
         });

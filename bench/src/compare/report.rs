@@ -694,14 +694,27 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
         if ring_pts.len() >= 2
             && let Some(fit) = cost::fit_ring(&ring_pts)
         {
-            out.push(format!(
-                "Fitting the ring model to the ring's own {} measurements gives a = {:.1} us per message and an \
-                 effective B = {:.2} GB/s, {:.0}% of the raw link.",
-                ring_pts.len(),
-                fit.a * 1e6,
-                fit.b / 1e9,
-                100.0 * fit.b / l.b
-            ));
+            if fit.a > 0.0 {
+                out.push(format!(
+                    "Fitting the ring model to the ring's own {} measurements gives a = {:.1} us per message and an \
+                     effective B = {:.2} GB/s, {:.0}% of the raw link.",
+                    ring_pts.len(),
+                    fit.a * 1e6,
+                    fit.b / 1e9,
+                    100.0 * fit.b / l.b
+                ));
+            } else {
+                // A least-squares latency below zero says the points cannot tell the per-message
+                // cost from the bandwidth term: report the bandwidth alone, and say so.
+                out.push(format!(
+                    "The ring's own {} measurements do not separate a per-message latency from the bandwidth \
+                     term (the best fit puts it below zero), so only an effective B = {:.2} GB/s ({:.0}% of the raw \
+                     link) is fitted; more worker counts would separate them.",
+                    ring_pts.len(),
+                    fit.b / 1e9,
+                    100.0 * fit.b / l.b
+                ));
+            }
         }
         let ten = Link { a: l.a, b: cost::gbit(10.0) };
         let ps_half = cost::ps_wins(1024, s, ten, |n| (n / 2).max(1));
@@ -960,6 +973,28 @@ mod tests {
             epochs_to_target: tt.map(|_| 3.0),
             ..row(mode, 0, thr)
         }
+    }
+
+    #[test]
+    fn a_ring_fit_that_cannot_separate_latency_says_so_instead_of_a_zero() {
+        let ring = |workers: usize, comm_ms: f64| Summary {
+            workers,
+            params: 1_000_000,
+            comm_ms: Some(comm_ms),
+            ..row("ddp-tcp", 0, 1000.0)
+        };
+        let link = Some(Link { a: 5e-6, b: 2e9 });
+        // Exactly a = -100 us, B = 1 GB/s: no latency the data can support.
+        let c = collected(vec![ring(2, 3.8), ring(4, 5.4)]);
+        let text = reading(&crate::compare::charts::groups(&c)[0], link, None, &c.summaries).join("\n");
+        assert!(
+            text.contains("do not separate a per-message latency") && !text.contains("a = 0.0 us"),
+            "{text}"
+        );
+        // a = 20 us, B = 1 GB/s: both fitted.
+        let c = collected(vec![ring(2, 4.04), ring(4, 6.12)]);
+        let text = reading(&crate::compare::charts::groups(&c)[0], link, None, &c.summaries).join("\n");
+        assert!(text.contains("a = 20.0 us per message"), "{text}");
     }
 
     #[test]
