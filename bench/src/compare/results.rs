@@ -435,7 +435,7 @@ pub struct Cell {
 impl Cell {
     /// Group `rows` into cells, keeping only complete runs for the figures.
     pub fn all(rows: &[Summary]) -> Vec<Cell> {
-        let mut by: BTreeMap<(String, usize, String, usize, usize, u64), Vec<&Summary>> = BTreeMap::new();
+        let mut by: BTreeMap<CellKey, Vec<&Summary>> = BTreeMap::new();
         for r in rows {
             by.entry((r.model.clone(), r.global_batch, r.mode.clone(), r.workers, r.shards, r.slow_ms))
                 .or_default()
@@ -504,6 +504,9 @@ impl Cell {
             .collect()
     }
 }
+
+/// What makes runs repeats of one cell: model, global batch, mode, workers, shards, delay.
+type CellKey = (String, usize, String, usize, usize, u64);
 
 /// Whether two (min, max) ranges overlap: the modes behind them are level.
 pub fn overlap(a: (f64, f64), b: (f64, f64)) -> bool {

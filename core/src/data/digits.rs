@@ -99,7 +99,7 @@ mod tests {
         assert!(e.contains("line 2") && e.contains("12"), "{e}");
         let e = parse("1,2,3\n").unwrap_err().to_string();
         assert!(e.contains("line 1") && e.contains("3 fields"), "{e}");
-        let e = parse(&format!("17,{}", row("1")[2..].to_string())).unwrap_err().to_string();
+        let e = parse(&format!("17,{}", &row("1")[2..])).unwrap_err().to_string();
         assert!(e.contains("above 16"), "{e}");
     }
 }
