@@ -110,6 +110,18 @@ fn default_scenario_scaled_down_runs_end_to_end() {
     for span in ["forward", "backward", "update", "step 6"] {
         assert!(names.contains(&span), "no {span} span in {names:?}");
     }
+    // A BSP server's timeline: each round's wait for pushes and apply, each pull encoding.
+    let bsp = rows.iter().find(|r| &r[col("mode")] == "ps-bsp" && &r[col("status")] == "ok").unwrap();
+    let trace: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join(&bsp[col("id")]).join("trace-server0.json")).unwrap(),
+    )
+    .unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    for (prefix, pid) in [("wait for pushes v", 1000), ("apply v", 1000)] {
+        let n = events.iter().filter(|e| e["name"].as_str().is_some_and(|n| n.starts_with(prefix))).count();
+        assert!(n >= 5, "{n} '{prefix}' spans in the server's trace");
+        assert!(events.iter().all(|e| e["pid"] == pid), "server spans under its own process id");
+    }
 
     // Every chart, both formats, inlined in the report.
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();

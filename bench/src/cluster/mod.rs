@@ -184,13 +184,13 @@ pub fn run_cluster(
             // The link as TCP sees it: from the last host to the first, crossing two shaped ends
             // as every message between hosts does.
             let measured_gbit = cluster.as_ref().and_then(|c| {
-                let d = Duration::from_secs_f64(scenario.rawtcp_s);
-                let rate = crate::hosts::Hosts::Emulated(c)
-                    .pair(hosts - 1, 0)
-                    .and_then(|(tx, rx)| crate::rawtcp::stream_rate(tx, rx, d));
+                // The yardstick every benchmark uses: the median of three measurements.
+                let d = Duration::from_secs_f64(scenario.rawtcp_s / 3.0);
+                let emulated = crate::hosts::Hosts::Emulated(c);
+                let rate = crate::rawtcp::Yardstick::measure(3, d, || emulated.pair(hosts - 1, 0));
                 rate.map_err(|e| multi.suspend(|| eprintln!("{}: measuring the link: {e:#}", spec.id)))
                     .ok()
-                    .map(|b| b * 8.0 / 1e9)
+                    .map(|y| y.median() * 8.0 / 1e9)
             });
             let skip = skip.or_else(|| {
                 (spec.mode == ModeKind::DdpNccl).then(|| "NCCL does not run over emulated links".to_string())

@@ -68,6 +68,7 @@ pub fn write(
          body{font-family:'DejaVu Sans',sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}\n\
          table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px solid #bbb;padding:3px 7px;text-align:right}\n\
          th{background:#eee}td.l,th.l{text-align:left}.failed{color:#b00}.skipped{color:#888}\n\
+         .diverged{color:#b60;font-style:italic}.interrupted,.stopped,.partial{color:#668}\n\
          figure{margin:1.5em 0}figure svg{max-width:100%;height:auto}figcaption{font-size:13px;color:#555}\n\
          code,pre{background:#f5f5f5}pre{padding:.5em;overflow-x:auto;font-size:12px}\n</style></head><body>\n",
     );

@@ -196,7 +196,7 @@ fn backward_nccl(
     let mut first: Option<Instant> = None;
     let mut deferred = Vec::new();
     let mut failed = None;
-    engine.backward_device_buckets(plan, accumulate, &mut |_, range, ptr, stream| {
+    let bwd = engine.backward_device_buckets(plan, accumulate, &mut |_, range, ptr, stream| {
         if !overlap {
             deferred.push((ptr, range.len(), stream.clone()));
             return;
@@ -204,21 +204,36 @@ fn backward_nccl(
         if failed.is_none() {
             first.get_or_insert_with(Instant::now);
             // SAFETY: the engine's gradient buffer outlives this step, and nothing touches the
-            // bucket until wait_all below returns.
+            // bucket until wait_all below returns (on every path: see `settle`).
             if let Err(e) = unsafe { nccl.all_reduce_device_after(ptr, range.len(), stream) } {
                 failed = Some(e);
             }
         }
-    })?;
-    if let Some(e) = failed {
-        return Err(e).context("queueing a bucket's all-reduce");
+    });
+    // Once a reduction is queued, no error may leave this step before NCCL is done with the
+    // gradient buffer: the engine could be dropped, and the buffer freed, while it writes.
+    let settle = |nccl: &mut Nccl, queued: bool, e: anyhow::Error| {
+        if queued {
+            let _ = nccl.wait_all();
+        }
+        e
+    };
+    let ready = bwd
+        .map_err(anyhow::Error::from)
+        .and_then(|_| {
+            failed.map_or(Ok(()), |e| Err(anyhow::Error::from(e).context("queueing a bucket's all-reduce")))
+        })
+        .and_then(|()| engine.synchronize().map_err(anyhow::Error::from));
+    if let Err(e) = ready {
+        return Err(settle(nccl, first.is_some(), e));
     }
-    engine.synchronize()?;
     let bwd_end = Instant::now();
     for (ptr, len, stream) in deferred {
         first.get_or_insert_with(Instant::now);
         // SAFETY: as above; backward has finished with the buffer.
-        unsafe { nccl.all_reduce_device_after(ptr, len, &stream) }.context("queueing an all-reduce")?;
+        if let Err(e) = unsafe { nccl.all_reduce_device_after(ptr, len, &stream) } {
+            return Err(settle(nccl, true, anyhow::Error::from(e).context("queueing an all-reduce")));
+        }
     }
     nccl.wait_all().context("waiting for the all-reduces")?;
     let end = Instant::now();
