@@ -1,6 +1,5 @@
 //! What a server shard is: flags (`gradsync-server ...`) resolved into a [`Config`].
 
-use std::fmt;
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::path::PathBuf;
@@ -16,41 +15,7 @@ use gradsync_proto::tuning::Tuning;
 use crate::error::{Error, Result};
 use crate::limits::Limits;
 
-/// How gradients from several workers become updates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SyncMode {
-    /// Bulk synchronous: one update per step from every live worker's gradient, averaged.
-    Bsp,
-    /// Asynchronous: each gradient is applied as it arrives.
-    Asp,
-    /// Stale synchronous: applied as they arrive, but no worker runs more than `S` steps
-    /// ahead of the slowest.
-    Ssp(u64),
-}
-
-impl FromStr for SyncMode {
-    type Err = Error;
-
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "bsp" => Ok(SyncMode::Bsp),
-            "asp" => Ok(SyncMode::Asp),
-            _ => s.strip_prefix("ssp:").and_then(|n| n.parse().ok()).map(SyncMode::Ssp).ok_or_else(|| {
-                Error::invalid("--sync", format!("'{s}' (expected bsp, asp or ssp:S, S a bound in steps)"))
-            }),
-        }
-    }
-}
-
-impl fmt::Display for SyncMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SyncMode::Bsp => f.write_str("bsp"),
-            SyncMode::Asp => f.write_str("asp"),
-            SyncMode::Ssp(s) => write!(f, "ssp:{s}"),
-        }
-    }
-}
+pub use gradsync_proto::SyncMode;
 
 /// `I/K`: this process is shard `I` of `K`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

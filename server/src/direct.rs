@@ -23,8 +23,7 @@ use tonic::server::NamedService;
 use crate::service::{PULL_QUEUE, Service};
 use crate::state::PullSource;
 
-const PUSH: &str = "/gradsync.ps.v1.ParameterServer/PushGradients";
-const PULL: &str = "/gradsync.ps.v1.ParameterServer/PullParameters";
+use gradsync_proto::path::{PULL, PUSH};
 
 /// The generated service `S` with PushGradients and PullParameters answered directly.
 #[derive(Clone)]

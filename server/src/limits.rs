@@ -37,9 +37,8 @@ use tonic::codegen::{BoxFuture, Service};
 use tonic::transport::server::Connected;
 
 use crate::error::Error;
-
-/// PushGradients: its request body is the one read message by message, under the budget.
-const PUSH: &str = "/gradsync.ps.v1.ParameterServer/PushGradients";
+// PushGradients: its request body is the one read message by message, under the budget.
+use gradsync_proto::path::PUSH;
 
 /// The limits (`gradsync-server` flags).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -524,7 +524,7 @@ impl Round {
         let Work { params, momentum, next_momentum, sum, current } = &mut *w;
         let image = params.image().map(|f| f.payload(c).1);
         let head = ParameterChunk { version: self.version, offset: r.start as u64, data: Bytes::new() };
-        FramedChunk::build_f32(&head, 3, r.start as u64, r.len(), |out| {
+        FramedChunk::build_f32(&head, gradsync_proto::tag::PARAMETER_DATA, r.start as u64, r.len(), |out| {
             for s in r.clone().step_by(SUB) {
                 let s = s..(s + SUB).min(r.end);
                 let acc = &mut sum[..s.len()];

@@ -608,7 +608,12 @@ impl State {
                 let head = |offset| ParameterChunk { version, offset, data: Bytes::new() };
                 // (A BSP commit sets the snapshot to the image it made, so an image is never
                 // encoded again here.)
-                let f = Framed::encode(self.params.values(), chunk_bytes, 3, head);
+                let f = Framed::encode(
+                    self.params.values(),
+                    chunk_bytes,
+                    gradsync_proto::tag::PARAMETER_DATA,
+                    head,
+                );
                 self.snapshot = Some((version, f.clone()));
                 (version, f)
             }

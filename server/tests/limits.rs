@@ -19,9 +19,7 @@ mod common;
 
 use common::{Proc, spawn_server, start_server};
 
-const PUSH: &str = "/gradsync.ps.v1.ParameterServer/PushGradients";
-const REGISTER: &str = "/gradsync.ps.v1.ParameterServer/Register";
-const VERSION: &str = "/gradsync.ps.v1.ParameterServer/GetVersion";
+use gradsync_proto::path::{GET_VERSION as VERSION, PULL, PUSH, REGISTER};
 const HEALTH: &str = "/grpc.health.v1.Health/Check";
 
 /// A BSP server of the tiny model with `flags` added.
@@ -302,8 +300,7 @@ async fn idle_connections_are_closed_and_busy_ones_kept() {
     // A streamed pull of the next version, which nobody pushes to: open for the worker timeout.
     let pull = gradsync_proto::frames::message(&PullRequest { rank: 0, stream_version: Some(1) });
     let t = Instant::now();
-    let (resp, _stream) =
-        call(&mut send, &addr, "/gradsync.ps.v1.ParameterServer/PullParameters", pull, true).await;
+    let (resp, _stream) = call(&mut send, &addr, PULL, pull, true).await;
     let s = status_within(resp, Duration::from_secs(10), "streamed pull").await;
     assert_eq!(s.code(), Code::DeadlineExceeded, "{s:?}");
     assert!(t.elapsed() > Duration::from_secs(2), "the pull ended early: {s:?}");

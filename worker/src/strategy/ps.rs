@@ -29,12 +29,15 @@ use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
+use gradsync_proto::SyncMode;
 use gradsync_proto::frames::{self, FramedChunk, Frames, Incoming};
+use gradsync_proto::path::{PULL, PUSH};
 use gradsync_proto::pb::parameter_server_client::ParameterServerClient;
 use gradsync_proto::pb::{
     DeregisterRequest, GradientChunk, HeartbeatRequest, PullRequest, PushReply, RegisterReply,
     RegisterRequest, VersionRequest,
 };
+use gradsync_proto::tag::GRADIENT_DATA;
 use gradsync_proto::tuning::Tuning;
 use gradsync_proto::wire;
 use tonic::metadata::{Ascii, MetadataValue};
@@ -184,7 +187,7 @@ pub struct PsClient {
     auth: Auth,
     rank: u32,
     total: usize,
-    sync: String,
+    sync: SyncMode,
     /// Under BSP, pull the next version while pushing (`--no-pipeline` clears it).
     pipeline: bool,
     /// The optimiser the servers apply and their staleness policy, known once registered.
@@ -198,6 +201,11 @@ fn uri(addr: &str, tls: bool) -> String {
         (false, false) => format!("http://{addr}"),
         (false, true) => format!("https://{addr}"),
     }
+}
+
+/// A server's sync mode as it wrote it.
+fn parse_sync(addr: &str, text: &str) -> anyhow::Result<SyncMode> {
+    text.parse().map_err(|e| anyhow::anyhow!("{addr} runs an unknown sync mode {e}"))
 }
 
 /// A status as a readable error naming the server.
@@ -308,7 +316,7 @@ impl PsClient {
             auth,
             rank: 0,
             total: 0,
-            sync: String::new(),
+            sync: SyncMode::Bsp,
             pipeline: true,
             optimiser: None,
         })
@@ -327,7 +335,7 @@ impl PsClient {
     }
 
     /// The servers' synchronisation mode (`bsp`, `asp`, `ssp:S`), asked of shard 0.
-    pub async fn sync_mode(&mut self) -> anyhow::Result<String> {
+    pub async fn sync_mode(&mut self) -> anyhow::Result<SyncMode> {
         let s = &mut self.shards[0];
         let r = deadline(
             self.timeout,
@@ -337,8 +345,8 @@ impl PsClient {
         )
         .await?
         .into_inner();
-        self.sync = r.sync.clone();
-        Ok(r.sync)
+        self.sync = parse_sync(&s.addr, &r.sync)?;
+        Ok(self.sync)
     }
 
     /// Register with every shard and check that together they cover a buffer of `total`
@@ -393,7 +401,7 @@ impl PsClient {
         if let Some(r) = replies.iter().find(|r| &r.sync != sync) {
             anyhow::bail!("the shards disagree on the sync mode: {sync} and {}", r.sync);
         }
-        self.sync = sync.clone();
+        self.sync = parse_sync(&self.shards[0].addr, sync)?;
         let optimiser = |r: &RegisterReply| {
             (
                 SgdConfig { lr: r.lr, momentum: r.momentum, weight_decay: r.weight_decay },
@@ -508,7 +516,7 @@ impl PsClient {
     ) -> anyhow::Result<(Traffic, Traffic)> {
         let t = Instant::now();
         anyhow::ensure!(sinks.len() == self.shards.len(), "one destination per shard");
-        let pipelined = self.sync == "bsp" && self.pipeline;
+        let pipelined = self.sync == SyncMode::Bsp && self.pipeline;
         let o = self.opts();
         let got = try_join_all(self.shards.iter().zip(sinks).map(|(s, mut sink)| {
             let o = &o;
@@ -614,15 +622,12 @@ impl PsClient {
             auth: self.auth.clone(),
             rank: self.rank,
             total: self.total,
-            sync: self.sync.clone(),
+            sync: self.sync,
             pipeline: self.pipeline,
             optimiser: self.optimiser.clone(),
         }
     }
 }
-
-const PUSH: &str = "/gradsync.ps.v1.ParameterServer/PushGradients";
-const PULL: &str = "/gradsync.ps.v1.ParameterServer/PullParameters";
 
 /// Where a push's gradient values come from.
 pub trait Gradients {
@@ -656,9 +661,6 @@ impl Gradients for EngineGrads<'_, '_> {
         .map_err(Into::into)
     }
 }
-
-/// `GradientChunk.data`'s field number.
-const GRADIENT_DATA: u32 = 4;
 
 /// Gradient messages a push builds ahead of what HTTP/2 has taken.
 const PUSH_AHEAD: usize = 4;
@@ -1010,7 +1012,7 @@ impl Strategy for Ps {
         args.insert("staleness".into(), push.staleness.into());
         self.trace.span_with("push", "comm", "comm", t, at(push.ms), args);
         // Under BSP the pull runs beside the push (the lane shows them overlapping).
-        let pull_from = if self.client.sync == "bsp" { t_comm } else { at(push.ms) };
+        let pull_from = if self.client.sync == SyncMode::Bsp { t_comm } else { at(push.ms) };
         self.trace.span("pull", "comm", "comm", pull_from);
         engine.synchronize()?;
         // The time the servers held the push for other workers is waiting, not communication:
@@ -1043,8 +1045,8 @@ impl Strategy for Ps {
         extra.insert("servers".into(), self.servers.clone().into());
         extra.insert("shards".into(), self.client.shards.len().into());
         extra.insert("chunk_bytes".into(), self.client.chunk_bytes.into());
-        extra.insert("pipeline".into(), (self.client.sync == "bsp" && self.client.pipeline).into());
-        (self.client.sync.clone(), extra)
+        extra.insert("pipeline".into(), (self.client.sync == SyncMode::Bsp && self.client.pipeline).into());
+        (self.client.sync.to_string(), extra)
     }
 }
 
