@@ -13,8 +13,9 @@
 //! one transfer plus `W - 2` chunks, and no rank sends more than the buffer once, unlike a
 //! root that sends to every rank in turn.
 
+use super::frame::{Op, read_frame, write_frame};
 use super::pump::over_neighbours;
-use super::tcp::{Op, TcpComm, read_frame, write_frame};
+use super::tcp::TcpComm;
 use super::{CommError, Result, check_rank};
 
 /// The buffer as chunks of at most `chunk` values (at least one, possibly empty, chunk).

@@ -1,6 +1,10 @@
 //! Collective communication between the ranks of a DDP run: one small trait, two backends.
 //!
-//! - [`tcp`]: links between ranks (sockets, frames, the handshake), with no reduction math;
+//! - Here: the [`Collective`] trait, [`RingConfig`] and [`Transport`] (what the command line
+//!   sets), and [`segment`], the one way a buffer is cut among ranks.
+//! - [`tcp`]: the TCP communicator: the mesh of links between ranks and its set-up;
+//!   `frame`: the socket link and the length-checked frames over it, with the errors that name
+//!   the peer; `reduce`: the element-wise sums every host collective (and DP) shares;
 //!   `handshake`: the challenge-response handshake (HMAC-SHA256 over fresh nonces), the frame
 //!   header and the abort notice, as pure functions over bytes and streams (fuzzed);
 //!   `pump`: the full-duplex engines that move frames both ways at once (one thread with
@@ -19,19 +23,23 @@
 //! bounded by the communicator's timeout, and a dead or silent peer is reported by rank.
 
 mod chain;
+pub(crate) mod frame;
 pub(crate) mod handshake;
 pub mod nccl;
 mod nccl_lib;
 mod pump;
+pub(crate) mod reduce;
 mod ring;
 pub mod shm;
 pub mod tcp;
 
 use std::ops::Range;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
 
 pub use nccl::Nccl;
-pub use shm::Transport;
-pub use tcp::{RingConfig, TcpComm};
+pub use tcp::TcpComm;
 
 /// What can go wrong between ranks.
 #[derive(Debug, thiserror::Error)]
@@ -191,6 +199,63 @@ pub trait Collective {
     fn recv(&mut self, buf: &mut [f32], peer: usize) -> Result<()>;
     /// Return once every rank has called it.
     fn barrier(&mut self) -> Result<()>;
+}
+
+/// How ring neighbours exchange data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// Shared memory when every rank is on this host and in this network namespace, sockets
+    /// otherwise.
+    #[default]
+    Auto,
+    /// Loopback or network sockets only.
+    Tcp,
+    /// Shared memory; fail if some rank is on another host or network namespace.
+    Shm,
+}
+
+impl Transport {
+    /// The flag's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Auto => "auto",
+            Transport::Tcp => "tcp",
+            Transport::Shm => "shm",
+        }
+    }
+}
+
+/// Tunables of the TCP backend.
+#[derive(Debug, Clone)]
+pub struct RingConfig {
+    /// How long any blocking call (connect, accept, read, write) may wait for a peer.
+    pub timeout: Duration,
+    /// Bytes per pipelined chunk: small enough that the ring keeps every link busy, large
+    /// enough that per-frame costs vanish.
+    pub chunk_bytes: usize,
+    /// Socket send/receive buffer size to ask for (`None`: the kernel's autotuning).
+    pub socket_buffer: Option<usize>,
+    /// How the ring and chain collectives reach the neighbours (see [`super::shm`]).
+    pub transport: Transport,
+}
+
+impl Default for RingConfig {
+    fn default() -> Self {
+        RingConfig {
+            timeout: Duration::from_secs(60),
+            chunk_bytes: 1 << 20,
+            socket_buffer: Some(4 << 20),
+            transport: Transport::Auto,
+        }
+    }
+}
+
+impl RingConfig {
+    /// Values per chunk.
+    pub(crate) fn chunk_values(&self) -> usize {
+        (self.chunk_bytes / 4).max(1)
+    }
 }
 
 /// Segment `k` of `0..len` split as evenly as possible into `parts`: the first `len % parts`

@@ -18,9 +18,9 @@ use std::os::fd::AsRawFd;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use super::tcp::{
-    Op, TcpComm, add_into, frame_header, lost, parse_header, peer_err, read_exact_from, remember, write_frame,
-};
+use super::frame::{Op, frame_header, lost, parse_header, peer_err, read_exact_from, remember, write_frame};
+use super::reduce::add_into;
+use super::tcp::TcpComm;
 use super::{CommError, Result, Traffic};
 
 /// The most a reader waits to accumulate before it wakes.

@@ -28,8 +28,9 @@
 //! `2 (W-1)/W` of the buffer, the lower bound for all-reduce; the reduction is a plain
 //! vectorised add over data still in cache.
 
+use super::frame::Op;
 use super::pump::over_neighbours;
-use super::tcp::{Op, TcpComm};
+use super::tcp::TcpComm;
 use super::{CommError, Result, segment};
 
 /// Which halves of the all-reduce to run.

@@ -45,34 +45,12 @@ use std::time::{Duration, Instant};
 use memmap2::{MmapMut, MmapOptions};
 use serde::{Deserialize, Serialize};
 
+use super::frame::{Link, Op, frame_header, parse_header};
+use super::handshake::{read_line, write_line};
 use super::pump::{Duplex, returned};
-use super::tcp::{Link, Op, RingConfig, add_into, frame_header, parse_header, read_line, write_line};
+use super::reduce::add_into;
 use super::{CommError, Result, Traffic};
-
-/// How ring neighbours exchange data.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Transport {
-    /// Shared memory when every rank is on this host and in this network namespace, sockets
-    /// otherwise.
-    #[default]
-    Auto,
-    /// Loopback or network sockets only.
-    Tcp,
-    /// Shared memory; fail if some rank is on another host or network namespace.
-    Shm,
-}
-
-impl Transport {
-    /// The flag's spelling.
-    pub fn name(self) -> &'static str {
-        match self {
-            Transport::Auto => "auto",
-            Transport::Tcp => "tcp",
-            Transport::Shm => "shm",
-        }
-    }
-}
+use super::{RingConfig, Transport};
 
 /// Bytes of each mailbox's data ring: many pipelined pieces, small enough that the rings of
 /// several ranks stay in the last-level cache (2 MiB with 128 KiB pieces measured ahead of

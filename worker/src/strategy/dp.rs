@@ -16,7 +16,7 @@ use gradsync_core::optim::SgdConfig;
 
 use super::{Strategy, ms_since, timed};
 use crate::cli::{FaultKind, ReplicaFault};
-use crate::collective::tcp::add_into;
+use crate::collective::reduce::add_into;
 use crate::train::Run;
 
 /// Replica 0 is the engine the training loop owns; these are the others.

@@ -1,0 +1,212 @@
+//! Frames over a socket link: the operation tags, the 8-byte header (operation tag and value
+//! count, both `u32` little-endian) followed by the values as little-endian `f32`, the checks
+//! a receiver makes, and the errors that name the peer. Used by the TCP transport and by the
+//! shared-memory set-up (which agrees on its mailboxes over the same links). No reduction
+//! math and no collective algorithm lives here.
+
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use socket2::SockRef;
+
+use super::handshake::{HeaderError, check_header, ends_with_abort};
+use super::{CommError, Result, RingConfig};
+
+/// Which collective a frame belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub(crate) enum Op {
+    AllReduce = 1,
+    ReduceScatter = 2,
+    AllGather = 3,
+    Broadcast = 4,
+    Reduce = 5,
+    Gather = 6,
+    Scatter = 7,
+    SendRecv = 8,
+    Barrier = 9,
+}
+
+impl Op {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "all_reduce",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::AllGather => "all_gather",
+            Op::Broadcast => "broadcast",
+            Op::Reduce => "reduce",
+            Op::Gather => "gather",
+            Op::Scatter => "scatter",
+            Op::SendRecv => "send/recv",
+            Op::Barrier => "barrier",
+        }
+    }
+
+    fn from_tag(t: u32) -> Option<Op> {
+        [
+            Op::AllReduce,
+            Op::ReduceScatter,
+            Op::AllGather,
+            Op::Broadcast,
+            Op::Reduce,
+            Op::Gather,
+            Op::Scatter,
+            Op::SendRecv,
+            Op::Barrier,
+        ]
+        .into_iter()
+        .find(|o| *o as u32 == t)
+    }
+}
+
+/// Turn a socket error into one that names the peer; timeouts become [`CommError::Timeout`].
+pub(crate) fn peer_err(peer: usize, op: Op, timeout: Duration) -> impl FnOnce(io::Error) -> CommError {
+    move |e| match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            CommError::Timeout { peer, op: op.name(), secs: timeout.as_secs_f64() }
+        }
+        io::ErrorKind::UnexpectedEof => CommError::Peer {
+            peer,
+            op: op.name(),
+            source: io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection"),
+        },
+        _ => CommError::Peer { peer, op: op.name(), source: e },
+    }
+}
+
+/// What ended a read from `peer` with error `e`, given the bytes `tail` read from it just
+/// before: an abort notice at the end of them names the rank to blame.
+pub(crate) fn lost(peer: usize, op: Op, timeout: Duration, tail: &[u8], e: io::Error) -> CommError {
+    match ends_with_abort(tail) {
+        Some(culprit) if !matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            CommError::Aborted { peer, culprit, op: op.name() }
+        }
+        _ => peer_err(peer, op, timeout)(e),
+    }
+}
+
+/// Shift `bytes`, just read from a peer, into `tail`: the last 8 bytes of its stream so far,
+/// whichever reads they came in, so that an abort notice a receive loop cut between two of
+/// its reads is still found at the end of the stream.
+pub(crate) fn remember(tail: &mut [u8; 8], bytes: &[u8]) {
+    if bytes.len() >= 8 {
+        tail.copy_from_slice(&bytes[bytes.len() - 8..]);
+    } else {
+        tail.rotate_left(bytes.len());
+        tail[8 - bytes.len()..].copy_from_slice(bytes);
+    }
+}
+
+/// `read_exact` from `peer`, blocking, keeping `tail` ([`remember`]), with the end of the
+/// stream explained by [`lost`].
+pub(crate) fn read_exact_from(
+    r: &mut TcpStream,
+    buf: &mut [u8],
+    tail: &mut [u8; 8],
+    peer: usize,
+    op: Op,
+    t: Duration,
+) -> Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) => return Err(lost(peer, op, t, tail, io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => {
+                remember(tail, &buf[got..got + n]);
+                got += n;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(lost(peer, op, t, tail, e)),
+        }
+    }
+    Ok(())
+}
+
+/// One connection to one peer, split into a reading and a writing handle so that both
+/// directions can be busy at once.
+pub(crate) struct Link {
+    pub(crate) reader: TcpStream,
+    pub(crate) writer: TcpStream,
+}
+
+impl Link {
+    pub(crate) fn new(peer: usize, s: TcpStream, cfg: &RingConfig) -> Result<Link> {
+        let io = |what: &str| {
+            let what = format!("configuring the link to rank {peer}: {what}");
+            move |source| CommError::Io { what, source }
+        };
+        s.set_nodelay(true).map_err(io("TCP_NODELAY"))?;
+        s.set_read_timeout(Some(cfg.timeout)).map_err(io("read timeout"))?;
+        s.set_write_timeout(Some(cfg.timeout)).map_err(io("write timeout"))?;
+        if let Some(n) = cfg.socket_buffer {
+            let sock = SockRef::from(&s);
+            // Only ever grow: a fixed size below what autotuning would reach slows the link.
+            if sock.send_buffer_size().map_or(true, |cur| cur < n) {
+                sock.set_send_buffer_size(n).map_err(io("SO_SNDBUF"))?;
+            }
+            if sock.recv_buffer_size().map_or(true, |cur| cur < n) {
+                sock.set_recv_buffer_size(n).map_err(io("SO_RCVBUF"))?;
+            }
+        }
+        let writer = s.try_clone().map_err(io("cloning the socket"))?;
+        Ok(Link { reader: s, writer })
+    }
+}
+
+/// The 8-byte header of a frame of `count` values of `op`.
+pub(crate) fn frame_header(op: Op, count: usize) -> Result<[u8; 8]> {
+    let count = u32::try_from(count)
+        .map_err(|_| CommError::Invalid { what: "chunk", why: format!("{count} values in one frame") })?;
+    let mut head = [0u8; 8];
+    head[..4].copy_from_slice(&(op as u32).to_le_bytes());
+    head[4..].copy_from_slice(&count.to_le_bytes());
+    Ok(head)
+}
+
+/// Write one frame of `vals`; returns the payload bytes written.
+pub(crate) fn write_frame(w: &mut TcpStream, op: Op, vals: &[f32], peer: usize, t: Duration) -> Result<u64> {
+    let head = frame_header(op, vals.len())?;
+    w.write_all(&head).map_err(peer_err(peer, op, t))?;
+    if !vals.is_empty() {
+        w.write_all(bytemuck::cast_slice(vals)).map_err(peer_err(peer, op, t))?;
+    }
+    Ok(vals.len() as u64 * 4)
+}
+
+/// Check a frame header from `peer`: it must announce `op` with `expect` values.
+pub(crate) fn parse_header(head: &[u8; 8], op: Op, expect: usize, peer: usize) -> Result<()> {
+    check_header(head, op as u32, expect).map_err(|e| CommError::Protocol {
+        peer,
+        why: match e {
+            HeaderError::Aborted(culprit) => return CommError::Aborted { peer, culprit, op: op.name() },
+            HeaderError::Tag(tag) => {
+                let theirs =
+                    Op::from_tag(tag).map_or_else(|| format!("unknown tag {tag}"), |o| o.name().to_string());
+                format!("sent a {theirs} frame during {} (ranks called different collectives)", op.name())
+            }
+            HeaderError::Count(count) => format!(
+                "sent {count} values where {expect} were expected during {} (buffers of different lengths?)",
+                op.name()
+            ),
+        },
+    })
+}
+
+/// Read one frame of exactly `dst.len()` values into `dst`, blocking; returns the payload
+/// bytes.
+pub(crate) fn read_frame(
+    r: &mut TcpStream,
+    op: Op,
+    dst: &mut [f32],
+    peer: usize,
+    t: Duration,
+) -> Result<u64> {
+    let (mut head, mut tail) = ([0u8; 8], [0u8; 8]);
+    read_exact_from(r, &mut head, &mut tail, peer, op, t)?;
+    parse_header(&head, op, dst.len(), peer)?;
+    if !dst.is_empty() {
+        read_exact_from(r, bytemuck::cast_slice_mut(dst), &mut tail, peer, op, t)?;
+    }
+    Ok(dst.len() as u64 * 4)
+}
