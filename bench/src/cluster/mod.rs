@@ -14,16 +14,13 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use indicatif::{MultiProgress, ProgressBar};
-use serde::{Deserialize, Serialize};
 
+pub use crate::compare::emulated::{CLUSTER_FILE, ClusterRun};
 use crate::compare::machine::Machine;
 use crate::compare::modes::{self, Placement};
 use crate::compare::scenario::{ModeKind, Scenario};
 
 pub use net::{Cluster, ClusterError, Shape};
-
-/// The file in a run directory naming each run's emulated link.
-pub const CLUSTER_FILE: &str = "cluster.json";
 
 /// Steps per cluster run unless `--steps` says otherwise.
 const CLUSTER_STEPS: u64 = 30;
@@ -66,32 +63,6 @@ pub struct ClusterArgs {
     /// Override the scenario's step budget.
     #[arg(long)]
     pub steps: Option<u64>,
-}
-
-/// One run's emulated link, as recorded in `cluster.json`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ClusterRun {
-    /// The run's id (`runs/<id>`), as in `outcomes.jsonl`.
-    pub id: String,
-    /// Mode.
-    pub mode: ModeKind,
-    /// Workers.
-    pub workers: usize,
-    /// Server shards (0: none).
-    pub shards: usize,
-    /// Hosts in the cluster.
-    pub hosts: usize,
-    /// Link rate, Gbit/s.
-    pub rate_gbit: f64,
-    /// What one plain TCP stream carried between two of the run's hosts over their shaped
-    /// links, measured on the run's cluster just before the run, Gbit/s (absent in runs made
-    /// before it was measured, and where measuring failed).
-    #[serde(default)]
-    pub measured_gbit: Option<f64>,
-    /// Delay per direction per link, microseconds.
-    pub delay_us: u64,
-    /// Loss per direction per link, percent.
-    pub loss_pct: f64,
 }
 
 /// Run `cluster`.
@@ -217,32 +188,6 @@ pub fn run_cluster(
     overall.finish_and_clear();
     write(CLUSTER_FILE, &(serde_json::to_string_pretty(&runs)? + "\n"))?;
     Ok(runs)
-}
-
-/// The runs with emulated links recorded in `dirs` (ids prefixed like
-/// [`crate::compare::results::collect`] prefixes them when given several directories).
-pub fn load(dirs: &[PathBuf]) -> Vec<ClusterRun> {
-    let mut all = Vec::new();
-    for d in dirs {
-        let Ok(text) = std::fs::read_to_string(d.join(CLUSTER_FILE)) else { continue };
-        let Ok(runs) = serde_json::from_str::<Vec<ClusterRun>>(&text) else {
-            eprintln!(
-                "gradsync-bench plot: warning: {} is not a list of cluster runs",
-                d.join(CLUSTER_FILE).display()
-            );
-            continue;
-        };
-        let prefix = if dirs.len() > 1 {
-            d.file_name().map(|n| format!("{}/", n.to_string_lossy())).unwrap_or_default()
-        } else {
-            String::new()
-        };
-        all.extend(runs.into_iter().map(|mut r| {
-            r.id = format!("{prefix}{}", r.id);
-            r
-        }));
-    }
-    all
 }
 
 /// `1`, `10`, `2.5`: a rate as it appears in run ids.

@@ -8,6 +8,7 @@
 
 pub mod charts;
 pub mod cost;
+pub mod emulated;
 pub mod exec;
 pub mod machine;
 pub mod modes;
@@ -383,7 +384,7 @@ pub fn plot(dirs: &[PathBuf], out: &Path) -> anyhow::Result<PathBuf> {
         let text = std::fs::read_to_string(d.join("machine.json")).ok()?;
         serde_json::from_str(&text).ok()
     });
-    let cluster = crate::cluster::load(dirs);
+    let cluster = emulated::load(dirs);
     let html = report::write(&collected, machine.as_ref(), scenario.as_deref(), &cluster, out)?;
     Ok(html)
 }

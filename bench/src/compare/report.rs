@@ -10,12 +10,12 @@ use anyhow::Context;
 
 use super::charts::{Charts, Group, groups};
 use super::cost::{self, Link};
+use super::emulated::ClusterRun;
 use super::machine::Machine;
 #[cfg(test)]
 use super::results::Cell;
 use super::results::{Collected, Summary, overlap};
 use super::scenario::ModeKind;
-use crate::cluster::ClusterRun;
 
 /// Worker counts at which the cost model is tabulated.
 const EXTRAPOLATE_N: [usize; 6] = [2, 8, 32, 128, 512, 1024];
