@@ -164,7 +164,7 @@ struct Shard {
 
 /// What one push or pull moved.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Traffic {
+pub struct Transfer {
     /// Payload bytes.
     pub bytes: u64,
     /// Longest time a server held the push waiting for other workers, ms.
@@ -449,17 +449,17 @@ impl PsClient {
     }
 
     /// Push `grads` (the whole flat buffer): each shard gets its range, all concurrently.
-    pub async fn push(&mut self, grads: &[f32]) -> anyhow::Result<Traffic> {
+    pub async fn push(&mut self, grads: &[f32]) -> anyhow::Result<Transfer> {
         self.check_len("push", grads.len())?;
         let (t, o) = (Instant::now(), self.opts());
         let grads = HostGrads(grads);
         let replies = try_join_all(self.shards.iter().map(|s| push_shard(&o, s, &grads))).await?;
-        Ok(push_traffic(&replies, t))
+        Ok(push_transfer(&replies, t))
     }
 
     /// Pull every shard's parameters into `params` (the whole flat buffer), concurrently,
     /// decoding each chunk straight into place.
-    pub async fn pull(&mut self, params: &mut [f32]) -> anyhow::Result<Traffic> {
+    pub async fn pull(&mut self, params: &mut [f32]) -> anyhow::Result<Transfer> {
         self.check_len("pull", params.len())?;
         let t = Instant::now();
         let o = self.opts();
@@ -472,14 +472,14 @@ impl PsClient {
         for (s, (v, _)) in self.shards.iter_mut().zip(&got) {
             s.version = *v;
         }
-        Ok(Traffic { bytes: got.iter().map(|g| g.1).sum(), ms: ms_since(t), ..Traffic::default() })
+        Ok(Transfer { bytes: got.iter().map(|g| g.1).sum(), ms: ms_since(t), ..Transfer::default() })
     }
 
     /// [`PsClient::exchange`] between the gradients and the parameters of `engine` (a
     /// host-memory device): each gradient chunk is copied out straight into its message and
     /// each pulled chunk written straight into the parameters, with no whole-buffer copy in
     /// between.
-    pub async fn exchange_engine(&mut self, engine: &mut Engine) -> anyhow::Result<(Traffic, Traffic)> {
+    pub async fn exchange_engine(&mut self, engine: &mut Engine) -> anyhow::Result<(Transfer, Transfer)> {
         let engine = RefCell::new(engine);
         let sinks = self
             .shards
@@ -496,7 +496,7 @@ impl PsClient {
 
     /// One step's communication: push `grads` and pull the parameters the update makes into
     /// `params` (both the whole flat buffer). See [`PsClient::exchange`].
-    pub async fn step(&mut self, grads: &[f32], params: &mut [f32]) -> anyhow::Result<(Traffic, Traffic)> {
+    pub async fn step(&mut self, grads: &[f32], params: &mut [f32]) -> anyhow::Result<(Transfer, Transfer)> {
         self.check_len("push", grads.len())?;
         self.check_len("pull", params.len())?;
         let sinks = self.split(params).into_iter().map(HostSlice).collect();
@@ -513,7 +513,7 @@ impl PsClient {
         &mut self,
         grads: &G,
         sinks: Vec<S>,
-    ) -> anyhow::Result<(Traffic, Traffic)> {
+    ) -> anyhow::Result<(Transfer, Transfer)> {
         let t = Instant::now();
         anyhow::ensure!(sinks.len() == self.shards.len(), "one destination per shard");
         let pipelined = self.sync == SyncMode::Bsp && self.pipeline;
@@ -556,12 +556,12 @@ impl PsClient {
             }
         }))
         .await?;
-        let mut push = push_traffic(&got.iter().map(|g| g.0).collect::<Vec<_>>(), t);
+        let mut push = push_transfer(&got.iter().map(|g| g.0).collect::<Vec<_>>(), t);
         push.ms = got.iter().map(|g| g.1).fold(0.0, f64::max);
-        let pull = Traffic {
+        let pull = Transfer {
             bytes: got.iter().map(|g| g.2.1).sum(),
             ms: got.iter().map(|g| g.3).fold(0.0, f64::max),
-            ..Traffic::default()
+            ..Transfer::default()
         };
         for (s, g) in self.shards.iter_mut().zip(&got) {
             s.version = g.2.0;
@@ -728,9 +728,9 @@ struct Opts<'a> {
     chunk_bytes: usize,
 }
 
-/// The pushes' replies (and payload bytes) as one [`Traffic`], timed from `t`.
-fn push_traffic(replies: &[(PushReply, u64)], t: Instant) -> Traffic {
-    replies.iter().fold(Traffic { ms: ms_since(t), ..Traffic::default() }, |a, (r, b)| Traffic {
+/// The pushes' replies (and payload bytes) as one [`Transfer`], timed from `t`.
+fn push_transfer(replies: &[(PushReply, u64)], t: Instant) -> Transfer {
+    replies.iter().fold(Transfer { ms: ms_since(t), ..Transfer::default() }, |a, (r, b)| Transfer {
         bytes: a.bytes + b,
         wait_ms: a.wait_ms.max(r.wait_ms),
         staleness: a.staleness.max(r.staleness),
