@@ -512,6 +512,8 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
             line.push(')');
             if let Some(next) = at.get(1) {
                 let level = matches!((tt_range(best), tt_range(next)), (Some(a), Some(b)) if overlap(a, b));
+                // Within 2% a factor is a tie, not a reason.
+                let tie = |x: f64| (x - 1.0).abs() < 0.02;
                 let speed = thr(best) / thr(next).max(1e-9);
                 let samples = next.samples_to_target.unwrap_or(0) as f64
                     / best.samples_to_target.unwrap_or(1).max(1) as f64;
@@ -525,6 +527,11 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
                     best.samples_to_target.unwrap_or(0),
                     next.samples_to_target.unwrap_or(0),
                     match (speed >= 1.0, samples >= 1.0) {
+                        _ if tie(samples) && !tie(speed) =>
+                            "the same samples needed, so throughput alone decides",
+                        _ if tie(speed) && !tie(samples) =>
+                            "the same throughput, so convergence per sample alone decides",
+                        _ if tie(speed) && tie(samples) => "neither factor separates them",
                         (true, true) if speed >= samples => "both favour it, throughput the more",
                         (true, true) => "both favour it, convergence per sample the more",
                         (true, false) =>
