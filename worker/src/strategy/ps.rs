@@ -231,6 +231,21 @@ fn spoke_other_than_http2(s: &tonic::Status) -> bool {
     false
 }
 
+/// Whether `addr` answers the HTTP/2 preface with TLS (an alert or handshake record, first
+/// byte 0x15 or 0x16): one short probe, made only after a first call has failed. A server that
+/// is gone refuses or closes, and is not taken for one that serves TLS.
+async fn serves_tls(addr: &str) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let probe = async {
+        let mut c = tokio::net::TcpStream::connect(addr).await.ok()?;
+        c.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.ok()?;
+        let mut first = [0u8; 1];
+        c.read_exact(&mut first).await.ok()?;
+        Some(matches!(first[0], 0x15 | 0x16))
+    };
+    tokio::time::timeout(Duration::from_secs(2), probe).await.ok().flatten().unwrap_or(false)
+}
+
 /// Run `f` with a deadline: sent to the server as grpc-timeout and enforced here too.
 async fn deadline<T>(
     timeout: Duration,
@@ -337,14 +352,22 @@ impl PsClient {
     /// The servers' synchronisation mode (`bsp`, `asp`, `ssp:S`), asked of shard 0.
     pub async fn sync_mode(&mut self) -> anyhow::Result<SyncMode> {
         let s = &mut self.shards[0];
-        let r = deadline(
+        let r = match deadline(
             self.timeout,
             &s.addr,
             "GetVersion",
             s.rpc.client.get_version(request(VersionRequest {}, self.timeout)),
         )
-        .await?
-        .into_inner();
+        .await
+        {
+            Ok(r) => r.into_inner(),
+            // The first call on a new connection: whether the failure shows a TLS server's
+            // bytes depends on when its alert and its close arrive, so ask the server itself.
+            Err(e) if !format!("{e:#}").contains("--tls-ca") && serves_tls(&s.addr).await => {
+                return Err(e.context(format!("{} serves TLS: pass --tls-ca", s.addr)));
+            }
+            Err(e) => return Err(e),
+        };
         self.sync = parse_sync(&s.addr, &r.sync)?;
         Ok(self.sync)
     }
