@@ -1,0 +1,262 @@
+//! The report's charts, each drawn twice by the same code: an SVG (inlined in report.html) and
+//! a PNG. Text is drawn with the DejaVu Sans font embedded in the binary, so PNGs render the
+//! same on a machine with no fonts installed. No timestamps or random ids reach the output:
+//! identical input gives byte-identical files.
+//!
+//! Here: [`Charts`] (where charts go, and the order [`Charts::draw_group`] draws them in) and
+//! what every chart shares (the `render!` macro, font, frame, legend, colours). One file per
+//! family of charts, each adding its methods to [`Charts`]: `convergence` (accuracy and loss
+//! curves), `speed` (throughput, step phases, straggler slowdown), `traffic` (bytes and
+//! staleness), `model` (the cost models and their extrapolation); `group` holds what they are
+//! drawn from.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Once;
+
+use anyhow::Context;
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+
+use super::cost::{self, Link};
+use super::results::Summary;
+use super::scenario::ModeKind;
+
+pub use group::{Group, Slowdown, groups};
+
+/// Draws `$body` once on an SVG and once on a PNG backend of `$size`.
+macro_rules! render {
+    ($out:expr, $name:expr, $title:expr, $size:expr, |$root:ident| $body:block) => {{
+        let name: String = $name;
+        let mut svg = String::new();
+        {
+            let $root = SVGBackend::with_string(&mut svg, $size).into_drawing_area();
+            $root.fill(&WHITE)?;
+            $body
+            $root.present()?;
+        }
+        let png = $out.dir.join(format!("{name}.png"));
+        {
+            let $root = BitMapBackend::new(&png, $size).into_drawing_area();
+            $root.fill(&WHITE)?;
+            $body
+            $root.present().with_context(|| format!("writing {}", png.display()))?;
+        }
+        let path = $out.dir.join(format!("{name}.svg"));
+        std::fs::write(&path, &svg).with_context(|| format!("writing {}", path.display()))?;
+        $out.charts.push(Chart { name, title: $title, svg });
+    }};
+}
+
+mod convergence;
+mod group;
+mod model;
+mod speed;
+mod traffic;
+
+/// DejaVu Sans (Bitstream Vera licence, see bench/assets/DejaVuSans-LICENSE.txt).
+static FONT: &[u8] = include_bytes!("../../../assets/DejaVuSans.ttf");
+const FAMILY: &str = "sans-serif";
+
+fn register_font() -> anyhow::Result<()> {
+    static ONCE: Once = Once::new();
+    let mut result = Ok(());
+    ONCE.call_once(|| {
+        result = plotters::style::register_font(FAMILY, FontStyle::Normal, FONT)
+            .map_err(|_| anyhow::anyhow!("the embedded font does not parse"));
+    });
+    result
+}
+
+/// A chart drawn into the output directory.
+#[derive(Debug, Clone)]
+pub struct Chart {
+    /// File stem (`throughput`): `<name>.svg` and `<name>.png`.
+    pub name: String,
+    /// Caption in the report.
+    pub title: String,
+    /// The SVG text.
+    pub svg: String,
+}
+
+/// A named, coloured series of points.
+type Line = (String, RGBColor, Vec<(f64, f64)>);
+/// A measured series: name, colour, whether it is the servers' figure, points.
+type Measured = (String, RGBColor, bool, Vec<(f64, f64)>);
+/// A model line: name, colour, dash length (0: solid), points.
+type Dashed = (String, RGBColor, u32, Vec<(f64, f64)>);
+/// One phase of the step: its name, how to read it from a summary, its colour.
+type Phase = (&'static str, fn(&Summary) -> Option<f64>, RGBColor);
+
+/// Fixed colours per series position so every chart agrees.
+fn color(i: usize) -> RGBColor {
+    const C: [RGBColor; 10] = [
+        RGBColor(31, 119, 180),
+        RGBColor(255, 127, 14),
+        RGBColor(44, 160, 44),
+        RGBColor(214, 39, 40),
+        RGBColor(148, 103, 189),
+        RGBColor(140, 86, 75),
+        RGBColor(227, 119, 194),
+        RGBColor(127, 127, 127),
+        RGBColor(188, 189, 34),
+        RGBColor(23, 190, 207),
+    ];
+    C[i % C.len()]
+}
+
+/// The colour of a mode, by its position in [`ModeKind::ALL`].
+fn mode_color(mode: &str) -> RGBColor {
+    color(ModeKind::ALL.iter().position(|k| k.label() == mode).unwrap_or(9))
+}
+
+fn font(size: u32) -> TextStyle<'static> {
+    (FAMILY, size).into_font().into()
+}
+
+/// The file stems of the charts of one group, in report order.
+pub const NAMES: [&str; 10] = [
+    "accuracy_time",
+    "accuracy_samples",
+    "throughput",
+    "step_time",
+    "loss_step",
+    "loss_wall",
+    "bytes",
+    "staleness",
+    "cost_model",
+    "cost_extrapolation",
+];
+
+/// Where charts go, and those drawn so far.
+pub struct Charts {
+    dir: PathBuf,
+    /// Drawn charts, in report order.
+    pub charts: Vec<Chart>,
+}
+
+/// Write a centred note on an empty chart.
+fn empty<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, msg: &str) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let (w, h) = root.dim_in_pixel();
+    root.draw(&Text::new(
+        msg.to_string(),
+        (20, h as i32 / 2),
+        font(16).pos(plotters::style::text_anchor::Pos::new(
+            plotters::style::text_anchor::HPos::Left,
+            plotters::style::text_anchor::VPos::Center,
+        )),
+    ))?;
+    let _ = w;
+    Ok(())
+}
+
+/// A chart frame: caption and the margins every chart shares.
+fn frame<'a, 'b, DB: DrawingBackend>(
+    root: &'a DrawingArea<DB, Shift>,
+    title: &str,
+    caption: u32,
+    y_area: u32,
+) -> ChartBuilder<'a, 'b, DB> {
+    let mut b = ChartBuilder::on(root);
+    b.caption(title, font(caption)).margin(15).x_label_area_size(45).y_label_area_size(y_area);
+    b
+}
+
+/// The series legend, the same on every chart.
+fn legend<'a, DB, CT>(
+    c: &mut ChartContext<'a, DB, CT>,
+    size: u32,
+    pos: SeriesLabelPosition,
+) -> anyhow::Result<()>
+where
+    DB: DrawingBackend + 'a,
+    DB::ErrorType: 'static,
+    CT: plotters::coord::CoordTranslate,
+{
+    c.configure_series_labels()
+        .label_font(font(size))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(pos)
+        .draw()?;
+    Ok(())
+}
+
+/// Named, coloured curves as solid lines, each with its legend entry.
+fn draw_lines<'a, DB>(
+    c: &mut ChartContext<
+        'a,
+        DB,
+        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+    >,
+    curves: &[Line],
+) -> anyhow::Result<()>
+where
+    DB: DrawingBackend + 'a,
+    DB::ErrorType: 'static,
+{
+    for (name, col, pts) in curves {
+        let col = *col;
+        c.draw_series(LineSeries::new(pts.clone(), col.stroke_width(2)))?
+            .label(name.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
+    }
+    Ok(())
+}
+
+fn max_or(v: impl Iterator<Item = f64>, d: f64) -> f64 {
+    let m = v.filter(|x| x.is_finite()).fold(f64::NAN, f64::max);
+    if m.is_finite() && m > 0.0 { m } else { d }
+}
+
+impl Charts {
+    /// Charts into `dir`.
+    pub fn new(dir: &Path) -> anyhow::Result<Charts> {
+        register_font()?;
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(Charts { dir: dir.to_path_buf(), charts: Vec::new() })
+    }
+
+    /// Every chart of one group.
+    pub fn draw_group(&mut self, g: &Group, link: Option<Link>) -> anyhow::Result<()> {
+        self.accuracy(g, true)?;
+        self.accuracy(g, false)?;
+        self.throughput(g)?;
+        self.step_time(g)?;
+        self.loss(g, false)?;
+        self.loss(g, true)?;
+        self.bytes(g)?;
+        self.staleness(g)?;
+        self.cost_model(g, link)?;
+        self.extrapolation(g, link)?;
+        if g.sweep.iter().any(|r| r.slow_ms > 0) {
+            self.slowdown(g)?;
+        }
+        Ok(())
+    }
+}
+/// "1 worker", "4 workers".
+pub fn workers(n: usize) -> String {
+    if n == 1 { "1 worker".into() } else { format!("{n} workers") }
+}
+
+/// Tick labels at whole numbers only (worker counts).
+fn int_label(x: &f64) -> String {
+    if (x - x.round()).abs() < 1e-6 { format!("{x:.0}") } else { String::new() }
+}
+
+/// A bar label short enough to sit under one bar: `bsp4k2`, `ring4`, `dp2`, `local`.
+pub fn short_label(r: &Summary) -> String {
+    let n = r.workers;
+    match r.mode.as_str() {
+        "local" => "local".into(),
+        "dp" => format!("dp{n}"),
+        "ddp-tcp" => format!("ring{n}"),
+        "ddp-nccl" => format!("nccl{n}"),
+        m => format!("{}{n}k{}", m.trim_start_matches("ps-"), r.shards),
+    }
+}
