@@ -15,23 +15,6 @@ use gradsync_bench::cluster::{self, Cluster, ClusterError, Shape};
 use gradsync_bench::compare::modes::{self, Bins, Ctx, Placement, ProcSpec};
 use gradsync_bench::compare::scenario::{ModeKind, RunSpec, Scenario};
 
-/// The directory holding the workspace's binaries, building the worker and server first if
-/// they are not there yet.
-fn bin_dir() -> PathBuf {
-    let bench = PathBuf::from(env!("CARGO_BIN_EXE_gradsync-bench"));
-    let dir = bench.parent().unwrap().to_path_buf();
-    if !dir.join("gradsync-worker").is_file() || !dir.join("gradsync-server").is_file() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut c = Command::new(cargo);
-        c.args(["build", "-p", "gradsync-worker", "-p", "gradsync-server"]);
-        if dir.ends_with("release") {
-            c.arg("--release");
-        }
-        assert!(c.status().unwrap().success(), "building gradsync-worker and gradsync-server failed");
-    }
-    dir
-}
-
 /// A cluster, or `None` (after saying why) where this machine cannot make one.
 fn cluster_or_skip(test: &str, n: usize, shape: Shape) -> Option<Cluster> {
     match Cluster::create(n, shape) {
@@ -81,7 +64,7 @@ fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
     s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp];
     s.workers = vec![2];
     s.shards = vec![1];
-    let bins = Bins::find(Some(&bin_dir())).unwrap();
+    let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
     let runs = cluster::run_cluster(&s, &bins, &out, &[1.0], |_| shape).unwrap();
     assert_eq!(runs.len(), 2);
     assert!(runs.iter().all(|r| r.hosts == 3 && r.rate_gbit == 1.0));
@@ -213,7 +196,7 @@ fn plan(c: &Cluster, mode: ModeKind, workers: usize, steps: u64, dir: &Path) -> 
             skip: None,
         },
         dir: dir.to_path_buf(),
-        bins: Bins::find(Some(&bin_dir())).unwrap(),
+        bins: Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap(),
         placement: Placement::Hosts { servers: h[..1].to_vec(), workers: h[1..].to_vec() },
     };
     modes::plan(&ctx).unwrap()

@@ -8,25 +8,6 @@ use std::process::Command;
 
 use gradsync_bench::compare::scenario::Scenario;
 
-/// The directory holding the workspace's binaries, building the worker and server first if
-/// they are not there yet (when only this crate's tests were built).
-fn bin_dir() -> PathBuf {
-    let bench = PathBuf::from(env!("CARGO_BIN_EXE_gradsync-bench"));
-    let dir = bench.parent().expect("binary directory").to_path_buf();
-    if !dir.join("gradsync-worker").is_file() || !dir.join("gradsync-server").is_file() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let profile_release = dir.ends_with("release");
-        let mut c = Command::new(cargo);
-        c.args(["build", "-p", "gradsync-worker", "-p", "gradsync-server"]);
-        if profile_release {
-            c.arg("--release");
-        }
-        let st = c.status().expect("running cargo build");
-        assert!(st.success(), "building gradsync-worker and gradsync-server failed");
-    }
-    dir
-}
-
 use gradsync_bench::compare::charts::NAMES as CHARTS;
 
 fn compare(scenario: &Path, out: &Path) -> std::process::Output {
@@ -36,7 +17,7 @@ fn compare(scenario: &Path, out: &Path) -> std::process::Output {
         .arg("--out")
         .arg(out)
         .arg("--bin-dir")
-        .arg(bin_dir())
+        .arg(gradsync_testkit::process::bin_dir())
         .output()
         .unwrap()
 }
@@ -225,7 +206,7 @@ fn ctrl_c_keeps_the_finished_runs_and_resume_runs_the_rest() {
         .arg("--out")
         .arg(&out)
         .arg("--bin-dir")
-        .arg(bin_dir())
+        .arg(gradsync_testkit::process::bin_dir())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -259,7 +240,7 @@ fn ctrl_c_keeps_the_finished_runs_and_resume_runs_the_rest() {
         .arg("--resume")
         .arg(&out)
         .arg("--bin-dir")
-        .arg(bin_dir())
+        .arg(gradsync_testkit::process::bin_dir())
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

@@ -68,7 +68,7 @@ fn health_and_reflection_answer_an_independent_client() {
     // The Shutdown RPC stops the server: it exits 0 on its own.
     let deadline = Instant::now() + Duration::from_secs(20);
     let status = loop {
-        if let Some(s) = server.0.try_wait().expect("try_wait") {
+        if let Some(s) = server.child().try_wait().expect("try_wait") {
             break s;
         }
         assert!(Instant::now() < deadline, "the server did not exit after Shutdown");

@@ -68,7 +68,7 @@ fn hostile_grpc_client_is_refused_and_changes_nothing() {
     .expect("server flags");
     let os_flags: Vec<&std::ffi::OsStr> = flags.iter().map(AsRef::as_ref).collect();
     let (mut server, addr) = start_server(&os_flags);
-    let pid = server.0.id();
+    let pid = server.id();
     let rss_before = rss_kib(pid);
 
     let params_out = work.join("params.f32");
@@ -142,7 +142,7 @@ fn hostile_grpc_client_is_refused_and_changes_nothing() {
     assert_eq!(got.len(), expected.len(), "unexpected extra cases:\n{stdout}");
 
     // Still up, and its memory bounded: nothing a peer declared was allocated.
-    assert!(server.0.try_wait().expect("try_wait").is_none(), "the server died");
+    assert!(server.child().try_wait().expect("try_wait").is_none(), "the server died");
     let rss_after = rss_kib(pid);
     assert!(
         rss_after < rss_before + 64 * 1024,

@@ -432,7 +432,7 @@ fn the_open_file_limit_is_raised_and_logged() {
     }
     let mut child = cmd.stdout(Stdio::piped()).spawn().expect("spawning gradsync-server");
     let stderr = child.stderr.take().expect("stderr");
-    let proc = Proc(child);
+    let proc = Proc::adopt(child);
     let mut line = String::new();
     BufReader::new(stderr).read_line(&mut line).expect("a line on stderr");
     drop(proc);
@@ -469,7 +469,7 @@ async fn memory_while_partial_pushes_are_held() {
         .args(["--push-buffer-mb", &cap.to_string()])
         .stderr(Stdio::null());
     let (server, addr) = spawn_server(cmd);
-    let pid = server.0.id();
+    let pid = server.id();
     let before = proc_kib(pid, "VmRSS:");
     let len = 4usize << 20;
     let mut body = prefix(len as u32);

@@ -6,6 +6,9 @@
 //!   allocations alive at exit fail the process. See the comment at the top of each file.
 //! - [`tools`]: NVRTC and ptxas from NVIDIA's wheels on PyPI, installed into a local cache the
 //!   first time they are needed.
+//! - [`process`]: the workspace binaries a test starts (found, never built by a test), a
+//!   child guard that kills and reaps on drop, and servers waited for through their
+//!   `listening on` line.
 //! - [`gpu_test`]: how a GPU test runs here: in place on a real GPU, or again in a child process
 //!   whose library path holds the fake CUDA and NVRTC, with the fake's counters handed back.
 
@@ -15,6 +18,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+pub mod process;
 pub mod tools;
 
 pub use tools::{Tools, tools};

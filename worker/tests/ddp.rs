@@ -8,10 +8,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use gradsync_core::checkpoint::Checkpoint;
+use gradsync_testkit::process::Proc;
 use gradsync_testkit::{Counters, GpuRun, gpu_test};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
@@ -34,38 +35,9 @@ impl Drop for Scratch {
     }
 }
 
-/// A child killed if the test ends early.
-struct Guard(Option<Child>);
-
-impl Guard {
-    fn wait(mut self, limit: Duration) -> Output {
-        let child = self.0.take().unwrap();
-        let id = child.id();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let _ = tx.send(child.wait_with_output());
-        });
-        match rx.recv_timeout(limit) {
-            Ok(out) => out.unwrap(),
-            Err(_) => {
-                let _ = Command::new("kill").args(["-9", &id.to_string()]).status();
-                panic!("process {id} did not finish within {limit:?}");
-            }
-        }
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if let Some(c) = self.0.as_mut() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn spawn(args: &[&str]) -> Guard {
-    Guard(Some(
+/// A worker process, killed if the test ends early.
+fn spawn(args: &[&str]) -> Proc {
+    Proc::adopt(
         Command::new(WORKER)
             .args(args)
             .env_remove("RANK")
@@ -77,11 +49,11 @@ fn spawn(args: &[&str]) -> Guard {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap(),
-    ))
+    )
 }
 
 fn run_ok(args: &[&str]) -> Output {
-    let out = spawn(args).wait(Duration::from_secs(120));
+    let out = spawn(args).output(Duration::from_secs(120));
     assert!(
         out.status.success(),
         "gradsync-worker {args:?} failed:\n{}\n{}",
@@ -289,7 +261,7 @@ fn launcher_prefixes_output_and_stops_everyone_when_one_fails() {
         "-c",
         "if [ \"$RANK\" = 1 ]; then echo failing >&2; exit 3; fi; exec sleep 60",
     ])
-    .wait(Duration::from_secs(30));
+    .output(Duration::from_secs(30));
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("[1] failing"), "{err}");
@@ -305,18 +277,17 @@ fn launcher_stops_its_ranks_on_sigterm() {
         "echo $$ > {}; echo ready; exec sleep 60",
         marker.display().to_string().replace("{}", "$RANK")
     );
-    let g = spawn(&["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "sh", "-c", &script]);
-    let pid = g.0.as_ref().unwrap().id().to_string();
+    let mut g = spawn(&["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "sh", "-c", &script]);
+    let pid = g.child().id().to_string();
     // Wait (bounded) until both ranks have said they run, by reading the launcher's output.
-    let mut g = g;
-    let stdout = g.0.as_mut().unwrap().stdout.take().unwrap();
+    let stdout = g.child().stdout.take().unwrap();
     let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
     for _ in 0..2 {
         assert!(lines.next().unwrap().unwrap().contains("ready"));
     }
     let t0 = Instant::now();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
-    let out = g.wait(Duration::from_secs(20));
+    let out = g.output(Duration::from_secs(20));
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("stopped by a signal"));
     assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
@@ -360,8 +331,8 @@ fn ddp_refuses_a_rank_of_another_model() {
             "5",
         ])
     };
-    let (a, b) = (rank("0", "1"), rank("1", "2"));
-    let (a, b) = (a.wait(Duration::from_secs(30)), b.wait(Duration::from_secs(30)));
+    let (mut a, mut b) = (rank("0", "1"), rank("1", "2"));
+    let (a, b) = (a.output(Duration::from_secs(30)), b.output(Duration::from_secs(30)));
     assert!(!a.status.success() && !b.status.success());
     let e = String::from_utf8_lossy(&b.stderr).to_string() + &String::from_utf8_lossy(&a.stderr);
     assert!(e.contains("fingerprint"), "{e}");

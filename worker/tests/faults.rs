@@ -14,8 +14,7 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStderr, Command, Stdio};
-use std::sync::mpsc::{Receiver, channel};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gradsync_core::checkpoint::Checkpoint;
@@ -23,82 +22,10 @@ use gradsync_core::metrics::{Record, ServerApply, parse_line};
 
 mod common;
 use common::server_bin;
+use gradsync_testkit::process::{Proc, start_server};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
 const DATA: &str = "synthetic:2048:32:8";
-
-/// A child process killed (SIGKILL) and reaped on drop, with its stderr collected.
-struct Proc {
-    child: Child,
-    stderr: Option<std::thread::JoinHandle<String>>,
-    lines: Option<Receiver<String>>,
-}
-
-impl Proc {
-    /// Spawn `cmd` with stderr piped; every stderr line is also sent to [`Proc::wait_line`].
-    fn spawn(cmd: &mut Command) -> Proc {
-        let mut child = cmd.stdin(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-        let (tx, rx) = channel();
-        let err: ChildStderr = child.stderr.take().unwrap();
-        let stderr = std::thread::spawn(move || {
-            let mut all = String::new();
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                let _ = tx.send(line.clone());
-                all.push_str(&line);
-                all.push('\n');
-            }
-            all
-        });
-        Proc { child, stderr: Some(stderr), lines: Some(rx) }
-    }
-
-    /// Block until a stderr line contains `needle` (bounded by `limit`).
-    fn wait_line(&mut self, needle: &str, limit: Duration) -> String {
-        let rx = self.lines.as_ref().unwrap();
-        let deadline = Instant::now() + limit;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(l) if l.contains(needle) => return l,
-                Ok(_) => {}
-                Err(e) => panic!("no stderr line with {needle:?} within {limit:?} ({e})"),
-            }
-        }
-    }
-
-    fn kill9(&mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-
-    /// Wait for the exit (at most `limit`); the exit code (-1: killed by a signal), stderr and
-    /// the time it took.
-    fn finish(&mut self, limit: Duration) -> (i32, String, Duration) {
-        let t = Instant::now();
-        let status = loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                break s;
-            }
-            if t.elapsed() > limit {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                let err = self.stderr.take().map(|h| h.join().unwrap_or_default()).unwrap_or_default();
-                panic!("process {} still running after {limit:?}: hang. stderr:\n{err}", self.child.id());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        self.lines = None;
-        let err = self.stderr.take().map(|h| h.join().unwrap_or_default()).unwrap_or_default();
-        (status.code().unwrap_or(-1), err, t.elapsed())
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("gradsync-faults-{}-{name}", std::process::id()));
@@ -114,26 +41,8 @@ fn server(extra: &[&str]) -> (Proc, String) {
     cmd.args(["--listen", "127.0.0.1:0", "--model", "tiny", "--seed", "7", "--data", DATA])
         .args(extra)
         // The default log level: what a user sees without asking.
-        .env_remove("GRADSYNC_LOG")
-        .stdout(Stdio::piped());
-    let mut p = Proc::spawn(&mut cmd);
-    let mut line = String::new();
-    let out = p.child.stdout.take().unwrap();
-    let (tx, rx) = channel();
-    std::thread::spawn(move || {
-        let mut r = BufReader::new(out);
-        let _ = r.read_line(&mut line);
-        let _ = tx.send(line);
-        // Keep draining so the server never blocks on a full pipe.
-        let _ = std::io::copy(&mut r, &mut std::io::sink());
-    });
-    let line = rx.recv_timeout(Duration::from_secs(60)).expect("the server announced itself");
-    let addr = line
-        .trim()
-        .strip_prefix("gradsync-server listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_string();
-    (p, addr)
+        .env_remove("GRADSYNC_LOG");
+    start_server(&mut cmd, true)
 }
 
 /// A PS worker process. Rank 0 prints progress (not --quiet) so the test can see training
@@ -233,7 +142,7 @@ fn ps_worker_killed(sync: &str, elastic: bool) {
 
 /// SIGTERM the server (a clean stop: final checkpoint, exit 0) and wait for its exit.
 fn stop(p: &mut Proc) -> (i32, String, Duration) {
-    let ok = Command::new("kill").args(["-TERM", &p.child.id().to_string()]).status().unwrap();
+    let ok = Command::new("kill").args(["-TERM", &p.id().to_string()]).status().unwrap();
     assert!(ok.success());
     p.finish(Duration::from_secs(30))
 }
@@ -404,7 +313,7 @@ fn launcher_stops_the_ring_when_a_rank_is_sigkilled() {
     let mut launcher = Proc::spawn(&mut cmd);
     // Rank 0's progress comes through the launcher's stderr, prefixed with its rank.
     launcher.wait_line("step ", Duration::from_secs(60));
-    let kids = children(launcher.child.id());
+    let kids = children(launcher.id());
     assert_eq!(kids.len(), 3, "the launcher's ranks: {kids:?}");
     let rank_of = |pid: u32| {
         let mut env = String::new();
@@ -465,7 +374,7 @@ fn elastic_worker_timeout_must_exceed_the_heartbeat() {
         if ok {
             // It serves: its first line is the listening address.
             let mut line = String::new();
-            BufReader::new(p.child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+            BufReader::new(p.child().stdout.take().unwrap()).read_line(&mut line).unwrap();
             assert!(line.starts_with("gradsync-server listening on "), "{line}");
             continue;
         }
