@@ -9,10 +9,70 @@ use crate::mlp::{BatchLoss, Mlp};
 use crate::model::{BucketPlan, Fingerprint, Layout, ModelSpec};
 use crate::optim::SgdConfig;
 
-/// What [`Engine::backward_device_buckets`] calls per bucket: index, range, device address,
-/// and the compute stream that writes it.
-pub type DeviceBucketHook<'h> =
-    dyn FnMut(usize, Range<usize>, u64, &std::sync::Arc<cudarc::driver::CudaStream>) + 'h;
+/// A bucket of gradients that backward has finished, handed to the hook of
+/// [`Engine::backward_buckets`]: where it lies in the flat buffer, and its values where they live.
+pub struct Bucket<'a> {
+    /// Its index in the [`BucketPlan`].
+    pub index: usize,
+    /// The range of the flat gradient buffer it covers.
+    pub range: Range<usize>,
+    /// The values.
+    pub grads: BucketGrads<'a>,
+}
+
+/// Where a finished bucket's values live.
+pub enum BucketGrads<'a> {
+    /// In host memory: an exclusive view that stays valid for the whole borrow, so another
+    /// thread may reduce it while backward writes the rest.
+    Host(&'a mut [f32]),
+    /// In GPU memory: see [`DeviceGrads`].
+    Device(DeviceGrads),
+}
+
+/// A finished bucket in GPU memory. Its values are final once the work queued so far on the
+/// engine's compute stream completes, so work on another stream that waits for an event
+/// recorded on [`DeviceGrads::stream`] may reduce it in place while backward goes on. The
+/// memory stays allocated while the engine lives; nothing but that work may touch it until
+/// the next backward.
+#[derive(Clone)]
+pub struct DeviceGrads {
+    ptr: u64,
+    len: usize,
+    stream: std::sync::Arc<cudarc::driver::CudaStream>,
+}
+
+impl DeviceGrads {
+    /// Values in the bucket.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the bucket holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The compute stream that writes the bucket.
+    pub fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
+        &self.stream
+    }
+
+    /// Wait until the work queued so far on the compute stream, this bucket's backward
+    /// included, has run.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| crate::Error::Cuda { op: "synchronize", msg: e.to_string() })
+    }
+
+    /// The bucket's device address.
+    ///
+    /// # Safety
+    /// The address is valid only while the engine that handed out the bucket lives, and may
+    /// be read or written only by work ordered after [`DeviceGrads::stream`]'s queued work
+    /// and finished before the engine's next backward, update or drop.
+    pub unsafe fn address(&self) -> u64 {
+        self.ptr
+    }
+}
 
 /// The model on one device.
 #[expect(
@@ -94,48 +154,27 @@ impl Engine {
         })
     }
 
-    /// Backward into the gradient buffer, handing each finished bucket of `plan` to
-    /// `on_ready(index, range, view)` as an exclusive host view that stays valid for the whole
-    /// borrow: another thread may reduce a bucket while backward writes the rest (DDP overlap).
-    /// Only engines whose gradients live in host memory can do this; others return
-    /// [`crate::Error::Invalid`] (read and write their gradients through the host instead).
-    pub fn backward_host_buckets<'a>(
+    /// Backward into the gradient buffer, handing each finished [`Bucket`] of `plan` to
+    /// `on_ready` the moment backward has written it (last layer first), so its reduction can
+    /// start while backward computes the earlier layers (DDP overlap). Its values are in host
+    /// memory or GPU memory, as [`BucketGrads`] says.
+    pub fn backward_buckets<'a>(
         &'a mut self,
         plan: &BucketPlan,
         accumulate: bool,
-        on_ready: &mut dyn FnMut(usize, Range<usize>, &'a mut [f32]),
+        on_ready: &mut dyn FnMut(Bucket<'a>),
     ) -> Result<()> {
         match self {
-            Engine::Cpu(m) => m.backward(plan, accumulate, on_ready),
-            Engine::Cuda(_) => Err(crate::Error::invalid(
-                "bucket hook",
-                "the gradients live on the GPU: use backward_device_buckets or the host copies",
-            )),
-        }
-    }
-
-    /// Backward on a GPU engine, handing each finished bucket of `plan` to
-    /// `on_ready(index, range, device_address, stream)`: the bucket's values are final once
-    /// the work queued so far on `stream` (the engine's compute stream) completes, so a
-    /// collective on another stream that waits for an event recorded on `stream` may reduce
-    /// it in place while backward goes on. The address stays valid while the engine lives;
-    /// nothing but that collective may touch the bucket until the next backward. CPU engines
-    /// return [`crate::Error::Invalid`] (use [`Engine::backward_host_buckets`]).
-    pub fn backward_device_buckets(
-        &mut self,
-        plan: &BucketPlan,
-        accumulate: bool,
-        on_ready: &mut DeviceBucketHook<'_>,
-    ) -> Result<()> {
-        match self {
+            Engine::Cpu(m) => m.backward(plan, accumulate, &mut |index, range, v| {
+                on_ready(Bucket { index, range, grads: BucketGrads::Host(v) })
+            }),
             Engine::Cuda(m) => {
                 let stream = m.backend().stream().clone();
-                m.backward(plan, accumulate, &mut |i, r, v| on_ready(i, r, v.device_ptr(), &stream))
+                m.backward(plan, accumulate, &mut |index, range, v| {
+                    let grads = DeviceGrads { ptr: v.device_ptr(), len: v.len(), stream: stream.clone() };
+                    on_ready(Bucket { index, range, grads: BucketGrads::Device(grads) })
+                })
             }
-            Engine::Cpu(_) => Err(crate::Error::invalid(
-                "device bucket hook",
-                "the gradients live in host memory: use backward_host_buckets",
-            )),
         }
     }
 

@@ -216,8 +216,33 @@ pub fn init_params(layout: &Layout, seed: u64) -> Vec<f32> {
     p
 }
 
+/// Part `k` of `0..len` split as evenly as possible into `parts`: the first `len % parts`
+/// parts hold one value more, and parts may be empty when `len < parts`. The one way the flat
+/// buffer is cut among ranks: parameter-server shards and collective segments alike.
+pub fn segment(len: usize, parts: usize, k: usize) -> Range<usize> {
+    let (q, r) = (len / parts, len % parts);
+    let start = k * q + k.min(r);
+    start..start + q + usize::from(k < r)
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn segments_tile_the_range() {
+        for len in [0, 1, 2, 7, 8, 9, 100] {
+            for parts in 1..=8 {
+                let mut end = 0;
+                for k in 0..parts {
+                    let s = super::segment(len, parts, k);
+                    assert_eq!(s.start, end);
+                    assert!(s.len() <= len / parts + 1);
+                    end = s.end;
+                }
+                assert_eq!(end, len);
+            }
+        }
+    }
+
     use super::*;
 
     #[test]

@@ -25,6 +25,58 @@ impl SgdConfig {
     pub const DEFAULT: SgdConfig = SgdConfig { lr: 0.05, momentum: 0.9, weight_decay: 1e-4 };
 }
 
+/// The optimiser's flags, one definition for every command line that takes them
+/// (`gradsync-worker train` and `gradsync-server`). Each is optional so a worker can leave the
+/// choice to the parameter servers; [`OptimiserArgs::sgd`] fills in the defaults.
+#[derive(Debug, Clone, Copy, Default, PartialEq, clap::Args)]
+pub struct OptimiserArgs {
+    /// Learning rate [default: 0.05]. Parameter servers apply their own: a PS worker leaves it
+    /// out or gives the same value (a different one is an error naming both).
+    #[arg(long)]
+    pub lr: Option<f32>,
+    /// SGD momentum [default: 0.9]; as --lr.
+    #[arg(long)]
+    pub momentum: Option<f32>,
+    /// L2 weight decay [default: 0.0001]; as --lr.
+    #[arg(long)]
+    pub weight_decay: Option<f32>,
+}
+
+impl OptimiserArgs {
+    /// The optimiser the flags ask for, defaults filled in.
+    pub fn sgd(&self) -> SgdConfig {
+        let d = SgdConfig::DEFAULT;
+        SgdConfig {
+            lr: self.lr.unwrap_or(d.lr),
+            momentum: self.momentum.unwrap_or(d.momentum),
+            weight_decay: self.weight_decay.unwrap_or(d.weight_decay),
+        }
+    }
+
+    /// Refuse a flag that contradicts the optimiser `source` applies (`applied`): the
+    /// source's values are the ones used, so a different flag would be recorded falsely.
+    pub fn check(&self, applied: &SgdConfig, source: &str) -> crate::Result<()> {
+        for (flag, given, used) in [
+            ("--lr", self.lr, applied.lr),
+            ("--momentum", self.momentum, applied.momentum),
+            ("--weight-decay", self.weight_decay, applied.weight_decay),
+        ] {
+            if let Some(g) = given
+                && g != used
+            {
+                return Err(crate::Error::invalid(
+                    flag,
+                    format!(
+                        "{flag} {g} contradicts {source}, which apply {flag} {used}: leave the flag \
+                         out (their value is used) or give the same value"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Default for SgdConfig {
     fn default() -> Self {
         SgdConfig::DEFAULT

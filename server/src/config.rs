@@ -9,7 +9,7 @@ use std::time::Duration;
 use clap::Args;
 use gradsync_core::data::DataSource;
 use gradsync_core::model::{Fingerprint, ModelSpec};
-use gradsync_core::optim::{SgdConfig, StalenessLr};
+use gradsync_core::optim::{OptimiserArgs, SgdConfig, StalenessLr};
 use gradsync_proto::tuning::Tuning;
 
 use crate::error::{Error, Result};
@@ -45,9 +45,9 @@ impl ShardSpec {
     pub const WHOLE: ShardSpec = ShardSpec { index: 0, count: 1 };
 
     /// This shard's contiguous range of a flat buffer of `len` values (shards differ in
-    /// length by at most one value).
+    /// length by at most one value, the longer first).
     pub fn range(&self, len: usize) -> Range<usize> {
-        len * self.index / self.count..len * (self.index + 1) / self.count
+        gradsync_core::model::segment(len, self.count, self.index)
     }
 }
 
@@ -73,15 +73,9 @@ pub struct ServerArgs {
     /// The workers' --seed (initial parameters).
     #[arg(long, default_value_t = 42, env = "GRADSYNC_SEED")]
     pub seed: u64,
-    /// Learning rate.
-    #[arg(long, default_value_t = SgdConfig::DEFAULT.lr)]
-    pub lr: f32,
-    /// SGD momentum.
-    #[arg(long, default_value_t = SgdConfig::DEFAULT.momentum)]
-    pub momentum: f32,
-    /// L2 weight decay.
-    #[arg(long, default_value_t = SgdConfig::DEFAULT.weight_decay)]
-    pub weight_decay: f32,
+    /// The optimiser the servers apply.
+    #[command(flatten)]
+    pub optimiser: OptimiserArgs,
     /// Under ASP and SSP, scale each gradient's learning rate by its staleness: `none`, or
     /// `inverse` (lr / (staleness + 1), Zhang et al., IJCAI'16; keeps ASP stable as workers
     /// are added). BSP gradients are never stale.
@@ -289,7 +283,7 @@ impl Config {
             spec,
             seed: a.seed,
             data,
-            sgd: SgdConfig { lr: a.lr, momentum: a.momentum, weight_decay: a.weight_decay },
+            sgd: a.optimiser.sgd(),
             staleness_lr: a.staleness_lr,
             token: a.token.clone(),
             checkpoint: a.checkpoint.clone(),
@@ -340,6 +334,6 @@ mod tests {
         assert!("0/0".parse::<ShardSpec>().is_err());
         let k = 3;
         let ranges: Vec<_> = (0..k).map(|i| ShardSpec { index: i, count: k }.range(10)).collect();
-        assert_eq!(ranges, vec![0..3, 3..6, 6..10]);
+        assert_eq!(ranges, vec![0..4, 4..7, 7..10]);
     }
 }

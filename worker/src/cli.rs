@@ -7,9 +7,10 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use gradsync_core::data::DataSource;
 use gradsync_core::device::DeviceRequest;
 use gradsync_core::model::ModelSpec;
-use gradsync_core::optim::SgdConfig;
+use gradsync_core::optim::OptimiserArgs;
 
 pub use crate::collective::Transport;
+use crate::strategy::{FaultKind, ReplicaFault};
 
 /// gradsync worker: trains the model locally, as DataParallel replicas, against parameter
 /// servers, or in a DDP ring.
@@ -109,16 +110,9 @@ pub struct TrainArgs {
     /// Epochs over the training split.
     #[arg(long, default_value_t = 1, value_parser = parse_positive)]
     pub epochs: usize,
-    /// Learning rate [default: 0.05]. Under --mode ps the servers' value applies: leave it
-    /// out, or give the same value (a different one is an error naming both).
-    #[arg(long)]
-    pub lr: Option<f32>,
-    /// SGD momentum [default: 0.9]; under --mode ps, as --lr.
-    #[arg(long)]
-    pub momentum: Option<f32>,
-    /// L2 weight decay [default: 0.0001]; under --mode ps, as --lr.
-    #[arg(long)]
-    pub weight_decay: Option<f32>,
+    /// The optimiser.
+    #[command(flatten)]
+    pub optimiser: OptimiserArgs,
     /// Seed for initialisation, data and shuffling.
     #[arg(long, default_value_t = 42, env = "GRADSYNC_SEED")]
     pub seed: u64,
@@ -188,26 +182,6 @@ pub struct DpArgs {
     /// test's tool, not a training option.
     #[arg(long, hide = true, value_parser = parse_replica_fault, env = "GRADSYNC_DP_FAULT")]
     pub fail_replica: Option<ReplicaFault>,
-}
-
-/// How an injected replica fault shows (`--fail-replica`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FaultKind {
-    /// The replica's thread panics.
-    Panic,
-    /// The replica's forward pass returns an error, as a failing device's would.
-    Error,
-}
-
-/// `--fail-replica K:N:KIND`: which replica fails, in which step, and how.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReplicaFault {
-    /// The failing replica.
-    pub replica: usize,
-    /// The step (1-based) it fails in.
-    pub step: u64,
-    /// Panic or error.
-    pub kind: FaultKind,
 }
 
 fn parse_replica_fault(s: &str) -> Result<ReplicaFault, String> {
@@ -295,37 +269,6 @@ pub struct DdpArgs {
     /// overlap buys; GPU engines with --backend tcp always do this).
     #[arg(long)]
     pub no_overlap: bool,
-}
-
-impl TrainArgs {
-    /// The optimiser the flags ask for, defaults filled in.
-    pub fn sgd(&self) -> SgdConfig {
-        let d = SgdConfig::DEFAULT;
-        SgdConfig {
-            lr: self.lr.unwrap_or(d.lr),
-            momentum: self.momentum.unwrap_or(d.momentum),
-            weight_decay: self.weight_decay.unwrap_or(d.weight_decay),
-        }
-    }
-
-    /// Refuse a flag that contradicts the optimiser the servers apply (`applied`): the
-    /// servers' values are the ones used, so a different flag would be recorded falsely.
-    pub fn check_optimiser(&self, applied: &SgdConfig, source: &str) -> anyhow::Result<()> {
-        for (flag, given, used) in [
-            ("--lr", self.lr, applied.lr),
-            ("--momentum", self.momentum, applied.momentum),
-            ("--weight-decay", self.weight_decay, applied.weight_decay),
-        ] {
-            if let Some(g) = given {
-                anyhow::ensure!(
-                    g == used,
-                    "{flag} {g} contradicts {source}, which apply {flag} {used}: leave the flag out \
-                     (the servers' value is used) or give the same value"
-                );
-            }
-        }
-        Ok(())
-    }
 }
 
 impl DdpArgs {

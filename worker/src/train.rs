@@ -8,15 +8,15 @@ use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::checkpoint::{Checkpoint, CheckpointHeader};
 use gradsync_core::data::{DataSource, Dataset, DistributedSampler};
-use gradsync_core::device::Device;
+use gradsync_core::device::{Device, DeviceRequest};
 use gradsync_core::metrics::{Header, HostInfo, MetricsWriter, Record, SCHEMA_VERSION, Step, unix_ms};
 use gradsync_core::model::Fingerprint;
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::cli::{Mode, TrainArgs};
-use crate::strategy::{Ddp, Dp, Local, Ps, Strategy, ms_since};
+use crate::cli::TrainArgs;
+use crate::strategy::{Strategy, ms_since};
 
 /// What a finished run reports.
 #[derive(Debug, Clone, PartialEq)]
@@ -56,15 +56,22 @@ impl Run {
     /// Resolve the flags: rank, device, data and the model's shape.
     pub fn prepare(mut args: TrainArgs) -> anyhow::Result<Run> {
         let (rank, world) = args.dist.resolve()?;
-        let device = Device::resolve(args.device, args.threads).context("--device")?;
         let source = args
             .data
             .clone()
             .unwrap_or_else(|| DataSource::synthetic_for(args.model.input(), args.model.classes()));
+        let mut device = Device::resolve(args.device, args.threads).context("--device")?;
+        if args.device == DeviceRequest::Auto && device.is_cuda() {
+            // One GPU per rank on a node, as torchrun users expect: --device auto means
+            // cuda:LOCAL_RANK.
+            let local = args.dist.local();
+            device = Device::resolve(DeviceRequest::Cuda(local), args.threads)
+                .with_context(|| format!("--device auto with LOCAL_RANK {local}"))?;
+        }
         let data = source.load(args.seed).with_context(|| format!("--data {source}"))?;
         args.model = args.model.clone().with_io(data.dim, data.classes);
         args.data = Some(source);
-        let sgd = args.sgd();
+        let sgd = args.optimiser.sgd();
         // One metrics and trace file per process: `{rank}` in a path becomes this rank, so one
         // launcher command line serves every child.
         for path in [&mut args.metrics, &mut args.trace] {
@@ -84,32 +91,8 @@ impl Run {
 
 /// Train according to `args`, with the strategy its `--mode` names.
 pub fn train(args: TrainArgs) -> anyhow::Result<Summary> {
-    let mut run = Run::prepare(args)?;
-    if run.args.mode == Mode::Ddp
-        && run.args.device == gradsync_core::device::DeviceRequest::Auto
-        && run.device.is_cuda()
-    {
-        // One GPU per rank on a node, as torchrun users expect: --device auto means
-        // cuda:LOCAL_RANK.
-        let local = run.args.dist.local();
-        run.device = Device::resolve(gradsync_core::device::DeviceRequest::Cuda(local), run.args.threads)
-            .with_context(|| format!("--device auto with LOCAL_RANK {local}"))?;
-    }
-    if run.args.mode == Mode::Dp {
-        // DP's "world" is its replicas: the loop draws one global batch of replicas x batch.
-        run.world = run.args.dp.replicas.unwrap_or(run.world);
-    }
-    if let Some(slow) = run.args.slow_rank {
-        slow.check(run.world)?;
-    }
-    let strategy: Box<dyn Strategy> = match run.args.mode {
-        Mode::Local => Box::new(Local::new(run.sgd, run.trace.clone())),
-        Mode::Dp => Box::new(Dp::new(&run)?),
-        Mode::Ps => Box::new(
-            Ps::new(&run.args.ps, run.rank, run.world, run.fingerprint().text)?.with_trace(run.trace.clone()),
-        ),
-        Mode::Ddp => Box::new(Ddp::connect(&run)?),
-    };
+    let run = Run::prepare(args)?;
+    let strategy = crate::strategy::build(&run)?;
     run_loop(&run, strategy)
 }
 
@@ -125,13 +108,10 @@ pub fn run_loop(run: &Run, strategy: Box<dyn Strategy>) -> anyhow::Result<Summar
 
 fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summary> {
     let args = &run.args;
-    // DP scatters one global batch over its replicas inside the process; every other mode
-    // draws its own shard.
-    let (world, rank, batch) = match args.mode {
-        Mode::Dp => (1, 0, args.batch * run.world),
-        _ => (run.world, run.rank, args.batch),
-    };
-    let global_batch = args.batch * run.world;
+    // Each process draws its own shard of the data, `--batch` rows per replica it trains.
+    let shape = strategy.shape();
+    let (world, rank, batch) = (shape.processes, shape.rank, args.batch * shape.replicas);
+    let global_batch = args.batch * shape.workers();
     let leader = run.rank == 0;
     let mut engine = Engine::new(run.device, args.model.clone(), args.seed)?;
     let fingerprint = run.fingerprint();
@@ -160,11 +140,11 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
     // registration (a contradicting flag is refused, never recorded).
     let sgd = match strategy.applied_optimiser() {
         Some(applied) => {
-            if let Err(e) = args.check_optimiser(&applied, "the parameter servers") {
+            if let Err(e) = args.optimiser.check(&applied, "the parameter servers") {
                 // Leave the servers as they were: without this they would hold the rank as
                 // registered until it timed out, and refuse it when started again.
                 let _ = strategy.finish(&mut engine);
-                return Err(e);
+                return Err(e.into());
             }
             applied
         }
@@ -202,7 +182,7 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             params: engine.layout().len,
             batch: args.batch,
             global_batch,
-            world_size: run.world,
+            world_size: shape.workers(),
             rank: run.rank,
             seed: args.seed,
             data: args.data.as_ref().map(|d| d.to_string()).unwrap_or_default(),
@@ -237,10 +217,10 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             run.data.gather(chunk, &mut x, &mut y);
             let mut rec =
                 Step { rank: run.rank, step, epoch, samples: step * global_batch as u64, ..Step::default() };
-            // The injected straggler delay (DP delays its replica inside the strategy).
+            // The injected straggler delay (a strategy with several replicas delays its own).
             if let Some(slow) = args.slow_rank
                 && slow.rank == run.rank
-                && args.mode != Mode::Dp
+                && shape.replicas == 1
             {
                 let t = Instant::now();
                 std::thread::sleep(slow.delay());

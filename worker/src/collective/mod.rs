@@ -1,7 +1,8 @@
 //! Collective communication between the ranks of a DDP run: one small trait, two backends.
 //!
 //! - Here: the [`Collective`] trait, [`RingConfig`] and [`Transport`] (what the command line
-//!   sets), and [`segment`], the one way a buffer is cut among ranks.
+//!   sets), and [`segment`] (core's one way of cutting the flat buffer, which the
+//!   parameter servers' shards use too).
 //! - [`tcp`]: the TCP communicator: the mesh of links between ranks and its set-up;
 //!   `frame`: the socket link and the length-checked frames over it, with the errors that name
 //!   the peer; `reduce`: the element-wise sums every host collective (and DP) shares;
@@ -36,6 +37,7 @@ pub mod tcp;
 use std::ops::Range;
 use std::time::Duration;
 
+pub use gradsync_core::model::segment;
 use serde::{Deserialize, Serialize};
 
 pub use nccl::Nccl;
@@ -258,14 +260,6 @@ impl RingConfig {
     }
 }
 
-/// Segment `k` of `0..len` split as evenly as possible into `parts`: the first `len % parts`
-/// segments hold one value more. Segments may be empty when `len < parts`.
-pub fn segment(len: usize, parts: usize, k: usize) -> Range<usize> {
-    let (q, r) = (len / parts, len % parts);
-    let start = k * q + k.min(r);
-    start..start + q + usize::from(k < r)
-}
-
 /// Check that `root` (or `peer`) names a rank.
 pub(crate) fn check_rank(what: &'static str, r: usize, world: usize) -> Result<()> {
     if r >= world {
@@ -275,25 +269,4 @@ pub(crate) fn check_rank(what: &'static str, r: usize, world: usize) -> Result<(
         });
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::segment;
-
-    #[test]
-    fn segments_tile_the_range() {
-        for len in [0, 1, 2, 7, 8, 9, 100] {
-            for parts in 1..=8 {
-                let mut end = 0;
-                for k in 0..parts {
-                    let s = segment(len, parts, k);
-                    assert_eq!(s.start, end);
-                    assert!(s.len() <= len / parts + 1);
-                    end = s.end;
-                }
-                assert_eq!(end, len);
-            }
-        }
-    }
 }

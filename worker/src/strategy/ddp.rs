@@ -11,21 +11,23 @@
 //! GPU engines with TCP (and `--no-overlap`) reduce the buckets after backward, staged
 //! through host memory for TCP.
 
+use std::ops::Range;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::device::Device;
+use gradsync_core::engine::{Bucket, BucketGrads, DeviceGrads};
 use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
 use gradsync_core::model::BucketPlan;
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 
-use super::{Strategy, ms_since, timed_span};
-use crate::cli::Backend;
-use crate::collective::{Collective, Nccl, RingConfig, TcpComm, Traffic};
+use super::{Shape, Strategy, backward, forward, timed_span};
+use crate::cli::{Backend, DdpArgs};
+use crate::collective::{Collective, CommError, Nccl, RingConfig, TcpComm, Traffic, Transport};
 use crate::rendezvous::{self, RendezvousConfig};
 use crate::train::Run;
 
@@ -46,10 +48,69 @@ impl Comm {
     }
 }
 
+/// What DDP needs to know.
+#[derive(Debug, Clone)]
+pub struct DdpConfig {
+    /// Where to meet the other ranks, this rank's place among them, and the timeout of every
+    /// blocking call.
+    pub rendezvous: RendezvousConfig,
+    /// The collective backend.
+    pub backend: Backend,
+    /// This rank's device (NCCL needs a GPU).
+    pub device: Device,
+    /// Values per gradient bucket.
+    pub bucket_values: usize,
+    /// Synchronise every this many steps, accumulating in between.
+    pub sync_every: u64,
+    /// Reduce each bucket while backward computes the rest.
+    pub overlap: bool,
+    /// The TCP ring's chunk, KiB.
+    pub chunk_kb: usize,
+    /// How the TCP ring reaches its neighbours.
+    pub transport: Transport,
+    /// The optimiser every rank applies.
+    pub sgd: SgdConfig,
+    /// Timeline recorder (`--trace`).
+    pub trace: Trace,
+}
+
+impl DdpConfig {
+    /// From the `--mode ddp` flags of `run`, checked.
+    pub fn from_args(d: &DdpArgs, run: &Run) -> anyhow::Result<DdpConfig> {
+        anyhow::ensure!(d.bucket_mb > 0.0 && d.bucket_mb.is_finite(), "--bucket-mb must be positive");
+        anyhow::ensure!(d.sync_every >= 1, "--sync-every must be at least 1");
+        anyhow::ensure!(
+            d.comm_timeout > 0.0 && d.comm_timeout.is_finite(),
+            "--comm-timeout must be a positive number of seconds"
+        );
+        Ok(DdpConfig {
+            rendezvous: RendezvousConfig {
+                master: d.master()?,
+                rank: run.rank,
+                world: run.world,
+                fingerprint: run.fingerprint().text,
+                token: d.ring_token.clone(),
+                timeout: Duration::from_secs_f64(d.comm_timeout),
+                nccl: d.backend == Backend::Nccl,
+            },
+            backend: d.backend,
+            device: run.device,
+            bucket_values: ((d.bucket_mb * (1 << 20) as f64) / 4.0).max(1.0) as usize,
+            sync_every: d.sync_every,
+            overlap: !d.no_overlap,
+            chunk_kb: d.chunk_kb,
+            transport: d.transport,
+            sgd: run.sgd,
+            trace: run.trace.clone(),
+        })
+    }
+}
+
 /// DDP over one communicator.
 pub struct Ddp {
     comm: Comm,
     sgd: SgdConfig,
+    rank: usize,
     world: usize,
     bucket_values: usize,
     plan: Option<BucketPlan>,
@@ -66,71 +127,60 @@ pub struct Ddp {
 
 impl Ddp {
     /// Meet the other ranks (rendezvous through rank 0's store) and connect the backend.
-    pub fn connect(run: &Run) -> anyhow::Result<Ddp> {
-        let d = &run.args.ddp;
-        anyhow::ensure!(d.bucket_mb > 0.0 && d.bucket_mb.is_finite(), "--bucket-mb must be positive");
-        anyhow::ensure!(d.sync_every >= 1, "--sync-every must be at least 1");
-        anyhow::ensure!(
-            d.comm_timeout > 0.0 && d.comm_timeout.is_finite(),
-            "--comm-timeout must be a positive number of seconds"
-        );
-        let timeout = Duration::from_secs_f64(d.comm_timeout);
-        let cfg = RendezvousConfig {
-            master: d.master()?,
-            rank: run.rank,
-            world: run.world,
-            fingerprint: run.fingerprint().text,
-            token: d.ring_token.clone(),
-            timeout,
-            nccl: d.backend == Backend::Nccl,
-        };
-        let comm = match d.backend {
+    pub fn connect(c: DdpConfig) -> anyhow::Result<Ddp> {
+        let cfg = &c.rendezvous;
+        let (rank, world) = (cfg.rank, cfg.world);
+        let comm = match c.backend {
             Backend::Tcp => {
                 let ring = RingConfig {
-                    timeout,
-                    chunk_bytes: d.chunk_kb << 10,
-                    transport: d.transport,
+                    timeout: cfg.timeout,
+                    chunk_bytes: c.chunk_kb << 10,
+                    transport: c.transport,
                     ..RingConfig::default()
                 };
                 Comm::Tcp(
-                    rendezvous::connect_tcp(&cfg, ring).with_context(|| {
-                        format!("joining the ring of {} ranks at {}", run.world, cfg.master)
-                    })?,
+                    rendezvous::connect_tcp(cfg, ring)
+                        .with_context(|| format!("joining the ring of {world} ranks at {}", cfg.master))?,
                 )
             }
             Backend::Nccl => {
-                let Device::Cuda { ordinal } = run.device else {
+                let Device::Cuda { ordinal } = c.device else {
                     anyhow::bail!("--backend nccl works on GPU memory: use --device cuda (or --backend tcp)");
                 };
-                let id = if run.world == 1 {
+                let id = if world == 1 {
                     crate::collective::nccl::unique_id()?
                 } else {
-                    rendezvous::join(&cfg)?.nccl_id.context("the store sent no NCCL id")?
+                    rendezvous::join(cfg)?.nccl_id.context("the store sent no NCCL id")?
                 };
-                Comm::Nccl(Box::new(Nccl::new(ordinal, run.rank, run.world, &id, timeout)?))
+                Comm::Nccl(Box::new(Nccl::new(ordinal, rank, world, &id, cfg.timeout)?))
             }
         };
         Ok(Ddp {
             comm,
-            sgd: run.sgd,
-            world: run.world,
-            bucket_values: ((d.bucket_mb * (1 << 20) as f64) / 4.0).max(1.0) as usize,
+            sgd: c.sgd,
+            rank,
+            world,
+            bucket_values: c.bucket_values,
             plan: None,
-            sync_every: d.sync_every,
+            sync_every: c.sync_every,
             micro: 0,
-            overlap: !d.no_overlap,
-            backend: d.backend,
-            chunk_kb: d.chunk_kb,
+            overlap: c.overlap,
+            backend: c.backend,
+            chunk_kb: c.chunk_kb,
             staging: Vec::new(),
-            trace: run.trace.clone(),
+            trace: c.trace,
         })
     }
 
-    /// All-reduce every bucket after backward, through host memory.
-    fn reduce_after(&mut self, engine: &mut Engine, plan: &BucketPlan) -> anyhow::Result<()> {
+    /// All-reduce `buckets` after backward, through host memory.
+    fn reduce_after(
+        &mut self,
+        engine: &mut Engine,
+        buckets: &[std::ops::Range<usize>],
+    ) -> anyhow::Result<()> {
         let n = engine.layout().len;
         self.staging.resize(n, 0.0);
-        for b in &plan.buckets {
+        for b in buckets {
             let host = &mut self.staging[b.clone()];
             engine.read_grads(b.clone(), host)?;
             self.comm.get().all_reduce(host).with_context(|| format!("all-reduce of bucket {b:?}"))?;
@@ -140,104 +190,177 @@ impl Ddp {
     }
 }
 
-/// Backward with each bucket all-reduced by a scoped thread as soon as it is ready. Returns
-/// (backward ms, communication busy ms, exposed ms).
-fn backward_overlapped(
-    engine: &mut Engine,
-    comm: &mut TcpComm,
-    plan: &BucketPlan,
-    accumulate: bool,
-    trace: &Trace,
-) -> anyhow::Result<(f64, f64, f64)> {
-    let t0 = Instant::now();
-    let (tx, rx) = mpsc::channel::<(usize, std::ops::Range<usize>, &mut [f32])>();
-    let (bwd, bwd_end, reduced) = std::thread::scope(|s| {
-        let worker = s.spawn(move || -> anyhow::Result<Vec<(Instant, Instant)>> {
-            let mut spans = Vec::new();
-            for (i, range, bucket) in rx {
-                let t = Instant::now();
-                comm.all_reduce(bucket).with_context(|| format!("all-reduce of bucket {range:?}"))?;
-                spans.push((t, Instant::now()));
-                let mut args = serde_json::Map::new();
-                args.insert("bytes".into(), (4 * range.len()).into());
-                trace.span_with(format!("allreduce b{i}"), "comm", "comm", t, Instant::now(), args);
-            }
-            Ok(spans)
-        });
-        let bwd = engine.backward_host_buckets(plan, accumulate, &mut |i, range, view| {
-            // If the thread has failed it has dropped the receiver; its error is reported below.
-            let _ = tx.send((i, range, view));
-        });
-        let bwd_end = Instant::now();
-        trace.span("backward", "compute", "compute", t0);
-        drop(tx);
-        let reduced =
-            worker.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the communication thread panicked")));
-        (bwd, bwd_end, reduced)
-    });
-    let spans = reduced?;
-    bwd?;
-    let (busy, exposed) = comm_split(&spans, bwd_end);
-    Ok(((bwd_end - t0).as_secs_f64() * 1e3, busy, exposed))
+/// A finished host bucket on its way to the communication thread: index, range, values.
+type HostBucket<'a> = (usize, Range<usize>, &'a mut [f32]);
+
+/// What a step does with each bucket backward finishes, decided per bucket by where its
+/// values live and what the communicator can reduce: a host bucket goes to the TCP ring's
+/// communication thread at once (overlap), a GPU bucket is queued on NCCL's stream at once
+/// (overlap), and anything else waits for the end of backward and is staged through host
+/// memory.
+struct Reducer<'a, 'env> {
+    /// The overlapping TCP ring's communication thread, fed through this channel.
+    thread: Option<mpsc::Sender<HostBucket<'a>>>,
+    /// Whether finished buckets may start at once.
+    overlap: bool,
+    /// The latest GPU bucket: waiting on its stream waits for all of backward.
+    device: Option<DeviceGrads>,
+    /// What is left to do once backward has ended.
+    after: AfterBackward<'env>,
 }
 
-/// Backward on a GPU engine with NCCL reducing the buckets in GPU memory: each bucket's
-/// all-reduce is queued on NCCL's stream behind an event on the compute stream the moment
-/// backward finishes it (or, without overlap, all of them after backward). Returns (backward
-/// ms, communication ms from the first queued reduction to the last one's end, exposed ms).
-fn backward_nccl(
+/// What a step's reductions leave for after backward.
+struct AfterBackward<'env> {
+    /// NCCL, when the communicator is NCCL.
+    nccl: Option<&'env mut Nccl>,
+    /// GPU buckets for NCCL, queued after backward (no overlap).
+    deferred: Vec<DeviceGrads>,
+    /// Buckets staged through host memory after backward.
+    staged: Vec<Range<usize>>,
+    /// When the first reduction was queued on NCCL.
+    first_queued: Option<Instant>,
+    /// The first error queueing on NCCL; later buckets are not queued.
+    failed: Option<CommError>,
+}
+
+impl<'a> Reducer<'a, '_> {
+    fn ready(&mut self, b: Bucket<'a>) {
+        if let BucketGrads::Device(g) = &b.grads {
+            self.device = Some(g.clone());
+        }
+        let after = &mut self.after;
+        match (b.grads, &mut after.nccl, &self.thread) {
+            (BucketGrads::Host(view), None, Some(tx)) => {
+                // If the thread has failed it has dropped the receiver; its error is reported
+                // when it is joined.
+                let _ = tx.send((b.index, b.range, view));
+            }
+            (BucketGrads::Device(grads), Some(nccl), _) if self.overlap => {
+                if after.failed.is_none() {
+                    after.first_queued.get_or_insert_with(Instant::now);
+                    // SAFETY: the engine outlives this step, and nothing touches the bucket
+                    // until wait_all returns (on every path: see `settle`).
+                    let queued =
+                        unsafe { nccl.all_reduce_device_after(grads.address(), grads.len(), grads.stream()) };
+                    if let Err(e) = queued {
+                        after.failed = Some(e);
+                    }
+                }
+            }
+            (BucketGrads::Device(grads), Some(_), _) => after.deferred.push(grads),
+            _ => after.staged.push(b.range),
+        }
+    }
+}
+
+/// Backward with every bucket all-reduced as [`Reducer`] decides. Returns (backward ms,
+/// communication busy ms, exposed ms).
+fn backward_reduced(
+    ddp: &mut Ddp,
     engine: &mut Engine,
-    nccl: &mut Nccl,
     plan: &BucketPlan,
     accumulate: bool,
-    overlap: bool,
 ) -> anyhow::Result<(f64, f64, f64)> {
+    let trace = ddp.trace.clone();
+    let overlap = ddp.overlap;
     let t0 = Instant::now();
-    let mut first: Option<Instant> = None;
-    let mut deferred = Vec::new();
-    let mut failed = None;
-    let bwd = engine.backward_device_buckets(plan, accumulate, &mut |_, range, ptr, stream| {
-        if !overlap {
-            deferred.push((ptr, range.len(), stream.clone()));
-            return;
+    let (nccl, tcp) = match &mut ddp.comm {
+        Comm::Nccl(n) => (Some(n.as_mut()), None),
+        Comm::Tcp(c) => (None, Some(c)),
+    };
+    let host_overlap = overlap && !engine.is_cuda();
+    let (bwd, bwd_end, spans, after) = std::thread::scope(|s| {
+        let (tx, rx) = mpsc::channel::<HostBucket<'_>>();
+        let trace_comm = &trace;
+        let worker = match tcp {
+            Some(comm) if host_overlap => {
+                Some(s.spawn(move || -> anyhow::Result<Vec<(Instant, Instant)>> {
+                    let mut spans = Vec::new();
+                    for (i, range, bucket) in rx {
+                        let t = Instant::now();
+                        comm.all_reduce(bucket).with_context(|| format!("all-reduce of bucket {range:?}"))?;
+                        spans.push((t, Instant::now()));
+                        let mut args = serde_json::Map::new();
+                        args.insert("bytes".into(), (4 * range.len()).into());
+                        trace_comm.span_with(
+                            format!("allreduce b{i}"),
+                            "comm",
+                            "comm",
+                            t,
+                            Instant::now(),
+                            args,
+                        );
+                    }
+                    Ok(spans)
+                }))
+            }
+            _ => None,
+        };
+        let mut r = Reducer {
+            thread: worker.is_some().then_some(tx),
+            overlap,
+            device: None,
+            after: AfterBackward {
+                nccl,
+                deferred: Vec::new(),
+                staged: Vec::new(),
+                first_queued: None,
+                failed: None,
+            },
+        };
+        let bwd = engine.backward_buckets(plan, accumulate, &mut |b| r.ready(b));
+        let Reducer { thread, device, after, .. } = r;
+        drop(thread);
+        // Backward ends when the device has run it; NCCL's reductions run on their own stream.
+        let bwd = bwd.and_then(|()| device.map_or(Ok(()), |g| g.synchronize()));
+        let bwd_end = Instant::now();
+        trace.span("backward", "compute", "compute", t0);
+        let spans = match worker {
+            Some(w) => w.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the communication thread panicked"))),
+            None => Ok(Vec::new()),
+        };
+        (bwd, bwd_end, spans, after)
+    });
+    let AfterBackward { nccl, deferred, staged, first_queued, failed } = after;
+    let mut spans = spans?;
+    if let Some(nccl) = nccl {
+        // Once a reduction is queued, no error may leave this step before NCCL is done with
+        // the gradient buffer: the engine could be dropped, and the buffer freed, while it
+        // writes.
+        let queued = first_queued.is_some();
+        let settle = |nccl: &mut Nccl, queued: bool, e: anyhow::Error| {
+            if queued {
+                let _ = nccl.wait_all();
+            }
+            e
+        };
+        let ready = bwd.map_err(anyhow::Error::from).and_then(|()| {
+            failed.map_or(Ok(()), |e| Err(anyhow::Error::from(e).context("queueing a bucket's all-reduce")))
+        });
+        if let Err(e) = ready {
+            return Err(settle(nccl, queued, e));
         }
-        if failed.is_none() {
+        let mut first = first_queued;
+        for grads in deferred {
             first.get_or_insert_with(Instant::now);
-            // SAFETY: the engine's gradient buffer outlives this step, and nothing touches the
-            // bucket until wait_all below returns (on every path: see `settle`).
-            if let Err(e) = unsafe { nccl.all_reduce_device_after(ptr, range.len(), stream) } {
-                failed = Some(e);
+            // SAFETY: as above; backward has finished with the buffer.
+            let queued =
+                unsafe { nccl.all_reduce_device_after(grads.address(), grads.len(), grads.stream()) };
+            if let Err(e) = queued {
+                return Err(settle(nccl, true, anyhow::Error::from(e).context("queueing an all-reduce")));
             }
         }
-    });
-    // Once a reduction is queued, no error may leave this step before NCCL is done with the
-    // gradient buffer: the engine could be dropped, and the buffer freed, while it writes.
-    let settle = |nccl: &mut Nccl, queued: bool, e: anyhow::Error| {
-        if queued {
-            let _ = nccl.wait_all();
-        }
-        e
-    };
-    let ready = bwd
-        .map_err(anyhow::Error::from)
-        .and_then(|_| {
-            failed.map_or(Ok(()), |e| Err(anyhow::Error::from(e).context("queueing a bucket's all-reduce")))
-        })
-        .and_then(|()| engine.synchronize().map_err(anyhow::Error::from));
-    if let Err(e) = ready {
-        return Err(settle(nccl, first.is_some(), e));
+        nccl.wait_all().context("waiting for the all-reduces")?;
+        spans.extend(first.map(|f| (f, Instant::now())));
+    } else {
+        bwd?;
     }
-    let bwd_end = Instant::now();
-    for (ptr, len, stream) in deferred {
-        first.get_or_insert_with(Instant::now);
-        // SAFETY: as above; backward has finished with the buffer.
-        if let Err(e) = unsafe { nccl.all_reduce_device_after(ptr, len, &stream) } {
-            return Err(settle(nccl, true, anyhow::Error::from(e).context("queueing an all-reduce")));
-        }
+    if !staged.is_empty() {
+        let t = Instant::now();
+        ddp.reduce_after(engine, &staged)?;
+        trace.span("allreduce", "comm", "comm", t);
+        spans.push((t, Instant::now()));
     }
-    nccl.wait_all().context("waiting for the all-reduces")?;
-    let end = Instant::now();
-    let spans: Vec<(Instant, Instant)> = first.map(|f| (f, end)).into_iter().collect();
     let (busy, exposed) = comm_split(&spans, bwd_end);
     Ok(((bwd_end - t0).as_secs_f64() * 1e3, busy, exposed))
 }
@@ -254,6 +377,10 @@ fn comm_split(spans: &[(Instant, Instant)], bwd_end: Instant) -> (f64, f64) {
 }
 
 impl Strategy for Ddp {
+    fn shape(&self) -> Shape {
+        Shape::processes(self.world, self.rank)
+    }
+
     fn start(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
         self.plan = Some(BucketPlan::with_cap(engine.layout(), self.bucket_values));
         // One set of initial parameters (and momentum, for --load) for every rank: rank 0's.
@@ -314,40 +441,19 @@ impl Ddp {
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
         let trace = self.trace.clone();
-        let (loss, ms) = timed_span(engine, &trace, "forward", |e| e.forward(x, y, true))?;
-        rec.forward_ms = ms;
+        let loss = forward(engine, x, y, rec, &trace)?;
         self.micro += 1;
         let accumulate = !(self.micro - 1).is_multiple_of(self.sync_every);
         if !self.micro.is_multiple_of(self.sync_every) {
             // DDP's no_sync: accumulate locally, no communication, no update.
-            let ((), ms) = timed_span(engine, &trace, "backward", |e| e.backward(accumulate))?;
-            rec.backward_ms = ms;
+            backward(engine, accumulate, rec, &trace)?;
             return Ok(loss);
         }
         let before: Traffic = self.comm.get().traffic();
-        match &mut self.comm {
-            Comm::Tcp(comm) if self.overlap && !engine.is_cuda() => {
-                let (bwd, busy, exposed) = backward_overlapped(engine, comm, plan, accumulate, &trace)?;
-                rec.backward_ms = bwd;
-                rec.comm_ms = busy;
-                rec.comm_exposed_ms = exposed;
-            }
-            Comm::Nccl(nccl) if engine.is_cuda() => {
-                let (bwd, busy, exposed) = backward_nccl(engine, nccl, plan, accumulate, self.overlap)?;
-                rec.backward_ms = bwd;
-                rec.comm_ms = busy;
-                rec.comm_exposed_ms = exposed;
-            }
-            _ => {
-                let ((), ms) = timed_span(engine, &trace, "backward", |e| e.backward(accumulate))?;
-                rec.backward_ms = ms;
-                let t = Instant::now();
-                self.reduce_after(engine, plan)?;
-                trace.span("allreduce", "comm", "comm", t);
-                rec.comm_ms = ms_since(t);
-                rec.comm_exposed_ms = rec.comm_ms;
-            }
-        }
+        let (bwd, busy, exposed) = backward_reduced(self, engine, plan, accumulate)?;
+        rec.backward_ms = bwd;
+        rec.comm_ms = busy;
+        rec.comm_exposed_ms = exposed;
         let moved = self.comm.get().traffic() - before;
         rec.bytes_sent = moved.sent;
         rec.bytes_recv = moved.recv;

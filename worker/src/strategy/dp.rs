@@ -14,10 +14,51 @@ use gradsync_core::mlp::BatchLoss;
 use gradsync_core::model::ModelSpec;
 use gradsync_core::optim::SgdConfig;
 
-use super::{Strategy, ms_since, timed};
-use crate::cli::{FaultKind, ReplicaFault};
+use gradsync_core::trace::Trace;
+
+use super::{Shape, Strategy, backward, forward, ms_since, timed};
 use crate::collective::reduce::add_into;
-use crate::train::Run;
+
+/// What DP needs to know.
+#[derive(Debug, Clone)]
+pub struct DpConfig {
+    /// Replicas in the process.
+    pub replicas: usize,
+    /// Replica 0's device; the others take the next GPUs round-robin (the same CPU).
+    pub device: Device,
+    /// The model.
+    pub spec: ModelSpec,
+    /// The initialisation seed.
+    pub seed: u64,
+    /// The optimiser replica 0 applies.
+    pub sgd: SgdConfig,
+    /// The replica to delay before each step's forward pass, and by how much.
+    pub slow: Option<(usize, std::time::Duration)>,
+    /// An injected fault, if any.
+    pub fault: Option<ReplicaFault>,
+    /// Timeline recorder (`--trace`).
+    pub trace: Trace,
+}
+
+/// How an injected replica fault shows (`--fail-replica`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    /// The replica's thread panics.
+    Panic,
+    /// The replica's forward pass returns an error, as a failing device's would.
+    Error,
+}
+
+/// `--fail-replica K:N:KIND`: which replica fails, in which step, and how.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaFault {
+    /// The failing replica.
+    pub replica: usize,
+    /// The step (1-based) it fails in.
+    pub step: u64,
+    /// Panic or error.
+    pub kind: FaultKind,
+}
 
 /// Replica 0 is the engine the training loop owns; these are the others.
 pub struct Dp {
@@ -36,6 +77,8 @@ pub struct Dp {
     fault: Option<ReplicaFault>,
     /// Steps begun so far (the fault fires in one of them).
     steps: u64,
+    /// Timeline recorder: replica 0's compute spans.
+    trace: Trace,
 }
 
 /// How many CUDA devices can be used (ordinals 0.. that open).
@@ -44,18 +87,18 @@ fn cuda_count() -> usize {
 }
 
 impl Dp {
-    /// `--replicas` (default: --world-size) replicas of the run's model.
-    pub fn new(run: &Run) -> anyhow::Result<Dp> {
-        let replicas = run.args.dp.replicas.unwrap_or(run.world);
+    /// `cfg.replicas` replicas of the model.
+    pub fn new(cfg: DpConfig) -> anyhow::Result<Dp> {
+        let replicas = cfg.replicas;
         anyhow::ensure!(replicas >= 1, "--replicas must be at least 1");
-        if let Some(f) = run.args.dp.fail_replica {
+        if let Some(f) = cfg.fault {
             anyhow::ensure!(
                 f.replica < replicas,
                 "--fail-replica: replica {} is not below the {replicas} replicas",
                 f.replica
             );
         }
-        let devices = match run.device {
+        let devices = match cfg.device {
             Device::Cpu { threads } => vec![Device::Cpu { threads }; replicas],
             Device::Cuda { ordinal } => {
                 let n = cuda_count().max(ordinal + 1);
@@ -63,18 +106,19 @@ impl Dp {
             }
         };
         Ok(Dp {
-            sgd: run.sgd,
+            sgd: cfg.sgd,
             replicas,
             devices,
-            spec: run.args.model.clone(),
-            seed: run.args.seed,
+            spec: cfg.spec,
+            seed: cfg.seed,
             others: Vec::new(),
             sum: Vec::new(),
             tmp: Vec::new(),
             params: Vec::new(),
-            slow: run.args.slow_rank.map(|s| (s.rank, s.delay())),
-            fault: run.args.dp.fail_replica,
+            slow: cfg.slow,
+            fault: cfg.fault,
             steps: 0,
+            trace: cfg.trace,
         })
     }
 }
@@ -90,6 +134,11 @@ fn panicked(payload: Box<dyn std::any::Any + Send>) -> anyhow::Error {
 }
 
 impl Strategy for Dp {
+    fn shape(&self) -> Shape {
+        // One process scatters each global batch over its replicas.
+        Shape { processes: 1, rank: 0, replicas: self.replicas }
+    }
+
     fn start(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
         let p = engine.params()?;
         self.others = self.devices[1..]
@@ -128,6 +177,7 @@ impl Strategy for Dp {
         let fault = self.fault.filter(|f| f.step == self.steps);
         let results: Vec<anyhow::Result<(BatchLoss, f64, f64)>> = std::thread::scope(|s| {
             let slow = self.slow;
+            let trace = &self.trace;
             let work = move |e: &mut Engine, k: usize| -> anyhow::Result<(BatchLoss, f64, f64)> {
                 if let Some((r, d)) = slow
                     && r == k
@@ -144,9 +194,13 @@ impl Strategy for Dp {
                     _ => {}
                 }
                 let (xs, ys) = (&x[k * rows * dim..(k + 1) * rows * dim], &y[k * rows..(k + 1) * rows]);
-                let (loss, f) = timed(e, |e| e.forward(xs, ys, true))?;
-                let ((), b) = timed(e, |e| e.backward(false))?;
-                Ok((loss, f, b))
+                // Replica 0 records its spans; the others run the same work beside it.
+                let off = Trace::disabled();
+                let trace = if k == 0 { trace } else { &off };
+                let mut rec = Step::default();
+                let loss = forward(e, xs, ys, &mut rec, trace)?;
+                backward(e, false, &mut rec, trace)?;
+                Ok((loss, rec.forward_ms, rec.backward_ms))
             };
             let handles: Vec<_> =
                 self.others.iter_mut().enumerate().map(|(i, e)| s.spawn(move || work(e, i + 1))).collect();

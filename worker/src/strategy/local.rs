@@ -7,23 +7,29 @@ use gradsync_core::mlp::BatchLoss;
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 
-use super::{Strategy, forward_backward_traced, timed_span};
+use super::{Shape, Strategy, forward_backward, timed_span};
 
 /// Forward, backward, update.
 #[derive(Debug)]
 pub struct Local {
     sgd: SgdConfig,
+    shape: Shape,
     trace: Trace,
 }
 
 impl Local {
-    /// With these optimiser settings, recording spans in `trace`.
-    pub fn new(sgd: SgdConfig, trace: Trace) -> Self {
-        Local { sgd, trace }
+    /// With these optimiser settings, on shard `shape` of the data (the whole of it, unless
+    /// the flags name a rank), recording spans in `trace`.
+    pub fn new(sgd: SgdConfig, shape: Shape, trace: Trace) -> Self {
+        Local { sgd, shape, trace }
     }
 }
 
 impl Strategy for Local {
+    fn shape(&self) -> Shape {
+        self.shape
+    }
+
     fn start(&mut self, _engine: &mut Engine) -> anyhow::Result<()> {
         Ok(())
     }
@@ -35,7 +41,7 @@ impl Strategy for Local {
         y: &[u32],
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
-        let loss = forward_backward_traced(engine, x, y, rec, &self.trace)?;
+        let loss = forward_backward(engine, x, y, rec, &self.trace)?;
         let ((), ms) = timed_span(engine, &self.trace, "update", |e| e.update(&self.sgd, 1.0))?;
         rec.update_ms = ms;
         Ok(loss)

@@ -1,5 +1,11 @@
 //! How one step's gradients become an update: the one seam between the training loop (written
 //! once, in [`crate::train`]) and the ways of synchronising, each in its own file.
+//!
+//! Here: the [`Strategy`] trait, the [`Shape`] through which a strategy tells the loop how to
+//! draw its data, [`build`] (the one place the mode is matched: each strategy gets its own
+//! typed configuration from the resolved flags), and the timed compute helpers every strategy
+//! shares ([`forward`], [`backward`]), so forward and backward are timed and traced in one
+//! place.
 
 mod ddp;
 mod dp;
@@ -13,13 +19,73 @@ use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
 use gradsync_core::trace::Trace;
 
-pub use ddp::Ddp;
-pub use dp::Dp;
+pub use ddp::{Ddp, DdpConfig};
+pub use dp::{Dp, DpConfig, FaultKind, ReplicaFault};
 pub use local::Local;
 pub use ps::Ps;
 
+use crate::cli::Mode;
+use crate::train::Run;
+
+/// How the training data is split among a strategy's ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// Processes that each draw their own shard of the training data (the sampler's world).
+    pub processes: usize,
+    /// This process's shard.
+    pub rank: usize,
+    /// Replicas trained inside this process, each on its own `--batch` rows: the loop hands
+    /// the strategy `replicas x batch` rows per step (DP's scatter), and a replica's
+    /// injected delay (`--slow-rank`) is the strategy's to apply.
+    pub replicas: usize,
+}
+
+impl Shape {
+    /// One replica per process, this process being `rank` of `processes`.
+    pub fn processes(processes: usize, rank: usize) -> Shape {
+        Shape { processes, rank, replicas: 1 }
+    }
+
+    /// Every replica in the run: the workers a global batch is split over.
+    pub fn workers(&self) -> usize {
+        self.processes * self.replicas
+    }
+}
+
+/// The strategy `--mode` names, configured from the resolved flags.
+pub fn build(run: &Run) -> anyhow::Result<Box<dyn Strategy>> {
+    let args = &run.args;
+    // Checked before any strategy meets its peers.
+    let replicas = args.dp.replicas.unwrap_or(run.world);
+    if let Some(slow) = args.slow_rank {
+        slow.check(if args.mode == Mode::Dp { replicas } else { run.world })?;
+    }
+    Ok(match args.mode {
+        Mode::Local => {
+            Box::new(Local::new(run.sgd, Shape::processes(run.world, run.rank), run.trace.clone()))
+        }
+        Mode::Dp => Box::new(Dp::new(DpConfig {
+            replicas,
+            device: run.device,
+            spec: args.model.clone(),
+            seed: args.seed,
+            sgd: run.sgd,
+            slow: args.slow_rank.map(|s| (s.rank, s.delay())),
+            fault: args.dp.fail_replica,
+            trace: run.trace.clone(),
+        })?),
+        Mode::Ps => Box::new(
+            Ps::new(&args.ps, run.rank, run.world, run.fingerprint().text)?.with_trace(run.trace.clone()),
+        ),
+        Mode::Ddp => Box::new(Ddp::connect(DdpConfig::from_args(&args.ddp, run)?)?),
+    })
+}
+
 /// One way of training: local, DP, PS or DDP.
 pub trait Strategy {
+    /// How the loop draws this strategy's data.
+    fn shape(&self) -> Shape;
+
     /// Before the first step: agree on the initial parameters (broadcast, register, pull).
     fn start(&mut self, engine: &mut Engine) -> anyhow::Result<()>;
 
@@ -78,18 +144,8 @@ pub fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
-/// Forward and backward of one batch into the gradient buffer, timed into `rec`.
-pub fn forward_backward(
-    engine: &mut Engine,
-    x: &[f32],
-    y: &[u32],
-    rec: &mut Step,
-) -> anyhow::Result<BatchLoss> {
-    forward_backward_traced(engine, x, y, rec, &Trace::disabled())
-}
-
-/// [`forward_backward`], also recording `forward` and `backward` spans in `trace`.
-pub fn forward_backward_traced(
+/// Forward over a training batch, timed into `rec` and traced.
+pub fn forward(
     engine: &mut Engine,
     x: &[f32],
     y: &[u32],
@@ -98,7 +154,26 @@ pub fn forward_backward_traced(
 ) -> anyhow::Result<BatchLoss> {
     let (loss, ms) = timed_span(engine, trace, "forward", |e| e.forward(x, y, true))?;
     rec.forward_ms = ms;
-    let ((), ms) = timed_span(engine, trace, "backward", |e| e.backward(false))?;
+    Ok(loss)
+}
+
+/// Backward into the gradient buffer (added to it when `accumulate`), timed into `rec` and
+/// traced.
+pub fn backward(engine: &mut Engine, accumulate: bool, rec: &mut Step, trace: &Trace) -> anyhow::Result<()> {
+    let ((), ms) = timed_span(engine, trace, "backward", |e| e.backward(accumulate))?;
     rec.backward_ms = ms;
+    Ok(())
+}
+
+/// [`forward`] then [`backward`] of one batch, the gradient buffer overwritten.
+pub fn forward_backward(
+    engine: &mut Engine,
+    x: &[f32],
+    y: &[u32],
+    rec: &mut Step,
+    trace: &Trace,
+) -> anyhow::Result<BatchLoss> {
+    let loss = forward(engine, x, y, rec, trace)?;
+    backward(engine, false, rec, trace)?;
     Ok(loss)
 }

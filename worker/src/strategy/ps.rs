@@ -45,7 +45,7 @@ use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
-use super::{Strategy, forward_backward_traced, ms_since};
+use super::{Shape, Strategy, forward_backward, ms_since};
 use crate::cli::PsArgs;
 
 /// Adds the token to every request.
@@ -981,6 +981,10 @@ impl Ps {
 }
 
 impl Strategy for Ps {
+    fn shape(&self) -> Shape {
+        Shape::processes(self.world, self.rank)
+    }
+
     fn start(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
         let n = engine.layout().len;
         self.grads = vec![0.0; n];
@@ -1012,7 +1016,7 @@ impl Strategy for Ps {
         y: &[u32],
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
-        let loss = forward_backward_traced(engine, x, y, rec, &self.trace)?;
+        let loss = forward_backward(engine, x, y, rec, &self.trace)?;
         let t = Instant::now();
         let (client, grads, params) = (&mut self.client, &mut self.grads, &mut self.params);
         let (t_comm, (push, pull)) = if engine.is_cuda() {
