@@ -19,7 +19,7 @@ use clap::Args;
 use gradsync_core::model::{Fingerprint, Layout, ModelSpec};
 use gradsync_proto::tuning::Tuning;
 use gradsync_server::{Config, ParamServer, ShardSpec};
-use gradsync_worker::strategy::ps::PsClient;
+use gradsync_worker::ps::PsClient;
 use tokio::net::TcpListener;
 
 use crate::cluster::net::{Cluster, Shape};

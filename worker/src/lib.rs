@@ -4,6 +4,9 @@
 //! - [`cli`]: the flags of `gradsync-worker` (clap, with torchrun and Slurm variables).
 //! - [`train`]: the training loop, written once: data, sampler, evaluation, metrics, saving.
 //! - [`strategy`]: the [`strategy::Strategy`] seam and one file per mode behind it.
+//! - [`ps`]: the parameter-server client (`PsClient`: register, push, pull, heartbeat),
+//!   its connections, bulk RPCs over HTTP/2 frames, and the engine's memory as their source
+//!   and destination; `strategy::ps` drives it, `gradsync-bench ps` uses it directly.
 //! - [`collective`]: collectives between ranks behind one trait: the TCP ring (links in
 //!   `tcp`, shared-memory rings between ranks of one host in `shm`, algorithms in `ring` and
 //!   `chain`) and NCCL.
@@ -14,6 +17,7 @@
 pub mod cli;
 pub mod collective;
 pub mod launch;
+pub mod ps;
 pub mod rendezvous;
 pub mod strategy;
 pub mod train;

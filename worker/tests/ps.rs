@@ -16,7 +16,7 @@ use gradsync_proto::pb::{
     VersionRequest,
 };
 use gradsync_proto::tuning::Tuning;
-use gradsync_worker::strategy::ps::{Gradients, HostGrads, HostSlice, PsClient};
+use gradsync_worker::ps::{Gradients, HostGrads, HostSlice, PsClient};
 use tonic::Code;
 
 mod common;

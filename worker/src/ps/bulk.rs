@@ -1,0 +1,187 @@
+//! The two bulk RPCs of one shard, PushGradients and PullParameters: each message goes
+//! straight over the channel's HTTP/2 frames ([`frames`]), without tonic's codec and its two
+//! copies per message, or through the generated client when [`Tuning::direct`] is off (the
+//! benchmark's comparison rows). The wire format is the same either way.
+//!
+//! [`Tuning::direct`]: gradsync_proto::tuning::Tuning::direct
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use bytes::Bytes;
+use gradsync_proto::frames::{self, Frames, Incoming};
+use gradsync_proto::path::{PULL, PUSH};
+use gradsync_proto::pb::{GradientChunk, PullRequest, PushReply};
+use gradsync_proto::wire;
+use tonic::transport::Channel;
+
+use super::chunks::{ChunkSink, Gradients};
+use super::client::{Shard, Transfer};
+use super::connect::{Auth, deadline, request};
+use crate::strategy::ms_since;
+
+/// Gradient messages a push builds ahead of what HTTP/2 has taken.
+const PUSH_AHEAD: usize = 4;
+
+/// What the bulk RPCs need of a [`PsClient`].
+pub(super) struct Opts<'a> {
+    pub(super) timeout: Duration,
+    pub(super) direct: bool,
+    pub(super) limit: usize,
+    pub(super) auth: &'a Auth,
+    pub(super) rank: u32,
+    pub(super) chunk_bytes: usize,
+}
+
+/// The pushes' replies (and payload bytes) as one [`Transfer`], timed from `t`.
+pub(super) fn push_transfer(replies: &[(PushReply, u64)], t: Instant) -> Transfer {
+    replies.iter().fold(Transfer { ms: ms_since(t), ..Transfer::default() }, |a, (r, b)| Transfer {
+        bytes: a.bytes + b,
+        wait_ms: a.wait_ms.max(r.wait_ms),
+        staleness: a.staleness.max(r.staleness),
+        ms: a.ms,
+    })
+}
+
+/// Push shard `s`'s range of `grads` as one PushGradients call. Returns the reply and the
+/// payload bytes. Each message is built (one copy, from the gradient into the message) just
+/// before it is sent, so the first leaves at once and each is still in cache when the kernel
+/// copies it into the socket.
+pub(super) async fn push_shard<G: Gradients + ?Sized>(
+    o: &Opts<'_>,
+    s: &Shard,
+    grads: &G,
+) -> anyhow::Result<(PushReply, u64)> {
+    let (rank, base) = (o.rank, s.version);
+    let chunk = |r: Range<usize>| {
+        let head = GradientChunk { rank, base_version: base, offset: r.start as u64, data: Bytes::new() };
+        grads.chunk(&head, s.range.start + r.start..s.range.start + r.end)
+    };
+    let ranges = || wire::chunks(s.range.len() * 4, o.chunk_bytes).map(|b| b.start / 4..b.end / 4);
+    let r = if o.direct {
+        let (tx, rx) = tokio::sync::mpsc::channel(PUSH_AHEAD);
+        let body = tonic::body::Body::new(http_body_util::StreamBody::new(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        ));
+        // Owns the sender: the body ends when the last message is handed over.
+        let produce = async move {
+            for r in ranges() {
+                match chunk(r) {
+                    Ok(c) => {
+                        if tx.send(Ok(http_body::Frame::data(c.message()))).await.is_err() {
+                            // The call ended early; its error says why.
+                            return Ok(());
+                        }
+                    }
+                    Err(e) => {
+                        // Reset the stream: the server must not take a short push.
+                        let _ = tx.send(Err(tonic::Status::cancelled(format!("{e:#}")))).await;
+                        return Err(e);
+                    }
+                }
+            }
+            anyhow::Ok(())
+        };
+        let mut ch = s.rpc.channel.clone();
+        let fut = async {
+            let mut replies = call(&mut ch, o.auth, PUSH, o.timeout, body, o.limit).await?;
+            let r = replies.message::<PushReply>().await?;
+            match (r, replies.message::<PushReply>().await?) {
+                (Some(r), None) => Ok(r),
+                _ => Err(tonic::Status::internal("PushGradients must answer one PushReply")),
+            }
+        };
+        let call = deadline(o.timeout, &s.addr, "PushGradients", fut);
+        tokio::pin!(produce, call);
+        tokio::select! {
+            // The call ended first (refused early, or past its deadline): nothing more to send,
+            // whether or not the transport has let go of the body yet.
+            reply = &mut call => reply?,
+            produced = &mut produce => {
+                produced.context("reading the gradient")?;
+                call.await?
+            }
+        }
+    } else {
+        let chunks = ranges()
+            .map(|r| {
+                let (offset, data) = chunk(r)?.payload();
+                anyhow::Ok(GradientChunk { rank, base_version: base, offset, data })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let mut client = s.rpc.client.clone();
+        let req = request(tokio_stream_iter(chunks), o.timeout);
+        deadline(o.timeout, &s.addr, "PushGradients", client.push_gradients(req)).await?.into_inner()
+    };
+    Ok((r, s.range.len() as u64 * 4))
+}
+
+/// Pull shard `s`'s parameters into `dst` chunk by chunk: the current version, or `want`
+/// streamed as the server produces it (BSP). Returns the version and the payload bytes.
+pub(super) async fn pull_shard(
+    o: &Opts<'_>,
+    s: &Shard,
+    dst: &mut impl ChunkSink,
+    want: Option<u64>,
+) -> anyhow::Result<(u64, u64)> {
+    let req = PullRequest { rank: o.rank, stream_version: want };
+    let fut = async {
+        let mut stream = if o.direct {
+            let mut body = Frames::new();
+            body.data(frames::message(&req));
+            let mut ch = s.pull.channel.clone();
+            Incoming::Direct(call(&mut ch, o.auth, PULL, o.timeout, body.into_body(), o.limit).await?)
+        } else {
+            let mut client = s.pull.client.clone();
+            Incoming::Codec(client.pull_parameters(request(req, o.timeout)).await?.into_inner())
+        };
+        let (mut received, mut version) = (0u64, None);
+        while let Some(c) = stream.message().await? {
+            if *version.get_or_insert(c.version) != c.version || c.offset != received {
+                return Err(tonic::Status::data_loss("chunks of one pull disagree on version or order"));
+            }
+            dst.put(&c.data, c.offset)?;
+            received += (c.data.len() / 4) as u64;
+        }
+        if received as usize != dst.values() {
+            return Err(tonic::Status::data_loss(format!("{received} values of {}", dst.values())));
+        }
+        Ok((version.or(want).unwrap_or(0), received * 4))
+    };
+    deadline(o.timeout, &s.addr, "PullParameters", fut).await
+}
+
+/// Start the call `path` on `ch` with `body` as its request (the token, content type and
+/// deadline as tonic would set them); its response's messages.
+async fn call(
+    ch: &mut Channel,
+    auth: &Auth,
+    path: &str,
+    timeout: Duration,
+    body: tonic::body::Body,
+    limit: usize,
+) -> Result<frames::Messages<tonic::body::Body>, tonic::Status> {
+    let mut req = http::Request::builder()
+        .method(http::Method::POST)
+        .uri(path)
+        .header(http::header::CONTENT_TYPE, frames::CONTENT_TYPE)
+        .header(http::header::TE, "trailers")
+        .header("grpc-timeout", frames::timeout_header(timeout));
+    if let Some(v) = &auth.0 {
+        req = req.header(gradsync_proto::auth::KEY, v.as_encoded_bytes());
+    }
+    let req = req.body(body).map_err(|e| tonic::Status::internal(e.to_string()))?;
+    std::future::poll_fn(|cx| tonic::codegen::Service::poll_ready(ch, cx))
+        .await
+        .map_err(|e| frames::status_of(e.into()))?;
+    let resp = tonic::codegen::Service::call(ch, req).await.map_err(|e| frames::status_of(e.into()))?;
+    frames::response_messages(resp, limit)
+}
+
+/// A stream over owned chunks, as a client-streaming request body.
+fn tokio_stream_iter(
+    chunks: Vec<GradientChunk>,
+) -> impl tonic::codegen::tokio_stream::Stream<Item = GradientChunk> {
+    tonic::codegen::tokio_stream::iter(chunks)
+}

@@ -1,0 +1,466 @@
+//! [`PsClient`]: one worker's view of a sharded parameter server, ps-lite's `KVWorker` for
+//! one flat buffer. It registers with every shard (learning each one's range of the buffer),
+//! then pushes gradients and pulls parameters, every shard concurrently, each on its own
+//! connections; heartbeats and deregistration go to every shard too.
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures_util::future::try_join_all;
+use gradsync_core::optim::SgdConfig;
+use gradsync_proto::SyncMode;
+use gradsync_proto::pb::{
+    DeregisterRequest, HeartbeatRequest, RegisterReply, RegisterRequest, VersionRequest,
+};
+use gradsync_proto::tuning::Tuning;
+
+use super::bulk::{Opts, pull_shard, push_shard, push_transfer};
+use super::chunks::{ChunkSink, Gradients, HostGrads, HostSlice};
+use super::connect::{Auth, Conn, deadline, dial, request, serves_tls, uri};
+use crate::strategy::ms_since;
+
+/// One server shard as this worker sees it.
+pub(super) struct Shard {
+    pub(super) addr: String,
+    /// The connection for pushes and the small RPCs.
+    pub(super) rpc: Conn,
+    /// The connection for pulls.
+    pub(super) pull: Conn,
+    /// Its range of the flat buffer (known once registered).
+    pub(super) range: Range<usize>,
+    /// Version of the parameters last pulled from it.
+    pub(super) version: u64,
+}
+
+/// What one push or pull moved.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Transfer {
+    /// Payload bytes.
+    pub bytes: u64,
+    /// Longest time a server held the push waiting for other workers, ms.
+    pub wait_ms: f64,
+    /// Largest staleness reported by any shard.
+    pub staleness: u64,
+    /// Milliseconds from the start of the call until the last shard finished.
+    pub ms: f64,
+}
+
+/// A connection to every shard of a parameter server.
+pub struct PsClient {
+    shards: Vec<Shard>,
+    timeout: Duration,
+    chunk_bytes: usize,
+    /// Bulk RPCs through [`frames`] rather than tonic's codec ([`Tuning::direct`]).
+    direct: bool,
+    /// The largest message accepted, bytes.
+    limit: usize,
+    auth: Auth,
+    rank: u32,
+    total: usize,
+    sync: SyncMode,
+    /// Under BSP, pull the next version while pushing (`--no-pipeline` clears it).
+    pipeline: bool,
+    /// The optimiser the servers apply and their staleness policy, known once registered.
+    optimiser: Option<(SgdConfig, String)>,
+}
+
+impl PsClient {
+    /// Connect to every server in `addrs` (one per shard, in shard order) concurrently.
+    pub async fn connect(
+        addrs: &[String],
+        token: Option<&str>,
+        timeout: Duration,
+        tuning: Tuning,
+    ) -> anyhow::Result<Self> {
+        Self::connect_tls(addrs, token, timeout, tuning, None).await
+    }
+
+    /// [`PsClient::connect`], over TLS when `tls` is given (addresses become `https://`).
+    pub async fn connect_tls(
+        addrs: &[String],
+        token: Option<&str>,
+        timeout: Duration,
+        tuning: Tuning,
+        tls: Option<tonic::transport::ClientTlsConfig>,
+    ) -> anyhow::Result<Self> {
+        Self::connect_waiting(addrs, token, timeout, tuning, tls, Duration::ZERO).await
+    }
+
+    /// [`PsClient::connect_tls`], waiting up to `wait` for servers that are not up yet.
+    pub async fn connect_waiting(
+        addrs: &[String],
+        token: Option<&str>,
+        timeout: Duration,
+        tuning: Tuning,
+        tls: Option<tonic::transport::ClientTlsConfig>,
+        wait: Duration,
+    ) -> anyhow::Result<Self> {
+        anyhow::ensure!(!addrs.is_empty(), "--servers: give at least one host:port");
+        let auth = Auth(token.map(gradsync_proto::auth::bearer).transpose().context("--token")?);
+        let shards = try_join_all(addrs.iter().map(|a| {
+            let auth = auth.clone();
+            let tls = tls.clone();
+            async move {
+                let mut ep = tuning
+                    .endpoint(&uri(a, tls.is_some()), timeout)
+                    .with_context(|| format!("--servers: '{a}'"))?;
+                if let Some(tls) = tls {
+                    ep = ep
+                        .tls_config(tls)
+                        .map_err(|e| anyhow::anyhow!("--tls-ca: {}", gradsync_proto::tls::tls_why(&e)))?;
+                }
+                // Pulls get their own connection: on one TCP connection carrying both
+                // directions at once, the sender's socket lock also processes the incoming
+                // segments, and each direction runs at about half its rate (docs/ps.md).
+                // The first connection waits for the server; the second finds it up.
+                let rpc = dial(&ep, a, timeout, tuning, &auth, wait).await?;
+                let pull = dial(&ep, a, timeout, tuning, &auth, Duration::ZERO).await?;
+                anyhow::Ok(Shard { addr: a.clone(), rpc, pull, range: 0..0, version: 0 })
+            }
+        }))
+        .await?;
+        Ok(PsClient {
+            shards,
+            timeout,
+            chunk_bytes: tuning.chunk_bytes,
+            direct: tuning.direct,
+            limit: tuning.max_message(),
+            auth,
+            rank: 0,
+            total: 0,
+            sync: SyncMode::Bsp,
+            pipeline: true,
+            optimiser: None,
+        })
+    }
+
+    /// Whether a BSP exchange pulls the next version while pushing (the default) or pushes,
+    /// then pulls.
+    pub fn set_pipeline(&mut self, on: bool) {
+        self.pipeline = on;
+    }
+
+    /// The optimiser the servers apply (learning rate, momentum, weight decay) and how they
+    /// scale stale gradients, as they told this worker at registration.
+    pub fn optimiser(&self) -> Option<&(SgdConfig, String)> {
+        self.optimiser.as_ref()
+    }
+
+    /// The servers' synchronisation mode, as last asked ([`PsClient::sync_mode`]) or learnt
+    /// at registration.
+    pub fn sync(&self) -> SyncMode {
+        self.sync
+    }
+
+    /// Whether a step pulls while it pushes: under BSP, unless [`PsClient::set_pipeline`]
+    /// turned it off.
+    pub fn pipelined(&self) -> bool {
+        self.sync == SyncMode::Bsp && self.pipeline
+    }
+
+    /// Each shard's range of the flat buffer, in shard order (empty before registering).
+    pub fn ranges(&self) -> impl ExactSizeIterator<Item = Range<usize>> + '_ {
+        self.shards.iter().map(|s| s.range.clone())
+    }
+
+    /// Payload bytes per chunk message.
+    pub fn chunk_bytes(&self) -> usize {
+        self.chunk_bytes
+    }
+
+    /// The servers' synchronisation mode (`bsp`, `asp`, `ssp:S`), asked of shard 0.
+    pub async fn sync_mode(&mut self) -> anyhow::Result<SyncMode> {
+        let s = &mut self.shards[0];
+        let r = match deadline(
+            self.timeout,
+            &s.addr,
+            "GetVersion",
+            s.rpc.client.get_version(request(VersionRequest {}, self.timeout)),
+        )
+        .await
+        {
+            Ok(r) => r.into_inner(),
+            // The first call on a new connection: whether the failure shows a TLS server's
+            // bytes depends on when its alert and its close arrive, so ask the server itself.
+            Err(e) if !format!("{e:#}").contains("--tls-ca") && serves_tls(&s.addr).await => {
+                return Err(e.context(format!("{} serves TLS: pass --tls-ca", s.addr)));
+            }
+            Err(e) => return Err(e),
+        };
+        self.sync = parse_sync(&s.addr, &r.sync)?;
+        Ok(self.sync)
+    }
+
+    /// Register with every shard and check that together they cover a buffer of `total`
+    /// values in order. Returns the servers' version.
+    pub async fn register(
+        &mut self,
+        rank: usize,
+        world: usize,
+        fingerprint: &str,
+        total: usize,
+    ) -> anyhow::Result<u64> {
+        let timeout = self.timeout;
+        let n = self.shards.len();
+        let replies = try_join_all(self.shards.iter_mut().map(|s| async move {
+            let req = RegisterRequest {
+                rank: rank as u32,
+                world_size: world as u32,
+                fingerprint: fingerprint.into(),
+            };
+            let r =
+                deadline(timeout, &s.addr, "Register", s.rpc.client.register(request(req, timeout))).await?;
+            anyhow::Ok(r.into_inner())
+        }))
+        .await?;
+        let mut end = 0;
+        for (i, (s, r)) in self.shards.iter_mut().zip(&replies).enumerate() {
+            anyhow::ensure!(
+                r.shard as usize == i && r.shards as usize == n,
+                "--servers: {} is shard {}/{} but was listed as shard {i} of {n}",
+                s.addr,
+                r.shard,
+                r.shards
+            );
+            anyhow::ensure!(
+                r.total as usize == total,
+                "{}: holds {} values, this model has {total}",
+                s.addr,
+                r.total
+            );
+            anyhow::ensure!(
+                r.start as usize == end,
+                "{}: its range starts at {}, expected {end}",
+                s.addr,
+                r.start
+            );
+            s.range = r.start as usize..r.end as usize;
+            s.version = r.version;
+            end = r.end as usize;
+        }
+        anyhow::ensure!(end == total, "--servers: the shards cover 0..{end} of {total} values");
+        let sync = &replies[0].sync;
+        if let Some(r) = replies.iter().find(|r| &r.sync != sync) {
+            anyhow::bail!("the shards disagree on the sync mode: {sync} and {}", r.sync);
+        }
+        self.sync = parse_sync(&self.shards[0].addr, sync)?;
+        let optimiser = |r: &RegisterReply| {
+            (
+                SgdConfig { lr: r.lr, momentum: r.momentum, weight_decay: r.weight_decay },
+                r.staleness_lr.clone(),
+            )
+        };
+        let first = optimiser(&replies[0]);
+        if let Some((i, other)) = replies.iter().map(optimiser).enumerate().find(|(_, o)| *o != first) {
+            anyhow::bail!(
+                "the shards disagree on the optimiser: shard 0 applies {first:?}, shard {i} {other:?}"
+            );
+        }
+        self.optimiser = Some(first);
+        self.rank = rank as u32;
+        self.total = total;
+        Ok(replies.iter().map(|r| r.version).min().unwrap_or(0))
+    }
+
+    fn opts(&self) -> Opts<'_> {
+        Opts {
+            timeout: self.timeout,
+            direct: self.direct,
+            limit: self.limit,
+            auth: &self.auth,
+            rank: self.rank,
+            chunk_bytes: self.chunk_bytes,
+        }
+    }
+
+    fn check_len(&self, what: &str, n: usize) -> anyhow::Result<()> {
+        anyhow::ensure!(n == self.total, "{what}: {n} values for a model of {}", self.total);
+        Ok(())
+    }
+
+    /// Each shard's disjoint slice of `buf` (ranges are contiguous, in order).
+    fn split<'a>(&self, buf: &'a mut [f32]) -> Vec<&'a mut [f32]> {
+        let mut rest = buf;
+        let mut slices = Vec::with_capacity(self.shards.len());
+        for s in &self.shards {
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(s.range.len());
+            slices.push(mine);
+            rest = tail;
+        }
+        slices
+    }
+
+    /// Push `grads` (the whole flat buffer): each shard gets its range, all concurrently.
+    pub async fn push(&mut self, grads: &[f32]) -> anyhow::Result<Transfer> {
+        self.check_len("push", grads.len())?;
+        let (t, o) = (Instant::now(), self.opts());
+        let grads = HostGrads(grads);
+        let replies = try_join_all(self.shards.iter().map(|s| push_shard(&o, s, &grads))).await?;
+        Ok(push_transfer(&replies, t))
+    }
+
+    /// Pull every shard's parameters into `params` (the whole flat buffer), concurrently,
+    /// decoding each chunk straight into place.
+    pub async fn pull(&mut self, params: &mut [f32]) -> anyhow::Result<Transfer> {
+        self.check_len("pull", params.len())?;
+        let sinks = self.split(params).into_iter().map(HostSlice).collect();
+        self.pull_into(sinks).await
+    }
+
+    /// Pull every shard's parameters into `sinks` (one per shard, in shard order),
+    /// concurrently, each chunk handed over as it arrives.
+    pub async fn pull_into<S: ChunkSink>(&mut self, sinks: Vec<S>) -> anyhow::Result<Transfer> {
+        anyhow::ensure!(sinks.len() == self.shards.len(), "one destination per shard");
+        let t = Instant::now();
+        let o = self.opts();
+        let got = try_join_all(self.shards.iter().zip(sinks).map(|(s, mut dst)| {
+            let o = &o;
+            async move { pull_shard(o, s, &mut dst, None).await }
+        }))
+        .await?;
+        for (s, (v, _)) in self.shards.iter_mut().zip(&got) {
+            s.version = *v;
+        }
+        Ok(Transfer { bytes: got.iter().map(|g| g.1).sum(), ms: ms_since(t), ..Transfer::default() })
+    }
+
+    /// One step's communication: push `grads` and pull the parameters the update makes into
+    /// `params` (both the whole flat buffer). See [`PsClient::exchange`].
+    pub async fn step(&mut self, grads: &[f32], params: &mut [f32]) -> anyhow::Result<(Transfer, Transfer)> {
+        self.check_len("push", grads.len())?;
+        self.check_len("pull", params.len())?;
+        let sinks = self.split(params).into_iter().map(HostSlice).collect();
+        self.exchange(&HostGrads(grads), sinks).await
+    }
+
+    /// One step's communication: push the gradient `grads` and pull the parameters the update
+    /// makes into `sinks` (one per shard). Under BSP the push and the pull go at once to each
+    /// shard, the pull on its own connection: it asks for the next version streamed, so its
+    /// blocks arrive while the rest of the gradient is still going out and the server steps
+    /// block by block. Other sync modes push, then pull. Returns the push's and the pull's
+    /// traffic (times from the start of the call).
+    pub async fn exchange<G: Gradients + ?Sized, S: ChunkSink>(
+        &mut self,
+        grads: &G,
+        sinks: Vec<S>,
+    ) -> anyhow::Result<(Transfer, Transfer)> {
+        let t = Instant::now();
+        anyhow::ensure!(sinks.len() == self.shards.len(), "one destination per shard");
+        let pipelined = self.pipelined();
+        let o = self.opts();
+        let got = try_join_all(self.shards.iter().zip(sinks).map(|(s, mut sink)| {
+            let o = &o;
+            async move {
+                let push = async {
+                    let r = push_shard(o, s, grads).await;
+                    (r, ms_since(t))
+                };
+                let ((push, push_ms), pull) = if pipelined {
+                    let pull = pull_shard(o, s, &mut sink, Some(s.version + 1));
+                    tokio::pin!(push, pull);
+                    tokio::select! {
+                        // A failed push ends the exchange at once: its streamed pull could only
+                        // fail too, once the server gave up on the step.
+                        p = &mut push => match p {
+                            (Err(e), _) => return Err(e),
+                            p => (p, Some(pull.await)),
+                        },
+                        q = &mut pull => (push.await, Some(q)),
+                    }
+                } else {
+                    (push.await, None)
+                };
+                let push = push?;
+                let pull = match pull {
+                    Some(Ok(p)) => p,
+                    // The streamed pull ends with an error when its step fails (and then so
+                    // did the push, reported above) or had to be redone without a dropped
+                    // worker's gradient: the push succeeded, so pull the version it made.
+                    Some(Err(e)) => {
+                        tracing::debug!("{e:#}; pulling version {} again", push.0.version);
+                        pull_shard(o, s, &mut sink, None).await?
+                    }
+                    None => pull_shard(o, s, &mut sink, None).await?,
+                };
+                anyhow::Ok((push, push_ms, pull, ms_since(t)))
+            }
+        }))
+        .await?;
+        let mut push = push_transfer(&got.iter().map(|g| g.0).collect::<Vec<_>>(), t);
+        push.ms = got.iter().map(|g| g.1).fold(0.0, f64::max);
+        let pull = Transfer {
+            bytes: got.iter().map(|g| g.2.1).sum(),
+            ms: got.iter().map(|g| g.3).fold(0.0, f64::max),
+            ..Transfer::default()
+        };
+        for (s, g) in self.shards.iter_mut().zip(&got) {
+            s.version = g.2.0;
+        }
+        Ok((push, pull))
+    }
+
+    /// Tell every shard this rank is alive.
+    pub async fn heartbeat(&mut self) -> anyhow::Result<()> {
+        let (timeout, rank) = (self.timeout, self.rank);
+        try_join_all(self.shards.iter_mut().map(|s| async move {
+            deadline(
+                timeout,
+                &s.addr,
+                "Heartbeat",
+                s.rpc.client.heartbeat(request(HeartbeatRequest { rank }, timeout)),
+            )
+            .await
+        }))
+        .await?;
+        Ok(())
+    }
+
+    /// Leave the run on every shard.
+    pub async fn deregister(&mut self) -> anyhow::Result<()> {
+        let (timeout, rank) = (self.timeout, self.rank);
+        try_join_all(self.shards.iter_mut().map(|s| async move {
+            deadline(
+                timeout,
+                &s.addr,
+                "Deregister",
+                s.rpc.client.deregister(request(DeregisterRequest { rank }, timeout)),
+            )
+            .await
+        }))
+        .await?;
+        Ok(())
+    }
+
+    /// A clone sharing the connections (for a heartbeat task).
+    pub fn share(&self) -> PsClient {
+        PsClient {
+            shards: self
+                .shards
+                .iter()
+                .map(|s| Shard {
+                    addr: s.addr.clone(),
+                    rpc: s.rpc.clone(),
+                    pull: s.pull.clone(),
+                    range: s.range.clone(),
+                    version: s.version,
+                })
+                .collect(),
+            timeout: self.timeout,
+            chunk_bytes: self.chunk_bytes,
+            direct: self.direct,
+            limit: self.limit,
+            auth: self.auth.clone(),
+            rank: self.rank,
+            total: self.total,
+            sync: self.sync,
+            pipeline: self.pipeline,
+            optimiser: self.optimiser.clone(),
+        }
+    }
+}
+
+/// A server's sync mode as it wrote it.
+fn parse_sync(addr: &str, text: &str) -> anyhow::Result<SyncMode> {
+    text.parse().map_err(|e| anyhow::anyhow!("{addr} runs an unknown sync mode {e}"))
+}

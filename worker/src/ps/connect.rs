@@ -1,0 +1,182 @@
+//! Reaching a shard: the connection (a tonic client and its channel), dialling with back-off
+//! while a server is not up yet, the token on every request, deadlines, and errors that name
+//! the server (with a hint when it turns out to serve TLS).
+
+use std::time::{Duration, Instant};
+
+use gradsync_proto::pb::parameter_server_client::ParameterServerClient;
+use gradsync_proto::tuning::Tuning;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+
+/// Adds the token to every request.
+#[derive(Clone)]
+pub(super) struct Auth(pub(super) Option<MetadataValue<Ascii>>);
+
+impl Interceptor for Auth {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert(gradsync_proto::auth::KEY, v.clone());
+        }
+        Ok(req)
+    }
+}
+
+pub(super) type Client = ParameterServerClient<InterceptedService<Channel, Auth>>;
+
+/// One HTTP/2 connection to a shard, with a tonic client on it; the bulk RPCs go straight on
+/// the channel as HTTP/2 frames.
+#[derive(Clone)]
+pub(super) struct Conn {
+    pub(super) client: Client,
+    pub(super) channel: Channel,
+}
+
+/// The longest pause between two attempts to reach a server that is not up yet.
+const MAX_NAP: Duration = Duration::from_secs(2);
+
+/// Open one connection to `a` through `ep`, each attempt within `timeout`. While nothing
+/// answers at the address (refused, reset, unreachable, unknown to DNS yet: a server not up
+/// yet), attempts go on with back-off for `wait` in all, saying once what they wait for.
+pub(super) async fn dial(
+    ep: &Endpoint,
+    a: &str,
+    timeout: Duration,
+    tuning: Tuning,
+    auth: &Auth,
+    wait: Duration,
+) -> anyhow::Result<Conn> {
+    let until = Instant::now() + wait;
+    let mut nap = Duration::from_millis(50);
+    let mut told = false;
+    let channel = loop {
+        let why = match tokio::time::timeout(timeout, ep.connect()).await {
+            Ok(Ok(ch)) => break ch,
+            Ok(Err(e)) if unanswered(&e) => gradsync_proto::tls::tls_why(&e),
+            Ok(Err(e)) => anyhow::bail!("connecting to {a}: {}", gradsync_proto::tls::tls_why(&e)),
+            Err(_) => format!("no answer within {} s", timeout.as_secs_f64()),
+        };
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            anyhow::ensure!(
+                !told,
+                "no parameter server answered at {a} within --connect-timeout {} s (last: {why})",
+                wait.as_secs_f64()
+            );
+            anyhow::bail!("connecting to {a}: {why}");
+        }
+        if !told {
+            eprintln!(
+                "gradsync-worker: waiting for the parameter server at {a} ({why}); retrying for up to {} s (--connect-timeout)",
+                wait.as_secs_f64()
+            );
+            told = true;
+        }
+        tokio::time::sleep(nap.min(left)).await;
+        nap = (nap * 2).min(MAX_NAP);
+    };
+    let client = ParameterServerClient::with_interceptor(channel.clone(), auth.clone())
+        .max_decoding_message_size(tuning.max_message())
+        .max_encoding_message_size(tuning.max_message());
+    Ok(Conn { client, channel })
+}
+
+/// Whether a failed connection attempt found nobody at the address (yet), rather than
+/// somebody who refused it (TLS, HTTP/2).
+fn unanswered(e: &(dyn std::error::Error + 'static)) -> bool {
+    use std::io::ErrorKind as K;
+    let mut cur = Some(e);
+    while let Some(e) = cur {
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                K::ConnectionRefused
+                    | K::ConnectionReset
+                    | K::ConnectionAborted
+                    | K::TimedOut
+                    | K::HostUnreachable
+                    | K::NetworkUnreachable
+                    | K::AddrNotAvailable
+            )
+        {
+            return true;
+        }
+        // hyper-util's resolver failure: the name is not (yet) known.
+        if e.to_string().starts_with("dns error") {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
+}
+
+/// `host:port` to `http://host:port` (`https://` with TLS).
+pub(super) fn uri(addr: &str, tls: bool) -> String {
+    match (addr.contains("://"), tls) {
+        (true, _) => addr.to_string(),
+        (false, false) => format!("http://{addr}"),
+        (false, true) => format!("https://{addr}"),
+    }
+}
+
+/// A status as a readable error naming the server.
+fn rpc_err(addr: &str, what: &str, s: tonic::Status) -> anyhow::Error {
+    let hint = if spoke_other_than_http2(&s) { " (if the server serves TLS, pass --tls-ca)" } else { "" };
+    anyhow::anyhow!("{what} at {addr}: {:?}: {}{hint}", s.code(), s.message())
+}
+
+/// Whether the connection under `s` failed on bytes that are not HTTP/2 (as a TLS server's
+/// alert to a plaintext client is), rather than being closed, reset or refused (a server
+/// that died).
+fn spoke_other_than_http2(s: &tonic::Status) -> bool {
+    let mut cur = std::error::Error::source(s);
+    while let Some(e) = cur {
+        let text = e.to_string();
+        // h2's codec: a connection that ended inside a frame header, or a "frame" whose
+        // header makes no sense (TLS records read as HTTP/2 frames).
+        if text.contains("bytes remaining on stream") || text.contains("frame with invalid size") {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
+}
+
+/// Whether `addr` answers the HTTP/2 preface with TLS (an alert or handshake record, first
+/// byte 0x15 or 0x16): one short probe, made only after a first call has failed. A server that
+/// is gone refuses or closes, and is not taken for one that serves TLS.
+pub(super) async fn serves_tls(addr: &str) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let probe = async {
+        let mut c = tokio::net::TcpStream::connect(addr).await.ok()?;
+        c.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.ok()?;
+        let mut first = [0u8; 1];
+        c.read_exact(&mut first).await.ok()?;
+        Some(matches!(first[0], 0x15 | 0x16))
+    };
+    tokio::time::timeout(Duration::from_secs(2), probe).await.ok().flatten().unwrap_or(false)
+}
+
+/// Run `f` with a deadline: sent to the server as grpc-timeout and enforced here too.
+pub(super) async fn deadline<T>(
+    timeout: Duration,
+    addr: &str,
+    what: &str,
+    f: impl Future<Output = Result<T, tonic::Status>>,
+) -> anyhow::Result<T> {
+    match tokio::time::timeout(timeout, f).await {
+        Ok(r) => r.map_err(|s| rpc_err(addr, what, s)),
+        Err(_) => {
+            anyhow::bail!("{what} at {addr}: no answer within {} s (--rpc-timeout)", timeout.as_secs_f64())
+        }
+    }
+}
+
+/// `msg` with `timeout` as its grpc-timeout.
+pub(super) fn request<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.set_timeout(timeout);
+    r
+}

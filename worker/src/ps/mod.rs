@@ -1,0 +1,29 @@
+//! The parameter-server client: one worker's connections to every shard of a parameter server,
+//! with ps-lite's `KVWorker` shape for one flat buffer. [`PsClient::register`] learns each
+//! shard's range; [`PsClient::push`] sends a gradient (each shard its range),
+//! [`PsClient::pull`] fetches the parameters, and [`PsClient::exchange`] does both for one
+//! step (under BSP at once, the pull streaming the next version as the servers make it);
+//! [`PsClient::heartbeat`] and [`PsClient::deregister`] keep and end membership. Every call
+//! goes to all shards concurrently and has a deadline.
+//!
+//! # Layout
+//! - `client.rs`: [`PsClient`] and what one push or pull moved ([`Transfer`]).
+//! - `connect.rs`: dialling a shard, the token, deadlines, errors that name the server.
+//! - `bulk.rs`: one shard's PushGradients and PullParameters, straight over HTTP/2 frames or
+//!   through tonic's codec.
+//! - `chunks.rs`: where a push's values come from ([`Gradients`]) and a pull's go
+//!   ([`ChunkSink`]), for host buffers.
+//! - `engine.rs`: the same for the training engine's memory, in place (host) or staged
+//!   (device), behind one [`EngineLink`].
+//!
+//! `gradsync-worker --mode ps` drives it through `strategy::ps`; `gradsync-bench ps` directly.
+
+mod bulk;
+mod chunks;
+mod client;
+mod connect;
+mod engine;
+
+pub use chunks::{ChunkSink, Gradients, HostGrads, HostSlice};
+pub use client::{PsClient, Transfer};
+pub use engine::EngineLink;
