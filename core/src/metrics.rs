@@ -218,6 +218,11 @@ pub fn unix_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
+/// Milliseconds since `t`: how every timing in a step record is taken.
+pub fn ms_since(t: std::time::Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,8 +18,8 @@ const ANNOUNCE: Duration = Duration::from_secs(60);
 /// itself. `GRADSYNC_<NAME>_BIN` (e.g. `GRADSYNC_SERVER_BIN`) names another binary.
 ///
 /// # Panics
-/// When the binary is missing, or older than its package's library that this test was built
-/// against (a stale binary would test old code), naming the command that builds it.
+/// When the binary is missing, or older than a source file it was built from (a stale binary
+/// would test old code), naming the command that builds it.
 pub fn binary(name: &str) -> PathBuf {
     let var = format!("GRADSYNC_{}_BIN", name.trim_start_matches("gradsync-").to_uppercase());
     if let Some(p) = std::env::var_os(&var) {
@@ -34,17 +34,16 @@ pub fn binary(name: &str) -> PathBuf {
          `cargo build --bins`), or set {var}"
     );
     assert!(bin.exists(), "{} is missing: {hint}", bin.display());
-    let lib = format!("lib{}-", name.replace('-', "_"));
+    // Cargo lists every source file a binary was built from in `<binary>.d`: one edited since
+    // means the binary tests old code.
     let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let newest_lib = std::fs::read_dir(dir.join("deps"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with(&lib))
-        .filter_map(|e| mtime(&e.path()))
-        .max();
-    if let (Some(b), Some(l)) = (mtime(&bin), newest_lib) {
-        assert!(b >= l, "{} is older than its library: {hint}", bin.display());
+    let deps = std::fs::read_to_string(dir.join(format!("{name}.d"))).unwrap_or_default();
+    if let Some(built) = mtime(&bin)
+        && let Some((_, sources)) = deps.lines().next().and_then(|l| l.split_once(": "))
+        && let Some(newer) =
+            sources.split_whitespace().map(Path::new).find(|src| mtime(src).is_some_and(|m| m > built))
+    {
+        panic!("{} is older than {}: {hint}", bin.display(), newer.display());
     }
     bin
 }

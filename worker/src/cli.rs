@@ -10,6 +10,7 @@ use gradsync_core::model::ModelSpec;
 use gradsync_core::optim::OptimiserArgs;
 
 pub use crate::collective::Transport;
+pub use crate::strategy::Backend;
 use crate::strategy::{FaultKind, ReplicaFault};
 
 /// gradsync worker: trains the model locally, as DataParallel replicas, against parameter
@@ -289,16 +290,6 @@ impl DdpArgs {
             format!("{host}:{port}")
         })
     }
-}
-
-/// Collective backends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
-pub enum Backend {
-    /// TCP ring on host memory (GPU buffers staged through the host).
-    #[default]
-    Tcp,
-    /// NCCL on GPU memory.
-    Nccl,
 }
 
 /// Who this process is in a distributed run: torchrun's flags and variables, or Slurm's.

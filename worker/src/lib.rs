@@ -2,6 +2,8 @@
 //!
 //! # Layout
 //! - [`cli`]: the flags of `gradsync-worker` (clap, with torchrun and Slurm variables).
+//! - [`setup`]: from the flags to a run: the resolved [`setup::Run`] and the strategy its
+//!   `--mode` names, each with its own typed configuration (the one match on the mode).
 //! - [`train`]: the training loop, written once: data, sampler, evaluation, metrics, saving.
 //! - [`strategy`]: the [`strategy::Strategy`] seam and one file per mode behind it.
 //! - [`ps`]: the parameter-server client (`PsClient`: register, push, pull, heartbeat),
@@ -19,6 +21,7 @@ pub mod collective;
 pub mod launch;
 pub mod ps;
 pub mod rendezvous;
+pub mod setup;
 pub mod strategy;
 pub mod train;
 

@@ -7,15 +7,14 @@ use std::time::Instant;
 use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::checkpoint::{Checkpoint, CheckpointHeader};
-use gradsync_core::data::{DataSource, Dataset, DistributedSampler};
-use gradsync_core::device::{Device, DeviceRequest};
+use gradsync_core::data::{Dataset, DistributedSampler};
 use gradsync_core::metrics::{Header, HostInfo, MetricsWriter, Record, SCHEMA_VERSION, Step, unix_ms};
 use gradsync_core::model::Fingerprint;
 use gradsync_core::optim::SgdConfig;
-use gradsync_core::trace::Trace;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::cli::TrainArgs;
+use crate::setup::Run;
 use crate::strategy::{Strategy, ms_since};
 
 /// What a finished run reports.
@@ -33,66 +32,10 @@ pub struct Summary {
     pub seconds: f64,
 }
 
-/// Everything a run needs that the flags determine, resolved once.
-pub struct Run {
-    /// The flags.
-    pub args: TrainArgs,
-    /// This process's rank and the number of workers.
-    pub rank: usize,
-    /// Number of worker processes (replicas in DP).
-    pub world: usize,
-    /// The resolved device.
-    pub device: Device,
-    /// The data, loaded.
-    pub data: Dataset,
-    /// The optimiser settings.
-    pub sgd: SgdConfig,
-    /// The timeline recorder (`--trace`; disabled without it). Strategies clone it to record
-    /// their own spans (push, pull, wait, apply, each bucket's all-reduce).
-    pub trace: Trace,
-}
-
-impl Run {
-    /// Resolve the flags: rank, device, data and the model's shape.
-    pub fn prepare(mut args: TrainArgs) -> anyhow::Result<Run> {
-        let (rank, world) = args.dist.resolve()?;
-        let source = args
-            .data
-            .clone()
-            .unwrap_or_else(|| DataSource::synthetic_for(args.model.input(), args.model.classes()));
-        let mut device = Device::resolve(args.device, args.threads).context("--device")?;
-        if args.device == DeviceRequest::Auto && device.is_cuda() {
-            // One GPU per rank on a node, as torchrun users expect: --device auto means
-            // cuda:LOCAL_RANK.
-            let local = args.dist.local();
-            device = Device::resolve(DeviceRequest::Cuda(local), args.threads)
-                .with_context(|| format!("--device auto with LOCAL_RANK {local}"))?;
-        }
-        let data = source.load(args.seed).with_context(|| format!("--data {source}"))?;
-        args.model = args.model.clone().with_io(data.dim, data.classes);
-        args.data = Some(source);
-        let sgd = args.optimiser.sgd();
-        // One metrics and trace file per process: `{rank}` in a path becomes this rank, so one
-        // launcher command line serves every child.
-        for path in [&mut args.metrics, &mut args.trace] {
-            if let Some(text) = path.as_ref().and_then(|p| p.to_str()).filter(|t| t.contains("{rank}")) {
-                *path = Some(text.replace("{rank}", &rank.to_string()).into());
-            }
-        }
-        let trace = if args.trace.is_some() { Trace::new(rank) } else { Trace::disabled() };
-        Ok(Run { args, rank, world, device, data, sgd, trace })
-    }
-
-    /// The model's fingerprint.
-    pub fn fingerprint(&self) -> Fingerprint {
-        Fingerprint::new(&self.args.model, self.args.seed)
-    }
-}
-
 /// Train according to `args`, with the strategy its `--mode` names.
 pub fn train(args: TrainArgs) -> anyhow::Result<Summary> {
     let run = Run::prepare(args)?;
-    let strategy = crate::strategy::build(&run)?;
+    let strategy = crate::setup::strategy(&run)?;
     run_loop(&run, strategy)
 }
 

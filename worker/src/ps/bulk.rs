@@ -19,7 +19,7 @@ use tonic::transport::Channel;
 use super::chunks::{ChunkSink, Gradients};
 use super::client::{Shard, Transfer};
 use super::connect::{Auth, deadline, request};
-use crate::strategy::ms_since;
+use gradsync_core::metrics::ms_since;
 
 /// Gradient messages a push builds ahead of what HTTP/2 has taken.
 const PUSH_AHEAD: usize = 4;

@@ -18,7 +18,7 @@ use gradsync_proto::tuning::Tuning;
 use super::bulk::{Opts, pull_shard, push_shard, push_transfer};
 use super::chunks::{ChunkSink, Gradients, HostGrads, HostSlice};
 use super::connect::{Auth, Conn, deadline, dial, request, serves_tls, uri};
-use crate::strategy::ms_since;
+use gradsync_core::metrics::ms_since;
 
 /// One server shard as this worker sees it.
 pub(super) struct Shard {

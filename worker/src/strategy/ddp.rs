@@ -9,11 +9,13 @@
 //! ends is the *exposed* communication. On a GPU engine with NCCL, each finished bucket's
 //! all-reduce is queued on NCCL's stream behind an event on the compute stream, in GPU memory.
 //! GPU engines with TCP (and `--no-overlap`) reduce the buckets after backward, staged
-//! through host memory for TCP.
+//! through host memory for TCP. Backward hands every finished bucket to one hook
+//! (`Engine::backward_buckets`); which of these paths a bucket takes is decided in one place,
+//! [`Reducer`], by where its values live and what the communicator reduces.
 
 use std::ops::Range;
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Context;
 use gradsync_core::Engine;
@@ -26,10 +28,8 @@ use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 
 use super::{Shape, Strategy, backward, forward, timed_span};
-use crate::cli::{Backend, DdpArgs};
 use crate::collective::{Collective, CommError, Nccl, RingConfig, TcpComm, Traffic, Transport};
 use crate::rendezvous::{self, RendezvousConfig};
-use crate::train::Run;
 
 /// The communicator of either backend.
 enum Comm {
@@ -74,36 +74,14 @@ pub struct DdpConfig {
     pub trace: Trace,
 }
 
-impl DdpConfig {
-    /// From the `--mode ddp` flags of `run`, checked.
-    pub fn from_args(d: &DdpArgs, run: &Run) -> anyhow::Result<DdpConfig> {
-        anyhow::ensure!(d.bucket_mb > 0.0 && d.bucket_mb.is_finite(), "--bucket-mb must be positive");
-        anyhow::ensure!(d.sync_every >= 1, "--sync-every must be at least 1");
-        anyhow::ensure!(
-            d.comm_timeout > 0.0 && d.comm_timeout.is_finite(),
-            "--comm-timeout must be a positive number of seconds"
-        );
-        Ok(DdpConfig {
-            rendezvous: RendezvousConfig {
-                master: d.master()?,
-                rank: run.rank,
-                world: run.world,
-                fingerprint: run.fingerprint().text,
-                token: d.ring_token.clone(),
-                timeout: Duration::from_secs_f64(d.comm_timeout),
-                nccl: d.backend == Backend::Nccl,
-            },
-            backend: d.backend,
-            device: run.device,
-            bucket_values: ((d.bucket_mb * (1 << 20) as f64) / 4.0).max(1.0) as usize,
-            sync_every: d.sync_every,
-            overlap: !d.no_overlap,
-            chunk_kb: d.chunk_kb,
-            transport: d.transport,
-            sgd: run.sgd,
-            trace: run.trace.clone(),
-        })
-    }
+/// Collective backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Default)]
+pub enum Backend {
+    /// TCP ring on host memory (GPU buffers staged through the host).
+    #[default]
+    Tcp,
+    /// NCCL on GPU memory.
+    Nccl,
 }
 
 /// DDP over one communicator.

@@ -2,10 +2,9 @@
 //! once, in [`crate::train`]) and the ways of synchronising, each in its own file.
 //!
 //! Here: the [`Strategy`] trait, the [`Shape`] through which a strategy tells the loop how to
-//! draw its data, [`build`] (the one place the mode is matched: each strategy gets its own
-//! typed configuration from the resolved flags), and the timed compute helpers every strategy
-//! shares ([`forward`], [`backward`]), so forward and backward are timed and traced in one
-//! place.
+//! draw its data, and the timed compute helpers every strategy shares ([`forward`],
+//! [`backward`]), so forward and backward are timed and traced in one place. Each strategy
+//! takes its own typed configuration; [`crate::setup`] builds it from the flags.
 
 mod ddp;
 mod dp;
@@ -19,13 +18,11 @@ use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
 use gradsync_core::trace::Trace;
 
-pub use ddp::{Ddp, DdpConfig};
+pub use ddp::{Backend, Ddp, DdpConfig};
 pub use dp::{Dp, DpConfig, FaultKind, ReplicaFault};
+pub use gradsync_core::metrics::ms_since;
 pub use local::Local;
-pub use ps::Ps;
-
-use crate::cli::Mode;
-use crate::train::Run;
+pub use ps::{Ps, PsConfig};
 
 /// How the training data is split among a strategy's ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,35 +47,6 @@ impl Shape {
     pub fn workers(&self) -> usize {
         self.processes * self.replicas
     }
-}
-
-/// The strategy `--mode` names, configured from the resolved flags.
-pub fn build(run: &Run) -> anyhow::Result<Box<dyn Strategy>> {
-    let args = &run.args;
-    // Checked before any strategy meets its peers.
-    let replicas = args.dp.replicas.unwrap_or(run.world);
-    if let Some(slow) = args.slow_rank {
-        slow.check(if args.mode == Mode::Dp { replicas } else { run.world })?;
-    }
-    Ok(match args.mode {
-        Mode::Local => {
-            Box::new(Local::new(run.sgd, Shape::processes(run.world, run.rank), run.trace.clone()))
-        }
-        Mode::Dp => Box::new(Dp::new(DpConfig {
-            replicas,
-            device: run.device,
-            spec: args.model.clone(),
-            seed: args.seed,
-            sgd: run.sgd,
-            slow: args.slow_rank.map(|s| (s.rank, s.delay())),
-            fault: args.dp.fail_replica,
-            trace: run.trace.clone(),
-        })?),
-        Mode::Ps => Box::new(
-            Ps::new(&args.ps, run.rank, run.world, run.fingerprint().text)?.with_trace(run.trace.clone()),
-        ),
-        Mode::Ddp => Box::new(Ddp::connect(DdpConfig::from_args(&args.ddp, run)?)?),
-    })
 }
 
 /// One way of training: local, DP, PS or DDP.
@@ -137,11 +105,6 @@ pub fn timed_span<T>(
     let out = timed(engine, f)?;
     trace.span(name, "compute", "compute", t);
     Ok(out)
-}
-
-/// Milliseconds since `t`.
-pub fn ms_since(t: Instant) -> f64 {
-    t.elapsed().as_secs_f64() * 1e3
 }
 
 /// Forward over a training batch, timed into `rec` and traced.

@@ -19,7 +19,6 @@ use gradsync_core::trace::Trace;
 use gradsync_proto::tuning::Tuning;
 
 use super::{Shape, Strategy, forward_backward, ms_since};
-use crate::cli::PsArgs;
 use crate::ps::{EngineLink, PsClient};
 
 /// `--mode ps`: the [`Strategy`].
@@ -40,14 +39,36 @@ pub struct Ps {
 /// How often a worker tells the servers it is alive, whatever it is doing.
 const HEARTBEAT: Duration = gradsync_proto::HEARTBEAT_INTERVAL;
 
+/// What PS mode needs to know.
+#[derive(Debug, Clone)]
+pub struct PsConfig {
+    /// The servers, one per shard, in shard order.
+    pub servers: Vec<String>,
+    /// The shared secret sent with every request.
+    pub token: Option<String>,
+    /// How long any one request may take.
+    pub rpc_timeout: Duration,
+    /// How long to keep retrying until the servers accept connections (zero: one attempt).
+    pub connect_wait: Duration,
+    /// Payload bytes per pushed chunk, when not the tuned default.
+    pub chunk_bytes: Option<usize>,
+    /// TLS: the CA certificate to trust and the name the servers' certificates carry.
+    pub tls: Option<(std::path::PathBuf, Option<String>)>,
+    /// Under BSP, pull the next version while pushing.
+    pub pipeline: bool,
+    /// This worker's rank and the number of workers.
+    pub rank: usize,
+    /// The number of workers.
+    pub world: usize,
+    /// The model fingerprint the servers must share.
+    pub fingerprint: String,
+    /// Timeline recorder (`--trace`).
+    pub trace: Trace,
+}
+
 impl Ps {
-    /// Connect to the servers of `args` (registration waits for [`Strategy::start`]).
-    pub fn new(args: &PsArgs, rank: usize, world: usize, fingerprint: String) -> anyhow::Result<Self> {
-        anyhow::ensure!(
-            args.rpc_timeout.is_finite() && args.rpc_timeout > 0.0 && args.rpc_timeout < 1e9,
-            "--rpc-timeout {} must be a positive number of seconds",
-            args.rpc_timeout
-        );
+    /// Connect to the servers of `cfg` (registration waits for [`Strategy::start`]).
+    pub fn new(cfg: PsConfig) -> anyhow::Result<Self> {
         gradsync_core::heap::keep_freed_memory();
         gradsync_core::heap::single_arena();
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -56,47 +77,39 @@ impl Ps {
             .thread_name("gradsync-ps")
             .build()
             .context("starting the PS client runtime")?;
-        anyhow::ensure!(
-            args.connect_timeout.is_finite() && (0.0..1e9).contains(&args.connect_timeout),
-            "--connect-timeout {} must be 0 or a positive number of seconds",
-            args.connect_timeout
-        );
-        let timeout = Duration::from_secs_f64(args.rpc_timeout);
-        let wait = Duration::from_secs_f64(args.connect_timeout);
         let mut tuning = Tuning::tuned();
-        if let Some(c) = args.chunk_bytes {
-            anyhow::ensure!((4..=(64 << 20)).contains(&c), "--chunk-bytes {c} must be 4 bytes to 64 MiB");
+        if let Some(c) = cfg.chunk_bytes {
             tuning.chunk_bytes = c;
         }
         let client = rt.block_on(async {
-            let tls = match &args.tls_ca {
-                Some(ca) => Some(gradsync_proto::tls::client(ca, args.tls_domain.as_deref())?),
+            let tls = match &cfg.tls {
+                Some((ca, domain)) => Some(gradsync_proto::tls::client(ca, domain.as_deref())?),
                 None => None,
             };
-            let mut c =
-                PsClient::connect_waiting(&args.servers, args.token.as_deref(), timeout, tuning, tls, wait)
-                    .await?;
+            let mut c = PsClient::connect_waiting(
+                &cfg.servers,
+                cfg.token.as_deref(),
+                cfg.rpc_timeout,
+                tuning,
+                tls,
+                cfg.connect_wait,
+            )
+            .await?;
             c.sync_mode().await?;
-            c.set_pipeline(!args.no_pipeline);
+            c.set_pipeline(cfg.pipeline);
             anyhow::Ok(c)
         })?;
         Ok(Ps {
             rt,
             client,
-            rank,
-            world,
-            fingerprint,
-            servers: args.servers.clone(),
+            rank: cfg.rank,
+            world: cfg.world,
+            fingerprint: cfg.fingerprint,
+            servers: cfg.servers,
             link: EngineLink::InPlace,
             heartbeat: None,
-            trace: Trace::disabled(),
+            trace: cfg.trace,
         })
-    }
-
-    /// Record push and pull spans (and forward/backward) in `trace`.
-    pub fn with_trace(mut self, trace: Trace) -> Self {
-        self.trace = trace;
-        self
     }
 }
 

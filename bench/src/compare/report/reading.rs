@@ -1,0 +1,506 @@
+//! The reading: what the figures say, sentence by sentence, computed from them: which mode is
+//! fastest and reaches the target first at each worker count (level when the repeats' ranges
+//! overlap), what the cost model predicts, and what the straggler sweep shows.
+
+use super::*;
+
+/// What the figures say, sentence by sentence, computed from them.
+pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summary]) -> Vec<String> {
+    let mut out = Vec::new();
+    let thr = |r: &&Summary| r.samples_per_s.unwrap_or(0.0);
+    let mut ws: Vec<usize> = g.rows.iter().map(|r| r.workers).collect();
+    ws.sort();
+    ws.dedup();
+    if g.rows.is_empty() {
+        out.push("No run produced metrics, so there is nothing to compare; the table below says why each run failed.".into());
+    }
+
+    // Fastest mode at each worker count: medians compared, level when the repeats overlap.
+    let spread = |r: &Summary| -> String {
+        match g.cell_of(r) {
+            Some(c) => match c.throughput {
+                Some((lo, hi)) if c.runs.len() > 1 => format!("median of {}, {lo:.0}-{hi:.0}", c.runs.len()),
+                _ => "one run".into(),
+            },
+            None => "one run".into(),
+        }
+    };
+    let thr_range = |r: &Summary| g.cell_of(r).and_then(|c| c.throughput);
+    for &n in &ws {
+        let mut at: Vec<&Summary> = g.rows.iter().copied().filter(|r| r.workers == n).collect();
+        at.sort_by(|a, b| thr(b).total_cmp(&thr(a)).then_with(|| a.id.cmp(&b.id)));
+        let Some(best) = at.first() else { continue };
+        let s = if n == 1 { "" } else { "s" };
+        match at.get(1) {
+            Some(next) if matches!((thr_range(best), thr_range(next)), (Some(a), Some(b)) if overlap(a, b)) =>
+            {
+                let level: Vec<String> = at
+                    .iter()
+                    .take_while(
+                        |r| matches!((thr_range(best), thr_range(r)), (Some(a), Some(b)) if overlap(a, b)),
+                    )
+                    .map(|r| format!("{} {:.0} ({})", Group::series(r), thr(r), spread(r)))
+                    .collect();
+                out.push(format!(
+                    "At {n} worker{s} the fastest are level, their repeats' ranges overlapping: {} samples/s.",
+                    level.join("; ")
+                ));
+            }
+            next => out.push(format!(
+                "At {n} worker{s}: {} is fastest with {:.0} samples/s ({}){}.",
+                Group::series(best),
+                thr(best),
+                spread(best),
+                next.map(|x| format!(
+                    ", {:.2}x the next ({}, {:.0} samples/s, {})",
+                    thr(best) / thr(x).max(1e-9),
+                    Group::series(x),
+                    thr(x),
+                    spread(x)
+                ))
+                .unwrap_or_default()
+            )),
+        }
+    }
+
+    // Time to accuracy: what the user gets, throughput times statistical efficiency.
+    if let Some(target) = g.target {
+        for &n in ws.iter().filter(|&&n| n > 1) {
+            let mut at: Vec<&Summary> =
+                g.rows.iter().copied().filter(|r| r.workers == n && r.time_to_target_s.is_some()).collect();
+            at.sort_by(|a, b| {
+                a.time_to_target_s.unwrap_or(f64::MAX).total_cmp(&b.time_to_target_s.unwrap_or(f64::MAX))
+            });
+            let missed: Vec<String> = g
+                .rows
+                .iter()
+                .filter(|r| r.workers == n && r.time_to_target_s.is_none())
+                .map(|r| Group::series(r))
+                .collect();
+            let Some(best) = at.first() else {
+                out.push(format!(
+                    "At {n} workers no mode reached {:.1}% held-out accuracy in most of its repeats.",
+                    100.0 * target
+                ));
+                continue;
+            };
+            let tt = |r: &Summary| r.time_to_target_s.unwrap_or(f64::NAN);
+            let tt_range = |r: &Summary| g.cell_of(r).and_then(|c| c.time_to_target);
+            let mut line = format!(
+                "At {n} workers {} reaches {:.1}% held-out accuracy first, in {:.2} s of training ({:.1} epochs",
+                Group::series(best),
+                100.0 * target,
+                tt(best),
+                best.epochs_to_target.unwrap_or(f64::NAN)
+            );
+            if let Some((lo, hi)) = tt_range(best) {
+                let _ = write!(line, "; repeats {lo:.2}-{hi:.2} s");
+            }
+            line.push(')');
+            if let Some(next) = at.get(1) {
+                let level = matches!((tt_range(best), tt_range(next)), (Some(a), Some(b)) if overlap(a, b));
+                // Within 2% a factor is a tie, not a reason.
+                let tie = |x: f64| (x - 1.0).abs() < 0.02;
+                let speed = thr(best) / thr(next).max(1e-9);
+                let samples = next.samples_to_target.unwrap_or(0) as f64
+                    / best.samples_to_target.unwrap_or(1).max(1) as f64;
+                let _ = write!(
+                    line,
+                    "; {} follows in {:.2} s{}. Its throughput is {speed:.2}x and its statistical efficiency \
+                     {samples:.2}x the runner-up's (samples needed: {} against {}): {}",
+                    Group::series(next),
+                    tt(next),
+                    if level { ", level with it (their repeats' ranges overlap)" } else { "" },
+                    best.samples_to_target.unwrap_or(0),
+                    next.samples_to_target.unwrap_or(0),
+                    match (speed >= 1.0, samples >= 1.0) {
+                        _ if tie(samples) && !tie(speed) =>
+                            "the same samples needed, so throughput alone decides",
+                        _ if tie(speed) && !tie(samples) =>
+                            "the same throughput, so convergence per sample alone decides",
+                        _ if tie(speed) && tie(samples) => "neither factor separates them",
+                        (true, true) if speed >= samples => "both favour it, throughput the more",
+                        (true, true) => "both favour it, convergence per sample the more",
+                        (true, false) =>
+                            "its throughput outweighs the runner-up's better convergence per sample",
+                        (false, true) =>
+                            "its convergence per sample outweighs the runner-up's higher throughput",
+                        (false, false) => "neither favours it alone; the two measurements disagree",
+                    }
+                );
+            }
+            line.push('.');
+            if !missed.is_empty() {
+                let _ = write!(line, " Not reached in most repeats: {}.", missed.join(", "));
+            }
+            out.push(line);
+        }
+    }
+
+    // Scaling efficiency at the most workers.
+    if let (Some(b), Some(&nmax)) = (g.baseline(), ws.last())
+        && nmax > 1
+    {
+        let effs: Vec<(String, f64)> = g
+            .rows
+            .iter()
+            .filter(|r| r.workers == nmax)
+            .map(|r| (Group::series(r), thr(r) / (nmax as f64 * b)))
+            .collect();
+        if let (Some(hi), Some(lo)) =
+            (effs.iter().max_by(|a, b| a.1.total_cmp(&b.1)), effs.iter().min_by(|a, b| a.1.total_cmp(&b.1)))
+        {
+            out.push(format!(
+                "Scaling efficiency at {nmax} workers (throughput / ({nmax} x one worker's {b:.0} samples/s)) ranges \
+                 from {:.0}% ({}) to {:.0}% ({}).",
+                100.0 * lo.1,
+                lo.0,
+                100.0 * hi.1,
+                hi.0
+            ));
+        }
+    }
+
+    // Ring against the best parameter server, worker count by worker count.
+    let ring: BTreeMap<usize, f64> = g
+        .rows
+        .iter()
+        .filter(|r| r.mode == "ddp-tcp")
+        .filter_map(|r| Some((r.workers, r.samples_per_s?)))
+        .collect();
+    let mut ps_best: BTreeMap<usize, (f64, String)> = BTreeMap::new();
+    for r in g.rows.iter().filter(|r| r.mode.starts_with("ps-bsp")) {
+        let t = thr(r);
+        let e = ps_best.entry(r.workers).or_insert((0.0, String::new()));
+        if t > e.0 {
+            *e = (t, Group::series(r));
+        }
+    }
+    let both: Vec<(usize, f64, f64, String)> = ring
+        .iter()
+        .filter(|(n, _)| **n > 1)
+        .filter_map(|(&n, &rt)| ps_best.get(&n).map(|(pt, name)| (n, rt, *pt, name.clone())))
+        .collect();
+    if !both.is_empty() {
+        let parts: Vec<String> = both
+            .iter()
+            .map(|(n, rt, pt, name)| format!("{n} workers: ring/PS = {:.2} (vs {name})", rt / pt.max(1e-9)))
+            .collect();
+        let ahead = both.iter().position(|b| b.1 > b.2).filter(|&i| both[i..].iter().all(|b| b.1 > b.2));
+        out.push(format!(
+            "Ring all-reduce over TCP sockets (ddp-tcp) against the best synchronous parameter server (gRPC over \
+             TCP, the same wire), by median throughput: {}. {}",
+            parts.join("; "),
+            match ahead {
+                Some(0) =>
+                    format!("The ring is ahead at every worker count measured, from {} on.", both[0].0),
+                Some(i) => format!("The ring pulls ahead at {} workers and stays ahead.", both[i].0),
+                None if both.iter().all(|b| b.2 >= b.1) =>
+                    "The parameter server is ahead at every worker count measured.".into(),
+                None => "Neither stays ahead over the whole range.".into(),
+            }
+        ));
+    }
+
+    // The servers' link: bytes per second through all servers against the raw link.
+    if let Some(l) = link {
+        let loads: Vec<(f64, &Summary)> = g
+            .rows
+            .iter()
+            .filter_map(|r| {
+                let steps_per_s = r.samples_per_s? / r.global_batch.max(1) as f64;
+                Some((r.bytes_per_step_server? * steps_per_s / r.shards.max(1) as f64, *r))
+            })
+            .collect();
+        if let Some((bps, r)) = loads.iter().max_by(|a, b| a.0.total_cmp(&b.0)) {
+            let series: Vec<&Summary> =
+                g.rows.iter().copied().filter(|x| Group::series(x) == Group::series(r)).collect();
+            let flat = series.windows(2).find(|w| thr(&w[1]) < 1.1 * thr(&w[0]));
+            out.push(format!(
+                "The busiest parameter-server shard ({} at {} workers) moves {:.2} GB/s, {:.0}% of the raw TCP link \
+                 ({:.2} GB/s){}.",
+                Group::series(r),
+                r.workers,
+                bps / 1e9,
+                100.0 * bps / l.b,
+                l.b / 1e9,
+                match flat {
+                    Some(w) => format!(
+                        "; its throughput stops growing between {} and {} workers ({:.0} -> {:.0} samples/s)",
+                        w[0].workers,
+                        w[1].workers,
+                        thr(&w[0]),
+                        thr(&w[1])
+                    ),
+                    None => "; its throughput still grows with every worker added".into(),
+                }
+            ));
+        }
+    }
+
+    // Where the step time goes at the most workers.
+    if let Some(&nmax) = ws.last() {
+        let shares: Vec<(String, f64, f64)> = g
+            .rows
+            .iter()
+            .filter(|r| r.workers == nmax)
+            .filter_map(|r| {
+                let t = r.step_ms?;
+                let c = r.comm_exposed_ms.unwrap_or(0.0) + r.wait_ms.unwrap_or(0.0);
+                (t > 0.0).then(|| (Group::series(r), c / t, t))
+            })
+            .collect();
+        if let Some(w) = shares.iter().max_by(|a, b| a.1.total_cmp(&b.1))
+            && w.1 > 0.0
+        {
+            out.push(format!(
+                "At {nmax} workers, {} spends the largest share of its step ({:.0}% of {:.1} ms) on exposed \
+                 communication and waiting.",
+                w.0,
+                100.0 * w.1,
+                w.2
+            ));
+        }
+    }
+
+    // Measured communication against the model.
+    if let Some(l) = link {
+        let s = g.grad_bytes();
+        for r in g.rows.iter().filter(|r| r.workers > 1 && (r.mode == "ddp-tcp" || r.mode == "ps-bsp")) {
+            let Some(c) = r.comm_ms.filter(|&c| c > 0.0) else { continue };
+            let model = if r.mode == "ddp-tcp" {
+                cost::ring(r.workers, s, l)
+            } else {
+                cost::ps(r.workers, r.shards, s, l)
+            };
+            if r.workers == ws.last().copied().unwrap_or(0) {
+                out.push(format!(
+                    "{} at {} workers: {:.2} ms of communication per step measured, {:.2} ms predicted by the \
+                     alpha-beta model: the implementation reaches {:.0}% of what the raw link allows.",
+                    Group::series(r),
+                    r.workers,
+                    c,
+                    model * 1e3,
+                    100.0 * model * 1e3 / c
+                ));
+            }
+        }
+        let ring_pts = g.ring_points();
+        if ring_pts.len() >= 2
+            && let Some(fit) = cost::fit_ring(&ring_pts)
+        {
+            if fit.a > 0.0 {
+                out.push(format!(
+                    "Fitting the ring model to the ring's own {} measurements gives a = {:.1} us per message and an \
+                     effective B = {:.2} GB/s, {:.0}% of the raw link.",
+                    ring_pts.len(),
+                    fit.a * 1e6,
+                    fit.b / 1e9,
+                    100.0 * fit.b / l.b
+                ));
+            } else {
+                // A least-squares latency below zero says the points cannot tell the per-message
+                // cost from the bandwidth term: report the bandwidth alone, and say so.
+                out.push(format!(
+                    "The ring's own {} measurements do not separate a per-message latency from the bandwidth \
+                     term (the best fit puts it below zero), so only an effective B = {:.2} GB/s ({:.0}% of the raw \
+                     link) is fitted; more worker counts would separate them.",
+                    ring_pts.len(),
+                    fit.b / 1e9,
+                    100.0 * fit.b / l.b
+                ));
+            }
+        }
+        let ten = Link { a: l.a, b: cost::gbit(10.0) };
+        let ps_half = cost::ps_wins(1024, s, ten, |n| (n / 2).max(1));
+        out.push(format!(
+            "Extrapolated to 10 Gbit/s links and 1024 workers, one exchange of {:.1} MB costs {:.1} ms on the ring, \
+             {:.1} ms through one server and {:.1} ms with one server per worker. With a server per worker the PS \
+             beats the ring from {} workers on (S/B against 2(n-1)/n S/B plus the ring's 2(n-1) latencies); with \
+             half as many servers as workers it {}; with a single server {}.",
+            s / 1e6,
+            cost::ring(1024, s, ten) * 1e3,
+            cost::ps(1024, 1, s, ten) * 1e3,
+            cost::ps(1024, 1024, s, ten) * 1e3,
+            cost::ps_wins(1024, s, ten, |n| n).map_or("no worker count".into(), |w| w.0.to_string()),
+            match ps_half {
+                Some((a, _)) => format!("wins from {a} workers on, once the ring's latency term outgrows the server's extra bandwidth"),
+                None => "never wins up to 1024 workers".into(),
+            },
+            match cost::ps_wins(1024, s, ten, |_| 1) {
+                Some((_, b)) => format!("it is faster only up to {b} workers"),
+                None => "it is slower than the ring at every worker count from 2 to 1024".into(),
+            }
+        ));
+    }
+
+    // Staleness.
+    let stale: Vec<String> = g
+        .rows
+        .iter()
+        .filter(|r| r.staleness_mean.is_some() && (r.mode == "ps-asp" || r.mode == "ps-ssp"))
+        .filter(|r| Some(&r.workers) == ws.last())
+        .map(|r| {
+            format!(
+                "{} at {} workers: mean {:.2}, max {}",
+                Group::series(r),
+                r.workers,
+                r.staleness_mean.unwrap_or(0.0),
+                r.staleness_max.unwrap_or(0)
+            )
+        })
+        .collect();
+    if !stale.is_empty() {
+        out.push(format!(
+            "Staleness of applied gradients: {}. Staleness counts the server's versions between a worker's pull \
+             and the update with its gradient, and every worker's gradient makes a version under ASP and SSP: \
+             with n workers it can pass the SSP bound, which limits how many of its own steps a worker runs \
+             ahead of the slowest, not how many updates others make meanwhile.",
+            stale.join("; ")
+        ));
+    }
+
+    // Final held-out accuracy against local training: same initial parameters, data and
+    // global batch, so a difference comes from the mode (asynchrony, reduction order).
+    let local_acc = g.rows.iter().find(|r| r.mode == "local").and_then(|r| r.final_accuracy);
+    if let Some(la) = local_acc {
+        let dev = |sync: bool| -> Option<(f64, String)> {
+            g.rows
+                .iter()
+                .filter(|r| r.mode != "local" && (r.mode == "ps-asp" || r.mode == "ps-ssp") != sync)
+                .filter_map(|r| {
+                    Some(((r.final_accuracy? - la).abs(), format!("{} w{}", Group::series(r), r.workers)))
+                })
+                .max_by(|a, b| a.0.total_cmp(&b.0))
+        };
+        let mut parts = vec![format!(
+            "Final held-out accuracy of local training (median of repeats): {:.2}%",
+            100.0 * la
+        )];
+        if let Some((d, who)) = dev(true) {
+            parts
+                .push(format!("synchronous modes end within {:.2} points of it (largest: {who})", 100.0 * d));
+        }
+        if let Some((d, who)) = dev(false) {
+            parts.push(format!("asynchronous ones within {:.2} points (largest: {who})", 100.0 * d));
+        }
+        out.push(parts.join("; ") + ".");
+    }
+
+    // Contention: every process shares this machine's cores.
+    if let (Some(m), Some(&nmax)) = (m, ws.last())
+        && nmax > m.cores
+    {
+        out.push(format!(
+            "All processes share one machine with {} logical cores, and up to {nmax} workers ran at once (plus \
+             servers): beyond {} workers compute time grows with contention, so throughput there measures the CPU \
+             as much as the network.",
+            m.cores, m.cores
+        ));
+    }
+
+    out.extend(straggler_reading(g));
+
+    // Failures.
+    let failed: Vec<&Summary> = all.iter().filter(|r| r.status == "failed").collect();
+    if !failed.is_empty() {
+        let mut by_mode: BTreeMap<&str, usize> = BTreeMap::new();
+        for f in &failed {
+            *by_mode.entry(f.mode.as_str()).or_insert(0) += 1;
+        }
+        out.push(format!(
+            "{} run{} failed ({}); first error: {}",
+            failed.len(),
+            if failed.len() == 1 { "" } else { "s" },
+            by_mode.iter().map(|(m, n)| format!("{m}: {n}")).collect::<Vec<_>>().join(", "),
+            failed[0].error.chars().take(200).collect::<String>()
+        ));
+    }
+    let diverged: Vec<&Summary> = all.iter().filter(|r| r.status == "diverged").collect();
+    if !diverged.is_empty() {
+        let which: Vec<String> = diverged
+            .iter()
+            .map(|r| {
+                let at = r.error.split("diverged at step ").nth(1).and_then(|t| t.split(':').next());
+                format!(
+                    "{} w{}{}",
+                    r.mode,
+                    r.workers,
+                    at.map(|s| format!(" at step {s}")).unwrap_or_default()
+                )
+            })
+            .collect();
+        out.push(format!(
+            "{} run{} diverged ({}): listed apart in the table below, never read as a speed. {}",
+            diverged.len(),
+            if diverged.len() == 1 { "" } else { "s" },
+            which.join(", "),
+            diverged.iter().find_map(|r| r.error.split_once("; ").map(|(_, fix)| fix)).unwrap_or_default()
+        ));
+    }
+    let partial =
+        all.iter().filter(|r| matches!(r.status.as_str(), "interrupted" | "stopped" | "partial")).count();
+    if partial > 0 {
+        out.push(format!(
+            "{partial} run(s) did not run to their end (interrupted, stopped by the time budget, or without a \
+             record): listed apart, they feed no figure and no reading."
+        ));
+    }
+    let skipped = all.iter().filter(|r| r.status == "skipped").count();
+    if skipped > 0 {
+        out.push(format!("{skipped} run(s) were skipped; the table below gives each reason."));
+    }
+    out
+}
+
+/// What the straggler sweep says: per series, at its largest delay, the slowdown and the share
+/// of the injected delay the whole job pays per global step, against what the mode's
+/// synchronisation predicts (synchronous modes pay all of it; ASP at most W/(W-1) of the
+/// undelayed step; SSP all of it once the fast ranks reach the staleness bound).
+pub fn straggler_reading(g: &Group) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut paid: Vec<(String, f64)> = Vec::new();
+    for s in g.slowdowns() {
+        let (name, mode, w) = (s.name, s.mode, s.workers);
+        let (Some(&(d, slow)), Some(t0)) = (s.points.last(), g.undelayed_step_s(mode, w, s.shards)) else {
+            continue;
+        };
+        if d <= 0.0 {
+            continue;
+        }
+        let extra_ms = (slow - 1.0) * t0 * 1e3;
+        let share = extra_ms / d;
+        let expect = match mode {
+            "ps-asp" => format!(
+                "asynchronous: the other ranks go on, so the slowdown is bounded by W/(W-1) = {:.2}x",
+                w as f64 / (w as f64 - 1.0).max(1.0)
+            ),
+            "ps-ssp" => "stale-synchronous: the fast ranks run ahead up to the bound, then wait".into(),
+            _ => "synchronous: every step waits for the slowest rank".into(),
+        };
+        out.push(format!(
+            "Straggler, {name}: with one rank {d:.0} ms slower per step, a global step takes {slow:.2}x as \
+             long ({:.1} -> {:.1} ms); the job pays {:.0}% of the injected delay ({expect}).",
+            t0 * 1e3,
+            t0 * 1e3 * slow,
+            100.0 * share
+        ));
+        paid.push((name, share));
+    }
+    if paid.len() > 1 {
+        paid.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let waits: Vec<&str> = paid.iter().filter(|p| p.1 >= 0.8).map(|p| p.0.as_str()).collect();
+        let spared: Vec<&str> = paid.iter().filter(|p| p.1 < 0.5).map(|p| p.0.as_str()).collect();
+        out.push(format!(
+            "At the largest delay, {} absorbs the straggler best ({:.0}% of the delay paid). Waiting for it \
+             every step (80% or more paid): {}. Less than half paid: {}. Where processes outnumber cores, a \
+             sleeping straggler also frees a core for the others, so synchronous modes pay less than the \
+             whole delay.",
+            paid[0].0,
+            100.0 * paid[0].1,
+            if waits.is_empty() { "none".to_string() } else { waits.join(", ") },
+            if spared.is_empty() { "none".to_string() } else { spared.join(", ") },
+        ));
+    }
+    out
+}
