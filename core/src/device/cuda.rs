@@ -29,6 +29,10 @@
 //! touches a view's memory from ANOTHER stream (NCCL, asynchronous copies) through
 //! [`GpuViewMut::device_ptr`] must order itself with events against [`Cuda::stream`], and keep
 //! the buffer alive until that work has finished.
+//!
+//! # Length
+//! Over 600 lines on purpose: the whole [`Backend`] for one device in one file, like
+//! `cpu.rs`, so the two can be read side by side kernel by kernel; its unit tests close it.
 
 use std::fmt;
 use std::marker::PhantomData;
