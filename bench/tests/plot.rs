@@ -195,6 +195,8 @@ fn identical_input_gives_identical_output() {
         "{html}"
     );
     assert!(html.contains("ps-asp k=1 (gRPC over TCP) at 2 workers: mean"), "staleness reading missing");
+    // Titles name the network trained, not the preset it was fitted from.
+    assert!(html.contains("(MLP 32-64-32-8, global batch 64)") && !html.contains("(tiny,"), "chart titles");
     let csv = std::fs::read_to_string(a.join("summary.csv")).unwrap();
     assert_eq!(csv.lines().count(), 1 + 6, "{csv}");
     assert!(csv.lines().any(|l| l.starts_with("runs/006-ddp-w2,ddp-tcp,2,0,")), "{csv}");

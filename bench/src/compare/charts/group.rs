@@ -12,7 +12,7 @@ use super::workers;
 pub struct Group<'a> {
     /// Suffix of the file names (empty for the only group).
     pub suffix: String,
-    /// Model preset.
+    /// The network trained (`MLP 64-1024-1024-10`), or its preset when the widths are unknown.
     pub model: String,
     /// Global batch.
     pub global_batch: usize,
@@ -210,7 +210,12 @@ pub fn groups(c: &Collected) -> Vec<Group<'_>> {
                 sweep,
                 suffix: if many { format!("-{model}-b{gb}") } else { String::new() },
                 params: rows.iter().map(|r| r.params).max().unwrap_or(0),
-                model,
+                // The shape trained, not the preset's name: a preset fitted to another data
+                // set's input and classes (mnist on the 8x8 digits) is another network.
+                model: rows
+                    .first()
+                    .filter(|r| !r.widths.is_empty())
+                    .map_or(model, |r| format!("MLP {}", r.widths)),
                 global_batch: gb,
                 rows,
                 runs,
