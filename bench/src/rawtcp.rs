@@ -157,28 +157,46 @@ pub fn latency(ip: &str, rounds: usize) -> anyhow::Result<f64> {
 }
 
 /// One socket end of an [`Exchange`], on its own thread for the whole run: `io` once per
-/// exchange, between two waits on `barrier`. After an error it only keeps to the barriers (its
-/// peer's read then fails on its timeout) and returns the error at the end.
+/// exchange, between two waits on `barrier`, timed on this thread (when it began and when it
+/// ended). After an error it only keeps to the barriers (its peer's read then fails on its
+/// timeout) and returns the error at the end.
 fn socket_end<'scope, F>(
     scope: &'scope std::thread::Scope<'scope, '_>,
     barrier: &'scope std::sync::Barrier,
     rounds: usize,
     mut io: F,
-) -> std::thread::ScopedJoinHandle<'scope, std::io::Result<()>>
+) -> std::thread::ScopedJoinHandle<'scope, std::io::Result<Vec<(Instant, Instant)>>>
 where
     F: FnMut() -> std::io::Result<()> + Send + 'scope,
 {
     scope.spawn(move || {
         let mut failed = None;
+        let mut spans = Vec::with_capacity(rounds);
         for _ in 0..rounds {
             barrier.wait();
+            let t = Instant::now();
             if failed.is_none() {
                 failed = io().err();
             }
+            spans.push((t, Instant::now()));
             barrier.wait();
         }
-        failed.map_or(Ok(()), Err)
+        failed.map_or(Ok(spans), Err)
     })
+}
+
+/// Each round's milliseconds from the first socket end's start to the last one's end, over
+/// every end's `(start, end)` per round. Timed by the ends themselves, not by the thread that
+/// releases them: on a loaded machine that thread may run again only after most of the
+/// exchange is done.
+fn round_ms(ends: &[Vec<(Instant, Instant)>], rounds: usize) -> Vec<f64> {
+    (0..rounds)
+        .filter_map(|r| {
+            let first = ends.iter().filter_map(|e| e.get(r)).map(|s| s.0).min()?;
+            let last = ends.iter().filter_map(|e| e.get(r)).map(|s| s.1).max()?;
+            Some((last - first).as_secs_f64() * 1e3)
+        })
+        .collect()
 }
 
 /// A parameter-server step's traffic moved by plain sockets, with no framing, no copies
@@ -233,7 +251,7 @@ impl Exchange {
         let server_params: Vec<Vec<u8>> = (0..k).map(|j| vec![2u8; self.range(j).len()]).collect();
         let mut received: Vec<Vec<u8>> = (0..w * k).map(|p| vec![0u8; self.range(p % k).len()]).collect();
         let rounds = warmup + steps;
-        let mut times = Vec::with_capacity(steps);
+        let mut ends = Vec::with_capacity(4 * w * k);
         // One thread per socket end for the whole run (spawning them per exchange would add
         // about half a millisecond to a 16-thread exchange); a barrier starts and ends each.
         let barrier = std::sync::Barrier::new(4 * w * k + 1);
@@ -260,18 +278,16 @@ impl Exchange {
                 handles.push(socket_end(scope, barrier, rounds, move || pull_tx.write_all(back)));
                 handles.push(socket_end(scope, barrier, rounds, move || pull_rx.read_exact(dst)));
             }
-            for step in 0..rounds {
+            for _ in 0..rounds {
                 barrier.wait();
-                let t = Instant::now();
                 barrier.wait();
-                if step >= warmup {
-                    times.push(t.elapsed().as_secs_f64() * 1e3);
-                }
             }
             for h in handles {
-                h.join()
-                    .map_err(|_| anyhow::anyhow!("a socket thread panicked"))?
-                    .context("plain sockets")?;
+                ends.push(
+                    h.join()
+                        .map_err(|_| anyhow::anyhow!("a socket thread panicked"))?
+                        .context("plain sockets")?,
+                );
             }
             Ok(())
         })?;
@@ -279,7 +295,7 @@ impl Exchange {
             params.iter().flatten().all(|&b| b == 2) && received.iter().flatten().all(|&b| b == 1),
             "plain sockets delivered other bytes than were sent"
         );
-        Ok(times)
+        Ok(round_ms(&ends, rounds).split_off(warmup))
     }
 }
 
@@ -298,6 +314,18 @@ mod tests {
         let t = x.run(0, 2).unwrap();
         assert_eq!(t.len(), 2);
         assert!(t.iter().all(|ms| *ms > 0.0));
+    }
+
+    /// A round spans from the earliest start to the latest end of any socket end, whatever
+    /// order the ends ran in.
+    #[test]
+    fn a_round_spans_every_socket_end() {
+        let t0 = std::time::Instant::now();
+        let at = |ms: u64| t0 + std::time::Duration::from_millis(ms);
+        let ends = vec![vec![(at(5), at(9)), (at(20), at(21))], vec![(at(2), at(4)), (at(22), at(30))]];
+        let ms = super::round_ms(&ends, 2);
+        assert_eq!(ms.len(), 2);
+        assert!((ms[0] - 7.0).abs() < 1e-6 && (ms[1] - 10.0).abs() < 1e-6, "{ms:?}");
     }
 
     #[test]
