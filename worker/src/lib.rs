@@ -4,9 +4,10 @@
 //! - [`cli`]: the flags of `gradsync-worker` (clap, with torchrun and Slurm variables).
 //! - [`train`]: the training loop, written once: data, sampler, evaluation, metrics, saving.
 //! - [`strategy`]: the [`strategy::Strategy`] seam and one file per mode behind it.
-//! - [`collective`]: collectives between ranks behind one trait: the TCP ring (links in
-//!   `tcp`, shared-memory rings between ranks of one host in `shm`, algorithms in `ring` and
-//!   `chain`) and NCCL.
+//! - [`collective`]: collectives between ranks behind one trait: the host communicator
+//!   (`comm`) running the algorithms (`ring`, `chain`) over links (the TCP mesh in `tcp`,
+//!   socket engines in `pump`, shared-memory rings between ranks of one host in `shm`), and
+//!   NCCL.
 //! - [`rendezvous`]: rank 0's store through which ranks exchange addresses and the NCCL id.
 //! - [`launch`]: `gradsync-worker launch`, torchrun's job: start the local ranks, prefix their
 //!   output, stop them all if one fails.
