@@ -25,6 +25,9 @@ pub enum Command {
     /// All-reduce bandwidth per backend, size and rank count (nccl-tests style), beside raw
     /// TCP and PyTorch gloo.
     Collective(crate::collective::CollectiveArgs),
+    /// One rank of `collective` in its own process (started by `collective`).
+    #[command(hide = true)]
+    CollectiveRank(crate::collective::RankArgs),
     /// How much of DDP's communication hides behind backward, from real DDP processes.
     Overlap(crate::overlap::OverlapArgs),
     /// Compare two parameter files; fail beyond a tolerance.

@@ -1,17 +1,26 @@
 //! `gradsync-bench collective`: an nccl-tests-style table for all-reduce (size, time, algbw,
 //! busbw, wrong values) from 8 B to 256 MB over 2 to 8 ranks, per backend and, for the TCP
-//! backend, per transport (sockets only; `auto`, which here means shared memory), beside the
-//! raw TCP bandwidth of the same machine measured in the same run, and PyTorch gloo on the
-//! same sizes when a Python with torch is given.
+//! backend, per transport (sockets only; `auto`, which on one host means shared memory),
+//! beside the raw TCP bandwidth measured in the same run and PyTorch gloo on the same sizes.
 //!
-//! Ranks are threads of this process, each with its own communicator over real loopback
-//! sockets and, on the shared-memory transport, its own mailbox in `/dev/shm` (the same code
-//! path as separate processes: nothing is shared but the kernel and those files).
+//! Every rank is a process of its own by default, gradsync's and gloo's alike, so the table
+//! compares like with like: this binary starts itself once per rank (the hidden
+//! `collective-rank` subcommand) and `bench/pytorch/allreduce.py` once per gloo rank. Rank 0
+//! binds the rendezvous store first and prints where it listens; the other ranks are started
+//! with that address (no sleeping, no port guessing). With `--threads` gradsync's ranks are
+//! threads of this process instead (labelled so in the table; gloo stays in processes).
+//! With `--link-gbit`, each rank runs on an emulated host of its own (a network namespace,
+//! links shaped with tc; see [`crate::cluster::net`]), so no two ranks share memory.
+//!
+//! Rounds are interleaved (every backend once per round, in turn) and each size's median over
+//! rounds is reported, so a burst of other load on the machine touches every backend alike.
 //! Definitions follow nccl-tests: algbw = S / t, busbw = algbw * 2(n-1)/n.
 
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::Command;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -19,7 +28,13 @@ use clap::Args;
 use gradsync_worker::collective::{Collective, Nccl, RingConfig, TcpComm, Transport, nccl};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
-use crate::table::Table;
+use crate::cluster::net::{self, Cluster, Shape};
+use crate::hosts::Hosts;
+use crate::rawtcp::Yardstick;
+use crate::table::{Table, median};
+
+/// How long a rank waits for its peers (connecting, and in any collective).
+const RANK_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Flags of `gradsync-bench collective`.
 #[derive(Debug, Clone, Args)]
@@ -55,15 +70,61 @@ pub struct CollectiveArgs {
     /// Seconds of raw TCP measurement.
     #[arg(long, default_value_t = 2.0)]
     pub raw_secs: f64,
-    /// A Python with torch: time gloo's all_reduce on the same sizes and rank counts.
+    /// Interleaved rounds (every backend once per round); the table shows each size's median.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Run gradsync's ranks as threads of this process rather than one process each.
+    #[arg(long)]
+    pub threads: bool,
+    /// Put every rank on an emulated host of its own whose link is shaped to this many
+    /// Gbit/s each way (network namespaces, veth and tc: needs root and iproute2).
+    #[arg(long, value_parser = crate::ps::positive_gbit)]
+    pub link_gbit: Option<f64>,
+    /// A Python with torch, for the gloo rows (default: ~/.cache/gradsync/torch-venv/bin/python
+    /// when it exists).
     #[arg(long, env = "GRADSYNC_PYTHON")]
     pub python: Option<PathBuf>,
+    /// Leave out the gloo rows even when a Python with torch is found.
+    #[arg(long)]
+    pub no_gloo: bool,
+}
+
+/// Flags of `gradsync-bench collective-rank`: one rank of a `collective` run in processes
+/// (started by `collective`, not meant to be typed).
+#[derive(Debug, Clone, Args)]
+pub struct RankArgs {
+    /// This rank.
+    #[arg(long)]
+    pub rank: usize,
+    /// Number of ranks.
+    #[arg(long)]
+    pub world: usize,
+    /// The rendezvous store, host:port. Rank 0 binds it (port 0: any) and prints
+    /// {"listening": "host:port"} first.
+    #[arg(long)]
+    pub master: String,
+    /// Buffer sizes, bytes.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub sizes: Vec<usize>,
+    /// Bytes to move per size.
+    #[arg(long, default_value_t = 512 << 20)]
+    pub budget_bytes: usize,
+    /// Transport of the ring.
+    #[arg(long, value_enum, default_value = "tcp")]
+    pub transport: Transport,
+    /// Ring chunk size, KiB.
+    #[arg(long, default_value_t = 1024)]
+    pub chunk_kb: usize,
+    /// Socket buffer size to ask for, KiB (0: the kernel's autotuning).
+    #[arg(long, default_value_t = 4096)]
+    pub socket_buffer_kb: usize,
 }
 
 /// One measured row.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Row {
     bytes: usize,
+    #[serde(rename = "seconds")]
     secs: f64,
     wrong: usize,
 }
@@ -91,9 +152,23 @@ fn sizes(a: &CollectiveArgs) -> Vec<usize> {
     v
 }
 
+fn ring_config(chunk_kb: usize, socket_buffer_kb: usize, transport: Transport) -> RingConfig {
+    RingConfig {
+        chunk_bytes: chunk_kb << 10,
+        socket_buffer: (socket_buffer_kb > 0).then_some(socket_buffer_kb << 10),
+        transport,
+        timeout: RANK_TIMEOUT,
+    }
+}
+
 /// Time all-reduce on one communicator (one rank): per size, check one reduction against the
 /// expected sum, then time `iters` of them between barriers.
-fn time_rank(c: &mut dyn Collective, sizes: &[usize], budget: usize) -> anyhow::Result<Vec<Row>> {
+fn time_rank(
+    c: &mut dyn Collective,
+    sizes: &[usize],
+    budget: usize,
+    mut each: impl FnMut(&Row),
+) -> anyhow::Result<Vec<Row>> {
     let (r, w) = (c.rank(), c.world_size());
     let want = (w * (w + 1) / 2) as f32;
     let mut rows = Vec::new();
@@ -110,14 +185,64 @@ fn time_rank(c: &mut dyn Collective, sizes: &[usize], budget: usize) -> anyhow::
             c.all_reduce(&mut buf)?;
         }
         let secs = t.elapsed().as_secs_f64() / iters as f64;
-        rows.push(Row { bytes: n * 4, secs, wrong });
+        let row = Row { bytes: n * 4, secs, wrong };
+        each(&row);
+        rows.push(row);
     }
     Ok(rows)
 }
 
+/// The slowest rank's time per size, the wrong values of all ranks.
+fn slowest(per_rank: Vec<Vec<Row>>) -> anyhow::Result<Vec<Row>> {
+    per_rank
+        .into_iter()
+        .reduce(|acc, rows| {
+            acc.into_iter()
+                .zip(rows)
+                .map(|(x, y)| Row { bytes: x.bytes, secs: x.secs.max(y.secs), wrong: x.wrong + y.wrong })
+                .collect()
+        })
+        .context("no ranks")
+}
+
+/// `gradsync-bench collective-rank`: join the ring, say which transport it runs on, then time
+/// every size, one JSON line each, flushed as they come.
+pub fn run_rank(a: &RankArgs) -> anyhow::Result<()> {
+    use std::io::Write;
+    let listener = if a.rank == 0 {
+        let l = TcpListener::bind(&a.master).with_context(|| format!("binding the store at {}", a.master))?;
+        let addr = l.local_addr()?;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{}", serde_json::json!({ "listening": addr.to_string() }))?;
+        out.flush()?;
+        Some((l, addr.to_string()))
+    } else {
+        None
+    };
+    let rc = RendezvousConfig {
+        master: listener.as_ref().map_or_else(|| a.master.clone(), |(_, addr)| addr.clone()),
+        rank: a.rank,
+        world: a.world,
+        fingerprint: "bench".into(),
+        token: None,
+        timeout: RANK_TIMEOUT,
+        nccl: false,
+    };
+    let j = join_with_store(&rc, listener.map(|(l, _)| l))?;
+    let cfg = ring_config(a.chunk_kb, a.socket_buffer_kb, a.transport);
+    let mut c = TcpComm::connect(j.listener, &j.mesh, cfg)?;
+    println!("{}", serde_json::json!({ "transport": c.transport().name() }));
+    time_rank(&mut c, &a.sizes, a.budget_bytes, |row| {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{}", serde_json::to_string(row).unwrap_or_default());
+        let _ = out.flush();
+    })?;
+    Ok(())
+}
+
 /// Run the TCP backend on `transport` with `world` rank threads; the slowest rank's time per
 /// size, and the transport the ranks ended up on.
-fn tcp(
+fn tcp_threads(
     world: usize,
     sizes: &[usize],
     a: &CollectiveArgs,
@@ -126,12 +251,7 @@ fn tcp(
     let store = TcpListener::bind("127.0.0.1:0")?;
     let master = store.local_addr()?.to_string();
     let mut store = Some(store);
-    let ring = RingConfig {
-        chunk_bytes: a.chunk_kb << 10,
-        socket_buffer: (a.socket_buffer_kb > 0).then_some(a.socket_buffer_kb << 10),
-        transport,
-        ..RingConfig::default()
-    };
+    let ring = ring_config(a.chunk_kb, a.socket_buffer_kb, transport);
     let per_rank: Vec<anyhow::Result<(Vec<Row>, Transport)>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
             .map(|rank| {
@@ -141,70 +261,245 @@ fn tcp(
                     world,
                     fingerprint: "bench".into(),
                     token: None,
-                    timeout: Duration::from_secs(120),
+                    timeout: RANK_TIMEOUT,
                     nccl: false,
                 };
                 let (l, ring) = (if rank == 0 { store.take() } else { None }, ring.clone());
                 s.spawn(move || -> anyhow::Result<(Vec<Row>, Transport)> {
                     let j = join_with_store(&rc, l)?;
                     let mut c = TcpComm::connect(j.listener, &j.mesh, ring)?;
-                    Ok((time_rank(&mut c, sizes, a.budget_bytes)?, c.transport()))
+                    Ok((time_rank(&mut c, sizes, a.budget_bytes, |_| {})?, c.transport()))
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a rank panicked")))).collect()
     });
-    let mut out: Option<Vec<Row>> = None;
     let mut used = transport;
-    for rows in per_rank {
-        let (rows, t) = rows?;
+    let mut all = Vec::new();
+    for r in per_rank {
+        let (rows, t) = r?;
         used = t;
-        out = Some(match out {
-            None => rows,
-            Some(acc) => acc
-                .into_iter()
-                .zip(rows)
-                .map(|(x, y)| Row { bytes: x.bytes, secs: x.secs.max(y.secs), wrong: x.wrong + y.wrong })
-                .collect(),
-        });
+        all.push(rows);
     }
-    Ok((out.context("no ranks")?, used))
+    Ok((slowest(all)?, used))
 }
 
 /// NCCL at world size 1 (one GPU here): what the library costs with no peer.
 fn nccl_single(sizes: &[usize], a: &CollectiveArgs) -> anyhow::Result<Vec<Row>> {
     let id = nccl::unique_id()?;
     let mut c = Nccl::new(0, 0, 1, &id, Duration::from_secs(60))?;
-    time_rank(&mut c, sizes, a.budget_bytes)
+    time_rank(&mut c, sizes, a.budget_bytes, |_| {})
 }
 
-/// gloo through `bench/pytorch/allreduce.py`: (bytes, seconds) per size.
-fn gloo(
-    python: &PathBuf,
+/// Where the rank processes run: on this machine's loopback, or one per emulated host.
+#[derive(Clone, Copy)]
+enum Place<'a> {
+    Loopback,
+    Emulated(&'a Cluster),
+}
+
+impl Place<'_> {
+    /// The address rank 0's store binds (any port).
+    fn store(&self) -> anyhow::Result<String> {
+        let ip = match self {
+            Place::Loopback => Hosts::Loopback.ip(0)?,
+            Place::Emulated(c) => Hosts::Emulated(c).ip(0)?,
+        };
+        Ok(format!("{ip}:0"))
+    }
+
+    /// `program` as it runs for rank `rank`; gloo told which interface is the host's.
+    fn command(&self, rank: usize, program: &Path) -> anyhow::Result<Command> {
+        let (mut c, ifname) = match self {
+            Place::Loopback => (Command::new(program), "lo"),
+            Place::Emulated(cl) => (cl.command(rank, program)?, "eth0"),
+        };
+        c.env("GLOO_SOCKET_IFNAME", ifname);
+        Ok(c)
+    }
+}
+
+/// Rank processes, killed and reaped when dropped unless they have exited already.
+struct Ranks {
+    children: Vec<(Child, std::thread::JoinHandle<String>)>,
+}
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for (c, _) in &mut self.children {
+            if matches!(c.try_wait(), Ok(None)) {
+                let _ = c.kill();
+            }
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Ranks {
+    /// Start one rank's process; its stderr is collected for the error message should it
+    /// fail.
+    fn start(&mut self, mut cmd: Command) -> anyhow::Result<ChildStdout> {
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {cmd:?}"))?;
+        let (Some(out), Some(mut err)) = (child.stdout.take(), child.stderr.take()) else {
+            anyhow::bail!("no pipes to a rank process");
+        };
+        let errs = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = err.read_to_string(&mut s);
+            s
+        });
+        self.children.push((child, errs));
+        Ok(out)
+    }
+}
+
+/// What one rank process printed: its transport, if it said, and its rows.
+fn read_rank(out: impl BufRead) -> anyhow::Result<(Option<String>, Vec<Row>)> {
+    let (mut transport, mut rows) = (None, Vec::new());
+    for line in out.lines() {
+        let line = line?;
+        if !line.starts_with('{') {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(&line).with_context(|| format!("parsing {line}"))?;
+        if let Some(t) = v.get("transport").and_then(|t| t.as_str()) {
+            transport = Some(t.to_string());
+        } else if v.get("bytes").is_some() {
+            rows.push(serde_json::from_value(v)?);
+        }
+    }
+    Ok((transport, rows))
+}
+
+/// Run `world` rank processes, `cmd(rank, master)` each: rank 0 first, which binds the store
+/// and prints where; then the others, told that address. Returns the slowest rank's rows and
+/// the transport rank 0 reported.
+fn processes(
+    world: usize,
+    place: Place<'_>,
+    cmd: impl Fn(usize, &str) -> anyhow::Result<Command>,
+) -> anyhow::Result<(Vec<Row>, Option<String>)> {
+    let mut ranks = Ranks { children: Vec::new() };
+    let mut first = BufReader::new(ranks.start(cmd(0, &place.store()?)?)?);
+    let mut line = String::new();
+    first.read_line(&mut line)?;
+    let master = serde_json::from_str::<serde_json::Value>(&line)
+        .ok()
+        .and_then(|v| v.get("listening").and_then(|a| a.as_str()).map(str::to_string));
+    let Some(master) = master else {
+        let (mut c, errs) = ranks.children.pop().context("rank 0 not started")?;
+        let _ = c.kill();
+        let _ = c.wait();
+        anyhow::bail!("rank 0 did not say where it listens: {}", errs.join().unwrap_or_default().trim());
+    };
+    let mut outs = vec![first];
+    for rank in 1..world {
+        outs.push(BufReader::new(ranks.start(cmd(rank, &master)?)?));
+    }
+    let mut per_rank = Vec::new();
+    let mut transport = None;
+    let mut failure = None;
+    for (rank, out) in outs.into_iter().enumerate() {
+        let (t, rows) = read_rank(out)?;
+        transport = transport.or(t);
+        per_rank.push(rows);
+        let (child, _) = &mut ranks.children[rank];
+        let status = child.wait()?;
+        if !status.success() && failure.is_none() {
+            failure = Some((rank, status));
+        }
+    }
+    if let Some((rank, status)) = failure {
+        // The first rank to fail names the cause; the others mostly report its departure.
+        let errs: Vec<String> = std::mem::take(&mut ranks.children)
+            .into_iter()
+            .map(|(_, e)| e.join().unwrap_or_default())
+            .collect();
+        anyhow::bail!("rank {rank} exited with {status}: {}", errs[rank].trim());
+    }
+    Ok((slowest(per_rank)?, transport))
+}
+
+/// gradsync's TCP backend on `transport`, one process per rank.
+fn tcp_processes(
     world: usize,
     sizes: &[usize],
     a: &CollectiveArgs,
-) -> anyhow::Result<Vec<(usize, f64)>> {
+    transport: Transport,
+    place: Place<'_>,
+) -> anyhow::Result<(Vec<Row>, Transport)> {
+    let me = std::env::current_exe()?;
+    let list: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
+    let (rows, used) = processes(world, place, |rank, master| {
+        let mut c = place.command(rank, &me)?;
+        c.args(["collective-rank", "--rank", &rank.to_string(), "--world", &world.to_string()])
+            .args(["--master", master, "--sizes", &list.join(",")])
+            .args(["--budget-bytes", &a.budget_bytes.to_string(), "--transport", transport.name()])
+            .args(["--chunk-kb", &a.chunk_kb.to_string()])
+            .args(["--socket-buffer-kb", &a.socket_buffer_kb.to_string()]);
+        Ok(c)
+    })?;
+    let used = match used.as_deref() {
+        Some("shm") => Transport::Shm,
+        _ => Transport::Tcp,
+    };
+    Ok((rows, used))
+}
+
+/// PyTorch gloo through `bench/pytorch/allreduce.py`, one process per rank.
+fn gloo(
+    python: &Path,
+    world: usize,
+    sizes: &[usize],
+    a: &CollectiveArgs,
+    place: Place<'_>,
+) -> anyhow::Result<Vec<Row>> {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/pytorch/allreduce.py");
     let list: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
-    let out = Command::new(python)
-        .args([script, "--world", &world.to_string(), "--sizes", &list.join(",")])
-        .args(["--budget-bytes", &a.budget_bytes.to_string()])
-        .output()
-        .with_context(|| format!("running {}", python.display()))?;
-    anyhow::ensure!(
-        out.status.success(),
-        "gloo benchmark failed: {}",
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l)?;
-            Ok((v["bytes"].as_u64().context("bytes")? as usize, v["seconds"].as_f64().context("seconds")?))
-        })
-        .collect()
+    let (rows, _) = processes(world, place, |rank, master| {
+        let mut c = place.command(rank, python)?;
+        c.args([script, "--rank", &rank.to_string(), "--world", &world.to_string()])
+            .args(["--master", master, "--sizes", &list.join(",")])
+            .args(["--budget-bytes", &a.budget_bytes.to_string()]);
+        Ok(c)
+    })?;
+    Ok(rows)
+}
+
+/// The Python to run gloo with: `--python`, else the conventional virtual environment when
+/// it exists; `None` (with a note on how to get one) when there is none or it lacks torch.
+fn find_python(a: &CollectiveArgs) -> Option<PathBuf> {
+    let conventional =
+        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/gradsync/torch-venv/bin/python"));
+    let py = a.python.clone().or_else(|| conventional.filter(|p| p.exists()));
+    let how = "python3 -m venv ~/.cache/gradsync/torch-venv && \
+               ~/.cache/gradsync/torch-venv/bin/pip install torch (or pass --python / GRADSYNC_PYTHON)";
+    let Some(py) = py else {
+        eprintln!(
+            "gradsync-bench collective: gloo rows skipped: no Python with torch found; install one: {how}"
+        );
+        return None;
+    };
+    let ok = Command::new(&py)
+        .args(["-c", "import torch.distributed as d; assert d.is_gloo_available()"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!(
+            "gradsync-bench collective: gloo rows skipped: {} has no torch with gloo; {how}",
+            py.display()
+        );
+        return None;
+    }
+    Some(py)
 }
 
 fn human(bytes: usize) -> String {
@@ -215,14 +510,68 @@ fn human(bytes: usize) -> String {
     }
 }
 
+/// One set of rows of the table: a backend (on a transport), and how its ranks ran.
+#[derive(Debug, Clone)]
+struct Series {
+    backend: String,
+    transport: Option<Transport>,
+}
+
+/// Each series' times per round, by size; and the transport label it ended up with.
+#[derive(Default)]
+struct Measured {
+    secs: BTreeMap<usize, Vec<f64>>,
+    wrong: BTreeMap<usize, usize>,
+    label: String,
+}
+
+impl Measured {
+    fn add(&mut self, rows: &[Row]) {
+        for r in rows {
+            self.secs.entry(r.bytes).or_default().push(r.secs);
+            *self.wrong.entry(r.bytes).or_default() += r.wrong;
+        }
+    }
+
+    /// The median time per size over rounds.
+    fn medians(&self) -> BTreeMap<usize, f64> {
+        self.secs.iter().map(|(&b, v)| (b, median(v))).collect()
+    }
+}
+
 /// Run the benchmark and print its table.
 pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.rounds >= 1, "--rounds must be at least 1");
+    anyhow::ensure!(
+        !(a.threads && a.link_gbit.is_some()),
+        "--threads and --link-gbit do not go together: emulated hosts need one process each"
+    );
     let sizes = sizes(a);
-    let yard = crate::rawtcp::Yardstick::loopback("127.0.0.1", 3, Duration::from_secs_f64(a.raw_secs))?;
+    let python = if a.no_gloo { None } else { find_python(a) };
+    let each = Duration::from_secs_f64(a.raw_secs);
+    let mut clusters = BTreeMap::new();
+    let yard = match a.link_gbit {
+        None => Yardstick::loopback("127.0.0.1", 3, each)?,
+        Some(gbit) => {
+            net::guard("gradsync-bench collective");
+            let shape = Shape { rate_bit: Some(gbit * 1e9), ..Shape::default() };
+            for &w in &a.ranks {
+                clusters.insert(w, Cluster::create(w.max(2), shape)?);
+            }
+            let c = clusters.values().next().context("no rank counts")?;
+            Yardstick::measure(3, each, || Hosts::Emulated(c).pair(0, 1))?
+        }
+    };
     let raw = yard.median() / 1e9;
-    println!("raw loopback TCP, one stream, measured now: {}", yard.describe());
+    let (ranks_as, link) = match (a.threads, a.link_gbit) {
+        (true, _) => ("threads", "loopback".to_string()),
+        (false, None) => ("processes", "loopback".to_string()),
+        (false, Some(g)) => ("processes", format!("emulated {g} Gbit/s hosts")),
+    };
+    println!("raw TCP, one stream ({link}), measured now: {}", yard.describe());
     let mut t = Table::new(&[
         "ranks",
+        "ranks as",
         "backend",
         "transport",
         "size",
@@ -235,57 +584,70 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
         "#wrong",
     ]);
     for &world in &a.ranks {
-        let torch = match &a.python {
-            Some(py) => match gloo(py, world, &sizes, a) {
-                Ok(v) => Some(v),
-                Err(e) => {
-                    eprintln!("gradsync-bench collective: gloo skipped: {e:#}");
-                    None
-                }
-            },
-            None => None,
+        let place = match clusters.get(&world) {
+            Some(c) => Place::Emulated(c),
+            None => Place::Loopback,
         };
-        let runs = a.backend.iter().flat_map(|b| {
-            let per = if b == "tcp" { a.transport.clone() } else { vec![Transport::Auto] };
-            per.into_iter().map(move |t| (b, t))
-        });
-        for (backend, transport) in runs {
-            let (rows, label) = match backend.as_str() {
-                "tcp" => {
-                    let (rows, used) = tcp(world, &sizes, a, transport)?;
-                    let label = if used == transport {
-                        used.name().to_string()
-                    } else {
-                        format!("{} ({})", transport.name(), used.name())
-                    };
-                    (rows, label)
-                }
+        let mut series: Vec<Series> = Vec::new();
+        for b in &a.backend {
+            match b.as_str() {
+                "tcp" => series
+                    .extend(a.transport.iter().map(|&t| Series { backend: b.clone(), transport: Some(t) })),
                 "nccl" => match nccl::available() {
-                    Err(e) => {
-                        eprintln!("gradsync-bench collective: NCCL skipped ({world} ranks): {e}");
-                        continue;
-                    }
-                    Ok(()) if world > 1 => {
-                        eprintln!(
-                            "gradsync-bench collective: NCCL with {world} ranks needs {world} GPUs \
-                             (NCCL refuses two ranks on one GPU); measured at 1 rank only"
-                        );
-                        continue;
-                    }
-                    Ok(()) => (nccl_single(&sizes, a)?, "-".to_string()),
+                    Err(e) => eprintln!("gradsync-bench collective: NCCL skipped ({world} ranks): {e}"),
+                    Ok(()) if world > 1 => eprintln!(
+                        "gradsync-bench collective: NCCL with {world} ranks needs {world} GPUs \
+                         (NCCL refuses two ranks on one GPU); measured at 1 rank only"
+                    ),
+                    Ok(()) => series.push(Series { backend: b.clone(), transport: None }),
                 },
                 other => anyhow::bail!("--backend {other}: expected tcp or nccl"),
-            };
-            for row in rows {
-                let g = torch
-                    .as_ref()
-                    .and_then(|v| v.iter().find(|(b, _)| *b == row.bytes))
-                    .map(|&(b, s)| busbw(b as f64 / s / 1e9, world));
+            }
+        }
+        let mut measured: Vec<Measured> = series.iter().map(|_| Measured::default()).collect();
+        let mut gloo_m = Measured::default();
+        for round in 0..a.rounds {
+            for (s, m) in series.iter().zip(&mut measured) {
+                let (rows, label) = match (s.backend.as_str(), s.transport) {
+                    ("tcp", Some(tr)) => {
+                        let (rows, used) = if a.threads {
+                            tcp_threads(world, &sizes, a, tr)?
+                        } else {
+                            tcp_processes(world, &sizes, a, tr, place)?
+                        };
+                        let label = if used == tr {
+                            used.name().to_string()
+                        } else {
+                            format!("{} ({})", tr.name(), used.name())
+                        };
+                        (rows, label)
+                    }
+                    _ => (nccl_single(&sizes, a)?, "-".to_string()),
+                };
+                m.add(&rows);
+                m.label = label;
+            }
+            if let Some(py) = &python {
+                match gloo(py, world, &sizes, a, place) {
+                    Ok(rows) => gloo_m.add(&rows),
+                    Err(e) => {
+                        eprintln!("gradsync-bench collective: gloo, {world} ranks, round {round}: {e:#}")
+                    }
+                }
+            }
+        }
+        let gloo_med = gloo_m.medians();
+        let gloo_bus = |bytes: usize| gloo_med.get(&bytes).map(|&s| busbw(bytes as f64 / s / 1e9, world));
+        for (s, m) in series.iter().zip(&measured) {
+            for (bytes, secs) in m.medians() {
+                let row = Row { bytes, secs, wrong: m.wrong.get(&bytes).copied().unwrap_or(0) };
                 let bus = busbw(row.algbw(), world);
+                let g = gloo_bus(bytes);
                 t.row(vec![
                     world.to_string(),
-                    backend.clone(),
-                    label.clone(),
+                    if s.backend == "tcp" { ranks_as.to_string() } else { "process".to_string() },
+                    s.backend.clone(),
+                    m.label.clone(),
                     human(row.bytes),
                     format!("{:.1}", row.secs * 1e6),
                     format!("{:.3}", row.algbw()),
@@ -297,12 +659,35 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                 ]);
             }
         }
+        if python.is_some() {
+            for (bytes, secs) in gloo_med {
+                let row = Row { bytes, secs, wrong: gloo_m.wrong.get(&bytes).copied().unwrap_or(0) };
+                let bus = busbw(row.algbw(), world);
+                t.row(vec![
+                    world.to_string(),
+                    "processes".into(),
+                    "gloo".into(),
+                    "tcp".into(),
+                    human(row.bytes),
+                    format!("{:.1}", row.secs * 1e6),
+                    format!("{:.3}", row.algbw()),
+                    format!("{bus:.3}"),
+                    format!("{:.2}", bus / raw),
+                    format!("{bus:.3}"),
+                    "1.00x".into(),
+                    row.wrong.to_string(),
+                ]);
+            }
+        }
     }
     print!("{}", t.render());
     println!(
-        "busbw = algbw * 2(n-1)/n (nccl-tests); busbw/raw: link efficiency against one raw TCP stream; \
-         vs gloo: our busbw over gloo's; transport: what the TCP backend's ring ran on (tcp: \
-         loopback sockets; auto (shm): shared memory, chosen because every rank is on this host)."
+        "median of {} interleaved rounds; busbw = algbw * 2(n-1)/n (nccl-tests); busbw/raw: link \
+         efficiency against one raw TCP stream; vs gloo: our busbw over PyTorch gloo's (gloo's \
+         ranks are always processes); ranks as: one process per rank, or threads of this \
+         process; transport: what the TCP backend's ring ran on (tcp: sockets; auto (shm): shared \
+         memory, chosen because every rank is on this host).",
+        a.rounds
     );
     Ok(())
 }

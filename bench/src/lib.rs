@@ -4,8 +4,9 @@
 //! - [`cli`]: the subcommands of `gradsync-bench`.
 //! - [`step`]: time of one forward+backward+update step, and GFLOP/s, per device, beside
 //!   PyTorch eager when a Python with torch is given.
-//! - [`collective`]: all-reduce time, algbw and busbw per backend, size and rank count, beside
-//!   raw TCP and PyTorch gloo.
+//! - [`collective`]: all-reduce time, algbw and busbw per backend, size and rank count, one
+//!   process per rank (gradsync's and gloo's alike), on loopback or emulated hosts, beside raw
+//!   TCP and PyTorch gloo.
 //! - [`overlap`]: the share of DDP's communication hidden behind backward, from real runs.
 //! - [`diff`]: how far apart two parameter files are.
 //! - [`ps`]: parameter-server push+pull throughput for model sizes, workers and shards, tonic's
@@ -38,6 +39,7 @@ pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
         cli::Command::Compare(a) => compare::run_compare(&a),
         cli::Command::Plot(a) => compare::run_plot(&a),
         cli::Command::Collective(a) => collective::run(&a),
+        cli::Command::CollectiveRank(a) => collective::run_rank(&a),
         cli::Command::Overlap(a) => overlap::run(&a),
         cli::Command::Diff(a) => diff::run(&a),
         cli::Command::Ps(a) => ps::run(&a),

@@ -71,7 +71,7 @@ pub struct PsBenchArgs {
     pub quick: bool,
 }
 
-fn positive_gbit(s: &str) -> Result<f64, String> {
+pub(crate) fn positive_gbit(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
         _ => Err(format!("'{s}' is not a positive rate in Gbit/s")),

@@ -16,8 +16,10 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::collective::handshake::{self, Nonce, Proof, Role};
-use crate::collective::tcp::{Hello, MAGIC, MeshInfo, connect_retry, fresh_nonce, read_line, write_line};
+use crate::collective::handshake::{
+    self, Hello, MAGIC, Nonce, Proof, Role, fresh_nonce, read_line, write_line,
+};
+use crate::collective::tcp::{MeshInfo, connect_retry};
 use crate::collective::{CommError, Result, RingConfig, TcpComm, nccl};
 
 /// Who this rank is and where the store is.

@@ -13,9 +13,7 @@
 //! one transfer plus `W - 2` chunks, and no rank sends more than the buffer once, unlike a
 //! root that sends to every rank in turn.
 
-use super::frame::{Op, read_frame, write_frame};
-use super::pump::over_neighbours;
-use super::tcp::TcpComm;
+use super::link::{Links, Op};
 use super::{CommError, Result, check_rank};
 
 /// The buffer as chunks of at most `chunk` values (at least one, possibly empty, chunk).
@@ -24,8 +22,8 @@ fn chunks(buf: &mut [f32], chunk: usize) -> Vec<&mut [f32]> {
 }
 
 /// Pipelined chain broadcast of `buf` from `root`.
-pub(crate) fn broadcast(comm: &mut TcpComm, buf: &mut [f32], root: usize) -> Result<()> {
-    let (w, r) = (comm.world_size(), comm.rank());
+pub(crate) fn broadcast(comm: &mut impl Links, buf: &mut [f32], root: usize) -> Result<()> {
+    let (w, r) = (comm.world(), comm.rank());
     check_rank("root", root, w)?;
     if w == 1 {
         return Ok(());
@@ -35,8 +33,8 @@ pub(crate) fn broadcast(comm: &mut TcpComm, buf: &mut [f32], root: usize) -> Res
 }
 
 /// Pipelined chain reduction of `buf` into `root`.
-pub(crate) fn reduce(comm: &mut TcpComm, buf: &mut [f32], root: usize) -> Result<()> {
-    let (w, r) = (comm.world_size(), comm.rank());
+pub(crate) fn reduce(comm: &mut impl Links, buf: &mut [f32], root: usize) -> Result<()> {
+    let (w, r) = (comm.world(), comm.rank());
     check_rank("root", root, w)?;
     if w == 1 {
         return Ok(());
@@ -47,10 +45,10 @@ pub(crate) fn reduce(comm: &mut TcpComm, buf: &mut [f32], root: usize) -> Result
 
 /// One link of a chain: the head sends its own chunks; every other rank receives each chunk
 /// from the left (adding it into its own when `add`) and, unless it is the tail, forwards it.
-fn chain(comm: &mut TcpComm, buf: &mut [f32], op: Op, head: bool, forward: bool, add: bool) -> Result<()> {
+fn chain(comm: &mut impl Links, buf: &mut [f32], op: Op, head: bool, forward: bool, add: bool) -> Result<()> {
     let bytes = buf.len() * 4;
-    let parts = chunks(buf, comm.cfg.chunk_values());
-    over_neighbours(comm, op, bytes, |pump| {
+    let parts = chunks(buf, comm.chunk_values());
+    comm.over_neighbours(op, bytes, |pump| {
         for (id, c) in parts.into_iter().enumerate() {
             if !head {
                 pump.recv(c, add)?;
@@ -64,8 +62,8 @@ fn chain(comm: &mut TcpComm, buf: &mut [f32], op: Op, head: bool, forward: bool,
 }
 
 /// Every rank's `send` into `root`'s `out`, in rank order.
-pub(crate) fn gather(comm: &mut TcpComm, send: &[f32], out: &mut [f32], root: usize) -> Result<()> {
-    let (w, r) = (comm.world_size(), comm.rank());
+pub(crate) fn gather(comm: &mut impl Links, send: &[f32], out: &mut [f32], root: usize) -> Result<()> {
+    let (w, r) = (comm.world(), comm.rank());
     check_rank("root", root, w)?;
     let n = send.len();
     if r != root {
@@ -89,8 +87,8 @@ pub(crate) fn gather(comm: &mut TcpComm, send: &[f32], out: &mut [f32], root: us
 }
 
 /// `root`'s `src`, cut in `world` equal pieces, one into each rank's `recv`.
-pub(crate) fn scatter(comm: &mut TcpComm, src: &[f32], recv: &mut [f32], root: usize) -> Result<()> {
-    let (w, r) = (comm.world_size(), comm.rank());
+pub(crate) fn scatter(comm: &mut impl Links, src: &[f32], recv: &mut [f32], root: usize) -> Result<()> {
+    let (w, r) = (comm.world(), comm.rank());
     check_rank("root", root, w)?;
     let n = recv.len();
     if r != root {
@@ -114,27 +112,23 @@ pub(crate) fn scatter(comm: &mut TcpComm, src: &[f32], recv: &mut [f32], root: u
 }
 
 /// Send `buf` to `peer` in chunks.
-pub(crate) fn send_to(comm: &mut TcpComm, buf: &[f32], peer: usize, op: Op) -> Result<()> {
-    check_rank("peer", peer, comm.world_size())?;
-    let (link, _, cfg) = comm.link(peer)?;
-    let (chunk, t) = (cfg.chunk_values(), cfg.timeout);
-    let mut sent = write_frame(&mut link.writer, op, &buf[..buf.len().min(chunk)], peer, t)?;
+pub(crate) fn send_to(comm: &mut impl Links, buf: &[f32], peer: usize, op: Op) -> Result<()> {
+    check_rank("peer", peer, comm.world())?;
+    let chunk = comm.chunk_values();
+    // At least one frame, so that an empty buffer is still checked on the other side.
+    comm.send_frame(peer, op, &buf[..buf.len().min(chunk)])?;
     for c in buf.chunks(chunk).skip(1) {
-        sent += write_frame(&mut link.writer, op, c, peer, t)?;
+        comm.send_frame(peer, op, c)?;
     }
-    comm.traffic.sent += sent;
     Ok(())
 }
 
 /// Receive `buf.len()` values from `peer`, chunked as [`send_to`] sends them.
-pub(crate) fn recv_from(comm: &mut TcpComm, buf: &mut [f32], peer: usize, op: Op) -> Result<()> {
-    check_rank("peer", peer, comm.world_size())?;
-    let (link, _, cfg) = comm.link(peer)?;
-    let t = cfg.timeout;
-    let mut recv = 0;
-    for c in chunks(buf, cfg.chunk_values()) {
-        recv += read_frame(&mut link.reader, op, c, peer, t)?;
+pub(crate) fn recv_from(comm: &mut impl Links, buf: &mut [f32], peer: usize, op: Op) -> Result<()> {
+    check_rank("peer", peer, comm.world())?;
+    let chunk = comm.chunk_values();
+    for c in chunks(buf, chunk) {
+        comm.recv_frame(peer, op, c)?;
     }
-    comm.traffic.recv += recv;
     Ok(())
 }

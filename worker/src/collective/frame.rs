@@ -1,8 +1,8 @@
-//! Frames over a socket link: the operation tags, the 8-byte header (operation tag and value
-//! count, both `u32` little-endian) followed by the values as little-endian `f32`, the checks
-//! a receiver makes, and the errors that name the peer. Used by the TCP transport and by the
-//! shared-memory set-up (which agrees on its mailboxes over the same links). No reduction
-//! math and no collective algorithm lives here.
+//! The socket link to one peer ([`Link`]) and the frames over it: the 8-byte header
+//! (operation tag and value count, both `u32` little-endian) followed by the values as
+//! little-endian `f32`, the checks a receiver makes, and the errors that name the peer. Used
+//! by the socket pumps, the TCP mesh, and the shared-memory set-up (which agrees on its
+//! mailboxes over the same links). No reduction math and no collective algorithm lives here.
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -11,54 +11,8 @@ use std::time::Duration;
 use socket2::SockRef;
 
 use super::handshake::{HeaderError, check_header, ends_with_abort};
+use super::link::Op;
 use super::{CommError, Result, RingConfig};
-
-/// Which collective a frame belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u32)]
-pub(crate) enum Op {
-    AllReduce = 1,
-    ReduceScatter = 2,
-    AllGather = 3,
-    Broadcast = 4,
-    Reduce = 5,
-    Gather = 6,
-    Scatter = 7,
-    SendRecv = 8,
-    Barrier = 9,
-}
-
-impl Op {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce => "all_reduce",
-            Op::ReduceScatter => "reduce_scatter",
-            Op::AllGather => "all_gather",
-            Op::Broadcast => "broadcast",
-            Op::Reduce => "reduce",
-            Op::Gather => "gather",
-            Op::Scatter => "scatter",
-            Op::SendRecv => "send/recv",
-            Op::Barrier => "barrier",
-        }
-    }
-
-    fn from_tag(t: u32) -> Option<Op> {
-        [
-            Op::AllReduce,
-            Op::ReduceScatter,
-            Op::AllGather,
-            Op::Broadcast,
-            Op::Reduce,
-            Op::Gather,
-            Op::Scatter,
-            Op::SendRecv,
-            Op::Barrier,
-        ]
-        .into_iter()
-        .find(|o| *o as u32 == t)
-    }
-}
 
 /// Turn a socket error into one that names the peer; timeouts become [`CommError::Timeout`].
 pub(crate) fn peer_err(peer: usize, op: Op, timeout: Duration) -> impl FnOnce(io::Error) -> CommError {

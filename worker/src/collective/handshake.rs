@@ -1,7 +1,7 @@
 //! The ring's handshake and frame header, as pure functions over bytes and streams: what a
 //! stranger can send a rank or the rendezvous store is decoded here and nowhere else. No
 //! sockets and no crate types, so the fuzzer (`fuzz/`) compiles this very file and drives the
-//! production code over in-memory streams; [`super::tcp`] and the rendezvous store turn the
+//! production code over in-memory streams; the TCP mesh and the rendezvous store turn the
 //! failures into [`super::CommError`].
 //!
 //! # The handshake: a mutual challenge-response over the shared token

@@ -1,21 +1,24 @@
 //! Collective communication between the ranks of a DDP run: one small trait, two backends.
 //!
-//! - Here: the [`Collective`] trait, [`RingConfig`] and [`Transport`] (what the command line
-//!   sets), and [`segment`] (core's one way of cutting the flat buffer, which the
-//!   parameter servers' shards use too).
-//! - [`tcp`]: the TCP communicator: the mesh of links between ranks and its set-up;
-//!   `frame`: the socket link and the length-checked frames over it, with the errors that name
-//!   the peer; `reduce`: the element-wise sums every host collective (and DP) shares;
-//!   `handshake`: the challenge-response handshake (HMAC-SHA256 over fresh nonces), the frame
-//!   header and the abort notice, as pure functions over bytes and streams (fuzzed);
-//!   `pump`: the full-duplex engines that move frames both ways at once (one thread with
-//!   `poll` for small transfers, a sender thread beside the receiver for large ones).
-//! - [`shm`]: the shared-memory transport the ring and chains use instead of sockets when every
-//!   rank is on one host and in one network namespace (`--transport auto|tcp|shm`).
-//! - [`ring`]: the bandwidth-optimal ring algorithms (reduce-scatter, all-gather, all-reduce)
-//!   over those links, pipelined in chunks.
-//! - [`chain`]: pipelined chains for broadcast and reduce, direct sends for gather, scatter
-//!   and send/recv.
+//! Layers, each file importing only from the ones below it:
+//! - Here: the [`Collective`] trait, [`CommError`], [`RingConfig`] and [`Transport`] (what the
+//!   command line sets), and [`segment`]
+//!   (core's one way of cutting the flat buffer, which the parameter servers' shards use too).
+//! - Links, at the bottom. `reduce`: the element-wise sums every host collective (and DP)
+//!   shares. `handshake`: the challenge-response handshake, the frame header and the abort
+//!   notice, as pure functions over bytes and streams (fuzzed). `link`: the seam, the
+//!   operation tags, the `Duplex` engine every transport provides to the ring neighbours and
+//!   the `Links` an algorithm may ask of a communicator. `frame`: the socket link to one peer
+//!   and the length-checked frames over it, with the errors that name the peer. `pump`: the
+//!   socket `Duplex` engines (one thread with `poll` for small transfers, a sender thread
+//!   beside the receiver for large ones). [`tcp`]: the mesh of TCP links and its set-up.
+//!   [`shm`]: the shared-memory `Duplex` rings between ranks of one host and network
+//!   namespace, and their set-up over the mesh.
+//! - Algorithms, over `link` only. `ring`: the bandwidth-optimal ring reduce-scatter,
+//!   all-gather and all-reduce, pipelined in chunks. `chain`: pipelined chains for broadcast
+//!   and reduce, direct sends for gather, scatter and send/recv.
+//! - `comm`: the host communicator [`TcpComm`], which implements [`Collective`] with those
+//!   algorithms, picking the transport by [`Transport`] (`--transport auto|tcp|shm`).
 //! - [`nccl`]: NCCL on GPU memory, with timeouts that abort the communicator; `nccl_lib`:
 //!   finding and loading `libnccl.so.2` (system paths, Python environments) and its functions.
 //!
@@ -24,8 +27,10 @@
 //! bounded by the communicator's timeout, and a dead or silent peer is reported by rank.
 
 mod chain;
+mod comm;
 pub(crate) mod frame;
 pub(crate) mod handshake;
+mod link;
 pub mod nccl;
 mod nccl_lib;
 mod pump;
@@ -40,8 +45,9 @@ use std::time::Duration;
 pub use gradsync_core::model::segment;
 use serde::{Deserialize, Serialize};
 
+pub use comm::TcpComm;
 pub use nccl::Nccl;
-pub use tcp::TcpComm;
+pub use tcp::MeshInfo;
 
 /// What can go wrong between ranks.
 #[derive(Debug, thiserror::Error)]

@@ -1,9 +1,9 @@
-//! The full-duplex engines under the ring and chain algorithms, which move frames out to one
-//! neighbour and in from another at the same time. [`Pump`]: one thread per rank, with
-//! non-blocking sockets and `poll(2)`, the way gloo's pairs and NCCL's proxy thread do; no
-//! thread start per call, so small collectives cost a few system calls. For large transfers,
-//! [`duplex`] runs a scoped sender thread beside the receiving one instead, so the kernel's
-//! copies in and out use two cores.
+//! The socket engines under the ring and chain algorithms ([`Duplex`] over TCP), which move
+//! frames out to one neighbour and in from another at the same time. [`Pump`]: one thread per
+//! rank, with non-blocking sockets and `poll(2)`, the way gloo's pairs and NCCL's proxy
+//! thread do; no thread start per call, so small collectives cost a few system calls. For
+//! large transfers, [`duplex`] runs a scoped sender thread beside the receiving one instead,
+//! so the kernel's copies in and out use two cores.
 //!
 //! The algorithm above drives it as if it were blocking: [`Pump::send`] queues a chunk,
 //! [`Pump::recv`] returns once the next frame has arrived in a chunk (added into it, or
@@ -18,9 +18,9 @@ use std::os::fd::AsRawFd;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use super::frame::{Op, frame_header, lost, parse_header, peer_err, read_exact_from, remember, write_frame};
+use super::frame::{frame_header, lost, parse_header, peer_err, read_exact_from, remember, write_frame};
+use super::link::{Duplex, Op, returned};
 use super::reduce::add_into;
-use super::tcp::TcpComm;
 use super::{CommError, Result, Traffic};
 
 /// The most a reader waits to accumulate before it wakes.
@@ -261,30 +261,6 @@ impl Drop for Pump<'_, '_> {
     }
 }
 
-/// Chunk `id` if the sender is done with it, an error if it was never `queued`, `None` while
-/// it is still on its way out (for the engines' `take_back`).
-pub(crate) fn returned<'b>(
-    sent_back: &mut Vec<(usize, &'b mut [f32])>,
-    queued: bool,
-    id: usize,
-) -> Option<Result<&'b mut [f32]>> {
-    if let Some(i) = sent_back.iter().position(|(k, _)| *k == id) {
-        return Some(Ok(sent_back.swap_remove(i).1));
-    }
-    (!queued)
-        .then(|| Err(CommError::Invalid { what: "ring schedule", why: format!("chunk {id} was never sent") }))
-}
-
-/// What the ring and chain algorithms drive: chunks out to the right, frames in from the left.
-pub(crate) trait Duplex<'b> {
-    /// Queue `chunk` (known as `id`) to be sent to the right.
-    fn send(&mut self, id: usize, chunk: &'b mut [f32]) -> Result<()>;
-    /// Chunk `id`, once it has been sent.
-    fn take_back(&mut self, id: usize) -> Result<&'b mut [f32]>;
-    /// Receive the next frame from the left into `dst` (added into it when `add`).
-    fn recv(&mut self, dst: &mut [f32], add: bool) -> Result<()>;
-}
-
 impl<'b> Duplex<'b> for Pump<'_, 'b> {
     fn send(&mut self, id: usize, chunk: &'b mut [f32]) -> Result<()> {
         Pump::send(self, id, chunk)
@@ -301,7 +277,7 @@ impl<'b> Duplex<'b> for Pump<'_, 'b> {
 /// transfers the kernel's copies out and in then run on two cores at once (measured 1.2-1.6x
 /// the one-thread pump at 16-64 MB with 2 ranks on 2 cores), while below it the thread's
 /// start-up would cost more than it gains.
-pub(crate) const THREADED_MIN_BYTES: usize = 4 << 20;
+const THREADED_MIN_BYTES: usize = 4 << 20;
 
 /// The two-thread engine: this thread receives (blocking reads), a scoped thread writes.
 struct Threaded<'s, 'b> {
@@ -357,36 +333,12 @@ impl<'b> Duplex<'b> for Threaded<'_, 'b> {
     }
 }
 
-/// Run `body` over a full-duplex engine to the ring neighbours of `comm`, for an operation
-/// on a buffer of `bytes`: the shared-memory rings when `comm` has them, else the sockets
-/// (the one-thread [`Pump`], or from [`THREADED_MIN_BYTES`] up a sender thread beside this
-/// one). Counts the traffic; returns `body`'s result once everything queued is sent.
-pub(crate) fn over_neighbours<'b, T>(
-    comm: &mut TcpComm,
-    op: Op,
-    bytes: usize,
-    body: impl FnOnce(&mut dyn Duplex<'b>) -> Result<T>,
-) -> Result<T> {
-    let (w, r) = (comm.world_size(), comm.rank());
-    let timeout = comm.cfg.timeout;
-    let (out, moved) = match &comm.shm {
-        Some(shm) => shm.duplex(op, timeout, body)?,
-        None => {
-            let (reader, writer, scratch, _) = comm.neighbours()?;
-            let threaded = bytes >= THREADED_MIN_BYTES;
-            duplex(threaded, reader, writer, ((r + w - 1) % w, (r + 1) % w), op, timeout, scratch, body)?
-        }
-    };
-    comm.traffic += moved;
-    Ok(out)
-}
-
 /// Run `body` over a full-duplex engine between `reader` (from `left`) and `writer` (to
-/// `right`): the one-thread [`Pump`], or for `threaded` transfers a sender thread beside this
-/// one. Returns `body`'s result and the payload bytes moved once everything queued is sent.
+/// `right`), for an operation on a buffer of `bytes`: the one-thread [`Pump`], or from
+/// [`THREADED_MIN_BYTES`] up a sender thread beside this one. Returns `body`'s result and the payload bytes moved once everything queued is sent.
 #[allow(clippy::too_many_arguments)]
-fn duplex<'b, T>(
-    threaded: bool,
+pub(crate) fn duplex<'b, T>(
+    bytes: usize,
     reader: &mut TcpStream,
     writer: &mut TcpStream,
     (left, right): (usize, usize),
@@ -395,7 +347,7 @@ fn duplex<'b, T>(
     scratch: &mut Vec<f32>,
     body: impl FnOnce(&mut dyn Duplex<'b>) -> Result<T>,
 ) -> Result<(T, Traffic)> {
-    if !threaded {
+    if bytes < THREADED_MIN_BYTES {
         let mut p = Pump::new(reader, writer, (left, right), op, timeout, scratch)?;
         let out = body(&mut p)?;
         return Ok((out, p.finish()?));

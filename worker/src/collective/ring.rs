@@ -23,14 +23,12 @@
 //!
 //! What a rank receives at one step is exactly what it sends at the next, so the operation is
 //! one stream: each chunk, once received (and reduced), is queued on the sender thread at
-//! once, and goes out while the next chunk comes in (one thread per rank does both, see
-//! [`super::pump`]). Each rank sends and receives
+//! once, and goes out while the next chunk comes in (the transport's `Duplex`
+//! engine keeps both directions busy). Each rank sends and receives
 //! `2 (W-1)/W` of the buffer, the lower bound for all-reduce; the reduction is a plain
 //! vectorised add over data still in cache.
 
-use super::frame::Op;
-use super::pump::over_neighbours;
-use super::tcp::TcpComm;
+use super::link::{Links, Op};
 use super::{CommError, Result, segment};
 
 /// Which halves of the all-reduce to run.
@@ -45,13 +43,13 @@ pub(crate) enum Phases {
 }
 
 /// Run `phases` of the ring over `buf`.
-pub(crate) fn run(comm: &mut TcpComm, buf: &mut [f32], phases: Phases, op: Op) -> Result<()> {
-    let (w, r) = (comm.world_size(), comm.rank());
+pub(crate) fn run(links: &mut impl Links, buf: &mut [f32], phases: Phases, op: Op) -> Result<()> {
+    let (w, r) = (links.world(), links.rank());
     if w == 1 {
         return Ok(());
     }
     let n = buf.len();
-    let m = segment(n, w, 0).len().div_ceil(comm.cfg.chunk_values()).max(1);
+    let m = segment(n, w, 0).len().div_ceil(links.chunk_values()).max(1);
 
     // Chunk `j` of segment `k` is `slots[k * m + j]`: disjoint exclusive views of `buf` that
     // travel to the sender thread and back.
@@ -76,7 +74,7 @@ pub(crate) fn run(comm: &mut TcpComm, buf: &mut [f32], phases: Phases, op: Op) -
     if phases != Phases::ReduceScatter {
         steps.extend((0..w - 1).map(|s| (at(s), at(s + 1), false)));
     }
-    over_neighbours(comm, op, n * 4, |pump| {
+    links.over_neighbours(op, n * 4, |pump| {
         let first = steps[0].0;
         for id in first * m..(first + 1) * m {
             pump.send(id, take_ready(&mut slots, id)?)?;

@@ -32,6 +32,10 @@
 //! 3. every rank maps its two neighbours' mailboxes and says whether that worked; the owners
 //!    then unlink their files (the mappings stay). Only if every rank succeeded do the ring
 //!    and chain collectives use the mailboxes; with `auto`, any failure means sockets.
+//!
+//! One file of about 700 lines on purpose: the mailbox layout, the engine's wait protocol and
+//! the set-up that hands out the mappings share the invariants every `unsafe` block here
+//! relies on (who writes which bytes when), and they are checked together.
 
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
@@ -45,9 +49,9 @@ use std::time::{Duration, Instant};
 use memmap2::{MmapMut, MmapOptions};
 use serde::{Deserialize, Serialize};
 
-use super::frame::{Link, Op, frame_header, parse_header};
+use super::frame::{Link, frame_header, parse_header};
 use super::handshake::{read_line, write_line};
-use super::pump::{Duplex, returned};
+use super::link::{Duplex, Op, returned};
 use super::reduce::add_into;
 use super::{CommError, Result, Traffic};
 use super::{RingConfig, Transport};

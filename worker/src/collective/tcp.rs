@@ -1,8 +1,7 @@
-//! The TCP communicator: one connection per pair of ranks, a handshake that keeps strangers
-//! out, and the mesh set-up. The frames it sends are in [`super::frame`], the sums in
-//! [`super::reduce`], the algorithms in [`super::ring`] and [`super::chain`].
-//!
-//! The full-duplex engine the ring and chains run on is in [`super::pump`].
+//! The TCP mesh: one connection per pair of ranks, the challenge-response handshake that keeps
+//! strangers out (the pure protocol is in [`super::handshake`]), and the links it leaves
+//! behind, by peer (`Mesh`). Frames over the links are in [`super::frame`]; what runs over
+//! the mesh is the communicator's business (`comm`).
 //!
 //! Wire format after the handshake: each frame is an 8-byte header (operation tag and value
 //! count, both `u32` little-endian) followed by the values as little-endian `f32`. The
@@ -13,30 +12,12 @@ use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use super::frame::{Link, Op};
-pub(crate) use super::handshake::{Hello, MAGIC, fresh_nonce, read_line, write_line};
-use super::handshake::{abort_notice, ends_with_abort};
-use super::shm::Shm;
-use super::{CommError, Result, Traffic};
-use super::{RingConfig, Transport};
+use super::frame::Link;
+use super::handshake::{Hello, MAGIC, abort_notice, ends_with_abort, fresh_nonce, write_line};
+use super::{CommError, Result, RingConfig};
 
 /// How long a failing rank spends telling one peer whom to blame, or reading a peer's notice.
 const ABORT_WRITE_TIMEOUT: Duration = Duration::from_millis(200);
-
-/// The TCP backend: a full mesh of links (the ring uses the neighbours; rooted collectives
-/// and send/recv use the others).
-pub struct TcpComm {
-    rank: usize,
-    world: usize,
-    pub(crate) cfg: RingConfig,
-    links: Vec<Option<Link>>,
-    pub(crate) scratch: Vec<f32>,
-    pub(crate) traffic: Traffic,
-    /// Set when an operation failed part-way: the streams are out of step from then on.
-    poisoned: Option<String>,
-    /// The shared-memory rings to the neighbours, when the ring uses them.
-    pub(crate) shm: Option<Box<Shm>>,
-}
 
 /// What a rank needs to join the mesh.
 #[derive(Debug, Clone)]
@@ -51,19 +32,26 @@ pub struct MeshInfo {
     pub token: Option<String>,
 }
 
-impl TcpComm {
+/// A full mesh of links, one per peer (the ring uses the neighbours; rooted collectives and
+/// send/recv use the others).
+pub(crate) struct Mesh {
+    rank: usize,
+    links: Vec<Option<Link>>,
+}
+
+impl Mesh {
     /// Connect the mesh: connect to every lower rank, accept every higher one on `listener`
     /// (already bound, its address published as `info.addrs[rank]`). Connections that fail
     /// the handshake are refused and do not count.
-    pub fn connect(listener: TcpListener, info: &MeshInfo, cfg: RingConfig) -> Result<TcpComm> {
+    pub(crate) fn connect(listener: TcpListener, info: &MeshInfo, cfg: &RingConfig) -> Result<Mesh> {
         let (rank, world) = (info.rank, info.addrs.len());
         super::check_rank("rank", rank, world)?;
         let token = info.token.as_deref();
         let deadline = Instant::now() + cfg.timeout;
         let mut links: Vec<Option<Link>> = (0..world).map(|_| None).collect();
         for (peer, addr) in info.addrs.iter().enumerate().take(rank) {
-            let s = dial(peer, addr, info, &cfg, deadline)?;
-            links[peer] = Some(Link::new(peer, s, &cfg)?);
+            let s = dial(peer, addr, info, cfg, deadline)?;
+            links[peer] = Some(Link::new(peer, s, cfg)?);
         }
         listener
             .set_nonblocking(true)
@@ -86,121 +74,73 @@ impl TcpComm {
                 }
                 Err(e) => return Err(CommError::Io { what: "accepting ring connections".into(), source: e }),
             };
-            match accept_one(s, rank, world, &info.fingerprint, token, &cfg) {
-                Ok((peer, s)) if links[peer].is_none() => links[peer] = Some(Link::new(peer, s, &cfg)?),
+            match accept_one(s, rank, world, &info.fingerprint, token, cfg) {
+                Ok((peer, s)) if links[peer].is_none() => links[peer] = Some(Link::new(peer, s, cfg)?),
                 Ok((peer, _)) => {
                     tracing::warn!("refused a second connection claiming rank {peer} from {from}")
                 }
                 Err(why) => tracing::warn!("refused a connection from {from}: {why}"),
             }
         }
-        let shm = Shm::setup(&mut links, rank, &cfg)?.map(Box::new);
-        let scratch = vec![0.0; cfg.chunk_values().min(1 << 16)];
-        Ok(TcpComm { rank, world, cfg, links, scratch, traffic: Traffic::default(), poisoned: None, shm })
+        Ok(Mesh { rank, links })
     }
 
-    /// A communicator of one rank (no sockets).
-    pub fn single(cfg: RingConfig) -> TcpComm {
-        TcpComm {
-            rank: 0,
-            world: 1,
-            cfg,
-            links: vec![None],
-            scratch: Vec::new(),
-            traffic: Traffic::default(),
-            poisoned: None,
-            shm: None,
-        }
+    /// A mesh of one rank (no links).
+    pub(crate) fn single() -> Mesh {
+        Mesh { rank: 0, links: vec![None] }
     }
 
-    /// This rank.
-    pub fn rank(&self) -> usize {
-        self.rank
+    /// The links, by peer (`None` for this rank).
+    pub(crate) fn links_mut(&mut self) -> &mut [Option<Link>] {
+        &mut self.links
     }
 
-    /// Number of ranks.
-    pub fn world_size(&self) -> usize {
-        self.world
-    }
-
-    /// Payload bytes moved so far.
-    pub fn traffic(&self) -> Traffic {
-        self.traffic
-    }
-
-    /// What the ring and chain collectives run on: [`Transport::Shm`] or [`Transport::Tcp`]
-    /// (never `Auto`: that has been decided at connection).
-    pub fn transport(&self) -> Transport {
-        if self.shm.is_some() { Transport::Shm } else { Transport::Tcp }
-    }
-
-    /// The link to `peer`, and the scratch buffer and settings beside it.
-    pub(crate) fn link(&mut self, peer: usize) -> Result<(&mut Link, &mut Vec<f32>, &RingConfig)> {
+    /// The link to `peer`.
+    pub(crate) fn link(&mut self, peer: usize) -> Result<&mut Link> {
         let rank = self.rank;
-        let l = self.links.get_mut(peer).and_then(Option::as_mut).ok_or_else(|| CommError::Invalid {
+        self.links.get_mut(peer).and_then(Option::as_mut).ok_or_else(|| CommError::Invalid {
             what: "peer",
             why: format!("rank {rank} has no link to rank {peer}"),
-        })?;
-        Ok((l, &mut self.scratch, &self.cfg))
+        })
     }
 
-    /// The links to the left and right ring neighbours (the same link when there are two
-    /// ranks), split so that one can be written while the other is read.
-    pub(crate) fn neighbours(
-        &mut self,
-    ) -> Result<(&mut TcpStream, &mut TcpStream, &mut Vec<f32>, &RingConfig)> {
-        let (w, r) = (self.world, self.rank);
+    /// The streams from the left and to the right ring neighbour (the same link when there
+    /// are two ranks), split so that one can be written while the other is read.
+    pub(crate) fn neighbours(&mut self) -> Result<(&mut TcpStream, &mut TcpStream)> {
+        let (w, r) = (self.links.len(), self.rank);
         let (left, right) = ((r + w - 1) % w, (r + 1) % w);
         let missing =
             |p| CommError::Invalid { what: "peer", why: format!("rank {r} has no link to rank {p}") };
         if left == right {
             let l = self.links[left].as_mut().ok_or_else(|| missing(left))?;
-            return Ok((&mut l.reader, &mut l.writer, &mut self.scratch, &self.cfg));
+            return Ok((&mut l.reader, &mut l.writer));
         }
         let (lo, hi) = self.links.split_at_mut(left.max(right));
         let (a, b) = (lo[left.min(right)].as_mut(), hi[0].as_mut());
         let (l, rt) = if left < right { (a, b) } else { (b, a) };
         let l = l.ok_or_else(|| missing(left))?;
         let rt = rt.ok_or_else(|| missing(right))?;
-        Ok((&mut l.reader, &mut rt.writer, &mut self.scratch, &self.cfg))
+        Ok((&mut l.reader, &mut rt.writer))
     }
 
-    /// Run one operation, refusing to start after an earlier failure (the streams would be
-    /// out of step) and remembering a failure for the next call.
-    pub(crate) fn guarded<T>(&mut self, op: Op, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
-        if let Some(why) = &self.poisoned {
-            return Err(CommError::Invalid {
-                what: "communicator",
-                why: format!("{} after an earlier failure: {why}", op.name()),
-            });
+    /// Tell every peer whom to blame for a failed operation, then close the links, which wakes
+    /// the peers blocked on this rank at once rather than at their timeout.
+    pub(crate) fn abort(&mut self, culprit: usize) {
+        let notice = abort_notice(culprit);
+        for l in self.links.iter_mut().flatten() {
+            let _ = l.writer.set_nonblocking(false);
+            // A peer that no longer reads must not hold this rank up.
+            let _ = l.writer.set_write_timeout(Some(ABORT_WRITE_TIMEOUT));
+            let _ = l.writer.write_all(&notice);
+            let _ = l.reader.shutdown(Shutdown::Both);
         }
-        let out = f(self).map_err(|e| self.blame(e));
-        if let Err(e) = &out
-            && !matches!(e, CommError::Invalid { .. })
-        {
-            self.poisoned = Some(e.to_string());
-            // Tell every peer whom to blame (this rank, if nobody else), then wake the ones
-            // blocked on us at once rather than at their timeout.
-            let notice = abort_notice(e.culprit().unwrap_or(self.rank));
-            for l in self.links.iter_mut().flatten() {
-                let _ = l.writer.set_nonblocking(false);
-                // A peer that no longer reads must not hold this rank up.
-                let _ = l.writer.set_write_timeout(Some(ABORT_WRITE_TIMEOUT));
-                let _ = l.writer.write_all(&notice);
-                let _ = l.reader.shutdown(Shutdown::Both);
-            }
-            // Neighbours asleep on the shared-memory rings: the notice is on the links by now.
-            if let Some(shm) = &self.shm {
-                shm.abort();
-            }
-        }
-        out
     }
 
     /// A connection error from a peer that sent an abort notice before closing (one this rank
     /// had not read yet, e.g. because it was writing to that peer) becomes the notice's
     /// [`CommError::Aborted`]: the survivors of a failure name the rank that failed.
-    fn blame(&mut self, e: CommError) -> CommError {
+    /// `timeout` is restored as the link's read timeout afterwards.
+    pub(crate) fn blame(&mut self, e: CommError, timeout: Duration) -> CommError {
         let CommError::Peer { peer, op, .. } = e else { return e };
         let Some(l) = self.links.get_mut(peer).and_then(Option::as_mut) else { return e };
         let mut tail = Vec::new();
@@ -227,17 +167,11 @@ impl TcpComm {
                 break false;
             }
         };
-        let _ = l.reader.set_read_timeout(Some(self.cfg.timeout));
+        let _ = l.reader.set_read_timeout(Some(timeout));
         match ends_with_abort(&tail) {
             Some(culprit) if ended => CommError::Aborted { peer, culprit, op },
             _ => e,
         }
-    }
-}
-
-impl std::fmt::Debug for TcpComm {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "TcpComm(rank {} of {})", self.rank, self.world)
     }
 }
 
@@ -315,87 +249,4 @@ fn accept_one(
     write_line(&mut w, &super::handshake::Welcome { refused: None, proof: Some(proof) })
         .map_err(|e| format!("rank {}: answering the handshake: {e}", hello.rank))?;
     Ok((hello.rank, s))
-}
-
-impl super::Collective for TcpComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world
-    }
-
-    fn traffic(&self) -> Traffic {
-        self.traffic
-    }
-
-    fn all_reduce(&mut self, buf: &mut [f32]) -> Result<()> {
-        self.guarded(Op::AllReduce, |c| super::ring::run(c, buf, super::ring::Phases::Both, Op::AllReduce))
-    }
-
-    fn reduce_scatter(&mut self, buf: &mut [f32]) -> Result<std::ops::Range<usize>> {
-        let mine = super::segment(buf.len(), self.world, self.rank);
-        self.guarded(Op::ReduceScatter, |c| {
-            super::ring::run(c, buf, super::ring::Phases::ReduceScatter, Op::ReduceScatter)
-        })?;
-        Ok(mine)
-    }
-
-    fn all_gather(&mut self, buf: &mut [f32]) -> Result<()> {
-        self.guarded(Op::AllGather, |c| {
-            super::ring::run(c, buf, super::ring::Phases::AllGather, Op::AllGather)
-        })
-    }
-
-    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
-        self.guarded(Op::Broadcast, |c| super::chain::broadcast(c, buf, root))
-    }
-
-    fn reduce(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
-        self.guarded(Op::Reduce, |c| super::chain::reduce(c, buf, root))
-    }
-
-    fn gather(&mut self, send: &[f32], out: &mut [f32], root: usize) -> Result<()> {
-        self.guarded(Op::Gather, |c| super::chain::gather(c, send, out, root))
-    }
-
-    fn scatter(&mut self, src: &[f32], recv: &mut [f32], root: usize) -> Result<()> {
-        self.guarded(Op::Scatter, |c| super::chain::scatter(c, src, recv, root))
-    }
-
-    fn send(&mut self, buf: &[f32], peer: usize) -> Result<()> {
-        if peer == self.rank {
-            return Err(CommError::Invalid {
-                what: "peer",
-                why: format!("rank {peer} cannot send to itself"),
-            });
-        }
-        self.guarded(Op::SendRecv, |c| super::chain::send_to(c, buf, peer, Op::SendRecv))
-    }
-
-    fn recv(&mut self, buf: &mut [f32], peer: usize) -> Result<()> {
-        if peer == self.rank {
-            return Err(CommError::Invalid {
-                what: "peer",
-                why: format!("rank {peer} cannot receive from itself"),
-            });
-        }
-        self.guarded(Op::SendRecv, |c| super::chain::recv_from(c, buf, peer, Op::SendRecv))
-    }
-
-    fn barrier(&mut self) -> Result<()> {
-        let world = self.world;
-        self.guarded(Op::Barrier, |c| {
-            let mut one = [1.0f32];
-            super::ring::run(c, &mut one, super::ring::Phases::Both, Op::Barrier)?;
-            if one[0] != world as f32 {
-                return Err(CommError::Protocol {
-                    peer: (c.rank + 1) % world,
-                    why: format!("barrier counted {} ranks, expected {world}", one[0]),
-                });
-            }
-            Ok(())
-        })
-    }
 }
