@@ -4,7 +4,7 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStderr, Command, Output, Stdio};
+use std::process::{Child, ChildStderr, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc::{Receiver, channel};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -132,9 +132,18 @@ impl Proc {
     /// When the child is still running after `limit` (a hang), with its stderr.
     pub fn finish(&mut self, limit: Duration) -> (i32, String, Duration) {
         let t = Instant::now();
-        let status = loop {
+        let status = self.wait_for_exit(limit);
+        self.lines = None;
+        let err = self.stderr.take().map(|h| h.join().unwrap_or_default()).unwrap_or_default();
+        (status.code().unwrap_or(-1), err, t.elapsed())
+    }
+
+    /// Reap the child, waiting at most `limit`; past it, kill it and panic with its stderr.
+    fn wait_for_exit(&mut self, limit: Duration) -> ExitStatus {
+        let t = Instant::now();
+        loop {
             if let Some(s) = self.child.try_wait().expect("waiting for a child") {
-                break s;
+                return s;
             }
             if t.elapsed() > limit {
                 self.kill9();
@@ -142,14 +151,9 @@ impl Proc {
                 panic!("process {} still running after {limit:?}: hang. stderr:\n{err}", self.child.id());
             }
             std::thread::sleep(Duration::from_millis(10));
-        };
-        self.lines = None;
-        let err = self.stderr.take().map(|h| h.join().unwrap_or_default()).unwrap_or_default();
-        (status.code().unwrap_or(-1), err, t.elapsed())
+        }
     }
-}
 
-impl Proc {
     /// Wait for the exit, at most `limit`, collecting whatever stdout and stderr the spawner
     /// piped (what it did not pipe comes back empty).
     ///
@@ -166,17 +170,7 @@ impl Proc {
             })
         }
         let (out, err) = (drain(self.child.stdout.take()), drain(self.child.stderr.take()));
-        let t = Instant::now();
-        let status = loop {
-            if let Some(s) = self.child.try_wait().expect("waiting for a child") {
-                break s;
-            }
-            if t.elapsed() > limit {
-                self.kill9();
-                panic!("process {} did not finish within {limit:?}", self.child.id());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
+        let status = self.wait_for_exit(limit);
         Output { status, stdout: out.join().unwrap_or_default(), stderr: err.join().unwrap_or_default() }
     }
 }
