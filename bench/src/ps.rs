@@ -57,9 +57,10 @@ pub struct PsBenchArgs {
     /// Only this row (e.g. for `perf stat` of one configuration).
     #[arg(long, value_enum)]
     pub only: Option<Row>,
-    /// Payload bytes per chunk message, for every transport.
-    #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u32).range(4..=(16 << 20)))]
-    pub chunk_bytes: u32,
+    /// Payload bytes per chunk message (and BSP block), for every transport (default: chosen
+    /// from each shard's size, as `gradsync-server` chooses it).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(4..=(16 << 20)))]
+    pub chunk_bytes: Option<u32>,
     /// Put every shard and every worker on an emulated host of its own, each host's link shaped
     /// to this many Gbit/s each way (network namespaces and tc: needs root and iproute2), as
     /// the bound's model has it. The raw figure is then one plain TCP stream from a worker's
@@ -130,10 +131,12 @@ struct Group<'a> {
     steps: usize,
     hosts: Hosts<'a>,
     first_worker: usize,
+    /// Payload bytes per chunk for every shard and worker (`None`: from each shard's size).
+    chunk: Option<usize>,
 }
 
 async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -> anyhow::Result<Figure> {
-    let Group { workers, shards, warmup, steps, hosts, first_worker } = g;
+    let Group { workers, shards, warmup, steps, hosts, first_worker, chunk } = g;
     let total = Layout::new(spec).len;
     let fp = Fingerprint::new(spec, 1).text;
     let mut addrs = Vec::new();
@@ -143,6 +146,7 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
         let mut cfg = Config::new(spec.clone(), 1);
         cfg.shard = ShardSpec { index: k, count: shards };
         cfg.tuning = tuning;
+        cfg.tuning.chunk_bytes = chunk.unwrap_or_else(|| cfg.shard.chunk_bytes(total));
         cfg.worker_timeout = Duration::from_secs(120);
         let server = ParamServer::new(cfg)?;
         let listener = hosts.listen(k)?;
@@ -161,7 +165,11 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
     let mut runtimes = Vec::new();
     for r in 0..workers {
         let addrs = addrs.clone();
-        let connect = async move { PsClient::connect(&addrs, None, Duration::from_secs(120), tuning).await };
+        let connect = async move {
+            let mut c = PsClient::connect(&addrs, None, Duration::from_secs(120), tuning).await?;
+            c.set_chunk_bytes(chunk);
+            anyhow::Ok(c)
+        };
         let mut c = match hosts.runtime(first_worker + r)? {
             Some(host) => {
                 let c = host.handle.spawn(connect).await.context("connecting on the worker's host")??;
@@ -276,9 +284,10 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         (None, true) => vec![Row::TunedSerial, Row::Tuned],
         (None, false) => vec![Row::Default, Row::TunedCodec, Row::TunedSerial, Row::Tuned],
     };
+    let chunk = a.chunk_bytes.map(|c| c as usize);
     let mut tunings: Vec<(Tuning, bool)> = rows.into_iter().map(Row::setup).collect();
     for (t, _) in &mut tunings {
-        t.chunk_bytes = a.chunk_bytes as usize;
+        t.chunk_bytes = chunk.unwrap_or(t.chunk_bytes);
     }
     let mut table = Table::new(&[
         "MB",
@@ -305,7 +314,7 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                 // Measured again before every group: on a shared machine the link's speed
                 // drifts over a run, and the ratios must compare like with like.
                 let raw = raw_tcp()?;
-                let group = Group { workers: w, shards: k, warmup, steps, hosts, first_worker };
+                let group = Group { workers: w, shards: k, warmup, steps, hosts, first_worker, chunk };
                 let bound_ms = 2.0 * (bytes / raw).max(w as f64 * bytes / (k as f64 * raw)) * 1e3;
                 let (mut default_ms, mut plain_ms) = (None, None);
                 let plain = (!a.no_plain && a.only.is_none()).then_some(None);
@@ -379,8 +388,11 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
          framing, no update): the floor on this machine; default = tonic's HTTP/2 \
          defaults; tuned-codec = tuned windows and frames, messages through tonic's codec; tuned = the same \
          settings with the bulk RPCs framed straight over HTTP/2 (gradsync's transport); tuned serial = the same, \
-         pushing then pulling rather than both at once. Chunks of {} bytes.",
-        a.chunk_bytes
+         pushing then pulling rather than both at once. Chunks of {}.",
+        match a.chunk_bytes {
+            Some(c) => format!("{c} bytes"),
+            None => "an eighth of the shard, 64 KiB to 1 MiB (gradsync-server's default)".into(),
+        }
     );
     Ok(())
 }

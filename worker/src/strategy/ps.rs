@@ -78,6 +78,7 @@ impl Ps {
                     .await?;
             c.sync_mode().await?;
             c.set_pipeline(!args.no_pipeline);
+            c.set_chunk_bytes(args.chunk_bytes);
             anyhow::Ok(c)
         })?;
         Ok(Ps {
