@@ -5,7 +5,8 @@
 //! once, [`Row`]), against the raw TCP bandwidth of the same machine measured in the same run
 //! and the same traffic over plain sockets in the same topology (the machine's floor for it).
 //!
-//! Servers and workers run in this process (one tokio runtime, real loopback sockets); each
+//! Servers and workers run in this process (each on a tokio runtime of its own, as separate
+//! processes would; real loopback sockets); each
 //! step every worker pushes its whole gradient to every shard and pulls every shard back, as
 //! `gradsync-worker --mode ps` does (under BSP both at once: the pull streams the next version
 //! as the servers produce it). The bound for one BSP step is two directions of
@@ -142,6 +143,7 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
     let mut addrs = Vec::new();
     let mut stops = Vec::new();
     let mut tasks = Vec::new();
+    let mut procs = Vec::new();
     for k in 0..shards {
         let mut cfg = Config::new(spec.clone(), 1);
         cfg.shard = ShardSpec { index: k, count: shards };
@@ -155,9 +157,12 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
         addrs.push(listener.local_addr()?.to_string());
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         stops.push(tx);
-        tasks.push(tokio::spawn(server.serve(listener, async move {
+        // Each shard on a runtime of its own, as `gradsync-server` runs (one thread per core).
+        let process = tokio::runtime::Runtime::new()?;
+        tasks.push(process.spawn(server.serve(listener, async move {
             let _ = rx.await;
         })));
+        procs.push(process);
     }
     let mut clients = Vec::new();
     // On emulated hosts each worker's connections live on a runtime on its host, kept until
@@ -180,6 +185,13 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
         };
         clients.push(c.register(r, workers, &fp, total).await.map(|_| c)?);
     }
+    // Each worker's steps on a runtime of its own with two threads, as `gradsync-worker --mode
+    // ps` runs its client: one runtime for every process would give them fewer threads than
+    // separate processes have, and on a loaded machine a smaller share of the cores than the
+    // plain row's thread per socket end.
+    let worker_rts: Vec<tokio::runtime::Runtime> = (0..workers)
+        .map(|_| tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build())
+        .collect::<Result<_, _>>()?;
     let mut state: Vec<_> =
         clients.into_iter().map(|c| (c, vec![1e-4f32; total], vec![0f32; total])).collect();
     let (mut times, mut push, mut pull, mut wait) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -187,8 +199,9 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
         let t = Instant::now();
         let handles: Vec<_> = state
             .drain(..)
-            .map(|(mut c, g, mut p)| {
-                tokio::spawn(async move {
+            .zip(&worker_rts)
+            .map(|((mut c, g, mut p), rt)| {
+                rt.spawn(async move {
                     let (push, pull) = if serial {
                         let push = c.push(&g).await?;
                         (push, c.pull(&mut p).await?)
@@ -226,6 +239,10 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
         t.await.context("server task")??;
     }
     drop(runtimes);
+    // Dropping a runtime inside this one's context would panic; everything on them is done.
+    for r in procs.into_iter().chain(worker_rts) {
+        r.shutdown_background();
+    }
     Ok(Figure {
         step_ms: median(&times),
         push_ms: median(&push),
