@@ -5,7 +5,8 @@
 //! once, [`Row`]), against the raw TCP bandwidth of the same machine measured in the same run
 //! and the same traffic over plain sockets in the same topology (the machine's floor for it).
 //!
-//! Servers and workers run in this process (one tokio runtime, real loopback sockets); each
+//! Servers and workers run in this process (each on a tokio runtime of its own, as separate
+//! processes would; real loopback sockets); each
 //! step every worker pushes its whole gradient to every shard and pulls every shard back, as
 //! `gradsync-worker --mode ps` does (under BSP both at once: the pull streams the next version
 //! as the servers produce it). The bound for one BSP step is two directions of
@@ -57,9 +58,10 @@ pub struct PsBenchArgs {
     /// Only this row (e.g. for `perf stat` of one configuration).
     #[arg(long, value_enum)]
     pub only: Option<Row>,
-    /// Payload bytes per chunk message, for every transport.
-    #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u32).range(4..=(16 << 20)))]
-    pub chunk_bytes: u32,
+    /// Payload bytes per chunk message (and BSP block), for every transport (default: chosen
+    /// from each shard's size, as `gradsync-server` chooses it).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(4..=(16 << 20)))]
+    pub chunk_bytes: Option<u32>,
     /// Put every shard and every worker on an emulated host of its own, each host's link shaped
     /// to this many Gbit/s each way (network namespaces and tc: needs root and iproute2), as
     /// the bound's model has it. The raw figure is then one plain TCP stream from a worker's
@@ -130,19 +132,23 @@ struct Group<'a> {
     steps: usize,
     hosts: Hosts<'a>,
     first_worker: usize,
+    /// Payload bytes per chunk for every shard and worker (`None`: from each shard's size).
+    chunk: Option<usize>,
 }
 
 async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -> anyhow::Result<Figure> {
-    let Group { workers, shards, warmup, steps, hosts, first_worker } = g;
+    let Group { workers, shards, warmup, steps, hosts, first_worker, chunk } = g;
     let total = Layout::new(spec).len;
     let fp = Fingerprint::new(spec, 1).text;
     let mut addrs = Vec::new();
     let mut stops = Vec::new();
     let mut tasks = Vec::new();
+    let mut procs = Vec::new();
     for k in 0..shards {
         let mut cfg = Config::new(spec.clone(), 1);
         cfg.shard = ShardSpec { index: k, count: shards };
         cfg.tuning = tuning;
+        cfg.tuning.chunk_bytes = chunk.unwrap_or_else(|| cfg.shard.chunk_bytes(total));
         cfg.worker_timeout = Duration::from_secs(120);
         let server = ParamServer::new(cfg)?;
         let listener = hosts.listen(k)?;
@@ -151,9 +157,12 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
         addrs.push(listener.local_addr()?.to_string());
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         stops.push(tx);
-        tasks.push(tokio::spawn(server.serve(listener, async move {
+        // Each shard on a runtime of its own, as `gradsync-server` runs (one thread per core).
+        let process = tokio::runtime::Runtime::new()?;
+        tasks.push(process.spawn(server.serve(listener, async move {
             let _ = rx.await;
         })));
+        procs.push(process);
     }
     let mut clients = Vec::new();
     // On emulated hosts each worker's connections live on a runtime on its host, kept until
@@ -161,7 +170,11 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
     let mut runtimes = Vec::new();
     for r in 0..workers {
         let addrs = addrs.clone();
-        let connect = async move { PsClient::connect(&addrs, None, Duration::from_secs(120), tuning).await };
+        let connect = async move {
+            let mut c = PsClient::connect(&addrs, None, Duration::from_secs(120), tuning).await?;
+            c.set_chunk_bytes(chunk);
+            anyhow::Ok(c)
+        };
         let mut c = match hosts.runtime(first_worker + r)? {
             Some(host) => {
                 let c = host.handle.spawn(connect).await.context("connecting on the worker's host")??;
@@ -172,6 +185,13 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
         };
         clients.push(c.register(r, workers, &fp, total).await.map(|_| c)?);
     }
+    // Each worker's steps on a runtime of its own with two threads, as `gradsync-worker --mode
+    // ps` runs its client: one runtime for every process would give them fewer threads than
+    // separate processes have, and on a loaded machine a smaller share of the cores than the
+    // plain row's thread per socket end.
+    let worker_rts: Vec<tokio::runtime::Runtime> = (0..workers)
+        .map(|_| tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build())
+        .collect::<Result<_, _>>()?;
     let mut state: Vec<_> =
         clients.into_iter().map(|c| (c, vec![1e-4f32; total], vec![0f32; total])).collect();
     let (mut times, mut push, mut pull, mut wait) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -179,8 +199,9 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
         let t = Instant::now();
         let handles: Vec<_> = state
             .drain(..)
-            .map(|(mut c, g, mut p)| {
-                tokio::spawn(async move {
+            .zip(&worker_rts)
+            .map(|((mut c, g, mut p), rt)| {
+                rt.spawn(async move {
                     let (push, pull) = if serial {
                         let push = c.push(&g).await?;
                         (push, c.pull(&mut p).await?)
@@ -218,6 +239,10 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
         t.await.context("server task")??;
     }
     drop(runtimes);
+    // Dropping a runtime inside this one's context would panic; everything on them is done.
+    for r in procs.into_iter().chain(worker_rts) {
+        r.shutdown_background();
+    }
     Ok(Figure {
         step_ms: median(&times),
         push_ms: median(&push),
@@ -276,9 +301,10 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         (None, true) => vec![Row::TunedSerial, Row::Tuned],
         (None, false) => vec![Row::Default, Row::TunedCodec, Row::TunedSerial, Row::Tuned],
     };
+    let chunk = a.chunk_bytes.map(|c| c as usize);
     let mut tunings: Vec<(Tuning, bool)> = rows.into_iter().map(Row::setup).collect();
     for (t, _) in &mut tunings {
-        t.chunk_bytes = a.chunk_bytes as usize;
+        t.chunk_bytes = chunk.unwrap_or(t.chunk_bytes);
     }
     let mut table = Table::new(&[
         "MB",
@@ -305,7 +331,7 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                 // Measured again before every group: on a shared machine the link's speed
                 // drifts over a run, and the ratios must compare like with like.
                 let raw = raw_tcp()?;
-                let group = Group { workers: w, shards: k, warmup, steps, hosts, first_worker };
+                let group = Group { workers: w, shards: k, warmup, steps, hosts, first_worker, chunk };
                 let bound_ms = 2.0 * (bytes / raw).max(w as f64 * bytes / (k as f64 * raw)) * 1e3;
                 let (mut default_ms, mut plain_ms) = (None, None);
                 let plain = (!a.no_plain && a.only.is_none()).then_some(None);
@@ -379,8 +405,11 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
          framing, no update): the floor on this machine; default = tonic's HTTP/2 \
          defaults; tuned-codec = tuned windows and frames, messages through tonic's codec; tuned = the same \
          settings with the bulk RPCs framed straight over HTTP/2 (gradsync's transport); tuned serial = the same, \
-         pushing then pulling rather than both at once. Chunks of {} bytes.",
-        a.chunk_bytes
+         pushing then pulling rather than both at once. Chunks of {}.",
+        match a.chunk_bytes {
+            Some(c) => format!("{c} bytes"),
+            None => "an eighth of the shard, 64 KiB to 1 MiB (gradsync-server's default)".into(),
+        }
     );
     Ok(())
 }

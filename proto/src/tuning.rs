@@ -10,9 +10,12 @@
 //!   behind Nagle's algorithm.
 //! - The bulk RPCs go straight over HTTP/2 frames ([`crate::frames`]), skipping the two
 //!   copies tonic's codec makes of every message.
-//! - Chunks of about 1 MiB: large enough that per-message costs vanish, small enough that
-//!   decoding one overlaps the arrival of the next and no chunk nears the 4 MiB default
-//!   message limit.
+//! - Chunks chosen from the shard's size ([`Tuning::chunk_for_shard`]): an eighth of it, from
+//!   64 KiB to 1 MiB. A BSP shard steps and streams back block by block, but its last block
+//!   can go back only once every worker's push has ended, so the step's tail is one block per
+//!   worker over the shard's link: a shard of only a few blocks idles its pull direction for
+//!   much of the push. 1 MiB at most keeps every message far from the 4 MiB default message
+//!   limit of other gRPC peers; 64 KiB at least keeps per-message costs small.
 
 use std::time::Duration;
 
@@ -20,6 +23,12 @@ use tonic::transport::{Endpoint, Server};
 
 /// The largest frame HTTP/2 allows (2^24 - 1).
 pub const MAX_FRAME: u32 = (1 << 24) - 1;
+
+/// The smallest chunk [`Tuning::chunk_for_shard`] picks, bytes.
+pub const MIN_CHUNK: usize = 64 << 10;
+
+/// The largest chunk [`Tuning::chunk_for_shard`] picks, bytes.
+pub const MAX_CHUNK: usize = 1 << 20;
 
 /// One set of transport settings. `None` leaves tonic's (hyper's, h2's) default in place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,7 +45,8 @@ pub struct Tuning {
     pub adaptive_window: bool,
     /// TCP_NODELAY on both ends.
     pub nodelay: bool,
-    /// Payload bytes per chunk message.
+    /// Payload bytes per chunk message where nothing chose them from a shard's size
+    /// ([`Tuning::chunk_for_shard`]).
     pub chunk_bytes: usize,
     /// PushGradients and PullParameters framed by [`crate::frames`] (no codec copies) rather
     /// than by tonic's codec. The wire format is the same either way.
@@ -79,6 +89,13 @@ impl Tuning {
         }
     }
 
+    /// The chunk (and BSP block) for a shard of `shard_bytes`: the largest power of two at
+    /// most an eighth of it, from [`MIN_CHUNK`] to [`MAX_CHUNK`].
+    pub fn chunk_for_shard(shard_bytes: usize) -> usize {
+        let eighth = (shard_bytes / 8).clamp(MIN_CHUNK, MAX_CHUNK);
+        1 << eighth.ilog2()
+    }
+
     /// The largest message either end accepts: one chunk plus its few header fields, with
     /// room to spare for a peer configured with a larger chunk.
     pub fn max_message(&self) -> usize {
@@ -115,5 +132,25 @@ impl Tuning {
 impl Default for Tuning {
     fn default() -> Self {
         Tuning::tuned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{MAX_CHUNK, MIN_CHUNK, Tuning};
+
+    #[test]
+    fn chunks_follow_the_shard_size_within_bounds() {
+        // mnist's 7.46 MB over 4 shards: 1.86 MB each, an eighth is 233 KB.
+        assert_eq!(Tuning::chunk_for_shard(7_456_840 / 4), 128 << 10);
+        // 8.4 MB over 2 shards: an eighth of 4.2 MB is just over 512 KiB.
+        assert_eq!(Tuning::chunk_for_shard(8_392_608 / 2), 512 << 10);
+        assert_eq!(Tuning::chunk_for_shard(64 << 20), MAX_CHUNK);
+        assert_eq!(Tuning::chunk_for_shard(100), MIN_CHUNK);
+        assert_eq!(Tuning::chunk_for_shard(0), MIN_CHUNK);
+        for b in (0..40).map(|i| 1usize << i) {
+            let c = Tuning::chunk_for_shard(b + 12_345);
+            assert!(c.is_power_of_two() && (MIN_CHUNK..=MAX_CHUNK).contains(&c), "{b}: {c}");
+        }
     }
 }

@@ -49,6 +49,12 @@ impl ShardSpec {
     pub fn range(&self, len: usize) -> Range<usize> {
         gradsync_core::model::segment(len, self.count, self.index)
     }
+
+    /// The chunk (and BSP block) size for this shard of a buffer of `len` values, chosen from
+    /// the shard's size ([`Tuning::chunk_for_shard`]).
+    pub fn chunk_bytes(&self, len: usize) -> usize {
+        Tuning::chunk_for_shard(self.range(len).len() * 4)
+    }
 }
 
 /// Flags of `gradsync-server`.
@@ -109,9 +115,11 @@ pub struct ServerArgs {
     /// of the parameters for pulls, in the workers' trace format.
     #[arg(long, env = "GRADSYNC_SERVER_TRACE")]
     pub trace: Option<PathBuf>,
-    /// Payload bytes per chunk in pulls.
-    #[arg(long, default_value_t = Tuning::tuned().chunk_bytes)]
-    pub chunk_bytes: usize,
+    /// Payload bytes per chunk in pulls, and the BSP step's block (default: chosen from the
+    /// shard's size, an eighth of it within 64 KiB to 1 MiB; told to workers at registration,
+    /// who push in chunks of the same size).
+    #[arg(long)]
+    pub chunk_bytes: Option<usize>,
     /// Serve with tonic's default HTTP/2 windows and frame size (for comparisons).
     #[arg(long)]
     pub default_transport: bool,
@@ -245,17 +253,18 @@ impl Config {
                 ),
             ));
         }
-        if a.chunk_bytes < 4 || a.chunk_bytes > 64 << 20 {
-            return Err(Error::invalid(
-                "--chunk-bytes",
-                format!("{} (must be 4 bytes to 64 MiB)", a.chunk_bytes),
-            ));
+        if let Some(c) = a.chunk_bytes
+            && !(4..=64 << 20).contains(&c)
+        {
+            return Err(Error::invalid("--chunk-bytes", format!("{c} (must be 4 bytes to 64 MiB)")));
         }
         if a.token.as_deref().is_some_and(|t| t.is_empty() || gradsync_proto::auth::bearer(t).is_err()) {
             return Err(Error::invalid("--token", "must be non-empty visible ASCII"));
         }
         let mut tuning = if a.default_transport { Tuning::tonic_defaults() } else { Tuning::tuned() };
-        tuning.chunk_bytes = a.chunk_bytes;
+        tuning.chunk_bytes = a
+            .chunk_bytes
+            .unwrap_or_else(|| a.shard.chunk_bytes(gradsync_core::model::Layout::new(&spec).len));
         let tls = match (&a.tls_cert, &a.tls_key) {
             (Some(cert), Some(key)) => Some(gradsync_proto::tls::server(cert, key)?),
             (None, None) => None,

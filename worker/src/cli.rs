@@ -216,7 +216,8 @@ pub struct PsArgs {
     /// worker may start before its servers (0: one attempt).
     #[arg(long, default_value_t = 300.0, env = "GRADSYNC_CONNECT_TIMEOUT")]
     pub connect_timeout: f64,
-    /// Payload bytes per pushed chunk (default: gradsync's tuned 1 MiB).
+    /// Payload bytes per pushed chunk (default: the size each server announces, chosen from
+    /// its shard's size: pushes then line up with the blocks it steps and streams).
     #[arg(long)]
     pub chunk_bytes: Option<usize>,
     /// Talk TLS to the servers, trusting this CA certificate (PEM).

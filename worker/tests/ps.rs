@@ -708,6 +708,38 @@ fn a_failed_step_ends_the_streamed_pull_with_its_error() {
     });
 }
 
+/// Workers push in the chunks each shard announces (its `--chunk-bytes`, or by default a size
+/// chosen from its range), unless told a size of their own.
+#[test]
+fn workers_push_in_the_chunks_each_shard_announces() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let servers =
+        [Server::start(&["--shard", "0/2", "--chunk-bytes", "1024"]), Server::start(&["--shard", "1/2"])];
+    let addrs: Vec<String> = servers.iter().map(|s| s.addr.clone()).collect();
+    let n = Layout::new(&spec()).len;
+    let fp = Fingerprint::new(&spec(), SEED.parse().expect("seed")).text;
+    let connect = |rank: usize, own: Option<usize>| {
+        let addrs = addrs.clone();
+        let fp = fp.clone();
+        async move {
+            let mut c = PsClient::connect(&addrs, None, Duration::from_secs(30), Tuning::tuned()).await?;
+            c.set_chunk_bytes(own);
+            c.register(rank, 2, &fp, n).await?;
+            anyhow::Ok(c)
+        }
+    };
+    let mut a = rt.block_on(connect(0, None)).expect("worker 0");
+    let second = Tuning::chunk_for_shard((n - n / 2) * 4);
+    assert_eq!(a.chunk_bytes(), vec![1024, second]);
+    let mut b = rt.block_on(connect(1, Some(512))).expect("worker 1");
+    assert_eq!(b.chunk_bytes(), vec![512, 512]);
+    // Pieces of either size make the same step.
+    let (ga, gb) = (vec![0.25f32; n], vec![0.75f32; n]);
+    let (mut pa, mut pb) = (vec![0f32; n], vec![0f32; n]);
+    rt.block_on(async { tokio::try_join!(a.step(&ga, &mut pa), b.step(&gb, &mut pb)) }).expect("a step");
+    assert_eq!(pa, pb);
+}
+
 /// A device whose gradient copy-out fails from value `fail_from` on (a lost GPU, say).
 struct FailingGrads {
     grads: Vec<f32>,
@@ -729,16 +761,16 @@ fn a_push_that_fails_midway_is_not_taken_and_returns_at_once() {
     let server = Server::start(&["--worker-timeout", "60"]);
     let n = Layout::new(&spec()).len;
     let fp = Fingerprint::new(&spec(), SEED.parse().expect("seed")).text;
-    // Small chunks, so the model is many messages and the failure falls in the middle.
-    let tuning = Tuning { chunk_bytes: 256, ..Tuning::tuned() };
     let mut c = rt
         .block_on(PsClient::connect(
             std::slice::from_ref(&server.addr),
             None,
             Duration::from_secs(30),
-            tuning,
+            Tuning::tuned(),
         ))
         .expect("connect");
+    // Small chunks, so the model is many messages and the failure falls in the middle.
+    c.set_chunk_bytes(Some(256));
     rt.block_on(c.register(0, 1, &fp, n)).expect("register");
     let mut before = vec![0f32; n];
     rt.block_on(c.pull(&mut before)).expect("pull");

@@ -31,7 +31,6 @@ pub(super) struct Opts<'a> {
     pub(super) limit: usize,
     pub(super) auth: &'a Auth,
     pub(super) rank: u32,
-    pub(super) chunk_bytes: usize,
 }
 
 /// The pushes' replies (and payload bytes) as one [`Transfer`], timed from `t`.
@@ -58,7 +57,7 @@ pub(super) async fn push_shard<G: Gradients + ?Sized>(
         let head = GradientChunk { rank, base_version: base, offset: r.start as u64, data: Bytes::new() };
         grads.chunk(&head, s.range.start + r.start..s.range.start + r.end)
     };
-    let ranges = || wire::chunks(s.range.len() * 4, o.chunk_bytes).map(|b| b.start / 4..b.end / 4);
+    let ranges = || wire::chunks(s.range.len() * 4, s.chunk).map(|b| b.start / 4..b.end / 4);
     let r = if o.direct {
         let (tx, rx) = tokio::sync::mpsc::channel(PUSH_AHEAD);
         let body = tonic::body::Body::new(http_body_util::StreamBody::new(

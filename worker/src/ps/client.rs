@@ -31,6 +31,9 @@ pub(super) struct Shard {
     pub(super) range: Range<usize>,
     /// Version of the parameters last pulled from it.
     pub(super) version: u64,
+    /// Payload bytes per pushed chunk: the size the shard steps and streams its blocks in, as
+    /// it announced at registration, unless [`PsClient::set_chunk_bytes`] chose one.
+    pub(super) chunk: usize,
 }
 
 /// What one push or pull moved.
@@ -50,7 +53,8 @@ pub struct Transfer {
 pub struct PsClient {
     shards: Vec<Shard>,
     timeout: Duration,
-    chunk_bytes: usize,
+    /// Payload bytes per pushed chunk for every shard, whatever the shards announce.
+    chunk_bytes: Option<usize>,
     /// Bulk RPCs through [`frames`] rather than tonic's codec ([`Tuning::direct`]).
     direct: bool,
     /// The largest message accepted, bytes.
@@ -116,14 +120,21 @@ impl PsClient {
                 // The first connection waits for the server; the second finds it up.
                 let rpc = dial(&ep, a, timeout, tuning, &auth, wait).await?;
                 let pull = dial(&ep, a, timeout, tuning, &auth, Duration::ZERO).await?;
-                anyhow::Ok(Shard { addr: a.clone(), rpc, pull, range: 0..0, version: 0 })
+                anyhow::Ok(Shard {
+                    addr: a.clone(),
+                    rpc,
+                    pull,
+                    range: 0..0,
+                    version: 0,
+                    chunk: tuning.chunk_bytes,
+                })
             }
         }))
         .await?;
         Ok(PsClient {
             shards,
             timeout,
-            chunk_bytes: tuning.chunk_bytes,
+            chunk_bytes: None,
             direct: tuning.direct,
             limit: tuning.max_message(),
             auth,
@@ -164,9 +175,16 @@ impl PsClient {
         self.shards.iter().map(|s| s.range.clone())
     }
 
-    /// Payload bytes per chunk message.
-    pub fn chunk_bytes(&self) -> usize {
-        self.chunk_bytes
+    /// Push in chunks of `bytes` to every shard (`None`: in the size each shard announced at
+    /// registration, the size it steps and streams its blocks in). Takes effect at the next
+    /// [`PsClient::register`].
+    pub fn set_chunk_bytes(&mut self, bytes: Option<usize>) {
+        self.chunk_bytes = bytes;
+    }
+
+    /// Payload bytes per pushed chunk, shard by shard (known once registered).
+    pub fn chunk_bytes(&self) -> Vec<usize> {
+        self.shards.iter().map(|s| s.chunk).collect()
     }
 
     /// The servers' synchronisation mode (`bsp`, `asp`, `ssp:S`), asked of shard 0.
@@ -237,6 +255,18 @@ impl PsClient {
             );
             s.range = r.start as usize..r.end as usize;
             s.version = r.version;
+            // A server that announces no size (older ones) gets the size its range suggests.
+            let announced = match r.chunk_bytes as usize {
+                0 => Tuning::chunk_for_shard(s.range.len() * 4),
+                c => c,
+            };
+            anyhow::ensure!(
+                announced <= self.limit.saturating_sub(4096),
+                "{}: streams chunks of {announced} bytes, above the {} this worker accepts",
+                s.addr,
+                self.limit
+            );
+            s.chunk = self.chunk_bytes.unwrap_or(announced);
             end = r.end as usize;
         }
         anyhow::ensure!(end == total, "--servers: the shards cover 0..{end} of {total} values");
@@ -270,7 +300,6 @@ impl PsClient {
             limit: self.limit,
             auth: &self.auth,
             rank: self.rank,
-            chunk_bytes: self.chunk_bytes,
         }
     }
 
@@ -444,6 +473,7 @@ impl PsClient {
                     pull: s.pull.clone(),
                     range: s.range.clone(),
                     version: s.version,
+                    chunk: s.chunk,
                 })
                 .collect(),
             timeout: self.timeout,

@@ -97,6 +97,7 @@ impl Ps {
             .await?;
             c.sync_mode().await?;
             c.set_pipeline(cfg.pipeline);
+            c.set_chunk_bytes(cfg.chunk_bytes);
             anyhow::Ok(c)
         })?;
         Ok(Ps {
