@@ -3,6 +3,10 @@
 //! [`crate::service`] receives the bytes and calls in here; waiting (the BSP barrier, the SSP
 //! bound) is expressed as the BSP round's progress ([`crate::round`]) and a counter every SSP
 //! waiter watches.
+//!
+//! Over 600 lines: every rule that changes the shard (BSP, ASP, SSP, membership, checkpoints)
+//! in one place, since they share the version, staleness and membership they must agree on;
+//! the transport lives elsewhere.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;

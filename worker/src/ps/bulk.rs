@@ -17,8 +17,7 @@ use gradsync_proto::wire;
 use tonic::transport::Channel;
 
 use super::chunks::{ChunkSink, Gradients};
-use super::client::{Shard, Transfer};
-use super::connect::{Auth, deadline, request};
+use super::connect::{Auth, Shard, deadline, request};
 use gradsync_core::metrics::ms_since;
 
 /// Gradient messages a push builds ahead of what HTTP/2 has taken.
@@ -31,6 +30,19 @@ pub(super) struct Opts<'a> {
     pub(super) limit: usize,
     pub(super) auth: &'a Auth,
     pub(super) rank: u32,
+}
+
+/// What one push or pull moved.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Transfer {
+    /// Payload bytes.
+    pub bytes: u64,
+    /// Longest time a server held the push waiting for other workers, ms.
+    pub wait_ms: f64,
+    /// Largest staleness reported by any shard.
+    pub staleness: u64,
+    /// Milliseconds from the start of the call until the last shard finished.
+    pub ms: f64,
 }
 
 /// The pushes' replies (and payload bytes) as one [`Transfer`], timed from `t`.

@@ -15,39 +15,10 @@ use gradsync_proto::pb::{
 };
 use gradsync_proto::tuning::Tuning;
 
-use super::bulk::{Opts, pull_shard, push_shard, push_transfer};
+use super::bulk::{Opts, Transfer, pull_shard, push_shard, push_transfer};
 use super::chunks::{ChunkSink, Gradients, HostGrads, HostSlice};
-use super::connect::{Auth, Conn, deadline, dial, request, serves_tls, uri};
+use super::connect::{Auth, Shard, deadline, dial, request, serves_tls, uri};
 use gradsync_core::metrics::ms_since;
-
-/// One server shard as this worker sees it.
-pub(super) struct Shard {
-    pub(super) addr: String,
-    /// The connection for pushes and the small RPCs.
-    pub(super) rpc: Conn,
-    /// The connection for pulls.
-    pub(super) pull: Conn,
-    /// Its range of the flat buffer (known once registered).
-    pub(super) range: Range<usize>,
-    /// Version of the parameters last pulled from it.
-    pub(super) version: u64,
-    /// Payload bytes per pushed chunk: the size the shard steps and streams its blocks in, as
-    /// it announced at registration, unless [`PsClient::set_chunk_bytes`] chose one.
-    pub(super) chunk: usize,
-}
-
-/// What one push or pull moved.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Transfer {
-    /// Payload bytes.
-    pub bytes: u64,
-    /// Longest time a server held the push waiting for other workers, ms.
-    pub wait_ms: f64,
-    /// Largest staleness reported by any shard.
-    pub staleness: u64,
-    /// Milliseconds from the start of the call until the last shard finished.
-    pub ms: f64,
-}
 
 /// A connection to every shard of a parameter server.
 pub struct PsClient {

@@ -2,6 +2,7 @@
 //! while a server is not up yet, the token on every request, deadlines, and errors that name
 //! the server (with a hint when it turns out to serve TLS).
 
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use gradsync_proto::pb::parameter_server_client::ParameterServerClient;
@@ -179,4 +180,20 @@ pub(super) fn request<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
     let mut r = tonic::Request::new(msg);
     r.set_timeout(timeout);
     r
+}
+
+/// One server shard as this worker sees it.
+pub(super) struct Shard {
+    pub(super) addr: String,
+    /// The connection for pushes and the small RPCs.
+    pub(super) rpc: Conn,
+    /// The connection for pulls.
+    pub(super) pull: Conn,
+    /// Its range of the flat buffer (known once registered).
+    pub(super) range: Range<usize>,
+    /// Version of the parameters last pulled from it.
+    pub(super) version: u64,
+    /// Payload bytes per pushed chunk: the size the shard steps and streams its blocks in, as
+    /// it announced at registration, unless [`super::PsClient::set_chunk_bytes`] chose one.
+    pub(super) chunk: usize,
 }

@@ -18,8 +18,9 @@ use gradsync_proto::tag::GRADIENT_DATA;
 use gradsync_proto::wire;
 use std::ops::Range;
 
+use super::bulk::Transfer;
 use super::chunks::{ChunkSink, Gradients};
-use super::client::{PsClient, Transfer};
+use super::client::PsClient;
 
 /// How pushes read the engine's gradients and pulls write its parameters.
 pub enum EngineLink {

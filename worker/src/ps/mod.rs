@@ -7,10 +7,11 @@
 //! goes to all shards concurrently and has a deadline.
 //!
 //! # Layout
-//! - `client.rs`: [`PsClient`] and what one push or pull moved ([`Transfer`]).
-//! - `connect.rs`: dialling a shard, the token, deadlines, errors that name the server.
+//! - `client.rs`: [`PsClient`].
+//! - `connect.rs`: a shard as this worker sees it (its connections, range, version, chunk
+//!   size), dialling it, the token, deadlines, errors that name the server.
 //! - `bulk.rs`: one shard's PushGradients and PullParameters, straight over HTTP/2 frames or
-//!   through tonic's codec.
+//!   through tonic's codec, and what one push or pull moved ([`Transfer`]).
 //! - `chunks.rs`: where a push's values come from ([`Gradients`]) and a pull's go
 //!   ([`ChunkSink`]), for host buffers.
 //! - `engine.rs`: the same for the training engine's memory, in place (host) or staged
@@ -24,6 +25,7 @@ mod client;
 mod connect;
 mod engine;
 
+pub use bulk::Transfer;
 pub use chunks::{ChunkSink, Gradients, HostGrads, HostSlice};
-pub use client::{PsClient, Transfer};
+pub use client::PsClient;
 pub use engine::EngineLink;

@@ -1,0 +1,217 @@
+//! The ranks as processes: this binary once per gradsync rank (`collective-rank`) and
+//! `bench/pytorch/allreduce.py` once per gloo rank, on loopback or each on an emulated host;
+//! rank 0 binds the store and says where, the others start after it; every child is killed
+//! and reaped when its guard drops.
+
+use super::*;
+
+/// Where the rank processes run: on this machine's loopback, or one per emulated host.
+#[derive(Clone, Copy)]
+pub(super) enum Place<'a> {
+    Loopback,
+    Emulated(&'a Cluster),
+}
+
+impl Place<'_> {
+    /// The address rank 0's store binds (any port).
+    fn store(&self) -> anyhow::Result<String> {
+        let ip = match self {
+            Place::Loopback => Hosts::Loopback.ip(0)?,
+            Place::Emulated(c) => Hosts::Emulated(c).ip(0)?,
+        };
+        Ok(format!("{ip}:0"))
+    }
+
+    /// `program` as it runs for rank `rank`; gloo told which interface is the host's.
+    fn command(&self, rank: usize, program: &Path) -> anyhow::Result<Command> {
+        let (mut c, ifname) = match self {
+            Place::Loopback => (Command::new(program), "lo"),
+            Place::Emulated(cl) => (cl.command(rank, program)?, "eth0"),
+        };
+        c.env("GLOO_SOCKET_IFNAME", ifname);
+        Ok(c)
+    }
+}
+
+/// Rank processes, killed and reaped when dropped unless they have exited already.
+struct Ranks {
+    children: Vec<(Child, std::thread::JoinHandle<String>)>,
+}
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for (c, _) in &mut self.children {
+            if matches!(c.try_wait(), Ok(None)) {
+                let _ = c.kill();
+            }
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Ranks {
+    /// Start one rank's process; its stderr is collected for the error message should it
+    /// fail.
+    fn start(&mut self, mut cmd: Command) -> anyhow::Result<ChildStdout> {
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {cmd:?}"))?;
+        let (Some(out), Some(mut err)) = (child.stdout.take(), child.stderr.take()) else {
+            anyhow::bail!("no pipes to a rank process");
+        };
+        let errs = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = err.read_to_string(&mut s);
+            s
+        });
+        self.children.push((child, errs));
+        Ok(out)
+    }
+}
+
+/// What one rank process printed: its transport, if it said, and its rows.
+fn read_rank(out: impl BufRead) -> anyhow::Result<(Option<String>, Vec<Row>)> {
+    let (mut transport, mut rows) = (None, Vec::new());
+    for line in out.lines() {
+        let line = line?;
+        if !line.starts_with('{') {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(&line).with_context(|| format!("parsing {line}"))?;
+        if let Some(t) = v.get("transport").and_then(|t| t.as_str()) {
+            transport = Some(t.to_string());
+        } else if v.get("bytes").is_some() {
+            rows.push(serde_json::from_value(v)?);
+        }
+    }
+    Ok((transport, rows))
+}
+
+/// Run `world` rank processes, `cmd(rank, master)` each: rank 0 first, which binds the store
+/// and prints where; then the others, told that address. Returns the slowest rank's rows and
+/// the transport rank 0 reported.
+fn processes(
+    world: usize,
+    place: Place<'_>,
+    cmd: impl Fn(usize, &str) -> anyhow::Result<Command>,
+) -> anyhow::Result<(Vec<Row>, Option<String>)> {
+    let mut ranks = Ranks { children: Vec::new() };
+    let mut first = BufReader::new(ranks.start(cmd(0, &place.store()?)?)?);
+    let mut line = String::new();
+    first.read_line(&mut line)?;
+    let master = serde_json::from_str::<serde_json::Value>(&line)
+        .ok()
+        .and_then(|v| v.get("listening").and_then(|a| a.as_str()).map(str::to_string));
+    let Some(master) = master else {
+        let (mut c, errs) = ranks.children.pop().context("rank 0 not started")?;
+        let _ = c.kill();
+        let _ = c.wait();
+        anyhow::bail!("rank 0 did not say where it listens: {}", errs.join().unwrap_or_default().trim());
+    };
+    let mut outs = vec![first];
+    for rank in 1..world {
+        outs.push(BufReader::new(ranks.start(cmd(rank, &master)?)?));
+    }
+    let mut per_rank = Vec::new();
+    let mut transport = None;
+    let mut failure = None;
+    for (rank, out) in outs.into_iter().enumerate() {
+        let (t, rows) = read_rank(out)?;
+        transport = transport.or(t);
+        per_rank.push(rows);
+        let (child, _) = &mut ranks.children[rank];
+        let status = child.wait()?;
+        if !status.success() && failure.is_none() {
+            failure = Some((rank, status));
+        }
+    }
+    if let Some((rank, status)) = failure {
+        // The first rank to fail names the cause; the others mostly report its departure.
+        let errs: Vec<String> = std::mem::take(&mut ranks.children)
+            .into_iter()
+            .map(|(_, e)| e.join().unwrap_or_default())
+            .collect();
+        anyhow::bail!("rank {rank} exited with {status}: {}", errs[rank].trim());
+    }
+    Ok((slowest(per_rank)?, transport))
+}
+
+/// gradsync's TCP backend on `transport`, one process per rank.
+pub(super) fn tcp_processes(
+    world: usize,
+    sizes: &[usize],
+    a: &CollectiveArgs,
+    transport: Transport,
+    place: Place<'_>,
+) -> anyhow::Result<(Vec<Row>, Transport)> {
+    let me = std::env::current_exe()?;
+    let list: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
+    let (rows, used) = processes(world, place, |rank, master| {
+        let mut c = place.command(rank, &me)?;
+        c.args(["collective-rank", "--rank", &rank.to_string(), "--world", &world.to_string()])
+            .args(["--master", master, "--sizes", &list.join(",")])
+            .args(["--budget-bytes", &a.budget_bytes.to_string(), "--transport", transport.name()])
+            .args(["--chunk-kb", &a.chunk_kb.to_string()])
+            .args(["--socket-buffer-kb", &a.socket_buffer_kb.to_string()]);
+        Ok(c)
+    })?;
+    let used = match used.as_deref() {
+        Some("shm") => Transport::Shm,
+        _ => Transport::Tcp,
+    };
+    Ok((rows, used))
+}
+
+/// PyTorch gloo through `bench/pytorch/allreduce.py`, one process per rank.
+pub(super) fn gloo(
+    python: &Path,
+    world: usize,
+    sizes: &[usize],
+    a: &CollectiveArgs,
+    place: Place<'_>,
+) -> anyhow::Result<Vec<Row>> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/pytorch/allreduce.py");
+    let list: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
+    let (rows, _) = processes(world, place, |rank, master| {
+        let mut c = place.command(rank, python)?;
+        c.args([script, "--rank", &rank.to_string(), "--world", &world.to_string()])
+            .args(["--master", master, "--sizes", &list.join(",")])
+            .args(["--budget-bytes", &a.budget_bytes.to_string()]);
+        Ok(c)
+    })?;
+    Ok(rows)
+}
+
+/// The Python to run gloo with: `--python`, else the conventional virtual environment when
+/// it exists; `None` (with a note on how to get one) when there is none or it lacks torch.
+pub(super) fn find_python(a: &CollectiveArgs) -> Option<PathBuf> {
+    let conventional =
+        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/gradsync/torch-venv/bin/python"));
+    let py = a.python.clone().or_else(|| conventional.filter(|p| p.exists()));
+    let how = "python3 -m venv ~/.cache/gradsync/torch-venv && \
+               ~/.cache/gradsync/torch-venv/bin/pip install torch (or pass --python / GRADSYNC_PYTHON)";
+    let Some(py) = py else {
+        eprintln!(
+            "gradsync-bench collective: gloo rows skipped: no Python with torch found; install one: {how}"
+        );
+        return None;
+    };
+    let ok = Command::new(&py)
+        .args(["-c", "import torch.distributed as d; assert d.is_gloo_available()"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!(
+            "gradsync-bench collective: gloo rows skipped: {} has no torch with gloo; {how}",
+            py.display()
+        );
+        return None;
+    }
+    Some(py)
+}
