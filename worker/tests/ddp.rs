@@ -453,10 +453,21 @@ fn dp_and_ddp_over_tcp_on_gpus_match_local() {
 /// returns each rank's metrics header.
 fn run_zero1(dir: &Path, world: usize, batch: usize, extra: &[&str], save: &Path) -> Vec<serde_json::Value> {
     let (w, b) = (world.to_string(), batch.to_string());
-    let mut a: Vec<String> =
-        ["launch", "--nproc-per-node", &w, "--master-port", "0", "--", "train", "--mode", "zero1", "--batch", &b]
-            .map(String::from)
-            .to_vec();
+    let mut a: Vec<String> = [
+        "launch",
+        "--nproc-per-node",
+        &w,
+        "--master-port",
+        "0",
+        "--",
+        "train",
+        "--mode",
+        "zero1",
+        "--batch",
+        &b,
+    ]
+    .map(String::from)
+    .to_vec();
     a.extend(["--bucket-mb", "0.002", "--comm-timeout", "30", "--chunk-kb", "1"].map(String::from));
     a.extend(extra.iter().map(|s| s.to_string()));
     a.push("--metrics".into());
@@ -483,7 +494,14 @@ fn check_zero1(world: usize, batch: usize, extra: &[&str]) {
     let headers = run_zero1(&dir.0, world, batch, extra, &zero);
     let (l, z) = (Checkpoint::load(&local).unwrap(), Checkpoint::load(&zero).unwrap());
     let n = l.params.len();
-    assert_ne!(l.params, gradsync_core::model::init_params(&gradsync_core::model::Layout::new(&gradsync_core::model::ModelSpec::parse("tiny").unwrap()), 42), "local did not train");
+    assert_ne!(
+        l.params,
+        gradsync_core::model::init_params(
+            &gradsync_core::model::Layout::new(&gradsync_core::model::ModelSpec::parse("tiny").unwrap()),
+            42
+        ),
+        "local did not train"
+    );
     let d = max_diff(&l.params, &z.params);
     assert!(d < 1e-5, "ZeRO-1 with {world} ranks vs local: max diff {d}");
     // The momentum shards, gathered for the checkpoint, are local's momentum.
@@ -491,13 +509,18 @@ fn check_zero1(world: usize, batch: usize, extra: &[&str]) {
     assert!(dm < 1e-4, "ZeRO-1's gathered momentum vs local's: max diff {dm}");
     // Each rank held its shard of the optimiser state and nothing more: the shards add up
     // to one full momentum buffer (DDP's per rank), each within a bucket's rounding of 1/n.
-    let held: Vec<u64> = headers.iter().map(|h| h["extra"]["optimizer_state_bytes"].as_u64().unwrap()).collect();
+    let held: Vec<u64> =
+        headers.iter().map(|h| h["extra"]["optimizer_state_bytes"].as_u64().unwrap()).collect();
     assert_eq!(held.iter().sum::<u64>(), 4 * n as u64, "{held:?}");
     for (r, h) in headers.iter().enumerate() {
         assert_eq!(h["mode"], "zero1", "{h}");
         let buckets = h["extra"]["buckets"].as_u64().unwrap();
         let fair = (4 * n / world) as u64;
-        assert!(held[r].abs_diff(fair) <= 4 * buckets, "rank {r} held {} bytes, 1/{world} is {fair}", held[r]);
+        assert!(
+            held[r].abs_diff(fair) <= 4 * buckets,
+            "rank {r} held {} bytes, 1/{world} is {fair}",
+            held[r]
+        );
         assert!(h["extra"]["peak_rss_kib_at_start"].as_u64().unwrap() > 0, "{h}");
     }
 }
@@ -540,14 +563,32 @@ fn zero1_moves_the_rings_bytes() {
 #[test]
 fn zero1_with_nccl_on_the_cpu_is_refused_clearly() {
     let out = spawn(&[
-        "launch", "--nproc-per-node", "1", "--master-port", "0", "--", "train", "--mode", "zero1", "--backend",
-        "nccl", "--device", "cpu", "--steps", "1", "--model", "tiny", "--data", "synthetic:64:32:8",
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--master-port",
+        "0",
+        "--",
+        "train",
+        "--mode",
+        "zero1",
+        "--backend",
+        "nccl",
+        "--device",
+        "cpu",
+        "--steps",
+        "1",
+        "--model",
+        "tiny",
+        "--data",
+        "synthetic:64:32:8",
     ])
     .output(Duration::from_secs(60));
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--backend nccl works on GPU memory"), "{err}");
-    let out = spawn(&["train", "--mode", "zero1", "--bucket-mb", "0", "--steps", "1"]).output(Duration::from_secs(60));
+    let out = spawn(&["train", "--mode", "zero1", "--bucket-mb", "0", "--steps", "1"])
+        .output(Duration::from_secs(60));
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--bucket-mb must be positive"), "{err}");
@@ -568,10 +609,21 @@ fn zero1_over_tcp_on_gpus_matches_local() {
     let mut a: Vec<String> = ["train", "--mode", "local", "--batch", "16"].map(String::from).to_vec();
     a.extend(common(&local));
     run_strings(&a);
-    let mut a: Vec<String> =
-        ["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "train", "--mode", "zero1", "--batch", "8"]
-            .map(String::from)
-            .to_vec();
+    let mut a: Vec<String> = [
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "0",
+        "--",
+        "train",
+        "--mode",
+        "zero1",
+        "--batch",
+        "8",
+    ]
+    .map(String::from)
+    .to_vec();
     a.extend(["--backend", "tcp", "--bucket-mb", "0.002", "--comm-timeout", "30"].map(String::from));
     a.extend(on_gpu(common(&zero)));
     run_strings(&a);

@@ -527,6 +527,11 @@ mod tests {
         assert_eq!(ModeKind::from_header("ddp", "nccl", None), Some(ModeKind::DdpNccl));
         assert!(ModeKind::DdpTcp.over_tcp() && ModeKind::PsAsp.over_tcp() && !ModeKind::DdpShm.over_tcp());
         assert_ne!(ModeKind::DdpTcp.wire(), ModeKind::DdpShm.wire());
+        // ZeRO-1 over the ring's sockets, compared with ddp-tcp like for like.
+        assert_eq!(ModeKind::from_header("zero1", "tcp", Some("tcp")), Some(ModeKind::Zero1Tcp));
+        assert_eq!("zero1-tcp".parse::<ModeKind>(), Ok(ModeKind::Zero1Tcp));
+        assert!(ModeKind::Zero1Tcp.over_tcp() && ModeKind::Zero1Tcp.is_ring());
+        assert_eq!(ModeKind::Zero1Tcp.wire(), ModeKind::DdpTcp.wire());
     }
 
     #[test]

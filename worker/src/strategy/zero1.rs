@@ -129,7 +129,10 @@ impl Zero1 {
         let Zero1 { comm, owned, overlap, .. } = self;
         let check = |i: usize, got: Range<usize>, start: usize| -> anyhow::Result<()> {
             let want = owned[i].start - start..owned[i].end - start;
-            anyhow::ensure!(got == want, "reduce-scatter of bucket {i} left {got:?} summed here, not {want:?}");
+            anyhow::ensure!(
+                got == want,
+                "reduce-scatter of bucket {i} left {got:?} summed here, not {want:?}"
+            );
             Ok(())
         };
         let record = |i: usize, range: &Range<usize>, t: Instant| {
@@ -146,7 +149,9 @@ impl Zero1 {
             let (_, grads) = engine.host_buffers_mut().context("a CPU engine lends its buffers")?;
             for (i, r) in plan.buckets.iter().enumerate() {
                 let t = Instant::now();
-                let got = tcp.reduce_scatter(&mut grads[r.clone()]).with_context(|| format!("reduce-scatter of bucket {r:?}"))?;
+                let got = tcp
+                    .reduce_scatter(&mut grads[r.clone()])
+                    .with_context(|| format!("reduce-scatter of bucket {r:?}"))?;
                 spans.push((t, Instant::now()));
                 record(i, r, t);
                 check(i, got, r.start)?;
@@ -179,7 +184,8 @@ impl Zero1 {
             drop(tx);
             let bwd_end = Instant::now();
             trace.span("backward", "compute", "compute", t0);
-            let done = worker.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the communication thread panicked")));
+            let done =
+                worker.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the communication thread panicked")));
             let bwd = bwd.map_err(anyhow::Error::from).and_then(|()| {
                 anyhow::ensure!(!stray, "backward handed out a GPU bucket to the host path");
                 Ok(())
@@ -211,7 +217,10 @@ impl Zero1 {
         self.trace.span("update (shard)", "compute", "compute", t);
         for (i, r) in plan.buckets.iter().enumerate() {
             let t = Instant::now();
-            self.comm.get().all_gather(&mut params[r.clone()]).with_context(|| format!("all-gather of bucket {r:?}"))?;
+            self.comm
+                .get()
+                .all_gather(&mut params[r.clone()])
+                .with_context(|| format!("all-gather of bucket {r:?}"))?;
             spans.push((t, Instant::now()));
             self.trace.span(format!("all-gather b{i}"), "comm", "comm", t);
         }
@@ -220,7 +229,13 @@ impl Zero1 {
 
     /// Reduce-scatter, update and all-gather on a GPU engine, one bucket at a time through
     /// host memory, after backward. Returns the update's milliseconds.
-    fn staged(&mut self, engine: &mut Engine, plan: &BucketPlan, scale: f32, spans: &mut Vec<Span>) -> anyhow::Result<f64> {
+    fn staged(
+        &mut self,
+        engine: &mut Engine,
+        plan: &BucketPlan,
+        scale: f32,
+        spans: &mut Vec<Span>,
+    ) -> anyhow::Result<f64> {
         let mut update_ms = 0.0;
         let shards: Vec<_> = self.shards().collect();
         for (r, (own, m)) in plan.buckets.iter().zip(shards) {
@@ -228,9 +243,16 @@ impl Zero1 {
             let buf = &mut self.staging[..r.len()];
             engine.read_grads(r.clone(), buf)?;
             let t = Instant::now();
-            let got = self.comm.get().reduce_scatter(buf).with_context(|| format!("reduce-scatter of bucket {r:?}"))?;
+            let got = self
+                .comm
+                .get()
+                .reduce_scatter(buf)
+                .with_context(|| format!("reduce-scatter of bucket {r:?}"))?;
             spans.push((t, Instant::now()));
-            anyhow::ensure!(got == local, "reduce-scatter of bucket {r:?} left {got:?} summed here, not {local:?}");
+            anyhow::ensure!(
+                got == local,
+                "reduce-scatter of bucket {r:?} left {got:?} summed here, not {local:?}"
+            );
             let t = Instant::now();
             let shard = &mut self.shard[..own.len()];
             engine.read_params(own.clone(), shard)?;
@@ -341,7 +363,10 @@ impl Strategy for Zero1 {
             }
             let buckets = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
             for r in buckets {
-                self.comm.get().all_gather(&mut full[r.clone()]).with_context(|| format!("all-gather of the momentum of {r:?}"))?;
+                self.comm
+                    .get()
+                    .all_gather(&mut full[r.clone()])
+                    .with_context(|| format!("all-gather of the momentum of {r:?}"))?;
             }
             engine.write_momentum(&full)?;
         }
