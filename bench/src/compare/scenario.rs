@@ -427,10 +427,10 @@ mod tests {
     fn default_parses_and_expands() {
         let s = Scenario::load(None).unwrap();
         let runs = s.expand();
-        // local once; dp, ddp-tcp, ddp-shm, ddp-nccl per worker count; ps per worker count and
-        // shards; every cell `repeats` times.
+        // local once; dp, ddp-tcp, ddp-shm, ddp-nccl, zero1-tcp per worker count; ps per worker
+        // count and shards; every cell `repeats` times.
         let w = s.workers.len();
-        assert_eq!(runs.len(), s.repeats * (1 + 4 * w + 3 * w * s.shards.len()));
+        assert_eq!(runs.len(), s.repeats * (1 + 5 * w + 3 * w * s.shards.len()));
         assert!(runs.iter().all(|r| r.global_batch == s.batches[0]));
         let ids: std::collections::BTreeSet<_> = runs.iter().map(|r| &r.id).collect();
         assert_eq!(ids.len(), runs.len());
