@@ -142,6 +142,8 @@ fn check_equivalence(world: usize, batch: usize, transport: &str) {
         let text = std::fs::read_to_string(dir.0.join(format!("m-{r}.jsonl"))).unwrap();
         let header: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
         assert_eq!(header["extra"]["transport"], transport, "rank {r}: {header}");
+        // DDP holds the whole momentum on every rank (ZeRO-1 holds 1/n: `check_zero1`).
+        assert_eq!(header["extra"]["optimizer_state_bytes"], 4456 * 4, "rank {r}: {header}");
     }
 
     let (l, p, d) = (params(&local), params(&dp), params(&ddp));
