@@ -126,7 +126,7 @@ fn default_scenario_scaled_down_runs_end_to_end() {
         let n = rows.iter().filter(|r| &r[col("mode")] == mode && &r[col("status")] == "ok").count();
         assert_eq!(n, 2, "{mode}: one row per repeat");
     }
-    for (mode, transport) in [("ddp-tcp", "tcp"), ("ddp-shm", "shm")] {
+    for (mode, transport) in [("ddp-tcp", "tcp"), ("ddp-shm", "shm"), ("zero1-tcp", "tcp")] {
         let r = rows.iter().find(|r| &r[col("mode")] == mode && &r[col("status")] == "ok").unwrap();
         let header: serde_json::Value = serde_json::from_str(
             std::fs::read_to_string(out.join(&r[col("id")]).join("rank0.jsonl"))
@@ -162,9 +162,16 @@ fn default_scenario_scaled_down_runs_end_to_end() {
         })
         .collect();
     assert_eq!(orders, [s.seed, s.seed + 1], "repeats draw the data in other orders");
-    for label in ["ddp-tcp (TCP sockets)", "ddp-shm (shared memory)", "ps-bsp k=1 (gRPC over TCP)"] {
+    for label in [
+        "ddp-tcp (TCP sockets)",
+        "ddp-shm (shared memory)",
+        "ps-bsp k=1 (gRPC over TCP)",
+        "zero1-tcp (TCP sockets)",
+    ] {
         assert!(html.contains(label), "{label} not labelled in the report");
     }
+    // ZeRO-1 is read against DDP over the same sockets.
+    assert!(html.contains("ZeRO-1 at 2 workers:"), "no ZeRO-1 reading in the report");
 
     // A second comparison into the same directory is refused rather than mixed in.
     let again = compare(&scenario, &out);

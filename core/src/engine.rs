@@ -208,14 +208,34 @@ impl Engine {
         on_device!(self, m => m.write_grads(offset, src))
     }
 
-    /// Copy the momentum buffer to host memory.
+    /// Copy the momentum buffer to host memory (zeros while none is allocated).
     pub fn read_momentum(&self, dst: &mut [f32]) -> Result<()> {
         on_device!(self, m => m.read_momentum(dst))
     }
 
-    /// Overwrite the momentum buffer.
+    /// Overwrite the momentum buffer, allocating it if needed.
     pub fn write_momentum(&mut self, src: &[f32]) -> Result<()> {
         on_device!(self, m => m.write_momentum(src))
+    }
+
+    /// Free the momentum buffer ([`Mlp::release_momentum`]).
+    pub fn release_momentum(&mut self) {
+        on_device!(self, m => m.release_momentum())
+    }
+
+    /// Bytes of optimiser state the engine holds: the momentum buffer once an update or a
+    /// momentum write has allocated it, else nothing.
+    pub fn optimizer_state_bytes(&self) -> usize {
+        on_device!(self, m => m.optimizer_state_bytes())
+    }
+
+    /// The parameters and gradients as host slices, when they live in host memory (the CPU);
+    /// `None` on a GPU.
+    pub fn host_buffers_mut(&mut self) -> Option<(&mut [f32], &mut [f32])> {
+        match self {
+            Engine::Cpu(m) => Some(m.host_buffers_mut()),
+            Engine::Cuda(_) => None,
+        }
     }
 
     /// All parameters in host memory.
@@ -240,5 +260,53 @@ impl Engine {
     /// This model's fingerprint for `seed`.
     pub fn fingerprint(&self, seed: u64) -> Fingerprint {
         Fingerprint::new(self.spec(), seed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine() -> Engine {
+        let spec = ModelSpec::parse("6-5-3").expect("widths");
+        Engine::new(Device::Cpu { threads: 1 }, spec, 7).expect("a CPU engine")
+    }
+
+    fn step(e: &mut Engine) {
+        let x: Vec<f32> = (0..4 * 6).map(|i| (i as f32 * 0.3).sin()).collect();
+        e.forward(&x, &[0, 1, 2, 1], true).expect("forward");
+        e.backward(false).expect("backward");
+        e.update(&SgdConfig::default(), 1.0).expect("update");
+    }
+
+    #[test]
+    fn momentum_is_allocated_only_when_first_needed() {
+        let mut e = engine();
+        let n = e.layout().len;
+        assert_eq!(e.optimizer_state_bytes(), 0, "a new engine holds no optimiser state");
+        let mut m = vec![1.0; n];
+        e.read_momentum(&mut m).expect("read");
+        assert!(m.iter().all(|&v| v == 0.0), "an unallocated momentum reads as zeros");
+        assert!(e.read_momentum(&mut [0.0; 2]).is_err(), "a short buffer is refused");
+        step(&mut e);
+        assert_eq!(e.optimizer_state_bytes(), 4 * n);
+        e.release_momentum();
+        assert_eq!(e.optimizer_state_bytes(), 0);
+        e.write_momentum(&vec![0.5; n]).expect("write");
+        assert_eq!(e.optimizer_state_bytes(), 4 * n);
+    }
+
+    #[test]
+    fn lazy_momentum_trains_as_an_explicit_zero_one() {
+        // Two steps from an engine whose momentum was written as zeros up front, and from one
+        // that allocates it on the first update: the same bits.
+        let (mut lazy, mut eager) = (engine(), engine());
+        let n = eager.layout().len;
+        eager.write_momentum(&vec![0.0; n]).expect("write");
+        for _ in 0..2 {
+            step(&mut lazy);
+            step(&mut eager);
+        }
+        assert_eq!(lazy.params().expect("params"), eager.params().expect("params"));
     }
 }

@@ -31,7 +31,9 @@ pub struct Mlp<B: Backend> {
     layout: Layout,
     params: B::Buf,
     grads: B::Buf,
-    momentum: B::Buf,
+    /// Allocated on the first update or momentum write: a strategy that keeps the optimiser
+    /// state elsewhere (ZeRO's shards) never pays for a full buffer.
+    momentum: Option<B::Buf>,
     /// `acts[0]` is the input batch, `acts[l + 1]` the output of layer `l`.
     acts: Vec<B::Buf>,
     /// `dacts[l]` is the loss gradient with respect to layer `l`'s pre-activation output.
@@ -50,14 +52,13 @@ impl<B: Backend> Mlp<B> {
         let mut params = backend.zeros(layout.len)?;
         backend.write(&mut params, 0, &init_params(&layout, seed))?;
         let grads = backend.zeros(layout.len)?;
-        let momentum = backend.zeros(layout.len)?;
         Ok(Mlp {
             backend,
             spec,
             layout,
             params,
             grads,
-            momentum,
+            momentum: None,
             acts: Vec::new(),
             dacts: Vec::new(),
             labels: None,
@@ -229,11 +230,17 @@ impl<B: Backend> Mlp<B> {
     /// One optimiser step from the gradient buffer, scaled by `grad_scale`.
     pub fn update(&mut self, cfg: &SgdConfig, grad_scale: f32) -> Result<()> {
         let n = self.layout.len;
-        self.backend.sgd(
+        if self.momentum.is_none() {
+            self.momentum = Some(self.backend.zeros(n)?);
+        }
+        let Mlp { backend, params, grads, momentum: Some(momentum), .. } = self else {
+            unreachable!("the momentum was just allocated")
+        };
+        backend.sgd(
             cfg,
-            B::view_mut(&mut self.params, 0..n),
-            B::view(&self.grads, 0..n),
-            B::view_mut(&mut self.momentum, 0..n),
+            B::view_mut(params, 0..n),
+            B::view(grads, 0..n),
+            B::view_mut(momentum, 0..n),
             grad_scale,
         )
     }
@@ -266,15 +273,47 @@ impl<B: Backend> Mlp<B> {
         self.backend.write(&mut self.grads, offset, src)
     }
 
-    /// The momentum buffer copied to host memory (checkpoints).
+    /// The momentum buffer copied to host memory (checkpoints); zeros, PyTorch's starting
+    /// state, while none has been allocated.
     pub fn read_momentum(&self, dst: &mut [f32]) -> Result<()> {
-        self.backend.read(&self.momentum, 0..self.layout.len, dst)
+        match &self.momentum {
+            Some(m) => self.backend.read(m, 0..self.layout.len, dst),
+            None if dst.len() == self.layout.len => {
+                dst.fill(0.0);
+                Ok(())
+            }
+            None => Err(Error::Length { what: "momentum", expected: self.layout.len, got: dst.len() }),
+        }
     }
 
-    /// Overwrite the momentum buffer (checkpoints).
+    /// Overwrite the momentum buffer (checkpoints), allocating it if needed.
     pub fn write_momentum(&mut self, src: &[f32]) -> Result<()> {
         self.check_range("momentum", 0, src.len())?;
-        self.backend.write(&mut self.momentum, 0, src)
+        let m = match &mut self.momentum {
+            Some(m) => m,
+            None => self.momentum.insert(self.backend.zeros(self.layout.len)?),
+        };
+        self.backend.write(m, 0, src)
+    }
+
+    /// Free the momentum buffer: a strategy that has taken the optimiser state into its own
+    /// keeping (ZeRO's shards). A later update starts again from zero momentum.
+    pub fn release_momentum(&mut self) {
+        self.momentum = None;
+    }
+
+    /// Bytes of optimiser state this model holds (the momentum buffer, once allocated).
+    pub fn optimizer_state_bytes(&self) -> usize {
+        self.momentum.as_ref().map_or(0, |_| self.layout.len * size_of::<f32>())
+    }
+
+    /// The parameters and gradients as host slices, on a device whose buffers live in host
+    /// memory: strategies that update and exchange slices of them in place (ZeRO).
+    pub fn host_buffers_mut(&mut self) -> (&mut [f32], &mut [f32])
+    where
+        B::Buf: AsMut<[f32]>,
+    {
+        (self.params.as_mut(), self.grads.as_mut())
     }
 
     /// Exclusive access to the device buffers of the parameters and gradients, for collectives

@@ -68,6 +68,10 @@ pub enum Mode {
     Ps,
     /// Every rank keeps a replica; gradients are all-reduced in buckets during backward.
     Ddp,
+    /// ZeRO stage 1: gradients reduce-scattered in buckets during backward, each rank updates
+    /// its 1/n of the parameters with its 1/n of the optimiser state, parameters all-gathered.
+    /// Takes DDP's flags.
+    Zero1,
 }
 
 impl Mode {
@@ -78,6 +82,7 @@ impl Mode {
             Mode::Dp => "dp",
             Mode::Ps => "ps",
             Mode::Ddp => "ddp",
+            Mode::Zero1 => "zero1",
         }
     }
 }
@@ -166,7 +171,7 @@ pub struct TrainArgs {
     /// Parameter-server flags.
     #[command(flatten)]
     pub ps: PsArgs,
-    /// DDP flags.
+    /// DDP flags (ZeRO-1's too).
     #[command(flatten)]
     pub ddp: DdpArgs,
 }
@@ -234,7 +239,7 @@ pub struct PsArgs {
     pub no_pipeline: bool,
 }
 
-/// `--mode ddp`.
+/// `--mode ddp` and `--mode zero1`.
 #[derive(Debug, Clone, Args, Default)]
 pub struct DdpArgs {
     /// Collective backend.

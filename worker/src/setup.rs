@@ -14,7 +14,9 @@ use gradsync_core::trace::Trace;
 
 use crate::cli::{DdpArgs, Mode, PsArgs, TrainArgs};
 use crate::rendezvous::RendezvousConfig;
-use crate::strategy::{Backend, Ddp, DdpConfig, Dp, DpConfig, Local, Ps, PsConfig, Shape, Strategy};
+use crate::strategy::{
+    Backend, Ddp, DdpConfig, Dp, DpConfig, Local, Ps, PsConfig, Shape, Strategy, Zero1, Zero1Config,
+};
 
 /// Everything a run needs that the flags determine, resolved once.
 pub struct Run {
@@ -96,10 +98,15 @@ pub fn strategy(run: &Run) -> anyhow::Result<Box<dyn Strategy>> {
         })?),
         Mode::Ps => Box::new(Ps::new(ps_config(&args.ps, run)?)?),
         Mode::Ddp => Box::new(Ddp::connect(ddp_config(&args.ddp, run)?)?),
+        Mode::Zero1 => Box::new(Zero1::connect(Zero1Config {
+            ddp: ddp_config(&args.ddp, run)?,
+            // Every rank takes part in gathering what rank 0 saves.
+            gather_momentum: args.save.is_some(),
+        })?),
     })
 }
 
-/// DDP's configuration from the `--mode ddp` flags of `run`, checked.
+/// DDP's configuration (ZeRO-1's too) from the `--mode ddp` flags of `run`, checked.
 fn ddp_config(d: &DdpArgs, run: &Run) -> anyhow::Result<DdpConfig> {
     anyhow::ensure!(d.bucket_mb > 0.0 && d.bucket_mb.is_finite(), "--bucket-mb must be positive");
     anyhow::ensure!(d.sync_every >= 1, "--sync-every must be at least 1");

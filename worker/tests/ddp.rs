@@ -1,4 +1,4 @@
-//! DDP and DP against local training, as real processes: W ranks with batch b (DDP, started
+//! DDP, ZeRO-1 and DP against local training, as real processes: W ranks with batch b (DDP, started
 //! by `gradsync-worker launch` over 127.0.0.1, TCP backend, on sockets or on the shared-memory
 //! transport) and W replicas with batch b (DP)
 //! must end at the parameters of one process with batch W*b, because the distributed sampler
@@ -142,6 +142,8 @@ fn check_equivalence(world: usize, batch: usize, transport: &str) {
         let text = std::fs::read_to_string(dir.0.join(format!("m-{r}.jsonl"))).unwrap();
         let header: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
         assert_eq!(header["extra"]["transport"], transport, "rank {r}: {header}");
+        // DDP holds the whole momentum on every rank (ZeRO-1 holds 1/n: `check_zero1`).
+        assert_eq!(header["extra"]["optimizer_state_bytes"], 4456 * 4, "rank {r}: {header}");
     }
 
     let (l, p, d) = (params(&local), params(&dp), params(&ddp));
@@ -446,4 +448,187 @@ fn dp_and_ddp_over_tcp_on_gpus_match_local() {
         let d = max_diff(&l, &p);
         assert!(d < 1e-4, "{what} vs local on the CPU: max diff {d}");
     }
+}
+
+/// `gradsync-worker launch` of `world` ZeRO-1 ranks with batch `batch`, small buckets, the
+/// given transport and `extra` flags, saving to `save`, metrics to `dir/z-{rank}.jsonl`;
+/// returns each rank's metrics header.
+fn run_zero1(dir: &Path, world: usize, batch: usize, extra: &[&str], save: &Path) -> Vec<serde_json::Value> {
+    let (w, b) = (world.to_string(), batch.to_string());
+    let mut a: Vec<String> = [
+        "launch",
+        "--nproc-per-node",
+        &w,
+        "--master-port",
+        "0",
+        "--",
+        "train",
+        "--mode",
+        "zero1",
+        "--batch",
+        &b,
+    ]
+    .map(String::from)
+    .to_vec();
+    a.extend(["--bucket-mb", "0.002", "--comm-timeout", "30", "--chunk-kb", "1"].map(String::from));
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a.push("--metrics".into());
+    a.push(dir.join("z-{rank}.jsonl").display().to_string());
+    a.extend(common(save));
+    run_strings(&a);
+    (0..world)
+        .map(|r| {
+            let text = std::fs::read_to_string(dir.join(format!("z-{r}.jsonl"))).unwrap();
+            serde_json::from_str(text.lines().next().unwrap()).unwrap()
+        })
+        .collect()
+}
+
+/// ZeRO-1 with `world` ranks of batch `batch` ends where local training with the combined
+/// batch does, holding 1/world of the optimiser state on each rank.
+fn check_zero1(world: usize, batch: usize, extra: &[&str]) {
+    let dir = Scratch::new(&format!("zero1-{world}-{}", extra.join("").replace('-', "")));
+    let (local, zero) = (dir.0.join("local.ckpt"), dir.0.join("zero1.ckpt"));
+    let mut a: Vec<String> =
+        ["train", "--mode", "local", "--batch", &(world * batch).to_string()].map(String::from).to_vec();
+    a.extend(common(&local));
+    run_strings(&a);
+    let headers = run_zero1(&dir.0, world, batch, extra, &zero);
+    let (l, z) = (Checkpoint::load(&local).unwrap(), Checkpoint::load(&zero).unwrap());
+    let n = l.params.len();
+    assert_ne!(
+        l.params,
+        gradsync_core::model::init_params(
+            &gradsync_core::model::Layout::new(&gradsync_core::model::ModelSpec::parse("tiny").unwrap()),
+            42
+        ),
+        "local did not train"
+    );
+    let d = max_diff(&l.params, &z.params);
+    assert!(d < 1e-5, "ZeRO-1 with {world} ranks vs local: max diff {d}");
+    // The momentum shards, gathered for the checkpoint, are local's momentum.
+    let dm = max_diff(l.momentum.as_ref().unwrap(), z.momentum.as_ref().unwrap());
+    assert!(dm < 1e-4, "ZeRO-1's gathered momentum vs local's: max diff {dm}");
+    // Each rank held its shard of the optimiser state and nothing more: the shards add up
+    // to one full momentum buffer (DDP's per rank), each within a bucket's rounding of 1/n.
+    let held: Vec<u64> =
+        headers.iter().map(|h| h["extra"]["optimizer_state_bytes"].as_u64().unwrap()).collect();
+    assert_eq!(held.iter().sum::<u64>(), 4 * n as u64, "{held:?}");
+    for (r, h) in headers.iter().enumerate() {
+        assert_eq!(h["mode"], "zero1", "{h}");
+        let buckets = h["extra"]["buckets"].as_u64().unwrap();
+        let fair = (4 * n / world) as u64;
+        assert!(
+            held[r].abs_diff(fair) <= 4 * buckets,
+            "rank {r} held {} bytes, 1/{world} is {fair}",
+            held[r]
+        );
+        assert!(h["extra"]["peak_rss_kib_at_start"].as_u64().unwrap() > 0, "{h}");
+    }
+}
+
+#[test]
+fn zero1_matches_local_with_two_ranks() {
+    check_zero1(2, 8, &["--transport", "tcp"]);
+}
+
+#[test]
+fn zero1_matches_local_with_three_ranks_without_overlap() {
+    check_zero1(3, 5, &["--transport", "tcp", "--no-overlap"]);
+}
+
+#[test]
+fn zero1_over_shared_memory_matches_local_with_three_ranks() {
+    check_zero1(3, 5, &["--transport", "shm"]);
+}
+
+/// ZeRO-1 moves what DDP's ring moves: two ranks send and receive half the gradient in the
+/// reduce-scatter and half the parameters in the all-gather, i.e. the whole buffer each way.
+#[test]
+fn zero1_moves_the_rings_bytes() {
+    let dir = Scratch::new("zero1-bytes");
+    run_zero1(&dir.0, 2, 8, &[], &dir.0.join("s.ckpt"));
+    let text = std::fs::read_to_string(dir.0.join("z-1.jsonl")).unwrap();
+    let steps: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &serde_json::Value| v["kind"] == "step")
+        .collect();
+    assert_eq!(steps.len(), 6);
+    for s in &steps {
+        assert_eq!(s["bytes_sent"].as_u64().unwrap(), 4456 * 4, "{s}");
+        assert_eq!(s["bytes_recv"].as_u64().unwrap(), 4456 * 4, "{s}");
+        assert!(s["comm_ms"].as_f64().unwrap() > 0.0 && s["update_ms"].as_f64().unwrap() > 0.0, "{s}");
+    }
+}
+
+#[test]
+fn zero1_with_nccl_on_the_cpu_is_refused_clearly() {
+    let out = spawn(&[
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--master-port",
+        "0",
+        "--",
+        "train",
+        "--mode",
+        "zero1",
+        "--backend",
+        "nccl",
+        "--device",
+        "cpu",
+        "--steps",
+        "1",
+        "--model",
+        "tiny",
+        "--data",
+        "synthetic:64:32:8",
+    ])
+    .output(Duration::from_secs(60));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--backend nccl works on GPU memory"), "{err}");
+    let out = spawn(&["train", "--mode", "zero1", "--bucket-mb", "0", "--steps", "1"])
+        .output(Duration::from_secs(60));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--bucket-mb must be positive"), "{err}");
+}
+
+/// ZeRO-1 with two GPU ranks over the TCP ring (each bucket staged through host memory, the
+/// momentum shard in host memory) ends where local training on the CPU does.
+#[test]
+fn zero1_over_tcp_on_gpus_matches_local() {
+    let trained = |c: &Counters| {
+        assert!(c.processes >= 2 && c.launches > 0 && c.gemms > 0 && c.alive_at_exit == 0, "{c}");
+    };
+    if !gpu_here("zero1_over_tcp_on_gpus_matches_local", trained) {
+        return;
+    }
+    let dir = Scratch::new("zero1-gpu");
+    let (local, zero) = (dir.0.join("local.ckpt"), dir.0.join("zero1.ckpt"));
+    let mut a: Vec<String> = ["train", "--mode", "local", "--batch", "16"].map(String::from).to_vec();
+    a.extend(common(&local));
+    run_strings(&a);
+    let mut a: Vec<String> = [
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "0",
+        "--",
+        "train",
+        "--mode",
+        "zero1",
+        "--batch",
+        "8",
+    ]
+    .map(String::from)
+    .to_vec();
+    a.extend(["--backend", "tcp", "--bucket-mb", "0.002", "--comm-timeout", "30"].map(String::from));
+    a.extend(on_gpu(common(&zero)));
+    run_strings(&a);
+    let d = max_diff(&params(&local), &params(&zero));
+    assert!(d < 1e-4, "ZeRO-1 over TCP on GPUs vs local on the CPU: max diff {d}");
 }

@@ -8,6 +8,12 @@
 //!   one direction of a full-duplex link and pulls the other, so when they are pipelined (chunk
 //!   i pulled while chunk i+1 is pushed) a step costs `T = 2a + max(S/B, nS/(kB))`; a PS that
 //!   pushes everything before it pulls pays the max twice ([`ps_sequential`]).
+//! - ZeRO stage 1 (Rajbhandari et al., SC'20): a reduce-scatter and an all-gather, i.e. the
+//!   ring's `2(n-1)a + 2(n-1)/n * S/B` ([`zero1`]), of which only the reduce-scatter can hide
+//!   behind backward: the all-gather waits for the update ([`zero1_exposed`]). In exchange the
+//!   update touches 1/n of the state: SGD with momentum reads parameters, gradients and
+//!   momentum and writes parameters and momentum, `5 S` bytes of memory traffic for DDP and
+//!   `5 S / n` for ZeRO-1 ([`update_bytes`]).
 
 /// The link the model is fitted to.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -25,6 +31,25 @@ pub fn ring(n: usize, s: f64, l: Link) -> f64 {
     }
     let n = n as f64;
     2.0 * (n - 1.0) * l.a + 2.0 * (n - 1.0) / n * s / l.b
+}
+
+/// Seconds for ZeRO-1's exchange of `s` bytes over `n` ranks: reduce-scatter plus all-gather,
+/// the ring all-reduce's two halves.
+pub fn zero1(n: usize, s: f64, l: Link) -> f64 {
+    ring(n, s, l)
+}
+
+/// The part of [`zero1`] that no backward can hide: the all-gather, `(n-1)a + (n-1)/n * S/B`,
+/// which must wait for the update.
+pub fn zero1_exposed(n: usize, s: f64, l: Link) -> f64 {
+    ring(n, s, l) / 2.0
+}
+
+/// Bytes of memory traffic of one SGD-with-momentum step over `s` bytes of parameters split
+/// into `shards` (1 for DDP, n for ZeRO-1): read parameters, gradients, momentum; write
+/// parameters and momentum.
+pub fn update_bytes(shards: usize, s: f64) -> f64 {
+    5.0 * s / shards.max(1) as f64
 }
 
 /// Seconds for one push and one pull of `s` bytes by each of `n` workers through `k` shards,
@@ -124,6 +149,20 @@ mod tests {
         let w = ps_wins(64, 4e6, l, |n| n).unwrap();
         assert_eq!(w.0, 3);
         assert!(ps_wins(64, 4e6, l, |_| 1).is_none());
+    }
+
+    #[test]
+    fn zero1_moves_the_rings_bytes_and_a_shard_of_the_update() {
+        let l = Link { a: 1e-5, b: 1e9 };
+        for n in [2, 3, 8] {
+            assert_eq!(zero1(n, 4e6, l), ring(n, 4e6, l));
+            // The all-gather: (n-1) messages and (n-1)/n S.
+            let n_f = n as f64;
+            let want = (n_f - 1.0) * l.a + (n_f - 1.0) / n_f * 4e6 / l.b;
+            assert!((zero1_exposed(n, 4e6, l) - want).abs() < 1e-12);
+        }
+        assert_eq!(update_bytes(1, 100.0), 500.0);
+        assert_eq!(update_bytes(4, 100.0), 125.0);
     }
 
     #[test]

@@ -206,6 +206,7 @@ pub fn plan(ctx: &Ctx) -> anyhow::Result<Plan> {
         ModeKind::DdpTcp => ddp(ctx, "tcp", Some("tcp")),
         ModeKind::DdpShm => ddp(ctx, "tcp", Some("shm")),
         ModeKind::DdpNccl => ddp(ctx, "nccl", None),
+        ModeKind::Zero1Tcp => ring(ctx, "zero1", "tcp", Some("tcp")),
     }
 }
 
@@ -296,6 +297,12 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
 /// (on loopback; an emulated host's namespace has every port free). The transport is always
 /// named, never left to `auto`, so `ddp-tcp` is sockets even when every rank shares a host.
 pub fn ddp(ctx: &Ctx, backend: &str, transport: Option<&str>) -> anyhow::Result<Plan> {
+    ring(ctx, "ddp", backend, transport)
+}
+
+/// The ranks of a mode that meets over the rendezvous store and DDP's flags (`--mode ddp` or
+/// `zero1`), with `backend` and `transport`.
+fn ring(ctx: &Ctx, mode: &str, backend: &str, transport: Option<&str>) -> anyhow::Result<Plan> {
     let port = free_port()?;
     let master = ctx.placement.worker(0).0;
     let procs: Vec<ProcSpec> = (0..ctx.spec.workers)
@@ -303,7 +310,7 @@ pub fn ddp(ctx: &Ctx, backend: &str, transport: Option<&str>) -> anyhow::Result<
             let name = format!("rank{r}");
             let mut args = ctx.worker_common(&name, ctx.spec.batch);
             args.extend(flags([
-                ("--mode", "ddp".into()),
+                ("--mode", mode.into()),
                 ("--backend", backend.into()),
                 ("--rank", r.to_string()),
                 ("--world-size", ctx.spec.workers.to_string()),

@@ -34,11 +34,13 @@ pub enum ModeKind {
     DdpShm,
     /// DDP over NCCL (GPU only).
     DdpNccl,
+    /// ZeRO stage 1 over TCP sockets: reduce-scatter, each rank updates its 1/n shard, all-gather.
+    Zero1Tcp,
 }
 
 impl ModeKind {
     /// Every mode, in report order.
-    pub const ALL: [ModeKind; 8] = [
+    pub const ALL: [ModeKind; 9] = [
         ModeKind::Local,
         ModeKind::Dp,
         ModeKind::PsBsp,
@@ -47,6 +49,7 @@ impl ModeKind {
         ModeKind::DdpTcp,
         ModeKind::DdpShm,
         ModeKind::DdpNccl,
+        ModeKind::Zero1Tcp,
     ];
 
     /// The label used in file names, tables and charts.
@@ -60,6 +63,7 @@ impl ModeKind {
             ModeKind::DdpTcp => "ddp-tcp",
             ModeKind::DdpShm => "ddp-shm",
             ModeKind::DdpNccl => "ddp-nccl",
+            ModeKind::Zero1Tcp => "zero1-tcp",
         }
     }
 
@@ -70,7 +74,7 @@ impl ModeKind {
             ModeKind::Local => "none",
             ModeKind::Dp => "in one process",
             ModeKind::PsBsp | ModeKind::PsAsp | ModeKind::PsSsp => "gRPC over TCP",
-            ModeKind::DdpTcp => "TCP sockets",
+            ModeKind::DdpTcp | ModeKind::Zero1Tcp => "TCP sockets",
             ModeKind::DdpShm => "shared memory",
             ModeKind::DdpNccl => "NCCL",
         }
@@ -78,7 +82,7 @@ impl ModeKind {
 
     /// Whether its traffic crosses TCP (so its figures compare with each other's).
     pub fn over_tcp(self) -> bool {
-        self.is_ps() || self == ModeKind::DdpTcp
+        self.is_ps() || matches!(self, ModeKind::DdpTcp | ModeKind::Zero1Tcp)
     }
 
     /// Whether it runs parameter servers (and so is crossed with shard counts).
@@ -86,9 +90,10 @@ impl ModeKind {
         matches!(self, ModeKind::PsBsp | ModeKind::PsAsp | ModeKind::PsSsp)
     }
 
-    /// Whether it is a ring all-reduce.
+    /// Whether it moves the ring all-reduce's bytes over the ring (DDP's all-reduce, or
+    /// ZeRO-1's reduce-scatter and all-gather: the same two halves, split around the update).
     pub fn is_ring(self) -> bool {
-        matches!(self, ModeKind::DdpTcp | ModeKind::DdpShm | ModeKind::DdpNccl)
+        matches!(self, ModeKind::DdpTcp | ModeKind::DdpShm | ModeKind::DdpNccl | ModeKind::Zero1Tcp)
     }
 
     /// The mode a metrics header describes (`mode`, `variant`, and for the TCP backend the
@@ -103,6 +108,7 @@ impl ModeKind {
             ("ddp", "nccl") => ModeKind::DdpNccl,
             ("ddp", _) if transport == Some("shm") => ModeKind::DdpShm,
             ("ddp", _) => ModeKind::DdpTcp,
+            ("zero1", _) => ModeKind::Zero1Tcp,
             _ => return None,
         })
     }
@@ -421,10 +427,10 @@ mod tests {
     fn default_parses_and_expands() {
         let s = Scenario::load(None).unwrap();
         let runs = s.expand();
-        // local once; dp, ddp-tcp, ddp-shm, ddp-nccl per worker count; ps per worker count and
-        // shards; every cell `repeats` times.
+        // local once; dp, ddp-tcp, ddp-shm, ddp-nccl, zero1-tcp per worker count; ps per worker
+        // count and shards; every cell `repeats` times.
         let w = s.workers.len();
-        assert_eq!(runs.len(), s.repeats * (1 + 4 * w + 3 * w * s.shards.len()));
+        assert_eq!(runs.len(), s.repeats * (1 + 5 * w + 3 * w * s.shards.len()));
         assert!(runs.iter().all(|r| r.global_batch == s.batches[0]));
         let ids: std::collections::BTreeSet<_> = runs.iter().map(|r| &r.id).collect();
         assert_eq!(ids.len(), runs.len());
@@ -521,6 +527,11 @@ mod tests {
         assert_eq!(ModeKind::from_header("ddp", "nccl", None), Some(ModeKind::DdpNccl));
         assert!(ModeKind::DdpTcp.over_tcp() && ModeKind::PsAsp.over_tcp() && !ModeKind::DdpShm.over_tcp());
         assert_ne!(ModeKind::DdpTcp.wire(), ModeKind::DdpShm.wire());
+        // ZeRO-1 over the ring's sockets, compared with ddp-tcp like for like.
+        assert_eq!(ModeKind::from_header("zero1", "tcp", Some("tcp")), Some(ModeKind::Zero1Tcp));
+        assert_eq!("zero1-tcp".parse::<ModeKind>(), Ok(ModeKind::Zero1Tcp));
+        assert!(ModeKind::Zero1Tcp.over_tcp() && ModeKind::Zero1Tcp.is_ring());
+        assert_eq!(ModeKind::Zero1Tcp.wire(), ModeKind::DdpTcp.wire());
     }
 
     #[test]

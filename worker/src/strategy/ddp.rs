@@ -31,8 +31,8 @@ use super::{Shape, Strategy, backward, forward, timed_span};
 use crate::collective::{Collective, CommError, Nccl, RingConfig, TcpComm, Traffic, Transport};
 use crate::rendezvous::{self, RendezvousConfig};
 
-/// The communicator of either backend.
-enum Comm {
+/// The communicator of either backend (DDP's and ZeRO's).
+pub(super) enum Comm {
     /// The TCP ring.
     Tcp(TcpComm),
     /// NCCL on the rank's GPU.
@@ -40,10 +40,53 @@ enum Comm {
 }
 
 impl Comm {
-    fn get(&mut self) -> &mut dyn Collective {
+    pub(super) fn get(&mut self) -> &mut dyn Collective {
         match self {
             Comm::Tcp(c) => c,
             Comm::Nccl(c) => c.as_mut(),
+        }
+    }
+
+    /// Meet the other ranks (rendezvous through rank 0's store) and connect `c`'s backend.
+    pub(super) fn connect(c: &DdpConfig) -> anyhow::Result<Comm> {
+        let cfg = &c.rendezvous;
+        let (rank, world) = (cfg.rank, cfg.world);
+        Ok(match c.backend {
+            Backend::Tcp => {
+                let ring = RingConfig {
+                    timeout: cfg.timeout,
+                    chunk_bytes: c.chunk_kb << 10,
+                    transport: c.transport,
+                    ..RingConfig::default()
+                };
+                Comm::Tcp(
+                    rendezvous::connect_tcp(cfg, ring)
+                        .with_context(|| format!("joining the ring of {world} ranks at {}", cfg.master))?,
+                )
+            }
+            Backend::Nccl => {
+                let Device::Cuda { ordinal } = c.device else {
+                    anyhow::bail!("--backend nccl works on GPU memory: use --device cuda (or --backend tcp)");
+                };
+                let id = if world == 1 {
+                    crate::collective::nccl::unique_id()?
+                } else {
+                    rendezvous::join(cfg)?.nccl_id.context("the store sent no NCCL id")?
+                };
+                Comm::Nccl(Box::new(Nccl::new(ordinal, rank, world, &id, cfg.timeout)?))
+            }
+        })
+    }
+
+    /// The header's description of the communicator: the variant (the backend's name) and,
+    /// into `m`, what `--transport auto` chose.
+    pub(super) fn describe(&self, m: &mut serde_json::Map<String, serde_json::Value>) -> String {
+        match self {
+            Comm::Tcp(c) => {
+                m.insert("transport".into(), c.transport().name().into());
+                "tcp".into()
+            }
+            Comm::Nccl(_) => "nccl".into(),
         }
     }
 }
@@ -95,44 +138,20 @@ pub struct Ddp {
     sync_every: u64,
     micro: u64,
     overlap: bool,
-    backend: Backend,
     chunk_kb: usize,
     /// Host copy of the gradients for staged reductions.
     staging: Vec<f32>,
     /// Timeline recorder (`--trace`).
     trace: Trace,
+    /// Optimiser-state bytes the engine holds once started (the full momentum buffer).
+    state_bytes: usize,
 }
 
 impl Ddp {
     /// Meet the other ranks (rendezvous through rank 0's store) and connect the backend.
     pub fn connect(c: DdpConfig) -> anyhow::Result<Ddp> {
-        let cfg = &c.rendezvous;
-        let (rank, world) = (cfg.rank, cfg.world);
-        let comm = match c.backend {
-            Backend::Tcp => {
-                let ring = RingConfig {
-                    timeout: cfg.timeout,
-                    chunk_bytes: c.chunk_kb << 10,
-                    transport: c.transport,
-                    ..RingConfig::default()
-                };
-                Comm::Tcp(
-                    rendezvous::connect_tcp(cfg, ring)
-                        .with_context(|| format!("joining the ring of {world} ranks at {}", cfg.master))?,
-                )
-            }
-            Backend::Nccl => {
-                let Device::Cuda { ordinal } = c.device else {
-                    anyhow::bail!("--backend nccl works on GPU memory: use --device cuda (or --backend tcp)");
-                };
-                let id = if world == 1 {
-                    crate::collective::nccl::unique_id()?
-                } else {
-                    rendezvous::join(cfg)?.nccl_id.context("the store sent no NCCL id")?
-                };
-                Comm::Nccl(Box::new(Nccl::new(ordinal, rank, world, &id, cfg.timeout)?))
-            }
-        };
+        let comm = Comm::connect(&c)?;
+        let (rank, world) = (c.rendezvous.rank, c.rendezvous.world);
         Ok(Ddp {
             comm,
             sgd: c.sgd,
@@ -143,10 +162,10 @@ impl Ddp {
             sync_every: c.sync_every,
             micro: 0,
             overlap: c.overlap,
-            backend: c.backend,
             chunk_kb: c.chunk_kb,
             staging: Vec::new(),
             trace: c.trace,
+            state_bytes: 0,
         })
     }
 
@@ -347,7 +366,7 @@ fn backward_reduced(
 /// ran in: busy is their total length; exposed the part of each after backward ended at
 /// `bwd_end`, so it never exceeds busy. Time between the spans (a hand-off to the
 /// communication thread, its wake-up) is neither; the step's `other` holds it.
-fn comm_split(spans: &[(Instant, Instant)], bwd_end: Instant) -> (f64, f64) {
+pub(super) fn comm_split(spans: &[(Instant, Instant)], bwd_end: Instant) -> (f64, f64) {
     let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
     let busy = spans.iter().map(|&(s, e)| ms(s, e)).sum();
     let exposed = spans.iter().map(|&(s, e)| ms(s.max(bwd_end), e)).sum();
@@ -368,6 +387,7 @@ impl Strategy for Ddp {
         engine.read_momentum(&mut p)?;
         self.comm.get().broadcast(&mut p, 0).context("broadcasting the momentum")?;
         engine.write_momentum(&p)?;
+        self.state_bytes = engine.optimizer_state_bytes();
         Ok(())
     }
 
@@ -397,15 +417,9 @@ impl Strategy for Ddp {
         m.insert("sync_every".into(), self.sync_every.into());
         m.insert("overlap".into(), self.overlap.into());
         m.insert("chunk_kb".into(), self.chunk_kb.into());
-        if let Comm::Tcp(c) = &self.comm {
-            // What `--transport auto` chose.
-            m.insert("transport".into(), c.transport().name().into());
-        }
-        let v = match self.backend {
-            Backend::Tcp => "tcp",
-            Backend::Nccl => "nccl",
-        };
-        (v.into(), m)
+        super::describe_memory(&mut m, self.state_bytes);
+        let v = self.comm.describe(&mut m);
+        (v, m)
     }
 }
 

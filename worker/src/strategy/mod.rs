@@ -10,6 +10,7 @@ mod ddp;
 mod dp;
 mod local;
 pub mod ps;
+mod zero1;
 
 use std::time::Instant;
 
@@ -23,6 +24,7 @@ pub use dp::{Dp, DpConfig, FaultKind, ReplicaFault};
 pub use gradsync_core::metrics::ms_since;
 pub use local::Local;
 pub use ps::{Ps, PsConfig};
+pub use zero1::{Zero1, Zero1Config};
 
 /// How the training data is split among a strategy's ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +51,7 @@ impl Shape {
     }
 }
 
-/// One way of training: local, DP, PS or DDP.
+/// One way of training: local, DP, PS, DDP or ZeRO-1.
 pub trait Strategy {
     /// How the loop draws this strategy's data.
     fn shape(&self) -> Shape;
@@ -139,4 +141,23 @@ pub fn forward_backward(
     let loss = forward(engine, x, y, rec, trace)?;
     backward(engine, false, rec, trace)?;
     Ok(loss)
+}
+
+/// Peak resident memory of this process so far (`VmHWM` of /proc/self/status), KiB; `None`
+/// where the kernel does not report it.
+pub fn peak_rss_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?;
+    line.trim().trim_end_matches("kB").trim().parse().ok()
+}
+
+/// Record a rank's memory in the metrics header's `extra`: the optimiser-state bytes it holds
+/// (`optimizer_state_bytes`: the momentum, whole in DDP, a 1/n shard in ZeRO-1) and its peak
+/// resident memory once started (`peak_rss_kib_at_start`: parameters, gradients and optimiser
+/// state are allocated by then; activations come with the first step).
+pub fn describe_memory(m: &mut serde_json::Map<String, serde_json::Value>, state_bytes: usize) {
+    m.insert("optimizer_state_bytes".into(), state_bytes.into());
+    if let Some(kib) = peak_rss_kib() {
+        m.insert("peak_rss_kib_at_start".into(), kib.into());
+    }
 }

@@ -257,6 +257,7 @@ pub fn short_label(r: &Summary) -> String {
         "dp" => format!("dp{n}"),
         "ddp-tcp" => format!("ring{n}"),
         "ddp-nccl" => format!("nccl{n}"),
+        "zero1-tcp" => format!("zero{n}"),
         m => format!("{}{n}k{}", m.trim_start_matches("ps-"), r.shards),
     }
 }

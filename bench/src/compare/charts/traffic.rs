@@ -14,7 +14,9 @@ impl Charts {
         let wmax = ws.last().copied().unwrap_or(1) as f64;
         let has = |m: &str| g.rows.iter().any(|r| r.mode.starts_with(m));
         let mut theory: Vec<Line> = Vec::new();
-        if has("ddp") {
+        // ZeRO-1 moves the ring's bytes (a reduce-scatter and an all-gather).
+        let ring_family = |n: &str| n.starts_with("ddp") || n.starts_with("zero1");
+        if has("ddp") || has("zero1") {
             theory.push((
                 "ring, per worker (theory)".into(),
                 mode_color("ddp-tcp"),
@@ -36,9 +38,9 @@ impl Charts {
         let mut measured: Vec<Measured> = Vec::new();
         // ASP and SSP move the same bytes per step as BSP: measuring BSP and the ring suffices.
         for (i, (name, rows)) in
-            series.iter().enumerate().filter(|(_, (n, _))| n.starts_with("ps-bsp") || n.starts_with("ddp"))
+            series.iter().enumerate().filter(|(_, (n, _))| n.starts_with("ps-bsp") || ring_family(n))
         {
-            let family = if name.starts_with("ddp") { mode_color("ddp-tcp") } else { mode_color("ps-bsp") };
+            let family = if ring_family(name) { mode_color(name) } else { mode_color("ps-bsp") };
             let w: Vec<(f64, f64)> = rows
                 .iter()
                 .filter_map(|r| Some((r.workers as f64, r.bytes_per_step_worker? / MB)))

@@ -141,6 +141,8 @@ pub fn cluster_prediction(r: &ClusterRun, params: usize) -> Option<f64> {
     let l = cluster_link(r);
     if r.mode.is_ps() {
         Some(cost::ps(r.workers, r.shards.max(1), s, l))
+    } else if r.mode == ModeKind::Zero1Tcp {
+        Some(cost::zero1(r.workers, s, l))
     } else if r.mode.is_ring() {
         Some(cost::ring(r.workers, s, l))
     } else {

@@ -263,15 +263,21 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
         }
     }
 
+    out.extend(zero1_against_ddp(g, &ws, thr_range));
+
     // Measured communication against the model.
     if let Some(l) = link {
         let s = g.grad_bytes();
-        for r in g.rows.iter().filter(|r| r.workers > 1 && (r.mode == "ddp-tcp" || r.mode == "ps-bsp")) {
+        for r in g
+            .rows
+            .iter()
+            .filter(|r| r.workers > 1 && matches!(r.mode.as_str(), "ddp-tcp" | "ps-bsp" | "zero1-tcp"))
+        {
             let Some(c) = r.comm_ms.filter(|&c| c > 0.0) else { continue };
-            let model = if r.mode == "ddp-tcp" {
-                cost::ring(r.workers, s, l)
-            } else {
-                cost::ps(r.workers, r.shards, s, l)
+            let model = match r.mode.as_str() {
+                "ddp-tcp" => cost::ring(r.workers, s, l),
+                "zero1-tcp" => cost::zero1(r.workers, s, l),
+                _ => cost::ps(r.workers, r.shards, s, l),
             };
             if r.workers == ws.last().copied().unwrap_or(0) {
                 out.push(format!(
@@ -500,6 +506,43 @@ pub fn straggler_reading(g: &Group) -> Vec<String> {
             100.0 * paid[0].1,
             if waits.is_empty() { "none".to_string() } else { waits.join(", ") },
             if spared.is_empty() { "none".to_string() } else { spared.join(", ") },
+        ));
+    }
+    out
+}
+
+/// ZeRO-1 against DDP over the same TCP sockets, at each worker count both ran: the step time
+/// as a ratio, and where the difference comes from (the exposed communication: ZeRO-1's
+/// all-gather cannot hide behind backward; the update: ZeRO-1's touches 1/n of the state,
+/// [`cost::update_bytes`]). Level when the repeats' throughput ranges overlap.
+fn zero1_against_ddp(
+    g: &Group,
+    ws: &[usize],
+    thr_range: impl Fn(&Summary) -> Option<(f64, f64)>,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    let s = g.grad_bytes();
+    for &n in ws.iter().filter(|&&n| n > 1) {
+        let find = |m: &str| g.rows.iter().copied().find(|r| r.workers == n && r.mode == m && r.slow_ms == 0);
+        let (Some(z), Some(d)) = (find("zero1-tcp"), find("ddp-tcp")) else { continue };
+        let (Some(zt), Some(dt)) = (z.step_ms, d.step_ms) else { continue };
+        let verdict = match (thr_range(z), thr_range(d)) {
+            (Some(a), Some(b)) if overlap(a, b) => "level with DDP (the repeats' ranges overlap)",
+            _ if zt < dt => "faster than DDP",
+            _ => "slower than DDP",
+        };
+        let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+        out.push(format!(
+            "ZeRO-1 at {n} workers: {zt:.1} ms per step against DDP over TCP's {dt:.1} ms ({:.2}x), {verdict}. \
+             Exposed communication {} ms against {} ms (its all-gather waits for the update); update {} ms \
+             against {} ms (memory traffic {:.1} MB against {:.1} MB: 5S/n against 5S).",
+            zt / dt,
+            ms(z.comm_exposed_ms),
+            ms(d.comm_exposed_ms),
+            ms(z.update_ms),
+            ms(d.update_ms),
+            cost::update_bytes(n, s) / 1e6,
+            cost::update_bytes(1, s) / 1e6,
         ));
     }
     out
