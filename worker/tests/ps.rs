@@ -1,10 +1,10 @@
 //! The parameter server end to end, as real processes on 127.0.0.1: BSP against local
-//! training, bad input, faults, resume. The server binary is built beside this test's (see
-//! [`server_bin`]); every child is killed when its guard drops.
+//! training, bad input, faults, resume. The server binary comes from the test kit (see
+//! [`server_bin`]); every child is killed when its guard drops. Over 600 lines: every PS
+//! scenario here shares the same server and worker fixtures.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gradsync_core::checkpoint::Checkpoint;
@@ -21,20 +21,11 @@ use tonic::Code;
 
 mod common;
 use common::server_bin;
+use gradsync_testkit::process::{Proc, start_server};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
 const DATA: &str = "synthetic:256:32:8";
 const SEED: &str = "7";
-
-/// A child process killed (and reaped) on drop.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// A running server shard and its address.
 struct Server {
@@ -50,49 +41,24 @@ impl Server {
 
     /// [`Server::start`], listening on `listen`.
     fn start_on(listen: &str, extra: &[&str]) -> Server {
-        let mut child = Command::new(server_bin())
-            .args(["--listen", listen, "--model", "tiny", "--seed", SEED, "--data", DATA])
+        let mut cmd = Command::new(server_bin());
+        cmd.args(["--listen", listen, "--model", "tiny", "--seed", SEED, "--data", DATA])
             .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawning gradsync-server");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let proc = Proc(child);
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        let line = rx.recv_timeout(Duration::from_secs(60)).expect("server announced itself");
-        let addr = line
-            .trim()
-            .strip_prefix("gradsync-server listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_string();
+            .stderr(Stdio::inherit());
+        let (proc, addr) = start_server(&mut cmd, false);
         Server { proc, addr }
     }
 
-    /// Wait for the process to exit (with a deadline) and return its exit code.
+    /// Wait for the process to exit (with a deadline) and return its exit code (none when a
+    /// signal ended it).
     fn wait(&mut self, limit: Duration) -> Option<i32> {
-        wait_child(&mut self.proc.0, limit).code()
+        let (code, _, _) = self.proc.finish(limit);
+        (code >= 0).then_some(code)
     }
 
     fn signal(&self, sig: &str) {
-        let ok = Command::new("kill").args([sig, &self.proc.0.id().to_string()]).status().expect("kill");
+        let ok = Command::new("kill").args([sig, &self.proc.id().to_string()]).status().expect("kill");
         assert!(ok.success());
-    }
-}
-
-fn wait_child(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
-    let t = Instant::now();
-    loop {
-        if let Some(s) = child.try_wait().expect("try_wait") {
-            return s;
-        }
-        assert!(t.elapsed() < limit, "process {} still running after {limit:?}", child.id());
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -109,29 +75,32 @@ fn run_workers(
     let device: &[&str] = if extra.contains(&"--device") { &[] } else { &["--device", "cpu"] };
     let procs: Vec<_> = (0..world)
         .map(|r| {
-            let child = Command::new(WORKER)
-                .args(["train", "--mode", "ps", "--servers", servers, "--model", "tiny", "--seed", SEED])
-                .args(["--data", DATA, "--threads", "1", "--quiet"])
-                .args(device)
-                .args(["--batch", &batch.to_string(), "--steps", &steps.to_string()])
-                .args(["--rank", &r.to_string(), "--world-size", &world.to_string(), "--rpc-timeout", "30"])
-                .arg("--save")
-                .arg(save)
-                .args(extra)
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawning gradsync-worker");
-            Proc(child)
+            Proc::spawn(
+                Command::new(WORKER)
+                    .args(["train", "--mode", "ps", "--servers", servers, "--model", "tiny", "--seed", SEED])
+                    .args(["--data", DATA, "--threads", "1", "--quiet"])
+                    .args(device)
+                    .args(["--batch", &batch.to_string(), "--steps", &steps.to_string()])
+                    .args([
+                        "--rank",
+                        &r.to_string(),
+                        "--world-size",
+                        &world.to_string(),
+                        "--rpc-timeout",
+                        "30",
+                    ])
+                    .arg("--save")
+                    .arg(save)
+                    .args(extra)
+                    .stdout(Stdio::null()),
+            )
         })
         .collect();
     procs
         .into_iter()
         .map(|mut p| {
-            let stderr = p.0.stderr.take().expect("piped stderr");
-            let reader = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap_or_default());
-            let status = wait_child(&mut p.0, Duration::from_secs(120));
-            (status.code().unwrap_or(-1), reader.join().unwrap_or_default())
+            let (code, err, _) = p.finish(Duration::from_secs(120));
+            (code, err)
         })
         .collect()
 }
@@ -431,8 +400,8 @@ fn dead_rank_1_only_rank0(elastic: bool) -> (i32, String, String) {
     let fp = Fingerprint::new(&spec(), 7).text;
     rt.block_on(c.register(authed(RegisterRequest { rank: 1, world_size: 2, fingerprint: fp }, "x")))
         .expect("rank 1 registers");
-    let child = Command::new(WORKER)
-        .args(["train", "--mode", "ps", "--servers", &server.addr, "--model", "tiny", "--seed", SEED])
+    let mut cmd = Command::new(WORKER);
+    cmd.args(["train", "--mode", "ps", "--servers", &server.addr, "--model", "tiny", "--seed", SEED])
         .args([
             "--data",
             DATA,
@@ -447,20 +416,10 @@ fn dead_rank_1_only_rank0(elastic: bool) -> (i32, String, String) {
             "3",
         ])
         .args(["--rank", "0", "--world-size", "2", "--rpc-timeout", "30"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("worker");
-    let mut p = Proc(child);
-    let stderr = p.0.stderr.take().expect("stderr");
-    let reader = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap_or_default());
-    let status = wait_child(&mut p.0, Duration::from_secs(60));
+        .stdout(Stdio::null());
+    let (code, err, _) = Proc::spawn(&mut cmd).finish(Duration::from_secs(60));
     drop(server);
-    (
-        status.code().unwrap_or(-1),
-        reader.join().unwrap_or_default(),
-        std::fs::read_to_string(&metrics).unwrap_or_default(),
-    )
+    (code, err, std::fs::read_to_string(&metrics).unwrap_or_default())
 }
 
 #[test]
@@ -831,26 +790,27 @@ fn free_port() -> u16 {
 
 /// A PS worker of one rank training 2 steps against `addr`, with `extra` flags; its stderr
 /// comes line by line through the receiver.
-fn ps_worker(addr: &str, extra: &[&str]) -> (Proc, std::sync::mpsc::Receiver<String>) {
-    let mut child = Command::new(WORKER)
-        .args(["train", "--mode", "ps", "--servers", addr, "--model", "tiny", "--seed", SEED, "--data", DATA])
-        .args(["--device", "cpu", "--threads", "1", "--quiet", "--batch", "4", "--steps", "2"])
-        .args(["--rank", "0", "--world-size", "1", "--rpc-timeout", "30"])
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawning gradsync-worker");
-    let stderr = child.stderr.take().expect("piped stderr");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    (Proc(child), rx)
+fn ps_worker(addr: &str, extra: &[&str]) -> Proc {
+    Proc::spawn(
+        Command::new(WORKER)
+            .args([
+                "train",
+                "--mode",
+                "ps",
+                "--servers",
+                addr,
+                "--model",
+                "tiny",
+                "--seed",
+                SEED,
+                "--data",
+                DATA,
+            ])
+            .args(["--device", "cpu", "--threads", "1", "--quiet", "--batch", "4", "--steps", "2"])
+            .args(["--rank", "0", "--world-size", "1", "--rpc-timeout", "30"])
+            .args(extra)
+            .stdout(Stdio::null()),
+    )
 }
 
 /// A worker started before its server says what it waits for, and trains once the server
@@ -860,26 +820,21 @@ fn a_worker_started_before_its_server_waits_for_it() {
     // Built before the worker starts waiting (a build can take longer than the wait).
     server_bin();
     let addr = format!("127.0.0.1:{}", free_port());
-    let (mut worker, lines) = ps_worker(&addr, &["--connect-timeout", "60"]);
-    let want = format!("waiting for the parameter server at {addr}");
-    let waiting = lines.recv_timeout(Duration::from_secs(60)).expect("a line from the worker");
-    assert!(waiting.contains(&want), "{waiting}");
+    let mut worker = ps_worker(&addr, &["--connect-timeout", "60"]);
+    worker.wait_line(&format!("waiting for the parameter server at {addr}"), Duration::from_secs(60));
     let _server = Server::start_on(&addr, &[]);
-    let status = wait_child(&mut worker.0, Duration::from_secs(120));
-    let rest: Vec<String> = lines.try_iter().collect();
-    assert!(status.success(), "the worker failed once its server was up: {rest:?}");
+    let (code, err, _) = worker.finish(Duration::from_secs(120));
+    assert_eq!(code, 0, "the worker failed once its server was up: {err}");
 }
 
 /// A worker whose server never comes gives up at --connect-timeout, saying where it waited.
 #[test]
 fn a_worker_gives_up_on_a_server_that_never_comes() {
     let addr = format!("127.0.0.1:{}", free_port());
-    let (mut worker, lines) = ps_worker(&addr, &["--connect-timeout", "1"]);
-    let status = wait_child(&mut worker.0, Duration::from_secs(30));
-    let err: Vec<String> = lines.iter().collect();
-    assert!(!status.success());
+    let (code, err, _) = ps_worker(&addr, &["--connect-timeout", "1"]).finish(Duration::from_secs(30));
+    assert_ne!(code, 0);
     let want = format!("no parameter server answered at {addr} within --connect-timeout 1 s");
-    assert!(err.iter().any(|l| l.contains(&want)), "{err:?}");
+    assert!(err.contains(&want), "{err}");
 }
 
 /// A server that died under a call is not taken for one that serves TLS; a TLS server asked
