@@ -1,13 +1,13 @@
 //! # Layout
-//! Test support shared by gradsync's crates, so that GPU code is exercised on machines without
-//! a GPU.
+//! Test support shared by gradsync's crates: child processes for the integration tests, and
+//! what lets GPU code be exercised on machines without a GPU.
 //! - `fake/` (C, built by `build.rs`): a fake CUDA driver, cuBLAS and NCCL. Device memory is
 //!   host memory with every access checked; the project's own kernels run serially on the host;
 //!   allocations alive at exit fail the process. See the comment at the top of each file.
 //! - [`tools`]: NVRTC and ptxas from NVIDIA's wheels on PyPI, installed into a local cache the
 //!   first time they are needed.
-//! - [`process`]: the workspace binaries a test starts (found, never built by a test), a
-//!   child guard that kills and reaps on drop, and servers waited for through their
+//! - [`process`]: the workspace binaries a test starts (found, never built by a test), free
+//!   ports, a child guard that kills and reaps on drop, and servers waited for through their
 //!   `listening on` line.
 //! - [`gpu_test`]: how a GPU test runs here: in place on a real GPU, or again in a child process
 //!   whose library path holds the fake CUDA and NVRTC, with the fake's counters handed back.

@@ -213,6 +213,13 @@ pub fn start_server(cmd: &mut Command, piped_stderr: bool) -> (Proc, String) {
     (p, addr)
 }
 
+/// A port on 127.0.0.1 that nothing listens on now (bound, then let go), for a process that
+/// must be told its port before it starts (a rendezvous store, a server started later).
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("binding 127.0.0.1:0");
+    l.local_addr().expect("a bound listener's address").port()
+}
+
 /// Whether `python3` can import every module in `modules` (comma-separated, as `import` takes
 /// them).
 pub fn python_has(modules: &str) -> bool {

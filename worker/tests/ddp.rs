@@ -304,7 +304,7 @@ fn launcher_stops_its_ranks_on_sigterm() {
 fn ddp_refuses_a_rank_of_another_model() {
     // Two ranks started by hand, with different seeds: the handshake must refuse them.
     let dir = Scratch::new("mismatch");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let port = gradsync_testkit::process::free_port().to_string();
     let rank = |r: &str, seed: &str| {
         spawn(&[
             "train",

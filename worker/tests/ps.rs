@@ -21,7 +21,7 @@ use tonic::Code;
 
 mod common;
 use common::server_bin;
-use gradsync_testkit::process::{Proc, start_server};
+use gradsync_testkit::process::{Proc, free_port, start_server};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
 const DATA: &str = "synthetic:256:32:8";
@@ -780,12 +780,6 @@ fn the_servers_optimiser_is_the_one_recorded_and_a_contradicting_flag_is_refused
         assert_eq!(header["momentum"].as_f64().map(|v| v as f32), Some(0.5), "{tag}: {header}");
         assert_eq!(header["extra"]["staleness_lr"], "inverse", "{tag}: {header}");
     }
-}
-
-/// A port on 127.0.0.1 nothing listens on (bound, then let go).
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
 }
 
 /// A PS worker of one rank training 2 steps against `addr`, with `extra` flags; its stderr
