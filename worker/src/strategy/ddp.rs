@@ -27,7 +27,7 @@ use gradsync_core::model::BucketPlan;
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 
-use super::{Shape, Strategy, backward, forward, timed_span};
+use super::{Shape, Strategy, backward, forward, micro_step, timed_span};
 use crate::collective::{Collective, CommError, Nccl, RingConfig, TcpComm, Traffic, Transport};
 use crate::rendezvous::{self, RendezvousConfig};
 
@@ -434,9 +434,8 @@ impl Ddp {
     ) -> anyhow::Result<BatchLoss> {
         let trace = self.trace.clone();
         let loss = forward(engine, x, y, rec, &trace)?;
-        self.micro += 1;
-        let accumulate = !(self.micro - 1).is_multiple_of(self.sync_every);
-        if !self.micro.is_multiple_of(self.sync_every) {
+        let (accumulate, sync) = micro_step(&mut self.micro, self.sync_every);
+        if !sync {
             // DDP's no_sync: accumulate locally, no communication, no update.
             backward(engine, accumulate, rec, &trace)?;
             return Ok(loss);

@@ -130,6 +130,14 @@ pub fn backward(engine: &mut Engine, accumulate: bool, rec: &mut Step, trace: &T
     Ok(())
 }
 
+/// Gradient accumulation over `every` micro-steps (DDP's `no_sync`): counts this micro-step in
+/// `count` and says whether backward adds to the gradients already there, and whether this
+/// micro-step synchronises and updates.
+pub fn micro_step(count: &mut u64, every: u64) -> (bool, bool) {
+    *count += 1;
+    (!(*count - 1).is_multiple_of(every), count.is_multiple_of(every))
+}
+
 /// [`forward`] then [`backward`] of one batch, the gradient buffer overwritten.
 pub fn forward_backward(
     engine: &mut Engine,

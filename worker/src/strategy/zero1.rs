@@ -36,7 +36,7 @@ use gradsync_core::optim::{SgdConfig, sgd_step};
 use gradsync_core::trace::Trace;
 
 use super::ddp::{Comm, comm_split};
-use super::{DdpConfig, Shape, Strategy, backward, describe_memory, forward};
+use super::{DdpConfig, Shape, Strategy, backward, describe_memory, forward, micro_step};
 use crate::collective::{Collective, Traffic};
 
 /// What ZeRO-1 needs to know: DDP's settings (rendezvous, backend, buckets, overlap), and
@@ -277,9 +277,8 @@ impl Zero1 {
     ) -> anyhow::Result<BatchLoss> {
         let trace = self.trace.clone();
         let loss = forward(engine, x, y, rec, &trace)?;
-        self.micro += 1;
-        let accumulate = !(self.micro - 1).is_multiple_of(self.sync_every);
-        if !self.micro.is_multiple_of(self.sync_every) {
+        let (accumulate, sync) = micro_step(&mut self.micro, self.sync_every);
+        if !sync {
             // As DDP's no_sync: accumulate locally, no communication, no update.
             backward(engine, accumulate, rec, &trace)?;
             return Ok(loss);
