@@ -24,6 +24,10 @@ pub struct TcpComm {
     mesh: Mesh,
     /// Cache-sized room the socket engines reduce through.
     scratch: Vec<f32>,
+    /// This host's cores, and how many ranks share them (ranks whose ring address has this
+    /// rank's IP): what the socket engine is picked by ([`pump::engine`]).
+    cores: usize,
+    ranks_here: usize,
     traffic: Traffic,
     /// Set when an operation failed part-way: the streams are out of step from then on.
     poisoned: Option<String>,
@@ -39,7 +43,21 @@ impl TcpComm {
         let mut mesh = Mesh::connect(listener, info, &cfg)?;
         let shm = Shm::setup(mesh.links_mut(), rank, &cfg)?.map(Box::new);
         let scratch = vec![0.0; cfg.chunk_values().min(1 << 16)];
-        Ok(TcpComm { rank, world, cfg, mesh, scratch, traffic: Traffic::default(), poisoned: None, shm })
+        let me = info.addrs[rank].ip();
+        let ranks_here = info.addrs.iter().filter(|a| a.ip() == me).count();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Ok(TcpComm {
+            rank,
+            world,
+            cfg,
+            mesh,
+            scratch,
+            cores,
+            ranks_here,
+            traffic: Traffic::default(),
+            poisoned: None,
+            shm,
+        })
     }
 
     /// A communicator of one rank (no sockets).
@@ -50,6 +68,8 @@ impl TcpComm {
             cfg,
             mesh: Mesh::single(),
             scratch: Vec::new(),
+            cores: 1,
+            ranks_here: 1,
             traffic: Traffic::default(),
             poisoned: None,
             shm: None,
@@ -128,7 +148,8 @@ impl Links for TcpComm {
             None => {
                 let (reader, writer) = self.mesh.neighbours()?;
                 let sides = ((r + w - 1) % w, (r + 1) % w);
-                pump::duplex(bytes, reader, writer, sides, op, timeout, &mut self.scratch, body)?
+                let engine = pump::engine(bytes, self.cores, self.ranks_here);
+                pump::duplex(engine, reader, writer, sides, op, timeout, &mut self.scratch, body)?
             }
         };
         self.traffic += moved;

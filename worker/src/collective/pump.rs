@@ -273,10 +273,9 @@ impl<'b> Duplex<'b> for Pump<'_, 'b> {
     }
 }
 
-/// Buffers from this size up go through a sender thread beside the receiving one: on large
-/// transfers the kernel's copies out and in then run on two cores at once (measured 1.2-1.6x
-/// the one-thread pump at 16-64 MB with 2 ranks on 2 cores), while below it the thread's
-/// start-up would cost more than it gains.
+/// Buffers from this size up go through a sender thread beside the receiving one, when the
+/// host has cores to spare for it (see [`engine`]): the kernel's copies out and in then run on
+/// two cores at once, while below it the thread's start-up would cost more than it gains.
 const THREADED_MIN_BYTES: usize = 4 << 20;
 
 /// The two-thread engine: this thread receives (blocking reads), a scoped thread writes.
@@ -333,12 +332,36 @@ impl<'b> Duplex<'b> for Threaded<'_, 'b> {
     }
 }
 
+/// Which socket engine moves a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Engine {
+    /// The one-thread [`Pump`].
+    OneThread,
+    /// A sender thread beside the receiving one.
+    SenderThread,
+}
+
+/// The engine for a transfer of `bytes`, on a host with `cores` cores shared by `ranks_here`
+/// ranks. A sender thread only pays when each rank has two cores to itself: otherwise the
+/// ranks' threads take turns on the same cores, and every hand-off between them is a trip
+/// through the scheduler. Measured side by side on 2 cores, ranks as processes, loopback
+/// (`gradsync-bench collective`, compilers paused): with 2 ranks the one-thread pump made
+/// 2.2-2.7 GB/s busbw at 4-64 MB against the sender thread's 1.5-2.2; with 4 and 8 ranks
+/// both sit at the machine's copy limit (within 5%); see docs/benchmarks.md.
+pub(crate) fn engine(bytes: usize, cores: usize, ranks_here: usize) -> Engine {
+    if bytes >= THREADED_MIN_BYTES && cores >= 2 * ranks_here.max(1) {
+        Engine::SenderThread
+    } else {
+        Engine::OneThread
+    }
+}
+
 /// Run `body` over a full-duplex engine between `reader` (from `left`) and `writer` (to
-/// `right`), for an operation on a buffer of `bytes`: the one-thread [`Pump`], or from
-/// [`THREADED_MIN_BYTES`] up a sender thread beside this one. Returns `body`'s result and the payload bytes moved once everything queued is sent.
+/// `right`), the one picked by [`engine`]. Returns `body`'s result and the payload bytes moved
+/// once everything queued is sent.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn duplex<'b, T>(
-    bytes: usize,
+    engine: Engine,
     reader: &mut TcpStream,
     writer: &mut TcpStream,
     (left, right): (usize, usize),
@@ -347,7 +370,7 @@ pub(crate) fn duplex<'b, T>(
     scratch: &mut Vec<f32>,
     body: impl FnOnce(&mut dyn Duplex<'b>) -> Result<T>,
 ) -> Result<(T, Traffic)> {
-    if bytes < THREADED_MIN_BYTES {
+    if engine == Engine::OneThread {
         let mut p = Pump::new(reader, writer, (left, right), op, timeout, scratch)?;
         let out = body(&mut p)?;
         return Ok((out, p.finish()?));
@@ -405,6 +428,16 @@ mod tests {
         let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (b, _) = l.accept().unwrap();
         (a, b)
+    }
+
+    #[test]
+    fn a_sender_thread_only_where_each_rank_has_two_cores() {
+        let big = THREADED_MIN_BYTES;
+        assert_eq!(engine(big, 2, 2), Engine::OneThread, "2 ranks on 2 cores");
+        assert_eq!(engine(big, 16, 8), Engine::SenderThread, "8 ranks on 16 cores");
+        assert_eq!(engine(big, 16, 9), Engine::OneThread, "9 ranks on 16 cores");
+        assert_eq!(engine(big, 2, 1), Engine::SenderThread, "one rank per host");
+        assert_eq!(engine(big - 1, 64, 1), Engine::OneThread, "small transfers");
     }
 
     #[test]
