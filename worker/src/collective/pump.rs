@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use super::frame::{frame_header, lost, parse_header, peer_err, read_exact_from, remember, write_frame};
 use super::link::{Duplex, Op, returned};
-use super::reduce::add_into;
-use super::{CommError, Result, Traffic};
+use super::reduce::{Values, sum_into};
+use super::{CommError, Result, SocketEngine, Traffic};
 
 /// The most a reader waits to accumulate before it wakes.
 const LOWAT: usize = 256 << 10;
@@ -42,6 +42,7 @@ pub(crate) struct Pump<'s, 'b> {
     left: usize,
     right: usize,
     op: Op,
+    values: Values,
     timeout: Duration,
     queue: VecDeque<Outgoing<'b>>,
     sent_back: Vec<(usize, &'b mut [f32])>,
@@ -61,7 +62,7 @@ impl<'s, 'b> Pump<'s, 'b> {
         reader: &'s mut TcpStream,
         writer: &'s mut TcpStream,
         (left, right): (usize, usize),
-        op: Op,
+        (op, values): (Op, Values),
         timeout: Duration,
         scratch: &'s mut Vec<f32>,
     ) -> Result<Self> {
@@ -74,6 +75,7 @@ impl<'s, 'b> Pump<'s, 'b> {
             left,
             right,
             op,
+            values,
             timeout,
             queue: VecDeque::new(),
             sent_back: Vec::new(),
@@ -87,7 +89,7 @@ impl<'s, 'b> Pump<'s, 'b> {
 
     /// Queue `chunk` (known as `id`) to be sent to the right.
     pub(crate) fn send(&mut self, id: usize, chunk: &'b mut [f32]) -> Result<()> {
-        let head = frame_header(self.op, chunk.len())?;
+        let head = frame_header(self.op, self.values, chunk.len())?;
         self.queue.push_back(Outgoing { id, head, chunk, done: 0 });
         // Start writing at once: the peer may be waiting for exactly this.
         self.write_some()?;
@@ -109,14 +111,14 @@ impl<'s, 'b> Pump<'s, 'b> {
     pub(crate) fn recv(&mut self, dst: &mut [f32], add: bool) -> Result<()> {
         let mut head = [0u8; 8];
         self.read_fully(&mut head)?;
-        parse_header(&head, self.op, dst.len(), self.left)?;
+        parse_header(&head, self.op, self.values, dst.len(), self.left)?;
         if add {
             // Through a cache-sized scratch, so the add reads data still in cache.
             let piece = self.scratch.len().max(1);
             for part in dst.chunks_mut(piece) {
                 let mut s = std::mem::take(self.scratch);
                 let r = self.read_fully(bytemuck::cast_slice_mut(&mut s[..part.len()]));
-                add_into(part, &s[..part.len()]);
+                sum_into(self.values, part, &s[..part.len()]);
                 *self.scratch = s;
                 r?;
             }
@@ -283,6 +285,7 @@ struct Threaded<'s, 'b> {
     reader: &'s mut TcpStream,
     left: usize,
     op: Op,
+    values: Values,
     timeout: Duration,
     scratch: &'s mut Vec<f32>,
     to_sender: Option<mpsc::Sender<(usize, &'b mut [f32])>>,
@@ -316,13 +319,13 @@ impl<'b> Duplex<'b> for Threaded<'_, 'b> {
         let (left, op, t) = (self.left, self.op, self.timeout);
         let mut head = [0u8; 8];
         read_exact_from(self.reader, &mut head, &mut self.tail, left, op, t)?;
-        parse_header(&head, self.op, dst.len(), self.left)?;
+        parse_header(&head, self.op, self.values, dst.len(), self.left)?;
         if add {
             let piece = self.scratch.len().max(1);
             for part in dst.chunks_mut(piece) {
                 let s = &mut self.scratch[..part.len()];
                 read_exact_from(self.reader, bytemuck::cast_slice_mut(s), &mut self.tail, left, op, t)?;
-                add_into(part, s);
+                sum_into(self.values, part, s);
             }
         } else {
             read_exact_from(self.reader, bytemuck::cast_slice_mut(dst), &mut self.tail, left, op, t)?;
@@ -348,12 +351,13 @@ pub(crate) enum Engine {
 /// (`gradsync-bench collective`, compilers paused): with 2 ranks the one-thread pump made
 /// 2.2-2.7 GB/s busbw at 4-64 MB against the sender thread's 1.5-2.2; with 4 and 8 ranks
 /// both sit at the machine's copy limit (within 5%); see docs/benchmarks.md.
-pub(crate) fn engine(bytes: usize, cores: usize, ranks_here: usize) -> Engine {
-    if bytes >= THREADED_MIN_BYTES && cores >= 2 * ranks_here.max(1) {
-        Engine::SenderThread
-    } else {
-        Engine::OneThread
-    }
+pub(crate) fn engine(choice: SocketEngine, bytes: usize, cores: usize, ranks_here: usize) -> Engine {
+    let spare_cores = match choice {
+        SocketEngine::Auto => cores >= 2 * ranks_here.max(1),
+        SocketEngine::OneThread => false,
+        SocketEngine::SenderThread => true,
+    };
+    if bytes >= THREADED_MIN_BYTES && spare_cores { Engine::SenderThread } else { Engine::OneThread }
 }
 
 /// Run `body` over a full-duplex engine between `reader` (from `left`) and `writer` (to
@@ -366,12 +370,13 @@ pub(crate) fn duplex<'b, T>(
     writer: &mut TcpStream,
     (left, right): (usize, usize),
     op: Op,
+    values: Values,
     timeout: Duration,
     scratch: &mut Vec<f32>,
     body: impl FnOnce(&mut dyn Duplex<'b>) -> Result<T>,
 ) -> Result<(T, Traffic)> {
     if engine == Engine::OneThread {
-        let mut p = Pump::new(reader, writer, (left, right), op, timeout, scratch)?;
+        let mut p = Pump::new(reader, writer, (left, right), (op, values), timeout, scratch)?;
         let out = body(&mut p)?;
         return Ok((out, p.finish()?));
     }
@@ -381,7 +386,7 @@ pub(crate) fn duplex<'b, T>(
         let sender = s.spawn(move || -> Result<u64> {
             let mut sent = 0;
             for (id, chunk) in from_main {
-                sent += write_frame(writer, op, chunk, right, timeout)?;
+                sent += write_frame(writer, op, values, chunk, right, timeout)?;
                 // The receiving side may have finished (or failed) and not want it back.
                 let _ = to_main.send((id, chunk));
             }
@@ -391,6 +396,7 @@ pub(crate) fn duplex<'b, T>(
             reader,
             left,
             op,
+            values,
             timeout,
             scratch,
             to_sender: Some(to_sender),
@@ -432,12 +438,14 @@ mod tests {
 
     #[test]
     fn a_sender_thread_only_where_each_rank_has_two_cores() {
-        let big = THREADED_MIN_BYTES;
-        assert_eq!(engine(big, 2, 2), Engine::OneThread, "2 ranks on 2 cores");
-        assert_eq!(engine(big, 16, 8), Engine::SenderThread, "8 ranks on 16 cores");
-        assert_eq!(engine(big, 16, 9), Engine::OneThread, "9 ranks on 16 cores");
-        assert_eq!(engine(big, 2, 1), Engine::SenderThread, "one rank per host");
-        assert_eq!(engine(big - 1, 64, 1), Engine::OneThread, "small transfers");
+        let (big, auto) = (THREADED_MIN_BYTES, SocketEngine::Auto);
+        assert_eq!(engine(auto, big, 2, 2), Engine::OneThread, "2 ranks on 2 cores");
+        assert_eq!(engine(auto, big, 16, 8), Engine::SenderThread, "8 ranks on 16 cores");
+        assert_eq!(engine(auto, big, 16, 9), Engine::OneThread, "9 ranks on 16 cores");
+        assert_eq!(engine(auto, big, 2, 1), Engine::SenderThread, "one rank per host");
+        assert_eq!(engine(auto, big - 1, 64, 1), Engine::OneThread, "small transfers");
+        assert_eq!(engine(SocketEngine::SenderThread, big, 2, 8), Engine::SenderThread, "forced");
+        assert_eq!(engine(SocketEngine::OneThread, big, 64, 1), Engine::OneThread, "forced");
     }
 
     #[test]
@@ -456,7 +464,7 @@ mod tests {
     /// the boundary of two of the receiver's summing pieces of 16 values; the stream then ends.
     fn left_neighbour_aborting_mid_frame(values: usize) -> TcpStream {
         let (mut left_end, reader) = pair();
-        let mut sent = frame_header(Op::AllReduce, values).unwrap().to_vec();
+        let mut sent = frame_header(Op::AllReduce, Values::F32, values).unwrap().to_vec();
         // One full piece less 4 bytes, then the notice: its halves fall in pieces 1 and 2.
         sent.extend(std::iter::repeat_n(0u8, 16 * 4 - 4));
         sent.extend(abort_notice(5));
@@ -479,7 +487,9 @@ mod tests {
         let mut reader = left_neighbour_aborting_mid_frame(64);
         let (mut writer, _right_end) = pair();
         let mut scratch = vec![0f32; 16];
-        let mut pump = Pump::new(&mut reader, &mut writer, (1, 2), Op::AllReduce, t, &mut scratch).unwrap();
+        let mut pump =
+            Pump::new(&mut reader, &mut writer, (1, 2), (Op::AllReduce, Values::F32), t, &mut scratch)
+                .unwrap();
         expect_culprit_5(pump.recv(&mut [0f32; 64], true));
         drop(pump);
 
@@ -490,6 +500,7 @@ mod tests {
             reader: &mut reader,
             left: 1,
             op: Op::AllReduce,
+            values: Values::F32,
             timeout: t,
             scratch: &mut scratch,
             to_sender: Some(to_sender),
