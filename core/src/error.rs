@@ -58,6 +58,9 @@ pub enum Error {
         /// The length received.
         got: usize,
     },
+    /// A compressed payload that does not decode (lengths, indices out of range or repeated).
+    #[error("compressed payload: {0}")]
+    Codec(String),
 }
 
 /// The core crate's result type.

@@ -9,6 +9,8 @@
 //! - [`mlp`]: forward, backward (handing out finished buckets) and update, written once over
 //!   any backend.
 //! - [`engine`]: [`Engine`], the model on the chosen device; the one place that matches on it.
+//! - [`compress`]: `--compress none|fp16|bf16|topk:RATIO`, the half-precision and top-k
+//!   codecs (top-k with its error-feedback residual), the sparse wire format's checks.
 //! - [`optim`]: SGD with momentum and weight decay (host version, shared with the server).
 //! - [`data`]: the built-in UCI digits (real data, embedded) and synthetic datasets, MNIST and
 //!   CIFAR-10 loaders, the distributed sampler.
@@ -20,6 +22,7 @@
 //! - [`trace`]: Chrome trace-event timelines (`--trace`).
 
 pub mod checkpoint;
+pub mod compress;
 pub mod data;
 pub mod device;
 pub mod engine;
