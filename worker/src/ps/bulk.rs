@@ -9,11 +9,11 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use bytes::Bytes;
 use gradsync_proto::frames::{self, Frames, Incoming};
 use gradsync_proto::path::{PULL, PUSH};
 use gradsync_proto::pb::{GradientChunk, PullRequest, PushReply};
 use gradsync_proto::wire;
+use prost::Message;
 use tonic::transport::Channel;
 
 use super::chunks::{ChunkSink, Gradients};
@@ -56,7 +56,7 @@ pub(super) fn push_transfer(replies: &[(PushReply, u64)], t: Instant) -> Transfe
 }
 
 /// Push shard `s`'s range of `grads` as one PushGradients call. Returns the reply and the
-/// payload bytes. Each message is built (one copy, from the gradient into the message) just
+/// payload bytes on the wire. Each message is built (one copy, from the gradient into the message) just
 /// before it is sent, so the first leaves at once and each is still in cache when the kernel
 /// copies it into the socket.
 pub(super) async fn push_shard<G: Gradients + ?Sized>(
@@ -66,7 +66,8 @@ pub(super) async fn push_shard<G: Gradients + ?Sized>(
 ) -> anyhow::Result<(PushReply, u64)> {
     let (rank, base) = (o.rank, s.version);
     let chunk = |r: Range<usize>| {
-        let head = GradientChunk { rank, base_version: base, offset: r.start as u64, data: Bytes::new() };
+        let head =
+            GradientChunk { rank, base_version: base, offset: r.start as u64, ..GradientChunk::default() };
         grads.chunk(&head, s.range.start + r.start..s.range.start + r.end)
     };
     let ranges = || wire::chunks(s.range.len() * 4, s.chunk).map(|b| b.start / 4..b.end / 4);
@@ -117,15 +118,17 @@ pub(super) async fn push_shard<G: Gradients + ?Sized>(
     } else {
         let chunks = ranges()
             .map(|r| {
-                let (offset, data) = chunk(r)?.payload();
-                anyhow::Ok(GradientChunk { rank, base_version: base, offset, data })
+                // The whole message, head fields (a sparse chunk's indices) included.
+                let m = chunk(r)?.message().slice(frames::PREFIX..);
+                GradientChunk::decode(m).context("re-reading a gradient message")
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let mut client = s.rpc.client.clone();
         let req = request(tokio_stream_iter(chunks), o.timeout);
         deadline(o.timeout, &s.addr, "PushGradients", client.push_gradients(req)).await?.into_inner()
     };
-    Ok((r, s.range.len() as u64 * 4))
+    let wire = ranges().map(|r| grads.wire_bytes(s.range.start + r.start..s.range.start + r.end)).sum();
+    Ok((r, wire))
 }
 
 /// Pull shard `s`'s parameters into `dst` chunk by chunk: the current version, or `want`
