@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use gradsync_core::compress::{self, Compression, Half};
-use gradsync_proto::frames::{FramedChunk, Incoming};
+use gradsync_proto::frames::{Framed, FramedChunk, Incoming};
 use gradsync_proto::pb::Encoding;
 use gradsync_proto::pb::parameter_server_server::ParameterServer;
 use gradsync_proto::pb::{
@@ -291,6 +291,13 @@ impl Service {
                 st.pull_source(sh, want)
             })
             .await??;
+        let src = match src {
+            PullSource::Ready(v, f) if self.shared.cfg.compression.half().is_some() => {
+                let chunks = (0..f.len()).map(|i| for_pull(&self.shared, v, f.chunk(i))).collect();
+                PullSource::Ready(v, Framed::from_chunks(chunks))
+            }
+            src => src,
+        };
         if let PullSource::Ready(_, f) = &src {
             self.shared.bytes_out.fetch_add(f.payload_len(), Ordering::Relaxed);
         }
@@ -332,6 +339,7 @@ impl Service {
             }
             while sent < p.stepped {
                 let Some(c) = round.chunk(sent, epoch) else { break };
+                let c = for_pull(&self.shared, round.version, c);
                 self.shared.bytes_out.fetch_add(c.payload().1.len() as u64, Ordering::Relaxed);
                 match tokio::time::timeout(patience, tx.send(item(c))).await {
                     Ok(Ok(())) => {}
@@ -456,6 +464,39 @@ fn dense(sh: &Shared, rank: usize, at: usize, c: GradientChunk) -> Result<bytes:
     Ok(wire::encode(&values, bytes::BytesMut::new()))
 }
 
+/// The encoding pulls carry under `--compress c`: half precision for fp16 and bf16 (the
+/// parameters rounded on their way, the server's own staying f32); f32 otherwise (a top-k
+/// run's update still moves every parameter: momentum and weight decay are dense).
+fn pull_encoding(c: Compression) -> Encoding {
+    match c.half() {
+        Some(Half::F16) => Encoding::F16,
+        Some(Half::Bf16) => Encoding::Bf16,
+        None => Encoding::F32,
+    }
+}
+
+/// Parameter chunk `c` (an f32 message of `version`) as a pull sends it: re-encoded in half
+/// precision when the run's pulls are, else as it is (no copy).
+fn for_pull(sh: &Shared, version: u64, c: FramedChunk) -> FramedChunk {
+    let Some(half) = sh.cfg.compression.half() else { return c };
+    let (offset, payload) = c.payload();
+    let mut values = vec![0f32; payload.len() / 4];
+    // The payload is a whole number of f32 values: this server wrote it.
+    let _ = wire::copy_into(&payload, 0, &mut values);
+    let head = ParameterChunk {
+        version,
+        offset,
+        encoding: pull_encoding(sh.cfg.compression).into(),
+        ..Default::default()
+    };
+    FramedChunk::build(&head, gradsync_proto::tag::PARAMETER_DATA, offset, values.len() * 2, |buf| {
+        let at = buf.len();
+        buf.resize(at + values.len() * 2, 0);
+        // Sized above: two bytes a value.
+        let _ = half.encode(&values, &mut buf[at..]);
+    })
+}
+
 /// Blocks of a streamed pull queued ahead of the connection (each one chunk).
 pub(crate) const PULL_QUEUE: usize = 8;
 
@@ -497,9 +538,10 @@ impl ParameterServer for Service {
 
     async fn pull_parameters(&self, req: Request<PullRequest>) -> Result<Response<ChunkStream>, Status> {
         let req = req.into_inner();
-        let chunk = |version, c: &FramedChunk| {
+        let encoding = pull_encoding(self.shared.cfg.compression).into();
+        let chunk = move |version, c: &FramedChunk| {
             let (offset, data) = c.payload();
-            ParameterChunk { version, offset, data }
+            ParameterChunk { version, offset, data, encoding }
         };
         match self.pull_source(rank_of(req.rank), req.stream_version).await? {
             PullSource::Ready(version, f) => {

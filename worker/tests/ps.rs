@@ -903,25 +903,27 @@ fn only_a_failure_that_looks_like_tls_suggests_tls_ca() {
     assert!(plain.contains("--tls-ca"), "{plain}");
 }
 
-/// Each step's pushed bytes in `rank`'s metrics file.
-fn pushed_bytes(metrics: &Path) -> Vec<u64> {
+/// Each step's pushed and pulled bytes in a worker's metrics file.
+fn step_bytes(metrics: &Path) -> Vec<(u64, u64)> {
     let text = std::fs::read_to_string(metrics).unwrap_or_else(|e| panic!("{}: {e}", metrics.display()));
     text.lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|v| v["kind"] == "step")
-        .map(|v| v["bytes_sent"].as_u64().expect("bytes_sent"))
+        .map(|v| {
+            (v["bytes_sent"].as_u64().expect("bytes_sent"), v["bytes_recv"].as_u64().expect("bytes_recv"))
+        })
         .collect()
 }
 
 /// `--compress` end to end (2 workers, 2 shards, real processes): top-k at ratio 1 sends every
-/// value and ends at f32's parameters bit for bit; fp16 and bf16 end within their rounding of
-/// them; each pushes the bytes its codec says.
+/// value and ends at f32's parameters bit for bit; fp16 and bf16 (pushes and pulls) end within
+/// their rounding of them; each moves the bytes its codec says.
 #[test]
 fn compressed_pushes_match_f32_within_their_rounding() {
     let dir = tmp("compress");
     let (w, b, steps) = (2, 4, 6);
     let n = Layout::new(&spec()).len as u64;
-    let run = |c: &str| -> (Vec<f32>, Vec<u64>) {
+    let run = |c: &str| -> (Vec<f32>, Vec<(u64, u64)>) {
         let (_servers, addrs) = start_shards(2, &["--worker-timeout", "30", "--compress", c]);
         let save = dir.join(format!("{c}.ckpt"));
         let metrics = dir.join(format!("{c}-{{rank}}.jsonl"));
@@ -929,30 +931,33 @@ fn compressed_pushes_match_f32_within_their_rounding() {
         for (rank, (code, err)) in run_workers(w, &addrs, b, steps, &save, &extra).into_iter().enumerate() {
             assert_eq!(code, 0, "--compress {c}: rank {rank} failed: {err}");
         }
-        (params(&save), pushed_bytes(&dir.join(format!("{c}-0.jsonl"))))
+        (params(&save), step_bytes(&dir.join(format!("{c}-0.jsonl"))))
     };
     let (none, none_bytes) = run("none");
-    assert_eq!(none_bytes, vec![4 * n; steps]);
+    assert_eq!(none_bytes, vec![(4 * n, 4 * n); steps]);
     let (all, all_bytes) = run("topk:1");
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&all), bits(&none), "top-k at ratio 1 differs from f32");
-    assert_eq!(all_bytes, vec![8 * n; steps]);
+    assert_eq!(all_bytes, vec![(8 * n, 4 * n); steps]);
     // Half precision rounds each gradient value by at most 2^-11 (fp16) or 2^-8 (bf16) of
     // itself. With lr 0.05 and momentum 0.9, one gradient moves a parameter by at most
     // 0.05 x (1 + 0.9 + ... + 0.9^5) < 0.24 x |g| within six steps, so six gradients of
     // magnitude below 1 move it by less than 1.4, and their rounding by less than
-    // 1.4 x 2^-11 = 7e-4 (fp16) or 1.4 x 2^-8 = 5.5e-3 (bf16). The bounds leave room (x3)
-    // for the changed parameters' own effect on later gradients; the rounding must show (a
-    // codec that sent f32 would end at exactly f32's parameters).
-    for (c, bound) in [("fp16", 2e-3f32), ("bf16", 1.6e-2)] {
+    // 1.4 x 2^-11 = 7e-4 (fp16) or 1.4 x 2^-8 = 5.5e-3 (bf16). The pulls carry the parameters
+    // rounded too, by at most max|p| x 2^-11 (2^-8). The bounds leave room (x2) for the
+    // changed parameters' own effect on later gradients; the rounding must show (a codec that
+    // sent f32 would end at exactly f32's parameters).
+    let top = none.iter().fold(0f32, |m, p| m.max(p.abs()));
+    for (c, ulp) in [("fp16", 2f32.powi(-11)), ("bf16", 2f32.powi(-8))] {
+        let bound = 2.0 * (1.4 + top) * ulp;
         let (got, bytes) = run(c);
         let d = max_diff(&got, &none);
         assert!(d > 0.0 && d < bound, "--compress {c}: max diff from f32 {d} (bound {bound})");
-        assert_eq!(bytes, vec![2 * n; steps], "--compress {c}");
+        assert_eq!(bytes, vec![(2 * n, 2 * n); steps], "--compress {c}: pushes and pulls in half precision");
     }
     let (sparse, bytes) = run("topk:0.01");
     let k = (0.01 * n as f64).ceil() as u64;
-    assert_eq!(bytes, vec![8 * k; steps], "top-k 1% pushes k = {k} pairs of 8 bytes");
+    assert_eq!(bytes, vec![(8 * k, 4 * n); steps], "top-k 1% pushes k = {k} pairs of 8 bytes, pulls f32");
     assert!(max_diff(&sparse, &init_params(&Layout::new(&spec()), 7)) > 0.0, "top-k 1% changed nothing");
 }
 

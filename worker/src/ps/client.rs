@@ -298,6 +298,7 @@ impl PsClient {
             limit: self.limit,
             auth: &self.auth,
             rank: self.rank,
+            pull_half: self.compression.half(),
         }
     }
 

@@ -139,7 +139,10 @@ fn cluster_link(r: &ClusterRun) -> Link {
 pub fn cluster_prediction(r: &ClusterRun, params: usize) -> Option<f64> {
     let s = 4.0 * params as f64;
     let l = cluster_link(r);
-    if r.mode.is_ps() {
+    if r.mode.is_compressed() {
+        // The model prices f32 gradients only.
+        None
+    } else if r.mode.is_ps() {
         Some(cost::ps(r.workers, r.shards.max(1), s, l))
     } else if r.mode == ModeKind::Zero1Tcp {
         Some(cost::zero1(r.workers, s, l))
