@@ -577,10 +577,10 @@ fn compressed_against_base(g: &Group) -> Vec<String> {
             (Some(x), Some(y)) => format!("{:+.1} points", 100.0 * (x - y)),
             _ => "-".into(),
         };
-        let tt = |v: Option<f64>| v.map_or("never".to_string(), |v| format!("{v:.1} s"));
+        let tt = |v: Option<f64>| v.map_or("not reached".to_string(), |v| format!("{v:.1} s"));
         out.push(format!(
             "{} at {} workers sends {} MB per step per worker against {}'s {} ({fall}); final held-out accuracy \
-             {} against {} ({points}); target reached in {} against {}.",
+             {} against {} ({points}); time to the target {} against {}.",
             c.mode,
             c.workers,
             mb(c.bytes_sent_per_step_worker),
