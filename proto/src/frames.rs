@@ -564,7 +564,13 @@ mod tests {
     use crate::pb::{GradientChunk, PushReply};
 
     fn chunk(offset: u64, data: &[u8]) -> GradientChunk {
-        GradientChunk { rank: 3, base_version: 7, offset, data: Bytes::copy_from_slice(data) }
+        GradientChunk {
+            rank: 3,
+            base_version: 7,
+            offset,
+            data: Bytes::copy_from_slice(data),
+            ..GradientChunk::default()
+        }
     }
 
     /// The two-part encoding is byte for byte prost's (what tonic sends).

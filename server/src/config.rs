@@ -7,6 +7,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use clap::Args;
+use gradsync_core::compress::Compression;
 use gradsync_core::data::DataSource;
 use gradsync_core::model::{Fingerprint, ModelSpec};
 use gradsync_core::optim::{OptimiserArgs, SgdConfig, StalenessLr};
@@ -66,6 +67,10 @@ pub struct ServerArgs {
     /// bsp, asp or ssp:S (a worker may run at most S steps ahead of the slowest).
     #[arg(long, default_value = "bsp")]
     pub sync: SyncMode,
+    /// How workers encode their pushes: none, fp16, bf16 or topk:RATIO (docs/compression.md).
+    /// Every worker must announce the same value at registration.
+    #[arg(long, default_value = "none", env = "GRADSYNC_COMPRESS")]
+    pub compress: Compression,
     /// This process's shard of the flat buffer, I/K.
     #[arg(long, default_value = "0/1")]
     pub shard: ShardSpec,
@@ -158,6 +163,8 @@ pub struct ServerArgs {
 pub struct Config {
     /// Synchronisation.
     pub sync: SyncMode,
+    /// How pushes are encoded.
+    pub compression: Compression,
     /// Which shard.
     pub shard: ShardSpec,
     /// The model, widths fitted to the data.
@@ -199,6 +206,7 @@ impl Config {
     pub fn new(spec: ModelSpec, seed: u64) -> Self {
         Config {
             sync: SyncMode::Bsp,
+            compression: Compression::None,
             shard: ShardSpec::WHOLE,
             spec,
             seed,
@@ -288,6 +296,7 @@ impl Config {
         };
         Ok(Config {
             sync: a.sync,
+            compression: a.compress,
             shard: a.shard,
             spec,
             seed: a.seed,

@@ -527,7 +527,8 @@ impl Round {
         let mut w = lock(&self.work);
         let Work { params, momentum, next_momentum, sum, current } = &mut *w;
         let image = params.image().map(|f| f.payload(c).1);
-        let head = ParameterChunk { version: self.version, offset: r.start as u64, data: Bytes::new() };
+        let head =
+            ParameterChunk { version: self.version, offset: r.start as u64, ..ParameterChunk::default() };
         FramedChunk::build_f32(&head, gradsync_proto::tag::PARAMETER_DATA, r.start as u64, r.len(), |out| {
             for s in r.clone().step_by(SUB) {
                 let s = s..(s + SUB).min(r.end);

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use gradsync_proto::frames::{FramedChunk, Incoming};
+use gradsync_core::compress::{self, Compression, Half};
+use gradsync_proto::frames::{Framed, FramedChunk, Incoming};
+use gradsync_proto::pb::Encoding;
 use gradsync_proto::pb::parameter_server_server::ParameterServer;
 use gradsync_proto::pb::{
     DeregisterReply, DeregisterRequest, GradientChunk, HeartbeatReply, HeartbeatRequest, ParameterChunk,
@@ -91,6 +93,7 @@ impl Service {
             why: format!("{why} (this shard's range holds {len} values)"),
         };
         let mut chunk = Some(first);
+        let mut wire = 0u64;
         while let Some(c) = chunk {
             if rank_of(c.rank) != rank || c.base_version != base {
                 return Err(Error::BadGradient {
@@ -99,14 +102,17 @@ impl Service {
                 }
                 .into());
             }
-            let at = asm.received();
-            asm.push(c.offset, &c.data).map_err(bad)?;
-            if !asm.finite() || !each(at, c.data) {
+            wire += (c.data.len() + c.indices.len()) as u64;
+            let (at, offset) = (asm.received(), c.offset);
+            let data = dense(&self.shared, rank, at, c)?;
+            asm.push(offset, &data).map_err(bad)?;
+            if !asm.finite() || !each(at, data) {
                 return Err(self.refuse_nonfinite(rank));
             }
             chunk = self.next_chunk(Some(rank), &mut stream).await?;
         }
-        Ok(asm.finish().map_err(bad)?.1)
+        asm.finish().map_err(bad)?;
+        Ok(wire)
     }
 
     /// Count a gradient refused for NaN or Inf; the status that says so.
@@ -285,6 +291,13 @@ impl Service {
                 st.pull_source(sh, want)
             })
             .await??;
+        let src = match src {
+            PullSource::Ready(v, f) if self.shared.cfg.compression.half().is_some() => {
+                let chunks = (0..f.len()).map(|i| for_pull(&self.shared, v, f.chunk(i))).collect();
+                PullSource::Ready(v, Framed::from_chunks(chunks))
+            }
+            src => src,
+        };
         if let PullSource::Ready(_, f) = &src {
             self.shared.bytes_out.fetch_add(f.payload_len(), Ordering::Relaxed);
         }
@@ -326,6 +339,7 @@ impl Service {
             }
             while sent < p.stepped {
                 let Some(c) = round.chunk(sent, epoch) else { break };
+                let c = for_pull(&self.shared, round.version, c);
                 self.shared.bytes_out.fetch_add(c.payload().1.len() as u64, Ordering::Relaxed);
                 match tokio::time::timeout(patience, tx.send(item(c))).await {
                     Ok(Ok(())) => {}
@@ -361,6 +375,128 @@ impl Service {
     }
 }
 
+/// A worker's `--compress`, as it announced it at registration (empty: an older worker, which
+/// pushes f32), against the server's: the same, or refused naming both.
+fn check_compression(sh: &Shared, rank: usize, announced: &str) -> Result<()> {
+    let theirs = if announced.is_empty() { Ok(Compression::None) } else { announced.parse() };
+    match theirs {
+        Ok(c) if c == sh.cfg.compression => Ok(()),
+        Ok(c) => Err(Error::Membership(format!(
+            "rank {rank} pushes with --compress {c}, this server takes --compress {}: give every worker and \
+             server the same value",
+            sh.cfg.compression
+        ))),
+        Err(_) => Err(Error::Membership(format!(
+            "rank {rank} announces --compress '{}', which this server does not know",
+            crate::error::abbreviate(announced)
+        ))),
+    }
+}
+
+/// The wire encoding `--compress` asks pushes for.
+fn encoding_of(c: Compression) -> Encoding {
+    match c {
+        Compression::None => Encoding::F32,
+        Compression::Fp16 => Encoding::F16,
+        Compression::Bf16 => Encoding::Bf16,
+        Compression::TopK(_) => Encoding::Sparse,
+    }
+}
+
+/// Gradient chunk `c` of `rank`, due at value `at` of this shard's range, as little-endian f32
+/// values of the range it covers: an f32 chunk's payload as it is (no copy), a half chunk
+/// widened, a sparse chunk spread over its span with zeros between its pairs (in memory only:
+/// the wire carried the pairs). Everything a peer can get wrong is refused, naming it, before
+/// anything is allocated from what it declares: another encoding than the run's, index fields
+/// on a dense chunk, a span past the range, ragged or unequal lengths, indices out of the span
+/// or not strictly ascending.
+fn dense(sh: &Shared, rank: usize, at: usize, c: GradientChunk) -> Result<bytes::Bytes> {
+    let bad = |why: String| Error::BadGradient { rank, why };
+    let want = encoding_of(sh.cfg.compression);
+    let got = Encoding::try_from(c.encoding).map_err(|_| bad(format!("unknown encoding {}", c.encoding)))?;
+    if got != want {
+        return Err(bad(format!(
+            "a chunk encoded as {}, this run's pushes are --compress {} ({})",
+            got.as_str_name(),
+            sh.cfg.compression,
+            want.as_str_name()
+        )));
+    }
+    if got != Encoding::Sparse && (!c.indices.is_empty() || c.span != 0) {
+        return Err(bad(format!("a {} chunk with sparse fields (indices, span)", got.as_str_name())));
+    }
+    let len = sh.range.len();
+    let room = len.saturating_sub(at);
+    let codec = |e: gradsync_core::Error| bad(format!("chunk at offset {}: {e}", c.offset));
+    let values = match got {
+        Encoding::F32 => return Ok(c.data),
+        Encoding::F16 | Encoding::Bf16 => {
+            let half = if got == Encoding::F16 { Half::F16 } else { Half::Bf16 };
+            let n = c.data.len() / 2;
+            if n > room {
+                return Err(bad(format!(
+                    "chunk at offset {} with {n} values overruns a range of {len} values",
+                    c.offset
+                )));
+            }
+            let mut v = vec![0f32; n];
+            half.decode(&c.data, &mut v).map_err(codec)?;
+            v
+        }
+        Encoding::Sparse => {
+            if c.offset != at as u64 {
+                return Err(bad(format!(
+                    "chunk at offset {} where {at} was expected (chunks must arrive in order)",
+                    c.offset
+                )));
+            }
+            let span = usize::try_from(c.span).ok().filter(|s| *s <= room).ok_or_else(|| {
+                bad(format!(
+                    "sparse chunk at offset {} spans {} values, past the range's {len}",
+                    c.offset, c.span
+                ))
+            })?;
+            let mut v = vec![0f32; span];
+            compress::densify(&c.indices, &c.data, c.offset, &mut v).map_err(codec)?;
+            v
+        }
+    };
+    Ok(wire::encode(&values, bytes::BytesMut::new()))
+}
+
+/// The encoding pulls carry under `--compress c`: half precision for fp16 and bf16 (the
+/// parameters rounded on their way, the server's own staying f32); f32 otherwise (a top-k
+/// run's update still moves every parameter: momentum and weight decay are dense).
+fn pull_encoding(c: Compression) -> Encoding {
+    match c.half() {
+        Some(Half::F16) => Encoding::F16,
+        Some(Half::Bf16) => Encoding::Bf16,
+        None => Encoding::F32,
+    }
+}
+
+/// Parameter chunk `c` (an f32 message of `version`) as a pull sends it: re-encoded in half
+/// precision when the run's pulls are, else as it is (no copy).
+fn for_pull(sh: &Shared, version: u64, c: FramedChunk) -> FramedChunk {
+    let Some(half) = sh.cfg.compression.half() else { return c };
+    let (offset, payload) = c.payload();
+    let mut values = vec![0f32; payload.len() / 4];
+    // The payload is a whole number of f32 values: this server wrote it.
+    let _ = wire::copy_into(&payload, 0, &mut values);
+    let head = ParameterChunk {
+        version,
+        offset,
+        encoding: pull_encoding(sh.cfg.compression).into(),
+        ..Default::default()
+    };
+    FramedChunk::build(&head, gradsync_proto::tag::PARAMETER_DATA, offset, values.len() * 2, |buf| {
+        let at = buf.len();
+        buf.resize(at + values.len() * 2, 0);
+        // Sized above: two bytes a value.
+        let _ = half.encode(&values, &mut buf[at..]);
+    })
+}
+
 /// Blocks of a streamed pull queued ahead of the connection (each one chunk).
 pub(crate) const PULL_QUEUE: usize = 8;
 
@@ -371,6 +507,7 @@ impl ParameterServer for Service {
     async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterReply>, Status> {
         let r = req.into_inner();
         let sh = &self.shared;
+        check_compression(sh, rank_of(r.rank), &r.compression)?;
         let reg =
             self.state.lock().await.register(sh, rank_of(r.rank), r.world_size as usize, &r.fingerprint)?;
         Ok(Response::new(RegisterReply {
@@ -386,6 +523,7 @@ impl ParameterServer for Service {
             momentum: sh.cfg.sgd.momentum,
             weight_decay: sh.cfg.sgd.weight_decay,
             staleness_lr: sh.cfg.staleness_lr.name().into(),
+            compression: sh.cfg.compression.to_string(),
         }))
     }
 
@@ -400,9 +538,10 @@ impl ParameterServer for Service {
 
     async fn pull_parameters(&self, req: Request<PullRequest>) -> Result<Response<ChunkStream>, Status> {
         let req = req.into_inner();
-        let chunk = |version, c: &FramedChunk| {
+        let encoding = pull_encoding(self.shared.cfg.compression).into();
+        let chunk = move |version, c: &FramedChunk| {
             let (offset, data) = c.payload();
-            ParameterChunk { version, offset, data }
+            ParameterChunk { version, offset, data, encoding }
         };
         match self.pull_source(rank_of(req.rank), req.stream_version).await? {
             PullSource::Ready(version, f) => {

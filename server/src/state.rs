@@ -14,7 +14,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Instant;
 
-use bytes::Bytes;
 use gradsync_core::checkpoint::{Checkpoint, CheckpointHeader};
 use gradsync_core::metrics::{Header, HostInfo, MetricsWriter, Record, SCHEMA_VERSION, ServerApply, unix_ms};
 use gradsync_core::model::{Fingerprint, Layout, init_params};
@@ -609,7 +608,7 @@ impl State {
             Some((v, f)) if *v == self.version => (*v, f.clone()),
             _ => {
                 let version = self.version;
-                let head = |offset| ParameterChunk { version, offset, data: Bytes::new() };
+                let head = |offset| ParameterChunk { version, offset, ..ParameterChunk::default() };
                 // (A BSP commit sets the snapshot to the image it made, so an image is never
                 // encoded again here.)
                 let f = Framed::encode(
@@ -682,6 +681,7 @@ fn header(cfg: &Config, total: usize, range: &Range<usize>, fp: &Fingerprint) ->
     extra.insert("transport".into(), cfg.tuning.name.into());
     extra.insert("staleness_lr".into(), cfg.staleness_lr.name().into());
     extra.insert("chunk_bytes".into(), cfg.tuning.chunk_bytes.into());
+    extra.insert("compression".into(), cfg.compression.to_string().into());
     Header {
         schema: SCHEMA_VERSION,
         mode: "server".into(),

@@ -355,13 +355,26 @@ async fn a_step_failed_by_a_nan_refusal_says_so() {
     let mut c = client(&addr).await;
     let mut len = 0;
     for rank in [0, 1] {
-        let r = c.register(RegisterRequest { rank, world_size: 2, fingerprint: fingerprint() }).await;
+        let r = c
+            .register(RegisterRequest {
+                rank,
+                world_size: 2,
+                fingerprint: fingerprint(),
+                ..RegisterRequest::default()
+            })
+            .await;
         let r = r.expect("register").into_inner();
         len = (r.end - r.start) as usize;
     }
     let push = |rank: u32, v: f32| {
         let data = gradsync_proto::wire::encode(&vec![v; len], bytes::BytesMut::new());
-        tokio_stream::iter(vec![GradientChunk { rank, base_version: 0, offset: 0, data }])
+        tokio_stream::iter(vec![GradientChunk {
+            rank,
+            base_version: 0,
+            offset: 0,
+            data,
+            ..GradientChunk::default()
+        }])
     };
     let refused = c.push_gradients(push(1, f32::NAN)).await.expect_err("a NaN gradient was taken");
     assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
@@ -378,7 +391,9 @@ async fn a_wrong_fingerprint_is_not_echoed_whole() {
     let (_server, addr) = server(&[]);
     let mut c = client(&addr).await;
     let long = "x".repeat(200_000);
-    let r = c.register(RegisterRequest { rank: 0, world_size: 1, fingerprint: long }).await;
+    let r = c
+        .register(RegisterRequest { rank: 0, world_size: 1, fingerprint: long, ..RegisterRequest::default() })
+        .await;
     let s = r.expect_err("a wrong fingerprint was accepted");
     assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
     assert!(s.message().len() < 512, "{} bytes of error", s.message().len());

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use gradsync_core::compress::Compression;
 use gradsync_core::data::DataSource;
 use gradsync_core::device::DeviceRequest;
 use gradsync_core::model::ModelSpec;
@@ -142,6 +143,11 @@ pub struct TrainArgs {
     /// run that differ only here start from the same parameters.
     #[arg(long)]
     pub order_seed: Option<u64>,
+    /// Compress gradients on the wire: none, fp16, bf16 or topk:RATIO (the RATIO largest
+    /// magnitudes, with error feedback; docs/compression.md). --mode ps takes all four (the
+    /// servers' --compress must match); --mode ddp takes topk.
+    #[arg(long, default_value = "none", env = "GRADSYNC_COMPRESS")]
+    pub compress: Compression,
     /// Write per-step metrics (JSON lines) here; `{rank}` in the path becomes the rank.
     #[arg(long, env = "GRADSYNC_METRICS")]
     pub metrics: Option<PathBuf>,

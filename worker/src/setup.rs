@@ -82,6 +82,15 @@ pub fn strategy(run: &Run) -> anyhow::Result<Box<dyn Strategy>> {
     if let Some(slow) = args.slow_rank {
         slow.check(if args.mode == Mode::Dp { replicas } else { run.world })?;
     }
+    // Compression is a property of the wire: modes without one (or not wired for it) refuse it.
+    // DDP refuses what its bucket reduction cannot carry yet itself (`strategy::bucket`).
+    if !args.compress.is_none() && !matches!(args.mode, Mode::Ps | Mode::Ddp) {
+        anyhow::bail!(
+            "--compress {} is for --mode ps and --mode ddp; --mode {} sends no gradients over a wire it compresses",
+            args.compress,
+            args.mode.name()
+        );
+    }
     Ok(match args.mode {
         Mode::Local => {
             Box::new(Local::new(run.sgd, Shape::processes(run.world, run.rank), run.trace.clone()))
@@ -133,6 +142,7 @@ fn ddp_config(d: &DdpArgs, run: &Run) -> anyhow::Result<DdpConfig> {
         transport: d.transport,
         sgd: run.sgd,
         trace: run.trace.clone(),
+        compression: run.args.compress,
     })
 }
 
@@ -163,5 +173,6 @@ fn ps_config(args: &PsArgs, run: &Run) -> anyhow::Result<PsConfig> {
         world: run.world,
         fingerprint: run.fingerprint().text,
         trace: run.trace.clone(),
+        compression: run.args.compress,
     })
 }

@@ -632,3 +632,69 @@ fn zero1_over_tcp_on_gpus_matches_local() {
     let d = max_diff(&params(&local), &params(&zero));
     assert!(d < 1e-4, "ZeRO-1 over TCP on GPUs vs local on the CPU: max diff {d}");
 }
+
+/// One DDP run of `world` ranks with `--compress c` (small buckets, so several are reduced
+/// while backward runs); its parameters and rank 0's bytes sent per step.
+fn ddp_compressed(dir: &Path, world: usize, c: &str) -> (Vec<f32>, Vec<u64>) {
+    let save = dir.join(format!("ddp-{c}.ckpt"));
+    let metrics = dir.join(format!("m-{c}-{{rank}}.jsonl"));
+    let w = world.to_string();
+    let mut a: Vec<String> = [
+        "launch",
+        "--nproc-per-node",
+        &w,
+        "--master-port",
+        "0",
+        "--",
+        "train",
+        "--mode",
+        "ddp",
+        "--batch",
+        "8",
+    ]
+    .map(String::from)
+    .to_vec();
+    a.extend(
+        ["--bucket-mb", "0.002", "--comm-timeout", "30", "--transport", "tcp", "--compress", c]
+            .map(String::from),
+    );
+    a.extend(["--metrics".to_string(), metrics.display().to_string()]);
+    a.extend(common(&save));
+    run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let text = std::fs::read_to_string(dir.join(format!("m-{c}-0.jsonl"))).unwrap();
+    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines[0]["extra"]["compression"], c, "{}", lines[0]);
+    let sent =
+        lines.iter().filter(|v| v["kind"] == "step").map(|v| v["bytes_sent"].as_u64().unwrap()).collect();
+    (params(&save), sent)
+}
+
+/// DDP's top-k (pairs all-gathered, summed in rank order): at ratio 1 it equals the f32
+/// all-reduce bit for bit with two ranks (both sums are g0 + g1); at 10% it trains and sends
+/// less; fp16 is refused before the ranks meet, with the reason.
+#[test]
+fn ddp_topk_at_ratio_one_equals_the_all_reduce_and_half_precision_is_refused() {
+    let dir = Scratch::new("ddp-compress");
+    let (dense, dense_sent) = ddp_compressed(&dir.0, 2, "none");
+    let (all, _) = ddp_compressed(&dir.0, 2, "topk:1");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&all), bits(&dense), "DDP top-k at ratio 1 differs from the all-reduce");
+    let (tenth, tenth_sent) = ddp_compressed(&dir.0, 2, "topk:0.1");
+    assert!(max_diff(&tenth, &dense) > 0.0, "top-k 10% sent everything");
+    let init = gradsync_core::model::init_params(
+        &gradsync_core::model::Layout::new(
+            &gradsync_core::model::ModelSpec::parse("tiny").unwrap().with_io(32, 8),
+        ),
+        42,
+    );
+    assert!(max_diff(&tenth, &init) > 1e-3, "top-k 10% did not train");
+    // Two ranks: the all-reduce sends half the buffer twice (4 bytes a value); top-k's
+    // all-gather sends this rank's pairs once (8 bytes a pair), about a tenth of the values.
+    let (d, t): (u64, u64) = (dense_sent.iter().sum(), tenth_sent.iter().sum());
+    assert!(t * 4 < d, "top-k 10% sent {t} bytes, the all-reduce {d}");
+
+    let out = spawn(&["train", "--mode", "ddp", "--compress", "fp16", "--master-addr", "127.0.0.1:1"])
+        .output(Duration::from_secs(30));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("not yet supported for --mode ddp"), "{err}");
+}

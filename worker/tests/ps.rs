@@ -245,7 +245,13 @@ fn grad_stream(
 ) -> tonic::Request<impl tonic::codegen::tokio_stream::Stream<Item = GradientChunk> + use<>> {
     let data = gradsync_proto::wire::encode(values, Default::default());
     let chunks: Vec<_> = gradsync_proto::wire::chunks(data.len(), 256)
-        .map(|r| GradientChunk { rank, base_version: 0, offset: (r.start / 4) as u64, data: data.slice(r) })
+        .map(|r| GradientChunk {
+            rank,
+            base_version: 0,
+            offset: (r.start / 4) as u64,
+            data: data.slice(r),
+            ..GradientChunk::default()
+        })
         .collect();
     authed(tonic::codegen::tokio_stream::iter(chunks), token)
 }
@@ -275,7 +281,12 @@ fn bad_input_is_refused_and_leaves_parameters_unchanged() {
     let fp = Fingerprint::new(&spec(), 7).text;
     let init = init_params(&Layout::new(&spec()), 7);
     let n = init.len();
-    let reg = |rank: u32, fp: &str| RegisterRequest { rank, world_size: 2, fingerprint: fp.into() };
+    let reg = |rank: u32, fp: &str| RegisterRequest {
+        rank,
+        world_size: 2,
+        fingerprint: fp.into(),
+        ..RegisterRequest::default()
+    };
     rt.block_on(async {
         // Token: missing, wrong.
         let e = c.register(tonic::Request::new(reg(0, &fp))).await.expect_err("no token");
@@ -398,8 +409,11 @@ fn dead_rank_1_only_rank0(elastic: bool) -> (i32, String, String) {
     let server = Server::start(&flags);
     let mut c = rt.block_on(connect(&server.addr));
     let fp = Fingerprint::new(&spec(), 7).text;
-    rt.block_on(c.register(authed(RegisterRequest { rank: 1, world_size: 2, fingerprint: fp }, "x")))
-        .expect("rank 1 registers");
+    rt.block_on(c.register(authed(
+        RegisterRequest { rank: 1, world_size: 2, fingerprint: fp, ..RegisterRequest::default() },
+        "x",
+    )))
+    .expect("rank 1 registers");
     let mut cmd = Command::new(WORKER);
     cmd.args(["train", "--mode", "ps", "--servers", &server.addr, "--model", "tiny", "--seed", SEED])
         .args([
@@ -514,7 +528,8 @@ async fn two_ranks_and_a_streamed_pull(
 ) -> (ParameterServerClient<tonic::transport::Channel>, tonic::Streaming<ParameterChunk>) {
     let mut c = connect(addr).await;
     for rank in 0..2 {
-        let req = RegisterRequest { rank, world_size: 2, fingerprint: fp.into() };
+        let req =
+            RegisterRequest { rank, world_size: 2, fingerprint: fp.into(), ..RegisterRequest::default() };
         c.register(authed(req, token)).await.expect("register");
     }
     let req = PullRequest { rank: 0, stream_version: Some(1) };
@@ -586,6 +601,7 @@ fn nan_in_the_last_block_fails_the_streamed_pull_and_commits_nothing() {
             base_version: 0,
             offset: from as u64,
             data: gradsync_proto::wire::encode(values, Default::default()),
+            ..GradientChunk::default()
         };
         let last = (blocks - 1) * block;
         for b in 0..blocks - 1 {
@@ -885,4 +901,141 @@ fn only_a_failure_that_looks_like_tls_suggests_tls_ca() {
     let plain = format!("{plain:#}");
     assert!(!dead.contains("--tls-ca"), "{dead}");
     assert!(plain.contains("--tls-ca"), "{plain}");
+}
+
+/// Each step's pushed and pulled bytes in a worker's metrics file.
+fn step_bytes(metrics: &Path) -> Vec<(u64, u64)> {
+    let text = std::fs::read_to_string(metrics).unwrap_or_else(|e| panic!("{}: {e}", metrics.display()));
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["kind"] == "step")
+        .map(|v| {
+            (v["bytes_sent"].as_u64().expect("bytes_sent"), v["bytes_recv"].as_u64().expect("bytes_recv"))
+        })
+        .collect()
+}
+
+/// `--compress` end to end (2 workers, 2 shards, real processes): top-k at ratio 1 sends every
+/// value and ends at f32's parameters bit for bit; fp16 and bf16 (pushes and pulls) end within
+/// their rounding of them; each moves the bytes its codec says.
+#[test]
+fn compressed_pushes_match_f32_within_their_rounding() {
+    let dir = tmp("compress");
+    let (w, b, steps) = (2, 4, 6);
+    let n = Layout::new(&spec()).len as u64;
+    let run = |c: &str| -> (Vec<f32>, Vec<(u64, u64)>) {
+        let (_servers, addrs) = start_shards(2, &["--worker-timeout", "30", "--compress", c]);
+        let save = dir.join(format!("{c}.ckpt"));
+        let metrics = dir.join(format!("{c}-{{rank}}.jsonl"));
+        let extra = ["--compress", c, "--metrics", metrics.to_str().expect("utf8")];
+        for (rank, (code, err)) in run_workers(w, &addrs, b, steps, &save, &extra).into_iter().enumerate() {
+            assert_eq!(code, 0, "--compress {c}: rank {rank} failed: {err}");
+        }
+        (params(&save), step_bytes(&dir.join(format!("{c}-0.jsonl"))))
+    };
+    let (none, none_bytes) = run("none");
+    assert_eq!(none_bytes, vec![(4 * n, 4 * n); steps]);
+    let (all, all_bytes) = run("topk:1");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&all), bits(&none), "top-k at ratio 1 differs from f32");
+    assert_eq!(all_bytes, vec![(8 * n, 4 * n); steps]);
+    // Half precision rounds each gradient value by at most 2^-11 (fp16) or 2^-8 (bf16) of
+    // itself. With lr 0.05 and momentum 0.9, one gradient moves a parameter by at most
+    // 0.05 x (1 + 0.9 + ... + 0.9^5) < 0.24 x |g| within six steps, so six gradients of
+    // magnitude below 1 move it by less than 1.4, and their rounding by less than
+    // 1.4 x 2^-11 = 7e-4 (fp16) or 1.4 x 2^-8 = 5.5e-3 (bf16). The pulls carry the parameters
+    // rounded too, by at most max|p| x 2^-11 (2^-8). The bounds leave room (x2) for the
+    // changed parameters' own effect on later gradients; the rounding must show (a codec that
+    // sent f32 would end at exactly f32's parameters).
+    let top = none.iter().fold(0f32, |m, p| m.max(p.abs()));
+    for (c, ulp) in [("fp16", 2f32.powi(-11)), ("bf16", 2f32.powi(-8))] {
+        let bound = 2.0 * (1.4 + top) * ulp;
+        let (got, bytes) = run(c);
+        let d = max_diff(&got, &none);
+        assert!(d > 0.0 && d < bound, "--compress {c}: max diff from f32 {d} (bound {bound})");
+        assert_eq!(bytes, vec![(2 * n, 2 * n); steps], "--compress {c}: pushes and pulls in half precision");
+    }
+    let (sparse, bytes) = run("topk:0.01");
+    let k = (0.01 * n as f64).ceil() as u64;
+    assert_eq!(bytes, vec![(8 * k, 4 * n); steps], "top-k 1% pushes k = {k} pairs of 8 bytes, pulls f32");
+    assert!(max_diff(&sparse, &init_params(&Layout::new(&spec()), 7)) > 0.0, "top-k 1% changed nothing");
+}
+
+/// A server with `--compress topk:0.5` refuses a worker that announces another codec, and every
+/// malformed push (an index out of range, a repeated index, unequal lengths, a span past the
+/// range, another encoding) with a status naming the fault, the parameters unchanged; then
+/// takes a well-formed sparse push.
+#[test]
+fn malformed_compressed_pushes_are_refused_with_the_fault_named() {
+    use gradsync_proto::pb::Encoding;
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    // No weight decay: a step then moves only the values a gradient holds.
+    let server = Server::start(&[
+        "--token",
+        "t",
+        "--compress",
+        "topk:0.5",
+        "--worker-timeout",
+        "30",
+        "--weight-decay",
+        "0",
+    ]);
+    let mut c = rt.block_on(connect(&server.addr));
+    let fp = Fingerprint::new(&spec(), 7).text;
+    let init = init_params(&Layout::new(&spec()), 7);
+    let n = init.len();
+    let reg = |compression: &str| RegisterRequest {
+        rank: 0,
+        world_size: 1,
+        fingerprint: fp.clone(),
+        compression: compression.into(),
+    };
+    let le = |v: &[u32]| v.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<u8>>();
+    let sparse = |indices: &[u32], values: &[f32], span: u64| {
+        let chunk = GradientChunk {
+            rank: 0,
+            base_version: 0,
+            offset: 0,
+            data: gradsync_proto::wire::encode(values, Default::default()),
+            encoding: Encoding::Sparse.into(),
+            indices: le(indices).into(),
+            span,
+        };
+        authed(tonic::codegen::tokio_stream::iter(vec![chunk]), "t")
+    };
+    rt.block_on(async {
+        for (announced, says) in [("fp16", "--compress fp16"), ("", "--compress none"), ("zip", "'zip'")] {
+            let e = c.register(authed(reg(announced), "t")).await.expect_err(announced);
+            assert!(
+                e.message().contains(says) && e.message().contains("registration refused"),
+                "{announced}: {e:?}"
+            );
+        }
+        c.register(authed(reg("topk:0.5"), "t")).await.expect("register");
+        let last = n as u32 - 1;
+        for (what, push, says) in [
+            ("index out of range", sparse(&[0, n as u32], &[1.0, 1.0], n as u64), "outside the chunk's span"),
+            ("repeated index", sparse(&[3, 3], &[1.0, 1.0], n as u64), "strictly ascend"),
+            ("unequal lengths", sparse(&[1, 2], &[1.0], n as u64), "2 indices but 1 values"),
+            ("span past the range", sparse(&[last], &[1.0], n as u64 + 1), "past the range"),
+            ("short span", sparse(&[1], &[1.0], 10), "values, the range holds"),
+        ] {
+            let e = c.push_gradients(push).await.expect_err(what);
+            assert_eq!(e.code(), Code::InvalidArgument, "{what}: {e:?}");
+            assert!(e.message().contains(says), "{what}: {}", e.message());
+        }
+        let e = c.push_gradients(grad_stream(0, &vec![0.5; n], "t")).await.expect_err("f32 push");
+        assert!(
+            e.message().contains("ENCODING_F32") && e.message().contains("--compress topk:0.5"),
+            "{}",
+            e.message()
+        );
+        let (version, now) = pull_all(&mut c, "t").await;
+        assert_eq!((version, &now), (0, &init), "parameters changed after refused pushes");
+        let r = c.push_gradients(sparse(&[0, last], &[0.5, -0.5], n as u64)).await.expect("a good push");
+        assert_eq!(r.into_inner().version, 1);
+        let (_, after) = pull_all(&mut c, "t").await;
+        let moved: Vec<usize> = (0..n).filter(|&i| after[i] != init[i]).collect();
+        assert_eq!(moved, [0, n - 1], "only the two values pushed moved");
+    });
 }

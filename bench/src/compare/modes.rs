@@ -200,10 +200,10 @@ pub fn plan(ctx: &Ctx) -> anyhow::Result<Plan> {
     match ctx.spec.mode {
         ModeKind::Local => Ok(local(ctx)),
         ModeKind::Dp => Ok(dp(ctx)),
-        ModeKind::PsBsp => Ok(ps(ctx, "bsp".into())),
+        ModeKind::PsBsp | ModeKind::PsBspFp16 | ModeKind::PsBspTopk => Ok(ps(ctx, "bsp".into())),
         ModeKind::PsAsp => Ok(ps(ctx, "asp".into())),
         ModeKind::PsSsp => Ok(ps(ctx, format!("ssp:{}", ctx.scenario.ssp_staleness))),
-        ModeKind::DdpTcp => ddp(ctx, "tcp", Some("tcp")),
+        ModeKind::DdpTcp | ModeKind::DdpTcpTopk => ddp(ctx, "tcp", Some("tcp")),
         ModeKind::DdpShm => ddp(ctx, "tcp", Some("shm")),
         ModeKind::DdpNccl => ddp(ctx, "nccl", None),
         ModeKind::Zero1Tcp => ring(ctx, "zero1", "tcp", Some("tcp")),
@@ -253,6 +253,9 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
             if let Some(c) = s.ps_chunk_bytes {
                 args.extend(flags([("--chunk-bytes", c.to_string())]));
             }
+            if let Some(c) = ctx.spec.mode.compress(s.topk_ratio) {
+                args.extend(flags([("--compress", c)]));
+            }
             if s.trace && ctx.bins.server_trace {
                 args.extend(flags([(
                     "--trace",
@@ -284,6 +287,9 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
                     ]));
                     if let Some(c) = ctx.scenario.ps_chunk_bytes {
                         args.extend(flags([("--chunk-bytes", c.to_string())]));
+                    }
+                    if let Some(c) = ctx.spec.mode.compress(ctx.scenario.topk_ratio) {
+                        args.extend(flags([("--compress", c)]));
                     }
                     ctx.worker(r, name, args)
                 })
@@ -323,6 +329,9 @@ fn ring(ctx: &Ctx, mode: &str, backend: &str, transport: Option<&str>) -> anyhow
             }
             if let Some(mb) = ctx.scenario.bucket_mb {
                 args.extend(flags([("--bucket-mb", mb.to_string())]));
+            }
+            if let Some(c) = ctx.spec.mode.compress(ctx.scenario.topk_ratio) {
+                args.extend(flags([("--compress", c)]));
             }
             ctx.worker(r, name, args)
         })

@@ -36,11 +36,19 @@ pub enum ModeKind {
     DdpNccl,
     /// ZeRO stage 1 over TCP sockets: reduce-scatter, each rank updates its 1/n shard, all-gather.
     Zero1Tcp,
+    /// ps-bsp with fp16 pushes (`--compress fp16`).
+    PsBspFp16,
+    /// ps-bsp with top-k pushes and error feedback (`--compress topk:R`, R the scenario's
+    /// `topk_ratio`).
+    PsBspTopk,
+    /// ddp-tcp with each bucket's top-k all-gathered, with error feedback (`--compress
+    /// topk:R`).
+    DdpTcpTopk,
 }
 
 impl ModeKind {
     /// Every mode, in report order.
-    pub const ALL: [ModeKind; 9] = [
+    pub const ALL: [ModeKind; 12] = [
         ModeKind::Local,
         ModeKind::Dp,
         ModeKind::PsBsp,
@@ -50,6 +58,9 @@ impl ModeKind {
         ModeKind::DdpShm,
         ModeKind::DdpNccl,
         ModeKind::Zero1Tcp,
+        ModeKind::PsBspFp16,
+        ModeKind::PsBspTopk,
+        ModeKind::DdpTcpTopk,
     ];
 
     /// The label used in file names, tables and charts.
@@ -64,6 +75,32 @@ impl ModeKind {
             ModeKind::DdpShm => "ddp-shm",
             ModeKind::DdpNccl => "ddp-nccl",
             ModeKind::Zero1Tcp => "zero1-tcp",
+            ModeKind::PsBspFp16 => "ps-bsp-fp16",
+            ModeKind::PsBspTopk => "ps-bsp-topk",
+            ModeKind::DdpTcpTopk => "ddp-tcp-topk",
+        }
+    }
+
+    /// The uncompressed mode it compresses (itself for the others).
+    pub fn base(self) -> ModeKind {
+        match self {
+            ModeKind::PsBspFp16 | ModeKind::PsBspTopk => ModeKind::PsBsp,
+            ModeKind::DdpTcpTopk => ModeKind::DdpTcp,
+            m => m,
+        }
+    }
+
+    /// Whether it compresses its gradients on the wire.
+    pub fn is_compressed(self) -> bool {
+        self.base() != self
+    }
+
+    /// Its `--compress` value (none for the uncompressed modes), top-k at `topk_ratio`.
+    pub fn compress(self, topk_ratio: f64) -> Option<String> {
+        match self {
+            ModeKind::PsBspFp16 => Some("fp16".into()),
+            ModeKind::PsBspTopk | ModeKind::DdpTcpTopk => Some(format!("topk:{topk_ratio}")),
+            _ => None,
         }
     }
 
@@ -74,7 +111,8 @@ impl ModeKind {
             ModeKind::Local => "none",
             ModeKind::Dp => "in one process",
             ModeKind::PsBsp | ModeKind::PsAsp | ModeKind::PsSsp => "gRPC over TCP",
-            ModeKind::DdpTcp | ModeKind::Zero1Tcp => "TCP sockets",
+            ModeKind::PsBspFp16 | ModeKind::PsBspTopk => "gRPC over TCP",
+            ModeKind::DdpTcp | ModeKind::Zero1Tcp | ModeKind::DdpTcpTopk => "TCP sockets",
             ModeKind::DdpShm => "shared memory",
             ModeKind::DdpNccl => "NCCL",
         }
@@ -82,12 +120,15 @@ impl ModeKind {
 
     /// Whether its traffic crosses TCP (so its figures compare with each other's).
     pub fn over_tcp(self) -> bool {
-        self.is_ps() || matches!(self, ModeKind::DdpTcp | ModeKind::Zero1Tcp)
+        self.is_ps() || matches!(self, ModeKind::DdpTcp | ModeKind::Zero1Tcp | ModeKind::DdpTcpTopk)
     }
 
     /// Whether it runs parameter servers (and so is crossed with shard counts).
     pub fn is_ps(self) -> bool {
-        matches!(self, ModeKind::PsBsp | ModeKind::PsAsp | ModeKind::PsSsp)
+        matches!(
+            self,
+            ModeKind::PsBsp | ModeKind::PsAsp | ModeKind::PsSsp | ModeKind::PsBspFp16 | ModeKind::PsBspTopk
+        )
     }
 
     /// Whether it moves the ring all-reduce's bytes over the ring (DDP's all-reduce, or
@@ -96,9 +137,26 @@ impl ModeKind {
         matches!(self, ModeKind::DdpTcp | ModeKind::DdpShm | ModeKind::DdpNccl | ModeKind::Zero1Tcp)
     }
 
-    /// The mode a metrics header describes (`mode`, `variant`, and for the TCP backend the
-    /// transport it ran over: `extra.transport`), if any.
-    pub fn from_header(mode: &str, variant: &str, transport: Option<&str>) -> Option<ModeKind> {
+    /// The mode a metrics header describes (`mode`, `variant`, for the TCP backend the
+    /// transport it ran over, `extra.transport`, and the compression, `extra.compression`), if
+    /// any.
+    pub fn from_header(
+        mode: &str,
+        variant: &str,
+        transport: Option<&str>,
+        compression: Option<&str>,
+    ) -> Option<ModeKind> {
+        let base = ModeKind::uncompressed(mode, variant, transport)?;
+        Some(match (base, compression.unwrap_or("none")) {
+            (m, "none") => m,
+            (ModeKind::PsBsp, "fp16") => ModeKind::PsBspFp16,
+            (ModeKind::PsBsp, c) if c.starts_with("topk:") => ModeKind::PsBspTopk,
+            (ModeKind::DdpTcp, c) if c.starts_with("topk:") => ModeKind::DdpTcpTopk,
+            _ => return None,
+        })
+    }
+
+    fn uncompressed(mode: &str, variant: &str, transport: Option<&str>) -> Option<ModeKind> {
         Some(match (mode, variant) {
             ("local", _) => ModeKind::Local,
             ("dp", _) => ModeKind::Dp,
@@ -206,6 +264,9 @@ pub struct Scenario {
     /// chunk or two has nothing to overlap.
     #[serde(default)]
     pub ps_chunk_bytes: Option<usize>,
+    /// The top-k ratio of the `-topk` modes (`--compress topk:R`).
+    #[serde(default = "topk_ratio")]
+    pub topk_ratio: f64,
     /// Record Chrome trace-event timelines.
     #[serde(default)]
     pub trace: bool,
@@ -253,6 +314,9 @@ fn timeout() -> f64 {
 }
 fn rawtcp() -> f64 {
     1.0
+}
+fn topk_ratio() -> f64 {
+    0.01
 }
 fn no_delay() -> Vec<u64> {
     vec![0]
@@ -316,6 +380,11 @@ impl Scenario {
             d.parse::<gradsync_core::data::DataSource>().map_err(|e| anyhow::anyhow!("`data`: {e}"))?;
         }
         anyhow::ensure!(self.run_timeout_s > 0.0, "`run_timeout_s` must be positive");
+        anyhow::ensure!(
+            self.topk_ratio > 0.0 && self.topk_ratio <= 1.0,
+            "`topk_ratio` must be above 0 and at most 1, not {}",
+            self.topk_ratio
+        );
         anyhow::ensure!(self.rawtcp_s > 0.0 && self.rawtcp_s <= 60.0, "`rawtcp_s` must be in (0, 60]");
         if let Some(t) = self.time_s {
             anyhow::ensure!(t > 0.0, "`time_s` must be positive");
@@ -521,14 +590,26 @@ mod tests {
 
     #[test]
     fn ddp_modes_are_told_apart_by_their_transport() {
-        assert_eq!(ModeKind::from_header("ddp", "tcp", Some("tcp")), Some(ModeKind::DdpTcp));
-        assert_eq!(ModeKind::from_header("ddp", "tcp", Some("shm")), Some(ModeKind::DdpShm));
-        assert_eq!(ModeKind::from_header("ddp", "tcp", None), Some(ModeKind::DdpTcp));
-        assert_eq!(ModeKind::from_header("ddp", "nccl", None), Some(ModeKind::DdpNccl));
+        assert_eq!(ModeKind::from_header("ddp", "tcp", Some("tcp"), None), Some(ModeKind::DdpTcp));
+        assert_eq!(ModeKind::from_header("ddp", "tcp", Some("shm"), None), Some(ModeKind::DdpShm));
+        assert_eq!(ModeKind::from_header("ddp", "tcp", None, None), Some(ModeKind::DdpTcp));
+        assert_eq!(ModeKind::from_header("ddp", "nccl", None, None), Some(ModeKind::DdpNccl));
         assert!(ModeKind::DdpTcp.over_tcp() && ModeKind::PsAsp.over_tcp() && !ModeKind::DdpShm.over_tcp());
         assert_ne!(ModeKind::DdpTcp.wire(), ModeKind::DdpShm.wire());
         // ZeRO-1 over the ring's sockets, compared with ddp-tcp like for like.
-        assert_eq!(ModeKind::from_header("zero1", "tcp", Some("tcp")), Some(ModeKind::Zero1Tcp));
+        assert_eq!(ModeKind::from_header("zero1", "tcp", Some("tcp"), None), Some(ModeKind::Zero1Tcp));
+        assert_eq!(ModeKind::from_header("ps", "bsp", None, Some("none")), Some(ModeKind::PsBsp));
+        assert_eq!(ModeKind::from_header("ps", "bsp", None, Some("fp16")), Some(ModeKind::PsBspFp16));
+        assert_eq!(ModeKind::from_header("ps", "bsp", None, Some("topk:0.01")), Some(ModeKind::PsBspTopk));
+        assert_eq!(
+            ModeKind::from_header("ddp", "tcp", Some("tcp"), Some("topk:0.01")),
+            Some(ModeKind::DdpTcpTopk)
+        );
+        assert_eq!(ModeKind::from_header("ps", "asp", None, Some("fp16")), None);
+        for m in [ModeKind::PsBspFp16, ModeKind::PsBspTopk, ModeKind::DdpTcpTopk] {
+            assert_eq!(m.label().parse::<ModeKind>(), Ok(m));
+            assert!(m.compress(0.01).is_some() && m.base().compress(0.01).is_none());
+        }
         assert_eq!("zero1-tcp".parse::<ModeKind>(), Ok(ModeKind::Zero1Tcp));
         assert!(ModeKind::Zero1Tcp.over_tcp() && ModeKind::Zero1Tcp.is_ring());
         assert_eq!(ModeKind::Zero1Tcp.wire(), ModeKind::DdpTcp.wire());

@@ -9,11 +9,12 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use bytes::Bytes;
+use gradsync_core::compress::Half;
 use gradsync_proto::frames::{self, Frames, Incoming};
 use gradsync_proto::path::{PULL, PUSH};
-use gradsync_proto::pb::{GradientChunk, PullRequest, PushReply};
+use gradsync_proto::pb::{Encoding, GradientChunk, PullRequest, PushReply};
 use gradsync_proto::wire;
+use prost::Message;
 use tonic::transport::Channel;
 
 use super::chunks::{ChunkSink, Gradients};
@@ -30,6 +31,8 @@ pub(super) struct Opts<'a> {
     pub(super) limit: usize,
     pub(super) auth: &'a Auth,
     pub(super) rank: u32,
+    /// The half precision pulls arrive in (`--compress fp16|bf16`), f32 when none.
+    pub(super) pull_half: Option<Half>,
 }
 
 /// What one push or pull moved.
@@ -56,7 +59,7 @@ pub(super) fn push_transfer(replies: &[(PushReply, u64)], t: Instant) -> Transfe
 }
 
 /// Push shard `s`'s range of `grads` as one PushGradients call. Returns the reply and the
-/// payload bytes. Each message is built (one copy, from the gradient into the message) just
+/// payload bytes on the wire. Each message is built (one copy, from the gradient into the message) just
 /// before it is sent, so the first leaves at once and each is still in cache when the kernel
 /// copies it into the socket.
 pub(super) async fn push_shard<G: Gradients + ?Sized>(
@@ -66,7 +69,8 @@ pub(super) async fn push_shard<G: Gradients + ?Sized>(
 ) -> anyhow::Result<(PushReply, u64)> {
     let (rank, base) = (o.rank, s.version);
     let chunk = |r: Range<usize>| {
-        let head = GradientChunk { rank, base_version: base, offset: r.start as u64, data: Bytes::new() };
+        let head =
+            GradientChunk { rank, base_version: base, offset: r.start as u64, ..GradientChunk::default() };
         grads.chunk(&head, s.range.start + r.start..s.range.start + r.end)
     };
     let ranges = || wire::chunks(s.range.len() * 4, s.chunk).map(|b| b.start / 4..b.end / 4);
@@ -117,19 +121,22 @@ pub(super) async fn push_shard<G: Gradients + ?Sized>(
     } else {
         let chunks = ranges()
             .map(|r| {
-                let (offset, data) = chunk(r)?.payload();
-                anyhow::Ok(GradientChunk { rank, base_version: base, offset, data })
+                // The whole message, head fields (a sparse chunk's indices) included.
+                let m = chunk(r)?.message().slice(frames::PREFIX..);
+                GradientChunk::decode(m).context("re-reading a gradient message")
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let mut client = s.rpc.client.clone();
         let req = request(tokio_stream_iter(chunks), o.timeout);
         deadline(o.timeout, &s.addr, "PushGradients", client.push_gradients(req)).await?.into_inner()
     };
-    Ok((r, s.range.len() as u64 * 4))
+    let wire = ranges().map(|r| grads.wire_bytes(s.range.start + r.start..s.range.start + r.end)).sum();
+    Ok((r, wire))
 }
 
 /// Pull shard `s`'s parameters into `dst` chunk by chunk: the current version, or `want`
-/// streamed as the server produces it (BSP). Returns the version and the payload bytes.
+/// streamed as the server produces it (BSP); half-precision chunks (`--compress fp16|bf16`)
+/// widened to f32 on arrival. Returns the version and the payload bytes on the wire.
 pub(super) async fn pull_shard(
     o: &Opts<'_>,
     s: &Shard,
@@ -147,18 +154,43 @@ pub(super) async fn pull_shard(
             let mut client = s.pull.client.clone();
             Incoming::Codec(client.pull_parameters(request(req, o.timeout)).await?.into_inner())
         };
-        let (mut received, mut version) = (0u64, None);
+        let (mut received, mut version, mut wire_bytes) = (0u64, None, 0u64);
+        let expected = match o.pull_half {
+            Some(Half::F16) => Encoding::F16,
+            Some(Half::Bf16) => Encoding::Bf16,
+            None => Encoding::F32,
+        };
+        let mut widened = Vec::new();
         while let Some(c) = stream.message().await? {
             if *version.get_or_insert(c.version) != c.version || c.offset != received {
                 return Err(tonic::Status::data_loss("chunks of one pull disagree on version or order"));
             }
-            dst.put(&c.data, c.offset)?;
-            received += (c.data.len() / 4) as u64;
+            if c.encoding != i32::from(expected) {
+                return Err(tonic::Status::data_loss(format!(
+                    "a parameter chunk encoded as {}, this worker's --compress pulls {}",
+                    Encoding::try_from(c.encoding).map_or("an unknown encoding", |e| e.as_str_name()),
+                    expected.as_str_name()
+                )));
+            }
+            wire_bytes += c.data.len() as u64;
+            let values = match o.pull_half {
+                None => {
+                    dst.put(&c.data, c.offset)?;
+                    c.data.len() / 4
+                }
+                Some(h) => {
+                    widened.resize(c.data.len() / 2, 0f32);
+                    h.decode(&c.data, &mut widened).map_err(|e| tonic::Status::data_loss(e.to_string()))?;
+                    dst.put(&wire::encode(&widened, bytes::BytesMut::new()), c.offset)?;
+                    widened.len()
+                }
+            };
+            received += values as u64;
         }
         if received as usize != dst.values() {
             return Err(tonic::Status::data_loss(format!("{received} values of {}", dst.values())));
         }
-        Ok((version.or(want).unwrap_or(0), received * 4))
+        Ok((version.or(want).unwrap_or(0), wire_bytes))
     };
     deadline(o.timeout, &s.addr, "PullParameters", fut).await
 }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures_util::future::try_join_all;
+use gradsync_core::compress::Compression;
 use gradsync_core::optim::SgdConfig;
 use gradsync_proto::SyncMode;
 use gradsync_proto::pb::{
@@ -38,6 +39,8 @@ pub struct PsClient {
     pipeline: bool,
     /// The optimiser the servers apply and their staleness policy, known once registered.
     optimiser: Option<(SgdConfig, String)>,
+    /// How pushes are encoded (`--compress`), announced at registration.
+    compression: Compression,
 }
 
 impl PsClient {
@@ -114,7 +117,20 @@ impl PsClient {
             sync: SyncMode::Bsp,
             pipeline: true,
             optimiser: None,
+            compression: Compression::None,
         })
+    }
+
+    /// Announce pushes encoded as `c` (`--compress`) at the next [`PsClient::register`]; the
+    /// servers refuse a registration that does not match their own `--compress`. The caller
+    /// encodes what it pushes ([`crate::ps::Encoded`]).
+    pub fn set_compression(&mut self, c: Compression) {
+        self.compression = c;
+    }
+
+    /// How pushes are encoded, as announced.
+    pub fn compression(&self) -> Compression {
+        self.compression
     }
 
     /// Whether a BSP exchange pulls the next version while pushing (the default) or pushes,
@@ -192,11 +208,13 @@ impl PsClient {
     ) -> anyhow::Result<u64> {
         let timeout = self.timeout;
         let n = self.shards.len();
+        let compression = &self.compression.to_string();
         let replies = try_join_all(self.shards.iter_mut().map(|s| async move {
             let req = RegisterRequest {
                 rank: rank as u32,
                 world_size: world as u32,
                 fingerprint: fingerprint.into(),
+                compression: compression.clone(),
             };
             let r =
                 deadline(timeout, &s.addr, "Register", s.rpc.client.register(request(req, timeout))).await?;
@@ -241,6 +259,15 @@ impl PsClient {
             end = r.end as usize;
         }
         anyhow::ensure!(end == total, "--servers: the shards cover 0..{end} of {total} values");
+        for (s, r) in self.shards.iter().zip(&replies) {
+            // A server that names no compression predates it and decodes f32 pushes only.
+            let theirs = if r.compression.is_empty() { "none" } else { r.compression.as_str() };
+            anyhow::ensure!(
+                theirs == compression,
+                "{}: takes pushes with --compress {theirs}, this worker sends --compress {compression}",
+                s.addr
+            );
+        }
         let sync = &replies[0].sync;
         if let Some(r) = replies.iter().find(|r| &r.sync != sync) {
             anyhow::bail!("the shards disagree on the sync mode: {sync} and {}", r.sync);
@@ -271,6 +298,7 @@ impl PsClient {
             limit: self.limit,
             auth: &self.auth,
             rank: self.rank,
+            pull_half: self.compression.half(),
         }
     }
 
@@ -323,6 +351,19 @@ impl PsClient {
             s.version = *v;
         }
         Ok(Transfer { bytes: got.iter().map(|g| g.1).sum(), ms: ms_since(t), ..Transfer::default() })
+    }
+
+    /// One step's communication: push `grads` (as they come, compressed or not) and pull the
+    /// parameters the update makes into the whole flat buffer `params`. See
+    /// [`PsClient::exchange`].
+    pub async fn exchange_into<G: Gradients + ?Sized>(
+        &mut self,
+        grads: &G,
+        params: &mut [f32],
+    ) -> anyhow::Result<(Transfer, Transfer)> {
+        self.check_len("pull", params.len())?;
+        let sinks = self.split(params).into_iter().map(HostSlice).collect();
+        self.exchange(grads, sinks).await
     }
 
     /// One step's communication: push `grads` and pull the parameters the update makes into
@@ -457,6 +498,7 @@ impl PsClient {
             sync: self.sync,
             pipeline: self.pipeline,
             optimiser: self.optimiser.clone(),
+            compression: self.compression,
         }
     }
 }

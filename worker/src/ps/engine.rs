@@ -89,6 +89,31 @@ impl EngineLink {
             }
         }
     }
+
+    /// [`EngineLink::exchange`] for a push that does not come straight from the engine's
+    /// gradient buffer (one compressed on the host, `--compress`): only the pull reaches the
+    /// engine. Returns when the communication began and the push's and the pull's traffic.
+    pub async fn exchange_from<G: Gradients + ?Sized>(
+        &mut self,
+        client: &mut PsClient,
+        engine: &mut Engine,
+        grads: &G,
+    ) -> anyhow::Result<(Instant, Transfer, Transfer)> {
+        let t = Instant::now();
+        match self {
+            EngineLink::InPlace => {
+                let engine = RefCell::new(engine);
+                let sinks = ranges(client, &engine);
+                let (push, pull) = client.exchange(grads, sinks).await?;
+                Ok((t, push, pull))
+            }
+            EngineLink::Staged { params, .. } => {
+                let (push, pull) = client.exchange_into(grads, params).await?;
+                engine.write_params(0, params)?;
+                Ok((t, push, pull))
+            }
+        }
+    }
 }
 
 /// One sink per shard over the engine's parameters.

@@ -19,6 +19,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use gradsync_core::Engine;
+use gradsync_core::compress::Compression;
 use gradsync_core::device::Device;
 use gradsync_core::engine::{Bucket, BucketGrads, DeviceGrads};
 use gradsync_core::metrics::Step;
@@ -27,6 +28,7 @@ use gradsync_core::model::BucketPlan;
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 
+use super::bucket::BucketReduce;
 use super::{Shape, Strategy, backward, forward, micro_step, timed_span};
 use crate::collective::{Collective, CommError, Nccl, RingConfig, TcpComm, Traffic, Transport};
 use crate::rendezvous::{self, RendezvousConfig};
@@ -115,6 +117,8 @@ pub struct DdpConfig {
     pub sgd: SgdConfig,
     /// Timeline recorder (`--trace`).
     pub trace: Trace,
+    /// How each bucket travels (`--compress`).
+    pub compression: Compression,
 }
 
 /// Collective backends.
@@ -145,11 +149,21 @@ pub struct Ddp {
     trace: Trace,
     /// Optimiser-state bytes the engine holds once started (the full momentum buffer).
     state_bytes: usize,
+    /// How a host bucket is reduced (`--compress`), with what that keeps between steps.
+    reduce: BucketReduce,
+    compression: Compression,
 }
 
 impl Ddp {
     /// Meet the other ranks (rendezvous through rank 0's store) and connect the backend.
     pub fn connect(c: DdpConfig) -> anyhow::Result<Ddp> {
+        // Refused before meeting the other ranks.
+        let reduce = BucketReduce::new(c.compression)?;
+        anyhow::ensure!(
+            c.compression.is_none() || c.backend == Backend::Tcp,
+            "--compress {} works on host buckets: use --backend tcp (NCCL reduces in GPU memory)",
+            c.compression
+        );
         let comm = Comm::connect(&c)?;
         let (rank, world) = (c.rendezvous.rank, c.rendezvous.world);
         Ok(Ddp {
@@ -166,6 +180,8 @@ impl Ddp {
             staging: Vec::new(),
             trace: c.trace,
             state_bytes: 0,
+            reduce,
+            compression: c.compression,
         })
     }
 
@@ -180,7 +196,7 @@ impl Ddp {
         for b in buckets {
             let host = &mut self.staging[b.clone()];
             engine.read_grads(b.clone(), host)?;
-            self.comm.get().all_reduce(host).with_context(|| format!("all-reduce of bucket {b:?}"))?;
+            self.reduce.reduce(self.comm.get(), b.clone(), host)?;
             engine.write_grads(b.start, host)?;
         }
         Ok(())
@@ -261,6 +277,7 @@ fn backward_reduced(
     let trace = ddp.trace.clone();
     let overlap = ddp.overlap;
     let t0 = Instant::now();
+    let reduce = &mut ddp.reduce;
     let (nccl, tcp) = match &mut ddp.comm {
         Comm::Nccl(n) => (Some(n.as_mut()), None),
         Comm::Tcp(c) => (None, Some(c)),
@@ -275,7 +292,7 @@ fn backward_reduced(
                     let mut spans = Vec::new();
                     for (i, range, bucket) in rx {
                         let t = Instant::now();
-                        comm.all_reduce(bucket).with_context(|| format!("all-reduce of bucket {range:?}"))?;
+                        reduce.reduce(comm, range.clone(), bucket)?;
                         spans.push((t, Instant::now()));
                         let mut args = serde_json::Map::new();
                         args.insert("bytes".into(), (4 * range.len()).into());
@@ -417,6 +434,7 @@ impl Strategy for Ddp {
         m.insert("sync_every".into(), self.sync_every.into());
         m.insert("overlap".into(), self.overlap.into());
         m.insert("chunk_kb".into(), self.chunk_kb.into());
+        m.insert("compression".into(), self.compression.to_string().into());
         super::describe_memory(&mut m, self.state_bytes);
         let v = self.comm.describe(&mut m);
         (v, m)

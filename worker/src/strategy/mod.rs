@@ -4,8 +4,10 @@
 //! Here: the [`Strategy`] trait, the [`Shape`] through which a strategy tells the loop how to
 //! draw its data, and the timed compute helpers every strategy shares ([`forward`],
 //! [`backward`]), so forward and backward are timed and traced in one place. Each strategy
-//! takes its own typed configuration; [`crate::setup`] builds it from the flags.
+//! takes its own typed configuration; [`crate::setup`] builds it from the flags. `bucket.rs`
+//! is how DDP reduces one bucket under `--compress` (all-reduce, or top-k all-gathered).
 
+mod bucket;
 mod ddp;
 mod dp;
 mod local;

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use gradsync_core::Engine;
+use gradsync_core::compress::{Compression, Half, Sparse, TopK};
 use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
 use gradsync_core::optim::SgdConfig;
@@ -19,7 +20,7 @@ use gradsync_core::trace::Trace;
 use gradsync_proto::tuning::Tuning;
 
 use super::{Shape, Strategy, forward_backward, ms_since};
-use crate::ps::{EngineLink, PsClient};
+use crate::ps::{Encoded, EngineLink, PsClient};
 
 /// `--mode ps`: the [`Strategy`].
 pub struct Ps {
@@ -34,6 +35,21 @@ pub struct Ps {
     heartbeat: Option<tokio::task::JoinHandle<()>>,
     /// Timeline recorder (`--trace`).
     trace: Trace,
+    /// How pushes are encoded, and what that keeps between steps.
+    codec: Codec,
+    /// The gradient read to the host for a compressed push.
+    host: Vec<f32>,
+}
+
+/// `--compress` as a push applies it.
+enum Codec {
+    /// The engine's f32 gradient, straight into the messages.
+    None,
+    /// Every value in half precision.
+    Half(Half),
+    /// Top-k with error feedback: the residual over the whole flat buffer (made at
+    /// [`Strategy::start`], once its length is known) and the pairs of the current push.
+    TopK(f64, Option<TopK>, Sparse),
 }
 
 /// How often a worker tells the servers it is alive, whatever it is doing.
@@ -64,6 +80,8 @@ pub struct PsConfig {
     pub fingerprint: String,
     /// Timeline recorder (`--trace`).
     pub trace: Trace,
+    /// How pushes are encoded (`--compress`), announced to the servers at registration.
+    pub compression: Compression,
 }
 
 impl Ps {
@@ -98,6 +116,7 @@ impl Ps {
             c.sync_mode().await?;
             c.set_pipeline(cfg.pipeline);
             c.set_chunk_bytes(cfg.chunk_bytes);
+            c.set_compression(cfg.compression);
             anyhow::Ok(c)
         })?;
         Ok(Ps {
@@ -110,6 +129,13 @@ impl Ps {
             link: EngineLink::InPlace,
             heartbeat: None,
             trace: cfg.trace,
+            codec: match cfg.compression {
+                Compression::None => Codec::None,
+                Compression::Fp16 => Codec::Half(Half::F16),
+                Compression::Bf16 => Codec::Half(Half::Bf16),
+                Compression::TopK(r) => Codec::TopK(r, None, Sparse::default()),
+            },
+            host: Vec::new(),
         })
     }
 }
@@ -121,6 +147,9 @@ impl Strategy for Ps {
 
     fn start(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
         let n = engine.layout().len;
+        if let Codec::TopK(ratio, residual, _) = &mut self.codec {
+            *residual = Some(TopK::new(*ratio, n));
+        }
         self.link = EngineLink::new(engine);
         let (client, link) = (&mut self.client, &mut self.link);
         let (rank, world, fp) = (self.rank, self.world, self.fingerprint.as_str());
@@ -150,7 +179,25 @@ impl Strategy for Ps {
     ) -> anyhow::Result<BatchLoss> {
         let loss = forward_backward(engine, x, y, rec, &self.trace)?;
         let t = Instant::now();
-        let (t_comm, push, pull) = self.rt.block_on(self.link.exchange(&mut self.client, engine))?;
+        // Compressed pushes are built on the host from the whole gradient (top-k's error
+        // feedback needs all of it at once); the pull still goes straight into the engine.
+        if !matches!(self.codec, Codec::None) {
+            let n = engine.layout().len;
+            self.host.resize(n, 0.0);
+            engine.read_grads(0..n, &mut self.host)?;
+        }
+        let grads = match &mut self.codec {
+            Codec::None => None,
+            Codec::Half(h) => Some(Encoded::Half(*h, &self.host)),
+            Codec::TopK(_, residual, pairs) => {
+                residual.as_mut().context("step before start")?.compress(&self.host, pairs)?;
+                Some(Encoded::Sparse(pairs))
+            }
+        };
+        let (t_comm, push, pull) = match &grads {
+            None => self.rt.block_on(self.link.exchange(&mut self.client, engine))?,
+            Some(g) => self.rt.block_on(self.link.exchange_from(&mut self.client, engine, g))?,
+        };
         let at = |ms: f64| t_comm + Duration::from_secs_f64(ms / 1e3);
         let mut args = serde_json::Map::new();
         args.insert("bytes".into(), push.bytes.into());
@@ -192,6 +239,7 @@ impl Strategy for Ps {
         extra.insert("shards".into(), self.client.ranges().len().into());
         extra.insert("chunk_bytes".into(), self.client.chunk_bytes().into());
         extra.insert("pipeline".into(), self.client.pipelined().into());
+        extra.insert("compression".into(), self.client.compression().to_string().into());
         (self.client.sync().to_string(), extra)
     }
 }

@@ -140,7 +140,10 @@ fn cluster_link(r: &ClusterRun) -> Link {
 pub fn cluster_prediction(r: &ClusterRun, params: usize) -> Option<f64> {
     let s = 4.0 * params as f64;
     let l = cluster_link(r);
-    if r.mode.is_ps() {
+    if r.mode.is_compressed() {
+        // The model prices f32 gradients only.
+        None
+    } else if r.mode.is_ps() {
         Some(cost::ps(r.workers, r.shards.max(1), s, l))
     } else if r.mode == ModeKind::Zero1Tcp {
         Some(cost::zero1(r.workers, s, l))
@@ -619,5 +622,35 @@ mod tests {
         assert!(text.contains("2 runs diverged (ps-ssp w4, ps-ssp w4 at step 35)"), "{text}");
         assert!(text.contains("lower the learning rate"), "{text}");
         assert!(text.contains("1 run(s) did not run to their end"), "{text}");
+    }
+
+    #[test]
+    fn compressed_modes_are_read_against_the_mode_they_compress() {
+        let with = |mode: &str, sent: f64, acc: f64, tt: Option<f64>| Summary {
+            bytes_sent_per_step_worker: Some(sent),
+            final_accuracy: Some(acc),
+            ..rep_row(mode, 0, "ok", 1000.0, tt)
+        };
+        let rows = vec![
+            with("ps-bsp", 4.0e6, 0.975, Some(3.0)),
+            with("ps-bsp-topk", 8.0e4, 0.972, Some(3.5)),
+            with("ddp-tcp", 4.0e6, 0.975, Some(2.0)),
+            with("ddp-tcp-topk", 1.6e5, 0.95, None),
+        ];
+        let c = collected(rows);
+        let g = Group { target: Some(0.97), ..crate::compare::charts::groups(&c).remove(0) };
+        let text = reading(&g, None, None, &c.summaries).join("\n");
+        assert!(
+            text.contains(
+                "ps-bsp-topk at 4 workers sends 0.080 MB per step per worker against ps-bsp's 4.000 (50.0x fewer); \
+                 final held-out accuracy 97.2% against 97.5% (-0.3 points); time to the target 3.5 s against 3.0 s."
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("ddp-tcp-topk at 4 workers")
+                && text.contains("time to the target not reached against 2.0 s"),
+            "{text}"
+        );
     }
 }

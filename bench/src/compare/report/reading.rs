@@ -264,6 +264,7 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
     }
 
     out.extend(zero1_against_ddp(g, &ws, thr_range));
+    out.extend(compressed_against_base(g));
 
     // Measured communication against the model.
     if let Some(l) = link {
@@ -544,6 +545,52 @@ fn zero1_against_ddp(
             ms(d.update_ms),
             cost::update_bytes(n, s) / 1e6,
             cost::update_bytes(1, s) / 1e6,
+        ));
+    }
+    out
+}
+
+/// Each compressed mode against the mode it compresses, at the same workers and shards: bytes
+/// sent per step per worker (a PS worker's pushes; a DDP rank's share of the collective), the
+/// median final held-out accuracy, and the time to the target.
+fn compressed_against_base(g: &Group) -> Vec<String> {
+    let mut out = Vec::new();
+    for c in g.rows.iter().filter(|r| r.slow_ms == 0) {
+        let Ok(kind) = c.mode.parse::<ModeKind>() else { continue };
+        if !kind.is_compressed() {
+            continue;
+        }
+        let base = kind.base().label();
+        let Some(b) = g
+            .rows
+            .iter()
+            .find(|r| r.mode == base && r.workers == c.workers && r.shards == c.shards && r.slow_ms == 0)
+        else {
+            continue;
+        };
+        let mb = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{:.3}", v / 1e6));
+        let fall = match (c.bytes_sent_per_step_worker, b.bytes_sent_per_step_worker) {
+            (Some(x), Some(y)) if x > 0.0 => format!("{:.1}x fewer", y / x),
+            _ => "-".into(),
+        };
+        let acc = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{:.1}%", 100.0 * v));
+        let points = match (c.final_accuracy, b.final_accuracy) {
+            (Some(x), Some(y)) => format!("{:+.1} points", 100.0 * (x - y)),
+            _ => "-".into(),
+        };
+        let tt = |v: Option<f64>| v.map_or("not reached".to_string(), |v| format!("{v:.1} s"));
+        out.push(format!(
+            "{} at {} workers sends {} MB per step per worker against {}'s {} ({fall}); final held-out accuracy \
+             {} against {} ({points}); time to the target {} against {}.",
+            c.mode,
+            c.workers,
+            mb(c.bytes_sent_per_step_worker),
+            base,
+            mb(b.bytes_sent_per_step_worker),
+            acc(c.final_accuracy),
+            acc(b.final_accuracy),
+            tt(c.time_to_target_s),
+            tt(b.time_to_target_s),
         ));
     }
     out

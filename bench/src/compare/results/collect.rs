@@ -130,14 +130,16 @@ fn read_metrics(path: &Path, rel: String, warnings: &mut Vec<String>) -> Option<
 }
 
 /// The configuration that processes of one run share.
-fn config_key(h: &Header) -> (String, String, String, u64, usize, usize) {
+fn config_key(h: &Header) -> (String, String, String, u64, usize, usize, String) {
     let variant = if h.mode == "server" || h.mode == "ps" {
         h.variant.split(':').next().unwrap_or("").to_string()
     } else {
         h.variant.clone()
     };
     let mode = if h.mode == "server" { "ps".to_string() } else { h.mode.clone() };
-    (mode, variant, h.widths.clone(), h.seed, h.world_size, h.global_batch)
+    // Servers and workers both name the compression they ran with (none when absent).
+    let compression = h.extra.get("compression").and_then(|v| v.as_str()).unwrap_or("none").to_string();
+    (mode, variant, h.widths.clone(), h.seed, h.world_size, h.global_batch, compression)
 }
 
 /// The directory part of a relative path.
@@ -178,7 +180,7 @@ fn group(files: Vec<MetricsFile>, warnings: &mut Vec<String>) -> Vec<RunData> {
             .filter(|x| {
                 let k = config_key(&x.header);
                 key.0 == "ps"
-                    && (&k.1, &k.2, k.3) == (&key.1, &key.2, key.3)
+                    && (&k.1, &k.2, k.3, &k.6) == (&key.1, &key.2, key.3, &key.6)
                     && dir_of(&x.rel) == dir_of(&f.rel)
                     && overlaps(f.start(), f.end(), x.start(), x.end(), 0.0)
             })
@@ -189,6 +191,7 @@ fn group(files: Vec<MetricsFile>, warnings: &mut Vec<String>) -> Vec<RunData> {
             &f.header.mode,
             &f.header.variant,
             f.header.extra.get("transport").and_then(|v| v.as_str()),
+            f.header.extra.get("compression").and_then(|v| v.as_str()),
         ) else {
             warnings.push(format!("{}:1: unknown mode '{}'; file skipped", f.rel, f.header.mode));
             continue;

@@ -227,6 +227,8 @@ pub struct Summary {
     pub other_ms: Option<f64>,
     /// Mean bytes sent + received per step per worker.
     pub bytes_per_step_worker: Option<f64>,
+    /// Mean bytes sent per step per worker (a PS worker's pushes, as encoded on the wire).
+    pub bytes_sent_per_step_worker: Option<f64>,
     /// Bytes in + out per worker step at all servers together.
     pub bytes_per_step_server: Option<f64>,
     /// Mean training loss over ranks at the last step.
@@ -332,6 +334,7 @@ impl Summary {
             update_ms: parts[4],
             other_ms: other,
             bytes_per_step_worker: field(|s| (s.bytes_sent + s.bytes_recv) as f64),
+            bytes_sent_per_step_worker: field(|s| s.bytes_sent as f64),
             bytes_per_step_server: (!run.servers.is_empty() && worker_steps > 0)
                 .then(|| server_bytes as f64 / worker_steps_per_rank),
             final_loss: curve.last().map(|c| c.1),
@@ -485,6 +488,7 @@ impl Cell {
                     update_ms: med(|r| r.update_ms),
                     other_ms: med(|r| r.other_ms),
                     bytes_per_step_worker: med(|r| r.bytes_per_step_worker),
+                    bytes_sent_per_step_worker: med(|r| r.bytes_sent_per_step_worker),
                     bytes_per_step_server: med(|r| r.bytes_per_step_server),
                     final_loss: med(|r| r.final_loss),
                     final_accuracy: med(|r| r.final_accuracy),

@@ -1,0 +1,83 @@
+//! How DDP reduces one bucket of host gradients, by `--compress`: the one seam between DDP's
+//! `Reducer` and the collective, so a new codec changes this file only.
+//!
+//! - `none`: the ring all-reduce of the f32 bucket.
+//! - `topk:R`: each rank sends the `k = ceil(R len)` largest magnitudes of its bucket plus its
+//!   residual (error feedback, kept per rank and per bucket). A sparse sum does not stay sparse
+//!   along a ring, so the pairs are not all-reduced: each rank packs its `k` (index, value)
+//!   pairs into `2k` f32 slots (indices bit-cast), one all-gather moves every rank's slots
+//!   (bytes only, no arithmetic, so the indices arrive exact), and every rank adds the `k x
+//!   world` pairs into its zeroed bucket in rank order, the same sum bit for bit everywhere.
+//! - `fp16`, `bf16`: belong inside the ring's wire engines (each hop's payload halved, summed
+//!   in f32); not wired here yet, so [`BucketReduce::new`] refuses them with a clear error.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use anyhow::Context;
+use gradsync_core::compress::{self, Compression, Sparse, TopK};
+
+use crate::collective::Collective;
+
+/// What one rank keeps to reduce its buckets under a `--compress` value.
+pub(super) enum BucketReduce {
+    /// f32 all-reduce.
+    Dense,
+    /// Top-k with error feedback.
+    TopK {
+        /// The fraction of each bucket sent.
+        ratio: f64,
+        /// Each bucket's residual, by the bucket's first value.
+        residuals: BTreeMap<usize, TopK>,
+        /// This rank's pairs of the current bucket.
+        pairs: Sparse,
+        /// Every rank's packed pairs.
+        slots: Vec<f32>,
+    },
+}
+
+impl BucketReduce {
+    /// The reduction `c` asks for; a codec DDP cannot carry yet is refused, naming it.
+    pub(super) fn new(c: Compression) -> anyhow::Result<Self> {
+        match c {
+            Compression::None => Ok(BucketReduce::Dense),
+            Compression::TopK(ratio) => Ok(BucketReduce::TopK {
+                ratio,
+                residuals: BTreeMap::new(),
+                pairs: Sparse::default(),
+                slots: Vec::new(),
+            }),
+            Compression::Fp16 | Compression::Bf16 => anyhow::bail!(
+                "--compress {c} is not yet supported for --mode ddp (half-precision buckets belong in the \
+                 ring's wire engines); use --compress topk:RATIO, or --mode ps for {c}"
+            ),
+        }
+    }
+
+    /// Leave in `bucket` (values `range` of the flat gradient) the sum over every rank of what
+    /// each sends of it.
+    pub(super) fn reduce(
+        &mut self,
+        comm: &mut dyn Collective,
+        range: Range<usize>,
+        bucket: &mut [f32],
+    ) -> anyhow::Result<()> {
+        match self {
+            BucketReduce::Dense => {
+                comm.all_reduce(bucket).with_context(|| format!("all-reduce of bucket {range:?}"))
+            }
+            BucketReduce::TopK { ratio, residuals, pairs, slots } => {
+                let residual =
+                    residuals.entry(range.start).or_insert_with(|| TopK::new(*ratio, bucket.len()));
+                residual.compress(bucket, pairs)?;
+                let (k, world, rank) = (pairs.len(), comm.world_size(), comm.rank());
+                slots.clear();
+                slots.resize(2 * k * world, 0.0);
+                compress::pack(pairs, &mut slots[2 * k * rank..2 * k * (rank + 1)])?;
+                comm.all_gather(slots).with_context(|| format!("all-gather of bucket {range:?}'s top-k"))?;
+                compress::unpack_sum(slots, k, bucket)
+                    .with_context(|| format!("the top-k pairs gathered for bucket {range:?}"))
+            }
+        }
+    }
+}
