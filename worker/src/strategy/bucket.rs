@@ -8,8 +8,10 @@
 //!   pairs into `2k` f32 slots (indices bit-cast), one all-gather moves every rank's slots
 //!   (bytes only, no arithmetic, so the indices arrive exact), and every rank adds the `k x
 //!   world` pairs into its zeroed bucket in rank order, the same sum bit for bit everywhere.
-//! - `fp16`, `bf16`: belong inside the ring's wire engines (each hop's payload halved, summed
-//!   in f32); not wired here yet, so [`BucketReduce::new`] refuses them with a clear error.
+//! - `fp16`, `bf16`: the bucket rounded to half precision and packed two values to an f32
+//!   slot, then all-reduced by the host ring with each hop's payload halved: every hop widens
+//!   the two sums to f32, adds and rounds back ([`Collective::all_reduce_half`]), so every rank
+//!   ends with the same bits, which are widened back into the bucket.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -17,12 +19,19 @@ use std::ops::Range;
 use anyhow::Context;
 use gradsync_core::compress::{self, Compression, Sparse, TopK};
 
-use crate::collective::Collective;
+use crate::collective::{Collective, Half, pack, packed_len, unpack};
 
 /// What one rank keeps to reduce its buckets under a `--compress` value.
 pub(super) enum BucketReduce {
     /// f32 all-reduce.
     Dense,
+    /// Half-precision all-reduce of packed pairs.
+    Half {
+        /// The format on the wire.
+        half: Half,
+        /// The bucket's packed pairs.
+        packed: Vec<f32>,
+    },
     /// Top-k with error feedback.
     TopK {
         /// The fraction of each bucket sent.
@@ -47,10 +56,8 @@ impl BucketReduce {
                 pairs: Sparse::default(),
                 slots: Vec::new(),
             }),
-            Compression::Fp16 | Compression::Bf16 => anyhow::bail!(
-                "--compress {c} is not yet supported for --mode ddp (half-precision buckets belong in the \
-                 ring's wire engines); use --compress topk:RATIO, or --mode ps for {c}"
-            ),
+            Compression::Fp16 => Ok(BucketReduce::Half { half: Half::F16, packed: Vec::new() }),
+            Compression::Bf16 => Ok(BucketReduce::Half { half: Half::Bf16, packed: Vec::new() }),
         }
     }
 
@@ -65,6 +72,14 @@ impl BucketReduce {
         match self {
             BucketReduce::Dense => {
                 comm.all_reduce(bucket).with_context(|| format!("all-reduce of bucket {range:?}"))
+            }
+            BucketReduce::Half { half, packed } => {
+                packed.resize(packed_len(bucket.len()), 0.0);
+                pack(*half, bucket, packed);
+                comm.all_reduce_half(packed, *half)
+                    .with_context(|| format!("{} all-reduce of bucket {range:?}", half.name()))?;
+                unpack(*half, packed, bucket);
+                Ok(())
             }
             BucketReduce::TopK { ratio, residuals, pairs, slots } => {
                 let residual =
