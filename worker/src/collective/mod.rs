@@ -29,7 +29,9 @@
 mod chain;
 mod comm;
 pub(crate) mod frame;
+mod group;
 pub(crate) mod handshake;
+mod hier;
 mod link;
 pub mod nccl;
 mod nccl_lib;
@@ -234,6 +236,31 @@ impl Transport {
     }
 }
 
+/// Whether all-reduce runs hierarchically when ranks share hosts (see `hier`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Hierarchy {
+    /// Hierarchical when there are several hosts and at least one of them holds several ranks;
+    /// one flat ring otherwise.
+    #[default]
+    Auto,
+    /// Always the flat ring.
+    Off,
+    /// Always hierarchical (with more than one rank), whatever the hosts.
+    On,
+}
+
+impl Hierarchy {
+    /// The flag's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Hierarchy::Auto => "auto",
+            Hierarchy::Off => "off",
+            Hierarchy::On => "on",
+        }
+    }
+}
+
 /// Tunables of the TCP backend.
 #[derive(Debug, Clone)]
 pub struct RingConfig {
@@ -244,8 +271,15 @@ pub struct RingConfig {
     pub chunk_bytes: usize,
     /// Socket send/receive buffer size to ask for (`None`: the kernel's autotuning).
     pub socket_buffer: Option<usize>,
-    /// How the ring and chain collectives reach the neighbours (see [`super::shm`]).
+    /// How the ring and chain collectives reach the neighbours (see [`super::shm`]); in a
+    /// hierarchical all-reduce, how the ranks of one host reach each other.
     pub transport: Transport,
+    /// Whether all-reduce reduces inside each host before crossing hosts.
+    pub hierarchy: Hierarchy,
+    /// The host this rank claims to be on, instead of the one it finds (boot id and network
+    /// namespace), like NCCL's `NCCL_HOSTID`: ranks given the same value count as one host.
+    /// Shared memory is still only used where it maps.
+    pub host_id: Option<String>,
 }
 
 impl Default for RingConfig {
@@ -255,6 +289,8 @@ impl Default for RingConfig {
             chunk_bytes: 1 << 20,
             socket_buffer: Some(4 << 20),
             transport: Transport::Auto,
+            hierarchy: Hierarchy::Auto,
+            host_id: None,
         }
     }
 }

@@ -104,13 +104,16 @@ impl Mesh {
         })
     }
 
-    /// The streams from the left and to the right ring neighbour (the same link when there
-    /// are two ranks), split so that one can be written while the other is read.
-    pub(crate) fn neighbours(&mut self) -> Result<(&mut TcpStream, &mut TcpStream)> {
-        let (w, r) = (self.links.len(), self.rank);
-        let (left, right) = ((r + w - 1) % w, (r + 1) % w);
+    /// The stream from `left` and the stream to `right` (the same link when they are one
+    /// peer), split so that one can be written while the other is read: a ring's neighbours,
+    /// whichever ranks form the ring.
+    pub(crate) fn pair(&mut self, left: usize, right: usize) -> Result<(&mut TcpStream, &mut TcpStream)> {
+        let r = self.rank;
         let missing =
             |p| CommError::Invalid { what: "peer", why: format!("rank {r} has no link to rank {p}") };
+        if left.max(right) >= self.links.len() {
+            return Err(missing(left.max(right)));
+        }
         if left == right {
             let l = self.links[left].as_mut().ok_or_else(|| missing(left))?;
             return Ok((&mut l.reader, &mut l.writer));

@@ -28,7 +28,7 @@ use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 
 use super::{Shape, Strategy, backward, forward, micro_step, timed_span};
-use crate::collective::{Collective, CommError, Nccl, RingConfig, TcpComm, Traffic, Transport};
+use crate::collective::{Collective, CommError, Hierarchy, Nccl, RingConfig, TcpComm, Traffic, Transport};
 use crate::rendezvous::{self, RendezvousConfig};
 
 /// The communicator of either backend (DDP's and ZeRO's).
@@ -57,6 +57,7 @@ impl Comm {
                     timeout: cfg.timeout,
                     chunk_bytes: c.chunk_kb << 10,
                     transport: c.transport,
+                    hierarchy: c.hierarchy,
                     ..RingConfig::default()
                 };
                 Comm::Tcp(
@@ -79,11 +80,16 @@ impl Comm {
     }
 
     /// The header's description of the communicator: the variant (the backend's name) and,
-    /// into `m`, what `--transport auto` chose.
+    /// into `m`, what `--transport auto` and `--hierarchy auto` chose: the transport, the
+    /// all-reduce that ran (`ring` or `hierarchical`) and, for the latter, the hosts.
     pub(super) fn describe(&self, m: &mut serde_json::Map<String, serde_json::Value>) -> String {
         match self {
             Comm::Tcp(c) => {
                 m.insert("transport".into(), c.transport().name().into());
+                m.insert("all_reduce".into(), if c.hosts().is_some() { "hierarchical" } else { "ring" }.into());
+                if let Some(hosts) = c.hosts() {
+                    m.insert("hosts".into(), hosts.into());
+                }
                 "tcp".into()
             }
             Comm::Nccl(_) => "nccl".into(),
@@ -111,6 +117,8 @@ pub struct DdpConfig {
     pub chunk_kb: usize,
     /// How the TCP ring reaches its neighbours.
     pub transport: Transport,
+    /// Whether the TCP backend's all-reduce goes through the hosts.
+    pub hierarchy: Hierarchy,
     /// The optimiser every rank applies.
     pub sgd: SgdConfig,
     /// Timeline recorder (`--trace`).
