@@ -30,10 +30,17 @@
 //! else. Only all-reduce is hierarchical; the other collectives keep to the flat ring over
 //! sockets (or over the host's rings when there is one host).
 //!
+//! Buffers of more than 64 Ki values are cut into up to 8 pieces, the same on every host, and
+//! on a host whose ranks share memory the steps overlap: the leaders' ring crosses hosts with
+//! piece `k` (on a thread of the leader) while the host reduces piece `k + 1` and then
+//! broadcasts piece `k`, so the time tends to the leaders' ring alone.
+//!
 //! Every step runs the existing algorithms (`chain`, `ring`) over a [`Group`] of ranks, so the
 //! timeouts, the frames' checks and the errors naming a global rank are theirs. A rank outside
 //! the leaders waits in step 3 while the leaders cross hosts: a leaders' ring longer than the
 //! communicator's timeout counts as a silent leader.
+
+use std::sync::mpsc;
 
 use super::chain;
 use super::group::{Group, Net};
@@ -41,7 +48,14 @@ use super::link::{Links, Op};
 use super::ring::{self, Phases};
 use super::shm::{self, Shm, Where};
 use super::tcp::Mesh;
-use super::{CommError, Hierarchy, Result, RingConfig, Transport};
+use super::{CommError, Hierarchy, Result, RingConfig, Transport, segment};
+
+/// Most pieces a buffer is cut into, so that the leaders' ring of one piece runs while the
+/// host reduces the next and broadcasts the one before.
+const PIECES: usize = 8;
+/// Fewest values in a piece: below this, the latency of three more operations outweighs the
+/// overlap.
+const MIN_PIECE: usize = 1 << 16;
 
 /// The ranks of each host, hosts ordered by their lowest rank, ranks ascending: the same on
 /// every rank, since every rank computes it from the same survey.
@@ -171,17 +185,114 @@ impl Hier {
         }
     }
 
-    /// Hierarchical all-reduce of `buf` (see the module documentation).
+    /// Hierarchical all-reduce of `buf` (see the module documentation), piece by piece.
     pub(crate) fn all_reduce(&self, net: &mut Net, buf: &mut [f32]) -> Result<()> {
+        // The same pieces on every host (they depend on the length only): the leaders' rings
+        // match whichever way each host runs its part.
+        let count = buf.len().div_ceil(MIN_PIECE).clamp(1, PIECES);
+        let mut pieces = Vec::with_capacity(count);
+        let n = buf.len();
+        let mut rest = buf;
+        for k in 0..count {
+            let (piece, tail) = rest.split_at_mut(segment(n, count, k).len());
+            pieces.push(piece);
+            rest = tail;
+        }
+        match self.shm.as_deref() {
+            Some(shm) if count > 1 && self.leaders.len() > 1 => self.pipelined(net, shm, pieces),
+            _ => {
+                for piece in pieces {
+                    self.in_turn(net, piece)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// One piece, one step after the other: reduce into the leader, leaders' ring, broadcast.
+    fn in_turn(&self, net: &mut Net, piece: &mut [f32]) -> Result<()> {
         let shm = self.shm.as_deref();
-        chain::reduce(&mut Group::new(net, &self.local, self.at, shm), buf, 0)?;
+        chain::reduce(&mut Group::new(net, &self.local, self.at, shm), piece, 0)?;
         if self.at == 0 {
             let mut leaders = Group::new(net, &self.leaders, self.host, None);
             if leaders.world() > 1 {
-                ring::run(&mut leaders, buf, Phases::Both, Op::AllReduce)?;
+                ring::run(&mut leaders, piece, Phases::Both, Op::AllReduce)?;
             }
         }
-        chain::broadcast(&mut Group::new(net, &self.local, self.at, shm), buf, 0)
+        chain::broadcast(&mut Group::new(net, &self.local, self.at, shm), piece, 0)
+    }
+
+    /// The pieces overlapped: while the leaders' ring (on a thread of the leader, over the
+    /// links to the other leaders, taken out of the mesh meanwhile) crosses hosts with piece
+    /// `k`, the host's rings reduce piece `k + 1` into the leader and then broadcast piece
+    /// `k`. Every rank of the host runs the same sequence of operations on the rings: reduce
+    /// 0, then for each `k` reduce `k + 1` (if any) and broadcast `k`.
+    fn pipelined(&self, net: &mut Net, shm: &Shm, pieces: Vec<&mut [f32]>) -> Result<()> {
+        let count = pieces.len();
+        let mut pieces = pieces.into_iter();
+        if self.at != 0 {
+            let mut waiting = std::collections::VecDeque::new();
+            for k in 0..=count {
+                if let Some(p) = pieces.next() {
+                    chain::reduce(&mut Group::new(net, &self.local, self.at, Some(shm)), p, 0)?;
+                    waiting.push_back(p);
+                }
+                if k > 0
+                    && let Some(p) = waiting.pop_front()
+                {
+                    chain::broadcast(&mut Group::new(net, &self.local, self.at, Some(shm)), p, 0)?;
+                }
+            }
+            return Ok(());
+        }
+        let mut across = Net {
+            mesh: net.mesh.split_off(&self.leaders),
+            scratch: std::mem::take(&mut net.scratch),
+            traffic: Default::default(),
+            cfg: net.cfg.clone(),
+        };
+        let out = std::thread::scope(|s| {
+            let (to_ring, ring_in) = mpsc::channel::<&mut [f32]>();
+            let (ring_out, from_ring) = mpsc::channel::<Result<&mut [f32]>>();
+            let leaders = (&self.leaders, self.host, &mut across);
+            s.spawn(move || {
+                let (members, me, across) = leaders;
+                for piece in ring_in {
+                    let group = &mut Group::new(across, members, me, None);
+                    let done = ring::run(group, piece, Phases::Both, Op::AllReduce).map(|()| piece);
+                    let failed = done.is_err();
+                    // Nobody waits any more once the host's side has failed.
+                    if ring_out.send(done).is_err() || failed {
+                        break;
+                    }
+                }
+            });
+            let mut host = || -> Result<()> {
+                for k in 0..=count {
+                    if let Some(p) = pieces.next() {
+                        chain::reduce(&mut Group::new(net, &self.local, self.at, Some(shm)), p, 0)?;
+                        // A closed channel means the ring failed: its error comes below.
+                        let _ = to_ring.send(p);
+                    }
+                    if k > 0 {
+                        let p = from_ring.recv().map_err(|_| CommError::Invalid {
+                            what: "hierarchy",
+                            why: "the leaders' ring stopped without a word".into(),
+                        })??;
+                        chain::broadcast(&mut Group::new(net, &self.local, self.at, Some(shm)), p, 0)?;
+                    }
+                }
+                Ok(())
+            };
+            let out = host();
+            // Ends the ring's thread once its piece in hand is done.
+            drop(to_ring);
+            out
+        });
+        net.mesh.rejoin(across.mesh);
+        net.scratch = across.scratch;
+        net.traffic += across.traffic;
+        out
     }
 }
 

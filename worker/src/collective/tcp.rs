@@ -90,6 +90,28 @@ impl Mesh {
         Mesh { rank: 0, links: vec![None] }
     }
 
+    /// A mesh of this rank's links to `peers` only, taken out of this one (which keeps the
+    /// others) until [`Mesh::rejoin`] puts them back: a group's links that another thread may
+    /// drive while this one uses the rest.
+    pub(crate) fn split_off(&mut self, peers: &[usize]) -> Mesh {
+        let mut links: Vec<Option<Link>> = (0..self.links.len()).map(|_| None).collect();
+        for &p in peers {
+            if let (Some(mine), Some(theirs)) = (links.get_mut(p), self.links.get_mut(p)) {
+                *mine = theirs.take();
+            }
+        }
+        Mesh { rank: self.rank, links }
+    }
+
+    /// Put back the links of a mesh made by [`Mesh::split_off`].
+    pub(crate) fn rejoin(&mut self, part: Mesh) {
+        for (p, l) in part.links.into_iter().enumerate() {
+            if l.is_some() {
+                self.links[p] = l;
+            }
+        }
+    }
+
     /// The links, by peer (`None` for this rank).
     pub(crate) fn links_mut(&mut self) -> &mut [Option<Link>] {
         &mut self.links
