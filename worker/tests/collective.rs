@@ -67,13 +67,17 @@ thread_local! {
 /// store.
 fn with_group<T: Send>(world: usize, transport: Transport, body: impl Fn(TcpComm) -> T + Sync) -> Vec<T> {
     let chunk_bytes = CHUNK.with(|c| c.get());
-    with_ranks(world, |_| RingConfig { chunk_bytes, transport, ..cfg() }, |c| {
-        // The transport asked for is the one in use (threads share a host).
-        if transport != Transport::Auto && c.world_size() > 1 {
-            assert_eq!(c.transport(), transport);
-        }
-        body(c)
-    })
+    with_ranks(
+        world,
+        |_| RingConfig { chunk_bytes, transport, ..cfg() },
+        |c| {
+            // The transport asked for is the one in use (threads share a host).
+            if transport != Transport::Auto && c.world_size() > 1 {
+                assert_eq!(c.transport(), transport);
+            }
+            body(c)
+        },
+    )
 }
 
 /// `world` connected communicators, rank `r` configured with `cfg(r)`, one per thread,

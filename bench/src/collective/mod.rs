@@ -176,7 +176,12 @@ fn sizes(a: &CollectiveArgs) -> Vec<usize> {
     v
 }
 
-fn ring_config(chunk_kb: usize, socket_buffer_kb: usize, transport: Transport, hierarchy: Hierarchy) -> RingConfig {
+fn ring_config(
+    chunk_kb: usize,
+    socket_buffer_kb: usize,
+    transport: Transport,
+    hierarchy: Hierarchy,
+) -> RingConfig {
     RingConfig {
         chunk_bytes: chunk_kb << 10,
         socket_buffer: (socket_buffer_kb > 0).then_some(socket_buffer_kb << 10),
@@ -283,7 +288,12 @@ struct Ran {
 
 /// Run the TCP backend on `s`'s transport and hierarchy with `world` rank threads; the
 /// slowest rank's time per size, and what the ranks ended up running.
-fn tcp_threads(world: usize, sizes: &[usize], a: &CollectiveArgs, s: &Series) -> anyhow::Result<(Vec<Row>, Ran)> {
+fn tcp_threads(
+    world: usize,
+    sizes: &[usize],
+    a: &CollectiveArgs,
+    s: &Series,
+) -> anyhow::Result<(Vec<Row>, Ran)> {
     let (transport, hierarchy) = (s.transport.unwrap_or_default(), s.hierarchy);
     let store = TcpListener::bind("127.0.0.1:0")?;
     let master = store.local_addr()?.to_string();
@@ -433,7 +443,11 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
         for b in &a.backend {
             match b.as_str() {
                 "tcp" => series.extend(a.transport.iter().flat_map(|&t| {
-                    a.hierarchy.iter().map(move |&h| Series { backend: b.clone(), transport: Some(t), hierarchy: h })
+                    a.hierarchy.iter().map(move |&h| Series {
+                        backend: b.clone(),
+                        transport: Some(t),
+                        hierarchy: h,
+                    })
                 })),
                 "nccl" => match nccl::available() {
                     Err(e) => eprintln!("gradsync-bench collective: NCCL skipped ({world} ranks): {e}"),

@@ -29,7 +29,7 @@ pub struct TcpComm {
     /// The shared-memory rings to the neighbours, when the flat ring uses them.
     shm: Option<Box<Shm>>,
     /// This rank's host and its leaders, when all-reduce is hierarchical.
-    hier: Option<Hier>,
+    hier: Option<Box<Hier>>,
 }
 
 impl TcpComm {
@@ -84,19 +84,20 @@ impl TcpComm {
     /// [`Transport::Tcp`] (never `Auto`: that has been decided at connection). In a
     /// hierarchical all-reduce, what the ranks of one host run on (see [`Self::hosts`]).
     pub fn transport(&self) -> Transport {
-        let host_rings = self.hier.as_ref().is_some_and(Hier::on_shm);
+        let host_rings = self.hier.as_deref().is_some_and(Hier::on_shm);
         if self.shm.is_some() || host_rings { Transport::Shm } else { Transport::Tcp }
     }
 
     /// The number of hosts when all-reduce is hierarchical (reduce inside each host, ring
     /// among one leader per host, broadcast inside), `None` when it is one flat ring.
     pub fn hosts(&self) -> Option<usize> {
-        self.hier.as_ref().map(Hier::hosts)
+        self.hier.as_deref().map(Hier::hosts)
     }
 
     /// The flat ring: every rank, on the world's shared-memory rings or on sockets.
     fn flat(&mut self) -> Group<'_> {
-        let rings = self.shm.as_deref().or_else(|| self.hier.as_ref().and_then(|h| h.world_rings(self.world)));
+        let rings =
+            self.shm.as_deref().or_else(|| self.hier.as_ref().and_then(|h| h.world_rings(self.world)));
         Group::new(&mut self.net, &self.everyone, self.rank, rings)
     }
 
@@ -156,7 +157,9 @@ impl Collective for TcpComm {
 
     fn reduce_scatter(&mut self, buf: &mut [f32]) -> Result<Range<usize>> {
         let mine = segment(buf.len(), self.world, self.rank);
-        self.guarded(Op::ReduceScatter, |c| ring::run(&mut c.flat(), buf, Phases::ReduceScatter, Op::ReduceScatter))?;
+        self.guarded(Op::ReduceScatter, |c| {
+            ring::run(&mut c.flat(), buf, Phases::ReduceScatter, Op::ReduceScatter)
+        })?;
         Ok(mine)
     }
 

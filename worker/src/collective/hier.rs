@@ -84,7 +84,8 @@ fn hierarchical(h: Hierarchy, hosts: usize, world: usize) -> bool {
 /// rank that differs from this one.
 fn agree(all: &[Where], me: usize) -> Result<()> {
     let mine = &all[me];
-    match all.iter().enumerate().find(|(_, w)| w.transport != mine.transport || w.hierarchy != mine.hierarchy) {
+    match all.iter().enumerate().find(|(_, w)| w.transport != mine.transport || w.hierarchy != mine.hierarchy)
+    {
         None => Ok(()),
         Some((r, w)) => Err(CommError::Protocol {
             peer: r,
@@ -105,7 +106,7 @@ fn agree(all: &[Where], me: usize) -> Result<()> {
 #[derive(Default)]
 pub(crate) struct Decided {
     pub(crate) rings: Option<Box<Shm>>,
-    pub(crate) hier: Option<Hier>,
+    pub(crate) hier: Option<Box<Hier>>,
 }
 
 /// Take the decision (see the module documentation) over the freshly connected mesh, and set
@@ -143,7 +144,10 @@ pub(crate) fn setup(mesh: &mut Mesh, rank: usize, cfg: &RingConfig) -> Result<De
         if shm.is_some() { "shared memory" } else { "sockets" }
     );
     let leaders = hosts.iter().map(|ranks| ranks[0]).collect();
-    Ok(Decided { rings: None, hier: Some(Hier { hosts: hosts.len(), host, local, at, leaders, shm }) })
+    Ok(Decided {
+        rings: None,
+        hier: Some(Box::new(Hier { hosts: hosts.len(), host, local, at, leaders, shm })),
+    })
 }
 
 /// This rank's place in the hierarchy.

@@ -14,11 +14,19 @@
 //!   beside the receiver for large ones). [`tcp`]: the mesh of TCP links and its set-up.
 //!   [`shm`]: the shared-memory `Duplex` rings between ranks of one host and network
 //!   namespace, and their set-up over the mesh.
+//! - Groups: `group`, the `Links` of any subset of the ranks (all of them, one host's, one
+//!   leader per host), numbered in ring order, over the mesh and the group's shared-memory
+//!   rings.
 //! - Algorithms, over `link` only. `ring`: the bandwidth-optimal ring reduce-scatter,
 //!   all-gather and all-reduce, pipelined in chunks. `chain`: pipelined chains for broadcast
 //!   and reduce, direct sends for gather, scatter and send/recv.
+//! - `hier`: the set-up's one decision (flat ring on shared memory or sockets, or
+//!   hierarchical, by [`Hierarchy`]) and the hierarchical all-reduce, composed of those
+//!   algorithms over groups: reduce inside each host, ring among the hosts' leaders,
+//!   broadcast inside, overlapped piece by piece.
 //! - `comm`: the host communicator [`TcpComm`], which implements [`Collective`] with those
-//!   algorithms, picking the transport by [`Transport`] (`--transport auto|tcp|shm`).
+//!   algorithms, picking the transport by [`Transport`] (`--transport auto|tcp|shm`) and the
+//!   all-reduce by [`Hierarchy`] (`--hierarchy auto|off|on`).
 //! - [`nccl`]: NCCL on GPU memory, with timeouts that abort the communicator; `nccl_lib`:
 //!   finding and loading `libnccl.so.2` (system paths, Python environments) and its functions.
 //!

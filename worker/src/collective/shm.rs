@@ -289,7 +289,8 @@ pub(crate) struct Where {
 /// Round 1 of the set-up: tell every peer where this rank is and what it asked for, and
 /// learn the same of them; every rank ends with the same list, by rank.
 pub(crate) fn survey(links: &mut [Option<Link>], rank: usize, cfg: &RingConfig) -> Result<Vec<Where>> {
-    let mine = Where { place: place(cfg.host_id.as_deref()), transport: cfg.transport, hierarchy: cfg.hierarchy };
+    let mine =
+        Where { place: place(cfg.host_id.as_deref()), transport: cfg.transport, hierarchy: cfg.hierarchy };
     let all: Vec<usize> = (0..links.len()).collect();
     exchange(links, &all, rank, &mine)
 }

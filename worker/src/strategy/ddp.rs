@@ -34,7 +34,7 @@ use crate::rendezvous::{self, RendezvousConfig};
 /// The communicator of either backend (DDP's and ZeRO's).
 pub(super) enum Comm {
     /// The TCP ring.
-    Tcp(TcpComm),
+    Tcp(Box<TcpComm>),
     /// NCCL on the rank's GPU.
     Nccl(Box<Nccl>),
 }
@@ -42,7 +42,7 @@ pub(super) enum Comm {
 impl Comm {
     pub(super) fn get(&mut self) -> &mut dyn Collective {
         match self {
-            Comm::Tcp(c) => c,
+            Comm::Tcp(c) => c.as_mut(),
             Comm::Nccl(c) => c.as_mut(),
         }
     }
@@ -60,10 +60,10 @@ impl Comm {
                     hierarchy: c.hierarchy,
                     ..RingConfig::default()
                 };
-                Comm::Tcp(
+                Comm::Tcp(Box::new(
                     rendezvous::connect_tcp(cfg, ring)
                         .with_context(|| format!("joining the ring of {world} ranks at {}", cfg.master))?,
-                )
+                ))
             }
             Backend::Nccl => {
                 let Device::Cuda { ordinal } = c.device else {
@@ -86,7 +86,10 @@ impl Comm {
         match self {
             Comm::Tcp(c) => {
                 m.insert("transport".into(), c.transport().name().into());
-                m.insert("all_reduce".into(), if c.hosts().is_some() { "hierarchical" } else { "ring" }.into());
+                m.insert(
+                    "all_reduce".into(),
+                    if c.hosts().is_some() { "hierarchical" } else { "ring" }.into(),
+                );
                 if let Some(hosts) = c.hosts() {
                     m.insert("hosts".into(), hosts.into());
                 }
@@ -271,7 +274,7 @@ fn backward_reduced(
     let t0 = Instant::now();
     let (nccl, tcp) = match &mut ddp.comm {
         Comm::Nccl(n) => (Some(n.as_mut()), None),
-        Comm::Tcp(c) => (None, Some(c)),
+        Comm::Tcp(c) => (None, Some(c.as_mut())),
     };
     let host_overlap = overlap && !engine.is_cuda();
     let (bwd, bwd_end, spans, after) = std::thread::scope(|s| {
