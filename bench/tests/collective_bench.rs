@@ -10,10 +10,17 @@ use std::process::Command;
 /// its processes marked with `tag` in their environment; its stdout and stderr, after
 /// checking it exited 0.
 fn bench(tag: &str, args: &[&str]) -> (String, String) {
+    let sizes = ["--min-bytes", "4096", "--max-bytes", "65536", "--factor", "16", "--budget-bytes", "262144"];
+    bench_sized(tag, &sizes, args)
+}
+
+/// [`bench`] with the sizes (and budget) flags given.
+fn bench_sized(tag: &str, sizes: &[&str], args: &[&str]) -> (String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
         .env(TAG_VAR, format!("{tag}-{}", std::process::id()))
-        .args(["collective", "--backend", "tcp", "--min-bytes", "4096", "--max-bytes", "65536"])
-        .args(["--factor", "16", "--budget-bytes", "262144", "--raw-secs", "0.1", "--rounds", "2"])
+        .args(["collective", "--backend", "tcp"])
+        .args(sizes)
+        .args(["--raw-secs", "0.1", "--rounds", "2"])
         .arg("--no-gloo")
         .args(args)
         .output()
@@ -26,8 +33,10 @@ fn bench(tag: &str, args: &[&str]) -> (String, String) {
     (stdout, stderr)
 }
 
-/// (ranks, ranks as, transport, size, busbw, #wrong) per row of the table.
-fn rows(table: &str) -> Vec<(usize, String, String, String, f64, usize)> {
+/// (ranks, ranks as, transport, size, busbw, #wrong, all-reduce) per row of the table.
+type Row = (usize, String, String, String, f64, usize, String);
+
+fn rows(table: &str) -> Vec<Row> {
     table
         .lines()
         .filter(|l| l.starts_with('|'))
@@ -37,9 +46,10 @@ fn rows(table: &str) -> Vec<(usize, String, String, String, f64, usize)> {
                 f[1].parse().ok()?,
                 f[2].to_string(),
                 f[4].to_string(),
+                f[6].to_string(),
+                f[9].parse().ok()?,
+                f[13].parse().ok()?,
                 f[5].to_string(),
-                f[8].parse().ok()?,
-                f[12].parse().ok()?,
             ))
         })
         .collect()
@@ -60,7 +70,7 @@ fn processes_left(tag: &str) -> usize {
         .count()
 }
 
-fn check(rows: &[(usize, String, String, String, f64, usize)], ranks_as: &str, transports: &[&str]) {
+fn check(rows: &[Row], ranks_as: &str, transports: &[&str]) {
     for t in transports {
         for size in ["4 KB", "64 KB"] {
             let n = rows.iter().filter(|r| r.1 == ranks_as && &r.2 == t && r.3 == size).count();
@@ -116,6 +126,39 @@ fn on_emulated_hosts_each_rank_keeps_to_its_link() {
     let (out, _) = bench(tag, &["--ranks", "2", "--transport", "auto", "--link-gbit", "1"]);
     assert!(out.contains("emulated 1 Gbit/s hosts"), "{out}");
     // Ranks on different hosts cannot share memory: auto falls back to sockets.
-    check(&rows(&out), "processes", &["auto (tcp)"]);
+    let rows = rows(&out);
+    check(&rows, "processes", &["auto (tcp)"]);
+    assert!(rows.iter().all(|r| r.6 == "auto: ring"), "{out}");
+    assert_eq!(processes_left(tag), 0, "rank processes outlived the benchmark");
+}
+
+#[test]
+fn several_ranks_per_emulated_host_reduce_through_the_hosts_beside_the_flat_ring() {
+    let test = "several_ranks_per_emulated_host_reduce_through_the_hosts_beside_the_flat_ring";
+    if let Err(e) = gradsync_bench::cluster::net::available() {
+        eprintln!("SKIPPED {test}: no emulated cluster here: {e}");
+        return;
+    }
+    let tag = "per-host";
+    // 1, 3, 9, ... 729 and 1001 values: none divisible by the ranks or hosts but the first.
+    let sizes = ["--min-bytes", "4", "--max-bytes", "4004", "--factor", "3", "--budget-bytes", "4096"];
+    let args = ["--ranks", "2,4,6", "--ranks-per-host", "2", "--link-gbit", "10", "--transport", "auto"];
+    let args = [&args[..], &["--hierarchy", "off,auto"]].concat();
+    let (out, _) = bench_sized(tag, &sizes, &args);
+    assert!(out.contains("2 ranks each"), "{out}");
+    let rows = rows(&out);
+    assert_eq!(rows.len(), 3 * 2 * 8, "{out}");
+    for r in &rows {
+        assert_eq!(r.5, 0, "wrong values: {r:?}");
+        let want = match (r.0, r.6.starts_with("off")) {
+            // Two ranks on one host: the flat ring on shared memory, whatever the flag.
+            (2, true) => ("auto (shm)", "off: ring"),
+            (2, false) => ("auto (shm)", "auto: ring"),
+            (_, true) => ("auto (tcp)", "off: ring"),
+            (4, false) => ("auto (shm)", "auto: hier, 2 hosts"),
+            (_, false) => ("auto (shm)", "auto: hier, 3 hosts"),
+        };
+        assert_eq!((r.2.as_str(), r.6.as_str()), want, "{r:?}");
+    }
     assert_eq!(processes_left(tag), 0, "rank processes outlived the benchmark");
 }

@@ -10,7 +10,7 @@ use gradsync_core::device::DeviceRequest;
 use gradsync_core::model::ModelSpec;
 use gradsync_core::optim::OptimiserArgs;
 
-pub use crate::collective::Transport;
+pub use crate::collective::{Hierarchy, Transport};
 pub use crate::strategy::Backend;
 use crate::strategy::{FaultKind, ReplicaFault};
 
@@ -278,6 +278,13 @@ pub struct DdpArgs {
     /// unless shared memory works). Every rank must be given the same value.
     #[arg(long, value_enum, default_value_t = Transport::Auto, env = "GRADSYNC_TRANSPORT")]
     pub transport: Transport,
+    /// Whether the TCP backend's all-reduce goes through the hosts when ranks share them:
+    /// auto (reduce inside each host, ring among one leader per host, broadcast inside, when
+    /// there are several hosts and one holds several ranks; else one flat ring), off (always
+    /// the flat ring), on (always through the hosts). Hosts are told apart by boot id and
+    /// network namespace. Every rank must be given the same value.
+    #[arg(long, value_enum, default_value_t = Hierarchy::Auto, env = "GRADSYNC_HIERARCHY")]
+    pub hierarchy: Hierarchy,
     /// Reduce each bucket after the whole backward pass instead of during it (to measure what
     /// overlap buys; GPU engines with --backend tcp always do this).
     #[arg(long)]

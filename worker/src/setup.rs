@@ -140,6 +140,7 @@ fn ddp_config(d: &DdpArgs, run: &Run) -> anyhow::Result<DdpConfig> {
         overlap: !d.no_overlap,
         chunk_kb: d.chunk_kb,
         transport: d.transport,
+        hierarchy: d.hierarchy,
         sgd: run.sgd,
         trace: run.trace.clone(),
         compression: run.args.compress,

@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use gradsync_testkit::{Counters, GpuRun, gpu_test};
 use gradsync_worker::collective::{
-    Collective, Half, Nccl, RingConfig, SocketEngine, TcpComm, Transport, nccl, pack, packed_len, segment,
-    unpack,
+    Collective, Half, Hierarchy, Nccl, RingConfig, SocketEngine, TcpComm, Transport, nccl, pack, packed_len,
+    segment, unpack,
 };
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
@@ -69,12 +69,27 @@ thread_local! {
 /// `world` connected communicators on `transport`, one per thread, through the rendezvous
 /// store.
 fn with_group<T: Send>(world: usize, transport: Transport, body: impl Fn(TcpComm) -> T + Sync) -> Vec<T> {
-    let cfg = || RingConfig {
-        chunk_bytes: CHUNK.with(|c| c.get()),
-        transport,
-        engine: ENGINE.with(|e| e.get()),
-        ..cfg()
-    };
+    let chunk_bytes = CHUNK.with(|c| c.get());
+    with_ranks(
+        world,
+        |_| RingConfig { chunk_bytes, transport, engine: ENGINE.with(|e| e.get()), ..cfg() },
+        |c| {
+            // The transport asked for is the one in use (threads share a host).
+            if transport != Transport::Auto && c.world_size() > 1 {
+                assert_eq!(c.transport(), transport);
+            }
+            body(c)
+        },
+    )
+}
+
+/// `world` connected communicators, rank `r` configured with `cfg(r)`, one per thread,
+/// through the rendezvous store.
+fn with_ranks<T: Send>(
+    world: usize,
+    cfg: impl Fn(usize) -> RingConfig + Sync,
+    body: impl Fn(TcpComm) -> T + Sync,
+) -> Vec<T> {
     let store = TcpListener::bind("127.0.0.1:0").unwrap();
     let master = store.local_addr().unwrap().to_string();
     let mut store = Some(store);
@@ -91,18 +106,13 @@ fn with_group<T: Send>(world: usize, transport: Transport, body: impl Fn(TcpComm
                     nccl: false,
                 };
                 let l = if rank == 0 { store.take() } else { None };
-                let body = &body;
+                let (body, cfg) = (&body, &cfg);
                 s.spawn(move || {
                     let comm = if world == 1 {
-                        TcpComm::single(cfg())
+                        TcpComm::single(cfg(rank))
                     } else {
                         let j = join_with_store(&rc, l).unwrap();
-                        let c = TcpComm::connect(j.listener, &j.mesh, cfg()).unwrap();
-                        // The transport asked for is the one in use (threads share a host).
-                        if transport != Transport::Auto {
-                            assert_eq!(c.transport(), transport);
-                        }
-                        c
+                        TcpComm::connect(j.listener, &j.mesh, cfg(rank)).unwrap()
                     };
                     body(comm)
                 })
@@ -313,6 +323,124 @@ fn all_reduce_traffic_is_the_ring_optimum() {
     }
 }
 
+/// Ranks on emulated hosts: `hosts[r]` is rank `r`'s host, told to the communicator as its
+/// host id (NCCL's `NCCL_HOSTID`), so threads of this process count as ranks of several hosts;
+/// the links between "hosts" are loopback sockets, those inside them shared memory unless
+/// `transport` is `Tcp`.
+fn on_hosts<T: Send>(
+    hosts: &[usize],
+    transport: Transport,
+    hierarchy: Hierarchy,
+    body: impl Fn(TcpComm) -> T + Sync,
+) -> Vec<T> {
+    let chunk_bytes = CHUNK.with(|c| c.get());
+    let cfg = |r: usize| RingConfig {
+        chunk_bytes,
+        transport,
+        hierarchy,
+        host_id: Some(format!("host{}", hosts[r])),
+        ..cfg()
+    };
+    with_ranks(hosts.len(), cfg, body)
+}
+
+/// The hierarchical all-reduce against the serial sum on uneven and even layouts, sizes from
+/// 0 and 1 value to many chunks, with the flat collectives (over sockets) run in between on
+/// the same communicator; and what each rank says it ran.
+fn hierarchical(transport: Transport) {
+    CHUNK.with(|c| c.set(256));
+    let layouts: [&[usize]; 4] = [&[0, 0, 1, 1], &[0, 0, 1, 1, 2, 2], &[0, 0, 0, 1, 1, 1], &[0, 1, 1]];
+    for hosts in layouts {
+        let (world, n_hosts) = (hosts.len(), hosts.iter().max().unwrap() + 1);
+        let mut sizes = sizes(world);
+        sizes.push(65_537);
+        let results = on_hosts(hosts, transport, Hierarchy::Auto, |mut c| {
+            let ran = (c.hosts(), c.transport());
+            let mut got = Vec::new();
+            for &n in &sizes {
+                for op in [Op::AllReduce, Op::ReduceScatter, Op::AllReduce, Op::Broadcast] {
+                    got.push((op, n, run_op(&mut c, op, n)));
+                }
+            }
+            (c.rank(), ran, got)
+        });
+        for (rank, ran, got) in results {
+            // A rank alone on its host has nobody to share memory with.
+            let alone = hosts.iter().filter(|&&h| h == hosts[rank]).count() == 1;
+            let inside = if alone { Transport::Tcp } else { transport };
+            assert_eq!(ran, (Some(n_hosts), inside), "{hosts:?}, rank {rank}");
+            for (op, n, got) in got {
+                assert!(
+                    got == expected(op, world, rank, n),
+                    "{op:?} on hosts {hosts:?} over {transport:?}, {n} values, rank {rank}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn hierarchical_all_reduce_over_shared_memory_inside_hosts() {
+    hierarchical(Transport::Shm);
+}
+
+#[test]
+fn hierarchical_all_reduce_over_sockets_inside_hosts() {
+    hierarchical(Transport::Tcp);
+}
+
+#[test]
+fn hierarchical_all_reduce_of_large_buffers() {
+    // Four-MiB buffers: the two-thread socket engine between leaders, rings wrapped many times.
+    CHUNK.with(|c| c.set(64 << 10));
+    let n = (1 << 20) + 3;
+    for (rank, got) in on_hosts(&[0, 0, 1, 1], Transport::Auto, Hierarchy::Auto, |mut c| {
+        (c.rank(), run_op(&mut c, Op::AllReduce, n))
+    }) {
+        assert!(got == expected(Op::AllReduce, 4, rank, n), "rank {rank}");
+    }
+}
+
+#[test]
+fn auto_decides_the_hierarchy_from_the_hosts() {
+    let ran = |hosts: &[usize], h: Hierarchy| -> Vec<(Option<usize>, Transport)> {
+        on_hosts(hosts, Transport::Auto, h, |mut c| {
+            let mut b: Vec<f32> = (0..101).map(|i| input(c.rank(), i)).collect();
+            c.all_reduce(&mut b).unwrap();
+            assert_eq!(b, expected(Op::AllReduce, c.world_size(), c.rank(), 101));
+            (c.hosts(), c.transport())
+        })
+    };
+    let a = Hierarchy::Auto;
+    // One host: the flat ring, on shared memory.
+    assert!(ran(&[0, 0, 0, 0], a).iter().all(|&x| x == (None, Transport::Shm)));
+    // Every rank its own host: the flat ring, on sockets.
+    assert!(ran(&[0, 1, 2, 3], a).iter().all(|&x| x == (None, Transport::Tcp)));
+    // Two hosts of two: through the hosts, shared memory inside them.
+    assert!(ran(&[0, 0, 1, 1], a).iter().all(|&x| x == (Some(2), Transport::Shm)));
+    // Forced either way.
+    assert!(ran(&[0, 0, 1, 1], Hierarchy::Off).iter().all(|&x| x == (None, Transport::Tcp)));
+    assert!(ran(&[0, 0, 0], Hierarchy::On).iter().all(|&x| x == (Some(1), Transport::Shm)));
+    assert!(ran(&[0, 1, 2], Hierarchy::On).iter().all(|&x| x == (Some(3), Transport::Tcp)));
+}
+
+#[test]
+fn hierarchical_traffic_crosses_hosts_once_per_leader() {
+    // 2 hosts x 2: each non-leader sends its buffer to the leader once and receives the sum
+    // once; each leader also runs the two-rank ring, 2 (H-1)/H = 1 buffer each way.
+    let n = 4000;
+    for (rank, t) in on_hosts(&[0, 0, 1, 1], Transport::Auto, Hierarchy::Auto, |mut c| {
+        let mut b = vec![1.0f32; n];
+        c.all_reduce(&mut b).unwrap();
+        assert!(b.iter().all(|&v| v == 4.0));
+        (c.rank(), c.traffic())
+    }) {
+        let bytes = (n * 4) as u64;
+        let (sent, recv) = if rank % 2 == 0 { (2 * bytes, 2 * bytes) } else { (bytes, bytes) };
+        assert_eq!((t.sent, t.recv), (sent, recv), "rank {rank}");
+    }
+}
+
 /// `--compress fp16|bf16` on the ring: packed halves, summed in f32 at each hop and rounded
 /// back. Small integers are exact in both formats (bf16 up to 256), so the result must equal
 /// the exact sum; every rank must end with the same bits; the wire must carry two bytes a
@@ -355,6 +483,33 @@ fn half_precision_all_reduce_sums_exactly_and_moves_half_the_bytes() {
     }
 }
 
+/// Half-precision all-reduce through the hosts (reduce inside each host, the leaders' ring,
+/// broadcast): the same exact sums as the flat ring, small buffers and pipelined pieces alike.
+#[test]
+fn half_precision_all_reduce_through_the_hosts() {
+    CHUNK.with(|c| c.set(256));
+    for half in [Half::F16, Half::Bf16] {
+        for n in [1, 7, 1001, 300_001] {
+            for (rank, hosts, got) in on_hosts(&[0, 0, 1, 1], Transport::Auto, Hierarchy::Auto, |mut c| {
+                let vals: Vec<f32> = (0..n).map(|i| input(c.rank(), i)).collect();
+                let mut packed = vec![0.0; packed_len(n)];
+                pack(half, &vals, &mut packed);
+                c.all_reduce_half(&mut packed, half).unwrap();
+                let mut got = vec![0.0; n];
+                unpack(half, &packed, &mut got);
+                (c.rank(), c.hosts(), got)
+            }) {
+                assert_eq!(hosts, Some(2));
+                assert!(
+                    got == expected(Op::AllReduce, 4, rank, n),
+                    "{} {n} values, rank {rank}",
+                    half.name()
+                );
+            }
+        }
+    }
+}
+
 /// Values that are not exact in half precision: every rank still ends with the same bits,
 /// within the rounding of one half-precision step per hop of the exact sum.
 #[test]
@@ -387,8 +542,9 @@ fn half_precision_all_reduce_agrees_across_ranks_within_rounding() {
     }
 }
 
-/// Ranks given different formats fail with a protocol error that names both, instead of
-/// adding bits of one format as the other.
+/// Ranks given different formats fail instead of adding bits of one format as the other: the
+/// rank that sees the other's frame first names both formats; the other may instead hear
+/// its abort notice, which names that rank.
 #[test]
 fn ranks_with_different_half_formats_fail_naming_them() {
     let out = with_group(2, Transport::Tcp, |mut c| {
@@ -396,8 +552,10 @@ fn ranks_with_different_half_formats_fail_naming_them() {
         let mut packed = vec![0.0; 100];
         c.all_reduce_half(&mut packed, half).unwrap_err().to_string()
     });
-    for e in out {
-        assert!(e.contains("fp16") && e.contains("bf16") && e.contains("--compress"), "{e}");
+    let named = |e: &String| e.contains("fp16") && e.contains("bf16") && e.contains("--compress");
+    assert!(out.iter().any(named), "{out:?}");
+    for e in &out {
+        assert!(named(e) || e.contains("stopped all_reduce because of it"), "{e}");
     }
 }
 

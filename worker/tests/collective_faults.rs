@@ -10,7 +10,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use gradsync_worker::collective::tcp::MeshInfo;
-use gradsync_worker::collective::{Collective, CommError, RingConfig, TcpComm, Transport};
+use gradsync_worker::collective::{Collective, CommError, Hierarchy, RingConfig, TcpComm, Transport};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
 mod ring_client;
@@ -97,6 +97,44 @@ fn a_dead_peer_is_named_over_shared_memory() {
     // Larger than a ring too: rank 1 then also waits for room rank 2 will never free.
     dead_peer(10_000, Transport::Shm);
     dead_peer(2 << 20, Transport::Shm);
+}
+
+/// Two hosts of two (host ids), hierarchical all-reduce; `dead` leaves before it starts.
+/// Every survivor must name `dead`, whether it was waiting on shared memory inside its host
+/// or on the leaders' ring across hosts, and none may wait for the timeout.
+fn dead_peer_in_the_hierarchy(dead: usize, n: usize) {
+    let t0 = Instant::now();
+    let (ls, addrs) = mesh(4);
+    let out = per_rank(ls, |r, l| {
+        let cfg = RingConfig {
+            hierarchy: Hierarchy::Auto,
+            host_id: Some(format!("h{}", r / 2)),
+            ..cfg(20_000, Transport::Shm)
+        };
+        let mut c = TcpComm::connect(l, &info(r, &addrs, "fp"), cfg).unwrap();
+        assert_eq!(c.hosts(), Some(2));
+        if r == dead {
+            drop(c); // the process "dies": its sockets close, its mappings go
+            return None;
+        }
+        let mut b = vec![1.0f32; n];
+        Some(c.all_reduce(&mut b).unwrap_err())
+    });
+    for (r, e) in out.iter().enumerate().filter(|(r, _)| *r != dead) {
+        let e = e.as_ref().unwrap();
+        assert_eq!(e.culprit(), Some(dead), "rank {r}: {e}");
+    }
+    assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}: waited for a timeout", t0.elapsed());
+}
+
+#[test]
+fn a_dead_peer_is_named_in_the_hierarchy() {
+    // A non-leader (its leader waits on shared memory), a leader (the other leader waits on
+    // its socket, its own host's rank on shared memory); small and ring-wrapping buffers.
+    for dead in [3, 2, 1] {
+        dead_peer_in_the_hierarchy(dead, 10_000);
+    }
+    dead_peer_in_the_hierarchy(2, 2 << 20);
 }
 
 #[test]

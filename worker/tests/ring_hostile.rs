@@ -10,7 +10,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
 use gradsync_worker::collective::tcp::MeshInfo;
-use gradsync_worker::collective::{Collective, RingConfig, TcpComm, Transport};
+use gradsync_worker::collective::{Collective, Hierarchy, RingConfig, TcpComm, Transport};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
 mod ring_client;
@@ -203,6 +203,9 @@ fn an_oversized_frame_header_is_refused_without_allocating() {
         chunk_bytes: 256,
         socket_buffer: None,
         transport: Transport::Tcp,
+        // The hand-written peer speaks no set-up lines: sockets only, one flat ring.
+        hierarchy: Hierarchy::Off,
+        host_id: None,
         ..RingConfig::default()
     };
     let peer = std::thread::spawn(move || {
@@ -287,6 +290,9 @@ fn a_recorded_handshake_replayed_on_a_new_connection_is_refused() {
         chunk_bytes: 256,
         socket_buffer: None,
         transport: Transport::Tcp,
+        // The hand-written peer speaks no set-up lines: sockets only, one flat ring.
+        hierarchy: Hierarchy::Off,
+        host_id: None,
         ..RingConfig::default()
     };
     let sums: Vec<f32> = std::thread::scope(|s| {

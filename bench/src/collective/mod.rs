@@ -10,7 +10,11 @@
 //! with that address (no sleeping, no port guessing). With `--threads` gradsync's ranks are
 //! threads of this process instead (labelled so in the table; gloo stays in processes).
 //! With `--link-gbit`, each rank runs on an emulated host of its own (a network namespace,
-//! links shaped with tc; see [`crate::cluster::net`]), so no two ranks share memory.
+//! links shaped with tc; see [`crate::cluster::net`]), so no two ranks share memory; with
+//! `--ranks-per-host N` as well, ranks `0..N` share the first host, `N..2N` the second, and so
+//! on (torchrun's numbering), and `--hierarchy off,auto` puts the flat socket ring beside the
+//! hierarchical all-reduce (reduce inside each host, ring among the hosts' leaders, broadcast
+//! inside) in the same rounds.
 //!
 //! Rounds are interleaved (every backend once per round, in turn) and each size's median over
 //! rounds is reported, so a burst of other load on the machine touches every backend alike.
@@ -29,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use gradsync_worker::collective::{Collective, Nccl, RingConfig, TcpComm, Transport, nccl};
+use gradsync_worker::collective::{Collective, Hierarchy, Nccl, RingConfig, TcpComm, Transport, nccl};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
 use crate::cluster::net::{self, Cluster, Shape};
@@ -69,6 +73,11 @@ pub struct CollectiveArgs {
     /// (shared memory between ranks of one host), shm.
     #[arg(long, value_enum, default_value = "tcp,auto", value_delimiter = ',', env = "GRADSYNC_TRANSPORT")]
     pub transport: Vec<Transport>,
+    /// All-reduce of the TCP backend to measure, one row set each (with every transport):
+    /// auto (through the hosts when several ranks share each of several hosts), off (one flat
+    /// ring), on (always through the hosts).
+    #[arg(long, value_enum, default_value = "auto", value_delimiter = ',', env = "GRADSYNC_HIERARCHY")]
+    pub hierarchy: Vec<Hierarchy>,
     /// Ring chunk size, KiB.
     #[arg(long, default_value_t = 1024)]
     pub chunk_kb: usize,
@@ -88,6 +97,10 @@ pub struct CollectiveArgs {
     /// Gbit/s each way (network namespaces, veth and tc: needs root and iproute2).
     #[arg(long, value_parser = crate::ps::positive_gbit)]
     pub link_gbit: Option<f64>,
+    /// Ranks per emulated host (with --link-gbit): ranks 0..N on the first host, N..2N on the
+    /// second, and so on; the ranks of one host share its link and its memory.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub ranks_per_host: u64,
     /// A Python with torch, for the gloo rows (default: ~/.cache/gradsync/torch-venv/bin/python
     /// when it exists).
     #[arg(long, env = "GRADSYNC_PYTHON")]
@@ -120,6 +133,9 @@ pub struct RankArgs {
     /// Transport of the ring.
     #[arg(long, value_enum, default_value = "tcp")]
     pub transport: Transport,
+    /// Whether all-reduce goes through the hosts.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub hierarchy: Hierarchy,
     /// Ring chunk size, KiB.
     #[arg(long, default_value_t = 1024)]
     pub chunk_kb: usize,
@@ -160,14 +176,27 @@ fn sizes(a: &CollectiveArgs) -> Vec<usize> {
     v
 }
 
-fn ring_config(chunk_kb: usize, socket_buffer_kb: usize, transport: Transport) -> RingConfig {
+fn ring_config(
+    chunk_kb: usize,
+    socket_buffer_kb: usize,
+    transport: Transport,
+    hierarchy: Hierarchy,
+) -> RingConfig {
     RingConfig {
         chunk_bytes: chunk_kb << 10,
         socket_buffer: (socket_buffer_kb > 0).then_some(socket_buffer_kb << 10),
         transport,
+        hierarchy,
         timeout: RANK_TIMEOUT,
         ..RingConfig::default()
     }
+}
+
+/// Rank `r`'s own contribution to the checked all-reduce at element `i`: varied along the
+/// buffer (so that a chunk summed into the wrong place is caught), small integers (so that
+/// every sum is exact).
+fn input(r: usize, i: usize) -> f32 {
+    ((r + 1) + (i * 7 + r * 3) % 13) as f32
 }
 
 /// Time all-reduce on one communicator (one rank): per size, check one reduction against the
@@ -179,13 +208,13 @@ fn time_rank(
     mut each: impl FnMut(&Row),
 ) -> anyhow::Result<Vec<Row>> {
     let (r, w) = (c.rank(), c.world_size());
-    let want = (w * (w + 1) / 2) as f32;
     let mut rows = Vec::new();
     for &bytes in sizes {
         let n = bytes / 4;
-        let mut buf = vec![(r + 1) as f32; n];
+        let mut buf: Vec<f32> = (0..n).map(|i| input(r, i)).collect();
         c.all_reduce(&mut buf)?;
-        let wrong = buf.iter().filter(|&&v| v != want).count();
+        let want = |i: usize| (0..w).map(|q| input(q, i)).sum::<f32>();
+        let wrong = buf.iter().enumerate().filter(|&(i, &v)| v != want(i)).count();
         let iters = (budget / bytes.max(1)).clamp(3, 200);
         c.barrier()?;
         let t = Instant::now();
@@ -238,9 +267,9 @@ pub fn run_rank(a: &RankArgs) -> anyhow::Result<()> {
         nccl: false,
     };
     let j = join_with_store(&rc, listener.map(|(l, _)| l))?;
-    let cfg = ring_config(a.chunk_kb, a.socket_buffer_kb, a.transport);
+    let cfg = ring_config(a.chunk_kb, a.socket_buffer_kb, a.transport, a.hierarchy);
     let mut c = TcpComm::connect(j.listener, &j.mesh, cfg)?;
-    println!("{}", serde_json::json!({ "transport": c.transport().name() }));
+    println!("{}", serde_json::json!({ "transport": c.transport().name(), "hosts": c.hosts() }));
     time_rank(&mut c, &a.sizes, a.budget_bytes, |row| {
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "{}", serde_json::to_string(row).unwrap_or_default());
@@ -249,19 +278,28 @@ pub fn run_rank(a: &RankArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Run the TCP backend on `transport` with `world` rank threads; the slowest rank's time per
-/// size, and the transport the ranks ended up on.
+/// What the TCP backend's ranks ended up running: the transport, and the hosts when
+/// all-reduce went through them.
+#[derive(Debug, Clone, Copy)]
+struct Ran {
+    transport: Transport,
+    hosts: Option<usize>,
+}
+
+/// Run the TCP backend on `s`'s transport and hierarchy with `world` rank threads; the
+/// slowest rank's time per size, and what the ranks ended up running.
 fn tcp_threads(
     world: usize,
     sizes: &[usize],
     a: &CollectiveArgs,
-    transport: Transport,
-) -> anyhow::Result<(Vec<Row>, Transport)> {
+    s: &Series,
+) -> anyhow::Result<(Vec<Row>, Ran)> {
+    let (transport, hierarchy) = (s.transport.unwrap_or_default(), s.hierarchy);
     let store = TcpListener::bind("127.0.0.1:0")?;
     let master = store.local_addr()?.to_string();
     let mut store = Some(store);
-    let ring = ring_config(a.chunk_kb, a.socket_buffer_kb, transport);
-    let per_rank: Vec<anyhow::Result<(Vec<Row>, Transport)>> = std::thread::scope(|s| {
+    let ring = ring_config(a.chunk_kb, a.socket_buffer_kb, transport, hierarchy);
+    let per_rank: Vec<anyhow::Result<(Vec<Row>, Ran)>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
             .map(|rank| {
                 let rc = RendezvousConfig {
@@ -274,23 +312,24 @@ fn tcp_threads(
                     nccl: false,
                 };
                 let (l, ring) = (if rank == 0 { store.take() } else { None }, ring.clone());
-                s.spawn(move || -> anyhow::Result<(Vec<Row>, Transport)> {
+                s.spawn(move || -> anyhow::Result<(Vec<Row>, Ran)> {
                     let j = join_with_store(&rc, l)?;
                     let mut c = TcpComm::connect(j.listener, &j.mesh, ring)?;
-                    Ok((time_rank(&mut c, sizes, a.budget_bytes, |_| {})?, c.transport()))
+                    let ran = Ran { transport: c.transport(), hosts: c.hosts() };
+                    Ok((time_rank(&mut c, sizes, a.budget_bytes, |_| {})?, ran))
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a rank panicked")))).collect()
     });
-    let mut used = transport;
+    let mut ran = Ran { transport, hosts: None };
     let mut all = Vec::new();
     for r in per_rank {
-        let (rows, t) = r?;
-        used = t;
+        let (rows, x) = r?;
+        ran = x;
         all.push(rows);
     }
-    Ok((slowest(all)?, used))
+    Ok((slowest(all)?, ran))
 }
 
 /// NCCL at world size 1 (one GPU here): what the library costs with no peer.
@@ -308,19 +347,23 @@ fn human(bytes: usize) -> String {
     }
 }
 
-/// One set of rows of the table: a backend (on a transport), and how its ranks ran.
+/// One set of rows of the table: a backend (on a transport, with a hierarchy), and how its
+/// ranks ran.
 #[derive(Debug, Clone)]
 struct Series {
     backend: String,
     transport: Option<Transport>,
+    hierarchy: Hierarchy,
 }
 
-/// Each series' times per round, by size; and the transport label it ended up with.
+/// Each series' times per round, by size; and the transport and all-reduce labels it ended
+/// up with.
 #[derive(Default)]
 struct Measured {
     secs: BTreeMap<usize, Vec<f64>>,
     wrong: BTreeMap<usize, usize>,
     label: String,
+    path: String,
 }
 
 impl Measured {
@@ -344,6 +387,12 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
         !(a.threads && a.link_gbit.is_some()),
         "--threads and --link-gbit do not go together: emulated hosts need one process each"
     );
+    anyhow::ensure!(
+        a.ranks_per_host == 1 || a.link_gbit.is_some(),
+        "--ranks-per-host {} needs --link-gbit: without emulated hosts every rank is on this one",
+        a.ranks_per_host
+    );
+    let per_host = a.ranks_per_host as usize;
     let sizes = sizes(a);
     let python = if a.no_gloo { None } else { find_python(a) };
     let each = Duration::from_secs_f64(a.raw_secs);
@@ -354,7 +403,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
             net::guard("gradsync-bench collective");
             let shape = Shape { rate_bit: Some(gbit * 1e9), ..Shape::default() };
             for &w in &a.ranks {
-                clusters.insert(w, Cluster::create(w.max(2), shape)?);
+                clusters.insert(w, Cluster::create(w.div_ceil(per_host).max(2), shape)?);
             }
             let c = clusters.values().next().context("no rank counts")?;
             Yardstick::measure(3, each, || Hosts::Emulated(c).pair(0, 1))?
@@ -364,6 +413,9 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
     let (ranks_as, link) = match (a.threads, a.link_gbit) {
         (true, _) => ("threads", "loopback".to_string()),
         (false, None) => ("processes", "loopback".to_string()),
+        (false, Some(g)) if per_host > 1 => {
+            ("processes", format!("emulated {g} Gbit/s hosts, {per_host} ranks each"))
+        }
         (false, Some(g)) => ("processes", format!("emulated {g} Gbit/s hosts")),
     };
     println!("raw TCP, one stream ({link}), measured now: {}", yard.describe());
@@ -372,6 +424,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
         "ranks as",
         "backend",
         "transport",
+        "all-reduce",
         "size",
         "time us",
         "algbw GB/s",
@@ -383,21 +436,28 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
     ]);
     for &world in &a.ranks {
         let place = match clusters.get(&world) {
-            Some(c) => Place::Emulated(c),
+            Some(c) => Place::Emulated(c, per_host),
             None => Place::Loopback,
         };
         let mut series: Vec<Series> = Vec::new();
         for b in &a.backend {
             match b.as_str() {
-                "tcp" => series
-                    .extend(a.transport.iter().map(|&t| Series { backend: b.clone(), transport: Some(t) })),
+                "tcp" => series.extend(a.transport.iter().flat_map(|&t| {
+                    a.hierarchy.iter().map(move |&h| Series {
+                        backend: b.clone(),
+                        transport: Some(t),
+                        hierarchy: h,
+                    })
+                })),
                 "nccl" => match nccl::available() {
                     Err(e) => eprintln!("gradsync-bench collective: NCCL skipped ({world} ranks): {e}"),
                     Ok(()) if world > 1 => eprintln!(
                         "gradsync-bench collective: NCCL with {world} ranks needs {world} GPUs \
                          (NCCL refuses two ranks on one GPU); measured at 1 rank only"
                     ),
-                    Ok(()) => series.push(Series { backend: b.clone(), transport: None }),
+                    Ok(()) => {
+                        series.push(Series { backend: b.clone(), transport: None, hierarchy: Hierarchy::Off })
+                    }
                 },
                 other => anyhow::bail!("--backend {other}: expected tcp or nccl"),
             }
@@ -406,24 +466,29 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
         let mut gloo_m = Measured::default();
         for round in 0..a.rounds {
             for (s, m) in series.iter().zip(&mut measured) {
-                let (rows, label) = match (s.backend.as_str(), s.transport) {
+                let (rows, label, path) = match (s.backend.as_str(), s.transport) {
                     ("tcp", Some(tr)) => {
-                        let (rows, used) = if a.threads {
-                            tcp_threads(world, &sizes, a, tr)?
+                        let (rows, ran) = if a.threads {
+                            tcp_threads(world, &sizes, a, s)?
                         } else {
-                            tcp_processes(world, &sizes, a, tr, place)?
+                            tcp_processes(world, &sizes, a, s, place)?
                         };
-                        let label = if used == tr {
-                            used.name().to_string()
+                        let label = if ran.transport == tr {
+                            tr.name().to_string()
                         } else {
-                            format!("{} ({})", tr.name(), used.name())
+                            format!("{} ({})", tr.name(), ran.transport.name())
                         };
-                        (rows, label)
+                        let path = match ran.hosts {
+                            Some(h) => format!("{}: hier, {h} hosts", s.hierarchy.name()),
+                            None => format!("{}: ring", s.hierarchy.name()),
+                        };
+                        (rows, label, path)
                     }
-                    _ => (nccl_single(&sizes, a)?, "-".to_string()),
+                    _ => (nccl_single(&sizes, a)?, "-".to_string(), "-".to_string()),
                 };
                 m.add(&rows);
                 m.label = label;
+                m.path = path;
             }
             if let Some(py) = &python {
                 match gloo(py, world, &sizes, a, place) {
@@ -446,6 +511,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                     if s.backend == "tcp" { ranks_as.to_string() } else { "process".to_string() },
                     s.backend.clone(),
                     m.label.clone(),
+                    m.path.clone(),
                     human(row.bytes),
                     format!("{:.1}", row.secs * 1e6),
                     format!("{:.3}", row.algbw()),
@@ -466,6 +532,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                     "processes".into(),
                     "gloo".into(),
                     "tcp".into(),
+                    "-".into(),
                     human(row.bytes),
                     format!("{:.1}", row.secs * 1e6),
                     format!("{:.3}", row.algbw()),
@@ -484,7 +551,9 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
          efficiency against one raw TCP stream; vs gloo: our busbw over PyTorch gloo's (gloo's \
          ranks are always processes); ranks as: one process per rank, or threads of this \
          process; transport: what the TCP backend's ring ran on (tcp: sockets; auto (shm): shared \
-         memory, chosen because every rank is on this host).",
+         memory, chosen because every rank is on this host; in a hierarchical all-reduce, between \
+         the ranks of one host); all-reduce: --hierarchy and what ran (ring: one flat ring; hier: \
+         reduce inside each host, ring among one leader per host, broadcast inside).",
         a.rounds
     );
     Ok(())

@@ -5,11 +5,12 @@
 
 use super::*;
 
-/// Where the rank processes run: on this machine's loopback, or one per emulated host.
+/// Where the rank processes run: on this machine's loopback, or on emulated hosts, this many
+/// consecutive ranks on each.
 #[derive(Clone, Copy)]
 pub(super) enum Place<'a> {
     Loopback,
-    Emulated(&'a Cluster),
+    Emulated(&'a Cluster, usize),
 }
 
 impl Place<'_> {
@@ -17,7 +18,7 @@ impl Place<'_> {
     fn store(&self) -> anyhow::Result<String> {
         let ip = match self {
             Place::Loopback => Hosts::Loopback.ip(0)?,
-            Place::Emulated(c) => Hosts::Emulated(c).ip(0)?,
+            Place::Emulated(c, _) => Hosts::Emulated(c).ip(0)?,
         };
         Ok(format!("{ip}:0"))
     }
@@ -26,7 +27,7 @@ impl Place<'_> {
     fn command(&self, rank: usize, program: &Path) -> anyhow::Result<Command> {
         let (mut c, ifname) = match self {
             Place::Loopback => (Command::new(program), "lo"),
-            Place::Emulated(cl) => (cl.command(rank, program)?, "eth0"),
+            Place::Emulated(cl, per_host) => (cl.command(rank / (*per_host).max(1), program)?, "eth0"),
         };
         c.env("GLOO_SOCKET_IFNAME", ifname);
         Ok(c)
@@ -72,9 +73,17 @@ impl Ranks {
     }
 }
 
-/// What one rank process printed: its transport, if it said, and its rows.
-fn read_rank(out: impl BufRead) -> anyhow::Result<(Option<String>, Vec<Row>)> {
-    let (mut transport, mut rows) = (None, Vec::new());
+/// What a rank process said it ran on: its transport and, when all-reduce went through the
+/// hosts, their number.
+#[derive(Default)]
+struct Said {
+    transport: Option<String>,
+    hosts: Option<usize>,
+}
+
+/// What one rank process printed: what it ran on, and its rows.
+fn read_rank(out: impl BufRead) -> anyhow::Result<(Said, Vec<Row>)> {
+    let (mut said, mut rows) = (Said::default(), Vec::new());
     for line in out.lines() {
         let line = line?;
         if !line.starts_with('{') {
@@ -82,22 +91,23 @@ fn read_rank(out: impl BufRead) -> anyhow::Result<(Option<String>, Vec<Row>)> {
         }
         let v: serde_json::Value = serde_json::from_str(&line).with_context(|| format!("parsing {line}"))?;
         if let Some(t) = v.get("transport").and_then(|t| t.as_str()) {
-            transport = Some(t.to_string());
+            said.transport = Some(t.to_string());
+            said.hosts = v.get("hosts").and_then(|h| h.as_u64()).map(|h| h as usize);
         } else if v.get("bytes").is_some() {
             rows.push(serde_json::from_value(v)?);
         }
     }
-    Ok((transport, rows))
+    Ok((said, rows))
 }
 
 /// Run `world` rank processes, `cmd(rank, master)` each: rank 0 first, which binds the store
 /// and prints where; then the others, told that address. Returns the slowest rank's rows and
-/// the transport rank 0 reported.
+/// what rank 0 said it ran on.
 fn processes(
     world: usize,
     place: Place<'_>,
     cmd: impl Fn(usize, &str) -> anyhow::Result<Command>,
-) -> anyhow::Result<(Vec<Row>, Option<String>)> {
+) -> anyhow::Result<(Vec<Row>, Said)> {
     let mut ranks = Ranks { children: Vec::new() };
     let mut first = BufReader::new(ranks.start(cmd(0, &place.store()?)?)?);
     let mut line = String::new();
@@ -116,11 +126,11 @@ fn processes(
         outs.push(BufReader::new(ranks.start(cmd(rank, &master)?)?));
     }
     let mut per_rank = Vec::new();
-    let mut transport = None;
+    let mut said = None;
     let mut failure = None;
     for (rank, out) in outs.into_iter().enumerate() {
-        let (t, rows) = read_rank(out)?;
-        transport = transport.or(t);
+        let (s, rows) = read_rank(out)?;
+        said = said.or((rank == 0).then_some(s));
         per_rank.push(rows);
         let (child, _) = &mut ranks.children[rank];
         let status = child.wait()?;
@@ -136,33 +146,34 @@ fn processes(
             .collect();
         anyhow::bail!("rank {rank} exited with {status}: {}", errs[rank].trim());
     }
-    Ok((slowest(per_rank)?, transport))
+    Ok((slowest(per_rank)?, said.unwrap_or_default()))
 }
 
-/// gradsync's TCP backend on `transport`, one process per rank.
+/// gradsync's TCP backend on `s`'s transport and hierarchy, one process per rank.
 pub(super) fn tcp_processes(
     world: usize,
     sizes: &[usize],
     a: &CollectiveArgs,
-    transport: Transport,
+    s: &Series,
     place: Place<'_>,
-) -> anyhow::Result<(Vec<Row>, Transport)> {
+) -> anyhow::Result<(Vec<Row>, Ran)> {
+    let transport = s.transport.unwrap_or_default();
     let me = std::env::current_exe()?;
     let list: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
-    let (rows, used) = processes(world, place, |rank, master| {
+    let (rows, said) = processes(world, place, |rank, master| {
         let mut c = place.command(rank, &me)?;
         c.args(["collective-rank", "--rank", &rank.to_string(), "--world", &world.to_string()])
             .args(["--master", master, "--sizes", &list.join(",")])
             .args(["--budget-bytes", &a.budget_bytes.to_string(), "--transport", transport.name()])
-            .args(["--chunk-kb", &a.chunk_kb.to_string()])
+            .args(["--chunk-kb", &a.chunk_kb.to_string(), "--hierarchy", s.hierarchy.name()])
             .args(["--socket-buffer-kb", &a.socket_buffer_kb.to_string()]);
         Ok(c)
     })?;
-    let used = match used.as_deref() {
+    let used = match said.transport.as_deref() {
         Some("shm") => Transport::Shm,
         _ => Transport::Tcp,
     };
-    Ok((rows, used))
+    Ok((rows, Ran { transport: used, hosts: said.hosts }))
 }
 
 /// PyTorch gloo through `bench/pytorch/allreduce.py`, one process per rank.

@@ -23,33 +23,40 @@ fn chunks(buf: &mut [f32], chunk: usize) -> Vec<&mut [f32]> {
 }
 
 /// Pipelined chain broadcast of `buf` from `root`.
-pub(crate) fn broadcast(comm: &mut impl Links, buf: &mut [f32], root: usize) -> Result<()> {
+pub(crate) fn broadcast(comm: &mut impl Links, buf: &mut [f32], root: usize, values: Values) -> Result<()> {
     let (w, r) = (comm.world(), comm.rank());
     check_rank("root", root, w)?;
     if w == 1 {
         return Ok(());
     }
     let pos = (r + w - root) % w;
-    chain(comm, buf, Op::Broadcast, pos == 0, pos + 1 < w, false)
+    chain(comm, buf, (Op::Broadcast, values), pos == 0, pos + 1 < w, false)
 }
 
 /// Pipelined chain reduction of `buf` into `root`.
-pub(crate) fn reduce(comm: &mut impl Links, buf: &mut [f32], root: usize) -> Result<()> {
+pub(crate) fn reduce(comm: &mut impl Links, buf: &mut [f32], root: usize, values: Values) -> Result<()> {
     let (w, r) = (comm.world(), comm.rank());
     check_rank("root", root, w)?;
     if w == 1 {
         return Ok(());
     }
     let pos = (r + w - root - 1) % w;
-    chain(comm, buf, Op::Reduce, pos == 0, pos + 1 < w, true)
+    chain(comm, buf, (Op::Reduce, values), pos == 0, pos + 1 < w, true)
 }
 
 /// One link of a chain: the head sends its own chunks; every other rank receives each chunk
 /// from the left (adding it into its own when `add`) and, unless it is the tail, forwards it.
-fn chain(comm: &mut impl Links, buf: &mut [f32], op: Op, head: bool, forward: bool, add: bool) -> Result<()> {
+fn chain(
+    comm: &mut impl Links,
+    buf: &mut [f32],
+    (op, values): (Op, Values),
+    head: bool,
+    forward: bool,
+    add: bool,
+) -> Result<()> {
     let bytes = buf.len() * 4;
     let parts = chunks(buf, comm.chunk_values());
-    comm.over_neighbours(op, Values::F32, bytes, |pump| {
+    comm.over_neighbours(op, values, bytes, |pump| {
         for (id, c) in parts.into_iter().enumerate() {
             if !head {
                 pump.recv(c, add)?;

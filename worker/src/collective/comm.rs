@@ -1,50 +1,46 @@
 //! The host communicator, [`TcpComm`]: the [`Collective`] trait over a TCP mesh
-//! ([`super::tcp`]) and, when every rank shares this host, shared-memory rings
-//! ([`super::shm`]). It decides which transport carries what (the [`Links`] it hands the
-//! algorithms: the rings or the socket pumps to the ring neighbours, the mesh for direct
-//! transfers), counts the traffic, and after a failure tells every peer whom to blame and
+//! ([`super::tcp`]) and, when ranks share a host, shared-memory rings ([`super::shm`]). It
+//! takes the set-up's decision (`hier`: one flat ring on shared memory or sockets, or a
+//! hierarchical all-reduce), hands the algorithms the group of ranks they run over
+//! (`group`), counts the traffic, and after a failure tells every peer whom to blame and
 //! refuses further calls.
 
 use std::net::TcpListener;
 use std::ops::Range;
 
-use super::frame::{read_frame, write_frame};
-use super::link::{Duplex, Links, Op};
+use super::group::{Group, Net};
+use super::hier::{self, Hier};
+use super::link::Op;
 use super::reduce::Values;
 use super::ring::Phases;
 use super::shm::Shm;
 use super::tcp::{Mesh, MeshInfo};
-use super::{
-    Collective, CommError, Half, Result, RingConfig, Traffic, Transport, chain, pump, ring, segment,
-};
+use super::{Collective, CommError, Half, Result, RingConfig, Traffic, Transport, chain, ring, segment};
 
-/// The host backend: a full mesh of TCP links, and shared-memory rings to the ring
-/// neighbours when they are on this host.
+/// The host backend: a full mesh of TCP links, shared-memory rings to the ring neighbours
+/// when they are on this host, and the hosts' hierarchy when all-reduce goes through it.
 pub struct TcpComm {
     rank: usize,
     world: usize,
-    cfg: RingConfig,
-    mesh: Mesh,
-    /// Cache-sized room the socket engines reduce through.
-    scratch: Vec<f32>,
-    /// This host's cores, and how many ranks share them (ranks whose ring address has this
-    /// rank's IP): what the socket engine is picked by ([`pump::engine`]).
-    cores: usize,
-    ranks_here: usize,
-    traffic: Traffic,
+    /// Every rank, in ring order: the flat ring's members.
+    everyone: Vec<usize>,
+    net: Net,
     /// Set when an operation failed part-way: the streams are out of step from then on.
     poisoned: Option<String>,
-    /// The shared-memory rings to the neighbours, when the ring uses them.
+    /// The shared-memory rings to the neighbours, when the flat ring uses them.
     shm: Option<Box<Shm>>,
+    /// This rank's host and its leaders, when all-reduce is hierarchical.
+    hier: Option<Box<Hier>>,
 }
 
 impl TcpComm {
     /// Connect the mesh (see [`MeshInfo`]) on `listener`, already bound and published as
-    /// `info.addrs[info.rank]`, then agree with every peer on the transport of the ring.
+    /// `info.addrs[info.rank]`, then agree with every peer on the transport of the ring and
+    /// on the hierarchy.
     pub fn connect(listener: TcpListener, info: &MeshInfo, cfg: RingConfig) -> Result<TcpComm> {
         let (rank, world) = (info.rank, info.addrs.len());
         let mut mesh = Mesh::connect(listener, info, &cfg)?;
-        let shm = Shm::setup(mesh.links_mut(), rank, &cfg)?.map(Box::new);
+        let decided = hier::setup(&mut mesh, rank, &cfg)?;
         let scratch = vec![0.0; cfg.chunk_values().min(1 << 16)];
         let me = info.addrs[rank].ip();
         let ranks_here = info.addrs.iter().filter(|a| a.ip() == me).count();
@@ -52,14 +48,11 @@ impl TcpComm {
         Ok(TcpComm {
             rank,
             world,
-            cfg,
-            mesh,
-            scratch,
-            cores,
-            ranks_here,
-            traffic: Traffic::default(),
+            everyone: (0..world).collect(),
+            net: Net { mesh, scratch, traffic: Traffic::default(), cfg, cores, ranks_here },
             poisoned: None,
-            shm,
+            shm: decided.rings,
+            hier: decided.hier,
         })
     }
 
@@ -68,14 +61,18 @@ impl TcpComm {
         TcpComm {
             rank: 0,
             world: 1,
-            cfg,
-            mesh: Mesh::single(),
-            scratch: Vec::new(),
-            cores: 1,
-            ranks_here: 1,
-            traffic: Traffic::default(),
+            everyone: vec![0],
+            net: Net {
+                mesh: Mesh::single(),
+                scratch: Vec::new(),
+                traffic: Traffic::default(),
+                cfg,
+                cores: 1,
+                ranks_here: 1,
+            },
             poisoned: None,
             shm: None,
+            hier: None,
         }
     }
 
@@ -91,13 +88,28 @@ impl TcpComm {
 
     /// Payload bytes moved so far.
     pub fn traffic(&self) -> Traffic {
-        self.traffic
+        self.net.traffic
     }
 
-    /// What the ring and chain collectives run on: [`Transport::Shm`] or [`Transport::Tcp`]
-    /// (never `Auto`: that has been decided at connection).
+    /// What the flat ring and chain collectives run on: [`Transport::Shm`] or
+    /// [`Transport::Tcp`] (never `Auto`: that has been decided at connection). In a
+    /// hierarchical all-reduce, what the ranks of one host run on (see [`Self::hosts`]).
     pub fn transport(&self) -> Transport {
-        if self.shm.is_some() { Transport::Shm } else { Transport::Tcp }
+        let host_rings = self.hier.as_deref().is_some_and(Hier::on_shm);
+        if self.shm.is_some() || host_rings { Transport::Shm } else { Transport::Tcp }
+    }
+
+    /// The number of hosts when all-reduce is hierarchical (reduce inside each host, ring
+    /// among one leader per host, broadcast inside), `None` when it is one flat ring.
+    pub fn hosts(&self) -> Option<usize> {
+        self.hier.as_deref().map(Hier::hosts)
+    }
+
+    /// The flat ring: every rank, on the world's shared-memory rings or on sockets.
+    fn flat(&mut self) -> Group<'_> {
+        let rings =
+            self.shm.as_deref().or_else(|| self.hier.as_ref().and_then(|h| h.world_rings(self.world)));
+        Group::new(&mut self.net, &self.everyone, self.rank, rings)
     }
 
     /// Run one operation, refusing to start after an earlier failure (the streams would be
@@ -109,67 +121,22 @@ impl TcpComm {
                 why: format!("{} after an earlier failure: {why}", op.name()),
             });
         }
-        let out = f(self).map_err(|e| self.mesh.blame(e, self.cfg.timeout));
+        let out = f(self).map_err(|e| self.net.mesh.blame(e, self.net.cfg.timeout));
         if let Err(e) = &out
             && !matches!(e, CommError::Invalid { .. })
         {
             self.poisoned = Some(e.to_string());
             // Tell every peer whom to blame (this rank, if nobody else).
-            self.mesh.abort(e.culprit().unwrap_or(self.rank));
+            self.net.mesh.abort(e.culprit().unwrap_or(self.rank));
             // Neighbours asleep on the shared-memory rings: the notice is on the links by now.
             if let Some(shm) = &self.shm {
                 shm.abort();
             }
+            if let Some(h) = &self.hier {
+                h.abort();
+            }
         }
         out
-    }
-}
-
-impl Links for TcpComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world(&self) -> usize {
-        self.world
-    }
-
-    fn chunk_values(&self) -> usize {
-        self.cfg.chunk_values()
-    }
-
-    fn over_neighbours<'b, T>(
-        &mut self,
-        op: Op,
-        values: Values,
-        bytes: usize,
-        body: impl FnOnce(&mut dyn Duplex<'b>) -> Result<T>,
-    ) -> Result<T> {
-        let (w, r) = (self.world, self.rank);
-        let timeout = self.cfg.timeout;
-        let (out, moved) = match &self.shm {
-            Some(shm) => shm.duplex(op, values, timeout, body)?,
-            None => {
-                let (reader, writer) = self.mesh.neighbours()?;
-                let sides = ((r + w - 1) % w, (r + 1) % w);
-                let engine = pump::engine(self.cfg.engine, bytes, self.cores, self.ranks_here);
-                pump::duplex(engine, reader, writer, sides, op, values, timeout, &mut self.scratch, body)?
-            }
-        };
-        self.traffic += moved;
-        Ok(out)
-    }
-
-    fn send_frame(&mut self, peer: usize, op: Op, vals: &[f32]) -> Result<()> {
-        let t = self.cfg.timeout;
-        self.traffic.sent += write_frame(&mut self.mesh.link(peer)?.writer, op, Values::F32, vals, peer, t)?;
-        Ok(())
-    }
-
-    fn recv_frame(&mut self, peer: usize, op: Op, dst: &mut [f32]) -> Result<()> {
-        let t = self.cfg.timeout;
-        self.traffic.recv += read_frame(&mut self.mesh.link(peer)?.reader, op, dst, peer, t)?;
-        Ok(())
     }
 }
 
@@ -189,45 +156,52 @@ impl Collective for TcpComm {
     }
 
     fn traffic(&self) -> Traffic {
-        self.traffic
+        self.net.traffic
     }
 
     fn all_reduce(&mut self, buf: &mut [f32]) -> Result<()> {
-        self.guarded(Op::AllReduce, |c| ring::run(c, buf, Phases::Both, Op::AllReduce, Values::F32))
+        self.guarded(Op::AllReduce, |c| match &c.hier {
+            Some(h) => h.all_reduce(&mut c.net, buf, Values::F32),
+            None => ring::run(&mut c.flat(), buf, Phases::Both, Op::AllReduce, Values::F32),
+        })
     }
 
     fn all_reduce_half(&mut self, packed: &mut [f32], half: Half) -> Result<()> {
-        self.guarded(Op::AllReduce, |c| {
-            ring::run(c, packed, Phases::Both, Op::AllReduce, Values::Packed(half))
+        let values = Values::Packed(half);
+        self.guarded(Op::AllReduce, |c| match &c.hier {
+            Some(h) => h.all_reduce(&mut c.net, packed, values),
+            None => ring::run(&mut c.flat(), packed, Phases::Both, Op::AllReduce, values),
         })
     }
 
     fn reduce_scatter(&mut self, buf: &mut [f32]) -> Result<Range<usize>> {
         let mine = segment(buf.len(), self.world, self.rank);
         self.guarded(Op::ReduceScatter, |c| {
-            ring::run(c, buf, Phases::ReduceScatter, Op::ReduceScatter, Values::F32)
+            ring::run(&mut c.flat(), buf, Phases::ReduceScatter, Op::ReduceScatter, Values::F32)
         })?;
         Ok(mine)
     }
 
     fn all_gather(&mut self, buf: &mut [f32]) -> Result<()> {
-        self.guarded(Op::AllGather, |c| ring::run(c, buf, Phases::AllGather, Op::AllGather, Values::F32))
+        self.guarded(Op::AllGather, |c| {
+            ring::run(&mut c.flat(), buf, Phases::AllGather, Op::AllGather, Values::F32)
+        })
     }
 
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
-        self.guarded(Op::Broadcast, |c| chain::broadcast(c, buf, root))
+        self.guarded(Op::Broadcast, |c| chain::broadcast(&mut c.flat(), buf, root, Values::F32))
     }
 
     fn reduce(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
-        self.guarded(Op::Reduce, |c| chain::reduce(c, buf, root))
+        self.guarded(Op::Reduce, |c| chain::reduce(&mut c.flat(), buf, root, Values::F32))
     }
 
     fn gather(&mut self, send: &[f32], out: &mut [f32], root: usize) -> Result<()> {
-        self.guarded(Op::Gather, |c| chain::gather(c, send, out, root))
+        self.guarded(Op::Gather, |c| chain::gather(&mut c.flat(), send, out, root))
     }
 
     fn scatter(&mut self, src: &[f32], recv: &mut [f32], root: usize) -> Result<()> {
-        self.guarded(Op::Scatter, |c| chain::scatter(c, src, recv, root))
+        self.guarded(Op::Scatter, |c| chain::scatter(&mut c.flat(), src, recv, root))
     }
 
     fn send(&mut self, buf: &[f32], peer: usize) -> Result<()> {
@@ -237,7 +211,7 @@ impl Collective for TcpComm {
                 why: format!("rank {peer} cannot send to itself"),
             });
         }
-        self.guarded(Op::SendRecv, |c| chain::send_to(c, buf, peer, Op::SendRecv))
+        self.guarded(Op::SendRecv, |c| chain::send_to(&mut c.flat(), buf, peer, Op::SendRecv))
     }
 
     fn recv(&mut self, buf: &mut [f32], peer: usize) -> Result<()> {
@@ -247,14 +221,14 @@ impl Collective for TcpComm {
                 why: format!("rank {peer} cannot receive from itself"),
             });
         }
-        self.guarded(Op::SendRecv, |c| chain::recv_from(c, buf, peer, Op::SendRecv))
+        self.guarded(Op::SendRecv, |c| chain::recv_from(&mut c.flat(), buf, peer, Op::SendRecv))
     }
 
     fn barrier(&mut self) -> Result<()> {
         let world = self.world;
         self.guarded(Op::Barrier, |c| {
             let mut one = [1.0f32];
-            ring::run(c, &mut one, Phases::Both, Op::Barrier, Values::F32)?;
+            ring::run(&mut c.flat(), &mut one, Phases::Both, Op::Barrier, Values::F32)?;
             if one[0] != world as f32 {
                 return Err(CommError::Protocol {
                     peer: (c.rank + 1) % world,

@@ -14,11 +14,19 @@
 //!   beside the receiver for large ones). [`tcp`]: the mesh of TCP links and its set-up.
 //!   [`shm`]: the shared-memory `Duplex` rings between ranks of one host and network
 //!   namespace, and their set-up over the mesh.
+//! - Groups: `group`, the `Links` of any subset of the ranks (all of them, one host's, one
+//!   leader per host), numbered in ring order, over the mesh and the group's shared-memory
+//!   rings.
 //! - Algorithms, over `link` only. `ring`: the bandwidth-optimal ring reduce-scatter,
 //!   all-gather and all-reduce, pipelined in chunks. `chain`: pipelined chains for broadcast
 //!   and reduce, direct sends for gather, scatter and send/recv.
+//! - `hier`: the set-up's one decision (flat ring on shared memory or sockets, or
+//!   hierarchical, by [`Hierarchy`]) and the hierarchical all-reduce, composed of those
+//!   algorithms over groups: reduce inside each host, ring among the hosts' leaders,
+//!   broadcast inside, overlapped piece by piece.
 //! - `comm`: the host communicator [`TcpComm`], which implements [`Collective`] with those
-//!   algorithms, picking the transport by [`Transport`] (`--transport auto|tcp|shm`).
+//!   algorithms, picking the transport by [`Transport`] (`--transport auto|tcp|shm`) and the
+//!   all-reduce by [`Hierarchy`] (`--hierarchy auto|off|on`).
 //! - [`nccl`]: NCCL on GPU memory, with timeouts that abort the communicator; `nccl_lib`:
 //!   finding and loading `libnccl.so.2` (system paths, Python environments) and its functions.
 //!
@@ -29,7 +37,9 @@
 mod chain;
 mod comm;
 pub(crate) mod frame;
+mod group;
 pub(crate) mod handshake;
+mod hier;
 mod link;
 pub mod nccl;
 mod nccl_lib;
@@ -246,6 +256,31 @@ impl Transport {
     }
 }
 
+/// Whether all-reduce runs hierarchically when ranks share hosts (see `hier`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Hierarchy {
+    /// Hierarchical when there are several hosts and at least one of them holds several ranks;
+    /// one flat ring otherwise.
+    #[default]
+    Auto,
+    /// Always the flat ring.
+    Off,
+    /// Always hierarchical (with more than one rank), whatever the hosts.
+    On,
+}
+
+impl Hierarchy {
+    /// The flag's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Hierarchy::Auto => "auto",
+            Hierarchy::Off => "off",
+            Hierarchy::On => "on",
+        }
+    }
+}
+
 /// Tunables of the TCP backend.
 #[derive(Debug, Clone)]
 pub struct RingConfig {
@@ -256,8 +291,15 @@ pub struct RingConfig {
     pub chunk_bytes: usize,
     /// Socket send/receive buffer size to ask for (`None`: the kernel's autotuning).
     pub socket_buffer: Option<usize>,
-    /// How the ring and chain collectives reach the neighbours (see [`super::shm`]).
+    /// How the ring and chain collectives reach the neighbours (see [`super::shm`]); in a
+    /// hierarchical all-reduce, how the ranks of one host reach each other.
     pub transport: Transport,
+    /// Whether all-reduce reduces inside each host before crossing hosts.
+    pub hierarchy: Hierarchy,
+    /// The host this rank claims to be on, instead of the one it finds (boot id and network
+    /// namespace), like NCCL's `NCCL_HOSTID`: ranks given the same value count as one host.
+    /// Shared memory is still only used where it maps.
+    pub host_id: Option<String>,
     /// Which socket engine moves large transfers.
     pub engine: SocketEngine,
 }
@@ -284,6 +326,8 @@ impl Default for RingConfig {
             socket_buffer: Some(4 << 20),
             transport: Transport::Auto,
             engine: SocketEngine::Auto,
+            hierarchy: Hierarchy::Auto,
+            host_id: None,
         }
     }
 }

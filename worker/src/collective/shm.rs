@@ -25,13 +25,15 @@
 //! (gather, scatter, send/recv), and tells a dead peer from a slow one.
 //!
 //! Set-up, right after the TCP mesh connects (three rounds of one JSON line to every peer):
-//! 1. every rank says where it is (boot id and network namespace); all ranks see the same
-//!    answers, so they all take the same decision (every rank must be given the same
-//!    `--transport`: with `tcp` there is no set-up at all);
-//! 2. every rank creates its mailbox and names it;
-//! 3. every rank maps its two neighbours' mailboxes and says whether that worked; the owners
-//!    then unlink their files (the mappings stay). Only if every rank succeeded do the ring
-//!    and chain collectives use the mailboxes; with `auto`, any failure means sockets.
+//! 1. every rank says where it is (boot id and network namespace) and what it asked for
+//!    ([`survey`]); all ranks see the same answers, so they all take the same decision, here
+//!    and in `hier` (every rank must be given the same `--transport` and `--hierarchy`: with
+//!    `tcp` and `off` there is no set-up at all);
+//! 2. every rank of the ring (all ranks, or in a hierarchical all-reduce the ranks of one
+//!    host) creates its mailbox and names it to the others;
+//! 3. every rank of the ring maps its two neighbours' mailboxes and says whether that worked;
+//!    the owners then unlink their files (the mappings stay). Only if every rank of the ring
+//!    succeeded does it use the mailboxes; with `auto`, any failure means sockets.
 //!
 //! One file of about 700 lines on purpose: the mailbox layout, the engine's wait protocol and
 //! the set-up that hands out the mappings share the invariants every `unsafe` block here
@@ -54,7 +56,7 @@ use super::handshake::{read_line, write_line};
 use super::link::{Duplex, Op, returned};
 use super::reduce::{Values, sum_into};
 use super::{CommError, Result, Traffic};
-use super::{RingConfig, Transport};
+use super::{Hierarchy, RingConfig, Transport};
 
 /// Bytes of each mailbox's data ring: many pipelined pieces, small enough that the rings of
 /// several ranks stay in the last-level cache (2 MiB with 128 KiB pieces measured ahead of
@@ -256,20 +258,41 @@ fn peer_gone(fd: RawFd) -> bool {
     got == 0 || (got < 0 && io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock)
 }
 
-/// Where this process runs, as far as sharing memory goes: the boot (a host, this boot) and
+/// Where this thread runs, as far as sharing memory goes: the boot (a host, this boot) and
 /// the network namespace (ranks in different namespaces on one host, as in an emulated
-/// cluster, keep to their shaped links).
-fn place() -> String {
+/// cluster, keep to their shaped links). The thread's own namespace, not the process's: a
+/// thread moved into an emulated host with `setns` belongs to that host. `host_id` replaces
+/// both when given ([`RingConfig::host_id`]).
+fn place(host_id: Option<&str>) -> String {
+    if let Some(id) = host_id {
+        return format!("id:{id}");
+    }
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let net = std::fs::metadata("/proc/self/ns/net").map(|m| m.ino()).unwrap_or(0);
+    let net = std::fs::metadata("/proc/thread-self/ns/net")
+        .or_else(|_| std::fs::metadata("/proc/self/ns/net"))
+        .map(|m| m.ino())
+        .unwrap_or(0);
     format!("{}/net:{net}", boot.trim())
 }
 
 /// Round 1: where a rank is and what it asked for.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct Where {
-    place: String,
-    transport: Transport,
+pub(crate) struct Where {
+    /// The host (and network namespace) it runs on: ranks with equal places share memory.
+    pub(crate) place: String,
+    /// Its `--transport`.
+    pub(crate) transport: Transport,
+    /// Its `--hierarchy`.
+    pub(crate) hierarchy: Hierarchy,
+}
+
+/// Round 1 of the set-up: tell every peer where this rank is and what it asked for, and
+/// learn the same of them; every rank ends with the same list, by rank.
+pub(crate) fn survey(links: &mut [Option<Link>], rank: usize, cfg: &RingConfig) -> Result<Vec<Where>> {
+    let mine =
+        Where { place: place(cfg.host_id.as_deref()), transport: cfg.transport, hierarchy: cfg.hierarchy };
+    let all: Vec<usize> = (0..links.len()).collect();
+    exchange(links, &all, rank, &mine)
 }
 
 /// Round 2: a rank's mailbox, or why it has none.
@@ -289,7 +312,7 @@ struct Mapped {
 /// Whether the ring may use shared memory, given every rank's [`Where`] (`me`'s included).
 /// Every rank computes the same answer from the same lines; a rank that asked for `shm` gets
 /// an error naming the rank that prevents it.
-fn decide(all: &[Where], me: usize) -> Result<bool> {
+pub(crate) fn decide(all: &[Where], me: usize) -> Result<bool> {
     let here = &all[me].place;
     let blocker = all.iter().enumerate().find_map(|(r, w)| {
         if &w.place != here {
@@ -312,26 +335,28 @@ fn decide(all: &[Where], me: usize) -> Result<bool> {
     }
 }
 
-/// Send `mine` to every peer, then read every peer's line; `me`'s slot holds `mine`.
-fn exchange<T>(links: &mut [Option<Link>], me: usize, mine: &T) -> Result<Vec<T>>
+/// Send `mine` to every other rank of `members`, then read each one's line; the answers come
+/// in the order of `members`, `me`'s slot (`members[me]` is this rank) holding `mine`.
+fn exchange<T>(links: &mut [Option<Link>], members: &[usize], me: usize, mine: &T) -> Result<Vec<T>>
 where
     T: Serialize + for<'de> Deserialize<'de> + Clone,
 {
     let io =
         |peer: usize| move |e: io::Error| CommError::Protocol { peer, why: format!("transport set-up: {e}") };
-    for (peer, l) in links.iter_mut().enumerate() {
-        if let Some(l) = l {
+    let no_link = |peer: usize| CommError::Invalid { what: "peer", why: format!("no link to rank {peer}") };
+    for (i, &peer) in members.iter().enumerate() {
+        if i != me {
+            let l = links.get_mut(peer).and_then(Option::as_mut).ok_or_else(|| no_link(peer))?;
             write_line(&mut l.writer, mine).map_err(io(peer))?;
         }
     }
-    let mut out = Vec::with_capacity(links.len());
-    for (peer, l) in links.iter().enumerate() {
-        out.push(match l {
-            Some(l) => read_line(&l.reader).map_err(io(peer))?,
-            None if peer == me => mine.clone(),
-            None => {
-                return Err(CommError::Invalid { what: "peer", why: format!("no link to rank {peer}") });
-            }
+    let mut out = Vec::with_capacity(members.len());
+    for (i, &peer) in members.iter().enumerate() {
+        out.push(if i == me {
+            mine.clone()
+        } else {
+            let l = links.get(peer).and_then(Option::as_ref).ok_or_else(|| no_link(peer))?;
+            read_line(&l.reader).map_err(io(peer))?
         });
     }
     Ok(out)
@@ -372,19 +397,21 @@ pub(crate) struct Shm {
 }
 
 impl Shm {
-    /// Agree with every peer on the transport and, if it is shared memory, set it up (see the
-    /// module documentation). `None`: the ring stays on sockets.
-    pub(crate) fn setup(links: &mut [Option<Link>], rank: usize, cfg: &RingConfig) -> Result<Option<Shm>> {
-        let world = links.len();
-        if cfg.transport == Transport::Tcp || world == 1 {
-            // Every rank is given the same --transport: no rank expects the set-up lines. A
-            // single rank has no neighbour to share memory with.
+    /// Set up the rings among `members` (global ranks in ring order, `members[me]` this rank;
+    /// rounds 2 and 3 of the module documentation, only between them), once round 1 has
+    /// decided that they share memory. `None`: they keep to sockets (with `--transport auto`,
+    /// when some rank could not create or map a mailbox; with `shm` that is an error).
+    pub(crate) fn setup(
+        links: &mut [Option<Link>],
+        members: &[usize],
+        me: usize,
+        cfg: &RingConfig,
+    ) -> Result<Option<Shm>> {
+        let world = members.len();
+        if world < 2 {
             return Ok(None);
         }
-        let all = exchange(links, rank, &Where { place: place(), transport: cfg.transport })?;
-        if !decide(&all, rank)? {
-            return Ok(None);
-        }
+        let rank = members[me];
         let (path, nonce) = fresh_name(rank);
         let own = Mailbox::create(&path, nonce);
         let unlink = own.is_ok().then(|| Unlink(path.clone()));
@@ -392,18 +419,19 @@ impl Shm {
             Ok(_) => Offer { path: Some(path.clone()), nonce, error: None },
             Err(e) => Offer { path: None, nonce, error: Some(format!("creating {}: {e}", path.display())) },
         };
-        let offers = exchange(links, rank, &offer)?;
-        let (left_rank, right_rank) = ((rank + world - 1) % world, (rank + 1) % world);
-        let open = |r: usize| -> std::result::Result<Mailbox, String> {
-            let o = &offers[r];
+        let offers = exchange(links, members, me, &offer)?;
+        let (left_at, right_at) = ((me + world - 1) % world, (me + 1) % world);
+        let (left_rank, right_rank) = (members[left_at], members[right_at]);
+        let open = |at: usize| -> std::result::Result<Mailbox, String> {
+            let (o, r) = (&offers[at], members[at]);
             match (&o.path, &o.error) {
                 (Some(p), _) => Mailbox::open(p, o.nonce)
                     .map_err(|e| format!("rank {rank} cannot map rank {r}'s {}: {e}", p.display())),
                 (None, e) => Err(format!("rank {r} has no mailbox: {}", e.as_deref().unwrap_or("?"))),
             }
         };
-        let peers = open(left_rank).and_then(|l| Ok((l, open(right_rank)?)));
-        let mapped = exchange(links, rank, &Mapped { error: peers.as_ref().err().cloned() })?;
+        let peers = open(left_at).and_then(|l| Ok((l, open(right_at)?)));
+        let mapped = exchange(links, members, me, &Mapped { error: peers.as_ref().err().cloned() })?;
         // Every neighbour has mapped it (or given up): the name is no longer needed, and a
         // crash from here on leaves nothing behind in /dev/shm.
         drop(unlink);
@@ -716,10 +744,10 @@ impl<'b> Duplex<'b> for ShmPump<'_, 'b> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Transport, Where, decide};
+    use super::{Hierarchy, Transport, Where, decide};
 
     fn w(place: &str, t: Transport) -> Where {
-        Where { place: place.into(), transport: t }
+        Where { place: place.into(), transport: t, hierarchy: Hierarchy::Auto }
     }
 
     #[test]

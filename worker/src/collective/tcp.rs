@@ -90,6 +90,28 @@ impl Mesh {
         Mesh { rank: 0, links: vec![None] }
     }
 
+    /// A mesh of this rank's links to `peers` only, taken out of this one (which keeps the
+    /// others) until [`Mesh::rejoin`] puts them back: a group's links that another thread may
+    /// drive while this one uses the rest.
+    pub(crate) fn split_off(&mut self, peers: &[usize]) -> Mesh {
+        let mut links: Vec<Option<Link>> = (0..self.links.len()).map(|_| None).collect();
+        for &p in peers {
+            if let (Some(mine), Some(theirs)) = (links.get_mut(p), self.links.get_mut(p)) {
+                *mine = theirs.take();
+            }
+        }
+        Mesh { rank: self.rank, links }
+    }
+
+    /// Put back the links of a mesh made by [`Mesh::split_off`].
+    pub(crate) fn rejoin(&mut self, part: Mesh) {
+        for (p, l) in part.links.into_iter().enumerate() {
+            if l.is_some() {
+                self.links[p] = l;
+            }
+        }
+    }
+
     /// The links, by peer (`None` for this rank).
     pub(crate) fn links_mut(&mut self) -> &mut [Option<Link>] {
         &mut self.links
@@ -104,13 +126,16 @@ impl Mesh {
         })
     }
 
-    /// The streams from the left and to the right ring neighbour (the same link when there
-    /// are two ranks), split so that one can be written while the other is read.
-    pub(crate) fn neighbours(&mut self) -> Result<(&mut TcpStream, &mut TcpStream)> {
-        let (w, r) = (self.links.len(), self.rank);
-        let (left, right) = ((r + w - 1) % w, (r + 1) % w);
+    /// The stream from `left` and the stream to `right` (the same link when they are one
+    /// peer), split so that one can be written while the other is read: a ring's neighbours,
+    /// whichever ranks form the ring.
+    pub(crate) fn pair(&mut self, left: usize, right: usize) -> Result<(&mut TcpStream, &mut TcpStream)> {
+        let r = self.rank;
         let missing =
             |p| CommError::Invalid { what: "peer", why: format!("rank {r} has no link to rank {p}") };
+        if left.max(right) >= self.links.len() {
+            return Err(missing(left.max(right)));
+        }
         if left == right {
             let l = self.links[left].as_mut().ok_or_else(|| missing(left))?;
             return Ok((&mut l.reader, &mut l.writer));

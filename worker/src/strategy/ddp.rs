@@ -30,13 +30,13 @@ use gradsync_core::trace::Trace;
 
 use super::bucket::BucketReduce;
 use super::{Shape, Strategy, backward, forward, micro_step, timed_span};
-use crate::collective::{Collective, CommError, Nccl, RingConfig, TcpComm, Traffic, Transport};
+use crate::collective::{Collective, CommError, Hierarchy, Nccl, RingConfig, TcpComm, Traffic, Transport};
 use crate::rendezvous::{self, RendezvousConfig};
 
 /// The communicator of either backend (DDP's and ZeRO's).
 pub(super) enum Comm {
     /// The TCP ring.
-    Tcp(TcpComm),
+    Tcp(Box<TcpComm>),
     /// NCCL on the rank's GPU.
     Nccl(Box<Nccl>),
 }
@@ -44,7 +44,7 @@ pub(super) enum Comm {
 impl Comm {
     pub(super) fn get(&mut self) -> &mut dyn Collective {
         match self {
-            Comm::Tcp(c) => c,
+            Comm::Tcp(c) => c.as_mut(),
             Comm::Nccl(c) => c.as_mut(),
         }
     }
@@ -59,12 +59,13 @@ impl Comm {
                     timeout: cfg.timeout,
                     chunk_bytes: c.chunk_kb << 10,
                     transport: c.transport,
+                    hierarchy: c.hierarchy,
                     ..RingConfig::default()
                 };
-                Comm::Tcp(
+                Comm::Tcp(Box::new(
                     rendezvous::connect_tcp(cfg, ring)
                         .with_context(|| format!("joining the ring of {world} ranks at {}", cfg.master))?,
-                )
+                ))
             }
             Backend::Nccl => {
                 let Device::Cuda { ordinal } = c.device else {
@@ -81,11 +82,19 @@ impl Comm {
     }
 
     /// The header's description of the communicator: the variant (the backend's name) and,
-    /// into `m`, what `--transport auto` chose.
+    /// into `m`, what `--transport auto` and `--hierarchy auto` chose: the transport, the
+    /// all-reduce that ran (`ring` or `hierarchical`) and, for the latter, the hosts.
     pub(super) fn describe(&self, m: &mut serde_json::Map<String, serde_json::Value>) -> String {
         match self {
             Comm::Tcp(c) => {
                 m.insert("transport".into(), c.transport().name().into());
+                m.insert(
+                    "all_reduce".into(),
+                    if c.hosts().is_some() { "hierarchical" } else { "ring" }.into(),
+                );
+                if let Some(hosts) = c.hosts() {
+                    m.insert("hosts".into(), hosts.into());
+                }
                 "tcp".into()
             }
             Comm::Nccl(_) => "nccl".into(),
@@ -113,6 +122,8 @@ pub struct DdpConfig {
     pub chunk_kb: usize,
     /// How the TCP ring reaches its neighbours.
     pub transport: Transport,
+    /// Whether the TCP backend's all-reduce goes through the hosts.
+    pub hierarchy: Hierarchy,
     /// The optimiser every rank applies.
     pub sgd: SgdConfig,
     /// Timeline recorder (`--trace`).
@@ -280,7 +291,7 @@ fn backward_reduced(
     let reduce = &mut ddp.reduce;
     let (nccl, tcp) = match &mut ddp.comm {
         Comm::Nccl(n) => (Some(n.as_mut()), None),
-        Comm::Tcp(c) => (None, Some(c)),
+        Comm::Tcp(c) => (None, Some(c.as_mut())),
     };
     let host_overlap = overlap && !engine.is_cuda();
     let (bwd, bwd_end, spans, after) = std::thread::scope(|s| {
