@@ -113,6 +113,22 @@ struct Figure {
     push_ms: f64,
     pull_ms: f64,
     wait_ms: f64,
+    /// CPU time (user + system, every thread of this process) per step, warm-up included.
+    cpu_ms: f64,
+}
+
+/// CPU seconds (user + system) this process has used, all threads.
+fn cpu_seconds() -> f64 {
+    let mut u = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage fills the struct it is given; RUSAGE_SELF always exists.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, u.as_mut_ptr()) };
+    if rc != 0 {
+        return f64::NAN;
+    }
+    // SAFETY: initialised by the successful call above.
+    let u = unsafe { u.assume_init() };
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
+    t(u.ru_utime) + t(u.ru_stime)
 }
 
 /// `d` such that a `d x d` layer (plus bias) holds about `mb` MB of f32.
@@ -195,6 +211,7 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
     let mut state: Vec<_> =
         clients.into_iter().map(|c| (c, vec![1e-4f32; total], vec![0f32; total])).collect();
     let (mut times, mut push, mut pull, mut wait) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let cpu = cpu_seconds();
     for step in 0..warmup + steps {
         let t = Instant::now();
         let handles: Vec<_> = state
@@ -228,6 +245,7 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
             wait.push(slowest[2]);
         }
     }
+    let cpu_ms = (cpu_seconds() - cpu) * 1e3 / (warmup + steps) as f64;
     for (c, ..) in &mut state {
         c.deregister().await?;
     }
@@ -248,16 +266,19 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
         push_ms: median(&push),
         pull_ms: median(&pull),
         wait_ms: median(&wait),
+        cpu_ms,
     })
 }
 
 /// The plain-sockets row: the step's traffic over plain TCP sockets in the same topology
 /// ([`crate::rawtcp::Exchange`]); push and pull run at once, so both are the step's time.
 fn plain_tcp(bytes: usize, g: Group<'_>) -> anyhow::Result<Figure> {
-    let times = crate::rawtcp::Exchange::new(bytes, g.workers, g.shards, g.hosts, g.first_worker)?
-        .run(g.warmup, g.steps)?;
+    let mut exchange = crate::rawtcp::Exchange::new(bytes, g.workers, g.shards, g.hosts, g.first_worker)?;
+    let cpu = cpu_seconds();
+    let times = exchange.run(g.warmup, g.steps)?;
+    let cpu_ms = (cpu_seconds() - cpu) * 1e3 / (g.warmup + g.steps) as f64;
     let ms = median(&times);
-    Ok(Figure { step_ms: ms, push_ms: ms, pull_ms: ms, wait_ms: 0.0 })
+    Ok(Figure { step_ms: ms, push_ms: ms, pull_ms: ms, wait_ms: 0.0, cpu_ms })
 }
 
 /// Run the benchmark and print its table.
@@ -321,6 +342,8 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         "bound ms",
         "x bound",
         "x plain",
+        "CPU ms",
+        "CPU x plain",
         "vs default",
     ]);
     for &mb in &sizes {
@@ -333,7 +356,7 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                 let raw = raw_tcp()?;
                 let group = Group { workers: w, shards: k, warmup, steps, hosts, first_worker, chunk };
                 let bound_ms = 2.0 * (bytes / raw).max(w as f64 * bytes / (k as f64 * raw)) * 1e3;
-                let (mut default_ms, mut plain_ms) = (None, None);
+                let (mut default_ms, mut plain_ms, mut plain_cpu) = (None, None, None);
                 let plain = (!a.no_plain && a.only.is_none()).then_some(None);
                 for (tuning, serial) in
                     plain.into_iter().chain(tunings.iter().map(|t| Some(*t))).map(Option::unzip)
@@ -371,6 +394,11 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                             Some(p) => format!("{:.2}", fig.step_ms / p),
                             None => String::new(),
                         },
+                        format!("{:.1}", fig.cpu_ms),
+                        match plain_cpu {
+                            Some(p) => format!("{:.2}", fig.cpu_ms / p),
+                            None => String::new(),
+                        },
                         match default_ms {
                             Some(d) if !is_default => format!("{:.2}x", d / fig.step_ms),
                             _ => String::new(),
@@ -378,6 +406,7 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                     ]);
                     if tuning.is_none() {
                         plain_ms = Some(fig.step_ms);
+                        plain_cpu = Some(fig.cpu_ms);
                     }
                     eprint!(".");
                 }
@@ -400,7 +429,7 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
          after receiving it, for the barrier and the update's last block (part of push). GB/s: bytes pushed and pulled by all workers per second; raw GB/s: one plain TCP stream over \
          the links, the median of three measured just before the row's group; x raw: GB/s over raw. bound: 2 x max(S/B, W*S/(K*B)) with \
          B the raw figure. x bound: ms/step over the bound (1.0 is the \
-         link's limit). x plain: ms/step over the plain tcp row's. vs default: how much faster than tonic's defaults. Rows: plain tcp = the same bytes over plain \
+         link's limit). x plain: ms/step over the plain tcp row's. CPU ms: CPU time (user + system, every thread of this process) per step, warm-up steps included; CPU x plain: over the plain row's, the extra work a row does for the same bytes (where the cores are the limit, x plain cannot fall below it). vs default: how much faster than tonic's defaults. Rows: plain tcp = the same bytes over plain \
          sockets in the same topology (a socket per worker, shard and direction, push and pull at once; no \
          framing, no update): the floor on this machine; default = tonic's HTTP/2 \
          defaults; tuned-codec = tuned windows and frames, messages through tonic's codec; tuned = the same \

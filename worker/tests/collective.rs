@@ -17,7 +17,10 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use gradsync_testkit::{Counters, GpuRun, gpu_test};
-use gradsync_worker::collective::{Collective, Nccl, RingConfig, TcpComm, Transport, nccl, segment};
+use gradsync_worker::collective::{
+    Collective, Half, Nccl, RingConfig, SocketEngine, TcpComm, Transport, nccl, pack, packed_len, segment,
+    unpack,
+};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
 #[derive(Debug, Clone, Copy)]
@@ -52,18 +55,26 @@ fn cfg() -> RingConfig {
         chunk_bytes: 64,
         socket_buffer: None,
         transport: Transport::Tcp,
+        ..RingConfig::default()
     }
 }
 
 thread_local! {
     /// Chunk size for the groups this test thread makes (large-buffer tests raise it).
     static CHUNK: std::cell::Cell<usize> = const { std::cell::Cell::new(64) };
+    /// The socket engine for the groups this test thread makes.
+    static ENGINE: std::cell::Cell<SocketEngine> = const { std::cell::Cell::new(SocketEngine::Auto) };
 }
 
 /// `world` connected communicators on `transport`, one per thread, through the rendezvous
 /// store.
 fn with_group<T: Send>(world: usize, transport: Transport, body: impl Fn(TcpComm) -> T + Sync) -> Vec<T> {
-    let cfg = || RingConfig { chunk_bytes: CHUNK.with(|c| c.get()), transport, ..cfg() };
+    let cfg = || RingConfig {
+        chunk_bytes: CHUNK.with(|c| c.get()),
+        transport,
+        engine: ENGINE.with(|e| e.get()),
+        ..cfg()
+    };
     let store = TcpListener::bind("127.0.0.1:0").unwrap();
     let master = store.local_addr().unwrap().to_string();
     let mut store = Some(store);
@@ -236,10 +247,12 @@ per_transport! {
     barrier: Op::Barrier,
 }
 
-/// Buffers of 4 MiB and more take the two-thread engine on sockets, and wrap around the
-/// shared-memory rings (2 MiB each) many times: the same reference must hold.
-fn large_buffers(transport: Transport) {
+/// Buffers of 4 MiB and more take the two-thread engine on sockets where it is asked for,
+/// and wrap around the shared-memory rings (2 MiB each) many times: the same reference must
+/// hold.
+fn large_buffers(transport: Transport, engine: SocketEngine) {
     CHUNK.with(|c| c.set(64 << 10));
+    ENGINE.with(|e| e.set(engine));
     let n = (1 << 20) + 3;
     for op in [Op::AllReduce, Op::ReduceScatter, Op::AllGather, Op::Broadcast, Op::Reduce] {
         for world in [2, 3, 4] {
@@ -255,12 +268,17 @@ fn large_buffers(transport: Transport) {
 
 #[test]
 fn large_buffers_on_the_threaded_engine() {
-    large_buffers(Transport::Tcp);
+    large_buffers(Transport::Tcp, SocketEngine::SenderThread);
+}
+
+#[test]
+fn large_buffers_on_the_one_thread_engine() {
+    large_buffers(Transport::Tcp, SocketEngine::OneThread);
 }
 
 #[test]
 fn large_buffers_over_shared_memory() {
-    large_buffers(Transport::Shm);
+    large_buffers(Transport::Shm, SocketEngine::Auto);
 }
 
 #[test]
@@ -292,6 +310,94 @@ fn all_reduce_traffic_is_the_ring_optimum() {
                 t.recv
             );
         }
+    }
+}
+
+/// `--compress fp16|bf16` on the ring: packed halves, summed in f32 at each hop and rounded
+/// back. Small integers are exact in both formats (bf16 up to 256), so the result must equal
+/// the exact sum; every rank must end with the same bits; the wire must carry two bytes a
+/// value, half of what an f32 all-reduce moves.
+#[test]
+fn half_precision_all_reduce_sums_exactly_and_moves_half_the_bytes() {
+    for transport in [Transport::Tcp, Transport::Shm] {
+        for world in [2, 3, 4] {
+            for half in [Half::F16, Half::Bf16] {
+                for n in [1, 2, 7, 1001, 64 * 1024 + 3] {
+                    let out = with_group(world, transport, |mut c| {
+                        let r = c.rank();
+                        let vals: Vec<f32> = (0..n).map(|i| input(r, i)).collect();
+                        let mut packed = vec![0.0; packed_len(n)];
+                        pack(half, &vals, &mut packed);
+                        let before = c.traffic();
+                        c.all_reduce_half(&mut packed, half).unwrap();
+                        let half_sent = c.traffic().sent - before.sent;
+                        let mut got = vec![0.0; n];
+                        unpack(half, &packed, &mut got);
+                        let mut plain = vals.clone();
+                        let before = c.traffic();
+                        c.all_reduce(&mut plain).unwrap();
+                        (got, plain, half_sent, c.traffic().sent - before.sent)
+                    });
+                    let what = format!("{} over {transport:?}, {world} ranks, {n} values", half.name());
+                    for (got, plain, half_sent, f32_sent) in &out {
+                        assert!(got == plain, "{what}: the sum is not exact");
+                        if n > 1000 {
+                            let ratio = *half_sent as f64 / *f32_sent as f64;
+                            assert!(
+                                (0.45..=0.55).contains(&ratio),
+                                "{what}: {half_sent} bytes against {f32_sent}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Values that are not exact in half precision: every rank still ends with the same bits,
+/// within the rounding of one half-precision step per hop of the exact sum.
+#[test]
+fn half_precision_all_reduce_agrees_across_ranks_within_rounding() {
+    let n = 5000;
+    for half in [Half::F16, Half::Bf16] {
+        let world = 4;
+        let out = with_group(world, Transport::Tcp, |mut c| {
+            let r = c.rank();
+            let vals: Vec<f32> = (0..n).map(|i| ((i * 7 + r * 13) % 101) as f32 / 37.0 - 1.3).collect();
+            let mut packed = vec![0.0; packed_len(n)];
+            pack(half, &vals, &mut packed);
+            c.all_reduce_half(&mut packed, half).unwrap();
+            packed.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+        });
+        assert!(out.iter().all(|b| *b == out[0]), "{}: ranks disagree", half.name());
+        let packed: Vec<f32> = out[0].iter().map(|b| f32::from_bits(*b)).collect();
+        let mut got = vec![0.0; n];
+        unpack(half, &packed, &mut got);
+        let eps = if half == Half::F16 { 1.0 / 1024.0 } else { 1.0 / 128.0 };
+        for (i, g) in got.iter().enumerate() {
+            let exact: f32 = (0..world).map(|r| ((i * 7 + r * 13) % 101) as f32 / 37.0 - 1.3).sum();
+            let scale = exact.abs().max(1.0);
+            assert!(
+                (g - exact).abs() <= world as f32 * eps * scale,
+                "{} at {i}: {g} against {exact}",
+                half.name()
+            );
+        }
+    }
+}
+
+/// Ranks given different formats fail with a protocol error that names both, instead of
+/// adding bits of one format as the other.
+#[test]
+fn ranks_with_different_half_formats_fail_naming_them() {
+    let out = with_group(2, Transport::Tcp, |mut c| {
+        let half = if c.rank() == 0 { Half::F16 } else { Half::Bf16 };
+        let mut packed = vec![0.0; 100];
+        c.all_reduce_half(&mut packed, half).unwrap_err().to_string()
+    });
+    for e in out {
+        assert!(e.contains("fp16") && e.contains("bf16") && e.contains("--compress"), "{e}");
     }
 }
 

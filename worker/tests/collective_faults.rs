@@ -22,6 +22,7 @@ fn cfg(timeout_ms: u64, transport: Transport) -> RingConfig {
         chunk_bytes: 256,
         socket_buffer: None,
         transport,
+        ..RingConfig::default()
     }
 }
 

@@ -203,6 +203,7 @@ fn an_oversized_frame_header_is_refused_without_allocating() {
         chunk_bytes: 256,
         socket_buffer: None,
         transport: Transport::Tcp,
+        ..RingConfig::default()
     };
     let peer = std::thread::spawn(move || {
         let mut s = TcpStream::connect(addrs[0]).unwrap();
@@ -286,6 +287,7 @@ fn a_recorded_handshake_replayed_on_a_new_connection_is_refused() {
         chunk_bytes: 256,
         socket_buffer: None,
         transport: Transport::Tcp,
+        ..RingConfig::default()
     };
     let sums: Vec<f32> = std::thread::scope(|s| {
         let r0 = s.spawn(|| TcpComm::connect(l0, &info(0, vec![a0, a1]), ring.clone()).unwrap());

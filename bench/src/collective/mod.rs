@@ -166,6 +166,7 @@ fn ring_config(chunk_kb: usize, socket_buffer_kb: usize, transport: Transport) -
         socket_buffer: (socket_buffer_kb > 0).then_some(socket_buffer_kb << 10),
         transport,
         timeout: RANK_TIMEOUT,
+        ..RingConfig::default()
     }
 }
 

@@ -14,6 +14,21 @@
 //!   update touches 1/n of the state: SGD with momentum reads parameters, gradients and
 //!   momentum and writes parameters and momentum, `5 S` bytes of memory traffic for DDP and
 //!   `5 S / n` for ZeRO-1 ([`update_bytes`]).
+//! - Compression (`--compress`) changes the bytes, not the shape: fp16/bf16 halve `S` on
+//!   every hop; top-k at ratio `r` sends `8 r S / 4 = 2 r S` bytes of (index, value) pairs. A PS
+//!   server sums sparse pushes as they come ([`ps_compressed`]: push and pull directions each
+//!   with their own bytes), while a ring cannot add two sparse vectors hop by hop without
+//!   densifying them, so it all-gathers every rank's pairs ([`ring_compressed`]):
+//!   `(n-1)a + (n-1) 2rS/B`, which grows with `n` where the dense ring's term does not.
+//!   Top-k on the ring beats the dense ring while `n < 1/r` and fp16 while `n < 1/(2r)`.
+//! - Hierarchical all-reduce over `h` hosts of `m` ranks (NCCL's tree/ring, Horovod's
+//!   hierarchical allreduce): reduce inside each host, ring among one leader per host, broadcast
+//!   inside ([`hierarchical`]). A flat ring over all `N = h m` ranks, laid out host by host,
+//!   crosses each host's link once per direction and every hop carries `2(N-1)/N S`
+//!   ([`flat_across_hosts`]); the leaders' ring carries `2(h-1)/h S`. With 2 hosts of 2 ranks:
+//!   1.5 S against 1.0 S on the inter-host link, the 1.5x the hierarchy can win there.
+
+use gradsync_core::compress::Compression;
 
 /// The link the model is fitted to.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -62,6 +77,44 @@ pub fn ps(n: usize, k: usize, s: f64, l: Link) -> f64 {
 /// [`ps`] with the pull starting only after the whole push.
 pub fn ps_sequential(n: usize, k: usize, s: f64, l: Link) -> f64 {
     2.0 * ps(n, k, s, l) - 2.0 * l.a
+}
+
+/// Seconds for one push of `push` bytes and one pull of `pull` bytes by each of `n` workers
+/// through `k` shards, pipelined over the two directions: each direction's busiest link
+/// (a worker's, or a server's carrying `n/k` workers' bytes) decides, and the slower
+/// direction decides the step.
+pub fn ps_compressed(n: usize, k: usize, push: f64, pull: f64, l: Link) -> f64 {
+    let (n, k) = (n.max(1) as f64, k.max(1) as f64);
+    let busiest = |bytes: f64| (bytes / l.b).max(n * bytes / (k * l.b));
+    2.0 * l.a + busiest(push).max(busiest(pull))
+}
+
+/// Seconds for an all-reduce of `s` bytes of f32 gradients over `n` ranks, compressed `c`:
+/// the dense ring over the smaller values for fp16/bf16, an all-gather of every rank's
+/// (index, value) pairs for top-k.
+pub fn ring_compressed(n: usize, s: f64, c: Compression, l: Link) -> f64 {
+    let wire = c.wire_bytes((s / 4.0) as usize) as f64;
+    match c {
+        Compression::TopK(_) if n > 1 => (n as f64 - 1.0) * (l.a + wire / l.b),
+        _ => ring(n, wire, l),
+    }
+}
+
+/// Seconds for an all-reduce of `s` bytes over `hosts` hosts of `per_host` ranks each: a ring
+/// inside each host over `intra` (reduce to the leader, then broadcast back, which together
+/// move what an intra-host ring all-reduce moves), and a ring among the leaders over `inter`.
+pub fn hierarchical(hosts: usize, per_host: usize, s: f64, inter: Link, intra: Link) -> f64 {
+    ring(per_host, s, intra) + ring(hosts, s, inter)
+}
+
+/// Seconds for a flat ring all-reduce of `s` bytes over `hosts x per_host` ranks laid out host
+/// by host: every hop carries `2(N-1)/N S`, and the slowest hop, the inter-host link, decides;
+/// each of the `2(N-1)` steps pays the inter-host latency on the hops that cross.
+pub fn flat_across_hosts(hosts: usize, per_host: usize, s: f64, inter: Link) -> f64 {
+    if hosts <= 1 {
+        return ring(per_host, s, inter);
+    }
+    ring(hosts * per_host, s, inter)
 }
 
 /// Bytes one worker sends plus receives per step, in theory.
@@ -129,6 +182,38 @@ pub fn gbit(g: f64) -> f64 {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compression_changes_the_bytes_each_design_moves() {
+        let l = Link { a: 0.0, b: 1.0 };
+        let s = 4e6;
+        // fp16 halves the ring; none is the ring.
+        assert!((ring_compressed(4, s, Compression::Fp16, l) - ring(4, s / 2.0, l)).abs() < 1e-6);
+        assert_eq!(ring_compressed(4, s, Compression::None, l), ring(4, s, l));
+        // Top-k 1% on the ring: an all-gather of (n-1) blocks of 2rS bytes.
+        let t = ring_compressed(8, s, Compression::TopK(0.01), l);
+        assert!((t - 7.0 * 2.0 * 0.01 * s).abs() < 1.0, "{t}");
+        // It beats the dense ring below n = 1/r and loses above.
+        let c = Compression::TopK(0.01);
+        assert!(ring_compressed(99, s, c, l) < ring(99, s, l));
+        assert!(ring_compressed(101, s, c, l) > ring(101, s, l));
+        // The PS with equal push and pull bytes is the PS.
+        assert_eq!(ps_compressed(4, 2, s, s, l), ps(4, 2, s, l));
+        // Sparse pushes with dense pulls: the pull direction decides.
+        assert_eq!(ps_compressed(4, 4, 2.0 * 0.01 * s, s, l), s);
+    }
+
+    #[test]
+    fn the_hierarchy_carries_fewer_bytes_across_hosts() {
+        let inter = Link { a: 0.0, b: 1.0 };
+        let free = Link { a: 0.0, b: f64::INFINITY };
+        let s = 100.0;
+        // 2 hosts x 2 ranks: 1.5 S flat against 1.0 S among the leaders.
+        assert!((flat_across_hosts(2, 2, s, inter) - 150.0).abs() < 1e-9);
+        assert!((hierarchical(2, 2, s, inter, free) - 100.0).abs() < 1e-9);
+        // One host: no inter-host term at all.
+        assert_eq!(hierarchical(1, 4, s, inter, free), 0.0);
+    }
 
     #[test]
     fn textbook_values() {

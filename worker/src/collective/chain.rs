@@ -14,6 +14,7 @@
 //! root that sends to every rank in turn.
 
 use super::link::{Links, Op};
+use super::reduce::Values;
 use super::{CommError, Result, check_rank};
 
 /// The buffer as chunks of at most `chunk` values (at least one, possibly empty, chunk).
@@ -48,7 +49,7 @@ pub(crate) fn reduce(comm: &mut impl Links, buf: &mut [f32], root: usize) -> Res
 fn chain(comm: &mut impl Links, buf: &mut [f32], op: Op, head: bool, forward: bool, add: bool) -> Result<()> {
     let bytes = buf.len() * 4;
     let parts = chunks(buf, comm.chunk_values());
-    comm.over_neighbours(op, bytes, |pump| {
+    comm.over_neighbours(op, Values::F32, bytes, |pump| {
         for (id, c) in parts.into_iter().enumerate() {
             if !head {
                 pump.recv(c, add)?;

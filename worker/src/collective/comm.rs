@@ -10,10 +10,13 @@ use std::ops::Range;
 
 use super::frame::{read_frame, write_frame};
 use super::link::{Duplex, Links, Op};
+use super::reduce::Values;
 use super::ring::Phases;
 use super::shm::Shm;
 use super::tcp::{Mesh, MeshInfo};
-use super::{Collective, CommError, Result, RingConfig, Traffic, Transport, chain, pump, ring, segment};
+use super::{
+    Collective, CommError, Half, Result, RingConfig, Traffic, Transport, chain, pump, ring, segment,
+};
 
 /// The host backend: a full mesh of TCP links, and shared-memory rings to the ring
 /// neighbours when they are on this host.
@@ -24,6 +27,10 @@ pub struct TcpComm {
     mesh: Mesh,
     /// Cache-sized room the socket engines reduce through.
     scratch: Vec<f32>,
+    /// This host's cores, and how many ranks share them (ranks whose ring address has this
+    /// rank's IP): what the socket engine is picked by ([`pump::engine`]).
+    cores: usize,
+    ranks_here: usize,
     traffic: Traffic,
     /// Set when an operation failed part-way: the streams are out of step from then on.
     poisoned: Option<String>,
@@ -39,7 +46,21 @@ impl TcpComm {
         let mut mesh = Mesh::connect(listener, info, &cfg)?;
         let shm = Shm::setup(mesh.links_mut(), rank, &cfg)?.map(Box::new);
         let scratch = vec![0.0; cfg.chunk_values().min(1 << 16)];
-        Ok(TcpComm { rank, world, cfg, mesh, scratch, traffic: Traffic::default(), poisoned: None, shm })
+        let me = info.addrs[rank].ip();
+        let ranks_here = info.addrs.iter().filter(|a| a.ip() == me).count();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Ok(TcpComm {
+            rank,
+            world,
+            cfg,
+            mesh,
+            scratch,
+            cores,
+            ranks_here,
+            traffic: Traffic::default(),
+            poisoned: None,
+            shm,
+        })
     }
 
     /// A communicator of one rank (no sockets).
@@ -50,6 +71,8 @@ impl TcpComm {
             cfg,
             mesh: Mesh::single(),
             scratch: Vec::new(),
+            cores: 1,
+            ranks_here: 1,
             traffic: Traffic::default(),
             poisoned: None,
             shm: None,
@@ -118,17 +141,19 @@ impl Links for TcpComm {
     fn over_neighbours<'b, T>(
         &mut self,
         op: Op,
+        values: Values,
         bytes: usize,
         body: impl FnOnce(&mut dyn Duplex<'b>) -> Result<T>,
     ) -> Result<T> {
         let (w, r) = (self.world, self.rank);
         let timeout = self.cfg.timeout;
         let (out, moved) = match &self.shm {
-            Some(shm) => shm.duplex(op, timeout, body)?,
+            Some(shm) => shm.duplex(op, values, timeout, body)?,
             None => {
                 let (reader, writer) = self.mesh.neighbours()?;
                 let sides = ((r + w - 1) % w, (r + 1) % w);
-                pump::duplex(bytes, reader, writer, sides, op, timeout, &mut self.scratch, body)?
+                let engine = pump::engine(self.cfg.engine, bytes, self.cores, self.ranks_here);
+                pump::duplex(engine, reader, writer, sides, op, values, timeout, &mut self.scratch, body)?
             }
         };
         self.traffic += moved;
@@ -137,7 +162,7 @@ impl Links for TcpComm {
 
     fn send_frame(&mut self, peer: usize, op: Op, vals: &[f32]) -> Result<()> {
         let t = self.cfg.timeout;
-        self.traffic.sent += write_frame(&mut self.mesh.link(peer)?.writer, op, vals, peer, t)?;
+        self.traffic.sent += write_frame(&mut self.mesh.link(peer)?.writer, op, Values::F32, vals, peer, t)?;
         Ok(())
     }
 
@@ -168,17 +193,25 @@ impl Collective for TcpComm {
     }
 
     fn all_reduce(&mut self, buf: &mut [f32]) -> Result<()> {
-        self.guarded(Op::AllReduce, |c| ring::run(c, buf, Phases::Both, Op::AllReduce))
+        self.guarded(Op::AllReduce, |c| ring::run(c, buf, Phases::Both, Op::AllReduce, Values::F32))
+    }
+
+    fn all_reduce_half(&mut self, packed: &mut [f32], half: Half) -> Result<()> {
+        self.guarded(Op::AllReduce, |c| {
+            ring::run(c, packed, Phases::Both, Op::AllReduce, Values::Packed(half))
+        })
     }
 
     fn reduce_scatter(&mut self, buf: &mut [f32]) -> Result<Range<usize>> {
         let mine = segment(buf.len(), self.world, self.rank);
-        self.guarded(Op::ReduceScatter, |c| ring::run(c, buf, Phases::ReduceScatter, Op::ReduceScatter))?;
+        self.guarded(Op::ReduceScatter, |c| {
+            ring::run(c, buf, Phases::ReduceScatter, Op::ReduceScatter, Values::F32)
+        })?;
         Ok(mine)
     }
 
     fn all_gather(&mut self, buf: &mut [f32]) -> Result<()> {
-        self.guarded(Op::AllGather, |c| ring::run(c, buf, Phases::AllGather, Op::AllGather))
+        self.guarded(Op::AllGather, |c| ring::run(c, buf, Phases::AllGather, Op::AllGather, Values::F32))
     }
 
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
@@ -221,7 +254,7 @@ impl Collective for TcpComm {
         let world = self.world;
         self.guarded(Op::Barrier, |c| {
             let mut one = [1.0f32];
-            ring::run(c, &mut one, Phases::Both, Op::Barrier)?;
+            ring::run(c, &mut one, Phases::Both, Op::Barrier, Values::F32)?;
             if one[0] != world as f32 {
                 return Err(CommError::Protocol {
                     peer: (c.rank + 1) % world,

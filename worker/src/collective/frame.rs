@@ -12,6 +12,7 @@ use socket2::SockRef;
 
 use super::handshake::{HeaderError, check_header, ends_with_abort};
 use super::link::Op;
+use super::reduce::Values;
 use super::{CommError, Result, RingConfig};
 
 /// Turn a socket error into one that names the peer; timeouts become [`CommError::Timeout`].
@@ -108,12 +109,25 @@ impl Link {
     }
 }
 
-/// The 8-byte header of a frame of `count` values of `op`.
-pub(crate) fn frame_header(op: Op, count: usize) -> Result<[u8; 8]> {
+/// A frame's tag: the operation, and in the second byte the format of its values.
+fn tag(op: Op, values: Values) -> u32 {
+    op as u32 | values.code() << 8
+}
+
+/// What a tag announces, in words.
+fn describe(tag: u32) -> String {
+    match (Op::from_tag(tag & 0xff), Values::from_code(tag >> 8)) {
+        (Some(op), Some(v)) => format!("{} frame of {} values", op.name(), v.name()),
+        _ => format!("frame with unknown tag {tag}"),
+    }
+}
+
+/// The 8-byte header of a frame of `count` slots of `values` for `op`.
+pub(crate) fn frame_header(op: Op, values: Values, count: usize) -> Result<[u8; 8]> {
     let count = u32::try_from(count)
         .map_err(|_| CommError::Invalid { what: "chunk", why: format!("{count} values in one frame") })?;
     let mut head = [0u8; 8];
-    head[..4].copy_from_slice(&(op as u32).to_le_bytes());
+    head[..4].copy_from_slice(&tag(op, values).to_le_bytes());
     head[4..].copy_from_slice(&count.to_le_bytes());
     Ok(head)
 }
@@ -121,8 +135,15 @@ pub(crate) fn frame_header(op: Op, count: usize) -> Result<[u8; 8]> {
 /// Write one frame of `vals`; returns the payload bytes written. Header and values go in one
 /// system call where the socket takes them: with `TCP_NODELAY`, a header written on its own
 /// leaves as a segment of its own (two `sendto` per frame instead of one `writev`).
-pub(crate) fn write_frame(w: &mut TcpStream, op: Op, vals: &[f32], peer: usize, t: Duration) -> Result<u64> {
-    let head = frame_header(op, vals.len())?;
+pub(crate) fn write_frame(
+    w: &mut TcpStream,
+    op: Op,
+    values: Values,
+    vals: &[f32],
+    peer: usize,
+    t: Duration,
+) -> Result<u64> {
+    let head = frame_header(op, values, vals.len())?;
     let payload: &[u8] = bytemuck::cast_slice(vals);
     let mut done = 0;
     while done < 8 + payload.len() {
@@ -141,17 +162,18 @@ pub(crate) fn write_frame(w: &mut TcpStream, op: Op, vals: &[f32], peer: usize, 
     Ok(payload.len() as u64)
 }
 
-/// Check a frame header from `peer`: it must announce `op` with `expect` values.
-pub(crate) fn parse_header(head: &[u8; 8], op: Op, expect: usize, peer: usize) -> Result<()> {
-    check_header(head, op as u32, expect).map_err(|e| CommError::Protocol {
+/// Check a frame header from `peer`: it must announce `op` with `expect` slots of `values`.
+pub(crate) fn parse_header(head: &[u8; 8], op: Op, values: Values, expect: usize, peer: usize) -> Result<()> {
+    check_header(head, tag(op, values), expect).map_err(|e| CommError::Protocol {
         peer,
         why: match e {
             HeaderError::Aborted(culprit) => return CommError::Aborted { peer, culprit, op: op.name() },
-            HeaderError::Tag(tag) => {
-                let theirs =
-                    Op::from_tag(tag).map_or_else(|| format!("unknown tag {tag}"), |o| o.name().to_string());
-                format!("sent a {theirs} frame during {} (ranks called different collectives)", op.name())
-            }
+            HeaderError::Tag(theirs) => format!(
+                "sent a {} during a {} (ranks called different collectives, or were given \
+                 different --compress)",
+                describe(theirs),
+                describe(tag(op, values))
+            ),
             HeaderError::Count(count) => format!(
                 "sent {count} values where {expect} were expected during {} (buffers of different lengths?)",
                 op.name()
@@ -171,7 +193,7 @@ pub(crate) fn read_frame(
 ) -> Result<u64> {
     let (mut head, mut tail) = ([0u8; 8], [0u8; 8]);
     read_exact_from(r, &mut head, &mut tail, peer, op, t)?;
-    parse_header(&head, op, dst.len(), peer)?;
+    parse_header(&head, op, Values::F32, dst.len(), peer)?;
     if !dst.is_empty() {
         read_exact_from(r, bytemuck::cast_slice_mut(dst), &mut tail, peer, op, t)?;
     }

@@ -4,6 +4,7 @@
 //! what an algorithm may ask of a communicator's links ([`Links`]). The algorithms (`ring`,
 //! `chain`) see nothing else, so they never know which transport moves their chunks.
 
+use super::reduce::Values;
 use super::{CommError, Result};
 
 /// Which collective a frame belongs to.
@@ -76,10 +77,12 @@ pub(crate) trait Links {
     /// Values per pipelined chunk.
     fn chunk_values(&self) -> usize;
     /// Run `body` over a duplex engine to the ring neighbours, for an operation on a buffer
-    /// of `bytes`; returns `body`'s result once everything it queued has been sent.
+    /// of `bytes` holding `values`; returns `body`'s result once everything it queued has
+    /// been sent.
     fn over_neighbours<'b, T>(
         &mut self,
         op: Op,
+        values: Values,
         bytes: usize,
         body: impl FnOnce(&mut dyn Duplex<'b>) -> Result<T>,
     ) -> Result<T>;

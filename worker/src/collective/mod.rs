@@ -46,7 +46,9 @@ pub use gradsync_core::model::segment;
 use serde::{Deserialize, Serialize};
 
 pub use comm::TcpComm;
+pub use gradsync_core::compress::Half;
 pub use nccl::Nccl;
+pub use reduce::{pack, packed_len, unpack};
 pub use tcp::MeshInfo;
 
 /// What can go wrong between ranks.
@@ -186,6 +188,16 @@ pub trait Collective {
 
     /// Every rank ends with the element-wise sum of every rank's `buf`.
     fn all_reduce(&mut self, buf: &mut [f32]) -> Result<()>;
+    /// [`Collective::all_reduce`] of half-precision values packed two to a slot ([`pack`]),
+    /// moving two bytes a value: each hop adds in `f32` and rounds back to `half`, and every
+    /// rank ends with the same bits. Backends that cannot say so.
+    fn all_reduce_half(&mut self, packed: &mut [f32], half: Half) -> Result<()> {
+        let _ = packed;
+        Err(CommError::Invalid {
+            what: "collective",
+            why: format!("this backend has no {} all-reduce", half.name()),
+        })
+    }
     /// Rank `r` ends with the sum of every rank's `buf[segment(len, world, r)]` in that range,
     /// which is returned; the rest of `buf` holds partial sums.
     fn reduce_scatter(&mut self, buf: &mut [f32]) -> Result<Range<usize>>;
@@ -246,6 +258,22 @@ pub struct RingConfig {
     pub socket_buffer: Option<usize>,
     /// How the ring and chain collectives reach the neighbours (see [`super::shm`]).
     pub transport: Transport,
+    /// Which socket engine moves large transfers.
+    pub engine: SocketEngine,
+}
+
+/// Which socket engine moves a ring's large transfers (`pump`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SocketEngine {
+    /// A sender thread beside the receiving one from 4 MiB up, where this host has at least
+    /// two cores per rank on it; one thread otherwise.
+    #[default]
+    Auto,
+    /// One thread with `poll`, whatever the size.
+    OneThread,
+    /// A sender thread from 4 MiB up, whatever the cores.
+    SenderThread,
 }
 
 impl Default for RingConfig {
@@ -255,6 +283,7 @@ impl Default for RingConfig {
             chunk_bytes: 1 << 20,
             socket_buffer: Some(4 << 20),
             transport: Transport::Auto,
+            engine: SocketEngine::Auto,
         }
     }
 }

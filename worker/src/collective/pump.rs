@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use super::frame::{frame_header, lost, parse_header, peer_err, read_exact_from, remember, write_frame};
 use super::link::{Duplex, Op, returned};
-use super::reduce::add_into;
-use super::{CommError, Result, Traffic};
+use super::reduce::{Values, sum_into};
+use super::{CommError, Result, SocketEngine, Traffic};
 
 /// The most a reader waits to accumulate before it wakes.
 const LOWAT: usize = 256 << 10;
@@ -42,6 +42,7 @@ pub(crate) struct Pump<'s, 'b> {
     left: usize,
     right: usize,
     op: Op,
+    values: Values,
     timeout: Duration,
     queue: VecDeque<Outgoing<'b>>,
     sent_back: Vec<(usize, &'b mut [f32])>,
@@ -61,7 +62,7 @@ impl<'s, 'b> Pump<'s, 'b> {
         reader: &'s mut TcpStream,
         writer: &'s mut TcpStream,
         (left, right): (usize, usize),
-        op: Op,
+        (op, values): (Op, Values),
         timeout: Duration,
         scratch: &'s mut Vec<f32>,
     ) -> Result<Self> {
@@ -74,6 +75,7 @@ impl<'s, 'b> Pump<'s, 'b> {
             left,
             right,
             op,
+            values,
             timeout,
             queue: VecDeque::new(),
             sent_back: Vec::new(),
@@ -87,7 +89,7 @@ impl<'s, 'b> Pump<'s, 'b> {
 
     /// Queue `chunk` (known as `id`) to be sent to the right.
     pub(crate) fn send(&mut self, id: usize, chunk: &'b mut [f32]) -> Result<()> {
-        let head = frame_header(self.op, chunk.len())?;
+        let head = frame_header(self.op, self.values, chunk.len())?;
         self.queue.push_back(Outgoing { id, head, chunk, done: 0 });
         // Start writing at once: the peer may be waiting for exactly this.
         self.write_some()?;
@@ -109,14 +111,14 @@ impl<'s, 'b> Pump<'s, 'b> {
     pub(crate) fn recv(&mut self, dst: &mut [f32], add: bool) -> Result<()> {
         let mut head = [0u8; 8];
         self.read_fully(&mut head)?;
-        parse_header(&head, self.op, dst.len(), self.left)?;
+        parse_header(&head, self.op, self.values, dst.len(), self.left)?;
         if add {
             // Through a cache-sized scratch, so the add reads data still in cache.
             let piece = self.scratch.len().max(1);
             for part in dst.chunks_mut(piece) {
                 let mut s = std::mem::take(self.scratch);
                 let r = self.read_fully(bytemuck::cast_slice_mut(&mut s[..part.len()]));
-                add_into(part, &s[..part.len()]);
+                sum_into(self.values, part, &s[..part.len()]);
                 *self.scratch = s;
                 r?;
             }
@@ -273,10 +275,9 @@ impl<'b> Duplex<'b> for Pump<'_, 'b> {
     }
 }
 
-/// Buffers from this size up go through a sender thread beside the receiving one: on large
-/// transfers the kernel's copies out and in then run on two cores at once (measured 1.2-1.6x
-/// the one-thread pump at 16-64 MB with 2 ranks on 2 cores), while below it the thread's
-/// start-up would cost more than it gains.
+/// Buffers from this size up go through a sender thread beside the receiving one, when the
+/// host has cores to spare for it (see [`engine`]): the kernel's copies out and in then run on
+/// two cores at once, while below it the thread's start-up would cost more than it gains.
 const THREADED_MIN_BYTES: usize = 4 << 20;
 
 /// The two-thread engine: this thread receives (blocking reads), a scoped thread writes.
@@ -284,6 +285,7 @@ struct Threaded<'s, 'b> {
     reader: &'s mut TcpStream,
     left: usize,
     op: Op,
+    values: Values,
     timeout: Duration,
     scratch: &'s mut Vec<f32>,
     to_sender: Option<mpsc::Sender<(usize, &'b mut [f32])>>,
@@ -317,13 +319,13 @@ impl<'b> Duplex<'b> for Threaded<'_, 'b> {
         let (left, op, t) = (self.left, self.op, self.timeout);
         let mut head = [0u8; 8];
         read_exact_from(self.reader, &mut head, &mut self.tail, left, op, t)?;
-        parse_header(&head, self.op, dst.len(), self.left)?;
+        parse_header(&head, self.op, self.values, dst.len(), self.left)?;
         if add {
             let piece = self.scratch.len().max(1);
             for part in dst.chunks_mut(piece) {
                 let s = &mut self.scratch[..part.len()];
                 read_exact_from(self.reader, bytemuck::cast_slice_mut(s), &mut self.tail, left, op, t)?;
-                add_into(part, s);
+                sum_into(self.values, part, s);
             }
         } else {
             read_exact_from(self.reader, bytemuck::cast_slice_mut(dst), &mut self.tail, left, op, t)?;
@@ -333,22 +335,48 @@ impl<'b> Duplex<'b> for Threaded<'_, 'b> {
     }
 }
 
+/// Which socket engine moves a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Engine {
+    /// The one-thread [`Pump`].
+    OneThread,
+    /// A sender thread beside the receiving one.
+    SenderThread,
+}
+
+/// The engine for a transfer of `bytes`, on a host with `cores` cores shared by `ranks_here`
+/// ranks. A sender thread only pays when each rank has two cores to itself: otherwise the
+/// ranks' threads take turns on the same cores, and every hand-off between them is a trip
+/// through the scheduler. Measured side by side on 2 cores, ranks as processes, loopback
+/// (`gradsync-bench collective`, compilers paused): with 2 ranks the one-thread pump made
+/// 2.2-2.7 GB/s busbw at 4-64 MB against the sender thread's 1.5-2.2; with 4 and 8 ranks
+/// both sit at the machine's copy limit (within 5%); see docs/benchmarks.md.
+pub(crate) fn engine(choice: SocketEngine, bytes: usize, cores: usize, ranks_here: usize) -> Engine {
+    let spare_cores = match choice {
+        SocketEngine::Auto => cores >= 2 * ranks_here.max(1),
+        SocketEngine::OneThread => false,
+        SocketEngine::SenderThread => true,
+    };
+    if bytes >= THREADED_MIN_BYTES && spare_cores { Engine::SenderThread } else { Engine::OneThread }
+}
+
 /// Run `body` over a full-duplex engine between `reader` (from `left`) and `writer` (to
-/// `right`), for an operation on a buffer of `bytes`: the one-thread [`Pump`], or from
-/// [`THREADED_MIN_BYTES`] up a sender thread beside this one. Returns `body`'s result and the payload bytes moved once everything queued is sent.
+/// `right`), the one picked by [`engine`]. Returns `body`'s result and the payload bytes moved
+/// once everything queued is sent.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn duplex<'b, T>(
-    bytes: usize,
+    engine: Engine,
     reader: &mut TcpStream,
     writer: &mut TcpStream,
     (left, right): (usize, usize),
     op: Op,
+    values: Values,
     timeout: Duration,
     scratch: &mut Vec<f32>,
     body: impl FnOnce(&mut dyn Duplex<'b>) -> Result<T>,
 ) -> Result<(T, Traffic)> {
-    if bytes < THREADED_MIN_BYTES {
-        let mut p = Pump::new(reader, writer, (left, right), op, timeout, scratch)?;
+    if engine == Engine::OneThread {
+        let mut p = Pump::new(reader, writer, (left, right), (op, values), timeout, scratch)?;
         let out = body(&mut p)?;
         return Ok((out, p.finish()?));
     }
@@ -358,7 +386,7 @@ pub(crate) fn duplex<'b, T>(
         let sender = s.spawn(move || -> Result<u64> {
             let mut sent = 0;
             for (id, chunk) in from_main {
-                sent += write_frame(writer, op, chunk, right, timeout)?;
+                sent += write_frame(writer, op, values, chunk, right, timeout)?;
                 // The receiving side may have finished (or failed) and not want it back.
                 let _ = to_main.send((id, chunk));
             }
@@ -368,6 +396,7 @@ pub(crate) fn duplex<'b, T>(
             reader,
             left,
             op,
+            values,
             timeout,
             scratch,
             to_sender: Some(to_sender),
@@ -408,6 +437,18 @@ mod tests {
     }
 
     #[test]
+    fn a_sender_thread_only_where_each_rank_has_two_cores() {
+        let (big, auto) = (THREADED_MIN_BYTES, SocketEngine::Auto);
+        assert_eq!(engine(auto, big, 2, 2), Engine::OneThread, "2 ranks on 2 cores");
+        assert_eq!(engine(auto, big, 16, 8), Engine::SenderThread, "8 ranks on 16 cores");
+        assert_eq!(engine(auto, big, 16, 9), Engine::OneThread, "9 ranks on 16 cores");
+        assert_eq!(engine(auto, big, 2, 1), Engine::SenderThread, "one rank per host");
+        assert_eq!(engine(auto, big - 1, 64, 1), Engine::OneThread, "small transfers");
+        assert_eq!(engine(SocketEngine::SenderThread, big, 2, 8), Engine::SenderThread, "forced");
+        assert_eq!(engine(SocketEngine::OneThread, big, 64, 1), Engine::OneThread, "forced");
+    }
+
+    #[test]
     fn the_tail_is_the_streams_last_bytes_whatever_the_reads() {
         let stream: Vec<u8> = (0..40).collect();
         for cut in [1, 3, 7, 8, 9, 13] {
@@ -423,7 +464,7 @@ mod tests {
     /// the boundary of two of the receiver's summing pieces of 16 values; the stream then ends.
     fn left_neighbour_aborting_mid_frame(values: usize) -> TcpStream {
         let (mut left_end, reader) = pair();
-        let mut sent = frame_header(Op::AllReduce, values).unwrap().to_vec();
+        let mut sent = frame_header(Op::AllReduce, Values::F32, values).unwrap().to_vec();
         // One full piece less 4 bytes, then the notice: its halves fall in pieces 1 and 2.
         sent.extend(std::iter::repeat_n(0u8, 16 * 4 - 4));
         sent.extend(abort_notice(5));
@@ -446,7 +487,9 @@ mod tests {
         let mut reader = left_neighbour_aborting_mid_frame(64);
         let (mut writer, _right_end) = pair();
         let mut scratch = vec![0f32; 16];
-        let mut pump = Pump::new(&mut reader, &mut writer, (1, 2), Op::AllReduce, t, &mut scratch).unwrap();
+        let mut pump =
+            Pump::new(&mut reader, &mut writer, (1, 2), (Op::AllReduce, Values::F32), t, &mut scratch)
+                .unwrap();
         expect_culprit_5(pump.recv(&mut [0f32; 64], true));
         drop(pump);
 
@@ -457,6 +500,7 @@ mod tests {
             reader: &mut reader,
             left: 1,
             op: Op::AllReduce,
+            values: Values::F32,
             timeout: t,
             scratch: &mut scratch,
             to_sender: Some(to_sender),

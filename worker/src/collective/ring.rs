@@ -29,6 +29,7 @@
 //! vectorised add over data still in cache.
 
 use super::link::{Links, Op};
+use super::reduce::Values;
 use super::{CommError, Result, segment};
 
 /// Which halves of the all-reduce to run.
@@ -42,8 +43,14 @@ pub(crate) enum Phases {
     Both,
 }
 
-/// Run `phases` of the ring over `buf`.
-pub(crate) fn run(links: &mut impl Links, buf: &mut [f32], phases: Phases, op: Op) -> Result<()> {
+/// Run `phases` of the ring over `buf`, which holds `values`.
+pub(crate) fn run(
+    links: &mut impl Links,
+    buf: &mut [f32],
+    phases: Phases,
+    op: Op,
+    values: Values,
+) -> Result<()> {
     let (w, r) = (links.world(), links.rank());
     if w == 1 {
         return Ok(());
@@ -74,7 +81,7 @@ pub(crate) fn run(links: &mut impl Links, buf: &mut [f32], phases: Phases, op: O
     if phases != Phases::ReduceScatter {
         steps.extend((0..w - 1).map(|s| (at(s), at(s + 1), false)));
     }
-    links.over_neighbours(op, n * 4, |pump| {
+    links.over_neighbours(op, values, n * 4, |pump| {
         let first = steps[0].0;
         for id in first * m..(first + 1) * m {
             pump.send(id, take_ready(&mut slots, id)?)?;

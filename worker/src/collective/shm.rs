@@ -52,7 +52,7 @@ use serde::{Deserialize, Serialize};
 use super::frame::{Link, frame_header, parse_header};
 use super::handshake::{read_line, write_line};
 use super::link::{Duplex, Op, returned};
-use super::reduce::add_into;
+use super::reduce::{Values, sum_into};
 use super::{CommError, Result, Traffic};
 use super::{RingConfig, Transport};
 
@@ -444,12 +444,14 @@ impl Shm {
     pub(crate) fn duplex<'b, T>(
         &self,
         op: Op,
+        values: Values,
         timeout: Duration,
         body: impl FnOnce(&mut dyn Duplex<'b>) -> Result<T>,
     ) -> Result<(T, Traffic)> {
         let mut p = ShmPump {
             shm: self,
             op,
+            values,
             timeout,
             queue: VecDeque::new(),
             sent_back: Vec::new(),
@@ -481,6 +483,7 @@ struct Outgoing<'b> {
 struct ShmPump<'s, 'b> {
     shm: &'s Shm,
     op: Op,
+    values: Values,
     timeout: Duration,
     queue: VecDeque<Outgoing<'b>>,
     sent_back: Vec<(usize, &'b mut [f32])>,
@@ -645,7 +648,7 @@ fn put(m: &Mailbox, pos: u64, src: &[u8]) {
 
 impl<'b> Duplex<'b> for ShmPump<'_, 'b> {
     fn send(&mut self, id: usize, chunk: &'b mut [f32]) -> Result<()> {
-        let head = frame_header(self.op, chunk.len())?;
+        let head = frame_header(self.op, self.values, chunk.len())?;
         self.queue.push_back(Outgoing { id, head, chunk, done: 0 });
         self.write_some();
         Ok(())
@@ -677,7 +680,7 @@ impl<'b> Duplex<'b> for ShmPump<'_, 'b> {
             head[at..at + b.len()].copy_from_slice(b);
             at += b.len();
         });
-        parse_header(&head, self.op, dst.len(), self.shm.left_rank)?;
+        parse_header(&head, self.op, self.values, dst.len(), self.shm.left_rank)?;
         // Values are 4-byte aligned in the ring (every write is a multiple of 4 bytes), so
         // they are read in place: reduced (or copied) straight from the ring into `dst`.
         let mut done = 0;
@@ -691,11 +694,12 @@ impl<'b> Duplex<'b> for ShmPump<'_, 'b> {
             }
             let n = avail.min(dst.len() - done).min(PIECE / 4);
             let mut at = done;
+            let values = self.values;
             self.consume(n * 4, |b| {
                 let vals: &[f32] = bytemuck::cast_slice(b);
                 let d = &mut dst[at..at + vals.len()];
                 if add {
-                    add_into(d, vals);
+                    sum_into(values, d, vals);
                 } else {
                     d.copy_from_slice(vals);
                 }

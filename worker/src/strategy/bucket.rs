@@ -8,21 +8,30 @@
 //!   pairs into `2k` f32 slots (indices bit-cast), one all-gather moves every rank's slots
 //!   (bytes only, no arithmetic, so the indices arrive exact), and every rank adds the `k x
 //!   world` pairs into its zeroed bucket in rank order, the same sum bit for bit everywhere.
-//! - `fp16`, `bf16`: belong inside the ring's wire engines (each hop's payload halved, summed
-//!   in f32); not wired here yet, so [`BucketReduce::new`] refuses them with a clear error.
+//! - `fp16`, `bf16`: the bucket rounded to half precision and packed two values to an f32 slot,
+//!   then the ring's half-precision all-reduce ([`Collective::all_reduce_half`]: two bytes a
+//!   value on every hop, each hop adding in f32 and rounding back), widened back into the
+//!   bucket. No error feedback: the rounding is at most 2^-11 (2^-8) of each value.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
 
 use anyhow::Context;
-use gradsync_core::compress::{self, Compression, Sparse, TopK};
+use gradsync_core::compress::{self, Compression, Half, Sparse, TopK};
 
-use crate::collective::Collective;
+use crate::collective::{self, Collective};
 
 /// What one rank keeps to reduce its buckets under a `--compress` value.
 pub(super) enum BucketReduce {
     /// f32 all-reduce.
     Dense,
+    /// Half-precision all-reduce of the packed bucket.
+    Half {
+        /// The format.
+        half: Half,
+        /// The packed bucket (two values a slot).
+        packed: Vec<f32>,
+    },
     /// Top-k with error feedback.
     TopK {
         /// The fraction of each bucket sent.
@@ -37,20 +46,18 @@ pub(super) enum BucketReduce {
 }
 
 impl BucketReduce {
-    /// The reduction `c` asks for; a codec DDP cannot carry yet is refused, naming it.
-    pub(super) fn new(c: Compression) -> anyhow::Result<Self> {
+    /// The reduction `c` asks for.
+    pub(super) fn new(c: Compression) -> Self {
         match c {
-            Compression::None => Ok(BucketReduce::Dense),
-            Compression::TopK(ratio) => Ok(BucketReduce::TopK {
+            Compression::None => BucketReduce::Dense,
+            Compression::Fp16 => BucketReduce::Half { half: Half::F16, packed: Vec::new() },
+            Compression::Bf16 => BucketReduce::Half { half: Half::Bf16, packed: Vec::new() },
+            Compression::TopK(ratio) => BucketReduce::TopK {
                 ratio,
                 residuals: BTreeMap::new(),
                 pairs: Sparse::default(),
                 slots: Vec::new(),
-            }),
-            Compression::Fp16 | Compression::Bf16 => anyhow::bail!(
-                "--compress {c} is not yet supported for --mode ddp (half-precision buckets belong in the \
-                 ring's wire engines); use --compress topk:RATIO, or --mode ps for {c}"
-            ),
+            },
         }
     }
 
@@ -65,6 +72,15 @@ impl BucketReduce {
         match self {
             BucketReduce::Dense => {
                 comm.all_reduce(bucket).with_context(|| format!("all-reduce of bucket {range:?}"))
+            }
+            BucketReduce::Half { half, packed } => {
+                packed.clear();
+                packed.resize(collective::packed_len(bucket.len()), 0.0);
+                collective::pack(*half, bucket, packed);
+                comm.all_reduce_half(packed, *half)
+                    .with_context(|| format!("{} all-reduce of bucket {range:?}", half.name()))?;
+                collective::unpack(*half, packed, bucket);
+                Ok(())
             }
             BucketReduce::TopK { ratio, residuals, pairs, slots } => {
                 let residual =

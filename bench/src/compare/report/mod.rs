@@ -105,6 +105,7 @@ pub fn write(
         convergence_table(&mut h, g);
         efficiency_table(&mut h, g);
         extrapolation_table(&mut h, g, link);
+        designs_table(&mut h, g, link);
     }
     cluster_section(&mut h, cluster, &c.summaries);
     summary_table(&mut h, &c.summaries);
@@ -392,6 +393,60 @@ fn extrapolation_table(h: &mut String, g: &Group, link: Option<Link>) {
             })
             .collect();
         let _ = writeln!(h, "<tr><td>{n}</td>{cells}</tr>");
+    }
+    h.push_str("</table>\n");
+}
+
+/// Ranks per host of the hierarchical column (a typical GPU server's count).
+const RANKS_PER_HOST: usize = 8;
+/// The top-k ratio of the compression columns.
+const TOPK_RATIO: f64 = 0.01;
+
+/// The designs side by side in the cost model, at 10 Gbit/s and the measured latency: which
+/// exchange is cheapest at which worker count, and what compression and a hierarchy change.
+fn designs_table(h: &mut String, g: &Group, link: Option<Link>) {
+    use gradsync_core::compress::Compression;
+    let Some(l) = link else { return };
+    let s = g.grad_bytes();
+    let l = Link { a: l.a, b: cost::gbit(10.0) };
+    let topk = Compression::TopK(TOPK_RATIO);
+    let sparse = topk.wire_bytes((s / 4.0) as usize) as f64;
+    let _ = writeln!(
+        h,
+        "<h2>Where each design wins (cost model)</h2>\n<p>Milliseconds of gradient exchange per step for {:.1} MB of \
+         gradients over 10 Gbit/s links, a = {:.1} us (measured). Top-k keeps {}% of the values as (index, value) \
+         pairs: a PS server sums them as they come, and the workers still pull dense f32 parameters; a ring cannot \
+         add sparse vectors hop by hop, so it all-gathers every rank's pairs. PS rows use one server shard per \
+         worker. The hierarchical column is the leaders' ring across hosts of {RANKS_PER_HOST} ranks (the \
+         shared-memory steps inside a host are left out), beside the flat ring over every rank.</p>\n\
+         <table><tr><th>workers</th><th>ring</th><th>ring fp16</th><th>ring top-k</th><th>PS</th><th>PS fp16</th>\
+         <th>PS top-k push</th><th>ZeRO-1 exposed</th><th>hierarchical, across hosts</th><th class=l>cheapest</th></tr>",
+        s / 1e6,
+        l.a * 1e6,
+        TOPK_RATIO * 100.0
+    );
+    for n in EXTRAPOLATE_N {
+        let designs = [
+            ("ring", cost::ring(n, s, l)),
+            ("ring fp16", cost::ring_compressed(n, s, Compression::Fp16, l)),
+            ("ring top-k", cost::ring_compressed(n, s, topk, l)),
+            ("PS", cost::ps(n, n, s, l)),
+            ("PS fp16", cost::ps_compressed(n, n, s / 2.0, s / 2.0, l)),
+            ("PS top-k push", cost::ps_compressed(n, n, sparse, s, l)),
+        ];
+        let cheapest = designs.iter().min_by(|a, b| a.1.total_cmp(&b.1)).map_or("", |d| d.0);
+        let hosts = n.div_ceil(RANKS_PER_HOST);
+        let hier = if n > RANKS_PER_HOST {
+            format!("{:.2}", cost::ring(hosts, s, l) * 1e3)
+        } else {
+            "one host".to_string()
+        };
+        let cells: String = designs.iter().map(|d| format!("<td>{:.2}</td>", d.1 * 1e3)).collect();
+        let _ = writeln!(
+            h,
+            "<tr><td>{n}</td>{cells}<td>{:.2}</td><td>{hier}</td><td class=l>{cheapest}</td></tr>",
+            cost::zero1_exposed(n, s, l) * 1e3
+        );
     }
     h.push_str("</table>\n");
 }

@@ -339,6 +339,7 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
                 None => "it is slower than the ring at every worker count from 2 to 1024".into(),
             }
         ));
+        out.push(designs_reading(s, ten));
     }
 
     // Staleness.
@@ -593,4 +594,55 @@ fn compressed_against_base(g: &Group) -> Vec<String> {
         ));
     }
     out
+}
+
+/// Where compression and a hierarchy win in the cost model, for `s` bytes of gradients over
+/// link `l`: the crossovers are computed, not assumed.
+fn designs_reading(s: f64, l: Link) -> String {
+    use gradsync_core::compress::Compression;
+    let topk = Compression::TopK(0.01);
+    let beats = |n: usize, other: f64| cost::ring_compressed(n, s, topk, l) < other;
+    let last = |f: &dyn Fn(usize) -> bool| (2..=1024).take_while(|&n| f(n)).last();
+    let vs_dense = last(&|n| beats(n, cost::ring(n, s, l)));
+    let vs_half = last(&|n| beats(n, cost::ring_compressed(n, s, Compression::Fp16, l)));
+    let upto = |w: Option<usize>| w.map_or("at no worker count".to_string(), |w| format!("up to {w} ranks"));
+    let n = 32;
+    let sparse = topk.wire_bytes((s / 4.0) as usize) as f64;
+    let (dense_ps, topk_ps) = (cost::ps(n, n, s, l), cost::ps_compressed(n, n, sparse, s, l));
+    let (flat, leaders) = (cost::flat_across_hosts(8, 8, s, l), cost::ring(8, s, l));
+    format!(
+        "Compression and hierarchy in the same model (10 Gbit/s, table \"Where each design wins\"): fp16 halves the \
+         bandwidth term of the ring and of the PS at every worker count. Top-k 1% on the ring must all-gather every \
+         rank's (index, value) pairs, a term that grows with the ranks: it beats the dense ring {} and the fp16 \
+         ring {}. On the PS the same top-k shrinks each push {:.0}x, yet with dense pulls the step stays bound by \
+         the pull direction: {:.2} ms against {:.2} ms uncompressed at {n} workers, so top-k saves the PS bytes \
+         and memory traffic at the servers, not time, unless the pulls shrink too. A hierarchy of 8 ranks per host \
+         cuts what crosses hosts from 2(N-1)/N S to 2(h-1)/h S: at 64 ranks on 8 hosts, {:.2} ms for the leaders' \
+         ring against {:.2} ms for the flat ring's inter-host hops.",
+        upto(vs_dense),
+        upto(vs_half),
+        s / sparse,
+        topk_ps * 1e3,
+        dense_ps * 1e3,
+        leaders * 1e3,
+        flat * 1e3
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_designs_crossovers_are_computed_from_the_model() {
+        let l = Link { a: 0.0, b: cost::gbit(10.0) };
+        let r = designs_reading(4e6, l);
+        // Top-k 1% all-gathered: below the dense ring while n < 1/r, below fp16 while n < 1/(2r).
+        assert!(r.contains("beats the dense ring up to 99 ranks"), "{r}");
+        assert!(r.contains("the fp16 ring up to 49 ranks"), "{r}");
+        assert!(r.contains("shrinks each push 50x"), "{r}");
+        // With a per-message latency, the all-gather's fewer messages keep it ahead longer.
+        let r = designs_reading(4e6, Link { a: 50e-6, ..l });
+        assert!(!r.contains("up to 99 ranks"), "{r}");
+    }
 }
