@@ -203,7 +203,7 @@ pub fn plan(ctx: &Ctx) -> anyhow::Result<Plan> {
         ModeKind::PsBsp | ModeKind::PsBspFp16 | ModeKind::PsBspTopk => Ok(ps(ctx, "bsp".into())),
         ModeKind::PsAsp => Ok(ps(ctx, "asp".into())),
         ModeKind::PsSsp => Ok(ps(ctx, format!("ssp:{}", ctx.scenario.ssp_staleness))),
-        ModeKind::DdpTcp | ModeKind::DdpTcpTopk => ddp(ctx, "tcp", Some("tcp")),
+        ModeKind::DdpTcp | ModeKind::DdpTcpTopk | ModeKind::DdpTcpFp16 => ddp(ctx, "tcp", Some("tcp")),
         ModeKind::DdpShm => ddp(ctx, "tcp", Some("shm")),
         ModeKind::DdpNccl => ddp(ctx, "nccl", None),
         ModeKind::Zero1Tcp => ring(ctx, "zero1", "tcp", Some("tcp")),

@@ -44,11 +44,13 @@ pub enum ModeKind {
     /// ddp-tcp with each bucket's top-k all-gathered, with error feedback (`--compress
     /// topk:R`).
     DdpTcpTopk,
+    /// ddp-tcp with the ring's half-precision all-reduce (`--compress fp16`).
+    DdpTcpFp16,
 }
 
 impl ModeKind {
     /// Every mode, in report order.
-    pub const ALL: [ModeKind; 12] = [
+    pub const ALL: [ModeKind; 13] = [
         ModeKind::Local,
         ModeKind::Dp,
         ModeKind::PsBsp,
@@ -61,6 +63,7 @@ impl ModeKind {
         ModeKind::PsBspFp16,
         ModeKind::PsBspTopk,
         ModeKind::DdpTcpTopk,
+        ModeKind::DdpTcpFp16,
     ];
 
     /// The label used in file names, tables and charts.
@@ -78,6 +81,7 @@ impl ModeKind {
             ModeKind::PsBspFp16 => "ps-bsp-fp16",
             ModeKind::PsBspTopk => "ps-bsp-topk",
             ModeKind::DdpTcpTopk => "ddp-tcp-topk",
+            ModeKind::DdpTcpFp16 => "ddp-tcp-fp16",
         }
     }
 
@@ -85,7 +89,7 @@ impl ModeKind {
     pub fn base(self) -> ModeKind {
         match self {
             ModeKind::PsBspFp16 | ModeKind::PsBspTopk => ModeKind::PsBsp,
-            ModeKind::DdpTcpTopk => ModeKind::DdpTcp,
+            ModeKind::DdpTcpTopk | ModeKind::DdpTcpFp16 => ModeKind::DdpTcp,
             m => m,
         }
     }
@@ -98,7 +102,7 @@ impl ModeKind {
     /// Its `--compress` value (none for the uncompressed modes), top-k at `topk_ratio`.
     pub fn compress(self, topk_ratio: f64) -> Option<String> {
         match self {
-            ModeKind::PsBspFp16 => Some("fp16".into()),
+            ModeKind::PsBspFp16 | ModeKind::DdpTcpFp16 => Some("fp16".into()),
             ModeKind::PsBspTopk | ModeKind::DdpTcpTopk => Some(format!("topk:{topk_ratio}")),
             _ => None,
         }
@@ -112,7 +116,9 @@ impl ModeKind {
             ModeKind::Dp => "in one process",
             ModeKind::PsBsp | ModeKind::PsAsp | ModeKind::PsSsp => "gRPC over TCP",
             ModeKind::PsBspFp16 | ModeKind::PsBspTopk => "gRPC over TCP",
-            ModeKind::DdpTcp | ModeKind::Zero1Tcp | ModeKind::DdpTcpTopk => "TCP sockets",
+            ModeKind::DdpTcp | ModeKind::Zero1Tcp | ModeKind::DdpTcpTopk | ModeKind::DdpTcpFp16 => {
+                "TCP sockets"
+            }
             ModeKind::DdpShm => "shared memory",
             ModeKind::DdpNccl => "NCCL",
         }
@@ -120,7 +126,11 @@ impl ModeKind {
 
     /// Whether its traffic crosses TCP (so its figures compare with each other's).
     pub fn over_tcp(self) -> bool {
-        self.is_ps() || matches!(self, ModeKind::DdpTcp | ModeKind::Zero1Tcp | ModeKind::DdpTcpTopk)
+        self.is_ps()
+            || matches!(
+                self,
+                ModeKind::DdpTcp | ModeKind::Zero1Tcp | ModeKind::DdpTcpTopk | ModeKind::DdpTcpFp16
+            )
     }
 
     /// Whether it runs parameter servers (and so is crossed with shard counts).
@@ -152,6 +162,7 @@ impl ModeKind {
             (ModeKind::PsBsp, "fp16") => ModeKind::PsBspFp16,
             (ModeKind::PsBsp, c) if c.starts_with("topk:") => ModeKind::PsBspTopk,
             (ModeKind::DdpTcp, c) if c.starts_with("topk:") => ModeKind::DdpTcpTopk,
+            (ModeKind::DdpTcp, "fp16") => ModeKind::DdpTcpFp16,
             _ => return None,
         })
     }
@@ -606,7 +617,11 @@ mod tests {
             Some(ModeKind::DdpTcpTopk)
         );
         assert_eq!(ModeKind::from_header("ps", "asp", None, Some("fp16")), None);
-        for m in [ModeKind::PsBspFp16, ModeKind::PsBspTopk, ModeKind::DdpTcpTopk] {
+        assert_eq!(
+            ModeKind::from_header("ddp", "tcp", Some("tcp"), Some("fp16")),
+            Some(ModeKind::DdpTcpFp16)
+        );
+        for m in [ModeKind::PsBspFp16, ModeKind::PsBspTopk, ModeKind::DdpTcpTopk, ModeKind::DdpTcpFp16] {
             assert_eq!(m.label().parse::<ModeKind>(), Ok(m));
             assert!(m.compress(0.01).is_some() && m.base().compress(0.01).is_none());
         }

@@ -259,6 +259,7 @@ pub fn short_label(r: &Summary) -> String {
         "ddp-nccl" => format!("nccl{n}"),
         "zero1-tcp" => format!("zero{n}"),
         "ddp-tcp-topk" => format!("topk-ring{n}"),
+        "ddp-tcp-fp16" => format!("fp16-ring{n}"),
         "ps-bsp-fp16" => format!("fp16-bsp{n}k{}", r.shards),
         "ps-bsp-topk" => format!("topk-bsp{n}k{}", r.shards),
         m => format!("{}{n}k{}", m.trim_start_matches("ps-"), r.shards),
