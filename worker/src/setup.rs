@@ -85,7 +85,7 @@ pub fn strategy(run: &Run) -> anyhow::Result<Box<dyn Strategy>> {
     // Compression is a property of the wire: modes without one (or not wired for it) refuse it.
     if !args.compress.is_none() && !matches!(args.mode, Mode::Ps | Mode::Ddp) {
         anyhow::bail!(
-            "--compress {} is for --mode ps and --mode ddp; --mode {} sends no gradients over a wire it compresses",
+            "--compress {} is for --mode ps and --mode ddp, not --mode {} (it compresses nothing)",
             args.compress,
             args.mode.name()
         );

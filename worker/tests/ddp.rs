@@ -707,3 +707,25 @@ fn ddp_compression_matches_the_all_reduce_within_its_rounding() {
         assert!((0.49..0.51).contains(&half), "--compress {c} sent {half} of the all-reduce's bytes");
     }
 }
+
+/// `--compress` values and modes that cannot go together are refused before anything runs,
+/// each naming what was wrong.
+#[test]
+fn compression_flags_are_refused_naming_the_fault() {
+    let quick = ["--model", "tiny", "--data", "synthetic:64:32:8", "--device", "cpu", "--steps", "1"];
+    for (args, says) in [
+        (&["--mode", "local", "--compress", "fp16"][..], "is for --mode ps and --mode ddp"),
+        (&["--mode", "zero1", "--compress", "topk:0.1"], "is for --mode ps and --mode ddp"),
+        (&["--mode", "ddp", "--compress", "topk:0"], "above 0 and at most 1"),
+        (&["--mode", "ddp", "--compress", "topk:abc"], "'abc' is not a number"),
+        (&["--mode", "ddp", "--compress", "gzip"], "unknown compression 'gzip'"),
+        (&["--mode", "ddp", "--backend", "nccl", "--compress", "topk:0.1"], "use --backend tcp"),
+    ] {
+        let mut a = vec!["train"];
+        a.extend(args);
+        a.extend(quick);
+        let out = spawn(&a).output(Duration::from_secs(30));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{args:?}: {err}");
+    }
+}
