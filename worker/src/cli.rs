@@ -144,8 +144,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub order_seed: Option<u64>,
     /// Compress gradients on the wire: none, fp16, bf16 or topk:RATIO (the RATIO largest
-    /// magnitudes, with error feedback; docs/compression.md). --mode ps takes all four (the
-    /// servers' --compress must match); --mode ddp takes topk.
+    /// magnitudes, with error feedback; docs/compression.md), for --mode ps (the servers'
+    /// --compress must match) and --mode ddp (TCP backend).
     #[arg(long, default_value = "none", env = "GRADSYNC_COMPRESS")]
     pub compress: Compression,
     /// Write per-step metrics (JSON lines) here; `{rank}` in the path becomes the rank.

@@ -83,10 +83,9 @@ pub fn strategy(run: &Run) -> anyhow::Result<Box<dyn Strategy>> {
         slow.check(if args.mode == Mode::Dp { replicas } else { run.world })?;
     }
     // Compression is a property of the wire: modes without one (or not wired for it) refuse it.
-    // DDP refuses what its bucket reduction cannot carry yet itself (`strategy::bucket`).
     if !args.compress.is_none() && !matches!(args.mode, Mode::Ps | Mode::Ddp) {
         anyhow::bail!(
-            "--compress {} is for --mode ps and --mode ddp; --mode {} sends no gradients over a wire it compresses",
+            "--compress {} is for --mode ps and --mode ddp, not --mode {} (it compresses nothing)",
             args.compress,
             args.mode.name()
         );

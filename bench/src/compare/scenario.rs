@@ -44,7 +44,7 @@ pub enum ModeKind {
     /// ddp-tcp with each bucket's top-k all-gathered, with error feedback (`--compress
     /// topk:R`).
     DdpTcpTopk,
-    /// ddp-tcp with each bucket all-reduced as packed fp16 halves (`--compress fp16`).
+    /// ddp-tcp with the ring's half-precision all-reduce (`--compress fp16`).
     DdpTcpFp16,
 }
 

@@ -8,28 +8,28 @@
 //!   pairs into `2k` f32 slots (indices bit-cast), one all-gather moves every rank's slots
 //!   (bytes only, no arithmetic, so the indices arrive exact), and every rank adds the `k x
 //!   world` pairs into its zeroed bucket in rank order, the same sum bit for bit everywhere.
-//! - `fp16`, `bf16`: the bucket rounded to half precision and packed two values to an f32
-//!   slot, then all-reduced by the host ring with each hop's payload halved: every hop widens
-//!   the two sums to f32, adds and rounds back ([`Collective::all_reduce_half`]), so every rank
-//!   ends with the same bits, which are widened back into the bucket.
+//! - `fp16`, `bf16`: the bucket rounded to half precision and packed two values to an f32 slot,
+//!   then the ring's half-precision all-reduce ([`Collective::all_reduce_half`]: two bytes a
+//!   value on every hop, each hop adding in f32 and rounding back), widened back into the
+//!   bucket. No error feedback: the rounding is at most 2^-11 (2^-8) of each value.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
 
 use anyhow::Context;
-use gradsync_core::compress::{self, Compression, Sparse, TopK};
+use gradsync_core::compress::{self, Compression, Half, Sparse, TopK};
 
-use crate::collective::{Collective, Half, pack, packed_len, unpack};
+use crate::collective::{self, Collective};
 
 /// What one rank keeps to reduce its buckets under a `--compress` value.
 pub(super) enum BucketReduce {
     /// f32 all-reduce.
     Dense,
-    /// Half-precision all-reduce of packed pairs.
+    /// Half-precision all-reduce of the packed bucket.
     Half {
-        /// The format on the wire.
+        /// The format.
         half: Half,
-        /// The bucket's packed pairs.
+        /// The packed bucket (two values a slot).
         packed: Vec<f32>,
     },
     /// Top-k with error feedback.
@@ -46,18 +46,18 @@ pub(super) enum BucketReduce {
 }
 
 impl BucketReduce {
-    /// The reduction `c` asks for; a codec DDP cannot carry yet is refused, naming it.
-    pub(super) fn new(c: Compression) -> anyhow::Result<Self> {
+    /// The reduction `c` asks for.
+    pub(super) fn new(c: Compression) -> Self {
         match c {
-            Compression::None => Ok(BucketReduce::Dense),
-            Compression::TopK(ratio) => Ok(BucketReduce::TopK {
+            Compression::None => BucketReduce::Dense,
+            Compression::Fp16 => BucketReduce::Half { half: Half::F16, packed: Vec::new() },
+            Compression::Bf16 => BucketReduce::Half { half: Half::Bf16, packed: Vec::new() },
+            Compression::TopK(ratio) => BucketReduce::TopK {
                 ratio,
                 residuals: BTreeMap::new(),
                 pairs: Sparse::default(),
                 slots: Vec::new(),
-            }),
-            Compression::Fp16 => Ok(BucketReduce::Half { half: Half::F16, packed: Vec::new() }),
-            Compression::Bf16 => Ok(BucketReduce::Half { half: Half::Bf16, packed: Vec::new() }),
+            },
         }
     }
 
@@ -74,11 +74,12 @@ impl BucketReduce {
                 comm.all_reduce(bucket).with_context(|| format!("all-reduce of bucket {range:?}"))
             }
             BucketReduce::Half { half, packed } => {
-                packed.resize(packed_len(bucket.len()), 0.0);
-                pack(*half, bucket, packed);
+                packed.clear();
+                packed.resize(collective::packed_len(bucket.len()), 0.0);
+                collective::pack(*half, bucket, packed);
                 comm.all_reduce_half(packed, *half)
                     .with_context(|| format!("{} all-reduce of bucket {range:?}", half.name()))?;
-                unpack(*half, packed, bucket);
+                collective::unpack(*half, packed, bucket);
                 Ok(())
             }
             BucketReduce::TopK { ratio, residuals, pairs, slots } => {

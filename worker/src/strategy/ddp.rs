@@ -168,8 +168,8 @@ pub struct Ddp {
 impl Ddp {
     /// Meet the other ranks (rendezvous through rank 0's store) and connect the backend.
     pub fn connect(c: DdpConfig) -> anyhow::Result<Ddp> {
+        let reduce = BucketReduce::new(c.compression);
         // Refused before meeting the other ranks.
-        let reduce = BucketReduce::new(c.compression)?;
         anyhow::ensure!(
             c.compression.is_none() || c.backend == Backend::Tcp,
             "--compress {} works on host buckets: use --backend tcp (NCCL reduces in GPU memory)",

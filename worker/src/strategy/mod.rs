@@ -5,7 +5,8 @@
 //! draw its data, and the timed compute helpers every strategy shares ([`forward`],
 //! [`backward`]), so forward and backward are timed and traced in one place. Each strategy
 //! takes its own typed configuration; [`crate::setup`] builds it from the flags. `bucket.rs`
-//! is how DDP reduces one bucket under `--compress` (all-reduce, or top-k all-gathered).
+//! is how DDP reduces one bucket under `--compress` (the f32 or half-precision all-reduce, or
+//! top-k all-gathered).
 
 mod bucket;
 mod ddp;
