@@ -117,21 +117,7 @@ fn check_equivalence(world: usize, batch: usize, transport: &str) {
     run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
 
     // Small buckets, so several all-reduces overlap backward.
-    let mut a: Vec<String> = [
-        "launch",
-        "--nproc-per-node",
-        &w,
-        "--master-port",
-        "0",
-        "--",
-        "train",
-        "--mode",
-        "ddp",
-        "--batch",
-        &b,
-    ]
-    .map(String::from)
-    .to_vec();
+    let mut a = launch_train(&w, "ddp", &["--batch", &b]);
     a.extend(["--bucket-mb", "0.002", "--comm-timeout", "30", "--chunk-kb", "1"].map(String::from));
     a.extend(["--transport", transport, "--metrics"].map(String::from));
     a.push(dir.0.join("m-{rank}.jsonl").display().to_string());
@@ -381,21 +367,7 @@ fn ddp_with_nccl_matches_local_on_one_gpu() {
     let mut a: Vec<String> = ["train", "--mode", "local", "--batch", "8"].map(String::from).to_vec();
     a.extend(on_gpu(common(&local)));
     run_strings(&a);
-    let mut a: Vec<String> = [
-        "launch",
-        "--nproc-per-node",
-        "1",
-        "--master-port",
-        "0",
-        "--",
-        "train",
-        "--mode",
-        "ddp",
-        "--backend",
-        "nccl",
-    ]
-    .map(String::from)
-    .to_vec();
+    let mut a = launch_train(1, "ddp", &["--backend", "nccl"]);
     a.extend(["--batch", "8", "--bucket-mb", "0.002"].map(String::from));
     a.extend(on_gpu(common(&ddp)));
     run_strings(&a);
@@ -425,21 +397,7 @@ fn dp_and_ddp_over_tcp_on_gpus_match_local() {
         ["train", "--mode", "dp", "--replicas", "2", "--batch", "8"].map(String::from).to_vec();
     a.extend(on_gpu(common(&dp)));
     run_strings(&a);
-    let mut a: Vec<String> = [
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        "0",
-        "--",
-        "train",
-        "--mode",
-        "ddp",
-        "--batch",
-        "8",
-    ]
-    .map(String::from)
-    .to_vec();
+    let mut a = launch_train(2, "ddp", &["--batch", "8"]);
     a.extend(["--backend", "tcp", "--bucket-mb", "0.002", "--comm-timeout", "30"].map(String::from));
     a.extend(on_gpu(common(&ddp)));
     run_strings(&a);
@@ -455,21 +413,7 @@ fn dp_and_ddp_over_tcp_on_gpus_match_local() {
 /// returns each rank's metrics header.
 fn run_zero1(dir: &Path, world: usize, batch: usize, extra: &[&str], save: &Path) -> Vec<serde_json::Value> {
     let (w, b) = (world.to_string(), batch.to_string());
-    let mut a: Vec<String> = [
-        "launch",
-        "--nproc-per-node",
-        &w,
-        "--master-port",
-        "0",
-        "--",
-        "train",
-        "--mode",
-        "zero1",
-        "--batch",
-        &b,
-    ]
-    .map(String::from)
-    .to_vec();
+    let mut a = launch_train(&w, "zero1", &["--batch", &b]);
     a.extend(["--bucket-mb", "0.002", "--comm-timeout", "30", "--chunk-kb", "1"].map(String::from));
     a.extend(extra.iter().map(|s| s.to_string()));
     a.push("--metrics".into());
@@ -611,26 +555,22 @@ fn zero1_over_tcp_on_gpus_matches_local() {
     let mut a: Vec<String> = ["train", "--mode", "local", "--batch", "16"].map(String::from).to_vec();
     a.extend(common(&local));
     run_strings(&a);
-    let mut a: Vec<String> = [
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        "0",
-        "--",
-        "train",
-        "--mode",
-        "zero1",
-        "--batch",
-        "8",
-    ]
-    .map(String::from)
-    .to_vec();
+    let mut a = launch_train(2, "zero1", &["--batch", "8"]);
     a.extend(["--backend", "tcp", "--bucket-mb", "0.002", "--comm-timeout", "30"].map(String::from));
     a.extend(on_gpu(common(&zero)));
     run_strings(&a);
     let d = max_diff(&params(&local), &params(&zero));
     assert!(d < 1e-4, "ZeRO-1 over TCP on GPUs vs local on the CPU: max diff {d}");
+}
+
+/// `launch --nproc-per-node WORLD --master-port 0 -- train --mode MODE`, then `rest`.
+fn launch_train(world: impl std::fmt::Display, mode: &str, rest: &[&str]) -> Vec<String> {
+    let w = world.to_string();
+    ["launch", "--nproc-per-node", &w, "--master-port", "0", "--", "train", "--mode", mode]
+        .iter()
+        .chain(rest)
+        .map(|a| a.to_string())
+        .collect()
 }
 
 /// One DDP run of `world` ranks with `--compress c` (small buckets, so several are reduced
@@ -639,21 +579,7 @@ fn ddp_compressed(dir: &Path, world: usize, c: &str) -> (Vec<f32>, Vec<u64>) {
     let save = dir.join(format!("ddp-{c}.ckpt"));
     let metrics = dir.join(format!("m-{c}-{{rank}}.jsonl"));
     let w = world.to_string();
-    let mut a: Vec<String> = [
-        "launch",
-        "--nproc-per-node",
-        &w,
-        "--master-port",
-        "0",
-        "--",
-        "train",
-        "--mode",
-        "ddp",
-        "--batch",
-        "8",
-    ]
-    .map(String::from)
-    .to_vec();
+    let mut a = launch_train(&w, "ddp", &["--batch", "8"]);
     a.extend(
         ["--bucket-mb", "0.002", "--comm-timeout", "30", "--transport", "tcp", "--compress", c]
             .map(String::from),
