@@ -29,7 +29,7 @@ use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 
 use super::bucket::BucketReduce;
-use super::{Shape, Strategy, backward, forward, micro_step, timed_span};
+use super::{Shape, Strategy, forward_unless_synced, timed_span};
 use crate::collective::{Collective, CommError, Hierarchy, Nccl, RingConfig, TcpComm, Traffic, Transport};
 use crate::rendezvous::{self, RendezvousConfig};
 
@@ -461,14 +461,11 @@ impl Ddp {
         y: &[u32],
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
+        // DDP's no_sync micro-steps accumulate locally: no communication, no update.
         let trace = self.trace.clone();
-        let loss = forward(engine, x, y, rec, &trace)?;
-        let (accumulate, sync) = micro_step(&mut self.micro, self.sync_every);
-        if !sync {
-            // DDP's no_sync: accumulate locally, no communication, no update.
-            backward(engine, accumulate, rec, &trace)?;
-            return Ok(loss);
-        }
+        let (loss, sync) =
+            forward_unless_synced(engine, x, y, rec, &trace, (&mut self.micro, self.sync_every))?;
+        let Some(accumulate) = sync else { return Ok(loss) };
         let before: Traffic = self.comm.get().traffic();
         let (bwd, busy, exposed) = backward_reduced(self, engine, plan, accumulate)?;
         rec.backward_ms = bwd;

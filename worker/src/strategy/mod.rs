@@ -141,6 +141,27 @@ pub fn micro_step(count: &mut u64, every: u64) -> (bool, bool) {
     (!(*count - 1).is_multiple_of(every), count.is_multiple_of(every))
 }
 
+/// What a synchronising strategy (DDP, ZeRO-1) does before it communicates: [`forward`], then
+/// on a `no_sync` micro-step ([`micro_step`]) the local [`backward`] that accumulates into the
+/// gradient buffer, and nothing more. Returns the loss and, on a step that synchronises,
+/// whether its backward must accumulate (`None`: this micro-step is done).
+pub fn forward_unless_synced(
+    engine: &mut Engine,
+    x: &[f32],
+    y: &[u32],
+    rec: &mut Step,
+    trace: &Trace,
+    (micro, every): (&mut u64, u64),
+) -> anyhow::Result<(BatchLoss, Option<bool>)> {
+    let loss = forward(engine, x, y, rec, trace)?;
+    let (accumulate, sync) = micro_step(micro, every);
+    if !sync {
+        backward(engine, accumulate, rec, trace)?;
+        return Ok((loss, None));
+    }
+    Ok((loss, Some(accumulate)))
+}
+
 /// [`forward`] then [`backward`] of one batch, the gradient buffer overwritten.
 pub fn forward_backward(
     engine: &mut Engine,

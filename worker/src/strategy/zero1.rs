@@ -36,7 +36,7 @@ use gradsync_core::optim::{SgdConfig, sgd_step};
 use gradsync_core::trace::Trace;
 
 use super::ddp::{Comm, comm_split};
-use super::{DdpConfig, Shape, Strategy, backward, describe_memory, forward, micro_step};
+use super::{DdpConfig, Shape, Strategy, backward, describe_memory, forward_unless_synced};
 use crate::collective::{Collective, Traffic};
 
 /// What ZeRO-1 needs to know: DDP's settings (rendezvous, backend, buckets, overlap), and
@@ -275,14 +275,11 @@ impl Zero1 {
         y: &[u32],
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
+        // As DDP's no_sync micro-steps: accumulate locally, no communication, no update.
         let trace = self.trace.clone();
-        let loss = forward(engine, x, y, rec, &trace)?;
-        let (accumulate, sync) = micro_step(&mut self.micro, self.sync_every);
-        if !sync {
-            // As DDP's no_sync: accumulate locally, no communication, no update.
-            backward(engine, accumulate, rec, &trace)?;
-            return Ok(loss);
-        }
+        let (loss, sync) =
+            forward_unless_synced(engine, x, y, rec, &trace, (&mut self.micro, self.sync_every))?;
+        let Some(accumulate) = sync else { return Ok(loss) };
         let before: Traffic = self.comm.get().traffic();
         // The sum of W ranks' (and K micro-steps') mean gradients, scaled to their mean.
         let scale = 1.0 / (self.world as f32 * self.sync_every as f32);
