@@ -418,7 +418,11 @@ fn designs_table(h: &mut String, g: &Group, link: Option<Link>) {
          pairs: a PS server sums them as they come, and the workers still pull dense f32 parameters; a ring cannot \
          add sparse vectors hop by hop, so it all-gathers every rank's pairs. PS rows use one server shard per \
          worker. The hierarchical column is the leaders' ring across hosts of {RANKS_PER_HOST} ranks (the \
-         shared-memory steps inside a host are left out), beside the flat ring over every rank.</p>\n\
+         shared-memory steps inside a host are left out), beside the flat ring over every rank. \
+         \"Cheapest\" compares exchange time only: the PS columns need as many server shards as \
+         workers, and compression changes what each step learns (top-k took more epochs to reach \
+         the target in gradsync's measurements; a comparison that runs the compressed modes reads \
+         their time to accuracy beside the uncompressed ones).</p>\n\
          <table><tr><th>workers</th><th>ring</th><th>ring fp16</th><th>ring top-k</th><th>PS</th><th>PS fp16</th>\
          <th>PS top-k push</th><th>ZeRO-1 exposed</th><th>hierarchical, across hosts</th><th class=l>cheapest</th></tr>",
         s / 1e6,

@@ -614,7 +614,7 @@ fn designs_reading(s: f64, l: Link) -> String {
         "Compression and hierarchy in the same model (10 Gbit/s, table \"Where each design wins\"): fp16 halves the \
          bandwidth term of the ring and of the PS at every worker count. Top-k 1% on the ring must all-gather every \
          rank's (index, value) pairs, a term that grows with the ranks: it beats the dense ring {} and the fp16 \
-         ring {}. On the PS the same top-k shrinks each push {:.0}x, yet with dense pulls the step stays bound by \
+         ring {} in exchange time alone (top-k needs more steps to reach the same accuracy). On the PS the same top-k shrinks each push {:.0}x, yet with dense pulls the step stays bound by \
          the pull direction: {:.2} ms against {:.2} ms uncompressed at {n} workers, so top-k saves the PS bytes \
          and memory traffic at the servers, not time, unless the pulls shrink too. A hierarchy of 8 ranks per host \
          cuts what crosses hosts from 2(N-1)/N S to 2(h-1)/h S: at 64 ranks on 8 hosts, {:.2} ms for the leaders' \
