@@ -391,9 +391,10 @@ fn hierarchical_all_reduce_over_sockets_inside_hosts() {
 
 #[test]
 fn hierarchical_all_reduce_of_large_buffers() {
-    // Four-MiB buffers: the two-thread socket engine between leaders, rings wrapped many times.
+    // Twelve-MiB buffers: the two-thread socket engine between leaders, rings wrapped many
+    // times, and pieces of three sizes (the end pieces cut in steps).
     CHUNK.with(|c| c.set(64 << 10));
-    let n = (1 << 20) + 3;
+    let n = (3 << 20) + 3;
     for (rank, got) in on_hosts(&[0, 0, 1, 1], Transport::Auto, Hierarchy::Auto, |mut c| {
         (c.rank(), run_op(&mut c, Op::AllReduce, n))
     }) {

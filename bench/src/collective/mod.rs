@@ -378,6 +378,16 @@ impl Measured {
     fn medians(&self) -> BTreeMap<usize, f64> {
         self.secs.iter().map(|(&b, v)| (b, median(v))).collect()
     }
+
+    /// How many times faster than `base` each round ran `bytes` (the rounds interleave, so
+    /// round `i` of both saw the same machine): median, least and most, `None` if either lacks
+    /// the size.
+    fn speedup_over(&self, base: &Measured, bytes: usize) -> Option<(f64, f64, f64)> {
+        let (mine, theirs) = (self.secs.get(&bytes)?, base.secs.get(&bytes)?);
+        let r: Vec<f64> = mine.iter().zip(theirs).map(|(m, t)| t / m).collect();
+        let (lo, hi) = r.iter().fold((f64::INFINITY, 0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+        (!r.is_empty()).then(|| (median(&r), lo, hi))
+    }
 }
 
 /// Run the benchmark and print its table.
@@ -432,6 +442,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
         "busbw/raw",
         "gloo busbw",
         "vs gloo",
+        "vs flat ring",
         "#wrong",
     ]);
     for &world in &a.ranks {
@@ -501,7 +512,19 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
         }
         let gloo_med = gloo_m.medians();
         let gloo_bus = |bytes: usize| gloo_med.get(&bytes).map(|&s| busbw(bytes as f64 / s / 1e9, world));
+        // A hierarchical row's flat ring: the same backend and transport with --hierarchy off.
+        let flat_of = |s: &Series, m: &Measured| {
+            let hier = m.path.contains("hier");
+            series.iter().zip(&measured).find_map(|(f, fm)| {
+                (hier
+                    && f.backend == s.backend
+                    && f.transport == s.transport
+                    && f.hierarchy == Hierarchy::Off)
+                    .then_some(fm)
+            })
+        };
         for (s, m) in series.iter().zip(&measured) {
+            let flat = flat_of(s, m);
             for (bytes, secs) in m.medians() {
                 let row = Row { bytes, secs, wrong: m.wrong.get(&bytes).copied().unwrap_or(0) };
                 let bus = busbw(row.algbw(), world);
@@ -519,6 +542,9 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                     format!("{:.2}", bus / raw),
                     g.map(|g| format!("{g:.3}")).unwrap_or_default(),
                     g.map(|g| format!("{:.2}x", bus / g)).unwrap_or_default(),
+                    flat.and_then(|f| m.speedup_over(f, bytes))
+                        .map(|(med, lo, hi)| format!("{med:.2}x ({lo:.2}-{hi:.2})"))
+                        .unwrap_or_default(),
                     row.wrong.to_string(),
                 ]);
             }
@@ -540,6 +566,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                     format!("{:.2}", bus / raw),
                     format!("{bus:.3}"),
                     "1.00x".into(),
+                    String::new(),
                     row.wrong.to_string(),
                 ]);
             }
@@ -549,7 +576,8 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
     println!(
         "median of {} interleaved rounds; busbw = algbw * 2(n-1)/n (nccl-tests); busbw/raw: link \
          efficiency against one raw TCP stream; vs gloo: our busbw over PyTorch gloo's (gloo's \
-         ranks are always processes); ranks as: one process per rank, or threads of this \
+         ranks are always processes); vs flat ring: a hierarchical all-reduce's speed over the flat \
+         ring's (--hierarchy off, same transport), median over rounds (least-most); ranks as: one process per rank, or threads of this \
          process; transport: what the TCP backend's ring ran on (tcp: sockets; auto (shm): shared \
          memory, chosen because every rank is on this host; in a hierarchical all-reduce, between \
          the ranks of one host); all-reduce: --hierarchy and what ran (ring: one flat ring; hier: \
