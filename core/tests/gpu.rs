@@ -645,7 +645,12 @@ fn half_kernels_round_and_widen_as_the_host_codec() -> Result<()> {
                 (*g != want).then(|| format!("{:#010x} -> {g:#06x}, host {want:#06x}", x.to_bits()))
             })
             .collect();
-        assert!(wrong.is_empty(), "{name}: {} of {n} values rounded unlike the host: {:?}", wrong.len(), &wrong[..wrong.len().min(5)]);
+        assert!(
+            wrong.is_empty(),
+            "{name}: {} of {n} values rounded unlike the host: {:?}",
+            wrong.len(),
+            &wrong[..wrong.len().min(5)]
+        );
 
         let (src_ptr, _) = all.device_ptr(stream);
         let (dst_ptr, _) = Cuda::raw_range(&widened, 0..patterns.len());
@@ -657,7 +662,12 @@ fn half_kernels_round_and_widen_as_the_host_codec() -> Result<()> {
         let mut want = vec![0.0f32; patterns.len()];
         half.decode(&bytes, &mut want)?;
         for (p, (g, w)) in patterns.iter().zip(got.iter().zip(&want)) {
-            assert_eq!(g.to_bits(), w.to_bits(), "{name}: {p:#06x} widens to {g:e} ({:#010x}), the host to {w:e}", g.to_bits());
+            assert_eq!(
+                g.to_bits(),
+                w.to_bits(),
+                "{name}: {p:#06x} widens to {g:e} ({:#010x}), the host to {w:e}",
+                g.to_bits()
+            );
         }
     }
     eprintln!("{test}: {n} values rounded and 65536 patterns widened, per format, as on the host");

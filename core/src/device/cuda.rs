@@ -266,16 +266,8 @@ struct Kernels {
 }
 
 /// Names of every kernel in `cuda_kernels.cu`, in [`Kernels`] order.
-const KERNEL_NAMES: [&str; 8] = [
-    "bias_act",
-    "relu_backward",
-    "bias_grad",
-    "softmax_xent",
-    "sgd",
-    "scale",
-    "round_to_half",
-    "widen_half",
-];
+const KERNEL_NAMES: [&str; 8] =
+    ["bias_act", "relu_backward", "bias_grad", "softmax_xent", "sgd", "scale", "round_to_half", "widen_half"];
 
 /// The kernels that round `f32` values to a half-precision format and widen them back, for
 /// NCCL's fp16/bf16 all-reduce of gradient buckets (`--compress fp16|bf16`). They round every
