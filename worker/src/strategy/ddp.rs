@@ -7,7 +7,8 @@
 //! bucket is handed to a communication thread the moment backward finishes it, so its
 //! all-reduce runs while backward computes the earlier layers; what is left when backward
 //! ends is the *exposed* communication. On a GPU engine with NCCL, each finished bucket's
-//! all-reduce is queued on NCCL's stream behind an event on the compute stream, in GPU memory.
+//! all-reduce is queued on NCCL's stream behind an event on the compute stream, in GPU memory
+//! (under `--compress fp16|bf16` rounded to half precision and widened back there too).
 //! GPU engines with TCP (and `--no-overlap`) reduce the buckets after backward, staged
 //! through host memory for TCP. Backward hands every finished bucket to one hook
 //! (`Engine::backward_buckets`); which of these paths a bucket takes is decided in one place,
@@ -160,7 +161,7 @@ pub struct Ddp {
     trace: Trace,
     /// Optimiser-state bytes the engine holds once started (the full momentum buffer).
     state_bytes: usize,
-    /// How a host bucket is reduced (`--compress`), with what that keeps between steps.
+    /// How a bucket is reduced (`--compress`), with what that keeps between steps.
     reduce: BucketReduce,
     compression: Compression,
 }
