@@ -650,7 +650,7 @@ fn nccl_half_all_reduce_rounds_like_the_reference_and_moves_half_the_bytes() {
     use gradsync_core::device::{Backend, Cuda};
     let value = |r: usize, i: usize| {
         let v = ((i * 7 + r * 13) % 101) as f32 / 37.0 - 1.3;
-        if i % 5 == 0 {
+        if i.is_multiple_of(5) {
             v * 300.0
         } else if i % 5 == 1 {
             v / 700.0

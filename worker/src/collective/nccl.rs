@@ -491,7 +491,7 @@ impl Collective for Nccl {
 
     fn all_reduce(&mut self, buf: &mut [f32]) -> Result<()> {
         let n = buf.len();
-        self.count(n * size_of::<f32>(), 2);
+        self.count(size_of_val(buf), 2);
         let p = self.upload(buf, n)?;
         // SAFETY: the staging buffer holds n values; in place is allowed.
         self.call("ncclAllReduce", |lib, c, s| unsafe {
@@ -516,7 +516,7 @@ impl Collective for Nccl {
     fn reduce_scatter(&mut self, buf: &mut [f32]) -> Result<Range<usize>> {
         let (n, w, r) = (buf.len(), self.world, self.rank);
         let mine = segment(n, w, r);
-        self.count(n * size_of::<f32>(), 1);
+        self.count(size_of_val(buf), 1);
         // NCCL needs equal pieces: pad each segment to the longest, reduce, and unpad.
         let piece = segment(n, w, 0).len();
         let mut padded = vec![0.0f32; piece * w];
@@ -536,7 +536,7 @@ impl Collective for Nccl {
 
     fn all_gather(&mut self, buf: &mut [f32]) -> Result<()> {
         let (n, w, r) = (buf.len(), self.world, self.rank);
-        self.count(n * size_of::<f32>(), 1);
+        self.count(size_of_val(buf), 1);
         let piece = segment(n, w, 0).len();
         let mine = segment(n, w, r);
         let mut padded = vec![0.0f32; piece];
@@ -558,7 +558,7 @@ impl Collective for Nccl {
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
         check_rank("root", root, self.world)?;
         let n = buf.len();
-        self.count(n * size_of::<f32>(), 1);
+        self.count(size_of_val(buf), 1);
         let p = self.upload(buf, n)?;
         let root = root as c_int;
         // SAFETY: the staging buffer holds n values; in place is allowed.
@@ -571,7 +571,7 @@ impl Collective for Nccl {
     fn reduce(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
         check_rank("root", root, self.world)?;
         let n = buf.len();
-        self.count(n * size_of::<f32>(), 1);
+        self.count(size_of_val(buf), 1);
         let back = if self.rank == root { 0..n } else { 0..0 };
         let p = self.upload(buf, n)?;
         let root = root as c_int;
