@@ -28,7 +28,9 @@
 //! Work queued through the backend runs on the compute stream in submission order. Code that
 //! touches a view's memory from ANOTHER stream (NCCL, asynchronous copies) through
 //! [`GpuViewMut::device_ptr`] must order itself with events against [`Cuda::stream`], and keep
-//! the buffer alive until that work has finished.
+//! the buffer alive until that work has finished. [`HalfCast`] is the one piece of the kernels
+//! such code may queue on its own stream: NCCL's fp16/bf16 all-reduce rounds and widens
+//! gradient buckets with it on the communication stream.
 //!
 //! # Length
 //! Over 600 lines on purpose: the whole [`Backend`] for one device in one file, like

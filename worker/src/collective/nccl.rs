@@ -30,7 +30,7 @@
 //!
 //! The communicator is not `Send`: it stays on the thread that made it.
 //!
-//! Somewhat over 600 lines because every NCCL call and its failure handling (abort, drain,
+//! Over 700 lines because every NCCL call and its failure handling (abort, drain,
 //! leak rather than free) must stay next to each other; the library loading is apart, in
 //! `nccl_lib`.
 
