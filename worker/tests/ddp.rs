@@ -678,7 +678,8 @@ fn ddp_ranks_as_threads(world: usize, rest: &[String]) {
 /// ends at the bits of the same run over the TCP ring, whose buckets are packed and summed on
 /// the host with the host codec (two ranks: both sums are `round(round(g0) + round(g1))`), and
 /// within the rounding bound of `ddp_compression_matches_the_all_reduce_within_its_rounding`
-/// of the uncompressed NCCL run, not at it; every step records exactly half its bytes.
+/// of the uncompressed NCCL run, not at it; every step records exactly half its bytes. With
+/// `--no-overlap` (buckets queued after backward) it ends at the same bits.
 #[test]
 fn ddp_over_nccl_compresses_buckets_on_the_device() {
     let test = "ddp_over_nccl_compresses_buckets_on_the_device";
@@ -694,18 +695,20 @@ fn ddp_over_nccl_compresses_buckets_on_the_device() {
         return;
     }
     let dir = Scratch::new("nccl-half");
-    let run = |backend: &str, c: &str| {
-        let save = dir.0.join(format!("{backend}-{c}.ckpt"));
-        let metrics = dir.0.join(format!("m-{backend}-{c}-{{rank}}.jsonl"));
+    let run = |backend: &str, c: &str, extra: &[&str]| {
+        let name = format!("{backend}-{c}{}", extra.join(""));
+        let save = dir.0.join(format!("{name}.ckpt"));
+        let metrics = dir.0.join(format!("m-{name}-{{rank}}.jsonl"));
         let mut a: Vec<String> =
             ["--backend", backend, "--compress", c, "--transport", "tcp", "--batch", "8"]
                 .map(String::from)
                 .to_vec();
         a.extend(["--bucket-mb", "0.002", "--comm-timeout", "30", "--metrics"].map(String::from));
         a.push(metrics.display().to_string());
+        a.extend(extra.iter().map(|x| x.to_string()));
         a.extend(common(&save));
         ddp_ranks_as_threads(2, &a);
-        let text = std::fs::read_to_string(dir.0.join(format!("m-{backend}-{c}-0.jsonl"))).unwrap();
+        let text = std::fs::read_to_string(dir.0.join(format!("m-{name}-0.jsonl"))).unwrap();
         let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
         assert_eq!(lines[0]["extra"]["compression"], c, "{}", lines[0]);
         assert_eq!(lines[0]["variant"], backend, "{}", lines[0]);
@@ -718,7 +721,7 @@ fn ddp_over_nccl_compresses_buckets_on_the_device() {
         (params(&save), moved)
     };
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    let (dense, dense_moved) = run("nccl", "none");
+    let (dense, dense_moved) = run("nccl", "none", &[]);
     let init = gradsync_core::model::init_params(
         &gradsync_core::model::Layout::new(
             &gradsync_core::model::ModelSpec::parse("tiny").unwrap().with_io(32, 8),
@@ -727,9 +730,13 @@ fn ddp_over_nccl_compresses_buckets_on_the_device() {
     );
     assert!(max_diff(&dense, &init) > 1e-3, "the uncompressed NCCL run did not train");
     for (c, bound) in [("fp16", 2.7e-3f32), ("bf16", 2.2e-2)] {
-        let (nccl, moved) = run("nccl", c);
-        let (tcp, _) = run("tcp", c);
+        let (nccl, moved) = run("nccl", c, &[]);
+        let (tcp, _) = run("tcp", c, &[]);
         assert_eq!(bits(&nccl), bits(&tcp), "--compress {c}: NCCL on the device and the TCP ring end apart");
+        // The buckets queued once backward has ended take the same way.
+        let (late, late_moved) = run("nccl", c, &["--no-overlap"]);
+        assert_eq!(bits(&late), bits(&nccl), "--compress {c} over NCCL: --no-overlap ends elsewhere");
+        assert_eq!(late_moved, moved, "--compress {c} over NCCL: --no-overlap moves other bytes");
         let d = max_diff(&nccl, &dense);
         assert!(d > 0.0 && d < bound, "--compress {c} over NCCL: max diff from f32 {d} (bound {bound})");
         for (step, ((sent, recv), (f32_sent, f32_recv))) in moved.iter().zip(&dense_moved).enumerate() {
