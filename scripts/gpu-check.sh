@@ -127,10 +127,13 @@ ps_run() { # ps_run WORKERS BATCH SAVE: BSP on the GPU, W workers sharing it
 }
 
 # 1. The core GPU tests: every backend method and whole steps on the GPU against the CPU,
-# NaN/Inf, determinism, allocations; then NCCL against a serial reference (as many ranks as
-# there are GPUs, up to 3) and its failure paths (set-up and call timeouts abort).
+# NaN/Inf, determinism, allocations, the half-precision kernels bit for bit against the host
+# codec; then NCCL against a serial reference (as many ranks as there are GPUs, up to 3),
+# its fp16/bf16 all-reduce, and its failure paths (set-up and call timeouts abort); then DDP
+# over NCCL with --compress fp16|bf16 against the TCP ring (two ranks: skipped with one GPU).
 check "core GPU tests" .gpu/tests/gpu --nocapture --test-threads 1
 check "NCCL collective tests" .gpu/tests/collective nccl --nocapture --test-threads 1
+check "DDP NCCL fp16/bf16 test" .gpu/tests/ddp ddp_over_nccl_compresses_buckets_on_the_device --exact --nocapture --test-threads 1
 
 # 2. Local training on the GPU learns, and matches the CPU after 40 steps.
 check "local, mnist, GPU" "$W" train --device cuda --model mnist --steps 300 --eval-every 100 --batch 128
@@ -153,6 +156,13 @@ check "DDP TCP vs local" "$B" diff "$WORK/cpu-64.ckpt" "$WORK/ddp-tcp.ckpt" --to
 check "DDP NCCL, world size 1" "$W" launch --nproc-per-node 1 --master-port 29612 -- \
   "${TRAIN[@]}" --mode ddp --backend nccl --device cuda --batch 64 --save "$WORK/ddp-nccl.ckpt"
 check "DDP NCCL vs local GPU" "$B" diff "$WORK/gpu-64.ckpt" "$WORK/ddp-nccl.ckpt" --tol 1e-5
+# With --compress fp16|bf16 each bucket is rounded on the GPU, reduced in NCCL's half type and
+# widened back: the gradients' rounding alone (1.5e-3 and 8.7e-4 relative on the fake CUDA).
+for c in fp16 bf16; do
+  check "DDP NCCL --compress $c, world size 1" "$W" launch --nproc-per-node 1 --master-port 29613 -- \
+    "${TRAIN[@]}" --mode ddp --backend nccl --compress $c --device cuda --batch 64 --save "$WORK/ddp-nccl-$c.ckpt"
+  check "DDP NCCL $c vs local GPU" "$B" diff "$WORK/gpu-64.ckpt" "$WORK/ddp-nccl-$c.ckpt" --tol 1e-2
+done
 
 # 6. DP with several replicas on the one GPU.
 check "DP, 2 replicas on one GPU" "$W" "${TRAIN[@]}" --mode dp --replicas 2 --world-size 2 --device cuda --batch 32 --save "$WORK/dp.ckpt"

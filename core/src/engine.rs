@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use crate::device::{Cpu, Cuda, Device};
+use crate::device::{Cpu, Cuda, Device, HalfCast};
 use crate::error::Result;
 use crate::mlp::{BatchLoss, Mlp};
 use crate::model::{BucketPlan, Fingerprint, Layout, ModelSpec};
@@ -39,6 +39,7 @@ pub struct DeviceGrads {
     ptr: u64,
     len: usize,
     stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    half: HalfCast,
 }
 
 impl DeviceGrads {
@@ -55,6 +56,12 @@ impl DeviceGrads {
     /// The compute stream that writes the bucket.
     pub fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
         &self.stream
+    }
+
+    /// The device's half-precision conversion kernels, to round the bucket for an fp16 or
+    /// bf16 all-reduce and widen the sum back, on the communication stream.
+    pub fn half_cast(&self) -> &HalfCast {
+        &self.half
     }
 
     /// Wait until the work queued so far on the compute stream, this bucket's backward
@@ -170,8 +177,14 @@ impl Engine {
             }),
             Engine::Cuda(m) => {
                 let stream = m.backend().stream().clone();
+                let half = m.backend().half_cast().clone();
                 m.backward(plan, accumulate, &mut |index, range, v| {
-                    let grads = DeviceGrads { ptr: v.device_ptr(), len: v.len(), stream: stream.clone() };
+                    let grads = DeviceGrads {
+                        ptr: v.device_ptr(),
+                        len: v.len(),
+                        stream: stream.clone(),
+                        half: half.clone(),
+                    };
                     on_ready(Bucket { index, range, grads: BucketGrads::Device(grads) })
                 })
             }

@@ -2,8 +2,9 @@
 //!
 //! # Layout
 //! - [`device`]: `--device auto|cpu|cuda[:N]`, the [`device::Backend`] trait, the CPU (gemm +
-//!   rayon) and CUDA (cuBLAS + NVRTC through cudarc) backends; `device::nvrtc` picks and
-//!   compiles the kernels' target (the device's cubin, PTX as the fallback).
+//!   rayon) and CUDA (cuBLAS + NVRTC through cudarc) backends, whose fp16/bf16 kernels
+//!   ([`device::HalfCast`]) NCCL's half-precision all-reduce also queues; `device::nvrtc`
+//!   picks and compiles the kernels' target (the device's cubin, PTX as the fallback).
 //! - [`model`]: layer widths and presets, the flat parameter [`model::Layout`], gradient
 //!   buckets, the [`model::Fingerprint`] and deterministic initialisation.
 //! - [`mlp`]: forward, backward (handing out finished buckets) and update, written once over

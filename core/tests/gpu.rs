@@ -550,3 +550,126 @@ fn kernels_that_load_nowhere_are_a_clear_error() -> Result<()> {
         Ok(())
     })
 }
+
+/// The f32 bit patterns the half-precision kernels are checked on: every sign, exponent and
+/// fp16 mantissa with the low bits at and around fp16's rounding point (which also puts
+/// bf16's ties, `0x8000` below its mantissa, under every sign, exponent and mantissa);
+/// values around fp16's subnormal range with a tie at every bit position; NaNs (quiet,
+/// signalling, negative, with payloads), infinities, zeros, f32 subnormals and extremes; and
+/// random patterns.
+fn half_probe_bits() -> Vec<u32> {
+    let mut v = Vec::new();
+    for i in 0..1u32 << 19 {
+        v.extend([0, 1, 0x0fff, 0x1000, 0x1001, 0x1fff].map(|low| (i << 13) | low));
+    }
+    for sign in [0, 0x8000_0000u32] {
+        // Biased exponents 98 to 114: below half the smallest fp16 subnormal, through the
+        // subnormals, into the smallest normals.
+        for exp in 98..=114u32 {
+            for shift in 0..23 {
+                for j in 0..8u32 {
+                    let m = (j << shift) & 0x007f_ffff;
+                    for man in [m, m.wrapping_sub(1) & 0x007f_ffff, (m + 1) & 0x007f_ffff] {
+                        v.push(sign | (exp << 23) | man);
+                    }
+                }
+            }
+        }
+    }
+    v.extend([
+        0x7fc0_0000,
+        0xffc0_0000,
+        0x7f80_0001,
+        0x7fa0_0000,
+        0xff80_2000,
+        0x7fff_ffff,
+        0x7f80_0000,
+        0xff80_0000,
+        0,
+        0x8000_0000,
+        1,
+        0x8000_0001,
+        0x007f_ffff,
+        0x0080_0000,
+        0x7f7f_ffff,
+        0xff7f_ffff,
+        65504f32.to_bits(),
+        65519.99f32.to_bits(),
+        65520f32.to_bits(),
+    ]);
+    let mut rng = Rng::new(5, 3);
+    v.extend((0..100_000).map(|_| rng.next_u64() as u32));
+    v
+}
+
+/// The half-precision kernels NCCL's fp16/bf16 all-reduce runs on (`HalfCast`) round every
+/// probe value to exactly the bits of the host codec (`Half::encode`, which the TCP ring's
+/// packing shares), and widen every one of the 65536 patterns of each format to exactly the
+/// f32 bits of the host's `Half::decode`.
+#[test]
+fn half_kernels_round_and_widen_as_the_host_codec() -> Result<()> {
+    use cudarc::driver::DevicePtr;
+    use gradsync_core::compress::Half;
+    let test = "half_kernels_round_and_widen_as_the_host_codec";
+    let Some(ordinal) =
+        gpu_or_skip(test, |c| assert_eq!(c.launches, 4, "one rounding and one widening per format: {c}"))
+    else {
+        return Ok(());
+    };
+    let gpu = Cuda::new(ordinal)?;
+    let stream = gpu.stream();
+    let cuda = |e: cudarc::driver::DriverError| Error::Cuda { op: "test", msg: e.to_string() };
+    let probe: Vec<f32> = half_probe_bits().into_iter().map(f32::from_bits).collect();
+    let n = probe.len();
+    let src = upload(&gpu, &probe)?;
+    let halves = stream.alloc_zeros::<u16>(n).map_err(cuda)?;
+    let patterns: Vec<u16> = (0..=u16::MAX).collect();
+    let all = stream.clone_htod(&patterns).map_err(cuda)?;
+    let widened = gpu.zeros(patterns.len())?;
+    for half in [Half::F16, Half::Bf16] {
+        let name = half.name();
+        let (src_ptr, _) = Cuda::raw_range(&src, 0..n);
+        let (dst_ptr, _) = halves.device_ptr(stream);
+        // SAFETY: `src` holds n f32 values and `halves` n u16 values, both alive until the
+        // synchronous copy below has waited for the kernel.
+        unsafe { gpu.half_cast().round(stream, src_ptr, dst_ptr, n, half) }?;
+        let got = stream.clone_dtoh(&halves).map_err(cuda)?;
+        let mut bytes = vec![0u8; 2 * n];
+        half.encode(&probe, &mut bytes)?;
+        let wrong: Vec<String> = got
+            .iter()
+            .zip(bytes.chunks_exact(2))
+            .zip(&probe)
+            .filter_map(|((g, b), x)| {
+                let want = u16::from_le_bytes([b[0], b[1]]);
+                (*g != want).then(|| format!("{:#010x} -> {g:#06x}, host {want:#06x}", x.to_bits()))
+            })
+            .collect();
+        assert!(
+            wrong.is_empty(),
+            "{name}: {} of {n} values rounded unlike the host: {:?}",
+            wrong.len(),
+            &wrong[..wrong.len().min(5)]
+        );
+
+        let (src_ptr, _) = all.device_ptr(stream);
+        let (dst_ptr, _) = Cuda::raw_range(&widened, 0..patterns.len());
+        // SAFETY: `all` holds 65536 u16 values and `widened` as many f32, both alive until
+        // the synchronous read below.
+        unsafe { gpu.half_cast().widen(stream, src_ptr, dst_ptr, patterns.len(), half) }?;
+        let got = download(&gpu, &widened, patterns.len())?;
+        let bytes: Vec<u8> = patterns.iter().flat_map(|p| p.to_le_bytes()).collect();
+        let mut want = vec![0.0f32; patterns.len()];
+        half.decode(&bytes, &mut want)?;
+        for (p, (g, w)) in patterns.iter().zip(got.iter().zip(&want)) {
+            assert_eq!(
+                g.to_bits(),
+                w.to_bits(),
+                "{name}: {p:#06x} widens to {g:e} ({:#010x}), the host to {w:e}",
+                g.to_bits()
+            );
+        }
+    }
+    eprintln!("{test}: {n} values rounded and 65536 patterns widened, per format, as on the host");
+    Ok(())
+}

@@ -24,4 +24,16 @@ static inline float __int_as_float(int i) {
     return f;
 }
 
+static inline float __uint_as_float(unsigned int u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline unsigned int __float_as_uint(float f) {
+    unsigned int u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
 #endif

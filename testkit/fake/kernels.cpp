@@ -54,6 +54,7 @@ void run(void **p) {
 #define KERNEL(k) fake_kernel{#k, check<k>, run<k>}
 static const fake_kernel KERNELS[] = {
     KERNEL(bias_act), KERNEL(relu_backward), KERNEL(bias_grad), KERNEL(softmax_xent), KERNEL(sgd), KERNEL(scale),
+    KERNEL(round_to_half), KERNEL(widen_half),
 };
 
 extern "C" const fake_kernel *fake_kernel_find(const char *name) {

@@ -15,10 +15,20 @@
  * ncclCommDestroy with work pending waits for it (and is fatal if it never ends: a timed-out
  * collective must be aborted first); ncclCommAbort ends the world's pending work at once
  * without moving data. Nonblocking communicators (config.blocking = 0) report ncclInProgress
- * from ncclCommGetAsyncError until every rank has joined. Only float32 sums are implemented:
- * anything else is refused with a message. */
+ * from ncclCommGetAsyncError until every rank has joined.
+ *
+ * Types: float32, float16 and bfloat16 (the ranks must agree on it, as on count and root);
+ * any other type, and any operation but a sum, is refused with ncclInvalidArgument and a
+ * message naming it. A half-precision sum adds in float and rounds to the type (to nearest,
+ * ties to even) after each rank's value, in rank order, as each hop of NCCL's ring rounds its
+ * partial sum: for bfloat16 that is what NCCL does; for float16 NCCL adds in half precision
+ * (__hadd), which gives the same bits, since float's 24-bit significand is wide enough
+ * (24 >= 2 x 11 + 2) for rounding twice to be the same as rounding once. A NaN is stored as
+ * CUDA's canonical one (0x7fff). These conversions are written with float arithmetic here,
+ * apart from the project's kernels, so the fake is an independent reference for them. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -44,7 +54,7 @@ enum {
     ncclRemoteError = 6,
     ncclInProgress = 7,
 };
-enum { ncclFloat32 = 7 };
+enum { ncclFloat16 = 6, ncclFloat32 = 7, ncclBfloat16 = 9 };
 enum { ncclSum = 0 };
 enum { OP_ALL_REDUCE, OP_BROADCAST, OP_REDUCE, OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_SEND, OP_RECV };
 static const char *OP_NAMES[] = {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "send", "recv"};
@@ -76,8 +86,8 @@ typedef struct comm {
 /* One rank's part of one collective (or one side of a send/receive). */
 typedef struct {
     int posted;
-    float *send;
-    float *recv;
+    void *send;
+    void *recv;
     uint64_t ticket;
 } part_t;
 
@@ -85,6 +95,7 @@ typedef struct op {
     struct op *next;
     uint64_t seq;
     int kind;
+    int dtype;
     size_t count;
     int root;
     int posted;
@@ -278,7 +289,8 @@ EXPORT ncclResult_t ncclCommCuDevice(const comm_t *c, int *d) {
 typedef struct {
     comm_t *comm;
     int kind;
-    float *send, *recv;
+    int dtype;
+    void *send, *recv;
     size_t count;
     int root;
     void *stream;
@@ -289,8 +301,8 @@ static __thread int group_depth;
 static __thread deferred_t *deferred;
 static __thread size_t n_deferred, cap_deferred;
 
-static ncclResult_t post(comm_t *c, int kind, float *send, float *recv, size_t count, int root, void *stream,
-                         uint64_t ticket);
+static ncclResult_t post(comm_t *c, int kind, int dtype, void *send, void *recv, size_t count, int root,
+                         void *stream, uint64_t ticket);
 
 EXPORT ncclResult_t ncclGroupStart(void) {
     group_depth++;
@@ -305,7 +317,7 @@ EXPORT ncclResult_t ncclGroupEnd(void) {
     ncclResult_t r = ncclSuccess;
     for (size_t i = 0; i < n; i++) {
         deferred_t *d = &deferred[i];
-        ncclResult_t ri = post(d->comm, d->kind, d->send, d->recv, d->count, d->root, d->stream, d->ticket);
+        ncclResult_t ri = post(d->comm, d->kind, d->dtype, d->send, d->recv, d->count, d->root, d->stream, d->ticket);
         if (r == ncclSuccess) r = ri;
     }
     return r;
@@ -321,62 +333,135 @@ static size_t elems_in(int kind, size_t count, int nranks, int is_send) {
     }
 }
 
+/* ---- the types ---- */
+
+static const char *type_name(int dtype) {
+    switch (dtype) {
+    case ncclFloat16: return "float16";
+    case ncclFloat32: return "float32";
+    case ncclBfloat16: return "bfloat16";
+    default: return NULL;
+    }
+}
+
+static size_t type_size(int dtype) { return dtype == ncclFloat32 ? 4 : 2; }
+
+/* float16 bits to float (exact). */
+static float from_f16(uint16_t h) {
+    int exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    float v = exp == 0x1f ? (man ? NAN : INFINITY)
+              : exp == 0  ? ldexpf((float)man, -24)
+                          : ldexpf((float)(man | 0x400), exp - 25);
+    return h & 0x8000 ? -v : v;
+}
+
+/* float to float16 bits, to nearest, ties to even. */
+static uint16_t to_f16(float f) {
+    uint16_t sign = signbit(f) ? 0x8000 : 0;
+    if (isnan(f)) return 0x7fff;
+    double a = fabs((double)f);
+    if (a >= 65520.0) return sign | 0x7c00; /* at or past the midpoint above 65504 */
+    /* The spacing of float16 values at `a`: 2^-24 through the subnormals, 2^(e-10) at 2^e. */
+    int e;
+    frexp(a, &e);
+    int q = e - 11 < -24 ? -24 : e - 11;
+    double r = nearbyint(ldexp(a, -q)); /* the default rounding mode: ties to even */
+    if (r == 0) return sign;
+    double v = ldexp(r, q);
+    frexp(v, &e); /* again: rounding may have carried into the next power of two */
+    if (e - 1 < -14) return sign | (uint16_t)r; /* subnormal: the count of 2^-24 steps */
+    return sign | (uint16_t)((e - 1 + 15) << 10) | (uint16_t)(ldexp(v, 11 - e) - 1024.0);
+}
+
+static float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* float to bfloat16 bits, to nearest, ties to even. */
+static uint16_t to_bf16(float f) {
+    if (isnan(f)) return 0x7fff;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Element i of a buffer of `dtype`, as float. */
+static float load(int dtype, const void *buf, size_t i) {
+    switch (dtype) {
+    case ncclFloat16: return from_f16(((const uint16_t *)buf)[i]);
+    case ncclBfloat16: return from_bf16(((const uint16_t *)buf)[i]);
+    default: return ((const float *)buf)[i];
+    }
+}
+
+/* `v` rounded to `dtype`, stored at element i. */
+static void store(int dtype, void *buf, size_t i, float v) {
+    switch (dtype) {
+    case ncclFloat16: ((uint16_t *)buf)[i] = to_f16(v); break;
+    case ncclBfloat16: ((uint16_t *)buf)[i] = to_bf16(v); break;
+    default: ((float *)buf)[i] = v;
+    }
+}
+
+/* Element i of the sum over the ranks' `send` buffers at element offset `at`, in rank order (a
+ * fixed order, like NCCL's ring per chunk), stored into `out` at `i`: in the type, rounded to
+ * it after each rank's value. */
+static void sum_into(int dtype, part_t *p, int n, size_t at, void *out, size_t i) {
+    float s = load(dtype, p[0].send, at);
+    store(dtype, out, i, s);
+    for (int r = 1; r < n; r++) {
+        s = load(dtype, out, i) + load(dtype, p[r].send, at);
+        store(dtype, out, i, s);
+    }
+}
+
 static void perform(world_t *w, op_t *op) {
-    int n = w->nranks;
-    size_t c = op->count;
+    int n = w->nranks, t = op->dtype;
+    size_t c = op->count, z = type_size(t);
     part_t *p = op->parts;
     switch (op->kind) {
     case OP_ALL_REDUCE: {
-        float *acc = malloc(c * sizeof *acc);
-        for (size_t i = 0; i < c; i++) {
-            float s = 0.0f;
-            for (int r = 0; r < n; r++) s += p[r].send[i]; /* rank order: a fixed order, like NCCL's ring per chunk */
-            acc[i] = s;
-        }
-        for (int r = 0; r < n; r++) memcpy(p[r].recv, acc, c * sizeof *acc);
+        char *acc = malloc(c * z);
+        for (size_t i = 0; i < c; i++) sum_into(t, p, n, i, acc, i);
+        for (int r = 0; r < n; r++) memcpy(p[r].recv, acc, c * z);
         free(acc);
         break;
     }
     case OP_REDUCE: {
-        float *acc = malloc(c * sizeof *acc);
-        for (size_t i = 0; i < c; i++) {
-            float s = 0.0f;
-            for (int r = 0; r < n; r++) s += p[r].send[i];
-            acc[i] = s;
-        }
-        memcpy(p[op->root].recv, acc, c * sizeof *acc);
+        char *acc = malloc(c * z);
+        for (size_t i = 0; i < c; i++) sum_into(t, p, n, i, acc, i);
+        memcpy(p[op->root].recv, acc, c * z);
         free(acc);
         break;
     }
     case OP_BROADCAST: {
         for (int r = 0; r < n; r++) {
-            if (r != op->root) memmove(p[r].recv, p[op->root].send, c * sizeof(float));
+            if (r != op->root) memmove(p[r].recv, p[op->root].send, c * z);
         }
-        if (p[op->root].recv != p[op->root].send) memmove(p[op->root].recv, p[op->root].send, c * sizeof(float));
+        if (p[op->root].recv != p[op->root].send) memmove(p[op->root].recv, p[op->root].send, c * z);
         break;
     }
     case OP_ALL_GATHER: {
-        float *all = malloc(c * (size_t)n * sizeof *all);
-        for (int r = 0; r < n; r++) memcpy(all + (size_t)r * c, p[r].send, c * sizeof *all);
-        for (int r = 0; r < n; r++) memcpy(p[r].recv, all, c * (size_t)n * sizeof *all);
+        char *all = malloc(c * (size_t)n * z);
+        for (int r = 0; r < n; r++) memcpy(all + (size_t)r * c * z, p[r].send, c * z);
+        for (int r = 0; r < n; r++) memcpy(p[r].recv, all, c * (size_t)n * z);
         free(all);
         break;
     }
     case OP_REDUCE_SCATTER: {
-        float *out = malloc(c * (size_t)n * sizeof *out);
+        char *out = malloc(c * (size_t)n * z);
         for (int dst = 0; dst < n; dst++) {
-            for (size_t i = 0; i < c; i++) {
-                float s = 0.0f;
-                for (int r = 0; r < n; r++) s += p[r].send[(size_t)dst * c + i];
-                out[(size_t)dst * c + i] = s;
-            }
+            for (size_t i = 0; i < c; i++) sum_into(t, p, n, (size_t)dst * c + i, out, (size_t)dst * c + i);
         }
-        for (int dst = 0; dst < n; dst++) memcpy(p[dst].recv, out + (size_t)dst * c, c * sizeof *out);
+        for (int dst = 0; dst < n; dst++) memcpy(p[dst].recv, out + (size_t)dst * c * z, c * z);
         free(out);
         break;
     }
     case OP_SEND: /* parts[0] the sender, parts[1] the receiver */
-        memcpy(p[1].recv, p[0].send, c * sizeof(float));
+        memcpy(p[1].recv, p[0].send, c * z);
         break;
     }
 }
@@ -395,8 +480,8 @@ static void unlink_op(op_t **list, op_t *op) {
 }
 
 /* `ticket` is the one taken when the operation was queued in a group, or 0. */
-static ncclResult_t post(comm_t *c, int kind, float *send, float *recv, size_t count, int root, void *stream,
-                         uint64_t ticket) {
+static ncclResult_t post(comm_t *c, int kind, int dtype, void *send, void *recv, size_t count, int root,
+                         void *stream, uint64_t ticket) {
     world_t *w = c->world;
     int n = w->nranks;
     if (w->aborted) {
@@ -404,14 +489,14 @@ static ncclResult_t post(comm_t *c, int kind, float *send, float *recv, size_t c
         return fail(c, ncclRemoteError, "%s: the communicator was aborted", OP_NAMES[kind]);
     }
     if (count > 0) {
-        size_t ns = elems_in(kind, count, n, 1) * sizeof(float), nr = elems_in(kind, count, n, 0) * sizeof(float);
+        size_t ns = elems_in(kind, count, n, 1) * type_size(dtype), nr = elems_in(kind, count, n, 0) * type_size(dtype);
         if (send) fake_cuda_check((uint64_t)(uintptr_t)send, ns, "NCCL send buffer");
         if (recv) fake_cuda_check((uint64_t)(uintptr_t)recv, nr, "NCCL receive buffer");
     }
     fake_cuda_count_collective();
     if (!ticket) ticket = fake_cuda_ticket_begin(stream);
     if (count > 0) {
-        size_t ns = elems_in(kind, count, n, 1) * sizeof(float), nr = elems_in(kind, count, n, 0) * sizeof(float);
+        size_t ns = elems_in(kind, count, n, 1) * type_size(dtype), nr = elems_in(kind, count, n, 0) * type_size(dtype);
         if (send) fake_cuda_ticket_uses(ticket, (uint64_t)(uintptr_t)send, ns);
         if (recv) fake_cuda_ticket_uses(ticket, (uint64_t)(uintptr_t)recv, nr);
     }
@@ -426,14 +511,16 @@ static ncclResult_t post(comm_t *c, int kind, float *send, float *recv, size_t c
             op = calloc(1, sizeof *op);
             op->seq = seq;
             op->kind = OP_SEND;
+            op->dtype = dtype;
             op->root = from * n + to;
             op->count = count;
             op->parts = calloc(2, sizeof *op->parts);
             op->next = w->p2p;
             w->p2p = op;
-        } else if (op->count != count) {
-            fake_cuda_fatal("NCCL: rank %d sends %zu values to rank %d, which receives %zu", from,
-                            kind == OP_SEND ? count : op->count, to, kind == OP_SEND ? op->count : count);
+        } else if (op->count != count || op->dtype != dtype) {
+            fake_cuda_fatal("NCCL: rank %d sends %zu values of %s to rank %d, which receives %zu of %s", from,
+                            kind == OP_SEND ? count : op->count, type_name(kind == OP_SEND ? dtype : op->dtype), to,
+                            kind == OP_SEND ? op->count : count, type_name(kind == OP_SEND ? op->dtype : dtype));
         }
         part_t *me = &op->parts[kind == OP_SEND ? 0 : 1];
         *me = (part_t){1, send, recv, ticket};
@@ -450,16 +537,17 @@ static ncclResult_t post(comm_t *c, int kind, float *send, float *recv, size_t c
             op = calloc(1, sizeof *op);
             op->seq = seq;
             op->kind = kind;
+            op->dtype = dtype;
             op->count = count;
             op->root = root;
             op->parts = calloc((size_t)n, sizeof *op->parts);
             op->next = w->ops;
             w->ops = op;
-        } else if (op->kind != kind || op->count != count || op->root != root) {
-            fake_cuda_fatal("NCCL: ranks disagree on collective #%llu: one posted %s of %zu values (root %d), rank %d "
-                            "posts %s of %zu values (root %d)",
-                            (unsigned long long)seq, OP_NAMES[op->kind], op->count, op->root, c->rank, OP_NAMES[kind],
-                            count, root);
+        } else if (op->kind != kind || op->dtype != dtype || op->count != count || op->root != root) {
+            fake_cuda_fatal("NCCL: ranks disagree on collective #%llu: one posted %s of %zu %s values (root %d), rank "
+                            "%d posts %s of %zu %s values (root %d)",
+                            (unsigned long long)seq, OP_NAMES[op->kind], op->count, type_name(op->dtype), op->root,
+                            c->rank, OP_NAMES[kind], count, type_name(dtype), root);
         }
         op->parts[c->rank] = (part_t){1, send, recv, ticket};
         if (++op->posted == n) {
@@ -477,7 +565,11 @@ static ncclResult_t post(comm_t *c, int kind, float *send, float *recv, size_t c
 static ncclResult_t enqueue(comm_t *c, int kind, const void *send, void *recv, size_t count, int dtype, int redop,
                             int root, void *stream) {
     comm_of(c);
-    if (dtype != ncclFloat32) return fail(c, ncclInvalidArgument, "%s: the fake NCCL implements float32 only", OP_NAMES[kind]);
+    if (!type_name(dtype)) {
+        char what[96];
+        snprintf(what, sizeof what, "%s of data type %d", OP_NAMES[kind], dtype);
+        return fail(c, ncclInvalidArgument, "%s: the fake NCCL implements float32, float16 and bfloat16 only", what);
+    }
     if (redop != ncclSum) return fail(c, ncclInvalidArgument, "%s: the fake NCCL implements sums only", OP_NAMES[kind]);
     int peer_op = kind == OP_SEND || kind == OP_RECV;
     if ((peer_op || kind == OP_BROADCAST || kind == OP_REDUCE) && (root < 0 || root >= c->world->nranks)) {
@@ -493,10 +585,10 @@ static ncclResult_t enqueue(comm_t *c, int kind, const void *send, void *recv, s
         /* Queued on the stream now, posted at the group's end: a group never ended leaves the
          * stream waiting for it. */
         uint64_t ticket = fake_cuda_ticket_begin(stream);
-        deferred[n_deferred++] = (deferred_t){c, kind, (float *)send, recv, count, root, stream, ticket};
+        deferred[n_deferred++] = (deferred_t){c, kind, dtype, (void *)send, recv, count, root, stream, ticket};
         return ncclSuccess;
     }
-    return post(c, kind, (float *)send, recv, count, root, stream, 0);
+    return post(c, kind, dtype, (void *)send, recv, count, root, stream, 0);
 }
 
 EXPORT ncclResult_t ncclAllReduce(const void *s, void *r, size_t n, int dt, int op, comm_t *c, void *st) {

@@ -145,7 +145,8 @@ pub struct TrainArgs {
     pub order_seed: Option<u64>,
     /// Compress gradients on the wire: none, fp16, bf16 or topk:RATIO (the RATIO largest
     /// magnitudes, with error feedback; docs/compression.md), for --mode ps (the servers'
-    /// --compress must match) and --mode ddp (TCP backend).
+    /// --compress must match) and --mode ddp (fp16 and bf16 with either backend, topk with
+    /// the TCP backend).
     #[arg(long, default_value = "none", env = "GRADSYNC_COMPRESS")]
     pub compress: Compression,
     /// Write per-step metrics (JSON lines) here; `{rank}` in the path becomes the rank.

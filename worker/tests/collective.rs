@@ -635,6 +635,116 @@ fn nccl_matches_the_reference() {
     }
 }
 
+/// NCCL's half-precision all-reduce (`--compress fp16|bf16` under `--backend nccl`), both ways
+/// in: host buffers packed two halves a slot (the `Collective` trait), and a GPU buffer rounded,
+/// reduced and widened on the device (what DDP queues for its buckets). Values that are not
+/// exact in either format, of both signs and several magnitudes. Both ways end with the same
+/// bits on every rank; with one or two ranks those are the serial reference's (each value
+/// rounded, the sum rounded: any ring order gives the same), with three within one rounding
+/// per hop of the exact sum. The device way moves exactly half the bytes of the f32 one.
+#[test]
+fn nccl_half_all_reduce_rounds_like_the_reference_and_moves_half_the_bytes() {
+    let test = "nccl_half_all_reduce_rounds_like_the_reference_and_moves_half_the_bytes";
+    // On the fake CUDA (four GPUs: 1, 2 and 3 ranks): the only kernels are the rounding and
+    // the widening of each non-empty GPU buffer, on every rank, so the GPU way ran on the GPU.
+    let on_the_device = |c: &Counters| {
+        assert!(c.launches == 2 * 8 * (1 + 2 + 3) && c.collectives > 0 && c.alive_at_exit == 0, "{c}");
+    };
+    if !gpu_here(test, on_the_device) {
+        return;
+    }
+    use gradsync_core::device::{Backend, Cuda};
+    let value = |r: usize, i: usize| {
+        let v = ((i * 7 + r * 13) % 101) as f32 / 37.0 - 1.3;
+        if i.is_multiple_of(5) {
+            v * 300.0
+        } else if i % 5 == 1 {
+            v / 700.0
+        } else {
+            v
+        }
+    };
+    let cases: Vec<(Half, usize)> =
+        [Half::F16, Half::Bf16].into_iter().flat_map(|h| [0, 1, 2, 7, 1001].map(|n| (h, n))).collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for world in 1..=gpus().min(3) {
+        // Per rank, per case: the host way's sum, the device way's, and the bytes each way.
+        let out = with_nccl(world, Duration::from_secs(30), |mut c| {
+            let r = c.rank();
+            let gpu = Cuda::new(r).unwrap();
+            let mut got = Vec::new();
+            for &(half, n) in &cases {
+                let vals: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+                let mut packed = vec![0.0; packed_len(n)];
+                pack(half, &vals, &mut packed);
+                c.all_reduce_half(&mut packed, half).unwrap();
+                let mut host = vec![0.0; n];
+                unpack(half, &packed, &mut host);
+
+                let mut buf = gpu.zeros(n).unwrap();
+                gpu.write(&mut buf, 0, &vals).unwrap();
+                let (ptr, len) = Cuda::raw_range(&buf, 0..n);
+                let before = c.traffic();
+                // SAFETY: `buf` lives until wait_all has returned.
+                unsafe { c.all_reduce_half_device_after(ptr, len, gpu.stream(), half, gpu.half_cast()) }
+                    .unwrap();
+                c.wait_all().unwrap();
+                let half_sent = c.traffic().sent - before.sent;
+                let mut device = vec![0.0; n];
+                gpu.read(&buf, 0..n, &mut device).unwrap();
+                gpu.write(&mut buf, 0, &vals).unwrap();
+                let before = c.traffic();
+                // SAFETY: as above.
+                unsafe { c.all_reduce_device_after(ptr, len, gpu.stream()) }.unwrap();
+                c.wait_all().unwrap();
+                got.push((host, device, half_sent, c.traffic().sent - before.sent));
+            }
+            got
+        });
+        for (k, &(half, n)) in cases.iter().enumerate() {
+            let what = format!("{}, {world} ranks, {n} values", half.name());
+            let reference: Vec<f32> = (0..n)
+                .map(|i| {
+                    (1..world)
+                        .fold(half.round(value(0, i)), |acc, r| half.round(acc + half.round(value(r, i))))
+                })
+                .collect();
+            for (rank, mine) in out.iter().enumerate() {
+                let (host, device, half_sent, f32_sent) = &mine[k];
+                assert_eq!(bits(host), bits(&out[0][k].0), "{what}: ranks 0 and {rank} disagree");
+                assert_eq!(
+                    bits(device),
+                    bits(host),
+                    "{what}, rank {rank}: the device way differs from the host way"
+                );
+                if world <= 2 {
+                    assert_eq!(
+                        bits(device),
+                        bits(&reference),
+                        "{what}, rank {rank}: not the reference's sum"
+                    );
+                }
+                // Relative rounding, and fp16's subnormal spacing (2^-24) for the tiny values.
+                let (eps, tiny) =
+                    if half == Half::F16 { (1.0 / 1024.0, 2f32.powi(-24)) } else { (1.0 / 128.0, 0.0) };
+                for (i, g) in device.iter().enumerate() {
+                    let exact: f32 = (0..world).map(|r| value(r, i)).sum();
+                    let scale = (0..world).map(|r| value(r, i).abs()).sum::<f32>();
+                    assert!(
+                        (g - exact).abs() <= world as f32 * (eps * scale + tiny),
+                        "{what} at {i}: {g} against {exact}"
+                    );
+                }
+                // Half the bytes (to the byte: the (world - 1) / world share is rounded down).
+                assert!(
+                    (2 * half_sent).abs_diff(*f32_sent) <= 1,
+                    "{what}, rank {rank}: {half_sent} bytes in half precision, {f32_sent} in f32"
+                );
+            }
+        }
+    }
+}
+
 /// A short limit on how long the fake CUDA lets a stream wait, so a missing abort fails the
 /// test in seconds; only in the child that runs against the fake.
 fn short_fake_hang_limit() {

@@ -634,6 +634,122 @@ fn ddp_compression_matches_the_all_reduce_within_its_rounding() {
     }
 }
 
+/// `world` DDP ranks of `gradsync-worker train` as threads of this process, through the
+/// library (`train::train`), on `cuda:RANK` each: the fake NCCL's ranks meet only inside one
+/// process, and a real NCCL takes one rank per thread and GPU as well. They meet through rank
+/// 0's real rendezvous store on a port picked here; `rest` follows the rank's own flags.
+fn ddp_ranks_as_threads(world: usize, rest: &[String]) {
+    use clap::Parser;
+    use gradsync_worker::cli::{Cli, Command};
+    let (port, w) = (gradsync_testkit::process::free_port().to_string(), world.to_string());
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..world)
+            .map(|r| {
+                let (rank, device) = (r.to_string(), format!("cuda:{r}"));
+                let mut a: Vec<String> =
+                    ["gradsync-worker", "train", "--mode", "ddp", "--rank", &rank, "--world-size", &w]
+                        .map(String::from)
+                        .to_vec();
+                a.extend(["--master-addr", "127.0.0.1", "--master-port", &port].map(String::from));
+                // This rank's GPU instead of the device `rest` names.
+                let mut rest = rest.to_vec();
+                if let Some(i) = rest.iter().position(|x| x == "--device") {
+                    rest[i + 1] = device;
+                }
+                a.extend(rest);
+                s.spawn(move || {
+                    let Command::Train(args) = Cli::try_parse_from(&a).unwrap().command else {
+                        unreachable!("a train command line")
+                    };
+                    gradsync_worker::train::train(*args)
+                })
+            })
+            .collect();
+        for (r, h) in ranks.into_iter().enumerate() {
+            if let Err(e) = h.join().unwrap() {
+                panic!("rank {r}: {e:#}");
+            }
+        }
+    });
+}
+
+/// `--backend nccl --compress fp16|bf16` with two ranks on two GPUs (the fake's, here): each
+/// bucket is rounded, all-reduced in NCCL's half type and widened back on the device. The run
+/// ends at the bits of the same run over the TCP ring, whose buckets are packed and summed on
+/// the host with the host codec (two ranks: both sums are `round(round(g0) + round(g1))`), and
+/// within the rounding bound of `ddp_compression_matches_the_all_reduce_within_its_rounding`
+/// of the uncompressed NCCL run, not at it; every step records exactly half its bytes. With
+/// `--no-overlap` (buckets queued after backward) it ends at the same bits.
+#[test]
+fn ddp_over_nccl_compresses_buckets_on_the_device() {
+    let test = "ddp_over_nccl_compresses_buckets_on_the_device";
+    let reduced = |c: &Counters| {
+        assert!(c.launches > 0 && c.gemms > 0 && c.collectives > 0 && c.alive_at_exit == 0, "{c}");
+    };
+    if !gpu_here(test, reduced) {
+        return;
+    }
+    let gpus = (0..8).take_while(|&i| gradsync_core::device::cuda::probe(i).is_ok()).count();
+    if gpus < 2 {
+        eprintln!("SKIPPED (two NCCL ranks need two GPUs; this machine has {gpus}) [{test}]");
+        return;
+    }
+    let dir = Scratch::new("nccl-half");
+    let run = |backend: &str, c: &str, extra: &[&str]| {
+        let name = format!("{backend}-{c}{}", extra.join(""));
+        let save = dir.0.join(format!("{name}.ckpt"));
+        let metrics = dir.0.join(format!("m-{name}-{{rank}}.jsonl"));
+        let mut a: Vec<String> =
+            ["--backend", backend, "--compress", c, "--transport", "tcp", "--batch", "8"]
+                .map(String::from)
+                .to_vec();
+        a.extend(["--bucket-mb", "0.002", "--comm-timeout", "30", "--metrics"].map(String::from));
+        a.push(metrics.display().to_string());
+        a.extend(extra.iter().map(|x| x.to_string()));
+        a.extend(common(&save));
+        ddp_ranks_as_threads(2, &a);
+        let text = std::fs::read_to_string(dir.0.join(format!("m-{name}-0.jsonl"))).unwrap();
+        let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines[0]["extra"]["compression"], c, "{}", lines[0]);
+        assert_eq!(lines[0]["variant"], backend, "{}", lines[0]);
+        let moved: Vec<(u64, u64)> = lines
+            .iter()
+            .filter(|v| v["kind"] == "step")
+            .map(|v| (v["bytes_sent"].as_u64().unwrap(), v["bytes_recv"].as_u64().unwrap()))
+            .collect();
+        assert_eq!(moved.len(), 6, "{backend} {c}: steps recorded");
+        (params(&save), moved)
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let (dense, dense_moved) = run("nccl", "none", &[]);
+    let init = gradsync_core::model::init_params(
+        &gradsync_core::model::Layout::new(
+            &gradsync_core::model::ModelSpec::parse("tiny").unwrap().with_io(32, 8),
+        ),
+        42,
+    );
+    assert!(max_diff(&dense, &init) > 1e-3, "the uncompressed NCCL run did not train");
+    for (c, bound) in [("fp16", 2.7e-3f32), ("bf16", 2.2e-2)] {
+        let (nccl, moved) = run("nccl", c, &[]);
+        let (tcp, _) = run("tcp", c, &[]);
+        assert_eq!(bits(&nccl), bits(&tcp), "--compress {c}: NCCL on the device and the TCP ring end apart");
+        // The buckets queued once backward has ended take the same way.
+        let (late, late_moved) = run("nccl", c, &["--no-overlap"]);
+        assert_eq!(bits(&late), bits(&nccl), "--compress {c} over NCCL: --no-overlap ends elsewhere");
+        assert_eq!(late_moved, moved, "--compress {c} over NCCL: --no-overlap moves other bytes");
+        let d = max_diff(&nccl, &dense);
+        assert!(d > 0.0 && d < bound, "--compress {c} over NCCL: max diff from f32 {d} (bound {bound})");
+        for (step, ((sent, recv), (f32_sent, f32_recv))) in moved.iter().zip(&dense_moved).enumerate() {
+            assert!(
+                2 * sent == *f32_sent && 2 * recv == *f32_recv && *sent > 0,
+                "--compress {c} over NCCL, step {}: {sent}/{recv} bytes, f32 {f32_sent}/{f32_recv}",
+                step + 1
+            );
+        }
+        eprintln!("{test}: {c}: bit for bit the TCP ring's run; max diff from f32 {d:.2e}; half the bytes");
+    }
+}
+
 /// `--compress` values and modes that cannot go together are refused before anything runs,
 /// each naming what was wrong.
 #[test]
@@ -645,7 +761,10 @@ fn compression_flags_are_refused_naming_the_fault() {
         (&["--mode", "ddp", "--compress", "topk:0"], "above 0 and at most 1"),
         (&["--mode", "ddp", "--compress", "topk:abc"], "'abc' is not a number"),
         (&["--mode", "ddp", "--compress", "gzip"], "unknown compression 'gzip'"),
-        (&["--mode", "ddp", "--backend", "nccl", "--compress", "topk:0.1"], "use --backend tcp"),
+        (
+            &["--mode", "ddp", "--backend", "nccl", "--compress", "topk:0.1"],
+            "top-k selection on the device is not implemented (NCCL reduces the buckets in GPU memory); use --backend tcp",
+        ),
     ] {
         let mut a = vec!["train"];
         a.extend(args);

@@ -28,7 +28,9 @@
 //! Work queued through the backend runs on the compute stream in submission order. Code that
 //! touches a view's memory from ANOTHER stream (NCCL, asynchronous copies) through
 //! [`GpuViewMut::device_ptr`] must order itself with events against [`Cuda::stream`], and keep
-//! the buffer alive until that work has finished.
+//! the buffer alive until that work has finished. [`HalfCast`] is the one piece of the kernels
+//! such code may queue on its own stream: NCCL's fp16/bf16 all-reduce rounds and widens
+//! gradient buckets with it on the communication stream.
 //!
 //! # Length
 //! Over 600 lines on purpose: the whole [`Backend`] for one device in one file, like
@@ -51,6 +53,7 @@ use cudarc::nvrtc::Ptx;
 
 use super::backend::Backend;
 use super::nvrtc;
+use crate::compress::Half;
 use crate::error::{Error, Result};
 use crate::optim::SgdConfig;
 
@@ -261,10 +264,87 @@ struct Kernels {
     softmax_xent: CudaFunction,
     sgd: CudaFunction,
     scale: CudaFunction,
+    half: HalfCast,
 }
 
 /// Names of every kernel in `cuda_kernels.cu`, in [`Kernels`] order.
-const KERNEL_NAMES: [&str; 6] = ["bias_act", "relu_backward", "bias_grad", "softmax_xent", "sgd", "scale"];
+const KERNEL_NAMES: [&str; 8] =
+    ["bias_act", "relu_backward", "bias_grad", "softmax_xent", "sgd", "scale", "round_to_half", "widen_half"];
+
+/// The kernels that round `f32` values to a half-precision format and widen them back, for
+/// NCCL's fp16/bf16 all-reduce of gradient buckets (`--compress fp16|bf16`). They round every
+/// value to the bits [`Half::encode`] gives on the host (ties to even; NaNs stay NaN with their
+/// sign and top payload bits, quiet). Unlike the [`Backend`] methods they may be queued on any
+/// stream of the device's context, such as NCCL's, which is what lets a bucket be rounded,
+/// reduced and widened on the communication stream while backward goes on; the caller then
+/// orders that stream against the compute stream with events.
+#[derive(Debug, Clone)]
+pub struct HalfCast {
+    round: CudaFunction,
+    widen: CudaFunction,
+}
+
+impl HalfCast {
+    /// Queue on `stream`: the `n` `f32` values at `src` rounded to `half`, as `n` 16-bit values
+    /// at `dst`.
+    ///
+    /// # Safety
+    /// `src` must hold `n` `f32` values and `dst` room for `n` `u16` values, in device memory of
+    /// this device that stays allocated, and that no other work touches, until the queued work
+    /// has run (work ordered after `stream`'s).
+    pub unsafe fn round(
+        &self,
+        stream: &CudaStream,
+        src: CUdeviceptr,
+        dst: CUdeviceptr,
+        n: usize,
+        half: Half,
+    ) -> Result<()> {
+        // SAFETY: passed on to the caller.
+        unsafe { Self::launch(&self.round, stream, dst, src, n, half) }.map_err(cuda_err("round_to_half"))
+    }
+
+    /// Queue on `stream`: the `n` 16-bit `half` values at `src` widened (exactly) to `n` `f32`
+    /// values at `dst`.
+    ///
+    /// # Safety
+    /// As [`HalfCast::round`], `src` holding `n` `u16` values and `dst` room for `n` `f32`.
+    pub unsafe fn widen(
+        &self,
+        stream: &CudaStream,
+        src: CUdeviceptr,
+        dst: CUdeviceptr,
+        n: usize,
+        half: Half,
+    ) -> Result<()> {
+        // SAFETY: passed on to the caller.
+        unsafe { Self::launch(&self.widen, stream, dst, src, n, half) }.map_err(cuda_err("widen_half"))
+    }
+
+    /// Launch `f(dst, src, n, bf16)` over `n` values.
+    ///
+    /// # Safety
+    /// As [`HalfCast::round`].
+    unsafe fn launch(
+        f: &CudaFunction,
+        stream: &CudaStream,
+        dst: CUdeviceptr,
+        src: CUdeviceptr,
+        n: usize,
+        half: Half,
+    ) -> std::result::Result<(), cudarc::driver::DriverError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let (n64, bf16) = (n as u64, i32::from(half == Half::Bf16));
+        let mut launch = stream.launch_builder(f);
+        launch.arg(&dst).arg(&src).arg(&n64).arg(&bf16);
+        // SAFETY: round_to_half(unsigned short*, const float*, u64, int) and
+        // widen_half(float*, const unsigned short*, u64, int); the caller vouches for the
+        // buffers.
+        unsafe { launch.launch(Cuda::grid(n)) }.map(|_| ())
+    }
+}
 
 /// One CUDA device: its context, compute stream, cuBLAS handle and kernels.
 pub struct Cuda {
@@ -321,7 +401,7 @@ impl Cuda {
             .map_err(cuda_err("cuBLAS math mode"))?;
         let module = load_kernels(&ctx)?;
         let load = |name: &str| module.load_function(name).map_err(cuda_err("load kernel"));
-        let [bias_act, relu_backward, bias_grad, softmax_xent, sgd, scale] = KERNEL_NAMES;
+        let [bias_act, relu_backward, bias_grad, softmax_xent, sgd, scale, round, widen] = KERNEL_NAMES;
         let kernels = Kernels {
             bias_act: load(bias_act)?,
             relu_backward: load(relu_backward)?,
@@ -329,6 +409,7 @@ impl Cuda {
             softmax_xent: load(softmax_xent)?,
             sgd: load(sgd)?,
             scale: load(scale)?,
+            half: HalfCast { round: load(round)?, widen: load(widen)? },
         };
         Ok(Cuda { ordinal, name, ctx, stream, blas, kernels, stats: Mutex::new(None) })
     }
@@ -375,6 +456,11 @@ impl Cuda {
     /// order. Other streams must wait on an event recorded here before touching its buffers.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// The half-precision conversion kernels, for work on other streams of this device.
+    pub fn half_cast(&self) -> &HalfCast {
+        &self.kernels.half
     }
 
     /// The device address and length of `buf[range]` (panics when `range` is outside `buf`),

@@ -105,3 +105,98 @@ extern "C" __global__ void scale(float* v, u64 n, float factor) {
         v[i] = v[i] * factor;
     }
 }
+
+// ---- Half precision for NCCL's fp16/bf16 all-reduce (`--compress fp16|bf16`) ----
+//
+// Written with integer operations only, as transcriptions of the `half` crate's conversions
+// (f32_to_f16_fallback, f16_to_f32_fallback, f32_to_bf16, bf16_to_f32), which the host codecs
+// (core/src/compress.rs, the TCP ring's packed sums) use: the two paths round every value to
+// the same bits. CUDA's __float2half_rn would differ on NaNs (it returns one canonical NaN);
+// these keep the sign and the top payload bits and set the quiet bit, as the host does.
+// Round to nearest, ties to even; an f32 beyond the format's range becomes +-inf; a value below
+// half the smallest subnormal becomes a signed zero.
+
+// f32 bits -> IEEE binary16 bits.
+__device__ __forceinline__ unsigned short f16_bits(unsigned int x) {
+    const unsigned int sign = x & 0x80000000u, exp = x & 0x7f800000u, man = x & 0x007fffffu;
+    if (exp == 0x7f800000u) {
+        // Infinity, or a NaN made quiet keeping its top payload bits.
+        return (unsigned short)((sign >> 16) | 0x7c00u | (man != 0 ? 0x0200u : 0u) | (man >> 13));
+    }
+    const unsigned int half_sign = sign >> 16;
+    const int half_exp = (int)(exp >> 23) - 127 + 15;
+    if (half_exp >= 0x1f) {
+        return (unsigned short)(half_sign | 0x7c00u);
+    }
+    if (half_exp <= 0) {
+        // Subnormal (or zero): the hidden bit joins the mantissa, shifted by the deficit.
+        if (14 - half_exp > 24) {
+            return (unsigned short)half_sign;
+        }
+        const unsigned int m = man | 0x00800000u;
+        unsigned int half_man = m >> (14 - half_exp);
+        const unsigned int round_bit = 1u << (13 - half_exp);
+        // Round up when the bit below is set and either something below it or the result's
+        // last bit is (ties to even).
+        if ((m & round_bit) != 0 && (m & (3u * round_bit - 1u)) != 0) {
+            half_man += 1;
+        }
+        return (unsigned short)(half_sign | half_man);
+    }
+    const unsigned int bits = half_sign | ((unsigned int)half_exp << 10) | (man >> 13);
+    const unsigned int round_bit = 0x00001000u;
+    // A carry out of the mantissa increments the exponent, up to infinity: still correct.
+    return (unsigned short)((man & round_bit) != 0 && (man & (3u * round_bit - 1u)) != 0 ? bits + 1 : bits);
+}
+
+// IEEE binary16 bits -> f32 bits (exact).
+__device__ __forceinline__ unsigned int f16_widen(unsigned int h) {
+    const unsigned int sign = (h & 0x8000u) << 16, exp = h & 0x7c00u, man = h & 0x03ffu;
+    if ((h & 0x7fffu) == 0) {
+        return sign;
+    }
+    if (exp == 0x7c00u) {
+        return man == 0 ? (sign | 0x7f800000u) : (sign | 0x7fc00000u | (man << 13));
+    }
+    if (exp == 0) {
+        // Subnormal: normalise, moving the leading one into the hidden bit.
+        int e = 0;
+        unsigned int m = man;
+        while ((m & 0x0400u) == 0) {
+            m <<= 1;
+            ++e;
+        }
+        return sign | ((unsigned int)(127 - 15 - e + 1) << 23) | ((m & 0x03ffu) << 13);
+    }
+    return sign | (((exp >> 10) + 127 - 15) << 23) | (man << 13);
+}
+
+// f32 bits -> bfloat16 bits.
+__device__ __forceinline__ unsigned short bf16_bits(unsigned int x) {
+    if ((x & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((x >> 16) | 0x0040u);
+    }
+    const unsigned int round_bit = 0x00008000u;
+    return (unsigned short)((x & round_bit) != 0 && (x & (3u * round_bit - 1u)) != 0 ? (x >> 16) + 1 : x >> 16);
+}
+
+// bfloat16 bits -> f32 bits (exact).
+__device__ __forceinline__ unsigned int bf16_widen(unsigned int h) {
+    return ((h & 0x7fffu) > 0x7f80u ? (h | 0x0040u) : h) << 16;
+}
+
+// dst[i] = src[i] rounded to fp16 (bf16 when `bf16`), as bits.
+extern "C" __global__ void round_to_half(unsigned short* dst, const float* src, u64 n, int bf16) {
+    for (u64 i = GLOBAL_ID; i < n; i += GRID_STRIDE) {
+        const unsigned int x = __float_as_uint(src[i]);
+        dst[i] = bf16 ? bf16_bits(x) : f16_bits(x);
+    }
+}
+
+// dst[i] = the fp16 (bf16 when `bf16`) value whose bits are src[i], as f32 (exact).
+extern "C" __global__ void widen_half(float* dst, const unsigned short* src, u64 n, int bf16) {
+    for (u64 i = GLOBAL_ID; i < n; i += GRID_STRIDE) {
+        const unsigned int h = src[i];
+        dst[i] = __uint_as_float(bf16 ? bf16_widen(h) : f16_widen(h));
+    }
+}

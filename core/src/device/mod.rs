@@ -13,7 +13,7 @@ use std::str::FromStr;
 
 pub use backend::Backend;
 pub use cpu::Cpu;
-pub use cuda::{Cuda, GpuView, GpuViewMut};
+pub use cuda::{Cuda, GpuView, GpuViewMut, HalfCast};
 
 use crate::error::{Error, Result};
 

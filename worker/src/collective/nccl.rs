@@ -5,7 +5,10 @@
 //! [`Nccl::new`] and [`unique_id`] return [`CommError::Nccl`] instead of panicking. The unique
 //! id is made by rank 0 and travels through the rendezvous store.
 //!
-//! Device buffers go straight to NCCL ([`Nccl::all_reduce_device_after`]). Host buffers (the
+//! Device buffers go straight to NCCL ([`Nccl::all_reduce_device_after`]), or, in half
+//! precision, through the staging buffer: rounded there by the device's kernels, reduced in
+//! NCCL's fp16 or bf16 type and widened back, all on NCCL's stream
+//! ([`Nccl::all_reduce_half_device_after`]). Host buffers (the
 //! [`Collective`] trait, used by the tests and by engines whose gradients live on the host)
 //! are staged through one device buffer that grows on demand. NCCL refuses two ranks on one
 //! GPU, so more than one rank needs as many GPUs.
@@ -27,7 +30,7 @@
 //!
 //! The communicator is not `Send`: it stays on the thread that made it.
 //!
-//! Somewhat over 600 lines because every NCCL call and its failure handling (abort, drain,
+//! Over 700 lines because every NCCL call and its failure handling (abort, drain,
 //! leak rather than free) must stay next to each other; the library loading is apart, in
 //! `nccl_lib`.
 
@@ -39,13 +42,30 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
-use super::nccl_lib::{self, Config, FLOAT32, Group, IN_PROGRESS, Lib, RawComm, RawStream, SUCCESS, SUM};
-use super::{Collective, CommError, Result, Traffic, check_rank, segment};
+use gradsync_core::device::HalfCast;
+
+use super::nccl_lib::{
+    self, BFLOAT16, Config, FLOAT16, FLOAT32, Group, IN_PROGRESS, Lib, RawComm, RawStream, SUCCESS, SUM,
+};
+use super::{Collective, CommError, Half, Result, Traffic, check_rank, packed_len, segment};
 
 pub use super::nccl_lib::ID_BYTES;
 
 fn cuda_err<E: std::fmt::Debug>(op: &'static str) -> impl FnOnce(E) -> CommError {
     move |e| CommError::Nccl { op, msg: format!("{e:?}") }
+}
+
+/// A failure of one of the device's kernels queued on NCCL's stream.
+fn core_err(op: &'static str) -> impl FnOnce(gradsync_core::Error) -> CommError {
+    move |e| CommError::Nccl { op, msg: e.to_string() }
+}
+
+/// NCCL's type for `half`.
+fn half_type(half: Half) -> c_int {
+    match half {
+        Half::F16 => FLOAT16,
+        Half::Bf16 => BFLOAT16,
+    }
 }
 
 /// Whether NCCL (and a GPU driver) can be used here; the reason if not.
@@ -171,14 +191,60 @@ impl Nccl {
         if len == 0 {
             return Ok(());
         }
-        let ready = after.record_event(None).map_err(cuda_err("cuEventRecord"))?;
-        self.stream.wait(&ready).map_err(cuda_err("cuStreamWaitEvent"))?;
+        self.follow(after)?;
         self.call("ncclAllReduce", |lib, comm, stream| {
             // SAFETY: the caller vouches for `len` values at `ptr`; in place is allowed.
             unsafe { (lib.all_reduce)(ptr as *const _, ptr as *mut _, len, FLOAT32, SUM, comm, stream) }
         })?;
-        self.count(len, 2);
+        self.count(len * size_of::<f32>(), 2);
         Ok(())
+    }
+
+    /// [`Nccl::all_reduce_device_after`] in half precision (`--compress fp16|bf16`), all on
+    /// NCCL's stream once `after`'s queued work is done: the `len` values at `ptr` are rounded
+    /// to `half` into the staging buffer (`cast`, the device's kernels), all-reduced there in
+    /// NCCL's own half type (`ncclFloat16` or `ncclBfloat16`: two bytes a value on the wire,
+    /// each hop adding and rounding back to the type), and widened back to `f32` into `ptr`.
+    /// Every rank ends with the same bits. Returns at once.
+    ///
+    /// # Safety
+    /// As [`Nccl::all_reduce_device_after`].
+    pub unsafe fn all_reduce_half_device_after(
+        &mut self,
+        ptr: CUdeviceptr,
+        len: usize,
+        after: &CudaStream,
+        half: Half,
+        cast: &HalfCast,
+    ) -> Result<()> {
+        self.usable()?;
+        if len == 0 {
+            return Ok(());
+        }
+        // Buckets queued before this one use the staging buffer too, but in stream order: each
+        // is widened back before the next is rounded into it. A larger buffer replaces it
+        // only once the work queued on the stream is done with it.
+        let halves = self.staging(packed_len(len))?;
+        self.follow(after)?;
+        self.ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        // SAFETY: the caller vouches for `len` f32 values at `ptr`; the staging buffer holds
+        // `packed_len(len)` f32 slots, room for `len` 16-bit values, and stays allocated while
+        // work queued on the stream uses it.
+        unsafe { cast.round(&self.stream, ptr, halves, len, half) }.map_err(core_err("round_to_half"))?;
+        self.call("ncclAllReduce", |lib, comm, stream| {
+            // SAFETY: `len` half values in the staging buffer; in place is allowed.
+            unsafe { (lib.all_reduce)(at(halves, 0), at(halves, 0), len, half_type(half), SUM, comm, stream) }
+        })?;
+        // SAFETY: as above.
+        unsafe { cast.widen(&self.stream, halves, ptr, len, half) }.map_err(core_err("widen_half"))?;
+        self.count(len * size_of::<u16>(), 2);
+        Ok(())
+    }
+
+    /// Make NCCL's stream wait for the work queued so far on `after`.
+    fn follow(&self, after: &CudaStream) -> Result<()> {
+        let ready = after.record_event(None).map_err(cuda_err("cuEventRecord"))?;
+        self.stream.wait(&ready).map_err(cuda_err("cuStreamWaitEvent"))
     }
 
     /// Wait (bounded by the timeout) for every reduction queued so far.
@@ -296,10 +362,11 @@ impl Nccl {
         }
     }
 
-    /// Ring-equivalent traffic of an operation over `len` values (`factor` full passes).
-    fn count(&mut self, len: usize, factor: u64) {
+    /// Ring-equivalent traffic of an operation over a buffer of `bytes` (`factor` full
+    /// passes), as the host ring counts it.
+    fn count(&mut self, bytes: usize, factor: u64) {
         let w = self.world as u64;
-        let bytes = len as u64 * 4 * factor * (w - 1) / w.max(1);
+        let bytes = bytes as u64 * factor * (w - 1) / w.max(1);
         self.traffic.sent += bytes;
         self.traffic.recv += bytes;
     }
@@ -424,7 +491,7 @@ impl Collective for Nccl {
 
     fn all_reduce(&mut self, buf: &mut [f32]) -> Result<()> {
         let n = buf.len();
-        self.count(n, 2);
+        self.count(size_of_val(buf), 2);
         let p = self.upload(buf, n)?;
         // SAFETY: the staging buffer holds n values; in place is allowed.
         self.call("ncclAllReduce", |lib, c, s| unsafe {
@@ -433,10 +500,23 @@ impl Collective for Nccl {
         self.download(0..n, buf)
     }
 
+    fn all_reduce_half(&mut self, packed: &mut [f32], half: Half) -> Result<()> {
+        // Two half values a slot (an odd bucket's pad is a zero, and sums to zero).
+        let (slots, n) = (packed.len(), 2 * packed.len());
+        self.count(slots * size_of::<f32>(), 2);
+        let p = self.upload(packed, slots)?;
+        // SAFETY: the staging buffer holds `slots` f32 slots, i.e. n half values; in place is
+        // allowed.
+        self.call("ncclAllReduce", |lib, c, s| unsafe {
+            (lib.all_reduce)(at(p, 0), at(p, 0), n, half_type(half), SUM, c, s)
+        })?;
+        self.download(0..slots, packed)
+    }
+
     fn reduce_scatter(&mut self, buf: &mut [f32]) -> Result<Range<usize>> {
         let (n, w, r) = (buf.len(), self.world, self.rank);
         let mine = segment(n, w, r);
-        self.count(n, 1);
+        self.count(size_of_val(buf), 1);
         // NCCL needs equal pieces: pad each segment to the longest, reduce, and unpad.
         let piece = segment(n, w, 0).len();
         let mut padded = vec![0.0f32; piece * w];
@@ -456,7 +536,7 @@ impl Collective for Nccl {
 
     fn all_gather(&mut self, buf: &mut [f32]) -> Result<()> {
         let (n, w, r) = (buf.len(), self.world, self.rank);
-        self.count(n, 1);
+        self.count(size_of_val(buf), 1);
         let piece = segment(n, w, 0).len();
         let mine = segment(n, w, r);
         let mut padded = vec![0.0f32; piece];
@@ -478,7 +558,7 @@ impl Collective for Nccl {
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
         check_rank("root", root, self.world)?;
         let n = buf.len();
-        self.count(n, 1);
+        self.count(size_of_val(buf), 1);
         let p = self.upload(buf, n)?;
         let root = root as c_int;
         // SAFETY: the staging buffer holds n values; in place is allowed.
@@ -491,7 +571,7 @@ impl Collective for Nccl {
     fn reduce(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
         check_rank("root", root, self.world)?;
         let n = buf.len();
-        self.count(n, 1);
+        self.count(size_of_val(buf), 1);
         let back = if self.rank == root { 0..n } else { 0..0 };
         let p = self.upload(buf, n)?;
         let root = root as c_int;
@@ -633,5 +713,29 @@ mod tests {
         let mut buf = [1.0, 2.0, 3.0];
         second.all_reduce(&mut buf).unwrap();
         assert_eq!(buf, [1.0, 2.0, 3.0]);
+    }
+
+    /// A data type NCCL does not have is refused as an invalid argument (and the fake NCCL,
+    /// which implements float32, float16 and bfloat16, says which type and what it has), not
+    /// reduced as some other type.
+    #[test]
+    fn an_unknown_data_type_is_refused() {
+        const TEST: &str = "collective::nccl::tests::an_unknown_data_type_is_refused";
+        if !matches!(gradsync_testkit::gpu_test(TEST), gradsync_testkit::GpuRun::Here) {
+            return;
+        }
+        let mut c = Nccl::new(0, 0, 1, &unique_id().unwrap(), Duration::from_secs(2)).unwrap();
+        let p = c.upload(&[1.0; 4], 4).unwrap();
+        // SAFETY: the staging buffer holds 4 values; NCCL refuses the call before reading them.
+        let err = c
+            .call("ncclAllReduce", |lib, comm, s| unsafe {
+                (lib.all_reduce)(at(p, 0), at(p, 0), 4, 99, SUM, comm, s)
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("invalid argument"), "{err}");
+        if std::env::var_os(gradsync_testkit::CHILD_ENV).is_some() {
+            assert!(err.contains("data type 99") && err.contains("float32, float16 and bfloat16"), "{err}");
+        }
     }
 }

@@ -25,8 +25,12 @@ pub type RawStream = *mut c_void;
 pub const SUCCESS: c_int = 0;
 /// `ncclInProgress`: a nonblocking call has not finished yet.
 pub const IN_PROGRESS: c_int = 7;
+/// `ncclFloat16` (IEEE binary16).
+pub const FLOAT16: c_int = 6;
 /// `ncclFloat32`.
 pub const FLOAT32: c_int = 7;
+/// `ncclBfloat16` (NCCL 2.10 and later).
+pub const BFLOAT16: c_int = 9;
 /// `ncclSum`.
 pub const SUM: c_int = 0;
 /// Bytes in an NCCL unique id.

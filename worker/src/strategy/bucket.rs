@@ -1,5 +1,7 @@
-//! How DDP reduces one bucket of host gradients, by `--compress`: the one seam between DDP's
-//! `Reducer` and the collective, so a new codec changes this file only.
+//! How DDP reduces one bucket of gradients, by `--compress`: the one seam between DDP's
+//! `Reducer` and the collective, so a new codec changes this file only. Host buckets go
+//! through the [`Collective`] trait ([`BucketReduce::reduce`]); GPU buckets are queued on
+//! NCCL's stream ([`BucketReduce::queue_device`]).
 //!
 //! - `none`: the ring all-reduce of the f32 bucket.
 //! - `topk:R`: each rank sends the `k = ceil(R len)` largest magnitudes of its bucket plus its
@@ -11,7 +13,12 @@
 //! - `fp16`, `bf16`: the bucket rounded to half precision and packed two values to an f32 slot,
 //!   then the ring's half-precision all-reduce ([`Collective::all_reduce_half`]: two bytes a
 //!   value on every hop, each hop adding in f32 and rounding back), widened back into the
-//!   bucket. No error feedback: the rounding is at most 2^-11 (2^-8) of each value.
+//!   bucket. No error feedback: the rounding is at most 2^-11 (2^-8) of each value. A GPU
+//!   bucket under NCCL is rounded on the device (kernels that give the host's bits), reduced
+//!   in NCCL's `ncclFloat16` / `ncclBfloat16` and widened back into the bucket, all on NCCL's
+//!   stream, never through the host.
+//! - Top-k of a GPU bucket would need the selection on the device, which is not implemented:
+//!   [`BucketReduce::device_refusal`] says so, and DDP refuses `--backend nccl` with it.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -19,7 +26,9 @@ use std::ops::Range;
 use anyhow::Context;
 use gradsync_core::compress::{self, Compression, Half, Sparse, TopK};
 
-use crate::collective::{self, Collective};
+use gradsync_core::engine::DeviceGrads;
+
+use crate::collective::{self, Collective, CommError, Nccl};
 
 /// What one rank keeps to reduce its buckets under a `--compress` value.
 pub(super) enum BucketReduce {
@@ -58,6 +67,46 @@ impl BucketReduce {
                 pairs: Sparse::default(),
                 slots: Vec::new(),
             },
+        }
+    }
+
+    /// Why GPU buckets cannot be reduced this way, if they cannot.
+    pub(super) fn device_refusal(&self) -> Option<String> {
+        match self {
+            BucketReduce::Dense | BucketReduce::Half { .. } => None,
+            BucketReduce::TopK { ratio, .. } => Some(format!(
+                "--compress topk:{ratio} with --backend nccl: top-k selection on the device is not implemented \
+                 (NCCL reduces the buckets in GPU memory); use --backend tcp"
+            )),
+        }
+    }
+
+    /// Queue on NCCL's stream the reduction of GPU bucket `grads`, to start once backward has
+    /// written it: the f32 all-reduce, or the half-precision one rounded and widened on the
+    /// device. Returns at once; [`Nccl::wait_all`] waits for it.
+    ///
+    /// # Safety
+    /// The engine that handed out `grads` must outlive [`Nccl::wait_all`], and nothing else may
+    /// touch the bucket until it returns (as [`Nccl::all_reduce_device_after`] requires).
+    pub(super) unsafe fn queue_device(&self, nccl: &mut Nccl, grads: &DeviceGrads) -> Result<(), CommError> {
+        // SAFETY (every arm): the caller's promise; `address` is valid while the engine lives.
+        match self {
+            BucketReduce::Dense => unsafe {
+                nccl.all_reduce_device_after(grads.address(), grads.len(), grads.stream())
+            },
+            BucketReduce::Half { half, .. } => unsafe {
+                nccl.all_reduce_half_device_after(
+                    grads.address(),
+                    grads.len(),
+                    grads.stream(),
+                    *half,
+                    grads.half_cast(),
+                )
+            },
+            BucketReduce::TopK { .. } => Err(CommError::Invalid {
+                what: "compression",
+                why: self.device_refusal().unwrap_or_default(),
+            }),
         }
     }
 

@@ -7,7 +7,8 @@
 //! bucket is handed to a communication thread the moment backward finishes it, so its
 //! all-reduce runs while backward computes the earlier layers; what is left when backward
 //! ends is the *exposed* communication. On a GPU engine with NCCL, each finished bucket's
-//! all-reduce is queued on NCCL's stream behind an event on the compute stream, in GPU memory.
+//! all-reduce is queued on NCCL's stream behind an event on the compute stream, in GPU memory
+//! (under `--compress fp16|bf16` rounded to half precision and widened back there too).
 //! GPU engines with TCP (and `--no-overlap`) reduce the buckets after backward, staged
 //! through host memory for TCP. Backward hands every finished bucket to one hook
 //! (`Engine::backward_buckets`); which of these paths a bucket takes is decided in one place,
@@ -160,7 +161,7 @@ pub struct Ddp {
     trace: Trace,
     /// Optimiser-state bytes the engine holds once started (the full momentum buffer).
     state_bytes: usize,
-    /// How a host bucket is reduced (`--compress`), with what that keeps between steps.
+    /// How a bucket is reduced (`--compress`), with what that keeps between steps.
     reduce: BucketReduce,
     compression: Compression,
 }
@@ -170,11 +171,11 @@ impl Ddp {
     pub fn connect(c: DdpConfig) -> anyhow::Result<Ddp> {
         let reduce = BucketReduce::new(c.compression);
         // Refused before meeting the other ranks.
-        anyhow::ensure!(
-            c.compression.is_none() || c.backend == Backend::Tcp,
-            "--compress {} works on host buckets: use --backend tcp (NCCL reduces in GPU memory)",
-            c.compression
-        );
+        if c.backend == Backend::Nccl
+            && let Some(why) = reduce.device_refusal()
+        {
+            anyhow::bail!(why);
+        }
         let comm = Comm::connect(&c)?;
         let (rank, world) = (c.rendezvous.rank, c.rendezvous.world);
         Ok(Ddp {
@@ -235,8 +236,8 @@ struct Reducer<'a, 'env> {
 
 /// What a step's reductions leave for after backward.
 struct AfterBackward<'env> {
-    /// NCCL, when the communicator is NCCL.
-    nccl: Option<&'env mut Nccl>,
+    /// NCCL, and how it reduces a GPU bucket, when the communicator is NCCL.
+    nccl: Option<(&'env mut Nccl, &'env BucketReduce)>,
     /// GPU buckets for NCCL, queued after backward (no overlap).
     deferred: Vec<DeviceGrads>,
     /// Buckets staged through host memory after backward.
@@ -259,13 +260,12 @@ impl<'a> Reducer<'a, '_> {
                 // when it is joined.
                 let _ = tx.send((b.index, b.range, view));
             }
-            (BucketGrads::Device(grads), Some(nccl), _) if self.overlap => {
+            (BucketGrads::Device(grads), Some((nccl, reduce)), _) if self.overlap => {
                 if after.failed.is_none() {
                     after.first_queued.get_or_insert_with(Instant::now);
                     // SAFETY: the engine outlives this step, and nothing touches the bucket
                     // until wait_all returns (on every path: see `settle`).
-                    let queued =
-                        unsafe { nccl.all_reduce_device_after(grads.address(), grads.len(), grads.stream()) };
+                    let queued = unsafe { reduce.queue_device(nccl, &grads) };
                     if let Err(e) = queued {
                         after.failed = Some(e);
                     }
@@ -288,17 +288,17 @@ fn backward_reduced(
     let trace = ddp.trace.clone();
     let overlap = ddp.overlap;
     let t0 = Instant::now();
-    let reduce = &mut ddp.reduce;
+    // The TCP ring's communication thread reduces host buckets; NCCL only reads how to.
     let (nccl, tcp) = match &mut ddp.comm {
-        Comm::Nccl(n) => (Some(n.as_mut()), None),
-        Comm::Tcp(c) => (None, Some(c.as_mut())),
+        Comm::Nccl(n) => (Some((n.as_mut(), &ddp.reduce)), None),
+        Comm::Tcp(c) => (None, Some((c.as_mut(), &mut ddp.reduce))),
     };
     let host_overlap = overlap && !engine.is_cuda();
     let (bwd, bwd_end, spans, after) = std::thread::scope(|s| {
         let (tx, rx) = mpsc::channel::<HostBucket<'_>>();
         let trace_comm = &trace;
         let worker = match tcp {
-            Some(comm) if host_overlap => {
+            Some((comm, reduce)) if host_overlap => {
                 Some(s.spawn(move || -> anyhow::Result<Vec<(Instant, Instant)>> {
                     let mut spans = Vec::new();
                     for (i, range, bucket) in rx {
@@ -348,7 +348,7 @@ fn backward_reduced(
     });
     let AfterBackward { nccl, deferred, staged, first_queued, failed } = after;
     let mut spans = spans?;
-    if let Some(nccl) = nccl {
+    if let Some((nccl, reduce)) = nccl {
         // Once a reduction is queued, no error may leave this step before NCCL is done with
         // the gradient buffer: the engine could be dropped, and the buffer freed, while it
         // writes.
@@ -369,8 +369,7 @@ fn backward_reduced(
         for grads in deferred {
             first.get_or_insert_with(Instant::now);
             // SAFETY: as above; backward has finished with the buffer.
-            let queued =
-                unsafe { nccl.all_reduce_device_after(grads.address(), grads.len(), grads.stream()) };
+            let queued = unsafe { reduce.queue_device(nccl, &grads) };
             if let Err(e) = queued {
                 return Err(settle(nccl, true, anyhow::Error::from(e).context("queueing an all-reduce")));
             }
