@@ -33,8 +33,9 @@ fn bench_sized(tag: &str, sizes: &[&str], args: &[&str]) -> (String, String) {
     (stdout, stderr)
 }
 
-/// (ranks, ranks as, transport, size, busbw, #wrong, all-reduce) per row of the table.
-type Row = (usize, String, String, String, f64, usize, String);
+/// (ranks, ranks as, transport, size, busbw, #wrong, all-reduce, vs flat ring) per row of the
+/// table.
+type Row = (usize, String, String, String, f64, usize, String, String);
 
 fn rows(table: &str) -> Vec<Row> {
     table
@@ -48,8 +49,9 @@ fn rows(table: &str) -> Vec<Row> {
                 f[4].to_string(),
                 f[6].to_string(),
                 f[9].parse().ok()?,
-                f[13].parse().ok()?,
+                f[14].parse().ok()?,
                 f[5].to_string(),
+                f[13].to_string(),
             ))
         })
         .collect()
@@ -159,6 +161,16 @@ fn several_ranks_per_emulated_host_reduce_through_the_hosts_beside_the_flat_ring
             (_, false) => ("auto (shm)", "auto: hier, 3 hosts"),
         };
         assert_eq!((r.2.as_str(), r.6.as_str()), want, "{r:?}");
+        // A hierarchical row says how it fared against the flat ring of the same rounds:
+        // "1.23x (1.10-1.40)", the median inside the range; a ring row says nothing.
+        if r.6.contains("hier") {
+            let (med, range) = r.7.split_once("x (").unwrap_or_else(|| panic!("{r:?}"));
+            let (lo, hi) = range.trim_end_matches(')').split_once('-').unwrap();
+            let [med, lo, hi]: [f64; 3] = [med, lo, hi].map(|v| v.parse().unwrap());
+            assert!(lo > 0.0 && lo <= med && med <= hi, "{r:?}");
+        } else {
+            assert!(r.7.is_empty(), "{r:?}");
+        }
     }
     assert_eq!(processes_left(tag), 0, "rank processes outlived the benchmark");
 }

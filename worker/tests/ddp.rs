@@ -98,8 +98,8 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
-fn check_equivalence(world: usize, batch: usize, transport: &str) {
-    let dir = Scratch::new(&format!("equiv{world}{transport}"));
+fn check_equivalence(world: usize, batch: usize, transport: &str, hierarchy: &str) {
+    let dir = Scratch::new(&format!("equiv{world}{transport}{hierarchy}"));
     let local = dir.0.join("local.ckpt");
     let dp = dir.0.join("dp.ckpt");
     let ddp = dir.0.join("ddp.ckpt");
@@ -119,7 +119,7 @@ fn check_equivalence(world: usize, batch: usize, transport: &str) {
     // Small buckets, so several all-reduces overlap backward.
     let mut a = launch_train(&w, "ddp", &["--batch", &b]);
     a.extend(["--bucket-mb", "0.002", "--comm-timeout", "30", "--chunk-kb", "1"].map(String::from));
-    a.extend(["--transport", transport, "--metrics"].map(String::from));
+    a.extend(["--transport", transport, "--hierarchy", hierarchy, "--metrics"].map(String::from));
     a.push(dir.0.join("m-{rank}.jsonl").display().to_string());
     a.extend(common(&ddp));
     run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
@@ -128,6 +128,11 @@ fn check_equivalence(world: usize, batch: usize, transport: &str) {
         let text = std::fs::read_to_string(dir.0.join(format!("m-{r}.jsonl"))).unwrap();
         let header: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
         assert_eq!(header["extra"]["transport"], transport, "rank {r}: {header}");
+        // One host: the flat ring unless the hierarchy is forced on.
+        let (path, hosts) =
+            if hierarchy == "on" { ("hierarchical", 1.into()) } else { ("ring", serde_json::Value::Null) };
+        assert_eq!(header["extra"]["all_reduce"], path, "rank {r}: {header}");
+        assert_eq!(header["extra"]["hosts"], hosts, "rank {r}: {header}");
         // DDP holds the whole momentum on every rank (ZeRO-1 holds 1/n: `check_zero1`).
         assert_eq!(header["extra"]["optimizer_state_bytes"], 4456 * 4, "rank {r}: {header}");
     }
@@ -147,17 +152,24 @@ fn check_equivalence(world: usize, batch: usize, transport: &str) {
 
 #[test]
 fn ddp_and_dp_match_local_with_two_ranks() {
-    check_equivalence(2, 8, "tcp");
+    check_equivalence(2, 8, "tcp", "auto");
 }
 
 #[test]
 fn ddp_and_dp_match_local_with_three_ranks() {
-    check_equivalence(3, 5, "tcp");
+    check_equivalence(3, 5, "tcp", "auto");
 }
 
 #[test]
 fn ddp_over_shared_memory_matches_local_with_three_ranks() {
-    check_equivalence(3, 5, "shm");
+    check_equivalence(3, 5, "shm", "auto");
+}
+
+#[test]
+fn ddp_through_the_hosts_matches_local_with_three_ranks() {
+    // --hierarchy on with one host: every bucket reduced into rank 0 and broadcast back over
+    // the host's shared-memory ring, the header saying so.
+    check_equivalence(3, 5, "shm", "on");
 }
 
 #[test]
