@@ -63,6 +63,37 @@ pub struct ClusterArgs {
     /// Override the scenario's step budget.
     #[arg(long)]
     pub steps: Option<u64>,
+    /// Keep the scenario's convergence measurement (its epochs or steps, evaluation, target
+    /// accuracy and repeats) instead of a short step budget of one run per cell: time to
+    /// accuracy on the emulated links, where bytes cost what the link makes them cost.
+    #[arg(long)]
+    pub to_accuracy: bool,
+}
+
+/// The scenario a cluster runs: `s` with the flags' modes, workers, shards and models, and
+/// either a step budget of one run per cell with no evaluation (the step's communication) or,
+/// with `--to-accuracy`, the scenario's own convergence measurement.
+pub fn cluster_scenario(mut s: Scenario, a: &ClusterArgs) -> anyhow::Result<Scenario> {
+    s.modes = a.modes.clone();
+    s.workers = vec![a.workers];
+    s.shards = vec![a.shards];
+    if let Some(m) = &a.models {
+        s.models = m.clone();
+    }
+    if a.to_accuracy {
+        anyhow::ensure!(
+            s.target_accuracy.is_some() && s.eval_samples.is_some(),
+            "--to-accuracy needs a scenario with target_accuracy and eval_samples (as \
+             bench/scenarios/compression.toml has)"
+        );
+        if let Some(steps) = a.steps {
+            (s.steps, s.epochs) = (Some(steps), None);
+        }
+    } else {
+        (s.steps, s.epochs) = (Some(a.steps.unwrap_or(CLUSTER_STEPS)), None);
+        (s.repeats, s.eval_samples, s.target_accuracy) = (1, None, None);
+    }
+    Scenario::parse(&toml::to_string(&s).context("writing the scenario")?, "the cluster scenario")
 }
 
 /// Run `cluster`.
@@ -79,18 +110,7 @@ pub fn run(a: &ClusterArgs) -> anyhow::Result<()> {
         "--rates must be positive Gbit/s"
     );
     anyhow::ensure!((0.0..100.0).contains(&a.loss), "--loss must be a percentage below 100");
-    let mut s = Scenario::load(a.scenario.as_deref())?;
-    s.modes = a.modes.clone();
-    s.workers = vec![a.workers];
-    s.shards = vec![a.shards];
-    if let Some(m) = &a.models {
-        s.models = m.clone();
-    }
-    // The cluster measures the step's communication, not convergence: a step budget, one run
-    // per cell, no evaluation pauses.
-    (s.steps, s.epochs) = (Some(a.steps.unwrap_or(CLUSTER_STEPS)), None);
-    (s.repeats, s.eval_samples, s.target_accuracy) = (1, None, None);
-    let s = Scenario::parse(&toml::to_string(&s).context("writing the scenario")?, "the cluster scenario")?;
+    let s = cluster_scenario(Scenario::load(a.scenario.as_deref())?, a)?;
     let bins = modes::Bins::find(a.bin_dir.as_deref())?;
     let out = a
         .out
@@ -194,4 +214,44 @@ pub fn run_cluster(
 fn fmt_rate(r: f64) -> String {
     let s = format!("{r}");
     s.replace('.', "p")
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::{ClusterArgs, Scenario, cluster_scenario};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: ClusterArgs,
+    }
+
+    fn args(flags: &[&str]) -> ClusterArgs {
+        Cli::parse_from([&["cluster"][..], flags].concat()).a
+    }
+
+    #[test]
+    fn a_step_budget_unless_asked_for_time_to_accuracy() {
+        let defaults = Scenario::load(None).unwrap();
+        let s = cluster_scenario(defaults.clone(), &args(&["--workers", "3"])).unwrap();
+        assert_eq!((s.steps, s.epochs, s.repeats), (Some(super::CLUSTER_STEPS), None, 1));
+        assert_eq!((s.eval_samples, s.target_accuracy, s.workers.as_slice()), (None, None, &[3][..]));
+
+        // --to-accuracy keeps the scenario's epochs, evaluation, target and repeats.
+        let s = cluster_scenario(defaults.clone(), &args(&["--to-accuracy"])).unwrap();
+        assert_eq!((s.steps, s.epochs, s.repeats), (defaults.steps, defaults.epochs, defaults.repeats));
+        assert!(s.repeats > 1 && s.epochs.is_some());
+        assert_eq!((s.eval_samples, s.target_accuracy), (defaults.eval_samples, defaults.target_accuracy));
+        // ... and --steps replaces only the budget.
+        let s = cluster_scenario(defaults.clone(), &args(&["--to-accuracy", "--steps", "12"])).unwrap();
+        assert_eq!((s.steps, s.epochs, s.target_accuracy), (Some(12), None, defaults.target_accuracy));
+
+        // Without a target there is no time to accuracy to measure: said, not run.
+        let mut no_target = defaults;
+        no_target.target_accuracy = None;
+        let e = cluster_scenario(no_target, &args(&["--to-accuracy"])).unwrap_err().to_string();
+        assert!(e.contains("--to-accuracy needs a scenario with target_accuracy"), "{e}");
+    }
 }
