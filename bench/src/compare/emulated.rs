@@ -37,6 +37,20 @@ pub struct ClusterRun {
     pub loss_pct: f64,
 }
 
+impl ClusterRun {
+    /// The link as the report names it: `1 Gbit/s`, `0.1 Gbit/s, 50 us delay, 0.1% loss`.
+    pub fn label(&self) -> String {
+        let mut s = format!("{} Gbit/s", self.rate_gbit);
+        if self.delay_us > 0 {
+            s += &format!(", {} us delay", self.delay_us);
+        }
+        if self.loss_pct > 0.0 {
+            s += &format!(", {}% loss", self.loss_pct);
+        }
+        s
+    }
+}
+
 /// The runs with emulated links recorded in `dirs` (ids prefixed like
 /// [`super::results::collect`] prefixes them when given several directories).
 pub fn load(dirs: &[PathBuf]) -> Vec<ClusterRun> {

@@ -16,6 +16,8 @@ pub struct Group<'a> {
     pub model: String,
     /// Global batch.
     pub global_batch: usize,
+    /// The emulated link its runs crossed (see [`Summary::link`]); empty on loopback.
+    pub link: String,
     /// Parameters of the model.
     pub params: usize,
     /// Summaries of its runs with figures.
@@ -185,22 +187,25 @@ pub struct Slowdown<'a> {
     pub points: Vec<(f64, f64)>,
 }
 
-/// Split the summaries into chart groups (model x global batch), with their runs.
+/// Split the summaries into chart groups (model x global batch x emulated link), with their
+/// runs.
 /// Only complete runs take part: each group's rows are its cells' medians over their complete
 /// repeats, and its runs the complete ones.
 pub fn groups(c: &Collected) -> Vec<Group<'_>> {
     let cells: Vec<&Cell> = c.cells.iter().filter(|x| x.median.samples_per_s.is_some()).collect();
-    let mut keys: Vec<(String, usize)> =
-        cells.iter().map(|x| (x.median.model.clone(), x.median.global_batch)).collect();
+    let mut keys: Vec<(String, usize, String)> = cells
+        .iter()
+        .map(|x| (x.median.model.clone(), x.median.global_batch, x.median.link.clone()))
+        .collect();
     keys.sort();
     keys.dedup();
     let many = keys.len() > 1;
     keys.into_iter()
-        .map(|(model, gb)| {
+        .map(|(model, gb, link)| {
             let mine: Vec<&Cell> = cells
                 .iter()
                 .copied()
-                .filter(|x| x.median.model == model && x.median.global_batch == gb)
+                .filter(|x| x.median.model == model && x.median.global_batch == gb && x.median.link == link)
                 .collect();
             let sweep: Vec<&Summary> = mine.iter().map(|x| &x.median).collect();
             let undelayed: Vec<&Cell> = mine.iter().copied().filter(|x| x.median.slow_ms == 0).collect();
@@ -208,14 +213,25 @@ pub fn groups(c: &Collected) -> Vec<Group<'_>> {
             let runs = c.runs.iter().filter(|d| undelayed.iter().any(|x| x.runs.contains(&d.id))).collect();
             Group {
                 sweep,
-                suffix: if many { format!("-{model}-b{gb}") } else { String::new() },
+                suffix: match (many, link.is_empty()) {
+                    (false, _) => String::new(),
+                    (true, true) => format!("-{model}-b{gb}"),
+                    (true, false) => {
+                        let slug: String = link.chars().filter(char::is_ascii_alphanumeric).collect();
+                        format!("-{model}-b{gb}-{}", slug.to_lowercase())
+                    }
+                },
                 params: rows.iter().map(|r| r.params).max().unwrap_or(0),
                 // The shape trained, not the preset's name: a preset fitted to another data
                 // set's input and classes (mnist on the 8x8 digits) is another network.
-                model: rows
-                    .first()
-                    .filter(|r| !r.widths.is_empty())
-                    .map_or(model, |r| format!("MLP {}", r.widths)),
+                model: {
+                    let shape = rows
+                        .first()
+                        .filter(|r| !r.widths.is_empty())
+                        .map_or(model, |r| format!("MLP {}", r.widths));
+                    if link.is_empty() { shape } else { format!("{shape} on emulated links of {link}") }
+                },
+                link,
                 global_batch: gb,
                 rows,
                 runs,

@@ -62,6 +62,7 @@ pub fn write(
             suffix: String::new(),
             model: "no data".into(),
             global_batch: 0,
+            link: String::new(),
             params: 0,
             rows: vec![],
             runs: vec![],
@@ -81,8 +82,10 @@ pub fn write(
          code,pre{background:#f5f5f5}pre{padding:.5em;overflow-x:auto;font-size:12px}\n</style></head><body>\n",
     );
     h.push_str("<h1>gradsync: local, DP, parameter server and ring all-reduce compared</h1>\n");
-    machine_section(&mut h, machine);
+    machine_section(&mut h, machine, !cluster.is_empty());
     for g in &gs {
+        // The cost model's link: the machine's loopback, or the group's emulated link.
+        let link = if g.link.is_empty() { link } else { group_link(g, cluster) };
         charts.draw_group(g, link)?;
         if gs.len() > 1 {
             let _ = writeln!(h, "<h2>{} at global batch {}</h2>", esc(&g.model), g.global_batch);
@@ -127,6 +130,18 @@ pub fn write(
     let path = out.join("report.html");
     std::fs::write(&path, h).with_context(|| format!("writing {}", path.display()))?;
     Ok(path)
+}
+
+/// The emulated link of a group's runs for the cost model: the median measured bandwidth, and
+/// the added delay as the latency; `None` without added delay, since nothing then measured
+/// the latency the model needs.
+fn group_link(g: &Group, cluster: &[ClusterRun]) -> Option<Link> {
+    let runs: Vec<&ClusterRun> =
+        cluster.iter().filter(|r| g.cells.iter().any(|c| c.runs.contains(&r.id))).collect();
+    let delay = runs.first()?.delay_us;
+    let b: Vec<f64> = runs.iter().map(|r| cluster_link(r).b).collect();
+    let b = crate::compare::results::median(&b)?;
+    (delay > 0).then_some(Link { a: 2.0 * delay as f64 * 1e-6, b })
 }
 
 /// A cluster run's link for the cost model: the one-way latency is the two shaped hops' delay,
@@ -256,7 +271,8 @@ fn cluster_section(h: &mut String, runs: &[ClusterRun], all: &[Summary]) {
     h.push_str("</ul>\n");
 }
 
-fn machine_section(h: &mut String, m: Option<&Machine>) {
+/// The machine, and the wire its runs crossed: loopback, or (`emulated`) the cluster's links.
+fn machine_section(h: &mut String, m: Option<&Machine>, emulated: bool) {
     let Some(m) = m else {
         h.push_str(
             "<p>No <code>machine.json</code> in these directories: the machine is not described and \
@@ -269,9 +285,9 @@ fn machine_section(h: &mut String, m: Option<&Machine>) {
         "<table><tr><th class=l>host</th><td class=l>{}</td></tr><tr><th class=l>CPU</th><td class=l>{} ({} logical cores)</td></tr>\
          <tr><th class=l>memory</th><td class=l>{:.1} GiB</td></tr><tr><th class=l>GPU</th><td class=l>{}</td></tr>\
          <tr><th class=l>kernel</th><td class=l>{}</td></tr><tr><th class=l>gradsync</th><td class=l>{} (commit {})</td></tr>\
-         <tr><th class=l>raw loopback TCP</th><td class=l>{} one stream; {:.1} us one-way small-message latency</td></tr></table>\n\
+         <tr><th class=l>raw loopback TCP</th><td class=l>{}</td></tr></table>\n\
          <p>Wires: the parameter server speaks gRPC over TCP and <code>ddp-tcp</code> rings over TCP sockets, \
-         the same loopback wire, so those two compare directly; <code>ddp-shm</code> rings over shared memory \
+         {}, so those two compare directly; <code>ddp-shm</code> rings over shared memory \
          and <code>dp</code> inside one process, neither a network.</p>",
         esc(&m.host),
         esc(&m.cpu),
@@ -281,11 +297,25 @@ fn machine_section(h: &mut String, m: Option<&Machine>) {
         esc(&m.kernel),
         esc(&m.gradsync_version),
         esc(&m.gradsync_commit),
-        match &m.tcp_yardstick {
-            Some(y) => esc(&y.describe()),
-            None => format!("{:.2} GB/s (one measurement)", m.tcp_bandwidth / 1e9),
+        match (&m.tcp_yardstick, m.tcp_bandwidth > 0.0) {
+            (Some(y), _) => format!(
+                "{} one stream; {:.1} us one-way small-message latency",
+                esc(&y.describe()),
+                m.tcp_latency_s * 1e6
+            ),
+            (None, true) => format!(
+                "{:.2} GB/s (one measurement) one stream; {:.1} us one-way small-message latency",
+                m.tcp_bandwidth / 1e9,
+                m.tcp_latency_s * 1e6
+            ),
+            (None, false) => "not measured".into(),
         },
-        m.tcp_latency_s * 1e6
+        if emulated {
+            "each process on a host of its own, every link emulated (the cluster section below names each \
+             run's link), the same links for both"
+        } else {
+            "the same loopback wire"
+        },
     );
 }
 
@@ -647,14 +677,63 @@ mod tests {
         assert!(
             text.contains(
                 "ps-bsp-topk at 4 workers sends 0.080 MB per step per worker against ps-bsp's 4.000 (50.0x fewer); \
-                 final held-out accuracy 97.2% against 97.5% (-0.3 points); time to the target 3.5 s against 3.0 s."
+                 final held-out accuracy 97.2% against 97.5% (-0.3 points); time to 97% 3.5 s against 3.0 s."
             ),
             "{text}"
         );
         assert!(
             text.contains("ddp-tcp-topk at 4 workers")
-                && text.contains("time to the target not reached against 2.0 s"),
+                && text.contains("time to 97% not reached against 2.0 s"),
             "{text}"
         );
+        // Runs without a target (no evaluation) reached nothing and missed nothing: no time.
+        let g = Group { target: None, ..g };
+        let text = reading(&g, None, None, &c.summaries).join("\n");
+        assert!(text.contains("(-0.3 points).") && !text.contains("time to"), "{text}");
+    }
+
+    /// The ring is set against the best uncompressed PS: a faster compressed PS is read against
+    /// ps-bsp, not named as the ring's rival.
+    #[test]
+    fn the_ring_is_read_against_the_uncompressed_parameter_server() {
+        let rows = vec![
+            rep_row("ddp-tcp", 0, "ok", 1000.0, None),
+            rep_row("ps-bsp", 0, "ok", 800.0, None),
+            rep_row("ps-bsp-fp16", 0, "ok", 1500.0, None),
+        ];
+        let c = collected(rows);
+        let g = crate::compare::charts::groups(&c).remove(0);
+        let text = reading(&g, None, None, &c.summaries).join("\n");
+        assert!(text.contains("ring/PS = 1.25 (vs ps-bsp k=1"), "{text}");
+    }
+
+    /// Runs on different emulated links are never repeats of one another, nor rows of one
+    /// group: each link gets its own group, named in its titles, so no reading ranks a mode on
+    /// one link against a mode on another.
+    #[test]
+    fn runs_on_different_links_are_read_apart() {
+        let on = |mode: &str, link: &str, thr: f64| Summary {
+            id: format!("runs/{mode}-{link}"),
+            link: link.into(),
+            ..rep_row(mode, 0, "ok", thr, None)
+        };
+        let rows = vec![
+            on("ddp-tcp", "1 Gbit/s", 900.0),
+            on("ddp-tcp", "0.1 Gbit/s", 100.0),
+            on("ps-bsp", "1 Gbit/s", 800.0),
+            on("ps-bsp", "0.1 Gbit/s", 50.0),
+        ];
+        let c = collected(rows);
+        assert_eq!(c.cells.len(), 4, "a cell per mode and link: {:?}", c.cells);
+        let gs = crate::compare::charts::groups(&c);
+        assert_eq!(gs.len(), 2);
+        for g in &gs {
+            assert!(g.model.ends_with(&format!("on emulated links of {}", g.link)), "{}", g.model);
+            assert!(g.rows.iter().all(|r| r.link == g.link) && g.rows.len() == 2, "{:?}", g.rows);
+            assert!(!g.suffix.is_empty() && g.suffix.ends_with("gbits"), "{}", g.suffix);
+            let text = reading(g, None, None, &c.summaries).join("\n");
+            let (fast, slow) = if g.link == "1 Gbit/s" { ("900", "800") } else { ("100", "50") };
+            assert!(text.contains(fast) && text.contains(slow), "{}: {text}", g.link);
+        }
     }
 }

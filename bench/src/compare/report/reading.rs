@@ -169,7 +169,9 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
         .filter_map(|r| Some((r.workers, r.samples_per_s?)))
         .collect();
     let mut ps_best: BTreeMap<usize, (f64, String)> = BTreeMap::new();
-    for r in g.rows.iter().filter(|r| r.mode.starts_with("ps-bsp")) {
+    // Uncompressed against uncompressed: a compressed PS is read against ps-bsp itself
+    // (`compressed_against_base`), not set against the full-precision ring.
+    for r in g.rows.iter().filter(|r| r.mode == ModeKind::PsBsp.label()) {
         let t = thr(r);
         let e = ps_best.entry(r.workers).or_insert((0.0, String::new()));
         if t > e.0 {
@@ -578,10 +580,21 @@ fn compressed_against_base(g: &Group) -> Vec<String> {
             (Some(x), Some(y)) => format!("{:+.1} points", 100.0 * (x - y)),
             _ => "-".into(),
         };
+        // Time to the target only where the scenario set one (runs without evaluation have
+        // none to reach).
         let tt = |v: Option<f64>| v.map_or("not reached".to_string(), |v| format!("{v:.1} s"));
+        let time = match g.target {
+            Some(t) => format!(
+                "; time to {:.0}% {} against {}",
+                100.0 * t,
+                tt(c.time_to_target_s),
+                tt(b.time_to_target_s)
+            ),
+            None => String::new(),
+        };
         out.push(format!(
             "{} at {} workers sends {} MB per step per worker against {}'s {} ({fall}); final held-out accuracy \
-             {} against {} ({points}); time to the target {} against {}.",
+             {} against {} ({points}){time}.",
             c.mode,
             c.workers,
             mb(c.bytes_sent_per_step_worker),
@@ -589,8 +602,6 @@ fn compressed_against_base(g: &Group) -> Vec<String> {
             mb(b.bytes_sent_per_step_worker),
             acc(c.final_accuracy),
             acc(b.final_accuracy),
-            tt(c.time_to_target_s),
-            tt(b.time_to_target_s),
         ));
     }
     out

@@ -254,6 +254,10 @@ pub struct Summary {
     pub samples_to_target: Option<u64>,
     /// Epochs over the training split by then.
     pub epochs_to_target: Option<f64>,
+    /// The emulated link the run crossed (`1 Gbit/s`, with its delay and loss where set, as
+    /// `cluster.json` records it); empty on loopback. Runs on different links are never
+    /// repeats of one cell.
+    pub link: String,
 }
 
 fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
@@ -356,6 +360,7 @@ impl Summary {
             time_to_target_s: reached.map(|p| p.train_s),
             samples_to_target: reached.map(|p| p.samples),
             epochs_to_target: reached.map(|p| p.epoch),
+            link: String::new(),
         }
     }
 
@@ -450,9 +455,8 @@ impl Cell {
     pub fn all(rows: &[Summary]) -> Vec<Cell> {
         let mut by: BTreeMap<CellKey, Vec<&Summary>> = BTreeMap::new();
         for r in rows {
-            by.entry((r.model.clone(), r.global_batch, r.mode.clone(), r.workers, r.shards, r.slow_ms))
-                .or_default()
-                .push(r);
+            let key = (r.model.clone(), r.global_batch, r.link.clone());
+            by.entry((key, r.mode.clone(), r.workers, r.shards, r.slow_ms)).or_default().push(r);
         }
         by.into_values()
             .filter_map(|all| {
@@ -519,8 +523,9 @@ impl Cell {
     }
 }
 
-/// What makes runs repeats of one cell: model, global batch, mode, workers, shards, delay.
-type CellKey = (String, usize, String, usize, usize, u64);
+/// What makes runs repeats of one cell: (model, global batch, link), mode, workers, shards,
+/// straggler delay.
+type CellKey = ((String, usize, String), String, usize, usize, u64);
 
 /// Whether two (min, max) ranges overlap: the modes behind them are level.
 pub fn overlap(a: (f64, f64), b: (f64, f64)) -> bool {
