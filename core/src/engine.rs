@@ -251,6 +251,15 @@ impl Engine {
         }
     }
 
+    /// Exchange the gradient buffer with `other` (as long) where it is a host vector (the
+    /// CPU), without copying ([`Mlp::swap_grads`]). `false`, and nothing exchanged, on a GPU.
+    pub fn swap_host_grads(&mut self, other: &mut Vec<f32>) -> Result<bool> {
+        match self {
+            Engine::Cpu(m) => m.swap_grads(other).map(|()| true),
+            Engine::Cuda(_) => Ok(false),
+        }
+    }
+
     /// All parameters in host memory.
     pub fn params(&self) -> Result<Vec<f32>> {
         let mut v = vec![0.0; self.layout().len];
