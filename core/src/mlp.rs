@@ -324,7 +324,11 @@ impl<B: Backend> Mlp<B> {
         B: Backend<Buf = Vec<f32>>,
     {
         if other.len() != self.layout.len {
-            return Err(Error::Length { what: "gradient buffer", expected: self.layout.len, got: other.len() });
+            return Err(Error::Length {
+                what: "gradient buffer",
+                expected: self.layout.len,
+                got: other.len(),
+            });
         }
         std::mem::swap(&mut self.grads, other);
         Ok(())

@@ -715,7 +715,8 @@ mod tests {
         let v: Vec<f32> = (0..300).map(|i| i as f32 - 7.5).collect();
         let payload = crate::wire::encode(&v, BytesMut::new());
         let lent = FramedChunk::lend(&chunk(40, &[]), 4, 40, payload.clone());
-        let whole = FramedChunk::build(&chunk(40, &[]), 4, 40, payload.len(), |b| b.extend_from_slice(&payload));
+        let whole =
+            FramedChunk::build(&chunk(40, &[]), 4, 40, payload.len(), |b| b.extend_from_slice(&payload));
         let frames: Vec<Bytes> = lent.frames().collect();
         assert_eq!(frames.len(), 2);
         assert_eq!(frames[1].as_ptr(), payload.as_ptr(), "the payload frame is the payload itself");

@@ -734,14 +734,18 @@ fn lent_gradients_reach_the_servers_bit_for_bit() {
     gradsync_core::optim::sgd_step(&cfg, &mut want1, &g1, &mut momentum, 1.0);
     let mut want2 = want1.clone();
     gradsync_core::optim::sgd_step(&cfg, &mut want2, &g2, &mut momentum, 1.0);
-    for (tuning, server_flag) in
-        [(Tuning::tuned(), None), (Tuning::tuned(), Some("--default-transport")), (Tuning::tonic_codec(), None)]
-    {
+    for (tuning, server_flag) in [
+        (Tuning::tuned(), None),
+        (Tuning::tuned(), Some("--default-transport")),
+        (Tuning::tonic_codec(), None),
+    ] {
         let what = format!("{} client, server {server_flag:?}", tuning.name);
-        let extra: Vec<&str> = optimiser.iter().copied().chain(["--chunk-bytes", "1024"]).chain(server_flag).collect();
+        let extra: Vec<&str> =
+            optimiser.iter().copied().chain(["--chunk-bytes", "1024"]).chain(server_flag).collect();
         let (_servers, addrs) = start_shards(2, &extra);
         let addrs: Vec<String> = addrs.split(',').map(String::from).collect();
-        let mut c = rt.block_on(PsClient::connect(&addrs, None, Duration::from_secs(30), tuning)).expect("connect");
+        let mut c =
+            rt.block_on(PsClient::connect(&addrs, None, Duration::from_secs(30), tuning)).expect("connect");
         rt.block_on(c.register(0, 1, &fp, n)).expect("register");
         assert!(c.chunk_bytes().iter().all(|&b| b == 1024), "{what}: many chunks per shard");
         let mut g = SharedGrads::new(g1.clone());
