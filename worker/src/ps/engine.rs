@@ -2,7 +2,7 @@
 //! depends on where the engine keeps its buffers ([`EngineLink`], chosen once per run).
 //!
 //! ```text
-//!   host memory (CPU engine):   grads buffer --lent whole (swapped out, back after)--> frames --> shard k
+//!   host memory (CPU engine):   grads --swapped out, lent, swapped back--> frames --> shard k
 //!                               params <--copied per chunk-- DATA frames <-- shard k
 //!   device memory (GPU engine): grads --read_grads--> host f32 --lent--> frames --> shard k
 //!                               params <--write_params-- host f32 <-- DATA frames <-- shard k
