@@ -20,7 +20,7 @@ use clap::Args;
 use gradsync_core::model::{Fingerprint, Layout, ModelSpec};
 use gradsync_proto::tuning::Tuning;
 use gradsync_server::{Config, ParamServer, ShardSpec};
-use gradsync_worker::ps::PsClient;
+use gradsync_worker::ps::{PsClient, SharedGrads};
 use tokio::net::TcpListener;
 
 use crate::cluster::net::{Cluster, Shape};
@@ -208,8 +208,10 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
     let worker_rts: Vec<tokio::runtime::Runtime> = (0..workers)
         .map(|_| tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build())
         .collect::<Result<_, _>>()?;
+    // Each worker's gradient in a buffer its pushes send from without copying, as
+    // `gradsync-worker --mode ps` sends its engine's.
     let mut state: Vec<_> =
-        clients.into_iter().map(|c| (c, vec![1e-4f32; total], vec![0f32; total])).collect();
+        clients.into_iter().map(|c| (c, SharedGrads::new(vec![1e-4f32; total]), vec![0f32; total])).collect();
     let (mut times, mut push, mut pull, mut wait) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let cpu = cpu_seconds();
     for step in 0..warmup + steps {
@@ -217,13 +219,16 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
         let handles: Vec<_> = state
             .drain(..)
             .zip(&worker_rts)
-            .map(|((mut c, g, mut p), rt)| {
+            .map(|((mut c, mut g, mut p), rt)| {
                 rt.spawn(async move {
+                    // Where the worker writes its next gradient: in place once the last push
+                    // has let go of the buffer (a copy otherwise, counted).
+                    g.make_mut();
                     let (push, pull) = if serial {
-                        let push = c.push(&g).await?;
+                        let push = c.push_from(&g).await?;
                         (push, c.pull(&mut p).await?)
                     } else {
-                        c.step(&g, &mut p).await?
+                        c.exchange_into(&g, &mut p).await?
                     };
                     let phases = [push.ms, pull.ms, push.wait_ms];
                     anyhow::Ok(((c, g, p), phases))
@@ -246,6 +251,10 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
         }
     }
     let cpu_ms = (cpu_seconds() - cpu) * 1e3 / (warmup + steps) as f64;
+    let copies: u64 = state.iter().map(|(_, g, _)| g.copies()).sum();
+    if copies > 0 {
+        eprintln!("gradsync-bench ps: a gradient buffer was still held by a push {copies} times, and copied");
+    }
     for (c, ..) in &mut state {
         c.deregister().await?;
     }

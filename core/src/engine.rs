@@ -251,6 +251,15 @@ impl Engine {
         }
     }
 
+    /// Exchange the gradient buffer with `other` (as long) where it is a host vector (the
+    /// CPU), without copying ([`Mlp::swap_grads`]). `false`, and nothing exchanged, on a GPU.
+    pub fn swap_host_grads(&mut self, other: &mut Vec<f32>) -> Result<bool> {
+        match self {
+            Engine::Cpu(m) => m.swap_grads(other).map(|()| true),
+            Engine::Cuda(_) => Ok(false),
+        }
+    }
+
     /// All parameters in host memory.
     pub fn params(&self) -> Result<Vec<f32>> {
         let mut v = vec![0.0; self.layout().len];
@@ -307,6 +316,30 @@ mod tests {
         assert_eq!(e.optimizer_state_bytes(), 0);
         e.write_momentum(&vec![0.5; n]).expect("write");
         assert_eq!(e.optimizer_state_bytes(), 4 * n);
+    }
+
+    /// Swapping the gradient buffer out hands over the gradient itself (the same allocation)
+    /// and takes the other buffer in; a buffer of another length is refused, nothing swapped.
+    #[test]
+    fn host_gradients_swap_out_whole_and_back() {
+        let mut e = engine();
+        let n = e.layout().len;
+        let x: Vec<f32> = (0..4 * 6).map(|i| (i as f32 * 0.3).sin()).collect();
+        e.forward(&x, &[0, 1, 2, 1], true).expect("forward");
+        e.backward(false).expect("backward");
+        let grads = e.grads().expect("grads");
+        let mut other = vec![7.0; n];
+        let spare_at = other.as_ptr();
+        assert!(e.swap_host_grads(&mut other).expect("swap"));
+        assert_eq!(other, grads, "the gradient was not handed over");
+        assert!(e.grads().expect("grads").iter().all(|&v| v == 7.0), "the other buffer was not taken in");
+        let mut short = vec![0.0; n - 1];
+        assert!(e.swap_host_grads(&mut short).is_err(), "a short buffer is refused");
+        assert_eq!(short.len(), n - 1);
+        let lent_at = other.as_ptr();
+        assert!(e.swap_host_grads(&mut other).expect("swap back"));
+        assert_eq!((e.grads().expect("grads"), other.as_ptr()), (grads, spare_at));
+        assert!(e.host_buffers_mut().is_some_and(|(_, g)| g.as_ptr() == lent_at), "not the same buffer");
     }
 
     #[test]

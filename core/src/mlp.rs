@@ -316,6 +316,24 @@ impl<B: Backend> Mlp<B> {
         (self.params.as_mut(), self.grads.as_mut())
     }
 
+    /// Exchange the gradient buffer with `other`, which must be as long, on a device whose
+    /// buffers are host vectors: lends the gradient out whole without copying it (a push sends
+    /// it from where it lies) and takes it back the same way.
+    pub fn swap_grads(&mut self, other: &mut Vec<f32>) -> Result<()>
+    where
+        B: Backend<Buf = Vec<f32>>,
+    {
+        if other.len() != self.layout.len {
+            return Err(Error::Length {
+                what: "gradient buffer",
+                expected: self.layout.len,
+                got: other.len(),
+            });
+        }
+        std::mem::swap(&mut self.grads, other);
+        Ok(())
+    }
+
     /// Exclusive access to the device buffers of the parameters and gradients, for collectives
     /// that work on device memory directly (NCCL).
     pub fn buffers_mut(&mut self) -> (&mut B::Buf, &mut B::Buf) {

@@ -11,7 +11,9 @@
 //! - sending: the f32 buffer is encoded once straight into its wire image, every chunk's
 //!   message prefix and small fields in front of its payload ([`Framed`]); each message is then
 //!   a zero-copy slice, one body frame ([`Frames`]) and one HTTP/2 DATA frame, which h2 writes
-//!   with `writev` straight from the slice.
+//!   with `writev` straight from the slice. Or, where the caller's buffer already is the
+//!   payload (f32 on a little-endian host), the message is lent it ([`FramedChunk::lend`]):
+//!   a small DATA frame with the message's head, then the caller's bytes as the next.
 //! - receiving: [`MessageReader`] cuts messages out of the received frames as ropes of slices
 //!   of them ([`Rope`]), and prost decodes a `bytes` field from a rope as one more slice when it
 //!   lies in one frame (the usual case), so the payload reaches its destination with a single
@@ -81,11 +83,17 @@ pub struct Framed {
     chunks: Vec<FramedChunk>,
 }
 
-/// One chunk of a [`Framed`] buffer: a whole gRPC message whose payload starts at `at`.
+/// One chunk of a [`Framed`] buffer: a whole gRPC message whose payload starts at `at`; or
+/// ([`FramedChunk::lend`]) the message's head alone, its payload in memory the chunk does not
+/// own.
 #[derive(Debug, Clone)]
 pub struct FramedChunk {
+    /// The whole message, or everything before the payload when it is `lent`.
     msg: Bytes,
+    /// Where the payload starts in `msg` (`msg.len()` when it is lent).
     at: usize,
+    /// The payload, when it is a view of someone else's buffer rather than part of `msg`.
+    lent: Option<Bytes>,
     offset: u64,
 }
 
@@ -104,7 +112,7 @@ impl FramedChunk {
         let at = buf.len();
         fill(&mut buf);
         debug_assert_eq!(buf.len(), at + payload_len, "fill wrote another length than declared");
-        FramedChunk { msg: buf.freeze(), at, offset }
+        FramedChunk { msg: buf.freeze(), at, lent: None, offset }
     }
 
     /// The message `head` (at `offset` values) whose `bytes` field `tag` holds `values` f32,
@@ -145,17 +153,63 @@ impl FramedChunk {
                 buf[at..].copy_from_slice(&le);
             }
         }
-        Ok(FramedChunk { msg: buf.freeze().slice(pad..), at: at - pad, offset })
+        Ok(FramedChunk { msg: buf.freeze().slice(pad..), at: at - pad, lent: None, offset })
     }
 
-    /// The whole message, prefix included (a slice, no copy).
+    /// The message `head` (at `offset` values) whose `bytes` field `tag` is `payload`, which is
+    /// not copied: the chunk is the message's head (prefix, `head`'s fields, the payload's key
+    /// and length) in a small buffer of its own, and `payload` as it is, for example a
+    /// [`Bytes::from_owner`] view of a buffer that stays put until every clone is dropped.
+    /// Sent as two DATA frames ([`FramedChunk::frames`]); the receiver's reader finds the
+    /// payload in one piece all the same.
+    pub fn lend<M: Message>(head: &M, tag: u32, offset: u64, payload: Bytes) -> FramedChunk {
+        let [msg, payload] = payload_message(head, tag, payload);
+        FramedChunk { at: msg.len(), msg, lent: Some(payload), offset }
+    }
+
+    /// The whole message, prefix included: a slice, no copy, unless the payload is lent
+    /// ([`FramedChunk::lend`]): then head and payload are gathered into one new buffer. To send
+    /// a chunk, take its [`FramedChunk::frames`].
     pub fn message(&self) -> Bytes {
-        self.msg.clone()
+        match &self.lent {
+            None => self.msg.clone(),
+            Some(p) => {
+                let mut b = BytesMut::with_capacity(self.msg.len() + p.len());
+                b.extend_from_slice(&self.msg);
+                b.extend_from_slice(p);
+                b.freeze()
+            }
+        }
+    }
+
+    /// The message as the DATA frames it goes in, without copying: the whole message, or its
+    /// head and then its lent payload.
+    pub fn frames(&self) -> impl Iterator<Item = Bytes> + use<> {
+        std::iter::once(self.msg.clone()).chain(self.lent.clone())
+    }
+
+    /// The message (after its prefix) decoded as `M`, its payload field a slice of the
+    /// chunk's payload (no copy).
+    pub fn decode<M: Message + Default>(&self) -> Result<M, prost::DecodeError> {
+        let head = self.msg.slice(PREFIX..);
+        match &self.lent {
+            None => M::decode(head),
+            Some(p) => M::decode(head.chain(p.clone())),
+        }
     }
 
     /// The payload alone and its offset in values.
     pub fn payload(&self) -> (u64, Bytes) {
-        (self.offset, self.msg.slice(self.at..))
+        let payload = match &self.lent {
+            None => self.msg.slice(self.at..),
+            Some(p) => p.clone(),
+        };
+        (self.offset, payload)
+    }
+
+    /// Payload bytes.
+    pub fn payload_len(&self) -> usize {
+        self.lent.as_ref().map_or(self.msg.len() - self.at, Bytes::len)
     }
 }
 
@@ -206,7 +260,7 @@ impl Framed {
 
     /// Payload bytes in all chunks.
     pub fn payload_len(&self) -> u64 {
-        self.chunks.iter().map(|c| (c.msg.len() - c.at) as u64).sum()
+        self.chunks.iter().map(|c| c.payload_len() as u64).sum()
     }
 }
 
@@ -652,6 +706,35 @@ mod tests {
             assert_eq!(filled.message(), f.message(i), "chunk {i}");
             assert_eq!(filled.payload(), f.payload(i), "chunk {i}");
         }
+    }
+
+    /// A lent payload goes as a DATA frame of its own, not copied; the two frames are the
+    /// standard message, and the receiver decodes the payload as a slice of its frame.
+    #[test]
+    fn lent_payloads_are_sent_and_received_without_copies() {
+        let v: Vec<f32> = (0..300).map(|i| i as f32 - 7.5).collect();
+        let payload = crate::wire::encode(&v, BytesMut::new());
+        let lent = FramedChunk::lend(&chunk(40, &[]), 4, 40, payload.clone());
+        let whole =
+            FramedChunk::build(&chunk(40, &[]), 4, 40, payload.len(), |b| b.extend_from_slice(&payload));
+        let frames: Vec<Bytes> = lent.frames().collect();
+        assert_eq!(frames.len(), 2);
+        assert_eq!(frames[1].as_ptr(), payload.as_ptr(), "the payload frame is the payload itself");
+        assert_eq!([&frames[0][..], &frames[1][..]].concat(), whole.message().to_vec());
+        assert_eq!(lent.message(), whole.message());
+        assert_eq!(lent.payload(), whole.payload());
+        assert_eq!(lent.payload_len(), payload.len());
+        let m: GradientChunk = lent.decode().unwrap();
+        assert_eq!(m, whole.decode::<GradientChunk>().unwrap());
+        assert_eq!(m.data.as_ptr(), payload.as_ptr(), "decoding copied the lent payload");
+        let mut r = MessageReader::new(1 << 20);
+        for f in lent.frames() {
+            r.push(f);
+        }
+        let got = GradientChunk::decode(&mut r.next_message().unwrap().unwrap()).unwrap();
+        r.finish().unwrap();
+        assert_eq!((got.offset, got.rank, got.base_version), (40, 3, 7));
+        assert_eq!(got.data.as_ptr(), payload.as_ptr(), "the reader copied the payload frame");
     }
 
     #[test]

@@ -16,7 +16,7 @@ use gradsync_proto::pb::{
     VersionRequest,
 };
 use gradsync_proto::tuning::Tuning;
-use gradsync_worker::ps::{Gradients, HostGrads, HostSlice, PsClient};
+use gradsync_worker::ps::{Gradients, HostGrads, HostSlice, PsClient, SharedGrads};
 use tonic::Code;
 
 mod common;
@@ -713,6 +713,59 @@ fn workers_push_in_the_chunks_each_shard_announces() {
     let (mut pa, mut pb) = (vec![0f32; n], vec![0f32; n]);
     rt.block_on(async { tokio::try_join!(a.step(&ga, &mut pa), b.step(&gb, &mut pb)) }).expect("a step");
     assert_eq!(pa, pb);
+}
+
+/// Pushes lent the gradient's memory (`SharedGrads`, no copy into the messages) reach the
+/// servers bit for bit: two shards, many chunks each, two steps with the buffer overwritten
+/// in between (right after the first step returns), the first pipelined, the second pushed
+/// then pulled; the pulled parameters are the serial update of exactly those gradients. With
+/// gradsync's framing on both ends, against a server decoding through tonic's codec, and from
+/// a client encoding through tonic's codec.
+#[test]
+fn lent_gradients_reach_the_servers_bit_for_bit() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let n = Layout::new(&spec()).len;
+    let fp = Fingerprint::new(&spec(), SEED.parse().expect("seed")).text;
+    let cfg = gradsync_core::optim::SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.01 };
+    let optimiser = ["--lr", "0.1", "--momentum", "0.9", "--weight-decay", "0.01"];
+    let (g1, g2) = (rank_grad(0, n), rank_grad(1, n));
+    // The serial reference: two SGD steps over the whole buffer.
+    let (mut want1, mut momentum) = (init_params(&Layout::new(&spec()), 7), vec![0.0; n]);
+    gradsync_core::optim::sgd_step(&cfg, &mut want1, &g1, &mut momentum, 1.0);
+    let mut want2 = want1.clone();
+    gradsync_core::optim::sgd_step(&cfg, &mut want2, &g2, &mut momentum, 1.0);
+    for (tuning, server_flag) in [
+        (Tuning::tuned(), None),
+        (Tuning::tuned(), Some("--default-transport")),
+        (Tuning::tonic_codec(), None),
+    ] {
+        let what = format!("{} client, server {server_flag:?}", tuning.name);
+        let extra: Vec<&str> =
+            optimiser.iter().copied().chain(["--chunk-bytes", "1024"]).chain(server_flag).collect();
+        let (_servers, addrs) = start_shards(2, &extra);
+        let addrs: Vec<String> = addrs.split(',').map(String::from).collect();
+        let mut c =
+            rt.block_on(PsClient::connect(&addrs, None, Duration::from_secs(30), tuning)).expect("connect");
+        rt.block_on(c.register(0, 1, &fp, n)).expect("register");
+        assert!(c.chunk_bytes().iter().all(|&b| b == 1024), "{what}: many chunks per shard");
+        let mut g = SharedGrads::new(g1.clone());
+        let mut params = vec![0f32; n];
+        rt.block_on(c.exchange_into(&g, &mut params)).expect("step 1");
+        assert_eq!(params, want1, "{what}: step 1 is not the serial update of the gradient sent");
+        // Overwritten as soon as the step returns: the next step's gradient.
+        g.make_mut().copy_from_slice(&g2);
+        rt.block_on(async {
+            c.push_from(&g).await?;
+            c.pull(&mut params).await
+        })
+        .expect("step 2");
+        assert_eq!(params, want2, "{what}: step 2 is not the serial update of the gradient sent");
+        // A buffer of another length is refused before anything is sent.
+        let short = SharedGrads::new(vec![0.0; n - 1]);
+        let e = rt.block_on(c.push_from(&short)).expect_err("a short gradient");
+        assert!(format!("{e:#}").contains(&format!("{} values for a model of {n}", n - 1)), "{e:#}");
+        eprintln!("{what}: the buffer was copied {} times", g.copies());
+    }
 }
 
 /// A device whose gradient copy-out fails from value `fail_from` on (a lost GPU, say).

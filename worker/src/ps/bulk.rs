@@ -14,7 +14,6 @@ use gradsync_proto::frames::{self, Frames, Incoming};
 use gradsync_proto::path::{PULL, PUSH};
 use gradsync_proto::pb::{Encoding, GradientChunk, PullRequest, PushReply};
 use gradsync_proto::wire;
-use prost::Message;
 use tonic::transport::Channel;
 
 use super::chunks::{ChunkSink, Gradients};
@@ -23,6 +22,10 @@ use gradsync_core::metrics::ms_since;
 
 /// Gradient messages a push builds ahead of what HTTP/2 has taken.
 const PUSH_AHEAD: usize = 4;
+
+/// DATA frames one gradient message goes in: one, or two when its payload is lent
+/// ([`FramedChunk::lend`](gradsync_proto::frames::FramedChunk::lend)).
+const FRAMES_PER_MESSAGE: usize = 2;
 
 /// What the bulk RPCs need of a [`PsClient`].
 pub(super) struct Opts<'a> {
@@ -59,9 +62,10 @@ pub(super) fn push_transfer(replies: &[(PushReply, u64)], t: Instant) -> Transfe
 }
 
 /// Push shard `s`'s range of `grads` as one PushGradients call. Returns the reply and the
-/// payload bytes on the wire. Each message is built (one copy, from the gradient into the message) just
-/// before it is sent, so the first leaves at once and each is still in cache when the kernel
-/// copies it into the socket.
+/// payload bytes on the wire. Each message is built just before it is sent (one copy, from the
+/// gradient into the message, so the first leaves at once and each is still in cache when the
+/// kernel copies it into the socket; or none, when the message is lent the gradient's memory,
+/// [`SharedGrads`](super::SharedGrads)).
 pub(super) async fn push_shard<G: Gradients + ?Sized>(
     o: &Opts<'_>,
     s: &Shard,
@@ -75,7 +79,7 @@ pub(super) async fn push_shard<G: Gradients + ?Sized>(
     };
     let ranges = || wire::chunks(s.range.len() * 4, s.chunk).map(|b| b.start / 4..b.end / 4);
     let r = if o.direct {
-        let (tx, rx) = tokio::sync::mpsc::channel(PUSH_AHEAD);
+        let (tx, rx) = tokio::sync::mpsc::channel(PUSH_AHEAD * FRAMES_PER_MESSAGE);
         let body = tonic::body::Body::new(http_body_util::StreamBody::new(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         ));
@@ -84,9 +88,11 @@ pub(super) async fn push_shard<G: Gradients + ?Sized>(
             for r in ranges() {
                 match chunk(r) {
                     Ok(c) => {
-                        if tx.send(Ok(http_body::Frame::data(c.message()))).await.is_err() {
-                            // The call ended early; its error says why.
-                            return Ok(());
+                        for f in c.frames() {
+                            if tx.send(Ok(http_body::Frame::data(f))).await.is_err() {
+                                // The call ended early; its error says why.
+                                return Ok(());
+                            }
                         }
                     }
                     Err(e) => {
@@ -122,8 +128,7 @@ pub(super) async fn push_shard<G: Gradients + ?Sized>(
         let chunks = ranges()
             .map(|r| {
                 // The whole message, head fields (a sparse chunk's indices) included.
-                let m = chunk(r)?.message().slice(frames::PREFIX..);
-                GradientChunk::decode(m).context("re-reading a gradient message")
+                chunk(r)?.decode::<GradientChunk>().context("re-reading a gradient message")
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let mut client = s.rpc.client.clone();

@@ -321,11 +321,21 @@ impl PsClient {
 
     /// Push `grads` (the whole flat buffer): each shard gets its range, all concurrently.
     pub async fn push(&mut self, grads: &[f32]) -> anyhow::Result<Transfer> {
-        self.check_len("push", grads.len())?;
+        self.push_from(&HostGrads(grads)).await
+    }
+
+    /// [`PsClient::push`] from any gradient source (one that sends without copying,
+    /// [`crate::ps::SharedGrads`], or a compressed one).
+    pub async fn push_from<G: Gradients + ?Sized>(&mut self, grads: &G) -> anyhow::Result<Transfer> {
+        self.check_source(grads)?;
         let (t, o) = (Instant::now(), self.opts());
-        let grads = HostGrads(grads);
-        let replies = try_join_all(self.shards.iter().map(|s| push_shard(&o, s, &grads))).await?;
+        let replies = try_join_all(self.shards.iter().map(|s| push_shard(&o, s, grads))).await?;
         Ok(push_transfer(&replies, t))
+    }
+
+    /// A gradient source's length, where it knows it, against the model's.
+    fn check_source<G: Gradients + ?Sized>(&self, grads: &G) -> anyhow::Result<()> {
+        grads.values().map_or(Ok(()), |n| self.check_len("push", n))
     }
 
     /// Pull every shard's parameters into `params` (the whole flat buffer), concurrently,
@@ -388,6 +398,7 @@ impl PsClient {
     ) -> anyhow::Result<(Transfer, Transfer)> {
         let t = Instant::now();
         anyhow::ensure!(sinks.len() == self.shards.len(), "one destination per shard");
+        self.check_source(grads)?;
         let pipelined = self.pipelined();
         let o = self.opts();
         let got = try_join_all(self.shards.iter().zip(sinks).map(|(s, mut sink)| {

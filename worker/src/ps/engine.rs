@@ -2,9 +2,9 @@
 //! depends on where the engine keeps its buffers ([`EngineLink`], chosen once per run).
 //!
 //! ```text
-//!   host memory (CPU engine):   grads --read_grads per chunk--> messages -----> shard k
-//!                               params <--write_params per chunk-- DATA frames <-- shard k
-//!   device memory (GPU engine): grads --read_grads--> host f32 --> messages --> shard k
+//!   host memory (CPU engine):   grads --swapped out, lent, swapped back--> frames --> shard k
+//!                               params <--copied per chunk-- DATA frames <-- shard k
+//!   device memory (GPU engine): grads --read_grads--> host f32 --lent--> frames --> shard k
 //!                               params <--write_params-- host f32 <-- DATA frames <-- shard k
 //! ```
 
@@ -12,46 +12,54 @@ use std::cell::RefCell;
 use std::time::Instant;
 
 use gradsync_core::Engine;
-use gradsync_proto::frames::FramedChunk;
-use gradsync_proto::pb::GradientChunk;
-use gradsync_proto::tag::GRADIENT_DATA;
 use gradsync_proto::wire;
-use std::ops::Range;
 
 use super::bulk::Transfer;
-use super::chunks::{ChunkSink, Gradients};
+use super::chunks::{ChunkSink, Gradients, SharedGrads};
 use super::client::PsClient;
 
 /// How pushes read the engine's gradients and pulls write its parameters.
 pub enum EngineLink {
-    /// Host memory: each gradient chunk is copied out straight into its message and each
-    /// pulled chunk written straight into the parameters, with no whole-buffer copy between.
-    InPlace,
+    /// Host memory: the engine's gradient buffer itself is pushed, without a copy. For the
+    /// exchange it is swapped with `spare`'s (the engine meanwhile holds the spare one, which
+    /// nothing reads), lent to the push's messages, and swapped back after; each pulled chunk
+    /// is copied straight into the engine's parameters.
+    InPlace {
+        /// The buffer the engine holds while its own is pushed.
+        spare: SharedGrads,
+    },
     /// Device memory: one copy of the whole buffer to the host each way, the exchange between
-    /// these host buffers.
+    /// these host buffers (the push lent the host gradient, not copying it again).
     Staged {
         /// The gradient, read from the device before the push.
-        grads: Vec<f32>,
+        grads: SharedGrads,
         /// The pulled parameters, written to the device after the pull.
         params: Vec<f32>,
     },
 }
 
+impl Default for EngineLink {
+    /// Host memory (the spare buffer is sized at the first exchange).
+    fn default() -> Self {
+        EngineLink::InPlace { spare: SharedGrads::default() }
+    }
+}
+
 impl EngineLink {
     /// The link that fits `engine`'s memory.
     pub fn new(engine: &Engine) -> Self {
+        let n = engine.layout().len;
         if engine.is_cuda() {
-            let n = engine.layout().len;
-            EngineLink::Staged { grads: vec![0.0; n], params: vec![0.0; n] }
+            EngineLink::Staged { grads: SharedGrads::new(vec![0.0; n]), params: vec![0.0; n] }
         } else {
-            EngineLink::InPlace
+            EngineLink::InPlace { spare: SharedGrads::new(vec![0.0; n]) }
         }
     }
 
     /// Pull every shard's current parameters into the engine.
     pub async fn pull(&mut self, client: &mut PsClient, engine: &mut Engine) -> anyhow::Result<Transfer> {
         match self {
-            EngineLink::InPlace => {
+            EngineLink::InPlace { .. } => {
                 let engine = RefCell::new(engine);
                 client.pull_into(ranges(client, &engine)).await
             }
@@ -73,17 +81,27 @@ impl EngineLink {
         engine: &mut Engine,
     ) -> anyhow::Result<(Instant, Transfer, Transfer)> {
         match self {
-            EngineLink::InPlace => {
+            EngineLink::InPlace { spare } => {
                 let t = Instant::now();
+                let n = engine.layout().len;
+                let held = spare.make_mut();
+                held.resize(n, 0.0);
+                anyhow::ensure!(engine.swap_host_grads(held)?, "the engine's gradient is not in host memory");
+                // `spare` now holds the gradient.
                 let engine = RefCell::new(engine);
                 let sinks = ranges(client, &engine);
-                let (push, pull) = client.exchange(&EngineGrads(&engine), sinks).await?;
+                let result = client.exchange(&*spare, sinks).await;
+                // The gradient back into the engine: the same buffer once no push holds it,
+                // else a copy of it (a push that ended early may still have frames queued).
+                engine.into_inner().swap_host_grads(spare.make_mut())?;
+                let (push, pull) = result?;
                 Ok((t, push, pull))
             }
             EngineLink::Staged { grads, params } => {
-                engine.read_grads(0..grads.len(), grads)?;
+                let host = grads.make_mut();
+                engine.read_grads(0..host.len(), host)?;
                 let t = Instant::now();
-                let (push, pull) = client.step(grads, params).await?;
+                let (push, pull) = client.exchange_into(&*grads, params).await?;
                 engine.write_params(0, params)?;
                 Ok((t, push, pull))
             }
@@ -101,7 +119,7 @@ impl EngineLink {
     ) -> anyhow::Result<(Instant, Transfer, Transfer)> {
         let t = Instant::now();
         match self {
-            EngineLink::InPlace => {
+            EngineLink::InPlace { .. } => {
                 let engine = RefCell::new(engine);
                 let sinks = ranges(client, &engine);
                 let (push, pull) = client.exchange(grads, sinks).await?;
@@ -124,23 +142,10 @@ fn ranges<'a, 'e>(client: &PsClient, engine: &'a RefCell<&'e mut Engine>) -> Vec
         .collect()
 }
 
-/// The engine's gradients, copied out straight into the message. The shards' pushes share
-/// the engine: they run on one task and never hold it across an await.
-struct EngineGrads<'a, 'e>(&'a RefCell<&'e mut Engine>);
-
-impl Gradients for EngineGrads<'_, '_> {
-    fn chunk(&self, head: &GradientChunk, values: Range<usize>) -> anyhow::Result<FramedChunk> {
-        let engine = self.0.try_borrow().map_err(|e| anyhow::anyhow!("the engine is busy: {e}"))?;
-        FramedChunk::build_f32(head, GRADIENT_DATA, head.offset, values.len(), |dst| {
-            engine.read_grads(values.clone(), dst)
-        })
-        .map_err(Into::into)
-    }
-}
-
-/// A shard's range of the engine's parameters, from `start` for `len` values, written through
-/// a chunk-sized buffer. The shards' pulls share the engine: they run on one task and never
-/// hold it across an await.
+/// A shard's range of the engine's parameters, from `start` for `len` values: each chunk
+/// copied straight into them where they are in host memory, else written through a
+/// chunk-sized buffer. The shards' pulls share the engine: they run on one task and never hold
+/// it across an await.
 struct EngineRange<'a, 'e> {
     engine: &'a RefCell<&'e mut Engine>,
     start: usize,
@@ -157,12 +162,16 @@ impl ChunkSink for EngineRange<'_, '_> {
                 self.len
             )));
         }
-        self.scratch.resize(n, 0.0);
-        wire::copy_into(payload, 0, &mut self.scratch)
-            .map_err(|e| tonic::Status::data_loss(e.to_string()))?;
         let internal = |e: String| tonic::Status::internal(e);
+        let data_loss = |e: gradsync_proto::Error| tonic::Status::data_loss(e.to_string());
         let mut engine = self.engine.try_borrow_mut().map_err(|e| internal(e.to_string()))?;
-        engine.write_params(self.start + offset as usize, &self.scratch).map_err(|e| internal(e.to_string()))
+        let at = self.start as u64 + offset;
+        if let Some((params, _)) = engine.host_buffers_mut() {
+            return wire::copy_into(payload, at, params).map_err(data_loss);
+        }
+        self.scratch.resize(n, 0.0);
+        wire::copy_into(payload, 0, &mut self.scratch).map_err(data_loss)?;
+        engine.write_params(at as usize, &self.scratch).map_err(|e| internal(e.to_string()))
     }
 
     fn values(&self) -> usize {

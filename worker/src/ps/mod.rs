@@ -13,7 +13,8 @@
 //! - `bulk.rs`: one shard's PushGradients and PullParameters, straight over HTTP/2 frames or
 //!   through tonic's codec, and what one push or pull moved ([`Transfer`]).
 //! - `chunks.rs`: where a push's values come from ([`Gradients`]) and a pull's go
-//!   ([`ChunkSink`]), for host buffers; a gradient compressed for the wire ([`Encoded`]).
+//!   ([`ChunkSink`]), for host buffers; a host buffer pushes send from without copying
+//!   ([`SharedGrads`]); a gradient compressed for the wire ([`Encoded`]).
 //! - `engine.rs`: the same for the training engine's memory, in place (host) or staged
 //!   (device), behind one [`EngineLink`].
 //!
@@ -26,6 +27,6 @@ mod connect;
 mod engine;
 
 pub use bulk::Transfer;
-pub use chunks::{ChunkSink, Encoded, Gradients, HostGrads, HostSlice};
+pub use chunks::{ChunkSink, Encoded, Gradients, HostGrads, HostSlice, SharedGrads};
 pub use client::PsClient;
 pub use engine::EngineLink;

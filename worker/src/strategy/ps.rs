@@ -126,7 +126,7 @@ impl Ps {
             world: cfg.world,
             fingerprint: cfg.fingerprint,
             servers: cfg.servers,
-            link: EngineLink::InPlace,
+            link: EngineLink::default(),
             heartbeat: None,
             trace: cfg.trace,
             codec: match cfg.compression {
