@@ -154,16 +154,30 @@ where
     Ok(())
 }
 
-/// A chart frame: caption and the margins every chart shares.
+/// A chart frame: caption and the margins every chart shares. The caption's font shrinks (down
+/// to 11 px) until the title fits the chart's width, so a long title (a model on an emulated
+/// link) is never cut at both ends.
 fn frame<'a, 'b, DB: DrawingBackend>(
     root: &'a DrawingArea<DB, Shift>,
     title: &str,
     caption: u32,
     y_area: u32,
 ) -> ChartBuilder<'a, 'b, DB> {
+    let size = caption_size(root, title, caption);
     let mut b = ChartBuilder::on(root);
-    b.caption(title, font(caption)).margin(15).x_label_area_size(45).y_label_area_size(y_area);
+    b.caption(title, font(size)).margin(FRAME_MARGIN).x_label_area_size(45).y_label_area_size(y_area);
     b
+}
+
+/// Pixels around every chart.
+const FRAME_MARGIN: u32 = 15;
+
+/// The largest caption font size up to `max` (at least 11) at which `title` fits `root`'s
+/// width inside the margins.
+fn caption_size<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, title: &str, max: u32) -> u32 {
+    let room = root.dim_in_pixel().0.saturating_sub(2 * FRAME_MARGIN);
+    let fits = |size: u32| root.estimate_text_size(title, &font(size)).is_ok_and(|(w, _)| w <= room);
+    (11..=max).rev().find(|&s| fits(s)).unwrap_or(11)
 }
 
 /// The series legend, the same on every chart.
@@ -263,5 +277,26 @@ pub fn short_label(r: &Summary) -> String {
         "ps-bsp-fp16" => format!("fp16-bsp{n}k{}", r.shards),
         "ps-bsp-topk" => format!("topk-bsp{n}k{}", r.shards),
         m => format!("{}{n}k{}", m.trim_start_matches("ps-"), r.shards),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use plotters::prelude::*;
+
+    #[test]
+    fn a_long_caption_shrinks_to_the_chart_and_a_short_one_keeps_its_size() {
+        super::register_font().unwrap();
+        let mut svg = String::new();
+        let root = SVGBackend::with_string(&mut svg, (900, 550)).into_drawing_area();
+        let short = "Throughput against workers (MLP 64-1024-1024-10, global batch 64)";
+        assert_eq!(super::caption_size(&root, short, 20), 20);
+        let long = "Throughput against workers (MLP 64-1024-1024-10 on emulated links of 0.1 Gbit/s, \
+                    global batch 64; median and range of repeats)";
+        let size = super::caption_size(&root, long, 20);
+        let (w, _) = root.estimate_text_size(long, &super::font(size)).unwrap();
+        assert!(size < 20 && w <= 900 - 2 * super::FRAME_MARGIN, "size {size}: {w} px");
+        let (w, _) = root.estimate_text_size(long, &super::font(20)).unwrap();
+        assert!(w > 900 - 2 * super::FRAME_MARGIN, "at 20 px it would not fit: {w} px");
     }
 }
