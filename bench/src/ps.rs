@@ -180,6 +180,14 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
         })));
         procs.push(process);
     }
+    // Each worker's steps on a runtime of its own with two threads, as `gradsync-worker --mode
+    // ps` runs its client: one runtime for every process would give them fewer threads than
+    // separate processes have, and on a loaded machine a smaller share of the cores than the
+    // plain row's thread per socket end. On loopback its connections live there too (their
+    // frames read and written by the same threads as the worker's), as in the worker.
+    let worker_rts: Vec<tokio::runtime::Runtime> = (0..workers)
+        .map(|_| tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build())
+        .collect::<Result<_, _>>()?;
     let mut clients = Vec::new();
     // On emulated hosts each worker's connections live on a runtime on its host, kept until
     // the end of the group.
@@ -197,17 +205,10 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
                 runtimes.push(host);
                 c
             }
-            None => connect.await?,
+            None => worker_rts[r].spawn(connect).await.context("connecting")??,
         };
         clients.push(c.register(r, workers, &fp, total).await.map(|_| c)?);
     }
-    // Each worker's steps on a runtime of its own with two threads, as `gradsync-worker --mode
-    // ps` runs its client: one runtime for every process would give them fewer threads than
-    // separate processes have, and on a loaded machine a smaller share of the cores than the
-    // plain row's thread per socket end.
-    let worker_rts: Vec<tokio::runtime::Runtime> = (0..workers)
-        .map(|_| tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build())
-        .collect::<Result<_, _>>()?;
     // Each worker's gradient in a buffer its pushes send from without copying, as
     // `gradsync-worker --mode ps` sends its engine's.
     let mut state: Vec<_> =
