@@ -28,6 +28,7 @@
 
 use std::collections::VecDeque;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -97,6 +98,22 @@ pub struct FramedChunk {
     offset: u64,
 }
 
+/// The buffer a [`FramedChunk::build_f32_in`] message was built in, kept to build another in
+/// once every chunk (and clone) of the first has been dropped. Words, so that the payload of
+/// a message built in it is aligned f32.
+#[derive(Debug, Clone, Default)]
+pub struct MessageBuf(Arc<Vec<u32>>);
+
+/// A [`MessageBuf`]'s words as the bytes of a [`Bytes`] (its owner: the buffer stays until the
+/// last view of it is dropped).
+struct Words(Arc<Vec<u32>>);
+
+impl AsRef<[u8]> for Words {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+}
+
 impl FramedChunk {
     /// The message `head` (at `offset` values) whose `bytes` field `tag` holds `payload_len`
     /// bytes, which `fill` appends (little-endian f32) straight into the message's buffer.
@@ -127,33 +144,50 @@ impl FramedChunk {
         values: usize,
         fill: impl FnOnce(&mut [f32]) -> Result<(), E>,
     ) -> Result<FramedChunk, E> {
+        Ok(FramedChunk::build_f32_in(None, head, tag, offset, values, fill)?.0)
+    }
+
+    /// [`FramedChunk::build_f32`] in `reuse` where every chunk built in it before has been
+    /// dropped (it is then overwritten, not zeroed first), in a fresh buffer otherwise; also
+    /// returns the buffer the chunk was built in, to pass back once its chunks are gone. A
+    /// producer that builds the same messages again and again (the parameter server's image of
+    /// every version) thus spares a fresh allocation per message, its zeroing, and the page
+    /// faults and unmapping of memory the allocator took from the kernel and gave back.
+    pub fn build_f32_in<M: Message, E>(
+        reuse: Option<MessageBuf>,
+        head: &M,
+        tag: u32,
+        offset: u64,
+        values: usize,
+        fill: impl FnOnce(&mut [f32]) -> Result<(), E>,
+    ) -> Result<(FramedChunk, MessageBuf), E> {
         let mut h = BytesMut::with_capacity(HEAD_ROOM + head.encoded_len());
         put_head(head, tag, values * 4, &mut h);
+        // Padding in front of the message puts the payload on a word boundary of the buffer.
         let pad = (4 - h.len() % 4) % 4;
-        let mut buf = BytesMut::with_capacity(pad + h.len() + values * 4);
-        buf.resize(pad, 0);
-        buf.extend_from_slice(&h);
-        let at = buf.len();
-        buf.resize(at + values * 4, 0);
-        match bytemuck::try_cast_slice_mut::<u8, f32>(&mut buf[at..]) {
-            Ok(dst) => {
-                fill(dst)?;
-                if cfg!(target_endian = "big") {
-                    for v in dst.iter_mut() {
-                        *v = f32::from_bits(v.to_bits().swap_bytes());
-                    }
-                }
-            }
-            // An allocator that does not align to 4 (none known): fill aside and copy.
-            Err(_) => {
-                let mut tmp = vec![0.0f32; values];
-                fill(&mut tmp)?;
-                let mut le = BytesMut::with_capacity(values * 4);
-                crate::wire::put_f32(&tmp, &mut le);
-                buf[at..].copy_from_slice(&le);
+        let at = pad + h.len();
+        // Unique stays unique: the chunks' views can only be dropped, not cloned into an Arc.
+        let mut words = reuse
+            .map(|b| b.0)
+            .filter(|w| Arc::strong_count(w) == 1 && Arc::weak_count(w) == 0)
+            .unwrap_or_default();
+        let buf = Arc::make_mut(&mut words);
+        // Only words past the old length are zeroed: a reused buffer of the same size is not.
+        buf.truncate(at / 4 + values);
+        buf.resize(at / 4 + values, 0);
+        let (front, payload) = buf.split_at_mut(at / 4);
+        let front: &mut [u8] = bytemuck::cast_slice_mut(front);
+        front[..pad].fill(0);
+        front[pad..].copy_from_slice(&h);
+        let dst: &mut [f32] = bytemuck::cast_slice_mut(payload);
+        fill(dst)?;
+        if cfg!(target_endian = "big") {
+            for v in dst.iter_mut() {
+                *v = f32::from_bits(v.to_bits().swap_bytes());
             }
         }
-        Ok(FramedChunk { msg: buf.freeze().slice(pad..), at: at - pad, lent: None, offset })
+        let msg = Bytes::from_owner(Words(Arc::clone(&words))).slice(pad..);
+        Ok((FramedChunk { msg, at: at - pad, lent: None, offset }, MessageBuf(words)))
     }
 
     /// The message `head` (at `offset` values) whose `bytes` field `tag` is `payload`, which is
@@ -705,6 +739,42 @@ mod tests {
             .unwrap();
             assert_eq!(filled.message(), f.message(i), "chunk {i}");
             assert_eq!(filled.payload(), f.payload(i), "chunk {i}");
+        }
+    }
+
+    /// A message built again in the buffer of one whose chunks are all gone takes that buffer
+    /// (same memory, no fresh allocation) and is byte for byte the message a fresh build makes,
+    /// also where the head grew; a buffer still viewed by a live chunk is left alone, and the
+    /// live chunk keeps its bits.
+    #[test]
+    fn a_message_is_built_again_in_a_buffer_no_chunk_holds() {
+        let build = |reuse, version: u64, v: f32| {
+            let head = crate::pb::ParameterChunk { version, offset: 8, ..Default::default() };
+            FramedChunk::build_f32_in(reuse, &head, 3, 8, 1000, |d| {
+                d.fill(v);
+                Ok::<(), ()>(())
+            })
+            .unwrap()
+        };
+        let fresh = |version, v| build(None, version, v).0.message();
+        let (first, buf) = build(None, 1, 1.0);
+        let at = first.message().as_ptr();
+        drop(first);
+        // Version 200 takes a varint byte more than version 1: the head grows by one.
+        let (second, buf) = build(Some(buf), 200, 2.0);
+        assert_eq!(second.message(), fresh(200, 2.0));
+        assert!(
+            (second.message().as_ptr() as usize).abs_diff(at as usize) < 4,
+            "not built in the old buffer"
+        );
+        let held = second.clone();
+        drop(second);
+        let (third, _) = build(Some(buf), 201, 3.0);
+        assert_eq!(third.message(), fresh(201, 3.0));
+        assert_ne!(third.message().as_ptr(), held.message().as_ptr(), "built over a live chunk");
+        assert_eq!(held.message(), fresh(200, 2.0));
+        if cfg!(target_endian = "little") {
+            assert_eq!(crate::wire::as_f32(&third.payload().1), Some(&[3.0f32; 1000][..]));
         }
     }
 

@@ -33,7 +33,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use gradsync_core::optim::{SgdConfig, sgd_step_into};
-use gradsync_proto::frames::{Framed, FramedChunk};
+use gradsync_proto::frames::{Framed, FramedChunk, MessageBuf};
 use gradsync_proto::pb::ParameterChunk;
 use tokio::sync::watch;
 
@@ -101,6 +101,9 @@ struct Work {
     params: Params,
     momentum: Arc<Vec<f32>>,
     next_momentum: Vec<f32>,
+    /// By block: the buffer of an earlier version's message to build this block's in, while
+    /// no block is built yet, then the buffer it was built in (for a rebuild in a new epoch).
+    bufs: Vec<Option<MessageBuf>>,
     sum: Vec<f32>,
     /// One inner block of the current parameters, copied out of an image whose payload is
     /// not aligned f32; or one rank's inner block, when looking for a non-finite one.
@@ -170,6 +173,8 @@ pub struct Finished {
     pub momentum: Vec<f32>,
     /// The new parameters, in their wire image: one ParameterChunk message per block.
     pub image: Vec<FramedChunk>,
+    /// The buffers `image` was built in, for a later round's image once its chunks are gone.
+    pub image_bufs: Vec<MessageBuf>,
     /// The contributing ranks with when each stream ended and its payload bytes, by rank.
     pub ranks: Vec<(usize, Instant, u64)>,
 }
@@ -196,7 +201,7 @@ fn lock<T>(m: &StdMutex<T>) -> MutexGuard<'_, T> {
 
 /// The buffers a round starts from: the current parameters and momentum (read only) and a
 /// buffer of the same length for the next momentum (the next parameters go into the image).
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Start {
     /// The current parameters.
     pub params: Params,
@@ -204,6 +209,9 @@ pub struct Start {
     pub momentum: Arc<Vec<f32>>,
     /// Room for the next momentum (any contents).
     pub next_momentum: Vec<f32>,
+    /// The buffers an earlier version's image was built in, block by block, for this round's
+    /// (those still held by a pull are left to it).
+    pub image_bufs: Vec<MessageBuf>,
 }
 
 impl Round {
@@ -232,10 +240,12 @@ impl Round {
             params,
             momentum: start.momentum,
             next_momentum: start.next_momentum,
+            bufs: start.image_bufs.into_iter().map(Some).collect(),
             sum: vec![0.0; inner],
             current: vec![0.0; inner],
         };
         w.next_momentum.resize(len, 0.0);
+        w.bufs.resize(len.div_ceil(block), None);
         Round {
             version,
             len,
@@ -525,11 +535,13 @@ impl Round {
     ) -> std::result::Result<FramedChunk, Vec<usize>> {
         let r = self.range(c);
         let mut w = lock(&self.work);
-        let Work { params, momentum, next_momentum, sum, current } = &mut *w;
+        let Work { params, momentum, next_momentum, bufs, sum, current } = &mut *w;
         let image = params.image().map(|f| f.payload(c).1);
         let head =
             ParameterChunk { version: self.version, offset: r.start as u64, ..ParameterChunk::default() };
-        FramedChunk::build_f32(&head, gradsync_proto::tag::PARAMETER_DATA, r.start as u64, r.len(), |out| {
+        let reuse = bufs[c].take();
+        let tag = gradsync_proto::tag::PARAMETER_DATA;
+        let (chunk, buf) = FramedChunk::build_f32_in(reuse, &head, tag, r.start as u64, r.len(), |out| {
             for s in r.clone().step_by(SUB) {
                 let s = s..(s + SUB).min(r.end);
                 let acc = &mut sum[..s.len()];
@@ -577,7 +589,9 @@ impl Round {
                 );
             }
             Ok(())
-        })
+        })?;
+        bufs[c] = Some(buf);
+        Ok(chunk)
     }
 
     /// Block `i` of the next version's wire image, if it is stepped in `epoch`.
@@ -611,6 +625,7 @@ impl Round {
             // Cloned (slices, no copy): pulls still streaming this round read what they have
             // not sent yet from the round.
             image: g.image.clone(),
+            image_bufs: w.bufs.iter_mut().filter_map(Option::take).collect(),
             ranks,
         })
     }
@@ -703,8 +718,7 @@ mod tests {
 
         // Blocks of 10 000 values; rank k sends pieces of 7 000 + 1 000 k values, ranks
         // interleaved with rank 2 first.
-        let start =
-            Start { params: Params::from_values(p0), momentum: Arc::new(m0), next_momentum: Vec::new() };
+        let start = Start { params: Params::from_values(p0), momentum: Arc::new(m0), ..Start::default() };
         let round = Round::new(1, start, 40_000, cfg, (0..ranks).collect());
         let mut at = vec![0usize; ranks];
         for k in (0..ranks).rev() {
@@ -743,7 +757,7 @@ mod tests {
         sgd_step(&cfg, &mut want_p, &sum, &mut want_m, 1.0 / 3.0);
         for chunk_bytes in [40_000, 30_000] {
             let params = Params::from_image(Framed::from_chunks(f.image.clone()));
-            let start = Start { params, momentum: Arc::new(f.momentum.clone()), next_momentum: Vec::new() };
+            let start = Start { params, momentum: Arc::new(f.momentum.clone()), ..Start::default() };
             let round = Round::new(2, start, chunk_bytes, cfg, (0..ranks).collect());
             for (k, g) in grads.iter().enumerate() {
                 round.join(k).unwrap();
@@ -758,6 +772,47 @@ mod tests {
         }
     }
 
+    /// Each round builds its image in the buffers of the version before the current one, as
+    /// the server chains them (no pull holds that image any more): the same memory, and the
+    /// same bits as the serial steps. A block a slow pull still holds is left to it (built
+    /// elsewhere) and keeps its bits.
+    #[test]
+    fn a_round_builds_its_image_in_the_buffers_of_the_version_before() {
+        let n = 5_000;
+        let cfg = SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.0 };
+        let g: Vec<f32> = (0..n).map(|i| val(1, i)).collect();
+        let (mut want_p, mut want_m) = (vec![0.5f32; n], vec![0.0f32; n]);
+        let mut params = Params::from_values(want_p.clone());
+        let mut momentum = Arc::new(want_m.clone());
+        let (mut bufs, mut spare) = (Vec::new(), Vec::new());
+        let (mut addrs, mut held) = (Vec::new(), None);
+        for version in 1..=4u64 {
+            let image_bufs = std::mem::take(&mut spare);
+            let start = Start { params, momentum, next_momentum: Vec::new(), image_bufs };
+            let round = Round::new(version, start, 4_000, cfg, [0].into());
+            round.join(0).unwrap();
+            round.add(0, 0, le(&g));
+            assert!(round.done(0, (n * 4) as u64));
+            let f = round.finish().unwrap();
+            sgd_step(&cfg, &mut want_p, &g, &mut want_m, 1.0);
+            addrs.push(f.image.iter().map(|c| c.message().as_ptr() as usize).collect::<Vec<_>>());
+            if version == 2 {
+                held = Some((f.image[1].clone(), f.image[1].message().to_vec()));
+            }
+            params = Params::from_image(Framed::from_chunks(f.image));
+            assert_eq!(**params.clone().values(), want_p, "version {version}");
+            assert_eq!(f.momentum, want_m, "version {version}");
+            momentum = Arc::new(f.momentum);
+            spare = std::mem::replace(&mut bufs, f.image_bufs);
+        }
+        assert_eq!(addrs[0].len(), 5);
+        assert_eq!(addrs[2], addrs[0], "version 3 not built in version 1's buffers");
+        assert_eq!(addrs[3][0], addrs[1][0], "version 4 not built in version 2's buffers");
+        assert_ne!(addrs[3][1], addrs[1][1], "built over a block a pull still holds");
+        let (chunk, bits) = held.unwrap();
+        assert_eq!(chunk.message().to_vec(), bits);
+    }
+
     /// A contributor withdrawn after blocks were stepped throws them away (epoch bump) and the
     /// round steps again from block 0 without it.
     #[test]
@@ -767,7 +822,7 @@ mod tests {
         let start = Start {
             params: Params::from_values(vec![1.0; n]),
             momentum: Arc::new(vec![0.0; n]),
-            next_momentum: Vec::new(),
+            ..Start::default()
         };
         let round = Round::new(1, start, 40, cfg, [0, 1].into());
         let rx = round.subscribe();
@@ -798,7 +853,7 @@ mod tests {
         let start = |v: f32| Start {
             params: Params::from_values(vec![v; n]),
             momentum: Arc::new(vec![0.0; n]),
-            next_momentum: Vec::new(),
+            ..Start::default()
         };
         let round = Round::new(1, start(1.0), 160, cfg, [0, 1, 2].into());
         let rx = round.subscribe();

@@ -19,7 +19,7 @@ use gradsync_core::metrics::{Header, HostInfo, MetricsWriter, Record, SCHEMA_VER
 use gradsync_core::model::{Fingerprint, Layout, init_params};
 use gradsync_core::optim::sgd_step;
 use gradsync_core::trace::Trace;
-use gradsync_proto::frames::Framed;
+use gradsync_proto::frames::{Framed, MessageBuf};
 use gradsync_proto::pb::ParameterChunk;
 use tokio::sync::watch;
 
@@ -103,6 +103,10 @@ pub struct State {
     round: Option<Arc<Round>>,
     /// The momentum buffer the last committed round replaced: the next round writes into it.
     spare: Option<Vec<f32>>,
+    /// The buffers the current version's image was built in (by the round that made it).
+    image_bufs: Vec<MessageBuf>,
+    /// Those of the version before: the next round builds its image in them.
+    spare_image: Vec<MessageBuf>,
     /// The parameters of `.0`'s version in their wire image (one ParameterChunk message per
     /// chunk), shared (zero-copy) by every pull until the next update; encoded on the first
     /// pull after an update.
@@ -201,6 +205,8 @@ impl State {
             version,
             round: None,
             spare: None,
+            image_bufs: Vec::new(),
+            spare_image: Vec::new(),
             snapshot: None,
             world: None,
             members: BTreeMap::new(),
@@ -325,6 +331,7 @@ impl State {
             params: self.params.clone(),
             momentum: self.momentum.clone(),
             next_momentum: self.spare.take().unwrap_or_default(),
+            image_bufs: std::mem::take(&mut self.spare_image),
         };
         let r = Arc::new(Round::new(
             self.version + 1,
@@ -383,6 +390,8 @@ impl State {
         let t0 = Instant::now();
         let image = Framed::from_chunks(fin.image);
         self.params = Params::from_image(image.clone());
+        // The image before this one is where the next round writes (pulls of it permitting).
+        self.spare_image = std::mem::replace(&mut self.image_bufs, fin.image_bufs);
         let old_m = std::mem::replace(&mut self.momentum, Arc::new(fin.momentum));
         // The round let go of its reference in `finish`.
         self.spare = Arc::try_unwrap(old_m).ok();

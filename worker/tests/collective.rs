@@ -298,6 +298,38 @@ fn auto_picks_shared_memory_on_one_host() {
     }
 }
 
+/// Ranks at different addresses of one machine (here 127.0.0.1, .2 and .3, as emulated hosts
+/// or containers would be) share its cores: each counts all three as on its machine, so large
+/// transfers do not get a sender thread per rank that would only take turns on the same cores.
+/// Without the set-up (sockets only, no hierarchy) a rank counts those at its own address.
+#[test]
+fn ranks_count_every_rank_on_their_machine_whatever_its_address() {
+    use gradsync_worker::collective::tcp::MeshInfo;
+    for (hierarchy, want) in [(Hierarchy::Auto, 3), (Hierarchy::Off, 1)] {
+        let ls: Vec<TcpListener> =
+            (1..=3).map(|i| TcpListener::bind(format!("127.0.0.{i}:0")).unwrap()).collect();
+        let addrs: Vec<_> = ls.iter().map(|l| l.local_addr().unwrap()).collect();
+        let counts: Vec<usize> = std::thread::scope(|s| {
+            let hs: Vec<_> = ls
+                .into_iter()
+                .enumerate()
+                .map(|(rank, l)| {
+                    let info = MeshInfo {
+                        rank,
+                        addrs: addrs.clone(),
+                        fingerprint: "fp".into(),
+                        token: Some("t".into()),
+                    };
+                    let cfg = RingConfig { hierarchy, ..cfg() };
+                    s.spawn(move || TcpComm::connect(l, &info, cfg).unwrap().ranks_on_this_machine())
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(counts, vec![want; 3], "--hierarchy {hierarchy:?}");
+    }
+}
+
 #[test]
 fn all_reduce_traffic_is_the_ring_optimum() {
     // Each rank sends and receives 2 (W-1)/W of the buffer, in whole chunks of segments.

@@ -42,8 +42,11 @@ impl TcpComm {
         let mut mesh = Mesh::connect(listener, info, &cfg)?;
         let decided = hier::setup(&mut mesh, rank, &cfg)?;
         let scratch = vec![0.0; cfg.chunk_values().min(1 << 16)];
+        // Ranks on this machine, as they said (emulated hosts and containers on one machine
+        // share its cores); else those at this rank's address.
         let me = info.addrs[rank].ip();
-        let ranks_here = info.addrs.iter().filter(|a| a.ip() == me).count();
+        let ranks_here =
+            decided.sharing_cores.unwrap_or_else(|| info.addrs.iter().filter(|a| a.ip() == me).count());
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         Ok(TcpComm {
             rank,
@@ -103,6 +106,14 @@ impl TcpComm {
     /// among one leader per host, broadcast inside), `None` when it is one flat ring.
     pub fn hosts(&self) -> Option<usize> {
         self.hier.as_deref().map(Hier::hosts)
+    }
+
+    /// How many ranks (this one included) run on this rank's machine and share its cores, as
+    /// the ranks said at set-up, whatever their addresses and network namespaces; where the
+    /// set-up did not run (`--transport tcp --hierarchy off`), those at this rank's IP. Large
+    /// transfers get a sender thread of their own only with two cores for each of them.
+    pub fn ranks_on_this_machine(&self) -> usize {
+        self.net.ranks_here
     }
 
     /// The flat ring: every rank, on the world's shared-memory rings or on sockets.

@@ -139,11 +139,13 @@ fn agree(all: &[Where], me: usize) -> Result<()> {
 }
 
 /// What the set-up decided: the flat ring's shared-memory rings (when it runs on them) and
-/// the hierarchy (when all-reduce is hierarchical).
+/// the hierarchy (when all-reduce is hierarchical); and what it learnt, how many ranks share
+/// this rank's machine (when the ranks said where they are).
 #[derive(Default)]
 pub(crate) struct Decided {
     pub(crate) rings: Option<Box<Shm>>,
     pub(crate) hier: Option<Box<Hier>>,
+    pub(crate) sharing_cores: Option<usize>,
 }
 
 /// Take the decision (see the module documentation) over the freshly connected mesh, and set
@@ -157,13 +159,15 @@ pub(crate) fn setup(mesh: &mut Mesh, rank: usize, cfg: &RingConfig) -> Result<De
     }
     let all = shm::survey(links, rank, cfg)?;
     agree(&all, rank)?;
+    let sharing_cores = shm::sharing_cores(&all, rank);
     let hosts = hosts(&all);
     if !hierarchical(cfg.hierarchy, hosts.len(), world) {
         if cfg.transport == Transport::Tcp || !shm::decide(&all, rank)? {
-            return Ok(Decided::default());
+            return Ok(Decided { sharing_cores, ..Decided::default() });
         }
         let everyone: Vec<usize> = (0..world).collect();
-        return Ok(Decided { rings: Shm::setup(links, &everyone, rank, cfg)?.map(Box::new), hier: None });
+        let rings = Shm::setup(links, &everyone, rank, cfg)?.map(Box::new);
+        return Ok(Decided { rings, hier: None, sharing_cores });
     }
     let (host, at) = hosts
         .iter()
@@ -184,6 +188,7 @@ pub(crate) fn setup(mesh: &mut Mesh, rank: usize, cfg: &RingConfig) -> Result<De
     Ok(Decided {
         rings: None,
         hier: Some(Box::new(Hier { hosts: hosts.len(), host, local, at, leaders, shm })),
+        sharing_cores,
     })
 }
 
@@ -352,7 +357,12 @@ mod tests {
     fn at(places: &[&str]) -> Vec<Where> {
         places
             .iter()
-            .map(|p| Where { place: p.to_string(), transport: Transport::Auto, hierarchy: Hierarchy::Auto })
+            .map(|p| Where {
+                place: p.to_string(),
+                transport: Transport::Auto,
+                hierarchy: Hierarchy::Auto,
+                machine: String::new(),
+            })
             .collect()
     }
 

@@ -308,8 +308,9 @@ pub struct RingConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum SocketEngine {
-    /// A sender thread beside the receiving one from 4 MiB up, where this host has at least
-    /// two cores per rank on it; one thread otherwise.
+    /// A sender thread beside the receiving one from 4 MiB up, where this machine has at
+    /// least two cores for each rank running on it (ranks in other network namespaces or
+    /// containers on the same machine count: they share its cores); one thread otherwise.
     #[default]
     Auto,
     /// One thread with `poll`, whatever the size.

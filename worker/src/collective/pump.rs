@@ -344,8 +344,8 @@ pub(crate) enum Engine {
     SenderThread,
 }
 
-/// The engine for a transfer of `bytes`, on a host with `cores` cores shared by `ranks_here`
-/// ranks. A sender thread only pays when each rank has two cores to itself: otherwise the
+/// The engine for a transfer of `bytes`, on a machine with `cores` cores shared by
+/// `ranks_here` ranks. A sender thread only pays when each rank has two cores to itself: otherwise the
 /// ranks' threads take turns on the same cores, and every hand-off between them is a trip
 /// through the scheduler. Measured side by side on 2 cores, ranks as processes, loopback
 /// (`gradsync-bench collective`, compilers paused): with 2 ranks the one-thread pump made

@@ -267,12 +267,27 @@ fn place(host_id: Option<&str>) -> String {
     if let Some(id) = host_id {
         return format!("id:{id}");
     }
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
     let net = std::fs::metadata("/proc/thread-self/ns/net")
         .or_else(|_| std::fs::metadata("/proc/self/ns/net"))
         .map(|m| m.ino())
         .unwrap_or(0);
-    format!("{}/net:{net}", boot.trim())
+    format!("{}/net:{net}", machine())
+}
+
+/// The machine this thread runs on: its kernel's boot id (empty where there is none to read).
+/// Ranks on one machine share its cores whatever their network namespaces (emulated hosts,
+/// containers) or `host_id`.
+fn machine() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|b| b.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// How many ranks of `all` (this rank, `me`, included) run on this rank's machine and so share
+/// its cores; `None` where the machine is unknown.
+pub(crate) fn sharing_cores(all: &[Where], me: usize) -> Option<usize> {
+    let mine = &all.get(me)?.machine;
+    (!mine.is_empty()).then(|| all.iter().filter(|w| &w.machine == mine).count())
 }
 
 /// Round 1: where a rank is and what it asked for.
@@ -284,13 +299,20 @@ pub(crate) struct Where {
     pub(crate) transport: Transport,
     /// Its `--hierarchy`.
     pub(crate) hierarchy: Hierarchy,
+    /// The machine it runs on (see [`sharing_cores`]).
+    #[serde(default)]
+    pub(crate) machine: String,
 }
 
 /// Round 1 of the set-up: tell every peer where this rank is and what it asked for, and
 /// learn the same of them; every rank ends with the same list, by rank.
 pub(crate) fn survey(links: &mut [Option<Link>], rank: usize, cfg: &RingConfig) -> Result<Vec<Where>> {
-    let mine =
-        Where { place: place(cfg.host_id.as_deref()), transport: cfg.transport, hierarchy: cfg.hierarchy };
+    let mine = Where {
+        place: place(cfg.host_id.as_deref()),
+        transport: cfg.transport,
+        hierarchy: cfg.hierarchy,
+        machine: machine(),
+    };
     let all: Vec<usize> = (0..links.len()).collect();
     exchange(links, &all, rank, &mine)
 }
@@ -747,7 +769,7 @@ mod tests {
     use super::{Hierarchy, Transport, Where, decide};
 
     fn w(place: &str, t: Transport) -> Where {
-        Where { place: place.into(), transport: t, hierarchy: Hierarchy::Auto }
+        Where { place: place.into(), transport: t, hierarchy: Hierarchy::Auto, machine: String::new() }
     }
 
     #[test]
