@@ -192,7 +192,7 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
     // On emulated hosts each worker's connections live on a runtime on its host, kept until
     // the end of the group.
     let mut runtimes = Vec::new();
-    for r in 0..workers {
+    for (r, rt) in worker_rts.iter().enumerate() {
         let addrs = addrs.clone();
         let connect = async move {
             let mut c = PsClient::connect(&addrs, None, Duration::from_secs(120), tuning).await?;
@@ -205,7 +205,7 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
                 runtimes.push(host);
                 c
             }
-            None => worker_rts[r].spawn(connect).await.context("connecting")??,
+            None => rt.spawn(connect).await.context("connecting")??,
         };
         clients.push(c.register(r, workers, &fp, total).await.map(|_| c)?);
     }
