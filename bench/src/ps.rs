@@ -25,6 +25,7 @@ use tokio::net::TcpListener;
 
 use crate::cluster::net::{Cluster, Shape};
 use crate::hosts::Hosts;
+use crate::rawtcp::process_cpu_seconds;
 use crate::table::{Table, median};
 
 /// Flags of `gradsync-bench ps`.
@@ -113,22 +114,8 @@ struct Figure {
     push_ms: f64,
     pull_ms: f64,
     wait_ms: f64,
-    /// CPU time (user + system, every thread of this process) per step, warm-up included.
+    /// CPU time (user + system, every thread of this process) per timed step.
     cpu_ms: f64,
-}
-
-/// CPU seconds (user + system) this process has used, all threads.
-fn cpu_seconds() -> f64 {
-    let mut u = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage fills the struct it is given; RUSAGE_SELF always exists.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, u.as_mut_ptr()) };
-    if rc != 0 {
-        return f64::NAN;
-    }
-    // SAFETY: initialised by the successful call above.
-    let u = unsafe { u.assume_init() };
-    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
-    t(u.ru_utime) + t(u.ru_stime)
 }
 
 /// `d` such that a `d x d` layer (plus bias) holds about `mb` MB of f32.
@@ -214,8 +201,12 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
     let mut state: Vec<_> =
         clients.into_iter().map(|c| (c, SharedGrads::new(vec![1e-4f32; total]), vec![0f32; total])).collect();
     let (mut times, mut push, mut pull, mut wait) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let cpu = cpu_seconds();
+    let mut cpu = f64::NAN;
     for step in 0..warmup + steps {
+        if step == warmup {
+            // Warm-up steps first touch every buffer; what a step costs is measured after.
+            cpu = process_cpu_seconds();
+        }
         let t = Instant::now();
         let handles: Vec<_> = state
             .drain(..)
@@ -251,7 +242,7 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
             wait.push(slowest[2]);
         }
     }
-    let cpu_ms = (cpu_seconds() - cpu) * 1e3 / (warmup + steps) as f64;
+    let cpu_ms = (process_cpu_seconds() - cpu) * 1e3 / steps as f64;
     let copies: u64 = state.iter().map(|(_, g, _)| g.copies()).sum();
     if copies > 0 {
         eprintln!("gradsync-bench ps: a gradient buffer was still held by a push {copies} times, and copied");
@@ -284,11 +275,9 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
 /// ([`crate::rawtcp::Exchange`]); push and pull run at once, so both are the step's time.
 fn plain_tcp(bytes: usize, g: Group<'_>) -> anyhow::Result<Figure> {
     let mut exchange = crate::rawtcp::Exchange::new(bytes, g.workers, g.shards, g.hosts, g.first_worker)?;
-    let cpu = cpu_seconds();
-    let times = exchange.run(g.warmup, g.steps)?;
-    let cpu_ms = (cpu_seconds() - cpu) * 1e3 / (g.warmup + g.steps) as f64;
-    let ms = median(&times);
-    Ok(Figure { step_ms: ms, push_ms: ms, pull_ms: ms, wait_ms: 0.0, cpu_ms })
+    let timed = exchange.run(g.warmup, g.steps)?;
+    let ms = median(&timed.ms);
+    Ok(Figure { step_ms: ms, push_ms: ms, pull_ms: ms, wait_ms: 0.0, cpu_ms: timed.cpu_ms })
 }
 
 /// Run the benchmark and print its table.
@@ -439,7 +428,7 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
          after receiving it, for the barrier and the update's last block (part of push). GB/s: bytes pushed and pulled by all workers per second; raw GB/s: one plain TCP stream over \
          the links, the median of three measured just before the row's group; x raw: GB/s over raw. bound: 2 x max(S/B, W*S/(K*B)) with \
          B the raw figure. x bound: ms/step over the bound (1.0 is the \
-         link's limit). x plain: ms/step over the plain tcp row's. CPU ms: CPU time (user + system, every thread of this process) per step, warm-up steps included; CPU x plain: over the plain row's, the extra work a row does for the same bytes (where the cores are the limit, x plain cannot fall below it). vs default: how much faster than tonic's defaults. Rows: plain tcp = the same bytes over plain \
+         link's limit). x plain: ms/step over the plain tcp row's. CPU ms: CPU time (user + system, every thread of this process) per timed step (not the warm-up steps, which first touch the buffers); CPU x plain: over the plain row's, the extra work a row does for the same bytes (where the cores are the limit, x plain cannot fall below it). vs default: how much faster than tonic's defaults. Rows: plain tcp = the same bytes over plain \
          sockets in the same topology (a socket per worker, shard and direction, push and pull at once; no \
          framing, no update): the floor on this machine; default = tonic's HTTP/2 \
          defaults; tuned-codec = tuned windows and frames, messages through tonic's codec; tuned = the same \

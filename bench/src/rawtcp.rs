@@ -243,8 +243,9 @@ impl Exchange {
         self.bytes * k / self.shards..self.bytes * (k + 1) / self.shards
     }
 
-    /// Time `steps` exchanges after `warmup` more, returning each one's milliseconds.
-    pub fn run(&mut self, warmup: usize, steps: usize) -> anyhow::Result<Vec<f64>> {
+    /// Time `steps` exchanges after `warmup` more (which first touch the buffers): each one's
+    /// milliseconds, and the CPU they took.
+    pub fn run(&mut self, warmup: usize, steps: usize) -> anyhow::Result<Timed> {
         let (w, k) = (self.workers, self.shards);
         let grads = vec![vec![1u8; self.bytes]; w];
         let mut params = vec![vec![0u8; self.bytes]; w];
@@ -252,6 +253,7 @@ impl Exchange {
         let mut received: Vec<Vec<u8>> = (0..w * k).map(|p| vec![0u8; self.range(p % k).len()]).collect();
         let rounds = warmup + steps;
         let mut ends = Vec::with_capacity(4 * w * k);
+        let mut cpu = f64::NAN;
         // One thread per socket end for the whole run (spawning them per exchange would add
         // about half a millisecond to a 16-thread exchange); a barrier starts and ends each.
         let barrier = std::sync::Barrier::new(4 * w * k + 1);
@@ -278,10 +280,15 @@ impl Exchange {
                 handles.push(socket_end(scope, barrier, rounds, move || pull_tx.write_all(back)));
                 handles.push(socket_end(scope, barrier, rounds, move || pull_rx.read_exact(dst)));
             }
-            for _ in 0..rounds {
+            for round in 0..rounds {
+                if round == warmup {
+                    // Every socket thread waits at the barrier: nothing of the warm-up is left.
+                    cpu = process_cpu_seconds();
+                }
                 barrier.wait();
                 barrier.wait();
             }
+            cpu = process_cpu_seconds() - cpu;
             for h in handles {
                 ends.push(
                     h.join()
@@ -295,9 +302,34 @@ impl Exchange {
             params.iter().flatten().all(|&b| b == 2) && received.iter().flatten().all(|&b| b == 1),
             "plain sockets delivered other bytes than were sent"
         );
-        Ok(round_ms(&ends, rounds).split_off(warmup))
+        Ok(Timed { ms: round_ms(&ends, rounds).split_off(warmup), cpu_ms: cpu * 1e3 / steps.max(1) as f64 })
     }
 }
+
+/// What [`Exchange::run`] measured.
+#[derive(Debug, Clone)]
+pub struct Timed {
+    /// Each timed exchange's milliseconds.
+    pub ms: Vec<f64>,
+    /// CPU milliseconds (user + system, every thread of the process) per timed exchange.
+    pub cpu_ms: f64,
+}
+
+/// CPU seconds (user + system) this process has used, all threads.
+pub fn process_cpu_seconds() -> f64 {
+    let mut u = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage fills the struct it is given; RUSAGE_SELF always exists.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, u.as_mut_ptr()) };
+    if rc != 0 {
+        return f64::NAN;
+    }
+    // SAFETY: initialised by the successful call above.
+    let u = unsafe { u.assume_init() };
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
+
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
@@ -312,8 +344,20 @@ mod tests {
     fn exchange_moves_every_byte() {
         let mut x = super::Exchange::new(1 << 20, 2, 2, crate::hosts::Hosts::Loopback, 2).unwrap();
         let t = x.run(0, 2).unwrap();
-        assert_eq!(t.len(), 2);
-        assert!(t.iter().all(|ms| *ms > 0.0));
+        assert_eq!(t.ms.len(), 2);
+        assert!(t.ms.iter().all(|ms| *ms > 0.0));
+        assert!(t.cpu_ms > 0.0, "{t:?}");
+    }
+
+    /// The CPU of the timed exchanges leaves out the warm-up (here three exchanges, which also
+    /// first touch the buffers) and the buffers' allocation: it fits in the cores over the
+    /// timed exchange's own time.
+    #[test]
+    fn the_exchange_cpu_is_the_timed_exchanges_alone() {
+        let mut x = super::Exchange::new(16 << 20, 1, 1, crate::hosts::Hosts::Loopback, 1).unwrap();
+        let t = x.run(3, 1).unwrap();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        assert!(t.cpu_ms <= cores * t.ms[0] * 1.5 + 5.0, "{t:?}: more CPU than {cores} cores have in the exchange");
     }
 
     /// A round spans from the earliest start to the latest end of any socket end, whatever
