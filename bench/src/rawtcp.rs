@@ -329,8 +329,6 @@ pub fn process_cpu_seconds() -> f64 {
     t(u.ru_utime) + t(u.ru_stime)
 }
 
-
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -357,7 +355,10 @@ mod tests {
         let mut x = super::Exchange::new(16 << 20, 1, 1, crate::hosts::Hosts::Loopback, 1).unwrap();
         let t = x.run(3, 1).unwrap();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-        assert!(t.cpu_ms <= cores * t.ms[0] * 1.5 + 5.0, "{t:?}: more CPU than {cores} cores have in the exchange");
+        assert!(
+            t.cpu_ms <= cores * t.ms[0] * 1.5 + 5.0,
+            "{t:?}: more CPU than {cores} cores have in the exchange"
+        );
     }
 
     /// A round spans from the earliest start to the latest end of any socket end, whatever
