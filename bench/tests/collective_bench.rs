@@ -72,6 +72,13 @@ fn processes_left(tag: &str) -> usize {
         .count()
 }
 
+/// The chunk a flat ring on sockets of `ranks` ranks on this machine cuts when none is asked
+/// for: 256 KiB where they outnumber its cores, else 1024.
+fn flat_socket_chunk_kb(ranks: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if ranks > cores { 256 } else { 1024 }
+}
+
 fn check(rows: &[Row], ranks_as: &str, transports: &[&str]) {
     for t in transports {
         for size in ["4 KB", "64 KB"] {
@@ -130,7 +137,8 @@ fn on_emulated_hosts_each_rank_keeps_to_its_link() {
     // Ranks on different hosts cannot share memory: auto falls back to sockets.
     let rows = rows(&out);
     check(&rows, "processes", &["auto (tcp)"]);
-    assert!(rows.iter().all(|r| r.6 == "auto: ring"), "{out}");
+    let want = format!("auto: ring, {} KiB chunks", flat_socket_chunk_kb(2));
+    assert!(rows.iter().all(|r| r.6 == want), "{want}: {out}");
     assert_eq!(processes_left(tag), 0, "rank processes outlived the benchmark");
 }
 
@@ -152,13 +160,15 @@ fn several_ranks_per_emulated_host_reduce_through_the_hosts_beside_the_flat_ring
     assert_eq!(rows.len(), 3 * 2 * 8, "{out}");
     for r in &rows {
         assert_eq!(r.5, 0, "wrong values: {r:?}");
+        // The flat ring on sockets cuts smaller chunks where the ranks outnumber the cores.
+        let sockets = format!("off: ring, {} KiB chunks", flat_socket_chunk_kb(r.0));
         let want = match (r.0, r.6.starts_with("off")) {
             // Two ranks on one host: the flat ring on shared memory, whatever the flag.
-            (2, true) => ("auto (shm)", "off: ring"),
-            (2, false) => ("auto (shm)", "auto: ring"),
-            (_, true) => ("auto (tcp)", "off: ring"),
-            (4, false) => ("auto (shm)", "auto: hier, 2 hosts"),
-            (_, false) => ("auto (shm)", "auto: hier, 3 hosts"),
+            (2, true) => ("auto (shm)", "off: ring, 1024 KiB chunks"),
+            (2, false) => ("auto (shm)", "auto: ring, 1024 KiB chunks"),
+            (_, true) => ("auto (tcp)", sockets.as_str()),
+            (4, false) => ("auto (shm)", "auto: hier, 2 hosts, 1024 KiB chunks"),
+            (_, false) => ("auto (shm)", "auto: hier, 3 hosts, 1024 KiB chunks"),
         };
         assert_eq!((r.2.as_str(), r.6.as_str()), want, "{r:?}");
         // A hierarchical row says how it fared against the flat ring of the same rounds:

@@ -271,9 +271,11 @@ pub struct DdpArgs {
     /// challenge-response; never sent). Use a long random one.
     #[arg(long, env = "GRADSYNC_RING_TOKEN", hide_env_values = true)]
     pub ring_token: Option<String>,
-    /// Ring chunk size in KiB: the unit of pipelining on the TCP ring.
-    #[arg(long, default_value_t = 1024, value_parser = parse_positive)]
-    pub chunk_kb: usize,
+    /// Ring chunk size in KiB: the unit of pipelining on the TCP ring. Default: 1024, or 256
+    /// where a flat ring on sockets has more ranks on a machine than it has cores (every rank
+    /// must be given the same).
+    #[arg(long, value_parser = parse_positive)]
+    pub chunk_kb: Option<usize>,
     /// How the TCP backend's ring reaches its neighbours: auto (shared memory when every rank
     /// is on this host and in this network namespace, else sockets), tcp, or shm (fail
     /// unless shared memory works). Every rank must be given the same value.

@@ -330,6 +330,25 @@ fn ranks_count_every_rank_on_their_machine_whatever_its_address() {
     }
 }
 
+/// Where the ranks of a flat ring on sockets outnumber their machine's cores, they cut 256 KiB
+/// chunks together, unless a chunk size was given; the sums stay exact either way.
+#[test]
+fn ranks_crowding_the_cores_cut_smaller_chunks_together() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let world = cores + 1;
+    for (auto, want) in [(true, 256 << 10), (false, 1 << 20)] {
+        let ring = |_| RingConfig { chunk_bytes: 1 << 20, chunk_auto: auto, ..cfg() };
+        let got = with_ranks(world, ring, |mut c| {
+            // 2.4 MB: segments of several 256 KiB chunks.
+            let mut b: Vec<f32> = (0..600_000).map(|i| input(c.rank(), i)).collect();
+            c.all_reduce(&mut b).unwrap();
+            let exact = b.iter().enumerate().all(|(i, &v)| v == (0..world).map(|r| input(r, i)).sum::<f32>());
+            (c.chunk_bytes(), exact)
+        });
+        assert_eq!(got, vec![(want, true); world], "chunk_auto {auto}, {world} ranks on {cores} cores");
+    }
+}
+
 #[test]
 fn all_reduce_traffic_is_the_ring_optimum() {
     // Each rank sends and receives 2 (W-1)/W of the buffer, in whole chunks of segments.

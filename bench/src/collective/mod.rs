@@ -78,9 +78,9 @@ pub struct CollectiveArgs {
     /// ring), on (always through the hosts).
     #[arg(long, value_enum, default_value = "auto", value_delimiter = ',', env = "GRADSYNC_HIERARCHY")]
     pub hierarchy: Vec<Hierarchy>,
-    /// Ring chunk size, KiB.
-    #[arg(long, default_value_t = 1024)]
-    pub chunk_kb: usize,
+    /// Ring chunk size, KiB (default: the ranks choose, as `gradsync-worker --chunk-kb` does).
+    #[arg(long)]
+    pub chunk_kb: Option<usize>,
     /// Socket buffer size to ask for, KiB (0: the kernel's autotuning).
     #[arg(long, default_value_t = 4096)]
     pub socket_buffer_kb: usize,
@@ -136,9 +136,9 @@ pub struct RankArgs {
     /// Whether all-reduce goes through the hosts.
     #[arg(long, value_enum, default_value = "auto")]
     pub hierarchy: Hierarchy,
-    /// Ring chunk size, KiB.
-    #[arg(long, default_value_t = 1024)]
-    pub chunk_kb: usize,
+    /// Ring chunk size, KiB (default: the ranks choose, as `gradsync-worker --chunk-kb` does).
+    #[arg(long)]
+    pub chunk_kb: Option<usize>,
     /// Socket buffer size to ask for, KiB (0: the kernel's autotuning).
     #[arg(long, default_value_t = 4096)]
     pub socket_buffer_kb: usize,
@@ -177,13 +177,14 @@ fn sizes(a: &CollectiveArgs) -> Vec<usize> {
 }
 
 fn ring_config(
-    chunk_kb: usize,
+    chunk_kb: Option<usize>,
     socket_buffer_kb: usize,
     transport: Transport,
     hierarchy: Hierarchy,
 ) -> RingConfig {
     RingConfig {
-        chunk_bytes: chunk_kb << 10,
+        chunk_bytes: chunk_kb.map_or(RingConfig::default().chunk_bytes, |k| k << 10),
+        chunk_auto: chunk_kb.is_none(),
         socket_buffer: (socket_buffer_kb > 0).then_some(socket_buffer_kb << 10),
         transport,
         hierarchy,
@@ -269,7 +270,8 @@ pub fn run_rank(a: &RankArgs) -> anyhow::Result<()> {
     let j = join_with_store(&rc, listener.map(|(l, _)| l))?;
     let cfg = ring_config(a.chunk_kb, a.socket_buffer_kb, a.transport, a.hierarchy);
     let mut c = TcpComm::connect(j.listener, &j.mesh, cfg)?;
-    println!("{}", serde_json::json!({ "transport": c.transport().name(), "hosts": c.hosts() }));
+    let said = serde_json::json!({ "transport": c.transport().name(), "hosts": c.hosts(), "chunk_kb": c.chunk_bytes() >> 10 });
+    println!("{said}");
     time_rank(&mut c, &a.sizes, a.budget_bytes, |row| {
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "{}", serde_json::to_string(row).unwrap_or_default());
@@ -284,6 +286,8 @@ pub fn run_rank(a: &RankArgs) -> anyhow::Result<()> {
 struct Ran {
     transport: Transport,
     hosts: Option<usize>,
+    /// The ring's chunk as the ranks settled it, KiB.
+    chunk_kb: Option<usize>,
 }
 
 /// Run the TCP backend on `s`'s transport and hierarchy with `world` rank threads; the
@@ -315,14 +319,18 @@ fn tcp_threads(
                 s.spawn(move || -> anyhow::Result<(Vec<Row>, Ran)> {
                     let j = join_with_store(&rc, l)?;
                     let mut c = TcpComm::connect(j.listener, &j.mesh, ring)?;
-                    let ran = Ran { transport: c.transport(), hosts: c.hosts() };
+                    let ran = Ran {
+                        transport: c.transport(),
+                        hosts: c.hosts(),
+                        chunk_kb: Some(c.chunk_bytes() >> 10),
+                    };
                     Ok((time_rank(&mut c, sizes, a.budget_bytes, |_| {})?, ran))
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a rank panicked")))).collect()
     });
-    let mut ran = Ran { transport, hosts: None };
+    let mut ran = Ran { transport, hosts: None, chunk_kb: None };
     let mut all = Vec::new();
     for r in per_rank {
         let (rows, x) = r?;
@@ -492,6 +500,10 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                         let path = match ran.hosts {
                             Some(h) => format!("{}: hier, {h} hosts", s.hierarchy.name()),
                             None => format!("{}: ring", s.hierarchy.name()),
+                        };
+                        let path = match ran.chunk_kb {
+                            Some(kb) => format!("{path}, {kb} KiB chunks"),
+                            None => path,
                         };
                         (rows, label, path)
                     }

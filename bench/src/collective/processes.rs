@@ -79,6 +79,7 @@ impl Ranks {
 struct Said {
     transport: Option<String>,
     hosts: Option<usize>,
+    chunk_kb: Option<usize>,
 }
 
 /// What one rank process printed: what it ran on, and its rows.
@@ -93,6 +94,7 @@ fn read_rank(out: impl BufRead) -> anyhow::Result<(Said, Vec<Row>)> {
         if let Some(t) = v.get("transport").and_then(|t| t.as_str()) {
             said.transport = Some(t.to_string());
             said.hosts = v.get("hosts").and_then(|h| h.as_u64()).map(|h| h as usize);
+            said.chunk_kb = v.get("chunk_kb").and_then(|h| h.as_u64()).map(|h| h as usize);
         } else if v.get("bytes").is_some() {
             rows.push(serde_json::from_value(v)?);
         }
@@ -165,15 +167,18 @@ pub(super) fn tcp_processes(
         c.args(["collective-rank", "--rank", &rank.to_string(), "--world", &world.to_string()])
             .args(["--master", master, "--sizes", &list.join(",")])
             .args(["--budget-bytes", &a.budget_bytes.to_string(), "--transport", transport.name()])
-            .args(["--chunk-kb", &a.chunk_kb.to_string(), "--hierarchy", s.hierarchy.name()])
+            .args(["--hierarchy", s.hierarchy.name()])
             .args(["--socket-buffer-kb", &a.socket_buffer_kb.to_string()]);
+        if let Some(kb) = a.chunk_kb {
+            c.args(["--chunk-kb", &kb.to_string()]);
+        }
         Ok(c)
     })?;
     let used = match said.transport.as_deref() {
         Some("shm") => Transport::Shm,
         _ => Transport::Tcp,
     };
-    Ok((rows, Ran { transport: used, hosts: said.hosts }))
+    Ok((rows, Ran { transport: used, hosts: said.hosts, chunk_kb: said.chunk_kb }))
 }
 
 /// PyTorch gloo through `bench/pytorch/allreduce.py`, one process per rank.

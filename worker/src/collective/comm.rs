@@ -37,10 +37,15 @@ impl TcpComm {
     /// Connect the mesh (see [`MeshInfo`]) on `listener`, already bound and published as
     /// `info.addrs[info.rank]`, then agree with every peer on the transport of the ring and
     /// on the hierarchy.
-    pub fn connect(listener: TcpListener, info: &MeshInfo, cfg: RingConfig) -> Result<TcpComm> {
+    pub fn connect(listener: TcpListener, info: &MeshInfo, mut cfg: RingConfig) -> Result<TcpComm> {
         let (rank, world) = (info.rank, info.addrs.len());
         let mut mesh = Mesh::connect(listener, info, &cfg)?;
         let decided = hier::setup(&mut mesh, rank, &cfg)?;
+        // A flat ring on sockets whose ranks crowd a machine's cores cuts smaller chunks; every
+        // rank takes the same decision from the same survey, so they cut the same chunks.
+        if cfg.chunk_auto && decided.crowded && decided.rings.is_none() && decided.hier.is_none() {
+            cfg.chunk_bytes = cfg.chunk_bytes.min(super::CROWDED_CHUNK_BYTES);
+        }
         let scratch = vec![0.0; cfg.chunk_values().min(1 << 16)];
         // Ranks on this machine, as they said (emulated hosts and containers on one machine
         // share its cores); else those at this rank's address.
@@ -114,6 +119,11 @@ impl TcpComm {
     /// transfers get a sender thread of their own only with two cores for each of them.
     pub fn ranks_on_this_machine(&self) -> usize {
         self.net.ranks_here
+    }
+
+    /// The ring's chunk in bytes, as the ranks settled it (see [`RingConfig::chunk_auto`]).
+    pub fn chunk_bytes(&self) -> usize {
+        self.net.cfg.chunk_bytes
     }
 
     /// The flat ring: every rank, on the world's shared-memory rings or on sockets.

@@ -140,12 +140,14 @@ fn agree(all: &[Where], me: usize) -> Result<()> {
 
 /// What the set-up decided: the flat ring's shared-memory rings (when it runs on them) and
 /// the hierarchy (when all-reduce is hierarchical); and what it learnt, how many ranks share
-/// this rank's machine (when the ranks said where they are).
+/// this rank's machine and whether some machine has more ranks than cores (when the ranks said
+/// where they are).
 #[derive(Default)]
 pub(crate) struct Decided {
     pub(crate) rings: Option<Box<Shm>>,
     pub(crate) hier: Option<Box<Hier>>,
     pub(crate) sharing_cores: Option<usize>,
+    pub(crate) crowded: bool,
 }
 
 /// Take the decision (see the module documentation) over the freshly connected mesh, and set
@@ -159,15 +161,15 @@ pub(crate) fn setup(mesh: &mut Mesh, rank: usize, cfg: &RingConfig) -> Result<De
     }
     let all = shm::survey(links, rank, cfg)?;
     agree(&all, rank)?;
-    let sharing_cores = shm::sharing_cores(&all, rank);
+    let (sharing_cores, crowded) = (shm::sharing_cores(&all, rank), shm::crowded(&all));
     let hosts = hosts(&all);
     if !hierarchical(cfg.hierarchy, hosts.len(), world) {
         if cfg.transport == Transport::Tcp || !shm::decide(&all, rank)? {
-            return Ok(Decided { sharing_cores, ..Decided::default() });
+            return Ok(Decided { sharing_cores, crowded, ..Decided::default() });
         }
         let everyone: Vec<usize> = (0..world).collect();
         let rings = Shm::setup(links, &everyone, rank, cfg)?.map(Box::new);
-        return Ok(Decided { rings, hier: None, sharing_cores });
+        return Ok(Decided { rings, hier: None, sharing_cores, crowded });
     }
     let (host, at) = hosts
         .iter()
@@ -189,6 +191,7 @@ pub(crate) fn setup(mesh: &mut Mesh, rank: usize, cfg: &RingConfig) -> Result<De
         rings: None,
         hier: Some(Box::new(Hier { hosts: hosts.len(), host, local, at, leaders, shm })),
         sharing_cores,
+        crowded,
     })
 }
 
@@ -362,6 +365,7 @@ mod tests {
                 transport: Transport::Auto,
                 hierarchy: Hierarchy::Auto,
                 machine: String::new(),
+                cores: 0,
             })
             .collect()
     }

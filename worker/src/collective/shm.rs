@@ -283,6 +283,15 @@ fn machine() -> String {
         .unwrap_or_default()
 }
 
+/// Whether the ranks of some machine in `all` outnumber its cores (every rank finds the same).
+pub(crate) fn crowded(all: &[Where]) -> bool {
+    all.iter().any(|w| {
+        !w.machine.is_empty()
+            && w.cores > 0
+            && all.iter().filter(|o| o.machine == w.machine).count() > w.cores
+    })
+}
+
 /// How many ranks of `all` (this rank, `me`, included) run on this rank's machine and so share
 /// its cores; `None` where the machine is unknown.
 pub(crate) fn sharing_cores(all: &[Where], me: usize) -> Option<usize> {
@@ -302,6 +311,9 @@ pub(crate) struct Where {
     /// The machine it runs on (see [`sharing_cores`]).
     #[serde(default)]
     pub(crate) machine: String,
+    /// That machine's cores (0: unknown).
+    #[serde(default)]
+    pub(crate) cores: usize,
 }
 
 /// Round 1 of the set-up: tell every peer where this rank is and what it asked for, and
@@ -312,6 +324,7 @@ pub(crate) fn survey(links: &mut [Option<Link>], rank: usize, cfg: &RingConfig) 
         transport: cfg.transport,
         hierarchy: cfg.hierarchy,
         machine: machine(),
+        cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
     };
     let all: Vec<usize> = (0..links.len()).collect();
     exchange(links, &all, rank, &mine)
@@ -769,7 +782,13 @@ mod tests {
     use super::{Hierarchy, Transport, Where, decide};
 
     fn w(place: &str, t: Transport) -> Where {
-        Where { place: place.into(), transport: t, hierarchy: Hierarchy::Auto, machine: String::new() }
+        Where {
+            place: place.into(),
+            transport: t,
+            hierarchy: Hierarchy::Auto,
+            machine: String::new(),
+            cores: 0,
+        }
     }
 
     #[test]

@@ -50,6 +50,14 @@ impl Comm {
         }
     }
 
+    /// The TCP ring's chunk in KiB as the ranks settled it; `None` on NCCL (no ring of ours).
+    pub(super) fn chunk_kb(&self) -> Option<usize> {
+        match self {
+            Comm::Tcp(c) => Some(c.chunk_bytes() >> 10),
+            Comm::Nccl(_) => None,
+        }
+    }
+
     /// Meet the other ranks (rendezvous through rank 0's store) and connect `c`'s backend.
     pub(super) fn connect(c: &DdpConfig) -> anyhow::Result<Comm> {
         let cfg = &c.rendezvous;
@@ -58,7 +66,8 @@ impl Comm {
             Backend::Tcp => {
                 let ring = RingConfig {
                     timeout: cfg.timeout,
-                    chunk_bytes: c.chunk_kb << 10,
+                    chunk_bytes: c.chunk_kb.map_or(RingConfig::default().chunk_bytes, |k| k << 10),
+                    chunk_auto: c.chunk_kb.is_none(),
                     transport: c.transport,
                     hierarchy: c.hierarchy,
                     ..RingConfig::default()
@@ -119,8 +128,8 @@ pub struct DdpConfig {
     pub sync_every: u64,
     /// Reduce each bucket while backward computes the rest.
     pub overlap: bool,
-    /// The TCP ring's chunk, KiB.
-    pub chunk_kb: usize,
+    /// The TCP ring's chunk, KiB (`None`: the ranks choose, [`RingConfig::chunk_auto`]).
+    pub chunk_kb: Option<usize>,
     /// How the TCP ring reaches its neighbours.
     pub transport: Transport,
     /// Whether the TCP backend's all-reduce goes through the hosts.
@@ -154,7 +163,6 @@ pub struct Ddp {
     sync_every: u64,
     micro: u64,
     overlap: bool,
-    chunk_kb: usize,
     /// Host copy of the gradients for staged reductions.
     staging: Vec<f32>,
     /// Timeline recorder (`--trace`).
@@ -188,7 +196,6 @@ impl Ddp {
             sync_every: c.sync_every,
             micro: 0,
             overlap: c.overlap,
-            chunk_kb: c.chunk_kb,
             staging: Vec::new(),
             trace: c.trace,
             state_bytes: 0,
@@ -443,7 +450,7 @@ impl Strategy for Ddp {
         m.insert("buckets".into(), self.plan.as_ref().map_or(0, |p| p.buckets.len()).into());
         m.insert("sync_every".into(), self.sync_every.into());
         m.insert("overlap".into(), self.overlap.into());
-        m.insert("chunk_kb".into(), self.chunk_kb.into());
+        m.insert("chunk_kb".into(), self.comm.chunk_kb().into());
         m.insert("compression".into(), self.compression.to_string().into());
         super::describe_memory(&mut m, self.state_bytes);
         let v = self.comm.describe(&mut m);

@@ -71,7 +71,6 @@ pub struct Zero1 {
     sync_every: u64,
     micro: u64,
     overlap: bool,
-    chunk_kb: usize,
     gather_momentum: bool,
     /// Optimiser-state bytes held once started: the shard (and nothing in the engine).
     state_bytes: usize,
@@ -97,7 +96,6 @@ impl Zero1 {
             sync_every: d.sync_every,
             micro: 0,
             overlap: d.overlap,
-            chunk_kb: d.chunk_kb,
             gather_momentum: c.gather_momentum,
             state_bytes: 0,
             trace: d.trace,
@@ -377,7 +375,7 @@ impl Strategy for Zero1 {
         m.insert("buckets".into(), self.plan.as_ref().map_or(0, |p| p.buckets.len()).into());
         m.insert("sync_every".into(), self.sync_every.into());
         m.insert("overlap".into(), self.overlap.into());
-        m.insert("chunk_kb".into(), self.chunk_kb.into());
+        m.insert("chunk_kb".into(), self.comm.chunk_kb().into());
         m.insert("shard_values".into(), self.momentum.len().into());
         describe_memory(&mut m, self.state_bytes);
         let v = self.comm.describe(&mut m);
