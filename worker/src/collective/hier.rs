@@ -121,10 +121,10 @@ fn hierarchical(h: Hierarchy, hosts: usize, world: usize) -> bool {
 /// rank that differs from this one.
 fn agree(all: &[Where], me: usize) -> Result<()> {
     let mine = &all[me];
-    match all.iter().enumerate().find(|(_, w)| w.transport != mine.transport || w.hierarchy != mine.hierarchy)
+    if let Some((r, w)) =
+        all.iter().enumerate().find(|(_, w)| w.transport != mine.transport || w.hierarchy != mine.hierarchy)
     {
-        None => Ok(()),
-        Some((r, w)) => Err(CommError::Protocol {
+        return Err(CommError::Protocol {
             peer: r,
             why: format!(
                 "runs with --transport {} --hierarchy {}, this rank with --transport {} --hierarchy {} \
@@ -134,8 +134,31 @@ fn agree(all: &[Where], me: usize) -> Result<()> {
                 mine.transport.name(),
                 mine.hierarchy.name()
             ),
+        });
+    }
+    // A rank that did not say its chunk (0) is one of an older protocol: not compared.
+    let chunk = |w: &Where| (w.chunk_bytes, w.chunk_auto);
+    let said = |w: &Where| w.chunk_bytes != 0;
+    match all.iter().enumerate().find(|(_, w)| said(w) && said(mine) && chunk(w) != chunk(mine)) {
+        None => Ok(()),
+        Some((r, w)) => Err(CommError::Protocol {
+            peer: r,
+            why: format!(
+                "cuts chunks of {}, this rank of {} (every rank must be given the same --chunk-kb)",
+                chunk_flag(w),
+                chunk_flag(mine)
+            ),
         }),
     }
+}
+
+/// A rank's chunk as its flag reads: `--chunk-kb N`, or the default it was left at.
+fn chunk_flag(w: &Where) -> String {
+    let size = match w.chunk_bytes {
+        b if b % 1024 == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} bytes"),
+    };
+    if w.chunk_auto { format!("{size} or less (no --chunk-kb)") } else { format!("{size} (--chunk-kb)") }
 }
 
 /// What the set-up decided: the flat ring's shared-memory rings (when it runs on them) and
@@ -366,6 +389,8 @@ mod tests {
                 hierarchy: Hierarchy::Auto,
                 machine: String::new(),
                 cores: 0,
+                chunk_bytes: 1 << 20,
+                chunk_auto: true,
             })
             .collect()
     }
@@ -420,5 +445,14 @@ mod tests {
         let e = agree(&all, 0).unwrap_err();
         assert_eq!(e.culprit(), Some(2));
         assert!(e.to_string().contains("--hierarchy off"), "{e}");
+        // A chunk given to one rank only: its chunks would not be the others'.
+        let mut all = at(&["a", "a", "b"]);
+        (all[1].chunk_bytes, all[1].chunk_auto) = (256 << 10, false);
+        let e = agree(&all, 0).unwrap_err();
+        assert_eq!(e.culprit(), Some(1));
+        assert!(e.to_string().contains("256 KiB (--chunk-kb), this rank of 1024 KiB or less"), "{e}");
+        // A rank of an older protocol says nothing of its chunk: not held against it.
+        all[1].chunk_bytes = 0;
+        assert!(agree(&all, 0).is_ok());
     }
 }

@@ -314,6 +314,12 @@ pub(crate) struct Where {
     /// That machine's cores (0: unknown).
     #[serde(default)]
     pub(crate) cores: usize,
+    /// Its `--chunk-kb` in bytes (0: not said), and whether the ranks may cut smaller chunks
+    /// together (none was given): every rank must cut the same chunks.
+    #[serde(default)]
+    pub(crate) chunk_bytes: usize,
+    #[serde(default)]
+    pub(crate) chunk_auto: bool,
 }
 
 /// Round 1 of the set-up: tell every peer where this rank is and what it asked for, and
@@ -325,6 +331,8 @@ pub(crate) fn survey(links: &mut [Option<Link>], rank: usize, cfg: &RingConfig) 
         hierarchy: cfg.hierarchy,
         machine: machine(),
         cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
+        chunk_bytes: cfg.chunk_bytes,
+        chunk_auto: cfg.chunk_auto,
     };
     let all: Vec<usize> = (0..links.len()).collect();
     exchange(links, &all, rank, &mine)
@@ -788,6 +796,8 @@ mod tests {
             hierarchy: Hierarchy::Auto,
             machine: String::new(),
             cores: 0,
+            chunk_bytes: 0,
+            chunk_auto: false,
         }
     }
 
