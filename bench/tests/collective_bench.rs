@@ -33,28 +33,42 @@ fn bench_sized(tag: &str, sizes: &[&str], args: &[&str]) -> (String, String) {
     (stdout, stderr)
 }
 
-/// (ranks, ranks as, transport, size, busbw, #wrong, all-reduce, vs flat ring) per row of the
-/// table.
-type Row = (usize, String, String, String, f64, usize, String, String);
+/// (ranks, ranks as, transport, size, busbw, #wrong, all-reduce, vs flat ring, of plain) per
+/// row of gradsync's own (backend tcp) in the table.
+type Row = (usize, String, String, String, f64, usize, String, String, String);
 
 fn rows(table: &str) -> Vec<Row> {
+    backend_rows(table, "tcp")
+}
+
+/// The table's rows of `backend` (tcp: gradsync's; gloo; plain).
+fn backend_rows(table: &str, backend: &str) -> Vec<Row> {
     table
         .lines()
         .filter(|l| l.starts_with('|'))
         .filter_map(|l| {
             let f: Vec<&str> = l.split('|').map(str::trim).collect();
+            (f[3] == backend).then_some(())?;
             Some((
                 f[1].parse().ok()?,
                 f[2].to_string(),
                 f[4].to_string(),
                 f[6].to_string(),
                 f[9].parse().ok()?,
-                f[14].parse().ok()?,
+                f[15].parse().ok()?,
                 f[5].to_string(),
-                f[13].to_string(),
+                f[14].to_string(),
+                f[11].to_string(),
             ))
         })
         .collect()
+}
+
+/// "87% (80-95)": the median, least and most of a row's busbw over plain sockets', percent.
+fn percent_range(cell: &str) -> [f64; 3] {
+    let (med, range) = cell.split_once("% (").unwrap_or_else(|| panic!("not a percent range: {cell:?}"));
+    let (lo, hi) = range.trim_end_matches(')').split_once('-').unwrap();
+    [med, lo, hi].map(|v| v.parse().unwrap())
 }
 
 /// Marks the processes of one test's run (rank processes inherit it), so that tests running
@@ -99,7 +113,24 @@ fn one_process_per_rank_by_default_and_none_left_behind() {
     let rows = rows(&out);
     check(&rows, "processes", &["tcp", "auto (shm)"]);
     assert!(out.contains("median of 2 interleaved rounds"), "{out}");
+    // Plain sockets moved the same bytes per rank around the ring, checked, one row per size,
+    // and every row of gradsync's is set against them.
+    let plain = backend_rows(&out, "plain");
+    check(&plain, "processes", &["tcp"]);
+    assert!(plain.iter().all(|r| r.8 == "100% (100-100)"), "{plain:?}");
+    for r in &rows {
+        let [med, lo, hi] = percent_range(&r.8);
+        assert!(lo > 0.0 && lo <= med && med <= hi, "{r:?}");
+    }
     assert_eq!(processes_left(tag), 0, "rank processes outlived the benchmark");
+}
+
+#[test]
+fn no_plain_leaves_the_plain_rows_out() {
+    let (out, _) = bench("no-plain", &["--ranks", "2", "--transport", "tcp", "--no-plain"]);
+    check(&rows(&out), "processes", &["tcp"]);
+    assert!(backend_rows(&out, "plain").is_empty(), "{out}");
+    assert!(rows(&out).iter().all(|r| r.8.is_empty()), "{out}");
 }
 
 #[test]

@@ -41,9 +41,10 @@ use crate::hosts::Hosts;
 use crate::rawtcp::Yardstick;
 use crate::table::{Table, median};
 
+mod plain;
 mod processes;
 
-use processes::{Place, find_python, gloo, tcp_processes};
+use processes::{Place, find_python, gloo, plain_processes, tcp_processes};
 
 /// How long a rank waits for its peers (connecting, and in any collective).
 const RANK_TIMEOUT: Duration = Duration::from_secs(120);
@@ -108,6 +109,10 @@ pub struct CollectiveArgs {
     /// Leave out the gloo rows even when a Python with torch is found.
     #[arg(long)]
     pub no_gloo: bool,
+    /// Leave out the plain-sockets rows (the same bytes per rank around the ring, nothing
+    /// computed: the yardstick the "of plain" column divides by).
+    #[arg(long)]
+    pub no_plain: bool,
 }
 
 /// Flags of `gradsync-bench collective-rank`: one rank of a `collective` run in processes
@@ -142,6 +147,9 @@ pub struct RankArgs {
     /// Socket buffer size to ask for, KiB (0: the kernel's autotuning).
     #[arg(long, default_value_t = 4096)]
     pub socket_buffer_kb: usize,
+    /// Stream the bytes a ring all-reduce sends over plain sockets instead (the plain row).
+    #[arg(long)]
+    pub plain: bool,
 }
 
 /// One measured row.
@@ -268,15 +276,30 @@ pub fn run_rank(a: &RankArgs) -> anyhow::Result<()> {
         nccl: false,
     };
     let j = join_with_store(&rc, listener.map(|(l, _)| l))?;
+    let print = |row: &Row| {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{}", serde_json::to_string(row).unwrap_or_default());
+        let _ = out.flush();
+    };
+    if a.plain {
+        let right = j.mesh.addrs[(a.rank + 1) % a.world];
+        let buffer = (a.socket_buffer_kb > 0).then_some(a.socket_buffer_kb << 10);
+        let (mut tx, mut rx) = plain::connect(&j.listener, (a.rank, a.world), right, buffer, RANK_TIMEOUT)?;
+        plain::time_rank(
+            (&mut tx, &mut rx),
+            (a.rank, a.world),
+            &a.sizes,
+            a.budget_bytes,
+            RANK_TIMEOUT,
+            print,
+        )?;
+        return Ok(());
+    }
     let cfg = ring_config(a.chunk_kb, a.socket_buffer_kb, a.transport, a.hierarchy);
     let mut c = TcpComm::connect(j.listener, &j.mesh, cfg)?;
     let said = serde_json::json!({ "transport": c.transport().name(), "hosts": c.hosts(), "chunk_kb": c.chunk_bytes() >> 10 });
     println!("{said}");
-    time_rank(&mut c, &a.sizes, a.budget_bytes, |row| {
-        let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "{}", serde_json::to_string(row).unwrap_or_default());
-        let _ = out.flush();
-    })?;
+    time_rank(&mut c, &a.sizes, a.budget_bytes, print)?;
     Ok(())
 }
 
@@ -448,6 +471,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
         "algbw GB/s",
         "busbw GB/s",
         "busbw/raw",
+        "of plain",
         "gloo busbw",
         "vs gloo",
         "vs flat ring",
@@ -483,6 +507,8 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
         }
         let mut measured: Vec<Measured> = series.iter().map(|_| Measured::default()).collect();
         let mut gloo_m = Measured::default();
+        let mut plain_m = Measured::default();
+        let plain = !a.no_plain && a.backend.iter().any(|b| b == "tcp");
         for round in 0..a.rounds {
             for (s, m) in series.iter().zip(&mut measured) {
                 let (rows, label, path) = match (s.backend.as_str(), s.transport) {
@@ -513,6 +539,12 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                 m.label = label;
                 m.path = path;
             }
+            if plain {
+                plain_m.add(
+                    &plain_processes(world, &sizes, a, place)
+                        .with_context(|| format!("plain sockets, {world} ranks, round {round}"))?,
+                );
+            }
             if let Some(py) = &python {
                 match gloo(py, world, &sizes, a, place) {
                     Ok(rows) => gloo_m.add(&rows),
@@ -524,6 +556,12 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
         }
         let gloo_med = gloo_m.medians();
         let gloo_bus = |bytes: usize| gloo_med.get(&bytes).map(|&s| busbw(bytes as f64 / s / 1e9, world));
+        // A row's busbw over plain sockets' in the same rounds, median (least-most), percent.
+        let of_plain = |m: &Measured, bytes: usize| {
+            m.speedup_over(&plain_m, bytes)
+                .map(|(med, lo, hi)| format!("{:.0}% ({:.0}-{:.0})", med * 100.0, lo * 100.0, hi * 100.0))
+                .unwrap_or_default()
+        };
         // A hierarchical row's flat ring: the same backend and transport with --hierarchy off.
         let flat_of = |s: &Series, m: &Measured| {
             let hier = m.path.contains("hier");
@@ -552,6 +590,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                     format!("{:.3}", row.algbw()),
                     format!("{bus:.3}"),
                     format!("{:.2}", bus / raw),
+                    of_plain(m, bytes),
                     g.map(|g| format!("{g:.3}")).unwrap_or_default(),
                     g.map(|g| format!("{:.2}x", bus / g)).unwrap_or_default(),
                     flat.and_then(|f| m.speedup_over(f, bytes))
@@ -561,14 +600,17 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                 ]);
             }
         }
-        if python.is_some() {
-            for (bytes, secs) in gloo_med {
-                let row = Row { bytes, secs, wrong: gloo_m.wrong.get(&bytes).copied().unwrap_or(0) };
+        // gloo's rows, then plain sockets': each beside gloo's busbw (for the plain row, how far
+        // above gloo the bare sockets go).
+        for (backend, m) in [("gloo", &gloo_m), ("plain", &plain_m)] {
+            for (bytes, secs) in m.medians() {
+                let row = Row { bytes, secs, wrong: m.wrong.get(&bytes).copied().unwrap_or(0) };
                 let bus = busbw(row.algbw(), world);
+                let g = gloo_bus(bytes);
                 t.row(vec![
                     world.to_string(),
                     "processes".into(),
-                    "gloo".into(),
+                    backend.into(),
                     "tcp".into(),
                     "-".into(),
                     human(row.bytes),
@@ -576,8 +618,9 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                     format!("{:.3}", row.algbw()),
                     format!("{bus:.3}"),
                     format!("{:.2}", bus / raw),
-                    format!("{bus:.3}"),
-                    "1.00x".into(),
+                    of_plain(m, bytes),
+                    g.map(|g| format!("{g:.3}")).unwrap_or_default(),
+                    g.map(|g| format!("{:.2}x", bus / g)).unwrap_or_default(),
                     String::new(),
                     row.wrong.to_string(),
                 ]);
@@ -587,7 +630,12 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
     print!("{}", t.render());
     println!(
         "median of {} interleaved rounds; busbw = algbw * 2(n-1)/n (nccl-tests); busbw/raw: link \
-         efficiency against one raw TCP stream; vs gloo: our busbw over PyTorch gloo's (gloo's \
+         efficiency against one raw TCP stream; plain: plain sockets streaming the bytes a ring \
+         all-reduce sends per rank (2(n-1)/n of the buffer) to the right neighbour while draining \
+         as many from the left, nothing computed, one process per rank: what these sockets carry \
+         in this topology with nothing else to do (a yardstick, not a bound: a library that moves \
+         bytes better can pass it; its vs gloo: how far above gloo the bare sockets go); of \
+         plain: busbw over plain's, median over rounds (least-most); vs gloo: our busbw over PyTorch gloo's (gloo's \
          ranks are always processes); vs flat ring: a hierarchical all-reduce's speed over the flat \
          ring's (--hierarchy off, same transport), median over rounds (least-most); ranks as: one process per rank, or threads of this \
          process; transport: what the TCP backend's ring ran on (tcp: sockets; auto (shm): shared \

@@ -151,6 +151,23 @@ fn processes(
     Ok((slowest(per_rank)?, said.unwrap_or_default()))
 }
 
+/// This binary's `collective-rank` as rank `rank` of `world` runs it at `place`.
+fn rank_command(
+    place: Place<'_>,
+    (rank, world): (usize, usize),
+    master: &str,
+    sizes: &[usize],
+    a: &CollectiveArgs,
+) -> anyhow::Result<Command> {
+    let list: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
+    let mut c = place.command(rank, &std::env::current_exe()?)?;
+    c.args(["collective-rank", "--rank", &rank.to_string(), "--world", &world.to_string()])
+        .args(["--master", master, "--sizes", &list.join(",")])
+        .args(["--budget-bytes", &a.budget_bytes.to_string()])
+        .args(["--socket-buffer-kb", &a.socket_buffer_kb.to_string()]);
+    Ok(c)
+}
+
 /// gradsync's TCP backend on `s`'s transport and hierarchy, one process per rank.
 pub(super) fn tcp_processes(
     world: usize,
@@ -160,15 +177,9 @@ pub(super) fn tcp_processes(
     place: Place<'_>,
 ) -> anyhow::Result<(Vec<Row>, Ran)> {
     let transport = s.transport.unwrap_or_default();
-    let me = std::env::current_exe()?;
-    let list: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
     let (rows, said) = processes(world, place, |rank, master| {
-        let mut c = place.command(rank, &me)?;
-        c.args(["collective-rank", "--rank", &rank.to_string(), "--world", &world.to_string()])
-            .args(["--master", master, "--sizes", &list.join(",")])
-            .args(["--budget-bytes", &a.budget_bytes.to_string(), "--transport", transport.name()])
-            .args(["--hierarchy", s.hierarchy.name()])
-            .args(["--socket-buffer-kb", &a.socket_buffer_kb.to_string()]);
+        let mut c = rank_command(place, (rank, world), master, sizes, a)?;
+        c.args(["--transport", transport.name(), "--hierarchy", s.hierarchy.name()]);
         if let Some(kb) = a.chunk_kb {
             c.args(["--chunk-kb", &kb.to_string()]);
         }
@@ -179,6 +190,21 @@ pub(super) fn tcp_processes(
         _ => Transport::Tcp,
     };
     Ok((rows, Ran { transport: used, hosts: said.hosts, chunk_kb: said.chunk_kb }))
+}
+
+/// Plain sockets around the ring ([`super::plain`]), one process per rank.
+pub(super) fn plain_processes(
+    world: usize,
+    sizes: &[usize],
+    a: &CollectiveArgs,
+    place: Place<'_>,
+) -> anyhow::Result<Vec<Row>> {
+    let (rows, _) = processes(world, place, |rank, master| {
+        let mut c = rank_command(place, (rank, world), master, sizes, a)?;
+        c.arg("--plain");
+        Ok(c)
+    })?;
+    Ok(rows)
 }
 
 /// PyTorch gloo through `bench/pytorch/allreduce.py`, one process per rank.

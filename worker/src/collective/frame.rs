@@ -91,22 +91,33 @@ impl Link {
             let what = format!("configuring the link to rank {peer}: {what}");
             move |source| CommError::Io { what, source }
         };
-        s.set_nodelay(true).map_err(io("TCP_NODELAY"))?;
-        s.set_read_timeout(Some(cfg.timeout)).map_err(io("read timeout"))?;
-        s.set_write_timeout(Some(cfg.timeout)).map_err(io("write timeout"))?;
-        if let Some(n) = cfg.socket_buffer {
-            let sock = SockRef::from(&s);
-            // Only ever grow: a fixed size below what autotuning would reach slows the link.
-            if sock.send_buffer_size().map_or(true, |cur| cur < n) {
-                sock.set_send_buffer_size(n).map_err(io("SO_SNDBUF"))?;
-            }
-            if sock.recv_buffer_size().map_or(true, |cur| cur < n) {
-                sock.set_recv_buffer_size(n).map_err(io("SO_RCVBUF"))?;
-            }
-        }
+        configure_socket(&s, cfg.timeout, cfg.socket_buffer).map_err(|(what, e)| io(what)(e))?;
         let writer = s.try_clone().map_err(io("cloning the socket"))?;
         Ok(Link { reader: s, writer })
     }
+}
+
+/// Set up a ring socket: no Nagle delay, reads and writes bounded by `timeout`, and send and
+/// receive buffers of at least `buffer` bytes when given (only ever grown: a fixed size below
+/// what autotuning would reach slows the link). The error names the setting that failed.
+pub fn configure_socket(
+    s: &TcpStream,
+    timeout: Duration,
+    buffer: Option<usize>,
+) -> std::result::Result<(), (&'static str, io::Error)> {
+    s.set_nodelay(true).map_err(|e| ("TCP_NODELAY", e))?;
+    s.set_read_timeout(Some(timeout)).map_err(|e| ("read timeout", e))?;
+    s.set_write_timeout(Some(timeout)).map_err(|e| ("write timeout", e))?;
+    if let Some(n) = buffer {
+        let sock = SockRef::from(s);
+        if sock.send_buffer_size().map_or(true, |cur| cur < n) {
+            sock.set_send_buffer_size(n).map_err(|e| ("SO_SNDBUF", e))?;
+        }
+        if sock.recv_buffer_size().map_or(true, |cur| cur < n) {
+            sock.set_recv_buffer_size(n).map_err(|e| ("SO_RCVBUF", e))?;
+        }
+    }
+    Ok(())
 }
 
 /// A frame's tag: the operation, and in the second byte the format of its values.

@@ -56,6 +56,7 @@ pub use gradsync_core::model::segment;
 use serde::{Deserialize, Serialize};
 
 pub use comm::TcpComm;
+pub use frame::configure_socket;
 pub use gradsync_core::compress::Half;
 pub use nccl::Nccl;
 pub use reduce::{pack, packed_len, unpack};
