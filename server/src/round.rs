@@ -700,8 +700,14 @@ mod tests {
     /// summed in rank order, then one `sgd_step`.
     #[test]
     fn pipelined_step_equals_the_serial_step_bit_for_bit() {
+        // One rank (its gradient copied), two and three (added in rank order).
+        for ranks in 1..=3 {
+            pipelined_step_equals_the_serial_step_with(ranks);
+        }
+    }
+
+    fn pipelined_step_equals_the_serial_step_with(ranks: usize) {
         let n = 3 * SUB + 77;
-        let ranks = 3;
         let grads: Vec<Vec<f32>> = (0..ranks).map(|k| (0..n).map(|i| val(k, i)).collect()).collect();
         let cfg = SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.01 };
         let p0: Vec<f32> = (0..n).map(|i| val(9, i)).collect();
@@ -714,10 +720,10 @@ mod tests {
                 *s += g;
             }
         }
-        sgd_step(&cfg, &mut want_p, &sum, &mut want_m, 1.0 / 3.0);
+        sgd_step(&cfg, &mut want_p, &sum, &mut want_m, 1.0 / ranks as f32);
 
         // Blocks of 10 000 values; rank k sends pieces of 7 000 + 1 000 k values, ranks
-        // interleaved with rank 2 first.
+        // interleaved, the highest rank first.
         let start = Start { params: Params::from_values(p0), momentum: Arc::new(m0), ..Start::default() };
         let round = Round::new(1, start, 40_000, cfg, (0..ranks).collect());
         let mut at = vec![0usize; ranks];
@@ -749,12 +755,12 @@ mod tests {
             from_image.extend(payload.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
         }
         assert_eq!(from_image, want_p);
-        assert_eq!(f.ranks.iter().map(|r| r.0).collect::<Vec<_>>(), vec![0, 1, 2]);
+        assert_eq!(f.ranks.iter().map(|r| r.0).collect::<Vec<_>>(), (0..ranks).collect::<Vec<_>>());
 
         // A second step reads the parameters out of the first one's image: with the same
         // blocks, and with other blocks (then decoded to values first). Both equal a second
         // serial step bit for bit.
-        sgd_step(&cfg, &mut want_p, &sum, &mut want_m, 1.0 / 3.0);
+        sgd_step(&cfg, &mut want_p, &sum, &mut want_m, 1.0 / ranks as f32);
         for chunk_bytes in [40_000, 30_000] {
             let params = Params::from_image(Framed::from_chunks(f.image.clone()));
             let start = Start { params, momentum: Arc::new(f.momentum.clone()), ..Start::default() };
