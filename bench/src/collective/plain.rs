@@ -158,17 +158,18 @@ fn pass_threads(
     })
 }
 
-/// Every rank has arrived: a token once around the ring and once more, so no rank leaves
-/// before all have entered.
-fn barrier(tx: &mut TcpStream, rx: &mut TcpStream, timeout: Duration) -> std::io::Result<()> {
+/// Every rank has arrived: `world - 1` passes of a token to the right. A rank sends its token
+/// of pass `k` only once it has the one of pass `k - 1` from its left, so after pass `k` it
+/// knows the `k` ranks to its left have entered, and after `world - 1` every rank has.
+fn barrier(tx: &mut TcpStream, rx: &mut TcpStream, world: usize, timeout: Duration) -> std::io::Result<()> {
     let mut b = [0u8; 1];
-    for _ in 0..2 {
+    for _ in 0..world.saturating_sub(1).max(1) {
         pass(Some(&mut *tx), Some(&mut *rx), &[1], &mut b, timeout)?;
     }
     Ok(())
 }
 
-/// Time each size as [`super::time_rank`] times an all-reduce: one checked pass (a value not
+/// Time each size as [`super::time_rank`] times an all-reduce: one checked pass (a byte not
 /// the left neighbour's mark counts as wrong), then `iters` passes between barriers.
 pub(super) fn time_rank(
     (tx, rx): (&mut TcpStream, &mut TcpStream),
@@ -197,7 +198,7 @@ pub(super) fn time_rank(
         once(tx, rx, &mut recv).with_context(|| format!("{bytes} B, the checked pass"))?;
         let wrong = recv.iter().filter(|&&b| b != mark(left)).count();
         let iters = (budget / bytes.max(1)).clamp(3, 200);
-        barrier(tx, rx, timeout).context("waiting for every rank")?;
+        barrier(tx, rx, world, timeout).context("waiting for every rank")?;
         let t = Instant::now();
         for _ in 0..iters {
             once(tx, rx, &mut recv).with_context(|| format!("{bytes} B"))?;
