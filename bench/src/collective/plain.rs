@@ -1,9 +1,9 @@
 //! Plain sockets around the ring: the yardstick beside every all-reduce row. Each rank streams
 //! exactly the bytes a ring all-reduce of `S` sends per rank, `2(n-1)/n * S`, to its right
 //! neighbour while it drains as many from its left, in 1 MiB writes and reads: no framing, no
-//! steps waiting on each other, no arithmetic. Its engine follows the ring's own rule: a
-//! sending thread beside the receiving one where the ranks have a core each, one thread
-//! polling both sockets where they outnumber the cores.
+//! steps waiting on each other, no arithmetic. Its engine follows the ring's own rule for large
+//! transfers: a sending thread beside the receiving one where the ranks have a core each, one
+//! thread polling both sockets where they outnumber the cores.
 //!
 //! Its busbw (the same formula) is what these sockets carry in this topology with nothing else
 //! to do, so a library's busbw as a fraction of it says how much of the machine's socket
