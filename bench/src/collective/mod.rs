@@ -387,35 +387,37 @@ struct Series {
     hierarchy: Hierarchy,
 }
 
-/// Each series' times per round, by size; and the transport and all-reduce labels it ended
-/// up with.
+/// Each series' times per round, by size (keyed by the round, so that a round one series
+/// lost, a gloo run that failed, leaves no gap that would pair the others' rounds wrongly);
+/// and the transport and all-reduce labels it ended up with.
 #[derive(Default)]
 struct Measured {
-    secs: BTreeMap<usize, Vec<f64>>,
+    secs: BTreeMap<usize, BTreeMap<usize, f64>>,
     wrong: BTreeMap<usize, usize>,
     label: String,
     path: String,
 }
 
 impl Measured {
-    fn add(&mut self, rows: &[Row]) {
+    /// `rows` as measured in round `round`.
+    fn add(&mut self, round: usize, rows: &[Row]) {
         for r in rows {
-            self.secs.entry(r.bytes).or_default().push(r.secs);
+            self.secs.entry(r.bytes).or_default().insert(round, r.secs);
             *self.wrong.entry(r.bytes).or_default() += r.wrong;
         }
     }
 
     /// The median time per size over rounds.
     fn medians(&self) -> BTreeMap<usize, f64> {
-        self.secs.iter().map(|(&b, v)| (b, median(v))).collect()
+        self.secs.iter().map(|(&b, v)| (b, median(&v.values().copied().collect::<Vec<_>>()))).collect()
     }
 
     /// How many times faster than `base` each round ran `bytes` (the rounds interleave, so
-    /// round `i` of both saw the same machine): median, least and most, `None` if either lacks
-    /// the size.
+    /// round `i` of both saw the same machine), over the rounds both have: median, least and
+    /// most, `None` if they share none.
     fn speedup_over(&self, base: &Measured, bytes: usize) -> Option<(f64, f64, f64)> {
         let (mine, theirs) = (self.secs.get(&bytes)?, base.secs.get(&bytes)?);
-        let r: Vec<f64> = mine.iter().zip(theirs).map(|(m, t)| t / m).collect();
+        let r: Vec<f64> = mine.iter().filter_map(|(round, m)| theirs.get(round).map(|t| t / m)).collect();
         let (lo, hi) = r.iter().fold((f64::INFINITY, 0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
         (!r.is_empty()).then(|| (median(&r), lo, hi))
     }
@@ -535,19 +537,20 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                     }
                     _ => (nccl_single(&sizes, a)?, "-".to_string(), "-".to_string()),
                 };
-                m.add(&rows);
+                m.add(round, &rows);
                 m.label = label;
                 m.path = path;
             }
             if plain {
                 plain_m.add(
+                    round,
                     &plain_processes(world, &sizes, a, place)
                         .with_context(|| format!("plain sockets, {world} ranks, round {round}"))?,
                 );
             }
             if let Some(py) = &python {
                 match gloo(py, world, &sizes, a, place) {
-                    Ok(rows) => gloo_m.add(&rows),
+                    Ok(rows) => gloo_m.add(round, &rows),
                     Err(e) => {
                         eprintln!("gradsync-bench collective: gloo, {world} ranks, round {round}: {e:#}")
                     }
@@ -645,4 +648,27 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
         a.rounds
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(secs: f64) -> Vec<Row> {
+        vec![Row { bytes: 64, secs, wrong: 0 }]
+    }
+
+    #[test]
+    fn a_round_one_series_lost_is_left_out_of_the_pairs() {
+        let (mut base, mut other) = (Measured::default(), Measured::default());
+        for (round, secs) in [1.0, 2.0, 4.0].into_iter().enumerate() {
+            base.add(round, &rows(secs));
+        }
+        // Round 1 failed for the other series: its rounds 0 and 2 pair with the base's 0 and 2.
+        other.add(0, &rows(1.0));
+        other.add(2, &rows(2.0));
+        assert_eq!(other.speedup_over(&base, 64), Some((1.5, 1.0, 2.0)));
+        assert_eq!(other.medians().get(&64), Some(&1.5));
+        assert_eq!(other.speedup_over(&base, 128), None, "a size neither measured");
+    }
 }
