@@ -191,14 +191,13 @@ fn ring_config(
     hierarchy: Hierarchy,
 ) -> RingConfig {
     RingConfig {
-        chunk_bytes: chunk_kb.map_or(RingConfig::default().chunk_bytes, |k| k << 10),
-        chunk_auto: chunk_kb.is_none(),
         socket_buffer: (socket_buffer_kb > 0).then_some(socket_buffer_kb << 10),
         transport,
         hierarchy,
         timeout: RANK_TIMEOUT,
         ..RingConfig::default()
     }
+    .with_chunk_kb(chunk_kb)
 }
 
 /// Rank `r`'s own contribution to the checked all-reduce at element `i`: varied along the

@@ -324,6 +324,18 @@ pub enum SocketEngine {
     SenderThread,
 }
 
+impl RingConfig {
+    /// This configuration with the chunk a `--chunk-kb` flag gives: that many KiB, kept as
+    /// given; the default chunk, which the ranks may cut smaller together, when none is given.
+    pub fn with_chunk_kb(self, kb: Option<usize>) -> RingConfig {
+        RingConfig {
+            chunk_bytes: kb.map_or(RingConfig::default().chunk_bytes, |k| k << 10),
+            chunk_auto: kb.is_none(),
+            ..self
+        }
+    }
+}
+
 impl Default for RingConfig {
     fn default() -> Self {
         RingConfig {

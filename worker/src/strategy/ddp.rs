@@ -66,12 +66,11 @@ impl Comm {
             Backend::Tcp => {
                 let ring = RingConfig {
                     timeout: cfg.timeout,
-                    chunk_bytes: c.chunk_kb.map_or(RingConfig::default().chunk_bytes, |k| k << 10),
-                    chunk_auto: c.chunk_kb.is_none(),
                     transport: c.transport,
                     hierarchy: c.hierarchy,
                     ..RingConfig::default()
-                };
+                }
+                .with_chunk_kb(c.chunk_kb);
                 Comm::Tcp(Box::new(
                     rendezvous::connect_tcp(cfg, ring)
                         .with_context(|| format!("joining the ring of {world} ranks at {}", cfg.master))?,
