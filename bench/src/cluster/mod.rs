@@ -25,6 +25,10 @@ pub use net::{Cluster, ClusterError, Shape};
 /// Steps per cluster run unless `--steps` says otherwise.
 const CLUSTER_STEPS: u64 = 30;
 
+/// Runs of each cell with a step budget unless `--repeats` says otherwise: the report ranks
+/// modes only by repeats' medians and ranges.
+const CLUSTER_REPEATS: usize = 3;
+
 /// Flags of `gradsync-bench cluster`.
 #[derive(Debug, Clone, Args)]
 pub struct ClusterArgs {
@@ -64,15 +68,21 @@ pub struct ClusterArgs {
     #[arg(long)]
     pub steps: Option<u64>,
     /// Keep the scenario's convergence measurement (its epochs or steps, evaluation, target
-    /// accuracy and repeats) instead of a short step budget of one run per cell: time to
+    /// accuracy and repeats) instead of a short step budget with no evaluation: time to
     /// accuracy on the emulated links, where bytes cost what the link makes them cost.
     #[arg(long)]
     pub to_accuracy: bool,
+    /// Runs of each cell (default: 3 with the step budget, the scenario's with
+    /// --to-accuracy). With 1 the report lists the figures without ranking them: one run has
+    /// no spread to set a difference against.
+    #[arg(long)]
+    pub repeats: Option<usize>,
 }
 
 /// The scenario a cluster runs: `s` with the flags' modes, workers, shards and models, and
-/// either a step budget of one run per cell with no evaluation (the step's communication) or,
-/// with `--to-accuracy`, the scenario's own convergence measurement.
+/// either a step budget with no evaluation (the step's communication), each cell run
+/// [`CLUSTER_REPEATS`] times, or, with `--to-accuracy`, the scenario's own convergence
+/// measurement; `--repeats` replaces either count.
 pub fn cluster_scenario(mut s: Scenario, a: &ClusterArgs) -> anyhow::Result<Scenario> {
     s.modes = a.modes.clone();
     s.workers = vec![a.workers];
@@ -91,7 +101,11 @@ pub fn cluster_scenario(mut s: Scenario, a: &ClusterArgs) -> anyhow::Result<Scen
         }
     } else {
         (s.steps, s.epochs) = (Some(a.steps.unwrap_or(CLUSTER_STEPS)), None);
-        (s.repeats, s.eval_samples, s.target_accuracy) = (1, None, None);
+        (s.repeats, s.eval_samples, s.target_accuracy) = (CLUSTER_REPEATS, None, None);
+    }
+    if let Some(r) = a.repeats {
+        anyhow::ensure!(r >= 1, "--repeats {r}: each cell must run at least once");
+        s.repeats = r;
     }
     Scenario::parse(&toml::to_string(&s).context("writing the scenario")?, "the cluster scenario")
 }
@@ -236,8 +250,16 @@ mod tests {
     fn a_step_budget_unless_asked_for_time_to_accuracy() {
         let defaults = Scenario::load(None).unwrap();
         let s = cluster_scenario(defaults.clone(), &args(&["--workers", "3"])).unwrap();
-        assert_eq!((s.steps, s.epochs, s.repeats), (Some(super::CLUSTER_STEPS), None, 1));
+        assert_eq!(
+            (s.steps, s.epochs, s.repeats),
+            (Some(super::CLUSTER_STEPS), None, super::CLUSTER_REPEATS)
+        );
+        assert!(s.repeats > 1, "a ranking needs repeats");
         assert_eq!((s.eval_samples, s.target_accuracy, s.workers.as_slice()), (None, None, &[3][..]));
+        let s = cluster_scenario(defaults.clone(), &args(&["--repeats", "1"])).unwrap();
+        assert_eq!(s.repeats, 1);
+        let e = cluster_scenario(defaults.clone(), &args(&["--repeats", "0"])).unwrap_err().to_string();
+        assert!(e.contains("--repeats 0"), "{e}");
 
         // --to-accuracy keeps the scenario's epochs, evaluation, target and repeats.
         let s = cluster_scenario(defaults.clone(), &args(&["--to-accuracy"])).unwrap();

@@ -658,6 +658,56 @@ mod tests {
         assert!(text.contains("1 run(s) did not run to their end"), "{text}");
     }
 
+    /// A cell that ran once is listed, never ranked: not as fastest, not as first to the
+    /// target, not in the ring-against-PS verdict, not against DDP; beside cells with repeats
+    /// it is set apart, however fast it was.
+    #[test]
+    fn cells_that_ran_once_are_listed_not_ranked() {
+        let with_step = |mode: &str, repeat: usize, thr: f64, tt: f64| Summary {
+            step_ms: Some(1e5 / thr),
+            ..rep_row(mode, repeat, "ok", thr, Some(tt))
+        };
+        let once = vec![
+            with_step("ddp-tcp", 0, 1000.0, 4.0),
+            with_step("ps-bsp", 0, 800.0, 3.0),
+            with_step("zero1-tcp", 0, 900.0, 5.0),
+        ];
+        let c = collected(once);
+        let g = Group { target: Some(0.97), ..crate::compare::charts::groups(&c).remove(0) };
+        let text = reading(&g, None, None, &c.summaries).join("\n");
+        for ranked in
+            ["is fastest", "are level", "first, in", "is ahead", "faster than DDP", "slower than DDP"]
+        {
+            assert!(!text.contains(ranked), "'{ranked}' from single runs:\n{text}");
+        }
+        assert!(text.contains("At 4 workers, in samples/s: ddp-tcp"), "{text}");
+        assert!(text.contains("ps-bsp k=1 (gRPC over TCP) 800 (one run)"), "{text}");
+        assert!(text.contains("time to 97.0% held-out accuracy: ps-bsp"), "{text}");
+        assert!(text.matches("Not ranked: a cell measured once").count() >= 3, "{text}");
+        assert!(text.contains("not ranked (one run"), "{text}");
+
+        // Repeated cells are ranked; a faster cell that ran once stands apart.
+        let mut rows: Vec<Summary> = (0..3)
+            .flat_map(|r| {
+                [
+                    with_step("ddp-tcp", r, 1000.0 + r as f64, 4.0),
+                    with_step("ps-bsp", r, 800.0 + r as f64, 3.0),
+                ]
+            })
+            .collect();
+        rows.push(with_step("dp", 0, 5000.0, 1.0));
+        let c = collected(rows);
+        let g = Group { target: Some(0.97), ..crate::compare::charts::groups(&c).remove(0) };
+        let text = reading(&g, None, None, &c.summaries).join("\n");
+        assert!(text.contains("At 4 workers: ddp-tcp (TCP sockets) is fastest"), "{text}");
+        assert!(
+            text.contains("Ran once, not ranked: dp (in one process) 5000 (one run) samples/s."),
+            "{text}"
+        );
+        assert!(text.contains("ps-bsp k=1 (gRPC over TCP) reaches 97.0% held-out accuracy first"), "{text}");
+        assert!(text.contains("Ran once, not ranked: dp (in one process) 1.00 s (one run)."), "{text}");
+    }
+
     #[test]
     fn compressed_modes_are_read_against_the_mode_they_compress() {
         let with = |mode: &str, sent: f64, acc: f64, tt: Option<f64>| Summary {

@@ -1,8 +1,18 @@
 //! The reading: what the figures say, sentence by sentence, computed from them: which mode is
 //! fastest and reaches the target first at each worker count (level when the repeats' ranges
-//! overlap), what the cost model predicts, and what the straggler sweep shows.
+//! overlap; not ranked at all where a cell ran once, since one run has no spread to compare),
+//! what the cost model predicts, and what the straggler sweep shows.
 
 use super::*;
+
+/// What a reading says instead of a ranking where a cell ran once.
+const UNRANKED: &str = "Not ranked: a cell measured once has no spread to set a difference against (run \
+     each cell two or more times, `repeats` in the scenario or `--repeats`).";
+
+/// Whether `r`'s cell has two or more complete repeats: what a ranking needs.
+fn repeated(g: &Group, r: &Summary) -> bool {
+    g.cell_of(r).is_some_and(|c| c.runs.len() > 1)
+}
 
 /// What the figures say, sentence by sentence, computed from them.
 pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summary]) -> Vec<String> {
@@ -26,11 +36,32 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
         }
     };
     let thr_range = |r: &Summary| g.cell_of(r).and_then(|c| c.throughput);
+    let listed = |rs: &[&Summary]| -> String {
+        rs.iter()
+            .map(|r| format!("{} {:.0} ({})", Group::series(r), thr(r), spread(r)))
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
     for &n in &ws {
-        let mut at: Vec<&Summary> = g.rows.iter().copied().filter(|r| r.workers == n).collect();
-        at.sort_by(|a, b| thr(b).total_cmp(&thr(a)).then_with(|| a.id.cmp(&b.id)));
-        let Some(best) = at.first() else { continue };
+        // Only cells with repeats are ranked; those that ran once are listed beside them.
+        let (mut at, mut once): (Vec<&Summary>, Vec<&Summary>) =
+            g.rows.iter().copied().filter(|r| r.workers == n).partition(|r| repeated(g, r));
+        for v in [&mut at, &mut once] {
+            v.sort_by(|a, b| thr(b).total_cmp(&thr(a)).then_with(|| a.id.cmp(&b.id)));
+        }
         let s = if n == 1 { "" } else { "s" };
+        let Some(best) = at.first().filter(|_| at.len() > 1 || once.is_empty()) else {
+            if !once.is_empty() || !at.is_empty() {
+                let all: Vec<&Summary> = at.iter().chain(&once).copied().collect();
+                out.push(format!("At {n} worker{s}, in samples/s: {}. {UNRANKED}", listed(&all)));
+            }
+            continue;
+        };
+        let aside = if once.is_empty() {
+            String::new()
+        } else {
+            format!(" Ran once, not ranked: {} samples/s.", listed(&once))
+        };
         match at.get(1) {
             Some(next) if matches!((thr_range(best), thr_range(next)), (Some(a), Some(b)) if overlap(a, b)) =>
             {
@@ -42,12 +73,12 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
                     .map(|r| format!("{} {:.0} ({})", Group::series(r), thr(r), spread(r)))
                     .collect();
                 out.push(format!(
-                    "At {n} worker{s} the fastest are level, their repeats' ranges overlapping: {} samples/s.",
+                    "At {n} worker{s} the fastest are level, their repeats' ranges overlapping: {} samples/s.{aside}",
                     level.join("; ")
                 ));
             }
             next => out.push(format!(
-                "At {n} worker{s}: {} is fastest with {:.0} samples/s ({}){}.",
+                "At {n} worker{s}: {} is fastest with {:.0} samples/s ({}){}.{aside}",
                 Group::series(best),
                 thr(best),
                 spread(best),
@@ -66,26 +97,51 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
     // Time to accuracy: what the user gets, throughput times statistical efficiency.
     if let Some(target) = g.target {
         for &n in ws.iter().filter(|&&n| n > 1) {
-            let mut at: Vec<&Summary> =
-                g.rows.iter().copied().filter(|r| r.workers == n && r.time_to_target_s.is_some()).collect();
-            at.sort_by(|a, b| {
-                a.time_to_target_s.unwrap_or(f64::MAX).total_cmp(&b.time_to_target_s.unwrap_or(f64::MAX))
-            });
+            let (mut at, mut once): (Vec<&Summary>, Vec<&Summary>) = g
+                .rows
+                .iter()
+                .copied()
+                .filter(|r| r.workers == n && r.time_to_target_s.is_some())
+                .partition(|r| repeated(g, r));
+            for v in [&mut at, &mut once] {
+                v.sort_by(|a, b| {
+                    a.time_to_target_s.unwrap_or(f64::MAX).total_cmp(&b.time_to_target_s.unwrap_or(f64::MAX))
+                });
+            }
             let missed: Vec<String> = g
                 .rows
                 .iter()
                 .filter(|r| r.workers == n && r.time_to_target_s.is_none())
                 .map(|r| Group::series(r))
                 .collect();
-            let Some(best) = at.first() else {
+            let tt = |r: &Summary| r.time_to_target_s.unwrap_or(f64::NAN);
+            let tt_range = |r: &Summary| g.cell_of(r).and_then(|c| c.time_to_target);
+            let times = |rs: &[&Summary]| -> String {
+                rs.iter()
+                    .map(|r| format!("{} {:.2} s ({})", Group::series(r), tt(r), spread(r)))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            };
+            if at.is_empty() && once.is_empty() {
                 out.push(format!(
                     "At {n} workers no mode reached {:.1}% held-out accuracy in most of its repeats.",
                     100.0 * target
                 ));
                 continue;
+            }
+            let Some(best) = at.first().filter(|_| at.len() > 1 || once.is_empty()) else {
+                let all: Vec<&Summary> = at.iter().chain(&once).copied().collect();
+                let mut line = format!(
+                    "At {n} workers, time to {:.1}% held-out accuracy: {}. {UNRANKED}",
+                    100.0 * target,
+                    times(&all)
+                );
+                if !missed.is_empty() {
+                    let _ = write!(line, " Not reached: {}.", missed.join(", "));
+                }
+                out.push(line);
+                continue;
             };
-            let tt = |r: &Summary| r.time_to_target_s.unwrap_or(f64::NAN);
-            let tt_range = |r: &Summary| g.cell_of(r).and_then(|c| c.time_to_target);
             let mut line = format!(
                 "At {n} workers {} reaches {:.1}% held-out accuracy first, in {:.2} s of training ({:.1} epochs",
                 Group::series(best),
@@ -130,6 +186,9 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
                 );
             }
             line.push('.');
+            if !once.is_empty() {
+                let _ = write!(line, " Ran once, not ranked: {}.", times(&once));
+            }
             if !missed.is_empty() {
                 let _ = write!(line, " Not reached in most repeats: {}.", missed.join(", "));
             }
@@ -189,11 +248,19 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
             .map(|(n, rt, pt, name)| format!("{n} workers: ring/PS = {:.2} (vs {name})", rt / pt.max(1e-9)))
             .collect();
         let ahead = both.iter().position(|b| b.1 > b.2).filter(|&i| both[i..].iter().all(|b| b.1 > b.2));
+        // The cells the ratios come from: the ring's, and the best parameter server's.
+        let involved = |r: &Summary| {
+            both.iter().any(|b| b.0 == r.workers)
+                && (r.mode == "ddp-tcp"
+                    || (r.mode == ModeKind::PsBsp.label() && Group::series(r) == ps_best[&r.workers].1))
+        };
+        let once = g.rows.iter().any(|r| involved(r) && !repeated(g, r));
         out.push(format!(
             "Ring all-reduce over TCP sockets (ddp-tcp) against the best synchronous parameter server (gRPC over \
              TCP, the same wire), by median throughput: {}. {}",
             parts.join("; "),
             match ahead {
+                _ if once => UNRANKED.to_string(),
                 Some(0) =>
                     format!("The ring is ahead at every worker count measured, from {} on.", both[0].0),
                 Some(i) => format!("The ring pulls ahead at {} workers and stays ahead.", both[i].0),
@@ -265,7 +332,7 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
         }
     }
 
-    out.extend(zero1_against_ddp(g, &ws, thr_range));
+    out.extend(zero1_against_ddp(g, &ws, thr_range, |r| repeated(g, r)));
     out.extend(compressed_against_base(g));
 
     // Measured communication against the model.
@@ -523,6 +590,7 @@ fn zero1_against_ddp(
     g: &Group,
     ws: &[usize],
     thr_range: impl Fn(&Summary) -> Option<(f64, f64)>,
+    repeated: impl Fn(&Summary) -> bool,
 ) -> Vec<String> {
     let mut out = Vec::new();
     let s = g.grad_bytes();
@@ -531,6 +599,7 @@ fn zero1_against_ddp(
         let (Some(z), Some(d)) = (find("zero1-tcp"), find("ddp-tcp")) else { continue };
         let (Some(zt), Some(dt)) = (z.step_ms, d.step_ms) else { continue };
         let verdict = match (thr_range(z), thr_range(d)) {
+            _ if !repeated(z) || !repeated(d) => "not ranked (one run: no spread to compare)",
             (Some(a), Some(b)) if overlap(a, b) => "level with DDP (the repeats' ranges overlap)",
             _ if zt < dt => "faster than DDP",
             _ => "slower than DDP",
