@@ -144,6 +144,8 @@ impl Group<'_> {
                         workers: r.workers,
                         shards: r.shards,
                         points: pts,
+                        // (A cell's median row counts its complete repeats.)
+                        repeated: v.iter().all(|r| r.repeat > 1),
                     }
                 })
             })
@@ -185,6 +187,8 @@ pub struct Slowdown<'a> {
     pub shards: usize,
     /// (injected ms, slowdown), sorted by delay; the first is (0, 1).
     pub points: Vec<(f64, f64)>,
+    /// Whether every point's cell has two or more complete repeats (what ranking needs).
+    pub repeated: bool,
 }
 
 /// Split the summaries into chart groups (model x global batch x emulated link), with their

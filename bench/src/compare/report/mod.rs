@@ -554,7 +554,13 @@ mod tests {
             row("ps-asp", 100, 128.0 / 0.138),
             row("ddp-tcp", 0, 1000.0),
         ];
-        let c = collected(rows.to_vec());
+        // Each cell twice: what ranking the modes needs.
+        let twice = |r: &Summary| {
+            (0..2)
+                .map(|k| Summary { id: format!("{}-r{k}", r.id), repeat: k, ..r.clone() })
+                .collect::<Vec<_>>()
+        };
+        let c = collected(rows.iter().flat_map(twice).collect());
         let g = &crate::compare::charts::groups(&c)[0];
         assert_eq!(g.rows.len(), 3, "the other charts see only the undelayed runs");
         let s = g.slowdowns();
@@ -570,6 +576,12 @@ mod tests {
         assert!(text.contains("pays 10% of the injected delay"), "{text}");
         assert!(text.contains("ps-asp k=1 (gRPC over TCP) (4 workers) absorbs the straggler best"), "{text}");
         assert!(text.contains("80% or more paid): ps-bsp k=1 (gRPC over TCP) (4 workers)."), "{text}");
+        // Each cell once: the shares are read, the modes not ranked.
+        let c = collected(rows.to_vec());
+        let text = straggler_reading(&crate::compare::charts::groups(&c)[0]).join("\n");
+        assert!(text.contains("pays 10% of the injected delay"), "{text}");
+        assert!(!text.contains("absorbs the straggler best ("), "{text}");
+        assert!(text.contains("Which mode absorbs the straggler best: Not ranked"), "{text}");
     }
 
     fn rep_row(mode: &str, repeat: usize, status: &str, thr: f64, tt: Option<f64>) -> Summary {

@@ -537,7 +537,11 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
 pub fn straggler_reading(g: &Group) -> Vec<String> {
     let mut out = Vec::new();
     let mut paid: Vec<(String, f64)> = Vec::new();
+    let mut once = Vec::new();
     for s in g.slowdowns() {
+        if !s.repeated {
+            once.push(s.name.clone());
+        }
         let (name, mode, w) = (s.name, s.mode, s.workers);
         let (Some(&(d, slow)), Some(t0)) = (s.points.last(), g.undelayed_step_s(mode, w, s.shards)) else {
             continue;
@@ -564,7 +568,9 @@ pub fn straggler_reading(g: &Group) -> Vec<String> {
         ));
         paid.push((name, share));
     }
-    if paid.len() > 1 {
+    if paid.len() > 1 && !once.is_empty() {
+        out.push(format!("Which mode absorbs the straggler best: {UNRANKED} Ran once: {}.", once.join(", ")));
+    } else if paid.len() > 1 {
         paid.sort_by(|a, b| a.1.total_cmp(&b.1));
         let waits: Vec<&str> = paid.iter().filter(|p| p.1 >= 0.8).map(|p| p.0.as_str()).collect();
         let spared: Vec<&str> = paid.iter().filter(|p| p.1 < 0.5).map(|p| p.0.as_str()).collect();
