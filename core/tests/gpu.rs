@@ -605,14 +605,15 @@ fn half_probe_bits() -> Vec<u32> {
 /// The half-precision kernels NCCL's fp16/bf16 all-reduce runs on (`HalfCast`) round every
 /// probe value to exactly the bits of the host codec (`Half::encode`, which the TCP ring's
 /// packing shares), and widen every one of the 65536 patterns of each format to exactly the
-/// f32 bits of the host's `Half::decode`.
+/// f32 bits of the host's `Half::decode`; scaled (by a third before rounding, by three after
+/// widening, as an all-reduce over three ranks scales), exactly as the host's f32 multiply.
 #[test]
 fn half_kernels_round_and_widen_as_the_host_codec() -> Result<()> {
     use cudarc::driver::DevicePtr;
     use gradsync_core::compress::Half;
     let test = "half_kernels_round_and_widen_as_the_host_codec";
     let Some(ordinal) =
-        gpu_or_skip(test, |c| assert_eq!(c.launches, 4, "one rounding and one widening per format: {c}"))
+        gpu_or_skip(test, |c| assert_eq!(c.launches, 8, "two roundings and two widenings per format: {c}"))
     else {
         return Ok(());
     };
@@ -626,16 +627,17 @@ fn half_kernels_round_and_widen_as_the_host_codec() -> Result<()> {
     let patterns: Vec<u16> = (0..=u16::MAX).collect();
     let all = stream.clone_htod(&patterns).map_err(cuda)?;
     let widened = gpu.zeros(patterns.len())?;
-    for half in [Half::F16, Half::Bf16] {
-        let name = half.name();
+    for (half, scale) in [Half::F16, Half::Bf16].into_iter().flat_map(|h| [(h, 1.0f32), (h, 3.0)]) {
+        let name = format!("{} (scale {scale})", half.name());
         let (src_ptr, _) = Cuda::raw_range(&src, 0..n);
         let (dst_ptr, _) = halves.device_ptr(stream);
         // SAFETY: `src` holds n f32 values and `halves` n u16 values, both alive until the
         // synchronous copy below has waited for the kernel.
-        unsafe { gpu.half_cast().round(stream, src_ptr, dst_ptr, n, half) }?;
+        unsafe { gpu.half_cast().round(stream, src_ptr, dst_ptr, n, half, 1.0 / scale) }?;
         let got = stream.clone_dtoh(&halves).map_err(cuda)?;
         let mut bytes = vec![0u8; 2 * n];
-        half.encode(&probe, &mut bytes)?;
+        let shares: Vec<f32> = probe.iter().map(|x| x * (1.0 / scale)).collect();
+        half.encode(&shares, &mut bytes)?;
         let wrong: Vec<String> = got
             .iter()
             .zip(bytes.chunks_exact(2))
@@ -656,11 +658,12 @@ fn half_kernels_round_and_widen_as_the_host_codec() -> Result<()> {
         let (dst_ptr, _) = Cuda::raw_range(&widened, 0..patterns.len());
         // SAFETY: `all` holds 65536 u16 values and `widened` as many f32, both alive until
         // the synchronous read below.
-        unsafe { gpu.half_cast().widen(stream, src_ptr, dst_ptr, patterns.len(), half) }?;
+        unsafe { gpu.half_cast().widen(stream, src_ptr, dst_ptr, patterns.len(), half, scale) }?;
         let got = download(&gpu, &widened, patterns.len())?;
         let bytes: Vec<u8> = patterns.iter().flat_map(|p| p.to_le_bytes()).collect();
         let mut want = vec![0.0f32; patterns.len()];
         half.decode(&bytes, &mut want)?;
+        want.iter_mut().for_each(|w| *w *= scale);
         for (p, (g, w)) in patterns.iter().zip(got.iter().zip(&want)) {
             assert_eq!(
                 g.to_bits(),

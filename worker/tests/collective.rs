@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use gradsync_testkit::{Counters, GpuRun, gpu_test};
 use gradsync_worker::collective::{
-    Collective, Half, Hierarchy, Nccl, RingConfig, SocketEngine, TcpComm, Transport, nccl, pack, packed_len,
-    segment, unpack,
+    Collective, Half, Hierarchy, Nccl, RingConfig, SocketEngine, TcpComm, Transport, all_reduce_as_half,
+    nccl, pack, packed_len, segment, unpack,
 };
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
@@ -535,6 +535,48 @@ fn half_precision_all_reduce_sums_exactly_and_moves_half_the_bytes() {
     }
 }
 
+/// DDP's `--compress fp16|bf16` sum (`all_reduce_as_half`): each rank rounds its share of the
+/// mean, so gradients near 40000 (in range for fp16) whose sum over two to four ranks passes
+/// fp16's largest value, 65504, still sum to a finite value within the rounding of the exact
+/// one, the same bits on every rank; small integers over a power-of-two world stay exact.
+#[test]
+fn half_precision_sums_past_the_formats_range_stay_finite() {
+    for transport in [Transport::Tcp, Transport::Shm] {
+        for world in [2, 3, 4] {
+            for half in [Half::F16, Half::Bf16] {
+                let n = 1001;
+                let big = |r: usize, i: usize| 40_000.0 + ((i * 7 + r * 13) % 101) as f32;
+                let out = with_group(world, transport, |mut c| {
+                    let r = c.rank();
+                    let mut v: Vec<f32> = (0..n).map(|i| big(r, i)).collect();
+                    all_reduce_as_half(&mut c, &mut v, half, &mut Vec::new()).unwrap();
+                    let mut small: Vec<f32> = (0..n).map(|i| input(r, i)).collect();
+                    all_reduce_as_half(&mut c, &mut small, half, &mut Vec::new()).unwrap();
+                    (v, small)
+                });
+                let what = format!("{} over {transport:?}, {world} ranks", half.name());
+                let eps = if half == Half::F16 { 1.0 / 1024.0 } else { 1.0 / 128.0 };
+                for (rank, (v, small)) in out.iter().enumerate() {
+                    assert!(
+                        v.iter().zip(&out[0].0).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}: rank {rank}"
+                    );
+                    for (i, g) in v.iter().enumerate() {
+                        let exact: f32 = (0..world).map(|r| big(r, i)).sum();
+                        assert!(
+                            g.is_finite() && (g - exact).abs() <= world as f32 * eps * exact,
+                            "{what} at {i}: {g}, exact {exact}"
+                        );
+                    }
+                    if world.is_power_of_two() {
+                        assert!(*small == expected(Op::AllReduce, world, rank, n), "{what}: small integers");
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Half-precision all-reduce through the hosts (reduce inside each host, the leaders' ring,
 /// broadcast): the same exact sums as the flat ring, small buffers and pipelined pieces alike.
 #[test]
@@ -687,27 +729,32 @@ fn nccl_matches_the_reference() {
 }
 
 /// NCCL's half-precision all-reduce (`--compress fp16|bf16` under `--backend nccl`), both ways
-/// in: host buffers packed two halves a slot (the `Collective` trait), and a GPU buffer rounded,
-/// reduced and widened on the device (what DDP queues for its buckets). Values that are not
-/// exact in either format, of both signs and several magnitudes. Both ways end with the same
-/// bits on every rank; with one or two ranks those are the serial reference's (each value
-/// rounded, the sum rounded: any ring order gives the same), with three within one rounding
-/// per hop of the exact sum. The device way moves exactly half the bytes of the f32 one.
+/// in: host buffers through `all_reduce_as_half` (each value's share of the mean packed two
+/// halves a slot, the `Collective` trait), and a GPU buffer scaled, rounded, reduced, widened
+/// and scaled back on the device (what DDP queues for its buckets). Values that are not exact
+/// in either format, of both signs and several magnitudes, and values whose sum passes fp16's
+/// 65504. Both ways end with the same bits on every rank; with one or two ranks those are the
+/// serial reference's (each share rounded, the sum rounded, times the world size: any ring
+/// order gives the same), with three within one rounding per hop of the exact sum. The device
+/// way moves exactly half the bytes of the f32 one.
 #[test]
 fn nccl_half_all_reduce_rounds_like_the_reference_and_moves_half_the_bytes() {
     let test = "nccl_half_all_reduce_rounds_like_the_reference_and_moves_half_the_bytes";
     // On the fake CUDA (four GPUs: 1, 2 and 3 ranks): the only kernels are the rounding and
     // the widening of each non-empty GPU buffer, on every rank, so the GPU way ran on the GPU.
     let on_the_device = |c: &Counters| {
-        assert!(c.launches == 2 * 8 * (1 + 2 + 3) && c.collectives > 0 && c.alive_at_exit == 0, "{c}");
+        assert!(c.launches == 2 * 10 * (1 + 2 + 3) && c.collectives > 0 && c.alive_at_exit == 0, "{c}");
     };
     if !gpu_here(test, on_the_device) {
         return;
     }
     use gradsync_core::device::{Backend, Cuda};
-    let value = |r: usize, i: usize| {
+    // Case `n` = 64: values near 40000, whose sum over two or three ranks passes fp16's 65504.
+    let value = |r: usize, i: usize, n: usize| {
         let v = ((i * 7 + r * 13) % 101) as f32 / 37.0 - 1.3;
-        if i.is_multiple_of(5) {
+        if n == 64 {
+            40_000.0 + v * 100.0
+        } else if i.is_multiple_of(5) {
             v * 300.0
         } else if i % 5 == 1 {
             v / 700.0
@@ -716,7 +763,7 @@ fn nccl_half_all_reduce_rounds_like_the_reference_and_moves_half_the_bytes() {
         }
     };
     let cases: Vec<(Half, usize)> =
-        [Half::F16, Half::Bf16].into_iter().flat_map(|h| [0, 1, 2, 7, 1001].map(|n| (h, n))).collect();
+        [Half::F16, Half::Bf16].into_iter().flat_map(|h| [0, 1, 2, 7, 64, 1001].map(|n| (h, n))).collect();
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for world in 1..=gpus().min(3) {
         // Per rank, per case: the host way's sum, the device way's, and the bytes each way.
@@ -724,13 +771,11 @@ fn nccl_half_all_reduce_rounds_like_the_reference_and_moves_half_the_bytes() {
             let r = c.rank();
             let gpu = Cuda::new(r).unwrap();
             let mut got = Vec::new();
+            let mut scratch = Vec::new();
             for &(half, n) in &cases {
-                let vals: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
-                let mut packed = vec![0.0; packed_len(n)];
-                pack(half, &vals, &mut packed);
-                c.all_reduce_half(&mut packed, half).unwrap();
-                let mut host = vec![0.0; n];
-                unpack(half, &packed, &mut host);
+                let vals: Vec<f32> = (0..n).map(|i| value(r, i, n)).collect();
+                let mut host = vals.clone();
+                all_reduce_as_half(&mut c, &mut host, half, &mut scratch).unwrap();
 
                 let mut buf = gpu.zeros(n).unwrap();
                 gpu.write(&mut buf, 0, &vals).unwrap();
@@ -754,10 +799,11 @@ fn nccl_half_all_reduce_rounds_like_the_reference_and_moves_half_the_bytes() {
         });
         for (k, &(half, n)) in cases.iter().enumerate() {
             let what = format!("{}, {world} ranks, {n} values", half.name());
+            let (share, w) = (1.0 / world as f32, world as f32);
             let reference: Vec<f32> = (0..n)
                 .map(|i| {
-                    (1..world)
-                        .fold(half.round(value(0, i)), |acc, r| half.round(acc + half.round(value(r, i))))
+                    let mine = |r: usize| half.round(value(r, i, n) * share);
+                    (1..world).fold(mine(0), |acc, r| half.round(acc + mine(r))) * w
                 })
                 .collect();
             for (rank, mine) in out.iter().enumerate() {
@@ -779,8 +825,8 @@ fn nccl_half_all_reduce_rounds_like_the_reference_and_moves_half_the_bytes() {
                 let (eps, tiny) =
                     if half == Half::F16 { (1.0 / 1024.0, 2f32.powi(-24)) } else { (1.0 / 128.0, 0.0) };
                 for (i, g) in device.iter().enumerate() {
-                    let exact: f32 = (0..world).map(|r| value(r, i)).sum();
-                    let scale = (0..world).map(|r| value(r, i).abs()).sum::<f32>();
+                    let exact: f32 = (0..world).map(|r| value(r, i, n)).sum();
+                    let scale = (0..world).map(|r| value(r, i, n).abs()).sum::<f32>();
                     assert!(
                         (g - exact).abs() <= world as f32 * (eps * scale + tiny),
                         "{what} at {i}: {g} against {exact}"

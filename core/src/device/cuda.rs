@@ -285,8 +285,8 @@ pub struct HalfCast {
 }
 
 impl HalfCast {
-    /// Queue on `stream`: the `n` `f32` values at `src` rounded to `half`, as `n` 16-bit values
-    /// at `dst`.
+    /// Queue on `stream`: the `n` `f32` values at `src`, each multiplied by `scale` (in `f32`,
+    /// as the host multiplies), rounded to `half`, as `n` 16-bit values at `dst`.
     ///
     /// # Safety
     /// `src` must hold `n` `f32` values and `dst` room for `n` `u16` values, in device memory of
@@ -299,13 +299,15 @@ impl HalfCast {
         dst: CUdeviceptr,
         n: usize,
         half: Half,
+        scale: f32,
     ) -> Result<()> {
         // SAFETY: passed on to the caller.
-        unsafe { Self::launch(&self.round, stream, dst, src, n, half) }.map_err(cuda_err("round_to_half"))
+        unsafe { Self::launch(&self.round, stream, dst, src, n, half, scale) }
+            .map_err(cuda_err("round_to_half"))
     }
 
-    /// Queue on `stream`: the `n` 16-bit `half` values at `src` widened (exactly) to `n` `f32`
-    /// values at `dst`.
+    /// Queue on `stream`: the `n` 16-bit `half` values at `src` widened (exactly) to `f32` and
+    /// multiplied by `scale`, as `n` `f32` values at `dst`.
     ///
     /// # Safety
     /// As [`HalfCast::round`], `src` holding `n` `u16` values and `dst` room for `n` `f32`.
@@ -316,12 +318,13 @@ impl HalfCast {
         dst: CUdeviceptr,
         n: usize,
         half: Half,
+        scale: f32,
     ) -> Result<()> {
         // SAFETY: passed on to the caller.
-        unsafe { Self::launch(&self.widen, stream, dst, src, n, half) }.map_err(cuda_err("widen_half"))
+        unsafe { Self::launch(&self.widen, stream, dst, src, n, half, scale) }.map_err(cuda_err("widen_half"))
     }
 
-    /// Launch `f(dst, src, n, bf16)` over `n` values.
+    /// Launch `f(dst, src, n, bf16, scale)` over `n` values.
     ///
     /// # Safety
     /// As [`HalfCast::round`].
@@ -332,16 +335,17 @@ impl HalfCast {
         src: CUdeviceptr,
         n: usize,
         half: Half,
+        scale: f32,
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
         if n == 0 {
             return Ok(());
         }
         let (n64, bf16) = (n as u64, i32::from(half == Half::Bf16));
         let mut launch = stream.launch_builder(f);
-        launch.arg(&dst).arg(&src).arg(&n64).arg(&bf16);
-        // SAFETY: round_to_half(unsigned short*, const float*, u64, int) and
-        // widen_half(float*, const unsigned short*, u64, int); the caller vouches for the
-        // buffers.
+        launch.arg(&dst).arg(&src).arg(&n64).arg(&bf16).arg(&scale);
+        // SAFETY: round_to_half(unsigned short*, const float*, u64, int, float) and
+        // widen_half(float*, const unsigned short*, u64, int, float); the caller vouches for
+        // the buffers.
         unsafe { launch.launch(Cuda::grid(n)) }.map(|_| ())
     }
 }

@@ -185,18 +185,22 @@ __device__ __forceinline__ unsigned int bf16_widen(unsigned int h) {
     return ((h & 0x7fffu) > 0x7f80u ? (h | 0x0040u) : h) << 16;
 }
 
-// dst[i] = src[i] rounded to fp16 (bf16 when `bf16`), as bits.
-extern "C" __global__ void round_to_half(unsigned short* dst, const float* src, u64 n, int bf16) {
+// dst[i] = src[i] * scale rounded to fp16 (bf16 when `bf16`), as bits. A NaN is not
+// multiplied: the device's arithmetic would replace its payload, which the host keeps.
+extern "C" __global__ void round_to_half(unsigned short* dst, const float* src, u64 n, int bf16, float scale) {
     for (u64 i = GLOBAL_ID; i < n; i += GRID_STRIDE) {
-        const unsigned int x = __float_as_uint(src[i]);
+        const float v = src[i];
+        const unsigned int x = __float_as_uint(v != v ? v : v * scale);
         dst[i] = bf16 ? bf16_bits(x) : f16_bits(x);
     }
 }
 
-// dst[i] = the fp16 (bf16 when `bf16`) value whose bits are src[i], as f32 (exact).
-extern "C" __global__ void widen_half(float* dst, const unsigned short* src, u64 n, int bf16) {
+// dst[i] = the fp16 (bf16 when `bf16`) value whose bits are src[i], as f32 (exact), times
+// `scale` (a NaN as it is, as above).
+extern "C" __global__ void widen_half(float* dst, const unsigned short* src, u64 n, int bf16, float scale) {
     for (u64 i = GLOBAL_ID; i < n; i += GRID_STRIDE) {
         const unsigned int h = src[i];
-        dst[i] = __uint_as_float(bf16 ? bf16_widen(h) : f16_widen(h));
+        const float v = __uint_as_float(bf16 ? bf16_widen(h) : f16_widen(h));
+        dst[i] = v != v ? v : v * scale;
     }
 }

@@ -59,7 +59,8 @@ pub use comm::TcpComm;
 pub use frame::configure_socket;
 pub use gradsync_core::compress::Half;
 pub use nccl::Nccl;
-pub use reduce::{pack, packed_len, unpack};
+pub(crate) use reduce::half_shares;
+pub use reduce::{all_reduce_as_half, pack, packed_len, unpack};
 pub use tcp::MeshInfo;
 
 /// What can go wrong between ranks.

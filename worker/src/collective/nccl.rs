@@ -201,11 +201,13 @@ impl Nccl {
     }
 
     /// [`Nccl::all_reduce_device_after`] in half precision (`--compress fp16|bf16`), all on
-    /// NCCL's stream once `after`'s queued work is done: the `len` values at `ptr` are rounded
-    /// to `half` into the staging buffer (`cast`, the device's kernels), all-reduced there in
-    /// NCCL's own half type (`ncclFloat16` or `ncclBfloat16`: two bytes a value on the wire,
-    /// each hop adding and rounding back to the type), and widened back to `f32` into `ptr`.
-    /// Every rank ends with the same bits. Returns at once.
+    /// NCCL's stream once `after`'s queued work is done: the `len` values at `ptr` are divided
+    /// by the world size and rounded to `half` into the staging buffer (`cast`, the device's
+    /// kernels), all-reduced there in NCCL's own half type (`ncclFloat16` or `ncclBfloat16`:
+    /// two bytes a value on the wire, each hop adding and rounding back to the type), widened
+    /// back to `f32` into `ptr` and multiplied by the world size: the sum, its partial sums
+    /// never past the largest value a rank sends ([`super::all_reduce_as_half`] on the host
+    /// does the same, with the same bits). Every rank ends with the same bits. Returns at once.
     ///
     /// # Safety
     /// As [`Nccl::all_reduce_device_after`].
@@ -230,13 +232,15 @@ impl Nccl {
         // SAFETY: the caller vouches for `len` f32 values at `ptr`; the staging buffer holds
         // `packed_len(len)` f32 slots, room for `len` 16-bit values, and stays allocated while
         // work queued on the stream uses it.
-        unsafe { cast.round(&self.stream, ptr, halves, len, half) }.map_err(core_err("round_to_half"))?;
+        let (share, world) = super::half_shares(self.world);
+        unsafe { cast.round(&self.stream, ptr, halves, len, half, share) }
+            .map_err(core_err("round_to_half"))?;
         self.call("ncclAllReduce", |lib, comm, stream| {
             // SAFETY: `len` half values in the staging buffer; in place is allowed.
             unsafe { (lib.all_reduce)(at(halves, 0), at(halves, 0), len, half_type(half), SUM, comm, stream) }
         })?;
         // SAFETY: as above.
-        unsafe { cast.widen(&self.stream, halves, ptr, len, half) }.map_err(core_err("widen_half"))?;
+        unsafe { cast.widen(&self.stream, halves, ptr, len, half, world) }.map_err(core_err("widen_half"))?;
         self.count(len * size_of::<u16>(), 2);
         Ok(())
     }

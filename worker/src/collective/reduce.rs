@@ -11,6 +11,8 @@
 
 use gradsync_core::compress::Half;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+
+use super::{Collective, Result};
 use half::{bf16, f16};
 
 /// What the `f32` slots of a buffer hold, and so how two buffers add.
@@ -105,6 +107,48 @@ pub fn unpack(h: Half, packed: &[f32], dst: &mut [f32]) {
     assert_eq!(packed.len(), packed_len(dst.len()), "packed buffer of the wrong length");
     let bits: &[u16] = bytemuck::cast_slice(packed);
     widen(h, &bits[..dst.len()], dst);
+}
+
+/// Every rank's `buf` ends as the sum over the ranks, moved two bytes a value (`--compress
+/// fp16|bf16`). Each rank multiplies its values by one over the world size before rounding
+/// them ([`half_shares`]), as PyTorch's fp16 and bf16 hooks divide, so that the hops add
+/// shares of the mean: no partial sum
+/// exceeds the largest value a rank sends, where a sum of fp16 values past 65504 would become
+/// infinite. The result is widened back and multiplied by the world size (a power of two
+/// changes no bit of either step). Values below the format's normal range lose precision a
+/// world size sooner. `packed` is scratch.
+pub fn all_reduce_as_half(
+    c: &mut dyn Collective,
+    buf: &mut [f32],
+    h: Half,
+    packed: &mut Vec<f32>,
+) -> Result<()> {
+    let (share, world) = half_shares(c.world_size());
+    packed.clear();
+    packed.resize(packed_len(buf.len()), 0.0);
+    let bits: &mut [u16] = bytemuck::cast_slice_mut(packed.as_mut_slice());
+    let mut shares = [0f32; BLOCK];
+    for (v, b) in buf.chunks(BLOCK).zip(bits.chunks_mut(BLOCK)) {
+        let shares = &mut shares[..v.len()];
+        for (s, x) in shares.iter_mut().zip(v) {
+            *s = x * share;
+        }
+        narrow(h, shares, &mut b[..v.len()]);
+    }
+    c.all_reduce_half(packed, h)?;
+    unpack(h, packed, buf);
+    for x in buf.iter_mut() {
+        *x *= world;
+    }
+    Ok(())
+}
+
+/// What a half-precision all-reduce over `world` ranks multiplies each value by before
+/// rounding it (the reciprocal of the world size, so that host and device multiply alike),
+/// and the sum by after widening it (the world size).
+pub(crate) fn half_shares(world: usize) -> (f32, f32) {
+    let w = world.max(1) as f32;
+    (1.0 / w, w)
 }
 
 #[cfg(test)]

@@ -10,10 +10,13 @@
 //!   pairs into `2k` f32 slots (indices bit-cast), one all-gather moves every rank's slots
 //!   (bytes only, no arithmetic, so the indices arrive exact), and every rank adds the `k x
 //!   world` pairs into its zeroed bucket in rank order, the same sum bit for bit everywhere.
-//! - `fp16`, `bf16`: the bucket rounded to half precision and packed two values to an f32 slot,
-//!   then the ring's half-precision all-reduce ([`Collective::all_reduce_half`]: two bytes a
-//!   value on every hop, each hop adding in f32 and rounding back), widened back into the
-//!   bucket. No error feedback: the rounding is at most 2^-11 (2^-8) of each value. A GPU
+//! - `fp16`, `bf16`: the bucket divided by the world size, rounded to half precision and packed
+//!   two values to an f32 slot, then the ring's half-precision all-reduce
+//!   ([`Collective::all_reduce_half`]: two bytes a value on every hop, each hop adding in f32
+//!   and rounding back), widened back into the bucket and multiplied by the world size
+//!   ([`collective::all_reduce_as_half`]: the hops add shares of the mean, so an fp16 sum
+//!   cannot pass 65504 where no rank's value does). No error feedback: the rounding is at most
+//!   2^-11 (2^-8) of each value. A GPU
 //!   bucket under NCCL is rounded on the device (kernels that give the host's bits), reduced
 //!   in NCCL's `ncclFloat16` / `ncclBfloat16` and widened back into the bucket, all on NCCL's
 //!   stream, never through the host.
@@ -123,13 +126,8 @@ impl BucketReduce {
                 comm.all_reduce(bucket).with_context(|| format!("all-reduce of bucket {range:?}"))
             }
             BucketReduce::Half { half, packed } => {
-                packed.clear();
-                packed.resize(collective::packed_len(bucket.len()), 0.0);
-                collective::pack(*half, bucket, packed);
-                comm.all_reduce_half(packed, *half)
-                    .with_context(|| format!("{} all-reduce of bucket {range:?}", half.name()))?;
-                collective::unpack(*half, packed, bucket);
-                Ok(())
+                collective::all_reduce_as_half(comm, bucket, *half, packed)
+                    .with_context(|| format!("{} all-reduce of bucket {range:?}", half.name()))
             }
             BucketReduce::TopK { ratio, residuals, pairs, slots } => {
                 let residual =
