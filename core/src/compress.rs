@@ -162,6 +162,24 @@ impl Half {
         Ok(())
     }
 
+    /// The largest finite value of this format (fp16: 65504; bf16: about 3.39e38).
+    pub fn max(self) -> f32 {
+        match self {
+            Half::F16 => f16::MAX.to_f32(),
+            Half::Bf16 => bf16::MAX.to_f32(),
+        }
+    }
+
+    /// The first of `values` that is finite but rounds to an infinity in this format (beyond
+    /// [`Half::max`] by more than half a step): its index and value.
+    pub fn first_overflow(self, values: &[f32]) -> Option<(usize, f32)> {
+        let max = self.max();
+        values
+            .iter()
+            .position(|v| v.abs() > max && v.is_finite() && self.round(*v).is_infinite())
+            .map(|i| (i, values[i]))
+    }
+
     /// `v` rounded to this format and back: what the receiver gets.
     pub fn round(self, v: f32) -> f32 {
         match self {
@@ -391,6 +409,18 @@ pub fn unpack_sum(segments: &[f32], k: usize, dst: &mut [f32]) -> Result<()> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overflow_is_what_rounds_to_infinity() {
+        let h = Half::F16;
+        assert_eq!(h.max(), 65504.0);
+        // 65519 still rounds down to 65504; 65520 is the tie that rounds to infinity.
+        assert_eq!(h.first_overflow(&[1.0, 65504.0, 65519.0, -65519.0]), None);
+        assert_eq!(h.first_overflow(&[1.0, -65520.0, 1e9]), Some((1, -65520.0)));
+        assert_eq!(h.first_overflow(&[f32::INFINITY, f32::NAN]), None, "not finite: not an overflow");
+        assert_eq!(Half::Bf16.first_overflow(&[1e9, 3.0e38]), None);
+        assert_eq!(Half::Bf16.first_overflow(&[f32::MAX]), Some((0, f32::MAX)));
+    }
 
     fn grad(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);

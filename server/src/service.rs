@@ -293,7 +293,8 @@ impl Service {
             .await??;
         let src = match src {
             PullSource::Ready(v, f) if self.shared.cfg.compression.half().is_some() => {
-                let chunks = (0..f.len()).map(|i| for_pull(&self.shared, v, f.chunk(i))).collect();
+                let chunks =
+                    (0..f.len()).map(|i| for_pull(&self.shared, v, f.chunk(i))).collect::<Result<_, _>>()?;
                 PullSource::Ready(v, Framed::from_chunks(chunks))
             }
             src => src,
@@ -339,7 +340,7 @@ impl Service {
             }
             while sent < p.stepped {
                 let Some(c) = round.chunk(sent, epoch) else { break };
-                let c = for_pull(&self.shared, round.version, c);
+                let c = for_pull(&self.shared, round.version, c)?;
                 self.shared.bytes_out.fetch_add(c.payload().1.len() as u64, Ordering::Relaxed);
                 match tokio::time::timeout(patience, tx.send(item(c))).await {
                     Ok(Ok(())) => {}
@@ -476,25 +477,38 @@ fn pull_encoding(c: Compression) -> Encoding {
 }
 
 /// Parameter chunk `c` (an f32 message of `version`) as a pull sends it: re-encoded in half
-/// precision when the run's pulls are, else as it is (no copy).
-fn for_pull(sh: &Shared, version: u64, c: FramedChunk) -> FramedChunk {
-    let Some(half) = sh.cfg.compression.half() else { return c };
+/// precision when the run's pulls are, else as it is (no copy). A parameter the format cannot
+/// hold (fp16 past 65504) fails the pull, naming it, rather than reaching the worker as an
+/// infinity that its next loss would turn into a NaN blamed on the learning rate.
+fn for_pull(sh: &Shared, version: u64, c: FramedChunk) -> Result<FramedChunk, Status> {
+    let Some(half) = sh.cfg.compression.half() else { return Ok(c) };
     let (offset, payload) = c.payload();
     let mut values = vec![0f32; payload.len() / 4];
     // The payload is a whole number of f32 values: this server wrote it.
     let _ = wire::copy_into(&payload, 0, &mut values);
+    if let Some((i, v)) = half.first_overflow(&values) {
+        return Err(Status::out_of_range(format!(
+            "version {version}: parameter {} of the flat buffer is {v}, beyond {}'s range (largest {}), so a \
+             --compress {} pull cannot carry it; bf16 keeps f32's range (--compress bf16 on the servers and \
+             workers), or the learning rate may be too high",
+            sh.range.start + offset as usize + i,
+            half.name(),
+            half.max(),
+            half.name()
+        )));
+    }
     let head = ParameterChunk {
         version,
         offset,
         encoding: pull_encoding(sh.cfg.compression).into(),
         ..Default::default()
     };
-    FramedChunk::build(&head, gradsync_proto::tag::PARAMETER_DATA, offset, values.len() * 2, |buf| {
+    Ok(FramedChunk::build(&head, gradsync_proto::tag::PARAMETER_DATA, offset, values.len() * 2, |buf| {
         let at = buf.len();
         buf.resize(at + values.len() * 2, 0);
         // Sized above: two bytes a value.
         let _ = half.encode(&values, &mut buf[at..]);
-    })
+    }))
 }
 
 /// Blocks of a streamed pull queued ahead of the connection (each one chunk).

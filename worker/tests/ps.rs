@@ -1014,6 +1014,60 @@ fn compressed_pushes_match_f32_within_their_rounding() {
     assert!(max_diff(&sparse, &init_params(&Layout::new(&spec()), 7)) > 0.0, "top-k 1% changed nothing");
 }
 
+/// Under `--compress fp16` a parameter past fp16's range (here moved there by one step: a
+/// gradient of -60000 at learning rate 2) fails the pull, streamed and plain alike, with a
+/// status naming the parameter, the range and bf16; never an infinity in the pulled values.
+#[test]
+fn a_parameter_past_fp16s_range_fails_the_pull_naming_it() {
+    use gradsync_core::compress::Half;
+    use gradsync_proto::pb::Encoding;
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let flags = ["--compress", "fp16", "--lr", "2", "--momentum", "0", "--weight-decay", "0"];
+    let server = Server::start(&flags);
+    let n = Layout::new(&spec()).len;
+    let fp = Fingerprint::new(&spec(), SEED.parse().expect("seed")).text;
+    rt.block_on(async {
+        let mut c = connect(&server.addr).await;
+        let reg = RegisterRequest { rank: 0, world_size: 1, fingerprint: fp, compression: "fp16".into() };
+        c.register(reg).await.expect("register");
+        let mut streamed = c.clone();
+        let pull = tokio::spawn(async move {
+            let req = PullRequest { rank: 0, stream_version: Some(1) };
+            let mut s = streamed.pull_parameters(req).await?.into_inner();
+            while s.message().await?.is_some() {}
+            Ok::<(), tonic::Status>(())
+        });
+        let mut data = vec![0u8; 2 * n];
+        Half::F16.encode(&vec![-60_000.0f32; n], &mut data).expect("encode");
+        let chunk = GradientChunk {
+            rank: 0,
+            base_version: 0,
+            offset: 0,
+            data: data.into(),
+            encoding: Encoding::F16.into(),
+            ..GradientChunk::default()
+        };
+        let pushed = c.push_gradients(tokio_stream::iter(vec![chunk])).await.expect("the push is taken");
+        assert_eq!(pushed.into_inner().version, 1);
+        let says = |s: &tonic::Status| {
+            assert_eq!(s.code(), Code::OutOfRange, "{s:?}");
+            let m = s.message();
+            assert!(m.contains("version 1: parameter 0 of the flat buffer is 1200"), "{m}");
+            assert!(
+                m.contains("beyond fp16's range (largest 65504)") && m.contains("--compress bf16"),
+                "{m}"
+            );
+        };
+        says(&pull.await.expect("pull task").expect_err("a streamed pull carried an overflowing parameter"));
+        let plain = async {
+            let mut s = c.pull_parameters(PullRequest { rank: 0, stream_version: None }).await?.into_inner();
+            while s.message().await?.is_some() {}
+            Ok::<(), tonic::Status>(())
+        };
+        says(&plain.await.expect_err("a plain pull carried an overflowing parameter"));
+    });
+}
+
 /// A server with `--compress topk:0.5` refuses a worker that announces another codec, and every
 /// malformed push (an index out of range, a repeated index, unequal lengths, a span past the
 /// range, another encoding) with a status naming the fault, the parameters unchanged; then

@@ -188,7 +188,10 @@ impl Strategy for Ps {
         }
         let grads = match &mut self.codec {
             Codec::None => None,
-            Codec::Half(h) => Some(Encoded::Half(*h, &self.host)),
+            Codec::Half(h) => {
+                fits(*h, &self.host)?;
+                Some(Encoded::Half(*h, &self.host))
+            }
             Codec::TopK(_, residual, pairs) => {
                 residual.as_mut().context("step before start")?.compress(&self.host, pairs)?;
                 Some(Encoded::Sparse(pairs))
@@ -249,5 +252,35 @@ impl Drop for Ps {
         if let Some(h) = self.heartbeat.take() {
             h.abort();
         }
+    }
+}
+
+/// Refuse a gradient `h` cannot carry: a finite value past its range would reach the servers
+/// as an infinity and be refused as non-finite, as if training had diverged; this says what
+/// happened instead.
+fn fits(h: Half, grads: &[f32]) -> anyhow::Result<()> {
+    match h.first_overflow(grads) {
+        None => Ok(()),
+        Some((i, v)) => anyhow::bail!(
+            "gradient value {i} is {v}, beyond {}'s range (largest {}): --compress {} cannot carry it; bf16 \
+             keeps f32's range (--compress bf16 on the servers and workers), or the learning rate may be too high",
+            h.name(),
+            h.max(),
+            h.name()
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gradient_past_fp16s_range_is_refused_naming_it() {
+        assert!(fits(Half::F16, &[1.0, -65504.0]).is_ok());
+        let e = fits(Half::F16, &[1.0, 2.0, 70000.0]).unwrap_err().to_string();
+        assert!(e.contains("gradient value 2 is 70000, beyond fp16's range (largest 65504)"), "{e}");
+        assert!(e.contains("--compress bf16"), "{e}");
+        assert!(fits(Half::Bf16, &[70000.0]).is_ok());
     }
 }
