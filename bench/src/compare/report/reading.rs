@@ -36,12 +36,14 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
         }
     };
     let thr_range = |r: &Summary| g.cell_of(r).and_then(|c| c.throughput);
-    let listed = |rs: &[&Summary]| -> String {
+    // Cells listed with a figure each and their spread, for readings that do not rank them.
+    let listed_by = |rs: &[&Summary], figure: &dyn Fn(&Summary) -> String| -> String {
         rs.iter()
-            .map(|r| format!("{} {:.0} ({})", Group::series(r), thr(r), spread(r)))
+            .map(|r| format!("{} {} ({})", Group::series(r), figure(r), spread(r)))
             .collect::<Vec<_>>()
             .join("; ")
     };
+    let listed = |rs: &[&Summary]| listed_by(rs, &|r| format!("{:.0}", thr(&r)));
     for &n in &ws {
         // Only cells with repeats are ranked; those that ran once are listed beside them.
         let (mut at, mut once): (Vec<&Summary>, Vec<&Summary>) =
@@ -116,12 +118,7 @@ pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summar
                 .collect();
             let tt = |r: &Summary| r.time_to_target_s.unwrap_or(f64::NAN);
             let tt_range = |r: &Summary| g.cell_of(r).and_then(|c| c.time_to_target);
-            let times = |rs: &[&Summary]| -> String {
-                rs.iter()
-                    .map(|r| format!("{} {:.2} s ({})", Group::series(r), tt(r), spread(r)))
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            };
+            let times = |rs: &[&Summary]| listed_by(rs, &|r| format!("{:.2} s", tt(r)));
             if at.is_empty() && once.is_empty() {
                 out.push(format!(
                     "At {n} workers no mode reached {:.1}% held-out accuracy in most of its repeats.",
