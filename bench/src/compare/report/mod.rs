@@ -369,13 +369,20 @@ fn efficiency_table(h: &mut String, g: &Group) {
     let mut ws: Vec<usize> = g.rows.iter().map(|r| r.workers).collect();
     ws.sort();
     ws.dedup();
-    let base = g.baseline();
+    let base = g.baseline().filter(|b| *b > 0.0);
+    let caption = match base {
+        Some(b) => format!(
+            "Samples/s, and in brackets throughput<sub>n</sub> / (n x {}) with the one-worker baseline at \
+             {b:.0} samples/s.",
+            if g.rows.iter().any(|r| r.mode == "local") { "local" } else { "the fastest one-worker run" }
+        ),
+        None => "Samples/s. No one-worker run completed, so there is no baseline to divide by: add 1 to \
+                 the worker counts (or the local mode) for each mode's scaling efficiency."
+            .into(),
+    };
     let _ = writeln!(
         h,
-        "<h2>Scaling efficiency</h2>\n<p>Samples/s, and in brackets throughput<sub>n</sub> / (n x {}) with \
-         the one-worker baseline at {} samples/s.</p>\n<table><tr><th class=l>mode</th>{}</tr>",
-        if g.rows.iter().any(|r| r.mode == "local") { "local" } else { "the fastest one-worker run" },
-        opt(base, 0),
+        "<h2>Scaling efficiency</h2>\n<p>{caption}</p>\n<table><tr><th class=l>mode</th>{}</tr>",
         ws.iter().map(|w| format!("<th>{w} workers</th>")).collect::<String>()
     );
     for (name, rows) in g.by_series() {
@@ -383,8 +390,8 @@ fn efficiency_table(h: &mut String, g: &Group) {
             .iter()
             .map(|&w| match rows.iter().find(|r| r.workers == w).and_then(|r| r.samples_per_s) {
                 Some(t) => match base {
-                    Some(b) if b > 0.0 => format!("<td>{t:.0} ({:.0}%)</td>", 100.0 * t / (w as f64 * b)),
-                    _ => format!("<td>{t:.0}</td>"),
+                    Some(b) => format!("<td>{t:.0} ({:.0}%)</td>", 100.0 * t / (w as f64 * b)),
+                    None => format!("<td>{t:.0}</td>"),
                 },
                 None => "<td>-</td>".into(),
             })
@@ -718,6 +725,22 @@ mod tests {
         );
         assert!(text.contains("ps-bsp k=1 (gRPC over TCP) reaches 97.0% held-out accuracy first"), "{text}");
         assert!(text.contains("Ran once, not ranked: dp (in one process) 1.00 s (one run)."), "{text}");
+    }
+
+    /// Without a one-worker run the efficiency table says there is no baseline, rather than
+    /// describing bracketed ratios against a baseline of "-".
+    #[test]
+    fn the_efficiency_table_names_a_missing_baseline() {
+        let c = collected(vec![row("ddp-tcp", 0, 1000.0), row("ps-bsp", 0, 800.0)]);
+        let mut h = String::new();
+        efficiency_table(&mut h, &crate::compare::charts::groups(&c)[0]);
+        assert!(h.contains("No one-worker run completed") && !h.contains("baseline at -"), "{h}");
+        assert!(h.contains("<td>1000</td>"), "{h}");
+        let one = Summary { workers: 1, ..row("local", 0, 300.0) };
+        let c = collected(vec![row("ddp-tcp", 0, 1000.0), one]);
+        let mut h = String::new();
+        efficiency_table(&mut h, &crate::compare::charts::groups(&c)[0]);
+        assert!(h.contains("baseline at 300 samples/s") && h.contains("1000 (83%)"), "{h}");
     }
 
     #[test]
