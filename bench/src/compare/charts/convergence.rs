@@ -22,13 +22,7 @@ impl Charts {
             })
             .collect();
         let xmax = max_or(curves.iter().flat_map(|c| c.2.iter().map(|p| p.0)), 1.0) * 1.02;
-        // From the lowest median reached after the first evaluation, so the end game is visible.
-        let ymin = curves
-            .iter()
-            .filter_map(|c| c.2.get(1).map(|p| p.1))
-            .fold(100.0f64, f64::min)
-            .min(g.target.map_or(100.0, |t| 100.0 * t - 2.0))
-            .clamp(0.0, 95.0);
+        let ymin = accuracy_floor(&curves, g.target);
         let (name, xdesc) = if time {
             ("accuracy_time", "training time, s (evaluation left out; median of repeats)")
         } else {
@@ -115,5 +109,44 @@ impl Charts {
             }
         });
         Ok(())
+    }
+}
+
+/// The bottom of an accuracy chart, %: a point below the lowest median reached after the first
+/// evaluation (or at the only one), so the end game is visible and no curve lies on or below
+/// the frame; at most 95, and 2 below the target.
+fn accuracy_floor(curves: &[Line], target: Option<f64>) -> f64 {
+    let after_first = |pts: &[(f64, f64)]| {
+        let tail = if pts.len() > 1 { &pts[1..] } else { pts };
+        tail.iter().map(|p| p.1).reduce(f64::min)
+    };
+    (curves.iter().filter_map(|c| after_first(&c.2)).fold(100.0f64, f64::min) - 1.0)
+        .min(target.map_or(100.0, |t| 100.0 * t - 2.0))
+        .clamp(0.0, 95.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A run evaluated once (a step budget with its final evaluation) gets a point inside the
+    /// frame, drawn as a mark: a line of one point draws nothing.
+    #[test]
+    fn a_curve_of_one_evaluation_is_inside_the_frame_and_marked() {
+        let one = |y: f64| ("r".to_string(), color(0), vec![(0.3, y)]);
+        assert!(accuracy_floor(&[one(93.5)], None) < 93.5);
+        assert!(accuracy_floor(&[one(40.0)], None) < 40.0);
+        // Curves of several points: from below the lowest after the first, target 97% in view.
+        let many = ("m".to_string(), color(1), vec![(0.0, 10.0), (1.0, 96.0), (2.0, 98.0)]);
+        assert_eq!(accuracy_floor(&[many], Some(0.97)), 95.0);
+        register_font().unwrap();
+        let mut svg = String::new();
+        {
+            let root = SVGBackend::with_string(&mut svg, (400, 300)).into_drawing_area();
+            let mut c = ChartBuilder::on(&root).build_cartesian_2d(0f64..1f64, 90f64..100f64).unwrap();
+            draw_lines(&mut c, &[one(93.5)]).unwrap();
+            root.present().unwrap();
+        }
+        assert!(svg.contains("<circle"), "{svg}");
     }
 }

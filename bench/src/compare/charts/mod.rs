@@ -218,6 +218,10 @@ where
         c.draw_series(LineSeries::new(pts.clone(), col.stroke_width(2)))?
             .label(name.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
+        // A line of one point draws nothing: mark it.
+        if let [p] = pts.as_slice() {
+            c.draw_series(std::iter::once(Circle::new(*p, 4, col.filled())))?;
+        }
     }
     Ok(())
 }
