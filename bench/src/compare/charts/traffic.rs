@@ -14,25 +14,28 @@ impl Charts {
         let wmax = ws.last().copied().unwrap_or(1) as f64;
         let has = |m: &str| g.rows.iter().any(|r| r.mode.starts_with(m));
         let mut theory: Vec<Line> = Vec::new();
+        // The model is a function of the worker count: drawn at every count up to the largest
+        // measured, so it shows as a line even where one count was measured.
+        let every_n = || 1..=wmax as usize;
         // ZeRO-1 moves the ring's bytes (a reduce-scatter and an all-gather).
         let ring_family = |n: &str| n.starts_with("ddp") || n.starts_with("zero1");
         if has("ddp") || has("zero1") {
             theory.push((
                 "ring, per worker (theory)".into(),
                 mode_color("ddp-tcp"),
-                ws.iter().map(|&n| (n as f64, cost::ring_bytes_per_worker(n, s) / MB)).collect(),
+                every_n().map(|n| (n as f64, cost::ring_bytes_per_worker(n, s) / MB)).collect(),
             ));
         }
         if has("ps") {
             theory.push((
                 "PS, per worker (theory)".into(),
                 mode_color("ps-bsp"),
-                ws.iter().map(|&n| (n as f64, cost::ps_bytes_per_worker(s) / MB)).collect(),
+                every_n().map(|n| (n as f64, cost::ps_bytes_per_worker(s) / MB)).collect(),
             ));
             theory.push((
                 "PS, all servers (theory)".into(),
                 BLACK,
-                ws.iter().map(|&n| (n as f64, cost::ps_bytes_at_servers(n, s) / MB)).collect(),
+                every_n().map(|n| (n as f64, cost::ps_bytes_at_servers(n, s) / MB)).collect(),
             ));
         }
         let mut measured: Vec<Measured> = Vec::new();

@@ -743,6 +743,23 @@ mod tests {
         assert!(h.contains("baseline at 300 samples/s") && h.contains("1000 (83%)"), "{h}");
     }
 
+    /// The bytes chart's model lines are drawn at every worker count up to the largest, so a
+    /// run of one worker count still shows them (a dashed line of one point draws nothing).
+    #[test]
+    fn the_bytes_model_shows_with_one_worker_count() {
+        let with = |mode: &str| Summary { params: 1_000_000, ..row(mode, 0, 1000.0) };
+        let c = collected(vec![with("ddp-tcp"), with("ps-bsp")]);
+        let g = &crate::compare::charts::groups(&c)[0];
+        let dir = std::env::temp_dir().join(format!("gradsync-bytes-chart-{}", std::process::id()));
+        let mut charts = crate::compare::charts::Charts::new(&dir).unwrap();
+        charts.draw_group(g, None).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let svg = &charts.charts.iter().find(|c| c.name.starts_with("bytes")).unwrap().svg;
+        // "PS, per worker (theory)" in ps-bsp's colour: its legend swatch and its dashes.
+        let ps = "stroke=\"#2CA02C\"";
+        assert!(svg.matches(ps).count() >= 2, "{} strokes of {ps}", svg.matches(ps).count());
+    }
+
     #[test]
     fn compressed_modes_are_read_against_the_mode_they_compress() {
         let with = |mode: &str, sent: f64, acc: f64, tt: Option<f64>| Summary {
