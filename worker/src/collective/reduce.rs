@@ -112,11 +112,10 @@ pub fn unpack(h: Half, packed: &[f32], dst: &mut [f32]) {
 /// Every rank's `buf` ends as the sum over the ranks, moved two bytes a value (`--compress
 /// fp16|bf16`). Each rank multiplies its values by one over the world size before rounding
 /// them ([`half_shares`]), as PyTorch's fp16 and bf16 hooks divide, so that the hops add
-/// shares of the mean: no partial sum
-/// exceeds the largest value a rank sends, where a sum of fp16 values past 65504 would become
-/// infinite. The result is widened back and multiplied by the world size (a power of two
-/// changes no bit of either step). Values below the format's normal range lose precision a
-/// world size sooner. `packed` is scratch.
+/// shares of the mean: no partial sum exceeds the largest value a rank sends, where a sum of
+/// fp16 values past 65504 would become infinite. The result is widened back and multiplied by
+/// the world size (a power of two changes no bit of either step). Values below the format's
+/// normal range lose precision a world size sooner. `packed` is scratch.
 pub fn all_reduce_as_half(
     c: &mut dyn Collective,
     buf: &mut [f32],
