@@ -26,7 +26,7 @@ use tokio::net::TcpListener;
 use crate::cluster::net::{Cluster, Shape};
 use crate::hosts::Hosts;
 use crate::rawtcp::process_cpu_seconds;
-use crate::table::{Table, median};
+use crate::table::{Table, median, ratio_cell};
 
 /// Flags of `gradsync-bench ps`.
 #[derive(Debug, Clone, Args)]
@@ -69,6 +69,11 @@ pub struct PsBenchArgs {
     /// host to a shard's. Without it everything runs on loopback.
     #[arg(long, value_parser = positive_gbit)]
     pub link_gbit: Option<f64>,
+    /// Interleaved rounds: every row of a group once per round, in order; the table shows the
+    /// median over rounds, and each ratio (x plain, CPU x plain, vs default) as the median of
+    /// the rounds' own ratios with the least and most (default: 3, or 1 with `--quick`).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rounds: Option<u32>,
     /// A smoke test: 4 MB, 1-2 workers, 1-2 shards, 2 steps.
     #[arg(long)]
     pub quick: bool,
@@ -288,6 +293,7 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         (a.sizes_mb.clone(), a.workers.clone(), a.shards.clone(), a.warmup, a.steps.max(1))
     };
     let raw_secs = if a.quick { 0.1 } else { a.raw_secs };
+    let rounds = a.rounds.unwrap_or(if a.quick { 1 } else { 3 }) as usize;
     anyhow::ensure!(
         sizes.iter().all(|&s| s > 0) && workers.iter().all(|&w| w > 0) && shards.iter().all(|&k| k > 0),
         "--sizes-mb, --workers and --shards take positive numbers"
@@ -322,10 +328,17 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         (None, false) => vec![Row::Default, Row::TunedCodec, Row::TunedSerial, Row::Tuned],
     };
     let chunk = a.chunk_bytes.map(|c| c as usize);
-    let mut tunings: Vec<(Tuning, bool)> = rows.into_iter().map(Row::setup).collect();
-    for (t, _) in &mut tunings {
-        t.chunk_bytes = chunk.unwrap_or(t.chunk_bytes);
-    }
+    // (label, transport, push then pull): the plain-sockets row first (no transport), then
+    // gradsync's rows, in the order they run in every round.
+    let plain = (!a.no_plain && a.only.is_none()).then(|| ("plain tcp".to_string(), None, false));
+    let rows: Vec<(String, Option<Tuning>, bool)> = plain
+        .into_iter()
+        .chain(rows.into_iter().map(Row::setup).map(|(mut t, serial)| {
+            t.chunk_bytes = chunk.unwrap_or(t.chunk_bytes);
+            let name = if serial { format!("{} serial", t.name) } else { t.name.to_string() };
+            (name, Some(t), serial)
+        }))
+        .collect();
     let mut table = Table::new(&[
         "MB",
         "workers",
@@ -350,64 +363,73 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         let bytes = Layout::new(&spec).len as f64 * 4.0;
         for &k in &shards {
             for &w in &workers {
-                // Measured again before every group: on a shared machine the link's speed
-                // drifts over a run, and the ratios must compare like with like.
-                let raw = raw_tcp()?;
                 let group = Group { workers: w, shards: k, warmup, steps, hosts, first_worker, chunk };
+                // Every row once per round, in the same order, so that round `i` of each saw
+                // the same machine; ratios are taken within a round.
+                let mut raws = Vec::new();
+                let mut figs: Vec<Vec<Figure>> = vec![Vec::new(); rows.len()];
+                for _ in 0..rounds {
+                    // Measured again before every round: on a shared machine the link's speed
+                    // drifts over a run, and the ratios must compare like with like.
+                    raws.push(raw_tcp()?);
+                    for ((row, tuning, serial), figs) in rows.iter().zip(&mut figs) {
+                        let fig = match tuning {
+                            None => plain_tcp(bytes as usize, group),
+                            Some(t) => rt.block_on(measure(&spec, group, *t, *serial)),
+                        }
+                        .with_context(|| format!("{mb} MB, {w} workers, {k} shards, {row}"))?;
+                        figs.push(fig);
+                        eprint!(".");
+                    }
+                }
+                let raw = median(&raws);
                 let bound_ms = 2.0 * (bytes / raw).max(w as f64 * bytes / (k as f64 * raw)) * 1e3;
-                let (mut default_ms, mut plain_ms, mut plain_cpu) = (None, None, None);
-                let plain = (!a.no_plain && a.only.is_none()).then_some(None);
-                for (tuning, serial) in
-                    plain.into_iter().chain(tunings.iter().map(|t| Some(*t))).map(Option::unzip)
-                {
-                    let name = match (tuning, serial) {
-                        (None, _) => "plain tcp".to_string(),
-                        (Some(t), Some(true)) => format!("{} serial", t.name),
-                        (Some(t), _) => t.name.to_string(),
+                // Each round's ratio of `f` between row `i` and row `base`.
+                let per_round = |i: usize, base: Option<usize>, f: fn(&Figure) -> f64| -> Vec<f64> {
+                    base.map_or_else(Vec::new, |b| {
+                        figs[i].iter().zip(&figs[b]).map(|(x, y)| f(x) / f(y)).collect()
+                    })
+                };
+                let plain = rows.iter().position(|r| r.1.is_none());
+                let default =
+                    rows.iter().position(|r| r.1.is_some_and(|t| t.name == Tuning::tonic_defaults().name));
+                for (i, (name, ..)) in rows.iter().enumerate() {
+                    let mid = |f: fn(&Figure) -> f64| median(&figs[i].iter().map(f).collect::<Vec<_>>());
+                    let step_ms = mid(|f| f.step_ms);
+                    let gbs = 2.0 * w as f64 * bytes / (step_ms * 1e6);
+                    let vs = |base: Option<usize>, f: fn(&Figure) -> f64| {
+                        if base == Some(i) { String::new() } else { ratio_cell(&per_round(i, base, f)) }
                     };
-                    let fig = match tuning {
-                        None => plain_tcp(bytes as usize, group),
-                        Some(t) => rt.block_on(measure(&spec, group, t, serial == Some(true))),
-                    }
-                    .with_context(|| format!("{mb} MB, {w} workers, {k} shards, {name}"))?;
-                    let is_default = tuning.is_some_and(|t| t.name == Tuning::tonic_defaults().name);
-                    if is_default {
-                        default_ms = Some(fig.step_ms);
-                    }
-                    let gbs = 2.0 * w as f64 * bytes / (fig.step_ms * 1e6);
+                    // How many times faster than the base row, per round (for gradsync's rows).
+                    let faster = |base: Option<usize>| {
+                        let r: Vec<f64> = per_round(i, base, |f| f.step_ms).iter().map(|x| 1.0 / x).collect();
+                        let transport = rows[i].1.is_some();
+                        let cell = if base == Some(i) || !transport { String::new() } else { ratio_cell(&r) };
+                        match cell.split_once(' ') {
+                            Some((m, range)) => format!("{m}x {range}"),
+                            None if cell.is_empty() => cell,
+                            None => cell + "x",
+                        }
+                    };
                     table.row(vec![
                         format!("{:.1}", bytes / 1e6),
                         w.to_string(),
                         k.to_string(),
-                        name,
-                        format!("{:.1}", fig.step_ms),
-                        format!("{:.1}", fig.push_ms),
-                        format!("{:.1}", fig.wait_ms),
-                        format!("{:.1}", fig.pull_ms),
+                        name.clone(),
+                        format!("{step_ms:.1}"),
+                        format!("{:.1}", mid(|f| f.push_ms)),
+                        format!("{:.1}", mid(|f| f.wait_ms)),
+                        format!("{:.1}", mid(|f| f.pull_ms)),
                         format!("{gbs:.2}"),
                         format!("{:.2}", raw / 1e9),
                         format!("{:.2}", gbs * 1e9 / raw),
                         format!("{bound_ms:.1}"),
-                        format!("{:.2}", fig.step_ms / bound_ms),
-                        match plain_ms {
-                            Some(p) => format!("{:.2}", fig.step_ms / p),
-                            None => String::new(),
-                        },
-                        format!("{:.1}", fig.cpu_ms),
-                        match plain_cpu {
-                            Some(p) => format!("{:.2}", fig.cpu_ms / p),
-                            None => String::new(),
-                        },
-                        match default_ms {
-                            Some(d) if !is_default => format!("{:.2}x", d / fig.step_ms),
-                            _ => String::new(),
-                        },
+                        format!("{:.2}", step_ms / bound_ms),
+                        vs(plain, |f| f.step_ms),
+                        format!("{:.1}", mid(|f| f.cpu_ms)),
+                        vs(plain, |f| f.cpu_ms),
+                        faster(default),
                     ]);
-                    if tuning.is_none() {
-                        plain_ms = Some(fig.step_ms);
-                        plain_cpu = Some(fig.cpu_ms);
-                    }
-                    eprint!(".");
                 }
             }
         }
@@ -421,13 +443,22 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         ),
     };
     println!("links: {link}");
+    let rounds_note = match rounds {
+        1 => "one round: every figure from a single run, ratios without spread (--rounds N to repeat)"
+            .to_string(),
+        n => format!(
+            "median of {n} interleaved rounds (every row of a group once per round, in order); x plain, CPU x \
+             plain and vs default: the median of the rounds' own ratios (least-most)"
+        ),
+    };
+    println!("{rounds_note}");
     print!("{}", table.render());
     println!(
         "push, pull: the slowest worker's, median step, timed from the step's start (push and pull run at \
          once, except in `serial` rows: push, then pull, timed each); (wait): the longest a server held a push \
          after receiving it, for the barrier and the update's last block (part of push). GB/s: bytes pushed and pulled by all workers per second; raw GB/s: one plain TCP stream over \
-         the links, the median of three measured just before the row's group; x raw: GB/s over raw. bound: 2 x max(S/B, W*S/(K*B)) with \
-         B the raw figure. x bound: ms/step over the bound (1.0 is the \
+         the links, the median of three measured just before each round of the row's group; x raw: GB/s over raw. bound: 2 x max(S/B, W*S/(K*B)) with \
+         B the raw figure (the median of the rounds'). x bound: ms/step over the bound (1.0 is the \
          link's limit). x plain: ms/step over the plain tcp row's. CPU ms: CPU time (user + system, every thread of this process) per timed step (not the warm-up steps, which first touch the buffers); CPU x plain: over the plain row's, the extra work a row does for the same bytes (where the cores are the limit, x plain cannot fall below it). vs default: how much faster than tonic's defaults. Rows: plain tcp = the same bytes over plain \
          sockets in the same topology (a socket per worker, shard and direction, push and pull at once; no \
          framing, no update): the floor on this machine; default = tonic's HTTP/2 \

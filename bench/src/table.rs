@@ -61,6 +61,23 @@ pub fn median(v: &[f64]) -> f64 {
     if s.len() % 2 == 1 { s[m] } else { 0.5 * (s[m - 1] + s[m]) }
 }
 
+/// Median, least and most of `v` (`None` when empty): the figure and spread of a quantity
+/// measured once per interleaved round.
+pub fn spread(v: &[f64]) -> Option<(f64, f64, f64)> {
+    let (lo, hi) = v.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+    (!v.is_empty()).then(|| (median(v), lo, hi))
+}
+
+/// A ratio measured once per round: `1.25` after one round, `1.25 (1.18-1.34)` (median, least
+/// and most) after several; empty when there is none.
+pub fn ratio_cell(v: &[f64]) -> String {
+    match spread(v) {
+        None => String::new(),
+        Some((m, ..)) if v.len() == 1 => format!("{m:.2}"),
+        Some((m, lo, hi)) => format!("{m:.2} ({lo:.2}-{hi:.2})"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -74,5 +91,14 @@ mod tests {
         assert!(s.lines().all(|l| l.len() == s.lines().next().unwrap().len()));
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+    }
+
+    #[test]
+    fn ratios_show_their_spread_once_there_are_rounds() {
+        assert_eq!(spread(&[]), None);
+        assert_eq!(spread(&[2.0, 0.5, 1.0]), Some((1.0, 0.5, 2.0)));
+        assert_eq!(ratio_cell(&[]), "");
+        assert_eq!(ratio_cell(&[1.254]), "1.25");
+        assert_eq!(ratio_cell(&[1.3, 1.1, 1.2]), "1.20 (1.10-1.30)");
     }
 }

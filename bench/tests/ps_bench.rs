@@ -64,8 +64,44 @@ fn check_groups(rows: &[Row]) {
 fn quick_grid_on_loopback() {
     let (out, _) = bench(&["--quick", "--tuned-only"]);
     assert!(out.contains("links: loopback"), "{out}");
+    assert!(out.contains("one round: every figure from a single run"), "{out}");
     let rows = rows(&out);
     check_groups(&rows);
+}
+
+/// `--rounds 2`: every row runs twice, interleaved, and each ratio against the plain row is
+/// the median of the two rounds' ratios with their least and most.
+#[test]
+fn rounds_give_each_ratio_its_spread() {
+    let (out, _) = bench(&["--quick", "--tuned-only", "--rounds", "2"]);
+    assert!(out.contains("median of 2 interleaved rounds"), "{out}");
+    check_groups(&rows(&out));
+    let mut ranged = 0;
+    for line in out.lines().filter(|l| l.starts_with('|')) {
+        let f: Vec<&str> = line.split('|').map(str::trim).collect();
+        if !f[4].starts_with("tuned") {
+            continue;
+        }
+        for cell in [f[14], f[16]] {
+            // "m (lo-hi)": the median of two rounds lies between them.
+            let (m, range) = cell.split_once(" (").unwrap_or_else(|| panic!("no spread in {cell:?}: {line}"));
+            let (lo, hi) = range.trim_end_matches(')').split_once('-').unwrap();
+            let [m, lo, hi]: [f64; 3] = [m, lo, hi].map(|x| x.parse().unwrap());
+            assert!(lo <= m && m <= hi && lo > 0.0, "{cell}: {line}");
+            ranged += 1;
+        }
+    }
+    assert_eq!(ranged, 2 * 2 * 4, "x plain and CPU x plain for both transports in four groups:\n{out}");
+}
+
+#[test]
+fn zero_rounds_are_refused_naming_the_flag() {
+    let out = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
+        .args(["ps", "--quick", "--rounds", "0"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("--rounds"), "{stderr}");
 }
 
 #[test]

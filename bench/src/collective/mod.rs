@@ -39,7 +39,7 @@ use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 use crate::cluster::net::{self, Cluster, Shape};
 use crate::hosts::Hosts;
 use crate::rawtcp::Yardstick;
-use crate::table::{Table, median};
+use crate::table::{Table, median, spread};
 
 mod plain;
 mod processes;
@@ -417,8 +417,7 @@ impl Measured {
     fn speedup_over(&self, base: &Measured, bytes: usize) -> Option<(f64, f64, f64)> {
         let (mine, theirs) = (self.secs.get(&bytes)?, base.secs.get(&bytes)?);
         let r: Vec<f64> = mine.iter().filter_map(|(round, m)| theirs.get(round).map(|t| t / m)).collect();
-        let (lo, hi) = r.iter().fold((f64::INFINITY, 0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
-        (!r.is_empty()).then(|| (median(&r), lo, hi))
+        spread(&r)
     }
 }
 
