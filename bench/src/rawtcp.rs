@@ -122,37 +122,48 @@ pub fn stream_rate(mut tx: TcpStream, mut rx: TcpStream, duration: Duration) -> 
 /// 8-byte ping-pongs, halved. The cost model's per-message term `a`.
 pub fn latency(ip: &str, rounds: usize) -> anyhow::Result<f64> {
     let listener = TcpListener::bind((ip, 0)).with_context(|| format!("binding {ip}:0"))?;
-    let addr = listener.local_addr()?;
+    let tx = TcpStream::connect_timeout(&listener.local_addr()?, Duration::from_secs(10))
+        .context("connecting to the echo")?;
+    let (rx, _) = listener.accept().context("accepting the pinger")?;
+    latency_between(tx, rx, rounds)
+}
+
+/// [`latency`] between the two ends of a connected pair, however connected (loopback, or one
+/// emulated host to another): `rx` echoes what `tx` sends.
+pub fn latency_between(mut tx: TcpStream, mut rx: TcpStream, rounds: usize) -> anyhow::Result<f64> {
     let echo = std::thread::spawn(move || -> std::io::Result<()> {
-        let (mut s, _) = listener.accept()?;
-        s.set_nodelay(true)?;
-        s.set_read_timeout(Some(Duration::from_secs(30)))?;
+        rx.set_nodelay(true)?;
+        rx.set_read_timeout(Some(Duration::from_secs(30)))?;
         let mut buf = [0u8; 8];
         loop {
-            match s.read_exact(&mut buf) {
-                Ok(()) => s.write_all(&buf)?,
+            match rx.read_exact(&mut buf) {
+                Ok(()) => rx.write_all(&buf)?,
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
                 Err(e) => return Err(e),
             }
         }
     });
-    let mut s =
-        TcpStream::connect_timeout(&addr, Duration::from_secs(10)).context("connecting to the echo")?;
-    s.set_nodelay(true)?;
-    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    tx.set_nodelay(true)?;
+    tx.set_read_timeout(Some(Duration::from_secs(30)))?;
     let mut buf = [7u8; 8];
     let mut rtts = Vec::with_capacity(rounds);
-    for i in 0..rounds.max(1) + 10 {
-        let t = Instant::now();
-        s.write_all(&buf)?;
-        s.read_exact(&mut buf)?;
-        // The first round trips warm the caches and the scheduler; leave them out.
-        if i >= 10 {
-            rtts.push(t.elapsed().as_secs_f64());
+    let mut ping = || -> std::io::Result<()> {
+        for i in 0..rounds.max(1) + 10 {
+            let t = Instant::now();
+            tx.write_all(&buf)?;
+            tx.read_exact(&mut buf)?;
+            // The first round trips warm the caches and the scheduler; leave them out.
+            if i >= 10 {
+                rtts.push(t.elapsed().as_secs_f64());
+            }
         }
-    }
-    drop(s);
+        Ok(())
+    };
+    let pinged = ping();
+    // The echo sees the end of the stream and returns, whether or not the pings all came back.
+    drop(tx);
     echo.join().map_err(|_| anyhow::anyhow!("echo thread panicked"))?.context("echoing")?;
+    pinged.context("pinging the echo")?;
     Ok(crate::table::median(&rtts) / 2.0)
 }
 

@@ -72,6 +72,9 @@ fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
     for r in &runs {
         let g = r.measured_gbit.unwrap_or_else(|| panic!("{}: the link was not measured", r.id));
         assert!((0.7..1.0).contains(&g), "{}: {g} Gbit/s measured over a 1 Gbit/s link", r.id);
+        // No delay was added: the latency is the namespaces' and veth's own, tens of us.
+        let us = r.measured_latency_us.unwrap_or_else(|| panic!("{}: the latency was not measured", r.id));
+        assert!(us > 0.0 && us < 5_000.0, "{}: {us} us one way between two hosts", r.id);
     }
     let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
     for line in outcomes.lines() {
@@ -88,6 +91,9 @@ fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
     let html = std::fs::read_to_string(html).unwrap();
     assert!(html.contains("Emulated cluster") && html.contains("ddp-tcp"), "no cluster section");
     assert!(html.contains("measured)"), "the report does not show the measured link");
+    // The cost model is fitted to the measured link even with no delay added.
+    assert!(html.contains("us one way, measured)"), "the report does not show the measured latency");
+    assert!(!html.contains("no link figures"), "the cost model had no link to fit");
     let _ = std::fs::remove_dir_all(&out);
 }
 

@@ -29,6 +29,11 @@ const CLUSTER_STEPS: u64 = 30;
 /// modes only by repeats' medians and ranges.
 const CLUSTER_REPEATS: usize = 3;
 
+/// Small-message round trips timed between two of a run's hosts for the cost model's latency
+/// (the machine's own loopback figure takes 2000; a shaped link's is steadier, and each run
+/// measures its own cluster).
+const LATENCY_ROUNDS: usize = 200;
+
 /// Flags of `gradsync-bench cluster`.
 #[derive(Debug, Clone, Args)]
 pub struct ClusterArgs {
@@ -188,14 +193,19 @@ pub fn run_cluster(
             };
             // The link as TCP sees it: from the last host to the first, crossing two shaped ends
             // as every message between hosts does.
-            let measured_gbit = cluster.as_ref().and_then(|c| {
+            let (measured_gbit, measured_latency_us) = cluster.as_ref().map_or((None, None), |c| {
+                let emulated = crate::hosts::Hosts::Emulated(c);
+                let said = |what: &str, e: anyhow::Error| {
+                    multi.suspend(|| eprintln!("{}: measuring the link's {what}: {e:#}", spec.id))
+                };
                 // The yardstick every benchmark uses: the median of three measurements.
                 let d = Duration::from_secs_f64(scenario.rawtcp_s / 3.0);
-                let emulated = crate::hosts::Hosts::Emulated(c);
                 let rate = crate::rawtcp::Yardstick::measure(3, d, || emulated.pair(hosts - 1, 0));
-                rate.map_err(|e| multi.suspend(|| eprintln!("{}: measuring the link: {e:#}", spec.id)))
-                    .ok()
-                    .map(|y| y.median() * 8.0 / 1e9)
+                let gbit = rate.map_err(|e| said("bandwidth", e)).ok().map(|y| y.median() * 8.0 / 1e9);
+                let latency = emulated
+                    .pair(hosts - 1, 0)
+                    .and_then(|(tx, rx)| crate::rawtcp::latency_between(tx, rx, LATENCY_ROUNDS));
+                (gbit, latency.map_err(|e| said("latency", e)).ok().map(|s| s * 1e6))
             });
             let skip = skip.or_else(|| {
                 (spec.mode == ModeKind::DdpNccl).then(|| "NCCL does not run over emulated links".to_string())
@@ -213,6 +223,7 @@ pub fn run_cluster(
                 hosts,
                 rate_gbit: rate,
                 measured_gbit,
+                measured_latency_us,
                 delay_us: sh.delay.as_micros() as u64,
                 loss_pct: sh.loss_pct,
             });

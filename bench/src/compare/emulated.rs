@@ -31,6 +31,10 @@ pub struct ClusterRun {
     /// before it was measured, and where measuring failed).
     #[serde(default)]
     pub measured_gbit: Option<f64>,
+    /// Half the round trip of an 8-byte message between the same two hosts, measured with the
+    /// bandwidth, microseconds (absent as `measured_gbit` is): the cost model's latency.
+    #[serde(default)]
+    pub measured_latency_us: Option<f64>,
     /// Delay per direction per link, microseconds.
     pub delay_us: u64,
     /// Loss per direction per link, percent.

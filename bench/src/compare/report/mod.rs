@@ -132,23 +132,28 @@ pub fn write(
     Ok(path)
 }
 
-/// The emulated link of a group's runs for the cost model: the median measured bandwidth, and
-/// the added delay as the latency; `None` without added delay, since nothing then measured
-/// the latency the model needs.
+/// The emulated link of a group's runs for the cost model: the medians of the runs' measured
+/// bandwidth and latency; `None` where some run measured no latency and no delay was added,
+/// since nothing then gives the latency the model needs.
 fn group_link(g: &Group, cluster: &[ClusterRun]) -> Option<Link> {
     let runs: Vec<&ClusterRun> =
         cluster.iter().filter(|r| g.cells.iter().any(|c| c.runs.contains(&r.id))).collect();
-    let delay = runs.first()?.delay_us;
-    let b: Vec<f64> = runs.iter().map(|r| cluster_link(r).b).collect();
-    let b = crate::compare::results::median(&b)?;
-    (delay > 0).then_some(Link { a: 2.0 * delay as f64 * 1e-6, b })
+    let latency_known = runs.iter().all(|r| r.measured_latency_us.is_some() || r.delay_us > 0);
+    if runs.is_empty() || !latency_known {
+        return None;
+    }
+    let median = |f: fn(Link) -> f64| {
+        crate::compare::results::median(&runs.iter().map(|r| f(cluster_link(r))).collect::<Vec<_>>())
+    };
+    Some(Link { a: median(|l| l.a)?, b: median(|l| l.b)? })
 }
 
-/// A cluster run's link for the cost model: the one-way latency is the two shaped hops' delay,
-/// the bandwidth what a plain TCP stream measured over them (the shaped rate for runs that did
-/// not measure it).
+/// A cluster run's link for the cost model: the latency and bandwidth measured between two of
+/// its hosts (for runs that did not measure them, the two shaped hops' added delay and the
+/// shaped rate).
 fn cluster_link(r: &ClusterRun) -> Link {
-    Link { a: 2.0 * r.delay_us as f64 * 1e-6, b: cost::gbit(r.measured_gbit.unwrap_or(r.rate_gbit)) }
+    let a = r.measured_latency_us.map_or(2.0 * r.delay_us as f64, |us| us) * 1e-6;
+    Link { a, b: cost::gbit(r.measured_gbit.unwrap_or(r.rate_gbit)) }
 }
 
 /// The gradient exchange the cost model predicts for a cluster run's link, seconds.
@@ -200,9 +205,10 @@ fn cluster_section(h: &mut String, runs: &[ClusterRun], all: &[Summary]) {
     }
     h.push_str(
         "<h2>Emulated cluster</h2>\n<p>Each process on its own host (a network namespace), every host's \
-         link shaped with tc in both directions; the model's latency is the two hops' added delay, its \
-         bandwidth what one plain TCP stream carried between two hosts of the run's cluster, measured just \
-         before the run (the shaped rate where it was not measured).</p>\n<table><tr><th>link</th><th class=l>mode</th><th>workers</th>\
+         link shaped with tc in both directions; the model's latency is half the round trip of a small \
+         message, its bandwidth what one plain TCP stream carried, both between two hosts of the run's \
+         cluster, measured just before the run (where they were not measured, the two hops' added delay \
+         and the shaped rate).</p>\n<table><tr><th>link</th><th class=l>mode</th><th>workers</th>\
          <th>shards</th><th class=l>status</th><th>step ms</th><th>communication ms</th><th>model ms</th>\
          <th>model ms, push then pull</th><th>communication / model</th></tr>\n",
     );
@@ -220,11 +226,12 @@ fn cluster_section(h: &mut String, runs: &[ClusterRun], all: &[Summary]) {
         let ratio = s.comm_ms.zip(pred).map(|(m, p)| m / p);
         let _ = writeln!(
             h,
-            "<tr><td>{} Gbit/s{}, {} us, {}% loss</td><td class=l>{}</td><td>{}</td><td>{}</td>\
+            "<tr><td>{} Gbit/s{}, {} us delay{}, {}% loss</td><td class=l>{}</td><td>{}</td><td>{}</td>\
              <td class=\"l {st}\">{st}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             r.rate_gbit,
             r.measured_gbit.map(|g| format!(" ({g:.3} measured)")).unwrap_or_default(),
             r.delay_us,
+            r.measured_latency_us.map(|us| format!(" ({us:.0} us one way, measured)")).unwrap_or_default(),
             r.loss_pct,
             r.mode.label(),
             r.workers,
