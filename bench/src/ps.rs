@@ -398,18 +398,15 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                     let step_ms = mid(|f| f.step_ms);
                     let gbs = 2.0 * w as f64 * bytes / (step_ms * 1e6);
                     let vs = |base: Option<usize>, f: fn(&Figure) -> f64| {
-                        if base == Some(i) { String::new() } else { ratio_cell(&per_round(i, base, f)) }
+                        if base == Some(i) { String::new() } else { ratio_cell(&per_round(i, base, f), "") }
                     };
-                    // How many times faster than the base row, per round (for gradsync's rows).
-                    let faster = |base: Option<usize>| {
-                        let r: Vec<f64> = per_round(i, base, |f| f.step_ms).iter().map(|x| 1.0 / x).collect();
-                        let transport = rows[i].1.is_some();
-                        let cell = if base == Some(i) || !transport { String::new() } else { ratio_cell(&r) };
-                        match cell.split_once(' ') {
-                            Some((m, range)) => format!("{m}x {range}"),
-                            None if cell.is_empty() => cell,
-                            None => cell + "x",
+                    // How many times faster than tonic's defaults, per round (gradsync's rows).
+                    let faster = match default {
+                        Some(d) if d != i && rows[i].1.is_some() => {
+                            let r: Vec<f64> = per_round(d, Some(i), |f| f.step_ms);
+                            ratio_cell(&r, "x")
                         }
+                        _ => String::new(),
                     };
                     table.row(vec![
                         format!("{:.1}", bytes / 1e6),
@@ -428,7 +425,7 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
                         vs(plain, |f| f.step_ms),
                         format!("{:.1}", mid(|f| f.cpu_ms)),
                         vs(plain, |f| f.cpu_ms),
-                        faster(default),
+                        faster,
                     ]);
                 }
             }

@@ -68,13 +68,13 @@ pub fn spread(v: &[f64]) -> Option<(f64, f64, f64)> {
     (!v.is_empty()).then(|| (median(v), lo, hi))
 }
 
-/// A ratio measured once per round: `1.25` after one round, `1.25 (1.18-1.34)` (median, least
-/// and most) after several; empty when there is none.
-pub fn ratio_cell(v: &[f64]) -> String {
+/// A ratio measured once per round, its median followed by `unit`: `1.25` after one round,
+/// `1.25 (1.18-1.34)` (median, least and most) after several; empty when there is none.
+pub fn ratio_cell(v: &[f64], unit: &str) -> String {
     match spread(v) {
         None => String::new(),
-        Some((m, ..)) if v.len() == 1 => format!("{m:.2}"),
-        Some((m, lo, hi)) => format!("{m:.2} ({lo:.2}-{hi:.2})"),
+        Some((m, ..)) if v.len() == 1 => format!("{m:.2}{unit}"),
+        Some((m, lo, hi)) => format!("{m:.2}{unit} ({lo:.2}-{hi:.2})"),
     }
 }
 
@@ -97,8 +97,9 @@ mod tests {
     fn ratios_show_their_spread_once_there_are_rounds() {
         assert_eq!(spread(&[]), None);
         assert_eq!(spread(&[2.0, 0.5, 1.0]), Some((1.0, 0.5, 2.0)));
-        assert_eq!(ratio_cell(&[]), "");
-        assert_eq!(ratio_cell(&[1.254]), "1.25");
-        assert_eq!(ratio_cell(&[1.3, 1.1, 1.2]), "1.20 (1.10-1.30)");
+        assert_eq!(ratio_cell(&[], ""), "");
+        assert_eq!(ratio_cell(&[1.254], ""), "1.25");
+        assert_eq!(ratio_cell(&[1.254], "x"), "1.25x");
+        assert_eq!(ratio_cell(&[1.3, 1.1, 1.2], "x"), "1.20x (1.10-1.30)");
     }
 }
