@@ -215,3 +215,66 @@ fn several_ranks_per_emulated_host_reduce_through_the_hosts_beside_the_flat_ring
     }
     assert_eq!(processes_left(tag), 0, "rank processes outlived the benchmark");
 }
+
+/// A stand-in for a Python with torch (the gloo rows' timings are its fixed 1 ms, not gloo's):
+/// it says gloo is there, and as a rank prints where rank 0 "listens" and one row per size, as
+/// `bench/pytorch/allreduce.py` does.
+fn fake_gloo_python(dir: &std::path::Path) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join("python");
+    std::fs::write(
+        &path,
+        "#!/bin/sh\n[ \"$1\" = -c ] && exit 0\nrank=; sizes=\n\
+         while [ $# -gt 0 ]; do case \"$1\" in --rank) rank=$2; shift;; --sizes) sizes=$2; shift;; esac; shift; done\n\
+         [ \"$rank\" = 0 ] && echo '{\"listening\": \"127.0.0.1:9\"}'\n\
+         for b in $(echo \"$sizes\" | tr , ' '); do echo \"{\\\"bytes\\\": $b, \\\"seconds\\\": 0.001, \\\"wrong\\\": 0}\"; done\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+/// `vs gloo` is the ratio of the medians, with the least and most of the rounds' own ratios
+/// beside it once there are several rounds (never on gloo's own row).
+#[test]
+fn vs_gloo_shows_the_rounds_spread() {
+    let dir = std::env::temp_dir().join(format!("gs-fake-gloo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let python = fake_gloo_python(&dir);
+    let run = |rounds: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
+            .args(["collective", "--backend", "tcp", "--transport", "tcp", "--ranks", "2", "--no-plain"])
+            .args(["--min-bytes", "65536", "--max-bytes", "65536", "--raw-secs", "0.1", "--rounds", rounds])
+            .arg("--python")
+            .arg(&python)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        // (backend, vs gloo) per row.
+        let cells: Vec<(String, String)> = stdout
+            .lines()
+            .filter(|l| l.starts_with('|'))
+            .map(|l| l.split('|').map(str::trim).collect::<Vec<_>>())
+            .filter(|f| f[3] == "tcp" || f[3] == "gloo")
+            .map(|f| (f[3].to_string(), f[13].to_string()))
+            .collect();
+        assert_eq!(cells.len(), 2, "{stdout}");
+        cells
+    };
+    for (backend, cell) in run("3") {
+        if backend == "gloo" {
+            assert_eq!(cell, "1.00x");
+            continue;
+        }
+        let (ratio, range) = cell.split_once("x (").unwrap_or_else(|| panic!("no spread: {cell:?}"));
+        let (lo, hi) = range.trim_end_matches(')').split_once('-').unwrap();
+        let [ratio, lo, hi]: [f64; 3] = [ratio, lo, hi].map(|x| x.parse().unwrap());
+        // With gloo's time fixed, the ratio of the medians is the median of the ratios.
+        assert!(lo <= ratio && ratio <= hi && lo > 0.0, "{cell}");
+    }
+    for (_, cell) in run("1") {
+        assert!(cell.ends_with('x') && !cell.contains('('), "one round has no spread: {cell:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -563,6 +563,17 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                 .map(|(med, lo, hi)| format!("{:.0}% ({:.0}-{:.0})", med * 100.0, lo * 100.0, hi * 100.0))
                 .unwrap_or_default()
         };
+        // A row's busbw over gloo's: the ratio of the medians, and beside it the least and most
+        // of the rounds' own ratios (none for gloo's own row, or after one round).
+        let vs_gloo = |m: &Measured, bytes: usize, bus: f64| {
+            let Some(g) = gloo_bus(bytes) else { return String::new() };
+            match m.speedup_over(&gloo_m, bytes) {
+                Some((_, lo, hi)) if a.rounds > 1 && !std::ptr::eq(m, &gloo_m) => {
+                    format!("{:.2}x ({lo:.2}-{hi:.2})", bus / g)
+                }
+                _ => format!("{:.2}x", bus / g),
+            }
+        };
         // A hierarchical row's flat ring: the same backend and transport with --hierarchy off.
         let flat_of = |s: &Series, m: &Measured| {
             let hier = m.path.contains("hier");
@@ -593,7 +604,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                     format!("{:.2}", bus / raw),
                     of_plain(m, bytes),
                     g.map(|g| format!("{g:.3}")).unwrap_or_default(),
-                    g.map(|g| format!("{:.2}x", bus / g)).unwrap_or_default(),
+                    vs_gloo(m, bytes, bus),
                     flat.and_then(|f| m.speedup_over(f, bytes))
                         .map(|(med, lo, hi)| format!("{med:.2}x ({lo:.2}-{hi:.2})"))
                         .unwrap_or_default(),
@@ -621,7 +632,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                     format!("{:.2}", bus / raw),
                     of_plain(m, bytes),
                     g.map(|g| format!("{g:.3}")).unwrap_or_default(),
-                    g.map(|g| format!("{:.2}x", bus / g)).unwrap_or_default(),
+                    vs_gloo(m, bytes, bus),
                     String::new(),
                     row.wrong.to_string(),
                 ]);
@@ -636,8 +647,9 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
          as many from the left, nothing computed, one process per rank: what these sockets carry \
          in this topology with nothing else to do (a yardstick, not a bound: a library that moves \
          bytes better can pass it; its vs gloo: how far above gloo the bare sockets go); of \
-         plain: busbw over plain's, median over rounds (least-most); vs gloo: our busbw over PyTorch gloo's (gloo's \
-         ranks are always processes); vs flat ring: a hierarchical all-reduce's speed over the flat \
+         plain: busbw over plain's, median over rounds (least-most); vs gloo: our busbw over PyTorch gloo's, the \
+         ratio of the medians, then the least and most of the rounds' own ratios (gloo's ranks are always \
+         processes); vs flat ring: a hierarchical all-reduce's speed over the flat \
          ring's (--hierarchy off, same transport), median over rounds (least-most); ranks as: one process per rank, or threads of this \
          process; transport: what the TCP backend's ring ran on (tcp: sockets; auto (shm): shared \
          memory, chosen because every rank is on this host; in a hierarchical all-reduce, between \
