@@ -16,9 +16,7 @@ use super::charts::{Charts, Group, groups};
 use super::cost::{self, Link};
 use super::emulated::ClusterRun;
 use super::machine::Machine;
-#[cfg(test)]
-use super::results::Cell;
-use super::results::{Collected, Summary, overlap};
+use super::results::{Cell, Collected, Summary, overlap};
 use super::scenario::ModeKind;
 
 mod reading;
@@ -174,9 +172,6 @@ pub fn cluster_prediction(r: &ClusterRun, params: usize) -> Option<f64> {
     }
 }
 
-/// A cluster run, its measured step, its predicted exchange and its measured communication, ms.
-type MeasuredRun = (ClusterRun, Option<f64>, Option<f64>, Option<f64>);
-
 /// How far a measured PS-to-ring communication ratio may sit from BytePS's prediction for the
 /// claim to count as reproduced.
 const BYTEPS_TOLERANCE: f64 = 0.15;
@@ -212,8 +207,6 @@ fn cluster_section(h: &mut String, runs: &[ClusterRun], all: &[Summary]) {
          <th>shards</th><th class=l>status</th><th>step ms</th><th>communication ms</th><th>model ms</th>\
          <th>model ms, push then pull</th><th>communication / model</th></tr>\n",
     );
-    // Per link rate: each run with its measured step and predicted exchange, ms, for the reading.
-    let mut by_rate: BTreeMap<String, Vec<MeasuredRun>> = BTreeMap::new();
     for r in runs {
         let Some(s) = all.iter().find(|s| s.id == r.id) else { continue };
         let pred = cluster_prediction(r, s.params).map(|t| t * 1e3);
@@ -243,39 +236,90 @@ fn cluster_section(h: &mut String, runs: &[ClusterRun], all: &[Summary]) {
             opt(ratio, 2),
             st = esc(&s.status)
         );
-        by_rate.entry(format!("{:08.2}", r.rate_gbit)).or_default().push((
-            r.clone(),
-            s.step_ms,
-            pred,
-            s.comm_ms,
-        ));
     }
     h.push_str("</table>\n<ul>\n");
-    for rows in by_rate.values() {
-        let ps = rows.iter().find(|(r, ..)| r.mode == ModeKind::PsBsp);
-        let ring = rows.iter().find(|(r, ..)| r.mode == ModeKind::DdpTcp);
-        if let (Some((r, Some(ps_t), Some(ps_p), ps_c)), Some((_, Some(ring_t), Some(ring_p), ring_c))) =
-            (ps, ring)
-        {
-            let _ = writeln!(
-                h,
-                "<li>At {} Gbit/s with {} workers, a PS-BSP step ({} shard(s)) takes {:.2} x a ring step \
-                 (measured); the model (push and pull pipelined) predicts {:.2} x for the gradient exchange alone.</li>",
-                r.rate_gbit,
-                r.workers,
-                r.shards,
-                ps_t / ring_t,
-                ps_p / ring_p
-            );
-            if let (Some(pc), Some(rc)) = (ps_c, ring_c)
-                && r.shards == r.workers
-                && r.workers > 1
-            {
-                let _ = writeln!(h, "<li>{}</li>", esc(&byteps_claim(r.workers, r.rate_gbit, *pc / *rc)));
-            }
-        }
+    for line in ps_against_ring(runs, all) {
+        let _ = writeln!(h, "<li>{}</li>", esc(&line));
     }
     h.push_str("</ul>\n");
+}
+
+/// The cluster's readings: on each link and at each worker count, every PS-BSP cell against the
+/// ring's (DDP-TCP), each the median over its complete repeats; the step ratio beside the
+/// model's, and BytePS's claim where there is a shard per worker. A cell with fewer than two
+/// complete repeats is listed with its figures, never compared.
+fn ps_against_ring(runs: &[ClusterRun], all: &[Summary]) -> Vec<String> {
+    let mine: Vec<Summary> = all.iter().filter(|s| runs.iter().any(|r| r.id == s.id)).cloned().collect();
+    let cells = Cell::all(&mine);
+    let run_of = |id: &str| runs.iter().find(|r| r.id == id);
+    // The median over a cell's complete repeats of `f` of each run (with its cluster record).
+    let over = |c: &Cell, f: &dyn Fn(&ClusterRun, &Summary) -> Option<f64>| -> Vec<f64> {
+        c.runs
+            .iter()
+            .filter_map(|id| Some((run_of(id)?, mine.iter().find(|s| &s.id == id)?)))
+            .filter_map(|(r, s)| f(r, s))
+            .collect()
+    };
+    let span = |v: &[f64]| {
+        (v.iter().copied().fold(f64::INFINITY, f64::min), v.iter().copied().fold(f64::NEG_INFINITY, f64::max))
+    };
+    let mut out = Vec::new();
+    for ps in cells.iter().filter(|c| c.median.mode == ModeKind::PsBsp.label()) {
+        let m = &ps.median;
+        let Some(ring) = cells.iter().find(|c| {
+            let r = &c.median;
+            r.mode == ModeKind::DdpTcp.label()
+                && (r.link.as_str(), r.workers, &r.model, r.global_batch, r.slow_ms)
+                    == (m.link.as_str(), m.workers, &m.model, m.global_batch, m.slow_ms)
+        }) else {
+            continue;
+        };
+        let (Some(ps_t), Some(ring_t)) = (m.step_ms, ring.median.step_ms) else { continue };
+        let head = format!("At {} with {} workers", m.link, m.workers);
+        let (p, q) = (ps.runs.len(), ring.runs.len());
+        if p < 2 || q < 2 {
+            out.push(format!(
+                "{head}: a PS-BSP step ({} shard(s)) {ps_t:.1} ms ({p} of {} repeats complete), a ring step \
+                 {ring_t:.1} ms ({q} of {}). Not compared: a cell with fewer than two complete repeats has \
+                 no spread to set a difference against (run `gradsync-bench cluster --repeats 3`).",
+                m.shards, ps.attempts, ring.attempts
+            ));
+            continue;
+        }
+        let step = |c: &Cell| span(&over(c, &|_, s| s.step_ms));
+        let (a, b) = (step(ps), step(ring));
+        let predicted = |c: &Cell| super::results::median(&over(c, &|r, s| cluster_prediction(r, s.params)));
+        let model = match (predicted(ps), predicted(ring)) {
+            (Some(x), Some(y)) => format!(
+                "; the model (push and pull pipelined) predicts {:.2} x for the gradient exchange alone",
+                x / y
+            ),
+            _ => String::new(),
+        };
+        let level = if overlap(a, b) {
+            "; the repeats' ranges overlap, so the two are level within their spread"
+        } else {
+            ""
+        };
+        out.push(format!(
+            "{head}, a PS-BSP step ({} shard(s)) takes {:.2} x a ring step (medians of {p} and {q} complete \
+             repeats: {:.1}-{:.1} against {:.1}-{:.1} ms){level}{model}.",
+            m.shards,
+            ps_t / ring_t,
+            a.0,
+            a.1,
+            b.0,
+            b.1
+        ));
+        if let (Some(pc), Some(rc)) = (m.comm_ms, ring.median.comm_ms)
+            && m.shards == m.workers
+            && m.workers > 1
+        {
+            let rate = ps.runs.first().and_then(|id| run_of(id)).map_or(0.0, |r| r.rate_gbit);
+            out.push(byteps_claim(m.workers, rate, pc / rc));
+        }
+    }
+    out
 }
 
 /// The machine, and the wire its runs crossed: loopback, or (`emulated`) the cluster's links.
@@ -844,5 +888,87 @@ mod tests {
             let (fast, slow) = if g.link == "1 Gbit/s" { ("900", "800") } else { ("100", "50") };
             assert!(text.contains(fast) && text.contains(slow), "{}: {text}", g.link);
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod cluster_tests {
+    use super::*;
+
+    /// A run on a 10 Gbit/s link: its cluster record and its summary.
+    fn run(mode: ModeKind, repeat: usize, status: &str, step_ms: f64) -> (ClusterRun, Summary) {
+        let id = format!("runs/{}-r{repeat}", mode.label());
+        let shards = usize::from(mode.is_ps());
+        let c = ClusterRun {
+            id: id.clone(),
+            mode,
+            workers: 2,
+            shards,
+            hosts: 2 + shards,
+            rate_gbit: 10.0,
+            measured_gbit: Some(9.0),
+            measured_latency_us: Some(30.0),
+            delay_us: 0,
+            loss_pct: 0.0,
+        };
+        let s = Summary {
+            id,
+            mode: mode.label().into(),
+            workers: 2,
+            shards,
+            model: "mnist".into(),
+            global_batch: 128,
+            link: c.label(),
+            params: 1_000_000,
+            step_ms: Some(step_ms),
+            comm_ms: Some(step_ms / 2.0),
+            status: status.into(),
+            repeat,
+            ..Summary::default()
+        };
+        (c, s)
+    }
+
+    fn reading(runs: &[(ClusterRun, Summary)]) -> Vec<String> {
+        let (c, s): (Vec<ClusterRun>, Vec<Summary>) = runs.iter().cloned().unzip();
+        ps_against_ring(&c, &s)
+    }
+
+    /// The PS-to-ring ratio is the medians' over complete repeats (not the first run of each),
+    /// with the ranges beside it; a failed repeat counts for neither.
+    #[test]
+    fn the_ps_to_ring_ratio_is_taken_over_complete_repeats() {
+        let runs = [
+            run(ModeKind::PsBsp, 0, "ok", 20.0),
+            run(ModeKind::PsBsp, 1, "ok", 22.0),
+            run(ModeKind::PsBsp, 2, "failed", 90.0),
+            run(ModeKind::DdpTcp, 0, "ok", 10.0),
+            run(ModeKind::DdpTcp, 1, "ok", 14.0),
+        ];
+        let r = reading(&runs);
+        assert_eq!(r.len(), 1, "{r:?}");
+        assert!(
+            r[0].contains("takes 1.75 x a ring step (medians of 2 and 2 complete repeats: 20.0-22.0 against 10.0-14.0 ms)"),
+            "{r:?}"
+        );
+        assert!(!r[0].contains("level"), "{r:?}");
+    }
+
+    /// With one complete repeat a cell is listed with its figures and not compared; ranges that
+    /// overlap are called level.
+    #[test]
+    fn cells_run_once_are_not_compared_and_overlaps_are_level() {
+        let once = [run(ModeKind::PsBsp, 0, "ok", 20.0), run(ModeKind::DdpTcp, 0, "ok", 10.0)];
+        let r = reading(&once);
+        assert!(r[0].contains("Not compared") && !r[0].contains(" x a ring step"), "{r:?}");
+        let close = [
+            run(ModeKind::PsBsp, 0, "ok", 11.0),
+            run(ModeKind::PsBsp, 1, "ok", 13.0),
+            run(ModeKind::DdpTcp, 0, "ok", 10.0),
+            run(ModeKind::DdpTcp, 1, "ok", 12.0),
+        ];
+        let r = reading(&close);
+        assert!(r[0].contains("level within their spread"), "{r:?}");
     }
 }
