@@ -252,16 +252,13 @@ fn ps_against_ring(runs: &[ClusterRun], all: &[Summary]) -> Vec<String> {
     let mine: Vec<Summary> = all.iter().filter(|s| runs.iter().any(|r| r.id == s.id)).cloned().collect();
     let cells = Cell::all(&mine);
     let run_of = |id: &str| runs.iter().find(|r| r.id == id);
-    // The median over a cell's complete repeats of `f` of each run (with its cluster record).
+    // `f` of each of a cell's complete repeats (with its cluster record).
     let over = |c: &Cell, f: &dyn Fn(&ClusterRun, &Summary) -> Option<f64>| -> Vec<f64> {
         c.runs
             .iter()
             .filter_map(|id| Some((run_of(id)?, mine.iter().find(|s| &s.id == id)?)))
             .filter_map(|(r, s)| f(r, s))
             .collect()
-    };
-    let span = |v: &[f64]| {
-        (v.iter().copied().fold(f64::INFINITY, f64::min), v.iter().copied().fold(f64::NEG_INFINITY, f64::max))
     };
     let mut out = Vec::new();
     for ps in cells.iter().filter(|c| c.median.mode == ModeKind::PsBsp.label()) {
@@ -286,8 +283,8 @@ fn ps_against_ring(runs: &[ClusterRun], all: &[Summary]) -> Vec<String> {
             ));
             continue;
         }
-        let step = |c: &Cell| span(&over(c, &|_, s| s.step_ms));
-        let (a, b) = (step(ps), step(ring));
+        let step = |c: &Cell| crate::table::spread(&over(c, &|_, s| s.step_ms)).map(|(_, lo, hi)| (lo, hi));
+        let (Some(a), Some(b)) = (step(ps), step(ring)) else { continue };
         let predicted = |c: &Cell| super::results::median(&over(c, &|r, s| cluster_prediction(r, s.params)));
         let model = match (predicted(ps), predicted(ring)) {
             (Some(x), Some(y)) => format!(
