@@ -180,6 +180,19 @@ impl Half {
             .map(|i| (i, values[i]))
     }
 
+    /// "`what` is `v`, beyond fp16's range (largest 65504): a --compress fp16 `carrier` cannot
+    /// carry it; ...": the error that names a value past [`Half::max`] and what to do, for every
+    /// sender of this format.
+    pub fn overflow_error(self, what: &str, v: f32, carrier: &str) -> String {
+        format!(
+            "{what} is {v}, beyond {}'s range (largest {}): a --compress {} {carrier} cannot carry it; bf16 keeps \
+             f32's range (--compress bf16 on the servers and workers), or the learning rate may be too high",
+            self.name(),
+            self.max(),
+            self.name()
+        )
+    }
+
     /// `v` rounded to this format and back: what the receiver gets.
     pub fn round(self, v: f32) -> f32 {
         match self {

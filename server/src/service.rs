@@ -487,15 +487,11 @@ fn for_pull(sh: &Shared, version: u64, c: FramedChunk) -> Result<FramedChunk, St
     // The payload is a whole number of f32 values: this server wrote it.
     let _ = wire::copy_into(&payload, 0, &mut values);
     if let Some((i, v)) = half.first_overflow(&values) {
-        return Err(Status::out_of_range(format!(
-            "version {version}: parameter {} of the flat buffer is {v}, beyond {}'s range (largest {}), so a \
-             --compress {} pull cannot carry it; bf16 keeps f32's range (--compress bf16 on the servers and \
-             workers), or the learning rate may be too high",
-            sh.range.start + offset as usize + i,
-            half.name(),
-            half.max(),
-            half.name()
-        )));
+        let what = format!(
+            "version {version}: parameter {} of the flat buffer",
+            sh.range.start + offset as usize + i
+        );
+        return Err(Status::out_of_range(half.overflow_error(&what, v, "pull")));
     }
     let head = ParameterChunk {
         version,

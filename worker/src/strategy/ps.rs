@@ -261,13 +261,7 @@ impl Drop for Ps {
 fn fits(h: Half, grads: &[f32]) -> anyhow::Result<()> {
     match h.first_overflow(grads) {
         None => Ok(()),
-        Some((i, v)) => anyhow::bail!(
-            "gradient value {i} is {v}, beyond {}'s range (largest {}): --compress {} cannot carry it; bf16 \
-             keeps f32's range (--compress bf16 on the servers and workers), or the learning rate may be too high",
-            h.name(),
-            h.max(),
-            h.name()
-        ),
+        Some((i, v)) => anyhow::bail!(h.overflow_error(&format!("gradient value {i}"), v, "push")),
     }
 }
 
