@@ -99,6 +99,14 @@ pub fn all_finite(v: &[f32]) -> bool {
     v.iter().fold(true, |ok, v| ok & (v.to_bits() & 0x7f80_0000 != 0x7f80_0000))
 }
 
+/// [`all_finite`] of a payload's little-endian values where they lie, without decoding them
+/// anywhere first (a trailing partial value is ignored).
+pub fn all_finite_le(payload: &[u8]) -> bool {
+    payload
+        .chunks_exact(4)
+        .fold(true, |ok, b| ok & (u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 != 0x7f80_0000))
+}
+
 /// Reassembles one streamed buffer of exactly `len` values from chunks that must arrive in
 /// order. Pure (no I/O) so the service and the fuzzer run the same code. The destination is
 /// allocated by the caller from the model's real size: nothing a peer declares sizes it.
@@ -283,6 +291,14 @@ mod tests {
             let mut v = vec![1.0f32; 100];
             v[77] = bad;
             assert!(!all_finite(&v), "{bad}");
+            // The same values as a payload, read where they lie, from an odd address too.
+            let wire = encode(&v, BytesMut::new());
+            assert!(!all_finite_le(&wire), "{bad}");
+            let mut odd = vec![0u8];
+            odd.extend_from_slice(&wire);
+            assert!(!all_finite_le(&odd[1..]), "{bad}");
+            v[77] = 1.0;
+            assert!(all_finite_le(&encode(&v, BytesMut::new())));
         }
     }
 

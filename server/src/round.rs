@@ -358,13 +358,9 @@ impl Round {
                 c.pieces.iter().filter(|(o, p)| o + p.len() / 4 > summed).cloned().collect();
             (summed, pieces)
         };
-        let mut scratch = vec![0f32; 1024];
         let bad = pieces.iter().any(|(o, p)| {
             let from = summed.saturating_sub(*o) * 4;
-            p[from..].chunks(scratch.len() * 4).any(|b| {
-                let dst = &mut scratch[..b.len() / 4];
-                !gradsync_proto::wire::decode_into(b, 0, dst).unwrap_or(false)
-            })
+            !gradsync_proto::wire::all_finite_le(&p[from..])
         });
         if bad {
             self.refuse(&mut lock(&self.inner), &[rank]);
