@@ -96,15 +96,19 @@ fn copy_checked(src: &[u8], dst: &mut [f32]) -> bool {
 /// value is (or it overflowed), so a receiver that sums can check the sum instead of each
 /// input.
 pub fn all_finite(v: &[f32]) -> bool {
-    v.iter().fold(true, |ok, v| ok & (v.to_bits() & 0x7f80_0000 != 0x7f80_0000))
+    v.iter().fold(true, |ok, v| ok & finite_bits(v.to_bits()))
 }
 
 /// [`all_finite`] of a payload's little-endian values where they lie, without decoding them
 /// anywhere first (a trailing partial value is ignored).
 pub fn all_finite_le(payload: &[u8]) -> bool {
-    payload
-        .chunks_exact(4)
-        .fold(true, |ok, b| ok & (u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 != 0x7f80_0000))
+    payload.chunks_exact(4).fold(true, |ok, b| ok & finite_bits(u32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+}
+
+/// Whether the f32 with these bits is finite: its exponent bits are not all ones.
+#[inline(always)]
+fn finite_bits(bits: u32) -> bool {
+    bits & 0x7f80_0000 != 0x7f80_0000
 }
 
 /// Reassembles one streamed buffer of exactly `len` values from chunks that must arrive in
