@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use gradsync_bench::cluster::{self, Cluster, ClusterError, Shape};
 use gradsync_bench::compare::modes::{self, Bins, Ctx, Placement, ProcSpec};
 use gradsync_bench::compare::scenario::{ModeKind, RunSpec, Scenario};
+use gradsync_testkit::Scratch;
 
 /// A cluster, or `None` (after saying why) where this machine cannot make one.
 fn cluster_or_skip(test: &str, n: usize, shape: Shape) -> Option<Cluster> {
@@ -27,11 +28,8 @@ fn cluster_or_skip(test: &str, n: usize, shape: Shape) -> Option<Cluster> {
     }
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("gs-cluster-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmp(name: &str) -> Scratch {
+    Scratch::new(&format!("cluster-{name}"))
 }
 
 fn scenario(steps: u64) -> Scenario {
@@ -87,14 +85,13 @@ fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
             assert_eq!(m.matches("\"kind\":\"step\"").count(), 6, "{} rank {rank}", r.id);
         }
     }
-    let html = gradsync_bench::compare::plot(std::slice::from_ref(&out), &out).unwrap();
+    let html = gradsync_bench::compare::plot(&[out.to_path_buf()], &out).unwrap();
     let html = std::fs::read_to_string(html).unwrap();
     assert!(html.contains("Emulated cluster") && html.contains("ddp-tcp"), "no cluster section");
     assert!(html.contains("measured)"), "the report does not show the measured link");
     // The cost model is fitted to the measured link even with no delay added.
     assert!(html.contains("us one way, measured)"), "the report does not show the measured latency");
     assert!(!html.contains("no link figures"), "the cost model had no link to fit");
-    let _ = std::fs::remove_dir_all(&out);
 }
 
 /// A process started inside a host; killed when dropped.
@@ -273,7 +270,6 @@ fn ps_link_cut(elastic: bool) {
         let log = server.log();
         assert!(log.contains("dropping workers") && log.contains('2'), "server log: {log}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -306,7 +302,6 @@ fn ddp_fails_naming_a_rank_when_a_link_is_cut() {
         assert!(log.contains("rank"), "{}'s error names no rank: {log}", w.name);
     }
     assert!(cut_at.elapsed() < Duration::from_secs(4 * TIMEOUT_S + 20));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `--loss` without netem: the BPF classifier drops the asked share of packets. Host to host a

@@ -238,8 +238,7 @@ fn fake_gloo_python(dir: &std::path::Path) -> std::path::PathBuf {
 /// beside it once there are several rounds (never on gloo's own row).
 #[test]
 fn vs_gloo_shows_the_rounds_spread() {
-    let dir = std::env::temp_dir().join(format!("gs-fake-gloo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = gradsync_testkit::Scratch::new("fake-gloo");
     let python = fake_gloo_python(&dir);
     let run = |rounds: &str| {
         let out = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
@@ -276,5 +275,4 @@ fn vs_gloo_shows_the_rounds_spread() {
     for (_, cell) in run("1") {
         assert!(cell.ends_with('x') && !cell.contains('('), "one round has no spread: {cell:?}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

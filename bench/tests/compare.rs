@@ -9,6 +9,7 @@ use std::process::Command;
 use gradsync_bench::compare::scenario::Scenario;
 
 use gradsync_bench::compare::charts::NAMES as CHARTS;
+use gradsync_testkit::Scratch;
 
 fn compare(scenario: &Path, out: &Path) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
@@ -24,9 +25,7 @@ fn compare(scenario: &Path, out: &Path) -> std::process::Output {
 
 #[test]
 fn default_scenario_scaled_down_runs_end_to_end() {
-    let root = std::env::temp_dir().join(format!("gs-compare-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).unwrap();
+    let root = Scratch::new("compare");
     let mut s = Scenario::load(None).unwrap();
     s.models = vec!["tiny".into()];
     (s.steps, s.epochs) = (Some(6), None);
@@ -177,7 +176,6 @@ fn default_scenario_scaled_down_runs_end_to_end() {
     let again = compare(&scenario, &out);
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("already holds a comparison"));
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 /// A small scenario of `modes` at 2 workers into `root/name.toml`.
@@ -202,9 +200,7 @@ fn outcomes(out: &Path) -> Vec<serde_json::Value> {
 #[test]
 fn ctrl_c_keeps_the_finished_runs_and_resume_runs_the_rest() {
     use std::io::{BufRead, BufReader};
-    let root = std::env::temp_dir().join(format!("gs-resume-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).unwrap();
+    let root = Scratch::new("resume");
     let scenario = small(&root, "resume", &["local", "ps-asp"], 400, "");
     let out = root.join("out");
     let mut child = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
@@ -260,14 +256,11 @@ fn ctrl_c_keeps_the_finished_runs_and_resume_runs_the_rest() {
     assert!(all.iter().all(|o| o["status"] == "ok"), "{all:?}");
     // The finished run was kept as it was, not run again.
     assert_eq!(all[0], first[0]);
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]
 fn a_diverged_run_is_recorded_as_such_and_read_as_nothing() {
-    let root = std::env::temp_dir().join(format!("gs-diverge-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).unwrap();
+    let root = Scratch::new("diverge");
     let scenario = small(&root, "diverge", &["local", "ps-asp"], 60, "lr = 40.0\n");
     let out = root.join("out");
     let o = compare(&scenario, &out);
@@ -287,14 +280,11 @@ fn a_diverged_run_is_recorded_as_such_and_read_as_nothing() {
         !html.contains("is fastest with") && !html.contains("are level"),
         "a speed read from diverged runs"
     );
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]
 fn a_run_can_stop_at_its_target_accuracy() {
-    let root = std::env::temp_dir().join(format!("gs-target-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).unwrap();
+    let root = Scratch::new("target");
     let scenario = small(
         &root,
         "target",
@@ -318,12 +308,12 @@ fn a_run_can_stop_at_its_target_accuracy() {
     }
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();
     assert!(html.contains("Time to 60.0% held-out accuracy"), "no convergence table");
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]
 fn a_bad_scenario_is_refused_with_its_name() {
-    let p = std::env::temp_dir().join(format!("gs-bad-scenario-{}.toml", std::process::id()));
+    let dir = Scratch::new("bad-scenario");
+    let p = dir.join("scenario.toml");
     std::fs::write(&p, "name = 'x'\nmodes = ['local']\nworkers = [1]\nmodels = ['tiny']\nbatches = [8]\n")
         .unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))

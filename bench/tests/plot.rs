@@ -2,16 +2,13 @@
 //! data), output identical for identical input, bad files reported by path and line.
 #![allow(clippy::unwrap_used)] // a test fails loudly on anything unexpected
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use gradsync_core::metrics::{Header, MetricsWriter, Record, ServerApply, Step};
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("gs-plot-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmp(name: &str) -> Scratch {
+    Scratch::new(&format!("plot-{name}"))
 }
 
 const PARAMS: usize = 50_000;
@@ -147,6 +144,7 @@ fn plot(dirs: &[&Path], out: &Path) -> std::process::Output {
 }
 
 use gradsync_bench::compare::charts::NAMES as CHARTS;
+use gradsync_testkit::Scratch;
 
 fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
@@ -203,7 +201,6 @@ fn identical_input_gives_identical_output() {
     // 20 steps per rank file, 20 server updates per PS run.
     let jl = std::fs::read_to_string(a.join("runs.jsonl")).unwrap();
     assert_eq!(jl.lines().count(), 20 * (1 + 1 + 3 * 2 + 2) + 3 * 20);
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]
@@ -231,7 +228,6 @@ fn bad_files_are_named_with_their_line_and_the_rest_plots() {
     assert!(html.contains("Problems in the input") && html.contains("rank1.jsonl:5:"));
     let csv = std::fs::read_to_string(out.join("summary.csv")).unwrap();
     assert_eq!(csv.lines().count(), 1 + 6, "every run still summarised:\n{csv}");
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]
@@ -248,7 +244,6 @@ fn files_from_several_hosts_join_one_run() {
     let csv = plot_summary(&[&root.join("host0"), &root.join("host1")], &root.join("out"));
     assert_eq!(csv.lines().count(), 2, "one run from two files:\n{csv}");
     assert!(csv.lines().nth(1).unwrap().contains(",ddp-tcp,2,0,"), "{csv}");
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]
@@ -270,7 +265,6 @@ fn back_to_back_runs_of_one_configuration_stay_apart() {
     let rows: Vec<&str> = csv.lines().skip(1).collect();
     assert_eq!(rows.len(), 2, "{csv}");
     assert!(rows[0].starts_with("runs/a,ps-bsp,2,1,") && rows[1].starts_with("runs/b,ps-bsp,2,1,"), "{csv}");
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]
@@ -294,5 +288,4 @@ fn asp_workers_that_never_overlap_join_through_their_server() {
     let rows: Vec<&str> = csv.lines().skip(1).collect();
     assert_eq!(rows.len(), 1, "{csv}");
     assert!(rows[0].starts_with("runs/asp,ps-asp,2,1,"), "{csv}");
-    std::fs::remove_dir_all(&root).unwrap();
 }

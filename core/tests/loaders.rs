@@ -4,26 +4,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use gradsync_core::data::DataSource;
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("gs-loader-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use gradsync_testkit::Scratch;
 
 fn idx_images(n: u32, rows: u32, cols: u32, magic: u32) -> Vec<u8> {
     let mut b = Vec::new();
@@ -67,9 +51,9 @@ fn load(spec: &str) -> Result<gradsync_core::data::Dataset, String> {
 #[test]
 fn mnist_loads_raw_and_gz() {
     for gz in [false, true] {
-        let d = TempDir::new(&format!("ok{gz}"));
-        write_mnist(&d.0, 12, gz);
-        let ds = load(&format!("mnist:{}", d.0.display())).unwrap();
+        let d = Scratch::new(&format!("loader-ok{gz}"));
+        write_mnist(&d, 12, gz);
+        let ds = load(&format!("mnist:{}", d.display())).unwrap();
         assert_eq!((ds.train.len(), ds.test.len(), ds.dim, ds.classes), (12, 4, 784, 10));
         assert_eq!(ds.train.y[3], 3);
     }
@@ -77,25 +61,25 @@ fn mnist_loads_raw_and_gz() {
 
 #[test]
 fn mnist_errors_name_the_file() {
-    let d = TempDir::new("trunc");
-    write_mnist(&d.0, 12, false);
-    let f = d.0.join("train-images-idx3-ubyte");
+    let d = Scratch::new("loader-trunc");
+    write_mnist(&d, 12, false);
+    let f = d.join("train-images-idx3-ubyte");
     let bytes = std::fs::read(&f).unwrap();
     std::fs::write(&f, &bytes[..bytes.len() - 100]).unwrap();
-    let e = load(&format!("mnist:{}", d.0.display())).unwrap_err();
+    let e = load(&format!("mnist:{}", d.display())).unwrap_err();
     assert!(e.contains("train-images-idx3-ubyte") && e.contains("truncated"), "{e}");
 
     std::fs::write(&f, idx_images(12, 28, 28, 2049)).unwrap();
-    let e = load(&format!("mnist:{}", d.0.display())).unwrap_err();
+    let e = load(&format!("mnist:{}", d.display())).unwrap_err();
     assert!(e.contains("train-images-idx3-ubyte") && e.contains("magic"), "{e}");
 
     std::fs::write(&f, idx_images(11, 28, 28, 2051)).unwrap();
-    let e = load(&format!("mnist:{}", d.0.display())).unwrap_err();
+    let e = load(&format!("mnist:{}", d.display())).unwrap_err();
     assert!(e.contains("train-labels-idx1-ubyte") && e.contains("12 labels for 11 images"), "{e}");
 
-    std::fs::remove_file(d.0.join("t10k-labels-idx1-ubyte")).unwrap();
+    std::fs::remove_file(d.join("t10k-labels-idx1-ubyte")).unwrap();
     std::fs::write(&f, idx_images(12, 28, 28, 2051)).unwrap();
-    let e = load(&format!("mnist:{}", d.0.display())).unwrap_err();
+    let e = load(&format!("mnist:{}", d.display())).unwrap_err();
     assert!(e.contains("t10k-labels-idx1-ubyte") && e.contains("missing"), "{e}");
 
     let e = load("mnist:/nonexistent/gradsync-data").unwrap_err();
@@ -104,30 +88,30 @@ fn mnist_errors_name_the_file() {
 
 #[test]
 fn cifar_loads_and_rejects_bad_files() {
-    let d = TempDir::new("cifar");
+    let d = Scratch::new("loader-cifar");
     let record = |label: u8| {
         let mut r = vec![label];
         r.extend((0..3072).map(|i| (i % 256) as u8));
         r
     };
     for i in 1..=5 {
-        std::fs::write(d.0.join(format!("data_batch_{i}.bin")), [record(1), record(2)].concat()).unwrap();
+        std::fs::write(d.join(format!("data_batch_{i}.bin")), [record(1), record(2)].concat()).unwrap();
     }
-    std::fs::write(d.0.join("test_batch.bin"), record(9)).unwrap();
-    let ds = load(&format!("cifar10:{}", d.0.display())).unwrap();
+    std::fs::write(d.join("test_batch.bin"), record(9)).unwrap();
+    let ds = load(&format!("cifar10:{}", d.display())).unwrap();
     assert_eq!((ds.train.len(), ds.test.len(), ds.dim), (10, 1, 3072));
 
-    let f = d.0.join("data_batch_3.bin");
+    let f = d.join("data_batch_3.bin");
     std::fs::write(&f, &record(1)[..1000]).unwrap();
-    let e = load(&format!("cifar10:{}", d.0.display())).unwrap_err();
+    let e = load(&format!("cifar10:{}", d.display())).unwrap_err();
     assert!(e.contains("data_batch_3.bin") && e.contains("3073-byte records"), "{e}");
 
     std::fs::write(&f, record(12)).unwrap();
-    let e = load(&format!("cifar10:{}", d.0.display())).unwrap_err();
+    let e = load(&format!("cifar10:{}", d.display())).unwrap_err();
     assert!(e.contains("data_batch_3.bin") && e.contains("label 12"), "{e}");
 
     std::fs::remove_file(&f).unwrap();
-    let e = load(&format!("cifar10:{}", d.0.display())).unwrap_err();
+    let e = load(&format!("cifar10:{}", d.display())).unwrap_err();
     assert!(e.contains("data_batch_3.bin"), "{e}");
 
     let e = load("cifar10:").unwrap_err();

@@ -9,11 +9,14 @@
 //! - [`process`]: the workspace binaries a test starts (found, never built by a test), free
 //!   ports, a child guard that kills and reaps on drop, and servers waited for through their
 //!   `listening on` line.
+//! - [`Scratch`]: a test's own directory, removed with its contents when the test ends, passed
+//!   or not.
 //! - [`gpu_test`]: how a GPU test runs here: in place on a real GPU, or again in a child process
 //!   whose library path holds the fake CUDA and NVRTC, with the fake's counters handed back.
 
 use std::fmt;
 use std::io::Read;
+use std::ops::Deref;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -39,6 +42,42 @@ pub enum Error {
     /// The child process could not be run or did not pass.
     #[error("{0}")]
     Child(String),
+}
+
+/// A directory of a test's own under the system's temporary folder (`gradsync-NAME-` and a
+/// random suffix, so tests running at once never share one), removed with everything in it
+/// when dropped: at the end of a test that passed and while a failing one unwinds. Reads as
+/// a [`Path`].
+#[derive(Debug)]
+pub struct Scratch(tempfile::TempDir);
+
+impl Scratch {
+    /// A fresh, empty directory for the test `name`. Panics (failing the test) if it cannot
+    /// be made.
+    pub fn new(name: &str) -> Scratch {
+        match tempfile::Builder::new().prefix(&format!("gradsync-{name}-")).tempdir() {
+            Ok(d) => Scratch(d),
+            Err(e) => panic!("cannot make a scratch directory for {name}: {e}"),
+        }
+    }
+
+    /// Where it is.
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        self.0.path()
+    }
 }
 
 /// The folder holding the fake `libcuda.so.1`, `libcublas.so.13` and `libnccl.so.2`.
@@ -253,6 +292,32 @@ fn nonce() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_scratch_directory_is_gone_after_its_test_passed_or_failed() {
+        let kept = {
+            let d = Scratch::new("scratch-ok");
+            std::fs::create_dir_all(d.join("sub")).unwrap();
+            std::fs::write(d.join("sub/file"), b"x").unwrap();
+            assert!(
+                d.is_dir() && d.file_name().unwrap().to_string_lossy().starts_with("gradsync-scratch-ok-")
+            );
+            d.to_path_buf()
+        };
+        assert!(!kept.exists(), "{} left behind", kept.display());
+
+        let seen = std::sync::Mutex::new(None);
+        let failed = std::panic::catch_unwind(|| {
+            let d = Scratch::new("scratch-panic");
+            std::fs::write(d.join("file"), b"x").unwrap();
+            *seen.lock().unwrap() = Some(d.to_path_buf());
+            panic!("the test fails here");
+        });
+        assert!(failed.is_err());
+        let kept = seen.lock().unwrap().take().unwrap();
+        assert!(!kept.exists(), "{} left behind by a failing test", kept.display());
+        assert_ne!(Scratch::new("same").path(), Scratch::new("same").path(), "two tests, one directory");
+    }
 
     #[test]
     fn counters_sum_every_process() {

@@ -7,33 +7,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use gradsync_core::checkpoint::Checkpoint;
 use gradsync_testkit::process::Proc;
-use gradsync_testkit::{Counters, GpuRun, gpu_test};
+use gradsync_testkit::{Counters, GpuRun, Scratch, gpu_test};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
-
-/// A scratch directory removed at the end.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let d = std::env::temp_dir().join(format!("gradsync-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        Scratch(d)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A worker process, killed if the test ends early.
 fn spawn(args: &[&str]) -> Proc {
@@ -100,9 +82,9 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 
 fn check_equivalence(world: usize, batch: usize, transport: &str, hierarchy: &str) {
     let dir = Scratch::new(&format!("equiv{world}{transport}{hierarchy}"));
-    let local = dir.0.join("local.ckpt");
-    let dp = dir.0.join("dp.ckpt");
-    let ddp = dir.0.join("ddp.ckpt");
+    let local = dir.join("local.ckpt");
+    let dp = dir.join("dp.ckpt");
+    let ddp = dir.join("ddp.ckpt");
     let w = world.to_string();
     let global = (world * batch).to_string();
     let b = batch.to_string();
@@ -120,12 +102,12 @@ fn check_equivalence(world: usize, batch: usize, transport: &str, hierarchy: &st
     let mut a = launch_train(&w, "ddp", &["--batch", &b]);
     a.extend(["--bucket-mb", "0.002", "--comm-timeout", "30", "--chunk-kb", "1"].map(String::from));
     a.extend(["--transport", transport, "--hierarchy", hierarchy, "--metrics"].map(String::from));
-    a.push(dir.0.join("m-{rank}.jsonl").display().to_string());
+    a.push(dir.join("m-{rank}.jsonl").display().to_string());
     a.extend(common(&ddp));
     run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
     // The ring really ran on the transport asked for: the metrics header says which.
     for r in 0..world {
-        let text = std::fs::read_to_string(dir.0.join(format!("m-{r}.jsonl"))).unwrap();
+        let text = std::fs::read_to_string(dir.join(format!("m-{r}.jsonl"))).unwrap();
         let header: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
         assert_eq!(header["extra"]["transport"], transport, "rank {r}: {header}");
         // One host: the flat ring unless the hierarchy is forced on.
@@ -175,8 +157,8 @@ fn ddp_through_the_hosts_matches_local_with_three_ranks() {
 #[test]
 fn ddp_metrics_report_communication() {
     let dir = Scratch::new("metrics");
-    let m = dir.0.join("m-{rank}.jsonl");
-    let save = dir.0.join("s.ckpt");
+    let m = dir.join("m-{rank}.jsonl");
+    let save = dir.join("s.ckpt");
     let mut a: Vec<String> =
         ["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "train", "--mode", "ddp"]
             .map(String::from)
@@ -185,8 +167,8 @@ fn ddp_metrics_report_communication() {
     a.push(m.display().to_string());
     a.extend(common(&save));
     run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
-    let text = std::fs::read_to_string(dir.0.join("m-1.jsonl")).unwrap();
-    assert!(dir.0.join("m-0.jsonl").exists());
+    let text = std::fs::read_to_string(dir.join("m-1.jsonl")).unwrap();
+    assert!(dir.join("m-0.jsonl").exists());
     let steps: Vec<serde_json::Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -207,16 +189,16 @@ fn ddp_metrics_report_communication() {
 #[test]
 fn sync_every_communicates_only_on_sync_steps() {
     let dir = Scratch::new("nosync");
-    let save = dir.0.join("s.ckpt");
+    let save = dir.join("s.ckpt");
     let mut a: Vec<String> =
         ["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "train", "--mode", "ddp"]
             .map(String::from)
             .to_vec();
     a.extend(["--batch", "8", "--sync-every", "3", "--metrics"].map(String::from));
-    a.push(dir.0.join("m-{rank}.jsonl").display().to_string());
+    a.push(dir.join("m-{rank}.jsonl").display().to_string());
     a.extend(common(&save));
     run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
-    let text = std::fs::read_to_string(dir.0.join("m-0.jsonl")).unwrap();
+    let text = std::fs::read_to_string(dir.join("m-0.jsonl")).unwrap();
     let sent: Vec<u64> = text
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
@@ -272,7 +254,7 @@ fn launcher_prefixes_output_and_stops_everyone_when_one_fails() {
 #[test]
 fn launcher_stops_its_ranks_on_sigterm() {
     let dir = Scratch::new("sigterm");
-    let marker = dir.0.join("rank-{}.pid");
+    let marker = dir.join("rank-{}.pid");
     let script = format!(
         "echo $$ > {}; echo ready; exec sleep 60",
         marker.display().to_string().replace("{}", "$RANK")
@@ -292,7 +274,7 @@ fn launcher_stops_its_ranks_on_sigterm() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("stopped by a signal"));
     assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
     for r in 0..2 {
-        let rank_pid = std::fs::read_to_string(dir.0.join(format!("rank-{r}.pid"))).unwrap();
+        let rank_pid = std::fs::read_to_string(dir.join(format!("rank-{r}.pid"))).unwrap();
         let alive = Command::new("kill").args(["-0", rank_pid.trim()]).status().unwrap().success();
         assert!(!alive, "rank {r} (pid {}) survived the launcher", rank_pid.trim());
     }
@@ -375,7 +357,7 @@ fn ddp_with_nccl_matches_local_on_one_gpu() {
     }
     // NCCL refuses two ranks on one GPU: world size 1 is what one GPU can check.
     let dir = Scratch::new("nccl");
-    let (local, ddp) = (dir.0.join("local.ckpt"), dir.0.join("ddp.ckpt"));
+    let (local, ddp) = (dir.join("local.ckpt"), dir.join("ddp.ckpt"));
     let mut a: Vec<String> = ["train", "--mode", "local", "--batch", "8"].map(String::from).to_vec();
     a.extend(on_gpu(common(&local)));
     run_strings(&a);
@@ -401,7 +383,7 @@ fn dp_and_ddp_over_tcp_on_gpus_match_local() {
         return;
     }
     let dir = Scratch::new("gpu-equiv");
-    let (local, dp, ddp) = (dir.0.join("local.ckpt"), dir.0.join("dp.ckpt"), dir.0.join("ddp.ckpt"));
+    let (local, dp, ddp) = (dir.join("local.ckpt"), dir.join("dp.ckpt"), dir.join("ddp.ckpt"));
     let mut a: Vec<String> = ["train", "--mode", "local", "--batch", "16"].map(String::from).to_vec();
     a.extend(common(&local));
     run_strings(&a);
@@ -444,12 +426,12 @@ fn run_zero1(dir: &Path, world: usize, batch: usize, extra: &[&str], save: &Path
 /// batch does, holding 1/world of the optimiser state on each rank.
 fn check_zero1(world: usize, batch: usize, extra: &[&str]) {
     let dir = Scratch::new(&format!("zero1-{world}-{}", extra.join("").replace('-', "")));
-    let (local, zero) = (dir.0.join("local.ckpt"), dir.0.join("zero1.ckpt"));
+    let (local, zero) = (dir.join("local.ckpt"), dir.join("zero1.ckpt"));
     let mut a: Vec<String> =
         ["train", "--mode", "local", "--batch", &(world * batch).to_string()].map(String::from).to_vec();
     a.extend(common(&local));
     run_strings(&a);
-    let headers = run_zero1(&dir.0, world, batch, extra, &zero);
+    let headers = run_zero1(&dir, world, batch, extra, &zero);
     let (l, z) = (Checkpoint::load(&local).unwrap(), Checkpoint::load(&zero).unwrap());
     let n = l.params.len();
     assert_ne!(
@@ -503,8 +485,8 @@ fn zero1_over_shared_memory_matches_local_with_three_ranks() {
 #[test]
 fn zero1_moves_the_rings_bytes() {
     let dir = Scratch::new("zero1-bytes");
-    run_zero1(&dir.0, 2, 8, &[], &dir.0.join("s.ckpt"));
-    let text = std::fs::read_to_string(dir.0.join("z-1.jsonl")).unwrap();
+    run_zero1(&dir, 2, 8, &[], &dir.join("s.ckpt"));
+    let text = std::fs::read_to_string(dir.join("z-1.jsonl")).unwrap();
     let steps: Vec<serde_json::Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -563,7 +545,7 @@ fn zero1_over_tcp_on_gpus_matches_local() {
         return;
     }
     let dir = Scratch::new("zero1-gpu");
-    let (local, zero) = (dir.0.join("local.ckpt"), dir.0.join("zero1.ckpt"));
+    let (local, zero) = (dir.join("local.ckpt"), dir.join("zero1.ckpt"));
     let mut a: Vec<String> = ["train", "--mode", "local", "--batch", "16"].map(String::from).to_vec();
     a.extend(common(&local));
     run_strings(&a);
@@ -614,11 +596,11 @@ fn ddp_compressed(dir: &Path, world: usize, c: &str) -> (Vec<f32>, Vec<u64>) {
 #[test]
 fn ddp_compression_matches_the_all_reduce_within_its_rounding() {
     let dir = Scratch::new("ddp-compress");
-    let (dense, dense_sent) = ddp_compressed(&dir.0, 2, "none");
-    let (all, _) = ddp_compressed(&dir.0, 2, "topk:1");
+    let (dense, dense_sent) = ddp_compressed(&dir, 2, "none");
+    let (all, _) = ddp_compressed(&dir, 2, "topk:1");
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&all), bits(&dense), "DDP top-k at ratio 1 differs from the all-reduce");
-    let (tenth, tenth_sent) = ddp_compressed(&dir.0, 2, "topk:0.1");
+    let (tenth, tenth_sent) = ddp_compressed(&dir, 2, "topk:0.1");
     assert!(max_diff(&tenth, &dense) > 0.0, "top-k 10% sent everything");
     let init = gradsync_core::model::init_params(
         &gradsync_core::model::Layout::new(
@@ -637,7 +619,7 @@ fn ddp_compression_matches_the_all_reduce_within_its_rounding() {
     // a parameter moves by less than 6 x 0.1 x 4.7 = 2.8, so the rounding moves it by less
     // than 2.8 x 2 x 2^-11 = 2.7e-3 (fp16) or 2.2e-2 (bf16) (two roundings: the value, the sum).
     for (c, bound) in [("fp16", 2.7e-3f32), ("bf16", 2.2e-2)] {
-        let (got, sent) = ddp_compressed(&dir.0, 2, c);
+        let (got, sent) = ddp_compressed(&dir, 2, c);
         let diff = max_diff(&got, &dense);
         assert!(diff > 0.0 && diff < bound, "--compress {c}: max diff from f32 {diff} (bound {bound})");
         // Two bytes a value (an odd-length bucket pads one value).
@@ -709,8 +691,8 @@ fn ddp_over_nccl_compresses_buckets_on_the_device() {
     let dir = Scratch::new("nccl-half");
     let run = |backend: &str, c: &str, extra: &[&str]| {
         let name = format!("{backend}-{c}{}", extra.join(""));
-        let save = dir.0.join(format!("{name}.ckpt"));
-        let metrics = dir.0.join(format!("m-{name}-{{rank}}.jsonl"));
+        let save = dir.join(format!("{name}.ckpt"));
+        let metrics = dir.join(format!("m-{name}-{{rank}}.jsonl"));
         let mut a: Vec<String> =
             ["--backend", backend, "--compress", c, "--transport", "tcp", "--batch", "8"]
                 .map(String::from)
@@ -720,7 +702,7 @@ fn ddp_over_nccl_compresses_buckets_on_the_device() {
         a.extend(extra.iter().map(|x| x.to_string()));
         a.extend(common(&save));
         ddp_ranks_as_threads(2, &a);
-        let text = std::fs::read_to_string(dir.0.join(format!("m-{name}-0.jsonl"))).unwrap();
+        let text = std::fs::read_to_string(dir.join(format!("m-{name}-0.jsonl"))).unwrap();
         let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
         assert_eq!(lines[0]["extra"]["compression"], c, "{}", lines[0]);
         assert_eq!(lines[0]["variant"], backend, "{}", lines[0]);

@@ -13,7 +13,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -22,16 +22,14 @@ use gradsync_core::metrics::{Record, ServerApply, parse_line};
 
 mod common;
 use common::server_bin;
+use gradsync_testkit::Scratch;
 use gradsync_testkit::process::{Proc, start_server};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
 const DATA: &str = "synthetic:2048:32:8";
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("gradsync-faults-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmp(name: &str) -> Scratch {
+    Scratch::new(&format!("faults-{name}"))
 }
 
 /// Start a server shard (tiny model, DATA) with `extra` flags; returns it and its address,

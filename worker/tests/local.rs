@@ -3,16 +3,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
+use gradsync_testkit::Scratch;
 use std::process::{Command, Output};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gradsync-worker");
 
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("gs-local-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmp(tag: &str) -> Scratch {
+    Scratch::new(&format!("local-{tag}"))
 }
 
 fn worker(args: &[&str]) -> Output {
@@ -66,7 +63,6 @@ fn learns_and_writes_metrics() {
     };
     assert!(mean(&steps[100..]) < 0.5 * mean(&steps[..10]), "loss did not fall");
     assert!(evals[2] > 0.5, "held-out accuracy {evals:?} did not rise well above chance (0.1)");
-    std::fs::remove_dir_all(d).unwrap();
 }
 
 #[test]
@@ -96,7 +92,6 @@ fn save_load_and_fingerprint_refusal() {
     let o = worker(&[&base[..], &["--steps", "1", "--load", ckpt.to_str().unwrap()]].concat());
     assert!(!o.status.success());
     assert!(stderr(&o).contains("p.ckpt"), "{}", stderr(&o));
-    std::fs::remove_dir_all(d).unwrap();
 }
 
 #[test]

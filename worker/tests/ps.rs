@@ -21,6 +21,7 @@ use tonic::Code;
 
 mod common;
 use common::server_bin;
+use gradsync_testkit::Scratch;
 use gradsync_testkit::process::{Proc, free_port, start_server};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
@@ -128,11 +129,8 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("gradsync-ps-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("temp dir");
-    d
+fn tmp(name: &str) -> Scratch {
+    Scratch::new(&format!("ps-{name}"))
 }
 
 fn start_shards(k: usize, extra: &[&str]) -> (Vec<Server>, String) {
