@@ -248,7 +248,8 @@ fn files_from_several_hosts_join_one_run() {
 
 #[test]
 fn a_missing_directory_is_an_error_naming_it() {
-    let o = plot(&[Path::new("/nonexistent/gradsync-runs")], &std::env::temp_dir().join("gs-plot-none"));
+    let out = tmp("none");
+    let o = plot(&[Path::new("/nonexistent/gradsync-runs")], &out.join("out"));
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("/nonexistent/gradsync-runs is not a directory"));
 }

@@ -120,7 +120,7 @@ mod tests {
 
     #[test]
     fn round_trip_and_corruption() {
-        let dir = std::env::temp_dir().join(format!("gs-ckpt-{}", std::process::id()));
+        let dir = gradsync_testkit::Scratch::new("ckpt");
         let path = dir.join("a.ckpt");
         let c = Checkpoint {
             header: CheckpointHeader {
@@ -143,6 +143,5 @@ mod tests {
         assert!(Checkpoint::load(&path).unwrap_err().to_string().contains("checksum"));
         std::fs::write(&path, &bytes[..10]).unwrap();
         assert!(Checkpoint::load(&path).is_err());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

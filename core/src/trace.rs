@@ -111,7 +111,8 @@ mod tests {
         let s = Instant::now();
         t.span("forward", "compute", "compute", s);
         Trace::disabled().span("ignored", "compute", "x", s);
-        let path = std::env::temp_dir().join(format!("gs-trace-{}.json", std::process::id()));
+        let dir = gradsync_testkit::Scratch::new("trace");
+        let path = dir.join("trace.json");
         t.write(&path).unwrap();
         let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         let ev = &v["traceEvents"][0];
@@ -119,6 +120,5 @@ mod tests {
         assert_eq!(ev["ph"], "X");
         assert_eq!(ev["pid"], 3);
         assert_eq!(v["traceEvents"].as_array().unwrap().len(), 1);
-        std::fs::remove_file(path).unwrap();
     }
 }

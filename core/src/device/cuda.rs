@@ -922,8 +922,7 @@ mod tests {
         let newest = supported.iter().copied().max().expect("NVRTC supports some architecture");
         let mut archs = vec![80, 90, newest];
         archs.dedup();
-        let scratch = std::env::temp_dir().join(format!("gradsync-ptx-{}", std::process::id()));
-        std::fs::create_dir_all(&scratch).expect("create a scratch folder");
+        let scratch = gradsync_testkit::Scratch::new("ptx");
         for arch in archs {
             let cubin = nvrtc::compile(nvrtc::KernelTarget::Cubin(arch), &[])?;
             assert_eq!(&cubin.image[..4], b"\x7fELF", "sm_{arch}: NVRTC's cubin is not an ELF image");
@@ -970,7 +969,6 @@ mod tests {
                 KERNEL_NAMES.len()
             );
         }
-        let _ = std::fs::remove_dir_all(&scratch);
         Ok(())
     }
 

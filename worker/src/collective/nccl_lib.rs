@@ -310,14 +310,6 @@ mod tests {
     use super::*;
 
     /// A scratch folder, removed on drop.
-    struct Scratch(PathBuf);
-
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-
     fn touch(p: &Path) {
         std::fs::create_dir_all(p.parent().unwrap()).unwrap();
         std::fs::write(p, b"").unwrap();
@@ -326,10 +318,10 @@ mod tests {
     #[test]
     #[allow(clippy::unwrap_used)]
     fn nccl_is_looked_for_as_libnccl_so_2_and_in_python_environments() {
-        let root = Scratch(std::env::temp_dir().join(format!("gradsync-nccl-search-{}", std::process::id())));
-        let venv = root.0.join("venv");
-        let home = root.0.join("home");
-        let sys = root.0.join("usr");
+        let root = gradsync_testkit::Scratch::new("nccl-search");
+        let venv = root.join("venv");
+        let home = root.join("home");
+        let sys = root.join("usr");
         // PyTorch's wheel layout in a virtualenv, two Pythons in ~/.local, Debian's layout.
         let in_venv = venv.join("lib/python3.11/site-packages/nvidia/nccl/lib/libnccl.so.2");
         let user_old = home.join(".local/lib/python3.9/site-packages/nvidia/nccl/lib/libnccl.so.2");

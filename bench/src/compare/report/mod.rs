@@ -798,10 +798,9 @@ mod tests {
         let with = |mode: &str| Summary { params: 1_000_000, ..row(mode, 0, 1000.0) };
         let c = collected(vec![with("ddp-tcp"), with("ps-bsp")]);
         let g = &crate::compare::charts::groups(&c)[0];
-        let dir = std::env::temp_dir().join(format!("gradsync-bytes-chart-{}", std::process::id()));
+        let dir = gradsync_testkit::Scratch::new("bytes-chart");
         let mut charts = crate::compare::charts::Charts::new(&dir).unwrap();
         charts.draw_group(g, None).unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
         let svg = &charts.charts.iter().find(|c| c.name.starts_with("bytes")).unwrap().svg;
         // "PS, per worker (theory)" in ps-bsp's colour: its legend swatch and its dashes.
         let ps = "stroke=\"#2CA02C\"";
