@@ -10,7 +10,7 @@
 //!   ports, a child guard that kills and reaps on drop, and servers waited for through their
 //!   `listening on` line.
 //! - [`Scratch`]: a test's own directory, removed with its contents when the test ends, passed
-//!   or not.
+//!   or not (kept with `GRADSYNC_KEEP_SCRATCH` set).
 //! - [`gpu_test`]: how a GPU test runs here: in place on a real GPU, or again in a child process
 //!   whose library path holds the fake CUDA and NVRTC, with the fake's counters handed back.
 
@@ -44,10 +44,13 @@ pub enum Error {
     Child(String),
 }
 
+/// Set (to anything) to keep every test's [`Scratch`] directory for a look afterwards.
+pub const KEEP_SCRATCH_ENV: &str = "GRADSYNC_KEEP_SCRATCH";
+
 /// A directory of a test's own under the system's temporary folder (`gradsync-NAME-` and a
 /// random suffix, so tests running at once never share one), removed with everything in it
-/// when dropped: at the end of a test that passed and while a failing one unwinds. Reads as
-/// a [`Path`].
+/// when dropped: at the end of a test that passed and while a failing one unwinds. Kept, and
+/// named on stderr, when [`KEEP_SCRATCH_ENV`] is set. Reads as a [`Path`].
 #[derive(Debug)]
 pub struct Scratch(tempfile::TempDir);
 
@@ -55,8 +58,20 @@ impl Scratch {
     /// A fresh, empty directory for the test `name`. Panics (failing the test) if it cannot
     /// be made.
     pub fn new(name: &str) -> Scratch {
-        match tempfile::Builder::new().prefix(&format!("gradsync-{name}-")).tempdir() {
-            Ok(d) => Scratch(d),
+        Scratch::made(name, std::env::var_os(KEEP_SCRATCH_ENV).is_some())
+    }
+
+    fn made(name: &str, keep: bool) -> Scratch {
+        match tempfile::Builder::new().prefix(&format!("gradsync-{name}-")).disable_cleanup(keep).tempdir() {
+            Ok(d) => {
+                if keep {
+                    eprintln!(
+                        "{name}: scratch directory {} (kept: {KEEP_SCRATCH_ENV} is set)",
+                        d.path().display()
+                    );
+                }
+                Scratch(d)
+            }
             Err(e) => panic!("cannot make a scratch directory for {name}: {e}"),
         }
     }
@@ -296,7 +311,7 @@ mod tests {
     #[test]
     fn a_scratch_directory_is_gone_after_its_test_passed_or_failed() {
         let kept = {
-            let d = Scratch::new("scratch-ok");
+            let d = Scratch::made("scratch-ok", false);
             std::fs::create_dir_all(d.join("sub")).unwrap();
             std::fs::write(d.join("sub/file"), b"x").unwrap();
             assert!(
@@ -308,7 +323,7 @@ mod tests {
 
         let seen = std::sync::Mutex::new(None);
         let failed = std::panic::catch_unwind(|| {
-            let d = Scratch::new("scratch-panic");
+            let d = Scratch::made("scratch-panic", false);
             std::fs::write(d.join("file"), b"x").unwrap();
             *seen.lock().unwrap() = Some(d.to_path_buf());
             panic!("the test fails here");
@@ -317,6 +332,11 @@ mod tests {
         let kept = seen.lock().unwrap().take().unwrap();
         assert!(!kept.exists(), "{} left behind by a failing test", kept.display());
         assert_ne!(Scratch::new("same").path(), Scratch::new("same").path(), "two tests, one directory");
+
+        // Asked to keep it: still there after the test.
+        let kept = Scratch::made("scratch-keep", true).to_path_buf();
+        assert!(kept.is_dir(), "{} not kept", kept.display());
+        std::fs::remove_dir_all(&kept).unwrap();
     }
 
     #[test]
