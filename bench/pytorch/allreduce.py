@@ -6,9 +6,23 @@ all_reduce on CPU tensors with the gloo backend, in this process, timed like gra
 namespace where it runs there), exactly as it starts its own ranks. Rank 0 hosts the store:
 it binds --master (port 0: any) and prints {"listening": "host:port"} before anything else;
 the bench then starts the other ranks with that address. Every rank then prints one JSON object
-per size: {"bytes": B, "seconds": S, "wrong": N}; the bench keeps the slowest rank's time."""
+per size: {"bytes": B, "seconds": S, "wrong": N}; the bench keeps the slowest rank's time.
+Rank 0 adds "busy": the core-seconds the whole machine was busy per iteration (/proc/stat),
+as gradsync's rank 0 does."""
 import argparse, json, os, sys, time
 from datetime import timedelta
+
+
+def machine_busy_seconds():
+    """Busy core-seconds since boot (user, nice, system, irq, softirq), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        if fields[0] != "cpu":
+            return None
+        return sum(int(fields[i]) for i in (1, 2, 3, 6, 7)) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def main():
@@ -40,11 +54,16 @@ def main():
         wrong = int((t != want).sum())
         iters = max(3, min(200, a.budget_bytes // max(nbytes, 1)))
         dist.barrier()
+        busy0 = machine_busy_seconds() if a.rank == 0 else None
         t0 = time.perf_counter()
         for _ in range(iters):
             dist.all_reduce(t)
         secs = (time.perf_counter() - t0) / iters
-        print(json.dumps({"bytes": n * 4, "seconds": secs, "wrong": wrong}), flush=True)
+        row = {"bytes": n * 4, "seconds": secs, "wrong": wrong}
+        busy1 = machine_busy_seconds() if busy0 is not None else None
+        if busy1 is not None:
+            row["busy"] = (busy1 - busy0) / iters
+        print(json.dumps(row), flush=True)
     dist.destroy_process_group()
 
 

@@ -340,9 +340,38 @@ pub fn process_cpu_seconds() -> f64 {
     t(u.ru_utime) + t(u.ru_stime)
 }
 
+/// Core-seconds the whole machine has spent busy (user, nice, system, interrupts; not idle,
+/// I/O wait or steal) since boot, from `/proc/stat`: what a run costs, including the kernel's
+/// work for it that no process is charged with (softirqs run by `ksoftirqd`, emulated links).
+/// `None` where there is no `/proc/stat`.
+pub fn machine_busy_seconds() -> Option<f64> {
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    busy_from_stat(&std::fs::read_to_string("/proc/stat").ok()?, ticks as f64)
+}
+
+/// The busy seconds in `/proc/stat`'s text at `ticks` a second: the first (`cpu `) line's
+/// user, nice, system, irq and softirq fields (guest time is inside user).
+fn busy_from_stat(stat: &str, ticks: f64) -> Option<f64> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let f: Vec<u64> = line.split_whitespace().skip(1).map(str::parse).collect::<Result<_, _>>().ok()?;
+    let busy = [0, 1, 2, 5, 6].iter().map(|&i| f.get(i).copied()).sum::<Option<u64>>()?;
+    (ticks > 0.0).then(|| busy as f64 / ticks)
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    #[test]
+    fn busy_time_is_user_nice_system_irq_and_softirq() {
+        // user nice system idle iowait irq softirq steal guest guest_nice
+        let stat = "cpu  100 20 300 5000 70 8 9 400 50 0\ncpu0 50 10 150 2500 35 4 5 200 25 0\n";
+        assert_eq!(super::busy_from_stat(stat, 100.0), Some(4.37));
+        assert_eq!(super::busy_from_stat("cpu  1 2\n", 100.0), None, "a line too short");
+        assert_eq!(super::busy_from_stat("intr 5\n", 100.0), None, "no cpu line");
+        assert!(super::machine_busy_seconds().is_some_and(|b| b > 0.0), "this Linux machine has /proc/stat");
+    }
+
     #[test]
     fn latency_is_small_and_positive() {
         let a = super::latency("127.0.0.1", 50).unwrap();

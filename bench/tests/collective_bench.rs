@@ -33,9 +33,9 @@ fn bench_sized(tag: &str, sizes: &[&str], args: &[&str]) -> (String, String) {
     (stdout, stderr)
 }
 
-/// (ranks, ranks as, transport, size, busbw, #wrong, all-reduce, vs flat ring, of plain) per
-/// row of gradsync's own (backend tcp) in the table.
-type Row = (usize, String, String, String, f64, usize, String, String, String);
+/// (ranks, ranks as, transport, size, busbw, #wrong, all-reduce, vs flat ring, of plain, CPU
+/// s/GB) per row of gradsync's own (backend tcp) in the table.
+type Row = (usize, String, String, String, f64, usize, String, String, String, String);
 
 fn rows(table: &str) -> Vec<Row> {
     backend_rows(table, "tcp")
@@ -59,6 +59,7 @@ fn backend_rows(table: &str, backend: &str) -> Vec<Row> {
                 f[5].to_string(),
                 f[14].to_string(),
                 f[11].to_string(),
+                f[16].to_string(),
             ))
         })
         .collect()
@@ -103,6 +104,10 @@ fn check(rows: &[Row], ranks_as: &str, transports: &[&str]) {
     for r in rows {
         assert!(r.4 > 0.0, "a row without a bandwidth: {r:?}");
         assert_eq!(r.5, 0, "wrong values: {r:?}");
+        // The machine's busy time per GB moved, read from /proc/stat by rank 0 (a short
+        // loop may fall within one clock tick: 0).
+        let cpu: f64 = r.9.parse().unwrap_or_else(|_| panic!("no CPU s/GB: {r:?}"));
+        assert!(cpu.is_finite() && cpu >= 0.0, "{r:?}");
     }
 }
 

@@ -159,12 +159,38 @@ struct Row {
     #[serde(rename = "seconds")]
     secs: f64,
     wrong: usize,
+    /// Core-seconds the whole machine was busy per iteration (rank 0 alone measures it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    busy: Option<f64>,
 }
 
 impl Row {
     fn algbw(&self) -> f64 {
         self.bytes as f64 / self.secs / 1e9
     }
+}
+
+/// The machine's busy time over a timed loop, read by rank 0 only (every rank would read the
+/// same machine).
+struct Busy(Option<f64>);
+
+impl Busy {
+    fn start(rank: usize) -> Busy {
+        Busy(if rank == 0 { crate::rawtcp::machine_busy_seconds() } else { None })
+    }
+
+    /// Busy core-seconds per iteration since [`Busy::start`].
+    fn per(&self, iters: usize) -> Option<f64> {
+        let now = crate::rawtcp::machine_busy_seconds()?;
+        Some((now - self.0?) / iters.max(1) as f64)
+    }
+}
+
+/// Busy core-seconds per GB that an all-reduce of `bytes` over `world` ranks moves between
+/// them (`2(n-1)` times the buffer, the least any all-reduce moves): `None` with one rank.
+fn busy_per_gb(busy: f64, bytes: usize, world: usize) -> Option<f64> {
+    let moved = 2.0 * world.saturating_sub(1) as f64 * bytes as f64 / 1e9;
+    (moved > 0.0).then(|| busy / moved)
 }
 
 fn busbw(algbw: f64, n: usize) -> f64 {
@@ -225,27 +251,32 @@ fn time_rank(
         let wrong = buf.iter().enumerate().filter(|&(i, &v)| v != want(i)).count();
         let iters = (budget / bytes.max(1)).clamp(3, 200);
         c.barrier()?;
-        let t = Instant::now();
+        let (t, busy) = (Instant::now(), Busy::start(r));
         for _ in 0..iters {
             // Values grow (to infinity, eventually); adds cost the same either way.
             c.all_reduce(&mut buf)?;
         }
         let secs = t.elapsed().as_secs_f64() / iters as f64;
-        let row = Row { bytes: n * 4, secs, wrong };
+        let row = Row { bytes: n * 4, secs, wrong, busy: busy.per(iters) };
         each(&row);
         rows.push(row);
     }
     Ok(rows)
 }
 
-/// The slowest rank's time per size, the wrong values of all ranks.
+/// The slowest rank's time per size, the wrong values of all ranks, rank 0's busy time.
 fn slowest(per_rank: Vec<Vec<Row>>) -> anyhow::Result<Vec<Row>> {
     per_rank
         .into_iter()
         .reduce(|acc, rows| {
             acc.into_iter()
                 .zip(rows)
-                .map(|(x, y)| Row { bytes: x.bytes, secs: x.secs.max(y.secs), wrong: x.wrong + y.wrong })
+                .map(|(x, y)| Row {
+                    bytes: x.bytes,
+                    secs: x.secs.max(y.secs),
+                    wrong: x.wrong + y.wrong,
+                    busy: x.busy.or(y.busy),
+                })
                 .collect()
         })
         .context("no ranks")
@@ -392,6 +423,7 @@ struct Series {
 #[derive(Default)]
 struct Measured {
     secs: BTreeMap<usize, BTreeMap<usize, f64>>,
+    busy: BTreeMap<usize, Vec<f64>>,
     wrong: BTreeMap<usize, usize>,
     label: String,
     path: String,
@@ -402,6 +434,9 @@ impl Measured {
     fn add(&mut self, round: usize, rows: &[Row]) {
         for r in rows {
             self.secs.entry(r.bytes).or_default().insert(round, r.secs);
+            if let Some(b) = r.busy {
+                self.busy.entry(r.bytes).or_default().push(b);
+            }
             *self.wrong.entry(r.bytes).or_default() += r.wrong;
         }
     }
@@ -409,6 +444,16 @@ impl Measured {
     /// The median time per size over rounds.
     fn medians(&self) -> BTreeMap<usize, f64> {
         self.secs.iter().map(|(&b, v)| (b, median(&v.values().copied().collect::<Vec<_>>()))).collect()
+    }
+
+    /// The machine's busy core-seconds per GB moved between ranks for `bytes`, median over
+    /// rounds, as a cell ("-" where nobody measured it).
+    fn busy_cell(&self, bytes: usize, world: usize) -> String {
+        self.busy
+            .get(&bytes)
+            .filter(|v| !v.is_empty())
+            .and_then(|v| busy_per_gb(median(v), bytes, world))
+            .map_or_else(|| "-".to_string(), |x| format!("{x:.2}"))
     }
 
     /// How many times faster than `base` each round ran `bytes` (the rounds interleave, so
@@ -476,6 +521,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
         "vs gloo",
         "vs flat ring",
         "#wrong",
+        "CPU s/GB",
     ]);
     for &world in &a.ranks {
         let place = match clusters.get(&world) {
@@ -588,7 +634,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
         for (s, m) in series.iter().zip(&measured) {
             let flat = flat_of(s, m);
             for (bytes, secs) in m.medians() {
-                let row = Row { bytes, secs, wrong: m.wrong.get(&bytes).copied().unwrap_or(0) };
+                let row = Row { bytes, secs, wrong: m.wrong.get(&bytes).copied().unwrap_or(0), busy: None };
                 let bus = busbw(row.algbw(), world);
                 let g = gloo_bus(bytes);
                 t.row(vec![
@@ -609,6 +655,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                         .map(|(med, lo, hi)| format!("{med:.2}x ({lo:.2}-{hi:.2})"))
                         .unwrap_or_default(),
                     row.wrong.to_string(),
+                    m.busy_cell(bytes, world),
                 ]);
             }
         }
@@ -616,7 +663,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
         // above gloo the bare sockets go).
         for (backend, m) in [("gloo", &gloo_m), ("plain", &plain_m)] {
             for (bytes, secs) in m.medians() {
-                let row = Row { bytes, secs, wrong: m.wrong.get(&bytes).copied().unwrap_or(0) };
+                let row = Row { bytes, secs, wrong: m.wrong.get(&bytes).copied().unwrap_or(0), busy: None };
                 let bus = busbw(row.algbw(), world);
                 let g = gloo_bus(bytes);
                 t.row(vec![
@@ -635,6 +682,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                     vs_gloo(m, bytes, bus),
                     String::new(),
                     row.wrong.to_string(),
+                    m.busy_cell(bytes, world),
                 ]);
             }
         }
@@ -654,7 +702,11 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
          process; transport: what the TCP backend's ring ran on (tcp: sockets; auto (shm): shared \
          memory, chosen because every rank is on this host; in a hierarchical all-reduce, between \
          the ranks of one host); all-reduce: --hierarchy and what ran (ring: one flat ring; hier: \
-         reduce inside each host, ring among one leader per host, broadcast inside).",
+         reduce inside each host, ring among one leader per host, broadcast inside); CPU s/GB: \
+         core-seconds the whole machine was busy (/proc/stat: user, system, interrupts, every \
+         process and the kernel's own threads) per GB an all-reduce moves between ranks \
+         (2(n-1) x the buffer), median over rounds, measured by rank 0 over its timed loop: \
+         where the ranks fill the cores, busbw follows it.",
         a.rounds
     );
     Ok(())
@@ -665,7 +717,7 @@ mod tests {
     use super::*;
 
     fn rows(secs: f64) -> Vec<Row> {
-        vec![Row { bytes: 64, secs, wrong: 0 }]
+        vec![Row { bytes: 64, secs, wrong: 0, busy: None }]
     }
 
     #[test]

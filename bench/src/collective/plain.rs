@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use gradsync_worker::collective::configure_socket;
 
-use super::Row;
+use super::{Busy, Row};
 
 /// Bytes per write and per read: the ring's own chunk where its ranks have a core each. (4 MiB
 /// pieces, as the raw stream writes, moved 8-25% less between emulated 10 Gbit/s hosts and no
@@ -199,11 +199,11 @@ pub(super) fn time_rank(
         let wrong = recv.iter().filter(|&&b| b != mark(left)).count();
         let iters = (budget / bytes.max(1)).clamp(3, 200);
         barrier(tx, rx, world, timeout).context("waiting for every rank")?;
-        let t = Instant::now();
+        let (t, busy) = (Instant::now(), Busy::start(rank));
         for _ in 0..iters {
             once(tx, rx, &mut recv).with_context(|| format!("{bytes} B"))?;
         }
-        let row = Row { bytes, secs: t.elapsed().as_secs_f64() / iters as f64, wrong };
+        let row = Row { bytes, secs: t.elapsed().as_secs_f64() / iters as f64, wrong, busy: busy.per(iters) };
         each(&row);
         rows.push(row);
     }
