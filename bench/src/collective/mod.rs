@@ -181,8 +181,8 @@ impl Busy {
 
     /// Busy core-seconds per iteration since [`Busy::start`].
     fn per(&self, iters: usize) -> Option<f64> {
-        let now = crate::rawtcp::machine_busy_seconds()?;
-        Some((now - self.0?) / iters.max(1) as f64)
+        let start = self.0?;
+        Some((crate::rawtcp::machine_busy_seconds()? - start) / iters.max(1) as f64)
     }
 }
 
