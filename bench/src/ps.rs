@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
+use gradsync_core::heap::filled;
 use gradsync_core::model::{Fingerprint, Layout, ModelSpec};
 use gradsync_proto::tuning::Tuning;
 use gradsync_server::{Config, ParamServer, ShardSpec};
@@ -202,9 +203,11 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
         clients.push(c.register(r, workers, &fp, total).await.map(|_| c)?);
     }
     // Each worker's gradient in a buffer its pushes send from without copying, as
-    // `gradsync-worker --mode ps` sends its engine's.
-    let mut state: Vec<_> =
-        clients.into_iter().map(|c| (c, SharedGrads::new(vec![1e-4f32; total]), vec![0f32; total])).collect();
+    // `gradsync-worker --mode ps` sends its engine's, both allocated as the engine's are.
+    let mut state: Vec<_> = clients
+        .into_iter()
+        .map(|c| (c, SharedGrads::new(filled(total, 1e-4f32)), filled(total, 0f32)))
+        .collect();
     let (mut times, mut push, mut pull, mut wait) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut cpu = f64::NAN;
     for step in 0..warmup + steps {

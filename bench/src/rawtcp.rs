@@ -8,6 +8,7 @@ use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use gradsync_core::heap::filled;
 
 use crate::hosts::Hosts;
 
@@ -258,10 +259,12 @@ impl Exchange {
     /// milliseconds, and the CPU they took.
     pub fn run(&mut self, warmup: usize, steps: usize) -> anyhow::Result<Timed> {
         let (w, k) = (self.workers, self.shards);
-        let grads = vec![vec![1u8; self.bytes]; w];
-        let mut params = vec![vec![0u8; self.bytes]; w];
-        let server_params: Vec<Vec<u8>> = (0..k).map(|j| vec![2u8; self.range(j).len()]).collect();
-        let mut received: Vec<Vec<u8>> = (0..w * k).map(|p| vec![0u8; self.range(p % k).len()]).collect();
+        // Allocated as the parameter server's and the engine's buffers are (huge pages where
+        // they span them), so the two rows differ in what they do, not in their memory.
+        let grads: Vec<Vec<u8>> = (0..w).map(|_| filled(self.bytes, 1)).collect();
+        let mut params: Vec<Vec<u8>> = (0..w).map(|_| filled(self.bytes, 0)).collect();
+        let server_params: Vec<Vec<u8>> = (0..k).map(|j| filled(self.range(j).len(), 2)).collect();
+        let mut received: Vec<Vec<u8>> = (0..w * k).map(|p| filled(self.range(p % k).len(), 0)).collect();
         let rounds = warmup + steps;
         let mut ends = Vec::with_capacity(4 * w * k);
         let mut cpu = f64::NAN;

@@ -205,7 +205,7 @@ impl fmt::Display for Fingerprint {
 /// Deterministic initial parameters: PyTorch `nn.Linear`'s default, weight and bias uniform in
 /// `[-1/sqrt(fan_in), 1/sqrt(fan_in)]`, drawn layer by layer from `seed`.
 pub fn init_params(layout: &Layout, seed: u64) -> Vec<f32> {
-    let mut p = vec![0.0f32; layout.len];
+    let mut p: Vec<f32> = crate::heap::zeros(layout.len);
     for (i, l) in layout.layers.iter().enumerate() {
         let bound = 1.0 / (l.fan_in as f32).sqrt();
         let mut rng = Rng::new(seed, 0x1417 + i as u64);

@@ -244,6 +244,10 @@ impl Round {
             sum: vec![0.0; inner],
             current: vec![0.0; inner],
         };
+        if w.next_momentum.capacity() < len {
+            // The first round (later ones reuse the momentum two rounds back).
+            w.next_momentum = gradsync_core::heap::zeros(len);
+        }
         w.next_momentum.resize(len, 0.0);
         w.bufs.resize(len.div_ceil(block), None);
         Round {

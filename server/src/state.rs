@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Instant;
 
 use gradsync_core::checkpoint::{Checkpoint, CheckpointHeader};
+use gradsync_core::heap::zeros;
 use gradsync_core::metrics::{Header, HostInfo, MetricsWriter, Record, SCHEMA_VERSION, ServerApply, unix_ms};
 use gradsync_core::model::{Fingerprint, Layout, init_params};
 use gradsync_core::optim::sgd_step;
@@ -169,14 +170,14 @@ impl State {
                     ));
                 }
                 let n = range.len();
-                (ck.params, ck.momentum.unwrap_or_else(|| vec![0.0; n]), ck.header.step)
+                (ck.params, ck.momentum.unwrap_or_else(|| zeros(n)), ck.header.step)
             }
             _ => {
                 let mut p = init_params(&layout, cfg.seed);
                 p.truncate(range.end);
                 p.drain(..range.start);
                 let n = p.len();
-                (p, vec![0.0; n], 0)
+                (p, zeros(n), 0)
             }
         };
         let metrics = match &cfg.metrics {

@@ -245,7 +245,11 @@ fn time_rank(
     let mut rows = Vec::new();
     for &bytes in sizes {
         let n = bytes / 4;
-        let mut buf: Vec<f32> = (0..n).map(|i| input(r, i)).collect();
+        // As the training's gradient buffer is allocated (huge pages where it spans them).
+        let mut buf: Vec<f32> = gradsync_core::heap::zeros(n);
+        for (i, v) in buf.iter_mut().enumerate() {
+            *v = input(r, i);
+        }
         c.all_reduce(&mut buf)?;
         let want = |i: usize| (0..w).map(|q| input(q, i)).sum::<f32>();
         let wrong = buf.iter().enumerate().filter(|&(i, &v)| v != want(i)).count();

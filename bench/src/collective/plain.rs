@@ -15,6 +15,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use gradsync_core::heap::filled;
 use gradsync_worker::collective::configure_socket;
 
 use super::{Busy, Row};
@@ -186,8 +187,9 @@ pub(super) fn time_rank(
     for &bytes in sizes {
         let bytes = bytes / 4 * 4;
         let n = ring_bytes(bytes, world);
-        let send = vec![mark(rank); n];
-        let mut recv = vec![0u8; n];
+        // Allocated as the ring's buffers are (huge pages where they span them).
+        let send = filled(n, mark(rank));
+        let mut recv = filled(n, 0u8);
         let once = |tx: &mut TcpStream, rx: &mut TcpStream, recv: &mut [u8]| {
             if threads {
                 pass_threads(tx, rx, &send, recv, timeout)

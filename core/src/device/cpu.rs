@@ -60,7 +60,7 @@ impl Backend for Cpu {
     }
 
     fn zeros(&self, n: usize) -> Result<Vec<f32>> {
-        Ok(vec![0.0; n])
+        Ok(crate::heap::zeros(n))
     }
 
     fn write(&self, dst: &mut Vec<f32>, offset: usize, src: &[f32]) -> Result<()> {
