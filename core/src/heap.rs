@@ -125,6 +125,10 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn large_buffers_ask_for_huge_pages() {
+        if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
+            eprintln!("SKIPPED: this kernel has no transparent huge pages, so nothing can ask for them");
+            return;
+        }
         let big: Vec<f32> = zeros(4 * HUGE_PAGE / 4);
         let inner = (big.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
         let flags = vm_flags(inner);
