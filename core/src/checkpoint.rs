@@ -99,18 +99,30 @@ impl Checkpoint {
             .end
             .checked_sub(header.start)
             .ok_or_else(|| Error::file(path, "header range is reversed"))?;
-        let floats: Vec<f32> =
-            body[12 + hlen..].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-        let want = if header.has_momentum { 2 * n } else { n };
-        if floats.len() != want || !(body.len() - 12 - hlen).is_multiple_of(4) {
-            return Err(Error::file(path, format!("holds {} values, header promises {want}", floats.len())));
+        let values = &body[12 + hlen..];
+        let want = n
+            .checked_mul(if header.has_momentum { 2 } else { 1 })
+            .filter(|w| w.checked_mul(4).is_some())
+            .ok_or_else(|| {
+                Error::file(path, format!("header range {}..{} is too large", header.start, header.end))
+            })?;
+        if values.len() != 4 * want {
+            return Err(Error::file(
+                path,
+                format!("holds {} values, header promises {want}", values.len() / 4),
+            ));
         }
-        let (params, momentum) = if header.has_momentum {
-            (floats[..n].to_vec(), Some(floats[n..].to_vec()))
-        } else {
-            (floats, None)
+        // Each straight into a buffer of its own, allocated as the engine's and the server's are.
+        let decode = |bytes: &[u8]| {
+            let mut v: Vec<f32> = crate::heap::zeros(bytes.len() / 4);
+            for (d, c) in v.iter_mut().zip(bytes.chunks_exact(4)) {
+                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+            v
         };
-        Ok(Checkpoint { header, params, momentum })
+        let (params, momentum) = values.split_at(4 * n);
+        let momentum = header.has_momentum.then(|| decode(momentum));
+        Ok(Checkpoint { header, params: decode(params), momentum })
     }
 }
 
@@ -143,5 +155,32 @@ mod tests {
         assert!(Checkpoint::load(&path).unwrap_err().to_string().contains("checksum"));
         std::fs::write(&path, &bytes[..10]).unwrap();
         assert!(Checkpoint::load(&path).is_err());
+    }
+
+    /// A header whose range is too large to hold, or longer than the values that follow, is
+    /// refused by name, not a panic or a wrapped length (the checksum guards against damage,
+    /// not against a file written that way).
+    #[test]
+    fn a_header_promising_what_is_not_there_is_refused() {
+        let dir = gradsync_testkit::Scratch::new("ckpt");
+        let path = dir.join("a.ckpt");
+        let c = |start, end| Checkpoint {
+            header: CheckpointHeader {
+                fingerprint: "f".into(),
+                step: 1,
+                start,
+                end,
+                has_momentum: true,
+                version: "t".into(),
+            },
+            params: vec![1.0, 2.0],
+            momentum: Some(vec![3.0, 4.0]),
+        };
+        c(0, usize::MAX / 2 + 1).save(&path).unwrap();
+        let e = Checkpoint::load(&path).unwrap_err().to_string();
+        assert!(e.contains("is too large"), "{e}");
+        c(0, 3).save(&path).unwrap();
+        let e = Checkpoint::load(&path).unwrap_err().to_string();
+        assert!(e.contains("holds 4 values, header promises 6"), "{e}");
     }
 }
