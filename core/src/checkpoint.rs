@@ -100,16 +100,14 @@ impl Checkpoint {
             .checked_sub(header.start)
             .ok_or_else(|| Error::file(path, "header range is reversed"))?;
         let values = &body[12 + hlen..];
-        let want = n
-            .checked_mul(if header.has_momentum { 2 } else { 1 })
-            .filter(|w| w.checked_mul(4).is_some())
-            .ok_or_else(|| {
-                Error::file(path, format!("header range {}..{} is too large", header.start, header.end))
-            })?;
-        if values.len() != 4 * want {
+        let per_value = if header.has_momentum { 8 } else { 4 };
+        let want = n.checked_mul(per_value).ok_or_else(|| {
+            Error::file(path, format!("header range {}..{} is too large", header.start, header.end))
+        })?;
+        if values.len() != want {
             return Err(Error::file(
                 path,
-                format!("holds {} values, header promises {want}", values.len() / 4),
+                format!("holds {} values, header promises {}", values.len() / 4, want / 4),
             ));
         }
         // Each straight into a buffer of its own, allocated as the engine's and the server's are.
