@@ -177,7 +177,6 @@ fn loss_falls(device: Device) -> Result<()> {
     let data = SyntheticConfig { train: 1024, test: 64, dim: 256, classes: 8 }.generate(5);
     let spec = ModelSpec::parse("tiny")?.with_io(data.dim, data.classes);
     let mut engine = Engine::new(device, spec, 11)?;
-    assert_eq!(engine.is_cuda(), device.is_cuda());
     assert_eq!(engine.gpu_name().is_some(), device.is_cuda());
     let cfg = SgdConfig { lr: 0.05, momentum: 0.9, weight_decay: 1e-4 };
     let (rows, steps) = (64, 80);
@@ -342,6 +341,14 @@ fn every_method<B: Backend>(b: &B, n: usize, special: bool) -> Result<Vec<(Strin
         out.push((format!("bias_grad accumulate={accumulate}"), download(b, &db, n)?));
     }
     drop((dz, db));
+    // Tall: n rows of a few columns, summed in groups and groups of groups (backend.rs).
+    let dz = upload(b, &values(n * cols, 14, special))?;
+    let mut db = upload(b, &values(cols, 15, false))?;
+    for accumulate in [true, false] {
+        b.bias_grad(B::view_mut(&mut db, 0..cols), B::view(&dz, 0..n * cols), n, cols, accumulate)?;
+        out.push((format!("bias_grad tall accumulate={accumulate}"), download(b, &db, cols)?));
+    }
+    drop((dz, db));
 
     let classes = cols + 1;
     let logits = upload(b, &values(n * classes, 11, special))?;
@@ -425,8 +432,14 @@ fn methods_agree(ordinal: usize, n: usize, special: bool) -> Result<()> {
     let gpu = every_method(&Cuda::new(ordinal)?, n, special)?;
     for ((what, c), (_, g)) in cpu.iter().zip(&gpu) {
         // GEMMs and the softmax's exponentials round differently on the GPU; the rest is the
-        // same arithmetic in the same order.
-        let tol = if what.starts_with("gemm") || what.starts_with("softmax") { TOL } else { 1e-6 };
+        // same arithmetic in the same order, and the bias gradient's sums agree to the bit.
+        let tol = if what.starts_with("gemm") || what.starts_with("softmax") {
+            TOL
+        } else if what.starts_with("bias_grad") {
+            0.0
+        } else {
+            1e-6
+        };
         assert_same_values(&format!("{what}, n = {n}, special = {special}"), c, g, tol);
     }
     Ok(())
@@ -674,5 +687,177 @@ fn half_kernels_round_and_widen_as_the_host_codec() -> Result<()> {
         }
     }
     eprintln!("{test}: {n} values rounded and 65536 patterns widened, per format, as on the host");
+    Ok(())
+}
+
+/// One backend operation, run on a `rows x cols` activation (a batch of `rows` samples through
+/// a layer `cols` wide), and the dimensions its work grows with.
+struct Shaped {
+    name: &'static str,
+    run: fn(&Cuda, usize, usize) -> Result<()>,
+    /// The work grows with the batch (rows).
+    batch: bool,
+    /// The work grows with the layer width (cols).
+    width: bool,
+}
+
+/// Fan-in of the layer whose parameters the optimiser-side operations touch.
+const FAN_IN: usize = 64;
+
+/// The kernel-backed operations, each on fresh buffers of its shape.
+const SHAPED: &[Shaped] = &[
+    Shaped {
+        name: "bias_act",
+        run: |b, rows, cols| {
+            let mut z = b.zeros(rows * cols)?;
+            let bias = b.zeros(cols)?;
+            b.bias_act(Cuda::view_mut(&mut z, 0..rows * cols), Cuda::view(&bias, 0..cols), rows, cols, true)
+        },
+        batch: true,
+        width: true,
+    },
+    Shaped {
+        name: "relu_backward",
+        run: |b, rows, cols| {
+            let (mut dz, a) = (b.zeros(rows * cols)?, b.zeros(rows * cols)?);
+            b.relu_backward(Cuda::view_mut(&mut dz, 0..rows * cols), Cuda::view(&a, 0..rows * cols))
+        },
+        batch: true,
+        width: true,
+    },
+    Shaped {
+        name: "bias_grad",
+        run: |b, rows, cols| {
+            let (mut db, dz) = (b.zeros(cols)?, b.zeros(rows * cols)?);
+            b.bias_grad(Cuda::view_mut(&mut db, 0..cols), Cuda::view(&dz, 0..rows * cols), rows, cols, false)
+        },
+        batch: true,
+        width: true,
+    },
+    // One thread per sample; its classes (a handful) are walked by that thread.
+    Shaped {
+        name: "softmax_xent",
+        run: |b, rows, _| {
+            let classes = 10;
+            let logits = b.zeros(rows * classes)?;
+            let mut labels = None;
+            b.write_labels(&mut labels, &vec![3; rows])?;
+            let mut dl = b.zeros(rows * classes)?;
+            let labels = labels.expect("labels were written");
+            let view = Some(Cuda::view_mut(&mut dl, 0..rows * classes));
+            b.softmax_xent(Cuda::view(&logits, 0..rows * classes), &labels, view, rows, classes, 1.0)
+                .map(|_| ())
+        },
+        batch: true,
+        width: false,
+    },
+    // The optimiser and the gradient's scaling and half-precision casts work on parameters: a
+    // layer's grow with its width, not with the batch.
+    Shaped {
+        name: "sgd",
+        run: |b, _, cols| {
+            let n = cols * FAN_IN;
+            let (mut p, g, mut m) = (b.zeros(n)?, b.zeros(n)?, b.zeros(n)?);
+            let cfg = SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.0 };
+            b.sgd(&cfg, Cuda::view_mut(&mut p, 0..n), Cuda::view(&g, 0..n), Cuda::view_mut(&mut m, 0..n), 1.0)
+        },
+        batch: false,
+        width: true,
+    },
+    Shaped {
+        name: "scale",
+        run: |b, _, cols| {
+            let n = cols * FAN_IN;
+            let mut v = b.zeros(n)?;
+            b.scale(Cuda::view_mut(&mut v, 0..n), 0.5)
+        },
+        batch: false,
+        width: true,
+    },
+    Shaped {
+        name: "round_to_half, widen_half",
+        run: |b, _, cols| {
+            let n = cols * FAN_IN;
+            let (wide, halves) = (b.zeros(n)?, b.zeros(n.div_ceil(2))?);
+            let (w, _) = Cuda::raw_range(&wide, 0..n);
+            let (h, _) = Cuda::raw_range(&halves, 0..n.div_ceil(2));
+            let half = gradsync_core::compress::Half::F16;
+            // SAFETY: both buffers live on this backend's stream until the synchronize below,
+            // `wide` holds n f32 values and `halves` room for n 16-bit ones.
+            unsafe {
+                b.half_cast().round(b.stream(), w, h, n, half, 1.0)?;
+                b.half_cast().widen(b.stream(), h, w, n, half, 1.0)?;
+            }
+            b.synchronize()
+        },
+        batch: false,
+        width: true,
+    },
+];
+
+/// The largest launch of each kernel among `launches`, in threads.
+fn widest(launches: &[gradsync_testkit::Launch]) -> std::collections::BTreeMap<String, u64> {
+    let mut m = std::collections::BTreeMap::new();
+    for l in launches {
+        let t = m.entry(l.kernel.clone()).or_insert(0);
+        *t = (*t).max(l.threads());
+    }
+    m
+}
+
+/// On the fake CUDA, which records every launch's grid and block: each kernel's parallel work
+/// grows with the batch and with the layer width wherever its data does. A kernel whose grid
+/// stays put while its data grows (one thread per column walking every row, as `bias_grad`
+/// once did: 1 to 4 blocks at batch 8192, about 1 ms a launch on an H200) leaves most of a GPU
+/// idle, and fails here without a GPU. Every kernel of `cuda_kernels.cu` must be exercised, so a
+/// new kernel cannot skip the check.
+#[test]
+fn kernel_grids_grow_with_the_batch_and_the_width() -> Result<()> {
+    const TEST: &str = "kernel_grids_grow_with_the_batch_and_the_width";
+    if !matches!(gpu_test(TEST), GpuRun::Here) {
+        return Ok(());
+    }
+    let Some(log) = gradsync_testkit::WorkLog::here() else {
+        eprintln!("{TEST}: needs the fake CUDA, which records launches (a real GPU does not)");
+        return Ok(());
+    };
+    const GROWTH: usize = 16;
+    // At least one whole block of columns, so that rounding up to a block hides no growth.
+    let (rows, cols) = (256, 256);
+    let gpu = Cuda::new(0)?;
+    let mut launched = std::collections::BTreeSet::new();
+    let mut failures = Vec::new();
+    for op in SHAPED {
+        let at = |r: usize, c: usize| -> Result<std::collections::BTreeMap<String, u64>> {
+            let mark = log.mark();
+            (op.run)(&gpu, r, c)?;
+            gpu.synchronize()?;
+            Ok(widest(&log.launches_since(mark)))
+        };
+        let base = at(rows, cols)?;
+        assert!(!base.is_empty(), "{}: launched no kernel", op.name);
+        for (grows, dim, r, c) in
+            [(op.batch, "batch", rows * GROWTH, cols), (op.width, "width", rows, cols * GROWTH)]
+        {
+            let grown = at(r, c)?;
+            for (kernel, &threads) in &base {
+                let after = grown.get(kernel).copied().unwrap_or(0);
+                // Half the growth of the data at least (whole blocks round the small shape up).
+                if grows && after < threads * (GROWTH as u64) / 2 {
+                    failures.push(format!(
+                        "{}: kernel {kernel} launches {threads} threads at {rows}x{cols} and {after} at {r}x{c}: \
+                         its parallel work does not grow with the {dim}",
+                        op.name
+                    ));
+                }
+            }
+        }
+        launched.extend(base.into_keys());
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    let source = include_str!("../src/device/cuda_kernels.cu");
+    for name in source.split("extern \"C\" __global__ void ").skip(1).filter_map(|s| s.split('(').next()) {
+        assert!(launched.contains(name), "kernel {name} is not exercised by this test: add it to SHAPED");
+    }
     Ok(())
 }

@@ -16,7 +16,14 @@
  * collective still uses (other than in order on that collective's own stream) is fatal.
  *
  * Counters (kernel launches, GEMM calls, collectives, allocations) are printed at exit and
- * appended to the file named by FAKE_CUDA_REPORT, one `key=value` line per process.
+ * appended to the file named by FAKE_CUDA_REPORT, one `key=value` line per process. With
+ * FAKE_CUDA_WORK_LOG naming a file, every kernel launch, GEMM and copy appends one line to it
+ * as it happens, after the process id: `PID kernel NAME GX GY GZ BX BY BZ` (its grid and
+ * block), so a test can check that a kernel's parallel work grows with its data; `PID gemm`;
+ * and `PID copy dtoh|htod|dtod BYTES`, so a test can check when a bucket was staged.
+ *
+ * Page-locked host memory (cuMemHostAlloc) is made like device memory, guard page and
+ * bookkeeping included: overruns fault, and a pinned buffer alive at exit is a leak.
  *
  * Settings (environment): FAKE_CUDA_DEVICES (default 4), FAKE_CUDA_CC (compute capability,
  * default 9.0), FAKE_CUDA_DRIVER (driver version as cuDriverGetVersion reports it, default
@@ -104,11 +111,40 @@ EXPORT void fake_cuda_fatal(const char *fmt, ...) {
     abort();
 }
 
+/* ---- the work log ---- */
+
+/* Append one line to FAKE_CUDA_WORK_LOG, when set: written whole and flushed at once, so a test
+ * reading the file sees all the work done so far. */
+__attribute__((format(printf, 1, 2))) static void log_work(const char *fmt, ...) {
+    static pthread_mutex_t log_lock = PTHREAD_MUTEX_INITIALIZER;
+    static FILE *log;
+    static int opened;
+    pthread_mutex_lock(&log_lock);
+    if (!opened) {
+        opened = 1;
+        const char *path = getenv("FAKE_CUDA_WORK_LOG");
+        if (path && *path && !(log = fopen(path, "a"))) fake_cuda_fatal("cannot open FAKE_CUDA_WORK_LOG %s", path);
+    }
+    if (log) {
+        fprintf(log, "%d ", (int)getpid());
+        va_list ap;
+        va_start(ap, fmt);
+        vfprintf(log, fmt, ap);
+        va_end(ap);
+        fputc('\n', log);
+        fflush(log);
+    }
+    pthread_mutex_unlock(&log_lock);
+}
+
 /* ---- counters ---- */
 
 static uint64_t n_launches, n_gemms, n_collectives, n_allocs, n_live, n_peak;
 
-EXPORT void fake_cuda_count_gemm(void) { __atomic_fetch_add(&n_gemms, 1, __ATOMIC_RELAXED); }
+EXPORT void fake_cuda_count_gemm(void) {
+    __atomic_fetch_add(&n_gemms, 1, __ATOMIC_RELAXED);
+    log_work("gemm");
+}
 EXPORT void fake_cuda_count_collective(void) { __atomic_fetch_add(&n_collectives, 1, __ATOMIC_RELAXED); }
 
 /* ---- allocations ---- */
@@ -792,6 +828,27 @@ EXPORT CUresult cuMemAllocAsync(CUdeviceptr *out, size_t size, fake_stream *sh) 
     return r;
 }
 
+EXPORT CUresult cuMemHostAlloc(void **out, size_t size, unsigned flags) {
+    NEED_INIT();
+    (void)flags;
+    if (!out) return CUDA_ERROR_INVALID_VALUE;
+    if (!current) return CUDA_ERROR_INVALID_CONTEXT;
+    CUdeviceptr p = 0;
+    pthread_mutex_lock(&lock);
+    CUresult r = alloc_locked(&p, size);
+    pthread_mutex_unlock(&lock);
+    *out = (void *)(uintptr_t)p;
+    return r;
+}
+
+EXPORT CUresult cuMemFreeHost(void *ptr) {
+    NEED_INIT();
+    pthread_mutex_lock(&lock);
+    free_locked((uint64_t)(uintptr_t)ptr, "cuMemFreeHost", NULL);
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+
 EXPORT CUresult cuMemFree_v2(CUdeviceptr ptr) {
     NEED_INIT();
     pthread_mutex_lock(&lock);
@@ -836,6 +893,8 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n,
     if (n == 0) return CUDA_SUCCESS;
     if (!src) return CUDA_ERROR_INVALID_VALUE;
     fake_cuda_check(dst, n, "cuMemcpyHtoD destination");
+    if (fake_cuda_is_live((uint64_t)(uintptr_t)src)) fake_cuda_check((uint64_t)(uintptr_t)src, n, "cuMemcpyHtoD source (pinned)");
+    log_work("copy %s %zu", "htod", n);
     memcpy((void *)(uintptr_t)dst, src, n);
     return CUDA_SUCCESS;
 }
@@ -846,6 +905,8 @@ EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, fake_
     if (n == 0) return CUDA_SUCCESS;
     if (!dst) return CUDA_ERROR_INVALID_VALUE;
     fake_cuda_check(src, n, "cuMemcpyDtoH source");
+    if (fake_cuda_is_live((uint64_t)(uintptr_t)dst)) fake_cuda_check((uint64_t)(uintptr_t)dst, n, "cuMemcpyDtoH destination (pinned)");
+    log_work("copy %s %zu", "dtoh", n);
     memcpy(dst, (const void *)(uintptr_t)src, n);
     return CUDA_SUCCESS;
 }
@@ -856,6 +917,7 @@ EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n,
     if (n == 0) return CUDA_SUCCESS;
     fake_cuda_check(dst, n, "cuMemcpyDtoD destination");
     fake_cuda_check(src, n, "cuMemcpyDtoD source");
+    log_work("copy %s %zu", "dtod", n);
     memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
     return CUDA_SUCCESS;
 }
@@ -960,6 +1022,10 @@ EXPORT CUresult cuFuncGetAttribute(int *v, int attr, const fake_kernel *f) {
     return CUDA_SUCCESS;
 }
 
+static void log_launch(const char *name, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz) {
+    log_work("kernel %s %u %u %u %u %u %u", name, gx, gy, gz, bx, by, bz);
+}
+
 EXPORT CUresult cuLaunchKernel(const fake_kernel *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                unsigned bz, unsigned shared, fake_stream *s, void **params, void **extra) {
     NEED_INIT();
@@ -970,6 +1036,7 @@ EXPORT CUresult cuLaunchKernel(const fake_kernel *f, unsigned gx, unsigned gy, u
     if (!current) return CUDA_ERROR_INVALID_CONTEXT;
     before_work(s, f->name);
     __atomic_fetch_add(&n_launches, 1, __ATOMIC_RELAXED);
+    log_launch(f->name, gx, gy, gz, bx, by, bz);
     fake_kernel_run(f, gx, gy, gz, bx, by, bz, params);
     return CUDA_SUCCESS;
 }

@@ -11,6 +11,9 @@
 //!   `listening on` line.
 //! - [`Scratch`]: a test's own directory, removed with its contents when the test ends, passed
 //!   or not (kept with `GRADSYNC_KEEP_SCRATCH` set).
+//! - [`WorkLog`]: the device work as the fake ran it (every kernel launch with its grid and
+//!   block, every copy), for tests that check a kernel's parallel work grows with its data and
+//!   when a bucket was staged.
 //! - [`gpu_test`]: how a GPU test runs here: in place on a real GPU, or again in a child process
 //!   whose library path holds the fake CUDA and NVRTC, with the fake's counters handed back.
 
@@ -30,6 +33,8 @@ pub use tools::{Tools, tools};
 pub const CHILD_ENV: &str = "GRADSYNC_FAKE_CUDA_CHILD";
 /// The file the fake appends its per-process counters to.
 const REPORT_ENV: &str = "FAKE_CUDA_REPORT";
+/// The file the fake appends every kernel launch and copy to.
+const WORK_LOG_ENV: &str = "FAKE_CUDA_WORK_LOG";
 /// The longest a child test may run before it is killed and the test fails.
 const CHILD_LIMIT: Duration = Duration::from_secs(600);
 
@@ -245,10 +250,12 @@ fn run_child(test: &str, tools: &Tools, env: &[(&str, &std::ffi::OsStr)]) -> Res
         std::env::current_exe().map_err(|e| Error::Child(format!("cannot find the test binary: {e}")))?;
     let report =
         std::env::temp_dir().join(format!("gradsync-fake-cuda-{}-{}.txt", std::process::id(), nonce()));
+    let work_log = report.with_extension("work");
     let mut child = Command::new(&exe)
         .args([test, "--exact", "--nocapture", "--test-threads", "1"])
         .env(CHILD_ENV, "1")
         .env(REPORT_ENV, &report)
+        .env(WORK_LOG_ENV, &work_log)
         .env("LD_LIBRARY_PATH", fake_library_path(tools))
         .env("GRADSYNC_PTXAS", &tools.ptxas)
         .envs(env.iter().copied())
@@ -284,6 +291,7 @@ fn run_child(test: &str, tools: &Tools, env: &[(&str, &std::ffi::OsStr)]) -> Res
     eprintln!("---- {test} against the fake CUDA ----\n{stdout}{stderr}---- end of {test} ----");
     let counters = Counters::parse(&std::fs::read_to_string(&report).unwrap_or_default());
     let _ = std::fs::remove_file(&report);
+    let _ = std::fs::remove_file(&work_log);
     let status = status.map_err(|e| Error::Child(format!("the child test {e}")))?;
     if !status.success() {
         return Err(Error::Child(format!("failed against the fake CUDA ({status}); its output is above")));
@@ -295,6 +303,148 @@ fn run_child(test: &str, tools: &Tools, env: &[(&str, &std::ffi::OsStr)]) -> Res
         return Err(Error::Child(format!("allocations alive at exit: {counters}")));
     }
     Ok(counters)
+}
+
+/// One kernel launch as the fake CUDA saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Launch {
+    /// The kernel's name.
+    pub kernel: String,
+    /// Blocks in the grid (x, y, z).
+    pub grid: [u32; 3],
+    /// Threads in a block (x, y, z).
+    pub block: [u32; 3],
+}
+
+impl Launch {
+    /// Threads launched in all.
+    pub fn threads(&self) -> u64 {
+        self.grid.iter().chain(&self.block).map(|&d| u64::from(d)).product()
+    }
+}
+
+/// The direction of a copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyKind {
+    /// Device to host.
+    DtoH,
+    /// Host to device.
+    HtoD,
+    /// Device to device.
+    DtoD,
+}
+
+/// One piece of device work, in the order the fake CUDA ran it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Work {
+    /// A kernel launch.
+    Kernel(Launch),
+    /// A cuBLAS GEMM.
+    Gemm,
+    /// A copy of `bytes` bytes.
+    Copy {
+        /// Its direction.
+        kind: CopyKind,
+        /// Its size.
+        bytes: u64,
+    },
+}
+
+impl Work {
+    /// One line of the log: the process id, then `kernel NAME GX GY GZ BX BY BZ`, `gemm` or
+    /// `copy dtoh|htod|dtod BYTES`.
+    fn parse(line: &str) -> Option<(u32, Work)> {
+        let mut words = line.split_whitespace();
+        let pid = words.next()?.parse().ok()?;
+        let work = match words.next()? {
+            "kernel" => {
+                let kernel = words.next()?.to_owned();
+                let dims: Vec<u32> = words.map(|w| w.parse().ok()).collect::<Option<_>>()?;
+                let [gx, gy, gz, bx, by, bz] = dims[..] else { return None };
+                Work::Kernel(Launch { kernel, grid: [gx, gy, gz], block: [bx, by, bz] })
+            }
+            "gemm" => words.next().is_none().then_some(Work::Gemm)?,
+            "copy" => {
+                let kind = match words.next()? {
+                    "dtoh" => CopyKind::DtoH,
+                    "htod" => CopyKind::HtoD,
+                    "dtod" => CopyKind::DtoD,
+                    _ => return None,
+                };
+                let bytes = words.next()?.parse().ok()?;
+                words.next().is_none().then_some(Work::Copy { kind, bytes })?
+            }
+            _ => return None,
+        };
+        Some((pid, work))
+    }
+}
+
+/// The device work of this process (kernel launches with their grids, copies), in order, as
+/// the fake CUDA records it: available in the child process of a [`gpu_test`] (on a real GPU
+/// nothing records it).
+#[derive(Debug)]
+pub struct WorkLog(std::path::PathBuf);
+
+impl WorkLog {
+    /// This process's log, when it runs against the fake CUDA.
+    pub fn here() -> Option<WorkLog> {
+        let path = std::env::var_os(WORK_LOG_ENV)?;
+        (std::env::var_os(CHILD_ENV).is_some() && !path.is_empty()).then(|| WorkLog(path.into()))
+    }
+
+    /// The log of the processes a test starts: pass it on as `(name, value)` in their
+    /// environment (e.g. with [`WorkLog::env`]) to record their work too.
+    pub fn at(path: &Path) -> WorkLog {
+        WorkLog(path.to_path_buf())
+    }
+
+    /// The environment variable that makes a process started by a test write `path`.
+    pub fn env(path: &Path) -> (&'static str, std::ffi::OsString) {
+        (WORK_LOG_ENV, path.as_os_str().to_owned())
+    }
+
+    /// Everything this process recorded so far (panics, failing the test, on a line the fake
+    /// cannot have written).
+    pub fn all(&self) -> Vec<Work> {
+        let me = std::process::id();
+        self.by_process().into_iter().find(|(pid, _)| *pid == me).map(|(_, w)| w).unwrap_or_default()
+    }
+
+    /// Everything recorded so far, per process in the order each first appears.
+    pub fn by_process(&self) -> Vec<(u32, Vec<Work>)> {
+        let text = std::fs::read_to_string(&self.0).unwrap_or_default();
+        let mut out: Vec<(u32, Vec<Work>)> = Vec::new();
+        for line in text.lines() {
+            let (pid, work) = Work::parse(line).unwrap_or_else(|| panic!("bad work log line {line:?}"));
+            match out.iter_mut().find(|(p, _)| *p == pid) {
+                Some((_, v)) => v.push(work),
+                None => out.push((pid, vec![work])),
+            }
+        }
+        out
+    }
+
+    /// How much has been recorded: a mark for [`WorkLog::since`].
+    pub fn mark(&self) -> usize {
+        self.all().len()
+    }
+
+    /// The work recorded after `mark`.
+    pub fn since(&self, mark: usize) -> Vec<Work> {
+        self.all().split_off(mark)
+    }
+
+    /// The kernel launches recorded after `mark`.
+    pub fn launches_since(&self, mark: usize) -> Vec<Launch> {
+        self.since(mark)
+            .into_iter()
+            .filter_map(|w| match w {
+                Work::Kernel(l) => Some(l),
+                Work::Gemm | Work::Copy { .. } => None,
+            })
+            .collect()
+    }
 }
 
 /// A value distinct between calls in one process.
@@ -337,6 +487,23 @@ mod tests {
         let kept = Scratch::made("scratch-keep", true).to_path_buf();
         assert!(kept.is_dir(), "{} not kept", kept.display());
         std::fs::remove_dir_all(&kept).unwrap();
+    }
+
+    #[test]
+    fn work_log_lines_are_read() {
+        let launch = Launch { kernel: "bias_grad".into(), grid: [4, 1, 1], block: [256, 1, 1] };
+        assert_eq!(launch.threads(), 1024);
+        assert_eq!(Work::parse("7 kernel bias_grad 4 1 1 256 1 1"), Some((7, Work::Kernel(launch))));
+        assert_eq!(Work::parse("7 kernel bias_grad 4 1 1 256 1"), None);
+        assert_eq!(Work::parse("7 kernel bias_grad 4 1 1 256 1 x"), None);
+        assert_eq!(Work::parse("kernel bias_grad 4 1 1 256 1 1"), None, "no process id");
+        assert_eq!(Work::parse("8 gemm"), Some((8, Work::Gemm)));
+        assert_eq!(
+            Work::parse("8 copy dtoh 4096"),
+            Some((8, Work::Copy { kind: CopyKind::DtoH, bytes: 4096 }))
+        );
+        assert_eq!(Work::parse("8 copy sideways 4096"), None);
+        assert_eq!(Work::parse("8 copy htod 4096 7"), None);
     }
 
     #[test]

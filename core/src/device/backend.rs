@@ -7,6 +7,28 @@ use std::ops::Range;
 use crate::error::Result;
 use crate::optim::SgdConfig;
 
+/// Rows per group in [`Backend::bias_grad`]'s summation order, which every device follows so
+/// that they agree to the bit: the rows are summed in groups of this many consecutive rows,
+/// each group from zero in row order; the groups' sums are summed again the same way while
+/// more than one group is left; the last group's rows are added, in order, to zero (or to the
+/// gradient already there when accumulating). Grouping is what lets a GPU give every
+/// (group, column) its own thread, so the work in flight grows with the batch, and the CPU
+/// spread the groups over its threads; the result does not depend on the thread count.
+pub const BIAS_GRAD_ROWS: usize = 32;
+
+/// How many rows are left after each grouping pass of [`BIAS_GRAD_ROWS`] over `rows` rows, in
+/// order, ending at the pass that leaves one group (at most `BIAS_GRAD_ROWS` rows, summed into
+/// the gradient itself). `rows <= BIAS_GRAD_ROWS` needs no pass.
+pub fn bias_grad_passes(rows: usize) -> Vec<usize> {
+    let mut passes = Vec::new();
+    let mut left = rows;
+    while left > BIAS_GRAD_ROWS {
+        left = left.div_ceil(BIAS_GRAD_ROWS);
+        passes.push(left);
+    }
+    passes
+}
+
 /// One device's buffers and kernels. All matrices are row-major `f32`.
 ///
 /// Views are the unit of access. A `ViewMut<'a>` is an exclusive handle on a range of a buffer
@@ -75,7 +97,8 @@ pub trait Backend: Sized {
     ) -> Result<()>;
     /// `dz[i] = 0` where `a[i] <= 0` (a is the ReLU's output).
     fn relu_backward(&self, dz: Self::ViewMut<'_>, a: Self::View<'_>) -> Result<()>;
-    /// `db[j] = sum_i dz[i, j]` (`+ db[j]` when `accumulate`).
+    /// `db[j] = sum_i dz[i, j]` (`+ db[j]` when `accumulate`), summed in the order
+    /// [`BIAS_GRAD_ROWS`] describes.
     fn bias_grad(
         &self,
         db: Self::ViewMut<'_>,

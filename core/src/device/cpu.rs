@@ -9,7 +9,7 @@ use std::ops::Range;
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::backend::Backend;
+use super::backend::{BIAS_GRAD_ROWS, Backend, bias_grad_passes};
 use crate::error::{Error, Result};
 use crate::optim::{SgdConfig, sgd_block, sgd_step};
 
@@ -239,11 +239,41 @@ impl Backend for Cpu {
         cols: usize,
         accumulate: bool,
     ) -> Result<()> {
+        if db.len() < cols || dz.len() < rows * cols {
+            return Err(Error::Length { what: "bias_grad", expected: rows * cols, got: dz.len() });
+        }
+        let (db, dz) = (&mut db[..cols], &dz[..rows * cols]);
+        if cols == 0 {
+            return Ok(());
+        }
+        // The groups of BIAS_GRAD_ROWS rows (backend.rs), each summed from zero in row order,
+        // over the pool's threads; their sums grouped again until one group is left. The
+        // order depends on the rows only, never on the thread count.
+        let mut sums: Option<Vec<f32>> = None;
+        for groups in bias_grad_passes(rows) {
+            let rows_in = sums.as_deref().unwrap_or(dz);
+            let mut next = vec![0.0; groups * cols];
+            let body = |(out, src): (&mut [f32], &[f32])| {
+                for row in src.chunks_exact(cols) {
+                    for (d, &g) in out.iter_mut().zip(row) {
+                        *d += g;
+                    }
+                }
+            };
+            let group = BIAS_GRAD_ROWS * cols;
+            match &self.pool {
+                None => next.chunks_mut(cols).zip(rows_in.chunks(group)).for_each(body),
+                Some(pool) => {
+                    pool.install(|| next.par_chunks_mut(cols).zip(rows_in.par_chunks(group)).for_each(body))
+                }
+            }
+            sums = Some(next);
+        }
+        let rows_left = sums.as_deref().unwrap_or(dz);
         if !accumulate {
             db.fill(0.0);
         }
-        // Row order is fixed, so the sum is deterministic whatever the thread count.
-        for row in dz.chunks_exact(cols).take(rows) {
+        for row in rows_left.chunks_exact(cols) {
             for (d, &g) in db.iter_mut().zip(row) {
                 *d += g;
             }

@@ -51,7 +51,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-use super::backend::Backend;
+use super::backend::{BIAS_GRAD_ROWS, Backend, bias_grad_passes};
 use super::nvrtc;
 use crate::compress::Half;
 use crate::error::{Error, Result};
@@ -360,6 +360,9 @@ pub struct Cuda {
     kernels: Kernels,
     /// Per-row loss and hit flags of `softmax_xent`, grown on demand and reused every batch.
     stats: Mutex<Option<CudaSlice<f32>>>,
+    /// The group sums of `bias_grad`'s passes, grown on demand and reused (work on the one
+    /// stream is ordered, so one buffer serves every call).
+    bias_sums: Mutex<Option<CudaSlice<f32>>>,
 }
 
 impl fmt::Debug for Cuda {
@@ -415,7 +418,16 @@ impl Cuda {
             scale: load(scale)?,
             half: HalfCast { round: load(round)?, widen: load(widen)? },
         };
-        Ok(Cuda { ordinal, name, ctx, stream, blas, kernels, stats: Mutex::new(None) })
+        Ok(Cuda {
+            ordinal,
+            name,
+            ctx,
+            stream,
+            blas,
+            kernels,
+            stats: Mutex::new(None),
+            bias_sums: Mutex::new(None),
+        })
     }
 
     /// The device's index.
@@ -495,6 +507,28 @@ impl Cuda {
     fn grid(n: usize) -> LaunchConfig {
         let blocks = n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS) as u32;
         LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// Queue one launch of `bias_grad`: the column sums of each group of [`BIAS_GRAD_ROWS`] rows
+    /// of the `rows x cols` matrix at `src`, into `dst` (one row per group).
+    fn bias_grad_pass(
+        &self,
+        dst: CUdeviceptr,
+        src: CUdeviceptr,
+        rows: usize,
+        cols: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let groups = rows.div_ceil(BIAS_GRAD_ROWS).max(1);
+        let (rows64, cols64, group, acc) =
+            (rows as u64, cols as u64, BIAS_GRAD_ROWS as u64, i32::from(accumulate));
+        let mut launch = self.stream.launch_builder(&self.kernels.bias_grad);
+        launch.arg(&dst).arg(&src).arg(&rows64).arg(&cols64).arg(&group).arg(&acc);
+        // SAFETY: bias_grad(float*, const float*, u64, u64, u64, int); the caller passes a
+        // source of rows x cols values and a destination of groups x cols, both device memory of
+        // this backend's stream, which orders this launch after their writers.
+        unsafe { launch.launch(Self::grid(groups * cols)) }.map_err(cuda_err("bias_grad"))?;
+        Ok(())
     }
 
     /// Surface an error cudarc recorded where it could not return one (its drop guards).
@@ -715,13 +749,25 @@ impl Backend for Cuda {
         if cols == 0 {
             return Ok(());
         }
-        let (rows64, cols64, acc) = (rows as u64, cols as u64, i32::from(accumulate));
-        let mut launch = self.stream.launch_builder(&self.kernels.bias_grad);
-        launch.arg(&db.ptr).arg(&dz.ptr).arg(&rows64).arg(&cols64).arg(&acc);
-        // SAFETY: bias_grad(float*, const float*, u64, u64, int); db holds cols values and dz
-        // rows x cols.
-        unsafe { launch.launch(Self::grid(cols)) }.map_err(cuda_err("bias_grad"))?;
-        Ok(())
+        // The summation order of BIAS_GRAD_ROWS (backend.rs): each pass sums groups of rows
+        // into the scratch buffer, one thread per (group, column); the last launch sums the one
+        // group left into db. Two halves of the scratch take turns as source and destination.
+        let passes = bias_grad_passes(rows);
+        let (first, second) = (passes.first().copied().unwrap_or(0), passes.get(1).copied().unwrap_or(0));
+        let mut scratch = self.bias_sums.lock().unwrap_or_else(PoisonError::into_inner);
+        let need = (first + second) * cols;
+        let scratch = match &mut *scratch {
+            Some(s) if s.len() >= need => s,
+            slot => slot.insert(self.stream.alloc_zeros::<f32>(need.max(1)).map_err(cuda_err("alloc"))?),
+        };
+        let halves = [buf_ptr(scratch), offset_ptr(buf_ptr(scratch), first * cols)];
+        let (mut src, mut src_rows) = (dz.ptr, rows);
+        for (i, &groups) in passes.iter().enumerate() {
+            let dst = halves[i % 2];
+            self.bias_grad_pass(dst, src, src_rows, cols, false)?;
+            (src, src_rows) = (dst, groups);
+        }
+        self.bias_grad_pass(db.ptr, src, src_rows, cols, accumulate)
     }
 
     fn softmax_xent(

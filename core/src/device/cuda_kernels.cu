@@ -4,7 +4,10 @@
 // --fmad=false so `a * b + c` rounds twice, as it does on the CPU.
 //
 // Launch shape: 1-D grids with grid-stride loops, so any grid size is correct and the host may
-// cap the number of blocks. Sizes are 64-bit so no index overflows on large layers.
+// cap the number of blocks. Sizes are 64-bit so no index overflows on large layers. The host
+// asks for one thread per output value, and no thread's own loop grows with both the batch and
+// the layer width: a kernel's parallel work grows with its data (a test on the fake CUDA
+// records every launch's grid and checks it, core/tests/gpu.rs).
 // No kernel uses atomics or shared-memory trees: each output value is produced by one thread in
 // a fixed order, which makes every result deterministic run to run.
 
@@ -33,16 +36,25 @@ extern "C" __global__ void relu_backward(float* dz, const float* a, u64 n) {
     }
 }
 
-// db[j] = sum_i dz[i, j] (+ db[j] when `accumulate`). One thread per column walks the rows in
-// order, exactly the CPU's order, so the sums match it bit for bit. Neighbouring threads read
+// Column sums of a rows x cols matrix, in the order both devices share (backend.rs,
+// BIAS_GRAD_ROWS): rows are summed in groups of `group` consecutive rows, each group from zero,
+// in row order. out[g, j] = (accumulate ? out[g, j] : 0) + sum of rows g*group .. of column j.
+// One thread per (group, column), so the grid grows with the batch as well as the width; the
+// host launches this again over the groups' sums until one group is left, and that last launch
+// (accumulate set by the caller) writes the bias gradient. Neighbouring threads read
 // neighbouring columns, so each row's loads coalesce.
-extern "C" __global__ void bias_grad(float* db, const float* dz, u64 rows, u64 cols, int accumulate) {
-    for (u64 j = GLOBAL_ID; j < cols; j += GRID_STRIDE) {
-        float acc = accumulate ? db[j] : 0.0f;
-        for (u64 i = 0; i < rows; ++i) {
+extern "C" __global__ void bias_grad(float* out, const float* dz, u64 rows, u64 cols, u64 group, int accumulate) {
+    const u64 groups = rows == 0 ? 1 : (rows + group - 1) / group;
+    const u64 n = groups * cols;
+    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
+        const u64 g = t / cols, j = t % cols;
+        const u64 first = g * group;
+        const u64 last = first + group < rows ? first + group : rows;
+        float acc = accumulate ? out[t] : 0.0f;
+        for (u64 i = first; i < last; ++i) {
             acc += dz[i * cols + j];
         }
-        db[j] = acc;
+        out[t] = acc;
     }
 }
 
