@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use crate::device::staging::{StagedBucket, Staging, Streams};
 use crate::device::{Cpu, Cuda, Device, HalfCast};
 use crate::error::Result;
 use crate::mlp::{BatchLoss, Mlp};
@@ -10,30 +11,97 @@ use crate::model::{BucketPlan, Fingerprint, Layout, ModelSpec};
 use crate::optim::SgdConfig;
 
 /// A bucket of gradients that backward has finished, handed to the hook of
-/// [`Engine::backward_buckets`]: where it lies in the flat buffer, and its values where they live.
+/// [`Engine::backward_buckets`]: where it lies in the flat buffer, and its values wherever they
+/// live. The communicator that reduces it takes it in the memory it works on:
+/// [`Bucket::into_host`] (the rings) or [`Bucket::into_device`] (NCCL); it never asks the
+/// device.
 pub struct Bucket<'a> {
     /// Its index in the [`BucketPlan`].
     pub index: usize,
     /// The range of the flat gradient buffer it covers.
     pub range: Range<usize>,
-    /// The values.
-    pub grads: BucketGrads<'a>,
+    grads: Grads<'a>,
 }
 
 /// Where a finished bucket's values live.
-pub enum BucketGrads<'a> {
+enum Grads<'a> {
     /// In host memory: an exclusive view that stays valid for the whole borrow, so another
     /// thread may reduce it while backward writes the rest.
     Host(&'a mut [f32]),
-    /// In GPU memory: see [`DeviceGrads`].
-    Device(DeviceGrads),
+    /// In GPU memory, with the pinned host range and the streams to stage it through.
+    Device { grads: DeviceGrads, host: &'a mut [f32], streams: &'a Streams },
+}
+
+impl<'a> Bucket<'a> {
+    /// The bucket in host memory, for a communicator that reduces there: the gradients
+    /// themselves where they live in host memory; otherwise a copy to page-locked host memory,
+    /// queued now behind the bucket's backward on a copy stream of its own, so that it, and
+    /// the reduction that waits for it, overlap the rest of backward (`device/staging.rs`).
+    pub fn into_host(self) -> Result<HostBucket<'a>> {
+        let values = match self.grads {
+            Grads::Host(v) => HostValues::InPlace(v),
+            Grads::Device { grads, host, streams } => {
+                // SAFETY: the bucket's device range stays allocated while the engine lives
+                // (the engine waits for its staging before freeing it) and nothing else
+                // writes it until the next backward, which first waits for the copies.
+                HostValues::Staged(unsafe { streams.stage(self.range.clone(), grads.ptr, host) }?)
+            }
+        };
+        Ok(HostBucket { index: self.index, range: self.range, values })
+    }
+
+    /// The bucket in GPU memory, for a communicator that reduces it there; a bucket in host
+    /// memory comes back as the error, untouched.
+    pub fn into_device(self) -> std::result::Result<DeviceGrads, Bucket<'a>> {
+        match self.grads {
+            Grads::Device { grads, .. } => Ok(grads),
+            Grads::Host(_) => Err(self),
+        }
+    }
+}
+
+/// A finished bucket in host memory ([`Bucket::into_host`]).
+pub struct HostBucket<'a> {
+    /// Its index in the [`BucketPlan`].
+    pub index: usize,
+    /// The range of the flat gradient buffer it covers.
+    pub range: Range<usize>,
+    values: HostValues<'a>,
+}
+
+enum HostValues<'a> {
+    /// The engine's own gradients.
+    InPlace(&'a mut [f32]),
+    /// A staged copy of them.
+    Staged(StagedBucket<'a>),
+}
+
+impl HostBucket<'_> {
+    /// The values, to reduce in place: at once for the engine's own gradients, once the copy
+    /// has landed for a staged one (a bounded wait).
+    pub fn values(&mut self) -> Result<&mut [f32]> {
+        match &mut self.values {
+            HostValues::InPlace(v) => Ok(v),
+            HostValues::Staged(s) => s.values(),
+        }
+    }
+
+    /// The values are final: a staged copy goes back to the engine's gradients (queued; the
+    /// engine's next use of its gradients waits for it). A bucket dropped unfinished leaves the
+    /// engine's gradients as backward wrote them where they were staged.
+    pub fn finish(self) -> Result<()> {
+        match self.values {
+            HostValues::InPlace(_) => Ok(()),
+            HostValues::Staged(s) => s.copy_back(),
+        }
+    }
 }
 
 /// A finished bucket in GPU memory. Its values are final once the work queued so far on the
-/// engine's compute stream completes, so work on another stream that waits for an event
-/// recorded on [`DeviceGrads::stream`] may reduce it in place while backward goes on. The
-/// memory stays allocated while the engine lives; nothing but that work may touch it until
-/// the next backward.
+/// engine's compute stream completes: a communicator that reduces it on a stream of its own
+/// orders that stream after the bucket first ([`DeviceGrads::order_before`]). The memory stays
+/// allocated while the engine lives; nothing but that work may touch it until the next
+/// backward.
 #[derive(Clone)]
 pub struct DeviceGrads {
     ptr: u64,
@@ -41,6 +109,9 @@ pub struct DeviceGrads {
     stream: std::sync::Arc<cudarc::driver::CudaStream>,
     half: HalfCast,
 }
+
+/// A CUDA stream's driver handle (`CUstream`), for a communicator's own stream.
+pub type RawStream = *mut std::ffi::c_void;
 
 impl DeviceGrads {
     /// Values in the bucket.
@@ -53,15 +124,33 @@ impl DeviceGrads {
         self.len == 0
     }
 
-    /// The compute stream that writes the bucket.
-    pub fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
-        &self.stream
-    }
-
     /// The device's half-precision conversion kernels, to round the bucket for an fp16 or
     /// bf16 all-reduce and widen the sum back, on the communication stream.
     pub fn half_cast(&self) -> &HalfCast {
         &self.half
+    }
+
+    /// Make the stream `other` (of this bucket's device) wait for the work queued so far on
+    /// the compute stream, the bucket's backward included.
+    ///
+    /// # Safety
+    /// `other` must be a live stream of the context the engine runs on.
+    pub unsafe fn order_before(&self, other: RawStream) -> Result<()> {
+        let err = |e: cudarc::driver::DriverError| crate::Error::Cuda {
+            op: "order after a bucket",
+            msg: e.to_string(),
+        };
+        let ready = self.stream.record_event(None).map_err(err)?;
+        // SAFETY: the caller vouches for `other`; the event is live until this returns, and a
+        // wait on it holds what it recorded even after it is destroyed.
+        unsafe {
+            cudarc::driver::result::stream::wait_event(
+                other.cast(),
+                ready.cu_event(),
+                cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(err)
     }
 
     /// Wait until the work queued so far on the compute stream, this bucket's backward
@@ -74,10 +163,29 @@ impl DeviceGrads {
     ///
     /// # Safety
     /// The address is valid only while the engine that handed out the bucket lives, and may
-    /// be read or written only by work ordered after [`DeviceGrads::stream`]'s queued work
+    /// be read or written only by work ordered after the bucket ([`DeviceGrads::order_before`])
     /// and finished before the engine's next backward, update or drop.
     pub unsafe fn address(&self) -> u64 {
         self.ptr
+    }
+}
+
+/// Waits for the work an engine has queued so far without borrowing the engine: what a caller
+/// still holding the engine's buckets uses to see backward end (at once on the CPU, where
+/// nothing is queued).
+#[derive(Clone)]
+pub struct ComputeFence(Option<std::sync::Arc<cudarc::driver::CudaStream>>);
+
+impl ComputeFence {
+    /// Wait for the work queued on the engine's compute stream when the fence was made, and
+    /// anything queued there since.
+    pub fn wait(&self) -> Result<()> {
+        match &self.0 {
+            None => Ok(()),
+            Some(s) => {
+                s.synchronize().map_err(|e| crate::Error::Cuda { op: "synchronize", msg: e.to_string() })
+            }
+        }
     }
 }
 
@@ -89,8 +197,9 @@ impl DeviceGrads {
 pub enum Engine {
     /// On the CPU.
     Cpu(Mlp<Cpu>),
-    /// On one CUDA device.
-    Cuda(Mlp<Cuda>),
+    /// On one CUDA device, with what stages its buckets through host memory (first, so that
+    /// it is dropped, and its copies drained, before the model's buffers are freed).
+    Cuda(Staging, Mlp<Cuda>),
 }
 
 /// Run `$body` with `$m` bound to the device's [`Mlp`], whatever the device.
@@ -98,7 +207,7 @@ macro_rules! on_device {
     ($engine:expr, $m:ident => $body:expr) => {
         match $engine {
             Engine::Cpu($m) => $body,
-            Engine::Cuda($m) => $body,
+            Engine::Cuda(_, $m) => $body,
         }
     };
 }
@@ -108,7 +217,10 @@ impl Engine {
     pub fn new(device: Device, spec: ModelSpec, seed: u64) -> Result<Self> {
         match device {
             Device::Cpu { threads } => Ok(Engine::Cpu(Mlp::new(Cpu::new(threads)?, spec, seed)?)),
-            Device::Cuda { ordinal } => Ok(Engine::Cuda(Mlp::new(Cuda::new(ordinal)?, spec, seed)?)),
+            Device::Cuda { ordinal } => {
+                let gpu = Cuda::new(ordinal)?;
+                Ok(Engine::Cuda(Staging::new(&gpu)?, Mlp::new(gpu, spec, seed)?))
+            }
         }
     }
 
@@ -117,16 +229,11 @@ impl Engine {
         on_device!(self, m => crate::device::Backend::describe(m.backend()))
     }
 
-    /// Whether the model lives in GPU memory.
-    pub fn is_cuda(&self) -> bool {
-        matches!(self, Engine::Cuda(_))
-    }
-
     /// The GPU's name, when the model lives on one.
     pub fn gpu_name(&self) -> Option<String> {
         match self {
             Engine::Cpu(_) => None,
-            Engine::Cuda(m) => Some(m.backend().name()),
+            Engine::Cuda(_, m) => Some(m.backend().name()),
         }
     }
 
@@ -134,7 +241,7 @@ impl Engine {
     pub fn peak_fp32_flops(&self) -> Option<f64> {
         match self {
             Engine::Cpu(_) => None,
-            Engine::Cuda(m) => m.backend().peak_fp32_flops().ok(),
+            Engine::Cuda(_, m) => m.backend().peak_fp32_flops().ok(),
         }
     }
 
@@ -153,8 +260,19 @@ impl Engine {
         on_device!(self, m => m.forward(x, labels, train))
     }
 
+    /// Copy a batch to the device ([`Mlp::load_batch`]).
+    pub fn load_batch(&mut self, x: &[f32], labels: &[u32]) -> Result<()> {
+        on_device!(self, m => m.load_batch(x, labels))
+    }
+
+    /// Forward over the batch last loaded ([`Mlp::forward_loaded`]).
+    pub fn forward_loaded(&mut self, train: bool) -> Result<BatchLoss> {
+        on_device!(self, m => m.forward_loaded(train))
+    }
+
     /// Backward into the gradient buffer, with no bucket hook.
     pub fn backward(&mut self, accumulate: bool) -> Result<()> {
+        self.settle()?;
         on_device!(self, m => {
             let plan = BucketPlan::whole(m.layout());
             m.backward(&plan, accumulate, &mut |_, _, _| {})
@@ -163,29 +281,38 @@ impl Engine {
 
     /// Backward into the gradient buffer, handing each finished [`Bucket`] of `plan` to
     /// `on_ready` the moment backward has written it (last layer first), so its reduction can
-    /// start while backward computes the earlier layers (DDP overlap). Its values are in host
-    /// memory or GPU memory, as [`BucketGrads`] says.
+    /// start while backward computes the earlier layers (DDP overlap). The hook takes it in the
+    /// memory its communicator works on ([`Bucket::into_host`], [`Bucket::into_device`]).
     pub fn backward_buckets<'a>(
         &'a mut self,
         plan: &BucketPlan,
         accumulate: bool,
         on_ready: &mut dyn FnMut(Bucket<'a>),
     ) -> Result<()> {
+        self.settle()?;
         match self {
             Engine::Cpu(m) => m.backward(plan, accumulate, &mut |index, range, v| {
-                on_ready(Bucket { index, range, grads: BucketGrads::Host(v) })
+                on_ready(Bucket { index, range, grads: Grads::Host(v) })
             }),
-            Engine::Cuda(m) => {
+            Engine::Cuda(staging, m) => {
                 let stream = m.backend().stream().clone();
                 let half = m.backend().half_cast().clone();
+                let (mut pinned, streams) = staging.lend(m.layout().len)?;
                 m.backward(plan, accumulate, &mut |index, range, v| {
+                    // Buckets come last first (descending ranges): each takes the top of what
+                    // is left of the pinned mirror.
+                    let rest = std::mem::take(&mut pinned);
+                    let (below, top) = rest.split_at_mut(range.start.min(rest.len()));
+                    pinned = below;
+                    let take = range.len().min(top.len());
+                    let host = &mut top[..take];
                     let grads = DeviceGrads {
                         ptr: v.device_ptr(),
                         len: v.len(),
                         stream: stream.clone(),
                         half: half.clone(),
                     };
-                    on_ready(Bucket { index, range, grads: BucketGrads::Device(grads) })
+                    on_ready(Bucket { index, range, grads: Grads::Device { grads, host, streams } })
                 })
             }
         }
@@ -193,11 +320,13 @@ impl Engine {
 
     /// One optimiser step ([`Mlp::update`]).
     pub fn update(&mut self, cfg: &SgdConfig, grad_scale: f32) -> Result<()> {
+        self.settle()?;
         on_device!(self, m => m.update(cfg, grad_scale))
     }
 
     /// Multiply every gradient by `factor`.
     pub fn scale_grads(&mut self, factor: f32) -> Result<()> {
+        self.settle()?;
         on_device!(self, m => m.scale_grads(factor))
     }
 
@@ -213,11 +342,13 @@ impl Engine {
 
     /// Copy gradients `range` to host memory.
     pub fn read_grads(&self, range: Range<usize>, dst: &mut [f32]) -> Result<()> {
+        self.settle()?;
         on_device!(self, m => m.read_grads(range, dst))
     }
 
     /// Overwrite gradients from host memory at `offset`.
     pub fn write_grads(&mut self, offset: usize, src: &[f32]) -> Result<()> {
+        self.settle()?;
         on_device!(self, m => m.write_grads(offset, src))
     }
 
@@ -247,7 +378,7 @@ impl Engine {
     pub fn host_buffers_mut(&mut self) -> Option<(&mut [f32], &mut [f32])> {
         match self {
             Engine::Cpu(m) => Some(m.host_buffers_mut()),
-            Engine::Cuda(_) => None,
+            Engine::Cuda(..) => None,
         }
     }
 
@@ -256,7 +387,7 @@ impl Engine {
     pub fn swap_host_grads(&mut self, other: &mut Vec<f32>) -> Result<bool> {
         match self {
             Engine::Cpu(m) => m.swap_grads(other).map(|()| true),
-            Engine::Cuda(_) => Ok(false),
+            Engine::Cuda(..) => Ok(false),
         }
     }
 
@@ -277,6 +408,47 @@ impl Engine {
     /// Wait for queued device work (timings).
     pub fn synchronize(&self) -> Result<()> {
         on_device!(self, m => crate::device::Backend::synchronize(m.backend()))
+    }
+
+    /// A [`ComputeFence`] on this engine's queued work.
+    pub fn fence(&self) -> ComputeFence {
+        match self {
+            Engine::Cpu(_) => ComputeFence(None),
+            Engine::Cuda(_, m) => ComputeFence(Some(m.backend().stream().clone())),
+        }
+    }
+
+    /// The parameters `range` in host memory for `f` to read and change: in place where they
+    /// live there, else copied into `scratch` and written back after `f` (whatever it returns).
+    pub fn with_host_params<R>(
+        &mut self,
+        range: Range<usize>,
+        scratch: &mut Vec<f32>,
+        f: impl FnOnce(&mut [f32]) -> R,
+    ) -> Result<R> {
+        if let Some((params, _)) = self.host_buffers_mut() {
+            let n = params.len();
+            let p = params.get_mut(range.clone()).ok_or(crate::Error::Length {
+                what: "parameter range",
+                expected: n,
+                got: range.end,
+            })?;
+            return Ok(f(p));
+        }
+        scratch.resize(range.len(), 0.0);
+        self.read_params(range.clone(), scratch)?;
+        let out = f(scratch);
+        self.write_params(range.start, scratch)?;
+        Ok(out)
+    }
+
+    /// Order what the engine queues next after every staged bucket's copy back (on a GPU;
+    /// nothing on the CPU).
+    fn settle(&self) -> Result<()> {
+        match self {
+            Engine::Cpu(_) => Ok(()),
+            Engine::Cuda(staging, _) => staging.settle(),
+        }
     }
 
     /// This model's fingerprint for `seed`.

@@ -41,8 +41,10 @@ pub struct Mlp<B: Backend> {
     labels: Option<B::Labels>,
     /// Rows the activation buffers can hold; they grow on demand.
     capacity: usize,
-    /// Rows of the batch in the activation buffers.
+    /// Rows of the batch the last forward pass ran over.
     rows: usize,
+    /// Rows of the batch last loaded ([`Mlp::load_batch`]).
+    loaded: usize,
 }
 
 impl<B: Backend> Mlp<B> {
@@ -64,6 +66,7 @@ impl<B: Backend> Mlp<B> {
             labels: None,
             capacity: 0,
             rows: 0,
+            loaded: 0,
         })
     }
 
@@ -94,8 +97,16 @@ impl<B: Backend> Mlp<B> {
     }
 
     /// Forward pass over `x` (`rows x input`, row-major) with `labels`; when `train` is set the
-    /// loss gradient is left ready for [`Mlp::backward`].
+    /// loss gradient is left ready for [`Mlp::backward`]. [`Mlp::load_batch`], then
+    /// [`Mlp::forward_loaded`].
     pub fn forward(&mut self, x: &[f32], labels: &[u32], train: bool) -> Result<BatchLoss> {
+        self.load_batch(x, labels)?;
+        self.forward_loaded(train)
+    }
+
+    /// Copy a batch, `x` (`rows x input`, row-major) and its `labels`, to the device, where the
+    /// next forward passes read it.
+    pub fn load_batch(&mut self, x: &[f32], labels: &[u32]) -> Result<()> {
         let input = self.spec.input();
         if x.len() != labels.len() * input || labels.is_empty() {
             return Err(Error::Length { what: "batch inputs", expected: labels.len() * input, got: x.len() });
@@ -106,9 +117,21 @@ impl<B: Backend> Mlp<B> {
         }
         let rows = labels.len();
         self.ensure_capacity(rows)?;
-        self.rows = rows;
+        self.loaded = 0;
         self.backend.write(&mut self.acts[0], 0, x)?;
         self.backend.write_labels(&mut self.labels, labels)?;
+        self.loaded = rows;
+        Ok(())
+    }
+
+    /// Forward pass over the batch last loaded ([`Mlp::load_batch`]); when `train` is set the
+    /// loss gradient is left ready for [`Mlp::backward`].
+    pub fn forward_loaded(&mut self, train: bool) -> Result<BatchLoss> {
+        let rows = self.loaded;
+        if rows == 0 {
+            return Err(Error::invalid("forward", "no batch loaded"));
+        }
+        self.rows = rows;
         let last = self.layout.layers.len() - 1;
         for (l, lr) in self.layout.layers.iter().enumerate() {
             let (done, rest) = self.acts.split_at_mut(l + 1);

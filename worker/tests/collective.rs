@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use gradsync_testkit::{Counters, GpuRun, gpu_test};
 use gradsync_worker::collective::{
-    Collective, Half, Hierarchy, Nccl, RingConfig, SocketEngine, TcpComm, Transport, all_reduce_as_half,
-    nccl, pack, packed_len, segment, unpack,
+    After, Collective, Half, Hierarchy, Nccl, RingConfig, SocketEngine, TcpComm, Transport,
+    all_reduce_as_half, nccl, pack, packed_len, segment, unpack,
 };
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
@@ -782,8 +782,16 @@ fn nccl_half_all_reduce_rounds_like_the_reference_and_moves_half_the_bytes() {
                 let (ptr, len) = Cuda::raw_range(&buf, 0..n);
                 let before = c.traffic();
                 // SAFETY: `buf` lives until wait_all has returned.
-                unsafe { c.all_reduce_half_device_after(ptr, len, gpu.stream(), half, gpu.half_cast()) }
-                    .unwrap();
+                unsafe {
+                    c.all_reduce_half_device_after(
+                        ptr,
+                        len,
+                        After::Stream(gpu.stream()),
+                        half,
+                        gpu.half_cast(),
+                    )
+                }
+                .unwrap();
                 c.wait_all().unwrap();
                 let half_sent = c.traffic().sent - before.sent;
                 let mut device = vec![0.0; n];
@@ -791,7 +799,7 @@ fn nccl_half_all_reduce_rounds_like_the_reference_and_moves_half_the_bytes() {
                 gpu.write(&mut buf, 0, &vals).unwrap();
                 let before = c.traffic();
                 // SAFETY: as above.
-                unsafe { c.all_reduce_device_after(ptr, len, gpu.stream()) }.unwrap();
+                unsafe { c.all_reduce_device_after(ptr, len, After::Stream(gpu.stream())) }.unwrap();
                 c.wait_all().unwrap();
                 got.push((host, device, half_sent, c.traffic().sent - before.sent));
             }
@@ -889,7 +897,7 @@ fn a_timed_out_nccl_call_aborts_before_any_buffer_is_freed() {
         let mut grads = gpu.zeros(1000).unwrap();
         let (ptr, len) = Cuda::raw_range(&grads, 0..1000);
         // SAFETY: `grads` stays allocated until after wait_all, which aborts on failure.
-        unsafe { c.all_reduce_device_after(ptr, len, gpu.stream()) }.unwrap();
+        unsafe { c.all_reduce_device_after(ptr, len, After::Stream(gpu.stream())) }.unwrap();
         let err = c.wait_all().unwrap_err().to_string();
         assert!(err.contains("did not finish within 1.0 s") && err.contains("aborted"), "{err}");
         // NCCL no longer writes into the buffer: freeing it now is safe (the fake CUDA fails

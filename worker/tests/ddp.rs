@@ -768,3 +768,102 @@ fn compression_flags_are_refused_naming_the_fault() {
         assert!(!out.status.success() && err.contains(says), "{args:?}: {err}");
     }
 }
+
+/// How one rank's device work went, step by step, as the fake CUDA logged it: per step that
+/// synchronised, (the staging copies to the host queued before backward's last GEMM, all of
+/// them, the copies back before the update's kernel).
+fn staging_per_step(work: &[gradsync_testkit::Work]) -> Vec<(usize, usize, usize)> {
+    use gradsync_testkit::{CopyKind, Work};
+    let is = |w: &Work, name: &str| matches!(w, Work::Kernel(l) if l.kernel == name);
+    let mut steps = Vec::new();
+    let mut rest = work;
+    // A step: forward ends with the softmax (and the loss read back), backward starts with the
+    // last layer's bias gradient, the update is the `sgd` kernel.
+    while let Some(soft) = rest.iter().position(|w| is(w, "softmax_xent")) {
+        let Some(sgd) = rest[soft..].iter().position(|w| is(w, "sgd")).map(|i| i + soft) else { break };
+        let step = &rest[soft..sgd];
+        let bwd = step.iter().position(|w| is(w, "bias_grad")).unwrap_or(step.len());
+        let backward = &step[bwd..];
+        let last_gemm = backward.iter().rposition(|w| matches!(w, Work::Gemm)).unwrap_or(0);
+        let out = |w: &Work| matches!(w, Work::Copy { kind: CopyKind::DtoH, .. });
+        let back = |w: &Work| matches!(w, Work::Copy { kind: CopyKind::HtoD, .. });
+        let early = backward[..last_gemm].iter().filter(|w| out(w)).count();
+        let staged = backward.iter().filter(|w| out(w)).count();
+        let returned = backward.iter().filter(|w| back(w)).count();
+        steps.push((early, staged, returned));
+        rest = &rest[sgd + 1..];
+    }
+    steps
+}
+
+/// DDP with two GPU ranks over the TCP ring (the fake CUDA's GPUs here): each bucket is staged
+/// to the host as backward finishes it, while backward still runs, and its sum goes back
+/// before the update; the fake checks every copy's bounds, pinned buffers included, and that
+/// none is left allocated. The exposed communication of every step is recorded.
+#[test]
+fn gpu_buckets_are_staged_as_backward_finishes_them() {
+    const TEST: &str = "gpu_buckets_are_staged_as_backward_finishes_them";
+    let trained = |c: &Counters| assert!(c.processes >= 2 && c.gemms > 0 && c.alive_at_exit == 0, "{c}");
+    if !gpu_here(TEST, trained) {
+        return;
+    }
+    let Some(_) = gradsync_testkit::WorkLog::here() else {
+        eprintln!(
+            "{TEST}: the order of copies is checked against the fake CUDA only (a real GPU logs nothing)"
+        );
+        return;
+    };
+    let dir = Scratch::new("staging");
+    let log = dir.join("work.log");
+    // Buckets of about one tensor each, so most are finished while backward still runs.
+    let mut a = launch_train(2, "ddp", &["--batch", "8"]);
+    a.extend(["--backend", "tcp", "--bucket-mb", "0.0001", "--comm-timeout", "30"].map(String::from));
+    a.extend(["--metrics".to_string(), dir.join("m-{rank}.jsonl").display().to_string()]);
+    a.extend(on_gpu(common(&dir.join("ddp.ckpt"))));
+    let (key, value) = gradsync_testkit::WorkLog::env(&log);
+    let mut cmd = Command::new(WORKER);
+    cmd.args(&a).env(key, value).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    for v in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+        cmd.env_remove(v);
+    }
+    let out = Proc::adopt(cmd.spawn().unwrap()).output(Duration::from_secs(120));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let header: serde_json::Value =
+        serde_json::from_str(std::fs::read_to_string(dir.join("m-0.jsonl")).unwrap().lines().next().unwrap())
+            .unwrap();
+    let buckets = header["extra"]["buckets"].as_u64().unwrap() as usize;
+    assert!(buckets >= 3, "small buckets, several per step: {header}");
+    let ranks: Vec<_> = gradsync_testkit::WorkLog::at(&log)
+        .by_process()
+        .into_iter()
+        .filter(|(_, w)| w.iter().any(|w| matches!(w, gradsync_testkit::Work::Gemm)))
+        .collect();
+    assert_eq!(ranks.len(), 2, "two ranks trained on the GPU");
+    for (pid, work) in ranks {
+        let steps = staging_per_step(&work);
+        assert_eq!(steps.len(), 6, "process {pid}: six steps");
+        for (i, &(early, staged, returned)) in steps.iter().enumerate() {
+            assert_eq!(staged, buckets, "process {pid} step {i}: every bucket staged once");
+            // Every sum is back before the update's kernel (the next copies to the device are
+            // the next batch's).
+            assert_eq!(
+                returned, buckets,
+                "process {pid} step {i}: every bucket's sum copied back before the update"
+            );
+            // All but the bucket that holds the first layer leave while backward still runs.
+            assert!(
+                early >= buckets - 1,
+                "process {pid} step {i}: {early} of {buckets} staged during backward"
+            );
+        }
+    }
+    // Every step recorded its communication and the exposed part of it.
+    for r in 0..2 {
+        let text = std::fs::read_to_string(dir.join(format!("m-{r}.jsonl"))).unwrap();
+        for line in text.lines().skip(1).filter(|l| l.contains("\"comm_exposed_ms\"")) {
+            let s: serde_json::Value = serde_json::from_str(line).unwrap();
+            let (busy, exposed) = (s["comm_ms"].as_f64().unwrap(), s["comm_exposed_ms"].as_f64().unwrap());
+            assert!(busy > 0.0 && exposed <= busy + 1e-9, "rank {r}: {line}");
+        }
+    }
+}

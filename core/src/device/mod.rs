@@ -7,6 +7,7 @@ mod backend;
 mod cpu;
 pub mod cuda;
 pub mod nvrtc;
+pub mod staging;
 
 use std::fmt;
 use std::str::FromStr;
@@ -71,6 +72,29 @@ pub enum Device {
 }
 
 impl Device {
+    /// The devices of `replicas` replicas started from this one, as DataParallel spreads
+    /// them: every replica on the CPU's pool, or one GPU after another from this one, around
+    /// the GPUs that open (several replicas share a GPU when there are fewer).
+    pub fn spread(self, replicas: usize) -> Vec<Device> {
+        match self {
+            Device::Cpu { threads } => vec![Device::Cpu { threads }; replicas],
+            Device::Cuda { ordinal } => {
+                let opened = (0..64).take_while(|&i| cuda::probe(i).is_ok()).count();
+                let n = opened.max(ordinal + 1);
+                (0..replicas).map(|k| Device::Cuda { ordinal: (ordinal + k) % n }).collect()
+            }
+        }
+    }
+
+    /// The CUDA device's index (for a library that opens the GPU itself, such as NCCL); `None`
+    /// on the CPU.
+    pub fn cuda_ordinal(self) -> Option<usize> {
+        match self {
+            Device::Cpu { .. } => None,
+            Device::Cuda { ordinal } => Some(ordinal),
+        }
+    }
+
     /// Resolve a request. `Auto` falls back to the CPU, and says so on stderr in one line.
     pub fn resolve(req: DeviceRequest, threads: usize) -> Result<Device> {
         match req {

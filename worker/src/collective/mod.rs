@@ -29,11 +29,16 @@
 //!   all-reduce by [`Hierarchy`] (`--hierarchy auto|off|on`).
 //! - [`nccl`]: NCCL on GPU memory, with timeouts that abort the communicator; `nccl_lib`:
 //!   finding and loading `libnccl.so.2` (system paths, Python environments) and its functions.
+//! - `buckets`, at the top: the [`Communicator`] a data-parallel strategy hands its gradient
+//!   buckets to (the ring or NCCL), which takes each bucket in the memory it works on (host
+//!   memory, staged from a GPU as backward finishes it, or GPU memory) and does the strategy's
+//!   [`BucketWork`] to it, overlapped with backward.
 //!
 //! Every operation works in place on `f32` buffers of the same length on every rank and is
 //! collective: all ranks call the same operations in the same order. Every blocking call is
 //! bounded by the communicator's timeout, and a dead or silent peer is reported by rank.
 
+mod buckets;
 mod chain;
 mod comm;
 pub(crate) mod frame;
@@ -55,10 +60,11 @@ use std::time::Duration;
 pub use gradsync_core::model::segment;
 use serde::{Deserialize, Serialize};
 
+pub use buckets::{BucketWork, Communicator, Span, Synced, comm_split};
 pub use comm::TcpComm;
 pub use frame::configure_socket;
 pub use gradsync_core::compress::Half;
-pub use nccl::Nccl;
+pub use nccl::{After, Nccl};
 pub(crate) use reduce::half_shares;
 pub use reduce::{all_reduce_as_half, pack, packed_len, unpack};
 pub use tcp::MeshInfo;

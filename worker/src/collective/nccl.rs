@@ -43,6 +43,7 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
 use gradsync_core::device::HalfCast;
+use gradsync_core::engine::DeviceGrads;
 
 use super::nccl_lib::{
     self, BFLOAT16, Config, FLOAT16, FLOAT32, Group, IN_PROGRESS, Lib, RawComm, RawStream, SUCCESS, SUM,
@@ -50,6 +51,15 @@ use super::nccl_lib::{
 use super::{Collective, CommError, Half, Result, Traffic, check_rank, packed_len, segment};
 
 pub use super::nccl_lib::ID_BYTES;
+
+/// The work a device reduction waits for before it starts.
+#[derive(Clone, Copy)]
+pub enum After<'a> {
+    /// Everything queued so far on a stream of this GPU.
+    Stream(&'a CudaStream),
+    /// A gradient bucket's backward.
+    Bucket(&'a DeviceGrads),
+}
 
 fn cuda_err<E: std::fmt::Debug>(op: &'static str) -> impl FnOnce(E) -> CommError {
     move |e| CommError::Nccl { op, msg: format!("{e:?}") }
@@ -174,7 +184,7 @@ impl Nccl {
     }
 
     /// Queue the in-place sum of `len` values at device address `ptr` across ranks, to start
-    /// once the work queued so far on `after` (the stream that produced them) is done. Returns
+    /// once the work `after` names (what produced them) is done. Returns
     /// at once; [`Nccl::wait_all`] waits for every queued reduction.
     ///
     /// # Safety
@@ -185,7 +195,7 @@ impl Nccl {
         &mut self,
         ptr: CUdeviceptr,
         len: usize,
-        after: &CudaStream,
+        after: After<'_>,
     ) -> Result<()> {
         self.usable()?;
         if len == 0 {
@@ -201,7 +211,7 @@ impl Nccl {
     }
 
     /// [`Nccl::all_reduce_device_after`] in half precision (`--compress fp16|bf16`), all on
-    /// NCCL's stream once `after`'s queued work is done: the `len` values at `ptr` are divided
+    /// NCCL's stream once the work `after` names is done: the `len` values at `ptr` are divided
     /// by the world size and rounded to `half` into the staging buffer (`cast`, the device's
     /// kernels), all-reduced there in NCCL's own half type (`ncclFloat16` or `ncclBfloat16`:
     /// two bytes a value on the wire, each hop adding and rounding back to the type), widened
@@ -215,7 +225,7 @@ impl Nccl {
         &mut self,
         ptr: CUdeviceptr,
         len: usize,
-        after: &CudaStream,
+        after: After<'_>,
         half: Half,
         cast: &HalfCast,
     ) -> Result<()> {
@@ -245,10 +255,18 @@ impl Nccl {
         Ok(())
     }
 
-    /// Make NCCL's stream wait for the work queued so far on `after`.
-    fn follow(&self, after: &CudaStream) -> Result<()> {
-        let ready = after.record_event(None).map_err(cuda_err("cuEventRecord"))?;
-        self.stream.wait(&ready).map_err(cuda_err("cuStreamWaitEvent"))
+    /// Make NCCL's stream wait for what `after` names.
+    fn follow(&self, after: After<'_>) -> Result<()> {
+        match after {
+            After::Stream(s) => {
+                let ready = s.record_event(None).map_err(cuda_err("cuEventRecord"))?;
+                self.stream.wait(&ready).map_err(cuda_err("cuStreamWaitEvent"))
+            }
+            // SAFETY: NCCL's stream is live and on the bucket's device (the communicator was
+            // made on the engine's GPU).
+            After::Bucket(g) => unsafe { g.order_before(self.stream.cu_stream().cast()) }
+                .map_err(core_err("order NCCL after the bucket")),
+        }
     }
 
     /// Wait (bounded by the timeout) for every reduction queued so far.

@@ -46,13 +46,13 @@ impl Default for EngineLink {
 }
 
 impl EngineLink {
-    /// The link that fits `engine`'s memory.
-    pub fn new(engine: &Engine) -> Self {
+    /// The link that fits `engine`'s memory: in place where the engine lends its buffers as
+    /// host memory, staged otherwise.
+    pub fn new(engine: &mut Engine) -> Self {
         let n = engine.layout().len;
-        if engine.is_cuda() {
-            EngineLink::Staged { grads: SharedGrads::new(vec![0.0; n]), params: vec![0.0; n] }
-        } else {
-            EngineLink::InPlace { spare: SharedGrads::new(vec![0.0; n]) }
+        match engine.host_buffers_mut() {
+            Some(_) => EngineLink::InPlace { spare: SharedGrads::new(vec![0.0; n]) },
+            None => EngineLink::Staged { grads: SharedGrads::new(vec![0.0; n]), params: vec![0.0; n] },
         }
     }
 

@@ -1,7 +1,7 @@
-//! How DDP reduces one bucket of gradients, by `--compress`: the one seam between DDP's
-//! `Reducer` and the collective, so a new codec changes this file only. Host buckets go
+//! How DDP reduces one bucket of gradients, by `--compress`: DDP's [`BucketWork`], which the
+//! communicator does to every bucket, so a new codec changes this file only. Host buckets go
 //! through the [`Collective`] trait ([`BucketReduce::reduce`]); GPU buckets are queued on
-//! NCCL's stream ([`BucketReduce::queue_device`]).
+//! NCCL's stream ([`BucketWork::queue_device`]).
 //!
 //! - `none`: the ring all-reduce of the f32 bucket.
 //! - `topk:R`: each rank sends the `k = ceil(R len)` largest magnitudes of its bucket plus its
@@ -31,7 +31,7 @@ use gradsync_core::compress::{self, Compression, Half, Sparse, TopK};
 
 use gradsync_core::engine::DeviceGrads;
 
-use crate::collective::{self, Collective, CommError, Nccl};
+use crate::collective::{self, After, BucketWork, Collective, CommError, Nccl};
 
 /// What one rank keeps to reduce its buckets under a `--compress` value.
 pub(super) enum BucketReduce {
@@ -84,35 +84,6 @@ impl BucketReduce {
         }
     }
 
-    /// Queue on NCCL's stream the reduction of GPU bucket `grads`, to start once backward has
-    /// written it: the f32 all-reduce, or the half-precision one rounded and widened on the
-    /// device. Returns at once; [`Nccl::wait_all`] waits for it.
-    ///
-    /// # Safety
-    /// The engine that handed out `grads` must outlive [`Nccl::wait_all`], and nothing else may
-    /// touch the bucket until it returns (as [`Nccl::all_reduce_device_after`] requires).
-    pub(super) unsafe fn queue_device(&self, nccl: &mut Nccl, grads: &DeviceGrads) -> Result<(), CommError> {
-        // SAFETY (every arm): the caller's promise; `address` is valid while the engine lives.
-        match self {
-            BucketReduce::Dense => unsafe {
-                nccl.all_reduce_device_after(grads.address(), grads.len(), grads.stream())
-            },
-            BucketReduce::Half { half, .. } => unsafe {
-                nccl.all_reduce_half_device_after(
-                    grads.address(),
-                    grads.len(),
-                    grads.stream(),
-                    *half,
-                    grads.half_cast(),
-                )
-            },
-            BucketReduce::TopK { .. } => Err(CommError::Invalid {
-                what: "compression",
-                why: self.device_refusal().unwrap_or_default(),
-            }),
-        }
-    }
-
     /// Leave in `bucket` (values `range` of the flat gradient) the sum over every rank of what
     /// each sends of it.
     pub(super) fn reduce(
@@ -141,6 +112,51 @@ impl BucketReduce {
                 compress::unpack_sum(slots, k, bucket)
                     .with_context(|| format!("the top-k pairs gathered for bucket {range:?}"))
             }
+        }
+    }
+}
+
+impl BucketWork for BucketReduce {
+    fn name(&self) -> &'static str {
+        "allreduce"
+    }
+
+    fn host(
+        &mut self,
+        comm: &mut dyn Collective,
+        _index: usize,
+        range: Range<usize>,
+        values: &mut [f32],
+    ) -> anyhow::Result<bool> {
+        self.reduce(comm, range, values)?;
+        Ok(true)
+    }
+
+    fn on_device(&self) -> bool {
+        self.device_refusal().is_none()
+    }
+
+    /// The f32 all-reduce, or the half-precision one rounded and widened on the device, queued
+    /// on NCCL's stream behind the bucket's backward.
+    unsafe fn queue_device(&self, nccl: &mut Nccl, grads: &DeviceGrads) -> Result<(), CommError> {
+        // SAFETY (every arm): the caller's promise; `address` is valid while the engine lives.
+        match self {
+            BucketReduce::Dense => unsafe {
+                nccl.all_reduce_device_after(grads.address(), grads.len(), After::Bucket(grads))
+            },
+            BucketReduce::Half { half, .. } => unsafe {
+                nccl.all_reduce_half_device_after(
+                    grads.address(),
+                    grads.len(),
+                    After::Bucket(grads),
+                    *half,
+                    grads.half_cast(),
+                )
+            },
+            BucketReduce::TopK { .. } => Err(CommError::Invalid {
+                what: "compression",
+                why: self.device_refusal().unwrap_or_default(),
+            }),
         }
     }
 }

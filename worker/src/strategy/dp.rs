@@ -81,11 +81,6 @@ pub struct Dp {
     trace: Trace,
 }
 
-/// How many CUDA devices can be used (ordinals 0.. that open).
-fn cuda_count() -> usize {
-    (0..64).take_while(|&i| gradsync_core::device::cuda::probe(i).is_ok()).count()
-}
-
 impl Dp {
     /// `cfg.replicas` replicas of the model.
     pub fn new(cfg: DpConfig) -> anyhow::Result<Dp> {
@@ -98,13 +93,7 @@ impl Dp {
                 f.replica
             );
         }
-        let devices = match cfg.device {
-            Device::Cpu { threads } => vec![Device::Cpu { threads }; replicas],
-            Device::Cuda { ordinal } => {
-                let n = cuda_count().max(ordinal + 1);
-                (0..replicas).map(|k| Device::Cuda { ordinal: (ordinal + k) % n }).collect()
-            }
-        };
+        let devices = cfg.device.spread(replicas);
         Ok(Dp {
             sgd: cfg.sgd,
             replicas,

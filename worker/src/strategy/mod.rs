@@ -4,15 +4,17 @@
 //! Here: the [`Strategy`] trait, the [`Shape`] through which a strategy tells the loop how to
 //! draw its data, and the timed compute helpers every strategy shares ([`forward`],
 //! [`backward`]), so forward and backward are timed and traced in one place. Each strategy
-//! takes its own typed configuration; [`crate::setup`] builds it from the flags. `bucket.rs`
-//! is how DDP reduces one bucket under `--compress` (the f32 or half-precision all-reduce, or
-//! top-k all-gathered).
+//! takes its own typed configuration; [`crate::setup`] builds it from the flags. `shell.rs` is
+//! what DDP and ZeRO-1 share (connection, initial broadcast, the start and end of a step);
+//! `bucket.rs` is how DDP reduces one bucket under `--compress` (the f32 or half-precision
+//! all-reduce, or top-k all-gathered), the work DDP hands the communicator for each bucket.
 
 mod bucket;
 mod ddp;
 mod dp;
 mod local;
 pub mod ps;
+mod shell;
 mod zero1;
 
 use std::time::Instant;

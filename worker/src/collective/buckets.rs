@@ -1,0 +1,346 @@
+//! The seam between a data-parallel strategy (DDP, ZeRO-1) and its communicator: the strategy
+//! runs backward through [`Communicator::backward_synced`] with the [`BucketWork`] it wants
+//! done on each bucket (DDP's all-reduce under `--compress`, ZeRO-1's reduce-scatter), and the
+//! communicator takes every finished bucket in the memory it works on:
+//!
+//! - the TCP or shared-memory ring (flat or hierarchical) reduces in host memory: each bucket
+//!   is taken with [`Bucket::into_host`], which on a CPU engine is the gradient itself and on a
+//!   GPU engine a copy staged through pinned memory as backward finishes the bucket, and goes
+//!   at once to a communication thread (with `overlap`), which waits for the copy, runs the
+//!   work, and queues the copy back; so the ring overlaps backward on either device;
+//! - NCCL reduces in GPU memory: a GPU bucket is queued on NCCL's stream behind the bucket's
+//!   backward (`overlap`) or after backward; work NCCL cannot do in GPU memory, and buckets in
+//!   host memory, go through NCCL's host path after backward (its communicator stays on the
+//!   thread that made it).
+//!
+//! The strategy never asks which device the engine is on, nor which backend it talks to.
+
+use std::ops::Range;
+use std::sync::mpsc;
+use std::time::Instant;
+
+use anyhow::Context;
+use gradsync_core::Engine;
+use gradsync_core::engine::{Bucket, DeviceGrads, HostBucket};
+use gradsync_core::model::BucketPlan;
+use gradsync_core::trace::Trace;
+
+use super::{Collective, CommError, Nccl, TcpComm};
+
+/// A data-parallel communicator.
+pub enum Communicator {
+    /// The TCP ring (sockets or shared memory, flat or hierarchical) on host memory.
+    Tcp(Box<TcpComm>),
+    /// NCCL on the rank's GPU.
+    Nccl(Box<Nccl>),
+}
+
+/// What a strategy does with each finished bucket.
+pub trait BucketWork: Send {
+    /// The name of one bucket's operation in traces (`allreduce`, `reduce-scatter`).
+    fn name(&self) -> &'static str;
+
+    /// Do it to bucket `index`, values `range` of the flat gradient, in host memory over
+    /// `comm`. Returns whether the engine needs the bucket's values back (the sum it will
+    /// update with).
+    fn host(
+        &mut self,
+        comm: &mut dyn Collective,
+        index: usize,
+        range: Range<usize>,
+        values: &mut [f32],
+    ) -> anyhow::Result<bool>;
+
+    /// Whether [`BucketWork::queue_device`] does this work in GPU memory.
+    fn on_device(&self) -> bool {
+        false
+    }
+
+    /// Queue it on NCCL's stream for GPU bucket `grads`, to start once backward has written
+    /// it (only called when [`BucketWork::on_device`]).
+    ///
+    /// # Safety
+    /// The engine that handed out `grads` must outlive [`Nccl::wait_all`], and nothing else may
+    /// touch the bucket until it returns.
+    unsafe fn queue_device(&self, nccl: &mut Nccl, grads: &DeviceGrads) -> Result<(), CommError> {
+        let _ = (nccl, grads);
+        Err(CommError::Invalid { what: "bucket", why: format!("{} is not done in GPU memory", self.name()) })
+    }
+}
+
+/// What [`Communicator::backward_synced`] measured.
+#[derive(Debug, Clone, Copy)]
+pub struct Synced {
+    /// Backward, until the device had run it, ms.
+    pub backward_ms: f64,
+    /// Communication busy time, ms.
+    pub comm_ms: f64,
+    /// The part of it after backward ended, ms.
+    pub exposed_ms: f64,
+    /// When backward ended.
+    pub backward_end: Instant,
+}
+
+/// A communication span: (start, end).
+pub type Span = (Instant, Instant);
+
+/// What one bucket's hook needs.
+struct Hook<'a, 'w, W: BucketWork + ?Sized> {
+    /// The communication thread (host buckets, overlapped).
+    thread: Option<mpsc::Sender<HostBucket<'a>>>,
+    /// NCCL and the work, for GPU buckets it reduces in GPU memory.
+    nccl: Option<(&'w mut Nccl, &'w W)>,
+    overlap: bool,
+    /// GPU buckets for NCCL after backward.
+    deferred: Vec<DeviceGrads>,
+    /// Host buckets for after backward.
+    later: Vec<HostBucket<'a>>,
+    /// When the first reduction was queued on NCCL.
+    first_queued: Option<Instant>,
+    /// The first error; later buckets are not started.
+    failed: Option<anyhow::Error>,
+}
+
+impl<'a, W: BucketWork + ?Sized> Hook<'a, '_, W> {
+    fn ready(&mut self, b: Bucket<'a>) {
+        if self.failed.is_some() {
+            return;
+        }
+        let b = match &mut self.nccl {
+            Some((nccl, work)) if work.on_device() => match b.into_device() {
+                Ok(grads) if self.overlap => {
+                    self.first_queued.get_or_insert_with(Instant::now);
+                    // SAFETY: the engine outlives this step, and nothing touches the bucket
+                    // until wait_all returns (on every path: see `backward_synced`).
+                    if let Err(e) = unsafe { work.queue_device(nccl, &grads) } {
+                        self.failed = Some(anyhow::Error::from(e).context("queueing a bucket's reduction"));
+                    }
+                    return;
+                }
+                Ok(grads) => return self.deferred.push(grads),
+                Err(host) => host,
+            },
+            _ => b,
+        };
+        match b.into_host() {
+            Ok(h) => match &self.thread {
+                // If the thread has failed it has dropped the receiver; its error is reported
+                // when it is joined.
+                Some(tx) => drop(tx.send(h)),
+                None => self.later.push(h),
+            },
+            Err(e) => {
+                self.failed = Some(anyhow::Error::from(e).context("staging a bucket through host memory"))
+            }
+        }
+    }
+}
+
+/// Do `work` to host bucket `b` over `comm`, and hand its values back to the engine when the
+/// work says it needs them. Returns the span it took (the wait for a staged copy included).
+fn run_host<W: BucketWork + ?Sized>(
+    work: &mut W,
+    comm: &mut dyn Collective,
+    mut b: HostBucket<'_>,
+    trace: &Trace,
+) -> anyhow::Result<Span> {
+    let t = Instant::now();
+    let (index, range) = (b.index, b.range.clone());
+    let back = work.host(comm, index, range.clone(), b.values()?)?;
+    if back {
+        b.finish()?;
+    }
+    let end = Instant::now();
+    let mut args = serde_json::Map::new();
+    args.insert("bytes".into(), (4 * range.len()).into());
+    trace.span_with(format!("{} b{index}", work.name()), "comm", "comm", t, end, args);
+    Ok((t, end))
+}
+
+impl Communicator {
+    /// The collective, for whole-buffer operations (broadcast, all-gather, barrier).
+    pub fn get(&mut self) -> &mut dyn Collective {
+        match self {
+            Communicator::Tcp(c) => c.as_mut(),
+            Communicator::Nccl(c) => c.as_mut(),
+        }
+    }
+
+    /// The TCP ring's chunk in KiB as the ranks settled it; `None` on NCCL (no ring of ours).
+    pub fn chunk_kb(&self) -> Option<usize> {
+        match self {
+            Communicator::Tcp(c) => Some(c.chunk_bytes() >> 10),
+            Communicator::Nccl(_) => None,
+        }
+    }
+
+    /// The header's description of the communicator: the variant (the backend's name) and,
+    /// into `m`, what `--transport auto` and `--hierarchy auto` chose: the transport, the
+    /// all-reduce that ran (`ring` or `hierarchical`) and, for the latter, the hosts.
+    pub fn describe(&self, m: &mut serde_json::Map<String, serde_json::Value>) -> String {
+        match self {
+            Communicator::Tcp(c) => {
+                m.insert("transport".into(), c.transport().name().into());
+                m.insert(
+                    "all_reduce".into(),
+                    if c.hosts().is_some() { "hierarchical" } else { "ring" }.into(),
+                );
+                if let Some(hosts) = c.hosts() {
+                    m.insert("hosts".into(), hosts.into());
+                }
+                "tcp".into()
+            }
+            Communicator::Nccl(_) => "nccl".into(),
+        }
+    }
+
+    /// Backward of `engine` over `plan` (adding to the gradients when `accumulate`), with
+    /// `work` done to every bucket as described at the top of this file: as soon as backward
+    /// finishes it when `overlap`, else after backward. Returns when every bucket's work is
+    /// done and its values are back in the engine (queued, on a GPU, before anything the
+    /// engine does next).
+    pub fn backward_synced<W: BucketWork + ?Sized>(
+        &mut self,
+        engine: &mut Engine,
+        plan: &BucketPlan,
+        accumulate: bool,
+        work: &mut W,
+        overlap: bool,
+        trace: &Trace,
+    ) -> anyhow::Result<Synced> {
+        let t0 = Instant::now();
+        let fence = engine.fence();
+        // Backward ends when the device has run it; the buckets' copies and reductions run on
+        // streams and threads of their own.
+        let ended =
+            |bwd: gradsync_core::Result<()>, failed: Option<anyhow::Error>| -> anyhow::Result<Instant> {
+                bwd?;
+                failed.map_or(Ok(()), Err)?;
+                fence.wait()?;
+                trace.span("backward", "compute", "compute", t0);
+                Ok(Instant::now())
+            };
+        let mut spans = Vec::new();
+        let bwd_end = match self {
+            Communicator::Tcp(comm) => {
+                let comm: &mut TcpComm = comm;
+                let (ended, thread_spans, later) = std::thread::scope(|s| {
+                    let (tx, rx) = mpsc::channel::<HostBucket<'_>>();
+                    let worker = overlap.then(|| {
+                        let (comm, work) = (&mut *comm, &mut *work);
+                        s.spawn(move || rx.into_iter().map(|b| run_host(work, comm, b, trace)).collect())
+                    });
+                    let mut hook = Hook::<W>::new(worker.is_some().then_some(tx), None, overlap);
+                    let bwd = engine.backward_buckets(plan, accumulate, &mut |b| hook.ready(b));
+                    let Hook { thread, later, failed, .. } = hook;
+                    drop(thread);
+                    let ended = ended(bwd, failed);
+                    let thread_spans: anyhow::Result<Vec<Span>> = match worker {
+                        Some(w) => w
+                            .join()
+                            .unwrap_or_else(|_| Err(anyhow::anyhow!("the communication thread panicked"))),
+                        None => Ok(Vec::new()),
+                    };
+                    (ended, thread_spans, later)
+                });
+                let bwd_end = ended?;
+                spans.extend(thread_spans?);
+                for b in later {
+                    spans.push(run_host(work, comm, b, trace)?);
+                }
+                bwd_end
+            }
+            Communicator::Nccl(nccl) => {
+                let nccl: &mut Nccl = nccl;
+                let mut hook = Hook::new(None, Some((&mut *nccl, &*work)), overlap);
+                let bwd = engine.backward_buckets(plan, accumulate, &mut |b| hook.ready(b));
+                let Hook { later, deferred, first_queued, failed, .. } = hook;
+                // Once a reduction is queued, no error may leave before NCCL is done with the
+                // gradients: the engine could be dropped, and its buffer freed, while NCCL writes.
+                let settle = |nccl: &mut Nccl, queued: bool, e: anyhow::Error| {
+                    if queued {
+                        let _ = nccl.wait_all();
+                    }
+                    e
+                };
+                let bwd_end = ended(bwd, failed).map_err(|e| settle(nccl, first_queued.is_some(), e))?;
+                let mut first = first_queued;
+                for grads in deferred {
+                    first.get_or_insert_with(Instant::now);
+                    // SAFETY: as in the hook; backward has finished with the buffer.
+                    if let Err(e) = unsafe { work.queue_device(nccl, &grads) } {
+                        return Err(settle(
+                            nccl,
+                            true,
+                            anyhow::Error::from(e).context("queueing a bucket's reduction"),
+                        ));
+                    }
+                }
+                if let Some(first) = first {
+                    nccl.wait_all().context("waiting for the buckets' reductions")?;
+                    spans.push((first, Instant::now()));
+                }
+                for b in later {
+                    spans.push(run_host(work, nccl, b, trace)?);
+                }
+                bwd_end
+            }
+        };
+        let (comm_ms, exposed_ms) = comm_split(&spans, bwd_end);
+        Ok(Synced {
+            backward_ms: (bwd_end - t0).as_secs_f64() * 1e3,
+            comm_ms,
+            exposed_ms,
+            backward_end: bwd_end,
+        })
+    }
+}
+
+impl<'a, 'w, W: BucketWork + ?Sized> Hook<'a, 'w, W> {
+    fn new(
+        thread: Option<mpsc::Sender<HostBucket<'a>>>,
+        nccl: Option<(&'w mut Nccl, &'w W)>,
+        overlap: bool,
+    ) -> Self {
+        Hook {
+            thread,
+            nccl,
+            overlap,
+            deferred: Vec::new(),
+            later: Vec::new(),
+            first_queued: None,
+            failed: None,
+        }
+    }
+}
+
+/// Communication time and its exposed part, ms, from the spans `(start, end)` the reductions
+/// ran in: busy is their total length; exposed the part of each after backward ended at
+/// `bwd_end`, so it never exceeds busy. Time between the spans (a hand-off to the
+/// communication thread, its wake-up) is neither; the step's `other` holds it.
+pub fn comm_split(spans: &[Span], bwd_end: Instant) -> (f64, f64) {
+    let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
+    let busy = spans.iter().map(|&(s, e)| ms(s, e)).sum();
+    let exposed = spans.iter().map(|&(s, e)| ms(s.max(bwd_end), e)).sum();
+    (busy, exposed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn exposed_communication_never_exceeds_busy() {
+        let t = Instant::now();
+        let at = |ms: u64| t + Duration::from_millis(ms);
+        // One bucket that starts after backward ends (a late hand-off): all of it is exposed,
+        // and the gap before it is not communication.
+        let (busy, exposed) = comm_split(&[(at(12), at(15))], at(10));
+        assert!((busy - 3.0).abs() < 1e-6 && (exposed - 3.0).abs() < 1e-6, "{busy} {exposed}");
+        // Two buckets: the first hidden behind backward, the second half exposed.
+        let (busy, exposed) = comm_split(&[(at(2), at(5)), (at(8), at(12))], at(10));
+        assert!((busy - 7.0).abs() < 1e-6 && (exposed - 2.0).abs() < 1e-6, "{busy} {exposed}");
+        assert_eq!(comm_split(&[], at(10)), (0.0, 0.0));
+    }
+}

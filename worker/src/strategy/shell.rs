@@ -1,0 +1,156 @@
+//! The shell DDP and ZeRO-1 share, so that each file holds only where its algorithm differs:
+//! meeting the other ranks and connecting the communicator, the bucket plan, the initial
+//! broadcast of rank 0's parameters and momentum, and the start and end of every step (DDP's
+//! `no_sync` micro-steps, the traffic counted, the gradient's scale), the final barrier and
+//! the header's common fields.
+
+use anyhow::Context;
+use gradsync_core::Engine;
+use gradsync_core::metrics::Step;
+use gradsync_core::mlp::BatchLoss;
+use gradsync_core::model::BucketPlan;
+use gradsync_core::optim::SgdConfig;
+use gradsync_core::trace::Trace;
+
+use super::ddp::{Backend, DdpConfig};
+use super::forward_unless_synced;
+use crate::collective::{Communicator, Nccl, RingConfig, Traffic};
+use crate::rendezvous;
+
+/// What a data-parallel strategy's step hands to its own part: everything the shell holds.
+pub(super) struct Shell {
+    pub comm: Communicator,
+    pub sgd: SgdConfig,
+    pub rank: usize,
+    pub world: usize,
+    pub bucket_values: usize,
+    pub sync_every: u64,
+    micro: u64,
+    pub overlap: bool,
+    pub trace: Trace,
+    plan: Option<BucketPlan>,
+}
+
+/// One synchronising step as the strategy's own part sees it.
+pub(super) struct StepCtx<'s> {
+    /// The bucket plan.
+    pub plan: &'s BucketPlan,
+    /// Whether backward adds to the gradients already there (after `no_sync` micro-steps).
+    pub accumulate: bool,
+    /// What turns the summed gradient into the mean over every rank and micro-step.
+    pub scale: f32,
+}
+
+impl Shell {
+    /// Meet the other ranks (rendezvous through rank 0's store) and connect `c`'s backend.
+    pub fn connect(c: &DdpConfig) -> anyhow::Result<Shell> {
+        let cfg = &c.rendezvous;
+        let (rank, world) = (cfg.rank, cfg.world);
+        let comm = match c.backend {
+            Backend::Tcp => {
+                let ring = RingConfig {
+                    timeout: cfg.timeout,
+                    transport: c.transport,
+                    hierarchy: c.hierarchy,
+                    ..RingConfig::default()
+                }
+                .with_chunk_kb(c.chunk_kb);
+                Communicator::Tcp(Box::new(
+                    rendezvous::connect_tcp(cfg, ring)
+                        .with_context(|| format!("joining the ring of {world} ranks at {}", cfg.master))?,
+                ))
+            }
+            Backend::Nccl => {
+                let ordinal = c.device.cuda_ordinal().ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "--backend nccl works on GPU memory: use --device cuda (or --backend tcp)"
+                    )
+                })?;
+                let id = if world == 1 {
+                    crate::collective::nccl::unique_id()?
+                } else {
+                    rendezvous::join(cfg)?.nccl_id.context("the store sent no NCCL id")?
+                };
+                Communicator::Nccl(Box::new(Nccl::new(ordinal, rank, world, &id, cfg.timeout)?))
+            }
+        };
+        Ok(Shell {
+            comm,
+            sgd: c.sgd,
+            rank,
+            world,
+            bucket_values: c.bucket_values,
+            sync_every: c.sync_every,
+            micro: 0,
+            overlap: c.overlap,
+            trace: c.trace.clone(),
+            plan: None,
+        })
+    }
+
+    /// Before the first step: the bucket plan, and one set of initial parameters for every
+    /// rank, rank 0's, written into `engine`. Returns the plan and rank 0's momentum (zeros
+    /// unless `--load` gave one), which the strategy keeps where its optimiser state lives.
+    pub fn start(&mut self, engine: &mut Engine) -> anyhow::Result<(BucketPlan, Vec<f32>)> {
+        let plan = BucketPlan::with_cap(engine.layout(), self.bucket_values);
+        let mut p = engine.params()?;
+        self.comm.get().broadcast(&mut p, 0).context("broadcasting the initial parameters")?;
+        engine.write_params(0, &p)?;
+        engine.read_momentum(&mut p)?;
+        self.comm.get().broadcast(&mut p, 0).context("broadcasting the momentum")?;
+        self.plan = Some(plan.clone());
+        Ok((plan, p))
+    }
+
+    /// One step: forward; on a `no_sync` micro-step the local backward and nothing more;
+    /// otherwise `sync`, the strategy's backward, synchronisation and update, with the
+    /// traffic it caused counted into `rec`.
+    pub fn step<S>(
+        this: &mut S,
+        shell: impl Fn(&mut S) -> &mut Shell,
+        engine: &mut Engine,
+        (x, y): (&[f32], &[u32]),
+        rec: &mut Step,
+        sync: impl FnOnce(&mut S, &mut Engine, &StepCtx<'_>, &mut Step) -> anyhow::Result<()>,
+    ) -> anyhow::Result<BatchLoss> {
+        let sh = shell(this);
+        let plan = sh.plan.take().context("step before start")?;
+        let trace = sh.trace.clone();
+        let out = (|| {
+            let sh = shell(this);
+            let (loss, synced) =
+                forward_unless_synced(engine, x, y, rec, &trace, (&mut sh.micro, sh.sync_every))?;
+            let Some(accumulate) = synced else { return Ok(loss) };
+            let before: Traffic = sh.comm.get().traffic();
+            // The sum of W ranks' (and K micro-steps') mean gradients, scaled to their mean.
+            let scale = 1.0 / (sh.world as f32 * sh.sync_every as f32);
+            sync(this, engine, &StepCtx { plan: &plan, accumulate, scale }, rec)?;
+            let moved = shell(this).comm.get().traffic() - before;
+            rec.bytes_sent = moved.sent;
+            rec.bytes_recv = moved.recv;
+            Ok(loss)
+        })();
+        shell(this).plan = Some(plan);
+        out
+    }
+
+    /// The bucket ranges (none before start).
+    pub fn plan_buckets(&self) -> Vec<std::ops::Range<usize>> {
+        self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default()
+    }
+
+    /// After the last step: nobody leaves while another rank may still be reading from it.
+    pub fn finish(&mut self) -> anyhow::Result<()> {
+        self.comm.get().barrier().context("the final barrier")
+    }
+
+    /// The header's fields every data-parallel strategy has, into `m`; returns the variant.
+    pub fn describe(&self, m: &mut serde_json::Map<String, serde_json::Value>) -> String {
+        m.insert("bucket_values".into(), self.bucket_values.into());
+        m.insert("buckets".into(), self.plan.as_ref().map_or(0, |p| p.buckets.len()).into());
+        m.insert("sync_every".into(), self.sync_every.into());
+        m.insert("overlap".into(), self.overlap.into());
+        m.insert("chunk_kb".into(), self.comm.chunk_kb().into());
+        self.comm.describe(m)
+    }
+}
