@@ -29,6 +29,9 @@
 //!   all-reduce by [`Hierarchy`] (`--hierarchy auto|off|on`).
 //! - [`nccl`]: NCCL on GPU memory, with timeouts that abort the communicator; `nccl_lib`:
 //!   finding and loading `libnccl.so.2` (system paths, Python environments) and its functions.
+//! - Tests only: `sim`, a simulated network (in-memory `Links`, seeded interleavings, virtual
+//!   time, injected faults) and `SimComm`, the algorithms with `TcpComm`'s failure handling
+//!   over it; `sim_faults`, the algorithms' protocol edge cases on it.
 //!
 //! Every operation works in place on `f32` buffers of the same length on every rank and is
 //! collective: all ranks call the same operations in the same order. Every blocking call is
@@ -47,6 +50,10 @@ mod pump;
 pub(crate) mod reduce;
 mod ring;
 pub mod shm;
+#[cfg(test)]
+mod sim;
+#[cfg(test)]
+mod sim_faults;
 pub mod tcp;
 
 use std::ops::Range;
