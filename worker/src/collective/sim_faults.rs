@@ -100,7 +100,7 @@ fn play(
 }
 
 /// Rank `r`'s end in `o`, which must be there.
-fn end<'a>(o: &'a Outcome<Option<End>>, r: usize) -> &'a End {
+fn end(o: &Outcome<Option<End>>, r: usize) -> &End {
     o.results[r].as_ref().unwrap_or_else(|| panic!("rank {r} did not run"))
 }
 
