@@ -98,9 +98,8 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
         None => None,
     };
     let start_ms = unix_ms();
-    let (header_variant, header_extra) = strategy.describe();
     if let Some(m) = metrics.as_mut() {
-        let (variant, mut extra) = (header_variant.clone(), header_extra.clone());
+        let (variant, mut extra) = strategy.describe();
         if let Some(every) = args.eval_samples {
             extra.insert("eval_samples".into(), every.into());
         }
@@ -181,7 +180,7 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
                 return Err(Diverged {
                     step,
                     why,
-                    hint: divergence_hint(&sgd, &header_variant, &header_extra),
+                    hint: divergence_hint(&sgd, strategy.divergence_advice()),
                 }
                 .into());
             }
@@ -276,21 +275,14 @@ pub fn divergence(loss: f64, first_loss: f64, classes: usize) -> Option<String> 
     })
 }
 
-/// The settings that decide convergence, named with what they are now.
-fn divergence_hint(
-    sgd: &SgdConfig,
-    variant: &str,
-    extra: &serde_json::Map<String, serde_json::Value>,
-) -> String {
-    let mut h = format!("lower the learning rate (--lr {})", sgd.lr);
-    if variant.starts_with("asp") || variant.starts_with("ssp") {
-        let policy = extra.get("staleness_lr").and_then(|v| v.as_str()).unwrap_or("none");
-        h.push_str(&format!(
-            ", or scale stale gradients on the servers (--staleness-lr inverse; now {policy}){}",
-            if variant.starts_with("asp") { ", or bound the staleness (--sync ssp:S)" } else { "" }
-        ));
+/// The settings that decide convergence, named with what they are now: the learning rate,
+/// and whatever the strategy advises besides ([`Strategy::divergence_advice`]).
+fn divergence_hint(sgd: &SgdConfig, advice: Option<String>) -> String {
+    let lr = format!("lower the learning rate (--lr {})", sgd.lr);
+    match advice {
+        Some(a) => format!("{lr}, or {a}"),
+        None => lr,
     }
-    h
 }
 
 /// Held-out loss and accuracy, in batches so activations stay small.
@@ -412,5 +404,18 @@ impl Progress {
                 s.steps, s.seconds, s.first_loss, s.last_loss
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_divergence_hint_names_the_learning_rate_and_the_strategys_advice() {
+        let sgd = SgdConfig { lr: 40.0, ..SgdConfig::DEFAULT };
+        assert_eq!(divergence_hint(&sgd, None), "lower the learning rate (--lr 40)");
+        let h = divergence_hint(&sgd, Some("bound the staleness (--sync ssp:S)".into()));
+        assert_eq!(h, "lower the learning rate (--lr 40), or bound the staleness (--sync ssp:S)");
     }
 }
