@@ -269,7 +269,11 @@ fn a_diverged_run_is_recorded_as_such_and_read_as_nothing() {
     assert_eq!(all.len(), 4);
     for x in &all {
         assert_eq!(x["status"], "diverged", "{x}");
-        assert!(x["error"].as_str().unwrap().contains("diverged at step"), "{x}");
+        let error = x["error"].as_str().unwrap();
+        assert!(error.contains("diverged at step") && error.contains("--lr 40"), "{x}");
+        // The advice besides the learning rate is the strategy's: ASP servers' staleness.
+        let asp = x["id"].as_str().unwrap().contains("ps-asp");
+        assert_eq!(error.contains("--staleness-lr inverse") && error.contains("--sync ssp:S"), asp, "{x}");
     }
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();
     assert!(

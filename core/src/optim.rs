@@ -8,6 +8,17 @@
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+/// The long names of the optimiser's flags ([`OptimiserArgs`]), for programs that write
+/// them (`gradsync-bench compare`).
+pub mod flag {
+    /// `--lr`.
+    pub const LR: &str = "lr";
+    /// `--momentum`.
+    pub const MOMENTUM: &str = "momentum";
+    /// `--weight-decay`.
+    pub const WEIGHT_DECAY: &str = "weight-decay";
+}
+
 /// Optimiser hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct SgdConfig {
@@ -32,13 +43,13 @@ impl SgdConfig {
 pub struct OptimiserArgs {
     /// Learning rate [default: 0.05]. Parameter servers apply their own: a PS worker leaves it
     /// out or gives the same value (a different one is an error naming both).
-    #[arg(long)]
+    #[arg(long = flag::LR)]
     pub lr: Option<f32>,
     /// SGD momentum [default: 0.9]; as --lr.
-    #[arg(long)]
+    #[arg(long = flag::MOMENTUM)]
     pub momentum: Option<f32>,
     /// L2 weight decay [default: 0.0001]; as --lr.
-    #[arg(long)]
+    #[arg(long = flag::WEIGHT_DECAY)]
     pub weight_decay: Option<f32>,
 }
 

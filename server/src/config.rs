@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
-use clap::Args;
+use clap::{Args, Parser};
 use gradsync_core::compress::Compression;
 use gradsync_core::data::DataSource;
 use gradsync_core::model::{Fingerprint, ModelSpec};
@@ -17,6 +17,34 @@ use crate::error::{Error, Result};
 use crate::limits::Limits;
 
 pub use gradsync_proto::SyncMode;
+
+/// The long names of the flags another program writes (`gradsync-bench compare` builds every
+/// server's command line from these): one definition for this parser and those command lines,
+/// so a flag renamed here is renamed there.
+pub mod flag {
+    /// `--listen`.
+    pub const LISTEN: &str = "listen";
+    /// `--sync`.
+    pub const SYNC: &str = "sync";
+    /// `--compress`.
+    pub const COMPRESS: &str = "compress";
+    /// `--shard`.
+    pub const SHARD: &str = "shard";
+    /// `--model`.
+    pub const MODEL: &str = "model";
+    /// `--data`.
+    pub const DATA: &str = "data";
+    /// `--seed`.
+    pub const SEED: &str = "seed";
+    /// `--staleness-lr`.
+    pub const STALENESS_LR: &str = "staleness-lr";
+    /// `--metrics`.
+    pub const METRICS: &str = "metrics";
+    /// `--trace`.
+    pub const TRACE: &str = "trace";
+    /// `--chunk-bytes`.
+    pub const CHUNK_BYTES: &str = "chunk-bytes";
+}
 
 /// `I/K`: this process is shard `I` of `K`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,31 +86,40 @@ impl ShardSpec {
     }
 }
 
+/// gradsync parameter server: one shard of the flat parameter buffer over gRPC.
+#[derive(Debug, Parser)]
+#[command(name = "gradsync-server", version, about)]
+pub struct Cli {
+    /// The flags.
+    #[command(flatten)]
+    pub args: ServerArgs,
+}
+
 /// Flags of `gradsync-server`.
 #[derive(Debug, Clone, Args)]
 pub struct ServerArgs {
     /// Address to serve on.
-    #[arg(long, default_value = "0.0.0.0:50051", env = "GRADSYNC_LISTEN")]
+    #[arg(long = flag::LISTEN, default_value = "0.0.0.0:50051", env = "GRADSYNC_LISTEN")]
     pub listen: SocketAddr,
     /// bsp, asp or ssp:S (a worker may run at most S steps ahead of the slowest).
-    #[arg(long, default_value = "bsp")]
+    #[arg(long = flag::SYNC, default_value = "bsp")]
     pub sync: SyncMode,
     /// How workers encode their pushes: none, fp16, bf16 or topk:RATIO (docs/compression.md).
     /// Every worker must announce the same value at registration.
-    #[arg(long, default_value = "none", env = "GRADSYNC_COMPRESS")]
+    #[arg(long = flag::COMPRESS, default_value = "none", env = "GRADSYNC_COMPRESS")]
     pub compress: Compression,
     /// This process's shard of the flat buffer, I/K.
-    #[arg(long, default_value = "0/1")]
+    #[arg(long = flag::SHARD, default_value = "0/1")]
     pub shard: ShardSpec,
     /// Model: a preset (tiny, mnist, wide) or widths; input and class widths are fitted to
     /// --data exactly as the workers fit them.
-    #[arg(long, default_value = "mnist", value_parser = parse_model)]
+    #[arg(long = flag::MODEL, default_value = "mnist", value_parser = parse_model)]
     pub model: ModelSpec,
     /// The workers' --data (only its input width and classes matter here).
-    #[arg(long, value_parser = parse_data)]
+    #[arg(long = flag::DATA, value_parser = parse_data)]
     pub data: Option<DataSource>,
     /// The workers' --seed (initial parameters).
-    #[arg(long, default_value_t = 42, env = "GRADSYNC_SEED")]
+    #[arg(long = flag::SEED, default_value_t = 42, env = "GRADSYNC_SEED")]
     pub seed: u64,
     /// The optimiser the servers apply.
     #[command(flatten)]
@@ -90,7 +127,7 @@ pub struct ServerArgs {
     /// Under ASP and SSP, scale each gradient's learning rate by its staleness: `none`, or
     /// `inverse` (lr / (staleness + 1), Zhang et al., IJCAI'16; keeps ASP stable as workers
     /// are added). BSP gradients are never stale.
-    #[arg(long, default_value = "none", value_parser = parse_staleness_lr)]
+    #[arg(long = flag::STALENESS_LR, default_value = "none", value_parser = parse_staleness_lr)]
     pub staleness_lr: StalenessLr,
     /// Shared secret every worker must send (none: no authentication).
     #[arg(long, env = "GRADSYNC_TOKEN", hide_env_values = true)]
@@ -113,17 +150,17 @@ pub struct ServerArgs {
     #[arg(long)]
     pub elastic: bool,
     /// Per-update metrics (JSON lines) here.
-    #[arg(long)]
+    #[arg(long = flag::METRICS)]
     pub metrics: Option<PathBuf>,
     /// Write a Chrome trace-event timeline of this shard here at shutdown (process 1000 +
     /// shard): each BSP round's wait for pushes and apply, each ASP/SSP apply, each encoding
     /// of the parameters for pulls, in the workers' trace format.
-    #[arg(long, env = "GRADSYNC_SERVER_TRACE")]
+    #[arg(long = flag::TRACE, env = "GRADSYNC_SERVER_TRACE")]
     pub trace: Option<PathBuf>,
     /// Payload bytes per chunk in pulls, and the BSP step's block (default: chosen from the
     /// shard's size, an eighth of it within 64 KiB to 1 MiB; told to workers at registration,
     /// who push in chunks of the same size).
-    #[arg(long)]
+    #[arg(long = flag::CHUNK_BYTES)]
     pub chunk_bytes: Option<usize>,
     /// Serve with tonic's default HTTP/2 windows and frame size (for comparisons).
     #[arg(long)]

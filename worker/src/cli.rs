@@ -14,6 +14,64 @@ pub use crate::collective::{Hierarchy, Transport};
 pub use crate::strategy::Backend;
 use crate::strategy::{FaultKind, ReplicaFault};
 
+/// The long names of the `train` flags another program writes (`gradsync-bench compare` builds
+/// every worker's command line from these): one definition for this parser and those command
+/// lines, so a flag renamed here is renamed there.
+pub mod flag {
+    /// `--mode`.
+    pub const MODE: &str = "mode";
+    /// `--device`.
+    pub const DEVICE: &str = "device";
+    /// `--threads`.
+    pub const THREADS: &str = "threads";
+    /// `--model`.
+    pub const MODEL: &str = "model";
+    /// `--data`.
+    pub const DATA: &str = "data";
+    /// `--batch`.
+    pub const BATCH: &str = "batch";
+    /// `--steps`.
+    pub const STEPS: &str = "steps";
+    /// `--epochs`.
+    pub const EPOCHS: &str = "epochs";
+    /// `--seed`.
+    pub const SEED: &str = "seed";
+    /// `--eval-samples`.
+    pub const EVAL_SAMPLES: &str = "eval-samples";
+    /// `--order-seed`.
+    pub const ORDER_SEED: &str = "order-seed";
+    /// `--compress`.
+    pub const COMPRESS: &str = "compress";
+    /// `--metrics`.
+    pub const METRICS: &str = "metrics";
+    /// `--trace`.
+    pub const TRACE: &str = "trace";
+    /// `--slow-rank`.
+    pub const SLOW_RANK: &str = "slow-rank";
+    /// `--replicas`.
+    pub const REPLICAS: &str = "replicas";
+    /// `--servers`.
+    pub const SERVERS: &str = "servers";
+    /// `--chunk-bytes`.
+    pub const CHUNK_BYTES: &str = "chunk-bytes";
+    /// `--backend`.
+    pub const BACKEND: &str = "backend";
+    /// `--bucket-mb`.
+    pub const BUCKET_MB: &str = "bucket-mb";
+    /// `--master-addr`.
+    pub const MASTER_ADDR: &str = "master-addr";
+    /// `--master-port`.
+    pub const MASTER_PORT: &str = "master-port";
+    /// `--transport`.
+    pub const TRANSPORT: &str = "transport";
+    /// `--rank`.
+    pub const RANK: &str = "rank";
+    /// `--world-size`.
+    pub const WORLD_SIZE: &str = "world-size";
+    /// `--local-rank`.
+    pub const LOCAL_RANK: &str = "local-rank";
+}
+
 /// gradsync worker: trains the model locally, as DataParallel replicas, against parameter
 /// servers, or in a DDP ring.
 #[derive(Debug, Parser)]
@@ -48,10 +106,10 @@ pub struct LaunchArgs {
     #[arg(long, default_value_t = 0, env = "NODE_RANK")]
     pub node_rank: usize,
     /// Address of rank 0's rendezvous store (the first node).
-    #[arg(long, default_value = "127.0.0.1", env = "MASTER_ADDR")]
+    #[arg(long = flag::MASTER_ADDR, default_value = "127.0.0.1", env = "MASTER_ADDR")]
     pub master_addr: String,
     /// Port of the rendezvous store; 0 picks a free one (one node only).
-    #[arg(long, default_value_t = 29500, env = "MASTER_PORT")]
+    #[arg(long = flag::MASTER_PORT, default_value_t = 29500, env = "MASTER_PORT")]
     pub master_port: u16,
     /// What each rank runs: `train ...` (this worker) or any program and its arguments.
     #[arg(last = true, required = true)]
@@ -92,36 +150,36 @@ impl Mode {
 #[derive(Debug, Clone, Args)]
 pub struct TrainArgs {
     /// Training mode.
-    #[arg(long, value_enum, default_value_t = Mode::Local, env = "GRADSYNC_MODE")]
+    #[arg(long = flag::MODE, value_enum, default_value_t = Mode::Local, env = "GRADSYNC_MODE")]
     pub mode: Mode,
     /// Device: auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto", value_parser = parse_device, env = "GRADSYNC_DEVICE")]
+    #[arg(long = flag::DEVICE, default_value = "auto", value_parser = parse_device, env = "GRADSYNC_DEVICE")]
     pub device: DeviceRequest,
     /// CPU threads per process (0: one per core).
-    #[arg(long, default_value_t = 0, env = "GRADSYNC_THREADS")]
+    #[arg(long = flag::THREADS, default_value_t = 0, env = "GRADSYNC_THREADS")]
     pub threads: usize,
     /// Model: a preset (tiny, mnist, wide) or widths such as 784-256-10. Input and class widths
     /// are fitted to the data.
-    #[arg(long, default_value = "mnist", value_parser = parse_model)]
+    #[arg(long = flag::MODEL, default_value = "mnist", value_parser = parse_model)]
     pub model: ModelSpec,
     /// Data: synthetic[:N[:DIM:CLASSES]], mnist:DIR or cifar10:DIR. The synthetic default
     /// takes its width and classes from the model.
-    #[arg(long, value_parser = parse_data)]
+    #[arg(long = flag::DATA, value_parser = parse_data)]
     pub data: Option<DataSource>,
     /// Samples per step per worker (per replica in DP mode).
-    #[arg(long, default_value_t = 64, value_parser = parse_positive)]
+    #[arg(long = flag::BATCH, default_value_t = 64, value_parser = parse_positive)]
     pub batch: usize,
     /// Stop after this many steps (default: run the epochs).
-    #[arg(long)]
+    #[arg(long = flag::STEPS)]
     pub steps: Option<u64>,
     /// Epochs over the training split.
-    #[arg(long, default_value_t = 1, value_parser = parse_positive)]
+    #[arg(long = flag::EPOCHS, default_value_t = 1, value_parser = parse_positive)]
     pub epochs: usize,
     /// The optimiser.
     #[command(flatten)]
     pub optimiser: OptimiserArgs,
     /// Seed for initialisation, data and shuffling.
-    #[arg(long, default_value_t = 42, env = "GRADSYNC_SEED")]
+    #[arg(long = flag::SEED, default_value_t = 42, env = "GRADSYNC_SEED")]
     pub seed: u64,
     /// Do not shuffle the training data.
     #[arg(long)]
@@ -137,24 +195,24 @@ pub struct TrainArgs {
     /// replaces --eval-every). Every rank evaluates its own parameters at the same points, so
     /// synchronous ranks pause together; the time is recorded as `eval_ms` and kept out of
     /// the training clock (`train_ms`).
-    #[arg(long)]
+    #[arg(long = flag::EVAL_SAMPLES)]
     pub eval_samples: Option<u64>,
     /// Seed of the order in which the training data is drawn (default: --seed). Repeats of a
     /// run that differ only here start from the same parameters.
-    #[arg(long)]
+    #[arg(long = flag::ORDER_SEED)]
     pub order_seed: Option<u64>,
     /// Compress gradients on the wire: none, fp16, bf16 or topk:RATIO (the RATIO largest
     /// magnitudes, with error feedback; docs/compression.md), for --mode ps (the servers'
     /// --compress must match) and --mode ddp (fp16 and bf16 with either backend, topk with
     /// the TCP backend).
-    #[arg(long, default_value = "none", env = "GRADSYNC_COMPRESS")]
+    #[arg(long = flag::COMPRESS, default_value = "none", env = "GRADSYNC_COMPRESS")]
     pub compress: Compression,
     /// Write per-step metrics (JSON lines) here; `{rank}` in the path becomes the rank.
-    #[arg(long, env = "GRADSYNC_METRICS")]
+    #[arg(long = flag::METRICS, env = "GRADSYNC_METRICS")]
     pub metrics: Option<PathBuf>,
     /// Write a Chrome trace-event timeline (forward, backward, communication, update spans) of
     /// this process here; open it in Perfetto or chrome://tracing.
-    #[arg(long, env = "GRADSYNC_TRACE")]
+    #[arg(long = flag::TRACE, env = "GRADSYNC_TRACE")]
     pub trace: Option<PathBuf>,
     /// Write the trained parameters here (rank 0 only).
     #[arg(long)]
@@ -167,7 +225,7 @@ pub struct TrainArgs {
     pub quiet: bool,
     /// Inject a straggler: rank R (replica R in DP) sleeps MS milliseconds before every
     /// step's forward pass. Written as R:MS, e.g. 1:50; recorded in the metrics header.
-    #[arg(long, value_parser = parse_slow_rank, env = "GRADSYNC_SLOW_RANK")]
+    #[arg(long = flag::SLOW_RANK, value_parser = parse_slow_rank, env = "GRADSYNC_SLOW_RANK")]
     pub slow_rank: Option<SlowRank>,
     /// Distributed-run identity (DDP and PS).
     #[command(flatten)]
@@ -188,7 +246,7 @@ pub struct TrainArgs {
 pub struct DpArgs {
     /// Replicas in the process (threads on the CPU; spread over the visible GPUs, several per
     /// GPU allowed). Defaults to --world-size.
-    #[arg(long)]
+    #[arg(long = flag::REPLICAS)]
     pub replicas: Option<usize>,
     /// Fault injection for the fault suite: replica K fails in step N, by panicking
     /// (`K:N:panic`) or as a failing device would, with an error (`K:N:error`). Hidden: a
@@ -216,7 +274,7 @@ fn parse_replica_fault(s: &str) -> Result<ReplicaFault, String> {
 #[derive(Debug, Clone, Args, Default)]
 pub struct PsArgs {
     /// Parameter servers, host:port[,host:port...]: one per shard, in shard order.
-    #[arg(long, env = "GRADSYNC_SERVERS", value_delimiter = ',')]
+    #[arg(long = flag::SERVERS, env = "GRADSYNC_SERVERS", value_delimiter = ',')]
     pub servers: Vec<String>,
     /// Shared secret sent with every request.
     #[arg(long, env = "GRADSYNC_TOKEN", hide_env_values = true)]
@@ -230,7 +288,7 @@ pub struct PsArgs {
     pub connect_timeout: f64,
     /// Payload bytes per pushed chunk (default: the size each server announces, chosen from
     /// its shard's size: pushes then line up with the blocks it steps and streams).
-    #[arg(long)]
+    #[arg(long = flag::CHUNK_BYTES)]
     pub chunk_bytes: Option<usize>,
     /// Talk TLS to the servers, trusting this CA certificate (PEM).
     #[arg(long, env = "GRADSYNC_TLS_CA")]
@@ -250,19 +308,19 @@ pub struct PsArgs {
 #[derive(Debug, Clone, Args, Default)]
 pub struct DdpArgs {
     /// Collective backend.
-    #[arg(long, value_enum, default_value_t = Backend::Tcp)]
+    #[arg(long = flag::BACKEND, value_enum, default_value_t = Backend::Tcp)]
     pub backend: Backend,
     /// Gradient bucket size in MB (DDP's bucket_cap_mb).
-    #[arg(long, default_value_t = 25.0)]
+    #[arg(long = flag::BUCKET_MB, default_value_t = 25.0)]
     pub bucket_mb: f64,
     /// Synchronise gradients every K steps, accumulating in between (DDP's no_sync).
     #[arg(long, default_value_t = 1)]
     pub sync_every: u64,
     /// Address of rank 0's rendezvous store (MASTER_ADDR, else the first Slurm host).
-    #[arg(long, env = "MASTER_ADDR")]
+    #[arg(long = flag::MASTER_ADDR, env = "MASTER_ADDR")]
     pub master_addr: Option<String>,
     /// Port of rank 0's rendezvous store.
-    #[arg(long, env = "MASTER_PORT")]
+    #[arg(long = flag::MASTER_PORT, env = "MASTER_PORT")]
     pub master_port: Option<u16>,
     /// Seconds any blocking collective or rendezvous call may wait before failing.
     #[arg(long, default_value_t = 60.0)]
@@ -279,7 +337,7 @@ pub struct DdpArgs {
     /// How the TCP backend's ring reaches its neighbours: auto (shared memory when every rank
     /// is on this host and in this network namespace, else sockets), tcp, or shm (fail
     /// unless shared memory works). Every rank must be given the same value.
-    #[arg(long, value_enum, default_value_t = Transport::Auto, env = "GRADSYNC_TRANSPORT")]
+    #[arg(long = flag::TRANSPORT, value_enum, default_value_t = Transport::Auto, env = "GRADSYNC_TRANSPORT")]
     pub transport: Transport,
     /// Whether the TCP backend's all-reduce goes through the hosts when ranks share them:
     /// auto (reduce inside each host, ring among one leader per host, broadcast inside, when
@@ -318,14 +376,14 @@ impl DdpArgs {
 #[derive(Debug, Clone, Args, Default)]
 pub struct DistArgs {
     /// This process's rank (RANK, else SLURM_PROCID).
-    #[arg(long, env = "RANK")]
+    #[arg(long = flag::RANK, env = "RANK")]
     pub rank: Option<usize>,
     /// Number of worker processes (WORLD_SIZE, else SLURM_NTASKS).
-    #[arg(long, env = "WORLD_SIZE")]
+    #[arg(long = flag::WORLD_SIZE, env = "WORLD_SIZE")]
     pub world_size: Option<usize>,
     /// Rank within this node, which picks the GPU for `--device auto` (LOCAL_RANK, else
     /// SLURM_LOCALID).
-    #[arg(long, env = "LOCAL_RANK")]
+    #[arg(long = flag::LOCAL_RANK, env = "LOCAL_RANK")]
     pub local_rank: Option<usize>,
 }
 

@@ -12,7 +12,8 @@
 //! - [`collective`]: collectives between ranks behind one trait: the host communicator
 //!   (`comm`) running the algorithms (`ring`, `chain`, the hierarchical all-reduce in
 //!   `hier`) over groups of ranks (`group`) and links (the TCP mesh in `tcp`, socket engines
-//!   in `pump`, shared-memory rings between ranks of one host in `shm`), and NCCL.
+//!   in `pump`, shared-memory rings between ranks of one host in `shm`), and NCCL; for tests,
+//!   a simulated network under the same algorithms (`sim`).
 //! - [`rendezvous`]: rank 0's store through which ranks exchange addresses and the NCCL id.
 //! - [`launch`]: `gradsync-worker launch`, torchrun's job: start the local ranks, prefix their
 //!   output, stop them all if one fails.

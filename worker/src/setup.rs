@@ -1,18 +1,20 @@
-//! From the flags to a run: [`Run`] resolves them once (rank, device, data, optimiser,
-//! files), and [`strategy`] builds the strategy `--mode` names with its own typed
-//! configuration. The one place that matches on the mode; neither the training loop nor any
-//! strategy sees a flag.
+//! From the flags to a run: [`Run::prepare`] resolves them once (rank, device, data,
+//! optimiser, budget, files) and configures the strategy `--mode` names with its own typed
+//! configuration ([`ModeConfig`]: the one match on the mode), and [`strategy`] builds it. The
+//! flags stop here: neither the training loop nor any strategy sees one.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
+use gradsync_core::compress::Compression;
 use gradsync_core::data::{DataSource, Dataset};
 use gradsync_core::device::{Device, DeviceRequest};
-use gradsync_core::model::Fingerprint;
-use gradsync_core::optim::SgdConfig;
+use gradsync_core::model::{Fingerprint, ModelSpec};
+use gradsync_core::optim::{OptimiserArgs, SgdConfig};
 use gradsync_core::trace::Trace;
 
-use crate::cli::{DdpArgs, Mode, PsArgs, TrainArgs};
+use crate::cli::{DdpArgs, Mode, PsArgs, SlowRank, TrainArgs};
 use crate::rendezvous::RendezvousConfig;
 use crate::strategy::{
     Backend, Ddp, DdpConfig, Dp, DpConfig, Local, Ps, PsConfig, Shape, Strategy, Zero1, Zero1Config,
@@ -20,26 +22,108 @@ use crate::strategy::{
 
 /// Everything a run needs that the flags determine, resolved once.
 pub struct Run {
-    /// The flags.
-    pub args: TrainArgs,
-    /// This process's rank and the number of workers.
+    /// This process's rank.
     pub rank: usize,
     /// Number of worker processes (replicas in DP).
     pub world: usize,
     /// The resolved device.
     pub device: Device,
+    /// CPU threads per process, as asked (0: one per core).
+    pub threads: usize,
+    /// The model, its input and class widths fitted to the data.
+    pub model: ModelSpec,
+    /// Where the data came from.
+    pub source: DataSource,
     /// The data, loaded.
     pub data: Dataset,
-    /// The optimiser settings.
+    /// The seed of the initial parameters and the data.
+    pub seed: u64,
+    /// The seed of the order the training data is drawn in.
+    pub order_seed: u64,
+    /// Whether the training data is shuffled each epoch.
+    pub shuffle: bool,
+    /// Whether the tail that does not fill every rank equally is dropped.
+    pub drop_last: bool,
+    /// Samples per step per worker (per replica in DP).
+    pub batch: usize,
+    /// How long to train.
+    pub budget: Budget,
+    /// When to evaluate on the held-out split.
+    pub eval: Eval,
+    /// This process's optimiser, defaults filled in.
     pub sgd: SgdConfig,
+    /// The optimiser flags as given, checked against an optimiser the servers apply.
+    pub optimiser_flags: OptimiserArgs,
+    /// The injected straggler, if any.
+    pub slow: Option<SlowRank>,
+    /// Where this process writes its metrics (`{rank}` replaced).
+    pub metrics: Option<PathBuf>,
+    /// Where this process writes its timeline (`{rank}` replaced).
+    pub trace_path: Option<PathBuf>,
+    /// Where rank 0 writes the trained parameters.
+    pub save: Option<PathBuf>,
+    /// The parameters to start from.
+    pub load: Option<PathBuf>,
+    /// Whether to print nothing but errors.
+    pub quiet: bool,
     /// The timeline recorder (`--trace`; disabled without it). Strategies clone it to record
     /// their own spans (push, pull, wait, apply, each bucket's all-reduce).
     pub trace: Trace,
+    /// The strategy `--mode` names, configured.
+    pub mode: ModeConfig,
+}
+
+/// How long a run trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Budget {
+    /// This many steps.
+    Steps(u64),
+    /// This many epochs over the training split.
+    Epochs(u64),
+}
+
+/// When a run evaluates on the held-out split (and always after the last step, on rank 0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Eval {
+    /// Rank 0 alone, every this many steps (0: only at the end).
+    Steps(u64),
+    /// Every rank, each time the samples seen by all workers together pass another multiple
+    /// of this.
+    Samples(u64),
+}
+
+/// The strategy `--mode` names, with its own typed configuration.
+#[derive(Debug, Clone)]
+pub enum ModeConfig {
+    /// `--mode local`.
+    Local,
+    /// `--mode dp`.
+    Dp(DpConfig),
+    /// `--mode ps`.
+    Ps(PsConfig),
+    /// `--mode ddp`.
+    Ddp(DdpConfig),
+    /// `--mode zero1`.
+    Zero1(Zero1Config),
+}
+
+impl ModeConfig {
+    /// The mode's name, as in metrics and reports.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ModeConfig::Local => Mode::Local.name(),
+            ModeConfig::Dp(_) => Mode::Dp.name(),
+            ModeConfig::Ps(_) => Mode::Ps.name(),
+            ModeConfig::Ddp(_) => Mode::Ddp.name(),
+            ModeConfig::Zero1(_) => Mode::Zero1.name(),
+        }
+    }
 }
 
 impl Run {
-    /// Resolve the flags: rank, device, data and the model's shape.
-    pub fn prepare(mut args: TrainArgs) -> anyhow::Result<Run> {
+    /// Resolve the flags: rank, device, data, the model's shape, the budget and the files,
+    /// and configure the strategy `--mode` names (checked before any strategy meets its peers).
+    pub fn prepare(args: TrainArgs) -> anyhow::Result<Run> {
         let (rank, world) = args.dist.resolve()?;
         let source = args
             .data
@@ -54,30 +138,53 @@ impl Run {
                 .with_context(|| format!("--device auto with LOCAL_RANK {local}"))?;
         }
         let data = source.load(args.seed).with_context(|| format!("--data {source}"))?;
-        args.model = args.model.clone().with_io(data.dim, data.classes);
-        args.data = Some(source);
-        let sgd = args.optimiser.sgd();
+        let model = args.model.clone().with_io(data.dim, data.classes);
         // One metrics and trace file per process: `{rank}` in a path becomes this rank, so one
         // launcher command line serves every child.
-        for path in [&mut args.metrics, &mut args.trace] {
-            if let Some(text) = path.as_ref().and_then(|p| p.to_str()).filter(|t| t.contains("{rank}")) {
-                *path = Some(text.replace("{rank}", &rank.to_string()).into());
-            }
-        }
-        let trace = if args.trace.is_some() { Trace::new(rank) } else { Trace::disabled() };
-        Ok(Run { args, rank, world, device, data, sgd, trace })
+        let per_rank = |path: &Option<PathBuf>| match path.as_ref().and_then(|p| p.to_str()) {
+            Some(text) if text.contains("{rank}") => Some(text.replace("{rank}", &rank.to_string()).into()),
+            _ => path.clone(),
+        };
+        let trace_path = per_rank(&args.trace);
+        let mut run = Run {
+            rank,
+            world,
+            device,
+            threads: args.threads,
+            model,
+            source,
+            data,
+            seed: args.seed,
+            order_seed: args.order_seed.unwrap_or(args.seed),
+            shuffle: !args.no_shuffle,
+            drop_last: args.drop_last,
+            batch: args.batch,
+            budget: args.steps.map_or(Budget::Epochs(args.epochs as u64), Budget::Steps),
+            eval: args.eval_samples.map_or(Eval::Steps(args.eval_every), Eval::Samples),
+            sgd: args.optimiser.sgd(),
+            optimiser_flags: args.optimiser,
+            slow: args.slow_rank,
+            metrics: per_rank(&args.metrics),
+            trace: if trace_path.is_some() { Trace::new(rank) } else { Trace::disabled() },
+            trace_path,
+            save: args.save.clone(),
+            load: args.load.clone(),
+            quiet: args.quiet,
+            mode: ModeConfig::Local,
+        };
+        run.mode = mode_config(&args, &run)?;
+        Ok(run)
     }
 
     /// The model's fingerprint.
     pub fn fingerprint(&self) -> Fingerprint {
-        Fingerprint::new(&self.args.model, self.args.seed)
+        Fingerprint::new(&self.model, self.seed)
     }
 }
 
-/// The strategy `--mode` names, configured from the resolved flags.
-pub fn strategy(run: &Run) -> anyhow::Result<Box<dyn Strategy>> {
-    let args = &run.args;
-    // Checked before any strategy meets its peers.
+/// The configuration of the strategy `args.mode` names, from its flags and the resolved
+/// `run`, checked.
+fn mode_config(args: &TrainArgs, run: &Run) -> anyhow::Result<ModeConfig> {
     let replicas = args.dp.replicas.unwrap_or(run.world);
     if let Some(slow) = args.slow_rank {
         slow.check(if args.mode == Mode::Dp { replicas } else { run.world })?;
@@ -91,31 +198,42 @@ pub fn strategy(run: &Run) -> anyhow::Result<Box<dyn Strategy>> {
         );
     }
     Ok(match args.mode {
-        Mode::Local => {
-            Box::new(Local::new(run.sgd, Shape::processes(run.world, run.rank), run.trace.clone()))
-        }
-        Mode::Dp => Box::new(Dp::new(DpConfig {
+        Mode::Local => ModeConfig::Local,
+        Mode::Dp => ModeConfig::Dp(DpConfig {
             replicas,
             device: run.device,
-            spec: args.model.clone(),
-            seed: args.seed,
+            spec: run.model.clone(),
+            seed: run.seed,
             sgd: run.sgd,
             slow: args.slow_rank.map(|s| (s.rank, s.delay())),
             fault: args.dp.fail_replica,
             trace: run.trace.clone(),
-        })?),
-        Mode::Ps => Box::new(Ps::new(ps_config(&args.ps, run)?)?),
-        Mode::Ddp => Box::new(Ddp::connect(ddp_config(&args.ddp, run)?)?),
-        Mode::Zero1 => Box::new(Zero1::connect(Zero1Config {
-            ddp: ddp_config(&args.ddp, run)?,
+        }),
+        Mode::Ps => ModeConfig::Ps(ps_config(&args.ps, args.compress, run)?),
+        Mode::Ddp => ModeConfig::Ddp(ddp_config(&args.ddp, args.compress, run)?),
+        Mode::Zero1 => ModeConfig::Zero1(Zero1Config {
+            ddp: ddp_config(&args.ddp, args.compress, run)?,
             // Every rank takes part in gathering what rank 0 saves.
             gather_momentum: args.save.is_some(),
-        })?),
+        }),
+    })
+}
+
+/// The strategy `run` is configured for, built (for DDP and ZeRO-1: its ranks met).
+pub fn strategy(run: &Run) -> anyhow::Result<Box<dyn Strategy>> {
+    Ok(match &run.mode {
+        ModeConfig::Local => {
+            Box::new(Local::new(run.sgd, Shape::processes(run.world, run.rank), run.trace.clone()))
+        }
+        ModeConfig::Dp(c) => Box::new(Dp::new(c.clone())?),
+        ModeConfig::Ps(c) => Box::new(Ps::new(c.clone())?),
+        ModeConfig::Ddp(c) => Box::new(Ddp::connect(c.clone())?),
+        ModeConfig::Zero1(c) => Box::new(Zero1::connect(c.clone())?),
     })
 }
 
 /// DDP's configuration (ZeRO-1's too) from the `--mode ddp` flags of `run`, checked.
-fn ddp_config(d: &DdpArgs, run: &Run) -> anyhow::Result<DdpConfig> {
+fn ddp_config(d: &DdpArgs, compression: Compression, run: &Run) -> anyhow::Result<DdpConfig> {
     anyhow::ensure!(d.bucket_mb > 0.0 && d.bucket_mb.is_finite(), "--bucket-mb must be positive");
     anyhow::ensure!(d.sync_every >= 1, "--sync-every must be at least 1");
     anyhow::ensure!(
@@ -142,12 +260,12 @@ fn ddp_config(d: &DdpArgs, run: &Run) -> anyhow::Result<DdpConfig> {
         hierarchy: d.hierarchy,
         sgd: run.sgd,
         trace: run.trace.clone(),
-        compression: run.args.compress,
+        compression,
     })
 }
 
 /// PS mode's configuration from the `--mode ps` flags of `run`, checked.
-fn ps_config(args: &PsArgs, run: &Run) -> anyhow::Result<PsConfig> {
+fn ps_config(args: &PsArgs, compression: Compression, run: &Run) -> anyhow::Result<PsConfig> {
     anyhow::ensure!(
         args.rpc_timeout.is_finite() && args.rpc_timeout > 0.0 && args.rpc_timeout < 1e9,
         "--rpc-timeout {} must be a positive number of seconds",
@@ -173,6 +291,6 @@ fn ps_config(args: &PsArgs, run: &Run) -> anyhow::Result<PsConfig> {
         world: run.world,
         fingerprint: run.fingerprint().text,
         trace: run.trace.clone(),
-        compression: run.args.compress,
+        compression,
     })
 }

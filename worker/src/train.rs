@@ -14,7 +14,7 @@ use gradsync_core::optim::SgdConfig;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::cli::TrainArgs;
-use crate::setup::Run;
+use crate::setup::{Budget, Eval, Run};
 use crate::strategy::{Strategy, ms_since};
 
 /// What a finished run reports.
@@ -43,31 +43,30 @@ pub fn train(args: TrainArgs) -> anyhow::Result<Summary> {
 /// fails, since a timeline is most wanted then.
 pub fn run_loop(run: &Run, strategy: Box<dyn Strategy>) -> anyhow::Result<Summary> {
     let out = run_steps(run, strategy);
-    if let Some(path) = &run.args.trace {
+    if let Some(path) = &run.trace_path {
         run.trace.write(path).context("--trace")?;
     }
     out
 }
 
 fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summary> {
-    let args = &run.args;
     // Each process draws its own shard of the data, `--batch` rows per replica it trains.
     let shape = strategy.shape();
-    let (world, rank, batch) = (shape.processes, shape.rank, args.batch * shape.replicas);
-    let global_batch = args.batch * shape.workers();
+    let (world, rank, batch) = (shape.processes, shape.rank, run.batch * shape.replicas);
+    let global_batch = run.batch * shape.workers();
     let leader = run.rank == 0;
-    let mut engine = Engine::new(run.device, args.model.clone(), args.seed)?;
+    let mut engine = Engine::new(run.device, run.model.clone(), run.seed)?;
     let fingerprint = run.fingerprint();
-    if let Some(path) = &args.load {
+    if let Some(path) = &run.load {
         load_params(&mut engine, path, &fingerprint)?;
     }
     let sampler = DistributedSampler::new(
         run.data.train.len(),
         world,
         rank,
-        !args.no_shuffle,
-        args.order_seed.unwrap_or(args.seed),
-        args.drop_last,
+        run.shuffle,
+        run.order_seed,
+        run.drop_last,
     )?;
     let steps_per_epoch = (sampler.num_samples() / batch) as u64;
     anyhow::ensure!(
@@ -75,15 +74,18 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
         "--batch {batch} is larger than this rank's {} training samples",
         sampler.num_samples()
     );
-    let total_steps = args.steps.unwrap_or(steps_per_epoch * args.epochs as u64);
+    let total_steps = match run.budget {
+        Budget::Steps(n) => n,
+        Budget::Epochs(e) => steps_per_epoch * e,
+    };
 
-    let progress = Progress::new(leader && !args.quiet, total_steps, &engine);
+    let progress = Progress::new(leader && !run.quiet, total_steps, &engine);
     strategy.start(&mut engine).context("starting the run")?;
     // The optimiser actually applied: this process's own, or the one the servers told it at
     // registration (a contradicting flag is refused, never recorded).
     let sgd = match strategy.applied_optimiser() {
         Some(applied) => {
-            if let Err(e) = args.optimiser.check(&applied, "the parameter servers") {
+            if let Err(e) = run.optimiser_flags.check(&applied, "the parameter servers") {
                 // Leave the servers as they were: without this they would hold the rank as
                 // registered until it timed out, and refuse it when started again.
                 let _ = strategy.finish(&mut engine);
@@ -93,23 +95,22 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
         }
         None => run.sgd,
     };
-    let mut metrics = match &args.metrics {
+    let mut metrics = match &run.metrics {
         Some(p) => Some(MetricsWriter::create(p)?),
         None => None,
     };
     let start_ms = unix_ms();
-    let (header_variant, header_extra) = strategy.describe();
     if let Some(m) = metrics.as_mut() {
-        let (variant, mut extra) = (header_variant.clone(), header_extra.clone());
-        if let Some(every) = args.eval_samples {
+        let (variant, mut extra) = strategy.describe();
+        if let Eval::Samples(every) = run.eval {
             extra.insert("eval_samples".into(), every.into());
         }
-        extra.insert("order_seed".into(), args.order_seed.unwrap_or(args.seed).into());
+        extra.insert("order_seed".into(), run.order_seed.into());
         // Samples per epoch, so readers can turn samples seen into epochs; the steps planned,
         // so a run collected without its runner's record can still be told complete or not.
         extra.insert("train_samples".into(), run.data.train.len().into());
         extra.insert("total_steps".into(), total_steps.into());
-        if let Some(slow) = args.slow_rank {
+        if let Some(slow) = run.slow {
             // Charts need the injected delay beside the measured step times.
             extra.insert("slow_rank".into(), slow.rank.into());
             extra.insert("slow_ms".into(), slow.ms.into());
@@ -117,23 +118,23 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
         let host = HostInfo::detect();
         m.write(&Record::Header(Header {
             schema: SCHEMA_VERSION,
-            mode: args.mode.name().into(),
+            mode: run.mode.name().into(),
             variant,
             device: run.device.label(),
-            preset: args.model.name.clone(),
-            widths: args.model.widths_str(),
+            preset: run.model.name.clone(),
+            widths: run.model.widths_str(),
             params: engine.layout().len,
-            batch: args.batch,
+            batch: run.batch,
             global_batch,
             world_size: shape.workers(),
             rank: run.rank,
-            seed: args.seed,
-            data: args.data.as_ref().map(|d| d.to_string()).unwrap_or_default(),
+            seed: run.seed,
+            data: run.source.to_string(),
             fingerprint: fingerprint.text.clone(),
             lr: sgd.lr,
             momentum: sgd.momentum,
             weight_decay: sgd.weight_decay,
-            threads: args.threads,
+            threads: run.threads,
             gradsync_version: gradsync_core::VERSION.into(),
             host: host.host,
             cores: host.cores,
@@ -161,7 +162,7 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             let mut rec =
                 Step { rank: run.rank, step, epoch, samples: step * global_batch as u64, ..Step::default() };
             // The injected straggler delay (a strategy with several replicas delays its own).
-            if let Some(slow) = args.slow_rank
+            if let Some(slow) = run.slow
                 && slow.rank == run.rank
                 && shape.replicas == 1
             {
@@ -181,22 +182,24 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
                 return Err(Diverged {
                     step,
                     why,
-                    hint: divergence_hint(&sgd, &header_variant, &header_extra),
+                    hint: divergence_hint(&sgd, strategy.divergence_advice()),
                 }
                 .into());
             }
             summary.last_loss = loss.loss;
             // The training clock stops while the model is evaluated.
             rec.train_ms = Some(ms_since(t0) - eval_ms);
-            let at_cadence = match args.eval_samples {
-                Some(every) => rec.samples / every.max(1) > (step - 1) * global_batch as u64 / every.max(1),
-                None => args.eval_every > 0 && step.is_multiple_of(args.eval_every),
+            let at_cadence = match run.eval {
+                Eval::Samples(every) => {
+                    rec.samples / every.max(1) > (step - 1) * global_batch as u64 / every.max(1)
+                }
+                Eval::Steps(every) => every > 0 && step.is_multiple_of(every),
             };
             // At a samples cadence every rank evaluates (synchronous ranks then pause together
             // and every clock leaves it out); at a steps cadence, and after the last step, rank
             // 0 alone.
-            let eval_here =
-                (at_cadence && (args.eval_samples.is_some() || leader)) || (leader && step == total_steps);
+            let eval_here = (at_cadence && (matches!(run.eval, Eval::Samples(_)) || leader))
+                || (leader && step == total_steps);
             if eval_here {
                 let te = Instant::now();
                 let (l, a) = evaluate(&mut engine, &run.data)?;
@@ -221,14 +224,16 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             }
             progress.step(&rec);
         }
-        if args.steps.is_none() && epoch + 1 >= args.epochs as u64 {
+        if let Budget::Epochs(e) = run.budget
+            && epoch + 1 >= e
+        {
             break;
         }
     }
     strategy.finish(&mut engine).context("finishing the run")?;
     summary.seconds = t0.elapsed().as_secs_f64();
     progress.finish(&summary);
-    if leader && let Some(path) = &args.save {
+    if leader && let Some(path) = &run.save {
         save_params(&engine, path, &fingerprint, summary.steps)?;
     }
     Ok(summary)
@@ -276,21 +281,14 @@ pub fn divergence(loss: f64, first_loss: f64, classes: usize) -> Option<String> 
     })
 }
 
-/// The settings that decide convergence, named with what they are now.
-fn divergence_hint(
-    sgd: &SgdConfig,
-    variant: &str,
-    extra: &serde_json::Map<String, serde_json::Value>,
-) -> String {
-    let mut h = format!("lower the learning rate (--lr {})", sgd.lr);
-    if variant.starts_with("asp") || variant.starts_with("ssp") {
-        let policy = extra.get("staleness_lr").and_then(|v| v.as_str()).unwrap_or("none");
-        h.push_str(&format!(
-            ", or scale stale gradients on the servers (--staleness-lr inverse; now {policy}){}",
-            if variant.starts_with("asp") { ", or bound the staleness (--sync ssp:S)" } else { "" }
-        ));
+/// The settings that decide convergence, named with what they are now: the learning rate,
+/// and whatever the strategy advises besides ([`Strategy::divergence_advice`]).
+fn divergence_hint(sgd: &SgdConfig, advice: Option<String>) -> String {
+    let lr = format!("lower the learning rate (--lr {})", sgd.lr);
+    match advice {
+        Some(a) => format!("{lr}, or {a}"),
+        None => lr,
     }
-    h
 }
 
 /// Held-out loss and accuracy, in batches so activations stay small.
@@ -412,5 +410,18 @@ impl Progress {
                 s.steps, s.seconds, s.first_loss, s.last_loss
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_divergence_hint_names_the_learning_rate_and_the_strategys_advice() {
+        let sgd = SgdConfig { lr: 40.0, ..SgdConfig::DEFAULT };
+        assert_eq!(divergence_hint(&sgd, None), "lower the learning rate (--lr 40)");
+        let h = divergence_hint(&sgd, Some("bound the staleness (--sync ssp:S)".into()));
+        assert_eq!(h, "lower the learning rate (--lr 40), or bound the staleness (--sync ssp:S)");
     }
 }

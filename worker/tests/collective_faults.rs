@@ -62,24 +62,52 @@ fn group<T: Send>(
     })
 }
 
-fn dead_peer(n: usize, transport: Transport) {
-    let t0 = Instant::now();
-    let out = group(3, 20_000, transport, |mut c| {
+/// Three ranks, rank 2 gone before an all-reduce of `n` values: the survivors' errors.
+fn dead_peer_errors(n: usize, transport: Transport) -> Vec<Option<CommError>> {
+    group(3, 20_000, transport, |mut c| {
         if c.rank() == 2 {
             drop(c); // the process "dies": its sockets close
             return None;
         }
         let mut b = vec![1.0f32; n];
         Some(c.all_reduce(&mut b).unwrap_err())
-    });
+    })
+}
+
+fn dead_peer(n: usize, transport: Transport) {
+    let t0 = Instant::now();
+    let out = dead_peer_errors(n, transport);
     // Rank 0 reads from rank 2 (its left neighbour) and must say so.
     let e = out[0].as_ref().unwrap().to_string();
     assert!(e.contains("rank 2"), "{e}");
-    // Rank 1 reads from rank 0, which tells it whom it blames before closing: rank 1 blames
-    // rank 2 too (it learns it from rank 0's notice, or from its own write to rank 2).
+    // Rank 1 fails too. It blames rank 2 when rank 0's notice, or its own write to rank 2,
+    // tells it so; on a loaded machine the kernel may reset rank 0's connection before the
+    // notice is read, and rank 1 then names rank 0. That the protocol names rank 2 in every
+    // interleaving is checked on the simulated network (`collective::sim_faults`).
     let e1 = out[1].as_ref().unwrap();
-    assert_eq!(e1.culprit(), Some(2), "{e1}");
+    assert!(matches!(e1.culprit(), Some(0 | 2)), "{e1}");
     assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}: waited for a timeout", t0.elapsed());
+}
+
+/// The dead-peer case on sockets 200 times: prints how often rank 1 named rank 2, the rank
+/// that died (`cargo nextest run -p gradsync-worker --run-ignored only dead_peer_on_sockets`).
+#[test]
+#[ignore = "a 200-run loop, for docs/ddp.md"]
+fn dead_peer_on_sockets_200_runs() {
+    for transport in [Transport::Tcp, Transport::Shm] {
+        let t0 = Instant::now();
+        let right = (0..200)
+            .filter(|_| {
+                let out = dead_peer_errors(10_000, transport);
+                out[..2].iter().all(|e| e.as_ref().and_then(CommError::culprit) == Some(2))
+            })
+            .count();
+        println!(
+            "dead peer on {}: {right} of 200 runs named rank 2 on both survivors ({:.1} s)",
+            transport.name(),
+            t0.elapsed().as_secs_f64()
+        );
+    }
 }
 
 #[test]

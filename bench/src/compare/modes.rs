@@ -1,5 +1,7 @@
-//! The command line of every mode, one function per mode: the only place that knows the
-//! worker's and the server's flags. Each returns a [`Plan`]: the server processes to start
+//! The command line of every mode, one function per mode: the only place that writes the
+//! worker's and the server's flags, each by the name the binary's own parser defines
+//! (`gradsync_worker::cli::flag`, `gradsync_server::config::flag`,
+//! `gradsync_core::optim::flag`) and each choice by its typed value. Each returns a [`Plan`]: the server processes to start
 //! first (each printing `gradsync-server listening on ADDR` once it serves) and a function
 //! from their addresses to the worker processes.
 
@@ -8,6 +10,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::Context;
+
+use clap::ValueEnum;
+use gradsync_core::optim::flag as of;
+use gradsync_server::SyncMode;
+use gradsync_server::config::flag as sf;
+use gradsync_worker::cli::flag as wf;
+use gradsync_worker::cli::{Backend, Mode, Transport};
 
 use super::scenario::{ModeKind, RunSpec, Scenario};
 
@@ -39,7 +48,7 @@ impl Bins {
             .arg("--help")
             .stdin(Stdio::null())
             .output()
-            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("--trace"));
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(&format!("--{}", sf::TRACE)));
         let bins = Bins { worker: dir.join("gradsync-worker"), server, server_trace };
         anyhow::ensure!(
             bins.worker.is_file(),
@@ -156,35 +165,31 @@ impl Ctx {
     fn worker_common(&self, name: &str, batch: usize) -> Vec<String> {
         let s = &self.scenario;
         let mut a = vec!["train".to_string()];
-        a.extend(flags([
-            ("--model", self.spec.model.clone()),
-            ("--batch", batch.to_string()),
-            ("--seed", s.seed.to_string()),
-            ("--order-seed", (s.seed + self.spec.repeat as u64).to_string()),
-            ("--device", s.device.clone()),
-            ("--threads", s.threads.to_string()),
-            ("--lr", s.lr.to_string()),
-            ("--momentum", s.momentum.to_string()),
-            ("--weight-decay", s.weight_decay.to_string()),
-            ("--metrics", self.path(name, "jsonl").display().to_string()),
-        ]));
+        a.extend(opt(wf::MODEL, &self.spec.model));
+        a.extend(opt(wf::BATCH, batch));
+        a.extend(opt(wf::SEED, s.seed));
+        a.extend(opt(wf::ORDER_SEED, s.seed + self.spec.repeat as u64));
+        a.extend(opt(wf::DEVICE, &s.device));
+        a.extend(opt(wf::THREADS, s.threads));
+        a.extend(optimiser(s));
+        a.extend(opt(wf::METRICS, self.path(name, "jsonl").display()));
         if let Some(d) = &s.data {
-            a.extend(flags([("--data", d.clone())]));
+            a.extend(opt(wf::DATA, d));
         }
         match (s.steps, s.epochs) {
-            (Some(n), _) => a.extend(flags([("--steps", n.to_string())])),
-            (None, Some(e)) => a.extend(flags([("--epochs", e.to_string())])),
+            (Some(n), _) => a.extend(opt(wf::STEPS, n)),
+            (None, Some(e)) => a.extend(opt(wf::EPOCHS, e)),
             (None, None) => {}
         }
         if let Some(e) = s.eval_samples {
-            a.extend(flags([("--eval-samples", e.to_string())]));
+            a.extend(opt(wf::EVAL_SAMPLES, e));
         }
         if self.spec.slow_ms > 0 {
             // Every process gets the flag; only the named rank (DP: replica) sleeps.
-            a.extend(flags([("--slow-rank", format!("{}:{}", s.slow_rank, self.spec.slow_ms))]));
+            a.extend(opt(wf::SLOW_RANK, format!("{}:{}", s.slow_rank, self.spec.slow_ms)));
         }
         if s.trace {
-            a.extend(flags([("--trace", self.path(&format!("trace-{name}"), "json").display().to_string())]));
+            a.extend(opt(wf::TRACE, self.path(&format!("trace-{name}"), "json").display()));
         }
         a
     }
@@ -200,20 +205,22 @@ pub fn plan(ctx: &Ctx) -> anyhow::Result<Plan> {
     match ctx.spec.mode {
         ModeKind::Local => Ok(local(ctx)),
         ModeKind::Dp => Ok(dp(ctx)),
-        ModeKind::PsBsp | ModeKind::PsBspFp16 | ModeKind::PsBspTopk => Ok(ps(ctx, "bsp".into())),
-        ModeKind::PsAsp => Ok(ps(ctx, "asp".into())),
-        ModeKind::PsSsp => Ok(ps(ctx, format!("ssp:{}", ctx.scenario.ssp_staleness))),
-        ModeKind::DdpTcp | ModeKind::DdpTcpTopk | ModeKind::DdpTcpFp16 => ddp(ctx, "tcp", Some("tcp")),
-        ModeKind::DdpShm => ddp(ctx, "tcp", Some("shm")),
-        ModeKind::DdpNccl => ddp(ctx, "nccl", None),
-        ModeKind::Zero1Tcp => ring(ctx, "zero1", "tcp", Some("tcp")),
+        ModeKind::PsBsp | ModeKind::PsBspFp16 | ModeKind::PsBspTopk => Ok(ps(ctx, SyncMode::Bsp)),
+        ModeKind::PsAsp => Ok(ps(ctx, SyncMode::Asp)),
+        ModeKind::PsSsp => Ok(ps(ctx, SyncMode::Ssp(ctx.scenario.ssp_staleness))),
+        ModeKind::DdpTcp | ModeKind::DdpTcpTopk | ModeKind::DdpTcpFp16 => {
+            ddp(ctx, Backend::Tcp, Some(Transport::Tcp))
+        }
+        ModeKind::DdpShm => ddp(ctx, Backend::Tcp, Some(Transport::Shm)),
+        ModeKind::DdpNccl => ddp(ctx, Backend::Nccl, None),
+        ModeKind::Zero1Tcp => ring(ctx, Mode::Zero1, Backend::Tcp, Some(Transport::Tcp)),
     }
 }
 
 /// `gradsync-worker train --mode local`, with the whole global batch.
 pub fn local(ctx: &Ctx) -> Plan {
     let mut args = ctx.worker_common("rank0", ctx.spec.global_batch);
-    args.extend(flags([("--mode", "local".into())]));
+    args.extend(opt(wf::MODE, choice(Mode::Local)));
     let p = ctx.worker(0, "rank0".into(), args);
     Plan { servers: vec![], workers: Box::new(move |_| vec![p]) }
 }
@@ -221,46 +228,41 @@ pub fn local(ctx: &Ctx) -> Plan {
 /// `gradsync-worker train --mode dp --replicas W`, one process, `--batch` per replica.
 pub fn dp(ctx: &Ctx) -> Plan {
     let mut args = ctx.worker_common("rank0", ctx.spec.batch);
-    args.extend(flags([("--mode", "dp".into()), ("--replicas", ctx.spec.workers.to_string())]));
+    args.extend(opt(wf::MODE, choice(Mode::Dp)));
+    args.extend(opt(wf::REPLICAS, ctx.spec.workers));
     let p = ctx.worker(0, "rank0".into(), args);
     Plan { servers: vec![], workers: Box::new(move |_| vec![p]) }
 }
 
 /// `gradsync-server --shard I/K ...` per shard, then `gradsync-worker train --mode ps
 /// --servers A,B --rank R --world-size W` per worker.
-pub fn ps(ctx: &Ctx, sync: String) -> Plan {
+pub fn ps(ctx: &Ctx, sync: SyncMode) -> Plan {
     let s = &ctx.scenario;
     let k = ctx.spec.shards.max(1);
     let servers = (0..k)
         .map(|i| {
             let name = format!("server{i}");
             let (addr, netns) = ctx.placement.server(i);
-            let mut args = flags([
-                ("--listen", format!("{addr}:0")),
-                ("--sync", sync.clone()),
-                ("--shard", format!("{i}/{k}")),
-                ("--model", ctx.spec.model.clone()),
-                ("--seed", s.seed.to_string()),
-                ("--lr", s.lr.to_string()),
-                ("--momentum", s.momentum.to_string()),
-                ("--weight-decay", s.weight_decay.to_string()),
-                ("--staleness-lr", s.staleness_lr.name().to_string()),
-                ("--metrics", ctx.path(&name, "jsonl").display().to_string()),
-            ]);
+            let mut args = Vec::new();
+            args.extend(opt(sf::LISTEN, format!("{addr}:0")));
+            args.extend(opt(sf::SYNC, sync));
+            args.extend(opt(sf::SHARD, format!("{i}/{k}")));
+            args.extend(opt(sf::MODEL, &ctx.spec.model));
+            args.extend(opt(sf::SEED, s.seed));
+            args.extend(optimiser(s));
+            args.extend(opt(sf::STALENESS_LR, s.staleness_lr.name()));
+            args.extend(opt(sf::METRICS, ctx.path(&name, "jsonl").display()));
             if let Some(d) = &s.data {
-                args.extend(flags([("--data", d.clone())]));
+                args.extend(opt(sf::DATA, d));
             }
             if let Some(c) = s.ps_chunk_bytes {
-                args.extend(flags([("--chunk-bytes", c.to_string())]));
+                args.extend(opt(sf::CHUNK_BYTES, c));
             }
             if let Some(c) = ctx.spec.mode.compress(s.topk_ratio) {
-                args.extend(flags([("--compress", c)]));
+                args.extend(opt(sf::COMPRESS, c));
             }
             if s.trace && ctx.bins.server_trace {
-                args.extend(flags([(
-                    "--trace",
-                    ctx.path(&format!("trace-{name}"), "json").display().to_string(),
-                )]));
+                args.extend(opt(sf::TRACE, ctx.path(&format!("trace-{name}"), "json").display()));
             }
             ProcSpec {
                 metrics: ctx.path(&name, "jsonl"),
@@ -279,17 +281,15 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
                 .map(|r| {
                     let name = format!("rank{r}");
                     let mut args = ctx.worker_common(&name, ctx.spec.batch);
-                    args.extend(flags([
-                        ("--mode", "ps".into()),
-                        ("--servers", addrs.join(",")),
-                        ("--rank", r.to_string()),
-                        ("--world-size", ctx.spec.workers.to_string()),
-                    ]));
+                    args.extend(opt(wf::MODE, choice(Mode::Ps)));
+                    args.extend(opt(wf::SERVERS, addrs.join(",")));
+                    args.extend(opt(wf::RANK, r));
+                    args.extend(opt(wf::WORLD_SIZE, ctx.spec.workers));
                     if let Some(c) = ctx.scenario.ps_chunk_bytes {
-                        args.extend(flags([("--chunk-bytes", c.to_string())]));
+                        args.extend(opt(wf::CHUNK_BYTES, c));
                     }
                     if let Some(c) = ctx.spec.mode.compress(ctx.scenario.topk_ratio) {
-                        args.extend(flags([("--compress", c)]));
+                        args.extend(opt(wf::COMPRESS, c));
                     }
                     ctx.worker(r, name, args)
                 })
@@ -302,36 +302,34 @@ pub fn ps(ctx: &Ctx, sync: String) -> Plan {
 /// --master-addr A --master-port P` per rank: A rank 0's address, P a port free when picked
 /// (on loopback; an emulated host's namespace has every port free). The transport is always
 /// named, never left to `auto`, so `ddp-tcp` is sockets even when every rank shares a host.
-pub fn ddp(ctx: &Ctx, backend: &str, transport: Option<&str>) -> anyhow::Result<Plan> {
-    ring(ctx, "ddp", backend, transport)
+pub fn ddp(ctx: &Ctx, backend: Backend, transport: Option<Transport>) -> anyhow::Result<Plan> {
+    ring(ctx, Mode::Ddp, backend, transport)
 }
 
 /// The ranks of a mode that meets over the rendezvous store and DDP's flags (`--mode ddp` or
 /// `zero1`), with `backend` and `transport`.
-fn ring(ctx: &Ctx, mode: &str, backend: &str, transport: Option<&str>) -> anyhow::Result<Plan> {
+fn ring(ctx: &Ctx, mode: Mode, backend: Backend, transport: Option<Transport>) -> anyhow::Result<Plan> {
     let port = free_port()?;
     let master = ctx.placement.worker(0).0;
     let procs: Vec<ProcSpec> = (0..ctx.spec.workers)
         .map(|r| {
             let name = format!("rank{r}");
             let mut args = ctx.worker_common(&name, ctx.spec.batch);
-            args.extend(flags([
-                ("--mode", mode.into()),
-                ("--backend", backend.into()),
-                ("--rank", r.to_string()),
-                ("--world-size", ctx.spec.workers.to_string()),
-                ("--local-rank", r.to_string()),
-                ("--master-addr", master.clone()),
-                ("--master-port", port.to_string()),
-            ]));
+            args.extend(opt(wf::MODE, choice(mode)));
+            args.extend(opt(wf::BACKEND, choice(backend)));
+            args.extend(opt(wf::RANK, r));
+            args.extend(opt(wf::WORLD_SIZE, ctx.spec.workers));
+            args.extend(opt(wf::LOCAL_RANK, r));
+            args.extend(opt(wf::MASTER_ADDR, &master));
+            args.extend(opt(wf::MASTER_PORT, port));
             if let Some(t) = transport {
-                args.extend(flags([("--transport", t.into())]));
+                args.extend(opt(wf::TRANSPORT, choice(t)));
             }
             if let Some(mb) = ctx.scenario.bucket_mb {
-                args.extend(flags([("--bucket-mb", mb.to_string())]));
+                args.extend(opt(wf::BUCKET_MB, mb));
             }
             if let Some(c) = ctx.spec.mode.compress(ctx.scenario.topk_ratio) {
-                args.extend(flags([("--compress", c)]));
+                args.extend(opt(wf::COMPRESS, c));
             }
             ctx.worker(r, name, args)
         })
@@ -339,9 +337,19 @@ fn ring(ctx: &Ctx, mode: &str, backend: &str, transport: Option<&str>) -> anyhow
     Ok(Plan { servers: vec![], workers: Box::new(move |_| procs) })
 }
 
-/// `--flag value` pairs as arguments.
-fn flags<const N: usize>(pairs: [(&str, String); N]) -> Vec<String> {
-    pairs.into_iter().flat_map(|(f, v)| [f.to_string(), v]).collect()
+/// The flag named `long` (as a binary's parser defines it) with its value: `--long value`.
+fn opt(long: &str, value: impl std::fmt::Display) -> [String; 2] {
+    [format!("--{long}"), value.to_string()]
+}
+
+/// A value of a closed set as its parser spells it.
+fn choice(v: impl ValueEnum) -> String {
+    v.to_possible_value().map_or_else(String::new, |p| p.get_name().to_string())
+}
+
+/// The optimiser flags, which workers and servers share.
+fn optimiser(s: &Scenario) -> Vec<String> {
+    [opt(of::LR, s.lr), opt(of::MOMENTUM, s.momentum), opt(of::WEIGHT_DECAY, s.weight_decay)].concat()
 }
 
 /// A loopback port nobody listens on now. Another process may take it before rank 0 binds
@@ -390,5 +398,104 @@ mod tests {
         assert!(w.iter().all(|w| has(&w.args, "--chunk-bytes", "131072")));
         // The first repeat draws the data in the seed's own order.
         assert!(w.iter().all(|w| has(&w.args, "--order-seed", "42")));
+    }
+
+    /// Every process of `ctx`'s plan, each parsed by its binary's own parser.
+    fn parse_all(ctx: &Ctx) -> (Vec<gradsync_server::Cli>, Vec<gradsync_worker::cli::TrainArgs>) {
+        use clap::Parser;
+        let p = plan(ctx).unwrap();
+        let servers: Vec<_> = p
+            .servers
+            .iter()
+            .map(|s| {
+                let argv = std::iter::once("gradsync-server".to_string()).chain(s.args.iter().cloned());
+                gradsync_server::Cli::try_parse_from(argv)
+                    .unwrap_or_else(|e| panic!("{}: {:?}: {e}", ctx.spec.id, s.args))
+            })
+            .collect();
+        let addrs: Vec<String> = (0..servers.len()).map(|i| format!("127.0.0.1:{}", 5000 + i)).collect();
+        let workers = (p.workers)(&addrs)
+            .iter()
+            .map(|w| {
+                let argv = std::iter::once("gradsync-worker".to_string()).chain(w.args.iter().cloned());
+                match gradsync_worker::cli::Cli::try_parse_from(argv) {
+                    Ok(gradsync_worker::cli::Cli { command: gradsync_worker::cli::Command::Train(a) }) => *a,
+                    Ok(other) => panic!("{}: {:?} is not a train command: {other:?}", ctx.spec.id, w.args),
+                    Err(e) => panic!("{}: {:?}: {e}", ctx.spec.id, w.args),
+                }
+            })
+            .collect();
+        (servers, workers)
+    }
+
+    #[test]
+    fn every_command_line_of_the_default_scenario_parses_with_the_binaries_own_parsers() {
+        let scenario = Scenario::load(None).unwrap();
+        let mut seen = std::collections::BTreeSet::new();
+        for spec in scenario.expand() {
+            seen.insert(spec.mode);
+            let bins = Bins { worker: "w".into(), server: "s".into(), server_trace: true };
+            let ctx = Ctx {
+                scenario: scenario.clone(),
+                spec,
+                dir: "d".into(),
+                bins,
+                placement: Placement::Loopback,
+            };
+            let (servers, workers) = parse_all(&ctx);
+            let s = &ctx.scenario;
+            let sgd = gradsync_core::optim::SgdConfig {
+                lr: s.lr,
+                momentum: s.momentum,
+                weight_decay: s.weight_decay,
+            };
+            let batch = if ctx.spec.mode == ModeKind::Local { ctx.spec.global_batch } else { ctx.spec.batch };
+            for w in &workers {
+                assert_eq!(w.optimiser.sgd(), sgd, "{}", ctx.spec.id);
+                assert_eq!((w.seed, w.batch, w.steps), (s.seed, batch, s.steps), "{}", ctx.spec.id);
+                assert_eq!(w.model.name, ctx.spec.model, "{}", ctx.spec.id);
+            }
+            for v in &servers {
+                assert_eq!(v.args.optimiser.sgd(), sgd, "{}", ctx.spec.id);
+                assert_eq!(v.args.staleness_lr, s.staleness_lr);
+            }
+            let expected_mode = match ctx.spec.mode {
+                ModeKind::Local => Mode::Local,
+                ModeKind::Dp => Mode::Dp,
+                ModeKind::PsBsp | ModeKind::PsAsp | ModeKind::PsSsp => Mode::Ps,
+                ModeKind::Zero1Tcp => Mode::Zero1,
+                _ => Mode::Ddp,
+            };
+            assert!(workers.iter().all(|w| w.mode == expected_mode), "{}", ctx.spec.id);
+            if let ModeKind::PsSsp = ctx.spec.mode {
+                assert!(servers.iter().all(|v| v.args.sync == SyncMode::Ssp(s.ssp_staleness)));
+            }
+        }
+        let modes: std::collections::BTreeSet<ModeKind> = scenario.modes.iter().copied().collect();
+        assert_eq!(seen, modes);
+    }
+
+    #[test]
+    fn every_mode_with_every_optional_flag_parses_with_the_binaries_own_parsers() {
+        let extra = "trace = true\nps_chunk_bytes = 131072\nbucket_mb = 2.5\neval_samples = 64\n\
+                     slow_ms = [0, 5]\nslow_rank = 1\ndata = 'synthetic:256:16:4'\nstaleness_lr = 'inverse'";
+        for mode in ModeKind::ALL {
+            let base = ctx(mode.label(), extra);
+            for spec in base.scenario.expand() {
+                let ctx = Ctx { spec, ..base.clone() };
+                let (servers, workers) = parse_all(&ctx);
+                for w in &workers {
+                    assert_eq!(
+                        w.compress.is_none(),
+                        ctx.spec.mode.compress(0.01).is_none(),
+                        "{}",
+                        ctx.spec.id
+                    );
+                    assert!(w.trace.is_some() && w.eval_samples == Some(64), "{}", ctx.spec.id);
+                    assert_eq!(w.slow_rank.map(|s| s.ms), (ctx.spec.slow_ms > 0).then_some(5));
+                }
+                assert!(servers.iter().all(|s| s.args.chunk_bytes == Some(131072) && s.args.trace.is_some()));
+            }
+        }
     }
 }

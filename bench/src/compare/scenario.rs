@@ -7,6 +7,7 @@ use std::path::Path;
 use std::str::FromStr;
 
 use anyhow::Context;
+use gradsync_core::optim::SgdConfig;
 use serde::{Deserialize, Serialize};
 
 /// The scenario `gradsync-bench compare` runs when given none.
@@ -258,14 +259,14 @@ pub struct Scenario {
     /// CPU threads per process.
     #[serde(default = "one_usize")]
     pub threads: usize,
-    /// Learning rate.
+    /// Learning rate (default: the binaries' own, `SgdConfig::DEFAULT`).
     #[serde(default = "lr")]
     pub lr: f32,
-    /// Momentum.
+    /// Momentum (default: the binaries' own).
     #[serde(default = "momentum")]
     pub momentum: f32,
-    /// Weight decay.
-    #[serde(default)]
+    /// Weight decay (default: the binaries' own).
+    #[serde(default = "weight_decay")]
     pub weight_decay: f32,
     /// DDP bucket size in MB (default: the worker's).
     #[serde(default)]
@@ -315,10 +316,13 @@ fn one_usize() -> usize {
     1
 }
 fn lr() -> f32 {
-    0.05
+    SgdConfig::DEFAULT.lr
 }
 fn momentum() -> f32 {
-    0.9
+    SgdConfig::DEFAULT.momentum
+}
+fn weight_decay() -> f32 {
+    SgdConfig::DEFAULT.weight_decay
 }
 fn timeout() -> f64 {
     300.0
@@ -520,6 +524,14 @@ mod tests {
         let reps: Vec<usize> = runs.iter().take(s.repeats).map(|r| r.repeat).collect();
         assert_eq!(reps, (0..s.repeats).collect::<Vec<_>>());
         assert!(runs[0].id.ends_with("-r1") && runs[1].id.ends_with("-r2"), "{}", runs[1].id);
+    }
+
+    #[test]
+    fn the_optimiser_defaults_are_the_binaries_own() {
+        let text = "name='x'\nmodes=['local']\nworkers=[1]\nmodels=['tiny']\nbatches=[8]\nsteps=3";
+        let s = Scenario::parse(text, "t").unwrap();
+        let sgd = SgdConfig { lr: s.lr, momentum: s.momentum, weight_decay: s.weight_decay };
+        assert_eq!(sgd, SgdConfig::DEFAULT);
     }
 
     #[test]

@@ -33,6 +33,9 @@
 //!   buckets to (the ring or NCCL), which takes each bucket in the memory it works on (host
 //!   memory, staged from a GPU as backward finishes it, or GPU memory) and does the strategy's
 //!   [`BucketWork`] to it, overlapped with backward.
+//! - Tests only: `sim`, a simulated network (in-memory `Links`, seeded interleavings, virtual
+//!   time, injected faults) and `SimComm`, the algorithms with `TcpComm`'s failure handling
+//!   over it; `sim_faults`, the algorithms' protocol edge cases on it.
 //!
 //! Every operation works in place on `f32` buffers of the same length on every rank and is
 //! collective: all ranks call the same operations in the same order. Every blocking call is
@@ -52,6 +55,10 @@ mod pump;
 pub(crate) mod reduce;
 mod ring;
 pub mod shm;
+#[cfg(test)]
+mod sim;
+#[cfg(test)]
+mod sim_faults;
 pub mod tcp;
 
 use std::ops::Range;

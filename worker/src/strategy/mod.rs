@@ -87,6 +87,12 @@ pub trait Strategy {
     fn describe(&self) -> (String, serde_json::Map<String, serde_json::Value>) {
         (String::new(), serde_json::Map::new())
     }
+
+    /// What besides a lower learning rate may keep this strategy's training from diverging,
+    /// worded as advice for the error that stops a diverged run (`None`: nothing of its own).
+    fn divergence_advice(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Run `f` on the engine and return its result with the milliseconds it took, queued device

@@ -17,6 +17,7 @@ use gradsync_core::metrics::Step;
 use gradsync_core::mlp::BatchLoss;
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
+use gradsync_proto::SyncMode;
 use gradsync_proto::tuning::Tuning;
 
 use super::{Shape, Strategy, forward_backward, ms_since};
@@ -245,6 +246,23 @@ impl Strategy for Ps {
         extra.insert("compression".into(), self.client.compression().to_string().into());
         (self.client.sync().to_string(), extra)
     }
+
+    fn divergence_advice(&self) -> Option<String> {
+        let policy = self.client.optimiser().map_or("none", |(_, stale)| stale.as_str());
+        stale_gradient_advice(self.client.sync(), policy)
+    }
+}
+
+/// What keeps asynchronous servers' stale gradients from diverging a run: scaling them by their
+/// staleness (`policy` is the servers' now), and under ASP bounding it. Nothing under BSP,
+/// whose gradients are never stale.
+fn stale_gradient_advice(sync: SyncMode, policy: &str) -> Option<String> {
+    let scale = format!("scale stale gradients on the servers (--staleness-lr inverse; now {policy})");
+    match sync {
+        SyncMode::Bsp => None,
+        SyncMode::Asp => Some(format!("{scale}, or bound the staleness (--sync ssp:S)")),
+        SyncMode::Ssp(_) => Some(scale),
+    }
 }
 
 impl Drop for Ps {
@@ -276,5 +294,14 @@ mod tests {
         assert!(e.contains("gradient value 2 is 70000, beyond fp16's range (largest 65504)"), "{e}");
         assert!(e.contains("--compress bf16"), "{e}");
         assert!(fits(Half::Bf16, &[70000.0]).is_ok());
+    }
+
+    #[test]
+    fn stale_gradients_are_advised_on_by_the_servers_sync_mode() {
+        assert_eq!(stale_gradient_advice(SyncMode::Bsp, "none"), None);
+        let asp = stale_gradient_advice(SyncMode::Asp, "none").unwrap();
+        assert!(asp.contains("--staleness-lr inverse; now none") && asp.contains("--sync ssp:S"), "{asp}");
+        let ssp = stale_gradient_advice(SyncMode::Ssp(2), "inverse").unwrap();
+        assert!(ssp.contains("now inverse") && !ssp.contains("--sync"), "{ssp}");
     }
 }
