@@ -861,3 +861,55 @@ fn kernel_grids_grow_with_the_batch_and_the_width() -> Result<()> {
     }
     Ok(())
 }
+
+/// On the fake CUDA, which logs every launch, GEMM, copy, allocation and synchronisation: what
+/// one training step of a three-layer MLP costs the device once warm. Forward: a GEMM and a
+/// bias (+ReLU) kernel per layer, the softmax, one synchronisation to read the loss, and the
+/// batch's two copies in; backward: a weight GEMM per layer, an input GEMM and a ReLU kernel
+/// per layer but the first, and the bias gradient's passes (two launches at 64 rows: one
+/// group pass and the sum); the update: one `sgd` kernel. No allocation after the first step.
+#[test]
+fn a_warm_training_step_costs_what_its_layers_need() -> Result<()> {
+    const TEST: &str = "a_warm_training_step_costs_what_its_layers_need";
+    if !matches!(gpu_test(TEST), GpuRun::Here) {
+        return Ok(());
+    }
+    let Some(log) = gradsync_testkit::WorkLog::here() else {
+        eprintln!("{TEST}: counts are taken on the fake CUDA, which logs the work (a real GPU does not)");
+        return Ok(());
+    };
+    use gradsync_testkit::{CopyKind, Work};
+    let spec = ModelSpec::parse("64-128-128-10")?;
+    let (x, y) = batch(&spec, 64, 3);
+    let mut engine = Engine::new(Device::Cuda { ordinal: 0 }, spec, 1)?;
+    let cfg = SgdConfig { lr: 0.05, momentum: 0.9, weight_decay: 1e-4 };
+    let mut step = |e: &mut Engine| -> Result<()> {
+        e.forward(&x, &y, true)?;
+        e.backward(false)?;
+        e.update(&cfg, 1.0)
+    };
+    step(&mut engine)?;
+    engine.synchronize()?;
+    let mark = log.mark();
+    const STEPS: usize = 3;
+    for _ in 0..STEPS {
+        step(&mut engine)?;
+    }
+    let work = log.since(mark);
+    let count = |f: &dyn Fn(&Work) -> bool| work.iter().filter(|w| f(w)).count() / STEPS;
+    let launches = count(&|w| matches!(w, Work::Kernel(_)));
+    let gemms = count(&|w| matches!(w, Work::Gemm));
+    let allocs = count(&|w| matches!(w, Work::Alloc { .. }));
+    let syncs = count(&|w| matches!(w, Work::Sync));
+    let copies_in = count(&|w| matches!(w, Work::Copy { kind: CopyKind::HtoD, .. }));
+    let copies_out = count(&|w| matches!(w, Work::Copy { kind: CopyKind::DtoH, .. }));
+    eprintln!(
+        "{TEST}: per warm step of 64-128-128-10 at batch 64: {launches} kernel launches, {gemms} GEMMs, \
+         {syncs} synchronisations, {copies_in} copies in, {copies_out} out, {allocs} allocations"
+    );
+    assert_eq!(allocs, 0, "a warm step allocates nothing");
+    assert_eq!(gemms, 3 + 3 + 2, "GEMMs: forward, weight gradients, input gradients");
+    assert_eq!(launches, (3 + 1) + (3 * 2 + 2) + 1, "kernels: forward + softmax, backward, update");
+    assert_eq!((copies_in, copies_out, syncs), (2, 1, 1), "the batch in, the loss out, one wait");
+    Ok(())
+}

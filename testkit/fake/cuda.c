@@ -20,7 +20,9 @@
  * FAKE_CUDA_WORK_LOG naming a file, every kernel launch, GEMM and copy appends one line to it
  * as it happens, after the process id: `PID kernel NAME GX GY GZ BX BY BZ` (its grid and
  * block), so a test can check that a kernel's parallel work grows with its data; `PID gemm`;
- * and `PID copy dtoh|htod|dtod BYTES`, so a test can check when a bucket was staged.
+ * `PID copy dtoh|htod|dtod BYTES`, so a test can check when a bucket was staged; `PID alloc
+ * BYTES` (device or pinned memory) and `PID sync` (a stream, event or context synchronised),
+ * so a test can count what a training step costs.
  *
  * Page-locked host memory (cuMemHostAlloc) is made like device memory, guard page and
  * bookkeeping included: overruns fault, and a pinned buffer alive at exit is a leak.
@@ -647,6 +649,7 @@ EXPORT CUresult cuCtxGetDevice(CUdevice *d) {
 EXPORT CUresult cuCtxSynchronize(void) {
     NEED_INIT();
     if (!current) return CUDA_ERROR_INVALID_CONTEXT;
+    log_work("sync");
     pthread_mutex_lock(&lock);
     for (size_t i = 0; i < n_streams; i++) {
         if (all_streams[i]->device == current->device) drain_locked(all_streams[i], "cuCtxSynchronize");
@@ -706,6 +709,7 @@ EXPORT CUresult cuStreamDestroy_v2(fake_stream *h) {
 
 EXPORT CUresult cuStreamSynchronize(fake_stream *h) {
     NEED_INIT();
+    log_work("sync");
     fake_cuda_stream_drain(h, "cuStreamSynchronize");
     return CUDA_SUCCESS;
 }
@@ -763,6 +767,7 @@ EXPORT CUresult cuEventQuery(fake_event *h) {
 
 EXPORT CUresult cuEventSynchronize(fake_event *h) {
     NEED_INIT();
+    log_work("sync");
     fake_event *e = event_of(h);
     int limit = env_int("FAKE_CUDA_HANG_SECS", 120);
     struct timespec deadline;
@@ -815,6 +820,7 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t size) {
     pthread_mutex_lock(&lock);
     CUresult r = alloc_locked(out, size);
     pthread_mutex_unlock(&lock);
+    if (r == CUDA_SUCCESS) log_work("alloc %zu", size);
     return r;
 }
 
@@ -825,6 +831,7 @@ EXPORT CUresult cuMemAllocAsync(CUdeviceptr *out, size_t size, fake_stream *sh) 
     stream_of(sh);
     CUresult r = alloc_locked(out, size);
     pthread_mutex_unlock(&lock);
+    if (r == CUDA_SUCCESS) log_work("alloc %zu", size);
     return r;
 }
 
@@ -837,6 +844,7 @@ EXPORT CUresult cuMemHostAlloc(void **out, size_t size, unsigned flags) {
     pthread_mutex_lock(&lock);
     CUresult r = alloc_locked(&p, size);
     pthread_mutex_unlock(&lock);
+    if (r == CUDA_SUCCESS) log_work("alloc %zu", size);
     *out = (void *)(uintptr_t)p;
     return r;
 }
@@ -905,7 +913,13 @@ EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, fake_
     if (n == 0) return CUDA_SUCCESS;
     if (!dst) return CUDA_ERROR_INVALID_VALUE;
     fake_cuda_check(src, n, "cuMemcpyDtoH source");
-    if (fake_cuda_is_live((uint64_t)(uintptr_t)dst)) fake_cuda_check((uint64_t)(uintptr_t)dst, n, "cuMemcpyDtoH destination (pinned)");
+    if (fake_cuda_is_live((uint64_t)(uintptr_t)dst)) {
+        fake_cuda_check((uint64_t)(uintptr_t)dst, n, "cuMemcpyDtoH destination (pinned)");
+    } else {
+        /* Into pageable memory the driver returns only once the copy, and so everything queued
+         * before it on the stream, is done: a wait of the host for the device. */
+        log_work("sync");
+    }
     log_work("copy %s %zu", "dtoh", n);
     memcpy(dst, (const void *)(uintptr_t)src, n);
     return CUDA_SUCCESS;

@@ -341,6 +341,13 @@ pub enum Work {
     Kernel(Launch),
     /// A cuBLAS GEMM.
     Gemm,
+    /// An allocation of `bytes` bytes (device or pinned host memory).
+    Alloc {
+        /// Its size.
+        bytes: u64,
+    },
+    /// A wait of the host for the device (a stream, event or context synchronised).
+    Sync,
     /// A copy of `bytes` bytes.
     Copy {
         /// Its direction.
@@ -351,8 +358,8 @@ pub enum Work {
 }
 
 impl Work {
-    /// One line of the log: the process id, then `kernel NAME GX GY GZ BX BY BZ`, `gemm` or
-    /// `copy dtoh|htod|dtod BYTES`.
+    /// One line of the log: the process id, then `kernel NAME GX GY GZ BX BY BZ`, `gemm`,
+    /// `copy dtoh|htod|dtod BYTES`, `alloc BYTES` or `sync`.
     fn parse(line: &str) -> Option<(u32, Work)> {
         let mut words = line.split_whitespace();
         let pid = words.next()?.parse().ok()?;
@@ -364,6 +371,11 @@ impl Work {
                 Work::Kernel(Launch { kernel, grid: [gx, gy, gz], block: [bx, by, bz] })
             }
             "gemm" => words.next().is_none().then_some(Work::Gemm)?,
+            "sync" => words.next().is_none().then_some(Work::Sync)?,
+            "alloc" => {
+                let bytes = words.next()?.parse().ok()?;
+                words.next().is_none().then_some(Work::Alloc { bytes })?
+            }
             "copy" => {
                 let kind = match words.next()? {
                     "dtoh" => CopyKind::DtoH,
@@ -441,7 +453,7 @@ impl WorkLog {
             .into_iter()
             .filter_map(|w| match w {
                 Work::Kernel(l) => Some(l),
-                Work::Gemm | Work::Copy { .. } => None,
+                _ => None,
             })
             .collect()
     }
@@ -498,6 +510,9 @@ mod tests {
         assert_eq!(Work::parse("7 kernel bias_grad 4 1 1 256 1 x"), None);
         assert_eq!(Work::parse("kernel bias_grad 4 1 1 256 1 1"), None, "no process id");
         assert_eq!(Work::parse("8 gemm"), Some((8, Work::Gemm)));
+        assert_eq!(Work::parse("8 sync"), Some((8, Work::Sync)));
+        assert_eq!(Work::parse("8 alloc 64"), Some((8, Work::Alloc { bytes: 64 })));
+        assert_eq!(Work::parse("8 alloc"), None);
         assert_eq!(
             Work::parse("8 copy dtoh 4096"),
             Some((8, Work::Copy { kind: CopyKind::DtoH, bytes: 4096 }))
