@@ -103,9 +103,13 @@ pub struct CollectiveArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     pub ranks_per_host: u64,
     /// A Python with torch, for the gloo rows (default: ~/.cache/gradsync/torch-venv/bin/python
-    /// when it exists).
+    /// when it exists). Given, every gloo row must be measured: the run fails when one cannot be.
     #[arg(long, env = "GRADSYNC_PYTHON")]
     pub python: Option<PathBuf>,
+    /// The folder holding `allreduce.py` (default: `pytorch/` beside this program, then the
+    /// working directory's `bench/pytorch/`).
+    #[arg(long, env = "GRADSYNC_PYTORCH_DIR")]
+    pub pytorch_dir: Option<PathBuf>,
     /// Leave out the gloo rows even when a Python with torch is found.
     #[arg(long)]
     pub no_gloo: bool,
@@ -484,7 +488,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
     );
     let per_host = a.ranks_per_host as usize;
     let sizes = sizes(a);
-    let python = if a.no_gloo { None } else { find_python(a) };
+    let python = if a.no_gloo { None } else { find_python(a)? };
     let each = Duration::from_secs_f64(a.raw_secs);
     let mut clusters = BTreeMap::new();
     let yard = match a.link_gbit {
@@ -596,9 +600,16 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                         .with_context(|| format!("plain sockets, {world} ranks, round {round}"))?,
                 );
             }
-            if let Some(py) = &python {
-                match gloo(py, world, &sizes, a, place) {
+            if let Some(torch) = &python {
+                match gloo(torch, world, &sizes, a, place) {
                     Ok(rows) => gloo_m.add(round, &rows),
+                    Err(e) if torch.required => {
+                        return Err(e.context(format!(
+                            "gloo, {world} ranks, round {round} ({} with {})",
+                            torch.python.display(),
+                            torch.script.display()
+                        )));
+                    }
                     Err(e) => {
                         eprintln!("gradsync-bench collective: gloo, {world} ranks, round {round}: {e:#}")
                     }
