@@ -15,7 +15,8 @@
  * that wait on those events stay busy until the ticket ends. Freeing a buffer that a pending
  * collective still uses (other than in order on that collective's own stream) is fatal.
  *
- * Counters (kernel launches, GEMM calls, collectives, allocations) are printed at exit and
+ * Counters (kernel launches, GEMM calls, collectives, allocations, copies between host and
+ * device memory) are printed at exit and
  * appended to the file named by FAKE_CUDA_REPORT, one `key=value` line per process.
  *
  * Settings (environment): FAKE_CUDA_DEVICES (default 4), FAKE_CUDA_CC (compute capability,
@@ -106,7 +107,7 @@ EXPORT void fake_cuda_fatal(const char *fmt, ...) {
 
 /* ---- counters ---- */
 
-static uint64_t n_launches, n_gemms, n_collectives, n_allocs, n_live, n_peak;
+static uint64_t n_launches, n_gemms, n_collectives, n_allocs, n_live, n_peak, n_host_copies;
 
 EXPORT void fake_cuda_count_gemm(void) { __atomic_fetch_add(&n_gemms, 1, __ATOMIC_RELAXED); }
 EXPORT void fake_cuda_count_collective(void) { __atomic_fetch_add(&n_collectives, 1, __ATOMIC_RELAXED); }
@@ -433,10 +434,11 @@ static void report_at_exit(void) {
     if (!initialized) return;
     char line[512];
     snprintf(line, sizeof line,
-             "pid=%d launches=%llu gemms=%llu collectives=%llu allocations=%llu peak_live=%llu alive_at_exit=%llu\n",
+             "pid=%d launches=%llu gemms=%llu collectives=%llu allocations=%llu peak_live=%llu alive_at_exit=%llu "
+             "host_copies=%llu\n",
              (int)getpid(), (unsigned long long)n_launches, (unsigned long long)n_gemms,
              (unsigned long long)n_collectives, (unsigned long long)n_allocs, (unsigned long long)n_peak,
-             (unsigned long long)n_live);
+             (unsigned long long)n_live, (unsigned long long)n_host_copies);
     fprintf(stderr, "fake-cuda: %s", line);
     const char *path = getenv("FAKE_CUDA_REPORT");
     if (path && *path) {
@@ -836,6 +838,7 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n,
     if (n == 0) return CUDA_SUCCESS;
     if (!src) return CUDA_ERROR_INVALID_VALUE;
     fake_cuda_check(dst, n, "cuMemcpyHtoD destination");
+    __atomic_fetch_add(&n_host_copies, 1, __ATOMIC_RELAXED);
     memcpy((void *)(uintptr_t)dst, src, n);
     return CUDA_SUCCESS;
 }
@@ -846,6 +849,7 @@ EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, fake_
     if (n == 0) return CUDA_SUCCESS;
     if (!dst) return CUDA_ERROR_INVALID_VALUE;
     fake_cuda_check(src, n, "cuMemcpyDtoH source");
+    __atomic_fetch_add(&n_host_copies, 1, __ATOMIC_RELAXED);
     memcpy(dst, (const void *)(uintptr_t)src, n);
     return CUDA_SUCCESS;
 }
