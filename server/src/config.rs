@@ -58,6 +58,17 @@ impl ShardSpec {
     }
 }
 
+/// gradsync parameter server: one shard of the flat parameter buffer over gRPC.
+///
+/// (The command line of `gradsync-server`, public so that tests parse it as the binary does.)
+#[derive(Debug, clap::Parser)]
+#[command(name = "gradsync-server", version, about)]
+pub struct Cli {
+    /// Every flag.
+    #[command(flatten)]
+    pub args: ServerArgs,
+}
+
 /// Flags of `gradsync-server`.
 #[derive(Debug, Clone, Args)]
 pub struct ServerArgs {

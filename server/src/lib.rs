@@ -2,7 +2,7 @@
 //! the flat buffer, and turns workers' gradients into updates under BSP, ASP or SSP.
 //!
 //! # Layout
-//! - [`config`]: the flags ([`ServerArgs`]), `--sync` and `--shard` parsing, the resolved
+//! - [`config`]: the command line ([`Cli`]) and its flags ([`ServerArgs`]), `--sync` and `--shard` parsing, the resolved
 //!   [`Config`].
 //! - [`state`]: the shard's parameters, momentum, membership and the synchronisation rules,
 //!   with no transport (what a push, a timeout or a departure does).
@@ -38,7 +38,7 @@ use tokio_stream::StreamExt;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
 
-pub use config::{Config, ServerArgs, ShardSpec, SyncMode};
+pub use config::{Cli, Config, ServerArgs, ShardSpec, SyncMode};
 pub use error::{Error, Result};
 
 /// One parameter-server shard, ready to serve.

@@ -1,12 +1,5 @@
 use clap::Parser;
-
-/// gradsync parameter server: one shard of the flat parameter buffer over gRPC.
-#[derive(Debug, Parser)]
-#[command(name = "gradsync-server", version, about)]
-struct Cli {
-    #[command(flatten)]
-    args: gradsync_server::ServerArgs,
-}
+use gradsync_server::Cli;
 
 /// Resolves on SIGTERM or Ctrl-C.
 async fn signal() {
