@@ -377,15 +377,21 @@ fn load_plan(plan: &Plan) -> Result<Loaded> {
     Ok(Loaded { _libs: libs, info: record })
 }
 
+/// The outcome of the one attempt per process: the set, or why there is none.
 static LOADED: OnceLock<std::result::Result<Loaded, String>> = OnceLock::new();
 
 /// Choose and load the set (once per process; later calls return the first outcome).
 pub fn load() -> Result<&'static CudaLibs> {
     LOADED
-        .get_or_init(|| plan(&Search::current()).and_then(|p| load_plan(&p)).map_err(|e| e.to_string()))
+        .get_or_init(|| {
+            plan(&Search::current()).and_then(|p| load_plan(&p)).map_err(|e| match e {
+                Error::NoCuda(why) => why,
+                other => other.to_string(),
+            })
+        })
         .as_ref()
         .map(|l| &l.info)
-        .map_err(|e| Error::NoCuda(e.trim_start_matches("CUDA unavailable: ").to_string()))
+        .map_err(|why| Error::NoCuda(why.clone()))
 }
 
 /// The set, when [`load`] has loaded it.
