@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build, on an x86-64 development machine, everything scripts/gpu-check.sh needs on a GPU
-# machine that has no Rust toolchain: stripped release binaries and the GPU test executable,
-# in .gpu/ (ignored by git), small enough to travel with the working tree.
+# machine that has no Rust toolchain: stripped release binaries with the PyTorch scripts beside
+# them (.gpu/bin/pytorch/) and the GPU test executables, in .gpu/ (ignored by git), small
+# enough to travel with the working tree. Then, on the GPU machine:
+#   scripts/gpu-check.sh correctness OUT && scripts/gpu-check.sh bench OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --workspace --bins
@@ -10,6 +12,9 @@ for b in gradsync-server gradsync-worker gradsync-bench; do
   cp "target/release/$b" .gpu/bin/
   strip .gpu/bin/$b
 done
+# The PyTorch scripts the step and collective benchmarks run, where gradsync-bench looks for
+# them at run time: pytorch/ beside the binary.
+cp -r bench/pytorch .gpu/bin/pytorch
 # The GPU test executables: core's (CPU-vs-GPU, training on the GPU, the half-precision
 # kernels), the worker's collectives (NCCL) and DDP's (NCCL with --compress fp16|bf16), each
 # as one file.

@@ -1,6 +1,7 @@
 //! Builds the fake CUDA libraries (fake/*.c, and core's kernels compiled for the host) into
 //! `$OUT_DIR/fake-cuda`, under the names cudarc and gradsync look for: `libcuda.so.1`,
-//! `libcublas.so.13` and `libnccl.so.2` (the name NCCL really has; gradsync must find it).
+//! `libcublas.so.13` with the `libcublasLt.so.13` it needs, and `libnccl.so.2` (the name NCCL
+//! really has; gradsync must find it).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -42,7 +43,9 @@ fn main() {
     std::fs::create_dir_all(&out).expect("create the fake-cuda folder");
     let fake = manifest.join("fake");
     let kernels = manifest.join("../core/src/device/cuda_kernels.cu");
-    for f in ["fake.h", "kernels.h", "cuda_host.h", "cuda.c", "kernels.cpp", "cublas.c", "nccl.c"] {
+    for f in
+        ["fake.h", "kernels.h", "cuda_host.h", "cuda.c", "kernels.cpp", "cublas.c", "cublaslt.c", "nccl.c"]
+    {
         println!("cargo::rerun-if-changed={}", fake.join(f).display());
     }
     println!("cargo::rerun-if-changed={}", kernels.display());
@@ -52,11 +55,17 @@ fn main() {
     let defines = vec![include, format!("-DGRADSYNC_KERNELS_SOURCE=\"{}\"", kernels.display())];
     shared(&out, "libcuda.so.1", &[fake.join("cuda.c"), fake.join("kernels.cpp")], &[], &defines);
     let cuda = vec![out.join("libcuda.so.1")];
-    shared(&out, "libcublas.so.13", &[fake.join("cublas.c")], &cuda, &defines);
+    shared(&out, "libcublasLt.so.13", &[fake.join("cublaslt.c")], &[], &defines);
+    let blas_needs = vec![out.join("libcuda.so.1"), out.join("libcublasLt.so.13")];
+    shared(&out, "libcublas.so.13", &[fake.join("cublas.c")], &blas_needs, &defines);
     shared(&out, "libnccl.so.2", &[fake.join("nccl.c")], &cuda, &defines);
     // cudarc tries the unversioned names first; they must find the fake, not a system library.
     // NCCL deliberately has no such link: gradsync itself must find libnccl.so.2.
-    for (link, target) in [("libcuda.so", "libcuda.so.1"), ("libcublas.so", "libcublas.so.13")] {
+    for (link, target) in [
+        ("libcuda.so", "libcuda.so.1"),
+        ("libcublas.so", "libcublas.so.13"),
+        ("libcublasLt.so", "libcublasLt.so.13"),
+    ] {
         let link = out.join(link);
         let _ = std::fs::remove_file(&link);
         std::os::unix::fs::symlink(target, &link).expect("link the fake library's unversioned name");

@@ -15,6 +15,8 @@
 //!   shaped links.
 //! - [`rawtcp`]: the raw TCP bandwidth of the machine, the yardstick for every network figure.
 //! - [`table`]: plain-text tables shared by every benchmark's output.
+//! - [`pytorch`]: where the PyTorch scripts are, found at run time beside the binary or in the
+//!   working directory (`--pytorch-dir` overrides).
 //! - [`compare`]: the comparison runner (`compare`: scenario, processes, results) and the
 //!   charts and report built from run directories (`plot`), with the alpha-beta cost model.
 //! - [`cluster`]: emulated hosts (network namespaces, veth, a bridge, tc-shaped links) and
@@ -28,6 +30,7 @@ pub mod diff;
 pub mod hosts;
 pub mod overlap;
 pub mod ps;
+pub mod pytorch;
 pub mod rawtcp;
 pub mod step;
 pub mod table;

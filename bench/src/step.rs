@@ -1,12 +1,13 @@
 //! `gradsync-bench step`: the time of one training step (forward + backward + update) and the
 //! GFLOP/s it reaches, for each device asked for, with PyTorch eager on the same shapes in the
-//! same run when a Python with torch is available (`--python`).
+//! same run when a Python with torch is given (`--python`): then every PyTorch row must be
+//! there, and the run fails, naming why, when one cannot be measured.
 //!
 //! PyTorch's script makes its batch on the device once; gradsync copies the batch to the
 //! device before every forward, as training does. So the step compared is the compute (forward,
 //! backward, update) on a batch already there, and the copy is timed apart (`input ms`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
@@ -32,6 +33,9 @@ pub struct StepArgs {
     /// CPU thread counts to time.
     #[arg(long, default_value = "1,2", value_delimiter = ',')]
     pub threads: Vec<usize>,
+    /// Time the CPU at each of --threads (false: the GPU alone).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub cpu: bool,
     /// Also time CUDA device 0 when one can be used.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub gpu: bool,
@@ -45,9 +49,14 @@ pub struct StepArgs {
     /// Warm-up steps per configuration.
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
-    /// A Python with torch: run the same MLP in PyTorch eager beside gradsync.
+    /// A Python with torch: run the same MLP in PyTorch eager beside gradsync. Every PyTorch
+    /// row must then be measured; the run fails when one cannot be.
     #[arg(long, env = "GRADSYNC_PYTHON")]
     pub python: Option<PathBuf>,
+    /// The folder holding the PyTorch scripts (default: `pytorch/` beside this program, then
+    /// the working directory's `bench/pytorch/`).
+    #[arg(long, env = "GRADSYNC_PYTORCH_DIR")]
+    pub pytorch_dir: Option<PathBuf>,
     /// Write the figures as JSON lines here too.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -139,18 +148,18 @@ pub fn time_gradsync(
     })
 }
 
-/// Time PyTorch eager through `bench/pytorch/step.py`.
+/// Time PyTorch eager through `script` (`bench/pytorch/step.py`).
 fn time_pytorch(
-    python: &PathBuf,
+    (python, script): (&Path, &Path),
     device: &str,
     threads: usize,
     spec: &ModelSpec,
     batch: usize,
     a: &StepArgs,
 ) -> anyhow::Result<StepFigure> {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/pytorch/step.py");
     let out = Command::new(python)
-        .args([script, "--device", device, "--threads", &threads.to_string(), "--widths", &spec.widths_str()])
+        .arg(script)
+        .args(["--device", device, "--threads", &threads.to_string(), "--widths", &spec.widths_str()])
         .args([
             "--batch",
             &batch.to_string(),
@@ -198,11 +207,20 @@ fn median_round(mut rounds: Vec<StepFigure>) -> Option<StepFigure> {
 
 /// Run the benchmark and print its table.
 pub fn run(a: &StepArgs) -> anyhow::Result<()> {
-    let mut devices: Vec<Device> = a.threads.iter().map(|&t| Device::Cpu { threads: t }).collect();
+    anyhow::ensure!(a.cpu || a.gpu, "--cpu false and --gpu false leave nothing to time");
+    // The script is found before anything is timed: a PyTorch row asked for and impossible is
+    // an error now, not a warning after minutes of work.
+    let torch = match &a.python {
+        Some(py) => Some((py.as_path(), crate::pytorch::find("step.py", a.pytorch_dir.as_deref())?)),
+        None => None,
+    };
+    let mut devices: Vec<Device> =
+        if a.cpu { a.threads.iter().map(|&t| Device::Cpu { threads: t }).collect() } else { Vec::new() };
     if a.gpu {
         match Device::resolve(DeviceRequest::Cuda(0), 0) {
             Ok(d) => devices.push(d),
-            Err(e) => eprintln!("gradsync-bench step: GPU skipped: {e}"),
+            Err(e) if a.cpu => eprintln!("gradsync-bench step: GPU skipped: {e}"),
+            Err(e) => anyhow::bail!("--cpu false, and the GPU cannot be used: {e}"),
         }
     }
     let mut table = Table::new(&[
@@ -228,11 +246,18 @@ pub fn run(a: &StepArgs) -> anyhow::Result<()> {
                 let (mut ours_rounds, mut torch_rounds) = (Vec::new(), Vec::new());
                 for _ in 0..a.rounds.max(1) {
                     let ours = time_gradsync(dev, &spec, batch, a.warmup, a.steps)?;
-                    if let Some(py) = &a.python {
-                        match time_pytorch(py, &dev.label(), ours.threads, &spec, batch, a) {
-                            Ok(t) => torch_rounds.push(t),
-                            Err(e) => eprintln!("gradsync-bench step: PyTorch skipped: {e:#}"),
-                        }
+                    if let Some((py, script)) = &torch {
+                        let t = time_pytorch((py, script), &dev.label(), ours.threads, &spec, batch, a)
+                            .with_context(|| {
+                                format!(
+                                    "PyTorch row {} batch {batch} on {} ({} with {})",
+                                    spec.name,
+                                    dev.label(),
+                                    py.display(),
+                                    script.display()
+                                )
+                            })?;
+                        torch_rounds.push(t);
                     }
                     ours_rounds.push(ours);
                 }

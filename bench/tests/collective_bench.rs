@@ -145,13 +145,25 @@ fn threads_on_request_labelled_so() {
 }
 
 #[test]
-fn a_python_without_torch_skips_gloo_and_says_how_to_install_it() {
-    let out = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
-        .args(["collective", "--backend", "tcp", "--transport", "tcp", "--ranks", "2"])
-        .args(["--min-bytes", "4096", "--max-bytes", "4096", "--raw-secs", "0.1", "--rounds", "1"])
-        .args(["--python", "/bin/false"])
-        .output()
-        .unwrap();
+fn a_python_without_torch_fails_when_given_and_skips_gloo_otherwise() {
+    let run = |extra: &[&str], home: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
+            .args(["collective", "--backend", "tcp", "--transport", "tcp", "--ranks", "2"])
+            .args(["--min-bytes", "4096", "--max-bytes", "4096", "--raw-secs", "0.1", "--rounds", "1"])
+            .args(extra)
+            .env("HOME", home)
+            .env_remove("GRADSYNC_PYTHON")
+            .output()
+            .unwrap()
+    };
+    // Asked for with --python: gloo rows that cannot be measured fail the run, saying why.
+    let home = gradsync_testkit::Scratch::new("no-torch-home");
+    let out = run(&["--python", "/bin/false"], &home);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("/bin/false") && stderr.contains("pip install torch"), "{stderr}");
+    // Not asked for, and no conventional environment: skipped, with how to get one.
+    let out = run(&[], &home);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("gloo rows skipped") && stderr.contains("pip install torch"), "{stderr}");
@@ -159,6 +171,26 @@ fn a_python_without_torch_skips_gloo_and_says_how_to_install_it() {
     let backends: Vec<&str> =
         stdout.lines().filter_map(|l| l.split('|').nth(3).map(str::trim)).filter(|b| !b.is_empty()).collect();
     assert!(backends.contains(&"tcp") && !backends.contains(&"gloo"), "{stdout}");
+}
+
+/// With --python, a gloo script found nowhere is an error naming every folder looked in.
+#[test]
+fn a_missing_gloo_script_with_python_is_an_error_naming_where_it_looked() {
+    let dir = gradsync_testkit::Scratch::new("no-script");
+    let python = fake_gloo_python(&dir);
+    let out = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
+        .args(["collective", "--backend", "tcp", "--transport", "tcp", "--ranks", "2", "--no-plain"])
+        .args(["--min-bytes", "4096", "--max-bytes", "4096", "--raw-secs", "0.1", "--rounds", "1"])
+        .arg("--python")
+        .arg(&python)
+        .current_dir(&dir)
+        .env_remove("GRADSYNC_PYTORCH_DIR")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("allreduce.py was not found"), "{stderr}");
+    assert!(stderr.contains(&dir.join("bench/pytorch").display().to_string()), "{stderr}");
 }
 
 #[test]
@@ -251,6 +283,7 @@ fn vs_gloo_shows_the_rounds_spread() {
             .args(["--min-bytes", "65536", "--max-bytes", "65536", "--raw-secs", "0.1", "--rounds", rounds])
             .arg("--python")
             .arg(&python)
+            .args(["--pytorch-dir", concat!(env!("CARGO_MANIFEST_DIR"), "/pytorch")])
             .output()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();

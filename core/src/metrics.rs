@@ -74,6 +74,9 @@ pub struct Header {
     pub cores: usize,
     /// GPU name, when the device is a GPU.
     pub gpu: Option<String>,
+    /// The CUDA libraries loaded (each one's path and version), when the device is a GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_libs: Option<Box<crate::device::libs::CudaLibs>>,
     /// Unix time (ms) when the run started.
     pub start_unix_ms: u64,
     /// Anything mode-specific (bucket size, servers, shard, staleness bound).

@@ -883,7 +883,7 @@ fn a_warm_training_step_costs_what_its_layers_need() -> Result<()> {
     let (x, y) = batch(&spec, 64, 3);
     let mut engine = Engine::new(Device::Cuda { ordinal: 0 }, spec, 1)?;
     let cfg = SgdConfig { lr: 0.05, momentum: 0.9, weight_decay: 1e-4 };
-    let mut step = |e: &mut Engine| -> Result<()> {
+    let step = |e: &mut Engine| -> Result<()> {
         e.forward(&x, &y, true)?;
         e.backward(false)?;
         e.update(&cfg, 1.0)
@@ -912,4 +912,82 @@ fn a_warm_training_step_costs_what_its_layers_need() -> Result<()> {
     assert_eq!(launches, (3 + 1) + (3 * 2 + 2) + 1, "kernels: forward + softmax, backward, update");
     assert_eq!((copies_in, copies_out, syncs), (2, 1, 1), "the batch in, the loss out, one wait");
     Ok(())
+}
+
+/// Run `body` against the fake CUDA with `GRADSYNC_CUDA_LIBS` naming a folder of links to the
+/// fake's cuBLAS (with its cuBLASLt when `with_lt`) and NCCL and to NVRTC: one folder holding
+/// the whole set, or a set missing a piece. On a real GPU the machine's own libraries are used
+/// instead, and only their consistency is checked.
+fn with_libs_folder(
+    test: &str,
+    with_lt: bool,
+    body: impl FnOnce(&std::path::Path) -> Result<()>,
+) -> Result<()> {
+    use gradsync_core::device::libs;
+    if let Some(dir) = std::env::var_os(gradsync_testkit::CHILD_ENV).and(std::env::var_os(libs::ENV)) {
+        return body(std::path::Path::new(&dir));
+    }
+    // A real GPU: its machine's own libraries, which need no NVRTC from the wheels.
+    let real = |test: &str| -> Result<()> {
+        let set = libs::load()?;
+        eprintln!("{test}: a real GPU's libraries: {set}");
+        assert_eq!(set.cublas.path.parent(), set.cublas_lt.path.parent(), "{set}");
+        Ok(())
+    };
+    if cuda::probe(0).is_ok() {
+        return real(test);
+    }
+    let tools = match gradsync_testkit::tools() {
+        Ok(t) => t,
+        Err(e) if !gradsync_testkit::in_ci() => {
+            eprintln!("SKIPPED ({e}) [{test}]");
+            return Ok(());
+        }
+        Err(e) => panic!("{test}: {e}"),
+    };
+    let dir = gradsync_testkit::Scratch::new("cuda-libs");
+    let fake = gradsync_testkit::fake_cuda_dir();
+    let mut targets = vec![fake.join("libcublas.so.13"), fake.join("libnccl.so.2")];
+    if with_lt {
+        targets.push(fake.join("libcublasLt.so.13"));
+    }
+    for e in std::fs::read_dir(&tools.lib_dir).unwrap().flatten() {
+        if e.file_name().to_string_lossy().starts_with("libnvrtc") {
+            targets.push(e.path());
+        }
+    }
+    for t in &targets {
+        std::os::unix::fs::symlink(t, dir.join(t.file_name().unwrap())).unwrap();
+    }
+    match gradsync_testkit::gpu_test_with_env(test, &[(libs::ENV, dir.as_os_str())]) {
+        GpuRun::Here => real(test),
+        GpuRun::Fake(_) | GpuRun::Skipped => Ok(()),
+    }
+}
+
+#[test]
+fn cuda_libraries_are_one_set_from_the_folder_given() -> Result<()> {
+    with_libs_folder("cuda_libraries_are_one_set_from_the_folder_given", true, |dir| {
+        drop(Cuda::new(0)?);
+        let set = gradsync_core::device::libs::loaded().expect("loaded with the device");
+        let nccl = set.nccl.as_ref().expect("the fake NCCL is in the folder");
+        for lib in [&set.cublas, &set.cublas_lt, &set.nvrtc, nccl] {
+            assert_eq!(lib.path.parent(), Some(dir), "{set}");
+            assert!(lib.version.is_some(), "{set}");
+        }
+        // As the fake libraries report themselves.
+        assert_eq!(set.cublas.version.as_deref(), Some("13.0.0"), "{set}");
+        assert_eq!(set.cublas_lt.version.as_deref(), Some("13.0.0"), "{set}");
+        Ok(())
+    })
+}
+
+#[test]
+fn a_folder_with_cublas_and_no_cublaslt_is_refused_by_name() -> Result<()> {
+    with_libs_folder("a_folder_with_cublas_and_no_cublaslt_is_refused_by_name", false, |dir| {
+        let e = Cuda::new(0).expect_err("a cuBLAS without its cuBLASLt is refused").to_string();
+        assert!(e.contains(&dir.display().to_string()) && e.contains("libcublasLt"), "{e}");
+        assert!(gradsync_core::device::libs::loaded().is_none());
+        Ok(())
+    })
 }

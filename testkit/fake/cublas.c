@@ -1,4 +1,5 @@
-/* A fake cuBLAS (libcublas.so.13) over the fake driver: a reference column-major SGEMM that
+/* A fake cuBLAS (libcublas.so.13, needing libcublasLt.so.13 beside it as the real one does)
+ * over the fake driver: a reference column-major SGEMM that
  * enforces BLAS's argument rules (an error status plus a loud line on stderr, as a wrong
  * leading dimension is a bug even where a real GPU happens to compute something), and checks
  * every matrix's whole extent against the live device allocations. */
@@ -31,6 +32,13 @@ static fake_blas *handle_of(void *h) {
     fake_blas *b = h;
     if (!b || b->magic != HANDLE_MAGIC) fake_cuda_fatal("cuBLAS: %p is not a live handle", h);
     return b;
+}
+
+/* cublasGetProperty(MAJOR_VERSION = 0, MINOR_VERSION = 1, PATCH_LEVEL = 2): 13.0.0. */
+EXPORT cublasStatus_t cublasGetProperty(int type, int *value) {
+    if (!value || type < 0 || type > 2) return CUBLAS_STATUS_INVALID_VALUE;
+    *value = type == 0 ? 13 : 0;
+    return CUBLAS_STATUS_SUCCESS;
 }
 
 EXPORT cublasStatus_t cublasCreate_v2(fake_blas **out) {

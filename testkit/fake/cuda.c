@@ -15,8 +15,9 @@
  * that wait on those events stay busy until the ticket ends. Freeing a buffer that a pending
  * collective still uses (other than in order on that collective's own stream) is fatal.
  *
- * Counters (kernel launches, GEMM calls, collectives, allocations) are printed at exit and
- * appended to the file named by FAKE_CUDA_REPORT, one `key=value` line per process. With
+ * Counters (kernel launches, GEMM calls, collectives, allocations, copies between host and
+ * device memory) are printed at exit and appended to the file named by FAKE_CUDA_REPORT, one
+ * `key=value` line per process. With
  * FAKE_CUDA_WORK_LOG naming a file, every kernel launch, GEMM and copy appends one line to it
  * as it happens, after the process id: `PID kernel NAME GX GY GZ BX BY BZ` (its grid and
  * block), so a test can check that a kernel's parallel work grows with its data; `PID gemm`;
@@ -141,7 +142,7 @@ __attribute__((format(printf, 1, 2))) static void log_work(const char *fmt, ...)
 
 /* ---- counters ---- */
 
-static uint64_t n_launches, n_gemms, n_collectives, n_allocs, n_live, n_peak;
+static uint64_t n_launches, n_gemms, n_collectives, n_allocs, n_live, n_peak, n_host_copies;
 
 EXPORT void fake_cuda_count_gemm(void) {
     __atomic_fetch_add(&n_gemms, 1, __ATOMIC_RELAXED);
@@ -471,10 +472,11 @@ static void report_at_exit(void) {
     if (!initialized) return;
     char line[512];
     snprintf(line, sizeof line,
-             "pid=%d launches=%llu gemms=%llu collectives=%llu allocations=%llu peak_live=%llu alive_at_exit=%llu\n",
+             "pid=%d launches=%llu gemms=%llu collectives=%llu allocations=%llu peak_live=%llu alive_at_exit=%llu "
+             "host_copies=%llu\n",
              (int)getpid(), (unsigned long long)n_launches, (unsigned long long)n_gemms,
              (unsigned long long)n_collectives, (unsigned long long)n_allocs, (unsigned long long)n_peak,
-             (unsigned long long)n_live);
+             (unsigned long long)n_live, (unsigned long long)n_host_copies);
     fprintf(stderr, "fake-cuda: %s", line);
     const char *path = getenv("FAKE_CUDA_REPORT");
     if (path && *path) {
@@ -903,6 +905,7 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n,
     fake_cuda_check(dst, n, "cuMemcpyHtoD destination");
     if (fake_cuda_is_live((uint64_t)(uintptr_t)src)) fake_cuda_check((uint64_t)(uintptr_t)src, n, "cuMemcpyHtoD source (pinned)");
     log_work("copy %s %zu", "htod", n);
+    __atomic_fetch_add(&n_host_copies, 1, __ATOMIC_RELAXED);
     memcpy((void *)(uintptr_t)dst, src, n);
     return CUDA_SUCCESS;
 }
@@ -921,6 +924,7 @@ EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, fake_
         log_work("sync");
     }
     log_work("copy %s %zu", "dtoh", n);
+    __atomic_fetch_add(&n_host_copies, 1, __ATOMIC_RELAXED);
     memcpy(dst, (const void *)(uintptr_t)src, n);
     return CUDA_SUCCESS;
 }

@@ -124,6 +124,8 @@ pub struct Counters {
     /// Allocations still alive when a process exited (a failure; the fake also fails the
     /// process).
     pub alive_at_exit: u64,
+    /// Copies between host and device memory (`cuMemcpyHtoD`, `cuMemcpyDtoH`, either form).
+    pub host_copies: u64,
 }
 
 impl fmt::Display for Counters {
@@ -131,14 +133,15 @@ impl fmt::Display for Counters {
         write!(
             f,
             "{} process(es): {} kernel launches, {} GEMM calls, {} collectives, {} allocations (at most {} alive at \
-             once), {} alive at exit",
+             once), {} alive at exit, {} host copies",
             self.processes,
             self.launches,
             self.gemms,
             self.collectives,
             self.allocations,
             self.peak_live,
-            self.alive_at_exit
+            self.alive_at_exit,
+            self.host_copies
         )
     }
 }
@@ -159,6 +162,7 @@ impl Counters {
                     "allocations" => c.allocations += v,
                     "peak_live" => c.peak_live = c.peak_live.max(v),
                     "alive_at_exit" => c.alive_at_exit += v,
+                    "host_copies" => c.host_copies += v,
                     _ => {}
                 }
             }
@@ -523,7 +527,7 @@ mod tests {
 
     #[test]
     fn counters_sum_every_process() {
-        let report = "pid=1 launches=3 gemms=2 collectives=0 allocations=5 peak_live=4 alive_at_exit=0\n\
+        let report = "pid=1 launches=3 gemms=2 collectives=0 allocations=5 peak_live=4 alive_at_exit=0 host_copies=2\n\
                       pid=2 launches=1 gemms=4 collectives=6 allocations=2 peak_live=2 alive_at_exit=1\n";
         let c = Counters::parse(report);
         assert_eq!(
@@ -535,7 +539,8 @@ mod tests {
                 collectives: 6,
                 allocations: 7,
                 peak_live: 4,
-                alive_at_exit: 1
+                alive_at_exit: 1,
+                host_copies: 2
             }
         );
     }

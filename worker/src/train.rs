@@ -139,6 +139,13 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             host: host.host,
             cores: host.cores,
             gpu: engine.gpu_name(),
+            cuda_libs: engine
+                .gpu_name()
+                .is_some()
+                .then(gradsync_core::device::libs::loaded)
+                .flatten()
+                .cloned()
+                .map(Box::new),
             start_unix_ms: start_ms,
             extra,
         }))?;
@@ -371,6 +378,11 @@ impl Progress {
                 engine.describe(),
                 total
             );
+            if let Some(libs) =
+                engine.gpu_name().is_some().then(gradsync_core::device::libs::loaded).flatten()
+            {
+                eprintln!("gradsync: CUDA libraries: {libs}");
+            }
         }
         let bar = (enabled && std::io::stderr().is_terminal()).then(|| {
             let b = ProgressBar::new(total);

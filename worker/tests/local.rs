@@ -210,3 +210,47 @@ fn digits_is_built_in_and_takes_no_argument() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("built in"), "{}", stderr(&o));
 }
+
+/// On a GPU the worker names the CUDA libraries it loaded, each with its version, on the line
+/// after its start line, and writes the same into the metrics header: cuBLAS and cuBLASLt from
+/// one folder. Runs against the fake CUDA where there is no GPU.
+#[test]
+fn a_gpu_run_names_its_cuda_libraries_in_its_start_line_and_metrics() {
+    const TEST: &str = "a_gpu_run_names_its_cuda_libraries_in_its_start_line_and_metrics";
+    if !matches!(gradsync_testkit::gpu_test(TEST), gradsync_testkit::GpuRun::Here) {
+        return;
+    }
+    let d = tmp("cuda-libs");
+    let metrics = d.join("m.jsonl");
+    let o = worker(&[
+        "--device",
+        "cuda",
+        "--model",
+        "tiny",
+        "--data",
+        "synthetic:64:32:8",
+        "--steps",
+        "2",
+        "--eval-every",
+        "0",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("gradsync: CUDA libraries: cuBLAS "))
+        .unwrap_or_else(|| panic!("no CUDA libraries line in: {err}"));
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    let header: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    let libs = &header["cuda_libs"];
+    let path = |k: &str| {
+        std::path::PathBuf::from(libs[k]["path"].as_str().unwrap_or_else(|| panic!("no {k} in {libs}")))
+    };
+    assert_eq!(path("cublas").parent(), path("cublas_lt").parent(), "{libs}");
+    assert!(libs["cublas"]["version"].is_string() && libs["nvrtc"]["version"].is_string(), "{libs}");
+    for k in ["cublas", "cublas_lt", "nvrtc"] {
+        assert!(line.contains(&path(k).display().to_string()), "{line} lacks {k}");
+    }
+}

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use gradsync_worker::collective::{Collective, Hierarchy, Nccl, RingConfig, TcpComm, Transport, nccl};
+use gradsync_worker::collective::{After, Collective, Hierarchy, Nccl, RingConfig, TcpComm, Transport, nccl};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
 use crate::cluster::net::{self, Cluster, Shape};
@@ -103,9 +103,13 @@ pub struct CollectiveArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     pub ranks_per_host: u64,
     /// A Python with torch, for the gloo rows (default: ~/.cache/gradsync/torch-venv/bin/python
-    /// when it exists).
+    /// when it exists). Given, every gloo row must be measured: the run fails when one cannot be.
     #[arg(long, env = "GRADSYNC_PYTHON")]
     pub python: Option<PathBuf>,
+    /// The folder holding `allreduce.py` (default: `pytorch/` beside this program, then the
+    /// working directory's `bench/pytorch/`).
+    #[arg(long, env = "GRADSYNC_PYTORCH_DIR")]
+    pub pytorch_dir: Option<PathBuf>,
     /// Leave out the gloo rows even when a Python with torch is found.
     #[arg(long)]
     pub no_gloo: bool,
@@ -154,14 +158,17 @@ pub struct RankArgs {
 
 /// One measured row.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-struct Row {
-    bytes: usize,
+pub struct Row {
+    /// Buffer size.
+    pub bytes: usize,
+    /// Seconds per all-reduce.
     #[serde(rename = "seconds")]
-    secs: f64,
-    wrong: usize,
+    pub secs: f64,
+    /// Values that differ from the expected sum.
+    pub wrong: usize,
     /// Core-seconds the whole machine was busy per iteration (rank 0 alone measures it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    busy: Option<f64>,
+    pub busy: Option<f64>,
 }
 
 impl Row {
@@ -397,11 +404,46 @@ fn tcp_threads(
     Ok((slowest(all)?, ran))
 }
 
-/// NCCL at world size 1 (one GPU here): what the library costs with no peer.
-fn nccl_single(sizes: &[usize], a: &CollectiveArgs) -> anyhow::Result<Vec<Row>> {
+/// NCCL at world size 1 (one GPU here): what the library costs with no peer, measured as
+/// nccl-tests measures it. Each size's buffer lives in GPU memory: it is copied in once,
+/// checked after one all-reduce, and then `iters` all-reduces are queued back to back on
+/// NCCL's stream, with no copy to or from the host and no wait on the host in between; the
+/// time is the GPU's, between two CUDA events recorded on that stream around them.
+pub fn nccl_single(sizes: &[usize], budget: usize) -> anyhow::Result<Vec<Row>> {
+    use cudarc::driver::DevicePtr;
+    use cudarc::driver::sys::CUevent_flags;
     let id = nccl::unique_id()?;
     let mut c = Nccl::new(0, 0, 1, &id, Duration::from_secs(60))?;
-    time_rank(&mut c, sizes, a.budget_bytes, |_| {})
+    let stream = c.stream().clone();
+    let mut rows = Vec::new();
+    for &bytes in sizes {
+        let n = bytes / 4;
+        let host: Vec<f32> = (0..n).map(|i| input(0, i)).collect();
+        let buf = stream.clone_htod(&host).context("copying the buffer to the GPU")?;
+        let ptr = {
+            let (ptr, _record) = buf.device_ptr(&stream);
+            ptr
+        };
+        // SAFETY: `buf` holds n values on this communicator's GPU and outlives every wait
+        // below (an error returns only after the communicator was aborted and drained).
+        unsafe { c.all_reduce_device_after(ptr, n, After::Stream(&stream)) }?;
+        c.wait_all()?;
+        let back = stream.clone_dtoh(&buf).context("copying the result back")?;
+        // One rank: the sum is its own input.
+        let wrong = back.iter().enumerate().filter(|&(i, &v)| v != input(0, i)).count();
+        let iters = (budget / bytes.max(1)).clamp(3, 200);
+        let timed = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let start = stream.record_event(timed).context("recording the start event")?;
+        for _ in 0..iters {
+            // SAFETY: as above.
+            unsafe { c.all_reduce_device_after(ptr, n, After::Stream(&stream)) }?;
+        }
+        let end = stream.record_event(timed).context("recording the end event")?;
+        c.wait_all()?;
+        let ms = start.elapsed_ms(&end).context("reading the events' times")?;
+        rows.push(Row { bytes: n * 4, secs: f64::from(ms) / 1e3 / iters as f64, wrong, busy: None });
+    }
+    Ok(rows)
 }
 
 fn human(bytes: usize) -> String {
@@ -484,7 +526,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
     );
     let per_host = a.ranks_per_host as usize;
     let sizes = sizes(a);
-    let python = if a.no_gloo { None } else { find_python(a) };
+    let python = if a.no_gloo { None } else { find_python(a)? };
     let each = Duration::from_secs_f64(a.raw_secs);
     let mut clusters = BTreeMap::new();
     let yard = match a.link_gbit {
@@ -583,7 +625,7 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                         };
                         (rows, label, path)
                     }
-                    _ => (nccl_single(&sizes, a)?, "-".to_string(), "-".to_string()),
+                    _ => (nccl_single(&sizes, a.budget_bytes)?, "-".to_string(), "-".to_string()),
                 };
                 m.add(round, &rows);
                 m.label = label;
@@ -596,9 +638,16 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
                         .with_context(|| format!("plain sockets, {world} ranks, round {round}"))?,
                 );
             }
-            if let Some(py) = &python {
-                match gloo(py, world, &sizes, a, place) {
+            if let Some(torch) = &python {
+                match gloo(torch, world, &sizes, a, place) {
                     Ok(rows) => gloo_m.add(round, &rows),
+                    Err(e) if torch.required => {
+                        return Err(e.context(format!(
+                            "gloo, {world} ranks, round {round} ({} with {})",
+                            torch.python.display(),
+                            torch.script.display()
+                        )));
+                    }
                     Err(e) => {
                         eprintln!("gradsync-bench collective: gloo, {world} ranks, round {round}: {e:#}")
                     }
@@ -710,7 +759,9 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
          core-seconds the whole machine was busy (/proc/stat: user, system, interrupts, every \
          process and the kernel's own threads) per GB an all-reduce moves between ranks \
          (2(n-1) x the buffer), median over rounds, measured by rank 0 over its timed loop: \
-         where the ranks fill the cores, busbw follows it.",
+         where the ranks fill the cores, busbw follows it. nccl: buffers resident in GPU memory, \
+         all-reduces queued back to back on NCCL's stream and timed by CUDA events around them \
+         (nccl-tests' way; no host copy, no host wait in the timed loop).",
         a.rounds
     );
     Ok(())

@@ -209,17 +209,17 @@ pub(super) fn plain_processes(
 
 /// PyTorch gloo through `bench/pytorch/allreduce.py`, one process per rank.
 pub(super) fn gloo(
-    python: &Path,
+    torch: &Torch,
     world: usize,
     sizes: &[usize],
     a: &CollectiveArgs,
     place: Place<'_>,
 ) -> anyhow::Result<Vec<Row>> {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/pytorch/allreduce.py");
     let list: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
     let (rows, _) = processes(world, place, |rank, master| {
-        let mut c = place.command(rank, python)?;
-        c.args([script, "--rank", &rank.to_string(), "--world", &world.to_string()])
+        let mut c = place.command(rank, &torch.python)?;
+        c.arg(&torch.script)
+            .args(["--rank", &rank.to_string(), "--world", &world.to_string()])
             .args(["--master", master, "--sizes", &list.join(",")])
             .args(["--budget-bytes", &a.budget_bytes.to_string()]);
         Ok(c)
@@ -227,33 +227,59 @@ pub(super) fn gloo(
     Ok(rows)
 }
 
-/// The Python to run gloo with: `--python`, else the conventional virtual environment when
-/// it exists; `None` (with a note on how to get one) when there is none or it lacks torch.
-pub(super) fn find_python(a: &CollectiveArgs) -> Option<PathBuf> {
-    let conventional =
-        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/gradsync/torch-venv/bin/python"));
-    let py = a.python.clone().or_else(|| conventional.filter(|p| p.exists()));
+/// What the gloo rows run: a Python with torch and `bench/pytorch/allreduce.py`.
+#[derive(Debug, Clone)]
+pub(super) struct Torch {
+    pub python: PathBuf,
+    pub script: PathBuf,
+    /// Given with `--python`: every gloo row must then be measured.
+    pub required: bool,
+}
+
+/// The Python to run gloo with, and its script. With `--python` both must be usable, else an
+/// error naming what is missing; otherwise the conventional virtual environment when it
+/// exists, and `None` (with a note on how to get one) when there is none or it lacks torch.
+pub(super) fn find_python(a: &CollectiveArgs) -> anyhow::Result<Option<Torch>> {
     let how = "python3 -m venv ~/.cache/gradsync/torch-venv && \
                ~/.cache/gradsync/torch-venv/bin/pip install torch (or pass --python / GRADSYNC_PYTHON)";
-    let Some(py) = py else {
+    let has_gloo = |py: &Path| {
+        Command::new(py)
+            .args(["-c", "import torch.distributed as d; assert d.is_gloo_available()"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if let Some(py) = &a.python {
+        anyhow::ensure!(
+            has_gloo(py),
+            "--python {}: it has no torch with gloo, so the gloo rows asked for cannot be measured; {how}",
+            py.display()
+        );
+        let script = crate::pytorch::find("allreduce.py", a.pytorch_dir.as_deref())?;
+        return Ok(Some(Torch { python: py.clone(), script, required: true }));
+    }
+    let conventional =
+        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/gradsync/torch-venv/bin/python"));
+    let Some(py) = conventional.filter(|p| p.exists()) else {
         eprintln!(
             "gradsync-bench collective: gloo rows skipped: no Python with torch found; install one: {how}"
         );
-        return None;
+        return Ok(None);
     };
-    let ok = Command::new(&py)
-        .args(["-c", "import torch.distributed as d; assert d.is_gloo_available()"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
+    if !has_gloo(&py) {
         eprintln!(
             "gradsync-bench collective: gloo rows skipped: {} has no torch with gloo; {how}",
             py.display()
         );
-        return None;
+        return Ok(None);
     }
-    Some(py)
+    match crate::pytorch::find("allreduce.py", a.pytorch_dir.as_deref()) {
+        Ok(script) => Ok(Some(Torch { python: py, script, required: false })),
+        Err(e) => {
+            eprintln!("gradsync-bench collective: gloo rows skipped: {e}");
+            Ok(None)
+        }
+    }
 }

@@ -379,6 +379,8 @@ impl Cuda {
     /// compiled by NVRTC. A machine without the driver or libraries gets [`Error::NoCuda`].
     pub fn new(ordinal: usize) -> Result<Self> {
         let name = probe(ordinal)?;
+        // One consistent set of libraries, loaded by path before cudarc opens any by name.
+        super::libs::load()?;
         // SAFETY: each call only tries to dlopen a library; no function of it is called.
         let (has_blas, has_nvrtc) =
             unsafe { (cudarc::cublas::sys::is_culib_present(), cudarc::nvrtc::sys::is_culib_present()) };

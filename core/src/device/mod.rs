@@ -1,11 +1,12 @@
 //! Devices: which one to use (`--device auto|cpu|cuda[:N]`), and the [`Backend`] trait each
 //! implements. CUDA code is always compiled; cudarc loads the driver and libraries at run time,
 //! so a machine without CUDA builds, runs on the CPU, and gets an error value (never a panic)
-//! when it asks for a GPU.
+//! when it asks for a GPU. Which CUDA libraries are loaded is decided in one place, [`libs`].
 
 mod backend;
 mod cpu;
 pub mod cuda;
+pub mod libs;
 pub mod nvrtc;
 pub mod staging;
 

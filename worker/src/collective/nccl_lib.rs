@@ -4,8 +4,10 @@
 //! cudarc looks for `libnccl.so` and `libnccl.so.{13,12,11,10,9,1}` only, never `libnccl.so.2`,
 //! which is the name NCCL has everywhere users get it: PyTorch's wheels
 //! (`site-packages/nvidia/nccl/lib`), Debian and Ubuntu's `libnccl2`, NVIDIA's own packages.
-//! So gradsync loads NCCL here ([`candidates`]): first by name through the dynamic linker's own
-//! search (`LD_LIBRARY_PATH`, the system's cache), then inside the Python environments it can
+//! So gradsync loads NCCL here: first the file `gradsync_core::device::libs` chooses with the
+//! other CUDA libraries (`GRADSYNC_CUDA_LIBS`, `LD_LIBRARY_PATH`, the toolkit's folders), then
+//! ([`candidates`]) by name through the dynamic linker's own search (`LD_LIBRARY_PATH`, the
+//! system's cache), then inside the Python environments it can
 //! see (an active virtualenv or conda environment, the user's and the system's site-packages),
 //! where `pip install torch` puts it. Every function is resolved when the library is loaded, so
 //! a missing one is an error naming it, never a panic in the middle of training.
@@ -180,7 +182,10 @@ pub fn lib() -> Result<&'static Lib> {
     static LIB: OnceLock<std::result::Result<Lib, String>> = OnceLock::new();
     LIB.get_or_init(|| {
         let mut tried = Vec::new();
-        for c in candidates(&Env::current()) {
+        // The file the one choice of CUDA libraries makes (already loaded, when the device
+        // loaded the set), then the dynamic linker's names and the Python environments.
+        let chosen = gradsync_core::device::libs::find_nccl(&gradsync_core::device::libs::Search::current());
+        for c in chosen.into_iter().chain(candidates(&Env::current())) {
             let c = c.display().to_string();
             match Lib::open(&c) {
                 Ok(lib) => return Ok(lib),
