@@ -10,6 +10,7 @@ use std::process::{Command, Stdio};
 use anyhow::Context;
 
 use super::scenario::{ModeKind, RunSpec, Scenario};
+use crate::net::HostSlot;
 
 /// Where the binaries are.
 #[derive(Debug, Clone)]
@@ -64,15 +65,6 @@ pub struct ProcSpec {
     pub metrics: PathBuf,
     /// The network namespace it runs in (`ip netns exec`), when placed on an emulated host.
     pub netns: Option<String>,
-}
-
-/// One host of an emulated cluster: a network namespace and its address.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HostSlot {
-    /// The namespace's name.
-    pub netns: String,
-    /// The host's IPv4 address.
-    pub addr: String,
 }
 
 /// Where a run's processes go.
