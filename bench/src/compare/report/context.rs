@@ -66,6 +66,12 @@ impl<'c, 'a> Context<'c, 'a> {
         self.g.cell_of(r).is_some_and(|c| c.runs.len() > 1)
     }
 
+    /// Whether `r`'s processes (workers and servers) outnumbered the machine's cores, so its
+    /// figures measure the CPU as much as the design. Unknown cores count as not saturated.
+    pub fn cpu_saturated(&self, r: &Summary) -> bool {
+        self.machine.is_some_and(|m| m.cores > 0 && r.workers + r.shards > m.cores)
+    }
+
     /// "median of 3, 1000-1100", or "one run".
     pub fn spread(&self, r: &Summary) -> String {
         match self.g.cell_of(r) {

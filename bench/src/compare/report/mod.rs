@@ -2,9 +2,10 @@
 //! the machine, the scenario, a reading of the figures computed from them, every chart and
 //! the tables. Nothing in it depends on when or where it was rendered.
 //!
-//! Here: the page, its sections and tables. Below it, one way: `reading` (the list of
-//! readings: `ranking`, `links`, `runs`), over `context` (what every reading reads from),
-//! computed from the figures and refusing to read failed, diverged or partial runs.
+//! Here: the page, its sections and tables. Below it, one way: `verdict` (the three sentences
+//! the page opens with) and `reading` (the list of readings: `ranking`, `links`, `runs`), all
+//! over `context` (what every reading reads from), computed from the figures and refusing to
+//! read failed, diverged or partial runs.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -23,6 +24,7 @@ mod links;
 mod ranking;
 mod reading;
 mod runs;
+mod verdict;
 
 pub use reading::reading;
 pub use runs::straggler_reading;
@@ -87,6 +89,11 @@ pub fn write(
     // The cost model's link per group: the machine's loopback, or the group's emulated link.
     let links: Vec<Option<Link>> =
         gs.iter().map(|g| if g.link.is_empty() { link } else { group_link(g, cluster) }).collect();
+    h.push_str("<h2>Verdict</h2>\n");
+    for (g, &link) in gs.iter().zip(&links) {
+        let v = verdict::verdict(&context::Context::new(g, link, machine, &c.summaries));
+        let _ = writeln!(h, "<p>{}</p>", esc(&v.join(" ")));
+    }
     machine_section(&mut h, machine, !cluster.is_empty());
     for (g, &link) in gs.iter().zip(&links) {
         charts.draw_group(g, link)?;
@@ -997,6 +1004,77 @@ mod tests {
         let c = collected(vec![local, two(5.0)]);
         let g = &crate::compare::charts::groups(&c)[0];
         assert!(runs::fixed_costs(&context::Context::new(g, None, None, &c.summaries)).is_empty());
+    }
+
+    fn verdict_of(rows: Vec<Summary>, m: Option<&Machine>) -> Vec<String> {
+        let c = collected(rows);
+        let g = &crate::compare::charts::groups(&c)[0];
+        let v = verdict::verdict(&context::Context::new(g, Some(Link { a: 20e-6, b: 4e9 }), m, &c.summaries));
+        assert!(!v.is_empty() && v.len() <= 3, "{v:?}");
+        v
+    }
+
+    #[test]
+    fn the_verdict_picks_a_clear_winner() {
+        let rows = (0..3).flat_map(|r| {
+            [cell_row("ddp-tcp", 4, r, 1000.0 + r as f64), cell_row("ps-bsp", 4, r, 800.0 + r as f64)]
+        });
+        let v = verdict_of(rows.collect(), None);
+        assert!(
+            v[0].contains(
+                "pick ddp-tcp (TCP sockets): at 4 workers it runs 1001 samples/s (median of 3, 1000-1002)"
+            ),
+            "{v:?}"
+        );
+        assert!(v[0].contains("next: ps-bsp k=1 (gRPC over TCP)"), "{v:?}");
+        assert!(v[1].contains("the leader holds; by the cost model a parameter server with a shard per worker beats the ring"), "{v:?}");
+        assert!(v[2].starts_with("Sure as far as 3 complete repeats per cell at 4 workers go"), "{v:?}");
+    }
+
+    #[test]
+    fn the_verdict_calls_overlapping_modes_level() {
+        let rows = (0..3).flat_map(|r| {
+            [cell_row("ddp-tcp", 4, r, 1000.0 + 10.0 * r as f64), cell_row("ps-bsp", 4, r, 1015.0 + r as f64)]
+        });
+        let v = verdict_of(rows.collect(), None);
+        assert!(v[0].contains("no single pick: at 4 workers") && v[0].contains("are level"), "{v:?}");
+        assert!(!v.join(" ").contains(" pick ps-bsp") && !v.join(" ").contains(" pick ddp-tcp"), "{v:?}");
+        // Ran once: no pick at all.
+        let v = verdict_of(vec![cell_row("ddp-tcp", 4, 0, 1000.0), cell_row("ps-bsp", 4, 0, 500.0)], None);
+        assert!(v[0].contains("no pick: at 4 workers a cell that could decide ran once"), "{v:?}");
+    }
+
+    /// The parameter server leads at 2 workers, the ring at 8: the pick is made at 8 and the
+    /// crossing named; on a machine of 4 cores the 8-worker runs decide nothing.
+    #[test]
+    fn the_verdict_names_a_crossing_with_worker_count() {
+        let rows: Vec<Summary> = (0..2)
+            .flat_map(|r| {
+                let r_ = r as f64;
+                [
+                    cell_row("ps-bsp", 2, r, 900.0 + r_),
+                    cell_row("ddp-tcp", 2, r, 700.0 + r_),
+                    cell_row("ps-bsp", 8, r, 1000.0 + r_),
+                    cell_row("ddp-tcp", 8, r, 2000.0 + r_),
+                ]
+            })
+            .collect();
+        let v = verdict_of(rows.clone(), None);
+        assert!(v[0].contains("pick ddp-tcp (TCP sockets): at 8 workers"), "{v:?}");
+        assert!(
+            v[1].contains("the measured leader changes with the worker count (ps-bsp k=1 (gRPC over TCP) at 2, ddp-tcp (TCP sockets) at 8)"),
+            "{v:?}"
+        );
+        let small = Machine { cores: 4, ..Machine::default() };
+        let v = verdict_of(rows, Some(&small));
+        assert!(v[0].contains("pick ps-bsp k=1 (gRPC over TCP): at 2 workers"), "{v:?}");
+        assert!(!v[1].contains("leader changes"), "{v:?}");
+        assert!(
+            v[2].contains(
+                "4 run(s) that failed, diverged, stopped early or outnumbered the cores decide nothing"
+            ),
+            "{v:?}"
+        );
     }
 }
 
