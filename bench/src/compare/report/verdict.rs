@@ -161,17 +161,27 @@ fn changes(cx: &Context) -> Option<String> {
             leaders.push((n, Group::series(best)));
         }
     }
-    let measured = if leaders.windows(2).any(|w| w[0].1 != w[1].1) {
-        let at: Vec<String> = leaders.iter().map(|(n, s)| format!("{s} at {n}")).collect();
-        Some(format!("the measured leader changes with the worker count ({})", at.join(", ")))
-    } else {
-        None
+    let changed = leaders.windows(2).any(|w| w[0].1 != w[1].1);
+    let measured = match (leaders.first(), leaders.last()) {
+        _ if changed => {
+            let at: Vec<String> = leaders.iter().map(|(n, s)| format!("{s} at {n}")).collect();
+            Some(format!("the measured leader changes with the worker count ({})", at.join(", ")))
+        }
+        (Some(a), Some(b)) if a.0 != b.0 => {
+            Some(format!("{} leads at every worker count from {} to {}", a.1, a.0, b.0))
+        }
+        _ => None,
     };
     let model = cx.link.map(|l| model_crossing(cx.g.grad_bytes(), l));
     match (measured, model) {
-        (Some(m), Some(c)) => Some(format!("The answer changes: {m}; {c}.")),
-        (Some(m), None) => Some(format!("The answer changes: {m}.")),
-        (None, Some(c)) => Some(format!("Over the worker counts measured the leader holds; {c}.")),
+        (Some(m), Some(c)) if changed => Some(format!("The answer changes: {m}; {c}.")),
+        (Some(m), None) if changed => Some(format!("The answer changes: {m}.")),
+        (Some(m), Some(c)) => Some(format!("Measured, {m}; {c}.")),
+        (Some(m), None) => Some(format!("Measured, {m}.")),
+        (None, Some(c)) => {
+            let (head, tail) = c.split_at(1);
+            Some(format!("{}{tail}.", head.to_uppercase()))
+        }
         (None, None) => None,
     }
 }
@@ -185,7 +195,7 @@ fn model_crossing(s: f64, l: Link) -> String {
     };
     let ten = Link { a: l.a, b: cost::gbit(10.0) };
     format!(
-        "by the cost model a parameter server with a shard per worker beats the ring {} on this link ({:.2} GB/s, \
+        "by the cost model, a parameter server with a shard per worker beats the ring {} on this link ({:.2} GB/s, \
          {:.1} us) and {} at 10 Gbit/s",
         from(l),
         l.b / 1e9,
