@@ -1047,6 +1047,16 @@ mod tests {
         // Ran once: no pick at all.
         let v = verdict_of(vec![cell_row("ddp-tcp", 4, 0, 1000.0), cell_row("ps-bsp", 4, 0, 500.0)], None);
         assert!(v[0].contains("no pick: at 4 workers a cell that could decide ran once"), "{v:?}");
+        // Nothing complete: nothing concluded.
+        let c = collected(vec![Summary { status: "diverged".into(), ..cell_row("ddp-tcp", 4, 0, 9e9) }]);
+        let one = collected(vec![cell_row("dp", 4, 0, 1.0)]);
+        let none =
+            crate::compare::charts::Group { rows: vec![], ..crate::compare::charts::groups(&one).remove(0) };
+        let v = verdict::verdict(&context::Context::new(&none, None, None, &c.summaries));
+        assert_eq!(
+            v,
+            ["No pick: no run completed, so there is nothing to compare (the table below says why)."]
+        );
     }
 
     /// The parameter server leads at 2 workers, the ring at 8: the pick is made at 8 and the

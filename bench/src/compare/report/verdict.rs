@@ -103,6 +103,12 @@ fn counts(cx: &Context) -> Vec<usize> {
 /// The first sentence: the pick, or why there is none.
 fn pick(cx: &Context) -> (String, Option<usize>) {
     let g = cx.g;
+    if g.rows.is_empty() {
+        return (
+            "No pick: no run completed, so there is nothing to compare (the table below says why).".into(),
+            None,
+        );
+    }
     let head = format!("For {} on {}", g.model, wire(g));
     let mut why_not = None;
     for n in counts(cx) {
@@ -147,7 +153,7 @@ fn pick(cx: &Context) -> (String, Option<usize>) {
     }
     let why = why_not.unwrap_or_else(|| match g.target {
         Some(t) => format!("no complete run reached {:.1}% held-out accuracy", 100.0 * t),
-        None => "no run completed".into(),
+        None => "no run measured its throughput".into(),
     });
     (format!("{head}, no pick: {why}."), None)
 }
