@@ -1,7 +1,7 @@
 //! The raw TCP bandwidth of this machine, measured in the same run as every communication
-//! benchmark so figures can be quoted as a ratio to it: one plain socket pair, a sender
-//! streaming large writes, a receiver draining them, no framing and no copies beyond the
-//! kernel's.
+//! benchmark so figures can be quoted as a ratio to it: one plain socket pair (or as many at
+//! once as a run keeps busy), a sender streaming large writes, a receiver draining them, no
+//! framing and no copies beyond the kernel's.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
