@@ -1034,6 +1034,22 @@ mod tests {
             "{v:?}"
         );
         assert!(v[2].starts_with("Sure as far as 3 complete repeats per cell at 4 workers go"), "{v:?}");
+        // One mode alone is picked as what it is, the only one measured; a time to the target
+        // below a second reads in milliseconds.
+        let rows = (0..2).map(|r| Summary {
+            time_to_target_s: Some(0.004 + 0.001 * r as f64),
+            ..cell_row("local", 1, r, 5000.0)
+        });
+        let c = collected(rows.collect());
+        let g = crate::compare::charts::Group {
+            target: Some(0.6),
+            ..crate::compare::charts::groups(&c).remove(0)
+        };
+        let v = verdict::verdict(&context::Context::new(&g, None, None, &c.summaries));
+        assert!(
+            v[0].contains("pick local: at 1 worker it reaches 60.0% held-out accuracy in 4.5 ms (median of 2, 4.0 ms to 5.0 ms) (the only mode measured there)"),
+            "{v:?}"
+        );
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //! outnumbered the cores, decide nothing (failed, diverged and partial runs are no rows).
 
 use super::context::Context;
-use crate::compare::charts::Group;
+use gradsync_core::metrics::elapsed;
+
+use crate::compare::charts::{Group, workers};
 use crate::compare::cost::{self, Link};
 use crate::compare::results::{Summary, overlap};
 
@@ -77,9 +79,11 @@ fn quoted(cx: &Context, r: &Summary) -> String {
         Some(t) => {
             let (lo, hi) = c.and_then(|c| c.time_to_target).unwrap_or((f64::NAN, f64::NAN));
             format!(
-                "reaches {:.1}% held-out accuracy in {:.2} s (median of {reps}, {lo:.2}-{hi:.2})",
+                "reaches {:.1}% held-out accuracy in {} (median of {reps}, {} to {})",
                 100.0 * t,
-                r.time_to_target_s.unwrap_or(f64::NAN)
+                elapsed(r.time_to_target_s.unwrap_or(f64::NAN)),
+                elapsed(lo),
+                elapsed(hi)
             )
         }
         None => {
@@ -112,9 +116,10 @@ fn pick(cx: &Context) -> (String, Option<usize>) {
     let head = format!("For {} on {}", g.model, wire(g));
     let mut why_not = None;
     for n in counts(cx) {
+        let at = workers(n);
         match standing(cx, n) {
             Standing::Ahead(best, next) => {
-                let vs = next.map_or(String::new(), |x| {
+                let vs = next.map_or(" (the only mode measured there)".to_string(), |x| {
                     format!(
                         ", clear of every other mode's range (next: {}, which {})",
                         Group::series(x),
@@ -122,11 +127,7 @@ fn pick(cx: &Context) -> (String, Option<usize>) {
                     )
                 });
                 return (
-                    format!(
-                        "{head}, pick {}: at {n} workers it {}{vs}.",
-                        Group::series(best),
-                        quoted(cx, best)
-                    ),
+                    format!("{head}, pick {}: at {at} it {}{vs}.", Group::series(best), quoted(cx, best)),
                     Some(n),
                 );
             }
@@ -135,7 +136,7 @@ fn pick(cx: &Context) -> (String, Option<usize>) {
                     l.iter().map(|r| format!("{} ({})", Group::series(r), quoted(cx, r))).collect();
                 return (
                     format!(
-                        "{head}, no single pick: at {n} workers {} are level, their repeats' ranges overlapping, so \
+                        "{head}, no single pick: at {at} {} are level, their repeats' ranges overlapping, so \
                          choose among them on other grounds.",
                         names.join(" and ")
                     ),
@@ -143,10 +144,10 @@ fn pick(cx: &Context) -> (String, Option<usize>) {
                 );
             }
             Standing::Once => {
-                why_not.get_or_insert(format!("at {n} workers a cell that could decide ran once, with no spread to compare (run two or more repeats)"));
+                why_not.get_or_insert(format!("at {at} a cell that could decide ran once, with no spread to compare (run two or more repeats)"));
             }
             Standing::Saturated => {
-                why_not.get_or_insert(format!("at {n} workers the processes outnumbered the cores, so the figures measure the CPU, not the design"));
+                why_not.get_or_insert(format!("at {at} the processes outnumbered the cores, so the figures measure the CPU, not the design"));
             }
             Standing::Nothing => {}
         }
@@ -228,9 +229,10 @@ fn sureness(cx: &Context, at: Option<usize>) -> Option<String> {
             .filter_map(|r| cx.g.cell_of(r))
             .map(|c| c.runs.len())
             .sum::<usize>();
+    let at = workers(n);
     let repeats = if lo == hi { format!("{lo}") } else { format!("{lo} to {hi}") };
     Some(format!(
-        "Sure as far as {repeats} complete repeats per cell at {n} workers go: ranges that overlap are called level, \
+        "Sure as far as {repeats} complete repeats per cell at {at} go: ranges that overlap are called level, \
          not ranked{}.",
         if left > 0 {
             format!(
