@@ -1,6 +1,6 @@
 //! Where the `ps` benchmark's sockets live: on this machine's loopback (every process on
 //! 127.0.0.1, the link being the machine's memory copies), or on emulated hosts whose links are
-//! shaped to a chosen rate ([`crate::cluster::net`]), as the bound's model has it: each shard
+//! shaped to a chosen rate ([`crate::net`]), as the bound's model has it: each shard
 //! and each worker on a host of its own with its own full-duplex link.
 //!
 //! Everything still runs in this one process. A socket belongs to the network namespace of the
@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-use crate::cluster::net::Cluster;
+use crate::net::Cluster;
 
 /// How long a plain socket may block on one read or write before the run fails.
 const IO_TIMEOUT: Duration = Duration::from_secs(60);

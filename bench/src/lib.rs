@@ -19,8 +19,8 @@
 //!   working directory (`--pytorch-dir` overrides).
 //! - [`compare`]: the comparison runner (`compare`: scenario, processes, results) and the
 //!   charts and report built from run directories (`plot`), with the alpha-beta cost model.
-//! - [`cluster`]: emulated hosts (network namespaces, veth, a bridge, tc-shaped links) and
-//!   the comparison's runs placed on them.
+//! - [`net`]: emulated hosts (network namespaces, veth, a bridge, tc-shaped links).
+//! - [`cluster`]: the comparison's runs placed on emulated hosts.
 
 pub mod cli;
 pub mod cluster;
@@ -28,6 +28,7 @@ pub mod collective;
 pub mod compare;
 pub mod diff;
 pub mod hosts;
+pub mod net;
 pub mod overlap;
 pub mod ps;
 pub mod pytorch;

@@ -24,8 +24,8 @@ use gradsync_server::{Config, ParamServer, ShardSpec};
 use gradsync_worker::ps::{PsClient, SharedGrads};
 use tokio::net::TcpListener;
 
-use crate::cluster::net::{Cluster, Shape};
 use crate::hosts::Hosts;
+use crate::net::{Cluster, Shape};
 use crate::rawtcp::process_cpu_seconds;
 use crate::table::{Table, median, ratio_cell};
 
@@ -308,8 +308,8 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
     let cluster = match a.link_gbit {
         None => None,
         Some(gbit) => {
-            crate::cluster::net::available().context("--link-gbit")?;
-            crate::cluster::net::guard("gradsync-bench ps");
+            crate::net::available().context("--link-gbit")?;
+            crate::net::guard("gradsync-bench ps");
             let n = first_worker + workers.iter().copied().max().unwrap_or(1);
             let shape = Shape { rate_bit: Some(gbit * 1e9), ..Shape::default() };
             Some(Cluster::create(n, shape).context("--link-gbit: making the emulated hosts")?)

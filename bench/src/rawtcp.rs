@@ -1,7 +1,7 @@
 //! The raw TCP bandwidth of this machine, measured in the same run as every communication
-//! benchmark so figures can be quoted as a ratio to it: one plain socket pair, a sender
-//! streaming large writes, a receiver draining them, no framing and no copies beyond the
-//! kernel's.
+//! benchmark so figures can be quoted as a ratio to it: one plain socket pair (or as many at
+//! once as a run keeps busy), a sender streaming large writes, a receiver draining them, no
+//! framing and no copies beyond the kernel's.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -42,13 +42,42 @@ impl Yardstick {
 
     /// [`Yardstick::measure`] over loopback (`ip`, normally 127.0.0.1).
     pub fn loopback(ip: &str, rounds: usize, each: Duration) -> anyhow::Result<Yardstick> {
-        Yardstick::measure(rounds, each, || {
-            let listener = TcpListener::bind((ip, 0)).with_context(|| format!("binding {ip}:0"))?;
-            let tx = TcpStream::connect_timeout(&listener.local_addr()?, Duration::from_secs(10))
-                .context("connecting to the receiver")?;
-            let (rx, _) = listener.accept().context("accepting the sender")?;
-            Ok((tx, rx))
-        })
+        Yardstick::measure(rounds, each, || loopback_pair(ip))
+    }
+
+    /// What `streams` plain streams carry together over loopback (`ip`) when they all stream at
+    /// once, as a run's many connections do: `rounds` measurements of the sum of their rates,
+    /// each stream timed over the same span of about `each`.
+    pub fn loopback_streams(
+        ip: &str,
+        streams: usize,
+        rounds: usize,
+        each: Duration,
+    ) -> anyhow::Result<Yardstick> {
+        anyhow::ensure!(streams > 0, "a yardstick needs at least one stream");
+        let mut samples = Vec::with_capacity(rounds.max(1));
+        for _ in 0..rounds.max(1) {
+            let pairs = (0..streams).map(|_| loopback_pair(ip)).collect::<anyhow::Result<Vec<_>>>()?;
+            let start = std::sync::Barrier::new(streams);
+            let rates = std::thread::scope(|s| {
+                let start = &start;
+                let handles: Vec<_> = pairs
+                    .into_iter()
+                    .map(|(tx, rx)| {
+                        s.spawn(move || {
+                            start.wait();
+                            stream_rate(tx, rx, each)
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().map_err(|_| anyhow::anyhow!("a stream's thread panicked"))?)
+                    .collect::<anyhow::Result<Vec<f64>>>()
+            })?;
+            samples.push(rates.iter().sum());
+        }
+        Ok(Yardstick { samples })
     }
 
     /// The median, bytes per second: the figure models are fitted to.
@@ -80,6 +109,15 @@ impl Yardstick {
             hi / 1e9
         )
     }
+}
+
+/// A connected (sender, receiver) pair over loopback on `ip`.
+fn loopback_pair(ip: &str) -> anyhow::Result<(TcpStream, TcpStream)> {
+    let listener = TcpListener::bind((ip, 0)).with_context(|| format!("binding {ip}:0"))?;
+    let tx = TcpStream::connect_timeout(&listener.local_addr()?, Duration::from_secs(10))
+        .context("connecting to the receiver")?;
+    let (rx, _) = listener.accept().context("accepting the sender")?;
+    Ok((tx, rx))
 }
 
 /// Stream large writes from `tx` to its peer `rx` for about `duration` (after a fifth of it
@@ -423,6 +461,22 @@ mod tests {
         let (lo, hi) = y.range();
         assert!(lo > 1e6 && lo <= y.median() && y.median() <= hi, "{y:?}");
         assert!(y.describe().contains("median of 3"), "{}", y.describe());
+        let even = super::Yardstick { samples: vec![4.0, 1.0, 3.0, 2.0] };
+        assert_eq!((even.median(), even.range()), (2.5, (1.0, 4.0)));
+    }
+
+    /// Several streams at once: one sum per round, every stream's bytes counted.
+    #[test]
+    fn concurrent_streams_are_summed() {
+        let d = std::time::Duration::from_millis(100);
+        let y = super::Yardstick::loopback_streams("127.0.0.1", 3, 2, d).unwrap();
+        assert_eq!(y.samples.len(), 2);
+        assert!(y.range().0 > 1e6, "{y:?}");
+        assert!(super::Yardstick::loopback_streams("127.0.0.1", 0, 1, d).is_err());
+    }
+
+    #[test]
+    fn even_count_median() {
         let even = super::Yardstick { samples: vec![4.0, 1.0, 3.0, 2.0] };
         assert_eq!((even.median(), even.range()), (2.5, (1.0, 4.0)));
     }

@@ -11,9 +11,10 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use gradsync_bench::cluster::{self, Cluster, ClusterError, Shape};
+use gradsync_bench::cluster;
 use gradsync_bench::compare::modes::{self, Bins, Ctx, Placement, ProcSpec};
 use gradsync_bench::compare::scenario::{ModeKind, RunSpec, Scenario};
+use gradsync_bench::net::{Cluster, ClusterError, Shape};
 use gradsync_testkit::Scratch;
 
 /// A cluster, or `None` (after saying why) where this machine cannot make one.

@@ -226,8 +226,22 @@ pub fn ms_since(t: std::time::Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
+/// A measured duration for people to read: milliseconds below a second (a short run is not
+/// "0.0 s"), seconds with one decimal from there on.
+pub fn elapsed(seconds: f64) -> String {
+    if seconds < 1.0 { format!("{:.1} ms", seconds * 1e3) } else { format!("{seconds:.1} s") }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn short_durations_read_in_milliseconds() {
+        assert_eq!(super::elapsed(0.0123), "12.3 ms");
+        assert_eq!(super::elapsed(0.9994), "999.4 ms");
+        assert_eq!(super::elapsed(1.0), "1.0 s");
+        assert_eq!(super::elapsed(75.25), "75.2 s");
+    }
+
     use super::*;
 
     #[test]

@@ -162,8 +162,9 @@ pub struct TrainArgs {
     /// are fitted to the data.
     #[arg(long = flag::MODEL, default_value = "mnist", value_parser = parse_model)]
     pub model: ModelSpec,
-    /// Data: synthetic[:N[:DIM:CLASSES]], mnist:DIR or cifar10:DIR. The synthetic default
-    /// takes its width and classes from the model.
+    /// Data: digits (the built-in UCI handwritten digits), synthetic[:N[:DIM:CLASSES]],
+    /// mnist:DIR or cifar10:DIR. Without it, synthetic data fitted to the model's width and
+    /// classes.
     #[arg(long = flag::DATA, value_parser = parse_data)]
     pub data: Option<DataSource>,
     /// Samples per step per worker (per replica in DP mode).
@@ -458,5 +459,24 @@ fn parse_positive(s: &str) -> Result<usize, String> {
         Ok(0) => Err("must be at least 1".into()),
         Ok(n) => Ok(n),
         Err(e) => Err(format!("'{s}': {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// `train --help` names every data source `--data` accepts, the README's default
+    /// (`digits`) among them.
+    #[test]
+    fn the_data_help_names_every_source() {
+        let mut cli = super::Cli::command();
+        let train = cli.find_subcommand_mut("train").map(|c| c.render_long_help().to_string());
+        let help = train.unwrap_or_default();
+        let data = help.split("--data <DATA>").nth(1).unwrap_or_default();
+        let data = data.split("\n  -").next().unwrap_or_default();
+        for source in ["digits", "synthetic", "mnist:DIR", "cifar10:DIR"] {
+            assert!(data.contains(source), "--data's help omits {source}:\n{data}");
+        }
     }
 }

@@ -418,8 +418,11 @@ impl Progress {
                 .map(|(l, a)| format!(", held-out loss {l:.4}, accuracy {:.2}%", 100.0 * a))
                 .unwrap_or_default();
             eprintln!(
-                "gradsync: {} steps in {:.1} s, loss {:.4} -> {:.4}{eval}",
-                s.steps, s.seconds, s.first_loss, s.last_loss
+                "gradsync: {} steps in {}, loss {:.4} -> {:.4}{eval}",
+                s.steps,
+                gradsync_core::metrics::elapsed(s.seconds),
+                s.first_loss,
+                s.last_loss
             );
         }
     }

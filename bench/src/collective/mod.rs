@@ -10,7 +10,7 @@
 //! with that address (no sleeping, no port guessing). With `--threads` gradsync's ranks are
 //! threads of this process instead (labelled so in the table; gloo stays in processes).
 //! With `--link-gbit`, each rank runs on an emulated host of its own (a network namespace,
-//! links shaped with tc; see [`crate::cluster::net`]), so no two ranks share memory; with
+//! links shaped with tc; see [`crate::net`]), so no two ranks share memory; with
 //! `--ranks-per-host N` as well, ranks `0..N` share the first host, `N..2N` the second, and so
 //! on (torchrun's numbering), and `--hierarchy off,auto` puts the flat socket ring beside the
 //! hierarchical all-reduce (reduce inside each host, ring among the hosts' leaders, broadcast
@@ -36,8 +36,8 @@ use clap::Args;
 use gradsync_worker::collective::{After, Collective, Hierarchy, Nccl, RingConfig, TcpComm, Transport, nccl};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
-use crate::cluster::net::{self, Cluster, Shape};
 use crate::hosts::Hosts;
+use crate::net::{self, Cluster, Shape};
 use crate::rawtcp::Yardstick;
 use crate::table::{Table, median, spread};
 

@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
+use super::scenario::ModeKind;
+
 /// What the report needs to know about the machine.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Machine {
@@ -34,6 +36,49 @@ pub struct Machine {
     pub tcp_yardstick: Option<crate::rawtcp::Yardstick>,
     /// One-way small-message latency over loopback TCP, seconds (half the round trip).
     pub tcp_latency_s: f64,
+    /// What several raw TCP streams carried together over loopback, streaming at once: one
+    /// entry per stream count the comparison's modes keep busy ([`tcp_streams`]), the
+    /// yardstick each mode is read against (one stream is `tcp_yardstick`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tcp_parallel: Vec<Parallel>,
+}
+
+/// What `streams` raw TCP streams carried together, bytes per second (the sum of their rates
+/// in each measurement).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Parallel {
+    /// Streams at once.
+    pub streams: usize,
+    /// Their summed rate in each measurement.
+    pub yardstick: crate::rawtcp::Yardstick,
+}
+
+/// The most streams a yardstick is measured with (two threads each); a mode that keeps more
+/// busy is read against one stream, named as such.
+pub const MAX_STREAMS: usize = 128;
+
+/// The TCP streams a run keeps busy at once on loopback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Streams {
+    /// Every stream of the run: a ring's one per rank (each sends to its neighbour while
+    /// receiving from the other), a parameter server's push and pull socket per worker per shard.
+    pub total: usize,
+    /// Those through the busiest process: a PS shard's push and pull socket per worker; a
+    /// ring rank's one out (its incoming one is its neighbour's).
+    pub busiest: usize,
+}
+
+/// The streams a run of `mode` with `workers` and `shards` keeps busy, or `None` for a mode
+/// whose traffic does not cross TCP (or a single process).
+pub fn tcp_streams(mode: ModeKind, workers: usize, shards: usize) -> Option<Streams> {
+    if !mode.over_tcp() || workers < 2 && !mode.is_ps() {
+        return None;
+    }
+    if mode.is_ps() {
+        Some(Streams { total: 2 * workers * shards.max(1), busiest: 2 * workers })
+    } else {
+        Some(Streams { total: workers, busiest: 1 })
+    }
 }
 
 impl Machine {
@@ -70,12 +115,39 @@ impl Machine {
             tcp_bandwidth: 0.0,
             tcp_yardstick: None,
             tcp_latency_s: 0.0,
+            tcp_parallel: Vec::new(),
+        }
+    }
+
+    /// Why a run of `mode` with `workers` ranks cannot run on this machine, if it cannot: NCCL
+    /// needs a GPU of its own for every rank (it refuses two ranks on one device).
+    pub fn cannot_run(&self, mode: ModeKind, workers: usize) -> Option<String> {
+        if mode != ModeKind::DdpNccl {
+            return None;
+        }
+        match self.gpus.len() {
+            0 => Some("no GPU on this machine (nvidia-smi found none)".into()),
+            g if workers > g => Some(format!(
+                "{workers} NCCL ranks need a GPU each and this machine has {g} (NCCL refuses two ranks on one GPU)"
+            )),
+            _ => None,
+        }
+    }
+
+    /// What `streams` raw TCP streams carried together over loopback (median bytes per
+    /// second), where measured.
+    pub fn streams_bandwidth(&self, streams: usize) -> Option<f64> {
+        match streams {
+            1 => (self.tcp_bandwidth > 0.0).then_some(self.tcp_bandwidth),
+            n => self.tcp_parallel.iter().find(|p| p.streams == n).map(|p| p.yardstick.median()),
         }
     }
 
     /// Measure the loopback link the cost model is fitted to: the raw TCP yardstick (five
-    /// measurements splitting `seconds`) and the small-message latency.
-    pub fn measure_link(&mut self, seconds: f64) -> anyhow::Result<()> {
+    /// measurements splitting `seconds`), the small-message latency, and for each of
+    /// `streams` above one (up to [`MAX_STREAMS`]) what that many streams carry together
+    /// (three measurements of a fifth of `seconds` each).
+    pub fn measure_link(&mut self, seconds: f64, streams: &[usize]) -> anyhow::Result<()> {
         const ROUNDS: usize = 5;
         let y = crate::rawtcp::Yardstick::loopback(
             "127.0.0.1",
@@ -86,6 +158,18 @@ impl Machine {
         self.tcp_bandwidth = y.median();
         self.tcp_yardstick = Some(y);
         self.tcp_latency_s = crate::rawtcp::latency("127.0.0.1", 2000).context("measuring TCP latency")?;
+        let mut counts: Vec<usize> = streams.iter().copied().filter(|&n| n > 1 && n <= MAX_STREAMS).collect();
+        counts.sort_unstable();
+        counts.dedup();
+        self.tcp_parallel = counts
+            .into_iter()
+            .map(|n| {
+                let each = std::time::Duration::from_secs_f64(seconds / ROUNDS as f64);
+                let y = crate::rawtcp::Yardstick::loopback_streams("127.0.0.1", n, 3, each)
+                    .with_context(|| format!("measuring {n} raw TCP streams at once"))?;
+                Ok(Parallel { streams: n, yardstick: y })
+            })
+            .collect::<anyhow::Result<_>>()?;
         Ok(())
     }
 }
@@ -121,4 +205,36 @@ pub fn gpus() -> Vec<String> {
         let _ = o.read_to_string(&mut out);
     }
     out.lines().map(|l| l.trim().to_string()).filter(|l| !l.is_empty()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_gpus(n: usize) -> Machine {
+        Machine { gpus: vec!["GPU".into(); n], ..Machine::default() }
+    }
+
+    /// NCCL needs a GPU per rank: more ranks than GPUs is skipped with the reason, as is NCCL
+    /// without a GPU; other modes always run.
+    #[test]
+    fn nccl_runs_beyond_the_gpus_are_skipped() {
+        assert!(with_gpus(0).cannot_run(ModeKind::DdpNccl, 1).unwrap().contains("no GPU"));
+        let why = with_gpus(1).cannot_run(ModeKind::DdpNccl, 2).unwrap();
+        assert!(why.contains("2 NCCL ranks need a GPU each and this machine has 1"), "{why}");
+        assert_eq!(with_gpus(1).cannot_run(ModeKind::DdpNccl, 1), None);
+        assert_eq!(with_gpus(4).cannot_run(ModeKind::DdpNccl, 4), None);
+        assert_eq!(with_gpus(0).cannot_run(ModeKind::DdpTcp, 8), None);
+    }
+
+    #[test]
+    fn streams_per_mode() {
+        let s = |m, w, k| tcp_streams(m, w, k);
+        assert_eq!(s(ModeKind::PsBsp, 4, 2), Some(Streams { total: 16, busiest: 8 }));
+        assert_eq!(s(ModeKind::PsBsp, 1, 1), Some(Streams { total: 2, busiest: 2 }));
+        assert_eq!(s(ModeKind::DdpTcp, 4, 0), Some(Streams { total: 4, busiest: 1 }));
+        assert_eq!(s(ModeKind::DdpTcp, 1, 0), None);
+        assert_eq!(s(ModeKind::DdpShm, 4, 0), None);
+        assert_eq!(s(ModeKind::Local, 1, 0), None);
+    }
 }

@@ -203,7 +203,13 @@ fn compare_into(
     } else {
         write("scenario.toml", &toml::to_string(scenario).context("writing the scenario")?)?;
         let mut machine = Machine::detect();
-        machine.measure_link(scenario.rawtcp_s)?;
+        let streams: Vec<usize> = scenario
+            .expand()
+            .iter()
+            .filter_map(|s| machine::tcp_streams(s.mode, s.workers, s.shards))
+            .flat_map(|s| [s.total, s.busiest])
+            .collect();
+        machine.measure_link(scenario.rawtcp_s, &streams)?;
         write("machine.json", &(serde_json::to_string_pretty(&machine)? + "\n"))?;
         machine
     };
@@ -242,15 +248,11 @@ fn compare_into(
         .append(true)
         .open(&outcomes_path)
         .with_context(|| format!("opening {}", outcomes_path.display()))?;
-    let gpu = !machine.gpus.is_empty();
     for spec in specs {
         if exec::interrupted() {
             break;
         }
-        let skip = spec.skip.clone().or_else(|| {
-            (spec.mode == ModeKind::DdpNccl && !gpu)
-                .then(|| "no GPU on this machine (nvidia-smi found none)".to_string())
-        });
+        let skip = spec.skip.clone().or_else(|| machine.cannot_run(spec.mode, spec.workers));
         let o = run_spec(scenario, &spec, bins, out, modes::Placement::Loopback, skip, &multi, &overall)?;
         writeln!(outcomes_file, "{}", serde_json::to_string(&o)?)
             .and_then(|_| outcomes_file.flush())
@@ -354,10 +356,10 @@ pub fn run_spec(
         seconds: t.elapsed().as_secs_f64(),
     };
     let line = format!(
-        "{:<44} {:<8} {:>6.1} s{}",
+        "{:<44} {:<8} {:>8}{}",
         spec.id,
         o.status,
-        o.seconds,
+        gradsync_core::metrics::elapsed(o.seconds),
         o.error.as_deref().map(|e| format!("  {}", first_chars(e, 160))).unwrap_or_default()
     );
     multi.suspend(|| eprintln!("{line}"));

@@ -19,6 +19,7 @@ use gradsync_worker::cli::flag as wf;
 use gradsync_worker::cli::{Backend, Mode, Transport};
 
 use super::scenario::{ModeKind, RunSpec, Scenario};
+use crate::net::HostSlot;
 
 /// Where the binaries are.
 #[derive(Debug, Clone)]
@@ -73,15 +74,6 @@ pub struct ProcSpec {
     pub metrics: PathBuf,
     /// The network namespace it runs in (`ip netns exec`), when placed on an emulated host.
     pub netns: Option<String>,
-}
-
-/// One host of an emulated cluster: a network namespace and its address.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HostSlot {
-    /// The namespace's name.
-    pub netns: String,
-    /// The host's IPv4 address.
-    pub addr: String,
 }
 
 /// Where a run's processes go.

@@ -275,6 +275,7 @@ pub fn short_label(r: &Summary) -> String {
         "dp" => format!("dp{n}"),
         "ddp-tcp" => format!("ring{n}"),
         "ddp-nccl" => format!("nccl{n}"),
+        "ddp-shm" => format!("shm{n}"),
         "zero1-tcp" => format!("zero{n}"),
         "ddp-tcp-topk" => format!("topk-ring{n}"),
         "ddp-tcp-fp16" => format!("fp16-ring{n}"),
@@ -284,9 +285,87 @@ pub fn short_label(r: &Summary) -> String {
     }
 }
 
+/// How the bar labels under one axis are laid out: level when the widest fits its bar's slot
+/// with room to spare, otherwise turned a quarter (each then as wide as the font is tall),
+/// with the label area deep enough for the longest.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct BarLabels {
+    /// Whether the labels are turned to run upwards.
+    rotated: bool,
+    /// Pixels below the axis for the labels (and the axis description).
+    area: u32,
+    /// Each label's extent along the axis, pixels (at most the slot less the gap).
+    extent: u32,
+}
+
+/// Pixels kept clear between two neighbouring labels.
+const LABEL_GAP: u32 = 6;
+/// Room below the labels for the axis description.
+const AXIS_DESC: u32 = 28;
+
+/// The layout of bar labels of `size` px under bars `slot` px apart, given each label's
+/// measured (width, height) in pixels.
+fn bar_labels(sizes: &[(u32, u32)], slot: u32) -> BarLabels {
+    let widest = sizes.iter().map(|s| s.0).max().unwrap_or(0);
+    let tallest = sizes.iter().map(|s| s.1).max().unwrap_or(0);
+    if widest + LABEL_GAP <= slot {
+        BarLabels { rotated: false, area: (tallest + AXIS_DESC).max(45), extent: widest }
+    } else {
+        BarLabels { rotated: true, area: widest + AXIS_DESC + 10, extent: tallest }
+    }
+}
+
+/// [`bar_labels`] for `labels` drawn in `style` on `root`, under `n` bars across
+/// `plot_width` pixels.
+fn lay_out_labels<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    labels: &[String],
+    style: &TextStyle,
+    plot_width: u32,
+    n: usize,
+) -> BarLabels {
+    let sizes: Vec<(u32, u32)> =
+        labels.iter().map(|l| root.estimate_text_size(l, style).unwrap_or((0, 0))).collect();
+    bar_labels(&sizes, plot_width / n.max(1) as u32)
+}
+
 #[cfg(test)]
 mod tests {
     use plotters::prelude::*;
+
+    /// Thirty runs of the longest labels: laid out under the step-time chart's bars, no two
+    /// label boxes overlap, and every label fits the area below the axis.
+    #[test]
+    fn bar_labels_never_overlap() {
+        super::register_font().unwrap();
+        let mut svg = String::new();
+        let root = SVGBackend::with_string(&mut svg, (2000, 560)).into_drawing_area();
+        let labels: Vec<String> = (0..30).map(|i| format!("topk-bsp{}k{}", 16 + i, 16 + i)).collect();
+        let style = super::font(12);
+        for n in [2, 10, 16, 30] {
+            let plot = super::speed::step_time_size(n).1;
+            let l = super::lay_out_labels(&root, &labels[..n], &style, plot, n);
+            let slot = plot as f64 / n as f64;
+            // Label i is centred on bar i: its box spans the centre +- extent / 2.
+            let boxes: Vec<(f64, f64)> = (0..n)
+                .map(|i| {
+                    let c = slot * (i as f64 + 0.5);
+                    (c - l.extent as f64 / 2.0, c + l.extent as f64 / 2.0)
+                })
+                .collect();
+            for w in boxes.windows(2) {
+                assert!(w[0].1 < w[1].0, "{n} runs, {l:?}: labels overlap ({:?})", w);
+            }
+            let (widest, _) = root.estimate_text_size(&labels[n - 1], &style).unwrap();
+            let along = if l.rotated { l.area } else { slot as u32 };
+            assert!(widest <= along, "{n} runs, {l:?}: a label of {widest} px does not fit");
+            assert!(l.rotated || n == 2, "{n} runs: {l:?}");
+        }
+        // A shared-memory ring is named like the others, without a shard count.
+        let shm =
+            crate::compare::results::Summary { mode: "ddp-shm".into(), workers: 2, ..Default::default() };
+        assert_eq!(super::short_label(&shm), "shm2");
+    }
 
     #[test]
     fn a_long_caption_shrinks_to_the_chart_and_a_short_one_keeps_its_size() {

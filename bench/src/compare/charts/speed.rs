@@ -1,7 +1,18 @@
 //! The speed family: samples/s per mode and worker count (with the repeats' range), the step
 //! split into its phases, and the straggler sweep's slowdown.
 
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+
 use super::*;
+
+/// The step-time chart's y label area, pixels.
+const STEP_Y_AREA: u32 = 70;
+
+/// The step-time chart's width for `n` bars and the width of its plotting area, pixels.
+pub(super) fn step_time_size(n: usize) -> (u32, u32) {
+    let width = (140 + 62 * n as u32).max(900);
+    (width, width - 2 * FRAME_MARGIN - STEP_Y_AREA)
+}
 
 impl Charts {
     pub(super) fn throughput(&mut self, g: &Group) -> anyhow::Result<()> {
@@ -75,12 +86,14 @@ impl Charts {
         let ymax = max_or(rows.iter().filter_map(|r| r.step_ms), 1.0) * 1.15;
         let title = format!("Step time by phase ({}, global batch {})", g.model, g.global_batch);
         let labels: Vec<String> = rows.iter().map(|r| short_label(r)).collect();
-        let width = (140 + 62 * n as u32).max(900);
+        let (width, plot) = step_time_size(n);
         render!(self, format!("step_time{}", g.suffix), title.clone(), (width, 560), |root| {
             if rows.is_empty() {
                 empty(&root, "no run with step timings")?;
             } else {
-                let mut c = frame(&root, &title, 20, 70)
+                let layout = lay_out_labels(&root, &labels, &font(12), plot, n);
+                let mut c = frame(&root, &title, 20, STEP_Y_AREA)
+                    .x_label_area_size(layout.area)
                     .build_cartesian_2d((0..n - 1).into_segmented(), 0f64..ymax)?;
                 c.configure_mesh()
                     .disable_x_mesh()
@@ -89,8 +102,12 @@ impl Charts {
                     .y_desc("ms per step (mean over ranks and steps)")
                     .label_style(font(12))
                     .axis_desc_style(font(14))
+                    // Turned labels are drawn below, each ending at the axis (plotters centres a
+                    // turned tick label on its tick, half of it inside the plot).
                     .x_label_formatter(&|v| match v {
-                        SegmentValue::CenterOf(i) => labels.get(*i).cloned().unwrap_or_default(),
+                        SegmentValue::CenterOf(i) if !layout.rotated => {
+                            labels.get(*i).cloned().unwrap_or_default()
+                        }
                         _ => String::new(),
                     })
                     .draw()?;
@@ -109,6 +126,14 @@ impl Charts {
                     c.draw_series(bars)?
                         .label(name)
                         .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], col.filled()));
+                }
+                if layout.rotated {
+                    let turned =
+                        font(12).transform(FontTransform::Rotate270).pos(Pos::new(HPos::Right, VPos::Center));
+                    for (i, label) in labels.iter().enumerate() {
+                        let (x, y) = c.backend_coord(&(SegmentValue::CenterOf(i), 0.0));
+                        root.draw(&Text::new(label.clone(), (x, y + LABEL_GAP as i32), turned.clone()))?;
+                    }
                 }
                 legend(&mut c, 13, SeriesLabelPosition::UpperLeft)?;
             }

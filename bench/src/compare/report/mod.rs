@@ -2,11 +2,11 @@
 //! the machine, the scenario, a reading of the figures computed from them, every chart and
 //! the tables. Nothing in it depends on when or where it was rendered.
 //!
-//! Here: the page, its sections and tables. `reading`: the sentences that read the figures
-//! (which mode wins where, and why), computed from them and refusing to read failed,
-//! diverged or partial runs.
+//! Here: the page, its sections and tables. Below it, one way: `verdict` (the three sentences
+//! the page opens with) and `reading` (the list of readings: `ranking`, `links`, `runs`), all
+//! over `context` (what every reading reads from), computed from the figures and refusing to
+//! read failed, diverged or partial runs.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -19,9 +19,15 @@ use super::machine::Machine;
 use super::results::{Cell, Collected, Summary, overlap};
 use super::scenario::ModeKind;
 
+mod context;
+mod links;
+mod ranking;
 mod reading;
+mod runs;
+mod verdict;
 
-pub use reading::{reading, straggler_reading};
+pub use reading::reading;
+pub use runs::straggler_reading;
 
 /// Worker counts at which the cost model is tabulated.
 const EXTRAPOLATE_N: [usize; 6] = [2, 8, 32, 128, 512, 1024];
@@ -80,10 +86,16 @@ pub fn write(
          code,pre{background:#f5f5f5}pre{padding:.5em;overflow-x:auto;font-size:12px}\n</style></head><body>\n",
     );
     h.push_str("<h1>gradsync: local, DP, parameter server and ring all-reduce compared</h1>\n");
+    // The cost model's link per group: the machine's loopback, or the group's emulated link.
+    let links: Vec<Option<Link>> =
+        gs.iter().map(|g| if g.link.is_empty() { link } else { group_link(g, cluster) }).collect();
+    h.push_str("<h2>Verdict</h2>\n");
+    for (g, &link) in gs.iter().zip(&links) {
+        let v = verdict::verdict(&context::Context::new(g, link, machine, &c.summaries));
+        let _ = writeln!(h, "<p>{}</p>", esc(&v.join(" ")));
+    }
     machine_section(&mut h, machine, !cluster.is_empty());
-    for g in &gs {
-        // The cost model's link: the machine's loopback, or the group's emulated link.
-        let link = if g.link.is_empty() { link } else { group_link(g, cluster) };
+    for (g, &link) in gs.iter().zip(&links) {
         charts.draw_group(g, link)?;
         if gs.len() > 1 {
             let _ = writeln!(h, "<h2>{} at global batch {}</h2>", esc(&g.model), g.global_batch);
@@ -347,8 +359,16 @@ fn machine_section(h: &mut String, m: Option<&Machine>, emulated: bool) {
         esc(&m.gradsync_commit),
         match (&m.tcp_yardstick, m.tcp_bandwidth > 0.0) {
             (Some(y), _) => format!(
-                "{} one stream; {:.1} us one-way small-message latency",
+                "{} one stream;{} {:.1} us one-way small-message latency",
                 esc(&y.describe()),
+                m.tcp_parallel
+                    .iter()
+                    .map(|p| format!(
+                        " {} {} streams at once together;",
+                        esc(&p.yardstick.describe()),
+                        p.streams
+                    ))
+                    .collect::<String>(),
                 m.tcp_latency_s * 1e6
             ),
             (None, true) => format!(
@@ -884,6 +904,208 @@ mod tests {
             let (fast, slow) = if g.link == "1 Gbit/s" { ("900", "800") } else { ("100", "50") };
             assert!(text.contains(fast) && text.contains(slow), "{}: {text}", g.link);
         }
+    }
+
+    /// A cell of `mode` at `workers`, repeat `repeat`, with throughput `thr`.
+    fn cell_row(mode: &str, workers: usize, repeat: usize, thr: f64) -> Summary {
+        Summary { id: format!("runs/{mode}-w{workers}-r{repeat}"), workers, repeat, ..row(mode, 0, thr) }
+    }
+
+    /// Every "N% of" in `text`, as N.
+    fn shares_of(text: &str) -> Vec<f64> {
+        text.match_indices("% of")
+            .filter_map(|(i, _)| {
+                let head = &text[..i];
+                let start = head.rfind(|c: char| !(c.is_ascii_digit() || c == '.')).map_or(0, |j| j + 1);
+                head[start..].parse().ok()
+            })
+            .collect()
+    }
+
+    /// The figures of a 16-core machine's report that once read "the busiest parameter-server
+    /// shard moves 5.75 GB/s, 123% of the raw TCP link" and "ps-bsp k=1 reaches 114% of what
+    /// the raw link allows" against one TCP stream of 4.67 GB/s: read against as many streams
+    /// as the modes keep busy, and with only one stream measured, no share of a limit passes
+    /// 100%.
+    #[test]
+    fn no_reading_puts_a_figure_above_its_limit() {
+        // S = 7.1875 MB; 4 workers, one shard: the shard moves 2nS = 57.5 MB a step at 100
+        // steps/s; the alpha-beta model at one stream gives 6.196 ms, measured 5.435 ms.
+        let params = 1_796_875;
+        let ps = |r: usize| Summary {
+            params,
+            bytes_per_step_server: Some(5.75e7),
+            comm_ms: Some(5.435),
+            ..cell_row("ps-bsp", 4, r, 12_800.0 + r as f64)
+        };
+        let ring = |r: usize| Summary {
+            params,
+            comm_ms: Some(2.0),
+            ..cell_row("ddp-tcp", 4, r, 9_000.0 + r as f64)
+        };
+        let c = collected((0..3).flat_map(|r| [ps(r), ring(r)]).collect());
+        let g = &crate::compare::charts::groups(&c)[0];
+        let one = Machine { cores: 16, tcp_bandwidth: 4.67e9, tcp_latency_s: 20e-6, ..Machine::default() };
+        let text = reading(g, link_of(Some(&one)), Some(&one), &c.summaries).join("\n");
+        assert!(text.contains("moves 5.75 GB/s in and out, 1.23x what one raw TCP stream carries"), "{text}");
+        assert!(text.contains("the implementation reaches 1.14x what one raw TCP stream carries"), "{text}");
+        assert!(shares_of(&text).iter().all(|&p| p <= 100.0), "{:?}\n{text}", shares_of(&text));
+
+        let streams = |n: usize, gbs: f64| crate::compare::machine::Parallel {
+            streams: n,
+            yardstick: crate::rawtcp::Yardstick { samples: vec![gbs * 1e9] },
+        };
+        let many = Machine { tcp_parallel: vec![streams(4, 12.0), streams(8, 20.0)], ..one };
+        let text = reading(g, link_of(Some(&many)), Some(&many), &c.summaries).join("\n");
+        assert!(
+            text.contains("5.75 GB/s in and out, 29% of what 8 raw TCP streams at once carry (20.00 GB/s)"),
+            "{text}"
+        );
+        // 57.5 MB over 8 streams at 20 GB/s, plus 2a: 2.915 ms of the 5.435 measured.
+        assert!(
+            text.contains("ps-bsp k=1 (gRPC over TCP) at 4 workers: 5.43 ms")
+                && text.contains("take 2.92 ms"),
+            "{text}"
+        );
+        assert!(text.contains("54% of what 8 raw TCP streams at once carry"), "{text}");
+        assert!(shares_of(&text).iter().all(|&p| p <= 100.0), "{:?}\n{text}", shares_of(&text));
+    }
+
+    /// Two workers sharing what one worker does 17x faster, computing for a tenth of the step:
+    /// the reading names fixed per-step costs with the figures; with compute most of the step
+    /// it says nothing.
+    #[test]
+    fn fixed_per_step_costs_are_named_when_compute_is_a_small_share() {
+        let local = Summary { workers: 1, ..row("local", 0, 343_404.0) };
+        let two = |fwd: f64| Summary {
+            workers: 2,
+            step_ms: Some(6.2),
+            forward_ms: Some(fwd),
+            backward_ms: Some(0.4),
+            update_ms: Some(0.1),
+            ..row("ddp-tcp", 0, 20_624.0)
+        };
+        let c = collected(vec![local.clone(), two(0.2)]);
+        let g = &crate::compare::charts::groups(&c)[0];
+        let text = runs::fixed_costs(&context::Context::new(g, None, None, &c.summaries)).join("\n");
+        assert!(text.contains("Fixed per-step costs decide the speed"), "{text}");
+        assert!(
+            text.contains(
+                "computes (forward, backward and update, measured) for 0.70 ms of its 6.20 ms step (11%)"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "One worker alone runs 343404 samples/s against 20624 here (3% scaling efficiency)"
+            ),
+            "{text}"
+        );
+        let c = collected(vec![local, two(5.0)]);
+        let g = &crate::compare::charts::groups(&c)[0];
+        assert!(runs::fixed_costs(&context::Context::new(g, None, None, &c.summaries)).is_empty());
+    }
+
+    fn verdict_of(rows: Vec<Summary>, m: Option<&Machine>) -> Vec<String> {
+        let c = collected(rows);
+        let g = &crate::compare::charts::groups(&c)[0];
+        let v = verdict::verdict(&context::Context::new(g, Some(Link { a: 20e-6, b: 4e9 }), m, &c.summaries));
+        assert!(!v.is_empty() && v.len() <= 3, "{v:?}");
+        v
+    }
+
+    #[test]
+    fn the_verdict_picks_a_clear_winner() {
+        let rows = (0..3).flat_map(|r| {
+            [cell_row("ddp-tcp", 4, r, 1000.0 + r as f64), cell_row("ps-bsp", 4, r, 800.0 + r as f64)]
+        });
+        let v = verdict_of(rows.collect(), None);
+        assert!(
+            v[0].contains(
+                "pick ddp-tcp (TCP sockets): at 4 workers it runs 1001 samples/s (median of 3, 1000-1002)"
+            ),
+            "{v:?}"
+        );
+        assert!(v[0].contains("next: ps-bsp k=1 (gRPC over TCP)"), "{v:?}");
+        assert!(
+            v[1].starts_with(
+                "By the cost model, a parameter server with a shard per worker beats the ring from"
+            ),
+            "{v:?}"
+        );
+        assert!(v[2].starts_with("Sure as far as 3 complete repeats per cell at 4 workers go"), "{v:?}");
+        // One mode alone is picked as what it is, the only one measured; a time to the target
+        // below a second reads in milliseconds.
+        let rows = (0..2).map(|r| Summary {
+            time_to_target_s: Some(0.004 + 0.001 * r as f64),
+            ..cell_row("local", 1, r, 5000.0)
+        });
+        let c = collected(rows.collect());
+        let g = crate::compare::charts::Group {
+            target: Some(0.6),
+            ..crate::compare::charts::groups(&c).remove(0)
+        };
+        let v = verdict::verdict(&context::Context::new(&g, None, None, &c.summaries));
+        assert!(
+            v[0].contains("pick local: at 1 worker it reaches 60.0% held-out accuracy in 4.5 ms (median of 2, 4.0 ms to 5.0 ms) (the only mode measured there)"),
+            "{v:?}"
+        );
+    }
+
+    #[test]
+    fn the_verdict_calls_overlapping_modes_level() {
+        let rows = (0..3).flat_map(|r| {
+            [cell_row("ddp-tcp", 4, r, 1000.0 + 10.0 * r as f64), cell_row("ps-bsp", 4, r, 1015.0 + r as f64)]
+        });
+        let v = verdict_of(rows.collect(), None);
+        assert!(v[0].contains("no single pick: at 4 workers") && v[0].contains("are level"), "{v:?}");
+        assert!(!v.join(" ").contains(" pick ps-bsp") && !v.join(" ").contains(" pick ddp-tcp"), "{v:?}");
+        // Ran once: no pick at all.
+        let v = verdict_of(vec![cell_row("ddp-tcp", 4, 0, 1000.0), cell_row("ps-bsp", 4, 0, 500.0)], None);
+        assert!(v[0].contains("no pick: at 4 workers a cell that could decide ran once"), "{v:?}");
+        // Nothing complete: nothing concluded.
+        let c = collected(vec![Summary { status: "diverged".into(), ..cell_row("ddp-tcp", 4, 0, 9e9) }]);
+        let one = collected(vec![cell_row("dp", 4, 0, 1.0)]);
+        let none =
+            crate::compare::charts::Group { rows: vec![], ..crate::compare::charts::groups(&one).remove(0) };
+        let v = verdict::verdict(&context::Context::new(&none, None, None, &c.summaries));
+        assert_eq!(
+            v,
+            ["No pick: no run completed, so there is nothing to compare (the table below says why)."]
+        );
+    }
+
+    /// The parameter server leads at 2 workers, the ring at 8: the pick is made at 8 and the
+    /// crossing named; on a machine of 4 cores the 8-worker runs decide nothing.
+    #[test]
+    fn the_verdict_names_a_crossing_with_worker_count() {
+        let rows: Vec<Summary> = (0..2)
+            .flat_map(|r| {
+                let r_ = r as f64;
+                [
+                    cell_row("ps-bsp", 2, r, 900.0 + r_),
+                    cell_row("ddp-tcp", 2, r, 700.0 + r_),
+                    cell_row("ps-bsp", 8, r, 1000.0 + r_),
+                    cell_row("ddp-tcp", 8, r, 2000.0 + r_),
+                ]
+            })
+            .collect();
+        let v = verdict_of(rows.clone(), None);
+        assert!(v[0].contains("pick ddp-tcp (TCP sockets): at 8 workers"), "{v:?}");
+        assert!(
+            v[1].contains("the measured leader changes with the worker count (ps-bsp k=1 (gRPC over TCP) at 2, ddp-tcp (TCP sockets) at 8)"),
+            "{v:?}"
+        );
+        let small = Machine { cores: 4, ..Machine::default() };
+        let v = verdict_of(rows, Some(&small));
+        assert!(v[0].contains("pick ps-bsp k=1 (gRPC over TCP): at 2 workers"), "{v:?}");
+        assert!(!v[1].contains("leader changes") && v[1].starts_with("By the cost model"), "{v:?}");
+        assert!(
+            v[2].contains(
+                "4 run(s) that failed, diverged, stopped early or outnumbered the cores decide nothing"
+            ),
+            "{v:?}"
+        );
     }
 }
 

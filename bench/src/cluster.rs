@@ -1,11 +1,9 @@
 //! `gradsync-bench cluster`: the comparison's runs on an emulated multi-host cluster. Each
-//! link rate gets a fresh cluster ([`net`]): server shard `i` on host `i`, worker rank `r` on
+//! link rate gets a fresh cluster ([`crate::net`]): server shard `i` on host `i`, worker rank `r` on
 //! host `k + r`, every process started by the comparison runner's own command lines
 //! ([`crate::compare::modes`]) inside its host's namespace. The run directory is a comparison
 //! run directory plus `cluster.json` (which run had which link), so `plot` renders it, with a
 //! section setting each measured step beside the cost model's prediction for that link.
-
-pub mod net;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -19,8 +17,7 @@ pub use crate::compare::emulated::{CLUSTER_FILE, ClusterRun};
 use crate::compare::machine::Machine;
 use crate::compare::modes::{self, Placement};
 use crate::compare::scenario::{ModeKind, Scenario};
-
-pub use net::{Cluster, ClusterError, Shape};
+use crate::net::{self, Cluster, Shape};
 
 /// Steps per cluster run unless `--steps` says otherwise.
 const CLUSTER_STEPS: u64 = 30;

@@ -27,7 +27,14 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use crate::compare::modes::HostSlot;
+/// One host of an emulated cluster: a network namespace and its address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostSlot {
+    /// The namespace's name.
+    pub netns: String,
+    /// The host's IPv4 address.
+    pub addr: String,
+}
 
 /// Why a cluster could not be made or changed.
 #[derive(Debug, Error)]

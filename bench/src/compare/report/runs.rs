@@ -1,0 +1,288 @@
+//! Readings of how the runs went: where the step time goes (exposed communication, or fixed
+//! per-step costs that leave compute a small share), staleness, accuracy against local
+//! training, contention for the cores, the straggler sweep, and the runs that failed,
+//! diverged, stopped early or were skipped (listed, never read as a speed).
+
+use std::collections::BTreeMap;
+
+use super::context::{Context, UNRANKED};
+use crate::compare::charts::Group;
+use crate::compare::results::Summary;
+
+/// Below this share of the step spent computing, fixed per-step costs decide the speed.
+const COMPUTE_SMALL: f64 = 0.25;
+
+/// Said when no run produced metrics.
+pub fn no_runs(cx: &Context) -> Vec<String> {
+    if cx.g.rows.is_empty() {
+        vec!["No run produced metrics, so there is nothing to compare; the table below says why each run failed.".into()]
+    } else {
+        Vec::new()
+    }
+}
+
+/// At the most workers, the mode that spends the largest share of its step on exposed
+/// communication and waiting.
+pub fn exposed_share(cx: &Context) -> Vec<String> {
+    let Some(nmax) = cx.most_workers() else { return Vec::new() };
+    let shares: Vec<(String, f64, f64)> =
+        cx.g.rows
+            .iter()
+            .filter(|r| r.workers == nmax)
+            .filter_map(|r| {
+                let t = r.step_ms?;
+                let c = r.comm_exposed_ms.unwrap_or(0.0) + r.wait_ms.unwrap_or(0.0);
+                (t > 0.0).then(|| (Group::series(r), c / t, t))
+            })
+            .collect();
+    match shares.iter().max_by(|a, b| a.1.total_cmp(&b.1)) {
+        Some(w) if w.1 > 0.0 => vec![format!(
+            "At {nmax} workers, {} spends the largest share of its step ({:.0}% of {:.1} ms) on exposed \
+             communication and waiting.",
+            w.0,
+            100.0 * w.1,
+            w.2
+        )],
+        _ => Vec::new(),
+    }
+}
+
+/// A row's compute per step (forward, backward and update, measured), ms.
+fn compute_ms(r: &Summary) -> Option<f64> {
+    Some(r.forward_ms? + r.backward_ms? + r.update_ms.unwrap_or(0.0))
+}
+
+/// Where the fastest mode at the most workers computes for a small share of its step, fixed
+/// per-step costs (host staging, process switches, RPCs) decide the speed, not the
+/// arithmetic or the bandwidth: said with the figures, beside the one-worker baseline.
+pub fn fixed_costs(cx: &Context) -> Vec<String> {
+    let Some(nmax) = cx.most_workers().filter(|&n| n > 1) else { return Vec::new() };
+    let at: Vec<(&Summary, f64, f64)> =
+        cx.g.rows
+            .iter()
+            .copied()
+            .filter(|r| r.workers == nmax)
+            .filter_map(|r| Some((r, compute_ms(r)?, r.step_ms.filter(|&t| t > 0.0)?)))
+            .collect();
+    let Some(&(best, c, t)) = at.iter().max_by(|a, b| Context::thr(a.0).total_cmp(&Context::thr(b.0))) else {
+        return Vec::new();
+    };
+    if c / t >= COMPUTE_SMALL {
+        return Vec::new();
+    }
+    let all_small = at.iter().all(|x| x.1 / x.2 < COMPUTE_SMALL);
+    let base = match cx.g.baseline() {
+        Some(b) if b > 0.0 => format!(
+            " One worker alone runs {b:.0} samples/s against {:.0} here ({:.0}% scaling efficiency).",
+            Context::thr(best),
+            100.0 * Context::thr(best) / (nmax as f64 * b)
+        ),
+        _ => String::new(),
+    };
+    vec![format!(
+        "Fixed per-step costs decide the speed here: at {nmax} workers the fastest mode, {}, computes \
+         (forward, backward and update, measured) for {c:.2} ms of its {t:.2} ms step ({:.0}%){}.{base} The rest \
+         of the step is host staging, process switches, RPCs and waiting, costs that do not shrink with the \
+         model, so a larger model or batch per step, not a faster wire, is what would change the ranking.",
+        Group::series(best),
+        100.0 * c / t,
+        if all_small {
+            ", and every other mode computes for less than a quarter of its step too"
+        } else {
+            ""
+        },
+    )]
+}
+
+/// Staleness of the asynchronous modes at the most workers.
+pub fn staleness(cx: &Context) -> Vec<String> {
+    let stale: Vec<String> =
+        cx.g.rows
+            .iter()
+            .filter(|r| r.staleness_mean.is_some() && (r.mode == "ps-asp" || r.mode == "ps-ssp"))
+            .filter(|r| Some(r.workers) == cx.most_workers())
+            .map(|r| {
+                format!(
+                    "{} at {} workers: mean {:.2}, max {}",
+                    Group::series(r),
+                    r.workers,
+                    r.staleness_mean.unwrap_or(0.0),
+                    r.staleness_max.unwrap_or(0)
+                )
+            })
+            .collect();
+    if stale.is_empty() {
+        return Vec::new();
+    }
+    vec![format!(
+        "Staleness of applied gradients: {}. Staleness counts the server's versions between a worker's pull \
+         and the update with its gradient, and every worker's gradient makes a version under ASP and SSP: \
+         with n workers it can pass the SSP bound, which limits how many of its own steps a worker runs \
+         ahead of the slowest, not how many updates others make meanwhile.",
+        stale.join("; ")
+    )]
+}
+
+/// Final held-out accuracy against local training: same initial parameters, data and global
+/// batch, so a difference comes from the mode (asynchrony, reduction order).
+pub fn accuracy_against_local(cx: &Context) -> Vec<String> {
+    let g = cx.g;
+    let Some(la) = g.rows.iter().find(|r| r.mode == "local").and_then(|r| r.final_accuracy) else {
+        return Vec::new();
+    };
+    let dev = |sync: bool| -> Option<(f64, String)> {
+        g.rows
+            .iter()
+            .filter(|r| r.mode != "local" && (r.mode == "ps-asp" || r.mode == "ps-ssp") != sync)
+            .filter_map(|r| {
+                Some(((r.final_accuracy? - la).abs(), format!("{} w{}", Group::series(r), r.workers)))
+            })
+            .max_by(|a, b| a.0.total_cmp(&b.0))
+    };
+    let mut parts =
+        vec![format!("Final held-out accuracy of local training (median of repeats): {:.2}%", 100.0 * la)];
+    if let Some((d, who)) = dev(true) {
+        parts.push(format!("synchronous modes end within {:.2} points of it (largest: {who})", 100.0 * d));
+    }
+    if let Some((d, who)) = dev(false) {
+        parts.push(format!("asynchronous ones within {:.2} points (largest: {who})", 100.0 * d));
+    }
+    vec![parts.join("; ") + "."]
+}
+
+/// Contention: every process shares this machine's cores.
+pub fn contention(cx: &Context) -> Vec<String> {
+    match (cx.machine, cx.most_workers()) {
+        (Some(m), Some(nmax)) if nmax > m.cores => vec![format!(
+            "All processes share one machine with {} logical cores, and up to {nmax} workers ran at once (plus \
+             servers): beyond {} workers compute time grows with contention, so throughput there measures the CPU \
+             as much as the network.",
+            m.cores, m.cores
+        )],
+        _ => Vec::new(),
+    }
+}
+
+/// The straggler sweep ([`straggler_reading`]).
+pub fn straggler(cx: &Context) -> Vec<String> {
+    straggler_reading(cx.g)
+}
+
+/// The runs that failed: how many per mode, and the first error.
+pub fn failures(cx: &Context) -> Vec<String> {
+    let failed: Vec<&Summary> = cx.all.iter().filter(|r| r.status == "failed").collect();
+    let Some(first) = failed.first() else { return Vec::new() };
+    let mut by_mode: BTreeMap<&str, usize> = BTreeMap::new();
+    for f in &failed {
+        *by_mode.entry(f.mode.as_str()).or_insert(0) += 1;
+    }
+    vec![format!(
+        "{} run{} failed ({}); first error: {}",
+        failed.len(),
+        if failed.len() == 1 { "" } else { "s" },
+        by_mode.iter().map(|(m, n)| format!("{m}: {n}")).collect::<Vec<_>>().join(", "),
+        first.error.chars().take(200).collect::<String>()
+    )]
+}
+
+/// The runs that diverged: which, at which step, and the fix the error names.
+pub fn diverged(cx: &Context) -> Vec<String> {
+    let diverged: Vec<&Summary> = cx.all.iter().filter(|r| r.status == "diverged").collect();
+    if diverged.is_empty() {
+        return Vec::new();
+    }
+    let which: Vec<String> = diverged
+        .iter()
+        .map(|r| {
+            let at = r.error.split("diverged at step ").nth(1).and_then(|t| t.split(':').next());
+            format!("{} w{}{}", r.mode, r.workers, at.map(|s| format!(" at step {s}")).unwrap_or_default())
+        })
+        .collect();
+    vec![format!(
+        "{} run{} diverged ({}): listed apart in the table below, never read as a speed. {}",
+        diverged.len(),
+        if diverged.len() == 1 { "" } else { "s" },
+        which.join(", "),
+        diverged.iter().find_map(|r| r.error.split_once("; ").map(|(_, fix)| fix)).unwrap_or_default()
+    )]
+}
+
+/// The runs that did not run to their end.
+pub fn partial(cx: &Context) -> Vec<String> {
+    let n =
+        cx.all.iter().filter(|r| matches!(r.status.as_str(), "interrupted" | "stopped" | "partial")).count();
+    if n == 0 {
+        return Vec::new();
+    }
+    vec![format!(
+        "{n} run(s) did not run to their end (interrupted, stopped by the time budget, or without a \
+         record): listed apart, they feed no figure and no reading."
+    )]
+}
+
+/// The runs skipped, each with its reason in the table.
+pub fn skipped(cx: &Context) -> Vec<String> {
+    let n = cx.all.iter().filter(|r| r.status == "skipped").count();
+    if n == 0 {
+        return Vec::new();
+    }
+    vec![format!("{n} run(s) were skipped; the table below gives each reason.")]
+}
+
+/// What the straggler sweep says: per series, at its largest delay, the slowdown and the share
+/// of the injected delay the whole job pays per global step, against what the mode's
+/// synchronisation predicts (synchronous modes pay all of it; ASP at most W/(W-1) of the
+/// undelayed step; SSP all of it once the fast ranks reach the staleness bound).
+pub fn straggler_reading(g: &Group) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut paid: Vec<(String, f64)> = Vec::new();
+    let mut once = Vec::new();
+    for s in g.slowdowns() {
+        if !s.repeated {
+            once.push(s.name.clone());
+        }
+        let (name, mode, w) = (s.name, s.mode, s.workers);
+        let (Some(&(d, slow)), Some(t0)) = (s.points.last(), g.undelayed_step_s(mode, w, s.shards)) else {
+            continue;
+        };
+        if d <= 0.0 {
+            continue;
+        }
+        let extra_ms = (slow - 1.0) * t0 * 1e3;
+        let share = extra_ms / d;
+        let expect = match mode {
+            "ps-asp" => format!(
+                "asynchronous: the other ranks go on, so the slowdown is bounded by W/(W-1) = {:.2}x",
+                w as f64 / (w as f64 - 1.0).max(1.0)
+            ),
+            "ps-ssp" => "stale-synchronous: the fast ranks run ahead up to the bound, then wait".into(),
+            _ => "synchronous: every step waits for the slowest rank".into(),
+        };
+        out.push(format!(
+            "Straggler, {name}: with one rank {d:.0} ms slower per step, a global step takes {slow:.2}x as \
+             long ({:.1} -> {:.1} ms); the job pays {:.0}% of the injected delay ({expect}).",
+            t0 * 1e3,
+            t0 * 1e3 * slow,
+            100.0 * share
+        ));
+        paid.push((name, share));
+    }
+    if paid.len() > 1 && !once.is_empty() {
+        out.push(format!("Which mode absorbs the straggler best: {UNRANKED} Ran once: {}.", once.join(", ")));
+    } else if paid.len() > 1 {
+        paid.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let waits: Vec<&str> = paid.iter().filter(|p| p.1 >= 0.8).map(|p| p.0.as_str()).collect();
+        let spared: Vec<&str> = paid.iter().filter(|p| p.1 < 0.5).map(|p| p.0.as_str()).collect();
+        out.push(format!(
+            "At the largest delay, {} absorbs the straggler best ({:.0}% of the delay paid). Waiting for it \
+             every step (80% or more paid): {}. Less than half paid: {}. Where processes outnumber cores, a \
+             sleeping straggler also frees a core for the others, so synchronous modes pay less than the \
+             whole delay.",
+            paid[0].0,
+            100.0 * paid[0].1,
+            if waits.is_empty() { "none".to_string() } else { waits.join(", ") },
+            if spared.is_empty() { "none".to_string() } else { spared.join(", ") },
+        ));
+    }
+    out
+}
