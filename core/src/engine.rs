@@ -86,13 +86,14 @@ impl HostBucket<'_> {
         }
     }
 
-    /// The values are final: a staged copy goes back to the engine's gradients (queued; the
-    /// engine's next use of its gradients waits for it). A bucket dropped unfinished leaves the
-    /// engine's gradients as backward wrote them where they were staged.
-    pub fn finish(self) -> Result<()> {
+    /// The values `part` of the bucket (counted from its start) are final and the engine needs
+    /// them: a staged copy of them goes back to the engine's gradients (queued; the engine's
+    /// next use of its gradients waits for it). The rest, and a bucket dropped unfinished,
+    /// leave the engine's gradients as backward wrote them where they were staged.
+    pub fn finish(self, part: Range<usize>) -> Result<()> {
         match self.values {
             HostValues::InPlace(_) => Ok(()),
-            HostValues::Staged(s) => s.copy_back(),
+            HostValues::Staged(s) => s.copy_back(part),
         }
     }
 }
@@ -418,27 +419,34 @@ impl Engine {
         }
     }
 
-    /// The parameters `range` in host memory for `f` to read and change: in place where they
-    /// live there, else copied into `scratch` and written back after `f` (whatever it returns).
-    pub fn with_host_params<R>(
+    /// The parameters `params` and the gradients `grads` in host memory, for `f` to change the
+    /// parameters from the gradients: in place where they live there, else copied into
+    /// `scratch` and the parameters written back after `f` (whatever it returns).
+    pub fn with_host_buffers<R>(
         &mut self,
-        range: Range<usize>,
+        params: Range<usize>,
+        grads: Range<usize>,
         scratch: &mut Vec<f32>,
-        f: impl FnOnce(&mut [f32]) -> R,
+        f: impl FnOnce(&mut [f32], &[f32]) -> R,
     ) -> Result<R> {
-        if let Some((params, _)) = self.host_buffers_mut() {
-            let n = params.len();
-            let p = params.get_mut(range.clone()).ok_or(crate::Error::Length {
-                what: "parameter range",
-                expected: n,
-                got: range.end,
-            })?;
-            return Ok(f(p));
+        let len = self.layout().len;
+        let outside =
+            |r: &Range<usize>| crate::Error::Length { what: "buffer range", expected: len, got: r.end };
+        if params.start > params.end || params.end > len {
+            return Err(outside(&params));
         }
-        scratch.resize(range.len(), 0.0);
-        self.read_params(range.clone(), scratch)?;
-        let out = f(scratch);
-        self.write_params(range.start, scratch)?;
+        if grads.start > grads.end || grads.end > len {
+            return Err(outside(&grads));
+        }
+        if let Some((p, g)) = self.host_buffers_mut() {
+            return Ok(f(&mut p[params], &g[grads]));
+        }
+        scratch.resize(params.len() + grads.len(), 0.0);
+        let (p, g) = scratch.split_at_mut(params.len());
+        self.read_params(params.clone(), p)?;
+        self.read_grads(grads, g)?;
+        let out = f(p, g);
+        self.write_params(params.start, p)?;
         Ok(out)
     }
 

@@ -222,18 +222,25 @@ impl StagedBucket<'_> {
         Ok(self.host)
     }
 
-    /// Queue the copy of the (reduced) host values back into the bucket's gradients, before
-    /// anything the engine does next with them.
-    pub fn copy_back(self) -> Result<()> {
+    /// Queue the copy of the (reduced) host values `part` (counted from the bucket's start)
+    /// back into the bucket's gradients, before anything the engine does next with them.
+    pub fn copy_back(self, part: Range<usize>) -> Result<()> {
         let s = self.streams;
+        let values = self.host.get(part.clone()).ok_or_else(|| {
+            Error::invalid(
+                "copy a bucket back",
+                format!("{part:?} is not inside its {} values", self.host.len()),
+            )
+        })?;
         s.ctx.bind_to_thread().map_err(cuda_err("copy a bucket back"))?;
         // The copy back must not start before the copy out has landed (the same stream orders
         // them) nor read values the ring is still writing (the ring has returned).
-        if !self.host.is_empty() {
-            // SAFETY: the device range is the bucket's (the caller of `stage` vouched for it);
-            // the pinned values stay allocated and untouched until the copy stream drains: the
-            // next write to them is the next step's copy out, queued behind this copy.
-            unsafe { result::memcpy_htod_async(self.device, &*self.host, s.copies.cu_stream()) }
+        if !values.is_empty() {
+            let at = self.device + (part.start * size_of::<f32>()) as CUdeviceptr;
+            // SAFETY: `part` lies inside the bucket, whose device range the caller of `stage`
+            // vouched for; the pinned values stay allocated and untouched until the copy stream
+            // drains: the next write to them is the next step's copy out, queued behind this.
+            unsafe { result::memcpy_htod_async(at, values, s.copies.cu_stream()) }
                 .map_err(cuda_err("copy a bucket back to the device"))?;
         }
         s.returned.store(true, Ordering::Release);

@@ -41,15 +41,15 @@ pub trait BucketWork: Send {
     fn name(&self) -> &'static str;
 
     /// Do it to bucket `index`, values `range` of the flat gradient, in host memory over
-    /// `comm`. Returns whether the engine needs the bucket's values back (the sum it will
-    /// update with).
+    /// `comm`. Returns the part of the bucket (counted from its start) whose new values the
+    /// engine needs for its update: all of a sum, this rank's segment of a reduce-scatter.
     fn host(
         &mut self,
         comm: &mut dyn Collective,
         index: usize,
         range: Range<usize>,
         values: &mut [f32],
-    ) -> anyhow::Result<bool>;
+    ) -> anyhow::Result<Range<usize>>;
 
     /// Whether [`BucketWork::queue_device`] does this work in GPU memory.
     fn on_device(&self) -> bool {
@@ -136,8 +136,8 @@ impl<'a, W: BucketWork + ?Sized> Hook<'a, '_, W> {
     }
 }
 
-/// Do `work` to host bucket `b` over `comm`, and hand its values back to the engine when the
-/// work says it needs them. Returns the span it took (the wait for a staged copy included).
+/// Do `work` to host bucket `b` over `comm`, and hand the values the work says the engine
+/// needs back to it. Returns the span it took (the wait for a staged copy included).
 fn run_host<W: BucketWork + ?Sized>(
     work: &mut W,
     comm: &mut dyn Collective,
@@ -147,9 +147,7 @@ fn run_host<W: BucketWork + ?Sized>(
     let t = Instant::now();
     let (index, range) = (b.index, b.range.clone());
     let back = work.host(comm, index, range.clone(), b.values()?)?;
-    if back {
-        b.finish()?;
-    }
+    b.finish(back)?;
     let end = Instant::now();
     let mut args = serde_json::Map::new();
     args.insert("bytes".into(), (4 * range.len()).into());

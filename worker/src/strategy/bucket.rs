@@ -127,9 +127,9 @@ impl BucketWork for BucketReduce {
         _index: usize,
         range: Range<usize>,
         values: &mut [f32],
-    ) -> anyhow::Result<bool> {
+    ) -> anyhow::Result<Range<usize>> {
         self.reduce(comm, range, values)?;
-        Ok(true)
+        Ok(0..values.len())
     }
 
     fn on_device(&self) -> bool {

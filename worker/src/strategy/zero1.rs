@@ -20,9 +20,9 @@
 //! The communicator takes each bucket where it works (`collective/buckets.rs`): on a CPU
 //! engine the ring reduce-scatters the engine's own gradients in place; on a GPU engine each
 //! bucket is staged through pinned host memory as backward finishes it, and reduce-scattered
-//! there while backward goes on (NCCL: through its host path after backward). The rank's summed
-//! segment of each bucket is kept beside its momentum shard, in host memory; the update works
-//! on the parameters in place on the CPU, through a host copy of each bucket on a GPU. The
+//! there while backward goes on (NCCL: through its host path after backward), and only the
+//! rank's summed segment goes back. The update works on the parameters and that segment in
+//! place on the CPU, through a host copy of each bucket's parameters and segment on a GPU. The
 //! engine's own momentum buffer is never allocated, so the optimiser state a rank holds is 1/n
 //! of DDP's. What ZeRO-1 shares with DDP is `shell.rs`.
 
@@ -50,15 +50,14 @@ pub struct Zero1Config {
     pub gather_momentum: bool,
 }
 
-/// ZeRO-1's work on each bucket: reduce-scatter it, and keep this rank's summed segment.
+/// ZeRO-1's work on each bucket: reduce-scatter it; this rank's summed segment is what the
+/// engine needs back.
 #[derive(Default)]
 struct Scatter {
     /// Per bucket, the range of the flat buffer this rank owns and updates.
     owned: Vec<Range<usize>>,
-    /// Per bucket, where its owned segment lies in the shard (`grads`, and the momentum).
+    /// Per bucket, where its owned segment lies in the momentum shard.
     shard: Vec<Range<usize>>,
-    /// The owned segments' summed gradients, in bucket order.
-    grads: Vec<f32>,
 }
 
 impl BucketWork for Scatter {
@@ -72,18 +71,17 @@ impl BucketWork for Scatter {
         index: usize,
         range: Range<usize>,
         values: &mut [f32],
-    ) -> anyhow::Result<bool> {
+    ) -> anyhow::Result<Range<usize>> {
         let got =
             comm.reduce_scatter(values).with_context(|| format!("reduce-scatter of bucket {range:?}"))?;
-        let (own, shard) = (&self.owned[index], &self.shard[index]);
+        let own = &self.owned[index];
         let want = own.start - range.start..own.end - range.start;
         anyhow::ensure!(
             got == want,
             "reduce-scatter of bucket {index} left {got:?} summed here, not {want:?}"
         );
-        self.grads[shard.clone()].copy_from_slice(&values[want]);
-        // The update reads the kept segment; the engine's gradients are not needed back.
-        Ok(false)
+        // Only this rank's summed segment is read by the update.
+        Ok(want)
     }
 }
 
@@ -141,7 +139,7 @@ impl Strategy for Zero1 {
             })
             .collect();
         self.momentum = owned.iter().flat_map(|o| p[o.clone()].iter().copied()).collect();
-        self.scatter = Scatter { owned, shard, grads: vec![0.0; off] };
+        self.scatter = Scatter { owned, shard };
         drop(p);
         // The shard is the optimiser state from here on; the engine holds none.
         engine.release_momentum();
@@ -171,19 +169,13 @@ impl Strategy for Zero1 {
                 // all-gathered: all after backward, which still reads the parameters.
                 let (mut update_ms, mut gather_ms) = (0.0, 0.0);
                 for (i, r) in s.plan.buckets.iter().enumerate() {
-                    let (own, m) = (&scatter.owned[i], scatter.shard[i].clone());
+                    let (own, m) = (scatter.owned[i].clone(), scatter.shard[i].clone());
                     let local = own.start - r.start..own.end - r.start;
-                    engine.with_host_params(r.clone(), scratch, |p| -> anyhow::Result<()> {
+                    engine.with_host_buffers(r.clone(), own, scratch, |p, g| -> anyhow::Result<()> {
                         let t = Instant::now();
-                        sgd_step(
-                            &sh.sgd,
-                            &mut p[local],
-                            &scatter.grads[m.clone()],
-                            &mut momentum[m],
-                            s.scale,
-                        );
+                        sgd_step(&sh.sgd, &mut p[local], g, &mut momentum[m], s.scale);
                         update_ms += t.elapsed().as_secs_f64() * 1e3;
-                        sh.trace.span(format!("update b{i} (shard)"), "compute", "compute", t);
+                        sh.trace.span("update (shard)", "compute", "compute", t);
                         let t = Instant::now();
                         sh.comm.get().all_gather(p).with_context(|| format!("all-gather of bucket {r:?}"))?;
                         gather_ms += t.elapsed().as_secs_f64() * 1e3;
