@@ -8,7 +8,7 @@ mod cpu;
 pub mod cuda;
 pub mod libs;
 pub mod nvrtc;
-pub mod staging;
+pub(crate) mod staging;
 
 use std::fmt;
 use std::str::FromStr;
