@@ -1059,6 +1059,9 @@ mod tests {
         });
         let v = verdict_of(rows.collect(), None);
         assert!(v[0].contains("no single pick: at 4 workers") && v[0].contains("are level"), "{v:?}");
+        // Each mode's figure follows its name, one bracket deep.
+        assert!(v[0].contains("(TCP sockets), which runs") && v[0].contains("; and "), "{v:?}");
+        assert!(!v[0].contains(") ("), "brackets in brackets: {v:?}");
         assert!(!v.join(" ").contains(" pick ps-bsp") && !v.join(" ").contains(" pick ddp-tcp"), "{v:?}");
         // Ran once: no pick at all.
         let v = verdict_of(vec![cell_row("ddp-tcp", 4, 0, 1000.0), cell_row("ps-bsp", 4, 0, 500.0)], None);

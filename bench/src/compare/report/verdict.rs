@@ -132,13 +132,18 @@ fn pick(cx: &Context) -> (String, Option<usize>) {
                 );
             }
             Standing::Level(l) => {
+                // "A, which reaches ...; B, which ...; and C, which ...": each mode's figure
+                // after its name, without nesting brackets in brackets.
                 let names: Vec<String> =
-                    l.iter().map(|r| format!("{} ({})", Group::series(r), quoted(cx, r))).collect();
+                    l.iter().map(|r| format!("{}, which {}", Group::series(r), quoted(cx, r))).collect();
+                let listed = match names.split_last() {
+                    Some((last, rest)) if !rest.is_empty() => format!("{}; and {last}", rest.join("; ")),
+                    _ => names.join(""),
+                };
                 return (
                     format!(
-                        "{head}, no single pick: at {at} {} are level, their repeats' ranges overlapping, so \
-                         choose among them on other grounds.",
-                        names.join(" and ")
+                        "{head}, no single pick: at {at} these are level, their repeats' ranges overlapping: \
+                         {listed}. Choose among them on other grounds."
                     ),
                     Some(n),
                 );
