@@ -205,6 +205,40 @@ fn bsp_with_gpu_workers_matches_local_training() {
     }
     let d = max_diff(&params(&save), &params(&reference));
     assert!(d < 1e-4, "PS with GPU workers vs local on the CPU: max diff {d}");
+    // On the fake CUDA, whose log the workers append to: each worker's gradient left the device
+    // bucket by bucket while backward ran, not in one copy after it.
+    if let Some(log) = gradsync_testkit::WorkLog::here() {
+        use gradsync_testkit::{CopyKind, Work};
+        let is = |w: &Work, name: &str| matches!(w, Work::Kernel(l) if l.kernel == name);
+        let me = std::process::id();
+        let workers: Vec<_> = log
+            .by_process()
+            .into_iter()
+            .filter(|(pid, w)| *pid != me && w.iter().any(|w| matches!(w, Work::Gemm)))
+            .collect();
+        assert_eq!(workers.len(), w, "every worker trained on the GPU");
+        for (pid, work) in workers {
+            // Forward ends with the softmax; a training step's backward follows (evaluation's
+            // forwards have none).
+            let starts: Vec<usize> = (0..work.len()).filter(|&i| is(&work[i], "softmax_xent")).collect();
+            let segments: Vec<&[Work]> = starts
+                .iter()
+                .enumerate()
+                .map(|(i, &s)| &work[s..starts.get(i + 1).copied().unwrap_or(work.len())])
+                .filter(|seg| seg.iter().any(|w| is(w, "bias_grad")))
+                .collect();
+            assert_eq!(segments.len(), steps, "process {pid}: one backward a step");
+            for (i, step) in segments.into_iter().enumerate() {
+                let bwd = step.iter().position(|w| is(w, "bias_grad")).expect("a backward");
+                let last_gemm = step.iter().rposition(|w| matches!(w, Work::Gemm)).expect("GEMMs");
+                let early = step[bwd..last_gemm]
+                    .iter()
+                    .filter(|w| matches!(w, Work::Copy { kind: CopyKind::DtoH, .. }))
+                    .count();
+                assert!(early >= 1, "process {pid} step {i}: no bucket left the device during backward");
+            }
+        }
+    }
 }
 
 /// gradsync's worker frames its pushes and reads its pulls straight from HTTP/2 frames; a

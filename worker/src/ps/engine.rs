@@ -4,7 +4,7 @@
 //! ```text
 //!   host memory (CPU engine):   grads --swapped out, lent, swapped back--> frames --> shard k
 //!                               params <--copied per chunk-- DATA frames <-- shard k
-//!   device memory (GPU engine): grads --read_grads--> host f32 --lent--> frames --> shard k
+//!   device memory (GPU engine): grads --staged per bucket during backward--> host f32 --lent--> frames --> shard k
 //!                               params <--write_params-- host f32 <-- DATA frames <-- shard k
 //! ```
 
@@ -12,6 +12,7 @@ use std::cell::RefCell;
 use std::time::Instant;
 
 use gradsync_core::Engine;
+use gradsync_core::model::BucketPlan;
 use gradsync_proto::wire;
 
 use super::bulk::Transfer;
@@ -28,13 +29,19 @@ pub enum EngineLink {
         /// The buffer the engine holds while its own is pushed.
         spare: SharedGrads,
     },
-    /// Device memory: one copy of the whole buffer to the host each way, the exchange between
-    /// these host buffers (the push lent the host gradient, not copying it again).
+    /// Device memory: the gradient copied to the host bucket by bucket as backward finishes
+    /// each ([`EngineLink::backward`], overlapped with the rest of backward), the parameters
+    /// copied back whole after the pull; the exchange between these host buffers (the push lent
+    /// the host gradient, not copying it again).
     Staged {
-        /// The gradient, read from the device before the push.
+        /// The gradient, staged from the device during backward.
         grads: SharedGrads,
         /// The pulled parameters, written to the device after the pull.
         params: Vec<f32>,
+        /// The buckets the gradient is staged in, last layer first.
+        plan: BucketPlan,
+        /// `grads` holds this step's gradient (staged by [`EngineLink::backward`]).
+        fresh: bool,
     },
 }
 
@@ -52,7 +59,42 @@ impl EngineLink {
         let n = engine.layout().len;
         match engine.host_buffers_mut() {
             Some(_) => EngineLink::InPlace { spare: SharedGrads::new(vec![0.0; n]) },
-            None => EngineLink::Staged { grads: SharedGrads::new(vec![0.0; n]), params: vec![0.0; n] },
+            None => EngineLink::Staged {
+                grads: SharedGrads::new(vec![0.0; n]),
+                params: vec![0.0; n],
+                // A handful of buckets, so that all but the first layer's leave during backward.
+                plan: BucketPlan::with_cap(engine.layout(), (n / 8).max(1)),
+                fresh: false,
+            },
+        }
+    }
+
+    /// Backward into the engine's gradient buffer; where the link stages it, each finished
+    /// bucket is copied to the host gradient while backward computes the earlier layers, so
+    /// the push starts from host memory without a copy of the whole gradient after backward.
+    pub fn backward(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
+        match self {
+            EngineLink::InPlace { .. } => Ok(engine.backward(false)?),
+            EngineLink::Staged { grads, plan, fresh, .. } => {
+                *fresh = false;
+                let host = grads.make_mut();
+                host.resize(engine.layout().len, 0.0);
+                let mut staged = Vec::new();
+                let mut failed = None;
+                engine.backward_buckets(plan, false, &mut |b| match b.into_host() {
+                    Ok(h) => staged.push(h),
+                    Err(e) => drop(failed.get_or_insert(e)),
+                })?;
+                if let Some(e) = failed {
+                    return Err(anyhow::Error::from(e).context("staging a bucket of the gradient"));
+                }
+                for mut b in staged {
+                    let range = b.range.clone();
+                    host[range].copy_from_slice(b.values()?);
+                }
+                *fresh = true;
+                Ok(())
+            }
         }
     }
 
@@ -97,9 +139,11 @@ impl EngineLink {
                 let (push, pull) = result?;
                 Ok((t, push, pull))
             }
-            EngineLink::Staged { grads, params } => {
-                let host = grads.make_mut();
-                engine.read_grads(0..host.len(), host)?;
+            EngineLink::Staged { grads, params, fresh, .. } => {
+                if !std::mem::take(fresh) {
+                    let host = grads.make_mut();
+                    engine.read_grads(0..host.len(), host)?;
+                }
                 let t = Instant::now();
                 let (push, pull) = client.exchange_into(&*grads, params).await?;
                 engine.write_params(0, params)?;

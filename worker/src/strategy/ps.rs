@@ -20,7 +20,7 @@ use gradsync_core::trace::Trace;
 use gradsync_proto::SyncMode;
 use gradsync_proto::tuning::Tuning;
 
-use super::{Shape, Strategy, forward_backward, ms_since};
+use super::{Shape, Strategy, forward, ms_since};
 use crate::ps::{Encoded, EngineLink, PsClient};
 
 /// `--mode ps`: the [`Strategy`].
@@ -178,7 +178,13 @@ impl Strategy for Ps {
         y: &[u32],
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
-        let loss = forward_backward(engine, x, y, rec, &self.trace)?;
+        let loss = forward(engine, x, y, rec, &self.trace)?;
+        // Backward through the link, which stages the gradient for the push where it must.
+        let tb = Instant::now();
+        self.link.backward(engine)?;
+        engine.synchronize()?;
+        rec.backward_ms = ms_since(tb);
+        self.trace.span("backward", "compute", "compute", tb);
         let t = Instant::now();
         // Compressed pushes are built on the host from the whole gradient (top-k's error
         // feedback needs all of it at once); the pull still goes straight into the engine.
