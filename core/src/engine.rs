@@ -154,12 +154,6 @@ impl DeviceGrads {
         .map_err(err)
     }
 
-    /// Wait until the work queued so far on the compute stream, this bucket's backward
-    /// included, has run.
-    pub fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(|e| crate::Error::Cuda { op: "synchronize", msg: e.to_string() })
-    }
-
     /// The bucket's device address.
     ///
     /// # Safety

@@ -77,12 +77,10 @@ pub struct Synced {
     pub comm_ms: f64,
     /// The part of it after backward ended, ms.
     pub exposed_ms: f64,
-    /// When backward ended.
-    pub backward_end: Instant,
 }
 
 /// A communication span: (start, end).
-pub type Span = (Instant, Instant);
+type Span = (Instant, Instant);
 
 /// What one bucket's hook needs.
 struct Hook<'a, 'w, W: BucketWork + ?Sized> {
@@ -289,7 +287,6 @@ impl Communicator {
             backward_ms: (bwd_end - t0).as_secs_f64() * 1e3,
             comm_ms,
             exposed_ms,
-            backward_end: bwd_end,
         })
     }
 }
@@ -316,7 +313,7 @@ impl<'a, 'w, W: BucketWork + ?Sized> Hook<'a, 'w, W> {
 /// ran in: busy is their total length; exposed the part of each after backward ended at
 /// `bwd_end`, so it never exceeds busy. Time between the spans (a hand-off to the
 /// communication thread, its wake-up) is neither; the step's `other` holds it.
-pub fn comm_split(spans: &[Span], bwd_end: Instant) -> (f64, f64) {
+fn comm_split(spans: &[Span], bwd_end: Instant) -> (f64, f64) {
     let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
     let busy = spans.iter().map(|&(s, e)| ms(s, e)).sum();
     let exposed = spans.iter().map(|&(s, e)| ms(s.max(bwd_end), e)).sum();

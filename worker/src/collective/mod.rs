@@ -67,7 +67,7 @@ use std::time::Duration;
 pub use gradsync_core::model::segment;
 use serde::{Deserialize, Serialize};
 
-pub use buckets::{BucketWork, Communicator, Span, Synced, comm_split};
+pub use buckets::{BucketWork, Communicator, Synced};
 pub use comm::TcpComm;
 pub use frame::configure_socket;
 pub use gradsync_core::compress::Half;
