@@ -128,7 +128,7 @@ struct Figure {
 fn spec_for(mb: usize) -> ModelSpec {
     let values = (mb << 20) / 4;
     let d = (values as f64).sqrt().floor().max(2.0) as usize;
-    ModelSpec { name: "custom".into(), widths: vec![d, d] }
+    ModelSpec::parse(&format!("{d}-{d}")).unwrap_or_else(|_| unreachable!("two positive widths parse"))
 }
 
 /// One worker/shard group of the grid, and where it runs: shard `j` on host `j`, worker `i` on

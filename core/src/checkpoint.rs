@@ -43,6 +43,26 @@ pub struct Checkpoint {
     pub momentum: Option<Vec<f32>>,
 }
 
+/// Write `bytes` to `path` atomically: a temporary file beside it, fsync, rename, fsync the
+/// directory. A crash at any point leaves either the old file or the new one.
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let name = path.file_name().ok_or_else(|| Error::file(path, "not a file path"))?;
+    let tmp = dir.join(format!(".{}.tmp.{}", name.to_string_lossy(), std::process::id()));
+    let result = (|| {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        File::open(dir)?.sync_all()
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.map_err(|e| Error::io(path, e))
+}
+
 fn fnv(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
@@ -63,21 +83,7 @@ impl Checkpoint {
         let sum = fnv(&buf);
         buf.extend_from_slice(&sum.to_le_bytes());
 
-        let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        let name = path.file_name().ok_or_else(|| Error::file(path, "not a file path"))?;
-        let tmp = dir.join(format!(".{}.tmp.{}", name.to_string_lossy(), std::process::id()));
-        let result = (|| {
-            let mut f = File::create(&tmp)?;
-            f.write_all(&buf)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, path)?;
-            File::open(dir)?.sync_all()
-        })();
-        if result.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        result.map_err(|e| Error::io(path, e))
+        write_atomically(path, &buf)
     }
 
     /// Read and verify `path`.

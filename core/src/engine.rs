@@ -6,8 +6,8 @@ use std::ops::Range;
 use crate::device::staging::{StagedBucket, Staging, Streams};
 use crate::device::{Cpu, Cuda, Device, HalfCast};
 use crate::error::Result;
-use crate::mlp::{BatchLoss, Mlp};
 use crate::model::{BucketPlan, Fingerprint, Layout, ModelSpec};
+use crate::net::{BatchLoss, Net};
 use crate::optim::SgdConfig;
 
 /// A bucket of gradients that backward has finished, handed to the hook of
@@ -191,13 +191,13 @@ impl ComputeFence {
 )]
 pub enum Engine {
     /// On the CPU.
-    Cpu(Mlp<Cpu>),
+    Cpu(Net<Cpu>),
     /// On one CUDA device, with what stages its buckets through host memory (first, so that
     /// it is dropped, and its copies drained, before the model's buffers are freed).
-    Cuda(Staging, Mlp<Cuda>),
+    Cuda(Staging, Net<Cuda>),
 }
 
-/// Run `$body` with `$m` bound to the device's [`Mlp`], whatever the device.
+/// Run `$body` with `$m` bound to the device's [`Net`], whatever the device.
 macro_rules! on_device {
     ($engine:expr, $m:ident => $body:expr) => {
         match $engine {
@@ -211,10 +211,10 @@ impl Engine {
     /// The model `spec`, initialised from `seed`, on `device`.
     pub fn new(device: Device, spec: ModelSpec, seed: u64) -> Result<Self> {
         match device {
-            Device::Cpu { threads } => Ok(Engine::Cpu(Mlp::new(Cpu::new(threads)?, spec, seed)?)),
+            Device::Cpu { threads } => Ok(Engine::Cpu(Net::new(Cpu::new(threads)?, spec, seed)?)),
             Device::Cuda { ordinal } => {
                 let gpu = Cuda::new(ordinal)?;
-                Ok(Engine::Cuda(Staging::new(&gpu)?, Mlp::new(gpu, spec, seed)?))
+                Ok(Engine::Cuda(Staging::new(&gpu)?, Net::new(gpu, spec, seed)?))
             }
         }
     }
@@ -250,17 +250,17 @@ impl Engine {
         on_device!(self, m => m.layout())
     }
 
-    /// Forward over a batch ([`Mlp::forward`]).
+    /// Forward over a batch ([`Net::forward`]).
     pub fn forward(&mut self, x: &[f32], labels: &[u32], train: bool) -> Result<BatchLoss> {
         on_device!(self, m => m.forward(x, labels, train))
     }
 
-    /// Copy a batch to the device ([`Mlp::load_batch`]).
+    /// Copy a batch to the device ([`Net::load_batch`]).
     pub fn load_batch(&mut self, x: &[f32], labels: &[u32]) -> Result<()> {
         on_device!(self, m => m.load_batch(x, labels))
     }
 
-    /// Forward over the batch last loaded ([`Mlp::forward_loaded`]).
+    /// Forward over the batch last loaded ([`Net::forward_loaded`]).
     pub fn forward_loaded(&mut self, train: bool) -> Result<BatchLoss> {
         on_device!(self, m => m.forward_loaded(train))
     }
@@ -313,7 +313,7 @@ impl Engine {
         }
     }
 
-    /// One optimiser step ([`Mlp::update`]).
+    /// One optimiser step ([`Net::update`]).
     pub fn update(&mut self, cfg: &SgdConfig, grad_scale: f32) -> Result<()> {
         self.settle()?;
         on_device!(self, m => m.update(cfg, grad_scale))
@@ -347,6 +347,33 @@ impl Engine {
         on_device!(self, m => m.write_grads(offset, src))
     }
 
+    /// The running statistics (batch norms' means and variances), in host memory.
+    pub fn buffers(&self) -> Result<Vec<f32>> {
+        let mut v = vec![0.0; self.layout().buffers_len];
+        on_device!(self, m => m.read_buffers(&mut v))?;
+        Ok(v)
+    }
+
+    /// Overwrite the running statistics.
+    pub fn write_buffers(&mut self, src: &[f32]) -> Result<()> {
+        on_device!(self, m => m.write_buffers(src))
+    }
+
+    /// Training forward passes so far ([`Net::batches_tracked`]).
+    pub fn batches_tracked(&self) -> u64 {
+        on_device!(self, m => m.batches_tracked())
+    }
+
+    /// The model's state under PyTorch's names ([`crate::state_dict::from_model`]).
+    pub fn state_dict(&self) -> Result<crate::state_dict::Tensors> {
+        Ok(crate::state_dict::from_model(
+            self.layout(),
+            &self.params()?,
+            &self.buffers()?,
+            self.batches_tracked(),
+        ))
+    }
+
     /// Copy the momentum buffer to host memory (zeros while none is allocated).
     pub fn read_momentum(&self, dst: &mut [f32]) -> Result<()> {
         on_device!(self, m => m.read_momentum(dst))
@@ -357,7 +384,7 @@ impl Engine {
         on_device!(self, m => m.write_momentum(src))
     }
 
-    /// Free the momentum buffer ([`Mlp::release_momentum`]).
+    /// Free the momentum buffer ([`Net::release_momentum`]).
     pub fn release_momentum(&mut self) {
         on_device!(self, m => m.release_momentum())
     }
@@ -378,7 +405,7 @@ impl Engine {
     }
 
     /// Exchange the gradient buffer with `other` (as long) where it is a host vector (the
-    /// CPU), without copying ([`Mlp::swap_grads`]). `false`, and nothing exchanged, on a GPU.
+    /// CPU), without copying ([`Net::swap_grads`]). `false`, and nothing exchanged, on a GPU.
     pub fn swap_host_grads(&mut self, other: &mut Vec<f32>) -> Result<bool> {
         match self {
             Engine::Cpu(m) => m.swap_grads(other).map(|()| true),

@@ -5,10 +5,11 @@
 //!   rayon) and CUDA (cuBLAS + NVRTC through cudarc) backends, whose fp16/bf16 kernels
 //!   ([`device::HalfCast`]) NCCL's half-precision all-reduce also queues; `device::nvrtc`
 //!   picks and compiles the kernels' target (the device's cubin, PTX as the fallback).
-//! - [`model`]: layer widths and presets, the flat parameter [`model::Layout`], gradient
+//! - [`model`]: the presets (MLPs, ResNets, VGG, a small conv net), the layer graph they
+//!   compile to, the flat parameter [`model::Layout`] with PyTorch's tensor names, gradient
 //!   buckets, the [`model::Fingerprint`] and deterministic initialisation.
-//! - [`mlp`]: forward, backward (handing out finished buckets) and update, written once over
-//!   any backend.
+//! - [`net`]: forward, backward (handing out finished buckets) and update of any model,
+//!   written once over any backend.
 //! - [`engine`]: [`Engine`], the model on the chosen device; the one place that matches on it.
 //! - [`compress`]: `--compress none|fp16|bf16|topk:RATIO`, the half-precision and top-k
 //!   codecs (top-k with its error-feedback residual), the sparse wire format's checks.
@@ -19,6 +20,7 @@
 //! - [`heap`]: allocator thresholds that keep freed buffers (GEMM packing, HTTP/2 frames), and
 //!   one malloc arena for the parameter-server processes.
 //! - [`checkpoint`]: parameter files with a fingerprint, written atomically.
+//! - [`state_dict`]: a model's state in safetensors under PyTorch's names, both ways.
 //! - [`rng`]: the version-stable generator behind every seed.
 //! - [`trace`]: Chrome trace-event timelines (`--trace`).
 
@@ -30,10 +32,11 @@ pub mod engine;
 mod error;
 pub mod heap;
 pub mod metrics;
-pub mod mlp;
 pub mod model;
+pub mod net;
 pub mod optim;
 pub mod rng;
+pub mod state_dict;
 pub mod trace;
 
 pub use engine::Engine;

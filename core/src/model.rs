@@ -1,37 +1,120 @@
-//! The model's shape: layer widths, presets, the flat parameter layout, the fingerprint and the
-//! deterministic initialisation.
+//! The model's shape: presets, the layer graph they build, the flat parameter layout, the
+//! fingerprint and the deterministic initialisation.
 //!
-//! Every parameter lives in ONE flat `f32` buffer and every gradient in another of the same
-//! layout. Layer `l` (input width `w[l]`, output width `w[l+1]`) owns two contiguous ranges,
-//! its weight `W_l` (`w[l+1] x w[l]`, row-major, as `torch.nn.Linear`) followed by its bias
-//! `b_l`. Buckets, shards and ring chunks elsewhere in gradsync are plain ranges of that buffer.
+//! A model is a [`ModelSpec`] (an MLP's widths or a convolutional preset, fitted to the data's
+//! input and classes). It builds a list of [`Layer`]s, a sequence with residual blocks, which
+//! [`Graph::new`] compiles into the nodes [`crate::net`] runs and the [`Layout`] of every
+//! parameter in ONE flat `f32` buffer (and, identically, every gradient in another). Tensors
+//! follow PyTorch's modules: the same names, shapes and order as the reference models of
+//! `bench/pytorch/models.py`, so a checkpoint maps name for name. Running batch-norm statistics
+//! are buffers outside the gradient buffer. Buckets, shards and ring chunks elsewhere in
+//! gradsync are plain ranges of the flat buffer.
 
 use std::fmt;
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
+use crate::device::Window;
 use crate::error::{Error, Result};
 use crate::rng::Rng;
 
-/// Named layer-width presets.
+/// Named MLP presets: layer widths, input first and classes last.
 pub const PRESETS: &[(&str, &[usize])] =
     &[("tiny", &[32, 64, 32, 8]), ("mnist", &[784, 1024, 1024, 10]), ("wide", &[784, 4096, 4096, 4096, 10])];
 
-/// The MLP's layer widths, input first and classes last.
+/// The convolutional presets, with what `--model --help` says of each.
+pub const CONV_PRESETS: &[(&str, &str)] = &[
+    ("resnet20", "He et al.'s CIFAR ResNet-20: 3 stages of 3 basic blocks, 16-32-64 channels"),
+    ("resnet18", "torchvision's ResNet-18, CIFAR stem (3x3 convolution, no max-pool), 64-512 channels"),
+    ("vgg11", "VGG-11 with batch norm and the 4096-wide classifier (communication-heavy)"),
+    ("cnn8", "a small conv net for the built-in 8x8 digits: 2 convolutions, a max-pool, 2 linear layers"),
+];
+
+/// One sample's input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Input {
+    /// A vector of this many values.
+    Flat(usize),
+    /// An image, `channels x height x width` (NCHW per sample).
+    Image {
+        /// Channels.
+        channels: usize,
+        /// Height in pixels.
+        height: usize,
+        /// Width in pixels.
+        width: usize,
+    },
+}
+
+impl Input {
+    /// Values per sample.
+    pub fn len(&self) -> usize {
+        match *self {
+            Input::Flat(n) => n,
+            Input::Image { channels, height, width } => channels * height * width,
+        }
+    }
+
+    /// Whether a sample holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl fmt::Display for Input {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Input::Flat(n) => write!(f, "{n}"),
+            Input::Image { channels, height, width } => write!(f, "{channels}x{height}x{width}"),
+        }
+    }
+}
+
+/// Which network.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Arch {
+    /// Linear layers with ReLUs between them, these hidden widths.
+    Mlp(Vec<usize>),
+    /// He et al.'s CIFAR ResNet-20 (with 1x1 projection shortcuts).
+    ResNet20,
+    /// ResNet-18 with the CIFAR stem.
+    ResNet18,
+    /// VGG-11 with batch norm and a 4096-wide classifier.
+    Vgg11,
+    /// The small conv net for 8x8 images.
+    Cnn8,
+}
+
+/// The model: its network, fitted to an input and a number of classes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelSpec {
     /// The preset's name, or "custom".
     pub name: String,
-    /// `[input, hidden..., classes]`; at least two entries.
-    pub widths: Vec<usize>,
+    /// The network.
+    pub arch: Arch,
+    /// One sample's input.
+    pub input: Input,
+    /// Classes.
+    pub classes: usize,
 }
 
 impl ModelSpec {
-    /// A preset name (`tiny`, `mnist`, `wide`) or explicit widths such as `784-256-10`.
+    /// A preset name (`tiny`, `mnist`, `wide`, `resnet20`, `resnet18`, `vgg11`, `cnn8`) or MLP
+    /// widths such as `784-256-10`. A convolutional preset starts fitted to 3x32x32 images and
+    /// 10 classes (`cnn8`: 1x8x8); [`ModelSpec::fit`] fits any preset to the data.
     pub fn parse(s: &str) -> Result<Self> {
         if let Some((name, w)) = PRESETS.iter().find(|(n, _)| *n == s) {
-            return Ok(ModelSpec { name: (*name).to_string(), widths: w.to_vec() });
+            return Ok(Self::mlp(name, w));
+        }
+        let cifar = Input::Image { channels: 3, height: 32, width: 32 };
+        let conv = |arch, input| Ok(ModelSpec { name: s.to_string(), arch, input, classes: 10 });
+        match s {
+            "resnet20" => return conv(Arch::ResNet20, cifar),
+            "resnet18" => return conv(Arch::ResNet18, cifar),
+            "vgg11" => return conv(Arch::Vgg11, cifar),
+            "cnn8" => return conv(Arch::Cnn8, Input::Image { channels: 1, height: 8, width: 8 }),
+            _ => {}
         }
         if s.contains('-') {
             let widths = s
@@ -42,93 +125,716 @@ impl ModelSpec {
             if widths.len() < 2 {
                 return Err(Error::invalid("model", format!("'{s}': need at least 2 widths")));
             }
-            return Ok(ModelSpec { name: "custom".into(), widths });
+            return Ok(Self::mlp("custom", &widths));
         }
-        let names: Vec<&str> = PRESETS.iter().map(|(n, _)| *n).collect();
+        let names: Vec<&str> =
+            PRESETS.iter().map(|(n, _)| *n).chain(CONV_PRESETS.iter().map(|(n, _)| *n)).collect();
         Err(Error::invalid(
             "model",
             format!("unknown preset '{s}' (presets: {}; or widths like 784-256-10)", names.join(", ")),
         ))
     }
 
-    /// The same spec with its input and class widths replaced (to fit a dataset).
-    pub fn with_io(mut self, input: usize, classes: usize) -> Self {
-        let n = self.widths.len();
-        self.widths[0] = input;
-        self.widths[n - 1] = classes;
-        self
+    fn mlp(name: &str, widths: &[usize]) -> Self {
+        let n = widths.len();
+        ModelSpec {
+            name: name.to_string(),
+            arch: Arch::Mlp(widths[1..n - 1].to_vec()),
+            input: Input::Flat(widths[0]),
+            classes: widths[n - 1],
+        }
     }
 
-    /// Input width.
+    /// The same network fitted to the data: its input and its classes. An MLP takes an image
+    /// as its flattened pixels; a convolutional network needs an image and refuses flat data,
+    /// naming both.
+    pub fn fit(&self, input: Input, classes: usize) -> Result<Self> {
+        let input = match (&self.arch, input) {
+            (Arch::Mlp(_), i) => Input::Flat(i.len()),
+            (_, Input::Flat(n)) => {
+                return Err(Error::invalid(
+                    "model",
+                    format!(
+                        "{} is a convolutional network and needs images (channels x height x width), but the \
+                         data is flat ({n} values per sample); use image data such as digits, cifar10:DIR or \
+                         synthetic:N:CxHxW:K, or an MLP",
+                        self.name
+                    ),
+                ));
+            }
+            (_, image) => image,
+        };
+        let fitted = ModelSpec { input, classes, ..self.clone() };
+        // Refuse now, by name, what would not build (an image too small for the network).
+        Graph::new(&fitted)?;
+        Ok(fitted)
+    }
+
+    /// The same spec with its input and class widths replaced (an MLP fitted to flat data).
+    pub fn with_io(self, input: usize, classes: usize) -> Self {
+        ModelSpec { input: Input::Flat(input), classes, ..self }
+    }
+
+    /// Values per input sample.
     pub fn input(&self) -> usize {
-        self.widths[0]
+        self.input.len()
     }
 
     /// Number of classes.
     pub fn classes(&self) -> usize {
-        *self.widths.last().unwrap_or(&0)
+        self.classes
     }
 
-    /// Widths as `784-1024-10`.
+    /// Whether the model is an MLP.
+    pub fn is_mlp(&self) -> bool {
+        matches!(self.arch, Arch::Mlp(_))
+    }
+
+    /// The shape as one token: an MLP's widths (`784-1024-10`), a preset's input and classes
+    /// (`resnet20:3x32x32-10`).
     pub fn widths_str(&self) -> String {
-        self.widths.iter().map(|w| w.to_string()).collect::<Vec<_>>().join("-")
+        match &self.arch {
+            Arch::Mlp(hidden) => std::iter::once(self.input.len())
+                .chain(hidden.iter().copied())
+                .chain(std::iter::once(self.classes))
+                .map(|w| w.to_string())
+                .collect::<Vec<_>>()
+                .join("-"),
+            _ => format!("{}:{}-{}", self.name, self.input, self.classes),
+        }
+    }
+
+    /// What a reader is told the model is: `MLP 784-1024-10`, `resnet20 (3x32x32, 10 classes)`.
+    pub fn label(&self) -> String {
+        match &self.arch {
+            Arch::Mlp(_) => format!("MLP {}", self.widths_str()),
+            _ => format!("{} ({}, {} classes)", self.name, self.input, self.classes),
+        }
+    }
+
+    /// The network as layers.
+    pub fn layers(&self) -> Vec<Layer> {
+        match &self.arch {
+            Arch::Mlp(hidden) => {
+                let mut layers = Vec::new();
+                let widths: Vec<usize> =
+                    hidden.iter().copied().chain(std::iter::once(self.classes)).collect();
+                for (i, &w) in widths.iter().enumerate() {
+                    layers.push(Layer::Linear { name: format!("{}", 2 * i), out: w });
+                    if i + 1 < widths.len() {
+                        layers.push(Layer::Relu);
+                    }
+                }
+                layers
+            }
+            Arch::ResNet20 => resnet(&[(16, 3), (32, 3), (64, 3)], self.classes),
+            Arch::ResNet18 => resnet(&[(64, 2), (128, 2), (256, 2), (512, 2)], self.classes),
+            Arch::Vgg11 => vgg11(self.input, self.classes),
+            Arch::Cnn8 => {
+                let mut f = Vec::new();
+                conv_bn_relu(&mut f, "features", 0, 32, false);
+                conv_bn_relu(&mut f, "features", 3, 64, false);
+                f.push(Layer::MaxPool { kernel: 2, stride: 2 });
+                f.push(Layer::Flatten);
+                f.push(Layer::Linear { name: "classifier.0".into(), out: 128 });
+                f.push(Layer::Relu);
+                f.push(Layer::Linear { name: "classifier.2".into(), out: self.classes });
+                f
+            }
+        }
     }
 }
 
-/// Where one layer's parameters sit in the flat buffer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LayerRange {
-    /// Input width.
-    pub fan_in: usize,
-    /// Output width.
-    pub fan_out: usize,
-    /// The weight, `fan_out x fan_in`, row-major.
-    pub weight: Range<usize>,
-    /// The bias, `fan_out`.
-    pub bias: Range<usize>,
+/// `name.{at}` convolution (3x3, padding 1), `name.{at+1}` batch norm, ReLU.
+fn conv_bn_relu(out: &mut Vec<Layer>, name: &str, at: usize, channels: usize, bias: bool) {
+    out.push(Layer::Conv { name: format!("{name}.{at}"), out: channels, kernel: 3, stride: 1, pad: 1, bias });
+    out.push(Layer::BatchNorm { name: format!("{name}.{}", at + 1) });
+    out.push(Layer::Relu);
 }
 
-/// The flat layout of every parameter (and, identically, every gradient).
+/// A CIFAR ResNet of basic blocks in torchvision's naming: `conv1`, `bn1`, `layerS.B.conv1`
+/// ..., `layerS.0.downsample.{0,1}` where a block changes the stride or the width, `fc`.
+fn resnet(stages: &[(usize, usize)], classes: usize) -> Vec<Layer> {
+    let conv = |name: String, out, kernel, stride| Layer::Conv {
+        name,
+        out,
+        kernel,
+        stride,
+        pad: kernel / 2,
+        bias: false,
+    };
+    let mut layers =
+        vec![conv("conv1".into(), stages[0].0, 3, 1), Layer::BatchNorm { name: "bn1".into() }, Layer::Relu];
+    let mut width = stages[0].0;
+    for (s, &(channels, blocks)) in stages.iter().enumerate() {
+        for b in 0..blocks {
+            let stride = if s > 0 && b == 0 { 2 } else { 1 };
+            let p = format!("layer{}.{b}", s + 1);
+            let body = vec![
+                conv(format!("{p}.conv1"), channels, 3, stride),
+                Layer::BatchNorm { name: format!("{p}.bn1") },
+                Layer::Relu,
+                conv(format!("{p}.conv2"), channels, 3, 1),
+                Layer::BatchNorm { name: format!("{p}.bn2") },
+            ];
+            let shortcut = if stride != 1 || width != channels {
+                vec![
+                    conv(format!("{p}.downsample.0"), channels, 1, stride),
+                    Layer::BatchNorm { name: format!("{p}.downsample.1") },
+                ]
+            } else {
+                Vec::new()
+            };
+            layers.push(Layer::Residual { body, shortcut });
+            layers.push(Layer::Relu);
+            width = channels;
+        }
+    }
+    layers.push(Layer::GlobalAvgPool);
+    layers.push(Layer::Linear { name: "fc".into(), out: classes });
+    layers
+}
+
+/// VGG-11 with batch norm in torchvision's `features.N` numbering; a max-pool whose input is
+/// smaller than 2x2 is left out (its index kept), so images smaller than 32x32 still work.
+fn vgg11(input: Input, classes: usize) -> Vec<Layer> {
+    const CFG: [usize; 13] = [64, 0, 128, 0, 256, 256, 0, 512, 512, 0, 512, 512, 0];
+    let (mut h, mut w) = match input {
+        Input::Image { height, width, .. } => (height, width),
+        Input::Flat(_) => (0, 0),
+    };
+    let mut layers = Vec::new();
+    let mut at = 0;
+    for &c in &CFG {
+        if c == 0 {
+            if h >= 2 && w >= 2 {
+                layers.push(Layer::MaxPool { kernel: 2, stride: 2 });
+                (h, w) = (h / 2, w / 2);
+            }
+            at += 1;
+        } else {
+            conv_bn_relu(&mut layers, "features", at, c, true);
+            at += 3;
+        }
+    }
+    layers.push(Layer::Flatten);
+    for (i, out) in [(0, 4096), (2, 4096), (4, classes)] {
+        layers.push(Layer::Linear { name: format!("classifier.{i}"), out });
+        if i < 4 {
+            layers.push(Layer::Relu);
+        }
+    }
+    layers
+}
+
+/// One layer of a network, as a model describes it (shapes follow from the input).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Layer {
+    /// `y = x W^T + b` over flat inputs (`name.weight` `out x in`, `name.bias`).
+    Linear {
+        /// Prefix of its tensors' names.
+        name: String,
+        /// Output features.
+        out: usize,
+    },
+    /// A 2-D convolution (`name.weight` `out x in x k x k`, `name.bias` when `bias`).
+    Conv {
+        /// Prefix of its tensors' names.
+        name: String,
+        /// Output channels.
+        out: usize,
+        /// Kernel side.
+        kernel: usize,
+        /// Stride.
+        stride: usize,
+        /// Zero padding on each side.
+        pad: usize,
+        /// Whether it adds a bias.
+        bias: bool,
+    },
+    /// Batch norm over channels (`name.weight`, `name.bias`; buffers `name.running_mean`,
+    /// `name.running_var`).
+    BatchNorm {
+        /// Prefix of its tensors' names.
+        name: String,
+    },
+    /// `max(x, 0)`.
+    Relu,
+    /// Max pooling, square windows, no padding.
+    MaxPool {
+        /// Window side.
+        kernel: usize,
+        /// Stride.
+        stride: usize,
+    },
+    /// The mean over each channel's pixels: an image becomes a vector of its channels.
+    GlobalAvgPool,
+    /// An image as a vector, in PyTorch's (channel, row, column) order.
+    Flatten,
+    /// `body(x) + shortcut(x)`; an empty shortcut is the identity.
+    Residual {
+        /// The main branch.
+        body: Vec<Layer>,
+        /// The projection, or nothing.
+        shortcut: Vec<Layer>,
+    },
+}
+
+/// How a node's backward treats the gradient of one of its inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum InputGrad {
+    /// Not needed (the network's input).
+    Skip,
+    /// Overwrite it: this node is the first (in backward order) to reach that input.
+    Write,
+    /// Add to it: another consumer of the input has written it already.
+    Add,
+}
+
+impl InputGrad {
+    pub(crate) fn accumulate(self) -> bool {
+        self == InputGrad::Add
+    }
+}
+
+/// What one node computes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Op {
+    /// The loaded NCHW batch as CNHW.
+    ToChannels { channels: usize, pixels: usize },
+    /// A linear layer; `relu` fuses the ReLU that follows it.
+    Linear { fan_in: usize, fan_out: usize, weight: Range<usize>, bias: Range<usize>, relu: bool },
+    /// A convolution over `window`, `out` channels.
+    Conv { window: Window, out: usize, weight: Range<usize>, bias: Option<Range<usize>> },
+    /// Batch norm: `params` = weight | bias, `buffers` = running mean | var, `saved` = the
+    /// batch's mean | invstd in the net's saved-statistics buffer.
+    Norm { channels: usize, pixels: usize, params: Range<usize>, buffers: Range<usize>, saved: Range<usize> },
+    /// ReLU in place.
+    Relu,
+    /// Max pooling over `window` (its `channels` are the image's; planes are channels x batch).
+    MaxPool { window: Window },
+    /// Global average pooling.
+    AvgPool { channels: usize, pixels: usize },
+    /// CNHW to `N x (C*H*W)`.
+    Flatten { channels: usize, pixels: usize },
+    /// `output = input + other`.
+    Add { other: usize, other_grad: InputGrad },
+}
+
+/// One step of the compiled graph: `op` from activation slot `input` to slot `output`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Node {
+    pub(crate) op: Op,
+    pub(crate) input: usize,
+    pub(crate) output: usize,
+    pub(crate) input_grad: InputGrad,
+}
+
+/// One named tensor of the flat parameter (or buffer) vector.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tensor {
+    /// PyTorch's state-dict name (`layer1.0.conv1.weight`).
+    pub name: String,
+    /// PyTorch's shape.
+    pub shape: Vec<usize>,
+    /// Where it lies in the flat vector.
+    pub range: Range<usize>,
+    /// How it starts.
+    pub init: Init,
+}
+
+/// A tensor's initial values.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    /// Uniform in `[-bound, bound]` (PyTorch's default for linear and convolution layers),
+    /// drawn from the generator of `layer`: tensors of one layer continue one stream.
+    Uniform {
+        /// `1 / sqrt(fan_in)`.
+        bound: f32,
+        /// The layer's index among the layers with parameters.
+        layer: usize,
+    },
+    /// Every value this constant.
+    Fill(f32),
+}
+
+impl Eq for Init {}
+
+/// The flat layout of every parameter (and, identically, every gradient), and of the running
+/// statistics that live beside them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Layout {
-    /// Per layer, in forward order.
-    pub layers: Vec<LayerRange>,
+    /// The parameters, in PyTorch's `named_parameters()` order.
+    pub params: Vec<Tensor>,
     /// Total number of parameters.
     pub len: usize,
+    /// The buffers (running statistics), in state-dict order.
+    pub buffers: Vec<Tensor>,
+    /// Total number of buffer values.
+    pub buffers_len: usize,
+    /// Gradient-ready units, descending (see [`Layout::backward_order`]).
+    ready: Vec<Range<usize>>,
+    /// Multiply-adds of one sample's forward pass, and those of layers whose input gradient
+    /// backward skips (the first).
+    macs: (u64, u64),
 }
 
 impl Layout {
-    /// The layout of `spec`.
+    /// The layout of `spec` (a model that does not build has an empty layout; [`Graph::new`]
+    /// says why).
     pub fn new(spec: &ModelSpec) -> Self {
-        let mut off = 0;
-        let layers = spec
-            .widths
-            .windows(2)
-            .map(|w| {
-                let (fan_in, fan_out) = (w[0], w[1]);
-                let weight = off..off + fan_in * fan_out;
-                let bias = weight.end..weight.end + fan_out;
-                off = bias.end;
-                LayerRange { fan_in, fan_out, weight, bias }
-            })
-            .collect();
-        Layout { layers, len: off }
+        Graph::new(spec).map(|g| g.layout).unwrap_or_else(|_| Layout {
+            params: Vec::new(),
+            len: 0,
+            buffers: Vec::new(),
+            buffers_len: 0,
+            ready: Vec::new(),
+            macs: (0, 0),
+        })
     }
 
-    /// Every parameter tensor's range in the order backward produces gradients: the last
-    /// layer's bias, its weight, then the layer before, down to the first weight. The ranges are
-    /// contiguous and descending, so any prefix of this list is a suffix of the flat buffer.
+    /// The ranges in the order backward produces gradients: last layer first; within a linear
+    /// or convolution layer its bias, then its weight; a batch norm's weight and bias together.
+    /// The ranges are contiguous and descending, so any prefix of this list is a suffix of the
+    /// flat buffer, and a bucket that ends at one of them never splits a tensor.
     pub fn backward_order(&self) -> Vec<Range<usize>> {
-        self.layers.iter().rev().flat_map(|l| [l.bias.clone(), l.weight.clone()]).collect()
+        self.ready.clone()
     }
 
     /// Floating-point operations of one forward+backward pass for `batch` samples: 2 per
     /// multiply-add, three GEMMs per layer (forward, weight gradient, input gradient) except the
     /// input gradient of the first layer, which is never computed.
     pub fn step_flops(&self, batch: usize) -> f64 {
-        let mac: f64 = self.layers.iter().map(|l| (l.fan_in * l.fan_out) as f64).sum();
-        let first = self.layers.first().map_or(0.0, |l| (l.fan_in * l.fan_out) as f64);
-        2.0 * batch as f64 * (3.0 * mac - first)
+        2.0 * batch as f64 * (3 * self.macs.0 - self.macs.1) as f64
+    }
+
+    /// Floating-point operations of one sample's forward pass (2 per multiply-add).
+    pub fn forward_flops_per_sample(&self) -> f64 {
+        2.0 * self.macs.0 as f64
+    }
+
+    /// The parameter tensor named `name`.
+    pub fn param(&self, name: &str) -> Option<&Tensor> {
+        self.params.iter().find(|t| t.name == name)
+    }
+}
+
+/// The shape of an activation: what the node that reads it sees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    Flat(usize),
+    Image { channels: usize, height: usize, width: usize },
+}
+
+impl Shape {
+    fn len(self) -> usize {
+        match self {
+            Shape::Flat(n) => n,
+            Shape::Image { channels, height, width } => channels * height * width,
+        }
+    }
+}
+
+/// A compiled network: the nodes [`crate::net::Net`] runs, the size of each activation slot
+/// per sample, and the layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Graph {
+    pub(crate) nodes: Vec<Node>,
+    /// Values per sample of each activation slot; slot 0 is the loaded batch.
+    pub(crate) slots: Vec<usize>,
+    /// Whether backward needs each slot's gradient.
+    pub(crate) slot_grads: Vec<bool>,
+    /// Values of the saved batch-norm statistics.
+    pub(crate) saved_len: usize,
+    /// The layout of parameters and buffers.
+    pub layout: Layout,
+}
+
+struct Builder {
+    nodes: Vec<Node>,
+    slots: Vec<Shape>,
+    params: Vec<Tensor>,
+    buffers: Vec<Tensor>,
+    saved_len: usize,
+    /// Layers with parameters so far (the initialisation streams).
+    layers: usize,
+    macs: u64,
+    /// Multiply-adds of convolutions and linear layers reading the network's input.
+    first_macs: u64,
+}
+
+impl Builder {
+    fn slot(&mut self, shape: Shape) -> usize {
+        self.slots.push(shape);
+        self.slots.len() - 1
+    }
+
+    fn tensor(list: &mut Vec<Tensor>, name: String, shape: Vec<usize>, init: Init) -> Range<usize> {
+        let start = list.last().map_or(0, |t| t.range.end);
+        let range = start..start + shape.iter().product::<usize>();
+        list.push(Tensor { name, shape, range: range.clone(), init });
+        range
+    }
+
+    fn param(&mut self, name: String, shape: Vec<usize>, init: Init) -> Range<usize> {
+        Self::tensor(&mut self.params, name, shape, init)
+    }
+
+    fn node(&mut self, op: Op, input: usize, shape: Shape) -> usize {
+        let output = self.slot(shape);
+        self.nodes.push(Node { op, input, output, input_grad: InputGrad::Skip });
+        output
+    }
+
+    fn image(&self, slot: usize, what: &str) -> Result<(usize, usize, usize)> {
+        match self.slots[slot] {
+            Shape::Image { channels, height, width } => Ok((channels, height, width)),
+            Shape::Flat(n) => Err(Error::invalid(
+                "model",
+                format!("{what} needs an image, but its input is a vector of {n} values"),
+            )),
+        }
+    }
+
+    /// Add `layers` reading slot `x`; returns the slot of the last one's output.
+    fn chain(&mut self, layers: &[Layer], mut x: usize) -> Result<usize> {
+        for layer in layers {
+            x = self.layer(layer, x)?;
+        }
+        Ok(x)
+    }
+
+    fn layer(&mut self, layer: &Layer, x: usize) -> Result<usize> {
+        let reads_input = x == 0
+            || matches!(self.nodes.last(), Some(n) if n.output == x && matches!(n.op, Op::ToChannels { .. }));
+        match layer {
+            Layer::Linear { name, out } => {
+                let fan_in = match self.slots[x] {
+                    Shape::Flat(n) => n,
+                    Shape::Image { .. } => {
+                        return Err(Error::invalid(
+                            "model",
+                            format!("{name}: a linear layer needs a vector (flatten first)"),
+                        ));
+                    }
+                };
+                let init = Init::Uniform { bound: 1.0 / (fan_in as f32).sqrt(), layer: self.layers };
+                self.layers += 1;
+                let weight = self.param(format!("{name}.weight"), vec![*out, fan_in], init);
+                let bias = self.param(format!("{name}.bias"), vec![*out], init);
+                let macs = (fan_in * out) as u64;
+                self.macs += macs;
+                if reads_input {
+                    self.first_macs += macs;
+                }
+                Ok(self.node(
+                    Op::Linear { fan_in, fan_out: *out, weight, bias, relu: false },
+                    x,
+                    Shape::Flat(*out),
+                ))
+            }
+            Layer::Conv { name, out, kernel, stride, pad, bias } => {
+                let (channels, height, width) = self.image(x, name)?;
+                if height + 2 * pad < *kernel || width + 2 * pad < *kernel || *stride == 0 {
+                    return Err(Error::invalid(
+                        "model",
+                        format!(
+                            "{name}: a {kernel}x{kernel} convolution does not fit a {height}x{width} input"
+                        ),
+                    ));
+                }
+                let window = Window { channels, height, width, kernel: *kernel, stride: *stride, pad: *pad };
+                let fan_in = channels * kernel * kernel;
+                let init = Init::Uniform { bound: 1.0 / (fan_in as f32).sqrt(), layer: self.layers };
+                self.layers += 1;
+                let weight =
+                    self.param(format!("{name}.weight"), vec![*out, channels, *kernel, *kernel], init);
+                let bias = bias.then(|| self.param(format!("{name}.bias"), vec![*out], init));
+                let macs = (out * fan_in * window.out_pixels()) as u64;
+                self.macs += macs;
+                if reads_input {
+                    self.first_macs += macs;
+                }
+                let shape =
+                    Shape::Image { channels: *out, height: window.out_height(), width: window.out_width() };
+                Ok(self.node(Op::Conv { window, out: *out, weight, bias }, x, shape))
+            }
+            Layer::BatchNorm { name } => {
+                let (channels, height, width) = self.image(x, name)?;
+                self.layers += 1;
+                let weight = self.param(format!("{name}.weight"), vec![channels], Init::Fill(1.0));
+                let bias = self.param(format!("{name}.bias"), vec![channels], Init::Fill(0.0));
+                let mean = Self::tensor(
+                    &mut self.buffers,
+                    format!("{name}.running_mean"),
+                    vec![channels],
+                    Init::Fill(0.0),
+                );
+                let var = Self::tensor(
+                    &mut self.buffers,
+                    format!("{name}.running_var"),
+                    vec![channels],
+                    Init::Fill(1.0),
+                );
+                let saved = self.saved_len..self.saved_len + 2 * channels;
+                self.saved_len += 2 * channels;
+                let op = Op::Norm {
+                    channels,
+                    pixels: height * width,
+                    params: weight.start..bias.end,
+                    buffers: mean.start..var.end,
+                    saved,
+                };
+                let shape = self.slots[x];
+                Ok(self.node(op, x, shape))
+            }
+            Layer::Relu => {
+                // Fused into the linear layer that produced x, as the MLP always ran it.
+                if let Some(Node { op: Op::Linear { relu, .. }, output, .. }) = self.nodes.last_mut()
+                    && *output == x
+                    && !*relu
+                {
+                    *relu = true;
+                    return Ok(x);
+                }
+                self.nodes.push(Node { op: Op::Relu, input: x, output: x, input_grad: InputGrad::Skip });
+                Ok(x)
+            }
+            Layer::MaxPool { kernel, stride } => {
+                let (channels, height, width) = self.image(x, "max-pool")?;
+                if height < *kernel || width < *kernel || *stride == 0 {
+                    return Err(Error::invalid(
+                        "model",
+                        format!("a {kernel}x{kernel} max-pool does not fit a {height}x{width} input"),
+                    ));
+                }
+                let window = Window { channels, height, width, kernel: *kernel, stride: *stride, pad: 0 };
+                let shape = Shape::Image { channels, height: window.out_height(), width: window.out_width() };
+                Ok(self.node(Op::MaxPool { window }, x, shape))
+            }
+            Layer::GlobalAvgPool => {
+                let (channels, height, width) = self.image(x, "average pooling")?;
+                Ok(self.node(Op::AvgPool { channels, pixels: height * width }, x, Shape::Flat(channels)))
+            }
+            Layer::Flatten => match self.slots[x] {
+                Shape::Flat(_) => Ok(x),
+                s @ Shape::Image { channels, height, width } => {
+                    Ok(self.node(Op::Flatten { channels, pixels: height * width }, x, Shape::Flat(s.len())))
+                }
+            },
+            Layer::Residual { body, shortcut } => {
+                let a = self.chain(body, x)?;
+                let b = self.chain(shortcut, x)?;
+                if self.slots[a] != self.slots[b] {
+                    return Err(Error::invalid(
+                        "model",
+                        format!("a residual block adds {:?} to {:?}", self.slots[a], self.slots[b]),
+                    ));
+                }
+                let shape = self.slots[a];
+                Ok(self.node(Op::Add { other: b, other_grad: InputGrad::Skip }, a, shape))
+            }
+        }
+    }
+}
+
+impl Graph {
+    /// Compile `spec`'s layers for its input; an error names a layer that does not fit.
+    pub fn new(spec: &ModelSpec) -> Result<Self> {
+        let mut b = Builder {
+            nodes: Vec::new(),
+            slots: Vec::new(),
+            params: Vec::new(),
+            buffers: Vec::new(),
+            saved_len: 0,
+            layers: 0,
+            macs: 0,
+            first_macs: 0,
+        };
+        let mut x = match spec.input {
+            Input::Flat(n) => b.slot(Shape::Flat(n)),
+            Input::Image { channels, height, width } => b.slot(Shape::Image { channels, height, width }),
+        };
+        if let Input::Image { channels, height, width } = spec.input {
+            if spec.is_mlp() {
+                b.slots[0] = Shape::Flat(channels * height * width);
+            } else {
+                x = b.node(Op::ToChannels { channels, pixels: height * width }, x, b.slots[0]);
+            }
+        }
+        let out = b.chain(&spec.layers(), x)?;
+        if b.slots[out] != Shape::Flat(spec.classes) {
+            return Err(Error::invalid(
+                "model",
+                format!(
+                    "{} ends in {:?}, not one score per class ({})",
+                    spec.name, b.slots[out], spec.classes
+                ),
+            ));
+        }
+        let inputs =
+            if b.nodes.first().is_some_and(|n| matches!(n.op, Op::ToChannels { .. })) { 2 } else { 1 };
+        // A ReLU works in place: nothing before it may read what it overwrites.
+        for (i, n) in b.nodes.iter().enumerate() {
+            if n.op == Op::Relu {
+                let early = b.nodes[..i].iter().any(|m| {
+                    m.output != n.input
+                        && (m.input == n.input || matches!(m.op, Op::Add { other, .. } if other == n.input))
+                });
+                if early || n.input < inputs {
+                    return Err(Error::invalid(
+                        "model",
+                        "a ReLU overwrites an activation another layer reads",
+                    ));
+                }
+            }
+        }
+        // Which node writes each input gradient first in backward (reverse) order.
+        let mut written = vec![false; b.slots.len()];
+        let mut mark = |slot: usize| {
+            if slot < inputs {
+                InputGrad::Skip
+            } else if std::mem::replace(&mut written[slot], true) {
+                InputGrad::Add
+            } else {
+                InputGrad::Write
+            }
+        };
+        for n in b.nodes.iter_mut().rev() {
+            if let Op::Add { other, other_grad } = &mut n.op {
+                n.input_grad = mark(n.input);
+                *other_grad = mark(*other);
+            } else if n.op != Op::Relu && !matches!(n.op, Op::ToChannels { .. }) {
+                n.input_grad = mark(n.input);
+            }
+        }
+        let slot_grads = (0..b.slots.len()).map(|s| s >= inputs).collect();
+        let mut ready = Vec::new();
+        for n in b.nodes.iter().rev() {
+            match &n.op {
+                Op::Linear { weight, bias, .. } => ready.extend([bias.clone(), weight.clone()]),
+                Op::Conv { weight, bias, .. } => ready.extend(bias.iter().cloned().chain([weight.clone()])),
+                Op::Norm { params, .. } => ready.push(params.clone()),
+                _ => {}
+            }
+        }
+        let len = b.params.last().map_or(0, |t| t.range.end);
+        let buffers_len = b.buffers.last().map_or(0, |t| t.range.end);
+        let layout = Layout {
+            params: b.params,
+            len,
+            buffers: b.buffers,
+            buffers_len,
+            ready,
+            macs: (b.macs, b.first_macs),
+        };
+        Ok(Graph {
+            nodes: b.nodes,
+            slots: b.slots.iter().map(|s| s.len()).collect(),
+            slot_grads,
+            saved_len: b.saved_len,
+            layout,
+        })
     }
 }
 
@@ -176,7 +882,8 @@ pub struct Fingerprint {
 impl Fingerprint {
     /// The fingerprint of `spec` initialised from `seed`.
     pub fn new(spec: &ModelSpec, seed: u64) -> Self {
-        Fingerprint { text: format!("mlp:{}:f32:seed={seed}", spec.widths_str()) }
+        let arch = if spec.is_mlp() { "mlp:" } else { "" };
+        Fingerprint { text: format!("{arch}{}:f32:seed={seed}", spec.widths_str()) }
     }
 
     /// A 64-bit FNV-1a hash of the text, for compact wire formats.
@@ -202,18 +909,39 @@ impl fmt::Display for Fingerprint {
     }
 }
 
-/// Deterministic initial parameters: PyTorch `nn.Linear`'s default, weight and bias uniform in
-/// `[-1/sqrt(fan_in), 1/sqrt(fan_in)]`, drawn layer by layer from `seed`.
+/// Deterministic initial parameters: PyTorch's defaults for each module, weights and biases
+/// of linear and convolution layers uniform in `[-1/sqrt(fan_in), 1/sqrt(fan_in)]` (one
+/// generator per layer, seeded from `seed`, its weight drawn first), batch-norm weights 1 and
+/// biases 0.
 pub fn init_params(layout: &Layout, seed: u64) -> Vec<f32> {
     let mut p: Vec<f32> = crate::heap::zeros(layout.len);
-    for (i, l) in layout.layers.iter().enumerate() {
-        let bound = 1.0 / (l.fan_in as f32).sqrt();
-        let mut rng = Rng::new(seed, 0x1417 + i as u64);
-        for v in &mut p[l.weight.start..l.bias.end] {
-            *v = rng.uniform_in(-bound, bound);
+    fill(&layout.params, &mut p, seed);
+    p
+}
+
+/// The buffers' starting values: running means 0, running variances 1.
+pub fn init_buffers(layout: &Layout) -> Vec<f32> {
+    let mut b = vec![0.0; layout.buffers_len];
+    fill(&layout.buffers, &mut b, 0);
+    b
+}
+
+fn fill(tensors: &[Tensor], out: &mut [f32], seed: u64) {
+    let mut stream: Option<(usize, Rng)> = None;
+    for t in tensors {
+        match t.init {
+            Init::Fill(v) => out[t.range.clone()].fill(v),
+            Init::Uniform { bound, layer } => {
+                let rng = match &mut stream {
+                    Some((l, rng)) if *l == layer => rng,
+                    slot => &mut slot.insert((layer, Rng::new(seed, 0x1417 + layer as u64))).1,
+                };
+                for v in &mut out[t.range.clone()] {
+                    *v = rng.uniform_in(-bound, bound);
+                }
+            }
         }
     }
-    p
 }
 
 /// Part `k` of `0..len` split as evenly as possible into `parts`: the first `len % parts`
@@ -253,7 +981,7 @@ mod tests {
         assert_eq!(mnist.len, 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10);
         assert!(ModelSpec::parse("nope").unwrap_err().to_string().contains("unknown preset 'nope'"));
         assert!(ModelSpec::parse("10-0-3").is_err());
-        assert_eq!(ModelSpec::parse("10-5-3").unwrap().widths, vec![10, 5, 3]);
+        assert_eq!(ModelSpec::parse("10-5-3").unwrap().widths_str(), "10-5-3");
     }
 
     #[test]

@@ -6,8 +6,8 @@
 use gradsync_core::Engine;
 use gradsync_core::data::SyntheticConfig;
 use gradsync_core::device::{Cpu, Device};
-use gradsync_core::mlp::Mlp;
 use gradsync_core::model::{BucketPlan, ModelSpec};
+use gradsync_core::net::Net;
 use gradsync_core::optim::SgdConfig;
 
 fn train(threads: usize, steps: usize) -> Vec<f32> {
@@ -38,7 +38,7 @@ fn bit_identical_runs() {
 fn buckets_can_be_reduced_concurrently_with_backward() {
     let spec = ModelSpec::parse("tiny").unwrap();
     let data = SyntheticConfig { train: 16, test: 16, dim: 32, classes: 8 }.generate(1);
-    let mut mlp = Mlp::new(Cpu::new(1).unwrap(), spec, 3).unwrap();
+    let mut mlp = Net::new(Cpu::new(1).unwrap(), spec, 3).unwrap();
     mlp.forward(&data.train.x, &data.train.y, true).unwrap();
     let plan = BucketPlan::with_cap(mlp.layout(), 300);
     assert!(plan.buckets.len() > 1);
@@ -72,9 +72,9 @@ fn buckets_can_be_reduced_concurrently_with_backward() {
 
 /// FNV-1a over the parameters' bits: a compact record of a run's exact result.
 fn bits_hash(v: &[f32]) -> u64 {
-    v.iter().flat_map(|x| x.to_bits().to_le_bytes()).fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    v.iter()
+        .flat_map(|x| x.to_bits().to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 /// The MLP as a preset of the layer graph trains to exactly the bits the MLP of gradsync 0.x

@@ -17,9 +17,11 @@
 use std::ops::Range;
 
 use gradsync_core::data::SyntheticConfig;
-use gradsync_core::device::{Backend, Cpu, Cuda, Device, DeviceRequest, cuda};
-use gradsync_core::mlp::Mlp;
+use gradsync_core::device::{
+    Backend, ChannelSum, Cpu, Cuda, Device, DeviceRequest, NormConfig, Window, cuda,
+};
 use gradsync_core::model::{BucketPlan, Layout, ModelSpec};
+use gradsync_core::net::Net;
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::rng::Rng;
 use gradsync_core::{Engine, Error, Result};
@@ -73,11 +75,9 @@ fn rel_diff(reference: &[f32], other: &[f32]) -> f64 {
 
 /// Compare every parameter tensor of `layout` between the two flat buffers.
 fn assert_tensors_agree(what: &str, layout: &Layout, cpu: &[f32], gpu: &[f32]) {
-    for (l, lr) in layout.layers.iter().enumerate() {
-        for (name, r) in [("weight", &lr.weight), ("bias", &lr.bias)] {
-            let d = rel_diff(&cpu[r.clone()], &gpu[r.clone()]);
-            assert!(d <= TOL, "{what}: layer {l} {name} differs by {d:.3e} (relative to its max)");
-        }
+    for t in &layout.params {
+        let d = rel_diff(&cpu[t.range.clone()], &gpu[t.range.clone()]);
+        assert!(d <= TOL, "{what}: {} differs by {d:.3e} (relative to its max)", t.name);
     }
 }
 
@@ -104,7 +104,7 @@ struct Outcome {
 /// Forward, bucketed backward, accumulating backward, scale, update and an evaluation forward
 /// on one device; every backend method is used on the way.
 fn exercise<B: Backend>(backend: B, spec: &ModelSpec, x: &[f32], y: &[u32], cap: usize) -> Result<Outcome> {
-    let mut mlp = Mlp::new(backend, spec.clone(), 42)?;
+    let mut mlp = Net::new(backend, spec.clone(), 42)?;
     let n = mlp.layout().len;
     let plan = BucketPlan::with_cap(mlp.layout(), cap);
     let first = mlp.forward(x, y, true)?;
@@ -703,9 +703,135 @@ struct Shaped {
 
 /// Fan-in of the layer whose parameters the optimiser-side operations touch.
 const FAN_IN: usize = 64;
+/// Side of the images the layer kernels' shapes are checked on.
+const IMAGE: usize = 4;
 
 /// The kernel-backed operations, each on fresh buffers of its shape.
 const SHAPED: &[Shaped] = &[
+    // The layer graph's kernels, over images of IMAGE x IMAGE pixels: a fraction of the rows as
+    // samples and of the columns as channels, so that the serial fake stays quick at the grown
+    // shapes while the small shape still fills whole blocks.
+    Shaped {
+        name: "relu, add_into",
+        run: |b, rows, cols| {
+            let n = rows * cols;
+            let (mut y, x) = (b.zeros(n)?, b.zeros(n)?);
+            b.relu(Cuda::view_mut(&mut y, 0..n))?;
+            b.add_into(Cuda::view_mut(&mut y, 0..n), Cuda::view(&x, 0..n), true)
+        },
+        batch: true,
+        width: true,
+    },
+    Shaped {
+        name: "swap_axes",
+        run: |b, rows, cols| {
+            let (n, c) = (rows / 32, cols / 32);
+            let len = n * c * IMAGE * IMAGE;
+            let (mut y, x) = (b.zeros(len)?, b.zeros(len)?);
+            b.swap_axes(Cuda::view_mut(&mut y, 0..len), Cuda::view(&x, 0..len), n, c, IMAGE * IMAGE, false)
+        },
+        batch: true,
+        width: true,
+    },
+    Shaped {
+        name: "im2col, col2im",
+        run: |b, rows, cols| {
+            let (n, c) = (rows / 32, cols / 32);
+            let w = Window { channels: c, height: IMAGE, width: IMAGE, kernel: 3, stride: 1, pad: 1 };
+            let (len, cl) = (n * c * IMAGE * IMAGE, w.col_rows() * n * w.out_pixels());
+            let (mut x, mut col) = (b.zeros(len)?, b.zeros(cl)?);
+            b.im2col(Cuda::view_mut(&mut col, 0..cl), Cuda::view(&x, 0..len), &w, n)?;
+            b.col2im(Cuda::view_mut(&mut x, 0..len), Cuda::view(&col, 0..cl), &w, n, false)
+        },
+        batch: true,
+        width: true,
+    },
+    Shaped {
+        name: "max_pool, max_pool_backward",
+        run: |b, rows, cols| {
+            let planes = (rows / 32) * (cols / 32);
+            let w = Window { channels: planes, height: IMAGE, width: IMAGE, kernel: 2, stride: 2, pad: 0 };
+            let (len, out) = (planes * IMAGE * IMAGE, planes * w.out_pixels());
+            let (x, mut y, mut dx) = (b.zeros(len)?, b.zeros(out)?, b.zeros(len)?);
+            b.max_pool(Cuda::view_mut(&mut y, 0..out), Cuda::view(&x, 0..len), &w)?;
+            b.max_pool_backward(
+                Cuda::view_mut(&mut dx, 0..len),
+                Cuda::view(&y, 0..out),
+                Cuda::view(&x, 0..len),
+                &w,
+                false,
+            )
+        },
+        batch: true,
+        width: true,
+    },
+    Shaped {
+        name: "avg_pool, avg_pool_backward",
+        run: |b, rows, cols| {
+            let (n, c, p) = (rows / 8, cols / 8, IMAGE * IMAGE);
+            let (mut x, mut y) = (b.zeros(n * c * p)?, b.zeros(n * c)?);
+            b.avg_pool(Cuda::view_mut(&mut y, 0..n * c), Cuda::view(&x, 0..n * c * p), c, n, p)?;
+            b.avg_pool_backward(Cuda::view_mut(&mut x, 0..n * c * p), Cuda::view(&y, 0..n * c), c, n, p, true)
+        },
+        batch: true,
+        width: true,
+    },
+    // A batch norm's sums: one thread per (channel, group of the batch's values), so they grow
+    // with both; then its elementwise passes.
+    Shaped {
+        name: "channel_sums, norm_apply, norm_backward",
+        run: |b, rows, cols| {
+            let (c, m) = (cols / 8, (rows / 8) * IMAGE * IMAGE);
+            let (x, mut y, mut stats, affine) =
+                (b.zeros(c * m)?, b.zeros(c * m)?, b.zeros(2 * c)?, b.zeros(2 * c)?);
+            let (xv, sv) = (Cuda::view(&x, 0..c * m), Cuda::view(&affine, 0..c));
+            b.channel_sums(
+                Cuda::view_mut(&mut stats, 0..c),
+                xv,
+                ChannelSum::Dot { b: xv, center: sv },
+                c,
+                m,
+            )?;
+            b.norm_apply(
+                Cuda::view_mut(&mut y, 0..c * m),
+                xv,
+                Cuda::view(&affine, 0..2 * c),
+                Cuda::view(&affine, 0..2 * c),
+                c,
+                m,
+            )?;
+            let (mut dx, mut da) = (b.zeros(c * m)?, b.zeros(2 * c)?);
+            let a = Cuda::view(&affine, 0..2 * c);
+            b.norm_backward(
+                Some(Cuda::view_mut(&mut dx, 0..c * m)),
+                Cuda::view_mut(&mut da, 0..2 * c),
+                xv,
+                xv,
+                a,
+                a,
+                a,
+                c,
+                m,
+                m,
+                false,
+                false,
+            )
+        },
+        batch: true,
+        width: true,
+    },
+    // Per-channel statistics: one thread per channel.
+    Shaped {
+        name: "norm_stats",
+        run: |b, _, cols| {
+            let c = cols;
+            let (mut saved, mut running) = (b.zeros(2 * c)?, b.zeros(2 * c)?);
+            let (s, r) = (Cuda::view_mut(&mut saved, 0..2 * c), Cuda::view_mut(&mut running, 0..2 * c));
+            b.norm_stats(s, r, c, 64, true, &NormConfig::DEFAULT)
+        },
+        batch: false,
+        width: true,
+    },
     Shaped {
         name: "bias_act",
         run: |b, rows, cols| {

@@ -54,7 +54,9 @@ void run(void **p) {
 #define KERNEL(k) fake_kernel{#k, check<k>, run<k>}
 static const fake_kernel KERNELS[] = {
     KERNEL(bias_act), KERNEL(relu_backward), KERNEL(bias_grad), KERNEL(softmax_xent), KERNEL(sgd), KERNEL(scale),
-    KERNEL(round_to_half), KERNEL(widen_half),
+    KERNEL(round_to_half), KERNEL(widen_half), KERNEL(relu), KERNEL(add_into), KERNEL(swap_axes), KERNEL(im2col),
+    KERNEL(col2im), KERNEL(max_pool), KERNEL(max_pool_backward), KERNEL(avg_pool), KERNEL(avg_pool_backward),
+    KERNEL(channel_sums), KERNEL(norm_stats), KERNEL(norm_apply), KERNEL(norm_backward),
 };
 
 extern "C" const fake_kernel *fake_kernel_find(const char *name) {

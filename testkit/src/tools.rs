@@ -1,6 +1,7 @@
 //! NVRTC (`libnvrtc.so.13`) and ptxas from NVIDIA's wheels on PyPI (`nvidia-cuda-nvrtc`,
 //! `nvidia-cuda-nvcc`), installed with pip into a cache folder the first time a test needs
-//! them, so that a fresh clone's `cargo nextest run --workspace` compiles the real kernels.
+//! them, so that a fresh clone's `cargo nextest run --workspace` compiles the real kernels; and
+//! a virtual environment with PyTorch, for the tests that check gradsync's models against it.
 //!
 //! The cache is `$GRADSYNC_CUDA_TOOLS`, else `$XDG_CACHE_HOME/gradsync/cuda-13`, else
 //! `~/.cache/gradsync/cuda-13`. Concurrent test processes take a file lock; the wheels go into
@@ -37,29 +38,39 @@ impl Tools {
     }
 }
 
-fn cache_root() -> Result<PathBuf, Error> {
-    if let Some(p) = std::env::var_os("GRADSYNC_CUDA_TOOLS") {
-        return Ok(PathBuf::from(p));
-    }
+/// `$XDG_CACHE_HOME/gradsync`, else `~/.cache/gradsync`.
+fn cache_base() -> Result<PathBuf, Error> {
     let base = match std::env::var_os("XDG_CACHE_HOME") {
         Some(x) if !x.is_empty() => PathBuf::from(x),
         _ => PathBuf::from(std::env::var_os("HOME").ok_or_else(|| Error::Tools("HOME is not set".into()))?)
             .join(".cache"),
     };
-    Ok(base.join("gradsync").join("cuda-13"))
+    Ok(base.join("gradsync"))
 }
 
-/// NVRTC and ptxas, installed into the cache first when missing.
-pub fn tools() -> Result<Tools, Error> {
-    let root = cache_root()?;
-    let tools = Tools::under(&root);
-    if tools.complete() {
-        return Ok(tools);
+fn cache_root() -> Result<PathBuf, Error> {
+    if let Some(p) = std::env::var_os("GRADSYNC_CUDA_TOOLS") {
+        return Ok(PathBuf::from(p));
+    }
+    Ok(cache_base()?.join("cuda-13"))
+}
+
+/// Run `install` into a temporary folder beside `root` and rename it to `root` once it
+/// succeeded and `complete` holds, under a file lock so that concurrent test processes install
+/// once; at once when `complete` already holds.
+fn install_once(
+    root: &Path,
+    complete: &dyn Fn() -> bool,
+    install: &dyn Fn(&Path) -> Result<(), Error>,
+) -> Result<(), Error> {
+    if complete() {
+        return Ok(());
     }
     let parent = root.parent().ok_or_else(|| Error::Tools(format!("{} has no parent", root.display())))?;
     std::fs::create_dir_all(parent)
         .map_err(|e| Error::Tools(format!("cannot create {}: {e}", parent.display())))?;
-    let lock_path = parent.join(".cuda-13.lock");
+    let name = root.file_name().map_or_else(|| "tools".into(), |n| n.to_string_lossy().into_owned());
+    let lock_path = parent.join(format!(".{name}.lock"));
     let lock = File::create(&lock_path)
         .map_err(|e| Error::Tools(format!("cannot create {}: {e}", lock_path.display())))?;
     // SAFETY: flock on a descriptor this function owns; released when `lock` is closed.
@@ -67,15 +78,49 @@ pub fn tools() -> Result<Tools, Error> {
         return Err(Error::Tools(format!("cannot lock {}", lock_path.display())));
     }
     // Another process may have installed them while this one waited for the lock.
-    if tools.complete() {
-        return Ok(tools);
+    if complete() {
+        return Ok(());
     }
-    let partial = parent.join(format!(".cuda-13.partial.{}", std::process::id()));
+    let partial = parent.join(format!(".{name}.partial.{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&partial);
+    if let Err(e) = install(&partial) {
+        let _ = std::fs::remove_dir_all(&partial);
+        return Err(e);
+    }
+    let _ = std::fs::remove_dir_all(root);
+    std::fs::rename(&partial, root).map_err(|e| {
+        Error::Tools(format!("cannot move {} into {}: {e}", partial.display(), root.display()))
+    })?;
+    if complete() {
+        Ok(())
+    } else {
+        Err(Error::Tools(format!(
+            "{} is incomplete after installing (did a package's layout change?)",
+            root.display()
+        )))
+    }
+}
+
+/// Run `cmd`; an error with its last line of stderr when it fails.
+fn run(mut cmd: Command, what: &str) -> Result<(), Error> {
+    let out = cmd.output().map_err(|e| Error::Tools(format!("cannot run {what}: {e}")))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let why = String::from_utf8_lossy(&out.stderr);
+    let last = why.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message");
+    Err(Error::Tools(format!("{what} failed ({}): {last}", out.status)))
+}
+
+/// NVRTC and ptxas, installed into the cache first when missing.
+pub fn tools() -> Result<Tools, Error> {
+    let root = cache_root()?;
+    let tools = Tools::under(&root);
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    eprintln!("installing NVRTC and ptxas from PyPI into {} (once)", root.display());
-    let out = Command::new(&python)
-        .args([
+    install_once(&root, &|| tools.complete(), &|partial| {
+        eprintln!("installing NVRTC and ptxas from PyPI into {} (once)", root.display());
+        let mut cmd = Command::new(&python);
+        cmd.args([
             "-m",
             "pip",
             "install",
@@ -86,29 +131,41 @@ pub fn tools() -> Result<Tools, Error> {
             "30",
         ])
         .arg("--target")
-        .arg(&partial)
-        .args(WHEELS)
-        .output()
-        .map_err(|e| Error::Tools(format!("cannot run {python} -m pip: {e}")))?;
-    if !out.status.success() {
-        let _ = std::fs::remove_dir_all(&partial);
-        let why = String::from_utf8_lossy(&out.stderr);
-        let last = why.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message");
-        return Err(Error::Tools(format!(
-            "pip could not install {} ({}): {last}",
-            WHEELS.join(" "),
-            out.status
-        )));
+        .arg(partial)
+        .args(WHEELS);
+        run(cmd, &format!("{python} -m pip install {}", WHEELS.join(" ")))
+    })?;
+    Ok(tools)
+}
+
+/// What the PyTorch reference scripts import.
+const TORCH_PACKAGES: [&str; 3] = ["torch", "safetensors", "numpy"];
+
+/// A Python that imports torch and safetensors: `$GRADSYNC_TORCH_PYTHON` when set, else a
+/// virtual environment in the cache (`~/.cache/gradsync/torch`), created with PyTorch from
+/// PyPI the first time a test needs it (several GB, about a minute).
+pub fn torch_python() -> Result<PathBuf, Error> {
+    if let Some(p) = std::env::var_os("GRADSYNC_TORCH_PYTHON") {
+        return Ok(PathBuf::from(p));
     }
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::rename(&partial, &root)
-        .map_err(|e| Error::Tools(format!("cannot move the wheels into {}: {e}", root.display())))?;
-    if tools.complete() {
-        Ok(tools)
-    } else {
-        Err(Error::Tools(format!(
-            "the wheels in {} lack libnvrtc.so.13 or ptxas (did their layout change?)",
-            root.display()
-        )))
-    }
+    let root = cache_base()?.join("torch");
+    let python = root.join("bin").join("python");
+    let imports = |py: &Path| {
+        Command::new(py)
+            .args(["-c", "import torch, safetensors.torch"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let base = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    install_once(&root, &|| imports(&python), &|partial| {
+        eprintln!("installing PyTorch from PyPI into {} (once)", root.display());
+        let mut venv = Command::new(&base);
+        venv.args(["-m", "venv"]).arg(partial);
+        run(venv, &format!("{base} -m venv"))?;
+        let mut pip = Command::new(partial.join("bin").join("python"));
+        pip.args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--timeout", "60"])
+            .args(TORCH_PACKAGES);
+        run(pip, &format!("pip install {}", TORCH_PACKAGES.join(" ")))
+    })?;
+    Ok(python)
 }

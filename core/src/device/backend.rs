@@ -1,6 +1,11 @@
-//! The small trait every device implements: buffers, views into them, and the handful of
-//! kernels an MLP needs. The layer sequencing that calls these is written once, in
-//! [`crate::mlp`]; device differences stop here.
+//! The small trait every device implements: buffers, views into them, and the kernels the
+//! layer graph needs. The layer sequencing that calls these is written once, in
+//! [`crate::net`]; device differences stop here.
+//!
+//! Image activations are stored channel-major, `C x N x H x W` ("CNHW"): each channel's values
+//! for the whole batch are contiguous, so a convolution is one GEMM over the batch
+//! (`weight (Cout x C*k*k) * columns (C*k*k x N*OH*OW)` gives the next CNHW activation) and a
+//! batch norm reduces contiguous rows. Flat activations are `N x F`, row-major.
 
 use std::ops::Range;
 
@@ -27,6 +32,88 @@ pub fn bias_grad_passes(rows: usize) -> Vec<usize> {
         passes.push(left);
     }
     passes
+}
+
+/// The geometry of a sliding window over CNHW activations: a convolution's kernel, or a
+/// pooling window (whose `channels` are the planes it slides over).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    /// Input channels.
+    pub channels: usize,
+    /// Input height.
+    pub height: usize,
+    /// Input width.
+    pub width: usize,
+    /// The window's side (square windows only).
+    pub kernel: usize,
+    /// Step between windows.
+    pub stride: usize,
+    /// Zeros added on every side of the input.
+    pub pad: usize,
+}
+
+impl Window {
+    /// Output height.
+    pub fn out_height(&self) -> usize {
+        (self.height + 2 * self.pad - self.kernel) / self.stride + 1
+    }
+
+    /// Output width.
+    pub fn out_width(&self) -> usize {
+        (self.width + 2 * self.pad - self.kernel) / self.stride + 1
+    }
+
+    /// Output pixels per channel and sample.
+    pub fn out_pixels(&self) -> usize {
+        self.out_height() * self.out_width()
+    }
+
+    /// Rows of the column matrix: one per (channel, kernel row, kernel column).
+    pub fn col_rows(&self) -> usize {
+        self.channels * self.kernel * self.kernel
+    }
+
+    /// Whether the column matrix of this window is its input itself (a 1x1, stride-1,
+    /// unpadded convolution), so no copy is needed.
+    pub fn is_pointwise(&self) -> bool {
+        self.kernel == 1 && self.stride == 1 && self.pad == 0
+    }
+}
+
+/// What [`Backend::channel_sums`] adds up for channel `c` over its `m` values `i`, with
+/// `mean = center[c]`. Every sum follows the order of [`BIAS_GRAD_ROWS`] (groups of that many
+/// consecutive values, the groups' sums grouped again), so it is the same on every device and
+/// for every thread count.
+#[derive(Debug, Clone, Copy)]
+pub enum ChannelSum<V> {
+    /// `a[c, i]`.
+    Plain,
+    /// `(a[c, i] - mean)^2`.
+    SquaredDeviation {
+        /// The per-channel mean.
+        center: V,
+    },
+    /// `a[c, i] * (b[c, i] - mean)`.
+    Dot {
+        /// The second operand, shaped as `a`.
+        b: V,
+        /// The per-channel mean of `b`.
+        center: V,
+    },
+}
+
+/// Batch-norm constants shared by every device.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NormConfig {
+    /// Added to the variance before its square root (PyTorch's `eps`, 1e-5).
+    pub eps: f32,
+    /// Weight of the new batch in the running statistics (PyTorch's `momentum`, 0.1).
+    pub momentum: f32,
+}
+
+impl NormConfig {
+    /// PyTorch's `BatchNorm2d` defaults.
+    pub const DEFAULT: NormConfig = NormConfig { eps: 1e-5, momentum: 0.1 };
 }
 
 /// One device's buffers and kernels. All matrices are row-major `f32`.
@@ -70,6 +157,8 @@ pub trait Backend: Sized {
         Self: 'a;
     /// A shorter-lived exclusive view of `view[range]`.
     fn sub<'b>(view: &'b mut Self::ViewMut<'_>, range: Range<usize>) -> Self::ViewMut<'b>;
+    /// A shared view of an exclusive view's values, for as long as it is borrowed.
+    fn as_view<'b>(view: &'b Self::ViewMut<'_>) -> Self::View<'b>;
 
     /// `c = op(a) * op(b)` (`+ c` when `accumulate`), `op(a)` being `m x k` and `op(b)`
     /// `k x n`; `ta`/`tb` say the stored matrix is the transpose.
@@ -131,6 +220,126 @@ pub trait Backend: Sized {
     ) -> Result<()>;
     /// `v *= factor`.
     fn scale(&self, v: Self::ViewMut<'_>, factor: f32) -> Result<()>;
+
+    /// `v = max(v, 0)` in place.
+    fn relu(&self, v: Self::ViewMut<'_>) -> Result<()>;
+    /// `y = x`, or `y += x` when `accumulate`.
+    fn add_into(&self, y: Self::ViewMut<'_>, x: Self::View<'_>, accumulate: bool) -> Result<()>;
+    /// Swap the two outer axes: `dst[j, i, k] (=|+=) src[i, j, k]` for `src` shaped
+    /// `outer x middle x inner`. Turns a batch between NCHW and CNHW, and CNHW into the
+    /// `N x (C*H*W)` rows of a flatten, in PyTorch's order.
+    #[allow(clippy::too_many_arguments)]
+    fn swap_axes(
+        &self,
+        dst: Self::ViewMut<'_>,
+        src: Self::View<'_>,
+        outer: usize,
+        middle: usize,
+        inner: usize,
+        accumulate: bool,
+    ) -> Result<()>;
+    /// The column matrix of a convolution: `col[(c*k + ky)*k + kx, (n*OH + oy)*OW + ox] =
+    /// x[c, n, oy*stride - pad + ky, ox*stride - pad + kx]`, zero outside the image.
+    fn im2col(&self, col: Self::ViewMut<'_>, x: Self::View<'_>, w: &Window, batch: usize) -> Result<()>;
+    /// The adjoint of [`Backend::im2col`]: each input value gets the sum of the column entries
+    /// it was copied to, in (ky, kx) order (`+=` what is there when `accumulate`).
+    fn col2im(
+        &self,
+        dx: Self::ViewMut<'_>,
+        col: Self::View<'_>,
+        w: &Window,
+        batch: usize,
+        accumulate: bool,
+    ) -> Result<()>;
+    /// Max pooling over `w.channels` planes (channels times batch) of `height x width`: each
+    /// output is its window's maximum (the first, scanning rows then columns, on ties).
+    fn max_pool(&self, y: Self::ViewMut<'_>, x: Self::View<'_>, w: &Window) -> Result<()>;
+    /// The gradient of [`Backend::max_pool`]: each window's output gradient goes to its
+    /// maximum's position, windows added in order.
+    fn max_pool_backward(
+        &self,
+        dx: Self::ViewMut<'_>,
+        dy: Self::View<'_>,
+        x: Self::View<'_>,
+        w: &Window,
+        accumulate: bool,
+    ) -> Result<()>;
+    /// Global average pooling of CNHW `x` (`channels x batch x pixels`) into `y`
+    /// (`batch x channels`): each output the sum of its pixels in order, divided by `pixels`.
+    fn avg_pool(
+        &self,
+        y: Self::ViewMut<'_>,
+        x: Self::View<'_>,
+        channels: usize,
+        batch: usize,
+        pixels: usize,
+    ) -> Result<()>;
+    /// The gradient of [`Backend::avg_pool`]: `dx[c, n, p] (=|+=) dy[n, c] / pixels`.
+    #[allow(clippy::too_many_arguments)]
+    fn avg_pool_backward(
+        &self,
+        dx: Self::ViewMut<'_>,
+        dy: Self::View<'_>,
+        channels: usize,
+        batch: usize,
+        pixels: usize,
+        accumulate: bool,
+    ) -> Result<()>;
+    /// `out[c] = sum over i < m of` the [`ChannelSum`] term of `a` (`channels x m`).
+    fn channel_sums(
+        &self,
+        out: Self::ViewMut<'_>,
+        a: Self::View<'_>,
+        what: ChannelSum<Self::View<'_>>,
+        channels: usize,
+        m: usize,
+    ) -> Result<()>;
+    /// Batch-norm statistics of `count` values per channel, in place in `saved`
+    /// (`mean | x`, `2 x channels`). Training: `saved` holds the batch mean and the sum of
+    /// squared deviations; this leaves `mean | 1/sqrt(var + eps)` there (biased variance) and
+    /// moves `running` (`mean | var`) towards the batch (unbiased variance), as PyTorch does.
+    /// Evaluation: `saved` becomes `running mean | 1/sqrt(running var + eps)`.
+    fn norm_stats(
+        &self,
+        saved: Self::ViewMut<'_>,
+        running: Self::ViewMut<'_>,
+        channels: usize,
+        count: usize,
+        train: bool,
+        cfg: &NormConfig,
+    ) -> Result<()>;
+    /// `y[c, i] = (x[c, i] - mean[c]) * invstd[c] * gamma[c] + beta[c]`, with `saved` =
+    /// `mean | invstd` and `affine` = `gamma | beta`.
+    fn norm_apply(
+        &self,
+        y: Self::ViewMut<'_>,
+        x: Self::View<'_>,
+        saved: Self::View<'_>,
+        affine: Self::View<'_>,
+        channels: usize,
+        m: usize,
+    ) -> Result<()>;
+    /// Batch-norm backward from `sums` = `sum dy | sum dy (x - mean)` over `count` values per
+    /// channel ([`Backend::channel_sums`], all-reduced first for a synchronised batch norm):
+    /// `d_affine` (=|+=) `sum dy (x - mean) * invstd | sum dy` when `accumulate`, and, when `dx`
+    /// is given, `dx (=|+=) gamma invstd (dy - sum dy / count - (x - mean) invstd^2
+    /// sum dy (x - mean) / count)` when `accumulate_dx`.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_backward(
+        &self,
+        dx: Option<Self::ViewMut<'_>>,
+        d_affine: Self::ViewMut<'_>,
+        dy: Self::View<'_>,
+        x: Self::View<'_>,
+        saved: Self::View<'_>,
+        affine: Self::View<'_>,
+        sums: Self::View<'_>,
+        channels: usize,
+        m: usize,
+        count: usize,
+        accumulate: bool,
+        accumulate_dx: bool,
+    ) -> Result<()>;
     /// Wait until all work queued on the device has finished (for honest timings).
     fn synchronize(&self) -> Result<()>;
 }

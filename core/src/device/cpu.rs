@@ -9,12 +9,13 @@ use std::ops::Range;
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::backend::{BIAS_GRAD_ROWS, Backend, bias_grad_passes};
+use super::backend::{BIAS_GRAD_ROWS, Backend, ChannelSum, NormConfig, Window, bias_grad_passes};
+use super::cpu_layers as layers;
 use crate::error::{Error, Result};
 use crate::optim::{SgdConfig, sgd_block, sgd_step};
 
 /// Values per parallel chunk in elementwise kernels.
-const CHUNK: usize = 1 << 14;
+pub(super) const CHUNK: usize = 1 << 14;
 
 /// The CPU backend.
 #[derive(Debug)]
@@ -97,6 +98,10 @@ impl Backend for Cpu {
 
     fn sub<'b>(view: &'b mut &mut [f32], range: Range<usize>) -> &'b mut [f32] {
         &mut view[range]
+    }
+
+    fn as_view<'b>(view: &'b &mut [f32]) -> &'b [f32] {
+        view
     }
 
     fn gemm(
@@ -336,6 +341,130 @@ impl Backend for Cpu {
             Some(pool) => pool.install(|| v.par_chunks_mut(CHUNK).for_each(body)),
         }
         Ok(())
+    }
+
+    fn relu(&self, v: &mut [f32]) -> Result<()> {
+        layers::relu(self.pool.as_ref(), v);
+        Ok(())
+    }
+
+    fn add_into(&self, y: &mut [f32], x: &[f32], accumulate: bool) -> Result<()> {
+        layers::add_into(self.pool.as_ref(), y, x, accumulate)
+    }
+
+    fn swap_axes(
+        &self,
+        dst: &mut [f32],
+        src: &[f32],
+        outer: usize,
+        middle: usize,
+        inner: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        layers::swap_axes(self.pool.as_ref(), dst, src, (outer, middle, inner), accumulate)
+    }
+
+    fn im2col(&self, col: &mut [f32], x: &[f32], w: &Window, batch: usize) -> Result<()> {
+        layers::im2col(self.pool.as_ref(), col, x, w, batch)
+    }
+
+    fn col2im(&self, dx: &mut [f32], col: &[f32], w: &Window, batch: usize, accumulate: bool) -> Result<()> {
+        layers::col2im(self.pool.as_ref(), dx, col, w, batch, accumulate)
+    }
+
+    fn max_pool(&self, y: &mut [f32], x: &[f32], w: &Window) -> Result<()> {
+        layers::max_pool(self.pool.as_ref(), y, x, w)
+    }
+
+    fn max_pool_backward(
+        &self,
+        dx: &mut [f32],
+        dy: &[f32],
+        x: &[f32],
+        w: &Window,
+        accumulate: bool,
+    ) -> Result<()> {
+        layers::max_pool_backward(self.pool.as_ref(), dx, dy, x, w, accumulate)
+    }
+
+    fn avg_pool(&self, y: &mut [f32], x: &[f32], channels: usize, batch: usize, pixels: usize) -> Result<()> {
+        layers::avg_pool(self.pool.as_ref(), y, x, (channels, batch, pixels))
+    }
+
+    fn avg_pool_backward(
+        &self,
+        dx: &mut [f32],
+        dy: &[f32],
+        channels: usize,
+        batch: usize,
+        pixels: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        layers::avg_pool_backward(self.pool.as_ref(), dx, dy, (channels, batch, pixels), accumulate)
+    }
+
+    fn channel_sums(
+        &self,
+        out: &mut [f32],
+        a: &[f32],
+        what: ChannelSum<&[f32]>,
+        channels: usize,
+        m: usize,
+    ) -> Result<()> {
+        layers::channel_sums(self.pool.as_ref(), out, a, what, channels, m)
+    }
+
+    fn norm_stats(
+        &self,
+        saved: &mut [f32],
+        running: &mut [f32],
+        channels: usize,
+        count: usize,
+        train: bool,
+        cfg: &NormConfig,
+    ) -> Result<()> {
+        layers::norm_stats(saved, running, channels, count, train, cfg)
+    }
+
+    fn norm_apply(
+        &self,
+        y: &mut [f32],
+        x: &[f32],
+        saved: &[f32],
+        affine: &[f32],
+        channels: usize,
+        m: usize,
+    ) -> Result<()> {
+        layers::norm_apply(self.pool.as_ref(), y, x, saved, affine, (channels, m))
+    }
+
+    fn norm_backward(
+        &self,
+        dx: Option<&mut [f32]>,
+        d_affine: &mut [f32],
+        dy: &[f32],
+        x: &[f32],
+        saved: &[f32],
+        affine: &[f32],
+        sums: &[f32],
+        channels: usize,
+        m: usize,
+        count: usize,
+        accumulate: bool,
+        accumulate_dx: bool,
+    ) -> Result<()> {
+        layers::norm_backward(
+            self.pool.as_ref(),
+            dx,
+            d_affine,
+            dy,
+            x,
+            saved,
+            affine,
+            sums,
+            (channels, m, count),
+            (accumulate, accumulate_dx),
+        )
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -51,7 +51,9 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-use super::backend::{BIAS_GRAD_ROWS, Backend, bias_grad_passes};
+mod layers;
+
+use super::backend::{BIAS_GRAD_ROWS, Backend, ChannelSum, NormConfig, Window, bias_grad_passes};
 use super::nvrtc;
 use crate::compress::Half;
 use crate::error::{Error, Result};
@@ -271,6 +273,13 @@ struct Kernels {
 const KERNEL_NAMES: [&str; 8] =
     ["bias_act", "relu_backward", "bias_grad", "softmax_xent", "sgd", "scale", "round_to_half", "widen_half"];
 
+/// Every kernel of `cuda_kernels.cu`: the MLP's, the half-precision casts and the layer
+/// graph's.
+#[cfg(test)]
+fn all_kernel_names() -> impl Iterator<Item = &'static str> {
+    KERNEL_NAMES.into_iter().chain(layers::NAMES)
+}
+
 /// The kernels that round `f32` values to a half-precision format and widen them back, for
 /// NCCL's fp16/bf16 all-reduce of gradient buckets (`--compress fp16|bf16`). They round every
 /// value to the bits [`Half::encode`] gives on the host (ties to even; NaNs stay NaN with their
@@ -358,11 +367,12 @@ pub struct Cuda {
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     kernels: Kernels,
+    layers: layers::LayerKernels,
     /// Per-row loss and hit flags of `softmax_xent`, grown on demand and reused every batch.
     stats: Mutex<Option<CudaSlice<f32>>>,
     /// The group sums of `bias_grad`'s passes, grown on demand and reused (work on the one
     /// stream is ordered, so one buffer serves every call).
-    bias_sums: Mutex<Option<CudaSlice<f32>>>,
+    sums_scratch: Mutex<Option<CudaSlice<f32>>>,
 }
 
 impl fmt::Debug for Cuda {
@@ -420,6 +430,7 @@ impl Cuda {
             scale: load(scale)?,
             half: HalfCast { round: load(round)?, widen: load(widen)? },
         };
+        let layers = layers::LayerKernels::load(&module)?;
         Ok(Cuda {
             ordinal,
             name,
@@ -427,8 +438,9 @@ impl Cuda {
             stream,
             blas,
             kernels,
+            layers,
             stats: Mutex::new(None),
-            bias_sums: Mutex::new(None),
+            sums_scratch: Mutex::new(None),
         })
     }
 
@@ -642,6 +654,10 @@ impl Backend for Cuda {
         }
     }
 
+    fn as_view<'b>(view: &'b GpuViewMut<'_>) -> GpuView<'b> {
+        view.as_view()
+    }
+
     fn gemm(
         &self,
         m: usize,
@@ -756,7 +772,7 @@ impl Backend for Cuda {
         // group left into db. Two halves of the scratch take turns as source and destination.
         let passes = bias_grad_passes(rows);
         let (first, second) = (passes.first().copied().unwrap_or(0), passes.get(1).copied().unwrap_or(0));
-        let mut scratch = self.bias_sums.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut scratch = self.sums_scratch.lock().unwrap_or_else(PoisonError::into_inner);
         let need = (first + second) * cols;
         let scratch = match &mut *scratch {
             Some(s) if s.len() >= need => s,
@@ -878,6 +894,138 @@ impl Backend for Cuda {
         Ok(())
     }
 
+    fn relu(&self, v: GpuViewMut<'_>) -> Result<()> {
+        self.layer_relu(v)
+    }
+
+    fn add_into(&self, y: GpuViewMut<'_>, x: GpuView<'_>, accumulate: bool) -> Result<()> {
+        self.layer_add_into(y, x, accumulate)
+    }
+
+    fn swap_axes(
+        &self,
+        dst: GpuViewMut<'_>,
+        src: GpuView<'_>,
+        outer: usize,
+        middle: usize,
+        inner: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.layer_swap_axes(dst, src, (outer, middle, inner), accumulate)
+    }
+
+    fn im2col(&self, col: GpuViewMut<'_>, x: GpuView<'_>, w: &Window, batch: usize) -> Result<()> {
+        self.layer_im2col(col, x, w, batch)
+    }
+
+    fn col2im(
+        &self,
+        dx: GpuViewMut<'_>,
+        col: GpuView<'_>,
+        w: &Window,
+        batch: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.layer_col2im(dx, col, w, batch, accumulate)
+    }
+
+    fn max_pool(&self, y: GpuViewMut<'_>, x: GpuView<'_>, w: &Window) -> Result<()> {
+        self.layer_max_pool(y, x, w)
+    }
+
+    fn max_pool_backward(
+        &self,
+        dx: GpuViewMut<'_>,
+        dy: GpuView<'_>,
+        x: GpuView<'_>,
+        w: &Window,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.layer_max_pool_backward(dx, dy, x, w, accumulate)
+    }
+
+    fn avg_pool(
+        &self,
+        y: GpuViewMut<'_>,
+        x: GpuView<'_>,
+        channels: usize,
+        batch: usize,
+        pixels: usize,
+    ) -> Result<()> {
+        self.layer_avg_pool(y, x, (channels, batch, pixels))
+    }
+
+    fn avg_pool_backward(
+        &self,
+        dx: GpuViewMut<'_>,
+        dy: GpuView<'_>,
+        channels: usize,
+        batch: usize,
+        pixels: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.layer_avg_pool_backward(dx, dy, (channels, batch, pixels), accumulate)
+    }
+
+    fn channel_sums(
+        &self,
+        out: GpuViewMut<'_>,
+        a: GpuView<'_>,
+        what: ChannelSum<GpuView<'_>>,
+        channels: usize,
+        m: usize,
+    ) -> Result<()> {
+        self.layer_channel_sums(out, a, what, channels, m)
+    }
+
+    fn norm_stats(
+        &self,
+        saved: GpuViewMut<'_>,
+        running: GpuViewMut<'_>,
+        channels: usize,
+        count: usize,
+        train: bool,
+        cfg: &NormConfig,
+    ) -> Result<()> {
+        self.layer_norm_stats(saved, running, (channels, count, train), cfg)
+    }
+
+    fn norm_apply(
+        &self,
+        y: GpuViewMut<'_>,
+        x: GpuView<'_>,
+        saved: GpuView<'_>,
+        affine: GpuView<'_>,
+        channels: usize,
+        m: usize,
+    ) -> Result<()> {
+        self.layer_norm_apply(y, x, saved, affine, (channels, m))
+    }
+
+    fn norm_backward(
+        &self,
+        dx: Option<GpuViewMut<'_>>,
+        d_affine: GpuViewMut<'_>,
+        dy: GpuView<'_>,
+        x: GpuView<'_>,
+        saved: GpuView<'_>,
+        affine: GpuView<'_>,
+        sums: GpuView<'_>,
+        channels: usize,
+        m: usize,
+        count: usize,
+        accumulate: bool,
+        accumulate_dx: bool,
+    ) -> Result<()> {
+        self.layer_norm_backward(
+            dx,
+            d_affine,
+            (dy, x, saved, affine, sums),
+            (channels, m, count),
+            (accumulate, accumulate_dx),
+        )
+    }
+
     fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(cuda_err("synchronize"))?;
         self.check("synchronize")
@@ -938,7 +1086,7 @@ mod tests {
 
     #[test]
     fn every_kernel_is_in_the_source() {
-        for name in KERNEL_NAMES {
+        for name in all_kernel_names() {
             assert!(
                 nvrtc::KERNELS_SRC.contains(&format!("extern \"C\" __global__ void {name}(")),
                 "kernel {name} missing from cuda_kernels.cu"
@@ -976,7 +1124,7 @@ mod tests {
             assert_eq!(&cubin.image[..4], b"\x7fELF", "sm_{arch}: NVRTC's cubin is not an ELF image");
             let ptx = nvrtc::compile(nvrtc::KernelTarget::Ptx(arch), &[])?;
             let text = String::from_utf8_lossy(&ptx.image);
-            for name in KERNEL_NAMES {
+            for name in all_kernel_names() {
                 assert!(
                     text.contains(&format!(".entry {name}(")),
                     "compute_{arch}: no entry point {name} in the PTX"
@@ -1008,13 +1156,13 @@ mod tests {
             let (functions, spills) = ptxas_spills(&report);
             assert_eq!(
                 functions,
-                KERNEL_NAMES.len(),
+                all_kernel_names().count(),
                 "sm_{arch}: ptxas reported on {functions} kernels:\n{report}"
             );
             assert_eq!(spills, 0, "sm_{arch}: ptxas reports register spills:\n{report}");
             eprintln!(
                 "sm_{arch}: {} kernels compiled to cubin and PTX, ptxas: 0 bytes spilled",
-                KERNEL_NAMES.len()
+                all_kernel_names().count()
             );
         }
         Ok(())

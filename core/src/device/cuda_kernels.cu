@@ -118,6 +118,251 @@ extern "C" __global__ void scale(float* v, u64 n, float factor) {
     }
 }
 
+// ---- Layer kernels (the layer graph, net.rs): image activations are CNHW (backend.rs) ----
+
+// v = max(v, 0) in place (CPU: cpu_layers::relu).
+extern "C" __global__ void relu(float* v, u64 n) {
+    for (u64 i = GLOBAL_ID; i < n; i += GRID_STRIDE) {
+        v[i] = fmaxf(v[i], 0.0f);
+    }
+}
+
+// y = x, or y += x (CPU: cpu_layers::add_into).
+extern "C" __global__ void add_into(float* y, const float* x, u64 n, int accumulate) {
+    for (u64 i = GLOBAL_ID; i < n; i += GRID_STRIDE) {
+        y[i] = accumulate ? y[i] + x[i] : x[i];
+    }
+}
+
+// dst[j, i, k] (=|+=) src[i, j, k], src being outer x middle x inner; one thread per
+// destination value (CPU: cpu_layers::swap_axes).
+extern "C" __global__ void swap_axes(float* dst, const float* src, u64 outer, u64 middle, u64 inner,
+                                     int accumulate) {
+    const u64 n = outer * middle * inner;
+    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
+        const u64 k = t % inner, i = t / inner % outer, j = t / (inner * outer);
+        const float v = src[(i * middle + j) * inner + k];
+        dst[t] = accumulate ? dst[t] + v : v;
+    }
+}
+
+// The row `r = (c*k + ky)*k + kx` of a convolution's column matrix reads input pixel
+// (oy*stride - pad + ky, ox*stride - pad + kx) of channel c; the column `(n*oh + oy)*ow + ox`.
+// One thread per column entry (CPU: cpu_layers::im2col).
+extern "C" __global__ void im2col(float* col, const float* x, u64 channels, u64 batch, u64 height, u64 width,
+                                  u64 k, u64 stride, u64 pad, u64 oh, u64 ow) {
+    const u64 cols = batch * oh * ow;
+    const u64 n = channels * k * k * cols;
+    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
+        const u64 r = t / cols, q = t % cols;
+        const u64 c = r / (k * k), ky = r / k % k, kx = r % k;
+        const u64 s = q / (oh * ow), oy = q / ow % oh, ox = q % ow;
+        const long long iy = (long long)(oy * stride + ky) - (long long)pad;
+        const long long ix = (long long)(ox * stride + kx) - (long long)pad;
+        float v = 0.0f;
+        if (iy >= 0 && iy < (long long)height && ix >= 0 && ix < (long long)width) {
+            v = x[((c * batch + s) * height + (u64)iy) * width + (u64)ix];
+        }
+        col[t] = v;
+    }
+}
+
+// The adjoint of im2col: each input value gathers the column entries it was copied to, in
+// (ky, kx) order, from zero or from what dx holds (accumulate). One thread per input value
+// (CPU: cpu_layers::col2im adds them in the same order).
+extern "C" __global__ void col2im(float* dx, const float* col, u64 channels, u64 batch, u64 height, u64 width,
+                                  u64 k, u64 stride, u64 pad, u64 oh, u64 ow, int accumulate) {
+    const u64 cols = batch * oh * ow;
+    const u64 n = channels * batch * height * width;
+    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
+        const u64 x = t % width, y = t / width % height, s = t / (width * height) % batch;
+        const u64 c = t / (width * height * batch);
+        float acc = accumulate ? dx[t] : 0.0f;
+        for (u64 ky = 0; ky < k; ++ky) {
+            const long long sy = (long long)(y + pad) - (long long)ky;
+            if (sy < 0 || sy % (long long)stride != 0 || (u64)(sy / (long long)stride) >= oh) continue;
+            const u64 oy = (u64)(sy / (long long)stride);
+            for (u64 kx = 0; kx < k; ++kx) {
+                const long long sx = (long long)(x + pad) - (long long)kx;
+                if (sx < 0 || sx % (long long)stride != 0 || (u64)(sx / (long long)stride) >= ow) continue;
+                const u64 ox = (u64)(sx / (long long)stride);
+                acc += col[((c * k + ky) * k + kx) * cols + (s * oh + oy) * ow + ox];
+            }
+        }
+        dx[t] = acc;
+    }
+}
+
+// The index within its plane of window (oy, ox)'s first maximum; a NaN wins and stays
+// (CPU: cpu_layers::window_argmax).
+__device__ __forceinline__ u64 window_argmax(const float* plane, u64 height, u64 width, u64 k, u64 stride,
+                                             u64 pad, u64 oy, u64 ox) {
+    u64 best = ~0ull;
+    float best_v = 0.0f;
+    for (u64 ky = 0; ky < k; ++ky) {
+        const long long iy = (long long)(oy * stride + ky) - (long long)pad;
+        if (iy < 0 || iy >= (long long)height) continue;
+        for (u64 kx = 0; kx < k; ++kx) {
+            const long long ix = (long long)(ox * stride + kx) - (long long)pad;
+            if (ix < 0 || ix >= (long long)width) continue;
+            const u64 at = (u64)iy * width + (u64)ix;
+            const float v = plane[at];
+            if (best == ~0ull || (best_v == best_v && !(v <= best_v))) {
+                best = at;
+                best_v = v;
+            }
+        }
+    }
+    return best;
+}
+
+// Max pooling over `planes` planes of height x width; one thread per output
+// (CPU: cpu_layers::max_pool).
+extern "C" __global__ void max_pool(float* y, const float* x, u64 planes, u64 height, u64 width, u64 k,
+                                    u64 stride, u64 pad, u64 oh, u64 ow) {
+    const u64 n = planes * oh * ow;
+    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
+        const u64 p = t / (oh * ow), i = t % (oh * ow);
+        const float* plane = x + p * height * width;
+        y[t] = plane[window_argmax(plane, height, width, k, stride, pad, i / ow, i % ow)];
+    }
+}
+
+// Its gradient: each input value gathers, in window order, the gradients of the windows whose
+// maximum it is. One thread per input value (CPU: cpu_layers::max_pool_backward).
+extern "C" __global__ void max_pool_backward(float* dx, const float* dy, const float* x, u64 planes, u64 height,
+                                             u64 width, u64 k, u64 stride, u64 pad, u64 oh, u64 ow,
+                                             int accumulate) {
+    const u64 n = planes * height * width;
+    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
+        const u64 p = t / (height * width), at = t % (height * width);
+        const u64 iy = at / width, ix = at % width;
+        const float* plane = x + p * height * width;
+        float acc = accumulate ? dx[t] : 0.0f;
+        for (u64 oy = 0; oy < oh; ++oy) {
+            if (oy * stride + k <= iy + pad || oy * stride > iy + pad) continue;
+            for (u64 ox = 0; ox < ow; ++ox) {
+                if (ox * stride + k <= ix + pad || ox * stride > ix + pad) continue;
+                if (window_argmax(plane, height, width, k, stride, pad, oy, ox) == at) {
+                    acc += dy[(p * oh + oy) * ow + ox];
+                }
+            }
+        }
+        dx[t] = acc;
+    }
+}
+
+// Global average pooling: y[n, c] = (sum over p of x[c, n, p], in order) / pixels. One thread
+// per output (CPU: cpu_layers::avg_pool).
+extern "C" __global__ void avg_pool(float* y, const float* x, u64 channels, u64 batch, u64 pixels) {
+    const u64 n = channels * batch;
+    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
+        const u64 s = t / channels, c = t % channels;
+        const float* src = x + (c * batch + s) * pixels;
+        float acc = 0.0f;
+        for (u64 p = 0; p < pixels; ++p) {
+            acc += src[p];
+        }
+        y[t] = acc / (float)pixels;
+    }
+}
+
+// Its gradient: dx[c, n, p] (=|+=) dy[n, c] / pixels (CPU: cpu_layers::avg_pool_backward).
+extern "C" __global__ void avg_pool_backward(float* dx, const float* dy, u64 channels, u64 batch, u64 pixels,
+                                             int accumulate) {
+    const u64 n = channels * batch * pixels;
+    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
+        const u64 s = t / pixels % batch, c = t / (pixels * batch);
+        const float v = dy[s * channels + c] / (float)pixels;
+        dx[t] = accumulate ? dx[t] + v : v;
+    }
+}
+
+// One pass of a per-channel sum, in the order of BIAS_GRAD_ROWS (backend.rs): out[c, g] = the
+// sum, from zero, of the terms of values g*group .. (g+1)*group of channel c's m values. mode 0:
+// a; 1: (a - center[c])^2; 2: a * (b - center[c]). One thread per (channel, group); the host
+// repeats plain passes (mode 0) over the groups' sums until one group is left
+// (CPU: cpu_layers::grouped_sum).
+extern "C" __global__ void channel_sums(float* out, const float* a, const float* b, const float* center,
+                                        u64 channels, u64 m, u64 group, int mode) {
+    const u64 groups = m == 0 ? 1 : (m + group - 1) / group;
+    const u64 n = channels * groups;
+    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
+        const u64 c = t / groups, g = t % groups;
+        const u64 first = g * group, last = first + group < m ? first + group : m;
+        const float* row = a + c * m;
+        float acc = 0.0f;
+        if (mode == 0) {
+            for (u64 i = first; i < last; ++i) acc += row[i];
+        } else if (mode == 1) {
+            const float mu = center[c];
+            for (u64 i = first; i < last; ++i) {
+                const float d = row[i] - mu;
+                acc += d * d;
+            }
+        } else {
+            const float mu = center[c];
+            const float* other = b + c * m;
+            for (u64 i = first; i < last; ++i) acc += row[i] * (other[i] - mu);
+        }
+        out[t] = acc;
+    }
+}
+
+// Batch-norm statistics in place, one thread per channel (CPU: cpu_layers::norm_stats).
+// saved = mean | sum of squared deviations (training) becomes mean | invstd, and running =
+// mean | var moves towards the batch; in evaluation saved becomes the running mean | invstd.
+extern "C" __global__ void norm_stats(float* saved, float* running, u64 channels, u64 count, int train, float eps,
+                                      float momentum) {
+    for (u64 c = GLOBAL_ID; c < channels; c += GRID_STRIDE) {
+        if (train) {
+            const float var = saved[channels + c] / (float)count;
+            const float unbiased = saved[channels + c] / (float)(count - 1);
+            saved[channels + c] = 1.0f / sqrtf(var + eps);
+            running[c] = (1.0f - momentum) * running[c] + momentum * saved[c];
+            running[channels + c] = (1.0f - momentum) * running[channels + c] + momentum * unbiased;
+        } else {
+            saved[c] = running[c];
+            saved[channels + c] = 1.0f / sqrtf(running[channels + c] + eps);
+        }
+    }
+}
+
+// y = (x - mean) * invstd * gamma + beta per channel (CPU: cpu_layers::norm_apply).
+extern "C" __global__ void norm_apply(float* y, const float* x, const float* saved, const float* affine,
+                                      u64 channels, u64 m) {
+    const u64 n = channels * m;
+    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
+        const u64 c = t / m;
+        y[t] = (x[t] - saved[c]) * saved[channels + c] * affine[c] + affine[channels + c];
+    }
+}
+
+// Batch-norm backward from sums = sum dy | sum dy (x - mean) (CPU: cpu_layers::norm_backward).
+// Threads below `channels` write the affine gradients; every thread of the value range writes
+// dx when dx is not null.
+extern "C" __global__ void norm_backward(float* dx, float* d_affine, const float* dy, const float* x,
+                                         const float* saved, const float* affine, const float* sums,
+                                         u64 channels, u64 m, u64 count, int accumulate, int accumulate_dx) {
+    const u64 n = dx == 0 ? channels : (channels * m > channels ? channels * m : channels);
+    const float inv_count = 1.0f / (float)count;
+    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
+        if (t < channels) {
+            const float dg = sums[channels + t] * saved[channels + t], db = sums[t];
+            d_affine[t] = accumulate ? d_affine[t] + dg : dg;
+            d_affine[channels + t] = accumulate ? d_affine[channels + t] + db : db;
+        }
+        if (dx != 0 && t < channels * m) {
+            const u64 c = t / m;
+            const float invstd = saved[channels + c];
+            const float mean_dy = sums[c] * inv_count, mean_dot = sums[channels + c] * inv_count;
+            const float xc = x[t] - saved[c];
+            const float d = affine[c] * invstd * (dy[t] - mean_dy - xc * invstd * invstd * mean_dot);
+            dx[t] = accumulate_dx ? dx[t] + d : d;
+        }
+    }
+}
+
 // ---- Half precision for NCCL's fp16/bf16 all-reduce (`--compress fp16|bf16`) ----
 //
 // Written with integer operations only, as transcriptions of the `half` crate's conversions

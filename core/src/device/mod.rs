@@ -5,6 +5,7 @@
 
 mod backend;
 mod cpu;
+mod cpu_layers;
 pub mod cuda;
 pub mod libs;
 pub mod nvrtc;
@@ -13,7 +14,7 @@ pub(crate) mod staging;
 use std::fmt;
 use std::str::FromStr;
 
-pub use backend::Backend;
+pub use backend::{Backend, ChannelSum, NormConfig, Window};
 pub use cpu::Cpu;
 pub use cuda::{Cuda, GpuView, GpuViewMut, HalfCast};
 

@@ -283,11 +283,7 @@ impl Communicator {
             }
         };
         let (comm_ms, exposed_ms) = comm_split(&spans, bwd_end);
-        Ok(Synced {
-            backward_ms: (bwd_end - t0).as_secs_f64() * 1e3,
-            comm_ms,
-            exposed_ms,
-        })
+        Ok(Synced { backward_ms: (bwd_end - t0).as_secs_f64() * 1e3, comm_ms, exposed_ms })
     }
 }
 

@@ -16,7 +16,7 @@ use gradsync_core::Engine;
 use gradsync_core::compress::Compression;
 use gradsync_core::device::Device;
 use gradsync_core::metrics::Step;
-use gradsync_core::mlp::BatchLoss;
+use gradsync_core::net::BatchLoss;
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 

@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
-use gradsync_core::mlp::BatchLoss;
+use gradsync_core::net::BatchLoss;
 use gradsync_core::trace::Trace;
 
 pub use ddp::{Backend, Ddp, DdpConfig};

@@ -14,7 +14,7 @@ use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::compress::{Compression, Half, Sparse, TopK};
 use gradsync_core::metrics::Step;
-use gradsync_core::mlp::BatchLoss;
+use gradsync_core::net::BatchLoss;
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 use gradsync_proto::SyncMode;

@@ -7,8 +7,8 @@
 use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
-use gradsync_core::mlp::BatchLoss;
 use gradsync_core::model::BucketPlan;
+use gradsync_core::net::BatchLoss;
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 

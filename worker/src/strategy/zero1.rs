@@ -32,8 +32,8 @@ use std::time::Instant;
 use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
-use gradsync_core::mlp::BatchLoss;
 use gradsync_core::model::segment;
+use gradsync_core::net::BatchLoss;
 use gradsync_core::optim::sgd_step;
 
 use super::shell::Shell;

@@ -1,0 +1,664 @@
+//! A network's forward, backward and update, written once over [`Backend`] for every model:
+//! the nodes of its compiled [`Graph`] run in order, then softmax cross-entropy averaged over
+//! the batch. Backward runs the nodes in reverse and writes each parameter's gradient into the
+//! flat gradient buffer; whenever a bucket of [`BucketPlan`] is complete it is handed to the
+//! caller, who may start communicating it while backward continues (the DDP overlap).
+//!
+//! Activations live in one buffer per slot of the graph (a ReLU works in place on its input's
+//! slot); gradients with respect to them in another per slot. A convolution is one GEMM over
+//! the whole batch on its column matrix ([`Backend::im2col`]), which backward builds again
+//! rather than keeping one per layer.
+
+use std::ops::Range;
+
+use crate::device::{Backend, ChannelSum, NormConfig, Window};
+use crate::error::{Error, Result};
+use crate::model::{BucketPlan, Graph, InputGrad, Layout, ModelSpec, Node, Op, init_buffers, init_params};
+use crate::optim::SgdConfig;
+
+/// Loss and accuracy of one batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BatchLoss {
+    /// Mean loss over the batch.
+    pub loss: f64,
+    /// Rows classified correctly.
+    pub correct: u64,
+    /// Rows in the batch.
+    pub rows: usize,
+}
+
+/// A network living on one device: parameters, gradients, momentum, running statistics and
+/// activations.
+pub struct Net<B: Backend> {
+    backend: B,
+    spec: ModelSpec,
+    graph: Graph,
+    params: B::Buf,
+    grads: B::Buf,
+    /// Allocated on the first update or momentum write: a strategy that keeps the optimiser
+    /// state elsewhere (ZeRO's shards) never pays for a full buffer.
+    momentum: Option<B::Buf>,
+    /// Batch-norm running statistics (the layout's buffers).
+    buffers: B::Buf,
+    /// Each batch norm's batch mean and inverse deviation, from forward for backward.
+    saved: B::Buf,
+    /// One buffer per activation slot; slot 0 is the batch as loaded.
+    acts: Vec<B::Buf>,
+    /// The loss gradient with respect to each slot that backward needs.
+    dacts: Vec<Option<B::Buf>>,
+    /// A convolution's column matrix (the largest any layer needs).
+    col: Option<B::Buf>,
+    /// Ones, for a convolution's bias (added and reduced as a rank-1 GEMM).
+    ones: Option<B::Buf>,
+    /// A batch norm's per-channel sums in backward.
+    sums: Option<B::Buf>,
+    labels: Option<B::Labels>,
+    norm: NormConfig,
+    /// Rows the activation buffers can hold; they grow on demand.
+    capacity: usize,
+    /// Rows of the batch the last forward pass ran over.
+    rows: usize,
+    /// Rows of the batch last loaded ([`Net::load_batch`]).
+    loaded: usize,
+    /// Training forward passes so far (PyTorch's `num_batches_tracked`).
+    batches: u64,
+}
+
+/// `(&v[read], &mut v[write])` for `read != write`.
+fn read_write<T>(v: &mut [T], read: usize, write: usize) -> (&T, &mut T) {
+    assert_ne!(read, write, "a node reads and writes one slot");
+    if read < write {
+        let (lo, hi) = v.split_at_mut(write);
+        (&lo[read], &mut hi[0])
+    } else {
+        let (lo, hi) = v.split_at_mut(read);
+        (&hi[0], &mut lo[write])
+    }
+}
+
+/// The gradient buffer handed out bucket by bucket while backward runs.
+struct Sink<'a, 'h, B: Backend + 'a> {
+    buckets: std::iter::Enumerate<std::vec::IntoIter<Range<usize>>>,
+    /// The part of the gradient buffer below the open bucket, not yet handed out.
+    rest: Option<B::ViewMut<'a>>,
+    open: Option<(usize, Range<usize>, B::ViewMut<'a>)>,
+    on_ready: &'h mut dyn FnMut(usize, Range<usize>, B::ViewMut<'a>),
+}
+
+impl<'a, B: Backend + 'a> Sink<'a, '_, B> {
+    /// Let `f` write the gradient of `range` (the next unit in backward order) into its
+    /// bucket; hand the bucket out once `range` was its last.
+    fn unit(&mut self, range: Range<usize>, f: impl FnOnce(B::ViewMut<'_>) -> Result<()>) -> Result<()> {
+        if self.open.as_ref().is_none_or(|(_, r, _)| range.start < r.start) {
+            let (i, r) = self
+                .buckets
+                .next()
+                .ok_or_else(|| Error::invalid("bucket plan", "does not cover the gradients"))?;
+            let whole = self.rest.take().ok_or_else(|| Error::invalid("bucket plan", "buckets overlap"))?;
+            let (below, bucket) = B::split_at(whole, r.start);
+            self.rest = Some(below);
+            self.open = Some((i, r, bucket));
+        }
+        let Some((_, br, view)) = self.open.as_mut() else { unreachable!("a bucket was just opened") };
+        if range.end > br.end || range.start < br.start {
+            return Err(Error::invalid("bucket plan", "a bucket splits a parameter tensor"));
+        }
+        f(B::sub(view, range.start - br.start..range.end - br.start))?;
+        if range.start == br.start {
+            let (i, r, v) = self.open.take().unwrap_or_else(|| unreachable!("the bucket is open"));
+            (self.on_ready)(i, r, v);
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> Net<B> {
+    /// A model of `spec` on `backend`, parameters initialised from `seed`.
+    pub fn new(backend: B, spec: ModelSpec, seed: u64) -> Result<Self> {
+        let graph = Graph::new(&spec)?;
+        let layout = &graph.layout;
+        let mut params = backend.zeros(layout.len)?;
+        backend.write(&mut params, 0, &init_params(layout, seed))?;
+        let grads = backend.zeros(layout.len)?;
+        let mut buffers = backend.zeros(layout.buffers_len)?;
+        backend.write(&mut buffers, 0, &init_buffers(layout))?;
+        let saved = backend.zeros(graph.saved_len)?;
+        Ok(Net {
+            backend,
+            spec,
+            graph,
+            params,
+            grads,
+            momentum: None,
+            buffers,
+            saved,
+            acts: Vec::new(),
+            dacts: Vec::new(),
+            col: None,
+            ones: None,
+            sums: None,
+            labels: None,
+            norm: NormConfig::DEFAULT,
+            capacity: 0,
+            rows: 0,
+            loaded: 0,
+            batches: 0,
+        })
+    }
+
+    /// The device.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The model.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// The flat layout.
+    pub fn layout(&self) -> &Layout {
+        &self.graph.layout
+    }
+
+    fn ensure_capacity(&mut self, rows: usize) -> Result<()> {
+        if rows <= self.capacity {
+            return Ok(());
+        }
+        let g = &self.graph;
+        self.acts = g.slots.iter().map(|&n| self.backend.zeros(rows * n)).collect::<Result<_>>()?;
+        self.dacts = g
+            .slots
+            .iter()
+            .zip(&g.slot_grads)
+            .map(|(&n, &needed)| needed.then(|| self.backend.zeros(rows * n)).transpose())
+            .collect::<Result<_>>()?;
+        let (mut col, mut ones, mut sums) = (0, 0, 0);
+        for node in &g.nodes {
+            match &node.op {
+                Op::Conv { window, bias, .. } => {
+                    let cols = rows * window.out_pixels();
+                    if !window.is_pointwise() {
+                        col = col.max(window.col_rows() * cols);
+                    }
+                    if bias.is_some() {
+                        ones = ones.max(cols);
+                    }
+                }
+                Op::Norm { channels, .. } => sums = sums.max(2 * channels),
+                _ => {}
+            }
+        }
+        self.col = (col > 0).then(|| self.backend.zeros(col)).transpose()?;
+        self.sums = (sums > 0).then(|| self.backend.zeros(sums)).transpose()?;
+        self.ones = None;
+        if ones > 0 {
+            let mut buf = self.backend.zeros(ones)?;
+            self.backend.write(&mut buf, 0, &vec![1.0; ones])?;
+            self.ones = Some(buf);
+        }
+        self.capacity = rows;
+        Ok(())
+    }
+
+    /// Forward pass over `x` (`rows x input`, row-major; an image sample as NCHW) with
+    /// `labels`; when `train` is set the loss gradient is left ready for [`Net::backward`] and
+    /// batch norms use (and update) the batch's statistics. [`Net::load_batch`], then
+    /// [`Net::forward_loaded`].
+    pub fn forward(&mut self, x: &[f32], labels: &[u32], train: bool) -> Result<BatchLoss> {
+        self.load_batch(x, labels)?;
+        self.forward_loaded(train)
+    }
+
+    /// Copy a batch, `x` (`rows x input`, row-major) and its `labels`, to the device, where the
+    /// next forward passes read it.
+    pub fn load_batch(&mut self, x: &[f32], labels: &[u32]) -> Result<()> {
+        let input = self.spec.input();
+        if x.len() != labels.len() * input || labels.is_empty() {
+            return Err(Error::Length { what: "batch inputs", expected: labels.len() * input, got: x.len() });
+        }
+        let classes = self.spec.classes() as u32;
+        if let Some(&bad) = labels.iter().find(|&&y| y >= classes) {
+            return Err(Error::invalid("label", format!("{bad} is not below the model's {classes} classes")));
+        }
+        let rows = labels.len();
+        self.ensure_capacity(rows)?;
+        self.loaded = 0;
+        self.backend.write(&mut self.acts[0], 0, x)?;
+        self.backend.write_labels(&mut self.labels, labels)?;
+        self.loaded = rows;
+        Ok(())
+    }
+
+    /// Forward pass over the batch last loaded ([`Net::load_batch`]); when `train` is set the
+    /// loss gradient is left ready for [`Net::backward`].
+    pub fn forward_loaded(&mut self, train: bool) -> Result<BatchLoss> {
+        let rows = self.loaded;
+        if rows == 0 {
+            return Err(Error::invalid("forward", "no batch loaded"));
+        }
+        self.rows = rows;
+        self.batches += u64::from(train);
+        for i in 0..self.graph.nodes.len() {
+            self.forward_node(i, rows, train)?;
+        }
+        let last = self.graph.nodes.last().map_or(0, |n| n.output);
+        let cols = self.spec.classes();
+        let labels = self.labels.as_ref().ok_or_else(|| Error::invalid("labels", "none uploaded"))?;
+        let dlogits = match &mut self.dacts[last] {
+            Some(d) if train => Some(B::view_mut(d, 0..rows * cols)),
+            _ => None,
+        };
+        let (loss, correct) = self.backend.softmax_xent(
+            B::view(&self.acts[last], 0..rows * cols),
+            labels,
+            dlogits,
+            rows,
+            cols,
+            1.0 / rows as f32,
+        )?;
+        Ok(BatchLoss { loss: loss / rows as f64, correct, rows })
+    }
+
+    fn forward_node(&mut self, i: usize, n: usize, train: bool) -> Result<()> {
+        let Net { backend, graph, params, buffers, saved, acts, col, ones, norm, .. } = self;
+        let node = &graph.nodes[i];
+        let size = |slot: usize| n * graph.slots[slot];
+        if node.op == Op::Relu {
+            return backend.relu(B::view_mut(&mut acts[node.output], 0..size(node.output)));
+        }
+        let (input, output) = (node.input, node.output);
+        let (xbuf, ybuf) = read_write(acts, input, output);
+        let x = B::view(xbuf, 0..size(input));
+        let ylen = size(output);
+        macro_rules! y {
+            () => {
+                B::view_mut(ybuf, 0..ylen)
+            };
+        }
+        match &node.op {
+            Op::ToChannels { channels, pixels } => backend.swap_axes(y!(), x, n, *channels, *pixels, false),
+            Op::Linear { fan_in, fan_out, weight, bias, relu } => {
+                let w = B::view(params, weight.clone());
+                backend.gemm(n, *fan_out, *fan_in, x, false, w, true, y!(), false)?;
+                backend.bias_act(y!(), B::view(params, bias.clone()), n, *fan_out, *relu)
+            }
+            Op::Conv { window, out, weight, bias } => {
+                let cols = n * window.out_pixels();
+                let w = B::view(params, weight.clone());
+                let colv = if window.is_pointwise() {
+                    x
+                } else {
+                    let c = col.as_mut().ok_or_else(|| Error::invalid("convolution", "no column buffer"))?;
+                    backend.im2col(B::view_mut(c, 0..window.col_rows() * cols), x, window, n)?;
+                    B::view(c, 0..window.col_rows() * cols)
+                };
+                backend.gemm(*out, cols, window.col_rows(), w, false, colv, false, y!(), false)?;
+                if let Some(b) = bias {
+                    let ones =
+                        ones.as_ref().ok_or_else(|| Error::invalid("convolution", "no ones buffer"))?;
+                    let (b, o) = (B::view(params, b.clone()), B::view(ones, 0..cols));
+                    backend.gemm(*out, cols, 1, b, false, o, false, y!(), true)?;
+                }
+                Ok(())
+            }
+            Op::Norm { channels, pixels, params: affine, buffers: running, saved: stats } => {
+                let (c, m) = (*channels, n * *pixels);
+                if train {
+                    let mut sv = B::view_mut(saved, stats.clone());
+                    let (mut mean, mut dev) = B::split_at(B::sub(&mut sv, 0..2 * c), c);
+                    backend.channel_sums(B::sub(&mut mean, 0..c), x, ChannelSum::Plain, c, m)?;
+                    backend.scale(B::sub(&mut mean, 0..c), 1.0 / m as f32)?;
+                    let center = B::as_view(&mean);
+                    backend.channel_sums(
+                        B::sub(&mut dev, 0..c),
+                        x,
+                        ChannelSum::SquaredDeviation { center },
+                        c,
+                        m,
+                    )?;
+                }
+                backend.norm_stats(
+                    B::view_mut(saved, stats.clone()),
+                    B::view_mut(buffers, running.clone()),
+                    c,
+                    m,
+                    train,
+                    norm,
+                )?;
+                backend.norm_apply(
+                    y!(),
+                    x,
+                    B::view(saved, stats.clone()),
+                    B::view(params, affine.clone()),
+                    c,
+                    m,
+                )
+            }
+            Op::MaxPool { window } => {
+                let planes = Window { channels: window.channels * n, ..*window };
+                backend.max_pool(y!(), x, &planes)
+            }
+            Op::AvgPool { channels, pixels } => backend.avg_pool(y!(), x, *channels, n, *pixels),
+            Op::Flatten { channels, pixels } => backend.swap_axes(y!(), x, *channels, n, *pixels, false),
+            Op::Add { other, .. } => {
+                backend.add_into(y!(), x, false)?;
+                let (obuf, ybuf) = read_write(acts, *other, output);
+                backend.add_into(B::view_mut(ybuf, 0..size(output)), B::view(obuf, 0..size(*other)), true)
+            }
+            Op::Relu => unreachable!("handled above"),
+        }
+    }
+
+    /// Backward pass for the batch of the last training [`Net::forward`]. Gradients overwrite
+    /// the gradient buffer, or add to it when `accumulate`. Each bucket of `plan` is handed to
+    /// `on_ready(index, range, view)` as soon as its last gradient is written; the view stays
+    /// valid for the whole borrow of `self`, so another thread may reduce it meanwhile.
+    pub fn backward<'a>(
+        &'a mut self,
+        plan: &BucketPlan,
+        accumulate: bool,
+        on_ready: &mut dyn FnMut(usize, Range<usize>, B::ViewMut<'a>),
+    ) -> Result<()> {
+        let rows = self.rows;
+        if rows == 0 {
+            return Err(Error::invalid("backward", "no forward pass to differentiate"));
+        }
+        let Net { backend, graph, params, grads, saved, acts, dacts, col, ones, sums, .. } = self;
+        let mut sink: Sink<'a, '_, B> = Sink {
+            buckets: plan.buckets.clone().into_iter().enumerate(),
+            rest: Some(B::view_mut(grads, 0..graph.layout.len)),
+            open: None,
+            on_ready,
+        };
+        let mut parts = Parts { backend, graph, params, saved, acts, col, ones, sums, rows, accumulate };
+        for node in graph.nodes.iter().rev() {
+            parts.backward_node(node, dacts, &mut sink)?;
+        }
+        Ok(())
+    }
+
+    /// One optimiser step from the gradient buffer, scaled by `grad_scale`.
+    pub fn update(&mut self, cfg: &SgdConfig, grad_scale: f32) -> Result<()> {
+        let n = self.graph.layout.len;
+        if self.momentum.is_none() {
+            self.momentum = Some(self.backend.zeros(n)?);
+        }
+        let Net { backend, params, grads, momentum: Some(momentum), .. } = self else {
+            unreachable!("the momentum was just allocated")
+        };
+        backend.sgd(
+            cfg,
+            B::view_mut(params, 0..n),
+            B::view(grads, 0..n),
+            B::view_mut(momentum, 0..n),
+            grad_scale,
+        )
+    }
+
+    /// Multiply every gradient by `factor`.
+    pub fn scale_grads(&mut self, factor: f32) -> Result<()> {
+        let n = self.graph.layout.len;
+        self.backend.scale(B::view_mut(&mut self.grads, 0..n), factor)
+    }
+
+    /// The parameters (`range`) copied to host memory.
+    pub fn read_params(&self, range: Range<usize>, dst: &mut [f32]) -> Result<()> {
+        self.backend.read(&self.params, range, dst)
+    }
+
+    /// Overwrite parameters from host memory starting at `offset`.
+    pub fn write_params(&mut self, offset: usize, src: &[f32]) -> Result<()> {
+        self.check_range("parameters", offset, src.len())?;
+        self.backend.write(&mut self.params, offset, src)
+    }
+
+    /// The gradients (`range`) copied to host memory.
+    pub fn read_grads(&self, range: Range<usize>, dst: &mut [f32]) -> Result<()> {
+        self.backend.read(&self.grads, range, dst)
+    }
+
+    /// Overwrite gradients from host memory starting at `offset`.
+    pub fn write_grads(&mut self, offset: usize, src: &[f32]) -> Result<()> {
+        self.check_range("gradients", offset, src.len())?;
+        self.backend.write(&mut self.grads, offset, src)
+    }
+
+    /// The running statistics (the layout's buffers) copied to host memory.
+    pub fn read_buffers(&self, dst: &mut [f32]) -> Result<()> {
+        let n = self.graph.layout.buffers_len;
+        if dst.len() != n {
+            return Err(Error::Length { what: "buffers", expected: n, got: dst.len() });
+        }
+        self.backend.read(&self.buffers, 0..n, dst)
+    }
+
+    /// Training forward passes so far: each batch norm's `num_batches_tracked`.
+    pub fn batches_tracked(&self) -> u64 {
+        self.batches
+    }
+
+    /// Overwrite the running statistics from host memory.
+    pub fn write_buffers(&mut self, src: &[f32]) -> Result<()> {
+        let n = self.graph.layout.buffers_len;
+        if src.len() != n {
+            return Err(Error::Length { what: "buffers", expected: n, got: src.len() });
+        }
+        self.backend.write(&mut self.buffers, 0, src)
+    }
+
+    /// The momentum buffer copied to host memory (checkpoints); zeros, PyTorch's starting
+    /// state, while none has been allocated.
+    pub fn read_momentum(&self, dst: &mut [f32]) -> Result<()> {
+        let n = self.graph.layout.len;
+        match &self.momentum {
+            Some(m) => self.backend.read(m, 0..n, dst),
+            None if dst.len() == n => {
+                dst.fill(0.0);
+                Ok(())
+            }
+            None => Err(Error::Length { what: "momentum", expected: n, got: dst.len() }),
+        }
+    }
+
+    /// Overwrite the momentum buffer (checkpoints), allocating it if needed.
+    pub fn write_momentum(&mut self, src: &[f32]) -> Result<()> {
+        self.check_range("momentum", 0, src.len())?;
+        let m = match &mut self.momentum {
+            Some(m) => m,
+            None => self.momentum.insert(self.backend.zeros(self.graph.layout.len)?),
+        };
+        self.backend.write(m, 0, src)
+    }
+
+    /// Free the momentum buffer: a strategy that has taken the optimiser state into its own
+    /// keeping (ZeRO's shards). A later update starts again from zero momentum.
+    pub fn release_momentum(&mut self) {
+        self.momentum = None;
+    }
+
+    /// Bytes of optimiser state this model holds (the momentum buffer, once allocated).
+    pub fn optimizer_state_bytes(&self) -> usize {
+        self.momentum.as_ref().map_or(0, |_| self.graph.layout.len * size_of::<f32>())
+    }
+
+    /// The parameters and gradients as host slices, on a device whose buffers live in host
+    /// memory: strategies that update and exchange slices of them in place (ZeRO).
+    pub fn host_buffers_mut(&mut self) -> (&mut [f32], &mut [f32])
+    where
+        B::Buf: AsMut<[f32]>,
+    {
+        (self.params.as_mut(), self.grads.as_mut())
+    }
+
+    /// Exchange the gradient buffer with `other`, which must be as long, on a device whose
+    /// buffers are host vectors: lends the gradient out whole without copying it (a push sends
+    /// it from where it lies) and takes it back the same way.
+    pub fn swap_grads(&mut self, other: &mut Vec<f32>) -> Result<()>
+    where
+        B: Backend<Buf = Vec<f32>>,
+    {
+        let n = self.graph.layout.len;
+        if other.len() != n {
+            return Err(Error::Length { what: "gradient buffer", expected: n, got: other.len() });
+        }
+        std::mem::swap(&mut self.grads, other);
+        Ok(())
+    }
+
+    /// Exclusive access to the device buffers of the parameters and gradients, for collectives
+    /// that work on device memory directly (NCCL).
+    pub fn buffers_mut(&mut self) -> (&mut B::Buf, &mut B::Buf) {
+        (&mut self.params, &mut self.grads)
+    }
+
+    fn check_range(&self, what: &'static str, offset: usize, len: usize) -> Result<()> {
+        let n = self.graph.layout.len;
+        if offset + len > n {
+            return Err(Error::Length { what, expected: n - offset.min(n), got: len });
+        }
+        Ok(())
+    }
+}
+
+/// What backward reads besides the activation gradients and the gradient buffer.
+struct Parts<'p, B: Backend> {
+    backend: &'p B,
+    graph: &'p Graph,
+    params: &'p B::Buf,
+    saved: &'p B::Buf,
+    acts: &'p [B::Buf],
+    col: &'p mut Option<B::Buf>,
+    ones: &'p Option<B::Buf>,
+    sums: &'p mut Option<B::Buf>,
+    rows: usize,
+    /// Add parameter gradients to the buffer rather than overwrite it.
+    accumulate: bool,
+}
+
+impl<B: Backend> Parts<'_, B> {
+    fn backward_node<'a>(
+        &mut self,
+        node: &Node,
+        dacts: &mut [Option<B::Buf>],
+        sink: &mut Sink<'a, '_, B>,
+    ) -> Result<()> {
+        let (n, acc, backend) = (self.rows, self.accumulate, self.backend);
+        let (acts, graph, params, saved) = (self.acts, self.graph, self.params, self.saved);
+        let size = |slot: usize| n * graph.slots[slot];
+        let act = |slot: usize| B::view(&acts[slot], 0..size(slot));
+        let missing = || Error::invalid("backward", "an activation gradient was not allocated");
+        match &node.op {
+            Op::ToChannels { .. } => return Ok(()),
+            Op::Relu | Op::Linear { relu: true, .. } => {
+                // dz = dy where the output is positive, in place (a fused ReLU first).
+                let d = dacts[node.output].as_mut().ok_or_else(missing)?;
+                backend.relu_backward(B::view_mut(d, 0..size(node.output)), act(node.output))?;
+                if node.op == Op::Relu {
+                    return Ok(());
+                }
+            }
+            Op::Add { other, other_grad } => {
+                for (slot, how) in [(node.input, node.input_grad), (*other, *other_grad)] {
+                    if how != InputGrad::Skip {
+                        let (dybuf, dbuf) = read_write(dacts, node.output, slot);
+                        let dy = B::view(dybuf.as_ref().ok_or_else(missing)?, 0..size(node.output));
+                        let d = B::view_mut(dbuf.as_mut().ok_or_else(missing)?, 0..size(slot));
+                        backend.add_into(d, dy, how.accumulate())?;
+                    }
+                }
+                return Ok(());
+            }
+            _ => {}
+        }
+        let (dybuf, dxbuf) = read_write(dacts, node.output, node.input);
+        let dy = B::view(dybuf.as_ref().ok_or_else(missing)?, 0..size(node.output));
+        let want_dx = node.input_grad != InputGrad::Skip;
+        let acc_dx = node.input_grad.accumulate();
+        macro_rules! dx {
+            () => {
+                B::view_mut(dxbuf.as_mut().ok_or_else(missing)?, 0..size(node.input))
+            };
+        }
+        let x = act(node.input);
+        match &node.op {
+            Op::Linear { fan_in, fan_out, weight, bias, .. } => {
+                sink.unit(bias.clone(), |t| backend.bias_grad(t, dy, n, *fan_out, acc))?;
+                sink.unit(weight.clone(), |t| {
+                    backend.gemm(*fan_out, *fan_in, n, dy, true, x, false, t, acc)
+                })?;
+                if want_dx {
+                    // dX = dZ W.
+                    let w = B::view(params, weight.clone());
+                    backend.gemm(n, *fan_in, *fan_out, dy, false, w, false, dx!(), acc_dx)?;
+                }
+                Ok(())
+            }
+            Op::Conv { window, out, weight, bias } => {
+                let cols = n * window.out_pixels();
+                let k = window.col_rows();
+                if let Some(b) = bias {
+                    let ones =
+                        self.ones.as_ref().ok_or_else(|| Error::invalid("convolution", "no ones buffer"))?;
+                    let o = B::view(ones, 0..cols);
+                    sink.unit(b.clone(), |t| backend.gemm(*out, 1, cols, dy, false, o, false, t, acc))?;
+                }
+                let w = B::view(params, weight.clone());
+                if window.is_pointwise() {
+                    sink.unit(weight.clone(), |t| backend.gemm(*out, k, cols, dy, false, x, true, t, acc))?;
+                    if want_dx {
+                        backend.gemm(k, cols, *out, w, true, dy, false, dx!(), acc_dx)?;
+                    }
+                    return Ok(());
+                }
+                // The column matrix again (forward's was overwritten by later layers), then the
+                // columns' gradient in its place.
+                let c = self.col.as_mut().ok_or_else(|| Error::invalid("convolution", "no column buffer"))?;
+                backend.im2col(B::view_mut(c, 0..k * cols), x, window, n)?;
+                let colv = B::view(c, 0..k * cols);
+                sink.unit(weight.clone(), |t| backend.gemm(*out, k, cols, dy, false, colv, true, t, acc))?;
+                if want_dx {
+                    backend.gemm(k, cols, *out, w, true, dy, false, B::view_mut(c, 0..k * cols), false)?;
+                    backend.col2im(dx!(), B::view(c, 0..k * cols), window, n, acc_dx)?;
+                }
+                Ok(())
+            }
+            Op::Norm { channels, pixels, params: affine, saved: stats, .. } => {
+                let (c, m) = (*channels, n * *pixels);
+                let sums =
+                    self.sums.as_mut().ok_or_else(|| Error::invalid("batch norm", "no sums buffer"))?;
+                {
+                    let mut s = B::view_mut(sums, 0..2 * c);
+                    let (mut sdy, mut sdot) = B::split_at(B::sub(&mut s, 0..2 * c), c);
+                    backend.channel_sums(B::sub(&mut sdy, 0..c), dy, ChannelSum::Plain, c, m)?;
+                    let center = B::view(saved, stats.start..stats.start + c);
+                    backend.channel_sums(
+                        B::sub(&mut sdot, 0..c),
+                        dy,
+                        ChannelSum::Dot { b: x, center },
+                        c,
+                        m,
+                    )?;
+                }
+                let (sums, sv) = (B::view(sums, 0..2 * c), B::view(saved, stats.clone()));
+                let gamma = B::view(params, affine.clone());
+                let dxv = if want_dx { Some(dx!()) } else { None };
+                sink.unit(affine.clone(), |t| {
+                    backend.norm_backward(dxv, t, dy, x, sv, gamma, sums, c, m, m, acc, acc_dx)
+                })
+            }
+            Op::MaxPool { window } if want_dx => {
+                let planes = Window { channels: window.channels * n, ..*window };
+                backend.max_pool_backward(dx!(), dy, x, &planes, acc_dx)
+            }
+            Op::AvgPool { channels, pixels } if want_dx => {
+                backend.avg_pool_backward(dx!(), dy, *channels, n, *pixels, acc_dx)
+            }
+            Op::Flatten { channels, pixels } if want_dx => {
+                backend.swap_axes(dx!(), dy, n, *channels, *pixels, acc_dx)
+            }
+            Op::MaxPool { .. } | Op::AvgPool { .. } | Op::Flatten { .. } => Ok(()),
+            Op::ToChannels { .. } | Op::Relu | Op::Add { .. } => unreachable!("handled above"),
+        }
+    }
+}
