@@ -100,8 +100,14 @@ pub fn time_gradsync(
     warmup: usize,
     steps: usize,
 ) -> anyhow::Result<StepFigure> {
-    let data =
-        SyntheticConfig { train: batch, test: 1, dim: spec.input(), classes: spec.classes() }.generate(1);
+    let data = SyntheticConfig {
+        train: batch,
+        test: 1,
+        dim: spec.input(),
+        input: gradsync_core::model::Input::Flat(spec.input()),
+        classes: spec.classes(),
+    }
+    .generate(1);
     let mut engine = Engine::new(device, spec.clone(), 1)?;
     let sgd = SgdConfig::default();
     let (mut input, mut f, mut b, mut u, mut total) = (vec![], vec![], vec![], vec![], vec![]);

@@ -31,6 +31,42 @@ pub const CONV_PRESETS: &[(&str, &str)] = &[
     ("cnn8", "a small conv net for the built-in 8x8 digits: 2 convolutions, a max-pool, 2 linear layers"),
 ];
 
+/// `--model`'s long help: what a model is, then every preset with its parameters, tensors and
+/// forward FLOPs per sample at its default input (3x32x32 or 1x8x8 images, 10 classes).
+pub fn presets_help() -> String {
+    let mut out = String::from(
+        "Model: a preset below, or MLP widths such as 784-256-10. Input and classes are fitted to --data \
+         (a conv net needs image data: digits, cifar10:DIR, mnist:DIR or synthetic:N:CxHxW:K).\n",
+    );
+    let names = PRESETS.iter().map(|(n, _)| *n).chain(CONV_PRESETS.iter().map(|(n, _)| *n));
+    for name in names {
+        let Ok(spec) = ModelSpec::parse(name) else { continue };
+        let layout = Layout::new(&spec);
+        let what = CONV_PRESETS.iter().find(|(n, _)| *n == name).map_or("an MLP", |(_, d)| *d);
+        out.push_str(&format!(
+            "\n  {name:<9} {:>10} parameters in {:>2} tensors, {:>8.2} MFLOP/sample forward at {}: {what}",
+            grouped(layout.len),
+            layout.params.len(),
+            layout.forward_flops_per_sample() / 1e6,
+            spec.input,
+        ));
+    }
+    out
+}
+
+/// `1234567` as `1,234,567`.
+fn grouped(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// One sample's input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Input {
@@ -982,6 +1018,42 @@ mod tests {
         assert!(ModelSpec::parse("nope").unwrap_err().to_string().contains("unknown preset 'nope'"));
         assert!(ModelSpec::parse("10-0-3").is_err());
         assert_eq!(ModelSpec::parse("10-5-3").unwrap().widths_str(), "10-5-3");
+    }
+
+    /// Parameter and tensor counts as PyTorch's modules of `bench/pytorch/models.py` report
+    /// them (`reference.py --describe`), and a conv net refusing flat data by name.
+    #[test]
+    fn conv_presets_have_pytorchs_sizes() {
+        let image = |c, side| Input::Image { channels: c, height: side, width: side };
+        for (name, input, params, tensors, buffers) in [
+            ("resnet20", image(3, 32), 272_474, 65, 2 * 21),
+            ("resnet20", image(1, 8), 272_186, 65, 2 * 21),
+            ("resnet18", image(3, 32), 11_173_962, 62, 2 * 20),
+            ("vgg11", image(3, 32), 28_149_514, 38, 2 * 8),
+            ("vgg11", image(3, 8), 28_149_514, 38, 2 * 8),
+            ("cnn8", image(1, 8), 151_402, 10, 2 * 2),
+            ("cnn8", image(3, 32), 2_118_058, 10, 2 * 2),
+        ] {
+            let spec = ModelSpec::parse(name).unwrap().fit(input, 10).unwrap();
+            let l = Layout::new(&spec);
+            assert_eq!(
+                (l.len, l.params.len(), l.buffers.len()),
+                (params, tensors, buffers),
+                "{name} at {input}"
+            );
+            let order = l.backward_order();
+            assert_eq!(order.first().map(|r| r.end), Some(l.len), "{name}: backward starts at the top");
+            assert!(order.windows(2).all(|w| w[0].start == w[1].end), "{name}: backward order is contiguous");
+        }
+        let err = ModelSpec::parse("resnet20").unwrap().fit(Input::Flat(64), 10).unwrap_err().to_string();
+        assert!(err.contains("resnet20") && err.contains("flat (64 values"), "{err}");
+        let names: Vec<String> = Layout::new(&ModelSpec::parse("resnet20").unwrap())
+            .params
+            .iter()
+            .take(4)
+            .map(|t| t.name.clone())
+            .collect();
+        assert_eq!(names, ["conv1.weight", "bn1.weight", "bn1.bias", "layer1.0.conv1.weight"]);
     }
 
     #[test]

@@ -12,7 +12,14 @@ use gradsync_core::optim::SgdConfig;
 
 fn train(threads: usize, steps: usize) -> Vec<f32> {
     let spec = ModelSpec::parse("64-128-64-10").unwrap();
-    let data = SyntheticConfig { train: 256, test: 16, dim: 64, classes: 10 }.generate(4);
+    let data = SyntheticConfig {
+        train: 256,
+        test: 16,
+        dim: 64,
+        input: gradsync_core::model::Input::Flat(64),
+        classes: 10,
+    }
+    .generate(4);
     let mut e = Engine::new(Device::Cpu { threads }, spec, 4).unwrap();
     for s in 0..steps {
         let rows = 32;
@@ -37,7 +44,14 @@ fn bit_identical_runs() {
 #[test]
 fn buckets_can_be_reduced_concurrently_with_backward() {
     let spec = ModelSpec::parse("tiny").unwrap();
-    let data = SyntheticConfig { train: 16, test: 16, dim: 32, classes: 8 }.generate(1);
+    let data = SyntheticConfig {
+        train: 16,
+        test: 16,
+        dim: 32,
+        input: gradsync_core::model::Input::Flat(32),
+        classes: 8,
+    }
+    .generate(1);
     let mut mlp = Net::new(Cpu::new(1).unwrap(), spec, 3).unwrap();
     mlp.forward(&data.train.x, &data.train.y, true).unwrap();
     let plan = BucketPlan::with_cap(mlp.layout(), 300);
@@ -86,7 +100,14 @@ fn the_mlp_preset_trains_to_the_recorded_bits() {
     assert_eq!(bits_hash(&train(1, 12)), RECORDED[0], "64-128-64-10, 1 thread");
     assert_eq!(bits_hash(&train(2, 12)), RECORDED[0], "64-128-64-10, 2 threads");
     let spec = ModelSpec::parse("tiny").unwrap();
-    let data = SyntheticConfig { train: 64, test: 16, dim: 32, classes: 8 }.generate(9);
+    let data = SyntheticConfig {
+        train: 64,
+        test: 16,
+        dim: 32,
+        input: gradsync_core::model::Input::Flat(32),
+        classes: 8,
+    }
+    .generate(9);
     let mut e = Engine::new(Device::Cpu { threads: 2 }, spec, 9).unwrap();
     let plan = BucketPlan::with_cap(e.layout(), 500);
     let cfg = SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 1e-3 };

@@ -199,7 +199,14 @@ fn cpu_and_gpu_agree_on_conv_nets() -> Result<()> {
 
 /// A short local training run on `device`: the loss must fall.
 fn loss_falls(device: Device) -> Result<()> {
-    let data = SyntheticConfig { train: 1024, test: 64, dim: 256, classes: 8 }.generate(5);
+    let data = SyntheticConfig {
+        train: 1024,
+        test: 64,
+        dim: 256,
+        input: gradsync_core::model::Input::Flat(256),
+        classes: 8,
+    }
+    .generate(5);
     let spec = ModelSpec::parse("tiny")?.with_io(data.dim, data.classes);
     let mut engine = Engine::new(device, spec, 11)?;
     assert_eq!(engine.gpu_name().is_some(), device.is_cuda());

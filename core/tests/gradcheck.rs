@@ -21,11 +21,6 @@ fn batch(dim: usize, classes: usize, rows: usize, seed: u64) -> (Vec<f32>, Vec<u
     (x, y)
 }
 
-fn loss_at(engine: &mut Engine, params: &[f32], x: &[f32], y: &[u32]) -> f64 {
-    engine.write_params(0, params).unwrap();
-    engine.forward(x, y, false).unwrap().loss
-}
-
 #[test]
 fn every_layer_matches_finite_differences() {
     check_every_tensor(&ModelSpec::parse("6-9-7-4").unwrap(), 5);

@@ -138,7 +138,12 @@ fn check_against_pytorch(python: &Path, spec: &ModelSpec, rows: usize) {
     }
     let their_losses = get("losses").to_f32();
     let trajectory = || {
-        losses.iter().zip(&their_losses).map(|(a, b)| format!("{a:.3e}/{b:.3e}")).collect::<Vec<_>>().join(" ")
+        losses
+            .iter()
+            .zip(&their_losses)
+            .map(|(a, b)| format!("{a:.3e}/{b:.3e}"))
+            .collect::<Vec<_>>()
+            .join(" ")
     };
     let ours = engine.state_dict().unwrap();
     let mut worst = (0.0, String::new());

@@ -111,9 +111,10 @@ pub struct ServerArgs {
     /// This process's shard of the flat buffer, I/K.
     #[arg(long = flag::SHARD, default_value = "0/1")]
     pub shard: ShardSpec,
-    /// Model: a preset (tiny, mnist, wide) or widths; input and class widths are fitted to
-    /// --data exactly as the workers fit them.
-    #[arg(long = flag::MODEL, default_value = "mnist", value_parser = parse_model)]
+    /// Model: a preset (tiny, mnist, wide, resnet20, resnet18, vgg11, cnn8) or MLP widths; fitted
+    /// to --data exactly as the workers fit it.
+    #[arg(long = flag::MODEL, default_value = "mnist", value_parser = parse_model,
+          long_help = gradsync_core::model::presets_help())]
     pub model: ModelSpec,
     /// The workers' --data (only its input width and classes matter here).
     #[arg(long = flag::DATA, value_parser = parse_data)]
@@ -271,10 +272,10 @@ impl Config {
                 // Loading is the one way to learn a data directory's widths exactly as the
                 // workers will.
                 let d = src.load(a.seed)?;
-                (a.model.clone().with_io(d.dim, d.classes), src.to_string())
+                (a.model.fit(d.input, d.classes)?, src.to_string())
             }
             None => {
-                (a.model.clone(), DataSource::synthetic_for(a.model.input(), a.model.classes()).to_string())
+                (a.model.clone(), DataSource::synthetic_for(a.model.input, a.model.classes()).to_string())
             }
         };
         // Bounded above too: `Duration` cannot hold every float.

@@ -158,13 +158,14 @@ pub struct TrainArgs {
     /// CPU threads per process (0: one per core).
     #[arg(long = flag::THREADS, default_value_t = 0, env = "GRADSYNC_THREADS")]
     pub threads: usize,
-    /// Model: a preset (tiny, mnist, wide) or widths such as 784-256-10. Input and class widths
-    /// are fitted to the data.
-    #[arg(long = flag::MODEL, default_value = "mnist", value_parser = parse_model)]
+    /// Model: a preset (tiny, mnist, wide, resnet20, resnet18, vgg11, cnn8) or MLP widths such as
+    /// 784-256-10, fitted to the data.
+    #[arg(long = flag::MODEL, default_value = "mnist", value_parser = parse_model,
+          long_help = gradsync_core::model::presets_help())]
     pub model: ModelSpec,
-    /// Data: digits (the built-in UCI handwritten digits), synthetic[:N[:DIM:CLASSES]],
-    /// mnist:DIR or cifar10:DIR. Without it, synthetic data fitted to the model's width and
-    /// classes.
+    /// Data: digits (the built-in UCI handwritten digits, 1x8x8 images), synthetic[:N[:DIM:CLASSES]],
+    /// synthetic:N:CxHxW:CLASSES (images), mnist:DIR or cifar10:DIR. Without it, synthetic data
+    /// shaped as the model's input.
     #[arg(long = flag::DATA, value_parser = parse_data)]
     pub data: Option<DataSource>,
     /// Samples per step per worker (per replica in DP mode).

@@ -128,7 +128,7 @@ impl Run {
         let source = args
             .data
             .clone()
-            .unwrap_or_else(|| DataSource::synthetic_for(args.model.input(), args.model.classes()));
+            .unwrap_or_else(|| DataSource::synthetic_for(args.model.input, args.model.classes()));
         let mut device = Device::resolve(args.device, args.threads).context("--device")?;
         if args.device == DeviceRequest::Auto && device.is_cuda() {
             // One GPU per rank on a node, as torchrun users expect: --device auto means
@@ -138,7 +138,7 @@ impl Run {
                 .with_context(|| format!("--device auto with LOCAL_RANK {local}"))?;
         }
         let data = source.load(args.seed).with_context(|| format!("--data {source}"))?;
-        let model = args.model.clone().with_io(data.dim, data.classes);
+        let model = args.model.fit(data.input, data.classes).context("--model")?;
         // One metrics and trace file per process: `{rank}` in a path becomes this rank, so one
         // launcher command line serves every child.
         let per_rank = |path: &Option<PathBuf>| match path.as_ref().and_then(|p| p.to_str()) {

@@ -20,7 +20,14 @@ pub fn load(dir: &Path) -> Result<Dataset> {
     }
     let mut test = Split { x: Vec::new(), y: Vec::new() };
     append(&dir.join("test_batch.bin"), &mut test)?;
-    Ok(Dataset { name: "cifar10".into(), dim: RECORD - 1, classes: 10, train, test })
+    Ok(Dataset {
+        name: "cifar10".into(),
+        dim: RECORD - 1,
+        input: crate::model::Input::Image { channels: 3, height: 32, width: 32 },
+        classes: 10,
+        train,
+        test,
+    })
 }
 
 fn append(path: &Path, split: &mut Split) -> Result<()> {

@@ -29,7 +29,14 @@ pub fn load() -> Result<Dataset> {
         .read_to_string(&mut text)
         .map_err(|e| Error::invalid("data", format!("the embedded digits file does not decode: {e}")))?;
     let (train, test) = parse(&text)?;
-    Ok(Dataset { name: "digits".into(), dim: DIM, classes: CLASSES, train, test })
+    Ok(Dataset {
+        name: "digits".into(),
+        dim: DIM,
+        input: crate::model::Input::Image { channels: 1, height: 8, width: 8 },
+        classes: CLASSES,
+        train,
+        test,
+    })
 }
 
 /// Parse the CSV (64 pixels and a label per line) into the fixed split, normalised.

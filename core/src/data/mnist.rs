@@ -16,15 +16,26 @@ const STD: f32 = 0.3081;
 /// Load `train-*` and `t10k-*` from `dir`.
 pub fn load(dir: &Path) -> Result<Dataset> {
     require_dir(dir)?;
-    let (train, dim) = split(dir, "train")?;
-    let (test, tdim) = split(dir, "t10k")?;
-    if dim != tdim {
-        return Err(Error::file(dir, format!("training images are {dim} pixels but test images are {tdim}")));
+    let (train, (height, width)) = split(dir, "train")?;
+    let (test, (th, tw)) = split(dir, "t10k")?;
+    let dim = height * width;
+    if (height, width) != (th, tw) {
+        return Err(Error::file(
+            dir,
+            format!("training images are {height}x{width} pixels but test images are {th}x{tw}"),
+        ));
     }
-    Ok(Dataset { name: "mnist".into(), dim, classes: 10, train, test })
+    Ok(Dataset {
+        name: "mnist".into(),
+        dim,
+        input: crate::model::Input::Image { channels: 1, height, width },
+        classes: 10,
+        train,
+        test,
+    })
 }
 
-fn split(dir: &Path, prefix: &str) -> Result<(Split, usize)> {
+fn split(dir: &Path, prefix: &str) -> Result<(Split, (usize, usize))> {
     let ipath = find(dir, &format!("{prefix}-images-idx3-ubyte"))?;
     let lpath = find(dir, &format!("{prefix}-labels-idx1-ubyte"))?;
     let images = read_maybe_gz(&ipath)?;
@@ -37,10 +48,10 @@ fn split(dir: &Path, prefix: &str) -> Result<(Split, usize)> {
     if let Some(bad) = lbytes.iter().find(|&&b| b > 9) {
         return Err(Error::file(&lpath, format!("label {bad} is not a digit")));
     }
-    let dim = dims[1] * dims[2];
+    let shape = (dims[1], dims[2]);
     let x = pixels.iter().map(|&p| (p as f32 / 255.0 - MEAN) / STD).collect();
     let y = lbytes.iter().map(|&b| b as u32).collect();
-    Ok((Split { x, y }, dim))
+    Ok((Split { x, y }, shape))
 }
 
 /// `name` or `name.gz` in `dir`.

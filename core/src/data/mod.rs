@@ -17,6 +17,7 @@ pub use sampler::DistributedSampler;
 pub use synthetic::SyntheticConfig;
 
 use crate::error::{Error, Result};
+use crate::model::Input;
 
 /// One split of a dataset, in memory.
 #[derive(Debug, Clone, PartialEq)]
@@ -44,8 +45,10 @@ impl Split {
 pub struct Dataset {
     /// A short name (`synthetic`, `mnist`, `cifar10`).
     pub name: String,
-    /// Input width.
+    /// Input width (values per sample).
     pub dim: usize,
+    /// One sample's shape: an image (NCHW per sample) or a flat vector of `dim` values.
+    pub input: Input,
     /// Number of classes.
     pub classes: usize,
     /// Training samples.
@@ -83,7 +86,7 @@ impl FromStr for DataSource {
     type Err = Error;
 
     /// `digits`, `synthetic`, `synthetic:N` (training samples), `synthetic:N:DIM:CLASSES`,
-    /// `mnist:DIR`, `cifar10:DIR`.
+    /// `synthetic:N:CxHxW:CLASSES` (images), `mnist:DIR`, `cifar10:DIR`.
     fn from_str(s: &str) -> Result<Self> {
         let (kind, rest) = s.split_once(':').unwrap_or((s, ""));
         match kind {
@@ -99,7 +102,10 @@ impl FromStr for DataSource {
             "cifar10" => Ok(DataSource::Cifar10(PathBuf::from(rest))),
             _ => Err(Error::invalid(
                 "data",
-                format!("'{s}' (expected digits, synthetic[:N[:DIM:CLASSES]], mnist:DIR or cifar10:DIR)"),
+                format!(
+                    "'{s}' (expected digits, synthetic[:N[:DIM:CLASSES]], synthetic:N:CxHxW:CLASSES, mnist:DIR or \
+                     cifar10:DIR)"
+                ),
             )),
         }
     }
@@ -108,7 +114,7 @@ impl FromStr for DataSource {
 impl fmt::Display for DataSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            DataSource::Synthetic(c) => write!(f, "synthetic:{}:{}:{}", c.train, c.dim, c.classes),
+            DataSource::Synthetic(c) => write!(f, "synthetic:{}:{}:{}", c.train, c.input, c.classes),
             DataSource::Digits => f.write_str("digits"),
             DataSource::Mnist(p) => write!(f, "mnist:{}", p.display()),
             DataSource::Cifar10(p) => write!(f, "cifar10:{}", p.display()),
@@ -127,9 +133,14 @@ impl DataSource {
         }
     }
 
-    /// The synthetic source with `dim` inputs and `classes` classes (a model's shape).
-    pub fn synthetic_for(dim: usize, classes: usize) -> Self {
-        DataSource::Synthetic(SyntheticConfig { dim, classes, ..SyntheticConfig::default() })
+    /// The synthetic source with samples shaped `input` and `classes` classes (a model's).
+    pub fn synthetic_for(input: Input, classes: usize) -> Self {
+        DataSource::Synthetic(SyntheticConfig {
+            dim: input.len(),
+            input,
+            classes,
+            ..SyntheticConfig::default()
+        })
     }
 }
 

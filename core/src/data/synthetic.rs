@@ -9,6 +9,7 @@
 
 use super::{Dataset, Split};
 use crate::error::{Error, Result};
+use crate::model::Input;
 use crate::rng::Rng;
 
 /// Centroid spread: the expected distance between two centroids is `SEPARATION * sqrt(2)`
@@ -22,20 +23,22 @@ pub struct SyntheticConfig {
     pub train: usize,
     /// Held-out samples.
     pub test: usize,
-    /// Input width.
+    /// Input width (values per sample).
     pub dim: usize,
+    /// One sample's shape: flat (`dim` values) or an image of `dim` pixel values.
+    pub input: Input,
     /// Classes.
     pub classes: usize,
 }
 
 impl Default for SyntheticConfig {
     fn default() -> Self {
-        SyntheticConfig { train: 8192, test: 1024, dim: 784, classes: 10 }
+        SyntheticConfig { train: 8192, test: 1024, dim: 784, input: Input::Flat(784), classes: 10 }
     }
 }
 
 impl SyntheticConfig {
-    /// `""`, `N`, or `N:DIM:CLASSES`.
+    /// `""`, `N`, `N:DIM:CLASSES`, or `N:CxHxW:CLASSES` for images.
     pub fn parse(s: &str) -> Result<Self> {
         let mut c = SyntheticConfig::default();
         if s.is_empty() {
@@ -51,13 +54,27 @@ impl SyntheticConfig {
             [n] => c.train = num(n, "size")?,
             [n, d, k] => {
                 c.train = num(n, "size")?;
-                c.dim = num(d, "dimension")?;
+                c.input = if d.contains('x') {
+                    let sides = d.split('x').map(|p| num(p, "image side")).collect::<Result<Vec<_>>>()?;
+                    let [channels, height, width] = sides[..] else {
+                        return Err(Error::invalid(
+                            "data",
+                            format!("synthetic image shape '{d}' must be CxHxW, such as 3x32x32"),
+                        ));
+                    };
+                    Input::Image { channels, height, width }
+                } else {
+                    Input::Flat(num(d, "dimension")?)
+                };
+                c.dim = c.input.len();
                 c.classes = num(k, "class count")?;
             }
             _ => {
                 return Err(Error::invalid(
                     "data",
-                    format!("synthetic:'{s}' (expected synthetic:N or synthetic:N:DIM:CLASSES)"),
+                    format!(
+                        "synthetic:'{s}' (expected synthetic:N, synthetic:N:DIM:CLASSES or synthetic:N:CxHxW:CLASSES)"
+                    ),
                 ));
             }
         }
@@ -88,6 +105,7 @@ impl SyntheticConfig {
         Dataset {
             name: "synthetic".into(),
             dim: self.dim,
+            input: self.input,
             classes: self.classes,
             train: split(self.train, 0x7121),
             test: split(self.test, 0x7E57),

@@ -2,7 +2,8 @@
 //! GPU allowed). Each step scatters the global batch, every replica computes its gradient in
 //! parallel, replica 0 gathers and sums them, takes the optimiser step alone, and broadcasts
 //! the parameters back: `torch.nn.DataParallel`'s semantics, master bottleneck included,
-//! which is what this mode exists to measure.
+//! which is what this mode exists to measure. Batch norms normalise each replica's share of the
+//! batch, and replica 0's running statistics are the model's (copied to the others each step).
 
 use std::time::Instant;
 
@@ -224,12 +225,16 @@ impl Strategy for Dp {
         let gather_ms = ms_since(t);
         let ((), ms) = timed(engine, |e| e.update(&self.sgd, 1.0 / n as f32))?;
         rec.update_ms = ms;
-        // Broadcast the new parameters back to every replica.
+        // Broadcast the new parameters back to every replica, and replica 0's batch-norm
+        // statistics: as DataParallel's replicas are copies of the module on device 0, whose
+        // buffer updates alone persist.
         let t = Instant::now();
         self.params.resize(len, 0.0);
         engine.read_params(0..len, &mut self.params)?;
+        let buffers = engine.buffers()?;
         for e in &mut self.others {
             e.write_params(0, &self.params)?;
+            e.write_buffers(&buffers)?;
         }
         rec.comm_ms = gather_ms + ms_since(t);
         // Replica 0 waits for all of it: nothing overlaps.

@@ -1,8 +1,9 @@
 //! The shell DDP and ZeRO-1 share, so that each file holds only where its algorithm differs:
 //! meeting the other ranks and connecting the communicator, the bucket plan, the initial
-//! broadcast of rank 0's parameters and momentum, and the start and end of every step (DDP's
-//! `no_sync` micro-steps, the traffic counted, the gradient's scale), the final barrier and
-//! the header's common fields.
+//! broadcast of rank 0's parameters and momentum, and the start and end of every step (rank
+//! 0's batch-norm statistics broadcast as DDP's `broadcast_buffers` does, `no_sync`
+//! micro-steps, the traffic counted, the gradient's scale), the final barrier and the header's
+//! common fields.
 
 use anyhow::Context;
 use gradsync_core::Engine;
@@ -118,10 +119,17 @@ impl Shell {
         let trace = sh.trace.clone();
         let out = (|| {
             let sh = shell(this);
+            let before: Traffic = sh.comm.get().traffic();
+            if engine.layout().buffers_len > 0 {
+                // DDP's broadcast_buffers: every rank's batch norms start the step from rank
+                // 0's running statistics (each normalises with its own batch's).
+                let mut b = engine.buffers()?;
+                sh.comm.get().broadcast(&mut b, 0).context("broadcasting rank 0's batch-norm statistics")?;
+                engine.write_buffers(&b)?;
+            }
             let (loss, synced) =
                 forward_unless_synced(engine, x, y, rec, &trace, (&mut sh.micro, sh.sync_every))?;
             let Some(accumulate) = synced else { return Ok(loss) };
-            let before: Traffic = sh.comm.get().traffic();
             // The sum of W ranks' (and K micro-steps') mean gradients, scaled to their mean.
             let scale = 1.0 / (sh.world as f32 * sh.sync_every as f32);
             sync(this, engine, &StepCtx { plan: &plan, accumulate, scale }, rec)?;
