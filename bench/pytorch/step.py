@@ -1,5 +1,6 @@
-"""PyTorch eager reference for `gradsync-bench step`: the same MLP (Linear+ReLU, softmax
-cross-entropy, SGD with momentum and weight decay), timed the same way. Prints one JSON object."""
+"""PyTorch eager reference for `gradsync-bench step`: the same model (an MLP from --widths, or a
+preset of models.py from --model with its input shape), softmax cross-entropy, SGD with momentum
+and weight decay, timed the same way. Prints one JSON object."""
 import argparse, json, statistics, time
 
 import torch
@@ -10,6 +11,11 @@ def main():
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--widths", default="784-1024-1024-10")
+    p.add_argument("--model", help="a preset of models.py (resnet20, resnet18, vgg11, cnn8); overrides --widths")
+    p.add_argument("--in-channels", type=int, default=3)
+    p.add_argument("--height", type=int, default=32)
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--classes", type=int, default=10)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
@@ -17,16 +23,25 @@ def main():
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
-    w = [int(x) for x in a.widths.split("-")]
-    layers = []
-    for i in range(len(w) - 1):
-        layers.append(torch.nn.Linear(w[i], w[i + 1]))
-        if i < len(w) - 2:
-            layers.append(torch.nn.ReLU())
-    model = torch.nn.Sequential(*layers).to(dev)
+    if a.model:
+        import models
+
+        model = models.build(a.model, a.in_channels, a.height, a.width, a.classes).to(dev)
+        x = torch.randn(a.batch, a.in_channels, a.height, a.width, device=dev)
+        classes = a.classes
+    else:
+        w = [int(x) for x in a.widths.split("-")]
+        layers = []
+        for i in range(len(w) - 1):
+            layers.append(torch.nn.Linear(w[i], w[i + 1]))
+            if i < len(w) - 2:
+                layers.append(torch.nn.ReLU())
+        model = torch.nn.Sequential(*layers).to(dev)
+        x = torch.randn(a.batch, w[0], device=dev)
+        classes = w[-1]
+    model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-    x = torch.randn(a.batch, w[0], device=dev)
-    y = torch.randint(0, w[-1], (a.batch,), device=dev)
+    y = torch.randint(0, classes, (a.batch,), device=dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     f, b, u, t = [], [], [], []
     for i in range(a.warmup + a.steps):

@@ -48,6 +48,26 @@ pub fn find_in(name: &str, dirs: &[PathBuf]) -> Result<PathBuf, NotFound> {
         .ok_or_else(|| NotFound { name: name.to_string(), looked: dirs.to_vec() })
 }
 
+/// The model flags of the PyTorch scripts (`step.py`, `reference.py`) for `spec`: an MLP's
+/// widths, or a preset of `models.py` with its input shape and classes.
+pub fn model_args(spec: &gradsync_core::model::ModelSpec) -> Vec<String> {
+    match spec.input {
+        gradsync_core::model::Input::Image { channels, height, width } if !spec.is_mlp() => {
+            let mut args = vec!["--model".to_string(), spec.name.clone()];
+            for (flag, v) in [
+                ("--in-channels", channels),
+                ("--height", height),
+                ("--width", width),
+                ("--classes", spec.classes),
+            ] {
+                args.extend([flag.to_string(), v.to_string()]);
+            }
+            args
+        }
+        _ => vec!["--widths".to_string(), spec.widths_str()],
+    }
+}
+
 /// The script `name` (`step.py`, `allreduce.py`), searched for from this process: beside the
 /// running binary and in the working directory, or in `explicit` alone.
 pub fn find(name: &str, explicit: Option<&Path>) -> Result<PathBuf, NotFound> {

@@ -24,7 +24,7 @@ use crate::table::{Table, median};
 /// Flags of `gradsync-bench step`.
 #[derive(Debug, Clone, Args)]
 pub struct StepArgs {
-    /// Model preset or widths.
+    /// Model presets or MLP widths (conv presets at their default input, 3x32x32 or 1x8x8).
     #[arg(long, default_value = "mnist", value_delimiter = ',')]
     pub model: Vec<String>,
     /// Batch sizes to time.
@@ -49,7 +49,7 @@ pub struct StepArgs {
     /// Warm-up steps per configuration.
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
-    /// A Python with torch: run the same MLP in PyTorch eager beside gradsync. Every PyTorch
+    /// A Python with torch: run the same model in PyTorch eager beside gradsync. Every PyTorch
     /// row must then be measured; the run fails when one cannot be.
     #[arg(long, env = "GRADSYNC_PYTHON")]
     pub python: Option<PathBuf>,
@@ -104,7 +104,7 @@ pub fn time_gradsync(
         train: batch,
         test: 1,
         dim: spec.input(),
-        input: gradsync_core::model::Input::Flat(spec.input()),
+        input: spec.input,
         classes: spec.classes(),
     }
     .generate(1);
@@ -165,7 +165,8 @@ fn time_pytorch(
 ) -> anyhow::Result<StepFigure> {
     let out = Command::new(python)
         .arg(script)
-        .args(["--device", device, "--threads", &threads.to_string(), "--widths", &spec.widths_str()])
+        .args(["--device", device, "--threads", &threads.to_string()])
+        .args(crate::pytorch::model_args(spec))
         .args([
             "--batch",
             &batch.to_string(),

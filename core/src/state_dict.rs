@@ -141,20 +141,20 @@ pub fn from_model(layout: &Layout, params: &[f32], buffers: &[f32], batches: u64
 /// parameter must be there with its shape; buffers absent from the file keep `None` (PyTorch's
 /// defaults apply). A missing, unexpected or misshapen tensor is an error naming it.
 pub fn to_model(path: &Path, layout: &Layout, tensors: &Tensors) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
-    let mut problems = Vec::new();
+    // What does not fit, by kind, so that a file of another model reads as such in one line.
+    let (mut missing, mut misshapen) = (Vec::new(), Vec::new());
     let mut take = |list: &[Tensor], out: &mut Vec<f32>, required: bool| -> bool {
         let mut all = true;
         for t in list {
             match tensors.get(&t.name) {
                 Some(e) if e.shape == t.shape => out[t.range.clone()].copy_from_slice(&e.to_f32()),
                 Some(e) => {
-                    problems
-                        .push(format!("{} has shape {:?}, the model's is {:?}", t.name, e.shape, t.shape));
+                    misshapen.push(format!("{} is {:?}, the model's is {:?}", t.name, e.shape, t.shape));
                     all = false;
                 }
                 None => {
                     if required {
-                        problems.push(format!("{} is missing", t.name));
+                        missing.push(t.name.clone());
                     }
                     all = false;
                 }
@@ -172,12 +172,76 @@ pub fn to_model(path: &Path, layout: &Layout, tensors: &Tensors) -> Result<(Vec<
                 .strip_suffix(".num_batches_tracked")
                 .is_some_and(|p| layout.buffers.iter().any(|t| t.name == format!("{p}.running_mean")))
     };
-    let unexpected: Vec<&str> = tensors.keys().map(String::as_str).filter(|k| !known(k)).collect();
+    let unexpected: Vec<String> = tensors.keys().filter(|k| !known(k)).cloned().collect();
+    let list = |v: &[String]| {
+        let shown: Vec<&str> = v.iter().take(4).map(String::as_str).collect();
+        let more = if v.len() > 4 { format!(" and {} more", v.len() - 4) } else { String::new() };
+        format!("{}{more}", shown.join(", "))
+    };
+    let mut problems = Vec::new();
+    if !missing.is_empty() {
+        problems.push(format!(
+            "{} of the model's {} parameters are missing ({})",
+            missing.len(),
+            layout.params.len(),
+            list(&missing)
+        ));
+    }
+    if !misshapen.is_empty() {
+        problems.push(format!("{} are shaped otherwise ({})", misshapen.len(), list(&misshapen)));
+    }
     if !unexpected.is_empty() {
-        problems.push(format!("unexpected tensors {}", unexpected.join(", ")));
+        problems.push(format!("{} tensors are not the model's ({})", unexpected.len(), list(&unexpected)));
     }
     if !problems.is_empty() {
         return Err(Error::file(path, format!("does not fit this model: {}", problems.join("; "))));
     }
     Ok((params, has_buffers.then_some(buffers)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Input, ModelSpec, init_params};
+
+    fn layout(name: &str) -> Layout {
+        let spec = ModelSpec::parse(name)
+            .unwrap()
+            .fit(Input::Image { channels: 1, height: 8, width: 8 }, 10)
+            .unwrap();
+        Layout::new(&spec)
+    }
+
+    #[test]
+    fn a_model_round_trips_and_another_models_file_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = layout("cnn8");
+        let params = init_params(&l, 3);
+        let buffers: Vec<f32> = (0..l.buffers_len).map(|i| i as f32).collect();
+        let path = dir.path().join("m.safetensors");
+        save(&path, &from_model(&l, &params, &buffers, 7), &[("step", "7".into())]).unwrap();
+        let read = load(&path).unwrap();
+        assert_eq!(read["features.1.num_batches_tracked"].values, Values::I64(vec![7]));
+        let (p, b) = to_model(&path, &l, &read).unwrap();
+        assert_eq!((p, b), (params, Some(buffers)));
+
+        // Parameters alone: PyTorch's defaults for the buffers.
+        let only: Tensors = read
+            .iter()
+            .filter(|(k, _)| !k.contains("running") && !k.contains("num_batches"))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        assert_eq!(to_model(&path, &l, &only).unwrap().1, None);
+
+        let err = to_model(&path, &layout("resnet20"), &read).unwrap_err().to_string();
+        assert!(err.contains("65 of the model's 65 parameters are missing (conv1.weight, bn1.weight, bn1.bias, layer1.0.conv1.weight and 61 more)"), "{err}");
+        assert!(err.contains("16 tensors are not the model's"), "{err}");
+        let mut wrong = read.clone();
+        wrong.insert("classifier.2.bias".into(), Entry::f32(vec![3], vec![0.0; 3]));
+        let err = to_model(&path, &l, &wrong).unwrap_err().to_string();
+        assert!(err.contains("classifier.2.bias is [3], the model's is [10]"), "{err}");
+
+        std::fs::write(&path, b"not a tensor file").unwrap();
+        assert!(load(&path).unwrap_err().to_string().contains("not a safetensors file"));
+    }
 }

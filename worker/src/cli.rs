@@ -216,10 +216,13 @@ pub struct TrainArgs {
     /// this process here; open it in Perfetto or chrome://tracing.
     #[arg(long = flag::TRACE, env = "GRADSYNC_TRACE")]
     pub trace: Option<PathBuf>,
-    /// Write the trained parameters here (rank 0 only).
+    /// Write the trained model here (rank 0 only): a PyTorch state dict when the path ends in
+    /// .safetensors (`model.load_state_dict(safetensors.torch.load_file(path))` loads it), else
+    /// a gradsync checkpoint with the momentum (MLPs only).
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Start from these parameters (the fingerprint must match).
+    /// Start from these parameters: a gradsync checkpoint (the fingerprint must match) or a
+    /// PyTorch state dict in .safetensors (names and shapes must match).
     #[arg(long)]
     pub load: Option<PathBuf>,
     /// Print nothing but errors.

@@ -139,6 +139,17 @@ impl Run {
         }
         let data = source.load(args.seed).with_context(|| format!("--data {source}"))?;
         let model = args.model.fit(data.input, data.classes).context("--model")?;
+        if let Some(path) = &args.save {
+            // Refused now, not after hours of training.
+            anyhow::ensure!(
+                crate::train::is_state_dict(path)
+                    || gradsync_core::model::Layout::new(&model).buffers_len == 0,
+                "--save {}: {} has batch-norm statistics, which a gradsync checkpoint does not hold; save it as a \
+                 PyTorch state dict (a path ending in .safetensors)",
+                path.display(),
+                model.name
+            );
+        }
         // One metrics and trace file per process: `{rank}` in a path becomes this rank, so one
         // launcher command line serves every child.
         let per_rank = |path: &Option<PathBuf>| match path.as_ref().and_then(|p| p.to_str()) {

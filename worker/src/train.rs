@@ -316,13 +316,35 @@ pub fn evaluate(engine: &mut Engine, data: &Dataset) -> anyhow::Result<(f64, f64
     Ok((loss / n.max(1) as f64, correct as f64 / n.max(1) as f64))
 }
 
-/// Write the engine's parameters and momentum to `path`.
+/// Whether `path` names a PyTorch state dict (`.safetensors`) rather than a gradsync checkpoint.
+pub fn is_state_dict(path: &std::path::Path) -> bool {
+    path.extension().is_some_and(|e| e == "safetensors")
+}
+
+/// Write the engine's state to `path`: as a PyTorch state dict in safetensors (parameters,
+/// running statistics and `num_batches_tracked` under PyTorch's names; the fingerprint and step
+/// in its metadata) when the path ends in `.safetensors`, else as a gradsync checkpoint
+/// (parameters and momentum), which cannot hold batch-norm statistics.
 pub fn save_params(
     engine: &Engine,
     path: &std::path::Path,
     fp: &Fingerprint,
     step: u64,
 ) -> anyhow::Result<()> {
+    if is_state_dict(path) {
+        let meta = [
+            ("fingerprint", fp.text.clone()),
+            ("step", step.to_string()),
+            ("gradsync", gradsync_core::VERSION.into()),
+        ];
+        return gradsync_core::state_dict::save(path, &engine.state_dict()?, &meta).context("--save");
+    }
+    anyhow::ensure!(
+        engine.layout().buffers_len == 0,
+        "--save {}: this model has batch-norm statistics, which a gradsync checkpoint does not hold; \
+         save it as a PyTorch state dict (a path ending in .safetensors)",
+        path.display()
+    );
     let n = engine.layout().len;
     let mut momentum = vec![0.0; n];
     engine.read_momentum(&mut momentum)?;
@@ -343,8 +365,20 @@ pub fn save_params(
     Ok(())
 }
 
-/// Read parameters (and momentum) from `path`, refusing another model's.
+/// Read parameters (and momentum) from `path`, refusing another model's: a gradsync checkpoint
+/// by its fingerprint, a PyTorch state dict (`.safetensors`, from gradsync or from PyTorch's
+/// `save_file(model.state_dict())`) by its tensors' names and shapes.
 pub fn load_params(engine: &mut Engine, path: &std::path::Path, fp: &Fingerprint) -> anyhow::Result<()> {
+    if is_state_dict(path) {
+        let tensors = gradsync_core::state_dict::load(path).context("--load")?;
+        let (params, buffers) =
+            gradsync_core::state_dict::to_model(path, engine.layout(), &tensors).context("--load")?;
+        engine.write_params(0, &params)?;
+        if let Some(b) = buffers {
+            engine.write_buffers(&b)?;
+        }
+        return Ok(());
+    }
     let ck = Checkpoint::load(path).context("--load")?;
     fp.check(&ck.header.fingerprint).with_context(|| format!("--load {}", path.display()))?;
     anyhow::ensure!(

@@ -94,6 +94,31 @@ fn save_load_and_fingerprint_refusal() {
     assert!(stderr(&o).contains("p.ckpt"), "{}", stderr(&o));
 }
 
+/// A conv net trained on the built-in digits (images), saved as a PyTorch state dict and
+/// loaded back: the loaded run starts where the saved one ended (its held-out accuracy).
+#[test]
+fn a_conv_net_saves_and_loads_a_pytorch_state_dict() {
+    let d = tmp("state-dict");
+    let path = d.join("cnn8.safetensors");
+    let common =
+        ["--device", "cpu", "--threads", "1", "--model", "cnn8", "--data", "digits", "--batch", "32"];
+    let o = worker(&[&common[..], &["--steps", "60", "--save", path.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let trained = stderr(&o);
+    let accuracy = |text: &str| -> f64 {
+        let at = text.rfind("accuracy ").expect("a final accuracy");
+        text[at + 9..].trim().trim_end_matches('%').parse().expect("a number")
+    };
+    assert!(accuracy(&trained) > 80.0, "60 steps of cnn8 on digits: {trained}");
+    let tensors = gradsync_core::state_dict::load(&path).unwrap();
+    assert!(tensors.contains_key("features.1.running_var") && tensors.contains_key("classifier.2.bias"));
+    // One step at a rate of zero from the saved state: the same held-out accuracy.
+    let o = worker(&[&common[..], &["--steps", "1", "--lr", "0", "--load", path.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let reloaded = stderr(&o);
+    assert!((accuracy(&reloaded) - accuracy(&trained)).abs() < 1.0, "saved: {trained}\nloaded: {reloaded}");
+}
+
 #[test]
 fn bad_flags_are_clear_errors() {
     for (args, needle) in [
@@ -105,6 +130,13 @@ fn bad_flags_are_clear_errors() {
         (&["--data", "mnist:/nonexistent/gs"][..], "/nonexistent/gs: no such directory"),
         (&["--device", "cuda"][..], "CUDA unavailable"),
         (&["--rank", "3", "--world-size", "2"][..], "--rank 3 is not below --world-size 2"),
+        (&["--model", "resnet20", "--data", "synthetic:64:20:5"][..], "needs images"),
+        (&["--model", "cnn8", "--data", "synthetic:64:1x1x1:5"][..], "does not fit a 1x1 input"),
+        (&["--data", "synthetic:64:3x32:5"][..], "must be CxHxW"),
+        (
+            &["--model", "cnn8", "--data", "digits", "--save", "/tmp/x.ckpt"][..],
+            "a path ending in .safetensors",
+        ),
     ] {
         let model: &[&str] = if args[0] == "--model" { &[] } else { &["--model", "tiny"] };
         let o = worker(&[&["--steps", "1"][..], model, args].concat());

@@ -182,7 +182,10 @@ fn window_argmax(plane: &[f32], w: &Window, oy: usize, ox: usize) -> usize {
                 continue;
             }
             let v = plane[iy * w.width + ix];
-            if best == usize::MAX || (best_v == best_v && !(v <= best_v)) {
+            // Take `v` unless the best so far is a NaN or `v` is not above it; a NaN `v` is
+            // taken (v > best_v is false for it, so the NaN test comes first).
+            let better = !best_v.is_nan() && (v.is_nan() || v > best_v);
+            if best == usize::MAX || better {
                 (best, best_v) = (iy * w.width + ix, v);
             }
         }
