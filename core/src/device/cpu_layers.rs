@@ -91,7 +91,17 @@ pub(super) fn swap_axes(
     Ok(())
 }
 
-/// (CUDA: `im2col`, one thread per column entry.)
+/// The output columns `ox` of a window row whose input column `ox*stride + k - pad` lies inside
+/// `0..width`, as a range.
+fn inside(w: &Window, k: usize, out: usize, width: usize) -> std::ops::Range<usize> {
+    // ox*stride + k >= pad  and  ox*stride + k < width + pad.
+    let lo = w.pad.saturating_sub(k).div_ceil(w.stride);
+    let hi = if width + w.pad > k { (width + w.pad - k).div_ceil(w.stride) } else { 0 };
+    lo.min(out)..hi.min(out).max(lo.min(out))
+}
+
+/// (CUDA: `im2col`, one thread per column entry.) Each output row segment is a copy of an
+/// input row (strided when the stride is), zeros where the window hangs over the edge.
 pub(super) fn im2col(
     pool: Option<&ThreadPool>,
     col: &mut [f32],
@@ -105,18 +115,25 @@ pub(super) fn im2col(
     need("im2col columns", col.len(), w.col_rows() * cols)?;
     for_each_chunk(pool, &mut col[..w.col_rows() * cols], cols, |r, row| {
         let (c, ky, kx) = (r / (k * k), r / k % k, r % k);
+        let xs = inside(w, kx, ow, w.width);
         for n in 0..batch {
             let plane = &x[(c * batch + n) * w.height * w.width..][..w.height * w.width];
             for oy in 0..oh {
                 let out = &mut row[(n * oh + oy) * ow..][..ow];
                 let iy = (oy * w.stride + ky).wrapping_sub(w.pad);
-                if iy >= w.height {
+                if iy >= w.height || xs.is_empty() {
                     out.fill(0.0);
                     continue;
                 }
-                for (ox, o) in out.iter_mut().enumerate() {
-                    let ix = (ox * w.stride + kx).wrapping_sub(w.pad);
-                    *o = if ix < w.width { plane[iy * w.width + ix] } else { 0.0 };
+                out[..xs.start].fill(0.0);
+                out[xs.end..].fill(0.0);
+                let first = iy * w.width + xs.start * w.stride + kx - w.pad;
+                if w.stride == 1 {
+                    out[xs.clone()].copy_from_slice(&plane[first..first + xs.len()]);
+                } else {
+                    for (o, &v) in out[xs.clone()].iter_mut().zip(plane[first..].iter().step_by(w.stride)) {
+                        *o = v;
+                    }
                 }
             }
         }
@@ -125,7 +142,8 @@ pub(super) fn im2col(
 }
 
 /// (CUDA: `col2im`, one thread per input value gathering its column entries in (ky, kx)
-/// order; here each channel's values take the entries in the same order.)
+/// order; here each channel's values take the entries in the same order, a row segment at a
+/// time.)
 pub(super) fn col2im(
     pool: Option<&ThreadPool>,
     dx: &mut [f32],
@@ -146,16 +164,25 @@ pub(super) fn col2im(
         for ky in 0..k {
             for kx in 0..k {
                 let row = &col[((c * k + ky) * k + kx) * cols..][..cols];
+                let xs = inside(w, kx, ow, w.width);
+                if xs.is_empty() {
+                    continue;
+                }
                 for n in 0..batch {
                     for oy in 0..oh {
                         let iy = (oy * w.stride + ky).wrapping_sub(w.pad);
                         if iy >= w.height {
                             continue;
                         }
-                        for ox in 0..ow {
-                            let ix = (ox * w.stride + kx).wrapping_sub(w.pad);
-                            if ix < w.width {
-                                out[n * plane + iy * w.width + ix] += row[(n * oh + oy) * ow + ox];
+                        let src = &row[(n * oh + oy) * ow..][xs.clone()];
+                        let first = n * plane + iy * w.width + xs.start * w.stride + kx - w.pad;
+                        if w.stride == 1 {
+                            for (d, &v) in out[first..first + xs.len()].iter_mut().zip(src) {
+                                *d += v;
+                            }
+                        } else {
+                            for (d, &v) in out[first..].iter_mut().step_by(w.stride).zip(src) {
+                                *d += v;
                             }
                         }
                     }
