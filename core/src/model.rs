@@ -54,6 +54,18 @@ pub fn presets_help() -> String {
     out
 }
 
+/// What a reader is told a model is, from its shape token ([`ModelSpec::widths_str`], as
+/// metrics headers record it): `MLP 784-1024-10`, `resnet20 (3x32x32, 10 classes)`.
+pub fn label_of(token: &str) -> String {
+    match token.split_once(':') {
+        Some((preset, shape)) => match shape.rsplit_once('-') {
+            Some((input, classes)) => format!("{preset} ({input}, {classes} classes)"),
+            None => format!("{preset} ({shape})"),
+        },
+        None => format!("MLP {token}"),
+    }
+}
+
 /// `1234567` as `1,234,567`.
 fn grouped(n: usize) -> String {
     let digits = n.to_string();
@@ -242,10 +254,7 @@ impl ModelSpec {
 
     /// What a reader is told the model is: `MLP 784-1024-10`, `resnet20 (3x32x32, 10 classes)`.
     pub fn label(&self) -> String {
-        match &self.arch {
-            Arch::Mlp(_) => format!("MLP {}", self.widths_str()),
-            _ => format!("{} ({}, {} classes)", self.name, self.input, self.classes),
-        }
+        label_of(&self.widths_str())
     }
 
     /// The network as layers.

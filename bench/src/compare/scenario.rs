@@ -404,8 +404,17 @@ impl Scenario {
         if let Some(t) = self.time_s {
             anyhow::ensure!(t > 0.0, "`time_s` must be positive");
         }
+        let shape = match &self.data {
+            Some(d) => d.parse::<gradsync_core::data::DataSource>().ok().and_then(|d| d.shape()),
+            None => None,
+        };
         for m in &self.models {
-            gradsync_core::model::ModelSpec::parse(m).with_context(|| format!("`models`: '{m}'"))?;
+            let spec =
+                gradsync_core::model::ModelSpec::parse(m).with_context(|| format!("`models`: '{m}'"))?;
+            // A model that cannot take the data (a conv net on flat data) is refused now, by name.
+            if let Some((input, classes)) = shape {
+                spec.fit(input, classes).with_context(|| format!("`models`: '{m}' on `data`"))?;
+            }
         }
         Ok(())
     }
@@ -532,6 +541,30 @@ mod tests {
         let s = Scenario::parse(text, "t").unwrap();
         let sgd = SgdConfig { lr: s.lr, momentum: s.momentum, weight_decay: s.weight_decay };
         assert_eq!(sgd, SgdConfig::DEFAULT);
+    }
+
+    /// Every scenario shipped in bench/scenarios parses, and its models fit its data.
+    #[test]
+    fn every_shipped_scenario_is_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                let s = Scenario::load(Some(&path)).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+                assert!(!s.expand().is_empty(), "{}: no runs", path.display());
+                seen += 1;
+            }
+        }
+        assert!(seen >= 5, "found {seen} scenarios in {}", dir.display());
+    }
+
+    #[test]
+    fn a_conv_net_on_flat_data_is_refused_by_name() {
+        let text = "name='x'\nmodes=['local']\nworkers=[1]\nmodels=['resnet20']\nbatches=[8]\nsteps=1\n\
+                    data='synthetic:64:20:5'";
+        let e = format!("{:#}", Scenario::parse(text, "t").unwrap_err());
+        assert!(e.contains("'resnet20' on `data`") && e.contains("needs images"), "{e}");
     }
 
     #[test]

@@ -133,6 +133,17 @@ impl DataSource {
         }
     }
 
+    /// A sample's shape and the number of classes, where the source states them without being
+    /// loaded (a directory of MNIST files says its image size only when read).
+    pub fn shape(&self) -> Option<(Input, usize)> {
+        match self {
+            DataSource::Synthetic(c) => Some((c.input, c.classes)),
+            DataSource::Digits => Some((Input::Image { channels: 1, height: 8, width: 8 }, 10)),
+            DataSource::Cifar10(_) => Some((Input::Image { channels: 3, height: 32, width: 32 }, 10)),
+            DataSource::Mnist(_) => None,
+        }
+    }
+
     /// The synthetic source with samples shaped `input` and `classes` classes (a model's).
     pub fn synthetic_for(input: Input, classes: usize) -> Self {
         DataSource::Synthetic(SyntheticConfig {

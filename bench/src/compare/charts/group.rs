@@ -232,7 +232,7 @@ pub fn groups(c: &Collected) -> Vec<Group<'_>> {
                     let shape = rows
                         .first()
                         .filter(|r| !r.widths.is_empty())
-                        .map_or(model, |r| format!("MLP {}", r.widths));
+                        .map_or(model, |r| gradsync_core::model::label_of(&r.widths));
                     if link.is_empty() { shape } else { format!("{shape} on emulated links of {link}") }
                 },
                 link,
