@@ -309,6 +309,10 @@ bench() {
     --cpu false --steps 20 --warmup 5 --rounds 3 "${PYARGS[@]}" --json "$WORK/step-gpu.jsonl"
   check "step benchmark, CPU (mnist b2048, 16 threads)" 60 "$B" step --model mnist --batch 2048 --threads 16 \
     --gpu false --steps 5 --warmup 2 --rounds 1 "${PYARGS[@]}" --json "$WORK/step-cpu.jsonl"
+  # The conv presets (3x32x32) on the GPU against PyTorch eager: every layer kernel in a step.
+  check "step benchmark, GPU (resnet20, resnet18, vgg11; b64, b256)" 120 "$B" step \
+    --model resnet20,resnet18,vgg11 --batch 64,256 --cpu false --steps 10 --warmup 3 --rounds 1 "${PYARGS[@]}" \
+    --json "$WORK/step-conv.jsonl"
   # 2. NCCL with one rank: device-resident buffers, timed on the GPU.
   check "collective benchmark, NCCL 1 rank" 60 "$B" collective --backend nccl --ranks 1 \
     --max-bytes 268435456 --rounds 3 --raw-secs 0.5 --no-gloo --no-plain
@@ -329,7 +333,7 @@ bench() {
       "$B" step --model mnist --batch 8192 --cpu false --steps 2 --warmup 3 --rounds 1
   fi
   if [ "$PRINT" = 0 ]; then
-    cat "$WORK"/step-gpu.jsonl "$WORK"/step-cpu.jsonl >"$WORK/step.jsonl" 2>/dev/null
+    cat "$WORK"/step-gpu.jsonl "$WORK"/step-cpu.jsonl "$WORK"/step-conv.jsonl >"$WORK/step.jsonl" 2>/dev/null
     [ -s "$WORK/step.jsonl" ] && cp "$WORK/step.jsonl" "$OUT/step.jsonl"
     [ -d "$WORK/compare" ] && tar -C "$WORK" -czf "$OUT/compare.tar.gz" compare 2>/dev/null
   fi

@@ -28,6 +28,8 @@ pub mod flag {
     pub const MODEL: &str = "model";
     /// `--data`.
     pub const DATA: &str = "data";
+    /// `--augment`.
+    pub const AUGMENT: &str = "augment";
     /// `--batch`.
     pub const BATCH: &str = "batch";
     /// `--steps`.
@@ -168,6 +170,12 @@ pub struct TrainArgs {
     /// shaped as the model's input.
     #[arg(long = flag::DATA, value_parser = parse_data)]
     pub data: Option<DataSource>,
+    /// Training-time augmentation: auto (CIFAR-10: crop-flip, as the notes train it; else
+    /// none), none, crop-flip (random crop of the image padded by 4 pixels, then a random
+    /// horizontal flip) or crop-flip:PAD. Each sample's draw depends on the seed, the epoch and
+    /// the sample alone, so every mode augments as single-process training does.
+    #[arg(long = flag::AUGMENT, default_value = "auto", value_parser = parse_augment)]
+    pub augment: gradsync_core::data::Augment,
     /// Samples per step per worker (per replica in DP mode).
     #[arg(long = flag::BATCH, default_value_t = 64, value_parser = parse_positive)]
     pub batch: usize,
@@ -452,6 +460,10 @@ fn parse_device(s: &str) -> Result<DeviceRequest, String> {
 
 fn parse_model(s: &str) -> Result<ModelSpec, String> {
     ModelSpec::parse(s).map_err(|e| e.to_string())
+}
+
+fn parse_augment(s: &str) -> Result<gradsync_core::data::Augment, String> {
+    s.parse().map_err(|e: gradsync_core::Error| e.to_string())
 }
 
 fn parse_data(s: &str) -> Result<DataSource, String> {

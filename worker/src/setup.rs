@@ -36,6 +36,8 @@ pub struct Run {
     pub source: DataSource,
     /// The data, loaded.
     pub data: Dataset,
+    /// The augmentation of training batches, resolved for the data.
+    pub augment: gradsync_core::data::Augment,
     /// The seed of the initial parameters and the data.
     pub seed: u64,
     /// The seed of the order the training data is drawn in.
@@ -139,6 +141,7 @@ impl Run {
         }
         let data = source.load(args.seed).with_context(|| format!("--data {source}"))?;
         let model = args.model.fit(data.input, data.classes).context("--model")?;
+        let augment = args.augment.resolve(&data.name, data.input).context("--augment")?;
         if let Some(path) = &args.save {
             // Refused now, not after hours of training.
             anyhow::ensure!(
@@ -164,6 +167,7 @@ impl Run {
             threads: args.threads,
             model,
             source,
+            augment,
             data,
             seed: args.seed,
             order_seed: args.order_seed.unwrap_or(args.seed),

@@ -166,6 +166,7 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             summary.steps += 1;
             let step = summary.steps;
             run.data.gather(chunk, &mut x, &mut y);
+            run.augment.apply(&mut x, run.data.input, chunk, run.seed, epoch);
             let mut rec =
                 Step { rank: run.rank, step, epoch, samples: step * global_batch as u64, ..Step::default() };
             // The injected straggler delay (a strategy with several replicas delays its own).

@@ -154,6 +154,44 @@ fn ddp_through_the_hosts_matches_local_with_three_ranks() {
     check_equivalence(3, 5, "shm", "on");
 }
 
+/// Augmentation draws each sample's crop and flip from the seed, the epoch and the sample
+/// alone: DDP's ranks augment their shards as local training augments the whole batch, so the
+/// two still end at the same parameters (an MLP on the digits' 8x8 images, crop-flip with one
+/// pixel of padding), and differently from training without it.
+#[test]
+fn augmented_ddp_matches_augmented_local_training() {
+    let dir = Scratch::new("augment");
+    let run = |mode: &[&str], augment: &str, name: &str| {
+        let save = dir.join(name);
+        let mut a: Vec<String> = mode.iter().map(|s| s.to_string()).collect();
+        a.extend(
+            [
+                "--model",
+                "64-32-10",
+                "--data",
+                "digits",
+                "--augment",
+                augment,
+                "--device",
+                "cpu",
+                "--threads",
+                "1",
+            ]
+            .map(String::from),
+        );
+        a.extend(["--steps", "8", "--eval-every", "0", "--lr", "0.1", "--quiet", "--save"].map(String::from));
+        a.push(save.display().to_string());
+        run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+        params(&save)
+    };
+    let local = run(&["train", "--batch", "32"], "crop-flip:1", "local.ckpt");
+    let plain = run(&["train", "--batch", "32"], "none", "plain.ckpt");
+    let ddp_args = launch_train(2, "ddp", &["--batch", "16", "--comm-timeout", "30"]);
+    let ddp = run(&ddp_args.iter().map(String::as_str).collect::<Vec<_>>(), "crop-flip:1", "ddp.ckpt");
+    assert!(max_diff(&local, &plain) > 1e-4, "augmentation changed nothing");
+    assert!(max_diff(&local, &ddp) < 1e-5, "augmented DDP vs local: max diff {}", max_diff(&local, &ddp));
+}
+
 #[test]
 fn ddp_metrics_report_communication() {
     let dir = Scratch::new("metrics");

@@ -3,6 +3,7 @@
 //! Every source yields the same in-memory [`Dataset`]: `f32` inputs, row-major, normalised, and
 //! `u32` labels, split into a training and a held-out part.
 
+mod augment;
 mod cifar;
 mod digits;
 mod mnist;
@@ -13,6 +14,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
+pub use augment::Augment;
 pub use sampler::DistributedSampler;
 pub use synthetic::SyntheticConfig;
 
