@@ -23,6 +23,7 @@ mod context;
 mod links;
 mod ranking;
 mod reading;
+mod regime;
 mod runs;
 mod verdict;
 

@@ -4,7 +4,7 @@
 //! diverged or partial run (a group's rows are its complete repeats' medians).
 
 use super::context::Context;
-use super::{links, ranking, runs};
+use super::{links, ranking, regime, runs};
 use crate::compare::charts::Group;
 use crate::compare::cost::Link;
 use crate::compare::machine::Machine;
@@ -26,6 +26,8 @@ pub const READINGS: &[Reading] = &[
     ranking::zero1_against_ddp,
     ranking::compressed_against_base,
     links::communication_against_raw,
+    regime::compute_against_communication,
+    regime::across_models,
     links::ring_fit,
     links::extrapolated,
     runs::staleness,

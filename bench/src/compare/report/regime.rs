@@ -1,0 +1,205 @@
+//! Readings about the model: how long a step computes against how long it communicates, per
+//! mode (measured, and by the cost model), which of the two bounds each mode, and, where the
+//! scenario trained several models, how the ring's standing against the parameter server moves
+//! with each model's share of communication.
+
+use super::context::Context;
+use crate::compare::charts::Group;
+use crate::compare::cost::{self, Link};
+use crate::compare::results::Summary;
+use crate::compare::scenario::ModeKind;
+
+/// The cost model's seconds for a row's exchange of `s` gradient bytes per step: the ring's for
+/// the rings, one push and pull through its shards for a parameter server.
+fn modelled(r: &Summary, s: f64, l: Link) -> Option<f64> {
+    match r.mode.parse::<ModeKind>().ok()? {
+        ModeKind::DdpTcp => Some(cost::ring(r.workers, s, l)),
+        ModeKind::Zero1Tcp => Some(cost::zero1(r.workers, s, l)),
+        ModeKind::PsBsp => Some(cost::ps(r.workers, r.shards, s, l)),
+        _ => None,
+    }
+}
+
+/// A row's compute per step (forward and backward, measured in the run) and communication
+/// (measured), in ms.
+fn compute_and_comm(r: &Summary) -> Option<(f64, f64)> {
+    let compute = r.forward_ms? + r.backward_ms?;
+    Some((compute, r.comm_ms?)).filter(|&(c, m)| c > 0.0 && m > 0.0)
+}
+
+/// "compute-bound (communication 10% of compute)" or "communication-bound (1.3x compute)".
+fn regime(compute: f64, comm: f64) -> String {
+    if comm < compute {
+        format!("compute-bound (communication {:.0}% of compute)", 100.0 * comm / compute)
+    } else {
+        format!("communication-bound ({:.1}x compute)", comm / compute)
+    }
+}
+
+/// At the largest worker count: each synchronising mode's compute per step against its
+/// communication, measured and modelled, and the regime that puts it in.
+pub fn compute_against_communication(cx: &Context) -> Vec<String> {
+    let Some(n) = cx.most_workers().filter(|&n| n > 1) else { return Vec::new() };
+    let s = cx.g.grad_bytes();
+    let parts: Vec<String> =
+        cx.g.rows
+            .iter()
+            .filter(|r| r.workers == n && r.slow_ms == 0)
+            .filter_map(|r| {
+                let (compute, comm) = compute_and_comm(r)?;
+                let model = match (cx.link, modelled(r, s, cx.link?)) {
+                    (Some(_), Some(t)) => format!(", {:.1} ms by the cost model", t * 1e3),
+                    _ => String::new(),
+                };
+                Some(format!(
+                    "{} computes {compute:.1} ms and communicates {comm:.1} ms measured{model}: {}",
+                    Group::series(r),
+                    regime(compute, comm)
+                ))
+            })
+            .collect();
+    if parts.is_empty() {
+        return Vec::new();
+    }
+    vec![format!(
+        "Compute against communication per step at {n} workers ({:.1} MB of gradients in {}): {}.",
+        s / 1e6,
+        cx.g.model,
+        parts.join("; ")
+    )]
+}
+
+/// One model's standing at `n` workers, from every complete run: the ring's (ddp-tcp) median
+/// throughput over the best parameter server's (ps-bsp, any shard count), and the ring's
+/// median communication over its compute.
+#[derive(Debug, Clone, PartialEq)]
+struct Standing {
+    widths: String,
+    model: String,
+    ring_over_ps: f64,
+    comm_share: f64,
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    (n > 0).then(|| if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
+}
+
+fn standing(all: &[Summary], widths: &str, link: &str, n: usize) -> Option<Standing> {
+    let runs = |mode: &'static str, shards: Option<usize>| {
+        all.iter().filter(move |r| {
+            r.status == "ok"
+                && r.widths == widths
+                && r.link == link
+                && r.workers == n
+                && r.slow_ms == 0
+                && r.mode == mode
+                && shards.is_none_or(|k| r.shards == k)
+        })
+    };
+    let ring = median(runs("ddp-tcp", None).filter_map(|r| r.samples_per_s).collect())?;
+    let mut shards: Vec<usize> = runs("ps-bsp", None).map(|r| r.shards).collect();
+    shards.sort_unstable();
+    shards.dedup();
+    let ps = shards
+        .iter()
+        .filter_map(|&k| median(runs("ps-bsp", Some(k)).filter_map(|r| r.samples_per_s).collect()))
+        .fold(None, |best: Option<f64>, t| Some(best.map_or(t, |b| b.max(t))))?;
+    let comm_share = median(
+        runs("ddp-tcp", None).filter_map(compute_and_comm).map(|(compute, comm)| comm / compute).collect(),
+    )?;
+    Some(Standing {
+        widths: widths.to_string(),
+        model: gradsync_core::model::label_of(widths),
+        ring_over_ps: ring / ps.max(1e-9),
+        comm_share,
+    })
+}
+
+/// Where the scenario trained more than one model: at this group's largest worker count, the
+/// ring's standing against the parameter server for each model beside the ring's share of
+/// communication in its step, and whether the ring's lead follows that share.
+pub fn across_models(cx: &Context) -> Vec<String> {
+    let Some(n) = cx.most_workers().filter(|&n| n > 1) else { return Vec::new() };
+    let mut models: Vec<&str> =
+        cx.all.iter().filter(|r| r.link == cx.g.link).map(|r| r.widths.as_str()).collect();
+    models.sort_unstable();
+    models.dedup();
+    if models.len() < 2 {
+        return Vec::new();
+    }
+    let mut st: Vec<Standing> = models.iter().filter_map(|w| standing(cx.all, w, &cx.g.link, n)).collect();
+    if st.len() < 2 {
+        return Vec::new();
+    }
+    st.sort_by(|a, b| a.comm_share.total_cmp(&b.comm_share));
+    // Said once, under the model that communicates most.
+    if cx.g.rows.first().map(|r| r.widths.as_str()) != st.last().map(|s| s.widths.as_str()) {
+        return Vec::new();
+    }
+    let listed: Vec<String> = st
+        .iter()
+        .map(|s| {
+            format!(
+                "{} ring/PS = {:.2}, the ring communicating {:.0}% of its compute",
+                s.model,
+                s.ring_over_ps,
+                100.0 * s.comm_share
+            )
+        })
+        .collect();
+    let follows = st.windows(2).all(|w| w[1].ring_over_ps >= w[0].ring_over_ps);
+    let against = st.windows(2).all(|w| w[1].ring_over_ps <= w[0].ring_over_ps);
+    let verdict = if follows {
+        "the more a model communicates per unit of compute, the further the ring leads (or the less it trails)"
+    } else if against {
+        "the more a model communicates per unit of compute, the better the parameter server stands"
+    } else {
+        "the ring's standing does not follow the models' share of communication here"
+    };
+    let few = if st.len() == 2 { " (two models: a direction, not a trend)" } else { "" };
+    vec![format!(
+        "Across the models of this run at {n} workers (medians of complete runs, ranked by the ring's share of \
+         communication): {}; {verdict}{few}.",
+        listed.join("; ")
+    )]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(widths: &str, mode: &str, shards: usize, thr: f64, compute: f64, comm: f64) -> Summary {
+        Summary {
+            mode: mode.into(),
+            workers: 2,
+            shards,
+            widths: widths.into(),
+            status: "ok".into(),
+            samples_per_s: Some(thr),
+            forward_ms: Some(compute / 2.0),
+            backward_ms: Some(compute / 2.0),
+            comm_ms: Some(comm),
+            ..Summary::default()
+        }
+    }
+
+    #[test]
+    fn the_ring_standing_is_set_against_each_models_share_of_communication() {
+        let all = vec![
+            row("resnet18:3x32x32-10", "ddp-tcp", 0, 41.0, 380.0, 38.0),
+            row("resnet18:3x32x32-10", "ps-bsp", 1, 37.0, 360.0, 52.0),
+            row("resnet18:3x32x32-10", "ps-bsp", 2, 36.0, 360.0, 42.0),
+            row("vgg11:3x32x32-10", "ddp-tcp", 0, 77.0, 160.0, 92.0),
+            row("vgg11:3x32x32-10", "ps-bsp", 1, 60.0, 150.0, 111.0),
+        ];
+        let s = standing(&all, "vgg11:3x32x32-10", "", 2).expect("both modes ran");
+        assert!((s.ring_over_ps - 77.0 / 60.0).abs() < 1e-9 && (s.comm_share - 92.0 / 160.0).abs() < 1e-9);
+        let r = standing(&all, "resnet18:3x32x32-10", "", 2).expect("both modes ran");
+        assert!((r.ring_over_ps - 41.0 / 37.0).abs() < 1e-9, "the best shard count is the PS's: {r:?}");
+        assert_eq!(regime(380.0, 38.0), "compute-bound (communication 10% of compute)");
+        assert_eq!(regime(100.0, 130.0), "communication-bound (1.3x compute)");
+        assert_eq!(standing(&all, "cnn8:1x8x8-10", "", 2), None);
+    }
+}
