@@ -32,6 +32,9 @@ pub enum Command {
     Overlap(crate::overlap::OverlapArgs),
     /// Compare two parameter files; fail beyond a tolerance.
     Diff(crate::diff::DiffArgs),
+    /// gradsync checkpoints (a worker's, or every parameter-server shard's) as one PyTorch
+    /// state dict in safetensors.
+    Export(crate::export::ExportArgs),
     /// Parameter-server push+pull throughput (BSP), tonic defaults vs tuned, against raw TCP.
     Ps(crate::ps::PsBenchArgs),
     /// The comparison's runs on an emulated cluster: one network namespace per host, links

@@ -9,6 +9,8 @@
 //!   TCP and PyTorch gloo.
 //! - [`overlap`]: the share of DDP's communication hidden behind backward, from real runs.
 //! - [`diff`]: how far apart two parameter files are.
+//! - [`export`]: gradsync checkpoints (whole, or a parameter server's shards) as one PyTorch
+//!   state dict.
 //! - [`ps`]: parameter-server push+pull throughput for model sizes, workers and shards, tonic's
 //!   default HTTP/2 settings beside the tuned ones, as a ratio to raw TCP.
 //! - [`hosts`]: where the `ps` benchmark's sockets live: loopback, or emulated hosts with
@@ -27,6 +29,7 @@ pub mod cluster;
 pub mod collective;
 pub mod compare;
 pub mod diff;
+pub mod export;
 pub mod hosts;
 pub mod net;
 pub mod overlap;
@@ -46,6 +49,7 @@ pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
         cli::Command::CollectiveRank(a) => collective::run_rank(&a),
         cli::Command::Overlap(a) => overlap::run(&a),
         cli::Command::Diff(a) => diff::run(&a),
+        cli::Command::Export(a) => export::run(&a),
         cli::Command::Ps(a) => ps::run(&a),
         cli::Command::Cluster(a) => cluster::run(&a),
     }

@@ -252,6 +252,19 @@ impl ModelSpec {
         }
     }
 
+    /// The model a shape token names ([`ModelSpec::widths_str`]: `784-1024-10`,
+    /// `resnet20:3x32x32-10`), as metrics headers and fingerprints record it.
+    pub fn from_token(token: &str) -> Result<Self> {
+        let Some((preset, shape)) = token.split_once(':') else { return ModelSpec::parse(token) };
+        let bad = || Error::invalid("model", format!("'{token}' (expected PRESET:CxHxW-CLASSES)"));
+        let (input, classes) = shape.rsplit_once('-').ok_or_else(bad)?;
+        let sides: Vec<usize> =
+            input.split('x').map(|v| v.parse().map_err(|_| bad())).collect::<Result<_>>()?;
+        let [channels, height, width] = sides[..] else { return Err(bad()) };
+        let classes = classes.parse().map_err(|_| bad())?;
+        ModelSpec::parse(preset)?.fit(Input::Image { channels, height, width }, classes)
+    }
+
     /// What a reader is told the model is: `MLP 784-1024-10`, `resnet20 (3x32x32, 10 classes)`.
     pub fn label(&self) -> String {
         label_of(&self.widths_str())
@@ -931,6 +944,13 @@ impl Fingerprint {
         Fingerprint { text: format!("{arch}{}:f32:seed={seed}", spec.widths_str()) }
     }
 
+    /// The model it names (its seed aside).
+    pub fn spec(&self) -> Result<ModelSpec> {
+        let bad = || Error::invalid("fingerprint", format!("'{}' names no model gradsync knows", self.text));
+        let (token, _) = self.text.rsplit_once(":f32:").ok_or_else(bad)?;
+        ModelSpec::from_token(token.strip_prefix("mlp:").unwrap_or(token)).map_err(|_| bad())
+    }
+
     /// A 64-bit FNV-1a hash of the text, for compact wire formats.
     pub fn hash(&self) -> u64 {
         self.text
@@ -1054,6 +1074,13 @@ mod tests {
             assert_eq!(order.first().map(|r| r.end), Some(l.len), "{name}: backward starts at the top");
             assert!(order.windows(2).all(|w| w[0].start == w[1].end), "{name}: backward order is contiguous");
         }
+        for name in ["tiny", "64-128-10", "resnet20", "cnn8", "vgg11"] {
+            let spec = ModelSpec::parse(name).unwrap();
+            assert_eq!(ModelSpec::from_token(&spec.widths_str()).unwrap().widths_str(), spec.widths_str());
+            assert_eq!(Fingerprint::new(&spec, 3).spec().unwrap().widths_str(), spec.widths_str(), "{name}");
+        }
+        assert!(ModelSpec::from_token("resnet20:3x32-10").is_err());
+        assert!(Fingerprint { text: "gpt:f32:seed=1".into() }.spec().is_err());
         let err = ModelSpec::parse("resnet20").unwrap().fit(Input::Flat(64), 10).unwrap_err().to_string();
         assert!(err.contains("resnet20") && err.contains("flat (64 values"), "{err}");
         let names: Vec<String> = Layout::new(&ModelSpec::parse("resnet20").unwrap())

@@ -32,6 +32,7 @@ pub const READINGS: &[Reading] = &[
     links::extrapolated,
     runs::staleness,
     runs::accuracy_against_local,
+    regime::batch_norm,
     runs::contention,
     runs::straggler,
     runs::failures,

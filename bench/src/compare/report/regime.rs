@@ -69,6 +69,43 @@ pub fn compute_against_communication(cx: &Context) -> Vec<String> {
     )]
 }
 
+/// Where the model has batch norm: what each mode of the group does with its statistics, since
+/// the modes differ there as PyTorch's do, and a parameter server never sees them.
+pub fn batch_norm(cx: &Context) -> Vec<String> {
+    let Some(widths) = cx.g.rows.first().map(|r| r.widths.as_str()) else { return Vec::new() };
+    let Ok(spec) = gradsync_core::model::ModelSpec::from_token(widths) else { return Vec::new() };
+    if gradsync_core::model::Layout::new(&spec).buffers_len == 0 {
+        return Vec::new();
+    }
+    let mut modes: Vec<&str> = Vec::new();
+    for r in &cx.g.rows {
+        let m = match r.mode.parse::<ModeKind>().map(ModeKind::base) {
+            Ok(ModeKind::Local) => "local training normalises with its batch",
+            Ok(ModeKind::Dp) => {
+                "DP's replicas each normalise with their share and keep replica 0's running statistics"
+            }
+            Ok(ModeKind::PsBsp | ModeKind::PsAsp | ModeKind::PsSsp) => {
+                "each parameter-server worker keeps its own running statistics (the servers hold parameters only; \
+                 rank 0 evaluates with its own)"
+            }
+            Ok(_) => {
+                "the rings broadcast rank 0's running statistics every step, each rank normalising with its own \
+                      batch (DDP's broadcast_buffers)"
+            }
+            Err(_) => continue,
+        };
+        if !modes.contains(&m) {
+            modes.push(m);
+        }
+    }
+    vec![format!(
+        "{} has batch norm, which the modes treat as PyTorch's do: {}. Held-out accuracy uses the running \
+         statistics.",
+        cx.g.model,
+        modes.join("; ")
+    )]
+}
+
 /// One model's standing at `n` workers, from every complete run: the ring's (ddp-tcp) median
 /// throughput over the best parameter server's (ps-bsp, any shard count), and the ring's
 /// median communication over its compute.
@@ -201,5 +238,28 @@ mod tests {
         assert_eq!(regime(380.0, 38.0), "compute-bound (communication 10% of compute)");
         assert_eq!(regime(100.0, 130.0), "communication-bound (1.3x compute)");
         assert_eq!(standing(&all, "cnn8:1x8x8-10", "", 2), None);
+    }
+
+    #[test]
+    fn batch_norm_is_named_only_for_a_model_that_has_it() {
+        use crate::compare::charts::groups;
+        use crate::compare::report::context::Context;
+        use crate::compare::results::{Cell, Collected};
+        let said = |rows: Vec<Summary>| {
+            let c = Collected { cells: Cell::all(&rows), summaries: rows, ..Collected::default() };
+            let g = &groups(&c)[0];
+            batch_norm(&Context::new(g, None, None, &c.summaries))
+        };
+        let conv = said(vec![
+            row("cnn8:1x8x8-10", "ps-bsp", 1, 1.0, 1.0, 1.0),
+            row("cnn8:1x8x8-10", "ddp-tcp", 0, 1.0, 1.0, 1.0),
+        ]);
+        assert!(
+            conv.len() == 1
+                && conv[0].contains("keeps its own running statistics")
+                && conv[0].contains("broadcast_buffers"),
+            "{conv:?}"
+        );
+        assert!(said(vec![row("64-1024-10", "ps-bsp", 1, 1.0, 1.0, 1.0)]).is_empty());
     }
 }
