@@ -7,7 +7,7 @@ use crate::device::staging::{StagedBucket, Staging, Streams};
 use crate::device::{Cpu, Cuda, Device, HalfCast};
 use crate::error::Result;
 use crate::model::{BucketPlan, Fingerprint, Layout, ModelSpec};
-use crate::net::{BatchLoss, Net};
+use crate::net::{BatchLoss, Net, NormSync};
 use crate::optim::SgdConfig;
 
 /// A bucket of gradients that backward has finished, handed to the hook of
@@ -255,6 +255,15 @@ impl Engine {
         on_device!(self, m => m.forward(x, labels, train))
     }
 
+    /// A training forward over a batch with batch norms synchronised through `sync`
+    /// ([`Net::forward_loaded_synced`]).
+    pub fn forward_synced(&mut self, x: &[f32], y: &[u32], sync: NormSync<'_>) -> Result<BatchLoss> {
+        on_device!(self, m => {
+            m.load_batch(x, y)?;
+            m.forward_loaded_synced(true, Some(sync))
+        })
+    }
+
     /// Copy a batch to the device ([`Net::load_batch`]).
     pub fn load_batch(&mut self, x: &[f32], labels: &[u32]) -> Result<()> {
         on_device!(self, m => m.load_batch(x, labels))
@@ -284,31 +293,51 @@ impl Engine {
         accumulate: bool,
         on_ready: &mut dyn FnMut(Bucket<'a>),
     ) -> Result<()> {
+        self.backward_buckets_synced(plan, accumulate, on_ready, None)
+    }
+
+    /// [`Engine::backward_buckets`] with batch norms synchronised through `sync`
+    /// ([`Net::backward_synced`]).
+    pub fn backward_buckets_synced<'a>(
+        &'a mut self,
+        plan: &BucketPlan,
+        accumulate: bool,
+        on_ready: &mut dyn FnMut(Bucket<'a>),
+        sync: Option<NormSync<'_>>,
+    ) -> Result<()> {
         self.settle()?;
         match self {
-            Engine::Cpu(m) => m.backward(plan, accumulate, &mut |index, range, v| {
-                on_ready(Bucket { index, range, grads: Grads::Host(v) })
-            }),
+            Engine::Cpu(m) => m.backward_synced(
+                plan,
+                accumulate,
+                &mut |index, range, v| on_ready(Bucket { index, range, grads: Grads::Host(v) }),
+                sync,
+            ),
             Engine::Cuda(staging, m) => {
                 let stream = m.backend().stream().clone();
                 let half = m.backend().half_cast().clone();
                 let (mut pinned, streams) = staging.lend(m.layout().len)?;
-                m.backward(plan, accumulate, &mut |index, range, v| {
-                    // Buckets come last first (descending ranges): each takes the top of what
-                    // is left of the pinned mirror.
-                    let rest = std::mem::take(&mut pinned);
-                    let (below, top) = rest.split_at_mut(range.start.min(rest.len()));
-                    pinned = below;
-                    let take = range.len().min(top.len());
-                    let host = &mut top[..take];
-                    let grads = DeviceGrads {
-                        ptr: v.device_ptr(),
-                        len: v.len(),
-                        stream: stream.clone(),
-                        half: half.clone(),
-                    };
-                    on_ready(Bucket { index, range, grads: Grads::Device { grads, host, streams } })
-                })
+                m.backward_synced(
+                    plan,
+                    accumulate,
+                    &mut |index, range, v| {
+                        // Buckets come last first (descending ranges): each takes the top of what
+                        // is left of the pinned mirror.
+                        let rest = std::mem::take(&mut pinned);
+                        let (below, top) = rest.split_at_mut(range.start.min(rest.len()));
+                        pinned = below;
+                        let take = range.len().min(top.len());
+                        let host = &mut top[..take];
+                        let grads = DeviceGrads {
+                            ptr: v.device_ptr(),
+                            len: v.len(),
+                            stream: stream.clone(),
+                            half: half.clone(),
+                        };
+                        on_ready(Bucket { index, range, grads: Grads::Device { grads, host, streams } })
+                    },
+                    sync,
+                )
             }
         }
     }

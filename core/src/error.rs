@@ -48,6 +48,10 @@ pub enum Error {
         /// Theirs.
         found: String,
     },
+    /// An exchange with the other ranks that forward or backward needed (a synchronised batch
+    /// norm's sums) failed.
+    #[error("exchanging batch-norm statistics with the other ranks: {0}")]
+    Exchange(String),
     /// A buffer's length does not match the model's layout.
     #[error("{what}: expected {expected} values, got {got}")]
     Length {

@@ -16,6 +16,12 @@ use crate::error::{Error, Result};
 use crate::model::{BucketPlan, Graph, InputGrad, Layout, ModelSpec, Node, Op, init_buffers, init_params};
 use crate::optim::SgdConfig;
 
+/// Sums per-channel batch-norm statistics over the ranks of a synchronised batch norm, in
+/// place (an all-reduce; SyncBatchNorm's): called in forward with each layer's sums of `x`
+/// (and, last, the local count), then of squared deviations, and in backward with `sum dy |
+/// sum dy (x - mean)`. Every rank calls it the same number of times in the same order.
+pub type NormSync<'s> = &'s mut dyn FnMut(&mut [f32]) -> Result<()>;
+
 /// Loss and accuracy of one batch.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct BatchLoss {
@@ -62,6 +68,9 @@ pub struct Net<B: Backend> {
     loaded: usize,
     /// Training forward passes so far (PyTorch's `num_batches_tracked`).
     batches: u64,
+    /// Each batch norm's count of values per channel in the last training forward, over every
+    /// rank when synchronised (indexed by the start of its saved statistics).
+    counts: Vec<usize>,
 }
 
 /// `(&v[read], &mut v[write])` for `read != write`.
@@ -143,6 +152,7 @@ impl<B: Backend> Net<B> {
             rows: 0,
             loaded: 0,
             batches: 0,
+            counts: Vec::new(),
         })
     }
 
@@ -233,14 +243,25 @@ impl<B: Backend> Net<B> {
     /// Forward pass over the batch last loaded ([`Net::load_batch`]); when `train` is set the
     /// loss gradient is left ready for [`Net::backward`].
     pub fn forward_loaded(&mut self, train: bool) -> Result<BatchLoss> {
+        self.forward_loaded_synced(train, None)
+    }
+
+    /// [`Net::forward_loaded`] with batch norms synchronised through `sync` ([`NormSync`]) in
+    /// training.
+    pub fn forward_loaded_synced(
+        &mut self,
+        train: bool,
+        mut sync: Option<NormSync<'_>>,
+    ) -> Result<BatchLoss> {
         let rows = self.loaded;
         if rows == 0 {
             return Err(Error::invalid("forward", "no batch loaded"));
         }
         self.rows = rows;
         self.batches += u64::from(train);
+        self.counts.resize(self.graph.saved_len, 0);
         for i in 0..self.graph.nodes.len() {
-            self.forward_node(i, rows, train)?;
+            self.forward_node(i, rows, train, sync.as_deref_mut())?;
         }
         let last = self.graph.nodes.last().map_or(0, |n| n.output);
         let cols = self.spec.classes();
@@ -260,8 +281,14 @@ impl<B: Backend> Net<B> {
         Ok(BatchLoss { loss: loss / rows as f64, correct, rows })
     }
 
-    fn forward_node(&mut self, i: usize, n: usize, train: bool) -> Result<()> {
-        let Net { backend, graph, params, buffers, saved, acts, col, ones, norm, .. } = self;
+    fn forward_node<'o>(
+        &mut self,
+        i: usize,
+        n: usize,
+        train: bool,
+        sync: Option<&mut (dyn FnMut(&mut [f32]) -> Result<()> + 'o)>,
+    ) -> Result<()> {
+        let Net { backend, graph, params, buffers, saved, acts, col, ones, norm, counts, .. } = self;
         let node = &graph.nodes[i];
         let size = |slot: usize| n * graph.slots[slot];
         if node.op == Op::Relu {
@@ -304,25 +331,50 @@ impl<B: Backend> Net<B> {
             }
             Op::Norm { channels, pixels, params: affine, buffers: running, saved: stats } => {
                 let (c, m) = (*channels, n * *pixels);
+                let (means, devs) = (stats.start..stats.start + c, stats.start + c..stats.end);
+                let mut count = m;
                 if train {
-                    let mut sv = B::view_mut(saved, stats.clone());
-                    let (mut mean, mut dev) = B::split_at(B::sub(&mut sv, 0..2 * c), c);
-                    backend.channel_sums(B::sub(&mut mean, 0..c), x, ChannelSum::Plain, c, m)?;
-                    backend.scale(B::sub(&mut mean, 0..c), 1.0 / m as f32)?;
-                    let center = B::as_view(&mean);
-                    backend.channel_sums(
-                        B::sub(&mut dev, 0..c),
-                        x,
-                        ChannelSum::SquaredDeviation { center },
-                        c,
-                        m,
-                    )?;
+                    backend.channel_sums(B::view_mut(saved, means.clone()), x, ChannelSum::Plain, c, m)?;
+                    if let Some(sync) = sync {
+                        // The sums of x and the count over every rank, then the squared
+                        // deviations from the mean they give.
+                        let mut host = vec![0.0; c + 1];
+                        backend.read(saved, means.clone(), &mut host[..c])?;
+                        host[c] = m as f32;
+                        sync(&mut host)?;
+                        count = host[c] as usize;
+                        backend.write(saved, means.start, &host[..c])?;
+                        backend.scale(B::view_mut(saved, means.clone()), 1.0 / count as f32)?;
+                        {
+                            let mut sv = B::view_mut(saved, stats.clone());
+                            let (mean, mut dev) = B::split_at(B::sub(&mut sv, 0..2 * c), c);
+                            let center = B::as_view(&mean);
+                            let what = ChannelSum::SquaredDeviation { center };
+                            backend.channel_sums(B::sub(&mut dev, 0..c), x, what, c, m)?;
+                        }
+                        backend.read(saved, devs.clone(), &mut host[..c])?;
+                        sync(&mut host[..c])?;
+                        backend.write(saved, devs.start, &host[..c])?;
+                    } else {
+                        backend.scale(B::view_mut(saved, means.clone()), 1.0 / m as f32)?;
+                        let mut sv = B::view_mut(saved, stats.clone());
+                        let (mean, mut dev) = B::split_at(B::sub(&mut sv, 0..2 * c), c);
+                        let center = B::as_view(&mean);
+                        backend.channel_sums(
+                            B::sub(&mut dev, 0..c),
+                            x,
+                            ChannelSum::SquaredDeviation { center },
+                            c,
+                            m,
+                        )?;
+                    }
+                    counts[stats.start] = count;
                 }
                 backend.norm_stats(
                     B::view_mut(saved, stats.clone()),
                     B::view_mut(buffers, running.clone()),
                     c,
-                    m,
+                    count,
                     train,
                     norm,
                 )?;
@@ -360,18 +412,32 @@ impl<B: Backend> Net<B> {
         accumulate: bool,
         on_ready: &mut dyn FnMut(usize, Range<usize>, B::ViewMut<'a>),
     ) -> Result<()> {
+        self.backward_synced(plan, accumulate, on_ready, None)
+    }
+
+    /// [`Net::backward`] with batch norms synchronised through `sync` ([`NormSync`]): each
+    /// layer's input gradient from the sums over every rank, its weight and bias gradients
+    /// from this rank's own (which the data-parallel mean then averages, as SyncBatchNorm's).
+    pub fn backward_synced<'a>(
+        &'a mut self,
+        plan: &BucketPlan,
+        accumulate: bool,
+        on_ready: &mut dyn FnMut(usize, Range<usize>, B::ViewMut<'a>),
+        sync: Option<NormSync<'_>>,
+    ) -> Result<()> {
         let rows = self.rows;
         if rows == 0 {
             return Err(Error::invalid("backward", "no forward pass to differentiate"));
         }
-        let Net { backend, graph, params, grads, saved, acts, dacts, col, ones, sums, .. } = self;
+        let Net { backend, graph, params, grads, saved, acts, dacts, col, ones, sums, counts, .. } = self;
         let mut sink: Sink<'a, '_, B> = Sink {
             buckets: plan.buckets.clone().into_iter().enumerate(),
             rest: Some(B::view_mut(grads, 0..graph.layout.len)),
             open: None,
             on_ready,
         };
-        let mut parts = Parts { backend, graph, params, saved, acts, col, ones, sums, rows, accumulate };
+        let mut parts =
+            Parts { backend, graph, params, saved, acts, col, ones, sums, counts, sync, rows, accumulate };
         for node in graph.nodes.iter().rev() {
             parts.backward_node(node, dacts, &mut sink)?;
         }
@@ -522,7 +588,7 @@ impl<B: Backend> Net<B> {
 }
 
 /// What backward reads besides the activation gradients and the gradient buffer.
-struct Parts<'p, B: Backend> {
+struct Parts<'p, 's, B: Backend> {
     backend: &'p B,
     graph: &'p Graph,
     params: &'p B::Buf,
@@ -531,12 +597,15 @@ struct Parts<'p, B: Backend> {
     col: &'p mut Option<B::Buf>,
     ones: &'p Option<B::Buf>,
     sums: &'p mut Option<B::Buf>,
+    /// Each batch norm's count of values per channel in forward (over every rank).
+    counts: &'p [usize],
+    sync: Option<NormSync<'s>>,
     rows: usize,
     /// Add parameter gradients to the buffer rather than overwrite it.
     accumulate: bool,
 }
 
-impl<B: Backend> Parts<'_, B> {
+impl<B: Backend> Parts<'_, '_, B> {
     fn backward_node<'a>(
         &mut self,
         node: &Node,
@@ -640,12 +709,43 @@ impl<B: Backend> Parts<'_, B> {
                         m,
                     )?;
                 }
-                let (sums, sv) = (B::view(sums, 0..2 * c), B::view(saved, stats.clone()));
                 let gamma = B::view(params, affine.clone());
-                let dxv = if want_dx { Some(dx!()) } else { None };
+                let sv = B::view(saved, stats.clone());
+                let Some(sync) = self.sync.as_deref_mut() else {
+                    let sums = B::view(sums, 0..2 * c);
+                    let dxv = if want_dx { Some(dx!()) } else { None };
+                    return sink.unit(affine.clone(), |t| {
+                        backend.norm_backward(dxv, Some(t), dy, x, sv, gamma, sums, c, m, m, acc, acc_dx)
+                    });
+                };
+                // The weight and bias from this rank's sums; the input gradient from every rank's.
+                let local = B::view(sums, 0..2 * c);
                 sink.unit(affine.clone(), |t| {
-                    backend.norm_backward(dxv, t, dy, x, sv, gamma, sums, c, m, m, acc, acc_dx)
-                })
+                    backend.norm_backward(None, Some(t), dy, x, sv, gamma, local, c, m, m, acc, false)
+                })?;
+                if want_dx {
+                    let mut host = vec![0.0; 2 * c];
+                    backend.read(sums, 0..2 * c, &mut host)?;
+                    sync(&mut host)?;
+                    backend.write(sums, 0, &host)?;
+                    let count = self.counts.get(stats.start).copied().filter(|&k| k > 0).unwrap_or(m);
+                    let all = B::view(sums, 0..2 * c);
+                    backend.norm_backward(
+                        Some(dx!()),
+                        None,
+                        dy,
+                        x,
+                        sv,
+                        gamma,
+                        all,
+                        c,
+                        m,
+                        count,
+                        acc,
+                        acc_dx,
+                    )?;
+                }
+                Ok(())
             }
             Op::MaxPool { window } if want_dx => {
                 let planes = Window { channels: window.channels * n, ..*window };

@@ -836,7 +836,7 @@ const SHAPED: &[Shaped] = &[
             let a = Cuda::view(&affine, 0..2 * c);
             b.norm_backward(
                 Some(Cuda::view_mut(&mut dx, 0..c * m)),
-                Cuda::view_mut(&mut da, 0..2 * c),
+                Some(Cuda::view_mut(&mut da, 0..2 * c)),
                 xv,
                 xv,
                 a,

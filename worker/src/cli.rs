@@ -363,6 +363,13 @@ pub struct DdpArgs {
     /// overlap buys; GPU engines with --backend tcp always do this).
     #[arg(long)]
     pub no_overlap: bool,
+    /// Synchronised batch norm (PyTorch's SyncBatchNorm): each batch norm normalises with the
+    /// mean and variance of every rank's batch together, all-reduced in forward, and its
+    /// input gradient from sums all-reduced in backward; training then matches one process
+    /// with the combined batch. Without it each rank normalises with its own batch and rank
+    /// 0's running statistics are broadcast every step (DDP's broadcast_buffers). TCP backend.
+    #[arg(long)]
+    pub sync_bn: bool,
 }
 
 impl DdpArgs {

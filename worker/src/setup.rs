@@ -251,6 +251,15 @@ pub fn strategy(run: &Run) -> anyhow::Result<Box<dyn Strategy>> {
 fn ddp_config(d: &DdpArgs, compression: Compression, run: &Run) -> anyhow::Result<DdpConfig> {
     anyhow::ensure!(d.bucket_mb > 0.0 && d.bucket_mb.is_finite(), "--bucket-mb must be positive");
     anyhow::ensure!(d.sync_every >= 1, "--sync-every must be at least 1");
+    if d.sync_bn {
+        anyhow::ensure!(
+            gradsync_core::model::Layout::new(&run.model).buffers_len > 0,
+            "--sync-bn: {} has no batch norm to synchronise",
+            run.model.name
+        );
+        anyhow::ensure!(d.backend != Backend::Nccl, "--sync-bn works over --backend tcp (not yet over NCCL)");
+        anyhow::ensure!(d.sync_every == 1, "--sync-bn synchronises every forward: it needs --sync-every 1");
+    }
     anyhow::ensure!(
         d.comm_timeout > 0.0 && d.comm_timeout.is_finite(),
         "--comm-timeout must be a positive number of seconds"
@@ -270,6 +279,7 @@ fn ddp_config(d: &DdpArgs, compression: Compression, run: &Run) -> anyhow::Resul
         bucket_values: ((d.bucket_mb * (1 << 20) as f64) / 4.0).max(1.0) as usize,
         sync_every: d.sync_every,
         overlap: !d.no_overlap,
+        sync_bn: d.sync_bn,
         chunk_kb: d.chunk_kb,
         transport: d.transport,
         hierarchy: d.hierarchy,

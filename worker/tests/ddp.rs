@@ -192,6 +192,57 @@ fn augmented_ddp_matches_augmented_local_training() {
     assert!(max_diff(&local, &ddp) < 1e-5, "augmented DDP vs local: max diff {}", max_diff(&local, &ddp));
 }
 
+/// SyncBatchNorm: with `--sync-bn` every rank's batch norms normalise with the statistics of
+/// all ranks' batches together, so DDP (buckets overlapped with backward, and not) and ZeRO-1
+/// over 2 ranks end where one process with the combined batch does: every parameter and
+/// running statistic of cnn8 after 8 steps on the digits. Without it each rank normalises with
+/// half the batch, and they end elsewhere.
+#[test]
+fn sync_bn_matches_local_training_with_the_combined_batch() {
+    let dir = Scratch::new("sync-bn");
+    let run = |mode: &[&str], name: &str| {
+        let save = dir.join(name);
+        let mut a: Vec<String> = mode.iter().map(|s| s.to_string()).collect();
+        a.extend(
+            ["--model", "cnn8", "--data", "digits", "--device", "cpu", "--threads", "1"].map(String::from),
+        );
+        a.extend(
+            ["--steps", "8", "--eval-every", "0", "--lr", "0.05", "--quiet", "--save"].map(String::from),
+        );
+        a.push(save.display().to_string());
+        run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>());
+        gradsync_core::state_dict::load(&save).unwrap()
+    };
+    // The largest difference of any tensor, relative to its largest value, and its name.
+    let worst = |a: &gradsync_core::state_dict::Tensors, b: &gradsync_core::state_dict::Tensors| {
+        a.iter()
+            .filter(|(k, _)| !k.ends_with("num_batches_tracked"))
+            .map(|(k, v)| {
+                let (x, y) = (v.to_f32(), b[k].to_f32());
+                let scale = x.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+                (max_diff(&x, &y) / scale, k.clone())
+            })
+            .fold((0.0f32, String::new()), |w, d| if d.0 > w.0 { d } else { w })
+    };
+    let local = run(&["train", "--batch", "32"], "local.safetensors");
+    let ddp = |extra: &[&str], name: &str, mode: &str| {
+        let mut rest = vec!["--batch", "16", "--comm-timeout", "30"];
+        rest.extend(extra);
+        let a = launch_train(2, mode, &rest);
+        run(&a.iter().map(String::as_str).collect::<Vec<_>>(), name)
+    };
+    for (extra, name, mode) in [
+        (&["--sync-bn"][..], "ddp.safetensors", "ddp"),
+        (&["--sync-bn", "--no-overlap"][..], "ddp-after.safetensors", "ddp"),
+        (&["--sync-bn"][..], "zero1.safetensors", "zero1"),
+    ] {
+        let (d, at) = worst(&local, &ddp(extra, name, mode));
+        assert!(d < 1e-5, "{mode} {extra:?} vs local: {at} differs by {d:.2e}");
+    }
+    let (d, at) = worst(&local, &ddp(&[], "plain.safetensors", "ddp"));
+    assert!(d > 1e-2, "without --sync-bn DDP should normalise per rank, but only {at} differs, by {d:.2e}");
+}
+
 #[test]
 fn ddp_metrics_report_communication() {
     let dir = Scratch::new("metrics");

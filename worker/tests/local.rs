@@ -137,6 +137,15 @@ fn bad_flags_are_clear_errors() {
             &["--model", "cnn8", "--data", "digits", "--save", "/tmp/x.ckpt"][..],
             "a path ending in .safetensors",
         ),
+        (&["--mode", "ddp", "--sync-bn"][..], "tiny has no batch norm to synchronise"),
+        (
+            &["--model", "cnn8", "--data", "digits", "--mode", "ddp", "--sync-bn", "--sync-every", "2"][..],
+            "needs --sync-every 1",
+        ),
+        (
+            &["--model", "cnn8", "--data", "digits", "--mode", "ddp", "--sync-bn", "--backend", "nccl"][..],
+            "--backend tcp",
+        ),
     ] {
         let model: &[&str] = if args[0] == "--model" { &[] } else { &["--model", "tiny"] };
         let o = worker(&[&["--steps", "1"][..], model, args].concat());

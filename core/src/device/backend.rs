@@ -321,14 +321,14 @@ pub trait Backend: Sized {
     ) -> Result<()>;
     /// Batch-norm backward from `sums` = `sum dy | sum dy (x - mean)` over `count` values per
     /// channel ([`Backend::channel_sums`], all-reduced first for a synchronised batch norm):
-    /// `d_affine` (=|+=) `sum dy (x - mean) * invstd | sum dy` when `accumulate`, and, when `dx`
+    /// `d_affine`, when given, (=|+=) `sum dy (x - mean) * invstd | sum dy` when `accumulate`, and, when `dx`
     /// is given, `dx (=|+=) gamma invstd (dy - sum dy / count - (x - mean) invstd^2
     /// sum dy (x - mean) / count)` when `accumulate_dx`.
     #[allow(clippy::too_many_arguments)]
     fn norm_backward(
         &self,
         dx: Option<Self::ViewMut<'_>>,
-        d_affine: Self::ViewMut<'_>,
+        d_affine: Option<Self::ViewMut<'_>>,
         dy: Self::View<'_>,
         x: Self::View<'_>,
         saved: Self::View<'_>,

@@ -441,7 +441,7 @@ impl Backend for Cpu {
     fn norm_backward(
         &self,
         dx: Option<&mut [f32]>,
-        d_affine: &mut [f32],
+        d_affine: Option<&mut [f32]>,
         dy: &[f32],
         x: &[f32],
         saved: &[f32],

@@ -394,7 +394,7 @@ pub(super) fn norm_apply(
 pub(super) fn norm_backward(
     pool: Option<&ThreadPool>,
     dx: Option<&mut [f32]>,
-    d_affine: &mut [f32],
+    d_affine: Option<&mut [f32]>,
     dy: &[f32],
     x: &[f32],
     saved: &[f32],
@@ -408,10 +408,12 @@ pub(super) fn norm_backward(
     need("norm_backward statistics", saved.len(), 2 * channels)?;
     need("norm_backward affine parameters", affine.len(), 2 * channels)?;
     need("norm_backward sums", sums.len(), 2 * channels)?;
-    need("norm_backward affine gradient", d_affine.len(), 2 * channels)?;
-    for c in 0..channels {
-        put(&mut d_affine[c], sums[channels + c] * saved[channels + c], accumulate);
-        put(&mut d_affine[channels + c], sums[c], accumulate);
+    if let Some(d_affine) = d_affine {
+        need("norm_backward affine gradient", d_affine.len(), 2 * channels)?;
+        for c in 0..channels {
+            put(&mut d_affine[c], sums[channels + c] * saved[channels + c], accumulate);
+            put(&mut d_affine[channels + c], sums[c], accumulate);
+        }
     }
     let Some(dx) = dx else { return Ok(()) };
     need("norm_backward input gradient", dx.len(), channels * m)?;

@@ -1005,7 +1005,7 @@ impl Backend for Cuda {
     fn norm_backward(
         &self,
         dx: Option<GpuViewMut<'_>>,
-        d_affine: GpuViewMut<'_>,
+        d_affine: Option<GpuViewMut<'_>>,
         dy: GpuView<'_>,
         x: GpuView<'_>,
         saved: GpuView<'_>,

@@ -339,15 +339,15 @@ extern "C" __global__ void norm_apply(float* y, const float* x, const float* sav
 }
 
 // Batch-norm backward from sums = sum dy | sum dy (x - mean) (CPU: cpu_layers::norm_backward).
-// Threads below `channels` write the affine gradients; every thread of the value range writes
-// dx when dx is not null.
+// Threads below `channels` write the affine gradients when d_affine is not null; every thread
+// of the value range writes dx when dx is not null.
 extern "C" __global__ void norm_backward(float* dx, float* d_affine, const float* dy, const float* x,
                                          const float* saved, const float* affine, const float* sums,
                                          u64 channels, u64 m, u64 count, int accumulate, int accumulate_dx) {
     const u64 n = dx == 0 ? channels : (channels * m > channels ? channels * m : channels);
     const float inv_count = 1.0f / (float)count;
     for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
-        if (t < channels) {
+        if (d_affine != 0 && t < channels) {
             const float dg = sums[channels + t] * saved[channels + t], db = sums[t];
             d_affine[t] = accumulate ? d_affine[t] + dg : dg;
             d_affine[channels + t] = accumulate ? d_affine[channels + t] + db : db;

@@ -82,10 +82,18 @@ pub struct Synced {
 /// A communication span: (start, end).
 type Span = (Instant, Instant);
 
+/// What the communication thread is handed, in the order every rank hands it over.
+enum Job<'a> {
+    /// A finished bucket to reduce.
+    Bucket(HostBucket<'a>),
+    /// A synchronised batch norm's sums to all-reduce, and where to send them back.
+    Sums(Vec<f32>, mpsc::Sender<Result<Vec<f32>, String>>),
+}
+
 /// What one bucket's hook needs.
 struct Hook<'a, 'w, W: BucketWork + ?Sized> {
     /// The communication thread (host buckets, overlapped).
-    thread: Option<mpsc::Sender<HostBucket<'a>>>,
+    thread: Option<mpsc::Sender<Job<'a>>>,
     /// NCCL and the work, for GPU buckets it reduces in GPU memory.
     nccl: Option<(&'w mut Nccl, &'w W)>,
     overlap: bool,
@@ -124,7 +132,7 @@ impl<'a, W: BucketWork + ?Sized> Hook<'a, '_, W> {
             Ok(h) => match &self.thread {
                 // If the thread has failed it has dropped the receiver; its error is reported
                 // when it is joined.
-                Some(tx) => drop(tx.send(h)),
+                Some(tx) => drop(tx.send(Job::Bucket(h))),
                 None => self.later.push(h),
             },
             Err(e) => {
@@ -195,6 +203,11 @@ impl Communicator {
     /// finishes it when `overlap`, else after backward. Returns when every bucket's work is
     /// done and its values are back in the engine (queued, on a GPU, before anything the
     /// engine does next).
+    ///
+    /// With `sync_bn`, backward's batch norms all-reduce their sums over the ranks too
+    /// (SyncBatchNorm), in order with the buckets: on the communication thread when it runs,
+    /// else at once (the TCP backend only; the strategy refuses NCCL).
+    #[allow(clippy::too_many_arguments)]
     pub fn backward_synced<W: BucketWork + ?Sized>(
         &mut self,
         engine: &mut Engine,
@@ -202,6 +215,7 @@ impl Communicator {
         accumulate: bool,
         work: &mut W,
         overlap: bool,
+        sync_bn: bool,
         trace: &Trace,
     ) -> anyhow::Result<Synced> {
         let t0 = Instant::now();
@@ -221,13 +235,49 @@ impl Communicator {
             Communicator::Tcp(comm) => {
                 let comm: &mut TcpComm = comm;
                 let (ended, thread_spans, later) = std::thread::scope(|s| {
-                    let (tx, rx) = mpsc::channel::<HostBucket<'_>>();
-                    let worker = overlap.then(|| {
-                        let (comm, work) = (&mut *comm, &mut *work);
-                        s.spawn(move || rx.into_iter().map(|b| run_host(work, comm, b, trace)).collect())
+                    let (tx, rx) = mpsc::channel::<Job<'_>>();
+                    let (for_thread, mut direct) =
+                        if overlap { (Some(&mut *comm), None) } else { (None, Some(&mut *comm)) };
+                    let worker = for_thread.map(|comm| {
+                        let work = &mut *work;
+                        s.spawn(move || -> anyhow::Result<Vec<Span>> {
+                            let mut spans = Vec::new();
+                            for job in rx {
+                                match job {
+                                    Job::Bucket(b) => spans.push(run_host(work, comm, b, trace)?),
+                                    Job::Sums(mut v, reply) => {
+                                        let r =
+                                            comm.all_reduce(&mut v).map(|()| v).map_err(|e| e.to_string());
+                                        drop(reply.send(r));
+                                    }
+                                }
+                            }
+                            Ok(spans)
+                        })
                     });
+                    let sums_tx = worker.is_some().then(|| tx.clone());
+                    let mut norm = |buf: &mut [f32]| -> gradsync_core::Result<()> {
+                        let gone =
+                            || gradsync_core::Error::Exchange("the communication thread stopped".into());
+                        if let Some(tx) = &sums_tx {
+                            let (rtx, rrx) = mpsc::channel();
+                            tx.send(Job::Sums(buf.to_vec(), rtx)).map_err(|_| gone())?;
+                            let v =
+                                rrx.recv().map_err(|_| gone())?.map_err(gradsync_core::Error::Exchange)?;
+                            buf.copy_from_slice(&v);
+                            Ok(())
+                        } else if let Some(c) = direct.as_deref_mut() {
+                            c.all_reduce(buf).map_err(|e| gradsync_core::Error::Exchange(e.to_string()))
+                        } else {
+                            Err(gone())
+                        }
+                    };
                     let mut hook = Hook::<W>::new(worker.is_some().then_some(tx), None, overlap);
-                    let bwd = engine.backward_buckets(plan, accumulate, &mut |b| hook.ready(b));
+                    let sync: Option<gradsync_core::net::NormSync<'_>> =
+                        if sync_bn { Some(&mut norm) } else { None };
+                    let bwd = engine.backward_buckets_synced(plan, accumulate, &mut |b| hook.ready(b), sync);
+                    // The thread ends once every sender is gone: the hook's, and the sums'.
+                    drop(sums_tx);
                     let Hook { thread, later, failed, .. } = hook;
                     drop(thread);
                     let ended = ended(bwd, failed);
@@ -248,6 +298,7 @@ impl Communicator {
             }
             Communicator::Nccl(nccl) => {
                 let nccl: &mut Nccl = nccl;
+                anyhow::ensure!(!sync_bn, "a synchronised batch norm works over the TCP backend only");
                 let mut hook = Hook::new(None, Some((&mut *nccl, &*work)), overlap);
                 let bwd = engine.backward_buckets(plan, accumulate, &mut |b| hook.ready(b));
                 let Hook { later, deferred, first_queued, failed, .. } = hook;
@@ -289,7 +340,7 @@ impl Communicator {
 
 impl<'a, 'w, W: BucketWork + ?Sized> Hook<'a, 'w, W> {
     fn new(
-        thread: Option<mpsc::Sender<HostBucket<'a>>>,
+        thread: Option<mpsc::Sender<Job<'a>>>,
         nccl: Option<(&'w mut Nccl, &'w W)>,
         overlap: bool,
     ) -> Self {

@@ -42,6 +42,8 @@ pub struct DdpConfig {
     pub sync_every: u64,
     /// Reduce each bucket while backward computes the rest.
     pub overlap: bool,
+    /// Synchronised batch norm (`--sync-bn`): the batch's statistics over every rank.
+    pub sync_bn: bool,
     /// The TCP ring's chunk, KiB (`None`: the ranks choose, [`RingConfig::chunk_auto`]).
     pub chunk_kb: Option<usize>,
     /// How the TCP ring reaches its neighbours.
@@ -123,6 +125,7 @@ impl Strategy for Ddp {
                     s.accumulate,
                     &mut d.reduce,
                     sh.overlap,
+                    sh.sync_bn,
                     &sh.trace,
                 )?;
                 rec.backward_ms = synced.backward_ms;

@@ -28,6 +28,8 @@ pub(super) struct Shell {
     pub sync_every: u64,
     micro: u64,
     pub overlap: bool,
+    /// Batch norms normalise with the statistics of every rank's batch (`--sync-bn`).
+    pub sync_bn: bool,
     pub trace: Trace,
     plan: Option<BucketPlan>,
 }
@@ -84,6 +86,7 @@ impl Shell {
             sync_every: c.sync_every,
             micro: 0,
             overlap: c.overlap,
+            sync_bn: c.sync_bn,
             trace: c.trace.clone(),
             plan: None,
         })
@@ -127,8 +130,22 @@ impl Shell {
                 sh.comm.get().broadcast(&mut b, 0).context("broadcasting rank 0's batch-norm statistics")?;
                 engine.write_buffers(&b)?;
             }
-            let (loss, synced) =
-                forward_unless_synced(engine, x, y, rec, &trace, (&mut sh.micro, sh.sync_every))?;
+            let (loss, synced) = if sh.sync_bn {
+                // SyncBatchNorm: the batch's statistics all-reduced in forward (the ring is idle
+                // then), and in backward with the buckets (`backward_synced`).
+                let comm = sh.comm.get();
+                let mut all_reduce = |buf: &mut [f32]| {
+                    comm.all_reduce(buf).map_err(|e| gradsync_core::Error::Exchange(e.to_string()))
+                };
+                let t = std::time::Instant::now();
+                let loss = engine.forward_synced(x, y, &mut all_reduce)?;
+                engine.synchronize()?;
+                rec.forward_ms = t.elapsed().as_secs_f64() * 1e3;
+                trace.span("forward", "compute", "compute", t);
+                (loss, Some(false))
+            } else {
+                forward_unless_synced(engine, x, y, rec, &trace, (&mut sh.micro, sh.sync_every))?
+            };
             let Some(accumulate) = synced else { return Ok(loss) };
             // The sum of W ranks' (and K micro-steps') mean gradients, scaled to their mean.
             let scale = 1.0 / (sh.world as f32 * sh.sync_every as f32);
@@ -158,6 +175,7 @@ impl Shell {
         m.insert("buckets".into(), self.plan.as_ref().map_or(0, |p| p.buckets.len()).into());
         m.insert("sync_every".into(), self.sync_every.into());
         m.insert("overlap".into(), self.overlap.into());
+        m.insert("sync_bn".into(), self.sync_bn.into());
         m.insert("chunk_kb".into(), self.comm.chunk_kb().into());
         self.comm.describe(m)
     }

@@ -162,8 +162,15 @@ impl Strategy for Zero1 {
             rec,
             |z, engine, s, rec| {
                 let Zero1 { shell: sh, scatter, momentum, scratch, .. } = z;
-                let synced =
-                    sh.comm.backward_synced(engine, s.plan, s.accumulate, scatter, sh.overlap, &sh.trace)?;
+                let synced = sh.comm.backward_synced(
+                    engine,
+                    s.plan,
+                    s.accumulate,
+                    scatter,
+                    sh.overlap,
+                    sh.sync_bn,
+                    &sh.trace,
+                )?;
                 rec.backward_ms = synced.backward_ms;
                 // Each owned segment updated with its momentum, then every bucket's parameters
                 // all-gathered: all after backward, which still reads the parameters.

@@ -355,7 +355,7 @@ impl Cuda {
     pub(super) fn layer_norm_backward(
         &self,
         dx: Option<GpuViewMut<'_>>,
-        d_affine: GpuViewMut<'_>,
+        d_affine: Option<GpuViewMut<'_>>,
         (dy, x, saved, affine, sums): (GpuView<'_>, GpuView<'_>, GpuView<'_>, GpuView<'_>, GpuView<'_>),
         (channels, m, count): (usize, usize, usize),
         (accumulate, accumulate_dx): (bool, bool),
@@ -364,7 +364,6 @@ impl Cuda {
         self.check_views(
             "norm_backward",
             &[
-                (d_affine.owner, d_affine.len, 2 * channels),
                 (dy.owner, dy.len, n),
                 (x.owner, x.len, n),
                 (saved.owner, saved.len, 2 * channels),
@@ -375,12 +374,16 @@ impl Cuda {
         if let Some(d) = &dx {
             self.check_views("norm_backward input gradient", &[(d.owner, d.len, n)])?;
         }
+        if let Some(d) = &d_affine {
+            self.check_views("norm_backward affine gradient", &[(d.owner, d.len, 2 * channels)])?;
+        }
         if channels == 0 {
             return Ok(());
         }
         let threads = if dx.is_some() { n.max(channels) } else { channels };
         let dxp = dx.map_or(0, |d| d.ptr);
-        let (dap, dyp, xp, sp, ap, smp) = (d_affine.ptr, dy.ptr, x.ptr, saved.ptr, affine.ptr, sums.ptr);
+        let dap = d_affine.map_or(0, |d| d.ptr);
+        let (dyp, xp, sp, ap, smp) = (dy.ptr, x.ptr, saved.ptr, affine.ptr, sums.ptr);
         let (c, m64, cnt, acc, acc_dx) =
             (channels as u64, m as u64, count as u64, i32::from(accumulate), i32::from(accumulate_dx));
         launch!(self, norm_backward, threads; dxp, dap, dyp, xp, sp, ap, smp, c, m64, cnt, acc, acc_dx)
