@@ -20,7 +20,10 @@ use crate::optim::SgdConfig;
 /// place (an all-reduce; SyncBatchNorm's): called in forward with each layer's sums of `x`
 /// (and, last, the local count), then of squared deviations, and in backward with `sum dy |
 /// sum dy (x - mean)`. Every rank calls it the same number of times in the same order.
-pub type NormSync<'s> = &'s mut dyn FnMut(&mut [f32]) -> Result<()>;
+pub type NormSync<'s> = &'s mut NormSyncFn<'s>;
+
+/// The all-reduce of a [`NormSync`], behind a borrow of any length.
+pub type NormSyncFn<'o> = dyn FnMut(&mut [f32]) -> Result<()> + 'o;
 
 /// Loss and accuracy of one batch.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -286,7 +289,7 @@ impl<B: Backend> Net<B> {
         i: usize,
         n: usize,
         train: bool,
-        sync: Option<&mut (dyn FnMut(&mut [f32]) -> Result<()> + 'o)>,
+        sync: Option<&mut NormSyncFn<'o>>,
     ) -> Result<()> {
         let Net { backend, graph, params, buffers, saved, acts, col, ones, norm, counts, .. } = self;
         let node = &graph.nodes[i];
