@@ -16,8 +16,8 @@ done
 # them at run time: pytorch/ beside the binary.
 cp -r bench/pytorch .gpu/bin/pytorch
 # The GPU test executables: core's (CPU-vs-GPU, training on the GPU, the half-precision
-# kernels), the worker's collectives (NCCL) and DDP's (NCCL with --compress fp16|bf16), each
-# as one file.
+# kernels, and every model against PyTorch), the worker's collectives (NCCL) and DDP's (NCCL
+# with --compress fp16|bf16), each as one file.
 test_exe() { # test_exe PACKAGE TEST
   cargo test --release -p "$1" --test "$2" --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json,sys
@@ -26,7 +26,7 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
         print(m["executable"])' "$2"
 }
-for t in "gradsync-core gpu" "gradsync-worker collective" "gradsync-worker ddp"; do
+for t in "gradsync-core gpu" "gradsync-core pytorch" "gradsync-worker collective" "gradsync-worker ddp"; do
   set -- $t
   exe=$(test_exe "$1" "$2")
   cp "$exe" ".gpu/tests/$2"

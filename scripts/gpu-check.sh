@@ -257,6 +257,11 @@ correctness() {
   # against a serial reference (as many ranks as GPUs, up to 3), its fp16/bf16 all-reduce and
   # its failure paths; DDP over NCCL with --compress fp16|bf16 (two ranks: skipped with one GPU).
   check "core GPU tests" 90 "$TESTS/gpu" --nocapture --test-threads 1
+  # Every model (the MLP, cnn8, resnet20, resnet18, vgg11) on the GPU against PyTorch eager on
+  # the same GPU: loss and gradients within 1e-4, 20 steps within 1e-3 (needs safetensors in
+  # PyTorch's Python; SKIPPED, saying so, without it).
+  check "models against PyTorch on the GPU" 90 env GRADSYNC_PYTORCH_DIR="$PWD/bench/pytorch" \
+    GRADSYNC_TORCH_PYTHON="$PY" GRADSYNC_PYTORCH_DEVICES=cuda "$TESTS/pytorch" --nocapture --test-threads 1
   check "NCCL collective tests" 60 "$TESTS/collective" nccl --nocapture --test-threads 1
   check "DDP NCCL fp16/bf16 test" 60 "$TESTS/ddp" ddp_over_nccl_compresses_buckets_on_the_device --exact \
     --nocapture --test-threads 1

@@ -5,9 +5,13 @@
 //! steps every parameter and running statistic within 1e-3 (relative to the tensor's largest
 //! value). On the CPU, one thread.
 //!
+//! On a GPU (when one is present; `$GRADSYNC_PYTORCH_DEVICES=cpu,cuda` chooses), the same on
+//! cuda:0 against PyTorch on the same GPU (TF32 off on both sides).
+//!
 //! PyTorch comes from `$GRADSYNC_TORCH_PYTHON`, else a virtual environment the test installs
-//! into the cache once ([`gradsync_testkit::torch_python`]); where neither can be had the test
-//! says SKIPPED with the reason (under CI it fails).
+//! into the cache once ([`gradsync_testkit::torch_python`]); where neither can be had, or it
+//! lacks safetensors, the test says SKIPPED with the reason (under CI it fails). The scripts
+//! are `$GRADSYNC_PYTORCH_DIR` (a copy of `bench/pytorch/`), else the source tree's.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -27,7 +31,9 @@ const GRAD_TOL: f64 = 1e-4;
 const PARAM_TOL: f64 = 1e-3;
 
 fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/pytorch/reference.py")
+    std::env::var_os("GRADSYNC_PYTORCH_DIR")
+        .map_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/pytorch"), PathBuf::from)
+        .join("reference.py")
 }
 
 /// The largest magnitude in `v`.
@@ -57,9 +63,9 @@ fn reference_args(spec: &ModelSpec) -> Vec<String> {
     args
 }
 
-fn check_against_pytorch(python: &Path, spec: &ModelSpec, rows: usize) {
+fn check_against_pytorch(python: &Path, device: Device, spec: &ModelSpec, rows: usize) {
     let dir = Scratch::new("pytorch-reference");
-    let mut engine = Engine::new(Device::Cpu { threads: 1 }, spec.clone(), 5).unwrap();
+    let mut engine = Engine::new(device, spec.clone(), 5).unwrap();
     let init = dir.join("init.safetensors");
     state_dict::save(&init, &engine.state_dict().unwrap(), &[]).unwrap();
     let mut rng = Rng::new(9, 3);
@@ -92,6 +98,7 @@ fn check_against_pytorch(python: &Path, spec: &ModelSpec, rows: usize) {
         .arg("--out")
         .arg(&out)
         .args(["--steps", &STEPS.to_string(), "--threads", "1"])
+        .args(["--device", if device.is_cuda() { "cuda" } else { "cpu" }])
         .args(["--lr", &cfg.lr.to_string(), "--momentum", &cfg.momentum.to_string()])
         .args(["--weight-decay", &cfg.weight_decay.to_string()])
         .output()
@@ -160,8 +167,9 @@ fn check_against_pytorch(python: &Path, spec: &ModelSpec, rows: usize) {
         }
     }
     eprintln!(
-        "{}: loss {:.6} vs {loss0:.6}; worst gradient {:.1e} ({}); after {STEPS} steps worst {:.1e} ({})",
+        "{} on {}: loss {:.6} vs {loss0:.6}; worst gradient {:.1e} ({}); after {STEPS} steps worst {:.1e} ({})",
         spec.label(),
+        device.label(),
         first.loss,
         worst_grad.0,
         worst_grad.1,
@@ -173,7 +181,17 @@ fn check_against_pytorch(python: &Path, spec: &ModelSpec, rows: usize) {
 #[test]
 fn every_preset_matches_pytorch() {
     const TEST: &str = "every_preset_matches_pytorch";
-    let python = match gradsync_testkit::torch_python() {
+    let python = match gradsync_testkit::torch_python().and_then(|p| {
+        let ok = Command::new(&p).args(["-c", "import torch, safetensors.torch"]).output();
+        if ok.is_ok_and(|o| o.status.success()) {
+            Ok(p)
+        } else {
+            Err(gradsync_testkit::Error::Tools(format!(
+                "{} cannot import torch and safetensors",
+                p.display()
+            )))
+        }
+    }) {
         Ok(p) => p,
         Err(e) if !gradsync_testkit::in_ci() => {
             eprintln!("SKIPPED (no PyTorch: {e}) [{TEST}]");
@@ -189,8 +207,22 @@ fn every_preset_matches_pytorch() {
         ("resnet18", image(3, 16), 10, 8),
         ("vgg11", image(3, 32), 10, 8),
     ];
-    for (name, input, classes, rows) in cases {
-        let spec = ModelSpec::parse(name).unwrap().fit(input, classes).unwrap();
-        check_against_pytorch(&python, &spec, rows);
+    let asked = std::env::var("GRADSYNC_PYTORCH_DEVICES").ok();
+    let wants = |d: &str| asked.as_deref().is_none_or(|a| a.split(',').any(|x| x == d));
+    let mut devices = Vec::new();
+    if wants("cpu") {
+        devices.push(Device::Cpu { threads: 1 });
+    }
+    match gradsync_core::device::cuda::probe(0) {
+        Ok(_) if wants("cuda") => devices.push(Device::Cuda { ordinal: 0 }),
+        Ok(_) => {}
+        Err(e) if asked.as_deref().is_some_and(|a| a.contains("cuda")) => panic!("cuda was asked for: {e}"),
+        Err(e) => eprintln!("{TEST}: no GPU here ({e}); the CPU only"),
+    }
+    for device in devices {
+        for (name, input, classes, rows) in cases {
+            let spec = ModelSpec::parse(name).unwrap().fit(input, classes).unwrap();
+            check_against_pytorch(&python, device, &spec, rows);
+        }
     }
 }

@@ -41,8 +41,8 @@ const CHILD_LIMIT: Duration = Duration::from_secs(600);
 /// Errors of the test support.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// NVRTC and ptxas could not be installed or found.
-    #[error("NVRTC unavailable: {0}")]
+    /// A tool (NVRTC and ptxas, a Python with PyTorch) could not be installed or found.
+    #[error("{0}")]
     Tools(String),
     /// The child process could not be run or did not pass.
     #[error("{0}")]
