@@ -2,7 +2,8 @@
 //! this model on this wire, where (worker count, link speed) the answer changes according to
 //! the measurements and the cost model, and how sure it is. Modes whose repeats' ranges
 //! overlap are level, never ranked; a cell that ran once, and a run whose processes
-//! outnumbered the cores, decide nothing (failed, diverged and partial runs are no rows).
+//! outnumbered the cores, decide nothing (failed, diverged and partial runs are no rows), each
+//! cause counted apart.
 
 use super::context::Context;
 use gradsync_core::metrics::elapsed;
@@ -113,13 +114,33 @@ fn pick(cx: &Context) -> (String, Option<usize>) {
             None,
         );
     }
-    let head = format!("For {} on {}", g.model, wire(g));
+    // An emulated group's model already names its links.
+    let head = if g.link.is_empty() {
+        format!("For {} on {}", g.model, wire(g))
+    } else {
+        format!("For {}", g.model)
+    };
     let mut why_not = None;
     for n in counts(cx) {
         let at = workers(n);
         match standing(cx, n) {
             Standing::Ahead(best, next) => {
-                let vs = next.map_or(" (the only mode measured there)".to_string(), |x| {
+                let crowded: Vec<String> = g
+                    .rows
+                    .iter()
+                    .filter(|r| r.workers == n && cx.cpu_saturated(r))
+                    .map(|r| Group::series(r))
+                    .collect();
+                // After the figure's own brackets: a clause, not another bracket.
+                let alone = if crowded.is_empty() {
+                    ", the only mode measured there".to_string()
+                } else {
+                    format!(
+                        "; {} outnumbered the cores, so it is the only mode left there",
+                        crowded.join(" and ")
+                    )
+                };
+                let vs = next.map_or(alone, |x| {
                     format!(
                         ", clear of every other mode's range (next: {}, which {})",
                         Group::series(x),
@@ -226,26 +247,29 @@ fn sureness(cx: &Context, at: Option<usize>) -> Option<String> {
             .filter_map(|r| cx.g.cell_of(r).map(|c| c.runs.len()))
             .collect();
     let (lo, hi) = (reps.iter().min()?, reps.iter().max()?);
-    let left = cx.all.iter().filter(|r| !r.complete() && r.status != "skipped").count()
-        + cx.g
-            .rows
+    // Named by cause: a reader acts differently on a run that broke and on one the machine
+    // was too small for.
+    let unfinished = cx.all.iter().filter(|r| !r.complete() && r.status != "skipped").count();
+    let saturated =
+        cx.g.rows
             .iter()
             .filter(|r| cx.cpu_saturated(r))
             .filter_map(|r| cx.g.cell_of(r))
             .map(|c| c.runs.len())
             .sum::<usize>();
+    let mut left = Vec::new();
+    if unfinished > 0 {
+        left.push(format!("{unfinished} run(s) that failed, diverged or stopped early"));
+    }
+    if saturated > 0 {
+        left.push(format!("{saturated} run(s) whose processes outnumbered the cores"));
+    }
     let at = workers(n);
     let repeats = if lo == hi { format!("{lo}") } else { format!("{lo} to {hi}") };
     Some(format!(
         "Sure as far as {repeats} complete repeats per cell at {at} go: ranges that overlap are called level, \
          not ranked{}.",
-        if left > 0 {
-            format!(
-                ", and {left} run(s) that failed, diverged, stopped early or outnumbered the cores decide nothing"
-            )
-        } else {
-            String::new()
-        }
+        if left.is_empty() { String::new() } else { format!(", and {} decide nothing", left.join(" and ")) }
     ))
 }
 
