@@ -1098,7 +1098,9 @@ mod tests {
         assert_eq!(v[0].matches("emulated links of").count(), 1, "{v:?}");
         assert!(
             v[0].contains("pick ddp-tcp (TCP sockets)")
-                && v[0].contains("; ps-bsp k=1 (gRPC over TCP) outnumbered the cores, so it is the only mode left there."),
+                && v[0].contains(
+                    "; ps-bsp k=1 (gRPC over TCP) outnumbered the cores, so it is the only mode left there."
+                ),
             "{v:?}"
         );
         assert!(v[2].contains("and 2 run(s) whose processes outnumbered the cores decide nothing"), "{v:?}");
