@@ -88,6 +88,27 @@ fn read_write<T>(v: &mut [T], read: usize, write: usize) -> (&T, &mut T) {
     }
 }
 
+/// All-reduce `buf[range]` through `sync` in host memory, with `count` (a batch norm's values
+/// per channel) appended when given; returns the count summed over the ranks (or `count`'s
+/// absence as 0).
+fn all_reduce_range<B: Backend>(
+    backend: &B,
+    buf: &mut B::Buf,
+    range: Range<usize>,
+    sync: &mut NormSyncFn<'_>,
+    count: Option<usize>,
+) -> Result<usize> {
+    let n = range.len();
+    let mut host = vec![0.0; n + usize::from(count.is_some())];
+    backend.read(buf, range.clone(), &mut host[..n])?;
+    if let Some(k) = count {
+        host[n] = k as f32;
+    }
+    sync(&mut host)?;
+    backend.write(buf, range.start, &host[..n])?;
+    Ok(if count.is_some() { host[n] as usize } else { 0 })
+}
+
 /// The gradient buffer handed out bucket by bucket while backward runs.
 struct Sink<'a, 'h, B: Backend + 'a> {
     buckets: std::iter::Enumerate<std::vec::IntoIter<Range<usize>>>,
@@ -337,39 +358,23 @@ impl<B: Backend> Net<B> {
                 let (means, devs) = (stats.start..stats.start + c, stats.start + c..stats.end);
                 let mut count = m;
                 if train {
+                    let mut sync = sync;
                     backend.channel_sums(B::view_mut(saved, means.clone()), x, ChannelSum::Plain, c, m)?;
-                    if let Some(sync) = sync {
-                        // The sums of x and the count over every rank, then the squared
-                        // deviations from the mean they give.
-                        let mut host = vec![0.0; c + 1];
-                        backend.read(saved, means.clone(), &mut host[..c])?;
-                        host[c] = m as f32;
-                        sync(&mut host)?;
-                        count = host[c] as usize;
-                        backend.write(saved, means.start, &host[..c])?;
-                        backend.scale(B::view_mut(saved, means.clone()), 1.0 / count as f32)?;
-                        {
-                            let mut sv = B::view_mut(saved, stats.clone());
-                            let (mean, mut dev) = B::split_at(B::sub(&mut sv, 0..2 * c), c);
-                            let center = B::as_view(&mean);
-                            let what = ChannelSum::SquaredDeviation { center };
-                            backend.channel_sums(B::sub(&mut dev, 0..c), x, what, c, m)?;
-                        }
-                        backend.read(saved, devs.clone(), &mut host[..c])?;
-                        sync(&mut host[..c])?;
-                        backend.write(saved, devs.start, &host[..c])?;
-                    } else {
-                        backend.scale(B::view_mut(saved, means.clone()), 1.0 / m as f32)?;
+                    if let Some(sync) = sync.as_deref_mut() {
+                        // The sums of x and the count over every rank.
+                        count = all_reduce_range(backend, saved, means.clone(), sync, Some(m))?;
+                    }
+                    backend.scale(B::view_mut(saved, means.clone()), 1.0 / count as f32)?;
+                    {
                         let mut sv = B::view_mut(saved, stats.clone());
                         let (mean, mut dev) = B::split_at(B::sub(&mut sv, 0..2 * c), c);
                         let center = B::as_view(&mean);
-                        backend.channel_sums(
-                            B::sub(&mut dev, 0..c),
-                            x,
-                            ChannelSum::SquaredDeviation { center },
-                            c,
-                            m,
-                        )?;
+                        let what = ChannelSum::SquaredDeviation { center };
+                        backend.channel_sums(B::sub(&mut dev, 0..c), x, what, c, m)?;
+                    }
+                    if let Some(sync) = sync {
+                        // The squared deviations from the mean every rank shares.
+                        all_reduce_range(backend, saved, devs.clone(), sync, None)?;
                     }
                     counts[stats.start] = count;
                 }
@@ -727,10 +732,7 @@ impl<B: Backend> Parts<'_, '_, B> {
                     backend.norm_backward(None, Some(t), dy, x, sv, gamma, local, c, m, m, acc, false)
                 })?;
                 if want_dx {
-                    let mut host = vec![0.0; 2 * c];
-                    backend.read(sums, 0..2 * c, &mut host)?;
-                    sync(&mut host)?;
-                    backend.write(sums, 0, &host)?;
+                    all_reduce_range(backend, sums, 0..2 * c, sync, None)?;
                     let count = self.counts.get(stats.start).copied().filter(|&k| k > 0).unwrap_or(m);
                     let all = B::view(sums, 0..2 * c);
                     backend.norm_backward(

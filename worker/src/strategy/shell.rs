@@ -14,7 +14,7 @@ use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 
 use super::ddp::{Backend, DdpConfig};
-use super::forward_unless_synced;
+use super::{forward_unless_synced, timed_span};
 use crate::collective::{Communicator, Nccl, RingConfig, Traffic};
 use crate::rendezvous;
 
@@ -137,11 +137,9 @@ impl Shell {
                 let mut all_reduce = |buf: &mut [f32]| {
                     comm.all_reduce(buf).map_err(|e| gradsync_core::Error::Exchange(e.to_string()))
                 };
-                let t = std::time::Instant::now();
-                let loss = engine.forward_synced(x, y, &mut all_reduce)?;
-                engine.synchronize()?;
-                rec.forward_ms = t.elapsed().as_secs_f64() * 1e3;
-                trace.span("forward", "compute", "compute", t);
+                let (loss, ms) =
+                    timed_span(engine, &trace, "forward", |e| e.forward_synced(x, y, &mut all_reduce))?;
+                rec.forward_ms = ms;
                 (loss, Some(false))
             } else {
                 forward_unless_synced(engine, x, y, rec, &trace, (&mut sh.micro, sh.sync_every))?

@@ -117,10 +117,9 @@ struct Standing {
     comm_share: f64,
 }
 
-fn median(mut v: Vec<f64>) -> Option<f64> {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    (n > 0).then(|| if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
+/// The median of `v`, none when it is empty.
+fn median(v: Vec<f64>) -> Option<f64> {
+    (!v.is_empty()).then(|| crate::table::median(&v))
 }
 
 fn standing(all: &[Summary], widths: &str, link: &str, n: usize) -> Option<Standing> {
