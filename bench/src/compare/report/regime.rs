@@ -37,32 +37,39 @@ fn regime(compute: f64, comm: f64) -> String {
 }
 
 /// At the largest worker count: each synchronising mode's compute per step against its
-/// communication, measured and modelled, and the regime that puts it in.
+/// communication, measured and modelled, and the regime that puts it in. A run whose processes
+/// outnumbered the cores is left out (its compute measures the crowding), and named.
 pub fn compute_against_communication(cx: &Context) -> Vec<String> {
     let Some(n) = cx.most_workers().filter(|&n| n > 1) else { return Vec::new() };
     let s = cx.g.grad_bytes();
-    let parts: Vec<String> =
-        cx.g.rows
-            .iter()
-            .filter(|r| r.workers == n && r.slow_ms == 0)
-            .filter_map(|r| {
-                let (compute, comm) = compute_and_comm(r)?;
-                let model = match (cx.link, modelled(r, s, cx.link?)) {
-                    (Some(_), Some(t)) => format!(", {:.1} ms by the cost model", t * 1e3),
-                    _ => String::new(),
-                };
-                Some(format!(
-                    "{} computes {compute:.1} ms and communicates {comm:.1} ms measured{model}: {}",
-                    Group::series(r),
-                    regime(compute, comm)
-                ))
-            })
-            .collect();
+    let at_n =
+        || cx.g.rows.iter().filter(|r| r.workers == n && r.slow_ms == 0 && compute_and_comm(r).is_some());
+    let crowded: Vec<String> = at_n().filter(|r| cx.cpu_saturated(r)).map(|r| Group::series(r)).collect();
+    let parts: Vec<String> = at_n()
+        .filter(|r| !cx.cpu_saturated(r))
+        .filter_map(|r| {
+            let (compute, comm) = compute_and_comm(r)?;
+            let model = cx
+                .link
+                .and_then(|l| modelled(r, s, l))
+                .map_or(String::new(), |t| format!(", {:.1} ms by the cost model", t * 1e3));
+            Some(format!(
+                "{} computes {compute:.1} ms and communicates {comm:.1} ms measured{model}: {}",
+                Group::series(r),
+                regime(compute, comm)
+            ))
+        })
+        .collect();
     if parts.is_empty() {
         return Vec::new();
     }
+    let left_out = if crowded.is_empty() {
+        String::new()
+    } else {
+        format!(" ({} left out: their processes outnumbered the cores)", crowded.join(", "))
+    };
     vec![format!(
-        "Compute against communication per step at {n} workers ({:.1} MB of gradients in {}): {}.",
+        "Compute against communication per step at {n} workers ({:.1} MB of gradients in {}): {}{left_out}.",
         s / 1e6,
         cx.g.model,
         parts.join("; ")
@@ -122,10 +129,11 @@ fn median(v: Vec<f64>) -> Option<f64> {
     (!v.is_empty()).then(|| crate::table::median(&v))
 }
 
-fn standing(all: &[Summary], widths: &str, link: &str, n: usize) -> Option<Standing> {
+fn standing(cx: &Context, widths: &str, link: &str, n: usize) -> Option<Standing> {
     let runs = |mode: &'static str, shards: Option<usize>| {
-        all.iter().filter(move |r| {
+        cx.all.iter().filter(move |r| {
             r.status == "ok"
+                && !cx.cpu_saturated(r)
                 && r.widths == widths
                 && r.link == link
                 && r.workers == n
@@ -155,7 +163,8 @@ fn standing(all: &[Summary], widths: &str, link: &str, n: usize) -> Option<Stand
 
 /// Where the scenario trained more than one model: at this group's largest worker count, the
 /// ring's standing against the parameter server for each model beside the ring's share of
-/// communication in its step, and whether the ring's lead follows that share.
+/// communication in its step, and whether the ring's lead follows that share. Runs whose
+/// processes outnumbered the cores take no part.
 pub fn across_models(cx: &Context) -> Vec<String> {
     let Some(n) = cx.most_workers().filter(|&n| n > 1) else { return Vec::new() };
     let mut models: Vec<&str> =
@@ -165,7 +174,7 @@ pub fn across_models(cx: &Context) -> Vec<String> {
     if models.len() < 2 {
         return Vec::new();
     }
-    let mut st: Vec<Standing> = models.iter().filter_map(|w| standing(cx.all, w, &cx.g.link, n)).collect();
+    let mut st: Vec<Standing> = models.iter().filter_map(|w| standing(cx, w, &cx.g.link, n)).collect();
     if st.len() < 2 {
         return Vec::new();
     }
@@ -205,6 +214,8 @@ pub fn across_models(cx: &Context) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::compare::charts::groups;
+    use crate::compare::results::{Cell, Collected};
 
     fn row(widths: &str, mode: &str, shards: usize, thr: f64, compute: f64, comm: f64) -> Summary {
         Summary {
@@ -230,20 +241,46 @@ mod tests {
             row("vgg11:3x32x32-10", "ddp-tcp", 0, 77.0, 160.0, 92.0),
             row("vgg11:3x32x32-10", "ps-bsp", 1, 60.0, 150.0, 111.0),
         ];
-        let s = standing(&all, "vgg11:3x32x32-10", "", 2).expect("both modes ran");
+        let c = Collected { cells: Cell::all(&all), summaries: all, ..Collected::default() };
+        let g = &groups(&c)[0];
+        let cx = Context::new(g, None, None, &c.summaries);
+        let all = &cx;
+        let s = standing(all, "vgg11:3x32x32-10", "", 2).expect("both modes ran");
         assert!((s.ring_over_ps - 77.0 / 60.0).abs() < 1e-9 && (s.comm_share - 92.0 / 160.0).abs() < 1e-9);
-        let r = standing(&all, "resnet18:3x32x32-10", "", 2).expect("both modes ran");
+        let r = standing(all, "resnet18:3x32x32-10", "", 2).expect("both modes ran");
         assert!((r.ring_over_ps - 41.0 / 37.0).abs() < 1e-9, "the best shard count is the PS's: {r:?}");
         assert_eq!(regime(380.0, 38.0), "compute-bound (communication 10% of compute)");
         assert_eq!(regime(100.0, 130.0), "communication-bound (1.3x compute)");
-        assert_eq!(standing(&all, "cnn8:1x8x8-10", "", 2), None);
+        assert_eq!(standing(all, "cnn8:1x8x8-10", "", 2), None);
+    }
+
+    /// On 2 cores a parameter server's 2 workers and its server crowd the machine: its runs
+    /// are named and left out of the regime reading, and no cross-model standing rests on them.
+    #[test]
+    fn runs_that_outnumbered_the_cores_are_left_out_and_named() {
+        let all = vec![
+            row("vgg11:3x32x32-10", "ddp-tcp", 0, 77.0, 160.0, 92.0),
+            row("vgg11:3x32x32-10", "ps-bsp", 1, 60.0, 150.0, 111.0),
+        ];
+        let c = Collected { cells: Cell::all(&all), summaries: all, ..Collected::default() };
+        let g = &groups(&c)[0];
+        let small = crate::compare::machine::Machine { cores: 2, ..Default::default() };
+        let cx = Context::new(g, None, Some(&small), &c.summaries);
+        let said = compute_against_communication(&cx);
+        assert!(
+            said.len() == 1
+                && said[0]
+                    .contains("ddp-tcp (TCP sockets) computes 160.0 ms and communicates 92.0 ms measured")
+                && !said[0].contains("ps-bsp k=1 (gRPC over TCP) computes")
+                && said[0]
+                    .contains("(ps-bsp k=1 (gRPC over TCP) left out: their processes outnumbered the cores)"),
+            "{said:?}"
+        );
+        assert_eq!(standing(&cx, "vgg11:3x32x32-10", "", 2), None);
     }
 
     #[test]
     fn batch_norm_is_named_only_for_a_model_that_has_it() {
-        use crate::compare::charts::groups;
-        use crate::compare::report::context::Context;
-        use crate::compare::results::{Cell, Collected};
         let said = |rows: Vec<Summary>| {
             let c = Collected { cells: Cell::all(&rows), summaries: rows, ..Collected::default() };
             let g = &groups(&c)[0];
