@@ -122,6 +122,8 @@ struct Standing {
     model: String,
     ring_over_ps: f64,
     comm_share: f64,
+    /// The fewest runs behind either median: a direction needs two or more of each.
+    runs: usize,
 }
 
 /// The median of `v`, none when it is empty.
@@ -143,13 +145,20 @@ fn standing(cx: &Context, widths: &str, link: &str, n: usize) -> Option<Standing
         })
     };
     let ring = median(runs("ddp-tcp", None).filter_map(|r| r.samples_per_s).collect())?;
+    let mut fewest = runs("ddp-tcp", None).count();
     let mut shards: Vec<usize> = runs("ps-bsp", None).map(|r| r.shards).collect();
     shards.sort_unstable();
     shards.dedup();
-    let ps = shards
+    let (ps, ps_runs) = shards
         .iter()
-        .filter_map(|&k| median(runs("ps-bsp", Some(k)).filter_map(|r| r.samples_per_s).collect()))
-        .fold(None, |best: Option<f64>, t| Some(best.map_or(t, |b| b.max(t))))?;
+        .filter_map(|&k| {
+            let v: Vec<f64> = runs("ps-bsp", Some(k)).filter_map(|r| r.samples_per_s).collect();
+            Some((median(v.clone())?, v.len()))
+        })
+        .fold(None, |best: Option<(f64, usize)>, t| {
+            Some(best.map_or(t, |b| if t.0 > b.0 { t } else { b }))
+        })?;
+    fewest = fewest.min(ps_runs);
     let comm_share = median(
         runs("ddp-tcp", None).filter_map(compute_and_comm).map(|(compute, comm)| comm / compute).collect(),
     )?;
@@ -158,6 +167,7 @@ fn standing(cx: &Context, widths: &str, link: &str, n: usize) -> Option<Standing
         model: gradsync_core::model::label_of(widths),
         ring_over_ps: ring / ps.max(1e-9),
         comm_share,
+        runs: fewest,
     })
 }
 
@@ -196,7 +206,9 @@ pub fn across_models(cx: &Context) -> Vec<String> {
         .collect();
     let follows = st.windows(2).all(|w| w[1].ring_over_ps >= w[0].ring_over_ps);
     let against = st.windows(2).all(|w| w[1].ring_over_ps <= w[0].ring_over_ps);
-    let verdict = if follows {
+    let verdict = if st.iter().any(|s| s.runs < 2) {
+        "with one run behind some of these figures, no direction is read from them (run two or more repeats)"
+    } else if follows {
         "the more a model communicates per unit of compute, the further the ring leads (or the less it trails)"
     } else if against {
         "the more a model communicates per unit of compute, the better the parameter server stands"
@@ -252,6 +264,38 @@ mod tests {
         assert_eq!(regime(380.0, 38.0), "compute-bound (communication 10% of compute)");
         assert_eq!(regime(100.0, 130.0), "communication-bound (1.3x compute)");
         assert_eq!(standing(all, "cnn8:1x8x8-10", "", 2), None);
+    }
+
+    /// A direction across models is read only from cells that ran twice or more.
+    #[test]
+    fn a_direction_across_models_needs_repeats() {
+        let base = [
+            row("resnet18:3x32x32-10", "ddp-tcp", 0, 41.0, 380.0, 38.0),
+            row("resnet18:3x32x32-10", "ps-bsp", 1, 37.0, 360.0, 52.0),
+            row("vgg11:3x32x32-10", "ddp-tcp", 0, 77.0, 160.0, 92.0),
+            row("vgg11:3x32x32-10", "ps-bsp", 1, 60.0, 150.0, 111.0),
+        ];
+        let said = |repeats: usize| {
+            let all: Vec<Summary> = (0..repeats)
+                .flat_map(|k| {
+                    base.iter().map(move |r| Summary {
+                        id: format!("{}-{}-r{k}", r.widths, r.mode),
+                        model: r.widths.split(':').next().unwrap_or_default().into(),
+                        repeat: k,
+                        ..r.clone()
+                    })
+                })
+                .collect();
+            let c = Collected { cells: Cell::all(&all), summaries: all, ..Collected::default() };
+            groups(&c)
+                .iter()
+                .flat_map(|g| across_models(&Context::new(g, None, None, &c.summaries)))
+                .collect::<Vec<_>>()
+        };
+        let once = said(1);
+        assert!(once.len() == 1 && once[0].contains("no direction is read from them"), "{once:?}");
+        let twice = said(2);
+        assert!(twice.len() == 1 && twice[0].contains("the further the ring leads"), "{twice:?}");
     }
 
     /// On 2 cores a parameter server's 2 workers and its server crowd the machine: its runs
