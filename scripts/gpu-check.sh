@@ -19,7 +19,8 @@
 #   correctness.log, bench.log everything each check printed
 #   step.jsonl                 the step benchmark's figures (GPU, then CPU rows)
 #   compare.tar.gz             the comparison runner's run directories
-#   ncu.csv                    Nsight Compute over one training step (when ncu exists and time is left)
+#   ncu.csv                    Nsight Compute: each kernel's time over two resnet18 steps (when ncu
+#                              exists and time is left)
 set -uo pipefail
 usage() {
   echo "usage: scripts/gpu-check.sh [--print-commands] correctness|bench [OUT]" >&2
@@ -84,9 +85,37 @@ ps_run() {
   return $rc
 }
 
+# ddp_exposed DEVICE BUCKET_MB: DDP with 2 ranks on DEVICE over the TCP backend (shared memory
+# on one host), mnist preset on the digits, batch 32 a rank, 150 steps; prints rank 0's mean
+# communication and its exposed part (what is left after backward ends) over steps 21-150.
+ddp_exposed() {
+  local dev=$1 mb=$2 m=$WORK/exposed-$1-$2-{rank}.jsonl
+  x "$W" launch --nproc-per-node 2 --master-port 29615 -- train --model mnist --steps 150 --seed 5 -q \
+    --eval-every 0 --mode ddp --backend tcp --device "$dev" --batch 32 --bucket-mb "$mb" --metrics "$m" || return 1
+  [ "$PRINT" = 1 ] && return 0
+  python3 - "${m/\{rank\}/0}" "$dev" "$mb" <<'PYEOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+head = rows[0]["extra"]
+steps = [r for r in rows if r.get("kind") == "step" and r["step"] > 20]
+mean = lambda k: sum(r[k] for r in steps) / len(steps)
+c, e = mean("comm_ms"), mean("comm_exposed_ms")
+print(f"{sys.argv[2]} ranks, --bucket-mb {sys.argv[3]} ({head['buckets']} buckets, {head['transport']}): "
+      f"step {mean('step_ms'):.3f} ms, backward {mean('backward_ms'):.3f}, communication {c:.3f}, "
+      f"exposed {e:.3f} ({100 * e / c:.0f}% of it), mean of steps 21-150")
+PYEOF
+}
+
 if [ "${1:-}" = __ps-run ]; then
   shift
   ps_run "$@"
+  exit
+fi
+if [ "${1:-}" = __ddp-exposed ]; then
+  shift
+  WORK=$(mktemp -d)
+  trap 'rm -rf "$WORK"' EXIT
+  ddp_exposed "$@"
   exit
 fi
 if [ "${1:-}" = --print-commands ]; then
@@ -206,7 +235,10 @@ check() {
   if [ "$PRINT" = 1 ]; then
     if [ "$1" = self ]; then
       shift
-      case "$1" in __ps-run) shift && ps_run "$@" ;; esac
+      case "$1" in
+      __ps-run) shift && ps_run "$@" ;;
+      __ddp-exposed) shift && ddp_exposed "$@" ;;
+      esac
     else
       x "$@"
     fi
@@ -260,7 +292,7 @@ correctness() {
   # Every model (the MLP, cnn8, resnet20, resnet18, vgg11) on the GPU against PyTorch eager on
   # the same GPU: loss and gradients within 1e-4, 20 steps within 1e-3 (needs safetensors in
   # PyTorch's Python; SKIPPED, saying so, without it).
-  check "models against PyTorch on the GPU" 90 env GRADSYNC_PYTORCH_DIR="$PWD/bench/pytorch" \
+  check "models against PyTorch on the GPU" 150 env GRADSYNC_PYTORCH_DIR="$PWD/bench/pytorch" \
     GRADSYNC_TORCH_PYTHON="$PY" GRADSYNC_PYTORCH_DEVICES=cuda "$TESTS/pytorch" --nocapture --test-threads 1
   check "NCCL collective tests" 60 "$TESTS/collective" nccl --nocapture --test-threads 1
   check "DDP NCCL fp16/bf16 test" 60 "$TESTS/ddp" ddp_over_nccl_compresses_buckets_on_the_device --exact \
@@ -308,16 +340,27 @@ correctness() {
 }
 
 bench() {
-  # 1. The step against PyTorch eager on the same GPU (its rows need a Python with torch; the
-  # run fails when --python is given and a row is missing), then one short CPU row.
-  check "step benchmark, GPU (mnist, wide; b512-8192)" 200 "$B" step --model mnist,wide --batch 512,2048,8192 \
+  # 1. The step against PyTorch eager on the same GPU, FP32 on both sides (its rows need a
+  # Python with torch, one process for the whole run; the run fails when --python is given and
+  # a row is missing), then the two 16-thread CPU rows of the targets.
+  check "step benchmark, GPU (mnist, wide; b512-8192)" 90 "$B" step --model mnist,wide --batch 512,2048,8192 \
     --cpu false --steps 20 --warmup 5 --rounds 3 "${PYARGS[@]}" --json "$WORK/step-gpu.jsonl"
-  check "step benchmark, CPU (mnist b2048, 16 threads)" 60 "$B" step --model mnist --batch 2048 --threads 16 \
-    --gpu false --steps 5 --warmup 2 --rounds 1 "${PYARGS[@]}" --json "$WORK/step-cpu.jsonl"
+  for mb in "mnist 8192" "wide 2048"; do
+    set -- $mb
+    check "step benchmark, CPU ($1 b$2, 16 threads)" 40 "$B" step --model "$1" --batch "$2" --threads 16 \
+      --gpu false --steps 5 --warmup 2 --rounds 1 "${PYARGS[@]}" --json "$WORK/step-cpu-$1.jsonl"
+  done
   # The conv presets (3x32x32) on the GPU against PyTorch eager: every layer kernel in a step.
-  check "step benchmark, GPU (resnet20, resnet18, vgg11; b64, b256)" 120 "$B" step \
+  check "step benchmark, GPU (resnet20, resnet18, vgg11; b64, b256)" 90 "$B" step \
     --model resnet20,resnet18,vgg11 --batch 64,256 --cpu false --steps 10 --warmup 3 --rounds 1 "${PYARGS[@]}" \
     --json "$WORK/step-conv.jsonl"
+  # DDP with 2 GPU ranks over shared memory: how much of the communication backward hides
+  # (buckets staged to the host as backward finishes each), 1 MB buckets (mnist's tensors one
+  # a bucket) and the default 25 (one bucket: nothing to overlap), then CPU ranks.
+  for dm in "cuda 1" "cuda 25" "cpu 1"; do
+    set -- $dm
+    check "DDP exposed communication, 2 $1 ranks, $2 MB buckets" 45 self __ddp-exposed $1 $2
+  done
   # 2. NCCL with one rank: device-resident buffers, timed on the GPU.
   check "collective benchmark, NCCL 1 rank" 60 "$B" collective --backend nccl --ranks 1 \
     --max-bytes 268435456 --rounds 3 --raw-secs 0.5 --no-gloo --no-plain
@@ -327,18 +370,19 @@ bench() {
     --modes local,dp,ps-bsp,ddp-tcp,ddp-shm,zero1-tcp --workers 2 --repeats 1 --epochs 2 --out "$WORK/compare/main"
   check "compare on the GPU (ddp-nccl, 1 worker)" 60 "$B" compare --device cuda --modes ddp-nccl --workers 1 \
     --repeats 1 --epochs 2 --out "$WORK/compare/nccl"
-  # 4. Nsight Compute over one mnist step at batch 8192, when it exists and time is left.
+  # 4. Nsight Compute: every kernel's time over two resnet18 steps at batch 256 (the warm-up
+  # and the timed one), when it exists and time is left.
   if [ -z "$NCU" ]; then
-    skip "ncu profile of one step" "ncu not found"
-  elif [ "$PRINT" = 0 ] && [ $((DEADLINE - SECONDS)) -lt 120 ]; then
-    skip "ncu profile of one step" "less than 120 s left"
+    skip "ncu kernel times, resnet18 b256" "ncu not found"
+  elif [ "$PRINT" = 0 ] && [ $((DEADLINE - SECONDS)) -lt 90 ]; then
+    skip "ncu kernel times, resnet18 b256" "less than 90 s left"
   else
-    check "ncu profile of one step" 150 "$NCU" --csv --section SpeedOfLight --section LaunchStats \
-      --launch-skip 30 --launch-count 40 --log-file "${OUT:-/nonexistent}/ncu.csv" \
-      "$B" step --model mnist --batch 8192 --cpu false --steps 2 --warmup 3 --rounds 1
+    check "ncu kernel times, resnet18 b256" 90 "$NCU" --csv --metrics gpu__time_duration.sum \
+      --log-file "${OUT:-/nonexistent}/ncu.csv" \
+      "$B" step --model resnet18 --batch 256 --cpu false --steps 1 --warmup 1 --rounds 1
   fi
   if [ "$PRINT" = 0 ]; then
-    cat "$WORK"/step-gpu.jsonl "$WORK"/step-cpu.jsonl "$WORK"/step-conv.jsonl >"$WORK/step.jsonl" 2>/dev/null
+    cat "$WORK"/step-gpu.jsonl "$WORK"/step-cpu-*.jsonl "$WORK"/step-conv.jsonl >"$WORK/step.jsonl" 2>/dev/null
     [ -s "$WORK/step.jsonl" ] && cp "$WORK/step.jsonl" "$OUT/step.jsonl"
     [ -d "$WORK/compare" ] && tar -C "$WORK" -czf "$OUT/compare.tar.gz" compare 2>/dev/null
   fi

@@ -79,6 +79,8 @@ def main():
     p.add_argument("--weight-decay", type=float, default=1e-4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--plain-conv", action="store_true",
+                   help="PyTorch's own im2col-and-GEMM convolutions: cuDNN off on a GPU, oneDNN off on the CPU")
     a = p.parse_args()
     if a.threads > 0:
         torch.set_num_threads(a.threads)
@@ -100,6 +102,9 @@ def main():
         fail("--steps must be at least 1")
 
     dev = torch.device(a.device)
+    if a.plain_conv:
+        torch.backends.cudnn.enabled = False
+        torch.backends.mkldnn.enabled = False
     if dev.type == "cuda":
         # Exact float32 arithmetic and deterministic kernels; some CUDA kernels have no
         # deterministic version, so only warn there.

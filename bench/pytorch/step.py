@@ -1,12 +1,19 @@
 """PyTorch eager reference for `gradsync-bench step`: the same model (an MLP from --widths, or a
 preset of models.py from --model with its input shape), softmax cross-entropy, SGD with momentum
-and weight decay, timed the same way. Prints one JSON object."""
-import argparse, json, statistics, time
+and weight decay, timed the same way, in FP32 (TF32 off for matrix products and convolutions,
+which cuDNN would otherwise use on Ampere and later).
+
+One process serves every configuration of a run, so torch is imported and CUDA started once:
+the command line names the device and threads, and each line on stdin is one configuration,
+its model and timing flags as a JSON list of arguments (["--model", "resnet18", "--batch",
+"64"]); each is answered with one line of JSON on stdout: the figures, the torch version and
+whether TF32 was allowed."""
+import argparse, json, statistics, sys, time
 
 import torch
 
 
-def main():
+def parser():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
@@ -19,10 +26,10 @@ def main():
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
-    a = p.parse_args()
-    if a.threads > 0:
-        torch.set_num_threads(a.threads)
-    dev = torch.device(a.device)
+    return p
+
+
+def time_step(a, dev):
     if a.model:
         import models
 
@@ -62,8 +69,27 @@ def main():
             u.append((t3 - t2) * 1e3)
             t.append((t3 - t0) * 1e3)
     med = statistics.median
-    print(json.dumps({"step_ms": med(t), "forward_ms": med(f), "backward_ms": med(b), "update_ms": med(u),
-                      "torch": torch.__version__}))
+    return {"step_ms": med(t), "forward_ms": med(f), "backward_ms": med(b), "update_ms": med(u),
+            "torch": torch.__version__,
+            "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32}}
+
+
+def main():
+    base = parser().parse_args()
+    if base.threads > 0:
+        torch.set_num_threads(base.threads)
+    # FP32 as gradsync computes it: no TF32 in cuBLAS's matrix products or cuDNN's convolutions.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dev = torch.device(base.device)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        a = parser().parse_args(["--device", base.device, "--threads", str(base.threads)] + json.loads(line))
+        figures = time_step(a, dev)
+        print(json.dumps(figures), flush=True)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

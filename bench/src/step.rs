@@ -7,9 +7,11 @@
 //! device before every forward, as training does. So the step compared is the compute (forward,
 //! backward, update) on a batch already there, and the copy is timed apart (`input ms`).
 
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::Instant;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
@@ -95,7 +97,8 @@ pub struct StepFigure {
 
 /// The CPU's measured GEMM peak with `threads` threads, in FLOP/s: the best of three square
 /// 1024 x 1024 x 1024 products through the CPU device's own GEMM, after one untimed. What a
-/// step's GFLOP/s is read against on the CPU.
+/// step's GFLOP/s is read against on the CPU, unless a step of the run goes faster
+/// ([`lift_cpu_peaks`]).
 pub fn cpu_gemm_peak(threads: usize) -> anyhow::Result<f64> {
     use gradsync_core::device::{Backend, Cpu};
     // Measured once per thread count in a process.
@@ -186,55 +189,139 @@ pub fn time_gradsync(
     })
 }
 
-/// Time PyTorch eager through `script` (`bench/pytorch/step.py`).
-fn time_pytorch(
-    (python, script): (&Path, &Path),
+/// How long one PyTorch configuration may take before the run gives up on it.
+const TORCH_REPLY_LIMIT: Duration = Duration::from_secs(300);
+
+/// One PyTorch process (`bench/pytorch/step.py`) for one device and thread count, serving
+/// every configuration of the run: torch is imported and CUDA started once, not once a row.
+/// Each request is the model's flags and the timing flags as one JSON line; each answer one
+/// line of figures.
+struct TorchStepper {
+    child: Child,
+    stdin: ChildStdin,
+    replies: mpsc::Receiver<std::io::Result<String>>,
+    stderr: Arc<Mutex<String>>,
+    device: String,
+    threads: usize,
+}
+
+impl TorchStepper {
+    fn start((python, script): (&Path, &Path), device: &str, threads: usize) -> anyhow::Result<Self> {
+        let mut child = Command::new(python)
+            .arg(script)
+            .args(["--device", device, "--threads", &threads.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("running {}", python.display()))?;
+        let (stdin, stdout, err) = match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
+            (Some(i), Some(o), Some(e)) => (i, o, e),
+            _ => anyhow::bail!("{}: no pipes to the PyTorch process", python.display()),
+        };
+        // Lines are read on threads of their own, so that a reply can be waited for with a
+        // limit and stderr never fills its pipe.
+        let (tx, replies) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let sink = Arc::clone(&stderr);
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                if let Ok(mut s) = sink.lock() {
+                    s.push_str(&line);
+                    s.push('\n');
+                }
+            }
+        });
+        Ok(Self { child, stdin, replies, stderr, device: device.to_string(), threads })
+    }
+
+    /// What the process wrote on stderr so far, trimmed to its last lines.
+    fn stderr_tail(&self) -> String {
+        let all = self.stderr.lock().map(|s| s.clone()).unwrap_or_default();
+        let lines: Vec<&str> = all.trim().lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+
+    /// Time PyTorch eager on `spec` at `batch`.
+    fn time(&mut self, spec: &ModelSpec, batch: usize, a: &StepArgs) -> anyhow::Result<StepFigure> {
+        let mut args = crate::pytorch::model_args(spec);
+        for (flag, v) in [("--batch", batch), ("--steps", a.steps), ("--warmup", a.warmup)] {
+            args.extend([flag.to_string(), v.to_string()]);
+        }
+        let request = serde_json::to_string(&args)? + "\n";
+        if self.stdin.write_all(request.as_bytes()).and_then(|()| self.stdin.flush()).is_err() {
+            // Gone before the request: its stderr says why.
+            std::thread::sleep(Duration::from_millis(100));
+            anyhow::bail!("PyTorch step failed: {}", self.stderr_tail());
+        }
+        let line = match self.replies.recv_timeout(TORCH_REPLY_LIMIT) {
+            Ok(Ok(line)) => line,
+            Ok(Err(e)) => anyhow::bail!("reading PyTorch's reply: {e}"),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                anyhow::bail!("PyTorch gave no figures within {} s", TORCH_REPLY_LIMIT.as_secs())
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                let _ = self.child.wait();
+                anyhow::bail!("PyTorch step failed: {}", self.stderr_tail())
+            }
+        };
+        parse_torch_reply(&line, &self.device, self.threads, spec, batch)
+    }
+}
+
+impl Drop for TorchStepper {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// PyTorch's figures from one reply line of `step.py`; a reply that used TF32 is refused (the
+/// comparison is FP32 against FP32).
+fn parse_torch_reply(
+    line: &str,
     device: &str,
     threads: usize,
     spec: &ModelSpec,
     batch: usize,
-    a: &StepArgs,
 ) -> anyhow::Result<StepFigure> {
-    let out = Command::new(python)
-        .arg(script)
-        .args(["--device", device, "--threads", &threads.to_string()])
-        .args(crate::pytorch::model_args(spec))
-        .args([
-            "--batch",
-            &batch.to_string(),
-            "--steps",
-            &a.steps.to_string(),
-            "--warmup",
-            &a.warmup.to_string(),
-        ])
-        .output()
-        .with_context(|| format!("running {}", python.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(line).with_context(|| format!("PyTorch printed no figures: {line:?}"))?;
+    let tf32 = ["matmul", "cudnn"].map(|k| v["tf32"][k].as_bool());
     anyhow::ensure!(
-        out.status.success(),
-        "PyTorch step failed: {}",
-        String::from_utf8_lossy(&out.stderr).trim()
+        tf32.iter().all(Option::is_some),
+        "PyTorch's reply does not say whether TF32 was allowed (an old step.py?): {line}"
     );
-    let mut fig: StepFigure = serde_json::from_slice::<serde_json::Value>(&out.stdout)
-        .ok()
-        .and_then(|v| {
-            Some(StepFigure {
-                impl_: "pytorch".into(),
-                device: device.into(),
-                threads,
-                model: spec.widths_str(),
-                batch,
-                step_ms: v["step_ms"].as_f64()?,
-                input_ms: 0.0,
-                forward_ms: v["forward_ms"].as_f64()?,
-                backward_ms: v["backward_ms"].as_f64()?,
-                update_ms: v["update_ms"].as_f64()?,
-                gflops: 0.0,
-                peak_fraction: None,
-            })
-        })
-        .context("PyTorch step printed no figures")?;
-    fig.gflops = Layout::new(spec).step_flops(batch) / (fig.step_ms * 1e6);
-    Ok(fig)
+    anyhow::ensure!(
+        tf32.iter().all(|t| *t == Some(false)),
+        "PyTorch ran with TF32 allowed (matmul {:?}, cudnn {:?}); gradsync computes in FP32, so the \
+         rows would not compare",
+        tf32[0],
+        tf32[1]
+    );
+    let field = |k: &str| v[k].as_f64().with_context(|| format!("PyTorch's reply lacks {k}: {line}"));
+    let step_ms = field("step_ms")?;
+    Ok(StepFigure {
+        impl_: "pytorch".into(),
+        device: device.into(),
+        threads,
+        model: spec.widths_str(),
+        batch,
+        step_ms,
+        input_ms: 0.0,
+        forward_ms: field("forward_ms")?,
+        backward_ms: field("backward_ms")?,
+        update_ms: field("update_ms")?,
+        gflops: Layout::new(spec).step_flops(batch) / (step_ms * 1e6),
+        peak_fraction: None,
+    })
 }
 
 /// The round with the median step time.
@@ -249,7 +336,7 @@ pub fn run(a: &StepArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.cpu || a.gpu, "--cpu false and --gpu false leave nothing to time");
     // The script is found before anything is timed: a PyTorch row asked for and impossible is
     // an error now, not a warning after minutes of work.
-    let torch = match &a.python {
+    let pytorch = match &a.python {
         Some(py) => Some((py.as_path(), crate::pytorch::find("step.py", a.pytorch_dir.as_deref())?)),
         None => None,
     };
@@ -266,26 +353,37 @@ pub fn run(a: &StepArgs) -> anyhow::Result<()> {
         "model", "batch", "device", "threads", "impl", "ms/step", "input ms", "fwd ms", "bwd ms", "upd ms",
         "GFLOP/s", "% peak", "vs torch",
     ]);
-    let mut figures = Vec::new();
+    // Every figure, with its ratio to PyTorch's where it has one; the table is drawn when all
+    // are measured (a CPU's GEMM rate may be lifted by them: `lift_cpu_peaks`).
+    let mut rows: Vec<(String, StepFigure, Option<f64>)> = Vec::new();
+    // One PyTorch process per device, started at its first row.
+    let mut steppers: Vec<Option<TorchStepper>> = devices.iter().map(|_| None).collect();
     for m in &a.model {
         let spec = ModelSpec::parse(m)?;
         for &batch in &a.batch {
-            for &dev in &devices {
+            for (&dev, stepper) in devices.iter().zip(&mut steppers) {
                 let (mut ours_rounds, mut torch_rounds) = (Vec::new(), Vec::new());
                 for _ in 0..a.rounds.max(1) {
                     let ours = time_gradsync(dev, &spec, batch, a.warmup, a.steps)?;
-                    if let Some((py, script)) = &torch {
-                        let t = time_pytorch((py, script), &dev.label(), ours.threads, &spec, batch, a)
-                            .with_context(|| {
-                                format!(
-                                    "PyTorch row {} batch {batch} on {} ({} with {})",
-                                    spec.name,
-                                    dev.label(),
-                                    py.display(),
-                                    script.display()
-                                )
-                            })?;
-                        torch_rounds.push(t);
+                    if let Some((py, script)) = &pytorch {
+                        let context = || {
+                            format!(
+                                "PyTorch row {} batch {batch} on {} ({} with {})",
+                                spec.name,
+                                dev.label(),
+                                py.display(),
+                                script.display()
+                            )
+                        };
+                        if stepper.is_none() {
+                            *stepper = Some(
+                                TorchStepper::start((py, script.as_path()), &dev.label(), ours.threads)
+                                    .with_context(context)?,
+                            );
+                        }
+                        if let Some(s) = stepper.as_mut() {
+                            torch_rounds.push(s.time(&spec, batch, a).with_context(context)?);
+                        }
                     }
                     ours_rounds.push(ours);
                 }
@@ -295,29 +393,39 @@ pub fn run(a: &StepArgs) -> anyhow::Result<()> {
                     t.peak_fraction = ours.peak_fraction.map(|p| p * t.gflops / ours.gflops);
                     t
                 });
-                for (fig, ratio) in
-                    [(Some(&ours), torch.as_ref().map(|t| t.step_ms / ours.step_ms)), (torch.as_ref(), None)]
-                {
-                    let Some(fig) = fig else { continue };
-                    table.row(vec![
-                        spec.name.clone(),
-                        batch.to_string(),
-                        fig.device.clone(),
-                        fig.threads.to_string(),
-                        fig.impl_.clone(),
-                        format!("{:.2}", fig.step_ms),
-                        format!("{:.2}", fig.input_ms),
-                        format!("{:.2}", fig.forward_ms),
-                        format!("{:.2}", fig.backward_ms),
-                        format!("{:.2}", fig.update_ms),
-                        format!("{:.1}", fig.gflops),
-                        fig.peak_fraction.map(|p| format!("{:.1}", 100.0 * p)).unwrap_or_default(),
-                        ratio.map(|r| format!("{r:.2}x")).unwrap_or_default(),
-                    ]);
-                    figures.push(fig.clone());
-                }
+                let ratio = torch.as_ref().map(|t| t.step_ms / ours.step_ms);
+                eprintln!(
+                    "gradsync-bench step: {} batch {batch} on {}: gradsync {:.2} ms{}",
+                    spec.name,
+                    dev.label(),
+                    ours.step_ms,
+                    match (&torch, ratio) {
+                        (Some(t), Some(r)) => format!(", PyTorch {:.2} ms ({r:.2}x)", t.step_ms),
+                        _ => String::new(),
+                    }
+                );
+                rows.push((spec.name.clone(), ours, ratio));
+                rows.extend(torch.map(|t| (spec.name.clone(), t, None)));
             }
         }
+    }
+    let lifted = lift_cpu_peaks(&mut rows);
+    for (name, fig, ratio) in &rows {
+        table.row(vec![
+            name.clone(),
+            fig.batch.to_string(),
+            fig.device.clone(),
+            fig.threads.to_string(),
+            fig.impl_.clone(),
+            format!("{:.2}", fig.step_ms),
+            format!("{:.2}", fig.input_ms),
+            format!("{:.2}", fig.forward_ms),
+            format!("{:.2}", fig.backward_ms),
+            format!("{:.2}", fig.update_ms),
+            format!("{:.1}", fig.gflops),
+            fig.peak_fraction.map(|p| format!("{:.1}", 100.0 * p)).unwrap_or_default(),
+            ratio.map(|r| format!("{r:.2}x")).unwrap_or_default(),
+        ]);
     }
     print!("{}", table.render());
     println!("vs torch: PyTorch's ms/step divided by gradsync's (above 1: gradsync is faster).");
@@ -329,11 +437,96 @@ pub fn run(a: &StepArgs) -> anyhow::Result<()> {
         "ms/step: forward, backward and update on a batch already on the device; input ms: gradsync's copy of \
          the batch to the device before it (PyTorch's batch stays there)."
     );
+    for (threads, rate) in lifted {
+        println!(
+            "% peak at {threads} CPU threads: a step here ran faster than the calibration product, so the peak is \
+             the fastest rate measured in this run, {:.1} GFLOP/s (a lower bound of the true peak).",
+            rate / 1e9
+        );
+    }
     if let Some(path) = &a.json {
         let lines: Vec<String> =
-            figures.iter().map(|f| serde_json::to_string(f).unwrap_or_default()).collect();
+            rows.iter().map(|(_, f, _)| serde_json::to_string(f).unwrap_or_default()).collect();
         std::fs::write(path, lines.join("\n") + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// A CPU's peak is what its threads were measured to reach; where a step of the run reached
+/// more (a larger product than the calibration's runs faster), the fastest rate measured is
+/// the peak instead, so that no row reads above 100%. Returns each thread count lifted, with
+/// its new peak in FLOP/s.
+fn lift_cpu_peaks(rows: &mut [(String, StepFigure, Option<f64>)]) -> Vec<(usize, f64)> {
+    let mut lifted = Vec::new();
+    let cpu = |f: &StepFigure| f.device == "cpu";
+    let mut threads: Vec<usize> = rows.iter().filter(|(_, f, _)| cpu(f)).map(|(_, f, _)| f.threads).collect();
+    threads.sort_unstable();
+    threads.dedup();
+    for t in threads {
+        let on = |f: &StepFigure| cpu(f) && f.threads == t;
+        let best =
+            rows.iter().filter(|(_, f, _)| on(f)).filter_map(|(_, f, _)| f.peak_fraction).fold(0.0, f64::max);
+        if best <= 1.0 {
+            continue;
+        }
+        let mut rate = 0.0;
+        for (_, f, _) in rows.iter_mut().filter(|(_, f, _)| on(f)) {
+            if let Some(p) = f.peak_fraction.as_mut() {
+                *p /= best;
+                if *p >= 1.0 {
+                    rate = f.gflops * 1e9;
+                }
+            }
+        }
+        lifted.push((t, rate));
+    }
+    lifted
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fig(device: &str, threads: usize, gflops: f64, peak_fraction: Option<f64>) -> StepFigure {
+        StepFigure {
+            impl_: "gradsync".into(),
+            device: device.into(),
+            threads,
+            model: "8-8".into(),
+            batch: 8,
+            step_ms: 1.0,
+            input_ms: 0.0,
+            forward_ms: 0.3,
+            backward_ms: 0.5,
+            update_ms: 0.2,
+            gflops,
+            peak_fraction,
+        }
+    }
+
+    /// A CPU row above its calibrated peak (16 threads on a product larger than the
+    /// calibration's read 121% on a real machine) lifts that thread count's peak to it; other
+    /// thread counts and the GPU keep theirs.
+    #[test]
+    fn no_cpu_row_reads_above_its_peak() {
+        let mut rows: Vec<(String, StepFigure, Option<f64>)> = [
+            fig("cpu", 16, 1200.0, Some(1.2)),
+            fig("cpu", 16, 600.0, Some(0.6)),
+            fig("cpu", 2, 100.0, Some(0.5)),
+            fig("cuda:0", 0, 5000.0, Some(0.07)),
+        ]
+        .into_iter()
+        .map(|f| ("m".to_string(), f, None))
+        .collect();
+        let lifted = lift_cpu_peaks(&mut rows);
+        assert_eq!(lifted.len(), 1);
+        assert_eq!(lifted[0].0, 16);
+        assert!((lifted[0].1 - 1200e9).abs() < 1.0, "{lifted:?}");
+        let fractions: Vec<f64> = rows.iter().filter_map(|(_, f, _)| f.peak_fraction).collect();
+        for (got, want) in fractions.iter().zip([1.0, 0.5, 0.5, 0.07]) {
+            assert!((got - want).abs() < 1e-12, "{fractions:?}");
+        }
+        assert!(lift_cpu_peaks(&mut rows).is_empty(), "lifted twice");
+    }
 }

@@ -437,6 +437,28 @@ fn every_method<B: Backend>(b: &B, n: usize, special: bool) -> Result<Vec<(Strin
         )?;
         out.push((format!("gemm ta={ta} tb={tb}"), download(b, &c, n * cols)?));
     }
+    // Convolutions' im2col and its adjoint col2im, for windows with and without padding and
+    // stride, on odd images: 2 channels of 5x7, as many samples as make about n input values
+    // (above 2^20 the 1x1 window alone, whose columns are smaller than its input).
+    let windows: &[(usize, usize, usize)] =
+        if n > 1 << 20 { &[(1, 2, 0)] } else { &[(3, 1, 1), (3, 2, 1), (1, 2, 0), (2, 2, 0)] };
+    let samples = n.div_ceil(70);
+    for &(kernel, stride, pad) in windows {
+        let w = Window { channels: 2, height: 5, width: 7, kernel, stride, pad };
+        let (len, cl) = (samples * 70, w.col_rows() * samples * w.out_pixels());
+        let x = upload(b, &values(len, 16, special))?;
+        let mut col = upload(b, &vec![f32::NAN; cl])?;
+        b.im2col(B::view_mut(&mut col, 0..cl), B::view(&x, 0..len), &w, samples)?;
+        out.push((format!("im2col k{kernel} s{stride} p{pad}"), download(b, &col, cl)?));
+        let mut dx = upload(b, &values(len, 17, false))?;
+        for accumulate in [true, false] {
+            b.col2im(B::view_mut(&mut dx, 0..len), B::view(&col, 0..cl), &w, samples, accumulate)?;
+            out.push((
+                format!("col2im k{kernel} s{stride} p{pad} accumulate={accumulate}"),
+                download(b, &dx, len)?,
+            ));
+        }
+    }
     b.synchronize()?;
     Ok(out)
 }
@@ -464,10 +486,10 @@ fn methods_agree(ordinal: usize, n: usize, special: bool) -> Result<()> {
     let gpu = every_method(&Cuda::new(ordinal)?, n, special)?;
     for ((what, c), (_, g)) in cpu.iter().zip(&gpu) {
         // GEMMs and the softmax's exponentials round differently on the GPU; the rest is the
-        // same arithmetic in the same order, and the bias gradient's sums agree to the bit.
+        // same arithmetic in the same order; the bias gradient's sums, im2col and col2im agree to the bit.
         let tol = if what.starts_with("gemm") || what.starts_with("softmax") {
             TOL
-        } else if what.starts_with("bias_grad") {
+        } else if what.starts_with("bias_grad") || what.starts_with("im2col") || what.starts_with("col2im") {
             0.0
         } else {
             1e-6

@@ -3,7 +3,12 @@
 //! parameter's gradient within 1e-4 (relative to the tensor's largest value, or to a hundredth
 //! of the model's largest gradient where the tensor's is smaller), and after 20 SGD-momentum
 //! steps every parameter and running statistic within 1e-3 (relative to the tensor's largest
-//! value). On the CPU, one thread.
+//! value), or, for a conv net, within four times PyTorch's own spread where that is wider: the
+//! distance after the same 20 steps between PyTorch with its usual convolutions (oneDNN on the
+//! CPU, cuDNN on a GPU) and with its plain im2col-and-GEMM ones (`reference.py --plain-conv`).
+//! Rounding carried through 20 steps of a descent that drives the loss of one batch to 1e-4
+//! grows; on an H200, resnet20's first batch-norm bias parted from cuDNN's by 4.7e-3. On the
+//! CPU, one thread.
 //!
 //! On a GPU (when one is present; `$GRADSYNC_PYTORCH_DEVICES=cpu,cuda` chooses), the same on
 //! cuda:0 against PyTorch on the same GPU (TF32 off on both sides).
@@ -86,30 +91,38 @@ fn check_against_pytorch(python: &Path, device: Device, spec: &ModelSpec, rows: 
     .collect();
     let batch_file = dir.join("batch.safetensors");
     state_dict::save(&batch_file, &batch, &[]).unwrap();
-    let out = dir.join("out.safetensors");
     let cfg = SgdConfig::DEFAULT;
-    let run = Command::new(python)
-        .arg(script())
-        .args(reference_args(spec))
-        .arg("--init")
-        .arg(&init)
-        .arg("--batch")
-        .arg(&batch_file)
-        .arg("--out")
-        .arg(&out)
-        .args(["--steps", &STEPS.to_string(), "--threads", "1"])
-        .args(["--device", if device.is_cuda() { "cuda" } else { "cpu" }])
-        .args(["--lr", &cfg.lr.to_string(), "--momentum", &cfg.momentum.to_string()])
-        .args(["--weight-decay", &cfg.weight_decay.to_string()])
-        .output()
-        .expect("run the PyTorch reference");
-    assert!(
-        run.status.success(),
-        "{}: the reference failed: {}",
-        spec.name,
-        String::from_utf8_lossy(&run.stderr)
-    );
-    let theirs = state_dict::load(&out).unwrap();
+    // PyTorch from the same start: with its usual convolutions (cuDNN, oneDNN), and again, for
+    // a conv net, with its plain ones (`--plain-conv`: im2col and GEMM, as gradsync's), whose
+    // distance from the first after 20 steps is PyTorch's own spread.
+    let reference = |file: &str, plain: bool| {
+        let out = dir.join(file);
+        let run = Command::new(python)
+            .arg(script())
+            .args(reference_args(spec))
+            .arg("--init")
+            .arg(&init)
+            .arg("--batch")
+            .arg(&batch_file)
+            .arg("--out")
+            .arg(&out)
+            .args(["--steps", &STEPS.to_string(), "--threads", "1"])
+            .args(["--device", if device.is_cuda() { "cuda" } else { "cpu" }])
+            .args(["--lr", &cfg.lr.to_string(), "--momentum", &cfg.momentum.to_string()])
+            .args(["--weight-decay", &cfg.weight_decay.to_string()])
+            .args(plain.then_some("--plain-conv"))
+            .output()
+            .expect("run the PyTorch reference");
+        assert!(
+            run.status.success(),
+            "{}: the reference failed: {}",
+            spec.name,
+            String::from_utf8_lossy(&run.stderr)
+        );
+        state_dict::load(&out).unwrap()
+    };
+    let theirs = reference("out.safetensors", false);
+    let plain = (!spec.is_mlp()).then(|| reference("plain.safetensors", true));
     let get = |name: &str| {
         theirs.get(name).unwrap_or_else(|| panic!("{}: the reference wrote no {name}", spec.name))
     };
@@ -154,11 +167,26 @@ fn check_against_pytorch(python: &Path, device: Device, spec: &ModelSpec, rows: 
     };
     let ours = engine.state_dict().unwrap();
     let mut worst = (0.0, String::new());
+    let mut widest = 0f64;
     for (name, entry) in &ours {
-        let d = rel_diff(&entry.to_f32(), &get(name).to_f32(), 0.0);
+        let want = get(name).to_f32();
+        let d = rel_diff(&entry.to_f32(), &want, 0.0);
+        // Where PyTorch's two convolution paths part by more than PARAM_TOL / 4 (rounding
+        // carried through 20 steps of a chaotic descent), gradsync may part from it by four
+        // times that spread.
+        let spread = plain.as_ref().map_or(0.0, |p| {
+            rel_diff(
+                &p.get(name).unwrap_or_else(|| panic!("the plain reference wrote no {name}")).to_f32(),
+                &want,
+                0.0,
+            )
+        });
+        widest = widest.max(spread);
+        let tol = PARAM_TOL.max(4.0 * spread);
         assert!(
-            d <= PARAM_TOL,
-            "{}: {name} after {STEPS} steps differs from PyTorch's by {d:.2e}; losses (ours/PyTorch's): {}",
+            d <= tol,
+            "{}: {name} after {STEPS} steps differs from PyTorch's by {d:.2e} (allowed {tol:.1e}; PyTorch's \
+             plain convolutions differ from its usual ones by {spread:.2e}); losses (ours/PyTorch's): {}",
             spec.name,
             trajectory()
         );
@@ -167,14 +195,15 @@ fn check_against_pytorch(python: &Path, device: Device, spec: &ModelSpec, rows: 
         }
     }
     eprintln!(
-        "{} on {}: loss {:.6} vs {loss0:.6}; worst gradient {:.1e} ({}); after {STEPS} steps worst {:.1e} ({})",
+        "{} on {}: loss {:.6} vs {loss0:.6}; worst gradient {:.1e} ({}); after {STEPS} steps worst {:.1e} ({}){}",
         spec.label(),
         device.label(),
         first.loss,
         worst_grad.0,
         worst_grad.1,
         worst.0,
-        worst.1
+        worst.1,
+        if plain.is_some() { format!(", PyTorch's own spread {widest:.1e}") } else { String::new() }
     );
 }
 

@@ -4,7 +4,8 @@
 // --fmad=false so `a * b + c` rounds twice, as it does on the CPU.
 //
 // Launch shape: 1-D grids with grid-stride loops, so any grid size is correct and the host may
-// cap the number of blocks. Sizes are 64-bit so no index overflows on large layers. The host
+// cap the number of blocks. Sizes are 64-bit so no index overflows on large layers (im2col and
+// col2im compute their indices in 32 bits where all of them fit, below). The host
 // asks for one thread per output value, and no thread's own loop grows with both the batch and
 // the layer width: a kernel's parallel work grows with its data (a test on the fake CUDA
 // records every launch's grid and checks it, core/tests/gpu.rs).
@@ -148,48 +149,88 @@ extern "C" __global__ void swap_axes(float* dst, const float* src, u64 outer, u6
 
 // The row `r = (c*k + ky)*k + kx` of a convolution's column matrix reads input pixel
 // (oy*stride - pad + ky, ox*stride - pad + kx) of channel c; the column `(n*oh + oy)*ow + ox`.
+// im2col and col2im do several divisions per value to find where it comes from; a 64-bit
+// division is a long emulated sequence on a GPU (Nsight Compute on an H200: resnet18's im2col
+// at about 270 GB/s, half of a batch-256 step's kernel time with col2im), a 32-bit one a short
+// one. So their index arithmetic runs in 32 bits (type I) wherever every index, and every
+// index plus the grid's stride, stays below 2^31; in 64 bits otherwise. Either gives the same
+// values in the same order.
+__device__ __forceinline__ bool fits_32(u64 a, u64 b) {
+    const u64 limit = 1ull << 31;
+    return a < limit && b < limit && GRID_STRIDE < limit;
+}
+
 // One thread per column entry (CPU: cpu_layers::im2col).
-extern "C" __global__ void im2col(float* col, const float* x, u64 channels, u64 batch, u64 height, u64 width,
-                                  u64 k, u64 stride, u64 pad, u64 oh, u64 ow) {
-    const u64 cols = batch * oh * ow;
-    const u64 n = channels * k * k * cols;
-    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
-        const u64 r = t / cols, q = t % cols;
-        const u64 c = r / (k * k), ky = r / k % k, kx = r % k;
-        const u64 s = q / (oh * ow), oy = q / ow % oh, ox = q % ow;
-        const long long iy = (long long)(oy * stride + ky) - (long long)pad;
-        const long long ix = (long long)(ox * stride + kx) - (long long)pad;
+template <typename I>
+__device__ __forceinline__ void im2col_in(float* col, const float* x, I channels, I batch, I height, I width, I k,
+                                          I stride, I pad, I oh, I ow) {
+    typedef long long S;
+    const I plane = oh * ow, kk = k * k;
+    const I cols = batch * plane;
+    const I n = channels * kk * cols;
+    for (I t = (I)GLOBAL_ID; t < n; t += (I)GRID_STRIDE) {
+        const I r = t / cols, q = t - r * cols;
+        const I c = r / kk, kr = r - c * kk, ky = kr / k, kx = kr - ky * k;
+        const I s = q / plane, p = q - s * plane, oy = p / ow, ox = p - oy * ow;
+        const S iy = (S)(oy * stride + ky) - (S)pad;
+        const S ix = (S)(ox * stride + kx) - (S)pad;
         float v = 0.0f;
-        if (iy >= 0 && iy < (long long)height && ix >= 0 && ix < (long long)width) {
-            v = x[((c * batch + s) * height + (u64)iy) * width + (u64)ix];
+        if (iy >= 0 && iy < (S)height && ix >= 0 && ix < (S)width) {
+            v = x[((c * batch + s) * height + (I)iy) * width + (I)ix];
         }
         col[t] = v;
+    }
+}
+
+extern "C" __global__ void im2col(float* col, const float* x, u64 channels, u64 batch, u64 height, u64 width,
+                                  u64 k, u64 stride, u64 pad, u64 oh, u64 ow) {
+    if (fits_32(channels * k * k * batch * oh * ow, channels * batch * height * width)) {
+        typedef unsigned int U;
+        im2col_in<U>(col, x, (U)channels, (U)batch, (U)height, (U)width, (U)k, (U)stride, (U)pad, (U)oh, (U)ow);
+    } else {
+        im2col_in<u64>(col, x, channels, batch, height, width, k, stride, pad, oh, ow);
     }
 }
 
 // The adjoint of im2col: each input value gathers the column entries it was copied to, in
 // (ky, kx) order, from zero or from what dx holds (accumulate). One thread per input value
 // (CPU: cpu_layers::col2im adds them in the same order).
-extern "C" __global__ void col2im(float* dx, const float* col, u64 channels, u64 batch, u64 height, u64 width,
-                                  u64 k, u64 stride, u64 pad, u64 oh, u64 ow, int accumulate) {
-    const u64 cols = batch * oh * ow;
-    const u64 n = channels * batch * height * width;
-    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
-        const u64 x = t % width, y = t / width % height, s = t / (width * height) % batch;
-        const u64 c = t / (width * height * batch);
+template <typename I>
+__device__ __forceinline__ void col2im_in(float* dx, const float* col, I channels, I batch, I height, I width, I k,
+                                          I stride, I pad, I oh, I ow, int accumulate) {
+    typedef long long S;
+    const I cols = batch * oh * ow;
+    const I hw = height * width;
+    const I n = channels * batch * hw;
+    for (I t = (I)GLOBAL_ID; t < n; t += (I)GRID_STRIDE) {
+        const I cs = t / hw, p = t - cs * hw, y = p / width, x = p - y * width;
+        const I c = cs / batch, s = cs - c * batch;
         float acc = accumulate ? dx[t] : 0.0f;
-        for (u64 ky = 0; ky < k; ++ky) {
-            const long long sy = (long long)(y + pad) - (long long)ky;
-            if (sy < 0 || sy % (long long)stride != 0 || (u64)(sy / (long long)stride) >= oh) continue;
-            const u64 oy = (u64)(sy / (long long)stride);
-            for (u64 kx = 0; kx < k; ++kx) {
-                const long long sx = (long long)(x + pad) - (long long)kx;
-                if (sx < 0 || sx % (long long)stride != 0 || (u64)(sx / (long long)stride) >= ow) continue;
-                const u64 ox = (u64)(sx / (long long)stride);
+        for (I ky = 0; ky < k; ++ky) {
+            const S sy = (S)(y + pad) - (S)ky;
+            if (sy < 0) break;
+            const I uy = (I)sy, oy = uy / stride;
+            if (oy * stride != uy || oy >= oh) continue;
+            for (I kx = 0; kx < k; ++kx) {
+                const S sx = (S)(x + pad) - (S)kx;
+                if (sx < 0) break;
+                const I ux = (I)sx, ox = ux / stride;
+                if (ox * stride != ux || ox >= ow) continue;
                 acc += col[((c * k + ky) * k + kx) * cols + (s * oh + oy) * ow + ox];
             }
         }
         dx[t] = acc;
+    }
+}
+
+extern "C" __global__ void col2im(float* dx, const float* col, u64 channels, u64 batch, u64 height, u64 width,
+                                  u64 k, u64 stride, u64 pad, u64 oh, u64 ow, int accumulate) {
+    if (fits_32(channels * k * k * batch * oh * ow, channels * batch * height * width)) {
+        typedef unsigned int U;
+        col2im_in<U>(dx, col, (U)channels, (U)batch, (U)height, (U)width, (U)k, (U)stride, (U)pad, (U)oh, (U)ow,
+                     accumulate);
+    } else {
+        col2im_in<u64>(dx, col, channels, batch, height, width, k, stride, pad, oh, ow, accumulate);
     }
 }
 
