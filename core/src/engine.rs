@@ -393,6 +393,11 @@ impl Engine {
         on_device!(self, m => m.batches_tracked())
     }
 
+    /// Set the training forward passes counted so far ([`Net::set_batches_tracked`]).
+    pub fn set_batches_tracked(&mut self, n: u64) {
+        on_device!(self, m => m.set_batches_tracked(n))
+    }
+
     /// The model's state under PyTorch's names ([`crate::state_dict::from_model`]).
     pub fn state_dict(&self) -> Result<crate::state_dict::Tensors> {
         Ok(crate::state_dict::from_model(

@@ -182,6 +182,12 @@ impl MetricsWriter {
         Ok(MetricsWriter { path: path.to_path_buf(), out: BufWriter::new(f) })
     }
 
+    /// Add to the metrics already at `path` (a resumed run continuing its file; no header).
+    pub fn append(path: &Path) -> Result<Self> {
+        let f = std::fs::OpenOptions::new().append(true).open(path).map_err(|e| Error::io(path, e))?;
+        Ok(MetricsWriter { path: path.to_path_buf(), out: BufWriter::new(f) })
+    }
+
     /// Write one record.
     pub fn write(&mut self, rec: &Record) -> Result<()> {
         let line = serde_json::to_string(rec).map_err(|e| Error::file(&self.path, e.to_string()))?;

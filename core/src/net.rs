@@ -512,6 +512,11 @@ impl<B: Backend> Net<B> {
         self.batches
     }
 
+    /// Set the training forward passes counted so far (a run resumed from a checkpoint).
+    pub fn set_batches_tracked(&mut self, n: u64) {
+        self.batches = n;
+    }
+
     /// Overwrite the running statistics from host memory.
     pub fn write_buffers(&mut self, src: &[f32]) -> Result<()> {
         let n = self.graph.layout.buffers_len;

@@ -69,6 +69,12 @@ pub type Tensors = BTreeMap<String, Entry>;
 
 /// Write `tensors` to `path` as safetensors, atomically, with `metadata` in its header.
 pub fn save(path: &Path, tensors: &Tensors, metadata: &[(&str, String)]) -> Result<()> {
+    crate::checkpoint::write_atomically(path, &to_bytes(path, tensors, metadata)?)
+}
+
+/// `tensors` as the bytes of a safetensors file, with `metadata` in its header; errors name
+/// `path`, the file they are meant for.
+pub fn to_bytes(path: &Path, tensors: &Tensors, metadata: &[(&str, String)]) -> Result<Vec<u8>> {
     let bytes: Vec<(String, Vec<u8>)> = tensors.iter().map(|(k, e)| (k.clone(), e.values.bytes())).collect();
     let views = tensors
         .iter()
@@ -80,9 +86,8 @@ pub fn save(path: &Path, tensors: &Tensors, metadata: &[(&str, String)]) -> Resu
         })
         .collect::<Result<Vec<_>>>()?;
     let info: HashMap<String, String> = metadata.iter().map(|(k, v)| ((*k).to_string(), v.clone())).collect();
-    let out = safetensors::serialize(views, (!info.is_empty()).then_some(info))
-        .map_err(|e| Error::file(path, e.to_string()))?;
-    crate::checkpoint::write_atomically(path, &out)
+    safetensors::serialize(views, (!info.is_empty()).then_some(info))
+        .map_err(|e| Error::file(path, e.to_string()))
 }
 
 /// Read every tensor of the safetensors file `path` (`f32`, or integers as `i64`).

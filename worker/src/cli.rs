@@ -233,6 +233,23 @@ pub struct TrainArgs {
     /// PyTorch state dict in .safetensors (names and shapes must match).
     #[arg(long)]
     pub load: Option<PathBuf>,
+    /// Keep checkpoints of the run in this folder (rank 0 writes them where every rank holds the
+    /// same state): parameters and running statistics as a PyTorch state dict, the momentum,
+    /// and the step, epoch and settings a resumed run needs; each written atomically.
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    /// Write a checkpoint every N steps (with --checkpoint).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
+    pub checkpoint_every: u64,
+    /// Keep the newest K checkpoints, removing older ones (with --checkpoint).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    pub checkpoint_keep: u64,
+    /// Continue from the newest complete checkpoint in --checkpoint's folder (from the start
+    /// when it holds none); a checkpoint of another model, world size, batch or optimiser is
+    /// refused, naming the difference. The run then ends with the parameters an unbroken run
+    /// would have.
+    #[arg(long, requires = "checkpoint")]
+    pub resume: bool,
     /// Print nothing but errors.
     #[arg(long, short)]
     pub quiet: bool,

@@ -15,6 +15,7 @@
 //!   in `pump`, shared-memory rings between ranks of one host in `shm`), and NCCL; for tests,
 //!   a simulated network under the same algorithms (`sim`).
 //! - [`rendezvous`]: rank 0's store through which ranks exchange addresses and the NCCL id.
+//! - [`resume`]: checkpoints of a run in progress (`--checkpoint`) and `--resume` from them.
 //! - [`launch`]: `gradsync-worker launch`, torchrun's job: start the local ranks, prefix their
 //!   output, stop them all if one fails.
 
@@ -23,6 +24,7 @@ pub mod collective;
 pub mod launch;
 pub mod ps;
 pub mod rendezvous;
+pub mod resume;
 pub mod setup;
 pub mod strategy;
 pub mod train;

@@ -66,6 +66,9 @@ pub struct Run {
     pub save: Option<PathBuf>,
     /// The parameters to start from.
     pub load: Option<PathBuf>,
+    /// Checkpoints of the run in progress (`--checkpoint`, `--checkpoint-every`,
+    /// `--checkpoint-keep`, `--resume`).
+    pub checkpoints: Option<crate::resume::Checkpoints>,
     /// Whether to print nothing but errors.
     pub quiet: bool,
     /// The timeline recorder (`--trace`; disabled without it). Strategies clone it to record
@@ -184,6 +187,12 @@ impl Run {
             trace_path,
             save: args.save.clone(),
             load: args.load.clone(),
+            checkpoints: args.checkpoint.as_ref().map(|dir| crate::resume::Checkpoints {
+                dir: dir.clone(),
+                every: args.checkpoint_every,
+                keep: args.checkpoint_keep as usize,
+                resume: args.resume,
+            }),
             quiet: args.quiet,
             mode: ModeConfig::Local,
         };

@@ -79,6 +79,39 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
         Budget::Epochs(e) => steps_per_epoch * e,
     };
 
+    // A run that keeps checkpoints must be one whose state one engine holds; a resumed run
+    // takes the newest one's state before the ranks agree on it in `start` (rank 0's wins).
+    let identity = crate::resume::Identity {
+        fingerprint: fingerprint.text.clone(),
+        mode: run.mode.name().into(),
+        world_size: shape.workers(),
+        batch: run.batch,
+        lr: run.sgd.lr,
+        momentum: run.sgd.momentum,
+        weight_decay: run.sgd.weight_decay,
+        order_seed: run.order_seed,
+    };
+    let mut resumed_at = 0;
+    let mut first_loss = f64::NAN;
+    if let Some(ck) = &run.checkpoints {
+        strategy
+            .checkpoint_support()
+            .map_err(|why| anyhow::anyhow!("--checkpoint with --mode {}: {why}", run.mode.name()))?;
+        if ck.resume
+            && let Some(state) = ck.restore(&mut engine, &identity)?
+        {
+            if leader && !run.quiet {
+                eprintln!(
+                    "gradsync: resuming after step {} (epoch {}) from {}",
+                    state.step,
+                    state.epoch,
+                    ck.dir.display()
+                );
+            }
+            resumed_at = state.step;
+            first_loss = state.first_loss;
+        }
+    }
     let progress = Progress::new(leader && !run.quiet, total_steps, &engine);
     strategy.start(&mut engine).context("starting the run")?;
     // The optimiser actually applied: this process's own, or the one the servers told it at
@@ -95,12 +128,16 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
         }
         None => run.sgd,
     };
+    // A resumed run adds to the metrics the run before it wrote.
+    let appended =
+        resumed_at > 0 && run.metrics.as_ref().is_some_and(|p| p.metadata().is_ok_and(|m| m.len() > 0));
     let mut metrics = match &run.metrics {
+        Some(p) if appended => Some(MetricsWriter::append(p)?),
         Some(p) => Some(MetricsWriter::create(p)?),
         None => None,
     };
     let start_ms = unix_ms();
-    if let Some(m) = metrics.as_mut() {
+    if let Some(m) = metrics.as_mut().filter(|_| !appended) {
         let (variant, mut extra) = strategy.describe();
         if let Eval::Samples(every) = run.eval {
             extra.insert("eval_samples".into(), every.into());
@@ -154,13 +191,20 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
     let t0 = Instant::now();
     let mut eval_ms = 0.0;
     let (mut x, mut y) = (Vec::new(), Vec::new());
-    let mut summary =
-        Summary { steps: 0, first_loss: f64::NAN, last_loss: f64::NAN, eval: None, seconds: 0.0 };
-    'epochs: for epoch in 0.. {
+    let mut summary = Summary { steps: 0, first_loss, last_loss: f64::NAN, eval: None, seconds: 0.0 };
+    // A resumed run starts in the epoch of its next step, at that step's batch: the sampler's
+    // order depends on the seed and the epoch only.
+    let first_epoch = resumed_at / steps_per_epoch;
+    summary.steps = first_epoch * steps_per_epoch;
+    'epochs: for epoch in first_epoch.. {
         let indices = sampler.indices(epoch);
         for chunk in indices.chunks_exact(batch) {
             if summary.steps >= total_steps {
                 break 'epochs;
+            }
+            if summary.steps < resumed_at {
+                summary.steps += 1;
+                continue;
             }
             let ts = Instant::now();
             summary.steps += 1;
@@ -183,7 +227,7 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             rec.step_ms = ms_since(ts);
             rec.loss = loss.loss;
             rec.train_accuracy = loss.correct as f64 / loss.rows.max(1) as f64;
-            if step == 1 {
+            if summary.first_loss.is_nan() {
                 summary.first_loss = loss.loss;
             }
             if let Some(why) = divergence(loss.loss, summary.first_loss, run.data.classes) {
@@ -229,6 +273,14 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             );
             if let Some(m) = metrics.as_mut() {
                 m.write(&Record::Step(rec.clone()))?;
+            }
+            if leader && let Some(ck) = run.checkpoints.as_ref().filter(|ck| ck.due(step)) {
+                let t = Instant::now();
+                let at = ck.write(&engine, step, epoch, summary.first_loss, &identity)?;
+                run.trace.span("checkpoint", "compute", "compute", t);
+                if !run.quiet {
+                    progress.note(&format!("checkpoint of step {step} in {}", at.display()));
+                }
             }
             progress.step(&rec);
         }
@@ -440,6 +492,15 @@ impl Progress {
                 "step {:>6}  epoch {:>3}  loss {:.4}  {:.1} ms/step{acc}",
                 rec.step, rec.epoch, rec.loss, rec.step_ms
             );
+        }
+    }
+
+    /// A line between the steps' (above the bar on a terminal).
+    fn note(&self, msg: &str) {
+        if let Some(b) = &self.bar {
+            b.println(format!("gradsync: {msg}"));
+        } else if self.enabled {
+            eprintln!("gradsync: {msg}");
         }
     }
 

@@ -47,6 +47,10 @@ impl Strategy for Local {
         Ok(loss)
     }
 
+    fn checkpoint_support(&self) -> Result<(), String> {
+        Ok(())
+    }
+
     fn finish(&mut self, _engine: &mut Engine) -> anyhow::Result<()> {
         Ok(())
     }

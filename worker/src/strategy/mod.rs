@@ -88,6 +88,12 @@ pub trait Strategy {
         (String::new(), serde_json::Map::new())
     }
 
+    /// Whether `--checkpoint` can save this strategy's run: `Ok` where the engine of every rank
+    /// holds the whole state (rank 0 writes it), else why not.
+    fn checkpoint_support(&self) -> Result<(), String> {
+        Err("checkpoints are written for local training and DDP so far".into())
+    }
+
     /// What besides a lower learning rate may keep this strategy's training from diverging,
     /// worded as advice for the error that stops a diverged run (`None`: nothing of its own).
     fn divergence_advice(&self) -> Option<String> {

@@ -1,0 +1,397 @@
+//! Checkpoints of a run in progress (`--checkpoint DIR --checkpoint-every N`) and the resumed
+//! run that ends where an unbroken one would (`--resume`).
+//!
+//! Each checkpoint is a folder `DIR/step-NNNNNNNNNN/`:
+//! - `model.safetensors`: the parameters and running statistics under PyTorch's names
+//!   (`model.load_state_dict(safetensors.torch.load_file(...))` reads it);
+//! - `optimizer.safetensors`: the SGD momentum, one tensor per parameter, named
+//!   `momentum.<parameter>`;
+//! - `run.json`: the step and epoch reached, what must match for a run to resume from it
+//!   (model fingerprint, mode, world size, batch, optimiser, seeds), and each file's SHA-256.
+//!
+//! A checkpoint is written into a hidden folder beside its final name, every file and the
+//! folder fsynced, then renamed into place and the parent fsynced: a process killed at any
+//! moment leaves either the previous checkpoints alone or the new one complete. The newest
+//! `keep` complete checkpoints are kept. A resumed run takes the newest checkpoint whose files
+//! match their checksums, naming any it passes over.
+//!
+//! The state is the one engine's: written by rank 0 where every rank holds the same (local,
+//! DDP); a strategy whose state lives elsewhere says why it cannot be checkpointed yet
+//! ([`crate::strategy::Strategy::checkpoint_support`]). The data order needs no state of its
+//! own: the sampler's order is a function of the seed and the epoch, so the resumed run draws
+//! the batches the unbroken run would.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use gradsync_core::Engine;
+use gradsync_core::state_dict::{self, Entry, Tensors};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// `--checkpoint` and its companions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checkpoints {
+    /// The folder holding the checkpoints.
+    pub dir: PathBuf,
+    /// Steps between checkpoints.
+    pub every: u64,
+    /// Checkpoints kept.
+    pub keep: usize,
+    /// Continue from the newest one.
+    pub resume: bool,
+}
+
+/// What must be the same for a run to continue from a checkpoint, as `run.json` records it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Identity {
+    /// The model fingerprint (architecture, sizes and initialisation seed).
+    pub fingerprint: String,
+    /// The mode (`local`, `ddp`, ...).
+    pub mode: String,
+    /// Workers the global batch is split over.
+    pub world_size: usize,
+    /// Rows per worker and step.
+    pub batch: usize,
+    /// Learning rate.
+    pub lr: f32,
+    /// Momentum.
+    pub momentum: f32,
+    /// Weight decay.
+    pub weight_decay: f32,
+    /// The data order's seed.
+    pub order_seed: u64,
+}
+
+impl Identity {
+    /// The first way `self` (this run) differs from `saved` (the checkpoint's run), worded for
+    /// the user.
+    fn difference(&self, saved: &Identity) -> Option<String> {
+        let mut diffs = Vec::new();
+        let mut cmp = |what: &str, ours: String, theirs: String| {
+            if ours != theirs {
+                diffs.push(format!("{what} {theirs} (this run: {ours})"));
+            }
+        };
+        cmp("model", self.fingerprint.clone(), saved.fingerprint.clone());
+        cmp("mode", self.mode.clone(), saved.mode.clone());
+        cmp("world size", self.world_size.to_string(), saved.world_size.to_string());
+        cmp("batch", self.batch.to_string(), saved.batch.to_string());
+        cmp("learning rate", self.lr.to_string(), saved.lr.to_string());
+        cmp("momentum", self.momentum.to_string(), saved.momentum.to_string());
+        cmp("weight decay", self.weight_decay.to_string(), saved.weight_decay.to_string());
+        cmp("order seed", self.order_seed.to_string(), saved.order_seed.to_string());
+        (!diffs.is_empty()).then(|| diffs.join(", "))
+    }
+}
+
+/// `run.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunState {
+    /// The format's version.
+    pub format: u32,
+    /// Steps completed.
+    pub step: u64,
+    /// The epoch of the last completed step.
+    pub epoch: u64,
+    /// The loss of the run's first step (the divergence check's yardstick).
+    pub first_loss: f64,
+    /// What a resumed run must match.
+    pub identity: Identity,
+    /// SHA-256 of each file of the checkpoint, by name.
+    pub files: std::collections::BTreeMap<String, String>,
+    /// gradsync's version.
+    pub version: String,
+}
+
+const FORMAT: u32 = 1;
+const MODEL: &str = "model.safetensors";
+const OPTIMIZER: &str = "optimizer.safetensors";
+const RUN: &str = "run.json";
+
+/// The folder name of the checkpoint after `step` steps (zero-padded, so names sort by step).
+fn folder(step: u64) -> String {
+    format!("step-{step:010}")
+}
+
+fn sha256(bytes: &[u8]) -> String {
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Write `bytes` to `path` and fsync it.
+fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut f = std::fs::File::create(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}
+
+/// The momentum as tensors named after their parameters.
+fn momentum_tensors(engine: &Engine) -> anyhow::Result<Tensors> {
+    let layout = engine.layout();
+    let mut m = vec![0.0; layout.len];
+    engine.read_momentum(&mut m)?;
+    Ok(layout
+        .params
+        .iter()
+        .map(|t| (format!("momentum.{}", t.name), Entry::f32(t.shape.clone(), m[t.range.clone()].to_vec())))
+        .collect())
+}
+
+impl Checkpoints {
+    /// Whether a checkpoint is due after `step`.
+    pub fn due(&self, step: u64) -> bool {
+        step.is_multiple_of(self.every)
+    }
+
+    /// Write the checkpoint after `step` (in `epoch`), then remove all but the newest `keep`.
+    /// Returns its folder.
+    pub fn write(
+        &self,
+        engine: &Engine,
+        step: u64,
+        epoch: u64,
+        first_loss: f64,
+        identity: &Identity,
+    ) -> anyhow::Result<PathBuf> {
+        let name = folder(step);
+        let fin = self.dir.join(&name);
+        let tmp = self.dir.join(format!(".{name}.tmp-{}", std::process::id()));
+        let written = (|| -> anyhow::Result<()> {
+            std::fs::create_dir_all(&self.dir).with_context(|| format!("creating {}", self.dir.display()))?;
+            if tmp.exists() {
+                std::fs::remove_dir_all(&tmp).with_context(|| format!("removing {}", tmp.display()))?;
+            }
+            std::fs::create_dir(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+            let mut files = std::collections::BTreeMap::new();
+            for (file, tensors) in [(MODEL, engine.state_dict()?), (OPTIMIZER, momentum_tensors(engine)?)] {
+                let bytes = state_dict::to_bytes(&tmp.join(file), &tensors, &[])?;
+                write_synced(&tmp.join(file), &bytes)
+                    .with_context(|| format!("writing {file} in {}", tmp.display()))?;
+                files.insert(file.to_string(), sha256(&bytes));
+            }
+            let state = RunState {
+                format: FORMAT,
+                step,
+                epoch,
+                first_loss,
+                identity: identity.clone(),
+                files,
+                version: gradsync_core::VERSION.into(),
+            };
+            let json = serde_json::to_vec_pretty(&state)?;
+            write_synced(&tmp.join(RUN), &json)
+                .with_context(|| format!("writing {RUN} in {}", tmp.display()))?;
+            std::fs::File::open(&tmp)?.sync_all()?;
+            if fin.exists() {
+                // A checkpoint of this step from an earlier attempt of the run: replaced whole.
+                std::fs::remove_dir_all(&fin).with_context(|| format!("removing {}", fin.display()))?;
+            }
+            std::fs::rename(&tmp, &fin)
+                .with_context(|| format!("renaming {} to {}", tmp.display(), fin.display()))?;
+            std::fs::File::open(&self.dir)?.sync_all()?;
+            Ok(())
+        })();
+        if let Err(e) = written {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e.context(format!(
+                "--checkpoint {}: writing the checkpoint of step {step}",
+                self.dir.display()
+            )));
+        }
+        self.prune()?;
+        Ok(fin)
+    }
+
+    /// The complete checkpoints, oldest first, by step.
+    fn listed(&self) -> anyhow::Result<Vec<(u64, PathBuf)>> {
+        let mut out = Vec::new();
+        let entries = match std::fs::read_dir(&self.dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+            Err(e) => return Err(e).with_context(|| format!("--checkpoint {}", self.dir.display())),
+        };
+        for entry in entries {
+            let entry = entry.with_context(|| format!("--checkpoint {}", self.dir.display()))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if let Some(step) = name.strip_prefix("step-").and_then(|s| s.parse::<u64>().ok()) {
+                out.push((step, entry.path()));
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// Remove all but the newest `keep` checkpoints, and what interrupted writes left.
+    fn prune(&self) -> anyhow::Result<()> {
+        let listed = self.listed()?;
+        for (_, path) in &listed[..listed.len().saturating_sub(self.keep)] {
+            std::fs::remove_dir_all(path).with_context(|| format!("removing {}", path.display()))?;
+        }
+        Ok(())
+    }
+
+    /// The newest complete checkpoint whose files match their checksums, with its state; `None`
+    /// when the folder holds none. Each one passed over is named on stderr with why.
+    pub fn newest(&self) -> anyhow::Result<Option<(PathBuf, RunState)>> {
+        for (_, path) in self.listed()?.into_iter().rev() {
+            match verify(&path) {
+                Ok(state) => return Ok(Some((path, state))),
+                Err(e) => eprintln!("gradsync: --resume: passing over {}: {e:#}", path.display()),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Continue from the newest checkpoint (`--resume`): its state into `engine` after checking
+    /// it was written by a run like this one. Returns its state; `None` when there is none
+    /// (the run starts from the beginning).
+    pub fn restore(&self, engine: &mut Engine, identity: &Identity) -> anyhow::Result<Option<RunState>> {
+        let Some((path, state)) = self.newest()? else { return Ok(None) };
+        if let Some(diff) = identity.difference(&state.identity) {
+            anyhow::bail!(
+                "--resume {}: written by a run with {diff}; resume with the same settings",
+                path.display()
+            );
+        }
+        let model = path.join(MODEL);
+        let tensors = state_dict::load(&model)?;
+        let (params, buffers) = state_dict::to_model(&model, engine.layout(), &tensors)?;
+        engine.write_params(0, &params)?;
+        if let Some(b) = buffers {
+            engine.write_buffers(&b)?;
+        }
+        if let Some(n) = tensors
+            .iter()
+            .find(|(k, _)| k.ends_with(".num_batches_tracked"))
+            .and_then(|(_, e)| tracked_count(e))
+        {
+            engine.set_batches_tracked(n);
+        }
+        let optimizer = path.join(OPTIMIZER);
+        let saved = state_dict::load(&optimizer)?;
+        let layout = engine.layout();
+        let mut m = vec![0.0; layout.len];
+        for t in &layout.params {
+            let name = format!("momentum.{}", t.name);
+            let e =
+                saved.get(&name).with_context(|| format!("--resume {}: no {name}", optimizer.display()))?;
+            anyhow::ensure!(
+                e.shape == t.shape,
+                "--resume {}: {name} is {:?}, the model's is {:?}",
+                optimizer.display(),
+                e.shape,
+                t.shape
+            );
+            m[t.range.clone()].copy_from_slice(&e.to_f32());
+        }
+        engine.write_momentum(&m)?;
+        Ok(Some(state))
+    }
+}
+
+/// An integer tensor's first value, exactly.
+fn tracked_count(e: &Entry) -> Option<u64> {
+    match &e.values {
+        state_dict::Values::I64(v) => v.first().map(|&n| n.max(0) as u64),
+        _ => None,
+    }
+}
+
+/// A checkpoint folder's state, after checking its format and each file's checksum.
+fn verify(path: &Path) -> anyhow::Result<RunState> {
+    let json = std::fs::read(path.join(RUN)).with_context(|| format!("reading {RUN}"))?;
+    let state: RunState = serde_json::from_slice(&json).with_context(|| format!("parsing {RUN}"))?;
+    anyhow::ensure!(state.format == FORMAT, "format {} (this gradsync reads {FORMAT})", state.format);
+    for file in [MODEL, OPTIMIZER] {
+        let want = state.files.get(file).with_context(|| format!("{RUN} names no checksum for {file}"))?;
+        let bytes = std::fs::read(path.join(file)).with_context(|| format!("reading {file}"))?;
+        anyhow::ensure!(
+            &sha256(&bytes) == want,
+            "{file} does not match its checksum (a torn or altered file)"
+        );
+    }
+    Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gradsync_core::device::Device;
+    use gradsync_core::model::ModelSpec;
+
+    fn identity() -> Identity {
+        Identity {
+            fingerprint: "mlp:8-4:f32:seed=1".into(),
+            mode: "local".into(),
+            world_size: 1,
+            batch: 4,
+            lr: 0.05,
+            momentum: 0.9,
+            weight_decay: 1e-4,
+            order_seed: 1,
+        }
+    }
+
+    fn engine(seed: u64) -> Engine {
+        Engine::new(Device::Cpu { threads: 1 }, ModelSpec::parse("8-4").unwrap(), seed).unwrap()
+    }
+
+    #[test]
+    fn checkpoints_round_trip_and_the_newest_k_are_kept() {
+        let dir = gradsync_testkit::Scratch::new("resume-round-trip");
+        let ck = Checkpoints { dir: dir.join("ck"), every: 2, keep: 2, resume: true };
+        let mut a = engine(1);
+        let m: Vec<f32> = (0..a.layout().len).map(|i| i as f32 * 0.5).collect();
+        a.write_momentum(&m).unwrap();
+        for step in [2, 4, 6] {
+            ck.write(&a, step, step / 4, 2.3, &identity()).unwrap();
+        }
+        let kept: Vec<u64> = ck.listed().unwrap().into_iter().map(|(s, _)| s).collect();
+        assert_eq!(kept, [4, 6]);
+        let mut b = engine(2);
+        let state = ck.restore(&mut b, &identity()).unwrap().unwrap();
+        assert_eq!((state.step, state.epoch), (6, 1));
+        assert_eq!(b.params().unwrap(), a.params().unwrap());
+        let mut got = vec![0.0; m.len()];
+        b.read_momentum(&mut got).unwrap();
+        assert_eq!(got, m);
+    }
+
+    #[test]
+    fn a_torn_checkpoint_is_passed_over_for_the_one_before() {
+        let dir = gradsync_testkit::Scratch::new("resume-torn");
+        let ck = Checkpoints { dir: dir.join("ck"), every: 1, keep: 3, resume: true };
+        let a = engine(1);
+        ck.write(&a, 1, 0, 2.3, &identity()).unwrap();
+        let newest = ck.write(&a, 2, 0, 2.3, &identity()).unwrap();
+        // A write cut short: the model file loses its tail.
+        let model = newest.join(MODEL);
+        let bytes = std::fs::read(&model).unwrap();
+        std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+        // And an interrupted write's hidden folder, which is never read.
+        std::fs::create_dir_all(dir.join("ck/.step-0000000003.tmp-1")).unwrap();
+        let (path, state) = ck.newest().unwrap().unwrap();
+        assert_eq!(state.step, 1, "{}", path.display());
+    }
+
+    #[test]
+    fn another_runs_checkpoint_is_refused_naming_the_difference() {
+        let dir = gradsync_testkit::Scratch::new("resume-refused");
+        let ck = Checkpoints { dir: dir.join("ck"), every: 1, keep: 3, resume: true };
+        ck.write(&engine(1), 1, 0, 2.3, &identity()).unwrap();
+        let other = Identity { world_size: 2, lr: 0.1, ..identity() };
+        let err = format!("{:#}", ck.restore(&mut engine(1), &other).unwrap_err());
+        assert!(
+            err.contains("world size 1 (this run: 2)") && err.contains("learning rate 0.05 (this run: 0.1)"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn an_empty_folder_resumes_nothing() {
+        let dir = gradsync_testkit::Scratch::new("resume-empty");
+        let ck = Checkpoints { dir: dir.join("none-yet"), every: 1, keep: 3, resume: true };
+        assert!(ck.restore(&mut engine(1), &identity()).unwrap().is_none());
+    }
+}
