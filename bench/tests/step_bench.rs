@@ -54,6 +54,13 @@ fn step(cwd: &Path, extra: &[&std::ffi::OsStr]) -> Output {
         .unwrap()
 }
 
+/// An empty `bench/pytorch/step.py` in `dir`, where the benchmark looks from its working
+/// directory (the stand-in Python never reads it).
+fn with_script(dir: &Path) {
+    std::fs::create_dir_all(dir.join("bench/pytorch")).unwrap();
+    std::fs::write(dir.join("bench/pytorch/step.py"), "").unwrap();
+}
+
 const FIGURES: &str = r#"{"step_ms": 1.0, "forward_ms": 0.3, "backward_ms": 0.5, "update_ms": 0.2, "tf32": {"matmul": false, "cudnn": false}}"#;
 
 #[test]
@@ -73,8 +80,7 @@ fn a_missing_script_with_python_is_an_error_naming_where_it_looked() {
 #[test]
 fn the_working_directorys_scripts_give_the_pytorch_row() {
     let dir = gradsync_testkit::Scratch::new("step-cwd-script");
-    std::fs::create_dir_all(dir.join("bench/pytorch")).unwrap();
-    std::fs::write(dir.join("bench/pytorch/step.py"), "").unwrap();
+    with_script(&dir);
     let python = fake_python(&dir, Some(FIGURES));
     let out = step(&dir, &["--python".as_ref(), python.as_os_str()]);
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -106,8 +112,7 @@ fn a_pytorch_row_that_fails_fails_the_run() {
 #[test]
 fn one_pytorch_process_serves_every_row_of_a_device() {
     let dir = gradsync_testkit::Scratch::new("step-one-process");
-    std::fs::create_dir_all(dir.join("bench/pytorch")).unwrap();
-    std::fs::write(dir.join("bench/pytorch/step.py"), "").unwrap();
+    with_script(&dir);
     let python = fake_python(&dir, Some(FIGURES));
     let json = dir.join("rows.jsonl");
     let out = step(
@@ -135,8 +140,7 @@ fn one_pytorch_process_serves_every_row_of_a_device() {
 #[test]
 fn a_pytorch_row_computed_in_tf32_fails_the_run() {
     let dir = gradsync_testkit::Scratch::new("step-torch-tf32");
-    std::fs::create_dir_all(dir.join("bench/pytorch")).unwrap();
-    std::fs::write(dir.join("bench/pytorch/step.py"), "").unwrap();
+    with_script(&dir);
     for (figures, says) in [
         (FIGURES.replace(r#""cudnn": false"#, r#""cudnn": true"#), "TF32 allowed"),
         (FIGURES.replace(r#", "tf32": {"matmul": false, "cudnn": false}"#, ""), "does not say whether TF32"),
