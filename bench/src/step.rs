@@ -10,7 +10,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -200,7 +200,8 @@ struct TorchStepper {
     child: Child,
     stdin: ChildStdin,
     replies: mpsc::Receiver<std::io::Result<String>>,
-    stderr: Arc<Mutex<String>>,
+    /// Everything the process writes on stderr, once it has closed it.
+    stderr: Option<std::thread::JoinHandle<String>>,
     device: String,
     threads: usize,
 }
@@ -229,24 +230,21 @@ impl TorchStepper {
                 }
             }
         });
-        let stderr = Arc::new(Mutex::new(String::new()));
-        let sink = Arc::clone(&stderr);
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                if let Ok(mut s) = sink.lock() {
-                    s.push_str(&line);
-                    s.push('\n');
-                }
-            }
+        let stderr = std::thread::spawn(move || {
+            let mut all = String::new();
+            let _ = std::io::Read::read_to_string(&mut BufReader::new(err), &mut all);
+            all
         });
-        Ok(Self { child, stdin, replies, stderr, device: device.to_string(), threads })
+        Ok(Self { child, stdin, replies, stderr: Some(stderr), device: device.to_string(), threads })
     }
 
-    /// What the process wrote on stderr so far, trimmed to its last lines.
-    fn stderr_tail(&self) -> String {
-        let all = self.stderr.lock().map(|s| s.clone()).unwrap_or_default();
+    /// The process has stopped serving: wait for its exit, and say why with the last lines
+    /// of its stderr.
+    fn failed(&mut self) -> anyhow::Error {
+        let _ = self.child.wait();
+        let all = self.stderr.take().and_then(|h| h.join().ok()).unwrap_or_default();
         let lines: Vec<&str> = all.trim().lines().collect();
-        lines[lines.len().saturating_sub(20)..].join("\n")
+        anyhow::anyhow!("PyTorch step failed: {}", lines[lines.len().saturating_sub(20)..].join("\n"))
     }
 
     /// Time PyTorch eager on `spec` at `batch`.
@@ -258,8 +256,7 @@ impl TorchStepper {
         let request = serde_json::to_string(&args)? + "\n";
         if self.stdin.write_all(request.as_bytes()).and_then(|()| self.stdin.flush()).is_err() {
             // Gone before the request: its stderr says why.
-            std::thread::sleep(Duration::from_millis(100));
-            anyhow::bail!("PyTorch step failed: {}", self.stderr_tail());
+            return Err(self.failed());
         }
         let line = match self.replies.recv_timeout(TORCH_REPLY_LIMIT) {
             Ok(Ok(line)) => line,
@@ -267,10 +264,7 @@ impl TorchStepper {
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 anyhow::bail!("PyTorch gave no figures within {} s", TORCH_REPLY_LIMIT.as_secs())
             }
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                let _ = self.child.wait();
-                anyhow::bail!("PyTorch step failed: {}", self.stderr_tail())
-            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => return Err(self.failed()),
         };
         parse_torch_reply(&line, &self.device, self.threads, spec, batch)
     }

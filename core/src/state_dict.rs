@@ -93,7 +93,13 @@ pub fn to_bytes(path: &Path, tensors: &Tensors, metadata: &[(&str, String)]) -> 
 /// Read every tensor of the safetensors file `path` (`f32`, or integers as `i64`).
 pub fn load(path: &Path) -> Result<Tensors> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    let st = SafeTensors::deserialize(&bytes)
+    from_bytes(path, &bytes)
+}
+
+/// Every tensor of `bytes`, a safetensors file's contents read from `path` (which errors
+/// name), as [`load`] reads them.
+pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Tensors> {
+    let st = SafeTensors::deserialize(bytes)
         .map_err(|e| Error::file(path, format!("not a safetensors file: {e}")))?;
     let mut out = Tensors::new();
     for (name, view) in st.tensors() {

@@ -231,12 +231,12 @@ impl Checkpoints {
         Ok(())
     }
 
-    /// The newest complete checkpoint whose files match their checksums, with its state; `None`
-    /// when the folder holds none. Each one passed over is named on stderr with why.
-    pub fn newest(&self) -> anyhow::Result<Option<(PathBuf, RunState)>> {
+    /// The newest complete checkpoint whose files match their checksums, read; `None` when
+    /// the folder holds none. Each one passed over is named on stderr with why.
+    fn newest(&self) -> anyhow::Result<Option<(PathBuf, Verified)>> {
         for (_, path) in self.listed()?.into_iter().rev() {
             match verify(&path) {
-                Ok(state) => return Ok(Some((path, state))),
+                Ok(v) => return Ok(Some((path, v))),
                 Err(e) => eprintln!("gradsync: --resume: passing over {}: {e:#}", path.display()),
             }
         }
@@ -247,16 +247,16 @@ impl Checkpoints {
     /// it was written by a run like this one. Returns its state; `None` when there is none
     /// (the run starts from the beginning).
     pub fn restore(&self, engine: &mut Engine, identity: &Identity) -> anyhow::Result<Option<RunState>> {
-        let Some((path, state)) = self.newest()? else { return Ok(None) };
+        let Some((path, Verified { state, model: tensors, optimizer: saved })) = self.newest()? else {
+            return Ok(None);
+        };
         if let Some(diff) = identity.difference(&state.identity) {
             anyhow::bail!(
                 "--resume {}: written by a run with {diff}; resume with the same settings",
                 path.display()
             );
         }
-        let model = path.join(MODEL);
-        let tensors = state_dict::load(&model)?;
-        let (params, buffers) = state_dict::to_model(&model, engine.layout(), &tensors)?;
+        let (params, buffers) = state_dict::to_model(&path.join(MODEL), engine.layout(), &tensors)?;
         engine.write_params(0, &params)?;
         if let Some(b) = buffers {
             engine.write_buffers(&b)?;
@@ -269,7 +269,6 @@ impl Checkpoints {
             engine.set_batches_tracked(n);
         }
         let optimizer = path.join(OPTIMIZER);
-        let saved = state_dict::load(&optimizer)?;
         let layout = engine.layout();
         let mut m = vec![0.0; layout.len];
         for t in &layout.params {
@@ -298,20 +297,30 @@ fn tracked_count(e: &Entry) -> Option<u64> {
     }
 }
 
-/// A checkpoint folder's state, after checking its format and each file's checksum.
-fn verify(path: &Path) -> anyhow::Result<RunState> {
+/// A checkpoint read whole: its state, and its model's and optimiser's tensors, once each
+/// file matched its checksum.
+struct Verified {
+    state: RunState,
+    model: Tensors,
+    optimizer: Tensors,
+}
+
+/// Read the checkpoint in `path`, checking its format and each file's checksum.
+fn verify(path: &Path) -> anyhow::Result<Verified> {
     let json = std::fs::read(path.join(RUN)).with_context(|| format!("reading {RUN}"))?;
     let state: RunState = serde_json::from_slice(&json).with_context(|| format!("parsing {RUN}"))?;
     anyhow::ensure!(state.format == FORMAT, "format {} (this gradsync reads {FORMAT})", state.format);
-    for file in [MODEL, OPTIMIZER] {
+    let read = |file: &str| -> anyhow::Result<Tensors> {
         let want = state.files.get(file).with_context(|| format!("{RUN} names no checksum for {file}"))?;
         let bytes = std::fs::read(path.join(file)).with_context(|| format!("reading {file}"))?;
         anyhow::ensure!(
             &sha256(&bytes) == want,
             "{file} does not match its checksum (a torn or altered file)"
         );
-    }
-    Ok(state)
+        Ok(state_dict::from_bytes(&path.join(file), &bytes)?)
+    };
+    let (model, optimizer) = (read(MODEL)?, read(OPTIMIZER)?);
+    Ok(Verified { state, model, optimizer })
 }
 
 #[cfg(test)]
@@ -371,8 +380,8 @@ mod tests {
         std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
         // And an interrupted write's hidden folder, which is never read.
         std::fs::create_dir_all(dir.join("ck/.step-0000000003.tmp-1")).unwrap();
-        let (path, state) = ck.newest().unwrap().unwrap();
-        assert_eq!(state.step, 1, "{}", path.display());
+        let (path, v) = ck.newest().unwrap().unwrap();
+        assert_eq!(v.state.step, 1, "{}", path.display());
     }
 
     #[test]
