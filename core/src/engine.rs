@@ -184,6 +184,31 @@ impl ComputeFence {
     }
 }
 
+/// An optimiser step over a part of the model in host memory ([`Engine::part_update`]).
+#[derive(Debug, Clone, Copy)]
+pub struct PartUpdate {
+    replay_ns_per_value: Option<f64>,
+}
+
+impl PartUpdate {
+    /// Step `params` with `grads` (scaled by `scale`) and `momentum`, all of one part.
+    pub fn apply(
+        &self,
+        cfg: &SgdConfig,
+        params: &mut [f32],
+        grads: &[f32],
+        momentum: &mut [f32],
+        scale: f32,
+    ) {
+        match self.replay_ns_per_value {
+            Some(ns) => {
+                std::thread::sleep(std::time::Duration::from_nanos((ns * params.len() as f64) as u64))
+            }
+            None => crate::optim::sgd_step(cfg, params, grads, momentum, scale),
+        }
+    }
+}
+
 /// The model on one device.
 #[expect(
     clippy::large_enum_variant,
@@ -346,6 +371,18 @@ impl Engine {
     pub fn update(&mut self, cfg: &SgdConfig, grad_scale: f32) -> Result<()> {
         self.settle()?;
         on_device!(self, m => m.update(cfg, grad_scale))
+    }
+
+    /// How this model's optimiser steps over a part of it held in host memory (a ZeRO-1
+    /// rank's shard): for a model trained for real [`crate::optim::sgd_step`]; for a replayed
+    /// one, the profile's optimiser time for that fraction of its parameters, waited.
+    pub fn part_update(&self) -> PartUpdate {
+        PartUpdate {
+            replay_ns_per_value: self
+                .spec()
+                .profile()
+                .map(|p| p.optimizer_ns as f64 / self.layout().len.max(1) as f64),
+        }
     }
 
     /// Multiply every gradient by `factor`.

@@ -13,6 +13,9 @@
 //! - [`engine`]: [`Engine`], the model on the chosen device; the one place that matches on it.
 //! - [`compress`]: `--compress none|fp16|bf16|topk:RATIO`, the half-precision and top-k
 //!   codecs (top-k with its error-feedback residual), the sparse wire format's checks.
+//! - [`profile`]: model profiles for replay (a model's tensors in gradient-ready order and
+//!   each layer's compute), the file format and the built-in ResNet-50, VGG-16, BERT-base and
+//!   GPT-2, estimated at a stated device rate.
 //! - [`optim`]: SGD with momentum and weight decay (host version, shared with the server).
 //! - [`data`]: the built-in UCI digits (real data, embedded) and synthetic datasets, MNIST and
 //!   CIFAR-10 loaders, the distributed sampler.
@@ -35,6 +38,7 @@ pub mod metrics;
 pub mod model;
 pub mod net;
 pub mod optim;
+pub mod profile;
 pub mod rng;
 pub mod state_dict;
 pub mod trace;

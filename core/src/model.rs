@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::device::Window;
 use crate::error::{Error, Result};
+use crate::profile::{DeviceRate, Profile};
 use crate::rng::Rng;
 
 /// Named MLP presets: layer widths, input first and classes last.
@@ -32,11 +33,13 @@ pub const CONV_PRESETS: &[(&str, &str)] = &[
 ];
 
 /// `--model`'s long help: what a model is, then every preset with its parameters, tensors and
-/// forward FLOPs per sample at its default input (3x32x32 or 1x8x8 images, 10 classes).
+/// forward FLOPs per sample at its default input (3x32x32 or 1x8x8 images, 10 classes), then
+/// the profiles gradsync replays.
 pub fn presets_help() -> String {
     let mut out = String::from(
-        "Model: a preset below, or MLP widths such as 784-256-10. Input and classes are fitted to --data \
-         (a conv net needs image data: digits, cifar10:DIR, mnist:DIR or synthetic:N:CxHxW:K).\n",
+        "Model: a preset below, MLP widths such as 784-256-10, or a model to replay. Input and classes are \
+         fitted to --data (a conv net needs image data: digits, cifar10:DIR, mnist:DIR or \
+         synthetic:N:CxHxW:K).\n",
     );
     let names = PRESETS.iter().map(|(n, _)| *n).chain(CONV_PRESETS.iter().map(|(n, _)| *n));
     for name in names {
@@ -51,12 +54,29 @@ pub fn presets_help() -> String {
             spec.input,
         ));
     }
+    out.push_str(
+        "\n\nReplayed (speed only, no accuracy: each layer's compute is waited out, its gradients are real \
+         buffers moved by the real communication; docs/replay.md):\n  profile:FILE a profile written by \
+         bench/pytorch/profile_model.py (measured times)",
+    );
+    for (name, what) in crate::profile::BUILTINS {
+        let p = crate::profile::builtin(name, crate::profile::DeviceRate::H100).expect("a built-in profile");
+        out.push_str(&format!(
+            "\n  {name:<9} {:>11} parameters in {:>3} tensors, estimated: {what}",
+            grouped(p.parameters()),
+            p.tensors()
+        ));
+    }
     out
 }
 
 /// What a reader is told a model is, from its shape token ([`ModelSpec::widths_str`], as
 /// metrics headers record it): `MLP 784-1024-10`, `resnet20 (3x32x32, 10 classes)`.
 pub fn label_of(token: &str) -> String {
+    if let Some(rest) = token.strip_prefix(REPLAY_TOKEN) {
+        let name = rest.split_once(':').map_or(rest, |(n, _)| n);
+        return format!("{name} (replay)");
+    }
     match token.split_once(':') {
         Some((preset, shape)) => match shape.rsplit_once('-') {
             Some((input, classes)) => format!("{preset} ({input}, {classes} classes)"),
@@ -132,7 +152,12 @@ pub enum Arch {
     Vgg11,
     /// The small conv net for 8x8 images.
     Cnn8,
+    /// A model replayed from its profile: layers that wait out their compute.
+    Replay(Box<Profile>),
 }
+
+/// How a replayed model's shape token starts (`replay:resnet50:1a2b3c4d`).
+pub const REPLAY_TOKEN: &str = "replay:";
 
 /// The model: its network, fitted to an input and a number of classes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -164,6 +189,12 @@ impl ModelSpec {
             "cnn8" => return conv(Arch::Cnn8, Input::Image { channels: 1, height: 8, width: 8 }),
             _ => {}
         }
+        if let Some(path) = s.strip_prefix("profile:") {
+            return Ok(Self::replay(Profile::load(std::path::Path::new(path))?));
+        }
+        if let Some(p) = crate::profile::builtin(s, DeviceRate::H100) {
+            return Ok(Self::replay(p));
+        }
         if s.contains('-') {
             let widths = s
                 .split('-')
@@ -175,12 +206,60 @@ impl ModelSpec {
             }
             return Ok(Self::mlp("custom", &widths));
         }
-        let names: Vec<&str> =
-            PRESETS.iter().map(|(n, _)| *n).chain(CONV_PRESETS.iter().map(|(n, _)| *n)).collect();
+        let names: Vec<&str> = PRESETS
+            .iter()
+            .map(|(n, _)| *n)
+            .chain(CONV_PRESETS.iter().map(|(n, _)| *n))
+            .chain(crate::profile::BUILTINS.iter().map(|(n, _)| *n))
+            .collect();
         Err(Error::invalid(
             "model",
-            format!("unknown preset '{s}' (presets: {}; or widths like 784-256-10)", names.join(", ")),
+            format!(
+                "unknown preset '{s}' (presets: {}; or widths like 784-256-10, or profile:FILE)",
+                names.join(", ")
+            ),
         ))
+    }
+
+    /// A model replayed from `profile`.
+    pub fn replay(profile: Profile) -> Self {
+        // Its input and classes are those of the data it draws by default: one value per sample
+        // and two classes, since a replayed step reads nothing but the batch's size.
+        ModelSpec {
+            name: profile.model.clone(),
+            arch: Arch::Replay(Box::new(profile)),
+            input: Input::Flat(1),
+            classes: 2,
+        }
+    }
+
+    /// The profile of a replayed model.
+    pub fn profile(&self) -> Option<&Profile> {
+        match &self.arch {
+            Arch::Replay(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// A built-in profile's times estimated again at `rate` (`--device-tflops`,
+    /// `--device-tbps`); a model that is not a built-in profile is refused, since its times
+    /// are not estimates gradsync made.
+    pub fn at_rate(self, rate: DeviceRate) -> Result<Self> {
+        let rate = rate.checked()?;
+        match &self.arch {
+            Arch::Replay(p) if p.source.starts_with("built-in ") => {
+                let p = crate::profile::builtin(&p.model, rate).expect("a built-in profile");
+                Ok(Self::replay(p))
+            }
+            Arch::Replay(p) => Err(Error::invalid(
+                "device-tflops",
+                format!("applies to the built-in profiles, and {} holds its own times", p.source),
+            )),
+            _ => Err(Error::invalid(
+                "device-tflops",
+                format!("applies to a replayed model, and {} is trained for real", self.name),
+            )),
+        }
     }
 
     fn mlp(name: &str, widths: &[usize]) -> Self {
@@ -197,6 +276,10 @@ impl ModelSpec {
     /// as its flattened pixels; a convolutional network needs an image and refuses flat data,
     /// naming both.
     pub fn fit(&self, input: Input, classes: usize) -> Result<Self> {
+        if let Arch::Replay(_) = self.arch {
+            // Replay reads no data: the batch only sets how many samples a step stands for.
+            return Ok(self.clone());
+        }
         let input = match (&self.arch, input) {
             (Arch::Mlp(_), i) => Input::Flat(i.len()),
             (_, Input::Flat(n)) => {
@@ -242,6 +325,7 @@ impl ModelSpec {
     /// (`resnet20:3x32x32-10`).
     pub fn widths_str(&self) -> String {
         match &self.arch {
+            Arch::Replay(p) => format!("{REPLAY_TOKEN}{}:{}", p.model, p.layout_tag()),
             Arch::Mlp(hidden) => std::iter::once(self.input.len())
                 .chain(hidden.iter().copied())
                 .chain(std::iter::once(self.classes))
@@ -255,6 +339,18 @@ impl ModelSpec {
     /// The model a shape token names ([`ModelSpec::widths_str`]: `784-1024-10`,
     /// `resnet20:3x32x32-10`), as metrics headers and fingerprints record it.
     pub fn from_token(token: &str) -> Result<Self> {
+        if let Some(rest) = token.strip_prefix(REPLAY_TOKEN) {
+            let (name, tag) = rest.split_once(':').unwrap_or((rest, ""));
+            return match crate::profile::builtin(name, DeviceRate::H100) {
+                Some(p) if p.layout_tag() == tag => Ok(Self::replay(p)),
+                _ => Err(Error::invalid(
+                    "model",
+                    format!(
+                        "'{token}' is a model replayed from a profile file, which the token does not hold"
+                    ),
+                )),
+            };
+        }
         let Some((preset, shape)) = token.split_once(':') else { return ModelSpec::parse(token) };
         let bad = || Error::invalid("model", format!("'{token}' (expected PRESET:CxHxW-CLASSES)"));
         let (input, classes) = shape.rsplit_once('-').ok_or_else(bad)?;
@@ -288,6 +384,7 @@ impl ModelSpec {
             Arch::ResNet20 => resnet(&[(16, 3), (32, 3), (64, 3)], self.classes),
             Arch::ResNet18 => resnet(&[(64, 2), (128, 2), (256, 2), (512, 2)], self.classes),
             Arch::Vgg11 => vgg11(self.input, self.classes),
+            Arch::Replay(_) => Vec::new(),
             Arch::Cnn8 => {
                 let mut f = Vec::new();
                 conv_bn_relu(&mut f, "features", 0, 32, false);
@@ -606,6 +703,54 @@ pub struct Graph {
     pub(crate) saved_len: usize,
     /// The layout of parameters and buffers.
     pub layout: Layout,
+    /// A replayed model's layers (and no nodes).
+    pub(crate) replay: Option<ReplayPlan>,
+}
+
+/// What [`crate::net::Net`] waits out for a replayed model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ReplayPlan {
+    /// Samples per step the times belong to.
+    pub(crate) batch: usize,
+    /// Each layer in backward order: forward and backward nanoseconds, and the part of the
+    /// flat buffer whose gradients it makes ready (none for a layer without parameters).
+    pub(crate) layers: Vec<(u64, u64, Option<Range<usize>>)>,
+    /// The optimiser step, nanoseconds.
+    pub(crate) optimizer_ns: u64,
+}
+
+impl Graph {
+    /// A replayed model: the tensors laid out so that the first gradient ready is the last in
+    /// the flat buffer (as every model's is), each layer's tensors one gradient-ready unit.
+    fn replay(p: &Profile) -> Self {
+        let mut params = Vec::new();
+        let mut end = p.parameters();
+        let mut layers = Vec::new();
+        let mut ready = Vec::new();
+        for (index, l) in p.layers.iter().enumerate() {
+            let top = end;
+            for (name, shape) in &l.tensors {
+                let n: usize = shape.iter().product();
+                let fan_in = if shape.len() > 1 { n / shape[0] } else { n };
+                let init = Init::Uniform { bound: 1.0 / (fan_in as f32).sqrt(), layer: index };
+                params.push(Tensor { name: name.clone(), shape: shape.clone(), range: end - n..end, init });
+                end -= n;
+            }
+            let unit = (top > end).then_some(end..top);
+            ready.extend(unit.clone());
+            layers.push((l.forward_ns, l.backward_ns, unit));
+        }
+        params.reverse();
+        let len = p.parameters();
+        Graph {
+            nodes: Vec::new(),
+            slots: vec![0],
+            slot_grads: vec![false],
+            saved_len: 0,
+            layout: Layout { params, len, buffers: Vec::new(), buffers_len: 0, ready, macs: (0, 0) },
+            replay: Some(ReplayPlan { batch: p.batch, layers, optimizer_ns: p.optimizer_ns }),
+        }
+    }
 }
 
 struct Builder {
@@ -799,6 +944,9 @@ impl Builder {
 impl Graph {
     /// Compile `spec`'s layers for its input; an error names a layer that does not fit.
     pub fn new(spec: &ModelSpec) -> Result<Self> {
+        if let Arch::Replay(p) = &spec.arch {
+            return Ok(Graph::replay(p));
+        }
         let mut b = Builder {
             nodes: Vec::new(),
             slots: Vec::new(),
@@ -892,6 +1040,7 @@ impl Graph {
             slot_grads,
             saved_len: b.saved_len,
             layout,
+            replay: None,
         })
     }
 }

@@ -10,6 +10,7 @@
 //! rather than keeping one per layer.
 
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use crate::device::{Backend, ChannelSum, NormConfig, Window};
 use crate::error::{Error, Result};
@@ -21,6 +22,35 @@ use crate::optim::SgdConfig;
 /// (and, last, the local count), then of squared deviations, and in backward with `sum dy |
 /// sum dy (x - mean)`. Every rank calls it the same number of times in the same order.
 pub type NormSync<'s> = &'s mut NormSyncFn<'s>;
+
+/// Where a replayed model's gradient values are drawn from (`seed` xor this).
+const REPLAY_GRADS: u64 = 0x6772_6164_7265_706c;
+
+/// `ns` at `batch` samples, scaled to `rows`.
+fn scaled(ns: u64, rows: usize, batch: usize) -> Duration {
+    Duration::from_nanos((ns as u128 * rows as u128 / batch.max(1) as u128) as u64)
+}
+
+/// Sleep (never spin: a replayed model's compute leaves the cores to the communication) until
+/// `deadline`.
+fn wait_until(deadline: Instant) {
+    thread_local! {
+        // Linux wakes a sleeping thread up to its timer slack (50 us by default) late; a
+        // replayed backward sleeps once per layer, so this thread asks for 1 us.
+        static SLACK: () = {
+            // SAFETY: PR_SET_TIMERSLACK takes one integer and changes only the calling thread.
+            #[cfg(target_os = "linux")]
+            unsafe {
+                libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong);
+            }
+        };
+    }
+    SLACK.with(|_| ());
+    let now = Instant::now();
+    if deadline > now {
+        std::thread::sleep(deadline - now);
+    }
+}
 
 /// The all-reduce of a [`NormSync`], behind a borrow of any length.
 pub type NormSyncFn<'o> = dyn FnMut(&mut [f32]) -> Result<()> + 'o;
@@ -152,7 +182,13 @@ impl<B: Backend> Net<B> {
         let layout = &graph.layout;
         let mut params = backend.zeros(layout.len)?;
         backend.write(&mut params, 0, &init_params(layout, seed))?;
-        let grads = backend.zeros(layout.len)?;
+        let mut grads = backend.zeros(layout.len)?;
+        if graph.replay.is_some() {
+            // A replayed backward writes nothing: the gradients are these values, drawn once
+            // (what a step's communication moves, and compression and checksums see, is real
+            // data of the model's sizes; after an all-reduce, their mean over the ranks).
+            backend.write(&mut grads, 0, &init_params(layout, seed ^ REPLAY_GRADS))?;
+        }
         let mut buffers = backend.zeros(layout.buffers_len)?;
         backend.write(&mut buffers, 0, &init_buffers(layout))?;
         let saved = backend.zeros(graph.saved_len)?;
@@ -247,6 +283,14 @@ impl<B: Backend> Net<B> {
     /// Copy a batch, `x` (`rows x input`, row-major) and its `labels`, to the device, where the
     /// next forward passes read it.
     pub fn load_batch(&mut self, x: &[f32], labels: &[u32]) -> Result<()> {
+        if self.graph.replay.is_some() {
+            // Replay reads no data: only how many samples the step stands for.
+            if labels.is_empty() {
+                return Err(Error::Length { what: "batch labels", expected: 1, got: 0 });
+            }
+            self.loaded = labels.len();
+            return Ok(());
+        }
         let input = self.spec.input();
         if x.len() != labels.len() * input || labels.is_empty() {
             return Err(Error::Length { what: "batch inputs", expected: labels.len() * input, got: x.len() });
@@ -283,6 +327,12 @@ impl<B: Backend> Net<B> {
         }
         self.rows = rows;
         self.batches += u64::from(train);
+        if let Some(r) = &self.graph.replay {
+            // Each layer's time at the profile's batch, scaled to this one.
+            let ns: u64 = r.layers.iter().map(|l| l.0).sum();
+            wait_until(Instant::now() + scaled(ns, rows, r.batch));
+            return Ok(BatchLoss { loss: 0.0, correct: 0, rows });
+        }
         self.counts.resize(self.graph.saved_len, 0);
         for i in 0..self.graph.nodes.len() {
             self.forward_node(i, rows, train, sync.as_deref_mut())?;
@@ -444,6 +494,20 @@ impl<B: Backend> Net<B> {
             open: None,
             on_ready,
         };
+        if let Some(r) = &graph.replay {
+            // Each layer's gradients handed out when its backward time, scaled to the batch,
+            // has passed since backward began (deadlines, so that a late wake-up is not
+            // carried into the layers after it).
+            let mut due = Instant::now();
+            for (_, backward_ns, unit) in &r.layers {
+                due += scaled(*backward_ns, rows, r.batch);
+                wait_until(due);
+                if let Some(unit) = unit {
+                    sink.unit(unit.clone(), |_| Ok(()))?;
+                }
+            }
+            return Ok(());
+        }
         let mut parts =
             Parts { backend, graph, params, saved, acts, col, ones, sums, counts, sync, rows, accumulate };
         for node in graph.nodes.iter().rev() {
@@ -454,6 +518,10 @@ impl<B: Backend> Net<B> {
 
     /// One optimiser step from the gradient buffer, scaled by `grad_scale`.
     pub fn update(&mut self, cfg: &SgdConfig, grad_scale: f32) -> Result<()> {
+        if let Some(r) = &self.graph.replay {
+            wait_until(Instant::now() + Duration::from_nanos(r.optimizer_ns));
+            return Ok(());
+        }
         let n = self.graph.layout.len;
         if self.momentum.is_none() {
             self.momentum = Some(self.backend.zeros(n)?);

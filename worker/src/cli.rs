@@ -32,6 +32,10 @@ pub mod flag {
     pub const AUGMENT: &str = "augment";
     /// `--batch`.
     pub const BATCH: &str = "batch";
+    /// `--device-tflops`.
+    pub const DEVICE_TFLOPS: &str = "device-tflops";
+    /// `--device-tbps`.
+    pub const DEVICE_TBPS: &str = "device-tbps";
     /// `--steps`.
     pub const STEPS: &str = "steps";
     /// `--epochs`.
@@ -161,10 +165,19 @@ pub struct TrainArgs {
     #[arg(long = flag::THREADS, default_value_t = 0, env = "GRADSYNC_THREADS")]
     pub threads: usize,
     /// Model: a preset (tiny, mnist, wide, resnet20, resnet18, vgg11, cnn8) or MLP widths such as
-    /// 784-256-10, fitted to the data.
+    /// 784-256-10, fitted to the data; or a model to replay (resnet50, vgg16, bert-base, gpt2,
+    /// profile:FILE): speed only, no accuracy.
     #[arg(long = flag::MODEL, default_value = "mnist", value_parser = parse_model,
           long_help = gradsync_core::model::presets_help())]
     pub model: ModelSpec,
+    /// A built-in replayed model's compute estimated at this sustained TFLOP/s (default 400:
+    /// an H100 SXM in bf16 at 40% of its 989 TFLOP/s peak).
+    #[arg(long = flag::DEVICE_TFLOPS)]
+    pub device_tflops: Option<f64>,
+    /// A built-in replayed model's memory-bound layers at this bandwidth, TB/s (default 3.35,
+    /// an H100 SXM's).
+    #[arg(long = flag::DEVICE_TBPS)]
+    pub device_tbps: Option<f64>,
     /// Data: digits (the built-in UCI handwritten digits, 1x8x8 images), synthetic[:N[:DIM:CLASSES]],
     /// synthetic:N:CxHxW:CLASSES (images), mnist:DIR or cifar10:DIR. Without it, synthetic data
     /// shaped as the model's input.
@@ -176,9 +189,10 @@ pub struct TrainArgs {
     /// the sample alone, so every mode augments as single-process training does.
     #[arg(long = flag::AUGMENT, default_value = "auto", value_parser = parse_augment)]
     pub augment: gradsync_core::data::Augment,
-    /// Samples per step per worker (per replica in DP mode).
-    #[arg(long = flag::BATCH, default_value_t = 64, value_parser = parse_positive)]
-    pub batch: usize,
+    /// Samples per step per worker (per replica in DP mode) [default: 64; a replayed model's
+    /// profile batch, its times scaled in proportion for another].
+    #[arg(long = flag::BATCH, value_parser = parse_positive)]
+    pub batch: Option<usize>,
     /// Stop after this many steps (default: run the epochs).
     #[arg(long = flag::STEPS)]
     pub steps: Option<u64>,

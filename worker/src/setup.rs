@@ -20,6 +20,9 @@ use crate::strategy::{
     Backend, Ddp, DdpConfig, Dp, DpConfig, Local, Ps, PsConfig, Shape, Strategy, Zero1, Zero1Config,
 };
 
+/// Samples per step per worker when `--batch` is not given (and the model is not replayed).
+pub const DEFAULT_BATCH: usize = 64;
+
 /// Everything a run needs that the flags determine, resolved once.
 pub struct Run {
     /// This process's rank.
@@ -143,7 +146,16 @@ impl Run {
                 .with_context(|| format!("--device auto with LOCAL_RANK {local}"))?;
         }
         let data = source.load(args.seed).with_context(|| format!("--data {source}"))?;
-        let model = args.model.fit(data.input, data.classes).context("--model")?;
+        let mut model = args.model.fit(data.input, data.classes).context("--model")?;
+        if args.device_tflops.is_some() || args.device_tbps.is_some() {
+            let h100 = gradsync_core::profile::DeviceRate::H100;
+            let rate = gradsync_core::profile::DeviceRate {
+                tflops: args.device_tflops.unwrap_or(h100.tflops),
+                tbps: args.device_tbps.unwrap_or(h100.tbps),
+            };
+            model = model.at_rate(rate)?;
+        }
+        let batch = args.batch.or(model.profile().map(|p| p.batch)).unwrap_or(DEFAULT_BATCH);
         let augment = args.augment.resolve(&data.name, data.input).context("--augment")?;
         if let Some(path) = &args.save {
             // Refused now, not after hours of training.
@@ -176,7 +188,7 @@ impl Run {
             order_seed: args.order_seed.unwrap_or(args.seed),
             shuffle: !args.no_shuffle,
             drop_last: args.drop_last,
-            batch: args.batch,
+            batch,
             budget: args.steps.map_or(Budget::Epochs(args.epochs as u64), Budget::Steps),
             eval: args.eval_samples.map_or(Eval::Steps(args.eval_every), Eval::Samples),
             sgd: args.optimiser.sgd(),

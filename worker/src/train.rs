@@ -112,7 +112,7 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             first_loss = state.first_loss;
         }
     }
-    let progress = Progress::new(leader && !run.quiet, total_steps, &engine);
+    let progress = Progress::new(leader && !run.quiet, total_steps, &engine, run.batch);
     strategy.start(&mut engine).context("starting the run")?;
     // The optimiser actually applied: this process's own, or the one the servers told it at
     // registration (a contradicting flag is refused, never recorded).
@@ -147,6 +147,11 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
         // so a run collected without its runner's record can still be told complete or not.
         extra.insert("train_samples".into(), run.data.train.len().into());
         extra.insert("total_steps".into(), total_steps.into());
+        if let Some(p) = run.model.profile() {
+            // What a reader needs to read a replayed run: no accuracy, and where its compute
+            // came from.
+            extra.insert("replay".into(), replay_record(p, run.batch));
+        }
         if let Some(slow) = run.slow {
             // Charts need the injected delay beside the measured step times.
             extra.insert("slow_rank".into(), slow.rank.into());
@@ -250,8 +255,9 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             // At a samples cadence every rank evaluates (synchronous ranks then pause together
             // and every clock leaves it out); at a steps cadence, and after the last step, rank
             // 0 alone.
-            let eval_here = (at_cadence && (matches!(run.eval, Eval::Samples(_)) || leader))
-                || (leader && step == total_steps);
+            let eval_here = ((at_cadence && (matches!(run.eval, Eval::Samples(_)) || leader))
+                || (leader && step == total_steps))
+                && run.model.profile().is_none();
             if eval_here {
                 let te = Instant::now();
                 let (l, a) = evaluate(&mut engine, &run.data)?;
@@ -297,6 +303,24 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
         save_params(&engine, path, &fingerprint, summary.steps)?;
     }
     Ok(summary)
+}
+
+/// The metrics header's record of a replayed model: its source, whether its times are
+/// estimated (a built-in's, or a profile's scaled to another batch), the device they belong to
+/// and the compute of one step at this batch.
+fn replay_record(p: &gradsync_core::profile::Profile, batch: usize) -> serde_json::Value {
+    let (f, b) = p.compute_ns();
+    let at = |ns: u64| ns as f64 / 1e6 * batch as f64 / p.batch as f64;
+    serde_json::json!({
+        "model": p.model,
+        "source": p.source,
+        "estimated": p.estimated || batch != p.batch,
+        "device": p.device,
+        "profile_batch": p.batch,
+        "forward_ms": at(f),
+        "backward_ms": at(b),
+        "optimizer_ms": p.optimizer_ns as f64 / 1e6,
+    })
 }
 
 /// A run stopped because its loss became non-finite or exploded. `gradsync-worker` exits with
@@ -454,10 +478,13 @@ struct Progress {
     bar: Option<ProgressBar>,
     enabled: bool,
     every: u64,
+    /// Whether the model is replayed (no loss to show).
+    replay: bool,
 }
 
 impl Progress {
-    fn new(enabled: bool, total: u64, engine: &Engine) -> Self {
+    fn new(enabled: bool, total: u64, engine: &Engine, batch: usize) -> Self {
+        let replay = engine.spec().profile();
         if enabled {
             eprintln!(
                 "gradsync: {} parameters on {}, {} steps",
@@ -465,6 +492,21 @@ impl Progress {
                 engine.describe(),
                 total
             );
+            if let Some(p) = replay {
+                let (f, b) = p.compute_ns();
+                let scale = batch as f64 / p.batch as f64;
+                let how = if p.estimated || batch != p.batch { "estimated" } else { "measured" };
+                eprintln!(
+                    "gradsync: replay of {} ({}): speed only, no accuracy; compute {how} at {:.2} ms forward + {:.2} ms \
+                     backward per step of {batch} samples ({}{})",
+                    p.model,
+                    p.source,
+                    f as f64 / 1e6 * scale,
+                    b as f64 / 1e6 * scale,
+                    p.device,
+                    if batch == p.batch { String::new() } else { format!(", scaled from batch {}", p.batch) },
+                );
+            }
             if let Some(libs) =
                 engine.gpu_name().is_some().then(gradsync_core::device::libs::loaded).flatten()
             {
@@ -479,18 +521,19 @@ impl Progress {
             );
             b
         });
-        Progress { bar, enabled, every: (total / 20).max(1) }
+        Progress { bar, enabled, every: (total / 20).max(1), replay: replay.is_some() }
     }
 
     fn step(&self, rec: &Step) {
         let acc = rec.accuracy.map(|a| format!(" eval acc {:.1}%", 100.0 * a)).unwrap_or_default();
+        let loss = if self.replay { "replay".to_string() } else { format!("loss {:.4}", rec.loss) };
         if let Some(b) = &self.bar {
             b.set_position(rec.step);
-            b.set_message(format!("loss {:.4}{acc}", rec.loss));
+            b.set_message(format!("{loss}{acc}"));
         } else if self.enabled && (rec.step.is_multiple_of(self.every) || rec.accuracy.is_some()) {
             eprintln!(
-                "step {:>6}  epoch {:>3}  loss {:.4}  {:.1} ms/step{acc}",
-                rec.step, rec.epoch, rec.loss, rec.step_ms
+                "step {:>6}  epoch {:>3}  {loss}  {:.1} ms/step{acc}",
+                rec.step, rec.epoch, rec.step_ms
             );
         }
     }
@@ -513,6 +556,14 @@ impl Progress {
                 .eval
                 .map(|(l, a)| format!(", held-out loss {l:.4}, accuracy {:.2}%", 100.0 * a))
                 .unwrap_or_default();
+            if self.replay {
+                eprintln!(
+                    "gradsync: {} steps in {} (replay: speed only, no accuracy)",
+                    s.steps,
+                    gradsync_core::metrics::elapsed(s.seconds)
+                );
+                return;
+            }
             eprintln!(
                 "gradsync: {} steps in {}, loss {:.4} -> {:.4}{eval}",
                 s.steps,

@@ -444,7 +444,7 @@ mod tests {
             let batch = if ctx.spec.mode == ModeKind::Local { ctx.spec.global_batch } else { ctx.spec.batch };
             for w in &workers {
                 assert_eq!(w.optimiser.sgd(), sgd, "{}", ctx.spec.id);
-                assert_eq!((w.seed, w.batch, w.steps), (s.seed, batch, s.steps), "{}", ctx.spec.id);
+                assert_eq!((w.seed, w.batch, w.steps), (s.seed, Some(batch), s.steps), "{}", ctx.spec.id);
                 assert_eq!(w.model.name, ctx.spec.model, "{}", ctx.spec.id);
             }
             for v in &servers {

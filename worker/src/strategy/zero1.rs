@@ -34,7 +34,6 @@ use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
 use gradsync_core::model::segment;
 use gradsync_core::net::BatchLoss;
-use gradsync_core::optim::sgd_step;
 
 use super::shell::Shell;
 use super::{DdpConfig, Shape, Strategy, describe_memory};
@@ -175,12 +174,13 @@ impl Strategy for Zero1 {
                 // Each owned segment updated with its momentum, then every bucket's parameters
                 // all-gathered: all after backward, which still reads the parameters.
                 let (mut update_ms, mut gather_ms) = (0.0, 0.0);
+                let step = engine.part_update();
                 for (i, r) in s.plan.buckets.iter().enumerate() {
                     let (own, m) = (scatter.owned[i].clone(), scatter.shard[i].clone());
                     let local = own.start - r.start..own.end - r.start;
                     engine.with_host_buffers(r.clone(), own, scratch, |p, g| -> anyhow::Result<()> {
                         let t = Instant::now();
-                        sgd_step(&sh.sgd, &mut p[local], g, &mut momentum[m], s.scale);
+                        step.apply(&sh.sgd, &mut p[local], g, &mut momentum[m], s.scale);
                         update_ms += t.elapsed().as_secs_f64() * 1e3;
                         sh.trace.span("update (shard)", "compute", "compute", t);
                         let t = Instant::now();
