@@ -40,4 +40,7 @@ pub enum Command {
     /// The comparison's runs on an emulated cluster: one network namespace per host, links
     /// shaped with tc (rate, delay, loss); needs root and iproute2.
     Cluster(crate::cluster::ClusterArgs),
+    /// A replayed model (resnet50, vgg16, bert-base, gpt2, profile:FILE): its profile, and
+    /// how faithfully one worker replays its compute.
+    Replay(crate::replay::ReplayArgs),
 }

@@ -8,6 +8,8 @@
 //!   process per rank (gradsync's and gloo's alike), on loopback or emulated hosts, beside raw
 //!   TCP and PyTorch gloo.
 //! - [`overlap`]: the share of DDP's communication hidden behind backward, from real runs.
+//! - [`replay`]: a replayed model's profile (`show`), and one worker's replay against its
+//!   compute (`check`).
 //! - [`diff`]: how far apart two parameter files are.
 //! - [`export`]: gradsync checkpoints (whole, or a parameter server's shards) as one PyTorch
 //!   state dict.
@@ -36,6 +38,7 @@ pub mod overlap;
 pub mod ps;
 pub mod pytorch;
 pub mod rawtcp;
+pub mod replay;
 pub mod step;
 pub mod table;
 
@@ -52,5 +55,6 @@ pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
         cli::Command::Export(a) => export::run(&a),
         cli::Command::Ps(a) => ps::run(&a),
         cli::Command::Cluster(a) => cluster::run(&a),
+        cli::Command::Replay(a) => replay::run(&a),
     }
 }

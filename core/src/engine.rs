@@ -614,6 +614,65 @@ mod tests {
         assert!(e.host_buffers_mut().is_some_and(|(_, g)| g.as_ptr() == lent_at), "not the same buffer");
     }
 
+    /// A replayed backward hands each layer's gradients out, last layer first, never before
+    /// the layer's backward time (scaled to the batch) has passed since backward began; it
+    /// writes nothing into them; the update changes no parameter and waits the optimiser out.
+    #[test]
+    fn a_replayed_backward_hands_out_each_layer_at_its_moment() {
+        use crate::profile::{Layer, Profile};
+        let layer = |name: &str, ms: u64, tensors: Vec<(String, Vec<usize>)>| Layer {
+            name: name.into(),
+            forward_ns: ms * 1_000_000,
+            backward_ns: 2 * ms * 1_000_000,
+            tensors,
+        };
+        let t = |name: &str, shape: &[usize]| (name.to_string(), shape.to_vec());
+        let profile = Profile {
+            model: "toy".into(),
+            batch: 4,
+            device: "test".into(),
+            estimated: false,
+            layers: vec![
+                layer("fc2", 3, vec![t("fc2.bias", &[10]), t("fc2.weight", &[10, 20])]),
+                layer("act", 1, vec![]),
+                layer("fc1", 5, vec![t("fc1.weight", &[20, 30])]),
+            ],
+            optimizer_ns: 4_000_000,
+            source: "test".into(),
+        };
+        let mut e = Engine::new(Device::Cpu { threads: 1 }, ModelSpec::replay(profile), 7).expect("engine");
+        let layout = e.layout().clone();
+        assert_eq!(layout.len, 10 + 200 + 600);
+        assert_eq!(layout.backward_order(), vec![600..810, 0..600], "fc2 on top, fc1 below");
+        assert_eq!(layout.param("fc1.weight").map(|t| t.range.clone()), Some(0..600));
+        let (params, grads) = (e.params().expect("params"), e.grads().expect("grads"));
+        assert!(grads.iter().all(|g| g.abs() > 0.0 && g.abs() < 1.0), "gradients are drawn once, nonzero");
+        // Batch 8 is twice the profile's: each time doubles.
+        let t0 = std::time::Instant::now();
+        e.forward(&[0.0; 8], &[0; 8], true).expect("forward");
+        assert!(t0.elapsed() >= std::time::Duration::from_millis(18));
+        let plan = BucketPlan::with_cap(&layout, 1);
+        let mut seen = Vec::new();
+        let t0 = std::time::Instant::now();
+        e.backward_buckets(&plan, false, &mut |b| {
+            seen.push((b.range.clone(), t0.elapsed()));
+        })
+        .expect("backward");
+        let ms = |v: u64| std::time::Duration::from_millis(v);
+        assert_eq!(seen.iter().map(|s| s.0.clone()).collect::<Vec<_>>(), vec![600..810, 0..600]);
+        assert!(seen[0].1 >= ms(12) && seen[1].1 >= ms(12 + 4 + 20), "{seen:?}");
+        assert_eq!(e.grads().expect("grads"), grads, "a replayed backward writes nothing");
+        let t0 = std::time::Instant::now();
+        e.update(&SgdConfig::default(), 1.0).expect("update");
+        assert!(t0.elapsed() >= ms(4));
+        assert_eq!(e.params().expect("params"), params, "a replayed update changes nothing");
+        let mut shard = vec![1.0; 405];
+        let t0 = std::time::Instant::now();
+        e.part_update().apply(&SgdConfig::default(), &mut shard, &[1.0; 405], &mut [0.0; 405], 1.0);
+        assert!(t0.elapsed() >= ms(2), "half the parameters, half the optimiser's time");
+        assert!(shard.iter().all(|&v| v == 1.0));
+    }
+
     #[test]
     fn lazy_momentum_trains_as_an_explicit_zero_one() {
         // Two steps from an engine whose momentum was written as zeros up front, and from one

@@ -86,7 +86,7 @@ pub fn builtin(name: &str, rate: DeviceRate) -> Option<Profile> {
             forward_ns: at(c.flops, c.bytes),
             backward_ns: at(2.0 * c.flops, 2.0 * c.bytes),
             name: c.name,
-            tensors: c.tensors.into_iter().rev().collect(),
+            tensors: c.tensors,
         })
         .collect();
     let mut p = Profile {
@@ -102,7 +102,9 @@ pub fn builtin(name: &str, rate: DeviceRate) -> Option<Profile> {
     Some(p)
 }
 
-/// One layer's forward cost per sample, and its tensors in `named_parameters()` order.
+/// One layer's forward cost per sample, and its tensors in the order PyTorch's backward makes
+/// them ready (a linear layer's or convolution's bias before its weight, a norm's weight before
+/// its bias).
 struct Cost {
     name: String,
     flops: f64,
@@ -135,10 +137,11 @@ impl Costs {
         let out = (side + 2 * (k / 2) - k) / stride + 1;
         let flops = 2.0 * (k * k * cin * cout * out * out) as f64;
         let bytes = ACT * (cin * side * side + cout * out * out) as f64;
-        let mut t = vec![(format!("{name}.weight"), vec![cout, cin, k, k])];
+        let mut t = Vec::new();
         if bias {
             t.push((format!("{name}.bias"), vec![cout]));
         }
+        t.push((format!("{name}.weight"), vec![cout, cin, k, k]));
         self.push(name, flops, bytes, t);
         out
     }
@@ -173,7 +176,7 @@ impl Costs {
             name,
             2.0 * (tokens * fan_in * fan_out) as f64,
             ACT * (tokens * (fan_in + fan_out)) as f64,
-            vec![(format!("{name}.weight"), shape), (format!("{name}.bias"), vec![fan_out])],
+            vec![(format!("{name}.bias"), vec![fan_out]), (format!("{name}.weight"), shape)],
         );
     }
 
@@ -250,11 +253,11 @@ fn bert_base(tokens: usize) -> Vec<Cost> {
         (10 * tokens * d) as f64,
         ACT * (8 * tokens * d) as f64,
         vec![
-            (format!("{e}.word_embeddings.weight"), vec![30522, d]),
-            (format!("{e}.position_embeddings.weight"), vec![512, d]),
-            (format!("{e}.token_type_embeddings.weight"), vec![2, d]),
             (format!("{e}.LayerNorm.weight"), vec![d]),
             (format!("{e}.LayerNorm.bias"), vec![d]),
+            (format!("{e}.position_embeddings.weight"), vec![512, d]),
+            (format!("{e}.token_type_embeddings.weight"), vec![2, d]),
+            (format!("{e}.word_embeddings.weight"), vec![30522, d]),
         ],
     );
     for l in 0..12 {
@@ -282,7 +285,7 @@ fn gpt2(tokens: usize) -> Vec<Cost> {
         "embeddings",
         (2 * tokens * d) as f64,
         ACT * (3 * tokens * d) as f64,
-        vec![("wte.weight".into(), vec![vocab, d]), ("wpe.weight".into(), vec![1024, d])],
+        vec![("wpe.weight".into(), vec![1024, d]), ("wte.weight".into(), vec![vocab, d])],
     );
     for l in 0..12 {
         let p = format!("h.{l}");
@@ -328,7 +331,8 @@ mod tests {
     fn gradients_are_ready_last_layer_first() {
         let p = builtin("resnet50", DeviceRate::H100).unwrap();
         let order: Vec<&str> = p.layers.iter().flat_map(|l| &l.tensors).map(|(n, _)| n.as_str()).collect();
-        assert_eq!(&order[..3], ["fc.bias", "fc.weight", "layer4.2.bn3.bias"]);
+        // As PyTorch's post-accumulate-grad hooks fire for torchvision's model.
+        assert_eq!(&order[..4], ["fc.bias", "fc.weight", "layer4.2.bn3.weight", "layer4.2.bn3.bias"]);
         assert_eq!(order.last(), Some(&"conv1.weight"));
         let g = builtin("gpt2", DeviceRate::H100).unwrap();
         let last: Vec<&str> = g.layers.last().unwrap().tensors.iter().map(|(n, _)| n.as_str()).collect();

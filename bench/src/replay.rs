@@ -1,0 +1,268 @@
+//! `gradsync-bench replay`: what a replayed model is (`show`: its tensors, compute and how
+//! soon backward makes its bytes ready, and the profile file of a built-in), and how faithfully
+//! gradsync replays it (`check`: real `gradsync-worker` processes with one worker, so no
+//! communication, whose step time should be the profile's compute).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use gradsync_core::metrics::{Record, parse_line};
+use gradsync_core::model::ModelSpec;
+use gradsync_core::profile::{DeviceRate, Profile};
+
+use crate::table::{Table, median};
+
+/// Flags of `gradsync-bench replay`.
+#[derive(Debug, Clone, Args)]
+pub struct ReplayArgs {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: ReplayCommand,
+}
+
+/// `replay show` or `replay check`.
+#[derive(Debug, Clone, Subcommand)]
+pub enum ReplayCommand {
+    /// A replayed model's tensors and compute, and how early backward makes its bytes ready;
+    /// `--out` writes its profile file (a built-in's, to read or edit).
+    Show(ShowArgs),
+    /// Replay models with one worker (no communication) and set each step's measured time
+    /// beside the profile's compute; repeats with their range.
+    Check(CheckArgs),
+}
+
+/// The device rate a built-in profile is estimated at.
+#[derive(Debug, Clone, Args)]
+pub struct RateArgs {
+    /// Sustained TFLOP/s of convolutions and matrix products (default: an H100 SXM's).
+    #[arg(long)]
+    pub device_tflops: Option<f64>,
+    /// Memory bandwidth, TB/s (default: an H100 SXM's).
+    #[arg(long)]
+    pub device_tbps: Option<f64>,
+}
+
+impl RateArgs {
+    /// `model` (a built-in name or `profile:FILE`) at this rate, if one was given.
+    fn profile(&self, model: &str) -> anyhow::Result<Profile> {
+        let mut spec = ModelSpec::parse(model).with_context(|| format!("--model {model}"))?;
+        if self.device_tflops.is_some() || self.device_tbps.is_some() {
+            let h = DeviceRate::H100;
+            spec = spec.at_rate(DeviceRate {
+                tflops: self.device_tflops.unwrap_or(h.tflops),
+                tbps: self.device_tbps.unwrap_or(h.tbps),
+            })?;
+        }
+        spec.profile().cloned().ok_or_else(|| {
+            anyhow::anyhow!(
+                "{model} is trained for real, not replayed (resnet50, vgg16, bert-base, gpt2 or profile:FILE)"
+            )
+        })
+    }
+
+    /// The rate flags to pass a worker.
+    fn flags(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(t) = self.device_tflops {
+            out.extend(["--device-tflops".to_string(), t.to_string()]);
+        }
+        if let Some(b) = self.device_tbps {
+            out.extend(["--device-tbps".to_string(), b.to_string()]);
+        }
+        out
+    }
+}
+
+/// Flags of `replay show`.
+#[derive(Debug, Clone, Args)]
+pub struct ShowArgs {
+    /// A built-in (resnet50, vgg16, bert-base, gpt2) or profile:FILE.
+    pub model: String,
+    /// The device rate.
+    #[command(flatten)]
+    pub rate: RateArgs,
+    /// Write the profile file here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// Flags of `replay check`.
+#[derive(Debug, Clone, Args)]
+pub struct CheckArgs {
+    /// Models to replay, comma-separated.
+    #[arg(long, default_value = "resnet50,vgg16,bert-base,gpt2", value_delimiter = ',')]
+    pub models: Vec<String>,
+    /// Steps per run (the first two left out as warm-up).
+    #[arg(long, default_value_t = 30)]
+    pub steps: usize,
+    /// Runs per model.
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// The device rate.
+    #[command(flatten)]
+    pub rate: RateArgs,
+    /// The gradsync-worker binary (default: next to this one).
+    #[arg(long)]
+    pub worker: Option<PathBuf>,
+}
+
+/// Run `gradsync-bench replay`.
+pub fn run(a: &ReplayArgs) -> anyhow::Result<()> {
+    match &a.command {
+        ReplayCommand::Show(s) => show(s),
+        ReplayCommand::Check(c) => check(c),
+    }
+}
+
+/// Milliseconds of `ns`.
+fn ms(ns: u64) -> f64 {
+    ns as f64 / 1e6
+}
+
+fn show(a: &ShowArgs) -> anyhow::Result<()> {
+    let p = a.rate.profile(&a.model)?;
+    let (f, b) = p.compute_ns();
+    let params = p.parameters();
+    let how = if p.estimated { "estimated" } else { "measured" };
+    println!("{} ({}), compute {how} on {}", p.model, p.source, p.device);
+    println!(
+        "  {params} parameters ({:.1} MB of f32 gradients) in {} tensors, {} layers, batch {}",
+        params as f64 * 4.0 / 1e6,
+        p.tensors(),
+        p.layers.len(),
+        p.batch
+    );
+    println!(
+        "  per step: forward {:.3} ms, backward {:.3} ms, optimiser {:.3} ms",
+        ms(f),
+        ms(b),
+        ms(p.optimizer_ns)
+    );
+    // How soon backward makes the bytes ready: what the communication can hide behind.
+    let mut t = Table::new(&["bytes ready", "after backward ms", "of backward"]);
+    let (mut done, mut at) = (0usize, 0u64);
+    let mut marks = [0.25, 0.5, 0.75, 1.0].into_iter().peekable();
+    for l in &p.layers {
+        at += l.backward_ns;
+        done += l.tensors.iter().map(|(_, s)| s.iter().product::<usize>()).sum::<usize>();
+        while let Some(&m) = marks.peek() {
+            if done as f64 >= m * params as f64 {
+                t.row(vec![
+                    format!("{:.0}%", 100.0 * m),
+                    format!("{:.3}", ms(at)),
+                    format!("{:.0}%", 100.0 * at as f64 / b.max(1) as f64),
+                ]);
+                marks.next();
+            } else {
+                break;
+            }
+        }
+    }
+    print!("{}", t.render());
+    let mut largest: Vec<(&str, usize)> = p
+        .layers
+        .iter()
+        .flat_map(|l| &l.tensors)
+        .map(|(n, s)| (n.as_str(), s.iter().product::<usize>()))
+        .collect();
+    largest.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
+    let top: Vec<String> = largest
+        .iter()
+        .take(3)
+        .map(|(n, v)| format!("{n} {:.1}%", 100.0 * *v as f64 / params as f64))
+        .collect();
+    println!("  largest tensors: {}", top.join(", "));
+    if let Some(out) = &a.out {
+        let text = serde_json::to_string_pretty(
+            &p.to_file(&format!("written by gradsync-bench replay show {}", a.model)),
+        )?;
+        std::fs::write(out, text + "\n").with_context(|| format!("--out {}", out.display()))?;
+        println!("  written to {}", out.display());
+    }
+    Ok(())
+}
+
+fn worker_path(given: &Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    if let Some(w) = given {
+        return Ok(w.clone());
+    }
+    let w = std::env::current_exe()?.with_file_name("gradsync-worker");
+    anyhow::ensure!(
+        w.exists(),
+        "{} not found: build it (cargo build --release -p gradsync-worker) or pass --worker",
+        w.display()
+    );
+    Ok(w)
+}
+
+/// Median step, forward and backward milliseconds of one run (warm-up left out).
+fn one_run(worker: &Path, model: &str, a: &CheckArgs, metrics: &Path) -> anyhow::Result<[f64; 3]> {
+    let out = Command::new(worker)
+        .args(["train", "--model", model, "--device", "cpu", "--threads", "1", "--quiet"])
+        .args(["--steps", &a.steps.to_string()])
+        .args(a.rate.flags())
+        .arg("--metrics")
+        .arg(metrics)
+        .output()
+        .with_context(|| format!("starting {}", worker.display()))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "replay of {model} failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    let text = std::fs::read_to_string(metrics).with_context(|| format!("{}", metrics.display()))?;
+    let mut cols: [Vec<f64>; 3] = Default::default();
+    for line in text.lines() {
+        if let Ok(Record::Step(s)) = parse_line(line)
+            && s.step > 2
+        {
+            cols[0].push(s.step_ms);
+            cols[1].push(s.forward_ms);
+            cols[2].push(s.backward_ms);
+        }
+    }
+    anyhow::ensure!(!cols[0].is_empty(), "{}: no steps after the warm-up", metrics.display());
+    Ok(cols.map(|c| median(&c)))
+}
+
+fn check(a: &CheckArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.steps > 2 && a.repeats > 0, "--steps must exceed 2 and --repeats be at least 1");
+    let worker = worker_path(&a.worker)?;
+    let dir = tempfile::tempdir()?;
+    println!(
+        "replay with one worker (no communication): each step's time against the profile's compute \
+         (forward + backward + optimiser), medians over steps 3-{}, {} runs each",
+        a.steps, a.repeats
+    );
+    let mut t =
+        Table::new(&["model", "profile ms", "step ms (range)", "forward", "backward", "step/profile"]);
+    for model in &a.models {
+        let p = a.rate.profile(model)?;
+        let (f, b) = p.compute_ns();
+        let want = ms(f + b + p.optimizer_ns);
+        let mut runs = Vec::new();
+        for r in 0..a.repeats {
+            runs.push(one_run(&worker, model, a, &dir.path().join(format!("{}-{r}.jsonl", p.model)))?);
+        }
+        let steps: Vec<f64> = runs.iter().map(|r| r[0]).collect();
+        let step = median(&steps);
+        let (lo, hi) = steps.iter().fold((f64::MAX, 0.0f64), |(l, h), &v| (l.min(v), h.max(v)));
+        t.row(vec![
+            p.model.clone(),
+            format!("{want:.3}"),
+            format!("{step:.3} ({lo:.3}-{hi:.3})"),
+            format!("{:.3}/{:.3}", median(&runs.iter().map(|r| r[1]).collect::<Vec<_>>()), ms(f)),
+            format!("{:.3}/{:.3}", median(&runs.iter().map(|r| r[2]).collect::<Vec<_>>()), ms(b)),
+            format!("{:.3}", step / want),
+        ]);
+    }
+    print!("{}", t.render());
+    println!(
+        "step/profile above 1 is what the loop itself adds (data, bookkeeping, late wake-ups); forward and \
+         backward read measured/profile"
+    );
+    Ok(())
+}

@@ -1,0 +1,266 @@
+//! Replayed models (`--model profile:FILE`, the built-ins) as real processes: every mode runs
+//! one, the metrics say it is a replay and carry no accuracy, the real communication moves the
+//! profile's bytes (DDP's ring and the parameter server alike), and bad profiles and rates are
+//! refused by name.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use gradsync_core::metrics::{Record, parse_line};
+use gradsync_testkit::Scratch;
+use gradsync_testkit::process::{Proc, start_server};
+
+mod common;
+use common::server_bin;
+
+const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
+
+/// Parameters of [`PROFILE`]: fc2 (10 + 10 x 4096) and fc1 (4096 + 4096 x 64).
+const PARAMS: u64 = 10 + 10 * 4096 + 4096 + 4096 * 64;
+
+/// A two-layer model measured at batch 8: 0.6 ms forward, 1.2 ms backward.
+const PROFILE: &str = r#"{
+ "format": "gradsync-profile", "version": 1, "model": "two-layer", "batch": 8,
+ "device": "a test's", "estimated": false, "optimizer_ms": 0.1,
+ "layers": [
+  {"name": "fc2", "forward_ms": 0.2, "backward_ms": 0.4,
+   "tensors": [{"name": "fc2.bias", "shape": [10]}, {"name": "fc2.weight", "shape": [10, 4096]}]},
+  {"name": "relu", "forward_ms": 0.1, "backward_ms": 0.1},
+  {"name": "fc1", "forward_ms": 0.3, "backward_ms": 0.7,
+   "tensors": [{"name": "fc1.bias", "shape": [4096]}, {"name": "fc1.weight", "shape": [4096, 64]}]}
+ ]
+}"#;
+
+fn profile(dir: &Path) -> String {
+    let path = dir.join("two-layer.json");
+    std::fs::write(&path, PROFILE).unwrap();
+    format!("profile:{}", path.display())
+}
+
+fn worker(args: &[&str]) -> Command {
+    let mut cmd = Command::new(WORKER);
+    cmd.args(args)
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    cmd
+}
+
+/// Run to completion; returns the exit code and stderr.
+fn run(args: &[&str]) -> (i32, String) {
+    let mut p = Proc::spawn(&mut worker(args));
+    let (code, err, _) = p.finish(Duration::from_secs(120));
+    (code, err)
+}
+
+/// The header's extra fields and the steps of a metrics file.
+fn metrics(path: &Path) -> (serde_json::Map<String, serde_json::Value>, Vec<gradsync_core::metrics::Step>) {
+    let text = std::fs::read_to_string(path).unwrap();
+    let (mut extra, mut steps) = (None, Vec::new());
+    for line in text.lines() {
+        match parse_line(line).unwrap() {
+            Record::Header(h) => extra = Some(h.extra),
+            Record::Step(s) => steps.push(s),
+            _ => {}
+        }
+    }
+    (extra.expect("a header"), steps)
+}
+
+#[test]
+fn a_replayed_run_says_so_and_reports_no_accuracy() {
+    let dir = Scratch::new("replay-local");
+    let model = profile(dir.path());
+    let m = dir.path().join("m.jsonl");
+    let (code, err) = run(&[
+        "train",
+        "--model",
+        &model,
+        "--steps",
+        "4",
+        "--device",
+        "cpu",
+        "--metrics",
+        m.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("replay of two-layer") && err.contains("speed only, no accuracy"), "{err}");
+    let (extra, steps) = metrics(&m);
+    let replay = &extra["replay"];
+    assert_eq!(replay["estimated"], false, "{replay}");
+    assert_eq!(replay["profile_batch"], 8);
+    assert!((replay["forward_ms"].as_f64().unwrap() - 0.6).abs() < 1e-9, "{replay}");
+    assert!((replay["backward_ms"].as_f64().unwrap() - 1.2).abs() < 1e-9, "{replay}");
+    assert_eq!(steps.len(), 4);
+    assert!(steps.iter().all(|s| s.accuracy.is_none()), "a replay evaluates nothing");
+    // Waits never end early: every step takes at least the profile's compute.
+    assert!(steps.iter().all(|s| s.forward_ms >= 0.6 && s.backward_ms >= 1.2), "{steps:?}");
+
+    // Another batch scales the times and makes them an estimate.
+    let (code, err) = run(&[
+        "train",
+        "--model",
+        &model,
+        "--steps",
+        "2",
+        "--batch",
+        "16",
+        "--device",
+        "cpu",
+        "--metrics",
+        m.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let (extra, _) = metrics(&m);
+    assert_eq!(extra["replay"]["estimated"], true);
+    assert!((extra["replay"]["backward_ms"].as_f64().unwrap() - 2.4).abs() < 1e-9);
+    assert!(err.contains("scaled from batch 8"), "{err}");
+}
+
+#[test]
+fn every_mode_replays_a_profile() {
+    let dir = Scratch::new("replay-modes");
+    let model = profile(dir.path());
+    let modes: &[&[&str]] = &[
+        &["--mode", "local"],
+        &["--mode", "dp", "--replicas", "2"],
+        &["--mode", "ddp"],
+        &["--mode", "ddp", "--transport", "shm"],
+        &["--mode", "ddp", "--compress", "fp16"],
+        &["--mode", "ddp", "--compress", "topk:0.01"],
+        &["--mode", "zero1"],
+    ];
+    for mode in modes {
+        let launched = !mode.contains(&"local") && !mode.contains(&"dp");
+        let mut args: Vec<&str> = Vec::new();
+        if launched {
+            args.extend(["launch", "--nproc-per-node", "2", "--master-port", "0", "--"]);
+        }
+        args.extend(["train", "--model", &model, "--steps", "3", "--device", "cpu", "--threads", "1"]);
+        args.extend(mode.iter());
+        let (code, err) = run(&args);
+        assert_eq!(code, 0, "{mode:?}: {err}");
+        assert!(err.contains("3 steps in") && err.contains("replay: speed only"), "{mode:?}: {err}");
+    }
+}
+
+#[test]
+fn the_ring_moves_the_profiles_bytes() {
+    let dir = Scratch::new("replay-ddp");
+    let model = profile(dir.path());
+    let m = dir.path().join("ddp-{rank}.jsonl");
+    let (code, err) = run(&[
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "0",
+        "--",
+        "train",
+        "--mode",
+        "ddp",
+        "--model",
+        &model,
+        "--steps",
+        "3",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--metrics",
+        m.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    for rank in 0..2 {
+        let (_, steps) = metrics(&dir.path().join(format!("ddp-{rank}.jsonl")));
+        for s in &steps {
+            // Two ranks: each sends 2(n-1)/n = 1 times the gradient's bytes, and framing.
+            let ratio = s.bytes_sent as f64 / (4 * PARAMS) as f64;
+            assert!((1.0..1.01).contains(&ratio), "rank {rank} step {}: {} bytes", s.step, s.bytes_sent);
+            assert!(s.comm_ms > 0.0);
+        }
+    }
+}
+
+#[test]
+fn the_parameter_server_moves_the_profiles_bytes() {
+    let dir = Scratch::new("replay-ps");
+    let model = profile(dir.path());
+    let mut cmd = Command::new(server_bin());
+    cmd.args(["--listen", "127.0.0.1:0", "--model", &model, "--sync", "bsp"]).stderr(Stdio::inherit());
+    let (_server, addr) = start_server(&mut cmd, false);
+    let procs: Vec<Proc> = (0..2)
+        .map(|r| {
+            let m = dir.path().join(format!("ps-{r}.jsonl"));
+            Proc::spawn(&mut worker(&[
+                "train",
+                "--mode",
+                "ps",
+                "--servers",
+                &addr,
+                "--model",
+                &model,
+                "--steps",
+                "3",
+                "--device",
+                "cpu",
+                "--threads",
+                "1",
+                "--rank",
+                &r.to_string(),
+                "--world-size",
+                "2",
+                "--rpc-timeout",
+                "30",
+                "--metrics",
+                m.to_str().unwrap(),
+            ]))
+        })
+        .collect();
+    for mut p in procs {
+        let (code, err, _) = p.finish(Duration::from_secs(120));
+        assert_eq!(code, 0, "{err}");
+    }
+    for r in 0..2 {
+        let (_, steps) = metrics(&dir.path().join(format!("ps-{r}.jsonl")));
+        assert_eq!(steps.len(), 3);
+        for s in &steps {
+            for (what, bytes) in [("pushed", s.bytes_sent), ("pulled", s.bytes_recv)] {
+                let ratio = bytes as f64 / (4 * PARAMS) as f64;
+                assert!((1.0..1.01).contains(&ratio), "worker {r} step {} {what} {bytes} bytes", s.step);
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_profiles_and_rates_are_refused_by_name() {
+    let dir = Scratch::new("replay-bad");
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, PROFILE.replace("\"batch\": 8", "\"batch\": 0")).unwrap();
+    let model = format!("profile:{}", bad.display());
+    let (code, err) = run(&["train", "--model", &model, "--steps", "1"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("bad.json") && err.contains("\"batch\" must be at least 1"), "{err}");
+    std::fs::write(&bad, &PROFILE[..200]).unwrap();
+    let (code, err) = run(&["train", "--model", &model, "--steps", "1"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("bad.json") && err.contains("line 5"), "{err}");
+    for (args, want) in [
+        (&["--model", "tiny", "--device-tflops", "100"][..], "applies to a replayed model"),
+        (&["--model", "resnet50", "--device-tflops", "0"][..], "device-tflops: 0"),
+        (&["--model", &profile(dir.path()), "--device-tbps", "2"][..], "holds its own times"),
+    ] {
+        let mut a = vec!["train", "--steps", "1", "--device", "cpu"];
+        a.extend(args);
+        let (code, err) = run(&a);
+        assert_ne!(code, 0, "{args:?}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
