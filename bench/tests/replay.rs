@@ -124,3 +124,31 @@ fn a_builtins_profile_file_reads_back_as_the_same_model() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("trained for real"));
 }
+
+/// A run whose processes would not fit in memory (64 DDP ranks of VGG-16: 141 GB) is skipped
+/// before it starts, with the figures; the rest of the matrix runs.
+#[test]
+fn a_run_too_large_for_memory_is_skipped_with_the_figures() {
+    let dir = gradsync_testkit::Scratch::new("replay-memory");
+    let scenario = dir.join("s.toml");
+    std::fs::write(
+        &scenario,
+        "name='mem'\nmodes=['local','ddp-tcp']\nworkers=[64]\nmodels=['vgg16']\nsteps=1\nrepeats=1\n\
+         device='cpu'\nrawtcp_s=0.2\nrun_timeout_s=60\n",
+    )
+    .unwrap();
+    let out = dir.join("out");
+    let run = Command::new(BENCH).arg("compare").arg(&scenario).arg("--out").arg(&out).output().unwrap();
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{err}");
+    let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = outcomes.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2, "{outcomes}");
+    let ddp = lines.iter().find(|o| o["id"].as_str().unwrap().contains("ddp-tcp")).unwrap();
+    assert_eq!(ddp["status"], "skipped", "{ddp}");
+    let why = ddp["error"].as_str().unwrap();
+    assert!(
+        why.contains("needs about 131.9 GiB (64 processes of 553 MB") && why.contains("is available"),
+        "{why}"
+    );
+}

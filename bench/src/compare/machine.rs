@@ -134,6 +134,33 @@ impl Machine {
         }
     }
 
+    /// Why a run cannot fit in this machine's memory now, if it cannot: its estimated memory
+    /// ([`run_memory`]) against what `/proc/meminfo` calls available, so that a run of large
+    /// models (eight replicas of VGG-16) is refused with the figures rather than swapping.
+    pub fn memory_short(spec: &super::scenario::RunSpec) -> Option<String> {
+        let params = gradsync_core::model::ModelSpec::parse(&spec.model)
+            .map(|m| gradsync_core::model::Layout::new(&m).len)
+            .ok()?;
+        let need = run_memory(spec.mode, spec.workers, params);
+        let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+            m.lines().find_map(|l| {
+                let kb = l.strip_prefix("MemAvailable:")?.trim().strip_suffix("kB")?.trim();
+                kb.parse::<u64>().ok().map(|kb| kb * 1024)
+            })
+        })?;
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        (need as f64 > 0.9 * available as f64).then(|| {
+            format!(
+                "needs about {:.1} GiB ({} of {:.0} MB of parameters each: parameters, gradients, optimiser \
+                 state and buffers) and {:.1} GiB is available: run fewer workers, or on a machine with more memory",
+                gib(need),
+                if spec.mode.is_ps() { format!("{} workers and the servers", spec.workers) } else { format!("{} processes", spec.workers) },
+                params as f64 * 4.0 / 1e6,
+                gib(available)
+            )
+        })
+    }
+
     /// What `streams` raw TCP streams carried together over loopback (median bytes per
     /// second), where measured.
     pub fn streams_bandwidth(&self, streams: usize) -> Option<f64> {
@@ -207,6 +234,22 @@ pub fn gpus() -> Vec<String> {
     out.lines().map(|l| l.trim().to_string()).filter(|l| !l.is_empty()).collect()
 }
 
+/// Bytes a run of `mode` holds at most, all processes together, for a model of `params`
+/// f32 parameters (S bytes): each training process its parameters, gradients and momentum,
+/// and one more S of communication buffers for a ring; DP its replicas' parameters and
+/// gradients and replica 0's sum, momentum and copies; the parameter servers, over all their
+/// shards, parameters, momentum, the sum of pushes and the next step's parameters and momentum.
+pub fn run_memory(mode: ModeKind, workers: usize, params: usize) -> u64 {
+    let s = params as u64 * 4;
+    let w = workers.max(1) as u64;
+    match mode.base() {
+        ModeKind::Local => 3 * s,
+        ModeKind::Dp => (2 * w + 4) * s,
+        m if m.is_ps() => 3 * s * w + 5 * s,
+        _ => 4 * s * w,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -225,6 +268,20 @@ mod tests {
         assert_eq!(with_gpus(1).cannot_run(ModeKind::DdpNccl, 1), None);
         assert_eq!(with_gpus(4).cannot_run(ModeKind::DdpNccl, 4), None);
         assert_eq!(with_gpus(0).cannot_run(ModeKind::DdpTcp, 8), None);
+    }
+
+    /// Eight DDP ranks of VGG-16 (553 MB of parameters) need 17.7 GB, whatever they compress;
+    /// ResNet-50 under a fifth of that.
+    #[test]
+    fn run_memory_counts_every_process() {
+        let vgg = 138_357_544;
+        let s = vgg as u64 * 4;
+        assert_eq!(run_memory(ModeKind::DdpTcp, 8, vgg), 32 * s);
+        assert_eq!(run_memory(ModeKind::DdpTcpFp16, 8, vgg), 32 * s);
+        assert_eq!(run_memory(ModeKind::Local, 1, vgg), 3 * s);
+        assert_eq!(run_memory(ModeKind::PsBspTopk, 8, vgg), 29 * s);
+        assert_eq!(run_memory(ModeKind::Dp, 8, vgg), 20 * s);
+        assert!(run_memory(ModeKind::DdpTcp, 8, 25_557_032) < run_memory(ModeKind::DdpTcp, 8, vgg) / 5);
     }
 
     #[test]

@@ -294,7 +294,7 @@ pub fn run_spec(
     let rel = format!("runs/{}", spec.id);
     let dir = out.join(&rel);
     let t = Instant::now();
-    let skip = spec.skip.clone().or(skip);
+    let skip = spec.skip.clone().or(skip).or_else(|| machine::Machine::memory_short(spec));
     let (status, error) = if let Some(why) = skip {
         ("skipped", Some(why))
     } else {

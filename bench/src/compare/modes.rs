@@ -163,6 +163,12 @@ impl Ctx {
         a.extend(opt(wf::ORDER_SEED, s.seed + self.spec.repeat as u64));
         a.extend(opt(wf::DEVICE, &s.device));
         a.extend(opt(wf::THREADS, s.threads));
+        if let Some(t) = s.device_tflops {
+            a.extend(opt(wf::DEVICE_TFLOPS, t));
+        }
+        if let Some(t) = s.device_tbps {
+            a.extend(opt(wf::DEVICE_TBPS, t));
+        }
         a.extend(optimiser(s));
         a.extend(opt(wf::METRICS, self.path(name, "jsonl").display()));
         if let Some(d) = &s.data {

@@ -212,8 +212,16 @@ pub struct Scenario {
     pub workers: Vec<usize>,
     /// Model presets or widths.
     pub models: Vec<String>,
-    /// Global batch sizes.
+    /// Global batch sizes. Left out when every model is replayed: each worker then takes its
+    /// profile's batch (local training one worker's).
+    #[serde(default)]
     pub batches: Vec<usize>,
+    /// A built-in replayed model's sustained TFLOP/s (the workers' `--device-tflops`).
+    #[serde(default)]
+    pub device_tflops: Option<f64>,
+    /// A built-in replayed model's memory bandwidth, TB/s (`--device-tbps`).
+    #[serde(default)]
+    pub device_tbps: Option<f64>,
     /// Server shard counts (PS modes).
     #[serde(default = "one")]
     pub shards: Vec<usize>,
@@ -364,7 +372,6 @@ impl Scenario {
         nonempty("modes", self.modes.len())?;
         nonempty("workers", self.workers.len())?;
         nonempty("models", self.models.len())?;
-        nonempty("batches", self.batches.len())?;
         self.device
             .parse::<gradsync_core::device::DeviceRequest>()
             .map_err(|e| anyhow::anyhow!("`device`: {e}"))?;
@@ -411,6 +418,19 @@ impl Scenario {
         for m in &self.models {
             let spec =
                 gradsync_core::model::ModelSpec::parse(m).with_context(|| format!("`models`: '{m}'"))?;
+            anyhow::ensure!(
+                !self.batches.is_empty() || spec.profile().is_some(),
+                "`batches` is empty, and '{m}' is trained for real: give global batch sizes (only a replayed \
+                 model has a batch of its own)"
+            );
+            if self.device_tflops.is_some() || self.device_tbps.is_some() {
+                let h = gradsync_core::profile::DeviceRate::H100;
+                let rate = gradsync_core::profile::DeviceRate {
+                    tflops: self.device_tflops.unwrap_or(h.tflops),
+                    tbps: self.device_tbps.unwrap_or(h.tbps),
+                };
+                spec.clone().at_rate(rate).with_context(|| format!("`device_tflops` for '{m}'"))?;
+            }
             // A model that cannot take the data (a conv net on flat data) is refused now, by name.
             if let Some((input, classes)) = shape {
                 spec.fit(input, classes).with_context(|| format!("`models`: '{m}' on `data`"))?;
@@ -425,11 +445,27 @@ impl Scenario {
     pub fn expand(&self) -> Vec<RunSpec> {
         let mut out = Vec::new();
         for model in &self.models {
-            for &global_batch in &self.batches {
+            // Without `batches`, a replayed model's own batch per worker.
+            let own =
+                gradsync_core::model::ModelSpec::parse(model).ok().and_then(|m| m.profile().map(|p| p.batch));
+            let batches: Vec<Option<usize>> = if self.batches.is_empty() {
+                vec![None]
+            } else {
+                self.batches.iter().copied().map(Some).collect()
+            };
+            for batch in batches {
                 for &mode in &self.modes {
-                    let workers: Vec<usize> =
-                        if mode == ModeKind::Local { vec![1] } else { self.workers.clone() };
-                    for &w in &workers {
+                    // (workers, global batch) of each cell. A replayed model's own batch is per
+                    // worker, so local training runs once per worker count at that count's
+                    // global batch: the same step's compute, in the same chart group.
+                    let own = own.unwrap_or(1);
+                    let mut cells: Vec<(usize, usize)> = match (mode == ModeKind::Local, batch) {
+                        (true, Some(b)) => vec![(1, b)],
+                        (true, None) => self.workers.iter().map(|&n| (1, own * n)).collect(),
+                        (false, b) => self.workers.iter().map(|&w| (w, b.unwrap_or(own * w))).collect(),
+                    };
+                    cells.dedup();
+                    for (w, global_batch) in cells {
                         let shards: Vec<usize> = if mode.is_ps() { self.shards.clone() } else { vec![0] };
                         for &k in &shards {
                             for (&slow_ms, repeat) in
@@ -557,6 +593,49 @@ mod tests {
             }
         }
         assert!(seen >= 5, "found {seen} scenarios in {}", dir.display());
+    }
+
+    /// Without `batches`, each replayed model runs at its profile's batch per worker, local
+    /// training once per worker count at that count's global batch; a model trained for real
+    /// needs `batches`, and a rate for it is refused.
+    #[test]
+    fn replayed_models_run_at_their_own_batch() {
+        let s = Scenario::parse(
+            "name='x'\nmodes=['local','ddp-tcp']\nworkers=[2,4]\nmodels=['resnet50','gpt2']\nsteps=1\nrepeats=1",
+            "t",
+        )
+        .unwrap();
+        let cells: Vec<(String, String, usize, usize, usize)> = s
+            .expand()
+            .into_iter()
+            .map(|r| (r.model, r.mode.label().to_string(), r.workers, r.global_batch, r.batch))
+            .collect();
+        let want = |m: &str, mode: &str, w, g, b| (m.to_string(), mode.to_string(), w, g, b);
+        assert_eq!(
+            cells,
+            vec![
+                want("resnet50", "local", 1, 128, 128),
+                want("resnet50", "local", 1, 256, 256),
+                want("resnet50", "ddp-tcp", 2, 128, 64),
+                want("resnet50", "ddp-tcp", 4, 256, 64),
+                want("gpt2", "local", 1, 16, 16),
+                want("gpt2", "local", 1, 32, 32),
+                want("gpt2", "ddp-tcp", 2, 16, 8),
+                want("gpt2", "ddp-tcp", 4, 32, 8),
+            ]
+        );
+        let e = Scenario::parse(
+            "name='x'\nmodes=['local']\nworkers=[1]\nmodels=['resnet50','tiny']\nsteps=1",
+            "t",
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("`batches` is empty, and 'tiny' is trained for real"), "{e:#}");
+        let e = Scenario::parse(
+            "name='x'\nmodes=['local']\nworkers=[1]\nmodels=['tiny']\nbatches=[8]\nsteps=1\ndevice_tflops=100.0",
+            "t",
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("applies to a replayed model"), "{e:#}");
     }
 
     #[test]

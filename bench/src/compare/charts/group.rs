@@ -39,6 +39,11 @@ impl Group<'_> {
         self.params as f64 * 4.0
     }
 
+    /// Whether the group's model is replayed (speed only: no accuracy, no loss).
+    pub fn replay(&self) -> bool {
+        self.rows.iter().any(|r| r.widths.starts_with(gradsync_core::model::REPLAY_TOKEN))
+    }
+
     /// Samples/s of the one-worker baseline: the local run, else the fastest one-worker run.
     pub fn baseline(&self) -> Option<f64> {
         let local = self.rows.iter().find(|r| r.mode == "local").and_then(|r| r.samples_per_s);

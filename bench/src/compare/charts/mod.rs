@@ -241,14 +241,23 @@ impl Charts {
 
     /// Every chart of one group.
     pub fn draw_group(&mut self, g: &Group, link: Option<Link>) -> anyhow::Result<()> {
-        self.accuracy(g, true)?;
-        self.accuracy(g, false)?;
+        // A replay has no accuracy or loss, and no gradient of its goes stale in a way that
+        // matters to anything but speed: its charts are the speed and traffic ones.
+        let replay = g.replay();
+        if !replay {
+            self.accuracy(g, true)?;
+            self.accuracy(g, false)?;
+        }
         self.throughput(g)?;
         self.step_time(g)?;
-        self.loss(g, false)?;
-        self.loss(g, true)?;
+        if !replay {
+            self.loss(g, false)?;
+            self.loss(g, true)?;
+        }
         self.bytes(g)?;
-        self.staleness(g)?;
+        if !replay {
+            self.staleness(g)?;
+        }
         self.cost_model(g, link)?;
         self.extrapolation(g, link)?;
         if g.sweep.iter().any(|r| r.slow_ms > 0) {

@@ -16,6 +16,7 @@ pub type Reading = fn(&Context) -> Vec<String>;
 /// Every reading, in the page's order.
 pub const READINGS: &[Reading] = &[
     runs::no_runs,
+    regime::replay,
     ranking::fastest,
     ranking::first_to_target,
     ranking::scaling,

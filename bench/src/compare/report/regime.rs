@@ -76,6 +76,46 @@ pub fn compute_against_communication(cx: &Context) -> Vec<String> {
     )]
 }
 
+/// A replayed model's group opens with what a replay is, where its compute came from, and how
+/// early its backward makes the bytes ready (what the rings can hide behind backward).
+pub fn replay(cx: &Context) -> Vec<String> {
+    let Some(widths) = cx.g.rows.first().map(|r| r.widths.as_str()) else { return Vec::new() };
+    if !cx.g.replay() {
+        return Vec::new();
+    }
+    let what = "each layer's compute waited out as its profile says, its gradients real buffers that every \
+                mode moves with its real communication. Speed only: a replay has no accuracy, so no time to \
+                accuracy is read";
+    let Ok(spec) = gradsync_core::model::ModelSpec::from_token(widths) else {
+        return vec![format!("{} is replayed from a profile file (measured compute): {what}.", cx.g.model)];
+    };
+    let Some(p) = spec.profile() else { return Vec::new() };
+    let (_, backward) = p.compute_ns();
+    let total = p.parameters() as f64;
+    let (mut done, mut at, mut half) = (0.0, 0u64, None);
+    for l in &p.layers {
+        at += l.backward_ns;
+        done += l.tensors.iter().map(|(_, s)| s.iter().product::<usize>() as f64).sum::<f64>();
+        if half.is_none() && done >= 0.5 * total {
+            half = Some(at);
+        }
+    }
+    let half = half.map_or(String::new(), |t| {
+        format!(
+            " Half of its {:.1} MB of gradients is ready {:.0}% of the way through backward, so at most the \
+             backward time after that can hide the exchange of the rest.",
+            4.0 * total / 1e6,
+            100.0 * t as f64 / backward.max(1) as f64
+        )
+    });
+    vec![format!(
+        "{} is replayed, its compute {} ({}): {what}.{half}",
+        cx.g.model,
+        if p.estimated { "estimated from each layer's FLOPs and bytes" } else { "measured" },
+        p.device
+    )]
+}
+
 /// Where the model has batch norm: what each mode of the group does with its statistics, since
 /// the modes differ there as PyTorch's do, and a parameter server never sees them.
 pub fn batch_norm(cx: &Context) -> Vec<String> {

@@ -52,9 +52,11 @@ fn compute_ms(r: &Summary) -> Option<f64> {
     Some(r.forward_ms? + r.backward_ms? + r.update_ms.unwrap_or(0.0))
 }
 
-/// Where the fastest mode at the most workers computes for a small share of its step, fixed
-/// per-step costs (host staging, process switches, RPCs) decide the speed, not the
-/// arithmetic or the bandwidth: said with the figures, beside the one-worker baseline.
+/// Where the fastest mode at the most workers computes for a small share of its step and most
+/// of the rest is neither exposed communication nor waiting, fixed per-step costs (host
+/// staging, process switches, RPCs) decide the speed, not the arithmetic or the bandwidth: said
+/// with the figures, beside the one-worker baseline. A step that exposed communication fills
+/// is left to the readings of communication.
 pub fn fixed_costs(cx: &Context) -> Vec<String> {
     let Some(nmax) = cx.most_workers().filter(|&n| n > 1) else { return Vec::new() };
     let at: Vec<(&Summary, f64, f64)> =
@@ -67,7 +69,8 @@ pub fn fixed_costs(cx: &Context) -> Vec<String> {
     let Some(&(best, c, t)) = at.iter().max_by(|a, b| Context::thr(a.0).total_cmp(&Context::thr(b.0))) else {
         return Vec::new();
     };
-    if c / t >= COMPUTE_SMALL {
+    let comm = best.comm_exposed_ms.unwrap_or(0.0) + best.wait_ms.unwrap_or(0.0);
+    if c / t >= COMPUTE_SMALL || (t - c - comm) / t < 0.5 {
         return Vec::new();
     }
     let all_small = at.iter().all(|x| x.1 / x.2 < COMPUTE_SMALL);
