@@ -31,6 +31,62 @@ pub enum ReplayCommand {
     /// Replay models with one worker (no communication) and set each step's measured time
     /// beside the profile's compute; repeats with their range.
     Check(CheckArgs),
+    /// Measure a model gradsync trains (an MLP or conv preset) on this machine's CPU into a
+    /// profile file: each layer's forward and backward time, the optimiser's.
+    Record(RecordArgs),
+    /// The replay's honesty: a model gradsync trains, recorded into a profile, then trained
+    /// for real and replayed in the same modes with the same workers (the comparison runner,
+    /// real processes, repeats), step time and communication side by side.
+    Honesty(HonestyArgs),
+}
+
+/// Flags of `replay record`.
+#[derive(Debug, Clone, Args)]
+pub struct RecordArgs {
+    /// A model gradsync trains: a preset or MLP widths.
+    #[arg(long, default_value = "mnist")]
+    pub model: String,
+    /// Samples per step.
+    #[arg(long, default_value_t = 64)]
+    pub batch: usize,
+    /// CPU threads (a worker's `--threads`).
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// Measured steps (after one warm-up); each time is the median.
+    #[arg(long, default_value_t = 20)]
+    pub steps: usize,
+    /// Data shaping the model's input (default: synthetic data shaped for it, as a worker's).
+    #[arg(long)]
+    pub data: Option<String>,
+    /// Write the profile here.
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+/// Flags of `replay honesty`.
+#[derive(Debug, Clone, Args)]
+pub struct HonestyArgs {
+    /// A model gradsync trains.
+    #[arg(long, default_value = "mnist")]
+    pub model: String,
+    /// Samples per step per worker.
+    #[arg(long, default_value_t = 64)]
+    pub batch: usize,
+    /// Workers of every mode.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Modes (the comparison's names).
+    #[arg(long, default_value = "ddp-tcp,ddp-shm,ps-bsp", value_delimiter = ',')]
+    pub modes: Vec<crate::compare::scenario::ModeKind>,
+    /// Steps per run.
+    #[arg(long, default_value_t = 30)]
+    pub steps: u64,
+    /// Runs per mode and model.
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Keep the profile, scenario and runs here (default: a temporary directory).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
 }
 
 /// The device rate a built-in profile is estimated at.
@@ -113,7 +169,167 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<()> {
     match &a.command {
         ReplayCommand::Show(s) => show(s),
         ReplayCommand::Check(c) => check(c),
+        ReplayCommand::Record(r) => record(r).map(|_| ()),
+        ReplayCommand::Honesty(h) => honesty(h),
     }
+}
+
+/// Measure `a.model` on the CPU and write its profile; returns it.
+fn record(a: &RecordArgs) -> anyhow::Result<Profile> {
+    use gradsync_core::data::DataSource;
+    let spec = ModelSpec::parse(&a.model).with_context(|| format!("--model {}", a.model))?;
+    anyhow::ensure!(
+        spec.profile().is_none(),
+        "--model {}: a replayed model has no compute to measure",
+        a.model
+    );
+    let source: DataSource = match &a.data {
+        Some(d) => d.parse().map_err(|e| anyhow::anyhow!("--data {d}: {e}"))?,
+        None => DataSource::synthetic_for(spec.input, spec.classes()),
+    };
+    let data = source.load(42).with_context(|| format!("--data {source}"))?;
+    let spec = spec.fit(data.input, data.classes).context("--model")?;
+    anyhow::ensure!(
+        a.batch >= 1 && a.batch <= data.train.len(),
+        "--batch {} must be from 1 to the data's {} samples",
+        a.batch,
+        data.train.len()
+    );
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    data.gather(&(0..a.batch).collect::<Vec<_>>(), &mut x, &mut y);
+    let device = gradsync_core::device::Device::Cpu { threads: a.threads };
+    let mut engine = gradsync_core::Engine::new(device, spec, 42)?;
+    let p = engine.record_profile(&x, &y, a.steps)?;
+    let (f, b) = p.compute_ns();
+    let note = format!(
+        "measured by gradsync-bench replay record: {} on {} at batch {}, median of {} steps; {:.3} ms forward, \
+         {:.3} ms backward, {:.3} ms optimiser",
+        a.model,
+        engine.describe(),
+        a.batch,
+        a.steps,
+        ms(f),
+        ms(b),
+        ms(p.optimizer_ns)
+    );
+    let text = serde_json::to_string_pretty(&p.to_file(&note))?;
+    std::fs::write(&a.out, text + "\n").with_context(|| format!("--out {}", a.out.display()))?;
+    eprintln!("gradsync-bench replay record: {note}; written to {}", a.out.display());
+    Ok(p)
+}
+
+fn honesty(a: &HonestyArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.workers >= 2 && a.steps >= 3 && a.repeats >= 1,
+        "--workers must be at least 2, --steps 3"
+    );
+    let tmp = tempfile::tempdir()?;
+    let root = a.out.clone().unwrap_or_else(|| tmp.path().to_path_buf());
+    std::fs::create_dir_all(&root).with_context(|| format!("--out {}", root.display()))?;
+    let profile = root.join("profile.json");
+    let p = record(&RecordArgs {
+        model: a.model.clone(),
+        batch: a.batch,
+        threads: 1,
+        steps: 20,
+        data: None,
+        out: profile.clone(),
+    })?;
+    let modes: Vec<String> = a.modes.iter().map(|m| format!("'{}'", m.label())).collect();
+    let scenario = root.join("scenario.toml");
+    std::fs::write(
+        &scenario,
+        format!(
+            "name = 'honesty'\nmodes = [{}]\nworkers = [{}]\nmodels = ['{}', 'profile:{}']\nbatches = [{}]\n\
+             shards = [1]\nsteps = {}\nrepeats = {}\nseed = 42\ndevice = 'cpu'\nthreads = 1\nrun_timeout_s = 300\n",
+            modes.join(", "),
+            a.workers,
+            a.model,
+            profile.display(),
+            a.batch * a.workers,
+            a.steps,
+            a.repeats
+        ),
+    )?;
+    let runs = root.join("compare");
+    let me = std::env::current_exe()?;
+    let status = Command::new(&me)
+        .arg("compare")
+        .arg(&scenario)
+        .arg("--out")
+        .arg(&runs)
+        .status()
+        .with_context(|| format!("starting {}", me.display()))?;
+    anyhow::ensure!(status.success(), "the comparison failed ({status}); its runs are in {}", runs.display());
+    let c = crate::compare::results::collect(std::slice::from_ref(&runs), None)?;
+    let replay_label = gradsync_core::model::label_of(&ModelSpec::replay(p).widths_str());
+    println!(
+        "{} trained for real and replayed from its profile (recorded here at batch {}), {} workers, medians over \
+         steps and {} repeats; replay/real within 10% is the target",
+        a.model, a.batch, a.workers, a.repeats
+    );
+    let mut t = Table::new(&[
+        "mode",
+        "step ms real",
+        "replay",
+        "ratio",
+        "comm ms real",
+        "replay",
+        "ratio",
+        "real CPU busy",
+        "within 10%",
+    ]);
+    for mode in &a.modes {
+        let cell = |model: &str| {
+            c.cells
+                .iter()
+                .map(|c| &c.median)
+                .find(|m| m.model == model && m.mode == mode.label() && m.workers == a.workers)
+        };
+        let (Some(real), Some(rep)) = (cell(&a.model), cell(&replay_label)) else {
+            t.row(vec![
+                mode.label().into(),
+                "no complete run".into(),
+                String::new(),
+                String::new(),
+                String::new(),
+                String::new(),
+                String::new(),
+                String::new(),
+                "-".into(),
+            ]);
+            continue;
+        };
+        let ratio = |r: Option<f64>, p: Option<f64>| r.zip(p).map(|(r, p)| p / r);
+        let (step, comm) = (ratio(real.step_ms, rep.step_ms), ratio(real.comm_ms, rep.comm_ms));
+        let f = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.3}"));
+        let busy = c
+            .summaries
+            .iter()
+            .filter(|s| s.model == a.model && s.mode == mode.label() && s.complete())
+            .filter_map(|s| s.cpu_busy)
+            .collect::<Vec<_>>();
+        let within = |r: Option<f64>| r.is_some_and(|r| (r - 1.0).abs() <= 0.10);
+        t.row(vec![
+            mode.label().into(),
+            f(real.step_ms),
+            f(rep.step_ms),
+            f(step),
+            f(real.comm_ms),
+            f(rep.comm_ms),
+            f(comm),
+            if busy.is_empty() { "-".into() } else { format!("{:.0}%", 100.0 * median(&busy)) },
+            if within(step) && within(comm) { "yes".into() } else { "no".into() },
+        ]);
+    }
+    print!("{}", t.render());
+    println!(
+        "A real run's compute uses the cores its communication needs; a replay's waits leave them free (as a \
+         GPU's would): where the real run kept the CPU busy, the replay's communication runs faster than the \
+         real run's could. The runs and their report: {}",
+        if a.out.is_some() { runs.display().to_string() } else { "(removed; --out keeps them)".into() }
+    );
+    Ok(())
 }
 
 /// Milliseconds of `ns`.

@@ -385,6 +385,16 @@ impl Engine {
         }
     }
 
+    /// This model's profile measured on its device ([`Net::record_profile`]).
+    pub fn record_profile(
+        &mut self,
+        x: &[f32],
+        labels: &[u32],
+        steps: usize,
+    ) -> Result<crate::profile::Profile> {
+        on_device!(self, m => m.record_profile(x, labels, steps))
+    }
+
     /// Multiply every gradient by `factor`.
     pub fn scale_grads(&mut self, factor: f32) -> Result<()> {
         self.settle()?;
@@ -643,7 +653,7 @@ mod tests {
         let mut e = Engine::new(Device::Cpu { threads: 1 }, ModelSpec::replay(profile), 7).expect("engine");
         let layout = e.layout().clone();
         assert_eq!(layout.len, 10 + 200 + 600);
-        assert_eq!(layout.backward_order(), vec![600..810, 0..600], "fc2 on top, fc1 below");
+        assert_eq!(layout.backward_order(), vec![800..810, 600..800, 0..600], "fc2 on top, fc1 below");
         assert_eq!(layout.param("fc1.weight").map(|t| t.range.clone()), Some(0..600));
         let (params, grads) = (e.params().expect("params"), e.grads().expect("grads"));
         assert!(grads.iter().all(|g| g.abs() > 0.0 && g.abs() < 1.0), "gradients are drawn once, nonzero");
@@ -651,7 +661,7 @@ mod tests {
         let t0 = std::time::Instant::now();
         e.forward(&[0.0; 8], &[0; 8], true).expect("forward");
         assert!(t0.elapsed() >= std::time::Duration::from_millis(18));
-        let plan = BucketPlan::with_cap(&layout, 1);
+        let plan = BucketPlan::with_cap(&layout, 200);
         let mut seen = Vec::new();
         let t0 = std::time::Instant::now();
         e.backward_buckets(&plan, false, &mut |b| {
@@ -671,6 +681,42 @@ mod tests {
         e.part_update().apply(&SgdConfig::default(), &mut shard, &[1.0; 405], &mut [0.0; 405], 1.0);
         assert!(t0.elapsed() >= ms(2), "half the parameters, half the optimiser's time");
         assert!(shard.iter().all(|&v| v == 1.0));
+    }
+
+    /// A profile measured from a model trained for real replays with the very same layout:
+    /// every tensor at the same place of the flat buffer, the same gradient-ready units.
+    #[test]
+    fn a_recorded_profile_replays_with_the_models_own_layout() {
+        for (name, input) in [
+            ("tiny", crate::model::Input::Flat(32)),
+            ("cnn8", crate::model::Input::Image { channels: 1, height: 8, width: 8 }),
+        ] {
+            let spec = ModelSpec::parse(name).unwrap().fit(input, 8).unwrap();
+            let mut e = Engine::new(Device::Cpu { threads: 1 }, spec, 3).unwrap();
+            let rows = 4;
+            let x: Vec<f32> = (0..rows * input.len()).map(|i| (i as f32 * 0.37).sin()).collect();
+            let p = e.record_profile(&x, &[1, 2, 3, 4], 2).unwrap();
+            assert_eq!(
+                (p.batch, p.estimated, p.layers[0].name.as_str()),
+                (4, false, "loss (softmax cross-entropy)")
+            );
+            assert_eq!(p.parameters(), e.layout().len, "{name}");
+            let (f, b) = p.compute_ns();
+            assert!(f > 0 && b > 0, "{name}: {f} {b}");
+            let replay = Engine::new(Device::Cpu { threads: 1 }, ModelSpec::replay(p), 3).unwrap();
+            let strip = |l: &Layout| {
+                l.params
+                    .iter()
+                    .map(|t| (t.name.clone(), t.shape.clone(), t.range.clone()))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(strip(replay.layout()), strip(e.layout()), "{name}");
+            // The same gradient-ready boundaries, each of the model's a replay's too (a replay
+            // readies a norm's weight and bias as two units, where the model fuses them).
+            let starts = |l: &Layout| l.backward_order().iter().map(|r| r.start).collect::<Vec<_>>();
+            let replayed = starts(replay.layout());
+            assert!(starts(e.layout()).iter().all(|s| replayed.contains(s)), "{name}");
+        }
     }
 
     #[test]

@@ -576,6 +576,23 @@ pub(crate) enum Op {
     Add { other: usize, other_grad: InputGrad },
 }
 
+impl Op {
+    /// What the node is, in a word (a measured profile's name for a layer without parameters).
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            Op::ToChannels { .. } => "to-channels",
+            Op::Linear { .. } => "linear",
+            Op::Conv { .. } => "conv",
+            Op::Norm { .. } => "batch-norm",
+            Op::Relu => "relu",
+            Op::MaxPool { .. } => "max-pool",
+            Op::AvgPool { .. } => "avg-pool",
+            Op::Flatten { .. } => "flatten",
+            Op::Add { .. } => "add",
+        }
+    }
+}
+
 /// One step of the compiled graph: `op` from activation slot `input` to slot `output`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Node {
@@ -712,33 +729,34 @@ pub struct Graph {
 pub(crate) struct ReplayPlan {
     /// Samples per step the times belong to.
     pub(crate) batch: usize,
-    /// Each layer in backward order: forward and backward nanoseconds, and the part of the
-    /// flat buffer whose gradients it makes ready (none for a layer without parameters).
-    pub(crate) layers: Vec<(u64, u64, Option<Range<usize>>)>,
+    /// Each layer in backward order: forward and backward nanoseconds, and the tensors whose
+    /// gradients it makes ready, in that order (descending ranges of the flat buffer).
+    pub(crate) layers: Vec<(u64, u64, Vec<Range<usize>>)>,
     /// The optimiser step, nanoseconds.
     pub(crate) optimizer_ns: u64,
 }
 
 impl Graph {
     /// A replayed model: the tensors laid out so that the first gradient ready is the last in
-    /// the flat buffer (as every model's is), each layer's tensors one gradient-ready unit.
+    /// the flat buffer (as every model's is), each tensor a gradient-ready unit (so buckets
+    /// close where they would in the model itself).
     fn replay(p: &Profile) -> Self {
         let mut params = Vec::new();
         let mut end = p.parameters();
         let mut layers = Vec::new();
         let mut ready = Vec::new();
         for (index, l) in p.layers.iter().enumerate() {
-            let top = end;
+            let mut units = Vec::new();
             for (name, shape) in &l.tensors {
                 let n: usize = shape.iter().product();
                 let fan_in = if shape.len() > 1 { n / shape[0] } else { n };
                 let init = Init::Uniform { bound: 1.0 / (fan_in as f32).sqrt(), layer: index };
                 params.push(Tensor { name: name.clone(), shape: shape.clone(), range: end - n..end, init });
+                units.push(end - n..end);
                 end -= n;
             }
-            let unit = (top > end).then_some(end..top);
-            ready.extend(unit.clone());
-            layers.push((l.forward_ns, l.backward_ns, unit));
+            ready.extend(units.iter().cloned());
+            layers.push((l.forward_ns, l.backward_ns, units));
         }
         params.reverse();
         let len = p.parameters();

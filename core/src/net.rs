@@ -16,6 +16,7 @@ use crate::device::{Backend, ChannelSum, NormConfig, Window};
 use crate::error::{Error, Result};
 use crate::model::{BucketPlan, Graph, InputGrad, Layout, ModelSpec, Node, Op, init_buffers, init_params};
 use crate::optim::SgdConfig;
+use crate::profile::Profile;
 
 /// Sums per-channel batch-norm statistics over the ranks of a synchronised batch norm, in
 /// place (an all-reduce; SyncBatchNorm's): called in forward with each layer's sums of `x`
@@ -104,6 +105,9 @@ pub struct Net<B: Backend> {
     /// Each batch norm's count of values per channel in the last training forward, over every
     /// rank when synchronised (indexed by the start of its saved statistics).
     counts: Vec<usize>,
+    /// While [`Net::record_profile`] measures: each node's nanoseconds, the device synchronised
+    /// around it (forward's nodes then the loss, backward's nodes in reverse).
+    timing: Option<Vec<u64>>,
 }
 
 /// `(&v[read], &mut v[write])` for `read != write`.
@@ -213,6 +217,7 @@ impl<B: Backend> Net<B> {
             loaded: 0,
             batches: 0,
             counts: Vec::new(),
+            timing: None,
         })
     }
 
@@ -335,8 +340,38 @@ impl<B: Backend> Net<B> {
         }
         self.counts.resize(self.graph.saved_len, 0);
         for i in 0..self.graph.nodes.len() {
+            let t = self.tick()?;
             self.forward_node(i, rows, train, sync.as_deref_mut())?;
+            self.tock(t)?;
         }
+        let t = self.tick()?;
+        let out = self.loss(train, rows);
+        self.tock(t)?;
+        out
+    }
+
+    /// With [`Net::timing`] on: the device synchronised, and the moment a node starts.
+    fn tick(&self) -> Result<Option<Instant>> {
+        if self.timing.is_none() {
+            return Ok(None);
+        }
+        self.backend.synchronize()?;
+        Ok(Some(Instant::now()))
+    }
+
+    /// With [`Net::timing`] on: the device synchronised, and the node's time since `t` kept.
+    fn tock(&mut self, t: Option<Instant>) -> Result<()> {
+        if let (Some(t), Some(_)) = (t, &self.timing) {
+            self.backend.synchronize()?;
+            let ns = t.elapsed().as_nanos() as u64;
+            self.timing.as_mut().map(|v| v.push(ns));
+        }
+        Ok(())
+    }
+
+    /// Softmax cross-entropy of the last forward's output, its gradient left for backward when
+    /// training.
+    fn loss(&mut self, train: bool, rows: usize) -> Result<BatchLoss> {
         let last = self.graph.nodes.last().map_or(0, |n| n.output);
         let cols = self.spec.classes();
         let labels = self.labels.as_ref().ok_or_else(|| Error::invalid("labels", "none uploaded"))?;
@@ -487,7 +522,9 @@ impl<B: Backend> Net<B> {
         if rows == 0 {
             return Err(Error::invalid("backward", "no forward pass to differentiate"));
         }
-        let Net { backend, graph, params, grads, saved, acts, dacts, col, ones, sums, counts, .. } = self;
+        let Net {
+            backend, graph, params, grads, saved, acts, dacts, col, ones, sums, counts, timing, ..
+        } = self;
         let mut sink: Sink<'a, '_, B> = Sink {
             buckets: plan.buckets.clone().into_iter().enumerate(),
             rest: Some(B::view_mut(grads, 0..graph.layout.len)),
@@ -499,10 +536,10 @@ impl<B: Backend> Net<B> {
             // has passed since backward began (deadlines, so that a late wake-up is not
             // carried into the layers after it).
             let mut due = Instant::now();
-            for (_, backward_ns, unit) in &r.layers {
+            for (_, backward_ns, units) in &r.layers {
                 due += scaled(*backward_ns, rows, r.batch);
                 wait_until(due);
-                if let Some(unit) = unit {
+                for unit in units {
                     sink.unit(unit.clone(), |_| Ok(()))?;
                 }
             }
@@ -511,9 +548,96 @@ impl<B: Backend> Net<B> {
         let mut parts =
             Parts { backend, graph, params, saved, acts, col, ones, sums, counts, sync, rows, accumulate };
         for node in graph.nodes.iter().rev() {
+            let Some(times) = timing.as_mut() else {
+                parts.backward_node(node, dacts, &mut sink)?;
+                continue;
+            };
+            parts.backend.synchronize()?;
+            let t = Instant::now();
             parts.backward_node(node, dacts, &mut sink)?;
+            parts.backend.synchronize()?;
+            times.push(t.elapsed().as_nanos() as u64);
         }
         Ok(())
+    }
+
+    /// Measure this model's profile on its device: `steps` training steps over `x` and
+    /// `labels` after one warm-up, each node's forward and backward time taken with the device
+    /// synchronised around it, and the optimiser step's; the medians as a [`Profile`] whose
+    /// layers are the graph's nodes in backward order (a layer with parameters named by them,
+    /// its tensors in the order backward readies them), the loss first. What
+    /// `gradsync-bench replay record` writes, so that a replay can be set against the real run.
+    pub fn record_profile(&mut self, x: &[f32], labels: &[u32], steps: usize) -> Result<Profile> {
+        if self.graph.replay.is_some() {
+            return Err(Error::invalid("model", "a replayed model has no compute of its own to measure"));
+        }
+        let plan = BucketPlan::whole(&self.graph.layout);
+        let cfg = SgdConfig::default();
+        self.load_batch(x, labels)?;
+        let mut runs: Vec<(Vec<u64>, Vec<u64>, u64)> = Vec::new();
+        for step in 0..=steps.max(1) {
+            self.timing = Some(Vec::new());
+            self.forward_loaded(true)?;
+            let forward = self.timing.replace(Vec::new()).unwrap_or_default();
+            self.backward(&plan, false, &mut |_, _, _| {})?;
+            let backward = self.timing.take().unwrap_or_default();
+            self.backend.synchronize()?;
+            let t = Instant::now();
+            self.update(&cfg, 1.0)?;
+            self.backend.synchronize()?;
+            if step > 0 {
+                runs.push((forward, backward, t.elapsed().as_nanos() as u64));
+            }
+        }
+        let median = |mut v: Vec<u64>| {
+            v.sort_unstable();
+            v[v.len() / 2]
+        };
+        let nodes = self.graph.nodes.len();
+        let fwd = |i: usize| median(runs.iter().map(|r| r.0[i]).collect());
+        let bwd = |i: usize| median(runs.iter().map(|r| r.1[i]).collect());
+        let layout = &self.graph.layout;
+        let tensor = |r: &Range<usize>| -> Vec<(String, Vec<usize>)> {
+            let within = |t: &&crate::model::Tensor| r.start <= t.range.start && t.range.end <= r.end;
+            layout.params.iter().filter(within).map(|t| (t.name.clone(), t.shape.clone())).collect()
+        };
+        let mut layers = vec![crate::profile::Layer {
+            name: "loss (softmax cross-entropy)".into(),
+            forward_ns: fwd(nodes),
+            backward_ns: 0,
+            tensors: Vec::new(),
+        }];
+        for (k, node) in self.graph.nodes.iter().enumerate().rev() {
+            let tensors: Vec<(String, Vec<usize>)> = match &node.op {
+                Op::Linear { weight, bias, .. } => [tensor(bias), tensor(weight)].concat(),
+                Op::Conv { weight, bias, .. } => {
+                    [bias.as_ref().map(tensor).unwrap_or_default(), tensor(weight)].concat()
+                }
+                // This model's layout keeps a norm's weight below its bias, and readies the
+                // top of the flat buffer first.
+                Op::Norm { params, .. } => tensor(params).into_iter().rev().collect(),
+                _ => Vec::new(),
+            };
+            let name = match tensors.first() {
+                Some((n, _)) => n.rsplit_once('.').map_or(n.as_str(), |(m, _)| m).to_string(),
+                None => format!("{} {k}", node.op.kind()),
+            };
+            layers.push(crate::profile::Layer {
+                name,
+                forward_ns: fwd(k),
+                backward_ns: bwd(nodes - 1 - k),
+                tensors,
+            });
+        }
+        Ok(Profile {
+            model: self.spec.name.clone(),
+            batch: labels.len(),
+            device: self.backend.describe(),
+            estimated: false,
+            layers,
+            optimizer_ns: median(runs.iter().map(|r| r.2).collect()),
+            source: format!("measured by gradsync on {}", self.backend.describe()),
+        })
     }
 
     /// One optimiser step from the gradient buffer, scaled by `grad_scale`.

@@ -281,6 +281,18 @@ fn compare_into(
 /// progress bars, and return its outcome. Only a run directory that cannot be made is an
 /// error; a run that fails is an outcome.
 #[allow(clippy::too_many_arguments)]
+/// User and system CPU seconds of every child process this one has waited for
+/// (`getrusage(RUSAGE_CHILDREN)`), which includes their own waited-for children.
+fn children_cpu_s() -> f64 {
+    // SAFETY: getrusage writes one rusage struct we own; RUSAGE_CHILDREN is always valid.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut u) } != 0 {
+        return 0.0;
+    }
+    let s = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    s(u.ru_utime) + s(u.ru_stime)
+}
+
 pub fn run_spec(
     scenario: &Scenario,
     spec: &scenario::RunSpec,
@@ -294,6 +306,7 @@ pub fn run_spec(
     let rel = format!("runs/{}", spec.id);
     let dir = out.join(&rel);
     let t = Instant::now();
+    let cpu0 = children_cpu_s();
     let skip = spec.skip.clone().or(skip).or_else(|| machine::Machine::memory_short(spec));
     let (status, error) = if let Some(why) = skip {
         ("skipped", Some(why))
@@ -354,6 +367,12 @@ pub fn run_spec(
         status: status.into(),
         error,
         seconds: t.elapsed().as_secs_f64(),
+        // Every process of the run has been waited for (its launcher's ranks by the launcher),
+        // so their CPU time is in this process's account of its children.
+        cpu_busy: (status != "skipped").then(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+            (children_cpu_s() - cpu0) / (t.elapsed().as_secs_f64() * cores).max(1e-9)
+        }),
     };
     let line = format!(
         "{:<44} {:<8} {:>8}{}",

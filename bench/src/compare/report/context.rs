@@ -8,6 +8,15 @@ use crate::compare::cost::Link;
 use crate::compare::machine::{self, Machine};
 use crate::compare::results::{Summary, overlap};
 
+/// The share of the cores a replayed run's processes may keep busy before its figures count as
+/// the CPU's rather than the design's: its compute is waited out, so what keeps the cores busy
+/// is the communication itself, which a saturated CPU slows.
+pub const REPLAY_BUSY: f64 = 0.8;
+
+/// Why a run saturated the CPU, as the readings say it.
+pub const SATURATED: &str =
+    "saturated the CPU (more processes than cores; for a replay, cores over 80% busy)";
+
 /// What a reading says instead of a ranking where a cell ran once.
 pub const UNRANKED: &str = "Not ranked: a cell measured once has no spread to set a difference against (run \
      each cell two or more times, `repeats` in the scenario or `--repeats`).";
@@ -66,9 +75,14 @@ impl<'c, 'a> Context<'c, 'a> {
         self.g.cell_of(r).is_some_and(|c| c.runs.len() > 1)
     }
 
-    /// Whether `r`'s processes (workers and servers) outnumbered the machine's cores, so its
-    /// figures measure the CPU as much as the design. Unknown cores count as not saturated.
+    /// Whether `r` saturated the CPU, so its figures measure the CPU as much as the design:
+    /// its processes (workers and servers) outnumbered the machine's cores (unknown cores
+    /// count as not saturated); or, for a replayed model, whose processes sleep through their
+    /// compute, its processes kept the cores more than [`REPLAY_BUSY`] busy.
     pub fn cpu_saturated(&self, r: &Summary) -> bool {
+        if r.widths.starts_with(gradsync_core::model::REPLAY_TOKEN) {
+            return r.cpu_busy.is_some_and(|b| b > REPLAY_BUSY);
+        }
         self.machine.is_some_and(|m| m.cores > 0 && r.workers + r.shards > m.cores)
     }
 

@@ -1105,11 +1105,12 @@ mod tests {
         assert!(
             v[0].contains("pick ddp-tcp (TCP sockets)")
                 && v[0].contains(
-                    "; ps-bsp k=1 (gRPC over TCP) outnumbered the cores, so it is the only mode left there."
+                    "; ps-bsp k=1 (gRPC over TCP) saturated the CPU (more processes than cores; for a replay, cores \
+                     over 80% busy), so it is the only mode left there."
                 ),
             "{v:?}"
         );
-        assert!(v[2].contains("and 2 run(s) whose processes outnumbered the cores decide nothing"), "{v:?}");
+        assert!(v[2].contains("and 2 run(s) that saturated the CPU (more processes than cores"), "{v:?}");
     }
 
     /// The parameter server leads at 2 workers, the ring at 8: the pick is made at 8 and the
@@ -1137,7 +1138,10 @@ mod tests {
         let v = verdict_of(rows, Some(&small));
         assert!(v[0].contains("pick ps-bsp k=1 (gRPC over TCP): at 2 workers"), "{v:?}");
         assert!(!v[1].contains("leader changes") && v[1].starts_with("By the cost model"), "{v:?}");
-        assert!(v[2].contains("and 4 run(s) whose processes outnumbered the cores decide nothing"), "{v:?}");
+        assert!(
+            v[2].contains("and 4 run(s) that saturated the CPU") && v[2].contains("decide nothing"),
+            "{v:?}"
+        );
     }
 }
 

@@ -38,7 +38,7 @@ fn regime(compute: f64, comm: f64) -> String {
 
 /// At the largest worker count: each synchronising mode's compute per step against its
 /// communication, measured and modelled, and the regime that puts it in. A run whose processes
-/// outnumbered the cores is left out (its compute measures the crowding), and named.
+/// saturated the CPU is left out (its compute measures the crowding), and named.
 pub fn compute_against_communication(cx: &Context) -> Vec<String> {
     let Some(n) = cx.most_workers().filter(|&n| n > 1) else { return Vec::new() };
     let s = cx.g.grad_bytes();
@@ -66,7 +66,7 @@ pub fn compute_against_communication(cx: &Context) -> Vec<String> {
     let left_out = if crowded.is_empty() {
         String::new()
     } else {
-        format!(" ({} left out: their processes outnumbered the cores)", crowded.join(", "))
+        format!(" ({} left out: they {})", crowded.join(", "), super::context::SATURATED)
     };
     vec![format!(
         "Compute against communication per step at {n} workers ({:.1} MB of gradients in {}): {}{left_out}.",
@@ -214,7 +214,7 @@ fn standing(cx: &Context, widths: &str, link: &str, n: usize) -> Option<Standing
 /// Where the scenario trained more than one model: at this group's largest worker count, the
 /// ring's standing against the parameter server for each model beside the ring's share of
 /// communication in its step, and whether the ring's lead follows that share. Runs whose
-/// processes outnumbered the cores take no part.
+/// saturated the CPU take no part.
 pub fn across_models(cx: &Context) -> Vec<String> {
     let Some(n) = cx.most_workers().filter(|&n| n > 1) else { return Vec::new() };
     let mut models: Vec<&str> =
@@ -357,10 +357,41 @@ mod tests {
                     .contains("ddp-tcp (TCP sockets) computes 160.0 ms and communicates 92.0 ms measured")
                 && !said[0].contains("ps-bsp k=1 (gRPC over TCP) computes")
                 && said[0]
-                    .contains("(ps-bsp k=1 (gRPC over TCP) left out: their processes outnumbered the cores)"),
+                    .contains("(ps-bsp k=1 (gRPC over TCP) left out: they saturated the CPU (more processes"),
             "{said:?}"
         );
         assert_eq!(standing(&cx, "vgg11:3x32x32-10", "", 2), None);
+    }
+
+    /// A replay's processes sleep through their compute: more of them than cores saturates
+    /// nothing, while cores kept over 80% busy (by its communication) do, whatever the count.
+    /// Its group opens by saying what a replay is and how early its bytes are ready.
+    #[test]
+    fn a_replay_is_saturated_by_busy_cores_not_by_process_count() {
+        let vgg = gradsync_core::model::ModelSpec::parse("vgg16").unwrap().widths_str();
+        let rows = |busy: f64| {
+            vec![
+                Summary { cpu_busy: Some(busy), ..row(&vgg, "ddp-tcp", 0, 77.0, 16.0, 92.0) },
+                Summary { cpu_busy: Some(busy), ..row(&vgg, "ps-bsp", 1, 60.0, 16.0, 111.0) },
+            ]
+        };
+        let small = crate::compare::machine::Machine { cores: 2, ..Default::default() };
+        for (busy, saturated) in [(0.5, false), (0.9, true)] {
+            let all = rows(busy);
+            let c = Collected { cells: Cell::all(&all), summaries: all, ..Collected::default() };
+            let g = &groups(&c)[0];
+            let cx = Context::new(g, None, Some(&small), &c.summaries);
+            assert!(g.rows.iter().all(|r| cx.cpu_saturated(r) == saturated), "busy {busy}");
+            let said = replay(&cx).join(" ");
+            assert!(
+                said.contains("vgg16 (replay) is replayed, its compute estimated from each layer's FLOPs")
+                    && said.contains("Speed only")
+                    && said.contains(
+                        "Half of its 553.4 MB of gradients is ready 1% of the way through backward"
+                    ),
+                "{said}"
+            );
+        }
     }
 
     #[test]

@@ -136,8 +136,9 @@ fn pick(cx: &Context) -> (String, Option<usize>) {
                     ", the only mode measured there".to_string()
                 } else {
                     format!(
-                        "; {} outnumbered the cores, so it is the only mode left there",
-                        crowded.join(" and ")
+                        "; {} {}, so it is the only mode left there",
+                        crowded.join(" and "),
+                        super::context::SATURATED
                     )
                 };
                 let vs = next.map_or(alone, |x| {
@@ -173,7 +174,10 @@ fn pick(cx: &Context) -> (String, Option<usize>) {
                 why_not.get_or_insert(format!("at {at} a cell that could decide ran once, with no spread to compare (run two or more repeats)"));
             }
             Standing::Saturated => {
-                why_not.get_or_insert(format!("at {at} the processes outnumbered the cores, so the figures measure the CPU, not the design"));
+                why_not.get_or_insert(format!(
+                    "at {at} the runs {}, so the figures measure the CPU, not the design",
+                    super::context::SATURATED
+                ));
             }
             Standing::Nothing => {}
         }
@@ -262,7 +266,7 @@ fn sureness(cx: &Context, at: Option<usize>) -> Option<String> {
         left.push(format!("{unfinished} run(s) that failed, diverged or stopped early"));
     }
     if saturated > 0 {
-        left.push(format!("{saturated} run(s) whose processes outnumbered the cores"));
+        left.push(format!("{saturated} run(s) that {}", super::context::SATURATED));
     }
     let at = workers(n);
     let repeats = if lo == hi { format!("{lo}") } else { format!("{lo} to {hi}") };

@@ -35,6 +35,7 @@ pub fn collect(roots: &[PathBuf], target: Option<f64>) -> anyhow::Result<Collect
     for s in summaries.iter_mut() {
         if let Some(o) = out.outcomes.iter().find(|o| o.id == s.id) {
             s.status = o.status.clone();
+            s.cpu_busy = o.cpu_busy;
             s.error = o.error.clone().unwrap_or_default();
             s.repeat = o.repeat;
         }

@@ -86,6 +86,10 @@ pub struct Outcome {
     pub error: Option<String>,
     /// Seconds the run took, processes' start-up included.
     pub seconds: f64,
+    /// CPU time of all its processes over the time its cores offered (wall seconds times
+    /// cores): how busy the machine was, from the processes' own accounting.
+    #[serde(default)]
+    pub cpu_busy: Option<f64>,
 }
 
 /// The metrics of one run: its worker files and its server files.
@@ -258,6 +262,9 @@ pub struct Summary {
     /// `cluster.json` records it); empty on loopback. Runs on different links are never
     /// repeats of one cell.
     pub link: String,
+    /// How busy the machine's cores were over the run ([`Outcome::cpu_busy`]), where its
+    /// runner measured it.
+    pub cpu_busy: Option<f64>,
 }
 
 fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
@@ -318,7 +325,13 @@ impl Summary {
             mode: run.mode.label().into(),
             workers: run.world(),
             shards: run.shards(),
-            model: h.preset.clone(),
+            // A replay of a model is another row than the model trained for real, even under
+            // the same name.
+            model: if h.widths.starts_with(gradsync_core::model::REPLAY_TOKEN) {
+                gradsync_core::model::label_of(&h.widths)
+            } else {
+                h.preset.clone()
+            },
             widths: h.widths.clone(),
             params: h.params,
             global_batch: h.global_batch,
@@ -361,6 +374,7 @@ impl Summary {
             samples_to_target: reached.map(|p| p.samples),
             epochs_to_target: reached.map(|p| p.epoch),
             link: String::new(),
+            cpu_busy: None,
         }
     }
 
