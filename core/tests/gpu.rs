@@ -1171,3 +1171,64 @@ fn a_folder_with_cublas_and_no_cublaslt_is_refused_by_name() -> Result<()> {
         Ok(())
     })
 }
+
+/// A replayed model on every device: its buckets come out last layer first, hold the same
+/// drawn gradients on the GPU (staged through pinned memory) as on the CPU, and a value a
+/// communicator wrote and finished comes back into the engine's gradients.
+#[test]
+fn a_replayed_model_hands_out_the_same_gradients_on_every_device() -> Result<()> {
+    use gradsync_core::profile::{Layer, Profile};
+    let t = |name: &str, shape: &[usize]| (name.to_string(), shape.to_vec());
+    let layer =
+        |name: &str, tensors| Layer { name: name.into(), forward_ns: 100_000, backward_ns: 200_000, tensors };
+    let profile = Profile {
+        model: "toy".into(),
+        batch: 8,
+        device: "test".into(),
+        estimated: false,
+        layers: vec![
+            layer("fc2", vec![t("fc2.bias", &[10]), t("fc2.weight", &[10, 300])]),
+            layer("fc1", vec![t("fc1.bias", &[300]), t("fc1.weight", &[300, 129])]),
+        ],
+        optimizer_ns: 50_000,
+        source: "test".into(),
+    };
+    let mut seen: Vec<(Vec<Range<usize>>, Vec<f32>)> = Vec::new();
+    // A replay computes nothing on the device: what it does there is copies (the drawn
+    // gradients in, each bucket out to pinned memory and its finished part back).
+    let mut devices = vec![Device::Cpu { threads: 2 }];
+    let copies = |c: &Counters| assert!(c.host_copies >= 5 && c.launches == 0 && c.gemms == 0, "{c}");
+    if let Some(ordinal) =
+        gpu_or_skip("a_replayed_model_hands_out_the_same_gradients_on_every_device", copies)
+    {
+        devices.push(Device::Cuda { ordinal });
+    }
+    for device in devices {
+        let mut e = Engine::new(device, ModelSpec::replay(profile.clone()), 5)?;
+        let n = e.layout().len;
+        let plan = BucketPlan::with_cap(e.layout(), 3000);
+        e.forward(&[0.0; 8], &[0; 8], true)?;
+        let (mut ranges, mut got) = (Vec::new(), vec![0.0f32; n]);
+        e.backward_buckets(&plan, false, &mut |b| {
+            let mut h = b.into_host().expect("host");
+            let r = h.range.clone();
+            let v = h.values().expect("values");
+            got[r.clone()].copy_from_slice(v);
+            v[0] = 7.0;
+            ranges.push(r);
+            h.finish(0..1).expect("finish");
+        })?;
+        e.synchronize()?;
+        let after = e.grads()?;
+        for r in &ranges {
+            assert_eq!(after[r.start], 7.0, "{}: a finished value did not come back", e.describe());
+        }
+        seen.push((ranges, got));
+    }
+    for (ranges, got) in &seen[1..] {
+        assert_eq!(ranges, &seen[0].0);
+        assert_eq!(got, &seen[0].1, "the GPU's replayed gradients are not the CPU's");
+    }
+    assert!(seen[0].0.windows(2).all(|w| w[0].start > w[1].start), "last layer first: {:?}", seen[0].0);
+    Ok(())
+}
