@@ -364,7 +364,9 @@ impl<B: Backend> Net<B> {
         if let (Some(t), Some(_)) = (t, &self.timing) {
             self.backend.synchronize()?;
             let ns = t.elapsed().as_nanos() as u64;
-            self.timing.as_mut().map(|v| v.push(ns));
+            if let Some(v) = self.timing.as_mut() {
+                v.push(ns);
+            }
         }
         Ok(())
     }

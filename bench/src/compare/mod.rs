@@ -276,11 +276,6 @@ fn compare_into(
     Ok(outcomes)
 }
 
-/// Run one cell of the matrix into `out/runs/<id>` with its processes placed by `placement`
-/// (unless `skip` or the spec's own skip says why it cannot run), print its line above the
-/// progress bars, and return its outcome. Only a run directory that cannot be made is an
-/// error; a run that fails is an outcome.
-#[allow(clippy::too_many_arguments)]
 /// User and system CPU seconds of every child process this one has waited for
 /// (`getrusage(RUSAGE_CHILDREN)`), which includes their own waited-for children.
 fn children_cpu_s() -> f64 {
@@ -293,6 +288,11 @@ fn children_cpu_s() -> f64 {
     s(u.ru_utime) + s(u.ru_stime)
 }
 
+/// Run one cell of the matrix into `out/runs/<id>` with its processes placed by `placement`
+/// (unless `skip` or the spec's own skip says why it cannot run), print its line above the
+/// progress bars, and return its outcome. Only a run directory that cannot be made is an
+/// error; a run that fails is an outcome.
+#[allow(clippy::too_many_arguments)]
 pub fn run_spec(
     scenario: &Scenario,
     spec: &scenario::RunSpec,
