@@ -236,12 +236,13 @@ pub fn across_models(cx: &Context) -> Vec<String> {
     let listed: Vec<String> = st
         .iter()
         .map(|s| {
-            format!(
-                "{} ring/PS = {:.2}, the ring communicating {:.0}% of its compute",
-                s.model,
-                s.ring_over_ps,
-                100.0 * s.comm_share
-            )
+            // Under its compute as a share; above it as a multiple ("149x", not "14894%").
+            let share = if s.comm_share < 1.0 {
+                format!("{:.0}% of its compute", 100.0 * s.comm_share)
+            } else {
+                format!("{:.1}x its compute", s.comm_share)
+            };
+            format!("{} ring/PS = {:.2}, the ring communicating {share}", s.model, s.ring_over_ps)
         })
         .collect();
     let follows = st.windows(2).all(|w| w[1].ring_over_ps >= w[0].ring_over_ps);
@@ -336,6 +337,42 @@ mod tests {
         assert!(once.len() == 1 && once[0].contains("no direction is read from them"), "{once:?}");
         let twice = said(2);
         assert!(twice.len() == 1 && twice[0].contains("the further the ring leads"), "{twice:?}");
+        // vgg11's ring communicates 92 ms of 160: a share; resnet18's 38 of 380: a share too.
+        assert!(
+            twice[0].contains("57% of its compute") && twice[0].contains("10% of its compute"),
+            "{twice:?}"
+        );
+    }
+
+    /// A replayed VGG-16's ring once read "communicating 45505% of its compute": above its
+    /// compute, communication is said as a multiple.
+    #[test]
+    fn communication_above_compute_reads_as_a_multiple() {
+        let all: Vec<Summary> = (0..2)
+            .flat_map(|k| {
+                [
+                    row("resnet18:3x32x32-10", "ddp-tcp", 0, 41.0, 10.0, 1489.0),
+                    row("resnet18:3x32x32-10", "ps-bsp", 1, 48.0, 10.0, 925.0),
+                    row("vgg11:3x32x32-10", "ddp-tcp", 0, 36.0, 15.8, 7169.0),
+                    row("vgg11:3x32x32-10", "ps-bsp", 1, 45.0, 15.8, 4899.0),
+                ]
+                .into_iter()
+                .map(move |r| Summary {
+                    id: format!("{}-{}-r{k}", r.widths, r.mode),
+                    model: r.widths.split(':').next().unwrap_or_default().into(),
+                    repeat: k,
+                    ..r
+                })
+            })
+            .collect();
+        let c = Collected { cells: Cell::all(&all), summaries: all, ..Collected::default() };
+        let said: Vec<String> = groups(&c)
+            .iter()
+            .flat_map(|g| across_models(&Context::new(g, None, None, &c.summaries)))
+            .collect();
+        assert!(said.len() == 1, "{said:?}");
+        assert!(said[0].contains("148.9x its compute") && said[0].contains("453.7x its compute"), "{said:?}");
+        assert!(!said[0].contains('%'), "{said:?}");
     }
 
     /// On 2 cores a parameter server's 2 workers and its server crowd the machine: its runs
