@@ -37,14 +37,7 @@ class Net(nn.Module):
 #[test]
 fn a_measured_pytorch_module_replays() {
     const TEST: &str = "a_measured_pytorch_module_replays";
-    let python = match gradsync_testkit::torch_python() {
-        Ok(p) => p,
-        Err(e) if !gradsync_testkit::in_ci() => {
-            eprintln!("SKIPPED (no Python with torch: {e}) [{TEST}]");
-            return;
-        }
-        Err(e) => panic!("CI must run the profile exporter, but PyTorch cannot be had: {e}"),
-    };
+    let Some(python) = gradsync_testkit::torch_python_or_skip(TEST) else { return };
     let dir = gradsync_testkit::Scratch::new("profile-model");
     let module = dir.join("net.py");
     std::fs::write(&module, MODULE).unwrap();

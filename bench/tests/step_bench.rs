@@ -157,13 +157,9 @@ fn a_pytorch_row_computed_in_tf32_fails_the_run() {
 /// of one process, in FP32.
 #[test]
 fn the_pytorch_script_serves_requests_in_fp32() {
-    let python = match gradsync_testkit::torch_python() {
-        Ok(p) => p,
-        Err(e) if !gradsync_testkit::in_ci() => {
-            eprintln!("SKIPPED (no Python with torch: {e}) [the_pytorch_script_serves_requests_in_fp32]");
-            return;
-        }
-        Err(e) => panic!("CI must run the PyTorch step script, but PyTorch cannot be had: {e}"),
+    let Some(python) = gradsync_testkit::torch_python_or_skip("the_pytorch_script_serves_requests_in_fp32")
+    else {
+        return;
     };
     let dir = gradsync_testkit::Scratch::new("step-real-script");
     let json = dir.join("rows.jsonl");

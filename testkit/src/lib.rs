@@ -204,6 +204,19 @@ pub fn in_ci() -> bool {
     std::env::var_os("CI").is_some_and(|v| !v.is_empty() && v != "false" && v != "0")
 }
 
+/// A Python with PyTorch for `test` ([`torch_python`]); where none can be had, `None` after
+/// printing `SKIPPED` with the reason, or, under CI, a panic: CI must run what needs it.
+pub fn torch_python_or_skip(test: &str) -> Option<std::path::PathBuf> {
+    match torch_python() {
+        Ok(p) => Some(p),
+        Err(e) if !in_ci() => {
+            eprintln!("SKIPPED (no Python with torch: {e}) [{test}]");
+            None
+        }
+        Err(e) => panic!("{test}: CI must run this with PyTorch, but PyTorch cannot be had: {e}"),
+    }
+}
+
 /// Decide how the GPU test `test` (its exact name as the test harness lists it, e.g.
 /// `cpu_and_gpu_agree_on_tiny` or `device::cuda::tests::kernels_compile`) runs:
 /// - in the child started below, or on a machine with a real GPU: [`GpuRun::Here`];

@@ -63,6 +63,18 @@ fn edited_since_built(bin: &Path, deps: &Path, target: &Path) -> Option<PathBuf>
         .map(Path::to_path_buf)
 }
 
+/// A command for `program` outside any distributed run: the variables torchrun and Slurm set
+/// (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) removed, so that a test's process takes
+/// its rank and world from its flags alone whatever environment the tests run in; stdin closed.
+pub fn isolated(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut cmd = Command::new(program);
+    for var in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+        cmd.env_remove(var);
+    }
+    cmd.stdin(std::process::Stdio::null());
+    cmd
+}
+
 /// The directory holding the workspace's binaries, each checked by [`binary`]: what a
 /// runner that starts workers and servers by path (`gradsync-bench compare --bin-dir`) needs.
 pub fn bin_dir() -> PathBuf {

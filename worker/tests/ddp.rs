@@ -20,13 +20,8 @@ const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
 /// A worker process, killed if the test ends early.
 fn spawn(args: &[&str]) -> Proc {
     Proc::adopt(
-        Command::new(WORKER)
+        gradsync_testkit::process::isolated(WORKER)
             .args(args)
-            .env_remove("RANK")
-            .env_remove("WORLD_SIZE")
-            .env_remove("MASTER_ADDR")
-            .env_remove("MASTER_PORT")
-            .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

@@ -299,14 +299,10 @@ fn ddp_rank_sigkill_over_shared_memory_fails_the_others_naming_it() {
 
 #[test]
 fn launcher_stops_the_ring_when_a_rank_is_sigkilled() {
-    let mut cmd = Command::new(WORKER);
+    let mut cmd = gradsync_testkit::process::isolated(WORKER);
     cmd.args(["launch", "--nproc-per-node", "3", "--master-port", "0", "--"])
         .args(ddp_args(200))
         .args(["--slow-rank", "1:50"])
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env_remove("MASTER_ADDR")
-        .env_remove("MASTER_PORT")
         .stdout(Stdio::null());
     let mut launcher = Proc::spawn(&mut cmd);
     // Rank 0's progress comes through the launcher's stderr, prefixed with its rank.

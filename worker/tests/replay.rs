@@ -40,20 +40,27 @@ fn profile(dir: &Path) -> String {
     format!("profile:{}", path.display())
 }
 
-fn worker(args: &[&str]) -> Command {
-    let mut cmd = Command::new(WORKER);
-    cmd.args(args)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env_remove("MASTER_ADDR")
-        .env_remove("MASTER_PORT")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null());
+fn worker(args: &[impl AsRef<std::ffi::OsStr>]) -> Command {
+    let mut cmd = gradsync_testkit::process::isolated(WORKER);
+    cmd.args(args).stdout(Stdio::null());
     cmd
 }
 
+/// `train` of `model` for `steps` on one CPU thread, then `extra`; under `launch` with two
+/// ranks when `launched`.
+fn train(launched: bool, model: &str, steps: &str, extra: &[&str]) -> Vec<String> {
+    let launch: &[&str] =
+        if launched { &["launch", "--nproc-per-node", "2", "--master-port", "0", "--"] } else { &[] };
+    launch
+        .iter()
+        .chain(&["train", "--model", model, "--steps", steps, "--device", "cpu", "--threads", "1"])
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect()
+}
+
 /// Run to completion; returns the exit code and stderr.
-fn run(args: &[&str]) -> (i32, String) {
+fn run(args: &[impl AsRef<std::ffi::OsStr>]) -> (i32, String) {
     let mut p = Proc::spawn(&mut worker(args));
     let (code, err, _) = p.finish(Duration::from_secs(120));
     (code, err)
@@ -78,17 +85,7 @@ fn a_replayed_run_says_so_and_reports_no_accuracy() {
     let dir = Scratch::new("replay-local");
     let model = profile(dir.path());
     let m = dir.path().join("m.jsonl");
-    let (code, err) = run(&[
-        "train",
-        "--model",
-        &model,
-        "--steps",
-        "4",
-        "--device",
-        "cpu",
-        "--metrics",
-        m.to_str().unwrap(),
-    ]);
+    let (code, err) = run(&train(false, &model, "4", &["--metrics", m.to_str().unwrap()]));
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("replay of two-layer") && err.contains("speed only, no accuracy"), "{err}");
     let (extra, steps) = metrics(&m);
@@ -103,19 +100,7 @@ fn a_replayed_run_says_so_and_reports_no_accuracy() {
     assert!(steps.iter().all(|s| s.forward_ms >= 0.6 && s.backward_ms >= 1.2), "{steps:?}");
 
     // Another batch scales the times and makes them an estimate.
-    let (code, err) = run(&[
-        "train",
-        "--model",
-        &model,
-        "--steps",
-        "2",
-        "--batch",
-        "16",
-        "--device",
-        "cpu",
-        "--metrics",
-        m.to_str().unwrap(),
-    ]);
+    let (code, err) = run(&train(false, &model, "2", &["--batch", "16", "--metrics", m.to_str().unwrap()]));
     assert_eq!(code, 0, "{err}");
     let (extra, _) = metrics(&m);
     assert_eq!(extra["replay"]["estimated"], true);
@@ -138,13 +123,7 @@ fn every_mode_replays_a_profile() {
     ];
     for mode in modes {
         let launched = !mode.contains(&"local") && !mode.contains(&"dp");
-        let mut args: Vec<&str> = Vec::new();
-        if launched {
-            args.extend(["launch", "--nproc-per-node", "2", "--master-port", "0", "--"]);
-        }
-        args.extend(["train", "--model", &model, "--steps", "3", "--device", "cpu", "--threads", "1"]);
-        args.extend(mode.iter());
-        let (code, err) = run(&args);
+        let (code, err) = run(&train(launched, &model, "3", mode));
         assert_eq!(code, 0, "{mode:?}: {err}");
         assert!(err.contains("3 steps in") && err.contains("replay: speed only"), "{mode:?}: {err}");
     }
@@ -155,27 +134,7 @@ fn the_ring_moves_the_profiles_bytes() {
     let dir = Scratch::new("replay-ddp");
     let model = profile(dir.path());
     let m = dir.path().join("ddp-{rank}.jsonl");
-    let (code, err) = run(&[
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        "0",
-        "--",
-        "train",
-        "--mode",
-        "ddp",
-        "--model",
-        &model,
-        "--steps",
-        "3",
-        "--device",
-        "cpu",
-        "--threads",
-        "1",
-        "--metrics",
-        m.to_str().unwrap(),
-    ]);
+    let (code, err) = run(&train(true, &model, "3", &["--mode", "ddp", "--metrics", m.to_str().unwrap()]));
     assert_eq!(code, 0, "{err}");
     for rank in 0..2 {
         let (_, steps) = metrics(&dir.path().join(format!("ddp-{rank}.jsonl")));
@@ -198,29 +157,15 @@ fn the_parameter_server_moves_the_profiles_bytes() {
     let procs: Vec<Proc> = (0..2)
         .map(|r| {
             let m = dir.path().join(format!("ps-{r}.jsonl"));
-            Proc::spawn(&mut worker(&[
-                "train",
-                "--mode",
-                "ps",
-                "--servers",
-                &addr,
-                "--model",
+            let (rank, m) = (r.to_string(), m.to_str().unwrap().to_string());
+            let extra =
+                ["--mode", "ps", "--servers", &addr, "--rank", &rank, "--world-size", "2", "--metrics", &m];
+            Proc::spawn(&mut worker(&train(
+                false,
                 &model,
-                "--steps",
                 "3",
-                "--device",
-                "cpu",
-                "--threads",
-                "1",
-                "--rank",
-                &r.to_string(),
-                "--world-size",
-                "2",
-                "--rpc-timeout",
-                "30",
-                "--metrics",
-                m.to_str().unwrap(),
-            ]))
+                &[&extra[..], &["--rpc-timeout", "30"]].concat(),
+            )))
         })
         .collect();
     for mut p in procs {

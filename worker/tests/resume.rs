@@ -17,14 +17,8 @@ const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
 const STEPS: &str = "40";
 
 fn worker(args: &[String]) -> Command {
-    let mut cmd = Command::new(WORKER);
-    cmd.args(args)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env_remove("MASTER_ADDR")
-        .env_remove("MASTER_PORT")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null());
+    let mut cmd = gradsync_testkit::process::isolated(WORKER);
+    cmd.args(args).stdout(Stdio::null());
     cmd
 }
 
