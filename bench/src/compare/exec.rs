@@ -164,6 +164,17 @@ impl Drop for Guard {
     }
 }
 
+/// How a run ended, and how busy the machine's cores were while its steps ran.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finished {
+    /// How it ended.
+    pub ended: Ended,
+    /// The share of the cores busy from rank 0's first step to the end of its last (the
+    /// start-up and the first step, allocation and connection set-up, left out); none when
+    /// that window was too short to measure.
+    pub cpu_busy: Option<f64>,
+}
+
 /// Start the plan's processes and wait for them. `timeout` fails the run; `budget` stops it
 /// early and keeps it. `bar` follows rank 0's steps.
 pub fn execute(
@@ -173,7 +184,7 @@ pub fn execute(
     budget: Option<Duration>,
     stop_at: Option<f64>,
     bar: &ProgressBar,
-) -> anyhow::Result<Ended> {
+) -> anyhow::Result<Finished> {
     let logs = dir.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let start = Instant::now();
@@ -193,9 +204,14 @@ pub fn execute(
     }
     let mut follow = rank0.map(StepCounter::new);
     let mut ended = Ended::Finished;
+    // The machine's CPU from rank 0's first finished step on.
+    let mut steady: Option<(u64, u64)> = None;
     loop {
         if let Some(c) = follow.as_mut() {
             bar.set_position(c.count());
+            if steady.is_none() && c.count() >= 1 {
+                steady = super::machine::cpu_ticks();
+            }
             if stop_at.is_some_and(|t| c.best_accuracy >= t) && ended == Ended::Finished {
                 ended = Ended::Target;
                 workers.iter_mut().for_each(Guard::terminate);
@@ -206,7 +222,7 @@ pub fn execute(
             for g in workers.iter_mut().chain(servers.iter_mut()) {
                 g.reap(TERM_GRACE);
             }
-            return Ok(Ended::Interrupted);
+            return Ok(Finished { ended: Ended::Interrupted, cpu_busy: None });
         }
         if let Some(i) = workers.iter_mut().position(|w| w.poll().is_some_and(|st| !st.success()))
             && ended == Ended::Finished
@@ -218,7 +234,8 @@ pub fn execute(
                 std::thread::sleep(Duration::from_millis(20));
             }
             if let Some(d) = workers.iter().find(|w| w.done.and_then(|s| s.code()) == Some(EXIT_DIVERGED)) {
-                return Ok(Ended::Diverged(format!("{}: {}", d.name, d.log_tail())));
+                let why = format!("{}: {}", d.name, d.log_tail());
+                return Ok(Finished { ended: Ended::Diverged(why), cpu_busy: None });
             }
             let w = &workers[i];
             let st = w.done.map(|s| s.to_string()).unwrap_or_default();
@@ -248,6 +265,11 @@ pub fn execute(
     if let Some(c) = follow.as_mut() {
         bar.set_position(c.count());
     }
+    // Half a second of the machine's ticks (its cores together) at the least.
+    let ticks_per_s = 100 * std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    let cpu_busy = steady
+        .zip(super::machine::cpu_ticks())
+        .and_then(|(a, b)| super::machine::busy_between(a, b, ticks_per_s / 2));
     for s in servers.iter_mut() {
         s.terminate();
     }
@@ -262,7 +284,7 @@ pub fn execute(
             ),
         }
     }
-    Ok(ended)
+    Ok(Finished { ended, cpu_busy })
 }
 
 /// Read the server's stdout until its `gradsync-server listening on ADDR` line; a reader

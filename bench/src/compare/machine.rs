@@ -234,6 +234,25 @@ pub fn gpus() -> Vec<String> {
     out.lines().map(|l| l.trim().to_string()).filter(|l| !l.is_empty()).collect()
 }
 
+/// The machine's CPU time so far, from `/proc/stat`'s first line: (busy, total) in clock ticks,
+/// busy being all but idle and iowait. Two readings make the share of the cores busy between
+/// them, whatever kept them busy.
+pub fn cpu_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().next()?.strip_prefix("cpu ")?;
+    let v: Vec<u64> = line.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    let total: u64 = v.iter().take(8).sum();
+    let idle = v.get(3)? + v.get(4).copied().unwrap_or(0);
+    Some((total - idle, total))
+}
+
+/// The share of the cores busy between two [`cpu_ticks`] readings; `None` for a window of
+/// under `min_ticks` (too short to say).
+pub fn busy_between(a: (u64, u64), b: (u64, u64), min_ticks: u64) -> Option<f64> {
+    let total = b.1.checked_sub(a.1)?;
+    (total >= min_ticks.max(1)).then(|| b.0.saturating_sub(a.0) as f64 / total as f64)
+}
+
 /// Bytes a run of `mode` holds at most, all processes together, for a model of `params`
 /// f32 parameters (S bytes): each training process its parameters, gradients and momentum,
 /// and one more S of communication buffers for a ring; DP its replicas' parameters and
@@ -268,6 +287,16 @@ mod tests {
         assert_eq!(with_gpus(1).cannot_run(ModeKind::DdpNccl, 1), None);
         assert_eq!(with_gpus(4).cannot_run(ModeKind::DdpNccl, 4), None);
         assert_eq!(with_gpus(0).cannot_run(ModeKind::DdpTcp, 8), None);
+    }
+
+    /// The busy share between two readings of `/proc/stat`, and none over too short a window.
+    #[test]
+    fn cpu_readings_give_the_busy_share() {
+        assert_eq!(busy_between((100, 1000), (250, 1200), 50), Some(0.75));
+        assert_eq!(busy_between((100, 1000), (110, 1020), 50), None);
+        assert_eq!(busy_between((100, 1000), (90, 900), 1), None);
+        let (busy, total) = cpu_ticks().expect("/proc/stat");
+        assert!(busy <= total && total > 0);
     }
 
     /// Eight DDP ranks of VGG-16 (553 MB of parameters) need 17.7 GB, whatever they compress;

@@ -308,6 +308,7 @@ pub fn run_spec(
     let t = Instant::now();
     let cpu0 = children_cpu_s();
     let skip = spec.skip.clone().or(skip).or_else(|| machine::Machine::memory_short(spec));
+    let mut steady_busy = None;
     let (status, error) = if let Some(why) = skip {
         ("skipped", Some(why))
     } else {
@@ -344,7 +345,8 @@ pub fn run_spec(
         });
         bar.finish_and_clear();
         multi.remove(&bar);
-        match result {
+        steady_busy = result.as_ref().ok().and_then(|f| f.cpu_busy);
+        match result.map(|f| f.ended) {
             Ok(exec::Ended::Finished) => ("ok", None),
             Ok(exec::Ended::TimeBudget) => {
                 ("stopped", Some(format!("time budget of {:?} s", scenario.time_s)))
@@ -367,11 +369,15 @@ pub fn run_spec(
         status: status.into(),
         error,
         seconds: t.elapsed().as_secs_f64(),
-        // Every process of the run has been waited for (its launcher's ranks by the launcher),
-        // so their CPU time is in this process's account of its children.
-        cpu_busy: (status != "skipped").then(|| {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-            (children_cpu_s() - cpu0) / (t.elapsed().as_secs_f64() * cores).max(1e-9)
+        // The machine's cores while the steps ran; for a run too short to measure so, its
+        // processes' own CPU time over the whole run (every process has been waited for, its
+        // launcher's ranks by the launcher, so it is in this process's account of its
+        // children), start-up included.
+        cpu_busy: steady_busy.or_else(|| {
+            (status != "skipped").then(|| {
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+                (children_cpu_s() - cpu0) / (t.elapsed().as_secs_f64() * cores).max(1e-9)
+            })
         }),
     };
     let line = format!(

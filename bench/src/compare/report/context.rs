@@ -78,7 +78,7 @@ impl<'c, 'a> Context<'c, 'a> {
     /// Whether `r` saturated the CPU, so its figures measure the CPU as much as the design:
     /// its processes (workers and servers) outnumbered the machine's cores (unknown cores
     /// count as not saturated); or, for a replayed model, whose processes sleep through their
-    /// compute, its processes kept the cores more than [`REPLAY_BUSY`] busy.
+    /// compute, the cores were more than [`REPLAY_BUSY`] busy while its steps ran.
     pub fn cpu_saturated(&self, r: &Summary) -> bool {
         if r.widths.starts_with(gradsync_core::model::REPLAY_TOKEN) {
             return r.cpu_busy.is_some_and(|b| b > REPLAY_BUSY);

@@ -86,8 +86,9 @@ pub struct Outcome {
     pub error: Option<String>,
     /// Seconds the run took, processes' start-up included.
     pub seconds: f64,
-    /// CPU time of all its processes over the time its cores offered (wall seconds times
-    /// cores): how busy the machine was, from the processes' own accounting.
+    /// How busy the machine's cores were while its steps ran (from rank 0's first step to the
+    /// end; `/proc/stat`), or, for a run too short for that, its processes' CPU time over the
+    /// whole run's wall time times the cores.
     #[serde(default)]
     pub cpu_busy: Option<f64>,
 }
@@ -522,6 +523,7 @@ impl Cell {
                         None
                     },
                     epochs_to_target: if most { med(|r| r.epochs_to_target) } else { None },
+                    cpu_busy: med(|r| r.cpu_busy),
                     ..first.clone()
                 };
                 Some(Cell {
@@ -614,6 +616,10 @@ mod tests {
             row("dp", 2, "ok", 1.0, None),
         ];
         assert_eq!(Cell::all(&rows)[0].median.time_to_target_s, None);
+        // How busy the cores were is the repeats' median too, not the first repeat's.
+        let busy = |r: usize, b: f64| Summary { cpu_busy: Some(b), ..row("ddp-shm", r, "ok", 1.0, None) };
+        let rows = vec![busy(0, 0.70), busy(1, 0.95), busy(2, 0.90)];
+        assert_eq!(Cell::all(&rows)[0].median.cpu_busy, Some(0.90));
     }
 
     #[test]
