@@ -120,6 +120,7 @@ fn every_mode_replays_a_profile() {
         &["--mode", "ddp", "--compress", "fp16"],
         &["--mode", "ddp", "--compress", "topk:0.01"],
         &["--mode", "zero1"],
+        &["--mode", "ddp", "--hierarchy", "on"],
     ];
     for mode in modes {
         let launched = !mode.contains(&"local") && !mode.contains(&"dp");
@@ -147,38 +148,69 @@ fn the_ring_moves_the_profiles_bytes() {
     }
 }
 
+/// The parameter server in every synchronisation, over one and two shards (a large tensor
+/// split between them, as the flat buffer always is), with compressed pushes: the workers
+/// finish, and a dense exchange moves the profile's bytes each way every step.
 #[test]
 fn the_parameter_server_moves_the_profiles_bytes() {
     let dir = Scratch::new("replay-ps");
     let model = profile(dir.path());
-    let mut cmd = Command::new(server_bin());
-    cmd.args(["--listen", "127.0.0.1:0", "--model", &model, "--sync", "bsp"]).stderr(Stdio::inherit());
-    let (_server, addr) = start_server(&mut cmd, false);
-    let procs: Vec<Proc> = (0..2)
-        .map(|r| {
-            let m = dir.path().join(format!("ps-{r}.jsonl"));
-            let (rank, m) = (r.to_string(), m.to_str().unwrap().to_string());
-            let extra =
-                ["--mode", "ps", "--servers", &addr, "--rank", &rank, "--world-size", "2", "--metrics", &m];
-            Proc::spawn(&mut worker(&train(
-                false,
-                &model,
-                "3",
-                &[&extra[..], &["--rpc-timeout", "30"]].concat(),
-            )))
-        })
-        .collect();
-    for mut p in procs {
-        let (code, err, _) = p.finish(Duration::from_secs(120));
-        assert_eq!(code, 0, "{err}");
-    }
-    for r in 0..2 {
-        let (_, steps) = metrics(&dir.path().join(format!("ps-{r}.jsonl")));
-        assert_eq!(steps.len(), 3);
-        for s in &steps {
-            for (what, bytes) in [("pushed", s.bytes_sent), ("pulled", s.bytes_recv)] {
-                let ratio = bytes as f64 / (4 * PARAMS) as f64;
-                assert!((1.0..1.01).contains(&ratio), "worker {r} step {} {what} {bytes} bytes", s.step);
+    let cases: &[(&str, usize, &[&str], bool)] = &[
+        ("bsp", 1, &[], true),
+        ("bsp", 2, &[], true),
+        ("asp", 2, &[], true),
+        ("ssp:1", 1, &[], true),
+        ("bsp", 2, &["--compress", "fp16"], false),
+        ("bsp", 1, &["--compress", "topk:0.01"], false),
+    ];
+    for (case, &(sync, k, compress, dense)) in cases.iter().enumerate() {
+        let servers: Vec<(Proc, String)> = (0..k)
+            .map(|i| {
+                let mut cmd = Command::new(server_bin());
+                cmd.args(["--listen", "127.0.0.1:0", "--model", &model, "--sync", sync])
+                    .args(["--shard", &format!("{i}/{k}")])
+                    .args(compress)
+                    .stderr(Stdio::inherit());
+                start_server(&mut cmd, false)
+            })
+            .collect();
+        let addrs = servers.iter().map(|s| s.1.clone()).collect::<Vec<_>>().join(",");
+        let procs: Vec<Proc> = (0..2)
+            .map(|r| {
+                let m = dir.path().join(format!("ps{case}-{r}.jsonl"));
+                let (rank, m) = (r.to_string(), m.to_str().unwrap().to_string());
+                let extra = [
+                    "--mode",
+                    "ps",
+                    "--servers",
+                    &addrs,
+                    "--rank",
+                    &rank,
+                    "--world-size",
+                    "2",
+                    "--metrics",
+                    &m,
+                ];
+                let args = [&extra[..], &["--rpc-timeout", "30"], compress].concat();
+                Proc::spawn(&mut worker(&train(false, &model, "3", &args)))
+            })
+            .collect();
+        for mut p in procs {
+            let (code, err, _) = p.finish(Duration::from_secs(120));
+            assert_eq!(code, 0, "{sync} k={k} {compress:?}: {err}");
+        }
+        for r in 0..2 {
+            let (_, steps) = metrics(&dir.path().join(format!("ps{case}-{r}.jsonl")));
+            assert_eq!(steps.len(), 3, "{sync} k={k} {compress:?}");
+            for s in steps.iter().filter(|_| dense) {
+                for (what, bytes) in [("pushed", s.bytes_sent), ("pulled", s.bytes_recv)] {
+                    let ratio = bytes as f64 / (4 * PARAMS) as f64;
+                    assert!(
+                        (1.0..1.01).contains(&ratio),
+                        "{sync} k={k}: worker {r} step {} {what} {bytes} bytes",
+                        s.step
+                    );
+                }
             }
         }
     }
