@@ -241,3 +241,32 @@ fn bad_profiles_and_rates_are_refused_by_name() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+/// A replay on the GPU under NCCL (one rank: NCCL refuses two on one GPU; here the fake's): the
+/// buckets are all-reduced on the device as a trained model's are, and no kernel computes.
+#[test]
+fn a_replay_runs_over_nccl_on_the_gpu() {
+    let test = "a_replay_runs_over_nccl_on_the_gpu";
+    let reduced = |c: &gradsync_testkit::Counters| {
+        assert!(c.processes >= 1 && c.collectives > 0 && c.gemms == 0 && c.alive_at_exit == 0, "{c}");
+    };
+    match gradsync_testkit::gpu_test(test) {
+        gradsync_testkit::GpuRun::Here => {}
+        gradsync_testkit::GpuRun::Fake(c) => return reduced(&c),
+        gradsync_testkit::GpuRun::Skipped => return,
+    }
+    let dir = Scratch::new("replay-nccl");
+    let model = profile(dir.path());
+    let m = dir.path().join("nccl-{rank}.jsonl");
+    let mut args = train(false, &model, "3", &["--mode", "ddp", "--backend", "nccl", "--bucket-mb", "0.1"]);
+    args.extend(["--metrics".to_string(), m.display().to_string()]);
+    let i = args.iter().position(|a| a == "cpu").unwrap();
+    args[i] = "cuda".into();
+    let launch = ["launch", "--nproc-per-node", "1", "--master-port", "0", "--"].map(String::from);
+    let (code, err) = run(&[&launch[..], &args].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("replay: speed only"), "{err}");
+    let (extra, steps) = metrics(&dir.path().join("nccl-0.jsonl"));
+    assert_eq!(steps.len(), 3);
+    assert!(extra["buckets"].as_u64().is_some_and(|b| b >= 2), "{extra:?}");
+}
