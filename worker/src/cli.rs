@@ -117,6 +117,15 @@ pub struct LaunchArgs {
     /// Port of the rendezvous store; 0 picks a free one (one node only).
     #[arg(long = flag::MASTER_PORT, default_value_t = 29500, env = "MASTER_PORT")]
     pub master_port: u16,
+    /// When a rank fails, stop the node's ranks and start them all again, up to this many
+    /// times (torchrun's --max-restarts). A `train` command must keep checkpoints
+    /// (`--checkpoint DIR`): its ranks restart with `--resume`. 0: a failure ends the run.
+    #[arg(long, default_value_t = 0)]
+    pub max_restarts: u32,
+    /// How often the launcher checks its ranks and a stop request, seconds (torchrun's
+    /// --monitor-interval); an exit is seen the moment it happens in any case.
+    #[arg(long, default_value_t = 0.1, value_parser = parse_interval)]
+    pub monitor_interval: f64,
     /// What each rank runs: `train ...` (this worker) or any program and its arguments.
     #[arg(last = true, required = true)]
     pub cmd: Vec<String>,
@@ -494,6 +503,13 @@ fn parse_slow_rank(s: &str) -> Result<SlowRank, String> {
 
 fn parse_device(s: &str) -> Result<DeviceRequest, String> {
     s.parse().map_err(|e: gradsync_core::Error| e.to_string())
+}
+
+fn parse_interval(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.001..=60.0).contains(&v) => Ok(v),
+        _ => Err(format!("'{s}' is not a number of seconds from 0.001 to 60")),
+    }
 }
 
 fn parse_model(s: &str) -> Result<ModelSpec, String> {

@@ -1,7 +1,9 @@
 //! `gradsync-worker launch`: torchrun's job for gradsync. Starts `--nproc-per-node` local
 //! processes with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
 //! set, prefixes every line they print with their rank, and stops all of them as soon as one
-//! fails, exiting with an error that names it.
+//! fails, exiting with an error that names it; with `--max-restarts N`, starts them all again
+//! (a `train` command with `--resume`, from its newest checkpoint), up to N times, each restart
+//! logged with the rank that failed and how.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
@@ -105,25 +107,77 @@ fn program(cmd: &[String], worker: &Path) -> anyhow::Result<(PathBuf, Vec<String
     }
 }
 
-/// Start the local ranks and supervise them until all exit; `stop` (Ctrl-C, a test) ends them
-/// early. `worker` is the `gradsync-worker` binary, run for `-- train ...` commands.
+/// Start the local ranks and supervise them until all exit, restarting them all after a
+/// failure while `--max-restarts` allows; `stop` (Ctrl-C, a test) ends them early. `worker` is
+/// the `gradsync-worker` binary, run for `-- train ...` commands.
 pub fn launch(a: &LaunchArgs, worker: &Path, stop: Arc<AtomicBool>) -> anyhow::Result<()> {
     ensure!(a.nproc_per_node >= 1, "--nproc-per-node must be at least 1");
     ensure!(a.nnodes >= 1, "--nnodes must be at least 1");
     ensure!(a.node_rank < a.nnodes, "--node-rank {} is not below --nnodes {}", a.node_rank, a.nnodes);
     ensure!(
+        a.max_restarts == 0 || a.nnodes == 1,
+        "--max-restarts with --nnodes {}: restarting needs every node to restart together, which this \
+         launcher does on one node only; run each node's launcher with --max-restarts 0",
+        a.nnodes
+    );
+    ensure!(
         a.master_port != 0 || a.nnodes == 1,
         "--master-port 0 (pick a free port) only works on one node: the other nodes must know the port"
     );
+    let (prog, mut args) = program(&a.cmd, worker)?;
+    let trains = prog == worker;
+    if a.max_restarts > 0 && trains {
+        ensure!(
+            args.iter().any(|x| x == "--checkpoint" || x.starts_with("--checkpoint=")),
+            "--max-restarts {}: the ranks restart from their newest checkpoint, so the train command needs \
+             --checkpoint DIR (and --checkpoint-every N)",
+            a.max_restarts
+        );
+    }
+    let mut restarts = 0;
+    loop {
+        let t = std::time::Instant::now();
+        let failed = run_ranks(a, &prog, &args, restarts, &stop)?;
+        let Some(((rank, status), also)) = failed else { return Ok(()) };
+        let also: String = also.iter().map(|(r, s)| format!("rank {r} ended after it ({s}); ")).collect();
+        if restarts >= a.max_restarts {
+            let tried =
+                if a.max_restarts > 0 { format!(" after {restarts} restart(s)") } else { String::new() };
+            bail!("rank {rank} failed first ({status}); {also}stopped the other ranks{tried}");
+        }
+        restarts += 1;
+        eprintln!(
+            "gradsync-worker launch: rank {rank} failed ({status}) after {:.1} s; {also}stopped the node's ranks; \
+             restart {restarts} of {}{}",
+            t.elapsed().as_secs_f64(),
+            a.max_restarts,
+            if trains { ", from the newest checkpoint (--resume)" } else { "" }
+        );
+        if trains && !args.iter().any(|x| x == "--resume") {
+            args.push("--resume".into());
+        }
+    }
+}
+
+/// One generation of the node's ranks: start them, relay their output and supervise them
+/// until all exit (`None`) or one fails.
+fn run_ranks(
+    a: &LaunchArgs,
+    prog: &Path,
+    args: &[String],
+    restart: u32,
+    stop: &AtomicBool,
+) -> anyhow::Result<Option<Failed>> {
+    // A fresh port for each generation when the port is ours to pick: the last one's store
+    // may still hold it.
     let port = if a.master_port == 0 { free_port(&a.master_addr)? } else { a.master_port };
     let world = a.nnodes * a.nproc_per_node;
-    let (prog, args) = program(&a.cmd, worker)?;
     let mut ranks = Ranks(Vec::new());
     let mut relays = Vec::new();
     for local in 0..a.nproc_per_node {
         let rank = a.node_rank * a.nproc_per_node + local;
         let mut child = Command::new(&prog)
-            .args(&args)
+            .args(args)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_RANK", local.to_string())
@@ -131,6 +185,8 @@ pub fn launch(a: &LaunchArgs, worker: &Path, stop: Arc<AtomicBool>) -> anyhow::R
             .env("GROUP_RANK", a.node_rank.to_string())
             .env("MASTER_ADDR", &a.master_addr)
             .env("MASTER_PORT", port.to_string())
+            .env("TORCHELASTIC_RESTART_COUNT", restart.to_string())
+            .env("TORCHELASTIC_MAX_RESTARTS", a.max_restarts.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -144,18 +200,12 @@ pub fn launch(a: &LaunchArgs, worker: &Path, stop: Arc<AtomicBool>) -> anyhow::R
         }
         ranks.0.push((rank, child));
     }
-    let failed = supervise(&mut ranks, &stop)?;
+    let failed = supervise(&mut ranks, stop, Duration::from_secs_f64(a.monitor_interval));
     drop(ranks);
     for r in relays {
         let _ = r.join();
     }
-    match failed {
-        None => Ok(()),
-        Some(((rank, status), also)) => {
-            let also: String = also.iter().map(|(r, s)| format!("rank {r} ended after it ({s}); ")).collect();
-            bail!("rank {rank} failed first ({status}); {also}stopped the other ranks")
-        }
-    }
+    failed
 }
 
 /// Tell `tx` the moment child `pid` exits, without reaping it (the supervisor reaps it with
@@ -185,7 +235,7 @@ type Failed = ((usize, ExitStatus), Vec<(usize, ExitStatus)>);
 /// already ended when it was seen, one killed by a signal is reported first (a rank killed
 /// from outside failed on its own; one that exits with an error usually reports a peer's
 /// failure).
-fn supervise(ranks: &mut Ranks, stop: &AtomicBool) -> anyhow::Result<Option<Failed>> {
+fn supervise(ranks: &mut Ranks, stop: &AtomicBool, monitor: Duration) -> anyhow::Result<Option<Failed>> {
     let (tx, exits) = mpsc::channel();
     for (rank, c) in &ranks.0 {
         watch_exit(*rank, c.id(), tx.clone());
@@ -199,7 +249,7 @@ fn supervise(ranks: &mut Ranks, stop: &AtomicBool) -> anyhow::Result<Option<Fail
         }
     };
     loop {
-        match exits.recv_timeout(Duration::from_millis(20)) {
+        match exits.recv_timeout(monitor) {
             Ok(rank) => {
                 let Some(st) = status_of(ranks, rank)? else { continue };
                 running -= 1;

@@ -172,3 +172,84 @@ fn checkpoints_of_a_mode_they_cannot_hold_yet_are_refused_by_name() {
     assert_ne!(code, 0);
     assert!(err.contains("--checkpoint"), "{err}");
 }
+
+/// `launch --max-restarts 3` over a DDP run whose ranks are SIGKILLed three times, each time a
+/// rank chosen at random after a random number of steps (two seeds; a checkpoint every 2
+/// steps): the launcher logs each restart with the rank that failed and how, restarts both
+/// ranks from the newest checkpoint, and the run ends with exactly the unbroken run's
+/// parameters. With one restart allowed, a
+/// second kill ends the run, naming the rank and the restarts spent.
+#[test]
+fn launch_restarts_a_killed_ddp_run_to_the_unbroken_runs_bits() {
+    let dir = Scratch::new("resume-restarts");
+    let s = |p: &Path| p.display().to_string();
+    let mode = ["--mode", "ddp", "--transport", "tcp", "--batch", "8"];
+    let unbroken = dir.join("unbroken.ckpt");
+    run_ok(&launched(2, train(&mode, &["--quiet", "--save", &s(&unbroken)])));
+    let restarting = |max: &str, ck: &Path, save: &Path| -> Vec<String> {
+        let extra =
+            ["--checkpoint", &s(ck), "--checkpoint-every", "2", "--slow-rank", "0:20", "--save", &s(save)];
+        let mut a = launched(2, train(&mode, &extra));
+        a.splice(
+            1..1,
+            ["--max-restarts".to_string(), max.to_string(), "--monitor-interval".into(), "0.05".into()],
+        );
+        a
+    };
+    let kill_a_rank = |p: &mut Proc, rng: &mut u64| {
+        *rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        for _ in 0..1 + (*rng >> 33) % 3 {
+            p.wait_line("[0] step ", Duration::from_secs(60));
+        }
+        let ranks = children(p.id());
+        assert_eq!(ranks.len(), 2, "the launcher's ranks: {ranks:?}");
+        let victim = ranks[((*rng >> 40) % 2) as usize];
+        assert!(Command::new("kill").args(["-9", &victim.to_string()]).status().unwrap().success());
+    };
+    for seed in [1u64, 2] {
+        let (ck, save) = (dir.join(format!("ck{seed}")), dir.join(format!("restarted{seed}.ckpt")));
+        let mut rng = seed;
+        let mut p = Proc::spawn(&mut worker(&restarting("3", &ck, &save)));
+        for k in 1..=3 {
+            kill_a_rank(&mut p, &mut rng);
+            let line = p.wait_line(&format!("restart {k} of 3"), Duration::from_secs(60));
+            assert!(line.contains("failed (signal: 9") && line.contains("--resume"), "{line}");
+        }
+        let (code, err, _) = p.finish(Duration::from_secs(120));
+        assert_eq!(code, 0, "seed {seed}: the restarted run failed:\n{err}");
+        // Every kill came after a step that wrote a checkpoint: each new generation resumed from
+        // one rather than training again from the start (which would end at the same bits).
+        assert_eq!(err.matches("resuming after step").count(), 3, "seed {seed}:\n{err}");
+        assert_same(&unbroken, &save);
+    }
+    let (ck, save) = (dir.join("ck-once"), dir.join("once.ckpt"));
+    let mut rng = 7;
+    let mut p = Proc::spawn(&mut worker(&restarting("1", &ck, &save)));
+    kill_a_rank(&mut p, &mut rng);
+    p.wait_line("restart 1 of 1", Duration::from_secs(60));
+    kill_a_rank(&mut p, &mut rng);
+    let (code, err, _) = p.finish(Duration::from_secs(60));
+    assert_ne!(code, 0);
+    assert!(err.contains("failed first (signal: 9") && err.contains("after 1 restart(s)"), "{err}");
+}
+
+/// `--max-restarts` refuses what it cannot do: a train command without checkpoints to resume
+/// from, and several nodes (which would have to restart together).
+#[test]
+fn max_restarts_refuses_what_it_cannot_restart() {
+    let args = |extra: &[&str]| -> Vec<String> {
+        let mut a = launched(1, train(&[], &[]));
+        a.splice(1..1, extra.iter().map(|x| x.to_string()));
+        a
+    };
+    for (extra, says) in [
+        (&["--max-restarts", "2"][..], "needs --checkpoint DIR"),
+        (&["--max-restarts", "2", "--nnodes", "2"][..], "every node to restart together"),
+        (&["--monitor-interval", "0"][..], "is not a number of seconds"),
+    ] {
+        let mut p = Proc::spawn(&mut worker(&args(extra)));
+        let (code, err, _) = p.finish(Duration::from_secs(30));
+        assert_ne!(code, 0, "{extra:?}");
+        assert!(err.contains(says), "{extra:?}: {err}");
+    }
+}
