@@ -176,7 +176,7 @@ fn run_ranks(
     let mut relays = Vec::new();
     for local in 0..a.nproc_per_node {
         let rank = a.node_rank * a.nproc_per_node + local;
-        let mut child = Command::new(&prog)
+        let mut child = Command::new(prog)
             .args(args)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
