@@ -43,4 +43,7 @@ pub enum Command {
     /// A replayed model (resnet50, vgg16, bert-base, gpt2, profile:FILE): its profile, and
     /// how faithfully one worker replays its compute.
     Replay(crate::replay::ReplayArgs),
+    /// What `launch --max-restarts` costs: real DDP runs whose ranks are SIGKILLed at random
+    /// steps, the time from each kill to the restart, the restored checkpoint and the next step.
+    Restart(crate::restart::RestartArgs),
 }

@@ -10,6 +10,7 @@
 //! - [`overlap`]: the share of DDP's communication hidden behind backward, from real runs.
 //! - [`replay`]: a replayed model's profile (`show`), and one worker's replay against its
 //!   compute (`check`).
+//! - [`restart`]: what `launch --max-restarts` costs, from real runs with ranks SIGKILLed.
 //! - [`diff`]: how far apart two parameter files are.
 //! - [`export`]: gradsync checkpoints (whole, or a parameter server's shards) as one PyTorch
 //!   state dict.
@@ -39,6 +40,7 @@ pub mod ps;
 pub mod pytorch;
 pub mod rawtcp;
 pub mod replay;
+pub mod restart;
 pub mod step;
 pub mod table;
 
@@ -56,5 +58,6 @@ pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
         cli::Command::Ps(a) => ps::run(&a),
         cli::Command::Cluster(a) => cluster::run(&a),
         cli::Command::Replay(a) => replay::run(&a),
+        cli::Command::Restart(a) => restart::run(&a),
     }
 }
