@@ -126,11 +126,18 @@ fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     f.sync_all()
 }
 
-/// The momentum as tensors named after their parameters.
-fn momentum_tensors(engine: &Engine) -> anyhow::Result<Tensors> {
+/// The momentum as tensors named after their parameters: `held`, the whole of it gathered from
+/// where a strategy keeps it (ZeRO-1's shards), else the engine's.
+fn momentum_tensors(engine: &Engine, held: Option<&[f32]>) -> anyhow::Result<Tensors> {
     let layout = engine.layout();
     let mut m = vec![0.0; layout.len];
-    engine.read_momentum(&mut m)?;
+    match held {
+        Some(h) if h.len() == layout.len => m.copy_from_slice(h),
+        Some(h) => {
+            anyhow::bail!("the gathered momentum holds {} values, not the model's {}", h.len(), layout.len)
+        }
+        None => engine.read_momentum(&mut m)?,
+    }
     Ok(layout
         .params
         .iter()
@@ -144,11 +151,13 @@ impl Checkpoints {
         step.is_multiple_of(self.every)
     }
 
-    /// Write the checkpoint after `step` (in `epoch`), then remove all but the newest `keep`.
-    /// Returns its folder.
+    /// Write the checkpoint after `step` (in `epoch`), then remove all but the newest `keep`;
+    /// `momentum` is the whole optimiser state where the engine does not hold it. Returns its
+    /// folder.
     pub fn write(
         &self,
         engine: &Engine,
+        momentum: Option<&[f32]>,
         step: u64,
         epoch: u64,
         first_loss: f64,
@@ -164,7 +173,9 @@ impl Checkpoints {
             }
             std::fs::create_dir(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
             let mut files = std::collections::BTreeMap::new();
-            for (file, tensors) in [(MODEL, engine.state_dict()?), (OPTIMIZER, momentum_tensors(engine)?)] {
+            for (file, tensors) in
+                [(MODEL, engine.state_dict()?), (OPTIMIZER, momentum_tensors(engine, momentum)?)]
+            {
                 let bytes = state_dict::to_bytes(&tmp.join(file), &tensors, &[])?;
                 write_synced(&tmp.join(file), &bytes)
                     .with_context(|| format!("writing {file} in {}", tmp.display()))?;
@@ -354,7 +365,7 @@ mod tests {
         let m: Vec<f32> = (0..a.layout().len).map(|i| i as f32 * 0.5).collect();
         a.write_momentum(&m).unwrap();
         for step in [2, 4, 6] {
-            ck.write(&a, step, step / 4, 2.3, &identity()).unwrap();
+            ck.write(&a, None, step, step / 4, 2.3, &identity()).unwrap();
         }
         let kept: Vec<u64> = ck.listed().unwrap().into_iter().map(|(s, _)| s).collect();
         assert_eq!(kept, [4, 6]);
@@ -372,8 +383,8 @@ mod tests {
         let dir = gradsync_testkit::Scratch::new("resume-torn");
         let ck = Checkpoints { dir: dir.join("ck"), every: 1, keep: 3, resume: true };
         let a = engine(1);
-        ck.write(&a, 1, 0, 2.3, &identity()).unwrap();
-        let newest = ck.write(&a, 2, 0, 2.3, &identity()).unwrap();
+        ck.write(&a, None, 1, 0, 2.3, &identity()).unwrap();
+        let newest = ck.write(&a, None, 2, 0, 2.3, &identity()).unwrap();
         // A write cut short: the model file loses its tail.
         let model = newest.join(MODEL);
         let bytes = std::fs::read(&model).unwrap();
@@ -388,7 +399,7 @@ mod tests {
     fn another_runs_checkpoint_is_refused_naming_the_difference() {
         let dir = gradsync_testkit::Scratch::new("resume-refused");
         let ck = Checkpoints { dir: dir.join("ck"), every: 1, keep: 3, resume: true };
-        ck.write(&engine(1), 1, 0, 2.3, &identity()).unwrap();
+        ck.write(&engine(1), None, 1, 0, 2.3, &identity()).unwrap();
         let other = Identity { world_size: 2, lr: 0.1, ..identity() };
         let err = format!("{:#}", ck.restore(&mut engine(1), &other).unwrap_err());
         assert!(

@@ -280,12 +280,18 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             if let Some(m) = metrics.as_mut() {
                 m.write(&Record::Step(rec.clone()))?;
             }
-            if leader && let Some(ck) = run.checkpoints.as_ref().filter(|ck| ck.due(step)) {
-                let t = Instant::now();
-                let at = ck.write(&engine, step, epoch, summary.first_loss, &identity)?;
-                run.trace.span("checkpoint", "compute", "compute", t);
-                if !run.quiet {
-                    progress.note(&format!("checkpoint of step {step} in {}", at.display()));
+            if let Some(ck) = run.checkpoints.as_ref().filter(|ck| ck.due(step)) {
+                // Every rank takes part in gathering state kept outside the engine; rank 0 writes.
+                let held =
+                    strategy.checkpoint_momentum(&engine).context("gathering the checkpoint's state")?;
+                if leader {
+                    let t = Instant::now();
+                    let at =
+                        ck.write(&engine, held.as_deref(), step, epoch, summary.first_loss, &identity)?;
+                    run.trace.span("checkpoint", "compute", "compute", t);
+                    if !run.quiet {
+                        progress.note(&format!("checkpoint of step {step} in {}", at.display()));
+                    }
                 }
             }
             progress.step(&rec);

@@ -151,6 +151,18 @@ fn a_ddp_run_over_shared_memory_with_a_killed_rank_resumes_to_the_unbroken_runs_
     );
 }
 
+/// ZeRO-1 checkpoints its momentum gathered whole from the ranks' shards; the resumed ranks cut
+/// their shards from it again, and the run ends with the unbroken run's parameters and
+/// momentum.
+#[test]
+fn a_zero1_run_with_a_killed_rank_resumes_to_the_unbroken_runs_bits() {
+    killed_and_resumed_ends_as_unbroken(
+        "resume-zero1",
+        2,
+        &["--mode", "zero1", "--transport", "tcp", "--batch", "8"],
+    );
+}
+
 #[test]
 fn checkpoints_of_a_mode_they_cannot_hold_yet_are_refused_by_name() {
     let dir = Scratch::new("resume-refused-modes");
@@ -158,7 +170,7 @@ fn checkpoints_of_a_mode_they_cannot_hold_yet_are_refused_by_name() {
     for (mode, says) in [
         (&["--mode", "ddp", "--compress", "topk:0.1"][..], "--compress topk keeps each rank's residual"),
         (&["--mode", "ddp", "--sync-every", "2"][..], "--sync-every above 1"),
-        (&["--mode", "zero1"][..], "--checkpoint with --mode zero1"),
+        (&["--mode", "dp", "--replicas", "2"][..], "--checkpoint with --mode dp"),
     ] {
         let args = launched(1, train(mode, &["--checkpoint", &ck]));
         let mut p = Proc::spawn(&mut worker(&args));

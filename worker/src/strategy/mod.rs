@@ -91,7 +91,14 @@ pub trait Strategy {
     /// Whether `--checkpoint` can save this strategy's run: `Ok` where the engine of every rank
     /// holds the whole state (rank 0 writes it), else why not.
     fn checkpoint_support(&self) -> Result<(), String> {
-        Err("checkpoints are written for local training and DDP so far".into())
+        Err("checkpoints are written for local training, DDP and ZeRO-1 so far".into())
+    }
+
+    /// The whole optimiser state for a checkpoint of this step, in the engine's flat layout,
+    /// where the strategy keeps it outside the engine (ZeRO-1's shards: gathered); `None`: the
+    /// engine holds it. Called on every rank at the same step, since gathering is collective.
+    fn checkpoint_momentum(&mut self, _engine: &Engine) -> anyhow::Result<Option<Vec<f32>>> {
+        Ok(None)
     }
 
     /// What besides a lower learning rate may keep this strategy's training from diverging,

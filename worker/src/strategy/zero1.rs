@@ -111,6 +111,24 @@ impl Zero1 {
     }
 }
 
+impl Zero1 {
+    /// The whole momentum on every rank: each rank's shards all-gathered bucket by bucket.
+    fn gathered_momentum(&mut self, len: usize) -> anyhow::Result<Vec<f32>> {
+        let mut full = vec![0.0; len];
+        for (own, m) in self.scatter.owned.iter().zip(&self.scatter.shard) {
+            full[own.clone()].copy_from_slice(&self.momentum[m.clone()]);
+        }
+        for r in self.shell.plan_buckets() {
+            self.shell
+                .comm
+                .get()
+                .all_gather(&mut full[r.clone()])
+                .with_context(|| format!("all-gather of the momentum of {r:?}"))?;
+        }
+        Ok(full)
+    }
+}
+
 impl Strategy for Zero1 {
     fn shape(&self) -> Shape {
         Shape::processes(self.shell.world, self.shell.rank)
@@ -201,22 +219,21 @@ impl Strategy for Zero1 {
 
     fn finish(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
         if self.gather_momentum {
-            // A checkpoint holds the whole momentum: every rank contributes its shard.
-            let mut full = vec![0.0; engine.layout().len];
-            for (own, m) in self.scatter.owned.iter().zip(&self.scatter.shard) {
-                full[own.clone()].copy_from_slice(&self.momentum[m.clone()]);
-            }
-            let buckets = self.shell.plan_buckets();
-            for r in buckets {
-                self.shell
-                    .comm
-                    .get()
-                    .all_gather(&mut full[r.clone()])
-                    .with_context(|| format!("all-gather of the momentum of {r:?}"))?;
-            }
+            // A saved file holds the whole momentum: every rank contributes its shard.
+            let full = self.gathered_momentum(engine.layout().len)?;
             engine.write_momentum(&full)?;
         }
         self.shell.finish()
+    }
+
+    fn checkpoint_support(&self) -> Result<(), String> {
+        // The checkpoint holds the momentum gathered whole (the format DDP's has), so a run
+        // resumes with any world size's shards cut from it, each rank taking its own.
+        Ok(())
+    }
+
+    fn checkpoint_momentum(&mut self, engine: &Engine) -> anyhow::Result<Option<Vec<f32>>> {
+        self.gathered_momentum(engine.layout().len).map(Some)
     }
 
     fn describe(&self) -> (String, serde_json::Map<String, serde_json::Value>) {
