@@ -265,3 +265,88 @@ fn max_restarts_refuses_what_it_cannot_restart() {
         assert!(err.contains(says), "{extra:?}: {err}");
     }
 }
+
+/// A tmpfs of `size`, mounted at `dir` for as long as it lives (root only).
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &Path, size: &str) -> Result<Tmpfs, String> {
+        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .map_err(|e| format!("mount: {e}"))?;
+        if !out.status.success() {
+            return Err(format!("mount -t tmpfs: {}", String::from_utf8_lossy(&out.stderr).trim()));
+        }
+        Ok(Tmpfs(dir.to_path_buf()))
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// A disk that fills up while a checkpoint is written: the run stops with an error naming the
+/// checkpoint and the full disk, leaves no partial checkpoint behind, and the one before stays
+/// whole, so a resumed run (once there is room) continues from it to the unbroken run's bits.
+#[test]
+fn a_full_disk_is_reported_and_the_previous_checkpoint_kept() {
+    const TEST: &str = "a_full_disk_is_reported_and_the_previous_checkpoint_kept";
+    let dir = Scratch::new("resume-full-disk");
+    let ck = dir.join("ck");
+    // The default MLP on the digits (1.1 M parameters) checkpoints 9 MB: 12 MB holds one, not two.
+    let _disk = match Tmpfs::mount(&ck, "12m") {
+        Ok(t) => t,
+        Err(why) if !gradsync_testkit::in_ci() => {
+            eprintln!("SKIPPED (a small disk needs a tmpfs mount, which needs root: {why}) [{TEST}]");
+            return;
+        }
+        Err(why) => panic!("{TEST}: CI runs as root and must mount a tmpfs: {why}"),
+    };
+    let s = |p: &Path| p.display().to_string();
+    let base = [
+        "train",
+        "--model",
+        "mnist",
+        "--data",
+        "digits",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--steps",
+        "30",
+    ];
+    let args = |extra: &[&str]| base.iter().chain(extra).map(|x| x.to_string()).collect::<Vec<_>>();
+    let unbroken = dir.join("unbroken.ckpt");
+    run_ok(&args(&["--quiet", "--save", &s(&unbroken)]));
+    let mut p = Proc::spawn(&mut worker(&args(&["--checkpoint", &s(&ck), "--checkpoint-every", "10"])));
+    let (code, err, _) = p.finish(Duration::from_secs(60));
+    assert_ne!(code, 0, "a full disk must fail the run:\n{err}");
+    assert!(
+        err.contains("writing the checkpoint of step 20") && err.contains("No space left on device"),
+        "{err}"
+    );
+    let left: Vec<String> = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left, ["step-0000000010"], "only the whole checkpoint is left");
+    // The checkpoint of step 10 is whole: a run resumed from it (writing no more) ends where the
+    // unbroken run did.
+    let resumed = dir.join("resumed.ckpt");
+    run_ok(&args(&[
+        "--checkpoint",
+        &s(&ck),
+        "--checkpoint-every",
+        "100",
+        "--resume",
+        "--save",
+        &s(&resumed),
+    ]));
+    assert_same(&unbroken, &resumed);
+}
