@@ -43,15 +43,6 @@ pub struct RestartArgs {
     pub worker: Option<PathBuf>,
 }
 
-/// The children of process `pid` (the launcher's ranks).
-fn children(pid: u32) -> Vec<i32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
-}
-
 /// A small generator for the kill points (SplitMix64, as gradsync's own).
 fn next(state: &mut u64) -> u64 {
     let mut r = gradsync_core::rng::Rng::new(*state, 0x4b1);
@@ -119,11 +110,11 @@ pub fn run(a: &RestartArgs) -> anyhow::Result<()> {
             }
             if line.starts_with("[0] step") {
                 seen += 1;
-                let ranks = children(child.id());
+                let ranks = gradsync_worker::launch::children(child.id());
                 if seen >= wait && kills < a.kills && ranks.len() == a.ranks {
                     let victim = ranks[(next(&mut rng) % ranks.len() as u64) as usize];
                     // SAFETY: kill(2) on a grandchild we know by pid; a wrong pid only fails.
-                    unsafe { libc::kill(victim, libc::SIGKILL) };
+                    unsafe { libc::kill(victim as libc::pid_t, libc::SIGKILL) };
                     kills += 1;
                     killed = Some((Instant::now(), [None; 3]));
                 }

@@ -87,6 +87,20 @@ fn relay(from: impl Read + Send + 'static, rank: usize, to_stderr: bool) -> std:
     })
 }
 
+/// The children of process `pid`, whichever of its threads started them (each thread's
+/// `/proc/PID/task/TID/children`), in pid order: a launcher's ranks, for a test or benchmark
+/// that kills one. Empty once it has none, or where /proc cannot tell.
+pub fn children(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
+        let text = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+        out.extend(text.split_whitespace().filter_map(|s| s.parse::<u32>().ok()));
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
 /// A free TCP port on `addr` for the rendezvous store (single-node runs asking for port 0).
 fn free_port(addr: &str) -> anyhow::Result<u16> {
     let l = TcpListener::bind((addr, 0)).with_context(|| format!("finding a free port on {addr}"))?;

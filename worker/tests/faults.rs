@@ -307,7 +307,7 @@ fn launcher_stops_the_ring_when_a_rank_is_sigkilled() {
     let mut launcher = Proc::spawn(&mut cmd);
     // Rank 0's progress comes through the launcher's stderr, prefixed with its rank.
     launcher.wait_line("step ", Duration::from_secs(60));
-    let kids = children(launcher.id());
+    let kids = gradsync_worker::launch::children(launcher.id());
     assert_eq!(kids.len(), 3, "the launcher's ranks: {kids:?}");
     let rank_of = |pid: u32| {
         let mut env = String::new();
@@ -337,18 +337,6 @@ fn launcher_stops_the_ring_when_a_rank_is_sigkilled() {
     for pid in kids {
         assert!(!Path::new(&format!("/proc/{pid}")).exists() || zombie(pid), "rank pid {pid} survived");
     }
-}
-
-/// Child pids of `pid` (every thread's children).
-fn children(pid: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
-        let text = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
-        out.extend(text.split_whitespace().filter_map(|s| s.parse::<u32>().ok()));
-    }
-    out.sort_unstable();
-    out.dedup();
-    out
 }
 
 fn zombie(pid: u32) -> bool {

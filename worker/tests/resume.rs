@@ -54,15 +54,6 @@ fn run_ok(args: &[String]) {
     assert_eq!(code, 0, "gradsync-worker {args:?} failed:\n{err}");
 }
 
-/// The children of process `pid` (the launcher's ranks).
-fn children(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
-}
-
 fn assert_same(a: &Path, b: &Path) {
     let (a_ck, b_ck) = (Checkpoint::load(a).unwrap(), Checkpoint::load(b).unwrap());
     assert_eq!(a_ck.header.step, b_ck.header.step);
@@ -100,7 +91,7 @@ fn killed_and_resumed_ends_as_unbroken(name: &str, ranks: usize, mode: &[&str]) 
     if ranks == 0 {
         p.kill9();
     } else {
-        let ranks_now = children(p.id());
+        let ranks_now = gradsync_worker::launch::children(p.id());
         assert_eq!(ranks_now.len(), ranks, "the launcher's ranks: {ranks_now:?}");
         let last = *ranks_now.iter().max().unwrap();
         // SAFETY-free: a plain signal to a child of ours.
@@ -213,7 +204,7 @@ fn launch_restarts_a_killed_ddp_run_to_the_unbroken_runs_bits() {
         for _ in 0..1 + (*rng >> 33) % 3 {
             p.wait_line("[0] step ", Duration::from_secs(60));
         }
-        let ranks = children(p.id());
+        let ranks = gradsync_worker::launch::children(p.id());
         assert_eq!(ranks.len(), 2, "the launcher's ranks: {ranks:?}");
         let victim = ranks[((*rng >> 40) % 2) as usize];
         assert!(Command::new("kill").args(["-9", &victim.to_string()]).status().unwrap().success());
