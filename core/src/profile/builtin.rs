@@ -11,10 +11,7 @@ use crate::error::{Error, Result};
 
 /// The built-in profiles, each with what `--model --help` says of it.
 pub const BUILTINS: &[(&str, &str)] = &[
-    (
-        "resnet50",
-        "torchvision ResNet-50, 224x224 images, batch 64 (compute-heavy: 25.6 M parameters in 161 tensors)",
-    ),
+    ("resnet50", "torchvision ResNet-50, 224x224 images, batch 64 (compute-heavy, many small tensors)"),
     (
         "vgg16",
         "torchvision VGG-16, 224x224 images, batch 64 (communication-heavy: one 103 M-parameter fully connected layer)",
