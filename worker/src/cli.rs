@@ -256,7 +256,7 @@ pub struct TrainArgs {
     /// PyTorch state dict in .safetensors (names and shapes must match).
     #[arg(long)]
     pub load: Option<PathBuf>,
-    /// Keep checkpoints of the run in this folder (local training, DDP and ZeRO-1, whose
+    /// Keep checkpoints of the run in this folder (local training, DP, DDP and ZeRO-1, whose
     /// momentum shards are gathered for it; rank 0 writes): parameters and running statistics
     /// as a PyTorch state dict, the momentum, and the step, epoch and settings a resumed run
     /// needs; each written atomically.

@@ -17,7 +17,7 @@
 //!
 //! The state is the one engine's: written by rank 0 where every rank holds the same (local,
 //! DDP); a strategy whose state lives elsewhere says why it cannot be checkpointed yet
-//! ([`crate::strategy::Strategy::checkpoint_support`]). The data order needs no state of its
+//! ([`crate::setup::ModeConfig::checkpoint_support`]). The data order needs no state of its
 //! own: the sampler's order is a function of the seed and the epoch, so the resumed run draws
 //! the batches the unbroken run would.
 

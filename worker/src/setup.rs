@@ -126,6 +126,35 @@ impl ModeConfig {
             ModeConfig::Zero1(_) => Mode::Zero1.name(),
         }
     }
+
+    /// Whether `--checkpoint` can hold this mode's run: `Ok` where rank 0's engine holds the
+    /// whole state after a step (local training; DP's replica 0; DDP, whose ranks all hold the
+    /// parameters, the momentum and rank 0's batch-norm statistics, broadcast each step) or the
+    /// strategy gathers it for the checkpoint (ZeRO-1's momentum shards), else why not. Asked
+    /// before any strategy is built, so no run waits on its peers to be told.
+    pub fn checkpoint_support(&self) -> Result<(), String> {
+        let between_steps = |c: &DdpConfig| {
+            if matches!(c.compression, Compression::TopK(_)) {
+                return Err("--compress topk keeps each rank's residual between steps, which a checkpoint \
+                            does not hold yet"
+                    .to_string());
+            }
+            if c.sync_every > 1 {
+                return Err("--sync-every above 1 accumulates gradients between steps, which a checkpoint \
+                            does not hold yet"
+                    .to_string());
+            }
+            Ok(())
+        };
+        match self {
+            ModeConfig::Local | ModeConfig::Dp(_) => Ok(()),
+            ModeConfig::Ddp(c) => between_steps(c),
+            ModeConfig::Zero1(c) => between_steps(&c.ddp),
+            ModeConfig::Ps(_) => Err("the parameter server keeps its own checkpoints (gradsync-server \
+                                      --checkpoint), and a worker's data position is not written yet"
+                .into()),
+        }
+    }
 }
 
 impl Run {
@@ -209,6 +238,11 @@ impl Run {
             mode: ModeConfig::Local,
         };
         run.mode = mode_config(&args, &run)?;
+        if run.checkpoints.is_some() {
+            run.mode
+                .checkpoint_support()
+                .map_err(|why| anyhow::anyhow!("--checkpoint with --mode {}: {why}", run.mode.name()))?;
+        }
         Ok(run)
     }
 

@@ -79,8 +79,9 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
         Budget::Epochs(e) => steps_per_epoch * e,
     };
 
-    // A run that keeps checkpoints must be one whose state one engine holds; a resumed run
-    // takes the newest one's state before the ranks agree on it in `start` (rank 0's wins).
+    // A run that keeps checkpoints holds its state in one engine (`Run::prepare` refused the
+    // modes that do not); a resumed run takes the newest one's state before the ranks agree on
+    // it in `start` (rank 0's wins).
     let identity = crate::resume::Identity {
         fingerprint: fingerprint.text.clone(),
         mode: run.mode.name().into(),
@@ -93,24 +94,20 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
     };
     let mut resumed_at = 0;
     let mut first_loss = f64::NAN;
-    if let Some(ck) = &run.checkpoints {
-        strategy
-            .checkpoint_support()
-            .map_err(|why| anyhow::anyhow!("--checkpoint with --mode {}: {why}", run.mode.name()))?;
-        if ck.resume
-            && let Some(state) = ck.restore(&mut engine, &identity)?
-        {
-            if leader && !run.quiet {
-                eprintln!(
-                    "gradsync: resuming after step {} (epoch {}) from {}",
-                    state.step,
-                    state.epoch,
-                    ck.dir.display()
-                );
-            }
-            resumed_at = state.step;
-            first_loss = state.first_loss;
+    if let Some(ck) = &run.checkpoints
+        && ck.resume
+        && let Some(state) = ck.restore(&mut engine, &identity)?
+    {
+        if leader && !run.quiet {
+            eprintln!(
+                "gradsync: resuming after step {} (epoch {}) from {}",
+                state.step,
+                state.epoch,
+                ck.dir.display()
+            );
         }
+        resumed_at = state.step;
+        first_loss = state.first_loss;
     }
     let progress = Progress::new(leader && !run.quiet, total_steps, &engine, run.batch);
     strategy.start(&mut engine).context("starting the run")?;

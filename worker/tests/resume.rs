@@ -154,6 +154,13 @@ fn a_zero1_run_with_a_killed_rank_resumes_to_the_unbroken_runs_bits() {
     );
 }
 
+/// DP: replica 0 holds the state; the other replicas take its parameters when the resumed run
+/// starts, and the run ends with the unbroken run's bits.
+#[test]
+fn a_killed_dp_run_resumes_to_the_unbroken_runs_bits() {
+    killed_and_resumed_ends_as_unbroken("resume-dp", 0, &["--mode", "dp", "--replicas", "2", "--batch", "8"]);
+}
+
 #[test]
 fn checkpoints_of_a_mode_they_cannot_hold_yet_are_refused_by_name() {
     let dir = Scratch::new("resume-refused-modes");
@@ -161,7 +168,10 @@ fn checkpoints_of_a_mode_they_cannot_hold_yet_are_refused_by_name() {
     for (mode, says) in [
         (&["--mode", "ddp", "--compress", "topk:0.1"][..], "--compress topk keeps each rank's residual"),
         (&["--mode", "ddp", "--sync-every", "2"][..], "--sync-every above 1"),
-        (&["--mode", "dp", "--replicas", "2"][..], "--checkpoint with --mode dp"),
+        (
+            &["--mode", "ps", "--servers", "127.0.0.1:9", "--rank", "0", "--world-size", "1"][..],
+            "--checkpoint with --mode ps",
+        ),
     ] {
         let args = launched(1, train(mode, &["--checkpoint", &ck]));
         let mut p = Proc::spawn(&mut worker(&args));

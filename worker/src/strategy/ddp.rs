@@ -142,27 +142,6 @@ impl Strategy for Ddp {
         self.shell.finish()
     }
 
-    /// Every rank holds the whole state after a step (the parameters, the momentum, and rank
-    /// 0's batch-norm statistics, broadcast each step), so rank 0's engine is the checkpoint;
-    /// what a rank keeps between steps of its own is not written yet.
-    fn checkpoint_support(&self) -> Result<(), String> {
-        if matches!(self.compression, Compression::TopK(_)) {
-            return Err(
-                "--compress topk keeps each rank's residual between steps, which a checkpoint does not \
-                        hold yet"
-                    .into(),
-            );
-        }
-        if self.shell.sync_every > 1 {
-            return Err(
-                "--sync-every above 1 accumulates gradients between steps, which a checkpoint does not \
-                        hold yet"
-                    .into(),
-            );
-        }
-        Ok(())
-    }
-
     fn describe(&self) -> (String, serde_json::Map<String, serde_json::Value>) {
         let mut m = serde_json::Map::new();
         m.insert("compression".into(), self.compression.to_string().into());

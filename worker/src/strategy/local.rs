@@ -47,10 +47,6 @@ impl Strategy for Local {
         Ok(loss)
     }
 
-    fn checkpoint_support(&self) -> Result<(), String> {
-        Ok(())
-    }
-
     fn finish(&mut self, _engine: &mut Engine) -> anyhow::Result<()> {
         Ok(())
     }

@@ -88,12 +88,6 @@ pub trait Strategy {
         (String::new(), serde_json::Map::new())
     }
 
-    /// Whether `--checkpoint` can save this strategy's run: `Ok` where the engine of every rank
-    /// holds the whole state (rank 0 writes it), else why not.
-    fn checkpoint_support(&self) -> Result<(), String> {
-        Err("checkpoints are written for local training, DDP and ZeRO-1 so far".into())
-    }
-
     /// The whole optimiser state for a checkpoint of this step, in the engine's flat layout,
     /// where the strategy keeps it outside the engine (ZeRO-1's shards: gathered); `None`: the
     /// engine holds it. Called on every rank at the same step, since gathering is collective.

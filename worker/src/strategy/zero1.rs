@@ -226,12 +226,6 @@ impl Strategy for Zero1 {
         self.shell.finish()
     }
 
-    fn checkpoint_support(&self) -> Result<(), String> {
-        // The checkpoint holds the momentum gathered whole (the format DDP's has), so a run
-        // resumes with any world size's shards cut from it, each rank taking its own.
-        Ok(())
-    }
-
     fn checkpoint_momentum(&mut self, engine: &Engine) -> anyhow::Result<Option<Vec<f32>>> {
         self.gathered_momentum(engine.layout().len).map(Some)
     }
