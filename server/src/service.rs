@@ -359,6 +359,10 @@ impl Service {
                 Ok(Err(_)) => return Err(Error::ShuttingDown.into()),
                 // Heard from since: wait on.
                 Err(_) if quiet_until() > std::time::Instant::now() => {}
+                // The round failed (a push's own timer gave up on it) just as this wait timed out:
+                // its error, read at the top of the loop, not a timeout of the pull's, is the
+                // answer.
+                Err(_) if matches!(rx.borrow().end, Some(Err(_))) => {}
                 Err(_) if round.any_rank() && !barrier_applied => {
                     barrier_applied = true;
                     let base = round.version - 1;
