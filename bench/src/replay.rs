@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 use gradsync_core::metrics::{Record, parse_line};
 use gradsync_core::model::ModelSpec;
-use gradsync_core::profile::{DeviceRate, Profile};
+use gradsync_core::profile::Profile;
 
 use crate::table::{Table, median};
 
@@ -103,14 +103,9 @@ pub struct RateArgs {
 impl RateArgs {
     /// `model` (a built-in name or `profile:FILE`) at this rate, if one was given.
     fn profile(&self, model: &str) -> anyhow::Result<Profile> {
-        let mut spec = ModelSpec::parse(model).with_context(|| format!("--model {model}"))?;
-        if self.device_tflops.is_some() || self.device_tbps.is_some() {
-            let h = DeviceRate::H100;
-            spec = spec.at_rate(DeviceRate {
-                tflops: self.device_tflops.unwrap_or(h.tflops),
-                tbps: self.device_tbps.unwrap_or(h.tbps),
-            })?;
-        }
+        let spec = ModelSpec::parse(model)
+            .with_context(|| format!("--model {model}"))?
+            .with_rates(self.device_tflops, self.device_tbps)?;
         spec.profile().cloned().ok_or_else(|| {
             anyhow::anyhow!(
                 "{model} is trained for real, not replayed (resnet50, vgg16, bert-base, gpt2 or profile:FILE)"

@@ -241,6 +241,16 @@ impl ModelSpec {
         }
     }
 
+    /// The model with `--device-tflops` and `--device-tbps` applied ([`ModelSpec::at_rate`],
+    /// an H100's figure for the one not given); unchanged when neither is.
+    pub fn with_rates(self, tflops: Option<f64>, tbps: Option<f64>) -> Result<Self> {
+        if tflops.is_none() && tbps.is_none() {
+            return Ok(self);
+        }
+        let h = DeviceRate::H100;
+        self.at_rate(DeviceRate { tflops: tflops.unwrap_or(h.tflops), tbps: tbps.unwrap_or(h.tbps) })
+    }
+
     /// A built-in profile's times estimated again at `rate` (`--device-tflops`,
     /// `--device-tbps`); a model that is not a built-in profile is refused, since its times
     /// are not estimates gradsync made.

@@ -234,6 +234,20 @@ impl Profile {
         self.layers.iter().fold((0, 0), |(f, b), l| (f + l.forward_ns, b + l.backward_ns))
     }
 
+    /// Forward and backward milliseconds of one step of `batch` samples: the profile's times
+    /// scaled in proportion (what a replay waits).
+    pub fn step_ms(&self, batch: usize) -> (f64, f64) {
+        let (f, b) = self.compute_ns();
+        let at = |ns: u64| ns as f64 / 1e6 * batch as f64 / self.batch as f64;
+        (at(f), at(b))
+    }
+
+    /// Whether the times of a step of `batch` samples are estimated: the profile's are, or they
+    /// are scaled from another batch.
+    pub fn estimated_at(&self, batch: usize) -> bool {
+        self.estimated || batch != self.batch
+    }
+
     /// A short tag of the tensor list (names and shapes; not the times), so that two processes
     /// replaying one model agree on its layout whatever rate each was told.
     pub fn layout_tag(&self) -> String {

@@ -175,15 +175,11 @@ impl Run {
                 .with_context(|| format!("--device auto with LOCAL_RANK {local}"))?;
         }
         let data = source.load(args.seed).with_context(|| format!("--data {source}"))?;
-        let mut model = args.model.fit(data.input, data.classes).context("--model")?;
-        if args.device_tflops.is_some() || args.device_tbps.is_some() {
-            let h100 = gradsync_core::profile::DeviceRate::H100;
-            let rate = gradsync_core::profile::DeviceRate {
-                tflops: args.device_tflops.unwrap_or(h100.tflops),
-                tbps: args.device_tbps.unwrap_or(h100.tbps),
-            };
-            model = model.at_rate(rate)?;
-        }
+        let model = args
+            .model
+            .fit(data.input, data.classes)
+            .context("--model")?
+            .with_rates(args.device_tflops, args.device_tbps)?;
         let batch = args.batch.or(model.profile().map(|p| p.batch)).unwrap_or(DEFAULT_BATCH);
         let augment = args.augment.resolve(&data.name, data.input).context("--augment")?;
         if let Some(path) = &args.save {

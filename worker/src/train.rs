@@ -312,16 +312,15 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
 /// estimated (a built-in's, or a profile's scaled to another batch), the device they belong to
 /// and the compute of one step at this batch.
 fn replay_record(p: &gradsync_core::profile::Profile, batch: usize) -> serde_json::Value {
-    let (f, b) = p.compute_ns();
-    let at = |ns: u64| ns as f64 / 1e6 * batch as f64 / p.batch as f64;
+    let (forward, backward) = p.step_ms(batch);
     serde_json::json!({
         "model": p.model,
         "source": p.source,
-        "estimated": p.estimated || batch != p.batch,
+        "estimated": p.estimated_at(batch),
         "device": p.device,
         "profile_batch": p.batch,
-        "forward_ms": at(f),
-        "backward_ms": at(b),
+        "forward_ms": forward,
+        "backward_ms": backward,
         "optimizer_ms": p.optimizer_ns as f64 / 1e6,
     })
 }
@@ -496,16 +495,13 @@ impl Progress {
                 total
             );
             if let Some(p) = replay {
-                let (f, b) = p.compute_ns();
-                let scale = batch as f64 / p.batch as f64;
-                let how = if p.estimated || batch != p.batch { "estimated" } else { "measured" };
+                let (forward, backward) = p.step_ms(batch);
+                let how = if p.estimated_at(batch) { "estimated" } else { "measured" };
                 eprintln!(
-                    "gradsync: replay of {} ({}): speed only, no accuracy; compute {how} at {:.2} ms forward + {:.2} ms \
-                     backward per step of {batch} samples ({}{})",
+                    "gradsync: replay of {} ({}): speed only, no accuracy; compute {how} at {forward:.2} ms forward + \
+                     {backward:.2} ms backward per step of {batch} samples ({}{})",
                     p.model,
                     p.source,
-                    f as f64 / 1e6 * scale,
-                    b as f64 / 1e6 * scale,
                     p.device,
                     if batch == p.batch { String::new() } else { format!(", scaled from batch {}", p.batch) },
                 );

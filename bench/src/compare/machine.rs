@@ -91,15 +91,7 @@ impl Machine {
             .find_map(|l| l.strip_prefix("model name").and_then(|r| r.split_once(':')).map(|(_, v)| v.trim()))
             .unwrap_or("unknown")
             .to_string();
-        let memory_bytes = std::fs::read_to_string("/proc/meminfo")
-            .ok()
-            .and_then(|m| {
-                m.lines().find_map(|l| {
-                    let kb = l.strip_prefix("MemTotal:")?.trim().strip_suffix("kB")?.trim();
-                    kb.parse::<u64>().ok()
-                })
-            })
-            .map_or(0, |kb| kb * 1024);
+        let memory_bytes = meminfo("MemTotal").unwrap_or(0);
         let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
             .map(|s| s.trim().to_string())
             .unwrap_or_else(|_| "unknown".into());
@@ -142,12 +134,7 @@ impl Machine {
             .map(|m| gradsync_core::model::Layout::new(&m).len)
             .ok()?;
         let need = run_memory(spec.mode, spec.workers, params);
-        let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-            m.lines().find_map(|l| {
-                let kb = l.strip_prefix("MemAvailable:")?.trim().strip_suffix("kB")?.trim();
-                kb.parse::<u64>().ok().map(|kb| kb * 1024)
-            })
-        })?;
+        let available = meminfo("MemAvailable")?;
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         (need as f64 > 0.9 * available as f64).then(|| {
             format!(
@@ -232,6 +219,15 @@ pub fn gpus() -> Vec<String> {
         let _ = o.read_to_string(&mut out);
     }
     out.lines().map(|l| l.trim().to_string()).filter(|l| !l.is_empty()).collect()
+}
+
+/// `/proc/meminfo`'s `key` (`MemTotal`, `MemAvailable`), bytes.
+fn meminfo(key: &str) -> Option<u64> {
+    let m = std::fs::read_to_string("/proc/meminfo").ok()?;
+    m.lines().find_map(|l| {
+        let kb = l.strip_prefix(key)?.strip_prefix(':')?.trim().strip_suffix("kB")?.trim();
+        kb.parse::<u64>().ok().map(|kb| kb * 1024)
+    })
 }
 
 /// The machine's CPU time so far, from `/proc/stat`'s first line: (busy, total) in clock ticks,

@@ -423,14 +423,9 @@ impl Scenario {
                 "`batches` is empty, and '{m}' is trained for real: give global batch sizes (only a replayed \
                  model has a batch of its own)"
             );
-            if self.device_tflops.is_some() || self.device_tbps.is_some() {
-                let h = gradsync_core::profile::DeviceRate::H100;
-                let rate = gradsync_core::profile::DeviceRate {
-                    tflops: self.device_tflops.unwrap_or(h.tflops),
-                    tbps: self.device_tbps.unwrap_or(h.tbps),
-                };
-                spec.clone().at_rate(rate).with_context(|| format!("`device_tflops` for '{m}'"))?;
-            }
+            spec.clone()
+                .with_rates(self.device_tflops, self.device_tbps)
+                .with_context(|| format!("`device_tflops` for '{m}'"))?;
             // A model that cannot take the data (a conv net on flat data) is refused now, by name.
             if let Some((input, classes)) = shape {
                 spec.fit(input, classes).with_context(|| format!("`models`: '{m}' on `data`"))?;
