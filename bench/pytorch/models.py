@@ -147,6 +147,58 @@ def mlp(widths):
     return MLP(*layers)
 
 
+class EmbeddingNet(nn.Module):
+    """gradsync's sparse model: an embedding bag then linear layers with ReLUs between them.
+    A sample is [ids..., weights...] of `slots` each (an id below 0 is an empty slot); the bag
+    is the weighted sum of its ids' rows, or under mean pooling that sum over the number of ids
+    (nn.EmbeddingBag takes per-sample weights in sum mode only, so the mean is passed as the
+    weights divided by the count)."""
+
+    def __init__(self, rows, dim, hidden, classes, mean):
+        super().__init__()
+        self.embedding = nn.EmbeddingBag(rows, dim, mode="sum")
+        widths = [dim] + hidden + [classes]
+        layers = []
+        for i in range(len(widths) - 1):
+            layers.append(nn.Linear(widths[i], widths[i + 1]))
+            if i < len(widths) - 2:
+                layers.append(nn.ReLU())
+        self.mlp = nn.Sequential(*layers)
+        self.mean = mean
+
+    def forward(self, x):
+        x = x.reshape(x.shape[0], -1)
+        slots = x.shape[1] // 2
+        ids, w = x[:, :slots], x[:, slots:]
+        keep = ids >= 0
+        counts = keep.sum(1)
+        if self.mean:
+            w = w / counts.clamp(min=1).unsqueeze(1).to(w.dtype)
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)[:-1]])
+        pooled = self.embedding(ids[keep].long(), offsets, per_sample_weights=w[keep])
+        return self.mlp(pooled)
+
+
+def embedding(name, classes):
+    """`embedding:ROWS:DIM[:HIDDEN...]:POOL` (gradsync's token, without the data's part)."""
+    parts = name.split(":")[1:]
+    if len(parts) < 3 or parts[-1] not in ("sum", "mean"):
+        raise ValueError(f"{name}: expected embedding:ROWS:DIM[:HIDDEN...]:sum|mean")
+    rows, dim, hidden = int(parts[0]), int(parts[1]), [int(h) for h in parts[2:-1]]
+    return EmbeddingNet(rows, dim, hidden, classes, parts[-1] == "mean")
+
+
+def lazy_rows_step(table, grad, momentum_buf, lr, momentum, weight_decay):
+    """SGD with momentum on the rows of `table` whose gradient is not all zero; the other rows,
+    and their momentum, stay as they are (gradsync's lazy momentum for an embedding table)."""
+    with torch.no_grad():
+        rows = grad.ne(0).any(1).nonzero().flatten()
+        g = grad[rows] + weight_decay * table[rows]
+        m = momentum * momentum_buf[rows] + g
+        momentum_buf[rows] = m
+        table[rows] = table[rows] - lr * m
+
+
 def build(name, in_channels, height, width, classes):
     """The preset `name` for [N, in_channels, height, width] inputs and `classes` outputs."""
     if name == "resnet20":
@@ -166,7 +218,9 @@ def build(name, in_channels, height, width, classes):
         if widths[-1] != classes:
             raise ValueError(f"{name}: output width {widths[-1]} != classes {classes}")
         return mlp(widths)
-    raise ValueError(f"unknown model {name!r} (resnet20, resnet18, vgg11, cnn8, mlp:W-W-...)")
+    if name.startswith("embedding:"):
+        return embedding(name, classes)
+    raise ValueError(f"unknown model {name!r} (resnet20, resnet18, vgg11, cnn8, mlp:W-W-..., embedding:...)")
 
 
 def describe(model):

@@ -133,11 +133,18 @@ def main():
     model.to(dev).train()
     x, y = x.to(dev), y.to(dev)
 
-    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay)
+    # An embedding table steps lazily (only rows with a gradient, their momentum too), the rest
+    # with PyTorch's SGD.
+    table = getattr(model, "embedding", None)
+    dense = [prm for prm in model.parameters() if table is None or prm is not table.weight]
+    opt = torch.optim.SGD(dense, lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay)
+    table_momentum = None if table is None else torch.zeros_like(table.weight)
     out = {}
     losses = []
     for step in range(a.steps):
         opt.zero_grad()
+        if table is not None:
+            table.weight.grad = None
         logits = model(x)
         loss = F.cross_entropy(logits, y)
         loss.backward()
@@ -148,6 +155,9 @@ def main():
             for name, prm in model.named_parameters():
                 out[f"grad.{name}"] = f32(prm.grad)
         opt.step()
+        if table is not None:
+            models.lazy_rows_step(table.weight, table.weight.grad, table_momentum, a.lr, a.momentum,
+                                  a.weight_decay)
     out["losses"] = f32(torch.stack(losses))
     for name, t in model.state_dict().items():
         out[name] = f32(t)

@@ -303,7 +303,9 @@ impl Engine {
     pub fn backward(&mut self, accumulate: bool) -> Result<()> {
         self.settle()?;
         on_device!(self, m => {
-            let plan = BucketPlan::whole(m.layout());
+            // Nobody takes a bucket here, so a sparse model's table is written in place and the
+            // net keeps track of which rows it wrote.
+            let plan = BucketPlan::whole(m.layout()).without_table(m.layout());
             m.backward(&plan, accumulate, &mut |_, _, _| {})
         })
     }
@@ -421,6 +423,25 @@ impl Engine {
     pub fn write_grads(&mut self, offset: usize, src: &[f32]) -> Result<()> {
         self.settle()?;
         on_device!(self, m => m.write_grads(offset, src))
+    }
+
+    /// The rows of a sparse model's table the loaded batch names, ascending (none for a dense
+    /// model).
+    pub fn batch_rows(&self) -> &[u32] {
+        on_device!(self, m => m.batch_rows())
+    }
+
+    /// Rows of a sparse model's table (parameters or gradient) copied to host memory, `dim`
+    /// values a row in the order of `rows`.
+    pub fn read_rows(&self, part: crate::net::RowsOf, rows: &[u32], dst: &mut [f32]) -> Result<()> {
+        self.settle()?;
+        on_device!(self, m => m.read_rows(part, rows, dst))
+    }
+
+    /// Overwrite rows of a sparse model's table (parameters or gradient) from host memory.
+    pub fn write_rows(&mut self, part: crate::net::RowsOf, rows: &[u32], src: &[f32]) -> Result<()> {
+        self.settle()?;
+        on_device!(self, m => m.write_rows(part, rows, src))
     }
 
     /// The running statistics (batch norms' means and variances), in host memory.

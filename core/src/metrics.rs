@@ -127,6 +127,10 @@ pub struct Step {
     /// Parameter-server staleness: the steps the server applied between this worker's pull
     /// and the application of its gradient.
     pub staleness: Option<u64>,
+    /// Rows of a sparse model's table this step's synchronisation covered: under
+    /// `--sparse-grads allgather` the rows any rank's batch named (summed on every rank).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows: Option<u64>,
     /// The training clock at the end of this step: `wall_ms` less the time spent evaluating
     /// before it. Time-to-accuracy and throughput read this clock.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -32,6 +32,18 @@ pub const CONV_PRESETS: &[(&str, &str)] = &[
     ("cnn8", "a small conv net for the built-in 8x8 digits: 2 convolutions, a max-pool, 2 linear layers"),
 ];
 
+/// The sparse model's preset name.
+pub const EMBEDDING: &str = "embedding";
+/// Its defaults: 2^20 rows (fitted to the data's ids unless given) of 16 values (64 MiB), one
+/// hidden layer of 64, up to 40 ids per sample.
+pub const EMBEDDING_ROWS: usize = 1 << 20;
+/// The width of a row by default.
+pub const EMBEDDING_DIM: usize = 16;
+/// The hidden widths above the bag by default.
+pub const EMBEDDING_HIDDEN: &[usize] = &[64];
+/// Ids per sample at most, before the data says.
+pub const EMBEDDING_SLOTS: usize = 40;
+
 /// `--model`'s long help: what a model is, then every preset with its parameters, tensors and
 /// forward FLOPs per sample at its default input (3x32x32 or 1x8x8 images, 10 classes), then
 /// the profiles gradsync replays.
@@ -77,6 +89,15 @@ pub fn label_of(token: &str) -> String {
         let name = rest.split_once(':').map_or(rest, |(n, _)| n);
         return format!("{name} (replay)");
     }
+    if let Some(rest) = token.strip_prefix("embedding:") {
+        // embedding:ROWS:DIM[:HIDDEN...]:POOL/SLOTS-CLASSES
+        let (model, shape) = rest.rsplit_once('/').unwrap_or((rest, ""));
+        let parts: Vec<&str> = model.split(':').collect();
+        let (rows, dim) = (parts.first().copied().unwrap_or("?"), parts.get(1).copied().unwrap_or("?"));
+        let pool = parts.last().copied().unwrap_or("?");
+        let (slots, classes) = shape.split_once('-').unwrap_or((shape, "?"));
+        return format!("embedding {rows}x{dim} ({pool} of up to {slots} ids, {classes} classes)");
+    }
     match token.split_once(':') {
         Some((preset, shape)) => match shape.rsplit_once('-') {
             Some((input, classes)) => format!("{preset} ({input}, {classes} classes)"),
@@ -113,7 +134,20 @@ pub enum Input {
         /// Width in pixels.
         width: usize,
     },
+    /// A bag of up to `slots` row ids of a table of `rows`, each with a weight: the sample's
+    /// `slots` ids, then their `slots` weights (an empty slot has id -1 and weight 0). Ids are
+    /// carried as `f32`, exact below 2^24 ([`MAX_BAG_ROWS`]).
+    Bag {
+        /// The ids' range: every id is below this.
+        rows: usize,
+        /// Ids per sample at most.
+        slots: usize,
+    },
 }
+
+/// The most rows a bag's ids may address: ids travel in the batch as `f32`, which holds every
+/// integer below 2^24 exactly.
+pub const MAX_BAG_ROWS: usize = 1 << 24;
 
 impl Input {
     /// Values per sample.
@@ -121,6 +155,7 @@ impl Input {
         match *self {
             Input::Flat(n) => n,
             Input::Image { channels, height, width } => channels * height * width,
+            Input::Bag { slots, .. } => 2 * slots,
         }
     }
 
@@ -135,6 +170,7 @@ impl fmt::Display for Input {
         match self {
             Input::Flat(n) => write!(f, "{n}"),
             Input::Image { channels, height, width } => write!(f, "{channels}x{height}x{width}"),
+            Input::Bag { rows, slots } => write!(f, "{slots} ids of {rows}"),
         }
     }
 }
@@ -152,6 +188,18 @@ pub enum Arch {
     Vgg11,
     /// The small conv net for 8x8 images.
     Cnn8,
+    /// A sparse model: an embedding bag (a table of `dim`-wide rows, each sample the sum or
+    /// the mean of its ids' rows) under linear layers with ReLUs of these hidden widths.
+    Embedding {
+        /// The table's rows; `None` fits them to the data's ids ([`ModelSpec::fit`]).
+        rows: Option<usize>,
+        /// The width of a row.
+        dim: usize,
+        /// Hidden widths of the dense layers above the bag.
+        hidden: Vec<usize>,
+        /// Pool by the mean of a sample's (weighted) rows rather than their sum.
+        mean: bool,
+    },
     /// A model replayed from its profile: layers that wait out their compute.
     Replay(Box<Profile>),
 }
@@ -189,6 +237,9 @@ impl ModelSpec {
             "cnn8" => return conv(Arch::Cnn8, Input::Image { channels: 1, height: 8, width: 8 }),
             _ => {}
         }
+        if s == EMBEDDING || s.starts_with("embedding:") {
+            return Self::embedding(s);
+        }
         if let Some(path) = s.strip_prefix("profile:") {
             return Ok(Self::replay(Profile::load(std::path::Path::new(path))?));
         }
@@ -219,6 +270,63 @@ impl ModelSpec {
                 names.join(", ")
             ),
         ))
+    }
+
+    /// `embedding[:ROWS:DIM[:HIDDEN...]][:sum|:mean]`: the sparse model, fitted to the data's
+    /// ids unless ROWS is given (then the data's ids must lie below it).
+    fn embedding(s: &str) -> Result<Self> {
+        let bad = |why: String| {
+            Error::invalid(
+                "model",
+                format!("'{s}': {why} (expected embedding[:ROWS:DIM[:HIDDEN...]][:sum|:mean])"),
+            )
+        };
+        let mut parts: Vec<&str> = s.split(':').skip(1).collect();
+        let mean = match parts.last().copied() {
+            Some(pool @ ("sum" | "mean")) => {
+                parts.pop();
+                pool == "mean"
+            }
+            _ => true,
+        };
+        let num = |p: &str, what: &str| -> Result<usize> {
+            p.parse::<usize>()
+                .ok()
+                .filter(|&v| v > 0)
+                .ok_or_else(|| bad(format!("{what} '{p}' must be a positive integer")))
+        };
+        let (rows, dim, hidden) = match parts.as_slice() {
+            [] => (None, EMBEDDING_DIM, EMBEDDING_HIDDEN.to_vec()),
+            [_] => return Err(bad("give the rows and the width together".into())),
+            [r, d] => (Some(num(r, "rows")?), num(d, "width")?, EMBEDDING_HIDDEN.to_vec()),
+            [r, d, h @ ..] => (
+                Some(num(r, "rows")?),
+                num(d, "width")?,
+                h.iter().map(|w| num(w, "hidden width")).collect::<Result<Vec<_>>>()?,
+            ),
+        };
+        if let Some(r) = rows
+            && r > MAX_BAG_ROWS
+        {
+            return Err(bad(format!("{r} rows is more than the {MAX_BAG_ROWS} ids a batch can carry")));
+        }
+        let data_rows = rows.unwrap_or(EMBEDDING_ROWS);
+        Ok(ModelSpec {
+            name: EMBEDDING.into(),
+            arch: Arch::Embedding { rows, dim, hidden, mean },
+            input: Input::Bag { rows: data_rows, slots: EMBEDDING_SLOTS },
+            classes: 2,
+        })
+    }
+
+    /// The sparse model's table, when it has one: rows and the width of a row.
+    pub fn table(&self) -> Option<(usize, usize)> {
+        match (&self.arch, self.input) {
+            (Arch::Embedding { rows, dim, .. }, Input::Bag { rows: ids, .. }) => {
+                Some((rows.unwrap_or(ids), *dim))
+            }
+            _ => None,
+        }
     }
 
     /// A model replayed from `profile`.
@@ -291,6 +399,37 @@ impl ModelSpec {
             return Ok(self.clone());
         }
         let input = match (&self.arch, input) {
+            (Arch::Embedding { rows: Some(r), .. }, Input::Bag { rows, .. }) if rows > *r => {
+                return Err(Error::invalid(
+                    "model",
+                    format!(
+                        "the data's ids run to {rows}, past the {r} rows of the table; give at least {rows} \
+                         rows, or leave ROWS out to fit the table to the data"
+                    ),
+                ));
+            }
+            (Arch::Embedding { .. }, i @ Input::Bag { .. }) => i,
+            (Arch::Embedding { .. }, i) => {
+                return Err(Error::invalid(
+                    "model",
+                    format!(
+                        "{} looks up rows by id and needs id data (clicks[:N], libsvm:FILE), but the data is \
+                         {} values per sample",
+                        self.name,
+                        i.len()
+                    ),
+                ));
+            }
+            (_, Input::Bag { .. }) => {
+                return Err(Error::invalid(
+                    "model",
+                    format!(
+                        "{} needs dense inputs, but the data is bags of ids (clicks, libsvm): train an \
+                         embedding model on it",
+                        self.name
+                    ),
+                ));
+            }
             (Arch::Mlp(_), i) => Input::Flat(i.len()),
             (_, Input::Flat(n)) => {
                 return Err(Error::invalid(
@@ -336,6 +475,16 @@ impl ModelSpec {
     pub fn widths_str(&self) -> String {
         match &self.arch {
             Arch::Replay(p) => format!("{REPLAY_TOKEN}{}:{}", p.model, p.layout_tag()),
+            Arch::Embedding { dim, hidden, mean, .. } => {
+                let (rows, _) = self.table().unwrap_or_default();
+                let slots = match self.input {
+                    Input::Bag { slots, .. } => slots,
+                    other => other.len(),
+                };
+                let hidden: String = hidden.iter().map(|h| format!(":{h}")).collect();
+                let pool = if *mean { "mean" } else { "sum" };
+                format!("{EMBEDDING}:{rows}:{dim}{hidden}:{pool}/{slots}-{}", self.classes)
+            }
             Arch::Mlp(hidden) => std::iter::once(self.input.len())
                 .chain(hidden.iter().copied())
                 .chain(std::iter::once(self.classes))
@@ -360,6 +509,20 @@ impl ModelSpec {
                     ),
                 )),
             };
+        }
+        if let Some(rest) = token.strip_prefix("embedding:") {
+            let bad = || {
+                Error::invalid(
+                    "model",
+                    format!("'{token}' (expected embedding:ROWS:DIM:...:POOL/SLOTS-CLASSES)"),
+                )
+            };
+            let (model, shape) = rest.rsplit_once('/').ok_or_else(bad)?;
+            let (slots, classes) = shape.split_once('-').ok_or_else(bad)?;
+            let (slots, classes) = (slots.parse().map_err(|_| bad())?, classes.parse().map_err(|_| bad())?);
+            let spec = ModelSpec::parse(&format!("embedding:{model}"))?;
+            let (rows, _) = spec.table().ok_or_else(bad)?;
+            return spec.fit(Input::Bag { rows, slots }, classes);
         }
         let Some((preset, shape)) = token.split_once(':') else { return ModelSpec::parse(token) };
         let bad = || Error::invalid("model", format!("'{token}' (expected PRESET:CxHxW-CLASSES)"));
@@ -395,6 +558,20 @@ impl ModelSpec {
             Arch::ResNet18 => resnet(&[(64, 2), (128, 2), (256, 2), (512, 2)], self.classes),
             Arch::Vgg11 => vgg11(self.input, self.classes),
             Arch::Replay(_) => Vec::new(),
+            Arch::Embedding { dim, hidden, mean, .. } => {
+                let (rows, _) = self.table().unwrap_or_default();
+                let mut layers =
+                    vec![Layer::EmbeddingBag { name: "embedding".into(), rows, dim: *dim, mean: *mean }];
+                let widths: Vec<usize> =
+                    hidden.iter().copied().chain(std::iter::once(self.classes)).collect();
+                for (i, &w) in widths.iter().enumerate() {
+                    layers.push(Layer::Linear { name: format!("mlp.{}", 2 * i), out: w });
+                    if i + 1 < widths.len() {
+                        layers.push(Layer::Relu);
+                    }
+                }
+                layers
+            }
             Arch::Cnn8 => {
                 let mut f = Vec::new();
                 conv_bn_relu(&mut f, "features", 0, 32, false);
@@ -466,7 +643,7 @@ fn vgg11(input: Input, classes: usize) -> Vec<Layer> {
     const CFG: [usize; 13] = [64, 0, 128, 0, 256, 256, 0, 512, 512, 0, 512, 512, 0];
     let (mut h, mut w) = match input {
         Input::Image { height, width, .. } => (height, width),
-        Input::Flat(_) => (0, 0),
+        Input::Flat(_) | Input::Bag { .. } => (0, 0),
     };
     let mut layers = Vec::new();
     let mut at = 0;
@@ -522,6 +699,19 @@ pub enum Layer {
     BatchNorm {
         /// Prefix of its tensors' names.
         name: String,
+    },
+    /// An embedding bag (`name.weight`, `rows x dim`, drawn from N(0, 1) as PyTorch's): each
+    /// sample's output is the weighted sum of its ids' rows, or that sum over the number of ids
+    /// when `mean`. Reads a bag input; its gradient is nonzero only in the rows a batch names.
+    EmbeddingBag {
+        /// Prefix of its tensor's name.
+        name: String,
+        /// Rows of the table.
+        rows: usize,
+        /// Values per row.
+        dim: usize,
+        /// Mean rather than sum pooling.
+        mean: bool,
     },
     /// `max(x, 0)`.
     Relu,
@@ -584,6 +774,8 @@ pub(crate) enum Op {
     Flatten { channels: usize, pixels: usize },
     /// `output = input + other`.
     Add { other: usize, other_grad: InputGrad },
+    /// An embedding bag over the loaded batch of `slots` ids a sample: `table` is its rows.
+    Bag { table: Range<usize>, dim: usize },
 }
 
 impl Op {
@@ -599,6 +791,7 @@ impl Op {
             Op::AvgPool { .. } => "avg-pool",
             Op::Flatten { .. } => "flatten",
             Op::Add { .. } => "add",
+            Op::Bag { .. } => "embedding-bag",
         }
     }
 }
@@ -638,6 +831,32 @@ pub enum Init {
     },
     /// Every value this constant.
     Fill(f32),
+    /// Standard normal (PyTorch's default for an embedding), from the generator of `layer`.
+    Normal {
+        /// The layer's index among the layers with parameters.
+        layer: usize,
+    },
+}
+
+/// A sparse model's table: the rows of an embedding bag within the flat buffer. Its gradient
+/// is nonzero only in the rows a batch names, and the optimiser changes only those rows
+/// (lazy momentum: a row's momentum waits while no batch names it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Table {
+    /// Where it lies in the flat buffer.
+    pub range: Range<usize>,
+    /// Rows.
+    pub rows: usize,
+    /// Values per row.
+    pub dim: usize,
+}
+
+impl Table {
+    /// The flat range of row `r`.
+    pub fn row(&self, r: usize) -> Range<usize> {
+        let start = self.range.start + r * self.dim;
+        start..start + self.dim
+    }
 }
 
 impl Eq for Init {}
@@ -654,6 +873,8 @@ pub struct Layout {
     pub buffers: Vec<Tensor>,
     /// Total number of buffer values.
     pub buffers_len: usize,
+    /// A sparse model's table.
+    pub table: Option<Table>,
     /// Gradient-ready units, descending (see [`Layout::backward_order`]).
     ready: Vec<Range<usize>>,
     /// Multiply-adds of one sample's forward pass, and those of layers whose input gradient
@@ -670,6 +891,7 @@ impl Layout {
             len: 0,
             buffers: Vec::new(),
             buffers_len: 0,
+            table: None,
             ready: Vec::new(),
             macs: (0, 0),
         })
@@ -706,6 +928,7 @@ impl Layout {
 enum Shape {
     Flat(usize),
     Image { channels: usize, height: usize, width: usize },
+    Bag { slots: usize },
 }
 
 impl Shape {
@@ -713,6 +936,7 @@ impl Shape {
         match self {
             Shape::Flat(n) => n,
             Shape::Image { channels, height, width } => channels * height * width,
+            Shape::Bag { slots } => 2 * slots,
         }
     }
 }
@@ -775,7 +999,15 @@ impl Graph {
             slots: vec![0],
             slot_grads: vec![false],
             saved_len: 0,
-            layout: Layout { params, len, buffers: Vec::new(), buffers_len: 0, ready, macs: (0, 0) },
+            layout: Layout {
+                params,
+                len,
+                buffers: Vec::new(),
+                buffers_len: 0,
+                table: None,
+                ready,
+                macs: (0, 0),
+            },
             replay: Some(ReplayPlan { batch: p.batch, layers, optimizer_ns: p.optimizer_ns }),
         }
     }
@@ -792,6 +1024,7 @@ struct Builder {
     macs: u64,
     /// Multiply-adds of convolutions and linear layers reading the network's input.
     first_macs: u64,
+    table: Option<Table>,
 }
 
 impl Builder {
@@ -820,9 +1053,9 @@ impl Builder {
     fn image(&self, slot: usize, what: &str) -> Result<(usize, usize, usize)> {
         match self.slots[slot] {
             Shape::Image { channels, height, width } => Ok((channels, height, width)),
-            Shape::Flat(n) => Err(Error::invalid(
+            other => Err(Error::invalid(
                 "model",
-                format!("{what} needs an image, but its input is a vector of {n} values"),
+                format!("{what} needs an image, but its input is a vector of {} values", other.len()),
             )),
         }
     }
@@ -839,10 +1072,33 @@ impl Builder {
         let reads_input = x == 0
             || matches!(self.nodes.last(), Some(n) if n.output == x && matches!(n.op, Op::ToChannels { .. }));
         match layer {
+            Layer::EmbeddingBag { name, rows, dim, mean: _ } => {
+                let Shape::Bag { slots } = self.slots[x] else {
+                    return Err(Error::invalid(
+                        "model",
+                        format!("{name}: an embedding bag reads bags of ids"),
+                    ));
+                };
+                if x != 0 || self.table.is_some() {
+                    return Err(Error::invalid(
+                        "model",
+                        format!("{name}: an embedding bag reads the network's input"),
+                    ));
+                }
+                let init = Init::Normal { layer: self.layers };
+                self.layers += 1;
+                let table = self.param(format!("{name}.weight"), vec![*rows, *dim], init);
+                self.table = Some(Table { range: table.clone(), rows: *rows, dim: *dim });
+                // A multiply-add per id and value, forward; backward the same once.
+                let macs = (slots * dim) as u64;
+                self.macs += macs;
+                self.first_macs += macs;
+                Ok(self.node(Op::Bag { table, dim: *dim }, x, Shape::Flat(*dim)))
+            }
             Layer::Linear { name, out } => {
                 let fan_in = match self.slots[x] {
                     Shape::Flat(n) => n,
-                    Shape::Image { .. } => {
+                    Shape::Image { .. } | Shape::Bag { .. } => {
                         return Err(Error::invalid(
                             "model",
                             format!("{name}: a linear layer needs a vector (flatten first)"),
@@ -948,7 +1204,7 @@ impl Builder {
                 Ok(self.node(Op::AvgPool { channels, pixels: height * width }, x, Shape::Flat(channels)))
             }
             Layer::Flatten => match self.slots[x] {
-                Shape::Flat(_) => Ok(x),
+                Shape::Flat(_) | Shape::Bag { .. } => Ok(x),
                 s @ Shape::Image { channels, height, width } => {
                     Ok(self.node(Op::Flatten { channels, pixels: height * width }, x, Shape::Flat(s.len())))
                 }
@@ -984,10 +1240,12 @@ impl Graph {
             layers: 0,
             macs: 0,
             first_macs: 0,
+            table: None,
         };
         let mut x = match spec.input {
             Input::Flat(n) => b.slot(Shape::Flat(n)),
             Input::Image { channels, height, width } => b.slot(Shape::Image { channels, height, width }),
+            Input::Bag { slots, .. } => b.slot(Shape::Bag { slots }),
         };
         if let Input::Image { channels, height, width } = spec.input {
             if spec.is_mlp() {
@@ -1049,6 +1307,7 @@ impl Graph {
                 Op::Linear { weight, bias, .. } => ready.extend([bias.clone(), weight.clone()]),
                 Op::Conv { weight, bias, .. } => ready.extend(bias.iter().cloned().chain([weight.clone()])),
                 Op::Norm { params, .. } => ready.push(params.clone()),
+                Op::Bag { table, .. } => ready.push(table.clone()),
                 _ => {}
             }
         }
@@ -1059,6 +1318,7 @@ impl Graph {
             len,
             buffers: b.buffers,
             buffers_len,
+            table: b.table,
             ready,
             macs: (b.macs, b.first_macs),
         };
@@ -1103,6 +1363,24 @@ impl BucketPlan {
             buckets.push(0..end);
         }
         BucketPlan { buckets }
+    }
+
+    /// The same plan without a sparse model's table (the first tensor, so the end of the last
+    /// bucket): its gradient is then written in place and handed to nobody, for a strategy that
+    /// moves only the rows a batch names. A model without a table keeps the whole plan.
+    pub fn without_table(mut self, layout: &Layout) -> Self {
+        if let Some(t) = &layout.table {
+            self.buckets.retain_mut(|b| {
+                b.start = b.start.max(t.range.end);
+                b.start < b.end
+            });
+        }
+        self
+    }
+
+    /// Whether the plan hands out a sparse model's table (every plan of a dense model does).
+    pub fn covers_table(&self, layout: &Layout) -> bool {
+        layout.table.as_ref().is_none_or(|t| self.buckets.iter().any(|b| b.start <= t.range.start))
     }
 }
 
@@ -1173,6 +1451,12 @@ fn fill(tensors: &[Tensor], out: &mut [f32], seed: u64) {
     for t in tensors {
         match t.init {
             Init::Fill(v) => out[t.range.clone()].fill(v),
+            Init::Normal { layer } => {
+                let mut rng = Rng::new(seed, 0x1417 + layer as u64);
+                for v in &mut out[t.range.clone()] {
+                    *v = rng.normal();
+                }
+            }
             Init::Uniform { bound, layer } => {
                 let rng = match &mut stream {
                     Some((l, rng)) if *l == layer => rng,

@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 
 use crate::device::{Backend, ChannelSum, NormConfig, Window};
 use crate::error::{Error, Result};
-use crate::model::{BucketPlan, Graph, InputGrad, Layout, ModelSpec, Node, Op, init_buffers, init_params};
+use crate::model::{
+    BucketPlan, Graph, Input, InputGrad, Layout, ModelSpec, Node, Op, Table, init_buffers, init_params,
+};
 use crate::optim::SgdConfig;
 use crate::profile::Profile;
 
@@ -67,6 +69,167 @@ pub struct BatchLoss {
     pub rows: usize,
 }
 
+/// A batch of bags as the embedding bag's kernels read it, built on the host from the loaded
+/// samples: by sample for forward (each sample's ids and weights), and by row for backward
+/// (each named row's contributions, rows ascending, contributions in sample order), so that
+/// every output is one thread's sum in a fixed order on either device.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct BagBatch {
+    /// `off[s]..off[s + 1]`: sample `s`'s entries in `ids` and `w`.
+    pub(crate) off: Vec<u32>,
+    pub(crate) ids: Vec<u32>,
+    /// Each entry's weight, divided by the sample's number of ids under mean pooling.
+    pub(crate) w: Vec<f32>,
+    /// The rows the batch names, ascending, each once.
+    pub(crate) rows: Vec<u32>,
+    /// `roff[u]..roff[u + 1]`: row `rows[u]`'s entries in `samples` and `rw`.
+    pub(crate) roff: Vec<u32>,
+    pub(crate) samples: Vec<u32>,
+    pub(crate) rw: Vec<f32>,
+}
+
+impl BagBatch {
+    /// The bags of `x` (`batch` samples of `slots` ids, then `slots` weights; a negative id is
+    /// an empty slot) for a table of `table_rows`; an id that is not a whole number below it is
+    /// refused, naming the sample.
+    pub(crate) fn build(
+        x: &[f32],
+        batch: usize,
+        slots: usize,
+        table_rows: usize,
+        mean: bool,
+    ) -> Result<Self> {
+        let mut b = BagBatch { off: Vec::with_capacity(batch + 1), ..Default::default() };
+        b.off.push(0);
+        for s in 0..batch {
+            let sample = &x[s * 2 * slots..(s + 1) * 2 * slots];
+            let (ids, ws) = sample.split_at(slots);
+            let start = b.ids.len();
+            for (&id, &w) in ids.iter().zip(ws) {
+                if id < 0.0 {
+                    continue;
+                }
+                if id.fract() != 0.0 || id >= table_rows as f32 {
+                    return Err(Error::invalid(
+                        "embedding bag",
+                        format!(
+                            "sample {s} of the batch names row {id}, not a row of the table's {table_rows}"
+                        ),
+                    ));
+                }
+                b.ids.push(id as u32);
+                b.w.push(w);
+            }
+            let count = b.ids.len() - start;
+            if mean && count > 0 {
+                let inv = 1.0 / count as f32;
+                b.w[start..].iter_mut().for_each(|w| *w *= inv);
+            }
+            b.off.push(b.ids.len() as u32);
+        }
+        // By row: entries sorted by row, stably, so each row's contributions keep sample order.
+        let mut order: Vec<(u32, u32, f32)> = Vec::with_capacity(b.ids.len());
+        for s in 0..batch {
+            for j in b.off[s] as usize..b.off[s + 1] as usize {
+                order.push((b.ids[j], s as u32, b.w[j]));
+            }
+        }
+        order.sort_by_key(|e| e.0);
+        b.roff.push(0);
+        for (i, &(row, sample, w)) in order.iter().enumerate() {
+            if i > 0 && order[i - 1].0 != row {
+                b.roff.push(i as u32);
+            }
+            if i == 0 || order[i - 1].0 != row {
+                b.rows.push(row);
+            }
+            b.samples.push(sample);
+            b.rw.push(w);
+        }
+        if !order.is_empty() {
+            b.roff.push(order.len() as u32);
+        }
+        Ok(b)
+    }
+}
+
+/// A sparse model's state beside the net: the loaded batch's bags on the device, and which
+/// rows of the table's gradient may hold values.
+struct BagState<B: Backend> {
+    table: Table,
+    slots: usize,
+    mean: bool,
+    host: BagBatch,
+    off: Option<B::Labels>,
+    ids: Option<B::Labels>,
+    w: Option<B::Buf>,
+    rows: Option<B::Labels>,
+    roff: Option<B::Labels>,
+    samples: Option<B::Labels>,
+    rw: Option<B::Buf>,
+    /// Values `w` and `rw` can hold.
+    capacity: usize,
+    /// Rows of the table's gradient that may be nonzero, ascending; `None`: any (the gradient
+    /// was handed out, or written from outside).
+    dirty: Option<Vec<u32>>,
+    /// `dirty` on the device, for zeroing and the update.
+    dirty_dev: Option<B::Labels>,
+}
+
+/// Which buffer [`Net::read_rows`] and [`Net::write_rows`] move rows of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowsOf {
+    /// The parameters.
+    Params,
+    /// The gradient.
+    Grads,
+}
+
+/// `rows` of `table` as runs of consecutive rows: each run's offset in the flat buffer and its
+/// values' range in a host array of `dim` values a row.
+fn row_runs(table: &Table, rows: &[u32]) -> Vec<(usize, Range<usize>)> {
+    let mut runs: Vec<(usize, Range<usize>)> = Vec::new();
+    for (i, &r) in rows.iter().enumerate() {
+        let at = table.row(r as usize).start;
+        let k = i * table.dim..(i + 1) * table.dim;
+        match runs.last_mut() {
+            Some((start, span)) if *start + span.len() == at && span.end == k.start => span.end = k.end,
+            _ => runs.push((at, k)),
+        }
+    }
+    runs
+}
+
+/// The union of two ascending lists of rows.
+fn merge_rows(a: &[u32], b: &[u32]) -> Vec<u32> {
+    let mut out = Vec::with_capacity(a.len() + b.len());
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() || j < b.len() {
+        let next = match (a.get(i), b.get(j)) {
+            (Some(&x), Some(&y)) if x == y => {
+                i += 1;
+                j += 1;
+                x
+            }
+            (Some(&x), Some(&y)) if x < y => {
+                i += 1;
+                x
+            }
+            (Some(&x), None) => {
+                i += 1;
+                x
+            }
+            (_, Some(&y)) => {
+                j += 1;
+                y
+            }
+            (None, None) => unreachable!("the loop ends first"),
+        };
+        out.push(next);
+    }
+    out
+}
+
 /// A network living on one device: parameters, gradients, momentum, running statistics and
 /// activations.
 pub struct Net<B: Backend> {
@@ -108,6 +271,8 @@ pub struct Net<B: Backend> {
     /// While [`Net::record_profile`] measures: each node's nanoseconds, the device synchronised
     /// around it (forward's nodes then the loss, backward's nodes in reverse).
     timing: Option<Vec<u64>>,
+    /// A sparse model's bags and table rows.
+    bag: Option<BagState<B>>,
 }
 
 /// `(&v[read], &mut v[write])` for `read != write`.
@@ -149,6 +314,8 @@ struct Sink<'a, 'h, B: Backend + 'a> {
     /// The part of the gradient buffer below the open bucket, not yet handed out.
     rest: Option<B::ViewMut<'a>>,
     open: Option<(usize, Range<usize>, B::ViewMut<'a>)>,
+    /// A sparse model's table when the plan leaves it out: written in place, handed to nobody.
+    uncovered: Option<Range<usize>>,
     on_ready: &'h mut dyn FnMut(usize, Range<usize>, B::ViewMut<'a>),
 }
 
@@ -156,6 +323,10 @@ impl<'a, B: Backend + 'a> Sink<'a, '_, B> {
     /// Let `f` write the gradient of `range` (the next unit in backward order) into its
     /// bucket; hand the bucket out once `range` was its last.
     fn unit(&mut self, range: Range<usize>, f: impl FnOnce(B::ViewMut<'_>) -> Result<()>) -> Result<()> {
+        if self.uncovered.as_ref() == Some(&range) {
+            let rest = self.rest.as_mut().ok_or_else(|| Error::invalid("bucket plan", "buckets overlap"))?;
+            return f(B::sub(rest, range));
+        }
         if self.open.as_ref().is_none_or(|(_, r, _)| range.start < r.start) {
             let (i, r) = self
                 .buckets
@@ -196,6 +367,27 @@ impl<B: Backend> Net<B> {
         let mut buffers = backend.zeros(layout.buffers_len)?;
         backend.write(&mut buffers, 0, &init_buffers(layout))?;
         let saved = backend.zeros(graph.saved_len)?;
+        let bag = match (&layout.table, spec.input, &spec.arch) {
+            (Some(table), Input::Bag { slots, .. }, crate::model::Arch::Embedding { mean, .. }) => {
+                Some(BagState {
+                    table: table.clone(),
+                    slots,
+                    mean: *mean,
+                    host: BagBatch::default(),
+                    off: None,
+                    ids: None,
+                    w: None,
+                    rows: None,
+                    roff: None,
+                    samples: None,
+                    rw: None,
+                    capacity: 0,
+                    dirty: Some(Vec::new()),
+                    dirty_dev: None,
+                })
+            }
+            _ => None,
+        };
         Ok(Net {
             backend,
             spec,
@@ -218,6 +410,7 @@ impl<B: Backend> Net<B> {
             batches: 0,
             counts: Vec::new(),
             timing: None,
+            bag,
         })
     }
 
@@ -309,6 +502,27 @@ impl<B: Backend> Net<B> {
         self.loaded = 0;
         self.backend.write(&mut self.acts[0], 0, x)?;
         self.backend.write_labels(&mut self.labels, labels)?;
+        if let Some(bag) = &mut self.bag {
+            let host = BagBatch::build(x, rows, bag.slots, bag.table.rows, bag.mean)?;
+            let backend = &self.backend;
+            let entries = host.ids.len();
+            if entries > bag.capacity || bag.w.is_none() {
+                bag.capacity = entries.max(1);
+                bag.w = Some(backend.zeros(bag.capacity)?);
+                bag.rw = Some(backend.zeros(bag.capacity)?);
+            }
+            let (Some(w), Some(rw)) = (bag.w.as_mut(), bag.rw.as_mut()) else {
+                unreachable!("allocated above")
+            };
+            backend.write(w, 0, &host.w)?;
+            backend.write(rw, 0, &host.rw)?;
+            backend.write_labels(&mut bag.off, &host.off)?;
+            backend.write_labels(&mut bag.ids, &host.ids)?;
+            backend.write_labels(&mut bag.rows, &host.rows)?;
+            backend.write_labels(&mut bag.roff, &host.roff)?;
+            backend.write_labels(&mut bag.samples, &host.samples)?;
+            bag.host = host;
+        }
         self.loaded = rows;
         Ok(())
     }
@@ -399,7 +613,7 @@ impl<B: Backend> Net<B> {
         train: bool,
         sync: Option<&mut NormSyncFn<'o>>,
     ) -> Result<()> {
-        let Net { backend, graph, params, buffers, saved, acts, col, ones, norm, counts, .. } = self;
+        let Net { backend, graph, params, buffers, saved, acts, col, ones, norm, counts, bag, .. } = self;
         let node = &graph.nodes[i];
         let size = |slot: usize| n * graph.slots[slot];
         if node.op == Op::Relu {
@@ -488,6 +702,14 @@ impl<B: Backend> Net<B> {
             }
             Op::AvgPool { channels, pixels } => backend.avg_pool(y!(), x, *channels, n, *pixels),
             Op::Flatten { channels, pixels } => backend.swap_axes(y!(), x, *channels, n, *pixels, false),
+            Op::Bag { table, dim } => {
+                let b = bag.as_ref().ok_or_else(|| Error::invalid("embedding bag", "no bags loaded"))?;
+                let (Some(off), Some(ids), Some(w)) = (&b.off, &b.ids, &b.w) else {
+                    return Err(Error::invalid("embedding bag", "no bags loaded"));
+                };
+                let w = B::view(w, 0..b.host.ids.len());
+                backend.bag_forward(y!(), B::view(params, table.clone()), off, ids, w, n, *dim)
+            }
             Op::Add { other, .. } => {
                 backend.add_into(y!(), x, false)?;
                 let (obuf, ybuf) = read_write(acts, *other, output);
@@ -524,13 +746,35 @@ impl<B: Backend> Net<B> {
         if rows == 0 {
             return Err(Error::invalid("backward", "no forward pass to differentiate"));
         }
+        let handed_out = plan.covers_table(&self.graph.layout);
+        if let Some(bag) = &mut self.bag {
+            // Rows a previous step left in the table's gradient are cleared before this
+            // batch's are written (all of it when nobody knows which).
+            if !accumulate && let Some(dirty) = &bag.dirty {
+                self.backend.write_labels(&mut bag.dirty_dev, dirty)?;
+            }
+        }
         let Net {
-            backend, graph, params, grads, saved, acts, dacts, col, ones, sums, counts, timing, ..
+            backend,
+            graph,
+            params,
+            grads,
+            saved,
+            acts,
+            dacts,
+            col,
+            ones,
+            sums,
+            counts,
+            timing,
+            bag,
+            ..
         } = self;
         let mut sink: Sink<'a, '_, B> = Sink {
             buckets: plan.buckets.clone().into_iter().enumerate(),
             rest: Some(B::view_mut(grads, 0..graph.layout.len)),
             open: None,
+            uncovered: if handed_out { None } else { graph.layout.table.as_ref().map(|t| t.range.clone()) },
             on_ready,
         };
         if let Some(r) = &graph.replay {
@@ -547,8 +791,37 @@ impl<B: Backend> Net<B> {
             }
             return Ok(());
         }
-        let mut parts =
-            Parts { backend, graph, params, saved, acts, col, ones, sums, counts, sync, rows, accumulate };
+        // What backward clears of the table's gradient first: nothing when accumulating, else the
+        // rows a previous step may have left (`Some(count)` of them, uploaded above), or all.
+        let clear = match bag.as_ref() {
+            Some(b) if !accumulate => Some(b.dirty.as_ref().map(Vec::len)),
+            _ => None,
+        };
+        if let Some(b) = bag.as_mut() {
+            // What the table's gradient may hold once this backward has written it.
+            b.dirty = match (&b.dirty, handed_out, accumulate) {
+                (_, true, _) | (None, _, true) => None,
+                (Some(d), false, true) => Some(merge_rows(d, &b.host.rows)),
+                (_, false, false) => Some(b.host.rows.clone()),
+            };
+        }
+        let bag = bag.as_ref();
+        let mut parts = Parts {
+            backend,
+            graph,
+            params,
+            saved,
+            acts,
+            col,
+            ones,
+            sums,
+            counts,
+            sync,
+            rows,
+            accumulate,
+            bag,
+            clear,
+        };
         for node in graph.nodes.iter().rev() {
             let Some(times) = timing.as_mut() else {
                 parts.backward_node(node, dacts, &mut sink)?;
@@ -652,16 +925,112 @@ impl<B: Backend> Net<B> {
         if self.momentum.is_none() {
             self.momentum = Some(self.backend.zeros(n)?);
         }
-        let Net { backend, params, grads, momentum: Some(momentum), .. } = self else {
+        if let Some(bag) = &mut self.bag
+            && let Some(dirty) = &bag.dirty
+        {
+            self.backend.write_labels(&mut bag.dirty_dev, dirty)?;
+        }
+        let Net { backend, params, grads, momentum: Some(momentum), bag, .. } = self else {
             unreachable!("the momentum was just allocated")
         };
-        backend.sgd(
-            cfg,
-            B::view_mut(params, 0..n),
-            B::view(grads, 0..n),
-            B::view_mut(momentum, 0..n),
-            grad_scale,
-        )
+        let Some(bag) = bag else {
+            return backend.sgd(
+                cfg,
+                B::view_mut(params, 0..n),
+                B::view(grads, 0..n),
+                B::view_mut(momentum, 0..n),
+                grad_scale,
+            );
+        };
+        // The dense layers as any model's; the table's rows lazily, only those whose gradient
+        // is not all zero (of the rows that may hold one).
+        let t = bag.table.range.clone();
+        for r in [0..t.start, t.end..n] {
+            if !r.is_empty() {
+                let (p, g, m) =
+                    (B::view_mut(params, r.clone()), B::view(grads, r.clone()), B::view_mut(momentum, r));
+                backend.sgd(cfg, p, g, m, grad_scale)?;
+            }
+        }
+        let (rows, count) = match &bag.dirty {
+            Some(d) => (bag.dirty_dev.as_ref(), d.len()),
+            None => (None, bag.table.rows),
+        };
+        if count == 0 {
+            return Ok(());
+        }
+        let (p, g, m) = (B::view_mut(params, t.clone()), B::view(grads, t.clone()), B::view_mut(momentum, t));
+        backend.sgd_rows(cfg, p, g, m, rows, count, bag.table.dim, grad_scale)
+    }
+
+    /// The rows of a sparse model's table that the loaded batch names, ascending (empty for a
+    /// dense model).
+    pub fn batch_rows(&self) -> &[u32] {
+        self.bag.as_ref().map_or(&[], |b| &b.host.rows)
+    }
+
+    /// Say that the table's gradient may hold values in any row: it was written from outside
+    /// the net (a dense all-reduce of the whole buffer, another replica's sum).
+    fn table_written(&mut self) {
+        if let Some(b) = &mut self.bag {
+            b.dirty = None;
+        }
+    }
+
+    /// Rows of a sparse model's table, `dim` values a row in the order of `rows`, copied from
+    /// (`Part::Grads`: the gradient, `Part::Params`: the parameters) to host memory.
+    pub fn read_rows(&self, part: RowsOf, rows: &[u32], dst: &mut [f32]) -> Result<()> {
+        let table = self.table_for(rows, dst.len())?;
+        let buf = match part {
+            RowsOf::Params => &self.params,
+            RowsOf::Grads => &self.grads,
+        };
+        for (at, k) in row_runs(&table, rows) {
+            self.backend.read(buf, at..at + k.len(), &mut dst[k])?;
+        }
+        Ok(())
+    }
+
+    /// Overwrite rows of a sparse model's table from host memory (`dim` values a row, in the
+    /// order of `rows`): parameters pulled from a server, or the gradient's rows summed over
+    /// every rank before an update (which then steps these rows and those the last backward
+    /// wrote).
+    pub fn write_rows(&mut self, part: RowsOf, rows: &[u32], src: &[f32]) -> Result<()> {
+        let table = self.table_for(rows, src.len())?;
+        let buf = match part {
+            RowsOf::Params => &mut self.params,
+            RowsOf::Grads => &mut self.grads,
+        };
+        for (at, k) in row_runs(&table, rows) {
+            self.backend.write(buf, at, &src[k])?;
+        }
+        if part == RowsOf::Grads
+            && let Some(b) = &mut self.bag
+            && let Some(d) = &b.dirty
+        {
+            let mut sorted = rows.to_vec();
+            sorted.sort_unstable();
+            sorted.dedup();
+            b.dirty = Some(merge_rows(d, &sorted));
+        }
+        Ok(())
+    }
+
+    /// The table, once `rows` (each below its rows) and `len` (`dim` values a row) are checked.
+    fn table_for(&self, rows: &[u32], len: usize) -> Result<Table> {
+        let t = self
+            .graph
+            .layout
+            .table
+            .clone()
+            .ok_or_else(|| Error::invalid("rows", "the model has no table"))?;
+        if len != rows.len() * t.dim {
+            return Err(Error::Length { what: "table rows", expected: rows.len() * t.dim, got: len });
+        }
+        if let Some(&bad) = rows.iter().find(|&&r| r as usize >= t.rows) {
+            return Err(Error::invalid("rows", format!("row {bad} is past the table's {}", t.rows)));
+        }
+        Ok(t)
     }
 
     /// Multiply every gradient by `factor`.
@@ -689,6 +1058,7 @@ impl<B: Backend> Net<B> {
     /// Overwrite gradients from host memory starting at `offset`.
     pub fn write_grads(&mut self, offset: usize, src: &[f32]) -> Result<()> {
         self.check_range("gradients", offset, src.len())?;
+        self.table_written();
         self.backend.write(&mut self.grads, offset, src)
     }
 
@@ -761,6 +1131,7 @@ impl<B: Backend> Net<B> {
     where
         B::Buf: AsMut<[f32]>,
     {
+        self.table_written();
         (self.params.as_mut(), self.grads.as_mut())
     }
 
@@ -776,12 +1147,14 @@ impl<B: Backend> Net<B> {
             return Err(Error::Length { what: "gradient buffer", expected: n, got: other.len() });
         }
         std::mem::swap(&mut self.grads, other);
+        self.table_written();
         Ok(())
     }
 
     /// Exclusive access to the device buffers of the parameters and gradients, for collectives
     /// that work on device memory directly (NCCL).
     pub fn buffers_mut(&mut self) -> (&mut B::Buf, &mut B::Buf) {
+        self.table_written();
         (&mut self.params, &mut self.grads)
     }
 
@@ -810,6 +1183,11 @@ struct Parts<'p, 's, B: Backend> {
     rows: usize,
     /// Add parameter gradients to the buffer rather than overwrite it.
     accumulate: bool,
+    /// A sparse model's bags.
+    bag: Option<&'p BagState<B>>,
+    /// What to clear of the table's gradient before writing it: `Some(Some(k))` the `k` dirty
+    /// rows, `Some(None)` all of it, `None` nothing.
+    clear: Option<Option<usize>>,
 }
 
 impl<B: Backend> Parts<'_, '_, B> {
@@ -962,6 +1340,31 @@ impl<B: Backend> Parts<'_, '_, B> {
                 backend.swap_axes(dx!(), dy, n, *channels, *pixels, acc_dx)
             }
             Op::MaxPool { .. } | Op::AvgPool { .. } | Op::Flatten { .. } => Ok(()),
+            Op::Bag { table, dim } => {
+                let b = self.bag.ok_or_else(|| Error::invalid("embedding bag", "no bags loaded"))?;
+                let (Some(rows), Some(off), Some(samples), Some(rw)) = (&b.rows, &b.roff, &b.samples, &b.rw)
+                else {
+                    return Err(Error::invalid("embedding bag", "no bags loaded"));
+                };
+                let rw = B::view(rw, 0..b.host.samples.len());
+                let count = b.host.rows.len();
+                let clear = self.clear;
+                let (table_rows, dirty) = (b.table.rows, b.dirty_dev.as_ref());
+                sink.unit(table.clone(), |mut t| {
+                    match clear {
+                        Some(None) => {
+                            backend.zero_rows(B::sub(&mut t, 0..table.len()), None, table_rows, *dim)?
+                        }
+                        Some(Some(k)) if k > 0 => {
+                            let d = dirty
+                                .ok_or_else(|| Error::invalid("embedding bag", "dirty rows not uploaded"))?;
+                            backend.zero_rows(B::sub(&mut t, 0..table.len()), Some(d), k, *dim)?
+                        }
+                        _ => {}
+                    }
+                    backend.bag_backward(t, dy, rows, off, samples, rw, count, *dim, acc)
+                })
+            }
             Op::ToChannels { .. } | Op::Relu | Op::Add { .. } => unreachable!("handled above"),
         }
     }

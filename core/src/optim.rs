@@ -161,6 +161,23 @@ pub fn sgd_block(cfg: &SgdConfig, params: &mut [f32], grads: &[f32], momentum: &
     }
 }
 
+/// [`sgd_block`] over one row of a sparse model's table, unless its gradient is all zero: then
+/// the row and its momentum stay as they are (lazy momentum: a row no batch named waits).
+/// Returns whether the row changed. The rule of every mode, so that each changes the same rows.
+pub fn sgd_row(
+    cfg: &SgdConfig,
+    params: &mut [f32],
+    grads: &[f32],
+    momentum: &mut [f32],
+    grad_scale: f32,
+) -> bool {
+    if grads.iter().all(|&g| g == 0.0) {
+        return false;
+    }
+    sgd_block(cfg, params, grads, momentum, grad_scale);
+    true
+}
+
 /// [`sgd_block`] reading the current parameters and momentum and writing the results elsewhere
 /// (`next_params`, `next_momentum`) in the same pass, for an update that must not touch the
 /// current values until it is committed (the parameter server's pipelined step). The same

@@ -60,6 +60,10 @@ fn reference_args(spec: &ModelSpec) -> Vec<String> {
     let (name, (c, h, w)) = match spec.input {
         Input::Flat(n) => (format!("mlp:{}", spec.widths_str()), (1, 1, n)),
         Input::Image { channels, height, width } => (spec.name.clone(), (channels, height, width)),
+        Input::Bag { slots, .. } => {
+            let token = spec.widths_str();
+            (token.rsplit_once('/').map_or(token.clone(), |(m, _)| m.to_string()), (1, 1, 2 * slots))
+        }
     };
     let mut args = vec!["--model".to_string(), name];
     for (flag, v) in [("--in-channels", c), ("--height", h), ("--width", w), ("--classes", spec.classes)] {
@@ -74,10 +78,25 @@ fn check_against_pytorch(python: &Path, device: Device, spec: &ModelSpec, rows: 
     let init = dir.join("init.safetensors");
     state_dict::save(&init, &engine.state_dict().unwrap(), &[]).unwrap();
     let mut rng = Rng::new(9, 3);
-    let x: Vec<f32> = (0..rows * spec.input()).map(|_| rng.normal()).collect();
+    let x: Vec<f32> = match spec.input {
+        // Bags: a varying number of ids (repeats among them, slots left empty) with weights.
+        Input::Bag { rows: table, slots } => (0..rows)
+            .flat_map(|s| {
+                let count = 1 + s % slots;
+                let ids: Vec<f32> = (0..slots)
+                    .map(|j| if j < count { rng.below(table as u64) as f32 } else { -1.0 })
+                    .collect();
+                let ws: Vec<f32> =
+                    (0..slots).map(|j| if j < count { 0.5 + rng.uniform() } else { 0.0 }).collect();
+                [ids, ws].concat()
+            })
+            .collect(),
+        _ => (0..rows * spec.input()).map(|_| rng.normal()).collect(),
+    };
     let y: Vec<u32> = (0..rows).map(|_| rng.below(spec.classes() as u64) as u32).collect();
     let shape = match spec.input {
         Input::Flat(n) => vec![rows, n],
+        Input::Bag { slots, .. } => vec![rows, 2 * slots],
         Input::Image { channels, height, width } => vec![rows, channels, height, width],
     };
     let batch: Tensors = [
@@ -122,7 +141,8 @@ fn check_against_pytorch(python: &Path, device: Device, spec: &ModelSpec, rows: 
         state_dict::load(&out).unwrap()
     };
     let theirs = reference("out.safetensors", false);
-    let plain = (!spec.is_mlp()).then(|| reference("plain.safetensors", true));
+    let conv = !spec.is_mlp() && spec.table().is_none();
+    let plain = conv.then(|| reference("plain.safetensors", true));
     let get = |name: &str| {
         theirs.get(name).unwrap_or_else(|| panic!("{}: the reference wrote no {name}", spec.name))
     };
@@ -235,6 +255,9 @@ fn every_preset_matches_pytorch() {
         ("resnet20", image(3, 16), 10, 8),
         ("resnet18", image(3, 16), 10, 8),
         ("vgg11", image(3, 32), 10, 8),
+        // The sparse model, both poolings: a table of 40 rows, so that 8 bags repeat rows.
+        ("embedding:40:6:12:mean", Input::Bag { rows: 40, slots: 5 }, 3, 8),
+        ("embedding:40:6:12:9:sum", Input::Bag { rows: 40, slots: 5 }, 3, 8),
     ];
     let asked = std::env::var("GRADSYNC_PYTORCH_DEVICES").ok();
     let wants = |d: &str| asked.as_deref().is_none_or(|a| a.split(',').any(|x| x == d));

@@ -57,6 +57,7 @@ static const fake_kernel KERNELS[] = {
     KERNEL(round_to_half), KERNEL(widen_half), KERNEL(relu), KERNEL(add_into), KERNEL(swap_axes), KERNEL(im2col),
     KERNEL(col2im), KERNEL(max_pool), KERNEL(max_pool_backward), KERNEL(avg_pool), KERNEL(avg_pool_backward),
     KERNEL(channel_sums), KERNEL(norm_stats), KERNEL(norm_apply), KERNEL(norm_backward),
+    KERNEL(bag_forward), KERNEL(bag_backward), KERNEL(zero_rows), KERNEL(sgd_rows),
 };
 
 extern "C" const fake_kernel *fake_kernel_find(const char *name) {

@@ -12,7 +12,7 @@ use gradsync_core::optim::OptimiserArgs;
 
 pub use crate::collective::{Hierarchy, Transport};
 pub use crate::strategy::Backend;
-use crate::strategy::{FaultKind, ReplicaFault};
+use crate::strategy::{FaultKind, ReplicaFault, SparseGrads};
 
 /// The long names of the `train` flags another program writes (`gradsync-bench compare` builds
 /// every worker's command line from these): one definition for this parser and those command
@@ -38,6 +38,8 @@ pub mod flag {
     pub const DEVICE_TBPS: &str = "device-tbps";
     /// `--steps`.
     pub const STEPS: &str = "steps";
+    /// `--sparse-grads`.
+    pub const SPARSE_GRADS: &str = "sparse-grads";
     /// `--epochs`.
     pub const EPOCHS: &str = "epochs";
     /// `--seed`.
@@ -370,6 +372,12 @@ pub struct DdpArgs {
     /// Synchronise gradients every K steps, accumulating in between (DDP's no_sync).
     #[arg(long, default_value_t = 1)]
     pub sync_every: u64,
+    /// How DDP moves an embedding model's table: dense (the whole table's gradient all-reduced
+    /// with the other buckets, zeros included, as nn.EmbeddingBag under DDP) or allgather (the
+    /// rows each rank's batch named, ids and values, all-gathered and summed, as DDP does with
+    /// sparse=True).
+    #[arg(long = flag::SPARSE_GRADS, value_enum, default_value_t = SparseGrads::Dense)]
+    pub sparse_grads: SparseGrads,
     /// Address of rank 0's rendezvous store (MASTER_ADDR, else the first Slurm host).
     #[arg(long = flag::MASTER_ADDR, env = "MASTER_ADDR")]
     pub master_addr: Option<String>,

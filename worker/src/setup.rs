@@ -17,7 +17,8 @@ use gradsync_core::trace::Trace;
 use crate::cli::{DdpArgs, Mode, PsArgs, SlowRank, TrainArgs};
 use crate::rendezvous::RendezvousConfig;
 use crate::strategy::{
-    Backend, Ddp, DdpConfig, Dp, DpConfig, Local, Ps, PsConfig, Shape, Strategy, Zero1, Zero1Config,
+    Backend, Ddp, DdpConfig, Dp, DpConfig, Local, Ps, PsConfig, Shape, SparseGrads, Strategy, Zero1,
+    Zero1Config,
 };
 
 /// Samples per step per worker when `--batch` is not given (and the model is not replayed).
@@ -263,6 +264,22 @@ fn mode_config(args: &TrainArgs, run: &Run) -> anyhow::Result<ModeConfig> {
             args.mode.name()
         );
     }
+    if let Some((rows, dim)) = run.model.table()
+        && matches!(args.mode, Mode::Zero1 | Mode::Ps)
+    {
+        anyhow::bail!(
+            "--mode {} with {} ({rows} x {dim} table): an embedding table's rows are updated lazily, \
+             only where a batch named them, which {} does not do yet; use --mode local, dp or ddp \
+             (--sparse-grads dense|allgather)",
+            args.mode.name(),
+            run.model.name,
+            if args.mode == Mode::Ps {
+                "the parameter server's dense push and pull"
+            } else {
+                "ZeRO-1's sharded update"
+            },
+        );
+    }
     Ok(match args.mode {
         Mode::Local => ModeConfig::Local,
         Mode::Dp => ModeConfig::Dp(DpConfig {
@@ -315,6 +332,17 @@ fn ddp_config(d: &DdpArgs, compression: Compression, run: &Run) -> anyhow::Resul
         d.comm_timeout > 0.0 && d.comm_timeout.is_finite(),
         "--comm-timeout must be a positive number of seconds"
     );
+    if d.sparse_grads == SparseGrads::Allgather {
+        anyhow::ensure!(
+            run.model.table().is_some(),
+            "--sparse-grads allgather moves an embedding table's rows, and {} has none",
+            run.model.name
+        );
+        anyhow::ensure!(
+            d.sync_every == 1,
+            "--sparse-grads allgather sends the rows of each step's batch: it needs --sync-every 1"
+        );
+    }
     Ok(DdpConfig {
         rendezvous: RendezvousConfig {
             master: d.master()?,
@@ -337,6 +365,7 @@ fn ddp_config(d: &DdpArgs, compression: Compression, run: &Run) -> anyhow::Resul
         sgd: run.sgd,
         trace: run.trace.clone(),
         compression,
+        sparse_grads: d.sparse_grads,
     })
 }
 

@@ -5,7 +5,9 @@
 
 mod augment;
 mod cifar;
+mod clicks;
 mod digits;
+mod libsvm;
 mod mnist;
 mod sampler;
 mod synthetic;
@@ -15,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 pub use augment::Augment;
+pub use clicks::ClicksConfig;
 pub use sampler::DistributedSampler;
 pub use synthetic::SyntheticConfig;
 
@@ -82,6 +85,10 @@ pub enum DataSource {
     Mnist(PathBuf),
     /// The CIFAR-10 binary version in a directory.
     Cifar10(PathBuf),
+    /// The built-in click logs: bags of ids with a planted ground truth (sparse).
+    Clicks(ClicksConfig),
+    /// A LIBSVM text file: bags of `index:value` features (sparse).
+    Libsvm(PathBuf),
 }
 
 impl FromStr for DataSource {
@@ -101,12 +108,17 @@ impl FromStr for DataSource {
                 Err(Error::invalid("data", format!("'{s}': give the directory, as {kind}:DIR")))
             }
             "mnist" => Ok(DataSource::Mnist(PathBuf::from(rest))),
+            "clicks" => ClicksConfig::parse(rest).map(DataSource::Clicks),
+            "libsvm" if rest.is_empty() => {
+                Err(Error::invalid("data", format!("'{s}': give the file, as libsvm:FILE")))
+            }
+            "libsvm" => Ok(DataSource::Libsvm(PathBuf::from(rest))),
             "cifar10" => Ok(DataSource::Cifar10(PathBuf::from(rest))),
             _ => Err(Error::invalid(
                 "data",
                 format!(
-                    "'{s}' (expected digits, synthetic[:N[:DIM:CLASSES]], synthetic:N:CxHxW:CLASSES, mnist:DIR or \
-                     cifar10:DIR)"
+                    "'{s}' (expected digits, synthetic[:N[:DIM:CLASSES]], synthetic:N:CxHxW:CLASSES, mnist:DIR, \
+                     cifar10:DIR, clicks[:N[:ROWS]] or libsvm:FILE)"
                 ),
             )),
         }
@@ -120,6 +132,8 @@ impl fmt::Display for DataSource {
             DataSource::Digits => f.write_str("digits"),
             DataSource::Mnist(p) => write!(f, "mnist:{}", p.display()),
             DataSource::Cifar10(p) => write!(f, "cifar10:{}", p.display()),
+            DataSource::Clicks(c) => write!(f, "clicks:{}:{}", c.train, c.rows),
+            DataSource::Libsvm(p) => write!(f, "libsvm:{}", p.display()),
         }
     }
 }
@@ -132,6 +146,8 @@ impl DataSource {
             DataSource::Digits => digits::load(),
             DataSource::Mnist(dir) => mnist::load(dir),
             DataSource::Cifar10(dir) => cifar::load(dir),
+            DataSource::Clicks(c) => Ok(c.generate(seed)),
+            DataSource::Libsvm(path) => libsvm::load(path),
         }
     }
 
@@ -142,7 +158,8 @@ impl DataSource {
             DataSource::Synthetic(c) => Some((c.input, c.classes)),
             DataSource::Digits => Some((Input::Image { channels: 1, height: 8, width: 8 }, 10)),
             DataSource::Cifar10(_) => Some((Input::Image { channels: 3, height: 32, width: 32 }, 10)),
-            DataSource::Mnist(_) => None,
+            DataSource::Clicks(c) => Some((c.input(), 2)),
+            DataSource::Mnist(_) | DataSource::Libsvm(_) => None,
         }
     }
 

@@ -125,7 +125,8 @@ impl NormConfig {
 pub trait Backend: Sized {
     /// An owned `f32` buffer on the device.
     type Buf;
-    /// An owned buffer of class labels on the device.
+    /// An owned buffer of `u32` on the device: class labels, and an embedding bag's ids and
+    /// offsets.
     type Labels;
     /// A shared view of a range of a buffer.
     type View<'a>: Copy
@@ -220,6 +221,60 @@ pub trait Backend: Sized {
     ) -> Result<()>;
     /// `v *= factor`.
     fn scale(&self, v: Self::ViewMut<'_>, factor: f32) -> Result<()>;
+
+    /// An embedding bag's forward: row `s` of `y` (`batch x dim`) is `sum_j w[j] * table[ids[j]]`
+    /// over `j` in `off[s]..off[s + 1]`, each table row `dim` values.
+    #[allow(clippy::too_many_arguments)]
+    fn bag_forward(
+        &self,
+        y: Self::ViewMut<'_>,
+        table: Self::View<'_>,
+        off: &Self::Labels,
+        ids: &Self::Labels,
+        w: Self::View<'_>,
+        batch: usize,
+        dim: usize,
+    ) -> Result<()>;
+    /// An embedding bag's backward into the table's gradient, by rows: for each `u` below
+    /// `count`, row `rows[u]` of `grad` becomes (plus itself when `accumulate`)
+    /// `sum_e w[e] * dy[samples[e]]` over `e` in `off[u]..off[u + 1]`, in that order. The rows
+    /// are distinct, so each is written by one thread and the sums need no atomics.
+    #[allow(clippy::too_many_arguments)]
+    fn bag_backward(
+        &self,
+        grad: Self::ViewMut<'_>,
+        dy: Self::View<'_>,
+        rows: &Self::Labels,
+        off: &Self::Labels,
+        samples: &Self::Labels,
+        w: Self::View<'_>,
+        count: usize,
+        dim: usize,
+        accumulate: bool,
+    ) -> Result<()>;
+    /// Zero the rows `rows[..count]` of `v` (`dim` values a row), or its first `count` rows
+    /// when `rows` is `None`.
+    fn zero_rows(
+        &self,
+        v: Self::ViewMut<'_>,
+        rows: Option<&Self::Labels>,
+        count: usize,
+        dim: usize,
+    ) -> Result<()>;
+    /// [`Backend::sgd`] over the rows `rows[..count]` (the first `count` when `None`) whose gradient
+    /// is not all zero; the other rows, their momentum too, stay as they are (lazy momentum).
+    #[allow(clippy::too_many_arguments)]
+    fn sgd_rows(
+        &self,
+        cfg: &SgdConfig,
+        params: Self::ViewMut<'_>,
+        grads: Self::View<'_>,
+        momentum: Self::ViewMut<'_>,
+        rows: Option<&Self::Labels>,
+        count: usize,
+        dim: usize,
+        grad_scale: f32,
+    ) -> Result<()>;
 
     /// `v = max(v, 0)` in place.
     fn relu(&self, v: Self::ViewMut<'_>) -> Result<()>;

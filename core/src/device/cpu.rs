@@ -334,6 +334,69 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn bag_forward(
+        &self,
+        y: &mut [f32],
+        table: &[f32],
+        off: &Vec<u32>,
+        ids: &Vec<u32>,
+        w: &[f32],
+        batch: usize,
+        dim: usize,
+    ) -> Result<()> {
+        layers::bag_forward(self.pool.as_ref(), y, table, off, ids, w, batch, dim)
+    }
+
+    fn bag_backward(
+        &self,
+        grad: &mut [f32],
+        dy: &[f32],
+        rows: &Vec<u32>,
+        off: &Vec<u32>,
+        samples: &Vec<u32>,
+        w: &[f32],
+        count: usize,
+        dim: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        layers::bag_backward(grad, dy, rows, off, samples, w, count, dim, accumulate)
+    }
+
+    fn zero_rows(&self, v: &mut [f32], rows: Option<&Vec<u32>>, count: usize, dim: usize) -> Result<()> {
+        match rows {
+            None => {
+                layers::need("zero_rows", v.len(), count * dim)?;
+                layers::for_each_chunk(self.pool.as_ref(), &mut v[..count * dim], CHUNK, |_, c| c.fill(0.0));
+                Ok(())
+            }
+            Some(r) => layers::for_rows(v, Some(&r[..count]), dim, |_, row| row.fill(0.0)),
+        }
+    }
+
+    fn sgd_rows(
+        &self,
+        cfg: &SgdConfig,
+        params: &mut [f32],
+        grads: &[f32],
+        momentum: &mut [f32],
+        rows: Option<&Vec<u32>>,
+        count: usize,
+        dim: usize,
+        grad_scale: f32,
+    ) -> Result<()> {
+        layers::need("table momentum", momentum.len(), params.len())?;
+        layers::need("table gradient", grads.len(), params.len())?;
+        let rows = rows.map(|r| &r[..count]);
+        if rows.is_none() {
+            layers::need("sgd_rows", params.len(), count * dim)?;
+        }
+        let span = if rows.is_none() { count * dim } else { params.len() };
+        layers::for_rows(&mut params[..span], rows, dim, |r, p| {
+            let at = r * dim..(r + 1) * dim;
+            crate::optim::sgd_row(cfg, p, &grads[at.clone()], &mut momentum[at], grad_scale);
+        })
+    }
+
     fn scale(&self, v: &mut [f32], factor: f32) -> Result<()> {
         let body = |c: &mut [f32]| c.iter_mut().for_each(|x| *x *= factor);
         match &self.pool {

@@ -430,3 +430,93 @@ pub(super) fn norm_backward(
     });
     Ok(())
 }
+
+/// An embedding bag's forward (CUDA: `bag_forward`, a thread per output value, the same order).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn bag_forward(
+    pool: Option<&ThreadPool>,
+    y: &mut [f32],
+    table: &[f32],
+    off: &[u32],
+    ids: &[u32],
+    w: &[f32],
+    batch: usize,
+    dim: usize,
+) -> Result<()> {
+    need("bag output", y.len(), batch * dim)?;
+    need("bag offsets", off.len(), batch + 1)?;
+    let entries = off[batch] as usize;
+    need("bag ids", ids.len(), entries)?;
+    need("bag weights", w.len(), entries)?;
+    if let Some(&bad) = ids[..entries].iter().find(|&&r| (r as usize + 1) * dim > table.len()) {
+        return Err(Error::invalid(
+            "embedding bag",
+            format!("row {bad} is past the table's {} rows", table.len() / dim),
+        ));
+    }
+    for_each_chunk(pool, &mut y[..batch * dim], dim, |s, out| {
+        out.fill(0.0);
+        for j in off[s] as usize..off[s + 1] as usize {
+            let row = &table[ids[j] as usize * dim..][..dim];
+            for (o, &v) in out.iter_mut().zip(row) {
+                *o += w[j] * v;
+            }
+        }
+    });
+    Ok(())
+}
+
+/// An embedding bag's backward into the rows its batch named (CUDA: `bag_backward`, a thread
+/// per output value, the same order).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn bag_backward(
+    grad: &mut [f32],
+    dy: &[f32],
+    rows: &[u32],
+    off: &[u32],
+    samples: &[u32],
+    w: &[f32],
+    count: usize,
+    dim: usize,
+    accumulate: bool,
+) -> Result<()> {
+    need("bag rows", rows.len(), count)?;
+    need("bag row offsets", off.len(), count + 1)?;
+    let entries = off[count] as usize;
+    need("bag samples", samples.len(), entries)?;
+    need("bag weights", w.len(), entries)?;
+    for (u, &r) in rows[..count].iter().enumerate() {
+        let out = grad.get_mut(r as usize * dim..(r as usize + 1) * dim).ok_or_else(|| {
+            Error::invalid("embedding bag", format!("row {r} is past the table's gradient"))
+        })?;
+        for (k, o) in out.iter_mut().enumerate() {
+            let mut acc = 0.0f32;
+            for e in off[u] as usize..off[u + 1] as usize {
+                acc += w[e] * dy[samples[e] as usize * dim + k];
+            }
+            put(o, acc, accumulate);
+        }
+    }
+    Ok(())
+}
+
+/// The rows `rows` of `v`, or all of `v` when `None`, as `dim`-value slices: `body(row)` for each.
+pub(super) fn for_rows(
+    v: &mut [f32],
+    rows: Option<&[u32]>,
+    dim: usize,
+    mut body: impl FnMut(usize, &mut [f32]),
+) -> Result<()> {
+    match rows {
+        None => v.chunks_exact_mut(dim).enumerate().for_each(|(r, row)| body(r, row)),
+        Some(rows) => {
+            for &r in rows {
+                let row = v
+                    .get_mut(r as usize * dim..(r as usize + 1) * dim)
+                    .ok_or_else(|| Error::invalid("table rows", format!("row {r} is past the table")))?;
+                body(r as usize, row);
+            }
+        }
+    }
+    Ok(())
+}

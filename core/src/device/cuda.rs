@@ -944,6 +944,60 @@ impl Backend for Cuda {
         self.layer_max_pool_backward(dx, dy, x, w, accumulate)
     }
 
+    fn bag_forward(
+        &self,
+        y: GpuViewMut<'_>,
+        table: GpuView<'_>,
+        off: &CudaSlice<u32>,
+        ids: &CudaSlice<u32>,
+        w: GpuView<'_>,
+        batch: usize,
+        dim: usize,
+    ) -> Result<()> {
+        let entries = w.len;
+        self.layer_bag_forward(y, table, (off, ids), w, (batch, dim, entries))
+    }
+
+    fn bag_backward(
+        &self,
+        grad: GpuViewMut<'_>,
+        dy: GpuView<'_>,
+        rows: &CudaSlice<u32>,
+        off: &CudaSlice<u32>,
+        samples: &CudaSlice<u32>,
+        w: GpuView<'_>,
+        count: usize,
+        dim: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let entries = w.len;
+        self.layer_bag_backward(grad, dy, (rows, off, samples), w, (count, dim, entries), accumulate)
+    }
+
+    fn zero_rows(
+        &self,
+        v: GpuViewMut<'_>,
+        rows: Option<&CudaSlice<u32>>,
+        count: usize,
+        dim: usize,
+    ) -> Result<()> {
+        self.layer_zero_rows(v, rows, count, dim)
+    }
+
+    fn sgd_rows(
+        &self,
+        cfg: &SgdConfig,
+        params: GpuViewMut<'_>,
+        grads: GpuView<'_>,
+        momentum: GpuViewMut<'_>,
+        rows: Option<&CudaSlice<u32>>,
+        count: usize,
+        dim: usize,
+        grad_scale: f32,
+    ) -> Result<()> {
+        self.layer_sgd_rows(cfg, params, grads, momentum, rows, (count, dim), grad_scale)
+    }
+
     fn avg_pool(
         &self,
         y: GpuViewMut<'_>,

@@ -502,3 +502,69 @@ extern "C" __global__ void widen_half(float* dst, const unsigned short* src, u64
         dst[i] = v != v ? v : v * scale;
     }
 }
+
+// An embedding bag's forward: y[s, k] = sum over j in off[s]..off[s+1], in order, of
+// w[j] * table[ids[j], k]. One thread per output (CPU: cpu_layers::bag_forward).
+extern "C" __global__ void bag_forward(float* y, const float* table, const unsigned int* off, const unsigned int* ids,
+                                       const float* w, u64 batch, u64 dim) {
+    const u64 n = batch * dim;
+    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
+        const u64 s = t / dim, k = t % dim;
+        float acc = 0.0f;
+        for (unsigned int j = off[s]; j < off[s + 1]; ++j) {
+            acc += w[j] * table[(u64)ids[j] * dim + k];
+        }
+        y[t] = acc;
+    }
+}
+
+// Its backward into the rows a batch named: grad[rows[u], k] (=|+=) the sum over e in
+// off[u]..off[u+1], in order, of w[e] * dy[samples[e], k]. The rows are distinct, so one thread
+// owns each output (CPU: cpu_layers::bag_backward).
+extern "C" __global__ void bag_backward(float* grad, const float* dy, const unsigned int* rows, const unsigned int* off,
+                                        const unsigned int* samples, const float* w, u64 count, u64 dim,
+                                        int accumulate) {
+    const u64 n = count * dim;
+    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
+        const u64 u = t / dim, k = t % dim;
+        float acc = 0.0f;
+        for (unsigned int e = off[u]; e < off[u + 1]; ++e) {
+            acc += w[e] * dy[(u64)samples[e] * dim + k];
+        }
+        float* out = grad + (u64)rows[u] * dim + k;
+        *out = accumulate ? *out + acc : acc;
+    }
+}
+
+// Zero rows[0..count] of v (dim values a row), or its first count rows when rows is null
+// (CPU: Cpu::zero_rows).
+extern "C" __global__ void zero_rows(float* v, const unsigned int* rows, u64 count, u64 dim) {
+    const u64 n = count * dim;
+    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
+        const u64 u = t / dim, k = t % dim;
+        const u64 r = rows ? (u64)rows[u] : u;
+        v[r * dim + k] = 0.0f;
+    }
+}
+
+// The SGD step of `sgd` over rows[0..count] (the first count rows when rows is null), skipping
+// a row whose gradient is all zero: it and its momentum stay (lazy momentum; CPU: optim::sgd_row).
+// One thread per value, each reading its row's gradient to decide.
+extern "C" __global__ void sgd_rows(float* p, const float* grad, float* m, const unsigned int* rows, u64 count, u64 dim,
+                                    float lr, float mu, float wd, float s) {
+    const u64 n = count * dim;
+    for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
+        const u64 u = t / dim, k = t % dim;
+        const u64 base = (rows ? (u64)rows[u] : u) * dim;
+        bool zero = true;
+        for (u64 j = 0; j < dim; ++j) {
+            zero = zero && grad[base + j] == 0.0f;
+        }
+        if (zero) continue;
+        const u64 i = base + k;
+        const float g = s * grad[i] + wd * p[i];
+        const float mi = mu * m[i] + g;
+        m[i] = mi;
+        p[i] = p[i] - lr * mi;
+    }
+}

@@ -22,6 +22,7 @@ use gradsync_core::trace::Trace;
 
 use super::bucket::BucketReduce;
 use super::shell::Shell;
+use super::sparse::{RowGather, SparseGrads};
 use super::{Shape, Strategy, timed_span};
 use crate::collective::{Hierarchy, Transport};
 use crate::rendezvous::RendezvousConfig;
@@ -56,6 +57,8 @@ pub struct DdpConfig {
     pub trace: Trace,
     /// How each bucket travels (`--compress`).
     pub compression: Compression,
+    /// How an embedding model's table travels (`--sparse-grads`).
+    pub sparse_grads: SparseGrads,
 }
 
 /// Collective backends.
@@ -76,6 +79,9 @@ pub struct Ddp {
     /// How a bucket is reduced (`--compress`), with what that keeps between steps.
     reduce: BucketReduce,
     compression: Compression,
+    sparse_grads: SparseGrads,
+    /// The table's rows all-gathered (`--sparse-grads allgather`).
+    rows: RowGather,
 }
 
 impl Ddp {
@@ -88,7 +94,14 @@ impl Ddp {
         {
             anyhow::bail!(why);
         }
-        Ok(Ddp { shell: Shell::connect(&c)?, state_bytes: 0, reduce, compression: c.compression })
+        Ok(Ddp {
+            shell: Shell::connect(&c)?,
+            state_bytes: 0,
+            reduce,
+            compression: c.compression,
+            sparse_grads: c.sparse_grads,
+            rows: RowGather::default(),
+        })
     }
 }
 
@@ -131,6 +144,17 @@ impl Strategy for Ddp {
                 rec.backward_ms = synced.backward_ms;
                 rec.comm_ms = synced.comm_ms;
                 rec.comm_exposed_ms = synced.exposed_ms;
+                if d.sparse_grads == SparseGrads::Allgather && engine.layout().table.is_some() {
+                    // The table's gradient is ready last, so its rows travel once backward ends:
+                    // all of that time is exposed.
+                    let t = std::time::Instant::now();
+                    let rows = d.rows.all_gather(sh.comm.get(), engine)?;
+                    sh.trace.span("allgather rows", "comm", "comm", t);
+                    let ms = gradsync_core::metrics::ms_since(t);
+                    rec.comm_ms += ms;
+                    rec.comm_exposed_ms += ms;
+                    rec.rows = Some(rows as u64);
+                }
                 let ((), ms) = timed_span(engine, &sh.trace, "update", |e| e.update(&sh.sgd, s.scale))?;
                 rec.update_ms = ms;
                 Ok(())
@@ -145,6 +169,7 @@ impl Strategy for Ddp {
     fn describe(&self) -> (String, serde_json::Map<String, serde_json::Value>) {
         let mut m = serde_json::Map::new();
         m.insert("compression".into(), self.compression.to_string().into());
+        m.insert("sparse_grads".into(), self.sparse_grads.name().into());
         super::describe_memory(&mut m, self.state_bytes);
         let v = self.shell.describe(&mut m);
         (v, m)

@@ -15,6 +15,7 @@ mod dp;
 mod local;
 pub mod ps;
 mod shell;
+mod sparse;
 mod zero1;
 
 use std::time::Instant;
@@ -29,6 +30,7 @@ pub use dp::{Dp, DpConfig, FaultKind, ReplicaFault};
 pub use gradsync_core::metrics::ms_since;
 pub use local::Local;
 pub use ps::{Ps, PsConfig};
+pub use sparse::SparseGrads;
 pub use zero1::{Zero1, Zero1Config};
 
 /// How the training data is split among a strategy's ranks.

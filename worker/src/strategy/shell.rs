@@ -32,6 +32,8 @@ pub(super) struct Shell {
     pub sync_bn: bool,
     pub trace: Trace,
     plan: Option<BucketPlan>,
+    /// Whether an embedding model's table stays out of the buckets (it travels as rows).
+    rows_apart: bool,
 }
 
 /// One synchronising step as the strategy's own part sees it.
@@ -89,6 +91,7 @@ impl Shell {
             sync_bn: c.sync_bn,
             trace: c.trace.clone(),
             plan: None,
+            rows_apart: c.sparse_grads == super::sparse::SparseGrads::Allgather,
         })
     }
 
@@ -96,7 +99,10 @@ impl Shell {
     /// rank, rank 0's, written into `engine`. Returns the plan and rank 0's momentum (zeros
     /// unless `--load` gave one), which the strategy keeps where its optimiser state lives.
     pub fn start(&mut self, engine: &mut Engine) -> anyhow::Result<(BucketPlan, Vec<f32>)> {
-        let plan = BucketPlan::with_cap(engine.layout(), self.bucket_values);
+        let mut plan = BucketPlan::with_cap(engine.layout(), self.bucket_values);
+        if self.rows_apart {
+            plan = plan.without_table(engine.layout());
+        }
         let mut p = engine.params()?;
         self.comm.get().broadcast(&mut p, 0).context("broadcasting the initial parameters")?;
         engine.write_params(0, &p)?;

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{CudaFunction, CudaModule, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, PushKernelArg};
 
 use super::{BIAS_GRAD_ROWS, Cuda, GpuView, GpuViewMut, buf_ptr, cuda_err, offset_ptr};
 use crate::device::backend::{ChannelSum, NormConfig, Window, bias_grad_passes};
@@ -14,7 +14,7 @@ use crate::error::Result;
 
 /// Names of the layer kernels, in [`LayerKernels`] order.
 #[cfg(test)]
-pub(super) const NAMES: [&str; 13] = [
+pub(super) const NAMES: [&str; 17] = [
     "relu",
     "add_into",
     "swap_axes",
@@ -28,6 +28,10 @@ pub(super) const NAMES: [&str; 13] = [
     "norm_stats",
     "norm_apply",
     "norm_backward",
+    "bag_forward",
+    "bag_backward",
+    "zero_rows",
+    "sgd_rows",
 ];
 
 /// The NVRTC-compiled layer kernels.
@@ -45,6 +49,10 @@ pub(super) struct LayerKernels {
     norm_stats: CudaFunction,
     norm_apply: CudaFunction,
     norm_backward: CudaFunction,
+    bag_forward: CudaFunction,
+    bag_backward: CudaFunction,
+    zero_rows: CudaFunction,
+    sgd_rows: CudaFunction,
 }
 
 impl LayerKernels {
@@ -64,6 +72,10 @@ impl LayerKernels {
             norm_stats: load("norm_stats")?,
             norm_apply: load("norm_apply")?,
             norm_backward: load("norm_backward")?,
+            bag_forward: load("bag_forward")?,
+            bag_backward: load("bag_backward")?,
+            zero_rows: load("zero_rows")?,
+            sgd_rows: load("sgd_rows")?,
         })
     }
 }
@@ -387,5 +399,107 @@ impl Cuda {
         let (c, m64, cnt, acc, acc_dx) =
             (channels as u64, m as u64, count as u64, i32::from(accumulate), i32::from(accumulate_dx));
         launch!(self, norm_backward, threads; dxp, dap, dyp, xp, sp, ap, smp, c, m64, cnt, acc, acc_dx)
+    }
+
+    /// An embedding bag's forward; `off` and `ids` are `u32` device arrays of at least
+    /// `batch + 1` and `entries` values.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn layer_bag_forward(
+        &self,
+        y: GpuViewMut<'_>,
+        table: GpuView<'_>,
+        (off, ids): (&CudaSlice<u32>, &CudaSlice<u32>),
+        w: GpuView<'_>,
+        (batch, dim, entries): (usize, usize, usize),
+    ) -> Result<()> {
+        self.check_views(
+            "bag_forward",
+            &[(y.owner, y.len, batch * dim), (table.owner, table.len, dim), (w.owner, w.len, entries)],
+        )?;
+        Self::need("bag offsets", off.len(), batch + 1)?;
+        Self::need("bag ids", ids.len(), entries)?;
+        if batch * dim == 0 {
+            return Ok(());
+        }
+        let (yp, tp, op, ip, wp) = (y.ptr, table.ptr, buf_ptr(off), buf_ptr(ids), w.ptr);
+        let (b, d) = (batch as u64, dim as u64);
+        launch!(self, bag_forward, batch * dim; yp, tp, op, ip, wp, b, d)
+    }
+
+    /// An embedding bag's backward into `count` distinct rows of `grad`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn layer_bag_backward(
+        &self,
+        grad: GpuViewMut<'_>,
+        dy: GpuView<'_>,
+        (rows, off, samples): (&CudaSlice<u32>, &CudaSlice<u32>, &CudaSlice<u32>),
+        w: GpuView<'_>,
+        (count, dim, entries): (usize, usize, usize),
+        accumulate: bool,
+    ) -> Result<()> {
+        self.check_views(
+            "bag_backward",
+            &[(grad.owner, grad.len, dim), (dy.owner, dy.len, 0), (w.owner, w.len, entries)],
+        )?;
+        Self::need("bag rows", rows.len(), count)?;
+        Self::need("bag row offsets", off.len(), count + 1)?;
+        Self::need("bag samples", samples.len(), entries)?;
+        if count * dim == 0 {
+            return Ok(());
+        }
+        let (gp, dp, rp, op, sp, wp) =
+            (grad.ptr, dy.ptr, buf_ptr(rows), buf_ptr(off), buf_ptr(samples), w.ptr);
+        let (c, d, acc) = (count as u64, dim as u64, i32::from(accumulate));
+        launch!(self, bag_backward, count * dim; gp, dp, rp, op, sp, wp, c, d, acc)
+    }
+
+    /// Zero `count` rows of `v` (`rows`, or the first `count` when `None`).
+    pub(super) fn layer_zero_rows(
+        &self,
+        v: GpuViewMut<'_>,
+        rows: Option<&CudaSlice<u32>>,
+        count: usize,
+        dim: usize,
+    ) -> Result<()> {
+        self.own("zero_rows", v.owner)?;
+        match rows {
+            Some(r) => Self::need("zero_rows rows", r.len(), count)?,
+            None => Self::need("zero_rows", v.len, count * dim)?,
+        }
+        if count * dim == 0 {
+            return Ok(());
+        }
+        let (vp, rp, c, d) = (v.ptr, rows.map_or(0, buf_ptr), count as u64, dim as u64);
+        launch!(self, zero_rows, count * dim; vp, rp, c, d)
+    }
+
+    /// The lazy SGD step over `count` rows (`rows`, or the first `count` when `None`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn layer_sgd_rows(
+        &self,
+        cfg: &crate::optim::SgdConfig,
+        params: GpuViewMut<'_>,
+        grads: GpuView<'_>,
+        momentum: GpuViewMut<'_>,
+        rows: Option<&CudaSlice<u32>>,
+        (count, dim): (usize, usize),
+        grad_scale: f32,
+    ) -> Result<()> {
+        let n = params.len;
+        self.check_views(
+            "sgd_rows",
+            &[(params.owner, n, 0), (grads.owner, grads.len, n), (momentum.owner, momentum.len, n)],
+        )?;
+        match rows {
+            Some(r) => Self::need("sgd_rows rows", r.len(), count)?,
+            None => Self::need("sgd_rows", n, count * dim)?,
+        }
+        if count * dim == 0 {
+            return Ok(());
+        }
+        let (pp, gp, mp, rp) = (params.ptr, grads.ptr, momentum.ptr, rows.map_or(0, buf_ptr));
+        let (c, d, s) = (count as u64, dim as u64, grad_scale);
+        let crate::optim::SgdConfig { lr, momentum: mu, weight_decay: wd } = *cfg;
+        launch!(self, sgd_rows, count * dim; pp, gp, mp, rp, c, d, lr, mu, wd, s)
     }
 }
