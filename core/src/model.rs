@@ -444,7 +444,13 @@ impl ModelSpec {
             }
             (_, image) => image,
         };
-        let fitted = ModelSpec { input, classes, ..self.clone() };
+        let mut fitted = ModelSpec { input, classes, ..self.clone() };
+        if let (Arch::Embedding { rows: rows @ None, .. }, Input::Bag { rows: ids, .. }) =
+            (&mut fitted.arch, input)
+        {
+            // Fitted: the table's rows are the data's, from now on stated.
+            *rows = Some(ids);
+        }
         // Refuse now, by name, what would not build (an image too small for the network).
         Graph::new(&fitted)?;
         Ok(fitted)

@@ -131,3 +131,31 @@ fn accumulate_adds_gradients() {
         assert!((2.0 * a - b).abs() <= 1e-6 * (1.0 + a.abs()), "{a} doubled is not {b}");
     }
 }
+
+/// The embedding model's flags and fitting: rows fitted to the data unless given, a table
+/// smaller than the data's ids refused by name, dense data refused, and dense models refusing
+/// bags.
+#[test]
+fn the_embedding_model_fits_the_data_or_says_why_not() {
+    use gradsync_core::model::{Input, Layout};
+    let bags = Input::Bag { rows: 1000, slots: 7 };
+    let fitted = ModelSpec::parse("embedding").unwrap().fit(bags, 2).unwrap();
+    assert_eq!(fitted.table(), Some((1000, 16)));
+    let layout = Layout::new(&fitted);
+    assert_eq!(layout.params[0].name, "embedding.weight");
+    assert_eq!(layout.len, 1000 * 16 + 16 * 64 + 64 + 64 * 2 + 2);
+    assert_eq!(ModelSpec::from_token(&fitted.widths_str()).unwrap(), fitted);
+    let given = ModelSpec::parse("embedding:5000:8:32:16:sum").unwrap().fit(bags, 3).unwrap();
+    assert_eq!(given.table(), Some((5000, 8)));
+    assert_eq!(given.widths_str(), "embedding:5000:8:32:16:sum/7-3");
+    assert_eq!(given.label(), "embedding 5000x8 (sum of up to 7 ids, 3 classes)");
+    let small = ModelSpec::parse("embedding:10:4").unwrap().fit(bags, 2).unwrap_err().to_string();
+    assert!(small.contains("run to 1000, past the 10 rows"), "{small}");
+    let flat = ModelSpec::parse("embedding").unwrap().fit(Input::Flat(8), 2).unwrap_err().to_string();
+    assert!(flat.contains("needs id data"), "{flat}");
+    let mlp = ModelSpec::parse("tiny").unwrap().fit(bags, 2).unwrap_err().to_string();
+    assert!(mlp.contains("bags of ids"), "{mlp}");
+    for bad in ["embedding:10", "embedding:0:4", "embedding:10:x", "embedding:99999999:4"] {
+        assert!(ModelSpec::parse(bad).is_err(), "{bad}");
+    }
+}
