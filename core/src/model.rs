@@ -66,6 +66,18 @@ pub fn presets_help() -> String {
             spec.input,
         ));
     }
+    if let Ok(spec) = ModelSpec::parse(EMBEDDING) {
+        let layout = Layout::new(&spec);
+        out.push_str(&format!(
+            "\n\nSparse (bags of ids: clicks[:N[:ROWS]], libsvm:FILE):\n  {EMBEDDING:<9} {:>10} parameters in {:>2} \
+             tensors at {} rows (fitted to the data's ids): an embedding bag of {EMBEDDING_DIM}-wide rows (mean of a \
+             sample's ids; :sum to add them), then {EMBEDDING_HIDDEN:?} hidden; embedding:ROWS:DIM[:HIDDEN...][:sum|:mean] \
+             sets them. A batch changes only the rows it names (lazy momentum; docs/models.md)",
+            grouped(layout.len),
+            layout.params.len(),
+            grouped(EMBEDDING_ROWS),
+        ));
+    }
     out.push_str(
         "\n\nReplayed (speed only, no accuracy: each layer's compute is waited out, its gradients are real \
          buffers moved by the real communication; docs/replay.md):\n  profile:FILE a profile written by \

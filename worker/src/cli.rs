@@ -175,9 +175,10 @@ pub struct TrainArgs {
     /// CPU threads per process (0: one per core).
     #[arg(long = flag::THREADS, default_value_t = 0, env = "GRADSYNC_THREADS")]
     pub threads: usize,
-    /// Model: a preset (tiny, mnist, wide, resnet20, resnet18, vgg11, cnn8) or MLP widths such as
-    /// 784-256-10, fitted to the data; or a model to replay (resnet50, vgg16, bert-base, gpt2,
-    /// profile:FILE): speed only, no accuracy.
+    /// Model: a preset (tiny, mnist, wide, resnet20, resnet18, vgg11, cnn8), MLP widths such as
+    /// 784-256-10, or the sparse embedding[:ROWS:DIM[:HIDDEN...]][:sum|:mean], fitted to the
+    /// data; or a model to replay (resnet50, vgg16, bert-base, gpt2, profile:FILE): speed only,
+    /// no accuracy.
     #[arg(long = flag::MODEL, default_value = "mnist", value_parser = parse_model,
           long_help = gradsync_core::model::presets_help())]
     pub model: ModelSpec,
@@ -190,8 +191,9 @@ pub struct TrainArgs {
     #[arg(long = flag::DEVICE_TBPS)]
     pub device_tbps: Option<f64>,
     /// Data: digits (the built-in UCI handwritten digits, 1x8x8 images), synthetic[:N[:DIM:CLASSES]],
-    /// synthetic:N:CxHxW:CLASSES (images), mnist:DIR or cifar10:DIR. Without it, synthetic data
-    /// shaped as the model's input.
+    /// synthetic:N:CxHxW:CLASSES (images), mnist:DIR, cifar10:DIR, or for the embedding model
+    /// clicks[:N[:ROWS]] (built-in click logs with a planted ground truth) or libsvm:FILE.
+    /// Without it, synthetic data shaped as the model's input (clicks for the embedding model).
     #[arg(long = flag::DATA, value_parser = parse_data)]
     pub data: Option<DataSource>,
     /// Training-time augmentation: auto (CIFAR-10: crop-flip, as the notes train it; else

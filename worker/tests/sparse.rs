@@ -189,3 +189,15 @@ fn modes_that_cannot_update_a_table_lazily_refuse_it() {
         assert!(!out.status.success() && err.contains(want), "{extra:?}: {err}");
     }
 }
+
+/// Without --data the embedding model trains on the built-in clicks over its own rows (it once
+/// got dense synthetic values, which are not ids).
+#[test]
+fn the_embedding_model_defaults_to_the_clicks() {
+    let out = run_ok(
+        &["train", "--model", "embedding:3000:4", "--steps", "3", "--threads", "1", "--device", "cpu"]
+            .map(String::from),
+    );
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains("3 steps"), "{text}");
+}

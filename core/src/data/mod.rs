@@ -163,8 +163,12 @@ impl DataSource {
         }
     }
 
-    /// The synthetic source with samples shaped `input` and `classes` classes (a model's).
+    /// The synthetic source with samples shaped `input` and `classes` classes (a model's); for
+    /// bags of ids, the built-in clicks over that many ids.
     pub fn synthetic_for(input: Input, classes: usize) -> Self {
+        if let Input::Bag { rows, .. } = input {
+            return DataSource::Clicks(ClicksConfig { rows, ..ClicksConfig::default() });
+        }
         DataSource::Synthetic(SyntheticConfig {
             dim: input.len(),
             input,
