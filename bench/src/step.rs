@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use gradsync_core::Engine;
-use gradsync_core::data::SyntheticConfig;
+use gradsync_core::data::{ClicksConfig, SyntheticConfig};
 use gradsync_core::device::{Device, DeviceRequest};
-use gradsync_core::model::{Layout, ModelSpec};
+use gradsync_core::model::{Input, Layout, ModelSpec};
 use gradsync_core::optim::SgdConfig;
 
 use crate::table::{Table, median};
@@ -132,14 +132,12 @@ pub fn time_gradsync(
     warmup: usize,
     steps: usize,
 ) -> anyhow::Result<StepFigure> {
-    let data = SyntheticConfig {
-        train: batch,
-        test: 1,
-        dim: spec.input(),
-        input: spec.input,
-        classes: spec.classes(),
-    }
-    .generate(1);
+    let data = match spec.input {
+        // Bags of ids for a sparse model: the built-in clicks over its table.
+        Input::Bag { rows, .. } => ClicksConfig { train: batch, test: 1, rows }.generate(1),
+        input => SyntheticConfig { train: batch, test: 1, dim: spec.input(), input, classes: spec.classes() }
+            .generate(1),
+    };
     let mut engine = Engine::new(device, spec.clone(), 1)?;
     let sgd = SgdConfig::default();
     let (mut input, mut f, mut b, mut u, mut total) = (vec![], vec![], vec![], vec![], vec![]);
@@ -249,6 +247,13 @@ impl TorchStepper {
 
     /// Time PyTorch eager on `spec` at `batch`.
     fn time(&mut self, spec: &ModelSpec, batch: usize, a: &StepArgs) -> anyhow::Result<StepFigure> {
+        anyhow::ensure!(
+            spec.table().is_none(),
+            "{}: the PyTorch step reference draws dense random inputs, not bags of ids; time the \
+             embedding model without --python (its exactness against PyTorch is checked by the \
+             core tests' reference)",
+            spec.label()
+        );
         let mut args = crate::pytorch::model_args(spec);
         for (flag, v) in [("--batch", batch), ("--steps", a.steps), ("--warmup", a.warmup)] {
             args.extend([flag.to_string(), v.to_string()]);
