@@ -390,8 +390,27 @@ impl Backend for Cpu {
         if rows.is_none() {
             layers::need("sgd_rows", params.len(), count * dim)?;
         }
-        let span = if rows.is_none() { count * dim } else { params.len() };
-        layers::for_rows(&mut params[..span], rows, dim, |r, p| {
+        let Some(rows) = rows else {
+            // Every row (a table whose gradient came from outside): the rows in parallel
+            // blocks, each row stepped or left as one, so the result is the thread count's
+            // to choose only in speed.
+            let span = count * dim;
+            let block = (CHUNK / dim).max(1) * dim;
+            let body = |((p, g), m): ((&mut [f32], &[f32]), &mut [f32])| {
+                for ((p, g), m) in p.chunks_exact_mut(dim).zip(g.chunks_exact(dim)).zip(m.chunks_exact_mut(dim)) {
+                    crate::optim::sgd_row(cfg, p, g, m, grad_scale);
+                }
+            };
+            let (p, g, m) = (&mut params[..span], &grads[..span], &mut momentum[..span]);
+            match &self.pool {
+                None => p.chunks_mut(block).zip(g.chunks(block)).zip(m.chunks_mut(block)).for_each(body),
+                Some(pool) => pool.install(|| {
+                    p.par_chunks_mut(block).zip(g.par_chunks(block)).zip(m.par_chunks_mut(block)).for_each(body)
+                }),
+            }
+            return Ok(());
+        };
+        layers::for_rows(params, Some(rows), dim, |r, p| {
             let at = r * dim..(r + 1) * dim;
             crate::optim::sgd_row(cfg, p, &grads[at.clone()], &mut momentum[at], grad_scale);
         })
