@@ -201,3 +201,37 @@ fn the_embedding_model_defaults_to_the_clicks() {
     let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(text.contains("3 steps"), "{text}");
 }
+
+/// On the GPU under NCCL (one rank, as one GPU allows; in CI the fake's): both ways of moving
+/// the table run, the rows through NCCL's all-gather, and end at local training's parameters on
+/// the same device.
+#[test]
+fn the_table_travels_over_nccl_on_the_gpu() {
+    let test = "the_table_travels_over_nccl_on_the_gpu";
+    match gradsync_testkit::gpu_test(test) {
+        gradsync_testkit::GpuRun::Here => {}
+        gradsync_testkit::GpuRun::Fake(c) => {
+            assert!(c.processes >= 1 && c.collectives > 0 && c.alive_at_exit == 0, "{c}");
+            return;
+        }
+        gradsync_testkit::GpuRun::Skipped => return,
+    }
+    let dir = Scratch::new("sparse-nccl");
+    let on_gpu = |mut a: Vec<String>| {
+        let i = a.iter().position(|x| x == "cpu").unwrap();
+        a[i] = "cuda".into();
+        a
+    };
+    let local = dir.join("local.ckpt");
+    let mut a: Vec<String> = ["train", "--mode", "local", "--batch", "8"].map(String::from).to_vec();
+    a.extend(common(&local));
+    run_ok(&on_gpu(a));
+    for grads in ["dense", "allgather"] {
+        let save = dir.join(format!("{grads}.ckpt"));
+        let mut a = launch(1, &["--batch", "8", "--backend", "nccl", "--sparse-grads", grads]);
+        a.extend(common(&save));
+        run_ok(&on_gpu(a));
+        let d = max_rel(&params(&save), &params(&local));
+        assert!(d < 1e-6, "--sparse-grads {grads} over NCCL differs from local on the GPU by {d:e}");
+    }
+}

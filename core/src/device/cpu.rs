@@ -397,7 +397,9 @@ impl Backend for Cpu {
             let span = count * dim;
             let block = (CHUNK / dim).max(1) * dim;
             let body = |((p, g), m): ((&mut [f32], &[f32]), &mut [f32])| {
-                for ((p, g), m) in p.chunks_exact_mut(dim).zip(g.chunks_exact(dim)).zip(m.chunks_exact_mut(dim)) {
+                for ((p, g), m) in
+                    p.chunks_exact_mut(dim).zip(g.chunks_exact(dim)).zip(m.chunks_exact_mut(dim))
+                {
                     crate::optim::sgd_row(cfg, p, g, m, grad_scale);
                 }
             };
@@ -405,7 +407,10 @@ impl Backend for Cpu {
             match &self.pool {
                 None => p.chunks_mut(block).zip(g.chunks(block)).zip(m.chunks_mut(block)).for_each(body),
                 Some(pool) => pool.install(|| {
-                    p.par_chunks_mut(block).zip(g.par_chunks(block)).zip(m.par_chunks_mut(block)).for_each(body)
+                    p.par_chunks_mut(block)
+                        .zip(g.par_chunks(block))
+                        .zip(m.par_chunks_mut(block))
+                        .for_each(body)
                 }),
             }
             return Ok(());
