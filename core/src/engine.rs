@@ -711,11 +711,21 @@ mod tests {
         for (name, input) in [
             ("tiny", crate::model::Input::Flat(32)),
             ("cnn8", crate::model::Input::Image { channels: 1, height: 8, width: 8 }),
+            ("embedding:50:4:8", crate::model::Input::Bag { rows: 50, slots: 3 }),
         ] {
             let spec = ModelSpec::parse(name).unwrap().fit(input, 8).unwrap();
             let mut e = Engine::new(Device::Cpu { threads: 1 }, spec, 3).unwrap();
             let rows = 4;
-            let x: Vec<f32> = (0..rows * input.len()).map(|i| (i as f32 * 0.37).sin()).collect();
+            let x: Vec<f32> = match input {
+                // Bags: ids 0, 7, 14, ... with weight 1.
+                crate::model::Input::Bag { slots, .. } => (0..rows)
+                    .flat_map(|s| {
+                        (0..2 * slots)
+                            .map(move |j| if j < slots { ((s * slots + j) * 7 % 50) as f32 } else { 1.0 })
+                    })
+                    .collect(),
+                _ => (0..rows * input.len()).map(|i| (i as f32 * 0.37).sin()).collect(),
+            };
             let p = e.record_profile(&x, &[1, 2, 3, 4], 2).unwrap();
             assert_eq!(
                 (p.batch, p.estimated, p.layers[0].name.as_str()),

@@ -891,6 +891,7 @@ impl<B: Backend> Net<B> {
                 // This model's layout keeps a norm's weight below its bias, and readies the
                 // top of the flat buffer first.
                 Op::Norm { params, .. } => tensor(params).into_iter().rev().collect(),
+                Op::Bag { table, .. } => tensor(table),
                 _ => Vec::new(),
             };
             let name = match tensors.first() {
