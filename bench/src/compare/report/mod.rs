@@ -789,7 +789,7 @@ mod tests {
         let text = reading(&g, None, None, &c.summaries).join("\n");
         assert!(text.contains("At 4 workers: ddp-tcp (TCP sockets) is fastest"), "{text}");
         assert!(
-            text.contains("Ran once, not ranked: dp (in one process) 5000 (one run) samples/s."),
+            text.contains("Ran once, not ranked: dp (in one process) 5000 samples/s (one run)."),
             "{text}"
         );
         assert!(text.contains("ps-bsp k=1 (gRPC over TCP) reaches 97.0% held-out accuracy first"), "{text}");
@@ -1111,6 +1111,66 @@ mod tests {
             "{v:?}"
         );
         assert!(v[2].contains("and 2 run(s) that saturated the CPU (more processes than cores"), "{v:?}");
+    }
+
+    /// Runs that saturated the CPU (more processes than cores) rank nothing in the readings
+    /// either: the fastest mode, the ring against the PS, the scaling and the time to the
+    /// target leave them out and say why, as the verdict does (the readings once ranked them:
+    /// "ddp-shm fastest, 2.70x the next", "the ring ahead at every worker count").
+    #[test]
+    fn readings_rank_no_run_that_saturated_the_cpu() {
+        let rows: Vec<Summary> = (0..2)
+            .flat_map(|r| {
+                let r_ = r as f64;
+                let tt = |t: f64| Some(t + r_);
+                [
+                    Summary { time_to_target_s: tt(9.0), ..cell_row("ps-bsp", 2, r, 900.0 + r_) },
+                    Summary { time_to_target_s: tt(5.0), ..cell_row("ddp-tcp", 2, r, 700.0 + r_) },
+                    Summary { time_to_target_s: tt(8.0), ..cell_row("ps-bsp", 4, r, 1000.0 + r_) },
+                    Summary { time_to_target_s: tt(3.0), ..cell_row("ddp-tcp", 4, r, 2000.0 + r_) },
+                    Summary { time_to_target_s: tt(12.0), ..cell_row("local", 1, r, 500.0 + r_) },
+                ]
+            })
+            .map(|s| Summary { samples_to_target: s.time_to_target_s.map(|t| t as u64 * 100), ..s })
+            .collect();
+        let c = Collected { cells: Cell::all(&rows), summaries: rows, ..Collected::default() };
+        let mut g = crate::compare::charts::groups(&c).remove(0);
+        g.target = Some(0.9);
+        let link = Some(Link { a: 20e-6, b: 4e9 });
+        let read = |m: Option<&Machine>| {
+            let cx = context::Context::new(&g, link, m, &c.summaries);
+            [
+                ranking::fastest(&cx),
+                ranking::ring_against_ps(&cx),
+                ranking::scaling(&cx),
+                ranking::first_to_target(&cx),
+            ]
+            .concat()
+            .join("\n")
+        };
+        // On a big machine every cell is read.
+        let all = read(None);
+        assert!(all.contains("At 4 workers: ddp-tcp (TCP sockets) is fastest"), "{all}");
+        assert!(all.contains("The ring pulls ahead at 4 workers"), "{all}");
+        // On 3 cores every 4-worker run saturates the CPU; 2 workers and a server are 3 processes.
+        let small = Machine { cores: 3, ..Machine::default() };
+        let text = read(Some(&small));
+        assert!(!text.contains("is fastest with 2001"), "{text}");
+        assert!(
+            text.contains("At 4 workers nothing is ranked: Not ranked, since they saturated the CPU"),
+            "{text}"
+        );
+        assert!(
+            text.contains("4 workers: ring/PS = 2.00 (vs ps-bsp k=1 (gRPC over TCP)), not read"),
+            "{text}"
+        );
+        assert!(!text.contains("pulls ahead") && text.contains("ahead at every worker count read"), "{text}");
+        assert!(text.contains("ddp-tcp (TCP sockets) 3.50 s; ps-bsp k=1 (gRPC over TCP) 8.50 s."), "{text}");
+        assert!(
+            text.contains("Scaling efficiency at 4 workers is not read. Left out, since they saturated"),
+            "{text}"
+        );
+        assert!(text.contains("At 4 workers nothing is ranked by time to 90.0%"), "{text}");
     }
 
     /// The parameter server leads at 2 workers, the ring at 8: the pick is made at 8 and the

@@ -1,30 +1,58 @@
 //! Readings that rank modes: the fastest at each worker count, the first to the target, the
 //! scaling efficiency, the ring against the parameter server, ZeRO-1 against DDP, each
 //! compressed mode against the mode it compresses. Medians are compared, modes whose repeats'
-//! ranges overlap are level, and a cell that ran once is listed, never ranked.
+//! ranges overlap are level, and a cell that ran once, or whose run saturated the CPU, is
+//! listed, never ranked.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use super::context::{Context, UNRANKED};
+use super::context::{Context, SATURATED, UNRANKED};
 use crate::compare::charts::Group;
 use crate::compare::cost;
 use crate::compare::results::{Summary, overlap};
 use crate::compare::scenario::ModeKind;
 
-/// The rows at `n` workers, split into those with repeats and those that ran once, each
-/// sorted by `key` (ascending, ties by id).
+/// The rows `keep` selects, split into those a ranking may use (repeated, the CPU not
+/// saturated), those that ran once, and those that saturated the CPU; each sorted by `key`
+/// (ascending, ties by id).
+struct Split<'a> {
+    ranked: Vec<&'a Summary>,
+    once: Vec<&'a Summary>,
+    crowded: Vec<&'a Summary>,
+}
+
 fn split_at<'a>(
     cx: &Context<'_, 'a>,
     keep: impl Fn(&Summary) -> bool,
     key: impl Fn(&Summary) -> f64,
-) -> (Vec<&'a Summary>, Vec<&'a Summary>) {
-    let (mut at, mut once): (Vec<&Summary>, Vec<&Summary>) =
-        cx.g.rows.iter().copied().filter(|r| keep(r)).partition(|r| cx.repeated(r));
-    for v in [&mut at, &mut once] {
+) -> Split<'a> {
+    let (mut crowded, rest): (Vec<&Summary>, Vec<&Summary>) =
+        cx.g.rows.iter().copied().filter(|r| keep(r)).partition(|r| cx.cpu_saturated(r));
+    let (mut ranked, mut once): (Vec<&Summary>, Vec<&Summary>) =
+        rest.into_iter().partition(|r| cx.repeated(r));
+    for v in [&mut ranked, &mut once, &mut crowded] {
         v.sort_by(|a, b| key(a).total_cmp(&key(b)).then_with(|| a.id.cmp(&b.id)));
     }
-    (at, once)
+    Split { ranked, once, crowded }
+}
+
+impl Split<'_> {
+    /// What is listed beside a ranking and not ranked, each with its `figure` (which says its
+    /// own unit and spread): the cells that ran once, and those that saturated the CPU.
+    fn aside(&self, figure: &dyn Fn(&Summary) -> String) -> String {
+        let list = |rs: &[&Summary]| {
+            rs.iter().map(|r| format!("{} {}", Group::series(r), figure(r))).collect::<Vec<_>>().join("; ")
+        };
+        let mut out = String::new();
+        if !self.once.is_empty() {
+            let _ = write!(out, " Ran once, not ranked: {}.", list(&self.once));
+        }
+        if !self.crowded.is_empty() {
+            let _ = write!(out, " Not ranked, since they {SATURATED}: {}.", list(&self.crowded));
+        }
+        out
+    }
 }
 
 /// The fastest mode at each worker count, by median throughput; level when the repeats'
@@ -32,20 +60,30 @@ fn split_at<'a>(
 pub fn fastest(cx: &Context) -> Vec<String> {
     let mut out = Vec::new();
     for &n in &cx.workers {
-        let (at, once) = split_at(cx, |r| r.workers == n, |r| -Context::thr(r));
+        let split = split_at(cx, |r| r.workers == n, |r| -Context::thr(r));
+        let (at, once) = (&split.ranked, &split.once);
         let s = if n == 1 { "" } else { "s" };
+        let thr = |r: &Summary| format!("{:.0} samples/s ({})", Context::thr(r), cx.spread(r));
         let Some(best) = at.first().filter(|_| at.len() > 1 || once.is_empty()) else {
-            let all: Vec<&Summary> = at.iter().chain(&once).copied().collect();
+            let all: Vec<&Summary> = at.iter().chain(once).copied().collect();
             if !all.is_empty() {
-                out.push(format!("At {n} worker{s}, in samples/s: {}. {UNRANKED}", cx.listed(&all)));
+                let crowded = Split { once: Vec::new(), ..split };
+                out.push(format!(
+                    "At {n} worker{s}, in samples/s: {}. {UNRANKED}{}",
+                    cx.listed(&all),
+                    crowded.aside(&thr)
+                ));
+            } else if !split.crowded.is_empty() {
+                out.push(format!("At {n} worker{s} nothing is ranked:{}", split.aside(&thr)));
             }
             continue;
         };
-        let aside = if once.is_empty() {
-            String::new()
-        } else {
-            format!(" Ran once, not ranked: {} samples/s.", cx.listed(&once))
-        };
+        let aside = split.aside(&thr);
+        if at.len() == 1 {
+            // One mode left to read: nothing to rank it against.
+            out.push(format!("At {n} worker{s} only {} is read: {}.{aside}", Group::series(best), thr(best)));
+            continue;
+        }
         match at.get(1) {
             Some(next) if cx.level(best, next) => {
                 let level: Vec<String> = at
@@ -105,11 +143,14 @@ pub fn first_to_target(cx: &Context) -> Vec<String> {
     let times = |rs: &[&Summary]| cx.listed_by(rs, &|r| format!("{:.2} s", tt(r)));
     let mut out = Vec::new();
     for &n in cx.workers.iter().filter(|&&n| n > 1) {
-        let (at, once) = split_at(
+        let split = split_at(
             cx,
             |r| r.workers == n && r.time_to_target_s.is_some(),
             |r| r.time_to_target_s.unwrap_or(f64::MAX),
         );
+        let (at, once) = (&split.ranked, &split.once);
+        let crowded = Split { once: Vec::new(), ranked: Vec::new(), crowded: split.crowded.clone() }
+            .aside(&|r| format!("{:.2} s", tt(r)));
         let missed: Vec<String> =
             cx.g.rows
                 .iter()
@@ -117,16 +158,20 @@ pub fn first_to_target(cx: &Context) -> Vec<String> {
                 .map(|r| Group::series(r))
                 .collect();
         if at.is_empty() && once.is_empty() {
-            out.push(format!(
-                "At {n} workers no mode reached {:.1}% held-out accuracy in most of its repeats.",
-                100.0 * target
-            ));
+            out.push(if split.crowded.is_empty() {
+                format!(
+                    "At {n} workers no mode reached {:.1}% held-out accuracy in most of its repeats.",
+                    100.0 * target
+                )
+            } else {
+                format!("At {n} workers nothing is ranked by time to {:.1}%:{crowded}", 100.0 * target)
+            });
             continue;
         }
         let Some(best) = at.first().filter(|_| at.len() > 1 || once.is_empty()) else {
-            let all: Vec<&Summary> = at.iter().chain(&once).copied().collect();
+            let all: Vec<&Summary> = at.iter().chain(once).copied().collect();
             let mut line = format!(
-                "At {n} workers, time to {:.1}% held-out accuracy: {}. {UNRANKED}",
+                "At {n} workers, time to {:.1}% held-out accuracy: {}. {UNRANKED}{crowded}",
                 100.0 * target,
                 times(&all)
             );
@@ -164,8 +209,9 @@ pub fn first_to_target(cx: &Context) -> Vec<String> {
         }
         line.push('.');
         if !once.is_empty() {
-            let _ = write!(line, " Ran once, not ranked: {}.", times(&once));
+            let _ = write!(line, " Ran once, not ranked: {}.", times(once));
         }
+        line.push_str(&crowded);
         if !missed.is_empty() {
             let _ = write!(line, " Not reached in most repeats: {}.", missed.join(", "));
         }
@@ -180,20 +226,30 @@ pub fn scaling(cx: &Context) -> Vec<String> {
     if nmax < 2 {
         return Vec::new();
     }
-    let effs: Vec<(String, f64)> =
-        cx.g.rows
-            .iter()
-            .filter(|r| r.workers == nmax)
-            .map(|r| (Group::series(r), Context::thr(r) / (nmax as f64 * b)))
-            .collect();
+    let at: Vec<&Summary> = cx.g.rows.iter().copied().filter(|r| r.workers == nmax).collect();
+    let crowded: Vec<String> = at.iter().filter(|r| cx.cpu_saturated(r)).map(|r| Group::series(r)).collect();
+    let effs: Vec<(String, f64)> = at
+        .iter()
+        .filter(|r| !cx.cpu_saturated(r))
+        .map(|r| (Group::series(r), Context::thr(r) / (nmax as f64 * b)))
+        .collect();
+    let left_out = if crowded.is_empty() {
+        String::new()
+    } else {
+        format!(" Left out, since they {SATURATED}: {}.", crowded.join(", "))
+    };
     let (Some(hi), Some(lo)) =
         (effs.iter().max_by(|a, b| a.1.total_cmp(&b.1)), effs.iter().min_by(|a, b| a.1.total_cmp(&b.1)))
     else {
-        return Vec::new();
+        return if crowded.is_empty() {
+            Vec::new()
+        } else {
+            vec![format!("Scaling efficiency at {nmax} workers is not read.{left_out}")]
+        };
     };
     vec![format!(
         "Scaling efficiency at {nmax} workers (throughput / ({nmax} x one worker's {b:.0} samples/s)) ranges \
-         from {:.0}% ({}) to {:.0}% ({}).",
+         from {:.0}% ({}) to {:.0}% ({}).{left_out}",
         100.0 * lo.1,
         lo.0,
         100.0 * hi.1,
@@ -226,28 +282,44 @@ pub fn ring_against_ps(cx: &Context) -> Vec<String> {
     if both.is_empty() {
         return Vec::new();
     }
-    let parts: Vec<String> = both
-        .iter()
-        .map(|(n, rt, pt, name)| format!("{n} workers: ring/PS = {:.2} (vs {name})", rt / pt.max(1e-9)))
-        .collect();
-    let ahead = both.iter().position(|b| b.1 > b.2).filter(|&i| both[i..].iter().all(|b| b.1 > b.2));
-    // The cells the ratios come from: the ring's, and the best parameter server's.
+    // The cells the ratios come from: the ring's, and the best parameter server's; a worker
+    // count where either saturated the CPU is shown and not read.
     let involved = |r: &Summary| {
         both.iter().any(|b| b.0 == r.workers)
             && (r.mode == ModeKind::DdpTcp.label()
                 || (r.mode == ModeKind::PsBsp.label() && Group::series(r) == ps_best[&r.workers].1))
     };
+    let crowded = |n: usize| g.rows.iter().any(|r| r.workers == n && involved(r) && cx.cpu_saturated(r));
+    let parts: Vec<String> = both
+        .iter()
+        .map(|(n, rt, pt, name)| {
+            format!(
+                "{n} workers: ring/PS = {:.2} (vs {name}){}",
+                rt / pt.max(1e-9),
+                if crowded(*n) { ", not read: a cell saturated the CPU" } else { "" }
+            )
+        })
+        .collect();
     let once = g.rows.iter().any(|r| involved(r) && !cx.repeated(r));
+    let both: Vec<(usize, f64, f64, String)> = both.iter().filter(|b| !crowded(b.0)).cloned().collect();
+    let ahead = both.iter().position(|b| b.1 > b.2).filter(|&i| both[i..].iter().all(|b| b.1 > b.2));
     vec![format!(
         "Ring all-reduce over TCP sockets (ddp-tcp) against the best synchronous parameter server (gRPC over \
          TCP, the same wire), by median throughput: {}. {}",
         parts.join("; "),
         match ahead {
+            _ if both.is_empty() => format!("Not ranked: at every worker count a cell {SATURATED}."),
             _ if once => UNRANKED.to_string(),
-            Some(0) => format!("The ring is ahead at every worker count measured, from {} on.", both[0].0),
+            Some(0) => format!(
+                "The ring is ahead at every worker count {}, from {} on.",
+                if both.len() < parts.len() { "read" } else { "measured" },
+                both[0].0
+            ),
             Some(i) => format!("The ring pulls ahead at {} workers and stays ahead.", both[i].0),
-            None if both.iter().all(|b| b.2 >= b.1) =>
-                "The parameter server is ahead at every worker count measured.".into(),
+            None if both.iter().all(|b| b.2 >= b.1) => format!(
+                "The parameter server is ahead at every worker count {}.",
+                if both.len() < parts.len() { "read" } else { "measured" }
+            ),
             None => "Neither stays ahead over the whole range.".into(),
         }
     )]
@@ -265,7 +337,9 @@ pub fn zero1_against_ddp(cx: &Context) -> Vec<String> {
         let find = |m: &str| g.rows.iter().copied().find(|r| r.workers == n && r.mode == m && r.slow_ms == 0);
         let (Some(z), Some(d)) = (find("zero1-tcp"), find("ddp-tcp")) else { continue };
         let (Some(zt), Some(dt)) = (z.step_ms, d.step_ms) else { continue };
+        let crowded = format!("not ranked (a run {SATURATED})");
         let verdict = match () {
+            _ if cx.cpu_saturated(z) || cx.cpu_saturated(d) => crowded.as_str(),
             _ if !cx.repeated(z) || !cx.repeated(d) => "not ranked (one run: no spread to compare)",
             _ if cx.level(z, d) => "level with DDP (the repeats' ranges overlap)",
             _ if zt < dt => "faster than DDP",
