@@ -687,7 +687,9 @@ fn half_kernels_round_and_widen_as_the_host_codec() -> Result<()> {
     let stream = gpu.stream();
     // 16-bit values in device memory, two to an f32 slot (the first in the low bits).
     let pack = |v: &[u16]| -> Vec<f32> {
-        v.chunks(2).map(|p| f32::from_bits(u32::from(p[0]) | u32::from(p.get(1).copied().unwrap_or(0)) << 16)).collect()
+        v.chunks(2)
+            .map(|p| f32::from_bits(u32::from(p[0]) | u32::from(p.get(1).copied().unwrap_or(0)) << 16))
+            .collect()
     };
     let unpack = |slots: &[f32], n: usize| -> Vec<u16> {
         slots.iter().flat_map(|s| [s.to_bits() as u16, (s.to_bits() >> 16) as u16]).take(n).collect()

@@ -338,7 +338,8 @@ impl HalfCast {
         scale: f32,
     ) -> Result<()> {
         // SAFETY: passed on to the caller.
-        unsafe { Self::launch(&self.widen, &stream.stream, dst, src, n, half, scale) }.map_err(cuda_err("widen_half"))
+        unsafe { Self::launch(&self.widen, &stream.stream, dst, src, n, half, scale) }
+            .map_err(cuda_err("widen_half"))
     }
 
     /// Launch `f(dst, src, n, bf16, scale)` over `n` values.
@@ -589,7 +590,8 @@ impl Backend for Cuda {
         if src.is_empty() {
             return Ok(());
         }
-        self.compute.stream
+        self.compute
+            .stream
             .memcpy_htod(src, &mut labels.slice_mut(0..src.len()))
             .map_err(cuda_err("copy labels to device"))?;
         self.check("copy labels to device")
@@ -764,7 +766,9 @@ impl Backend for Cuda {
         let need = (first + second) * cols;
         let scratch = match &mut *scratch {
             Some(s) if s.len() >= need => s,
-            slot => slot.insert(self.compute.stream.alloc_zeros::<f32>(need.max(1)).map_err(cuda_err("alloc"))?),
+            slot => {
+                slot.insert(self.compute.stream.alloc_zeros::<f32>(need.max(1)).map_err(cuda_err("alloc"))?)
+            }
         };
         let halves = [buf_ptr(scratch), offset_ptr(buf_ptr(scratch), first * cols)];
         let (mut src, mut src_rows) = (dz.ptr, rows);
@@ -819,7 +823,8 @@ impl Backend for Cuda {
         // logits and dlogits hold rows x cols values, labels rows, stats 2 x rows.
         unsafe { launch.launch(Self::grid(rows)) }.map_err(cuda_err("softmax_xent"))?;
         let mut host = vec![0.0f32; 2 * rows];
-        self.compute.stream
+        self.compute
+            .stream
             .memcpy_dtoh(&stats.slice(0..2 * rows), &mut host)
             .map_err(cuda_err("copy loss to host"))?;
         self.check("copy loss to host")?;

@@ -185,12 +185,7 @@ impl Nccl {
     /// `ptr` must point to `len` `f32` values of device memory on this communicator's GPU that
     /// stay allocated, and that nothing else reads or writes, until [`Nccl::wait_all`] returns
     /// (an error included: on failure the communicator is aborted first).
-    pub unsafe fn all_reduce_device_after(
-        &mut self,
-        ptr: u64,
-        len: usize,
-        after: After<'_>,
-    ) -> Result<()> {
+    pub unsafe fn all_reduce_device_after(&mut self, ptr: u64, len: usize, after: After<'_>) -> Result<()> {
         self.usable()?;
         if len == 0 {
             return Ok(());

@@ -288,7 +288,9 @@ impl Cuda {
         let need = (groups + second) * channels;
         let scratch = match &mut *scratch {
             Some(s) if s.len() >= need => s,
-            slot => slot.insert(self.compute.stream.alloc_zeros::<f32>(need.max(1)).map_err(cuda_err("alloc"))?),
+            slot => {
+                slot.insert(self.compute.stream.alloc_zeros::<f32>(need.max(1)).map_err(cuda_err("alloc"))?)
+            }
         };
         let halves = [buf_ptr(scratch), offset_ptr(buf_ptr(scratch), groups * channels)];
         self.channel_sums_pass(halves[0], a.ptr, first, channels, m)?;
