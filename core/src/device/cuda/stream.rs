@@ -69,6 +69,8 @@ impl GpuStream {
     /// Make this stream wait for the work queued on `other` so far.
     pub fn after(&self, other: &GpuStream) -> Result<()> {
         let ready = other.stream.record_event(None).map_err(cuda_err("record event"))?;
+        // The event is destroyed when this returns; the queued wait still holds what it
+        // recorded.
         self.stream.wait(&ready).map_err(cuda_err("wait for event"))
     }
 
