@@ -26,7 +26,7 @@ pub struct ExportArgs {
 /// Stitch, convert, write.
 pub fn run(a: &ExportArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
-        a.out.extension().is_some_and(|e| e == "safetensors"),
+        gradsync_core::state_dict::is_state_dict(&a.out),
         "--out {}: a PyTorch state dict is written as .safetensors",
         a.out.display()
     );

@@ -4,7 +4,7 @@
 use std::ops::Range;
 
 use crate::device::staging::{StagedBucket, Staging, Streams};
-use crate::device::{Cpu, Cuda, Device, HalfCast};
+use crate::device::{Cpu, Cuda, Device, GpuStream, HalfCast};
 use crate::error::Result;
 use crate::model::{BucketPlan, Fingerprint, Layout, ModelSpec};
 use crate::net::{BatchLoss, Net, NormSync};
@@ -107,12 +107,10 @@ impl HostBucket<'_> {
 pub struct DeviceGrads {
     ptr: u64,
     len: usize,
-    stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    /// The engine's compute stream, which backward queues the bucket's kernels on.
+    stream: GpuStream,
     half: HalfCast,
 }
-
-/// A CUDA stream's driver handle (`CUstream`), for a communicator's own stream.
-pub type RawStream = *mut std::ffi::c_void;
 
 impl DeviceGrads {
     /// Values in the bucket.
@@ -133,25 +131,8 @@ impl DeviceGrads {
 
     /// Make the stream `other` (of this bucket's device) wait for the work queued so far on
     /// the compute stream, the bucket's backward included.
-    ///
-    /// # Safety
-    /// `other` must be a live stream of the context the engine runs on.
-    pub unsafe fn order_before(&self, other: RawStream) -> Result<()> {
-        let err = |e: cudarc::driver::DriverError| crate::Error::Cuda {
-            op: "order after a bucket",
-            msg: e.to_string(),
-        };
-        let ready = self.stream.record_event(None).map_err(err)?;
-        // SAFETY: the caller vouches for `other`; the event is live until this returns, and a
-        // wait on it holds what it recorded even after it is destroyed.
-        unsafe {
-            cudarc::driver::result::stream::wait_event(
-                other.cast(),
-                ready.cu_event(),
-                cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-            )
-        }
-        .map_err(err)
+    pub fn order_before(&self, other: &GpuStream) -> Result<()> {
+        other.after(&self.stream)
     }
 
     /// The bucket's device address.
@@ -169,7 +150,7 @@ impl DeviceGrads {
 /// still holding the engine's buckets uses to see backward end (at once on the CPU, where
 /// nothing is queued).
 #[derive(Clone)]
-pub struct ComputeFence(Option<std::sync::Arc<cudarc::driver::CudaStream>>);
+pub struct ComputeFence(Option<GpuStream>);
 
 impl ComputeFence {
     /// Wait for the work queued on the engine's compute stream when the fence was made, and
@@ -177,9 +158,7 @@ impl ComputeFence {
     pub fn wait(&self) -> Result<()> {
         match &self.0 {
             None => Ok(()),
-            Some(s) => {
-                s.synchronize().map_err(|e| crate::Error::Cuda { op: "synchronize", msg: e.to_string() })
-            }
+            Some(s) => s.synchronize(),
         }
     }
 }

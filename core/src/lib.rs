@@ -3,8 +3,10 @@
 //! # Layout
 //! - [`device`]: `--device auto|cpu|cuda[:N]`, the [`device::Backend`] trait, the CPU (gemm +
 //!   rayon) and CUDA (cuBLAS + NVRTC through cudarc) backends, whose fp16/bf16 kernels
-//!   ([`device::HalfCast`]) NCCL's half-precision all-reduce also queues; `device::nvrtc`
-//!   picks and compiles the kernels' target (the device's cubin, PTX as the fallback).
+//!   ([`device::HalfCast`]) NCCL's half-precision all-reduce also queues, on a stream of its
+//!   own ([`device::GpuStream`]: core's handles to a GPU's streams, buffers and events, so no
+//!   cudarc type leaves core); `device::nvrtc` picks and compiles the kernels' target (the
+//!   device's cubin, PTX as the fallback).
 //! - [`model`]: the presets (MLPs, ResNets, VGG, a small conv net), the layer graph they
 //!   compile to, the flat parameter [`model::Layout`] with PyTorch's tensor names, gradient
 //!   buckets, the [`model::Fingerprint`] and deterministic initialisation.

@@ -67,6 +67,12 @@ impl Entry {
 /// Named tensors, sorted by name.
 pub type Tensors = BTreeMap<String, Entry>;
 
+/// Whether `path` names a PyTorch state dict (`.safetensors`) rather than a gradsync
+/// checkpoint: the one rule every `--save`, `--load` and export follows.
+pub fn is_state_dict(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "safetensors")
+}
+
 /// Write `tensors` to `path` as safetensors, atomically, with `metadata` in its header.
 pub fn save(path: &Path, tensors: &Tensors, metadata: &[(&str, String)]) -> Result<()> {
     crate::checkpoint::write_atomically(path, &to_bytes(path, tensors, metadata)?)

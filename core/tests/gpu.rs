@@ -720,7 +720,6 @@ fn half_probe_bits() -> Vec<u32> {
 /// widening, as an all-reduce over three ranks scales), exactly as the host's f32 multiply.
 #[test]
 fn half_kernels_round_and_widen_as_the_host_codec() -> Result<()> {
-    use cudarc::driver::DevicePtr;
     use gradsync_core::compress::Half;
     let test = "half_kernels_round_and_widen_as_the_host_codec";
     let Some(ordinal) =
@@ -730,22 +729,30 @@ fn half_kernels_round_and_widen_as_the_host_codec() -> Result<()> {
     };
     let gpu = Cuda::new(ordinal)?;
     let stream = gpu.stream();
-    let cuda = |e: cudarc::driver::DriverError| Error::Cuda { op: "test", msg: e.to_string() };
+    // 16-bit values in device memory, two to an f32 slot (the first in the low bits).
+    let pack = |v: &[u16]| -> Vec<f32> {
+        v.chunks(2)
+            .map(|p| f32::from_bits(u32::from(p[0]) | u32::from(p.get(1).copied().unwrap_or(0)) << 16))
+            .collect()
+    };
+    let unpack = |slots: &[f32], n: usize| -> Vec<u16> {
+        slots.iter().flat_map(|s| [s.to_bits() as u16, (s.to_bits() >> 16) as u16]).take(n).collect()
+    };
     let probe: Vec<f32> = half_probe_bits().into_iter().map(f32::from_bits).collect();
     let n = probe.len();
     let src = upload(&gpu, &probe)?;
-    let halves = stream.alloc_zeros::<u16>(n).map_err(cuda)?;
+    let halves = gpu.zeros(n.div_ceil(2))?;
     let patterns: Vec<u16> = (0..=u16::MAX).collect();
-    let all = stream.clone_htod(&patterns).map_err(cuda)?;
+    let all = upload(&gpu, &pack(&patterns))?;
     let widened = gpu.zeros(patterns.len())?;
     for (half, scale) in [Half::F16, Half::Bf16].into_iter().flat_map(|h| [(h, 1.0f32), (h, 3.0)]) {
         let name = format!("{} (scale {scale})", half.name());
         let (src_ptr, _) = Cuda::raw_range(&src, 0..n);
-        let (dst_ptr, _) = halves.device_ptr(stream);
-        // SAFETY: `src` holds n f32 values and `halves` n u16 values, both alive until the
-        // synchronous copy below has waited for the kernel.
+        let (dst_ptr, _) = Cuda::raw_range(&halves, 0..n.div_ceil(2));
+        // SAFETY: `src` holds n f32 values and `halves` room for n u16 values, both alive
+        // until the synchronous copy below has waited for the kernel.
         unsafe { gpu.half_cast().round(stream, src_ptr, dst_ptr, n, half, 1.0 / scale) }?;
-        let got = stream.clone_dtoh(&halves).map_err(cuda)?;
+        let got = unpack(&download(&gpu, &halves, n.div_ceil(2))?, n);
         let mut bytes = vec![0u8; 2 * n];
         let shares: Vec<f32> = probe.iter().map(|x| x * (1.0 / scale)).collect();
         half.encode(&shares, &mut bytes)?;
@@ -765,7 +772,7 @@ fn half_kernels_round_and_widen_as_the_host_codec() -> Result<()> {
             &wrong[..wrong.len().min(5)]
         );
 
-        let (src_ptr, _) = all.device_ptr(stream);
+        let (src_ptr, _) = Cuda::raw_range(&all, 0..patterns.len() / 2);
         let (dst_ptr, _) = Cuda::raw_range(&widened, 0..patterns.len());
         // SAFETY: `all` holds 65536 u16 values and `widened` as many f32, both alive until
         // the synchronous read below.

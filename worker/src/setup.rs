@@ -186,7 +186,7 @@ impl Run {
         if let Some(path) = &args.save {
             // Refused now, not after hours of training.
             anyhow::ensure!(
-                crate::train::is_state_dict(path)
+                gradsync_core::state_dict::is_state_dict(path)
                     || gradsync_core::model::Layout::new(&model).buffers_len == 0,
                 "--save {}: {} has batch-norm statistics, which a gradsync checkpoint does not hold; save it as a \
                  PyTorch state dict (a path ending in .safetensors)",

@@ -11,6 +11,7 @@ use gradsync_core::data::{Dataset, DistributedSampler};
 use gradsync_core::metrics::{Header, HostInfo, MetricsWriter, Record, SCHEMA_VERSION, Step, unix_ms};
 use gradsync_core::model::Fingerprint;
 use gradsync_core::optim::SgdConfig;
+use gradsync_core::state_dict::is_state_dict;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::cli::TrainArgs;
@@ -393,11 +394,6 @@ pub fn evaluate(engine: &mut Engine, data: &Dataset) -> anyhow::Result<(f64, f64
         correct += b.correct;
     }
     Ok((loss / n.max(1) as f64, correct as f64 / n.max(1) as f64))
-}
-
-/// Whether `path` names a PyTorch state dict (`.safetensors`) rather than a gradsync checkpoint.
-pub fn is_state_dict(path: &std::path::Path) -> bool {
-    path.extension().is_some_and(|e| e == "safetensors")
 }
 
 /// Write the engine's state to `path`: as a PyTorch state dict in safetensors (parameters,

@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
+use gradsync_core::device::Cuda;
 use gradsync_worker::collective::{After, Collective, Hierarchy, Nccl, RingConfig, TcpComm, Transport, nccl};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
@@ -410,8 +411,6 @@ fn tcp_threads(
 /// NCCL's stream, with no copy to or from the host and no wait on the host in between; the
 /// time is the GPU's, between two CUDA events recorded on that stream around them.
 pub fn nccl_single(sizes: &[usize], budget: usize) -> anyhow::Result<Vec<Row>> {
-    use cudarc::driver::DevicePtr;
-    use cudarc::driver::sys::CUevent_flags;
     let id = nccl::unique_id()?;
     let mut c = Nccl::new(0, 0, 1, &id, Duration::from_secs(60))?;
     let stream = c.stream().clone();
@@ -419,26 +418,24 @@ pub fn nccl_single(sizes: &[usize], budget: usize) -> anyhow::Result<Vec<Row>> {
     for &bytes in sizes {
         let n = bytes / 4;
         let host: Vec<f32> = (0..n).map(|i| input(0, i)).collect();
-        let buf = stream.clone_htod(&host).context("copying the buffer to the GPU")?;
-        let ptr = {
-            let (ptr, _record) = buf.device_ptr(&stream);
-            ptr
-        };
+        let mut buf = stream.zeros(n)?;
+        stream.upload(&host, &mut buf, 0).context("copying the buffer to the GPU")?;
+        let (ptr, _) = Cuda::raw_range(&buf, 0..n);
         // SAFETY: `buf` holds n values on this communicator's GPU and outlives every wait
         // below (an error returns only after the communicator was aborted and drained).
         unsafe { c.all_reduce_device_after(ptr, n, After::Stream(&stream)) }?;
         c.wait_all()?;
-        let back = stream.clone_dtoh(&buf).context("copying the result back")?;
+        let mut back = vec![0.0f32; n];
+        stream.download(&buf, 0..n, &mut back).context("copying the result back")?;
         // One rank: the sum is its own input.
         let wrong = back.iter().enumerate().filter(|&(i, &v)| v != input(0, i)).count();
         let iters = (budget / bytes.max(1)).clamp(3, 200);
-        let timed = Some(CUevent_flags::CU_EVENT_DEFAULT);
-        let start = stream.record_event(timed).context("recording the start event")?;
+        let start = stream.record_timed().context("recording the start event")?;
         for _ in 0..iters {
             // SAFETY: as above.
             unsafe { c.all_reduce_device_after(ptr, n, After::Stream(&stream)) }?;
         }
-        let end = stream.record_event(timed).context("recording the end event")?;
+        let end = stream.record_timed().context("recording the end event")?;
         c.wait_all()?;
         let ms = start.elapsed_ms(&end).context("reading the events' times")?;
         rows.push(Row { bytes: n * 4, secs: f64::from(ms) / 1e3 / iters as f64, wrong, busy: None });

@@ -10,12 +10,9 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::backend::{BIAS_GRAD_ROWS, Backend, ChannelSum, NormConfig, Window, bias_grad_passes};
-use super::cpu_layers as layers;
+use super::cpu_layers::{self as layers, CHUNK};
 use crate::error::{Error, Result};
 use crate::optim::{SgdConfig, sgd_block, sgd_step};
-
-/// Values per parallel chunk in elementwise kernels.
-pub(super) const CHUNK: usize = 1 << 14;
 
 /// The CPU backend.
 #[derive(Debug)]

@@ -9,6 +9,9 @@ use rayon::prelude::*;
 use super::backend::{BIAS_GRAD_ROWS, ChannelSum, NormConfig, Window};
 use crate::error::{Error, Result};
 
+/// Values per parallel chunk in elementwise kernels (here and in `cpu.rs`).
+pub(super) const CHUNK: usize = 1 << 14;
+
 /// Run `body(i, chunk)` over `data` cut into chunks of `size` values (the last may be
 /// shorter), on the pool's threads when there is a pool.
 pub(super) fn for_each_chunk(
@@ -55,12 +58,12 @@ pub(super) fn grouped_sum(m: usize, term: impl Fn(usize) -> f32) -> f32 {
 }
 
 pub(super) fn relu(pool: Option<&ThreadPool>, v: &mut [f32]) {
-    for_each_chunk(pool, v, super::cpu::CHUNK, |_, c| c.iter_mut().for_each(|x| *x = x.max(0.0)));
+    for_each_chunk(pool, v, CHUNK, |_, c| c.iter_mut().for_each(|x| *x = x.max(0.0)));
 }
 
 pub(super) fn add_into(pool: Option<&ThreadPool>, y: &mut [f32], x: &[f32], accumulate: bool) -> Result<()> {
     need("add_into x", x.len(), y.len())?;
-    let size = super::cpu::CHUNK;
+    let size = CHUNK;
     for_each_chunk(pool, y, size, |i, c| {
         for (o, &v) in c.iter_mut().zip(&x[i * size..]) {
             put(o, v, accumulate);

@@ -4,7 +4,7 @@
 //! - One [`Cuda`] per device ordinal owns the context, ONE compute stream (a non-blocking stream
 //!   of its own, so a communication stream created beside it can overlap), a cuBLAS handle bound
 //!   to that stream and the NVRTC-compiled kernels of `cuda_kernels.cu`.
-//! - Buffers are `CudaSlice<f32>`, allocated on the compute stream. Views ([`GpuView`],
+//! - Buffers are [`GpuBuf`]s, allocated on the compute stream. Views ([`GpuView`],
 //!   [`GpuViewMut`]) are a raw device pointer, a length and a borrow marker; everything the
 //!   backend queues goes to the compute stream in program order, so the GPU sees kernels in the
 //!   same order Rust's borrow checker saw the views.
@@ -27,10 +27,15 @@
 //!
 //! Work queued through the backend runs on the compute stream in submission order. Code that
 //! touches a view's memory from ANOTHER stream (NCCL, asynchronous copies) through
-//! [`GpuViewMut::device_ptr`] must order itself with events against [`Cuda::stream`], and keep
-//! the buffer alive until that work has finished. [`HalfCast`] is the one piece of the kernels
-//! such code may queue on its own stream: NCCL's fp16/bf16 all-reduce rounds and widens
+//! [`GpuViewMut::device_ptr`] must order itself against [`Cuda::stream`] ([`GpuStream::after`]),
+//! and keep the buffer alive until that work has finished. [`HalfCast`] is the one piece of the
+//! kernels such code may queue on its own stream: NCCL's fp16/bf16 all-reduce rounds and widens
 //! gradient buckets with it on the communication stream.
+//!
+//! # What leaves this module
+//! No cudarc type: other code holds a stream, buffers and events through core's own wrappers
+//! (`stream.rs`: [`GpuStream`], [`GpuBuf`], [`GpuLabels`], [`GpuEvent`]) and device addresses
+//! as `u64`, so the backend's cudarc stays an implementation detail of this module.
 //!
 //! # Length
 //! Over 600 lines on purpose: the whole [`Backend`] for one device in one file, like
@@ -52,6 +57,9 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 mod layers;
+mod stream;
+
+pub use stream::{GpuBuf, GpuEvent, GpuLabels, GpuStream, RawStream};
 
 use super::backend::{BIAS_GRAD_ROWS, Backend, ChannelSum, NormConfig, Window, bias_grad_passes};
 use super::nvrtc;
@@ -117,7 +125,7 @@ impl<'a> GpuView<'a> {
     }
 
     /// The first value's device address (valid for `'a`; see the module docs on ordering).
-    pub fn device_ptr(&self) -> CUdeviceptr {
+    pub fn device_ptr(&self) -> u64 {
         self.ptr
     }
 
@@ -141,7 +149,7 @@ impl<'a> GpuViewMut<'a> {
 
     /// The first value's device address, for collectives and copies that write in place (valid
     /// for `'a`; see the module docs on ordering).
-    pub fn device_ptr(&self) -> CUdeviceptr {
+    pub fn device_ptr(&self) -> u64 {
         self.ptr
     }
 
@@ -303,15 +311,15 @@ impl HalfCast {
     /// has run (work ordered after `stream`'s).
     pub unsafe fn round(
         &self,
-        stream: &CudaStream,
-        src: CUdeviceptr,
-        dst: CUdeviceptr,
+        stream: &GpuStream,
+        src: u64,
+        dst: u64,
         n: usize,
         half: Half,
         scale: f32,
     ) -> Result<()> {
         // SAFETY: passed on to the caller.
-        unsafe { Self::launch(&self.round, stream, dst, src, n, half, scale) }
+        unsafe { Self::launch(&self.round, &stream.stream, dst, src, n, half, scale) }
             .map_err(cuda_err("round_to_half"))
     }
 
@@ -322,15 +330,16 @@ impl HalfCast {
     /// As [`HalfCast::round`], `src` holding `n` `u16` values and `dst` room for `n` `f32`.
     pub unsafe fn widen(
         &self,
-        stream: &CudaStream,
-        src: CUdeviceptr,
-        dst: CUdeviceptr,
+        stream: &GpuStream,
+        src: u64,
+        dst: u64,
         n: usize,
         half: Half,
         scale: f32,
     ) -> Result<()> {
         // SAFETY: passed on to the caller.
-        unsafe { Self::launch(&self.widen, stream, dst, src, n, half, scale) }.map_err(cuda_err("widen_half"))
+        unsafe { Self::launch(&self.widen, &stream.stream, dst, src, n, half, scale) }
+            .map_err(cuda_err("widen_half"))
     }
 
     /// Launch `f(dst, src, n, bf16, scale)` over `n` values.
@@ -363,8 +372,8 @@ impl HalfCast {
 pub struct Cuda {
     ordinal: usize,
     name: String,
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    /// The context and the compute stream.
+    compute: GpuStream,
     blas: CudaBlas,
     kernels: Kernels,
     layers: layers::LayerKernels,
@@ -434,8 +443,7 @@ impl Cuda {
         Ok(Cuda {
             ordinal,
             name,
-            ctx,
-            stream,
+            compute: GpuStream { ctx, stream },
             blas,
             kernels,
             layers,
@@ -460,9 +468,9 @@ impl Cuda {
     pub fn peak_fp32_flops(&self) -> Result<f64> {
         use cudarc::driver::sys::CUdevice_attribute as A;
         let err = |e: cudarc::driver::DriverError| Error::Cuda { op: "device attribute", msg: e.to_string() };
-        let sms = self.ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(err)?;
-        let khz = self.ctx.attribute(A::CU_DEVICE_ATTRIBUTE_CLOCK_RATE).map_err(err)?;
-        let (major, minor) = self.ctx.compute_capability().map_err(err)?;
+        let sms = self.compute.ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(err)?;
+        let khz = self.compute.ctx.attribute(A::CU_DEVICE_ATTRIBUTE_CLOCK_RATE).map_err(err)?;
+        let (major, minor) = self.compute.ctx.compute_capability().map_err(err)?;
         let lanes = match (major, minor) {
             (7, _) => 64,
             (8, 0) => 64,
@@ -477,15 +485,11 @@ impl Cuda {
         Ok(f64::from(sms) * f64::from(lanes) * 2.0 * f64::from(khz) * 1e3)
     }
 
-    /// The CUDA context (for NCCL communicators and extra streams on this device).
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
-    }
-
     /// The compute stream: every kernel, GEMM and copy of this backend is queued here, in
-    /// order. Other streams must wait on an event recorded here before touching its buffers.
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+    /// order. Other streams must wait for it ([`GpuStream::after`]) before touching its
+    /// buffers.
+    pub fn stream(&self) -> &GpuStream {
+        &self.compute
     }
 
     /// The half-precision conversion kernels, for work on other streams of this device.
@@ -495,14 +499,14 @@ impl Cuda {
 
     /// The device address and length of `buf[range]` (panics when `range` is outside `buf`),
     /// for collectives and asynchronous copies that work on device memory directly.
-    pub fn raw_range(buf: &CudaSlice<f32>, range: Range<usize>) -> (CUdeviceptr, usize) {
+    pub fn raw_range(buf: &GpuBuf, range: Range<usize>) -> (u64, usize) {
         let v = Self::view(buf, range);
         (v.ptr, v.len)
     }
 
     /// Refuse a view whose buffer belongs to another backend's stream.
     fn own(&self, op: &'static str, owner: usize) -> Result<()> {
-        if owner == stream_id(&self.stream) {
+        if owner == stream_id(&self.compute.stream) {
             Ok(())
         } else {
             Err(Error::Cuda {
@@ -536,7 +540,7 @@ impl Cuda {
         let groups = rows.div_ceil(BIAS_GRAD_ROWS).max(1);
         let (rows64, cols64, group, acc) =
             (rows as u64, cols as u64, BIAS_GRAD_ROWS as u64, i32::from(accumulate));
-        let mut launch = self.stream.launch_builder(&self.kernels.bias_grad);
+        let mut launch = self.compute.stream.launch_builder(&self.kernels.bias_grad);
         launch.arg(&dst).arg(&src).arg(&rows64).arg(&cols64).arg(&group).arg(&acc);
         // SAFETY: bias_grad(float*, const float*, u64, u64, u64, int); the caller passes a
         // source of rows x cols values and a destination of groups x cols, both device memory of
@@ -547,13 +551,13 @@ impl Cuda {
 
     /// Surface an error cudarc recorded where it could not return one (its drop guards).
     fn check(&self, op: &'static str) -> Result<()> {
-        self.ctx.check_err().map_err(cuda_err(op))
+        self.compute.ctx.check_err().map_err(cuda_err(op))
     }
 }
 
 impl Backend for Cuda {
-    type Buf = CudaSlice<f32>;
-    type Labels = CudaSlice<u32>;
+    type Buf = GpuBuf;
+    type Labels = GpuLabels;
     type View<'a> = GpuView<'a>;
     type ViewMut<'a> = GpuViewMut<'a>;
 
@@ -561,53 +565,39 @@ impl Backend for Cuda {
         format!("cuda:{} {}", self.ordinal, self.name)
     }
 
-    fn zeros(&self, n: usize) -> Result<CudaSlice<f32>> {
+    fn zeros(&self, n: usize) -> Result<GpuBuf> {
         // cudarc cannot allocate nothing; one value keeps empty buffers valid.
-        self.stream.alloc_zeros::<f32>(n.max(1)).map_err(cuda_err("alloc"))
+        self.compute.zeros(n)
     }
 
-    fn write(&self, dst: &mut CudaSlice<f32>, offset: usize, src: &[f32]) -> Result<()> {
-        let end = offset.checked_add(src.len()).filter(|&e| e <= dst.len()).ok_or(Error::Length {
-            what: "device write",
-            expected: dst.len().saturating_sub(offset),
-            got: src.len(),
-        })?;
-        if src.is_empty() {
-            return Ok(());
-        }
-        let mut view = dst.slice_mut(offset..end);
-        // Copying from pageable host memory returns once `src` has been consumed.
-        self.stream.memcpy_htod(src, &mut view).map_err(cuda_err("copy to device"))?;
+    fn write(&self, dst: &mut GpuBuf, offset: usize, src: &[f32]) -> Result<()> {
+        self.compute.upload(src, dst, offset)?;
         self.check("copy to device")
     }
 
-    fn read(&self, src: &CudaSlice<f32>, range: Range<usize>, dst: &mut [f32]) -> Result<()> {
-        if range.start > range.end || range.end > src.len() || dst.len() != range.len() {
-            return Err(Error::Length { what: "device read", expected: range.len(), got: dst.len() });
-        }
-        if dst.is_empty() {
-            return Ok(());
-        }
-        // The copy synchronizes the stream, so `dst` holds the values on return.
-        self.stream.memcpy_dtoh(&src.slice(range), dst).map_err(cuda_err("copy to host"))?;
+    fn read(&self, src: &GpuBuf, range: Range<usize>, dst: &mut [f32]) -> Result<()> {
+        self.compute.download(src, range, dst)?;
         self.check("copy to host")
     }
 
-    fn write_labels(&self, dst: &mut Option<CudaSlice<u32>>, src: &[u32]) -> Result<()> {
-        let labels = match dst {
-            Some(l) if l.len() >= src.len() => l,
-            _ => dst.insert(self.stream.alloc_zeros::<u32>(src.len().max(1)).map_err(cuda_err("alloc"))?),
+    fn write_labels(&self, dst: &mut Option<GpuLabels>, src: &[u32]) -> Result<()> {
+        let GpuLabels(labels) = match dst {
+            Some(l) if l.0.len() >= src.len() => l,
+            _ => dst.insert(GpuLabels(
+                self.compute.stream.alloc_zeros::<u32>(src.len().max(1)).map_err(cuda_err("alloc"))?,
+            )),
         };
         if src.is_empty() {
             return Ok(());
         }
-        self.stream
+        self.compute
+            .stream
             .memcpy_htod(src, &mut labels.slice_mut(0..src.len()))
             .map_err(cuda_err("copy labels to device"))?;
         self.check("copy labels to device")
     }
 
-    fn view(buf: &CudaSlice<f32>, range: Range<usize>) -> GpuView<'_> {
+    fn view(GpuBuf(buf): &GpuBuf, range: Range<usize>) -> GpuView<'_> {
         check_range("view", buf.len(), &range);
         GpuView {
             ptr: offset_ptr(buf_ptr(buf), range.start),
@@ -617,7 +607,7 @@ impl Backend for Cuda {
         }
     }
 
-    fn view_mut(buf: &mut CudaSlice<f32>, range: Range<usize>) -> GpuViewMut<'_> {
+    fn view_mut(GpuBuf(buf): &mut GpuBuf, range: Range<usize>) -> GpuViewMut<'_> {
         check_range("view_mut", buf.len(), &range);
         GpuViewMut {
             ptr: offset_ptr(buf_ptr(buf), range.start),
@@ -686,7 +676,7 @@ impl Backend for Cuda {
         };
         let op = |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
-        self.ctx.bind_to_thread().map_err(cuda_err("gemm"))?;
+        self.compute.ctx.bind_to_thread().map_err(cuda_err("gemm"))?;
         // SAFETY: the handle is bound to the compute stream; the views were checked above to
         // hold op(A) (m x k), op(B) (k x n) and C (m x n) with the leading dimensions of
         // ColMajorGemm, and belong to this backend; alpha and beta are host values that
@@ -729,7 +719,7 @@ impl Backend for Cuda {
             return Ok(());
         }
         let (rows, cols, relu) = (rows as u64, cols as u64, i32::from(relu));
-        let mut launch = self.stream.launch_builder(&self.kernels.bias_act);
+        let mut launch = self.compute.stream.launch_builder(&self.kernels.bias_act);
         launch.arg(&z.ptr).arg(&bias.ptr).arg(&rows).arg(&cols).arg(&relu);
         // SAFETY: the argument list matches bias_act(float*, const float*, u64, u64, int); the
         // views hold rows x cols and cols values and belong to this stream.
@@ -745,7 +735,7 @@ impl Backend for Cuda {
             return Ok(());
         }
         let n = dz.len as u64;
-        let mut launch = self.stream.launch_builder(&self.kernels.relu_backward);
+        let mut launch = self.compute.stream.launch_builder(&self.kernels.relu_backward);
         launch.arg(&dz.ptr).arg(&a.ptr).arg(&n);
         // SAFETY: relu_backward(float*, const float*, u64); both views hold n values.
         unsafe { launch.launch(Self::grid(dz.len)) }.map_err(cuda_err("relu_backward"))?;
@@ -776,7 +766,9 @@ impl Backend for Cuda {
         let need = (first + second) * cols;
         let scratch = match &mut *scratch {
             Some(s) if s.len() >= need => s,
-            slot => slot.insert(self.stream.alloc_zeros::<f32>(need.max(1)).map_err(cuda_err("alloc"))?),
+            slot => {
+                slot.insert(self.compute.stream.alloc_zeros::<f32>(need.max(1)).map_err(cuda_err("alloc"))?)
+            }
         };
         let halves = [buf_ptr(scratch), offset_ptr(buf_ptr(scratch), first * cols)];
         let (mut src, mut src_rows) = (dz.ptr, rows);
@@ -791,7 +783,7 @@ impl Backend for Cuda {
     fn softmax_xent(
         &self,
         logits: GpuView<'_>,
-        labels: &CudaSlice<u32>,
+        GpuLabels(labels): &GpuLabels,
         dlogits: Option<GpuViewMut<'_>>,
         rows: usize,
         cols: usize,
@@ -821,17 +813,18 @@ impl Backend for Cuda {
         let mut stats = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
         let stats = match &mut *stats {
             Some(s) if s.len() >= 2 * rows => s,
-            slot => slot.insert(self.stream.alloc_zeros::<f32>(2 * rows).map_err(cuda_err("alloc"))?),
+            slot => slot.insert(self.compute.stream.alloc_zeros::<f32>(2 * rows).map_err(cuda_err("alloc"))?),
         };
         let (lptr, sptr) = (buf_ptr(labels), buf_ptr(stats));
         let (rows64, cols64) = (rows as u64, cols as u64);
-        let mut launch = self.stream.launch_builder(&self.kernels.softmax_xent);
+        let mut launch = self.compute.stream.launch_builder(&self.kernels.softmax_xent);
         launch.arg(&logits.ptr).arg(&lptr).arg(&dptr).arg(&sptr).arg(&rows64).arg(&cols64).arg(&scale);
         // SAFETY: softmax_xent(const float*, const unsigned*, float*, float*, u64, u64, float);
         // logits and dlogits hold rows x cols values, labels rows, stats 2 x rows.
         unsafe { launch.launch(Self::grid(rows)) }.map_err(cuda_err("softmax_xent"))?;
         let mut host = vec![0.0f32; 2 * rows];
-        self.stream
+        self.compute
+            .stream
             .memcpy_dtoh(&stats.slice(0..2 * rows), &mut host)
             .map_err(cuda_err("copy loss to host"))?;
         self.check("copy loss to host")?;
@@ -865,7 +858,7 @@ impl Backend for Cuda {
         }
         let n = params.len as u64;
         let SgdConfig { lr, momentum: mu, weight_decay: wd } = *cfg;
-        let mut launch = self.stream.launch_builder(&self.kernels.sgd);
+        let mut launch = self.compute.stream.launch_builder(&self.kernels.sgd);
         launch
             .arg(&params.ptr)
             .arg(&grads.ptr)
@@ -887,7 +880,7 @@ impl Backend for Cuda {
             return Ok(());
         }
         let n = v.len as u64;
-        let mut launch = self.stream.launch_builder(&self.kernels.scale);
+        let mut launch = self.compute.stream.launch_builder(&self.kernels.scale);
         launch.arg(&v.ptr).arg(&n).arg(&factor);
         // SAFETY: scale(float*, u64, float); the view holds n values.
         unsafe { launch.launch(Self::grid(v.len)) }.map_err(cuda_err("scale"))?;
@@ -948,40 +941,34 @@ impl Backend for Cuda {
         &self,
         y: GpuViewMut<'_>,
         table: GpuView<'_>,
-        off: &CudaSlice<u32>,
-        ids: &CudaSlice<u32>,
+        off: &GpuLabels,
+        ids: &GpuLabels,
         w: GpuView<'_>,
         batch: usize,
         dim: usize,
     ) -> Result<()> {
         let entries = w.len;
-        self.layer_bag_forward(y, table, (off, ids), w, (batch, dim, entries))
+        self.layer_bag_forward(y, table, (&off.0, &ids.0), w, (batch, dim, entries))
     }
 
     fn bag_backward(
         &self,
         grad: GpuViewMut<'_>,
         dy: GpuView<'_>,
-        rows: &CudaSlice<u32>,
-        off: &CudaSlice<u32>,
-        samples: &CudaSlice<u32>,
+        rows: &GpuLabels,
+        off: &GpuLabels,
+        samples: &GpuLabels,
         w: GpuView<'_>,
         count: usize,
         dim: usize,
         accumulate: bool,
     ) -> Result<()> {
         let entries = w.len;
-        self.layer_bag_backward(grad, dy, (rows, off, samples), w, (count, dim, entries), accumulate)
+        self.layer_bag_backward(grad, dy, (&rows.0, &off.0, &samples.0), w, (count, dim, entries), accumulate)
     }
 
-    fn zero_rows(
-        &self,
-        v: GpuViewMut<'_>,
-        rows: Option<&CudaSlice<u32>>,
-        count: usize,
-        dim: usize,
-    ) -> Result<()> {
-        self.layer_zero_rows(v, rows, count, dim)
+    fn zero_rows(&self, v: GpuViewMut<'_>, rows: Option<&GpuLabels>, count: usize, dim: usize) -> Result<()> {
+        self.layer_zero_rows(v, rows.map(|r| &r.0), count, dim)
     }
 
     fn sgd_rows(
@@ -990,12 +977,12 @@ impl Backend for Cuda {
         params: GpuViewMut<'_>,
         grads: GpuView<'_>,
         momentum: GpuViewMut<'_>,
-        rows: Option<&CudaSlice<u32>>,
+        rows: Option<&GpuLabels>,
         count: usize,
         dim: usize,
         grad_scale: f32,
     ) -> Result<()> {
-        self.layer_sgd_rows(cfg, params, grads, momentum, rows, (count, dim), grad_scale)
+        self.layer_sgd_rows(cfg, params, grads, momentum, rows.map(|r| &r.0), (count, dim), grad_scale)
     }
 
     fn avg_pool(
@@ -1081,7 +1068,7 @@ impl Backend for Cuda {
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(cuda_err("synchronize"))?;
+        self.compute.stream.synchronize().map_err(cuda_err("synchronize"))?;
         self.check("synchronize")
     }
 }

@@ -16,7 +16,7 @@ use std::str::FromStr;
 
 pub use backend::{Backend, ChannelSum, NormConfig, Window};
 pub use cpu::Cpu;
-pub use cuda::{Cuda, GpuView, GpuViewMut, HalfCast};
+pub use cuda::{Cuda, GpuBuf, GpuEvent, GpuLabels, GpuStream, GpuView, GpuViewMut, HalfCast, RawStream};
 
 use crate::error::{Error, Result};
 

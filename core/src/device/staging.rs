@@ -108,10 +108,14 @@ impl std::fmt::Debug for Staging {
 impl Staging {
     /// Staging for `gpu`'s buffers, with its own copy stream (no memory until first used).
     pub fn new(gpu: &Cuda) -> Result<Staging> {
-        let ctx = gpu.context().clone();
-        let copies = ctx.new_stream().map_err(cuda_err("create the copy stream"))?;
-        let streams =
-            Streams { ctx, compute: gpu.stream().clone(), copies, returned: AtomicBool::new(false) };
+        let compute = gpu.stream();
+        let copies = compute.beside()?.stream;
+        let streams = Streams {
+            ctx: compute.ctx.clone(),
+            compute: compute.stream.clone(),
+            copies,
+            returned: AtomicBool::new(false),
+        };
         Ok(Staging { streams, host: None })
     }
 

@@ -13,6 +13,11 @@
 //! are staged through one device buffer that grows on demand. NCCL refuses two ranks on one
 //! GPU, so more than one rank needs as many GPUs.
 //!
+//! The device side (NCCL's stream, the staging buffer, the events a wait polls, the kernels
+//! of a half-precision reduction) is core's ([`GpuStream`], [`GpuBuf`], [`GpuEvent`],
+//! [`HalfCast`]): this file holds NCCL's calls and their failure handling, never a CUDA
+//! binding's types.
+//!
 //! # Timeouts and failures
 //! NCCL has no per-call timeout, and a collective whose peer is dead runs forever on the GPU,
 //! writing into its buffers. So:
@@ -36,13 +41,9 @@
 
 use std::ffi::c_int;
 use std::ops::Range;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
-
-use gradsync_core::device::HalfCast;
+use gradsync_core::device::{Cuda, GpuBuf, GpuEvent, GpuStream, HalfCast};
 use gradsync_core::engine::DeviceGrads;
 
 use super::nccl_lib::{
@@ -56,16 +57,12 @@ pub use super::nccl_lib::ID_BYTES;
 #[derive(Clone, Copy)]
 pub enum After<'a> {
     /// Everything queued so far on a stream of this GPU.
-    Stream(&'a CudaStream),
+    Stream(&'a GpuStream),
     /// A gradient bucket's backward.
     Bucket(&'a DeviceGrads),
 }
 
-fn cuda_err<E: std::fmt::Debug>(op: &'static str) -> impl FnOnce(E) -> CommError {
-    move |e| CommError::Nccl { op, msg: format!("{e:?}") }
-}
-
-/// A failure of one of the device's kernels queued on NCCL's stream.
+/// A failure of the device's stream, copies or kernels, as NCCL's communicator reports it.
 fn core_err(op: &'static str) -> impl FnOnce(gradsync_core::Error) -> CommError {
     move |e| CommError::Nccl { op, msg: e.to_string() }
 }
@@ -96,8 +93,8 @@ pub fn unique_id() -> Result<[u8; ID_BYTES]> {
 
 /// The device buffer host data is staged through, and its address.
 struct Staging {
-    buf: CudaSlice<f32>,
-    ptr: CUdeviceptr,
+    buf: GpuBuf,
+    ptr: u64,
 }
 
 /// One rank's NCCL communicator on one GPU.
@@ -107,8 +104,7 @@ pub struct Nccl {
     comm: RawComm,
     rank: usize,
     world: usize,
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    stream: GpuStream,
     staging: Option<Staging>,
     timeout: Duration,
     traffic: Traffic,
@@ -123,7 +119,7 @@ impl std::fmt::Debug for Nccl {
             "Nccl(rank {} of {} on cuda:{}, {})",
             self.rank,
             self.world,
-            self.ctx.ordinal(),
+            self.stream.ordinal(),
             self.lib.path
         )
     }
@@ -142,15 +138,14 @@ impl Nccl {
         available()?;
         check_rank("rank", rank, world)?;
         let lib = nccl_lib::lib()?;
-        let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuCtxCreate"))?;
-        let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
+        let stream = GpuStream::new(ordinal).map_err(core_err("cuStreamCreate"))?;
         let size = |v: usize| {
             c_int::try_from(v)
                 .map_err(|_| CommError::Invalid { what: "world size", why: format!("{v} ranks") })
         };
         let mut comm: RawComm = std::ptr::null_mut();
         let mut config = Config::nonblocking();
-        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        stream.bind().map_err(core_err("cuCtxSetCurrent"))?;
         // SAFETY: an out-pointer for the handle, the id by value, a live config.
         let r =
             unsafe { (lib.comm_init_rank_config)(&mut comm, size(world)?, *id, size(rank)?, &mut config) };
@@ -159,7 +154,6 @@ impl Nccl {
             comm,
             rank,
             world,
-            ctx,
             stream,
             staging: None,
             timeout,
@@ -179,7 +173,7 @@ impl Nccl {
     }
 
     /// The stream NCCL works on.
-    pub fn stream(&self) -> &Arc<CudaStream> {
+    pub fn stream(&self) -> &GpuStream {
         &self.stream
     }
 
@@ -191,12 +185,7 @@ impl Nccl {
     /// `ptr` must point to `len` `f32` values of device memory on this communicator's GPU that
     /// stay allocated, and that nothing else reads or writes, until [`Nccl::wait_all`] returns
     /// (an error included: on failure the communicator is aborted first).
-    pub unsafe fn all_reduce_device_after(
-        &mut self,
-        ptr: CUdeviceptr,
-        len: usize,
-        after: After<'_>,
-    ) -> Result<()> {
+    pub unsafe fn all_reduce_device_after(&mut self, ptr: u64, len: usize, after: After<'_>) -> Result<()> {
         self.usable()?;
         if len == 0 {
             return Ok(());
@@ -223,7 +212,7 @@ impl Nccl {
     /// As [`Nccl::all_reduce_device_after`].
     pub unsafe fn all_reduce_half_device_after(
         &mut self,
-        ptr: CUdeviceptr,
+        ptr: u64,
         len: usize,
         after: After<'_>,
         half: Half,
@@ -238,7 +227,7 @@ impl Nccl {
         // only once the work queued on the stream is done with it.
         let halves = self.staging(packed_len(len))?;
         self.follow(after)?;
-        self.ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        self.stream.bind().map_err(core_err("cuCtxSetCurrent"))?;
         // SAFETY: the caller vouches for `len` f32 values at `ptr`; the staging buffer holds
         // `packed_len(len)` f32 slots, room for `len` 16-bit values, and stays allocated while
         // work queued on the stream uses it.
@@ -258,14 +247,8 @@ impl Nccl {
     /// Make NCCL's stream wait for what `after` names.
     fn follow(&self, after: After<'_>) -> Result<()> {
         match after {
-            After::Stream(s) => {
-                let ready = s.record_event(None).map_err(cuda_err("cuEventRecord"))?;
-                self.stream.wait(&ready).map_err(cuda_err("cuStreamWaitEvent"))
-            }
-            // SAFETY: NCCL's stream is live and on the bucket's device (the communicator was
-            // made on the engine's GPU).
-            After::Bucket(g) => unsafe { g.order_before(self.stream.cu_stream().cast()) }
-                .map_err(core_err("order NCCL after the bucket")),
+            After::Stream(s) => self.stream.after(s).map_err(core_err("cuStreamWaitEvent")),
+            After::Bucket(g) => g.order_before(&self.stream).map_err(core_err("order NCCL after the bucket")),
         }
     }
 
@@ -292,7 +275,7 @@ impl Nccl {
             self.broken = Some(format!("{op}: {why}"));
             // The abort stopped NCCL's kernels; the stream now drains. Until it has, buffers
             // it used must stay allocated.
-            let drained = self.stream.record_event(None).is_ok_and(|ev| self.poll(&ev, None).is_ok());
+            let drained = self.stream.record().is_ok_and(|ev| self.poll(&ev, None).is_ok());
             if aborted != SUCCESS || !drained {
                 if let Some(st) = self.staging.take() {
                     std::mem::forget(st.buf);
@@ -360,8 +343,8 @@ impl Nccl {
     /// Run one NCCL call on this communicator and stream, then settle it.
     fn call(&mut self, op: &'static str, f: impl FnOnce(&Lib, RawComm, RawStream) -> c_int) -> Result<()> {
         self.usable()?;
-        self.ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-        let r = f(self.lib, self.comm, self.stream.cu_stream() as RawStream);
+        self.stream.bind().map_err(core_err("cuCtxSetCurrent"))?;
+        let r = f(self.lib, self.comm, self.stream.raw());
         self.settle(op, r)
     }
 
@@ -373,9 +356,9 @@ impl Nccl {
         f: impl FnOnce(&Lib, RawComm, RawStream) -> std::result::Result<(), c_int>,
     ) -> Result<()> {
         self.usable()?;
-        self.ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        self.stream.bind().map_err(core_err("cuCtxSetCurrent"))?;
         let group = Group::start(self.lib)?;
-        let inner = f(self.lib, self.comm, self.stream.cu_stream() as RawStream);
+        let inner = f(self.lib, self.comm, self.stream.raw());
         let end = group.end();
         match (inner, end) {
             (Err(r), _) => self.settle(op, r),
@@ -395,10 +378,10 @@ impl Nccl {
 
     /// Poll `ev` until it completes, for at most the timeout; with a communicator, also fail
     /// as soon as NCCL reports an asynchronous error.
-    fn poll(&self, ev: &CudaEvent, comm: Option<RawComm>) -> std::result::Result<(), String> {
+    fn poll(&self, ev: &GpuEvent, comm: Option<RawComm>) -> std::result::Result<(), String> {
         let t0 = Instant::now();
         loop {
-            match ev.try_is_complete() {
+            match ev.is_complete() {
                 Ok(true) => return Ok(()),
                 Ok(false) if t0.elapsed() < self.timeout => {}
                 Ok(false) => {
@@ -407,7 +390,7 @@ impl Nccl {
                         self.timeout.as_secs_f64()
                     ));
                 }
-                Err(e) => return Err(format!("{e:?}")),
+                Err(e) => return Err(e.to_string()),
             }
             if comm.is_some() {
                 match self.async_state() {
@@ -424,7 +407,7 @@ impl Nccl {
     /// the timeout.
     fn wait(&mut self, op: &'static str) -> Result<()> {
         self.usable()?;
-        let ev = self.stream.record_event(None).map_err(cuda_err("cuEventRecord"))?;
+        let ev = self.stream.record().map_err(core_err("cuEventRecord"))?;
         match self.poll(&ev, Some(self.comm)) {
             Ok(()) => Ok(()),
             Err(why) => Err(self.fail(op, why)),
@@ -432,16 +415,13 @@ impl Nccl {
     }
 
     /// The staging buffer's address, the buffer holding at least `n` values.
-    fn staging(&mut self, n: usize) -> Result<CUdeviceptr> {
+    fn staging(&mut self, n: usize) -> Result<u64> {
         match &self.staging {
             Some(s) if s.buf.len() >= n.max(1) => Ok(s.ptr),
             _ => {
                 // The old buffer is freed on this stream, after the work queued on it.
-                let buf = self.stream.alloc_zeros::<f32>(n.max(1)).map_err(cuda_err("cuMemAlloc"))?;
-                let ptr = {
-                    let (ptr, _record) = buf.device_ptr(&self.stream);
-                    ptr
-                };
+                let buf = self.stream.zeros(n.max(1)).map_err(core_err("cuMemAlloc"))?;
+                let (ptr, _) = Cuda::raw_range(&buf, 0..buf.len());
                 self.staging = Some(Staging { buf, ptr });
                 Ok(ptr)
             }
@@ -449,14 +429,12 @@ impl Nccl {
     }
 
     /// Copy `src` to the start of the staging buffer, grown to `n` values. Returns its address.
-    fn upload(&mut self, src: &[f32], n: usize) -> Result<CUdeviceptr> {
+    fn upload(&mut self, src: &[f32], n: usize) -> Result<u64> {
         let ptr = self.staging(n.max(src.len()))?;
         if let Some(st) = &mut self.staging
             && !src.is_empty()
         {
-            self.stream
-                .memcpy_htod(src, &mut st.buf.slice_mut(0..src.len()))
-                .map_err(cuda_err("cuMemcpyHtoD"))?;
+            self.stream.upload(src, &mut st.buf, 0).map_err(core_err("cuMemcpyHtoD"))?;
         }
         Ok(ptr)
     }
@@ -468,15 +446,15 @@ impl Nccl {
         if let Some(st) = &self.staging
             && !dst.is_empty()
         {
-            self.stream.memcpy_dtoh(&st.buf.slice(range), dst).map_err(cuda_err("cuMemcpyDtoH"))?;
+            self.stream.download(&st.buf, range, dst).map_err(core_err("cuMemcpyDtoH"))?;
         }
         Ok(())
     }
 }
 
 /// The address `n` f32 values past `ptr`, as NCCL takes buffers.
-fn at(ptr: CUdeviceptr, n: usize) -> *mut std::ffi::c_void {
-    (ptr + (n * size_of::<f32>()) as CUdeviceptr) as *mut std::ffi::c_void
+fn at(ptr: u64, n: usize) -> *mut std::ffi::c_void {
+    (ptr + (n * size_of::<f32>()) as u64) as *mut std::ffi::c_void
 }
 
 impl Drop for Nccl {
@@ -486,9 +464,9 @@ impl Drop for Nccl {
         }
         // NCCL's destroy waits for the communicator's work, forever if a peer is dead: wait
         // here with the timeout, and abort when it does not finish.
-        let finished = self.stream.record_event(None).is_ok_and(|ev| self.poll(&ev, Some(self.comm)).is_ok());
+        let finished = self.stream.record().is_ok_and(|ev| self.poll(&ev, Some(self.comm)).is_ok());
         if finished {
-            let _ = self.ctx.bind_to_thread();
+            let _ = self.stream.bind();
             let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
             // SAFETY: a live communicator with no work left, destroyed once.
             let _ = unsafe { (self.lib.comm_destroy)(comm) };

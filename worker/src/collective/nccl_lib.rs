@@ -20,8 +20,8 @@ use super::{CommError, Result};
 
 /// An NCCL communicator handle.
 pub type RawComm = *mut c_void;
-/// A CUDA stream handle, as NCCL takes it.
-pub type RawStream = *mut c_void;
+/// A CUDA stream handle, as NCCL takes it (core's [`GpuStream::raw`](gradsync_core::device::GpuStream::raw)).
+pub use gradsync_core::device::RawStream;
 
 /// `ncclSuccess`.
 pub const SUCCESS: c_int = 0;

@@ -14,62 +14,13 @@
 
 use gradsync_core::Engine;
 use gradsync_core::compress::Compression;
-use gradsync_core::device::Device;
 use gradsync_core::metrics::Step;
 use gradsync_core::net::BatchLoss;
-use gradsync_core::optim::SgdConfig;
-use gradsync_core::trace::Trace;
 
 use super::bucket::BucketReduce;
-use super::shell::Shell;
+use super::shell::{Backend, DdpConfig, Shell};
 use super::sparse::{RowGather, SparseGrads};
 use super::{Shape, Strategy, timed_span};
-use crate::collective::{Hierarchy, Transport};
-use crate::rendezvous::RendezvousConfig;
-
-/// What DDP needs to know.
-#[derive(Debug, Clone)]
-pub struct DdpConfig {
-    /// Where to meet the other ranks, this rank's place among them, and the timeout of every
-    /// blocking call.
-    pub rendezvous: RendezvousConfig,
-    /// The collective backend.
-    pub backend: Backend,
-    /// This rank's device (NCCL needs a GPU).
-    pub device: Device,
-    /// Values per gradient bucket.
-    pub bucket_values: usize,
-    /// Synchronise every this many steps, accumulating in between.
-    pub sync_every: u64,
-    /// Reduce each bucket while backward computes the rest.
-    pub overlap: bool,
-    /// Synchronised batch norm (`--sync-bn`): the batch's statistics over every rank.
-    pub sync_bn: bool,
-    /// The TCP ring's chunk, KiB (`None`: the ranks choose, [`RingConfig::chunk_auto`]).
-    pub chunk_kb: Option<usize>,
-    /// How the TCP ring reaches its neighbours.
-    pub transport: Transport,
-    /// Whether the TCP backend's all-reduce goes through the hosts.
-    pub hierarchy: Hierarchy,
-    /// The optimiser every rank applies.
-    pub sgd: SgdConfig,
-    /// Timeline recorder (`--trace`).
-    pub trace: Trace,
-    /// How each bucket travels (`--compress`).
-    pub compression: Compression,
-    /// How an embedding model's table travels (`--sparse-grads`).
-    pub sparse_grads: SparseGrads,
-}
-
-/// Collective backends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Default)]
-pub enum Backend {
-    /// TCP ring on host memory (GPU buffers staged through the host).
-    #[default]
-    Tcp,
-    /// NCCL on GPU memory.
-    Nccl,
-}
 
 /// DDP over one communicator.
 pub struct Ddp {

@@ -25,11 +25,12 @@ use gradsync_core::metrics::Step;
 use gradsync_core::net::BatchLoss;
 use gradsync_core::trace::Trace;
 
-pub use ddp::{Backend, Ddp, DdpConfig};
+pub use ddp::Ddp;
 pub use dp::{Dp, DpConfig, FaultKind, ReplicaFault};
 pub use gradsync_core::metrics::ms_since;
 pub use local::Local;
 pub use ps::{Ps, PsConfig};
+pub use shell::{Backend, DdpConfig};
 pub use sparse::SparseGrads;
 pub use zero1::{Zero1, Zero1Config};
 

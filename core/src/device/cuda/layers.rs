@@ -84,7 +84,7 @@ impl LayerKernels {
 /// local binding (the launch borrows them until it is queued).
 macro_rules! launch {
     ($cuda:expr, $kernel:ident, $n:expr; $($arg:ident),* $(,)?) => {{
-        let mut l = $cuda.stream.launch_builder(&$cuda.layers.$kernel);
+        let mut l = $cuda.compute.stream.launch_builder(&$cuda.layers.$kernel);
         $( l.arg(&$arg); )*
         // SAFETY: the arguments are, in order and type, the kernel's parameters in
         // cuda_kernels.cu (the fake CUDA's launcher unpacks them by that signature under test);
@@ -300,7 +300,9 @@ impl Cuda {
         let need = (groups + second) * channels;
         let scratch = match &mut *scratch {
             Some(s) if s.len() >= need => s,
-            slot => slot.insert(self.stream.alloc_zeros::<f32>(need.max(1)).map_err(cuda_err("alloc"))?),
+            slot => {
+                slot.insert(self.compute.stream.alloc_zeros::<f32>(need.max(1)).map_err(cuda_err("alloc"))?)
+            }
         };
         let halves = [buf_ptr(scratch), offset_ptr(buf_ptr(scratch), groups * channels)];
         self.channel_sums_pass(halves[0], a.ptr, first, channels, m)?;
