@@ -76,6 +76,10 @@ pub mod flag {
     pub const WORLD_SIZE: &str = "world-size";
     /// `--local-rank`.
     pub const LOCAL_RANK: &str = "local-rank";
+    /// `--tls-ca`.
+    pub const TLS_CA: &str = "tls-ca";
+    /// `--tls-domain`.
+    pub const TLS_DOMAIN: &str = "tls-domain";
 }
 
 /// gradsync worker: trains the model locally, as DataParallel replicas, against parameter
@@ -97,6 +101,10 @@ pub enum Command {
     /// LOCAL_RANK, MASTER_ADDR, MASTER_PORT, prefixes output with the rank, stops all ranks
     /// if one fails. Example: `launch --nproc-per-node 4 -- train --mode ddp`.
     Launch(LaunchArgs),
+    /// Run one process for `gradsync-bench compare --hosts` (started over ssh): its
+    /// environment's secrets read from stdin, its process group stopped when stdin ends.
+    #[command(hide = true)]
+    Supervise(crate::supervise::SuperviseArgs),
 }
 
 /// Flags of `gradsync-worker launch`.
@@ -345,10 +353,10 @@ pub struct PsArgs {
     #[arg(long = flag::CHUNK_BYTES)]
     pub chunk_bytes: Option<usize>,
     /// Talk TLS to the servers, trusting this CA certificate (PEM).
-    #[arg(long, env = "GRADSYNC_TLS_CA")]
+    #[arg(long = flag::TLS_CA, env = "GRADSYNC_TLS_CA")]
     pub tls_ca: Option<std::path::PathBuf>,
     /// The name the servers' certificates carry (default: the host in --servers).
-    #[arg(long, requires = "tls_ca")]
+    #[arg(long = flag::TLS_DOMAIN, requires = "tls_ca")]
     pub tls_domain: Option<String>,
     /// Under BSP, push the whole gradient and only then pull the parameters, rather than
     /// pulling the next version block by block while pushing (the pipelined step). For
