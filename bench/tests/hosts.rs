@@ -424,5 +424,35 @@ fn compare_over_ssh_names_the_host_that_fails() {
     assert!(lines[0].contains("\"status\":\"failed\"") && lines[0].contains(&format!("rank1 on host {}", h.addr(2))), "{}", lines[0]);
     assert!(lines[1].contains("\"status\":\"ok\""), "the next run: {}", lines[1]);
     assert!(running(remote.to_str().unwrap()).is_empty(), "left running: {:?}", running(remote.to_str().unwrap()));
+
+    // Ctrl-C: the run under way is stopped on its hosts and recorded as interrupted.
+    let out = h.dir.join("out-interrupt");
+    let remote = h.dir.join("remote-interrupt");
+    let mut compare = h.compare(&[
+        scen.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--bin-dir",
+        bin.to_str().unwrap(),
+        "--hosts",
+        &list,
+        "--remote-dir",
+        remote.to_str().unwrap(),
+    ]);
+    let until = Instant::now() + Duration::from_secs(90);
+    while !running(&remote.display().to_string()).iter().any(|(_, c)| c.contains(" train ") && !c.contains("supervise")) {
+        assert!(Instant::now() < until, "no worker of {first} ever started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: kill(2) on the comparison this test started.
+    unsafe {
+        libc::kill(compare.id() as i32, libc::SIGINT);
+    }
+    let (code, err, took) = compare.finish(Duration::from_secs(60));
+    assert_eq!(code, 130, "after Ctrl-C:\n{err}");
+    assert!(took < Duration::from_secs(30), "Ctrl-C took {took:?}");
+    let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
+    assert!(outcomes.contains("\"status\":\"interrupted\""), "{outcomes}");
+    assert!(running(remote.to_str().unwrap()).is_empty(), "left running: {:?}", running(remote.to_str().unwrap()));
     drop(h.sshd);
 }
