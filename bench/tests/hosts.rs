@@ -350,8 +350,14 @@ fn compare_over_ssh_names_the_host_that_fails() {
         let mut args =
             vec![scen.to_str().unwrap(), "--out", out.to_str().unwrap(), "--bin-dir", bin.to_str().unwrap(), "--hosts", hosts];
         args.extend_from_slice(extra);
-        let (code, err, took) = h.compare(&args).finish(Duration::from_secs(120));
+        let mut compare = h.compare(&args);
+        let control = std::env::temp_dir().join(format!("gradsync-ssh-{}", compare.id()));
+        let (code, err, took) = compare.finish(Duration::from_secs(120));
         assert_ne!(code, 0, "compare --hosts {hosts} succeeded:\n{err}");
+        // The connections the check opened are closed.
+        assert!(!control.exists(), "{} left behind", control.display());
+        let left = running(&control.display().to_string());
+        assert!(left.is_empty(), "left running: {left:?}");
         for s in says {
             assert!(err.contains(s), "compare --hosts {hosts}: expected {s:?} in:\n{err}");
         }
@@ -455,4 +461,51 @@ fn compare_over_ssh_names_the_host_that_fails() {
     assert!(outcomes.contains("\"status\":\"interrupted\""), "{outcomes}");
     assert!(running(remote.to_str().unwrap()).is_empty(), "left running: {:?}", running(remote.to_str().unwrap()));
     drop(h.sshd);
+}
+
+/// The start-up overhead of a run over ssh: the same one-step runs over three emulated ssh
+/// hosts and over loopback on the head, their wall times side by side (medians of five
+/// repeats). A measurement, run by hand: `cargo nextest run -p gradsync-bench --test hosts
+/// --run-ignored only --no-capture start_up`.
+#[test]
+#[ignore = "a measurement: run by hand, as docs/cluster.md says"]
+fn start_up_overhead_over_ssh() {
+    let Some(h) = ssh_hosts("overhead", 3, &[]) else { return };
+    let mut s = scenario(1);
+    s.repeats = 5;
+    let scen = write_scenario(&h.dir, &s);
+    let bin = gradsync_testkit::process::bin_dir();
+    let list = format!("{}:2,{}:2,{}:2", h.addr(1), h.addr(2), h.addr(3));
+    let median_s = |hosts: bool| {
+        let out = h.dir.join(if hosts { "out-ssh" } else { "out-local" });
+        let mut args = vec![scen.to_str().unwrap(), "--out", out.to_str().unwrap(), "--bin-dir", bin.to_str().unwrap()];
+        if hosts {
+            args.extend(["--hosts", list.as_str()]);
+        }
+        let (code, err, _) = h.compare(&args).finish(Duration::from_secs(300));
+        assert_eq!(code, 0, "{err}");
+        let text = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
+        let mut by_mode: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
+        for l in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            assert_eq!(v["status"], "ok", "{l}");
+            by_mode.entry(v["mode"].as_str().unwrap().to_string()).or_default().push(v["seconds"].as_f64().unwrap());
+        }
+        by_mode
+            .into_iter()
+            .map(|(m, mut v)| {
+                v.sort_by(f64::total_cmp);
+                (m, v[v.len() / 2], v[0], v[v.len() - 1])
+            })
+            .collect::<Vec<_>>()
+    };
+    let local = median_s(false);
+    let ssh = median_s(true);
+    for ((m, l, llo, lhi), (_, r, rlo, rhi)) in local.iter().zip(&ssh) {
+        eprintln!(
+            "{m}: one step on loopback {l:.3} s ({llo:.3}-{lhi:.3}), over ssh {r:.3} s ({rlo:.3}-{rhi:.3}): \
+             {:.3} s more",
+            r - l
+        );
+    }
 }

@@ -197,20 +197,17 @@ pub fn execute(
 ) -> anyhow::Result<Finished> {
     let mut sites: Vec<Site> = Vec::new();
     let ran = run_plan(plan, dir, timeout, budget, stop_at, bar, &mut sites);
-    // Each ssh host once: its processes of this run share one directory there.
-    let mut seen = Vec::new();
-    let mut collected = Ok(());
+    // Each site once (its processes of this run share one directory there), all at once.
+    let mut once: Vec<&Site> = Vec::new();
     for site in &sites {
-        if let Some(h) = site.ssh_host() {
-            if seen.iter().any(|s| std::sync::Arc::ptr_eq(s, h)) {
-                continue;
-            }
-            seen.push(h.clone());
-            if let Err(e) = site.collect(dir) {
-                collected = Err(e);
-            }
+        if !once.iter().any(|s| s.same(site)) {
+            once.push(site);
         }
     }
+    let collected = std::thread::scope(|s| {
+        let handles: Vec<_> = once.iter().map(|site| s.spawn(|| site.collect(dir))).collect();
+        handles.into_iter().try_for_each(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("collecting panicked"))))
+    });
     match (ran, collected) {
         (Ok(f), Ok(())) => Ok(f),
         (Ok(_), Err(e)) => Err(e),

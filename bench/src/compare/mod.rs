@@ -76,8 +76,9 @@ pub struct CompareArgs {
     /// same gradsync binaries at the same path (or --remote-bin-dir).
     #[arg(long, value_name = "FILE|LIST")]
     pub hosts: Option<String>,
-    /// More options for every ssh command (split at white space: `-F FILE -o User=me`).
-    #[arg(long, env = "GRADSYNC_SSH_OPTS", requires = "hosts", allow_hyphen_values = true)]
+    /// More options for every ssh command (split at white space: `-F FILE -o User=me`); unused
+    /// without --hosts (so the variable may stay set for a comparison on this machine).
+    #[arg(long, env = "GRADSYNC_SSH_OPTS", allow_hyphen_values = true)]
     pub ssh_opts: Option<String>,
     /// Where processes write on the hosts before their files are copied back (default: a
     /// fresh /tmp/gradsync-compare-<stamp>-<pid>).

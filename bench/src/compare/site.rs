@@ -118,7 +118,17 @@ impl Site {
         }
     }
 
-    /// The host behind an ssh site, to tell sites apart.
+    /// Whether `other` is the same place.
+    pub fn same(&self, other: &Site) -> bool {
+        match (self, other) {
+            (Site::Local, Site::Local) => true,
+            (Site::Netns(a), Site::Netns(b)) => a == b,
+            (Site::Ssh(a), Site::Ssh(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
+    /// The host behind an ssh site.
     pub fn ssh_host(&self) -> Option<&Arc<ssh::Host>> {
         match self {
             Site::Ssh(h) => Some(h),

@@ -73,6 +73,10 @@ pub struct Conn {
     local_root: PathBuf,
     /// Where the binaries are on every host.
     bin_dir: PathBuf,
+    /// The directory of the shared connections' sockets, removed at the end.
+    control: PathBuf,
+    /// Set once the hosts have been tidied.
+    tidied: std::sync::atomic::AtomicBool,
 }
 
 /// One host of `--hosts`.
@@ -105,6 +109,8 @@ pub struct SshArgs {
 pub struct Hosts {
     /// In the list's order.
     pub hosts: Vec<Arc<Host>>,
+    /// Every name of the list, checked or not: each may hold a shared connection.
+    names: Vec<String>,
     conn: Arc<Conn>,
 }
 
@@ -192,6 +198,9 @@ impl Host {
 /// Run `cmd` to its end with `stdin` written to it, killing it after `limit`.
 fn run_limited(mut cmd: Command, stdin: Option<&[u8]>, limit: Duration) -> anyhow::Result<Output> {
     let mut child = cmd
+        // Its own process group, as every process of a run: a terminal's Ctrl-C reaches the
+        // runner alone (and not the shared connection an ssh here may leave behind).
+        .process_group(0)
         .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -328,6 +337,25 @@ impl Hosts {
             "LogLevel=ERROR".into(),
         ]
         .into());
+        // One connection per host for the whole comparison, every session a channel of it:
+        // a run's processes then start without a key exchange each. Its socket lives in a
+        // directory of this process's own; an idle master leaves after a minute even if this
+        // process is killed.
+        let control = std::env::temp_dir().join(format!("gradsync-ssh-{}", std::process::id()));
+        std::fs::create_dir_all(&control).with_context(|| format!("creating {}", control.display()))?;
+        std::fs::set_permissions(&control, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .with_context(|| format!("restricting {}", control.display()))?;
+        options.extend::<Vec<String>>(
+            [
+                "-o".to_string(),
+                "ControlMaster=auto".into(),
+                "-o".into(),
+                format!("ControlPath={}/%C", control.display()),
+                "-o".into(),
+                "ControlPersist=60".into(),
+            ]
+            .into(),
+        );
         let bin_dir = match &a.remote_bin_dir {
             Some(d) => d.clone(),
             None => local_bins[0].parent().map(Path::to_path_buf).context("the binaries' directory")?,
@@ -339,7 +367,14 @@ impl Hosts {
         };
         anyhow::ensure!(remote_root.is_absolute(), "--remote-dir {}: must be absolute", remote_root.display());
         let local_root = std::path::absolute(local_root).unwrap_or_else(|_| local_root.to_path_buf());
-        let conn = Arc::new(Conn { options, remote_root, local_root, bin_dir: bin_dir.clone() });
+        let conn = Arc::new(Conn {
+            options,
+            remote_root,
+            local_root,
+            bin_dir: bin_dir.clone(),
+            control,
+            tidied: false.into(),
+        });
         let mut expected = Vec::new();
         for (b, p) in BINARIES.iter().zip(local_bins) {
             let (version, sha) = identity(p).with_context(|| format!("this machine's {b}"))?;
@@ -359,16 +394,17 @@ impl Hosts {
                 .map(|h| h.join().unwrap_or_else(|_| Err("the check's thread panicked".into())))
                 .collect()
         });
-        let mut hosts = Vec::new();
+        let mut hosts = Hosts { hosts: Vec::new(), names: entries.iter().map(|e| e.name.clone()).collect(), conn };
         let mut errors = Vec::new();
         for r in results {
             match r {
-                Ok(h) => hosts.push(Arc::new(h)),
+                Ok(h) => hosts.hosts.push(Arc::new(h)),
                 Err(e) => errors.push(e),
             }
         }
+        // On failure, dropping `hosts` closes the connections the check opened.
         anyhow::ensure!(errors.is_empty(), "--hosts: {}", errors.join("; "));
-        Ok(Hosts { hosts, conn })
+        Ok(hosts)
     }
 
     /// The remote directory every host's processes write under.
@@ -456,13 +492,38 @@ impl Hosts {
         self.hosts.iter().map(|h| h.facts.clone()).collect()
     }
 
-    /// Remove the (then empty) remote directories the runs used, on every host.
+    /// Remove the (then empty) remote directories the runs used, on every host,
+    /// and close the shared connections; once.
     pub fn tidy(&self) {
+        if self.conn.tidied.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
         let root = quote(&self.conn.remote_root.display().to_string());
         let runs = quote(&self.conn.remote_root.join("runs").display().to_string());
-        for h in &self.hosts {
-            let _ = h.run(&format!("rmdir {runs} {root} 2>/dev/null; true"), None, Duration::from_secs(30));
-        }
+        std::thread::scope(|s| {
+            for h in &self.hosts {
+                s.spawn(|| {
+                    let _ = h.run(&format!("rmdir {runs} {root} 2>/dev/null; true"), None, Duration::from_secs(30));
+                });
+            }
+        });
+        std::thread::scope(|s| {
+            for name in &self.names {
+                let options = &self.conn.options;
+                s.spawn(move || {
+                    let mut exit = Command::new("ssh");
+                    exit.args(options).args(["-O", "exit"]).arg(name);
+                    let _ = run_limited(exit, None, Duration::from_secs(10));
+                });
+            }
+        });
+        let _ = std::fs::remove_dir_all(&self.conn.control);
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        self.tidy();
     }
 }
 
