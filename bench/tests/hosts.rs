@@ -48,7 +48,9 @@ fn spawn(p: &modes::ProcSpec, env: bool, stdout: Stdio) -> Proc {
 }
 
 fn cmdline(pid: u32) -> String {
-    std::fs::read(format!("/proc/{pid}/cmdline")).map(|b| String::from_utf8_lossy(&b).replace('\0', " ")).unwrap_or_default()
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+        .unwrap_or_default()
 }
 
 /// A run placed on hosts gets fresh tokens in its processes' environment (never on their
@@ -83,11 +85,19 @@ fn a_process_without_the_runs_tokens_is_refused() {
     let plan = modes::plan(&c).unwrap();
     let mut server = spawn(&plan.servers[0], true, Stdio::piped());
     let out = server.child().stdout.take().unwrap();
-    let addr = gradsync_bench::compare::site::wait_for_line(out, "gradsync-server listening on ", Duration::from_secs(60))
-        .unwrap();
+    let addr = gradsync_bench::compare::site::wait_for_line(
+        out,
+        "gradsync-server listening on ",
+        Duration::from_secs(60),
+    )
+    .unwrap();
     assert!(!cmdline(server.id()).contains(&token), "the token is on the server's command line");
     let workers = (plan.workers)(&[addr]);
-    assert!(workers.iter().all(|w| !w.args.iter().any(|a| a.contains(&token) || a.starts_with("--token") || a.starts_with("--ring-token"))));
+    assert!(workers.iter().all(|w| {
+        !w.args
+            .iter()
+            .any(|a| a.contains(&token) || a.starts_with("--token") || a.starts_with("--ring-token"))
+    }));
     // A stranger: the same command line, no token.
     let (code, err, took) = spawn(&workers[1], false, Stdio::null()).finish(Duration::from_secs(60));
     assert_ne!(code, 0, "a worker without the token trained");
@@ -151,7 +161,8 @@ fn openssh() -> Result<(), String> {
         return Err("OpenSSH is not installed and there is no apt-get to install it".into());
     }
     let mut c = Command::new("apt-get");
-    c.args(["install", "-y", "-q", "openssh-server", "openssh-client"]).env("DEBIAN_FRONTEND", "noninteractive");
+    c.args(["install", "-y", "-q", "openssh-server", "openssh-client"])
+        .env("DEBIAN_FRONTEND", "noninteractive");
     let (code, err, _) = Proc::spawn(&mut c).finish(Duration::from_secs(600));
     if code != 0 || !Path::new(SSHD).exists() {
         return Err(format!("installing openssh-server failed: {}", err.lines().last().unwrap_or("")));
@@ -334,7 +345,11 @@ fn compare_over_ssh_runs_on_three_hosts_with_the_report() {
     assert!(html.contains("host-to-host") && html.contains(&h.addr(3)), "the report lacks the hosts");
     assert!(!html.contains("no link figures"), "the cost model had no link to fit");
     // Nothing left on the hosts: no process, no files.
-    assert!(running(remote.to_str().unwrap()).is_empty(), "left running: {:?}", running(remote.to_str().unwrap()));
+    assert!(
+        running(remote.to_str().unwrap()).is_empty(),
+        "left running: {:?}",
+        running(remote.to_str().unwrap())
+    );
     assert!(!remote.exists(), "{} left on the hosts", remote.display());
     drop(h.sshd);
 }
@@ -347,8 +362,15 @@ fn compare_over_ssh_names_the_host_that_fails() {
     let bin = gradsync_testkit::process::bin_dir();
     let fails = |hosts: &str, extra: &[&str], says: &[&str]| {
         let out = h.dir.join(format!("out-{}", hosts.len()));
-        let mut args =
-            vec![scen.to_str().unwrap(), "--out", out.to_str().unwrap(), "--bin-dir", bin.to_str().unwrap(), "--hosts", hosts];
+        let mut args = vec![
+            scen.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--bin-dir",
+            bin.to_str().unwrap(),
+            "--hosts",
+            hosts,
+        ];
         args.extend_from_slice(extra);
         let mut compare = h.compare(&args);
         let control = std::env::temp_dir().join(format!("gradsync-ssh-{}", compare.id()));
@@ -366,19 +388,25 @@ fn compare_over_ssh_names_the_host_that_fails() {
     // A host whose link is down: unreachable, named, within ssh's connection timeout.
     h.cluster.cut(2).unwrap();
     let list = format!("{}:2,{}:2", h.addr(1), h.addr(2));
-    fails(&list, &["--ssh-opts", &format!("-F {} -o ConnectTimeout=3", h.config().display())], &[
-        &format!("host {} unreachable", h.addr(2)),
-    ]);
+    fails(
+        &list,
+        &["--ssh-opts", &format!("-F {} -o ConnectTimeout=3", h.config().display())],
+        &[&format!("host {} unreachable", h.addr(2))],
+    );
     h.cluster.restore(2).unwrap();
     // A key the hosts do not know: the login is refused, not asked for.
     let bad = format!("-F {}", h.dir.join("ssh_config_bad").display());
-    fails(&format!("{}:2", h.addr(1)), &["--ssh-opts", &bad], &[&format!("host {}: ssh login refused", h.addr(1))]);
+    fails(
+        &format!("{}:2", h.addr(1)),
+        &["--ssh-opts", &bad],
+        &[&format!("host {}: ssh login refused", h.addr(1))],
+    );
     // A host without the binaries.
-    fails(&format!("{}:2,{}:2", h.addr(1), h.addr(3)), &[], &[&format!(
-        "host {} lacks {}",
-        h.addr(3),
-        bin.join("gradsync-worker").display()
-    )]);
+    fails(
+        &format!("{}:2,{}:2", h.addr(1), h.addr(3)),
+        &[],
+        &[&format!("host {} lacks {}", h.addr(3), bin.join("gradsync-worker").display())],
+    );
 
     // A worker killed on its host mid-run: that run fails naming the host, the next runs.
     let mut s = scenario(300);
@@ -427,9 +455,18 @@ fn compare_over_ssh_names_the_host_that_fails() {
     let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
     let lines: Vec<&str> = outcomes.lines().collect();
     assert_eq!(lines.len(), 2, "{outcomes}");
-    assert!(lines[0].contains("\"status\":\"failed\"") && lines[0].contains(&format!("rank1 on host {}", h.addr(2))), "{}", lines[0]);
+    assert!(
+        lines[0].contains("\"status\":\"failed\"")
+            && lines[0].contains(&format!("rank1 on host {}", h.addr(2))),
+        "{}",
+        lines[0]
+    );
     assert!(lines[1].contains("\"status\":\"ok\""), "the next run: {}", lines[1]);
-    assert!(running(remote.to_str().unwrap()).is_empty(), "left running: {:?}", running(remote.to_str().unwrap()));
+    assert!(
+        running(remote.to_str().unwrap()).is_empty(),
+        "left running: {:?}",
+        running(remote.to_str().unwrap())
+    );
 
     // Ctrl-C: the run under way is stopped on its hosts and recorded as interrupted.
     let out = h.dir.join("out-interrupt");
@@ -446,7 +483,10 @@ fn compare_over_ssh_names_the_host_that_fails() {
         remote.to_str().unwrap(),
     ]);
     let until = Instant::now() + Duration::from_secs(90);
-    while !running(&remote.display().to_string()).iter().any(|(_, c)| c.contains(" train ") && !c.contains("supervise")) {
+    while !running(&remote.display().to_string())
+        .iter()
+        .any(|(_, c)| c.contains(" train ") && !c.contains("supervise"))
+    {
         assert!(Instant::now() < until, "no worker of {first} ever started");
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -459,7 +499,11 @@ fn compare_over_ssh_names_the_host_that_fails() {
     assert!(took < Duration::from_secs(30), "Ctrl-C took {took:?}");
     let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
     assert!(outcomes.contains("\"status\":\"interrupted\""), "{outcomes}");
-    assert!(running(remote.to_str().unwrap()).is_empty(), "left running: {:?}", running(remote.to_str().unwrap()));
+    assert!(
+        running(remote.to_str().unwrap()).is_empty(),
+        "left running: {:?}",
+        running(remote.to_str().unwrap())
+    );
     drop(h.sshd);
 }
 
@@ -478,7 +522,8 @@ fn start_up_overhead_over_ssh() {
     let list = format!("{}:2,{}:2,{}:2", h.addr(1), h.addr(2), h.addr(3));
     let median_s = |hosts: bool| {
         let out = h.dir.join(if hosts { "out-ssh" } else { "out-local" });
-        let mut args = vec![scen.to_str().unwrap(), "--out", out.to_str().unwrap(), "--bin-dir", bin.to_str().unwrap()];
+        let mut args =
+            vec![scen.to_str().unwrap(), "--out", out.to_str().unwrap(), "--bin-dir", bin.to_str().unwrap()];
         if hosts {
             args.extend(["--hosts", list.as_str()]);
         }
@@ -489,7 +534,10 @@ fn start_up_overhead_over_ssh() {
         for l in text.lines() {
             let v: serde_json::Value = serde_json::from_str(l).unwrap();
             assert_eq!(v["status"], "ok", "{l}");
-            by_mode.entry(v["mode"].as_str().unwrap().to_string()).or_default().push(v["seconds"].as_f64().unwrap());
+            by_mode
+                .entry(v["mode"].as_str().unwrap().to_string())
+                .or_default()
+                .push(v["seconds"].as_f64().unwrap());
         }
         by_mode
             .into_iter()

@@ -67,9 +67,11 @@ pub fn supervise(a: &SuperviseArgs) -> anyhow::Result<i32> {
         let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
         rt.block_on(async {
             use tokio::signal::unix::{SignalKind, signal};
-            let (Ok(mut t), Ok(mut i), Ok(mut h)) =
-                (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup()))
-            else {
+            let (Ok(mut t), Ok(mut i), Ok(mut h)) = (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::interrupt()),
+                signal(SignalKind::hangup()),
+            ) else {
                 return;
             };
             tokio::select! {
@@ -144,7 +146,9 @@ fn read_env(r: &mut impl BufRead) -> anyhow::Result<Vec<(String, String)>> {
                     && k.bytes().all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
                     && !k.as_bytes()[0].is_ascii_digit()
             })
-            .ok_or_else(|| anyhow::anyhow!("supervise: line {} of the environment is not KEY=VALUE", env.len() + 1))?;
+            .ok_or_else(|| {
+                anyhow::anyhow!("supervise: line {} of the environment is not KEY=VALUE", env.len() + 1)
+            })?;
         env.push((k.to_string(), v.to_string()));
     }
 }

@@ -206,7 +206,9 @@ pub fn execute(
     }
     let collected = std::thread::scope(|s| {
         let handles: Vec<_> = once.iter().map(|site| s.spawn(|| site.collect(dir))).collect();
-        handles.into_iter().try_for_each(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("collecting panicked"))))
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("collecting panicked"))))
     });
     match (ran, collected) {
         (Ok(f), Ok(())) => Ok(f),
@@ -246,7 +248,8 @@ fn run_plan(
         workers.push(Guard::spawn(p, &logs, Stdio::null())?);
     }
     // Rank 0's metrics are followed where this machine can read them as they grow.
-    let mut follow = rank0.filter(|_| specs.first().is_some_and(|p| p.site.ssh_host().is_none())).map(StepCounter::new);
+    let mut follow =
+        rank0.filter(|_| specs.first().is_some_and(|p| p.site.ssh_host().is_none())).map(StepCounter::new);
     let mut ended = Ended::Finished;
     // The machine's CPU from rank 0's first finished step on.
     let mut steady: Option<(u64, u64)> = None;

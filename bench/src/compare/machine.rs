@@ -206,7 +206,8 @@ impl Machine {
         const ROUNDS: usize = 5;
         self.hosts = hosts.facts();
         self.cores = self.hosts.iter().map(|h| h.cores).sum();
-        self.gpus = self.hosts.iter().flat_map(|h| h.gpus.iter().map(|g| format!("{g} ({})", h.name))).collect();
+        self.gpus =
+            self.hosts.iter().flat_map(|h| h.gpus.iter().map(|g| format!("{g} ({})", h.name))).collect();
         let r = hosts
             .measure_link(ROUNDS, Duration::from_secs_f64(seconds / ROUNDS as f64))
             .context("measuring the link between the hosts")?;

@@ -134,7 +134,11 @@ impl Launching {
         };
         let dir = bins.worker.parent().unwrap_or(Path::new("."));
         let bench = dir.join("gradsync-bench");
-        let bench = if bench.is_file() { bench } else { std::env::current_exe().context("locating gradsync-bench")? };
+        let bench = if bench.is_file() {
+            bench
+        } else {
+            std::env::current_exe().context("locating gradsync-bench")?
+        };
         let local = [bins.worker.clone(), bins.server.clone(), bench];
         let t = Instant::now();
         let hosts = ssh::Hosts::connect(&entries, &ssh_args, &local, out)?;
@@ -142,7 +146,12 @@ impl Launching {
             "gradsync-bench compare: {} host(s) checked in {:.2} s: {}",
             hosts.hosts.len(),
             t.elapsed().as_secs_f64(),
-            hosts.hosts.iter().map(|h| format!("{} ({}, {} slots)", h.name, h.addr, h.slots)).collect::<Vec<_>>().join(", ")
+            hosts
+                .hosts
+                .iter()
+                .map(|h| format!("{} ({}, {} slots)", h.name, h.addr, h.slots))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
         Ok(Launching { hosts: Some(hosts), tls })
     }
@@ -351,9 +360,13 @@ fn compare_into(
                 Ok(p) => (p, spec.skip.clone()),
                 Err(why) => (modes::Placement::Loopback, Some(why)),
             },
-            None => (modes::Placement::Loopback, spec.skip.clone().or_else(|| machine.cannot_run(spec.mode, spec.workers))),
+            None => (
+                modes::Placement::Loopback,
+                spec.skip.clone().or_else(|| machine.cannot_run(spec.mode, spec.workers)),
+            ),
         };
-        let o = run_spec(scenario, &spec, bins, out, placement, launching.tls.clone(), skip, &multi, &overall)?;
+        let o =
+            run_spec(scenario, &spec, bins, out, placement, launching.tls.clone(), skip, &multi, &overall)?;
         writeln!(outcomes_file, "{}", serde_json::to_string(&o)?)
             .and_then(|_| outcomes_file.flush())
             .with_context(|| format!("writing {}", outcomes_path.display()))?;

@@ -550,20 +550,31 @@ mod tests {
 
     #[test]
     fn the_users_certificates_reach_servers_and_workers_and_tokens_no_command_line() {
-        let tls = Tls { cert: "c.pem".into(), key: "k.pem".into(), ca: "ca.pem".into(), domain: Some("ps".into()) };
+        let tls =
+            Tls { cert: "c.pem".into(), key: "k.pem".into(), ca: "ca.pem".into(), domain: Some("ps".into()) };
         let env = fresh_tokens().unwrap();
         let ctx = Ctx { tls: Some(tls), env: env.clone(), ..ctx("ps-bsp", "") };
         let (servers, workers) = parse_all(&ctx);
         let server = &servers[0].args;
-        assert_eq!((server.tls_cert.as_deref(), server.tls_key.as_deref()), (Some("c.pem".as_ref()), Some("k.pem".as_ref())));
+        assert_eq!(
+            (server.tls_cert.as_deref(), server.tls_key.as_deref()),
+            (Some("c.pem".as_ref()), Some("k.pem".as_ref()))
+        );
         for w in &workers {
-            assert_eq!((w.ps.tls_ca.as_deref(), w.ps.tls_domain.as_deref()), (Some("ca.pem".as_ref()), Some("ps")));
+            assert_eq!(
+                (w.ps.tls_ca.as_deref(), w.ps.tls_domain.as_deref()),
+                (Some("ca.pem".as_ref()), Some("ps"))
+            );
         }
         let p = plan(&ctx).unwrap();
         let every = p.servers.iter().cloned().chain((p.workers)(&["a:1".to_string()]));
         for proc in every {
             assert_eq!(proc.env, env, "{}", proc.name);
-            assert!(proc.args.iter().all(|a| !env.iter().any(|(_, t)| a.contains(t.as_str()))), "{:?}", proc.args);
+            assert!(
+                proc.args.iter().all(|a| !env.iter().any(|(_, t)| a.contains(t.as_str()))),
+                "{:?}",
+                proc.args
+            );
         }
     }
 }

@@ -6,9 +6,9 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{ChildStdout, Command};
+use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
-use std::sync::Arc;
 
 use super::ssh;
 

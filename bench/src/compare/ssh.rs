@@ -300,7 +300,8 @@ fn check_script(bin_dir: &Path) -> String {
 fn ssh_failure(name: &str, stderr: &str) -> String {
     let said = stderr.trim().lines().last().unwrap_or("").trim();
     let l = stderr.to_lowercase();
-    if l.contains("permission denied") || l.contains("authentication") || l.contains("host key verification") {
+    if l.contains("permission denied") || l.contains("authentication") || l.contains("host key verification")
+    {
         format!("host {name}: ssh login refused (BatchMode: no password is asked): {said}")
     } else if l.contains("could not resolve") || l.contains("name or service not known") {
         format!("host {name}: unknown host: {said}")
@@ -323,20 +324,22 @@ impl Hosts {
         // The user's options first: ssh keeps the first value it is given for each.
         let user = a.ssh_opts.clone().or_else(|| std::env::var("GRADSYNC_SSH_OPTS").ok()).unwrap_or_default();
         let mut options: Vec<String> = user.split_whitespace().map(String::from).collect();
-        options.extend::<Vec<String>>([
-            "-T".to_string(),
-            "-o".into(),
-            "BatchMode=yes".into(),
-            "-o".into(),
-            format!("ConnectTimeout={CONNECT_TIMEOUT_S}"),
-            "-o".into(),
-            "ServerAliveInterval=5".into(),
-            "-o".into(),
-            "ServerAliveCountMax=3".into(),
-            "-o".into(),
-            "LogLevel=ERROR".into(),
-        ]
-        .into());
+        options.extend::<Vec<String>>(
+            [
+                "-T".to_string(),
+                "-o".into(),
+                "BatchMode=yes".into(),
+                "-o".into(),
+                format!("ConnectTimeout={CONNECT_TIMEOUT_S}"),
+                "-o".into(),
+                "ServerAliveInterval=5".into(),
+                "-o".into(),
+                "ServerAliveCountMax=3".into(),
+                "-o".into(),
+                "LogLevel=ERROR".into(),
+            ]
+            .into(),
+        );
         // One connection per host for the whole comparison, every session a channel of it:
         // a run's processes then start without a key exchange each. Its socket lives in a
         // directory of this process's own; an idle master leaves after a minute even if this
@@ -363,9 +366,15 @@ impl Hosts {
         anyhow::ensure!(bin_dir.is_absolute(), "--remote-bin-dir {}: must be absolute", bin_dir.display());
         let remote_root = match &a.remote_dir {
             Some(d) => d.clone(),
-            None => PathBuf::from(format!("/tmp/gradsync-compare-{}-{}", super::utc_stamp(), std::process::id())),
+            None => {
+                PathBuf::from(format!("/tmp/gradsync-compare-{}-{}", super::utc_stamp(), std::process::id()))
+            }
         };
-        anyhow::ensure!(remote_root.is_absolute(), "--remote-dir {}: must be absolute", remote_root.display());
+        anyhow::ensure!(
+            remote_root.is_absolute(),
+            "--remote-dir {}: must be absolute",
+            remote_root.display()
+        );
         let local_root = std::path::absolute(local_root).unwrap_or_else(|_| local_root.to_path_buf());
         let conn = Arc::new(Conn {
             options,
@@ -394,7 +403,8 @@ impl Hosts {
                 .map(|h| h.join().unwrap_or_else(|_| Err("the check's thread panicked".into())))
                 .collect()
         });
-        let mut hosts = Hosts { hosts: Vec::new(), names: entries.iter().map(|e| e.name.clone()).collect(), conn };
+        let mut hosts =
+            Hosts { hosts: Vec::new(), names: entries.iter().map(|e| e.name.clone()).collect(), conn };
         let mut errors = Vec::new();
         for r in results {
             match r {
@@ -428,8 +438,12 @@ impl Hosts {
                 }
             }
         }
-        let slot = |i: &usize| Slot { addr: self.hosts[*i].addr.clone(), site: Site::Ssh(self.hosts[*i].clone()) };
-        Ok(Placement::Hosts { servers: servers.iter().map(slot).collect(), workers: workers.iter().map(slot).collect() })
+        let slot =
+            |i: &usize| Slot { addr: self.hosts[*i].addr.clone(), site: Site::Ssh(self.hosts[*i].clone()) };
+        Ok(Placement::Hosts {
+            servers: servers.iter().map(slot).collect(),
+            workers: workers.iter().map(slot).collect(),
+        })
     }
 
     /// The raw-TCP yardstick between the first two hosts (one host: over its own loopback):
@@ -439,7 +453,8 @@ impl Hosts {
         let from = &self.hosts[0];
         let to = self.hosts.get(1).unwrap_or(from);
         let bench = self.conn.bin_dir.join("gradsync-bench");
-        let listen = if std::ptr::eq(from.as_ref(), to.as_ref()) { "127.0.0.1".to_string() } else { to.addr.clone() };
+        let listen =
+            if std::ptr::eq(from.as_ref(), to.as_ref()) { "127.0.0.1".to_string() } else { to.addr.clone() };
         let far = Site::Ssh(to.clone());
         let args = ["rawtcp-peer".to_string(), "--listen".into(), format!("{}:0", bracket(&listen))];
         let mut launch = far.launch(&bench, &args, &[], &self.conn.remote_root);
@@ -458,8 +473,9 @@ impl Hosts {
         }
         let result = (|| {
             let out = peer.stdout.take().context("ssh stdout")?;
-            let addr = super::site::wait_for_line(out, "gradsync-bench listening on ", Duration::from_secs(60))
-                .with_context(|| format!("host {}: the yardstick's far end did not start", to.name))?;
+            let addr =
+                super::site::wait_for_line(out, "gradsync-bench listening on ", Duration::from_secs(60))
+                    .with_context(|| format!("host {}: the yardstick's far end did not start", to.name))?;
             let remote = format!(
                 "exec {} rawtcp-peer --to {} --rounds {} --seconds {}",
                 quote(&bench.display().to_string()),
@@ -478,7 +494,8 @@ impl Hosts {
                 String::from_utf8_lossy(&o.stderr).trim()
             );
             let text = String::from_utf8_lossy(&o.stdout);
-            serde_json::from_str(text.trim()).with_context(|| format!("host {}: reading `{}`", from.name, text.trim()))
+            serde_json::from_str(text.trim())
+                .with_context(|| format!("host {}: reading `{}`", from.name, text.trim()))
         })();
         drop(keep);
         if wait_until(&mut peer, Instant::now() + Duration::from_secs(10)).is_none() {
@@ -503,7 +520,11 @@ impl Hosts {
         std::thread::scope(|s| {
             for h in &self.hosts {
                 s.spawn(|| {
-                    let _ = h.run(&format!("rmdir {runs} {root} 2>/dev/null; true"), None, Duration::from_secs(30));
+                    let _ = h.run(
+                        &format!("rmdir {runs} {root} 2>/dev/null; true"),
+                        None,
+                        Duration::from_secs(30),
+                    );
                 });
             }
         });
@@ -533,13 +554,21 @@ fn bracket(addr: &str) -> String {
 }
 
 /// Check one host: its address, that ssh logs in, its binaries, its facts.
-fn check_host(e: &HostEntry, conn: Arc<Conn>, script: &str, expected: &[(String, String, String)]) -> Result<Host, String> {
+fn check_host(
+    e: &HostEntry,
+    conn: Arc<Conn>,
+    script: &str,
+    expected: &[(String, String, String)],
+) -> Result<Host, String> {
     let addr = match &e.addr {
         Some(a) => a.clone(),
         None => resolve(&e.name, &conn.options).map_err(|err| format!("host {}: {err:#}", e.name))?,
     };
-    let host = Host { name: e.name.clone(), addr: addr.clone(), slots: e.slots, facts: HostFacts::default(), conn };
-    let o = host.run(script, None, CHECK_LIMIT).map_err(|err| format!("host {} unreachable over ssh: {err:#}", e.name))?;
+    let host =
+        Host { name: e.name.clone(), addr: addr.clone(), slots: e.slots, facts: HostFacts::default(), conn };
+    let o = host
+        .run(script, None, CHECK_LIMIT)
+        .map_err(|err| format!("host {} unreachable over ssh: {err:#}", e.name))?;
     let stderr = String::from_utf8_lossy(&o.stderr);
     if o.status.code() == Some(255) {
         return Err(ssh_failure(&e.name, &stderr));
@@ -556,7 +585,8 @@ fn check_host(e: &HostEntry, conn: Arc<Conn>, script: &str, expected: &[(String,
             "missing" => problems.push(format!("lacks {}", host.conn.bin_dir.join(rest).display())),
             "bin" => {
                 let mut w = rest.splitn(3, ' ');
-                let (b, sha, version) = (w.next().unwrap_or(""), w.next().unwrap_or(""), w.next().unwrap_or(""));
+                let (b, sha, version) =
+                    (w.next().unwrap_or(""), w.next().unwrap_or(""), w.next().unwrap_or(""));
                 if let Some((_, v, s)) = expected.iter().find(|(n, _, _)| n == b)
                     && (v != version || s != sha)
                 {
@@ -615,14 +645,20 @@ pub fn assign(
         ModeKind::DdpShm => {
             return match slots.iter().position(|&s| s >= workers) {
                 Some(h) => Ok((vec![], vec![h; workers])),
-                None => Err(format!("ddp-shm needs its {workers} ranks on one host, and no host has {workers} slots")),
+                None => Err(format!(
+                    "ddp-shm needs its {workers} ranks on one host, and no host has {workers} slots"
+                )),
             };
         }
         _ => {}
     }
     let (servers, pool): (Vec<usize>, Vec<usize>) = if mode.is_ps() {
         let k = shards.max(1);
-        if n > k { ((0..k).collect(), (k..n).collect()) } else { ((0..k).map(|i| i % n).collect(), (0..n).collect()) }
+        if n > k {
+            ((0..k).collect(), (k..n).collect())
+        } else {
+            ((0..k).map(|i| i % n).collect(), (0..n).collect())
+        }
     } else {
         (vec![], (0..n).collect())
     };
