@@ -34,14 +34,10 @@ fn tmp(name: &str) -> Scratch {
     Scratch::new(&format!("cluster-{name}"))
 }
 
+mod common;
+
 fn scenario(steps: u64) -> Scenario {
-    let mut s = Scenario::load(None).unwrap();
-    s.models = vec!["tiny".into()];
-    s.batches = vec![32];
-    (s.steps, s.epochs) = (Some(steps), None);
-    (s.repeats, s.eval_samples, s.target_accuracy) = (1, None, None);
-    s.run_timeout_s = 120.0;
-    s
+    common::small_scenario(steps)
 }
 
 fn namespaces() -> String {

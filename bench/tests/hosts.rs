@@ -20,12 +20,11 @@ use gradsync_testkit::process::Proc;
 
 const SSHD: &str = "/usr/sbin/sshd";
 
+mod common;
+
+/// PS-BSP (one shard) and DDP-TCP with two workers.
 fn scenario(steps: u64) -> Scenario {
-    let mut s = Scenario::load(None).unwrap();
-    s.models = vec!["tiny".into()];
-    s.batches = vec![32];
-    (s.steps, s.epochs) = (Some(steps), None);
-    (s.repeats, s.eval_samples, s.target_accuracy) = (1, None, None);
+    let mut s = common::small_scenario(steps);
     s.workers = vec![2];
     s.shards = vec![1];
     s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp];
@@ -85,7 +84,7 @@ fn a_process_without_the_runs_tokens_is_refused() {
     let plan = modes::plan(&c).unwrap();
     let mut server = spawn(&plan.servers[0], true, Stdio::piped());
     let out = server.child().stdout.take().unwrap();
-    let addr = gradsync_bench::compare::site::wait_for_line(
+    let addr = gradsync_bench::compare::child::wait_for_line(
         out,
         "gradsync-server listening on ",
         Duration::from_secs(60),
@@ -139,7 +138,7 @@ impl SshHosts {
     }
 
     /// `gradsync-bench compare ARGS` on the head (host 0), with the test's ssh config.
-    fn compare(&self, args: &[&str]) -> Proc {
+    fn compare<S: AsRef<std::ffi::OsStr>>(&self, args: &[S]) -> Proc {
         let mut c = self.cluster.command(0, env!("CARGO_BIN_EXE_gradsync-bench")).unwrap();
         c.arg("compare").args(args).env("GRADSYNC_SSH_OPTS", format!("-F {}", self.config().display()));
         c.stdout(Stdio::null());
@@ -278,6 +277,17 @@ fn running(needle: &str) -> Vec<(u32, String)> {
     v
 }
 
+/// `compare`'s arguments for `scen` on the hosts of `list`, writing `out` here and `remote` on
+/// the hosts.
+fn on_hosts(scen: &Path, out: &Path, list: &str, remote: &Path) -> Vec<String> {
+    let bin = gradsync_testkit::process::bin_dir();
+    [scen, Path::new("--out"), out, Path::new("--bin-dir"), &bin, Path::new("--hosts"), Path::new(list)]
+        .iter()
+        .chain(&[Path::new("--remote-dir"), remote])
+        .map(|p| p.display().to_string())
+        .collect()
+}
+
 fn write_scenario(dir: &Path, s: &Scenario) -> PathBuf {
     let p = dir.join("scenario.toml");
     std::fs::write(&p, toml::to_string(s).unwrap()).unwrap();
@@ -302,18 +312,7 @@ fn compare_over_ssh_runs_on_three_hosts_with_the_report() {
     let scen = write_scenario(&h.dir, &s);
     let out = h.dir.join("out");
     let remote = h.dir.join("remote");
-    let bin = gradsync_testkit::process::bin_dir();
-    let args = [
-        scen.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-        "--bin-dir",
-        bin.to_str().unwrap(),
-        "--hosts",
-        hostfile.to_str().unwrap(),
-        "--remote-dir",
-        remote.to_str().unwrap(),
-    ];
+    let args = on_hosts(&scen, &out, hostfile.to_str().unwrap(), &remote);
     let t = Instant::now();
     let (code, err, _) = h.compare(&args).finish(Duration::from_secs(300));
     assert_eq!(code, 0, "compare --hosts failed:\n{err}");
@@ -417,17 +416,7 @@ fn compare_over_ssh_names_the_host_that_fails() {
     let out = h.dir.join("out-kill");
     let remote = h.dir.join("remote-kill");
     let list = format!("{}:2,{}:2", h.addr(1), h.addr(2));
-    let mut compare = h.compare(&[
-        scen.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-        "--bin-dir",
-        bin.to_str().unwrap(),
-        "--hosts",
-        &list,
-        "--remote-dir",
-        remote.to_str().unwrap(),
-    ]);
+    let mut compare = h.compare(&on_hosts(&scen, &out, &list, &remote));
     let first = s.expand().remove(0).id;
     let until = Instant::now() + Duration::from_secs(90);
     let victim = loop {
@@ -471,17 +460,7 @@ fn compare_over_ssh_names_the_host_that_fails() {
     // Ctrl-C: the run under way is stopped on its hosts and recorded as interrupted.
     let out = h.dir.join("out-interrupt");
     let remote = h.dir.join("remote-interrupt");
-    let mut compare = h.compare(&[
-        scen.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-        "--bin-dir",
-        bin.to_str().unwrap(),
-        "--hosts",
-        &list,
-        "--remote-dir",
-        remote.to_str().unwrap(),
-    ]);
+    let mut compare = h.compare(&on_hosts(&scen, &out, &list, &remote));
     let until = Instant::now() + Duration::from_secs(90);
     while !running(&remote.display().to_string())
         .iter()

@@ -196,7 +196,7 @@ pub fn execute(
     bar: &ProgressBar,
 ) -> anyhow::Result<Finished> {
     let mut sites: Vec<Site> = Vec::new();
-    let ran = run_plan(plan, dir, timeout, budget, stop_at, bar, &mut sites);
+    let ran = run_plan(plan, dir, Waits { timeout, budget, stop_at }, bar, &mut sites);
     // Each site once (its processes of this run share one directory there), all at once.
     let mut once: Vec<&Site> = Vec::new();
     for site in &sites {
@@ -218,16 +218,22 @@ pub fn execute(
     }
 }
 
+/// What ends a run besides its workers finishing: see [`execute`].
+struct Waits {
+    timeout: Duration,
+    budget: Option<Duration>,
+    stop_at: Option<f64>,
+}
+
 /// [`execute`]'s processes, recording in `sites` where each was started.
 fn run_plan(
     plan: Plan,
     dir: &Path,
-    timeout: Duration,
-    budget: Option<Duration>,
-    stop_at: Option<f64>,
+    w: Waits,
     bar: &ProgressBar,
     sites: &mut Vec<Site>,
 ) -> anyhow::Result<Finished> {
+    let Waits { timeout, budget, stop_at } = w;
     let logs = dir.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let start = Instant::now();
@@ -338,9 +344,9 @@ fn run_plan(
 /// [`SERVER_READY`].
 fn wait_listening(g: &mut Guard) -> anyhow::Result<String> {
     let out = g.child.stdout.take().context("server stdout not captured")?;
-    match super::site::wait_for_line(out, "gradsync-server listening on ", SERVER_READY) {
+    match super::child::wait_for_line(out, "gradsync-server listening on ", SERVER_READY) {
         Ok(addr) => Ok(addr),
-        Err(super::site::LineError::Closed) => {
+        Err(super::child::LineError::Closed) => {
             let st = g.reap(Duration::from_secs(2)).map(|s| s.to_string()).unwrap_or_default();
             anyhow::bail!("exited ({st}) before listening: {}", g.log_tail())
         }

@@ -236,18 +236,7 @@ pub fn gpus() -> Vec<String> {
     else {
         return Vec::new();
     };
-    let until = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(st)) => break Some(st),
-            Ok(None) if Instant::now() < until => std::thread::sleep(Duration::from_millis(20)),
-            _ => {
-                let _ = child.kill();
-                let _ = child.wait();
-                break None;
-            }
-        }
-    };
+    let status = super::child::wait_until(&mut child, Instant::now() + Duration::from_secs(10));
     let mut out = String::new();
     if status.is_some_and(|s| s.success())
         && let Some(mut o) = child.stdout.take()

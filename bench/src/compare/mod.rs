@@ -7,6 +7,7 @@
 //! `runs.jsonl`, `summary.csv`, the charts (`*.svg`, `*.png`) and `report.html`.
 
 pub mod charts;
+pub mod child;
 pub mod cost;
 pub mod emulated;
 pub mod exec;
@@ -357,7 +358,13 @@ fn compare_into(
         }
         let (placement, skip) = match &launching.hosts {
             Some(h) => match h.place(&spec) {
-                Ok(p) => (p, spec.skip.clone()),
+                Ok((servers, workers)) => {
+                    let slots = |l: Vec<_>| l.iter().map(site::Slot::from).collect();
+                    (
+                        modes::Placement::Hosts { servers: slots(servers), workers: slots(workers) },
+                        spec.skip.clone(),
+                    )
+                }
                 Err(why) => (modes::Placement::Loopback, Some(why)),
             },
             None => (

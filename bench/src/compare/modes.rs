@@ -180,9 +180,15 @@ pub const TOKEN_ENV: &str = "GRADSYNC_TOKEN";
 /// See [`TOKEN_ENV`].
 pub const RING_TOKEN_ENV: &str = "GRADSYNC_RING_TOKEN";
 
-/// A fresh PS token and ring token for one run.
+/// A fresh PS token and ring token for one run: 32 random bytes each from the operating
+/// system, in hex.
 pub fn fresh_tokens() -> anyhow::Result<Vec<(String, String)>> {
-    Ok(vec![(TOKEN_ENV.into(), super::site::secret()?), (RING_TOKEN_ENV.into(), super::site::secret()?)])
+    let secret = || -> anyhow::Result<String> {
+        let mut b = [0u8; 32];
+        getrandom::fill(&mut b).map_err(|e| anyhow::anyhow!("drawing a token: {e}"))?;
+        Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+    };
+    Ok(vec![(TOKEN_ENV.into(), secret()?), (RING_TOKEN_ENV.into(), secret()?)])
 }
 
 impl Ctx {

@@ -3,13 +3,11 @@
 //! machine, in an emulated host's network namespace ([`crate::net`]), or on another host over
 //! ssh ([`super::ssh`]). The runner never asks which.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{ChildStdout, Command};
+use std::process::Command;
 use std::sync::Arc;
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
 
+use super::child::Launch;
 use super::ssh;
 
 /// Where a process runs.
@@ -33,21 +31,16 @@ pub struct Slot {
     pub site: Site,
 }
 
+impl From<&Arc<ssh::Host>> for Slot {
+    fn from(h: &Arc<ssh::Host>) -> Slot {
+        Slot { addr: h.addr.clone(), site: Site::Ssh(h.clone()) }
+    }
+}
+
 impl From<&crate::net::HostSlot> for Slot {
     fn from(h: &crate::net::HostSlot) -> Slot {
         Slot { addr: h.addr.clone(), site: Site::Netns(h.netns.clone()) }
     }
-}
-
-/// A command ready to spawn, and what must be written to its stdin first (the run's secrets,
-/// for a process started over ssh). Its stdin must then stay open for as long as the process
-/// should live: its end stops the process.
-#[derive(Debug)]
-pub struct Launch {
-    /// The command.
-    pub command: Command,
-    /// Bytes for its stdin, when it takes them (else stdin is closed).
-    pub stdin: Option<Vec<u8>>,
 }
 
 impl Site {
@@ -135,49 +128,4 @@ impl Site {
             _ => None,
         }
     }
-}
-
-/// A fresh random secret: 32 bytes from the operating system, in hex.
-pub fn secret() -> anyhow::Result<String> {
-    let mut b = [0u8; 32];
-    getrandom::fill(&mut b).map_err(|e| anyhow::anyhow!("drawing a token: {e}"))?;
-    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
-}
-
-/// Read `out` until a line starting with `prefix` and return the rest of it, trimmed; a reader
-/// thread hands lines over a channel so the wait has a deadline, and keeps draining the
-/// output afterwards so its writer never blocks on a full pipe. `Err` says whether the output
-/// ended first or `limit` passed.
-pub fn wait_for_line(out: ChildStdout, prefix: &str, limit: Duration) -> Result<String, LineError> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines() {
-            let Ok(line) = line else { break };
-            // After the wanted line nobody listens any more; keep reading to the end anyway.
-            let _ = tx.send(line);
-        }
-    });
-    let until = Instant::now() + limit;
-    loop {
-        match rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
-            Ok(line) => {
-                if let Some(rest) = line.trim().strip_prefix(prefix) {
-                    return Ok(rest.trim().to_string());
-                }
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => return Err(LineError::Timeout(limit)),
-            Err(mpsc::RecvTimeoutError::Disconnected) => return Err(LineError::Closed),
-        }
-    }
-}
-
-/// Why [`wait_for_line`] found no line.
-#[derive(Debug, thiserror::Error)]
-pub enum LineError {
-    /// The output ended (the process exited) first.
-    #[error("its output ended before that line")]
-    Closed,
-    /// The time allowed passed.
-    #[error("no such line after {} s", .0.as_secs())]
-    Timeout(Duration),
 }

@@ -13,7 +13,7 @@
 //! same gradsync binaries at the same path as this machine (`--version` and a SHA-256 of each
 //! file), and what it is (CPU, cores, memory, GPUs, kernel) is recorded for the report.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -24,10 +24,9 @@ use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
 
+use super::child::{Launch, run_limited, wait_for_line, wait_until};
 use super::hostfile::HostEntry;
-use super::modes::Placement;
 use super::scenario::{ModeKind, RunSpec};
-use super::site::{Site, Slot};
 
 /// The binaries every host must have, in the same build as this machine's.
 pub const BINARIES: [&str; 3] = ["gradsync-worker", "gradsync-server", "gradsync-bench"];
@@ -124,13 +123,7 @@ impl Host {
 
     /// Start `program args` on this host under the supervisor, its environment's `env` sent
     /// on stdin, after making `files` there.
-    pub fn launch(
-        &self,
-        program: &Path,
-        args: &[String],
-        env: &[(String, String)],
-        files: &Path,
-    ) -> super::site::Launch {
+    pub fn launch(&self, program: &Path, args: &[String], env: &[(String, String)], files: &Path) -> Launch {
         let program = self.conn.bin_dir.join(program.file_name().unwrap_or(program.as_os_str()));
         let supervisor = self.conn.bin_dir.join("gradsync-worker");
         let mut remote = format!(
@@ -148,7 +141,7 @@ impl Host {
             stdin.push_str(&format!("{k}={v}\n"));
         }
         stdin.push('\n');
-        super::site::Launch { command: self.command(&remote), stdin: Some(stdin.into_bytes()) }
+        Launch { command: self.command(&remote), stdin: Some(stdin.into_bytes()) }
     }
 
     /// Where this host's processes write the files of the run directory `dir`.
@@ -192,65 +185,6 @@ impl Host {
     /// Run `remote` here with `stdin` written to it, waiting at most `limit`.
     fn run(&self, remote: &str, stdin: Option<&[u8]>, limit: Duration) -> anyhow::Result<Output> {
         run_limited(self.command(remote), stdin, limit).with_context(|| format!("host {}", self.name))
-    }
-}
-
-/// Run `cmd` to its end with `stdin` written to it, killing it after `limit`.
-fn run_limited(mut cmd: Command, stdin: Option<&[u8]>, limit: Duration) -> anyhow::Result<Output> {
-    let mut child = cmd
-        // Its own process group, as every process of a run: a terminal's Ctrl-C reaches the
-        // runner alone (and not the shared connection an ssh here may leave behind).
-        .process_group(0)
-        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("starting {:?}", cmd.get_program()))?;
-    let writer = match (stdin, child.stdin.take()) {
-        (Some(bytes), Some(mut w)) => {
-            let bytes = bytes.to_vec();
-            Some(std::thread::spawn(move || {
-                let _ = w.write_all(&bytes);
-            }))
-        }
-        _ => None,
-    };
-    // Pipes are drained on threads so a chatty command never blocks on a full one.
-    let drain = |r: Option<Box<dyn Read + Send>>| {
-        std::thread::spawn(move || {
-            let mut v = Vec::new();
-            if let Some(mut r) = r {
-                let _ = r.read_to_end(&mut v);
-            }
-            v
-        })
-    };
-    let out = drain(child.stdout.take().map(|o| Box::new(o) as Box<dyn Read + Send>));
-    let err = drain(child.stderr.take().map(|o| Box::new(o) as Box<dyn Read + Send>));
-    let status = wait_until(&mut child, Instant::now() + limit);
-    let Some(status) = status else {
-        anyhow::bail!("no answer within {} s", limit.as_secs());
-    };
-    if let Some(w) = writer {
-        let _ = w.join();
-    }
-    let stdout = out.join().unwrap_or_default();
-    let stderr = err.join().unwrap_or_default();
-    Ok(Output { status, stdout, stderr })
-}
-
-/// The child's exit status, or `None` (after killing it) once `until` has passed.
-fn wait_until(c: &mut std::process::Child, until: Instant) -> Option<std::process::ExitStatus> {
-    loop {
-        match c.try_wait() {
-            Ok(Some(st)) => return Some(st),
-            Ok(None) if Instant::now() < until => std::thread::sleep(Duration::from_millis(10)),
-            _ => {
-                let _ = c.kill();
-                let _ = c.wait();
-                return None;
-            }
-        }
     }
 }
 
@@ -367,7 +301,10 @@ impl Hosts {
         let remote_root = match &a.remote_dir {
             Some(d) => d.clone(),
             None => {
-                PathBuf::from(format!("/tmp/gradsync-compare-{}-{}", super::utc_stamp(), std::process::id()))
+                let secs = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs());
+                PathBuf::from(format!("/tmp/gradsync-compare-{secs}-{}", std::process::id()))
             }
         };
         anyhow::ensure!(
@@ -422,8 +359,10 @@ impl Hosts {
         &self.conn.remote_root
     }
 
-    /// Where the processes of `spec` go ([`assign`]), or why the hosts cannot take them.
-    pub fn place(&self, spec: &RunSpec) -> Result<Placement, String> {
+    /// Where the processes of `spec` go ([`assign`]): the host of each server shard and of
+    /// each worker rank, or why the hosts cannot take them.
+    #[allow(clippy::type_complexity)]
+    pub fn place(&self, spec: &RunSpec) -> Result<(Vec<Arc<Host>>, Vec<Arc<Host>>), String> {
         let slots: Vec<usize> = self.hosts.iter().map(|h| h.slots).collect();
         let (servers, workers) = assign(&slots, spec.mode, spec.workers, spec.shards)?;
         if spec.mode == ModeKind::DdpNccl {
@@ -438,12 +377,8 @@ impl Hosts {
                 }
             }
         }
-        let slot =
-            |i: &usize| Slot { addr: self.hosts[*i].addr.clone(), site: Site::Ssh(self.hosts[*i].clone()) };
-        Ok(Placement::Hosts {
-            servers: servers.iter().map(slot).collect(),
-            workers: workers.iter().map(slot).collect(),
-        })
+        let host = |i: &usize| self.hosts[*i].clone();
+        Ok((servers.iter().map(host).collect(), workers.iter().map(host).collect()))
     }
 
     /// The raw-TCP yardstick between the first two hosts (one host: over its own loopback):
@@ -455,9 +390,8 @@ impl Hosts {
         let bench = self.conn.bin_dir.join("gradsync-bench");
         let listen =
             if std::ptr::eq(from.as_ref(), to.as_ref()) { "127.0.0.1".to_string() } else { to.addr.clone() };
-        let far = Site::Ssh(to.clone());
         let args = ["rawtcp-peer".to_string(), "--listen".into(), format!("{}:0", bracket(&listen))];
-        let mut launch = far.launch(&bench, &args, &[], &self.conn.remote_root);
+        let mut launch = to.launch(&bench, &args, &[], &self.conn.remote_root);
         let mut peer = launch
             .command
             .stdin(Stdio::piped())
@@ -473,9 +407,8 @@ impl Hosts {
         }
         let result = (|| {
             let out = peer.stdout.take().context("ssh stdout")?;
-            let addr =
-                super::site::wait_for_line(out, "gradsync-bench listening on ", Duration::from_secs(60))
-                    .with_context(|| format!("host {}: the yardstick's far end did not start", to.name))?;
+            let addr = wait_for_line(out, "gradsync-bench listening on ", Duration::from_secs(60))
+                .with_context(|| format!("host {}: the yardstick's far end did not start", to.name))?;
             let remote = format!(
                 "exec {} rawtcp-peer --to {} --rounds {} --seconds {}",
                 quote(&bench.display().to_string()),
