@@ -536,3 +536,29 @@ fn start_up_overhead_over_ssh() {
         );
     }
 }
+
+/// The target, run by hand (about eight minutes on 2 cores): the built-in default
+/// scenario across four emulated ssh hosts gives the same runs as on one machine, with the
+/// charts, the report and the link between two hosts measured. `cargo nextest run -p
+/// gradsync-bench --test hosts --run-ignored only --no-capture default_scenario`.
+#[test]
+#[ignore = "a measurement: run by hand, as docs/cluster.md says"]
+fn default_scenario_across_four_ssh_hosts() {
+    let Some(h) = ssh_hosts("default", 4, &[]) else { return };
+    let s = Scenario::load(None).unwrap();
+    let scen = write_scenario(&h.dir, &s);
+    let out = std::env::var_os("GRADSYNC_DEFAULT_OUT").map_or_else(|| h.dir.join("out"), PathBuf::from);
+    let list = (1..=4).map(|i| format!("{}:4", h.addr(i))).collect::<Vec<_>>().join(",");
+    let t = Instant::now();
+    let (code, err, _) =
+        h.compare(&on_hosts(&scen, &out, &list, &h.dir.join("remote"))).finish(Duration::from_secs(1800));
+    assert_eq!(code, 0, "{err}");
+    eprintln!("{err}\nthe default scenario across 4 ssh hosts: {:.0} s", t.elapsed().as_secs_f64());
+    let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
+    assert_eq!(outcomes.lines().count(), s.expand().len(), "one outcome per run");
+    for c in gradsync_bench::compare::charts::NAMES {
+        assert!(out.join(format!("{c}.svg")).is_file(), "chart {c} missing");
+    }
+    let machine = std::fs::read_to_string(out.join("machine.json")).unwrap();
+    assert!(machine.contains("\"link\""), "{machine}");
+}
