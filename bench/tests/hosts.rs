@@ -294,6 +294,7 @@ fn write_scenario(dir: &Path, s: &Scenario) -> PathBuf {
     p
 }
 
+/// Three hosts, PS-BSP (over TLS, with the user's certificate) and DDP-TCP, end to end.
 #[test]
 fn compare_over_ssh_runs_on_three_hosts_with_the_report() {
     let Some(h) = ssh_hosts("e2e", 3, &[]) else { return };
@@ -312,7 +313,16 @@ fn compare_over_ssh_runs_on_three_hosts_with_the_report() {
     let scen = write_scenario(&h.dir, &s);
     let out = h.dir.join("out");
     let remote = h.dir.join("remote");
-    let args = on_hosts(&scen, &out, hostfile.to_str().unwrap(), &remote);
+    // The parameter server's TLS, with the user's certificate: the same paths on every host.
+    let ck = rcgen::generate_simple_self_signed(vec!["gradsync-ps".into()]).unwrap();
+    let (cert, key) = (h.dir.join("ps.crt"), h.dir.join("ps.key"));
+    std::fs::write(&cert, ck.cert.pem()).unwrap();
+    std::fs::write(&key, ck.key_pair.serialize_pem()).unwrap();
+    let mut args = on_hosts(&scen, &out, hostfile.to_str().unwrap(), &remote);
+    for (flag, v) in [("--tls-cert", &cert), ("--tls-key", &key), ("--tls-ca", &cert)] {
+        args.extend([flag.to_string(), v.display().to_string()]);
+    }
+    args.extend(["--tls-domain".to_string(), "gradsync-ps".to_string()]);
     let t = Instant::now();
     let (code, err, _) = h.compare(&args).finish(Duration::from_secs(300));
     assert_eq!(code, 0, "compare --hosts failed:\n{err}");

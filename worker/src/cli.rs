@@ -107,6 +107,43 @@ pub enum Command {
     Supervise(crate::supervise::SuperviseArgs),
 }
 
+/// The variables a Kubeflow TrainJob's torch runtime sets for torchrun, under their `PET_`
+/// names, and the flag of `gradsync-worker launch` each stands for: (variable, flag, the
+/// launcher's own variable for that flag).
+pub const PET_ENV: [(&str, &str, &str); 5] = [
+    ("PET_NNODES", "--nnodes", "NNODES"),
+    ("PET_NPROC_PER_NODE", "--nproc-per-node", "LOCAL_WORLD_SIZE"),
+    ("PET_NODE_RANK", "--node-rank", "NODE_RANK"),
+    ("PET_MASTER_ADDR", "--master-addr", "MASTER_ADDR"),
+    ("PET_MASTER_PORT", "--master-port", "MASTER_PORT"),
+];
+
+/// `argv` with TrainJob's `PET_*` variables ([`PET_ENV`]) read as torchrun reads them, for a
+/// `launch` command: each becomes its flag, placed right after `launch`, unless the command
+/// line gives that flag or the launcher's own variable is set (a flag wins over a variable,
+/// the launcher's own variable over a `PET_` one). Any other command is returned as it is.
+pub fn with_pet_env(
+    argv: Vec<std::ffi::OsString>,
+    var: impl Fn(&str) -> Option<String>,
+) -> Vec<std::ffi::OsString> {
+    if argv.get(1).is_none_or(|a| a != "launch") {
+        return argv;
+    }
+    // Flags after `--` belong to the ranks' command.
+    let own = argv.iter().skip(2).take_while(|a| *a != "--").map(|a| a.to_string_lossy().into_owned());
+    let given: Vec<String> = own.collect();
+    let mut added = Vec::new();
+    for (pet, flag, plain) in PET_ENV {
+        let on_line = given.iter().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
+        if let Some(v) = var(pet).filter(|_| !on_line && var(plain).is_none()) {
+            added.push(std::ffi::OsString::from(format!("{flag}={v}")));
+        }
+    }
+    let mut out = argv;
+    out.splice(2..2, added);
+    out
+}
+
 /// Flags of `gradsync-worker launch`.
 #[derive(Debug, Clone, Args)]
 pub struct LaunchArgs {
@@ -543,6 +580,44 @@ fn parse_positive(s: &str) -> Result<usize, String> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_trainjobs_pet_variables_stand_for_the_launchers_flags_unless_given() {
+        use super::{Cli, Command, with_pet_env};
+        use clap::Parser;
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |k: &str| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
+        let argv = |a: &[&str]| a.iter().map(std::ffi::OsString::from).collect::<Vec<_>>();
+        let pet: &'static [(&str, &str)] = &[
+            ("PET_NNODES", "2"),
+            ("PET_NPROC_PER_NODE", "4"),
+            ("PET_NODE_RANK", "1"),
+            ("PET_MASTER_ADDR", "job-node-0-0.job"),
+            ("PET_MASTER_PORT", "29400"),
+        ];
+        let launch = |a: Vec<std::ffi::OsString>| match Cli::try_parse_from(a) {
+            Ok(Cli { command: Command::Launch(l) }) => l,
+            other => panic!("{other:?}"),
+        };
+        let l = launch(with_pet_env(
+            argv(&["gradsync-worker", "launch", "--", "train", "--nnodes", "9"]),
+            env(pet),
+        ));
+        assert_eq!((l.nnodes, l.nproc_per_node, l.node_rank), (2, 4, 1));
+        assert_eq!((l.master_addr.as_str(), l.master_port), ("job-node-0-0.job", 29400));
+        assert_eq!(l.cmd, ["train", "--nnodes", "9"], "the ranks' command is left alone");
+        // A flag on the command line, or the launcher's own variable, wins.
+        let with_own: &'static [(&str, &str)] =
+            &[("PET_NODE_RANK", "1"), ("NODE_RANK", "3"), ("PET_NNODES", "4")];
+        let a =
+            with_pet_env(argv(&["gradsync-worker", "launch", "--nnodes", "5", "--", "train"]), env(with_own));
+        assert_eq!(a, argv(&["gradsync-worker", "launch", "--nnodes", "5", "--", "train"]));
+        // Another command is untouched.
+        let t = argv(&["gradsync-worker", "train", "--mode", "local"]);
+        assert_eq!(with_pet_env(t.clone(), env(pet)), t);
+    }
+
     use clap::CommandFactory;
 
     /// `train --help` names every data source `--data` accepts, the README's default

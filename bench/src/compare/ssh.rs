@@ -510,12 +510,26 @@ fn check_host(
     if !o.status.success() || !text.lines().any(|l| l == "end") {
         return Err(format!("host {}: the check failed ({}): {}", e.name, o.status, stderr.trim()));
     }
-    let mut facts = HostFacts { name: e.name.clone(), addr, slots: e.slots, ..HostFacts::default() };
+    let facts = HostFacts { name: e.name.clone(), addr, slots: e.slots, ..HostFacts::default() };
+    let facts = read_check(&text, facts, expected, &host.conn.bin_dir)
+        .map_err(|problems| format!("host {} {}", e.name, problems.join(", and ")))?;
+    Ok(Host { facts, ..host })
+}
+
+/// What the check printed on a host ([`check_script`]): its facts, or what is wrong with its
+/// binaries against `expected` (each one's name, `--version` and SHA-256 here).
+fn read_check(
+    text: &str,
+    mut facts: HostFacts,
+    expected: &[(String, String, String)],
+    bin_dir: &Path,
+) -> Result<HostFacts, Vec<String>> {
+    let short = |s: &str| s.chars().take(12).collect::<String>();
     let mut problems = Vec::new();
     for line in text.lines() {
         let (key, rest) = line.split_once(' ').unwrap_or((line, ""));
         match key {
-            "missing" => problems.push(format!("lacks {}", host.conn.bin_dir.join(rest).display())),
+            "missing" => problems.push(format!("lacks {}", bin_dir.join(rest).display())),
             "bin" => {
                 let mut w = rest.splitn(3, ' ');
                 let (b, sha, version) =
@@ -525,9 +539,9 @@ fn check_host(
                 {
                     problems.push(format!(
                         "has another {} ({version}, sha256 {}) than this machine ({v}, sha256 {})",
-                        host.conn.bin_dir.join(b).display(),
-                        &sha[..sha.len().min(12)],
-                        &s[..s.len().min(12)]
+                        bin_dir.join(b).display(),
+                        short(sha),
+                        short(s)
                     ));
                 }
             }
@@ -540,10 +554,7 @@ fn check_host(
             _ => {}
         }
     }
-    if !problems.is_empty() {
-        return Err(format!("host {} {}", e.name, problems.join(", and ")));
-    }
-    Ok(Host { facts, ..host })
+    if problems.is_empty() { Ok(facts) } else { Err(problems) }
 }
 
 /// The address ssh reaches `name` at (`ssh -G`: the `HostName` of the user's config).
@@ -645,6 +656,31 @@ mod tests {
         assert_eq!(quote("it's"), "'it'\\''s'");
         assert_eq!(bracket("::1"), "[::1]");
         assert_eq!(bracket("10.0.0.1"), "10.0.0.1");
+    }
+
+    #[test]
+    fn the_check_names_a_missing_binary_and_another_build() {
+        let expected = [
+            ("gradsync-worker".to_string(), "gradsync-worker 0.1.0".to_string(), "aa".repeat(32)),
+            ("gradsync-server".to_string(), "gradsync-server 0.1.0".to_string(), "bb".repeat(32)),
+        ];
+        let same = format!(
+            "bin gradsync-worker {} gradsync-worker 0.1.0\nbin gradsync-server {} gradsync-server 0.1.0\n\
+             hostname n1\ncores 8\nkernel 6.1\ncpu EPYC\nmemkb 1024\ngpu H100\nend\n",
+            "aa".repeat(32),
+            "bb".repeat(32)
+        );
+        let f = read_check(&same, HostFacts::default(), &expected, Path::new("/opt/g")).unwrap();
+        assert_eq!((f.hostname.as_str(), f.cores, f.memory_bytes, f.gpus.len()), ("n1", 8, 1 << 20, 1));
+        let other = same.replace(&"bb".repeat(32), &"cc".repeat(32));
+        let other = format!("missing gradsync-bench\n{other}");
+        let e = read_check(&other, HostFacts::default(), &expected, Path::new("/opt/g")).unwrap_err();
+        assert_eq!(e.len(), 2, "{e:?}");
+        assert!(e[0].contains("lacks /opt/g/gradsync-bench"), "{e:?}");
+        assert!(
+            e[1].contains("has another /opt/g/gradsync-server") && e[1].contains("sha256 cccccccccccc"),
+            "{e:?}"
+        );
     }
 
     #[test]

@@ -1057,6 +1057,20 @@ mod tests {
     }
 
     #[test]
+    fn the_verdict_names_the_hosts_a_comparison_ran_on() {
+        let rows: Vec<Summary> = (0..3).map(|r| cell_row("ddp-tcp", 4, r, 1000.0 + r as f64)).collect();
+        assert!(verdict_of(rows.clone(), None)[0].contains("on this machine's loopback"));
+        let host = |n: &str| crate::compare::ssh::HostFacts { name: n.into(), ..Default::default() };
+        let m = Machine {
+            hosts: vec![host("node0"), host("node1")],
+            link: Some("node0 to node1".into()),
+            ..Machine::default()
+        };
+        let v = verdict_of(rows, Some(&m));
+        assert!(v[0].contains("on 2 hosts (the link measured from node0 to node1)"), "{v:?}");
+    }
+
+    #[test]
     fn the_verdict_picks_a_clear_winner() {
         let rows = (0..3).flat_map(|r| {
             [cell_row("ddp-tcp", 4, r, 1000.0 + r as f64), cell_row("ps-bsp", 4, r, 800.0 + r as f64)]
