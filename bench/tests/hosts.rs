@@ -221,7 +221,7 @@ fn ssh_hosts(test: &str, n: usize, hidden: &[usize]) -> Option<SshHosts> {
             format!(
                 "ListenAddress {addr}\nPort 22\nHostKey {}\nAuthorizedKeysFile {}\nPermitRootLogin prohibit-password\n\
                  PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nPidFile none\n\
-                 LogLevel ERROR\n",
+                 LogLevel ERROR\nClientAliveInterval 1\nClientAliveCountMax 3\n",
                 dir.join("host_ed25519").display(),
                 dir.join("authorized_keys").display()
             ),
@@ -493,6 +493,45 @@ fn compare_over_ssh_names_the_host_that_fails() {
         "left running: {:?}",
         running(remote.to_str().unwrap())
     );
+
+    // A host that dies mid-run (its link cut): the run fails naming it within ssh's keepalive,
+    // the next run (the host still gone) fails naming it too, and the comparison ends.
+    let out = h.dir.join("out-dies");
+    let remote = h.dir.join("remote-dies");
+    let mut args = on_hosts(&scen, &out, &list, &remote);
+    let quick = format!(
+        "-F {} -o ConnectTimeout=3 -o ServerAliveInterval=1 -o ServerAliveCountMax=3",
+        h.config().display()
+    );
+    args.extend(["--ssh-opts".to_string(), quick]);
+    let mut compare = h.compare(&args);
+    let until = Instant::now() + Duration::from_secs(90);
+    while !running(&remote.display().to_string())
+        .iter()
+        .any(|(_, c)| c.contains(" train ") && !c.contains("supervise"))
+    {
+        assert!(Instant::now() < until, "no worker of {first} ever started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    h.cluster.cut(2).unwrap();
+    let (code, err, took) = compare.finish(Duration::from_secs(120));
+    assert_eq!(code, 0, "the comparison stopped at the failed run:\n{err}");
+    assert!(took < Duration::from_secs(60), "{took:?} to give up on a dead host");
+    let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
+    let lines: Vec<&str> = outcomes.lines().collect();
+    assert_eq!(lines.len(), 2, "{outcomes}");
+    for l in &lines {
+        assert!(l.contains("\"status\":\"failed\"") && l.contains(&format!("host {}", h.addr(2))), "{l}");
+    }
+    assert!(lines[0].contains("the connection to the host was lost"), "{}", lines[0]);
+    // What ran on the live host is gone; the dead host's sshd drops the silent session (its
+    // ClientAlive probes go unanswered) and with it the processes.
+    h.cluster.restore(2).unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    while !running(remote.to_str().unwrap()).is_empty() {
+        assert!(Instant::now() < until, "left running: {:?}", running(remote.to_str().unwrap()));
+        std::thread::sleep(Duration::from_millis(50));
+    }
     drop(h.sshd);
 }
 

@@ -87,6 +87,8 @@ struct Guard {
     /// The write end of its stdin, for a process started over ssh: closing it stops the
     /// process on its host.
     stdin: Option<ChildStdin>,
+    /// Whether it runs on another host over ssh.
+    remote: bool,
 }
 
 impl Guard {
@@ -114,7 +116,7 @@ impl Guard {
             // A few hundred bytes: the pipe takes them whatever the other end does.
             w.write_all(bytes).and_then(|_| w.flush()).with_context(|| format!("starting {name}"))?;
         }
-        Ok(Guard { name, child, log, done: None, stdin })
+        Ok(Guard { name, child, log, done: None, stdin, remote: p.site.ssh_host().is_some() })
     }
 
     /// SIGTERM, so the process can write its final metrics and checkpoint.
@@ -151,6 +153,16 @@ impl Guard {
             self.done = self.child.wait().ok();
         }
         self.done
+    }
+
+    /// For a process over ssh whose ssh exited with 255 (ssh's own failure, not the
+    /// program's): that the connection to its host was lost.
+    fn lost(&self) -> &'static str {
+        if self.remote && self.done.and_then(|s| s.code()) == Some(255) {
+            " (ssh's own failure: the connection to the host was lost or refused)"
+        } else {
+            ""
+        }
     }
 
     /// The last lines the process wrote to stderr, for error messages.
@@ -214,7 +226,7 @@ pub fn execute(
         (Ok(f), Ok(())) => Ok(f),
         (Ok(_), Err(e)) => Err(e),
         (Err(e), Ok(())) => Err(e),
-        (Err(e), Err(c)) => Err(e.context(format!("(and the files: {c:#})"))),
+        (Err(e), Err(c)) => Err(anyhow::anyhow!("{e:#} (and the files: {c:#})")),
     }
 }
 
@@ -292,11 +304,11 @@ fn run_plan(
             }
             let w = &workers[i];
             let st = w.done.map(|s| s.to_string()).unwrap_or_default();
-            anyhow::bail!("{} exited with {st}: {}", w.name, w.log_tail());
+            anyhow::bail!("{} exited with {st}{}: {}", w.name, w.lost(), w.log_tail());
         }
         if let Some(s) = servers.iter_mut().find_map(|s| s.poll().is_some().then_some(s)) {
             let st = s.done.map(|s| s.to_string()).unwrap_or_default();
-            anyhow::bail!("{} exited early ({st}): {}", s.name, s.log_tail());
+            anyhow::bail!("{} exited early ({st}{}): {}", s.name, s.lost(), s.log_tail());
         }
         if workers.iter_mut().all(|w| w.poll().is_some()) {
             break;
