@@ -288,6 +288,24 @@ fn on_hosts(scen: &Path, out: &Path, list: &str, remote: &Path) -> Vec<String> {
         .collect()
 }
 
+/// Nothing of the runs writing under `remote` is running on any host.
+fn nothing_left(remote: &Path) {
+    let left = running(&remote.display().to_string());
+    assert!(left.is_empty(), "left running: {left:?}");
+}
+
+/// Wait (at most 90 s) until a worker of a run writing under `remote` runs on its host.
+fn a_worker_runs(remote: &Path) {
+    let until = Instant::now() + Duration::from_secs(90);
+    while !running(&remote.display().to_string())
+        .iter()
+        .any(|(_, c)| c.contains(" train ") && !c.contains("supervise"))
+    {
+        assert!(Instant::now() < until, "no worker writing under {} ever started", remote.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn write_scenario(dir: &Path, s: &Scenario) -> PathBuf {
     let p = dir.join("scenario.toml");
     std::fs::write(&p, toml::to_string(s).unwrap()).unwrap();
@@ -354,11 +372,7 @@ fn compare_over_ssh_runs_on_three_hosts_with_the_report() {
     assert!(html.contains("host-to-host") && html.contains(&h.addr(3)), "the report lacks the hosts");
     assert!(!html.contains("no link figures"), "the cost model had no link to fit");
     // Nothing left on the hosts: no process, no files.
-    assert!(
-        running(remote.to_str().unwrap()).is_empty(),
-        "left running: {:?}",
-        running(remote.to_str().unwrap())
-    );
+    nothing_left(&remote);
     assert!(!remote.exists(), "{} left on the hosts", remote.display());
     drop(h.sshd);
 }
@@ -461,24 +475,13 @@ fn compare_over_ssh_names_the_host_that_fails() {
         lines[0]
     );
     assert!(lines[1].contains("\"status\":\"ok\""), "the next run: {}", lines[1]);
-    assert!(
-        running(remote.to_str().unwrap()).is_empty(),
-        "left running: {:?}",
-        running(remote.to_str().unwrap())
-    );
+    nothing_left(&remote);
 
     // Ctrl-C: the run under way is stopped on its hosts and recorded as interrupted.
     let out = h.dir.join("out-interrupt");
     let remote = h.dir.join("remote-interrupt");
     let mut compare = h.compare(&on_hosts(&scen, &out, &list, &remote));
-    let until = Instant::now() + Duration::from_secs(90);
-    while !running(&remote.display().to_string())
-        .iter()
-        .any(|(_, c)| c.contains(" train ") && !c.contains("supervise"))
-    {
-        assert!(Instant::now() < until, "no worker of {first} ever started");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    a_worker_runs(&remote);
     // SAFETY: kill(2) on the comparison this test started.
     unsafe {
         libc::kill(compare.id() as i32, libc::SIGINT);
@@ -488,11 +491,7 @@ fn compare_over_ssh_names_the_host_that_fails() {
     assert!(took < Duration::from_secs(30), "Ctrl-C took {took:?}");
     let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
     assert!(outcomes.contains("\"status\":\"interrupted\""), "{outcomes}");
-    assert!(
-        running(remote.to_str().unwrap()).is_empty(),
-        "left running: {:?}",
-        running(remote.to_str().unwrap())
-    );
+    nothing_left(&remote);
 
     // A host that dies mid-run (its link cut): the run fails naming it within ssh's keepalive,
     // the next run (the host still gone) fails naming it too, and the comparison ends.
@@ -505,14 +504,7 @@ fn compare_over_ssh_names_the_host_that_fails() {
     );
     args.extend(["--ssh-opts".to_string(), quick]);
     let mut compare = h.compare(&args);
-    let until = Instant::now() + Duration::from_secs(90);
-    while !running(&remote.display().to_string())
-        .iter()
-        .any(|(_, c)| c.contains(" train ") && !c.contains("supervise"))
-    {
-        assert!(Instant::now() < until, "no worker of {first} ever started");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    a_worker_runs(&remote);
     h.cluster.cut(2).unwrap();
     let (code, err, took) = compare.finish(Duration::from_secs(120));
     assert_eq!(code, 0, "the comparison stopped at the failed run:\n{err}");
