@@ -374,6 +374,23 @@ fn compare_over_ssh_runs_on_three_hosts_with_the_report() {
     // Nothing left on the hosts: no process, no files.
     nothing_left(&remote);
     assert!(!remote.exists(), "{} left on the hosts", remote.display());
+
+    // --resume over the same hosts: nothing left to run, the report rebuilt.
+    let hosts = hostfile.display().to_string();
+    let (code, err, _) =
+        h.compare(&["--resume", out.to_str().unwrap(), "--hosts", &hosts]).finish(Duration::from_secs(120));
+    assert_eq!(code, 0, "compare --resume --hosts failed:\n{err}");
+    assert!(err.contains("0 run(s) to go"), "{err}");
+    // stop_at_target needs rank 0's metrics as they grow, which stay on its host: refused,
+    // saying why, before any run.
+    let mut s = scenario(6);
+    (s.stop_at_target, s.target_accuracy, s.eval_samples) = (true, Some(0.5), Some(64));
+    let scen = write_scenario(&h.dir, &s);
+    let (code, err, _) = h
+        .compare(&on_hosts(&scen, &h.dir.join("out-target"), &hosts, &remote))
+        .finish(Duration::from_secs(120));
+    assert_ne!(code, 0);
+    assert!(err.contains("stop_at_target follows rank 0's metrics"), "{err}");
     drop(h.sshd);
 }
 
