@@ -46,4 +46,7 @@ pub enum Command {
     /// What `launch --max-restarts` costs: real DDP runs whose ranks are SIGKILLed at random
     /// steps, the time from each kill to the restart, the restored checkpoint and the next step.
     Restart(crate::restart::RestartArgs),
+    /// One end of the raw-TCP yardstick between two hosts (`compare --hosts` starts both).
+    #[command(hide = true)]
+    RawtcpPeer(crate::rawtcp::PeerArgs),
 }

@@ -17,6 +17,7 @@ pub use crate::compare::emulated::{CLUSTER_FILE, ClusterRun};
 use crate::compare::machine::Machine;
 use crate::compare::modes::{self, Placement};
 use crate::compare::scenario::{ModeKind, Scenario};
+use crate::compare::site::Slot;
 use crate::net::{self, Cluster, Shape};
 
 /// Steps per cluster run unless `--steps` says otherwise.
@@ -182,8 +183,9 @@ pub fn run_cluster(
             let (placement, skip, cluster) = match Cluster::create(hosts, sh) {
                 Ok(c) => {
                     let h = c.hosts();
+                    let slots = |h: &[crate::net::HostSlot]| h.iter().map(Slot::from).collect();
                     let p =
-                        Placement::Hosts { servers: h[..k.max(1)].to_vec(), workers: h[k.max(1)..].to_vec() };
+                        Placement::Hosts { servers: slots(&h[..k.max(1)]), workers: slots(&h[k.max(1)..]) };
                     (p, None, Some(c))
                 }
                 Err(e) => (Placement::Loopback, Some(format!("{e}")), None),
@@ -207,7 +209,9 @@ pub fn run_cluster(
             let skip = skip.or_else(|| {
                 (spec.mode == ModeKind::DdpNccl).then(|| "NCCL does not run over emulated links".to_string())
             });
-            let o = crate::compare::run_spec(scenario, &spec, bins, out, placement, skip, &multi, &overall)?;
+            let o = crate::compare::run_spec(
+                scenario, &spec, bins, out, placement, None, skip, &multi, &overall,
+            )?;
             drop(cluster);
             writeln!(outcomes, "{}", serde_json::to_string(&o)?)
                 .and_then(|_| outcomes.flush())

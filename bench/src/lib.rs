@@ -59,5 +59,6 @@ pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
         cli::Command::Cluster(a) => cluster::run(&a),
         cli::Command::Replay(a) => replay::run(&a),
         cli::Command::Restart(a) => restart::run(&a),
+        cli::Command::RawtcpPeer(a) => rawtcp::run_peer(&a),
     }
 }

@@ -136,10 +136,19 @@ pub fn stream_rate(mut tx: TcpStream, mut rx: TcpStream, duration: Duration) -> 
             total += n as u64;
         }
     });
+    let (sent, t) = pump(&mut tx, duration)?;
+    let secs = t.elapsed().as_secs_f64();
+    drop(tx);
+    receiver.join().map_err(|_| anyhow::anyhow!("receiver thread panicked"))?.context("receiving")?;
+    Ok(sent as f64 / secs)
+}
+
+/// Stream large writes on `tx` for a fifth of `duration` (the congestion window and socket
+/// buffers grow), then for `duration`: the bytes of the timed part and when it began.
+fn pump(tx: &mut TcpStream, duration: Duration) -> std::io::Result<(u64, Instant)> {
     tx.set_nodelay(true)?;
     tx.set_write_timeout(Some(Duration::from_secs(30)))?;
     let buf = vec![1u8; CHUNK];
-    // A short warm-up lets the congestion window and socket buffers grow first.
     let warm = Instant::now();
     while warm.elapsed() < duration / 5 {
         tx.write_all(&buf)?;
@@ -151,10 +160,7 @@ pub fn stream_rate(mut tx: TcpStream, mut rx: TcpStream, duration: Duration) -> 
         sent += CHUNK as u64;
     }
     tx.flush()?;
-    let secs = t.elapsed().as_secs_f64();
-    drop(tx);
-    receiver.join().map_err(|_| anyhow::anyhow!("receiver thread panicked"))?.context("receiving")?;
-    Ok(sent as f64 / secs)
+    Ok((sent, t))
 }
 
 /// One-way latency of a small message over a plain socket pair on `ip`: the median of `rounds`
@@ -173,37 +179,145 @@ pub fn latency_between(mut tx: TcpStream, mut rx: TcpStream, rounds: usize) -> a
     let echo = std::thread::spawn(move || -> std::io::Result<()> {
         rx.set_nodelay(true)?;
         rx.set_read_timeout(Some(Duration::from_secs(30)))?;
-        let mut buf = [0u8; 8];
-        loop {
-            match rx.read_exact(&mut buf) {
-                Ok(()) => rx.write_all(&buf)?,
-                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-                Err(e) => return Err(e),
-            }
-        }
+        echo(&mut rx)
     });
+    let pinged = ping(&mut tx, rounds);
+    // The echo sees the end of the stream and returns, whether or not the pings all came back.
+    drop(tx);
+    echo.join().map_err(|_| anyhow::anyhow!("echo thread panicked"))?.context("echoing")?;
+    pinged.context("pinging the echo")
+}
+
+/// Half the median round trip of `rounds` 8-byte messages that `tx`'s peer echoes (ten
+/// more first, left out: they warm the caches and the scheduler), seconds.
+fn ping(tx: &mut TcpStream, rounds: usize) -> std::io::Result<f64> {
     tx.set_nodelay(true)?;
     tx.set_read_timeout(Some(Duration::from_secs(30)))?;
     let mut buf = [7u8; 8];
     let mut rtts = Vec::with_capacity(rounds);
-    let mut ping = || -> std::io::Result<()> {
-        for i in 0..rounds.max(1) + 10 {
-            let t = Instant::now();
-            tx.write_all(&buf)?;
-            tx.read_exact(&mut buf)?;
-            // The first round trips warm the caches and the scheduler; leave them out.
-            if i >= 10 {
-                rtts.push(t.elapsed().as_secs_f64());
+    for i in 0..rounds.max(1) + 10 {
+        let t = Instant::now();
+        tx.write_all(&buf)?;
+        tx.read_exact(&mut buf)?;
+        if i >= 10 {
+            rtts.push(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(crate::table::median(&rtts) / 2.0)
+}
+
+/// Flags of `gradsync-bench rawtcp-peer`: the yardstick between two hosts, one end on each
+/// (`compare --hosts` starts both over ssh).
+#[derive(Debug, Clone, clap::Args)]
+pub struct PeerArgs {
+    /// Serve as the far end at this address (`ADDR:0`: any port), printing
+    /// `gradsync-bench listening on ADDR:PORT`: a sink for streams, an echo for pings.
+    #[arg(long, conflicts_with = "to", required_unless_present = "to")]
+    pub listen: Option<String>,
+    /// Measure the link to the far end at this address; prints one JSON line
+    /// (`{"samples": [bytes/s...], "latency_s": x}`).
+    #[arg(long)]
+    pub to: Option<String>,
+    /// Bandwidth measurements.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Seconds each measurement streams.
+    #[arg(long, default_value_t = 0.3)]
+    pub seconds: f64,
+    /// Small-message round trips timed.
+    #[arg(long, default_value_t = 200)]
+    pub pings: usize,
+    /// Seconds the far end serves before it exits.
+    #[arg(long, default_value_t = 120.0)]
+    pub serve_s: f64,
+}
+
+/// What the measuring end of `rawtcp-peer` prints.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PeerReading {
+    /// The bandwidth measurements, bytes per second.
+    pub samples: Vec<f64>,
+    /// One-way small-message latency, seconds.
+    pub latency_s: f64,
+}
+
+/// A connection's first byte: what the far end does with it.
+const SINK: u8 = b'B';
+const ECHO: u8 = b'E';
+
+/// Run `rawtcp-peer`.
+pub fn run_peer(a: &PeerArgs) -> anyhow::Result<()> {
+    if let Some(addr) = &a.listen {
+        let listener = TcpListener::bind(addr.as_str()).with_context(|| format!("binding {addr}"))?;
+        println!("gradsync-bench listening on {}", listener.local_addr()?);
+        std::io::stdout().flush()?;
+        let limit = Duration::from_secs_f64(a.serve_s.max(1.0));
+        std::thread::spawn(move || {
+            std::thread::sleep(limit);
+            std::process::exit(0);
+        });
+        for conn in listener.incoming() {
+            let s = conn.context("accepting")?;
+            std::thread::spawn(move || serve_one(s));
+        }
+        return Ok(());
+    }
+    let to = a.to.as_deref().context("rawtcp-peer needs --listen or --to")?;
+    let addr: std::net::SocketAddr = to.parse().with_context(|| format!("--to {to}: not ADDR:PORT"))?;
+    let connect = |kind: u8| -> anyhow::Result<TcpStream> {
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(10))
+            .with_context(|| format!("connecting to {addr}"))?;
+        s.set_read_timeout(Some(Duration::from_secs(30)))?;
+        s.write_all(&[kind])?;
+        Ok(s)
+    };
+    let mut samples = Vec::new();
+    for _ in 0..a.rounds.max(1) {
+        let mut s = connect(SINK)?;
+        let (sent, t) = pump(&mut s, Duration::from_secs_f64(a.seconds))?;
+        s.shutdown(std::net::Shutdown::Write)?;
+        // The far end answers with what it received once everything has arrived.
+        let mut got = [0u8; 8];
+        s.read_exact(&mut got).context("reading the sink's count")?;
+        let secs = t.elapsed().as_secs_f64();
+        anyhow::ensure!(u64::from_le_bytes(got) >= sent, "the far end received less than was sent");
+        samples.push(sent as f64 / secs);
+    }
+    let latency_s = ping(&mut connect(ECHO)?, a.pings).context("pinging the far end")?;
+    println!("{}", serde_json::to_string(&PeerReading { samples, latency_s })?);
+    Ok(())
+}
+
+/// The far end of one connection: drain a stream and answer with its byte count, or echo
+/// 8-byte messages, until the peer closes.
+fn serve_one(mut s: TcpStream) -> std::io::Result<()> {
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    s.set_nodelay(true)?;
+    let mut kind = [0u8; 1];
+    s.read_exact(&mut kind)?;
+    if kind[0] == SINK {
+        let mut buf = vec![0u8; CHUNK];
+        let mut total = 0u64;
+        loop {
+            match s.read(&mut buf)? {
+                0 => return s.write_all(&total.to_le_bytes()),
+                n => total += n as u64,
             }
         }
-        Ok(())
-    };
-    let pinged = ping();
-    // The echo sees the end of the stream and returns, whether or not the pings all came back.
-    drop(tx);
-    echo.join().map_err(|_| anyhow::anyhow!("echo thread panicked"))?.context("echoing")?;
-    pinged.context("pinging the echo")?;
-    Ok(crate::table::median(&rtts) / 2.0)
+    }
+    echo(&mut s)
+}
+
+/// Send back every 8-byte message until the peer closes.
+fn echo(s: &mut TcpStream) -> std::io::Result<()> {
+    let mut buf = [0u8; 8];
+    loop {
+        match s.read_exact(&mut buf) {
+            Ok(()) => s.write_all(&buf)?,
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// One socket end of an [`Exchange`], on its own thread for the whole run: `io` once per

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use gradsync_bench::cluster;
 use gradsync_bench::compare::modes::{self, Bins, Ctx, Placement, ProcSpec};
 use gradsync_bench::compare::scenario::{ModeKind, RunSpec, Scenario};
+use gradsync_bench::compare::site::Slot;
 use gradsync_bench::net::{Cluster, ClusterError, Shape};
 use gradsync_testkit::Scratch;
 
@@ -33,14 +34,10 @@ fn tmp(name: &str) -> Scratch {
     Scratch::new(&format!("cluster-{name}"))
 }
 
+mod common;
+
 fn scenario(steps: u64) -> Scenario {
-    let mut s = Scenario::load(None).unwrap();
-    s.models = vec!["tiny".into()];
-    s.batches = vec![32];
-    (s.steps, s.epochs) = (Some(steps), None);
-    (s.repeats, s.eval_samples, s.target_accuracy) = (1, None, None);
-    s.run_timeout_s = 120.0;
-    s
+    common::small_scenario(steps)
 }
 
 fn namespaces() -> String {
@@ -105,8 +102,8 @@ struct Proc {
 impl Proc {
     fn start(p: &ProcSpec, extra: &[&str], logs: &Path, stdout: Stdio) -> Proc {
         let log = logs.join(format!("{}.log", p.name));
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", p.netns.as_deref().unwrap()]).arg(&p.program).args(&p.args).args(extra);
+        let mut c = p.site.launch(&p.program, &p.args, &p.env, logs).command;
+        c.args(extra);
         // Warnings on: the server says which rank it dropped.
         let child = c
             .env("GRADSYNC_LOG", "warn")
@@ -201,7 +198,12 @@ fn plan(c: &Cluster, mode: ModeKind, workers: usize, steps: u64, dir: &Path) -> 
         },
         dir: dir.to_path_buf(),
         bins: Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap(),
-        placement: Placement::Hosts { servers: h[..1].to_vec(), workers: h[1..].to_vec() },
+        placement: Placement::Hosts {
+            servers: h[..1].iter().map(Slot::from).collect(),
+            workers: h[1..].iter().map(Slot::from).collect(),
+        },
+        env: modes::fresh_tokens().unwrap(),
+        tls: None,
     };
     modes::plan(&ctx).unwrap()
 }

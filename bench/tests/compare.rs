@@ -19,6 +19,8 @@ fn compare(scenario: &Path, out: &Path) -> std::process::Output {
         .arg(out)
         .arg("--bin-dir")
         .arg(gradsync_testkit::process::bin_dir())
+        // Set for `compare --hosts`, it must not stop a comparison on this machine.
+        .env("GRADSYNC_SSH_OPTS", "-F /nonexistent")
         .output()
         .unwrap()
 }
@@ -244,6 +246,8 @@ fn ctrl_c_keeps_the_finished_runs_and_resume_runs_the_rest() {
         .arg(&out)
         .arg("--bin-dir")
         .arg(gradsync_testkit::process::bin_dir())
+        // Set for `compare --hosts`, it must not stop a comparison on this machine.
+        .env("GRADSYNC_SSH_OPTS", "-F /nonexistent")
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

@@ -44,6 +44,10 @@ pub mod flag {
     pub const TRACE: &str = "trace";
     /// `--chunk-bytes`.
     pub const CHUNK_BYTES: &str = "chunk-bytes";
+    /// `--tls-cert`.
+    pub const TLS_CERT: &str = "tls-cert";
+    /// `--tls-key`.
+    pub const TLS_KEY: &str = "tls-key";
 }
 
 /// `I/K`: this process is shard `I` of `K`.
@@ -167,10 +171,10 @@ pub struct ServerArgs {
     #[arg(long)]
     pub default_transport: bool,
     /// Serve TLS with this certificate chain (PEM); needs --tls-key.
-    #[arg(long, requires = "tls_key", env = "GRADSYNC_TLS_CERT")]
+    #[arg(long = flag::TLS_CERT, requires = "tls_key", env = "GRADSYNC_TLS_CERT")]
     pub tls_cert: Option<PathBuf>,
     /// The private key (PEM) of --tls-cert.
-    #[arg(long, requires = "tls_cert", env = "GRADSYNC_TLS_KEY")]
+    #[arg(long = flag::TLS_KEY, requires = "tls_cert", env = "GRADSYNC_TLS_KEY")]
     pub tls_key: Option<PathBuf>,
     /// Seconds a new connection has to send its first request (TCP accepted to request
     /// headers, TLS handshake and HTTP/2 preface included) before it is closed.

@@ -4,8 +4,9 @@
 //! - `fake/` (C, built by `build.rs`): a fake CUDA driver, cuBLAS and NCCL. Device memory is
 //!   host memory with every access checked; the project's own kernels run serially on the host;
 //!   allocations alive at exit fail the process. See the comment at the top of each file.
-//! - [`tools`]: NVRTC and ptxas from NVIDIA's wheels on PyPI, and a Python with PyTorch for the
-//!   reference checks, installed into a local cache the first time they are needed.
+//! - [`tools`]: NVRTC and ptxas from NVIDIA's wheels on PyPI, a Python with PyTorch for the
+//!   reference checks, and one with `kubernetes-validate` for the Kubernetes manifests,
+//!   installed into a local cache the first time they are needed.
 //! - [`process`]: the workspace binaries a test starts (found, never built by a test), free
 //!   ports, a child guard that kills and reaps on drop, and servers waited for through their
 //!   `listening on` line.
@@ -27,7 +28,7 @@ use std::time::{Duration, Instant};
 pub mod process;
 pub mod tools;
 
-pub use tools::{Tools, tools, torch_python};
+pub use tools::{Tools, kubernetes_validate_python, tools, torch_python};
 
 /// Set in the child process that runs a test against the fake CUDA.
 pub const CHILD_ENV: &str = "GRADSYNC_FAKE_CUDA_CHILD";

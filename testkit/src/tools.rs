@@ -148,24 +148,33 @@ pub fn torch_python() -> Result<PathBuf, Error> {
     if let Some(p) = std::env::var_os("GRADSYNC_TORCH_PYTHON") {
         return Ok(PathBuf::from(p));
     }
-    let root = cache_base()?.join("torch");
+    venv_python("torch", &TORCH_PACKAGES, "import torch, safetensors.torch")
+}
+
+/// A Python that imports `kubernetes_validate` (Kubernetes' own schemas, for every release,
+/// bundled: it validates offline), in a virtual environment in the cache
+/// (`~/.cache/gradsync/kubernetes-validate`), installed from PyPI the first time a test needs it.
+pub fn kubernetes_validate_python() -> Result<PathBuf, Error> {
+    venv_python("kubernetes-validate", &["kubernetes-validate"], "import kubernetes_validate, yaml")
+}
+
+/// The Python of the virtual environment `name` in the cache, made with `packages` from PyPI
+/// the first time `import` fails in it.
+fn venv_python(name: &str, packages: &[&str], import: &str) -> Result<PathBuf, Error> {
+    let root = cache_base()?.join(name);
     let python = root.join("bin").join("python");
-    let imports = |py: &Path| {
-        Command::new(py)
-            .args(["-c", "import torch, safetensors.torch"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
+    let imports =
+        |py: &Path| Command::new(py).args(["-c", import]).output().is_ok_and(|o| o.status.success());
     let base = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     install_once(&root, &|| imports(&python), &|partial| {
-        eprintln!("installing PyTorch from PyPI into {} (once)", root.display());
+        eprintln!("installing {} from PyPI into {} (once)", packages.join(" "), root.display());
         let mut venv = Command::new(&base);
         venv.args(["-m", "venv"]).arg(partial);
         run(venv, &format!("{base} -m venv"))?;
         let mut pip = Command::new(partial.join("bin").join("python"));
         pip.args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--timeout", "60"])
-            .args(TORCH_PACKAGES);
-        run(pip, &format!("pip install {}", TORCH_PACKAGES.join(" ")))
+            .args(packages);
+        run(pip, &format!("pip install {}", packages.join(" ")))
     })?;
     Ok(python)
 }

@@ -78,6 +78,10 @@ pub mod flag {
     pub const WORLD_SIZE: &str = "world-size";
     /// `--local-rank`.
     pub const LOCAL_RANK: &str = "local-rank";
+    /// `--tls-ca`.
+    pub const TLS_CA: &str = "tls-ca";
+    /// `--tls-domain`.
+    pub const TLS_DOMAIN: &str = "tls-domain";
 }
 
 /// gradsync worker: trains the model locally, as DataParallel replicas, against parameter
@@ -99,6 +103,47 @@ pub enum Command {
     /// LOCAL_RANK, MASTER_ADDR, MASTER_PORT, prefixes output with the rank, stops all ranks
     /// if one fails. Example: `launch --nproc-per-node 4 -- train --mode ddp`.
     Launch(LaunchArgs),
+    /// Run one process for `gradsync-bench compare --hosts` (started over ssh): its
+    /// environment's secrets read from stdin, its process group stopped when stdin ends.
+    #[command(hide = true)]
+    Supervise(crate::supervise::SuperviseArgs),
+}
+
+/// The variables a Kubeflow TrainJob's torch runtime sets for torchrun, under their `PET_`
+/// names, and the flag of `gradsync-worker launch` each stands for: (variable, flag, the
+/// launcher's own variable for that flag).
+pub const PET_ENV: [(&str, &str, &str); 5] = [
+    ("PET_NNODES", "--nnodes", "NNODES"),
+    ("PET_NPROC_PER_NODE", "--nproc-per-node", "LOCAL_WORLD_SIZE"),
+    ("PET_NODE_RANK", "--node-rank", "NODE_RANK"),
+    ("PET_MASTER_ADDR", "--master-addr", "MASTER_ADDR"),
+    ("PET_MASTER_PORT", "--master-port", "MASTER_PORT"),
+];
+
+/// `argv` with TrainJob's `PET_*` variables ([`PET_ENV`]) read as torchrun reads them, for a
+/// `launch` command: each becomes its flag, placed right after `launch`, unless the command
+/// line gives that flag or the launcher's own variable is set (a flag wins over a variable,
+/// the launcher's own variable over a `PET_` one). Any other command is returned as it is.
+pub fn with_pet_env(
+    argv: Vec<std::ffi::OsString>,
+    var: impl Fn(&str) -> Option<String>,
+) -> Vec<std::ffi::OsString> {
+    if argv.get(1).is_none_or(|a| a != "launch") {
+        return argv;
+    }
+    // Flags after `--` belong to the ranks' command.
+    let own = argv.iter().skip(2).take_while(|a| *a != "--").map(|a| a.to_string_lossy().into_owned());
+    let given: Vec<String> = own.collect();
+    let mut added = Vec::new();
+    for (pet, flag, plain) in PET_ENV {
+        let on_line = given.iter().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
+        if let Some(v) = var(pet).filter(|_| !on_line && var(plain).is_none()) {
+            added.push(std::ffi::OsString::from(format!("{flag}={v}")));
+        }
+    }
+    let mut out = argv;
+    out.splice(2..2, added);
+    out
 }
 
 /// Flags of `gradsync-worker launch`.
@@ -349,10 +394,10 @@ pub struct PsArgs {
     #[arg(long = flag::CHUNK_BYTES)]
     pub chunk_bytes: Option<usize>,
     /// Talk TLS to the servers, trusting this CA certificate (PEM).
-    #[arg(long, env = "GRADSYNC_TLS_CA")]
+    #[arg(long = flag::TLS_CA, env = "GRADSYNC_TLS_CA")]
     pub tls_ca: Option<std::path::PathBuf>,
     /// The name the servers' certificates carry (default: the host in --servers).
-    #[arg(long, requires = "tls_ca")]
+    #[arg(long = flag::TLS_DOMAIN, requires = "tls_ca")]
     pub tls_domain: Option<String>,
     /// Under BSP, push the whole gradient and only then pull the parameters, rather than
     /// pulling the next version block by block while pushing (the pipelined step). For
@@ -545,6 +590,44 @@ fn parse_positive(s: &str) -> Result<usize, String> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_trainjobs_pet_variables_stand_for_the_launchers_flags_unless_given() {
+        use super::{Cli, Command, with_pet_env};
+        use clap::Parser;
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |k: &str| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
+        let argv = |a: &[&str]| a.iter().map(std::ffi::OsString::from).collect::<Vec<_>>();
+        let pet: &'static [(&str, &str)] = &[
+            ("PET_NNODES", "2"),
+            ("PET_NPROC_PER_NODE", "4"),
+            ("PET_NODE_RANK", "1"),
+            ("PET_MASTER_ADDR", "job-node-0-0.job"),
+            ("PET_MASTER_PORT", "29400"),
+        ];
+        let launch = |a: Vec<std::ffi::OsString>| match Cli::try_parse_from(a) {
+            Ok(Cli { command: Command::Launch(l) }) => l,
+            other => panic!("{other:?}"),
+        };
+        let l = launch(with_pet_env(
+            argv(&["gradsync-worker", "launch", "--", "train", "--nnodes", "9"]),
+            env(pet),
+        ));
+        assert_eq!((l.nnodes, l.nproc_per_node, l.node_rank), (2, 4, 1));
+        assert_eq!((l.master_addr.as_str(), l.master_port), ("job-node-0-0.job", 29400));
+        assert_eq!(l.cmd, ["train", "--nnodes", "9"], "the ranks' command is left alone");
+        // A flag on the command line, or the launcher's own variable, wins.
+        let with_own: &'static [(&str, &str)] =
+            &[("PET_NODE_RANK", "1"), ("NODE_RANK", "3"), ("PET_NNODES", "4")];
+        let a =
+            with_pet_env(argv(&["gradsync-worker", "launch", "--nnodes", "5", "--", "train"]), env(with_own));
+        assert_eq!(a, argv(&["gradsync-worker", "launch", "--nnodes", "5", "--", "train"]));
+        // Another command is untouched.
+        let t = argv(&["gradsync-worker", "train", "--mode", "local"]);
+        assert_eq!(with_pet_env(t.clone(), env(pet)), t);
+    }
+
     use clap::CommandFactory;
 
     /// `train --help` names every data source `--data` accepts, the README's default

@@ -18,6 +18,9 @@
 //! - [`resume`]: checkpoints of a run in progress (`--checkpoint`) and `--resume` from them.
 //! - [`launch`]: `gradsync-worker launch`, torchrun's job: start the local ranks, prefix their
 //!   output, stop them all if one fails.
+//! - [`supervise`]: `gradsync-worker supervise`, how a process runs on another host over ssh:
+//!   secrets from stdin into its environment, its process group stopped when the connection
+//!   closes.
 
 pub mod cli;
 pub mod collective;
@@ -27,6 +30,7 @@ pub mod rendezvous;
 pub mod resume;
 pub mod setup;
 pub mod strategy;
+pub mod supervise;
 pub mod train;
 
 /// Parse the command line and run it; the binary's whole body.
@@ -41,5 +45,6 @@ pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
             launch::stop_on_signals();
             launch::launch(&args, &worker, std::sync::Arc::default())
         }
+        cli::Command::Supervise(args) => std::process::exit(supervise::supervise(&args)?),
     }
 }

@@ -5,7 +5,10 @@ fn main() -> std::process::ExitCode {
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("GRADSYNC_LOG"))
         .with_writer(std::io::stderr)
         .init();
-    match gradsync_worker::main_with_args(gradsync_worker::cli::Cli::parse()) {
+    match gradsync_worker::main_with_args(gradsync_worker::cli::Cli::parse_from(
+        // A TrainJob's PET_* variables, read as torchrun reads them.
+        gradsync_worker::cli::with_pet_env(std::env::args_os().collect(), |v| std::env::var(v).ok()),
+    )) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("gradsync-worker: error: {e:#}");

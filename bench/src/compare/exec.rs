@@ -4,12 +4,11 @@
 //! guard drops).
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdin, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -18,6 +17,7 @@ use indicatif::ProgressBar;
 use gradsync_core::metrics::{Record, parse_line};
 
 use super::modes::{Plan, ProcSpec};
+use super::site::Site;
 
 /// How long a server may take to print its listening line.
 const SERVER_READY: Duration = Duration::from_secs(60);
@@ -79,41 +79,52 @@ const EXIT_DIVERGED: i32 = 3;
 
 /// A child process that is killed (and reaped) when dropped.
 struct Guard {
+    /// The process's name, and where it runs when not here: `rank1 on host node2`.
     name: String,
     child: Child,
     log: PathBuf,
     done: Option<ExitStatus>,
+    /// The write end of its stdin, for a process started over ssh: closing it stops the
+    /// process on its host.
+    stdin: Option<ChildStdin>,
+    /// Whether it runs on another host over ssh.
+    remote: bool,
 }
 
 impl Guard {
     fn spawn(p: &ProcSpec, logs: &Path, stdout: Stdio) -> anyhow::Result<Guard> {
         let log = logs.join(format!("{}.log", p.name));
         let err = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-        // `ip netns exec` enters the namespace and execs the program: the child's pid is the
-        // program's, so signals and exit statuses are its own.
-        let mut cmd = match &p.netns {
-            Some(ns) => {
-                let mut c = Command::new("ip");
-                c.args(["netns", "exec", ns]).arg(&p.program);
-                c
-            }
-            None => Command::new(&p.program),
+        let files = p.metrics.parent().unwrap_or(Path::new("."));
+        let mut launch = p.site.launch(&p.program, &p.args, &p.env, files);
+        let name = match p.site.label() {
+            Some(at) => format!("{} on {at}", p.name),
+            None => p.name.clone(),
         };
-        let child = cmd
-            .args(&p.args)
+        let mut child = launch
+            .command
             // Its own process group: a terminal's Ctrl-C goes to the runner alone, which then
             // stops its processes in order and records what finished.
             .process_group(0)
-            .stdin(Stdio::null())
+            .stdin(if launch.stdin.is_some() { Stdio::piped() } else { Stdio::null() })
             .stdout(stdout)
             .stderr(err)
             .spawn()
-            .with_context(|| format!("starting {} ({})", p.name, p.program.display()))?;
-        Ok(Guard { name: p.name.clone(), child, log, done: None })
+            .with_context(|| format!("starting {name} ({})", p.program.display()))?;
+        let mut stdin = child.stdin.take();
+        if let (Some(w), Some(bytes)) = (stdin.as_mut(), launch.stdin.as_deref()) {
+            // A few hundred bytes: the pipe takes them whatever the other end does.
+            w.write_all(bytes).and_then(|_| w.flush()).with_context(|| format!("starting {name}"))?;
+        }
+        Ok(Guard { name, child, log, done: None, stdin, remote: p.site.ssh_host().is_some() })
     }
 
     /// SIGTERM, so the process can write its final metrics and checkpoint.
+    /// Over ssh: the end of its stdin, which its supervisor turns into SIGTERM for its group.
     fn terminate(&mut self) {
+        if self.stdin.take().is_some() {
+            return;
+        }
         if self.done.is_none()
             && let Ok(pid) = i32::try_from(self.child.id())
         {
@@ -142,6 +153,16 @@ impl Guard {
             self.done = self.child.wait().ok();
         }
         self.done
+    }
+
+    /// For a process over ssh whose ssh exited with 255 (ssh's own failure, not the
+    /// program's): that the connection to its host was lost.
+    fn lost(&self) -> &'static str {
+        if self.remote && self.done.and_then(|s| s.code()) == Some(255) {
+            " (ssh's own failure: the connection to the host was lost or refused)"
+        } else {
+            ""
+        }
     }
 
     /// The last lines the process wrote to stderr, for error messages.
@@ -176,7 +197,8 @@ pub struct Finished {
 }
 
 /// Start the plan's processes and wait for them. `timeout` fails the run; `budget` stops it
-/// early and keeps it. `bar` follows rank 0's steps.
+/// early and keeps it. `bar` follows rank 0's steps. Once every process has gone, what those
+/// on other hosts wrote is brought into `dir`, however the run ended.
 pub fn execute(
     plan: Plan,
     dir: &Path,
@@ -185,12 +207,52 @@ pub fn execute(
     stop_at: Option<f64>,
     bar: &ProgressBar,
 ) -> anyhow::Result<Finished> {
+    let mut sites: Vec<Site> = Vec::new();
+    let ran = run_plan(plan, dir, Waits { timeout, budget, stop_at }, bar, &mut sites);
+    // Each site once (its processes of this run share one directory there), all at once.
+    let mut once: Vec<&Site> = Vec::new();
+    for site in &sites {
+        if !once.iter().any(|s| s.same(site)) {
+            once.push(site);
+        }
+    }
+    let collected = std::thread::scope(|s| {
+        let handles: Vec<_> = once.iter().map(|site| s.spawn(|| site.collect(dir))).collect();
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("collecting panicked"))))
+    });
+    match (ran, collected) {
+        (Ok(f), Ok(())) => Ok(f),
+        (Ok(_), Err(e)) => Err(e),
+        (Err(e), Ok(())) => Err(e),
+        (Err(e), Err(c)) => Err(anyhow::anyhow!("{e:#} (and the files: {c:#})")),
+    }
+}
+
+/// What ends a run besides its workers finishing: see [`execute`].
+struct Waits {
+    timeout: Duration,
+    budget: Option<Duration>,
+    stop_at: Option<f64>,
+}
+
+/// [`execute`]'s processes, recording in `sites` where each was started.
+fn run_plan(
+    plan: Plan,
+    dir: &Path,
+    w: Waits,
+    bar: &ProgressBar,
+    sites: &mut Vec<Site>,
+) -> anyhow::Result<Finished> {
+    let Waits { timeout, budget, stop_at } = w;
     let logs = dir.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let start = Instant::now();
     let mut servers = Vec::new();
     let mut addrs = Vec::new();
     for s in &plan.servers {
+        sites.push(s.site.clone());
         let mut g = Guard::spawn(s, &logs, Stdio::piped())?;
         let addr = wait_listening(&mut g).with_context(|| format!("{} did not start", s.name))?;
         addrs.push(addr);
@@ -200,9 +262,12 @@ pub fn execute(
     let rank0 = specs.first().map(|p| p.metrics.clone());
     let mut workers = Vec::new();
     for p in &specs {
+        sites.push(p.site.clone());
         workers.push(Guard::spawn(p, &logs, Stdio::null())?);
     }
-    let mut follow = rank0.map(StepCounter::new);
+    // Rank 0's metrics are followed where this machine can read them as they grow.
+    let mut follow =
+        rank0.filter(|_| specs.first().is_some_and(|p| p.site.ssh_host().is_none())).map(StepCounter::new);
     let mut ended = Ended::Finished;
     // The machine's CPU from rank 0's first finished step on.
     let mut steady: Option<(u64, u64)> = None;
@@ -239,11 +304,11 @@ pub fn execute(
             }
             let w = &workers[i];
             let st = w.done.map(|s| s.to_string()).unwrap_or_default();
-            anyhow::bail!("{} exited with {st}: {}", w.name, w.log_tail());
+            anyhow::bail!("{} exited with {st}{}: {}", w.name, w.lost(), w.log_tail());
         }
         if let Some(s) = servers.iter_mut().find_map(|s| s.poll().is_some().then_some(s)) {
             let st = s.done.map(|s| s.to_string()).unwrap_or_default();
-            anyhow::bail!("{} exited early ({st}): {}", s.name, s.log_tail());
+            anyhow::bail!("{} exited early ({st}{}): {}", s.name, s.lost(), s.log_tail());
         }
         if workers.iter_mut().all(|w| w.poll().is_some()) {
             break;
@@ -287,39 +352,17 @@ pub fn execute(
     Ok(Finished { ended, cpu_busy })
 }
 
-/// Read the server's stdout until its `gradsync-server listening on ADDR` line; a reader
-/// thread hands lines over a channel so the wait has a deadline.
+/// Read the server's stdout until its `gradsync-server listening on ADDR` line, for at most
+/// [`SERVER_READY`].
 fn wait_listening(g: &mut Guard) -> anyhow::Result<String> {
     let out = g.child.stdout.take().context("server stdout not captured")?;
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
+    match super::child::wait_for_line(out, "gradsync-server listening on ", SERVER_READY) {
+        Ok(addr) => Ok(addr),
+        Err(super::child::LineError::Closed) => {
+            let st = g.reap(Duration::from_secs(2)).map(|s| s.to_string()).unwrap_or_default();
+            anyhow::bail!("exited ({st}) before listening: {}", g.log_tail())
         }
-        // Dropping the sender tells the waiter the server closed its stdout.
-    });
-    let until = Instant::now() + SERVER_READY;
-    loop {
-        let left = until.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(line) => {
-                if let Some(addr) = line.trim().strip_prefix("gradsync-server listening on ") {
-                    // Keep draining stdout so the server never blocks on a full pipe.
-                    std::thread::spawn(move || while rx.recv().is_ok() {});
-                    return Ok(addr.trim().to_string());
-                }
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                anyhow::bail!("no listening line after {} s", SERVER_READY.as_secs())
-            }
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                let st = g.reap(Duration::from_secs(2)).map(|s| s.to_string()).unwrap_or_default();
-                anyhow::bail!("exited ({st}) before listening: {}", g.log_tail())
-            }
-        }
+        Err(e) => anyhow::bail!("{e}"),
     }
 }
 

@@ -41,6 +41,14 @@ pub struct Machine {
     /// yardstick each mode is read against (one stream is `tcp_yardstick`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tcp_parallel: Vec<Parallel>,
+    /// The hosts of `compare --hosts`, each described (empty when every process ran here).
+    /// `cores` then counts theirs together, and the link figures are those between two of
+    /// them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<super::ssh::HostFacts>,
+    /// What the link figures crossed when not this machine's loopback (`node0 to node1`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link: Option<String>,
 }
 
 /// What `streams` raw TCP streams carried together, bytes per second (the sum of their rates
@@ -108,6 +116,8 @@ impl Machine {
             tcp_yardstick: None,
             tcp_latency_s: 0.0,
             tcp_parallel: Vec::new(),
+            hosts: Vec::new(),
+            link: None,
         }
     }
 
@@ -188,6 +198,32 @@ impl Machine {
     }
 }
 
+impl Machine {
+    /// For `compare --hosts`: the hosts' descriptions, their cores together, and the link the
+    /// cost model is fitted to measured between two of them (the yardstick in five
+    /// measurements splitting `seconds`, and the small-message latency).
+    pub fn measure_hosts(&mut self, hosts: &super::ssh::Hosts, seconds: f64) -> anyhow::Result<()> {
+        const ROUNDS: usize = 5;
+        self.hosts = hosts.facts();
+        self.cores = self.hosts.iter().map(|h| h.cores).sum();
+        self.gpus =
+            self.hosts.iter().flat_map(|h| h.gpus.iter().map(|g| format!("{g} ({})", h.name))).collect();
+        let r = hosts
+            .measure_link(ROUNDS, Duration::from_secs_f64(seconds / ROUNDS as f64))
+            .context("measuring the link between the hosts")?;
+        let y = crate::rawtcp::Yardstick { samples: r.samples };
+        self.tcp_bandwidth = y.median();
+        self.tcp_yardstick = Some(y);
+        self.tcp_latency_s = r.latency_s;
+        self.link = Some(match self.hosts.as_slice() {
+            [a, b, ..] => format!("{} to {}", a.name, b.name),
+            [a] => format!("{}'s own loopback", a.name),
+            [] => "loopback".into(),
+        });
+        Ok(())
+    }
+}
+
 /// GPU names from `nvidia-smi` (none when it is missing, fails, or takes more than 10 s, as a
 /// wedged driver can).
 pub fn gpus() -> Vec<String> {
@@ -200,18 +236,7 @@ pub fn gpus() -> Vec<String> {
     else {
         return Vec::new();
     };
-    let until = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(st)) => break Some(st),
-            Ok(None) if Instant::now() < until => std::thread::sleep(Duration::from_millis(20)),
-            _ => {
-                let _ = child.kill();
-                let _ = child.wait();
-                break None;
-            }
-        }
-    };
+    let status = super::child::wait_until(&mut child, Instant::now() + Duration::from_secs(10));
     let mut out = String::new();
     if status.is_some_and(|s| s.success())
         && let Some(mut o) = child.stdout.take()

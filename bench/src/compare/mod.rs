@@ -7,14 +7,18 @@
 //! `runs.jsonl`, `summary.csv`, the charts (`*.svg`, `*.png`) and `report.html`.
 
 pub mod charts;
+pub mod child;
 pub mod cost;
 pub mod emulated;
 pub mod exec;
+pub mod hostfile;
 pub mod machine;
 pub mod modes;
 pub mod report;
 pub mod results;
 pub mod scenario;
+pub mod site;
+pub mod ssh;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -68,6 +72,90 @@ pub struct CompareArgs {
     /// Record Chrome trace-event timelines of every process.
     #[arg(long)]
     pub trace: bool,
+    /// Run every server and worker on these hosts over ssh: a hostfile (`node0 slots=4` a
+    /// line, DeepSpeed's form) or a list (`node0:4,node1:4`, Horovod's). Each host needs the
+    /// same gradsync binaries at the same path (or --remote-bin-dir).
+    #[arg(long, value_name = "FILE|LIST")]
+    pub hosts: Option<String>,
+    /// More options for every ssh command (split at white space: `-F FILE -o User=me`); unused
+    /// without --hosts (so the variable may stay set for a comparison on this machine).
+    #[arg(long, env = "GRADSYNC_SSH_OPTS", allow_hyphen_values = true)]
+    pub ssh_opts: Option<String>,
+    /// Where processes write on the hosts before their files are copied back (default: a
+    /// fresh /tmp/gradsync-compare-<stamp>-<pid>).
+    #[arg(long, requires = "hosts")]
+    pub remote_dir: Option<PathBuf>,
+    /// Where the gradsync binaries are on the hosts (default: where they are here).
+    #[arg(long, requires = "hosts")]
+    pub remote_bin_dir: Option<PathBuf>,
+    /// The parameter servers serve TLS with this certificate chain (PEM, the same path on
+    /// every host); needs --tls-key and --tls-ca.
+    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// The CA the workers trust for the servers' certificates (PEM).
+    #[arg(long, requires = "tls_cert")]
+    pub tls_ca: Option<PathBuf>,
+    /// The name the servers' certificate carries (default: each server's address).
+    #[arg(long, requires = "tls_cert")]
+    pub tls_domain: Option<String>,
+}
+
+/// How a comparison's processes are started: on this machine, or on `--hosts` over ssh; with
+/// the parameter server's TLS when asked for.
+#[derive(Debug, Default)]
+pub struct Launching {
+    /// The hosts, checked; none on this machine.
+    pub hosts: Option<ssh::Hosts>,
+    /// The certificates.
+    pub tls: Option<modes::Tls>,
+}
+
+impl Launching {
+    /// From the flags: the hosts checked (reachable, the same binaries as `bins`), for a
+    /// comparison written to `out`.
+    pub fn from_args(a: &CompareArgs, bins: &modes::Bins, out: &Path) -> anyhow::Result<Launching> {
+        let tls = match (&a.tls_cert, &a.tls_key, &a.tls_ca) {
+            (Some(cert), Some(key), Some(ca)) => Some(modes::Tls {
+                cert: cert.clone(),
+                key: key.clone(),
+                ca: ca.clone(),
+                domain: a.tls_domain.clone(),
+            }),
+            _ => None,
+        };
+        let Some(list) = &a.hosts else { return Ok(Launching { hosts: None, tls }) };
+        let entries = hostfile::parse_arg(list)?;
+        let ssh_args = ssh::SshArgs {
+            ssh_opts: a.ssh_opts.clone(),
+            remote_dir: a.remote_dir.clone(),
+            remote_bin_dir: a.remote_bin_dir.clone(),
+        };
+        let dir = bins.worker.parent().unwrap_or(Path::new("."));
+        let bench = dir.join("gradsync-bench");
+        let bench = if bench.is_file() {
+            bench
+        } else {
+            std::env::current_exe().context("locating gradsync-bench")?
+        };
+        let local = [bins.worker.clone(), bins.server.clone(), bench];
+        let t = Instant::now();
+        let hosts = ssh::Hosts::connect(&entries, &ssh_args, &local, out)?;
+        eprintln!(
+            "gradsync-bench compare: {} host(s) checked in {:.2} s: {}",
+            hosts.hosts.len(),
+            t.elapsed().as_secs_f64(),
+            hosts
+                .hosts
+                .iter()
+                .map(|h| format!("{} ({}, {} slots)", h.name, h.addr, h.slots))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        Ok(Launching { hosts: Some(hosts), tls })
+    }
 }
 
 /// Flags of `gradsync-bench plot`.
@@ -90,7 +178,8 @@ pub fn run_compare(a: &CompareArgs) -> anyhow::Result<()> {
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("--resume {}: reading {}", dir.display(), path.display()))?;
         let scenario = Scenario::parse(&text, &path.display().to_string())?;
-        let outcomes = compare_into(&scenario, &bins, dir, true)?;
+        let launching = Launching::from_args(a, &bins, dir)?;
+        let outcomes = compare_into(&scenario, &bins, dir, true, &launching)?;
         return finish(&outcomes, dir);
     }
     let mut scenario = Scenario::load(a.scenario.as_deref())?;
@@ -121,7 +210,8 @@ pub fn run_compare(a: &CompareArgs) -> anyhow::Result<()> {
     let scenario = Scenario::parse(&text, "the scenario with command-line overrides")?;
     let bins = modes::Bins::find(a.bin_dir.as_deref())?;
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(utc_stamp()));
-    let outcomes = compare(&scenario, &bins, &out)?;
+    let launching = Launching::from_args(a, &bins, &out)?;
+    let outcomes = compare_into(&scenario, &bins, &out, false, &launching)?;
     finish(&outcomes, &out)
 }
 
@@ -154,7 +244,7 @@ pub fn run_plot(a: &PlotArgs) -> anyhow::Result<()> {
 /// now), each run's processes, and `outcomes.jsonl`. A failed run is recorded and the next one
 /// starts.
 pub fn compare(scenario: &Scenario, bins: &modes::Bins, out: &Path) -> anyhow::Result<Vec<Outcome>> {
-    compare_into(scenario, bins, out, false)
+    compare_into(scenario, bins, out, false, &Launching::default())
 }
 
 /// [`compare`], or with `resume` the cells of `out` that have no outcome yet (an interrupted
@@ -164,7 +254,17 @@ fn compare_into(
     bins: &modes::Bins,
     out: &Path,
     resume: bool,
+    launching: &Launching,
 ) -> anyhow::Result<Vec<Outcome>> {
+    if let Some(h) = &launching.hosts {
+        anyhow::ensure!(
+            !(scenario.stop_at_target && scenario.target_accuracy.is_some()),
+            "--hosts: stop_at_target follows rank 0's metrics as they are written, and on another host \
+             they are only copied back when the run ends; leave it out (every run then goes to its \
+             budget) or compare on {}",
+            h.hosts.first().map_or("one machine".to_string(), |h| format!("host {} itself", h.name))
+        );
+    }
     let outcomes_path = out.join("outcomes.jsonl");
     let mut outcomes: Vec<Outcome> = Vec::new();
     if resume {
@@ -203,13 +303,17 @@ fn compare_into(
     } else {
         write("scenario.toml", &toml::to_string(scenario).context("writing the scenario")?)?;
         let mut machine = Machine::detect();
-        let streams: Vec<usize> = scenario
-            .expand()
-            .iter()
-            .filter_map(|s| machine::tcp_streams(s.mode, s.workers, s.shards))
-            .flat_map(|s| [s.total, s.busiest])
-            .collect();
-        machine.measure_link(scenario.rawtcp_s, &streams)?;
+        if let Some(h) = &launching.hosts {
+            machine.measure_hosts(h, scenario.rawtcp_s)?;
+        } else {
+            let streams: Vec<usize> = scenario
+                .expand()
+                .iter()
+                .filter_map(|s| machine::tcp_streams(s.mode, s.workers, s.shards))
+                .flat_map(|s| [s.total, s.busiest])
+                .collect();
+            machine.measure_link(scenario.rawtcp_s, &streams)?;
+        }
         write("machine.json", &(serde_json::to_string_pretty(&machine)? + "\n"))?;
         machine
     };
@@ -252,8 +356,24 @@ fn compare_into(
         if exec::interrupted() {
             break;
         }
-        let skip = spec.skip.clone().or_else(|| machine.cannot_run(spec.mode, spec.workers));
-        let o = run_spec(scenario, &spec, bins, out, modes::Placement::Loopback, skip, &multi, &overall)?;
+        let (placement, skip) = match &launching.hosts {
+            Some(h) => match h.place(&spec) {
+                Ok((servers, workers)) => {
+                    let slots = |l: Vec<_>| l.iter().map(site::Slot::from).collect();
+                    (
+                        modes::Placement::Hosts { servers: slots(servers), workers: slots(workers) },
+                        spec.skip.clone(),
+                    )
+                }
+                Err(why) => (modes::Placement::Loopback, Some(why)),
+            },
+            None => (
+                modes::Placement::Loopback,
+                spec.skip.clone().or_else(|| machine.cannot_run(spec.mode, spec.workers)),
+            ),
+        };
+        let o =
+            run_spec(scenario, &spec, bins, out, placement, launching.tls.clone(), skip, &multi, &overall)?;
         writeln!(outcomes_file, "{}", serde_json::to_string(&o)?)
             .and_then(|_| outcomes_file.flush())
             .with_context(|| format!("writing {}", outcomes_path.display()))?;
@@ -261,6 +381,9 @@ fn compare_into(
         overall.inc(1);
     }
     overall.finish_and_clear();
+    if let Some(h) = &launching.hosts {
+        h.tidy();
+    }
     let n = |s: &str| outcomes.iter().filter(|o| o.status == s).count();
     eprintln!(
         "gradsync-bench compare: {} runs: {} ok, {} diverged, {} stopped by the time budget, {} failed, {} \
@@ -299,6 +422,7 @@ pub fn run_spec(
     bins: &modes::Bins,
     out: &Path,
     placement: modes::Placement,
+    tls: Option<modes::Tls>,
     skip: Option<String>,
     multi: &MultiProgress,
     overall: &ProgressBar,
@@ -309,6 +433,8 @@ pub fn run_spec(
     let cpu0 = children_cpu_s();
     let skip = spec.skip.clone().or(skip).or_else(|| machine::Machine::memory_short(spec));
     let mut steady_busy = None;
+    // Processes on other hosts are not this machine's children: their CPU is not counted here.
+    let remote = matches!(&placement, modes::Placement::Hosts { workers, .. } if workers.iter().any(|w| w.site.ssh_host().is_some()));
     let (status, error) = if let Some(why) = skip {
         ("skipped", Some(why))
     } else {
@@ -326,12 +452,16 @@ pub fn run_spec(
                 .progress_chars("=> "),
         );
         bar.set_prefix(short(&spec.id));
+        // Processes on hosts that others can reach get tokens of their own, fresh each run.
+        let env = if placement.needs_tokens() { modes::fresh_tokens()? } else { Vec::new() };
         let ctx = modes::Ctx {
             scenario: scenario.clone(),
             spec: spec.clone(),
-            dir: dir.clone(),
+            dir: placement.files_dir(&dir),
             bins: bins.clone(),
             placement,
+            env,
+            tls,
         };
         let result = modes::plan(&ctx).and_then(|plan| {
             exec::execute(
@@ -374,7 +504,7 @@ pub fn run_spec(
         // launcher's ranks by the launcher, so it is in this process's account of its
         // children), start-up included.
         cpu_busy: steady_busy.or_else(|| {
-            (status != "skipped").then(|| {
+            (status != "skipped" && !remote).then(|| {
                 let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
                 (children_cpu_s() - cpu0) / (t.elapsed().as_secs_f64() * cores).max(1e-9)
             })

@@ -5,7 +5,6 @@
 //! first (each printing `gradsync-server listening on ADDR` once it serves) and a function
 //! from their addresses to the worker processes.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -19,7 +18,7 @@ use gradsync_worker::cli::flag as wf;
 use gradsync_worker::cli::{Backend, Mode, Transport};
 
 use super::scenario::{ModeKind, RunSpec, Scenario};
-use crate::net::HostSlot;
+use super::site::{Site, Slot};
 
 /// Where the binaries are.
 #[derive(Debug, Clone)]
@@ -70,55 +69,79 @@ pub struct ProcSpec {
     pub program: PathBuf,
     /// Its arguments.
     pub args: Vec<String>,
-    /// Its metrics file.
+    /// Its metrics file (where it runs).
     pub metrics: PathBuf,
-    /// The network namespace it runs in (`ip netns exec`), when placed on an emulated host.
-    pub netns: Option<String>,
+    /// Where it runs.
+    pub site: Site,
+    /// Added to its environment: the run's tokens, never on a command line.
+    pub env: Vec<(String, String)>,
 }
 
 /// Where a run's processes go.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub enum Placement {
     /// Every process on this machine's loopback.
     #[default]
     Loopback,
     /// Server shard `i` on `servers[i]`, rank `r` on `workers[r]` (each list at least as long
-    /// as the run needs), each process inside its host's namespace.
+    /// as the run needs): emulated hosts, or hosts reached over ssh.
     Hosts {
         /// One host per server shard.
-        servers: Vec<HostSlot>,
+        servers: Vec<Slot>,
         /// One host per worker rank.
-        workers: Vec<HostSlot>,
+        workers: Vec<Slot>,
     },
 }
 
 impl Placement {
-    /// The address and namespace of server shard `i`.
-    fn server(&self, i: usize) -> (String, Option<String>) {
+    /// The address and site of server shard `i`.
+    fn server(&self, i: usize) -> (String, Site) {
         self.slot(i, |servers, _| servers)
     }
 
-    /// The address and namespace of worker rank `r`.
-    fn worker(&self, r: usize) -> (String, Option<String>) {
+    /// The address and site of worker rank `r`.
+    fn worker(&self, r: usize) -> (String, Site) {
         self.slot(r, |_, workers| workers)
     }
 
-    fn slot<'a>(
-        &'a self,
-        i: usize,
-        list: fn(&'a [HostSlot], &'a [HostSlot]) -> &'a [HostSlot],
-    ) -> (String, Option<String>) {
+    fn slot<'a>(&'a self, i: usize, list: fn(&'a [Slot], &'a [Slot]) -> &'a [Slot]) -> (String, Site) {
         match self {
-            Placement::Loopback => ("127.0.0.1".into(), None),
+            Placement::Loopback => ("127.0.0.1".into(), Site::Local),
             Placement::Hosts { servers, workers } => match list(servers, workers) {
-                [] => ("127.0.0.1".into(), None),
+                [] => ("127.0.0.1".into(), Site::Local),
                 l => {
                     let h = &l[i % l.len()];
-                    (h.addr.clone(), Some(h.netns.clone()))
+                    (h.addr.clone(), h.site.clone())
                 }
             },
         }
     }
+
+    /// Where the processes write the files of the run directory `dir` (on other hosts, the
+    /// same run's directory under the remote one).
+    pub fn files_dir(&self, dir: &Path) -> PathBuf {
+        self.worker(0).1.files_dir(dir)
+    }
+
+    /// Whether the run's processes listen on a network others can reach, so that each run
+    /// needs tokens of its own.
+    pub fn needs_tokens(&self) -> bool {
+        matches!(self, Placement::Hosts { .. })
+    }
+}
+
+/// The user's certificates for the parameter server's TLS (`compare --tls-cert --tls-key
+/// --tls-ca`), at the same paths on every host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tls {
+    /// The servers' certificate chain (PEM).
+    pub cert: PathBuf,
+    /// Its private key (PEM).
+    pub key: PathBuf,
+    /// The CA the workers trust (PEM).
+    pub ca: PathBuf,
+    /// The name the certificate carries, when not each server's address.
+    pub domain: Option<String>,
 }
 
 /// The worker processes, given the servers' addresses in shard order.
@@ -145,6 +168,27 @@ pub struct Ctx {
     pub bins: Bins,
     /// Where the processes run.
     pub placement: Placement,
+    /// Added to every process's environment: the run's tokens (none on loopback).
+    pub env: Vec<(String, String)>,
+    /// The parameter server's TLS, when asked for.
+    pub tls: Option<Tls>,
+}
+
+/// The variables the run's tokens travel in (read by both binaries' `--token` and the
+/// worker's `--ring-token`).
+pub const TOKEN_ENV: &str = "GRADSYNC_TOKEN";
+/// See [`TOKEN_ENV`].
+pub const RING_TOKEN_ENV: &str = "GRADSYNC_RING_TOKEN";
+
+/// A fresh PS token and ring token for one run: 32 random bytes each from the operating
+/// system, in hex.
+pub fn fresh_tokens() -> anyhow::Result<Vec<(String, String)>> {
+    let secret = || -> anyhow::Result<String> {
+        let mut b = [0u8; 32];
+        getrandom::fill(&mut b).map_err(|e| anyhow::anyhow!("drawing a token: {e}"))?;
+        Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+    };
+    Ok(vec![(TOKEN_ENV.into(), secret()?), (RING_TOKEN_ENV.into(), secret()?)])
 }
 
 impl Ctx {
@@ -193,8 +237,15 @@ impl Ctx {
     }
 
     fn worker(&self, rank: usize, name: String, args: Vec<String>) -> ProcSpec {
-        let netns = self.placement.worker(rank).1;
-        ProcSpec { metrics: self.path(&name, "jsonl"), name, program: self.bins.worker.clone(), args, netns }
+        let site = self.placement.worker(rank).1;
+        ProcSpec {
+            metrics: self.path(&name, "jsonl"),
+            name,
+            program: self.bins.worker.clone(),
+            args,
+            site,
+            env: self.env.clone(),
+        }
     }
 }
 
@@ -240,7 +291,7 @@ pub fn ps(ctx: &Ctx, sync: SyncMode) -> Plan {
     let servers = (0..k)
         .map(|i| {
             let name = format!("server{i}");
-            let (addr, netns) = ctx.placement.server(i);
+            let (addr, site) = ctx.placement.server(i);
             let mut args = Vec::new();
             args.extend(opt(sf::LISTEN, format!("{addr}:0")));
             args.extend(opt(sf::SYNC, sync));
@@ -262,12 +313,17 @@ pub fn ps(ctx: &Ctx, sync: SyncMode) -> Plan {
             if s.trace && ctx.bins.server_trace {
                 args.extend(opt(sf::TRACE, ctx.path(&format!("trace-{name}"), "json").display()));
             }
+            if let Some(t) = &ctx.tls {
+                args.extend(opt(sf::TLS_CERT, t.cert.display()));
+                args.extend(opt(sf::TLS_KEY, t.key.display()));
+            }
             ProcSpec {
                 metrics: ctx.path(&name, "jsonl"),
                 name,
                 program: ctx.bins.server.clone(),
                 args,
-                netns,
+                site,
+                env: ctx.env.clone(),
             }
         })
         .collect();
@@ -289,6 +345,12 @@ pub fn ps(ctx: &Ctx, sync: SyncMode) -> Plan {
                     if let Some(c) = ctx.spec.mode.compress(ctx.scenario.topk_ratio) {
                         args.extend(opt(wf::COMPRESS, c));
                     }
+                    if let Some(t) = &ctx.tls {
+                        args.extend(opt(wf::TLS_CA, t.ca.display()));
+                        if let Some(d) = &t.domain {
+                            args.extend(opt(wf::TLS_DOMAIN, d));
+                        }
+                    }
                     ctx.worker(r, name, args)
                 })
                 .collect()
@@ -307,8 +369,8 @@ pub fn ddp(ctx: &Ctx, backend: Backend, transport: Option<Transport>) -> anyhow:
 /// The ranks of a mode that meets over the rendezvous store and DDP's flags (`--mode ddp` or
 /// `zero1`), with `backend` and `transport`.
 fn ring(ctx: &Ctx, mode: Mode, backend: Backend, transport: Option<Transport>) -> anyhow::Result<Plan> {
-    let port = free_port()?;
-    let master = ctx.placement.worker(0).0;
+    let (master, site) = ctx.placement.worker(0);
+    let port = site.free_port().context("picking the rendezvous port")?;
     let procs: Vec<ProcSpec> = (0..ctx.spec.workers)
         .map(|r| {
             let name = format!("rank{r}");
@@ -350,13 +412,6 @@ fn optimiser(s: &Scenario) -> Vec<String> {
     [opt(of::LR, s.lr), opt(of::MOMENTUM, s.momentum), opt(of::WEIGHT_DECAY, s.weight_decay)].concat()
 }
 
-/// A loopback port nobody listens on now. Another process may take it before rank 0 binds
-/// it; the run then fails with rank 0's bind error and is reported like any failure.
-fn free_port() -> anyhow::Result<u16> {
-    let l = TcpListener::bind("127.0.0.1:0").context("picking a free port")?;
-    Ok(l.local_addr()?.port())
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -372,7 +427,7 @@ mod tests {
         .unwrap();
         let spec = scenario.expand().remove(0);
         let bins = Bins { worker: "w".into(), server: "s".into(), server_trace: true };
-        Ctx { scenario, spec, dir: "d".into(), bins, placement: Placement::Loopback }
+        Ctx { scenario, spec, dir: "d".into(), bins, placement: Placement::Loopback, env: vec![], tls: None }
     }
 
     fn has(args: &[String], flag: &str, value: &str) -> bool {
@@ -439,6 +494,8 @@ mod tests {
                 dir: "d".into(),
                 bins,
                 placement: Placement::Loopback,
+                env: vec![],
+                tls: None,
             };
             let (servers, workers) = parse_all(&ctx);
             let s = &ctx.scenario;
@@ -494,6 +551,36 @@ mod tests {
                 }
                 assert!(servers.iter().all(|s| s.args.chunk_bytes == Some(131072) && s.args.trace.is_some()));
             }
+        }
+    }
+
+    #[test]
+    fn the_users_certificates_reach_servers_and_workers_and_tokens_no_command_line() {
+        let tls =
+            Tls { cert: "c.pem".into(), key: "k.pem".into(), ca: "ca.pem".into(), domain: Some("ps".into()) };
+        let env = fresh_tokens().unwrap();
+        let ctx = Ctx { tls: Some(tls), env: env.clone(), ..ctx("ps-bsp", "") };
+        let (servers, workers) = parse_all(&ctx);
+        let server = &servers[0].args;
+        assert_eq!(
+            (server.tls_cert.as_deref(), server.tls_key.as_deref()),
+            (Some("c.pem".as_ref()), Some("k.pem".as_ref()))
+        );
+        for w in &workers {
+            assert_eq!(
+                (w.ps.tls_ca.as_deref(), w.ps.tls_domain.as_deref()),
+                (Some("ca.pem".as_ref()), Some("ps"))
+            );
+        }
+        let p = plan(&ctx).unwrap();
+        let every = p.servers.iter().cloned().chain((p.workers)(&["a:1".to_string()]));
+        for proc in every {
+            assert_eq!(proc.env, env, "{}", proc.name);
+            assert!(
+                proc.args.iter().all(|a| !env.iter().any(|(_, t)| a.contains(t.as_str()))),
+                "{:?}",
+                proc.args
+            );
         }
     }
 }

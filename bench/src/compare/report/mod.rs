@@ -346,7 +346,7 @@ fn machine_section(h: &mut String, m: Option<&Machine>, emulated: bool) {
         "<table><tr><th class=l>host</th><td class=l>{}</td></tr><tr><th class=l>CPU</th><td class=l>{} ({} logical cores)</td></tr>\
          <tr><th class=l>memory</th><td class=l>{:.1} GiB</td></tr><tr><th class=l>GPU</th><td class=l>{}</td></tr>\
          <tr><th class=l>kernel</th><td class=l>{}</td></tr><tr><th class=l>gradsync</th><td class=l>{} (commit {})</td></tr>\
-         <tr><th class=l>raw loopback TCP</th><td class=l>{}</td></tr></table>\n\
+         <tr><th class=l>raw {} TCP</th><td class=l>{}</td></tr></table>\n\
          <p>Wires: the parameter server speaks gRPC over TCP and <code>ddp-tcp</code> rings over TCP sockets, \
          {}, so those two compare directly; <code>ddp-shm</code> rings over shared memory \
          and <code>dp</code> inside one process, neither a network.</p>",
@@ -358,6 +358,7 @@ fn machine_section(h: &mut String, m: Option<&Machine>, emulated: bool) {
         esc(&m.kernel),
         esc(&m.gradsync_version),
         esc(&m.gradsync_commit),
+        m.link.as_deref().map_or_else(|| "loopback".to_string(), |l| format!("host-to-host ({})", esc(l))),
         match (&m.tcp_yardstick, m.tcp_bandwidth > 0.0) {
             (Some(y), _) => format!(
                 "{} one stream;{} {:.1} us one-way small-message latency",
@@ -382,10 +383,44 @@ fn machine_section(h: &mut String, m: Option<&Machine>, emulated: bool) {
         if emulated {
             "each process on a host of its own, every link emulated (the cluster section below names each \
              run's link), the same links for both"
+        } else if !m.hosts.is_empty() {
+            "the same network between the hosts below"
         } else {
             "the same loopback wire"
         },
     );
+    hosts_table(h, m);
+}
+
+/// The hosts of `compare --hosts`, each as its check found it; the machine above is the one
+/// the comparison was started from, and its core count the hosts' together.
+fn hosts_table(h: &mut String, m: &Machine) {
+    if m.hosts.is_empty() {
+        return;
+    }
+    h.push_str(
+        "<p>Every server and worker ran on these hosts, started over ssh; the link above was measured \
+         between two of them with the raw-TCP yardstick, and the cost model is fitted to it.</p>\n\
+         <table><tr><th class=l>host</th><th class=l>address</th><th>slots</th><th class=l>name</th>\
+         <th class=l>CPU</th><th>cores</th><th>memory GiB</th><th class=l>GPU</th><th class=l>kernel</th></tr>\n",
+    );
+    for f in &m.hosts {
+        let _ = writeln!(
+            h,
+            "<tr><td class=l>{}</td><td class=l>{}</td><td>{}</td><td class=l>{}</td><td class=l>{}</td><td>{}</td>\
+             <td>{:.1}</td><td class=l>{}</td><td class=l>{}</td></tr>",
+            esc(&f.name),
+            esc(&f.addr),
+            f.slots,
+            esc(&f.hostname),
+            esc(&f.cpu),
+            f.cores,
+            f.memory_bytes as f64 / (1u64 << 30) as f64,
+            if f.gpus.is_empty() { "none".into() } else { esc(&f.gpus.join(", ")) },
+            esc(&f.kernel)
+        );
+    }
+    h.push_str("</table>\n");
 }
 
 /// Time-to-accuracy per series and worker count: the median over the complete repeats that
@@ -1019,6 +1054,20 @@ mod tests {
         let v = verdict::verdict(&context::Context::new(g, Some(Link { a: 20e-6, b: 4e9 }), m, &c.summaries));
         assert!(!v.is_empty() && v.len() <= 3, "{v:?}");
         v
+    }
+
+    #[test]
+    fn the_verdict_names_the_hosts_a_comparison_ran_on() {
+        let rows: Vec<Summary> = (0..3).map(|r| cell_row("ddp-tcp", 4, r, 1000.0 + r as f64)).collect();
+        assert!(verdict_of(rows.clone(), None)[0].contains("on this machine's loopback"));
+        let host = |n: &str| crate::compare::ssh::HostFacts { name: n.into(), ..Default::default() };
+        let m = Machine {
+            hosts: vec![host("node0"), host("node1")],
+            link: Some("node0 to node1".into()),
+            ..Machine::default()
+        };
+        let v = verdict_of(rows, Some(&m));
+        assert!(v[0].contains("on 2 hosts (the link measured from node0 to node1)"), "{v:?}");
     }
 
     #[test]

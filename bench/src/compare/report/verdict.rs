@@ -10,6 +10,7 @@ use gradsync_core::metrics::elapsed;
 
 use crate::compare::charts::{Group, workers};
 use crate::compare::cost::{self, Link};
+use crate::compare::machine::Machine;
 use crate::compare::results::{Summary, overlap};
 
 /// How the modes stand at one worker count.
@@ -94,9 +95,14 @@ fn quoted(cx: &Context, r: &Summary) -> String {
     }
 }
 
-/// The wire the group's runs crossed.
-fn wire(g: &Group) -> String {
-    if g.link.is_empty() { "this machine's loopback".into() } else { format!("emulated links of {}", g.link) }
+/// The wire the group's runs crossed: emulated links, the network between the hosts of
+/// `compare --hosts`, or this machine's loopback.
+fn wire(g: &Group, m: Option<&Machine>) -> String {
+    match m.and_then(|m| m.link.as_deref().filter(|_| !m.hosts.is_empty())) {
+        _ if !g.link.is_empty() => format!("emulated links of {}", g.link),
+        Some(l) => format!("{} hosts (the link measured from {l})", m.map_or(0, |m| m.hosts.len())),
+        None => "this machine's loopback".into(),
+    }
 }
 
 /// The worker counts to decide at: above one where any, the most first.
@@ -116,7 +122,7 @@ fn pick(cx: &Context) -> (String, Option<usize>) {
     }
     // An emulated group's model already names its links.
     let head = if g.link.is_empty() {
-        format!("For {} on {}", g.model, wire(g))
+        format!("For {} on {}", g.model, wire(g, cx.machine))
     } else {
         format!("For {}", g.model)
     };

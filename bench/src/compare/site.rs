@@ -1,0 +1,131 @@
+//! Where one process of a run goes and how it is started there: the seam the comparison's
+//! runner ([`super::exec`]) starts every process through, whether the process runs on this
+//! machine, in an emulated host's network namespace ([`crate::net`]), or on another host over
+//! ssh ([`super::ssh`]). The runner never asks which.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use super::child::Launch;
+use super::ssh;
+
+/// Where a process runs.
+#[derive(Debug, Clone, Default)]
+pub enum Site {
+    /// This machine, as it is.
+    #[default]
+    Local,
+    /// An emulated host: this machine inside a network namespace (`ip netns exec`).
+    Netns(String),
+    /// Another host, reached over the system's ssh.
+    Ssh(Arc<ssh::Host>),
+}
+
+/// A host a run's process is placed on: where it runs and the address the others reach it at.
+#[derive(Debug, Clone)]
+pub struct Slot {
+    /// The address its servers listen on and its peers dial.
+    pub addr: String,
+    /// How a process is started there.
+    pub site: Site,
+}
+
+impl From<&Arc<ssh::Host>> for Slot {
+    fn from(h: &Arc<ssh::Host>) -> Slot {
+        Slot { addr: h.addr.clone(), site: Site::Ssh(h.clone()) }
+    }
+}
+
+impl From<&crate::net::HostSlot> for Slot {
+    fn from(h: &crate::net::HostSlot) -> Slot {
+        Slot { addr: h.addr.clone(), site: Site::Netns(h.netns.clone()) }
+    }
+}
+
+impl Site {
+    /// How to start `program args` here with `env` added to its environment, its files going
+    /// to `files` (a directory made first where needed). `env` never reaches a command line.
+    pub fn launch(&self, program: &Path, args: &[String], env: &[(String, String)], files: &Path) -> Launch {
+        match self {
+            Site::Local | Site::Netns(_) => {
+                // `ip netns exec` enters the namespace and execs the program: the child's pid
+                // is the program's, so signals and exit statuses are its own.
+                let mut command = match self {
+                    Site::Netns(ns) => {
+                        let mut c = Command::new("ip");
+                        c.args(["netns", "exec", ns]).arg(program);
+                        c
+                    }
+                    _ => Command::new(program),
+                };
+                command.args(args).envs(env.iter().map(|(k, v)| (k, v)));
+                Launch { command, stdin: None }
+            }
+            Site::Ssh(h) => h.launch(program, args, env, files),
+        }
+    }
+
+    /// Where the process runs, for messages: `host node1`; none on this machine.
+    pub fn label(&self) -> Option<String> {
+        match self {
+            Site::Local => None,
+            Site::Netns(ns) => Some(format!("emulated host {ns}")),
+            Site::Ssh(h) => Some(format!("host {}", h.name)),
+        }
+    }
+
+    /// A port for a rendezvous here: one free on loopback now (an emulated host's namespace
+    /// has every port free), or on another host a random one among the unprivileged ports above
+    /// the usual ephemeral range's start (a taken one fails the run with rank 0's bind error,
+    /// reported like any failure).
+    pub fn free_port(&self) -> anyhow::Result<u16> {
+        match self {
+            Site::Local | Site::Netns(_) => {
+                let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+                Ok(l.local_addr()?.port())
+            }
+            Site::Ssh(_) => {
+                let mut b = [0u8; 2];
+                getrandom::fill(&mut b).map_err(|e| anyhow::anyhow!("drawing a port: {e}"))?;
+                Ok(20_000 + u16::from_le_bytes(b) % 12_000)
+            }
+        }
+    }
+
+    /// Where a process here writes the files of the run directory `dir`: `dir` itself on this
+    /// machine, the same run's directory under the remote directory on another host.
+    pub fn files_dir(&self, dir: &Path) -> PathBuf {
+        match self {
+            Site::Ssh(h) => h.files_dir(dir),
+            _ => dir.to_path_buf(),
+        }
+    }
+
+    /// Bring what the run's processes here wrote into `dir` (and clear it there): nothing to do
+    /// on this machine.
+    pub fn collect(&self, dir: &Path) -> anyhow::Result<()> {
+        match self {
+            Site::Ssh(h) => h.collect(dir),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether `other` is the same place.
+    pub fn same(&self, other: &Site) -> bool {
+        match (self, other) {
+            (Site::Local, Site::Local) => true,
+            (Site::Netns(a), Site::Netns(b)) => a == b,
+            (Site::Ssh(a), Site::Ssh(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
+    /// The host behind an ssh site.
+    pub fn ssh_host(&self) -> Option<&Arc<ssh::Host>> {
+        match self {
+            Site::Ssh(h) => Some(h),
+            _ => None,
+        }
+    }
+}
