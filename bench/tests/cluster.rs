@@ -64,10 +64,12 @@ fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
     let runs = cluster::run_cluster(&s, &bins, &out, &[1.0], |_| shape).unwrap();
     assert_eq!(runs.len(), 2);
     assert!(runs.iter().all(|r| r.hosts == 3 && r.rate_gbit == 1.0));
-    // The link as measured on each run's cluster: TCP over a 1 Gbit/s link carries a little less.
+    // The link as measured on each run's cluster: TCP over a 1 Gbit/s link carries a little less,
+    // or, with the shaper's burst let through at the start of a short measurement, a hair more
+    // (1.0004 Gbit/s has been measured under load).
     for r in &runs {
         let g = r.measured_gbit.unwrap_or_else(|| panic!("{}: the link was not measured", r.id));
-        assert!((0.7..1.0).contains(&g), "{}: {g} Gbit/s measured over a 1 Gbit/s link", r.id);
+        assert!((0.7..1.02).contains(&g), "{}: {g} Gbit/s measured over a 1 Gbit/s link", r.id);
         // No delay was added: the latency is the namespaces' and veth's own, tens of us.
         let us = r.measured_latency_us.unwrap_or_else(|| panic!("{}: the latency was not measured", r.id));
         assert!(us > 0.0 && us < 5_000.0, "{}: {us} us one way between two hosts", r.id);
