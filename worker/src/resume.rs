@@ -239,6 +239,32 @@ impl Checkpoints {
         for (_, path) in &listed[..listed.len().saturating_sub(self.keep)] {
             std::fs::remove_dir_all(path).with_context(|| format!("removing {}", path.display()))?;
         }
+        self.clear_interrupted()
+    }
+
+    /// Remove what killed writers left (`.step-N.tmp-PID` folders, never read) once their
+    /// processes are gone, so that kills during writes do not pile up copies of the model: after
+    /// every write, and when a run resumes.
+    fn clear_interrupted(&self) -> anyhow::Result<()> {
+        if !self.dir.is_dir() {
+            return Ok(());
+        }
+        for entry in
+            std::fs::read_dir(&self.dir).with_context(|| format!("--checkpoint {}", self.dir.display()))?
+        {
+            let entry = entry.with_context(|| format!("--checkpoint {}", self.dir.display()))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(pid) = name.strip_prefix(".step-").and_then(|r| r.rsplit_once(".tmp-")).map(|(_, p)| p)
+            else {
+                continue;
+            };
+            let gone = pid.parse::<u32>().is_ok_and(|p| p != std::process::id())
+                && !Path::new("/proc").join(pid).exists();
+            if gone {
+                std::fs::remove_dir_all(entry.path())
+                    .with_context(|| format!("removing {}", entry.path().display()))?;
+            }
+        }
         Ok(())
     }
 
@@ -258,6 +284,7 @@ impl Checkpoints {
     /// it was written by a run like this one. Returns its state; `None` when there is none
     /// (the run starts from the beginning).
     pub fn restore(&self, engine: &mut Engine, identity: &Identity) -> anyhow::Result<Option<RunState>> {
+        self.clear_interrupted()?;
         let Some((path, Verified { state, model: tensors, optimizer: saved })) = self.newest()? else {
             return Ok(None);
         };
