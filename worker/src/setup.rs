@@ -133,17 +133,25 @@ impl ModeConfig {
     /// parameters, the momentum and rank 0's batch-norm statistics, broadcast each step) or the
     /// strategy gathers it for the checkpoint (ZeRO-1's momentum shards), else why not. Asked
     /// before any strategy is built, so no run waits on its peers to be told.
-    pub fn checkpoint_support(&self) -> Result<(), String> {
+    ///
+    /// With `--sync-every K`, a checkpoint written every `every` steps holds the run when `every`
+    /// is a multiple of K: it is then written right after a synchronisation, when no gradient
+    /// is left accumulating, and a resumed run's micro-steps count from there as the unbroken
+    /// run's did.
+    pub fn checkpoint_support(&self, every: u64) -> Result<(), String> {
         let between_steps = |c: &DdpConfig| {
             if matches!(c.compression, Compression::TopK(_)) {
                 return Err("--compress topk keeps each rank's residual between steps, which a checkpoint \
                             does not hold yet"
                     .to_string());
             }
-            if c.sync_every > 1 {
-                return Err("--sync-every above 1 accumulates gradients between steps, which a checkpoint \
-                            does not hold yet"
-                    .to_string());
+            if !every.is_multiple_of(c.sync_every) {
+                return Err(format!(
+                    "--sync-every {} accumulates gradients between synchronisations, and a checkpoint \
+                     holds none: give --checkpoint-every a multiple of {} (it is {every}), so that each \
+                     checkpoint follows a synchronisation",
+                    c.sync_every, c.sync_every
+                ));
             }
             Ok(())
         };
@@ -237,7 +245,7 @@ impl Run {
         run.mode = mode_config(&args, &run)?;
         if run.checkpoints.is_some() {
             run.mode
-                .checkpoint_support()
+                .checkpoint_support(args.checkpoint_every)
                 .map_err(|why| anyhow::anyhow!("--checkpoint with --mode {}: {why}", run.mode.name()))?;
         }
         Ok(run)

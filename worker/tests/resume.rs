@@ -145,6 +145,17 @@ fn a_ddp_run_over_shared_memory_with_a_killed_rank_resumes_to_the_unbroken_runs_
 /// ZeRO-1 checkpoints its momentum gathered whole from the ranks' shards; the resumed ranks cut
 /// their shards from it again, and the run ends with the unbroken run's parameters and
 /// momentum.
+/// `--sync-every 2` with a checkpoint every 10 steps: each checkpoint follows a
+/// synchronisation, so nothing accumulated is lost and the resumed run's micro-steps line up.
+#[test]
+fn a_ddp_run_with_sync_every_resumes_to_the_unbroken_runs_bits() {
+    killed_and_resumed_ends_as_unbroken(
+        "resume-ddp-sync-every",
+        2,
+        &["--mode", "ddp", "--batch", "8", "--comm-timeout", "30", "--transport", "tcp", "--sync-every", "2"],
+    );
+}
+
 #[test]
 fn a_zero1_run_with_a_killed_rank_resumes_to_the_unbroken_runs_bits() {
     killed_and_resumed_ends_as_unbroken(
@@ -167,7 +178,10 @@ fn checkpoints_of_a_mode_they_cannot_hold_yet_are_refused_by_name() {
     let ck = dir.join("ck").display().to_string();
     for (mode, says) in [
         (&["--mode", "ddp", "--compress", "topk:0.1"][..], "--compress topk keeps each rank's residual"),
-        (&["--mode", "ddp", "--sync-every", "2"][..], "--sync-every above 1"),
+        (
+            &["--mode", "ddp", "--sync-every", "4", "--checkpoint-every", "10"][..],
+            "give --checkpoint-every a multiple of 4 (it is 10)",
+        ),
         (
             &["--mode", "ps", "--servers", "127.0.0.1:9", "--rank", "0", "--world-size", "1"][..],
             "--checkpoint with --mode ps",
