@@ -92,17 +92,7 @@ fn assert_tensors_agree(what: &str, layout: &Layout, cpu: &[f32], gpu: &[f32]) {
 fn batch(spec: &ModelSpec, rows: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
     let mut rng = Rng::new(seed, 7);
     let x = match spec.input {
-        Input::Bag { rows: table, slots } => (0..rows)
-            .flat_map(|s| {
-                let count = 1 + s % slots;
-                let ids: Vec<f32> = (0..slots)
-                    .map(|j| if j < count { rng.below(table as u64) as f32 } else { -1.0 })
-                    .collect();
-                let ws: Vec<f32> =
-                    (0..slots).map(|j| if j < count { 0.5 + rng.uniform() } else { 0.0 }).collect();
-                [ids, ws].concat()
-            })
-            .collect(),
+        Input::Bag { rows: table, slots } => gradsync_core::data::random_bags(table, slots, rows, &mut rng),
         _ => (0..rows * spec.input()).map(|_| rng.normal()).collect(),
     };
     let y = (0..rows).map(|_| rng.below(spec.classes() as u64) as u32).collect();

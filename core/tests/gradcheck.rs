@@ -37,25 +37,14 @@ fn check_every_tensor(spec: &ModelSpec, rows: usize) {
     check_every_tensor_on(spec, &x, &y);
 }
 
-/// A batch of `rows` bags of up to `slots` ids below `table` (repeats, empty slots and weights
-/// other than 1 among them).
-fn bags(table: usize, slots: usize, classes: usize, rows: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
-    let mut r = Rng::new(seed, 3);
-    let mut x = Vec::new();
-    for s in 0..rows {
-        let count = 1 + (s % slots);
-        x.extend((0..slots).map(|j| if j < count { r.below(table as u64) as f32 } else { -1.0 }));
-        x.extend((0..slots).map(|j| if j < count { 0.5 + r.uniform() } else { 0.0 }));
-    }
-    (x, (0..rows).map(|_| r.below(classes as u64) as u32).collect())
-}
-
 #[test]
 fn the_embedding_bag_matches_finite_differences() {
     for pool in ["mean", "sum"] {
         let spec = ModelSpec::parse(&format!("embedding:12:5:7:{pool}")).unwrap();
         let spec = spec.fit(gradsync_core::model::Input::Bag { rows: 12, slots: 4 }, 3).unwrap();
-        let (x, y) = bags(12, 4, 3, 6, 7);
+        let mut r = Rng::new(7, 3);
+        let x = gradsync_core::data::random_bags(12, 4, 6, &mut r);
+        let y: Vec<u32> = (0..6).map(|_| r.below(3) as u32).collect();
         check_every_tensor_on(&spec, &x, &y);
     }
 }

@@ -80,17 +80,7 @@ fn check_against_pytorch(python: &Path, device: Device, spec: &ModelSpec, rows: 
     let mut rng = Rng::new(9, 3);
     let x: Vec<f32> = match spec.input {
         // Bags: a varying number of ids (repeats among them, slots left empty) with weights.
-        Input::Bag { rows: table, slots } => (0..rows)
-            .flat_map(|s| {
-                let count = 1 + s % slots;
-                let ids: Vec<f32> = (0..slots)
-                    .map(|j| if j < count { rng.below(table as u64) as f32 } else { -1.0 })
-                    .collect();
-                let ws: Vec<f32> =
-                    (0..slots).map(|j| if j < count { 0.5 + rng.uniform() } else { 0.0 }).collect();
-                [ids, ws].concat()
-            })
-            .collect(),
+        Input::Bag { rows: table, slots } => gradsync_core::data::random_bags(table, slots, rows, &mut rng),
         _ => (0..rows * spec.input()).map(|_| rng.normal()).collect(),
     };
     let y: Vec<u32> = (0..rows).map(|_| rng.below(spec.classes() as u64) as u32).collect();

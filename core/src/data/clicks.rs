@@ -154,3 +154,16 @@ impl ClicksConfig {
 fn gcd(a: u64, b: u64) -> u64 {
     if b == 0 { a } else { gcd(b, a % b) }
 }
+
+/// A batch of `batch` random bags over a table of `rows` (for checks of the embedding model
+/// against a reference): sample `s` names `1 + s % slots` ids drawn uniformly (repeats allowed,
+/// the other slots empty), each with a weight in [0.5, 1.5).
+pub fn random_bags(rows: usize, slots: usize, batch: usize, rng: &mut Rng) -> Vec<f32> {
+    let mut x = Vec::with_capacity(batch * 2 * slots);
+    for s in 0..batch {
+        let count = 1 + s % slots;
+        x.extend((0..slots).map(|j| if j < count { rng.below(rows as u64) as f32 } else { -1.0 }));
+        x.extend((0..slots).map(|j| if j < count { 0.5 + rng.uniform() } else { 0.0 }));
+    }
+    x
+}

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 pub use augment::Augment;
-pub use clicks::ClicksConfig;
+pub use clicks::{ClicksConfig, random_bags};
 pub use sampler::DistributedSampler;
 pub use synthetic::SyntheticConfig;
 
