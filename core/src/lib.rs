@@ -7,7 +7,8 @@
 //!   own ([`device::GpuStream`]: core's handles to a GPU's streams, buffers and events, so no
 //!   cudarc type leaves core); `device::nvrtc` picks and compiles the kernels' target (the
 //!   device's cubin, PTX as the fallback).
-//! - [`model`]: the presets (MLPs, ResNets, VGG, a small conv net), the layer graph they
+//! - [`model`]: the presets (MLPs, ResNets, VGG, a small conv net, the sparse embedding model
+//!   with its [`model::Table`]), the layer graph they
 //!   compile to, the flat parameter [`model::Layout`] with PyTorch's tensor names, gradient
 //!   buckets, the [`model::Fingerprint`] and deterministic initialisation.
 //! - [`net`]: forward, backward (handing out finished buckets) and update of any model,
@@ -18,9 +19,10 @@
 //! - [`profile`]: model profiles for replay (a model's tensors in gradient-ready order and
 //!   each layer's compute), the file format and the built-in ResNet-50, VGG-16, BERT-base and
 //!   GPT-2, estimated at a stated device rate.
-//! - [`optim`]: SGD with momentum and weight decay (host version, shared with the server).
-//! - [`data`]: the built-in UCI digits (real data, embedded) and synthetic datasets, MNIST and
-//!   CIFAR-10 loaders, the distributed sampler.
+//! - [`optim`]: SGD with momentum and weight decay (host version, shared with the server), and
+//!   its lazy step of a table's row.
+//! - [`data`]: the built-in UCI digits (real data, embedded), synthetic datasets and click logs
+//!   (bags of ids), MNIST, CIFAR-10 and LIBSVM loaders, the distributed sampler.
 //! - [`metrics`]: the per-step metrics schema and its JSON-lines writer.
 //! - [`heap`]: allocator thresholds that keep freed buffers (GEMM packing, HTTP/2 frames), and
 //!   one malloc arena for the parameter-server processes.
