@@ -251,7 +251,6 @@ pub fn sbatch_script(
          #SBATCH --job-name=gradsync-compare\n\
          #SBATCH --nodes={nodes}\n\
          #SBATCH --ntasks-per-node={tasks}\n\
-         #SBATCH --overcommit\n\
          #SBATCH --time={minutes}\n\
          #SBATCH --output={log}\n\
          set -eu\n\
@@ -395,7 +394,7 @@ mod tests {
                 .unwrap();
         let text = std::fs::read_to_string(&script).unwrap();
         assert!(text.starts_with("#!/bin/bash\n"), "{text}");
-        for want in ["#SBATCH --nodes=3\n", "#SBATCH --ntasks-per-node=2\n", "#SBATCH --overcommit\n"] {
+        for want in ["#SBATCH --nodes=3\n", "#SBATCH --ntasks-per-node=2\n"] {
             assert!(text.contains(want), "{want} in {text}");
         }
         let toml = dir.path().join("scenario.toml");
