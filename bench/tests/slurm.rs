@@ -281,9 +281,10 @@ impl Cluster {
 
 /// Ctrl-C while a run's steps are running, in an allocation that outlives the comparison
 /// (`salloc --no-shell`): the comparison exits 130 with the run `interrupted`, and none of
-/// its steps is left in the allocation.
+/// its steps is left in the allocation. Then a step that cannot start (a node the allocation
+/// lacks): each run fails naming the node, and the matrix goes on to its end.
 #[test]
-fn ctrl_c_ends_the_runs_steps() {
+fn ctrl_c_ends_the_runs_steps_and_a_failed_step_fails_its_run_alone() {
     let Some(cluster) = cluster_or_skip("compare --slurm, Ctrl-C") else { return };
     let o = cluster
         .command("salloc")
@@ -333,4 +334,30 @@ fn ctrl_c_ends_the_runs_steps() {
         std::thread::sleep(Duration::from_millis(100));
     }
     eprintln!("compare --slurm: interrupted, every step gone, {:.1} s after Ctrl-C", took.as_secs_f64());
+    s.steps = Some(4);
+    s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp];
+    std::fs::write(&scenario, toml::to_string(&s).unwrap()).unwrap();
+    let out = cluster.dir.join("bad-node");
+    let mut c = cluster.command(env!("CARGO_BIN_EXE_gradsync-bench"));
+    c.args(["compare", "--slurm"])
+        .arg(&scenario)
+        .arg("--out")
+        .arg(&out)
+        .arg("--bin-dir")
+        .arg(gradsync_testkit::process::bin_dir())
+        .env("SLURM_JOB_ID", &job)
+        .env("SLURM_JOB_NODELIST", "nosuchnode")
+        .env("SLURM_TASKS_PER_NODE", "3")
+        .stdout(Stdio::null());
+    let (code, err, _) = Proc::spawn(&mut c).finish(Duration::from_secs(120));
+    assert_eq!(code, 0, "{err}");
+    let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
+    let outcomes: Vec<serde_json::Value> =
+        outcomes.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(outcomes.len(), 2, "{outcomes:?}");
+    for o in &outcomes {
+        assert_eq!(o["status"], "failed", "{o}");
+        assert!(o["error"].as_str().unwrap().contains("on node nosuchnode"), "{o}");
+    }
+    assert!(cluster.steps(&job).is_empty(), "{}", cluster.steps(&job));
 }
