@@ -6,7 +6,7 @@
 //! no packages, the daemons do not start) the test prints SKIPPED with the reason and passes.
 #![allow(clippy::unwrap_used)] // a test fails loudly on anything unexpected
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -255,10 +255,7 @@ fn compare_runs_every_process_as_a_job_step_inside_salloc() {
         err.contains("Slurm job") && err.contains(&format!("{} (127.0.0.1, 3 tasks)", cluster.node)),
         "{err}"
     );
-    let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
-    let outcomes: Vec<serde_json::Value> =
-        outcomes.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(outcomes.len(), 2, "{outcomes:?}");
+    let outcomes = outcomes(&out, 2);
     for o in &outcomes {
         assert_eq!(o["status"], "ok", "{o}\n{err}");
     }
@@ -270,7 +267,32 @@ fn compare_runs_every_process_as_a_job_step_inside_salloc() {
     eprintln!("compare --slurm: 2 runs in {:.1} s", t.elapsed().as_secs_f64());
 }
 
+/// The outcomes of the comparison in `out`, `n` of them.
+fn outcomes(out: &Path, n: usize) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
+    let v: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(v.len(), n, "{v:?}");
+    v
+}
+
 impl Cluster {
+    /// `gradsync-bench compare --slurm SCENARIO --out OUT` in the allocation `job`, as if on
+    /// the nodes `nodes` with 3 tasks each.
+    fn compare_in(&self, job: &str, nodes: &str, scenario: &Path, out: &Path) -> Command {
+        let mut c = self.command(env!("CARGO_BIN_EXE_gradsync-bench"));
+        c.args(["compare", "--slurm"])
+            .arg(scenario)
+            .arg("--out")
+            .arg(out)
+            .arg("--bin-dir")
+            .arg(gradsync_testkit::process::bin_dir())
+            .env("SLURM_JOB_ID", job)
+            .env("SLURM_JOB_NODELIST", nodes)
+            .env("SLURM_TASKS_PER_NODE", "3")
+            .stdout(Stdio::null());
+        c
+    }
+
     /// The job steps of `job` Slurm knows of now (`squeue -s`), one a line.
     fn steps(&self, job: &str) -> String {
         let o =
@@ -304,17 +326,7 @@ fn ctrl_c_ends_the_runs_steps_and_a_failed_step_fails_its_run_alone() {
     (s.rawtcp_s, s.run_timeout_s) = (0.2, 120.0);
     let scenario = cluster.dir.join("long.toml");
     std::fs::write(&scenario, toml::to_string(&s).unwrap()).unwrap();
-    let mut c = cluster.command(env!("CARGO_BIN_EXE_gradsync-bench"));
-    c.args(["compare", "--slurm"])
-        .arg(&scenario)
-        .arg("--out")
-        .arg(cluster.dir.join("long"))
-        .arg("--bin-dir")
-        .arg(gradsync_testkit::process::bin_dir())
-        .env("SLURM_JOB_ID", &job)
-        .env("SLURM_JOB_NODELIST", &cluster.node)
-        .env("SLURM_TASKS_PER_NODE", "3")
-        .stdout(Stdio::null());
+    let mut c = cluster.compare_in(&job, &cluster.node, &scenario, &cluster.dir.join("long"));
     let mut p = Proc::spawn(&mut c);
     // The server and both ranks running as steps of the job.
     let until = Instant::now() + Duration::from_secs(60);
@@ -326,8 +338,8 @@ fn ctrl_c_ends_the_runs_steps_and_a_failed_step_fails_its_run_alone() {
     assert_eq!(unsafe { libc::kill(i32::try_from(p.id()).unwrap(), libc::SIGINT) }, 0);
     let (code, err, took) = p.finish(Duration::from_secs(60));
     assert_eq!(code, 130, "{err}");
-    let outcomes = std::fs::read_to_string(cluster.dir.join("long/outcomes.jsonl")).unwrap();
-    assert!(outcomes.contains("\"status\":\"interrupted\""), "{outcomes}");
+    let long = std::fs::read_to_string(cluster.dir.join("long/outcomes.jsonl")).unwrap();
+    assert!(long.contains("\"status\":\"interrupted\""), "{long}");
     let until = Instant::now() + Duration::from_secs(15);
     while !cluster.steps(&job).is_empty() {
         assert!(Instant::now() < until, "steps left in job {job}: {}", cluster.steps(&job));
@@ -338,23 +350,10 @@ fn ctrl_c_ends_the_runs_steps_and_a_failed_step_fails_its_run_alone() {
     s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp];
     std::fs::write(&scenario, toml::to_string(&s).unwrap()).unwrap();
     let out = cluster.dir.join("bad-node");
-    let mut c = cluster.command(env!("CARGO_BIN_EXE_gradsync-bench"));
-    c.args(["compare", "--slurm"])
-        .arg(&scenario)
-        .arg("--out")
-        .arg(&out)
-        .arg("--bin-dir")
-        .arg(gradsync_testkit::process::bin_dir())
-        .env("SLURM_JOB_ID", &job)
-        .env("SLURM_JOB_NODELIST", "nosuchnode")
-        .env("SLURM_TASKS_PER_NODE", "3")
-        .stdout(Stdio::null());
+    let mut c = cluster.compare_in(&job, "nosuchnode", &scenario, &out);
     let (code, err, _) = Proc::spawn(&mut c).finish(Duration::from_secs(120));
     assert_eq!(code, 0, "{err}");
-    let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
-    let outcomes: Vec<serde_json::Value> =
-        outcomes.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(outcomes.len(), 2, "{outcomes:?}");
+    let outcomes = outcomes(&out, 2);
     for o in &outcomes {
         assert_eq!(o["status"], "failed", "{o}");
         assert!(o["error"].as_str().unwrap().contains("on node nosuchnode"), "{o}");
