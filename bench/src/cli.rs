@@ -18,7 +18,7 @@ pub enum Command {
     Step(crate::step::StepArgs),
     /// Run an experiment matrix (every mode x workers x models x batches x shards) with real
     /// server and worker processes, then write tables, charts and report.html.
-    Compare(crate::compare::CompareArgs),
+    Compare(Box<crate::compare::CompareArgs>),
     /// Rebuild tables, charts and report.html from run directories (or any directories of
     /// metrics files, walked recursively).
     Plot(crate::compare::PlotArgs),

@@ -292,38 +292,62 @@ pub fn connect_tcp(cfg: &RendezvousConfig, ring: RingConfig) -> Result<TcpComm> 
 /// The first host of a Slurm node list: `node[01-04,07]` gives `node01`, `a,b` gives `a`,
 /// `gpu[3-4]-ib,cpu1` gives `gpu3-ib`.
 pub fn first_slurm_host(list: &str) -> Option<String> {
+    slurm_hosts(list).ok()?.into_iter().next()
+}
+
+/// Every host of a Slurm node list (`SLURM_JOB_NODELIST`), in its order: `node[01-03,07]`
+/// gives `node01 node02 node03 node07` (a range keeps its zero padding), `gpu[3-4]-ib,cpu1`
+/// gives `gpu3-ib gpu4-ib cpu1`; one bracket per entry, as Slurm writes them. `Err` says what
+/// is wrong with the list.
+pub fn slurm_hosts(list: &str) -> std::result::Result<Vec<String>, String> {
     let list = list.trim();
-    // The first comma at bracket depth 0 ends the first entry.
+    let mut hosts = Vec::new();
+    // Entries are separated by the commas outside brackets.
     let mut depth = 0i32;
-    let end = list
-        .char_indices()
-        .find(|&(_, c)| {
-            match c {
-                '[' => depth += 1,
-                ']' => depth -= 1,
-                _ => {}
+    let mut start = 0;
+    let mut entries = Vec::new();
+    for (i, c) in list.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ',' if depth == 0 => {
+                entries.push(&list[start..i]);
+                start = i + 1;
             }
-            c == ',' && depth == 0
-        })
-        .map_or(list.len(), |(i, _)| i);
-    let entry = &list[..end];
-    let host = match (entry.find('['), entry.find(']')) {
-        (Some(open), Some(close)) if open < close => {
-            let first = entry[open + 1..close].split(',').next()?.split('-').next()?.trim();
-            if first.is_empty() {
-                return None;
-            }
-            format!("{}{first}{}", &entry[..open], &entry[close + 1..])
+            _ => {}
         }
-        (None, None) => entry.to_string(),
-        _ => return None,
-    };
-    (!host.is_empty()).then_some(host)
+    }
+    entries.push(&list[start..]);
+    for entry in entries {
+        let entry = entry.trim();
+        let bad = |why: &str| format!("node list `{list}`: `{entry}` {why}");
+        match (entry.find('['), entry.find(']')) {
+            (None, None) if !entry.is_empty() => hosts.push(entry.to_string()),
+            (None, None) => return Err(bad("is an empty host name")),
+            (Some(open), Some(close)) if open < close && !entry[close + 1..].contains(['[', ']']) => {
+                let (prefix, suffix) = (&entry[..open], &entry[close + 1..]);
+                for range in entry[open + 1..close].split(',').map(str::trim) {
+                    let (lo, hi) = range.split_once('-').unwrap_or((range, range));
+                    let (Ok(a), Ok(b)) = (lo.parse::<u64>(), hi.parse::<u64>()) else {
+                        return Err(bad(&format!("has `{range}`, not a number or range of numbers")));
+                    };
+                    if a > b || b - a > 100_000 {
+                        return Err(bad(&format!("has the range `{range}`")));
+                    }
+                    for n in a..=b {
+                        hosts.push(format!("{prefix}{n:0width$}{suffix}", width = lo.len()));
+                    }
+                }
+            }
+            _ => return Err(bad("has unbalanced brackets")),
+        }
+    }
+    Ok(hosts)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::first_slurm_host;
+    use super::{first_slurm_host, slurm_hosts};
 
     #[test]
     fn slurm_node_lists() {
@@ -336,5 +360,27 @@ mod tests {
         assert_eq!(first_slurm_host("").as_deref(), None);
         assert_eq!(first_slurm_host("bad[1-2").as_deref(), None);
         assert_eq!(first_slurm_host("bad[]").as_deref(), None);
+    }
+
+    #[test]
+    fn slurm_node_lists_expand_whole() {
+        let all = |l: &str| slurm_hosts(l).unwrap().join(" ");
+        assert_eq!(all("node[01-03,07]"), "node01 node02 node03 node07");
+        assert_eq!(all("gpu[3-4]-ib,cpu1"), "gpu3-ib gpu4-ib cpu1");
+        assert_eq!(all("a[1-2],b[3]"), "a1 a2 b3");
+        assert_eq!(all("n[8-11]"), "n8 n9 n10 n11");
+        assert_eq!(all("n[098-101]"), "n098 n099 n100 n101");
+        assert_eq!(all("localhost"), "localhost");
+        for (bad, says) in [
+            ("", "empty host name"),
+            ("a,,b", "empty host name"),
+            ("n[1-2", "unbalanced"),
+            ("n[x]", "`x`, not a number"),
+            ("n[3-1]", "the range `3-1`"),
+            ("n[1]x[2]", "unbalanced"),
+        ] {
+            let e = slurm_hosts(bad).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
     }
 }

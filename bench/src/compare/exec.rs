@@ -254,7 +254,9 @@ fn run_plan(
     for s in &plan.servers {
         sites.push(s.site.clone());
         let mut g = Guard::spawn(s, &logs, Stdio::piped())?;
-        let addr = wait_listening(&mut g).with_context(|| format!("{} did not start", s.name))?;
+        // Named with where it runs: a server that cannot start on its host says which host.
+        let name = g.name.clone();
+        let addr = wait_listening(&mut g).with_context(|| format!("{name} did not start"))?;
         addrs.push(addr);
         servers.push(g);
     }

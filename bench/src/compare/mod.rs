@@ -18,6 +18,7 @@ pub mod report;
 pub mod results;
 pub mod scenario;
 pub mod site;
+pub mod slurm;
 pub mod ssh;
 
 use std::io::Write;
@@ -75,8 +76,21 @@ pub struct CompareArgs {
     /// Run every server and worker on these hosts over ssh: a hostfile (`node0 slots=4` a
     /// line, DeepSpeed's form) or a list (`node0:4,node1:4`, Horovod's). Each host needs the
     /// same gradsync binaries at the same path (or --remote-bin-dir).
-    #[arg(long, value_name = "FILE|LIST")]
+    #[arg(long, value_name = "FILE|LIST", conflicts_with = "slurm")]
     pub hosts: Option<String>,
+    /// Run inside the Slurm allocation this runs in (SLURM_JOB_ID, SLURM_JOB_NODELIST): every
+    /// server and worker a job step started with srun on the node its run's placement gives
+    /// it. The run directory must be on a file system the nodes share.
+    #[arg(long)]
+    pub slurm: bool,
+    /// Write a Slurm batch script (DIR/compare.sbatch, with the scenario beside it) that runs
+    /// this comparison with --slurm in an allocation sized from its largest run, instead of
+    /// running it.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["slurm", "hosts", "resume", "out"])]
+    pub emit_sbatch: Option<PathBuf>,
+    /// The processes the batch script of --emit-sbatch places on each node (its cores, or GPUs).
+    #[arg(long, default_value_t = 1, requires = "emit_sbatch")]
+    pub tasks_per_node: usize,
     /// More options for every ssh command (split at white space: `-F FILE -o User=me`); unused
     /// without --hosts (so the variable may stay set for a comparison on this machine).
     #[arg(long, env = "GRADSYNC_SSH_OPTS", allow_hyphen_values = true)]
@@ -103,12 +117,14 @@ pub struct CompareArgs {
     pub tls_domain: Option<String>,
 }
 
-/// How a comparison's processes are started: on this machine, or on `--hosts` over ssh; with
-/// the parameter server's TLS when asked for.
+/// How a comparison's processes are started: on this machine, on `--hosts` over ssh, or as
+/// steps of a Slurm allocation (`--slurm`); with the parameter server's TLS when asked for.
 #[derive(Debug, Default)]
 pub struct Launching {
     /// The hosts, checked; none on this machine.
     pub hosts: Option<ssh::Hosts>,
+    /// The allocation; none outside `--slurm`.
+    pub slurm: Option<slurm::Alloc>,
     /// The certificates.
     pub tls: Option<modes::Tls>,
 }
@@ -126,7 +142,12 @@ impl Launching {
             }),
             _ => None,
         };
-        let Some(list) = &a.hosts else { return Ok(Launching { hosts: None, tls }) };
+        if a.slurm {
+            let alloc = slurm::Alloc::from_env(&bins.worker)?;
+            eprintln!("gradsync-bench compare: Slurm job {}: {}", alloc.job, alloc.describe());
+            return Ok(Launching { hosts: None, slurm: Some(alloc), tls });
+        }
+        let Some(list) = &a.hosts else { return Ok(Launching { hosts: None, slurm: None, tls }) };
         let entries = hostfile::parse_arg(list)?;
         let ssh_args = ssh::SshArgs {
             ssh_opts: a.ssh_opts.clone(),
@@ -154,7 +175,7 @@ impl Launching {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        Ok(Launching { hosts: Some(hosts), tls })
+        Ok(Launching { hosts: Some(hosts), slurm: None, tls })
     }
 }
 
@@ -208,6 +229,12 @@ pub fn run_compare(a: &CompareArgs) -> anyhow::Result<()> {
     let text = toml::to_string(&scenario).context("writing the scenario")?;
     // Re-parse what will be recorded, so overrides are checked like the file.
     let scenario = Scenario::parse(&text, "the scenario with command-line overrides")?;
+    if let Some(dir) = &a.emit_sbatch {
+        let bench = std::env::current_exe().context("locating gradsync-bench")?;
+        let script = slurm::emit_sbatch(&scenario, dir, &bench, a.bin_dir.as_deref(), a.tasks_per_node)?;
+        eprintln!("gradsync-bench compare: wrote {}; submit it with sbatch", script.display());
+        return Ok(());
+    }
     let bins = modes::Bins::find(a.bin_dir.as_deref())?;
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(utc_stamp()));
     let launching = Launching::from_args(a, &bins, &out)?;
@@ -356,17 +383,14 @@ fn compare_into(
         if exec::interrupted() {
             break;
         }
-        let (placement, skip) = match &launching.hosts {
-            Some(h) => match h.place(&spec) {
-                Ok((servers, workers)) => {
-                    let slots = |l: Vec<_>| l.iter().map(site::Slot::from).collect();
-                    (
-                        modes::Placement::Hosts { servers: slots(servers), workers: slots(workers) },
-                        spec.skip.clone(),
-                    )
-                }
-                Err(why) => (modes::Placement::Loopback, Some(why)),
-            },
+        let placed = match (&launching.hosts, &launching.slurm) {
+            (Some(h), _) => Some(h.place(&spec).map(|(s, w)| (slots(&s), slots(&w)))),
+            (None, Some(alloc)) => Some(alloc.place(&spec).map(|(s, w)| (slots(&s), slots(&w)))),
+            (None, None) => None,
+        };
+        let (placement, skip) = match placed {
+            Some(Ok((servers, workers))) => (modes::Placement::Hosts { servers, workers }, spec.skip.clone()),
+            Some(Err(why)) => (modes::Placement::Loopback, Some(why)),
             None => (
                 modes::Placement::Loopback,
                 spec.skip.clone().or_else(|| machine.cannot_run(spec.mode, spec.workers)),
@@ -397,6 +421,14 @@ fn compare_into(
         n("interrupted")
     );
     Ok(outcomes)
+}
+
+/// The slots of a run's hosts or nodes.
+fn slots<'a, T: 'a>(list: &'a [T]) -> Vec<site::Slot>
+where
+    site::Slot: From<&'a T>,
+{
+    list.iter().map(site::Slot::from).collect()
 }
 
 /// User and system CPU seconds of every child process this one has waited for
@@ -434,7 +466,7 @@ pub fn run_spec(
     let skip = spec.skip.clone().or(skip).or_else(|| machine::Machine::memory_short(spec));
     let mut steady_busy = None;
     // Processes on other hosts are not this machine's children: their CPU is not counted here.
-    let remote = matches!(&placement, modes::Placement::Hosts { workers, .. } if workers.iter().any(|w| w.site.ssh_host().is_some()));
+    let remote = matches!(&placement, modes::Placement::Hosts { workers, .. } if workers.iter().any(|w| !w.site.is_child()));
     let (status, error) = if let Some(why) = skip {
         ("skipped", Some(why))
     } else {

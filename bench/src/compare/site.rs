@@ -1,14 +1,15 @@
 //! Where one process of a run goes and how it is started there: the seam the comparison's
 //! runner ([`super::exec`]) starts every process through, whether the process runs on this
-//! machine, in an emulated host's network namespace ([`crate::net`]), or on another host over
-//! ssh ([`super::ssh`]). The runner never asks which.
+//! machine, in an emulated host's network namespace ([`crate::net`]), on another host over
+//! ssh ([`super::ssh`]), or as a job step on a node of a Slurm allocation ([`super::slurm`]).
+//! The runner never asks which.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
 use super::child::Launch;
-use super::ssh;
+use super::{slurm, ssh};
 
 /// Where a process runs.
 #[derive(Debug, Clone, Default)]
@@ -20,6 +21,8 @@ pub enum Site {
     Netns(String),
     /// Another host, reached over the system's ssh.
     Ssh(Arc<ssh::Host>),
+    /// A node of the Slurm allocation this runs in: a job step started with `srun`.
+    Slurm(Arc<slurm::Node>),
 }
 
 /// A host a run's process is placed on: where it runs and the address the others reach it at.
@@ -34,6 +37,12 @@ pub struct Slot {
 impl From<&Arc<ssh::Host>> for Slot {
     fn from(h: &Arc<ssh::Host>) -> Slot {
         Slot { addr: h.addr.clone(), site: Site::Ssh(h.clone()) }
+    }
+}
+
+impl From<&Arc<slurm::Node>> for Slot {
+    fn from(n: &Arc<slurm::Node>) -> Slot {
+        Slot { addr: n.addr.clone(), site: Site::Slurm(n.clone()) }
     }
 }
 
@@ -63,6 +72,8 @@ impl Site {
                 Launch { command, stdin: None }
             }
             Site::Ssh(h) => h.launch(program, args, env, files),
+            // The run directory is on a file system the nodes share: it is there already.
+            Site::Slurm(n) => n.launch(program, args, env),
         }
     }
 
@@ -72,11 +83,12 @@ impl Site {
             Site::Local => None,
             Site::Netns(ns) => Some(format!("emulated host {ns}")),
             Site::Ssh(h) => Some(format!("host {}", h.name)),
+            Site::Slurm(n) => Some(format!("node {}", n.name)),
         }
     }
 
     /// A port for a rendezvous here: one free on loopback now (an emulated host's namespace
-    /// has every port free), or on another host a random one among the unprivileged ports above
+    /// has every port free), or on another host (over ssh, a Slurm node) a random one among the unprivileged ports above
     /// the usual ephemeral range's start (a taken one fails the run with rank 0's bind error,
     /// reported like any failure).
     pub fn free_port(&self) -> anyhow::Result<u16> {
@@ -85,7 +97,7 @@ impl Site {
                 let l = std::net::TcpListener::bind("127.0.0.1:0")?;
                 Ok(l.local_addr()?.port())
             }
-            Site::Ssh(_) => {
+            Site::Ssh(_) | Site::Slurm(_) => {
                 let mut b = [0u8; 2];
                 getrandom::fill(&mut b).map_err(|e| anyhow::anyhow!("drawing a port: {e}"))?;
                 Ok(20_000 + u16::from_le_bytes(b) % 12_000)
@@ -117,8 +129,15 @@ impl Site {
             (Site::Local, Site::Local) => true,
             (Site::Netns(a), Site::Netns(b)) => a == b,
             (Site::Ssh(a), Site::Ssh(b)) => Arc::ptr_eq(a, b),
+            (Site::Slurm(a), Site::Slurm(b)) => Arc::ptr_eq(a, b),
             _ => false,
         }
+    }
+
+    /// Whether the process is a child of this one (here or in a namespace of this machine),
+    /// so that its CPU time is counted in this one's children's.
+    pub fn is_child(&self) -> bool {
+        matches!(self, Site::Local | Site::Netns(_))
     }
 
     /// The host behind an ssh site.
