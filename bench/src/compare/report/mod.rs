@@ -1220,6 +1220,8 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("At 4 workers nothing is ranked by time to 90.0%"), "{text}");
+        // A worker count with one mode that ran says so, rather than calling it the fastest.
+        assert!(text.contains("At 1 worker only local") && text.contains(" ran: 500 samples/s"), "{text}");
     }
 
     /// The parameter server leads at 2 workers, the ring at 8: the pick is made at 8 and the

@@ -81,7 +81,8 @@ pub fn fastest(cx: &Context) -> Vec<String> {
         let aside = split.aside(&thr);
         if at.len() == 1 {
             // One mode left to read: nothing to rank it against.
-            out.push(format!("At {n} worker{s} only {} is read: {}.{aside}", Group::series(best), thr(best)));
+            let how = if split.crowded.is_empty() { "ran" } else { "is read" };
+            out.push(format!("At {n} worker{s} only {} {how}: {}.{aside}", Group::series(best), thr(best)));
             continue;
         }
         match at.get(1) {
