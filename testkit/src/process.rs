@@ -75,6 +75,40 @@ pub fn isolated(program: impl AsRef<std::ffi::OsStr>) -> Command {
     cmd
 }
 
+/// Run `program` (with [`isolated`]'s environment) with `args` to its end, killed past
+/// `limit`; both output streams captured.
+pub fn run_to_end<S: AsRef<std::ffi::OsStr>>(
+    program: impl AsRef<std::ffi::OsStr>,
+    args: &[S],
+    limit: Duration,
+) -> Output {
+    let child = isolated(program)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting a process: {e}"));
+    Proc::adopt(child).output(limit)
+}
+
+/// [`run_to_end`], which must exit 0 (a failure shows both streams).
+pub fn run_ok<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(
+    program: impl AsRef<std::ffi::OsStr>,
+    args: &[S],
+    limit: Duration,
+) -> Output {
+    let name = std::path::Path::new(program.as_ref()).file_name().map(|n| n.to_string_lossy().into_owned());
+    let out = run_to_end(program, args, limit);
+    assert!(
+        out.status.success(),
+        "{} {args:?} failed:\n{}\n{}",
+        name.unwrap_or_default(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 /// The directory holding the workspace's binaries, each checked by [`binary`]: what a
 /// runner that starts workers and servers by path (`gradsync-bench compare --bin-dir`) needs.
 pub fn bin_dir() -> PathBuf {

@@ -30,14 +30,7 @@ fn spawn(args: &[&str]) -> Proc {
 }
 
 fn run_ok(args: &[&str]) -> Output {
-    let out = spawn(args).output(Duration::from_secs(120));
-    assert!(
-        out.status.success(),
-        "gradsync-worker {args:?} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    gradsync_testkit::process::run_ok(WORKER, args, Duration::from_secs(120))
 }
 
 /// Flags every run shares: the tiny model on a small synthetic set, a few steps.

@@ -7,36 +7,20 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::Path;
-use std::process::{Output, Stdio};
+use std::process::Output;
 use std::time::Duration;
 
 use gradsync_core::checkpoint::Checkpoint;
 use gradsync_testkit::Scratch;
-use gradsync_testkit::process::Proc;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
 
 fn run(args: &[String]) -> Output {
-    Proc::adopt(
-        gradsync_testkit::process::isolated(WORKER)
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    )
-    .output(Duration::from_secs(120))
+    gradsync_testkit::process::run_to_end(WORKER, args, Duration::from_secs(120))
 }
 
 fn run_ok(args: &[String]) -> Output {
-    let out = run(args);
-    assert!(
-        out.status.success(),
-        "gradsync-worker {args:?} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    gradsync_testkit::process::run_ok(WORKER, args, Duration::from_secs(120))
 }
 
 /// A 5000-row table of 8 under one hidden layer, on clicks over those 5000 ids.
