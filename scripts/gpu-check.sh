@@ -12,7 +12,10 @@
 # binaries it leaves in .gpu/). Every check runs under `timeout`; once a phase's deadline has
 # passed no further check starts, and each one left is counted SKIPPED, apart from ok and
 # failed. GPU_CHECK_SECS sets a phase's hard limit in seconds (defaults: correctness 240,
-# bench 450). A phase exits 1 when a check failed or timed out, 0 otherwise.
+# bench 450). GPU_CHECK_ONLY, an extended regular expression, runs only the checks whose names
+# it matches (case-insensitive; a cross-check needs the runs it compares selected too), to
+# rerun what failed or measure one thing again; the others are counted as not selected. A
+# phase exits 1 when a check failed or timed out, 0 otherwise.
 #
 # Files in OUT (7 at most, both phases together):
 #   correctness.md, bench.md   each check's status, time and last line
@@ -85,22 +88,26 @@ ps_run() {
   return $rc
 }
 
-# ddp_exposed DEVICE BUCKET_MB: DDP with 2 ranks on DEVICE over the TCP backend (shared memory
-# on one host), mnist preset on the digits, batch 32 a rank, 150 steps; prints rank 0's mean
-# communication and its exposed part (what is left after backward ends) over steps 21-150.
+# ddp_exposed DEVICE BUCKET_MB [MODEL DATA]: DDP with 2 ranks on DEVICE over the TCP backend
+# (shared memory on one host), the mnist preset on the digits unless MODEL and DATA are given,
+# batch 32 a rank, 150 steps; prints rank 0's mean communication and its exposed part (what is
+# left after backward ends) over steps 21-150.
 ddp_exposed() {
-  local dev=$1 mb=$2 m=$WORK/exposed-$1-$2-{rank}.jsonl
-  x "$W" launch --nproc-per-node 2 --master-port 29615 -- train --model mnist --steps 150 --seed 5 -q \
-    --eval-every 0 --mode ddp --backend tcp --device "$dev" --batch 32 --bucket-mb "$mb" --metrics "$m" || return 1
+  local dev=$1 mb=$2 model=${3:-mnist} data=()
+  local m=$WORK/exposed-$model-$1-$2-{rank}.jsonl
+  [ -n "${4:-}" ] && data=(--data "$4")
+  x "$W" launch --nproc-per-node 2 --master-port 29615 -- train --model "$model" "${data[@]}" --steps 150 --seed 5 \
+    -q --eval-every 0 --mode ddp --backend tcp --device "$dev" --batch 32 --bucket-mb "$mb" --metrics "$m" ||
+    return 1
   [ "$PRINT" = 1 ] && return 0
-  python3 - "${m/\{rank\}/0}" "$dev" "$mb" <<'PYEOF'
+  python3 - "${m/\{rank\}/0}" "$dev" "$mb" "$model" <<'PYEOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 head = rows[0]["extra"]
 steps = [r for r in rows if r.get("kind") == "step" and r["step"] > 20]
 mean = lambda k: sum(r[k] for r in steps) / len(steps)
 c, e = mean("comm_ms"), mean("comm_exposed_ms")
-print(f"{sys.argv[2]} ranks, --bucket-mb {sys.argv[3]} ({head['buckets']} buckets, {head['transport']}): "
+print(f"{sys.argv[4]}, {sys.argv[2]} ranks, --bucket-mb {sys.argv[3]} ({head['buckets']} buckets, {head['transport']}): "
       f"step {mean('step_ms'):.3f} ms, backward {mean('backward_ms'):.3f}, communication {c:.3f}, "
       f"exposed {e:.3f} ({100 * e / c:.0f}% of it), mean of steps 21-150")
 PYEOF
@@ -217,6 +224,16 @@ fi
 ok=0
 failed=0
 skipped=0
+unselected=0
+# selected NAME: whether GPU_CHECK_ONLY (when set) picks the check NAME; counts those it does not.
+selected() {
+  [ -z "${GPU_CHECK_ONLY:-}" ] && return 0
+  if grep -qiE -- "$GPU_CHECK_ONLY" <<<"$1"; then
+    return 0
+  fi
+  unselected=$((unselected + 1))
+  return 1
+}
 # skip NAME WHY: count and record a check that did not run.
 skip() {
   skipped=$((skipped + 1))
@@ -232,6 +249,7 @@ skip() {
 check() {
   local name=$1 limit=$2
   shift 2
+  selected "$name" || return 0
   if [ "$PRINT" = 1 ]; then
     if [ "$1" = self ]; then
       shift
@@ -273,6 +291,7 @@ check() {
 # leave one.
 diff_check() {
   local name=$1 a=$2 b=$3 tol=$4
+  selected "$name" || return 0
   if [ "$PRINT" = 0 ] && ! { [ -f "$a" ] && [ -f "$b" ]; }; then
     skip "$name" "no $(basename "$([ -f "$a" ] && echo "$b" || echo "$a")") (the run that writes it did not succeed)"
     return 0
@@ -304,7 +323,9 @@ correctness() {
   check "local tiny, GPU" 30 "$W" "${TRAIN[@]}" --device cuda --batch 64 --save "$WORK/gpu-64.ckpt"
   diff_check "GPU vs CPU after 40 steps (1e-4)" "$WORK/cpu-64.ckpt" "$WORK/gpu-64.ckpt" 1e-4
   # 4. compute-sanitizer (memcheck, leaks) over a short GPU training run.
-  if [ -n "$SAN" ]; then
+  if ! selected "compute-sanitizer memcheck"; then
+    :
+  elif [ -n "$SAN" ]; then
     check "compute-sanitizer memcheck" 90 "$SAN" --tool memcheck --leak-check full --error-exitcode 3 \
       "$W" train "${DATA[@]}" --steps 10 --device cuda --batch 64
   else
@@ -337,6 +358,16 @@ correctness() {
   check "DP, 2 replicas on one GPU" 60 "$W" "${TRAIN[@]}" --mode dp --replicas 2 --world-size 2 --device cuda \
     --batch 32 --save "$WORK/dp.ckpt"
   diff_check "DP vs local (1e-4)" "$WORK/cpu-64.ckpt" "$WORK/dp.ckpt" 1e-4
+  # 9. The embedding model (bag kernels, lazy row updates): the GPU against the CPU after 40
+  # steps, and DDP over NCCL gathering the touched rows (world size 1) against local on the GPU.
+  local emb=(train --model embedding:20000:16:32 --data clicks:4096:20000 --seed 5 --eval-every 0 -q
+    --steps 40 --batch 64)
+  check "local embedding, CPU reference" 30 "$W" "${emb[@]}" --device cpu --save "$WORK/emb-cpu.ckpt"
+  check "local embedding, GPU" 30 "$W" "${emb[@]}" --device cuda --save "$WORK/emb-gpu.ckpt"
+  diff_check "embedding GPU vs CPU after 40 steps (1e-4)" "$WORK/emb-cpu.ckpt" "$WORK/emb-gpu.ckpt" 1e-4
+  check "DDP NCCL embedding, rows gathered, world size 1" 60 "$W" launch --nproc-per-node 1 --master-port 29616 \
+    -- "${emb[@]}" --mode ddp --backend nccl --sparse-grads allgather --device cuda --save "$WORK/emb-nccl.ckpt"
+  diff_check "embedding DDP NCCL vs local GPU (1e-5)" "$WORK/emb-gpu.ckpt" "$WORK/emb-nccl.ckpt" 1e-5
 }
 
 bench() {
@@ -350,6 +381,9 @@ bench() {
     check "step benchmark, CPU ($1 b$2, 16 threads)" 40 "$B" step --model "$1" --batch "$2" --threads 16 \
       --gpu false --steps 5 --warmup 2 --rounds 1 "${PYARGS[@]}" --json "$WORK/step-cpu-$1.jsonl"
   done
+  # The embedding model on the GPU (2^20 rows of 16 on the clicks; no PyTorch row).
+  check "step benchmark, GPU (embedding; b512, b8192)" 40 "$B" step --model embedding --batch 512,8192 \
+    --cpu false --steps 20 --warmup 5 --rounds 3 --json "$WORK/step-emb.jsonl"
   # The conv presets (3x32x32) on the GPU against PyTorch eager: every layer kernel in a step.
   check "step benchmark, GPU (resnet20, resnet18, vgg11; b64, b256)" 90 "$B" step \
     --model resnet20,resnet18,vgg11 --batch 64,256 --cpu false --steps 10 --warmup 3 --rounds 1 "${PYARGS[@]}" \
@@ -361,6 +395,10 @@ bench() {
     set -- $dm
     check "DDP exposed communication, 2 $1 ranks, $2 MB buckets" 45 self __ddp-exposed $1 $2
   done
+  # The same where backward takes longer than the communication it could hide: resnet20
+  # (0.27 M parameters in 65 tensors, 1 MB buckets) on 3x32x32 images, GPU ranks.
+  check "DDP exposed communication, 2 cuda ranks, 1 MB buckets, resnet20" 60 self __ddp-exposed cuda 1 resnet20 \
+    synthetic:2048:3x32x32:10
   # 2. NCCL with one rank: device-resident buffers, timed on the GPU.
   check "collective benchmark, NCCL 1 rank" 60 "$B" collective --backend nccl --ranks 1 \
     --max-bytes 268435456 --rounds 3 --raw-secs 0.5 --no-gloo --no-plain
@@ -372,7 +410,9 @@ bench() {
     --repeats 1 --epochs 2 --out "$WORK/compare/nccl"
   # 4. Nsight Compute: every kernel's time over two resnet18 steps at batch 256 (the warm-up
   # and the timed one), when it exists and time is left.
-  if [ -z "$NCU" ]; then
+  if ! selected "ncu kernel times, resnet18 b256"; then
+    :
+  elif [ -z "$NCU" ]; then
     skip "ncu kernel times, resnet18 b256" "ncu not found"
   elif [ "$PRINT" = 0 ] && [ $((DEADLINE - SECONDS)) -lt 90 ]; then
     skip "ncu kernel times, resnet18 b256" "less than 90 s left"
@@ -382,7 +422,7 @@ bench() {
       "$B" step --model resnet18 --batch 256 --cpu false --steps 1 --warmup 1 --rounds 1
   fi
   if [ "$PRINT" = 0 ]; then
-    cat "$WORK"/step-gpu.jsonl "$WORK"/step-cpu-*.jsonl "$WORK"/step-conv.jsonl >"$WORK/step.jsonl" 2>/dev/null
+    cat "$WORK"/step-gpu.jsonl "$WORK"/step-cpu-*.jsonl "$WORK"/step-emb.jsonl "$WORK"/step-conv.jsonl >"$WORK/step.jsonl" 2>/dev/null
     [ -s "$WORK/step.jsonl" ] && cp "$WORK/step.jsonl" "$OUT/step.jsonl"
     [ -d "$WORK/compare" ] && tar -C "$WORK" -czf "$OUT/compare.tar.gz" compare 2>/dev/null
   fi
@@ -392,7 +432,7 @@ bench() {
 [ "$PRINT" = 1 ] && exit 0
 {
   echo
-  echo "$ok ok, $failed failed, $skipped skipped; $((SECONDS - T0)) s of $LIMIT s."
+  echo "$ok ok, $failed failed, $skipped skipped${GPU_CHECK_ONLY:+, $unselected not selected by GPU_CHECK_ONLY=$GPU_CHECK_ONLY}; $((SECONDS - T0)) s of $LIMIT s."
   # What the worker loaded, as its start line said (the "CUDA libraries" check).
   grep -m1 '^gradsync: CUDA libraries:' "$LOG" | sed 's/^gradsync: /\n/'
 } >>"$SUM"

@@ -30,6 +30,10 @@ static inline float __uint_as_float(unsigned int u) {
     return f;
 }
 
+static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+    return (unsigned int)(((unsigned long long)a * b) >> 32);
+}
+
 static inline unsigned int __float_as_uint(float f) {
     unsigned int u;
     memcpy(&u, &f, sizeof u);

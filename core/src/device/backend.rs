@@ -81,9 +81,12 @@ impl Window {
 }
 
 /// What [`Backend::channel_sums`] adds up for channel `c` over its `m` values `i`, with
-/// `mean = center[c]`. Every sum follows the order of [`BIAS_GRAD_ROWS`] (groups of that many
-/// consecutive values, the groups' sums grouped again), so it is the same on every device and
-/// for every thread count.
+/// `mean = center[c]`. Every sum follows one order, so it is the same on every device and for
+/// every thread count: the `m` terms are dealt into `g = ceil(m / BIAS_GRAD_ROWS)` groups,
+/// group `j` holding terms `j, j + g, j + 2g, ...` summed from zero in that order (so on a GPU
+/// neighbouring threads read neighbouring values), the `g` sums dealt again the same way
+/// while more than [`BIAS_GRAD_ROWS`] are left, and the last at most [`BIAS_GRAD_ROWS`] summed
+/// in order.
 #[derive(Debug, Clone, Copy)]
 pub enum ChannelSum<V> {
     /// `a[c, i]`.

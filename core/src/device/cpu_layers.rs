@@ -38,21 +38,29 @@ fn put(slot: &mut f32, v: f32, accumulate: bool) {
     *slot = if accumulate { *slot + v } else { v };
 }
 
-/// Sum `term(i)` for `i < m` in the order of [`BIAS_GRAD_ROWS`]: groups of that many
-/// consecutive terms each summed from zero, the groups' sums grouped again while more than one
-/// group is left, the last group summed from zero. (CUDA: the passes of `channel_sums`.)
+/// Sum `term(i)` for `i < m` in [`ChannelSum`]'s order: dealt into `g = ceil(m /
+/// BIAS_GRAD_ROWS)` groups of strided terms (`j, j + g, ...`), each summed from zero, the
+/// groups' sums dealt again while more than [`BIAS_GRAD_ROWS`] are left, the last summed in
+/// order. (CUDA: the passes of `channel_sums`.)
 pub(super) fn grouped_sum(m: usize, term: impl Fn(usize) -> f32) -> f32 {
-    let sum_run =
-        |from: usize, to: usize, f: &dyn Fn(usize) -> f32| (from..to).fold(0.0f32, |acc, i| acc + f(i));
-    if m <= BIAS_GRAD_ROWS {
-        return sum_run(0, m, &term);
+    // One deal of `len` values into ceil(len / BIAS_GRAD_ROWS) sums: value k*g + j goes to sum
+    // j, in k order, so each sum adds its values in the order of the GPU's thread j.
+    fn deal(len: usize, value: impl Fn(usize) -> f32) -> Vec<f32> {
+        let g = len.div_ceil(BIAS_GRAD_ROWS);
+        let mut sums = vec![0.0f32; g];
+        for base in (0..len).step_by(g) {
+            for (j, s) in sums.iter_mut().enumerate().take(len - base) {
+                *s += value(base + j);
+            }
+        }
+        sums
     }
-    let mut level: Vec<f32> = (0..m.div_ceil(BIAS_GRAD_ROWS))
-        .map(|g| sum_run(g * BIAS_GRAD_ROWS, ((g + 1) * BIAS_GRAD_ROWS).min(m), &term))
-        .collect();
+    if m <= BIAS_GRAD_ROWS {
+        return (0..m).fold(0.0f32, |a, i| a + term(i));
+    }
+    let mut level = deal(m, term);
     while level.len() > BIAS_GRAD_ROWS {
-        let prev = std::mem::take(&mut level);
-        level = prev.chunks(BIAS_GRAD_ROWS).map(|c| c.iter().fold(0.0f32, |a, &v| a + v)).collect();
+        level = deal(level.len(), |i| level[i]);
     }
     level.iter().fold(0.0f32, |a, &v| a + v)
 }

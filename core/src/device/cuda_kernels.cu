@@ -151,27 +151,46 @@ extern "C" __global__ void swap_axes(float* dst, const float* src, u64 outer, u6
 // (oy*stride - pad + ky, ox*stride - pad + kx) of channel c; the column `(n*oh + oy)*ow + ox`.
 // im2col and col2im do several divisions per value to find where it comes from; a 64-bit
 // division is a long emulated sequence on a GPU (Nsight Compute on an H200: resnet18's im2col
-// at about 270 GB/s, half of a batch-256 step's kernel time with col2im), a 32-bit one a short
-// one. So their index arithmetic runs in 32 bits (type I) wherever every index, and every
-// index plus the grid's stride, stays below 2^31; in 64 bits otherwise. Either gives the same
-// values in the same order.
+// at about 270 GB/s, half of a batch-256 step's kernel time with col2im), and even a 32-bit one
+// is some twenty instructions (on an H100, with 32-bit indices: im2col still 22% of the step,
+// bound by its integer work). So their index arithmetic runs in 32 bits (type I) wherever every
+// index, and every index plus the grid's stride, stays below 2^31, and each division by a
+// layer's size there is one multiply-high and a shift by a magic number the host worked out
+// (`Div` in cuda/layers.rs: exact for every n < 2^31); in plain 64-bit divisions otherwise.
+// Either gives the same quotients, so the same values in the same order.
 __device__ __forceinline__ bool fits_32(u64 a, u64 b) {
     const u64 limit = 1ull << 31;
     return a < limit && b < limit && GRID_STRIDE < limit;
 }
 
-// One thread per column entry (CPU: cpu_layers::im2col).
+// n / d: `magic` holds the multiplier (low 32 bits; 0 when d is 1) and the shift (high 32).
+template <typename I>
+__device__ __forceinline__ I quot(I n, I d, u64 magic);
+template <>
+__device__ __forceinline__ unsigned int quot<unsigned int>(unsigned int n, unsigned int, u64 magic) {
+    const unsigned int mul = (unsigned int)magic;
+    return mul == 0 ? n : __umulhi(n, mul) >> (unsigned int)(magic >> 32);
+}
+template <>
+__device__ __forceinline__ u64 quot<u64>(u64 n, u64 d, u64) {
+    return n / d;
+}
+
+// One thread per column entry (CPU: cpu_layers::im2col). The magics divide by cols, k*k, k,
+// oh*ow and ow.
 template <typename I>
 __device__ __forceinline__ void im2col_in(float* col, const float* x, I channels, I batch, I height, I width, I k,
-                                          I stride, I pad, I oh, I ow) {
+                                          I stride, I pad, I oh, I ow, const u64* magic) {
     typedef long long S;
     const I plane = oh * ow, kk = k * k;
     const I cols = batch * plane;
     const I n = channels * kk * cols;
     for (I t = (I)GLOBAL_ID; t < n; t += (I)GRID_STRIDE) {
-        const I r = t / cols, q = t - r * cols;
-        const I c = r / kk, kr = r - c * kk, ky = kr / k, kx = kr - ky * k;
-        const I s = q / plane, p = q - s * plane, oy = p / ow, ox = p - oy * ow;
+        const I r = quot<I>(t, cols, magic[0]), q = t - r * cols;
+        const I c = quot<I>(r, kk, magic[1]), kr = r - c * kk;
+        const I ky = quot<I>(kr, k, magic[2]), kx = kr - ky * k;
+        const I s = quot<I>(q, plane, magic[3]), p = q - s * plane;
+        const I oy = quot<I>(p, ow, magic[4]), ox = p - oy * ow;
         const S iy = (S)(oy * stride + ky) - (S)pad;
         const S ix = (S)(ox * stride + kx) - (S)pad;
         float v = 0.0f;
@@ -183,38 +202,43 @@ __device__ __forceinline__ void im2col_in(float* col, const float* x, I channels
 }
 
 extern "C" __global__ void im2col(float* col, const float* x, u64 channels, u64 batch, u64 height, u64 width,
-                                  u64 k, u64 stride, u64 pad, u64 oh, u64 ow) {
+                                  u64 k, u64 stride, u64 pad, u64 oh, u64 ow, u64 m_cols, u64 m_kk, u64 m_k,
+                                  u64 m_plane, u64 m_ow) {
+    const u64 magic[5] = {m_cols, m_kk, m_k, m_plane, m_ow};
     if (fits_32(channels * k * k * batch * oh * ow, channels * batch * height * width)) {
         typedef unsigned int U;
-        im2col_in<U>(col, x, (U)channels, (U)batch, (U)height, (U)width, (U)k, (U)stride, (U)pad, (U)oh, (U)ow);
+        im2col_in<U>(col, x, (U)channels, (U)batch, (U)height, (U)width, (U)k, (U)stride, (U)pad, (U)oh, (U)ow,
+                     magic);
     } else {
-        im2col_in<u64>(col, x, channels, batch, height, width, k, stride, pad, oh, ow);
+        im2col_in<u64>(col, x, channels, batch, height, width, k, stride, pad, oh, ow, magic);
     }
 }
 
 // The adjoint of im2col: each input value gathers the column entries it was copied to, in
 // (ky, kx) order, from zero or from what dx holds (accumulate). One thread per input value
-// (CPU: cpu_layers::col2im adds them in the same order).
+// (CPU: cpu_layers::col2im adds them in the same order). The magics divide by height*width,
+// width, batch and stride.
 template <typename I>
 __device__ __forceinline__ void col2im_in(float* dx, const float* col, I channels, I batch, I height, I width, I k,
-                                          I stride, I pad, I oh, I ow, int accumulate) {
+                                          I stride, I pad, I oh, I ow, int accumulate, const u64* magic) {
     typedef long long S;
     const I cols = batch * oh * ow;
     const I hw = height * width;
     const I n = channels * batch * hw;
     for (I t = (I)GLOBAL_ID; t < n; t += (I)GRID_STRIDE) {
-        const I cs = t / hw, p = t - cs * hw, y = p / width, x = p - y * width;
-        const I c = cs / batch, s = cs - c * batch;
+        const I cs = quot<I>(t, hw, magic[0]), p = t - cs * hw;
+        const I y = quot<I>(p, width, magic[1]), x = p - y * width;
+        const I c = quot<I>(cs, batch, magic[2]), s = cs - c * batch;
         float acc = accumulate ? dx[t] : 0.0f;
         for (I ky = 0; ky < k; ++ky) {
             const S sy = (S)(y + pad) - (S)ky;
             if (sy < 0) break;
-            const I uy = (I)sy, oy = uy / stride;
+            const I uy = (I)sy, oy = quot<I>(uy, stride, magic[3]);
             if (oy * stride != uy || oy >= oh) continue;
             for (I kx = 0; kx < k; ++kx) {
                 const S sx = (S)(x + pad) - (S)kx;
                 if (sx < 0) break;
-                const I ux = (I)sx, ox = ux / stride;
+                const I ux = (I)sx, ox = quot<I>(ux, stride, magic[3]);
                 if (ox * stride != ux || ox >= ow) continue;
                 acc += col[((c * k + ky) * k + kx) * cols + (s * oh + oy) * ow + ox];
             }
@@ -224,13 +248,15 @@ __device__ __forceinline__ void col2im_in(float* dx, const float* col, I channel
 }
 
 extern "C" __global__ void col2im(float* dx, const float* col, u64 channels, u64 batch, u64 height, u64 width,
-                                  u64 k, u64 stride, u64 pad, u64 oh, u64 ow, int accumulate) {
+                                  u64 k, u64 stride, u64 pad, u64 oh, u64 ow, int accumulate, u64 m_hw,
+                                  u64 m_width, u64 m_batch, u64 m_stride) {
+    const u64 magic[4] = {m_hw, m_width, m_batch, m_stride};
     if (fits_32(channels * k * k * batch * oh * ow, channels * batch * height * width)) {
         typedef unsigned int U;
         col2im_in<U>(dx, col, (U)channels, (U)batch, (U)height, (U)width, (U)k, (U)stride, (U)pad, (U)oh, (U)ow,
-                     accumulate);
+                     accumulate, magic);
     } else {
-        col2im_in<u64>(dx, col, channels, batch, height, width, k, stride, pad, oh, ow, accumulate);
+        col2im_in<u64>(dx, col, channels, batch, height, width, k, stride, pad, oh, ow, accumulate, magic);
     }
 }
 
@@ -319,32 +345,34 @@ extern "C" __global__ void avg_pool_backward(float* dx, const float* dy, u64 cha
     }
 }
 
-// One pass of a per-channel sum, in the order of BIAS_GRAD_ROWS (backend.rs): out[c, g] = the
-// sum, from zero, of the terms of values g*group .. (g+1)*group of channel c's m values. mode 0:
-// a; 1: (a - center[c])^2; 2: a * (b - center[c]). One thread per (channel, group); the host
-// repeats plain passes (mode 0) over the groups' sums until one group is left
-// (CPU: cpu_layers::grouped_sum).
+// One pass of a per-channel sum, in ChannelSum's order (backend.rs): channel c's m terms are
+// dealt into groups = ceil(m / group) groups, and out[c, j] = the sum, from zero, of terms
+// j, j + groups, j + 2 groups, ... mode 0: a; 1: (a - center[c])^2; 2: a * (b - center[c]).
+// One thread per (channel, group), so the threads of a warp read neighbouring values at every
+// step and the loads coalesce (Nsight Compute on an H100 saw the earlier runs of 32 consecutive
+// values per thread at a sixth of the memory's bandwidth). The host repeats plain passes (mode
+// 0) over the groups' sums until at most `group` are left, and the last pass, with one group,
+// sums those in order (CPU: cpu_layers::grouped_sum).
 extern "C" __global__ void channel_sums(float* out, const float* a, const float* b, const float* center,
                                         u64 channels, u64 m, u64 group, int mode) {
     const u64 groups = m == 0 ? 1 : (m + group - 1) / group;
     const u64 n = channels * groups;
     for (u64 t = GLOBAL_ID; t < n; t += GRID_STRIDE) {
-        const u64 c = t / groups, g = t % groups;
-        const u64 first = g * group, last = first + group < m ? first + group : m;
+        const u64 c = t / groups, j = t % groups;
         const float* row = a + c * m;
         float acc = 0.0f;
         if (mode == 0) {
-            for (u64 i = first; i < last; ++i) acc += row[i];
+            for (u64 i = j; i < m; i += groups) acc += row[i];
         } else if (mode == 1) {
             const float mu = center[c];
-            for (u64 i = first; i < last; ++i) {
+            for (u64 i = j; i < m; i += groups) {
                 const float d = row[i] - mu;
                 acc += d * d;
             }
         } else {
             const float mu = center[c];
             const float* other = b + c * m;
-            for (u64 i = first; i < last; ++i) acc += row[i] * (other[i] - mu);
+            for (u64 i = j; i < m; i += groups) acc += row[i] * (other[i] - mu);
         }
         out[t] = acc;
     }

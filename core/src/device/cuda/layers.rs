@@ -101,6 +101,23 @@ fn window_args(w: &Window) -> [u64; 8] {
         .map(|v| v as u64)
 }
 
+/// The magic number with which the kernels' `quot` divides by `d`: the multiplier in the low 32
+/// bits (0 when `d` is 1, or too large to need one), the shift in the high 32. With
+/// `l = ceil(log2 d)` and `p = 31 + l`, the multiplier `ceil(2^p / d)` is below 2^32 and
+/// `(n * mul) >> p` is `n / d` exactly for every `n < 2^31`: the multiplier exceeds `2^p / d` by
+/// less than `2^l / d`, so the error stays below `n * 2^l / (d * 2^p) < 1 / d`. Those are the
+/// only dividends the kernels take this path for (`fits_32`).
+fn div_magic(d: usize) -> u64 {
+    let d = d as u64;
+    if d <= 1 || d >= 1 << 31 {
+        return 0;
+    }
+    let l = u64::from(64 - (d - 1).leading_zeros());
+    let p = 31 + l;
+    let mul = (1u128 << p).div_ceil(u128::from(d));
+    (mul as u64) | ((p - 32) << 32)
+}
+
 fn ptr_or_null(v: Option<GpuView<'_>>) -> CUdeviceptr {
     v.map_or(0, |v| v.ptr)
 }
@@ -165,7 +182,10 @@ impl Cuda {
         }
         let [c, h, wd, k, s, p, oh, ow] = window_args(w);
         let (cp, xp, b) = (col.ptr, x.ptr, batch as u64);
-        launch!(self, im2col, cols; cp, xp, c, b, h, wd, k, s, p, oh, ow)
+        let plane = w.out_pixels();
+        let [m0, m1, m2, m3, m4] =
+            [batch * plane, w.kernel * w.kernel, w.kernel, plane, w.out_width()].map(div_magic);
+        launch!(self, im2col, cols; cp, xp, c, b, h, wd, k, s, p, oh, ow, m0, m1, m2, m3, m4)
     }
 
     pub(super) fn layer_col2im(
@@ -184,7 +204,8 @@ impl Cuda {
         }
         let [c, h, wd, k, s, p, oh, ow] = window_args(w);
         let (dp, cp, b, acc) = (dx.ptr, col.ptr, batch as u64, i32::from(accumulate));
-        launch!(self, col2im, input; dp, cp, c, b, h, wd, k, s, p, oh, ow, acc)
+        let [m0, m1, m2, m3] = [w.height * w.width, w.width, batch, w.stride].map(div_magic);
+        launch!(self, col2im, input; dp, cp, c, b, h, wd, k, s, p, oh, ow, acc, m0, m1, m2, m3)
     }
 
     pub(super) fn layer_max_pool(&self, y: GpuViewMut<'_>, x: GpuView<'_>, w: &Window) -> Result<()> {
@@ -503,5 +524,47 @@ impl Cuda {
         let (c, d, s) = (count as u64, dim as u64, grad_scale);
         let crate::optim::SgdConfig { lr, momentum: mu, weight_decay: wd } = *cfg;
         launch!(self, sgd_rows, count * dim; pp, gp, mp, rp, c, d, lr, mu, wd, s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::div_magic;
+
+    /// What a kernel's `quot` computes on its 32-bit path.
+    fn quot(n: u32, magic: u64) -> u32 {
+        let mul = magic as u32;
+        if mul == 0 {
+            return n;
+        }
+        ((u64::from(n) * u64::from(mul)) >> 32) as u32 >> (magic >> 32)
+    }
+
+    /// Every divisor a layer can have up to 2^16 and a spread of large ones, against dividends
+    /// at both ends of the range, around multiples of the divisor and at random.
+    #[test]
+    fn the_magic_divides_every_dividend_below_2_pow_31_exactly() {
+        let top = (1u32 << 31) - 1;
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng as u32 & top
+        };
+        let mut divisors: Vec<u32> = (1..=1u32 << 16).collect();
+        divisors.extend((0..2000).map(|_| next().max(1)));
+        divisors.push(top);
+        for d in divisors {
+            let magic = div_magic(d as usize);
+            let edge = top - top % d;
+            let mut ns = vec![0, 1, d - 1, d, d + 1, top, top - 1, edge, edge.saturating_sub(1)];
+            ns.extend((0..24).map(|_| next()));
+            let q = next() / d;
+            ns.extend([q * d, (q * d).saturating_sub(1), q * d + d - 1]);
+            for n in ns.into_iter().filter(|&n| n <= top) {
+                assert_eq!(quot(n, magic), n / d, "{n} / {d} with magic {magic:#x}");
+            }
+        }
     }
 }
