@@ -104,6 +104,27 @@ fn every_bench_command_parses() {
     }
 }
 
+/// GPU_CHECK_ONLY keeps the checks it names and nothing else: the embedding checks of the
+/// correctness phase are two training runs on each device, a DDP run and their two
+/// cross-checks, and no other command.
+#[test]
+fn gpu_check_only_runs_the_checks_it_names() {
+    let out = Command::new("bash")
+        .arg(SCRIPT)
+        .args(["--print-commands", "correctness"])
+        .env("GPU_CHECK_ONLY", "EMBEDDING")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<String> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| l.replace('\x1f', " ")).collect();
+    assert_eq!(lines.len(), 5, "{lines:#?}");
+    assert!(lines.iter().all(|l| l.contains("emb")), "{lines:#?}");
+    assert_eq!(lines.iter().filter(|l| l.contains(" diff ")).count(), 2, "{lines:#?}");
+    let all = commands("correctness");
+    assert!(all.len() > 20, "without GPU_CHECK_ONLY every check is listed: {}", all.len());
+}
+
 /// What the check above relies on: a flag given twice (the memcheck step's `--steps`, once in
 /// the shared arguments and once more) is refused by the parser.
 #[test]
