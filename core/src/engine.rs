@@ -410,6 +410,12 @@ impl Engine {
         on_device!(self, m => m.batch_rows())
     }
 
+    /// The rows of a sparse model's table that the batch `x` names, ascending, each once
+    /// (none for a dense model), without loading it.
+    pub fn rows_of(&self, x: &[f32]) -> Result<Vec<u32>> {
+        on_device!(self, m => m.rows_of(x))
+    }
+
     /// Rows of a sparse model's table (parameters or gradient) copied to host memory, `dim`
     /// values a row in the order of `rows`.
     pub fn read_rows(&self, part: crate::net::RowsOf, rows: &[u32], dst: &mut [f32]) -> Result<()> {

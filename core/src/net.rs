@@ -970,6 +970,18 @@ impl<B: Backend> Net<B> {
         self.bag.as_ref().map_or(&[], |b| &b.host.rows)
     }
 
+    /// The rows of the table that the batch `x` (not loaded) names, ascending and each once:
+    /// what a step on it will read (a parameter server fetches them ahead). Empty for a dense
+    /// model; an id that is not a row of the table is refused as loading `x` would.
+    pub fn rows_of(&self, x: &[f32]) -> Result<Vec<u32>> {
+        let Some(bag) = &self.bag else { return Ok(Vec::new()) };
+        let width = 2 * bag.slots;
+        if width == 0 || !x.len().is_multiple_of(width) {
+            return Err(Error::Length { what: "batch inputs", expected: width, got: x.len() });
+        }
+        Ok(BagBatch::build(x, x.len() / width, bag.slots, bag.table.rows, false)?.rows)
+    }
+
     /// Say that the table's gradient may hold values in any row: it was written from outside
     /// the net (a dense all-reduce of the whole buffer, another replica's sum).
     fn table_written(&mut self) {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use clap::{Args, Parser};
 use gradsync_core::compress::Compression;
 use gradsync_core::data::DataSource;
-use gradsync_core::model::{Fingerprint, ModelSpec};
+use gradsync_core::model::{Fingerprint, Layout, ModelSpec};
 use gradsync_core::optim::{OptimiserArgs, SgdConfig, StalenessLr};
 use gradsync_proto::tuning::Tuning;
 
@@ -87,6 +87,60 @@ impl ShardSpec {
     /// the shard's size ([`Tuning::chunk_for_shard`]).
     pub fn chunk_bytes(&self, len: usize) -> usize {
         Tuning::chunk_for_shard(self.range(len).len() * 4)
+    }
+
+    /// This shard's part of a model laid out as `layout`: its range of the flat buffer's dense
+    /// values, and for a model with a sparse table (an embedding) the table's rows it owns.
+    /// The table is split by rows, the rest by values, each as evenly as [`Self::range`]; the
+    /// table lies at one end of the flat buffer (it is the first layer), so the dense values
+    /// are one contiguous range.
+    pub fn split(&self, layout: &Layout) -> Result<ShardSplit> {
+        let Some(t) = &layout.table else {
+            return Ok(ShardSplit { dense: self.range(layout.len), rows: None });
+        };
+        let dense = if t.range.start == 0 {
+            let r = self.range(layout.len - t.range.end);
+            r.start + t.range.end..r.end + t.range.end
+        } else if t.range.end == layout.len {
+            self.range(t.range.start)
+        } else {
+            return Err(Error::invalid(
+                "--model",
+                format!(
+                    "the table lies at values {}..{} of {}, inside the model rather than at one end",
+                    t.range.start, t.range.end, layout.len
+                ),
+            ));
+        };
+        let rows = gradsync_core::model::segment(t.rows, self.count, self.index);
+        Ok(ShardSplit { dense, rows: Some(TableShard { rows, dim: t.dim, at: t.range.start }) })
+    }
+}
+
+/// What one shard owns of a model ([`ShardSpec::split`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardSplit {
+    /// Its range of the flat buffer's dense values.
+    pub dense: Range<usize>,
+    /// The sparse table's rows it owns, for a model with one.
+    pub rows: Option<TableShard>,
+}
+
+/// A shard's rows of a sparse table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableShard {
+    /// The rows, counted in the whole table.
+    pub rows: Range<usize>,
+    /// Values per row.
+    pub dim: usize,
+    /// Where the table starts in the flat buffer.
+    pub at: usize,
+}
+
+impl TableShard {
+    /// The flat range of this shard's rows.
+    pub fn flat(&self) -> Range<usize> {
+        self.at + self.rows.start * self.dim..self.at + self.rows.end * self.dim
     }
 }
 
@@ -312,9 +366,12 @@ impl Config {
             return Err(Error::invalid("--token", "must be non-empty visible ASCII"));
         }
         let mut tuning = if a.default_transport { Tuning::tonic_defaults() } else { Tuning::tuned() };
-        tuning.chunk_bytes = a
-            .chunk_bytes
-            .unwrap_or_else(|| a.shard.chunk_bytes(gradsync_core::model::Layout::new(&spec).len));
+        tuning.chunk_bytes = a.chunk_bytes.unwrap_or_else(|| {
+            // Sized on the values the shard moves densely (a table moves by rows).
+            let layout = gradsync_core::model::Layout::new(&spec);
+            let dense = layout.len - layout.table.as_ref().map_or(0, |t| t.range.len());
+            a.shard.chunk_bytes(dense)
+        });
         let tls = match (&a.tls_cert, &a.tls_key) {
             (Some(cert), Some(key)) => Some(gradsync_proto::tls::server(cert, key)?),
             (None, None) => None,

@@ -25,6 +25,7 @@ pub mod direct;
 pub mod error;
 pub mod limits;
 pub mod round;
+pub mod rows;
 pub mod service;
 pub mod state;
 

@@ -38,6 +38,7 @@ use gradsync_proto::pb::ParameterChunk;
 use tokio::sync::watch;
 
 use crate::error::{Error, Result};
+use crate::rows::Rows;
 
 /// Values per inner block of a step: a block of every buffer fits in L2 together.
 const SUB: usize = 1 << 15;
@@ -93,6 +94,8 @@ struct Inner {
     refused: BTreeSet<usize>,
     /// See [`Round::heard`].
     heard: Instant,
+    /// A sparse table's rows, by rank, as each rank's PushRows delivered them in full.
+    rows: BTreeMap<usize, Rows>,
 }
 
 /// The buffers one stepper writes; only the task holding `Inner::stepping` locks this.
@@ -177,6 +180,8 @@ pub struct Finished {
     pub image_bufs: Vec<MessageBuf>,
     /// The contributing ranks with when each stream ended and its payload bytes, by rank.
     pub ranks: Vec<(usize, Instant, u64)>,
+    /// Their rows of a sparse table, in the same order (none for a model without one).
+    pub rows: Vec<Rows>,
 }
 
 /// The step from `version - 1` to `version`.
@@ -191,6 +196,8 @@ pub struct Round {
     inner: StdMutex<Inner>,
     work: StdMutex<Work>,
     progress: watch::Sender<Progress>,
+    /// Whether every rank also pushes rows of a sparse table ([`Round::add_rows`]).
+    wants_rows: bool,
 }
 
 /// A poisoned lock means a stepper panicked; the data under it is still only this round's,
@@ -266,10 +273,41 @@ impl Round {
                 ended: false,
                 refused: BTreeSet::new(),
                 heard: Instant::now(),
+                rows: BTreeMap::new(),
             }),
             work: StdMutex::new(w),
             progress: watch::channel(Progress::default()).0,
+            wants_rows: false,
         }
+    }
+
+    /// The same round for a model with a sparse table: it commits only once every expected
+    /// rank has also delivered its rows.
+    pub fn with_rows(mut self, yes: bool) -> Self {
+        self.wants_rows = yes;
+        self
+    }
+
+    /// `rank`'s rows of the sparse table, whole (its PushRows stream ended cleanly); true when
+    /// the round can commit. Refused once the round ended, for a rank refused for NaN or Inf,
+    /// and for a second set of rows.
+    pub fn add_rows(&self, rank: usize, rows: Rows) -> Result<bool> {
+        let mut g = lock(&self.inner);
+        if g.ended {
+            return Err(Error::Stale { rank, base: self.version - 1, version: self.version });
+        }
+        if g.refused.contains(&rank) {
+            return Err(Error::NonFinite { rank });
+        }
+        if g.rows.contains_key(&rank) {
+            return Err(Error::BadGradient {
+                rank,
+                why: format!("a second set of rows for version {}", self.version - 1),
+            });
+        }
+        g.rows.insert(rank, rows);
+        g.heard = Instant::now();
+        Ok(self.complete(&g))
     }
 
     /// Blocks in the step.
@@ -372,12 +410,18 @@ impl Round {
         bad
     }
 
+    /// Refuse `rank` for NaN or Inf found outside the sum (in its rows of a sparse table).
+    pub fn refuse_rank(&self, rank: usize) {
+        self.refuse(&mut lock(&self.inner), &[rank]);
+    }
+
     /// Refuse `ranks` for NaN or Inf: withdrawn like a failed stream (blocks already stepped
     /// with them go), and told so through the progress until they join again.
     fn refuse(&self, g: &mut Inner, ranks: &[usize]) {
         let mut withdrawn = false;
         for r in ranks {
             withdrawn |= g.ranks.remove(r).is_some();
+            g.rows.remove(r);
             g.refused.insert(*r);
         }
         if withdrawn {
@@ -409,6 +453,7 @@ impl Round {
     /// Withdraw `rank`'s gradient (its stream failed, or it left).
     pub fn remove(&self, rank: usize) {
         let mut g = lock(&self.inner);
+        g.rows.remove(&rank);
         if g.ranks.remove(&rank).is_some() {
             self.invalidate(&mut g);
         }
@@ -420,6 +465,7 @@ impl Round {
             let mut g = lock(&self.inner);
             if g.expected != expected {
                 g.ranks.retain(|r, _| expected.contains(r));
+                g.rows.retain(|r, _| expected.contains(r));
                 g.expected = expected;
                 // The scale (1/W) and the sum change: every stepped block is wrong now.
                 self.invalidate(&mut g);
@@ -434,8 +480,15 @@ impl Round {
     /// refused for NaN or Inf (and which have not pushed again).
     pub fn missing(&self) -> (Vec<usize>, Vec<usize>) {
         let g = lock(&self.inner);
-        let missing: Vec<usize> =
-            g.expected.iter().copied().filter(|r| g.ranks.get(r).is_none_or(|c| c.done.is_none())).collect();
+        let missing: Vec<usize> = g
+            .expected
+            .iter()
+            .copied()
+            .filter(|r| {
+                g.ranks.get(r).is_none_or(|c| c.done.is_none())
+                    || (self.wants_rows && !g.rows.contains_key(r))
+            })
+            .collect();
         let refused = missing.iter().copied().filter(|r| g.refused.contains(r)).collect();
         (missing, refused)
     }
@@ -455,6 +508,7 @@ impl Round {
             && !g.expected.is_empty()
             && g.stepped == self.nblocks
             && g.expected.iter().all(|r| g.ranks.get(r).is_some_and(|c| c.done.is_some()))
+            && (!self.wants_rows || g.expected.iter().all(|r| g.rows.contains_key(r)))
     }
 
     /// Blocks every expected rank has delivered in full.
@@ -612,11 +666,13 @@ impl Round {
         }
         g.ended = true;
         let mut w = lock(&self.work);
-        let ranks = g
+        let ranks: Vec<(usize, Instant, u64)> = g
             .expected
             .iter()
             .filter_map(|r| g.ranks.get(r).and_then(|c| c.done).map(|(t, b)| (*r, t, b)))
             .collect();
+        let mut rows = std::mem::take(&mut g.rows);
+        let rows = ranks.iter().filter_map(|(r, ..)| rows.remove(r)).collect();
         g.ranks.clear();
         w.params = Params::default();
         w.momentum = Arc::default();
@@ -627,6 +683,7 @@ impl Round {
             image: g.image.clone(),
             image_bufs: w.bufs.iter_mut().filter_map(Option::take).collect(),
             ranks,
+            rows,
         })
     }
 
@@ -644,6 +701,7 @@ impl Round {
         }
         g.ended = true;
         g.ranks.clear();
+        g.rows.clear();
         g.image.clear();
         self.publish(&g, Some(Err(Arc::new(error))));
         drop(g);

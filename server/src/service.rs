@@ -12,8 +12,8 @@ use gradsync_proto::pb::Encoding;
 use gradsync_proto::pb::parameter_server_server::ParameterServer;
 use gradsync_proto::pb::{
     DeregisterReply, DeregisterRequest, GradientChunk, HeartbeatReply, HeartbeatRequest, ParameterChunk,
-    PullRequest, PushReply, RegisterReply, RegisterRequest, ShutdownReply, ShutdownRequest, VersionReply,
-    VersionRequest,
+    PullRequest, PullRowsRequest, PushReply, PushRowsReply, RegisterReply, RegisterRequest, RowChunk,
+    ShutdownReply, ShutdownRequest, VersionReply, VersionRequest,
 };
 use gradsync_proto::wire;
 use tokio::sync::{Mutex, mpsc, watch};
@@ -23,6 +23,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::config::SyncMode;
 use crate::error::{Error, Result};
 use crate::round::Round;
+use crate::rows::{Rows, RowsError, decode_ids};
 use crate::state::{PullSource, Shared, State};
 
 /// The service: the shared configuration, the state behind one async mutex, and the stop
@@ -210,6 +211,25 @@ impl Service {
                 secs: timeout.as_secs_f64(),
                 flag: "--worker-timeout",
             },
+        })?
+    }
+
+    /// The next chunk of a PushRows stream, within the worker timeout (as [`Self::next_chunk`]).
+    async fn next_row_chunk(
+        &self,
+        rank: Option<usize>,
+        stream: &mut Streaming<RowChunk>,
+    ) -> Result<Option<RowChunk>, Status> {
+        let timeout = self.shared.cfg.worker_timeout;
+        tokio::time::timeout(timeout, stream.message()).await.map_err(|_| {
+            Status::from(Error::Silent {
+                what: match rank {
+                    Some(r) => format!("the next chunk of rank {r}'s rows"),
+                    None => "the first chunk of a PushRows stream".into(),
+                },
+                secs: timeout.as_secs_f64(),
+                flag: "--worker-timeout",
+            })
         })?
     }
 
@@ -538,7 +558,137 @@ impl ParameterServer for Service {
             weight_decay: sh.cfg.sgd.weight_decay,
             staleness_lr: sh.cfg.staleness_lr.name().into(),
             compression: sh.cfg.compression.to_string(),
+            rows_start: sh.table.as_ref().map_or(0, |t| t.rows.start as u64),
+            rows_end: sh.table.as_ref().map_or(0, |t| t.rows.end as u64),
+            row_len: sh.table.as_ref().map_or(0, |t| t.dim as u32),
         }))
+    }
+
+    async fn push_rows(&self, req: Request<Streaming<RowChunk>>) -> Result<Response<PushRowsReply>, Status> {
+        let mut stream = req.into_inner();
+        let table = self.shared.table.clone();
+        let first = self.next_row_chunk(None, &mut stream).await?.ok_or_else(|| {
+            Status::from(Error::BadGradient { rank: 0, why: "an empty PushRows stream".into() })
+        })?;
+        let (rank, base) = (rank_of(first.rank), first.version);
+        let t = table.ok_or_else(|| {
+            Status::from(Error::BadGradient {
+                rank,
+                why: "rows of a sparse table, and the server's model has none".into(),
+            })
+        })?;
+        let mut rows = Rows::default();
+        let mut chunk = Some(first);
+        while let Some(c) = chunk {
+            if rank_of(c.rank) != rank || c.version != base {
+                return Err(
+                    Error::BadGradient { rank, why: "rank or version changes mid-stream".into() }.into()
+                );
+            }
+            match rows.extend_from_wire(&c.ids, &c.data, t.rows.len(), t.dim) {
+                Ok(()) => {}
+                Err(RowsError::Bad(why)) => return Err(Error::BadGradient { rank, why }.into()),
+                Err(RowsError::NonFinite(_)) => {
+                    if self.shared.cfg.sync == SyncMode::Bsp
+                        && let Ok(round) = self.state.lock().await.rows_round(&self.shared, rank, base)
+                    {
+                        round.refuse_rank(rank);
+                    }
+                    return Err(self.refuse_nonfinite(rank));
+                }
+            }
+            chunk = self.next_row_chunk(Some(rank), &mut stream).await?;
+        }
+        let n = rows.len() as u64;
+        if self.shared.cfg.sync == SyncMode::Bsp {
+            let round = self.state.lock().await.rows_round(&self.shared, rank, base)?;
+            if round.add_rows(rank, rows)? {
+                self.with_state(|st, sh| st.commit(sh)).await?;
+            }
+        } else {
+            self.with_state(move |st, sh| st.apply_rows_now(sh, rank, base, &rows)).await??;
+        }
+        Ok(Response::new(PushRowsReply { rows: n }))
+    }
+
+    type PullRowsStream = Pin<Box<dyn Stream<Item = Result<RowChunk, Status>> + Send + 'static>>;
+
+    async fn pull_rows(
+        &self,
+        req: Request<PullRowsRequest>,
+    ) -> Result<Response<Self::PullRowsStream>, Status> {
+        let req = req.into_inner();
+        let rank = rank_of(req.rank);
+        let t = self.shared.table.clone().ok_or_else(|| {
+            Status::from(Error::BadGradient {
+                rank,
+                why: "a pull of rows, and the server's model has none".into(),
+            })
+        })?;
+        if req.all && !req.ids.is_empty() {
+            return Err(Status::invalid_argument("PullRows: `all` and `ids` together"));
+        }
+        let ids = if req.all {
+            None
+        } else {
+            Some(
+                decode_ids(&req.ids, t.rows.len())
+                    .map_err(|e| Status::invalid_argument(format!("PullRows: {e}")))?,
+            )
+        };
+        let bsp = self.shared.cfg.sync == SyncMode::Bsp;
+        let deadline = tokio::time::Instant::now() + self.shared.cfg.worker_timeout;
+        let mut rx = self.shared.progress.subscribe();
+        let mut data = Vec::new();
+        let version = loop {
+            {
+                let mut st = self.state.lock().await;
+                let _ = st.touch(rank);
+                if st.closing() {
+                    return Err(Error::ShuttingDown.into());
+                }
+                let now = st.version();
+                match req.version {
+                    Some(v) if bsp && v == now + 1 => {}
+                    Some(v) if bsp && v != now => {
+                        return Err(Status::failed_precondition(format!(
+                            "PullRows of version {v}: the server is at version {now}, only it or the next can be asked for"
+                        )));
+                    }
+                    _ => break st.read_rows(rank, ids.as_deref(), &mut data)?,
+                }
+            }
+            if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
+                return Err(Status::deadline_exceeded(format!(
+                    "PullRows of version {}: not applied within {} s (--worker-timeout)",
+                    req.version.unwrap_or(0),
+                    self.shared.cfg.worker_timeout.as_secs_f64()
+                )));
+            }
+        };
+        self.shared.bytes_out.fetch_add(data.len() as u64, Ordering::Relaxed);
+        let all: Vec<u32>;
+        let ids = match &ids {
+            Some(ids) => ids.as_slice(),
+            None => {
+                all = (0..t.rows.len() as u32).collect();
+                &all
+            }
+        };
+        let per = (self.shared.cfg.tuning.chunk_bytes / (4 * t.dim.max(1))).max(1);
+        let chunks: Vec<Result<RowChunk, Status>> = ids
+            .chunks(per)
+            .zip(data.chunks(per * t.dim * 4))
+            .map(|(ids, data)| {
+                Ok(RowChunk {
+                    rank: req.rank,
+                    version,
+                    ids: ids.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<u8>>().into(),
+                    data: bytes::Bytes::copy_from_slice(data),
+                })
+            })
+            .collect();
+        Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
     }
 
     async fn push_gradients(

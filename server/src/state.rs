@@ -24,9 +24,10 @@ use gradsync_proto::frames::{Framed, MessageBuf};
 use gradsync_proto::pb::ParameterChunk;
 use tokio::sync::watch;
 
-use crate::config::{Config, SyncMode};
+use crate::config::{Config, SyncMode, TableShard};
 use crate::error::{Error, Result};
 use crate::round::{Committed, Params, Round, Start};
+use crate::rows::{RowStore, Rows};
 
 /// What the service hands back for an applied gradient.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -43,8 +44,11 @@ pub struct Applied {
 pub struct Shared {
     /// The configuration.
     pub cfg: Config,
-    /// This shard's range of the flat buffer.
+    /// This shard's range of the flat buffer (of its dense values, for a model with a sparse
+    /// table).
     pub range: Range<usize>,
+    /// The sparse table's rows this shard owns, for a model with one.
+    pub table: Option<TableShard>,
     /// The flat buffer's length.
     pub total: usize,
     /// The model fingerprint.
@@ -121,6 +125,8 @@ pub struct State {
     metrics: Option<MetricsWriter>,
     last_checkpoint: u64,
     closing: bool,
+    /// The sparse table's rows this shard owns, updated in place (they never travel whole).
+    rows: Option<RowStore>,
 }
 
 /// The largest world size a registration may declare: the barrier walks every expected rank,
@@ -148,7 +154,8 @@ impl State {
     pub fn new(cfg: Config) -> Result<(Shared, State)> {
         let layout = Layout::new(&cfg.spec);
         let total = layout.len;
-        let range = cfg.shard.range(total);
+        let split = cfg.shard.split(&layout)?;
+        let (range, table) = (split.dense, split.rows);
         let fingerprint = cfg.fingerprint();
         let (params, momentum, version) = match (&cfg.checkpoint, cfg.resume) {
             (Some(path), true) => {
@@ -173,11 +180,17 @@ impl State {
                 (ck.params, ck.momentum.unwrap_or_else(|| zeros(n)), ck.header.step)
             }
             _ => {
-                let mut p = init_params(&layout, cfg.seed);
-                p.truncate(range.end);
-                p.drain(..range.start);
-                let n = p.len();
-                (p, zeros(n), 0)
+                let p = init_params(&layout, cfg.seed);
+                (p[range.clone()].to_vec(), zeros(range.len()), 0)
+            }
+        };
+        let rows = match (&table, &cfg.checkpoint, cfg.resume) {
+            (None, ..) => None,
+            (Some(t), Some(path), true) => Some(resume_rows(path, t, &fingerprint, version)?),
+            (Some(t), ..) => {
+                let p = init_params(&layout, cfg.seed);
+                let flat = t.flat();
+                Some(RowStore::new(t.dim, p[flat.clone()].to_vec(), zeros(flat.len())))
             }
         };
         let metrics = match &cfg.metrics {
@@ -190,6 +203,7 @@ impl State {
         };
         let shared = Shared {
             range,
+            table,
             total,
             fingerprint,
             started: Instant::now(),
@@ -216,6 +230,7 @@ impl State {
             metrics,
             last_checkpoint: version,
             closing: false,
+            rows,
         };
         Ok((shared, state))
     }
@@ -334,13 +349,16 @@ impl State {
             next_momentum: self.spare.take().unwrap_or_default(),
             image_bufs: std::mem::take(&mut self.spare_image),
         };
-        let r = Arc::new(Round::new(
-            self.version + 1,
-            start,
-            sh.cfg.tuning.chunk_bytes,
-            sh.cfg.sgd,
-            self.expected().collect(),
-        ));
+        let r = Arc::new(
+            Round::new(
+                self.version + 1,
+                start,
+                sh.cfg.tuning.chunk_bytes,
+                sh.cfg.sgd,
+                self.expected().collect(),
+            )
+            .with_rows(self.rows.is_some()),
+        );
         self.round = Some(r.clone());
         r
     }
@@ -354,6 +372,19 @@ impl State {
         let round = self.round(sh);
         round.join(rank)?;
         Ok(round)
+    }
+
+    /// `rank` pushes rows of a sparse table computed from version `base` (BSP): the round
+    /// they belong to (its dense push joins the same one).
+    pub fn rows_round(&mut self, sh: &Shared, rank: usize, base: u64) -> Result<Arc<Round>> {
+        self.touch(rank)?;
+        if self.rows.is_none() {
+            return Err(no_table(rank));
+        }
+        if base != self.version {
+            return Err(Error::Stale { rank, base, version: self.version });
+        }
+        Ok(self.round(sh))
     }
 
     /// What a pull asking for `want` (BSP, streamed) gets: the current snapshot if `want` is
@@ -389,6 +420,12 @@ impl State {
         let Some(fin) = round.finish() else { return false };
         self.round = None;
         let t0 = Instant::now();
+        // The table's rows, in place: the sum of what each rank pushed, as the dense values.
+        let row_bytes: u64 = fin.rows.iter().map(|r| 4 * (r.ids.len() + r.values.len()) as u64).sum();
+        if let Some(store) = &mut self.rows {
+            let pushes: Vec<&Rows> = fin.rows.iter().collect();
+            store.step_sum(&sh.cfg.sgd, &pushes, 1.0 / fin.ranks.len().max(1) as f32);
+        }
         let image = Framed::from_chunks(fin.image);
         self.params = Params::from_image(image.clone());
         // The image before this one is where the next round writes (pulls of it permitting).
@@ -439,7 +476,7 @@ impl State {
             // left after the last one is its last block and this swap.
             aggregate_ms: 0.0,
             apply_ms: ms(t0 - last.1),
-            bytes_in: done.iter().map(|d| d.2).sum(),
+            bytes_in: done.iter().map(|d| d.2).sum::<u64>() + row_bytes,
             bytes_out: sh.bytes_out.swap(0, Ordering::Relaxed),
             waited_for: (n > 1).then_some(last.0),
         };
@@ -500,6 +537,33 @@ impl State {
         };
         self.after_update(sh, rec);
         Ok(Applied { version: self.version, staleness, wait_ms: 0.0 })
+    }
+
+    /// An ASP or SSP push of a sparse table's rows from `rank`, computed from version `base`:
+    /// applied at once, scaled for its staleness as the dense gradient is. Returns the rows
+    /// that changed.
+    pub fn apply_rows_now(&mut self, sh: &Shared, rank: usize, base: u64, rows: &Rows) -> Result<usize> {
+        self.touch(rank)?;
+        if base > self.version {
+            return Err(Error::BadGradient {
+                rank,
+                why: format!("rows computed from version {base}, the server is only at {}", self.version),
+            });
+        }
+        let scale = sh.cfg.staleness_lr.scale(self.version - base);
+        let store = self.rows.as_mut().ok_or_else(|| no_table(rank))?;
+        Ok(store.step_one(&sh.cfg.sgd, rows, scale))
+    }
+
+    /// The current version and the values of rows `ids` (every row with `None`) as
+    /// little-endian bytes, appended to `out`.
+    pub fn read_rows(&self, rank: usize, ids: Option<&[u32]>, out: &mut Vec<u8>) -> Result<u64> {
+        let store = self.rows.as_ref().ok_or_else(|| no_table(rank))?;
+        match ids {
+            Some(ids) => store.read(ids, out),
+            None => store.read(&(0..store.rows() as u32).collect::<Vec<_>>(), out),
+        }
+        Ok(self.version)
     }
 
     fn after_update(&mut self, sh: &Shared, rec: ServerApply) {
@@ -654,6 +718,24 @@ impl State {
         self.params = Params::from_values(ck.params);
         self.momentum = Arc::new(ck.momentum.unwrap_or_default());
         result?;
+        if let (Some(store), Some(t)) = (&self.rows, &sh.table) {
+            // Beside the dense values, with the same version: a resume checks that they agree.
+            let (params, momentum) = store.parts();
+            let flat = t.flat();
+            Checkpoint {
+                header: CheckpointHeader {
+                    fingerprint: sh.fingerprint.text.clone(),
+                    step: self.version,
+                    start: flat.start,
+                    end: flat.end,
+                    has_momentum: true,
+                    version: gradsync_core::VERSION.into(),
+                },
+                params: params.to_vec(),
+                momentum: Some(momentum.to_vec()),
+            }
+            .save(&rows_checkpoint(path))?;
+        }
         self.last_checkpoint = self.version;
         tracing::info!(version = self.version, path = %path.display(), "checkpoint written");
         Ok(())
@@ -672,6 +754,55 @@ impl State {
     pub fn last_checkpoint(&self) -> u64 {
         self.last_checkpoint
     }
+}
+
+/// Where a shard with a sparse table keeps its rows' checkpoint: beside the dense one.
+pub fn rows_checkpoint(path: &std::path::Path) -> std::path::PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".rows");
+    p.into()
+}
+
+/// The rows of `t` from the checkpoint beside `path`, which must hold exactly them at
+/// `version` (the dense checkpoint's).
+fn resume_rows(path: &std::path::Path, t: &TableShard, fp: &Fingerprint, version: u64) -> Result<RowStore> {
+    let at = rows_checkpoint(path);
+    let ck = Checkpoint::load(&at)?;
+    fp.check(&ck.header.fingerprint)?;
+    let flat = t.flat();
+    if ck.header.start != flat.start || ck.header.end != flat.end {
+        return Err(Error::invalid(
+            "--resume",
+            format!(
+                "{} holds table values {}..{}, this shard owns rows {}..{} (values {}..{})",
+                at.display(),
+                ck.header.start,
+                ck.header.end,
+                t.rows.start,
+                t.rows.end,
+                flat.start,
+                flat.end
+            ),
+        ));
+    }
+    if ck.header.step != version {
+        return Err(Error::invalid(
+            "--resume",
+            format!(
+                "{} is of version {}, {} of version {}: a checkpoint interrupted between its two files",
+                at.display(),
+                ck.header.step,
+                path.display(),
+                version
+            ),
+        ));
+    }
+    let n = ck.params.len();
+    Ok(RowStore::new(t.dim, ck.params, ck.momentum.unwrap_or_else(|| zeros(n))))
+}
+
+fn no_table(rank: usize) -> Error {
+    Error::BadGradient { rank, why: "rows of a sparse table, and the server's model has none".into() }
 }
 
 fn ms(d: std::time::Duration) -> f64 {

@@ -273,19 +273,24 @@ fn mode_config(args: &TrainArgs, run: &Run) -> anyhow::Result<ModeConfig> {
         );
     }
     if let Some((rows, dim)) = run.model.table()
-        && matches!(args.mode, Mode::Zero1 | Mode::Ps)
+        && args.mode == Mode::Zero1
     {
         anyhow::bail!(
-            "--mode {} with {} ({rows} x {dim} table): an embedding table's rows are updated lazily, \
-             only where a batch named them, which {} does not do yet; use --mode local, dp or ddp \
-             (--sparse-grads dense|allgather)",
-            args.mode.name(),
+            "--mode zero1 with {} ({rows} x {dim} table): an embedding table's rows are updated lazily, \
+             only where a batch named them, which ZeRO-1's sharded update does not do yet; use --mode \
+             local, dp, ps (rows pushed and pulled by id) or ddp (--sparse-grads dense|allgather)",
             run.model.name,
-            if args.mode == Mode::Ps {
-                "the parameter server's dense push and pull"
-            } else {
-                "ZeRO-1's sharded update"
-            },
+        );
+    }
+    if let Some((rows, dim)) = run.model.table()
+        && args.mode == Mode::Ps
+        && !args.compress.is_none()
+    {
+        anyhow::bail!(
+            "--compress {} with {} ({rows} x {dim} table) in --mode ps: the table's rows move as ids and \
+             f32 values, and the rest of the model is a few thousand values; push uncompressed",
+            args.compress,
+            run.model.name,
         );
     }
     Ok(match args.mode {

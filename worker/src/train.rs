@@ -194,6 +194,8 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
     let t0 = Instant::now();
     let mut eval_ms = 0.0;
     let (mut x, mut y) = (Vec::new(), Vec::new());
+    let (mut x_next, mut y_next) = (Vec::new(), Vec::new());
+    let looks_ahead = strategy.looks_ahead();
     let mut summary = Summary { steps: 0, first_loss, last_loss: f64::NAN, eval: None, seconds: 0.0 };
     // A resumed run starts in the epoch of its next step, at that step's batch: the sampler's
     // order depends on the seed and the epoch only.
@@ -201,7 +203,8 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
     summary.steps = first_epoch * steps_per_epoch;
     'epochs: for epoch in first_epoch.. {
         let indices = sampler.indices(epoch);
-        for chunk in indices.chunks_exact(batch) {
+        let mut following = None;
+        for (i, chunk) in indices.chunks_exact(batch).enumerate() {
             if summary.steps >= total_steps {
                 break 'epochs;
             }
@@ -214,6 +217,21 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
             let step = summary.steps;
             run.data.gather(chunk, &mut x, &mut y);
             run.augment.apply(&mut x, run.data.input, chunk, run.seed, epoch);
+            if looks_ahead && step < total_steps {
+                // The batch after this one: the rest of this epoch's order, or the next's.
+                let next = match indices.chunks_exact(batch).nth(i + 1) {
+                    Some(c) => (c.to_vec(), epoch),
+                    None => {
+                        let order = following.get_or_insert_with(|| sampler.indices(epoch + 1));
+                        (order[..batch.min(order.len())].to_vec(), epoch + 1)
+                    }
+                };
+                run.data.gather(&next.0, &mut x_next, &mut y_next);
+                run.augment.apply(&mut x_next, run.data.input, &next.0, run.seed, next.1);
+                strategy
+                    .next_batch(&engine, &x_next)
+                    .with_context(|| format!("step {step}: the next batch"))?;
+            }
             let mut rec =
                 Step { rank: run.rank, step, epoch, samples: step * global_batch as u64, ..Step::default() };
             // The injected straggler delay (a strategy with several replicas delays its own).
@@ -257,6 +275,7 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
                 || (leader && step == total_steps))
                 && run.model.profile().is_none();
             if eval_here {
+                strategy.sync_params(&mut engine).context("bringing the parameters in for evaluation")?;
                 let te = Instant::now();
                 let (l, a) = evaluate(&mut engine, &run.data)?;
                 let took = ms_since(te);
@@ -283,6 +302,9 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
                 let held =
                     strategy.checkpoint_momentum(&engine).context("gathering the checkpoint's state")?;
                 if leader {
+                    strategy
+                        .sync_params(&mut engine)
+                        .context("bringing the parameters in for the checkpoint")?;
                     let t = Instant::now();
                     let at =
                         ck.write(&engine, held.as_deref(), step, epoch, summary.first_loss, &identity)?;
@@ -299,6 +321,9 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
         {
             break;
         }
+    }
+    if leader && run.save.is_some() {
+        strategy.sync_params(&mut engine).context("bringing the parameters in for --save")?;
     }
     strategy.finish(&mut engine).context("finishing the run")?;
     summary.seconds = t0.elapsed().as_secs_f64();

@@ -1,17 +1,23 @@
-//! The embedding model in every mode that trains it, as real processes: DP replicas and DDP
-//! ranks (TCP and shared memory; the table's gradient all-reduced whole, or its rows
-//! all-gathered) end at the parameters of one process with the combined batch, within
-//! rounding (each rank sums its own samples first). The rows' traffic is what the batch named,
-//! a small part of the dense table's. Modes that cannot update a table lazily refuse it by name.
+//! The embedding model in every mode that trains it, as real processes: DP replicas, DDP ranks
+//! (TCP and shared memory; the table's gradient all-reduced whole, or its rows all-gathered)
+//! and PS workers under BSP (the table's rows pushed and pulled by id, on one shard or split
+//! over two) end at the parameters of one process with the combined batch, within rounding
+//! (each rank sums its own samples first). The rows' traffic is what the batch named, a small
+//! part of the dense table's. Modes that cannot update a table lazily refuse it by name.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
 
 use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
 
+use std::process::{Command, Stdio};
+
 use gradsync_core::checkpoint::Checkpoint;
 use gradsync_testkit::Scratch;
+use gradsync_testkit::process::{Proc, start_server};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_gradsync-worker");
 
@@ -135,15 +141,107 @@ fn every_way_of_moving_the_table_ends_where_local_training_does() {
     assert!(rows * 10 < dense, "allgather sent {rows} bytes, dense {dense}");
 }
 
+/// Server shards for the common model: `--shard i/k` each, BSP unless `sync` says, the
+/// common learning rate and seed. Returns them and their addresses, comma-separated.
+fn servers(k: usize, sync: &str) -> (Vec<Proc>, String) {
+    let mut procs = Vec::new();
+    let mut addrs = Vec::new();
+    for i in 0..k {
+        let mut cmd = Command::new(common::server_bin());
+        cmd.args(["--listen", "127.0.0.1:0", "--model", "embedding:5000:8:16", "--data", "clicks:2000:5000"])
+            .args(["--seed", "42", "--lr", "0.5", "--sync", sync, "--shard", &format!("{i}/{k}")])
+            .args(["--worker-timeout", "30"]);
+        let (p, a) = start_server(&mut cmd, true);
+        procs.push(p);
+        addrs.push(a);
+    }
+    (procs, addrs.join(","))
+}
+
+/// PS workers of a run of `world` over `addrs`, each with batch `batch`, rank 0 saving to
+/// `save` and writing metrics to `metrics` (`{rank}` filled in); waits for all of them.
+fn ps_run(addrs: &str, world: usize, batch: usize, save: &Path, metrics: &Path) {
+    let mut procs: Vec<Proc> = (0..world)
+        .map(|r| {
+            let m = metrics.display().to_string().replace("{rank}", &r.to_string());
+            let mut a: Vec<String> = ["train", "--mode", "ps", "--servers", addrs, "--rank", &r.to_string()]
+                .map(String::from)
+                .to_vec();
+            a.extend(
+                ["--world-size", &world.to_string(), "--batch", &batch.to_string(), "--seed", "42"]
+                    .map(String::from),
+            );
+            a.extend(["--rpc-timeout", "30", "--metrics", &m].map(String::from));
+            let other = save.with_extension(format!("rank{r}.ckpt"));
+            a.extend(common(if r == 0 { save } else { &other }));
+            let mut cmd = Command::new(WORKER);
+            cmd.args(&a).stdout(Stdio::null());
+            Proc::spawn(&mut cmd)
+        })
+        .collect();
+    for (r, p) in procs.iter_mut().enumerate() {
+        let (code, err, _) = p.finish(Duration::from_secs(120));
+        assert_eq!(code, 0, "PS worker {r}: {err}");
+    }
+}
+
+/// The parameter server with sparse keys: under BSP, two workers (one shard, then the table
+/// and the rest split over two) end where one process with the combined batch does; each
+/// step moves the rows the batch named and the next batch names, not the table; ASP trains
+/// to the end on the rows it pulls.
+#[test]
+fn the_parameter_server_moves_rows_by_id_and_ends_where_local_training_does() {
+    let dir = Scratch::new("sparse-ps");
+    let local = dir.join("local.ckpt");
+    let mut a: Vec<String> = ["train", "--mode", "local", "--batch", "16"].map(String::from).to_vec();
+    a.extend(common(&local));
+    run_ok(&a);
+    let l = params(&local);
+    for shards in [1, 2] {
+        let (_servers, addrs) = servers(shards, "bsp");
+        let save = dir.join(format!("ps-{shards}.ckpt"));
+        let metrics = dir.join(format!("m-ps-{shards}-{{rank}}.jsonl"));
+        ps_run(&addrs, 2, 8, &save, &metrics);
+        let d = max_rel(&params(&save), &l);
+        assert!(d < 1e-5, "ps with {shards} shard(s) differs from local by {d:e}");
+        // Each step pushes the named rows (ids and 8 values each) and a few hundred dense
+        // values, and pulls as much: far below the 160 KB of the table.
+        let s = steps(&dir.join(format!("m-ps-{shards}-0.jsonl")));
+        assert_eq!(s.len(), 12);
+        let dense = (8 * 16 + 16 + 16 * 2 + 2) * 4;
+        for (i, v) in s.iter().enumerate() {
+            let rows = v["rows"].as_u64().expect("a PS step records the rows it pushed");
+            let (sent, recv) = (v["bytes_sent"].as_u64().unwrap(), v["bytes_recv"].as_u64().unwrap());
+            assert!((1..=8 * 40).contains(&rows), "{rows} rows");
+            assert_eq!(sent, rows * (4 + 8 * 4) + dense, "push bytes for {rows} rows");
+            // The first step also fetches its own batch's rows; the last fetches none (no
+            // batch follows).
+            let most = if i == 0 { 2 } else { 1 } * 8 * 40 * (4 + 8 * 4) + dense;
+            if i + 1 == s.len() {
+                assert_eq!(recv, dense, "the last step pulled rows");
+            } else {
+                assert!(recv <= most && recv > dense, "step {i} pulled {recv} bytes");
+            }
+        }
+    }
+    let (_servers, addrs) = servers(2, "asp");
+    let save = dir.join("ps-asp.ckpt");
+    ps_run(&addrs, 2, 8, &save, &dir.join("m-asp-{rank}.jsonl"));
+    // Asynchronous: no equality to hold it to, but every step ran on rows it pulled.
+    assert!(params(&save).iter().all(|v| v.is_finite()));
+    let s = steps(&dir.join("m-asp-0.jsonl"));
+    assert_eq!(s.len(), 12);
+    assert!(s.iter().all(|v| v["loss"].as_f64().unwrap().is_finite() && v["rows"].as_u64().unwrap() > 0));
+}
+
 #[test]
 fn modes_that_cannot_update_a_table_lazily_refuse_it() {
     let dir = Scratch::new("sparse-refusals");
     let save = dir.join("x.ckpt");
-    for (mode, want) in
-        [("ps", "the parameter server's dense push and pull"), ("zero1", "ZeRO-1's sharded update")]
-    {
-        let mut a: Vec<String> =
-            ["train", "--mode", mode, "--servers", "127.0.0.1:1"].map(String::from).to_vec();
+    for (mode, want) in [("ps", "--compress fp16 with embedding"), ("zero1", "ZeRO-1's sharded update")] {
+        let mut a: Vec<String> = ["train", "--mode", mode, "--servers", "127.0.0.1:1", "--compress", "fp16"]
+            .map(String::from)
+            .to_vec();
         if mode == "zero1" {
             a.truncate(3);
         }

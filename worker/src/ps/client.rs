@@ -19,6 +19,7 @@ use gradsync_proto::tuning::Tuning;
 use super::bulk::{Opts, Transfer, pull_shard, push_shard, push_transfer};
 use super::chunks::{ChunkSink, Gradients, HostGrads, HostSlice};
 use super::connect::{Auth, Shard, deadline, dial, request, serves_tls, uri};
+use super::rows::{RowsStep, pull_rows, push_rows, within};
 use gradsync_core::metrics::ms_since;
 
 /// A connection to every shard of a parameter server.
@@ -41,6 +42,9 @@ pub struct PsClient {
     optimiser: Option<(SgdConfig, String)>,
     /// How pushes are encoded (`--compress`), announced at registration.
     compression: Compression,
+    /// A sparse table's place in the flat buffer, its rows and values per row
+    /// ([`PsClient::set_table`]).
+    table: Option<(Range<usize>, usize, usize)>,
 }
 
 impl PsClient {
@@ -99,6 +103,7 @@ impl PsClient {
                     rpc,
                     pull,
                     range: 0..0,
+                    rows: 0..0,
                     version: 0,
                     chunk: tuning.chunk_bytes,
                 })
@@ -118,7 +123,15 @@ impl PsClient {
             pipeline: true,
             optimiser: None,
             compression: Compression::None,
+            table: None,
         })
+    }
+
+    /// The model has a sparse table at `flat` of the flat buffer, `rows` rows of `dim`: the
+    /// servers must split it by rows (checked at the next [`PsClient::register`]), and it
+    /// moves by [`RowsStep`]s rather than with the dense values.
+    pub fn set_table(&mut self, table: Option<(Range<usize>, usize, usize)>) {
+        self.table = table;
     }
 
     /// Announce pushes encoded as `c` (`--compress`) at the next [`PsClient::register`]; the
@@ -221,7 +234,13 @@ impl PsClient {
             anyhow::Ok(r.into_inner())
         }))
         .await?;
-        let mut end = 0;
+        // The dense values: the whole buffer, or what the table at one end of it leaves.
+        let dense = match &self.table {
+            None => 0..total,
+            Some((t, ..)) if t.start == 0 => t.end..total,
+            Some((t, ..)) => 0..t.start,
+        };
+        let (mut end, mut rows_end) = (dense.start, 0);
         for (i, (s, r)) in self.shards.iter_mut().zip(&replies).enumerate() {
             anyhow::ensure!(
                 r.shard as usize == i && r.shards as usize == n,
@@ -242,6 +261,27 @@ impl PsClient {
                 s.addr,
                 r.start
             );
+            match &self.table {
+                None => anyhow::ensure!(
+                    r.row_len == 0,
+                    "{}: splits a table of rows of {} values, this model has none",
+                    s.addr,
+                    r.row_len
+                ),
+                Some((_, _, dim)) => {
+                    anyhow::ensure!(
+                        r.row_len as usize == *dim && r.rows_start as usize == rows_end,
+                        "{}: owns table rows {}..{} of {} values, expected rows from {rows_end} of {dim} values \
+                         (a server too old for sparse tables says none)",
+                        s.addr,
+                        r.rows_start,
+                        r.rows_end,
+                        r.row_len
+                    );
+                    s.rows = r.rows_start as usize..r.rows_end as usize;
+                    rows_end = r.rows_end as usize;
+                }
+            }
             s.range = r.start as usize..r.end as usize;
             s.version = r.version;
             // A server that announces no size (older ones) gets the size its range suggests.
@@ -258,7 +298,19 @@ impl PsClient {
             s.chunk = self.chunk_bytes.unwrap_or(announced);
             end = r.end as usize;
         }
-        anyhow::ensure!(end == total, "--servers: the shards cover 0..{end} of {total} values");
+        anyhow::ensure!(
+            end == dense.end,
+            "--servers: the shards cover {}..{end} of the {}..{} that moves densely",
+            dense.start,
+            dense.start,
+            dense.end
+        );
+        if let Some((_, rows, _)) = &self.table {
+            anyhow::ensure!(
+                rows_end == *rows,
+                "--servers: the shards own rows 0..{rows_end} of the table's {rows}"
+            );
+        }
         for (s, r) in self.shards.iter().zip(&replies) {
             // A server that names no compression predates it and decodes f32 pushes only.
             let theirs = if r.compression.is_empty() { "none" } else { r.compression.as_str() };
@@ -307,9 +359,11 @@ impl PsClient {
         Ok(())
     }
 
-    /// Each shard's disjoint slice of `buf` (ranges are contiguous, in order).
+    /// Each shard's disjoint slice of `buf` (ranges are contiguous, in order, from the first
+    /// shard's start).
     fn split<'a>(&self, buf: &'a mut [f32]) -> Vec<&'a mut [f32]> {
-        let mut rest = buf;
+        let first = self.shards.first().map_or(0, |s| s.range.start);
+        let mut rest = &mut buf[first..];
         let mut slices = Vec::with_capacity(self.shards.len());
         for s in &self.shards {
             let (mine, tail) = std::mem::take(&mut rest).split_at_mut(s.range.len());
@@ -376,6 +430,46 @@ impl PsClient {
         self.exchange(grads, sinks).await
     }
 
+    /// [`PsClient::exchange_into`] with a sparse table's rows beside it
+    /// ([`PsClient::exchange_with_rows`]).
+    pub async fn exchange_into_with_rows<G: Gradients + ?Sized>(
+        &mut self,
+        grads: &G,
+        params: &mut [f32],
+        rows: RowsStep<'_>,
+    ) -> anyhow::Result<(Transfer, Transfer)> {
+        self.check_len("pull", params.len())?;
+        let sinks = self.split(params).into_iter().map(HostSlice).collect();
+        self.exchange_with_rows(grads, sinks, Some(rows)).await
+    }
+
+    /// Rows `ids` of the table (ascending, counted in the whole table), of each shard's
+    /// current version, into `out` (`dim` values a row, in order).
+    pub async fn pull_rows(&mut self, ids: &[u32], out: &mut [f32]) -> anyhow::Result<Transfer> {
+        let (t, o) = (Instant::now(), self.opts());
+        let dim = self.table.as_ref().map_or(0, |t| t.2);
+        anyhow::ensure!(
+            dim > 0 && out.len() == ids.len() * dim,
+            "a pull of {} rows into {} values",
+            ids.len(),
+            out.len()
+        );
+        let mut rest = out;
+        let mut parts = Vec::with_capacity(self.shards.len());
+        for s in &self.shards {
+            let q = within(ids, &s.rows);
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(q.len() * dim);
+            parts.push((&ids[q], mine));
+            rest = tail;
+        }
+        anyhow::ensure!(rest.is_empty(), "rows to pull named outside the table's rows");
+        let got = try_join_all(
+            self.shards.iter().zip(parts).map(|(s, (ids, out))| pull_rows(&o, s, dim, None, Some(ids), out)),
+        )
+        .await?;
+        Ok(Transfer { bytes: got.iter().map(|g| g.1).sum(), ms: ms_since(t), ..Transfer::default() })
+    }
+
     /// One step's communication: push `grads` and pull the parameters the update makes into
     /// `params` (both the whole flat buffer). See [`PsClient::exchange`].
     pub async fn step(&mut self, grads: &[f32], params: &mut [f32]) -> anyhow::Result<(Transfer, Transfer)> {
@@ -396,46 +490,98 @@ impl PsClient {
         grads: &G,
         sinks: Vec<S>,
     ) -> anyhow::Result<(Transfer, Transfer)> {
+        self.exchange_with_rows(grads, sinks, None).await
+    }
+
+    /// [`PsClient::exchange`], and for a model with a sparse table the step's rows beside it,
+    /// shard by shard: the rows pushed with the dense push, the rows pulled with the dense
+    /// pull (under BSP pipelined, of the version the step makes, so they come as the update
+    /// commits; otherwise once the push is done). Their bytes count in the push's and the
+    /// pull's.
+    pub async fn exchange_with_rows<G: Gradients + ?Sized, S: ChunkSink>(
+        &mut self,
+        grads: &G,
+        sinks: Vec<S>,
+        rows: Option<RowsStep<'_>>,
+    ) -> anyhow::Result<(Transfer, Transfer)> {
         let t = Instant::now();
         anyhow::ensure!(sinks.len() == self.shards.len(), "one destination per shard");
         self.check_source(grads)?;
         let pipelined = self.pipelined();
         let o = self.opts();
-        let got = try_join_all(self.shards.iter().zip(sinks).map(|(s, mut sink)| {
+        let dim = self.table.as_ref().map_or(0, |t| t.2);
+        // Each shard's part of the step's rows: ids and values to push, ids to pull and where.
+        let mut parts: Vec<Option<ShardRows<'_>>> = Vec::new();
+        match rows {
+            None => parts.resize_with(self.shards.len(), || None),
+            Some(RowsStep { push: (ids, values), pull: (want, mut out) }) => {
+                anyhow::ensure!(dim > 0, "rows of a table, and the model has none");
+                for s in &self.shards {
+                    let (p, q) = (within(ids, &s.rows), within(want, &s.rows));
+                    let (mine, rest) = std::mem::take(&mut out).split_at_mut(q.len() * dim);
+                    out = rest;
+                    let values = &values[p.start * dim..p.end * dim];
+                    parts.push(Some(ShardRows { push: (&ids[p], values), pull: (&want[q], mine) }));
+                }
+                anyhow::ensure!(out.is_empty(), "rows to pull named outside the table's rows");
+            }
+        }
+        let got = try_join_all(self.shards.iter().zip(sinks).zip(parts).map(|((s, mut sink), part)| {
             let o = &o;
             async move {
-                let push = async {
-                    let r = push_shard(o, s, grads).await;
-                    (r, ms_since(t))
+                let dense = async {
+                    let push = async {
+                        let r = push_shard(o, s, grads).await;
+                        (r, ms_since(t))
+                    };
+                    let ((push, push_ms), pull) = if pipelined {
+                        let pull = pull_shard(o, s, &mut sink, Some(s.version + 1));
+                        tokio::pin!(push, pull);
+                        tokio::select! {
+                            // A failed push ends the exchange at once: its streamed pull could
+                            // only fail too, once the server gave up on the step.
+                            p = &mut push => match p {
+                                (Err(e), _) => return Err(e),
+                                p => (p, Some(pull.await)),
+                            },
+                            q = &mut pull => (push.await, Some(q)),
+                        }
+                    } else {
+                        (push.await, None)
+                    };
+                    let push = push?;
+                    let pull = match pull {
+                        Some(Ok(p)) => p,
+                        // The streamed pull ends with an error when its step fails (and then so
+                        // did the push, reported above) or had to be redone without a dropped
+                        // worker's gradient: the push succeeded, so pull the version it made.
+                        Some(Err(e)) => {
+                            tracing::debug!("{e:#}; pulling version {} again", push.0.version);
+                            pull_shard(o, s, &mut sink, None).await?
+                        }
+                        None => pull_shard(o, s, &mut sink, None).await?,
+                    };
+                    anyhow::Ok((push, push_ms, pull, ms_since(t)))
                 };
-                let ((push, push_ms), pull) = if pipelined {
-                    let pull = pull_shard(o, s, &mut sink, Some(s.version + 1));
-                    tokio::pin!(push, pull);
-                    tokio::select! {
-                        // A failed push ends the exchange at once: its streamed pull could only
-                        // fail too, once the server gave up on the step.
-                        p = &mut push => match p {
-                            (Err(e), _) => return Err(e),
-                            p => (p, Some(pull.await)),
-                        },
-                        q = &mut pull => (push.await, Some(q)),
-                    }
+                let Some(ShardRows { push: (ids, values), pull: (want, out) }) = part else {
+                    return dense.await;
+                };
+                // The rows beside the dense exchange: pushed at once, and under BSP pipelined
+                // pulled at the version the step makes (the server answers once it commits);
+                // otherwise pulled once both pushes are applied.
+                let rows_push = push_rows(o, s, dim, s.version, ids, values);
+                let ((mut push, push_ms, mut pull, pull_ms), pushed, pulled) = if pipelined {
+                    let rows_pull = pull_rows(o, s, dim, Some(s.version + 1), Some(want), out);
+                    let (d, a, b) = tokio::join!(dense, rows_push, rows_pull);
+                    (d?, a?, b?.1)
                 } else {
-                    (push.await, None)
+                    let (d, a) = tokio::join!(dense, rows_push);
+                    let (d, a) = (d?, a?);
+                    (d, a, pull_rows(o, s, dim, None, Some(want), out).await?.1)
                 };
-                let push = push?;
-                let pull = match pull {
-                    Some(Ok(p)) => p,
-                    // The streamed pull ends with an error when its step fails (and then so
-                    // did the push, reported above) or had to be redone without a dropped
-                    // worker's gradient: the push succeeded, so pull the version it made.
-                    Some(Err(e)) => {
-                        tracing::debug!("{e:#}; pulling version {} again", push.0.version);
-                        pull_shard(o, s, &mut sink, None).await?
-                    }
-                    None => pull_shard(o, s, &mut sink, None).await?,
-                };
-                anyhow::Ok((push, push_ms, pull, ms_since(t)))
+                push.1 += pushed;
+                pull.1 += pulled;
+                anyhow::Ok((push, push_ms, pull, pull_ms.max(ms_since(t))))
             }
         }))
         .await?;
@@ -450,6 +596,25 @@ impl PsClient {
             s.version = g.2.0;
         }
         Ok((push, pull))
+    }
+
+    /// Every row of the table, of each shard's current version, into `out` (the whole table,
+    /// `dim` values a row): what evaluation, a checkpoint or the saved model read.
+    pub async fn pull_all_rows(&mut self, out: &mut [f32]) -> anyhow::Result<Transfer> {
+        let (t, o) = (Instant::now(), self.opts());
+        let dim = self.table.as_ref().map_or(0, |t| t.2);
+        anyhow::ensure!(dim > 0, "a pull of rows, and the model has no table");
+        let mut rest = out;
+        let mut dsts = Vec::with_capacity(self.shards.len());
+        for s in &self.shards {
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(s.rows.len() * dim);
+            dsts.push(mine);
+            rest = tail;
+        }
+        let got =
+            try_join_all(self.shards.iter().zip(dsts).map(|(s, out)| pull_rows(&o, s, dim, None, None, out)))
+                .await?;
+        Ok(Transfer { bytes: got.iter().map(|g| g.1).sum(), ms: ms_since(t), ..Transfer::default() })
     }
 
     /// Tell every shard this rank is alive.
@@ -495,6 +660,7 @@ impl PsClient {
                     rpc: s.rpc.clone(),
                     pull: s.pull.clone(),
                     range: s.range.clone(),
+                    rows: s.rows.clone(),
                     version: s.version,
                     chunk: s.chunk,
                 })
@@ -510,8 +676,15 @@ impl PsClient {
             pipeline: self.pipeline,
             optimiser: self.optimiser.clone(),
             compression: self.compression,
+            table: self.table.clone(),
         }
     }
+}
+
+/// One shard's part of a [`RowsStep`].
+struct ShardRows<'a> {
+    push: (&'a [u32], &'a [f32]),
+    pull: (&'a [u32], &'a mut [f32]),
 }
 
 /// A server's sync mode as it wrote it.

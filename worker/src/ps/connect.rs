@@ -189,8 +189,11 @@ pub(super) struct Shard {
     pub(super) rpc: Conn,
     /// The connection for pulls.
     pub(super) pull: Conn,
-    /// Its range of the flat buffer (known once registered).
+    /// Its range of the flat buffer (known once registered): of the values that move densely,
+    /// for a model with a sparse table.
     pub(super) range: Range<usize>,
+    /// The sparse table's rows it owns (empty for a model without one).
+    pub(super) rows: Range<usize>,
     /// Version of the parameters last pulled from it.
     pub(super) version: u64,
     /// Payload bytes per pushed chunk: the size the shard steps and streams its blocks in, as

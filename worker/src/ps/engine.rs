@@ -18,6 +18,7 @@ use gradsync_proto::wire;
 use super::bulk::Transfer;
 use super::chunks::{ChunkSink, Gradients, SharedGrads};
 use super::client::PsClient;
+use super::rows::RowsStep;
 
 /// How pushes read the engine's gradients and pulls write its parameters.
 pub enum EngineLink {
@@ -43,6 +44,19 @@ pub enum EngineLink {
         /// `grads` holds this step's gradient (staged by [`EngineLink::backward`]).
         fresh: bool,
     },
+    /// A model with a sparse table, on either device: only the values outside the table move
+    /// densely, copied out of the engine and back (a few thousand against the table's
+    /// millions); the table moves by rows ([`EngineLink::exchange_rows`]). The engine's own
+    /// buffers are never lent or swapped, so it keeps track of which rows of the table's
+    /// gradient hold values and clears only those.
+    Sparse {
+        /// The gradient's dense values, at their flat offsets.
+        grads: SharedGrads,
+        /// The pulled dense values, at their flat offsets.
+        params: Vec<f32>,
+        /// Where the dense values lie.
+        dense: std::ops::Range<usize>,
+    },
 }
 
 impl Default for EngineLink {
@@ -57,6 +71,10 @@ impl EngineLink {
     /// host memory, staged otherwise.
     pub fn new(engine: &mut Engine) -> Self {
         let n = engine.layout().len;
+        if let Some(t) = &engine.layout().table {
+            let dense = if t.range.start == 0 { t.range.end..n } else { 0..t.range.start };
+            return EngineLink::Sparse { grads: SharedGrads::new(vec![0.0; n]), params: vec![0.0; n], dense };
+        }
         match engine.host_buffers_mut() {
             Some(_) => EngineLink::InPlace { spare: SharedGrads::new(vec![0.0; n]) },
             None => EngineLink::Staged {
@@ -74,7 +92,7 @@ impl EngineLink {
     /// the push starts from host memory without a copy of the whole gradient after backward.
     pub fn backward(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
         match self {
-            EngineLink::InPlace { .. } => Ok(engine.backward(false)?),
+            EngineLink::InPlace { .. } | EngineLink::Sparse { .. } => Ok(engine.backward(false)?),
             EngineLink::Staged { grads, plan, fresh, .. } => {
                 *fresh = false;
                 let host = grads.make_mut();
@@ -110,7 +128,32 @@ impl EngineLink {
                 engine.write_params(0, params)?;
                 Ok(t)
             }
+            EngineLink::Sparse { params, dense, .. } => {
+                let t = client.pull(params).await?;
+                engine.write_params(dense.start, &params[dense.clone()])?;
+                Ok(t)
+            }
         }
+    }
+
+    /// One step of a model with a sparse table: the dense values exchanged as
+    /// [`EngineLink::exchange`] does, the table's rows beside them ([`RowsStep`]). Returns when
+    /// the communication began and the push's and the pull's traffic.
+    pub async fn exchange_rows(
+        &mut self,
+        client: &mut PsClient,
+        engine: &mut Engine,
+        rows: RowsStep<'_>,
+    ) -> anyhow::Result<(Instant, Transfer, Transfer)> {
+        let EngineLink::Sparse { grads, params, dense } = self else {
+            anyhow::bail!("rows exchanged for a model without a table");
+        };
+        let host = grads.make_mut();
+        engine.read_grads(dense.clone(), &mut host[dense.clone()])?;
+        let t = Instant::now();
+        let (push, pull) = client.exchange_into_with_rows(&*grads, params, rows).await?;
+        engine.write_params(dense.start, &params[dense.clone()])?;
+        Ok((t, push, pull))
     }
 
     /// One step's communication ([`PsClient::exchange`]): push the engine's gradient and pull
@@ -139,6 +182,7 @@ impl EngineLink {
                 let (push, pull) = result?;
                 Ok((t, push, pull))
             }
+            EngineLink::Sparse { .. } => anyhow::bail!("a model with a table exchanges its rows too"),
             EngineLink::Staged { grads, params, fresh, .. } => {
                 if !std::mem::take(fresh) {
                     let host = grads.make_mut();
@@ -174,6 +218,7 @@ impl EngineLink {
                 engine.write_params(0, params)?;
                 Ok((t, push, pull))
             }
+            EngineLink::Sparse { .. } => anyhow::bail!("a model with a table pushes uncompressed"),
         }
     }
 }

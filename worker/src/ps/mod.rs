@@ -17,6 +17,7 @@
 //!   ([`SharedGrads`]); a gradient compressed for the wire ([`Encoded`]).
 //! - `engine.rs`: the same for the training engine's memory, in place (host) or staged
 //!   (device), behind one [`EngineLink`].
+//! - `rows.rs`: a sparse model's table by rows (PushRows, PullRows), each shard its own.
 //!
 //! `gradsync-worker --mode ps` drives it through `strategy::ps`; `gradsync-bench ps` directly.
 
@@ -25,8 +26,10 @@ mod chunks;
 mod client;
 mod connect;
 mod engine;
+mod rows;
 
 pub use bulk::Transfer;
 pub use chunks::{ChunkSink, Encoded, Gradients, HostGrads, HostSlice, SharedGrads};
 pub use client::PsClient;
 pub use engine::EngineLink;
+pub use rows::RowsStep;

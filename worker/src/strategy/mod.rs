@@ -80,6 +80,26 @@ pub trait Strategy {
     /// After the last step: leave cleanly (deregister, close the ring).
     fn finish(&mut self, engine: &mut Engine) -> anyhow::Result<()>;
 
+    /// Whether the strategy fetches what a step reads ahead of it, and so wants
+    /// [`Strategy::next_batch`] called.
+    fn looks_ahead(&self) -> bool {
+        false
+    }
+
+    /// The batch of the step after the coming one (called before each step while there is
+    /// one, when [`Strategy::looks_ahead`]): a parameter server's table rows for it are
+    /// fetched during the coming step.
+    fn next_batch(&mut self, _engine: &Engine, _x: &[f32]) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    /// Make the engine's parameters whole before anything reads them outside a step
+    /// (evaluation, a checkpoint, the saved model), where the strategy keeps part of them
+    /// elsewhere and brings in only what each step reads (a parameter server's table rows).
+    fn sync_params(&mut self, _engine: &mut Engine) -> anyhow::Result<()> {
+        Ok(())
+    }
+
     /// The optimiser applied to this run's parameters when it is not this process's own (the
     /// parameter servers'), known after [`Strategy::start`].
     fn applied_optimiser(&self) -> Option<gradsync_core::optim::SgdConfig> {

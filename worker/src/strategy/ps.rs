@@ -14,14 +14,14 @@ use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::compress::{Compression, Half, Sparse, TopK};
 use gradsync_core::metrics::Step;
-use gradsync_core::net::BatchLoss;
+use gradsync_core::net::{BatchLoss, RowsOf};
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 use gradsync_proto::SyncMode;
 use gradsync_proto::tuning::Tuning;
 
 use super::{Shape, Strategy, forward, ms_since};
-use crate::ps::{Encoded, EngineLink, PsClient};
+use crate::ps::{Encoded, EngineLink, PsClient, RowsStep};
 
 /// `--mode ps`: the [`Strategy`].
 pub struct Ps {
@@ -40,6 +40,22 @@ pub struct Ps {
     codec: Codec,
     /// The gradient read to the host for a compressed push.
     host: Vec<f32>,
+    /// A model with a sparse table: what moves its rows.
+    rows: Option<TableRows>,
+}
+
+/// A sparse table's rows between steps: each step pushes the gradients of the rows its batch
+/// named and pulls the rows of the next batch (known ahead, [`Strategy::next_batch`]), so the
+/// rows a forward pass reads are always of the version the step before made.
+#[derive(Debug, Default)]
+struct TableRows {
+    dim: usize,
+    /// The rows the next batch names.
+    next: Vec<u32>,
+    /// The rows whose values in the engine are of the current version (pulled for this batch).
+    fresh: Option<Vec<u32>>,
+    grads: Vec<f32>,
+    pulled: Vec<f32>,
 }
 
 /// `--compress` as a push applies it.
@@ -137,7 +153,23 @@ impl Ps {
                 Compression::TopK(r) => Codec::TopK(r, None, Sparse::default()),
             },
             host: Vec::new(),
+            rows: None,
         })
+    }
+
+    /// Make the engine's rows of batch `x` current before its forward pass, unless the step
+    /// before pulled them: on the first step, and after a step that could not look ahead.
+    fn ensure_rows(&mut self, engine: &mut Engine, x: &[f32]) -> anyhow::Result<u64> {
+        let Some(tr) = &mut self.rows else { return Ok(0) };
+        let want = engine.rows_of(x)?;
+        if tr.fresh.as_ref() == Some(&want) {
+            return Ok(0);
+        }
+        tr.pulled.resize(want.len() * tr.dim, 0.0);
+        let got = self.rt.block_on(self.client.pull_rows(&want, &mut tr.pulled))?;
+        engine.write_rows(RowsOf::Params, &want, &tr.pulled)?;
+        tr.fresh = Some(want);
+        Ok(got.bytes)
     }
 }
 
@@ -148,6 +180,14 @@ impl Strategy for Ps {
 
     fn start(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
         let n = engine.layout().len;
+        if let Some(t) = &engine.layout().table {
+            anyhow::ensure!(
+                matches!(self.codec, Codec::None),
+                "--compress with a sparse table: its rows move as ids and f32 values; push them uncompressed"
+            );
+            self.client.set_table(Some((t.range.clone(), t.rows, t.dim)));
+            self.rows = Some(TableRows { dim: t.dim, ..TableRows::default() });
+        }
         if let Codec::TopK(ratio, residual, _) = &mut self.codec {
             *residual = Some(TopK::new(*ratio, n));
         }
@@ -178,6 +218,12 @@ impl Strategy for Ps {
         y: &[u32],
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
+        let t_rows = Instant::now();
+        let fetched = self.ensure_rows(engine, x)?;
+        if fetched > 0 {
+            self.trace.span("pull rows", "comm", "comm", t_rows);
+        }
+        let fetch_ms = ms_since(t_rows);
         let loss = forward(engine, x, y, rec, &self.trace)?;
         // Backward through the link, which stages the gradient for the push where it must.
         let tb = Instant::now();
@@ -204,10 +250,23 @@ impl Strategy for Ps {
                 Some(Encoded::Sparse(pairs))
             }
         };
-        let (t_comm, push, pull) = match &grads {
-            None => self.rt.block_on(self.link.exchange(&mut self.client, engine))?,
-            Some(g) => self.rt.block_on(self.link.exchange_from(&mut self.client, engine, g))?,
+        let (t_comm, push, mut pull) = match (&grads, &mut self.rows) {
+            (None, Some(tr)) => {
+                let named = engine.batch_rows().to_vec();
+                tr.grads.resize(named.len() * tr.dim, 0.0);
+                engine.read_rows(RowsOf::Grads, &named, &mut tr.grads)?;
+                tr.pulled.resize(tr.next.len() * tr.dim, 0.0);
+                let step = RowsStep { push: (&named, &tr.grads), pull: (&tr.next, &mut tr.pulled) };
+                let got = self.rt.block_on(self.link.exchange_rows(&mut self.client, engine, step))?;
+                engine.write_rows(RowsOf::Params, &tr.next, &tr.pulled)?;
+                rec.rows = Some(named.len() as u64);
+                tr.fresh = Some(std::mem::take(&mut tr.next));
+                got
+            }
+            (None, None) => self.rt.block_on(self.link.exchange(&mut self.client, engine))?,
+            (Some(g), _) => self.rt.block_on(self.link.exchange_from(&mut self.client, engine, g))?,
         };
+        pull.bytes += fetched;
         let at = |ms: f64| t_comm + Duration::from_secs_f64(ms / 1e3);
         let mut args = serde_json::Map::new();
         args.insert("bytes".into(), push.bytes.into());
@@ -221,7 +280,7 @@ impl Strategy for Ps {
         // The time the servers held the push for other workers is waiting, not communication:
         // the step's parts (exposed communication + wait + ...) then add up to at most the step.
         rec.wait_ms = push.wait_ms.min(ms_since(t));
-        rec.comm_ms = ms_since(t) - rec.wait_ms;
+        rec.comm_ms = ms_since(t) - rec.wait_ms + fetch_ms;
         rec.comm_exposed_ms = rec.comm_ms;
         rec.bytes_sent = push.bytes;
         rec.bytes_recv = pull.bytes;
@@ -234,6 +293,26 @@ impl Strategy for Ps {
             h.abort();
         }
         self.rt.block_on(self.client.deregister())
+    }
+
+    fn looks_ahead(&self) -> bool {
+        self.rows.is_some()
+    }
+
+    fn next_batch(&mut self, engine: &Engine, x: &[f32]) -> anyhow::Result<()> {
+        if let Some(tr) = &mut self.rows {
+            tr.next = engine.rows_of(x)?;
+        }
+        Ok(())
+    }
+
+    fn sync_params(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
+        let Some(tr) = &mut self.rows else { return Ok(()) };
+        let table = engine.layout().table.clone().context("a model with rows has a table")?;
+        tr.pulled.resize(table.range.len(), 0.0);
+        self.rt.block_on(self.client.pull_all_rows(&mut tr.pulled))?;
+        engine.write_params(table.range.start, &tr.pulled)?;
+        Ok(())
     }
 
     fn applied_optimiser(&self) -> Option<SgdConfig> {
