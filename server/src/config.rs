@@ -48,6 +48,8 @@ pub mod flag {
     pub const TLS_CERT: &str = "tls-cert";
     /// `--tls-key`.
     pub const TLS_KEY: &str = "tls-key";
+    /// `--table-only`.
+    pub const TABLE_ONLY: &str = "table-only";
 }
 
 /// `I/K`: this process is shard `I` of `K`.
@@ -208,6 +210,10 @@ pub struct ServerArgs {
     /// the step fails with a status naming them).
     #[arg(long)]
     pub elastic: bool,
+    /// Serve only a sparse model's table (its rows, by id), for workers in `--mode hybrid`,
+    /// which all-reduce the rest of the model among themselves.
+    #[arg(long = flag::TABLE_ONLY)]
+    pub table_only: bool,
     /// Per-update metrics (JSON lines) here.
     #[arg(long = flag::METRICS)]
     pub metrics: Option<PathBuf>,
@@ -285,6 +291,8 @@ pub struct Config {
     pub worker_timeout: Duration,
     /// Continue without missing workers.
     pub elastic: bool,
+    /// Serve a sparse model's table only (`--mode hybrid`).
+    pub table_only: bool,
     /// Metrics file.
     pub metrics: Option<PathBuf>,
     /// Trace file, written at shutdown.
@@ -315,6 +323,7 @@ impl Config {
             resume: false,
             worker_timeout: Duration::from_secs(30),
             elastic: false,
+            table_only: false,
             metrics: None,
             trace: None,
             tuning: Tuning::tuned(),
@@ -344,6 +353,15 @@ impl Config {
                 Err(Error::invalid(flag, format!("{v} (must be a positive number of seconds, below 1e9)")))
             }
         };
+        if a.table_only && gradsync_core::model::Layout::new(&spec).table.is_none() {
+            return Err(Error::invalid(
+                "--table-only",
+                format!(
+                    "{} has no sparse table to serve (it is for an embedding model under --mode hybrid)",
+                    spec.name
+                ),
+            ));
+        }
         let worker_timeout = secs("--worker-timeout", a.worker_timeout)?;
         let beat = gradsync_proto::HEARTBEAT_INTERVAL.as_secs_f64();
         if a.elastic && a.worker_timeout <= beat {
@@ -408,6 +426,7 @@ impl Config {
             resume: a.resume,
             worker_timeout,
             elastic: a.elastic,
+            table_only: a.table_only,
             metrics: a.metrics.clone(),
             trace: a.trace.clone(),
             tuning,

@@ -94,8 +94,9 @@ struct Inner {
     refused: BTreeSet<usize>,
     /// See [`Round::heard`].
     heard: Instant,
-    /// A sparse table's rows, by rank, as each rank's PushRows delivered them in full.
-    rows: BTreeMap<usize, Rows>,
+    /// A sparse table's rows, by rank, as each rank's PushRows delivered them in full (when,
+    /// and their bytes).
+    rows: BTreeMap<usize, (Instant, u64, Rows)>,
 }
 
 /// The buffers one stepper writes; only the task holding `Inner::stepping` locks this.
@@ -305,7 +306,8 @@ impl Round {
                 why: format!("a second set of rows for version {}", self.version - 1),
             });
         }
-        g.rows.insert(rank, rows);
+        let bytes = 4 * (rows.ids.len() + rows.values.len()) as u64;
+        g.rows.insert(rank, (Instant::now(), bytes, rows));
         g.heard = Instant::now();
         Ok(self.complete(&g))
     }
@@ -485,7 +487,7 @@ impl Round {
             .iter()
             .copied()
             .filter(|r| {
-                g.ranks.get(r).is_none_or(|c| c.done.is_none())
+                (!self.rows_only() && g.ranks.get(r).is_none_or(|c| c.done.is_none()))
                     || (self.wants_rows && !g.rows.contains_key(r))
             })
             .collect();
@@ -507,8 +509,14 @@ impl Round {
         !g.ended
             && !g.expected.is_empty()
             && g.stepped == self.nblocks
-            && g.expected.iter().all(|r| g.ranks.get(r).is_some_and(|c| c.done.is_some()))
+            && (self.rows_only()
+                || g.expected.iter().all(|r| g.ranks.get(r).is_some_and(|c| c.done.is_some())))
             && (!self.wants_rows || g.expected.iter().all(|r| g.rows.contains_key(r)))
+    }
+
+    /// A shard that serves a sparse table only (`--table-only`): its steps are its rows'.
+    fn rows_only(&self) -> bool {
+        self.wants_rows && self.len == 0
     }
 
     /// Blocks every expected rank has delivered in full.
@@ -666,13 +674,19 @@ impl Round {
         }
         g.ended = true;
         let mut w = lock(&self.work);
+        let mut rows = std::mem::take(&mut g.rows);
         let ranks: Vec<(usize, Instant, u64)> = g
             .expected
             .iter()
-            .filter_map(|r| g.ranks.get(r).and_then(|c| c.done).map(|(t, b)| (*r, t, b)))
+            .filter_map(|r| match (g.ranks.get(r).and_then(|c| c.done), rows.get(r)) {
+                // Its dense push's end, and the bytes of both.
+                (Some((t, b)), Some(rw)) => Some((*r, t, b + rw.1)),
+                (Some((t, b)), None) => Some((*r, t, b)),
+                (None, Some(rw)) if self.rows_only() => Some((*r, rw.0, rw.1)),
+                _ => None,
+            })
             .collect();
-        let mut rows = std::mem::take(&mut g.rows);
-        let rows = ranks.iter().filter_map(|(r, ..)| rows.remove(r)).collect();
+        let rows = ranks.iter().filter_map(|(r, ..)| rows.remove(r).map(|rw| rw.2)).collect();
         g.ranks.clear();
         w.params = Params::default();
         w.momentum = Arc::default();

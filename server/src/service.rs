@@ -688,6 +688,12 @@ impl ParameterServer for Service {
                 })
             })
             .collect();
+        // At least one chunk, so that the version travels even when no row was asked for.
+        let chunks = if chunks.is_empty() {
+            vec![Ok(RowChunk { rank: req.rank, version, ..RowChunk::default() })]
+        } else {
+            chunks
+        };
         Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
     }
 

@@ -155,7 +155,11 @@ impl State {
         let layout = Layout::new(&cfg.spec);
         let total = layout.len;
         let split = cfg.shard.split(&layout)?;
-        let (range, table) = (split.dense, split.rows);
+        let (mut range, table) = (split.dense, split.rows);
+        if cfg.table_only {
+            // The workers all-reduce the rest among themselves (`--mode hybrid`).
+            range = range.start..range.start;
+        }
         let fingerprint = cfg.fingerprint();
         let (params, momentum, version) = match (&cfg.checkpoint, cfg.resume) {
             (Some(path), true) => {
@@ -421,7 +425,6 @@ impl State {
         self.round = None;
         let t0 = Instant::now();
         // The table's rows, in place: the sum of what each rank pushed, as the dense values.
-        let row_bytes: u64 = fin.rows.iter().map(|r| 4 * (r.ids.len() + r.values.len()) as u64).sum();
         if let Some(store) = &mut self.rows {
             let pushes: Vec<&Rows> = fin.rows.iter().collect();
             store.step_sum(&sh.cfg.sgd, &pushes, 1.0 / fin.ranks.len().max(1) as f32);
@@ -476,7 +479,7 @@ impl State {
             // left after the last one is its last block and this swap.
             aggregate_ms: 0.0,
             apply_ms: ms(t0 - last.1),
-            bytes_in: done.iter().map(|d| d.2).sum::<u64>() + row_bytes,
+            bytes_in: done.iter().map(|d| d.2).sum(),
             bytes_out: sh.bytes_out.swap(0, Ordering::Relaxed),
             waited_for: (n > 1).then_some(last.0),
         };

@@ -144,13 +144,19 @@ fn every_way_of_moving_the_table_ends_where_local_training_does() {
 /// Server shards for the common model: `--shard i/k` each, BSP unless `sync` says, the
 /// common learning rate and seed. Returns them and their addresses, comma-separated.
 fn servers(k: usize, sync: &str) -> (Vec<Proc>, String) {
+    servers_with(k, sync, &[])
+}
+
+/// [`servers`] with `extra` flags for every shard (`{i}` in one becomes the shard's index).
+fn servers_with(k: usize, sync: &str, extra: &[String]) -> (Vec<Proc>, String) {
     let mut procs = Vec::new();
     let mut addrs = Vec::new();
     for i in 0..k {
         let mut cmd = Command::new(common::server_bin());
         cmd.args(["--listen", "127.0.0.1:0", "--model", "embedding:5000:8:16", "--data", "clicks:2000:5000"])
             .args(["--seed", "42", "--lr", "0.5", "--sync", sync, "--shard", &format!("{i}/{k}")])
-            .args(["--worker-timeout", "30"]);
+            .args(["--worker-timeout", "30"])
+            .args(extra.iter().map(|e| e.replace("{i}", &i.to_string())));
         let (p, a) = start_server(&mut cmd, true);
         procs.push(p);
         addrs.push(a);
@@ -232,6 +238,46 @@ fn the_parameter_server_moves_rows_by_id_and_ends_where_local_training_does() {
     let s = steps(&dir.join("m-asp-0.jsonl"));
     assert_eq!(s.len(), 12);
     assert!(s.iter().all(|v| v["loss"].as_f64().unwrap().is_finite() && v["rows"].as_u64().unwrap() > 0));
+}
+
+/// A shard's rows are checkpointed beside its dense values and resumed with them: servers
+/// resumed from the checkpoint of the last step serve exactly the parameters the run ended
+/// with (rank 0's --save, which brings the whole table in). Without its rows' file a shard
+/// refuses to resume, naming it.
+#[test]
+fn a_sparse_shard_checkpoints_and_resumes_its_rows() {
+    let dir = Scratch::new("sparse-ps-ckpt");
+    let ck = dir.join("shard-{i}.ckpt").display().to_string();
+    let flags = |resume: bool| {
+        let mut v: Vec<String> = ["--checkpoint", &ck, "--checkpoint-every", "6"].map(String::from).to_vec();
+        if resume {
+            v.push("--resume".into());
+        }
+        v
+    };
+    let save = dir.join("ran.ckpt");
+    {
+        let (_servers, addrs) = servers_with(2, "bsp", &flags(false));
+        ps_run(&addrs, 2, 8, &save, &dir.join("m-{rank}.jsonl"));
+    }
+    let (_servers, addrs) = servers_with(2, "bsp", &flags(true));
+    let resumed = dir.join("resumed.ckpt");
+    let mut a: Vec<String> =
+        ["train", "--mode", "ps", "--servers", &addrs, "--rpc-timeout", "30"].map(String::from).to_vec();
+    a.extend(common(&resumed).into_iter().map(|f| if f == "12" { "0".into() } else { f }));
+    run_ok(&a);
+    assert_eq!(params(&resumed), params(&save), "the resumed shards serve other values");
+    drop(_servers);
+    std::fs::remove_file(dir.join("shard-1.ckpt.rows")).unwrap();
+    let mut args: Vec<String> =
+        ["--listen", "127.0.0.1:0", "--model", "embedding:5000:8:16", "--data", "clicks:2000:5000"]
+            .map(String::from)
+            .to_vec();
+    args.extend(["--seed", "42", "--shard", "1/2"].map(String::from));
+    args.extend(flags(true).iter().map(|f| f.replace("{i}", "1")));
+    let out = gradsync_testkit::process::run_to_end(common::server_bin(), &args, Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("shard-1.ckpt.rows"), "{err}");
 }
 
 #[test]

@@ -94,9 +94,6 @@ pub(super) async fn pull_rows(
         ids: if ids.is_some() { wire_ids(&want, s.rows.start) } else { bytes::Bytes::new() },
         all: ids.is_none(),
     };
-    if want.is_empty() && ids.is_some() {
-        return Ok((version.unwrap_or(s.version), 0));
-    }
     let mut client = s.pull.client.clone();
     let fut = async {
         let mut stream = client.pull_rows(request(req, o.timeout)).await?.into_inner();
