@@ -193,6 +193,10 @@ pub enum Mode {
     /// its 1/n of the parameters with its 1/n of the optimiser state, parameters all-gathered.
     /// Takes DDP's flags.
     Zero1,
+    /// A sparse model's embedding table on parameter servers (`--servers`, started with
+    /// `--table-only`; rows pushed and pulled by id), the rest all-reduced among the workers
+    /// as DDP does. Takes DDP's and the PS's flags.
+    Hybrid,
 }
 
 impl Mode {
@@ -204,6 +208,7 @@ impl Mode {
             Mode::Ps => "ps",
             Mode::Ddp => "ddp",
             Mode::Zero1 => "zero1",
+            Mode::Hybrid => "hybrid",
         }
     }
 }

@@ -114,6 +114,8 @@ pub enum ModeConfig {
     Ddp(DdpConfig),
     /// `--mode zero1`.
     Zero1(Zero1Config),
+    /// `--mode hybrid`: DDP for all but the table, the table's servers.
+    Hybrid(DdpConfig, PsConfig),
 }
 
 impl ModeConfig {
@@ -125,6 +127,7 @@ impl ModeConfig {
             ModeConfig::Ps(_) => Mode::Ps.name(),
             ModeConfig::Ddp(_) => Mode::Ddp.name(),
             ModeConfig::Zero1(_) => Mode::Zero1.name(),
+            ModeConfig::Hybrid(..) => Mode::Hybrid.name(),
         }
     }
 
@@ -159,6 +162,12 @@ impl ModeConfig {
             ModeConfig::Local | ModeConfig::Dp(_) => Ok(()),
             ModeConfig::Ddp(c) => between_steps(c),
             ModeConfig::Zero1(c) => between_steps(&c.ddp),
+            ModeConfig::Hybrid(..) => {
+                Err("--mode hybrid's table lives on its servers, which keep their own \
+                                           checkpoints (gradsync-server --checkpoint); a worker's would hold \
+                                           only the rest of the model"
+                    .into())
+            }
             ModeConfig::Ps(_) => Err("the parameter server keeps its own checkpoints (gradsync-server \
                                       --checkpoint), and a worker's data position is not written yet"
                 .into()),
@@ -265,6 +274,18 @@ fn mode_config(args: &TrainArgs, run: &Run) -> anyhow::Result<ModeConfig> {
         slow.check(if args.mode == Mode::Dp { replicas } else { run.world })?;
     }
     // Compression is a property of the wire: modes without one (or not wired for it) refuse it.
+    if args.mode == Mode::Hybrid {
+        anyhow::ensure!(
+            run.model.table().is_some(),
+            "--mode hybrid puts a sparse model's embedding table on the servers, and {} has none; use \
+             --mode ps or ddp",
+            run.model.name
+        );
+        anyhow::ensure!(
+            args.compress.is_none(),
+            "--compress with --mode hybrid: the table's rows move as ids and f32 values; not compressed yet"
+        );
+    }
     if !args.compress.is_none() && !matches!(args.mode, Mode::Ps | Mode::Ddp) {
         anyhow::bail!(
             "--compress {} is for --mode ps and --mode ddp, not --mode {} (it compresses nothing)",
@@ -307,6 +328,20 @@ fn mode_config(args: &TrainArgs, run: &Run) -> anyhow::Result<ModeConfig> {
         }),
         Mode::Ps => ModeConfig::Ps(ps_config(&args.ps, args.compress, run)?),
         Mode::Ddp => ModeConfig::Ddp(ddp_config(&args.ddp, args.compress, run)?),
+        Mode::Hybrid => {
+            anyhow::ensure!(
+                args.ddp.sparse_grads == SparseGrads::Dense,
+                "--sparse-grads {} with --mode hybrid: the table's rows go to its servers",
+                args.ddp.sparse_grads.name()
+            );
+            let mut ddp = ddp_config(&args.ddp, args.compress, run)?;
+            anyhow::ensure!(
+                ddp.sync_every == 1,
+                "--mode hybrid pushes each step's rows: it needs --sync-every 1"
+            );
+            ddp.sparse_grads = SparseGrads::Servers;
+            ModeConfig::Hybrid(ddp, ps_config(&args.ps, args.compress, run)?)
+        }
         Mode::Zero1 => ModeConfig::Zero1(Zero1Config {
             ddp: ddp_config(&args.ddp, args.compress, run)?,
             // Every rank takes part in gathering what rank 0 saves.
@@ -325,6 +360,7 @@ pub fn strategy(run: &Run) -> anyhow::Result<Box<dyn Strategy>> {
         ModeConfig::Ps(c) => Box::new(Ps::new(c.clone())?),
         ModeConfig::Ddp(c) => Box::new(Ddp::connect(c.clone())?),
         ModeConfig::Zero1(c) => Box::new(Zero1::connect(c.clone())?),
+        ModeConfig::Hybrid(d, p) => Box::new(Ddp::connect_hybrid(d.clone(), p.clone())?),
     })
 }
 

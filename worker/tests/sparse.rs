@@ -240,6 +240,67 @@ fn the_parameter_server_moves_rows_by_id_and_ends_where_local_training_does() {
     assert!(s.iter().all(|v| v["loss"].as_f64().unwrap().is_finite() && v["rows"].as_u64().unwrap() > 0));
 }
 
+/// `--mode hybrid`: the table on servers that hold it alone, the rest all-reduced by the ring;
+/// two ranks (one table shard, then two) end where one process with the combined batch does.
+/// Servers and modes that do not fit together refuse each other by name.
+#[test]
+fn the_hybrid_keeps_the_table_on_servers_and_rings_the_rest() {
+    let dir = Scratch::new("sparse-hybrid");
+    let local = dir.join("local.ckpt");
+    let mut a: Vec<String> = ["train", "--mode", "local", "--batch", "16"].map(String::from).to_vec();
+    a.extend(common(&local));
+    run_ok(&a);
+    let l = params(&local);
+    let table_only = ["--table-only".to_string()];
+    for shards in [1, 2] {
+        let (_servers, addrs) = servers_with(shards, "bsp", &table_only);
+        let save = dir.join(format!("hybrid-{shards}.ckpt"));
+        let m = dir.join(format!("m-h{shards}-{{rank}}.jsonl")).display().to_string();
+        let mut a: Vec<String> = ["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "train"]
+            .map(String::from)
+            .to_vec();
+        a.extend(
+            ["--mode", "hybrid", "--servers", &addrs, "--batch", "8", "--comm-timeout", "30"]
+                .map(String::from),
+        );
+        a.extend(["--rpc-timeout", "30", "--metrics", &m].map(String::from));
+        a.extend(common(&save));
+        run_ok(&a);
+        let d = max_rel(&params(&save), &l);
+        assert!(d < 1e-5, "hybrid with {shards} table shard(s) differs from local by {d:e}");
+        let s = steps(&dir.join(format!("m-h{shards}-0.jsonl")));
+        assert_eq!(s.len(), 12);
+        // The rows go to the servers; the ring carries the rest (a few hundred values), far
+        // less than the table.
+        for v in &s {
+            let rows = v["rows"].as_u64().expect("a hybrid step records its rows");
+            assert!((1..=8 * 40).contains(&rows), "{rows} rows");
+            let sent = v["bytes_sent"].as_u64().unwrap();
+            assert!(
+                sent >= rows * (4 + 8 * 4) && sent < rows * (4 + 8 * 4) + 4000,
+                "{sent} bytes for {rows} rows"
+            );
+        }
+    }
+    // A hybrid worker against servers that hold the whole model, and a PS worker against
+    // servers that hold the table alone.
+    let save = dir.join("x.ckpt");
+    for (mode, extra, want) in
+        [("hybrid", &[][..], "start them with --table-only"), ("ps", &table_only[..], "for --mode hybrid")]
+    {
+        let (_servers, addrs) = servers_with(1, "bsp", extra);
+        let mut a: Vec<String> =
+            ["train", "--mode", mode, "--servers", &addrs, "--rpc-timeout", "10"].map(String::from).to_vec();
+        if mode == "hybrid" {
+            a.extend(["--master-port".into(), gradsync_testkit::process::free_port().to_string()]);
+        }
+        a.extend(common(&save));
+        let out = run(&a);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "{mode}: {err}");
+    }
+}
+
 /// A shard's rows are checkpointed beside its dense values and resumed with them: servers
 /// resumed from the checkpoint of the last step serve exactly the parameters the run ended
 /// with (rank 0's --save, which brings the whole table in). Without its rows' file a shard

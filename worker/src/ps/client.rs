@@ -45,6 +45,8 @@ pub struct PsClient {
     /// A sparse table's place in the flat buffer, its rows and values per row
     /// ([`PsClient::set_table`]).
     table: Option<(Range<usize>, usize, usize)>,
+    /// The servers hold the table alone (`--table-only`, for `--mode hybrid`).
+    table_only: bool,
 }
 
 impl PsClient {
@@ -124,6 +126,7 @@ impl PsClient {
             optimiser: None,
             compression: Compression::None,
             table: None,
+            table_only: false,
         })
     }
 
@@ -132,6 +135,12 @@ impl PsClient {
     /// moves by [`RowsStep`]s rather than with the dense values.
     pub fn set_table(&mut self, table: Option<(Range<usize>, usize, usize)>) {
         self.table = table;
+    }
+
+    /// The servers must hold the table alone (`gradsync-server --table-only`), its rows moved
+    /// by [`PsClient::rows_step`] while the rest of the model goes elsewhere (`--mode hybrid`).
+    pub fn set_table_only(&mut self, yes: bool) {
+        self.table_only = yes;
     }
 
     /// Announce pushes encoded as `c` (`--compress`) at the next [`PsClient::register`]; the
@@ -234,12 +243,27 @@ impl PsClient {
             anyhow::Ok(r.into_inner())
         }))
         .await?;
-        // The dense values: the whole buffer, or what the table at one end of it leaves.
-        let dense = match &self.table {
+        // The dense values: the whole buffer, or what the table at one end of it leaves; none
+        // on servers that hold the table alone.
+        let mut dense = match &self.table {
             None => 0..total,
             Some((t, ..)) if t.start == 0 => t.end..total,
             Some((t, ..)) => 0..t.start,
         };
+        let alone = replies.iter().all(|r| r.start == r.end) && !dense.is_empty();
+        anyhow::ensure!(
+            alone == self.table_only,
+            "--servers: {}",
+            if alone {
+                "they serve a sparse table alone (--table-only), for --mode hybrid; start them without \
+                 --table-only for --mode ps"
+            } else {
+                "--mode hybrid keeps only the table on the servers; start them with --table-only"
+            }
+        );
+        if alone {
+            dense = dense.start..dense.start;
+        }
         let (mut end, mut rows_end) = (dense.start, 0);
         for (i, (s, r)) in self.shards.iter_mut().zip(&replies).enumerate() {
             anyhow::ensure!(
@@ -255,8 +279,9 @@ impl PsClient {
                 s.addr,
                 r.total
             );
+            // (Servers that hold the table alone own no dense values, each at its own offset.)
             anyhow::ensure!(
-                r.start as usize == end,
+                alone || r.start as usize == end,
                 "{}: its range starts at {}, expected {end}",
                 s.addr,
                 r.start
@@ -284,6 +309,9 @@ impl PsClient {
             }
             s.range = r.start as usize..r.end as usize;
             s.version = r.version;
+            if alone {
+                s.range = end..end;
+            }
             // A server that announces no size (older ones) gets the size its range suggests.
             let announced = match r.chunk_bytes as usize {
                 0 => Tuning::chunk_for_shard(s.range.len() * 4),
@@ -296,7 +324,9 @@ impl PsClient {
                 self.limit
             );
             s.chunk = self.chunk_bytes.unwrap_or(announced);
-            end = r.end as usize;
+            if !alone {
+                end = r.end as usize;
+            }
         }
         anyhow::ensure!(
             end == dense.end,
@@ -511,21 +541,10 @@ impl PsClient {
         let o = self.opts();
         let dim = self.table.as_ref().map_or(0, |t| t.2);
         // Each shard's part of the step's rows: ids and values to push, ids to pull and where.
-        let mut parts: Vec<Option<ShardRows<'_>>> = Vec::new();
-        match rows {
-            None => parts.resize_with(self.shards.len(), || None),
-            Some(RowsStep { push: (ids, values), pull: (want, mut out) }) => {
-                anyhow::ensure!(dim > 0, "rows of a table, and the model has none");
-                for s in &self.shards {
-                    let (p, q) = (within(ids, &s.rows), within(want, &s.rows));
-                    let (mine, rest) = std::mem::take(&mut out).split_at_mut(q.len() * dim);
-                    out = rest;
-                    let values = &values[p.start * dim..p.end * dim];
-                    parts.push(Some(ShardRows { push: (&ids[p], values), pull: (&want[q], mine) }));
-                }
-                anyhow::ensure!(out.is_empty(), "rows to pull named outside the table's rows");
-            }
-        }
+        let parts: Vec<Option<ShardRows<'_>>> = match rows {
+            None => (0..self.shards.len()).map(|_| None).collect(),
+            Some(rows) => self.shard_rows(rows)?.into_iter().map(Some).collect(),
+        };
         let got = try_join_all(self.shards.iter().zip(sinks).zip(parts).map(|((s, mut sink), part)| {
             let o = &o;
             async move {
@@ -596,6 +615,59 @@ impl PsClient {
             s.version = g.2.0;
         }
         Ok((push, pull))
+    }
+
+    /// One step's rows alone, on servers that hold the table only ([`PsClient::set_table_only`]):
+    /// every shard gets its part of the rows to push, and under BSP pipelined its part of the
+    /// rows to pull is asked for at the version the step makes (answered as it commits);
+    /// otherwise pulled once the push is applied. Returns the push's and the pull's traffic.
+    pub async fn rows_step(&mut self, rows: RowsStep<'_>) -> anyhow::Result<(Transfer, Transfer)> {
+        let (t, pipelined, o) = (Instant::now(), self.pipelined(), self.opts());
+        let dim = self.table.as_ref().map_or(0, |t| t.2);
+        let parts = self.shard_rows(rows)?;
+        let got = try_join_all(self.shards.iter().zip(parts).map(
+            |(s, ShardRows { push: (ids, values), pull: (want, out) })| {
+                let o = &o;
+                async move {
+                    let push = push_rows(o, s, dim, s.version, ids, values);
+                    let (pushed, (version, pulled)) = if pipelined {
+                        let (a, b) =
+                            tokio::join!(push, pull_rows(o, s, dim, Some(s.version + 1), Some(want), out));
+                        (a?, b?)
+                    } else {
+                        let a = push.await?;
+                        (a, pull_rows(o, s, dim, None, Some(want), out).await?)
+                    };
+                    anyhow::Ok((pushed, version, pulled))
+                }
+            },
+        ))
+        .await?;
+        for (s, g) in self.shards.iter_mut().zip(&got) {
+            s.version = g.1;
+        }
+        let ms = ms_since(t);
+        Ok((
+            Transfer { bytes: got.iter().map(|g| g.0).sum(), ms, ..Transfer::default() },
+            Transfer { bytes: got.iter().map(|g| g.2).sum(), ms, ..Transfer::default() },
+        ))
+    }
+
+    /// Each shard's part of `rows` (ids ascending, counted in the whole table).
+    fn shard_rows<'a>(&self, rows: RowsStep<'a>) -> anyhow::Result<Vec<ShardRows<'a>>> {
+        let dim = self.table.as_ref().map_or(0, |t| t.2);
+        anyhow::ensure!(dim > 0, "rows of a table, and the model has none");
+        let RowsStep { push: (ids, values), pull: (want, mut out) } = rows;
+        let mut parts = Vec::with_capacity(self.shards.len());
+        for s in &self.shards {
+            let (p, q) = (within(ids, &s.rows), within(want, &s.rows));
+            let (mine, rest) = std::mem::take(&mut out).split_at_mut(q.len() * dim);
+            out = rest;
+            let values = &values[p.start * dim..p.end * dim];
+            parts.push(ShardRows { push: (&ids[p], values), pull: (&want[q], mine) });
+        }
+        anyhow::ensure!(out.is_empty(), "rows to pull named outside the table's rows");
+        Ok(parts)
     }
 
     /// Every row of the table, of each shard's current version, into `out` (the whole table,
@@ -677,6 +749,7 @@ impl PsClient {
             optimiser: self.optimiser.clone(),
             compression: self.compression,
             table: self.table.clone(),
+            table_only: self.table_only,
         }
     }
 }

@@ -32,4 +32,4 @@ pub use bulk::Transfer;
 pub use chunks::{ChunkSink, Encoded, Gradients, HostGrads, HostSlice, SharedGrads};
 pub use client::PsClient;
 pub use engine::EngineLink;
-pub use rows::RowsStep;
+pub use rows::{RowsStep, TableRows};

@@ -10,7 +10,9 @@
 //! own stream (under `--compress fp16|bf16` rounded to half precision and widened back there
 //! too); so the all-reduce runs while backward computes the earlier layers, on either device.
 //! What is left when backward ends is the *exposed* communication. How one bucket is reduced
-//! under `--compress` is `bucket.rs`; what DDP shares with ZeRO-1 is `shell.rs`.
+//! under `--compress` is `bucket.rs`; what DDP shares with ZeRO-1 is `shell.rs`. Under
+//! `--mode hybrid` a sparse model's table is left out of the buckets and moved by rows to its
+//! parameter servers instead (`hybrid.rs`).
 
 use gradsync_core::Engine;
 use gradsync_core::compress::Compression;
@@ -18,6 +20,8 @@ use gradsync_core::metrics::Step;
 use gradsync_core::net::BatchLoss;
 
 use super::bucket::BucketReduce;
+use super::hybrid::TablePs;
+use super::ps::PsConfig;
 use super::shell::{Backend, DdpConfig, Shell};
 use super::sparse::{RowGather, SparseGrads};
 use super::{Shape, Strategy, timed_span};
@@ -33,6 +37,8 @@ pub struct Ddp {
     sparse_grads: SparseGrads,
     /// The table's rows all-gathered (`--sparse-grads allgather`).
     rows: RowGather,
+    /// The table on its parameter servers (`--mode hybrid`).
+    table: Option<TablePs>,
 }
 
 impl Ddp {
@@ -52,7 +58,17 @@ impl Ddp {
             compression: c.compression,
             sparse_grads: c.sparse_grads,
             rows: RowGather::default(),
+            table: None,
         })
+    }
+
+    /// `--mode hybrid`: DDP among the workers for everything but a sparse model's table, which
+    /// lives on the servers of `ps` (started with `--table-only`).
+    pub fn connect_hybrid(c: DdpConfig, ps: PsConfig) -> anyhow::Result<Ddp> {
+        anyhow::ensure!(c.sparse_grads == SparseGrads::Servers, "--mode hybrid moves the table by rows");
+        // The servers first: a wrong address fails before the ranks meet.
+        let table = TablePs::connect(ps)?;
+        Ok(Ddp { table: Some(table), ..Ddp::connect(c)? })
     }
 }
 
@@ -64,6 +80,9 @@ impl Strategy for Ddp {
     fn start(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
         let (_, momentum) = self.shell.start(engine)?;
         engine.write_momentum(&momentum)?;
+        if let Some(t) = &mut self.table {
+            t.start(engine)?;
+        }
         self.state_bytes = engine.optimizer_state_bytes();
         Ok(())
     }
@@ -75,6 +94,11 @@ impl Strategy for Ddp {
         y: &[u32],
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
+        let fetch_ms = match &mut self.table {
+            Some(t) => t.ensure(engine, x, &self.shell.trace)?,
+            None => 0.0,
+        };
+        rec.comm_ms += fetch_ms;
         Shell::step(
             self,
             |d| &mut d.shell,
@@ -93,8 +117,11 @@ impl Strategy for Ddp {
                     &sh.trace,
                 )?;
                 rec.backward_ms = synced.backward_ms;
-                rec.comm_ms = synced.comm_ms;
-                rec.comm_exposed_ms = synced.exposed_ms;
+                rec.comm_ms += synced.comm_ms;
+                rec.comm_exposed_ms += synced.exposed_ms;
+                if let Some(t) = &mut d.table {
+                    t.exchange(engine, rec, &sh.trace)?;
+                }
                 if d.sparse_grads == SparseGrads::Allgather && engine.layout().table.is_some() {
                     // The table's gradient is ready last, so its rows travel once backward ends:
                     // all of that time is exposed.
@@ -114,13 +141,37 @@ impl Strategy for Ddp {
     }
 
     fn finish(&mut self, _engine: &mut Engine) -> anyhow::Result<()> {
+        if let Some(t) = &mut self.table {
+            t.finish()?;
+        }
         self.shell.finish()
+    }
+
+    fn looks_ahead(&self) -> bool {
+        self.table.is_some()
+    }
+
+    fn next_batch(&mut self, engine: &Engine, x: &[f32]) -> anyhow::Result<()> {
+        match &mut self.table {
+            Some(t) => t.next_batch(engine, x),
+            None => Ok(()),
+        }
+    }
+
+    fn sync_params(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
+        match &mut self.table {
+            Some(t) => t.sync(engine),
+            None => Ok(()),
+        }
     }
 
     fn describe(&self) -> (String, serde_json::Map<String, serde_json::Value>) {
         let mut m = serde_json::Map::new();
         m.insert("compression".into(), self.compression.to_string().into());
         m.insert("sparse_grads".into(), self.sparse_grads.name().into());
+        if let Some(t) = &self.table {
+            m.insert("servers".into(), t.servers().to_vec().into());
+        }
         super::describe_memory(&mut m, self.state_bytes);
         let v = self.shell.describe(&mut m);
         (v, m)

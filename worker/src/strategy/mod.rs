@@ -7,11 +7,13 @@
 //! takes its own typed configuration; [`crate::setup`] builds it from the flags. `shell.rs` is
 //! what DDP and ZeRO-1 share (connection, initial broadcast, the start and end of a step);
 //! `bucket.rs` is how DDP reduces one bucket under `--compress` (the f32 or half-precision
-//! all-reduce, or top-k all-gathered), the work DDP hands the communicator for each bucket.
+//! all-reduce, or top-k all-gathered), the work DDP hands the communicator for each bucket;
+//! `hybrid.rs` a sparse model's table on parameter servers beside DDP (`--mode hybrid`).
 
 mod bucket;
 mod ddp;
 mod dp;
+mod hybrid;
 mod local;
 pub mod ps;
 mod shell;

@@ -14,14 +14,14 @@ use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::compress::{Compression, Half, Sparse, TopK};
 use gradsync_core::metrics::Step;
-use gradsync_core::net::{BatchLoss, RowsOf};
+use gradsync_core::net::BatchLoss;
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 use gradsync_proto::SyncMode;
 use gradsync_proto::tuning::Tuning;
 
 use super::{Shape, Strategy, forward, ms_since};
-use crate::ps::{Encoded, EngineLink, PsClient, RowsStep};
+use crate::ps::{Encoded, EngineLink, PsClient, TableRows};
 
 /// `--mode ps`: the [`Strategy`].
 pub struct Ps {
@@ -42,20 +42,6 @@ pub struct Ps {
     host: Vec<f32>,
     /// A model with a sparse table: what moves its rows.
     rows: Option<TableRows>,
-}
-
-/// A sparse table's rows between steps: each step pushes the gradients of the rows its batch
-/// named and pulls the rows of the next batch (known ahead, [`Strategy::next_batch`]), so the
-/// rows a forward pass reads are always of the version the step before made.
-#[derive(Debug, Default)]
-struct TableRows {
-    dim: usize,
-    /// The rows the next batch names.
-    next: Vec<u32>,
-    /// The rows whose values in the engine are of the current version (pulled for this batch).
-    fresh: Option<Vec<u32>>,
-    grads: Vec<f32>,
-    pulled: Vec<f32>,
 }
 
 /// `--compress` as a push applies it.
@@ -156,21 +142,6 @@ impl Ps {
             rows: None,
         })
     }
-
-    /// Make the engine's rows of batch `x` current before its forward pass, unless the step
-    /// before pulled them: on the first step, and after a step that could not look ahead.
-    fn ensure_rows(&mut self, engine: &mut Engine, x: &[f32]) -> anyhow::Result<u64> {
-        let Some(tr) = &mut self.rows else { return Ok(0) };
-        let want = engine.rows_of(x)?;
-        if tr.fresh.as_ref() == Some(&want) {
-            return Ok(0);
-        }
-        tr.pulled.resize(want.len() * tr.dim, 0.0);
-        let got = self.rt.block_on(self.client.pull_rows(&want, &mut tr.pulled))?;
-        engine.write_rows(RowsOf::Params, &want, &tr.pulled)?;
-        tr.fresh = Some(want);
-        Ok(got.bytes)
-    }
 }
 
 impl Strategy for Ps {
@@ -186,7 +157,7 @@ impl Strategy for Ps {
                 "--compress with a sparse table: its rows move as ids and f32 values; push them uncompressed"
             );
             self.client.set_table(Some((t.range.clone(), t.rows, t.dim)));
-            self.rows = Some(TableRows { dim: t.dim, ..TableRows::default() });
+            self.rows = Some(TableRows::new(t.dim));
         }
         if let Codec::TopK(ratio, residual, _) = &mut self.codec {
             *residual = Some(TopK::new(*ratio, n));
@@ -219,7 +190,10 @@ impl Strategy for Ps {
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
         let t_rows = Instant::now();
-        let fetched = self.ensure_rows(engine, x)?;
+        let fetched = match &mut self.rows {
+            Some(tr) => self.rt.block_on(tr.ensure(&mut self.client, engine, x))?,
+            None => 0,
+        };
         if fetched > 0 {
             self.trace.span("pull rows", "comm", "comm", t_rows);
         }
@@ -252,15 +226,9 @@ impl Strategy for Ps {
         };
         let (t_comm, push, mut pull) = match (&grads, &mut self.rows) {
             (None, Some(tr)) => {
-                let named = engine.batch_rows().to_vec();
-                tr.grads.resize(named.len() * tr.dim, 0.0);
-                engine.read_rows(RowsOf::Grads, &named, &mut tr.grads)?;
-                tr.pulled.resize(tr.next.len() * tr.dim, 0.0);
-                let step = RowsStep { push: (&named, &tr.grads), pull: (&tr.next, &mut tr.pulled) };
-                let got = self.rt.block_on(self.link.exchange_rows(&mut self.client, engine, step))?;
-                engine.write_rows(RowsOf::Params, &tr.next, &tr.pulled)?;
-                rec.rows = Some(named.len() as u64);
-                tr.fresh = Some(std::mem::take(&mut tr.next));
+                rec.rows = Some(tr.stage(engine)? as u64);
+                let got = self.rt.block_on(self.link.exchange_rows(&mut self.client, engine, tr.step()))?;
+                tr.land(engine)?;
                 got
             }
             (None, None) => self.rt.block_on(self.link.exchange(&mut self.client, engine))?,
@@ -300,18 +268,16 @@ impl Strategy for Ps {
     }
 
     fn next_batch(&mut self, engine: &Engine, x: &[f32]) -> anyhow::Result<()> {
-        if let Some(tr) = &mut self.rows {
-            tr.next = engine.rows_of(x)?;
+        match &mut self.rows {
+            Some(tr) => tr.set_next(engine, x),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     fn sync_params(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
-        let Some(tr) = &mut self.rows else { return Ok(()) };
-        let table = engine.layout().table.clone().context("a model with rows has a table")?;
-        tr.pulled.resize(table.range.len(), 0.0);
-        self.rt.block_on(self.client.pull_all_rows(&mut tr.pulled))?;
-        engine.write_params(table.range.start, &tr.pulled)?;
+        if let Some(tr) = &mut self.rows {
+            self.rt.block_on(tr.sync(&mut self.client, engine))?;
+        }
         Ok(())
     }
 

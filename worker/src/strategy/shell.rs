@@ -136,7 +136,7 @@ impl Shell {
             sync_bn: c.sync_bn,
             trace: c.trace.clone(),
             plan: None,
-            rows_apart: c.sparse_grads == super::sparse::SparseGrads::Allgather,
+            rows_apart: c.sparse_grads != super::sparse::SparseGrads::Dense,
         })
     }
 
@@ -200,8 +200,9 @@ impl Shell {
             let scale = 1.0 / (sh.world as f32 * sh.sync_every as f32);
             sync(this, engine, &StepCtx { plan: &plan, accumulate, scale }, rec)?;
             let moved = shell(this).comm.get().traffic() - before;
-            rec.bytes_sent = moved.sent;
-            rec.bytes_recv = moved.recv;
+            // Added: a strategy may have counted traffic of its own (a table's rows).
+            rec.bytes_sent += moved.sent;
+            rec.bytes_recv += moved.recv;
             Ok(loss)
         })();
         shell(this).plan = Some(plan);

@@ -22,6 +22,10 @@ pub enum SparseGrads {
     /// The rows each rank's batch named all-gathered as (id, values) and summed (DDP with
     /// `sparse=True`).
     Allgather,
+    /// The rows pushed to and pulled from parameter servers that hold the table
+    /// (`--mode hybrid`; not a `--sparse-grads` value).
+    #[value(skip)]
+    Servers,
 }
 
 impl SparseGrads {
@@ -30,6 +34,7 @@ impl SparseGrads {
         match self {
             SparseGrads::Dense => "dense",
             SparseGrads::Allgather => "allgather",
+            SparseGrads::Servers => "servers",
         }
     }
 }
