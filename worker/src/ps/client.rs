@@ -41,6 +41,10 @@ pub struct PsClient {
     optimiser: Option<(SgdConfig, String)>,
     /// How pushes are encoded (`--compress`), announced at registration.
     compression: Compression,
+    /// Register as a rank coming back after a restart ([`PsClient::set_rejoin`]).
+    rejoin: bool,
+    /// The version this rank's first gradient must be computed from, once registered.
+    join: u64,
 }
 
 impl PsClient {
@@ -118,7 +122,65 @@ impl PsClient {
             pipeline: true,
             optimiser: None,
             compression: Compression::None,
+            rejoin: false,
+            join: 0,
         })
+    }
+
+    /// Register as a rank coming back after its process was restarted (`--resume`): the
+    /// servers take it back under its rank, in the step in progress if it was still
+    /// registered, from the next step if it had left or been dropped
+    /// ([`PsClient::join_version`]).
+    pub fn set_rejoin(&mut self, on: bool) {
+        self.rejoin = on;
+    }
+
+    /// The version this rank's first gradient must be computed from, known once registered:
+    /// the servers' version, or the next one when it came back during a step that does not
+    /// wait for it.
+    pub fn join_version(&self) -> u64 {
+        self.join
+    }
+
+    /// Each shard's version of the parameters this worker holds, with its address.
+    pub fn versions(&self) -> Vec<(String, u64)> {
+        self.shards.iter().map(|s| (s.addr.clone(), s.version)).collect()
+    }
+
+    /// The version of the parameters this worker holds (the lowest shard's).
+    pub fn version(&self) -> u64 {
+        self.shards.iter().map(|s| s.version).min().unwrap_or(0)
+    }
+
+    /// [`PsClient::pull_version_into`] the whole flat buffer `params`.
+    pub async fn pull_version(&mut self, params: &mut [f32], want: u64) -> anyhow::Result<Transfer> {
+        self.check_len("pull", params.len())?;
+        let sinks = self.split(params).into_iter().map(HostSlice).collect();
+        self.pull_version_into(sinks, want).await
+    }
+
+    /// Pull version `want` of every shard into `sinks` (one per shard, in shard order), as the
+    /// servers make it when it is the next one (a BSP step in progress), at once when it is
+    /// the current one.
+    pub async fn pull_version_into<S: ChunkSink>(
+        &mut self,
+        sinks: Vec<S>,
+        want: u64,
+    ) -> anyhow::Result<Transfer> {
+        anyhow::ensure!(sinks.len() == self.shards.len(), "one destination per shard");
+        let t = Instant::now();
+        let o = self.opts();
+        let got = try_join_all(self.shards.iter().zip(sinks).map(|(s, mut dst)| {
+            let o = &o;
+            // A shard already past `want` sends its current version.
+            let ask = (s.version < want).then_some(want);
+            async move { pull_shard(o, s, &mut dst, ask).await }
+        }))
+        .await?;
+        for (s, (v, _)) in self.shards.iter_mut().zip(&got) {
+            s.version = *v;
+        }
+        Ok(Transfer { bytes: got.iter().map(|g| g.1).sum(), ms: ms_since(t), ..Transfer::default() })
     }
 
     /// Announce pushes encoded as `c` (`--compress`) at the next [`PsClient::register`]; the
@@ -209,18 +271,39 @@ impl PsClient {
         let timeout = self.timeout;
         let n = self.shards.len();
         let compression = &self.compression.to_string();
-        let replies = try_join_all(self.shards.iter_mut().map(|s| async move {
-            let req = RegisterRequest {
-                rank: rank as u32,
-                world_size: world as u32,
-                fingerprint: fingerprint.into(),
-                compression: compression.clone(),
-            };
-            let r =
-                deadline(timeout, &s.addr, "Register", s.rpc.client.register(request(req, timeout))).await?;
+        let rejoin = self.rejoin;
+        let req = |join_at: u64| RegisterRequest {
+            rank: rank as u32,
+            world_size: world as u32,
+            fingerprint: fingerprint.into(),
+            compression: compression.clone(),
+            rejoin,
+            join_at,
+        };
+        let mut replies = try_join_all(self.shards.iter_mut().map(|s| async move {
+            let r = deadline(timeout, &s.addr, "Register", s.rpc.client.register(request(req(0), timeout)))
+                .await?;
             anyhow::Ok(r.into_inner())
         }))
         .await?;
+        // A rank that came back while some shards had begun a step without it and others had
+        // not: every shard must expect it from the same step, the latest.
+        let join = replies.iter().map(|r| r.join_version.max(r.version)).max().unwrap_or(0);
+        if rejoin {
+            for (s, r) in self.shards.iter_mut().zip(replies.iter_mut()) {
+                if r.join_version.max(r.version) < join {
+                    *r = deadline(
+                        timeout,
+                        &s.addr,
+                        "Register",
+                        s.rpc.client.register(request(req(join), timeout)),
+                    )
+                    .await?
+                    .into_inner();
+                }
+            }
+        }
+        self.join = join;
         let mut end = 0;
         for (i, (s, r)) in self.shards.iter_mut().zip(&replies).enumerate() {
             anyhow::ensure!(
@@ -510,6 +593,8 @@ impl PsClient {
             pipeline: self.pipeline,
             optimiser: self.optimiser.clone(),
             compression: self.compression,
+            rejoin: self.rejoin,
+            join: self.join,
         }
     }
 }
