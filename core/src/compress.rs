@@ -281,6 +281,12 @@ impl TopK {
         TopK { ratio, residual: vec![0.0; n], order: Vec::new() }
     }
 
+    /// Top-k of `ratio` carrying on from `residual` (what a checkpoint kept of an earlier
+    /// run's), over buffers of its length.
+    pub fn with_residual(ratio: f64, residual: Vec<f32>) -> Self {
+        TopK { ratio, residual, order: Vec::new() }
+    }
+
     /// The values each call selects.
     pub fn k(&self) -> usize {
         topk_count(self.ratio, self.residual.len())

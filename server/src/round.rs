@@ -77,6 +77,8 @@ struct Contribution {
     received: usize,
     /// When the stream ended cleanly, and its payload bytes.
     done: Option<(Instant, u64)>,
+    /// Which push this is ([`Round::serial`]).
+    serial: u64,
 }
 
 #[derive(Debug)]
@@ -97,6 +99,8 @@ struct Inner {
     /// A sparse table's rows, by rank, as each rank's PushRows delivered them in full (when,
     /// and their bytes).
     rows: BTreeMap<usize, (Instant, u64, Rows)>,
+    /// Pushes joined so far: each contribution's serial.
+    joins: u64,
 }
 
 /// The buffers one stepper writes; only the task holding `Inner::stepping` locks this.
@@ -275,6 +279,7 @@ impl Round {
                 refused: BTreeSet::new(),
                 heard: Instant::now(),
                 rows: BTreeMap::new(),
+                joins: 0,
             }),
             work: StdMutex::new(w),
             progress: watch::channel(Progress::default()).0,
@@ -352,7 +357,17 @@ impl Round {
                 why: format!("a second gradient for version {}", self.version - 1),
             });
         }
-        g.ranks.insert(rank, Contribution::default());
+        if !g.expected.contains(&rank) {
+            // A rank that came back while this step was under way: it joins the next one.
+            return Err(Error::Membership(format!(
+                "rank {rank} is not expected in the step to version {} (it came back after the step began); \
+                 push from version {}",
+                self.version, self.version
+            )));
+        }
+        g.joins += 1;
+        let serial = g.joins;
+        g.ranks.insert(rank, Contribution { serial, ..Contribution::default() });
         g.heard = Instant::now();
         if g.refused.remove(&rank) {
             self.publish(&g, None);
@@ -457,6 +472,22 @@ impl Round {
         let mut g = lock(&self.inner);
         g.rows.remove(&rank);
         if g.ranks.remove(&rank).is_some() {
+            self.invalidate(&mut g);
+        }
+    }
+
+    /// Which push of `rank` the round holds (`None`: none): a push whose stream fails
+    /// withdraws its own gradient only ([`Round::remove_push`]), not that of the same rank's
+    /// process restarted meanwhile.
+    pub fn serial(&self, rank: usize) -> Option<u64> {
+        lock(&self.inner).ranks.get(&rank).map(|c| c.serial)
+    }
+
+    /// [`Round::remove`], if the round still holds push `serial` of `rank`.
+    pub fn remove_push(&self, rank: usize, serial: Option<u64>) {
+        let mut g = lock(&self.inner);
+        if serial.is_some() && g.ranks.get(&rank).map(|c| c.serial) == serial {
+            g.ranks.remove(&rank);
             self.invalidate(&mut g);
         }
     }
@@ -889,6 +920,37 @@ mod tests {
         assert_ne!(addrs[3][1], addrs[1][1], "built over a block a pull still holds");
         let (chunk, bits) = held.unwrap();
         assert_eq!(chunk.message().to_vec(), bits);
+    }
+
+    /// A failed push withdraws its own gradient only: once the rank's restarted process has
+    /// joined again, the old push's failure leaves the new one in the round. A rank the round
+    /// does not expect (back after it began) is refused.
+    #[test]
+    fn a_failed_push_withdraws_only_its_own_gradient() {
+        let n = 100;
+        let cfg = SgdConfig { lr: 0.5, momentum: 0.0, weight_decay: 0.0 };
+        let start = Start {
+            params: Params::from_values(vec![1.0; n]),
+            momentum: Arc::new(vec![0.0; n]),
+            ..Start::default()
+        };
+        let round = Round::new(1, start, 40, cfg, [0, 1].into());
+        round.join(0).unwrap();
+        let old = round.serial(0);
+        round.add(0, 0, le(&[2.0; 30]));
+        // The process died; its comeback withdraws the gradient and pushes again.
+        round.remove(0);
+        round.join(0).unwrap();
+        round.add(0, 0, le(&vec![2.0; n]));
+        // The old push's stream now fails: nothing of the new push goes.
+        round.remove_push(0, old);
+        assert!(round.has(0));
+        assert!(!round.done(0, 400));
+        round.join(1).unwrap();
+        round.add(1, 0, le(&vec![2.0; n]));
+        assert!(round.done(1, 400));
+        let err = round.join(2).unwrap_err().to_string();
+        assert!(err.contains("rank 2 is not expected in the step to version 1"), "{err}");
     }
 
     /// A contributor withdrawn after blocks were stepped throws them away (epoch bump) and the

@@ -130,13 +130,15 @@ impl Service {
         let first = self.first_chunk(&mut stream).await?;
         let (rank, base) = (rank_of(first.rank), first.base_version);
         let round = self.state.lock().await.join_round(&self.shared, rank, base)?;
+        let serial = round.serial(rank);
         let check = wire::Reassembly::checking(self.shared.range.len());
         let fed = self.read(rank, base, first, stream, check, |at, data| round.add(rank, at, data)).await;
         let bytes = match fed {
             Ok(b) => b,
             Err(e) => {
-                // Withdrawn: blocks already stepped with it are thrown away.
-                round.remove(rank);
+                // Withdrawn: blocks already stepped with it are thrown away (unless this rank's
+                // restarted process has pushed again meanwhile).
+                round.remove_push(rank, serial);
                 return Err(e);
             }
         };
@@ -542,8 +544,12 @@ impl ParameterServer for Service {
         let r = req.into_inner();
         let sh = &self.shared;
         check_compression(sh, rank_of(r.rank), &r.compression)?;
-        let reg =
-            self.state.lock().await.register(sh, rank_of(r.rank), r.world_size as usize, &r.fingerprint)?;
+        let (rank, world) = (rank_of(r.rank), r.world_size as usize);
+        let reg = if r.rejoin {
+            self.state.lock().await.rejoin(sh, rank, world, &r.fingerprint, r.join_at)?
+        } else {
+            self.state.lock().await.register(sh, rank, world, &r.fingerprint)?
+        };
         Ok(Response::new(RegisterReply {
             shard: sh.cfg.shard.index as u32,
             shards: sh.cfg.shard.count as u32,
@@ -561,6 +567,7 @@ impl ParameterServer for Service {
             rows_start: sh.table.as_ref().map_or(0, |t| t.rows.start as u64),
             rows_end: sh.table.as_ref().map_or(0, |t| t.rows.end as u64),
             row_len: sh.table.as_ref().map_or(0, |t| t.dim as u32),
+            join_version: reg.join,
         }))
     }
 

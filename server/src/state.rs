@@ -119,6 +119,9 @@ pub struct State {
     world: Option<usize>,
     members: BTreeMap<usize, Member>,
     departed: BTreeSet<usize>,
+    /// Ranks that came back ([`State::rejoin`]) and are expected only from the step built on
+    /// this version on.
+    joining: BTreeMap<usize, u64>,
     /// SSP: each held push's rank and the slowest rank it is held for, so the update that
     /// releases it can name the straggler (`waited_for`).
     ssp_held: BTreeMap<usize, usize>,
@@ -146,6 +149,8 @@ pub enum PullSource {
 pub struct Registered {
     /// The server's version.
     pub version: u64,
+    /// The version the rank's first gradient must be computed from.
+    pub join: u64,
 }
 
 impl State {
@@ -230,6 +235,7 @@ impl State {
             world: None,
             members: BTreeMap::new(),
             departed: BTreeSet::new(),
+            joining: BTreeMap::new(),
             ssp_held: BTreeMap::new(),
             metrics,
             last_checkpoint: version,
@@ -256,7 +262,9 @@ impl State {
 
     /// Ranks the run expects: every rank of the world that has not left or been dropped.
     fn expected(&self) -> impl Iterator<Item = usize> + '_ {
-        (0..self.world.unwrap_or(0)).filter(|r| !self.departed.contains(r))
+        (0..self.world.unwrap_or(0))
+            .filter(|r| !self.departed.contains(r))
+            .filter(|r| self.joining.get(r).is_none_or(|&from| self.version >= from))
     }
 
     /// `rank` joins as one of `world` with the model `fingerprint`.
@@ -302,7 +310,68 @@ impl State {
         self.members.insert(rank, Member { last_seen: Instant::now(), clock });
         sh.bump();
         tracing::info!(rank, world, version = self.version, "registered");
-        Ok(Registered { version: self.version })
+        Ok(Registered { version: self.version, join: self.version })
+    }
+
+    /// `rank` comes back after its process was restarted (`--resume`). A rank still
+    /// registered (it died without leaving) is taken back in place: whatever it had pushed
+    /// into the step in progress is thrown away (that process is gone; the new one pushes the
+    /// step again) and the step keeps waiting for it. A rank that left or was dropped joins
+    /// again at the next step: a step already under way does not wait for it. `join_at` (0:
+    /// none) defers the rank to that version's step, so that every shard expects it from the
+    /// same one. Anything else is an ordinary [`State::register`].
+    pub fn rejoin(
+        &mut self,
+        sh: &Shared,
+        rank: usize,
+        world: usize,
+        fingerprint: &str,
+        join_at: u64,
+    ) -> Result<Registered> {
+        if self.closing {
+            return Err(Error::ShuttingDown);
+        }
+        // Out of the membership for the ordinary checks (fingerprint, world), back on failure.
+        let member = self.members.remove(&rank);
+        let departed = self.departed.remove(&rank);
+        if let Err(e) = self.register(sh, rank, world, fingerprint) {
+            if let Some(m) = member {
+                self.members.insert(rank, m);
+            }
+            if departed {
+                self.departed.insert(rank);
+            }
+            return Err(e);
+        }
+        let open = self.round.clone().filter(|r| !r.ended());
+        if member.is_some()
+            && let Some(round) = &open
+        {
+            round.remove(rank);
+        }
+        // A step under way waits for a returning member (it is expected there), not for a
+        // rank that had left (it is not).
+        let mut join = if departed && open.is_some() { self.version + 1 } else { self.version };
+        join = join.max(join_at);
+        if join > self.version {
+            self.joining.insert(rank, join);
+        } else {
+            self.joining.remove(&rank);
+        }
+        if let Some(round) = open
+            && round.set_expected(self.expected().collect())
+        {
+            self.commit(sh);
+        }
+        tracing::warn!(
+            rank,
+            version = self.version,
+            join,
+            "rank {rank} came back ({}); its gradients are expected from version {join} on",
+            if member.is_some() { "its process was restarted" } else { "it had left or was dropped" }
+        );
+        sh.bump();
+        Ok(Registered { version: self.version, join })
     }
 
     /// Note that `rank` is alive; errors if it is not registered.

@@ -99,6 +99,10 @@ pub struct RunState {
     pub first_loss: f64,
     /// What a resumed run must match.
     pub identity: Identity,
+    /// Under BSP on parameter servers, the servers' version after this step (the parameters
+    /// the worker held): a resumed worker's step is found from the servers' version then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_version: Option<u64>,
     /// SHA-256 of each file of the checkpoint, by name.
     pub files: std::collections::BTreeMap<String, String>,
     /// gradsync's version.
@@ -109,6 +113,32 @@ const FORMAT: u32 = 1;
 const MODEL: &str = "model.safetensors";
 const OPTIMIZER: &str = "optimizer.safetensors";
 const RUN: &str = "run.json";
+const STATE: &str = "state.safetensors";
+
+/// What one checkpoint holds besides its run state.
+#[derive(Default)]
+pub struct Contents<'a> {
+    /// The engine, where it holds the run's parameters (every mode but PS, whose servers do).
+    pub engine: Option<&'a Engine>,
+    /// The whole optimiser state, where the engine does not hold it (ZeRO-1's gathered shards).
+    pub momentum: Option<&'a [f32]>,
+    /// What the strategy keeps between steps (top-k residuals), as
+    /// [`crate::strategy::Strategy::checkpoint_state`] gave it.
+    pub state: Option<Tensors>,
+    /// See [`RunState::server_version`].
+    pub server_version: Option<u64>,
+}
+
+/// A checkpoint a run resumes from.
+#[derive(Debug)]
+pub struct Restored {
+    /// Its folder.
+    pub path: PathBuf,
+    /// Its run state.
+    pub state: RunState,
+    /// What the strategy kept ([`Contents::state`]).
+    pub extra: Option<Tensors>,
+}
 
 /// The folder name of the checkpoint after `step` steps (zero-padded, so names sort by step).
 fn folder(step: u64) -> String {
@@ -163,6 +193,19 @@ impl Checkpoints {
         first_loss: f64,
         identity: &Identity,
     ) -> anyhow::Result<PathBuf> {
+        let contents = Contents { engine: Some(engine), momentum, ..Contents::default() };
+        self.write_contents(contents, step, epoch, first_loss, identity)
+    }
+
+    /// [`Checkpoints::write`] of whatever `contents` holds.
+    pub fn write_contents(
+        &self,
+        contents: Contents<'_>,
+        step: u64,
+        epoch: u64,
+        first_loss: f64,
+        identity: &Identity,
+    ) -> anyhow::Result<PathBuf> {
         let name = folder(step);
         let fin = self.dir.join(&name);
         let tmp = self.dir.join(format!(".{name}.tmp-{}", std::process::id()));
@@ -173,9 +216,15 @@ impl Checkpoints {
             }
             std::fs::create_dir(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
             let mut files = std::collections::BTreeMap::new();
-            for (file, tensors) in
-                [(MODEL, engine.state_dict()?), (OPTIMIZER, momentum_tensors(engine, momentum)?)]
-            {
+            let mut written = Vec::new();
+            if let Some(engine) = contents.engine {
+                written.push((MODEL, engine.state_dict()?));
+                written.push((OPTIMIZER, momentum_tensors(engine, contents.momentum)?));
+            }
+            if let Some(t) = contents.state {
+                written.push((STATE, t));
+            }
+            for (file, tensors) in written {
                 let bytes = state_dict::to_bytes(&tmp.join(file), &tensors, &[])?;
                 write_synced(&tmp.join(file), &bytes)
                     .with_context(|| format!("writing {file} in {}", tmp.display()))?;
@@ -187,6 +236,7 @@ impl Checkpoints {
                 epoch,
                 first_loss,
                 identity: identity.clone(),
+                server_version: contents.server_version,
                 files,
                 version: gradsync_core::VERSION.into(),
             };
@@ -281,19 +331,21 @@ impl Checkpoints {
     }
 
     /// Continue from the newest checkpoint (`--resume`): its state into `engine` after checking
-    /// it was written by a run like this one. Returns its state; `None` when there is none
-    /// (the run starts from the beginning).
-    pub fn restore(&self, engine: &mut Engine, identity: &Identity) -> anyhow::Result<Option<RunState>> {
+    /// it was written by a run like this one. Returns it; `None` when there is none (the run
+    /// starts from the beginning).
+    pub fn restore(&self, engine: &mut Engine, identity: &Identity) -> anyhow::Result<Option<Restored>> {
         self.clear_interrupted()?;
-        let Some((path, Verified { state, model: tensors, optimizer: saved })) = self.newest()? else {
+        let Some((path, v)) = self.newest()? else {
             return Ok(None);
         };
-        if let Some(diff) = identity.difference(&state.identity) {
+        Self::check(&path, identity, &v.state)?;
+        let (Some(tensors), Some(saved)) = (v.model, v.optimizer) else {
             anyhow::bail!(
-                "--resume {}: written by a run with {diff}; resume with the same settings",
-                path.display()
+                "--resume {}: holds no model (a parameter-server worker's checkpoint); resume with --mode {}",
+                path.display(),
+                v.state.identity.mode
             );
-        }
+        };
         let (params, buffers) = state_dict::to_model(&path.join(MODEL), engine.layout(), &tensors)?;
         engine.write_params(0, &params)?;
         if let Some(b) = buffers {
@@ -323,7 +375,65 @@ impl Checkpoints {
             m[t.range.clone()].copy_from_slice(&e.to_f32());
         }
         engine.write_momentum(&m)?;
-        Ok(Some(state))
+        Ok(Some(Restored { path, state: v.state, extra: v.state_tensors }))
+    }
+
+    /// Continue a parameter-server worker (`--resume`): its own newest checkpoint, which holds
+    /// no parameters (the servers do). Under BSP the servers are at version `servers` (`None`
+    /// under ASP and SSP, whose versions do not count steps): a checkpoint written after the
+    /// servers' version is passed over (the servers resumed from an older checkpoint of their
+    /// own), and none written at or before it is refused naming both.
+    pub fn restore_worker(
+        &self,
+        identity: &Identity,
+        servers: Option<u64>,
+    ) -> anyhow::Result<Option<Restored>> {
+        self.clear_interrupted()?;
+        let mut ahead = Vec::new();
+        for (_, path) in self.listed()?.into_iter().rev() {
+            let v = match verify(&path) {
+                Ok(v) => v,
+                Err(e) => {
+                    eprintln!("gradsync: --resume: passing over {}: {e:#}", path.display());
+                    continue;
+                }
+            };
+            Self::check(&path, identity, &v.state)?;
+            if let (Some(at), Some(theirs)) = (v.state.server_version, servers)
+                && at > theirs
+            {
+                eprintln!(
+                    "gradsync: --resume: passing over {}: written at the servers' version {at} (step {}), the \
+                     servers are at version {theirs}",
+                    path.display(),
+                    v.state.step
+                );
+                ahead.push((v.state.step, at));
+                continue;
+            }
+            return Ok(Some(Restored { path, state: v.state, extra: v.state_tensors }));
+        }
+        if let (Some(theirs), Some((step, at))) = (servers, ahead.last()) {
+            anyhow::bail!(
+                "--resume {}: this worker's oldest checkpoint (step {step}) was written at the servers' version \
+                 {at}, and the servers are at version {theirs}: they resumed from an older checkpoint than any \
+                 this worker kept, so the two do not meet. Resume the servers from a checkpoint at version {at} \
+                 or later, or start the workers without --resume",
+                self.dir.display()
+            );
+        }
+        Ok(None)
+    }
+
+    /// Refuse a checkpoint written by a run unlike this one, naming the differences.
+    fn check(path: &Path, identity: &Identity, state: &RunState) -> anyhow::Result<()> {
+        if let Some(diff) = identity.difference(&state.identity) {
+            anyhow::bail!(
+                "--resume {}: written by a run with {diff}; resume with the same settings",
+                path.display()
+            );
+        }
+        Ok(())
     }
 }
 
@@ -339,8 +449,9 @@ fn tracked_count(e: &Entry) -> Option<u64> {
 /// file matched its checksum.
 struct Verified {
     state: RunState,
-    model: Tensors,
-    optimizer: Tensors,
+    model: Option<Tensors>,
+    optimizer: Option<Tensors>,
+    state_tensors: Option<Tensors>,
 }
 
 /// Read the checkpoint in `path`, checking its format and each file's checksum.
@@ -348,17 +459,21 @@ fn verify(path: &Path) -> anyhow::Result<Verified> {
     let json = std::fs::read(path.join(RUN)).with_context(|| format!("reading {RUN}"))?;
     let state: RunState = serde_json::from_slice(&json).with_context(|| format!("parsing {RUN}"))?;
     anyhow::ensure!(state.format == FORMAT, "format {} (this gradsync reads {FORMAT})", state.format);
-    let read = |file: &str| -> anyhow::Result<Tensors> {
-        let want = state.files.get(file).with_context(|| format!("{RUN} names no checksum for {file}"))?;
+    let read = |file: &str| -> anyhow::Result<Option<Tensors>> {
+        let Some(want) = state.files.get(file) else { return Ok(None) };
         let bytes = std::fs::read(path.join(file)).with_context(|| format!("reading {file}"))?;
         anyhow::ensure!(
             &sha256(&bytes) == want,
             "{file} does not match its checksum (a torn or altered file)"
         );
-        Ok(state_dict::from_bytes(&path.join(file), &bytes)?)
+        Ok(Some(state_dict::from_bytes(&path.join(file), &bytes)?))
     };
-    let (model, optimizer) = (read(MODEL)?, read(OPTIMIZER)?);
-    Ok(Verified { state, model, optimizer })
+    let (model, optimizer, state_tensors) = (read(MODEL)?, read(OPTIMIZER)?, read(STATE)?);
+    anyhow::ensure!(
+        model.is_some() == optimizer.is_some(),
+        "{RUN} names only one of {MODEL} and {OPTIMIZER}"
+    );
+    Ok(Verified { state, model, optimizer, state_tensors })
 }
 
 #[cfg(test)]
@@ -397,7 +512,7 @@ mod tests {
         let kept: Vec<u64> = ck.listed().unwrap().into_iter().map(|(s, _)| s).collect();
         assert_eq!(kept, [4, 6]);
         let mut b = engine(2);
-        let state = ck.restore(&mut b, &identity()).unwrap().unwrap();
+        let state = ck.restore(&mut b, &identity()).unwrap().unwrap().state;
         assert_eq!((state.step, state.epoch), (6, 1));
         assert_eq!(b.params().unwrap(), a.params().unwrap());
         let mut got = vec![0.0; m.len()];
@@ -433,6 +548,34 @@ mod tests {
             err.contains("world size 1 (this run: 2)") && err.contains("learning rate 0.05 (this run: 0.1)"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_workers_checkpoint_is_the_newest_at_or_before_the_servers_version() {
+        let dir = gradsync_testkit::Scratch::new("resume-worker");
+        let ck = Checkpoints { dir: dir.join("ck"), every: 5, keep: 3, resume: true };
+        let id = Identity { mode: "ps".into(), ..identity() };
+        for step in [5, 10] {
+            let residual =
+                Tensors::from_iter([("residual".to_string(), Entry::f32(vec![2], vec![step as f32, 1.0]))]);
+            let c = Contents { state: Some(residual), server_version: Some(step), ..Contents::default() };
+            ck.write_contents(c, step, 0, 2.3, &id).unwrap();
+        }
+        let at = |v| ck.restore_worker(&id, Some(v)).unwrap().unwrap();
+        assert_eq!(at(12).state.step, 10);
+        assert_eq!(at(10).state.step, 10);
+        let older = at(7);
+        assert_eq!(older.state.step, 5, "the newer one is passed over");
+        assert_eq!(older.extra.unwrap()["residual"].to_f32(), [5.0, 1.0]);
+        assert_eq!(ck.restore_worker(&id, None).unwrap().unwrap().state.step, 10, "ASP/SSP: the newest");
+        let err = format!("{:#}", ck.restore_worker(&id, Some(3)).unwrap_err());
+        assert!(
+            err.contains("(step 5) was written at the servers' version 5, and the servers are at version 3"),
+            "{err}"
+        );
+        // An engine run cannot resume from a worker's checkpoint, which holds no model.
+        let err = format!("{:#}", ck.restore(&mut engine(1), &id).unwrap_err());
+        assert!(err.contains("holds no model"), "{err}");
     }
 
     #[test]

@@ -143,11 +143,6 @@ impl ModeConfig {
     /// run's did.
     pub fn checkpoint_support(&self, every: u64) -> Result<(), String> {
         let between_steps = |c: &DdpConfig| {
-            if matches!(c.compression, Compression::TopK(_)) {
-                return Err("--compress topk keeps each rank's residual between steps, which a checkpoint \
-                            does not hold yet"
-                    .to_string());
-            }
             if !every.is_multiple_of(c.sync_every) {
                 return Err(format!(
                     "--sync-every {} accumulates gradients between synchronisations, and a checkpoint \
@@ -168,9 +163,9 @@ impl ModeConfig {
                                            only the rest of the model"
                     .into())
             }
-            ModeConfig::Ps(_) => Err("the parameter server keeps its own checkpoints (gradsync-server \
-                                      --checkpoint), and a worker's data position is not written yet"
-                .into()),
+            // The servers keep the parameters and momentum (gradsync-server --checkpoint); each
+            // worker keeps its own data position and top-k residual.
+            ModeConfig::Ps(_) => Ok(()),
         }
     }
 }
@@ -243,7 +238,8 @@ impl Run {
             save: args.save.clone(),
             load: args.load.clone(),
             checkpoints: args.checkpoint.as_ref().map(|dir| crate::resume::Checkpoints {
-                dir: dir.clone(),
+                // A parameter-server worker's state is its own: one folder per rank.
+                dir: if args.mode == Mode::Ps { dir.join(format!("rank-{rank}")) } else { dir.clone() },
                 every: args.checkpoint_every,
                 keep: args.checkpoint_keep as usize,
                 resume: args.resume,
@@ -326,7 +322,9 @@ fn mode_config(args: &TrainArgs, run: &Run) -> anyhow::Result<ModeConfig> {
             fault: args.dp.fail_replica,
             trace: run.trace.clone(),
         }),
-        Mode::Ps => ModeConfig::Ps(ps_config(&args.ps, args.compress, run)?),
+        Mode::Ps => {
+            ModeConfig::Ps(PsConfig { rejoin: args.resume, ..ps_config(&args.ps, args.compress, run)? })
+        }
         Mode::Ddp => ModeConfig::Ddp(ddp_config(&args.ddp, args.compress, run)?),
         Mode::Hybrid => {
             anyhow::ensure!(
@@ -446,5 +444,6 @@ fn ps_config(args: &PsArgs, compression: Compression, run: &Run) -> anyhow::Resu
         fingerprint: run.fingerprint().text,
         trace: run.trace.clone(),
         compression,
+        rejoin: false,
     })
 }

@@ -95,23 +95,65 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
     };
     let mut resumed_at = 0;
     let mut first_loss = f64::NAN;
-    if let Some(ck) = &run.checkpoints
-        && ck.resume
-        && let Some(state) = ck.restore(&mut engine, &identity)?
+    // Where the servers hold the parameters (PS), a worker's checkpoint is its own state only,
+    // read once the servers have said where the run is.
+    let remote = strategy.state_on_servers();
+    let resume = run.checkpoints.as_ref().filter(|ck| ck.resume);
+    let mut restored = match resume {
+        Some(ck) if !remote => ck.restore(&mut engine, &identity)?,
+        _ => None,
+    };
+    let progress = Progress::new(leader && !run.quiet, total_steps, &engine, run.batch);
+    strategy.start(&mut engine).context("starting the run")?;
+    if let Some(ck) = resume
+        && remote
     {
-        if leader && !run.quiet {
+        restored = ck.restore_worker(&identity, strategy.server_version())?;
+    }
+    if let Some(r) = &restored {
+        resumed_at = r.state.step;
+        first_loss = r.state.first_loss;
+        let mut how = format!("after step {} (epoch {})", r.state.step, r.state.epoch);
+        // Under BSP a step is a version: the servers went on (or waited) while this worker
+        // was away, and it continues at the step their version stands for.
+        if let (Some(at), Some(now)) = (r.state.server_version, strategy.server_version())
+            && now != at
+        {
+            resumed_at = r.state.step + (now - at);
+            how = format!(
+                "at step {} (the servers' version {now}; its checkpoint of step {} was at version {at})",
+                resumed_at + 1,
+                r.state.step
+            );
+            if r.extra.is_some() {
+                eprintln!(
+                    "gradsync: --resume: the top-k residual is that of step {} (version {at}): what the \
+                     gradients of the {} steps since had left unsent is lost",
+                    r.state.step,
+                    now - at
+                );
+            }
+        }
+        if (leader || remote) && !run.quiet {
+            eprintln!("gradsync: resuming {how} from {}", r.path.display());
+        }
+        if let Some(extra) = &r.extra {
+            strategy.restore_state(extra).context("restoring the strategy's state from the checkpoint")?;
+        }
+    } else if let (Some(ck), Some(now)) = (resume, strategy.server_version())
+        && now > 0
+    {
+        // No checkpoint of its own yet (killed before its first): the servers' version is
+        // the step, counted from when they started with the run's workers.
+        resumed_at = now;
+        if !run.quiet {
             eprintln!(
-                "gradsync: resuming after step {} (epoch {}) from {}",
-                state.step,
-                state.epoch,
+                "gradsync: resuming at step {} (the servers' version {now}; no checkpoint in {} yet)",
+                now + 1,
                 ck.dir.display()
             );
         }
-        resumed_at = state.step;
-        first_loss = state.first_loss;
     }
-    let progress = Progress::new(leader && !run.quiet, total_steps, &engine, run.batch);
-    strategy.start(&mut engine).context("starting the run")?;
     // The optimiser actually applied: this process's own, or the one the servers told it at
     // registration (a contradicting flag is refused, never recorded).
     let sgd = match strategy.applied_optimiser() {
@@ -298,16 +340,26 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
                 m.write(&Record::Step(rec.clone()))?;
             }
             if let Some(ck) = run.checkpoints.as_ref().filter(|ck| ck.due(step)) {
-                // Every rank takes part in gathering state kept outside the engine; rank 0 writes.
+                // Every rank takes part in gathering state kept outside the engine; rank 0 writes
+                // (every worker its own, where the servers hold the parameters).
                 let held =
                     strategy.checkpoint_momentum(&engine).context("gathering the checkpoint's state")?;
-                if leader {
+                let state = strategy.checkpoint_state(&engine).context("gathering the checkpoint's state")?;
+                if leader && !remote {
+                    // The model is written from the engine: whole first.
                     strategy
                         .sync_params(&mut engine)
                         .context("bringing the parameters in for the checkpoint")?;
+                }
+                if leader || remote {
                     let t = Instant::now();
-                    let at =
-                        ck.write(&engine, held.as_deref(), step, epoch, summary.first_loss, &identity)?;
+                    let contents = crate::resume::Contents {
+                        engine: (!remote).then_some(&engine),
+                        momentum: held.as_deref(),
+                        state,
+                        server_version: strategy.server_version(),
+                    };
+                    let at = ck.write_contents(contents, step, epoch, summary.first_loss, &identity)?;
                     run.trace.span("checkpoint", "compute", "compute", t);
                     if !run.quiet {
                         progress.note(&format!("checkpoint of step {step} in {}", at.display()));

@@ -1060,7 +1060,13 @@ fn a_parameter_past_fp16s_range_fails_the_pull_naming_it() {
     let fp = Fingerprint::new(&spec(), SEED.parse().expect("seed")).text;
     rt.block_on(async {
         let mut c = connect(&server.addr).await;
-        let reg = RegisterRequest { rank: 0, world_size: 1, fingerprint: fp, compression: "fp16".into() };
+        let reg = RegisterRequest {
+            rank: 0,
+            world_size: 1,
+            fingerprint: fp,
+            compression: "fp16".into(),
+            ..RegisterRequest::default()
+        };
         c.register(reg).await.expect("register");
         let mut streamed = c.clone();
         let pull = tokio::spawn(async move {
@@ -1128,6 +1134,7 @@ fn malformed_compressed_pushes_are_refused_with_the_fault_named() {
         world_size: 1,
         fingerprint: fp.clone(),
         compression: compression.into(),
+        ..RegisterRequest::default()
     };
     let le = |v: &[u32]| v.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<u8>>();
     let sparse = |indices: &[u32], values: &[f32], span: u64| {

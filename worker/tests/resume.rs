@@ -1,7 +1,8 @@
 //! Checkpoints and `--resume`, as real processes: a run killed with SIGKILL after a checkpoint
 //! and resumed ends with exactly the parameters and momentum of the unbroken run (local
 //! training; DDP over TCP sockets and over shared memory, one rank killed and the launcher
-//! stopping the other); modes whose state a checkpoint does not hold yet are refused by name.
+//! stopping the other; with `--compress topk`, every rank's residual restored); a checkpoint
+//! that cannot hold the run (`--sync-every` out of step with it) is refused by name.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -142,6 +143,18 @@ fn a_ddp_run_over_shared_memory_with_a_killed_rank_resumes_to_the_unbroken_runs_
     );
 }
 
+/// With `--compress topk` each rank keeps a residual between steps: the checkpoint holds every
+/// rank's (all-gathered, written by rank 0), and the resumed run ends at the unbroken run's
+/// bits.
+#[test]
+fn a_ddp_run_with_topk_resumes_every_ranks_residual_to_the_unbroken_runs_bits() {
+    killed_and_resumed_ends_as_unbroken(
+        "resume-ddp-topk",
+        2,
+        &["--mode", "ddp", "--transport", "tcp", "--batch", "8", "--compress", "topk:0.1"],
+    );
+}
+
 /// ZeRO-1 checkpoints its momentum gathered whole from the ranks' shards; the resumed ranks cut
 /// their shards from it again, and the run ends with the unbroken run's parameters and
 /// momentum.
@@ -173,26 +186,15 @@ fn a_killed_dp_run_resumes_to_the_unbroken_runs_bits() {
 }
 
 #[test]
-fn checkpoints_of_a_mode_they_cannot_hold_yet_are_refused_by_name() {
+fn checkpoints_that_cannot_hold_the_run_are_refused_by_name() {
     let dir = Scratch::new("resume-refused-modes");
     let ck = dir.join("ck").display().to_string();
-    for (mode, says) in [
-        (&["--mode", "ddp", "--compress", "topk:0.1"][..], "--compress topk keeps each rank's residual"),
-        (
-            &["--mode", "ddp", "--sync-every", "4", "--checkpoint-every", "10"][..],
-            "give --checkpoint-every a multiple of 4 (it is 10)",
-        ),
-        (
-            &["--mode", "ps", "--servers", "127.0.0.1:9", "--rank", "0", "--world-size", "1"][..],
-            "--checkpoint with --mode ps",
-        ),
-    ] {
-        let args = launched(1, train(mode, &["--checkpoint", &ck]));
-        let mut p = Proc::spawn(&mut worker(&args));
-        let (code, err, _) = p.finish(Duration::from_secs(60));
-        assert_ne!(code, 0, "{mode:?}");
-        assert!(err.contains(says), "{mode:?}: {err}");
-    }
+    let mode = ["--mode", "ddp", "--sync-every", "4", "--checkpoint-every", "10"];
+    let args = launched(1, train(&mode, &["--checkpoint", &ck]));
+    let mut p = Proc::spawn(&mut worker(&args));
+    let (code, err, _) = p.finish(Duration::from_secs(60));
+    assert_ne!(code, 0);
+    assert!(err.contains("give --checkpoint-every a multiple of 4 (it is 10)"), "{err}");
     // --resume needs the folder.
     let mut p = Proc::spawn(&mut worker(&train(&[], &["--resume"])));
     let (code, err, _) = p.finish(Duration::from_secs(30));

@@ -47,6 +47,10 @@ pub struct PsClient {
     table: Option<(Range<usize>, usize, usize)>,
     /// The servers hold the table alone (`--table-only`, for `--mode hybrid`).
     table_only: bool,
+    /// Register as a rank coming back after a restart ([`PsClient::set_rejoin`]).
+    rejoin: bool,
+    /// The version this rank's first gradient must be computed from, once registered.
+    join: u64,
 }
 
 impl PsClient {
@@ -127,6 +131,8 @@ impl PsClient {
             compression: Compression::None,
             table: None,
             table_only: false,
+            rejoin: false,
+            join: 0,
         })
     }
 
@@ -141,6 +147,62 @@ impl PsClient {
     /// by [`PsClient::rows_step`] while the rest of the model goes elsewhere (`--mode hybrid`).
     pub fn set_table_only(&mut self, yes: bool) {
         self.table_only = yes;
+    }
+
+    /// Register as a rank coming back after its process was restarted (`--resume`): the
+    /// servers take it back under its rank, in the step in progress if it was still
+    /// registered, from the next step if it had left or been dropped
+    /// ([`PsClient::join_version`]).
+    pub fn set_rejoin(&mut self, on: bool) {
+        self.rejoin = on;
+    }
+
+    /// The version this rank's first gradient must be computed from, known once registered:
+    /// the servers' version, or the next one when it came back during a step that does not
+    /// wait for it.
+    pub fn join_version(&self) -> u64 {
+        self.join
+    }
+
+    /// Each shard's version of the parameters this worker holds, with its address.
+    pub fn versions(&self) -> Vec<(String, u64)> {
+        self.shards.iter().map(|s| (s.addr.clone(), s.version)).collect()
+    }
+
+    /// The version of the parameters this worker holds (the lowest shard's).
+    pub fn version(&self) -> u64 {
+        self.shards.iter().map(|s| s.version).min().unwrap_or(0)
+    }
+
+    /// [`PsClient::pull_version_into`] the whole flat buffer `params`.
+    pub async fn pull_version(&mut self, params: &mut [f32], want: u64) -> anyhow::Result<Transfer> {
+        self.check_len("pull", params.len())?;
+        let sinks = self.split(params).into_iter().map(HostSlice).collect();
+        self.pull_version_into(sinks, want).await
+    }
+
+    /// Pull version `want` of every shard into `sinks` (one per shard, in shard order), as the
+    /// servers make it when it is the next one (a BSP step in progress), at once when it is
+    /// the current one.
+    pub async fn pull_version_into<S: ChunkSink>(
+        &mut self,
+        sinks: Vec<S>,
+        want: u64,
+    ) -> anyhow::Result<Transfer> {
+        anyhow::ensure!(sinks.len() == self.shards.len(), "one destination per shard");
+        let t = Instant::now();
+        let o = self.opts();
+        let got = try_join_all(self.shards.iter().zip(sinks).map(|(s, mut dst)| {
+            let o = &o;
+            // A shard already past `want` sends its current version.
+            let ask = (s.version < want).then_some(want);
+            async move { pull_shard(o, s, &mut dst, ask).await }
+        }))
+        .await?;
+        for (s, (v, _)) in self.shards.iter_mut().zip(&got) {
+            s.version = *v;
+        }
+        Ok(Transfer { bytes: got.iter().map(|g| g.1).sum(), ms: ms_since(t), ..Transfer::default() })
     }
 
     /// Announce pushes encoded as `c` (`--compress`) at the next [`PsClient::register`]; the
@@ -231,18 +293,39 @@ impl PsClient {
         let timeout = self.timeout;
         let n = self.shards.len();
         let compression = &self.compression.to_string();
-        let replies = try_join_all(self.shards.iter_mut().map(|s| async move {
-            let req = RegisterRequest {
-                rank: rank as u32,
-                world_size: world as u32,
-                fingerprint: fingerprint.into(),
-                compression: compression.clone(),
-            };
-            let r =
-                deadline(timeout, &s.addr, "Register", s.rpc.client.register(request(req, timeout))).await?;
+        let rejoin = self.rejoin;
+        let req = |join_at: u64| RegisterRequest {
+            rank: rank as u32,
+            world_size: world as u32,
+            fingerprint: fingerprint.into(),
+            compression: compression.clone(),
+            rejoin,
+            join_at,
+        };
+        let mut replies = try_join_all(self.shards.iter_mut().map(|s| async move {
+            let r = deadline(timeout, &s.addr, "Register", s.rpc.client.register(request(req(0), timeout)))
+                .await?;
             anyhow::Ok(r.into_inner())
         }))
         .await?;
+        // A rank that came back while some shards had begun a step without it and others had
+        // not: every shard must expect it from the same step, the latest.
+        let join = replies.iter().map(|r| r.join_version.max(r.version)).max().unwrap_or(0);
+        if rejoin {
+            for (s, r) in self.shards.iter_mut().zip(replies.iter_mut()) {
+                if r.join_version.max(r.version) < join {
+                    *r = deadline(
+                        timeout,
+                        &s.addr,
+                        "Register",
+                        s.rpc.client.register(request(req(join), timeout)),
+                    )
+                    .await?
+                    .into_inner();
+                }
+            }
+        }
+        self.join = join;
         // The dense values: the whole buffer, or what the table at one end of it leaves; none
         // on servers that hold the table alone.
         let mut dense = match &self.table {
@@ -750,6 +833,8 @@ impl PsClient {
             compression: self.compression,
             table: self.table.clone(),
             table_only: self.table_only,
+            rejoin: self.rejoin,
+            join: self.join,
         }
     }
 }

@@ -156,6 +156,33 @@ impl EngineLink {
         Ok((t, push, pull))
     }
 
+    /// Pull version `want` of every shard's parameters into the engine: as the servers make
+    /// it when it is the next version (a step in progress), at once when it is the current one
+    /// ([`PsClient::pull_version_into`]).
+    pub async fn pull_version(
+        &mut self,
+        client: &mut PsClient,
+        engine: &mut Engine,
+        want: u64,
+    ) -> anyhow::Result<Transfer> {
+        match self {
+            EngineLink::InPlace { .. } => {
+                let engine = RefCell::new(engine);
+                client.pull_version_into(ranges(client, &engine), want).await
+            }
+            EngineLink::Staged { params, .. } => {
+                let t = client.pull_version(params, want).await?;
+                engine.write_params(0, params)?;
+                Ok(t)
+            }
+            EngineLink::Sparse { params, dense, .. } => {
+                let t = client.pull_version(params, want).await?;
+                engine.write_params(dense.start, &params[dense.clone()])?;
+                Ok(t)
+            }
+        }
+    }
+
     /// One step's communication ([`PsClient::exchange`]): push the engine's gradient and pull
     /// the parameters the update makes into the engine. Returns when the communication began
     /// (after the copy off the device, if any) and the push's and the pull's traffic, timed

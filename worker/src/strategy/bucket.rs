@@ -50,6 +50,9 @@ pub(super) enum BucketReduce {
         ratio: f64,
         /// Each bucket's residual, by the bucket's first value.
         residuals: BTreeMap<usize, TopK>,
+        /// The whole residual a resumed run's checkpoint held, each bucket's cut from it when
+        /// the bucket is first reduced.
+        restored: Option<Vec<f32>>,
         /// This rank's pairs of the current bucket.
         pairs: Sparse,
         /// Every rank's packed pairs.
@@ -67,9 +70,31 @@ impl BucketReduce {
             Compression::TopK(ratio) => BucketReduce::TopK {
                 ratio,
                 residuals: BTreeMap::new(),
+                restored: None,
                 pairs: Sparse::default(),
                 slots: Vec::new(),
             },
+        }
+    }
+
+    /// This rank's top-k residual over the whole flat buffer of `n` values (zero where no
+    /// bucket was reduced yet); `None` without top-k.
+    pub(super) fn residual(&self, n: usize) -> Option<Vec<f32>> {
+        let BucketReduce::TopK { residuals, restored, .. } = self else { return None };
+        let mut flat = restored.clone().filter(|r| r.len() == n).unwrap_or_else(|| vec![0.0; n]);
+        for (&start, t) in residuals {
+            let r = t.residual();
+            flat.get_mut(start..start + r.len())?.copy_from_slice(r);
+        }
+        Some(flat)
+    }
+
+    /// Carry on from `flat`, a residual [`BucketReduce::residual`] returned (a checkpoint's):
+    /// every bucket's residual is cut from it again. Nothing without top-k.
+    pub(super) fn restore_residual(&mut self, flat: Vec<f32>) {
+        if let BucketReduce::TopK { residuals, restored, .. } = self {
+            residuals.clear();
+            *restored = Some(flat);
         }
     }
 
@@ -100,9 +125,11 @@ impl BucketReduce {
                 collective::all_reduce_as_half(comm, bucket, *half, packed)
                     .with_context(|| format!("{} all-reduce of bucket {range:?}", half.name()))
             }
-            BucketReduce::TopK { ratio, residuals, pairs, slots } => {
-                let residual =
-                    residuals.entry(range.start).or_insert_with(|| TopK::new(*ratio, bucket.len()));
+            BucketReduce::TopK { ratio, residuals, restored, pairs, slots } => {
+                let residual = residuals.entry(range.start).or_insert_with(|| match restored {
+                    Some(r) if range.end <= r.len() => TopK::with_residual(*ratio, r[range.clone()].to_vec()),
+                    _ => TopK::new(*ratio, bucket.len()),
+                });
                 residual.compress(bucket, pairs)?;
                 let (k, world, rank) = (pairs.len(), comm.world_size(), comm.rank());
                 slots.clear();

@@ -14,10 +14,12 @@
 //! `--mode hybrid` a sparse model's table is left out of the buckets and moved by rows to its
 //! parameter servers instead (`hybrid.rs`).
 
+use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::compress::Compression;
 use gradsync_core::metrics::Step;
 use gradsync_core::net::BatchLoss;
+use gradsync_core::state_dict::{Entry, Tensors};
 
 use super::bucket::BucketReduce;
 use super::hybrid::TablePs;
@@ -165,6 +167,32 @@ impl Strategy for Ddp {
         }
     }
 
+    /// Every rank's top-k residual, all-gathered (each rank keeps its own; rank 0 writes them
+    /// all, `residual.rank<R>`).
+    fn checkpoint_state(&mut self, engine: &Engine) -> anyhow::Result<Option<Tensors>> {
+        let n = engine.layout().len;
+        let Some(mine) = self.reduce.residual(n) else { return Ok(None) };
+        let (world, rank) = (self.shell.world, self.shell.rank);
+        let mut all = vec![0.0; n * world];
+        all[n * rank..n * (rank + 1)].copy_from_slice(&mine);
+        self.shell.comm.get().all_gather(&mut all).context("all-gathering the top-k residuals")?;
+        Ok(Some(
+            all.chunks_exact(n.max(1))
+                .enumerate()
+                .map(|(r, v)| (residual_name(r), Entry::f32(vec![n], v.to_vec())))
+                .collect(),
+        ))
+    }
+
+    fn restore_state(&mut self, saved: &Tensors) -> anyhow::Result<()> {
+        if matches!(self.compression, Compression::TopK(_)) {
+            let name = residual_name(self.shell.rank);
+            let e = saved.get(&name).with_context(|| format!("the checkpoint holds no {name}"))?;
+            self.reduce.restore_residual(e.to_f32());
+        }
+        Ok(())
+    }
+
     fn describe(&self) -> (String, serde_json::Map<String, serde_json::Value>) {
         let mut m = serde_json::Map::new();
         m.insert("compression".into(), self.compression.to_string().into());
@@ -176,4 +204,9 @@ impl Strategy for Ddp {
         let v = self.shell.describe(&mut m);
         (v, m)
     }
+}
+
+/// Rank `r`'s top-k residual's name in a checkpoint.
+fn residual_name(r: usize) -> String {
+    format!("residual.rank{r}")
 }

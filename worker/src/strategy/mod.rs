@@ -25,6 +25,7 @@ use std::time::Instant;
 use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
 use gradsync_core::net::BatchLoss;
+use gradsync_core::state_dict::Tensors;
 use gradsync_core::trace::Trace;
 
 pub use ddp::Ddp;
@@ -118,6 +119,33 @@ pub trait Strategy {
     /// engine holds it. Called on every rank at the same step, since gathering is collective.
     fn checkpoint_momentum(&mut self, _engine: &Engine) -> anyhow::Result<Option<Vec<f32>>> {
         Ok(None)
+    }
+
+    /// Whether the run's parameters and optimiser state live on servers, not in this process
+    /// (PS): each worker then checkpoints only its own state (its data position, its top-k
+    /// residual), and a resumed worker reads it after [`Strategy::start`] has met the servers.
+    fn state_on_servers(&self) -> bool {
+        false
+    }
+
+    /// Under BSP on servers, the version of the parameters this worker holds (its next
+    /// gradient is computed from it): steps and versions advance together, so a resumed
+    /// worker's next step is the one this version stands for. `None` elsewhere.
+    fn server_version(&self) -> Option<u64> {
+        None
+    }
+
+    /// What this strategy keeps between steps besides the engine's state (top-k residuals),
+    /// as tensors for the checkpoint of this step, gathered where each rank keeps its own.
+    /// Called on every rank at the same step. `None`: nothing.
+    fn checkpoint_state(&mut self, _engine: &Engine) -> anyhow::Result<Option<Tensors>> {
+        Ok(None)
+    }
+
+    /// Take back what [`Strategy::checkpoint_state`] wrote, from the checkpoint a run resumes
+    /// from (after [`Strategy::start`]).
+    fn restore_state(&mut self, _saved: &Tensors) -> anyhow::Result<()> {
+        Ok(())
     }
 
     /// What besides a lower learning rate may keep this strategy's training from diverging,

@@ -16,6 +16,7 @@ use gradsync_core::compress::{Compression, Half, Sparse, TopK};
 use gradsync_core::metrics::Step;
 use gradsync_core::net::BatchLoss;
 use gradsync_core::optim::SgdConfig;
+use gradsync_core::state_dict::{Entry, Tensors};
 use gradsync_core::trace::Trace;
 use gradsync_proto::SyncMode;
 use gradsync_proto::tuning::Tuning;
@@ -42,6 +43,8 @@ pub struct Ps {
     host: Vec<f32>,
     /// A model with a sparse table: what moves its rows.
     rows: Option<TableRows>,
+    /// Registered as a rank coming back (`--resume`).
+    rejoin: bool,
 }
 
 /// `--compress` as a push applies it.
@@ -54,6 +57,9 @@ enum Codec {
     /// [`Strategy::start`], once its length is known) and the pairs of the current push.
     TopK(f64, Option<TopK>, Sparse),
 }
+
+/// The top-k residual's name in a worker's checkpoint.
+const RESIDUAL: &str = "residual";
 
 /// How often a worker tells the servers it is alive, whatever it is doing.
 const HEARTBEAT: Duration = gradsync_proto::HEARTBEAT_INTERVAL;
@@ -85,6 +91,8 @@ pub struct PsConfig {
     pub trace: Trace,
     /// How pushes are encoded (`--compress`), announced to the servers at registration.
     pub compression: Compression,
+    /// A worker restarted with `--resume`: come back under its rank ([`PsClient::set_rejoin`]).
+    pub rejoin: bool,
 }
 
 impl Ps {
@@ -120,6 +128,7 @@ impl Ps {
             c.set_pipeline(cfg.pipeline);
             c.set_chunk_bytes(cfg.chunk_bytes);
             c.set_compression(cfg.compression);
+            c.set_rejoin(cfg.rejoin);
             anyhow::Ok(c)
         })?;
         Ok(Ps {
@@ -140,6 +149,7 @@ impl Ps {
             },
             host: Vec::new(),
             rows: None,
+            rejoin: cfg.rejoin,
         })
     }
 }
@@ -166,9 +176,42 @@ impl Strategy for Ps {
         let (client, link) = (&mut self.client, &mut self.link);
         let (rank, world, fp) = (self.rank, self.world, self.fingerprint.as_str());
         self.rt.block_on(async {
-            client.register(rank, world, fp, n).await?;
-            link.pull(client, engine).await
+            let version = client.register(rank, world, fp, n).await?;
+            let join = client.join_version();
+            if join <= version {
+                return link.pull(client, engine).await;
+            }
+            // Back during a step that does not wait for it: its first gradient is computed from
+            // the version that step makes. A pull of it streamed while the step runs fails if
+            // the step has to redo blocks already sent; then it is asked for again.
+            let mut tries = 0;
+            loop {
+                match link.pull_version(client, engine, join).await {
+                    Ok(t) => break Ok(t),
+                    Err(e) if tries < 3 => {
+                        tries += 1;
+                        tracing::debug!("{e:#}; pulling version {join} again");
+                    }
+                    Err(e) => {
+                        break Err(e.context(format!("pulling version {join}, the step this rank joins at")));
+                    }
+                }
+            }
         })?;
+        let versions = self.client.versions();
+        if self.rejoin
+            && self.client.sync() == SyncMode::Bsp
+            && versions.iter().any(|(_, v)| *v != versions[0].1)
+        {
+            // Killed after one shard had its whole push of a step and committed it, before
+            // another had: that step's gradient is in one shard's version and not the other's.
+            anyhow::bail!(
+                "came back while the shards were at different versions ({}): the step in progress when this \
+                 rank died was applied by some shards and not by others; restart the servers from their \
+                 checkpoints and the workers with --resume",
+                versions.iter().map(|(a, v)| format!("{a} at {v}")).collect::<Vec<_>>().join(", ")
+            );
+        }
         let mut hb = self.client.share();
         self.heartbeat = Some(self.rt.spawn(async move {
             let mut tick = tokio::time::interval(HEARTBEAT);
@@ -278,6 +321,37 @@ impl Strategy for Ps {
         if let Some(tr) = &mut self.rows {
             self.rt.block_on(tr.sync(&mut self.client, engine))?;
         }
+        Ok(())
+    }
+
+    fn state_on_servers(&self) -> bool {
+        true
+    }
+
+    fn server_version(&self) -> Option<u64> {
+        (self.client.sync() == SyncMode::Bsp).then(|| self.client.version())
+    }
+
+    fn checkpoint_state(&mut self, _engine: &Engine) -> anyhow::Result<Option<Tensors>> {
+        Ok(match &self.codec {
+            Codec::TopK(_, Some(t), _) => {
+                let r = t.residual();
+                Some(Tensors::from_iter([(RESIDUAL.to_string(), Entry::f32(vec![r.len()], r.to_vec()))]))
+            }
+            _ => None,
+        })
+    }
+
+    fn restore_state(&mut self, saved: &Tensors) -> anyhow::Result<()> {
+        let Codec::TopK(ratio, residual, _) = &mut self.codec else { return Ok(()) };
+        let n = residual.as_ref().map_or(0, |t| t.residual().len());
+        let e = saved.get(RESIDUAL).context("the checkpoint holds no top-k residual")?;
+        anyhow::ensure!(
+            e.shape == [n],
+            "the checkpoint's top-k residual has shape {:?}, this model {n} values",
+            e.shape
+        );
+        *residual = Some(TopK::with_residual(*ratio, e.to_f32()));
         Ok(())
     }
 
