@@ -167,6 +167,11 @@ fn servers_with(k: usize, sync: &str, extra: &[String]) -> (Vec<Proc>, String) {
 /// PS workers of a run of `world` over `addrs`, each with batch `batch`, rank 0 saving to
 /// `save` and writing metrics to `metrics` (`{rank}` filled in); waits for all of them.
 fn ps_run(addrs: &str, world: usize, batch: usize, save: &Path, metrics: &Path) {
+    ps_run_on("cpu", addrs, world, batch, save, metrics);
+}
+
+/// [`ps_run`] with the workers on `device`.
+fn ps_run_on(device: &str, addrs: &str, world: usize, batch: usize, save: &Path, metrics: &Path) {
     let mut procs: Vec<Proc> = (0..world)
         .map(|r| {
             let m = metrics.display().to_string().replace("{rank}", &r.to_string());
@@ -179,7 +184,11 @@ fn ps_run(addrs: &str, world: usize, batch: usize, save: &Path, metrics: &Path) 
             );
             a.extend(["--rpc-timeout", "30", "--metrics", &m].map(String::from));
             let other = save.with_extension(format!("rank{r}.ckpt"));
-            a.extend(common(if r == 0 { save } else { &other }));
+            a.extend(
+                common(if r == 0 { save } else { &other })
+                    .into_iter()
+                    .map(|f| if f == "cpu" { device.to_string() } else { f }),
+            );
             let mut cmd = Command::new(WORKER);
             cmd.args(&a).stdout(Stdio::null());
             Proc::spawn(&mut cmd)
@@ -423,4 +432,46 @@ fn the_table_travels_over_nccl_on_the_gpu() {
         let d = max_rel(&params(&save), &params(&local));
         assert!(d < 1e-6, "--sparse-grads {grads} over NCCL differs from local on the GPU by {d:e}");
     }
+}
+
+/// The table's rows by id from GPU workers (in CI the fake's): PS workers under BSP and
+/// hybrid ranks read and write the table's rows and the dense values on the device, and end
+/// where local training on the GPU does.
+#[test]
+fn gpu_workers_move_the_tables_rows_by_id() {
+    let test = "gpu_workers_move_the_tables_rows_by_id";
+    match gradsync_testkit::gpu_test(test) {
+        gradsync_testkit::GpuRun::Here => {}
+        gradsync_testkit::GpuRun::Fake(c) => {
+            assert!(c.processes >= 3 && c.alive_at_exit == 0, "{c}");
+            return;
+        }
+        gradsync_testkit::GpuRun::Skipped => return,
+    }
+    let dir = Scratch::new("sparse-gpu-rows");
+    let on_gpu = |a: Vec<String>| -> Vec<String> {
+        a.into_iter().map(|f| if f == "cpu" { "cuda".into() } else { f }).collect()
+    };
+    let local = dir.join("local.ckpt");
+    let mut a: Vec<String> = ["train", "--mode", "local", "--batch", "16"].map(String::from).to_vec();
+    a.extend(common(&local));
+    run_ok(&on_gpu(a));
+    let l = params(&local);
+    let (servers, addrs) = servers(2, "bsp");
+    let save = dir.join("ps.ckpt");
+    ps_run_on("cuda", &addrs, 2, 8, &save, &dir.join("m-{rank}.jsonl"));
+    drop(servers);
+    let d = max_rel(&params(&save), &l);
+    assert!(d < 1e-5, "PS workers on the GPU differ from local on the GPU by {d:e}");
+    let (_servers, addrs) = servers_with(1, "bsp", &["--table-only".to_string()]);
+    let save = dir.join("hybrid.ckpt");
+    let mut a: Vec<String> =
+        ["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "train"].map(String::from).to_vec();
+    a.extend(
+        ["--mode", "hybrid", "--servers", &addrs, "--batch", "8", "--comm-timeout", "30"].map(String::from),
+    );
+    a.extend(common(&save));
+    run_ok(&on_gpu(a));
+    let d = max_rel(&params(&save), &l);
+    assert!(d < 1e-5, "hybrid ranks on the GPU differ from local on the GPU by {d:e}");
 }
