@@ -40,6 +40,8 @@ DATA=(--model tiny --data synthetic:2048:32:8 --seed 5 --eval-every 0 -q)
 # The 40-step run every cross-check compares; the sanitizer's run takes DATA with its own
 # --steps (a flag given twice is an error).
 TRAIN=(train "${DATA[@]}" --steps 40)
+# The embedding model's 40-step run (a 20,000 x 16 table under one hidden layer of 32).
+EMB=(train --model embedding:20000:16:32 --data clicks:4096:20000 --seed 5 --eval-every 0 -q --steps 40)
 
 PRINT=0
 # x CMD...: run CMD, or print it in --print-commands mode.
@@ -69,14 +71,29 @@ server_up() {
 
 # ps_run WORKERS BATCH SAVE: BSP on the GPU, WORKERS workers sharing it. Run as
 # `gpu-check.sh __ps-run ...` so that one `timeout` covers the server and every worker.
+# ps_run WORKERS BATCH SAVE [emb | hybrid]: the same on the embedding model (the table's rows
+# pushed and pulled by id), or its hybrid (the table on a --table-only server, the rest over
+# NCCL; one rank, as one GPU allows).
 ps_run() {
-  local w=$1 b=$2 save=$3
-  server_up --sync bsp --model tiny --data synthetic:2048:32:8 --seed 5 || return 1
+  local w=$1 b=$2 save=$3 kind=${4:-}
+  local model=(--model tiny --data synthetic:2048:32:8) train=("${TRAIN[@]}") server=()
+  if [ -n "$kind" ]; then
+    model=(--model embedding:20000:16:32 --data clicks:4096:20000)
+    train=("${EMB[@]}")
+  fi
+  [ "$kind" = hybrid ] && server=(--table-only)
+  server_up --sync bsp "${model[@]}" --seed 5 "${server[@]}" || return 1
   local addr=$ADDR pids=() rc=0
   for r in $(seq 0 $((w - 1))); do
     local extra=()
     [ "$r" = 0 ] && extra=(--save "$save")
-    x "$W" "${TRAIN[@]}" --mode ps --device cuda --servers "$addr" --rank "$r" --world-size "$w" \
+    if [ "$kind" = hybrid ]; then
+      x "$W" launch --nproc-per-node "$w" --master-port 29617 -- "${train[@]}" --mode hybrid --backend nccl \
+        --device cuda --servers "$addr" --batch "$b" "${extra[@]}" &
+      pids+=($!)
+      break
+    fi
+    x "$W" "${train[@]}" --mode ps --device cuda --servers "$addr" --rank "$r" --world-size "$w" \
       --batch "$b" "${extra[@]}" &
     pids+=($!)
   done
@@ -360,14 +377,19 @@ correctness() {
   diff_check "DP vs local (1e-4)" "$WORK/cpu-64.ckpt" "$WORK/dp.ckpt" 1e-4
   # 9. The embedding model (bag kernels, lazy row updates): the GPU against the CPU after 40
   # steps, and DDP over NCCL gathering the touched rows (world size 1) against local on the GPU.
-  local emb=(train --model embedding:20000:16:32 --data clicks:4096:20000 --seed 5 --eval-every 0 -q
-    --steps 40 --batch 64)
+  local emb=("${EMB[@]}" --batch 64)
   check "local embedding, CPU reference" 30 "$W" "${emb[@]}" --device cpu --save "$WORK/emb-cpu.ckpt"
   check "local embedding, GPU" 30 "$W" "${emb[@]}" --device cuda --save "$WORK/emb-gpu.ckpt"
   diff_check "embedding GPU vs CPU after 40 steps (1e-4)" "$WORK/emb-cpu.ckpt" "$WORK/emb-gpu.ckpt" 1e-4
   check "DDP NCCL embedding, rows gathered, world size 1" 60 "$W" launch --nproc-per-node 1 --master-port 29616 \
     -- "${emb[@]}" --mode ddp --backend nccl --sparse-grads allgather --device cuda --save "$WORK/emb-nccl.ckpt"
   diff_check "embedding DDP NCCL vs local GPU (1e-5)" "$WORK/emb-gpu.ckpt" "$WORK/emb-nccl.ckpt" 1e-5
+  # The table's rows by id from GPU workers: PS BSP with 2 workers sharing the GPU, and the
+  # hybrid (the table on a --table-only server, the rest over NCCL, world size 1).
+  check "PS BSP embedding, 2 GPU workers" 60 self __ps-run 2 32 "$WORK/emb-ps.ckpt" emb
+  diff_check "embedding PS vs local GPU (1e-5)" "$WORK/emb-gpu.ckpt" "$WORK/emb-ps.ckpt" 1e-5
+  check "hybrid embedding, NCCL world size 1" 60 self __ps-run 1 64 "$WORK/emb-hybrid.ckpt" hybrid
+  diff_check "embedding hybrid vs local GPU (1e-5)" "$WORK/emb-gpu.ckpt" "$WORK/emb-hybrid.ckpt" 1e-5
 }
 
 bench() {
