@@ -317,8 +317,10 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
                 || (leader && step == total_steps))
                 && run.model.profile().is_none();
             if eval_here {
-                strategy.sync_params(&mut engine).context("bringing the parameters in for evaluation")?;
                 let te = Instant::now();
+                // Part of evaluating (off the training clock): a strategy that keeps part of
+                // the model elsewhere brings it in.
+                strategy.sync_params(&mut engine).context("bringing the parameters in for evaluation")?;
                 let (l, a) = evaluate(&mut engine, &run.data)?;
                 let took = ms_since(te);
                 eval_ms += took;
