@@ -333,3 +333,77 @@ fn a_bad_scenario_is_refused_with_its_name() {
     assert!(err.contains(&p.display().to_string()) && err.contains("steps"), "{err}");
     std::fs::remove_file(&p).unwrap();
 }
+
+/// The sparse modes end to end on a small table: each starts what its name says, is read back
+/// under its name (the hybrid with its table's server), trains to local training's accuracy,
+/// and moves the bytes the cost model gives it from the rows its batches named.
+#[test]
+fn sparse_modes_move_the_bytes_the_cost_model_gives_them() {
+    use gradsync_bench::compare::cost::{self, Sparse};
+    use gradsync_bench::compare::scenario::ModeKind;
+
+    let root = Scratch::new("sparse");
+    let text = "name = 'sparse'\nmodes = ['local', 'ps-sparse', 'ddp-dense', 'ddp-allgather', 'hybrid']\n\
+                workers = [2]\nmodels = ['embedding:4096:8']\ndata = 'clicks:2048:4096'\nbatches = [32]\n\
+                steps = 12\neval_samples = 192\nrepeats = 1\nlr = 0.5\nrawtcp_s = 0.2\nrun_timeout_s = 60\n";
+    let scenario = root.join("sparse.toml");
+    std::fs::write(&scenario, text).unwrap();
+    let out = root.join("out");
+    let o = compare(&scenario, &out);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "compare failed:\n{err}");
+    for x in outcomes(&out) {
+        assert_eq!(x["status"], "ok", "{x}");
+    }
+    let c = gradsync_bench::compare::results::collect(std::slice::from_ref(&out), None).unwrap();
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    let row = |m: ModeKind| {
+        c.summaries.iter().find(|s| s.mode == m.label()).unwrap_or_else(|| panic!("no {m} row"))
+    };
+    // The table, 4096 x 8, and the dense layers: 8x64 + 64, 64x2 + 2.
+    let (rows, dim) = (4096, 8);
+    let dense = 4.0 * (8 * 64 + 64 + 64 * 2 + 2) as f64;
+    let ps = row(ModeKind::PsSparse);
+    let unique = ps.rows_per_step.unwrap();
+    let sp = Sparse { rows, dim, dense, unique };
+    let sent = |m: ModeKind| row(m).bytes_sent_per_step_worker.unwrap();
+    // Push: the rows by id and the dense values, and a few bytes of gRPC framing.
+    let model = sp.bytes_per_worker(ModeKind::PsSparse, 2).unwrap() / 2.0;
+    assert!(
+        sent(ModeKind::PsSparse) >= model && sent(ModeKind::PsSparse) < 1.01 * model,
+        "{} vs {model}",
+        sent(ModeKind::PsSparse)
+    );
+    // The dense ring: exactly 2(n-1)/n of the whole model.
+    assert_eq!(sent(ModeKind::DdpDense), sp.bytes_per_worker(ModeKind::DdpDense, 2).unwrap() / 2.0);
+    // The hybrid: its rows to the table's server, the dense values around the ring.
+    let hybrid = Sparse { unique: row(ModeKind::Hybrid).rows_per_step.unwrap(), ..sp };
+    let model = hybrid.bytes_per_worker(ModeKind::Hybrid, 2).unwrap() / 2.0;
+    assert!(
+        sent(ModeKind::Hybrid) >= model && sent(ModeKind::Hybrid) < 1.01 * model,
+        "{} vs {model}",
+        sent(ModeKind::Hybrid)
+    );
+    assert!(row(ModeKind::Hybrid).bytes_per_step_server.is_some(), "the hybrid's server joins its run");
+    // The all-gather pads each rank's rows to the largest count (its `rows` are the union), and
+    // sends the two counts too.
+    let model = sp.bytes_per_worker(ModeKind::DdpAllgather, 2).unwrap() / 2.0;
+    let ag = sent(ModeKind::DdpAllgather);
+    assert!(ag >= 0.99 * model && ag < 1.15 * model, "{ag} vs {model}");
+    assert!(
+        row(ModeKind::DdpAllgather).rows_per_step.unwrap() > unique,
+        "the union is larger than one rank's rows"
+    );
+    // Every way of moving the table trains as local training does with the combined batch.
+    let local = row(ModeKind::Local).final_accuracy.unwrap();
+    for m in [ModeKind::PsSparse, ModeKind::DdpDense, ModeKind::DdpAllgather, ModeKind::Hybrid] {
+        let a = row(m).final_accuracy.unwrap();
+        assert!((a - local).abs() <= 0.005, "{m}: {a} against local {local}");
+    }
+    // The cost model's estimate of the rows a batch of 16 names, against what the runs named.
+    let est =
+        cost::clicks_unique_rows(rows, gradsync_core::data::CLICKS_IDS, gradsync_core::data::CLICKS_ZIPF, 16);
+    assert!((est / unique - 1.0).abs() < 0.1, "estimate {est} against measured {unique}");
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(html.contains("Sparse table (4096 rows x 8"), "no sparse reading");
+}

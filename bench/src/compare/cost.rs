@@ -27,6 +27,16 @@
 //!   crosses each host's link once per direction and every hop carries `2(N-1)/N S`
 //!   ([`flat_across_hosts`]); the leaders' ring carries `2(h-1)/h S`. With 2 hosts of 2 ranks:
 //!   1.5 S against 1.0 S on the inter-host link, the 1.5x the hierarchy can win there.
+//! - A sparse model ([`Sparse`]: a table of `R` rows of `d` f32 values, and `D` bytes of dense
+//!   layers) touches `u` distinct rows per worker's batch, a small fraction `u / R` of the
+//!   table. Moved by id, a row costs `4d + 4` bytes (its values and a 4-byte id): a ps-sparse
+//!   worker pushes `u (4d + 4) + D` and pulls as much for its next batch ([`sparse_ps`]);
+//!   DDP's all-gather sends each rank's rows, padded to the largest count, to every other
+//!   rank, `(n-1) u (4d + 4)`, beside the ring all-reduce of `D` ([`sparse_allgather`]); the
+//!   hybrid pushes and pulls its rows through the table's servers and all-reduces `D` among
+//!   the workers ([`sparse_hybrid`]). ddp-dense all-reduces the whole model, `4Rd + D`, zeros
+//!   included: [`ring`]. How many rows a batch names is measured in a run (`rows`), or
+//!   estimated for the built-in clicks data from its law of ids ([`clicks_unique_rows`]).
 
 use gradsync_core::compress::Compression;
 
@@ -173,6 +183,121 @@ pub fn fit_ring(points: &[(usize, f64, f64)]) -> Option<Link> {
     (s22 > 0.0 && s2t > 0.0).then(|| Link { a: 0.0, b: s22 / s2t })
 }
 
+/// Bytes one table row costs moved by id: `dim` f32 values and a 4-byte id (the PS's u32,
+/// the all-gather's f32).
+pub fn row_bytes(dim: usize) -> f64 {
+    4.0 * dim as f64 + 4.0
+}
+
+/// A sparse model's step, as the cost model sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sparse {
+    /// The table's rows.
+    pub rows: usize,
+    /// Values per row.
+    pub dim: usize,
+    /// Bytes of everything else (the dense layers' f32 values).
+    pub dense: f64,
+    /// Distinct rows one worker's batch names (measured, or [`clicks_unique_rows`]).
+    pub unique: f64,
+}
+
+impl Sparse {
+    /// Bytes of the whole model, table and dense layers: what ddp-dense all-reduces.
+    pub fn whole(&self) -> f64 {
+        4.0 * (self.rows * self.dim) as f64 + self.dense
+    }
+
+    /// Bytes of one worker's rows moved by id.
+    pub fn rows_bytes(&self) -> f64 {
+        self.unique * row_bytes(self.dim)
+    }
+
+    /// The share of the table a worker's batch names.
+    pub fn touched(&self) -> f64 {
+        self.unique / self.rows.max(1) as f64
+    }
+
+    /// Bytes one worker sends plus receives per step, in theory, in `mode`'s way of moving the
+    /// table (`None` for a mode that is not one of them).
+    pub fn bytes_per_worker(&self, mode: super::scenario::ModeKind, n: usize) -> Option<f64> {
+        use super::scenario::ModeKind as M;
+        let nf = n.max(1) as f64;
+        Some(match mode {
+            M::PsSparse | M::PsBsp => 2.0 * (self.rows_bytes() + self.dense),
+            M::DdpDense | M::DdpTcp => ring_bytes_per_worker(n, self.whole()),
+            M::DdpAllgather => 2.0 * (nf - 1.0) * self.rows_bytes() + ring_bytes_per_worker(n, self.dense),
+            M::Hybrid => 2.0 * self.rows_bytes() + ring_bytes_per_worker(n, self.dense),
+            _ => return None,
+        })
+    }
+
+    /// Seconds of `mode`'s exchange per step over `n` workers (and `k` shards), by the
+    /// alpha-beta model (`None` for a mode that is not one of the table's ways).
+    pub fn seconds(&self, mode: super::scenario::ModeKind, n: usize, k: usize, l: Link) -> Option<f64> {
+        use super::scenario::ModeKind as M;
+        Some(match mode {
+            M::PsSparse | M::PsBsp => sparse_ps(n, k, self, l),
+            M::DdpDense | M::DdpTcp => ring(n, self.whole(), l),
+            M::DdpAllgather => sparse_allgather(n, self, l),
+            M::Hybrid => sparse_hybrid(n, k, self, l),
+            _ => return None,
+        })
+    }
+}
+
+/// Seconds for a ps-sparse step: each of `n` workers pushes its rows and the dense values and
+/// pulls as much (the next batch's rows), pipelined over the two directions, through `k`
+/// shards (rows split by range, so each shard sees about `1/k` of every worker's rows).
+pub fn sparse_ps(n: usize, k: usize, sp: &Sparse, l: Link) -> f64 {
+    let each = sp.rows_bytes() + sp.dense;
+    ps_compressed(n, k, each, each, l)
+}
+
+/// Seconds for DDP's all-gather of the rows: one all-gather of the counts and one of the
+/// padded rows, `(n-1)` messages each, beside the ring all-reduce of the dense values.
+pub fn sparse_allgather(n: usize, sp: &Sparse, l: Link) -> f64 {
+    if n <= 1 {
+        return 0.0;
+    }
+    let hops = n as f64 - 1.0;
+    hops * l.a + hops * (l.a + sp.rows_bytes() / l.b) + ring(n, sp.dense, l)
+}
+
+/// Seconds for the hybrid's step: the ring all-reduce of the dense values among the workers,
+/// then each worker's rows pushed to and pulled from the `k` table shards (after backward, so
+/// the two add up).
+pub fn sparse_hybrid(n: usize, k: usize, sp: &Sparse, l: Link) -> f64 {
+    let rows = sp.rows_bytes();
+    ring(n, sp.dense, l) + ps_compressed(n, k, rows, rows, l)
+}
+
+/// Expected distinct ids among `samples` samples of the built-in clicks data over a table of
+/// `rows` ids (an estimate, from the generator's law: each sample names `m` ids, `m` uniform
+/// in `ids`, each id drawn with probability proportional to `rank^-zipf`). A rank of
+/// probability `p` is missed by one sample with probability `E_m[(1-p)^m]` and by all of them
+/// with that to the power `samples`; the estimate sums `1 - that` over the ranks.
+pub fn clicks_unique_rows(rows: usize, ids: (usize, usize), zipf: f64, samples: usize) -> f64 {
+    if rows == 0 || samples == 0 || ids.1 < ids.0 {
+        return 0.0;
+    }
+    let norm: f64 = (1..=rows).map(|k| (k as f64).powf(-zipf)).sum();
+    let (lo, span) = (ids.0 as i32, (ids.1 - ids.0 + 1) as i32);
+    (1..=rows)
+        .map(|k| {
+            let p = (k as f64).powf(-zipf) / norm;
+            let q = 1.0 - p;
+            // The mean of q^m over m in lo..=hi: a geometric sum.
+            let miss_one = if p < 1e-15 {
+                1.0 - p * (f64::from(lo) + f64::from(span - 1) / 2.0)
+            } else {
+                q.powi(lo) * (1.0 - q.powi(span)) / (p * f64::from(span))
+            };
+            1.0 - miss_one.powf(samples as f64)
+        })
+        .sum()
+}
+
 /// Gbit/s to bytes/s.
 pub fn gbit(g: f64) -> f64 {
     g * 1e9 / 8.0
@@ -248,6 +373,72 @@ mod tests {
         }
         assert_eq!(update_bytes(1, 100.0), 500.0);
         assert_eq!(update_bytes(4, 100.0), 125.0);
+    }
+
+    #[test]
+    fn a_sparse_step_moves_its_rows_and_the_dense_ring_the_table() {
+        use crate::compare::scenario::ModeKind as M;
+        // 2^16 rows of 16, 4 KiB of dense layers, 500 rows a worker's batch.
+        let sp = Sparse { rows: 1 << 16, dim: 16, dense: 4096.0, unique: 500.0 };
+        assert_eq!(row_bytes(16), 68.0);
+        assert_eq!(sp.whole(), 4.0 * 65536.0 * 16.0 + 4096.0);
+        let rows = 500.0 * 68.0;
+        // The PS: push and pull, rows and dense values each way, whatever n.
+        assert_eq!(sp.bytes_per_worker(M::PsSparse, 4), Some(2.0 * (rows + 4096.0)));
+        // ddp-dense: 2(n-1)/n of the whole model each way.
+        assert_eq!(sp.bytes_per_worker(M::DdpDense, 4), Some(ring_bytes_per_worker(4, sp.whole())));
+        // The all-gather grows with n; the hybrid's rows do not.
+        assert_eq!(
+            sp.bytes_per_worker(M::DdpAllgather, 4),
+            Some(6.0 * rows + ring_bytes_per_worker(4, 4096.0))
+        );
+        assert_eq!(sp.bytes_per_worker(M::Hybrid, 4), Some(2.0 * rows + ring_bytes_per_worker(4, 4096.0)));
+        assert_eq!(sp.bytes_per_worker(M::Local, 4), None);
+        // Bandwidth only, one shard per worker: the PS moves its rows each way, the ring the table.
+        let l = Link { a: 0.0, b: 1.0 };
+        assert_eq!(sp.seconds(M::PsSparse, 4, 4, l), Some(rows + 4096.0));
+        assert_eq!(sp.seconds(M::DdpDense, 4, 0, l), Some(1.5 * sp.whole()));
+        assert_eq!(sp.seconds(M::Hybrid, 4, 4, l), Some(ring(4, 4096.0, l) + rows));
+        assert_eq!(sp.seconds(M::DdpAllgather, 4, 0, l), Some(3.0 * rows + ring(4, 4096.0, l)));
+        // One shard carries every worker's rows.
+        assert_eq!(sparse_ps(4, 1, &sp, l), 4.0 * (rows + 4096.0));
+        // Latency: the all-gather's 2(n-1) messages, the PS's 2.
+        let l = Link { a: 1.0, b: f64::INFINITY };
+        assert_eq!(sparse_allgather(4, &sp, l), 6.0 + ring(4, 4096.0, l));
+        assert_eq!(sparse_ps(4, 4, &sp, l), 2.0);
+    }
+
+    /// The estimate of the rows a batch names, against the built-in generator itself.
+    #[test]
+    fn the_unique_rows_estimate_matches_the_clicks_generator() {
+        use gradsync_core::data::{CLICKS_IDS, CLICKS_ZIPF, ClicksConfig};
+        for (rows, batch) in [(65536usize, 32usize), (65536, 128), (4096, 64)] {
+            let data = ClicksConfig::parse(&format!("8192:{rows}")).unwrap().generate(7);
+            let slots = CLICKS_IDS.1;
+            let per = 2 * slots;
+            let samples = data.train.x.len() / per;
+            let batches = samples / batch;
+            let mut total = 0usize;
+            for b in 0..batches {
+                let mut seen = std::collections::BTreeSet::new();
+                for s in b * batch..(b + 1) * batch {
+                    let x = &data.train.x[s * per..s * per + slots];
+                    seen.extend(x.iter().filter(|&&id| id >= 0.0).map(|&id| id as u32));
+                }
+                total += seen.len();
+            }
+            let measured = total as f64 / batches as f64;
+            let est = clicks_unique_rows(rows, CLICKS_IDS, CLICKS_ZIPF, batch);
+            assert!(
+                (est / measured - 1.0).abs() < 0.03,
+                "{rows} rows, batch {batch}: {est:.1} vs {measured:.1}"
+            );
+        }
+        // More rows, more of them named once; more ids per sample, more rows.
+        let u = |rows, ids| clicks_unique_rows(rows, ids, 1.05, 32);
+        assert!(u(1 << 20, (10, 40)) > u(1 << 16, (10, 40)));
+        assert!(u(1 << 16, (20, 80)) > 1.5 * u(1 << 16, (10, 40)));
+        assert_eq!(clicks_unique_rows(0, (10, 40), 1.05, 32), 0.0);
     }
 
     #[test]

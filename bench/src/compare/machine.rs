@@ -82,7 +82,10 @@ pub fn tcp_streams(mode: ModeKind, workers: usize, shards: usize) -> Option<Stre
     if !mode.over_tcp() || workers < 2 && !mode.is_ps() {
         return None;
     }
-    if mode.is_ps() {
+    if mode == ModeKind::Hybrid {
+        // The table's push and pull sockets per worker per shard, and the ring's one per rank.
+        Some(Streams { total: 2 * workers * shards.max(1) + workers, busiest: 2 * workers })
+    } else if mode.is_ps() {
         Some(Streams { total: 2 * workers * shards.max(1), busiest: 2 * workers })
     } else {
         Some(Streams { total: workers, busiest: 1 })
@@ -285,6 +288,8 @@ pub fn run_memory(mode: ModeKind, workers: usize, params: usize) -> u64 {
     match mode.base() {
         ModeKind::Local => 3 * s,
         ModeKind::Dp => (2 * w + 4) * s,
+        // A whole replica per rank, as DDP's, and the table (at most the model) on the servers.
+        ModeKind::Hybrid => 4 * s * w + 5 * s,
         m if m.is_ps() => 3 * s * w + 5 * s,
         _ => 4 * s * w,
     }
@@ -342,6 +347,10 @@ mod tests {
         assert_eq!(s(ModeKind::DdpTcp, 4, 0), Some(Streams { total: 4, busiest: 1 }));
         assert_eq!(s(ModeKind::DdpTcp, 1, 0), None);
         assert_eq!(s(ModeKind::DdpShm, 4, 0), None);
+        // The hybrid: the table's sockets to its shards and the ring among the workers.
+        assert_eq!(s(ModeKind::Hybrid, 4, 2), Some(Streams { total: 20, busiest: 8 }));
+        assert_eq!(s(ModeKind::PsSparse, 4, 1), s(ModeKind::PsBsp, 4, 1));
+        assert_eq!(s(ModeKind::DdpAllgather, 4, 0), s(ModeKind::DdpTcp, 4, 0));
         assert_eq!(s(ModeKind::Local, 1, 0), None);
     }
 }

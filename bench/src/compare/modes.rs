@@ -16,6 +16,7 @@ use gradsync_server::SyncMode;
 use gradsync_server::config::flag as sf;
 use gradsync_worker::cli::flag as wf;
 use gradsync_worker::cli::{Backend, Mode, Transport};
+use gradsync_worker::strategy::SparseGrads;
 
 use super::scenario::{ModeKind, RunSpec, Scenario};
 use super::site::{Site, Slot};
@@ -263,6 +264,10 @@ pub fn plan(ctx: &Ctx) -> anyhow::Result<Plan> {
         ModeKind::DdpShm => ddp(ctx, Backend::Tcp, Some(Transport::Shm)),
         ModeKind::DdpNccl => ddp(ctx, Backend::Nccl, None),
         ModeKind::Zero1Tcp => ring(ctx, Mode::Zero1, Backend::Tcp, Some(Transport::Tcp)),
+        ModeKind::PsSparse => Ok(ps(ctx, SyncMode::Bsp)),
+        ModeKind::DdpDense => sparse_ddp(ctx, SparseGrads::Dense),
+        ModeKind::DdpAllgather => sparse_ddp(ctx, SparseGrads::Allgather),
+        ModeKind::Hybrid => hybrid(ctx),
     }
 }
 
@@ -283,12 +288,12 @@ pub fn dp(ctx: &Ctx) -> Plan {
     Plan { servers: vec![], workers: Box::new(move |_| vec![p]) }
 }
 
-/// `gradsync-server --shard I/K ...` per shard, then `gradsync-worker train --mode ps
-/// --servers A,B --rank R --world-size W` per worker.
-pub fn ps(ctx: &Ctx, sync: SyncMode) -> Plan {
+/// `gradsync-server --shard I/K ...` per shard of the run (`--table-only` for the hybrid's
+/// servers, which hold a sparse model's table alone).
+fn servers(ctx: &Ctx, sync: SyncMode, table_only: bool) -> Vec<ProcSpec> {
     let s = &ctx.scenario;
     let k = ctx.spec.shards.max(1);
-    let servers = (0..k)
+    (0..k)
         .map(|i| {
             let name = format!("server{i}");
             let (addr, site) = ctx.placement.server(i);
@@ -317,6 +322,9 @@ pub fn ps(ctx: &Ctx, sync: SyncMode) -> Plan {
                 args.extend(opt(sf::TLS_CERT, t.cert.display()));
                 args.extend(opt(sf::TLS_KEY, t.key.display()));
             }
+            if table_only {
+                args.push(format!("--{}", sf::TABLE_ONLY));
+            }
             ProcSpec {
                 metrics: ctx.path(&name, "jsonl"),
                 name,
@@ -326,7 +334,13 @@ pub fn ps(ctx: &Ctx, sync: SyncMode) -> Plan {
                 env: ctx.env.clone(),
             }
         })
-        .collect();
+        .collect()
+}
+
+/// `gradsync-server --shard I/K ...` per shard, then `gradsync-worker train --mode ps
+/// --servers A,B --rank R --world-size W` per worker.
+pub fn ps(ctx: &Ctx, sync: SyncMode) -> Plan {
+    let servers = servers(ctx, sync, false);
     let ctx = ctx.clone();
     Plan {
         servers,
@@ -336,26 +350,68 @@ pub fn ps(ctx: &Ctx, sync: SyncMode) -> Plan {
                     let name = format!("rank{r}");
                     let mut args = ctx.worker_common(&name, ctx.spec.batch);
                     args.extend(opt(wf::MODE, choice(Mode::Ps)));
-                    args.extend(opt(wf::SERVERS, addrs.join(",")));
                     args.extend(opt(wf::RANK, r));
                     args.extend(opt(wf::WORLD_SIZE, ctx.spec.workers));
-                    if let Some(c) = ctx.scenario.ps_chunk_bytes {
-                        args.extend(opt(wf::CHUNK_BYTES, c));
-                    }
+                    args.extend(ps_client(&ctx, addrs));
                     if let Some(c) = ctx.spec.mode.compress(ctx.scenario.topk_ratio) {
                         args.extend(opt(wf::COMPRESS, c));
-                    }
-                    if let Some(t) = &ctx.tls {
-                        args.extend(opt(wf::TLS_CA, t.ca.display()));
-                        if let Some(d) = &t.domain {
-                            args.extend(opt(wf::TLS_DOMAIN, d));
-                        }
                     }
                     ctx.worker(r, name, args)
                 })
                 .collect()
         }),
     }
+}
+
+/// A worker's flags for reaching the servers at `addrs`: the list, the chunk size, the CA.
+fn ps_client(ctx: &Ctx, addrs: &[String]) -> Vec<String> {
+    let mut args = opt(wf::SERVERS, addrs.join(",")).to_vec();
+    if let Some(c) = ctx.scenario.ps_chunk_bytes {
+        args.extend(opt(wf::CHUNK_BYTES, c));
+    }
+    if let Some(t) = &ctx.tls {
+        args.extend(opt(wf::TLS_CA, t.ca.display()));
+        if let Some(d) = &t.domain {
+            args.extend(opt(wf::TLS_DOMAIN, d));
+        }
+    }
+    args
+}
+
+/// `ddp-dense` and `ddp-allgather`: DDP's ranks over TCP sockets, each told how to move the
+/// table (`--sparse-grads`).
+fn sparse_ddp(ctx: &Ctx, how: SparseGrads) -> anyhow::Result<Plan> {
+    let plan = ring(ctx, Mode::Ddp, Backend::Tcp, Some(Transport::Tcp))?;
+    let ranks = plan.workers;
+    Ok(Plan {
+        servers: plan.servers,
+        workers: Box::new(move |addrs: &[String]| {
+            let mut procs = ranks(addrs);
+            for p in &mut procs {
+                p.args.extend(opt(wf::SPARSE_GRADS, choice(how)));
+            }
+            procs
+        }),
+    })
+}
+
+/// `hybrid`: `gradsync-server --table-only --sync bsp --shard I/K ...` per shard (the table's
+/// rows), then DDP's ranks over TCP sockets with `--mode hybrid --servers A,B`, which push and
+/// pull the table's rows and all-reduce the rest among themselves.
+fn hybrid(ctx: &Ctx) -> anyhow::Result<Plan> {
+    let servers = servers(ctx, SyncMode::Bsp, true);
+    let ranks = ring(ctx, Mode::Hybrid, Backend::Tcp, Some(Transport::Tcp))?.workers;
+    let ctx = ctx.clone();
+    Ok(Plan {
+        servers,
+        workers: Box::new(move |addrs: &[String]| {
+            let mut procs = ranks(addrs);
+            for p in &mut procs {
+                p.args.extend(ps_client(&ctx, addrs));
+            }
+            procs
+        }),
+    })
 }
 
 /// `gradsync-worker train --mode ddp --backend B [--transport T] --rank R --world-size W
@@ -366,8 +422,8 @@ pub fn ddp(ctx: &Ctx, backend: Backend, transport: Option<Transport>) -> anyhow:
     ring(ctx, Mode::Ddp, backend, transport)
 }
 
-/// The ranks of a mode that meets over the rendezvous store and DDP's flags (`--mode ddp` or
-/// `zero1`), with `backend` and `transport`.
+/// The ranks of a mode that meets over the rendezvous store and DDP's flags (`--mode ddp`,
+/// `zero1` or `hybrid`), with `backend` and `transport`.
 fn ring(ctx: &Ctx, mode: Mode, backend: Backend, transport: Option<Transport>) -> anyhow::Result<Plan> {
     let (master, site) = ctx.placement.worker(0);
     let port = site.free_port().context("picking the rendezvous port")?;
@@ -418,9 +474,13 @@ mod tests {
     use super::*;
 
     fn ctx(mode: &str, extra: &str) -> Ctx {
+        ctx_of(mode, "tiny", extra)
+    }
+
+    fn ctx_of(mode: &str, model: &str, extra: &str) -> Ctx {
         let scenario = Scenario::parse(
             &format!(
-                "name='x'\nmodes=['{mode}']\nworkers=[2]\nmodels=['tiny']\nbatches=[8]\nsteps=3\n{extra}"
+                "name='x'\nmodes=['{mode}']\nworkers=[2]\nmodels=['{model}']\nbatches=[8]\nsteps=3\n{extra}"
             ),
             "t",
         )
@@ -533,9 +593,14 @@ mod tests {
     #[test]
     fn every_mode_with_every_optional_flag_parses_with_the_binaries_own_parsers() {
         let extra = "trace = true\nps_chunk_bytes = 131072\nbucket_mb = 2.5\neval_samples = 64\n\
-                     slow_ms = [0, 5]\nslow_rank = 1\ndata = 'synthetic:256:16:4'\nstaleness_lr = 'inverse'";
+                     slow_ms = [0, 5]\nslow_rank = 1\nstaleness_lr = 'inverse'\n";
         for mode in ModeKind::ALL {
-            let base = ctx(mode.label(), extra);
+            // The table's modes on the sparse model and its data, the others on an MLP.
+            let base = if mode.needs_table() {
+                ctx_of(mode.label(), "embedding:4096:8", &format!("{extra}data = 'clicks:512:4096'"))
+            } else {
+                ctx(mode.label(), &format!("{extra}data = 'synthetic:256:16:4'"))
+            };
             for spec in base.scenario.expand() {
                 let ctx = Ctx { spec, ..base.clone() };
                 let (servers, workers) = parse_all(&ctx);
@@ -550,6 +615,51 @@ mod tests {
                     assert_eq!(w.slow_rank.map(|s| s.ms), (ctx.spec.slow_ms > 0).then_some(5));
                 }
                 assert!(servers.iter().all(|s| s.args.chunk_bytes == Some(131072) && s.args.trace.is_some()));
+            }
+        }
+    }
+
+    /// The comparison's ways of moving a table start the processes their names promise, as
+    /// the binaries' own parsers read them.
+    #[test]
+    fn each_sparse_mode_starts_what_its_name_says() {
+        let model = "embedding:4096:8";
+        let data = "data = 'clicks:512:4096'";
+        for mode in [ModeKind::PsSparse, ModeKind::DdpDense, ModeKind::DdpAllgather, ModeKind::Hybrid] {
+            let ctx = ctx_of(mode.label(), model, data);
+            let (servers, workers) = parse_all(&ctx);
+            assert_eq!(workers.len(), 2, "{mode}");
+            let addrs: Vec<String> = (0..servers.len()).map(|i| format!("127.0.0.1:{}", 5000 + i)).collect();
+            for w in &workers {
+                assert_eq!(w.model.name, "embedding", "{mode}");
+                match mode {
+                    ModeKind::PsSparse => assert_eq!((w.mode, &w.ps.servers), (Mode::Ps, &addrs)),
+                    ModeKind::DdpDense | ModeKind::DdpAllgather => {
+                        let how = if mode == ModeKind::DdpDense {
+                            SparseGrads::Dense
+                        } else {
+                            SparseGrads::Allgather
+                        };
+                        assert_eq!(
+                            (w.mode, w.ddp.backend, w.ddp.transport, w.ddp.sparse_grads),
+                            (Mode::Ddp, Backend::Tcp, Transport::Tcp, how)
+                        );
+                    }
+                    _ => {
+                        assert_eq!(
+                            (w.mode, w.ddp.backend, w.ddp.transport),
+                            (Mode::Hybrid, Backend::Tcp, Transport::Tcp)
+                        );
+                        assert_eq!(w.ps.servers, addrs, "the hybrid's ranks reach every table shard");
+                    }
+                }
+            }
+            // ps-sparse's servers hold the whole model; the hybrid's the table alone, under BSP.
+            let want_servers = usize::from(mode.is_ps());
+            assert_eq!(servers.len(), want_servers, "{mode}");
+            for s in &servers {
+                assert_eq!(s.args.sync, SyncMode::Bsp, "{mode}");
+                assert_eq!(s.args.table_only, mode == ModeKind::Hybrid, "{mode}");
             }
         }
     }

@@ -47,11 +47,24 @@ pub enum ModeKind {
     DdpTcpTopk,
     /// ddp-tcp with the ring's half-precision all-reduce (`--compress fp16`).
     DdpTcpFp16,
+    /// Parameter server, bulk-synchronous, on a model with an embedding table: each worker
+    /// pushes the rows its batch named and pulls the rows its next batch names, by id (the
+    /// PS's own way with a table; ps-bsp on such a model is the same run).
+    PsSparse,
+    /// DDP over TCP sockets with the table's gradient all-reduced whole, zeros included
+    /// (`--sparse-grads dense`, `nn.EmbeddingBag` under DDP).
+    DdpDense,
+    /// DDP over TCP sockets with the rows each rank's batch named all-gathered as (id, values)
+    /// and summed (`--sparse-grads allgather`, DDP's way with `sparse=True`).
+    DdpAllgather,
+    /// The table on parameter servers that hold it alone (`gradsync-server --table-only`, rows
+    /// by id), the rest of the model all-reduced by DDP's ring over TCP (`--mode hybrid`).
+    Hybrid,
 }
 
 impl ModeKind {
     /// Every mode, in report order.
-    pub const ALL: [ModeKind; 13] = [
+    pub const ALL: [ModeKind; 17] = [
         ModeKind::Local,
         ModeKind::Dp,
         ModeKind::PsBsp,
@@ -65,6 +78,10 @@ impl ModeKind {
         ModeKind::PsBspTopk,
         ModeKind::DdpTcpTopk,
         ModeKind::DdpTcpFp16,
+        ModeKind::PsSparse,
+        ModeKind::DdpDense,
+        ModeKind::DdpAllgather,
+        ModeKind::Hybrid,
     ];
 
     /// The label used in file names, tables and charts.
@@ -83,6 +100,10 @@ impl ModeKind {
             ModeKind::PsBspTopk => "ps-bsp-topk",
             ModeKind::DdpTcpTopk => "ddp-tcp-topk",
             ModeKind::DdpTcpFp16 => "ddp-tcp-fp16",
+            ModeKind::PsSparse => "ps-sparse",
+            ModeKind::DdpDense => "ddp-dense",
+            ModeKind::DdpAllgather => "ddp-allgather",
+            ModeKind::Hybrid => "hybrid",
         }
     }
 
@@ -116,10 +137,14 @@ impl ModeKind {
             ModeKind::Local => "none",
             ModeKind::Dp => "in one process",
             ModeKind::PsBsp | ModeKind::PsAsp | ModeKind::PsSsp => "gRPC over TCP",
-            ModeKind::PsBspFp16 | ModeKind::PsBspTopk => "gRPC over TCP",
-            ModeKind::DdpTcp | ModeKind::Zero1Tcp | ModeKind::DdpTcpTopk | ModeKind::DdpTcpFp16 => {
-                "TCP sockets"
-            }
+            ModeKind::PsBspFp16 | ModeKind::PsBspTopk | ModeKind::PsSparse => "gRPC over TCP",
+            ModeKind::DdpTcp
+            | ModeKind::Zero1Tcp
+            | ModeKind::DdpTcpTopk
+            | ModeKind::DdpTcpFp16
+            | ModeKind::DdpDense
+            | ModeKind::DdpAllgather => "TCP sockets",
+            ModeKind::Hybrid => "TCP sockets and gRPC over TCP",
             ModeKind::DdpShm => "shared memory",
             ModeKind::DdpNccl => "NCCL",
         }
@@ -130,35 +155,93 @@ impl ModeKind {
         self.is_ps()
             || matches!(
                 self,
-                ModeKind::DdpTcp | ModeKind::Zero1Tcp | ModeKind::DdpTcpTopk | ModeKind::DdpTcpFp16
+                ModeKind::DdpTcp
+                    | ModeKind::Zero1Tcp
+                    | ModeKind::DdpTcpTopk
+                    | ModeKind::DdpTcpFp16
+                    | ModeKind::DdpDense
+                    | ModeKind::DdpAllgather
             )
     }
 
-    /// Whether it runs parameter servers (and so is crossed with shard counts).
+    /// Whether it runs parameter servers (and so is crossed with shard counts): the hybrid's
+    /// servers hold the table.
     pub fn is_ps(self) -> bool {
         matches!(
             self,
-            ModeKind::PsBsp | ModeKind::PsAsp | ModeKind::PsSsp | ModeKind::PsBspFp16 | ModeKind::PsBspTopk
+            ModeKind::PsBsp
+                | ModeKind::PsAsp
+                | ModeKind::PsSsp
+                | ModeKind::PsBspFp16
+                | ModeKind::PsBspTopk
+                | ModeKind::PsSparse
+                | ModeKind::Hybrid
         )
     }
 
+    /// Whether it is one of the comparison's ways of moving an embedding table, which only a
+    /// model with a table can run (`ps-sparse`, `ddp-dense`, `ddp-allgather`, `hybrid`).
+    pub fn needs_table(self) -> bool {
+        matches!(self, ModeKind::PsSparse | ModeKind::DdpDense | ModeKind::DdpAllgather | ModeKind::Hybrid)
+    }
+
+    /// Why it cannot train a model with an embedding table, if it cannot (the binaries refuse
+    /// such a run; the scenario is refused before any starts).
+    pub fn refuses_table(self) -> Option<&'static str> {
+        match self {
+            ModeKind::Zero1Tcp => Some(
+                "ZeRO-1's sharded update is not lazy, and a table's rows are updated only where a batch \
+                 named them",
+            ),
+            ModeKind::PsBspFp16 | ModeKind::PsBspTopk => Some(
+                "the parameter server moves a table's rows as ids and f32 values, uncompressed (use \
+                 ps-sparse)",
+            ),
+            _ => None,
+        }
+    }
+
+    /// The mode a run of this one reads as from its metrics alone, where two names start the
+    /// same processes: on a model with a table, ps-bsp is ps-sparse and ddp-tcp ddp-dense.
+    /// The runner's record (`outcomes.jsonl`) keeps the name the scenario gave.
+    pub fn same_run_as(self, other: ModeKind) -> bool {
+        let twin = |m: ModeKind| match m {
+            ModeKind::PsSparse => ModeKind::PsBsp,
+            ModeKind::DdpDense => ModeKind::DdpTcp,
+            m => m,
+        };
+        twin(self) == twin(other)
+    }
+
     /// Whether it moves the ring all-reduce's bytes over the ring (DDP's all-reduce, or
-    /// ZeRO-1's reduce-scatter and all-gather: the same two halves, split around the update).
+    /// ZeRO-1's reduce-scatter and all-gather: the same two halves, split around the update):
+    /// ddp-dense all-reduces the whole model, table included.
     pub fn is_ring(self) -> bool {
-        matches!(self, ModeKind::DdpTcp | ModeKind::DdpShm | ModeKind::DdpNccl | ModeKind::Zero1Tcp)
+        matches!(
+            self,
+            ModeKind::DdpTcp | ModeKind::DdpShm | ModeKind::DdpNccl | ModeKind::Zero1Tcp | ModeKind::DdpDense
+        )
     }
 
     /// The mode a metrics header describes (`mode`, `variant`, for the TCP backend the
     /// transport it ran over, `extra.transport`, and the compression, `extra.compression`), if
-    /// any.
+    /// any. On a model with a table (`table`) a PS worker under BSP is ps-sparse, and a DDP
+    /// rank over TCP sockets ddp-allgather or ddp-dense by its `extra.sparse_grads`.
     pub fn from_header(
         mode: &str,
         variant: &str,
         transport: Option<&str>,
         compression: Option<&str>,
+        table: bool,
+        sparse_grads: Option<&str>,
     ) -> Option<ModeKind> {
         let base = ModeKind::uncompressed(mode, variant, transport)?;
         Some(match (base, compression.unwrap_or("none")) {
+            (ModeKind::PsBsp, "none") if table => ModeKind::PsSparse,
+            (ModeKind::DdpTcp, "none") if table => match sparse_grads {
+                Some("allgather") => ModeKind::DdpAllgather,
+                _ => ModeKind::DdpDense,
+            },
             (m, "none") => m,
             (ModeKind::PsBsp, "fp16") => ModeKind::PsBspFp16,
             (ModeKind::PsBsp, c) if c.starts_with("topk:") => ModeKind::PsBspTopk,
@@ -179,6 +262,7 @@ impl ModeKind {
             ("ddp", _) if transport == Some("shm") => ModeKind::DdpShm,
             ("ddp", _) => ModeKind::DdpTcp,
             ("zero1", _) => ModeKind::Zero1Tcp,
+            ("hybrid", _) => ModeKind::Hybrid,
             _ => return None,
         })
     }
@@ -427,8 +511,29 @@ impl Scenario {
                 .with_rates(self.device_tflops, self.device_tbps)
                 .with_context(|| format!("`device_tflops` for '{m}'"))?;
             // A model that cannot take the data (a conv net on flat data) is refused now, by name.
-            if let Some((input, classes)) = shape {
-                spec.fit(input, classes).with_context(|| format!("`models`: '{m}' on `data`"))?;
+            let spec = match shape {
+                Some((input, classes)) => {
+                    spec.fit(input, classes).with_context(|| format!("`models`: '{m}' on `data`"))?
+                }
+                None => spec,
+            };
+            // Every mode crosses every model, so a mode and a model that cannot meet are
+            // refused now, by name, rather than failing run by run.
+            let table = spec.table();
+            for &mode in &self.modes {
+                match table {
+                    None if mode.needs_table() => anyhow::bail!(
+                        "`modes`: {mode} moves an embedding table, and '{m}' has none; train an embedding \
+                         model (embedding[:ROWS:DIM[:HIDDEN...]] on clicks or libsvm data){}",
+                        if mode == ModeKind::DdpDense { ", or name the dense ring ddp-tcp" } else { "" }
+                    ),
+                    Some((rows, dim)) => {
+                        if let Some(why) = mode.refuses_table() {
+                            anyhow::bail!("`modes`: {mode} cannot train '{m}' ({rows} x {dim} table): {why}");
+                        }
+                    }
+                    None => {}
+                }
             }
         }
         Ok(())
@@ -718,28 +823,27 @@ mod tests {
         assert_eq!(r.iter().map(|r| r.repeat).collect::<Vec<_>>(), [0, 1]);
     }
 
+    /// A header of a model without a table.
+    fn no_table(mode: &str, variant: &str, transport: Option<&str>, c: Option<&str>) -> Option<ModeKind> {
+        ModeKind::from_header(mode, variant, transport, c, false, None)
+    }
+
     #[test]
     fn ddp_modes_are_told_apart_by_their_transport() {
-        assert_eq!(ModeKind::from_header("ddp", "tcp", Some("tcp"), None), Some(ModeKind::DdpTcp));
-        assert_eq!(ModeKind::from_header("ddp", "tcp", Some("shm"), None), Some(ModeKind::DdpShm));
-        assert_eq!(ModeKind::from_header("ddp", "tcp", None, None), Some(ModeKind::DdpTcp));
-        assert_eq!(ModeKind::from_header("ddp", "nccl", None, None), Some(ModeKind::DdpNccl));
+        assert_eq!(no_table("ddp", "tcp", Some("tcp"), None), Some(ModeKind::DdpTcp));
+        assert_eq!(no_table("ddp", "tcp", Some("shm"), None), Some(ModeKind::DdpShm));
+        assert_eq!(no_table("ddp", "tcp", None, None), Some(ModeKind::DdpTcp));
+        assert_eq!(no_table("ddp", "nccl", None, None), Some(ModeKind::DdpNccl));
         assert!(ModeKind::DdpTcp.over_tcp() && ModeKind::PsAsp.over_tcp() && !ModeKind::DdpShm.over_tcp());
         assert_ne!(ModeKind::DdpTcp.wire(), ModeKind::DdpShm.wire());
         // ZeRO-1 over the ring's sockets, compared with ddp-tcp like for like.
-        assert_eq!(ModeKind::from_header("zero1", "tcp", Some("tcp"), None), Some(ModeKind::Zero1Tcp));
-        assert_eq!(ModeKind::from_header("ps", "bsp", None, Some("none")), Some(ModeKind::PsBsp));
-        assert_eq!(ModeKind::from_header("ps", "bsp", None, Some("fp16")), Some(ModeKind::PsBspFp16));
-        assert_eq!(ModeKind::from_header("ps", "bsp", None, Some("topk:0.01")), Some(ModeKind::PsBspTopk));
-        assert_eq!(
-            ModeKind::from_header("ddp", "tcp", Some("tcp"), Some("topk:0.01")),
-            Some(ModeKind::DdpTcpTopk)
-        );
-        assert_eq!(ModeKind::from_header("ps", "asp", None, Some("fp16")), None);
-        assert_eq!(
-            ModeKind::from_header("ddp", "tcp", Some("tcp"), Some("fp16")),
-            Some(ModeKind::DdpTcpFp16)
-        );
+        assert_eq!(no_table("zero1", "tcp", Some("tcp"), None), Some(ModeKind::Zero1Tcp));
+        assert_eq!(no_table("ps", "bsp", None, Some("none")), Some(ModeKind::PsBsp));
+        assert_eq!(no_table("ps", "bsp", None, Some("fp16")), Some(ModeKind::PsBspFp16));
+        assert_eq!(no_table("ps", "bsp", None, Some("topk:0.01")), Some(ModeKind::PsBspTopk));
+        assert_eq!(no_table("ddp", "tcp", Some("tcp"), Some("topk:0.01")), Some(ModeKind::DdpTcpTopk));
+        assert_eq!(no_table("ps", "asp", None, Some("fp16")), None);
+        assert_eq!(no_table("ddp", "tcp", Some("tcp"), Some("fp16")), Some(ModeKind::DdpTcpFp16));
         for m in [ModeKind::PsBspFp16, ModeKind::PsBspTopk, ModeKind::DdpTcpTopk, ModeKind::DdpTcpFp16] {
             assert_eq!(m.label().parse::<ModeKind>(), Ok(m));
             assert!(m.compress(0.01).is_some() && m.base().compress(0.01).is_none());
@@ -747,6 +851,83 @@ mod tests {
         assert_eq!("zero1-tcp".parse::<ModeKind>(), Ok(ModeKind::Zero1Tcp));
         assert!(ModeKind::Zero1Tcp.over_tcp() && ModeKind::Zero1Tcp.is_ring());
         assert_eq!(ModeKind::Zero1Tcp.wire(), ModeKind::DdpTcp.wire());
+    }
+
+    /// The ways of moving a table need a model with one; the modes that cannot train a table
+    /// are refused on one; every other mode takes both.
+    #[test]
+    fn sparse_modes_and_models_with_a_table_meet_or_are_refused_by_name() {
+        let scenario = |modes: &str, model: &str, data: &str| {
+            Scenario::parse(
+                &format!(
+                    "name='x'\nmodes=[{modes}]\nworkers=[2]\nmodels=['{model}']\nbatches=[8]\nsteps=1\n\
+                     data='{data}'"
+                ),
+                "t",
+            )
+        };
+        for mode in ["ps-sparse", "ddp-dense", "ddp-allgather", "hybrid"] {
+            let e = format!("{:#}", scenario(&format!("'{mode}'"), "tiny", "digits").unwrap_err());
+            assert!(e.contains(&format!("{mode} moves an embedding table, and 'tiny' has none")), "{e}");
+            assert_eq!(e.contains("name the dense ring ddp-tcp"), mode == "ddp-dense", "{e}");
+        }
+        for (mode, why) in
+            [("zero1-tcp", "not lazy"), ("ps-bsp-fp16", "uncompressed"), ("ps-bsp-topk", "uncompressed")]
+        {
+            let e = format!(
+                "{:#}",
+                scenario(&format!("'{mode}'"), "embedding:4096:8", "clicks:512:4096").unwrap_err()
+            );
+            assert!(e.contains(&format!("{mode} cannot train 'embedding:4096:8' (4096 x 8 table)")), "{e}");
+            assert!(e.contains(why), "{e}");
+        }
+        // Without ROWS the table is fitted to the data's ids, and named so.
+        let e = format!("{:#}", scenario("'zero1-tcp'", "embedding", "clicks:512:1000").unwrap_err());
+        assert!(e.contains("(1000 x 16 table)"), "{e}");
+        let every = "'local','dp','ps-bsp','ps-asp','ps-ssp','ddp-tcp','ddp-shm','ps-sparse','ddp-dense',\
+                     'ddp-allgather','hybrid','ddp-tcp-fp16'";
+        let s = scenario(every, "embedding:4096:8", "clicks:512:4096").unwrap();
+        let runs = s.expand();
+        // The hybrid runs servers, so it is crossed with the shard counts like the PS.
+        assert!(runs.iter().any(|r| r.mode == ModeKind::Hybrid && r.shards == 1));
+        assert!(runs.iter().any(|r| r.mode == ModeKind::DdpAllgather && r.shards == 0));
+        for m in [ModeKind::PsSparse, ModeKind::DdpDense, ModeKind::DdpAllgather, ModeKind::Hybrid] {
+            assert_eq!(m.label().parse::<ModeKind>(), Ok(m));
+            assert!(m.over_tcp() && m.needs_table() && m.compress(0.01).is_none() && !m.is_compressed());
+        }
+        assert!(ModeKind::Hybrid.is_ps() && ModeKind::PsSparse.is_ps() && !ModeKind::DdpAllgather.is_ps());
+        assert!(
+            ModeKind::DdpDense.is_ring() && !ModeKind::DdpAllgather.is_ring() && !ModeKind::Hybrid.is_ring()
+        );
+        assert_eq!(ModeKind::PsSparse.wire(), ModeKind::PsBsp.wire());
+        assert_eq!(ModeKind::DdpAllgather.wire(), ModeKind::DdpTcp.wire());
+        assert!(ModeKind::Hybrid.wire().contains("TCP sockets") && ModeKind::Hybrid.wire().contains("gRPC"));
+    }
+
+    /// A metrics header names the table's way: its model's table, DDP's `sparse_grads`, the
+    /// hybrid's own mode; without a table the dense names stay.
+    #[test]
+    fn sparse_modes_are_read_back_from_their_headers() {
+        let read = |mode, variant, transport, table, sg| {
+            ModeKind::from_header(mode, variant, transport, None, table, sg)
+        };
+        assert_eq!(read("ps", "bsp", None, true, None), Some(ModeKind::PsSparse));
+        assert_eq!(read("ps", "bsp", None, false, None), Some(ModeKind::PsBsp));
+        assert_eq!(read("ps", "asp", None, true, None), Some(ModeKind::PsAsp));
+        assert_eq!(read("ddp", "tcp", Some("tcp"), true, Some("dense")), Some(ModeKind::DdpDense));
+        assert_eq!(read("ddp", "tcp", Some("tcp"), true, Some("allgather")), Some(ModeKind::DdpAllgather));
+        assert_eq!(read("ddp", "tcp", Some("tcp"), false, Some("dense")), Some(ModeKind::DdpTcp));
+        assert_eq!(read("ddp", "tcp", Some("shm"), true, Some("dense")), Some(ModeKind::DdpShm));
+        assert_eq!(read("hybrid", "tcp", Some("tcp"), true, Some("servers")), Some(ModeKind::Hybrid));
+        // ps-bsp and ps-sparse on a table are one run under two names; ddp-allgather is not ddp-tcp.
+        assert!(
+            ModeKind::PsBsp.same_run_as(ModeKind::PsSparse)
+                && ModeKind::DdpTcp.same_run_as(ModeKind::DdpDense)
+        );
+        assert!(
+            !ModeKind::DdpTcp.same_run_as(ModeKind::DdpAllgather)
+                && !ModeKind::PsAsp.same_run_as(ModeKind::PsSparse)
+        );
     }
 
     #[test]

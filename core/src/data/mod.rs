@@ -18,6 +18,8 @@ use std::str::FromStr;
 
 pub use augment::Augment;
 pub use clicks::{ClicksConfig, random_bags};
+/// The built-in clicks' law of ids, for estimates of the rows a batch names.
+pub use clicks::{IDS as CLICKS_IDS, ZIPF as CLICKS_ZIPF};
 pub use sampler::DistributedSampler;
 pub use synthetic::SyntheticConfig;
 

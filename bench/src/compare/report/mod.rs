@@ -25,6 +25,7 @@ mod ranking;
 mod reading;
 mod regime;
 mod runs;
+mod sparse;
 mod verdict;
 
 pub use reading::reading;

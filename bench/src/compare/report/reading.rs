@@ -4,7 +4,7 @@
 //! diverged or partial run (a group's rows are its complete repeats' medians).
 
 use super::context::Context;
-use super::{links, ranking, regime, runs};
+use super::{links, ranking, regime, runs, sparse};
 use crate::compare::charts::Group;
 use crate::compare::cost::Link;
 use crate::compare::machine::Machine;
@@ -22,6 +22,7 @@ pub const READINGS: &[Reading] = &[
     ranking::scaling,
     runs::fixed_costs,
     ranking::ring_against_ps,
+    sparse::ps_against_dense,
     links::busiest_shard,
     runs::exposed_share,
     ranking::zero1_against_ddp,

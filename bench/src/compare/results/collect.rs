@@ -31,6 +31,15 @@ pub fn collect(roots: &[PathBuf], target: Option<f64>) -> anyhow::Result<Collect
         }
     }
     out.runs = group(files, &mut out.warnings);
+    // Where two modes start the same processes (ps-bsp and ps-sparse on a model with a table),
+    // the runner's record keeps the name the scenario gave.
+    for r in out.runs.iter_mut() {
+        if let Some(o) = out.outcomes.iter().find(|o| o.id == r.id)
+            && o.mode.same_run_as(r.mode)
+        {
+            r.mode = o.mode;
+        }
+    }
     let mut summaries: Vec<Summary> = out.runs.iter().map(|r| Summary::of(r, target)).collect();
     for s in summaries.iter_mut() {
         if let Some(o) = out.outcomes.iter().find(|o| o.id == s.id) {
@@ -136,7 +145,11 @@ fn read_metrics(path: &Path, rel: String, warnings: &mut Vec<String>) -> Option<
 }
 
 /// The configuration that processes of one run share.
-fn config_key(h: &Header) -> (String, String, String, u64, usize, usize, String) {
+/// What [`config_key`] returns: mode, variant, widths, seed, world size, global batch,
+/// compression.
+type ConfigKey = (String, String, String, u64, usize, usize, String);
+
+fn config_key(h: &Header) -> ConfigKey {
     let variant = if h.mode == "server" || h.mode == "ps" {
         h.variant.split(':').next().unwrap_or("").to_string()
     } else {
@@ -146,6 +159,26 @@ fn config_key(h: &Header) -> (String, String, String, u64, usize, usize, String)
     // Servers and workers both name the compression they ran with (none when absent).
     let compression = h.extra.get("compression").and_then(|v| v.as_str()).unwrap_or("none").to_string();
     (mode, variant, h.widths.clone(), h.seed, h.world_size, h.global_batch, compression)
+}
+
+/// Whether a server of configuration `server` can serve the workers of configuration
+/// `worker`: a PS run's of the same synchronisation, model, seed and compression, or a hybrid
+/// run's table (its servers run BSP; its workers' variant names their collective backend).
+fn serves(worker: &ConfigKey, server: &ConfigKey) -> bool {
+    let same_model = (&worker.2, worker.3, &worker.6) == (&server.2, server.3, &server.6);
+    same_model
+        && match worker.0.as_str() {
+            "ps" => worker.1 == server.1,
+            "hybrid" => server.1 == "bsp",
+            _ => false,
+        }
+}
+
+/// Whether a header's model has an embedding table (its widths start with the sparse
+/// model's name).
+fn has_table(h: &Header) -> bool {
+    let e = gradsync_core::model::EMBEDDING;
+    h.preset == e || h.widths.strip_prefix(e).is_some_and(|rest| rest.is_empty() || rest.starts_with(':'))
 }
 
 /// The directory part of a relative path.
@@ -185,8 +218,7 @@ fn group(files: Vec<MetricsFile>, warnings: &mut Vec<String>) -> Vec<RunData> {
             .iter()
             .filter(|x| {
                 let k = config_key(&x.header);
-                key.0 == "ps"
-                    && (&k.1, &k.2, k.3, &k.6) == (&key.1, &key.2, key.3, &key.6)
+                serves(&key, &k)
                     && dir_of(&x.rel) == dir_of(&f.rel)
                     && overlaps(f.start(), f.end(), x.start(), x.end(), 0.0)
             })
@@ -198,6 +230,8 @@ fn group(files: Vec<MetricsFile>, warnings: &mut Vec<String>) -> Vec<RunData> {
             &f.header.variant,
             f.header.extra.get("transport").and_then(|v| v.as_str()),
             f.header.extra.get("compression").and_then(|v| v.as_str()),
+            has_table(&f.header),
+            f.header.extra.get("sparse_grads").and_then(|v| v.as_str()),
         ) else {
             warnings.push(format!("{}:1: unknown mode '{}'; file skipped", f.rel, f.header.mode));
             continue;
@@ -240,7 +274,7 @@ fn group(files: Vec<MetricsFile>, warnings: &mut Vec<String>) -> Vec<RunData> {
             let k = config_key(r.header());
             let want =
                 r.header().extra.get("shards").and_then(|v| v.as_u64()).map_or(usize::MAX, |k| k as usize);
-            (k.0.as_str(), &k.1, &k.2, k.3) == ("ps", &key.1, &key.2, key.3)
+            serves(&k, &key)
                 && r.servers.len() < want
                 && !r
                     .servers

@@ -236,6 +236,9 @@ pub struct Summary {
     pub bytes_sent_per_step_worker: Option<f64>,
     /// Bytes in + out per worker step at all servers together.
     pub bytes_per_step_server: Option<f64>,
+    /// Mean table rows per step per worker, where the steps record them: the rows a PS or
+    /// hybrid worker pushed, the union DDP's all-gather summed.
+    pub rows_per_step: Option<f64>,
     /// Mean training loss over ranks at the last step.
     pub final_loss: Option<f64>,
     /// Held-out accuracy at the end.
@@ -355,6 +358,7 @@ impl Summary {
             bytes_sent_per_step_worker: field(|s| s.bytes_sent as f64),
             bytes_per_step_server: (!run.servers.is_empty() && worker_steps > 0)
                 .then(|| server_bytes as f64 / worker_steps_per_rank),
+            rows_per_step: mean(all.iter().filter_map(|s| s.rows.map(|r| r as f64))),
             final_loss: curve.last().map(|c| c.1),
             final_accuracy: run
                 .workers
@@ -509,6 +513,7 @@ impl Cell {
                     bytes_per_step_worker: med(|r| r.bytes_per_step_worker),
                     bytes_sent_per_step_worker: med(|r| r.bytes_sent_per_step_worker),
                     bytes_per_step_server: med(|r| r.bytes_per_step_server),
+                    rows_per_step: med(|r| r.rows_per_step),
                     final_loss: med(|r| r.final_loss),
                     final_accuracy: med(|r| r.final_accuracy),
                     staleness_mean: med(|r| r.staleness_mean),
