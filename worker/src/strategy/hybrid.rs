@@ -10,7 +10,6 @@ use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
 use gradsync_core::trace::Trace;
-use gradsync_proto::tuning::Tuning;
 
 use super::ps::PsConfig;
 use crate::ps::{PsClient, TableRows};
@@ -27,36 +26,8 @@ pub struct TablePs {
 impl TablePs {
     /// Connect to the servers of `cfg` (registration waits for [`TablePs::start`]).
     pub fn connect(cfg: PsConfig) -> anyhow::Result<Self> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .thread_name("gradsync-table")
-            .build()
-            .context("starting the table servers' client runtime")?;
-        let mut tuning = Tuning::tuned();
-        if let Some(c) = cfg.chunk_bytes {
-            tuning.chunk_bytes = c;
-        }
-        let client = rt.block_on(async {
-            let tls = match &cfg.tls {
-                Some((ca, domain)) => Some(gradsync_proto::tls::client(ca, domain.as_deref())?),
-                None => None,
-            };
-            let mut c = PsClient::connect_waiting(
-                &cfg.servers,
-                cfg.token.as_deref(),
-                cfg.rpc_timeout,
-                tuning,
-                tls,
-                cfg.connect_wait,
-            )
-            .await?;
-            c.sync_mode().await?;
-            c.set_pipeline(cfg.pipeline);
-            c.set_chunk_bytes(cfg.chunk_bytes);
-            c.set_table_only(true);
-            anyhow::Ok(c)
-        })?;
+        let (rt, mut client) = super::ps::connect(&cfg, "gradsync-table")?;
+        client.set_table_only(true);
         Ok(TablePs { rt, client, rows: None, cfg, heartbeat: None })
     }
 

@@ -100,37 +100,9 @@ impl Ps {
     pub fn new(cfg: PsConfig) -> anyhow::Result<Self> {
         gradsync_core::heap::keep_freed_memory();
         gradsync_core::heap::single_arena();
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .thread_name("gradsync-ps")
-            .build()
-            .context("starting the PS client runtime")?;
-        let mut tuning = Tuning::tuned();
-        if let Some(c) = cfg.chunk_bytes {
-            tuning.chunk_bytes = c;
-        }
-        let client = rt.block_on(async {
-            let tls = match &cfg.tls {
-                Some((ca, domain)) => Some(gradsync_proto::tls::client(ca, domain.as_deref())?),
-                None => None,
-            };
-            let mut c = PsClient::connect_waiting(
-                &cfg.servers,
-                cfg.token.as_deref(),
-                cfg.rpc_timeout,
-                tuning,
-                tls,
-                cfg.connect_wait,
-            )
-            .await?;
-            c.sync_mode().await?;
-            c.set_pipeline(cfg.pipeline);
-            c.set_chunk_bytes(cfg.chunk_bytes);
-            c.set_compression(cfg.compression);
-            c.set_rejoin(cfg.rejoin);
-            anyhow::Ok(c)
-        })?;
+        let (rt, mut client) = connect(&cfg, "gradsync-ps")?;
+        client.set_compression(cfg.compression);
+        client.set_rejoin(cfg.rejoin);
         Ok(Ps {
             rt,
             client,
@@ -376,6 +348,46 @@ impl Strategy for Ps {
         let policy = self.client.optimiser().map_or("none", |(_, stale)| stale.as_str());
         stale_gradient_advice(self.client.sync(), policy)
     }
+}
+
+/// A runtime for a PS client (the training loop is synchronous) and the client, connected to
+/// the servers of `cfg` (waiting for them as `--connect-timeout` allows), with their sync mode
+/// asked and `cfg`'s pipelining and chunk size set. Registration waits for the strategy's
+/// start. Shared by `--mode ps` and the hybrid's table servers.
+pub(super) fn connect(
+    cfg: &PsConfig,
+    thread_name: &str,
+) -> anyhow::Result<(tokio::runtime::Runtime, PsClient)> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name(thread_name)
+        .build()
+        .context("starting the PS client runtime")?;
+    let mut tuning = Tuning::tuned();
+    if let Some(c) = cfg.chunk_bytes {
+        tuning.chunk_bytes = c;
+    }
+    let client = rt.block_on(async {
+        let tls = match &cfg.tls {
+            Some((ca, domain)) => Some(gradsync_proto::tls::client(ca, domain.as_deref())?),
+            None => None,
+        };
+        let mut c = PsClient::connect_waiting(
+            &cfg.servers,
+            cfg.token.as_deref(),
+            cfg.rpc_timeout,
+            tuning,
+            tls,
+            cfg.connect_wait,
+        )
+        .await?;
+        c.sync_mode().await?;
+        c.set_pipeline(cfg.pipeline);
+        c.set_chunk_bytes(cfg.chunk_bytes);
+        anyhow::Ok(c)
+    })?;
+    Ok((rt, client))
 }
 
 /// What keeps asynchronous servers' stale gradients from diverging a run: scaling them by their
