@@ -55,7 +55,10 @@ pub enum ModeKind {
     /// (`--sparse-grads dense`, `nn.EmbeddingBag` under DDP).
     DdpDense,
     /// DDP over TCP sockets with the rows each rank's batch named all-gathered as (id, values)
-    /// and summed (`--sparse-grads allgather`, DDP's way with `sparse=True`).
+    /// and summed (`--sparse-grads allgather`, DDP's way with `sparse=True`); `ddp-sparse` in a
+    /// scenario or on the command line names it too.
+    #[serde(alias = "ddp-sparse")]
+    #[value(alias = "ddp-sparse")]
     DdpAllgather,
     /// The table on parameter servers that hold it alone (`gradsync-server --table-only`, rows
     /// by id), the rest of the model all-reduced by DDP's ring over TCP (`--mode hybrid`).
@@ -277,6 +280,8 @@ impl fmt::Display for ModeKind {
 impl FromStr for ModeKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
+        // The name PyTorch's users know the all-gather of sparse gradients by.
+        let s = if s == "ddp-sparse" { "ddp-allgather" } else { s };
         ModeKind::ALL.into_iter().find(|m| m.label() == s).ok_or_else(|| {
             let names: Vec<_> = ModeKind::ALL.iter().map(|m| m.label()).collect();
             format!("unknown mode '{s}' (modes: {})", names.join(", "))
@@ -866,6 +871,12 @@ mod tests {
                 "t",
             )
         };
+        // `ddp-sparse`, the and PyTorch users' name, is ddp-allgather in a scenario
+        // file and on the command line.
+        let s = scenario("'ddp-sparse'", "embedding:4096:8", "clicks:512:4096").unwrap();
+        assert_eq!(s.modes, [ModeKind::DdpAllgather]);
+        assert_eq!("ddp-sparse".parse::<ModeKind>(), Ok(ModeKind::DdpAllgather));
+        assert_eq!(<ModeKind as clap::ValueEnum>::from_str("ddp-sparse", false), Ok(ModeKind::DdpAllgather));
         for mode in ["ps-sparse", "ddp-dense", "ddp-allgather", "hybrid"] {
             let e = format!("{:#}", scenario(&format!("'{mode}'"), "tiny", "digits").unwrap_err());
             assert!(e.contains(&format!("{mode} moves an embedding table, and 'tiny' has none")), "{e}");
