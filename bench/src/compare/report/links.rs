@@ -143,6 +143,11 @@ pub fn ring_fit(cx: &Context) -> Vec<String> {
 /// compression and hierarchy.
 pub fn extrapolated(cx: &Context) -> Vec<String> {
     let Some(l) = cx.link else { return Vec::new() };
+    if super::sparse::table(cx).is_some() {
+        // A push and pull of the whole model is not what a parameter server does with a sparse
+        // table: the sparse reading takes the cost model to other tables instead.
+        return Vec::new();
+    }
     let s = cx.g.grad_bytes();
     let ten = Link { a: l.a, b: cost::gbit(10.0) };
     let ps_half = cost::ps_wins(1024, s, ten, |n| (n / 2).max(1));

@@ -18,7 +18,7 @@ const ROWS: [usize; 3] = [1 << 16, 1 << 20, 1 << 24];
 const IDS_SCALE: [usize; 2] = [1, 4];
 
 /// The group's table (rows, width) and dense bytes, when its model has one.
-fn table(cx: &Context) -> Option<(usize, usize, f64)> {
+pub fn table(cx: &Context) -> Option<(usize, usize, f64)> {
     let widths = cx.g.rows.first()?.widths.as_str();
     let spec = gradsync_core::model::ModelSpec::from_token(widths).ok()?;
     let (rows, dim) = spec.table()?;
@@ -294,6 +294,20 @@ mod tests {
         assert!(text.contains("moves 79.3 KB measured"), "{text}");
         assert!(text.contains("not ranked, ps-sparse k=1 (gRPC over TCP) saturated the CPU"), "{text}");
         assert!(!text.contains("ahead of"), "{text}");
+        // The dense cost model's crossing and extrapolation (a push and pull of the whole
+        // model) are not this model's: the sparse reading replaces them.
+        let c = Collected {
+            cells: Cell::all(&rows),
+            summaries: rows.clone(),
+            target: Some(0.7),
+            ..Collected::default()
+        };
+        let gs = crate::compare::charts::groups(&c);
+        let machine = Machine { cores: 64, ..Machine::default() };
+        let cx = Context::new(&gs[0], Some(Link { a: 10e-6, b: 1e9 }), Some(&machine), &c.summaries);
+        assert!(super::super::links::extrapolated(&cx).is_empty());
+        let verdict = super::super::verdict::verdict(&cx).join("\n");
+        assert!(!verdict.contains("beats the ring from"), "{verdict}");
         // One repeat: figures, no ranking.
         let once: Vec<Summary> = rows.into_iter().filter(|r| r.repeat == 0).collect();
         let text = read(once, 64);

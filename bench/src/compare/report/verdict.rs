@@ -215,7 +215,10 @@ fn changes(cx: &Context) -> Option<String> {
         }
         _ => None,
     };
-    let model = cx.link.map(|l| model_crossing(cx.g.grad_bytes(), l));
+    // The dense crossing assumes a push and pull of the whole model, which a sparse table's
+    // parameter server does not do (the sparse reading says what it does).
+    let model =
+        cx.link.filter(|_| super::sparse::table(cx).is_none()).map(|l| model_crossing(cx.g.grad_bytes(), l));
     match (measured, model) {
         (Some(m), Some(c)) if changed => Some(format!("The answer changes: {m}; {c}.")),
         (Some(m), None) if changed => Some(format!("The answer changes: {m}.")),
