@@ -635,13 +635,12 @@ impl ParameterServer for Service {
         if req.all && !req.ids.is_empty() {
             return Err(Status::invalid_argument("PullRows: `all` and `ids` together"));
         }
-        let ids = if req.all {
-            None
+        // The rows asked for, every row of the shard with `all`: read and labelled alike.
+        let ids: Vec<u32> = if req.all {
+            (0..t.rows.len() as u32).collect()
         } else {
-            Some(
-                decode_ids(&req.ids, t.rows.len())
-                    .map_err(|e| Status::invalid_argument(format!("PullRows: {e}")))?,
-            )
+            decode_ids(&req.ids, t.rows.len())
+                .map_err(|e| Status::invalid_argument(format!("PullRows: {e}")))?
         };
         let bsp = self.shared.cfg.sync == SyncMode::Bsp;
         let deadline = tokio::time::Instant::now() + self.shared.cfg.worker_timeout;
@@ -662,7 +661,7 @@ impl ParameterServer for Service {
                             "PullRows of version {v}: the server is at version {now}, only it or the next can be asked for"
                         )));
                     }
-                    _ => break st.read_rows(rank, ids.as_deref(), &mut data)?,
+                    _ => break st.read_rows(rank, &ids, &mut data)?,
                 }
             }
             if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
@@ -674,14 +673,6 @@ impl ParameterServer for Service {
             }
         };
         self.shared.bytes_out.fetch_add(data.len() as u64, Ordering::Relaxed);
-        let all: Vec<u32>;
-        let ids = match &ids {
-            Some(ids) => ids.as_slice(),
-            None => {
-                all = (0..t.rows.len() as u32).collect();
-                &all
-            }
-        };
         let per = (self.shared.cfg.tuning.chunk_bytes / (4 * t.dim.max(1))).max(1);
         let chunks: Vec<Result<RowChunk, Status>> = ids
             .chunks(per)

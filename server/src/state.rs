@@ -627,14 +627,10 @@ impl State {
         Ok(store.step_one(&sh.cfg.sgd, rows, scale))
     }
 
-    /// The current version and the values of rows `ids` (every row with `None`) as
-    /// little-endian bytes, appended to `out`.
-    pub fn read_rows(&self, rank: usize, ids: Option<&[u32]>, out: &mut Vec<u8>) -> Result<u64> {
-        let store = self.rows.as_ref().ok_or_else(|| no_table(rank))?;
-        match ids {
-            Some(ids) => store.read(ids, out),
-            None => store.read(&(0..store.rows() as u32).collect::<Vec<_>>(), out),
-        }
+    /// The current version and the values of rows `ids` as little-endian bytes, appended to
+    /// `out`.
+    pub fn read_rows(&self, rank: usize, ids: &[u32], out: &mut Vec<u8>) -> Result<u64> {
+        self.rows.as_ref().ok_or_else(|| no_table(rank))?.read(ids, out);
         Ok(self.version)
     }
 

@@ -567,17 +567,9 @@ impl PsClient {
             ids.len(),
             out.len()
         );
-        let mut rest = out;
-        let mut parts = Vec::with_capacity(self.shards.len());
-        for s in &self.shards {
-            let q = within(ids, &s.rows);
-            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(q.len() * dim);
-            parts.push((&ids[q], mine));
-            rest = tail;
-        }
-        anyhow::ensure!(rest.is_empty(), "rows to pull named outside the table's rows");
+        let parts = self.shard_rows(RowsStep { push: (&[], &[]), pull: (ids, out) })?;
         let got = try_join_all(
-            self.shards.iter().zip(parts).map(|(s, (ids, out))| pull_rows(&o, s, dim, None, Some(ids), out)),
+            self.shards.iter().zip(parts).map(|(s, p)| pull_rows(&o, s, dim, None, Some(p.pull.0), p.pull.1)),
         )
         .await?;
         Ok(Transfer { bytes: got.iter().map(|g| g.1).sum(), ms: ms_since(t), ..Transfer::default() })
