@@ -81,6 +81,9 @@ def main():
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--plain-conv", action="store_true",
                    help="PyTorch's own im2col-and-GEMM convolutions: cuDNN off on a GPU, oneDNN off on the CPU")
+    p.add_argument("--float64", action="store_true",
+                   help="compute in float64 (the outputs are still written as float32): the trajectory "
+                        "that float32 arithmetic rounds away from")
     a = p.parse_args()
     if a.threads > 0:
         torch.set_num_threads(a.threads)
@@ -123,14 +126,15 @@ def main():
     for k in ("x", "y"):
         if k not in batch:
             fail(f"{a.batch}: no tensor {k!r}")
-    x = batch["x"].to(torch.float32)
+    dtype = torch.float64 if a.float64 else torch.float32
+    x = batch["x"].to(dtype)
     y = batch["y"].to(torch.int64)
     if x.dim() == 2 and x.shape[1] == a.in_channels * a.height * a.width:
         x = x.reshape(-1, a.in_channels, a.height, a.width)
     if tuple(x.shape[1:]) != (a.in_channels, a.height, a.width) or y.shape != (x.shape[0],):
         fail(f"{a.batch}: x {list(x.shape)}, y {list(y.shape)}; want x [N, {a.in_channels}, "
              f"{a.height}, {a.width}], y [N]")
-    model.to(dev).train()
+    model.to(dev, dtype).train()
     x, y = x.to(dev), y.to(dev)
 
     # An embedding table steps lazily (only rows with a gradient, their momentum too), the rest

@@ -446,7 +446,7 @@ impl<B: Backend> Net<B> {
             match &node.op {
                 Op::Conv { window, bias, .. } => {
                     let cols = rows * window.out_pixels();
-                    if !window.is_pointwise() {
+                    if !window.is_pointwise() && !self.backend.direct_conv(window) {
                         col = col.max(window.col_rows() * cols);
                     }
                     if bias.is_some() {
@@ -638,14 +638,19 @@ impl<B: Backend> Net<B> {
             Op::Conv { window, out, weight, bias } => {
                 let cols = n * window.out_pixels();
                 let w = B::view(params, weight.clone());
-                let colv = if window.is_pointwise() {
-                    x
+                let colv = if backend.direct_conv(window) {
+                    backend.conv(y!(), x, w, window, *out, n, false)?;
+                    None
+                } else if window.is_pointwise() {
+                    Some(x)
                 } else {
                     let c = col.as_mut().ok_or_else(|| Error::invalid("convolution", "no column buffer"))?;
                     backend.im2col(B::view_mut(c, 0..window.col_rows() * cols), x, window, n)?;
-                    B::view(c, 0..window.col_rows() * cols)
+                    Some(B::view(c, 0..window.col_rows() * cols))
                 };
-                backend.gemm(*out, cols, window.col_rows(), w, false, colv, false, y!(), false)?;
+                if let Some(colv) = colv {
+                    backend.gemm(*out, cols, window.col_rows(), w, false, colv, false, y!(), false)?;
+                }
                 if let Some(b) = bias {
                     let ones =
                         ones.as_ref().ok_or_else(|| Error::invalid("convolution", "no ones buffer"))?;
@@ -1271,6 +1276,13 @@ impl<B: Backend> Parts<'_, '_, B> {
                     sink.unit(b.clone(), |t| backend.gemm(*out, 1, cols, dy, false, o, false, t, acc))?;
                 }
                 let w = B::view(params, weight.clone());
+                if backend.direct_conv(window) {
+                    sink.unit(weight.clone(), |t| backend.conv_weight_grad(t, dy, x, window, *out, n, acc))?;
+                    if want_dx {
+                        backend.conv_input_grad(dx!(), dy, w, window, *out, n, acc_dx)?;
+                    }
+                    return Ok(());
+                }
                 if window.is_pointwise() {
                     sink.unit(weight.clone(), |t| backend.gemm(*out, k, cols, dy, false, x, true, t, acc))?;
                     if want_dx {

@@ -309,6 +309,62 @@ pub trait Backend: Sized {
         batch: usize,
         accumulate: bool,
     ) -> Result<()>;
+    /// Whether this device computes convolutions over `w` directly ([`Backend::conv`],
+    /// [`Backend::conv_input_grad`], [`Backend::conv_weight_grad`]), reading the image where it
+    /// lies; where it does not, the caller builds a column matrix ([`Backend::im2col`]) and
+    /// multiplies it.
+    fn direct_conv(&self, w: &Window) -> bool {
+        let _ = w;
+        false
+    }
+    /// `y (=|+=)` the convolution of CNHW `x` (`w.channels x batch x height x width`) with
+    /// `weight` (`outs x w.channels x kernel x kernel`), for a window [`Backend::direct_conv`]
+    /// accepts.
+    #[allow(clippy::too_many_arguments)]
+    fn conv(
+        &self,
+        y: Self::ViewMut<'_>,
+        x: Self::View<'_>,
+        weight: Self::View<'_>,
+        w: &Window,
+        outs: usize,
+        batch: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let _ = (y, x, weight, outs, batch, accumulate);
+        Err(no_direct_conv(w))
+    }
+    /// `dx (=|+=)` the input gradient of [`Backend::conv`] given its output gradient `dy`.
+    #[allow(clippy::too_many_arguments)]
+    fn conv_input_grad(
+        &self,
+        dx: Self::ViewMut<'_>,
+        dy: Self::View<'_>,
+        weight: Self::View<'_>,
+        w: &Window,
+        outs: usize,
+        batch: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let _ = (dx, dy, weight, outs, batch, accumulate);
+        Err(no_direct_conv(w))
+    }
+    /// `dweight (=|+=)` the weight gradient of [`Backend::conv`] given its output gradient `dy`
+    /// and its input `x`.
+    #[allow(clippy::too_many_arguments)]
+    fn conv_weight_grad(
+        &self,
+        dweight: Self::ViewMut<'_>,
+        dy: Self::View<'_>,
+        x: Self::View<'_>,
+        w: &Window,
+        outs: usize,
+        batch: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let _ = (dweight, dy, x, outs, batch, accumulate);
+        Err(no_direct_conv(w))
+    }
     /// Max pooling over `w.channels` planes (channels times batch) of `height x width`: each
     /// output is its window's maximum (the first, scanning rows then columns, on ties).
     fn max_pool(&self, y: Self::ViewMut<'_>, x: Self::View<'_>, w: &Window) -> Result<()>;
@@ -400,4 +456,17 @@ pub trait Backend: Sized {
     ) -> Result<()>;
     /// Wait until all work queued on the device has finished (for honest timings).
     fn synchronize(&self) -> Result<()>;
+}
+
+/// The error of a direct convolution asked of a device or window without one.
+pub(super) fn no_direct_conv(w: &Window) -> crate::error::Error {
+    crate::error::Error::invalid(
+        "convolution",
+        format!(
+            "no direct kernel for a {k}x{k} window of stride {} and padding {} here",
+            w.stride,
+            w.pad,
+            k = w.kernel
+        ),
+    )
 }

@@ -10,6 +10,8 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::backend::{BIAS_GRAD_ROWS, Backend, ChannelSum, NormConfig, Window, bias_grad_passes};
+#[cfg(target_arch = "x86_64")]
+use super::cpu_conv as conv;
 use super::cpu_layers::{self as layers, CHUNK};
 use crate::error::{Error, Result};
 use crate::optim::{SgdConfig, sgd_block, sgd_step};
@@ -20,7 +22,14 @@ pub struct Cpu {
     threads: usize,
     /// `None` with one thread: kernels run on the caller.
     pool: Option<rayon::ThreadPool>,
+    /// 3x3 convolutions computed directly ([`conv`]), not through a column matrix: where the
+    /// CPU has AVX-512F, unless `GRADSYNC_CPU_CONV=columns` asks for the column matrix.
+    direct_conv: bool,
 }
+
+/// The variable that chooses how the CPU computes 3x3 convolutions: `direct` (the default where
+/// the CPU has AVX-512F) or `columns` (a column matrix and a GEMM, as for every other window).
+pub const CPU_CONV_VAR: &str = "GRADSYNC_CPU_CONV";
 
 impl Cpu {
     /// A CPU device with its own pool of `threads` threads (0: one per core).
@@ -38,7 +47,13 @@ impl Cpu {
                     .map_err(|e| Error::invalid("threads", e.to_string()))
             })
             .transpose()?;
-        Ok(Cpu { threads, pool })
+        let direct_conv = direct_conv_chosen(std::env::var(CPU_CONV_VAR).ok().as_deref())?;
+        Ok(Cpu { threads, pool, direct_conv })
+    }
+
+    /// Refuse a direct convolution this CPU or window has none for.
+    fn check_direct(&self, w: &Window) -> Result<()> {
+        if self.direct_conv(w) { Ok(()) } else { Err(super::backend::no_direct_conv(w)) }
     }
 
     /// The pool's size.
@@ -456,6 +471,55 @@ impl Backend for Cpu {
         layers::col2im(self.pool.as_ref(), dx, col, w, batch, accumulate)
     }
 
+    fn direct_conv(&self, w: &Window) -> bool {
+        self.direct_conv && direct_conv_fits(w)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn conv(
+        &self,
+        y: &mut [f32],
+        x: &[f32],
+        weight: &[f32],
+        w: &Window,
+        outs: usize,
+        batch: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.check_direct(w)?;
+        conv::forward(self.pool.as_ref(), y, x, weight, w, outs, batch, accumulate)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn conv_input_grad(
+        &self,
+        dx: &mut [f32],
+        dy: &[f32],
+        weight: &[f32],
+        w: &Window,
+        outs: usize,
+        batch: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.check_direct(w)?;
+        conv::input_grad(self.pool.as_ref(), dx, dy, weight, w, outs, batch, accumulate)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn conv_weight_grad(
+        &self,
+        dweight: &mut [f32],
+        dy: &[f32],
+        x: &[f32],
+        w: &Window,
+        outs: usize,
+        batch: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.check_direct(w)?;
+        conv::weight_grad(self.pool.as_ref(), dweight, dy, x, w, outs, batch, accumulate)
+    }
+
     fn max_pool(&self, y: &mut [f32], x: &[f32], w: &Window) -> Result<()> {
         layers::max_pool(self.pool.as_ref(), y, x, w)
     }
@@ -581,6 +645,37 @@ fn restage(k: usize, rows: usize) -> bool {
 }
 
 /// A destination pointer shared by the parts of a split GEMM, which write disjoint columns.
+/// Whether 3x3 convolutions are computed directly, given [`CPU_CONV_VAR`]'s value.
+fn direct_conv_chosen(var: Option<&str>) -> Result<bool> {
+    match var {
+        None | Some("direct") => Ok(direct_conv_available()),
+        Some("columns") => Ok(false),
+        Some(other) => Err(Error::invalid(
+            CPU_CONV_VAR,
+            format!("{other:?} is not a way to compute convolutions: use direct or columns"),
+        )),
+    }
+}
+
+/// Whether this CPU has the direct convolutions' instructions.
+fn direct_conv_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return conv::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
+}
+
+/// Whether the direct convolutions compute windows like `w`.
+fn direct_conv_fits(w: &Window) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return conv::fits(w);
+    #[cfg(not(target_arch = "x86_64"))]
+    return {
+        let _ = w;
+        false
+    };
+}
+
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
 // SAFETY: every part writes a disjoint set of columns through it (see `Cpu::gemm`).
@@ -671,6 +766,15 @@ mod tests {
 
     /// Every transpose combination, with and without accumulation, at shapes that split by
     /// rows, by columns, unevenly and not at all, against the definition.
+    #[test]
+    fn the_convolution_variable_is_read_or_refused_by_name() {
+        assert!(!direct_conv_chosen(Some("columns")).unwrap());
+        assert_eq!(direct_conv_chosen(None).unwrap(), direct_conv_available());
+        assert_eq!(direct_conv_chosen(Some("direct")).unwrap(), direct_conv_available());
+        let e = direct_conv_chosen(Some("winograd")).unwrap_err().to_string();
+        assert!(e.contains(CPU_CONV_VAR) && e.contains("winograd"), "{e}");
+    }
+
     #[test]
     fn gemm_matches_the_definition_whole_and_split() {
         // (70, 200, 256): op(B)^T's rows 1 KiB apart, restaged in blocks of 64 rows.

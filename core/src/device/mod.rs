@@ -5,6 +5,8 @@
 
 mod backend;
 mod cpu;
+#[cfg(target_arch = "x86_64")]
+mod cpu_conv;
 mod cpu_layers;
 pub mod cuda;
 pub mod libs;
@@ -15,7 +17,7 @@ use std::fmt;
 use std::str::FromStr;
 
 pub use backend::{Backend, ChannelSum, NormConfig, Window};
-pub use cpu::Cpu;
+pub use cpu::{CPU_CONV_VAR, Cpu};
 pub use cuda::{Cuda, GpuBuf, GpuEvent, GpuLabels, GpuStream, GpuView, GpuViewMut, HalfCast, RawStream};
 
 use crate::error::{Error, Result};
