@@ -45,6 +45,8 @@ const GRAD_OUTS: usize = 4;
 const GRAD_INS: usize = 4;
 /// Taps of a 3x3 window.
 const TAPS: usize = 9;
+/// Lane sums the weight gradient keeps at once (1 MiB).
+const SUMS_VALUES: usize = 1 << 18;
 /// Pixels of a weight-gradient task's stretch: its 8 rows (32 KiB) stay in L1 over the taps.
 const STRETCH: usize = 1024;
 /// Values of inputs and output gradients a weight-gradient block of pixels may hold (512 KiB:
@@ -56,9 +58,17 @@ pub(super) fn available() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")
 }
 
-/// Whether `w` is a window these kernels compute: 3x3, stride 1, padding 1.
+/// The most input channels a window may have for these kernels to be used. Measured on one
+/// thread at batch 64 against the column matrix and the GEMM (forward + both gradients): 16
+/// channels at 32x32 5.4x faster, 64 at 32x32 1.5x, 128 at 16x16 1.25x; 256 at 8x8 0.93x, 512 at
+/// 4x4 0.95x and at 2x2 0.68x, where the GEMM's blocking of hundreds of channels serves better
+/// than these tiles of 8 and 4 (docs/benchmarks.md).
+const MAX_CHANNELS: usize = 128;
+
+/// Whether `w` is a window these kernels compute, and compute faster than a column matrix:
+/// 3x3, stride 1, padding 1, at most [`MAX_CHANNELS`] input channels.
 pub(super) fn fits(w: &Window) -> bool {
-    w.kernel == 3 && w.stride == 1 && w.pad == 1
+    w.kernel == 3 && w.stride == 1 && w.pad == 1 && w.channels <= MAX_CHANNELS
 }
 
 /// A raw pointer the pool's threads share; each writes its own disjoint values through it.
@@ -78,14 +88,13 @@ impl Shared {
 
 /// Which lanes of a vector of output pixels have each tap inside the image.
 struct Masks {
-    height: usize,
-    width: usize,
-    plane: usize,
     /// Pixels in all (`batch x plane`).
     pixels: usize,
     /// The tap offsets in memory: `(ky - 1) * width + kx - 1`.
     offsets: [isize; TAPS],
-    /// Where a plane holds a whole number of vectors, the masks of each vector of a plane.
+    /// The masks of vector `v` (pixels `16 v ..`) are `table[v % table.len()]`: the pattern
+    /// repeats every `lcm(plane, 16)` pixels. Lanes past the last pixel are not cleared here
+    /// ([`Masks::lanes`] does that).
     table: Vec<[u16; TAPS]>,
 }
 
@@ -96,40 +105,32 @@ impl Masks {
         for (t, o) in offsets.iter_mut().enumerate() {
             *o = (t / 3) as isize * w.width as isize - w.width as isize + (t % 3) as isize - 1;
         }
-        let mut m = Masks {
-            height: w.height,
-            width: w.width,
-            plane,
-            pixels: batch * plane,
-            offsets,
-            table: Vec::new(),
-        };
-        if plane.is_multiple_of(LANES) {
-            m.table = (0..plane / LANES).map(|v| m.compute(v * LANES)).collect();
-        }
-        m
-    }
-
-    /// The masks of the vector starting at pixel `p0` (lanes past the last pixel off).
-    fn compute(&self, p0: usize) -> [u16; TAPS] {
-        let mut out = [0u16; TAPS];
-        for lane in 0..LANES.min(self.pixels.saturating_sub(p0)) {
-            let s = (p0 + lane) % self.plane;
-            let (y, x) = (s / self.width, s % self.width);
-            for (t, m) in out.iter_mut().enumerate() {
-                // Inside when 0 <= y + ky - 1 < height and 0 <= x + kx - 1 < width.
-                let (iy, ix) = (y + t / 3, x + t % 3);
-                if (1..=self.height).contains(&iy) && (1..=self.width).contains(&ix) {
-                    *m |= 1 << lane;
+        let period = plane / gcd(plane, LANES);
+        let table = (0..period)
+            .map(|v| {
+                let mut out = [0u16; TAPS];
+                for lane in 0..LANES {
+                    let s = (v * LANES + lane) % plane;
+                    let (y, x) = (s / w.width, s % w.width);
+                    for (t, m) in out.iter_mut().enumerate() {
+                        // Inside when 0 <= y + ky - 1 < height and 0 <= x + kx - 1 < width.
+                        let (iy, ix) = (y + t / 3, x + t % 3);
+                        if (1..=w.height).contains(&iy) && (1..=w.width).contains(&ix) {
+                            *m |= 1 << lane;
+                        }
+                    }
                 }
-            }
-        }
-        out
+                out
+            })
+            .collect();
+        Masks { pixels: batch * plane, offsets, table }
     }
 
-    /// The masks of the vector starting at pixel `p0`, a multiple of [`LANES`].
+    /// The masks of the vector starting at pixel `p0`, a multiple of [`LANES`], lanes past the
+    /// last pixel off.
     fn at(&self, p0: usize) -> [u16; TAPS] {
-        if self.table.is_empty() { self.compute(p0) } else { self.table[p0 % self.plane / LANES] }
+        let lanes = self.lanes(p0);
+        self.table[p0 / LANES % self.table.len()].map(|m| m & lanes)
     }
 
     /// The lanes of the vector starting at `p0` that hold pixels.
@@ -355,48 +356,61 @@ pub(super) fn weight_grad(
     let pixels = masks.pixels;
     let (oblocks, iblocks) = (outs.div_ceil(GRAD_OUTS), ins.div_ceil(GRAD_INS));
     let tasks = oblocks * iblocks;
-    // Each task's lane sums: [task][tap][output][input][lane].
+    // Each task's lane sums: [task][tap][output][input][lane], for a group of tasks at a time
+    // (1 MiB of sums: 113 tasks), each group over the blocks of pixels.
     let per_task = TAPS * GRAD_OUTS * GRAD_INS * LANES;
-    let mut sums = vec![0f32; tasks * per_task];
-    let block = (BLOCK_VALUES / (ins + outs)).max(LANES) / LANES * LANES;
-    let shared = Shared(sums.as_mut_ptr());
+    let group = (SUMS_VALUES / per_task).max(1);
+    let mut sums = vec![0f32; group.min(tasks) * per_task];
+    // At least a stretch: with hundreds of channels a block that fits L2 would be a few vectors
+    // long, and each task would spend more on loading and storing its sums than on its sums.
+    let block = (BLOCK_VALUES / (ins + outs)).max(STRETCH) / LANES * LANES;
     // Task i: output block i / iblocks and input block i % iblocks. The blocks' last rows
     // repeat the last channel where the channels run out (their sums unused).
     let rows = |first: usize, count: usize, base: &[f32]| {
         std::array::from_fn(|r| base.as_ptr().wrapping_add((first + r).min(count - 1) * pixels))
     };
-    for start in (0..pixels).step_by(block) {
-        let end = (start + block).min(pixels);
-        let task = |i: usize| {
-            let (ob, ib) = (i / iblocks, i % iblocks);
-            let dys: [*const f32; GRAD_OUTS] = rows(ob * GRAD_OUTS, outs, dy);
-            let xs: [*const f32; GRAD_INS] = rows(ib * GRAD_INS, ins, x);
-            // SAFETY: AVX-512F is present (the backend checked); every row pointer starts a
-            // channel of `dy` or `x`, which `check` measured at `pixels` values; task `i` alone
-            // writes its sums.
-            unsafe { grad_task(&dys, &xs, &masks, start..end, shared.at(i * per_task)) };
-        };
-        match pool {
-            None => (0..tasks).for_each(task),
-            Some(p) => p.install(|| (0..tasks).into_par_iter().for_each(task)),
+    for first in (0..tasks).step_by(group) {
+        let these = first..(first + group).min(tasks);
+        sums.fill(0.0);
+        let shared = Shared(sums.as_mut_ptr());
+        for start in (0..pixels).step_by(block) {
+            let end = (start + block).min(pixels);
+            let task = |i: usize| {
+                let (ob, ib) = (i / iblocks, i % iblocks);
+                let dys: [*const f32; GRAD_OUTS] = rows(ob * GRAD_OUTS, outs, dy);
+                let xs: [*const f32; GRAD_INS] = rows(ib * GRAD_INS, ins, x);
+                // SAFETY: AVX-512F is present (the backend checked); every row pointer starts a
+                // channel of `dy` or `x`, which `check` measured at `pixels` values; task `i`
+                // alone writes its sums.
+                unsafe { grad_task(&dys, &xs, &masks, start..end, shared.at((i - first) * per_task)) };
+            };
+            match pool {
+                None => these.clone().for_each(task),
+                Some(p) => p.install(|| these.clone().into_par_iter().for_each(task)),
+            }
         }
-    }
-    for (i, tap) in (0..tasks).flat_map(|i| (0..TAPS).map(move |t| (i, t))) {
-        let (ob, ib) = (i / iblocks, i % iblocks);
-        for r in 0..GRAD_OUTS {
-            for q in 0..GRAD_INS {
-                let (o, c) = (ob * GRAD_OUTS + r, ib * GRAD_INS + q);
-                if o >= outs || c >= ins {
-                    continue;
+        for (i, tap) in these.flat_map(|i| (0..TAPS).map(move |t| (i, t))) {
+            let (ob, ib) = (i / iblocks, i % iblocks);
+            for r in 0..GRAD_OUTS {
+                for q in 0..GRAD_INS {
+                    let (o, c) = (ob * GRAD_OUTS + r, ib * GRAD_INS + q);
+                    if o >= outs || c >= ins {
+                        continue;
+                    }
+                    let at = (i - first) * per_task + ((tap * GRAD_OUTS + r) * GRAD_INS + q) * LANES;
+                    let total = reduce(&sums[at..][..LANES]);
+                    let slot = &mut dw[(o * ins + c) * TAPS + tap];
+                    *slot = if accumulate { *slot + total } else { total };
                 }
-                let at = i * per_task + ((tap * GRAD_OUTS + r) * GRAD_INS + q) * LANES;
-                let total = reduce(&sums[at..][..LANES]);
-                let slot = &mut dw[(o * ins + c) * TAPS + tap];
-                *slot = if accumulate { *slot + total } else { total };
             }
         }
     }
     Ok(())
+}
+
+/// The greatest common divisor.
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a.max(1) } else { gcd(b, a % b) }
 }
 
 /// The sum of the 16 lanes, in halves: lane i plus lane i + 8, then i + 4, i + 2, i + 1.
@@ -428,7 +442,6 @@ unsafe fn grad_task(
     range: std::ops::Range<usize>,
     sums: *mut f32,
 ) {
-    let rows = masks.table.len();
     let per_tap = GRAD_OUTS * GRAD_INS * LANES;
     for start in range.clone().step_by(STRETCH) {
         let end = (start + STRETCH).min(range.end);
@@ -443,15 +456,16 @@ unsafe fn grad_task(
             }
             let offset = masks.offsets[tap];
             // The vector's place in the masks' table, stepped rather than divided each time.
-            let mut row = if rows == 0 { 0 } else { start % masks.plane / LANES };
+            let rows = masks.table.len();
+            let mut row = start / LANES % rows;
             let mut p0 = start;
             while p0 < end {
-                let m = if rows == 0 { masks.compute(p0)[tap] } else { masks.table[row][tap] };
+                let lanes = masks.lanes(p0);
+                let m = masks.table[row][tap] & lanes;
                 row += 1;
                 if row == rows {
                     row = 0;
                 }
-                let lanes = masks.lanes(p0);
                 let mut xv = [_mm512_setzero_ps(); GRAD_INS];
                 for (v, x) in xv.iter_mut().zip(xs) {
                     // SAFETY: the mask lets through taps inside the image only, so inside the row.
@@ -590,6 +604,8 @@ mod tests {
         let cpu = Cpu::new(1).unwrap();
         let strided = Window { stride: 2, ..win };
         assert!(!cpu.direct_conv(&strided));
+        assert!(!cpu.direct_conv(&Window { channels: MAX_CHANNELS + 1, ..win }));
+        assert_eq!(cpu.direct_conv(&win), available());
         let e = cpu.conv(&mut [0.0; 3 * 4], &x, &w, &strided, 3, 1, false).unwrap_err().to_string();
         assert!(e.contains("stride 2"), "{e}");
     }
