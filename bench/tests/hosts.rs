@@ -401,6 +401,9 @@ fn compare_over_ssh_runs_on_three_hosts_with_the_report() {
     assert_eq!(code, 0, "compare --hosts with stop_at_target failed:\n{err}");
     let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
     assert!(outcomes.contains("\"status\":\"ok\""), "{outcomes}");
+    // This machine's cores say nothing of how busy the hosts were: no share recorded.
+    let o: serde_json::Value = serde_json::from_str(outcomes.lines().next().unwrap()).unwrap();
+    assert!(o["cpu_busy"].is_null(), "{o}");
     let id = &s.expand()[0].id;
     let text = std::fs::read_to_string(out.join("runs").join(id).join("rank0.jsonl")).unwrap();
     let steps: Vec<serde_json::Value> = text

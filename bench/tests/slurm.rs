@@ -567,6 +567,8 @@ fn compare_on_two_nodes_measures_the_link_between_them_and_brings_the_files_back
     assert_eq!(code, 0, "compare --slurm with stop_at_target failed:\n{err}\nSlurm: {}", cluster.logs());
     let o = outcomes(&out, 1).remove(0);
     assert_eq!(o["status"], "ok", "{o}");
+    // The runner's cores say nothing of how busy the nodes were: no share recorded.
+    assert!(o["cpu_busy"].is_null(), "{o}");
     let text = std::fs::read_to_string(out.join(o["id"].as_str().unwrap()).join("rank0.jsonl")).unwrap();
     let steps: Vec<serde_json::Value> = text
         .lines()

@@ -284,10 +284,12 @@ fn run_plan(
     let mut ended = Ended::Finished;
     // The machine's CPU from rank 0's first finished step on.
     let mut steady: Option<(u64, u64)> = None;
+    // Only where the ranks run on this machine do its cores say how busy they were.
+    let here = specs.iter().all(|p| p.site.is_child());
     loop {
         if let Some(c) = follow.as_mut() {
             bar.set_position(c.count());
-            if steady.is_none() && c.count() >= 1 {
+            if here && steady.is_none() && c.count() >= 1 {
                 steady = super::machine::cpu_ticks();
             }
             if stop_at.is_some_and(|t| c.best_accuracy >= t) && ended == Ended::Finished {
