@@ -567,8 +567,6 @@ fn compare_on_two_nodes_measures_the_link_between_them_and_brings_the_files_back
     assert_eq!(code, 0, "compare --slurm with stop_at_target failed:\n{err}\nSlurm: {}", cluster.logs());
     let o = outcomes(&out, 1).remove(0);
     assert_eq!(o["status"], "ok", "{o}");
-    // The runner's cores say nothing of how busy the nodes were: no share recorded.
-    assert!(o["cpu_busy"].is_null(), "{o}");
     let text = std::fs::read_to_string(out.join(o["id"].as_str().unwrap()).join("rank0.jsonl")).unwrap();
     let steps: Vec<serde_json::Value> = text
         .lines()
@@ -579,6 +577,19 @@ fn compare_on_two_nodes_measures_the_link_between_them_and_brings_the_files_back
     let best = steps.iter().filter_map(|s| s["accuracy"].as_f64()).fold(0.0, f64::max);
     assert!(best >= 0.6, "stopped before the target: {best}");
     eprintln!("stop_at_target under srun: stopped after {} of 2000 steps at {best:.3}", steps.len());
+    // A run stopped by its time budget after two seconds of steps: the runner's cores say
+    // nothing of how busy the nodes were, so no share of them is recorded.
+    let mut b = common::small_scenario(1_000_000);
+    (b.workers, b.modes, b.time_s) = (vec![2], vec![ModeKind::DdpTcp], Some(2.0));
+    b.rawtcp_s = 0.2;
+    let budget = cluster.dir.join("budget.toml");
+    std::fs::write(&budget, toml::to_string(&b).unwrap()).unwrap();
+    let out = cluster.dir.join("out-budget");
+    let (code, err, _) = Proc::spawn(&mut salloc(&budget, &out)).finish(Duration::from_secs(120));
+    assert_eq!(code, 0, "{err}");
+    let o = outcomes(&out, 1).remove(0);
+    assert_eq!(o["status"], "stopped", "{o}");
+    assert!(o["cpu_busy"].is_null(), "{o}");
     // A run whose ranks need more memory than their nodes had available (as a step on each
     // read it) is skipped, naming the node: two ranks of a 2-billion-parameter MLP.
     let mut m = common::small_scenario(1);
