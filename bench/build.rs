@@ -1,5 +1,7 @@
 //! Embeds the git commit gradsync-bench was built from ("unknown" outside a git checkout) so
-//! every run directory records the exact code that produced it.
+//! every run directory records the exact code that produced it. Where there is no checkout
+//! (a container build's context has no `.git`), `GRADSYNC_COMMIT` in the build's environment
+//! names it.
 
 use std::process::Command;
 
@@ -9,6 +11,13 @@ fn git(args: &[&str]) -> Option<String> {
 }
 
 fn main() {
+    println!("cargo:rerun-if-env-changed=GRADSYNC_COMMIT");
+    if let Ok(commit) = std::env::var("GRADSYNC_COMMIT")
+        && !commit.trim().is_empty()
+    {
+        println!("cargo:rustc-env=GRADSYNC_COMMIT={}", commit.trim());
+        return;
+    }
     let commit = git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".into());
     let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
     println!("cargo:rustc-env=GRADSYNC_COMMIT={commit}{}", if dirty { "-dirty" } else { "" });

@@ -104,7 +104,7 @@ struct Proc {
 impl Proc {
     fn start(p: &ProcSpec, extra: &[&str], logs: &Path, stdout: Stdio) -> Proc {
         let log = logs.join(format!("{}.log", p.name));
-        let mut c = p.site.launch(&p.program, &p.args, &p.env, logs).command;
+        let mut c = p.site.launch(&p.program, &p.args, &p.env, logs, None).command;
         c.args(extra);
         // Warnings on: the server says which rank it dropped.
         let child = c

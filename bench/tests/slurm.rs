@@ -2,8 +2,11 @@
 //! munge, slurmctld and slurmd, installed with apt-get when missing and possible, started here
 //! as the test's children with a configuration of its own in a scratch directory), and
 //! `gradsync-bench compare --slurm` run inside `salloc` on a small scenario: every run's
-//! processes start as job steps, and every run ends ok. Where this machine cannot (not root,
-//! no packages, the daemons do not start) the test prints SKIPPED with the reason and passes.
+//! processes start as job steps, and every run ends ok. Then two nodes: two slurmd, each in an
+//! emulated host's network namespace ([`gradsync_bench::net`]) with a `/tmp` of its own (a
+//! tmpfs in its mount namespace), so that the link is measured between nodes and the run
+//! directory is shared with no node. Where this machine cannot (not root, no packages, the
+//! daemons do not start) the tests print SKIPPED with the reason and pass.
 #![allow(clippy::unwrap_used)] // a test fails loudly on anything unexpected
 
 use std::path::{Path, PathBuf};
@@ -66,16 +69,27 @@ fn port() -> u16 {
 
 /// munged, slurmctld and slurmd, stopped (jobs cancelled first) when dropped.
 struct Cluster {
+    /// The test's files: scenarios, run directories.
     dir: Scratch,
+    /// The daemons' files (configuration, munge's key and socket, logs, spool): `dir` for one
+    /// node; for two, a directory outside /tmp (which the nodes do not share).
+    files: PathBuf,
+    /// The node (the first node, with two).
     node: String,
     daemons: Vec<(String, Proc)>,
+    /// With two nodes, the emulated hosts: slurmctld and the commands on host 0, a node on
+    /// each of the others. Dropped last, once the daemons are gone.
+    net: Option<gradsync_bench::net::Cluster>,
 }
 
 impl Cluster {
-    /// A Slurm command with this cluster's configuration.
+    /// A Slurm command with this cluster's configuration (on host 0 with two nodes).
     fn command(&self, program: &str) -> Command {
-        let mut c = Command::new(program);
-        c.env("SLURM_CONF", self.dir.join("slurm.conf"));
+        let mut c = match &self.net {
+            Some(net) => net.command(0, program).unwrap(),
+            None => Command::new(program),
+        };
+        c.env("SLURM_CONF", self.files.join("slurm.conf"));
         c
     }
 
@@ -92,25 +106,75 @@ impl Cluster {
         )
         .trim()
         .to_string();
-        if node.is_empty() {
+        let files = dir.path().to_path_buf();
+        let nodes = [(node.clone(), "127.0.0.1".to_string())];
+        let mut c = Cluster { dir, files, node, daemons: Vec::new(), net: None };
+        c.start_daemons("127.0.0.1", &nodes)?;
+        Ok(c)
+    }
+
+    /// Two nodes, `gs-node1` and `gs-node2`, each a slurmd on an emulated host of its own
+    /// (hosts 1 and 2, 1 Gbit/s links) whose `/tmp` is a tmpfs of its own; slurmctld and the
+    /// test's commands on host 0.
+    fn start_two() -> Result<Cluster, String> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err("not root (slurmd starts job steps as their users)".into());
+        }
+        slurm_packages()?;
+        gradsync_bench::net::available().map_err(|e| e.to_string())?;
+        let shape = gradsync_bench::net::Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0 };
+        let net = gradsync_bench::net::Cluster::create(3, shape).map_err(|e| e.to_string())?;
+        let node = String::from_utf8_lossy(
+            &Command::new("hostname").arg("-s").output().map_err(|e| e.to_string())?.stdout,
+        )
+        .trim()
+        .to_string();
+        let files = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+            "slurm-two-{}-{}",
+            std::process::id(),
+            port()
+        ));
+        std::fs::create_dir_all(&files).map_err(|e| format!("{}: {e}", files.display()))?;
+        let nodes: Vec<(String, String)> =
+            (1..=2).map(|i| (format!("gs-node{i}"), net.hosts()[i].addr.clone())).collect();
+        let ctld = net.hosts()[0].addr.clone();
+        let mut c =
+            Cluster { dir: Scratch::new("slurm-two"), files, node, daemons: Vec::new(), net: Some(net) };
+        c.start_daemons(&ctld, &nodes)?;
+        c.node = nodes[0].0.clone();
+        Ok(c)
+    }
+
+    /// Write the configuration (slurmctld at `ctld`, on this machine's host name, and `nodes`,
+    /// each a name and address) and start munged, slurmctld and a slurmd per node; ready once
+    /// every node is idle.
+    fn start_daemons(&mut self, ctld: &str, nodes: &[(String, String)]) -> Result<(), String> {
+        let host = String::from_utf8_lossy(
+            &Command::new("hostname").arg("-s").output().map_err(|e| e.to_string())?.stdout,
+        )
+        .trim()
+        .to_string();
+        if host.is_empty() {
             return Err("this machine has no host name".into());
         }
-        for d in ["munge", "state", "spool"] {
-            std::fs::create_dir_all(dir.join(d)).unwrap();
+        let files = self.files.clone();
+        for d in ["munge", "state"] {
+            std::fs::create_dir_all(files.join(d)).unwrap();
         }
         // munged checks that its directories are the user's alone (and the socket's reachable).
-        std::fs::set_permissions(dir.join("munge"), std::os::unix::fs::PermissionsExt::from_mode(0o711))
+        std::fs::set_permissions(files.join("munge"), std::os::unix::fs::PermissionsExt::from_mode(0o711))
             .unwrap();
-        let key = dir.join("munge/key");
+        let key = files.join("munge/key");
         let mut bytes = [0u8; 1024];
         getrandom::fill(&mut bytes).unwrap();
         std::fs::write(&key, bytes).unwrap();
         std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o400)).unwrap();
-        let d = dir.path().display().to_string();
-        let conf = format!(
+        let d = files.display().to_string();
+        let mut conf = format!(
             "ClusterName=gradsync\n\
-             SlurmctldHost={node}(127.0.0.1)\n\
-             SlurmctldPort={ctld}\n\
+             SlurmctldHost={host}({ctld})\n\
+             SlurmctldPort={ctld_port}\n\
              SlurmdPort={slurmd}\n\
              AuthType=auth/munge\n\
              AuthInfo=socket={d}/munge/sock\n\
@@ -123,23 +187,31 @@ impl Cluster {
              SlurmUser=root\n\
              SlurmdUser=root\n\
              StateSaveLocation={d}/state\n\
-             SlurmdSpoolDir={d}/spool\n\
+             SlurmdSpoolDir={d}/spool-%n\n\
              SlurmctldPidFile={d}/slurmctld.pid\n\
-             SlurmdPidFile={d}/slurmd.pid\n\
+             SlurmdPidFile={d}/slurmd-%n.pid\n\
              SlurmctldLogFile={d}/slurmctld.log\n\
-             SlurmdLogFile={d}/slurmd.log\n\
+             SlurmdLogFile={d}/slurmd-%n.log\n\
              JobAcctGatherType=jobacct_gather/none\n\
              AccountingStorageType=accounting_storage/none\n\
              MpiDefault=none\n\
-             ReturnToService=2\n\
-             NodeName={node} NodeAddr=127.0.0.1 CPUs=2 Sockets=1 CoresPerSocket=2 ThreadsPerCore=1 State=UNKNOWN\n\
-             PartitionName=gradsync Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4\n",
-            ctld = port(),
+             ReturnToService=2\n",
+            ctld_port = port(),
             slurmd = port(),
         );
-        std::fs::write(dir.join("slurm.conf"), conf).unwrap();
-        let mut c = Cluster { dir, node, daemons: Vec::new() };
-        let conf = c.dir.join("slurm.conf");
+        for (name, addr) in nodes {
+            std::fs::create_dir_all(files.join(format!("spool-{name}"))).unwrap();
+            conf.push_str(&format!(
+                "NodeName={name} NodeAddr={addr} CPUs=2 Sockets=1 CoresPerSocket=2 ThreadsPerCore=1 State=UNKNOWN\n"
+            ));
+        }
+        let names: Vec<&str> = nodes.iter().map(|(n, _)| n.as_str()).collect();
+        conf.push_str(&format!(
+            "PartitionName=gradsync Nodes={} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4\n",
+            names.join(",")
+        ));
+        std::fs::write(files.join("slurm.conf"), conf).unwrap();
+        let conf = files.join("slurm.conf");
         let mut munged = Command::new("munged");
         munged
             .arg("-F")
@@ -148,19 +220,53 @@ impl Cluster {
             .arg(format!("--key-file={}", key.display()));
         munged.arg(format!("--log-file={d}/munge/log")).arg(format!("--pid-file={d}/munge/pid"));
         munged.arg(format!("--seed-file={d}/munge/seed"));
-        c.daemons.push(("munged".into(), Proc::spawn(munged.stdout(Stdio::null()))));
-        c.wait_for("munged's socket", Duration::from_secs(20), |c| c.dir.join("munge/sock").exists())?;
-        let mut ctld = c.command("slurmctld");
+        self.daemons.push(("munged".into(), Proc::spawn(munged.stdout(Stdio::null()))));
+        self.wait_for("munged's socket", Duration::from_secs(20), |c| c.files.join("munge/sock").exists())?;
+        let mut ctld = self.command("slurmctld");
         ctld.arg("-D").arg("-i").arg("-f").arg(&conf);
-        c.daemons.push(("slurmctld".into(), Proc::spawn(ctld.stdout(Stdio::null()))));
-        let mut slurmd = c.command("slurmd");
-        slurmd.arg("-D").arg("-f").arg(&conf).arg("-N").arg(&c.node);
-        c.daemons.push(("slurmd".into(), Proc::spawn(slurmd.stdout(Stdio::null()))));
-        c.wait_for("the node to be idle", Duration::from_secs(30), |c| {
-            let o = c.command("sinfo").args(["-h", "-o", "%T", "-n", &c.node]).stdin(Stdio::null()).output();
-            o.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "idle")
-        })?;
-        Ok(c)
+        self.daemons.push(("slurmctld".into(), Proc::spawn(ctld.stdout(Stdio::null()))));
+        for (i, (name, _)) in nodes.iter().enumerate() {
+            let slurmd = format!("exec slurmd -D -f '{}' -N {name}", conf.display());
+            let mut c = match &self.net {
+                // The host's network namespace and a mount namespace of the node's own, where a
+                // tmpfs is a /tmp the other nodes and the runner do not see. (Not `ip netns
+                // exec`: its fresh /sys lacks the cgroup hierarchy slurmd reads.)
+                Some(net) => {
+                    let mut c = Command::new("nsenter");
+                    c.arg(format!("--net=/run/netns/{}", net.hosts()[i + 1].netns))
+                        .args(["unshare", "-m", "--propagation", "private", "sh", "-c"])
+                        .arg(format!("mount -t tmpfs gradsync-node-tmp /tmp && {slurmd}"));
+                    c
+                }
+                None => {
+                    let mut c = Command::new("sh");
+                    c.args(["-c", &slurmd]);
+                    c
+                }
+            };
+            c.env("SLURM_CONF", &conf);
+            self.daemons.push((format!("slurmd {name}"), Proc::spawn(c.stdout(Stdio::null()))));
+        }
+        let want = nodes.len();
+        self.wait_for("every node to be idle", Duration::from_secs(30), |c| {
+            let o = c.command("sinfo").args(["-h", "-N", "-o", "%T"]).stdin(Stdio::null()).output();
+            o.is_ok_and(|o| {
+                let text = String::from_utf8_lossy(&o.stdout).to_string();
+                text.lines().filter(|l| l.trim() == "idle").count() == want
+            })
+        })
+    }
+
+    /// The lines of `ls /tmp` on node `i` (1 or 2) of a two-node cluster, as its slurmd sees it.
+    fn node_tmp(&self, i: usize) -> String {
+        let pid = self.daemons.iter().find(|(n, _)| n == &format!("slurmd gs-node{i}")).unwrap().1.id();
+        let o = Command::new("nsenter")
+            .args(["-t", &pid.to_string(), "-m", "ls", "/tmp"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "nsenter: {}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).to_string()
     }
 
     /// Poll `ready` until it holds, a daemon dies, or `limit` passes (then why, with the logs).
@@ -189,10 +295,17 @@ impl Cluster {
 
     /// The daemons' logs' last lines.
     fn logs(&self) -> String {
-        ["munge/log", "slurmctld.log", "slurmd.log"]
+        let mut names = vec!["munge/log".to_string(), "slurmctld.log".to_string()];
+        for e in std::fs::read_dir(&self.files).into_iter().flatten().flatten() {
+            let n = e.file_name().to_string_lossy().to_string();
+            if n.starts_with("slurmd-") && n.ends_with(".log") {
+                names.push(n);
+            }
+        }
+        names
             .iter()
             .map(|f| {
-                let text = std::fs::read_to_string(self.dir.join(f)).unwrap_or_default();
+                let text = std::fs::read_to_string(self.files.join(f)).unwrap_or_default();
                 let lines: Vec<&str> = text.lines().collect();
                 format!("{f}: {}", lines[lines.len().saturating_sub(3)..].join(" / "))
             })
@@ -219,6 +332,10 @@ impl Drop for Cluster {
             }
         }
         // Dropping the daemons kills whatever did not stop.
+        self.daemons.clear();
+        if self.net.is_some() {
+            let _ = std::fs::remove_dir_all(&self.files);
+        }
     }
 }
 
@@ -233,7 +350,8 @@ fn cluster_or_skip(test: &str) -> Option<Cluster> {
 fn compare_runs_every_process_as_a_job_step_inside_salloc() {
     let Some(cluster) = cluster_or_skip("compare --slurm") else { return };
     let mut s = common::small_scenario(4);
-    (s.workers, s.shards, s.modes) = (vec![2], vec![1], vec![ModeKind::PsBsp, ModeKind::DdpTcp]);
+    (s.workers, s.shards) = (vec![2], vec![1]);
+    s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp, ModeKind::DdpNccl];
     (s.rawtcp_s, s.run_timeout_s) = (0.2, 60.0);
     let scenario = cluster.dir.join("scenario.toml");
     std::fs::write(&scenario, toml::to_string(&s).unwrap()).unwrap();
@@ -255,15 +373,31 @@ fn compare_runs_every_process_as_a_job_step_inside_salloc() {
         err.contains("Slurm job") && err.contains(&format!("{} (127.0.0.1, 3 tasks)", cluster.node)),
         "{err}"
     );
-    let outcomes = outcomes(&out, 2);
-    for o in &outcomes {
+    let outcomes = outcomes(&out, 3);
+    for o in &outcomes[..2] {
         assert_eq!(o["status"], "ok", "{o}\n{err}");
     }
+    // NCCL's ranks need a GPU each on their node, read by a step on it: this node has none.
+    assert_eq!(outcomes[2]["status"], "skipped", "{}", outcomes[2]);
+    let why = outcomes[2]["error"].as_str().unwrap();
+    assert_eq!(why, format!("2 NCCL ranks placed on node {} and it has 0 GPU(s)", cluster.node));
     assert!(out.join("report.html").is_file());
-    // Every process was a step of the job: slurmd launched five (a server and four ranks).
-    let slurmd = std::fs::read_to_string(cluster.dir.join("slurmd.log")).unwrap_or_default();
+    // The node as a step on it found it, and the link measured on its loopback (one node).
+    let machine: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("machine.json")).unwrap()).unwrap();
+    assert_eq!(machine["link"], format!("loopback (one node: {})", cluster.node), "{machine}");
+    let node = &machine["hosts"][0];
+    assert!(
+        node["cores"].as_u64().unwrap() >= 1 && node["memory_available_bytes"].as_u64().unwrap() > 0,
+        "{node}"
+    );
+    // Every process was a step of the job: slurmd launched eleven: a step reading the node,
+    // two for the yardstick (its two ends), a server and two ranks then a step bringing the
+    // run's files back, two ranks and that step again, and a last one tidying the node.
+    let slurmd = std::fs::read_to_string(cluster.files.join(format!("slurmd-{}.log", cluster.node)))
+        .unwrap_or_default();
     let steps = slurmd.lines().filter(|l| l.contains("launch task StepId=")).count();
-    assert_eq!(steps, 5, "steps launched (slurmd.log):\n{slurmd}");
+    assert_eq!(steps, 11, "steps launched (slurmd.log):\n{slurmd}");
     eprintln!("compare --slurm: 2 runs in {:.1} s", t.elapsed().as_secs_f64());
 }
 
@@ -303,10 +437,10 @@ impl Cluster {
 
 /// Ctrl-C while a run's steps are running, in an allocation that outlives the comparison
 /// (`salloc --no-shell`): the comparison exits 130 with the run `interrupted`, and none of
-/// its steps is left in the allocation. Then a step that cannot start (a node the allocation
-/// lacks): each run fails naming the node, and the matrix goes on to its end.
+/// its steps is left in the allocation. Then a node the allocation lacks: refused at the
+/// start, naming it.
 #[test]
-fn ctrl_c_ends_the_runs_steps_and_a_failed_step_fails_its_run_alone() {
+fn ctrl_c_ends_the_runs_steps_and_a_node_the_allocation_lacks_is_named() {
     let Some(cluster) = cluster_or_skip("compare --slurm, Ctrl-C") else { return };
     let o = cluster
         .command("salloc")
@@ -349,14 +483,130 @@ fn ctrl_c_ends_the_runs_steps_and_a_failed_step_fails_its_run_alone() {
     s.steps = Some(4);
     s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp];
     std::fs::write(&scenario, toml::to_string(&s).unwrap()).unwrap();
+    // A node the allocation lacks: the step reading it cannot start, and the comparison is
+    // refused before any run, naming the node (as --hosts names a host it cannot reach).
     let out = cluster.dir.join("bad-node");
     let mut c = cluster.compare_in(&job, "nosuchnode", &scenario, &out);
     let (code, err, _) = Proc::spawn(&mut c).finish(Duration::from_secs(120));
-    assert_eq!(code, 0, "{err}");
-    let outcomes = outcomes(&out, 2);
-    for o in &outcomes {
-        assert_eq!(o["status"], "failed", "{o}");
-        assert!(o["error"].as_str().unwrap().contains("on node nosuchnode"), "{o}");
-    }
+    assert_ne!(code, 0, "{err}");
+    assert!(err.contains("--slurm: node nosuchnode: reading what it is failed"), "{err}");
+    assert!(!out.join("outcomes.jsonl").exists());
     assert!(cluster.steps(&job).is_empty(), "{}", cluster.steps(&job));
+}
+
+/// Two nodes, each with a /tmp of its own and no file system shared with the runner's run
+/// directory (which is under the runner's /tmp): every rank's and server's metrics come back
+/// to the run directory by a step per node, the link is measured between the two nodes (their
+/// 1 Gbit/s links, not a loopback), rank 0's metrics are followed over its step's stdout to
+/// stop a run at its target accuracy, and nothing is left in the nodes' /tmp.
+#[test]
+fn compare_on_two_nodes_measures_the_link_between_them_and_brings_the_files_back() {
+    let cluster = match Cluster::start_two() {
+        Ok(c) => c,
+        Err(why) => {
+            eprintln!("SKIPPED: compare --slurm on two nodes: {why}");
+            return;
+        }
+    };
+    let mut s = common::small_scenario(6);
+    (s.workers, s.shards, s.modes) = (vec![2], vec![1], vec![ModeKind::PsBsp, ModeKind::DdpTcp]);
+    (s.rawtcp_s, s.run_timeout_s) = (0.5, 60.0);
+    let scenario = cluster.dir.join("scenario.toml");
+    std::fs::write(&scenario, toml::to_string(&s).unwrap()).unwrap();
+    let out = cluster.dir.join("out");
+    let salloc = |scenario: &Path, out: &Path| {
+        let mut c = cluster.command("salloc");
+        c.args(["-N2", "-n4", "--overcommit", "--time=5", "--quiet"])
+            .arg(env!("CARGO_BIN_EXE_gradsync-bench"))
+            .args(["compare", "--slurm"])
+            .arg(scenario)
+            .arg("--out")
+            .arg(out)
+            .arg("--bin-dir")
+            .arg(gradsync_testkit::process::bin_dir())
+            .stdout(Stdio::null());
+        c
+    };
+    let (code, err, took) = Proc::spawn(&mut salloc(&scenario, &out)).finish(Duration::from_secs(240));
+    assert_eq!(code, 0, "compare --slurm on two nodes failed:\n{err}\nSlurm: {}", cluster.logs());
+    for o in outcomes(&out, 2) {
+        assert_eq!(o["status"], "ok", "{o}\n{err}");
+    }
+    for spec in s.expand() {
+        let d = out.join("runs").join(&spec.id);
+        for rank in 0..2 {
+            let m = std::fs::read_to_string(d.join(format!("rank{rank}.jsonl"))).unwrap();
+            assert_eq!(m.matches("\"kind\":\"step\"").count(), 6, "{} rank {rank}", spec.id);
+        }
+        if spec.mode.is_ps() {
+            assert!(d.join("server0.jsonl").is_file(), "{}: no server metrics", spec.id);
+        }
+    }
+    let machine: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("machine.json")).unwrap()).unwrap();
+    assert_eq!(machine["link"], "gs-node1 to gs-node2", "{machine}");
+    assert_eq!(machine["hosts"].as_array().unwrap().len(), 2, "{machine}");
+    let gbit = machine["tcp_bandwidth"].as_f64().unwrap() * 8.0 / 1e9;
+    assert!((0.5..1.0).contains(&gbit), "{gbit} Gbit/s between nodes on 1 Gbit/s links");
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(
+        html.contains("raw host-to-host (gs-node1 to gs-node2) TCP") && html.contains("2 x</th>"),
+        "the report"
+    );
+    eprintln!("compare --slurm on two nodes: 2 runs in {:.1} s, link {gbit:.2} Gbit/s", took.as_secs_f64());
+
+    // stop_at_target: rank 0's metrics, on its node's own /tmp, followed over its step.
+    let mut t = common::small_scenario(2000);
+    (t.workers, t.modes) = (vec![2], vec![ModeKind::DdpTcp]);
+    (t.stop_at_target, t.target_accuracy, t.eval_samples) = (true, Some(0.6), Some(320));
+    (t.rawtcp_s, t.run_timeout_s) = (0.2, 120.0);
+    let target = cluster.dir.join("target.toml");
+    std::fs::write(&target, toml::to_string(&t).unwrap()).unwrap();
+    let out = cluster.dir.join("out-target");
+    let (code, err, _) = Proc::spawn(&mut salloc(&target, &out)).finish(Duration::from_secs(240));
+    assert_eq!(code, 0, "compare --slurm with stop_at_target failed:\n{err}\nSlurm: {}", cluster.logs());
+    let o = outcomes(&out, 1).remove(0);
+    assert_eq!(o["status"], "ok", "{o}");
+    let text = std::fs::read_to_string(out.join(o["id"].as_str().unwrap()).join("rank0.jsonl")).unwrap();
+    let steps: Vec<serde_json::Value> = text
+        .lines()
+        .filter(|l| l.contains("\"kind\":\"step\""))
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    assert!(!steps.is_empty() && steps.len() < 2000, "{} steps of a budget of 2000", steps.len());
+    let best = steps.iter().filter_map(|s| s["accuracy"].as_f64()).fold(0.0, f64::max);
+    assert!(best >= 0.6, "stopped before the target: {best}");
+    eprintln!("stop_at_target under srun: stopped after {} of 2000 steps at {best:.3}", steps.len());
+    // A run stopped by its time budget after two seconds of steps: the runner's cores say
+    // nothing of how busy the nodes were, so no share of them is recorded.
+    let mut b = common::small_scenario(1_000_000);
+    (b.workers, b.modes, b.time_s) = (vec![2], vec![ModeKind::DdpTcp], Some(2.0));
+    b.rawtcp_s = 0.2;
+    let budget = cluster.dir.join("budget.toml");
+    std::fs::write(&budget, toml::to_string(&b).unwrap()).unwrap();
+    let out = cluster.dir.join("out-budget");
+    let (code, err, _) = Proc::spawn(&mut salloc(&budget, &out)).finish(Duration::from_secs(120));
+    assert_eq!(code, 0, "{err}");
+    let o = outcomes(&out, 1).remove(0);
+    assert_eq!(o["status"], "stopped", "{o}");
+    assert!(o["cpu_busy"].is_null(), "{o}");
+    // A run whose ranks need more memory than their nodes had available (as a step on each
+    // read it) is skipped, naming the node: two ranks of a 2-billion-parameter MLP.
+    let mut m = common::small_scenario(1);
+    (m.models, m.modes, m.workers) = (vec!["64-20000-100000-10".into()], vec![ModeKind::DdpTcp], vec![2]);
+    m.rawtcp_s = 0.2;
+    let memory = cluster.dir.join("memory.toml");
+    std::fs::write(&memory, toml::to_string(&m).unwrap()).unwrap();
+    let out = cluster.dir.join("out-memory");
+    let (code, err, _) = Proc::spawn(&mut salloc(&memory, &out)).finish(Duration::from_secs(120));
+    assert_eq!(code, 0, "{err}");
+    let o = outcomes(&out, 1).remove(0);
+    assert_eq!(o["status"], "skipped", "{o}");
+    let why = o["error"].as_str().unwrap();
+    assert!(why.starts_with("1 worker(s) placed on node gs-node1 need about 29.8 GiB"), "{why}");
+    // Nothing of the runs is left on either node.
+    for i in 1..=2 {
+        let left = cluster.node_tmp(i);
+        assert!(!left.contains("gradsync-compare-"), "node {i}'s /tmp holds {left}");
+    }
 }

@@ -8,11 +8,20 @@
 //!
 //! Stdin, before anything else: `KEY=VALUE` lines, then an empty line. Nothing else is read from
 //! it; what follows (normally nothing) only keeps the connection open.
+//!
+//! With `--follow FILE` (rank 0's metrics file, for a runner that stops a run at its target
+//! accuracy) the supervisor's stdout carries the complete lines appended to FILE while the
+//! program runs, and the program's own stdout goes to stderr: the runner then reads rank 0's
+//! progress over the connection that already carries its output, though the file itself only
+//! comes back when the run ends.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
+use std::os::fd::AsFd;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
 use clap::Args;
@@ -21,6 +30,8 @@ use clap::Args;
 const ENV_WAIT: Duration = Duration::from_secs(30);
 /// The most bytes of environment accepted.
 const ENV_MAX: usize = 64 << 10;
+/// How often a followed file is read for new lines.
+const FOLLOW_TICK: Duration = Duration::from_millis(100);
 
 /// Flags of `gradsync-worker supervise`.
 #[derive(Debug, Clone, Args)]
@@ -28,6 +39,10 @@ pub struct SuperviseArgs {
     /// Seconds the program's group has to exit after SIGTERM before it is killed.
     #[arg(long, default_value_t = 5.0)]
     pub grace: f64,
+    /// Copy the complete lines appended to this file (made by the program) to stdout while
+    /// the program runs, and send the program's own stdout to stderr.
+    #[arg(long, value_name = "FILE")]
+    pub follow: Option<PathBuf>,
     /// The program and its arguments.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -82,13 +97,26 @@ pub fn supervise(a: &SuperviseArgs) -> anyhow::Result<i32> {
             let _ = signalled.send(Event::Signal);
         });
     });
-    let mut child = Command::new(program)
-        .args(args)
-        .envs(env)
-        .process_group(0)
-        .stdin(Stdio::null())
-        .spawn()
-        .map_err(|e| anyhow::anyhow!("supervise: starting {program}: {e}"))?;
+    let mut command = Command::new(program);
+    command.args(args).envs(env).process_group(0).stdin(Stdio::null());
+    if a.follow.is_some() {
+        // Stdout carries the followed lines alone.
+        let err = std::io::stderr().as_fd().try_clone_to_owned()?;
+        command.stdout(Stdio::from(err));
+    }
+    let mut child = command.spawn().map_err(|e| anyhow::anyhow!("supervise: starting {program}: {e}"))?;
+    let stop_following = Arc::new(AtomicBool::new(false));
+    let follower = a.follow.clone().map(|path| {
+        let stop = stop_following.clone();
+        std::thread::spawn(move || follow(&path, &stop, &mut std::io::stdout().lock()))
+    });
+    // The last lines are copied before the supervisor exits.
+    let finish = move || {
+        stop_following.store(true, Ordering::SeqCst);
+        if let Some(f) = follower {
+            let _ = f.join();
+        }
+    };
     let pgid = i32::try_from(child.id()).map_err(|_| anyhow::anyhow!("supervise: pid out of range"))?;
     std::thread::spawn(move || {
         if let Ok(st) = child.wait() {
@@ -100,6 +128,7 @@ pub fn supervise(a: &SuperviseArgs) -> anyhow::Result<i32> {
         Ok(Event::Exited(st)) => {
             // What the program left in its group (a launcher's ranks) goes with it.
             kill_group(pgid, libc::SIGKILL);
+            finish();
             Ok(code(st))
         }
         Ok(Event::Hangup | Event::Signal) | Err(_) => {
@@ -113,8 +142,39 @@ pub fn supervise(a: &SuperviseArgs) -> anyhow::Result<i32> {
                 }
             };
             kill_group(pgid, libc::SIGKILL);
+            finish();
             Ok(st.map_or(128 + libc::SIGKILL, code))
         }
+    }
+}
+
+/// Copy the complete lines appended to `path` (which may not exist yet) to `out` every
+/// [`FOLLOW_TICK`] until `stop` is set, then once more. A write that fails (the runner went
+/// away) ends the copying; the program is not disturbed.
+fn follow(path: &std::path::Path, stop: &AtomicBool, out: &mut impl Write) {
+    let mut offset = 0u64;
+    let mut partial = Vec::new();
+    loop {
+        let last = stop.load(Ordering::SeqCst);
+        if let Ok(mut f) = std::fs::File::open(path)
+            && f.seek(SeekFrom::Start(offset)).is_ok()
+        {
+            let mut buf = Vec::new();
+            if let Ok(n) = f.read_to_end(&mut buf) {
+                offset += n as u64;
+                partial.extend_from_slice(&buf);
+                if let Some(end) = partial.iter().rposition(|&b| b == b'\n') {
+                    let whole: Vec<u8> = partial.drain(..=end).collect();
+                    if out.write_all(&whole).and_then(|_| out.flush()).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        if last {
+            return;
+        }
+        std::thread::sleep(FOLLOW_TICK);
     }
 }
 
@@ -157,6 +217,32 @@ fn read_env(r: &mut impl BufRead) -> anyhow::Result<Vec<(String, String)>> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::read_env;
+
+    #[test]
+    fn following_copies_whole_lines_and_the_last_ones_at_the_end() {
+        use std::io::Write;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let dir = std::env::temp_dir().join(format!("gs-follow-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("rank0.jsonl");
+        let stop = AtomicBool::new(false);
+        let got = std::thread::scope(|s| {
+            let h = s.spawn(|| {
+                let mut out = Vec::new();
+                super::follow(&path, &stop, &mut out);
+                out
+            });
+            // The file appears after the follower started, its last line half written.
+            let mut f = std::fs::File::create(&path).unwrap();
+            f.write_all(b"{\"step\":1}\n{\"ste").unwrap();
+            f.flush().unwrap();
+            f.write_all(b"p\":2}\n").unwrap();
+            stop.store(true, Ordering::SeqCst);
+            h.join().unwrap()
+        });
+        assert_eq!(String::from_utf8(got).unwrap(), "{\"step\":1}\n{\"step\":2}\n");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn the_environment_block_ends_at_an_empty_line_and_refuses_anything_else() {

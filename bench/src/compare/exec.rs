@@ -92,11 +92,15 @@ struct Guard {
 }
 
 impl Guard {
-    fn spawn(p: &ProcSpec, logs: &Path, stdout: Stdio) -> anyhow::Result<Guard> {
+    /// Start `p`, its stderr to its log in `logs`. With `follow`, a process on another host or
+    /// node sends the lines appended to its metrics file back on its stdout (which must then be
+    /// `Stdio::piped()`).
+    fn spawn(p: &ProcSpec, logs: &Path, stdout: Stdio, follow: bool) -> anyhow::Result<Guard> {
         let log = logs.join(format!("{}.log", p.name));
         let err = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let files = p.metrics.parent().unwrap_or(Path::new("."));
-        let mut launch = p.site.launch(&p.program, &p.args, &p.env, files);
+        let follow = follow.then_some(p.metrics.as_path());
+        let mut launch = p.site.launch(&p.program, &p.args, &p.env, files, follow);
         let name = match p.site.label() {
             Some(at) => format!("{} on {at}", p.name),
             None => p.name.clone(),
@@ -253,7 +257,7 @@ fn run_plan(
     let mut addrs = Vec::new();
     for s in &plan.servers {
         sites.push(s.site.clone());
-        let mut g = Guard::spawn(s, &logs, Stdio::piped())?;
+        let mut g = Guard::spawn(s, &logs, Stdio::piped(), false)?;
         // Named with where it runs: a server that cannot start on its host says which host.
         let name = g.name.clone();
         let addr = wait_listening(&mut g).with_context(|| format!("{name} did not start"))?;
@@ -261,22 +265,31 @@ fn run_plan(
         servers.push(g);
     }
     let specs = (plan.workers)(&addrs);
-    let rank0 = specs.first().map(|p| p.metrics.clone());
     let mut workers = Vec::new();
-    for p in &specs {
+    // Rank 0's metrics are followed as they grow: read where this machine can read them, sent
+    // back over the process's own connection (its supervisor's stdout) from another host.
+    let mut follow = None;
+    for (i, p) in specs.iter().enumerate() {
         sites.push(p.site.clone());
-        workers.push(Guard::spawn(p, &logs, Stdio::null())?);
+        let remote = i == 0 && !p.site.is_child();
+        let mut g = Guard::spawn(p, &logs, if remote { Stdio::piped() } else { Stdio::null() }, remote)?;
+        if i == 0 {
+            follow = Some(match g.child.stdout.take() {
+                Some(out) if remote => StepCounter::over(out),
+                _ => StepCounter::new(p.metrics.clone()),
+            });
+        }
+        workers.push(g);
     }
-    // Rank 0's metrics are followed where this machine can read them as they grow.
-    let mut follow =
-        rank0.filter(|_| specs.first().is_some_and(|p| p.site.ssh_host().is_none())).map(StepCounter::new);
     let mut ended = Ended::Finished;
     // The machine's CPU from rank 0's first finished step on.
     let mut steady: Option<(u64, u64)> = None;
+    // Only where the ranks run on this machine do its cores say how busy they were.
+    let here = specs.iter().all(|p| p.site.is_child());
     loop {
         if let Some(c) = follow.as_mut() {
             bar.set_position(c.count());
-            if steady.is_none() && c.count() >= 1 {
+            if here && steady.is_none() && c.count() >= 1 {
                 steady = super::machine::cpu_ticks();
             }
             if stop_at.is_some_and(|t| c.best_accuracy >= t) && ended == Ended::Finished {
@@ -368,11 +381,18 @@ fn wait_listening(g: &mut Guard) -> anyhow::Result<String> {
     }
 }
 
+/// Where a [`StepCounter`] reads rank 0's metrics lines from.
+enum Source {
+    /// The metrics file itself, from this offset on.
+    File { path: PathBuf, offset: u64 },
+    /// Lines sent back from another host, read by a thread of their own.
+    Lines(std::sync::mpsc::Receiver<String>),
+}
+
 /// Counts the step records appended to a metrics file, and the best held-out accuracy among
 /// them, reading only what is new.
 struct StepCounter {
-    path: PathBuf,
-    offset: u64,
+    source: Source,
     steps: u64,
     best_accuracy: f64,
     partial: String,
@@ -380,31 +400,59 @@ struct StepCounter {
 
 impl StepCounter {
     fn new(path: PathBuf) -> Self {
-        StepCounter { path, offset: 0, steps: 0, best_accuracy: f64::NEG_INFINITY, partial: String::new() }
+        Self::from(Source::File { path, offset: 0 })
+    }
+
+    /// The lines a remote process's supervisor sends on `out` (`supervise --follow`).
+    fn over(out: std::process::ChildStdout) -> Self {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line + "\n").is_err() {
+                    break;
+                }
+            }
+        });
+        Self::from(Source::Lines(rx))
+    }
+
+    fn from(source: Source) -> Self {
+        StepCounter { source, steps: 0, best_accuracy: f64::NEG_INFINITY, partial: String::new() }
     }
 
     fn count(&mut self) -> u64 {
-        let Ok(mut f) = File::open(&self.path) else { return self.steps };
-        if f.seek(SeekFrom::Start(self.offset)).is_err() {
-            return self.steps;
-        }
-        let mut buf = String::new();
-        if let Ok(n) = f.read_to_string(&mut buf) {
-            self.offset += n as u64;
-            self.partial.push_str(&buf);
-            while let Some(i) = self.partial.find('\n') {
-                let line = &self.partial[..i];
-                if line.contains("\"kind\":\"step\"") {
-                    self.steps += 1;
-                    if line.contains("\"accuracy\"")
-                        && let Ok(Record::Step(s)) = parse_line(line)
-                        && let Some(a) = s.accuracy
-                    {
-                        self.best_accuracy = self.best_accuracy.max(a);
-                    }
+        match &mut self.source {
+            Source::File { path, offset } => {
+                let Ok(mut f) = File::open(&*path) else { return self.steps };
+                if f.seek(SeekFrom::Start(*offset)).is_err() {
+                    return self.steps;
                 }
-                self.partial.drain(..=i);
+                let mut buf = String::new();
+                if let Ok(n) = f.read_to_string(&mut buf) {
+                    *offset += n as u64;
+                    self.partial.push_str(&buf);
+                }
             }
+            Source::Lines(rx) => {
+                while let Ok(line) = rx.try_recv() {
+                    self.partial.push_str(&line);
+                }
+            }
+        }
+        while let Some(i) = self.partial.find('\n') {
+            let line = &self.partial[..i];
+            if line.contains("\"kind\":\"step\"") {
+                self.steps += 1;
+                if line.contains("\"accuracy\"")
+                    && let Ok(Record::Step(s)) = parse_line(line)
+                    && let Some(a) = s.accuracy
+                {
+                    self.best_accuracy = self.best_accuracy.max(a);
+                }
+            }
+            self.partial.drain(..=i);
         }
         self.steps
     }

@@ -143,7 +143,7 @@ impl Launching {
             _ => None,
         };
         if a.slurm {
-            let alloc = slurm::Alloc::from_env(&bins.worker)?;
+            let alloc = slurm::Alloc::from_env(&bins.worker, out)?;
             eprintln!("gradsync-bench compare: Slurm job {}: {}", alloc.job, alloc.describe());
             return Ok(Launching { hosts: None, slurm: Some(alloc), tls });
         }
@@ -283,15 +283,6 @@ fn compare_into(
     resume: bool,
     launching: &Launching,
 ) -> anyhow::Result<Vec<Outcome>> {
-    if let Some(h) = &launching.hosts {
-        anyhow::ensure!(
-            !(scenario.stop_at_target && scenario.target_accuracy.is_some()),
-            "--hosts: stop_at_target follows rank 0's metrics as they are written, and on another host \
-             they are only copied back when the run ends; leave it out (every run then goes to its \
-             budget) or compare on {}",
-            h.hosts.first().map_or("one machine".to_string(), |h| format!("host {} itself", h.name))
-        );
-    }
     let outcomes_path = out.join("outcomes.jsonl");
     let mut outcomes: Vec<Outcome> = Vec::new();
     if resume {
@@ -332,6 +323,8 @@ fn compare_into(
         let mut machine = Machine::detect();
         if let Some(h) = &launching.hosts {
             machine.measure_hosts(h, scenario.rawtcp_s)?;
+        } else if let Some(a) = &launching.slurm {
+            machine.measure_nodes(a, scenario.rawtcp_s)?;
         } else {
             let streams: Vec<usize> = scenario
                 .expand()
@@ -344,11 +337,20 @@ fn compare_into(
         write("machine.json", &(serde_json::to_string_pretty(&machine)? + "\n"))?;
         machine
     };
+    let what = if machine.hosts.is_empty() {
+        format!("{} ({} cores)", machine.cpu, machine.cores)
+    } else {
+        machine
+            .host_kinds()
+            .iter()
+            .map(|(f, names)| format!("{} x {} ({} cores)", names.len(), f.cpu, f.cores))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     eprintln!(
-        "gradsync-bench compare: {} ({} cores); raw TCP {:.2} GB/s, latency {:.1} us",
-        machine.cpu,
-        machine.cores,
+        "gradsync-bench compare: {what}; raw TCP {:.2} GB/s{}, latency {:.1} us",
         machine.tcp_bandwidth / 1e9,
+        machine.link.as_deref().map(|l| format!(" ({l})")).unwrap_or_default(),
         machine.tcp_latency_s * 1e6
     );
     // The file is rewritten with what stays, then appended to run by run.
@@ -408,6 +410,9 @@ fn compare_into(
     if let Some(h) = &launching.hosts {
         h.tidy();
     }
+    if let Some(a) = &launching.slurm {
+        a.tidy();
+    }
     let n = |s: &str| outcomes.iter().filter(|o| o.status == s).count();
     eprintln!(
         "gradsync-bench compare: {} runs: {} ok, {} diverged, {} stopped by the time budget, {} failed, {} \
@@ -463,10 +468,15 @@ pub fn run_spec(
     let dir = out.join(&rel);
     let t = Instant::now();
     let cpu0 = children_cpu_s();
-    let skip = spec.skip.clone().or(skip).or_else(|| machine::Machine::memory_short(spec));
-    let mut steady_busy = None;
-    // Processes on other hosts are not this machine's children: their CPU is not counted here.
+    // Processes on other hosts are not this machine's children: their CPU is not counted here,
+    // and their memory is checked against their hosts' when they are placed, not this machine's.
     let remote = matches!(&placement, modes::Placement::Hosts { workers, .. } if workers.iter().any(|w| !w.site.is_child()));
+    let skip = spec
+        .skip
+        .clone()
+        .or(skip)
+        .or_else(|| if remote { None } else { machine::Machine::memory_short(spec) });
+    let mut steady_busy = None;
     let (status, error) = if let Some(why) = skip {
         ("skipped", Some(why))
     } else {

@@ -4,11 +4,16 @@
 //! ssh ([`super::ssh`]), or as a job step on a node of a Slurm allocation ([`super::slurm`]).
 //! The runner never asks which.
 
+use std::io::Write;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use super::child::Launch;
+use anyhow::Context;
+
+use super::child::{Launch, wait_for_line, wait_until};
 use super::{slurm, ssh};
 
 /// Where a process runs.
@@ -55,7 +60,17 @@ impl From<&crate::net::HostSlot> for Slot {
 impl Site {
     /// How to start `program args` here with `env` added to its environment, its files going
     /// to `files` (a directory made first where needed). `env` never reaches a command line.
-    pub fn launch(&self, program: &Path, args: &[String], env: &[(String, String)], files: &Path) -> Launch {
+    /// On another host or node, `follow` (a file the program writes there) has the lines
+    /// appended to it sent back on the process's stdout as they are written (the program's
+    /// own stdout then joins its stderr); here the file can be read directly.
+    pub fn launch(
+        &self,
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        files: &Path,
+        follow: Option<&Path>,
+    ) -> Launch {
         match self {
             Site::Local | Site::Netns(_) => {
                 // `ip netns exec` enters the namespace and execs the program: the child's pid
@@ -71,9 +86,8 @@ impl Site {
                 command.args(args).envs(env.iter().map(|(k, v)| (k, v)));
                 Launch { command, stdin: None }
             }
-            Site::Ssh(h) => h.launch(program, args, env, files),
-            // The run directory is on a file system the nodes share: it is there already.
-            Site::Slurm(n) => n.launch(program, args, env),
+            Site::Ssh(h) => h.launch(program, args, env, files, follow),
+            Site::Slurm(n) => n.launch(program, args, env, files, follow),
         }
     }
 
@@ -110,6 +124,7 @@ impl Site {
     pub fn files_dir(&self, dir: &Path) -> PathBuf {
         match self {
             Site::Ssh(h) => h.files_dir(dir),
+            Site::Slurm(n) => n.files_dir(dir),
             _ => dir.to_path_buf(),
         }
     }
@@ -119,7 +134,33 @@ impl Site {
     pub fn collect(&self, dir: &Path) -> anyhow::Result<()> {
         match self {
             Site::Ssh(h) => h.collect(dir),
+            Site::Slurm(n) => n.collect(dir),
             _ => Ok(()),
+        }
+    }
+
+    /// Run the shell command line `script` here to its end, within `limit`: over ssh on a
+    /// host, as a job step on a node, with `sh -c` on this machine or in a namespace.
+    pub fn run(&self, script: &str, limit: Duration) -> anyhow::Result<Output> {
+        match self {
+            Site::Ssh(h) => h.run(script, None, limit),
+            Site::Slurm(n) => n.run(script, limit),
+            Site::Local | Site::Netns(_) => {
+                let mut c = match self {
+                    Site::Netns(ns) => {
+                        let mut c = Command::new("ip");
+                        c.args(["netns", "exec", ns, "sh", "-c", script]);
+                        c
+                    }
+                    _ => {
+                        let mut c = Command::new("sh");
+                        c.args(["-c", script]);
+                        c
+                    }
+                };
+                c.stdin(Stdio::null());
+                super::child::run_limited(c, None, limit)
+            }
         }
     }
 
@@ -147,4 +188,64 @@ impl Site {
             _ => None,
         }
     }
+}
+
+/// The raw-TCP yardstick from `from` to `to` (the same site: over its loopback): the far end
+/// (`gradsync-bench rawtcp-peer --listen`, `bench` being the path where both run) listens on
+/// `listen` at `to`, the near end streams `rounds` measurements of `each` to it and measures
+/// the small-message latency; `files` is a directory the far end may make.
+pub fn measure_link(
+    from: &Site,
+    to: &Site,
+    listen: &str,
+    bench: &Path,
+    files: &Path,
+    rounds: usize,
+    each: Duration,
+) -> anyhow::Result<crate::rawtcp::PeerReading> {
+    let (from_name, to_name) = (from.label().unwrap_or_default(), to.label().unwrap_or_default());
+    let args = ["rawtcp-peer".to_string(), "--listen".into(), format!("{}:0", ssh::bracket(listen))];
+    let mut launch = to.launch(bench, &args, &[], files, None);
+    let mut peer = launch
+        .command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .with_context(|| format!("{to_name}: starting the yardstick's far end"))?;
+    // The far end lives while this stdin stays open.
+    let mut keep = peer.stdin.take();
+    if let (Some(w), Some(bytes)) = (keep.as_mut(), launch.stdin.as_deref()) {
+        let _ = w.write_all(bytes);
+    }
+    let result = (|| {
+        let out = peer.stdout.take().context("the far end's stdout")?;
+        let addr = wait_for_line(out, "gradsync-bench listening on ", Duration::from_secs(60))
+            .with_context(|| format!("{to_name}: the yardstick's far end did not start"))?;
+        let script = format!(
+            "exec {} rawtcp-peer --to {} --rounds {} --seconds {}",
+            ssh::quote(&bench.display().to_string()),
+            ssh::quote(&addr),
+            rounds.max(1),
+            each.as_secs_f64()
+        );
+        let limit = each * (rounds.max(1) as u32) * 2 + Duration::from_secs(60);
+        let o = from.run(&script, limit)?;
+        anyhow::ensure!(
+            o.status.success(),
+            "{from_name}: measuring the link to {to_name} failed ({}): {}",
+            o.status,
+            String::from_utf8_lossy(&o.stderr).trim()
+        );
+        let text = String::from_utf8_lossy(&o.stdout);
+        serde_json::from_str(text.trim()).with_context(|| format!("{from_name}: reading `{}`", text.trim()))
+    })();
+    drop(keep);
+    if wait_until(&mut peer, Instant::now() + Duration::from_secs(10)).is_none() {
+        let _ = peer.kill();
+        let _ = peer.wait();
+        eprintln!("gradsync-bench compare: {to_name}: the yardstick's far end was stopped");
+    }
+    result
 }

@@ -9,8 +9,14 @@
 //! (the run is over, the runner was stopped or killed, srun died) stops the process. Killing
 //! an `srun` also ends its step: Slurm signals the step's tasks.
 //!
-//! The run directory must be on a file system every node of the allocation shares (as a home
-//! or project directory on a cluster is): each process writes its files there itself.
+//! Each process writes its files under a directory of its node (`/tmp/gradsync-compare-...`,
+//! as over ssh); when a run ends, one step per node sends that directory back with `tar` on its
+//! stdout and removes it, so the nodes need share no file system with the runner. Rank 0's
+//! metrics come back as they are written on its step's stdout (`supervise --follow`).
+//!
+//! What each node is (CPU, cores, memory, GPUs) is read by a step on it at the start, and
+//! the raw-TCP yardstick is measured between the first two nodes (on the one node's loopback
+//! when the allocation has one).
 //!
 //! `compare --emit-sbatch DIR` writes a batch script that asks for an allocation sized from
 //! the scenario's largest run and runs `compare --slurm` in it, for those who submit instead.
@@ -25,7 +31,12 @@ use anyhow::Context;
 
 use super::child::{Launch, run_limited};
 use super::scenario::{RunSpec, Scenario};
-use super::ssh::{assign, quote};
+use super::ssh::{HostFacts, assign, quote};
+
+/// How long reading a node's facts may take, the step's start included.
+const FACTS_LIMIT: Duration = Duration::from_secs(60);
+/// How long bringing a run's files back from one node may take.
+const COLLECT_LIMIT: Duration = Duration::from_secs(300);
 
 /// One node of the allocation.
 #[derive(Debug, Clone)]
@@ -40,6 +51,12 @@ pub struct Node {
     job: String,
     /// `gradsync-worker`, whose `supervise` every step runs under.
     supervisor: PathBuf,
+    /// What it is, as a step on it found (empty until read).
+    pub facts: HostFacts,
+    /// The directory on the node under which processes write (`runs/<id>/` below it).
+    remote_root: PathBuf,
+    /// The run directory here, whose `runs/<id>` map onto `remote_root`'s.
+    local_root: PathBuf,
 }
 
 /// The allocation a comparison runs in.
@@ -53,15 +70,24 @@ pub struct Alloc {
 
 impl Node {
     /// `srun` starting `program args` as a one-task step on this node, under the supervisor,
-    /// with `env` sent on its stdin.
-    pub fn launch(&self, program: &Path, args: &[String], env: &[(String, String)]) -> Launch {
-        let mut command = Command::new("srun");
-        command
-            .args(self.step_args())
-            .arg(&self.supervisor)
-            .args(["supervise", "--"])
-            .arg(program)
-            .args(args);
+    /// with `env` sent on its stdin, after making `files` there; the lines appended to
+    /// `follow` come back on its stdout.
+    pub fn launch(
+        &self,
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        files: &Path,
+        follow: Option<&Path>,
+    ) -> Launch {
+        let mut command = self.step(true);
+        // `sh -c 'mkdir -p "$0" && exec "$@"' DIR PROGRAM ARGS`: every argument stays one word.
+        command.args(["/bin/sh", "-c", "mkdir -p -- \"$0\" && exec \"$@\""]).arg(files);
+        command.arg(&self.supervisor).arg("supervise");
+        if let Some(f) = follow {
+            command.arg("--follow").arg(f);
+        }
+        command.arg("--").arg(program).args(args);
         let mut stdin = String::new();
         for (k, v) in env {
             stdin.push_str(&format!("{k}={v}\n"));
@@ -70,40 +96,130 @@ impl Node {
         Launch { command, stdin: Some(stdin.into_bytes()) }
     }
 
-    /// srun's flags for one process on this node: one task, sharing the node's CPUs with the
-    /// run's other steps, its stdin forwarded to the task, quiet unless something fails.
-    fn step_args(&self) -> Vec<String> {
-        vec![
+    /// `srun` with the flags of one task on this node: sharing the node's CPUs with the run's
+    /// other steps, quiet unless something fails, its stdin forwarded to the task when `input`.
+    fn step(&self, input: bool) -> Command {
+        let mut c = Command::new("srun");
+        c.args([
             format!("--jobid={}", self.job),
             "--nodes=1".into(),
             "--ntasks=1".into(),
             format!("--nodelist={}", self.name),
             "--overlap".into(),
             "--kill-on-bad-exit=1".into(),
-            "--input=all".into(),
+            format!("--input={}", if input { "all" } else { "none" }),
             "--quiet".into(),
-        ]
+        ]);
+        c
+    }
+
+    /// Run the shell command line `script` as a step on this node, within `limit`.
+    pub fn run(&self, script: &str, limit: Duration) -> anyhow::Result<std::process::Output> {
+        let mut c = self.step(false);
+        c.args(["/bin/sh", "-c", script]);
+        run_limited(c, None, limit).with_context(|| format!("node {}", self.name))
+    }
+
+    /// Where this node's processes write the files of the run directory `dir`.
+    pub fn files_dir(&self, dir: &Path) -> PathBuf {
+        match dir.strip_prefix(&self.local_root) {
+            Ok(rel) => self.remote_root.join(rel),
+            Err(_) => self.remote_root.join(dir.file_name().unwrap_or_default()),
+        }
+    }
+
+    /// Copy what the run's processes wrote on this node into `dir` (`tar` on a step's stdout),
+    /// then remove it there. A node where nothing was written (another node of a shared file
+    /// system took it already) gives nothing.
+    pub fn collect(&self, dir: &Path) -> anyhow::Result<()> {
+        let d = quote(&self.files_dir(dir).display().to_string());
+        let o = self
+            .run(&format!("if [ -d {d} ]; then tar -C {d} -cf - . && rm -rf {d}; fi"), COLLECT_LIMIT)
+            .context("copying the run's files back")?;
+        anyhow::ensure!(
+            o.status.success(),
+            "node {}: copying the run's files back failed ({}): {}",
+            self.name,
+            o.status,
+            String::from_utf8_lossy(&o.stderr).trim()
+        );
+        if o.stdout.is_empty() {
+            return Ok(());
+        }
+        let mut tar = Command::new("tar");
+        tar.arg("-C").arg(dir).args(["-xf", "-"]);
+        let t = run_limited(tar, Some(&o.stdout), COLLECT_LIMIT).context("unpacking with tar")?;
+        anyhow::ensure!(
+            t.status.success(),
+            "unpacking the files of node {} ({}): {}",
+            self.name,
+            t.status,
+            String::from_utf8_lossy(&t.stderr).trim()
+        );
+        Ok(())
+    }
+
+    /// What this node is: [`super::ssh::FACTS_SCRIPT`] run as a step on it.
+    fn read_facts(&self) -> anyhow::Result<HostFacts> {
+        let o = self.run(super::ssh::FACTS_SCRIPT, FACTS_LIMIT).context("reading what it is")?;
+        let text = String::from_utf8_lossy(&o.stdout);
+        anyhow::ensure!(
+            o.status.success() && text.lines().any(|l| l == "end"),
+            "node {}: reading what it is failed ({}): {}",
+            self.name,
+            o.status,
+            String::from_utf8_lossy(&o.stderr).trim()
+        );
+        let facts = HostFacts {
+            name: self.name.clone(),
+            addr: self.addr.clone(),
+            slots: self.slots,
+            ..HostFacts::default()
+        };
+        super::ssh::read_check(&text, facts, &[], Path::new(""))
+            .map_err(|p| anyhow::anyhow!("node {}: {}", self.name, p.join(", ")))
     }
 }
 
 impl Alloc {
     /// The allocation this process runs in, from Slurm's variables (`SLURM_JOB_ID`,
     /// `SLURM_JOB_NODELIST`, `SLURM_TASKS_PER_NODE`), each node's address from
-    /// `scontrol show node`.
-    pub fn from_env(supervisor: &Path) -> anyhow::Result<Alloc> {
+    /// `scontrol show node` and what it is from a step on it (every node at once; a node
+    /// whose step fails is named), for a comparison written to `out`.
+    pub fn from_env(supervisor: &Path, out: &Path) -> anyhow::Result<Alloc> {
         let get = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-        let mut alloc = Alloc::from_vars(get, supervisor)?;
+        let mut alloc = Alloc::from_vars(get, supervisor, out)?;
         let addrs = node_addrs(&alloc.nodes.iter().map(|n| n.name.clone()).collect::<Vec<_>>());
-        alloc.nodes = std::mem::take(&mut alloc.nodes)
+        let nodes: Vec<Node> = std::mem::take(&mut alloc.nodes)
             .into_iter()
             .zip(addrs)
-            .map(|(n, addr)| Arc::new(Node { addr, ..Arc::unwrap_or_clone(n) }))
+            .map(|(n, addr)| Node { addr, ..Arc::unwrap_or_clone(n) })
             .collect();
+        let facts: Vec<anyhow::Result<HostFacts>> = std::thread::scope(|s| {
+            let handles: Vec<_> = nodes.iter().map(|n| s.spawn(|| n.read_facts())).collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("reading a node panicked"))))
+                .collect()
+        });
+        let mut errors = Vec::new();
+        for (n, f) in nodes.into_iter().zip(facts) {
+            match f {
+                Ok(facts) => alloc.nodes.push(Arc::new(Node { facts, ..n })),
+                Err(e) => errors.push(format!("{e:#}")),
+            }
+        }
+        anyhow::ensure!(errors.is_empty(), "--slurm: {}", errors.join("; "));
         Ok(alloc)
     }
 
-    /// [`Alloc::from_env`] from the variables `get` gives, every node's address its name.
-    pub fn from_vars(get: impl Fn(&str) -> Option<String>, supervisor: &Path) -> anyhow::Result<Alloc> {
+    /// [`Alloc::from_env`] from the variables `get` gives, every node's address its name and
+    /// its facts unread.
+    pub fn from_vars(
+        get: impl Fn(&str) -> Option<String>,
+        supervisor: &Path,
+        out: &Path,
+    ) -> anyhow::Result<Alloc> {
         let job = get("SLURM_JOB_ID").or_else(|| get("SLURM_JOBID")).context(
             "--slurm: SLURM_JOB_ID is not set: run inside an allocation (salloc, or a batch script: \
              see --emit-sbatch)",
@@ -117,6 +233,10 @@ impl Alloc {
             Some(t) => per_node(&t, names.len()).context("--slurm: SLURM_TASKS_PER_NODE")?,
             None => vec![1; names.len()],
         };
+        let secs =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let remote_root = PathBuf::from(format!("/tmp/gradsync-compare-{secs}-{}", std::process::id()));
+        let local_root = std::path::absolute(out).unwrap_or_else(|_| out.to_path_buf());
         let nodes = names
             .into_iter()
             .zip(slots)
@@ -127,6 +247,9 @@ impl Alloc {
                     slots,
                     job: job.clone(),
                     supervisor: supervisor.to_path_buf(),
+                    facts: HostFacts::default(),
+                    remote_root: remote_root.clone(),
+                    local_root: local_root.clone(),
                 })
             })
             .collect();
@@ -140,8 +263,50 @@ impl Alloc {
         let slots: Vec<usize> = self.nodes.iter().map(|n| n.slots).collect();
         let (servers, workers) = assign(&slots, spec.mode, spec.workers, spec.shards)
             .map_err(|e| format!("the allocation ({}): {e}", self.describe()))?;
+        let facts: Vec<&HostFacts> = self.nodes.iter().map(|n| &n.facts).collect();
+        if let Some(why) = super::machine::placement_short(spec, &facts, &servers, &workers, "node") {
+            return Err(why);
+        }
         let node = |i: &usize| self.nodes[*i].clone();
         Ok((servers.iter().map(node).collect(), workers.iter().map(node).collect()))
+    }
+
+    /// The nodes' descriptions, in order.
+    pub fn facts(&self) -> Vec<HostFacts> {
+        self.nodes.iter().map(|n| n.facts.clone()).collect()
+    }
+
+    /// The raw-TCP yardstick between the first two nodes (one node: over its own loopback):
+    /// `rounds` measurements streaming `each`, and the small-message latency, with
+    /// `gradsync-bench rawtcp-peer` (beside the supervisor) as a step on each.
+    pub fn measure_link(&self, rounds: usize, each: Duration) -> anyhow::Result<crate::rawtcp::PeerReading> {
+        let from = self.nodes.first().context("--slurm: the allocation has no node")?;
+        let to = self.nodes.get(1).unwrap_or(from);
+        let listen = if Arc::ptr_eq(from, to) { "127.0.0.1".to_string() } else { to.addr.clone() };
+        let bench = from.supervisor.with_file_name("gradsync-bench");
+        super::site::measure_link(
+            &super::site::Site::Slurm(from.clone()),
+            &super::site::Site::Slurm(to.clone()),
+            &listen,
+            &bench,
+            &from.remote_root,
+            rounds,
+            each,
+        )
+    }
+
+    /// Remove the (then empty) directories the runs used on every node; once is enough, more
+    /// is harmless.
+    pub fn tidy(&self) {
+        std::thread::scope(|s| {
+            for n in &self.nodes {
+                s.spawn(|| {
+                    let root = quote(&n.remote_root.display().to_string());
+                    let runs = quote(&n.remote_root.join("runs").display().to_string());
+                    let _ = n.run(&format!("rmdir {runs} {root} 2>/dev/null; true"), Duration::from_secs(30));
+                });
+            }
+        });
     }
 
     /// `node01 (10.0.0.1, 4 tasks), ...`, for messages.
@@ -309,6 +474,7 @@ mod tests {
                 ("SLURM_TASKS_PER_NODE", "2(x3),4"),
             ]),
             Path::new("/opt/g/gradsync-worker"),
+            Path::new("/home/u/runs/1"),
         )
         .unwrap();
         let got: Vec<(&str, usize)> = a.nodes.iter().map(|n| (n.name.as_str(), n.slots)).collect();
@@ -326,16 +492,35 @@ mod tests {
         );
         // One step a process, on its node; the tokens on stdin only.
         let env = [("GRADSYNC_TOKEN".to_string(), "s3cret".to_string())];
-        let l = workers[2].launch(Path::new("/opt/g/gradsync-worker"), &["train".into()], &env);
+        let files = workers[2].files_dir(Path::new("/home/u/runs/1/runs/0-x"));
+        assert!(
+            files.display().to_string().starts_with("/tmp/gradsync-compare-") && files.ends_with("runs/0-x"),
+            "{files:?}"
+        );
+        let l = workers[2].launch(
+            Path::new("/opt/g/gradsync-worker"),
+            &["train".into()],
+            &env,
+            &files,
+            Some(&files.join("rank0.jsonl")),
+        );
         let args: Vec<String> = l.command.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
         assert_eq!(l.command.get_program(), "srun");
         for want in ["--jobid=42", "--nodes=1", "--ntasks=1", "--nodelist=gpu7", "--overlap"] {
             assert!(args.iter().any(|a| a == want), "{want} in {args:?}");
         }
+        let files = files.display().to_string();
+        let rank0 = format!("{files}/rank0.jsonl");
         assert!(
             args.ends_with(&[
+                "/bin/sh".into(),
+                "-c".into(),
+                "mkdir -p -- \"$0\" && exec \"$@\"".into(),
+                files,
                 "/opt/g/gradsync-worker".into(),
                 "supervise".into(),
+                "--follow".into(),
+                rank0,
                 "--".into(),
                 "/opt/g/gradsync-worker".into(),
                 "train".into()
@@ -352,12 +537,16 @@ mod tests {
 
     #[test]
     fn outside_an_allocation_or_with_a_bad_list_the_error_says_so() {
-        let e = format!("{:#}", Alloc::from_vars(vars(&[]), Path::new("w")).unwrap_err());
+        let e = format!("{:#}", Alloc::from_vars(vars(&[]), Path::new("w"), Path::new("o")).unwrap_err());
         assert!(e.contains("SLURM_JOB_ID is not set") && e.contains("salloc"), "{e}");
         let e = format!(
             "{:#}",
-            Alloc::from_vars(vars(&[("SLURM_JOB_ID", "1"), ("SLURM_JOB_NODELIST", "n[1-2")]), Path::new("w"))
-                .unwrap_err()
+            Alloc::from_vars(
+                vars(&[("SLURM_JOB_ID", "1"), ("SLURM_JOB_NODELIST", "n[1-2")]),
+                Path::new("w"),
+                Path::new("o")
+            )
+            .unwrap_err()
         );
         assert!(e.contains("SLURM_JOB_NODELIST") && e.contains("unbalanced"), "{e}");
         let e = format!(
@@ -368,7 +557,8 @@ mod tests {
                     ("SLURM_JOB_NODELIST", "n[1-2]"),
                     ("SLURM_TASKS_PER_NODE", "2")
                 ]),
-                Path::new("w")
+                Path::new("w"),
+                Path::new("o")
             )
             .unwrap_err()
         );

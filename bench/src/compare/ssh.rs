@@ -13,18 +13,16 @@
 //! same gradsync binaries at the same path as this machine (`--version` and a SHA-256 of each
 //! file), and what it is (CPU, cores, memory, GPUs, kernel) is recorded for the report.
 
-use std::io::Write;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
 
-use super::child::{Launch, run_limited, wait_for_line, wait_until};
+use super::child::{Launch, run_limited};
 use super::hostfile::HostEntry;
 use super::scenario::{ModeKind, RunSpec};
 
@@ -55,6 +53,10 @@ pub struct HostFacts {
     pub cores: usize,
     /// Physical memory, bytes.
     pub memory_bytes: u64,
+    /// What `/proc/meminfo` called available when the host was checked, bytes (0: not read):
+    /// what a run placed there may use.
+    #[serde(default)]
+    pub memory_available_bytes: u64,
     /// GPUs, by name.
     pub gpus: Vec<String>,
     /// Kernel release.
@@ -122,12 +124,22 @@ impl Host {
     }
 
     /// Start `program args` on this host under the supervisor, its environment's `env` sent
-    /// on stdin, after making `files` there.
-    pub fn launch(&self, program: &Path, args: &[String], env: &[(String, String)], files: &Path) -> Launch {
+    /// on stdin, after making `files` there; the lines appended to `follow` come back on its
+    /// stdout.
+    pub fn launch(
+        &self,
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        files: &Path,
+        follow: Option<&Path>,
+    ) -> Launch {
         let program = self.conn.bin_dir.join(program.file_name().unwrap_or(program.as_os_str()));
         let supervisor = self.conn.bin_dir.join("gradsync-worker");
+        let follow =
+            follow.map(|f| format!(" --follow {}", quote(&f.display().to_string()))).unwrap_or_default();
         let mut remote = format!(
-            "mkdir -p {} && exec {} supervise -- {}",
+            "mkdir -p {} && exec {} supervise{follow} -- {}",
             quote(&files.display().to_string()),
             quote(&supervisor.display().to_string()),
             quote(&program.display().to_string())
@@ -183,7 +195,7 @@ impl Host {
     }
 
     /// Run `remote` here with `stdin` written to it, waiting at most `limit`.
-    fn run(&self, remote: &str, stdin: Option<&[u8]>, limit: Duration) -> anyhow::Result<Output> {
+    pub fn run(&self, remote: &str, stdin: Option<&[u8]>, limit: Duration) -> anyhow::Result<Output> {
         run_limited(self.command(remote), stdin, limit).with_context(|| format!("host {}", self.name))
     }
 }
@@ -220,15 +232,23 @@ fn check_script(bin_dir: &Path) -> String {
              else echo \"missing {b}\"; fi; "
         ));
     }
-    s.push_str(
-        "echo \"hostname $(hostname)\"; echo \"cores $(nproc)\"; echo \"kernel $(uname -r)\"; \
-         grep -m1 '^model name' /proc/cpuinfo | sed 's/^[^:]*: */cpu /'; \
-         grep -m1 '^MemTotal' /proc/meminfo | sed 's/^MemTotal: *\\([0-9]*\\).*/memkb \\1/'; \
-         (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true) | sed 's/^/gpu /'; \
-         echo end",
-    );
+    s.push_str(FACTS_SCRIPT);
     s
 }
+
+/// What a host or node is, one `key value` a line ([`read_check`] reads it), then `end`:
+/// names, cores, CPU, memory (total and available), and its GPUs, from `nvidia-smi` or, where
+/// that is missing, the driver's `/proc/driver/nvidia/gpus` (one directory a GPU).
+pub const FACTS_SCRIPT: &str = "echo \"hostname $(hostname)\"; echo \"cores $(nproc)\"; echo \"kernel $(uname -r)\"; \
+     grep -m1 '^model name' /proc/cpuinfo | sed 's/^[^:]*: */cpu /'; \
+     grep -m1 '^MemTotal' /proc/meminfo | sed 's/^MemTotal: *\\([0-9]*\\).*/memkb \\1/'; \
+     grep -m1 '^MemAvailable' /proc/meminfo | sed 's/^MemAvailable: *\\([0-9]*\\).*/availkb \\1/'; \
+     if command -v nvidia-smi >/dev/null 2>&1; then \
+       (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true) | sed 's/^/gpu /'; \
+     elif [ -d /proc/driver/nvidia/gpus ]; then \
+       for g in /proc/driver/nvidia/gpus/*; do [ -e \"$g\" ] && echo \"gpu $(sed -n 's/^Model:[[:space:]]*//p' \"$g/information\")\"; done; \
+     fi; \
+     echo end";
 
 /// Why ssh to `name` failed, from its exit status 255 and what it said.
 fn ssh_failure(name: &str, stderr: &str) -> String {
@@ -365,17 +385,9 @@ impl Hosts {
     pub fn place(&self, spec: &RunSpec) -> Result<(Vec<Arc<Host>>, Vec<Arc<Host>>), String> {
         let slots: Vec<usize> = self.hosts.iter().map(|h| h.slots).collect();
         let (servers, workers) = assign(&slots, spec.mode, spec.workers, spec.shards)?;
-        if spec.mode == ModeKind::DdpNccl {
-            for (i, h) in self.hosts.iter().enumerate() {
-                let ranks = workers.iter().filter(|&&w| w == i).count();
-                if ranks > h.facts.gpus.len() {
-                    return Err(format!(
-                        "{ranks} NCCL ranks placed on host {} and it has {} GPU(s)",
-                        h.name,
-                        h.facts.gpus.len()
-                    ));
-                }
-            }
+        let facts: Vec<&HostFacts> = self.hosts.iter().map(|h| &h.facts).collect();
+        if let Some(why) = super::machine::placement_short(spec, &facts, &servers, &workers, "host") {
+            return Err(why);
         }
         let host = |i: &usize| self.hosts[*i].clone();
         Ok((servers.iter().map(host).collect(), workers.iter().map(host).collect()))
@@ -387,54 +399,17 @@ impl Hosts {
     pub fn measure_link(&self, rounds: usize, each: Duration) -> anyhow::Result<crate::rawtcp::PeerReading> {
         let from = &self.hosts[0];
         let to = self.hosts.get(1).unwrap_or(from);
-        let bench = self.conn.bin_dir.join("gradsync-bench");
         let listen =
             if std::ptr::eq(from.as_ref(), to.as_ref()) { "127.0.0.1".to_string() } else { to.addr.clone() };
-        let args = ["rawtcp-peer".to_string(), "--listen".into(), format!("{}:0", bracket(&listen))];
-        let mut launch = to.launch(&bench, &args, &[], &self.conn.remote_root);
-        let mut peer = launch
-            .command
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .spawn()
-            .with_context(|| format!("host {}: starting ssh", to.name))?;
-        // The far end lives while this stdin stays open.
-        let mut keep = peer.stdin.take();
-        if let (Some(w), Some(bytes)) = (keep.as_mut(), launch.stdin.as_deref()) {
-            let _ = w.write_all(bytes);
-        }
-        let result = (|| {
-            let out = peer.stdout.take().context("ssh stdout")?;
-            let addr = wait_for_line(out, "gradsync-bench listening on ", Duration::from_secs(60))
-                .with_context(|| format!("host {}: the yardstick's far end did not start", to.name))?;
-            let remote = format!(
-                "exec {} rawtcp-peer --to {} --rounds {} --seconds {}",
-                quote(&bench.display().to_string()),
-                quote(&addr),
-                rounds.max(1),
-                each.as_secs_f64()
-            );
-            let limit = each * (rounds.max(1) as u32) * 2 + Duration::from_secs(60);
-            let o = from.run(&remote, None, limit)?;
-            anyhow::ensure!(
-                o.status.success(),
-                "host {}: measuring the link to {} failed ({}): {}",
-                from.name,
-                to.name,
-                o.status,
-                String::from_utf8_lossy(&o.stderr).trim()
-            );
-            let text = String::from_utf8_lossy(&o.stdout);
-            serde_json::from_str(text.trim())
-                .with_context(|| format!("host {}: reading `{}`", from.name, text.trim()))
-        })();
-        drop(keep);
-        if wait_until(&mut peer, Instant::now() + Duration::from_secs(10)).is_none() {
-            eprintln!("gradsync-bench compare: host {}: the yardstick's far end was stopped", to.name);
-        }
-        result
+        super::site::measure_link(
+            &super::site::Site::Ssh(from.clone()),
+            &super::site::Site::Ssh(to.clone()),
+            &listen,
+            &self.conn.bin_dir.join("gradsync-bench"),
+            &self.conn.remote_root,
+            rounds,
+            each,
+        )
     }
 
     /// The hosts' descriptions, in order.
@@ -482,7 +457,7 @@ impl Drop for Hosts {
 }
 
 /// `[v6]` for an IPv6 address in `host:port`, anything else as it is.
-fn bracket(addr: &str) -> String {
+pub fn bracket(addr: &str) -> String {
     if addr.contains(':') && !addr.starts_with('[') { format!("[{addr}]") } else { addr.to_string() }
 }
 
@@ -516,9 +491,9 @@ fn check_host(
     Ok(Host { facts, ..host })
 }
 
-/// What the check printed on a host ([`check_script`]): its facts, or what is wrong with its
-/// binaries against `expected` (each one's name, `--version` and SHA-256 here).
-fn read_check(
+/// What the check printed on a host ([`check_script`], [`FACTS_SCRIPT`]): its facts, or what
+/// is wrong with its binaries against `expected` (each one's name, `--version` and SHA-256 here).
+pub fn read_check(
     text: &str,
     mut facts: HostFacts,
     expected: &[(String, String, String)],
@@ -550,6 +525,7 @@ fn read_check(
             "kernel" => facts.kernel = rest.to_string(),
             "cpu" => facts.cpu = rest.to_string(),
             "memkb" => facts.memory_bytes = rest.parse::<u64>().unwrap_or(0) * 1024,
+            "availkb" => facts.memory_available_bytes = rest.parse::<u64>().unwrap_or(0) * 1024,
             "gpu" if !rest.trim().is_empty() => facts.gpus.push(rest.trim().to_string()),
             _ => {}
         }

@@ -342,24 +342,51 @@ fn machine_section(h: &mut String, m: Option<&Machine>, emulated: bool) {
         );
         return;
     };
+    // On hosts or nodes, each kind of machine a row (with its count and names): the machine
+    // the comparison was started from ran none of the processes, and the hosts' cores
+    // together are no one machine's.
+    let what = if m.hosts.is_empty() {
+        format!(
+            "<tr><th class=l>host</th><td class=l>{}</td></tr><tr><th class=l>CPU</th><td class=l>{} ({} logical \
+             cores)</td></tr><tr><th class=l>memory</th><td class=l>{:.1} GiB</td></tr><tr><th class=l>GPU</th>\
+             <td class=l>{}</td></tr><tr><th class=l>kernel</th><td class=l>{}</td></tr>",
+            esc(&m.host),
+            esc(&m.cpu),
+            m.cores,
+            m.memory_bytes as f64 / (1u64 << 30) as f64,
+            if m.gpus.is_empty() { "none".into() } else { esc(&m.gpus.join(", ")) },
+            esc(&m.kernel),
+        )
+    } else {
+        let mut rows = format!("<tr><th class=l>started from</th><td class=l>{}</td></tr>", esc(&m.host));
+        for (f, names) in m.host_kinds() {
+            let _ = write!(
+                rows,
+                "<tr><th class=l>{} x</th><td class=l>{}, {} logical cores, {:.1} GiB, GPU: {} ({})</td></tr>",
+                names.len(),
+                esc(&f.cpu),
+                f.cores,
+                f.memory_bytes as f64 / (1u64 << 30) as f64,
+                if f.gpus.is_empty() { "none".into() } else { esc(&f.gpus.join(", ")) },
+                esc(&names.join(", "))
+            );
+        }
+        rows
+    };
     let _ = writeln!(
         h,
-        "<table><tr><th class=l>host</th><td class=l>{}</td></tr><tr><th class=l>CPU</th><td class=l>{} ({} logical cores)</td></tr>\
-         <tr><th class=l>memory</th><td class=l>{:.1} GiB</td></tr><tr><th class=l>GPU</th><td class=l>{}</td></tr>\
-         <tr><th class=l>kernel</th><td class=l>{}</td></tr><tr><th class=l>gradsync</th><td class=l>{} (commit {})</td></tr>\
+        "<table>{what}<tr><th class=l>gradsync</th><td class=l>{} (commit {})</td></tr>\
          <tr><th class=l>raw {} TCP</th><td class=l>{}</td></tr></table>\n\
          <p>Wires: the parameter server speaks gRPC over TCP and <code>ddp-tcp</code> rings over TCP sockets, \
          {}, so those two compare directly; <code>ddp-shm</code> rings over shared memory \
          and <code>dp</code> inside one process, neither a network.</p>",
-        esc(&m.host),
-        esc(&m.cpu),
-        m.cores,
-        m.memory_bytes as f64 / (1u64 << 30) as f64,
-        if m.gpus.is_empty() { "none".into() } else { esc(&m.gpus.join(", ")) },
-        esc(&m.kernel),
         esc(&m.gradsync_version),
         esc(&m.gradsync_commit),
-        m.link.as_deref().map_or_else(|| "loopback".to_string(), |l| format!("host-to-host ({})", esc(l))),
+        match m.link.as_deref() {
+            None => "loopback".to_string(),
+            Some(l) if l.starts_with("loopback") => esc(l),
+            Some(l) => format!("host-to-host ({})", esc(l)),
+        },
         match (&m.tcp_yardstick, m.tcp_bandwidth > 0.0) {
             (Some(y), _) => format!(
                 "{} one stream;{} {:.1} us one-way small-message latency",
@@ -393,17 +420,27 @@ fn machine_section(h: &mut String, m: Option<&Machine>, emulated: bool) {
     hosts_table(h, m);
 }
 
-/// The hosts of `compare --hosts`, each as its check found it; the machine above is the one
-/// the comparison was started from, and its core count the hosts' together.
+/// The hosts of `compare --hosts` (the nodes of `--slurm`), each as its check found it; the
+/// machine above is the one the comparison was started from.
 fn hosts_table(h: &mut String, m: &Machine) {
     if m.hosts.is_empty() {
         return;
     }
-    h.push_str(
-        "<p>Every server and worker ran on these hosts, started over ssh; the link above was measured \
-         between two of them with the raw-TCP yardstick, and the cost model is fitted to it.</p>\n\
+    let started = match m.launcher.as_deref() {
+        Some("Slurm") => "as job steps of a Slurm allocation",
+        _ => "over ssh",
+    };
+    let between = if m.link.as_deref().is_some_and(|l| l.starts_with("loopback")) {
+        "on the one host's loopback "
+    } else {
+        "between two of them "
+    };
+    let _ = writeln!(
+        h,
+        "<p>Every server and worker ran on these hosts, started {started}; the link above was measured \
+         {between}with the raw-TCP yardstick, and the cost model is fitted to it.</p>\n\
          <table><tr><th class=l>host</th><th class=l>address</th><th>slots</th><th class=l>name</th>\
-         <th class=l>CPU</th><th>cores</th><th>memory GiB</th><th class=l>GPU</th><th class=l>kernel</th></tr>\n",
+         <th class=l>CPU</th><th>cores</th><th>memory GiB</th><th class=l>GPU</th><th class=l>kernel</th></tr>",
     );
     for f in &m.hosts {
         let _ = writeln!(
@@ -635,6 +672,55 @@ fn summary_table(h: &mut String, rows: &[Summary]) {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// On hosts, the machine table has a row per kind of host with its count and names (not
+    /// the machine the comparison started from, nor the hosts' cores summed into one), and a
+    /// one-node allocation's link is named as loopback.
+    #[test]
+    fn the_machine_table_has_a_row_per_kind_of_host() {
+        let host = |name: &str, cpu: &str, cores| crate::compare::ssh::HostFacts {
+            name: name.into(),
+            cpu: cpu.into(),
+            cores,
+            memory_bytes: 16 << 30,
+            ..Default::default()
+        };
+        let m = Machine {
+            host: "login1".into(),
+            cpu: "Login CPU".into(),
+            cores: 40,
+            hosts: vec![host("n1", "EPYC 9654", 16), host("n2", "EPYC 9654", 16), host("g1", "Xeon 8480", 8)],
+            link: Some("n1 to n2".into()),
+            launcher: Some("Slurm".into()),
+            ..Machine::default()
+        };
+        let mut h = String::new();
+        machine_section(&mut h, Some(&m), false);
+        assert!(
+            h.contains(
+                "<th class=l>2 x</th><td class=l>EPYC 9654, 16 logical cores, 16.0 GiB, GPU: none (n1, n2)"
+            ),
+            "{h}"
+        );
+        assert!(h.contains("<th class=l>1 x</th><td class=l>Xeon 8480, 8 logical cores"), "{h}");
+        assert!(h.contains("started from</th><td class=l>login1"), "{h}");
+        assert!(!h.contains("Login CPU") && !h.contains("40 logical cores"), "{h}");
+        assert!(
+            h.contains("raw host-to-host (n1 to n2) TCP") && h.contains("as job steps of a Slurm allocation"),
+            "{h}"
+        );
+        let one = Machine {
+            hosts: vec![host("n1", "EPYC 9654", 16)],
+            link: Some("loopback (one node: n1)".into()),
+            ..m
+        };
+        let mut h = String::new();
+        machine_section(&mut h, Some(&one), false);
+        assert!(
+            h.contains("raw loopback (one node: n1) TCP") && h.contains("on the one host's loopback"),
+            "{h}"
+        );
+    }
 
     fn row(mode: &str, slow_ms: u64, samples_per_s: f64) -> Summary {
         Summary {

@@ -156,7 +156,8 @@ pub fn accuracy_against_local(cx: &Context) -> Vec<String> {
 /// Contention: every process shares this machine's cores.
 pub fn contention(cx: &Context) -> Vec<String> {
     match (cx.machine, cx.most_workers()) {
-        (Some(m), Some(nmax)) if nmax > m.cores => vec![format!(
+        // On several hosts no one machine's cores are shared by every process.
+        (Some(m), Some(nmax)) if m.hosts.is_empty() && nmax > m.cores => vec![format!(
             "All processes share one machine with {} logical cores, and up to {nmax} workers ran at once (plus \
              servers): beyond {} workers compute time grows with contention, so throughput there measures the CPU \
              as much as the network.",
