@@ -1153,8 +1153,13 @@ mod tests {
             link: Some("node0 to node1".into()),
             ..Machine::default()
         };
-        let v = verdict_of(rows, Some(&m));
+        let v = verdict_of(rows.clone(), Some(&m));
         assert!(v[0].contains("on 2 hosts (the link measured from node0 to node1)"), "{v:?}");
+        // A Slurm allocation of one node: its loopback, said once, and no "1 hosts".
+        let one =
+            Machine { hosts: vec![host("node0")], link: Some("loopback (one node: node0)".into()), ..m };
+        let v = verdict_of(rows, Some(&one));
+        assert!(v[0].contains("on one host, node0 (the link measured on its loopback)"), "{v:?}");
     }
 
     #[test]

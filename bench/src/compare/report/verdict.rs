@@ -100,7 +100,10 @@ fn quoted(cx: &Context, r: &Summary) -> String {
 fn wire(g: &Group, m: Option<&Machine>) -> String {
     match m.and_then(|m| m.link.as_deref().filter(|_| !m.hosts.is_empty())) {
         _ if !g.link.is_empty() => format!("emulated links of {}", g.link),
-        Some(l) => format!("{} hosts (the link measured from {l})", m.map_or(0, |m| m.hosts.len())),
+        Some(l) => match m.map_or(&[][..], |m| &m.hosts[..]) {
+            [one] => format!("one host, {} (the link measured on its loopback)", one.name),
+            hosts => format!("{} hosts (the link measured from {l})", hosts.len()),
+        },
         None => "this machine's loopback".into(),
     }
 }
