@@ -31,7 +31,7 @@ use anyhow::Context;
 
 use super::child::{Launch, run_limited};
 use super::scenario::{RunSpec, Scenario};
-use super::ssh::{HostFacts, assign, quote};
+use super::ssh::{HostFacts, assign, pack_files, quote, unpack_files};
 
 /// How long reading a node's facts may take, the step's start included.
 const FACTS_LIMIT: Duration = Duration::from_secs(60);
@@ -132,31 +132,8 @@ impl Node {
     /// then remove it there. A node where nothing was written (another node of a shared file
     /// system took it already) gives nothing.
     pub fn collect(&self, dir: &Path) -> anyhow::Result<()> {
-        let d = quote(&self.files_dir(dir).display().to_string());
-        let o = self
-            .run(&format!("if [ -d {d} ]; then tar -C {d} -cf - . && rm -rf {d}; fi"), COLLECT_LIMIT)
-            .context("copying the run's files back")?;
-        anyhow::ensure!(
-            o.status.success(),
-            "node {}: copying the run's files back failed ({}): {}",
-            self.name,
-            o.status,
-            String::from_utf8_lossy(&o.stderr).trim()
-        );
-        if o.stdout.is_empty() {
-            return Ok(());
-        }
-        let mut tar = Command::new("tar");
-        tar.arg("-C").arg(dir).args(["-xf", "-"]);
-        let t = run_limited(tar, Some(&o.stdout), COLLECT_LIMIT).context("unpacking with tar")?;
-        anyhow::ensure!(
-            t.status.success(),
-            "unpacking the files of node {} ({}): {}",
-            self.name,
-            t.status,
-            String::from_utf8_lossy(&t.stderr).trim()
-        );
-        Ok(())
+        let o = self.run(&pack_files(&self.files_dir(dir)), COLLECT_LIMIT);
+        unpack_files(&format!("node {}", self.name), o, dir)
     }
 
     /// What this node is: [`super::ssh::FACTS_SCRIPT`] run as a step on it.

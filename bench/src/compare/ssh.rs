@@ -168,30 +168,8 @@ impl Host {
     /// from the host. A host where nothing was written (another host of a shared file system
     /// took it already) gives nothing.
     pub fn collect(&self, dir: &Path) -> anyhow::Result<()> {
-        let d = quote(&self.files_dir(dir).display().to_string());
-        let remote = format!("if [ -d {d} ]; then tar -C {d} -cf - . && rm -rf {d}; fi");
-        let o = self.run(&remote, None, COLLECT_LIMIT).context("copying the run's files back")?;
-        anyhow::ensure!(
-            o.status.success(),
-            "host {}: copying the run's files back failed ({}): {}",
-            self.name,
-            o.status,
-            String::from_utf8_lossy(&o.stderr).trim()
-        );
-        if o.stdout.is_empty() {
-            return Ok(());
-        }
-        let mut tar = Command::new("tar");
-        tar.arg("-C").arg(dir).args(["-xf", "-"]);
-        let t = run_limited(tar, Some(&o.stdout), COLLECT_LIMIT).context("unpacking with tar")?;
-        anyhow::ensure!(
-            t.status.success(),
-            "unpacking the files of host {} ({}): {}",
-            self.name,
-            t.status,
-            String::from_utf8_lossy(&t.stderr).trim()
-        );
-        Ok(())
+        let o = self.run(&pack_files(&self.files_dir(dir)), None, COLLECT_LIMIT);
+        unpack_files(&format!("host {}", self.name), o, dir)
     }
 
     /// Run `remote` here with `stdin` written to it, waiting at most `limit`.
@@ -201,6 +179,38 @@ impl Host {
 }
 
 /// `s` as one word of a POSIX shell command line.
+/// The shell command, run on another host or node, that writes the files below `files` to its
+/// stdout as a tar stream and removes them (nothing where the folder is not there).
+pub fn pack_files(files: &Path) -> String {
+    let d = quote(&files.display().to_string());
+    format!("if [ -d {d} ]; then tar -C {d} -cf - . && rm -rf {d}; fi")
+}
+
+/// Unpack into `dir` the tar stream that [`pack_files`] sent back from `whence` (`host X`,
+/// `node X`), naming it where either end failed.
+pub fn unpack_files(whence: &str, packed: anyhow::Result<Output>, dir: &Path) -> anyhow::Result<()> {
+    let o = packed.context("copying the run's files back")?;
+    anyhow::ensure!(
+        o.status.success(),
+        "{whence}: copying the run's files back failed ({}): {}",
+        o.status,
+        String::from_utf8_lossy(&o.stderr).trim()
+    );
+    if o.stdout.is_empty() {
+        return Ok(());
+    }
+    let mut tar = Command::new("tar");
+    tar.arg("-C").arg(dir).args(["-xf", "-"]);
+    let t = run_limited(tar, Some(&o.stdout), COLLECT_LIMIT).context("unpacking with tar")?;
+    anyhow::ensure!(
+        t.status.success(),
+        "unpacking the files of {whence} ({}): {}",
+        t.status,
+        String::from_utf8_lossy(&t.stderr).trim()
+    );
+    Ok(())
+}
+
 pub fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
