@@ -263,7 +263,7 @@ fn launch_restarts_a_killed_ddp_run_to_the_unbroken_runs_bits() {
 }
 
 /// `--max-restarts` refuses what it cannot do: a train command without checkpoints to resume
-/// from, and several nodes (which would have to restart together).
+/// from, and several nodes without a port every node knows for the launchers' store.
 #[test]
 fn max_restarts_refuses_what_it_cannot_restart() {
     let args = |extra: &[&str]| -> Vec<String> {
@@ -273,7 +273,11 @@ fn max_restarts_refuses_what_it_cannot_restart() {
     };
     for (extra, says) in [
         (&["--max-restarts", "2"][..], "needs --checkpoint DIR"),
-        (&["--max-restarts", "2", "--nnodes", "2"][..], "every node to restart together"),
+        (
+            &["--max-restarts", "2", "--nnodes", "2"][..],
+            "--master-port 0 (pick a free port) only works on one node",
+        ),
+        (&["--rdzv-timeout", "0"][..], "is not a number of seconds from 0.1"),
         (&["--monitor-interval", "0"][..], "is not a number of seconds"),
     ] {
         let mut p = Proc::spawn(&mut worker(&args(extra)));
