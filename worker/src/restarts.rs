@@ -340,7 +340,10 @@ fn store_loop(
             Heard::Said(node, ToStore::Ready { generation: g }) if g == generation => {
                 ready[node] = true;
                 if ready.iter().all(|&r| r) && writers.iter().all(Option::is_some) {
-                    let port = free_port(ranks_addr).map_err(|e| format!("{e:#}"))?;
+                    let port = match free_port(ranks_addr) {
+                        Ok(p) => p,
+                        Err(e) => return abort(writers, format!("{e:#}")),
+                    };
                     ready_by = None;
                     tell(writers, &FromStore::Start { generation, port });
                 }
@@ -415,7 +418,6 @@ pub struct Member {
     news: mpsc::Receiver<News>,
     stop: Arc<AtomicBool>,
     store: String,
-    timeout: Duration,
 }
 
 impl Member {
@@ -488,7 +490,7 @@ impl Member {
                 }
             });
         }
-        Ok(Member { writer, news, stop, store: store.to_string(), timeout: cfg.timeout })
+        Ok(Member { writer, news, stop, store: store.to_string() })
     }
 
     /// Tell the store `m`.
@@ -529,11 +531,6 @@ impl Member {
             News::Said(m) => Ok(m),
             News::Lost(why) => bail!("{why}"),
         }
-    }
-
-    /// The timeout the store was joined with.
-    pub fn timeout(&self) -> Duration {
-        self.timeout
     }
 }
 
