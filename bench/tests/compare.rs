@@ -407,3 +407,83 @@ fn sparse_modes_move_the_bytes_the_cost_model_gives_them() {
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();
     assert!(html.contains("Sparse table (4096 rows x 8"), "no sparse reading");
 }
+
+/// A seed whose `kills` fall at or before step `by` of `steps` (the workers need time after the
+/// last kill to be seen failing and to restart before the run ends).
+fn seed_killing_early(kills: u32, steps: u64, by: u64) -> u64 {
+    let mut s = Scenario::load(None).unwrap();
+    (s.steps, s.epochs, s.kills, s.repeats) = (Some(steps), None, kills, 1);
+    (1..1000)
+        .find(|&seed| {
+            s.seed = seed;
+            (0..2).all(|repeat| s.kill_plan(repeat, 2).iter().all(|&(at, _)| at <= by))
+        })
+        .unwrap()
+}
+
+/// `kills = 1` with `max_restarts = 1` and checkpoints every 5 steps: a worker is SIGKILLed at
+/// a random step, every worker restarts from the newest checkpoint, and the run finishes; the
+/// record says which rank, how it ended, the step reached, the checkpoint resumed from and the
+/// seconds from the kill to the first new step, and the report shows them beside the run.
+/// With two kills and one restart allowed, the run is failed and never ranked.
+#[test]
+fn a_restarted_run_records_its_restarts_and_what_they_cost() {
+    let root = Scratch::new("restarts");
+    // Rank 0 slowed to 40 ms a step: the runner (which looks every 100 ms) kills while the
+    // run is under way.
+    let keys = |kills: u32, max: u32| {
+        let seed = seed_killing_early(kills, 30, 18);
+        format!(
+            "seed = {seed}\nslow_ms = [40]\nslow_rank = 0\nkills = {kills}\nmax_restarts = {max}\n\
+             checkpoint_every = 5\n"
+        )
+    };
+    let scenario = small(&root, "restart", &["ddp-tcp"], 30, &keys(1, 1));
+    let out = root.join("out");
+    let o = compare(&scenario, &out);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let all = outcomes(&out);
+    assert_eq!(all.len(), 2, "two repeats");
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    let mut rdr = csv::Reader::from_path(out.join("summary.csv")).unwrap();
+    let head = rdr.headers().unwrap().clone();
+    let col = |name: &str| head.iter().position(|h| h == name).unwrap();
+    let rows: Vec<csv::StringRecord> = rdr.records().map(|r| r.unwrap()).collect();
+    for run in &all {
+        assert_eq!(run["status"], "ok", "{run}");
+        let r = run["restarts"].as_array().unwrap();
+        assert_eq!(r.len(), 1, "{run}");
+        let r = &r[0];
+        assert_eq!(r["injected"], true, "{r}");
+        assert!(r["exit"].as_str().unwrap().contains("signal: 9"), "{r}");
+        let (reached, after) = (r["step_reached"].as_u64().unwrap(), r["resumed_after"].as_u64().unwrap());
+        assert!(reached >= 1 && after <= reached && after % 5 == 0 && reached - after < 30, "{r}");
+        let lost = r["lost_s"].as_f64().unwrap();
+        assert!(lost > 0.0 && lost < 30.0, "{r}");
+        // The steps that count: every step once, to the last.
+        let id = run["id"].as_str().unwrap();
+        let row = rows.iter().find(|x| id.ends_with(&x[col("id")]) || x[col("id")].ends_with(id)).unwrap();
+        assert_eq!(&row[col("steps")], "30", "{row:?}");
+        assert!(
+            html.contains(&format!("resumed after step {after}: {lost:.2} s")),
+            "the cost of {id}'s restart is not beside it"
+        );
+    }
+    assert!(
+        html.contains("restarted its workers 1 time and finished"),
+        "the report says nothing of the restart"
+    );
+
+    // Two kills, one restart: failed, with the restart it took recorded, and not ranked.
+    let scenario = small(&root, "exhausted", &["ddp-tcp"], 30, &keys(2, 1));
+    let out = root.join("out2");
+    let o = compare(&scenario, &out);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for run in &outcomes(&out) {
+        assert_eq!(run["status"], "failed", "{run}");
+        assert!(run["error"].as_str().unwrap().contains("after 1 restart(s) of 1"), "{run}");
+        assert_eq!(run["restarts"].as_array().unwrap().len(), 1, "{run}");
+    }
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(html.contains("2 runs failed") && !html.contains("is fastest with"), "a failed run was ranked");
+}

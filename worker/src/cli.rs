@@ -56,6 +56,12 @@ pub mod flag {
     pub const TRACE: &str = "trace";
     /// `--slow-rank`.
     pub const SLOW_RANK: &str = "slow-rank";
+    /// `--checkpoint`.
+    pub const CHECKPOINT: &str = "checkpoint";
+    /// `--checkpoint-every`.
+    pub const CHECKPOINT_EVERY: &str = "checkpoint-every";
+    /// `--resume`.
+    pub const RESUME: &str = "resume";
     /// `--replicas`.
     pub const REPLICAS: &str = "replicas";
     /// `--servers`.
@@ -161,14 +167,23 @@ pub struct LaunchArgs {
     /// Address of rank 0's rendezvous store (the first node).
     #[arg(long = flag::MASTER_ADDR, default_value = "127.0.0.1", env = "MASTER_ADDR")]
     pub master_addr: String,
-    /// Port of the rendezvous store; 0 picks a free one (one node only).
+    /// Port of the rendezvous store; 0 picks a free one (one node only). With several nodes
+    /// and `--max-restarts`, the launchers' store (node 0's launcher) listens here and hands
+    /// the ranks a fresh port for each generation.
     #[arg(long = flag::MASTER_PORT, default_value_t = 29500, env = "MASTER_PORT")]
     pub master_port: u16,
-    /// When a rank fails, stop the node's ranks and start them all again, up to this many
-    /// times (torchrun's --max-restarts). A `train` command must keep checkpoints
-    /// (`--checkpoint DIR`): its ranks restart with `--resume`. 0: a failure ends the run.
+    /// When a rank fails, stop the ranks and start them all again, up to this many times
+    /// across the job (torchrun's --max-restarts); with several nodes, every node's launcher
+    /// restarts its ranks together, agreed through node 0's launcher. A `train` command must
+    /// keep checkpoints (`--checkpoint DIR`, on a file system every node shares): its ranks
+    /// restart with `--resume`. 0: a failure ends the run.
     #[arg(long, default_value_t = 0)]
     pub max_restarts: u32,
+    /// With several nodes and `--max-restarts`: seconds a node may take to register, or to
+    /// come back for a restart, and a launcher may stay silent (heartbeats stopped) before the
+    /// others give up, naming it.
+    #[arg(long, default_value_t = 60.0, value_parser = parse_rdzv_timeout)]
+    pub rdzv_timeout: f64,
     /// How often the launcher checks its ranks and a stop request, seconds (torchrun's
     /// --monitor-interval); an exit is seen the moment it happens in any case.
     #[arg(long, default_value_t = 0.1, value_parser = parse_interval)]
@@ -314,10 +329,10 @@ pub struct TrainArgs {
     /// momentum shards are gathered for it; rank 0 writes): parameters and running statistics
     /// as a PyTorch state dict, the momentum, and the step, epoch and settings a resumed run
     /// needs; each written atomically.
-    #[arg(long)]
+    #[arg(long = flag::CHECKPOINT)]
     pub checkpoint: Option<PathBuf>,
     /// Write a checkpoint every N steps (with --checkpoint).
-    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long = flag::CHECKPOINT_EVERY, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
     pub checkpoint_every: u64,
     /// Keep the newest K checkpoints, removing older ones (with --checkpoint).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
@@ -326,7 +341,7 @@ pub struct TrainArgs {
     /// when it holds none); a checkpoint of another model, world size, batch or optimiser is
     /// refused, naming the difference. The run then ends with the parameters an unbroken run
     /// would have.
-    #[arg(long, requires = "checkpoint")]
+    #[arg(long = flag::RESUME, requires = "checkpoint")]
     pub resume: bool,
     /// Print nothing but errors.
     #[arg(long, short)]
@@ -570,6 +585,13 @@ fn parse_interval(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if v.is_finite() && (0.001..=60.0).contains(&v) => Ok(v),
         _ => Err(format!("'{s}' is not a number of seconds from 0.001 to 60")),
+    }
+}
+
+fn parse_rdzv_timeout(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.1..=86_400.0).contains(&v) => Ok(v),
+        _ => Err(format!("'{s}' is not a number of seconds from 0.1 to 86400")),
     }
 }
 

@@ -3,10 +3,10 @@
 //! set, prefixes every line they print with their rank, and stops all of them as soon as one
 //! fails, exiting with an error that names it; with `--max-restarts N`, starts them all again
 //! (a `train` command with `--resume`, from its newest checkpoint), up to N times, each restart
-//! logged with the rank that failed and how.
+//! logged with the rank that failed and how. With several nodes, the restarts are agreed
+//! through node 0's launcher ([`crate::restarts`]): every node's ranks restart together.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -101,12 +101,6 @@ pub fn children(pid: u32) -> Vec<u32> {
     out
 }
 
-/// A free TCP port on `addr` for the rendezvous store (single-node runs asking for port 0).
-fn free_port(addr: &str) -> anyhow::Result<u16> {
-    let l = TcpListener::bind((addr, 0)).with_context(|| format!("finding a free port on {addr}"))?;
-    Ok(l.local_addr()?.port())
-}
-
 /// What the ranks run: the worker itself for `train ...`, else the given program.
 fn program(cmd: &[String], worker: &Path) -> anyhow::Result<(PathBuf, Vec<String>)> {
     let Some(first) = cmd.first() else { bail!("nothing to launch: give the command after `--`") };
@@ -122,23 +116,18 @@ fn program(cmd: &[String], worker: &Path) -> anyhow::Result<(PathBuf, Vec<String
 }
 
 /// Start the local ranks and supervise them until all exit, restarting them all after a
-/// failure while `--max-restarts` allows; `stop` (Ctrl-C, a test) ends them early. `worker` is
-/// the `gradsync-worker` binary, run for `-- train ...` commands.
+/// failure while `--max-restarts` allows (with several nodes, every node together: see
+/// [`crate::restarts`]); `stop` (Ctrl-C, a test) ends them early. `worker` is the
+/// `gradsync-worker` binary, run for `-- train ...` commands.
 pub fn launch(a: &LaunchArgs, worker: &Path, stop: Arc<AtomicBool>) -> anyhow::Result<()> {
     ensure!(a.nproc_per_node >= 1, "--nproc-per-node must be at least 1");
     ensure!(a.nnodes >= 1, "--nnodes must be at least 1");
     ensure!(a.node_rank < a.nnodes, "--node-rank {} is not below --nnodes {}", a.node_rank, a.nnodes);
     ensure!(
-        a.max_restarts == 0 || a.nnodes == 1,
-        "--max-restarts with --nnodes {}: restarting needs every node to restart together, which this \
-         launcher does on one node only; run each node's launcher with --max-restarts 0",
-        a.nnodes
-    );
-    ensure!(
         a.master_port != 0 || a.nnodes == 1,
         "--master-port 0 (pick a free port) only works on one node: the other nodes must know the port"
     );
-    let (prog, mut args) = program(&a.cmd, worker)?;
+    let (prog, args) = program(&a.cmd, worker)?;
     let trains = prog == worker;
     if a.max_restarts > 0 && trains {
         ensure!(
@@ -148,11 +137,65 @@ pub fn launch(a: &LaunchArgs, worker: &Path, stop: Arc<AtomicBool>) -> anyhow::R
             a.max_restarts
         );
     }
+    if a.nnodes > 1 && a.max_restarts > 0 {
+        return launch_agreed(a, &prog, args, trains, &stop);
+    }
+    launch_alone(a, &prog, args, trains, &stop)
+}
+
+/// The ranks' command for the generation after a restart: a `train` command resumes from its
+/// newest checkpoint.
+fn resuming(args: &mut Vec<String>, trains: bool) {
+    if trains {
+        resume_args(args);
+    }
+}
+
+/// A `train` command's arguments made to continue from the newest checkpoint (`--resume`
+/// added once): how every restart starts its ranks again, the launcher's and
+/// `gradsync-bench compare`'s.
+pub fn resume_args(args: &mut Vec<String>) {
+    let flag = format!("--{}", crate::cli::flag::RESUME);
+    if !args.contains(&flag) {
+        args.push(flag);
+    }
+}
+
+/// Of the failures seen together, in the order they were seen, put first the one to blame: a
+/// process ended by a signal (killed from outside: it failed on its own) before one that
+/// exited with an error (which usually reports a peer's failure). The launcher, the
+/// launchers' store and `gradsync-bench compare` all name a restart's cause by this rule.
+pub fn blame<T>(failed: &mut [T], signalled: impl Fn(&T) -> bool) {
+    if let Some(i) = failed.iter().position(&signalled)
+        && !signalled(&failed[0])
+    {
+        failed[..=i].rotate_right(1);
+    }
+}
+
+/// One node on its own: restarts decided here.
+fn launch_alone(
+    a: &LaunchArgs,
+    prog: &Path,
+    mut args: Vec<String>,
+    trains: bool,
+    stop: &AtomicBool,
+) -> anyhow::Result<()> {
     let mut restarts = 0;
     loop {
         let t = std::time::Instant::now();
-        let failed = run_ranks(a, &prog, &args, restarts, &stop)?;
-        let Some(((rank, status), also)) = failed else { return Ok(()) };
+        // A fresh port for each generation when the port is ours to pick: the last one's store
+        // may still hold it.
+        let port =
+            if a.master_port == 0 { crate::restarts::free_port(&a.master_addr)? } else { a.master_port };
+        let failed = match run_ranks(a, prog, &args, restarts.into(), port, stop, &mut || {
+            None::<std::convert::Infallible>
+        })? {
+            Ended::AllDone => return Ok(()),
+            Ended::Failed(f) => f,
+            Ended::Told(never) => match never {},
+        };
+        let ((rank, status), also) = failed;
         let also: String = also.iter().map(|(r, s)| format!("rank {r} ended after it ({s}); ")).collect();
         if restarts >= a.max_restarts {
             let tried =
@@ -167,24 +210,139 @@ pub fn launch(a: &LaunchArgs, worker: &Path, stop: Arc<AtomicBool>) -> anyhow::R
             a.max_restarts,
             if trains { ", from the newest checkpoint (--resume)" } else { "" }
         );
-        if trains && !args.iter().any(|x| x == "--resume") {
-            args.push("--resume".into());
+        resuming(&mut args, trains);
+    }
+}
+
+/// Several nodes with `--max-restarts`: node 0's launcher serves the launchers' store, every
+/// node's launcher follows its generations ([`crate::restarts`]).
+fn launch_agreed(
+    a: &LaunchArgs,
+    prog: &Path,
+    mut args: Vec<String>,
+    trains: bool,
+    stop: &AtomicBool,
+) -> anyhow::Result<()> {
+    use crate::restarts::StoreConfig;
+    let cfg = StoreConfig {
+        nnodes: a.nnodes,
+        nproc: a.nproc_per_node,
+        max_restarts: a.max_restarts,
+        token: std::env::var("GRADSYNC_RING_TOKEN").ok().filter(|t| !t.is_empty()),
+        timeout: Duration::from_secs_f64(a.rdzv_timeout),
+    };
+    let store_addr = if a.master_addr.contains(':') && !a.master_addr.starts_with('[') {
+        format!("[{}]:{}", a.master_addr, a.master_port)
+    } else {
+        format!("{}:{}", a.master_addr, a.master_port)
+    };
+    let store = if a.node_rank == 0 {
+        let at = crate::rendezvous::resolve(&store_addr).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let listener = crate::rendezvous::bind_store(at)
+            .map_err(|e| anyhow::anyhow!("{e} (the launchers' store, node 0)"))?;
+        let (cfg, ranks_addr) = (cfg.clone(), a.master_addr.clone());
+        Some(std::thread::spawn(move || crate::restarts::serve(listener, &cfg, &ranks_addr)))
+    } else {
+        None
+    };
+    let ended = follow_store(a, prog, &mut args, trains, stop, &store_addr, &cfg);
+    // Node 0 serves the store until every launcher has heard its last word.
+    if let Some(h) = store {
+        let _ = h.join();
+    }
+    ended
+}
+
+/// Register with the launchers' store and run the generations it starts, until it says the
+/// run finished or aborted.
+fn follow_store(
+    a: &LaunchArgs,
+    prog: &Path,
+    args: &mut Vec<String>,
+    trains: bool,
+    stop: &AtomicBool,
+    store_addr: &str,
+    cfg: &crate::restarts::StoreConfig,
+) -> anyhow::Result<()> {
+    use crate::restarts::{FromStore, Member, News, ToStore};
+    let node = a.node_rank;
+    let me = Member::join(store_addr, node, cfg)?;
+    // Bounded waits: the store decides within its own timeout, plus a margin for the messages.
+    let limit = Some(cfg.timeout + Duration::from_secs(5));
+    let mut generation = 0u64;
+    let restart_line = |generation: u64, restart: u32, node: usize, rank: usize, exit: &str| {
+        eprintln!(
+            "gradsync-worker launch: node {}: rank {rank} on node {node} failed ({exit}); every node stops its \
+             ranks; restart {restart} of {} (generation {generation}){}",
+            a.node_rank,
+            a.max_restarts,
+            if trains { ", from the newest checkpoint (--resume)" } else { "" }
+        );
+    };
+    loop {
+        me.tell(&ToStore::Ready { generation })?;
+        let port = match me.next(limit, &format!("every node to be ready for generation {generation}"))? {
+            FromStore::Start { generation: g, port } if g == generation => port,
+            FromStore::Abort { why } => bail!("{why}"),
+            other => bail!("the launchers' store said {other:?} while this node waited to start"),
+        };
+        let mut told = || match me.poll() {
+            Some(News::Said(FromStore::Beat)) | None => None,
+            Some(n) => Some(n),
+        };
+        let ended = run_ranks(a, prog, args, generation, port, stop, &mut told)?;
+        let word = match ended {
+            Ended::AllDone => {
+                me.tell(&ToStore::Done { generation })?;
+                // The other nodes' ranks may still be training: as long as the store beats.
+                me.next(None, "the other nodes to finish")?
+            }
+            Ended::Failed(((rank, st), _)) => {
+                me.tell(&ToStore::Failed {
+                    generation,
+                    rank,
+                    exit: st.to_string(),
+                    signalled: st.signal().is_some(),
+                })?;
+                me.next(limit, "the store's decision on the failure")?
+            }
+            Ended::Told(News::Said(w)) => w,
+            Ended::Told(News::Lost(why)) => bail!("node {node}: {why}; stopped this node's ranks"),
+        };
+        match word {
+            FromStore::Finished => return Ok(()),
+            FromStore::Restart { generation: g, restart, node, rank, exit } => {
+                restart_line(g, restart, node, rank, &exit);
+                generation = g;
+                resuming(args, trains);
+            }
+            FromStore::Abort { why } => bail!("{why}"),
+            other => bail!("the launchers' store said {other:?} while this node's ranks ran"),
         }
     }
 }
 
+/// How a generation of the node's ranks ended.
+enum Ended<T> {
+    /// Every rank exited 0.
+    AllDone,
+    /// One failed: the others were killed.
+    Failed(Failed),
+    /// Something outside the node said to stop (the ranks were killed): what it said.
+    Told(T),
+}
+
 /// One generation of the node's ranks: start them, relay their output and supervise them
-/// until all exit (`None`) or one fails.
-fn run_ranks(
+/// until all exit or one fails, or `told` (asked every `--monitor-interval`) says to stop.
+fn run_ranks<T>(
     a: &LaunchArgs,
     prog: &Path,
     args: &[String],
-    restart: u32,
+    generation: u64,
+    port: u16,
     stop: &AtomicBool,
-) -> anyhow::Result<Option<Failed>> {
-    // A fresh port for each generation when the port is ours to pick: the last one's store
-    // may still hold it.
-    let port = if a.master_port == 0 { free_port(&a.master_addr)? } else { a.master_port };
+    told: &mut dyn FnMut() -> Option<T>,
+) -> anyhow::Result<Ended<T>> {
     let world = a.nnodes * a.nproc_per_node;
     let mut ranks = Ranks(Vec::new());
     let mut relays = Vec::new();
@@ -199,7 +357,7 @@ fn run_ranks(
             .env("GROUP_RANK", a.node_rank.to_string())
             .env("MASTER_ADDR", &a.master_addr)
             .env("MASTER_PORT", port.to_string())
-            .env("TORCHELASTIC_RESTART_COUNT", restart.to_string())
+            .env("TORCHELASTIC_RESTART_COUNT", generation.to_string())
             .env("TORCHELASTIC_MAX_RESTARTS", a.max_restarts.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -214,12 +372,12 @@ fn run_ranks(
         }
         ranks.0.push((rank, child));
     }
-    let failed = supervise(&mut ranks, stop, Duration::from_secs_f64(a.monitor_interval));
+    let ended = supervise(&mut ranks, stop, Duration::from_secs_f64(a.monitor_interval), told);
     drop(ranks);
     for r in relays {
         let _ = r.join();
     }
-    failed
+    ended
 }
 
 /// Tell `tx` the moment child `pid` exits, without reaping it (the supervisor reaps it with
@@ -244,12 +402,17 @@ fn watch_exit(rank: usize, pid: u32, tx: mpsc::Sender<usize>) {
 /// Which rank failed first, with its status, and the ranks that had also failed by then.
 type Failed = ((usize, ExitStatus), Vec<(usize, ExitStatus)>);
 
-/// Wait until every rank has exited (`None`) or one has failed, in which case the others are
-/// killed. The rank reported is the first to end with a failure; among ranks that had
+/// Wait until every rank has exited or one has failed, in which case the others are killed;
+/// `told`, asked after each exit and every `monitor`, stops them all with what it said. The rank reported is the first to end with a failure; among ranks that had
 /// already ended when it was seen, one killed by a signal is reported first (a rank killed
 /// from outside failed on its own; one that exits with an error usually reports a peer's
 /// failure).
-fn supervise(ranks: &mut Ranks, stop: &AtomicBool, monitor: Duration) -> anyhow::Result<Option<Failed>> {
+fn supervise<T>(
+    ranks: &mut Ranks,
+    stop: &AtomicBool,
+    monitor: Duration,
+    told: &mut dyn FnMut() -> Option<T>,
+) -> anyhow::Result<Ended<T>> {
     let (tx, exits) = mpsc::channel();
     for (rank, c) in &ranks.0 {
         watch_exit(*rank, c.id(), tx.clone());
@@ -284,26 +447,29 @@ fn supervise(ranks: &mut Ranks, stop: &AtomicBool, monitor: Duration) -> anyhow:
                             }
                         }
                     }
-                    if let Some(i) = failed.iter().position(|(_, s)| s.signal().is_some())
-                        && failed[0].1.signal().is_none()
-                    {
-                        let killed = failed.remove(i);
-                        failed.insert(0, killed);
-                    }
+                    blame(&mut failed, |(_, s)| s.signal().is_some());
                     for (_, other) in ranks.0.iter_mut() {
                         if matches!(other.try_wait(), Ok(None)) {
                             let _ = other.kill();
                         }
                     }
                     let first = failed.remove(0);
-                    return Ok(Some((first, failed)));
+                    return Ok(Ended::Failed((first, failed)));
                 }
                 if running == 0 {
-                    return Ok(None);
+                    return Ok(Ended::AllDone);
                 }
             }
-            Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(None),
+            Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(Ended::AllDone),
             Err(mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        if let Some(word) = told() {
+            for (_, c) in ranks.0.iter_mut() {
+                if matches!(c.try_wait(), Ok(None)) {
+                    let _ = c.kill();
+                }
+            }
+            return Ok(Ended::Told(word));
         }
         if stop.load(Ordering::Relaxed) || SIGNALLED.load(Ordering::Relaxed) {
             terminate(ranks);
@@ -335,8 +501,21 @@ fn terminate(ranks: &mut Ranks) {
 
 #[cfg(test)]
 mod tests {
-    use super::program;
+    use super::{blame, program};
     use std::path::Path;
+
+    #[test]
+    fn a_signalled_failure_is_blamed_first() {
+        let mut f = [(0, false), (1, false), (2, true), (3, true)];
+        blame(&mut f, |x| x.1);
+        assert_eq!(f, [(2, true), (0, false), (1, false), (3, true)]);
+        let mut f = [(1, true), (0, true)];
+        blame(&mut f, |x| x.1);
+        assert_eq!(f, [(1, true), (0, true)]);
+        let mut f = [(4, false), (5, false)];
+        blame(&mut f, |x| x.1);
+        assert_eq!(f, [(4, false), (5, false)]);
+    }
 
     #[test]
     fn picks_the_program() {

@@ -17,7 +17,10 @@
 //! - [`rendezvous`]: rank 0's store through which ranks exchange addresses and the NCCL id.
 //! - [`resume`]: checkpoints of a run in progress (`--checkpoint`) and `--resume` from them.
 //! - [`launch`]: `gradsync-worker launch`, torchrun's job: start the local ranks, prefix their
-//!   output, stop them all if one fails.
+//!   output, stop them all if one fails, restart them from their checkpoints
+//!   (`--max-restarts`).
+//! - [`restarts`]: restarts agreed across nodes: the launchers' store, in node 0's launcher,
+//!   numbering the run's generations so that every node's ranks restart together.
 //! - [`supervise`]: `gradsync-worker supervise`, how a process runs on another host over ssh:
 //!   secrets from stdin into its environment, its process group stopped when the connection
 //!   closes.
@@ -27,6 +30,7 @@ pub mod collective;
 pub mod launch;
 pub mod ps;
 pub mod rendezvous;
+pub mod restarts;
 pub mod resume;
 pub mod setup;
 pub mod strategy;

@@ -39,6 +39,20 @@ pub struct RendezvousConfig {
     pub timeout: Duration,
     /// Rank 0 makes an NCCL unique id and the store hands it out.
     pub nccl: bool,
+    /// The launchers' generation of the run (0, then one more for each restart): the store
+    /// refuses a rank of another one, a straggler of a generation already restarted.
+    pub generation: u64,
+}
+
+impl RendezvousConfig {
+    /// What the store and the ranks registering with it compare: the model's fingerprint and,
+    /// after a restart, the generation.
+    fn registration(&self) -> String {
+        match self.generation {
+            0 => self.fingerprint.clone(),
+            g => format!("{} (generation {g})", self.fingerprint),
+        }
+    }
 }
 
 /// What the store answers.
@@ -209,7 +223,7 @@ pub fn join_with_store(cfg: &RendezvousConfig, store: Option<TcpListener>) -> Re
             None => bind_store(master)?,
         };
         let id = if cfg.nccl { Some(nccl::unique_id()?) } else { None };
-        let (world, fp, token, t) = (cfg.world, cfg.fingerprint.clone(), cfg.token.clone(), cfg.timeout);
+        let (world, fp, token, t) = (cfg.world, cfg.registration(), cfg.token.clone(), cfg.timeout);
         Some(std::thread::spawn(move || serve_store(listener, world, &fp, token.as_deref(), id, t)))
     } else {
         None
@@ -226,7 +240,7 @@ pub fn join_with_store(cfg: &RendezvousConfig, store: Option<TcpListener>) -> Re
         magic: MAGIC.into(),
         rank: cfg.rank,
         world: cfg.world,
-        fingerprint: cfg.fingerprint.clone(),
+        fingerprint: cfg.registration(),
         to: None,
         addr: Some(addr),
         nonce: fresh_nonce().map_err(|e| rdzv(&cfg.master, e.to_string()))?,

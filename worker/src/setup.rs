@@ -102,6 +102,8 @@ pub enum Eval {
 }
 
 /// The strategy `--mode` names, with its own typed configuration.
+// Made once per process: the size of the hybrid's two configurations costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum ModeConfig {
     /// `--mode local`.
@@ -399,6 +401,7 @@ fn ddp_config(d: &DdpArgs, compression: Compression, run: &Run) -> anyhow::Resul
             token: d.ring_token.clone(),
             timeout: Duration::from_secs_f64(d.comm_timeout),
             nccl: d.backend == Backend::Nccl,
+            generation: launch_generation()?,
         },
         backend: d.backend,
         device: run.device,
@@ -446,4 +449,16 @@ fn ps_config(args: &PsArgs, compression: Compression, run: &Run) -> anyhow::Resu
         compression,
         rejoin: false,
     })
+}
+
+/// The generation `gradsync-worker launch` (or torchrun) started this rank in: its
+/// `TORCHELASTIC_RESTART_COUNT`, 0 outside a launcher.
+fn launch_generation() -> anyhow::Result<u64> {
+    match std::env::var("TORCHELASTIC_RESTART_COUNT") {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .map_err(|_| anyhow::anyhow!("TORCHELASTIC_RESTART_COUNT is '{v}', not a number of restarts")),
+        Err(_) => Ok(0),
+    }
 }

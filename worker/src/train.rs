@@ -233,6 +233,12 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
         }))?;
     }
 
+    // A resumed run's steps continue the clock of the file they are added to (its header's
+    // start), so that times read across the restart include the time it cost.
+    let wall_base = match (&run.metrics, appended) {
+        (Some(p), true) => unix_ms().saturating_sub(metrics_start(p)?) as f64,
+        _ => 0.0,
+    };
     let t0 = Instant::now();
     let mut eval_ms = 0.0;
     let (mut x, mut y) = (Vec::new(), Vec::new());
@@ -329,7 +335,7 @@ fn run_steps(run: &Run, mut strategy: Box<dyn Strategy>) -> anyhow::Result<Summa
                 rec.accuracy = Some(a);
                 summary.eval = Some((l, a));
             }
-            rec.wall_ms = ms_since(t0);
+            rec.wall_ms = wall_base + ms_since(t0);
             run.trace.span_with(
                 format!("step {step}"),
                 "step",
@@ -646,6 +652,18 @@ impl Progress {
                 s.last_loss
             );
         }
+    }
+}
+
+/// The start (`start_unix_ms`) of the header that opens the metrics file at `path`.
+fn metrics_start(path: &std::path::Path) -> anyhow::Result<u64> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    match text.lines().next().map(gradsync_core::metrics::parse_line) {
+        Some(Ok(Record::Header(h))) => Ok(h.start_unix_ms),
+        _ => anyhow::bail!(
+            "{}: a resumed run adds to its metrics file, and this one does not begin with a header",
+            path.display()
+        ),
     }
 }
 

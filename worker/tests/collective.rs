@@ -104,6 +104,7 @@ fn with_ranks<T: Send>(
                     token: Some("secret".into()),
                     timeout: Duration::from_secs(20),
                     nccl: false,
+                    generation: 0,
                 };
                 let l = if rank == 0 { store.take() } else { None };
                 let (body, cfg) = (&body, &cfg);

@@ -321,6 +321,7 @@ fn the_store_refuses_a_wrong_token_and_names_missing_ranks() {
         token: Some(token.into()),
         timeout: Duration::from_millis(1_500),
         nccl: false,
+        generation: 0,
     };
     let (r0, r1) = std::thread::scope(|s| {
         let a = s.spawn(|| join_with_store(&rc(0, "right"), Some(store)).map(|_| ()));

@@ -4,8 +4,10 @@
 //! servers' state of an unbroken run (strict BSP; with `--compress topk` too, its residual
 //! restored from its checkpoint); a step that already failed at the worker timeout is taken up
 //! by every worker restarted with `--resume`; an elastic server that dropped the rank takes it
-//! back at the next step; servers behind every checkpoint a worker kept are refused, naming
-//! both versions.
+//! back at the next step, and one killed in the middle of a step (before it pushed) joins at the
+//! round after the one that went on without it; with two server shards, a worker restarted
+//! with `--resume` is taken back by both at the same step, and both end at the unbroken run's
+//! bits; servers behind every checkpoint a worker kept are refused, naming both versions.
 //!
 //! A kill "at a random step" without sleeping to synchronise: the victim is rank 0, which
 //! prints a line after each checkpoint it writes, and is a straggler (`--slow-rank`), so the
@@ -258,6 +260,115 @@ fn an_elastic_server_takes_a_dropped_worker_back_at_the_next_step() {
     let away = &applied[gap[0] as usize..gap[1] as usize - 1];
     let alone = away.iter().filter(|a| a.ranks == [1]).count();
     assert!(alone >= 1 && alone + 1 >= away.len(), "{gap:?}: {away:?}");
+}
+
+/// The version from which `log` (a server's) expects rank 0 back: its "came back" line's.
+fn join_version(log: &str) -> u64 {
+    let line = log.lines().find(|l| l.contains("rank 0 came back")).unwrap_or_else(|| panic!("{log}"));
+    let at = line.split("expected from version ").nth(1).unwrap_or_else(|| panic!("{line}"));
+    at.split_whitespace().next().unwrap().parse().unwrap_or_else(|_| panic!("{line}"))
+}
+
+/// Elastic BSP, rank 0 killed in the middle of a step: it is the straggler (it sleeps inside
+/// each step, before its push), killed there right after a checkpoint. The server goes on
+/// without it once the worker timeout passes (that step's update holds rank 1's gradient
+/// alone, nothing of the killed process), and the rank restarted with `--resume` joins at the
+/// next round: from the version the server names, every update holds both ranks.
+#[test]
+fn an_elastic_worker_killed_mid_step_joins_at_the_next_round() {
+    let dir = Scratch::new("ps-resume-elastic-mid-step");
+    let (ck, metrics, wck) = (dir.join("server.ckpt"), dir.join("server.jsonl"), dir.join("workers"));
+    let m = metrics.display().to_string();
+    let (mut srv, addr) = server(&ck, &["--elastic", "--worker-timeout", "3", "--metrics", &m]);
+    let w = wck.display().to_string();
+    let mine = dir.join("rank{rank}.jsonl").display().to_string();
+    let flags = ["--checkpoint", &w, "--checkpoint-every", "5", "--slow-rank", "0:200", "--metrics", &mine];
+    let mut w0 = worker(&addr, 0, &flags);
+    let mut w1 = worker(&addr, 1, &flags);
+    let k = random_step(5);
+    eprintln!("rank 0 is killed inside step {}", k + 1);
+    w0.wait_line(&format!("checkpoint of step {k} in"), Duration::from_secs(60));
+    w0.kill9();
+    srv.wait_line("dropping workers", Duration::from_secs(30));
+    let mut again = worker(&addr, 0, &[&flags[..], &["--resume"]].concat());
+    let err = finish_ok(&mut again, "the restarted rank 0");
+    assert!(err.contains("resuming at step"), "{err}");
+    finish_ok(&mut w1, "rank 1");
+    let log = stop(&mut srv);
+    assert!(log.contains("rank 0 came back (it had left or was dropped)"), "{log}");
+    let join = join_version(&log);
+    let applied = applies(&metrics);
+    for (i, a) in applied.iter().enumerate() {
+        assert_eq!(a.version, i as u64 + 1, "versions in order");
+    }
+    // The step rank 0 was killed in went on without it, as did every step until it joined.
+    assert!(join > k, "joined at {join}, killed inside step {}", k + 1);
+    for a in &applied[k as usize..join as usize] {
+        assert_eq!(a.ranks, [1], "version {} while rank 0 was away: {:?}", a.version, a.ranks);
+    }
+    for a in &applied[join as usize..] {
+        assert_eq!(a.ranks, [0, 1], "version {} after rank 0 joined at {join}", a.version);
+    }
+    let recorded = steps(&dir.join("rank0.jsonl"));
+    let at: Vec<u64> = recorded.iter().map(|s| s.step).collect();
+    assert!(at.windows(2).all(|w| w[0] < w[1]), "no step twice: {at:?}");
+    assert_eq!(*at.last().unwrap(), STEPS, "{at:?}");
+    assert!(!at.contains(&(k + 1)), "rank 0 recorded the step it was killed in: {at:?}");
+}
+
+/// Two server shards, strict BSP: rank 0 killed after a checkpoint and restarted with
+/// `--resume` at once. Both shards take it back at the same step (the one their logs name),
+/// every update holds both ranks' gradients on both shards, and each shard ends at the
+/// unbroken run's bits.
+#[test]
+fn a_ps_worker_rejoining_two_shards_is_taken_back_at_the_same_step_by_both() {
+    let dir = Scratch::new("ps-resume-two-shards");
+    let strict = ["--worker-timeout", "30"];
+    let two = |dir: &Path, tag: &str| -> Vec<(Proc, String, std::path::PathBuf, std::path::PathBuf)> {
+        (0..2)
+            .map(|i| {
+                let (ck, m) = (dir.join(format!("{tag}{i}.ckpt")), dir.join(format!("{tag}{i}.jsonl")));
+                let shard = format!("{i}/2");
+                let ms = m.display().to_string();
+                let (p, addr) = server(&ck, &[&strict[..], &["--shard", &shard, "--metrics", &ms]].concat());
+                (p, addr, ck, m)
+            })
+            .collect()
+    };
+    let mut base = two(&dir, "unbroken");
+    let addrs = format!("{},{}", base[0].1, base[1].1);
+    let (mut u0, mut u1) = (worker(&addrs, 0, &[]), worker(&addrs, 1, &[]));
+    finish_ok(&mut u0, "the unbroken run's rank 0");
+    finish_ok(&mut u1, "the unbroken run's rank 1");
+    for s in base.iter_mut() {
+        stop(&mut s.0);
+    }
+    let mut shards = two(&dir, "shard");
+    let addrs = format!("{},{}", shards[0].1, shards[1].1);
+    let w = dir.join("workers").display().to_string();
+    let flags = ["--checkpoint", &w, "--checkpoint-every", "5", "--slow-rank", "0:30"];
+    let mut w0 = worker(&addrs, 0, &flags);
+    let mut w1 = worker(&addrs, 1, &flags);
+    let k = random_step(5);
+    eprintln!("rank 0 is killed after the checkpoint of step {k}");
+    w0.wait_line(&format!("checkpoint of step {k} in"), Duration::from_secs(60));
+    w0.kill9();
+    let mut again = worker(&addrs, 0, &[&flags[..], &["--resume"]].concat());
+    finish_ok(&mut again, "the restarted rank 0");
+    finish_ok(&mut w1, "rank 1");
+    let logs: Vec<String> = shards.iter_mut().map(|s| stop(&mut s.0)).collect();
+    let joins: Vec<u64> = logs.iter().map(|l| join_version(l)).collect();
+    assert_eq!(joins[0], joins[1], "the shards took rank 0 back at different steps");
+    let updates: Vec<Vec<ServerApply>> = shards.iter().map(|s| applies(&s.3)).collect();
+    for u in &updates {
+        assert_eq!(u.len() as u64, STEPS, "one update per step");
+        for (i, a) in u.iter().enumerate() {
+            assert_eq!((a.version, &a.ranks[..]), (i as u64 + 1, &[0, 1][..]), "every gradient once");
+        }
+    }
+    for (s, b) in shards.iter().zip(&base) {
+        assert_same_bits(&b.2, &s.2);
+    }
 }
 
 /// Servers that resumed from an older checkpoint than any a worker kept: the worker refuses,

@@ -202,6 +202,58 @@ fn checkpoints_that_cannot_hold_the_run_are_refused_by_name() {
     assert!(err.contains("--checkpoint"), "{err}");
 }
 
+/// A resumed run adds its steps to the metrics file of the run it continues, on that run's
+/// clock: every step's `wall_ms` (from the header's start) is at or after the one written before
+/// it, the restart's time included, so a reader's rates across the restart hold.
+#[test]
+fn a_resumed_runs_metrics_continue_the_killed_runs_clock() {
+    let dir = Scratch::new("resume-metrics-clock");
+    let (ck, metrics) = (dir.join("ck"), dir.join("m.jsonl"));
+    let s = |p: &Path| p.display().to_string();
+    let args = |extra: &[&str]| {
+        let base = [
+            "--checkpoint",
+            &s(&ck),
+            "--checkpoint-every",
+            "10",
+            "--slow-rank",
+            "0:20",
+            "--metrics",
+            &s(&metrics),
+        ];
+        train(&[], &[&base[..], extra].concat())
+    };
+    let mut p = Proc::spawn(&mut worker(&args(&[])));
+    p.wait_line("checkpoint of step 20", Duration::from_secs(60));
+    p.kill9();
+    let killed_at = std::fs::read_to_string(&metrics).unwrap().lines().count();
+    run_ok(&args(&["--resume"]));
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    let records: Vec<gradsync_core::metrics::Record> =
+        text.lines().map(|l| gradsync_core::metrics::parse_line(l).unwrap()).collect();
+    let headers = records.iter().filter(|r| matches!(r, gradsync_core::metrics::Record::Header(_))).count();
+    assert_eq!(headers, 1, "one header, the first run's");
+    let walls: Vec<(u64, f64)> = records
+        .iter()
+        .filter_map(|r| match r {
+            gradsync_core::metrics::Record::Step(s) => Some((s.step, s.wall_ms)),
+            _ => None,
+        })
+        .collect();
+    assert!(walls.len() > killed_at, "the resumed run added steps");
+    assert_eq!(walls.last().unwrap().0, STEPS.parse::<u64>().unwrap());
+    for w in walls.windows(2) {
+        assert!(
+            w[1].1 >= w[0].1,
+            "step {} at {} ms follows step {} at {} ms",
+            w[1].0,
+            w[1].1,
+            w[0].0,
+            w[0].1
+        );
+    }
+}
+
 /// `launch --max-restarts 3` over a DDP run whose ranks are SIGKILLed three times, each time a
 /// rank chosen at random after a random number of steps (two seeds; a checkpoint every 2
 /// steps): the launcher logs each restart with the rank that failed and how, restarts both
@@ -263,7 +315,7 @@ fn launch_restarts_a_killed_ddp_run_to_the_unbroken_runs_bits() {
 }
 
 /// `--max-restarts` refuses what it cannot do: a train command without checkpoints to resume
-/// from, and several nodes (which would have to restart together).
+/// from, and several nodes without a port every node knows for the launchers' store.
 #[test]
 fn max_restarts_refuses_what_it_cannot_restart() {
     let args = |extra: &[&str]| -> Vec<String> {
@@ -273,7 +325,11 @@ fn max_restarts_refuses_what_it_cannot_restart() {
     };
     for (extra, says) in [
         (&["--max-restarts", "2"][..], "needs --checkpoint DIR"),
-        (&["--max-restarts", "2", "--nnodes", "2"][..], "every node to restart together"),
+        (
+            &["--max-restarts", "2", "--nnodes", "2"][..],
+            "--master-port 0 (pick a free port) only works on one node",
+        ),
+        (&["--rdzv-timeout", "0"][..], "is not a number of seconds from 0.1"),
         (&["--monitor-interval", "0"][..], "is not a number of seconds"),
     ] {
         let mut p = Proc::spawn(&mut worker(&args(extra)));

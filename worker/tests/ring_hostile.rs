@@ -75,6 +75,7 @@ fn the_store_refuses_hostile_clients_and_the_ring_still_computes() {
         token: Some(TOKEN.into()),
         timeout: Duration::from_secs(30),
         nccl: false,
+        generation: 0,
     };
     let ring = RingConfig {
         timeout: Duration::from_secs(30),

@@ -316,6 +316,7 @@ pub fn run_rank(a: &RankArgs) -> anyhow::Result<()> {
         token: None,
         timeout: RANK_TIMEOUT,
         nccl: false,
+        generation: 0,
     };
     let j = join_with_store(&rc, listener.map(|(l, _)| l))?;
     let print = |row: &Row| {
@@ -379,6 +380,7 @@ fn tcp_threads(
                     token: None,
                     timeout: RANK_TIMEOUT,
                     nccl: false,
+                    generation: 0,
                 };
                 let (l, ring) = (if rank == 0 { store.take() } else { None }, ring.clone());
                 s.spawn(move || -> anyhow::Result<(Vec<Row>, Ran)> {

@@ -5,7 +5,7 @@
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::unix::process::CommandExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,6 +17,7 @@ use indicatif::ProgressBar;
 use gradsync_core::metrics::{Record, parse_line};
 
 use super::modes::{Plan, ProcSpec};
+use super::results::Restart;
 use super::site::Site;
 
 /// How long a server may take to print its listening line.
@@ -41,6 +42,8 @@ pub enum Ended {
     /// Rank 0 measured the target accuracy (`stop_at_target`): the workers were stopped there,
     /// the run is complete for time-to-accuracy.
     Target,
+    /// A worker failed once every restart (`max_restarts`) was spent: why.
+    Exhausted(String),
 }
 
 /// Set once Ctrl-C or SIGTERM has reached the runner; the run under way stops and no other
@@ -139,6 +142,19 @@ impl Guard {
         }
     }
 
+    /// SIGKILL, as a fault the scenario injects (`kills`). Over ssh this kills the ssh client,
+    /// whose end closes the program's stdin: its supervisor kills its group.
+    fn kill9(&mut self) {
+        if self.done.is_none()
+            && let Ok(pid) = i32::try_from(self.child.id())
+        {
+            // SAFETY: kill(2) with a pid we spawned and have not reaped yet; no memory is touched.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            }
+        }
+    }
+
     fn poll(&mut self) -> Option<ExitStatus> {
         if self.done.is_none() {
             self.done = self.child.try_wait().ok().flatten();
@@ -194,6 +210,8 @@ impl Drop for Guard {
 pub struct Finished {
     /// How it ended.
     pub ended: Ended,
+    /// The restarts of its workers after failures, in order.
+    pub restarts: Vec<Restart>,
     /// The share of the cores busy from rank 0's first step to the end of its last (the
     /// start-up and the first step, allocation and connection set-up, left out); none when
     /// that window was too short to measure.
@@ -206,13 +224,12 @@ pub struct Finished {
 pub fn execute(
     plan: Plan,
     dir: &Path,
-    timeout: Duration,
-    budget: Option<Duration>,
-    stop_at: Option<f64>,
+    waits: Waits,
+    faults: Faults,
     bar: &ProgressBar,
 ) -> anyhow::Result<Finished> {
     let mut sites: Vec<Site> = Vec::new();
-    let ran = run_plan(plan, dir, Waits { timeout, budget, stop_at }, bar, &mut sites);
+    let ran = run_plan(plan, dir, waits, faults, bar, &mut sites);
     // Each site once (its processes of this run share one directory there), all at once.
     let mut once: Vec<&Site> = Vec::new();
     for site in &sites {
@@ -234,11 +251,32 @@ pub fn execute(
     }
 }
 
-/// What ends a run besides its workers finishing: see [`execute`].
-struct Waits {
-    timeout: Duration,
-    budget: Option<Duration>,
-    stop_at: Option<f64>,
+/// What ends a run besides its workers finishing: `timeout` fails the run; `budget` stops it
+/// early and keeps it; `stop_at` stops it once rank 0 measures that accuracy.
+pub struct Waits {
+    /// Fails the run (`run_timeout_s`).
+    pub timeout: Duration,
+    /// Stops it and keeps it (`time_s`).
+    pub budget: Option<Duration>,
+    /// Stops it at this held-out accuracy (`stop_at_target`).
+    pub stop_at: Option<f64>,
+}
+
+/// Failures injected into a run, and how many restarts it may take.
+#[derive(Debug, Clone, Default)]
+pub struct Faults {
+    /// Restarts of the workers allowed (`max_restarts`).
+    pub max_restarts: u32,
+    /// Kills to inject: once rank 0 has recorded this step, SIGKILL this worker (modulo the
+    /// run's worker processes), in order.
+    pub kills: Vec<(u64, usize)>,
+}
+
+/// A failure being restarted from: when it was seen (or the kill sent), and the restart's
+/// record until the restarted rank 0 records its first step.
+struct Pending {
+    at: Instant,
+    restart: Restart,
 }
 
 /// [`execute`]'s processes, recording in `sites` where each was started.
@@ -246,10 +284,17 @@ fn run_plan(
     plan: Plan,
     dir: &Path,
     w: Waits,
+    faults: Faults,
     bar: &ProgressBar,
     sites: &mut Vec<Site>,
 ) -> anyhow::Result<Finished> {
     let Waits { timeout, budget, stop_at } = w;
+    let Faults { max_restarts, kills } = faults;
+    let mut kills = kills.into_iter().peekable();
+    let mut restarts: Vec<Restart> = Vec::new();
+    // A kill sent and not yet seen as a failure: (worker, when).
+    let mut killed: Option<(usize, Instant)> = None;
+    let mut pending: Option<Pending> = None;
     let logs = dir.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let start = Instant::now();
@@ -264,7 +309,7 @@ fn run_plan(
         addrs.push(addr);
         servers.push(g);
     }
-    let specs = (plan.workers)(&addrs);
+    let mut specs = (plan.workers)(&addrs);
     let mut workers = Vec::new();
     // Rank 0's metrics are followed as they grow: read where this machine can read them, sent
     // back over the process's own connection (its supervisor's stdout) from another host.
@@ -296,30 +341,118 @@ fn run_plan(
                 ended = Ended::Target;
                 workers.iter_mut().for_each(Guard::terminate);
             }
+            // The restarted rank 0's first step: what the restart cost.
+            if let Some(first) = c.first_since_mark
+                && let Some(p) = pending.take()
+            {
+                let mut r = p.restart;
+                r.resumed_after = Some(first.0.saturating_sub(1));
+                r.lost_s = Some(first.1.saturating_duration_since(p.at).as_secs_f64());
+                restarts.push(r);
+            }
+            // The next injected fault, once rank 0 has recorded its step.
+            if killed.is_none()
+                && pending.is_none()
+                && let Some(&(step, victim)) = kills.peek()
+                && c.last_step >= step
+            {
+                // Local training and DP run one process: it is the one killed.
+                let victim = victim % workers.len().max(1);
+                kills.next();
+                if let Some(w) = workers.get_mut(victim) {
+                    w.kill9();
+                    killed = Some((victim, Instant::now()));
+                }
+            }
         }
         if interrupted() {
             workers.iter_mut().chain(servers.iter_mut()).for_each(Guard::terminate);
             for g in workers.iter_mut().chain(servers.iter_mut()) {
                 g.reap(TERM_GRACE);
             }
-            return Ok(Finished { ended: Ended::Interrupted, cpu_busy: None });
+            return Ok(Finished { ended: Ended::Interrupted, cpu_busy: None, restarts });
         }
-        if let Some(i) = workers.iter_mut().position(|w| w.poll().is_some_and(|st| !st.success()))
-            && ended == Ended::Finished
-        {
+        if workers.iter_mut().any(|w| w.poll().is_some_and(|st| !st.success())) && ended == Ended::Finished {
             // One rank's divergence makes its peers fail too (a ring or a barrier loses a
             // member): give them a moment to exit, and report a divergence if any rank saw one.
-            let until = Instant::now() + Duration::from_secs(2);
+            // Not after a kill the runner injected: its cause is known, and a PS run's other
+            // workers wait in their step rather than exit.
+            let injected =
+                killed.is_some_and(|(k, _)| workers.get_mut(k).is_some_and(|w| w.poll().is_some()));
+            let settle = if injected { Duration::ZERO } else { Duration::from_secs(2) };
+            let until = Instant::now() + settle;
             while Instant::now() < until && workers.iter_mut().any(|w| w.poll().is_none()) {
                 std::thread::sleep(Duration::from_millis(20));
             }
             if let Some(d) = workers.iter().find(|w| w.done.and_then(|s| s.code()) == Some(EXIT_DIVERGED)) {
                 let why = format!("{}: {}", d.name, d.log_tail());
-                return Ok(Finished { ended: Ended::Diverged(why), cpu_busy: None });
+                return Ok(Finished { ended: Ended::Diverged(why), cpu_busy: None, restarts });
             }
+            // The failure to blame, by the launcher's rule: the one a signal ended first.
+            let mut failed: Vec<(usize, ExitStatus)> = workers
+                .iter()
+                .enumerate()
+                .filter_map(|(i, w)| w.done.filter(|s| !s.success()).map(|s| (i, s)))
+                .collect();
+            gradsync_worker::launch::blame(&mut failed, |(_, s)| s.signal().is_some());
+            let (i, st) = failed[0];
             let w = &workers[i];
-            let st = w.done.map(|s| s.to_string()).unwrap_or_default();
-            anyhow::bail!("{} exited with {st}{}: {}", w.name, w.lost(), w.log_tail());
+            let why = format!("{} exited with {st}{}: {}", w.name, w.lost(), w.log_tail());
+            if max_restarts == 0 {
+                anyhow::bail!("{why}");
+            }
+            let spent = restarts.len() + usize::from(pending.is_some());
+            if spent >= max_restarts as usize {
+                workers.iter_mut().for_each(Guard::kill9);
+                for w in workers.iter_mut() {
+                    w.reap(TERM_GRACE);
+                }
+                if let Some(p) = pending.take() {
+                    restarts.push(p.restart);
+                }
+                let why = format!("{why}; after {spent} restart(s) of {max_restarts}");
+                return Ok(Finished { ended: Ended::Exhausted(why), cpu_busy: None, restarts });
+            }
+            // Restart: every worker stopped, then all started again from their checkpoints.
+            let injected = killed.take().filter(|(k, _)| *k == i);
+            let at = injected.map_or_else(Instant::now, |(_, t)| t);
+            if let Some(p) = pending.take() {
+                // The restart before this one never recorded a step.
+                restarts.push(p.restart);
+            }
+            let reached = follow.as_mut().map_or(0, |c| {
+                c.count();
+                c.last_step
+            });
+            workers.iter_mut().for_each(Guard::kill9);
+            for w in workers.iter_mut() {
+                w.reap(TERM_GRACE);
+            }
+            let restart = Restart {
+                rank: i,
+                exit: st.to_string(),
+                injected: injected.is_some(),
+                step_reached: reached,
+                resumed_after: None,
+                lost_s: None,
+            };
+            multi_line(bar, &format!("restarting the workers: {why}"));
+            workers.clear();
+            if let Some(c) = follow.as_mut() {
+                c.mark();
+            }
+            for (i, p) in specs.iter_mut().enumerate() {
+                gradsync_worker::launch::resume_args(&mut p.args);
+                let remote = i == 0 && !p.site.is_child();
+                let mut g =
+                    Guard::spawn(p, &logs, if remote { Stdio::piped() } else { Stdio::null() }, remote)?;
+                if let (Some(c), Some(out)) = (follow.as_mut(), g.child.stdout.take().filter(|_| remote)) {
+                    c.refollow(lines(out));
+                }
+                workers.push(g);
+            }
+            pending = Some(Pending { at, restart });
+            continue;
         }
         if let Some(s) = servers.iter_mut().find_map(|s| s.poll().is_some().then_some(s)) {
             let st = s.done.map(|s| s.to_string()).unwrap_or_default();
@@ -345,6 +478,9 @@ fn run_plan(
     if let Some(c) = follow.as_mut() {
         bar.set_position(c.count());
     }
+    if let Some(p) = pending.take() {
+        restarts.push(p.restart);
+    }
     // Half a second of the machine's ticks (its cores together) at the least.
     let ticks_per_s = 100 * std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
     let cpu_busy = steady
@@ -364,7 +500,12 @@ fn run_plan(
             ),
         }
     }
-    Ok(Finished { ended, cpu_busy })
+    Ok(Finished { ended, cpu_busy, restarts })
+}
+
+/// A line printed above the progress bars.
+fn multi_line(bar: &ProgressBar, line: &str) {
+    bar.suspend(|| eprintln!("{line}"));
 }
 
 /// Read the server's stdout until its `gradsync-server listening on ADDR` line, for at most
@@ -396,6 +537,15 @@ struct StepCounter {
     steps: u64,
     best_accuracy: f64,
     partial: String,
+    /// The step of the newest record.
+    last_step: u64,
+    /// The first step recorded since [`StepCounter::mark`], and when it was read.
+    first_since_mark: Option<(u64, Instant)>,
+    /// Whether the counter is marked and waiting for that first step.
+    marked: bool,
+    /// After a restart on another host, whose supervisor sends the metrics file again from
+    /// its start: the step reached before, up to which records are not counted again.
+    replayed: Option<u64>,
 }
 
 impl StepCounter {
@@ -405,27 +555,48 @@ impl StepCounter {
 
     /// The lines a remote process's supervisor sends on `out` (`supervise --follow`).
     fn over(out: std::process::ChildStdout) -> Self {
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            use std::io::BufRead;
-            for line in std::io::BufReader::new(out).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line + "\n").is_err() {
-                    break;
-                }
-            }
-        });
-        Self::from(Source::Lines(rx))
+        Self::from(lines(out))
     }
 
     fn from(source: Source) -> Self {
-        StepCounter { source, steps: 0, best_accuracy: f64::NEG_INFINITY, partial: String::new() }
+        StepCounter {
+            source,
+            steps: 0,
+            best_accuracy: f64::NEG_INFINITY,
+            partial: String::new(),
+            last_step: 0,
+            first_since_mark: None,
+            marked: false,
+            replayed: None,
+        }
+    }
+
+    /// Note the first step recorded from now on (restarted workers' first).
+    fn mark(&mut self) {
+        self.marked = true;
+        self.first_since_mark = None;
+    }
+
+    /// Follow a restarted rank 0 on another host through its new supervisor's `out`. That
+    /// supervisor sends the metrics file from its start, so the records up to the step already
+    /// reached are not counted again, and the first new step cannot be told from a resent one:
+    /// the restart's cost is not measured there.
+    fn refollow(&mut self, source: Source) {
+        self.source = source;
+        self.partial.clear();
+        self.replayed = Some(self.last_step);
+        self.marked = false;
     }
 
     fn count(&mut self) -> u64 {
         match &mut self.source {
             Source::File { path, offset } => {
                 let Ok(mut f) = File::open(&*path) else { return self.steps };
+                // A worker restarted before its first checkpoint starts its file again.
+                if f.metadata().is_ok_and(|m| m.len() < *offset) {
+                    *offset = 0;
+                    self.partial.clear();
+                }
                 if f.seek(SeekFrom::Start(*offset)).is_err() {
                     return self.steps;
                 }
@@ -443,17 +614,82 @@ impl StepCounter {
         }
         while let Some(i) = self.partial.find('\n') {
             let line = &self.partial[..i];
-            if line.contains("\"kind\":\"step\"") {
+            if line.contains("\"kind\":\"step\"")
+                && let Ok(Record::Step(s)) = parse_line(line)
+            {
+                if self.replayed.is_some_and(|r| s.step <= r) {
+                    self.partial.drain(..=i);
+                    continue;
+                }
+                self.replayed = None;
                 self.steps += 1;
-                if line.contains("\"accuracy\"")
-                    && let Ok(Record::Step(s)) = parse_line(line)
-                    && let Some(a) = s.accuracy
-                {
+                if let Some(a) = s.accuracy {
                     self.best_accuracy = self.best_accuracy.max(a);
+                }
+                self.last_step = s.step;
+                if self.marked {
+                    self.marked = false;
+                    self.first_since_mark = Some((s.step, Instant::now()));
                 }
             }
             self.partial.drain(..=i);
         }
         self.steps
+    }
+}
+
+/// A [`Source`] of the lines `out` carries, read by a thread of its own.
+fn lines(out: std::process::ChildStdout) -> Source {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line + "\n").is_err() {
+                break;
+            }
+        }
+    });
+    Source::Lines(rx)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// A step record as rank 0's metrics file holds it, with the fields the counter reads.
+    fn step(n: u64, accuracy: Option<f64>) -> String {
+        let line = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/step-record.json"),
+        )
+        .unwrap();
+        let mut v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        v["step"] = n.into();
+        v["accuracy"] = accuracy.map_or(serde_json::Value::Null, Into::into);
+        format!("{v}\n")
+    }
+
+    #[test]
+    fn a_restarted_remote_rank_0_is_not_counted_twice() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut c = StepCounter::from(Source::Lines(rx));
+        for n in 1..=5 {
+            tx.send(step(n, (n == 4).then_some(0.5))).unwrap();
+        }
+        assert_eq!(c.count(), 5);
+        assert_eq!((c.last_step, c.best_accuracy), (5, 0.5));
+        // Restarted from its checkpoint at step 3: its supervisor resends steps 1-5 of the
+        // file, then the run goes on from step 4.
+        let (tx, rx) = std::sync::mpsc::channel();
+        c.mark();
+        c.refollow(Source::Lines(rx));
+        for n in (1..=5).chain(4..=7) {
+            tx.send(step(n, (n == 7).then_some(0.75))).unwrap();
+        }
+        assert_eq!(c.count(), 5 + 2, "the resent steps 1-5 and the recomputed 4-5 are not counted again");
+        assert_eq!((c.last_step, c.best_accuracy), (7, 0.75));
+        assert!(c.first_since_mark.is_none(), "no restart cost is measured from resent records");
     }
 }

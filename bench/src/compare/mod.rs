@@ -477,6 +477,7 @@ pub fn run_spec(
         .or(skip)
         .or_else(|| if remote { None } else { machine::Machine::memory_short(spec) });
     let mut steady_busy = None;
+    let mut restarts = Vec::new();
     let (status, error) = if let Some(why) = skip {
         ("skipped", Some(why))
     } else {
@@ -505,19 +506,22 @@ pub fn run_spec(
             env,
             tls,
         };
-        let result = modes::plan(&ctx).and_then(|plan| {
-            exec::execute(
-                plan,
-                &dir,
-                Duration::from_secs_f64(scenario.run_timeout_s),
-                scenario.time_s.map(Duration::from_secs_f64),
-                scenario.target_accuracy.filter(|_| scenario.stop_at_target),
-                &bar,
-            )
-        });
+        let waits = exec::Waits {
+            timeout: Duration::from_secs_f64(scenario.run_timeout_s),
+            budget: scenario.time_s.map(Duration::from_secs_f64),
+            stop_at: scenario.target_accuracy.filter(|_| scenario.stop_at_target),
+        };
+        let faults = exec::Faults {
+            max_restarts: scenario.max_restarts,
+            kills: scenario.kill_plan(spec.repeat, spec.workers),
+        };
+        let result = modes::plan(&ctx).and_then(|plan| exec::execute(plan, &dir, waits, faults, &bar));
         bar.finish_and_clear();
         multi.remove(&bar);
         steady_busy = result.as_ref().ok().and_then(|f| f.cpu_busy);
+        if let Ok(f) = &result {
+            restarts.clone_from(&f.restarts);
+        }
         match result.map(|f| f.ended) {
             Ok(exec::Ended::Finished) => ("ok", None),
             Ok(exec::Ended::TimeBudget) => {
@@ -526,6 +530,8 @@ pub fn run_spec(
             Ok(exec::Ended::Diverged(why)) => ("diverged", Some(why)),
             Ok(exec::Ended::Interrupted) => ("interrupted", Some("stopped by Ctrl-C or SIGTERM".into())),
             Ok(exec::Ended::Target) => ("ok", None),
+            // Its restarts spent: failed, and never ranked.
+            Ok(exec::Ended::Exhausted(why)) => ("failed", Some(why)),
             Err(e) => ("failed", Some(format!("{e:#}"))),
         }
     };
@@ -551,6 +557,7 @@ pub fn run_spec(
                 (children_cpu_s() - cpu0) / (t.elapsed().as_secs_f64() * cores).max(1e-9)
             })
         }),
+        restarts,
     };
     let line = format!(
         "{:<44} {:<8} {:>8}{}",

@@ -234,6 +234,12 @@ impl Ctx {
         if s.trace {
             a.extend(opt(wf::TRACE, self.path(&format!("trace-{name}"), "json").display()));
         }
+        if s.restarts() {
+            // One folder for the run's workers: DDP's rank 0 writes the state every rank reads
+            // back, each PS worker its own.
+            a.extend(opt(wf::CHECKPOINT, self.dir.join("checkpoints").display()));
+            a.extend(opt(wf::CHECKPOINT_EVERY, s.checkpoint_every));
+        }
         a
     }
 

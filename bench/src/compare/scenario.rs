@@ -392,6 +392,20 @@ pub struct Scenario {
     /// The rank (DP: replica) the sweep delays.
     #[serde(default)]
     pub slow_rank: usize,
+    /// When a worker fails, stop the run's workers and start them all again from their newest
+    /// checkpoint (`--resume`), up to this many times per run, as `gradsync-worker launch
+    /// --max-restarts` does; the servers keep running. 0: a failure ends the run.
+    #[serde(default)]
+    pub max_restarts: u32,
+    /// Faults injected into every run: this many times, a worker drawn at random (from `seed`
+    /// and the repeat) is SIGKILLed once rank 0 has recorded a step drawn at random. Needs
+    /// `steps` and rank 0 on this machine; the workers then keep checkpoints.
+    #[serde(default)]
+    pub kills: u32,
+    /// With `max_restarts` or `kills`: the workers write a checkpoint every this many steps
+    /// (default 5).
+    #[serde(default = "five")]
+    pub checkpoint_every: u64,
 }
 
 fn one() -> Vec<usize> {
@@ -399,6 +413,9 @@ fn one() -> Vec<usize> {
 }
 fn two() -> u64 {
     2
+}
+fn five() -> u64 {
+    5
 }
 fn three() -> usize {
     3
@@ -435,6 +452,37 @@ fn no_delay() -> Vec<u64> {
 }
 
 impl Scenario {
+    /// Whether the workers keep checkpoints to restart from (`max_restarts` or `kills`).
+    pub fn restarts(&self) -> bool {
+        self.max_restarts > 0 || self.kills > 0
+    }
+
+    /// The faults `kills` injects into repeat `repeat` of a run of `workers` workers: for each,
+    /// the step after which rank 0 has recorded it and the worker killed, in step order; drawn
+    /// from `seed` and the repeat, so a run can be replayed.
+    pub fn kill_plan(&self, repeat: usize, workers: usize) -> Vec<(u64, usize)> {
+        let Some(steps) = self.steps.filter(|_| self.kills > 0 && workers > 0) else { return Vec::new() };
+        // splitmix64
+        let mut x = self.seed ^ (repeat as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let mut next = move || {
+            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        let mut at: Vec<u64> = Vec::new();
+        // Distinct steps from 1 to steps - 1 (validated: more than kills + 1 of them).
+        while at.len() < self.kills as usize {
+            let s = 1 + next() % (steps - 1);
+            if !at.contains(&s) {
+                at.push(s);
+            }
+        }
+        at.sort_unstable();
+        at.into_iter().map(|s| (s, (next() % workers as u64) as usize)).collect()
+    }
+
     /// Parse and check a scenario's TOML text; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> anyhow::Result<Scenario> {
         let s: Scenario = toml::from_str(text).with_context(|| format!("scenario {origin}"))?;
@@ -491,6 +539,18 @@ impl Scenario {
             d.parse::<gradsync_core::data::DataSource>().map_err(|e| anyhow::anyhow!("`data`: {e}"))?;
         }
         anyhow::ensure!(self.run_timeout_s > 0.0, "`run_timeout_s` must be positive");
+        anyhow::ensure!(self.checkpoint_every >= 1, "`checkpoint_every` must be at least 1");
+        if self.kills > 0 {
+            let Some(steps) = self.steps else {
+                anyhow::bail!("`kills` draws the steps to kill at from `steps`: give `steps`, not `epochs`")
+            };
+            anyhow::ensure!(
+                steps > u64::from(self.kills) + 1,
+                "`kills = {}` needs more `steps` than kills plus one (it is {steps}): each kill falls after \
+                 a different step before the last",
+                self.kills
+            );
+        }
         anyhow::ensure!(
             self.topk_ratio > 0.0 && self.topk_ratio <= 1.0,
             "`topk_ratio` must be above 0 and at most 1, not {}",

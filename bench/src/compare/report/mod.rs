@@ -638,14 +638,15 @@ fn summary_table(h: &mut String, rows: &[Summary]) {
     h.push_str(
         "<h2>Every run</h2>\n<table><tr><th class=l>run</th><th class=l>status</th><th>workers</th><th>shards</th>\
          <th>samples/s</th><th>ms/step</th><th>fwd</th><th>bwd</th><th>comm</th><th>exposed</th><th>wait</th>\
-         <th>update</th><th>MB/step/worker</th><th>final loss</th><th>accuracy</th><th>to target s</th><th class=l>error</th></tr>\n",
+         <th>update</th><th>MB/step/worker</th><th>final loss</th><th>accuracy</th><th>to target s</th><th class=l>restarts</th>\
+         <th class=l>error</th></tr>\n",
     );
     for r in rows {
         let _ = writeln!(
             h,
             "<tr class=\"{st}\"><td class=l>{id}</td><td class=l>{st}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
              <td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
-             <td>{}</td><td class=l>{}</td></tr>",
+             <td>{}</td><td class=l>{}</td><td class=l>{}</td></tr>",
             r.workers,
             r.shards,
             opt(r.samples_per_s, 0),
@@ -660,6 +661,7 @@ fn summary_table(h: &mut String, rows: &[Summary]) {
             opt(r.final_loss, 4),
             opt(r.final_accuracy.map(|a| 100.0 * a), 1),
             opt(r.time_to_target_s, 2),
+            esc(&r.restarts.iter().map(runs::restart_text).collect::<Vec<_>>().join("; ")),
             esc(&r.error),
             st = esc(&r.status),
             id = esc(&r.id),

@@ -37,6 +37,7 @@ pub const READINGS: &[Reading] = &[
     regime::batch_norm,
     runs::contention,
     runs::straggler,
+    runs::restarts,
     runs::failures,
     runs::diverged,
     runs::partial,

@@ -172,6 +172,50 @@ pub fn straggler(cx: &Context) -> Vec<String> {
     straggler_reading(cx.g)
 }
 
+/// The runs whose workers were restarted after failures (`max_restarts`): per run, each
+/// restart's failed rank and exit, the step it had reached, the checkpoint resumed from, and
+/// what it cost: the wall time from the failure to the restarted rank 0's first step, and the
+/// steps computed again. A run whose restarts ran out is failed, listed with the failures.
+pub fn restarts(cx: &Context) -> Vec<String> {
+    let runs: Vec<&Summary> = cx.all.iter().filter(|r| !r.restarts.is_empty()).collect();
+    if runs.is_empty() {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for r in runs {
+        let each: Vec<String> = r.restarts.iter().map(restart_text).collect();
+        let lost: f64 = r.restarts.iter().filter_map(|x| x.lost_s).sum();
+        let again: u64 = r.restarts.iter().filter_map(|x| x.recomputed()).sum();
+        let ended = if r.status == "ok" { "finished" } else { r.status.as_str() };
+        out.push(format!(
+            "{} restarted its workers {} time{} and {ended}: {}. In all {lost:.2} s from failure to first new \
+             step and {again} step{} computed again. Its figures are read from the steps that count (a step \
+             computed again replaces the one lost), its samples/s over a wall time that includes the restarts.",
+            r.id,
+            r.restarts.len(),
+            if r.restarts.len() == 1 { "" } else { "s" },
+            each.join("; "),
+            if again == 1 { "" } else { "s" },
+        ));
+    }
+    out
+}
+
+/// One restart, in words: `rank 1 (killed by the runner, signal: 9 (SIGKILL)) at step 14,
+/// resumed after step 10: 0.84 s, 4 steps again`.
+pub fn restart_text(x: &crate::compare::results::Restart) -> String {
+    let how = if x.injected { format!("killed by the runner, {}", x.exit) } else { x.exit.clone() };
+    let cost = match (x.resumed_after, x.lost_s) {
+        (Some(c), Some(s)) => format!(
+            ", resumed after step {c}: {s:.2} s, {} step{} again",
+            x.step_reached.saturating_sub(c),
+            if x.step_reached.saturating_sub(c) == 1 { "" } else { "s" }
+        ),
+        _ => ", no step recorded after it".to_string(),
+    };
+    format!("rank {} ({how}) at step {}{cost}", x.rank, x.step_reached)
+}
+
 /// The runs that failed: how many per mode, and the first error.
 pub fn failures(cx: &Context) -> Vec<String> {
     let failed: Vec<&Summary> = cx.all.iter().filter(|r| r.status == "failed").collect();

@@ -47,6 +47,7 @@ pub fn collect(roots: &[PathBuf], target: Option<f64>) -> anyhow::Result<Collect
             s.cpu_busy = o.cpu_busy;
             s.error = o.error.clone().unwrap_or_default();
             s.repeat = o.repeat;
+            s.restarts = o.restarts.clone();
         }
     }
     for o in &out.outcomes {
@@ -125,7 +126,14 @@ fn read_metrics(path: &Path, rel: String, warnings: &mut Vec<String>) -> Option<
                 warnings.push(format!("{rel}:{n}: records before any header; file skipped"));
                 return None;
             }
-            Ok(Record::Step(s)) => steps.push(s),
+            Ok(Record::Step(s)) => {
+                // A worker restarted with --resume adds to its file from the step after its
+                // checkpoint: the steps it computes again replace those lost with the failure.
+                while steps.last().is_some_and(|p: &Step| p.step >= s.step) {
+                    steps.pop();
+                }
+                steps.push(s)
+            }
             Ok(Record::ServerApply(a)) => applies.push(a),
             Err(e) if n == 1 => {
                 warnings.push(format!("{rel}:1: not a metrics header ({e}); file skipped"));
@@ -372,4 +380,35 @@ pub fn write_merged(c: &Collected, dir: &Path) -> anyhow::Result<()> {
     }
     w.flush().with_context(|| format!("writing {}", p.display()))?;
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// A worker restarted with --resume after step 3, from its checkpoint of step 2, appends
+    /// steps 3 and 4: the file reads as steps 1 to 4 once each, the later step 3 kept.
+    #[test]
+    fn a_resumed_workers_steps_replace_those_it_computed_again() {
+        let dir = std::env::temp_dir().join(format!("gradsync-collect-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("rank0.jsonl");
+        let line = |r: Record| serde_json::to_string(&r).unwrap();
+        let step = |n: u64, wall: f64| Record::Step(Step { step: n, wall_ms: wall, ..Step::default() });
+        let lines = [
+            line(Record::Header(Header::default())),
+            line(step(1, 10.0)),
+            line(step(2, 20.0)),
+            line(step(3, 30.0)),
+            line(step(3, 90.0)),
+            line(step(4, 100.0)),
+        ];
+        std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+        let mut warnings = Vec::new();
+        let f = read_metrics(&path, "rank0.jsonl".into(), &mut warnings).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let got: Vec<(u64, f64)> = f.steps.iter().map(|s| (s.step, s.wall_ms)).collect();
+        assert_eq!(got, [(1, 10.0), (2, 20.0), (3, 90.0), (4, 100.0)], "{warnings:?}");
+    }
 }

@@ -91,6 +91,37 @@ pub struct Outcome {
     /// whole run's wall time times the cores.
     #[serde(default)]
     pub cpu_busy: Option<f64>,
+    /// Each time the run's workers were restarted after a failure (`max_restarts`), in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub restarts: Vec<Restart>,
+}
+
+/// One restart of a run's workers: what failed, and what it cost.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Restart {
+    /// The worker rank that failed first (DP: the one process).
+    pub rank: usize,
+    /// How it ended, as the runner saw it (`signal: 9 (SIGKILL)`).
+    pub exit: String,
+    /// Whether the runner killed it (the scenario's `kills`) rather than it failing by itself.
+    pub injected: bool,
+    /// The last step rank 0 had recorded when the failure was seen.
+    pub step_reached: u64,
+    /// The step the restarted workers continued after: the step before rank 0's first new
+    /// one (its newest checkpoint's, 0 when there was none; a PS worker under BSP continues at
+    /// the servers' version). Unknown when rank 0 ran on another host or recorded no new step.
+    pub resumed_after: Option<u64>,
+    /// Seconds from the failure (the kill, for an injected one) to the first step recorded by
+    /// the restarted rank 0: the wall time the restart cost, beside the steps computed again.
+    pub lost_s: Option<f64>,
+}
+
+impl Restart {
+    /// Steps computed a second time: those between the checkpoint resumed from and the step
+    /// reached.
+    pub fn recomputed(&self) -> Option<u64> {
+        self.resumed_after.map(|c| self.step_reached.saturating_sub(c))
+    }
 }
 
 /// The metrics of one run: its worker files and its server files.
@@ -188,6 +219,9 @@ impl RunData {
 pub struct Summary {
     /// Run id (its directory).
     pub id: String,
+    /// The restarts of its workers after failures (from the runner's record; not a column).
+    #[serde(skip)]
+    pub restarts: Vec<Restart>,
     /// Mode label.
     pub mode: String,
     /// Workers.
@@ -326,6 +360,8 @@ impl Summary {
         let reached = target.and_then(|t| curve_acc.iter().find(|p| p.accuracy >= t));
         Summary {
             id: run.id.clone(),
+            // From the runner's record (`collect`).
+            restarts: Vec::new(),
             mode: run.mode.label().into(),
             workers: run.world(),
             shards: run.shards(),
@@ -397,6 +433,7 @@ impl Summary {
             error: o.error.clone().unwrap_or_default(),
             slow_ms: o.slow_ms,
             repeat: o.repeat,
+            restarts: o.restarts.clone(),
             ..Summary::default()
         }
     }
