@@ -12,7 +12,8 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use gradsync_core::checkpoint::Checkpoint;
+mod common;
+use common::assert_same_checkpoints;
 use gradsync_testkit::Scratch;
 use gradsync_testkit::process::Proc;
 use gradsync_worker::restarts::{FromStore, Member, StoreConfig, ToStore, serve};
@@ -53,24 +54,6 @@ fn node(node: usize, nproc: usize, port: u16, launch: &[&str], args: Vec<String>
         .chain(["--".to_string()])
         .chain(args)
         .collect()
-}
-
-fn assert_same(a: &Path, b: &Path) {
-    let (a_ck, b_ck) = (Checkpoint::load(a).unwrap(), Checkpoint::load(b).unwrap());
-    assert_eq!(a_ck.header.step, b_ck.header.step);
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    assert!(
-        bits(&a_ck.params) == bits(&b_ck.params),
-        "parameters differ: {} vs {}",
-        a.display(),
-        b.display()
-    );
-    assert!(
-        bits(a_ck.momentum.as_deref().unwrap()) == bits(b_ck.momentum.as_deref().unwrap()),
-        "momentum differs: {} vs {}",
-        a.display(),
-        b.display()
-    );
 }
 
 fn kill9(pid: u32) {
@@ -136,7 +119,7 @@ fn two_nodes_survive(dir: &Path, seed: u64, nproc: usize, kills: u32, reference:
     let (c0, e0, _) = n0.finish(Duration::from_secs(120));
     let (c1, e1, _) = n1.finish(Duration::from_secs(120));
     assert_eq!((c0, c1), (0, 0), "seed {seed}: a node failed:\nnode 0:\n{e0}\nnode 1:\n{e1}");
-    assert_same(reference, &save);
+    assert_same_checkpoints(reference, &save);
     costs
 }
 

@@ -10,7 +10,8 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use gradsync_core::checkpoint::Checkpoint;
+mod common;
+use common::assert_same_checkpoints;
 use gradsync_testkit::Scratch;
 use gradsync_testkit::process::Proc;
 
@@ -53,24 +54,6 @@ fn run_ok(args: &[String]) {
     let mut p = Proc::spawn(&mut worker(args));
     let (code, err, _) = p.finish(Duration::from_secs(120));
     assert_eq!(code, 0, "gradsync-worker {args:?} failed:\n{err}");
-}
-
-fn assert_same(a: &Path, b: &Path) {
-    let (a_ck, b_ck) = (Checkpoint::load(a).unwrap(), Checkpoint::load(b).unwrap());
-    assert_eq!(a_ck.header.step, b_ck.header.step);
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    assert!(
-        bits(&a_ck.params) == bits(&b_ck.params),
-        "parameters differ: {} vs {}",
-        a.display(),
-        b.display()
-    );
-    assert!(
-        bits(a_ck.momentum.as_deref().unwrap()) == bits(b_ck.momentum.as_deref().unwrap()),
-        "momentum differs: {} vs {}",
-        a.display(),
-        b.display()
-    );
 }
 
 /// Run unbroken, then run with checkpoints every 10 steps, SIGKILL a process once the
@@ -117,7 +100,7 @@ fn killed_and_resumed_ends_as_unbroken(name: &str, ranks: usize, mode: &[&str]) 
     let (code, err, _) = p.finish(Duration::from_secs(120));
     assert_eq!(code, 0, "the resumed run failed:\n{err}");
     assert!(err.contains("resuming after step"), "{err}");
-    assert_same(&unbroken, &resumed);
+    assert_same_checkpoints(&unbroken, &resumed);
 }
 
 #[test]
@@ -301,7 +284,7 @@ fn launch_restarts_a_killed_ddp_run_to_the_unbroken_runs_bits() {
         // Every kill came after a step that wrote a checkpoint: each new generation resumed from
         // one rather than training again from the start (which would end at the same bits).
         assert_eq!(err.matches("resuming after step").count(), 3, "seed {seed}:\n{err}");
-        assert_same(&unbroken, &save);
+        assert_same_checkpoints(&unbroken, &save);
     }
     let (ck, save) = (dir.join("ck-once"), dir.join("once.ckpt"));
     let mut rng = 7;
@@ -422,7 +405,7 @@ fn a_full_disk_is_reported_and_the_previous_checkpoint_kept() {
         "--save",
         &s(&resumed),
     ]));
-    assert_same(&unbroken, &resumed);
+    assert_same_checkpoints(&unbroken, &resumed);
 }
 
 /// SIGKILL while a checkpoint is being written, three times over: each kill lands while the
@@ -494,7 +477,7 @@ fn a_kill_during_a_checkpoint_write_loses_nothing() {
     let (code, err, _) = p.finish(Duration::from_secs(120));
     assert_eq!(code, 0, "the resumed run failed:\n{err}");
     assert!(err.contains("resuming after step"), "{err}");
-    assert_same(&unbroken, &resumed);
+    assert_same_checkpoints(&unbroken, &resumed);
     // What the killed writes left was cleared once their processes were gone.
     let left: Vec<String> = std::fs::read_dir(&ck)
         .unwrap()
