@@ -405,16 +405,8 @@ fn compare_over_ssh_runs_on_three_hosts_with_the_report() {
     let o: serde_json::Value = serde_json::from_str(outcomes.lines().next().unwrap()).unwrap();
     assert!(o["cpu_busy"].is_null(), "{o}");
     let id = &s.expand()[0].id;
-    let text = std::fs::read_to_string(out.join("runs").join(id).join("rank0.jsonl")).unwrap();
-    let steps: Vec<serde_json::Value> = text
-        .lines()
-        .filter(|l| l.contains("\"kind\":\"step\""))
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
-    assert!(!steps.is_empty() && steps.len() < 2000, "{} steps of a budget of 2000", steps.len());
-    let best = steps.iter().filter_map(|s| s["accuracy"].as_f64()).fold(0.0, f64::max);
-    assert!(best >= 0.6, "stopped before the target: {best}");
-    eprintln!("stop_at_target over ssh: stopped after {} of 2000 steps at {best:.3}", steps.len());
+    let (steps, best) = common::stopped_at_target(&out.join("runs").join(id), 2000, 0.6);
+    eprintln!("stop_at_target over ssh: stopped after {steps} of 2000 steps at {best:.3}");
     nothing_left(&remote);
     // A run whose ranks need more memory than their hosts had available is skipped, naming
     // the host and its memory as read over ssh.

@@ -567,16 +567,8 @@ fn compare_on_two_nodes_measures_the_link_between_them_and_brings_the_files_back
     assert_eq!(code, 0, "compare --slurm with stop_at_target failed:\n{err}\nSlurm: {}", cluster.logs());
     let o = outcomes(&out, 1).remove(0);
     assert_eq!(o["status"], "ok", "{o}");
-    let text = std::fs::read_to_string(out.join(o["id"].as_str().unwrap()).join("rank0.jsonl")).unwrap();
-    let steps: Vec<serde_json::Value> = text
-        .lines()
-        .filter(|l| l.contains("\"kind\":\"step\""))
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
-    assert!(!steps.is_empty() && steps.len() < 2000, "{} steps of a budget of 2000", steps.len());
-    let best = steps.iter().filter_map(|s| s["accuracy"].as_f64()).fold(0.0, f64::max);
-    assert!(best >= 0.6, "stopped before the target: {best}");
-    eprintln!("stop_at_target under srun: stopped after {} of 2000 steps at {best:.3}", steps.len());
+    let (steps, best) = common::stopped_at_target(&out.join(o["id"].as_str().unwrap()), 2000, 0.6);
+    eprintln!("stop_at_target under srun: stopped after {steps} of 2000 steps at {best:.3}");
     // A run stopped by its time budget after two seconds of steps: the runner's cores say
     // nothing of how busy the nodes were, so no share of them is recorded.
     let mut b = common::small_scenario(1_000_000);
