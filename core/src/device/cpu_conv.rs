@@ -14,17 +14,20 @@
 //!   x[c, p + (ky - 1) * W + kx - 1]`.
 //! - Input gradient: the same kernel with the roles of the channels swapped and the taps turned
 //!   (`dx[c, q] = sum over o, then taps, of w[o, c, 2 - ky, 2 - kx] * dy[o, q + tap]`).
-//! - Weight gradient: for one tap, each of 4 output channels x 4 input channels keeps 16 lane
-//!   sums over the pixels, a block of pixels at a time (so that the block's inputs and output
-//!   gradients stay in L2), added across the lanes at the end.
+//! - Weight gradient: the inputs and output gradients copied stretch by stretch (a task's rows
+//!   side by side, not a channel's length apart), then for one input channel and one row of
+//!   taps, each of 8 output channels x 3 taps keeps 16 lane sums over the pixels, a block of
+//!   pixels at a time (so that the block's values stay in L2), added across the lanes at the
+//!   end.
 //!
 //! Every output value is computed by one thread in an order that depends only on the shapes, so
 //! results do not depend on the thread count. The orders differ from the column-matrix path's
 //! (and the GPU's), so results agree with them to rounding, not bit for bit.
 
 use std::arch::x86_64::{
-    _mm512_add_ps, _mm512_fmadd_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps, _mm512_set1_ps,
-    _mm512_setzero_ps,
+    __m512, _mm512_add_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps,
+    _mm512_set1_ps, _mm512_setzero_ps, _mm512_shuffle_f32x4, _mm512_shuffle_ps, _mm512_storeu_ps,
+    _mm512_unpackhi_ps, _mm512_unpacklo_ps,
 };
 
 use rayon::ThreadPool;
@@ -41,15 +44,16 @@ const OUTS: usize = 8;
 /// Vectors of pixels of a forward tile.
 const VECS: usize = 3;
 /// Output channels per weight-gradient task.
-const GRAD_OUTS: usize = 4;
+const GRAD_OUTS: usize = 8;
 /// Input channels per weight-gradient task.
 const GRAD_INS: usize = 4;
 /// Taps of a 3x3 window.
 const TAPS: usize = 9;
 /// Lane sums the weight gradient keeps at once (1 MiB).
 const SUMS_VALUES: usize = 1 << 18;
-/// Pixels of a weight-gradient task's stretch: its 8 rows (32 KiB) stay in L1 over the taps.
-const STRETCH: usize = 1024;
+/// Pixels of a weight-gradient task's stretch: its 12 rows (26 KiB with the inputs' margins)
+/// stay in L1 over the taps.
+const STRETCH: usize = 512;
 /// Values of inputs and output gradients a weight-gradient block of pixels may hold (512 KiB:
 /// half of a core's L2 here).
 const BLOCK_VALUES: usize = 1 << 17;
@@ -59,12 +63,12 @@ pub(super) fn available() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")
 }
 
-/// The most input channels a window may have for these kernels to be used. Measured on one
-/// thread at batch 64 against the column matrix and the GEMM (forward + both gradients): 16
-/// channels at 32x32 5.4x faster, 64 at 32x32 1.5x, 128 at 16x16 1.25x; 256 at 8x8 0.93x, 512 at
-/// 4x4 0.95x and at 2x2 0.68x, where the GEMM's blocking of hundreds of channels serves better
-/// than these tiles of 8 and 4 (docs/benchmarks.md).
-const MAX_CHANNELS: usize = 128;
+/// The most input channels a window may have for these kernels to be used. Measured at batch 64
+/// against the column matrix and the GEMM (forward + both gradients, docs/benchmarks.md): one
+/// thread, 64 channels at 32x32 1.5x faster, 128 at 16x16 1.2x, 256 at 8x8 1.1x, 512 at 4x4
+/// 0.98x (the weight gradient 0.90x), where the GEMM's blocking of hundreds of channels serves
+/// as well as these tiles.
+const MAX_CHANNELS: usize = 256;
 
 /// Whether `w` is a window these kernels compute, and compute faster than a column matrix:
 /// 3x3, stride 1, padding 1, at most [`MAX_CHANNELS`] input channels.
@@ -337,9 +341,11 @@ impl Tile<'_> {
 /// `dw (=|+=)` the weight gradient of [`forward`]: `dw[o, c, ky, kx] = sum over pixels p of
 /// dy[o, p] * x[c, p + tap]`.
 ///
-/// Each task is [`GRAD_OUTS`] output channels by [`GRAD_INS`] input channels: for each tap, 16
-/// vectors of lane sums, each vector of pixels read once for the 16 (one mask for them all); a
-/// block of pixels at a time, so that the block's values stay in L2 across the tasks.
+/// The inputs and output gradients are first copied stretch by stretch ([`Packed`]). Each task
+/// is [`GRAD_OUTS`] output channels by [`GRAD_INS`] input channels and keeps 16 lane sums for
+/// each of their pairs and taps; a group of tasks (their sums 1 MiB) goes over the pixels a
+/// block at a time, so that the block's values stay in L2 across the tasks, and each task adds
+/// up its lanes after the last block.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn weight_grad(
     pool: Option<&ThreadPool>,
@@ -357,56 +363,181 @@ pub(super) fn weight_grad(
     let pixels = masks.pixels;
     let (oblocks, iblocks) = (outs.div_ceil(GRAD_OUTS), ins.div_ceil(GRAD_INS));
     let tasks = oblocks * iblocks;
-    // Each task's lane sums: [task][tap][output][input][lane], for a group of tasks at a time
-    // (1 MiB of sums: 113 tasks), each group over the blocks of pixels.
+    // Each task's lane sums: [task][input][tap][output][lane].
     let per_task = TAPS * GRAD_OUTS * GRAD_INS * LANES;
     let group = (SUMS_VALUES / per_task).max(1);
+    // Each task zeroes its own sums before its first block (the groups share them).
     let mut sums = vec![0f32; group.min(tasks) * per_task];
-    // At least a stretch: with hundreds of channels a block that fits L2 would be a few vectors
-    // long, and each task would spend more on loading and storing its sums than on its sums.
-    let block = (BLOCK_VALUES / (ins + outs)).max(STRETCH) / LANES * LANES;
-    // Task i: output block i / iblocks and input block i % iblocks. The blocks' last rows
-    // repeat the last channel where the channels run out (their sums unused).
-    let rows = |first: usize, count: usize, base: &[f32]| {
-        std::array::from_fn(|r| base.as_ptr().wrapping_add((first + r).min(count - 1) * pixels))
-    };
-    for first in (0..tasks).step_by(group) {
-        let these = first..(first + group).min(tasks);
-        sums.fill(0.0);
-        let shared = Shared(sums.as_mut_ptr());
-        for start in (0..pixels).step_by(block) {
-            let end = (start + block).min(pixels);
-            let task = |i: usize| {
-                let (ob, ib) = (i / iblocks, i % iblocks);
-                let dys: [*const f32; GRAD_OUTS] = rows(ob * GRAD_OUTS, outs, dy);
-                let xs: [*const f32; GRAD_INS] = rows(ib * GRAD_INS, ins, x);
-                // SAFETY: AVX-512F is present (the backend checked); every row pointer starts a
-                // channel of `dy` or `x`, which `check` measured at `pixels` values; task `i`
-                // alone writes its sums.
-                unsafe { grad_task(&dys, &xs, &masks, start..end, shared.at((i - first) * per_task)) };
+    // Whole stretches, at least one: with hundreds of channels a block that fits L2 would be a
+    // few vectors long.
+    let block = (BLOCK_VALUES / (ins + outs)).max(STRETCH) / STRETCH * STRETCH;
+    let packed = Packed::new(win, ins, outs, pixels);
+    let grads = Shared(dw.as_mut_ptr());
+    PACKED.with_borrow_mut(|scratch| {
+        let base = Shared(packed.fill(pool, scratch, x, dy).cast_mut());
+        // Each of the pool's threads takes an equal share of a group's tasks through all the
+        // blocks (one hand-out per group, not per block).
+        let workers = pool.map_or(1, ThreadPool::current_num_threads);
+        for first in (0..tasks).step_by(group) {
+            let these = first..(first + group).min(tasks);
+            let share = these.len().div_ceil(workers);
+            let shared = Shared(sums.as_mut_ptr());
+            let work = |w: usize| {
+                let mine = (first + w * share).min(these.end)..(first + (w + 1) * share).min(these.end);
+                for start in (0..pixels).step_by(block) {
+                    let end = (start + block).min(pixels);
+                    for i in mine.clone() {
+                        // Task i: output block i / iblocks and input block i % iblocks.
+                        let (ob, ib) = (i / iblocks, i % iblocks);
+                        let at = shared.at((i - first) * per_task);
+                        if start == 0 {
+                            // SAFETY: the task's own sums, inside `sums`.
+                            unsafe { std::ptr::write_bytes(at, 0, per_task) };
+                        }
+                        for s0 in (start..end).step_by(STRETCH) {
+                            let (dys, xs) = packed.rows(base, s0, ob * GRAD_OUTS, ib * GRAD_INS);
+                            // SAFETY: AVX-512F is present (the backend checked); the packed
+                            // stretch holds every value the masks let through; task `i` alone
+                            // writes its sums.
+                            unsafe { grad_task(&dys, &xs, &masks, s0..(s0 + STRETCH).min(end), at) };
+                        }
+                        if end == pixels {
+                            // SAFETY: as above; `check` measured `dw`.
+                            unsafe { finish(at, grads, (ob, ib), (outs, ins), accumulate) };
+                        }
+                    }
+                }
             };
             match pool {
-                None => these.clone().for_each(task),
-                Some(p) => p.install(|| these.clone().into_par_iter().for_each(task)),
+                None => work(0),
+                Some(p) => p.install(|| (0..workers).into_par_iter().for_each(work)),
             }
         }
-        for (i, tap) in these.flat_map(|i| (0..TAPS).map(move |t| (i, t))) {
-            let (ob, ib) = (i / iblocks, i % iblocks);
-            for r in 0..GRAD_OUTS {
-                for q in 0..GRAD_INS {
-                    let (o, c) = (ob * GRAD_OUTS + r, ib * GRAD_INS + q);
-                    if o >= outs || c >= ins {
-                        continue;
-                    }
-                    let at = (i - first) * per_task + ((tap * GRAD_OUTS + r) * GRAD_INS + q) * LANES;
-                    let total = reduce(&sums[at..][..LANES]);
-                    let slot = &mut dw[(o * ins + c) * TAPS + tap];
-                    *slot = if accumulate { *slot + total } else { total };
-                }
+    });
+    Ok(())
+}
+
+/// Add up the lanes of a task's sums at `at` and store (or add) them into `dw` for its output
+/// block `ob` and input block `ib` (`[input][tap][output]`, as the sums), skipping the rows
+/// past `outs` and `ins`.
+///
+/// # Safety
+/// AVX-512F must be present; `at` must hold the task's sums and `dw` the whole weight gradient,
+/// whose values for these blocks no other thread touches meanwhile.
+#[target_feature(enable = "avx512f")]
+unsafe fn finish(
+    at: *mut f32,
+    dw: Shared,
+    (ob, ib): (usize, usize),
+    (outs, ins): (usize, usize),
+    accumulate: bool,
+) {
+    let mut totals = [0f32; TAPS * GRAD_OUTS * GRAD_INS];
+    // SAFETY: the task's sums (the contract).
+    unsafe { reduce(at, &mut totals) };
+    for (j, &total) in totals.iter().enumerate() {
+        let (q, tap, r) = (j / (TAPS * GRAD_OUTS), j / GRAD_OUTS % TAPS, j % GRAD_OUTS);
+        let (o, c) = (ob * GRAD_OUTS + r, ib * GRAD_INS + q);
+        if o < outs && c < ins {
+            // SAFETY: inside `dw`, in these blocks (the contract).
+            unsafe {
+                let slot = dw.at((o * ins + c) * TAPS + tap);
+                *slot = if accumulate { *slot + total } else { total };
             }
         }
     }
-    Ok(())
+}
+
+std::thread_local! {
+    /// The packed stretches of the weight gradient, kept between calls.
+    static PACKED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The weight gradient's inputs and output gradients copied stretch by stretch: for each
+/// stretch of [`STRETCH`] pixels, every input channel's pixels with `halo` more on each side
+/// (zero outside the image's buffer), then every output channel's pixels. A task's rows are then
+/// next to each other in memory rather than a channel's whole length apart (a multiple of 4 KiB
+/// at batch 64, where every row fell into the same few sets of L1 and evicted the others).
+struct Packed {
+    ins: usize,
+    outs: usize,
+    pixels: usize,
+    /// Pixels before and after a stretch held with each input row: the farthest tap, rounded
+    /// up to whole vectors.
+    halo: usize,
+}
+
+impl Packed {
+    fn new(win: &Window, ins: usize, outs: usize, pixels: usize) -> Self {
+        Packed { ins, outs, pixels, halo: (win.width + 1).next_multiple_of(LANES) }
+    }
+
+    /// Values of an input row.
+    fn xrow(&self) -> usize {
+        STRETCH + 2 * self.halo
+    }
+
+    /// Values of a stretch.
+    fn stride(&self) -> usize {
+        self.ins * self.xrow() + self.outs * STRETCH
+    }
+
+    /// Copy `x` and `dy` into `scratch` (grown when short), returning the first value's
+    /// address (64-byte aligned).
+    fn fill(&self, pool: Option<&ThreadPool>, scratch: &mut Vec<f32>, x: &[f32], dy: &[f32]) -> *const f32 {
+        let stretches = self.pixels.div_ceil(STRETCH);
+        let len = stretches * self.stride();
+        if scratch.len() < len + LANES {
+            *scratch = crate::heap::zeros(len + LANES);
+        }
+        let skip = scratch.as_ptr().align_offset(64).min(LANES);
+        let area = &mut scratch[skip..skip + len];
+        let (pixels, halo, xrow) = (self.pixels, self.halo, self.xrow());
+        let one = |(s, dst): (usize, &mut [f32])| {
+            let s0 = s * STRETCH;
+            let (xs, dys) = dst.split_at_mut(self.ins * xrow);
+            for (c, row) in xs.chunks_exact_mut(xrow).enumerate() {
+                // Pixels s0 - halo + j for j in 0..xrow, those inside 0..pixels copied.
+                let from = s0.saturating_sub(halo);
+                let to = (s0 + STRETCH + halo).min(pixels);
+                let at = from + halo - s0;
+                row[..at].fill(0.0);
+                row[at..at + to - from].copy_from_slice(&x[c * pixels + from..c * pixels + to]);
+                row[at + to - from..].fill(0.0);
+            }
+            let n = STRETCH.min(pixels - s0);
+            for (o, row) in dys.chunks_exact_mut(STRETCH).enumerate() {
+                row[..n].copy_from_slice(&dy[o * pixels + s0..o * pixels + s0 + n]);
+                row[n..].fill(0.0);
+            }
+        };
+        let stride = self.stride();
+        match pool {
+            None => area.chunks_exact_mut(stride).enumerate().for_each(one),
+            Some(p) => p.install(|| area.par_chunks_exact_mut(stride).enumerate().for_each(one)),
+        }
+        area.as_ptr()
+    }
+
+    /// The rows of the stretch starting at pixel `s0` for outputs from `o0` and inputs from
+    /// `c0`, each pointer placed so that adding a pixel's index gives the pixel (the blocks'
+    /// last rows repeat the last channel where the channels run out, their sums unused).
+    fn rows(
+        &self,
+        base: Shared,
+        s0: usize,
+        o0: usize,
+        c0: usize,
+    ) -> ([*const f32; GRAD_OUTS], [*const f32; GRAD_INS]) {
+        let at = base.at(s0 / STRETCH * self.stride()) as *const f32;
+        let xs = std::array::from_fn(|q| {
+            at.wrapping_add((c0 + q).min(self.ins - 1) * self.xrow() + self.halo).wrapping_sub(s0)
+        });
+        let dys = std::array::from_fn(|r| {
+            at.wrapping_add(self.ins * self.xrow() + (o0 + r).min(self.outs - 1) * STRETCH).wrapping_sub(s0)
+        });
+        (dys, xs)
+    }
 }
 
 /// The greatest common divisor.
@@ -414,27 +545,55 @@ fn gcd(a: usize, b: usize) -> usize {
     if b == 0 { a.max(1) } else { gcd(b, a % b) }
 }
 
-/// The sum of the 16 lanes, in halves: lane i plus lane i + 8, then i + 4, i + 2, i + 1.
-fn reduce(lanes: &[f32]) -> f32 {
-    let mut v = [0f32; LANES];
-    v.copy_from_slice(lanes);
-    let mut n = LANES / 2;
-    while n > 0 {
-        for i in 0..n {
-            v[i] += v[i + n];
-        }
-        n /= 2;
+/// The sums of the lanes of each of `totals.len()` vectors (a multiple of 16) at `sums`, into
+/// `totals`: 16 vectors at a time, pairs of lanes added across the vectors and moved together
+/// until each vector's sum lies in its own lane (45 instructions for 16 sums).
+///
+/// # Safety
+/// AVX-512F must be present and `sums` must hold `16 x totals.len()` values.
+#[target_feature(enable = "avx512f")]
+unsafe fn reduce(sums: *const f32, totals: &mut [f32]) {
+    for (g, out) in totals.chunks_exact_mut(LANES).enumerate() {
+        // SAFETY: vector `16 g + j` lies inside `sums` (the contract).
+        let v: [__m512; LANES] =
+            std::array::from_fn(|j| unsafe { _mm512_loadu_ps(sums.add((g * LANES + j) * LANES)) });
+        // In each 128-bit quarter: [v0 a, v1 a, v0 b, v1 b], two partial sums of each of a pair.
+        let a: [__m512; 8] = std::array::from_fn(|k| {
+            _mm512_add_ps(
+                _mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]),
+            )
+        });
+        // In each quarter: one partial sum of each of four vectors.
+        let b: [__m512; 4] = std::array::from_fn(|k| {
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0x44>(a[2 * k], a[2 * k + 1]),
+                _mm512_shuffle_ps::<0xEE>(a[2 * k], a[2 * k + 1]),
+            )
+        });
+        // Quarters 0 and 1 added, and 2 and 3: two partial sums of each of eight vectors.
+        let c: [__m512; 2] = std::array::from_fn(|k| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x88>(b[2 * k], b[2 * k + 1]),
+                _mm512_shuffle_f32x4::<0xDD>(b[2 * k], b[2 * k + 1]),
+            )
+        });
+        let d =
+            _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(c[0], c[1]), _mm512_shuffle_f32x4::<0xDD>(c[0], c[1]));
+        // SAFETY: `out` holds 16 values.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), d) };
     }
-    v[0]
 }
 
 /// One weight-gradient task over the pixels `range`: the output gradients' rows `dys` against
-/// the inputs' rows `xs`, shifted by each tap, into `sums` (`[tap][output][input][lane]`, added
-/// to). A stretch of [`STRETCH`] pixels at a time, its rows in L1, for all nine taps.
+/// the inputs' rows `xs`, shifted by each tap, into `sums` (`[input][tap][output][lane]`, added
+/// to). A stretch of [`STRETCH`] pixels at a time, its rows in L1; for each input channel and
+/// row of taps, the three taps' sums for all [`GRAD_OUTS`] outputs stay in registers (24), so
+/// that each vector of pixels loads 8 output gradients and 3 shifted inputs for 24 products.
 ///
 /// # Safety
 /// AVX-512F must be present; every row must hold `masks.pixels` values; `sums` must hold
-/// `9 x GRAD_OUTS x GRAD_INS x 16` values that nothing else touches meanwhile.
+/// `GRAD_INS x 9 x GRAD_OUTS x 16` values that nothing else touches meanwhile.
 #[target_feature(enable = "avx512f")]
 unsafe fn grad_task(
     dys: &[*const f32; GRAD_OUTS],
@@ -443,48 +602,62 @@ unsafe fn grad_task(
     range: std::ops::Range<usize>,
     sums: *mut f32,
 ) {
-    let per_tap = GRAD_OUTS * GRAD_INS * LANES;
+    let per_tap = GRAD_OUTS * LANES;
+    let rows = masks.table.len();
     for start in range.clone().step_by(STRETCH) {
         let end = (start + STRETCH).min(range.end);
-        for tap in 0..TAPS {
-            let at = sums.wrapping_add(tap * per_tap);
-            let mut acc = [[_mm512_setzero_ps(); GRAD_INS]; GRAD_OUTS];
-            for (r, a) in acc.iter_mut().enumerate() {
-                for (q, v) in a.iter_mut().enumerate() {
-                    // SAFETY: inside `sums` (the contract).
-                    *v = unsafe { _mm512_maskz_loadu_ps(u16::MAX, at.add((r * GRAD_INS + q) * LANES)) };
-                }
-            }
-            let offset = masks.offsets[tap];
-            // The vector's place in the masks' table, stepped rather than divided each time.
-            let rows = masks.table.len();
-            let mut row = start / LANES % rows;
-            let mut p0 = start;
-            while p0 < end {
-                let lanes = masks.lanes(p0);
-                let m = masks.table[row][tap] & lanes;
-                row += 1;
-                if row == rows {
-                    row = 0;
-                }
-                let mut xv = [_mm512_setzero_ps(); GRAD_INS];
-                for (v, x) in xv.iter_mut().zip(xs) {
-                    // SAFETY: the mask lets through taps inside the image only, so inside the row.
-                    *v = unsafe { _mm512_maskz_loadu_ps(m, x.wrapping_offset(p0 as isize + offset)) };
-                }
-                for (a, dy) in acc.iter_mut().zip(dys) {
-                    // SAFETY: the lanes below `pixels` only (the contract).
-                    let d = unsafe { _mm512_maskz_loadu_ps(lanes, dy.add(p0)) };
-                    for (acc, x) in a.iter_mut().zip(&xv) {
-                        *acc = _mm512_fmadd_ps(d, *x, *acc);
+        for (q, x) in xs.iter().enumerate() {
+            for ky in 0..3 {
+                let first = ky * 3;
+                let at = sums.wrapping_add((q * TAPS + first) * per_tap);
+                let mut acc = [[_mm512_setzero_ps(); GRAD_OUTS]; 3];
+                for (kx, a) in acc.iter_mut().enumerate() {
+                    for (r, v) in a.iter_mut().enumerate() {
+                        // SAFETY: inside `sums` (the contract).
+                        *v = unsafe { _mm512_maskz_loadu_ps(u16::MAX, at.add((kx * GRAD_OUTS + r) * LANES)) };
                     }
                 }
-                p0 += LANES;
-            }
-            for (r, a) in acc.iter().enumerate() {
-                for (q, v) in a.iter().enumerate() {
-                    // SAFETY: inside `sums` (the contract).
-                    unsafe { _mm512_mask_storeu_ps(at.add((r * GRAD_INS + q) * LANES), u16::MAX, *v) };
+                let offsets = [masks.offsets[first], masks.offsets[first + 1], masks.offsets[first + 2]];
+                // The vector's place in the masks' table, stepped rather than divided each time.
+                let mut row = start / LANES % rows;
+                let mut p0 = start;
+                // Whole vectors: every lane a pixel.
+                let whole = end.min(masks.pixels / LANES * LANES);
+                let step = |p0: usize, m: &[u16; TAPS], lanes: u16, acc: &mut [[__m512; GRAD_OUTS]; 3]| {
+                    let mut xv = [_mm512_setzero_ps(); 3];
+                    for (kx, v) in xv.iter_mut().enumerate() {
+                        // SAFETY: the mask lets through taps inside the image only, so inside the row.
+                        *v = unsafe {
+                            _mm512_maskz_loadu_ps(
+                                m[first + kx] & lanes,
+                                x.wrapping_offset(p0 as isize + offsets[kx]),
+                            )
+                        };
+                    }
+                    for (r, dy) in dys.iter().enumerate() {
+                        // SAFETY: the lanes below `pixels` only (the contract).
+                        let d = unsafe { _mm512_maskz_loadu_ps(lanes, dy.add(p0)) };
+                        for (a, x) in acc.iter_mut().zip(&xv) {
+                            a[r] = _mm512_fmadd_ps(d, *x, a[r]);
+                        }
+                    }
+                };
+                while p0 < whole {
+                    step(p0, &masks.table[row], u16::MAX, &mut acc);
+                    row += 1;
+                    if row == rows {
+                        row = 0;
+                    }
+                    p0 += LANES;
+                }
+                if p0 < end {
+                    step(p0, &masks.table[row], masks.lanes(p0), &mut acc);
+                }
+                for (kx, a) in acc.iter().enumerate() {
+                    for (r, v) in a.iter().enumerate() {
+                        // SAFETY: inside `sums` (the contract).
+                        unsafe { _mm512_mask_storeu_ps(at.add((kx * GRAD_OUTS + r) * LANES), u16::MAX, *v) };
+                    }
                 }
             }
         }
@@ -518,8 +691,9 @@ mod tests {
     }
 
     /// The three passes against the column matrix and the GEMM, on shapes with planes of whole
-    /// vectors and not (35 pixels, 4, 1), output channels not a multiple of 8, odd pairs, and
-    /// added to what is there; the same bits on one thread and two.
+    /// vectors and not (35 pixels, 4, 1), output channels not a multiple of 8, odd pairs,
+    /// several blocks and groups of the weight gradient, and added to what is there; the same
+    /// bits on one thread and two.
     #[test]
     fn direct_convolutions_match_the_column_matrix() {
         if !available() {
@@ -538,6 +712,8 @@ mod tests {
             (17, 24, 4, 4, 5),
             (64, 64, 8, 8, 4),
             (2, 3, 3, 17, 1),
+            // Several blocks of pixels (the last one short) and groups of tasks.
+            (64, 72, 16, 16, 9),
         ];
         for (seed, &(ins, outs, height, width, batch)) in shapes.iter().enumerate() {
             let win = Window { channels: ins, height, width, kernel: 3, stride: 1, pad: 1 };
