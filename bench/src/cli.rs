@@ -16,6 +16,9 @@ pub struct Cli {
 pub enum Command {
     /// Time per training step (forward + backward + update) and GFLOP/s per device.
     Step(crate::step::StepArgs),
+    /// Each pass of a 3x3 convolution on the CPU by each way gradsync computes it: direct
+    /// kernels, Winograd, column matrix.
+    Conv(crate::convbench::ConvArgs),
     /// Run an experiment matrix (every mode x workers x models x batches x shards) with real
     /// server and worker processes, then write tables, charts and report.html.
     Compare(Box<crate::compare::CompareArgs>),

@@ -4,6 +4,8 @@
 //! - [`cli`]: the subcommands of `gradsync-bench`.
 //! - [`step`]: time of one forward+backward+update step, and GFLOP/s, per device, beside
 //!   PyTorch eager when a Python with torch is given.
+//! - [`convbench`]: each pass of one 3x3 convolution on the CPU by each way gradsync computes
+//!   it (direct kernels, Winograd, column matrix).
 //! - [`collective`]: all-reduce time, algbw and busbw per backend, size and rank count, one
 //!   process per rank (gradsync's and gloo's alike), on loopback or emulated hosts, beside raw
 //!   TCP and PyTorch gloo.
@@ -31,6 +33,7 @@ pub mod cli;
 pub mod cluster;
 pub mod collective;
 pub mod compare;
+pub mod convbench;
 pub mod diff;
 pub mod export;
 pub mod hosts;
@@ -48,6 +51,7 @@ pub mod table;
 pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
     match cli.command {
         cli::Command::Step(a) => step::run(&a),
+        cli::Command::Conv(a) => convbench::run(&a),
         cli::Command::Compare(a) => compare::run_compare(&a),
         cli::Command::Plot(a) => compare::run_plot(&a),
         cli::Command::Collective(a) => collective::run(&a),

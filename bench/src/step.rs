@@ -17,8 +17,8 @@ use anyhow::Context;
 use clap::Args;
 use gradsync_core::Engine;
 use gradsync_core::data::{ClicksConfig, SyntheticConfig};
-use gradsync_core::device::{Device, DeviceRequest};
-use gradsync_core::model::{Input, Layout, ModelSpec};
+use gradsync_core::device::{CPU_CONV_VAR, Device, DeviceRequest, WINOGRAD_FROM, cpu_conv_products};
+use gradsync_core::model::{Graph, Input, Layout, ModelSpec};
 use gradsync_core::optim::SgdConfig;
 
 use crate::table::{Table, median};
@@ -181,10 +181,29 @@ pub fn time_gradsync(
         update_ms: median(&u),
         gflops,
         peak_fraction: match device {
-            Device::Cpu { threads } => Some(gflops * 1e9 / cpu_gemm_peak(threads)?),
+            Device::Cpu { threads } => {
+                Some(cpu_arithmetic(spec, batch)? / (step_ms * 1e-3) / cpu_gemm_peak(threads)?)
+            }
             Device::Cuda { .. } => engine.peak_fp32_flops().map(|peak| gflops * 1e9 / peak),
         },
     })
+}
+
+/// The floating-point operations the CPU performs for one step of `spec` at `batch`: the
+/// model's count ([`Layout::step_flops`], every convolution as a direct one), less what
+/// Winograd saves on the convolutions it computes ([`cpu_conv_products`]).
+fn cpu_arithmetic(spec: &ModelSpec, batch: usize) -> anyhow::Result<f64> {
+    let mut flops = Layout::new(spec).step_flops(batch);
+    if spec.is_mlp() || spec.profile().is_some() {
+        return Ok(flops);
+    }
+    for (w, outs) in Graph::new(spec)?.convolutions() {
+        let macs = (outs * w.col_rows() * w.out_pixels() * batch) as f64;
+        // Forward, input gradient and weight gradient (the first layer's input gradient is
+        // never computed, and never by Winograd: 3 channels).
+        flops -= 3.0 * 2.0 * macs * (1.0 - cpu_conv_products(&w)?);
+    }
+    Ok(flops)
 }
 
 /// How long one PyTorch configuration may take before the run gives up on it.
@@ -388,8 +407,14 @@ pub fn run(a: &StepArgs) -> anyhow::Result<()> {
                 }
                 let ours = median_round(ours_rounds).context("no gradsync round")?;
                 let torch = median_round(torch_rounds).map(|mut t| {
-                    // The same GPU's peak, so both rows are read against one yardstick.
-                    t.peak_fraction = ours.peak_fraction.map(|p| p * t.gflops / ours.gflops);
+                    // The same peak as gradsync's row, so both rows are read against one
+                    // yardstick (on the CPU, PyTorch's arithmetic is the model's count).
+                    t.peak_fraction = match dev {
+                        Device::Cpu { threads } => {
+                            cpu_gemm_peak(threads).ok().map(|peak| t.gflops * 1e9 / peak)
+                        }
+                        Device::Cuda { .. } => ours.peak_fraction.map(|p| p * t.gflops / ours.gflops),
+                    };
                     t
                 });
                 let ratio = torch.as_ref().map(|t| t.step_ms / ours.step_ms);
@@ -431,6 +456,11 @@ pub fn run(a: &StepArgs) -> anyhow::Result<()> {
     println!(
         "% peak: of the GPU's FP32 peak; on the CPU, of the GEMM rate its threads measured (1024x1024x1024 through \
          gradsync's CPU GEMM, best of three)."
+    );
+    println!(
+        "GFLOP/s: the model's multiply-adds as a direct convolution counts them, over the step's time. gradsync's \
+         CPU computes 3x3 convolutions of {WINOGRAD_FROM} channels or more (sides of 4 or more) by Winograd F(2x2, \
+         3x3), 4/9 of those products ({CPU_CONV_VAR}): its % peak counts the arithmetic it did."
     );
     println!(
         "ms/step: forward, backward and update on a batch already on the device; input ms: gradsync's copy of \

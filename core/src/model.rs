@@ -1244,6 +1244,17 @@ impl Builder {
 }
 
 impl Graph {
+    /// Each convolution's window and output channels, in forward order.
+    pub fn convolutions(&self) -> Vec<(Window, usize)> {
+        self.nodes
+            .iter()
+            .filter_map(|n| match &n.op {
+                Op::Conv { window, out, .. } => Some((*window, *out)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Compile `spec`'s layers for its input; an error names a layer that does not fit.
     pub fn new(spec: &ModelSpec) -> Result<Self> {
         if let Arch::Replay(p) = &spec.arch {

@@ -13,6 +13,7 @@ use super::backend::{BIAS_GRAD_ROWS, Backend, ChannelSum, NormConfig, Window, bi
 #[cfg(target_arch = "x86_64")]
 use super::cpu_conv as conv;
 use super::cpu_layers::{self as layers, CHUNK};
+use super::cpu_winograd as winograd;
 use crate::error::{Error, Result};
 use crate::optim::{SgdConfig, sgd_block, sgd_step};
 
@@ -22,14 +23,60 @@ pub struct Cpu {
     threads: usize,
     /// `None` with one thread: kernels run on the caller.
     pool: Option<rayon::ThreadPool>,
-    /// 3x3 convolutions computed directly ([`conv`]), not through a column matrix: where the
-    /// CPU has AVX-512F, unless `GRADSYNC_CPU_CONV=columns` asks for the column matrix.
-    direct_conv: bool,
+    /// How 3x3 stride-1 convolutions are computed ([`CPU_CONV_VAR`]).
+    conv: ConvChoice,
 }
 
-/// The variable that chooses how the CPU computes 3x3 convolutions: `direct` (the default where
-/// the CPU has AVX-512F) or `columns` (a column matrix and a GEMM, as for every other window).
+/// The variable that chooses how the CPU computes 3x3 stride-1 padding-1 convolutions: `auto`
+/// (the default: Winograd from [`WINOGRAD_FROM`] input channels, the direct kernels below where
+/// the CPU has AVX-512F, a column matrix elsewhere), `direct` (the direct kernels wherever they
+/// apply), `winograd` (Winograd F(2x2, 3x3) for every such window) or `columns` (a column matrix
+/// and a GEMM, as for every other window).
 pub const CPU_CONV_VAR: &str = "GRADSYNC_CPU_CONV";
+
+/// The fewest input channels for which `auto` computes a 3x3 convolution with Winograd rather
+/// than the direct kernels. Measured at batch 64, forward and both gradients, one thread
+/// (docs/benchmarks.md): 64 channels at 32x32 level with the direct kernels (its 16 GEMMs are
+/// only 64 deep, and their 4x larger operands go to memory), 128 at 16x16 1.3x faster, 256 at
+/// 8x8 1.5x; 512 at 4x4 1.4x faster than the column matrix.
+pub const WINOGRAD_FROM: usize = 128;
+
+/// The smallest height and width for which `auto` uses Winograd: on a 2x2 image three quarters
+/// of each 4x4 block of inputs is padding (512 channels at 2x2 measured level with the column
+/// matrix).
+const WINOGRAD_SIDE: usize = 4;
+
+/// The share of a direct convolution's multiply-adds that the CPU performs for a window like
+/// `w` under [`CPU_CONV_VAR`]'s choice: 1 for the direct kernels and the column matrix; for
+/// Winograd F(2x2, 3x3), 16 products per 2x2 block of outputs against 9 per output (4/9 where
+/// the sides are even). An error names a bad value of the variable.
+pub fn cpu_conv_products(w: &Window) -> Result<f64> {
+    let cpu = Cpu { threads: 1, pool: None, conv: conv_chosen(std::env::var(CPU_CONV_VAR).ok().as_deref())? };
+    Ok(match cpu.conv_method(w) {
+        ConvMethod::Winograd => {
+            let blocks = w.height.div_ceil(2) * w.width.div_ceil(2);
+            16.0 * blocks as f64 / (9.0 * (w.height * w.width) as f64)
+        }
+        ConvMethod::Direct | ConvMethod::Columns => 1.0,
+    })
+}
+
+/// What [`CPU_CONV_VAR`] chose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ConvChoice {
+    Auto,
+    Direct,
+    Winograd,
+    Columns,
+}
+
+/// How one convolution is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ConvMethod {
+    Direct,
+    Winograd,
+    Columns,
+}
 
 impl Cpu {
     /// A CPU device with its own pool of `threads` threads (0: one per core).
@@ -47,13 +94,31 @@ impl Cpu {
                     .map_err(|e| Error::invalid("threads", e.to_string()))
             })
             .transpose()?;
-        let direct_conv = direct_conv_chosen(std::env::var(CPU_CONV_VAR).ok().as_deref())?;
-        Ok(Cpu { threads, pool, direct_conv })
+        let conv = conv_chosen(std::env::var(CPU_CONV_VAR).ok().as_deref())?;
+        Ok(Cpu { threads, pool, conv })
     }
 
-    /// Refuse a direct convolution this CPU or window has none for.
-    fn check_direct(&self, w: &Window) -> Result<()> {
-        if self.direct_conv(w) { Ok(()) } else { Err(super::backend::no_direct_conv(w)) }
+    /// A CPU device as [`Cpu::new`], computing 3x3 stride-1 convolutions the way `conv` names
+    /// (a value of [`CPU_CONV_VAR`]) whatever the variable says; a bad name is refused.
+    pub fn with_conv(threads: usize, conv: &str) -> Result<Self> {
+        let conv = conv_chosen(Some(conv))?;
+        Ok(Cpu { conv, ..Cpu::new(threads)? })
+    }
+
+    /// How a convolution over `w` is computed here.
+    fn conv_method(&self, w: &Window) -> ConvMethod {
+        let winograd = winograd_fits(w);
+        let direct = direct_conv_available() && direct_conv_fits(w);
+        match self.conv {
+            ConvChoice::Auto
+                if winograd && w.channels >= WINOGRAD_FROM && w.height.min(w.width) >= WINOGRAD_SIDE =>
+            {
+                ConvMethod::Winograd
+            }
+            ConvChoice::Auto | ConvChoice::Direct if direct => ConvMethod::Direct,
+            ConvChoice::Winograd if winograd => ConvMethod::Winograd,
+            _ => ConvMethod::Columns,
+        }
     }
 
     /// The pool's size.
@@ -472,10 +537,9 @@ impl Backend for Cpu {
     }
 
     fn direct_conv(&self, w: &Window) -> bool {
-        self.direct_conv && direct_conv_fits(w)
+        self.conv_method(w) != ConvMethod::Columns
     }
 
-    #[cfg(target_arch = "x86_64")]
     fn conv(
         &self,
         y: &mut [f32],
@@ -486,11 +550,15 @@ impl Backend for Cpu {
         batch: usize,
         accumulate: bool,
     ) -> Result<()> {
-        self.check_direct(w)?;
-        conv::forward(self.pool.as_ref(), y, x, weight, w, outs, batch, accumulate)
+        let pool = self.pool.as_ref();
+        match self.conv_method(w) {
+            ConvMethod::Winograd => winograd::forward(self, pool, y, x, weight, w, outs, batch, accumulate),
+            #[cfg(target_arch = "x86_64")]
+            ConvMethod::Direct => conv::forward(pool, y, x, weight, w, outs, batch, accumulate),
+            _ => Err(super::backend::no_direct_conv(w)),
+        }
     }
 
-    #[cfg(target_arch = "x86_64")]
     fn conv_input_grad(
         &self,
         dx: &mut [f32],
@@ -501,11 +569,17 @@ impl Backend for Cpu {
         batch: usize,
         accumulate: bool,
     ) -> Result<()> {
-        self.check_direct(w)?;
-        conv::input_grad(self.pool.as_ref(), dx, dy, weight, w, outs, batch, accumulate)
+        let pool = self.pool.as_ref();
+        match self.conv_method(w) {
+            ConvMethod::Winograd => {
+                winograd::input_grad(self, pool, dx, dy, weight, w, outs, batch, accumulate)
+            }
+            #[cfg(target_arch = "x86_64")]
+            ConvMethod::Direct => conv::input_grad(pool, dx, dy, weight, w, outs, batch, accumulate),
+            _ => Err(super::backend::no_direct_conv(w)),
+        }
     }
 
-    #[cfg(target_arch = "x86_64")]
     fn conv_weight_grad(
         &self,
         dweight: &mut [f32],
@@ -516,8 +590,15 @@ impl Backend for Cpu {
         batch: usize,
         accumulate: bool,
     ) -> Result<()> {
-        self.check_direct(w)?;
-        conv::weight_grad(self.pool.as_ref(), dweight, dy, x, w, outs, batch, accumulate)
+        let pool = self.pool.as_ref();
+        match self.conv_method(w) {
+            ConvMethod::Winograd => {
+                winograd::weight_grad(self, pool, dweight, dy, x, w, outs, batch, accumulate)
+            }
+            #[cfg(target_arch = "x86_64")]
+            ConvMethod::Direct => conv::weight_grad(pool, dweight, dy, x, w, outs, batch, accumulate),
+            _ => Err(super::backend::no_direct_conv(w)),
+        }
     }
 
     fn max_pool(&self, y: &mut [f32], x: &[f32], w: &Window) -> Result<()> {
@@ -644,17 +725,23 @@ fn restage(k: usize, rows: usize) -> bool {
     (k * 4).is_multiple_of(1024) && rows >= 64
 }
 
-/// A destination pointer shared by the parts of a split GEMM, which write disjoint columns.
-/// Whether 3x3 convolutions are computed directly, given [`CPU_CONV_VAR`]'s value.
-fn direct_conv_chosen(var: Option<&str>) -> Result<bool> {
+/// What [`CPU_CONV_VAR`]'s value chooses.
+fn conv_chosen(var: Option<&str>) -> Result<ConvChoice> {
     match var {
-        None | Some("direct") => Ok(direct_conv_available()),
-        Some("columns") => Ok(false),
+        None | Some("auto") => Ok(ConvChoice::Auto),
+        Some("direct") => Ok(ConvChoice::Direct),
+        Some("winograd") => Ok(ConvChoice::Winograd),
+        Some("columns") => Ok(ConvChoice::Columns),
         Some(other) => Err(Error::invalid(
             CPU_CONV_VAR,
-            format!("{other:?} is not a way to compute convolutions: use direct or columns"),
+            format!("{other:?} is not a way to compute convolutions: use auto, direct, winograd or columns"),
         )),
     }
+}
+
+/// Whether Winograd F(2x2, 3x3) computes windows like `w`: 3x3, stride 1, padding 1.
+fn winograd_fits(w: &Window) -> bool {
+    w.kernel == 3 && w.stride == 1 && w.pad == 1
 }
 
 /// Whether this CPU has the direct convolutions' instructions.
@@ -676,6 +763,7 @@ fn direct_conv_fits(w: &Window) -> bool {
     };
 }
 
+/// A destination pointer shared by the parts of a split GEMM, which write disjoint columns.
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
 // SAFETY: every part writes a disjoint set of columns through it (see `Cpu::gemm`).
@@ -764,17 +852,198 @@ mod tests {
         assert_eq!(Split::choose(8, 200, 10), Split::Rows(3));
     }
 
-    /// Every transpose combination, with and without accumulation, at shapes that split by
-    /// rows, by columns, unevenly and not at all, against the definition.
-    #[test]
-    fn the_convolution_variable_is_read_or_refused_by_name() {
-        assert!(!direct_conv_chosen(Some("columns")).unwrap());
-        assert_eq!(direct_conv_chosen(None).unwrap(), direct_conv_available());
-        assert_eq!(direct_conv_chosen(Some("direct")).unwrap(), direct_conv_available());
-        let e = direct_conv_chosen(Some("winograd")).unwrap_err().to_string();
-        assert!(e.contains(CPU_CONV_VAR) && e.contains("winograd"), "{e}");
+    /// Values in [-1, 1) from a simple generator, different for each `seed`.
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
     }
 
+    /// `max |a - b|` over `max |b|`.
+    fn rel(a: &[f32], b: &[f32]) -> f32 {
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+        a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+    }
+
+    /// The three passes of the direct kernels and of Winograd against the column matrix and the
+    /// GEMM, on shapes with planes of whole vectors and not (35 pixels, 4, 1; odd heights and
+    /// widths, whose last 2x2 blocks are cut), output channels not a multiple of 8, odd pairs,
+    /// several blocks and groups of the direct weight gradient, and added to what is there; the
+    /// same bits on one thread and two.
+    #[test]
+    fn convolutions_without_columns_match_the_column_matrix() {
+        let columns = Cpu { threads: 1, pool: None, conv: ConvChoice::Columns };
+        let mut choices = vec![ConvChoice::Winograd];
+        if direct_conv_available() {
+            choices.push(ConvChoice::Direct);
+        } else {
+            eprintln!(
+                "SKIPPED the direct kernels (no AVX-512F on this CPU) [convolutions_without_columns_match_the_column_matrix]"
+            );
+        }
+        for choice in choices {
+            let one = Cpu { conv: choice, ..Cpu::new(1).unwrap() };
+            let two = Cpu { conv: choice, ..Cpu::new(2).unwrap() };
+            // (input channels, output channels, height, width, batch)
+            let shapes = [
+                (3, 16, 8, 8, 2),
+                (16, 16, 32, 32, 2),
+                (5, 12, 7, 5, 3),
+                (8, 9, 2, 2, 3),
+                (1, 1, 1, 1, 1),
+                (17, 24, 4, 4, 5),
+                (64, 64, 8, 8, 4),
+                (2, 3, 3, 17, 1),
+                // Several blocks of pixels (the last one short) and groups of tasks.
+                (64, 72, 16, 16, 9),
+            ];
+            for (seed, &(ins, outs, height, width, batch)) in shapes.iter().enumerate() {
+                let win = Window { channels: ins, height, width, kernel: 3, stride: 1, pad: 1 };
+                let (cols, k) = (batch * height * width, ins * 9);
+                let x = values(ins * cols, seed as u64 * 4 + 1);
+                let w = values(outs * k, seed as u64 * 4 + 2);
+                let dy = values(outs * cols, seed as u64 * 4 + 3);
+                let start_y = values(outs * cols, seed as u64 * 4 + 4);
+                let start_x = values(ins * cols, seed as u64 * 4 + 5);
+                let start_w = values(outs * k, seed as u64 * 4 + 6);
+                let mut col = vec![0.0; k * cols];
+                columns.im2col(&mut col, &x, &win, batch).unwrap();
+                let case = format!("{choice:?}: {ins} -> {outs} channels, {height}x{width}, batch {batch}");
+                for acc in [false, true] {
+                    // Forward.
+                    let mut want = start_y.clone();
+                    columns.gemm(outs, cols, k, &w, false, &col, false, &mut want, acc).unwrap();
+                    let mut got = start_y.clone();
+                    one.conv(&mut got, &x, &w, &win, outs, batch, acc).unwrap();
+                    assert!(rel(&got, &want) < 1e-5, "{case} forward (acc {acc}): {:.2e}", rel(&got, &want));
+                    let mut par = start_y.clone();
+                    two.conv(&mut par, &x, &w, &win, outs, batch, acc).unwrap();
+                    assert_eq!(par, got, "{case}: forward on two threads");
+                    // Input gradient.
+                    let mut g = vec![0.0; k * cols];
+                    columns.gemm(k, cols, outs, &w, true, &dy, false, &mut g, false).unwrap();
+                    let mut want = start_x.clone();
+                    columns.col2im(&mut want, &g, &win, batch, acc).unwrap();
+                    let mut got = start_x.clone();
+                    one.conv_input_grad(&mut got, &dy, &w, &win, outs, batch, acc).unwrap();
+                    assert!(
+                        rel(&got, &want) < 1e-5,
+                        "{case} input gradient (acc {acc}): {:.2e}",
+                        rel(&got, &want)
+                    );
+                    let mut par = start_x.clone();
+                    two.conv_input_grad(&mut par, &dy, &w, &win, outs, batch, acc).unwrap();
+                    assert_eq!(par, got, "{case}: input gradient on two threads");
+                    // Weight gradient.
+                    let mut want = start_w.clone();
+                    columns.gemm(outs, k, cols, &dy, false, &col, true, &mut want, acc).unwrap();
+                    let mut got = start_w.clone();
+                    one.conv_weight_grad(&mut got, &dy, &x, &win, outs, batch, acc).unwrap();
+                    assert!(
+                        rel(&got, &want) < 1e-5,
+                        "{case} weight gradient (acc {acc}): {:.2e}",
+                        rel(&got, &want)
+                    );
+                    let mut par = start_w.clone();
+                    two.conv_weight_grad(&mut par, &dy, &x, &win, outs, batch, acc).unwrap();
+                    assert_eq!(par, got, "{case}: weight gradient on two threads");
+                }
+            }
+        }
+    }
+
+    /// Views shorter than the shapes say are refused by name, and so is a window neither way
+    /// computes, by both ways.
+    #[test]
+    fn short_views_and_other_windows_are_refused() {
+        let win = Window { channels: 2, height: 4, width: 4, kernel: 3, stride: 1, pad: 1 };
+        let strided = Window { stride: 2, ..win };
+        let (x, w) = (vec![0.0; 2 * 16], vec![0.0; 3 * 2 * 9]);
+        let mut choices = vec![ConvChoice::Winograd];
+        if direct_conv_available() {
+            choices.push(ConvChoice::Direct);
+        }
+        for choice in choices {
+            let cpu = Cpu { threads: 1, pool: None, conv: choice };
+            let e = cpu.conv(&mut [0.0; 3 * 16 - 1], &x, &w, &win, 3, 1, false).unwrap_err().to_string();
+            assert!(e.contains("convolution output"), "{choice:?}: {e}");
+            let e = cpu
+                .conv_input_grad(&mut [0.0; 2 * 16], &[0.0; 3 * 16], &w, &win, 3, 2, false)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("convolution output gradient"), "{choice:?}: {e}");
+            let e = cpu
+                .conv_weight_grad(&mut [0.0; 5], &[0.0; 48], &x, &win, 3, 1, false)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("convolution weights"), "{choice:?}: {e}");
+            let e = cpu.conv(&mut [0.0; 3 * 4], &x, &w, &strided, 3, 1, false).unwrap_err().to_string();
+            assert!(e.contains("stride 2"), "{choice:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn winograd_counts_16_products_a_block_of_four_outputs() {
+        let even = Window { channels: 2 * WINOGRAD_FROM, height: 8, width: 8, kernel: 3, stride: 1, pad: 1 };
+        let odd = Window { height: 5, width: 7, ..even };
+        let small = Window { channels: 3, ..even };
+        let winograd = |w: &Window| Cpu { threads: 1, pool: None, conv: ConvChoice::Auto }.conv_method(w);
+        assert_eq!(winograd(&even), ConvMethod::Winograd);
+        if std::env::var_os(CPU_CONV_VAR).is_none() {
+            assert!((cpu_conv_products(&even).unwrap() - 4.0 / 9.0).abs() < 1e-12);
+            // 3 x 4 blocks for 35 outputs.
+            assert!((cpu_conv_products(&odd).unwrap() - 16.0 * 12.0 / (9.0 * 35.0)).abs() < 1e-12);
+            assert_eq!(cpu_conv_products(&small).unwrap(), 1.0);
+        }
+    }
+
+    #[test]
+    fn the_convolution_variable_is_read_or_refused_by_name() {
+        assert_eq!(conv_chosen(None).unwrap(), ConvChoice::Auto);
+        for (name, choice) in [
+            ("auto", ConvChoice::Auto),
+            ("direct", ConvChoice::Direct),
+            ("winograd", ConvChoice::Winograd),
+            ("columns", ConvChoice::Columns),
+        ] {
+            assert_eq!(conv_chosen(Some(name)).unwrap(), choice);
+        }
+        let e = conv_chosen(Some("fft")).unwrap_err().to_string();
+        assert!(e.contains(CPU_CONV_VAR) && e.contains("fft"), "{e}");
+    }
+
+    /// Each choice's method for the windows of each kind: Winograd from [`WINOGRAD_FROM`]
+    /// channels and [`WINOGRAD_SIDE`] pixels a side under `auto`, the direct kernels below that
+    /// where the CPU has them, a column matrix for strided windows whatever the choice.
+    #[test]
+    fn each_choice_computes_each_window_as_it_says() {
+        let small = Window { channels: 16, height: 8, width: 8, kernel: 3, stride: 1, pad: 1 };
+        let wide = Window { channels: WINOGRAD_FROM, ..small };
+        let tiny = Window { height: WINOGRAD_SIDE - 1, ..wide };
+        let strided = Window { stride: 2, ..small };
+        let direct = if direct_conv_available() { ConvMethod::Direct } else { ConvMethod::Columns };
+        let cpu = |conv| Cpu { threads: 1, pool: None, conv };
+        assert_eq!(cpu(ConvChoice::Auto).conv_method(&small), direct);
+        assert_eq!(cpu(ConvChoice::Auto).conv_method(&wide), ConvMethod::Winograd);
+        assert_eq!(cpu(ConvChoice::Auto).conv_method(&tiny), direct);
+        assert_eq!(cpu(ConvChoice::Winograd).conv_method(&tiny), ConvMethod::Winograd);
+        assert_eq!(cpu(ConvChoice::Direct).conv_method(&wide), direct);
+        assert_eq!(cpu(ConvChoice::Winograd).conv_method(&small), ConvMethod::Winograd);
+        assert_eq!(cpu(ConvChoice::Columns).conv_method(&wide), ConvMethod::Columns);
+        for choice in [ConvChoice::Auto, ConvChoice::Direct, ConvChoice::Winograd, ConvChoice::Columns] {
+            assert_eq!(cpu(choice).conv_method(&strided), ConvMethod::Columns, "{choice:?}");
+            assert!(!cpu(choice).direct_conv(&strided));
+        }
+    }
+
+    /// Every transpose combination, with and without accumulation, at shapes that split by
+    /// rows, by columns, unevenly and not at all, against the definition.
     #[test]
     fn gemm_matches_the_definition_whole_and_split() {
         // (70, 200, 256): op(B)^T's rows 1 KiB apart, restaged in blocks of 64 rows.

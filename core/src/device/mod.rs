@@ -8,6 +8,7 @@ mod cpu;
 #[cfg(target_arch = "x86_64")]
 mod cpu_conv;
 mod cpu_layers;
+mod cpu_winograd;
 pub mod cuda;
 pub mod libs;
 pub mod nvrtc;
@@ -17,7 +18,7 @@ use std::fmt;
 use std::str::FromStr;
 
 pub use backend::{Backend, ChannelSum, NormConfig, Window};
-pub use cpu::{CPU_CONV_VAR, Cpu};
+pub use cpu::{CPU_CONV_VAR, Cpu, WINOGRAD_FROM, cpu_conv_products};
 pub use cuda::{Cuda, GpuBuf, GpuEvent, GpuLabels, GpuStream, GpuView, GpuViewMut, HalfCast, RawStream};
 
 use crate::error::{Error, Result};
