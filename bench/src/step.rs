@@ -459,7 +459,7 @@ pub fn run(a: &StepArgs) -> anyhow::Result<()> {
     );
     println!(
         "GFLOP/s: the model's multiply-adds as a direct convolution counts them, over the step's time. gradsync's \
-         CPU computes 3x3 convolutions of {WINOGRAD_FROM} channels or more (sides of 4 or more) by Winograd F(2x2, \
+         CPU computes 3x3 convolutions of {WINOGRAD_FROM} channels or more by Winograd F(2x2, \
          3x3), 4/9 of those products ({CPU_CONV_VAR}): its % peak counts the arithmetic it did."
     );
     println!(

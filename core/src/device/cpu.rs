@@ -38,13 +38,14 @@ pub const CPU_CONV_VAR: &str = "GRADSYNC_CPU_CONV";
 /// than the direct kernels. Measured at batch 64, forward and both gradients, one thread
 /// (docs/benchmarks.md): 64 channels at 32x32 level with the direct kernels (its 16 GEMMs are
 /// only 64 deep, and their 4x larger operands go to memory), 128 at 16x16 1.3x faster, 256 at
-/// 8x8 1.5x; 512 at 4x4 1.4x faster than the column matrix.
+/// 8x8 1.5x; 512 at 4x4 1.6x faster than the column matrix, at 2x2 1.1x.
 pub const WINOGRAD_FROM: usize = 128;
 
-/// The smallest height and width for which `auto` uses Winograd: on a 2x2 image three quarters
-/// of each 4x4 block of inputs is padding (512 channels at 2x2 measured level with the column
-/// matrix).
-const WINOGRAD_SIDE: usize = 4;
+/// The smallest height and width for which `auto` uses Winograd: on a 1x1 image a 4x4 block
+/// of inputs holds one pixel (16 products for one output, against 9 directly). At 2x2, three
+/// quarters of each block are padding and Winograd still measured 1.1x the column matrix (512
+/// channels, one and two threads).
+const WINOGRAD_SIDE: usize = 2;
 
 /// The share of a direct convolution's multiply-adds that the CPU performs for a window like
 /// `w` under [`CPU_CONV_VAR`]'s choice: 1 for the direct kernels and the column matrix; for
