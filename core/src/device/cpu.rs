@@ -872,6 +872,16 @@ mod tests {
         a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
     }
 
+    /// The ways without a column matrix this CPU has: Winograd, and the direct kernels with
+    /// AVX-512F.
+    fn without_columns() -> Vec<ConvChoice> {
+        let mut choices = vec![ConvChoice::Winograd];
+        if direct_conv_available() {
+            choices.push(ConvChoice::Direct);
+        }
+        choices
+    }
+
     /// The three passes of the direct kernels and of Winograd against the column matrix and the
     /// GEMM, on shapes with planes of whole vectors and not (35 pixels, 4, 1; odd heights and
     /// widths, whose last 2x2 blocks are cut), output channels not a multiple of 8, odd pairs,
@@ -880,10 +890,8 @@ mod tests {
     #[test]
     fn convolutions_without_columns_match_the_column_matrix() {
         let columns = Cpu { threads: 1, pool: None, conv: ConvChoice::Columns };
-        let mut choices = vec![ConvChoice::Winograd];
-        if direct_conv_available() {
-            choices.push(ConvChoice::Direct);
-        } else {
+        let choices = without_columns();
+        if !choices.contains(&ConvChoice::Direct) {
             eprintln!(
                 "SKIPPED the direct kernels (no AVX-512F on this CPU) [convolutions_without_columns_match_the_column_matrix]"
             );
@@ -903,6 +911,8 @@ mod tests {
                 (2, 3, 3, 17, 1),
                 // Several blocks of pixels (the last one short) and groups of tasks.
                 (64, 72, 16, 16, 9),
+                // Wide: the direct kernels up to their 256 channels, and Winograd where `auto` uses it.
+                (256, 24, 6, 6, 3),
             ];
             for (seed, &(ins, outs, height, width, batch)) in shapes.iter().enumerate() {
                 let win = Window { channels: ins, height, width, kernel: 3, stride: 1, pad: 1 };
@@ -917,15 +927,18 @@ mod tests {
                 columns.im2col(&mut col, &x, &win, batch).unwrap();
                 let case = format!("{choice:?}: {ins} -> {outs} channels, {height}x{width}, batch {batch}");
                 for acc in [false, true] {
+                    let same = |what: &str, got: &[f32], want: &[f32], par: &[f32]| {
+                        assert!(rel(got, want) < 1e-5, "{case} {what} (acc {acc}): {:.2e}", rel(got, want));
+                        assert_eq!(par, got, "{case}: {what} on two threads");
+                    };
                     // Forward.
                     let mut want = start_y.clone();
                     columns.gemm(outs, cols, k, &w, false, &col, false, &mut want, acc).unwrap();
                     let mut got = start_y.clone();
                     one.conv(&mut got, &x, &w, &win, outs, batch, acc).unwrap();
-                    assert!(rel(&got, &want) < 1e-5, "{case} forward (acc {acc}): {:.2e}", rel(&got, &want));
                     let mut par = start_y.clone();
                     two.conv(&mut par, &x, &w, &win, outs, batch, acc).unwrap();
-                    assert_eq!(par, got, "{case}: forward on two threads");
+                    same("forward", &got, &want, &par);
                     // Input gradient.
                     let mut g = vec![0.0; k * cols];
                     columns.gemm(k, cols, outs, &w, true, &dy, false, &mut g, false).unwrap();
@@ -933,27 +946,17 @@ mod tests {
                     columns.col2im(&mut want, &g, &win, batch, acc).unwrap();
                     let mut got = start_x.clone();
                     one.conv_input_grad(&mut got, &dy, &w, &win, outs, batch, acc).unwrap();
-                    assert!(
-                        rel(&got, &want) < 1e-5,
-                        "{case} input gradient (acc {acc}): {:.2e}",
-                        rel(&got, &want)
-                    );
                     let mut par = start_x.clone();
                     two.conv_input_grad(&mut par, &dy, &w, &win, outs, batch, acc).unwrap();
-                    assert_eq!(par, got, "{case}: input gradient on two threads");
+                    same("input gradient", &got, &want, &par);
                     // Weight gradient.
                     let mut want = start_w.clone();
                     columns.gemm(outs, k, cols, &dy, false, &col, true, &mut want, acc).unwrap();
                     let mut got = start_w.clone();
                     one.conv_weight_grad(&mut got, &dy, &x, &win, outs, batch, acc).unwrap();
-                    assert!(
-                        rel(&got, &want) < 1e-5,
-                        "{case} weight gradient (acc {acc}): {:.2e}",
-                        rel(&got, &want)
-                    );
                     let mut par = start_w.clone();
                     two.conv_weight_grad(&mut par, &dy, &x, &win, outs, batch, acc).unwrap();
-                    assert_eq!(par, got, "{case}: weight gradient on two threads");
+                    same("weight gradient", &got, &want, &par);
                 }
             }
         }
@@ -966,11 +969,7 @@ mod tests {
         let win = Window { channels: 2, height: 4, width: 4, kernel: 3, stride: 1, pad: 1 };
         let strided = Window { stride: 2, ..win };
         let (x, w) = (vec![0.0; 2 * 16], vec![0.0; 3 * 2 * 9]);
-        let mut choices = vec![ConvChoice::Winograd];
-        if direct_conv_available() {
-            choices.push(ConvChoice::Direct);
-        }
-        for choice in choices {
+        for choice in without_columns() {
             let cpu = Cpu { threads: 1, pool: None, conv: choice };
             let e = cpu.conv(&mut [0.0; 3 * 16 - 1], &x, &w, &win, 3, 1, false).unwrap_err().to_string();
             assert!(e.contains("convolution output"), "{choice:?}: {e}");

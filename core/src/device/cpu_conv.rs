@@ -34,7 +34,7 @@ use rayon::ThreadPool;
 use rayon::prelude::*;
 
 use super::backend::Window;
-use super::cpu_layers::need;
+use super::cpu_layers::{Shared, need_conv};
 use crate::error::Result;
 
 /// Lanes of a vector.
@@ -74,21 +74,6 @@ const MAX_CHANNELS: usize = 256;
 /// 3x3, stride 1, padding 1, at most [`MAX_CHANNELS`] input channels.
 pub(super) fn fits(w: &Window) -> bool {
     w.kernel == 3 && w.stride == 1 && w.pad == 1 && w.channels <= MAX_CHANNELS
-}
-
-/// A raw pointer the pool's threads share; each writes its own disjoint values through it.
-#[derive(Clone, Copy)]
-struct Shared(*mut f32);
-// SAFETY: every user writes a disjoint set of values through it (see each kernel's driver).
-unsafe impl Send for Shared {}
-// SAFETY: as above.
-unsafe impl Sync for Shared {}
-
-impl Shared {
-    /// The pointer (a method, so that closures capture the whole `Shared`, which is `Sync`).
-    fn at(self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
-    }
 }
 
 /// Which lanes of a vector of output pixels have each tap inside the image.
@@ -176,7 +161,7 @@ pub(super) fn forward(
     accumulate: bool,
 ) -> Result<()> {
     let ins = win.channels;
-    check(y, x, w, win, outs, batch, "convolution output", "convolution input")?;
+    need_conv(y, x, w, win, outs, batch, "convolution output", "convolution input")?;
     run(pool, y, x, &pack(w, outs, ins, false), win, ins, outs, batch, accumulate);
     Ok(())
 }
@@ -194,27 +179,9 @@ pub(super) fn input_grad(
     accumulate: bool,
 ) -> Result<()> {
     let ins = win.channels;
-    check(dy, dx, w, win, outs, batch, "convolution output gradient", "convolution input gradient")?;
+    need_conv(dy, dx, w, win, outs, batch, "convolution output gradient", "convolution input gradient")?;
     run(pool, dx, dy, &pack(w, outs, ins, true), win, outs, ins, batch, accumulate);
     Ok(())
-}
-
-/// Refuse views shorter than the shapes say (`ys`: the `outs` side, `xs`: the `ins` side).
-#[allow(clippy::too_many_arguments)]
-fn check(
-    ys: &[f32],
-    xs: &[f32],
-    w: &[f32],
-    win: &Window,
-    outs: usize,
-    batch: usize,
-    y_what: &'static str,
-    x_what: &'static str,
-) -> Result<()> {
-    let pixels = batch * win.height * win.width;
-    need(y_what, ys.len(), outs * pixels)?;
-    need(x_what, xs.len(), win.channels * pixels)?;
-    need("convolution weights", w.len(), outs * win.channels * TAPS)
 }
 
 /// `dst (=|+=)` the convolution of `src` (`ins` channels) with the packed weights `wp` (`outs`
@@ -358,7 +325,7 @@ pub(super) fn weight_grad(
     accumulate: bool,
 ) -> Result<()> {
     let ins = win.channels;
-    check(dy, x, dw, win, outs, batch, "convolution output gradient", "convolution input")?;
+    need_conv(dy, x, dw, win, outs, batch, "convolution output gradient", "convolution input")?;
     let masks = Masks::new(win, batch);
     let pixels = masks.pixels;
     let (oblocks, iblocks) = (outs.div_ceil(GRAD_OUTS), ins.div_ceil(GRAD_INS));

@@ -32,6 +32,42 @@ pub(super) fn need(what: &'static str, len: usize, need: usize) -> Result<()> {
     if len >= need { Ok(()) } else { Err(Error::Length { what, expected: need, got: len }) }
 }
 
+/// Refuse a 3x3 convolution's views shorter than the shapes say (`ys`: the `outs` side, `xs`:
+/// the `w.channels` side, each named as the caller says, and the weights).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn need_conv(
+    ys: &[f32],
+    xs: &[f32],
+    weights: &[f32],
+    w: &Window,
+    outs: usize,
+    batch: usize,
+    y_what: &'static str,
+    x_what: &'static str,
+) -> Result<()> {
+    let pixels = batch * w.height * w.width;
+    need(y_what, ys.len(), outs * pixels)?;
+    need(x_what, xs.len(), w.channels * pixels)?;
+    need("convolution weights", weights.len(), outs * w.col_rows())
+}
+
+/// A raw pointer the pool's threads share; each writes its own disjoint values through it
+/// (each user says why in its SAFETY comments).
+#[derive(Clone, Copy)]
+pub(super) struct Shared(pub(super) *mut f32);
+// SAFETY: every user writes a disjoint set of values through it.
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// The pointer plus `i` (a method, so that closures capture the whole `Shared`, which is
+    /// `Sync`).
+    pub(super) fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
 /// `v` or `v + old`, as the kernels' `accumulate` flags say.
 #[inline]
 fn put(slot: &mut f32, v: f32, accumulate: bool) {

@@ -27,7 +27,7 @@ use rayon::prelude::*;
 
 use super::backend::{Backend, Window};
 use super::cpu::Cpu;
-use super::cpu_layers::need;
+use super::cpu_layers::{Shared, need_conv};
 use crate::error::Result;
 
 /// Positions of a 4x4 block.
@@ -57,21 +57,6 @@ impl Blocks {
     /// Pixels of a channel.
     fn pixels(&self) -> usize {
         self.count / (self.down * self.across) * self.height * self.width
-    }
-}
-
-/// A raw pointer the pool's threads share; each writes its own disjoint values through it.
-#[derive(Clone, Copy)]
-struct Shared(*mut f32);
-// SAFETY: every user writes a disjoint set of values through it (see each transform).
-unsafe impl Send for Shared {}
-// SAFETY: as above.
-unsafe impl Sync for Shared {}
-
-impl Shared {
-    /// The pointer (a method, so that closures capture the whole `Shared`, which is `Sync`).
-    fn at(self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
     }
 }
 
@@ -117,7 +102,7 @@ pub(super) fn forward(
     batch: usize,
     accumulate: bool,
 ) -> Result<()> {
-    check(y, x, w, win, outs, batch, "convolution output", "convolution input")?;
+    need_conv(y, x, w, win, outs, batch, "convolution output", "convolution input")?;
     convolve(cpu, pool, y, x, w, false, win, win.channels, outs, batch, accumulate)
 }
 
@@ -134,26 +119,8 @@ pub(super) fn input_grad(
     batch: usize,
     accumulate: bool,
 ) -> Result<()> {
-    check(dy, dx, w, win, outs, batch, "convolution output gradient", "convolution input gradient")?;
+    need_conv(dy, dx, w, win, outs, batch, "convolution output gradient", "convolution input gradient")?;
     convolve(cpu, pool, dx, dy, w, true, win, outs, win.channels, batch, accumulate)
-}
-
-/// Refuse views shorter than the shapes say (`ys`: the `outs` side, `xs`: the `ins` side).
-#[allow(clippy::too_many_arguments)]
-fn check(
-    ys: &[f32],
-    xs: &[f32],
-    w: &[f32],
-    win: &Window,
-    outs: usize,
-    batch: usize,
-    y_what: &'static str,
-    x_what: &'static str,
-) -> Result<()> {
-    let pixels = batch * win.height * win.width;
-    need(y_what, ys.len(), outs * pixels)?;
-    need(x_what, xs.len(), win.channels * pixels)?;
-    need("convolution weights", w.len(), outs * win.channels * TAPS)
 }
 
 /// `dst (=|+=)` the convolution of `src` (`ins` channels) into `outs` channels with the
@@ -220,7 +187,7 @@ pub(super) fn weight_grad(
     accumulate: bool,
 ) -> Result<()> {
     let ins = win.channels;
-    check(dy, x, dw, win, outs, batch, "convolution output gradient", "convolution input")?;
+    need_conv(dy, x, dw, win, outs, batch, "convolution output gradient", "convolution input")?;
     let blocks = Blocks::new(win, batch);
     let t = blocks.count;
     let (v_len, g_len, du_len) = (POS * ins * t, POS * outs * t, POS * outs * ins);
