@@ -552,15 +552,17 @@ unsafe fn reduce(sums: *const f32, totals: &mut [f32]) {
     }
 }
 
-/// One weight-gradient task over the pixels `range`: the output gradients' rows `dys` against
-/// the inputs' rows `xs`, shifted by each tap, into `sums` (`[input][tap][output][lane]`, added
-/// to). A stretch of [`STRETCH`] pixels at a time, its rows in L1; for each input channel and
-/// row of taps, the three taps' sums for all [`GRAD_OUTS`] outputs stay in registers (24), so
-/// that each vector of pixels loads 8 output gradients and 3 shifted inputs for 24 products.
+/// One weight-gradient task over the pixels `range` (one packed stretch, its rows in L1): the
+/// output gradients' rows `dys` against the inputs' rows `xs`, shifted by each tap, into `sums`
+/// (`[input][tap][output][lane]`, added to). For each input channel and row of taps, the three
+/// taps' sums for all [`GRAD_OUTS`] outputs stay in registers (24), so that each vector of
+/// pixels loads 8 output gradients and 3 shifted inputs for 24 products.
 ///
 /// # Safety
-/// AVX-512F must be present; every row must hold `masks.pixels` values; `sums` must hold
-/// `GRAD_INS x 9 x GRAD_OUTS x 16` values that nothing else touches meanwhile.
+/// AVX-512F must be present; each row pointer plus a pixel's index in `range` must address
+/// that pixel, and every tap the masks let through for those pixels must lie inside the row's
+/// memory ([`Packed::rows`]); `sums` must hold `GRAD_INS x 9 x GRAD_OUTS x 16` values that
+/// nothing else touches meanwhile.
 #[target_feature(enable = "avx512f")]
 unsafe fn grad_task(
     dys: &[*const f32; GRAD_OUTS],
@@ -571,60 +573,58 @@ unsafe fn grad_task(
 ) {
     let per_tap = GRAD_OUTS * LANES;
     let rows = masks.table.len();
-    for start in range.clone().step_by(STRETCH) {
-        let end = (start + STRETCH).min(range.end);
-        for (q, x) in xs.iter().enumerate() {
-            for ky in 0..3 {
-                let first = ky * 3;
-                let at = sums.wrapping_add((q * TAPS + first) * per_tap);
-                let mut acc = [[_mm512_setzero_ps(); GRAD_OUTS]; 3];
-                for (kx, a) in acc.iter_mut().enumerate() {
-                    for (r, v) in a.iter_mut().enumerate() {
-                        // SAFETY: inside `sums` (the contract).
-                        *v = unsafe { _mm512_maskz_loadu_ps(u16::MAX, at.add((kx * GRAD_OUTS + r) * LANES)) };
+    let (start, end) = (range.start, range.end);
+    for (q, x) in xs.iter().enumerate() {
+        for ky in 0..3 {
+            let first = ky * 3;
+            let at = sums.wrapping_add((q * TAPS + first) * per_tap);
+            let mut acc = [[_mm512_setzero_ps(); GRAD_OUTS]; 3];
+            for (kx, a) in acc.iter_mut().enumerate() {
+                for (r, v) in a.iter_mut().enumerate() {
+                    // SAFETY: inside `sums` (the contract).
+                    *v = unsafe { _mm512_maskz_loadu_ps(u16::MAX, at.add((kx * GRAD_OUTS + r) * LANES)) };
+                }
+            }
+            let offsets = [masks.offsets[first], masks.offsets[first + 1], masks.offsets[first + 2]];
+            // The vector's place in the masks' table, stepped rather than divided each time.
+            let mut row = start / LANES % rows;
+            let mut p0 = start;
+            // Whole vectors: every lane a pixel.
+            let whole = end.min(masks.pixels / LANES * LANES);
+            let step = |p0: usize, m: &[u16; TAPS], lanes: u16, acc: &mut [[__m512; GRAD_OUTS]; 3]| {
+                let mut xv = [_mm512_setzero_ps(); 3];
+                for (kx, v) in xv.iter_mut().enumerate() {
+                    // SAFETY: the mask lets through taps inside the image only, so inside the row.
+                    *v = unsafe {
+                        _mm512_maskz_loadu_ps(
+                            m[first + kx] & lanes,
+                            x.wrapping_offset(p0 as isize + offsets[kx]),
+                        )
+                    };
+                }
+                for (r, dy) in dys.iter().enumerate() {
+                    // SAFETY: the lanes below `pixels` only (the contract).
+                    let d = unsafe { _mm512_maskz_loadu_ps(lanes, dy.add(p0)) };
+                    for (a, x) in acc.iter_mut().zip(&xv) {
+                        a[r] = _mm512_fmadd_ps(d, *x, a[r]);
                     }
                 }
-                let offsets = [masks.offsets[first], masks.offsets[first + 1], masks.offsets[first + 2]];
-                // The vector's place in the masks' table, stepped rather than divided each time.
-                let mut row = start / LANES % rows;
-                let mut p0 = start;
-                // Whole vectors: every lane a pixel.
-                let whole = end.min(masks.pixels / LANES * LANES);
-                let step = |p0: usize, m: &[u16; TAPS], lanes: u16, acc: &mut [[__m512; GRAD_OUTS]; 3]| {
-                    let mut xv = [_mm512_setzero_ps(); 3];
-                    for (kx, v) in xv.iter_mut().enumerate() {
-                        // SAFETY: the mask lets through taps inside the image only, so inside the row.
-                        *v = unsafe {
-                            _mm512_maskz_loadu_ps(
-                                m[first + kx] & lanes,
-                                x.wrapping_offset(p0 as isize + offsets[kx]),
-                            )
-                        };
-                    }
-                    for (r, dy) in dys.iter().enumerate() {
-                        // SAFETY: the lanes below `pixels` only (the contract).
-                        let d = unsafe { _mm512_maskz_loadu_ps(lanes, dy.add(p0)) };
-                        for (a, x) in acc.iter_mut().zip(&xv) {
-                            a[r] = _mm512_fmadd_ps(d, *x, a[r]);
-                        }
-                    }
-                };
-                while p0 < whole {
-                    step(p0, &masks.table[row], u16::MAX, &mut acc);
-                    row += 1;
-                    if row == rows {
-                        row = 0;
-                    }
-                    p0 += LANES;
+            };
+            while p0 < whole {
+                step(p0, &masks.table[row], u16::MAX, &mut acc);
+                row += 1;
+                if row == rows {
+                    row = 0;
                 }
-                if p0 < end {
-                    step(p0, &masks.table[row], masks.lanes(p0), &mut acc);
-                }
-                for (kx, a) in acc.iter().enumerate() {
-                    for (r, v) in a.iter().enumerate() {
-                        // SAFETY: inside `sums` (the contract).
-                        unsafe { _mm512_mask_storeu_ps(at.add((kx * GRAD_OUTS + r) * LANES), u16::MAX, *v) };
-                    }
+                p0 += LANES;
+            }
+            if p0 < end {
+                step(p0, &masks.table[row], masks.lanes(p0), &mut acc);
+            }
+            for (kx, a) in acc.iter().enumerate() {
+                for (r, v) in a.iter().enumerate() {
+                    // SAFETY: inside `sums` (the contract).
+                    unsafe { _mm512_mask_storeu_ps(at.add((kx * GRAD_OUTS + r) * LANES), u16::MAX, *v) };
                 }
             }
         }
