@@ -15,7 +15,7 @@
 //! progress over the connection that already carries its output, though the file itself only
 //! comes back when the run ends.
 
-use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
@@ -152,23 +152,20 @@ pub fn supervise(a: &SuperviseArgs) -> anyhow::Result<i32> {
 /// [`FOLLOW_TICK`] until `stop` is set, then once more. A write that fails (the runner went
 /// away) ends the copying; the program is not disturbed.
 fn follow(path: &std::path::Path, stop: &AtomicBool, out: &mut impl Write) {
-    let mut offset = 0u64;
+    let mut tail = gradsync_core::metrics::MetricsTail::new(path.to_path_buf());
     let mut partial = Vec::new();
     loop {
         let last = stop.load(Ordering::SeqCst);
-        if let Ok(mut f) = std::fs::File::open(path)
-            && f.seek(SeekFrom::Start(offset)).is_ok()
-        {
-            let mut buf = Vec::new();
-            if let Ok(n) = f.read_to_end(&mut buf) {
-                offset += n as u64;
-                partial.extend_from_slice(&buf);
-                if let Some(end) = partial.iter().rposition(|&b| b == b'\n') {
-                    let whole: Vec<u8> = partial.drain(..=end).collect();
-                    if out.write_all(&whole).and_then(|_| out.flush()).is_err() {
-                        return;
-                    }
-                }
+        let (again, buf) = tail.read();
+        if again {
+            // Written again from its start: the old file's half line is not to be finished.
+            partial.clear();
+        }
+        partial.extend_from_slice(&buf);
+        if let Some(end) = partial.iter().rposition(|&b| b == b'\n') {
+            let whole: Vec<u8> = partial.drain(..=end).collect();
+            if out.write_all(&whole).and_then(|_| out.flush()).is_err() {
+                return;
             }
         }
         if last {

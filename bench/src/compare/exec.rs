@@ -4,7 +4,7 @@
 //! guard drops).
 
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::Write;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ExitStatus, Stdio};
@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use indicatif::ProgressBar;
 
-use gradsync_core::metrics::{Record, parse_line};
+use gradsync_core::metrics::{MetricsTail, Record, parse_line};
 
 use super::modes::{Plan, ProcSpec};
 use super::results::Restart;
@@ -524,8 +524,8 @@ fn wait_listening(g: &mut Guard) -> anyhow::Result<String> {
 
 /// Where a [`StepCounter`] reads rank 0's metrics lines from.
 enum Source {
-    /// The metrics file itself, from this offset on.
-    File { path: PathBuf, offset: u64 },
+    /// The metrics file itself.
+    File(MetricsTail),
     /// Lines sent back from another host, read by a thread of their own.
     Lines(std::sync::mpsc::Receiver<String>),
 }
@@ -534,9 +534,10 @@ enum Source {
 /// them, reading only what is new.
 struct StepCounter {
     source: Source,
+    /// The highest step recorded.
     steps: u64,
     best_accuracy: f64,
-    partial: String,
+    partial: Vec<u8>,
     /// The step of the newest record.
     last_step: u64,
     /// The first step recorded since [`StepCounter::mark`], and when it was read.
@@ -550,7 +551,7 @@ struct StepCounter {
 
 impl StepCounter {
     fn new(path: PathBuf) -> Self {
-        Self::from(Source::File { path, offset: 0 })
+        Self::from(Source::File(MetricsTail::new(path)))
     }
 
     /// The lines a remote process's supervisor sends on `out` (`supervise --follow`).
@@ -563,7 +564,7 @@ impl StepCounter {
             source,
             steps: 0,
             best_accuracy: f64::NEG_INFINITY,
-            partial: String::new(),
+            partial: Vec::new(),
             last_step: 0,
             first_since_mark: None,
             marked: false,
@@ -590,39 +591,31 @@ impl StepCounter {
 
     fn count(&mut self) -> u64 {
         match &mut self.source {
-            Source::File { path, offset } => {
-                let Ok(mut f) = File::open(&*path) else { return self.steps };
-                // A worker restarted before its first checkpoint starts its file again.
-                if f.metadata().is_ok_and(|m| m.len() < *offset) {
-                    *offset = 0;
+            Source::File(tail) => {
+                let (again, buf) = tail.read();
+                if again {
                     self.partial.clear();
                 }
-                if f.seek(SeekFrom::Start(*offset)).is_err() {
-                    return self.steps;
-                }
-                let mut buf = String::new();
-                if let Ok(n) = f.read_to_string(&mut buf) {
-                    *offset += n as u64;
-                    self.partial.push_str(&buf);
-                }
+                self.partial.extend_from_slice(&buf);
             }
             Source::Lines(rx) => {
                 while let Ok(line) = rx.try_recv() {
-                    self.partial.push_str(&line);
+                    self.partial.extend_from_slice(line.as_bytes());
                 }
             }
         }
-        while let Some(i) = self.partial.find('\n') {
-            let line = &self.partial[..i];
+        while let Some(i) = self.partial.iter().position(|&b| b == b'\n') {
+            let line = String::from_utf8_lossy(&self.partial[..i]);
             if line.contains("\"kind\":\"step\"")
-                && let Ok(Record::Step(s)) = parse_line(line)
+                && let Ok(Record::Step(s)) = parse_line(&line)
             {
                 if self.replayed.is_some_and(|r| s.step <= r) {
                     self.partial.drain(..=i);
                     continue;
                 }
                 self.replayed = None;
-                self.steps += 1;
+                // Steps recomputed after a restart from a checkpoint are not reached twice.
+                self.steps = self.steps.max(s.step);
                 if let Some(a) = s.accuracy {
                     self.best_accuracy = self.best_accuracy.max(a);
                 }
@@ -691,5 +684,43 @@ mod tests {
         assert_eq!(c.count(), 5 + 2, "the resent steps 1-5 and the recomputed 4-5 are not counted again");
         assert_eq!((c.last_step, c.best_accuracy), (7, 0.75));
         assert!(c.first_since_mark.is_none(), "no restart cost is measured from resent records");
+    }
+
+    /// A header line as a worker opens its metrics file with, started at `ms`.
+    fn header(ms: u64) -> String {
+        format!("{{\"kind\":\"header\",\"start_unix_ms\":{ms}}}\n")
+    }
+
+    #[test]
+    fn a_metrics_file_written_again_from_its_start_is_read_from_its_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rank0.jsonl");
+        std::fs::write(&path, header(1_000) + &step(1, None)).unwrap();
+        let mut c = StepCounter::new(path.clone());
+        assert_eq!((c.count(), c.last_step), (1, 1));
+        // Killed at step 1, before any checkpoint: the restarted worker writes its file again
+        // and is already a step further than before when the counter next looks, so the file
+        // is longer than what was read of the old one.
+        c.mark();
+        std::fs::write(&path, header(2_000) + &step(1, None) + &step(2, Some(0.5))).unwrap();
+        assert_eq!(c.count(), 2);
+        assert_eq!(c.first_since_mark.map(|f| f.0), Some(1), "the restart's first step is step 1");
+        assert_eq!((c.last_step, c.best_accuracy), (2, 0.5));
+        // Appended to, as after a resume from a checkpoint: read on from where it was, and the
+        // steps recomputed after the checkpoint (2) are not reached twice.
+        c.mark();
+        let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all((step(2, None) + &step(3, None)).as_bytes()).unwrap();
+        assert_eq!(c.count(), 3);
+        assert_eq!(c.first_since_mark.map(|f| f.0), Some(2));
+        // Written again, shorter than before and with half a header so far.
+        c.mark();
+        let head = header(3_000);
+        std::fs::write(&path, &head[..10]).unwrap();
+        c.count();
+        std::fs::write(&path, head + &step(1, None)).unwrap();
+        c.count();
+        assert_eq!(c.first_since_mark.map(|f| f.0), Some(1));
+        assert_eq!(c.last_step, 1);
     }
 }
