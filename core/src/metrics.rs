@@ -199,51 +199,54 @@ impl MetricsWriter {
     }
 }
 
-/// Reads what is added to a metrics file as it grows, for a reader following a run. A worker
+/// Reads the lines added to a metrics file as it grows, for a reader following a run. A worker
 /// restarted before its first checkpoint writes its file again from the start under a header of
 /// its own; the length alone cannot tell (the new file may be as long as the old one already),
 /// so the file's first line is kept and a file no longer beginning with it is read again from
-/// its start.
+/// its start, the old file's half-written last line dropped.
 pub struct MetricsTail {
     path: PathBuf,
     offset: u64,
-    /// The file's first line once whole; until then, what was read of it.
+    /// The file's first line, with its newline once whole; until then, what was read of it.
     head: Vec<u8>,
-    head_whole: bool,
+    /// What was read past the last whole line.
+    partial: Vec<u8>,
 }
 
 impl MetricsTail {
     /// Follow `path`, which may not exist yet.
     pub fn new(path: PathBuf) -> Self {
-        MetricsTail { path, offset: 0, head: Vec::new(), head_whole: false }
+        MetricsTail { path, offset: 0, head: Vec::new(), partial: Vec::new() }
     }
 
-    /// The bytes written since the last read, and whether the file had been begun again first
-    /// (the bytes are then from its start, and what was read of the old file's last line is
-    /// to be dropped). Nothing while the file cannot be read.
-    pub fn read(&mut self) -> (bool, Vec<u8>) {
+    /// The whole lines written since the last read (nothing while the file cannot be read).
+    pub fn read(&mut self) -> Vec<u8> {
         use std::io::{Read, Seek, SeekFrom};
-        let Ok(mut f) = File::open(&self.path) else { return (false, Vec::new()) };
+        let Ok(mut f) = File::open(&self.path) else { return Vec::new() };
         let mut begun = vec![0; self.head.len()];
         let again = self.offset > 0
             && (f.read_exact(&mut begun).is_err()
                 || begun != self.head
                 || f.metadata().is_ok_and(|m| m.len() < self.offset));
         if again {
-            (self.offset, self.head_whole) = (0, false);
+            self.offset = 0;
             self.head.clear();
+            self.partial.clear();
         }
         let mut buf = Vec::new();
         if f.seek(SeekFrom::Start(self.offset)).is_err() || f.read_to_end(&mut buf).is_err() {
-            return (again, Vec::new());
+            return Vec::new();
         }
         self.offset += buf.len() as u64;
-        if !self.head_whole {
-            let end = buf.iter().position(|&b| b == b'\n');
-            self.head.extend_from_slice(&buf[..end.map_or(buf.len(), |i| i + 1)]);
-            self.head_whole = end.is_some();
+        if self.head.last() != Some(&b'\n') {
+            let end = buf.iter().position(|&b| b == b'\n').map_or(buf.len(), |i| i + 1);
+            self.head.extend_from_slice(&buf[..end]);
         }
-        (again, buf)
+        self.partial.extend_from_slice(&buf);
+        match self.partial.iter().rposition(|&b| b == b'\n') {
+            Some(end) => self.partial.drain(..=end).collect(),
+            None => Vec::new(),
+        }
     }
 }
 
@@ -307,23 +310,24 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("rank0.jsonl");
         let mut t = MetricsTail::new(path.clone());
-        assert_eq!(t.read(), (false, Vec::new()), "not there yet");
+        assert_eq!(t.read(), b"", "not there yet");
         std::fs::write(&path, "head 1 ha").unwrap();
-        assert_eq!(t.read(), (false, b"head 1 ha".to_vec()));
-        std::fs::write(&path, "head 1 half\nstep 1\n").unwrap();
-        assert_eq!(t.read(), (false, b"lf\nstep 1\n".to_vec()));
-        // Begun again, and already longer than the old file when next read.
+        assert_eq!(t.read(), b"", "half a line");
+        std::fs::write(&path, "head 1 half\nstep 1\nst").unwrap();
+        assert_eq!(t.read(), b"head 1 half\nstep 1\n");
+        // Begun again, and already longer than the old file when next read: the old file's half
+        // line is dropped.
         std::fs::write(&path, "head 2 half\nstep 1\nstep 2\n").unwrap();
-        assert_eq!(t.read(), (true, b"head 2 half\nstep 1\nstep 2\n".to_vec()));
+        assert_eq!(t.read(), b"head 2 half\nstep 1\nstep 2\n");
         // Appended to: read on.
         let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
         f.write_all(b"step 2\n").unwrap();
-        assert_eq!(t.read(), (false, b"step 2\n".to_vec()));
+        assert_eq!(t.read(), b"step 2\n");
         // Begun again, half its head written so far.
         std::fs::write(&path, "head").unwrap();
-        assert_eq!(t.read(), (true, b"head".to_vec()));
-        std::fs::write(&path, "head 3\n").unwrap();
-        assert_eq!(t.read(), (false, b" 3\n".to_vec()));
+        assert_eq!(t.read(), b"");
+        std::fs::write(&path, "head 3\nstep 1\n").unwrap();
+        assert_eq!(t.read(), b"head 3\nstep 1\n");
     }
 
     #[test]

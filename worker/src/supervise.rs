@@ -153,20 +153,11 @@ pub fn supervise(a: &SuperviseArgs) -> anyhow::Result<i32> {
 /// away) ends the copying; the program is not disturbed.
 fn follow(path: &std::path::Path, stop: &AtomicBool, out: &mut impl Write) {
     let mut tail = gradsync_core::metrics::MetricsTail::new(path.to_path_buf());
-    let mut partial = Vec::new();
     loop {
         let last = stop.load(Ordering::SeqCst);
-        let (again, buf) = tail.read();
-        if again {
-            // Written again from its start: the old file's half line is not to be finished.
-            partial.clear();
-        }
-        partial.extend_from_slice(&buf);
-        if let Some(end) = partial.iter().rposition(|&b| b == b'\n') {
-            let whole: Vec<u8> = partial.drain(..=end).collect();
-            if out.write_all(&whole).and_then(|_| out.flush()).is_err() {
-                return;
-            }
+        let lines = tail.read();
+        if !lines.is_empty() && out.write_all(&lines).and_then(|_| out.flush()).is_err() {
+            return;
         }
         if last {
             return;

@@ -591,13 +591,7 @@ impl StepCounter {
 
     fn count(&mut self) -> u64 {
         match &mut self.source {
-            Source::File(tail) => {
-                let (again, buf) = tail.read();
-                if again {
-                    self.partial.clear();
-                }
-                self.partial.extend_from_slice(&buf);
-            }
+            Source::File(tail) => self.partial.extend_from_slice(&tail.read()),
             Source::Lines(rx) => {
                 while let Ok(line) = rx.try_recv() {
                     self.partial.extend_from_slice(line.as_bytes());
