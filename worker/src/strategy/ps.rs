@@ -61,6 +61,35 @@ enum Codec {
     TopK(f64, Option<TopK>, Sparse),
 }
 
+impl Codec {
+    /// The push of the engine's gradient, when compressed: built on the host from the whole
+    /// gradient (read into `host`), since top-k's error feedback needs all of it at once; the
+    /// pull still goes straight into the engine. `None`: the f32 gradient goes as it is.
+    fn encode<'a>(
+        &'a mut self,
+        engine: &Engine,
+        host: &'a mut Vec<f32>,
+    ) -> anyhow::Result<Option<Encoded<'a>>> {
+        if matches!(self, Codec::None) {
+            return Ok(None);
+        }
+        let n = engine.layout().len;
+        host.resize(n, 0.0);
+        engine.read_grads(0..n, host)?;
+        Ok(match self {
+            Codec::None => None,
+            Codec::Half(h) => {
+                fits(*h, host)?;
+                Some(Encoded::Half(*h, host))
+            }
+            Codec::TopK(_, residual, pairs) => {
+                residual.as_mut().context("step before start")?.compress(host, pairs)?;
+                Some(Encoded::Sparse(pairs))
+            }
+        })
+    }
+}
+
 /// The top-k residual's name in a worker's checkpoint.
 const RESIDUAL: &str = "residual";
 
@@ -245,24 +274,7 @@ impl Strategy for Ps {
         rec.backward_ms = ms_since(tb);
         self.trace.span("backward", "compute", "compute", tb);
         let t = Instant::now();
-        // Compressed pushes are built on the host from the whole gradient (top-k's error
-        // feedback needs all of it at once); the pull still goes straight into the engine.
-        if !matches!(self.codec, Codec::None) {
-            let n = engine.layout().len;
-            self.host.resize(n, 0.0);
-            engine.read_grads(0..n, &mut self.host)?;
-        }
-        let grads = match &mut self.codec {
-            Codec::None => None,
-            Codec::Half(h) => {
-                fits(*h, &self.host)?;
-                Some(Encoded::Half(*h, &self.host))
-            }
-            Codec::TopK(_, residual, pairs) => {
-                residual.as_mut().context("step before start")?.compress(&self.host, pairs)?;
-                Some(Encoded::Sparse(pairs))
-            }
-        };
+        let grads = self.codec.encode(engine, &mut self.host)?;
         let Servers { rt, client, rows, .. } = &mut self.servers;
         let (t_comm, push, mut pull) = match (&grads, rows) {
             (None, Some(tr)) => {

@@ -1,5 +1,5 @@
-//! The training loop, written once for every mode, in phases that [`run_loop`] reads top to
-//! bottom: the run prepared ([`Training::new`]: the engine, `--load`, the data's batches), its
+//! The training loop, written once for every mode, in phases that `run_steps` reads top to
+//! bottom: the run prepared (`Training::new`: the engine, `--load`, the data's batches), its
 //! start or resumption, the metrics header, then for each step the step itself, the
 //! evaluation when due, its record and the checkpoint when due, and the end (finish, `--save`,
 //! the closing line). The mode's [`Strategy`] does the step and owns what differs between the
