@@ -444,7 +444,8 @@ fn ps_config(args: &PsArgs, compression: Compression, run: &Run) -> anyhow::Resu
         fingerprint: run.fingerprint().text,
         trace: run.trace.clone(),
         compression,
-        // The table's servers of the hybrid apply their own optimiser to the table alone.
+        // Nothing to check unless the mode gives its flags (`--mode ps`); the hybrid's table
+        // servers apply their own optimiser to the table alone.
         optimiser: OptimiserArgs::default(),
     })
 }
