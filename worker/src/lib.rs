@@ -4,8 +4,10 @@
 //! - [`cli`]: the flags of `gradsync-worker` (clap, with torchrun and Slurm variables).
 //! - [`setup`]: from the flags to a run: the resolved [`setup::Run`] and the strategy its
 //!   `--mode` names, each with its own typed configuration (the one match on the mode).
-//! - [`train`]: the training loop, written once: data, sampler, evaluation, metrics, saving.
-//! - [`strategy`]: the [`strategy::Strategy`] seam and one file per mode behind it.
+//! - [`train`]: the training loop, written once, in phases (start or resume, metrics header,
+//!   step, evaluation, checkpoint, end); each step's batch, the progress shown, the saved model.
+//! - [`strategy`]: the [`strategy::Strategy`] seam and one file per mode behind it; each mode
+//!   owns what differs (its checkpoint and resumption, reading the next batch ahead).
 //! - [`ps`]: the parameter-server client (`PsClient`: register, push, pull, heartbeat),
 //!   its connections, bulk RPCs over HTTP/2 frames, and the engine's memory as their source
 //!   and destination; `strategy::ps` drives it, `gradsync-bench ps` uses it directly.

@@ -15,18 +15,26 @@
 //! `keep` complete checkpoints are kept. A resumed run takes the newest checkpoint whose files
 //! match their checksums, naming any it passes over.
 //!
-//! The state is the one engine's: written by rank 0 where every rank holds the same (local,
-//! DDP); a strategy whose state lives elsewhere says why it cannot be checkpointed yet
+//! Each strategy decides what its checkpoint holds and which rank writes it
+//! (`Strategy::checkpoint`, handed a [`CheckpointAt`]), and takes it back in its start (handed a
+//! [`Resume`]): the one engine's state, written by rank 0 where every rank holds the same
+//! (local, DP, DDP; ZeRO-1's momentum shards gathered for it) and read before the ranks agree
+//! on it ([`Resume::engine`]); a parameter-server worker's own (its data position and top-k
+//! residual; the servers keep the parameters), written by every worker in its folder
+//! `DIR/rank-R` and read once the servers have said where the run is ([`Resume::worker`]). A
+//! mode that cannot be checkpointed yet says why before it starts
 //! ([`crate::setup::ModeConfig::checkpoint_support`]). The data order needs no state of its
 //! own: the sampler's order is a function of the seed and the epoch, so the resumed run draws
 //! the batches the unbroken run would.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::state_dict::{self, Entry, Tensors};
+use gradsync_core::trace::Trace;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -122,8 +130,7 @@ pub struct Contents<'a> {
     pub engine: Option<&'a Engine>,
     /// The whole optimiser state, where the engine does not hold it (ZeRO-1's gathered shards).
     pub momentum: Option<&'a [f32]>,
-    /// What the strategy keeps between steps (top-k residuals), as
-    /// [`crate::strategy::Strategy::checkpoint_state`] gave it.
+    /// What the strategy keeps between steps (top-k residuals), as tensors.
     pub state: Option<Tensors>,
     /// See [`RunState::server_version`].
     pub server_version: Option<u64>,
@@ -138,6 +145,163 @@ pub struct Restored {
     pub state: RunState,
     /// What the strategy kept ([`Contents::state`]).
     pub extra: Option<Tensors>,
+}
+
+impl<'a> Contents<'a> {
+    /// The engine's state: its parameters, running statistics and momentum.
+    pub fn engine(engine: &'a Engine) -> Self {
+        Contents { engine: Some(engine), ..Contents::default() }
+    }
+}
+
+/// Where a run starts, as the loop hands it to its strategy's start: from the beginning, or
+/// (`--resume`) from the newest checkpoint, read where the strategy keeps its state.
+#[derive(Debug, Clone)]
+pub struct Resume {
+    /// The checkpoints to continue from; `None`: the run starts from the beginning.
+    from: Option<Checkpoints>,
+    /// What the checkpoint's run must match.
+    identity: Identity,
+    /// This process's rank: where every rank reads the same checkpoint, rank 0 alone says so.
+    rank: usize,
+    /// Print nothing but errors.
+    quiet: bool,
+}
+
+/// Where a resumed run continues, as its strategy found it.
+#[derive(Debug)]
+pub struct Resumed {
+    /// Steps taken before: the run continues with the next.
+    pub step: u64,
+    /// The loss of the run's first step (the divergence check's yardstick), where a
+    /// checkpoint recorded it.
+    pub first_loss: Option<f64>,
+    /// What the strategy kept between steps (top-k residuals), for it to take back.
+    pub state: Option<Tensors>,
+}
+
+impl Resume {
+    /// Process `rank`'s start: from `checkpoints` when they ask to resume, else from the
+    /// beginning; `identity` is what their run must match.
+    pub fn new(checkpoints: Option<&Checkpoints>, identity: Identity, rank: usize, quiet: bool) -> Resume {
+        Resume { from: checkpoints.filter(|c| c.resume).cloned(), identity, rank, quiet }
+    }
+
+    /// Whether the run continues from its checkpoints (a rank coming back).
+    pub fn resuming(&self) -> bool {
+        self.from.is_some()
+    }
+
+    /// The engine's state from the run's newest checkpoint, read by every rank before they
+    /// agree on it (rank 0's wins); `None` from the beginning or when there is none yet.
+    pub fn engine(&self, engine: &mut Engine) -> anyhow::Result<Option<Resumed>> {
+        let Some(ck) = &self.from else { return Ok(None) };
+        let Some(r) = ck.restore(engine, &self.identity)? else { return Ok(None) };
+        if self.rank == 0 {
+            let (step, epoch) = (r.state.step, r.state.epoch);
+            self.say(&format!("resuming after step {step} (epoch {epoch}) from {}", r.path.display()));
+        }
+        Ok(Some(Resumed { step: r.state.step, first_loss: Some(r.state.first_loss), state: r.extra }))
+    }
+
+    /// A parameter-server worker's own state from its newest checkpoint (in its folder
+    /// `DIR/rank-R`), once it has met the servers: at version `servers` under BSP (`None`
+    /// under ASP and SSP). Under BSP a step is a version: the servers went on (or waited)
+    /// while this worker was away, and it continues at the step their version stands for;
+    /// with no checkpoint of its own yet (killed before its first), their version is the step.
+    pub fn worker(&self, servers: Option<u64>) -> anyhow::Result<Option<Resumed>> {
+        let Some(ck) = &self.from else { return Ok(None) };
+        let ck = ck.own(self.rank);
+        let Some(r) = ck.restore_worker(&self.identity, servers)? else {
+            return Ok(match servers {
+                Some(now) if now > 0 => {
+                    self.say(&format!(
+                        "resuming at step {} (the servers' version {now}; no checkpoint in {} yet)",
+                        now + 1,
+                        ck.dir.display()
+                    ));
+                    Some(Resumed { step: now, first_loss: None, state: None })
+                }
+                _ => None,
+            });
+        };
+        let (step, how) = continued_at(&r.state, servers);
+        if step != r.state.step && r.extra.is_some() {
+            eprintln!(
+                "gradsync: --resume: the top-k residual is that of step {} (version {}): what the gradients \
+                 of the {} steps since had left unsent is lost",
+                r.state.step,
+                r.state.server_version.unwrap_or_default(),
+                step - r.state.step
+            );
+        }
+        self.say(&format!("resuming {how} from {}", r.path.display()));
+        Ok(Some(Resumed { step, first_loss: Some(r.state.first_loss), state: r.extra }))
+    }
+
+    fn say(&self, what: &str) {
+        if !self.quiet {
+            eprintln!("gradsync: {what}");
+        }
+    }
+}
+
+/// The steps a parameter-server worker's checkpoint `state` stands for once the servers are at
+/// version `servers`, and how to say where it continues: under BSP the steps the servers made
+/// since its checkpoint are added to it.
+fn continued_at(state: &RunState, servers: Option<u64>) -> (u64, String) {
+    match (state.server_version, servers) {
+        (Some(at), Some(now)) if now != at => {
+            let step = state.step + now.saturating_sub(at);
+            let how = format!(
+                "at step {} (the servers' version {now}; its checkpoint of step {} was at version {at})",
+                step + 1,
+                state.step
+            );
+            (step, how)
+        }
+        _ => (state.step, format!("after step {} (epoch {})", state.step, state.epoch)),
+    }
+}
+
+/// The checkpoint due after a step, as the loop hands it to the strategy, which gathers what
+/// it holds and says which rank writes it.
+pub struct CheckpointAt<'a> {
+    /// The run's checkpoints.
+    pub checkpoints: &'a Checkpoints,
+    /// What a run resuming from it must match.
+    pub identity: &'a Identity,
+    /// The step just taken.
+    pub step: u64,
+    /// Its epoch.
+    pub epoch: u64,
+    /// The loss of the run's first step.
+    pub first_loss: f64,
+    /// This process's rank.
+    pub rank: usize,
+    /// Where the writing is timed (`--trace`).
+    pub trace: &'a Trace,
+}
+
+impl CheckpointAt<'_> {
+    /// Write `contents` as the run's checkpoint of this step (the state every rank holds,
+    /// written once). Returns its folder.
+    pub fn write(&self, contents: Contents<'_>) -> anyhow::Result<PathBuf> {
+        self.write_in(self.checkpoints, contents)
+    }
+
+    /// Write `contents` as this rank's own checkpoint of this step, in its folder `DIR/rank-R`
+    /// (a parameter-server worker's). Returns its folder.
+    pub fn write_own(&self, contents: Contents<'_>) -> anyhow::Result<PathBuf> {
+        self.write_in(&self.checkpoints.own(self.rank), contents)
+    }
+
+    fn write_in(&self, ck: &Checkpoints, contents: Contents<'_>) -> anyhow::Result<PathBuf> {
+        let t = Instant::now();
+        let at = ck.write_contents(contents, self.step, self.epoch, self.first_loss, self.identity)?;
+        self.trace.span("checkpoint", "compute", "compute", t);
+        Ok(at)
+    }
 }
 
 /// The folder name of the checkpoint after `step` steps (zero-padded, so names sort by step).
@@ -176,6 +340,12 @@ fn momentum_tensors(engine: &Engine, held: Option<&[f32]>) -> anyhow::Result<Ten
 }
 
 impl Checkpoints {
+    /// Rank `rank`'s own checkpoints, in the folder `rank-R` of these (a parameter-server
+    /// worker's state is its own).
+    pub fn own(&self, rank: usize) -> Checkpoints {
+        Checkpoints { dir: self.dir.join(format!("rank-{rank}")), ..self.clone() }
+    }
+
     /// Whether a checkpoint is due after `step`.
     pub fn due(&self, step: u64) -> bool {
         step.is_multiple_of(self.every)
@@ -576,6 +746,25 @@ mod tests {
         // An engine run cannot resume from a worker's checkpoint, which holds no model.
         let err = format!("{:#}", ck.restore(&mut engine(1), &id).unwrap_err());
         assert!(err.contains("holds no model"), "{err}");
+    }
+
+    #[test]
+    fn a_bsp_workers_step_adds_the_versions_the_servers_made_since_its_checkpoint() {
+        let state = |server_version| RunState {
+            format: FORMAT,
+            step: 10,
+            epoch: 2,
+            first_loss: 2.3,
+            identity: identity(),
+            server_version,
+            files: Default::default(),
+            version: "test".into(),
+        };
+        assert_eq!(continued_at(&state(Some(10)), Some(10)), (10, "after step 10 (epoch 2)".into()));
+        let (step, how) = continued_at(&state(Some(10)), Some(13));
+        assert_eq!(step, 13);
+        assert_eq!(how, "at step 14 (the servers' version 13; its checkpoint of step 10 was at version 10)");
+        assert_eq!(continued_at(&state(None), None).0, 10, "ASP and SSP: versions do not count steps");
     }
 
     #[test]

@@ -58,8 +58,6 @@ pub struct Run {
     pub eval: Eval,
     /// This process's optimiser, defaults filled in.
     pub sgd: SgdConfig,
-    /// The optimiser flags as given, checked against an optimiser the servers apply.
-    pub optimiser_flags: OptimiserArgs,
     /// The injected straggler, if any.
     pub slow: Option<SlowRank>,
     /// Where this process writes its metrics (`{rank}` replaced).
@@ -71,7 +69,8 @@ pub struct Run {
     /// The parameters to start from.
     pub load: Option<PathBuf>,
     /// Checkpoints of the run in progress (`--checkpoint`, `--checkpoint-every`,
-    /// `--checkpoint-keep`, `--resume`).
+    /// `--checkpoint-keep`, `--resume`); the strategy decides what they hold and where each
+    /// rank's go.
     pub checkpoints: Option<crate::resume::Checkpoints>,
     /// Whether to print nothing but errors.
     pub quiet: bool,
@@ -232,7 +231,6 @@ impl Run {
             budget: args.steps.map_or(Budget::Epochs(args.epochs as u64), Budget::Steps),
             eval: args.eval_samples.map_or(Eval::Steps(args.eval_every), Eval::Samples),
             sgd: args.optimiser.sgd(),
-            optimiser_flags: args.optimiser,
             slow: args.slow_rank,
             metrics: per_rank(&args.metrics),
             trace: if trace_path.is_some() { Trace::new(rank) } else { Trace::disabled() },
@@ -240,8 +238,7 @@ impl Run {
             save: args.save.clone(),
             load: args.load.clone(),
             checkpoints: args.checkpoint.as_ref().map(|dir| crate::resume::Checkpoints {
-                // A parameter-server worker's state is its own: one folder per rank.
-                dir: if args.mode == Mode::Ps { dir.join(format!("rank-{rank}")) } else { dir.clone() },
+                dir: dir.clone(),
                 every: args.checkpoint_every,
                 keep: args.checkpoint_keep as usize,
                 resume: args.resume,
@@ -325,7 +322,7 @@ fn mode_config(args: &TrainArgs, run: &Run) -> anyhow::Result<ModeConfig> {
             trace: run.trace.clone(),
         }),
         Mode::Ps => {
-            ModeConfig::Ps(PsConfig { rejoin: args.resume, ..ps_config(&args.ps, args.compress, run)? })
+            ModeConfig::Ps(PsConfig { optimiser: args.optimiser, ..ps_config(&args.ps, args.compress, run)? })
         }
         Mode::Ddp => ModeConfig::Ddp(ddp_config(&args.ddp, args.compress, run)?),
         Mode::Hybrid => {
@@ -447,7 +444,9 @@ fn ps_config(args: &PsArgs, compression: Compression, run: &Run) -> anyhow::Resu
         fingerprint: run.fingerprint().text,
         trace: run.trace.clone(),
         compression,
-        rejoin: false,
+        // Nothing to check unless the mode gives its flags (`--mode ps`); the hybrid's table
+        // servers apply their own optimiser to the table alone.
+        optimiser: OptimiserArgs::default(),
     })
 }
 

@@ -94,6 +94,57 @@ fn save_load_and_fingerprint_refusal() {
     assert!(stderr(&o).contains("p.ckpt"), "{}", stderr(&o));
 }
 
+/// `--steps 0 --save` is the way to write a model's initial weights: the run says what it did
+/// and names no loss (there is none: no step was taken), its metrics hold the header alone, and
+/// the file holds the weights a run of the same seed starts from (those of one step at
+/// learning rate 0).
+#[test]
+fn zero_steps_write_the_initial_weights_and_say_so() {
+    let d = tmp("zero-steps");
+    let (init, one, metrics) = (d.join("init.safetensors"), d.join("one.safetensors"), d.join("m.jsonl"));
+    let base = [
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--model",
+        "tiny",
+        "--data",
+        "synthetic:256:32:8",
+        "--batch",
+        "16",
+    ];
+    let o = worker(
+        &[
+            &base[..],
+            &["--steps", "0", "--save", init.to_str().unwrap(), "--metrics", metrics.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    let said = format!("gradsync: 0 steps: wrote the initial weights to {}", init.display());
+    assert!(err.contains(&said), "{err}");
+    assert!(!err.contains("NaN") && !err.contains("loss"), "{err}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!((&lines[0]["kind"], &lines[0]["extra"]["total_steps"]), (&"header".into(), &0.into()));
+    let o =
+        worker(&[&base[..], &["--steps", "1", "--lr", "0", "--save", one.to_str().unwrap(), "-q"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (a, b) =
+        (gradsync_core::state_dict::load(&init).unwrap(), gradsync_core::state_dict::load(&one).unwrap());
+    assert!(!a.is_empty());
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (name, t) in &a {
+        assert_eq!(t.to_f32(), b[name].to_f32(), "{name}");
+    }
+}
+
 /// A conv net trained on the built-in digits (images), saved as a PyTorch state dict and
 /// loaded back: the loaded run starts where the saved one ended (its held-out accuracy).
 #[test]

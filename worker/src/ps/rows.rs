@@ -25,7 +25,7 @@ pub struct RowsStep<'a> {
 
 /// A worker's side of a table on parameter servers, between steps: each step pushes the
 /// gradients of the rows its batch named and pulls the rows of the next batch (known ahead,
-/// `Strategy::next_batch`), so the rows a forward pass reads are always of the version the
+/// `Batch::next_x`), so the rows a forward pass reads are always of the version the
 /// step before made. Used by `--mode ps` and `--mode hybrid` alike.
 #[derive(Debug, Default)]
 pub struct TableRows {

@@ -14,6 +14,8 @@
 //! `--mode hybrid` a sparse model's table is left out of the buckets and moved by rows to its
 //! parameter servers instead (`hybrid.rs`).
 
+use std::path::PathBuf;
+
 use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::compress::Compression;
@@ -26,7 +28,8 @@ use super::hybrid::TablePs;
 use super::ps::PsConfig;
 use super::shell::{Backend, DdpConfig, Shell};
 use super::sparse::{RowGather, SparseGrads};
-use super::{Shape, Strategy, timed_span};
+use super::{Batch, Shape, Strategy, timed_span};
+use crate::resume::{CheckpointAt, Contents, Resume, Resumed};
 
 /// DDP over one communicator.
 pub struct Ddp {
@@ -79,25 +82,37 @@ impl Strategy for Ddp {
         Shape::processes(self.shell.world, self.shell.rank)
     }
 
-    fn start(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
+    /// The engine's state from the checkpoint (rank 0's wins at the broadcast), then this
+    /// rank's own top-k residual.
+    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> anyhow::Result<Option<Resumed>> {
+        let resumed = resume.engine(engine)?;
         let (_, momentum) = self.shell.start(engine)?;
         engine.write_momentum(&momentum)?;
         if let Some(t) = &mut self.table {
             t.start(engine)?;
         }
         self.state_bytes = engine.optimizer_state_bytes();
-        Ok(())
+        if let Some(saved) = resumed.as_ref().and_then(|r| r.state.as_ref())
+            && matches!(self.compression, Compression::TopK(_))
+        {
+            let name = residual_name(self.shell.rank);
+            let e = saved
+                .get(&name)
+                .with_context(|| format!("the checkpoint holds no {name}"))
+                .context("restoring the strategy's state from the checkpoint")?;
+            self.reduce.restore_residual(e.to_f32());
+        }
+        Ok(resumed)
     }
 
     fn step(
         &mut self,
         engine: &mut Engine,
-        x: &[f32],
-        y: &[u32],
+        batch: &mut Batch<'_>,
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
         let fetch_ms = match &mut self.table {
-            Some(t) => t.ensure(engine, x, &self.shell.trace)?,
+            Some(t) => t.fetch(engine, batch, &self.shell.trace)?,
             None => 0.0,
         };
         rec.comm_ms += fetch_ms;
@@ -105,7 +120,7 @@ impl Strategy for Ddp {
             self,
             |d| &mut d.shell,
             engine,
-            (x, y),
+            (batch.x, batch.y),
             rec,
             |d, engine, s, rec| {
                 let sh = &mut d.shell;
@@ -149,48 +164,22 @@ impl Strategy for Ddp {
         self.shell.finish()
     }
 
-    fn looks_ahead(&self) -> bool {
-        self.table.is_some()
-    }
-
-    fn next_batch(&mut self, engine: &Engine, x: &[f32]) -> anyhow::Result<()> {
+    fn whole_params(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
         match &mut self.table {
-            Some(t) => t.next_batch(engine, x),
+            Some(t) => t.whole_table(engine),
             None => Ok(()),
         }
     }
 
-    fn sync_params(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
-        match &mut self.table {
-            Some(t) => t.sync(engine),
-            None => Ok(()),
+    /// Every rank's top-k residual all-gathered (each rank keeps its own; rank 0 writes them
+    /// all, `residual.rank<R>`) beside rank 0's engine.
+    fn checkpoint(&mut self, engine: &mut Engine, at: &CheckpointAt<'_>) -> anyhow::Result<Option<PathBuf>> {
+        let residuals = self.gathered_residuals(engine).context("gathering the checkpoint's state")?;
+        if at.rank != 0 {
+            return Ok(None);
         }
-    }
-
-    /// Every rank's top-k residual, all-gathered (each rank keeps its own; rank 0 writes them
-    /// all, `residual.rank<R>`).
-    fn checkpoint_state(&mut self, engine: &Engine) -> anyhow::Result<Option<Tensors>> {
-        let n = engine.layout().len;
-        let Some(mine) = self.reduce.residual(n) else { return Ok(None) };
-        let (world, rank) = (self.shell.world, self.shell.rank);
-        let mut all = vec![0.0; n * world];
-        all[n * rank..n * (rank + 1)].copy_from_slice(&mine);
-        self.shell.comm.get().all_gather(&mut all).context("all-gathering the top-k residuals")?;
-        Ok(Some(
-            all.chunks_exact(n.max(1))
-                .enumerate()
-                .map(|(r, v)| (residual_name(r), Entry::f32(vec![n], v.to_vec())))
-                .collect(),
-        ))
-    }
-
-    fn restore_state(&mut self, saved: &Tensors) -> anyhow::Result<()> {
-        if matches!(self.compression, Compression::TopK(_)) {
-            let name = residual_name(self.shell.rank);
-            let e = saved.get(&name).with_context(|| format!("the checkpoint holds no {name}"))?;
-            self.reduce.restore_residual(e.to_f32());
-        }
-        Ok(())
+        self.whole_params(engine).context("bringing the parameters in for the checkpoint")?;
+        at.write(Contents { state: residuals, ..Contents::engine(engine) }).map(Some)
     }
 
     fn describe(&self) -> (String, serde_json::Map<String, serde_json::Value>) {
@@ -203,6 +192,24 @@ impl Strategy for Ddp {
         super::describe_memory(&mut m, self.state_bytes);
         let v = self.shell.describe(&mut m);
         (v, m)
+    }
+}
+
+impl Ddp {
+    /// Every rank's top-k residual, all-gathered; `None` without top-k.
+    fn gathered_residuals(&mut self, engine: &Engine) -> anyhow::Result<Option<Tensors>> {
+        let n = engine.layout().len;
+        let Some(mine) = self.reduce.residual(n) else { return Ok(None) };
+        let (world, rank) = (self.shell.world, self.shell.rank);
+        let mut all = vec![0.0; n * world];
+        all[n * rank..n * (rank + 1)].copy_from_slice(&mine);
+        self.shell.comm.get().all_gather(&mut all).context("all-gathering the top-k residuals")?;
+        Ok(Some(
+            all.chunks_exact(n.max(1))
+                .enumerate()
+                .map(|(r, v)| (residual_name(r), Entry::f32(vec![n], v.to_vec())))
+                .collect(),
+        ))
     }
 }
 

@@ -17,8 +17,9 @@ use gradsync_core::optim::SgdConfig;
 
 use gradsync_core::trace::Trace;
 
-use super::{Shape, Strategy, backward, forward, ms_since, timed};
+use super::{Batch, Shape, Strategy, backward, forward, ms_since, timed};
 use crate::collective::reduce::add_into;
+use crate::resume::{Resume, Resumed};
 
 /// What DP needs to know.
 #[derive(Debug, Clone)]
@@ -129,7 +130,9 @@ impl Strategy for Dp {
         Shape { processes: 1, rank: 0, replicas: self.replicas }
     }
 
-    fn start(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
+    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> anyhow::Result<Option<Resumed>> {
+        // Replica 0's state (resumed) is every replica's.
+        let resumed = resume.engine(engine)?;
         let p = engine.params()?;
         self.others = self.devices[1..]
             .iter()
@@ -144,16 +147,16 @@ impl Strategy for Dp {
         let n = p.len();
         self.sum = vec![0.0; n];
         self.tmp = vec![0.0; n];
-        Ok(())
+        Ok(resumed)
     }
 
     fn step(
         &mut self,
         engine: &mut Engine,
-        x: &[f32],
-        y: &[u32],
+        batch: &mut Batch<'_>,
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
+        let (x, y) = (batch.x, batch.y);
         let n = self.replicas;
         anyhow::ensure!(
             y.len().is_multiple_of(n),

@@ -7,7 +7,8 @@ use gradsync_core::net::BatchLoss;
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 
-use super::{Shape, Strategy, forward_backward, timed_span};
+use super::{Batch, Shape, Strategy, forward_backward, timed_span};
+use crate::resume::{Resume, Resumed};
 
 /// Forward, backward, update.
 #[derive(Debug)]
@@ -30,18 +31,17 @@ impl Strategy for Local {
         self.shape
     }
 
-    fn start(&mut self, _engine: &mut Engine) -> anyhow::Result<()> {
-        Ok(())
+    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> anyhow::Result<Option<Resumed>> {
+        resume.engine(engine)
     }
 
     fn step(
         &mut self,
         engine: &mut Engine,
-        x: &[f32],
-        y: &[u32],
+        batch: &mut Batch<'_>,
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
-        let loss = forward_backward(engine, x, y, rec, &self.trace)?;
+        let loss = forward_backward(engine, batch.x, batch.y, rec, &self.trace)?;
         let ((), ms) = timed_span(engine, &self.trace, "update", |e| e.update(&self.sgd, 1.0))?;
         rec.update_ms = ms;
         Ok(loss)

@@ -2,13 +2,22 @@
 //! once, in [`crate::train`]) and the ways of synchronising, each in its own file.
 //!
 //! Here: the [`Strategy`] trait, the [`Shape`] through which a strategy tells the loop how to
-//! draw its data, and the timed compute helpers every strategy shares ([`forward`],
+//! draw its data, the [`Batch`] a step is handed (the next one drawn on demand), and the timed
+//! compute helpers every strategy shares ([`forward`],
 //! [`backward`]), so forward and backward are timed and traced in one place. Each strategy
 //! takes its own typed configuration; [`crate::setup`] builds it from the flags. `shell.rs` is
 //! what DDP and ZeRO-1 share (connection, initial broadcast, the start and end of a step);
 //! `bucket.rs` is how DDP reduces one bucket under `--compress` (the f32 or half-precision
 //! all-reduce, or top-k all-gathered), the work DDP hands the communicator for each bucket;
-//! `hybrid.rs` a sparse model's table on parameter servers beside DDP (`--mode hybrid`).
+//! `hybrid.rs` a sparse model's table on parameter servers beside DDP (`--mode hybrid`);
+//! `servers.rs` what PS and the hybrid's table share: the client on its runtime, its heartbeat,
+//! and a sparse table's rows fetched ahead of each step and pulled whole.
+//!
+//! A strategy owns what differs between the modes, so the loop asks it nothing about which
+//! mode it is: where a resumed run's state is read and in what order ([`Strategy::start`]),
+//! what a checkpoint holds and which rank writes it ([`Strategy::checkpoint`]), whether it
+//! reads the next batch ahead ([`Batch::next_x`]). A new mode is one file here and its
+//! configuration in [`crate::setup`].
 
 mod bucket;
 mod ddp;
@@ -16,17 +25,21 @@ mod dp;
 mod hybrid;
 mod local;
 pub mod ps;
+mod servers;
 mod shell;
 mod sparse;
 mod zero1;
 
+use std::path::PathBuf;
 use std::time::Instant;
 
+use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
 use gradsync_core::net::BatchLoss;
-use gradsync_core::state_dict::Tensors;
 use gradsync_core::trace::Trace;
+
+use crate::resume::{CheckpointAt, Contents, Resume, Resumed};
 
 pub use ddp::Ddp;
 pub use dp::{Dp, DpConfig, FaultKind, ReplicaFault};
@@ -62,46 +75,82 @@ impl Shape {
     }
 }
 
-/// One way of training: local, DP, PS, DDP or ZeRO-1.
+/// One step's batch: the rows it trains on, and a way to the batch after it, drawn only when
+/// the strategy asks for it (a strategy that fetches what a step reads ahead of it: a
+/// parameter server's table rows for the next batch are pulled during this step).
+pub struct Batch<'a> {
+    /// This rank's rows (`rows x input` values).
+    pub x: &'a [f32],
+    /// Their labels.
+    pub y: &'a [u32],
+    next: Option<&'a mut dyn NextBatch>,
+}
+
+/// Where the batch after a step's comes from: the loop's sampler, which draws it (the next
+/// epoch's first, at the end of one) only when asked.
+pub trait NextBatch {
+    /// The next step's rows, drawn; `None` after the run's last step.
+    fn next_x(&mut self) -> Option<&[f32]>;
+}
+
+impl<'a> Batch<'a> {
+    /// Rows `x` and labels `y`, followed by what `next` draws (`None`: nothing follows).
+    pub fn new(x: &'a [f32], y: &'a [u32], next: Option<&'a mut dyn NextBatch>) -> Self {
+        Batch { x, y, next }
+    }
+
+    /// The rows of the step after this one; `None` after the run's last.
+    pub fn next_x(&mut self) -> Option<&[f32]> {
+        self.next.as_mut().and_then(|n| n.next_x())
+    }
+}
+
+/// One way of training: local, DP, PS, DDP, ZeRO-1 or the hybrid. The loop asks nothing about
+/// which: each strategy starts (or resumes) where it keeps its state, steps, makes its
+/// parameters whole when asked, checkpoints what it holds, and finishes.
 pub trait Strategy {
     /// How the loop draws this strategy's data.
     fn shape(&self) -> Shape;
 
-    /// Before the first step: agree on the initial parameters (broadcast, register, pull).
-    fn start(&mut self, engine: &mut Engine) -> anyhow::Result<()>;
+    /// Before the first step: take the run's state where `resume` says (the newest checkpoint,
+    /// under `--resume`) and agree on the initial parameters (broadcast, register, pull).
+    /// Where the strategy keeps its state decides the order: an engine's is read before the
+    /// ranks agree on it (rank 0's wins, [`Resume::engine`]); a parameter-server worker's own
+    /// after it has met the servers, whose version says where the run is
+    /// ([`Resume::worker`]). Returns where a resumed run continues (`None`: from the start).
+    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> anyhow::Result<Option<Resumed>>;
 
-    /// One step on this rank's batch `x` (`rows x input`) and labels `y`: forward, backward,
-    /// gradient synchronisation and update. Fills the timing and traffic fields of `rec`.
+    /// One step on this rank's `batch`: forward, backward, gradient synchronisation and
+    /// update. Fills the timing and traffic fields of `rec`.
     fn step(
         &mut self,
         engine: &mut Engine,
-        x: &[f32],
-        y: &[u32],
+        batch: &mut Batch<'_>,
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss>;
 
+    /// Make the engine's parameters whole before anything reads them outside a step
+    /// (evaluation, the saved model), where the strategy keeps part of them elsewhere and
+    /// brings in only what each step reads (a parameter server's table rows).
+    fn whole_params(&mut self, _engine: &mut Engine) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    /// The checkpoint after a step (`--checkpoint`), called on every rank at the same step,
+    /// since what a strategy keeps outside the engine is gathered collectively: the strategy
+    /// decides what it holds and which rank writes it. Returns the folder this rank wrote
+    /// (`None`: another rank writes). By default the engine holds the run's whole state, the
+    /// same on every rank, and rank 0 writes it.
+    fn checkpoint(&mut self, engine: &mut Engine, at: &CheckpointAt<'_>) -> anyhow::Result<Option<PathBuf>> {
+        if at.rank != 0 {
+            return Ok(None);
+        }
+        self.whole_params(engine).context("bringing the parameters in for the checkpoint")?;
+        at.write(Contents::engine(engine)).map(Some)
+    }
+
     /// After the last step: leave cleanly (deregister, close the ring).
     fn finish(&mut self, engine: &mut Engine) -> anyhow::Result<()>;
-
-    /// Whether the strategy fetches what a step reads ahead of it, and so wants
-    /// [`Strategy::next_batch`] called.
-    fn looks_ahead(&self) -> bool {
-        false
-    }
-
-    /// The batch of the step after the coming one (called before each step while there is
-    /// one, when [`Strategy::looks_ahead`]): a parameter server's table rows for it are
-    /// fetched during the coming step.
-    fn next_batch(&mut self, _engine: &Engine, _x: &[f32]) -> anyhow::Result<()> {
-        Ok(())
-    }
-
-    /// Make the engine's parameters whole before anything reads them outside a step
-    /// (evaluation, a checkpoint, the saved model), where the strategy keeps part of them
-    /// elsewhere and brings in only what each step reads (a parameter server's table rows).
-    fn sync_params(&mut self, _engine: &mut Engine) -> anyhow::Result<()> {
-        Ok(())
-    }
 
     /// The optimiser applied to this run's parameters when it is not this process's own (the
     /// parameter servers'), known after [`Strategy::start`].
@@ -112,40 +161,6 @@ pub trait Strategy {
     /// Per-strategy detail for the metrics header (`variant`, `extra`).
     fn describe(&self) -> (String, serde_json::Map<String, serde_json::Value>) {
         (String::new(), serde_json::Map::new())
-    }
-
-    /// The whole optimiser state for a checkpoint of this step, in the engine's flat layout,
-    /// where the strategy keeps it outside the engine (ZeRO-1's shards: gathered); `None`: the
-    /// engine holds it. Called on every rank at the same step, since gathering is collective.
-    fn checkpoint_momentum(&mut self, _engine: &Engine) -> anyhow::Result<Option<Vec<f32>>> {
-        Ok(None)
-    }
-
-    /// Whether the run's parameters and optimiser state live on servers, not in this process
-    /// (PS): each worker then checkpoints only its own state (its data position, its top-k
-    /// residual), and a resumed worker reads it after [`Strategy::start`] has met the servers.
-    fn state_on_servers(&self) -> bool {
-        false
-    }
-
-    /// Under BSP on servers, the version of the parameters this worker holds (its next
-    /// gradient is computed from it): steps and versions advance together, so a resumed
-    /// worker's next step is the one this version stands for. `None` elsewhere.
-    fn server_version(&self) -> Option<u64> {
-        None
-    }
-
-    /// What this strategy keeps between steps besides the engine's state (top-k residuals),
-    /// as tensors for the checkpoint of this step, gathered where each rank keeps its own.
-    /// Called on every rank at the same step. `None`: nothing.
-    fn checkpoint_state(&mut self, _engine: &Engine) -> anyhow::Result<Option<Tensors>> {
-        Ok(None)
-    }
-
-    /// Take back what [`Strategy::checkpoint_state`] wrote, from the checkpoint a run resumes
-    /// from (after [`Strategy::start`]).
-    fn restore_state(&mut self, _saved: &Tensors) -> anyhow::Result<()> {
-        Ok(())
     }
 
     /// What besides a lower learning rate may keep this strategy's training from diverging,

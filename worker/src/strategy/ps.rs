@@ -5,9 +5,13 @@
 //! they step them (`gradsync_server::round`); under ASP and SSP the worker pushes, then pulls.
 //!
 //! The client ([`crate::ps::PsClient`]) does the communication and [`EngineLink`] reaches the
-//! engine's memory; [`Ps`] is the [`Strategy`] that drives them with a tokio runtime, because
-//! the training loop is synchronous, and records the step's timings.
+//! engine's memory; [`Ps`] is the [`Strategy`] that drives them on the tokio runtime of
+//! `servers.rs` (the training loop is synchronous; the hybrid's table shares it, with the
+//! fetching of a sparse table's rows ahead of each step), and records the step's timings. A
+//! worker's checkpoint is its own (the servers keep the parameters), and a resumed worker
+//! reads it once the servers have said, by their version, where the run is.
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -15,36 +19,35 @@ use gradsync_core::Engine;
 use gradsync_core::compress::{Compression, Half, Sparse, TopK};
 use gradsync_core::metrics::Step;
 use gradsync_core::net::BatchLoss;
-use gradsync_core::optim::SgdConfig;
+use gradsync_core::optim::{OptimiserArgs, SgdConfig};
 use gradsync_core::state_dict::{Entry, Tensors};
 use gradsync_core::trace::Trace;
 use gradsync_proto::SyncMode;
-use gradsync_proto::tuning::Tuning;
 
-use super::{Shape, Strategy, forward, ms_since};
-use crate::ps::{Encoded, EngineLink, PsClient, TableRows};
+use super::servers::Servers;
+use super::{Batch, Shape, Strategy, forward, ms_since};
+use crate::ps::{Encoded, EngineLink, TableRows};
+use crate::resume::{CheckpointAt, Contents, Resume, Resumed};
 
 /// `--mode ps`: the [`Strategy`].
 pub struct Ps {
-    rt: tokio::runtime::Runtime,
-    client: PsClient,
+    /// The client, its runtime and heartbeat, and a sparse table's rows.
+    servers: Servers,
     rank: usize,
     world: usize,
     fingerprint: String,
-    servers: Vec<String>,
+    /// The servers' addresses, for the metrics header.
+    addresses: Vec<String>,
+    /// The optimiser this worker's flags name, checked against the servers'.
+    optimiser: OptimiserArgs,
     /// How the exchange reaches the engine's memory (known at [`Strategy::start`]).
     link: EngineLink,
-    heartbeat: Option<tokio::task::JoinHandle<()>>,
     /// Timeline recorder (`--trace`).
     trace: Trace,
     /// How pushes are encoded, and what that keeps between steps.
     codec: Codec,
     /// The gradient read to the host for a compressed push.
     host: Vec<f32>,
-    /// A model with a sparse table: what moves its rows.
-    rows: Option<TableRows>,
-    /// Registered as a rank coming back (`--resume`).
-    rejoin: bool,
 }
 
 /// `--compress` as a push applies it.
@@ -58,11 +61,37 @@ enum Codec {
     TopK(f64, Option<TopK>, Sparse),
 }
 
+impl Codec {
+    /// The push of the engine's gradient, when compressed: built on the host from the whole
+    /// gradient (read into `host`), since top-k's error feedback needs all of it at once; the
+    /// pull still goes straight into the engine. `None`: the f32 gradient goes as it is.
+    fn encode<'a>(
+        &'a mut self,
+        engine: &Engine,
+        host: &'a mut Vec<f32>,
+    ) -> anyhow::Result<Option<Encoded<'a>>> {
+        if matches!(self, Codec::None) {
+            return Ok(None);
+        }
+        let n = engine.layout().len;
+        host.resize(n, 0.0);
+        engine.read_grads(0..n, host)?;
+        Ok(match self {
+            Codec::None => None,
+            Codec::Half(h) => {
+                fits(*h, host)?;
+                Some(Encoded::Half(*h, host))
+            }
+            Codec::TopK(_, residual, pairs) => {
+                residual.as_mut().context("step before start")?.compress(host, pairs)?;
+                Some(Encoded::Sparse(pairs))
+            }
+        })
+    }
+}
+
 /// The top-k residual's name in a worker's checkpoint.
 const RESIDUAL: &str = "residual";
-
-/// How often a worker tells the servers it is alive, whatever it is doing.
-const HEARTBEAT: Duration = gradsync_proto::HEARTBEAT_INTERVAL;
 
 /// What PS mode needs to know.
 #[derive(Debug, Clone)]
@@ -91,8 +120,9 @@ pub struct PsConfig {
     pub trace: Trace,
     /// How pushes are encoded (`--compress`), announced to the servers at registration.
     pub compression: Compression,
-    /// A worker restarted with `--resume`: come back under its rank ([`PsClient::set_rejoin`]).
-    pub rejoin: bool,
+    /// The optimiser the worker's flags name, each value optional: the servers apply their
+    /// own, and a flag that contradicts it is refused at the start (nothing: no check).
+    pub optimiser: OptimiserArgs,
 }
 
 impl Ps {
@@ -100,18 +130,16 @@ impl Ps {
     pub fn new(cfg: PsConfig) -> anyhow::Result<Self> {
         gradsync_core::heap::keep_freed_memory();
         gradsync_core::heap::single_arena();
-        let (rt, mut client) = connect(&cfg, "gradsync-ps")?;
-        client.set_compression(cfg.compression);
-        client.set_rejoin(cfg.rejoin);
+        let mut servers = Servers::connect(&cfg, "gradsync-ps")?;
+        servers.client.set_compression(cfg.compression);
         Ok(Ps {
-            rt,
-            client,
+            servers,
             rank: cfg.rank,
             world: cfg.world,
             fingerprint: cfg.fingerprint,
-            servers: cfg.servers,
+            addresses: cfg.servers,
+            optimiser: cfg.optimiser,
             link: EngineLink::default(),
-            heartbeat: None,
             trace: cfg.trace,
             codec: match cfg.compression {
                 Compression::None => Codec::None,
@@ -120,34 +148,30 @@ impl Ps {
                 Compression::TopK(r) => Codec::TopK(r, None, Sparse::default()),
             },
             host: Vec::new(),
-            rows: None,
-            rejoin: cfg.rejoin,
         })
     }
-}
 
-impl Strategy for Ps {
-    fn shape(&self) -> Shape {
-        Shape::processes(self.world, self.rank)
-    }
-
-    fn start(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
+    /// Register with the servers (coming back under this rank when `rejoin`), pull the
+    /// parameters of the version this worker joins at, and start the heartbeat.
+    fn join(&mut self, engine: &mut Engine, rejoin: bool) -> anyhow::Result<()> {
         let n = engine.layout().len;
         if let Some(t) = &engine.layout().table {
             anyhow::ensure!(
                 matches!(self.codec, Codec::None),
                 "--compress with a sparse table: its rows move as ids and f32 values; push them uncompressed"
             );
-            self.client.set_table(Some((t.range.clone(), t.rows, t.dim)));
-            self.rows = Some(TableRows::new(t.dim));
+            self.servers.client.set_table(Some((t.range.clone(), t.rows, t.dim)));
+            self.servers.rows = Some(TableRows::new(t.dim));
         }
         if let Codec::TopK(ratio, residual, _) = &mut self.codec {
             *residual = Some(TopK::new(*ratio, n));
         }
         self.link = EngineLink::new(engine);
-        let (client, link) = (&mut self.client, &mut self.link);
+        let Servers { rt, client, .. } = &mut self.servers;
+        client.set_rejoin(rejoin);
+        let link = &mut self.link;
         let (rank, world, fp) = (self.rank, self.world, self.fingerprint.as_str());
-        self.rt.block_on(async {
+        rt.block_on(async {
             let version = client.register(rank, world, fp, n).await?;
             let join = client.join_version();
             if join <= version {
@@ -170,11 +194,8 @@ impl Strategy for Ps {
                 }
             }
         })?;
-        let versions = self.client.versions();
-        if self.rejoin
-            && self.client.sync() == SyncMode::Bsp
-            && versions.iter().any(|(_, v)| *v != versions[0].1)
-        {
+        let versions = client.versions();
+        if rejoin && client.sync() == SyncMode::Bsp && versions.iter().any(|(_, v)| *v != versions[0].1) {
             // Killed after one shard had its whole push of a step and committed it, before
             // another had: that step's gradient is in one shard's version and not the other's.
             anyhow::bail!(
@@ -184,137 +205,19 @@ impl Strategy for Ps {
                 versions.iter().map(|(a, v)| format!("{a} at {v}")).collect::<Vec<_>>().join(", ")
             );
         }
-        let mut hb = self.client.share();
-        self.heartbeat = Some(self.rt.spawn(async move {
-            let mut tick = tokio::time::interval(HEARTBEAT);
-            loop {
-                tick.tick().await;
-                if let Err(e) = hb.heartbeat().await {
-                    tracing::warn!("heartbeat: {e:#}");
-                }
-            }
-        }));
+        self.servers.keep_alive();
         Ok(())
     }
 
-    fn step(
-        &mut self,
-        engine: &mut Engine,
-        x: &[f32],
-        y: &[u32],
-        rec: &mut Step,
-    ) -> anyhow::Result<BatchLoss> {
-        let t_rows = Instant::now();
-        let fetched = match &mut self.rows {
-            Some(tr) => self.rt.block_on(tr.ensure(&mut self.client, engine, x))?,
-            None => 0,
-        };
-        if fetched > 0 {
-            self.trace.span("pull rows", "comm", "comm", t_rows);
-        }
-        let fetch_ms = ms_since(t_rows);
-        let loss = forward(engine, x, y, rec, &self.trace)?;
-        // Backward through the link, which stages the gradient for the push where it must.
-        let tb = Instant::now();
-        self.link.backward(engine)?;
-        engine.synchronize()?;
-        rec.backward_ms = ms_since(tb);
-        self.trace.span("backward", "compute", "compute", tb);
-        let t = Instant::now();
-        // Compressed pushes are built on the host from the whole gradient (top-k's error
-        // feedback needs all of it at once); the pull still goes straight into the engine.
-        if !matches!(self.codec, Codec::None) {
-            let n = engine.layout().len;
-            self.host.resize(n, 0.0);
-            engine.read_grads(0..n, &mut self.host)?;
-        }
-        let grads = match &mut self.codec {
-            Codec::None => None,
-            Codec::Half(h) => {
-                fits(*h, &self.host)?;
-                Some(Encoded::Half(*h, &self.host))
-            }
-            Codec::TopK(_, residual, pairs) => {
-                residual.as_mut().context("step before start")?.compress(&self.host, pairs)?;
-                Some(Encoded::Sparse(pairs))
-            }
-        };
-        let (t_comm, push, mut pull) = match (&grads, &mut self.rows) {
-            (None, Some(tr)) => {
-                rec.rows = Some(tr.stage(engine)? as u64);
-                let got = self.rt.block_on(self.link.exchange_rows(&mut self.client, engine, tr.step()))?;
-                tr.land(engine)?;
-                got
-            }
-            (None, None) => self.rt.block_on(self.link.exchange(&mut self.client, engine))?,
-            (Some(g), _) => self.rt.block_on(self.link.exchange_from(&mut self.client, engine, g))?,
-        };
-        pull.bytes += fetched;
-        let at = |ms: f64| t_comm + Duration::from_secs_f64(ms / 1e3);
-        let mut args = serde_json::Map::new();
-        args.insert("bytes".into(), push.bytes.into());
-        args.insert("wait_ms".into(), push.wait_ms.into());
-        args.insert("staleness".into(), push.staleness.into());
-        self.trace.span_with("push", "comm", "comm", t, at(push.ms), args);
-        // A pipelined pull runs beside the push (the lane shows them overlapping).
-        let pull_from = if self.client.pipelined() { t_comm } else { at(push.ms) };
-        self.trace.span("pull", "comm", "comm", pull_from);
-        engine.synchronize()?;
-        // The time the servers held the push for other workers is waiting, not communication:
-        // the step's parts (exposed communication + wait + ...) then add up to at most the step.
-        rec.wait_ms = push.wait_ms.min(ms_since(t));
-        rec.comm_ms = ms_since(t) - rec.wait_ms + fetch_ms;
-        rec.comm_exposed_ms = rec.comm_ms;
-        rec.bytes_sent = push.bytes;
-        rec.bytes_recv = pull.bytes;
-        rec.staleness = Some(push.staleness);
-        Ok(loss)
-    }
-
-    fn finish(&mut self, _engine: &mut Engine) -> anyhow::Result<()> {
-        if let Some(h) = self.heartbeat.take() {
-            h.abort();
-        }
-        self.rt.block_on(self.client.deregister())
-    }
-
-    fn looks_ahead(&self) -> bool {
-        self.rows.is_some()
-    }
-
-    fn next_batch(&mut self, engine: &Engine, x: &[f32]) -> anyhow::Result<()> {
-        match &mut self.rows {
-            Some(tr) => tr.set_next(engine, x),
-            None => Ok(()),
-        }
-    }
-
-    fn sync_params(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
-        if let Some(tr) = &mut self.rows {
-            self.rt.block_on(tr.sync(&mut self.client, engine))?;
-        }
-        Ok(())
-    }
-
-    fn state_on_servers(&self) -> bool {
-        true
-    }
-
+    /// Under BSP, the version of the parameters this worker holds (its next gradient is
+    /// computed from it): steps and versions advance together. `None` under ASP and SSP.
     fn server_version(&self) -> Option<u64> {
-        (self.client.sync() == SyncMode::Bsp).then(|| self.client.version())
+        let client = &self.servers.client;
+        (client.sync() == SyncMode::Bsp).then(|| client.version())
     }
 
-    fn checkpoint_state(&mut self, _engine: &Engine) -> anyhow::Result<Option<Tensors>> {
-        Ok(match &self.codec {
-            Codec::TopK(_, Some(t), _) => {
-                let r = t.residual();
-                Some(Tensors::from_iter([(RESIDUAL.to_string(), Entry::f32(vec![r.len()], r.to_vec()))]))
-            }
-            _ => None,
-        })
-    }
-
-    fn restore_state(&mut self, saved: &Tensors) -> anyhow::Result<()> {
+    /// Take back the top-k residual of a resumed worker's checkpoint (nothing without top-k).
+    fn restore_residual(&mut self, saved: &Tensors) -> anyhow::Result<()> {
         let Codec::TopK(ratio, residual, _) = &mut self.codec else { return Ok(()) };
         let n = residual.as_ref().map_or(0, |t| t.residual().len());
         let e = saved.get(RESIDUAL).context("the checkpoint holds no top-k residual")?;
@@ -326,68 +229,130 @@ impl Strategy for Ps {
         *residual = Some(TopK::with_residual(*ratio, e.to_f32()));
         Ok(())
     }
+}
+
+impl Strategy for Ps {
+    fn shape(&self) -> Shape {
+        Shape::processes(self.world, self.rank)
+    }
+
+    /// Meet the servers, then take this worker's own state from its checkpoint where their
+    /// version says the run is (under `--resume`), and refuse an optimiser flag that
+    /// contradicts theirs.
+    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> anyhow::Result<Option<Resumed>> {
+        self.join(engine, resume.resuming())?;
+        let resumed = resume.worker(self.server_version())?;
+        if let Some(saved) = resumed.as_ref().and_then(|r| r.state.as_ref()) {
+            self.restore_residual(saved).context("restoring the strategy's state from the checkpoint")?;
+        }
+        // The servers' optimiser is the one applied (and recorded); a contradicting flag is
+        // refused, never recorded.
+        if let Some(applied) = self.applied_optimiser()
+            && let Err(e) = self.optimiser.check(&applied, "the parameter servers")
+        {
+            // Leave the servers as they were: without this they would hold the rank as
+            // registered until it timed out, and refuse it when started again.
+            let _ = self.finish(engine);
+            return Err(e.into());
+        }
+        Ok(resumed)
+    }
+
+    fn step(
+        &mut self,
+        engine: &mut Engine,
+        batch: &mut Batch<'_>,
+        rec: &mut Step,
+    ) -> anyhow::Result<BatchLoss> {
+        let fetched = self.servers.fetch_rows(engine, batch, &self.trace)?;
+        let (x, y) = (batch.x, batch.y);
+        let loss = forward(engine, x, y, rec, &self.trace)?;
+        // Backward through the link, which stages the gradient for the push where it must.
+        let tb = Instant::now();
+        self.link.backward(engine)?;
+        engine.synchronize()?;
+        rec.backward_ms = ms_since(tb);
+        self.trace.span("backward", "compute", "compute", tb);
+        let t = Instant::now();
+        let grads = self.codec.encode(engine, &mut self.host)?;
+        let Servers { rt, client, rows, .. } = &mut self.servers;
+        let (t_comm, push, mut pull) = match (&grads, rows) {
+            (None, Some(tr)) => {
+                rec.rows = Some(tr.stage(engine)? as u64);
+                let got = rt.block_on(self.link.exchange_rows(client, engine, tr.step()))?;
+                tr.land(engine)?;
+                got
+            }
+            (None, None) => rt.block_on(self.link.exchange(client, engine))?,
+            (Some(g), _) => rt.block_on(self.link.exchange_from(client, engine, g))?,
+        };
+        pull.bytes += fetched.bytes;
+        let at = |ms: f64| t_comm + Duration::from_secs_f64(ms / 1e3);
+        let mut args = serde_json::Map::new();
+        args.insert("bytes".into(), push.bytes.into());
+        args.insert("wait_ms".into(), push.wait_ms.into());
+        args.insert("staleness".into(), push.staleness.into());
+        self.trace.span_with("push", "comm", "comm", t, at(push.ms), args);
+        // A pipelined pull runs beside the push (the lane shows them overlapping).
+        let pull_from = if client.pipelined() { t_comm } else { at(push.ms) };
+        self.trace.span("pull", "comm", "comm", pull_from);
+        engine.synchronize()?;
+        // The time the servers held the push for other workers is waiting, not communication:
+        // the step's parts (exposed communication + wait + ...) then add up to at most the step.
+        rec.wait_ms = push.wait_ms.min(ms_since(t));
+        rec.comm_ms = ms_since(t) - rec.wait_ms + fetched.ms;
+        rec.comm_exposed_ms = rec.comm_ms;
+        rec.bytes_sent = push.bytes;
+        rec.bytes_recv = pull.bytes;
+        rec.staleness = Some(push.staleness);
+        Ok(loss)
+    }
+
+    fn whole_params(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
+        self.servers.whole_table(engine)
+    }
+
+    /// Every worker its own, in its folder: the servers hold the parameters, so only its data
+    /// position, the servers' version it stands for, and its top-k residual.
+    fn checkpoint(&mut self, _engine: &mut Engine, at: &CheckpointAt<'_>) -> anyhow::Result<Option<PathBuf>> {
+        let state = match &self.codec {
+            Codec::TopK(_, Some(t), _) => {
+                let r = t.residual();
+                Some(Tensors::from_iter([(RESIDUAL.to_string(), Entry::f32(vec![r.len()], r.to_vec()))]))
+            }
+            _ => None,
+        };
+        let contents = Contents { state, server_version: self.server_version(), ..Contents::default() };
+        at.write_own(contents).map(Some)
+    }
+
+    fn finish(&mut self, _engine: &mut Engine) -> anyhow::Result<()> {
+        self.servers.leave()
+    }
 
     fn applied_optimiser(&self) -> Option<SgdConfig> {
-        self.client.optimiser().map(|o| o.0)
+        self.servers.client.optimiser().map(|o| o.0)
     }
 
     fn describe(&self) -> (String, serde_json::Map<String, serde_json::Value>) {
+        let client = &self.servers.client;
         let mut extra = serde_json::Map::new();
-        if let Some((_, stale)) = self.client.optimiser() {
+        if let Some((_, stale)) = client.optimiser() {
             extra.insert("staleness_lr".into(), stale.clone().into());
         }
-        extra.insert("servers".into(), self.servers.clone().into());
-        extra.insert("shards".into(), self.client.ranges().len().into());
-        extra.insert("chunk_bytes".into(), self.client.chunk_bytes().into());
-        extra.insert("pipeline".into(), self.client.pipelined().into());
-        extra.insert("compression".into(), self.client.compression().to_string().into());
-        (self.client.sync().to_string(), extra)
+        extra.insert("servers".into(), self.addresses.clone().into());
+        extra.insert("shards".into(), client.ranges().len().into());
+        extra.insert("chunk_bytes".into(), client.chunk_bytes().into());
+        extra.insert("pipeline".into(), client.pipelined().into());
+        extra.insert("compression".into(), client.compression().to_string().into());
+        (client.sync().to_string(), extra)
     }
 
     fn divergence_advice(&self) -> Option<String> {
-        let policy = self.client.optimiser().map_or("none", |(_, stale)| stale.as_str());
-        stale_gradient_advice(self.client.sync(), policy)
+        let client = &self.servers.client;
+        let policy = client.optimiser().map_or("none", |(_, stale)| stale.as_str());
+        stale_gradient_advice(client.sync(), policy)
     }
-}
-
-/// A runtime for a PS client (the training loop is synchronous) and the client, connected to
-/// the servers of `cfg` (waiting for them as `--connect-timeout` allows), with their sync mode
-/// asked and `cfg`'s pipelining and chunk size set. Registration waits for the strategy's
-/// start. Shared by `--mode ps` and the hybrid's table servers.
-pub(super) fn connect(
-    cfg: &PsConfig,
-    thread_name: &str,
-) -> anyhow::Result<(tokio::runtime::Runtime, PsClient)> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .thread_name(thread_name)
-        .build()
-        .context("starting the PS client runtime")?;
-    let mut tuning = Tuning::tuned();
-    if let Some(c) = cfg.chunk_bytes {
-        tuning.chunk_bytes = c;
-    }
-    let client = rt.block_on(async {
-        let tls = match &cfg.tls {
-            Some((ca, domain)) => Some(gradsync_proto::tls::client(ca, domain.as_deref())?),
-            None => None,
-        };
-        let mut c = PsClient::connect_waiting(
-            &cfg.servers,
-            cfg.token.as_deref(),
-            cfg.rpc_timeout,
-            tuning,
-            tls,
-            cfg.connect_wait,
-        )
-        .await?;
-        c.sync_mode().await?;
-        c.set_pipeline(cfg.pipeline);
-        c.set_chunk_bytes(cfg.chunk_bytes);
-        anyhow::Ok(c)
-    })?;
-    Ok((rt, client))
 }
 
 /// What keeps asynchronous servers' stale gradients from diverging a run: scaling them by their
@@ -399,14 +364,6 @@ fn stale_gradient_advice(sync: SyncMode, policy: &str) -> Option<String> {
         SyncMode::Bsp => None,
         SyncMode::Asp => Some(format!("{scale}, or bound the staleness (--sync ssp:S)")),
         SyncMode::Ssp(_) => Some(scale),
-    }
-}
-
-impl Drop for Ps {
-    fn drop(&mut self) {
-        if let Some(h) = self.heartbeat.take() {
-            h.abort();
-        }
     }
 }
 

@@ -27,6 +27,7 @@
 //! of DDP's. What ZeRO-1 shares with DDP is `shell.rs`.
 
 use std::ops::Range;
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
@@ -36,8 +37,9 @@ use gradsync_core::model::segment;
 use gradsync_core::net::BatchLoss;
 
 use super::shell::Shell;
-use super::{DdpConfig, Shape, Strategy, describe_memory};
+use super::{Batch, DdpConfig, Shape, Strategy, describe_memory};
 use crate::collective::{BucketWork, Collective};
+use crate::resume::{CheckpointAt, Contents, Resume, Resumed};
 
 /// What ZeRO-1 needs to know: DDP's settings (rendezvous, backend, buckets, overlap), and
 /// whether the full momentum must be gathered at the end (a checkpoint holds it whole).
@@ -134,8 +136,9 @@ impl Strategy for Zero1 {
         Shape::processes(self.shell.world, self.shell.rank)
     }
 
-    fn start(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
-        // One set of initial parameters and momentum (--load) for every rank: rank 0's.
+    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> anyhow::Result<Option<Resumed>> {
+        // One set of initial parameters and momentum (--load, --resume) for every rank: rank 0's.
+        let resumed = resume.engine(engine)?;
         let (plan, p) = self.shell.start(engine)?;
         let (world, rank) = (self.shell.world, self.shell.rank);
         let owned: Vec<Range<usize>> = plan
@@ -161,21 +164,20 @@ impl Strategy for Zero1 {
         // The shard is the optimiser state from here on; the engine holds none.
         engine.release_momentum();
         self.state_bytes = self.momentum.len() * size_of::<f32>() + engine.optimizer_state_bytes();
-        Ok(())
+        Ok(resumed)
     }
 
     fn step(
         &mut self,
         engine: &mut Engine,
-        x: &[f32],
-        y: &[u32],
+        batch: &mut Batch<'_>,
         rec: &mut Step,
     ) -> anyhow::Result<BatchLoss> {
         Shell::step(
             self,
             |z| &mut z.shell,
             engine,
-            (x, y),
+            (batch.x, batch.y),
             rec,
             |z, engine, s, rec| {
                 let Zero1 { shell: sh, scatter, momentum, scratch, .. } = z;
@@ -226,8 +228,14 @@ impl Strategy for Zero1 {
         self.shell.finish()
     }
 
-    fn checkpoint_momentum(&mut self, engine: &Engine) -> anyhow::Result<Option<Vec<f32>>> {
-        self.gathered_momentum(engine.layout().len).map(Some)
+    /// The momentum shards gathered by every rank, and rank 0's engine with them.
+    fn checkpoint(&mut self, engine: &mut Engine, at: &CheckpointAt<'_>) -> anyhow::Result<Option<PathBuf>> {
+        let momentum =
+            self.gathered_momentum(engine.layout().len).context("gathering the checkpoint's momentum")?;
+        if at.rank != 0 {
+            return Ok(None);
+        }
+        at.write(Contents { momentum: Some(&momentum), ..Contents::engine(engine) }).map(Some)
     }
 
     fn describe(&self) -> (String, serde_json::Map<String, serde_json::Value>) {
