@@ -205,60 +205,7 @@ pub enum Family {
     Hybrid,
 }
 
-/// Why ZeRO-1 cannot train a table.
-const ZERO1_TABLE: &str =
-    "ZeRO-1's sharded update is not lazy, and a table's rows are updated only where a batch named them";
-/// Why the PS's compressed pushes cannot carry a table.
-const PS_COMPRESSED_TABLE: &str =
-    "the parameter server moves a table's rows as ids and f32 values, uncompressed (use ps-sparse)";
-
-/// DDP's ring over TCP sockets.
-const TCP: Ring = Ring { backend: Backend::Tcp, transport: Some(Transport::Tcp) };
-/// Parameter servers of all the model.
-const fn servers(sync: ServerSync) -> Option<Servers> {
-    Some(Servers { sync, table_only: false })
-}
-
-/// A mode that runs parameter servers under `sync`, uncompressed, needing nothing.
-const fn ps(name: &'static str, about: &'static str, sync: ServerSync, short: &'static str) -> Compared {
-    Compared {
-        name,
-        aliases: &[],
-        about,
-        mode: Mode::Ps,
-        ring: None,
-        codec: Codec::None,
-        sparse_grads: None,
-        servers: servers(sync),
-        wire: Wire::Grpc,
-        needs: Needs::NOTHING,
-        refuses_table: None,
-        family: Family::Ps,
-        short,
-    }
-}
-
-/// A mode whose ranks meet over the rendezvous store and form `ring`, uncompressed, needing
-/// nothing.
-const fn ring(name: &'static str, about: &'static str, mode: Mode, ring: Ring, wire: Wire) -> Compared {
-    Compared {
-        name,
-        aliases: &[],
-        about,
-        mode,
-        ring: Some(ring),
-        codec: Codec::None,
-        sparse_grads: None,
-        servers: None,
-        wire,
-        needs: Needs::NOTHING,
-        refuses_table: None,
-        family: Family::Ring,
-        short: "",
-    }
-}
-
-/// local.
+/// local, which dp is written from.
 const LOCAL: Compared = Compared {
     name: "local",
     aliases: &[],
@@ -274,21 +221,50 @@ const LOCAL: Compared = Compared {
     family: Family::Local,
     short: "local",
 };
-/// ps-bsp.
-const PS_BSP: Compared = ps("ps-bsp", "Parameter server, bulk-synchronous", ServerSync::Bsp, "bsp{n}k{k}");
-/// ddp-tcp.
-const DDP_TCP: Compared = Compared {
-    short: "ring{n}",
-    ..ring(
-        "ddp-tcp",
-        "DDP ring all-reduce over TCP sockets (on loopback here: the parameter server's wire)",
-        Mode::Ddp,
-        TCP,
-        Wire::Tcp,
-    )
+
+/// ps-bsp, which the other parameter-server modes and the hybrid are written from.
+const PS_BSP: Compared = Compared {
+    name: "ps-bsp",
+    aliases: &[],
+    about: "Parameter server, bulk-synchronous",
+    mode: Mode::Ps,
+    ring: None,
+    codec: Codec::None,
+    sparse_grads: None,
+    servers: Some(Servers { sync: ServerSync::Bsp, table_only: false }),
+    wire: Wire::Grpc,
+    needs: Needs::NOTHING,
+    refuses_table: None,
+    family: Family::Ps,
+    short: "bsp{n}k{k}",
 };
 
-/// Every compared mode, in report order.
+/// DDP's ring over TCP sockets.
+const TCP: Ring = Ring { backend: Backend::Tcp, transport: Some(Transport::Tcp) };
+
+/// ddp-tcp, which the other rings are written from.
+const DDP_TCP: Compared = Compared {
+    name: "ddp-tcp",
+    aliases: &[],
+    about: "DDP ring all-reduce over TCP sockets (on loopback here: the parameter server's wire)",
+    mode: Mode::Ddp,
+    ring: Some(TCP),
+    codec: Codec::None,
+    sparse_grads: None,
+    servers: None,
+    wire: Wire::Tcp,
+    needs: Needs::NOTHING,
+    refuses_table: None,
+    family: Family::Ring,
+    short: "ring{n}",
+};
+
+/// Why the PS's compressed pushes cannot carry a table.
+const PS_COMPRESSED_TABLE: &str =
+    "the parameter server moves a table's rows as ids and f32 values, uncompressed (use ps-sparse)";
+
+/// Every compared mode, in report order: each written as what it changes of the mode it is
+/// written from.
 pub const COMPARED: &[Compared] = &[
     LOCAL,
     Compared {
@@ -301,41 +277,48 @@ pub const COMPARED: &[Compared] = &[
         ..LOCAL
     },
     PS_BSP,
-    ps("ps-asp", "Parameter server, asynchronous", ServerSync::Asp, "asp{n}k{k}"),
-    ps("ps-ssp", "Parameter server, stale-synchronous", ServerSync::Ssp, "ssp{n}k{k}"),
+    Compared {
+        name: "ps-asp",
+        about: "Parameter server, asynchronous",
+        servers: Some(Servers { sync: ServerSync::Asp, table_only: false }),
+        short: "asp{n}k{k}",
+        ..PS_BSP
+    },
+    Compared {
+        name: "ps-ssp",
+        about: "Parameter server, stale-synchronous",
+        servers: Some(Servers { sync: ServerSync::Ssp, table_only: false }),
+        short: "ssp{n}k{k}",
+        ..PS_BSP
+    },
     DDP_TCP,
     Compared {
+        name: "ddp-shm",
+        about: "DDP ring all-reduce over shared memory (one host only; not a network)",
+        ring: Some(Ring { backend: Backend::Tcp, transport: Some(Transport::Shm) }),
+        wire: Wire::Shm,
         needs: Needs { one_host: true, ..Needs::NOTHING },
         short: "shm{n}",
-        ..ring(
-            "ddp-shm",
-            "DDP ring all-reduce over shared memory (one host only; not a network)",
-            Mode::Ddp,
-            Ring { backend: Backend::Tcp, transport: Some(Transport::Shm) },
-            Wire::Shm,
-        )
+        ..DDP_TCP
     },
     Compared {
+        name: "ddp-nccl",
+        about: "DDP over NCCL (GPU only)",
+        ring: Some(Ring { backend: Backend::Nccl, transport: None }),
+        wire: Wire::Nccl,
         needs: Needs { gpu: true, ..Needs::NOTHING },
         short: "nccl{n}",
-        ..ring(
-            "ddp-nccl",
-            "DDP over NCCL (GPU only)",
-            Mode::Ddp,
-            Ring { backend: Backend::Nccl, transport: None },
-            Wire::Nccl,
-        )
+        ..DDP_TCP
     },
     Compared {
-        refuses_table: Some(ZERO1_TABLE),
+        name: "zero1-tcp",
+        about: "ZeRO stage 1 over TCP sockets: reduce-scatter, each rank updates its 1/n shard, all-gather",
+        mode: Mode::Zero1,
+        refuses_table: Some(
+            "ZeRO-1's sharded update is not lazy, and a table's rows are updated only where a batch named them",
+        ),
         short: "zero{n}",
-        ..ring(
-            "zero1-tcp",
-            "ZeRO stage 1 over TCP sockets: reduce-scatter, each rank updates its 1/n shard, all-gather",
-            Mode::Zero1,
-            TCP,
-            Wire::Tcp,
-        )
+        ..DDP_TCP
     },
     Compared {
         name: "ps-bsp-fp16",
