@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
+use gradsync_worker::modes::Wire;
 use indicatif::{MultiProgress, ProgressBar};
 
 pub use crate::compare::emulated::{CLUSTER_FILE, ClusterRun};
@@ -207,7 +208,8 @@ pub fn run_cluster(
                 (gbit, latency.map_err(|e| said("latency", e)).ok().map(|s| s * 1e6))
             });
             let skip = skip.or_else(|| {
-                (spec.mode == ModeKind::DdpNccl).then(|| "NCCL does not run over emulated links".to_string())
+                (spec.mode.compared().wire == Wire::Nccl)
+                    .then(|| "NCCL does not run over emulated links".to_string())
             });
             let o = crate::compare::run_spec(
                 scenario, &spec, bins, out, placement, None, skip, &multi, &overall,

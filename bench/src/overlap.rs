@@ -10,7 +10,10 @@ use std::process::Command;
 
 use anyhow::Context;
 use clap::Args;
+use gradsync_core::device::DeviceRequest;
 use gradsync_core::metrics::{Record, parse_line};
+use gradsync_worker::cli::Mode;
+use gradsync_worker::cli::flag::{self as wf, choice, opt, switch};
 
 use crate::table::{Table, median};
 
@@ -71,16 +74,26 @@ fn one_run(a: &OverlapArgs, worker: &Path, dir: &Path, overlap: bool) -> anyhow:
     let tag = if overlap { "overlap" } else { "after" };
     let metrics = dir.join(format!("{tag}-{{rank}}.jsonl"));
     let mut cmd = Command::new(worker);
-    cmd.args(["launch", "--nproc-per-node", &a.ranks.to_string(), "--master-port", "0", "--"])
-        .args(["train", "--mode", "ddp", "--model", &a.model, "--device", "cpu"])
-        .args(["--threads", &a.threads.to_string(), "--batch", &a.batch.to_string()])
-        .args(["--data", &format!("synthetic:{}", a.batch * a.ranks * (a.steps + 1))])
-        .args(["--steps", &a.steps.to_string(), "--eval-every", "0", "--quiet"])
-        .args(["--bucket-mb", &a.bucket_mb.to_string(), "--comm-timeout", "300"])
-        .arg("--metrics")
+    cmd.arg("launch")
+        .args(opt(wf::NPROC_PER_NODE, a.ranks))
+        .args(opt(wf::MASTER_PORT, 0))
+        .arg("--")
+        .arg("train")
+        .args(opt(wf::MODE, choice(Mode::Ddp)))
+        .args(opt(wf::MODEL, &a.model))
+        .args(opt(wf::DEVICE, DeviceRequest::Cpu))
+        .args(opt(wf::THREADS, a.threads))
+        .args(opt(wf::BATCH, a.batch))
+        .args(opt(wf::DATA, format!("synthetic:{}", a.batch * a.ranks * (a.steps + 1))))
+        .args(opt(wf::STEPS, a.steps))
+        .args(opt(wf::EVAL_EVERY, 0))
+        .arg(switch(wf::QUIET))
+        .args(opt(wf::BUCKET_MB, a.bucket_mb))
+        .args(opt(wf::COMM_TIMEOUT, 300))
+        .arg(switch(wf::METRICS))
         .arg(&metrics);
     if !overlap {
-        cmd.arg("--no-overlap");
+        cmd.arg(switch(wf::NO_OVERLAP));
     }
     let out = cmd.output().with_context(|| format!("running {}", worker.display()))?;
     anyhow::ensure!(out.status.success(), "DDP run failed:\n{}", String::from_utf8_lossy(&out.stderr));

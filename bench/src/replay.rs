@@ -8,9 +8,11 @@ use std::process::Command;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
+use gradsync_core::device::DeviceRequest;
 use gradsync_core::metrics::{Record, parse_line};
 use gradsync_core::model::ModelSpec;
 use gradsync_core::profile::Profile;
+use gradsync_worker::cli::flag::{self as wf, opt, switch};
 
 use crate::table::{Table, median};
 
@@ -117,10 +119,10 @@ impl RateArgs {
     fn flags(&self) -> Vec<String> {
         let mut out = Vec::new();
         if let Some(t) = self.device_tflops {
-            out.extend(["--device-tflops".to_string(), t.to_string()]);
+            out.extend(opt(wf::DEVICE_TFLOPS, t));
         }
         if let Some(b) = self.device_tbps {
-            out.extend(["--device-tbps".to_string(), b.to_string()]);
+            out.extend(opt(wf::DEVICE_TBPS, b));
         }
         out
     }
@@ -411,10 +413,14 @@ fn worker_path(given: &Option<PathBuf>) -> anyhow::Result<PathBuf> {
 /// Median step, forward and backward milliseconds of one run (warm-up left out).
 fn one_run(worker: &Path, model: &str, a: &CheckArgs, metrics: &Path) -> anyhow::Result<[f64; 3]> {
     let out = Command::new(worker)
-        .args(["train", "--model", model, "--device", "cpu", "--threads", "1", "--quiet"])
-        .args(["--steps", &a.steps.to_string()])
+        .arg("train")
+        .args(opt(wf::MODEL, model))
+        .args(opt(wf::DEVICE, DeviceRequest::Cpu))
+        .args(opt(wf::THREADS, 1))
+        .arg(switch(wf::QUIET))
+        .args(opt(wf::STEPS, a.steps))
         .args(a.rate.flags())
-        .arg("--metrics")
+        .arg(switch(wf::METRICS))
         .arg(metrics)
         .output()
         .with_context(|| format!("starting {}", worker.display()))?;

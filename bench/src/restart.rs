@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
+use gradsync_worker::cli::Mode;
+use gradsync_worker::cli::flag::{self as wf, choice, opt, switch};
 
 use crate::table::{Table, median};
 
@@ -64,12 +66,20 @@ pub fn run(a: &RestartArgs) -> anyhow::Result<()> {
     for seed in 1..=a.runs {
         let dir = tempfile::tempdir()?;
         let mut child = Command::new(&worker)
-            .args(["launch", "--nproc-per-node", &a.ranks.to_string(), "--master-port", "0"])
-            .args(["--max-restarts", &a.kills.to_string(), "--"])
-            .args(["train", "--mode", "ddp", "--model", &a.model, "--data", &a.data, "--threads", "1"])
-            .args(["--steps", &a.steps.to_string(), "--eval-every", "0", "--checkpoint-every"])
-            .arg(a.checkpoint_every.to_string())
-            .arg("--checkpoint")
+            .arg("launch")
+            .args(opt(wf::NPROC_PER_NODE, a.ranks))
+            .args(opt(wf::MASTER_PORT, 0))
+            .args(opt(wf::MAX_RESTARTS, a.kills))
+            .arg("--")
+            .arg("train")
+            .args(opt(wf::MODE, choice(Mode::Ddp)))
+            .args(opt(wf::MODEL, &a.model))
+            .args(opt(wf::DATA, &a.data))
+            .args(opt(wf::THREADS, 1))
+            .args(opt(wf::STEPS, a.steps))
+            .args(opt(wf::EVAL_EVERY, 0))
+            .args(opt(wf::CHECKPOINT_EVERY, a.checkpoint_every))
+            .arg(switch(wf::CHECKPOINT))
             .arg(dir.path().join("ck"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -14,10 +14,28 @@ pub use crate::collective::{Hierarchy, Transport};
 pub use crate::strategy::Backend;
 use crate::strategy::{FaultKind, ReplicaFault, SparseGrads};
 
-/// The long names of the `train` flags another program writes (`gradsync-bench compare` builds
-/// every worker's command line from these): one definition for this parser and those command
-/// lines, so a flag renamed here is renamed there.
+/// The long names of the `train` and `launch` flags another program writes (`gradsync-bench`
+/// builds every worker's command line from these, and [`crate::modes`] each compared mode's):
+/// one definition for this parser and those command lines, so a flag renamed here is renamed
+/// there.
 pub mod flag {
+    use clap::ValueEnum;
+
+    /// The flag named `long` with its value, as a command line writes them: `--long value`.
+    pub fn opt(long: &str, value: impl std::fmt::Display) -> [String; 2] {
+        [switch(long), value.to_string()]
+    }
+
+    /// The flag named `long` alone (a switch, or a flag whose value follows as an `OsStr`).
+    pub fn switch(long: &str) -> String {
+        format!("--{long}")
+    }
+
+    /// A value of a closed set (`--mode`, `--backend`...) as the parser spells it.
+    pub fn choice(v: impl ValueEnum) -> String {
+        v.to_possible_value().map_or_else(String::new, |p| p.get_name().to_string())
+    }
+
     /// `--mode`.
     pub const MODE: &str = "mode";
     /// `--device`.
@@ -88,6 +106,18 @@ pub mod flag {
     pub const TLS_CA: &str = "tls-ca";
     /// `--tls-domain`.
     pub const TLS_DOMAIN: &str = "tls-domain";
+    /// `--eval-every`.
+    pub const EVAL_EVERY: &str = "eval-every";
+    /// `--quiet`.
+    pub const QUIET: &str = "quiet";
+    /// `--comm-timeout`.
+    pub const COMM_TIMEOUT: &str = "comm-timeout";
+    /// `--no-overlap`.
+    pub const NO_OVERLAP: &str = "no-overlap";
+    /// `launch --nproc-per-node`.
+    pub const NPROC_PER_NODE: &str = "nproc-per-node";
+    /// `launch --max-restarts`.
+    pub const MAX_RESTARTS: &str = "max-restarts";
 }
 
 /// gradsync worker: trains the model locally, as DataParallel replicas, against parameter
@@ -156,7 +186,7 @@ pub fn with_pet_env(
 #[derive(Debug, Clone, Args)]
 pub struct LaunchArgs {
     /// Processes (ranks) to start on this node.
-    #[arg(long, default_value_t = 1, env = "LOCAL_WORLD_SIZE")]
+    #[arg(long = flag::NPROC_PER_NODE, default_value_t = 1, env = "LOCAL_WORLD_SIZE")]
     pub nproc_per_node: usize,
     /// Number of nodes in the run.
     #[arg(long, default_value_t = 1, env = "NNODES")]
@@ -177,7 +207,7 @@ pub struct LaunchArgs {
     /// restarts its ranks together, agreed through node 0's launcher. A `train` command must
     /// keep checkpoints (`--checkpoint DIR`, on a file system every node shares): its ranks
     /// restart with `--resume`. 0: a failure ends the run.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long = flag::MAX_RESTARTS, default_value_t = 0)]
     pub max_restarts: u32,
     /// With several nodes and `--max-restarts`: seconds a node may take to register, or to
     /// come back for a restart, and a launcher may stay silent (heartbeats stopped) before the
@@ -290,7 +320,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub drop_last: bool,
     /// Evaluate on the held-out split every N steps (0: only at the end).
-    #[arg(long, default_value_t = 50)]
+    #[arg(long = flag::EVAL_EVERY, default_value_t = 50)]
     pub eval_every: u64,
     /// Evaluate on the held-out split every time the samples seen by all workers together
     /// pass another multiple of N (a cadence every mode shares whatever its batch per worker;
@@ -344,7 +374,7 @@ pub struct TrainArgs {
     #[arg(long = flag::RESUME, requires = "checkpoint")]
     pub resume: bool,
     /// Print nothing but errors.
-    #[arg(long, short)]
+    #[arg(long = flag::QUIET, short)]
     pub quiet: bool,
     /// Inject a straggler: rank R (replica R in DP) sleeps MS milliseconds before every
     /// step's forward pass. Written as R:MS, e.g. 1:50; recorded in the metrics header.
@@ -452,7 +482,7 @@ pub struct DdpArgs {
     #[arg(long = flag::MASTER_PORT, env = "MASTER_PORT")]
     pub master_port: Option<u16>,
     /// Seconds any blocking collective or rendezvous call may wait before failing.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long = flag::COMM_TIMEOUT, default_value_t = 60.0)]
     pub comm_timeout: f64,
     /// Shared secret each side of every ring connection proves it knows (HMAC-SHA256
     /// challenge-response; never sent). Use a long random one.
@@ -477,7 +507,7 @@ pub struct DdpArgs {
     pub hierarchy: Hierarchy,
     /// Reduce each bucket after the whole backward pass instead of during it (to measure what
     /// overlap buys; GPU engines with --backend tcp always do this).
-    #[arg(long)]
+    #[arg(long = flag::NO_OVERLAP)]
     pub no_overlap: bool,
     /// Synchronised batch norm (PyTorch's SyncBatchNorm): each batch norm normalises with the
     /// mean and variance of every rank's batch together, all-reduced in forward, and its

@@ -2,6 +2,8 @@
 //!
 //! # Layout
 //! - [`cli`]: the flags of `gradsync-worker` (clap, with torchrun and Slurm variables).
+//! - [`modes`]: the modes `gradsync-bench compare` compares, declared once: each one's name,
+//!   the flags that make it, its servers, its wire, what it needs and its family.
 //! - [`setup`]: from the flags to a run: the resolved [`setup::Run`] and the strategy its
 //!   `--mode` names, each with its own typed configuration (the one match on the mode).
 //! - [`train`]: the training loop, written once, in phases (start or resume, metrics header,
@@ -30,6 +32,7 @@
 pub mod cli;
 pub mod collective;
 pub mod launch;
+pub mod modes;
 pub mod ps;
 pub mod rendezvous;
 pub mod restarts;

@@ -6,6 +6,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use gradsync_worker::modes::Family;
 use serde::{Deserialize, Serialize};
 
 use super::scenario::ModeKind;
@@ -87,7 +88,7 @@ pub fn tcp_streams(mode: ModeKind, workers: usize, shards: usize) -> Option<Stre
     if !mode.over_tcp() || workers < 2 && !mode.is_ps() {
         return None;
     }
-    if mode == ModeKind::Hybrid {
+    if mode.is_ps() && mode.compared().ring.is_some() {
         // The table's push and pull sockets per worker per shard, and the ring's one per rank.
         Some(Streams { total: 2 * workers * shards.max(1) + workers, busiest: 2 * workers })
     } else if mode.is_ps() {
@@ -133,7 +134,7 @@ impl Machine {
     /// Why a run of `mode` with `workers` ranks cannot run on this machine, if it cannot: NCCL
     /// needs a GPU of its own for every rank (it refuses two ranks on one device).
     pub fn cannot_run(&self, mode: ModeKind, workers: usize) -> Option<String> {
-        if mode != ModeKind::DdpNccl {
+        if !mode.compared().needs.gpu {
             return None;
         }
         match self.gpus.len() {
@@ -334,7 +335,7 @@ pub fn placement_short(
     workers: &[usize],
     what: &str,
 ) -> Option<String> {
-    if spec.mode == ModeKind::DdpNccl {
+    if spec.mode.compared().needs.gpu {
         for (i, h) in hosts.iter().enumerate() {
             let ranks = workers.iter().filter(|&&w| w == i).count();
             if ranks > h.gpus.len() {
@@ -379,11 +380,11 @@ pub fn placement_short(
 pub fn process_memory(mode: ModeKind, workers: usize, shards: usize, params: usize) -> (u64, u64) {
     let s = params as u64 * 4;
     let k = shards.max(1) as u64;
-    match mode.base() {
-        ModeKind::Local | ModeKind::Dp => (0, run_memory(mode, workers, params)),
-        ModeKind::Hybrid => ((5 * s).div_ceil(k), 4 * s),
-        m if m.is_ps() => ((5 * s).div_ceil(k), 3 * s),
-        _ => (0, 4 * s),
+    match mode.compared().family {
+        Family::Local | Family::Dp => (0, run_memory(mode, workers, params)),
+        Family::Hybrid => ((5 * s).div_ceil(k), 4 * s),
+        Family::Ps => ((5 * s).div_ceil(k), 3 * s),
+        Family::Ring => (0, 4 * s),
     }
 }
 
@@ -395,13 +396,13 @@ pub fn process_memory(mode: ModeKind, workers: usize, shards: usize, params: usi
 pub fn run_memory(mode: ModeKind, workers: usize, params: usize) -> u64 {
     let s = params as u64 * 4;
     let w = workers.max(1) as u64;
-    match mode.base() {
-        ModeKind::Local => 3 * s,
-        ModeKind::Dp => (2 * w + 4) * s,
+    match mode.compared().family {
+        Family::Local => 3 * s,
+        Family::Dp => (2 * w + 4) * s,
         // A whole replica per rank, as DDP's, and the table (at most the model) on the servers.
-        ModeKind::Hybrid => 4 * s * w + 5 * s,
-        m if m.is_ps() => 3 * s * w + 5 * s,
-        _ => 4 * s * w,
+        Family::Hybrid => 4 * s * w + 5 * s,
+        Family::Ps => 3 * s * w + 5 * s,
+        Family::Ring => 4 * s * w,
     }
 }
 

@@ -1,24 +1,25 @@
-//! The command line of every mode, one function per mode: the only place that writes the
-//! worker's and the server's flags, each by the name the binary's own parser defines
+//! The command line of every mode: the only place in the comparison that writes the worker's
+//! and the server's flags, each by the name the binary's own parser defines
 //! (`gradsync_worker::cli::flag`, `gradsync_server::config::flag`,
-//! `gradsync_core::optim::flag`) and each choice by its typed value. Each returns a [`Plan`]: the server processes to start
-//! first (each printing `gradsync-server listening on ADDR` once it serves) and a function
-//! from their addresses to the worker processes.
+//! `gradsync_core::optim::flag`) and each choice by its typed value. What makes each mode
+//! (its `--mode`, ring, compression, servers) is its entry in the worker's table of compared
+//! modes (`gradsync_worker::modes`); [`plan`] turns that entry into a [`Plan`]: the server
+//! processes to start first (each printing `gradsync-server listening on ADDR` once it serves)
+//! and a function from their addresses to the worker processes.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::Context;
 
-use clap::ValueEnum;
 use gradsync_core::optim::flag as of;
 use gradsync_server::SyncMode;
 use gradsync_server::config::flag as sf;
-use gradsync_worker::cli::flag as wf;
-use gradsync_worker::cli::{Backend, Mode, Transport};
-use gradsync_worker::strategy::SparseGrads;
+use gradsync_worker::cli::Mode;
+use gradsync_worker::cli::flag::{self as wf, opt, switch};
+use gradsync_worker::modes::Compared;
 
-use super::scenario::{ModeKind, RunSpec, Scenario};
+use super::scenario::{RunSpec, Scenario};
 use super::site::{Site, Slot};
 
 /// Where the binaries are.
@@ -49,7 +50,7 @@ impl Bins {
             .arg("--help")
             .stdin(Stdio::null())
             .output()
-            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(&format!("--{}", sf::TRACE)));
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(&switch(sf::TRACE)));
         let bins = Bins { worker: dir.join("gradsync-worker"), server, server_trace };
         anyhow::ensure!(
             bins.worker.is_file(),
@@ -243,6 +244,13 @@ impl Ctx {
         a
     }
 
+    /// The flags that make the run's mode (`--mode`, the ring's backend and transport,
+    /// `--compress`, `--sparse-grads`), as the worker's table of compared modes gives them.
+    fn mode_flags(&self) -> Vec<String> {
+        let flags = self.spec.mode.compared().flags(self.scenario.topk_ratio);
+        flags.into_iter().flat_map(|(long, value)| opt(long, value)).collect()
+    }
+
     fn worker(&self, rank: usize, name: String, args: Vec<String>) -> ProcSpec {
         let site = self.placement.worker(rank).1;
         ProcSpec {
@@ -256,39 +264,30 @@ impl Ctx {
     }
 }
 
-/// The plan for `ctx`'s mode.
+/// The plan for `ctx`'s mode, as its entry in the worker's table of compared modes
+/// (`gradsync_worker::modes::COMPARED`) describes it: one process for local training and DP,
+/// else its servers, then one process per rank with the flags that make the mode.
 pub fn plan(ctx: &Ctx) -> anyhow::Result<Plan> {
-    match ctx.spec.mode {
-        ModeKind::Local => Ok(local(ctx)),
-        ModeKind::Dp => Ok(dp(ctx)),
-        ModeKind::PsBsp | ModeKind::PsBspFp16 | ModeKind::PsBspTopk => Ok(ps(ctx, SyncMode::Bsp)),
-        ModeKind::PsAsp => Ok(ps(ctx, SyncMode::Asp)),
-        ModeKind::PsSsp => Ok(ps(ctx, SyncMode::Ssp(ctx.scenario.ssp_staleness))),
-        ModeKind::DdpTcp | ModeKind::DdpTcpTopk | ModeKind::DdpTcpFp16 => {
-            ddp(ctx, Backend::Tcp, Some(Transport::Tcp))
-        }
-        ModeKind::DdpShm => ddp(ctx, Backend::Tcp, Some(Transport::Shm)),
-        ModeKind::DdpNccl => ddp(ctx, Backend::Nccl, None),
-        ModeKind::Zero1Tcp => ring(ctx, Mode::Zero1, Backend::Tcp, Some(Transport::Tcp)),
-        ModeKind::PsSparse => Ok(ps(ctx, SyncMode::Bsp)),
-        ModeKind::DdpDense => sparse_ddp(ctx, SparseGrads::Dense),
-        ModeKind::DdpAllgather => sparse_ddp(ctx, SparseGrads::Allgather),
-        ModeKind::Hybrid => hybrid(ctx),
+    let mode = ctx.spec.mode.compared();
+    match mode.mode {
+        Mode::Local => Ok(local(ctx)),
+        Mode::Dp => Ok(dp(ctx)),
+        _ => ranks(ctx, mode),
     }
 }
 
 /// `gradsync-worker train --mode local`, with the whole global batch.
-pub fn local(ctx: &Ctx) -> Plan {
+fn local(ctx: &Ctx) -> Plan {
     let mut args = ctx.worker_common("rank0", ctx.spec.global_batch);
-    args.extend(opt(wf::MODE, choice(Mode::Local)));
+    args.extend(ctx.mode_flags());
     let p = ctx.worker(0, "rank0".into(), args);
     Plan { servers: vec![], workers: Box::new(move |_| vec![p]) }
 }
 
 /// `gradsync-worker train --mode dp --replicas W`, one process, `--batch` per replica.
-pub fn dp(ctx: &Ctx) -> Plan {
+fn dp(ctx: &Ctx) -> Plan {
     let mut args = ctx.worker_common("rank0", ctx.spec.batch);
-    args.extend(opt(wf::MODE, choice(Mode::Dp)));
+    args.extend(ctx.mode_flags());
     args.extend(opt(wf::REPLICAS, ctx.spec.workers));
     let p = ctx.worker(0, "rank0".into(), args);
     Plan { servers: vec![], workers: Box::new(move |_| vec![p]) }
@@ -329,7 +328,7 @@ fn servers(ctx: &Ctx, sync: SyncMode, table_only: bool) -> Vec<ProcSpec> {
                 args.extend(opt(sf::TLS_KEY, t.key.display()));
             }
             if table_only {
-                args.push(format!("--{}", sf::TABLE_ONLY));
+                args.push(switch(sf::TABLE_ONLY));
             }
             ProcSpec {
                 metrics: ctx.path(&name, "jsonl"),
@@ -343,30 +342,51 @@ fn servers(ctx: &Ctx, sync: SyncMode, table_only: bool) -> Vec<ProcSpec> {
         .collect()
 }
 
-/// `gradsync-server --shard I/K ...` per shard, then `gradsync-worker train --mode ps
-/// --servers A,B --rank R --world-size W` per worker.
-pub fn ps(ctx: &Ctx, sync: SyncMode) -> Plan {
-    let servers = servers(ctx, sync, false);
+/// A mode of one process per rank: `gradsync-server --shard I/K ...` per shard when it runs
+/// servers (`--table-only` where they hold the table alone), then `gradsync-worker train
+/// --mode M ... --rank R --world-size W` per rank; ranks that form a ring also get `--local-rank
+/// R --master-addr A --master-port P`, A rank 0's address and P a port free when picked (on
+/// loopback; an emulated host's namespace has every port free), and ranks that reach servers
+/// `--servers A,B`.
+fn ranks(ctx: &Ctx, mode: &'static Compared) -> anyhow::Result<Plan> {
+    let servers = match mode.servers {
+        Some(s) => servers(ctx, s.sync.mode(ctx.scenario.ssp_staleness), s.table_only),
+        None => Vec::new(),
+    };
+    let store = match mode.ring {
+        Some(_) => {
+            let (master, site) = ctx.placement.worker(0);
+            Some((master, site.free_port().context("picking the rendezvous port")?))
+        }
+        None => None,
+    };
     let ctx = ctx.clone();
-    Plan {
+    Ok(Plan {
         servers,
         workers: Box::new(move |addrs: &[String]| {
             (0..ctx.spec.workers)
                 .map(|r| {
                     let name = format!("rank{r}");
                     let mut args = ctx.worker_common(&name, ctx.spec.batch);
-                    args.extend(opt(wf::MODE, choice(Mode::Ps)));
+                    args.extend(ctx.mode_flags());
                     args.extend(opt(wf::RANK, r));
                     args.extend(opt(wf::WORLD_SIZE, ctx.spec.workers));
-                    args.extend(ps_client(&ctx, addrs));
-                    if let Some(c) = ctx.spec.mode.compress(ctx.scenario.topk_ratio) {
-                        args.extend(opt(wf::COMPRESS, c));
+                    if let Some((master, port)) = &store {
+                        args.extend(opt(wf::LOCAL_RANK, r));
+                        args.extend(opt(wf::MASTER_ADDR, master));
+                        args.extend(opt(wf::MASTER_PORT, port));
+                        if let Some(mb) = ctx.scenario.bucket_mb {
+                            args.extend(opt(wf::BUCKET_MB, mb));
+                        }
+                    }
+                    if mode.servers.is_some() {
+                        args.extend(ps_client(&ctx, addrs));
                     }
                     ctx.worker(r, name, args)
                 })
                 .collect()
         }),
-    }
+    })
 }
 
 /// A worker's flags for reaching the servers at `addrs`: the list, the chunk size, the CA.
@@ -384,91 +404,6 @@ fn ps_client(ctx: &Ctx, addrs: &[String]) -> Vec<String> {
     args
 }
 
-/// `ddp-dense` and `ddp-allgather`: DDP's ranks over TCP sockets, each told how to move the
-/// table (`--sparse-grads`).
-fn sparse_ddp(ctx: &Ctx, how: SparseGrads) -> anyhow::Result<Plan> {
-    let plan = ring(ctx, Mode::Ddp, Backend::Tcp, Some(Transport::Tcp))?;
-    let ranks = plan.workers;
-    Ok(Plan {
-        servers: plan.servers,
-        workers: Box::new(move |addrs: &[String]| {
-            let mut procs = ranks(addrs);
-            for p in &mut procs {
-                p.args.extend(opt(wf::SPARSE_GRADS, choice(how)));
-            }
-            procs
-        }),
-    })
-}
-
-/// `hybrid`: `gradsync-server --table-only --sync bsp --shard I/K ...` per shard (the table's
-/// rows), then DDP's ranks over TCP sockets with `--mode hybrid --servers A,B`, which push and
-/// pull the table's rows and all-reduce the rest among themselves.
-fn hybrid(ctx: &Ctx) -> anyhow::Result<Plan> {
-    let servers = servers(ctx, SyncMode::Bsp, true);
-    let ranks = ring(ctx, Mode::Hybrid, Backend::Tcp, Some(Transport::Tcp))?.workers;
-    let ctx = ctx.clone();
-    Ok(Plan {
-        servers,
-        workers: Box::new(move |addrs: &[String]| {
-            let mut procs = ranks(addrs);
-            for p in &mut procs {
-                p.args.extend(ps_client(&ctx, addrs));
-            }
-            procs
-        }),
-    })
-}
-
-/// `gradsync-worker train --mode ddp --backend B [--transport T] --rank R --world-size W
-/// --master-addr A --master-port P` per rank: A rank 0's address, P a port free when picked
-/// (on loopback; an emulated host's namespace has every port free). The transport is always
-/// named, never left to `auto`, so `ddp-tcp` is sockets even when every rank shares a host.
-pub fn ddp(ctx: &Ctx, backend: Backend, transport: Option<Transport>) -> anyhow::Result<Plan> {
-    ring(ctx, Mode::Ddp, backend, transport)
-}
-
-/// The ranks of a mode that meets over the rendezvous store and DDP's flags (`--mode ddp`,
-/// `zero1` or `hybrid`), with `backend` and `transport`.
-fn ring(ctx: &Ctx, mode: Mode, backend: Backend, transport: Option<Transport>) -> anyhow::Result<Plan> {
-    let (master, site) = ctx.placement.worker(0);
-    let port = site.free_port().context("picking the rendezvous port")?;
-    let procs: Vec<ProcSpec> = (0..ctx.spec.workers)
-        .map(|r| {
-            let name = format!("rank{r}");
-            let mut args = ctx.worker_common(&name, ctx.spec.batch);
-            args.extend(opt(wf::MODE, choice(mode)));
-            args.extend(opt(wf::BACKEND, choice(backend)));
-            args.extend(opt(wf::RANK, r));
-            args.extend(opt(wf::WORLD_SIZE, ctx.spec.workers));
-            args.extend(opt(wf::LOCAL_RANK, r));
-            args.extend(opt(wf::MASTER_ADDR, &master));
-            args.extend(opt(wf::MASTER_PORT, port));
-            if let Some(t) = transport {
-                args.extend(opt(wf::TRANSPORT, choice(t)));
-            }
-            if let Some(mb) = ctx.scenario.bucket_mb {
-                args.extend(opt(wf::BUCKET_MB, mb));
-            }
-            if let Some(c) = ctx.spec.mode.compress(ctx.scenario.topk_ratio) {
-                args.extend(opt(wf::COMPRESS, c));
-            }
-            ctx.worker(r, name, args)
-        })
-        .collect();
-    Ok(Plan { servers: vec![], workers: Box::new(move |_| procs) })
-}
-
-/// The flag named `long` (as a binary's parser defines it) with its value: `--long value`.
-fn opt(long: &str, value: impl std::fmt::Display) -> [String; 2] {
-    [format!("--{long}"), value.to_string()]
-}
-
-/// A value of a closed set as its parser spells it.
-fn choice(v: impl ValueEnum) -> String {
-    v.to_possible_value().map_or_else(String::new, |p| p.get_name().to_string())
-}
-
 /// The optimiser flags, which workers and servers share.
 fn optimiser(s: &Scenario) -> Vec<String> {
     [opt(of::LR, s.lr), opt(of::MOMENTUM, s.momentum), opt(of::WEIGHT_DECAY, s.weight_decay)].concat()
@@ -478,6 +413,9 @@ fn optimiser(s: &Scenario) -> Vec<String> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::compare::scenario::ModeKind;
+    use gradsync_worker::cli::{Backend, Transport};
+    use gradsync_worker::strategy::SparseGrads;
 
     fn ctx(mode: &str, extra: &str) -> Ctx {
         ctx_of(mode, "tiny", extra)

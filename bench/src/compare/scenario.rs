@@ -7,116 +7,94 @@ use std::path::Path;
 use std::str::FromStr;
 
 use anyhow::Context;
+use gradsync_core::compress::Compression;
 use gradsync_core::optim::SgdConfig;
+use gradsync_worker::modes::{self, COMPARED, Compared};
 use serde::{Deserialize, Serialize};
 
 /// The scenario `gradsync-bench compare` runs when given none.
 pub const DEFAULT: &str = include_str!("../../scenarios/default.toml");
 
-/// One way of training that the comparison runs.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, clap::ValueEnum,
-)]
-#[serde(rename_all = "kebab-case")]
-pub enum ModeKind {
-    /// One process, one replica (the baseline every speed-up is measured against).
-    Local,
-    /// One process, several replicas.
-    Dp,
-    /// Parameter server, bulk-synchronous.
-    PsBsp,
-    /// Parameter server, asynchronous.
-    PsAsp,
-    /// Parameter server, stale-synchronous.
-    PsSsp,
-    /// DDP ring all-reduce over TCP sockets (on loopback here: the parameter server's wire).
-    DdpTcp,
-    /// DDP ring all-reduce over shared memory (one host only; not a network).
-    DdpShm,
-    /// DDP over NCCL (GPU only).
-    DdpNccl,
-    /// ZeRO stage 1 over TCP sockets: reduce-scatter, each rank updates its 1/n shard, all-gather.
-    Zero1Tcp,
-    /// ps-bsp with fp16 pushes (`--compress fp16`).
-    PsBspFp16,
-    /// ps-bsp with top-k pushes and error feedback (`--compress topk:R`, R the scenario's
-    /// `topk_ratio`).
-    PsBspTopk,
-    /// ddp-tcp with each bucket's top-k all-gathered, with error feedback (`--compress
-    /// topk:R`).
-    DdpTcpTopk,
-    /// ddp-tcp with the ring's half-precision all-reduce (`--compress fp16`).
-    DdpTcpFp16,
-    /// Parameter server, bulk-synchronous, on a model with an embedding table: each worker
-    /// pushes the rows its batch named and pulls the rows its next batch names, by id (the
-    /// PS's own way with a table; ps-bsp on such a model is the same run).
-    PsSparse,
-    /// DDP over TCP sockets with the table's gradient all-reduced whole, zeros included
-    /// (`--sparse-grads dense`, `nn.EmbeddingBag` under DDP).
-    DdpDense,
-    /// DDP over TCP sockets with the rows each rank's batch named all-gathered as (id, values)
-    /// and summed (`--sparse-grads allgather`, DDP's way with `sparse=True`); `ddp-sparse` in a
-    /// scenario or on the command line names it too.
-    #[serde(alias = "ddp-sparse")]
-    #[value(alias = "ddp-sparse")]
-    DdpAllgather,
-    /// The table on parameter servers that hold it alone (`gradsync-server --table-only`, rows
-    /// by id), the rest of the model all-reduced by DDP's ring over TCP (`--mode hybrid`).
-    Hybrid,
+/// One way of training that the comparison runs: an entry of the worker's table of compared
+/// modes ([`gradsync_worker::modes::COMPARED`]), which says what each is, the flags that make
+/// it, its servers, its wire and what it needs. Ordered as that table (the report's order);
+/// read and written by its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ModeKind(usize);
+
+// The modes this crate's code and tests name, under the names they had as variants, so that
+// such code reads as it did; a mode needs none of these to be compared.
+#[allow(non_upper_case_globals)]
+impl ModeKind {
+    /// local.
+    pub const Local: ModeKind = ModeKind::named("local");
+    /// dp.
+    pub const Dp: ModeKind = ModeKind::named("dp");
+    /// ps-bsp.
+    pub const PsBsp: ModeKind = ModeKind::named("ps-bsp");
+    /// ps-asp.
+    pub const PsAsp: ModeKind = ModeKind::named("ps-asp");
+    /// ps-ssp.
+    pub const PsSsp: ModeKind = ModeKind::named("ps-ssp");
+    /// ddp-tcp.
+    pub const DdpTcp: ModeKind = ModeKind::named("ddp-tcp");
+    /// ddp-shm.
+    pub const DdpShm: ModeKind = ModeKind::named("ddp-shm");
+    /// ddp-nccl.
+    pub const DdpNccl: ModeKind = ModeKind::named("ddp-nccl");
+    /// zero1-tcp.
+    pub const Zero1Tcp: ModeKind = ModeKind::named("zero1-tcp");
+    /// ps-bsp-fp16.
+    pub const PsBspFp16: ModeKind = ModeKind::named("ps-bsp-fp16");
+    /// ps-bsp-topk.
+    pub const PsBspTopk: ModeKind = ModeKind::named("ps-bsp-topk");
+    /// ddp-tcp-topk.
+    pub const DdpTcpTopk: ModeKind = ModeKind::named("ddp-tcp-topk");
+    /// ddp-tcp-fp16.
+    pub const DdpTcpFp16: ModeKind = ModeKind::named("ddp-tcp-fp16");
+    /// ps-sparse.
+    pub const PsSparse: ModeKind = ModeKind::named("ps-sparse");
+    /// ddp-dense.
+    pub const DdpDense: ModeKind = ModeKind::named("ddp-dense");
+    /// ddp-allgather (`ddp-sparse` names it too).
+    pub const DdpAllgather: ModeKind = ModeKind::named("ddp-allgather");
+    /// hybrid.
+    pub const Hybrid: ModeKind = ModeKind::named("hybrid");
 }
 
 impl ModeKind {
     /// Every mode, in report order.
-    pub const ALL: [ModeKind; 17] = [
-        ModeKind::Local,
-        ModeKind::Dp,
-        ModeKind::PsBsp,
-        ModeKind::PsAsp,
-        ModeKind::PsSsp,
-        ModeKind::DdpTcp,
-        ModeKind::DdpShm,
-        ModeKind::DdpNccl,
-        ModeKind::Zero1Tcp,
-        ModeKind::PsBspFp16,
-        ModeKind::PsBspTopk,
-        ModeKind::DdpTcpTopk,
-        ModeKind::DdpTcpFp16,
-        ModeKind::PsSparse,
-        ModeKind::DdpDense,
-        ModeKind::DdpAllgather,
-        ModeKind::Hybrid,
-    ];
+    pub const ALL: [ModeKind; COMPARED.len()] = {
+        let mut all = [ModeKind(0); COMPARED.len()];
+        let mut i = 0;
+        while i < all.len() {
+            all[i] = ModeKind(i);
+            i += 1;
+        }
+        all
+    };
+
+    /// The mode named `name`, checked as the code compiles.
+    const fn named(name: &str) -> ModeKind {
+        match modes::position(name) {
+            Some(i) => ModeKind(i),
+            None => panic!("no compared mode of this name in gradsync_worker::modes::COMPARED"),
+        }
+    }
+
+    /// Its entry in the worker's table.
+    pub fn compared(self) -> &'static Compared {
+        &COMPARED[self.0]
+    }
 
     /// The label used in file names, tables and charts.
     pub fn label(self) -> &'static str {
-        match self {
-            ModeKind::Local => "local",
-            ModeKind::Dp => "dp",
-            ModeKind::PsBsp => "ps-bsp",
-            ModeKind::PsAsp => "ps-asp",
-            ModeKind::PsSsp => "ps-ssp",
-            ModeKind::DdpTcp => "ddp-tcp",
-            ModeKind::DdpShm => "ddp-shm",
-            ModeKind::DdpNccl => "ddp-nccl",
-            ModeKind::Zero1Tcp => "zero1-tcp",
-            ModeKind::PsBspFp16 => "ps-bsp-fp16",
-            ModeKind::PsBspTopk => "ps-bsp-topk",
-            ModeKind::DdpTcpTopk => "ddp-tcp-topk",
-            ModeKind::DdpTcpFp16 => "ddp-tcp-fp16",
-            ModeKind::PsSparse => "ps-sparse",
-            ModeKind::DdpDense => "ddp-dense",
-            ModeKind::DdpAllgather => "ddp-allgather",
-            ModeKind::Hybrid => "hybrid",
-        }
+        self.compared().name
     }
 
     /// The uncompressed mode it compresses (itself for the others).
     pub fn base(self) -> ModeKind {
-        match self {
-            ModeKind::PsBspFp16 | ModeKind::PsBspTopk => ModeKind::PsBsp,
-            ModeKind::DdpTcpTopk | ModeKind::DdpTcpFp16 => ModeKind::DdpTcp,
-            m => m,
-        }
+        ModeKind(modes::base(self.0))
     }
 
     /// Whether it compresses its gradients on the wire.
@@ -125,105 +103,56 @@ impl ModeKind {
     }
 
     /// Its `--compress` value (none for the uncompressed modes), top-k at `topk_ratio`.
-    pub fn compress(self, topk_ratio: f64) -> Option<String> {
-        match self {
-            ModeKind::PsBspFp16 | ModeKind::DdpTcpFp16 => Some("fp16".into()),
-            ModeKind::PsBspTopk | ModeKind::DdpTcpTopk => Some(format!("topk:{topk_ratio}")),
-            _ => None,
-        }
+    pub fn compress(self, topk_ratio: f64) -> Option<Compression> {
+        self.compared().compression(topk_ratio)
     }
 
     /// What carries its traffic, for every label a reader sees: modes are only compared as
     /// like for like when this says so.
     pub fn wire(self) -> &'static str {
-        match self {
-            ModeKind::Local => "none",
-            ModeKind::Dp => "in one process",
-            ModeKind::PsBsp | ModeKind::PsAsp | ModeKind::PsSsp => "gRPC over TCP",
-            ModeKind::PsBspFp16 | ModeKind::PsBspTopk | ModeKind::PsSparse => "gRPC over TCP",
-            ModeKind::DdpTcp
-            | ModeKind::Zero1Tcp
-            | ModeKind::DdpTcpTopk
-            | ModeKind::DdpTcpFp16
-            | ModeKind::DdpDense
-            | ModeKind::DdpAllgather => "TCP sockets",
-            ModeKind::Hybrid => "TCP sockets and gRPC over TCP",
-            ModeKind::DdpShm => "shared memory",
-            ModeKind::DdpNccl => "NCCL",
-        }
+        self.compared().wire.describe()
     }
 
     /// Whether its traffic crosses TCP (so its figures compare with each other's).
     pub fn over_tcp(self) -> bool {
-        self.is_ps()
-            || matches!(
-                self,
-                ModeKind::DdpTcp
-                    | ModeKind::Zero1Tcp
-                    | ModeKind::DdpTcpTopk
-                    | ModeKind::DdpTcpFp16
-                    | ModeKind::DdpDense
-                    | ModeKind::DdpAllgather
-            )
+        self.compared().wire.over_tcp()
     }
 
     /// Whether it runs parameter servers (and so is crossed with shard counts): the hybrid's
     /// servers hold the table.
     pub fn is_ps(self) -> bool {
-        matches!(
-            self,
-            ModeKind::PsBsp
-                | ModeKind::PsAsp
-                | ModeKind::PsSsp
-                | ModeKind::PsBspFp16
-                | ModeKind::PsBspTopk
-                | ModeKind::PsSparse
-                | ModeKind::Hybrid
-        )
+        self.compared().servers.is_some()
+    }
+
+    /// Whether its servers apply gradients as they arrive (ASP, SSP).
+    pub fn is_async(self) -> bool {
+        self.compared().servers.is_some_and(|s| !s.sync.is_synchronous())
     }
 
     /// Whether it is one of the comparison's ways of moving an embedding table, which only a
     /// model with a table can run (`ps-sparse`, `ddp-dense`, `ddp-allgather`, `hybrid`).
     pub fn needs_table(self) -> bool {
-        matches!(self, ModeKind::PsSparse | ModeKind::DdpDense | ModeKind::DdpAllgather | ModeKind::Hybrid)
+        self.compared().needs.table
     }
 
     /// Why it cannot train a model with an embedding table, if it cannot (the binaries refuse
     /// such a run; the scenario is refused before any starts).
     pub fn refuses_table(self) -> Option<&'static str> {
-        match self {
-            ModeKind::Zero1Tcp => Some(
-                "ZeRO-1's sharded update is not lazy, and a table's rows are updated only where a batch \
-                 named them",
-            ),
-            ModeKind::PsBspFp16 | ModeKind::PsBspTopk => Some(
-                "the parameter server moves a table's rows as ids and f32 values, uncompressed (use \
-                 ps-sparse)",
-            ),
-            _ => None,
-        }
+        self.compared().refuses_table
     }
 
     /// The mode a run of this one reads as from its metrics alone, where two names start the
     /// same processes: on a model with a table, ps-bsp is ps-sparse and ddp-tcp ddp-dense.
     /// The runner's record (`outcomes.jsonl`) keeps the name the scenario gave.
     pub fn same_run_as(self, other: ModeKind) -> bool {
-        let twin = |m: ModeKind| match m {
-            ModeKind::PsSparse => ModeKind::PsBsp,
-            ModeKind::DdpDense => ModeKind::DdpTcp,
-            m => m,
-        };
-        twin(self) == twin(other)
+        self.compared().same_processes(other.compared())
     }
 
     /// Whether it moves the ring all-reduce's bytes over the ring (DDP's all-reduce, or
     /// ZeRO-1's reduce-scatter and all-gather: the same two halves, split around the update):
     /// ddp-dense all-reduces the whole model, table included.
     pub fn is_ring(self) -> bool {
-        matches!(
-            self,
-            ModeKind::DdpTcp | ModeKind::DdpShm | ModeKind::DdpNccl | ModeKind::Zero1Tcp | ModeKind::DdpDense
-        )
+        self.compared().is_ring()
     }
 
     /// The mode a metrics header describes (`mode`, `variant`, for the TCP backend the
@@ -238,36 +167,8 @@ impl ModeKind {
         table: bool,
         sparse_grads: Option<&str>,
     ) -> Option<ModeKind> {
-        let base = ModeKind::uncompressed(mode, variant, transport)?;
-        Some(match (base, compression.unwrap_or("none")) {
-            (ModeKind::PsBsp, "none") if table => ModeKind::PsSparse,
-            (ModeKind::DdpTcp, "none") if table => match sparse_grads {
-                Some("allgather") => ModeKind::DdpAllgather,
-                _ => ModeKind::DdpDense,
-            },
-            (m, "none") => m,
-            (ModeKind::PsBsp, "fp16") => ModeKind::PsBspFp16,
-            (ModeKind::PsBsp, c) if c.starts_with("topk:") => ModeKind::PsBspTopk,
-            (ModeKind::DdpTcp, c) if c.starts_with("topk:") => ModeKind::DdpTcpTopk,
-            (ModeKind::DdpTcp, "fp16") => ModeKind::DdpTcpFp16,
-            _ => return None,
-        })
-    }
-
-    fn uncompressed(mode: &str, variant: &str, transport: Option<&str>) -> Option<ModeKind> {
-        Some(match (mode, variant) {
-            ("local", _) => ModeKind::Local,
-            ("dp", _) => ModeKind::Dp,
-            ("ps" | "server", v) if v.starts_with("bsp") => ModeKind::PsBsp,
-            ("ps" | "server", v) if v.starts_with("asp") => ModeKind::PsAsp,
-            ("ps" | "server", v) if v.starts_with("ssp") => ModeKind::PsSsp,
-            ("ddp", "nccl") => ModeKind::DdpNccl,
-            ("ddp", _) if transport == Some("shm") => ModeKind::DdpShm,
-            ("ddp", _) => ModeKind::DdpTcp,
-            ("zero1", _) => ModeKind::Zero1Tcp,
-            ("hybrid", _) => ModeKind::Hybrid,
-            _ => return None,
-        })
+        let h = modes::HeaderMode { mode, variant, transport, compression, table, sparse_grads };
+        modes::from_header(&h).map(ModeKind)
     }
 }
 
@@ -280,12 +181,44 @@ impl fmt::Display for ModeKind {
 impl FromStr for ModeKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        // The name PyTorch's users know the all-gather of sparse gradients by.
-        let s = if s == "ddp-sparse" { "ddp-allgather" } else { s };
-        ModeKind::ALL.into_iter().find(|m| m.label() == s).ok_or_else(|| {
+        modes::position(s).map(ModeKind).ok_or_else(|| {
             let names: Vec<_> = ModeKind::ALL.iter().map(|m| m.label()).collect();
             format!("unknown mode '{s}' (modes: {})", names.join(", "))
         })
+    }
+}
+
+impl Serialize for ModeKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.label())
+    }
+}
+
+impl<'de> Deserialize<'de> for ModeKind {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Name;
+        impl serde::de::Visitor<'_> for Name {
+            type Value = ModeKind;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("the name of a compared mode")
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<ModeKind, E> {
+                modes::position(s).map(ModeKind).ok_or_else(|| E::unknown_variant(s, &modes::NAMES))
+            }
+        }
+        d.deserialize_str(Name)
+    }
+}
+
+impl clap::ValueEnum for ModeKind {
+    fn value_variants<'a>() -> &'a [Self] {
+        &ModeKind::ALL
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        let c = self.compared();
+        let value = clap::builder::PossibleValue::new(c.name).help(c.about);
+        Some(c.aliases.iter().fold(value, |v, a| v.alias(a)))
     }
 }
 
@@ -734,6 +667,42 @@ mod tests {
         let reps: Vec<usize> = runs.iter().take(s.repeats).map(|r| r.repeat).collect();
         assert_eq!(reps, (0..s.repeats).collect::<Vec<_>>());
         assert!(runs[0].id.ends_with("-r1") && runs[1].id.ends_with("-r2"), "{}", runs[1].id);
+    }
+
+    /// Every mode of the worker's table, by its name and by each alias, reads back as that mode
+    /// wherever a name comes in (a scenario's TOML, `--modes`, `FromStr`), and is written as its
+    /// name (file names, `outcomes.jsonl`); the modes keep the table's order.
+    #[test]
+    fn every_mode_name_round_trips() {
+        #[derive(Debug, PartialEq, Serialize, Deserialize)]
+        struct One {
+            mode: ModeKind,
+        }
+        assert_eq!(ModeKind::ALL.len(), COMPARED.len());
+        for (i, m) in ModeKind::ALL.into_iter().enumerate() {
+            let c = m.compared();
+            assert_eq!(c, &COMPARED[i]);
+            for name in std::iter::once(c.name).chain(c.aliases.iter().copied()) {
+                assert_eq!(name.parse::<ModeKind>(), Ok(m), "{name}");
+                assert_eq!(<ModeKind as clap::ValueEnum>::from_str(name, false), Ok(m), "{name}");
+                assert_eq!(toml::from_str::<One>(&format!("mode = '{name}'")).unwrap(), One { mode: m });
+            }
+            assert_eq!((m.to_string(), m.label()), (c.name.to_string(), c.name));
+            assert_eq!(
+                serde_json::to_string(&One { mode: m }).unwrap(),
+                format!("{{\"mode\":\"{}\"}}", c.name)
+            );
+            assert_eq!(toml::to_string(&One { mode: m }).unwrap(), format!("mode = \"{}\"\n", c.name));
+            let listed = <ModeKind as clap::ValueEnum>::to_possible_value(&m).unwrap();
+            assert_eq!(
+                (listed.get_name(), listed.get_help().map(|h| h.to_string())),
+                (c.name, Some(c.about.into()))
+            );
+        }
+        let e = toml::from_str::<One>("mode = 'warp'").unwrap_err().to_string();
+        assert!(e.contains("unknown variant `warp`, expected one of `local`, `dp`, `ps-bsp`"), "{e}");
+        assert!(e.contains("`ddp-allgather`, `ddp-sparse`, `hybrid`"), "{e}");
+        assert!("warp".parse::<ModeKind>().unwrap_err().contains("(modes: local, dp, ps-bsp,"));
     }
 
     #[test]

@@ -570,17 +570,17 @@ pub fn assign(
     if n == 0 {
         return Err("no hosts".into());
     }
-    match mode.base() {
-        ModeKind::Local | ModeKind::Dp => return Ok((vec![], vec![0])),
-        ModeKind::DdpShm => {
-            return match slots.iter().position(|&s| s >= workers) {
-                Some(h) => Ok((vec![], vec![h; workers])),
-                None => Err(format!(
-                    "ddp-shm needs its {workers} ranks on one host, and no host has {workers} slots"
-                )),
-            };
-        }
-        _ => {}
+    let compared = mode.compared();
+    if compared.one_process() {
+        return Ok((vec![], vec![0]));
+    }
+    if compared.needs.one_host {
+        return match slots.iter().position(|&s| s >= workers) {
+            Some(h) => Ok((vec![], vec![h; workers])),
+            None => {
+                Err(format!("{mode} needs its {workers} ranks on one host, and no host has {workers} slots"))
+            }
+        };
     }
     let (servers, pool): (Vec<usize>, Vec<usize>) = if mode.is_ps() {
         let k = shards.max(1);

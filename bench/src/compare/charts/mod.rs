@@ -276,21 +276,13 @@ fn int_label(x: &f64) -> String {
     if (x - x.round()).abs() < 1e-6 { format!("{x:.0}") } else { String::new() }
 }
 
-/// A bar label short enough to sit under one bar: `bsp4k2`, `ring4`, `dp2`, `local`.
+/// A bar label short enough to sit under one bar: `bsp4k2`, `ring4`, `dp2`, `local`, as the
+/// mode's entry in the worker's table of compared modes writes it.
 pub fn short_label(r: &Summary) -> String {
-    let n = r.workers;
-    match r.mode.as_str() {
-        "local" => "local".into(),
-        "dp" => format!("dp{n}"),
-        "ddp-tcp" => format!("ring{n}"),
-        "ddp-nccl" => format!("nccl{n}"),
-        "ddp-shm" => format!("shm{n}"),
-        "zero1-tcp" => format!("zero{n}"),
-        "ddp-tcp-topk" => format!("topk-ring{n}"),
-        "ddp-tcp-fp16" => format!("fp16-ring{n}"),
-        "ps-bsp-fp16" => format!("fp16-bsp{n}k{}", r.shards),
-        "ps-bsp-topk" => format!("topk-bsp{n}k{}", r.shards),
-        m => format!("{}{n}k{}", m.trim_start_matches("ps-"), r.shards),
+    let (n, k) = (r.workers.to_string(), r.shards.to_string());
+    match r.mode.parse::<ModeKind>() {
+        Ok(m) => m.compared().short.replace("{n}", &n).replace("{k}", &k),
+        Err(_) => format!("{}{n}k{k}", r.mode.trim_start_matches("ps-")),
     }
 }
 

@@ -111,7 +111,7 @@ impl Charts {
         let hists: Vec<(String, RGBColor, BTreeMap<u64, usize>)> = g
             .widest_per_mode()
             .into_iter()
-            .filter(|r| matches!(r.mode, ModeKind::PsAsp | ModeKind::PsSsp))
+            .filter(|r| r.mode.is_async())
             .filter_map(|r| {
                 let v = r.staleness();
                 if v.is_empty() {

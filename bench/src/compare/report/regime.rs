@@ -3,6 +3,8 @@
 //! scenario trained several models, how the ring's standing against the parameter server moves
 //! with each model's share of communication.
 
+use gradsync_worker::modes::Family;
+
 use super::context::Context;
 use crate::compare::charts::Group;
 use crate::compare::cost::{self, Link};
@@ -126,12 +128,12 @@ pub fn batch_norm(cx: &Context) -> Vec<String> {
     }
     let mut modes: Vec<&str> = Vec::new();
     for r in &cx.g.rows {
-        let m = match r.mode.parse::<ModeKind>().map(ModeKind::base) {
-            Ok(ModeKind::Local) => "local training normalises with its batch",
-            Ok(ModeKind::Dp) => {
+        let m = match r.mode.parse::<ModeKind>().map(|m| m.compared().family) {
+            Ok(Family::Local) => "local training normalises with its batch",
+            Ok(Family::Dp) => {
                 "DP's replicas each normalise with their share and keep replica 0's running statistics"
             }
-            Ok(ModeKind::PsBsp | ModeKind::PsAsp | ModeKind::PsSsp) => {
+            Ok(Family::Ps) => {
                 "each parameter-server worker keeps its own running statistics (the servers hold parameters only; \
                  rank 0 evaluates with its own)"
             }

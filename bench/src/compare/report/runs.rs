@@ -5,9 +5,22 @@
 
 use std::collections::BTreeMap;
 
+use gradsync_worker::modes::ServerSync;
+
 use super::context::{Context, UNRANKED};
 use crate::compare::charts::Group;
 use crate::compare::results::Summary;
+use crate::compare::scenario::ModeKind;
+
+/// The synchronisation of the servers of the mode named `mode`, if it runs any.
+fn servers_sync(mode: &str) -> Option<ServerSync> {
+    mode.parse::<ModeKind>().ok()?.compared().servers.map(|s| s.sync)
+}
+
+/// Whether the mode named `mode` applies gradients as they arrive (its servers' ASP or SSP).
+fn is_async(mode: &str) -> bool {
+    mode.parse::<ModeKind>().is_ok_and(ModeKind::is_async)
+}
 
 /// Below this share of the step spent computing, fixed per-step costs decide the speed.
 const COMPUTE_SMALL: f64 = 0.25;
@@ -102,7 +115,7 @@ pub fn staleness(cx: &Context) -> Vec<String> {
     let stale: Vec<String> =
         cx.g.rows
             .iter()
-            .filter(|r| r.staleness_mean.is_some() && (r.mode == "ps-asp" || r.mode == "ps-ssp"))
+            .filter(|r| r.staleness_mean.is_some() && is_async(&r.mode))
             .filter(|r| Some(r.workers) == cx.most_workers())
             .map(|r| {
                 format!(
@@ -136,7 +149,7 @@ pub fn accuracy_against_local(cx: &Context) -> Vec<String> {
     let dev = |sync: bool| -> Option<(f64, String)> {
         g.rows
             .iter()
-            .filter(|r| r.mode != "local" && (r.mode == "ps-asp" || r.mode == "ps-ssp") != sync)
+            .filter(|r| r.mode != "local" && is_async(&r.mode) != sync)
             .filter_map(|r| {
                 Some(((r.final_accuracy? - la).abs(), format!("{} w{}", Group::series(r), r.workers)))
             })
@@ -298,12 +311,14 @@ pub fn straggler_reading(g: &Group) -> Vec<String> {
         }
         let extra_ms = (slow - 1.0) * t0 * 1e3;
         let share = extra_ms / d;
-        let expect = match mode {
-            "ps-asp" => format!(
+        let expect = match servers_sync(mode) {
+            Some(ServerSync::Asp) => format!(
                 "asynchronous: the other ranks go on, so the slowdown is bounded by W/(W-1) = {:.2}x",
                 w as f64 / (w as f64 - 1.0).max(1.0)
             ),
-            "ps-ssp" => "stale-synchronous: the fast ranks run ahead up to the bound, then wait".into(),
+            Some(ServerSync::Ssp) => {
+                "stale-synchronous: the fast ranks run ahead up to the bound, then wait".into()
+            }
             _ => "synchronous: every step waits for the slowest rank".into(),
         };
         out.push(format!(
