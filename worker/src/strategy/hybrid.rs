@@ -98,7 +98,7 @@ impl TablePs {
 
     /// The batch after the coming one.
     pub fn next_batch(&mut self, engine: &Engine, x: &[f32]) -> anyhow::Result<()> {
-        self.rows()?.set_next(engine, x)
+        Ok(self.rows()?.set_next(engine, x)?)
     }
 
     /// Every row of the table into the engine (before evaluation, a checkpoint, `--save`).
@@ -113,7 +113,7 @@ impl TablePs {
         if let Some(h) = self.heartbeat.take() {
             h.abort();
         }
-        self.rt.block_on(self.client.deregister())
+        Ok(self.rt.block_on(self.client.deregister())?)
     }
 
     /// The servers, for the metrics header.

@@ -151,7 +151,7 @@ impl Strategy for Ps {
             let version = client.register(rank, world, fp, n).await?;
             let join = client.join_version();
             if join <= version {
-                return link.pull(client, engine).await;
+                return Ok(link.pull(client, engine).await?);
             }
             // Back during a step that does not wait for it: its first gradient is computed from
             // the version that step makes. A pull of it streamed while the step runs fails if
@@ -165,7 +165,8 @@ impl Strategy for Ps {
                         tracing::debug!("{e:#}; pulling version {join} again");
                     }
                     Err(e) => {
-                        break Err(e.context(format!("pulling version {join}, the step this rank joins at")));
+                        break Err(anyhow::Error::from(e)
+                            .context(format!("pulling version {join}, the step this rank joins at")));
                     }
                 }
             }
@@ -275,7 +276,7 @@ impl Strategy for Ps {
         if let Some(h) = self.heartbeat.take() {
             h.abort();
         }
-        self.rt.block_on(self.client.deregister())
+        Ok(self.rt.block_on(self.client.deregister())?)
     }
 
     fn looks_ahead(&self) -> bool {
@@ -284,7 +285,7 @@ impl Strategy for Ps {
 
     fn next_batch(&mut self, engine: &Engine, x: &[f32]) -> anyhow::Result<()> {
         match &mut self.rows {
-            Some(tr) => tr.set_next(engine, x),
+            Some(tr) => Ok(tr.set_next(engine, x)?),
             None => Ok(()),
         }
     }
