@@ -1,9 +1,9 @@
 //! [`CollectiveError`], everything that can go wrong between the ranks of a collective, and the
 //! module's [`Result`].
 //!
-//! It lives in a file of its own, at the very bottom of the module: every other file of
-//! `collective` (and the rendezvous, and the strategies above) imports it, and it imports none
-//! of them. The parameter-server client has its own enum (`crate::ps::PsError`): the two areas
+//! It lives in a file of its own, at the bottom of the module: every other file of
+//! `collective` (and the rendezvous, and the strategies above) imports it, and it imports only
+//! `handshake`'s [`Failure`], which imports nothing of the crate (the fuzzer compiles it alone). The parameter-server client has its own enum (`crate::ps::PsError`): the two areas
 //! share no code and fail in different words (ranks and links here, shards and gRPC statuses
 //! there).
 

@@ -2,7 +2,7 @@
 //! stranger can send a rank or the rendezvous store is decoded here and nowhere else. No
 //! sockets and no crate types, so the fuzzer (`fuzz/`) compiles this very file and drives the
 //! production code over in-memory streams; the TCP mesh and the rendezvous store turn the
-//! failures into [`super::CollectiveError`].
+//! failures into the collectives' `CollectiveError`.
 //!
 //! # The handshake: a mutual challenge-response over the shared token
 //!

@@ -1,7 +1,8 @@
 //! Collective communication between the ranks of a DDP run: one small trait, two backends.
 //!
 //! Layers, each file importing only from the ones below it:
-//! - `error`, under everything: [`CollectiveError`], which every file returns.
+//! - `error`, under everything but `handshake` (whose pure `Failure` a refused handshake
+//!   carries): [`CollectiveError`], which every file returns.
 //! - Here: the [`Collective`] trait, [`RingConfig`] and [`Transport`] (what the command line
 //!   sets), and [`segment`] (core's one way of cutting the flat buffer, which the parameter
 //!   servers' shards use too).

@@ -11,7 +11,7 @@ use gradsync_core::compress::Compression;
 use gradsync_core::optim::SgdConfig;
 use gradsync_proto::SyncMode;
 use gradsync_proto::pb::{
-    DeregisterRequest, HeartbeatRequest, RegisterReply, RegisterRequest, VersionRequest,
+    DeregisterRequest, HeartbeatRequest, PushReply, RegisterReply, RegisterRequest, VersionRequest,
 };
 use gradsync_proto::tuning::Tuning;
 
@@ -627,40 +627,7 @@ impl PsClient {
         let got = try_join_all(self.shards.iter().zip(sinks).zip(parts).map(|((s, mut sink), part)| {
             let o = &o;
             async move {
-                let dense = async {
-                    let push = async {
-                        let r = push_shard(o, s, grads).await;
-                        (r, ms_since(t))
-                    };
-                    let ((push, push_ms), pull) = if pipelined {
-                        let pull = pull_shard(o, s, &mut sink, Some(s.version + 1));
-                        tokio::pin!(push, pull);
-                        tokio::select! {
-                            // A failed push ends the exchange at once: its streamed pull could
-                            // only fail too, once the server gave up on the step.
-                            p = &mut push => match p {
-                                (Err(e), _) => return Err(e),
-                                p => (p, Some(pull.await)),
-                            },
-                            q = &mut pull => (push.await, Some(q)),
-                        }
-                    } else {
-                        (push.await, None)
-                    };
-                    let push = push?;
-                    let pull = match pull {
-                        Some(Ok(p)) => p,
-                        // The streamed pull ends with an error when its step fails (and then so
-                        // did the push, reported above) or had to be redone without a dropped
-                        // worker's gradient: the push succeeded, so pull the version it made.
-                        Some(Err(e)) => {
-                            tracing::debug!("{e}; pulling version {} again", push.0.version);
-                            pull_shard(o, s, &mut sink, None).await?
-                        }
-                        None => pull_shard(o, s, &mut sink, None).await?,
-                    };
-                    Ok::<_, PsError>((push, push_ms, pull, ms_since(t)))
-                };
+                let dense = exchange_dense(o, s, grads, &mut sink, pipelined, t);
                 let Some(ShardRows { push: (ids, values), pull: (want, out) }) = part else {
                     return dense.await;
                 };
@@ -837,6 +804,55 @@ impl PsClient {
             join: self.join,
         }
     }
+}
+
+/// What one shard's part of a step moved: the push's reply and payload bytes, when it ended
+/// (ms), the version pulled and its payload bytes, when the pull ended (ms).
+type ShardStep = ((PushReply, u64), f64, (u64, u64), f64);
+
+/// Shard `s`'s dense part of a step ([`PsClient::exchange`]): its push of `grads` and the pull
+/// into `sink`, of the version the push makes streamed at once when `pipelined`, else after
+/// the push. Times from `t`.
+async fn exchange_dense<G: Gradients + ?Sized>(
+    o: &Opts<'_>,
+    s: &Shard,
+    grads: &G,
+    sink: &mut impl ChunkSink,
+    pipelined: bool,
+    t: Instant,
+) -> Result<ShardStep> {
+    let push = async {
+        let r = push_shard(o, s, grads).await;
+        (r, ms_since(t))
+    };
+    let ((push, push_ms), pull) = if pipelined {
+        let pull = pull_shard(o, s, sink, Some(s.version + 1));
+        tokio::pin!(push, pull);
+        tokio::select! {
+            // A failed push ends the exchange at once: its streamed pull could only fail too,
+            // once the server gave up on the step.
+            p = &mut push => match p {
+                (Err(e), _) => return Err(e),
+                p => (p, Some(pull.await)),
+            },
+            q = &mut pull => (push.await, Some(q)),
+        }
+    } else {
+        (push.await, None)
+    };
+    let push = push?;
+    let pull = match pull {
+        Some(Ok(p)) => p,
+        // The streamed pull ends with an error when its step fails (and then so did the push,
+        // reported above) or had to be redone without a dropped worker's gradient: the push
+        // succeeded, so pull the version it made.
+        Some(Err(e)) => {
+            tracing::debug!("{e}; pulling version {} again", push.0.version);
+            pull_shard(o, s, sink, None).await?
+        }
+        None => pull_shard(o, s, sink, None).await?,
+    };
+    Ok((push, push_ms, pull, ms_since(t)))
 }
 
 /// One shard's part of a [`RowsStep`].

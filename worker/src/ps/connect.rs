@@ -205,7 +205,7 @@ pub(super) struct Shard {
     /// Version of the parameters last pulled from it.
     pub(super) version: u64,
     /// Payload bytes per pushed chunk: the size the shard steps and streams its blocks in, as
-    /// it announced at registration, unless [`super::PsClient::set_chunk_bytes`] chose one.
+    /// it announced at registration, unless the client chose one (`PsClient::set_chunk_bytes`).
     pub(super) chunk: usize,
 }
 
