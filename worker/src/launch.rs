@@ -5,6 +5,10 @@
 //! (a `train` command with `--resume`, from its newest checkpoint), up to N times, each restart
 //! logged with the rank that failed and how. With several nodes, the restarts are agreed
 //! through node 0's launcher ([`crate::restarts`]): every node's ranks restart together.
+//!
+//! This is the subcommand's body, the binary's edge: its errors are `anyhow` errors, printed by
+//! `main`, which ends the process (the library areas below it, `collective` and `ps`, return
+//! their own typed errors).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::ExitStatusExt;
@@ -17,6 +21,9 @@ use std::time::Duration;
 use anyhow::{Context, bail, ensure};
 
 use crate::cli::LaunchArgs;
+// The rule naming a restart's cause lives with the launchers' store, which applies it too;
+// `gradsync-bench compare` reaches it here, beside the launcher that prints it.
+pub use crate::restarts::blame;
 
 /// Set by SIGTERM or SIGINT once [`stop_on_signals`] has run: a signal handler can do no more
 /// than store a flag, so the supervisor polls it.
@@ -158,18 +165,6 @@ pub fn resume_args(args: &mut Vec<String>) {
     let flag = format!("--{}", crate::cli::flag::RESUME);
     if !args.contains(&flag) {
         args.push(flag);
-    }
-}
-
-/// Of the failures seen together, in the order they were seen, put first the one to blame: a
-/// process ended by a signal (killed from outside: it failed on its own) before one that
-/// exited with an error (which usually reports a peer's failure). The launcher, the
-/// launchers' store and `gradsync-bench compare` all name a restart's cause by this rule.
-pub fn blame<T>(failed: &mut [T], signalled: impl Fn(&T) -> bool) {
-    if let Some(i) = failed.iter().position(&signalled)
-        && !signalled(&failed[0])
-    {
-        failed[..=i].rotate_right(1);
     }
 }
 
@@ -501,21 +496,8 @@ fn terminate(ranks: &mut Ranks) {
 
 #[cfg(test)]
 mod tests {
-    use super::{blame, program};
+    use super::program;
     use std::path::Path;
-
-    #[test]
-    fn a_signalled_failure_is_blamed_first() {
-        let mut f = [(0, false), (1, false), (2, true), (3, true)];
-        blame(&mut f, |x| x.1);
-        assert_eq!(f, [(2, true), (0, false), (1, false), (3, true)]);
-        let mut f = [(1, true), (0, true)];
-        blame(&mut f, |x| x.1);
-        assert_eq!(f, [(1, true), (0, true)]);
-        let mut f = [(4, false), (5, false)];
-        blame(&mut f, |x| x.1);
-        assert_eq!(f, [(4, false), (5, false)]);
-    }
 
     #[test]
     fn picks_the_program() {

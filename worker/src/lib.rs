@@ -28,6 +28,12 @@
 //! - [`supervise`]: `gradsync-worker supervise`, how a process runs on another host over ssh:
 //!   secrets from stdin into its environment, its process group stopped when the connection
 //!   closes.
+//!
+//! Errors: the two library areas return their own thiserror enums, each in the area's
+//! `error.rs` ([`collective::CollectiveError`], [`ps::PsError`]), since they share no code and
+//! fail in different words. The subcommands' bodies (`train` with its strategies, `launch` with
+//! `restarts`, `supervise`) are the binary's edge: they return `anyhow` errors, which
+//! [`main_with_args`] hands to `main` to print.
 
 pub mod cli;
 pub mod collective;

@@ -20,7 +20,7 @@ use crate::collective::handshake::{
     self, Hello, MAGIC, Nonce, Proof, Role, fresh_nonce, read_line, write_line,
 };
 use crate::collective::tcp::{MeshInfo, connect_retry};
-use crate::collective::{CommError, Result, RingConfig, TcpComm, nccl};
+use crate::collective::{CollectiveError, Result, RingConfig, TcpComm, nccl};
 
 /// Who this rank is and where the store is.
 #[derive(Debug, Clone)]
@@ -97,8 +97,8 @@ pub struct Joined {
     pub nccl_id: Option<[u8; nccl::ID_BYTES]>,
 }
 
-fn rdzv(addr: &str, why: impl Into<String>) -> CommError {
-    CommError::Rendezvous { addr: addr.to_string(), why: why.into() }
+fn rdzv(addr: &str, why: impl Into<String>) -> CollectiveError {
+    CollectiveError::Rendezvous { addr: addr.to_string(), why: why.into() }
 }
 
 /// Resolve `host:port`, preferring IPv4.
@@ -150,11 +150,7 @@ pub fn serve_store(
                     for mut reg in pending.into_iter().flatten() {
                         let _ = write_line(&mut reg.stream, &StoreReply::refusal(why.clone()));
                     }
-                    return Err(CommError::Timeout {
-                        peer: missing[0],
-                        op: "rendezvous",
-                        secs: timeout.as_secs_f64(),
-                    });
+                    return Err(CollectiveError::Timeout { peer: missing[0], op: "rendezvous", timeout });
                 }
                 std::thread::sleep(Duration::from_millis(2));
                 continue;
@@ -211,7 +207,7 @@ pub fn join(cfg: &RendezvousConfig) -> Result<Joined> {
 /// test) instead of binding `cfg.master` itself.
 pub fn join_with_store(cfg: &RendezvousConfig, store: Option<TcpListener>) -> Result<Joined> {
     if cfg.rank >= cfg.world {
-        return Err(CommError::Invalid {
+        return Err(CollectiveError::Invalid {
             what: "rank",
             why: format!("{} is not below the world size {}", cfg.rank, cfg.world),
         });

@@ -23,6 +23,11 @@
 //! generation within `--rdzv-timeout`: the store tells every node `Abort` with the reason,
 //! naming the node. A launcher that loses the store (node 0's launcher gone) gives up the same
 //! way. Every wait is bounded.
+//!
+//! [`blame`], the rule that names a restart's cause, is here too: the store applies it to the
+//! failures the nodes report, the launcher (`crate::launch`, which imports this file and is
+//! never imported by it) to its own ranks' exits. Like the launcher, this is the `launch`
+//! subcommand's body, the binary's edge: its errors (`anyhow`) are printed and end the process.
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -240,6 +245,18 @@ fn accept_nodes(listener: TcpListener, cfg: &StoreConfig, tx: &mpsc::Sender<Hear
     }
 }
 
+/// Of the failures seen together, in the order they were seen, put first the one to blame: a
+/// process ended by a signal (killed from outside: it failed on its own) before one that
+/// exited with an error (which usually reports a peer's failure). The launcher, the
+/// launchers' store and `gradsync-bench compare` all name a restart's cause by this rule.
+pub fn blame<T>(failed: &mut [T], signalled: impl Fn(&T) -> bool) {
+    if let Some(i) = failed.iter().position(&signalled)
+        && !signalled(&failed[0])
+    {
+        failed[..=i].rotate_right(1);
+    }
+}
+
 /// A failure reported in the current generation: (node, rank, exit, signalled).
 type Failure = (usize, usize, String, bool);
 
@@ -283,7 +300,7 @@ fn store_loop(
         {
             // Among the failures reported together, one ended by a signal goes first.
             let mut list = list.clone();
-            crate::launch::blame(&mut list, |f| f.3);
+            blame(&mut list, |f| f.3);
             let first = list.swap_remove(0);
             failures = None;
             let (node, rank, exit, _) = first;
@@ -540,5 +557,23 @@ impl Drop for Member {
         if let Ok(w) = self.writer.lock() {
             let _ = w.shutdown(std::net::Shutdown::Both);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::blame;
+
+    #[test]
+    fn a_signalled_failure_is_blamed_first() {
+        let mut f = [(0, false), (1, false), (2, true), (3, true)];
+        blame(&mut f, |x| x.1);
+        assert_eq!(f, [(2, true), (0, false), (1, false), (3, true)]);
+        let mut f = [(1, true), (0, true)];
+        blame(&mut f, |x| x.1);
+        assert_eq!(f, [(1, true), (0, true)]);
+        let mut f = [(4, false), (5, false)];
+        blame(&mut f, |x| x.1);
+        assert_eq!(f, [(4, false), (5, false)]);
     }
 }

@@ -10,7 +10,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use gradsync_worker::collective::tcp::MeshInfo;
-use gradsync_worker::collective::{Collective, CommError, Hierarchy, RingConfig, TcpComm, Transport};
+use gradsync_worker::collective::{Collective, CollectiveError, Hierarchy, RingConfig, TcpComm, Transport};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
 mod ring_client;
@@ -63,7 +63,7 @@ fn group<T: Send>(
 }
 
 /// Three ranks, rank 2 gone before an all-reduce of `n` values: the survivors' errors.
-fn dead_peer_errors(n: usize, transport: Transport) -> Vec<Option<CommError>> {
+fn dead_peer_errors(n: usize, transport: Transport) -> Vec<Option<CollectiveError>> {
     group(3, 20_000, transport, |mut c| {
         if c.rank() == 2 {
             drop(c); // the process "dies": its sockets close
@@ -99,7 +99,7 @@ fn dead_peer_on_sockets_200_runs() {
         let right = (0..200)
             .filter(|_| {
                 let out = dead_peer_errors(10_000, transport);
-                out[..2].iter().all(|e| e.as_ref().and_then(CommError::culprit) == Some(2))
+                out[..2].iter().all(|e| e.as_ref().and_then(CollectiveError::culprit) == Some(2))
             })
             .count();
         println!(
@@ -193,7 +193,7 @@ fn silent_peer(transport: Transport) {
         Some(e)
     });
     match out[0].as_ref().unwrap() {
-        CommError::Timeout { peer: 2, .. } => {}
+        CollectiveError::Timeout { peer: 2, .. } => {}
         e => panic!("expected a timeout naming rank 2, got: {e}"),
     }
     assert!(out[0].as_ref().unwrap().to_string().contains("rank 2 did not answer"));

@@ -16,7 +16,7 @@ use gradsync_proto::pb::{
     VersionRequest,
 };
 use gradsync_proto::tuning::Tuning;
-use gradsync_worker::ps::{Gradients, HostGrads, HostSlice, PsClient, SharedGrads};
+use gradsync_worker::ps::{Gradients, HostGrads, HostSlice, PsClient, PsError, SharedGrads};
 use tonic::Code;
 
 mod common;
@@ -807,8 +807,11 @@ struct FailingGrads {
 }
 
 impl Gradients for FailingGrads {
-    fn chunk(&self, head: &GradientChunk, values: std::ops::Range<usize>) -> anyhow::Result<FramedChunk> {
-        anyhow::ensure!(values.start < self.fail_from, "device lost at value {}", values.start);
+    fn chunk(&self, head: &GradientChunk, values: std::ops::Range<usize>) -> Result<FramedChunk, PsError> {
+        if values.start >= self.fail_from {
+            let msg = format!("device lost at value {}", values.start);
+            return Err(gradsync_core::Error::Cuda { op: "cuMemcpyDtoH", msg }.into());
+        }
         HostGrads(&self.grads).chunk(head, values)
     }
 }
@@ -986,6 +989,67 @@ fn only_a_failure_that_looks_like_tls_suggests_tls_ca() {
     let plain = format!("{plain:#}");
     assert!(!dead.contains("--tls-ca"), "{dead}");
     assert!(plain.contains("--tls-ca"), "{plain}");
+}
+
+/// A self-signed certificate for `localhost` in `dir`: (cert path, key path), the cert also
+/// the CA a worker trusts.
+fn self_signed(dir: &Path) -> (PathBuf, PathBuf) {
+    let ck = rcgen::generate_simple_self_signed(vec!["localhost".into()]).expect("rcgen");
+    let (cert, key) = (dir.join("s.crt"), dir.join("s.key"));
+    std::fs::write(&cert, ck.cert.pem()).expect("write cert");
+    std::fs::write(&key, ck.key_pair.serialize_pem()).expect("write key");
+    (cert, key)
+}
+
+/// A worker that passed `--tls-ca` and reached a TLS server with the wrong token is told its
+/// token is wrong, never to pass the `--tls-ca` it already passed; in process, the refusal is
+/// the token's variant.
+#[test]
+fn a_tls_worker_with_a_wrong_token_is_told_the_token_is_wrong() {
+    let dir = tmp("tls-token");
+    let (cert, key) = self_signed(&dir);
+    let (cert_s, key_s) = (cert.to_str().expect("utf8"), key.to_str().expect("utf8"));
+    let server = Server::start(&["--tls-cert", cert_s, "--tls-key", key_s, "--token", "s3cret"]);
+    let tls = ["--tls-ca", cert_s, "--tls-domain", "localhost"];
+    let (code, err, _) =
+        ps_worker(&server.addr, &[&tls[..], &["--token", "nope"]].concat()).finish(Duration::from_secs(60));
+    assert_ne!(code, 0, "a wrong token was served: {err}");
+    assert!(err.contains("Unauthenticated") && err.contains("wrong token"), "{err}");
+    assert!(!err.contains("pass --tls-ca"), "told to pass the --tls-ca it passed: {err}");
+
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let refused = rt.block_on(async {
+        let tls = gradsync_proto::tls::client(&cert, Some("localhost")).expect("CA");
+        let addrs = std::slice::from_ref(&server.addr);
+        let mut c =
+            PsClient::connect_tls(addrs, Some("nope"), Duration::from_secs(10), Tuning::tuned(), Some(tls))
+                .await
+                .expect("a TLS connection to a TLS server");
+        c.sync_mode().await.expect_err("a wrong token was served")
+    });
+    assert!(matches!(refused, PsError::Unauthenticated { .. }), "{refused:?}");
+    // With the right token the same worker trains.
+    let (code, err, _) =
+        ps_worker(&server.addr, &[&tls[..], &["--token", "s3cret"]].concat()).finish(Duration::from_secs(60));
+    assert_eq!(code, 0, "{err}");
+}
+
+/// A worker that passed `--tls-ca` and reached a plaintext server is told at once that the
+/// server does not serve TLS: not to pass `--tls-ca`, and not that nobody answered after
+/// waiting `--connect-timeout` for a server that was up all along.
+#[test]
+fn a_tls_worker_at_a_plaintext_server_is_told_so_at_once() {
+    let dir = tmp("tls-plain");
+    let (cert, _) = self_signed(&dir);
+    let server = Server::start(&[]);
+    let t = Instant::now();
+    let flags = ["--tls-ca", cert.to_str().expect("utf8"), "--tls-domain", "localhost"];
+    let (code, err, _) = ps_worker(&server.addr, &[&flags[..], &["--connect-timeout", "60"]].concat())
+        .finish(Duration::from_secs(120));
+    assert_ne!(code, 0, "a TLS worker trained against a plaintext server: {err}");
+    assert!(t.elapsed() < Duration::from_secs(30), "it waited {:?} for a server that was up", t.elapsed());
+    assert!(err.contains("does not seem to serve TLS"), "{err}");
+    assert!(!err.contains("pass --tls-ca") && !err.contains("no parameter server answered"), "{err}");
 }
 
 /// Each step's pushed and pulled bytes in a worker's metrics file.

@@ -19,13 +19,13 @@ use std::ops::Range;
 use std::sync::mpsc;
 use std::time::Instant;
 
-use anyhow::Context;
 use gradsync_core::Engine;
-use gradsync_core::engine::{Bucket, DeviceGrads, HostBucket};
+use gradsync_core::engine::{Bucket, ComputeFence, DeviceGrads, HostBucket};
 use gradsync_core::model::BucketPlan;
 use gradsync_core::trace::Trace;
 
-use super::{Collective, CommError, Nccl, TcpComm};
+use super::error::{CollectiveError, Result};
+use super::{Collective, Nccl, TcpComm};
 
 /// A data-parallel communicator.
 pub enum Communicator {
@@ -37,6 +37,10 @@ pub enum Communicator {
 
 /// What a strategy does with each finished bucket.
 pub trait BucketWork: Send {
+    /// What the work fails with: the strategy's own error, which the communicator hands back
+    /// whole as the source of a [`CollectiveError::Bucket`] naming the bucket.
+    type Error: Into<Box<dyn std::error::Error + Send + Sync>>;
+
     /// The name of one bucket's operation in traces (`allreduce`, `reduce-scatter`).
     fn name(&self) -> &'static str;
 
@@ -49,7 +53,7 @@ pub trait BucketWork: Send {
         index: usize,
         range: Range<usize>,
         values: &mut [f32],
-    ) -> anyhow::Result<Range<usize>>;
+    ) -> Result<Range<usize>, Self::Error>;
 
     /// Whether [`BucketWork::queue_device`] does this work in GPU memory.
     fn on_device(&self) -> bool {
@@ -62,9 +66,12 @@ pub trait BucketWork: Send {
     /// # Safety
     /// The engine that handed out `grads` must outlive [`Nccl::wait_all`], and nothing else may
     /// touch the bucket until it returns.
-    unsafe fn queue_device(&self, nccl: &mut Nccl, grads: &DeviceGrads) -> Result<(), CommError> {
+    unsafe fn queue_device(&self, nccl: &mut Nccl, grads: &DeviceGrads) -> Result<(), CollectiveError> {
         let _ = (nccl, grads);
-        Err(CommError::Invalid { what: "bucket", why: format!("{} is not done in GPU memory", self.name()) })
+        Err(CollectiveError::Invalid {
+            what: "bucket",
+            why: format!("{} is not done in GPU memory", self.name()),
+        })
     }
 }
 
@@ -97,14 +104,14 @@ struct Hook<'a, 'w, W: BucketWork + ?Sized> {
     /// NCCL and the work, for GPU buckets it reduces in GPU memory.
     nccl: Option<(&'w mut Nccl, &'w W)>,
     overlap: bool,
-    /// GPU buckets for NCCL after backward.
-    deferred: Vec<DeviceGrads>,
+    /// GPU buckets for NCCL after backward, with their indices.
+    deferred: Vec<(usize, DeviceGrads)>,
     /// Host buckets for after backward.
     later: Vec<HostBucket<'a>>,
     /// When the first reduction was queued on NCCL.
     first_queued: Option<Instant>,
     /// The first error; later buckets are not started.
-    failed: Option<anyhow::Error>,
+    failed: Option<CollectiveError>,
 }
 
 impl<'a, W: BucketWork + ?Sized> Hook<'a, '_, W> {
@@ -112,6 +119,7 @@ impl<'a, W: BucketWork + ?Sized> Hook<'a, '_, W> {
         if self.failed.is_some() {
             return;
         }
+        let index = b.index;
         let b = match &mut self.nccl {
             Some((nccl, work)) if work.on_device() => match b.into_device() {
                 Ok(grads) if self.overlap => {
@@ -119,11 +127,11 @@ impl<'a, W: BucketWork + ?Sized> Hook<'a, '_, W> {
                     // SAFETY: the engine outlives this step, and nothing touches the bucket
                     // until wait_all returns (on every path: see `backward_synced`).
                     if let Err(e) = unsafe { work.queue_device(nccl, &grads) } {
-                        self.failed = Some(anyhow::Error::from(e).context("queueing a bucket's reduction"));
+                        self.failed = Some(bucket_err(index, "queueing its reduction", e));
                     }
                     return;
                 }
-                Ok(grads) => return self.deferred.push(grads),
+                Ok(grads) => return self.deferred.push((index, grads)),
                 Err(host) => host,
             },
             _ => b,
@@ -135,9 +143,7 @@ impl<'a, W: BucketWork + ?Sized> Hook<'a, '_, W> {
                 Some(tx) => drop(tx.send(Job::Bucket(h))),
                 None => self.later.push(h),
             },
-            Err(e) => {
-                self.failed = Some(anyhow::Error::from(e).context("staging a bucket through host memory"))
-            }
+            Err(e) => self.failed = Some(bucket_err(index, "staging it through host memory", e)),
         }
     }
 }
@@ -149,10 +155,11 @@ fn run_host<W: BucketWork + ?Sized>(
     comm: &mut dyn Collective,
     mut b: HostBucket<'_>,
     trace: &Trace,
-) -> anyhow::Result<Span> {
+) -> Result<Span> {
     let t = Instant::now();
     let (index, range) = (b.index, b.range.clone());
-    let back = work.host(comm, index, range.clone(), b.values()?)?;
+    let back =
+        work.host(comm, index, range.clone(), b.values()?).map_err(|e| bucket_err(index, work.name(), e))?;
     b.finish(back)?;
     let end = Instant::now();
     let mut args = serde_json::Map::new();
@@ -217,125 +224,157 @@ impl Communicator {
         overlap: bool,
         sync_bn: bool,
         trace: &Trace,
-    ) -> anyhow::Result<Synced> {
-        let t0 = Instant::now();
-        let fence = engine.fence();
-        // Backward ends when the device has run it; the buckets' copies and reductions run on
-        // streams and threads of their own.
-        let ended =
-            |bwd: gradsync_core::Result<()>, failed: Option<anyhow::Error>| -> anyhow::Result<Instant> {
-                bwd?;
-                failed.map_or(Ok(()), Err)?;
-                fence.wait()?;
-                trace.span("backward", "compute", "compute", t0);
-                Ok(Instant::now())
-            };
-        let mut spans = Vec::new();
-        let bwd_end = match self {
-            Communicator::Tcp(comm) => {
-                let comm: &mut TcpComm = comm;
-                let (ended, thread_spans, later) = std::thread::scope(|s| {
-                    let (tx, rx) = mpsc::channel::<Job<'_>>();
-                    let (for_thread, mut direct) =
-                        if overlap { (Some(&mut *comm), None) } else { (None, Some(&mut *comm)) };
-                    let worker = for_thread.map(|comm| {
-                        let work = &mut *work;
-                        s.spawn(move || -> anyhow::Result<Vec<Span>> {
-                            let mut spans = Vec::new();
-                            for job in rx {
-                                match job {
-                                    Job::Bucket(b) => spans.push(run_host(work, comm, b, trace)?),
-                                    Job::Sums(mut v, reply) => {
-                                        let r =
-                                            comm.all_reduce(&mut v).map(|()| v).map_err(|e| e.to_string());
-                                        drop(reply.send(r));
-                                    }
-                                }
-                            }
-                            Ok(spans)
-                        })
-                    });
-                    let sums_tx = worker.is_some().then(|| tx.clone());
-                    let mut norm = |buf: &mut [f32]| -> gradsync_core::Result<()> {
-                        let gone =
-                            || gradsync_core::Error::Exchange("the communication thread stopped".into());
-                        if let Some(tx) = &sums_tx {
-                            let (rtx, rrx) = mpsc::channel();
-                            tx.send(Job::Sums(buf.to_vec(), rtx)).map_err(|_| gone())?;
-                            let v =
-                                rrx.recv().map_err(|_| gone())?.map_err(gradsync_core::Error::Exchange)?;
-                            buf.copy_from_slice(&v);
-                            Ok(())
-                        } else if let Some(c) = direct.as_deref_mut() {
-                            c.all_reduce(buf).map_err(|e| gradsync_core::Error::Exchange(e.to_string()))
-                        } else {
-                            Err(gone())
-                        }
-                    };
-                    let mut hook = Hook::<W>::new(worker.is_some().then_some(tx), None, overlap);
-                    let sync: Option<gradsync_core::net::NormSync<'_>> =
-                        if sync_bn { Some(&mut norm) } else { None };
-                    let bwd = engine.backward_buckets_synced(plan, accumulate, &mut |b| hook.ready(b), sync);
-                    // The thread ends once every sender is gone: the hook's, and the sums'.
-                    drop(sums_tx);
-                    let Hook { thread, later, failed, .. } = hook;
-                    drop(thread);
-                    let ended = ended(bwd, failed);
-                    let thread_spans: anyhow::Result<Vec<Span>> = match worker {
-                        Some(w) => w
-                            .join()
-                            .unwrap_or_else(|_| Err(anyhow::anyhow!("the communication thread panicked"))),
-                        None => Ok(Vec::new()),
-                    };
-                    (ended, thread_spans, later)
+    ) -> Result<Synced> {
+        let step = Backward { t0: Instant::now(), fence: engine.fence(), plan, accumulate, overlap, trace };
+        let (bwd_end, spans) = match self {
+            Communicator::Tcp(comm) => on_ring(comm, &step, engine, work, sync_bn)?,
+            Communicator::Nccl(_) if sync_bn => {
+                return Err(CollectiveError::Invalid {
+                    what: "--sync-bn",
+                    why: "a synchronised batch norm works over the TCP backend only".into(),
                 });
-                let bwd_end = ended?;
-                spans.extend(thread_spans?);
-                for b in later {
-                    spans.push(run_host(work, comm, b, trace)?);
-                }
-                bwd_end
             }
-            Communicator::Nccl(nccl) => {
-                let nccl: &mut Nccl = nccl;
-                anyhow::ensure!(!sync_bn, "a synchronised batch norm works over the TCP backend only");
-                let mut hook = Hook::new(None, Some((&mut *nccl, &*work)), overlap);
-                let bwd = engine.backward_buckets(plan, accumulate, &mut |b| hook.ready(b));
-                let Hook { later, deferred, first_queued, failed, .. } = hook;
-                // Once a reduction is queued, no error may leave before NCCL is done with the
-                // gradients: the engine could be dropped, and its buffer freed, while NCCL writes.
-                let settle = |nccl: &mut Nccl, queued: bool, e: anyhow::Error| {
-                    if queued {
-                        let _ = nccl.wait_all();
-                    }
-                    e
-                };
-                let bwd_end = ended(bwd, failed).map_err(|e| settle(nccl, first_queued.is_some(), e))?;
-                let mut first = first_queued;
-                for grads in deferred {
-                    first.get_or_insert_with(Instant::now);
-                    // SAFETY: as in the hook; backward has finished with the buffer.
-                    if let Err(e) = unsafe { work.queue_device(nccl, &grads) } {
-                        return Err(settle(
-                            nccl,
-                            true,
-                            anyhow::Error::from(e).context("queueing a bucket's reduction"),
-                        ));
-                    }
-                }
-                if let Some(first) = first {
-                    nccl.wait_all().context("waiting for the buckets' reductions")?;
-                    spans.push((first, Instant::now()));
-                }
-                for b in later {
-                    spans.push(run_host(work, nccl, b, trace)?);
-                }
-                bwd_end
-            }
+            Communicator::Nccl(nccl) => on_nccl(nccl, &step, engine, work)?,
         };
         let (comm_ms, exposed_ms) = comm_split(&spans, bwd_end);
-        Ok(Synced { backward_ms: (bwd_end - t0).as_secs_f64() * 1e3, comm_ms, exposed_ms })
+        Ok(Synced { backward_ms: (bwd_end - step.t0).as_secs_f64() * 1e3, comm_ms, exposed_ms })
     }
+}
+
+/// One step's backward as [`Communicator::backward_synced`] was asked to run it.
+struct Backward<'a> {
+    /// When it began.
+    t0: Instant,
+    /// What tells when the device has run it.
+    fence: ComputeFence,
+    plan: &'a BucketPlan,
+    accumulate: bool,
+    overlap: bool,
+    trace: &'a Trace,
+}
+
+impl Backward<'_> {
+    /// When backward ended, given its result `bwd` and the first failure `failed` of a
+    /// bucket's hook: once the device has run it (the buckets' copies and reductions run on
+    /// streams and threads of their own).
+    fn ended(&self, bwd: gradsync_core::Result<()>, failed: Option<CollectiveError>) -> Result<Instant> {
+        bwd?;
+        failed.map_or(Ok(()), Err)?;
+        self.fence.wait()?;
+        self.trace.span("backward", "compute", "compute", self.t0);
+        Ok(Instant::now())
+    }
+}
+
+/// [`Communicator::backward_synced`] on the ring: each host bucket reduced on a communication
+/// thread as backward finishes it (with `overlap`), else after backward; a synchronised batch
+/// norm's sums all-reduced in order with them (`sync_bn`). Returns when backward ended and the
+/// spans the reductions ran in.
+fn on_ring<W: BucketWork + ?Sized>(
+    comm: &mut TcpComm,
+    step: &Backward<'_>,
+    engine: &mut Engine,
+    work: &mut W,
+    sync_bn: bool,
+) -> Result<(Instant, Vec<Span>)> {
+    let trace = step.trace;
+    let (ended, thread_spans, later) = std::thread::scope(|s| {
+        let (tx, rx) = mpsc::channel::<Job<'_>>();
+        let (for_thread, mut direct) =
+            if step.overlap { (Some(&mut *comm), None) } else { (None, Some(&mut *comm)) };
+        let worker = for_thread.map(|comm| {
+            let work = &mut *work;
+            s.spawn(move || -> Result<Vec<Span>> {
+                let mut spans = Vec::new();
+                for job in rx {
+                    match job {
+                        Job::Bucket(b) => spans.push(run_host(work, comm, b, trace)?),
+                        Job::Sums(mut v, reply) => {
+                            let r = comm.all_reduce(&mut v).map(|()| v).map_err(|e| e.to_string());
+                            drop(reply.send(r));
+                        }
+                    }
+                }
+                Ok(spans)
+            })
+        });
+        let sums_tx = worker.is_some().then(|| tx.clone());
+        let mut norm = |buf: &mut [f32]| -> gradsync_core::Result<()> {
+            let gone = || gradsync_core::Error::Exchange("the communication thread stopped".into());
+            if let Some(tx) = &sums_tx {
+                let (rtx, rrx) = mpsc::channel();
+                tx.send(Job::Sums(buf.to_vec(), rtx)).map_err(|_| gone())?;
+                let v = rrx.recv().map_err(|_| gone())?.map_err(gradsync_core::Error::Exchange)?;
+                buf.copy_from_slice(&v);
+                Ok(())
+            } else if let Some(c) = direct.as_deref_mut() {
+                c.all_reduce(buf).map_err(|e| gradsync_core::Error::Exchange(e.to_string()))
+            } else {
+                Err(gone())
+            }
+        };
+        let mut hook = Hook::<W>::new(worker.is_some().then_some(tx), None, step.overlap);
+        let sync: Option<gradsync_core::net::NormSync<'_>> = if sync_bn { Some(&mut norm) } else { None };
+        let bwd = engine.backward_buckets_synced(step.plan, step.accumulate, &mut |b| hook.ready(b), sync);
+        // The thread ends once every sender is gone: the hook's, and the sums'.
+        drop(sums_tx);
+        let Hook { thread, later, failed, .. } = hook;
+        drop(thread);
+        let ended = step.ended(bwd, failed);
+        let thread_spans: Result<Vec<Span>> = match worker {
+            Some(w) => {
+                w.join().unwrap_or_else(|_| Err(CollectiveError::Panicked("the communication thread")))
+            }
+            None => Ok(Vec::new()),
+        };
+        (ended, thread_spans, later)
+    });
+    let bwd_end = ended?;
+    let mut spans = thread_spans?;
+    for b in later {
+        spans.push(run_host(work, comm, b, trace)?);
+    }
+    Ok((bwd_end, spans))
+}
+
+/// [`Communicator::backward_synced`] on NCCL: each GPU bucket queued on NCCL's stream behind
+/// its backward (with `overlap`) or after backward, host buckets through NCCL's host path after
+/// backward. Returns when backward ended and the spans the reductions ran in.
+fn on_nccl<W: BucketWork + ?Sized>(
+    nccl: &mut Nccl,
+    step: &Backward<'_>,
+    engine: &mut Engine,
+    work: &mut W,
+) -> Result<(Instant, Vec<Span>)> {
+    let mut hook = Hook::new(None, Some((&mut *nccl, &*work)), step.overlap);
+    let bwd = engine.backward_buckets(step.plan, step.accumulate, &mut |b| hook.ready(b));
+    let Hook { later, deferred, first_queued, failed, .. } = hook;
+    // Once a reduction is queued, no error may leave before NCCL is done with the gradients:
+    // the engine could be dropped, and its buffer freed, while NCCL writes.
+    let settle = |nccl: &mut Nccl, queued: bool, e: CollectiveError| {
+        if queued {
+            let _ = nccl.wait_all();
+        }
+        e
+    };
+    let bwd_end = step.ended(bwd, failed).map_err(|e| settle(nccl, first_queued.is_some(), e))?;
+    let mut first = first_queued;
+    for (index, grads) in deferred {
+        first.get_or_insert_with(Instant::now);
+        // SAFETY: as in the hook; backward has finished with the buffer.
+        if let Err(e) = unsafe { work.queue_device(nccl, &grads) } {
+            return Err(settle(nccl, true, bucket_err(index, "queueing its reduction", e)));
+        }
+    }
+    let mut spans = Vec::new();
+    if let Some(first) = first {
+        nccl.wait_all().map_err(|e| CollectiveError::Reductions { source: Box::new(e) })?;
+        spans.push((first, Instant::now()));
+    }
+    for b in later {
+        spans.push(run_host(work, nccl, b, step.trace)?);
+    }
+    Ok((bwd_end, spans))
 }
 
 impl<'a, 'w, W: BucketWork + ?Sized> Hook<'a, 'w, W> {
@@ -354,6 +393,15 @@ impl<'a, 'w, W: BucketWork + ?Sized> Hook<'a, 'w, W> {
             failed: None,
         }
     }
+}
+
+/// [`CollectiveError::Bucket`]: doing `what` to bucket `index` failed with `e`.
+fn bucket_err(
+    index: usize,
+    what: &'static str,
+    e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> CollectiveError {
+    CollectiveError::Bucket { index, what, source: e.into() }
 }
 
 /// Communication time and its exposed part, ms, from the spans `(start, end)` the reductions

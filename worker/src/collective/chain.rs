@@ -13,9 +13,10 @@
 //! one transfer plus `W - 2` chunks, and no rank sends more than the buffer once, unlike a
 //! root that sends to every rank in turn.
 
+use super::check_rank;
+use super::error::{CollectiveError, Result};
 use super::link::{Links, Op};
 use super::reduce::Values;
-use super::{CommError, Result, check_rank};
 
 /// The buffer as chunks of at most `chunk` values (at least one, possibly empty, chunk).
 fn chunks(buf: &mut [f32], chunk: usize) -> Vec<&mut [f32]> {
@@ -78,7 +79,7 @@ pub(crate) fn gather(comm: &mut impl Links, send: &[f32], out: &mut [f32], root:
         return send_to(comm, send, root, Op::Gather);
     }
     if out.len() != n * w {
-        return Err(CommError::Invalid {
+        return Err(CollectiveError::Invalid {
             what: "gather output",
             why: format!("holds {} values, {w} ranks x {n} need {}", out.len(), n * w),
         });
@@ -103,7 +104,7 @@ pub(crate) fn scatter(comm: &mut impl Links, src: &[f32], recv: &mut [f32], root
         return recv_from(comm, recv, root, Op::Scatter);
     }
     if src.len() != n * w {
-        return Err(CommError::Invalid {
+        return Err(CollectiveError::Invalid {
             what: "scatter input",
             why: format!("holds {} values, {w} ranks x {n} need {}", src.len(), n * w),
         });

@@ -8,6 +8,7 @@
 use std::net::TcpListener;
 use std::ops::Range;
 
+use super::error::{CollectiveError, Result};
 use super::group::{Group, Net};
 use super::hier::{self, Hier};
 use super::link::Op;
@@ -15,7 +16,7 @@ use super::reduce::Values;
 use super::ring::Phases;
 use super::shm::Shm;
 use super::tcp::{Mesh, MeshInfo};
-use super::{Collective, CommError, Half, Result, RingConfig, Traffic, Transport, chain, ring, segment};
+use super::{Collective, Half, RingConfig, Traffic, Transport, chain, ring, segment};
 
 /// The host backend: a full mesh of TCP links, shared-memory rings to the ring neighbours
 /// when they are on this host, and the hosts' hierarchy when all-reduce goes through it.
@@ -137,14 +138,14 @@ impl TcpComm {
     /// out of step) and remembering a failure for the next call.
     fn guarded<T>(&mut self, op: Op, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         if let Some(why) = &self.poisoned {
-            return Err(CommError::Invalid {
+            return Err(CollectiveError::Invalid {
                 what: "communicator",
                 why: format!("{} after an earlier failure: {why}", op.name()),
             });
         }
         let out = f(self).map_err(|e| self.net.mesh.blame(e, self.net.cfg.timeout));
         if let Err(e) = &out
-            && !matches!(e, CommError::Invalid { .. })
+            && !matches!(e, CollectiveError::Invalid { .. })
         {
             self.poisoned = Some(e.to_string());
             // Tell every peer whom to blame (this rank, if nobody else).
@@ -227,7 +228,7 @@ impl Collective for TcpComm {
 
     fn send(&mut self, buf: &[f32], peer: usize) -> Result<()> {
         if peer == self.rank {
-            return Err(CommError::Invalid {
+            return Err(CollectiveError::Invalid {
                 what: "peer",
                 why: format!("rank {peer} cannot send to itself"),
             });
@@ -237,7 +238,7 @@ impl Collective for TcpComm {
 
     fn recv(&mut self, buf: &mut [f32], peer: usize) -> Result<()> {
         if peer == self.rank {
-            return Err(CommError::Invalid {
+            return Err(CollectiveError::Invalid {
                 what: "peer",
                 why: format!("rank {peer} cannot receive from itself"),
             });
@@ -251,7 +252,7 @@ impl Collective for TcpComm {
             let mut one = [1.0f32];
             ring::run(&mut c.flat(), &mut one, Phases::Both, Op::Barrier, Values::F32)?;
             if one[0] != world as f32 {
-                return Err(CommError::Protocol {
+                return Err(CollectiveError::Protocol {
                     peer: (c.rank + 1) % world,
                     why: format!("barrier counted {} ranks, expected {world}", one[0]),
                 });

@@ -10,32 +10,33 @@ use std::time::Duration;
 
 use socket2::SockRef;
 
+use super::RingConfig;
+use super::error::{CollectiveError, Result};
 use super::handshake::{HeaderError, check_header, ends_with_abort};
 use super::link::Op;
 use super::reduce::Values;
-use super::{CommError, Result, RingConfig};
 
-/// Turn a socket error into one that names the peer; timeouts become [`CommError::Timeout`].
-pub(crate) fn peer_err(peer: usize, op: Op, timeout: Duration) -> impl FnOnce(io::Error) -> CommError {
+/// Turn a socket error into one that names the peer; timeouts become [`CollectiveError::Timeout`].
+pub(crate) fn peer_err(peer: usize, op: Op, timeout: Duration) -> impl FnOnce(io::Error) -> CollectiveError {
     move |e| match e.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-            CommError::Timeout { peer, op: op.name(), secs: timeout.as_secs_f64() }
+            CollectiveError::Timeout { peer, op: op.name(), timeout }
         }
-        io::ErrorKind::UnexpectedEof => CommError::Peer {
+        io::ErrorKind::UnexpectedEof => CollectiveError::Peer {
             peer,
             op: op.name(),
             source: io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection"),
         },
-        _ => CommError::Peer { peer, op: op.name(), source: e },
+        _ => CollectiveError::Peer { peer, op: op.name(), source: e },
     }
 }
 
 /// What ended a read from `peer` with error `e`, given the bytes `tail` read from it just
 /// before: an abort notice at the end of them names the rank to blame.
-pub(crate) fn lost(peer: usize, op: Op, timeout: Duration, tail: &[u8], e: io::Error) -> CommError {
+pub(crate) fn lost(peer: usize, op: Op, timeout: Duration, tail: &[u8], e: io::Error) -> CollectiveError {
     match ends_with_abort(tail) {
         Some(culprit) if !matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-            CommError::Aborted { peer, culprit, op: op.name() }
+            CollectiveError::Aborted { peer, culprit, op: op.name() }
         }
         _ => peer_err(peer, op, timeout)(e),
     }
@@ -89,7 +90,7 @@ impl Link {
     pub(crate) fn new(peer: usize, s: TcpStream, cfg: &RingConfig) -> Result<Link> {
         let io = |what: &str| {
             let what = format!("configuring the link to rank {peer}: {what}");
-            move |source| CommError::Io { what, source }
+            move |source| CollectiveError::Io { what, source }
         };
         configure_socket(&s, cfg.timeout, cfg.socket_buffer).map_err(|(what, e)| io(what)(e))?;
         let writer = s.try_clone().map_err(io("cloning the socket"))?;
@@ -135,8 +136,10 @@ fn describe(tag: u32) -> String {
 
 /// The 8-byte header of a frame of `count` slots of `values` for `op`.
 pub(crate) fn frame_header(op: Op, values: Values, count: usize) -> Result<[u8; 8]> {
-    let count = u32::try_from(count)
-        .map_err(|_| CommError::Invalid { what: "chunk", why: format!("{count} values in one frame") })?;
+    let count = u32::try_from(count).map_err(|_| CollectiveError::Invalid {
+        what: "chunk",
+        why: format!("{count} values in one frame"),
+    })?;
     let mut head = [0u8; 8];
     head[..4].copy_from_slice(&tag(op, values).to_le_bytes());
     head[4..].copy_from_slice(&count.to_le_bytes());
@@ -175,10 +178,12 @@ pub(crate) fn write_frame(
 
 /// Check a frame header from `peer`: it must announce `op` with `expect` slots of `values`.
 pub(crate) fn parse_header(head: &[u8; 8], op: Op, values: Values, expect: usize, peer: usize) -> Result<()> {
-    check_header(head, tag(op, values), expect).map_err(|e| CommError::Protocol {
+    check_header(head, tag(op, values), expect).map_err(|e| CollectiveError::Protocol {
         peer,
         why: match e {
-            HeaderError::Aborted(culprit) => return CommError::Aborted { peer, culprit, op: op.name() },
+            HeaderError::Aborted(culprit) => {
+                return CollectiveError::Aborted { peer, culprit, op: op.name() };
+            }
             HeaderError::Tag(theirs) => format!(
                 "sent a {} during a {} (ranks called different collectives, or were given \
                  different --compress)",

@@ -6,12 +6,13 @@
 //! to the member addressed. Errors name global ranks, so a dead peer is reported by the rank
 //! the user knows, whichever group it failed in.
 
+use super::error::{CollectiveError, Result};
 use super::frame::{read_frame, write_frame};
 use super::link::{Duplex, Links, Op};
 use super::reduce::Values;
 use super::shm::Shm;
 use super::tcp::Mesh;
-use super::{CommError, Result, RingConfig, Traffic, pump};
+use super::{RingConfig, Traffic, pump};
 
 /// What every group of one communicator shares: the mesh, the room the socket engines reduce
 /// through, the traffic count and the tunables.
@@ -46,7 +47,7 @@ impl<'a> Group<'a> {
 
     /// The global rank of member `i`.
     fn global(&self, i: usize) -> Result<usize> {
-        self.members.get(i).copied().ok_or_else(|| CommError::Invalid {
+        self.members.get(i).copied().ok_or_else(|| CollectiveError::Invalid {
             what: "peer",
             why: format!("member {i} is not below the group's size {}", self.members.len()),
         })

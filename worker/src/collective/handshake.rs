@@ -2,7 +2,7 @@
 //! stranger can send a rank or the rendezvous store is decoded here and nowhere else. No
 //! sockets and no crate types, so the fuzzer (`fuzz/`) compiles this very file and drives the
 //! production code over in-memory streams; the TCP mesh and the rendezvous store turn the
-//! failures into [`super::CommError`].
+//! failures into the collectives' `CollectiveError`.
 //!
 //! # The handshake: a mutual challenge-response over the shared token
 //!
@@ -166,25 +166,18 @@ pub fn fresh_nonce() -> io::Result<Nonce> {
 }
 
 /// Why a handshake did not complete, as seen by one side.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum Failure {
     /// The stream failed, timed out, or carried something that is not the handshake.
+    #[error("bad handshake: {0}")]
     Io(io::Error),
     /// The other side refused this one, for the reason it gave.
+    #[error("refused: {0}")]
     RefusedByPeer(String),
     /// This side refused the other, for this reason (the other side was told when it spoke
     /// the handshake).
+    #[error("{0}")]
     Refused(String),
-}
-
-impl std::fmt::Display for Failure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Failure::Io(e) => write!(f, "bad handshake: {e}"),
-            Failure::RefusedByPeer(why) => write!(f, "refused: {why}"),
-            Failure::Refused(why) => write!(f, "{why}"),
-        }
-    }
 }
 
 impl From<io::Error> for Failure {
@@ -367,13 +360,16 @@ pub fn ends_with_abort(tail: &[u8]) -> Option<usize> {
 }
 
 /// Why a frame header was refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum HeaderError {
     /// The header is an abort notice blaming this rank.
+    #[error("an abort notice blaming rank {0}")]
     Aborted(usize),
     /// The header's operation tag is not the expected one.
+    #[error("operation tag {0:#x}, not the one expected")]
     Tag(u32),
     /// The header announces another number of values than expected.
+    #[error("{0} values, not the number expected")]
     Count(usize),
 }
 

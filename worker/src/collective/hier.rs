@@ -49,13 +49,14 @@
 use std::sync::mpsc;
 
 use super::chain;
+use super::error::{CollectiveError, Result};
 use super::group::{Group, Net};
 use super::link::{Links, Op};
 use super::reduce::Values;
 use super::ring::{self, Phases};
 use super::shm::{self, Shm, Where};
 use super::tcp::Mesh;
-use super::{CommError, Hierarchy, Result, RingConfig, Transport, segment};
+use super::{Hierarchy, RingConfig, Transport, segment};
 
 /// Most equal pieces a buffer is cut into, so that the leaders' ring of one piece runs while
 /// the host reduces the next and broadcasts the one before.
@@ -124,7 +125,7 @@ fn agree(all: &[Where], me: usize) -> Result<()> {
     if let Some((r, w)) =
         all.iter().enumerate().find(|(_, w)| w.transport != mine.transport || w.hierarchy != mine.hierarchy)
     {
-        return Err(CommError::Protocol {
+        return Err(CollectiveError::Protocol {
             peer: r,
             why: format!(
                 "runs with --transport {} --hierarchy {}, this rank with --transport {} --hierarchy {} \
@@ -141,7 +142,7 @@ fn agree(all: &[Where], me: usize) -> Result<()> {
     let said = |w: &Where| w.chunk_bytes != 0;
     match all.iter().enumerate().find(|(_, w)| said(w) && said(mine) && chunk(w) != chunk(mine)) {
         None => Ok(()),
-        Some((r, w)) => Err(CommError::Protocol {
+        Some((r, w)) => Err(CollectiveError::Protocol {
             peer: r,
             why: format!(
                 "cuts chunks of {}, this rank of {} (every rank must be given the same --chunk-kb)",
@@ -198,7 +199,10 @@ pub(crate) fn setup(mesh: &mut Mesh, rank: usize, cfg: &RingConfig) -> Result<De
         .iter()
         .enumerate()
         .find_map(|(h, ranks)| ranks.iter().position(|&r| r == rank).map(|at| (h, at)))
-        .ok_or_else(|| CommError::Invalid { what: "rank", why: format!("rank {rank} is on no host") })?;
+        .ok_or_else(|| CollectiveError::Invalid {
+            what: "rank",
+            why: format!("rank {rank} is on no host"),
+        })?;
     let local = hosts[host].clone();
     let shm = match cfg.transport {
         Transport::Tcp => None,
@@ -350,7 +354,7 @@ impl Hier {
                         let _ = to_ring.send(p);
                     }
                     if k > 0 {
-                        let p = from_ring.recv().map_err(|_| CommError::Invalid {
+                        let p = from_ring.recv().map_err(|_| CollectiveError::Invalid {
                             what: "hierarchy",
                             why: "the leaders' ring stopped without a word".into(),
                         })??;

@@ -4,8 +4,8 @@
 //! what an algorithm may ask of a communicator's links ([`Links`]). The algorithms (`ring`,
 //! `chain`) see nothing else, so they never know which transport moves their chunks.
 
+use super::error::{CollectiveError, Result};
 use super::reduce::Values;
-use super::{CommError, Result};
 
 /// Which collective a frame belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,6 +102,7 @@ pub(crate) fn returned<'b>(
     if let Some(i) = sent_back.iter().position(|(k, _)| *k == id) {
         return Some(Ok(sent_back.swap_remove(i).1));
     }
-    (!queued)
-        .then(|| Err(CommError::Invalid { what: "ring schedule", why: format!("chunk {id} was never sent") }))
+    (!queued).then(|| {
+        Err(CollectiveError::Invalid { what: "ring schedule", why: format!("chunk {id} was never sent") })
+    })
 }

@@ -1,9 +1,11 @@
 //! Collective communication between the ranks of a DDP run: one small trait, two backends.
 //!
 //! Layers, each file importing only from the ones below it:
-//! - Here: the [`Collective`] trait, [`CommError`], [`RingConfig`] and [`Transport`] (what the
-//!   command line sets), and [`segment`]
-//!   (core's one way of cutting the flat buffer, which the parameter servers' shards use too).
+//! - `error`, under everything but `handshake` (whose pure `Failure` a refused handshake
+//!   carries): [`CollectiveError`], which every file returns.
+//! - Here: the [`Collective`] trait, [`RingConfig`] and [`Transport`] (what the command line
+//!   sets), and [`segment`] (core's one way of cutting the flat buffer, which the parameter
+//!   servers' shards use too).
 //! - Links, at the bottom. `reduce`: the element-wise sums every host collective (and DP)
 //!   shares. `handshake`: the challenge-response handshake, the frame header and the abort
 //!   notice, as pure functions over bytes and streams (fuzzed). `link`: the seam, the
@@ -44,6 +46,7 @@
 mod buckets;
 mod chain;
 mod comm;
+mod error;
 pub(crate) mod frame;
 mod group;
 pub(crate) mod handshake;
@@ -69,112 +72,13 @@ use serde::{Deserialize, Serialize};
 
 pub use buckets::{BucketWork, Communicator, Synced};
 pub use comm::TcpComm;
+pub use error::{CollectiveError, Result};
 pub use frame::configure_socket;
 pub use gradsync_core::compress::Half;
 pub use nccl::{After, Nccl};
 pub(crate) use reduce::half_shares;
 pub use reduce::{all_reduce_as_half, pack, packed_len, unpack};
 pub use tcp::MeshInfo;
-
-/// What can go wrong between ranks.
-#[derive(Debug, thiserror::Error)]
-pub enum CommError {
-    /// A peer sent nothing (or accepted nothing) for longer than the timeout.
-    #[error("rank {peer} did not answer within {secs:.1} s during {op} (dead, hung, or much slower?)")]
-    Timeout {
-        /// The silent peer's rank.
-        peer: usize,
-        /// The operation under way.
-        op: &'static str,
-        /// The timeout that expired.
-        secs: f64,
-    },
-    /// The connection to a peer failed or was closed.
-    #[error("rank {peer}: {op}")]
-    Peer {
-        /// The peer's rank.
-        peer: usize,
-        /// The operation under way.
-        op: &'static str,
-        /// The socket error (an unexpected end of file means the peer went away).
-        source: std::io::Error,
-    },
-    /// A peer gave up on the operation because of another rank, and said which: the rank to
-    /// blame is `culprit`, not the neighbour that closed the connection.
-    #[error("rank {culprit} failed: rank {peer} stopped {op} because of it")]
-    Aborted {
-        /// The rank that sent the abort notice.
-        peer: usize,
-        /// The rank it blames (dead, silent, or out of step).
-        culprit: usize,
-        /// The operation under way.
-        op: &'static str,
-    },
-    /// A peer sent something this rank did not expect (another collective, another length).
-    #[error("rank {peer}: protocol error: {why}")]
-    Protocol {
-        /// The peer's rank.
-        peer: usize,
-        /// What was wrong.
-        why: String,
-    },
-    /// A connection was refused in the handshake (another run, another model, a bad token).
-    #[error("handshake with {who}: {why}")]
-    Handshake {
-        /// The address or rank of the other side.
-        who: String,
-        /// Why it was refused.
-        why: String,
-    },
-    /// The rendezvous store could not be reached or answered badly.
-    #[error("rendezvous at {addr}: {why}")]
-    Rendezvous {
-        /// The store's address.
-        addr: String,
-        /// What went wrong.
-        why: String,
-    },
-    /// A local socket could not be created or configured.
-    #[error("{what}")]
-    Io {
-        /// What was being done.
-        what: String,
-        /// The error.
-        source: std::io::Error,
-    },
-    /// An argument this rank passed makes no sense (a root out of range, buffer sizes).
-    #[error("invalid {what}: {why}")]
-    Invalid {
-        /// Which argument.
-        what: &'static str,
-        /// Why.
-        why: String,
-    },
-    /// NCCL or the CUDA driver failed, or is not available on this machine.
-    #[error("NCCL {op}: {msg}")]
-    Nccl {
-        /// The call that failed.
-        op: &'static str,
-        /// The library's message.
-        msg: String,
-    },
-}
-
-impl CommError {
-    /// The rank this error blames, if it blames one.
-    pub fn culprit(&self) -> Option<usize> {
-        match self {
-            CommError::Timeout { peer, .. }
-            | CommError::Peer { peer, .. }
-            | CommError::Protocol { peer, .. } => Some(*peer),
-            CommError::Aborted { culprit, .. } => Some(*culprit),
-            _ => None,
-        }
-    }
-}
-
-/// The result type of this module.
-pub type Result<T, E = CommError> = std::result::Result<T, E>;
 
 /// Payload bytes moved by a communicator since it was created.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -202,7 +106,7 @@ impl std::ops::Sub for Traffic {
 /// The collectives, all in place on `f32` buffers, summing where they reduce.
 ///
 /// Lengths must agree across ranks; a mismatch is detected on the wire and reported as a
-/// [`CommError::Protocol`] error, never as silently corrupted data.
+/// [`CollectiveError::Protocol`] error, never as silently corrupted data.
 pub trait Collective {
     /// This rank.
     fn rank(&self) -> usize;
@@ -218,7 +122,7 @@ pub trait Collective {
     /// rank ends with the same bits. Backends that cannot say so.
     fn all_reduce_half(&mut self, packed: &mut [f32], half: Half) -> Result<()> {
         let _ = packed;
-        Err(CommError::Invalid {
+        Err(CollectiveError::Invalid {
             what: "collective",
             why: format!("this backend has no {} all-reduce", half.name()),
         })
@@ -382,7 +286,7 @@ impl RingConfig {
 /// Check that `root` (or `peer`) names a rank.
 pub(crate) fn check_rank(what: &'static str, r: usize, world: usize) -> Result<()> {
     if r >= world {
-        return Err(CommError::Invalid {
+        return Err(CollectiveError::Invalid {
             what,
             why: format!("rank {r} is not below the world size {world}"),
         });

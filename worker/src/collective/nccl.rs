@@ -2,7 +2,7 @@
 //!
 //! The library is found and loaded by gradsync ([`nccl_lib`](super::nccl_lib): cudarc never
 //! looks for `libnccl.so.2`), so this compiles everywhere; on a machine without NCCL or a GPU,
-//! [`Nccl::new`] and [`unique_id`] return [`CommError::Nccl`] instead of panicking. The unique
+//! [`Nccl::new`] and [`unique_id`] return [`CollectiveError::Nccl`] instead of panicking. The unique
 //! id is made by rank 0 and travels through the rendezvous store.
 //!
 //! Device buffers go straight to NCCL ([`Nccl::all_reduce_device_after`]), or, in half
@@ -46,10 +46,11 @@ use std::time::{Duration, Instant};
 use gradsync_core::device::{Cuda, GpuBuf, GpuEvent, GpuStream, HalfCast};
 use gradsync_core::engine::DeviceGrads;
 
+use super::error::{CollectiveError, Result};
 use super::nccl_lib::{
     self, BFLOAT16, Config, FLOAT16, FLOAT32, Group, IN_PROGRESS, Lib, RawComm, RawStream, SUCCESS, SUM,
 };
-use super::{Collective, CommError, Half, Result, Traffic, check_rank, packed_len, segment};
+use super::{Collective, Half, Traffic, check_rank, packed_len, segment};
 
 pub use super::nccl_lib::ID_BYTES;
 
@@ -63,8 +64,8 @@ pub enum After<'a> {
 }
 
 /// A failure of the device's stream, copies or kernels, as NCCL's communicator reports it.
-fn core_err(op: &'static str) -> impl FnOnce(gradsync_core::Error) -> CommError {
-    move |e| CommError::Nccl { op, msg: e.to_string() }
+fn core_err(op: &'static str) -> impl FnOnce(gradsync_core::Error) -> CollectiveError {
+    move |e| CollectiveError::Nccl { op, msg: e.to_string() }
 }
 
 /// NCCL's type for `half`.
@@ -77,7 +78,8 @@ fn half_type(half: Half) -> c_int {
 
 /// Whether NCCL (and a GPU driver) can be used here; the reason if not.
 pub fn available() -> Result<()> {
-    gradsync_core::device::cuda::probe(0).map_err(|e| CommError::Nccl { op: "probe", msg: e.to_string() })?;
+    gradsync_core::device::cuda::probe(0)
+        .map_err(|e| CollectiveError::Nccl { op: "probe", msg: e.to_string() })?;
     nccl_lib::lib().map(|_| ())
 }
 
@@ -141,7 +143,7 @@ impl Nccl {
         let stream = GpuStream::new(ordinal).map_err(core_err("cuStreamCreate"))?;
         let size = |v: usize| {
             c_int::try_from(v)
-                .map_err(|_| CommError::Invalid { what: "world size", why: format!("{v} ranks") })
+                .map_err(|_| CollectiveError::Invalid { what: "world size", why: format!("{v} ranks") })
         };
         let mut comm: RawComm = std::ptr::null_mut();
         let mut config = Config::nonblocking();
@@ -163,7 +165,7 @@ impl Nccl {
         if comm.is_null() {
             nccl.broken = Some("set-up failed".into());
             lib.check("ncclCommInitRankConfig", r, None)?;
-            return Err(CommError::Nccl {
+            return Err(CollectiveError::Nccl {
                 op: "ncclCommInitRankConfig",
                 msg: "no communicator was made".into(),
             });
@@ -261,13 +263,15 @@ impl Nccl {
     fn usable(&self) -> Result<()> {
         match &self.broken {
             None => Ok(()),
-            Some(why) => Err(CommError::Nccl { op: "communicator", msg: format!("aborted earlier: {why}") }),
+            Some(why) => {
+                Err(CollectiveError::Nccl { op: "communicator", msg: format!("aborted earlier: {why}") })
+            }
         }
     }
 
     /// Abort the communicator (once) and wait for its stream to drain; returns the error to
     /// report for `op`.
-    fn fail(&mut self, op: &'static str, why: String) -> CommError {
+    fn fail(&mut self, op: &'static str, why: String) -> CollectiveError {
         if !self.comm.is_null() {
             let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
             // SAFETY: a live communicator, used by nobody else; null afterwards.
@@ -280,7 +284,7 @@ impl Nccl {
                 if let Some(st) = self.staging.take() {
                     std::mem::forget(st.buf);
                 }
-                return CommError::Nccl {
+                return CollectiveError::Nccl {
                     op,
                     msg: format!(
                         "{why}; the communicator was aborted but its stream did not drain, so its buffers were \
@@ -289,7 +293,7 @@ impl Nccl {
                 };
             }
         }
-        CommError::Nccl { op, msg: format!("{why}; the communicator was aborted") }
+        CollectiveError::Nccl { op, msg: format!("{why}; the communicator was aborted") }
     }
 
     /// After a call that returned `r`: wait while NCCL reports the call in progress (a
@@ -297,7 +301,7 @@ impl Nccl {
     fn settle(&mut self, op: &'static str, r: c_int) -> Result<()> {
         if r != SUCCESS && r != IN_PROGRESS {
             let why = match self.lib.check(op, r, Some(self.comm)) {
-                Err(CommError::Nccl { msg, .. }) => msg,
+                Err(CollectiveError::Nccl { msg, .. }) => msg,
                 _ => format!("NCCL error {r}"),
             };
             return Err(self.fail(op, why));
@@ -335,7 +339,7 @@ impl Nccl {
 
     fn describe(&self, r: c_int) -> String {
         match self.lib.check("", r, Some(self.comm)) {
-            Err(CommError::Nccl { msg, .. }) => msg,
+            Err(CollectiveError::Nccl { msg, .. }) => msg,
             _ => format!("NCCL state {r}"),
         }
     }
@@ -586,7 +590,7 @@ impl Collective for Nccl {
         let (w, r, n) = (self.world, self.rank, send.len());
         check_rank("root", root, w)?;
         if r == root && out.len() != n * w {
-            return Err(CommError::Invalid {
+            return Err(CollectiveError::Invalid {
                 what: "gather output",
                 why: format!("{} values, need {}", out.len(), n * w),
             });
@@ -626,7 +630,7 @@ impl Collective for Nccl {
         let (w, r, n) = (self.world, self.rank, recv.len());
         check_rank("root", root, w)?;
         if r == root && src.len() != n * w {
-            return Err(CommError::Invalid {
+            return Err(CollectiveError::Invalid {
                 what: "scatter input",
                 why: format!("{} values, need {}", src.len(), n * w),
             });

@@ -16,7 +16,7 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use super::{CommError, Result};
+use super::error::{CollectiveError, Result};
 
 /// An NCCL communicator handle.
 pub type RawComm = *mut c_void;
@@ -165,7 +165,7 @@ impl Lib {
         // SAFETY: a live communicator (or null, which NCCL accepts) and a static string.
         let last = unsafe { cstr((self.get_last_error)(comm.unwrap_or(std::ptr::null_mut()))) };
         let msg = if last.is_empty() { format!("{what} ({r})") } else { format!("{what} ({r}): {last}") };
-        Err(CommError::Nccl { op, msg })
+        Err(CollectiveError::Nccl { op, msg })
     }
 }
 
@@ -199,7 +199,7 @@ pub fn lib() -> Result<&'static Lib> {
         ))
     })
     .as_ref()
-    .map_err(|msg| CommError::Nccl { op: "load", msg: msg.clone() })
+    .map_err(|msg| CollectiveError::Nccl { op: "load", msg: msg.clone() })
 }
 
 /// What the search looks at, read from the environment (a value so tests can make their own).

@@ -18,10 +18,11 @@ use std::os::fd::AsRawFd;
 use std::sync::mpsc;
 use std::time::Duration;
 
+use super::error::{CollectiveError, Result};
 use super::frame::{frame_header, lost, parse_header, peer_err, read_exact_from, remember, write_frame};
 use super::link::{Duplex, Op, returned};
 use super::reduce::{Values, sum_into};
-use super::{CommError, Result, SocketEngine, Traffic};
+use super::{SocketEngine, Traffic};
 
 /// The most a reader waits to accumulate before it wakes.
 const LOWAT: usize = 256 << 10;
@@ -66,7 +67,7 @@ impl<'s, 'b> Pump<'s, 'b> {
         timeout: Duration,
         scratch: &'s mut Vec<f32>,
     ) -> Result<Self> {
-        let nb = |e| CommError::Io { what: "switching a link to non-blocking".into(), source: e };
+        let nb = |e| CollectiveError::Io { what: "switching a link to non-blocking".into(), source: e };
         reader.set_nonblocking(true).map_err(nb)?;
         writer.set_nonblocking(true).map_err(nb)?;
         Ok(Pump {
@@ -242,11 +243,11 @@ impl<'s, 'b> Pump<'s, 'b> {
             if e.kind() == io::ErrorKind::Interrupted {
                 return Ok(());
             }
-            return Err(CommError::Io { what: "poll".into(), source: e });
+            return Err(CollectiveError::Io { what: "poll".into(), source: e });
         }
         if n == 0 {
             let peer = if reading { self.left } else { self.right };
-            return Err(CommError::Timeout { peer, op: self.op.name(), secs: self.timeout.as_secs_f64() });
+            return Err(CollectiveError::Timeout { peer, op: self.op.name(), timeout: self.timeout });
         }
         if writing && fds[1].revents != 0 {
             self.write_some()?;
@@ -296,8 +297,8 @@ struct Threaded<'s, 'b> {
     recv: u64,
 }
 
-fn sender_gone() -> CommError {
-    CommError::Invalid { what: "sender", why: "stopped early".into() }
+fn sender_gone() -> CollectiveError {
+    CollectiveError::Invalid { what: "sender", why: "stopped early".into() }
 }
 
 impl<'b> Duplex<'b> for Threaded<'_, 'b> {
@@ -410,12 +411,15 @@ pub(crate) fn duplex<'b, T>(
         let recv = t.recv;
         drop(t);
         let sent = sender.join().unwrap_or_else(|_| {
-            Err(CommError::Invalid { what: "sender thread", why: format!("panicked during {}", op.name()) })
+            Err(CollectiveError::Invalid {
+                what: "sender thread",
+                why: format!("panicked during {}", op.name()),
+            })
         });
         match (out, sent) {
             (Ok(v), Ok(sent)) => Ok((v, Traffic { sent, recv })),
             // The receiving side stopped because the sender did: the sender says why.
-            (Err(CommError::Invalid { what: "sender", .. }), Err(e)) => Err(e),
+            (Err(CollectiveError::Invalid { what: "sender", .. }), Err(e)) => Err(e),
             // Otherwise what this rank saw from its left is the first-hand account.
             (Err(e), _) | (Ok(_), Err(e)) => Err(e),
         }
@@ -474,7 +478,7 @@ mod tests {
 
     fn expect_culprit_5(got: Result<()>) {
         match got {
-            Err(CommError::Aborted { peer: 1, culprit: 5, .. }) => {}
+            Err(CollectiveError::Aborted { peer: 1, culprit: 5, .. }) => {}
             other => panic!("expected the notice's culprit (5), got {other:?}"),
         }
     }

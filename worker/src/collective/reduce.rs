@@ -13,7 +13,8 @@ use gradsync_core::compress::Half;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use half::{bf16, f16};
 
-use super::{Collective, Result};
+use super::Collective;
+use super::error::Result;
 
 /// What the `f32` slots of a buffer hold, and so how two buffers add.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

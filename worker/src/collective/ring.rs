@@ -28,9 +28,10 @@
 //! `2 (W-1)/W` of the buffer, the lower bound for all-reduce; the reduction is a plain
 //! vectorised add over data still in cache.
 
+use super::error::{CollectiveError, Result};
 use super::link::{Links, Op};
 use super::reduce::Values;
-use super::{CommError, Result, segment};
+use super::segment;
 
 /// Which halves of the all-reduce to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,7 +108,8 @@ pub(crate) fn run(
 }
 
 fn take_ready<'b>(slots: &mut [Option<&'b mut [f32]>], id: usize) -> Result<&'b mut [f32]> {
-    slots[id]
-        .take()
-        .ok_or_else(|| CommError::Invalid { what: "ring schedule", why: format!("chunk {id} is not here") })
+    slots[id].take().ok_or_else(|| CollectiveError::Invalid {
+        what: "ring schedule",
+        why: format!("chunk {id} is not here"),
+    })
 }

@@ -51,12 +51,12 @@ use std::time::{Duration, Instant};
 use memmap2::{MmapMut, MmapOptions};
 use serde::{Deserialize, Serialize};
 
+use super::error::{CollectiveError, Result};
 use super::frame::{Link, frame_header, parse_header};
 use super::handshake::{read_line, write_line};
 use super::link::{Duplex, Op, returned};
 use super::reduce::{Values, sum_into};
-use super::{CommError, Result, Traffic};
-use super::{Hierarchy, RingConfig, Transport};
+use super::{Hierarchy, RingConfig, Traffic, Transport};
 
 /// Bytes of each mailbox's data ring: many pipelined pieces, small enough that the rings of
 /// several ranks stay in the last-level cache (2 MiB with 128 KiB pieces measured ahead of
@@ -367,7 +367,7 @@ pub(crate) fn decide(all: &[Where], me: usize) -> Result<bool> {
     match blocker {
         None => Ok(true),
         Some(why) if all[me].transport == Transport::Shm => {
-            Err(CommError::Invalid { what: "transport", why: format!("--transport shm: {why}") })
+            Err(CollectiveError::Invalid { what: "transport", why: format!("--transport shm: {why}") })
         }
         Some(why) => {
             if all[me].transport == Transport::Auto {
@@ -384,9 +384,11 @@ fn exchange<T>(links: &mut [Option<Link>], members: &[usize], me: usize, mine: &
 where
     T: Serialize + for<'de> Deserialize<'de> + Clone,
 {
-    let io =
-        |peer: usize| move |e: io::Error| CommError::Protocol { peer, why: format!("transport set-up: {e}") };
-    let no_link = |peer: usize| CommError::Invalid { what: "peer", why: format!("no link to rank {peer}") };
+    let io = |peer: usize| {
+        move |e: io::Error| CollectiveError::Protocol { peer, why: format!("transport set-up: {e}") }
+    };
+    let no_link =
+        |peer: usize| CollectiveError::Invalid { what: "peer", why: format!("no link to rank {peer}") };
     for (i, &peer) in members.iter().enumerate() {
         if i != me {
             let l = links.get_mut(peer).and_then(Option::as_mut).ok_or_else(|| no_link(peer))?;
@@ -487,7 +489,7 @@ impl Shm {
                     .or_else(|| peers.err())
                     .unwrap_or_default();
                 if cfg.transport == Transport::Shm {
-                    return Err(CommError::Invalid {
+                    return Err(CollectiveError::Invalid {
                         what: "transport",
                         why: format!("--transport shm: {why}"),
                     });
@@ -498,7 +500,7 @@ impl Shm {
         };
         let fd = |r: usize| links[r].as_ref().map(|l| l.reader.as_raw_fd());
         let (Some(left_fd), Some(right_fd)) = (fd(left_rank), fd(right_rank)) else {
-            return Err(CommError::Invalid { what: "peer", why: "no link to a ring neighbour".into() });
+            return Err(CollectiveError::Invalid { what: "peer", why: "no link to a ring neighbour".into() });
         };
         Ok(Some(Shm { own, left, right, left_rank, right_rank, left_fd, right_fd }))
     }
@@ -677,7 +679,7 @@ impl ShmPump<'_, '_> {
         let (left, right) = (self.shm.left_rank, self.shm.right_rank);
         if self.progress.elapsed() >= self.timeout {
             let peer = if reading { left } else { right };
-            return Err(CommError::Timeout { peer, op: self.op.name(), secs: self.timeout.as_secs_f64() });
+            return Err(CollectiveError::Timeout { peer, op: self.op.name(), timeout: self.timeout });
         }
         let flagged = |m: &Mailbox| m.ctl().aborted.0.load(Ordering::SeqCst) != 0;
         let aborted = [(&self.shm.left, left), (&self.shm.right, right)]
@@ -686,7 +688,7 @@ impl ShmPump<'_, '_> {
         if slice_over || aborted.is_some() {
             let watched = [(reading, left, self.shm.left_fd), (writing, right, self.shm.right_fd)];
             if let Some(&(_, peer, _)) = watched.iter().find(|(w, _, fd)| *w && peer_gone(*fd)) {
-                return Err(CommError::Peer {
+                return Err(CollectiveError::Peer {
                     peer,
                     op: self.op.name(),
                     source: io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed its connection"),
@@ -694,7 +696,7 @@ impl ShmPump<'_, '_> {
             }
         }
         match aborted {
-            Some(peer) => Err(CommError::Peer {
+            Some(peer) => Err(CollectiveError::Peer {
                 peer,
                 op: self.op.name(),
                 source: io::Error::other("the peer failed and left the collective"),

@@ -27,12 +27,13 @@ use std::time::{Duration, Instant};
 
 use gradsync_core::rng::Rng;
 
+use super::error::{CollectiveError, Result};
 use super::frame::{frame_header, parse_header, peer_err};
 use super::handshake::{abort_notice, ends_with_abort};
 use super::link::{Duplex, Links, Op, returned};
 use super::reduce::{Values, sum_into};
 use super::ring::{self, Phases};
-use super::{Collective, CommError, Half, Result, RingConfig, Traffic, chain, segment};
+use super::{Collective, Half, RingConfig, Traffic, chain, segment};
 
 /// How long a rank thread may wait for its turn, in real time, before the simulation counts
 /// as stalled (a bug in the harness or a rank blocked outside it).
@@ -275,8 +276,8 @@ impl SimNet {
         self.bell.notify_all();
     }
 
-    fn killed(op: Op, me: usize) -> CommError {
-        CommError::Invalid {
+    fn killed(op: Op, me: usize) -> CollectiveError {
+        CollectiveError::Invalid {
             what: "simulated rank",
             why: format!("rank {me} was killed during {}", op.name()),
         }
@@ -374,7 +375,7 @@ impl SimNet {
                     if f.torn {
                         let why = "the connection closed in the middle of a frame";
                         let cut = io::Error::new(io::ErrorKind::UnexpectedEof, why);
-                        return Err(CommError::Peer { peer: from, op: op.name(), source: cut });
+                        return Err(CollectiveError::Peer { peer: from, op: op.name(), source: cut });
                     }
                     if add {
                         sum_into(values, dst, &f.vals);
@@ -387,7 +388,7 @@ impl SimNet {
                     return Err(peer_err(from, op, t)(io::ErrorKind::UnexpectedEof.into()));
                 }
                 None if now >= until => {
-                    return Err(CommError::Timeout { peer: from, op: op.name(), secs: t.as_secs_f64() });
+                    return Err(CollectiveError::Timeout { peer: from, op: op.name(), timeout: t });
                 }
                 None => g = self.reschedule(me, g, Status::Waiting(Wait::Frame { from, until })),
             }
@@ -404,14 +405,14 @@ impl SimNet {
 
     /// What `TcpComm`'s mesh does with a connection error: a peer whose stream ends with an
     /// abort notice gave up because of the rank it names, so that rank is blamed.
-    fn blame(&self, me: usize, e: CommError) -> CommError {
-        let CommError::Peer { peer, op, .. } = e else { return e };
+    fn blame(&self, me: usize, e: CollectiveError) -> CollectiveError {
+        let CollectiveError::Peer { peer, op, .. } = e else { return e };
         let mut g = self.lock();
         let p = g.pipe(peer, me);
         let notice = p.frames.back().filter(|_| p.closed).and_then(|f| ends_with_abort(&f.head));
         p.frames.clear();
         match notice {
-            Some(culprit) => CommError::Aborted { peer, culprit, op },
+            Some(culprit) => CollectiveError::Aborted { peer, culprit, op },
             None => e,
         }
     }
@@ -468,14 +469,14 @@ impl SimComm {
     /// notice names and tell every peer whom to blame.
     fn guarded<T>(&mut self, op: Op, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         if let Some(why) = &self.poisoned {
-            return Err(CommError::Invalid {
+            return Err(CollectiveError::Invalid {
                 what: "communicator",
                 why: format!("{} after an earlier failure: {why}", op.name()),
             });
         }
         let out = f(self).map_err(|e| self.net.blame(self.rank, e));
         if let Err(e) = &out
-            && !matches!(e, CommError::Invalid { .. })
+            && !matches!(e, CollectiveError::Invalid { .. })
         {
             self.poisoned = Some(e.to_string());
             self.net.abort(self.rank, e.culprit().unwrap_or(self.rank));
@@ -513,7 +514,7 @@ impl<'b> Duplex<'b> for SimDuplex<'_, 'b> {
     fn take_back(&mut self, id: usize) -> Result<&'b mut [f32]> {
         // Sends never wait here, so a chunk is back as soon as it was sent.
         returned(&mut self.sent_back, false, id).unwrap_or_else(|| {
-            Err(CommError::Invalid { what: "ring schedule", why: format!("chunk {id} is still out") })
+            Err(CollectiveError::Invalid { what: "ring schedule", why: format!("chunk {id} is still out") })
         })
     }
 
@@ -638,7 +639,7 @@ impl Collective for SimComm {
             let mut one = [1.0f32];
             ring::run(c, &mut one, Phases::Both, Op::Barrier, Values::F32)?;
             if one[0] != world as f32 {
-                return Err(CommError::Protocol {
+                return Err(CollectiveError::Protocol {
                     peer: (c.rank + 1) % world,
                     why: format!("barrier counted {} ranks, expected {world}", one[0]),
                 });

@@ -9,8 +9,9 @@
 
 use std::time::Duration;
 
+use super::error::CollectiveError;
 use super::sim::{self, Fault, Outcome, SimComm};
-use super::{Collective, CommError, RingConfig, segment};
+use super::{Collective, RingConfig, segment};
 
 const T: Duration = Duration::from_secs(60);
 const SEEDS: u64 = 8;
@@ -40,7 +41,7 @@ fn input(r: usize, n: usize) -> Vec<f32> {
     (0..n).map(|i| (r * 1000 + i % 97) as f32).collect()
 }
 
-fn call(c: &mut SimComm, algo: Algo, buf: &mut [f32]) -> Result<(), CommError> {
+fn call(c: &mut SimComm, algo: Algo, buf: &mut [f32]) -> Result<(), CollectiveError> {
     match algo {
         Algo::AllReduce => c.all_reduce(buf),
         Algo::ReduceScatter => c.reduce_scatter(buf).map(drop),
@@ -73,7 +74,7 @@ fn holds_the_answer(algo: Algo, w: usize, r: usize, out: &[f32]) -> bool {
 /// What a rank ended with, and when (virtual time).
 #[derive(Debug)]
 struct End {
-    out: Result<Vec<f32>, CommError>,
+    out: Result<Vec<f32>, CollectiveError>,
     at: Duration,
 }
 
@@ -221,7 +222,7 @@ fn a_silent_peer_is_named_at_the_timeout() {
                 // Its right neighbour waits for it, and names it when the timeout expires.
                 let e = end(&o, 0);
                 assert!(
-                    matches!(e.out, Err(CommError::Timeout { peer, .. }) if peer == quiet),
+                    matches!(e.out, Err(CollectiveError::Timeout { peer, .. }) if peer == quiet),
                     "{case}: {e:?}"
                 );
                 assert_eq!(e.at, T, "{case}");
@@ -265,7 +266,7 @@ fn a_slow_link_or_peer_delays_the_answer_and_past_the_timeout_is_named() {
                 let o = play(w, 3 * w + 2, algo, seed, &[fault], None);
                 let e = end(&o, to);
                 assert!(
-                    matches!(e.out, Err(CommError::Timeout { peer, .. }) if peer == from),
+                    matches!(e.out, Err(CollectiveError::Timeout { peer, .. }) if peer == from),
                     "{case}: {e:?}"
                 );
                 assert_eq!(e.at, T, "{case}");
@@ -300,7 +301,7 @@ fn a_silent_link_is_named_by_its_receiver_at_the_timeout() {
                 let o = play(w, 8 * w + 2, algo, seed, &[Fault::Silence { from, to, at: 1 }], None);
                 let e = end(&o, to);
                 assert!(
-                    matches!(e.out, Err(CommError::Timeout { peer, .. }) if peer == from),
+                    matches!(e.out, Err(CollectiveError::Timeout { peer, .. }) if peer == from),
                     "{case}: {e:?}"
                 );
                 assert_eq!(e.at, T, "{case}");
@@ -334,7 +335,7 @@ fn a_cut_connection_or_torn_frame_is_named_at_once_by_both_ends() {
                     if let Algo::Broadcast(_) = algo {
                         let e = end(&o, to);
                         match &e.out {
-                            Err(CommError::Peer { peer, source, .. }) if *peer == from => {
+                            Err(CollectiveError::Peer { peer, source, .. }) if *peer == from => {
                                 let torn = matches!(fault, Fault::Torn { .. });
                                 assert_eq!(source.to_string().contains("middle of a frame"), torn, "{case}");
                             }
@@ -346,7 +347,7 @@ fn a_cut_connection_or_torn_frame_is_named_at_once_by_both_ends() {
                     if matches!(fault, Fault::Cut { .. }) {
                         let e = end(&o, from);
                         assert_eq!(
-                            e.out.as_ref().err().and_then(CommError::culprit),
+                            e.out.as_ref().err().and_then(CollectiveError::culprit),
                             Some(to),
                             "{case}: {e:?}"
                         );

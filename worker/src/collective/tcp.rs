@@ -12,9 +12,10 @@ use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
+use super::RingConfig;
+use super::error::{CollectiveError, Result};
 use super::frame::Link;
-use super::handshake::{Hello, MAGIC, abort_notice, ends_with_abort, fresh_nonce, write_line};
-use super::{CommError, Result, RingConfig};
+use super::handshake::{Failure, Hello, MAGIC, abort_notice, ends_with_abort, fresh_nonce, write_line};
 
 /// How long a failing rank spends telling one peer whom to blame, or reading a peer's notice.
 const ABORT_WRITE_TIMEOUT: Duration = Duration::from_millis(200);
@@ -55,24 +56,26 @@ impl Mesh {
         }
         listener
             .set_nonblocking(true)
-            .map_err(|e| CommError::Io { what: "configuring the ring listener".into(), source: e })?;
+            .map_err(|e| CollectiveError::Io { what: "configuring the ring listener".into(), source: e })?;
         while links.iter().enumerate().any(|(p, l)| p > rank && l.is_none()) {
             let (s, from) = match listener.accept() {
                 Ok(c) => c,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
                         let missing = (rank + 1..world).find(|&p| links[p].is_none()).unwrap_or(rank);
-                        return Err(CommError::Timeout {
+                        return Err(CollectiveError::Timeout {
                             peer: missing,
                             op: "connecting the ring",
-                            secs: cfg.timeout.as_secs_f64(),
+                            timeout: cfg.timeout,
                         });
                     }
                     // Accept has no timeout in std; a short nap bounds the wait at the deadline.
                     std::thread::sleep(Duration::from_millis(2));
                     continue;
                 }
-                Err(e) => return Err(CommError::Io { what: "accepting ring connections".into(), source: e }),
+                Err(e) => {
+                    return Err(CollectiveError::Io { what: "accepting ring connections".into(), source: e });
+                }
             };
             match accept_one(s, rank, world, &info.fingerprint, token, cfg) {
                 Ok((peer, s)) if links[peer].is_none() => links[peer] = Some(Link::new(peer, s, cfg)?),
@@ -120,7 +123,7 @@ impl Mesh {
     /// The link to `peer`.
     pub(crate) fn link(&mut self, peer: usize) -> Result<&mut Link> {
         let rank = self.rank;
-        self.links.get_mut(peer).and_then(Option::as_mut).ok_or_else(|| CommError::Invalid {
+        self.links.get_mut(peer).and_then(Option::as_mut).ok_or_else(|| CollectiveError::Invalid {
             what: "peer",
             why: format!("rank {rank} has no link to rank {peer}"),
         })
@@ -132,7 +135,7 @@ impl Mesh {
     pub(crate) fn pair(&mut self, left: usize, right: usize) -> Result<(&mut TcpStream, &mut TcpStream)> {
         let r = self.rank;
         let missing =
-            |p| CommError::Invalid { what: "peer", why: format!("rank {r} has no link to rank {p}") };
+            |p| CollectiveError::Invalid { what: "peer", why: format!("rank {r} has no link to rank {p}") };
         if left.max(right) >= self.links.len() {
             return Err(missing(left.max(right)));
         }
@@ -163,10 +166,10 @@ impl Mesh {
 
     /// A connection error from a peer that sent an abort notice before closing (one this rank
     /// had not read yet, e.g. because it was writing to that peer) becomes the notice's
-    /// [`CommError::Aborted`]: the survivors of a failure name the rank that failed.
+    /// [`CollectiveError::Aborted`]: the survivors of a failure name the rank that failed.
     /// `timeout` is restored as the link's read timeout afterwards.
-    pub(crate) fn blame(&mut self, e: CommError, timeout: Duration) -> CommError {
-        let CommError::Peer { peer, op, .. } = e else { return e };
+    pub(crate) fn blame(&mut self, e: CollectiveError, timeout: Duration) -> CollectiveError {
+        let CollectiveError::Peer { peer, op, .. } = e else { return e };
         let Some(l) = self.links.get_mut(peer).and_then(Option::as_mut) else { return e };
         let mut tail = Vec::new();
         if l.reader.set_nonblocking(false).is_err()
@@ -194,7 +197,7 @@ impl Mesh {
         };
         let _ = l.reader.set_read_timeout(Some(timeout));
         match ends_with_abort(&tail) {
-            Some(culprit) if ended => CommError::Aborted { peer, culprit, op },
+            Some(culprit) if ended => CollectiveError::Aborted { peer, culprit, op },
             _ => e,
         }
     }
@@ -229,8 +232,10 @@ fn dial(
     cfg: &RingConfig,
     deadline: Instant,
 ) -> Result<TcpStream> {
-    let who = || format!("rank {peer} at {addr}");
-    let hs = |e: io::Error| CommError::Handshake { who: who(), why: e.to_string() };
+    let io = |what: &str| {
+        let what = format!("{what} to rank {peer} at {addr}");
+        move |source| CollectiveError::Io { what, source }
+    };
     let hello = Hello {
         magic: MAGIC.into(),
         rank: info.rank,
@@ -238,21 +243,23 @@ fn dial(
         fingerprint: info.fingerprint.clone(),
         to: Some(peer),
         addr: None,
-        nonce: fresh_nonce().map_err(hs)?,
+        nonce: fresh_nonce().map_err(io("drawing a nonce for the connection"))?,
     };
-    let s = connect_retry(addr, deadline)
-        .map_err(|e| CommError::Io { what: format!("connecting to {}", who()), source: e })?;
+    let s = connect_retry(addr, deadline).map_err(io("connecting"))?;
     // The acceptor answers at once unless it is busy with another caller's handshake.
-    s.set_read_timeout(Some(cfg.timeout)).map_err(hs)?;
-    s.set_write_timeout(Some(cfg.timeout)).map_err(hs)?;
-    let mut w = s.try_clone().map_err(hs)?;
+    let mut w = s
+        .set_read_timeout(Some(cfg.timeout))
+        .and_then(|()| s.set_write_timeout(Some(cfg.timeout)))
+        .and_then(|()| s.try_clone())
+        .map_err(io("configuring the connection"))?;
     super::handshake::connect(&s, &mut w, &hello, info.token.as_deref())
-        .map_err(|e| CommError::Handshake { who: who(), why: e.to_string() })?;
+        .map_err(|failure| CollectiveError::Handshake { peer, addr: *addr, failure })?;
     Ok(s)
 }
 
 /// Run the acceptor's side of the handshake on one incoming connection. `Ok` with the peer's
-/// rank if it proved it belongs to this run.
+/// rank if it proved it belongs to this run; otherwise why it was refused (this rank goes on
+/// waiting for the real peer).
 fn accept_one(
     s: TcpStream,
     me: usize,
@@ -260,18 +267,18 @@ fn accept_one(
     fingerprint: &str,
     token: Option<&str>,
     cfg: &RingConfig,
-) -> std::result::Result<(usize, TcpStream), String> {
-    s.set_nonblocking(false).map_err(|e| e.to_string())?;
+) -> std::result::Result<(usize, TcpStream), Failure> {
+    s.set_nonblocking(false)?;
     // A stray client that says nothing must not hold the ring up for long.
     let t = Some(cfg.timeout.min(Duration::from_secs(10)));
-    s.set_read_timeout(t).map_err(|e| e.to_string())?;
-    s.set_write_timeout(t).map_err(|e| e.to_string())?;
-    let mut w = s.try_clone().map_err(|e| e.to_string())?;
-    let nonce = fresh_nonce().map_err(|e| e.to_string())?;
-    let hello = super::handshake::accept(&s, &mut w, Some(me), world, fingerprint, token, &nonce)
-        .map_err(|e| e.to_string())?;
+    s.set_read_timeout(t)?;
+    s.set_write_timeout(t)?;
+    let mut w = s.try_clone()?;
+    let nonce = fresh_nonce()?;
+    let hello = super::handshake::accept(&s, &mut w, Some(me), world, fingerprint, token, &nonce)?;
     let proof = super::handshake::proof(token, super::handshake::Role::Acceptor, &hello, &nonce);
-    write_line(&mut w, &super::handshake::Welcome { refused: None, proof: Some(proof) })
-        .map_err(|e| format!("rank {}: answering the handshake: {e}", hello.rank))?;
+    write_line(&mut w, &super::handshake::Welcome { refused: None, proof: Some(proof) }).map_err(|e| {
+        Failure::Io(io::Error::new(e.kind(), format!("rank {}: answering the handshake: {e}", hello.rank)))
+    })?;
     Ok((hello.rank, s))
 }

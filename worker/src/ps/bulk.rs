@@ -8,7 +8,6 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use gradsync_core::compress::Half;
 use gradsync_proto::frames::{self, Frames, Incoming};
 use gradsync_proto::path::{PULL, PUSH};
@@ -18,6 +17,7 @@ use tonic::transport::Channel;
 
 use super::chunks::{ChunkSink, Gradients};
 use super::connect::{Auth, Shard, deadline, request};
+use super::error::{PsError, Result};
 use gradsync_core::metrics::ms_since;
 
 /// Gradient messages a push builds ahead of what HTTP/2 has taken.
@@ -70,7 +70,7 @@ pub(super) async fn push_shard<G: Gradients + ?Sized>(
     o: &Opts<'_>,
     s: &Shard,
     grads: &G,
-) -> anyhow::Result<(PushReply, u64)> {
+) -> Result<(PushReply, u64)> {
     let (rank, base) = (o.rank, s.version);
     let chunk = |r: Range<usize>| {
         let head =
@@ -97,12 +97,12 @@ pub(super) async fn push_shard<G: Gradients + ?Sized>(
                     }
                     Err(e) => {
                         // Reset the stream: the server must not take a short push.
-                        let _ = tx.send(Err(tonic::Status::cancelled(format!("{e:#}")))).await;
+                        let _ = tx.send(Err(tonic::Status::cancelled(e.to_string()))).await;
                         return Err(e);
                     }
                 }
             }
-            anyhow::Ok(())
+            Ok::<(), PsError>(())
         };
         let mut ch = s.rpc.channel.clone();
         let fut = async {
@@ -113,14 +113,14 @@ pub(super) async fn push_shard<G: Gradients + ?Sized>(
                 _ => Err(tonic::Status::internal("PushGradients must answer one PushReply")),
             }
         };
-        let call = deadline(o.timeout, &s.addr, "PushGradients", fut);
+        let call = deadline(o.timeout, s.at(), "PushGradients", fut);
         tokio::pin!(produce, call);
         tokio::select! {
             // The call ended first (refused early, or past its deadline): nothing more to send,
             // whether or not the transport has let go of the body yet.
             reply = &mut call => reply?,
             produced = &mut produce => {
-                produced.context("reading the gradient")?;
+                produced?;
                 call.await?
             }
         }
@@ -128,12 +128,15 @@ pub(super) async fn push_shard<G: Gradients + ?Sized>(
         let chunks = ranges()
             .map(|r| {
                 // The whole message, head fields (a sparse chunk's indices) included.
-                chunk(r)?.decode::<GradientChunk>().context("re-reading a gradient message")
+                chunk(r)?.decode::<GradientChunk>().map_err(|e| PsError::Invalid {
+                    what: "re-reading a gradient message",
+                    why: e.to_string(),
+                })
             })
-            .collect::<anyhow::Result<Vec<_>>>()?;
+            .collect::<Result<Vec<_>>>()?;
         let mut client = s.rpc.client.clone();
         let req = request(tokio_stream_iter(chunks), o.timeout);
-        deadline(o.timeout, &s.addr, "PushGradients", client.push_gradients(req)).await?.into_inner()
+        deadline(o.timeout, s.at(), "PushGradients", client.push_gradients(req)).await?.into_inner()
     };
     let wire = ranges().map(|r| grads.wire_bytes(s.range.start + r.start..s.range.start + r.end)).sum();
     Ok((r, wire))
@@ -147,7 +150,7 @@ pub(super) async fn pull_shard(
     s: &Shard,
     dst: &mut impl ChunkSink,
     want: Option<u64>,
-) -> anyhow::Result<(u64, u64)> {
+) -> Result<(u64, u64)> {
     let req = PullRequest { rank: o.rank, stream_version: want };
     let fut = async {
         let mut stream = if o.direct {
@@ -197,7 +200,7 @@ pub(super) async fn pull_shard(
         }
         Ok((version.or(want).unwrap_or(0), wire_bytes))
     };
-    deadline(o.timeout, &s.addr, "PullParameters", fut).await
+    deadline(o.timeout, s.at(), "PullParameters", fut).await
 }
 
 /// Start the call `path` on `ch` with `body` as its request (the token, content type and
@@ -209,7 +212,7 @@ async fn call(
     timeout: Duration,
     body: tonic::body::Body,
     limit: usize,
-) -> Result<frames::Messages<tonic::body::Body>, tonic::Status> {
+) -> std::result::Result<frames::Messages<tonic::body::Body>, tonic::Status> {
     let mut req = http::Request::builder()
         .method(http::Method::POST)
         .uri(path)

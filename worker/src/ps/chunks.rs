@@ -7,7 +7,6 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use anyhow::Context;
 use bytes::Bytes;
 use gradsync_core::compress::{self, Half, Sparse};
 use gradsync_proto::frames::FramedChunk;
@@ -15,11 +14,15 @@ use gradsync_proto::pb::{Encoding, GradientChunk};
 use gradsync_proto::tag::GRADIENT_DATA;
 use gradsync_proto::wire;
 
+use super::error::{PsError, Result};
+
 /// Where a push's gradient values come from.
 pub trait Gradients {
     /// The message `head` carrying `values` (of the whole flat buffer) as its payload, written
     /// straight into the message's buffer (or lent it, [`SharedGrads`]).
-    fn chunk(&self, head: &GradientChunk, values: Range<usize>) -> anyhow::Result<FramedChunk>;
+    /// A source that fails says why in its own terms: a device's copy that failed is a core
+    /// error ([`PsError::Core`]).
+    fn chunk(&self, head: &GradientChunk, values: Range<usize>) -> Result<FramedChunk>;
 
     /// The length of the flat buffer the values come from, where the source knows it (checked
     /// against the model's before anything is sent).
@@ -43,12 +46,10 @@ pub enum Encoded<'a> {
 }
 
 impl Gradients for Encoded<'_> {
-    fn chunk(&self, head: &GradientChunk, values: Range<usize>) -> anyhow::Result<FramedChunk> {
+    fn chunk(&self, head: &GradientChunk, values: Range<usize>) -> Result<FramedChunk> {
         match self {
             Encoded::Half(h, grads) => {
-                let src = grads
-                    .get(values.clone())
-                    .with_context(|| format!("values {values:?} of {}", grads.len()))?;
+                let src = grads.get(values.clone()).ok_or_else(|| past_the_end(&values, grads.len()))?;
                 let encoding = match h {
                     Half::F16 => Encoding::F16,
                     Half::Bf16 => Encoding::Bf16,
@@ -65,7 +66,13 @@ impl Gradients for Encoded<'_> {
             Encoded::Sparse(s) => {
                 // The shard's first value: `head.offset` counts from it.
                 let base =
-                    u32::try_from(values.start as u64 - head.offset).context("a shard past u32 indices")?;
+                    u32::try_from(values.start as u64 - head.offset).map_err(|_| PsError::Invalid {
+                        what: "a top-k push",
+                        why: format!(
+                            "value {} of a shard is past u32 indices",
+                            values.start as u64 - head.offset
+                        ),
+                    })?;
                 let pairs = s.within(values.clone());
                 let mut indices = Vec::new();
                 compress::put_indices(&s.indices[pairs.clone()], base, &mut indices);
@@ -103,9 +110,8 @@ impl Gradients for Encoded<'_> {
 pub struct HostGrads<'a>(pub &'a [f32]);
 
 impl Gradients for HostGrads<'_> {
-    fn chunk(&self, head: &GradientChunk, values: Range<usize>) -> anyhow::Result<FramedChunk> {
-        let src =
-            self.0.get(values.clone()).with_context(|| format!("values {values:?} of {}", self.0.len()))?;
+    fn chunk(&self, head: &GradientChunk, values: Range<usize>) -> Result<FramedChunk> {
+        let src = self.0.get(values.clone()).ok_or_else(|| past_the_end(&values, self.0.len()))?;
         // Appended as they are (no zeroing first).
         Ok(FramedChunk::build(head, GRADIENT_DATA, head.offset, src.len() * 4, |buf| wire::put_f32(src, buf)))
     }
@@ -171,15 +177,13 @@ impl AsRef<[u8]> for Lent {
 }
 
 impl Gradients for SharedGrads {
-    fn chunk(&self, head: &GradientChunk, values: Range<usize>) -> anyhow::Result<FramedChunk> {
+    fn chunk(&self, head: &GradientChunk, values: Range<usize>) -> Result<FramedChunk> {
         if cfg!(target_endian = "big") {
             return HostGrads(&self.values).chunk(head, values);
         }
-        anyhow::ensure!(
-            values.start <= values.end && values.end <= self.values.len(),
-            "values {values:?} of {}",
-            self.values.len()
-        );
+        if values.start > values.end || values.end > self.values.len() {
+            return Err(past_the_end(&values, self.values.len()));
+        }
         let payload = Bytes::from_owner(Lent { values: Arc::clone(&self.values), range: values });
         Ok(FramedChunk::lend(head, GRADIENT_DATA, head.offset, payload))
     }
@@ -189,10 +193,15 @@ impl Gradients for SharedGrads {
     }
 }
 
+/// [`PsError::Invalid`]: a chunk of `values` asked of a gradient of `len` values.
+fn past_the_end(values: &Range<usize>, len: usize) -> PsError {
+    PsError::Invalid { what: "the gradient", why: format!("values {values:?} of {len}") }
+}
+
 /// Where one shard's pulled chunks go.
 pub trait ChunkSink {
     /// Put the chunk `payload` (little-endian f32) at `offset` values of the shard's range.
-    fn put(&mut self, payload: &[u8], offset: u64) -> Result<(), tonic::Status>;
+    fn put(&mut self, payload: &[u8], offset: u64) -> std::result::Result<(), tonic::Status>;
     /// The shard's range length, values.
     fn values(&self) -> usize;
 }
@@ -201,7 +210,7 @@ pub trait ChunkSink {
 pub struct HostSlice<'a>(pub &'a mut [f32]);
 
 impl ChunkSink for HostSlice<'_> {
-    fn put(&mut self, payload: &[u8], offset: u64) -> Result<(), tonic::Status> {
+    fn put(&mut self, payload: &[u8], offset: u64) -> std::result::Result<(), tonic::Status> {
         wire::copy_into(payload, offset, self.0).map_err(|e| tonic::Status::data_loss(e.to_string()))
     }
 

@@ -6,19 +6,19 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use futures_util::future::try_join_all;
 use gradsync_core::compress::Compression;
 use gradsync_core::optim::SgdConfig;
 use gradsync_proto::SyncMode;
 use gradsync_proto::pb::{
-    DeregisterRequest, HeartbeatRequest, RegisterReply, RegisterRequest, VersionRequest,
+    DeregisterRequest, HeartbeatRequest, PushReply, RegisterReply, RegisterRequest, VersionRequest,
 };
 use gradsync_proto::tuning::Tuning;
 
 use super::bulk::{Opts, Transfer, pull_shard, push_shard, push_transfer};
 use super::chunks::{ChunkSink, Gradients, HostGrads, HostSlice};
 use super::connect::{Auth, Shard, deadline, dial, request, serves_tls, uri};
+use super::error::{PsError, Result};
 use super::rows::{RowsStep, pull_rows, push_rows, within};
 use gradsync_core::metrics::ms_since;
 
@@ -60,7 +60,7 @@ impl PsClient {
         token: Option<&str>,
         timeout: Duration,
         tuning: Tuning,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self> {
         Self::connect_tls(addrs, token, timeout, tuning, None).await
     }
 
@@ -71,7 +71,7 @@ impl PsClient {
         timeout: Duration,
         tuning: Tuning,
         tls: Option<tonic::transport::ClientTlsConfig>,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self> {
         Self::connect_waiting(addrs, token, timeout, tuning, tls, Duration::ZERO).await
     }
 
@@ -83,29 +83,40 @@ impl PsClient {
         tuning: Tuning,
         tls: Option<tonic::transport::ClientTlsConfig>,
         wait: Duration,
-    ) -> anyhow::Result<Self> {
-        anyhow::ensure!(!addrs.is_empty(), "--servers: give at least one host:port");
-        let auth = Auth(token.map(gradsync_proto::auth::bearer).transpose().context("--token")?);
+    ) -> Result<Self> {
+        if addrs.is_empty() {
+            return Err(PsError::Flag { flag: "--servers", why: "give at least one host:port".into() });
+        }
+        let auth = Auth(
+            token
+                .map(gradsync_proto::auth::bearer)
+                .transpose()
+                .map_err(|e| PsError::Flag { flag: "--token", why: e.to_string() })?,
+        );
         let shards = try_join_all(addrs.iter().map(|a| {
             let auth = auth.clone();
             let tls = tls.clone();
             async move {
-                let mut ep = tuning
-                    .endpoint(&uri(a, tls.is_some()), timeout)
-                    .with_context(|| format!("--servers: '{a}'"))?;
+                let on_tls = tls.is_some();
+                let mut ep = tuning.endpoint(&uri(a, on_tls), timeout).map_err(|e| PsError::Flag {
+                    flag: "--servers",
+                    why: format!("'{a}': {}", gradsync_proto::tls::tls_why(&e)),
+                })?;
                 if let Some(tls) = tls {
-                    ep = ep
-                        .tls_config(tls)
-                        .map_err(|e| anyhow::anyhow!("--tls-ca: {}", gradsync_proto::tls::tls_why(&e)))?;
+                    ep = ep.tls_config(tls).map_err(|e| PsError::Flag {
+                        flag: "--tls-ca",
+                        why: gradsync_proto::tls::tls_why(&e),
+                    })?;
                 }
                 // Pulls get their own connection: on one TCP connection carrying both
                 // directions at once, the sender's socket lock also processes the incoming
                 // segments, and each direction runs at about half its rate (docs/ps.md).
                 // The first connection waits for the server; the second finds it up.
-                let rpc = dial(&ep, a, timeout, tuning, &auth, wait).await?;
-                let pull = dial(&ep, a, timeout, tuning, &auth, Duration::ZERO).await?;
-                anyhow::Ok(Shard {
+                let rpc = dial(&ep, a, on_tls, timeout, tuning, &auth, wait).await?;
+                let pull = dial(&ep, a, on_tls, timeout, tuning, &auth, Duration::ZERO).await?;
+                Ok::<_, PsError>(Shard {
                     addr: a.clone(),
+                    tls: on_tls,
                     rpc,
                     pull,
                     range: 0..0,
@@ -175,7 +186,7 @@ impl PsClient {
     }
 
     /// [`PsClient::pull_version_into`] the whole flat buffer `params`.
-    pub async fn pull_version(&mut self, params: &mut [f32], want: u64) -> anyhow::Result<Transfer> {
+    pub async fn pull_version(&mut self, params: &mut [f32], want: u64) -> Result<Transfer> {
         self.check_len("pull", params.len())?;
         let sinks = self.split(params).into_iter().map(HostSlice).collect();
         self.pull_version_into(sinks, want).await
@@ -184,12 +195,8 @@ impl PsClient {
     /// Pull version `want` of every shard into `sinks` (one per shard, in shard order), as the
     /// servers make it when it is the next one (a BSP step in progress), at once when it is
     /// the current one.
-    pub async fn pull_version_into<S: ChunkSink>(
-        &mut self,
-        sinks: Vec<S>,
-        want: u64,
-    ) -> anyhow::Result<Transfer> {
-        anyhow::ensure!(sinks.len() == self.shards.len(), "one destination per shard");
+    pub async fn pull_version_into<S: ChunkSink>(&mut self, sinks: Vec<S>, want: u64) -> Result<Transfer> {
+        self.check_sinks(sinks.len())?;
         let t = Instant::now();
         let o = self.opts();
         let got = try_join_all(self.shards.iter().zip(sinks).map(|(s, mut dst)| {
@@ -259,21 +266,23 @@ impl PsClient {
     }
 
     /// The servers' synchronisation mode (`bsp`, `asp`, `ssp:S`), asked of shard 0.
-    pub async fn sync_mode(&mut self) -> anyhow::Result<SyncMode> {
+    pub async fn sync_mode(&mut self) -> Result<SyncMode> {
         let s = &mut self.shards[0];
         let r = match deadline(
             self.timeout,
-            &s.addr,
+            (&s.addr, s.tls),
             "GetVersion",
             s.rpc.client.get_version(request(VersionRequest {}, self.timeout)),
         )
         .await
         {
             Ok(r) => r.into_inner(),
-            // The first call on a new connection: whether the failure shows a TLS server's
-            // bytes depends on when its alert and its close arrive, so ask the server itself.
-            Err(e) if !format!("{e:#}").contains("--tls-ca") && serves_tls(&s.addr).await => {
-                return Err(e.context(format!("{} serves TLS: pass --tls-ca", s.addr)));
+            // The first call on a new connection failed under it, before any answer: whether
+            // the failure shows a TLS server's bytes depends on when its alert and its close
+            // arrive, so ask the server itself. Never when this worker dialled TLS, nor when
+            // the server answered (a refused token is not a TLS problem).
+            Err(PsError::Transport { addr, what, status, .. }) if !s.tls && serves_tls(&addr).await => {
+                return Err(PsError::ServesTls { addr, what, status });
             }
             Err(e) => return Err(e),
         };
@@ -289,9 +298,26 @@ impl PsClient {
         world: usize,
         fingerprint: &str,
         total: usize,
-    ) -> anyhow::Result<u64> {
+    ) -> Result<u64> {
+        let replies = self.ask_to_register(rank, world, fingerprint).await?;
+        self.place_shards(&replies, total)?;
+        self.agree(&replies)?;
+        self.rank = rank as u32;
+        self.total = total;
+        Ok(replies.iter().map(|r| r.version).min().unwrap_or(0))
+    }
+
+    /// Every shard's answer to this rank's registration, all asked concurrently. A rank coming
+    /// back ([`PsClient::set_rejoin`]) asks again the shards that would expect it from an
+    /// earlier step than the others: every shard must expect it from the same one, the
+    /// latest, which becomes [`PsClient::join_version`].
+    async fn ask_to_register(
+        &mut self,
+        rank: usize,
+        world: usize,
+        fingerprint: &str,
+    ) -> Result<Vec<RegisterReply>> {
         let timeout = self.timeout;
-        let n = self.shards.len();
         let compression = &self.compression.to_string();
         let rejoin = self.rejoin;
         let req = |join_at: u64| RegisterRequest {
@@ -302,30 +328,27 @@ impl PsClient {
             rejoin,
             join_at,
         };
-        let mut replies = try_join_all(self.shards.iter_mut().map(|s| async move {
-            let r = deadline(timeout, &s.addr, "Register", s.rpc.client.register(request(req(0), timeout)))
-                .await?;
-            anyhow::Ok(r.into_inner())
-        }))
-        .await?;
+        let mut replies =
+            try_join_all(self.shards.iter_mut().map(|s| register_with(s, req(0), timeout))).await?;
         // A rank that came back while some shards had begun a step without it and others had
         // not: every shard must expect it from the same step, the latest.
         let join = replies.iter().map(|r| r.join_version.max(r.version)).max().unwrap_or(0);
         if rejoin {
             for (s, r) in self.shards.iter_mut().zip(replies.iter_mut()) {
                 if r.join_version.max(r.version) < join {
-                    *r = deadline(
-                        timeout,
-                        &s.addr,
-                        "Register",
-                        s.rpc.client.register(request(req(join), timeout)),
-                    )
-                    .await?
-                    .into_inner();
+                    *r = register_with(s, req(join), timeout).await?;
                 }
             }
         }
         self.join = join;
+        Ok(replies)
+    }
+
+    /// Each shard's range of the flat buffer and rows of the table, from its registration
+    /// reply, each checked against this worker's model of `total` values and its limits, and
+    /// all of them against what moves through the servers: the dense values, in shard order,
+    /// and the table's rows.
+    fn place_shards(&mut self, replies: &[RegisterReply], total: usize) -> Result<()> {
         // The dense values: the whole buffer, or what the table at one end of it leaves; none
         // on servers that hold the table alone.
         let mut dense = match &self.table {
@@ -334,108 +357,69 @@ impl PsClient {
             Some((t, ..)) => 0..t.start,
         };
         let alone = replies.iter().all(|r| r.start == r.end) && !dense.is_empty();
-        anyhow::ensure!(
-            alone == self.table_only,
-            "--servers: {}",
-            if alone {
-                "they serve a sparse table alone (--table-only), for --mode hybrid; start them without \
-                 --table-only for --mode ps"
-            } else {
-                "--mode hybrid keeps only the table on the servers; start them with --table-only"
-            }
-        );
+        if alone != self.table_only {
+            return Err(PsError::Servers(
+                if alone {
+                    "they serve a sparse table alone (--table-only), for --mode hybrid; start them without \
+                     --table-only for --mode ps"
+                } else {
+                    "--mode hybrid keeps only the table on the servers; start them with --table-only"
+                }
+                .into(),
+            ));
+        }
         if alone {
             dense = dense.start..dense.start;
         }
-        let (mut end, mut rows_end) = (dense.start, 0);
-        for (i, (s, r)) in self.shards.iter_mut().zip(&replies).enumerate() {
-            anyhow::ensure!(
-                r.shard as usize == i && r.shards as usize == n,
-                "--servers: {} is shard {}/{} but was listed as shard {i} of {n}",
-                s.addr,
-                r.shard,
-                r.shards
-            );
-            anyhow::ensure!(
-                r.total as usize == total,
-                "{}: holds {} values, this model has {total}",
-                s.addr,
-                r.total
-            );
-            // (Servers that hold the table alone own no dense values, each at its own offset.)
-            anyhow::ensure!(
-                alone || r.start as usize == end,
-                "{}: its range starts at {}, expected {end}",
-                s.addr,
-                r.start
-            );
-            match &self.table {
-                None => anyhow::ensure!(
-                    r.row_len == 0,
-                    "{}: splits a table of rows of {} values, this model has none",
-                    s.addr,
-                    r.row_len
-                ),
-                Some((_, _, dim)) => {
-                    anyhow::ensure!(
-                        r.row_len as usize == *dim && r.rows_start as usize == rows_end,
-                        "{}: owns table rows {}..{} of {} values, expected rows from {rows_end} of {dim} values \
-                         (a server too old for sparse tables says none)",
-                        s.addr,
-                        r.rows_start,
-                        r.rows_end,
-                        r.row_len
-                    );
-                    s.rows = r.rows_start as usize..r.rows_end as usize;
-                    rows_end = r.rows_end as usize;
-                }
-            }
-            s.range = r.start as usize..r.end as usize;
-            s.version = r.version;
-            if alone {
-                s.range = end..end;
-            }
-            // A server that announces no size (older ones) gets the size its range suggests.
-            let announced = match r.chunk_bytes as usize {
-                0 => Tuning::chunk_for_shard(s.range.len() * 4),
-                c => c,
-            };
-            anyhow::ensure!(
-                announced <= self.limit.saturating_sub(4096),
-                "{}: streams chunks of {announced} bytes, above the {} this worker accepts",
-                s.addr,
-                self.limit
-            );
-            s.chunk = self.chunk_bytes.unwrap_or(announced);
-            if !alone {
-                end = r.end as usize;
-            }
+        let fit = Fit {
+            total,
+            dim: self.table.as_ref().map(|t| t.2),
+            alone,
+            limit: self.limit,
+            chunk_bytes: self.chunk_bytes,
+        };
+        let n = self.shards.len();
+        let mut at = (dense.start, 0);
+        for (i, (s, r)) in self.shards.iter_mut().zip(replies).enumerate() {
+            at = place(s, (i, n), r, &fit, at)?;
         }
-        anyhow::ensure!(
-            end == dense.end,
-            "--servers: the shards cover {}..{end} of the {}..{} that moves densely",
-            dense.start,
-            dense.start,
-            dense.end
-        );
-        if let Some((_, rows, _)) = &self.table {
-            anyhow::ensure!(
-                rows_end == *rows,
-                "--servers: the shards own rows 0..{rows_end} of the table's {rows}"
-            );
+        let (end, rows_end) = at;
+        if end != dense.end {
+            return Err(PsError::Servers(format!(
+                "the shards cover {}..{end} of the {}..{} that moves densely",
+                dense.start, dense.start, dense.end
+            )));
         }
-        for (s, r) in self.shards.iter().zip(&replies) {
+        if let Some((_, rows, _)) = &self.table
+            && rows_end != *rows
+        {
+            return Err(PsError::Servers(format!("the shards own rows 0..{rows_end} of the table's {rows}")));
+        }
+        Ok(())
+    }
+
+    /// What every shard must share, from their registration replies: the compression this
+    /// worker pushes with, the sync mode and the optimiser (both recorded here).
+    fn agree(&mut self, replies: &[RegisterReply]) -> Result<()> {
+        let compression = self.compression.to_string();
+        for (s, r) in self.shards.iter().zip(replies) {
             // A server that names no compression predates it and decodes f32 pushes only.
             let theirs = if r.compression.is_empty() { "none" } else { r.compression.as_str() };
-            anyhow::ensure!(
-                theirs == compression,
-                "{}: takes pushes with --compress {theirs}, this worker sends --compress {compression}",
-                s.addr
-            );
+            if theirs != compression {
+                return Err(PsError::Shard {
+                    addr: s.addr.clone(),
+                    why: format!(
+                        "takes pushes with --compress {theirs}, this worker sends --compress {compression}"
+                    ),
+                });
+            }
         }
         let sync = &replies[0].sync;
         if let Some(r) = replies.iter().find(|r| &r.sync != sync) {
-            anyhow::bail!("the shards disagree on the sync mode: {sync} and {}", r.sync);
+            return Err(PsError::Disagree {
+                what: "the sync mode",
+                detail: format!("{sync} and {}", r.sync),
+            });
         }
         self.sync = parse_sync(&self.shards[0].addr, sync)?;
         let optimiser = |r: &RegisterReply| {
@@ -446,14 +430,13 @@ impl PsClient {
         };
         let first = optimiser(&replies[0]);
         if let Some((i, other)) = replies.iter().map(optimiser).enumerate().find(|(_, o)| *o != first) {
-            anyhow::bail!(
-                "the shards disagree on the optimiser: shard 0 applies {first:?}, shard {i} {other:?}"
-            );
+            return Err(PsError::Disagree {
+                what: "the optimiser",
+                detail: format!("shard 0 applies {first:?}, shard {i} {other:?}"),
+            });
         }
         self.optimiser = Some(first);
-        self.rank = rank as u32;
-        self.total = total;
-        Ok(replies.iter().map(|r| r.version).min().unwrap_or(0))
+        Ok(())
     }
 
     fn opts(&self) -> Opts<'_> {
@@ -467,9 +450,30 @@ impl PsClient {
         }
     }
 
-    fn check_len(&self, what: &str, n: usize) -> anyhow::Result<()> {
-        anyhow::ensure!(n == self.total, "{what}: {n} values for a model of {}", self.total);
+    fn check_len(&self, what: &'static str, n: usize) -> Result<()> {
+        if n != self.total {
+            return Err(PsError::Length { what, got: n, want: self.total });
+        }
         Ok(())
+    }
+
+    /// Destinations handed to a pull: one per shard.
+    fn check_sinks(&self, n: usize) -> Result<()> {
+        if n != self.shards.len() {
+            return Err(PsError::Invalid {
+                what: "a pull's destinations",
+                why: format!("{n} for {} shards: give one per shard", self.shards.len()),
+            });
+        }
+        Ok(())
+    }
+
+    /// The table's values per row, for `what`, which needs the model to have a table.
+    fn table_dim(&self, what: &'static str) -> Result<usize> {
+        match self.table.as_ref().map_or(0, |t| t.2) {
+            0 => Err(PsError::Invalid { what, why: "the model has no sparse table".into() }),
+            dim => Ok(dim),
+        }
     }
 
     /// Each shard's disjoint slice of `buf` (ranges are contiguous, in order, from the first
@@ -487,13 +491,13 @@ impl PsClient {
     }
 
     /// Push `grads` (the whole flat buffer): each shard gets its range, all concurrently.
-    pub async fn push(&mut self, grads: &[f32]) -> anyhow::Result<Transfer> {
+    pub async fn push(&mut self, grads: &[f32]) -> Result<Transfer> {
         self.push_from(&HostGrads(grads)).await
     }
 
     /// [`PsClient::push`] from any gradient source (one that sends without copying,
     /// [`crate::ps::SharedGrads`], or a compressed one).
-    pub async fn push_from<G: Gradients + ?Sized>(&mut self, grads: &G) -> anyhow::Result<Transfer> {
+    pub async fn push_from<G: Gradients + ?Sized>(&mut self, grads: &G) -> Result<Transfer> {
         self.check_source(grads)?;
         let (t, o) = (Instant::now(), self.opts());
         let replies = try_join_all(self.shards.iter().map(|s| push_shard(&o, s, grads))).await?;
@@ -501,13 +505,13 @@ impl PsClient {
     }
 
     /// A gradient source's length, where it knows it, against the model's.
-    fn check_source<G: Gradients + ?Sized>(&self, grads: &G) -> anyhow::Result<()> {
+    fn check_source<G: Gradients + ?Sized>(&self, grads: &G) -> Result<()> {
         grads.values().map_or(Ok(()), |n| self.check_len("push", n))
     }
 
     /// Pull every shard's parameters into `params` (the whole flat buffer), concurrently,
     /// decoding each chunk straight into place.
-    pub async fn pull(&mut self, params: &mut [f32]) -> anyhow::Result<Transfer> {
+    pub async fn pull(&mut self, params: &mut [f32]) -> Result<Transfer> {
         self.check_len("pull", params.len())?;
         let sinks = self.split(params).into_iter().map(HostSlice).collect();
         self.pull_into(sinks).await
@@ -515,8 +519,8 @@ impl PsClient {
 
     /// Pull every shard's parameters into `sinks` (one per shard, in shard order),
     /// concurrently, each chunk handed over as it arrives.
-    pub async fn pull_into<S: ChunkSink>(&mut self, sinks: Vec<S>) -> anyhow::Result<Transfer> {
-        anyhow::ensure!(sinks.len() == self.shards.len(), "one destination per shard");
+    pub async fn pull_into<S: ChunkSink>(&mut self, sinks: Vec<S>) -> Result<Transfer> {
+        self.check_sinks(sinks.len())?;
         let t = Instant::now();
         let o = self.opts();
         let got = try_join_all(self.shards.iter().zip(sinks).map(|(s, mut dst)| {
@@ -537,7 +541,7 @@ impl PsClient {
         &mut self,
         grads: &G,
         params: &mut [f32],
-    ) -> anyhow::Result<(Transfer, Transfer)> {
+    ) -> Result<(Transfer, Transfer)> {
         self.check_len("pull", params.len())?;
         let sinks = self.split(params).into_iter().map(HostSlice).collect();
         self.exchange(grads, sinks).await
@@ -550,7 +554,7 @@ impl PsClient {
         grads: &G,
         params: &mut [f32],
         rows: RowsStep<'_>,
-    ) -> anyhow::Result<(Transfer, Transfer)> {
+    ) -> Result<(Transfer, Transfer)> {
         self.check_len("pull", params.len())?;
         let sinks = self.split(params).into_iter().map(HostSlice).collect();
         self.exchange_with_rows(grads, sinks, Some(rows)).await
@@ -558,15 +562,15 @@ impl PsClient {
 
     /// Rows `ids` of the table (ascending, counted in the whole table), of each shard's
     /// current version, into `out` (`dim` values a row, in order).
-    pub async fn pull_rows(&mut self, ids: &[u32], out: &mut [f32]) -> anyhow::Result<Transfer> {
+    pub async fn pull_rows(&mut self, ids: &[u32], out: &mut [f32]) -> Result<Transfer> {
         let (t, o) = (Instant::now(), self.opts());
-        let dim = self.table.as_ref().map_or(0, |t| t.2);
-        anyhow::ensure!(
-            dim > 0 && out.len() == ids.len() * dim,
-            "a pull of {} rows into {} values",
-            ids.len(),
-            out.len()
-        );
+        let dim = self.table_dim("a pull of rows")?;
+        if out.len() != ids.len() * dim {
+            return Err(PsError::Invalid {
+                what: "a pull of rows",
+                why: format!("{} rows of {dim} values into {} values", ids.len(), out.len()),
+            });
+        }
         let parts = self.shard_rows(RowsStep { push: (&[], &[]), pull: (ids, out) })?;
         let got = try_join_all(
             self.shards.iter().zip(parts).map(|(s, p)| pull_rows(&o, s, dim, None, Some(p.pull.0), p.pull.1)),
@@ -577,7 +581,7 @@ impl PsClient {
 
     /// One step's communication: push `grads` and pull the parameters the update makes into
     /// `params` (both the whole flat buffer). See [`PsClient::exchange`].
-    pub async fn step(&mut self, grads: &[f32], params: &mut [f32]) -> anyhow::Result<(Transfer, Transfer)> {
+    pub async fn step(&mut self, grads: &[f32], params: &mut [f32]) -> Result<(Transfer, Transfer)> {
         self.check_len("push", grads.len())?;
         self.check_len("pull", params.len())?;
         let sinks = self.split(params).into_iter().map(HostSlice).collect();
@@ -594,7 +598,7 @@ impl PsClient {
         &mut self,
         grads: &G,
         sinks: Vec<S>,
-    ) -> anyhow::Result<(Transfer, Transfer)> {
+    ) -> Result<(Transfer, Transfer)> {
         self.exchange_with_rows(grads, sinks, None).await
     }
 
@@ -608,9 +612,9 @@ impl PsClient {
         grads: &G,
         sinks: Vec<S>,
         rows: Option<RowsStep<'_>>,
-    ) -> anyhow::Result<(Transfer, Transfer)> {
+    ) -> Result<(Transfer, Transfer)> {
         let t = Instant::now();
-        anyhow::ensure!(sinks.len() == self.shards.len(), "one destination per shard");
+        self.check_sinks(sinks.len())?;
         self.check_source(grads)?;
         let pipelined = self.pipelined();
         let o = self.opts();
@@ -623,40 +627,7 @@ impl PsClient {
         let got = try_join_all(self.shards.iter().zip(sinks).zip(parts).map(|((s, mut sink), part)| {
             let o = &o;
             async move {
-                let dense = async {
-                    let push = async {
-                        let r = push_shard(o, s, grads).await;
-                        (r, ms_since(t))
-                    };
-                    let ((push, push_ms), pull) = if pipelined {
-                        let pull = pull_shard(o, s, &mut sink, Some(s.version + 1));
-                        tokio::pin!(push, pull);
-                        tokio::select! {
-                            // A failed push ends the exchange at once: its streamed pull could
-                            // only fail too, once the server gave up on the step.
-                            p = &mut push => match p {
-                                (Err(e), _) => return Err(e),
-                                p => (p, Some(pull.await)),
-                            },
-                            q = &mut pull => (push.await, Some(q)),
-                        }
-                    } else {
-                        (push.await, None)
-                    };
-                    let push = push?;
-                    let pull = match pull {
-                        Some(Ok(p)) => p,
-                        // The streamed pull ends with an error when its step fails (and then so
-                        // did the push, reported above) or had to be redone without a dropped
-                        // worker's gradient: the push succeeded, so pull the version it made.
-                        Some(Err(e)) => {
-                            tracing::debug!("{e:#}; pulling version {} again", push.0.version);
-                            pull_shard(o, s, &mut sink, None).await?
-                        }
-                        None => pull_shard(o, s, &mut sink, None).await?,
-                    };
-                    anyhow::Ok((push, push_ms, pull, ms_since(t)))
-                };
+                let dense = exchange_dense(o, s, grads, &mut sink, pipelined, t);
                 let Some(ShardRows { push: (ids, values), pull: (want, out) }) = part else {
                     return dense.await;
                 };
@@ -675,7 +646,7 @@ impl PsClient {
                 };
                 push.1 += pushed;
                 pull.1 += pulled;
-                anyhow::Ok((push, push_ms, pull, pull_ms.max(ms_since(t))))
+                Ok::<_, PsError>((push, push_ms, pull, pull_ms.max(ms_since(t))))
             }
         }))
         .await?;
@@ -696,7 +667,7 @@ impl PsClient {
     /// every shard gets its part of the rows to push, and under BSP pipelined its part of the
     /// rows to pull is asked for at the version the step makes (answered as it commits);
     /// otherwise pulled once the push is applied. Returns the push's and the pull's traffic.
-    pub async fn rows_step(&mut self, rows: RowsStep<'_>) -> anyhow::Result<(Transfer, Transfer)> {
+    pub async fn rows_step(&mut self, rows: RowsStep<'_>) -> Result<(Transfer, Transfer)> {
         let (t, pipelined, o) = (Instant::now(), self.pipelined(), self.opts());
         let dim = self.table.as_ref().map_or(0, |t| t.2);
         let parts = self.shard_rows(rows)?;
@@ -713,7 +684,7 @@ impl PsClient {
                         let a = push.await?;
                         (a, pull_rows(o, s, dim, None, Some(want), out).await?)
                     };
-                    anyhow::Ok((pushed, version, pulled))
+                    Ok::<_, PsError>((pushed, version, pulled))
                 }
             },
         ))
@@ -729,9 +700,8 @@ impl PsClient {
     }
 
     /// Each shard's part of `rows` (ids ascending, counted in the whole table).
-    fn shard_rows<'a>(&self, rows: RowsStep<'a>) -> anyhow::Result<Vec<ShardRows<'a>>> {
-        let dim = self.table.as_ref().map_or(0, |t| t.2);
-        anyhow::ensure!(dim > 0, "rows of a table, and the model has none");
+    fn shard_rows<'a>(&self, rows: RowsStep<'a>) -> Result<Vec<ShardRows<'a>>> {
+        let dim = self.table_dim("rows of a table")?;
         let RowsStep { push: (ids, values), pull: (want, mut out) } = rows;
         let mut parts = Vec::with_capacity(self.shards.len());
         for s in &self.shards {
@@ -741,16 +711,20 @@ impl PsClient {
             let values = &values[p.start * dim..p.end * dim];
             parts.push(ShardRows { push: (&ids[p], values), pull: (&want[q], mine) });
         }
-        anyhow::ensure!(out.is_empty(), "rows to pull named outside the table's rows");
+        if !out.is_empty() {
+            return Err(PsError::Invalid {
+                what: "rows to pull",
+                why: "named outside the table's rows".into(),
+            });
+        }
         Ok(parts)
     }
 
     /// Every row of the table, of each shard's current version, into `out` (the whole table,
     /// `dim` values a row): what evaluation, a checkpoint or the saved model read.
-    pub async fn pull_all_rows(&mut self, out: &mut [f32]) -> anyhow::Result<Transfer> {
+    pub async fn pull_all_rows(&mut self, out: &mut [f32]) -> Result<Transfer> {
         let (t, o) = (Instant::now(), self.opts());
-        let dim = self.table.as_ref().map_or(0, |t| t.2);
-        anyhow::ensure!(dim > 0, "a pull of rows, and the model has no table");
+        let dim = self.table_dim("a pull of rows")?;
         let mut rest = out;
         let mut dsts = Vec::with_capacity(self.shards.len());
         for s in &self.shards {
@@ -765,12 +739,12 @@ impl PsClient {
     }
 
     /// Tell every shard this rank is alive.
-    pub async fn heartbeat(&mut self) -> anyhow::Result<()> {
+    pub async fn heartbeat(&mut self) -> Result<()> {
         let (timeout, rank) = (self.timeout, self.rank);
         try_join_all(self.shards.iter_mut().map(|s| async move {
             deadline(
                 timeout,
-                &s.addr,
+                (&s.addr, s.tls),
                 "Heartbeat",
                 s.rpc.client.heartbeat(request(HeartbeatRequest { rank }, timeout)),
             )
@@ -781,12 +755,12 @@ impl PsClient {
     }
 
     /// Leave the run on every shard.
-    pub async fn deregister(&mut self) -> anyhow::Result<()> {
+    pub async fn deregister(&mut self) -> Result<()> {
         let (timeout, rank) = (self.timeout, self.rank);
         try_join_all(self.shards.iter_mut().map(|s| async move {
             deadline(
                 timeout,
-                &s.addr,
+                (&s.addr, s.tls),
                 "Deregister",
                 s.rpc.client.deregister(request(DeregisterRequest { rank }, timeout)),
             )
@@ -804,6 +778,7 @@ impl PsClient {
                 .iter()
                 .map(|s| Shard {
                     addr: s.addr.clone(),
+                    tls: s.tls,
                     rpc: s.rpc.clone(),
                     pull: s.pull.clone(),
                     range: s.range.clone(),
@@ -831,13 +806,145 @@ impl PsClient {
     }
 }
 
+/// What one shard's part of a step moved: the push's reply and payload bytes, when it ended
+/// (ms), the version pulled and its payload bytes, when the pull ended (ms).
+type ShardStep = ((PushReply, u64), f64, (u64, u64), f64);
+
+/// Shard `s`'s dense part of a step ([`PsClient::exchange`]): its push of `grads` and the pull
+/// into `sink`, of the version the push makes streamed at once when `pipelined`, else after
+/// the push. Times from `t`.
+async fn exchange_dense<G: Gradients + ?Sized>(
+    o: &Opts<'_>,
+    s: &Shard,
+    grads: &G,
+    sink: &mut impl ChunkSink,
+    pipelined: bool,
+    t: Instant,
+) -> Result<ShardStep> {
+    let push = async {
+        let r = push_shard(o, s, grads).await;
+        (r, ms_since(t))
+    };
+    let ((push, push_ms), pull) = if pipelined {
+        let pull = pull_shard(o, s, sink, Some(s.version + 1));
+        tokio::pin!(push, pull);
+        tokio::select! {
+            // A failed push ends the exchange at once: its streamed pull could only fail too,
+            // once the server gave up on the step.
+            p = &mut push => match p {
+                (Err(e), _) => return Err(e),
+                p => (p, Some(pull.await)),
+            },
+            q = &mut pull => (push.await, Some(q)),
+        }
+    } else {
+        (push.await, None)
+    };
+    let push = push?;
+    let pull = match pull {
+        Some(Ok(p)) => p,
+        // The streamed pull ends with an error when its step fails (and then so did the push,
+        // reported above) or had to be redone without a dropped worker's gradient: the push
+        // succeeded, so pull the version it made.
+        Some(Err(e)) => {
+            tracing::debug!("{e}; pulling version {} again", push.0.version);
+            pull_shard(o, s, sink, None).await?
+        }
+        None => pull_shard(o, s, sink, None).await?,
+    };
+    Ok((push, push_ms, pull, ms_since(t)))
+}
+
 /// One shard's part of a [`RowsStep`].
 struct ShardRows<'a> {
     push: (&'a [u32], &'a [f32]),
     pull: (&'a [u32], &'a mut [f32]),
 }
 
+/// Register with shard `s` as `req` says; its answer.
+async fn register_with(s: &mut Shard, req: RegisterRequest, timeout: Duration) -> Result<RegisterReply> {
+    let call = s.rpc.client.register(request(req, timeout));
+    Ok(deadline(timeout, (&s.addr, s.tls), "Register", call).await?.into_inner())
+}
+
+/// What a shard's registration reply must fit: this worker's model and limits.
+struct Fit {
+    /// The model's values.
+    total: usize,
+    /// The table's values per row, for a model with a sparse table.
+    dim: Option<usize>,
+    /// The shards hold the table alone, no dense values.
+    alone: bool,
+    /// The largest message this worker accepts, bytes.
+    limit: usize,
+    /// The chunk size this worker pushes in, where it chose one.
+    chunk_bytes: Option<usize>,
+}
+
+/// Shard `i` of `n`, which answered its registration with `r`, placed at `at` (the flat
+/// buffer's value and the table's row where it must start): its range, rows, version and
+/// chunk size set from the reply once checked against `fit`. Returns where the next shard
+/// must start.
+fn place(
+    s: &mut Shard,
+    (i, n): (usize, usize),
+    r: &RegisterReply,
+    fit: &Fit,
+    (end, mut rows_end): (usize, usize),
+) -> Result<(usize, usize)> {
+    let refuse = |s: &Shard, why: String| Err(PsError::Shard { addr: s.addr.clone(), why });
+    if r.shard as usize != i || r.shards as usize != n {
+        return Err(PsError::Servers(format!(
+            "{} is shard {}/{} but was listed as shard {i} of {n}",
+            s.addr, r.shard, r.shards
+        )));
+    }
+    if r.total as usize != fit.total {
+        return refuse(s, format!("holds {} values, this model has {}", r.total, fit.total));
+    }
+    // (Servers that hold the table alone own no dense values, each at its own offset.)
+    if !fit.alone && r.start as usize != end {
+        return refuse(s, format!("its range starts at {}, expected {end}", r.start));
+    }
+    match fit.dim {
+        None if r.row_len != 0 => {
+            return refuse(s, format!("splits a table of rows of {} values, this model has none", r.row_len));
+        }
+        None => {}
+        Some(dim) if r.row_len as usize != dim || r.rows_start as usize != rows_end => {
+            return refuse(
+                s,
+                format!(
+                    "owns table rows {}..{} of {} values, expected rows from {rows_end} of {dim} values \
+                     (a server too old for sparse tables says none)",
+                    r.rows_start, r.rows_end, r.row_len
+                ),
+            );
+        }
+        Some(_) => {
+            s.rows = r.rows_start as usize..r.rows_end as usize;
+            rows_end = r.rows_end as usize;
+        }
+    }
+    s.range = if fit.alone { end..end } else { r.start as usize..r.end as usize };
+    s.version = r.version;
+    // A server that announces no size (older ones) gets the size its range suggests.
+    let announced = match r.chunk_bytes as usize {
+        0 => Tuning::chunk_for_shard(s.range.len() * 4),
+        c => c,
+    };
+    if announced > fit.limit.saturating_sub(4096) {
+        return refuse(
+            s,
+            format!("streams chunks of {announced} bytes, above the {} this worker accepts", fit.limit),
+        );
+    }
+    s.chunk = fit.chunk_bytes.unwrap_or(announced);
+    Ok((if fit.alone { end } else { r.end as usize }, rows_end))
+}
+
 /// A server's sync mode as it wrote it.
-fn parse_sync(addr: &str, text: &str) -> anyhow::Result<SyncMode> {
-    text.parse().map_err(|e| anyhow::anyhow!("{addr} runs an unknown sync mode {e}"))
+fn parse_sync(addr: &str, text: &str) -> Result<SyncMode> {
+    text.parse()
+        .map_err(|e| PsError::Shard { addr: addr.to_string(), why: format!("runs an unknown sync mode {e}") })
 }

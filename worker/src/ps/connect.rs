@@ -1,6 +1,7 @@
 //! Reaching a shard: the connection (a tonic client and its channel), dialling with back-off
 //! while a server is not up yet, the token on every request, deadlines, and errors that name
-//! the server (with a hint when it turns out to serve TLS).
+//! the server (with a hint about TLS only where TLS is the problem: a plaintext worker that
+//! reached a TLS server, or a TLS worker that reached a plaintext one).
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -12,12 +13,17 @@ use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
+use super::error::{PsError, Result};
+
 /// Adds the token to every request.
 #[derive(Clone)]
 pub(super) struct Auth(pub(super) Option<MetadataValue<Ascii>>);
 
 impl Interceptor for Auth {
-    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+    fn call(
+        &mut self,
+        mut req: tonic::Request<()>,
+    ) -> std::result::Result<tonic::Request<()>, tonic::Status> {
         if let Some(v) = &self.0 {
             req.metadata_mut().insert(gradsync_proto::auth::KEY, v.clone());
         }
@@ -38,35 +44,43 @@ pub(super) struct Conn {
 /// The longest pause between two attempts to reach a server that is not up yet.
 const MAX_NAP: Duration = Duration::from_secs(2);
 
-/// Open one connection to `a` through `ep`, each attempt within `timeout`. While nothing
-/// answers at the address (refused, reset, unreachable, unknown to DNS yet: a server not up
-/// yet), attempts go on with back-off for `wait` in all, saying once what they wait for.
+/// Open one connection to `a` through `ep` (over TLS when `tls`), each attempt within
+/// `timeout`. While nothing answers at the address (refused, reset, unreachable, unknown to
+/// DNS yet: a server not up yet), attempts go on with back-off for `wait` in all, saying once
+/// what they wait for.
 pub(super) async fn dial(
     ep: &Endpoint,
     a: &str,
+    tls: bool,
     timeout: Duration,
     tuning: Tuning,
     auth: &Auth,
     wait: Duration,
-) -> anyhow::Result<Conn> {
+) -> Result<Conn> {
     let until = Instant::now() + wait;
     let mut nap = Duration::from_millis(50);
     let mut told = false;
     let channel = loop {
         let why = match tokio::time::timeout(timeout, ep.connect()).await {
             Ok(Ok(ch)) => break ch,
+            Ok(Err(e)) if tls && plaintext_answer(&e) => {
+                let why = gradsync_proto::tls::tls_why(&e);
+                return Err(PsError::Connect { addr: a.into(), why, plaintext_server: true });
+            }
             Ok(Err(e)) if unanswered(&e) => gradsync_proto::tls::tls_why(&e),
-            Ok(Err(e)) => anyhow::bail!("connecting to {a}: {}", gradsync_proto::tls::tls_why(&e)),
+            Ok(Err(e)) => {
+                let why = gradsync_proto::tls::tls_why(&e);
+                return Err(PsError::Connect { addr: a.into(), why, plaintext_server: false });
+            }
             Err(_) => format!("no answer within {} s", timeout.as_secs_f64()),
         };
         let left = until.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            anyhow::ensure!(
-                !told,
-                "no parameter server answered at {a} within --connect-timeout {} s (last: {why})",
-                wait.as_secs_f64()
-            );
-            anyhow::bail!("connecting to {a}: {why}");
+            return Err(if told {
+                PsError::Unreachable { addr: a.into(), wait, last: why }
+            } else {
+                PsError::Connect { addr: a.into(), why, plaintext_server: false }
+            });
         }
         if !told {
             eprintln!(
@@ -113,6 +127,21 @@ fn unanswered(e: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// Whether a failed TLS connection attempt was answered in plaintext: the server closed or
+/// reset the connection on the TLS hello, or answered it with bytes that are not a TLS record
+/// (an HTTP/2 server's GOAWAY).
+fn plaintext_answer(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(e) = cur {
+        let text = e.to_string();
+        if text.contains("InvalidContentType") || text.contains("tls handshake eof") {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
+}
+
 /// `host:port` to `http://host:port` (`https://` with TLS).
 pub(super) fn uri(addr: &str, tls: bool) -> String {
     match (addr.contains("://"), tls) {
@@ -120,29 +149,6 @@ pub(super) fn uri(addr: &str, tls: bool) -> String {
         (false, false) => format!("http://{addr}"),
         (false, true) => format!("https://{addr}"),
     }
-}
-
-/// A status as a readable error naming the server.
-fn rpc_err(addr: &str, what: &str, s: tonic::Status) -> anyhow::Error {
-    let hint = if spoke_other_than_http2(&s) { " (if the server serves TLS, pass --tls-ca)" } else { "" };
-    anyhow::anyhow!("{what} at {addr}: {:?}: {}{hint}", s.code(), s.message())
-}
-
-/// Whether the connection under `s` failed on bytes that are not HTTP/2 (as a TLS server's
-/// alert to a plaintext client is), rather than being closed, reset or refused (a server
-/// that died).
-fn spoke_other_than_http2(s: &tonic::Status) -> bool {
-    let mut cur = std::error::Error::source(s);
-    while let Some(e) = cur {
-        let text = e.to_string();
-        // h2's codec: a connection that ended inside a frame header, or a "frame" whose
-        // header makes no sense (TLS records read as HTTP/2 frames).
-        if text.contains("bytes remaining on stream") || text.contains("frame with invalid size") {
-            return true;
-        }
-        cur = e.source();
-    }
-    false
 }
 
 /// Whether `addr` answers the HTTP/2 preface with TLS (an alert or handshake record, first
@@ -160,18 +166,18 @@ pub(super) async fn serves_tls(addr: &str) -> bool {
     tokio::time::timeout(Duration::from_secs(2), probe).await.ok().flatten().unwrap_or(false)
 }
 
-/// Run `f` with a deadline: sent to the server as grpc-timeout and enforced here too.
+/// Run call `what` at `addr` (dialled over TLS when `tls`) with a deadline: sent to the server
+/// as grpc-timeout and enforced here too. A failure names the server and says who refused
+/// ([`PsError::from_status`]).
 pub(super) async fn deadline<T>(
     timeout: Duration,
-    addr: &str,
-    what: &str,
-    f: impl Future<Output = Result<T, tonic::Status>>,
-) -> anyhow::Result<T> {
+    (addr, tls): (&str, bool),
+    what: &'static str,
+    f: impl Future<Output = std::result::Result<T, tonic::Status>>,
+) -> Result<T> {
     match tokio::time::timeout(timeout, f).await {
-        Ok(r) => r.map_err(|s| rpc_err(addr, what, s)),
-        Err(_) => {
-            anyhow::bail!("{what} at {addr}: no answer within {} s (--rpc-timeout)", timeout.as_secs_f64())
-        }
+        Ok(r) => r.map_err(|s| PsError::from_status(addr, what, s, tls)),
+        Err(_) => Err(PsError::Deadline { addr: addr.into(), what, timeout }),
     }
 }
 
@@ -185,6 +191,8 @@ pub(super) fn request<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
 /// One server shard as this worker sees it.
 pub(super) struct Shard {
     pub(super) addr: String,
+    /// Whether it is dialled over TLS (`--tls-ca`).
+    pub(super) tls: bool,
     /// The connection for pushes and the small RPCs.
     pub(super) rpc: Conn,
     /// The connection for pulls.
@@ -197,6 +205,13 @@ pub(super) struct Shard {
     /// Version of the parameters last pulled from it.
     pub(super) version: u64,
     /// Payload bytes per pushed chunk: the size the shard steps and streams its blocks in, as
-    /// it announced at registration, unless [`super::PsClient::set_chunk_bytes`] chose one.
+    /// it announced at registration, unless the client chose one (`PsClient::set_chunk_bytes`).
     pub(super) chunk: usize,
+}
+
+impl Shard {
+    /// Where its calls go, as [`deadline`] names them in errors.
+    pub(super) fn at(&self) -> (&str, bool) {
+        (&self.addr, self.tls)
+    }
 }

@@ -18,6 +18,7 @@ use gradsync_proto::wire;
 use super::bulk::Transfer;
 use super::chunks::{ChunkSink, Gradients, SharedGrads};
 use super::client::PsClient;
+use super::error::{PsError, Result};
 use super::rows::RowsStep;
 
 /// How pushes read the engine's gradients and pulls write its parameters.
@@ -90,7 +91,7 @@ impl EngineLink {
     /// Backward into the engine's gradient buffer; where the link stages it, each finished
     /// bucket is copied to the host gradient while backward computes the earlier layers, so
     /// the push starts from host memory without a copy of the whole gradient after backward.
-    pub fn backward(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
+    pub fn backward(&mut self, engine: &mut Engine) -> Result<()> {
         match self {
             EngineLink::InPlace { .. } | EngineLink::Sparse { .. } => Ok(engine.backward(false)?),
             EngineLink::Staged { grads, plan, fresh, .. } => {
@@ -99,12 +100,15 @@ impl EngineLink {
                 host.resize(engine.layout().len, 0.0);
                 let mut staged = Vec::new();
                 let mut failed = None;
-                engine.backward_buckets(plan, false, &mut |b| match b.into_host() {
-                    Ok(h) => staged.push(h),
-                    Err(e) => drop(failed.get_or_insert(e)),
+                engine.backward_buckets(plan, false, &mut |b| {
+                    let index = b.index;
+                    match b.into_host() {
+                        Ok(h) => staged.push(h),
+                        Err(cause) => drop(failed.get_or_insert(PsError::Staging { index, cause })),
+                    }
                 })?;
                 if let Some(e) = failed {
-                    return Err(anyhow::Error::from(e).context("staging a bucket of the gradient"));
+                    return Err(e);
                 }
                 for mut b in staged {
                     let range = b.range.clone();
@@ -117,7 +121,7 @@ impl EngineLink {
     }
 
     /// Pull every shard's current parameters into the engine.
-    pub async fn pull(&mut self, client: &mut PsClient, engine: &mut Engine) -> anyhow::Result<Transfer> {
+    pub async fn pull(&mut self, client: &mut PsClient, engine: &mut Engine) -> Result<Transfer> {
         match self {
             EngineLink::InPlace { .. } => {
                 let engine = RefCell::new(engine);
@@ -144,9 +148,12 @@ impl EngineLink {
         client: &mut PsClient,
         engine: &mut Engine,
         rows: RowsStep<'_>,
-    ) -> anyhow::Result<(Instant, Transfer, Transfer)> {
+    ) -> Result<(Instant, Transfer, Transfer)> {
         let EngineLink::Sparse { grads, params, dense } = self else {
-            anyhow::bail!("rows exchanged for a model without a table");
+            return Err(PsError::Invalid {
+                what: "an exchange of rows",
+                why: "the model has no sparse table (EngineLink::new saw none)".into(),
+            });
         };
         let host = grads.make_mut();
         engine.read_grads(dense.clone(), &mut host[dense.clone()])?;
@@ -164,7 +171,7 @@ impl EngineLink {
         client: &mut PsClient,
         engine: &mut Engine,
         want: u64,
-    ) -> anyhow::Result<Transfer> {
+    ) -> Result<Transfer> {
         match self {
             EngineLink::InPlace { .. } => {
                 let engine = RefCell::new(engine);
@@ -191,14 +198,19 @@ impl EngineLink {
         &mut self,
         client: &mut PsClient,
         engine: &mut Engine,
-    ) -> anyhow::Result<(Instant, Transfer, Transfer)> {
+    ) -> Result<(Instant, Transfer, Transfer)> {
         match self {
             EngineLink::InPlace { spare } => {
                 let t = Instant::now();
                 let n = engine.layout().len;
                 let held = spare.make_mut();
                 held.resize(n, 0.0);
-                anyhow::ensure!(engine.swap_host_grads(held)?, "the engine's gradient is not in host memory");
+                if !engine.swap_host_grads(held)? {
+                    return Err(PsError::Invalid {
+                        what: "an exchange in place",
+                        why: "the engine's gradient is not in host memory".into(),
+                    });
+                }
                 // `spare` now holds the gradient.
                 let engine = RefCell::new(engine);
                 let sinks = ranges(client, &engine);
@@ -209,7 +221,10 @@ impl EngineLink {
                 let (push, pull) = result?;
                 Ok((t, push, pull))
             }
-            EngineLink::Sparse { .. } => anyhow::bail!("a model with a table exchanges its rows too"),
+            EngineLink::Sparse { .. } => Err(PsError::Invalid {
+                what: "an exchange",
+                why: "a model with a table exchanges its rows too (EngineLink::exchange_rows)".into(),
+            }),
             EngineLink::Staged { grads, params, fresh, .. } => {
                 if !std::mem::take(fresh) {
                     let host = grads.make_mut();
@@ -231,7 +246,7 @@ impl EngineLink {
         client: &mut PsClient,
         engine: &mut Engine,
         grads: &G,
-    ) -> anyhow::Result<(Instant, Transfer, Transfer)> {
+    ) -> Result<(Instant, Transfer, Transfer)> {
         let t = Instant::now();
         match self {
             EngineLink::InPlace { .. } => {
@@ -245,7 +260,10 @@ impl EngineLink {
                 engine.write_params(0, params)?;
                 Ok((t, push, pull))
             }
-            EngineLink::Sparse { .. } => anyhow::bail!("a model with a table pushes uncompressed"),
+            EngineLink::Sparse { .. } => Err(PsError::Invalid {
+                what: "a compressed push",
+                why: "a model with a table pushes uncompressed".into(),
+            }),
         }
     }
 }
@@ -270,7 +288,7 @@ struct EngineRange<'a, 'e> {
 }
 
 impl ChunkSink for EngineRange<'_, '_> {
-    fn put(&mut self, payload: &[u8], offset: u64) -> Result<(), tonic::Status> {
+    fn put(&mut self, payload: &[u8], offset: u64) -> std::result::Result<(), tonic::Status> {
         let n = payload.len() / 4;
         if usize::try_from(offset).ok().and_then(|o| o.checked_add(n)).is_none_or(|end| end > self.len) {
             return Err(tonic::Status::data_loss(format!(

@@ -1,19 +1,17 @@
-//! A sparse model's table on the parameter servers, as one worker moves it (ps-lite's push and
-//! pull on keys): each shard owns a contiguous range of the table's rows; a step pushes the
-//! gradients of the rows its batch named and pulls the rows the next batch names, each shard
-//! its own, as PushRows and PullRows beside the dense exchange. Ids travel as little-endian
-//! u32 counted from the shard's first row, values as f32, `dim` a row.
+//! A sparse model's table on the parameter servers, on the wire (ps-lite's push and pull on
+//! keys): each shard owns a contiguous range of the table's rows; a step pushes the gradients
+//! of the rows its batch named and pulls the rows the next batch names, each shard its own, as
+//! one PushRows and one PullRows call per shard beside the dense exchange ([`RowsStep`]). Ids
+//! travel as little-endian u32 counted from the shard's first row, values as f32, `dim` a row.
+//! (What a worker keeps of the table between steps is in `table.rs`, above the client.)
 
 use std::ops::Range;
 
-use anyhow::Context;
-use gradsync_core::Engine;
-use gradsync_core::net::RowsOf;
 use gradsync_proto::pb::{PullRowsRequest, RowChunk};
 
-use super::bulk::{Opts, Transfer};
-use super::client::PsClient;
+use super::bulk::Opts;
 use super::connect::{Shard, deadline, request};
+use super::error::{PsError, Result};
 
 /// The rows one step moves, every id counted in the whole table and ascending.
 pub struct RowsStep<'a> {
@@ -21,96 +19,6 @@ pub struct RowsStep<'a> {
     pub push: (&'a [u32], &'a [f32]),
     /// The rows to fetch (of the version the step makes), and where their values go.
     pub pull: (&'a [u32], &'a mut [f32]),
-}
-
-/// A worker's side of a table on parameter servers, between steps: each step pushes the
-/// gradients of the rows its batch named and pulls the rows of the next batch (known ahead,
-/// `Batch::next_x`), so the rows a forward pass reads are always of the version the
-/// step before made. Used by `--mode ps` and `--mode hybrid` alike.
-#[derive(Debug, Default)]
-pub struct TableRows {
-    dim: usize,
-    /// The rows the next batch names.
-    next: Vec<u32>,
-    /// The rows whose values in the engine are of the current version (pulled for this batch).
-    fresh: Option<Vec<u32>>,
-    /// The rows this step's batch named, and their gradients.
-    named: Vec<u32>,
-    grads: Vec<f32>,
-    pulled: Vec<f32>,
-}
-
-impl TableRows {
-    /// For a table of rows of `dim` values.
-    pub fn new(dim: usize) -> Self {
-        TableRows { dim, ..TableRows::default() }
-    }
-
-    /// The batch after the coming one is `x`: its rows are pulled with the coming step's push.
-    pub fn set_next(&mut self, engine: &Engine, x: &[f32]) -> anyhow::Result<()> {
-        self.next = engine.rows_of(x)?;
-        Ok(())
-    }
-
-    /// Make the engine's rows of batch `x` current before its forward pass, unless the step
-    /// before pulled them (it does, except on the first step and after a step that could not
-    /// look ahead). Returns the bytes pulled.
-    pub async fn ensure(
-        &mut self,
-        client: &mut PsClient,
-        engine: &mut Engine,
-        x: &[f32],
-    ) -> anyhow::Result<u64> {
-        let want = engine.rows_of(x)?;
-        if self.fresh.as_ref() == Some(&want) {
-            return Ok(0);
-        }
-        self.pulled.resize(want.len() * self.dim, 0.0);
-        let got = client.pull_rows(&want, &mut self.pulled).await?;
-        engine.write_rows(RowsOf::Params, &want, &self.pulled)?;
-        self.fresh = Some(want);
-        Ok(got.bytes)
-    }
-
-    /// After backward: read the gradients of the rows the batch named, for the push. Returns
-    /// how many rows that is.
-    pub fn stage(&mut self, engine: &Engine) -> anyhow::Result<usize> {
-        self.named.clear();
-        self.named.extend_from_slice(engine.batch_rows());
-        self.grads.resize(self.named.len() * self.dim, 0.0);
-        engine.read_rows(RowsOf::Grads, &self.named, &mut self.grads)?;
-        self.pulled.resize(self.next.len() * self.dim, 0.0);
-        Ok(self.named.len())
-    }
-
-    /// The step's rows: the staged ones to push, the next batch's to pull.
-    pub fn step(&mut self) -> RowsStep<'_> {
-        RowsStep { push: (&self.named, &self.grads), pull: (&self.next, &mut self.pulled) }
-    }
-
-    /// After the exchange: the pulled rows into the engine's parameters.
-    pub fn land(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
-        engine.write_rows(RowsOf::Params, &self.next, &self.pulled)?;
-        self.fresh = Some(std::mem::take(&mut self.next));
-        Ok(())
-    }
-
-    /// Clear the staged rows' gradients in the engine, so that its own update leaves them (the
-    /// servers step the table; `--mode hybrid`, whose ranks update the rest locally).
-    pub fn clear_named(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
-        self.grads.fill(0.0);
-        engine.write_rows(RowsOf::Grads, &self.named, &self.grads)?;
-        Ok(())
-    }
-
-    /// Every row of the table, of the servers' current version, into the engine.
-    pub async fn sync(&mut self, client: &mut PsClient, engine: &mut Engine) -> anyhow::Result<Transfer> {
-        let table = engine.layout().table.clone().context("a model with rows has a table")?;
-        self.pulled.resize(table.range.len(), 0.0);
-        let t = client.pull_all_rows(&mut self.pulled).await?;
-        engine.write_params(table.range.start, &self.pulled)?;
-        Ok(t)
-    }
 }
 
 /// The part of `ids` (ascending) that falls in `rows`.
@@ -138,7 +46,7 @@ pub(super) async fn push_rows(
     base: u64,
     ids: &[u32],
     values: &[f32],
-) -> anyhow::Result<u64> {
+) -> Result<u64> {
     let per = (s.chunk / (4 * dim.max(1))).max(1);
     let mut chunks: Vec<RowChunk> = ids
         .chunks(per)
@@ -155,13 +63,8 @@ pub(super) async fn push_rows(
     }
     let bytes = chunks.iter().map(|c| (c.ids.len() + c.data.len()) as u64).sum();
     let mut client = s.rpc.client.clone();
-    deadline(
-        o.timeout,
-        &s.addr,
-        "PushRows",
-        client.push_rows(request(tokio_stream::iter(chunks), o.timeout)),
-    )
-    .await?;
+    deadline(o.timeout, s.at(), "PushRows", client.push_rows(request(tokio_stream::iter(chunks), o.timeout)))
+        .await?;
     Ok(bytes)
 }
 
@@ -175,12 +78,17 @@ pub(super) async fn pull_rows(
     version: Option<u64>,
     ids: Option<&[u32]>,
     out: &mut [f32],
-) -> anyhow::Result<(u64, u64)> {
+) -> Result<(u64, u64)> {
     let want: Vec<u32> = match ids {
         Some(ids) => ids.to_vec(),
         None => (s.rows.start as u32..s.rows.end as u32).collect(),
     };
-    anyhow::ensure!(out.len() == want.len() * dim, "{} rows into {} values", want.len(), out.len());
+    if out.len() != want.len() * dim {
+        return Err(PsError::Invalid {
+            what: "a pull of rows",
+            why: format!("{} rows of {dim} values into {} values", want.len(), out.len()),
+        });
+    }
     let req = PullRowsRequest {
         rank: o.rank,
         version,
@@ -221,5 +129,5 @@ pub(super) async fn pull_rows(
         }
         Ok((seen.unwrap_or(version.unwrap_or(s.version)), bytes))
     };
-    deadline(o.timeout, &s.addr, "PullRows", fut).await.context("pulling the table's rows")
+    deadline(o.timeout, s.at(), "PullRows", fut).await
 }

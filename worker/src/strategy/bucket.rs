@@ -31,7 +31,7 @@ use gradsync_core::compress::{self, Compression, Half, Sparse, TopK};
 
 use gradsync_core::engine::DeviceGrads;
 
-use crate::collective::{self, After, BucketWork, Collective, CommError, Nccl};
+use crate::collective::{self, After, BucketWork, Collective, CollectiveError, Nccl};
 
 /// What one rank keeps to reduce its buckets under a `--compress` value.
 pub(super) enum BucketReduce {
@@ -144,6 +144,8 @@ impl BucketReduce {
 }
 
 impl BucketWork for BucketReduce {
+    type Error = anyhow::Error;
+
     fn name(&self) -> &'static str {
         "allreduce"
     }
@@ -165,7 +167,7 @@ impl BucketWork for BucketReduce {
 
     /// The f32 all-reduce, or the half-precision one rounded and widened on the device, queued
     /// on NCCL's stream behind the bucket's backward.
-    unsafe fn queue_device(&self, nccl: &mut Nccl, grads: &DeviceGrads) -> Result<(), CommError> {
+    unsafe fn queue_device(&self, nccl: &mut Nccl, grads: &DeviceGrads) -> Result<(), CollectiveError> {
         // SAFETY (every arm): the caller's promise; `address` is valid while the engine lives.
         match self {
             BucketReduce::Dense => unsafe {
@@ -180,7 +182,7 @@ impl BucketWork for BucketReduce {
                     grads.half_cast(),
                 )
             },
-            BucketReduce::TopK { .. } => Err(CommError::Invalid {
+            BucketReduce::TopK { .. } => Err(CollectiveError::Invalid {
                 what: "compression",
                 why: self.device_refusal().unwrap_or_default(),
             }),

@@ -175,7 +175,7 @@ impl Ps {
             let version = client.register(rank, world, fp, n).await?;
             let join = client.join_version();
             if join <= version {
-                return link.pull(client, engine).await;
+                return Ok(link.pull(client, engine).await?);
             }
             // Back during a step that does not wait for it: its first gradient is computed from
             // the version that step makes. A pull of it streamed while the step runs fails if
@@ -189,7 +189,8 @@ impl Ps {
                         tracing::debug!("{e:#}; pulling version {join} again");
                     }
                     Err(e) => {
-                        break Err(e.context(format!("pulling version {join}, the step this rank joins at")));
+                        break Err(anyhow::Error::from(e)
+                            .context(format!("pulling version {join}, the step this rank joins at")));
                     }
                 }
             }

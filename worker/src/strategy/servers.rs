@@ -126,7 +126,7 @@ impl Servers {
         if let Some(h) = self.heartbeat.take() {
             h.abort();
         }
-        self.rt.block_on(self.client.deregister())
+        Ok(self.rt.block_on(self.client.deregister())?)
     }
 }
 

@@ -62,6 +62,8 @@ struct Scatter {
 }
 
 impl BucketWork for Scatter {
+    type Error = anyhow::Error;
+
     fn name(&self) -> &'static str {
         "reduce-scatter"
     }
