@@ -475,6 +475,11 @@ pub struct DdpArgs {
     /// network namespace. Every rank must be given the same value.
     #[arg(long, value_enum, default_value_t = Hierarchy::Auto, env = "GRADSYNC_HIERARCHY")]
     pub hierarchy: Hierarchy,
+    /// The host this rank counts as on, instead of the one it finds (boot id and network
+    /// namespace), as NCCL's NCCL_HOSTID: ranks given the same value are one host to
+    /// --hierarchy. Shared memory is still used only between ranks it reaches.
+    #[arg(long, env = "GRADSYNC_HOST_ID")]
+    pub host_id: Option<String>,
     /// Reduce each bucket after the whole backward pass instead of during it (to measure what
     /// overlap buys; GPU engines with --backend tcp always do this).
     #[arg(long)]

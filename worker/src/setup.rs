@@ -412,6 +412,7 @@ fn ddp_config(d: &DdpArgs, compression: Compression, run: &Run) -> anyhow::Resul
         chunk_kb: d.chunk_kb,
         transport: d.transport,
         hierarchy: d.hierarchy,
+        host_id: d.host_id.clone(),
         sgd: run.sgd,
         trace: run.trace.clone(),
         compression,

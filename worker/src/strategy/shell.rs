@@ -43,6 +43,8 @@ pub struct DdpConfig {
     pub transport: Transport,
     /// Whether the TCP backend's all-reduce goes through the hosts.
     pub hierarchy: Hierarchy,
+    /// The host this rank counts as on (`--host-id`), instead of the one it finds.
+    pub host_id: Option<String>,
     /// The optimiser every rank applies.
     pub sgd: SgdConfig,
     /// Timeline recorder (`--trace`).
@@ -102,6 +104,7 @@ impl Shell {
                     timeout: cfg.timeout,
                     transport: c.transport,
                     hierarchy: c.hierarchy,
+                    host_id: c.host_id.clone(),
                     ..RingConfig::default()
                 }
                 .with_chunk_kb(c.chunk_kb);
