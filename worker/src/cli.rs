@@ -486,9 +486,11 @@ pub struct DdpArgs {
     pub no_overlap: bool,
     /// Synchronised batch norm (PyTorch's SyncBatchNorm): each batch norm normalises with the
     /// mean and variance of every rank's batch together, all-reduced in forward, and its
-    /// input gradient from sums all-reduced in backward; training then matches one process
-    /// with the combined batch. Without it each rank normalises with its own batch and rank
-    /// 0's running statistics are broadcast every step (DDP's broadcast_buffers). TCP backend.
+    /// input gradient from sums all-reduced in backward with the gradient buckets, over the
+    /// same backend (tcp on sockets or shared memory, flat or through the hosts, or nccl);
+    /// training then matches one process with the combined batch. Without it each rank
+    /// normalises with its own batch and rank 0's running statistics are broadcast every step
+    /// (DDP's broadcast_buffers). Needs --sync-every 1.
     #[arg(long)]
     pub sync_bn: bool,
 }

@@ -185,12 +185,10 @@ impl Shell {
                 engine.write_buffers(&b)?;
             }
             let (loss, synced) = if sh.sync_bn {
-                // SyncBatchNorm: the batch's statistics all-reduced in forward (the ring is idle
-                // then), and in backward with the buckets (`backward_synced`).
-                let comm = sh.comm.get();
-                let mut all_reduce = |buf: &mut [f32]| {
-                    comm.all_reduce(buf).map_err(|e| gradsync_core::Error::Exchange(e.to_string()))
-                };
+                // SyncBatchNorm: the batch's statistics all-reduced in forward (the communicator
+                // is idle then), and in backward with the buckets (`backward_synced`).
+                let comm = &mut sh.comm;
+                let mut all_reduce = |buf: &mut [f32]| comm.sum_norm_stats(buf);
                 let (loss, ms) =
                     timed_span(engine, &trace, "forward", |e| e.forward_synced(x, y, &mut all_reduce))?;
                 rec.forward_ms = ms;
