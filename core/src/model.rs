@@ -1086,137 +1086,18 @@ impl Builder {
         Ok(x)
     }
 
+    /// Add `layer` reading slot `x`; returns the slot of its output (`x` itself for a ReLU, and
+    /// for a flatten of what is flat already). Each kind of layer is a step of its own below.
     fn layer(&mut self, layer: &Layer, x: usize) -> Result<usize> {
-        let reads_input = x == 0
-            || matches!(self.nodes.last(), Some(n) if n.output == x && matches!(n.op, Op::ToChannels { .. }));
         match layer {
-            Layer::EmbeddingBag { name, rows, dim, mean: _ } => {
-                let Shape::Bag { slots } = self.slots[x] else {
-                    return Err(Error::invalid(
-                        "model",
-                        format!("{name}: an embedding bag reads bags of ids"),
-                    ));
-                };
-                if x != 0 || self.table.is_some() {
-                    return Err(Error::invalid(
-                        "model",
-                        format!("{name}: an embedding bag reads the network's input"),
-                    ));
-                }
-                let init = Init::Normal { layer: self.layers };
-                self.layers += 1;
-                let table = self.param(format!("{name}.weight"), vec![*rows, *dim], init);
-                self.table = Some(Table { range: table.clone(), rows: *rows, dim: *dim });
-                // A multiply-add per id and value, forward; backward the same once.
-                let macs = (slots * dim) as u64;
-                self.macs += macs;
-                self.first_macs += macs;
-                Ok(self.node(Op::Bag { table, dim: *dim }, x, Shape::Flat(*dim)))
-            }
-            Layer::Linear { name, out } => {
-                let fan_in = match self.slots[x] {
-                    Shape::Flat(n) => n,
-                    Shape::Image { .. } | Shape::Bag { .. } => {
-                        return Err(Error::invalid(
-                            "model",
-                            format!("{name}: a linear layer needs a vector (flatten first)"),
-                        ));
-                    }
-                };
-                let init = Init::Uniform { bound: 1.0 / (fan_in as f32).sqrt(), layer: self.layers };
-                self.layers += 1;
-                let weight = self.param(format!("{name}.weight"), vec![*out, fan_in], init);
-                let bias = self.param(format!("{name}.bias"), vec![*out], init);
-                let macs = (fan_in * out) as u64;
-                self.macs += macs;
-                if reads_input {
-                    self.first_macs += macs;
-                }
-                Ok(self.node(
-                    Op::Linear { fan_in, fan_out: *out, weight, bias, relu: false },
-                    x,
-                    Shape::Flat(*out),
-                ))
-            }
+            Layer::EmbeddingBag { name, rows, dim, mean: _ } => self.embedding_bag(name, (*rows, *dim), x),
+            Layer::Linear { name, out } => self.linear(name, *out, x),
             Layer::Conv { name, out, kernel, stride, pad, bias } => {
-                let (channels, height, width) = self.image(x, name)?;
-                if height + 2 * pad < *kernel || width + 2 * pad < *kernel || *stride == 0 {
-                    return Err(Error::invalid(
-                        "model",
-                        format!(
-                            "{name}: a {kernel}x{kernel} convolution does not fit a {height}x{width} input"
-                        ),
-                    ));
-                }
-                let window = Window { channels, height, width, kernel: *kernel, stride: *stride, pad: *pad };
-                let fan_in = channels * kernel * kernel;
-                let init = Init::Uniform { bound: 1.0 / (fan_in as f32).sqrt(), layer: self.layers };
-                self.layers += 1;
-                let weight =
-                    self.param(format!("{name}.weight"), vec![*out, channels, *kernel, *kernel], init);
-                let bias = bias.then(|| self.param(format!("{name}.bias"), vec![*out], init));
-                let macs = (out * fan_in * window.out_pixels()) as u64;
-                self.macs += macs;
-                if reads_input {
-                    self.first_macs += macs;
-                }
-                let shape =
-                    Shape::Image { channels: *out, height: window.out_height(), width: window.out_width() };
-                Ok(self.node(Op::Conv { window, out: *out, weight, bias }, x, shape))
+                self.conv(name, *out, (*kernel, *stride, *pad), *bias, x)
             }
-            Layer::BatchNorm { name } => {
-                let (channels, height, width) = self.image(x, name)?;
-                self.layers += 1;
-                let weight = self.param(format!("{name}.weight"), vec![channels], Init::Fill(1.0));
-                let bias = self.param(format!("{name}.bias"), vec![channels], Init::Fill(0.0));
-                let mean = Self::tensor(
-                    &mut self.buffers,
-                    format!("{name}.running_mean"),
-                    vec![channels],
-                    Init::Fill(0.0),
-                );
-                let var = Self::tensor(
-                    &mut self.buffers,
-                    format!("{name}.running_var"),
-                    vec![channels],
-                    Init::Fill(1.0),
-                );
-                let saved = self.saved_len..self.saved_len + 2 * channels;
-                self.saved_len += 2 * channels;
-                let op = Op::Norm {
-                    channels,
-                    pixels: height * width,
-                    params: weight.start..bias.end,
-                    buffers: mean.start..var.end,
-                    saved,
-                };
-                let shape = self.slots[x];
-                Ok(self.node(op, x, shape))
-            }
-            Layer::Relu => {
-                // Fused into the linear layer that produced x, as the MLP always ran it.
-                if let Some(Node { op: Op::Linear { relu, .. }, output, .. }) = self.nodes.last_mut()
-                    && *output == x
-                    && !*relu
-                {
-                    *relu = true;
-                    return Ok(x);
-                }
-                self.nodes.push(Node { op: Op::Relu, input: x, output: x, input_grad: InputGrad::Skip });
-                Ok(x)
-            }
-            Layer::MaxPool { kernel, stride } => {
-                let (channels, height, width) = self.image(x, "max-pool")?;
-                if height < *kernel || width < *kernel || *stride == 0 {
-                    return Err(Error::invalid(
-                        "model",
-                        format!("a {kernel}x{kernel} max-pool does not fit a {height}x{width} input"),
-                    ));
-                }
-                let window = Window { channels, height, width, kernel: *kernel, stride: *stride, pad: 0 };
-                let shape = Shape::Image { channels, height: window.out_height(), width: window.out_width() };
-                Ok(self.node(Op::MaxPool { window }, x, shape))
-            }
+            Layer::BatchNorm { name } => self.batch_norm(name, x),
+            Layer::Relu => Ok(self.relu(x)),
+            Layer::MaxPool { kernel, stride } => self.max_pool(*kernel, *stride, x),
             Layer::GlobalAvgPool => {
                 let (channels, height, width) = self.image(x, "average pooling")?;
                 Ok(self.node(Op::AvgPool { channels, pixels: height * width }, x, Shape::Flat(channels)))
@@ -1227,19 +1108,160 @@ impl Builder {
                     Ok(self.node(Op::Flatten { channels, pixels: height * width }, x, Shape::Flat(s.len())))
                 }
             },
-            Layer::Residual { body, shortcut } => {
-                let a = self.chain(body, x)?;
-                let b = self.chain(shortcut, x)?;
-                if self.slots[a] != self.slots[b] {
-                    return Err(Error::invalid(
-                        "model",
-                        format!("a residual block adds {:?} to {:?}", self.slots[a], self.slots[b]),
-                    ));
-                }
-                let shape = self.slots[a];
-                Ok(self.node(Op::Add { other: b, other_grad: InputGrad::Skip }, a, shape))
-            }
+            Layer::Residual { body, shortcut } => self.residual(body, shortcut, x),
         }
+    }
+
+    /// Whether slot `x` holds the network's input (as loaded, or only turned to CNHW): a layer
+    /// reading it counts its multiply-adds into `first_macs` too.
+    fn reads_input(&self, x: usize) -> bool {
+        x == 0
+            || matches!(self.nodes.last(), Some(n) if n.output == x && matches!(n.op, Op::ToChannels { .. }))
+    }
+
+    /// An embedding bag `name` of `rows x dim`, reading the network's bags of ids.
+    fn embedding_bag(&mut self, name: &str, (rows, dim): (usize, usize), x: usize) -> Result<usize> {
+        let Shape::Bag { slots } = self.slots[x] else {
+            return Err(Error::invalid("model", format!("{name}: an embedding bag reads bags of ids")));
+        };
+        if x != 0 || self.table.is_some() {
+            return Err(Error::invalid(
+                "model",
+                format!("{name}: an embedding bag reads the network's input"),
+            ));
+        }
+        let init = Init::Normal { layer: self.layers };
+        self.layers += 1;
+        let table = self.param(format!("{name}.weight"), vec![rows, dim], init);
+        self.table = Some(Table { range: table.clone(), rows, dim });
+        // A multiply-add per id and value, forward; backward the same once.
+        let macs = (slots * dim) as u64;
+        self.macs += macs;
+        self.first_macs += macs;
+        Ok(self.node(Op::Bag { table, dim }, x, Shape::Flat(dim)))
+    }
+
+    /// A linear layer `name` to `out` features, reading a vector.
+    fn linear(&mut self, name: &str, out: usize, x: usize) -> Result<usize> {
+        let reads_input = self.reads_input(x);
+        let fan_in = match self.slots[x] {
+            Shape::Flat(n) => n,
+            Shape::Image { .. } | Shape::Bag { .. } => {
+                return Err(Error::invalid(
+                    "model",
+                    format!("{name}: a linear layer needs a vector (flatten first)"),
+                ));
+            }
+        };
+        let init = Init::Uniform { bound: 1.0 / (fan_in as f32).sqrt(), layer: self.layers };
+        self.layers += 1;
+        let weight = self.param(format!("{name}.weight"), vec![out, fan_in], init);
+        let bias = self.param(format!("{name}.bias"), vec![out], init);
+        let macs = (fan_in * out) as u64;
+        self.macs += macs;
+        if reads_input {
+            self.first_macs += macs;
+        }
+        Ok(self.node(Op::Linear { fan_in, fan_out: out, weight, bias, relu: false }, x, Shape::Flat(out)))
+    }
+
+    /// A convolution `name` to `out` channels with a square `kernel`, `stride` and `pad`
+    /// (and a bias when `bias`), reading an image.
+    fn conv(
+        &mut self,
+        name: &str,
+        out: usize,
+        (kernel, stride, pad): (usize, usize, usize),
+        bias: bool,
+        x: usize,
+    ) -> Result<usize> {
+        let reads_input = self.reads_input(x);
+        let (channels, height, width) = self.image(x, name)?;
+        if height + 2 * pad < kernel || width + 2 * pad < kernel || stride == 0 {
+            return Err(Error::invalid(
+                "model",
+                format!("{name}: a {kernel}x{kernel} convolution does not fit a {height}x{width} input"),
+            ));
+        }
+        let window = Window { channels, height, width, kernel, stride, pad };
+        let fan_in = channels * kernel * kernel;
+        let init = Init::Uniform { bound: 1.0 / (fan_in as f32).sqrt(), layer: self.layers };
+        self.layers += 1;
+        let weight = self.param(format!("{name}.weight"), vec![out, channels, kernel, kernel], init);
+        let bias = bias.then(|| self.param(format!("{name}.bias"), vec![out], init));
+        let macs = (out * fan_in * window.out_pixels()) as u64;
+        self.macs += macs;
+        if reads_input {
+            self.first_macs += macs;
+        }
+        let shape = Shape::Image { channels: out, height: window.out_height(), width: window.out_width() };
+        Ok(self.node(Op::Conv { window, out, weight, bias }, x, shape))
+    }
+
+    /// A batch norm `name` over an image's channels: its weight and bias, its running mean and
+    /// variance, and room for the batch's mean and invstd.
+    fn batch_norm(&mut self, name: &str, x: usize) -> Result<usize> {
+        let (channels, height, width) = self.image(x, name)?;
+        self.layers += 1;
+        let weight = self.param(format!("{name}.weight"), vec![channels], Init::Fill(1.0));
+        let bias = self.param(format!("{name}.bias"), vec![channels], Init::Fill(0.0));
+        let mean =
+            Self::tensor(&mut self.buffers, format!("{name}.running_mean"), vec![channels], Init::Fill(0.0));
+        let var =
+            Self::tensor(&mut self.buffers, format!("{name}.running_var"), vec![channels], Init::Fill(1.0));
+        let saved = self.saved_len..self.saved_len + 2 * channels;
+        self.saved_len += 2 * channels;
+        let op = Op::Norm {
+            channels,
+            pixels: height * width,
+            params: weight.start..bias.end,
+            buffers: mean.start..var.end,
+            saved,
+        };
+        let shape = self.slots[x];
+        Ok(self.node(op, x, shape))
+    }
+
+    /// A ReLU on slot `x`, in place: fused into the linear layer that produced `x`, as the MLP
+    /// always ran it, else a node of its own.
+    fn relu(&mut self, x: usize) -> usize {
+        if let Some(Node { op: Op::Linear { relu, .. }, output, .. }) = self.nodes.last_mut()
+            && *output == x
+            && !*relu
+        {
+            *relu = true;
+            return x;
+        }
+        self.nodes.push(Node { op: Op::Relu, input: x, output: x, input_grad: InputGrad::Skip });
+        x
+    }
+
+    /// A `kernel x kernel` max-pool with `stride`, reading an image.
+    fn max_pool(&mut self, kernel: usize, stride: usize, x: usize) -> Result<usize> {
+        let (channels, height, width) = self.image(x, "max-pool")?;
+        if height < kernel || width < kernel || stride == 0 {
+            return Err(Error::invalid(
+                "model",
+                format!("a {kernel}x{kernel} max-pool does not fit a {height}x{width} input"),
+            ));
+        }
+        let window = Window { channels, height, width, kernel, stride, pad: 0 };
+        let shape = Shape::Image { channels, height: window.out_height(), width: window.out_width() };
+        Ok(self.node(Op::MaxPool { window }, x, shape))
+    }
+
+    /// A residual block: `body` and `shortcut` both read `x`, and their outputs are added.
+    fn residual(&mut self, body: &[Layer], shortcut: &[Layer], x: usize) -> Result<usize> {
+        let a = self.chain(body, x)?;
+        let b = self.chain(shortcut, x)?;
+        if self.slots[a] != self.slots[b] {
+            return Err(Error::invalid(
+                "model",
+                format!("a residual block adds {:?} to {:?}", self.slots[a], self.slots[b]),
+            ));
+        }
+        let shape = self.slots[a];
+        Ok(self.node(Op::Add { other: b, other_grad: InputGrad::Skip }, a, shape))
     }
 }
 

@@ -1208,189 +1208,267 @@ struct Parts<'p, 's, B: Backend> {
     clear: Option<Option<usize>>,
 }
 
-impl<B: Backend> Parts<'_, '_, B> {
+/// The gradient of a node's input, made only when a step writes it (`InputGrad::Skip`: the
+/// input needs none).
+struct Dx<'v, B: Backend + 'v> {
+    buf: &'v mut Option<B::Buf>,
+    len: usize,
+    how: InputGrad,
+}
+
+impl<B: Backend> Dx<'_, B> {
+    /// Whether the node writes its input's gradient.
+    fn wanted(&self) -> bool {
+        self.how != InputGrad::Skip
+    }
+
+    /// Whether it adds to it (another consumer of the input wrote it first).
+    fn accumulate(&self) -> bool {
+        self.how.accumulate()
+    }
+
+    fn view(&mut self) -> Result<B::ViewMut<'_>> {
+        Ok(B::view_mut(self.buf.as_mut().ok_or_else(missing_grad)?, 0..self.len))
+    }
+}
+
+/// One node's backward as its step sees it: the gradient of its output (`dy`), the input it
+/// read in forward (`x`), and its input's gradient (`dx`).
+struct NodeGrads<'v, 'p, B: Backend + 'v + 'p> {
+    dy: B::View<'v>,
+    x: B::View<'p>,
+    dx: Dx<'v, B>,
+}
+
+/// An activation gradient backward needs was never allocated (the graph's bookkeeping).
+fn missing_grad() -> Error {
+    Error::invalid("backward", "an activation gradient was not allocated")
+}
+
+impl<'p, B: Backend> Parts<'p, '_, B> {
+    /// Backward through `node`: its parameters' gradients handed to `sink` unit by unit, its
+    /// input's gradient written into `dacts`; each kind of node by a step of its own below.
     fn backward_node<'a>(
         &mut self,
         node: &Node,
         dacts: &mut [Option<B::Buf>],
         sink: &mut Sink<'a, '_, B>,
     ) -> Result<()> {
-        let (n, acc, backend) = (self.rows, self.accumulate, self.backend);
-        let (acts, graph, params, saved) = (self.acts, self.graph, self.params, self.saved);
+        let (n, graph, backend) = (self.rows, self.graph, self.backend);
         let size = |slot: usize| n * graph.slots[slot];
-        let act = |slot: usize| B::view(&acts[slot], 0..size(slot));
-        let missing = || Error::invalid("backward", "an activation gradient was not allocated");
         match &node.op {
             Op::ToChannels { .. } => return Ok(()),
             Op::Relu | Op::Linear { relu: true, .. } => {
                 // dz = dy where the output is positive, in place (a fused ReLU first).
-                let d = dacts[node.output].as_mut().ok_or_else(missing)?;
-                backend.relu_backward(B::view_mut(d, 0..size(node.output)), act(node.output))?;
+                let d = dacts[node.output].as_mut().ok_or_else(missing_grad)?;
+                backend.relu_backward(B::view_mut(d, 0..size(node.output)), self.act(node.output))?;
                 if node.op == Op::Relu {
                     return Ok(());
                 }
             }
-            Op::Add { other, other_grad } => {
-                for (slot, how) in [(node.input, node.input_grad), (*other, *other_grad)] {
-                    if how != InputGrad::Skip {
-                        let (dybuf, dbuf) = read_write(dacts, node.output, slot);
-                        let dy = B::view(dybuf.as_ref().ok_or_else(missing)?, 0..size(node.output));
-                        let d = B::view_mut(dbuf.as_mut().ok_or_else(missing)?, 0..size(slot));
-                        backend.add_into(d, dy, how.accumulate())?;
-                    }
-                }
-                return Ok(());
-            }
+            Op::Add { other, other_grad } => return self.add_backward(node, (*other, *other_grad), dacts),
             _ => {}
         }
         let (dybuf, dxbuf) = read_write(dacts, node.output, node.input);
-        let dy = B::view(dybuf.as_ref().ok_or_else(missing)?, 0..size(node.output));
-        let want_dx = node.input_grad != InputGrad::Skip;
-        let acc_dx = node.input_grad.accumulate();
-        macro_rules! dx {
-            () => {
-                B::view_mut(dxbuf.as_mut().ok_or_else(missing)?, 0..size(node.input))
-            };
-        }
-        let x = act(node.input);
+        let dy = B::view(dybuf.as_ref().ok_or_else(missing_grad)?, 0..size(node.output));
+        let dx = Dx { buf: dxbuf, len: size(node.input), how: node.input_grad };
+        let mut g = NodeGrads { dy, x: self.act(node.input), dx };
+        let acc_dx = g.dx.accumulate();
         match &node.op {
             Op::Linear { fan_in, fan_out, weight, bias, .. } => {
-                sink.unit(bias.clone(), |t| backend.bias_grad(t, dy, n, *fan_out, acc))?;
-                sink.unit(weight.clone(), |t| {
-                    backend.gemm(*fan_out, *fan_in, n, dy, true, x, false, t, acc)
-                })?;
-                if want_dx {
-                    // dX = dZ W.
-                    let w = B::view(params, weight.clone());
-                    backend.gemm(n, *fan_in, *fan_out, dy, false, w, false, dx!(), acc_dx)?;
-                }
-                Ok(())
+                self.linear_backward(sink, (*fan_in, *fan_out), (weight, bias), g)
             }
             Op::Conv { window, out, weight, bias } => {
-                let cols = n * window.out_pixels();
-                let k = window.col_rows();
-                if let Some(b) = bias {
-                    let ones =
-                        self.ones.as_ref().ok_or_else(|| Error::invalid("convolution", "no ones buffer"))?;
-                    let o = B::view(ones, 0..cols);
-                    sink.unit(b.clone(), |t| backend.gemm(*out, 1, cols, dy, false, o, false, t, acc))?;
-                }
-                let w = B::view(params, weight.clone());
-                if backend.direct_conv(window) {
-                    sink.unit(weight.clone(), |t| backend.conv_weight_grad(t, dy, x, window, *out, n, acc))?;
-                    if want_dx {
-                        backend.conv_input_grad(dx!(), dy, w, window, *out, n, acc_dx)?;
-                    }
-                    return Ok(());
-                }
-                if window.is_pointwise() {
-                    sink.unit(weight.clone(), |t| backend.gemm(*out, k, cols, dy, false, x, true, t, acc))?;
-                    if want_dx {
-                        backend.gemm(k, cols, *out, w, true, dy, false, dx!(), acc_dx)?;
-                    }
-                    return Ok(());
-                }
-                // The column matrix again (forward's was overwritten by later layers), then the
-                // columns' gradient in its place.
-                let c = self.col.as_mut().ok_or_else(|| Error::invalid("convolution", "no column buffer"))?;
-                backend.im2col(B::view_mut(c, 0..k * cols), x, window, n)?;
-                let colv = B::view(c, 0..k * cols);
-                sink.unit(weight.clone(), |t| backend.gemm(*out, k, cols, dy, false, colv, true, t, acc))?;
-                if want_dx {
-                    backend.gemm(k, cols, *out, w, true, dy, false, B::view_mut(c, 0..k * cols), false)?;
-                    backend.col2im(dx!(), B::view(c, 0..k * cols), window, n, acc_dx)?;
-                }
-                Ok(())
+                self.conv_backward(sink, (window, *out), (weight, bias.as_ref()), g)
             }
-            Op::Norm { channels, pixels, params: affine, saved: stats, .. } => {
-                let (c, m) = (*channels, n * *pixels);
-                let sums =
-                    self.sums.as_mut().ok_or_else(|| Error::invalid("batch norm", "no sums buffer"))?;
-                {
-                    let mut s = B::view_mut(sums, 0..2 * c);
-                    let (mut sdy, mut sdot) = B::split_at(B::sub(&mut s, 0..2 * c), c);
-                    backend.channel_sums(B::sub(&mut sdy, 0..c), dy, ChannelSum::Plain, c, m)?;
-                    let center = B::view(saved, stats.start..stats.start + c);
-                    backend.channel_sums(
-                        B::sub(&mut sdot, 0..c),
-                        dy,
-                        ChannelSum::Dot { b: x, center },
-                        c,
-                        m,
-                    )?;
-                }
-                let gamma = B::view(params, affine.clone());
-                let sv = B::view(saved, stats.clone());
-                let Some(sync) = self.sync.as_deref_mut() else {
-                    let sums = B::view(sums, 0..2 * c);
-                    let dxv = if want_dx { Some(dx!()) } else { None };
-                    return sink.unit(affine.clone(), |t| {
-                        backend.norm_backward(dxv, Some(t), dy, x, sv, gamma, sums, c, m, m, acc, acc_dx)
-                    });
-                };
-                // The weight and bias from this rank's sums; the input gradient from every rank's.
-                let local = B::view(sums, 0..2 * c);
-                sink.unit(affine.clone(), |t| {
-                    backend.norm_backward(None, Some(t), dy, x, sv, gamma, local, c, m, m, acc, false)
-                })?;
-                if want_dx {
-                    all_reduce_range(backend, sums, 0..2 * c, sync, None)?;
-                    let count = self.counts.get(stats.start).copied().filter(|&k| k > 0).unwrap_or(m);
-                    let all = B::view(sums, 0..2 * c);
-                    backend.norm_backward(
-                        Some(dx!()),
-                        None,
-                        dy,
-                        x,
-                        sv,
-                        gamma,
-                        all,
-                        c,
-                        m,
-                        count,
-                        acc,
-                        acc_dx,
-                    )?;
-                }
-                Ok(())
+            Op::Norm { channels, pixels, params, saved, .. } => {
+                self.norm_backward(sink, (*channels, n * *pixels), (params, saved), g)
             }
-            Op::MaxPool { window } if want_dx => {
+            Op::MaxPool { window } if g.dx.wanted() => {
                 let planes = Window { channels: window.channels * n, ..*window };
-                backend.max_pool_backward(dx!(), dy, x, &planes, acc_dx)
+                backend.max_pool_backward(g.dx.view()?, g.dy, g.x, &planes, acc_dx)
             }
-            Op::AvgPool { channels, pixels } if want_dx => {
-                backend.avg_pool_backward(dx!(), dy, *channels, n, *pixels, acc_dx)
+            Op::AvgPool { channels, pixels } if g.dx.wanted() => {
+                backend.avg_pool_backward(g.dx.view()?, g.dy, *channels, n, *pixels, acc_dx)
             }
-            Op::Flatten { channels, pixels } if want_dx => {
-                backend.swap_axes(dx!(), dy, n, *channels, *pixels, acc_dx)
+            Op::Flatten { channels, pixels } if g.dx.wanted() => {
+                backend.swap_axes(g.dx.view()?, g.dy, n, *channels, *pixels, acc_dx)
             }
             Op::MaxPool { .. } | Op::AvgPool { .. } | Op::Flatten { .. } => Ok(()),
-            Op::Bag { table, dim } => {
-                let b = self.bag.ok_or_else(|| Error::invalid("embedding bag", "no bags loaded"))?;
-                let (Some(rows), Some(off), Some(samples), Some(rw)) = (&b.rows, &b.roff, &b.samples, &b.rw)
-                else {
-                    return Err(Error::invalid("embedding bag", "no bags loaded"));
-                };
-                let rw = B::view(rw, 0..b.host.samples.len());
-                let count = b.host.rows.len();
-                let clear = self.clear;
-                let (table_rows, dirty) = (b.table.rows, b.dirty_dev.as_ref());
-                sink.unit(table.clone(), |mut t| {
-                    match clear {
-                        Some(None) => {
-                            backend.zero_rows(B::sub(&mut t, 0..table.len()), None, table_rows, *dim)?
-                        }
-                        Some(Some(k)) if k > 0 => {
-                            let d = dirty
-                                .ok_or_else(|| Error::invalid("embedding bag", "dirty rows not uploaded"))?;
-                            backend.zero_rows(B::sub(&mut t, 0..table.len()), Some(d), k, *dim)?
-                        }
-                        _ => {}
-                    }
-                    backend.bag_backward(t, dy, rows, off, samples, rw, count, *dim, acc)
-                })
-            }
+            Op::Bag { table, dim } => self.bag_backward(sink, table, *dim, g.dy),
             Op::ToChannels { .. } | Op::Relu | Op::Add { .. } => unreachable!("handled above"),
         }
+    }
+
+    /// Activation `slot` of the batch, as forward left it.
+    fn act(&self, slot: usize) -> B::View<'p> {
+        let acts: &'p [B::Buf] = self.acts;
+        B::view(&acts[slot], 0..self.rows * self.graph.slots[slot])
+    }
+
+    /// A residual sum: its output's gradient into the gradient of each input that wants one.
+    fn add_backward(
+        &self,
+        node: &Node,
+        (other, other_grad): (usize, InputGrad),
+        dacts: &mut [Option<B::Buf>],
+    ) -> Result<()> {
+        let size = |slot: usize| self.rows * self.graph.slots[slot];
+        for (slot, how) in [(node.input, node.input_grad), (other, other_grad)] {
+            if how != InputGrad::Skip {
+                let (dybuf, dbuf) = read_write(dacts, node.output, slot);
+                let dy = B::view(dybuf.as_ref().ok_or_else(missing_grad)?, 0..size(node.output));
+                let d = B::view_mut(dbuf.as_mut().ok_or_else(missing_grad)?, 0..size(slot));
+                self.backend.add_into(d, dy, how.accumulate())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A linear layer `fan_in -> fan_out`: the bias's and the weight's gradients, then `dX =
+    /// dZ W`.
+    fn linear_backward<'a>(
+        &mut self,
+        sink: &mut Sink<'a, '_, B>,
+        (fan_in, fan_out): (usize, usize),
+        (weight, bias): (&Range<usize>, &Range<usize>),
+        g: NodeGrads<'_, 'p, B>,
+    ) -> Result<()> {
+        let (n, acc, backend) = (self.rows, self.accumulate, self.backend);
+        let NodeGrads { dy, x, mut dx } = g;
+        sink.unit(bias.clone(), |t| backend.bias_grad(t, dy, n, fan_out, acc))?;
+        sink.unit(weight.clone(), |t| backend.gemm(fan_out, fan_in, n, dy, true, x, false, t, acc))?;
+        if dx.wanted() {
+            // dX = dZ W.
+            let acc_dx = dx.accumulate();
+            let w = B::view(self.params, weight.clone());
+            backend.gemm(n, fan_in, fan_out, dy, false, w, false, dx.view()?, acc_dx)?;
+        }
+        Ok(())
+    }
+
+    /// A convolution over `window` into `out` channels: the bias's gradient (a GEMM against
+    /// ones), then the weight's and the input's, by the device's direct kernels, as one GEMM
+    /// each for a pointwise window, or through the column matrix.
+    fn conv_backward<'a>(
+        &mut self,
+        sink: &mut Sink<'a, '_, B>,
+        (window, out): (&Window, usize),
+        (weight, bias): (&Range<usize>, Option<&Range<usize>>),
+        g: NodeGrads<'_, 'p, B>,
+    ) -> Result<()> {
+        let (n, acc, backend) = (self.rows, self.accumulate, self.backend);
+        let NodeGrads { dy, x, mut dx } = g;
+        let (want_dx, acc_dx) = (dx.wanted(), dx.accumulate());
+        let cols = n * window.out_pixels();
+        let k = window.col_rows();
+        if let Some(b) = bias {
+            let ones = self.ones.as_ref().ok_or_else(|| Error::invalid("convolution", "no ones buffer"))?;
+            let o = B::view(ones, 0..cols);
+            sink.unit(b.clone(), |t| backend.gemm(out, 1, cols, dy, false, o, false, t, acc))?;
+        }
+        let w = B::view(self.params, weight.clone());
+        if backend.direct_conv(window) {
+            sink.unit(weight.clone(), |t| backend.conv_weight_grad(t, dy, x, window, out, n, acc))?;
+            if want_dx {
+                backend.conv_input_grad(dx.view()?, dy, w, window, out, n, acc_dx)?;
+            }
+            return Ok(());
+        }
+        if window.is_pointwise() {
+            sink.unit(weight.clone(), |t| backend.gemm(out, k, cols, dy, false, x, true, t, acc))?;
+            if want_dx {
+                backend.gemm(k, cols, out, w, true, dy, false, dx.view()?, acc_dx)?;
+            }
+            return Ok(());
+        }
+        // The column matrix again (forward's was overwritten by later layers), then the
+        // columns' gradient in its place.
+        let c = self.col.as_mut().ok_or_else(|| Error::invalid("convolution", "no column buffer"))?;
+        backend.im2col(B::view_mut(c, 0..k * cols), x, window, n)?;
+        let colv = B::view(c, 0..k * cols);
+        sink.unit(weight.clone(), |t| backend.gemm(out, k, cols, dy, false, colv, true, t, acc))?;
+        if want_dx {
+            backend.gemm(k, cols, out, w, true, dy, false, B::view_mut(c, 0..k * cols), false)?;
+            backend.col2im(dx.view()?, B::view(c, 0..k * cols), window, n, acc_dx)?;
+        }
+        Ok(())
+    }
+
+    /// A batch norm over `c` channels of `m` values each: every channel's `sum dy` and `sum dy
+    /// (x - mean)`, then the weight's and bias's gradients and the input's from them. When
+    /// synchronised, the input's gradient from those sums over every rank (and the count of
+    /// values forward normalised over), the weight's and bias's from this rank's own.
+    fn norm_backward<'a>(
+        &mut self,
+        sink: &mut Sink<'a, '_, B>,
+        (c, m): (usize, usize),
+        (affine, stats): (&Range<usize>, &Range<usize>),
+        g: NodeGrads<'_, 'p, B>,
+    ) -> Result<()> {
+        let (acc, backend) = (self.accumulate, self.backend);
+        let NodeGrads { dy, x, mut dx } = g;
+        let (want_dx, acc_dx) = (dx.wanted(), dx.accumulate());
+        let sums = self.sums.as_mut().ok_or_else(|| Error::invalid("batch norm", "no sums buffer"))?;
+        {
+            let mut s = B::view_mut(sums, 0..2 * c);
+            let (mut sdy, mut sdot) = B::split_at(B::sub(&mut s, 0..2 * c), c);
+            backend.channel_sums(B::sub(&mut sdy, 0..c), dy, ChannelSum::Plain, c, m)?;
+            let center = B::view(self.saved, stats.start..stats.start + c);
+            backend.channel_sums(B::sub(&mut sdot, 0..c), dy, ChannelSum::Dot { b: x, center }, c, m)?;
+        }
+        let gamma = B::view(self.params, affine.clone());
+        let sv = B::view(self.saved, stats.clone());
+        let Some(sync) = self.sync.as_deref_mut() else {
+            let sums = B::view(sums, 0..2 * c);
+            let dxv = if want_dx { Some(dx.view()?) } else { None };
+            return sink.unit(affine.clone(), |t| {
+                backend.norm_backward(dxv, Some(t), dy, x, sv, gamma, sums, c, m, m, acc, acc_dx)
+            });
+        };
+        // The weight and bias from this rank's sums; the input gradient from every rank's.
+        let local = B::view(sums, 0..2 * c);
+        sink.unit(affine.clone(), |t| {
+            backend.norm_backward(None, Some(t), dy, x, sv, gamma, local, c, m, m, acc, false)
+        })?;
+        if want_dx {
+            all_reduce_range(backend, sums, 0..2 * c, sync, None)?;
+            let count = self.counts.get(stats.start).copied().filter(|&k| k > 0).unwrap_or(m);
+            let all = B::view(sums, 0..2 * c);
+            backend.norm_backward(Some(dx.view()?), None, dy, x, sv, gamma, all, c, m, count, acc, acc_dx)?;
+        }
+        Ok(())
+    }
+
+    /// An embedding bag of `dim` values a row: the table's gradient, rows a previous step
+    /// left in it cleared first (`clear`).
+    fn bag_backward<'a>(
+        &self,
+        sink: &mut Sink<'a, '_, B>,
+        table: &Range<usize>,
+        dim: usize,
+        dy: B::View<'_>,
+    ) -> Result<()> {
+        let (acc, backend) = (self.accumulate, self.backend);
+        let b = self.bag.ok_or_else(|| Error::invalid("embedding bag", "no bags loaded"))?;
+        let (Some(rows), Some(off), Some(samples), Some(rw)) = (&b.rows, &b.roff, &b.samples, &b.rw) else {
+            return Err(Error::invalid("embedding bag", "no bags loaded"));
+        };
+        let rw = B::view(rw, 0..b.host.samples.len());
+        let count = b.host.rows.len();
+        let clear = self.clear;
+        let (table_rows, dirty) = (b.table.rows, b.dirty_dev.as_ref());
+        sink.unit(table.clone(), |mut t| {
+            match clear {
+                Some(None) => backend.zero_rows(B::sub(&mut t, 0..table.len()), None, table_rows, dim)?,
+                Some(Some(k)) if k > 0 => {
+                    let d =
+                        dirty.ok_or_else(|| Error::invalid("embedding bag", "dirty rows not uploaded"))?;
+                    backend.zero_rows(B::sub(&mut t, 0..table.len()), Some(d), k, dim)?
+                }
+                _ => {}
+            }
+            backend.bag_backward(t, dy, rows, off, samples, rw, count, dim, acc)
+        })
     }
 }

@@ -505,15 +505,22 @@ pub struct DdpArgs {
     /// network namespace. Every rank must be given the same value.
     #[arg(long, value_enum, default_value_t = Hierarchy::Auto, env = "GRADSYNC_HIERARCHY")]
     pub hierarchy: Hierarchy,
+    /// The host this rank counts as on, instead of the one it finds (boot id and network
+    /// namespace), as NCCL's NCCL_HOSTID: ranks given the same value are one host to
+    /// --hierarchy. Shared memory is still used only between ranks it reaches.
+    #[arg(long, env = "GRADSYNC_HOST_ID")]
+    pub host_id: Option<String>,
     /// Reduce each bucket after the whole backward pass instead of during it (to measure what
     /// overlap buys; GPU engines with --backend tcp always do this).
     #[arg(long = flag::NO_OVERLAP)]
     pub no_overlap: bool,
     /// Synchronised batch norm (PyTorch's SyncBatchNorm): each batch norm normalises with the
     /// mean and variance of every rank's batch together, all-reduced in forward, and its
-    /// input gradient from sums all-reduced in backward; training then matches one process
-    /// with the combined batch. Without it each rank normalises with its own batch and rank
-    /// 0's running statistics are broadcast every step (DDP's broadcast_buffers). TCP backend.
+    /// input gradient from sums all-reduced in backward with the gradient buckets, over the
+    /// same backend (tcp on sockets or shared memory, flat or through the hosts, or nccl);
+    /// training then matches one process with the combined batch. Without it each rank
+    /// normalises with its own batch and rank 0's running statistics are broadcast every step
+    /// (DDP's broadcast_buffers). Needs --sync-every 1.
     #[arg(long)]
     pub sync_bn: bool,
 }

@@ -371,7 +371,6 @@ fn ddp_config(d: &DdpArgs, compression: Compression, run: &Run) -> anyhow::Resul
             "--sync-bn: {} has no batch norm to synchronise",
             run.model.name
         );
-        anyhow::ensure!(d.backend != Backend::Nccl, "--sync-bn works over --backend tcp (not yet over NCCL)");
         anyhow::ensure!(d.sync_every == 1, "--sync-bn synchronises every forward: it needs --sync-every 1");
     }
     anyhow::ensure!(
@@ -409,6 +408,7 @@ fn ddp_config(d: &DdpArgs, compression: Compression, run: &Run) -> anyhow::Resul
         chunk_kb: d.chunk_kb,
         transport: d.transport,
         hierarchy: d.hierarchy,
+        host_id: d.host_id.clone(),
         sgd: run.sgd,
         trace: run.trace.clone(),
         compression,

@@ -193,9 +193,22 @@ fn bad_flags_are_clear_errors() {
             &["--model", "cnn8", "--data", "digits", "--mode", "ddp", "--sync-bn", "--sync-every", "2"][..],
             "needs --sync-every 1",
         ),
+        // --sync-bn goes over NCCL as over the TCP backend; NCCL itself needs a GPU.
         (
-            &["--model", "cnn8", "--data", "digits", "--mode", "ddp", "--sync-bn", "--backend", "nccl"][..],
-            "--backend tcp",
+            &[
+                "--model",
+                "cnn8",
+                "--data",
+                "digits",
+                "--mode",
+                "ddp",
+                "--sync-bn",
+                "--backend",
+                "nccl",
+                "--device",
+                "cpu",
+            ][..],
+            "--backend nccl works on GPU memory",
         ),
     ] {
         let model: &[&str] = if args[0] == "--model" { &[] } else { &["--model", "tiny"] };

@@ -25,8 +25,8 @@
 use rayon::ThreadPool;
 use rayon::prelude::*;
 
-use super::backend::{Backend, Window};
-use super::cpu::Cpu;
+use super::backend::Window;
+use super::cpu_gemm::gemm;
 use super::cpu_layers::{Shared, need_conv};
 use crate::error::Result;
 
@@ -92,7 +92,6 @@ fn for_each_range(pool: Option<&ThreadPool>, len: usize, body: impl Fn(std::ops:
 /// `y (=|+=)` the convolution of `x` (`ins x batch x H x W`) with `w` (`outs x ins x 3 x 3`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward(
-    cpu: &Cpu,
     pool: Option<&ThreadPool>,
     y: &mut [f32],
     x: &[f32],
@@ -103,13 +102,12 @@ pub(super) fn forward(
     accumulate: bool,
 ) -> Result<()> {
     need_conv(y, x, w, win, outs, batch, "convolution output", "convolution input")?;
-    convolve(cpu, pool, y, x, w, false, win, win.channels, outs, batch, accumulate)
+    convolve(pool, y, x, w, false, win, win.channels, outs, batch, accumulate)
 }
 
 /// `dx (=|+=)` the input gradient of [`forward`] given its output gradient `dy`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn input_grad(
-    cpu: &Cpu,
     pool: Option<&ThreadPool>,
     dx: &mut [f32],
     dy: &[f32],
@@ -120,7 +118,7 @@ pub(super) fn input_grad(
     accumulate: bool,
 ) -> Result<()> {
     need_conv(dy, dx, w, win, outs, batch, "convolution output gradient", "convolution input gradient")?;
-    convolve(cpu, pool, dx, dy, w, true, win, outs, win.channels, batch, accumulate)
+    convolve(pool, dx, dy, w, true, win, outs, win.channels, batch, accumulate)
 }
 
 /// `dst (=|+=)` the convolution of `src` (`ins` channels) into `outs` channels with the
@@ -128,7 +126,6 @@ pub(super) fn input_grad(
 /// which makes this the input gradient).
 #[allow(clippy::too_many_arguments)]
 fn convolve(
-    cpu: &Cpu,
     pool: Option<&ThreadPool>,
     dst: &mut [f32],
     src: &[f32],
@@ -148,14 +145,15 @@ fn convolve(
         let (v, m) = rest.split_at_mut(v_len);
         // `u[ξ][a][b]` for the weights as stored: `a` over `w`'s outputs, `b` over its inputs.
         let (w_outs, w_ins) = if turned { (ins, outs) } else { (outs, ins) };
-        transform_weights(cpu, w, w_outs, w_ins, u)?;
+        transform_weights(pool, w, w_outs, w_ins, u)?;
         transform_inputs(pool, src, ins, &blocks, v);
         for p in 0..POS {
             // Turned by half a turn, the window's transform has rows and columns 0 and 3
             // swapped (G R = S G, R reversing 3 values, S swapping the first and last of 4), and
             // its channels swapped: U'_ξ = (U_{S ξ})ᵀ.
             let from = if turned { SWAP[p / 4] * 4 + SWAP[p % 4] } else { p };
-            cpu.gemm(
+            gemm(
+                pool,
                 outs,
                 t,
                 ins,
@@ -176,7 +174,6 @@ fn convolve(
 /// dy[o, p] * x[c, p + tap]`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn weight_grad(
-    cpu: &Cpu,
     pool: Option<&ThreadPool>,
     dw: &mut [f32],
     dy: &[f32],
@@ -197,7 +194,8 @@ pub(super) fn weight_grad(
         transform_inputs(pool, x, ins, &blocks, v);
         transform_output_grads(pool, dy, outs, &blocks, g);
         for p in 0..POS {
-            cpu.gemm(
+            gemm(
+                pool,
                 outs,
                 ins,
                 t,
@@ -209,14 +207,20 @@ pub(super) fn weight_grad(
                 false,
             )?;
         }
-        transform_weight_grads(cpu, du, outs, ins, dw, accumulate)
+        transform_weight_grads(pool, du, outs, ins, dw, accumulate)
     })
 }
 
 /// `u[ξ][o][c] = (G g Gᵀ)_ξ` for the window `g` of output `o` and input `c` of `w` (`outs x
 /// ins x 3 x 3`): one GEMM, `u = T wᵀ` with [`weight_transform`] as `T`.
-fn transform_weights(cpu: &Cpu, w: &[f32], outs: usize, ins: usize, u: &mut [f32]) -> Result<()> {
-    cpu.gemm(POS, outs * ins, TAPS, &weight_transform(), false, w, true, u, false)
+fn transform_weights(
+    pool: Option<&ThreadPool>,
+    w: &[f32],
+    outs: usize,
+    ins: usize,
+    u: &mut [f32],
+) -> Result<()> {
+    gemm(pool, POS, outs * ins, TAPS, &weight_transform(), false, w, true, u, false)
 }
 
 /// `T[ξ][k] = G[r][ky] G[q][kx]` for `ξ = (r, q)` and tap `k = (ky, kx)`: `(G g Gᵀ)_ξ = sum
@@ -427,12 +431,12 @@ fn transform_output_grads(pool: Option<&ThreadPool>, dy: &[f32], outs: usize, b:
 /// `dw[o][c] (=|+=) Gᵀ dU G` from `du[ξ][o][c]`: one GEMM, `dw = duᵀ T` with
 /// [`weight_transform`] as `T`.
 fn transform_weight_grads(
-    cpu: &Cpu,
+    pool: Option<&ThreadPool>,
     du: &[f32],
     outs: usize,
     ins: usize,
     dw: &mut [f32],
     accumulate: bool,
 ) -> Result<()> {
-    cpu.gemm(outs * ins, TAPS, POS, du, true, &weight_transform(), false, dw, accumulate)
+    gemm(pool, outs * ins, TAPS, POS, du, true, &weight_transform(), false, dw, accumulate)
 }

@@ -7,6 +7,7 @@ mod backend;
 mod cpu;
 #[cfg(target_arch = "x86_64")]
 mod cpu_conv;
+mod cpu_gemm;
 mod cpu_layers;
 mod cpu_winograd;
 pub mod cuda;

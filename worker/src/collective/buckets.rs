@@ -13,8 +13,12 @@
 //!   host memory, go through NCCL's host path after backward (its communicator stays on the
 //!   thread that made it).
 //!
+//! A synchronised batch norm's statistics (`--sync-bn`) go through the same communicator, in
+//! order with the buckets (see [`Communicator::backward_synced`]), on every backend.
+//!
 //! The strategy never asks which device the engine is on, nor which backend it talks to.
 
+use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::mpsc;
 use std::time::Instant;
@@ -97,12 +101,15 @@ enum Job<'a> {
     Sums(Vec<f32>, mpsc::Sender<Result<Vec<f32>, String>>),
 }
 
-/// What one bucket's hook needs.
+/// What one bucket's hook needs (and a synchronised batch norm's sums, which go the same way).
 struct Hook<'a, 'w, W: BucketWork + ?Sized> {
     /// The communication thread (host buckets, overlapped).
     thread: Option<mpsc::Sender<Job<'a>>>,
     /// NCCL and the work, for GPU buckets it reduces in GPU memory.
     nccl: Option<(&'w mut Nccl, &'w W)>,
+    /// The ring, when no communication thread runs: for the batch norms' sums only (its
+    /// buckets wait for the end of backward).
+    direct: Option<&'w mut TcpComm>,
     overlap: bool,
     /// GPU buckets for NCCL after backward, with their indices.
     deferred: Vec<(usize, DeviceGrads)>,
@@ -115,6 +122,31 @@ struct Hook<'a, 'w, W: BucketWork + ?Sized> {
 }
 
 impl<'a, W: BucketWork + ?Sized> Hook<'a, '_, W> {
+    /// Sum a synchronised batch norm's statistics (`buf`, in host memory) over the ranks, in
+    /// order with the buckets handed over so far: behind them on the communication thread when
+    /// it runs, on NCCL's stream behind the reductions queued there, else on the ring at once.
+    /// Every rank's backward hands over its buckets and sums in the same order.
+    fn sums(&mut self, buf: &mut [f32]) -> gradsync_core::Result<()> {
+        use gradsync_core::Error::Exchange;
+        if let Some(e) = &self.failed {
+            return Err(Exchange(format!("a bucket failed before the batch norm's sums: {e:#}")));
+        }
+        if let Some(tx) = &self.thread {
+            let gone = || Exchange("the communication thread stopped".into());
+            let (rtx, rrx) = mpsc::channel();
+            tx.send(Job::Sums(buf.to_vec(), rtx)).map_err(|_| gone())?;
+            let v = rrx.recv().map_err(|_| gone())?.map_err(Exchange)?;
+            buf.copy_from_slice(&v);
+            return Ok(());
+        }
+        let comm: &mut dyn Collective = match (&mut self.nccl, &mut self.direct) {
+            (Some((nccl, _)), _) => &mut **nccl,
+            (None, Some(ring)) => &mut **ring,
+            (None, None) => return Err(Exchange("no communicator for the batch norm's sums".into())),
+        };
+        comm.all_reduce(buf).map_err(|e| Exchange(e.to_string()))
+    }
+
     fn ready(&mut self, b: Bucket<'a>) {
         if self.failed.is_some() {
             return;
@@ -177,6 +209,13 @@ impl Communicator {
         }
     }
 
+    /// Sum a synchronised batch norm's per-channel statistics (`sums`, in host memory) over the
+    /// ranks, as core's `NormSync` asks in forward (backward's go with the buckets, in
+    /// [`Communicator::backward_synced`]); the same on every backend.
+    pub fn sum_norm_stats(&mut self, sums: &mut [f32]) -> gradsync_core::Result<()> {
+        self.get().all_reduce(sums).map_err(|e| gradsync_core::Error::Exchange(e.to_string()))
+    }
+
     /// The TCP ring's chunk in KiB as the ranks settled it; `None` on NCCL (no ring of ours).
     pub fn chunk_kb(&self) -> Option<usize> {
         match self {
@@ -212,8 +251,9 @@ impl Communicator {
     /// engine does next).
     ///
     /// With `sync_bn`, backward's batch norms all-reduce their sums over the ranks too
-    /// (SyncBatchNorm), in order with the buckets: on the communication thread when it runs,
-    /// else at once (the TCP backend only; the strategy refuses NCCL).
+    /// (SyncBatchNorm), through this communicator in order with the buckets: on the
+    /// communication thread when it runs, on NCCL's stream behind the reductions queued there,
+    /// else at once (`Hook::sums`).
     #[allow(clippy::too_many_arguments)]
     pub fn backward_synced<W: BucketWork + ?Sized>(
         &mut self,
@@ -228,13 +268,7 @@ impl Communicator {
         let step = Backward { t0: Instant::now(), fence: engine.fence(), plan, accumulate, overlap, trace };
         let (bwd_end, spans) = match self {
             Communicator::Tcp(comm) => on_ring(comm, &step, engine, work, sync_bn)?,
-            Communicator::Nccl(_) if sync_bn => {
-                return Err(CollectiveError::Invalid {
-                    what: "--sync-bn",
-                    why: "a synchronised batch norm works over the TCP backend only".into(),
-                });
-            }
-            Communicator::Nccl(nccl) => on_nccl(nccl, &step, engine, work)?,
+            Communicator::Nccl(nccl) => on_nccl(nccl, &step, engine, work, sync_bn)?,
         };
         let (comm_ms, exposed_ms) = comm_split(&spans, bwd_end);
         Ok(Synced { backward_ms: (bwd_end - step.t0).as_secs_f64() * 1e3, comm_ms, exposed_ms })
@@ -280,7 +314,7 @@ fn on_ring<W: BucketWork + ?Sized>(
     let trace = step.trace;
     let (ended, thread_spans, later) = std::thread::scope(|s| {
         let (tx, rx) = mpsc::channel::<Job<'_>>();
-        let (for_thread, mut direct) =
+        let (for_thread, direct) =
             if step.overlap { (Some(&mut *comm), None) } else { (None, Some(&mut *comm)) };
         let worker = for_thread.map(|comm| {
             let work = &mut *work;
@@ -298,27 +332,11 @@ fn on_ring<W: BucketWork + ?Sized>(
                 Ok(spans)
             })
         });
-        let sums_tx = worker.is_some().then(|| tx.clone());
-        let mut norm = |buf: &mut [f32]| -> gradsync_core::Result<()> {
-            let gone = || gradsync_core::Error::Exchange("the communication thread stopped".into());
-            if let Some(tx) = &sums_tx {
-                let (rtx, rrx) = mpsc::channel();
-                tx.send(Job::Sums(buf.to_vec(), rtx)).map_err(|_| gone())?;
-                let v = rrx.recv().map_err(|_| gone())?.map_err(gradsync_core::Error::Exchange)?;
-                buf.copy_from_slice(&v);
-                Ok(())
-            } else if let Some(c) = direct.as_deref_mut() {
-                c.all_reduce(buf).map_err(|e| gradsync_core::Error::Exchange(e.to_string()))
-            } else {
-                Err(gone())
-            }
-        };
-        let mut hook = Hook::<W>::new(worker.is_some().then_some(tx), None, step.overlap);
-        let sync: Option<gradsync_core::net::NormSync<'_>> = if sync_bn { Some(&mut norm) } else { None };
-        let bwd = engine.backward_buckets_synced(step.plan, step.accumulate, &mut |b| hook.ready(b), sync);
-        // The thread ends once every sender is gone: the hook's, and the sums'.
-        drop(sums_tx);
-        let Hook { thread, later, failed, .. } = hook;
+        let thread = worker.is_some().then_some(tx);
+        let hook = RefCell::new(Hook::<W> { direct, ..Hook::new(thread, None, step.overlap) });
+        let bwd = backward_through(engine, step.plan, step.accumulate, &hook, sync_bn);
+        // The thread ends once every sender is gone.
+        let Hook { thread, later, failed, .. } = hook.into_inner();
         drop(thread);
         let ended = step.ended(bwd, failed);
         let thread_spans: Result<Vec<Span>> = match worker {
@@ -339,16 +357,18 @@ fn on_ring<W: BucketWork + ?Sized>(
 
 /// [`Communicator::backward_synced`] on NCCL: each GPU bucket queued on NCCL's stream behind
 /// its backward (with `overlap`) or after backward, host buckets through NCCL's host path after
-/// backward. Returns when backward ended and the spans the reductions ran in.
+/// backward, a synchronised batch norm's sums (`sync_bn`) on NCCL behind the reductions queued so
+/// far. Returns when backward ended and the spans the reductions ran in.
 fn on_nccl<W: BucketWork + ?Sized>(
     nccl: &mut Nccl,
     step: &Backward<'_>,
     engine: &mut Engine,
     work: &mut W,
+    sync_bn: bool,
 ) -> Result<(Instant, Vec<Span>)> {
-    let mut hook = Hook::new(None, Some((&mut *nccl, &*work)), step.overlap);
-    let bwd = engine.backward_buckets(step.plan, step.accumulate, &mut |b| hook.ready(b));
-    let Hook { later, deferred, first_queued, failed, .. } = hook;
+    let hook = RefCell::new(Hook::new(None, Some((&mut *nccl, &*work)), step.overlap));
+    let bwd = backward_through(engine, step.plan, step.accumulate, &hook, sync_bn);
+    let Hook { later, deferred, first_queued, failed, .. } = hook.into_inner();
     // Once a reduction is queued, no error may leave before NCCL is done with the gradients:
     // the engine could be dropped, and its buffer freed, while NCCL writes.
     let settle = |nccl: &mut Nccl, queued: bool, e: CollectiveError| {
@@ -386,6 +406,7 @@ impl<'a, 'w, W: BucketWork + ?Sized> Hook<'a, 'w, W> {
         Hook {
             thread,
             nccl,
+            direct: None,
             overlap,
             deferred: Vec::new(),
             later: Vec::new(),
@@ -402,6 +423,22 @@ fn bucket_err(
     e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
 ) -> CollectiveError {
     CollectiveError::Bucket { index, what, source: e.into() }
+}
+
+/// Backward of `engine` over `plan`, every finished bucket handed to `hook` and, with
+/// `sync_bn`, every batch norm's sums too (`Hook::sums`), in the order backward reaches them.
+fn backward_through<'a, W: BucketWork + ?Sized>(
+    engine: &'a mut Engine,
+    plan: &BucketPlan,
+    accumulate: bool,
+    hook: &RefCell<Hook<'a, '_, W>>,
+    sync_bn: bool,
+) -> gradsync_core::Result<()> {
+    // Backward calls the two one at a time, never one from inside the other, so neither
+    // finds the hook borrowed.
+    let mut sums = |buf: &mut [f32]| hook.borrow_mut().sums(buf);
+    let sync: Option<gradsync_core::net::NormSync<'_>> = if sync_bn { Some(&mut sums) } else { None };
+    engine.backward_buckets_synced(plan, accumulate, &mut |b| hook.borrow_mut().ready(b), sync)
 }
 
 /// Communication time and its exposed part, ms, from the spans `(start, end)` the reductions

@@ -43,6 +43,8 @@ pub struct DdpConfig {
     pub transport: Transport,
     /// Whether the TCP backend's all-reduce goes through the hosts.
     pub hierarchy: Hierarchy,
+    /// The host this rank counts as on (`--host-id`), instead of the one it finds.
+    pub host_id: Option<String>,
     /// The optimiser every rank applies.
     pub sgd: SgdConfig,
     /// Timeline recorder (`--trace`).
@@ -102,6 +104,7 @@ impl Shell {
                     timeout: cfg.timeout,
                     transport: c.transport,
                     hierarchy: c.hierarchy,
+                    host_id: c.host_id.clone(),
                     ..RingConfig::default()
                 }
                 .with_chunk_kb(c.chunk_kb);
@@ -182,12 +185,10 @@ impl Shell {
                 engine.write_buffers(&b)?;
             }
             let (loss, synced) = if sh.sync_bn {
-                // SyncBatchNorm: the batch's statistics all-reduced in forward (the ring is idle
-                // then), and in backward with the buckets (`backward_synced`).
-                let comm = sh.comm.get();
-                let mut all_reduce = |buf: &mut [f32]| {
-                    comm.all_reduce(buf).map_err(|e| gradsync_core::Error::Exchange(e.to_string()))
-                };
+                // SyncBatchNorm: the batch's statistics all-reduced in forward (the communicator
+                // is idle then), and in backward with the buckets (`backward_synced`).
+                let comm = &mut sh.comm;
+                let mut all_reduce = |buf: &mut [f32]| comm.sum_norm_stats(buf);
                 let (loss, ms) =
                     timed_span(engine, &trace, "forward", |e| e.forward_synced(x, y, &mut all_reduce))?;
                 rec.forward_ms = ms;
