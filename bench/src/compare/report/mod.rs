@@ -829,5 +829,82 @@ mod tests {
             "{v:?}"
         );
     }
-}
 
+    /// The page `write` makes of `rows` on `machine`, with `warnings` as problems in the input.
+    fn page_of(name: &str, rows: Vec<Summary>, machine: Option<&Machine>, warnings: Vec<String>) -> String {
+        let c = Collected { warnings, ..collected(rows) };
+        let dir = gradsync_testkit::Scratch::new(name);
+        let path = write(&c, machine, Some("name = \"test\""), &[], &dir).unwrap();
+        std::fs::read_to_string(path).unwrap()
+    }
+
+    /// Each cell of `modes` at 2 and 4 workers, twice, faster the later it is listed; a
+    /// parameter server with one shard.
+    fn matrix(modes: &[&str]) -> Vec<Summary> {
+        let mut rows = Vec::new();
+        for r in 0..2 {
+            for (i, m) in modes.iter().enumerate() {
+                for n in [2, 4] {
+                    let thr = 1000.0 * (i + 1) as f64 + r as f64;
+                    rows.push(Summary {
+                        step_ms: Some(64e3 / thr),
+                        comm_exposed_ms: Some(10.0 / (i + 1) as f64),
+                        ..cell_row(m, n, r, thr)
+                    });
+                }
+            }
+        }
+        rows
+    }
+
+    /// The page reads top down: the verdict card, then the table of every mode at every worker
+    /// count, then the charts; and every value it writes is escaped, a mode's name, a run's
+    /// error or a problem in the input alike (the charts' SVG escapes its own labels).
+    #[test]
+    fn the_page_opens_with_the_verdict_and_escapes_what_it_writes() {
+        let mut rows = matrix(&["ps-bsp", "ddp-tcp"]);
+        rows.push(Summary {
+            status: "failed".into(),
+            error: "rank0: <script>alert(1)</script>".into(),
+            ..cell_row("<script>alert(2)</script>", 2, 0, 1.0)
+        });
+        rows.push(cell_row("<script>alert(3)</script>", 2, 0, 1.0));
+        let html = page_of("page-order", rows, None, vec!["x.jsonl:1: <script>alert(4)</script>".into()]);
+        let at = |s: &str| html.find(s).unwrap_or_else(|| panic!("no {s} in the page"));
+        assert!(at("class=\"card\"") < at("class=\"results\""), "the card after the table");
+        assert!(at("class=\"results\"") < at("<figure"), "the table after a chart");
+        let card = &html[at("class=\"card\"")..at("class=\"results\"")];
+        assert!(card.contains("pick ddp-tcp"), "no pick in the card:\n{card}");
+        assert!(!html.contains("<script"), "a value written unescaped");
+        for k in 1..=4 {
+            assert!(html.contains(&format!("&lt;script&gt;alert({k})")), "alert({k}) missing");
+        }
+    }
+
+    /// However many cells are left unranked, why is said once (with the cells listed); where
+    /// most are, the card says first that the machine is too small and names the commands that
+    /// would decide.
+    #[test]
+    fn why_runs_are_unranked_is_said_once_and_a_small_machine_is_named_first() {
+        let mut rows = matrix(&["ddp-shm", "ps-bsp", "ddp-tcp"]);
+        rows.push(cell_row("zero1-tcp", 2, 0, 5000.0));
+        // Saturated cells: ps-bsp at 4 (5 processes) on 4 cores; every 4-worker cell on 3; on
+        // 2, the parameter server at 2 workers too: 4 of the 7 cells.
+        for (cores, crowded) in [(4, 1), (3, 3), (2, 4)] {
+            let m = Machine { cores, ..Machine::default() };
+            let html = page_of("page-unranked", rows.clone(), Some(&m), vec![]);
+            assert_eq!(html.matches(context::SATURATED).count(), 1, "{cores} cores:\n{html}");
+            assert!(html.matches("not ranked: saturated the CPU").count() >= crowded, "{cores} cores");
+            assert_eq!(html.matches("a cell measured once has no spread").count(), 1, "{cores} cores");
+            let small = html.find("Too small to decide");
+            assert_eq!(small.is_some(), cores == 2, "{cores} cores");
+            if let Some(at) = small {
+                let card = &html[at..html.find("class=\"results\"").unwrap()];
+                assert!(card.contains("4 of the 7 cells") && card.contains("at 4 workers: every mode"), "{card}");
+                assert!(card.contains("<pre>gradsync-bench compare scenario.toml --hosts hosts.txt</pre>"), "{card}");
+                assert!(card.contains("at least 5 cores"), "{card}");
+                assert!(at < html.find("<table class=\"stack\"").unwrap(), "the banner after the rows");
+            }
+        }
+    }
+}
