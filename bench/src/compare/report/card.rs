@@ -80,7 +80,12 @@ pub fn card(cx: &Context) -> Card {
     let v = verdict::judge(cx);
     let too_small = too_small(cx);
     // Where the machine was too small, "no pick" is what the banner explains better.
-    let headline = (too_small.is_none() || v.at.is_some()).then(|| Text::from(v.pick.as_str()));
+    // The card's title names the model and the wire: the headline starts at the pick.
+    let pick = match v.pick.strip_prefix(&format!("{}, ", verdict::head(cx))) {
+        Some(rest) => rest.chars().take(1).flat_map(char::to_uppercase).chain(rest.chars().skip(1)).collect(),
+        None => v.pick.clone(),
+    };
+    let headline = (too_small.is_none() || v.at.is_some()).then(|| Text::from(pick.as_str()));
     let mut counts = verdict::counts(cx);
     counts.reverse();
     let rows = if g.rows.is_empty() { Vec::new() } else { counts.iter().map(|&n| row(cx, n)).collect() };
@@ -184,7 +189,8 @@ fn row(cx: &Context, n: usize) -> Row {
     match verdict::standing(cx, n) {
         Standing::Ahead(best, next) => ahead(cx, n, best, next),
         Standing::Level(l) => {
-            let figures: Vec<String> = l.iter().map(|r| format!("{} {}", name(r), figure_range(cx, r))).collect();
+            let figures: Vec<String> =
+                l.iter().map(|r| format!("{} {}", name(r), figure_range(cx, r))).collect();
             Row {
                 workers: workers(n),
                 kind: "level",
@@ -248,7 +254,11 @@ fn ahead(cx: &Context, n: usize, best: &Summary, next: Option<&Summary>) -> Row 
         } else {
             "the only mode measured".into()
         };
-        return pick(figure_range(cx, best), reason, format!("over {} repeats", repeats(cx, &[best])));
+        return pick(
+            format!("alone: {}", figure_range(cx, best)),
+            reason,
+            format!("over {} repeats", repeats(cx, &[best])),
+        );
     };
     let margin = match (cx.g.target, best.time_to_target_s, next.time_to_target_s) {
         (Some(t), Some(b), Some(x)) => format!(

@@ -72,7 +72,6 @@ pub fn byteps_claim(n: usize, rate_gbit: f64, measured: f64) -> String {
     )
 }
 
-
 fn opt(v: Option<f64>, digits: usize) -> String {
     v.map(|x| format!("{x:.digits$}")).unwrap_or_else(|| "-".into())
 }
@@ -114,7 +113,9 @@ pub fn section(runs: &[ClusterRun], all: &[Summary]) -> Option<ClusterView> {
                 r.rate_gbit,
                 r.measured_gbit.map(|g| format!(" ({g:.3} measured)")).unwrap_or_default(),
                 r.delay_us,
-                r.measured_latency_us.map(|us| format!(" ({us:.0} us one way, measured)")).unwrap_or_default(),
+                r.measured_latency_us
+                    .map(|us| format!(" ({us:.0} us one way, measured)"))
+                    .unwrap_or_default(),
                 r.loss_pct,
             );
             Some(Tr {
@@ -188,7 +189,8 @@ fn ps_against_ring(runs: &[ClusterRun], all: &[Summary]) -> Vec<String> {
         }
         let step = |c: &Cell| crate::table::spread(&over(c, &|_, s| s.step_ms)).map(|(_, lo, hi)| (lo, hi));
         let (Some(a), Some(b)) = (step(ps), step(ring)) else { continue };
-        let predicted = |c: &Cell| crate::compare::results::median(&over(c, &|r, s| cluster_prediction(r, s.params)));
+        let predicted =
+            |c: &Cell| crate::compare::results::median(&over(c, &|r, s| cluster_prediction(r, s.params)));
         let model = match (predicted(ps), predicted(ring)) {
             (Some(x), Some(y)) => format!(
                 "; the model (push and pull pipelined) predicts {:.2} x for the gradient exchange alone",
@@ -303,4 +305,3 @@ mod cluster_tests {
         assert!(r[0].contains("level within their spread"), "{r:?}");
     }
 }
-

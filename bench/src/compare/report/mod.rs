@@ -405,7 +405,8 @@ mod tests {
         // The caption, then every cell in brackets.
         let said = |c: &Collected| {
             let t = tables::efficiency(&crate::compare::charts::groups(c)[0]);
-            let cells: String = t.rows.iter().flat_map(|r| &r.cells).map(|c| format!("[{}]", c.text)).collect();
+            let cells: String =
+                t.rows.iter().flat_map(|r| &r.cells).map(|c| format!("[{}]", c.text)).collect();
             format!("{}\n{cells}", t.caption)
         };
         let c = collected(vec![row("ddp-tcp", 0, 1000.0), row("ps-bsp", 0, 800.0)]);
@@ -874,7 +875,7 @@ mod tests {
         assert!(at("class=\"card\"") < at("class=\"results\""), "the card after the table");
         assert!(at("class=\"results\"") < at("<figure"), "the table after a chart");
         let card = &html[at("class=\"card\"")..at("class=\"results\"")];
-        assert!(card.contains("pick ddp-tcp"), "no pick in the card:\n{card}");
+        assert!(card.contains("Pick ddp-tcp"), "no pick in the card:\n{card}");
         assert!(!html.contains("<script"), "a value written unescaped");
         for k in 1..=4 {
             assert!(html.contains(&format!("&lt;script&gt;alert({k})")), "alert({k}) missing");
@@ -900,8 +901,14 @@ mod tests {
             assert_eq!(small.is_some(), cores == 2, "{cores} cores");
             if let Some(at) = small {
                 let card = &html[at..html.find("class=\"results\"").unwrap()];
-                assert!(card.contains("4 of the 7 cells") && card.contains("at 4 workers: every mode"), "{card}");
-                assert!(card.contains("<pre>gradsync-bench compare scenario.toml --hosts hosts.txt</pre>"), "{card}");
+                assert!(
+                    card.contains("4 of the 7 cells") && card.contains("at 4 workers: every mode"),
+                    "{card}"
+                );
+                assert!(
+                    card.contains("<pre>gradsync-bench compare scenario.toml --hosts hosts.txt</pre>"),
+                    "{card}"
+                );
                 assert!(card.contains("at least 5 cores"), "{card}");
                 assert!(at < html.find("<table class=\"stack\"").unwrap(), "the banner after the rows");
             }

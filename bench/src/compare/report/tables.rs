@@ -113,8 +113,10 @@ pub fn results(cx: &Context) -> Results {
     let mut rows: Vec<&Summary> = g.rows.clone();
     let key = |r: &Summary| verdict::figure(cx, r).unwrap_or(f64::INFINITY);
     rows.sort_by(|a, b| a.workers.cmp(&b.workers).then(key(a).total_cmp(&key(b))).then(a.id.cmp(&b.id)));
+    // Only the worker counts the verdict decides at are marked (not one worker's baseline
+    // beside them).
     let standings: Vec<(usize, Standing)> =
-        worker_counts(g).into_iter().map(|n| (n, verdict::standing(cx, n))).collect();
+        verdict::counts(cx).into_iter().map(|n| (n, verdict::standing(cx, n))).collect();
     let standing = |n: usize| standings.iter().find(|s| s.0 == n).map(|s| &s.1);
     let rows = rows
         .into_iter()
@@ -124,17 +126,22 @@ pub fn results(cx: &Context) -> Results {
                 _ if cx.cpu_saturated(r) => (format!("not ranked: {}", cx.saturated()), "unranked"),
                 _ if !cx.repeated(r) => ("not ranked: ran once".to_string(), "unranked"),
                 Some(Standing::Ahead(best, _)) if std::ptr::eq(*best, r) => ("pick".into(), "pick"),
-                Some(Standing::Level(l)) if l.iter().any(|x| std::ptr::eq(*x, r)) => ("level".into(), "level"),
+                Some(Standing::Level(l)) if l.iter().any(|x| std::ptr::eq(*x, r)) => {
+                    ("level".into(), "level")
+                }
+                None if r.workers == 1 => ("baseline".into(), ""),
                 _ => (String::new(), ""),
             };
+            let repeated = c.is_some_and(|c| c.runs.len() > 1);
             let time = match (r.time_to_target_s, c.and_then(|c| c.time_to_target)) {
-                (Some(t), Some((lo, hi))) => format!("{t:.2} s ({lo:.2}-{hi:.2})"),
-                _ => format!("not reached ({}/{})", c.map_or(0, |c| c.reached), c.map_or(0, |c| c.runs.len())),
+                (Some(t), Some((lo, hi))) if repeated => format!("{t:.2} s ({lo:.2}-{hi:.2})"),
+                (Some(t), _) => format!("{t:.2} s"),
+                _ => {
+                    format!("not reached ({}/{})", c.map_or(0, |c| c.reached), c.map_or(0, |c| c.runs.len()))
+                }
             };
             let throughput = match (r.samples_per_s, c.and_then(|c| c.throughput)) {
-                (Some(t), Some((lo, hi))) if c.is_some_and(|c| c.runs.len() > 1) => {
-                    format!("{t:.0} ({lo:.0}-{hi:.0})")
-                }
+                (Some(t), Some((lo, hi))) if repeated => format!("{t:.0} ({lo:.0}-{hi:.0})"),
                 (t, _) => opt(t, 0),
             };
             ResultRow {
@@ -311,7 +318,11 @@ pub fn designs(g: &Group, link: Option<Link>) -> Option<Grid> {
             };
             let mut cells = vec![num(n.to_string())];
             cells.extend(designs.iter().map(|d| num(format!("{:.2}", d.1 * 1e3))));
-            cells.extend([num(format!("{:.2}", cost::zero1_exposed(n, s, l) * 1e3)), num(hier), word(cheapest)]);
+            cells.extend([
+                num(format!("{:.2}", cost::zero1_exposed(n, s, l) * 1e3)),
+                num(hier),
+                word(cheapest),
+            ]);
             row(cells)
         })
         .collect();

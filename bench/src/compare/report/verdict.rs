@@ -114,6 +114,17 @@ pub fn counts(cx: &Context) -> Vec<usize> {
     if many.is_empty() { cx.workers.clone() } else { many }
 }
 
+/// What the first sentence opens with: "For MLP 64-1024-1024-10 on this machine's loopback".
+pub fn head(cx: &Context) -> String {
+    let g = cx.g;
+    // An emulated group's model already names its links.
+    if g.link.is_empty() {
+        format!("For {} on {}", g.model, wire(g, cx.machine))
+    } else {
+        format!("For {}", g.model)
+    }
+}
+
 /// The first sentence: the pick, or why there is none.
 fn pick(cx: &Context) -> (String, Option<usize>) {
     let g = cx.g;
@@ -123,12 +134,7 @@ fn pick(cx: &Context) -> (String, Option<usize>) {
             None,
         );
     }
-    // An emulated group's model already names its links.
-    let head = if g.link.is_empty() {
-        format!("For {} on {}", g.model, wire(g, cx.machine))
-    } else {
-        format!("For {}", g.model)
-    };
+    let head = head(cx);
     let mut why_not = None;
     for n in counts(cx) {
         let at = workers(n);
