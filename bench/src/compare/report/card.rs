@@ -21,8 +21,8 @@ pub struct Card {
     pub title: String,
     /// Said first where most cells saturated the CPU.
     pub too_small: Option<TooSmall>,
-    /// The verdict's pick (left out where the machine was too small and nothing was picked:
-    /// [`Card::too_small`] says why instead).
+    /// The verdict's pick, or why there is none (left out where the machine was too small and
+    /// nothing was picked: [`Card::too_small`] says why instead).
     pub headline: Option<Text>,
     /// One row per worker count that could decide, ascending.
     pub rows: Vec<Row>,
@@ -85,7 +85,10 @@ pub fn card(cx: &Context) -> Card {
         Some(rest) => rest.chars().take(1).flat_map(char::to_uppercase).chain(rest.chars().skip(1)).collect(),
         None => v.pick.clone(),
     };
-    let headline = (too_small.is_none() || v.at.is_some()).then(|| Text::from(pick.as_str()));
+    // Where the machine was too small, only a pick stands beside the banner: "no pick" and "no
+    // single pick" are what the banner explains better (the rows still show modes level).
+    let picked = v.at.is_some_and(|n| matches!(verdict::standing(cx, n), Standing::Ahead(..)));
+    let headline = (too_small.is_none() || picked).then(|| Text::from(pick.as_str()));
     let mut counts = verdict::counts(cx);
     counts.reverse();
     let rows = if g.rows.is_empty() { Vec::new() } else { counts.iter().map(|&n| row(cx, n)).collect() };
@@ -290,6 +293,9 @@ fn ahead(cx: &Context, n: usize, best: &Summary, next: Option<&Summary>) -> Row 
     pick(margin, reason(cx, best, next), sure)
 }
 
+/// A part of a step, ms, where the run measured it.
+type Part = fn(&Summary) -> Option<f64>;
+
 /// The one reason `best` beats `next`: with a target, the fewer samples it needs where
 /// convergence per sample favours it more than throughput does; otherwise the part of the
 /// step it spends least on against the runner-up (or its throughput, where the steps were not
@@ -306,7 +312,7 @@ fn reason(cx: &Context, best: &Summary, next: &Summary) -> String {
         }
     }
     let compute = |r: &Summary| Some(r.forward_ms? + r.backward_ms?);
-    let parts: [(&str, fn(&Summary) -> Option<f64>); 5] = [
+    let parts: [(&str, Part); 5] = [
         ("less compute (forward and backward)", compute),
         ("less exposed communication", |r| r.comm_exposed_ms),
         ("less waiting", |r| r.wait_ms),

@@ -782,7 +782,7 @@ mod tests {
         let text = read(Some(&small));
         assert!(!text.contains("is fastest with 2001"), "{text}");
         assert!(
-            text.contains("At 4 workers nothing is ranked: Not ranked, since they saturated the CPU"),
+            text.contains("At 4 workers nothing is ranked. Not ranked, since they saturated the CPU"),
             "{text}"
         );
         assert!(

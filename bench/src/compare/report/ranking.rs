@@ -75,7 +75,7 @@ pub fn fastest(cx: &Context) -> Vec<String> {
                     crowded.aside(cx, &thr)
                 ));
             } else if !split.crowded.is_empty() {
-                out.push(format!("At {n} worker{s} nothing is ranked:{}", split.aside(cx, &thr)));
+                out.push(format!("At {n} worker{s} nothing is ranked.{}", split.aside(cx, &thr)));
             }
             continue;
         };
@@ -166,7 +166,7 @@ pub fn first_to_target(cx: &Context) -> Vec<String> {
                     100.0 * target
                 )
             } else {
-                format!("At {n} workers nothing is ranked by time to {:.1}%:{crowded}", 100.0 * target)
+                format!("At {n} workers nothing is ranked by time to {:.1}%.{crowded}", 100.0 * target)
             });
             continue;
         }

@@ -101,7 +101,8 @@ pub struct ResultRow {
     pub exposed: String,
     /// Bytes sent and received per step per worker, MB.
     pub bytes: String,
-    /// How the verdict reads it: "pick", "level", "not ranked: ...", or nothing.
+    /// How the verdict reads it: "pick", "level", "behind", "not ranked: ...", "baseline" (one
+    /// worker beside counts above one), or nothing.
     pub note: String,
     /// Its style: `pick`, `level`, `unranked` or empty.
     pub kind: &'static str,
@@ -129,6 +130,7 @@ pub fn results(cx: &Context) -> Results {
                 Some(Standing::Level(l)) if l.iter().any(|x| std::ptr::eq(*x, r)) => {
                     ("level".into(), "level")
                 }
+                Some(Standing::Ahead(..) | Standing::Level(_)) => ("behind".into(), ""),
                 None if r.workers == 1 => ("baseline".into(), ""),
                 _ => (String::new(), ""),
             };
