@@ -914,4 +914,38 @@ mod tests {
             }
         }
     }
+
+    /// A pick's row: how much sooner it reaches the target than the runner-up, the part of the
+    /// step that makes the difference, and that margin against the repeats' spread.
+    #[test]
+    fn the_card_gives_a_picks_margin_reason_and_sureness() {
+        let rows: Vec<Summary> = (0..3)
+            .flat_map(|r| {
+                let r_ = r as f64;
+                let at = |mode: &str, tt: f64, exposed: f64| Summary {
+                    time_to_target_s: Some(tt + 0.1 * r_),
+                    samples_to_target: Some(3000),
+                    comm_exposed_ms: Some(exposed),
+                    wait_ms: Some(0.5),
+                    ..cell_row(mode, 4, r, 1000.0 + r_)
+                };
+                [at("ddp-tcp", 3.0, 1.0), at("ps-bsp", 5.0, 3.0)]
+            })
+            .collect();
+        let c = collected(rows);
+        let g = Group { target: Some(0.97), ..crate::compare::charts::groups(&c).remove(0) };
+        let cx = context::Context::new(&g, None, None, &c.summaries).reasons_said_once();
+        let card = card::card(&cx);
+        assert!(card.too_small.is_none() && card.rows.len() == 1, "{card:?}");
+        let row = &card.rows[0];
+        assert_eq!((row.kind, row.verdict.as_str()), ("pick", "ddp-tcp (TCP sockets)"), "{row:?}");
+        assert_eq!(row.margin, "1.65x sooner to 97.0% than ps-bsp k=1 (3.10 s against 5.10 s)");
+        assert_eq!(row.reason, "less exposed communication: 1.00 ms a step against 3.00 ms");
+        assert_eq!(row.sure, "margin 10.0x the spread over 3 repeats");
+        let headline: String = card.headline.iter().flat_map(|t| &t.spans).map(|s| s.text.as_str()).collect();
+        assert!(
+            headline.starts_with("Pick ddp-tcp (TCP sockets): at 4 workers it reaches 97.0%"),
+            "{headline}"
+        );
+    }
 }
