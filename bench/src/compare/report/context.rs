@@ -13,13 +13,21 @@ use crate::compare::results::{Summary, overlap};
 /// is the communication itself, which a saturated CPU slows.
 pub const REPLAY_BUSY: f64 = 0.8;
 
-/// Why a run saturated the CPU, as the readings say it.
+/// Why a run saturated the CPU, as the readings say it where nothing else on the page does.
 pub const SATURATED: &str =
     "saturated the CPU (more processes than cores; for a replay, cores over 80% busy)";
 
-/// What a reading says instead of a ranking where a cell ran once.
+/// What a reading says instead of a ranking where a cell ran once, where nothing else on the
+/// page says why.
 pub const UNRANKED: &str = "Not ranked: a cell measured once has no spread to set a difference against (run \
      each cell two or more times, `repeats` in the scenario or `--repeats`).";
+
+/// [`SATURATED`] on a page that gives the reason once, beside the list of the runs it leaves
+/// unranked (the verdict card's "not ranked" line).
+const SATURATED_SAID: &str = "saturated the CPU";
+
+/// [`UNRANKED`] on a page that gives the reason once.
+const UNRANKED_SAID: &str = "Not ranked: measured once.";
 
 /// One group's readings' shared input.
 pub struct Context<'c, 'a> {
@@ -34,6 +42,9 @@ pub struct Context<'c, 'a> {
     pub all: &'c [Summary],
     /// The group's worker counts, ascending.
     pub workers: Vec<usize>,
+    /// Whether the page says once, elsewhere, why runs are left unranked, so a reading names
+    /// the cause in a word instead of explaining it again.
+    reasons_said: bool,
 }
 
 impl<'c, 'a> Context<'c, 'a> {
@@ -47,7 +58,26 @@ impl<'c, 'a> Context<'c, 'a> {
         let mut workers: Vec<usize> = g.rows.iter().map(|r| r.workers).collect();
         workers.sort_unstable();
         workers.dedup();
-        Context { g, link, machine, all, workers }
+        Context { g, link, machine, all, workers, reasons_said: false }
+    }
+
+    /// The same context for a page that explains once why runs are left unranked: the
+    /// readings then name the cause ([`Context::saturated`], [`Context::unranked`]) without
+    /// repeating the explanation in every sentence.
+    pub fn reasons_said_once(self) -> Self {
+        Context { reasons_said: true, ..self }
+    }
+
+    /// Why a run is not ranked when it saturated the CPU: [`SATURATED`], or its first words
+    /// where the page gives the reason once.
+    pub fn saturated(&self) -> &'static str {
+        if self.reasons_said { SATURATED_SAID } else { SATURATED }
+    }
+
+    /// What a reading says instead of a ranking where a cell ran once: [`UNRANKED`], or a
+    /// short form where the page gives the reason once.
+    pub fn unranked(&self) -> &'static str {
+        if self.reasons_said { UNRANKED_SAID } else { UNRANKED }
     }
 
     /// The largest worker count, if any run completed.

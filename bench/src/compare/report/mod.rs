@@ -1,48 +1,45 @@
-//! `report.html`: one self-contained page (SVGs inlined, no scripts, no external files) with
-//! the machine, the scenario, a reading of the figures computed from them, every chart and
-//! the tables. Nothing in it depends on when or where it was rendered.
+//! `report.html`: one self-contained page (SVGs inlined, no scripts, no external files), read
+//! top down: a verdict card per group (the pick at each worker count, its margin against the
+//! repeats' spread, its reason, how sure; or, where the machine was too small, that first, with
+//! the commands that would decide), then one table of every mode at every worker count, the
+//! charts, the readings folded under their findings, and the tables that go into detail.
+//! Nothing in it depends on when or where it was rendered.
 //!
-//! Here: the page, its sections and tables. Below it, one way: `verdict` (the three sentences
-//! the page opens with) and `reading` (the list of readings: `ranking`, `links`, `runs`), all
-//! over `context` (what every reading reads from), computed from the figures and refusing to
-//! read failed, diverged or partial runs.
+//! Here: what the page is made of, in order. Below it: `card` (the verdict card, over
+//! `verdict`'s judgement), `reading` (the list of readings: `ranking`, `links`, `regime`,
+//! `sparse`, `runs`), all over `context` (what every reading reads from), computed from the
+//! figures and refusing to read failed, diverged or partial runs; `tables` and `cluster` (the
+//! tables, and the runs on emulated links); `page` (the page as data, rendered through
+//! `templates/report.html`, which escapes every value).
 
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use anyhow::Context;
+use anyhow::Context as _;
 
 use super::charts::{Charts, Group, groups};
-use super::cost::{self, Link};
+use super::cost::Link;
 use super::emulated::ClusterRun;
 use super::machine::Machine;
-use super::results::{Cell, Collected, Summary, overlap};
-use super::scenario::ModeKind;
+use super::results::Collected;
 
+mod card;
+mod cluster;
 mod context;
 mod links;
+mod page;
 mod ranking;
 mod reading;
 mod regime;
 mod runs;
 mod sparse;
+mod tables;
 mod verdict;
 
+pub use cluster::{byteps_claim, cluster_prediction};
 pub use reading::reading;
 pub use runs::straggler_reading;
 
-/// Worker counts at which the cost model is tabulated.
-const EXTRAPOLATE_N: [usize; 6] = [2, 8, 32, 128, 512, 1024];
-/// Link speeds of the extrapolation, Gbit/s.
-const LINKS_GBIT: [f64; 3] = [1.0, 10.0, 100.0];
-
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
-}
-
-fn opt(v: Option<f64>, digits: usize) -> String {
-    v.map(|x| format!("{x:.digits$}")).unwrap_or_else(|| "-".into())
-}
+use page::{Figure, Finding, MachineView, Page, Section, Text};
 
 /// The link the model is fitted to, when the run directory measured one.
 pub fn link_of(m: Option<&Machine>) -> Option<Link> {
@@ -77,603 +74,85 @@ pub fn write(
             target: c.target,
         });
     }
-    let mut h = String::new();
-    h.push_str(
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n<title>gradsync comparison</title>\n<style>\n\
-         body{font-family:'DejaVu Sans',sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}\n\
-         table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px solid #bbb;padding:3px 7px;text-align:right}\n\
-         th{background:#eee}td.l,th.l{text-align:left}.failed{color:#b00}.skipped{color:#888}\n\
-         .diverged{color:#b60;font-style:italic}.interrupted,.stopped,.partial{color:#668}\n\
-         figure{margin:1.5em 0}figure svg{max-width:100%;height:auto}figcaption{font-size:13px;color:#555}\n\
-         code,pre{background:#f5f5f5}pre{padding:.5em;overflow-x:auto;font-size:12px}\n</style></head><body>\n",
-    );
-    h.push_str("<h1>gradsync: local, DP, parameter server and ring all-reduce compared</h1>\n");
-    // The cost model's link per group: the machine's loopback, or the group's emulated link.
-    let links: Vec<Option<Link>> =
-        gs.iter().map(|g| if g.link.is_empty() { link } else { group_link(g, cluster) }).collect();
-    h.push_str("<h2>Verdict</h2>\n");
-    for (g, &link) in gs.iter().zip(&links) {
-        let v = verdict::verdict(&context::Context::new(g, link, machine, &c.summaries));
-        let _ = writeln!(h, "<p>{}</p>", esc(&v.join(" ")));
-    }
-    machine_section(&mut h, machine, !cluster.is_empty());
-    for (g, &link) in gs.iter().zip(&links) {
+    let (mut cards, mut sections) = (Vec::new(), Vec::new());
+    for g in &gs {
+        // The cost model's link: the machine's loopback, or the group's emulated link.
+        let link = if g.link.is_empty() { link } else { cluster::group_link(g, cluster) };
+        // The card says once why runs are left unranked; the readings name the cause.
+        let cx = context::Context::new(g, link, machine, &c.summaries).reasons_said_once();
+        cards.push(card::card(&cx));
         charts.draw_group(g, link)?;
-        if gs.len() > 1 {
-            let _ = writeln!(h, "<h2>{} at global batch {}</h2>", esc(&g.model), g.global_batch);
-        }
-        h.push_str("<h2>Reading</h2>\n<ul>\n");
-        for p in reading(g, link, machine, &c.summaries) {
-            let _ = writeln!(h, "<li>{}</li>", esc(&p));
-        }
-        h.push_str("</ul>\n<h2>Charts</h2>\n");
-        for ch in charts.charts.iter().filter(|ch| ch.name.ends_with(&g.suffix)) {
-            let inline = ch.svg.find("<svg").map_or(ch.svg.as_str(), |i| &ch.svg[i..]);
-            let _ = writeln!(
-                h,
-                "<figure id=\"{name}\">\n{inline}\n<figcaption>{title} (<a href=\"{name}.png\">PNG</a>, \
-                 <a href=\"{name}.svg\">SVG</a>)</figcaption></figure>",
-                name = esc(&ch.name),
-                title = esc(&ch.title)
-            );
-        }
-        convergence_table(&mut h, g);
-        efficiency_table(&mut h, g);
-        extrapolation_table(&mut h, g, link);
-        designs_table(&mut h, g, link);
+        let figures = charts
+            .charts
+            .iter()
+            .filter(|ch| ch.name.ends_with(&g.suffix))
+            .map(|ch| Figure {
+                name: ch.name.clone(),
+                title: ch.title.clone(),
+                svg: ch.svg.find("<svg").map_or(ch.svg.as_str(), |i| &ch.svg[i..]).to_string(),
+            })
+            .collect();
+        let tables = [
+            tables::convergence(g),
+            Some(tables::efficiency(g)),
+            tables::extrapolation(g, link),
+            tables::designs(g, link),
+        ];
+        sections.push(Section {
+            heading: (gs.len() > 1).then(|| format!("{} at global batch {}", g.model, g.global_batch)),
+            results: tables::results(&cx),
+            figures,
+            readings: reading::paragraphs(&cx).iter().map(|p| Finding::of(p)).collect(),
+            tables: tables.into_iter().flatten().collect(),
+        });
     }
-    cluster_section(&mut h, cluster, &c.summaries);
-    summary_table(&mut h, &c.summaries);
-    if !c.warnings.is_empty() {
-        h.push_str("<h2>Problems in the input</h2>\n<ul>\n");
-        for w in &c.warnings {
-            let _ = writeln!(h, "<li><code>{}</code></li>", esc(w));
-        }
-        h.push_str("</ul>\n");
-    }
-    if let Some(s) = scenario {
-        let _ = writeln!(h, "<h2>Scenario</h2>\n<pre>{}</pre>", esc(s));
-    }
-    h.push_str(
-        "<p>Files: <code>summary.csv</code> (one row per run), <code>runs.jsonl</code> (every step and \
-         server update with its run's columns), <code>runs/&lt;id&gt;/</code> (each process's metrics, logs \
-         and traces).</p>\n</body></html>\n",
-    );
+    let page = Page {
+        title: "gradsync: local, DP, parameter server and ring all-reduce compared".into(),
+        cards,
+        sections,
+        machine: machine.map(|m| machine_view(m, !cluster.is_empty())),
+        cluster: cluster::section(cluster, &c.summaries),
+        runs: tables::every_run(&c.summaries),
+        warnings: c.warnings.clone(),
+        scenario: scenario.map(str::to_string),
+    };
     let path = out.join("report.html");
-    std::fs::write(&path, h).with_context(|| format!("writing {}", path.display()))?;
+    let html = page::render(&page).context("rendering report.html")?;
+    std::fs::write(&path, html).with_context(|| format!("writing {}", path.display()))?;
     Ok(path)
 }
 
-/// The emulated link of a group's runs for the cost model: the medians of the runs' measured
-/// bandwidth and latency; `None` where some run measured no latency and no delay was added,
-/// since nothing then gives the latency the model needs.
-fn group_link(g: &Group, cluster: &[ClusterRun]) -> Option<Link> {
-    let runs: Vec<&ClusterRun> =
-        cluster.iter().filter(|r| g.cells.iter().any(|c| c.runs.contains(&r.id))).collect();
-    let latency_known = runs.iter().all(|r| r.measured_latency_us.is_some() || r.delay_us > 0);
-    if runs.is_empty() || !latency_known {
-        return None;
-    }
-    let median = |f: fn(Link) -> f64| {
-        crate::compare::results::median(&runs.iter().map(|r| f(cluster_link(r))).collect::<Vec<_>>())
-    };
-    Some(Link { a: median(|l| l.a)?, b: median(|l| l.b)? })
-}
-
-/// A cluster run's link for the cost model: the latency and bandwidth measured between two of
-/// its hosts (for runs that did not measure them, the two shaped hops' added delay and the
-/// shaped rate).
-fn cluster_link(r: &ClusterRun) -> Link {
-    let a = r.measured_latency_us.map_or(2.0 * r.delay_us as f64, |us| us) * 1e-6;
-    Link { a, b: cost::gbit(r.measured_gbit.unwrap_or(r.rate_gbit)) }
-}
-
-/// The gradient exchange the cost model predicts for a cluster run's link, seconds.
-pub fn cluster_prediction(r: &ClusterRun, params: usize) -> Option<f64> {
-    let s = 4.0 * params as f64;
-    let l = cluster_link(r);
-    if r.mode.is_compressed() {
-        // The model prices f32 gradients only.
-        None
-    } else if r.mode.is_ps() {
-        Some(cost::ps(r.workers, r.shards.max(1), s, l))
-    } else if r.mode == ModeKind::Zero1Tcp {
-        Some(cost::zero1(r.workers, s, l))
-    } else if r.mode.is_ring() {
-        Some(cost::ring(r.workers, s, l))
+/// The machine, and the wire its runs crossed: loopback, the hosts' network, or (`emulated`)
+/// the cluster's links.
+fn machine_view(m: &Machine, emulated: bool) -> MachineView {
+    let same = if emulated {
+        "each process on a host of its own, every link emulated (the emulated cluster's table names each run's \
+         link), the same links for both"
+    } else if !m.hosts.is_empty() {
+        "the same network between the hosts below"
     } else {
-        None
-    }
-}
-
-/// How far a measured PS-to-ring communication ratio may sit from BytePS's prediction for the
-/// claim to count as reproduced.
-const BYTEPS_TOLERANCE: f64 = 0.15;
-
-/// BytePS's claim (OSDI'20) checked against a measurement: with one server shard per worker a
-/// parameter server communicates in n / (2(n-1)) of the ring's time, since each worker's link
-/// carries S each way instead of the ring's 2(n-1)/n S.
-pub fn byteps_claim(n: usize, rate_gbit: f64, measured: f64) -> String {
-    let predicted = n as f64 / (2.0 * (n as f64 - 1.0));
-    let off = measured / predicted - 1.0;
-    format!(
-        "BytePS's claim at {rate_gbit} Gbit/s, {n} workers, {n} shards each on its own host: a parameter server \
-         communicates in n/(2(n-1)) = {predicted:.2} x the ring's time; measured {measured:.2} x ({:+.0}% off). \
-         The claim {} here (tolerance {:.0}%).",
-        100.0 * off,
-        if off.abs() <= BYTEPS_TOLERANCE { "holds" } else { "does not hold" },
-        100.0 * BYTEPS_TOLERANCE
-    )
-}
-
-/// Runs on emulated links: measured step and communication beside the model's prediction, per
-/// link rate, and the PS-to-ring ratio measured and predicted.
-fn cluster_section(h: &mut String, runs: &[ClusterRun], all: &[Summary]) {
-    if runs.is_empty() {
-        return;
-    }
-    h.push_str(
-        "<h2>Emulated cluster</h2>\n<p>Each process on its own host (a network namespace), every host's \
-         link shaped with tc in both directions; the model's latency is half the round trip of a small \
-         message, its bandwidth what one plain TCP stream carried, both between two hosts of the run's \
-         cluster, measured just before the run (where they were not measured, the two hops' added delay \
-         and the shaped rate).</p>\n<table><tr><th>link</th><th class=l>mode</th><th>workers</th>\
-         <th>shards</th><th class=l>status</th><th>step ms</th><th>communication ms</th><th>model ms</th>\
-         <th>model ms, push then pull</th><th>communication / model</th></tr>\n",
-    );
-    for r in runs {
-        let Some(s) = all.iter().find(|s| s.id == r.id) else { continue };
-        let pred = cluster_prediction(r, s.params).map(|t| t * 1e3);
-        // A PS that pulls only after its whole push pays the busiest link twice.
-        let seq = r.mode.is_ps().then(|| {
-            cost::ps_sequential(r.workers, r.shards.max(1), 4.0 * s.params as f64, cluster_link(r)) * 1e3
-        });
-        // The worker's BSP step pulls the next version block by block while it pushes, so a
-        // PS run is held to the pipelined model; push-then-pull stays beside it for reference.
-        let ratio = s.comm_ms.zip(pred).map(|(m, p)| m / p);
-        let _ = writeln!(
-            h,
-            "<tr><td>{} Gbit/s{}, {} us delay{}, {}% loss</td><td class=l>{}</td><td>{}</td><td>{}</td>\
-             <td class=\"l {st}\">{st}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-            r.rate_gbit,
-            r.measured_gbit.map(|g| format!(" ({g:.3} measured)")).unwrap_or_default(),
-            r.delay_us,
-            r.measured_latency_us.map(|us| format!(" ({us:.0} us one way, measured)")).unwrap_or_default(),
-            r.loss_pct,
-            r.mode.label(),
-            r.workers,
-            r.shards,
-            opt(s.step_ms, 1),
-            opt(s.comm_ms, 1),
-            opt(pred, 1),
-            opt(seq, 1),
-            opt(ratio, 2),
-            st = esc(&s.status)
-        );
-    }
-    h.push_str("</table>\n<ul>\n");
-    for line in ps_against_ring(runs, all) {
-        let _ = writeln!(h, "<li>{}</li>", esc(&line));
-    }
-    h.push_str("</ul>\n");
-}
-
-/// The cluster's readings: on each link and at each worker count, every PS-BSP cell against the
-/// ring's (DDP-TCP), each the median over its complete repeats; the step ratio beside the
-/// model's, and BytePS's claim where there is a shard per worker. A cell with fewer than two
-/// complete repeats is listed with its figures, never compared.
-fn ps_against_ring(runs: &[ClusterRun], all: &[Summary]) -> Vec<String> {
-    let mine: Vec<Summary> = all.iter().filter(|s| runs.iter().any(|r| r.id == s.id)).cloned().collect();
-    let cells = Cell::all(&mine);
-    let run_of = |id: &str| runs.iter().find(|r| r.id == id);
-    // `f` of each of a cell's complete repeats (with its cluster record).
-    let over = |c: &Cell, f: &dyn Fn(&ClusterRun, &Summary) -> Option<f64>| -> Vec<f64> {
-        c.runs
-            .iter()
-            .filter_map(|id| Some((run_of(id)?, mine.iter().find(|s| &s.id == id)?)))
-            .filter_map(|(r, s)| f(r, s))
-            .collect()
+        "the same loopback wire"
     };
-    let mut out = Vec::new();
-    for ps in cells.iter().filter(|c| c.median.mode == ModeKind::PsBsp.label()) {
-        let m = &ps.median;
-        let Some(ring) = cells.iter().find(|c| {
-            let r = &c.median;
-            r.mode == ModeKind::DdpTcp.label()
-                && (r.link.as_str(), r.workers, &r.model, r.global_batch, r.slow_ms)
-                    == (m.link.as_str(), m.workers, &m.model, m.global_batch, m.slow_ms)
-        }) else {
-            continue;
-        };
-        let (Some(ps_t), Some(ring_t)) = (m.step_ms, ring.median.step_ms) else { continue };
-        let head = format!("At {} with {} workers", m.link, m.workers);
-        let (p, q) = (ps.runs.len(), ring.runs.len());
-        if p < 2 || q < 2 {
-            out.push(format!(
-                "{head}: a PS-BSP step ({} shard(s)) {ps_t:.1} ms ({p} of {} repeats complete), a ring step \
-                 {ring_t:.1} ms ({q} of {}). Not compared: a cell with fewer than two complete repeats has \
-                 no spread to set a difference against (run `gradsync-bench cluster --repeats 3`).",
-                m.shards, ps.attempts, ring.attempts
-            ));
-            continue;
-        }
-        let step = |c: &Cell| crate::table::spread(&over(c, &|_, s| s.step_ms)).map(|(_, lo, hi)| (lo, hi));
-        let (Some(a), Some(b)) = (step(ps), step(ring)) else { continue };
-        let predicted = |c: &Cell| super::results::median(&over(c, &|r, s| cluster_prediction(r, s.params)));
-        let model = match (predicted(ps), predicted(ring)) {
-            (Some(x), Some(y)) => format!(
-                "; the model (push and pull pipelined) predicts {:.2} x for the gradient exchange alone",
-                x / y
-            ),
-            _ => String::new(),
-        };
-        let level = if overlap(a, b) {
-            "; the repeats' ranges overlap, so the two are level within their spread"
-        } else {
-            ""
-        };
-        out.push(format!(
-            "{head}, a PS-BSP step ({} shard(s)) takes {:.2} x a ring step (medians of {p} and {q} complete \
-             repeats: {:.1}-{:.1} against {:.1}-{:.1} ms){level}{model}.",
-            m.shards,
-            ps_t / ring_t,
-            a.0,
-            a.1,
-            b.0,
-            b.1
-        ));
-        if let (Some(pc), Some(rc)) = (m.comm_ms, ring.median.comm_ms)
-            && m.shards == m.workers
-            && m.workers > 1
-        {
-            let rate = ps.runs.first().and_then(|id| run_of(id)).map_or(0.0, |r| r.rate_gbit);
-            out.push(byteps_claim(m.workers, rate, pc / rc));
-        }
-    }
-    out
-}
-
-/// The machine, and the wire its runs crossed: loopback, or (`emulated`) the cluster's links.
-fn machine_section(h: &mut String, m: Option<&Machine>, emulated: bool) {
-    let Some(m) = m else {
-        h.push_str(
-            "<p>No <code>machine.json</code> in these directories: the machine is not described and \
-                    the cost model has no link figures.</p>\n",
-        );
-        return;
-    };
-    // On hosts or nodes, each kind of machine a row (with its count and names): the machine
-    // the comparison was started from ran none of the processes, and the hosts' cores
-    // together are no one machine's.
-    let what = if m.hosts.is_empty() {
-        format!(
-            "<tr><th class=l>host</th><td class=l>{}</td></tr><tr><th class=l>CPU</th><td class=l>{} ({} logical \
-             cores)</td></tr><tr><th class=l>memory</th><td class=l>{:.1} GiB</td></tr><tr><th class=l>GPU</th>\
-             <td class=l>{}</td></tr><tr><th class=l>kernel</th><td class=l>{}</td></tr>",
-            esc(&m.host),
-            esc(&m.cpu),
-            m.cores,
-            m.memory_bytes as f64 / (1u64 << 30) as f64,
-            if m.gpus.is_empty() { "none".into() } else { esc(&m.gpus.join(", ")) },
-            esc(&m.kernel),
-        )
-    } else {
-        let mut rows = format!("<tr><th class=l>started from</th><td class=l>{}</td></tr>", esc(&m.host));
-        for (f, names) in m.host_kinds() {
-            let _ = write!(
-                rows,
-                "<tr><th class=l>{} x</th><td class=l>{}, {} logical cores, {:.1} GiB, GPU: {} ({})</td></tr>",
-                names.len(),
-                esc(&f.cpu),
-                f.cores,
-                f.memory_bytes as f64 / (1u64 << 30) as f64,
-                if f.gpus.is_empty() { "none".into() } else { esc(&f.gpus.join(", ")) },
-                esc(&names.join(", "))
-            );
-        }
-        rows
-    };
-    let _ = writeln!(
-        h,
-        "<table>{what}<tr><th class=l>gradsync</th><td class=l>{} (commit {})</td></tr>\
-         <tr><th class=l>raw {} TCP</th><td class=l>{}</td></tr></table>\n\
-         <p>Wires: the parameter server speaks gRPC over TCP and <code>ddp-tcp</code> rings over TCP sockets, \
-         {}, so those two compare directly; <code>ddp-shm</code> rings over shared memory \
-         and <code>dp</code> inside one process, neither a network.</p>",
-        esc(&m.gradsync_version),
-        esc(&m.gradsync_commit),
-        match m.link.as_deref() {
-            None => "loopback".to_string(),
-            Some(l) if l.starts_with("loopback") => esc(l),
-            Some(l) => format!("host-to-host ({})", esc(l)),
-        },
-        match (&m.tcp_yardstick, m.tcp_bandwidth > 0.0) {
-            (Some(y), _) => format!(
-                "{} one stream;{} {:.1} us one-way small-message latency",
-                esc(&y.describe()),
-                m.tcp_parallel
-                    .iter()
-                    .map(|p| format!(
-                        " {} {} streams at once together;",
-                        esc(&p.yardstick.describe()),
-                        p.streams
-                    ))
-                    .collect::<String>(),
-                m.tcp_latency_s * 1e6
-            ),
-            (None, true) => format!(
-                "{:.2} GB/s (one measurement) one stream; {:.1} us one-way small-message latency",
-                m.tcp_bandwidth / 1e9,
-                m.tcp_latency_s * 1e6
-            ),
-            (None, false) => "not measured".into(),
-        },
-        if emulated {
-            "each process on a host of its own, every link emulated (the cluster section below names each \
-             run's link), the same links for both"
-        } else if !m.hosts.is_empty() {
-            "the same network between the hosts below"
-        } else {
-            "the same loopback wire"
-        },
-    );
-    hosts_table(h, m);
-}
-
-/// The hosts of `compare --hosts` (the nodes of `--slurm`), each as its check found it; the
-/// machine above is the one the comparison was started from.
-fn hosts_table(h: &mut String, m: &Machine) {
-    if m.hosts.is_empty() {
-        return;
-    }
-    let started = match m.launcher.as_deref() {
-        Some("Slurm") => "as job steps of a Slurm allocation",
-        _ => "over ssh",
-    };
-    let between = if m.link.as_deref().is_some_and(|l| l.starts_with("loopback")) {
-        "on the one host's loopback "
-    } else {
-        "between two of them "
-    };
-    let _ = writeln!(
-        h,
-        "<p>Every server and worker ran on these hosts, started {started}; the link above was measured \
-         {between}with the raw-TCP yardstick, and the cost model is fitted to it.</p>\n\
-         <table><tr><th class=l>host</th><th class=l>address</th><th>slots</th><th class=l>name</th>\
-         <th class=l>CPU</th><th>cores</th><th>memory GiB</th><th class=l>GPU</th><th class=l>kernel</th></tr>",
-    );
-    for f in &m.hosts {
-        let _ = writeln!(
-            h,
-            "<tr><td class=l>{}</td><td class=l>{}</td><td>{}</td><td class=l>{}</td><td class=l>{}</td><td>{}</td>\
-             <td>{:.1}</td><td class=l>{}</td><td class=l>{}</td></tr>",
-            esc(&f.name),
-            esc(&f.addr),
-            f.slots,
-            esc(&f.hostname),
-            esc(&f.cpu),
-            f.cores,
-            f.memory_bytes as f64 / (1u64 << 30) as f64,
-            if f.gpus.is_empty() { "none".into() } else { esc(&f.gpus.join(", ")) },
-            esc(&f.kernel)
-        );
-    }
-    h.push_str("</table>\n");
-}
-
-/// Time-to-accuracy per series and worker count: the median over the complete repeats that
-/// reached the target, their range, and the epochs it took; statistical efficiency beside
-/// throughput.
-fn convergence_table(h: &mut String, g: &Group) {
-    let Some(t) = g.target else { return };
-    let mut ws: Vec<usize> = g.rows.iter().map(|r| r.workers).collect();
-    ws.sort();
-    ws.dedup();
-    let _ = writeln!(
-        h,
-        "<h2>Time to {:.1}% held-out accuracy</h2>\n<p>Training-clock seconds (evaluation left out) until rank 0 \
-         first measured the target: median over the complete repeats (range in brackets), then epochs and \
-         samples/s. \"not reached\" when fewer than half the repeats got there. Time = samples to target / \
-         throughput: the first factor is statistical efficiency, the second system throughput.</p>\n\
-         <table><tr><th class=l>mode</th>{}</tr>",
-        100.0 * t,
-        ws.iter()
-            .map(|w| format!("<th>{w} worker{}</th>", if *w == 1 { "" } else { "s" }))
-            .collect::<String>()
-    );
-    for (name, rows) in g.by_series() {
-        let cells: String = ws
-            .iter()
-            .map(|&w| {
-                let Some(r) = rows.iter().find(|r| r.workers == w) else { return "<td>-</td>".into() };
-                let c = g.cell_of(r);
-                let reps = c.map_or(0, |c| c.runs.len());
-                match (r.time_to_target_s, c.and_then(|c| c.time_to_target)) {
-                    (Some(tt), Some((lo, hi))) => format!(
-                        "<td>{tt:.2} s ({lo:.2}-{hi:.2}); {} ep; {} /s</td>",
-                        opt(r.epochs_to_target, 1),
-                        opt(r.samples_per_s, 0)
-                    ),
-                    _ => format!(
-                        "<td>not reached ({}/{reps}); best {}%</td>",
-                        c.map_or(0, |c| c.reached),
-                        opt(r.best_accuracy.map(|a| 100.0 * a), 1)
-                    ),
-                }
-            })
-            .collect();
-        let _ = writeln!(h, "<tr><td class=l>{}</td>{cells}</tr>", esc(&name));
-    }
-    h.push_str("</table>\n");
-}
-
-fn efficiency_table(h: &mut String, g: &Group) {
-    let mut ws: Vec<usize> = g.rows.iter().map(|r| r.workers).collect();
-    ws.sort();
-    ws.dedup();
-    let base = g.baseline().filter(|b| *b > 0.0);
-    let caption = match base {
-        Some(b) => format!(
-            "Samples/s, and in brackets throughput<sub>n</sub> / (n x {}) with the one-worker baseline at \
-             {b:.0} samples/s.",
-            if g.rows.iter().any(|r| r.mode == "local") { "local" } else { "the fastest one-worker run" }
+    MachineView {
+        rows: tables::machine_rows(m),
+        wires: Text::from(
+            format!(
+                "Wires: the parameter server speaks gRPC over TCP and `ddp-tcp` rings over TCP sockets, {same}, so \
+                 those two compare directly; `ddp-shm` rings over shared memory and `dp` inside one process, \
+                 neither a network."
+            )
+            .as_str(),
         ),
-        None => "Samples/s. No one-worker run completed, so there is no baseline to divide by: add 1 to \
-                 the worker counts (or the local mode) for each mode's scaling efficiency."
-            .into(),
-    };
-    let _ = writeln!(
-        h,
-        "<h2>Scaling efficiency</h2>\n<p>{caption}</p>\n<table><tr><th class=l>mode</th>{}</tr>",
-        ws.iter().map(|w| format!("<th>{w} workers</th>")).collect::<String>()
-    );
-    for (name, rows) in g.by_series() {
-        let cells: String = ws
-            .iter()
-            .map(|&w| match rows.iter().find(|r| r.workers == w).and_then(|r| r.samples_per_s) {
-                Some(t) => match base {
-                    Some(b) => format!("<td>{t:.0} ({:.0}%)</td>", 100.0 * t / (w as f64 * b)),
-                    None => format!("<td>{t:.0}</td>"),
-                },
-                None => "<td>-</td>".into(),
-            })
-            .collect();
-        let _ = writeln!(h, "<tr><td class=l>{}</td>{cells}</tr>", esc(&name));
+        hosts_said: tables::hosts_said(m),
+        hosts: tables::hosts(m),
     }
-    h.push_str("</table>\n");
-}
-
-fn extrapolation_table(h: &mut String, g: &Group, link: Option<Link>) {
-    let Some(l) = link else { return };
-    let s = g.grad_bytes();
-    let _ = writeln!(
-        h,
-        "<h2>Cost model, extrapolated</h2>\n<p>Milliseconds of gradient exchange per step for {:.1} MB of \
-         gradients, a = {:.1} us (measured). Ring: 2(n-1)a + 2(n-1)/n S/B. PS: 2a + max(S/B, nS/(kB)).</p>\n\
-         <table><tr><th>workers</th>{}</tr>",
-        s / 1e6,
-        l.a * 1e6,
-        LINKS_GBIT
-            .iter()
-            .map(|gb| format!("<th>ring {gb:.0} Gbit/s</th><th>PS k=1</th><th>PS k=n</th>"))
-            .collect::<String>()
-    );
-    for n in EXTRAPOLATE_N {
-        let cells: String = LINKS_GBIT
-            .iter()
-            .map(|&gb| {
-                let l = Link { a: l.a, b: cost::gbit(gb) };
-                format!(
-                    "<td>{:.2}</td><td>{:.2}</td><td>{:.2}</td>",
-                    cost::ring(n, s, l) * 1e3,
-                    cost::ps(n, 1, s, l) * 1e3,
-                    cost::ps(n, n, s, l) * 1e3
-                )
-            })
-            .collect();
-        let _ = writeln!(h, "<tr><td>{n}</td>{cells}</tr>");
-    }
-    h.push_str("</table>\n");
-}
-
-/// Ranks per host of the hierarchical column (a typical GPU server's count).
-const RANKS_PER_HOST: usize = 8;
-/// The top-k ratio of the compression columns.
-const TOPK_RATIO: f64 = 0.01;
-
-/// The designs side by side in the cost model, at 10 Gbit/s and the measured latency: which
-/// exchange is cheapest at which worker count, and what compression and a hierarchy change.
-fn designs_table(h: &mut String, g: &Group, link: Option<Link>) {
-    use gradsync_core::compress::Compression;
-    let Some(l) = link else { return };
-    let s = g.grad_bytes();
-    let l = Link { a: l.a, b: cost::gbit(10.0) };
-    let topk = Compression::TopK(TOPK_RATIO);
-    let sparse = topk.wire_bytes((s / 4.0) as usize) as f64;
-    let _ = writeln!(
-        h,
-        "<h2>Where each design wins (cost model)</h2>\n<p>Milliseconds of gradient exchange per step for {:.1} MB of \
-         gradients over 10 Gbit/s links, a = {:.1} us (measured). Top-k keeps {}% of the values as (index, value) \
-         pairs: a PS server sums them as they come, and the workers still pull dense f32 parameters; a ring cannot \
-         add sparse vectors hop by hop, so it all-gathers every rank's pairs. PS rows use one server shard per \
-         worker. The hierarchical column is the leaders' ring across hosts of {RANKS_PER_HOST} ranks (the \
-         shared-memory steps inside a host are left out), beside the flat ring over every rank. \
-         \"Cheapest\" compares exchange time only: the PS columns need as many server shards as \
-         workers, and compression changes what each step learns (top-k took more epochs to reach \
-         the target in gradsync's measurements; a comparison that runs the compressed modes reads \
-         their time to accuracy beside the uncompressed ones).</p>\n\
-         <table><tr><th>workers</th><th>ring</th><th>ring fp16</th><th>ring top-k</th><th>PS</th><th>PS fp16</th>\
-         <th>PS top-k push</th><th>ZeRO-1 exposed</th><th>hierarchical, across hosts</th><th class=l>cheapest</th></tr>",
-        s / 1e6,
-        l.a * 1e6,
-        TOPK_RATIO * 100.0
-    );
-    for n in EXTRAPOLATE_N {
-        let designs = [
-            ("ring", cost::ring(n, s, l)),
-            ("ring fp16", cost::ring_compressed(n, s, Compression::Fp16, l)),
-            ("ring top-k", cost::ring_compressed(n, s, topk, l)),
-            ("PS", cost::ps(n, n, s, l)),
-            ("PS fp16", cost::ps_compressed(n, n, s / 2.0, s / 2.0, l)),
-            ("PS top-k push", cost::ps_compressed(n, n, sparse, s, l)),
-        ];
-        let cheapest = designs.iter().min_by(|a, b| a.1.total_cmp(&b.1)).map_or("", |d| d.0);
-        let hosts = n.div_ceil(RANKS_PER_HOST);
-        let hier = if n > RANKS_PER_HOST {
-            format!("{:.2}", cost::ring(hosts, s, l) * 1e3)
-        } else {
-            "one host".to_string()
-        };
-        let cells: String = designs.iter().map(|d| format!("<td>{:.2}</td>", d.1 * 1e3)).collect();
-        let _ = writeln!(
-            h,
-            "<tr><td>{n}</td>{cells}<td>{:.2}</td><td>{hier}</td><td class=l>{cheapest}</td></tr>",
-            cost::zero1_exposed(n, s, l) * 1e3
-        );
-    }
-    h.push_str("</table>\n");
-}
-
-fn summary_table(h: &mut String, rows: &[Summary]) {
-    h.push_str(
-        "<h2>Every run</h2>\n<table><tr><th class=l>run</th><th class=l>status</th><th>workers</th><th>shards</th>\
-         <th>samples/s</th><th>ms/step</th><th>fwd</th><th>bwd</th><th>comm</th><th>exposed</th><th>wait</th>\
-         <th>update</th><th>MB/step/worker</th><th>final loss</th><th>accuracy</th><th>to target s</th><th class=l>restarts</th>\
-         <th class=l>error</th></tr>\n",
-    );
-    for r in rows {
-        let _ = writeln!(
-            h,
-            "<tr class=\"{st}\"><td class=l>{id}</td><td class=l>{st}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
-             <td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
-             <td>{}</td><td class=l>{}</td><td class=l>{}</td></tr>",
-            r.workers,
-            r.shards,
-            opt(r.samples_per_s, 0),
-            opt(r.step_ms, 2),
-            opt(r.forward_ms, 2),
-            opt(r.backward_ms, 2),
-            opt(r.comm_ms, 2),
-            opt(r.comm_exposed_ms, 2),
-            opt(r.wait_ms, 2),
-            opt(r.update_ms, 2),
-            opt(r.bytes_per_step_worker.map(|b| b / 1e6), 2),
-            opt(r.final_loss, 4),
-            opt(r.final_accuracy.map(|a| 100.0 * a), 1),
-            opt(r.time_to_target_s, 2),
-            esc(&r.restarts.iter().map(runs::restart_text).collect::<Vec<_>>().join("; ")),
-            esc(&r.error),
-            st = esc(&r.status),
-            id = esc(&r.id),
-        );
-    }
-    h.push_str("</table>\n");
 }
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::compare::results::{Cell, Summary};
 
     /// On hosts, the machine table has a row per kind of host with its count and names (not
     /// the machine the comparison started from, nor the hosts' cores summed into one), and a
@@ -696,16 +175,16 @@ mod tests {
             launcher: Some("Slurm".into()),
             ..Machine::default()
         };
-        let mut h = String::new();
-        machine_section(&mut h, Some(&m), false);
-        assert!(
-            h.contains(
-                "<th class=l>2 x</th><td class=l>EPYC 9654, 16 logical cores, 16.0 GiB, GPU: none (n1, n2)"
-            ),
-            "{h}"
-        );
-        assert!(h.contains("<th class=l>1 x</th><td class=l>Xeon 8480, 8 logical cores"), "{h}");
-        assert!(h.contains("started from</th><td class=l>login1"), "{h}");
+        // The machine's rows, a heading and a value each, and what is said of the hosts.
+        let said = |m: &Machine| {
+            let v = machine_view(m, false);
+            let rows: Vec<String> = v.rows.iter().map(|(h, d)| format!("{h} | {d}")).collect();
+            format!("{}\n{}", rows.join("\n"), v.hosts_said.unwrap_or_default())
+        };
+        let h = said(&m);
+        assert!(h.contains("2 x | EPYC 9654, 16 logical cores, 16.0 GiB, GPU: none (n1, n2)"), "{h}");
+        assert!(h.contains("1 x | Xeon 8480, 8 logical cores"), "{h}");
+        assert!(h.contains("started from | login1"), "{h}");
         assert!(!h.contains("Login CPU") && !h.contains("40 logical cores"), "{h}");
         assert!(
             h.contains("raw host-to-host (n1 to n2) TCP") && h.contains("as job steps of a Slurm allocation"),
@@ -716,8 +195,7 @@ mod tests {
             link: Some("loopback (one node: n1)".into()),
             ..m
         };
-        let mut h = String::new();
-        machine_section(&mut h, Some(&one), false);
+        let h = said(&one);
         assert!(
             h.contains("raw loopback (one node: n1) TCP") && h.contains("on the one host's loopback"),
             "{h}"
@@ -924,15 +402,19 @@ mod tests {
     /// describing bracketed ratios against a baseline of "-".
     #[test]
     fn the_efficiency_table_names_a_missing_baseline() {
+        // The caption, then every cell in brackets.
+        let said = |c: &Collected| {
+            let t = tables::efficiency(&crate::compare::charts::groups(c)[0]);
+            let cells: String =
+                t.rows.iter().flat_map(|r| &r.cells).map(|c| format!("[{}]", c.text)).collect();
+            format!("{}\n{cells}", t.caption)
+        };
         let c = collected(vec![row("ddp-tcp", 0, 1000.0), row("ps-bsp", 0, 800.0)]);
-        let mut h = String::new();
-        efficiency_table(&mut h, &crate::compare::charts::groups(&c)[0]);
+        let h = said(&c);
         assert!(h.contains("No one-worker run completed") && !h.contains("baseline at -"), "{h}");
-        assert!(h.contains("<td>1000</td>"), "{h}");
+        assert!(h.contains("[1000]"), "{h}");
         let one = Summary { workers: 1, ..row("local", 0, 300.0) };
-        let c = collected(vec![row("ddp-tcp", 0, 1000.0), one]);
-        let mut h = String::new();
-        efficiency_table(&mut h, &crate::compare::charts::groups(&c)[0]);
+        let h = said(&collected(vec![row("ddp-tcp", 0, 1000.0), one]));
         assert!(h.contains("baseline at 300 samples/s") && h.contains("1000 (83%)"), "{h}");
     }
 
@@ -1300,7 +782,7 @@ mod tests {
         let text = read(Some(&small));
         assert!(!text.contains("is fastest with 2001"), "{text}");
         assert!(
-            text.contains("At 4 workers nothing is ranked: Not ranked, since they saturated the CPU"),
+            text.contains("At 4 workers nothing is ranked. Not ranked, since they saturated the CPU"),
             "{text}"
         );
         assert!(
@@ -1348,86 +830,122 @@ mod tests {
             "{v:?}"
         );
     }
-}
 
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod cluster_tests {
-    use super::*;
-
-    /// A run on a 10 Gbit/s link: its cluster record and its summary.
-    fn run(mode: ModeKind, repeat: usize, status: &str, step_ms: f64) -> (ClusterRun, Summary) {
-        let id = format!("runs/{}-r{repeat}", mode.label());
-        let shards = usize::from(mode.is_ps());
-        let c = ClusterRun {
-            id: id.clone(),
-            mode,
-            workers: 2,
-            shards,
-            hosts: 2 + shards,
-            rate_gbit: 10.0,
-            measured_gbit: Some(9.0),
-            measured_latency_us: Some(30.0),
-            delay_us: 0,
-            loss_pct: 0.0,
-        };
-        let s = Summary {
-            id,
-            mode: mode.label().into(),
-            workers: 2,
-            shards,
-            model: "mnist".into(),
-            global_batch: 128,
-            link: c.label(),
-            params: 1_000_000,
-            step_ms: Some(step_ms),
-            comm_ms: Some(step_ms / 2.0),
-            status: status.into(),
-            repeat,
-            ..Summary::default()
-        };
-        (c, s)
+    /// The page `write` makes of `rows` on `machine`, with `warnings` as problems in the input.
+    fn page_of(name: &str, rows: Vec<Summary>, machine: Option<&Machine>, warnings: Vec<String>) -> String {
+        let c = Collected { warnings, ..collected(rows) };
+        let dir = gradsync_testkit::Scratch::new(name);
+        let path = write(&c, machine, Some("name = \"test\""), &[], &dir).unwrap();
+        std::fs::read_to_string(path).unwrap()
     }
 
-    fn reading(runs: &[(ClusterRun, Summary)]) -> Vec<String> {
-        let (c, s): (Vec<ClusterRun>, Vec<Summary>) = runs.iter().cloned().unzip();
-        ps_against_ring(&c, &s)
+    /// Each cell of `modes` at 2 and 4 workers, twice, faster the later it is listed; a
+    /// parameter server with one shard.
+    fn matrix(modes: &[&str]) -> Vec<Summary> {
+        let mut rows = Vec::new();
+        for r in 0..2 {
+            for (i, m) in modes.iter().enumerate() {
+                for n in [2, 4] {
+                    let thr = 1000.0 * (i + 1) as f64 + r as f64;
+                    rows.push(Summary {
+                        step_ms: Some(64e3 / thr),
+                        comm_exposed_ms: Some(10.0 / (i + 1) as f64),
+                        ..cell_row(m, n, r, thr)
+                    });
+                }
+            }
+        }
+        rows
     }
 
-    /// The PS-to-ring ratio is the medians' over complete repeats (not the first run of each),
-    /// with the ranges beside it; a failed repeat counts for neither.
+    /// The page reads top down: the verdict card, then the table of every mode at every worker
+    /// count, then the charts; and every value it writes is escaped, a mode's name, a run's
+    /// error or a problem in the input alike (the charts' SVG escapes its own labels).
     #[test]
-    fn the_ps_to_ring_ratio_is_taken_over_complete_repeats() {
-        let runs = [
-            run(ModeKind::PsBsp, 0, "ok", 20.0),
-            run(ModeKind::PsBsp, 1, "ok", 22.0),
-            run(ModeKind::PsBsp, 2, "failed", 90.0),
-            run(ModeKind::DdpTcp, 0, "ok", 10.0),
-            run(ModeKind::DdpTcp, 1, "ok", 14.0),
-        ];
-        let r = reading(&runs);
-        assert_eq!(r.len(), 1, "{r:?}");
+    fn the_page_opens_with_the_verdict_and_escapes_what_it_writes() {
+        let mut rows = matrix(&["ps-bsp", "ddp-tcp"]);
+        rows.push(Summary {
+            status: "failed".into(),
+            error: "rank0: <script>alert(1)</script>".into(),
+            ..cell_row("<script>alert(2)</script>", 2, 0, 1.0)
+        });
+        rows.push(cell_row("<script>alert(3)</script>", 2, 0, 1.0));
+        let html = page_of("page-order", rows, None, vec!["x.jsonl:1: <script>alert(4)</script>".into()]);
+        let at = |s: &str| html.find(s).unwrap_or_else(|| panic!("no {s} in the page"));
+        assert!(at("class=\"card\"") < at("class=\"results\""), "the card after the table");
+        assert!(at("class=\"results\"") < at("<figure"), "the table after a chart");
+        let card = &html[at("class=\"card\"")..at("class=\"results\"")];
+        assert!(card.contains("Pick ddp-tcp"), "no pick in the card:\n{card}");
+        assert!(!html.contains("<script"), "a value written unescaped");
+        for k in 1..=4 {
+            assert!(html.contains(&format!("&lt;script&gt;alert({k})")), "alert({k}) missing");
+        }
+    }
+
+    /// However many cells are left unranked, why is said once (with the cells listed); where
+    /// most are, the card says first that the machine is too small and names the commands that
+    /// would decide.
+    #[test]
+    fn why_runs_are_unranked_is_said_once_and_a_small_machine_is_named_first() {
+        let mut rows = matrix(&["ddp-shm", "ps-bsp", "ddp-tcp"]);
+        rows.push(cell_row("zero1-tcp", 2, 0, 5000.0));
+        // Saturated cells: ps-bsp at 4 (5 processes) on 4 cores; every 4-worker cell on 3; on
+        // 2, the parameter server at 2 workers too: 4 of the 7 cells.
+        for (cores, crowded) in [(4, 1), (3, 3), (2, 4)] {
+            let m = Machine { cores, ..Machine::default() };
+            let html = page_of("page-unranked", rows.clone(), Some(&m), vec![]);
+            assert_eq!(html.matches(context::SATURATED).count(), 1, "{cores} cores:\n{html}");
+            assert!(html.matches("not ranked: saturated the CPU").count() >= crowded, "{cores} cores");
+            assert_eq!(html.matches("a cell measured once has no spread").count(), 1, "{cores} cores");
+            let small = html.find("Too small to decide");
+            assert_eq!(small.is_some(), cores == 2, "{cores} cores");
+            if let Some(at) = small {
+                let card = &html[at..html.find("class=\"results\"").unwrap()];
+                assert!(
+                    card.contains("4 of the 7 cells") && card.contains("at 4 workers: every mode"),
+                    "{card}"
+                );
+                assert!(
+                    card.contains("<pre>gradsync-bench compare scenario.toml --hosts hosts.txt</pre>"),
+                    "{card}"
+                );
+                assert!(card.contains("at least 5 cores"), "{card}");
+                assert!(at < html.find("<table class=\"stack\"").unwrap(), "the banner after the rows");
+            }
+        }
+    }
+
+    /// A pick's row: how much sooner it reaches the target than the runner-up, the part of the
+    /// step that makes the difference, and that margin against the repeats' spread.
+    #[test]
+    fn the_card_gives_a_picks_margin_reason_and_sureness() {
+        let rows: Vec<Summary> = (0..3)
+            .flat_map(|r| {
+                let r_ = r as f64;
+                let at = |mode: &str, tt: f64, exposed: f64| Summary {
+                    time_to_target_s: Some(tt + 0.1 * r_),
+                    samples_to_target: Some(3000),
+                    comm_exposed_ms: Some(exposed),
+                    wait_ms: Some(0.5),
+                    ..cell_row(mode, 4, r, 1000.0 + r_)
+                };
+                [at("ddp-tcp", 3.0, 1.0), at("ps-bsp", 5.0, 3.0)]
+            })
+            .collect();
+        let c = collected(rows);
+        let g = Group { target: Some(0.97), ..crate::compare::charts::groups(&c).remove(0) };
+        let cx = context::Context::new(&g, None, None, &c.summaries).reasons_said_once();
+        let card = card::card(&cx);
+        assert!(card.too_small.is_none() && card.rows.len() == 1, "{card:?}");
+        let row = &card.rows[0];
+        assert_eq!((row.kind, row.verdict.as_str()), ("pick", "ddp-tcp (TCP sockets)"), "{row:?}");
+        assert_eq!(row.margin, "1.65x sooner to 97.0% than ps-bsp k=1 (3.10 s against 5.10 s)");
+        assert_eq!(row.reason, "less exposed communication: 1.00 ms a step against 3.00 ms");
+        assert_eq!(row.sure, "margin 10.0x the spread over 3 repeats");
+        let headline: String = card.headline.iter().flat_map(|t| &t.spans).map(|s| s.text.as_str()).collect();
         assert!(
-            r[0].contains("takes 1.75 x a ring step (medians of 2 and 2 complete repeats: 20.0-22.0 against 10.0-14.0 ms)"),
-            "{r:?}"
+            headline.starts_with("Pick ddp-tcp (TCP sockets): at 4 workers it reaches 97.0%"),
+            "{headline}"
         );
-        assert!(!r[0].contains("level"), "{r:?}");
-    }
-
-    /// With one complete repeat a cell is listed with its figures and not compared; ranges that
-    /// overlap are called level.
-    #[test]
-    fn cells_run_once_are_not_compared_and_overlaps_are_level() {
-        let once = [run(ModeKind::PsBsp, 0, "ok", 20.0), run(ModeKind::DdpTcp, 0, "ok", 10.0)];
-        let r = reading(&once);
-        assert!(r[0].contains("Not compared") && !r[0].contains(" x a ring step"), "{r:?}");
-        let close = [
-            run(ModeKind::PsBsp, 0, "ok", 11.0),
-            run(ModeKind::PsBsp, 1, "ok", 13.0),
-            run(ModeKind::DdpTcp, 0, "ok", 10.0),
-            run(ModeKind::DdpTcp, 1, "ok", 12.0),
-        ];
-        let r = reading(&close);
-        assert!(r[0].contains("level within their spread"), "{r:?}");
     }
 }

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use super::context::{Context, SATURATED, UNRANKED};
+use super::context::Context;
 use crate::compare::charts::Group;
 use crate::compare::cost;
 use crate::compare::results::{Summary, overlap};
@@ -40,7 +40,7 @@ fn split_at<'a>(
 impl Split<'_> {
     /// What is listed beside a ranking and not ranked, each with its `figure` (which says its
     /// own unit and spread): the cells that ran once, and those that saturated the CPU.
-    fn aside(&self, figure: &dyn Fn(&Summary) -> String) -> String {
+    fn aside(&self, cx: &Context, figure: &dyn Fn(&Summary) -> String) -> String {
         let list = |rs: &[&Summary]| {
             rs.iter().map(|r| format!("{} {}", Group::series(r), figure(r))).collect::<Vec<_>>().join("; ")
         };
@@ -49,7 +49,7 @@ impl Split<'_> {
             let _ = write!(out, " Ran once, not ranked: {}.", list(&self.once));
         }
         if !self.crowded.is_empty() {
-            let _ = write!(out, " Not ranked, since they {SATURATED}: {}.", list(&self.crowded));
+            let _ = write!(out, " Not ranked, since they {}: {}.", cx.saturated(), list(&self.crowded));
         }
         out
     }
@@ -69,16 +69,17 @@ pub fn fastest(cx: &Context) -> Vec<String> {
             if !all.is_empty() {
                 let crowded = Split { once: Vec::new(), ..split };
                 out.push(format!(
-                    "At {n} worker{s}, in samples/s: {}. {UNRANKED}{}",
+                    "At {n} worker{s}, in samples/s: {}. {}{}",
                     cx.listed(&all),
-                    crowded.aside(&thr)
+                    cx.unranked(),
+                    crowded.aside(cx, &thr)
                 ));
             } else if !split.crowded.is_empty() {
-                out.push(format!("At {n} worker{s} nothing is ranked:{}", split.aside(&thr)));
+                out.push(format!("At {n} worker{s} nothing is ranked.{}", split.aside(cx, &thr)));
             }
             continue;
         };
-        let aside = split.aside(&thr);
+        let aside = split.aside(cx, &thr);
         if at.len() == 1 {
             // One mode left to read: nothing to rank it against.
             let how = if split.crowded.is_empty() { "ran" } else { "is read" };
@@ -117,7 +118,7 @@ pub fn fastest(cx: &Context) -> Vec<String> {
 }
 
 /// Why the first to the target beats the runner-up: throughput against samples needed.
-fn factors(best: &Summary, next: &Summary) -> (f64, f64, &'static str) {
+pub fn factors(best: &Summary, next: &Summary) -> (f64, f64, &'static str) {
     // Within 2% a factor is a tie, not a reason.
     let tie = |x: f64| (x - 1.0).abs() < 0.02;
     let speed = Context::thr(best) / Context::thr(next).max(1e-9);
@@ -151,7 +152,7 @@ pub fn first_to_target(cx: &Context) -> Vec<String> {
         );
         let (at, once) = (&split.ranked, &split.once);
         let crowded = Split { once: Vec::new(), ranked: Vec::new(), crowded: split.crowded.clone() }
-            .aside(&|r| format!("{:.2} s", tt(r)));
+            .aside(cx, &|r| format!("{:.2} s", tt(r)));
         let missed: Vec<String> =
             cx.g.rows
                 .iter()
@@ -165,16 +166,17 @@ pub fn first_to_target(cx: &Context) -> Vec<String> {
                     100.0 * target
                 )
             } else {
-                format!("At {n} workers nothing is ranked by time to {:.1}%:{crowded}", 100.0 * target)
+                format!("At {n} workers nothing is ranked by time to {:.1}%.{crowded}", 100.0 * target)
             });
             continue;
         }
         let Some(best) = at.first().filter(|_| at.len() > 1 || once.is_empty()) else {
             let all: Vec<&Summary> = at.iter().chain(once).copied().collect();
             let mut line = format!(
-                "At {n} workers, time to {:.1}% held-out accuracy: {}. {UNRANKED}{crowded}",
+                "At {n} workers, time to {:.1}% held-out accuracy: {}. {}{crowded}",
                 100.0 * target,
-                times(&all)
+                times(&all),
+                cx.unranked()
             );
             if !missed.is_empty() {
                 let _ = write!(line, " Not reached: {}.", missed.join(", "));
@@ -237,7 +239,7 @@ pub fn scaling(cx: &Context) -> Vec<String> {
     let left_out = if crowded.is_empty() {
         String::new()
     } else {
-        format!(" Left out, since they {SATURATED}: {}.", crowded.join(", "))
+        format!(" Left out, since they {}: {}.", cx.saturated(), crowded.join(", "))
     };
     let (Some(hi), Some(lo)) =
         (effs.iter().max_by(|a, b| a.1.total_cmp(&b.1)), effs.iter().min_by(|a, b| a.1.total_cmp(&b.1)))
@@ -304,13 +306,13 @@ pub fn ring_against_ps(cx: &Context) -> Vec<String> {
     let once = g.rows.iter().any(|r| involved(r) && !cx.repeated(r));
     let both: Vec<(usize, f64, f64, String)> = both.iter().filter(|b| !crowded(b.0)).cloned().collect();
     let ahead = both.iter().position(|b| b.1 > b.2).filter(|&i| both[i..].iter().all(|b| b.1 > b.2));
+    // The finding first, then the figures it is read from.
     vec![format!(
-        "Ring all-reduce over TCP sockets (ddp-tcp) against the best synchronous parameter server (gRPC over \
-         TCP, the same wire), by median throughput: {}. {}",
-        parts.join("; "),
+        "{} Ring all-reduce over TCP sockets (ddp-tcp) against the best synchronous parameter server (gRPC \
+         over TCP, the same wire), by median throughput: {}.",
         match ahead {
-            _ if both.is_empty() => format!("Not ranked: at every worker count a cell {SATURATED}."),
-            _ if once => UNRANKED.to_string(),
+            _ if both.is_empty() => format!("Not ranked: at every worker count a cell {}.", cx.saturated()),
+            _ if once => cx.unranked().to_string(),
             Some(0) => format!(
                 "The ring is ahead at every worker count {}, from {} on.",
                 if both.len() < parts.len() { "read" } else { "measured" },
@@ -322,7 +324,8 @@ pub fn ring_against_ps(cx: &Context) -> Vec<String> {
                 if both.len() < parts.len() { "read" } else { "measured" }
             ),
             None => "Neither stays ahead over the whole range.".into(),
-        }
+        },
+        parts.join("; "),
     )]
 }
 
@@ -338,7 +341,7 @@ pub fn zero1_against_ddp(cx: &Context) -> Vec<String> {
         let find = |m: &str| g.rows.iter().copied().find(|r| r.workers == n && r.mode == m && r.slow_ms == 0);
         let (Some(z), Some(d)) = (find("zero1-tcp"), find("ddp-tcp")) else { continue };
         let (Some(zt), Some(dt)) = (z.step_ms, d.step_ms) else { continue };
-        let crowded = format!("not ranked (a run {SATURATED})");
+        let crowded = format!("not ranked (a run {})", cx.saturated());
         let verdict = match () {
             _ if cx.cpu_saturated(z) || cx.cpu_saturated(d) => crowded.as_str(),
             _ if !cx.repeated(z) || !cx.repeated(d) => "not ranked (one run: no spread to compare)",

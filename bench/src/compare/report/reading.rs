@@ -46,6 +46,10 @@ pub const READINGS: &[Reading] = &[
 
 /// What the figures of group `g` say, sentence by sentence: every reading of [`READINGS`].
 pub fn reading(g: &Group, link: Option<Link>, m: Option<&Machine>, all: &[Summary]) -> Vec<String> {
-    let cx = Context::new(g, link, m, all);
-    READINGS.iter().flat_map(|r| r(&cx)).collect()
+    paragraphs(&Context::new(g, link, m, all))
+}
+
+/// Every reading of [`READINGS`] over `cx`, a paragraph each.
+pub fn paragraphs(cx: &Context) -> Vec<String> {
+    READINGS.iter().flat_map(|r| r(cx)).collect()
 }

@@ -68,7 +68,7 @@ pub fn compute_against_communication(cx: &Context) -> Vec<String> {
     let left_out = if crowded.is_empty() {
         String::new()
     } else {
-        format!(" ({} left out: they {})", crowded.join(", "), super::context::SATURATED)
+        format!(" ({} left out: they {})", crowded.join(", "), cx.saturated())
     };
     vec![format!(
         "Compute against communication per step at {n} workers ({:.1} MB of gradients in {}): {}{left_out}.",

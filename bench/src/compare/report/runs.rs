@@ -182,7 +182,7 @@ pub fn contention(cx: &Context) -> Vec<String> {
 
 /// The straggler sweep ([`straggler_reading`]).
 pub fn straggler(cx: &Context) -> Vec<String> {
-    straggler_reading(cx.g)
+    sweep(cx.g, cx.unranked())
 }
 
 /// The runs whose workers were restarted after failures (`max_restarts`): per run, each
@@ -295,6 +295,11 @@ pub fn skipped(cx: &Context) -> Vec<String> {
 /// synchronisation predicts (synchronous modes pay all of it; ASP at most W/(W-1) of the
 /// undelayed step; SSP all of it once the fast ranks reach the staleness bound).
 pub fn straggler_reading(g: &Group) -> Vec<String> {
+    sweep(g, UNRANKED)
+}
+
+/// [`straggler_reading`], saying `unranked` where the modes ran once.
+fn sweep(g: &Group, unranked: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut paid: Vec<(String, f64)> = Vec::new();
     let mut once = Vec::new();
@@ -331,7 +336,7 @@ pub fn straggler_reading(g: &Group) -> Vec<String> {
         paid.push((name, share));
     }
     if paid.len() > 1 && !once.is_empty() {
-        out.push(format!("Which mode absorbs the straggler best: {UNRANKED} Ran once: {}.", once.join(", ")));
+        out.push(format!("Which mode absorbs the straggler best: {unranked} Ran once: {}.", once.join(", ")));
     } else if paid.len() > 1 {
         paid.sort_by(|a, b| a.1.total_cmp(&b.1));
         let waits: Vec<&str> = paid.iter().filter(|p| p.1 >= 0.8).map(|p| p.0.as_str()).collect();

@@ -6,7 +6,7 @@
 
 use std::fmt::Write as _;
 
-use super::context::{Context, SATURATED, UNRANKED};
+use super::context::Context;
 use crate::compare::charts::Group;
 use crate::compare::cost::{self, Link, Sparse};
 use crate::compare::results::{Summary, overlap};
@@ -132,11 +132,11 @@ fn in_time(cx: &Context, n: usize, d: &Summary, ps: &[&Summary], t: (usize, usiz
         let crowded: Vec<String> =
             [d, *r].iter().filter(|x| cx.cpu_saturated(x)).map(|x| Group::series(x)).collect();
         if !crowded.is_empty() {
-            let _ = write!(line, ": not ranked, {} {SATURATED}", crowded.join(" and "));
+            let _ = write!(line, ": not ranked, {} {}", crowded.join(" and "), cx.saturated());
             continue;
         }
         if !(cx.repeated(d) && cx.repeated(r)) {
-            let _ = write!(line, ": {UNRANKED}");
+            let _ = write!(line, ": {}", cx.unranked());
             continue;
         }
         let tt = |x: &Summary| cx.g.cell_of(x).and_then(|c| c.time_to_target);

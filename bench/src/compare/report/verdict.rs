@@ -15,7 +15,7 @@ use crate::compare::results::{Summary, overlap};
 
 /// How the modes stand at one worker count.
 #[derive(Debug)]
-enum Standing<'a> {
+pub enum Standing<'a> {
     /// One mode's range clears every other's: the mode, and the runner-up if any.
     Ahead(&'a Summary, Option<&'a Summary>),
     /// The leaders' ranges overlap.
@@ -30,7 +30,7 @@ enum Standing<'a> {
 
 /// What a standing is judged by: time to the target where the group has one (lower is
 /// better), else throughput.
-fn figure(cx: &Context, r: &Summary) -> Option<f64> {
+pub fn figure(cx: &Context, r: &Summary) -> Option<f64> {
     match cx.g.target {
         Some(_) => r.time_to_target_s,
         None => r.samples_per_s.map(|t| -t),
@@ -38,7 +38,7 @@ fn figure(cx: &Context, r: &Summary) -> Option<f64> {
 }
 
 /// The range of [`figure`] over a row's repeats (same sign).
-fn range(cx: &Context, r: &Summary) -> Option<(f64, f64)> {
+pub fn range(cx: &Context, r: &Summary) -> Option<(f64, f64)> {
     let c = cx.g.cell_of(r)?;
     match cx.g.target {
         Some(_) => c.time_to_target,
@@ -47,7 +47,7 @@ fn range(cx: &Context, r: &Summary) -> Option<(f64, f64)> {
 }
 
 /// How the modes stand at `n` workers.
-fn standing<'a>(cx: &Context<'_, 'a>, n: usize) -> Standing<'a> {
+pub fn standing<'a>(cx: &Context<'_, 'a>, n: usize) -> Standing<'a> {
     let at: Vec<&Summary> = cx.g.rows.iter().copied().filter(|r| r.workers == n).collect();
     if at.is_empty() {
         return Standing::Nothing;
@@ -97,7 +97,7 @@ fn quoted(cx: &Context, r: &Summary) -> String {
 
 /// The wire the group's runs crossed: emulated links, the network between the hosts of
 /// `compare --hosts`, or this machine's loopback.
-fn wire(g: &Group, m: Option<&Machine>) -> String {
+pub fn wire(g: &Group, m: Option<&Machine>) -> String {
     match m.and_then(|m| m.link.as_deref().filter(|_| !m.hosts.is_empty())) {
         _ if !g.link.is_empty() => format!("emulated links of {}", g.link),
         Some(l) => match m.map_or(&[][..], |m| &m.hosts[..]) {
@@ -109,9 +109,20 @@ fn wire(g: &Group, m: Option<&Machine>) -> String {
 }
 
 /// The worker counts to decide at: above one where any, the most first.
-fn counts(cx: &Context) -> Vec<usize> {
+pub fn counts(cx: &Context) -> Vec<usize> {
     let many: Vec<usize> = cx.workers.iter().copied().filter(|&n| n > 1).rev().collect();
     if many.is_empty() { cx.workers.clone() } else { many }
+}
+
+/// What the first sentence opens with: "For MLP 64-1024-1024-10 on this machine's loopback".
+pub fn head(cx: &Context) -> String {
+    let g = cx.g;
+    // An emulated group's model already names its links.
+    if g.link.is_empty() {
+        format!("For {} on {}", g.model, wire(g, cx.machine))
+    } else {
+        format!("For {}", g.model)
+    }
 }
 
 /// The first sentence: the pick, or why there is none.
@@ -123,12 +134,7 @@ fn pick(cx: &Context) -> (String, Option<usize>) {
             None,
         );
     }
-    // An emulated group's model already names its links.
-    let head = if g.link.is_empty() {
-        format!("For {} on {}", g.model, wire(g, cx.machine))
-    } else {
-        format!("For {}", g.model)
-    };
+    let head = head(cx);
     let mut why_not = None;
     for n in counts(cx) {
         let at = workers(n);
@@ -147,7 +153,7 @@ fn pick(cx: &Context) -> (String, Option<usize>) {
                     format!(
                         "; {} {}, so it is the only mode left there",
                         crowded.join(" and "),
-                        super::context::SATURATED
+                        cx.saturated()
                     )
                 };
                 let vs = next.map_or(alone, |x| {
@@ -185,7 +191,7 @@ fn pick(cx: &Context) -> (String, Option<usize>) {
             Standing::Saturated => {
                 why_not.get_or_insert(format!(
                     "at {at} the runs {}, so the figures measure the CPU, not the design",
-                    super::context::SATURATED
+                    cx.saturated()
                 ));
             }
             Standing::Nothing => {}
@@ -278,7 +284,7 @@ fn sureness(cx: &Context, at: Option<usize>) -> Option<String> {
         left.push(format!("{unfinished} run(s) that failed, diverged or stopped early"));
     }
     if saturated > 0 {
-        left.push(format!("{saturated} run(s) that {}", super::context::SATURATED));
+        left.push(format!("{saturated} run(s) that {}", cx.saturated()));
     }
     let at = workers(n);
     let repeats = if lo == hi { format!("{lo}") } else { format!("{lo} to {hi}") };
@@ -289,11 +295,33 @@ fn sureness(cx: &Context, at: Option<usize>) -> Option<String> {
     ))
 }
 
-/// The verdict: at most three sentences.
+/// The verdict's three sentences, each apart, for the page to set where it reads best.
+#[derive(Debug)]
+pub struct Verdict {
+    /// The pick, or why there is none.
+    pub pick: String,
+    /// The worker count the verdict was reached at (a pick, or modes called level); none when
+    /// no worker count could decide.
+    pub at: Option<usize>,
+    /// Where the answer changes with the worker count and the link, if anywhere.
+    pub changes: Option<String>,
+    /// How sure the pick is.
+    pub sureness: Option<String>,
+}
+
+/// The verdict of a group, sentence by sentence.
+pub fn judge(cx: &Context) -> Verdict {
+    let (pick, at) = pick(cx);
+    Verdict { pick, at, changes: changes(cx), sureness: sureness(cx, at) }
+}
+
+/// The verdict: at most three sentences, one after the other (the page sets them apart:
+/// [`judge`]).
+#[cfg(test)]
 pub fn verdict(cx: &Context) -> Vec<String> {
-    let (first, at) = pick(cx);
-    let mut out = vec![first];
-    out.extend(changes(cx));
-    out.extend(sureness(cx, at));
+    let v = judge(cx);
+    let mut out = vec![v.pick];
+    out.extend(v.changes);
+    out.extend(v.sureness);
     out
 }
