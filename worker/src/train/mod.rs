@@ -33,24 +33,7 @@ use crate::strategy::{Shape, Strategy, ms_since};
 use batches::Batches;
 pub use params::{load_params, save_params};
 use progress::Progress;
-
-/// What a finished run reports.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Summary {
-    /// The steps the model has taken (a resumed run's count from the run's beginning).
-    pub steps: u64,
-    /// The steps this process took: fewer than `steps` when resumed, none under `--steps 0`.
-    pub taken: u64,
-    /// Mean training loss of the run's first step (a resumed run's, from its checkpoint);
-    /// `None` before any step.
-    pub first_loss: Option<f64>,
-    /// Mean training loss of the last step; `None` when this process took none.
-    pub last_loss: Option<f64>,
-    /// Held-out loss and accuracy at the end (rank 0).
-    pub eval: Option<(f64, f64)>,
-    /// Wall-clock seconds of the training loop.
-    pub seconds: f64,
-}
+pub use progress::Summary;
 
 /// Train according to `args`, with the strategy its `--mode` names.
 pub fn train(args: TrainArgs) -> anyhow::Result<Summary> {

@@ -1,6 +1,6 @@
 //! What a run shows while it trains: a progress bar on a terminal, a log line every few
 //! steps otherwise, silent off rank 0; its opening lines (the model, the device, a replay's
-//! source) and its closing line.
+//! source) and its closing line, with the `Summary` a finished run reports.
 
 use std::io::IsTerminal;
 use std::path::Path;
@@ -9,7 +9,23 @@ use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::Summary;
+/// What a finished run reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Summary {
+    /// The steps the model has taken (a resumed run's count from the run's beginning).
+    pub steps: u64,
+    /// The steps this process took: fewer than `steps` when resumed, none under `--steps 0`.
+    pub taken: u64,
+    /// Mean training loss of the run's first step (a resumed run's, from its checkpoint);
+    /// `None` before any step.
+    pub first_loss: Option<f64>,
+    /// Mean training loss of the last step; `None` when this process took none.
+    pub last_loss: Option<f64>,
+    /// Held-out loss and accuracy at the end (rank 0).
+    pub eval: Option<(f64, f64)>,
+    /// Wall-clock seconds of the training loop.
+    pub seconds: f64,
+}
 
 /// A progress bar on a terminal, a log line every few steps otherwise; silent off rank 0.
 pub(super) struct Progress {
