@@ -366,7 +366,7 @@ pub const COMPARED: &[Compared] = &[
                 (`--sparse-grads dense`, `nn.EmbeddingBag` under DDP)",
         sparse_grads: Some(SparseGrads::Dense),
         needs: Needs::TABLE,
-        short: "ddp-dense{n}k{k}",
+        short: "ddp-dense{n}",
         ..DDP_TCP
     },
     Compared {
@@ -377,7 +377,7 @@ pub const COMPARED: &[Compared] = &[
                 scenario or on the command line names it too",
         sparse_grads: Some(SparseGrads::Allgather),
         needs: Needs::TABLE,
-        short: "ddp-allgather{n}k{k}",
+        short: "ddp-allgather{n}",
         ..DDP_TCP
     },
     Compared {
@@ -618,6 +618,21 @@ mod tests {
         // Top-k carries the comparison's ratio.
         let topk = &COMPARED[position("ddp-tcp-topk").unwrap()];
         assert_eq!(parsed(topk, 0.25).compress, Compression::TopK(0.25));
+    }
+
+    #[test]
+    fn a_chart_label_names_server_shards_only_where_the_mode_runs_servers() {
+        // `ddp-dense` and `ddp-allgather` were labelled `ddp-dense2k0`: shards they never run.
+        for c in COMPARED {
+            assert_eq!(
+                c.short.contains("{k}"),
+                c.servers.is_some(),
+                "{}: label {:?} against servers {:?}",
+                c.name,
+                c.short,
+                c.servers
+            );
+        }
     }
 
     #[test]
