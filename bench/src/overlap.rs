@@ -12,7 +12,7 @@ use anyhow::Context;
 use clap::Args;
 use gradsync_core::metrics::{Record, parse_line};
 
-use crate::table::{Table, median};
+use gradsync_compare::table::{Table, median};
 
 /// Flags of `gradsync-bench overlap`.
 #[derive(Debug, Clone, Args)]

@@ -24,10 +24,10 @@ use gradsync_server::{Config, ParamServer, ShardSpec};
 use gradsync_worker::ps::{PsClient, SharedGrads};
 use tokio::net::TcpListener;
 
-use crate::hosts::Hosts;
-use crate::net::{Cluster, Shape};
-use crate::rawtcp::process_cpu_seconds;
-use crate::table::{Table, median, ratio_cell};
+use gradsync_compare::hosts::Hosts;
+use gradsync_compare::net::{Cluster, Shape};
+use gradsync_compare::rawtcp::process_cpu_seconds;
+use gradsync_compare::table::{Table, median, ratio_cell};
 
 /// Flags of `gradsync-bench ps`.
 #[derive(Debug, Clone, Args)]
@@ -280,9 +280,10 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
 }
 
 /// The plain-sockets row: the step's traffic over plain TCP sockets in the same topology
-/// ([`crate::rawtcp::Exchange`]); push and pull run at once, so both are the step's time.
+/// ([`gradsync_compare::rawtcp::Exchange`]); push and pull run at once, so both are the step's time.
 fn plain_tcp(bytes: usize, g: Group<'_>) -> anyhow::Result<Figure> {
-    let mut exchange = crate::rawtcp::Exchange::new(bytes, g.workers, g.shards, g.hosts, g.first_worker)?;
+    let mut exchange =
+        gradsync_compare::rawtcp::Exchange::new(bytes, g.workers, g.shards, g.hosts, g.first_worker)?;
     let timed = exchange.run(g.warmup, g.steps)?;
     let ms = median(&timed.ms);
     Ok(Figure { step_ms: ms, push_ms: ms, pull_ms: ms, wait_ms: 0.0, cpu_ms: timed.cpu_ms })
@@ -308,8 +309,8 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
     let cluster = match a.link_gbit {
         None => None,
         Some(gbit) => {
-            crate::net::available().context("--link-gbit")?;
-            crate::net::guard("gradsync-bench ps");
+            gradsync_compare::net::available().context("--link-gbit")?;
+            gradsync_compare::net::guard("gradsync-bench ps");
             let n = first_worker + workers.iter().copied().max().unwrap_or(1);
             let shape = Shape { rate_bit: Some(gbit * 1e9), ..Shape::default() };
             Some(Cluster::create(n, shape).context("--link-gbit: making the emulated hosts")?)
@@ -320,7 +321,7 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
     // worker's host to a shard's, the push's direction (on loopback both are 127.0.0.1).
     let raw_tcp = || -> anyhow::Result<f64> {
         let d = Duration::from_secs_f64(raw_secs);
-        Ok(crate::rawtcp::Yardstick::measure(3, d, || hosts.pair(first_worker, 0))?.median())
+        Ok(gradsync_compare::rawtcp::Yardstick::measure(3, d, || hosts.pair(first_worker, 0))?.median())
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     // (transport, push then pull rather than both at once): the serial row is the same

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 
-use crate::table::{Table, median};
+use gradsync_compare::table::{Table, median};
 
 /// Flags of `gradsync-bench restart`.
 #[derive(Debug, Clone, Args)]

@@ -10,7 +10,7 @@
 //! with that address (no sleeping, no port guessing). With `--threads` gradsync's ranks are
 //! threads of this process instead (labelled so in the table; gloo stays in processes).
 //! With `--link-gbit`, each rank runs on an emulated host of its own (a network namespace,
-//! links shaped with tc; see [`crate::net`]), so no two ranks share memory; with
+//! links shaped with tc; see [`gradsync_compare::net`]), so no two ranks share memory; with
 //! `--ranks-per-host N` as well, ranks `0..N` share the first host, `N..2N` the second, and so
 //! on (torchrun's numbering), and `--hierarchy off,auto` puts the flat socket ring beside the
 //! hierarchical all-reduce (reduce inside each host, ring among the hosts' leaders, broadcast
@@ -37,10 +37,10 @@ use gradsync_core::device::Cuda;
 use gradsync_worker::collective::{After, Collective, Hierarchy, Nccl, RingConfig, TcpComm, Transport, nccl};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
-use crate::hosts::Hosts;
-use crate::net::{self, Cluster, Shape};
-use crate::rawtcp::Yardstick;
-use crate::table::{Table, median, spread};
+use gradsync_compare::hosts::Hosts;
+use gradsync_compare::net::{self, Cluster, Shape};
+use gradsync_compare::rawtcp::Yardstick;
+use gradsync_compare::table::{Table, median, spread};
 
 mod plain;
 mod processes;
@@ -184,13 +184,13 @@ struct Busy(Option<f64>);
 
 impl Busy {
     fn start(rank: usize) -> Busy {
-        Busy(if rank == 0 { crate::rawtcp::machine_busy_seconds() } else { None })
+        Busy(if rank == 0 { gradsync_compare::rawtcp::machine_busy_seconds() } else { None })
     }
 
     /// Busy core-seconds per iteration since [`Busy::start`].
     fn per(&self, iters: usize) -> Option<f64> {
         let start = self.0?;
-        Some((crate::rawtcp::machine_busy_seconds()? - start) / iters.max(1) as f64)
+        Some((gradsync_compare::rawtcp::machine_busy_seconds()? - start) / iters.max(1) as f64)
     }
 }
 

@@ -55,7 +55,7 @@ pub fn collect(roots: &[PathBuf], target: Option<f64>) -> anyhow::Result<Collect
             summaries.push(Summary::missing(o));
         }
     }
-    for r in crate::compare::emulated::load(roots) {
+    for r in crate::emulated::load(roots) {
         if let Some(s) = summaries.iter_mut().find(|s| s.id == r.id) {
             s.link = r.label();
         }

@@ -8,10 +8,10 @@
 use super::context::Context;
 use gradsync_core::metrics::elapsed;
 
-use crate::compare::charts::{Group, workers};
-use crate::compare::cost::{self, Link};
-use crate::compare::machine::Machine;
-use crate::compare::results::{Summary, overlap};
+use crate::charts::{Group, workers};
+use crate::cost::{self, Link};
+use crate::machine::Machine;
+use crate::results::{Summary, overlap};
 
 /// How the modes stand at one worker count.
 #[derive(Debug)]

@@ -4,9 +4,9 @@
 //! A figure above its yardstick is never called a share of a limit ([`Yardstick::read`]).
 
 use super::context::{Context, Yardstick};
-use crate::compare::charts::Group;
-use crate::compare::cost::{self, Link};
-use crate::compare::results::Summary;
+use crate::charts::Group;
+use crate::cost::{self, Link};
+use crate::results::Summary;
 
 /// The busiest parameter-server shard: bytes per second in and out against what as many raw
 /// TCP streams as it has connections carry together, and where its throughput stops growing.

@@ -5,10 +5,10 @@
 
 use super::context::Context;
 use super::{links, ranking, regime, runs, sparse};
-use crate::compare::charts::Group;
-use crate::compare::cost::Link;
-use crate::compare::machine::Machine;
-use crate::compare::results::Summary;
+use crate::charts::Group;
+use crate::cost::Link;
+use crate::machine::Machine;
+use crate::results::Summary;
 
 /// A reading: its sentences (none when it has nothing to say).
 pub type Reading = fn(&Context) -> Vec<String>;

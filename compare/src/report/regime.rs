@@ -4,10 +4,10 @@
 //! with each model's share of communication.
 
 use super::context::Context;
-use crate::compare::charts::Group;
-use crate::compare::cost::{self, Link};
-use crate::compare::results::Summary;
-use crate::compare::scenario::ModeKind;
+use crate::charts::Group;
+use crate::cost::{self, Link};
+use crate::results::Summary;
+use crate::scenario::ModeKind;
 
 /// The cost model's seconds for a row's exchange of `s` gradient bytes per step: the ring's for
 /// the rings, one push and pull through its shards for a parameter server.
@@ -267,8 +267,8 @@ pub fn across_models(cx: &Context) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::compare::charts::groups;
-    use crate::compare::results::{Cell, Collected};
+    use crate::charts::groups;
+    use crate::results::{Cell, Collected};
 
     fn row(widths: &str, mode: &str, shards: usize, thr: f64, compute: f64, comm: f64) -> Summary {
         Summary {
@@ -385,7 +385,7 @@ mod tests {
         ];
         let c = Collected { cells: Cell::all(&all), summaries: all, ..Collected::default() };
         let g = &groups(&c)[0];
-        let small = crate::compare::machine::Machine { cores: 2, ..Default::default() };
+        let small = crate::machine::Machine { cores: 2, ..Default::default() };
         let cx = Context::new(g, None, Some(&small), &c.summaries);
         let said = compute_against_communication(&cx);
         assert!(
@@ -412,7 +412,7 @@ mod tests {
                 Summary { cpu_busy: Some(busy), ..row(&vgg, "ps-bsp", 1, 60.0, 16.0, 111.0) },
             ]
         };
-        let small = crate::compare::machine::Machine { cores: 2, ..Default::default() };
+        let small = crate::machine::Machine { cores: 2, ..Default::default() };
         for (busy, saturated) in [(0.5, false), (0.9, true)] {
             let all = rows(busy);
             let c = Collected { cells: Cell::all(&all), summaries: all, ..Collected::default() };

@@ -155,7 +155,7 @@ fn group_link(g: &Group, cluster: &[ClusterRun]) -> Option<Link> {
         return None;
     }
     let median = |f: fn(Link) -> f64| {
-        crate::compare::results::median(&runs.iter().map(|r| f(cluster_link(r))).collect::<Vec<_>>())
+        crate::results::median(&runs.iter().map(|r| f(cluster_link(r))).collect::<Vec<_>>())
     };
     Some(Link { a: median(|l| l.a)?, b: median(|l| l.b)? })
 }
@@ -680,7 +680,7 @@ mod tests {
     /// one-node allocation's link is named as loopback.
     #[test]
     fn the_machine_table_has_a_row_per_kind_of_host() {
-        let host = |name: &str, cpu: &str, cores| crate::compare::ssh::HostFacts {
+        let host = |name: &str, cpu: &str, cores| crate::ssh::HostFacts {
             name: name.into(),
             cpu: cpu.into(),
             cores,
@@ -761,7 +761,7 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         let c = collected(rows.iter().flat_map(twice).collect());
-        let g = &crate::compare::charts::groups(&c)[0];
+        let g = &crate::charts::groups(&c)[0];
         assert_eq!(g.rows.len(), 3, "the other charts see only the undelayed runs");
         let s = g.slowdowns();
         assert_eq!(s.len(), 2, "ddp-tcp has no delayed run: {s:?}");
@@ -778,7 +778,7 @@ mod tests {
         assert!(text.contains("80% or more paid): ps-bsp k=1 (gRPC over TCP) (4 workers)."), "{text}");
         // Each cell once: the shares are read, the modes not ranked.
         let c = collected(rows.to_vec());
-        let text = straggler_reading(&crate::compare::charts::groups(&c)[0]).join("\n");
+        let text = straggler_reading(&crate::charts::groups(&c)[0]).join("\n");
         assert!(text.contains("pays 10% of the injected delay"), "{text}");
         assert!(!text.contains("absorbs the straggler best ("), "{text}");
         assert!(text.contains("Which mode absorbs the straggler best: Not ranked"), "{text}");
@@ -807,14 +807,14 @@ mod tests {
         let link = Some(Link { a: 5e-6, b: 2e9 });
         // Exactly a = -100 us, B = 1 GB/s: no latency the data can support.
         let c = collected(vec![ring(2, 3.8), ring(4, 5.4)]);
-        let text = reading(&crate::compare::charts::groups(&c)[0], link, None, &c.summaries).join("\n");
+        let text = reading(&crate::charts::groups(&c)[0], link, None, &c.summaries).join("\n");
         assert!(
             text.contains("do not separate a per-message latency") && !text.contains("a = 0.0 us"),
             "{text}"
         );
         // a = 20 us, B = 1 GB/s: both fitted.
         let c = collected(vec![ring(2, 4.04), ring(4, 6.12)]);
-        let text = reading(&crate::compare::charts::groups(&c)[0], link, None, &c.summaries).join("\n");
+        let text = reading(&crate::charts::groups(&c)[0], link, None, &c.summaries).join("\n");
         assert!(text.contains("a = 20.0 us per message"), "{text}");
     }
 
@@ -846,7 +846,7 @@ mod tests {
             rep_row("ddp-shm", 0, "failed", 70000.0, Some(0.1)),
         ];
         let c = collected(rows);
-        let mut gs = crate::compare::charts::groups(&c);
+        let mut gs = crate::charts::groups(&c);
         let g = gs.remove(0);
         let g = Group { target: Some(0.97), ..g };
         let text = reading(&g, None, None, &c.summaries).join("\n");
@@ -885,7 +885,7 @@ mod tests {
             with_step("zero1-tcp", 0, 900.0, 5.0),
         ];
         let c = collected(once);
-        let g = Group { target: Some(0.97), ..crate::compare::charts::groups(&c).remove(0) };
+        let g = Group { target: Some(0.97), ..crate::charts::groups(&c).remove(0) };
         let text = reading(&g, None, None, &c.summaries).join("\n");
         for ranked in
             ["is fastest", "are level", "first, in", "is ahead", "faster than DDP", "slower than DDP"]
@@ -909,7 +909,7 @@ mod tests {
             .collect();
         rows.push(with_step("dp", 0, 5000.0, 1.0));
         let c = collected(rows);
-        let g = Group { target: Some(0.97), ..crate::compare::charts::groups(&c).remove(0) };
+        let g = Group { target: Some(0.97), ..crate::charts::groups(&c).remove(0) };
         let text = reading(&g, None, None, &c.summaries).join("\n");
         assert!(text.contains("At 4 workers: ddp-tcp (TCP sockets) is fastest"), "{text}");
         assert!(
@@ -926,13 +926,13 @@ mod tests {
     fn the_efficiency_table_names_a_missing_baseline() {
         let c = collected(vec![row("ddp-tcp", 0, 1000.0), row("ps-bsp", 0, 800.0)]);
         let mut h = String::new();
-        efficiency_table(&mut h, &crate::compare::charts::groups(&c)[0]);
+        efficiency_table(&mut h, &crate::charts::groups(&c)[0]);
         assert!(h.contains("No one-worker run completed") && !h.contains("baseline at -"), "{h}");
         assert!(h.contains("<td>1000</td>"), "{h}");
         let one = Summary { workers: 1, ..row("local", 0, 300.0) };
         let c = collected(vec![row("ddp-tcp", 0, 1000.0), one]);
         let mut h = String::new();
-        efficiency_table(&mut h, &crate::compare::charts::groups(&c)[0]);
+        efficiency_table(&mut h, &crate::charts::groups(&c)[0]);
         assert!(h.contains("baseline at 300 samples/s") && h.contains("1000 (83%)"), "{h}");
     }
 
@@ -942,9 +942,9 @@ mod tests {
     fn the_bytes_model_shows_with_one_worker_count() {
         let with = |mode: &str| Summary { params: 1_000_000, ..row(mode, 0, 1000.0) };
         let c = collected(vec![with("ddp-tcp"), with("ps-bsp")]);
-        let g = &crate::compare::charts::groups(&c)[0];
+        let g = &crate::charts::groups(&c)[0];
         let dir = gradsync_testkit::Scratch::new("bytes-chart");
-        let mut charts = crate::compare::charts::Charts::new(&dir).unwrap();
+        let mut charts = crate::charts::Charts::new(&dir).unwrap();
         charts.draw_group(g, None).unwrap();
         let svg = &charts.charts.iter().find(|c| c.name.starts_with("bytes")).unwrap().svg;
         // "PS, per worker (theory)" in ps-bsp's colour: its legend swatch and its dashes.
@@ -966,7 +966,7 @@ mod tests {
             with("ddp-tcp-topk", 1.6e5, 0.95, None),
         ];
         let c = collected(rows);
-        let g = Group { target: Some(0.97), ..crate::compare::charts::groups(&c).remove(0) };
+        let g = Group { target: Some(0.97), ..crate::charts::groups(&c).remove(0) };
         let text = reading(&g, None, None, &c.summaries).join("\n");
         assert!(
             text.contains(
@@ -996,7 +996,7 @@ mod tests {
             rep_row("ps-bsp-fp16", 0, "ok", 1500.0, None),
         ];
         let c = collected(rows);
-        let g = crate::compare::charts::groups(&c).remove(0);
+        let g = crate::charts::groups(&c).remove(0);
         let text = reading(&g, None, None, &c.summaries).join("\n");
         assert!(text.contains("ring/PS = 1.25 (vs ps-bsp k=1"), "{text}");
     }
@@ -1019,7 +1019,7 @@ mod tests {
         ];
         let c = collected(rows);
         assert_eq!(c.cells.len(), 4, "a cell per mode and link: {:?}", c.cells);
-        let gs = crate::compare::charts::groups(&c);
+        let gs = crate::charts::groups(&c);
         assert_eq!(gs.len(), 2);
         for g in &gs {
             assert!(g.model.ends_with(&format!("on emulated links of {}", g.link)), "{}", g.model);
@@ -1069,14 +1069,14 @@ mod tests {
             ..cell_row("ddp-tcp", 4, r, 9_000.0 + r as f64)
         };
         let c = collected((0..3).flat_map(|r| [ps(r), ring(r)]).collect());
-        let g = &crate::compare::charts::groups(&c)[0];
+        let g = &crate::charts::groups(&c)[0];
         let one = Machine { cores: 16, tcp_bandwidth: 4.67e9, tcp_latency_s: 20e-6, ..Machine::default() };
         let text = reading(g, link_of(Some(&one)), Some(&one), &c.summaries).join("\n");
         assert!(text.contains("moves 5.75 GB/s in and out, 1.23x what one raw TCP stream carries"), "{text}");
         assert!(text.contains("the implementation reaches 1.14x what one raw TCP stream carries"), "{text}");
         assert!(shares_of(&text).iter().all(|&p| p <= 100.0), "{:?}\n{text}", shares_of(&text));
 
-        let streams = |n: usize, gbs: f64| crate::compare::machine::Parallel {
+        let streams = |n: usize, gbs: f64| crate::machine::Parallel {
             streams: n,
             yardstick: crate::rawtcp::Yardstick { samples: vec![gbs * 1e9] },
         };
@@ -1111,7 +1111,7 @@ mod tests {
             ..row("ddp-tcp", 0, 20_624.0)
         };
         let c = collected(vec![local.clone(), two(0.2)]);
-        let g = &crate::compare::charts::groups(&c)[0];
+        let g = &crate::charts::groups(&c)[0];
         let text = runs::fixed_costs(&context::Context::new(g, None, None, &c.summaries)).join("\n");
         assert!(text.contains("Fixed per-step costs decide the speed"), "{text}");
         assert!(
@@ -1127,19 +1127,19 @@ mod tests {
             "{text}"
         );
         let c = collected(vec![local.clone(), two(5.0)]);
-        let g = &crate::compare::charts::groups(&c)[0];
+        let g = &crate::charts::groups(&c)[0];
         assert!(runs::fixed_costs(&context::Context::new(g, None, None, &c.summaries)).is_empty());
         // A replayed VGG-16's step was once read so: 16.7 ms of compute in a 101 ms step, whose
         // rest was exposed communication, not fixed costs.
         let exposed = Summary { comm_exposed_ms: Some(5.0), ..two(0.2) };
         let c = collected(vec![local, exposed]);
-        let g = &crate::compare::charts::groups(&c)[0];
+        let g = &crate::charts::groups(&c)[0];
         assert!(runs::fixed_costs(&context::Context::new(g, None, None, &c.summaries)).is_empty());
     }
 
     fn verdict_of(rows: Vec<Summary>, m: Option<&Machine>) -> Vec<String> {
         let c = collected(rows);
-        let g = &crate::compare::charts::groups(&c)[0];
+        let g = &crate::charts::groups(&c)[0];
         let v = verdict::verdict(&context::Context::new(g, Some(Link { a: 20e-6, b: 4e9 }), m, &c.summaries));
         assert!(!v.is_empty() && v.len() <= 3, "{v:?}");
         v
@@ -1149,7 +1149,7 @@ mod tests {
     fn the_verdict_names_the_hosts_a_comparison_ran_on() {
         let rows: Vec<Summary> = (0..3).map(|r| cell_row("ddp-tcp", 4, r, 1000.0 + r as f64)).collect();
         assert!(verdict_of(rows.clone(), None)[0].contains("on this machine's loopback"));
-        let host = |n: &str| crate::compare::ssh::HostFacts { name: n.into(), ..Default::default() };
+        let host = |n: &str| crate::ssh::HostFacts { name: n.into(), ..Default::default() };
         let m = Machine {
             hosts: vec![host("node0"), host("node1")],
             link: Some("node0 to node1".into()),
@@ -1191,10 +1191,7 @@ mod tests {
             ..cell_row("local", 1, r, 5000.0)
         });
         let c = collected(rows.collect());
-        let g = crate::compare::charts::Group {
-            target: Some(0.6),
-            ..crate::compare::charts::groups(&c).remove(0)
-        };
+        let g = crate::charts::Group { target: Some(0.6), ..crate::charts::groups(&c).remove(0) };
         let v = verdict::verdict(&context::Context::new(&g, None, None, &c.summaries));
         assert!(
             v[0].contains("pick local: at 1 worker it reaches 60.0% held-out accuracy in 4.5 ms (median of 2, 4.0 ms to 5.0 ms), the only mode measured there"),
@@ -1219,8 +1216,7 @@ mod tests {
         // Nothing complete: nothing concluded.
         let c = collected(vec![Summary { status: "diverged".into(), ..cell_row("ddp-tcp", 4, 0, 9e9) }]);
         let one = collected(vec![cell_row("dp", 4, 0, 1.0)]);
-        let none =
-            crate::compare::charts::Group { rows: vec![], ..crate::compare::charts::groups(&one).remove(0) };
+        let none = crate::charts::Group { rows: vec![], ..crate::charts::groups(&one).remove(0) };
         let v = verdict::verdict(&context::Context::new(&none, None, None, &c.summaries));
         assert_eq!(
             v,
@@ -1277,7 +1273,7 @@ mod tests {
             .map(|s| Summary { samples_to_target: s.time_to_target_s.map(|t| t as u64 * 100), ..s })
             .collect();
         let c = Collected { cells: Cell::all(&rows), summaries: rows, ..Collected::default() };
-        let mut g = crate::compare::charts::groups(&c).remove(0);
+        let mut g = crate::charts::groups(&c).remove(0);
         g.target = Some(0.9);
         let link = Some(Link { a: 20e-6, b: 4e9 });
         let read = |m: Option<&Machine>| {

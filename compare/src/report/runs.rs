@@ -6,8 +6,8 @@
 use std::collections::BTreeMap;
 
 use super::context::{Context, UNRANKED};
-use crate::compare::charts::Group;
-use crate::compare::results::Summary;
+use crate::charts::Group;
+use crate::results::Summary;
 
 /// Below this share of the step spent computing, fixed per-step costs decide the speed.
 const COMPUTE_SMALL: f64 = 0.25;
@@ -203,7 +203,7 @@ pub fn restarts(cx: &Context) -> Vec<String> {
 
 /// One restart, in words: `rank 1 (killed by the runner, signal: 9 (SIGKILL)) at step 14,
 /// resumed after step 10: 0.84 s, 4 steps again`.
-pub fn restart_text(x: &crate::compare::results::Restart) -> String {
+pub fn restart_text(x: &crate::results::Restart) -> String {
     let how = if x.injected { format!("killed by the runner, {}", x.exit) } else { x.exit.clone() };
     let cost = match (x.resumed_after, x.lost_s) {
         (Some(c), Some(s)) => format!(

@@ -436,7 +436,7 @@ pub fn emit_sbatch(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::compare::scenario::ModeKind;
+    use crate::scenario::ModeKind;
 
     fn vars(list: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
         move |k| list.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
@@ -458,7 +458,7 @@ mod tests {
         assert_eq!(got, [("node01", 2), ("node02", 2), ("node03", 2), ("gpu7", 4)]);
         assert_eq!(a.job, "42");
         // Placement as with --hosts: the server alone on the first node, workers spread.
-        let mut s = crate::compare::scenario::Scenario::load(None).unwrap();
+        let mut s = crate::scenario::Scenario::load(None).unwrap();
         (s.modes, s.workers, s.shards) = (vec![ModeKind::PsBsp], vec![4], vec![1]);
         let spec = s.expand().remove(0);
         let (servers, workers) = a.place(&spec).unwrap();
@@ -546,7 +546,7 @@ mod tests {
 
     #[test]
     fn the_batch_script_asks_for_the_largest_run() {
-        let mut s = crate::compare::scenario::Scenario::load(None).unwrap();
+        let mut s = crate::scenario::Scenario::load(None).unwrap();
         (s.modes, s.workers, s.shards) = (vec![ModeKind::PsBsp, ModeKind::DdpTcp], vec![2, 4], vec![1, 2]);
         s.run_timeout_s = 600.0;
         s.repeats = 1;

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use gradsync_bench::compare::scenario::Scenario;
+use gradsync_compare::scenario::Scenario;
 
 /// The default scenario cut down to the tiny model at a global batch of 32 for `steps` steps:
 /// one repeat, no evaluation, no target, two minutes at most per run.

@@ -1,7 +1,7 @@
 //! `gradsync-bench cluster`: the comparison's runs on an emulated multi-host cluster. Each
 //! link rate gets a fresh cluster ([`crate::net`]): server shard `i` on host `i`, worker rank `r` on
 //! host `k + r`, every process started by the comparison runner's own command lines
-//! ([`crate::compare::modes`]) inside its host's namespace. The run directory is a comparison
+//! ([`crate::modes`]) inside its host's namespace. The run directory is a comparison
 //! run directory plus `cluster.json` (which run had which link), so `plot` renders it, with a
 //! section setting each measured step beside the cost model's prediction for that link.
 
@@ -13,12 +13,12 @@ use anyhow::Context;
 use clap::Args;
 use indicatif::{MultiProgress, ProgressBar};
 
-pub use crate::compare::emulated::{CLUSTER_FILE, ClusterRun};
-use crate::compare::machine::Machine;
-use crate::compare::modes::{self, Placement};
-use crate::compare::scenario::{ModeKind, Scenario};
-use crate::compare::site::Slot;
+pub use crate::emulated::{CLUSTER_FILE, ClusterRun};
+use crate::machine::Machine;
+use crate::modes::{self, Placement};
 use crate::net::{self, Cluster, Shape};
+use crate::scenario::{ModeKind, Scenario};
+use crate::site::Slot;
 
 /// Steps per cluster run unless `--steps` says otherwise.
 const CLUSTER_STEPS: u64 = 30;
@@ -132,14 +132,14 @@ pub fn run(a: &ClusterArgs) -> anyhow::Result<()> {
     let out = a
         .out
         .clone()
-        .unwrap_or_else(|| PathBuf::from("runs").join(format!("cluster-{}", crate::compare::utc_stamp())));
+        .unwrap_or_else(|| PathBuf::from("runs").join(format!("cluster-{}", crate::utc_stamp())));
     let shape = |rate: f64| Shape {
         rate_bit: Some(rate * 1e9),
         delay: Duration::from_micros(a.delay_us),
         loss_pct: a.loss,
     };
     run_cluster(&s, &bins, &out, &a.rates, shape)?;
-    let html = crate::compare::plot(std::slice::from_ref(&out), &out)?;
+    let html = crate::plot(std::slice::from_ref(&out), &out)?;
     eprintln!("gradsync-bench cluster: report in {}", html.display());
     Ok(())
 }
@@ -209,9 +209,7 @@ pub fn run_cluster(
             let skip = skip.or_else(|| {
                 (spec.mode == ModeKind::DdpNccl).then(|| "NCCL does not run over emulated links".to_string())
             });
-            let o = crate::compare::run_spec(
-                scenario, &spec, bins, out, placement, None, skip, &multi, &overall,
-            )?;
+            let o = crate::run_spec(scenario, &spec, bins, out, placement, None, skip, &multi, &overall)?;
             drop(cluster);
             writeln!(outcomes, "{}", serde_json::to_string(&o)?)
                 .and_then(|_| outcomes.flush())

@@ -413,7 +413,7 @@ mod tests {
     /// the host had available, and NCCL ranks against the host's GPUs, naming the host.
     #[test]
     fn placement_is_checked_against_each_hosts_memory_and_gpus() {
-        let mut s = crate::compare::scenario::Scenario::load(None).unwrap();
+        let mut s = crate::scenario::Scenario::load(None).unwrap();
         (s.models, s.modes, s.workers, s.shards) =
             (vec!["vgg11".into()], vec![ModeKind::PsBsp], vec![4], vec![2]);
         let spec = s.expand().remove(0);
@@ -425,7 +425,7 @@ mod tests {
         // With one shard the processes add up to the run's estimate.
         let (one, _) = process_memory(ModeKind::PsBsp, 4, 1, params);
         assert_eq!(one + 4 * worker, run_memory(ModeKind::PsBsp, 4, params));
-        let host = |name: &str, avail: u64, gpus: usize| crate::compare::ssh::HostFacts {
+        let host = |name: &str, avail: u64, gpus: usize| crate::ssh::HostFacts {
             name: name.into(),
             memory_available_bytes: avail,
             gpus: vec!["H100".into(); gpus],
@@ -451,17 +451,15 @@ mod tests {
         assert!(why.contains("it had 0.5 GiB available"), "{why}");
         let roomy: Vec<_> = hosts
             .iter()
-            .map(|h| crate::compare::ssh::HostFacts { memory_available_bytes: 64 << 30, ..h.clone() })
+            .map(|h| crate::ssh::HostFacts { memory_available_bytes: 64 << 30, ..h.clone() })
             .collect();
         assert_eq!(
             placement_short(&spec, &roomy.iter().collect::<Vec<_>>(), &servers, &workers, "host"),
             None
         );
         // Memory not read: not checked.
-        let unknown: Vec<_> = hosts
-            .iter()
-            .map(|h| crate::compare::ssh::HostFacts { memory_available_bytes: 0, ..h.clone() })
-            .collect();
+        let unknown: Vec<_> =
+            hosts.iter().map(|h| crate::ssh::HostFacts { memory_available_bytes: 0, ..h.clone() }).collect();
         assert_eq!(
             placement_short(&spec, &unknown.iter().collect::<Vec<_>>(), &servers, &workers, "host"),
             None

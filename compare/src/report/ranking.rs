@@ -8,10 +8,10 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use super::context::{Context, SATURATED, UNRANKED};
-use crate::compare::charts::Group;
-use crate::compare::cost;
-use crate::compare::results::{Summary, overlap};
-use crate::compare::scenario::ModeKind;
+use crate::charts::Group;
+use crate::cost;
+use crate::results::{Summary, overlap};
+use crate::scenario::ModeKind;
 
 /// The rows `keep` selects, split into those a ranking may use (repeated, the CPU not
 /// saturated), those that ran once, and those that saturated the CPU; each sorted by `key`

@@ -11,7 +11,7 @@ use gradsync_core::optim::SgdConfig;
 use serde::{Deserialize, Serialize};
 
 /// The scenario `gradsync-bench compare` runs when given none.
-pub const DEFAULT: &str = include_str!("../../scenarios/default.toml");
+pub const DEFAULT: &str = include_str!("../../bench/scenarios/default.toml");
 
 /// One way of training that the comparison runs.
 #[derive(
@@ -747,7 +747,7 @@ mod tests {
     /// Every scenario shipped in bench/scenarios parses, and its models fit its data.
     #[test]
     fn every_shipped_scenario_is_valid() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/scenarios");
         let mut seen = 0;
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();

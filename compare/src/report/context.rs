@@ -3,10 +3,10 @@
 //! a cell's spread, whether it ran often enough to be ranked, and how a figure is set
 //! against a yardstick.
 
-use crate::compare::charts::Group;
-use crate::compare::cost::Link;
-use crate::compare::machine::{self, Machine};
-use crate::compare::results::{Summary, overlap};
+use crate::charts::Group;
+use crate::cost::Link;
+use crate::machine::{self, Machine};
+use crate::results::{Summary, overlap};
 
 /// The share of the cores a replayed run's processes may keep busy before its figures count as
 /// the CPU's rather than the design's: its compute is waited out, so what keeps the cores busy

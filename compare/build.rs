@@ -1,7 +1,7 @@
-//! Embeds the git commit gradsync-bench was built from ("unknown" outside a git checkout) so
-//! every run directory records the exact code that produced it. Where there is no checkout
-//! (a container build's context has no `.git`), `GRADSYNC_COMMIT` in the build's environment
-//! names it.
+//! Embeds the git commit gradsync-compare (and so gradsync-bench) was built from ("unknown"
+//! outside a git checkout) so every run directory records the exact code that produced it.
+//! Where there is no checkout (a container build's context has no `.git`), `GRADSYNC_COMMIT`
+//! in the build's environment names it.
 
 use std::process::Command;
 

@@ -55,8 +55,8 @@ mod model;
 mod speed;
 mod traffic;
 
-/// DejaVu Sans (Bitstream Vera licence, see bench/assets/DejaVuSans-LICENSE.txt).
-static FONT: &[u8] = include_bytes!("../../../assets/DejaVuSans.ttf");
+/// DejaVu Sans (Bitstream Vera licence, see compare/assets/DejaVuSans-LICENSE.txt).
+static FONT: &[u8] = include_bytes!("../../assets/DejaVuSans.ttf");
 const FAMILY: &str = "sans-serif";
 
 fn register_font() -> anyhow::Result<()> {
@@ -371,8 +371,7 @@ mod tests {
             assert!(l.rotated || n == 2, "{n} runs: {l:?}");
         }
         // A shared-memory ring is named like the others, without a shard count.
-        let shm =
-            crate::compare::results::Summary { mode: "ddp-shm".into(), workers: 2, ..Default::default() };
+        let shm = crate::results::Summary { mode: "ddp-shm".into(), workers: 2, ..Default::default() };
         assert_eq!(super::short_label(&shm), "shm2");
     }
 

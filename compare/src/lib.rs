@@ -1,25 +1,54 @@
-//! `gradsync-bench compare` and `gradsync-bench plot`: run an experiment matrix with real
-//! server and worker processes on this machine, then turn every process's metrics into
-//! merged tables, charts and one self-contained report.
+//! gradsync's comparison: `gradsync-bench compare` and `gradsync-bench plot` (and `cluster`,
+//! the comparison on emulated hosts). Run an experiment matrix with real server and worker
+//! processes on this machine, on emulated hosts, on hosts over ssh or in a Slurm allocation,
+//! then turn every process's metrics into merged tables, charts and one self-contained report.
 //!
 //! A run directory holds `scenario.toml`, `machine.json`, `outcomes.jsonl` (how each run ended),
 //! `runs/<id>/` (each process's metrics, traces and logs), and what `plot` derives from them:
 //! `runs.jsonl`, `summary.csv`, the charts (`*.svg`, `*.png`) and `report.html`.
+//!
+//! # Layout
+//! - this file: the flags of `compare` and `plot`, the matrix run cell by cell into a run
+//!   directory, and the report rebuilt from run directories.
+//! - [`scenario`]: the TOML matrix and the runs it expands to.
+//! - [`modes`]: each mode's command lines, a [`modes::Plan`] of processes per run.
+//! - [`exec`]: one plan run to its end (interruption, injected kills, restarts).
+//! - [`site`]: where a process runs and how it is started there.
+//! - [`child`]: the runner's child processes and every wait on one with a deadline.
+//! - [`hostfile`], [`ssh`]: `compare --hosts`, the hosts reached over ssh.
+//! - [`slurm`]: `compare --slurm`, the nodes of a Slurm allocation, and `--emit-sbatch`.
+//! - [`machine`]: the machine and link record (`machine.json`) and what a machine or a host
+//!   cannot take.
+//! - [`results`]: what a run reduces to, read from its files.
+//! - [`cost`]: the alpha-beta cost models.
+//! - [`charts`], [`report`]: the charts and the report page.
+//! - [`emulated`]: the record of runs on emulated links (`cluster.json`).
+//! - [`cluster`]: `gradsync-bench cluster`, the comparison's runs on emulated hosts.
+//! - [`net`]: emulated hosts (network namespaces, veth, a bridge, tc-shaped links).
+//! - [`hosts`]: where plain sockets live: loopback, or emulated hosts.
+//! - [`rawtcp`]: the raw-TCP yardstick every network figure is read against, and
+//!   `rawtcp-peer`, its two ends on two hosts.
+//! - [`table`]: plain-text tables.
 
 pub mod charts;
 pub mod child;
+pub mod cluster;
 pub mod cost;
 pub mod emulated;
 pub mod exec;
 pub mod hostfile;
+pub mod hosts;
 pub mod machine;
 pub mod modes;
+pub mod net;
+pub mod rawtcp;
 pub mod report;
 pub mod results;
 pub mod scenario;
 pub mod site;
 pub mod slurm;
 pub mod ssh;
+pub mod table;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -377,7 +377,7 @@ mod tests {
 
     #[test]
     fn a_sparse_step_moves_its_rows_and_the_dense_ring_the_table() {
-        use crate::compare::scenario::ModeKind as M;
+        use crate::scenario::ModeKind as M;
         // 2^16 rows of 16, 4 KiB of dense layers, 500 rows a worker's batch.
         let sp = Sparse { rows: 1 << 16, dim: 16, dense: 4096.0, unique: 500.0 };
         assert_eq!(row_bytes(16), 68.0);

@@ -7,10 +7,10 @@
 use std::fmt::Write as _;
 
 use super::context::{Context, SATURATED, UNRANKED};
-use crate::compare::charts::Group;
-use crate::compare::cost::{self, Link, Sparse};
-use crate::compare::results::{Summary, overlap};
-use crate::compare::scenario::ModeKind;
+use crate::charts::Group;
+use crate::cost::{self, Link, Sparse};
+use crate::results::{Summary, overlap};
+use crate::scenario::ModeKind;
 
 /// The tables the estimate is taken to, rows.
 const ROWS: [usize; 3] = [1 << 16, 1 << 20, 1 << 24];
@@ -220,8 +220,8 @@ fn link_name(l: Link) -> String {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::compare::machine::Machine;
-    use crate::compare::results::{Cell, Collected};
+    use crate::machine::Machine;
+    use crate::results::{Cell, Collected};
 
     const WIDTHS: &str = "embedding:65536:16:64:mean/40-2";
     const PARAMS: usize = 65536 * 16 + 16 * 64 + 64 + 64 * 2 + 2;
@@ -252,7 +252,7 @@ mod tests {
     fn read(rows: Vec<Summary>, cores: usize) -> String {
         let c =
             Collected { cells: Cell::all(&rows), summaries: rows, target: Some(0.7), ..Collected::default() };
-        let mut gs = crate::compare::charts::groups(&c);
+        let mut gs = crate::charts::groups(&c);
         gs[0].target = Some(0.7);
         let machine = Machine { cores, ..Machine::default() };
         let cx = Context::new(&gs[0], Some(Link { a: 10e-6, b: 1e9 }), Some(&machine), &c.summaries);
@@ -302,7 +302,7 @@ mod tests {
             target: Some(0.7),
             ..Collected::default()
         };
-        let gs = crate::compare::charts::groups(&c);
+        let gs = crate::charts::groups(&c);
         let machine = Machine { cores: 64, ..Machine::default() };
         let cx = Context::new(&gs[0], Some(Link { a: 10e-6, b: 1e9 }), Some(&machine), &c.summaries);
         assert!(super::super::links::extrapolated(&cx).is_empty());

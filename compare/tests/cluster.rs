@@ -11,11 +11,11 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use gradsync_bench::cluster;
-use gradsync_bench::compare::modes::{self, Bins, Ctx, Placement, ProcSpec};
-use gradsync_bench::compare::scenario::{ModeKind, RunSpec, Scenario};
-use gradsync_bench::compare::site::Slot;
-use gradsync_bench::net::{Cluster, ClusterError, Shape};
+use gradsync_compare::cluster;
+use gradsync_compare::modes::{self, Bins, Ctx, Placement, ProcSpec};
+use gradsync_compare::net::{Cluster, ClusterError, Shape};
+use gradsync_compare::scenario::{ModeKind, RunSpec, Scenario};
+use gradsync_compare::site::Slot;
 use gradsync_testkit::Scratch;
 
 /// A cluster, or `None` (after saying why) where this machine cannot make one.
@@ -85,7 +85,7 @@ fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
             assert_eq!(m.matches("\"kind\":\"step\"").count(), 6, "{} rank {rank}", r.id);
         }
     }
-    let html = gradsync_bench::compare::plot(&[out.to_path_buf()], &out).unwrap();
+    let html = gradsync_compare::plot(&[out.to_path_buf()], &out).unwrap();
     let html = std::fs::read_to_string(html).unwrap();
     assert!(html.contains("Emulated cluster") && html.contains("ddp-tcp"), "no cluster section");
     assert!(html.contains("measured)"), "the report does not show the measured link");
