@@ -9,12 +9,14 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gradsync_compare::local::Local;
 use gradsync_compare::modes::{self, Bins, Ctx, Placement};
 use gradsync_compare::net::{Cluster, ClusterError, Shape};
 use gradsync_compare::scenario::{ModeKind, Scenario};
-use gradsync_compare::site::{Site, Slot};
+use gradsync_compare::site::Slot;
 use gradsync_testkit::Scratch;
 use gradsync_testkit::process::Proc;
 
@@ -60,7 +62,7 @@ fn cmdline(pid: u32) -> String {
 fn a_process_without_the_runs_tokens_is_refused() {
     let dir = Scratch::new("hosts-tokens");
     let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
-    let local = || Slot { addr: "127.0.0.1".into(), site: Site::Local };
+    let local = || Slot { addr: "127.0.0.1".into(), site: Arc::new(Local) };
     let ctx = |mode: ModeKind| {
         let mut s = scenario(4);
         s.modes = vec![mode];

@@ -8,6 +8,7 @@ use std::io::Write;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ExitStatus, Stdio};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -87,11 +88,11 @@ struct Guard {
     child: Child,
     log: PathBuf,
     done: Option<ExitStatus>,
-    /// The write end of its stdin, for a process started over ssh: closing it stops the
-    /// process on its host.
+    /// The write end of its stdin, for a process started under the supervisor on another
+    /// host or node: closing it stops the process there.
     stdin: Option<ChildStdin>,
-    /// Whether it runs on another host over ssh.
-    remote: bool,
+    /// Where it runs.
+    site: Arc<dyn Site>,
 }
 
 impl Guard {
@@ -123,7 +124,7 @@ impl Guard {
             // A few hundred bytes: the pipe takes them whatever the other end does.
             w.write_all(bytes).and_then(|_| w.flush()).with_context(|| format!("starting {name}"))?;
         }
-        Ok(Guard { name, child, log, done: None, stdin, remote: p.site.ssh_host().is_some() })
+        Ok(Guard { name, child, log, done: None, stdin, site: p.site.clone() })
     }
 
     /// SIGTERM, so the process can write its final metrics and checkpoint.
@@ -175,14 +176,10 @@ impl Guard {
         self.done
     }
 
-    /// For a process over ssh whose ssh exited with 255 (ssh's own failure, not the
-    /// program's): that the connection to its host was lost.
+    /// For a process whose launcher failed rather than the program (ssh's 255): what that
+    /// says, such as that the connection to its host was lost.
     fn lost(&self) -> &'static str {
-        if self.remote && self.done.and_then(|s| s.code()) == Some(255) {
-            " (ssh's own failure: the connection to the host was lost or refused)"
-        } else {
-            ""
-        }
+        self.done.and_then(|s| self.site.launcher_failure(s)).unwrap_or("")
     }
 
     /// The last lines the process wrote to stderr, for error messages.
@@ -228,13 +225,13 @@ pub fn execute(
     faults: Faults,
     bar: &ProgressBar,
 ) -> anyhow::Result<Finished> {
-    let mut sites: Vec<Site> = Vec::new();
+    let mut sites: Vec<Arc<dyn Site>> = Vec::new();
     let ran = run_plan(plan, dir, waits, faults, bar, &mut sites);
     // Each site once (its processes of this run share one directory there), all at once.
-    let mut once: Vec<&Site> = Vec::new();
+    let mut once: Vec<&dyn Site> = Vec::new();
     for site in &sites {
-        if !once.iter().any(|s| s.same(site)) {
-            once.push(site);
+        if !once.iter().any(|s| s.same(site.as_ref())) {
+            once.push(site.as_ref());
         }
     }
     let collected = std::thread::scope(|s| {
@@ -286,7 +283,7 @@ fn run_plan(
     w: Waits,
     faults: Faults,
     bar: &ProgressBar,
-    sites: &mut Vec<Site>,
+    sites: &mut Vec<Arc<dyn Site>>,
 ) -> anyhow::Result<Finished> {
     let Waits { timeout, budget, stop_at } = w;
     let Faults { max_restarts, kills } = faults;

@@ -13,10 +13,15 @@
 //! - [`scenario`]: the TOML matrix and the runs it expands to.
 //! - [`modes`]: each mode's command lines, a [`modes::Plan`] of processes per run.
 //! - [`exec`]: one plan run to its end (interruption, injected kills, restarts).
-//! - [`site`]: where a process runs and how it is started there.
+//! - [`site`]: where a process runs ([`site::Site`]: how it is launched, its files copied back,
+//!   the link between two sites measured, written once) and the sites a comparison places its
+//!   runs on ([`site::Pool`]). One implementation per file, each over [`site`] alone:
+//!   - [`local`]: this machine;
+//!   - [`netns`]: an emulated host's network namespace;
+//!   - [`ssh`]: `compare --hosts`, the hosts reached over ssh (read from a [`hostfile`]);
+//!   - [`slurm`]: `compare --slurm`, the nodes of a Slurm allocation, and `--emit-sbatch`.
+//! - [`place`]: where a run's processes go on hosts or nodes, and whether they can take them.
 //! - [`child`]: the runner's child processes and every wait on one with a deadline.
-//! - [`hostfile`], [`ssh`]: `compare --hosts`, the hosts reached over ssh.
-//! - [`slurm`]: `compare --slurm`, the nodes of a Slurm allocation, and `--emit-sbatch`.
 //! - [`machine`]: the machine and link record (`machine.json`) and what a machine or a host
 //!   cannot take.
 //! - [`results`]: what a run reduces to, read from its files.
@@ -38,9 +43,12 @@ pub mod emulated;
 pub mod exec;
 pub mod hostfile;
 pub mod hosts;
+pub mod local;
 pub mod machine;
 pub mod modes;
 pub mod net;
+pub mod netns;
+pub mod place;
 pub mod rawtcp;
 pub mod report;
 pub mod results;
@@ -148,12 +156,10 @@ pub struct CompareArgs {
 
 /// How a comparison's processes are started: on this machine, on `--hosts` over ssh, or as
 /// steps of a Slurm allocation (`--slurm`); with the parameter server's TLS when asked for.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Launching {
-    /// The hosts, checked; none on this machine.
-    pub hosts: Option<ssh::Hosts>,
-    /// The allocation; none outside `--slurm`.
-    pub slurm: Option<slurm::Alloc>,
+    /// The hosts, checked, or the allocation's nodes; none on this machine.
+    pub pool: Option<Box<dyn site::Pool>>,
     /// The certificates.
     pub tls: Option<modes::Tls>,
 }
@@ -174,9 +180,9 @@ impl Launching {
         if a.slurm {
             let alloc = slurm::Alloc::from_env(&bins.worker, out)?;
             eprintln!("gradsync-bench compare: Slurm job {}: {}", alloc.job, alloc.describe());
-            return Ok(Launching { hosts: None, slurm: Some(alloc), tls });
+            return Ok(Launching { pool: Some(Box::new(alloc)), tls });
         }
-        let Some(list) = &a.hosts else { return Ok(Launching { hosts: None, slurm: None, tls }) };
+        let Some(list) = &a.hosts else { return Ok(Launching { pool: None, tls }) };
         let entries = hostfile::parse_arg(list)?;
         let ssh_args = ssh::SshArgs {
             ssh_opts: a.ssh_opts.clone(),
@@ -204,7 +210,7 @@ impl Launching {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        Ok(Launching { hosts: Some(hosts), slurm: None, tls })
+        Ok(Launching { pool: Some(Box::new(hosts)), tls })
     }
 }
 
@@ -350,10 +356,8 @@ fn compare_into(
     } else {
         write("scenario.toml", &toml::to_string(scenario).context("writing the scenario")?)?;
         let mut machine = Machine::detect();
-        if let Some(h) = &launching.hosts {
-            machine.measure_hosts(h, scenario.rawtcp_s)?;
-        } else if let Some(a) = &launching.slurm {
-            machine.measure_nodes(a, scenario.rawtcp_s)?;
+        if let Some(pool) = &launching.pool {
+            machine.measure_pool(pool.as_ref(), scenario.rawtcp_s)?;
         } else {
             let streams: Vec<usize> = scenario
                 .expand()
@@ -414,11 +418,7 @@ fn compare_into(
         if exec::interrupted() {
             break;
         }
-        let placed = match (&launching.hosts, &launching.slurm) {
-            (Some(h), _) => Some(h.place(&spec).map(|(s, w)| (slots(&s), slots(&w)))),
-            (None, Some(alloc)) => Some(alloc.place(&spec).map(|(s, w)| (slots(&s), slots(&w)))),
-            (None, None) => None,
-        };
+        let placed = launching.pool.as_ref().map(|p| p.place_slots(&spec));
         let (placement, skip) = match placed {
             Some(Ok((servers, workers))) => (modes::Placement::Hosts { servers, workers }, spec.skip.clone()),
             Some(Err(why)) => (modes::Placement::Loopback, Some(why)),
@@ -436,11 +436,8 @@ fn compare_into(
         overall.inc(1);
     }
     overall.finish_and_clear();
-    if let Some(h) = &launching.hosts {
-        h.tidy();
-    }
-    if let Some(a) = &launching.slurm {
-        a.tidy();
+    if let Some(pool) = &launching.pool {
+        pool.tidy();
     }
     let n = |s: &str| outcomes.iter().filter(|o| o.status == s).count();
     eprintln!(
@@ -455,14 +452,6 @@ fn compare_into(
         n("interrupted")
     );
     Ok(outcomes)
-}
-
-/// The slots of a run's hosts or nodes.
-fn slots<'a, T: 'a>(list: &'a [T]) -> Vec<site::Slot>
-where
-    site::Slot: From<&'a T>,
-{
-    list.iter().map(site::Slot::from).collect()
 }
 
 /// User and system CPU seconds of every child process this one has waited for

@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
-use super::scenario::ModeKind;
+use crate::place::run_memory;
+use crate::rawtcp::PeerReading;
+use crate::scenario::ModeKind;
+use crate::site::{HostFacts, Pool};
 
 /// What the report needs to know about the machine.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -46,7 +49,7 @@ pub struct Machine {
     /// a run's processes outnumbered them; the report describes each kind of host), and the
     /// link figures are those between two of them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub hosts: Vec<super::ssh::HostFacts>,
+    pub hosts: Vec<HostFacts>,
     /// What the link figures crossed when not this machine's loopback (`node0 to node1`,
     /// `loopback (one node: node0)`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -148,7 +151,7 @@ impl Machine {
     /// Why a run cannot fit in this machine's memory now, if it cannot: its estimated memory
     /// ([`run_memory`]) against what `/proc/meminfo` calls available, so that a run of large
     /// models (eight replicas of VGG-16) is refused with the figures rather than swapping.
-    pub fn memory_short(spec: &super::scenario::RunSpec) -> Option<String> {
+    pub fn memory_short(spec: &crate::scenario::RunSpec) -> Option<String> {
         let params = gradsync_core::model::ModelSpec::parse(&spec.model)
             .map(|m| gradsync_core::model::Layout::new(&m).len)
             .ok()?;
@@ -208,36 +211,23 @@ impl Machine {
 }
 
 impl Machine {
-    /// For `compare --hosts`: the hosts' descriptions and the link the cost model is fitted to
-    /// measured between two of them (the yardstick in five measurements splitting `seconds`,
-    /// and the small-message latency).
-    pub fn measure_hosts(&mut self, hosts: &super::ssh::Hosts, seconds: f64) -> anyhow::Result<()> {
-        let r = hosts
+    /// For `compare --hosts` and `--slurm`: the descriptions of the `pool`'s sites and the
+    /// link the cost model is fitted to, measured between two of them (or on the one site's
+    /// loopback): the yardstick in five measurements splitting `seconds`, and the
+    /// small-message latency.
+    pub fn measure_pool(&mut self, pool: &dyn Pool, seconds: f64) -> anyhow::Result<()> {
+        let r = pool
             .measure_link(LINK_ROUNDS, Duration::from_secs_f64(seconds / LINK_ROUNDS as f64))
-            .context("measuring the link between the hosts")?;
-        self.set_hosts(hosts.facts(), r, "ssh");
-        Ok(())
-    }
-
-    /// For `compare --slurm`: the nodes' descriptions and the link measured between two of
-    /// them, or on the one node's loopback.
-    pub fn measure_nodes(&mut self, alloc: &super::slurm::Alloc, seconds: f64) -> anyhow::Result<()> {
-        let r = alloc
-            .measure_link(LINK_ROUNDS, Duration::from_secs_f64(seconds / LINK_ROUNDS as f64))
-            .context("measuring the link between the allocation's nodes")?;
-        self.set_hosts(alloc.facts(), r, "Slurm");
+            .with_context(|| format!("measuring the link between {}", pool.what()))?;
+        let facts = pool.sites().iter().filter_map(|s| s.facts().cloned()).collect();
+        self.set_hosts(facts, r, pool.launcher());
         Ok(())
     }
 
     /// Record `hosts` (their cores together in `cores`, for telling whether a run's processes
     /// outnumbered the cores they had), started by `launcher`, and the link `r` measured
     /// between the first two (the first's loopback when there is one).
-    fn set_hosts(
-        &mut self,
-        hosts: Vec<super::ssh::HostFacts>,
-        r: crate::rawtcp::PeerReading,
-        launcher: &str,
-    ) {
+    fn set_hosts(&mut self, hosts: Vec<HostFacts>, r: PeerReading, launcher: &str) {
         self.hosts = hosts;
         self.launcher = Some(launcher.into());
         self.cores = self.hosts.iter().map(|h| h.cores).sum();
@@ -256,9 +246,9 @@ impl Machine {
 
     /// The hosts grouped by kind (CPU, cores, memory to the GiB, GPUs), in the order each
     /// kind first appears: each kind with the names of its hosts.
-    pub fn host_kinds(&self) -> Vec<(&super::ssh::HostFacts, Vec<&str>)> {
-        let mut kinds: Vec<(&super::ssh::HostFacts, Vec<&str>)> = Vec::new();
-        let key = |h: &super::ssh::HostFacts| (h.cpu.clone(), h.cores, h.memory_bytes >> 30, h.gpus.clone());
+    pub fn host_kinds(&self) -> Vec<(&HostFacts, Vec<&str>)> {
+        let mut kinds: Vec<(&HostFacts, Vec<&str>)> = Vec::new();
+        let key = |h: &HostFacts| (h.cpu.clone(), h.cores, h.memory_bytes >> 30, h.gpus.clone());
         for h in &self.hosts {
             match kinds.iter_mut().find(|(k, _)| key(k) == key(h)) {
                 Some((_, names)) => names.push(&h.name),
@@ -284,7 +274,7 @@ pub fn gpus() -> Vec<String> {
     else {
         return Vec::new();
     };
-    let status = super::child::wait_until(&mut child, Instant::now() + Duration::from_secs(10));
+    let status = crate::child::wait_until(&mut child, Instant::now() + Duration::from_secs(10));
     let mut out = String::new();
     if status.is_some_and(|s| s.success())
         && let Some(mut o) = child.stdout.take()
@@ -322,161 +312,9 @@ pub fn busy_between(a: (u64, u64), b: (u64, u64), min_ticks: u64) -> Option<f64>
     (total >= min_ticks.max(1)).then(|| b.0.saturating_sub(a.0) as f64 / total as f64)
 }
 
-/// Why the hosts (or Slurm nodes, `what`) a run is placed on cannot take it, if they cannot:
-/// `ddp-nccl` with more ranks on one than it has GPUs (NCCL refuses two ranks on one device),
-/// or the processes placed on one needing more than 0.9 of the memory it had available when
-/// it was checked ([`process_memory`]; a host whose memory was not read is not checked).
-/// `servers` and `workers` are indexes into `hosts`.
-pub fn placement_short(
-    spec: &super::scenario::RunSpec,
-    hosts: &[&super::ssh::HostFacts],
-    servers: &[usize],
-    workers: &[usize],
-    what: &str,
-) -> Option<String> {
-    if spec.mode == ModeKind::DdpNccl {
-        for (i, h) in hosts.iter().enumerate() {
-            let ranks = workers.iter().filter(|&&w| w == i).count();
-            if ranks > h.gpus.len() {
-                return Some(format!(
-                    "{ranks} NCCL ranks placed on {what} {} and it has {} GPU(s)",
-                    h.name,
-                    h.gpus.len()
-                ));
-            }
-        }
-    }
-    let params = gradsync_core::model::ModelSpec::parse(&spec.model)
-        .map(|m| gradsync_core::model::Layout::new(&m).len)
-        .ok()?;
-    let (server, worker) = process_memory(spec.mode, spec.workers, spec.shards, params);
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    hosts.iter().enumerate().find_map(|(i, h)| {
-        let (k, w) = (servers.iter().filter(|&&s| s == i).count(), workers.iter().filter(|&&s| s == i).count());
-        let need = k as u64 * server + w as u64 * worker;
-        (h.memory_available_bytes > 0 && need as f64 > 0.9 * h.memory_available_bytes as f64).then(|| {
-            let who = match (k, w) {
-                (0, w) => format!("{w} worker(s)"),
-                (k, 0) => format!("{k} server shard(s)"),
-                (k, w) => format!("{k} server shard(s) and {w} worker(s)"),
-            };
-            format!(
-                "{who} placed on {what} {} need about {:.1} GiB ({:.0} MB of parameters each: parameters, \
-                 gradients, optimiser state and buffers) and it had {:.1} GiB available: run fewer workers, or \
-                 on more {what}s",
-                h.name,
-                gib(need),
-                params as f64 * 4.0 / 1e6,
-                gib(h.memory_available_bytes)
-            )
-        })
-    })
-}
-
-/// Bytes one server shard and one worker process of a run hold at most (for [`run_memory`]'s
-/// run, split by process): a parameter server's shards share its 5S evenly; DP is one
-/// process holding everything.
-pub fn process_memory(mode: ModeKind, workers: usize, shards: usize, params: usize) -> (u64, u64) {
-    let s = params as u64 * 4;
-    let k = shards.max(1) as u64;
-    match mode.base() {
-        ModeKind::Local | ModeKind::Dp => (0, run_memory(mode, workers, params)),
-        ModeKind::Hybrid => ((5 * s).div_ceil(k), 4 * s),
-        m if m.is_ps() => ((5 * s).div_ceil(k), 3 * s),
-        _ => (0, 4 * s),
-    }
-}
-
-/// Bytes a run of `mode` holds at most, all processes together, for a model of `params`
-/// f32 parameters (S bytes): each training process its parameters, gradients and momentum,
-/// and one more S of communication buffers for a ring; DP its replicas' parameters and
-/// gradients and replica 0's sum, momentum and copies; the parameter servers, over all their
-/// shards, parameters, momentum, the sum of pushes and the next step's parameters and momentum.
-pub fn run_memory(mode: ModeKind, workers: usize, params: usize) -> u64 {
-    let s = params as u64 * 4;
-    let w = workers.max(1) as u64;
-    match mode.base() {
-        ModeKind::Local => 3 * s,
-        ModeKind::Dp => (2 * w + 4) * s,
-        // A whole replica per rank, as DDP's, and the table (at most the model) on the servers.
-        ModeKind::Hybrid => 4 * s * w + 5 * s,
-        m if m.is_ps() => 3 * s * w + 5 * s,
-        _ => 4 * s * w,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A run placed on hosts is checked host by host: its processes there against the memory
-    /// the host had available, and NCCL ranks against the host's GPUs, naming the host.
-    #[test]
-    fn placement_is_checked_against_each_hosts_memory_and_gpus() {
-        let mut s = crate::scenario::Scenario::load(None).unwrap();
-        (s.models, s.modes, s.workers, s.shards) =
-            (vec!["vgg11".into()], vec![ModeKind::PsBsp], vec![4], vec![2]);
-        let spec = s.expand().remove(0);
-        let params =
-            gradsync_core::model::Layout::new(&gradsync_core::model::ModelSpec::parse("vgg11").unwrap()).len;
-        let sz = params as u64 * 4;
-        let (server, worker) = process_memory(ModeKind::PsBsp, 4, 2, params);
-        assert_eq!((server, worker), ((5 * sz).div_ceil(2), 3 * sz));
-        // With one shard the processes add up to the run's estimate.
-        let (one, _) = process_memory(ModeKind::PsBsp, 4, 1, params);
-        assert_eq!(one + 4 * worker, run_memory(ModeKind::PsBsp, 4, params));
-        let host = |name: &str, avail: u64, gpus: usize| crate::ssh::HostFacts {
-            name: name.into(),
-            memory_available_bytes: avail,
-            gpus: vec!["H100".into(); gpus],
-            ..Default::default()
-        };
-        // Servers on n0 and n1, two workers each on n2 and n3; n3 has room for one.
-        let (hosts, servers, workers) = (
-            [
-                host("n0", 64 << 30, 0),
-                host("n1", 64 << 30, 0),
-                host("n2", 64 << 30, 0),
-                host("n3", 512 << 20, 0),
-            ],
-            [0, 1],
-            [2, 3, 2, 3],
-        );
-        let refs: Vec<_> = hosts.iter().collect();
-        let why = placement_short(&spec, &refs, &servers, &workers, "host").unwrap();
-        assert!(
-            why.starts_with("2 worker(s) placed on host n3 need about 0.6 GiB (113 MB of parameters each"),
-            "{why}"
-        );
-        assert!(why.contains("it had 0.5 GiB available"), "{why}");
-        let roomy: Vec<_> = hosts
-            .iter()
-            .map(|h| crate::ssh::HostFacts { memory_available_bytes: 64 << 30, ..h.clone() })
-            .collect();
-        assert_eq!(
-            placement_short(&spec, &roomy.iter().collect::<Vec<_>>(), &servers, &workers, "host"),
-            None
-        );
-        // Memory not read: not checked.
-        let unknown: Vec<_> =
-            hosts.iter().map(|h| crate::ssh::HostFacts { memory_available_bytes: 0, ..h.clone() }).collect();
-        assert_eq!(
-            placement_short(&spec, &unknown.iter().collect::<Vec<_>>(), &servers, &workers, "host"),
-            None
-        );
-        // NCCL: two ranks on a node with one GPU is refused naming the node; none on a node
-        // without GPUs.
-        (s.models, s.modes, s.workers) = (vec!["tiny".into()], vec![ModeKind::DdpNccl], vec![3]);
-        let spec = s.expand().remove(0);
-        let nodes = [host("gpu1", 64 << 30, 2), host("gpu2", 64 << 30, 1)];
-        let refs: Vec<_> = nodes.iter().collect();
-        let why = placement_short(&spec, &refs, &[], &[0, 1, 1], "node").unwrap();
-        assert_eq!(why, "2 NCCL ranks placed on node gpu2 and it has 1 GPU(s)");
-        assert_eq!(placement_short(&spec, &refs, &[], &[0, 0, 1], "node"), None);
-        let cpu = [host("cpu1", 64 << 30, 0)];
-        let why = placement_short(&spec, &cpu.iter().collect::<Vec<_>>(), &[], &[0], "node").unwrap();
-        assert!(why.contains("on node cpu1 and it has 0 GPU(s)"), "{why}");
-    }
 
     fn with_gpus(n: usize) -> Machine {
         Machine { gpus: vec!["GPU".into(); n], ..Machine::default() }
@@ -502,20 +340,6 @@ mod tests {
         assert_eq!(busy_between((100, 1000), (90, 900), 1), None);
         let (busy, total) = cpu_ticks().expect("/proc/stat");
         assert!(busy <= total && total > 0);
-    }
-
-    /// Eight DDP ranks of VGG-16 (553 MB of parameters) need 17.7 GB, whatever they compress;
-    /// ResNet-50 under a fifth of that.
-    #[test]
-    fn run_memory_counts_every_process() {
-        let vgg = 138_357_544;
-        let s = vgg as u64 * 4;
-        assert_eq!(run_memory(ModeKind::DdpTcp, 8, vgg), 32 * s);
-        assert_eq!(run_memory(ModeKind::DdpTcpFp16, 8, vgg), 32 * s);
-        assert_eq!(run_memory(ModeKind::Local, 1, vgg), 3 * s);
-        assert_eq!(run_memory(ModeKind::PsBspTopk, 8, vgg), 29 * s);
-        assert_eq!(run_memory(ModeKind::Dp, 8, vgg), 20 * s);
-        assert!(run_memory(ModeKind::DdpTcp, 8, 25_557_032) < run_memory(ModeKind::DdpTcp, 8, vgg) / 5);
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 
 use anyhow::Context;
 
@@ -18,6 +19,7 @@ use gradsync_worker::cli::flag as wf;
 use gradsync_worker::cli::{Backend, Mode, Transport};
 use gradsync_worker::strategy::SparseGrads;
 
+use super::local::Local;
 use super::scenario::{ModeKind, RunSpec, Scenario};
 use super::site::{Site, Slot};
 
@@ -73,7 +75,7 @@ pub struct ProcSpec {
     /// Its metrics file (where it runs).
     pub metrics: PathBuf,
     /// Where it runs.
-    pub site: Site,
+    pub site: Arc<dyn Site>,
     /// Added to its environment: the run's tokens, never on a command line.
     pub env: Vec<(String, String)>,
 }
@@ -96,20 +98,24 @@ pub enum Placement {
 
 impl Placement {
     /// The address and site of server shard `i`.
-    fn server(&self, i: usize) -> (String, Site) {
+    fn server(&self, i: usize) -> (String, Arc<dyn Site>) {
         self.slot(i, |servers, _| servers)
     }
 
     /// The address and site of worker rank `r`.
-    fn worker(&self, r: usize) -> (String, Site) {
+    fn worker(&self, r: usize) -> (String, Arc<dyn Site>) {
         self.slot(r, |_, workers| workers)
     }
 
-    fn slot<'a>(&'a self, i: usize, list: fn(&'a [Slot], &'a [Slot]) -> &'a [Slot]) -> (String, Site) {
+    fn slot<'a>(
+        &'a self,
+        i: usize,
+        list: fn(&'a [Slot], &'a [Slot]) -> &'a [Slot],
+    ) -> (String, Arc<dyn Site>) {
         match self {
-            Placement::Loopback => ("127.0.0.1".into(), Site::Local),
+            Placement::Loopback => ("127.0.0.1".into(), Arc::new(Local)),
             Placement::Hosts { servers, workers } => match list(servers, workers) {
-                [] => ("127.0.0.1".into(), Site::Local),
+                [] => ("127.0.0.1".into(), Arc::new(Local)),
                 l => {
                     let h = &l[i % l.len()];
                     (h.addr.clone(), h.site.clone())

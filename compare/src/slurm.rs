@@ -1,10 +1,12 @@
 //! `compare --slurm`: the comparison inside a Slurm allocation (`salloc`, `sbatch`), every
 //! server and worker of a run started as a job step of its own with `srun` on the node the
-//! run's placement gives it (the rules of `--hosts`: [`super::ssh::assign`], each node taking
+//! run's placement gives it (the rules of `--hosts`: [`crate::place::assign`], each node taking
 //! the tasks the allocation gives it). Steps share their nodes (`--overlap`), so a run may
 //! place more processes on a node than it has CPUs when the allocation overcommits.
 //!
-//! As over ssh, every step runs under `gradsync-worker supervise`: the run's tokens reach it on
+//! A [`Node`] is a [`Site`] (how a step is started there; launching a process, and bringing
+//! its files back, are the trait's, written once) and the [`Alloc`] a [`Pool`]. As over ssh,
+//! every step runs under `gradsync-worker supervise`: the run's tokens reach it on
 //! the step's stdin (which srun forwards), never on a command line, and the end of that stdin
 //! (the run is over, the runner was stopped or killed, srun died) stops the process. Killing
 //! an `srun` also ends its step: Slurm signals the step's tasks.
@@ -21,6 +23,7 @@
 //! `compare --emit-sbatch DIR` writes a batch script that asks for an allocation sized from
 //! the scenario's largest run and runs `compare --slurm` in it, for those who submit instead.
 
+use std::ffi::{OsStr, OsString};
 use std::net::ToSocketAddrs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -29,14 +32,14 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-use super::child::{Launch, run_limited};
-use super::scenario::{RunSpec, Scenario};
-use super::ssh::{HostFacts, assign, pack_files, quote, unpack_files};
+use crate::child::run_limited;
+use crate::place::{assign, placement_short};
+use crate::rawtcp::PeerReading;
+use crate::scenario::{RunSpec, Scenario};
+use crate::site::{FACTS_SCRIPT, HostFacts, Pool, Site, Slot, files_under, quote, random_port, read_facts};
 
 /// How long reading a node's facts may take, the step's start included.
 const FACTS_LIMIT: Duration = Duration::from_secs(60);
-/// How long bringing a run's files back from one node may take.
-const COLLECT_LIMIT: Duration = Duration::from_secs(300);
 
 /// One node of the allocation.
 #[derive(Debug, Clone)]
@@ -68,34 +71,47 @@ pub struct Alloc {
     pub nodes: Vec<Arc<Node>>,
 }
 
-impl Node {
-    /// `srun` starting `program args` as a one-task step on this node, under the supervisor,
-    /// with `env` sent on its stdin, after making `files` there; the lines appended to
-    /// `follow` come back on its stdout.
-    pub fn launch(
-        &self,
-        program: &Path,
-        args: &[String],
-        env: &[(String, String)],
-        files: &Path,
-        follow: Option<&Path>,
-    ) -> Launch {
-        let mut command = self.step(true);
-        // `sh -c 'mkdir -p "$0" && exec "$@"' DIR PROGRAM ARGS`: every argument stays one word.
-        command.args(["/bin/sh", "-c", "mkdir -p -- \"$0\" && exec \"$@\""]).arg(files);
-        command.arg(&self.supervisor).arg("supervise");
-        if let Some(f) = follow {
-            command.arg("--follow").arg(f);
-        }
-        command.arg("--").arg(program).args(args);
-        let mut stdin = String::new();
-        for (k, v) in env {
-            stdin.push_str(&format!("{k}={v}\n"));
-        }
-        stdin.push('\n');
-        Launch { command, stdin: Some(stdin.into_bytes()) }
+impl Site for Node {
+    fn label(&self) -> Option<String> {
+        Some(format!("node {}", self.name))
     }
 
+    /// `srun` starting `program args` as a one-task step on this node.
+    fn command(&self, program: &OsStr, args: &[OsString], input: bool) -> Command {
+        let mut c = self.step(input);
+        c.arg(program).args(args);
+        c
+    }
+
+    fn is_child(&self) -> bool {
+        false
+    }
+
+    fn free_port(&self) -> anyhow::Result<u16> {
+        random_port()
+    }
+
+    /// The binary of the same name beside the supervisor (the nodes see this machine's paths).
+    fn binary(&self, local: &Path) -> PathBuf {
+        self.supervisor.with_file_name(local.file_name().unwrap_or(local.as_os_str()))
+    }
+
+    fn files_dir(&self, dir: &Path) -> PathBuf {
+        files_under(&self.local_root, &self.remote_root, dir)
+    }
+
+    fn facts(&self) -> Option<&HostFacts> {
+        Some(&self.facts)
+    }
+}
+
+impl From<&Arc<Node>> for Slot {
+    fn from(n: &Arc<Node>) -> Slot {
+        Slot { addr: n.addr.clone(), site: n.clone() }
+    }
+}
+
+impl Node {
     /// `srun` with the flags of one task on this node: sharing the node's CPUs with the run's
     /// other steps, quiet unless something fails, its stdin forwarded to the task when `input`.
     fn step(&self, input: bool) -> Command {
@@ -113,32 +129,9 @@ impl Node {
         c
     }
 
-    /// Run the shell command line `script` as a step on this node, within `limit`.
-    pub fn run(&self, script: &str, limit: Duration) -> anyhow::Result<std::process::Output> {
-        let mut c = self.step(false);
-        c.args(["/bin/sh", "-c", script]);
-        run_limited(c, None, limit).with_context(|| format!("node {}", self.name))
-    }
-
-    /// Where this node's processes write the files of the run directory `dir`.
-    pub fn files_dir(&self, dir: &Path) -> PathBuf {
-        match dir.strip_prefix(&self.local_root) {
-            Ok(rel) => self.remote_root.join(rel),
-            Err(_) => self.remote_root.join(dir.file_name().unwrap_or_default()),
-        }
-    }
-
-    /// Copy what the run's processes wrote on this node into `dir` (`tar` on a step's stdout),
-    /// then remove it there. A node where nothing was written (another node of a shared file
-    /// system took it already) gives nothing.
-    pub fn collect(&self, dir: &Path) -> anyhow::Result<()> {
-        let o = self.run(&pack_files(&self.files_dir(dir)), COLLECT_LIMIT);
-        unpack_files(&format!("node {}", self.name), o, dir)
-    }
-
-    /// What this node is: [`super::ssh::FACTS_SCRIPT`] run as a step on it.
+    /// What this node is: [`FACTS_SCRIPT`] run as a step on it.
     fn read_facts(&self) -> anyhow::Result<HostFacts> {
-        let o = self.run(super::ssh::FACTS_SCRIPT, FACTS_LIMIT).context("reading what it is")?;
+        let o = self.run(FACTS_SCRIPT, FACTS_LIMIT).context("reading what it is")?;
         let text = String::from_utf8_lossy(&o.stdout);
         anyhow::ensure!(
             o.status.success() && text.lines().any(|l| l == "end"),
@@ -147,14 +140,14 @@ impl Node {
             o.status,
             String::from_utf8_lossy(&o.stderr).trim()
         );
-        let facts = HostFacts {
+        let mut facts = HostFacts {
             name: self.name.clone(),
             addr: self.addr.clone(),
             slots: self.slots,
             ..HostFacts::default()
         };
-        super::ssh::read_check(&text, facts, &[], Path::new(""))
-            .map_err(|p| anyhow::anyhow!("node {}: {}", self.name, p.join(", ")))
+        read_facts(&text, &mut facts);
+        Ok(facts)
     }
 }
 
@@ -241,29 +234,50 @@ impl Alloc {
         let (servers, workers) = assign(&slots, spec.mode, spec.workers, spec.shards)
             .map_err(|e| format!("the allocation ({}): {e}", self.describe()))?;
         let facts: Vec<&HostFacts> = self.nodes.iter().map(|n| &n.facts).collect();
-        if let Some(why) = super::machine::placement_short(spec, &facts, &servers, &workers, "node") {
+        if let Some(why) = placement_short(spec, &facts, &servers, &workers, "node") {
             return Err(why);
         }
         let node = |i: &usize| self.nodes[*i].clone();
         Ok((servers.iter().map(node).collect(), workers.iter().map(node).collect()))
     }
 
-    /// The nodes' descriptions, in order.
-    pub fn facts(&self) -> Vec<HostFacts> {
-        self.nodes.iter().map(|n| n.facts.clone()).collect()
+    /// `node01 (10.0.0.1, 4 tasks), ...`, for messages.
+    pub fn describe(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| format!("{} ({}, {} tasks)", n.name, n.addr, n.slots))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+impl Pool for Alloc {
+    fn sites(&self) -> Vec<Arc<dyn Site>> {
+        self.nodes.iter().map(|n| n.clone() as Arc<dyn Site>).collect()
     }
 
-    /// The raw-TCP yardstick between the first two nodes (one node: over its own loopback):
-    /// `rounds` measurements streaming `each`, and the small-message latency, with
-    /// `gradsync-bench rawtcp-peer` (beside the supervisor) as a step on each.
-    pub fn measure_link(&self, rounds: usize, each: Duration) -> anyhow::Result<crate::rawtcp::PeerReading> {
+    fn launcher(&self) -> &'static str {
+        "Slurm"
+    }
+
+    fn what(&self) -> &'static str {
+        "the allocation's nodes"
+    }
+
+    fn place_slots(&self, spec: &RunSpec) -> Result<(Vec<Slot>, Vec<Slot>), String> {
+        let (servers, workers) = self.place(spec)?;
+        Ok((servers.iter().map(Slot::from).collect(), workers.iter().map(Slot::from).collect()))
+    }
+
+    /// With `gradsync-bench rawtcp-peer` (beside the supervisor) as a step on each node.
+    fn measure_link(&self, rounds: usize, each: Duration) -> anyhow::Result<PeerReading> {
         let from = self.nodes.first().context("--slurm: the allocation has no node")?;
         let to = self.nodes.get(1).unwrap_or(from);
         let listen = if Arc::ptr_eq(from, to) { "127.0.0.1".to_string() } else { to.addr.clone() };
         let bench = from.supervisor.with_file_name("gradsync-bench");
-        super::site::measure_link(
-            &super::site::Site::Slurm(from.clone()),
-            &super::site::Site::Slurm(to.clone()),
+        crate::site::measure_link(
+            from.as_ref(),
+            to.as_ref(),
             &listen,
             &bench,
             &from.remote_root,
@@ -274,7 +288,7 @@ impl Alloc {
 
     /// Remove the (then empty) directories the runs used on every node; once is enough, more
     /// is harmless.
-    pub fn tidy(&self) {
+    fn tidy(&self) {
         std::thread::scope(|s| {
             for n in &self.nodes {
                 s.spawn(|| {
@@ -284,15 +298,6 @@ impl Alloc {
                 });
             }
         });
-    }
-
-    /// `node01 (10.0.0.1, 4 tasks), ...`, for messages.
-    pub fn describe(&self) -> String {
-        self.nodes
-            .iter()
-            .map(|n| format!("{} ({}, {} tasks)", n.name, n.addr, n.slots))
-            .collect::<Vec<_>>()
-            .join(", ")
     }
 }
 

@@ -2,6 +2,8 @@
 //! `ssh` (BatchMode, so a missing key fails at once instead of asking; the user's keys and
 //! `~/.ssh/config`; more options from `--ssh-opts` or `GRADSYNC_SSH_OPTS`).
 //!
+//! A [`Host`] is a [`Site`] (how a command is started there; launching a process, and bringing
+//! its files back, are the trait's, written once) and the checked [`Hosts`] a [`Pool`].
 //! Every remote process runs under `gradsync-worker supervise` ([`gradsync_worker::supervise`]):
 //! the run's secrets travel on the ssh session's stdin into the process's environment (never
 //! on a command line), and when the session ends (the run is over, the runner stopped or was
@@ -13,18 +15,21 @@
 //! same gradsync binaries at the same path as this machine (`--version` and a SHA-256 of each
 //! file), and what it is (CPU, cores, memory, GPUs, kernel) is recorded for the report.
 
+use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, ExitStatus};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use serde::{Deserialize, Serialize};
 use sha2::Digest;
 
-use super::child::{Launch, run_limited};
-use super::hostfile::HostEntry;
-use super::scenario::{ModeKind, RunSpec};
+use crate::child::run_limited;
+use crate::hostfile::HostEntry;
+use crate::place::{assign, placement_short};
+use crate::rawtcp::PeerReading;
+use crate::scenario::RunSpec;
+use crate::site::{FACTS_SCRIPT, HostFacts, Pool, Site, Slot, files_under, quote, random_port, read_facts};
 
 /// The binaries every host must have, in the same build as this machine's.
 pub const BINARIES: [&str; 3] = ["gradsync-worker", "gradsync-server", "gradsync-bench"];
@@ -33,35 +38,6 @@ pub const BINARIES: [&str; 3] = ["gradsync-worker", "gradsync-server", "gradsync
 const CONNECT_TIMEOUT_S: u64 = 10;
 /// How long the start check on one host may take, connection included.
 const CHECK_LIMIT: Duration = Duration::from_secs(60);
-/// How long bringing a run's files back from one host may take.
-const COLLECT_LIMIT: Duration = Duration::from_secs(300);
-
-/// What a host is, as recorded in `machine.json` (`hosts`).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct HostFacts {
-    /// The name in the host list.
-    pub name: String,
-    /// The address the other hosts reach it at.
-    pub addr: String,
-    /// Its slots in the host list.
-    pub slots: usize,
-    /// Its own host name.
-    pub hostname: String,
-    /// CPU model name.
-    pub cpu: String,
-    /// Logical cores.
-    pub cores: usize,
-    /// Physical memory, bytes.
-    pub memory_bytes: u64,
-    /// What `/proc/meminfo` called available when the host was checked, bytes (0: not read):
-    /// what a run placed there may use.
-    #[serde(default)]
-    pub memory_available_bytes: u64,
-    /// GPUs, by name.
-    pub gpus: Vec<String>,
-    /// Kernel release.
-    pub kernel: String,
-}
 
 /// The ssh settings every host of a comparison shares.
 #[derive(Debug)]
@@ -115,104 +91,55 @@ pub struct Hosts {
     conn: Arc<Conn>,
 }
 
-impl Host {
-    /// `ssh [options] NAME REMOTE`: `remote` is one shell command line on the host.
-    fn command(&self, remote: &str) -> Command {
+impl Site for Host {
+    fn label(&self) -> Option<String> {
+        Some(format!("host {}", self.name))
+    }
+
+    /// `ssh [options] NAME 'PROGRAM' 'ARG'...`: the remote shell gets one command line, every
+    /// word quoted; ssh forwards its stdin whatever `input` says.
+    fn command(&self, program: &OsStr, args: &[OsString], _input: bool) -> Command {
+        let mut remote = quote(&program.to_string_lossy());
+        for a in args {
+            remote.push(' ');
+            remote.push_str(&quote(&a.to_string_lossy()));
+        }
         let mut c = Command::new("ssh");
         c.args(&self.conn.options).arg(&self.name).arg(remote);
         c
     }
 
-    /// Start `program args` on this host under the supervisor, its environment's `env` sent
-    /// on stdin, after making `files` there; the lines appended to `follow` come back on its
-    /// stdout.
-    pub fn launch(
-        &self,
-        program: &Path,
-        args: &[String],
-        env: &[(String, String)],
-        files: &Path,
-        follow: Option<&Path>,
-    ) -> Launch {
-        let program = self.conn.bin_dir.join(program.file_name().unwrap_or(program.as_os_str()));
-        let supervisor = self.conn.bin_dir.join("gradsync-worker");
-        let follow =
-            follow.map(|f| format!(" --follow {}", quote(&f.display().to_string()))).unwrap_or_default();
-        let mut remote = format!(
-            "mkdir -p {} && exec {} supervise{follow} -- {}",
-            quote(&files.display().to_string()),
-            quote(&supervisor.display().to_string()),
-            quote(&program.display().to_string())
-        );
-        for a in args {
-            remote.push(' ');
-            remote.push_str(&quote(a));
-        }
-        let mut stdin = String::new();
-        for (k, v) in env {
-            stdin.push_str(&format!("{k}={v}\n"));
-        }
-        stdin.push('\n');
-        Launch { command: self.command(&remote), stdin: Some(stdin.into_bytes()) }
+    fn is_child(&self) -> bool {
+        false
     }
 
-    /// Where this host's processes write the files of the run directory `dir`.
-    pub fn files_dir(&self, dir: &Path) -> PathBuf {
-        match dir.strip_prefix(&self.conn.local_root) {
-            Ok(rel) => self.conn.remote_root.join(rel),
-            Err(_) => self.conn.remote_root.join(dir.file_name().unwrap_or_default()),
-        }
+    fn free_port(&self) -> anyhow::Result<u16> {
+        random_port()
     }
 
-    /// Copy what the run's processes wrote here into `dir` (`tar` over ssh), then remove it
-    /// from the host. A host where nothing was written (another host of a shared file system
-    /// took it already) gives nothing.
-    pub fn collect(&self, dir: &Path) -> anyhow::Result<()> {
-        let o = self.run(&pack_files(&self.files_dir(dir)), None, COLLECT_LIMIT);
-        unpack_files(&format!("host {}", self.name), o, dir)
+    /// The binary of the same name in the hosts' binaries' directory.
+    fn binary(&self, local: &Path) -> PathBuf {
+        self.conn.bin_dir.join(local.file_name().unwrap_or(local.as_os_str()))
     }
 
-    /// Run `remote` here with `stdin` written to it, waiting at most `limit`.
-    pub fn run(&self, remote: &str, stdin: Option<&[u8]>, limit: Duration) -> anyhow::Result<Output> {
-        run_limited(self.command(remote), stdin, limit).with_context(|| format!("host {}", self.name))
+    fn files_dir(&self, dir: &Path) -> PathBuf {
+        files_under(&self.conn.local_root, &self.conn.remote_root, dir)
+    }
+
+    fn facts(&self) -> Option<&HostFacts> {
+        Some(&self.facts)
+    }
+
+    fn launcher_failure(&self, status: ExitStatus) -> Option<&'static str> {
+        (status.code() == Some(255))
+            .then_some(" (ssh's own failure: the connection to the host was lost or refused)")
     }
 }
 
-/// `s` as one word of a POSIX shell command line.
-/// The shell command, run on another host or node, that writes the files below `files` to its
-/// stdout as a tar stream and removes them (nothing where the folder is not there).
-pub fn pack_files(files: &Path) -> String {
-    let d = quote(&files.display().to_string());
-    format!("if [ -d {d} ]; then tar -C {d} -cf - . && rm -rf {d}; fi")
-}
-
-/// Unpack into `dir` the tar stream that [`pack_files`] sent back from `whence` (`host X`,
-/// `node X`), naming it where either end failed.
-pub fn unpack_files(whence: &str, packed: anyhow::Result<Output>, dir: &Path) -> anyhow::Result<()> {
-    let o = packed.context("copying the run's files back")?;
-    anyhow::ensure!(
-        o.status.success(),
-        "{whence}: copying the run's files back failed ({}): {}",
-        o.status,
-        String::from_utf8_lossy(&o.stderr).trim()
-    );
-    if o.stdout.is_empty() {
-        return Ok(());
+impl From<&Arc<Host>> for Slot {
+    fn from(h: &Arc<Host>) -> Slot {
+        Slot { addr: h.addr.clone(), site: h.clone() }
     }
-    let mut tar = Command::new("tar");
-    tar.arg("-C").arg(dir).args(["-xf", "-"]);
-    let t = run_limited(tar, Some(&o.stdout), COLLECT_LIMIT).context("unpacking with tar")?;
-    anyhow::ensure!(
-        t.status.success(),
-        "unpacking the files of {whence} ({}): {}",
-        t.status,
-        String::from_utf8_lossy(&t.stderr).trim()
-    );
-    Ok(())
-}
-
-pub fn quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "'\\''"))
 }
 
 /// What this machine's binaries are: each one's `--version` line and SHA-256.
@@ -245,20 +172,6 @@ fn check_script(bin_dir: &Path) -> String {
     s.push_str(FACTS_SCRIPT);
     s
 }
-
-/// What a host or node is, one `key value` a line ([`read_check`] reads it), then `end`:
-/// names, cores, CPU, memory (total and available), and its GPUs, from `nvidia-smi` or, where
-/// that is missing, the driver's `/proc/driver/nvidia/gpus` (one directory a GPU).
-pub const FACTS_SCRIPT: &str = "echo \"hostname $(hostname)\"; echo \"cores $(nproc)\"; echo \"kernel $(uname -r)\"; \
-     grep -m1 '^model name' /proc/cpuinfo | sed 's/^[^:]*: */cpu /'; \
-     grep -m1 '^MemTotal' /proc/meminfo | sed 's/^MemTotal: *\\([0-9]*\\).*/memkb \\1/'; \
-     grep -m1 '^MemAvailable' /proc/meminfo | sed 's/^MemAvailable: *\\([0-9]*\\).*/availkb \\1/'; \
-     if command -v nvidia-smi >/dev/null 2>&1; then \
-       (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true) | sed 's/^/gpu /'; \
-     elif [ -d /proc/driver/nvidia/gpus ]; then \
-       for g in /proc/driver/nvidia/gpus/*; do [ -e \"$g\" ] && echo \"gpu $(sed -n 's/^Model:[[:space:]]*//p' \"$g/information\")\"; done; \
-     fi; \
-     echo end";
 
 /// Why ssh to `name` failed, from its exit status 255 and what it said.
 fn ssh_failure(name: &str, stderr: &str) -> String {
@@ -396,24 +309,41 @@ impl Hosts {
         let slots: Vec<usize> = self.hosts.iter().map(|h| h.slots).collect();
         let (servers, workers) = assign(&slots, spec.mode, spec.workers, spec.shards)?;
         let facts: Vec<&HostFacts> = self.hosts.iter().map(|h| &h.facts).collect();
-        if let Some(why) = super::machine::placement_short(spec, &facts, &servers, &workers, "host") {
+        if let Some(why) = placement_short(spec, &facts, &servers, &workers, "host") {
             return Err(why);
         }
         let host = |i: &usize| self.hosts[*i].clone();
         Ok((servers.iter().map(host).collect(), workers.iter().map(host).collect()))
     }
+}
 
-    /// The raw-TCP yardstick between the first two hosts (one host: over its own loopback):
-    /// `rounds` measurements streaming `each`, and the small-message latency, as measured by
-    /// `gradsync-bench rawtcp-peer` on both.
-    pub fn measure_link(&self, rounds: usize, each: Duration) -> anyhow::Result<crate::rawtcp::PeerReading> {
+impl Pool for Hosts {
+    fn sites(&self) -> Vec<Arc<dyn Site>> {
+        self.hosts.iter().map(|h| h.clone() as Arc<dyn Site>).collect()
+    }
+
+    fn launcher(&self) -> &'static str {
+        "ssh"
+    }
+
+    fn what(&self) -> &'static str {
+        "the hosts"
+    }
+
+    fn place_slots(&self, spec: &RunSpec) -> Result<(Vec<Slot>, Vec<Slot>), String> {
+        let (servers, workers) = self.place(spec)?;
+        Ok((servers.iter().map(Slot::from).collect(), workers.iter().map(Slot::from).collect()))
+    }
+
+    /// Measured by `gradsync-bench rawtcp-peer` on both hosts.
+    fn measure_link(&self, rounds: usize, each: Duration) -> anyhow::Result<PeerReading> {
         let from = &self.hosts[0];
         let to = self.hosts.get(1).unwrap_or(from);
         let listen =
             if std::ptr::eq(from.as_ref(), to.as_ref()) { "127.0.0.1".to_string() } else { to.addr.clone() };
-        super::site::measure_link(
-            &super::site::Site::Ssh(from.clone()),
-            &super::site::Site::Ssh(to.clone()),
+        crate::site::measure_link(
+            from.as_ref(),
+            to.as_ref(),
             &listen,
             &self.conn.bin_dir.join("gradsync-bench"),
             &self.conn.remote_root,
@@ -422,14 +352,9 @@ impl Hosts {
         )
     }
 
-    /// The hosts' descriptions, in order.
-    pub fn facts(&self) -> Vec<HostFacts> {
-        self.hosts.iter().map(|h| h.facts.clone()).collect()
-    }
-
     /// Remove the (then empty) remote directories the runs used, on every host,
     /// and close the shared connections; once.
-    pub fn tidy(&self) {
+    fn tidy(&self) {
         if self.conn.tidied.swap(true, std::sync::atomic::Ordering::SeqCst) {
             return;
         }
@@ -438,11 +363,7 @@ impl Hosts {
         std::thread::scope(|s| {
             for h in &self.hosts {
                 s.spawn(|| {
-                    let _ = h.run(
-                        &format!("rmdir {runs} {root} 2>/dev/null; true"),
-                        None,
-                        Duration::from_secs(30),
-                    );
+                    let _ = h.run(&format!("rmdir {runs} {root} 2>/dev/null; true"), Duration::from_secs(30));
                 });
             }
         });
@@ -466,11 +387,6 @@ impl Drop for Hosts {
     }
 }
 
-/// `[v6]` for an IPv6 address in `host:port`, anything else as it is.
-pub fn bracket(addr: &str) -> String {
-    if addr.contains(':') && !addr.starts_with('[') { format!("[{addr}]") } else { addr.to_string() }
-}
-
 /// Check one host: its address, that ssh logs in, its binaries, its facts.
 fn check_host(
     e: &HostEntry,
@@ -485,7 +401,7 @@ fn check_host(
     let host =
         Host { name: e.name.clone(), addr: addr.clone(), slots: e.slots, facts: HostFacts::default(), conn };
     let o = host
-        .run(script, None, CHECK_LIMIT)
+        .run(script, CHECK_LIMIT)
         .map_err(|err| format!("host {} unreachable over ssh: {err:#}", e.name))?;
     let stderr = String::from_utf8_lossy(&o.stderr);
     if o.status.code() == Some(255) {
@@ -510,6 +426,7 @@ pub fn read_check(
     bin_dir: &Path,
 ) -> Result<HostFacts, Vec<String>> {
     let short = |s: &str| s.chars().take(12).collect::<String>();
+    read_facts(text, &mut facts);
     let mut problems = Vec::new();
     for line in text.lines() {
         let (key, rest) = line.split_once(' ').unwrap_or((line, ""));
@@ -530,13 +447,7 @@ pub fn read_check(
                     ));
                 }
             }
-            "hostname" => facts.hostname = rest.to_string(),
-            "cores" => facts.cores = rest.parse().unwrap_or(0),
-            "kernel" => facts.kernel = rest.to_string(),
-            "cpu" => facts.cpu = rest.to_string(),
-            "memkb" => facts.memory_bytes = rest.parse::<u64>().unwrap_or(0) * 1024,
-            "availkb" => facts.memory_available_bytes = rest.parse::<u64>().unwrap_or(0) * 1024,
-            "gpu" if !rest.trim().is_empty() => facts.gpus.push(rest.trim().to_string()),
+            // The facts' lines, read above.
             _ => {}
         }
     }
@@ -555,94 +466,10 @@ fn resolve(name: &str, options: &[String]) -> anyhow::Result<String> {
         .context("ssh -G named no hostname")
 }
 
-/// Which host each server shard and each worker rank of a run goes to, given each host's
-/// slots: parameter-server shards on hosts of their own when enough are left for the workers
-/// (else shard `i` on host `i` among the workers), workers spread over their hosts in turn,
-/// each host taking at most its slots; a ring over every host; `local` and `dp` (one process)
-/// on the first; `ddp-shm` (shared memory) on one host with the slots for every rank.
-pub fn assign(
-    slots: &[usize],
-    mode: ModeKind,
-    workers: usize,
-    shards: usize,
-) -> Result<(Vec<usize>, Vec<usize>), String> {
-    let n = slots.len();
-    if n == 0 {
-        return Err("no hosts".into());
-    }
-    match mode.base() {
-        ModeKind::Local | ModeKind::Dp => return Ok((vec![], vec![0])),
-        ModeKind::DdpShm => {
-            return match slots.iter().position(|&s| s >= workers) {
-                Some(h) => Ok((vec![], vec![h; workers])),
-                None => Err(format!(
-                    "ddp-shm needs its {workers} ranks on one host, and no host has {workers} slots"
-                )),
-            };
-        }
-        _ => {}
-    }
-    let (servers, pool): (Vec<usize>, Vec<usize>) = if mode.is_ps() {
-        let k = shards.max(1);
-        if n > k {
-            ((0..k).collect(), (k..n).collect())
-        } else {
-            ((0..k).map(|i| i % n).collect(), (0..n).collect())
-        }
-    } else {
-        (vec![], (0..n).collect())
-    };
-    let capacity: usize = pool.iter().map(|&h| slots[h]).sum();
-    if capacity < workers {
-        return Err(format!(
-            "{workers} workers need {workers} slots and the hosts left for them have {capacity}"
-        ));
-    }
-    let mut used = vec![0usize; n];
-    let mut out = Vec::with_capacity(workers);
-    let mut turn = 0;
-    while out.len() < workers {
-        let h = pool[turn % pool.len()];
-        if used[h] < slots[h] {
-            used[h] += 1;
-            out.push(h);
-        }
-        turn += 1;
-    }
-    Ok((servers, out))
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn servers_get_hosts_of_their_own_when_enough_and_workers_spread_by_slots() {
-        // Four hosts, one shard: the server alone on host 0, workers spread over 1..3.
-        assert_eq!(assign(&[2, 2, 2, 2], ModeKind::PsBsp, 4, 1).unwrap(), (vec![0], vec![1, 2, 3, 1]));
-        // Two shards on two of four hosts.
-        assert_eq!(assign(&[2, 2, 2, 2], ModeKind::PsAsp, 4, 2).unwrap(), (vec![0, 1], vec![2, 3, 2, 3]));
-        // Not enough hosts: the shards share them with the workers.
-        assert_eq!(assign(&[4, 4], ModeKind::PsBsp, 2, 2).unwrap(), (vec![0, 1], vec![0, 1]));
-        // A ring over every host, each up to its slots.
-        assert_eq!(assign(&[1, 3], ModeKind::DdpTcp, 4, 0).unwrap(), (vec![], vec![0, 1, 1, 1]));
-        assert_eq!(assign(&[2, 2, 2], ModeKind::DdpTcp, 2, 0).unwrap(), (vec![], vec![0, 1]));
-        assert_eq!(assign(&[2, 2], ModeKind::Local, 1, 0).unwrap(), (vec![], vec![0]));
-        assert_eq!(assign(&[1, 4], ModeKind::DdpShm, 4, 0).unwrap(), (vec![], vec![1, 1, 1, 1]));
-        let e = assign(&[2, 2], ModeKind::DdpShm, 4, 0).unwrap_err();
-        assert!(e.contains("one host"), "{e}");
-        let e = assign(&[1, 1, 1], ModeKind::PsBsp, 4, 1).unwrap_err();
-        assert!(e.contains("4 workers need 4 slots and the hosts left for them have 2"), "{e}");
-    }
-
-    #[test]
-    fn quoting_keeps_every_argument_one_word() {
-        assert_eq!(quote("a b"), "'a b'");
-        assert_eq!(quote("it's"), "'it'\\''s'");
-        assert_eq!(bracket("::1"), "[::1]");
-        assert_eq!(bracket("10.0.0.1"), "10.0.0.1");
-    }
 
     #[test]
     fn the_check_names_a_missing_binary_and_another_build() {

@@ -680,7 +680,7 @@ mod tests {
     /// one-node allocation's link is named as loopback.
     #[test]
     fn the_machine_table_has_a_row_per_kind_of_host() {
-        let host = |name: &str, cpu: &str, cores| crate::ssh::HostFacts {
+        let host = |name: &str, cpu: &str, cores| crate::site::HostFacts {
             name: name.into(),
             cpu: cpu.into(),
             cores,
@@ -1149,7 +1149,7 @@ mod tests {
     fn the_verdict_names_the_hosts_a_comparison_ran_on() {
         let rows: Vec<Summary> = (0..3).map(|r| cell_row("ddp-tcp", 4, r, 1000.0 + r as f64)).collect();
         assert!(verdict_of(rows.clone(), None)[0].contains("on this machine's loopback"));
-        let host = |n: &str| crate::ssh::HostFacts { name: n.into(), ..Default::default() };
+        let host = |n: &str| crate::site::HostFacts { name: n.into(), ..Default::default() };
         let m = Machine {
             hosts: vec![host("node0"), host("node1")],
             link: Some("node0 to node1".into()),
