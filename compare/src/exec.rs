@@ -276,7 +276,8 @@ struct Pending {
     restart: Restart,
 }
 
-/// [`execute`]'s processes, recording in `sites` where each was started.
+/// [`execute`]'s processes, recording in `sites` where each was started: the servers, then
+/// the workers, watched until they end (or the run is stopped), then the servers stopped.
 fn run_plan(
     plan: Plan,
     dir: &Path,
@@ -286,35 +287,101 @@ fn run_plan(
     sites: &mut Vec<Arc<dyn Site>>,
 ) -> anyhow::Result<Finished> {
     let Waits { timeout, budget, stop_at } = w;
-    let Faults { max_restarts, kills } = faults;
-    let mut kills = kills.into_iter().peekable();
-    let mut restarts: Vec<Restart> = Vec::new();
-    // A kill sent and not yet seen as a failure: (worker, when).
-    let mut killed: Option<(usize, Instant)> = None;
-    let mut pending: Option<Pending> = None;
     let logs = dir.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let start = Instant::now();
+    let (servers, addrs) = start_servers(&plan.servers, &logs, sites)?;
+    let specs = (plan.workers)(&addrs);
+    let (workers, follow) = start_workers(&specs, &logs, sites)?;
+    let mut run = Running {
+        logs,
+        bar,
+        stop_at,
+        max_restarts: faults.max_restarts,
+        kills: faults.kills.into_iter().peekable(),
+        // Only where the ranks run on this machine do its cores say how busy they were.
+        here: specs.iter().all(|p| p.site.is_child()),
+        specs,
+        servers,
+        workers,
+        follow,
+        restarts: Vec::new(),
+        killed: None,
+        pending: None,
+        ended: Ended::Finished,
+        steady: None,
+    };
+    loop {
+        run.watch_rank0();
+        if interrupted() {
+            return Ok(run.interrupt());
+        }
+        if run.workers.iter_mut().any(|w| w.poll().is_some_and(|st| !st.success()))
+            && run.ended == Ended::Finished
+        {
+            match run.after_failure()? {
+                Some(finished) => return Ok(finished),
+                None => continue,
+            }
+        }
+        if let Some(s) = run.servers.iter_mut().find_map(|s| s.poll().is_some().then_some(s)) {
+            let st = s.done.map(|s| s.to_string()).unwrap_or_default();
+            anyhow::bail!("{} exited early ({st}{}): {}", s.name, s.lost(), s.log_tail());
+        }
+        if run.workers.iter_mut().all(|w| w.poll().is_some()) {
+            break;
+        }
+        let elapsed = start.elapsed();
+        if budget.is_some_and(|b| elapsed >= b) && run.ended == Ended::Finished {
+            run.ended = Ended::TimeBudget;
+            run.workers.iter_mut().for_each(Guard::terminate);
+        }
+        if elapsed >= timeout {
+            anyhow::bail!(
+                "still running after {:.0} s (run_timeout_s); stopped. rank0: {}",
+                timeout.as_secs_f64(),
+                run.workers.first().map(Guard::log_tail).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(TICK);
+    }
+    run.finish()
+}
+
+/// Start the plan's servers in order, each waited for until it listens, recording in `sites`
+/// where each was started: their guards and the addresses they listen on.
+fn start_servers(
+    plan: &[ProcSpec],
+    logs: &Path,
+    sites: &mut Vec<Arc<dyn Site>>,
+) -> anyhow::Result<(Vec<Guard>, Vec<String>)> {
     let mut servers = Vec::new();
     let mut addrs = Vec::new();
-    for s in &plan.servers {
+    for s in plan {
         sites.push(s.site.clone());
-        let mut g = Guard::spawn(s, &logs, Stdio::piped(), false)?;
+        let mut g = Guard::spawn(s, logs, Stdio::piped(), false)?;
         // Named with where it runs: a server that cannot start on its host says which host.
         let name = g.name.clone();
         let addr = wait_listening(&mut g).with_context(|| format!("{name} did not start"))?;
         addrs.push(addr);
         servers.push(g);
     }
-    let mut specs = (plan.workers)(&addrs);
+    Ok((servers, addrs))
+}
+
+/// Start the workers, recording in `sites` where each was started, and follow rank 0's
+/// metrics as they grow: read where this machine can read them, sent back over the process's
+/// own connection (its supervisor's stdout) from another host.
+fn start_workers(
+    specs: &[ProcSpec],
+    logs: &Path,
+    sites: &mut Vec<Arc<dyn Site>>,
+) -> anyhow::Result<(Vec<Guard>, Option<StepCounter>)> {
     let mut workers = Vec::new();
-    // Rank 0's metrics are followed as they grow: read where this machine can read them, sent
-    // back over the process's own connection (its supervisor's stdout) from another host.
     let mut follow = None;
     for (i, p) in specs.iter().enumerate() {
         sites.push(p.site.clone());
-        let remote = i == 0 && !p.site.is_child();
-        let mut g = Guard::spawn(p, &logs, if remote { Stdio::piped() } else { Stdio::null() }, remote)?;
+        let (mut g, remote) = spawn_worker(i, p, logs)?;
         if i == 0 {
             follow = Some(match g.child.stdout.take() {
                 Some(out) if remote => StepCounter::over(out),
@@ -323,181 +390,219 @@ fn run_plan(
         }
         workers.push(g);
     }
-    let mut ended = Ended::Finished;
-    // The machine's CPU from rank 0's first finished step on.
-    let mut steady: Option<(u64, u64)> = None;
-    // Only where the ranks run on this machine do its cores say how busy they were.
-    let here = specs.iter().all(|p| p.site.is_child());
-    loop {
-        if let Some(c) = follow.as_mut() {
-            bar.set_position(c.count());
-            if here && steady.is_none() && c.count() >= 1 {
-                steady = super::machine::cpu_ticks();
-            }
-            if stop_at.is_some_and(|t| c.best_accuracy >= t) && ended == Ended::Finished {
-                ended = Ended::Target;
-                workers.iter_mut().for_each(Guard::terminate);
-            }
-            // The restarted rank 0's first step: what the restart cost.
-            if let Some(first) = c.first_since_mark
-                && let Some(p) = pending.take()
-            {
-                let mut r = p.restart;
-                r.resumed_after = Some(first.0.saturating_sub(1));
-                r.lost_s = Some(first.1.saturating_duration_since(p.at).as_secs_f64());
-                restarts.push(r);
-            }
-            // The next injected fault, once rank 0 has recorded its step.
-            if killed.is_none()
-                && pending.is_none()
-                && let Some(&(step, victim)) = kills.peek()
-                && c.last_step >= step
-            {
-                // Local training and DP run one process: it is the one killed.
-                let victim = victim % workers.len().max(1);
-                kills.next();
-                if let Some(w) = workers.get_mut(victim) {
-                    w.kill9();
-                    killed = Some((victim, Instant::now()));
-                }
-            }
+    Ok((workers, follow))
+}
+
+/// Start worker `i`: rank 0 on another host sends the lines appended to its metrics back on
+/// its stdout (returned `true` then).
+fn spawn_worker(i: usize, p: &ProcSpec, logs: &Path) -> anyhow::Result<(Guard, bool)> {
+    let remote = i == 0 && !p.site.is_child();
+    let g = Guard::spawn(p, logs, if remote { Stdio::piped() } else { Stdio::null() }, remote)?;
+    Ok((g, remote))
+}
+
+/// One run under way: its processes, and what has happened to them so far.
+struct Running<'a> {
+    logs: PathBuf,
+    bar: &'a ProgressBar,
+    /// Stop the workers once rank 0 measures this accuracy.
+    stop_at: Option<f64>,
+    max_restarts: u32,
+    /// The kills still to inject, in order.
+    kills: std::iter::Peekable<std::vec::IntoIter<(u64, usize)>>,
+    /// Whether every worker runs on this machine (its cores then say how busy they were).
+    here: bool,
+    /// The workers' processes, as started again after a failure.
+    specs: Vec<ProcSpec>,
+    servers: Vec<Guard>,
+    workers: Vec<Guard>,
+    /// Rank 0's steps.
+    follow: Option<StepCounter>,
+    restarts: Vec<Restart>,
+    /// A kill sent and not yet seen as a failure: (worker, when).
+    killed: Option<(usize, Instant)>,
+    pending: Option<Pending>,
+    ended: Ended,
+    /// The machine's CPU from rank 0's first finished step on.
+    steady: Option<(u64, u64)>,
+}
+
+impl Running<'_> {
+    /// Rank 0's progress: the bar, the start of the steady window, its target reached, what
+    /// a restart cost once the restarted rank 0 records its first step, and the next kill to
+    /// inject once rank 0 has recorded the step it waits for.
+    fn watch_rank0(&mut self) {
+        let Some(c) = self.follow.as_mut() else { return };
+        self.bar.set_position(c.count());
+        if self.here && self.steady.is_none() && c.count() >= 1 {
+            self.steady = super::machine::cpu_ticks();
         }
-        if interrupted() {
-            workers.iter_mut().chain(servers.iter_mut()).for_each(Guard::terminate);
-            for g in workers.iter_mut().chain(servers.iter_mut()) {
-                g.reap(TERM_GRACE);
-            }
-            return Ok(Finished { ended: Ended::Interrupted, cpu_busy: None, restarts });
+        if self.stop_at.is_some_and(|t| c.best_accuracy >= t) && self.ended == Ended::Finished {
+            self.ended = Ended::Target;
+            self.workers.iter_mut().for_each(Guard::terminate);
         }
-        if workers.iter_mut().any(|w| w.poll().is_some_and(|st| !st.success())) && ended == Ended::Finished {
-            // One rank's divergence makes its peers fail too (a ring or a barrier loses a
-            // member): give them a moment to exit, and report a divergence if any rank saw one.
-            // Not after a kill the runner injected: its cause is known, and a PS run's other
-            // workers wait in their step rather than exit.
-            let injected =
-                killed.is_some_and(|(k, _)| workers.get_mut(k).is_some_and(|w| w.poll().is_some()));
-            let settle = if injected { Duration::ZERO } else { Duration::from_secs(2) };
-            let until = Instant::now() + settle;
-            while Instant::now() < until && workers.iter_mut().any(|w| w.poll().is_none()) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            if let Some(d) = workers.iter().find(|w| w.done.and_then(|s| s.code()) == Some(EXIT_DIVERGED)) {
-                let why = format!("{}: {}", d.name, d.log_tail());
-                return Ok(Finished { ended: Ended::Diverged(why), cpu_busy: None, restarts });
-            }
-            // The failure to blame, by the launcher's rule: the one a signal ended first.
-            let mut failed: Vec<(usize, ExitStatus)> = workers
-                .iter()
-                .enumerate()
-                .filter_map(|(i, w)| w.done.filter(|s| !s.success()).map(|s| (i, s)))
-                .collect();
-            gradsync_worker::launch::blame(&mut failed, |(_, s)| s.signal().is_some());
-            let (i, st) = failed[0];
-            let w = &workers[i];
-            let why = format!("{} exited with {st}{}: {}", w.name, w.lost(), w.log_tail());
-            if max_restarts == 0 {
-                anyhow::bail!("{why}");
-            }
-            let spent = restarts.len() + usize::from(pending.is_some());
-            if spent >= max_restarts as usize {
-                workers.iter_mut().for_each(Guard::kill9);
-                for w in workers.iter_mut() {
-                    w.reap(TERM_GRACE);
-                }
-                if let Some(p) = pending.take() {
-                    restarts.push(p.restart);
-                }
-                let why = format!("{why}; after {spent} restart(s) of {max_restarts}");
-                return Ok(Finished { ended: Ended::Exhausted(why), cpu_busy: None, restarts });
-            }
-            // Restart: every worker stopped, then all started again from their checkpoints.
-            let injected = killed.take().filter(|(k, _)| *k == i);
-            let at = injected.map_or_else(Instant::now, |(_, t)| t);
-            if let Some(p) = pending.take() {
-                // The restart before this one never recorded a step.
-                restarts.push(p.restart);
-            }
-            let reached = follow.as_mut().map_or(0, |c| {
-                c.count();
-                c.last_step
-            });
-            workers.iter_mut().for_each(Guard::kill9);
-            for w in workers.iter_mut() {
-                w.reap(TERM_GRACE);
-            }
-            let restart = Restart {
-                rank: i,
-                exit: st.to_string(),
-                injected: injected.is_some(),
-                step_reached: reached,
-                resumed_after: None,
-                lost_s: None,
-            };
-            multi_line(bar, &format!("restarting the workers: {why}"));
-            workers.clear();
-            if let Some(c) = follow.as_mut() {
-                c.mark();
-            }
-            for (i, p) in specs.iter_mut().enumerate() {
-                gradsync_worker::launch::resume_args(&mut p.args);
-                let remote = i == 0 && !p.site.is_child();
-                let mut g =
-                    Guard::spawn(p, &logs, if remote { Stdio::piped() } else { Stdio::null() }, remote)?;
-                if let (Some(c), Some(out)) = (follow.as_mut(), g.child.stdout.take().filter(|_| remote)) {
-                    c.refollow(lines(out));
-                }
-                workers.push(g);
-            }
-            pending = Some(Pending { at, restart });
-            continue;
+        if let Some(first) = c.first_since_mark
+            && let Some(p) = self.pending.take()
+        {
+            let mut r = p.restart;
+            r.resumed_after = Some(first.0.saturating_sub(1));
+            r.lost_s = Some(first.1.saturating_duration_since(p.at).as_secs_f64());
+            self.restarts.push(r);
         }
-        if let Some(s) = servers.iter_mut().find_map(|s| s.poll().is_some().then_some(s)) {
-            let st = s.done.map(|s| s.to_string()).unwrap_or_default();
-            anyhow::bail!("{} exited early ({st}{}): {}", s.name, s.lost(), s.log_tail());
-        }
-        if workers.iter_mut().all(|w| w.poll().is_some()) {
-            break;
-        }
-        let elapsed = start.elapsed();
-        if budget.is_some_and(|b| elapsed >= b) && ended == Ended::Finished {
-            ended = Ended::TimeBudget;
-            workers.iter_mut().for_each(Guard::terminate);
-        }
-        if elapsed >= timeout {
-            anyhow::bail!(
-                "still running after {:.0} s (run_timeout_s); stopped. rank0: {}",
-                timeout.as_secs_f64(),
-                workers.first().map(Guard::log_tail).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(TICK);
-    }
-    if let Some(c) = follow.as_mut() {
-        bar.set_position(c.count());
-    }
-    if let Some(p) = pending.take() {
-        restarts.push(p.restart);
-    }
-    // Half a second of the machine's ticks (its cores together) at the least.
-    let ticks_per_s = 100 * std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
-    let cpu_busy = steady
-        .zip(super::machine::cpu_ticks())
-        .and_then(|(a, b)| super::machine::busy_between(a, b, ticks_per_s / 2));
-    for s in servers.iter_mut() {
-        s.terminate();
-    }
-    for s in servers.iter_mut() {
-        match s.reap(TERM_GRACE) {
-            Some(st) if st.success() => {}
-            st => anyhow::bail!(
-                "{} did not exit cleanly after SIGTERM ({}): {}",
-                s.name,
-                st.map(|s| s.to_string()).unwrap_or_else(|| "no status".into()),
-                s.log_tail()
-            ),
+        if self.killed.is_none()
+            && self.pending.is_none()
+            && let Some(&(step, victim)) = self.kills.peek()
+            && c.last_step >= step
+        {
+            // Local training and DP run one process: it is the one killed.
+            let victim = victim % self.workers.len().max(1);
+            self.kills.next();
+            if let Some(w) = self.workers.get_mut(victim) {
+                w.kill9();
+                self.killed = Some((victim, Instant::now()));
+            }
         }
     }
-    Ok(Finished { ended, cpu_busy, restarts })
+
+    /// Ctrl-C or SIGTERM: every process stopped, the run partial.
+    fn interrupt(mut self) -> Finished {
+        self.workers.iter_mut().chain(self.servers.iter_mut()).for_each(Guard::terminate);
+        for g in self.workers.iter_mut().chain(self.servers.iter_mut()) {
+            g.reap(TERM_GRACE);
+        }
+        Finished { ended: Ended::Interrupted, cpu_busy: None, restarts: self.restarts }
+    }
+
+    /// A worker exited with a failure: the run diverged, failed, or is restarted (`None`: the
+    /// workers run again).
+    fn after_failure(&mut self) -> anyhow::Result<Option<Finished>> {
+        self.settle();
+        if let Some(d) = self.workers.iter().find(|w| w.done.and_then(|s| s.code()) == Some(EXIT_DIVERGED)) {
+            let why = format!("{}: {}", d.name, d.log_tail());
+            let restarts = std::mem::take(&mut self.restarts);
+            return Ok(Some(Finished { ended: Ended::Diverged(why), cpu_busy: None, restarts }));
+        }
+        // The failure to blame, by the launcher's rule: the one a signal ended first.
+        let mut failed: Vec<(usize, ExitStatus)> = self
+            .workers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, w)| w.done.filter(|s| !s.success()).map(|s| (i, s)))
+            .collect();
+        gradsync_worker::launch::blame(&mut failed, |(_, s)| s.signal().is_some());
+        let (i, st) = failed[0];
+        let w = &self.workers[i];
+        let why = format!("{} exited with {st}{}: {}", w.name, w.lost(), w.log_tail());
+        if self.max_restarts == 0 {
+            anyhow::bail!("{why}");
+        }
+        let spent = self.restarts.len() + usize::from(self.pending.is_some());
+        if spent >= self.max_restarts as usize {
+            self.stop_workers();
+            if let Some(p) = self.pending.take() {
+                self.restarts.push(p.restart);
+            }
+            let why = format!("{why}; after {spent} restart(s) of {}", self.max_restarts);
+            let restarts = std::mem::take(&mut self.restarts);
+            return Ok(Some(Finished { ended: Ended::Exhausted(why), cpu_busy: None, restarts }));
+        }
+        self.restart(i, st, &why)?;
+        Ok(None)
+    }
+
+    /// One rank's divergence makes its peers fail too (a ring or a barrier loses a member):
+    /// give them a moment to exit, so that a divergence any rank saw is reported as one. Not
+    /// after a kill the runner injected: its cause is known, and a PS run's other workers
+    /// wait in their step rather than exit.
+    fn settle(&mut self) {
+        let injected =
+            self.killed.is_some_and(|(k, _)| self.workers.get_mut(k).is_some_and(|w| w.poll().is_some()));
+        let settle = if injected { Duration::ZERO } else { Duration::from_secs(2) };
+        let until = Instant::now() + settle;
+        while Instant::now() < until && self.workers.iter_mut().any(|w| w.poll().is_none()) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Restart after worker `i` failed with `st` (`why`): every worker stopped, then all
+    /// started again from their checkpoints; the restart is recorded once the restarted rank
+    /// 0 records its first step.
+    fn restart(&mut self, i: usize, st: ExitStatus, why: &str) -> anyhow::Result<()> {
+        let injected = self.killed.take().filter(|(k, _)| *k == i);
+        let at = injected.map_or_else(Instant::now, |(_, t)| t);
+        if let Some(p) = self.pending.take() {
+            // The restart before this one never recorded a step.
+            self.restarts.push(p.restart);
+        }
+        let reached = self.follow.as_mut().map_or(0, |c| {
+            c.count();
+            c.last_step
+        });
+        self.stop_workers();
+        let restart = Restart {
+            rank: i,
+            exit: st.to_string(),
+            injected: injected.is_some(),
+            step_reached: reached,
+            resumed_after: None,
+            lost_s: None,
+        };
+        multi_line(self.bar, &format!("restarting the workers: {why}"));
+        self.workers.clear();
+        if let Some(c) = self.follow.as_mut() {
+            c.mark();
+        }
+        for (i, p) in self.specs.iter_mut().enumerate() {
+            gradsync_worker::launch::resume_args(&mut p.args);
+            let (mut g, remote) = spawn_worker(i, p, &self.logs)?;
+            if let (Some(c), Some(out)) = (self.follow.as_mut(), g.child.stdout.take().filter(|_| remote)) {
+                c.refollow(lines(out));
+            }
+            self.workers.push(g);
+        }
+        self.pending = Some(Pending { at, restart });
+        Ok(())
+    }
+
+    /// Every worker killed and reaped.
+    fn stop_workers(&mut self) {
+        self.workers.iter_mut().for_each(Guard::kill9);
+        for w in self.workers.iter_mut() {
+            w.reap(TERM_GRACE);
+        }
+    }
+
+    /// Every worker has exited: how busy the cores were, and the servers stopped, each of
+    /// which must exit cleanly.
+    fn finish(mut self) -> anyhow::Result<Finished> {
+        if let Some(c) = self.follow.as_mut() {
+            self.bar.set_position(c.count());
+        }
+        if let Some(p) = self.pending.take() {
+            self.restarts.push(p.restart);
+        }
+        // Half a second of the machine's ticks (its cores together) at the least.
+        let ticks_per_s = 100 * std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+        let cpu_busy = self
+            .steady
+            .zip(super::machine::cpu_ticks())
+            .and_then(|(a, b)| super::machine::busy_between(a, b, ticks_per_s / 2));
+        for s in self.servers.iter_mut() {
+            s.terminate();
+        }
+        for s in self.servers.iter_mut() {
+            match s.reap(TERM_GRACE) {
+                Some(st) if st.success() => {}
+                st => anyhow::bail!(
+                    "{} did not exit cleanly after SIGTERM ({}): {}",
+                    s.name,
+                    st.map(|s| s.to_string()).unwrap_or_else(|| "no status".into()),
+                    s.log_tail()
+                ),
+            }
+        }
+        Ok(Finished { ended: self.ended, cpu_busy, restarts: self.restarts })
+    }
 }
 
 /// A line printed above the progress bars.

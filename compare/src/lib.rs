@@ -319,73 +319,16 @@ fn compare_into(
     launching: &Launching,
 ) -> anyhow::Result<Vec<Outcome>> {
     let outcomes_path = out.join("outcomes.jsonl");
-    let mut outcomes: Vec<Outcome> = Vec::new();
-    if resume {
-        let text = std::fs::read_to_string(&outcomes_path)
-            .with_context(|| format!("--resume: reading {}", outcomes_path.display()))?;
-        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-            let o: Outcome = serde_json::from_str(line)
-                .with_context(|| format!("--resume: {}:{}", outcomes_path.display(), i + 1))?;
-            if o.status == "interrupted" {
-                let dir = out.join(&o.id);
-                if dir.exists() {
-                    std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
-                }
-            } else {
-                outcomes.push(o);
-            }
-        }
-    } else {
-        // Old metrics left beside new ones would be merged into this comparison's results.
-        anyhow::ensure!(
-            !outcomes_path.exists(),
-            "{} already holds a comparison; choose another --out (or finish it with --resume)",
-            out.display()
-        );
-    }
-    std::fs::create_dir_all(out.join("runs")).with_context(|| format!("creating {}", out.display()))?;
-    let write = |name: &str, text: &str| -> anyhow::Result<()> {
-        let p = out.join(name);
-        std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
-    };
-    let machine = if resume {
-        let p = out.join("machine.json");
-        let text =
-            std::fs::read_to_string(&p).with_context(|| format!("--resume: reading {}", p.display()))?;
-        serde_json::from_str(&text).with_context(|| format!("--resume: {}", p.display()))?
-    } else {
-        write("scenario.toml", &toml::to_string(scenario).context("writing the scenario")?)?;
-        let mut machine = Machine::detect();
-        if let Some(pool) = &launching.pool {
-            machine.measure_pool(pool.as_ref(), scenario.rawtcp_s)?;
-        } else {
-            let streams: Vec<usize> = scenario
-                .expand()
-                .iter()
-                .filter_map(|s| machine::tcp_streams(s.mode, s.workers, s.shards))
-                .flat_map(|s| [s.total, s.busiest])
-                .collect();
-            machine.measure_link(scenario.rawtcp_s, &streams)?;
-        }
-        write("machine.json", &(serde_json::to_string_pretty(&machine)? + "\n"))?;
-        machine
-    };
-    let what = if machine.hosts.is_empty() {
-        format!("{} ({} cores)", machine.cpu, machine.cores)
-    } else {
-        machine
-            .host_kinds()
-            .iter()
-            .map(|(f, names)| format!("{} x {} ({} cores)", names.len(), f.cpu, f.cores))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    eprintln!(
-        "gradsync-bench compare: {what}; raw TCP {:.2} GB/s{}, latency {:.1} us",
-        machine.tcp_bandwidth / 1e9,
-        machine.link.as_deref().map(|l| format!(" ({l})")).unwrap_or_default(),
-        machine.tcp_latency_s * 1e6
+    let mut outcomes = if resume { finished_outcomes(out)? } else { Vec::new() };
+    // Old metrics left beside new ones would be merged into this comparison's results.
+    anyhow::ensure!(
+        resume || !outcomes_path.exists(),
+        "{} already holds a comparison; choose another --out (or finish it with --resume)",
+        out.display()
     );
+    std::fs::create_dir_all(out.join("runs")).with_context(|| format!("creating {}", out.display()))?;
+    let machine = if resume { read_machine(out)? } else { record_machine(scenario, out, launching)? };
+    eprintln!("gradsync-bench compare: {}", describe_machine(&machine));
     // The file is rewritten with what stays, then appended to run by run.
     let mut kept = String::new();
     for o in &outcomes {
@@ -393,7 +336,6 @@ fn compare_into(
         kept.push('\n');
     }
     std::fs::write(&outcomes_path, kept).with_context(|| format!("writing {}", outcomes_path.display()))?;
-
     let specs: Vec<_> = scenario
         .expand()
         .into_iter()
@@ -402,40 +344,7 @@ fn compare_into(
     if resume {
         eprintln!("gradsync-bench compare: resuming {}: {} run(s) to go", out.display(), specs.len());
     }
-    let multi = MultiProgress::new();
-    let overall = multi.add(ProgressBar::new(specs.len() as u64));
-    overall.set_style(
-        ProgressStyle::with_template("{prefix:>10} [{bar:30}] {pos}/{len} runs, {elapsed} {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
-    );
-    overall.set_prefix("overall");
-    let mut outcomes_file = std::fs::OpenOptions::new()
-        .append(true)
-        .open(&outcomes_path)
-        .with_context(|| format!("opening {}", outcomes_path.display()))?;
-    for spec in specs {
-        if exec::interrupted() {
-            break;
-        }
-        let placed = launching.pool.as_ref().map(|p| p.place_slots(&spec));
-        let (placement, skip) = match placed {
-            Some(Ok((servers, workers))) => (modes::Placement::Hosts { servers, workers }, spec.skip.clone()),
-            Some(Err(why)) => (modes::Placement::Loopback, Some(why)),
-            None => (
-                modes::Placement::Loopback,
-                spec.skip.clone().or_else(|| machine.cannot_run(spec.mode, spec.workers)),
-            ),
-        };
-        let o =
-            run_spec(scenario, &spec, bins, out, placement, launching.tls.clone(), skip, &multi, &overall)?;
-        writeln!(outcomes_file, "{}", serde_json::to_string(&o)?)
-            .and_then(|_| outcomes_file.flush())
-            .with_context(|| format!("writing {}", outcomes_path.display()))?;
-        outcomes.push(o);
-        overall.inc(1);
-    }
-    overall.finish_and_clear();
+    run_cells(scenario, specs, bins, out, &machine, launching, &mut outcomes)?;
     if let Some(pool) = &launching.pool {
         pool.tidy();
     }
@@ -452,6 +361,130 @@ fn compare_into(
         n("interrupted")
     );
     Ok(outcomes)
+}
+
+/// For `--resume`: the outcomes `out` holds of runs that finished; an interrupted run's files
+/// are removed, so that it runs again from nothing.
+fn finished_outcomes(out: &Path) -> anyhow::Result<Vec<Outcome>> {
+    let outcomes_path = out.join("outcomes.jsonl");
+    let text = std::fs::read_to_string(&outcomes_path)
+        .with_context(|| format!("--resume: reading {}", outcomes_path.display()))?;
+    let mut outcomes = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let o: Outcome = serde_json::from_str(line)
+            .with_context(|| format!("--resume: {}:{}", outcomes_path.display(), i + 1))?;
+        if o.status == "interrupted" {
+            let dir = out.join(&o.id);
+            if dir.exists() {
+                std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+            }
+        } else {
+            outcomes.push(o);
+        }
+    }
+    Ok(outcomes)
+}
+
+/// For `--resume`: the machine record `out` holds.
+fn read_machine(out: &Path) -> anyhow::Result<Machine> {
+    let p = out.join("machine.json");
+    let text = std::fs::read_to_string(&p).with_context(|| format!("--resume: reading {}", p.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("--resume: {}", p.display()))
+}
+
+/// Write the scenario and the machine into `out`, the machine with its link measured now:
+/// between two of the hosts or nodes the processes are started on, else over this machine's
+/// loopback with as many streams as the scenario's modes keep busy.
+fn record_machine(scenario: &Scenario, out: &Path, launching: &Launching) -> anyhow::Result<Machine> {
+    let write = |name: &str, text: &str| -> anyhow::Result<()> {
+        let p = out.join(name);
+        std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
+    };
+    write("scenario.toml", &toml::to_string(scenario).context("writing the scenario")?)?;
+    let mut machine = Machine::detect();
+    if let Some(pool) = &launching.pool {
+        machine.measure_pool(pool.as_ref(), scenario.rawtcp_s)?;
+    } else {
+        let streams: Vec<usize> = scenario
+            .expand()
+            .iter()
+            .filter_map(|s| machine::tcp_streams(s.mode, s.workers, s.shards))
+            .flat_map(|s| [s.total, s.busiest])
+            .collect();
+        machine.measure_link(scenario.rawtcp_s, &streams)?;
+    }
+    write("machine.json", &(serde_json::to_string_pretty(&machine)? + "\n"))?;
+    Ok(machine)
+}
+
+/// `Intel Xeon (8 cores); raw TCP 2.10 GB/s, latency 9.8 us`: what the runs ran on.
+fn describe_machine(machine: &Machine) -> String {
+    let what = if machine.hosts.is_empty() {
+        format!("{} ({} cores)", machine.cpu, machine.cores)
+    } else {
+        machine
+            .host_kinds()
+            .iter()
+            .map(|(f, names)| format!("{} x {} ({} cores)", names.len(), f.cpu, f.cores))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    format!(
+        "{what}; raw TCP {:.2} GB/s{}, latency {:.1} us",
+        machine.tcp_bandwidth / 1e9,
+        machine.link.as_deref().map(|l| format!(" ({l})")).unwrap_or_default(),
+        machine.tcp_latency_s * 1e6
+    )
+}
+
+/// Run the cells `specs` one after the other into `out`, each placed by `launching` (or on
+/// this machine, which `machine` says whether it can take), under an overall progress bar;
+/// each outcome appended to `outcomes.jsonl` as it comes, and to `outcomes`. Stops early once
+/// the runner is interrupted.
+fn run_cells(
+    scenario: &Scenario,
+    specs: Vec<scenario::RunSpec>,
+    bins: &modes::Bins,
+    out: &Path,
+    machine: &Machine,
+    launching: &Launching,
+    outcomes: &mut Vec<Outcome>,
+) -> anyhow::Result<()> {
+    let outcomes_path = out.join("outcomes.jsonl");
+    let multi = MultiProgress::new();
+    let overall = multi.add(ProgressBar::new(specs.len() as u64));
+    overall.set_style(
+        ProgressStyle::with_template("{prefix:>10} [{bar:30}] {pos}/{len} runs, {elapsed} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    overall.set_prefix("overall");
+    let mut outcomes_file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&outcomes_path)
+        .with_context(|| format!("opening {}", outcomes_path.display()))?;
+    for spec in specs {
+        if exec::interrupted() {
+            break;
+        }
+        let (placement, skip) = match launching.pool.as_ref().map(|p| p.place_slots(&spec)) {
+            Some(Ok((servers, workers))) => (modes::Placement::Hosts { servers, workers }, spec.skip.clone()),
+            Some(Err(why)) => (modes::Placement::Loopback, Some(why)),
+            None => (
+                modes::Placement::Loopback,
+                spec.skip.clone().or_else(|| machine.cannot_run(spec.mode, spec.workers)),
+            ),
+        };
+        let o =
+            run_spec(scenario, &spec, bins, out, placement, launching.tls.clone(), skip, &multi, &overall)?;
+        writeln!(outcomes_file, "{}", serde_json::to_string(&o)?)
+            .and_then(|_| outcomes_file.flush())
+            .with_context(|| format!("writing {}", outcomes_path.display()))?;
+        outcomes.push(o);
+        overall.inc(1);
+    }
+    overall.finish_and_clear();
+    Ok(())
 }
 
 /// User and system CPU seconds of every child process this one has waited for
@@ -494,63 +527,29 @@ pub fn run_spec(
         .clone()
         .or(skip)
         .or_else(|| if remote { None } else { machine::Machine::memory_short(spec) });
-    let mut steady_busy = None;
-    let mut restarts = Vec::new();
-    let (status, error) = if let Some(why) = skip {
-        ("skipped", Some(why))
-    } else {
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        // With an epoch budget the step count depends on the data: a counter then.
-        let bar = multi.insert_before(overall, ProgressBar::new(scenario.steps.unwrap_or(0)));
-        let template = if scenario.steps.is_some() {
-            "{prefix:>10} [{bar:30}] {pos}/{len} steps {per_sec} {msg}"
-        } else {
-            "{prefix:>10} {pos} steps {per_sec} {msg}"
-        };
-        bar.set_style(
-            ProgressStyle::with_template(template)
-                .unwrap_or_else(|_| ProgressStyle::default_bar())
-                .progress_chars("=> "),
-        );
-        bar.set_prefix(short(&spec.id));
-        // Processes on hosts that others can reach get tokens of their own, fresh each run.
-        let env = if placement.needs_tokens() { modes::fresh_tokens()? } else { Vec::new() };
-        let ctx = modes::Ctx {
-            scenario: scenario.clone(),
-            spec: spec.clone(),
-            dir: placement.files_dir(&dir),
-            bins: bins.clone(),
-            placement,
-            env,
-            tls,
-        };
-        let waits = exec::Waits {
-            timeout: Duration::from_secs_f64(scenario.run_timeout_s),
-            budget: scenario.time_s.map(Duration::from_secs_f64),
-            stop_at: scenario.target_accuracy.filter(|_| scenario.stop_at_target),
-        };
-        let faults = exec::Faults {
-            max_restarts: scenario.max_restarts,
-            kills: scenario.kill_plan(spec.repeat, spec.workers),
-        };
-        let result = modes::plan(&ctx).and_then(|plan| exec::execute(plan, &dir, waits, faults, &bar));
-        bar.finish_and_clear();
-        multi.remove(&bar);
-        steady_busy = result.as_ref().ok().and_then(|f| f.cpu_busy);
-        if let Ok(f) = &result {
-            restarts.clone_from(&f.restarts);
-        }
-        match result.map(|f| f.ended) {
-            Ok(exec::Ended::Finished) => ("ok", None),
-            Ok(exec::Ended::TimeBudget) => {
-                ("stopped", Some(format!("time budget of {:?} s", scenario.time_s)))
-            }
-            Ok(exec::Ended::Diverged(why)) => ("diverged", Some(why)),
-            Ok(exec::Ended::Interrupted) => ("interrupted", Some("stopped by Ctrl-C or SIGTERM".into())),
-            Ok(exec::Ended::Target) => ("ok", None),
-            // Its restarts spent: failed, and never ranked.
-            Ok(exec::Ended::Exhausted(why)) => ("failed", Some(why)),
-            Err(e) => ("failed", Some(format!("{e:#}"))),
+    let (status, error, steady_busy, restarts) = match skip {
+        Some(why) => ("skipped", Some(why), None, Vec::new()),
+        None => {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            let bar = run_bar(scenario, spec, multi, overall);
+            // Processes on hosts that others can reach get tokens of their own, fresh each run.
+            let env = if placement.needs_tokens() { modes::fresh_tokens()? } else { Vec::new() };
+            let ctx = modes::Ctx {
+                scenario: scenario.clone(),
+                spec: spec.clone(),
+                dir: placement.files_dir(&dir),
+                bins: bins.clone(),
+                placement,
+                env,
+                tls,
+            };
+            let result = execute_spec(&ctx, &dir, &bar);
+            bar.finish_and_clear();
+            multi.remove(&bar);
+            let steady_busy = result.as_ref().ok().and_then(|f| f.cpu_busy);
+            let restarts = result.as_ref().map(|f| f.restarts.clone()).unwrap_or_default();
+            let (status, error) = status_of(result.map(|f| f.ended), scenario);
+            (status, error, steady_busy, restarts)
         }
     };
     let o = Outcome {
@@ -586,6 +585,59 @@ pub fn run_spec(
     );
     multi.suspend(|| eprintln!("{line}"));
     Ok(o)
+}
+
+/// The progress bar of one run, above the overall one: rank 0's steps out of the budget, or
+/// counted where an epoch budget makes the step count depend on the data.
+fn run_bar(
+    scenario: &Scenario,
+    spec: &scenario::RunSpec,
+    multi: &MultiProgress,
+    overall: &ProgressBar,
+) -> ProgressBar {
+    let bar = multi.insert_before(overall, ProgressBar::new(scenario.steps.unwrap_or(0)));
+    let template = if scenario.steps.is_some() {
+        "{prefix:>10} [{bar:30}] {pos}/{len} steps {per_sec} {msg}"
+    } else {
+        "{prefix:>10} {pos} steps {per_sec} {msg}"
+    };
+    bar.set_style(
+        ProgressStyle::with_template(template)
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(short(&spec.id));
+    bar
+}
+
+/// Plan the processes of the run `ctx` describes and run them into `dir`, with its
+/// scenario's time limits and injected faults.
+fn execute_spec(ctx: &modes::Ctx, dir: &Path, bar: &ProgressBar) -> anyhow::Result<exec::Finished> {
+    let (scenario, spec) = (&ctx.scenario, &ctx.spec);
+    let waits = exec::Waits {
+        timeout: Duration::from_secs_f64(scenario.run_timeout_s),
+        budget: scenario.time_s.map(Duration::from_secs_f64),
+        stop_at: scenario.target_accuracy.filter(|_| scenario.stop_at_target),
+    };
+    let faults = exec::Faults {
+        max_restarts: scenario.max_restarts,
+        kills: scenario.kill_plan(spec.repeat, spec.workers),
+    };
+    modes::plan(ctx).and_then(|plan| exec::execute(plan, dir, waits, faults, bar))
+}
+
+/// A run's status in `outcomes.jsonl` and why, from how it ended.
+fn status_of(ended: anyhow::Result<exec::Ended>, scenario: &Scenario) -> (&'static str, Option<String>) {
+    match ended {
+        Ok(exec::Ended::Finished) => ("ok", None),
+        Ok(exec::Ended::TimeBudget) => ("stopped", Some(format!("time budget of {:?} s", scenario.time_s))),
+        Ok(exec::Ended::Diverged(why)) => ("diverged", Some(why)),
+        Ok(exec::Ended::Interrupted) => ("interrupted", Some("stopped by Ctrl-C or SIGTERM".into())),
+        Ok(exec::Ended::Target) => ("ok", None),
+        // Its restarts spent: failed, and never ranked.
+        Ok(exec::Ended::Exhausted(why)) => ("failed", Some(why)),
+        Err(e) => ("failed", Some(format!("{e:#}"))),
+    }
 }
 
 /// Rebuild tables, charts and the report of `dirs` into `out`; returns the report's path.
