@@ -173,6 +173,50 @@ fn check_script(bin_dir: &Path) -> String {
     s
 }
 
+/// The options of every ssh command: the user's (`--ssh-opts`, `GRADSYNC_SSH_OPTS`), then
+/// ours; and the directory of the shared connections' sockets, made here.
+fn ssh_options(a: &SshArgs) -> anyhow::Result<(Vec<String>, PathBuf)> {
+    // The user's options first: ssh keeps the first value it is given for each.
+    let user = a.ssh_opts.clone().or_else(|| std::env::var("GRADSYNC_SSH_OPTS").ok()).unwrap_or_default();
+    let mut options: Vec<String> = user.split_whitespace().map(String::from).collect();
+    options.extend::<Vec<String>>(
+        [
+            "-T".to_string(),
+            "-o".into(),
+            "BatchMode=yes".into(),
+            "-o".into(),
+            format!("ConnectTimeout={CONNECT_TIMEOUT_S}"),
+            "-o".into(),
+            "ServerAliveInterval=5".into(),
+            "-o".into(),
+            "ServerAliveCountMax=3".into(),
+            "-o".into(),
+            "LogLevel=ERROR".into(),
+        ]
+        .into(),
+    );
+    // One connection per host for the whole comparison, every session a channel of it:
+    // a run's processes then start without a key exchange each. Its socket lives in a
+    // directory of this process's own; an idle master leaves after a minute even if this
+    // process is killed.
+    let control = std::env::temp_dir().join(format!("gradsync-ssh-{}", std::process::id()));
+    std::fs::create_dir_all(&control).with_context(|| format!("creating {}", control.display()))?;
+    std::fs::set_permissions(&control, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+        .with_context(|| format!("restricting {}", control.display()))?;
+    options.extend::<Vec<String>>(
+        [
+            "-o".to_string(),
+            "ControlMaster=auto".into(),
+            "-o".into(),
+            format!("ControlPath={}/%C", control.display()),
+            "-o".into(),
+            "ControlPersist=60".into(),
+        ]
+        .into(),
+    );
+    Ok((options, control))
+}
+
 /// Why ssh to `name` failed, from its exit status 255 and what it said.
 fn ssh_failure(name: &str, stderr: &str) -> String {
     let said = stderr.trim().lines().last().unwrap_or("").trim();
@@ -198,44 +242,7 @@ impl Hosts {
         local_root: &Path,
     ) -> anyhow::Result<Hosts> {
         anyhow::ensure!(!entries.is_empty(), "--hosts: no hosts");
-        // The user's options first: ssh keeps the first value it is given for each.
-        let user = a.ssh_opts.clone().or_else(|| std::env::var("GRADSYNC_SSH_OPTS").ok()).unwrap_or_default();
-        let mut options: Vec<String> = user.split_whitespace().map(String::from).collect();
-        options.extend::<Vec<String>>(
-            [
-                "-T".to_string(),
-                "-o".into(),
-                "BatchMode=yes".into(),
-                "-o".into(),
-                format!("ConnectTimeout={CONNECT_TIMEOUT_S}"),
-                "-o".into(),
-                "ServerAliveInterval=5".into(),
-                "-o".into(),
-                "ServerAliveCountMax=3".into(),
-                "-o".into(),
-                "LogLevel=ERROR".into(),
-            ]
-            .into(),
-        );
-        // One connection per host for the whole comparison, every session a channel of it:
-        // a run's processes then start without a key exchange each. Its socket lives in a
-        // directory of this process's own; an idle master leaves after a minute even if this
-        // process is killed.
-        let control = std::env::temp_dir().join(format!("gradsync-ssh-{}", std::process::id()));
-        std::fs::create_dir_all(&control).with_context(|| format!("creating {}", control.display()))?;
-        std::fs::set_permissions(&control, std::os::unix::fs::PermissionsExt::from_mode(0o700))
-            .with_context(|| format!("restricting {}", control.display()))?;
-        options.extend::<Vec<String>>(
-            [
-                "-o".to_string(),
-                "ControlMaster=auto".into(),
-                "-o".into(),
-                format!("ControlPath={}/%C", control.display()),
-                "-o".into(),
-                "ControlPersist=60".into(),
-            ]
-            .into(),
-        );
+        let (options, control) = ssh_options(a)?;
         let bin_dir = match &a.remote_bin_dir {
             Some(d) => d.clone(),
             None => local_bins[0].parent().map(Path::to_path_buf).context("the binaries' directory")?,
