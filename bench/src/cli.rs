@@ -21,10 +21,10 @@ pub enum Command {
     Conv(crate::convbench::ConvArgs),
     /// Run an experiment matrix (every mode x workers x models x batches x shards) with real
     /// server and worker processes, then write tables, charts and report.html.
-    Compare(Box<crate::compare::CompareArgs>),
+    Compare(Box<gradsync_compare::CompareArgs>),
     /// Rebuild tables, charts and report.html from run directories (or any directories of
     /// metrics files, walked recursively).
-    Plot(crate::compare::PlotArgs),
+    Plot(gradsync_compare::PlotArgs),
     /// All-reduce bandwidth per backend, size and rank count (nccl-tests style), beside raw
     /// TCP and PyTorch gloo.
     Collective(crate::collective::CollectiveArgs),
@@ -42,7 +42,7 @@ pub enum Command {
     Ps(crate::ps::PsBenchArgs),
     /// The comparison's runs on an emulated cluster: one network namespace per host, links
     /// shaped with tc (rate, delay, loss); needs root and iproute2.
-    Cluster(crate::cluster::ClusterArgs),
+    Cluster(gradsync_compare::cluster::ClusterArgs),
     /// A replayed model (resnet50, vgg16, bert-base, gpt2, profile:FILE): its profile, and
     /// how faithfully one worker replays its compute.
     Replay(crate::replay::ReplayArgs),
@@ -51,5 +51,5 @@ pub enum Command {
     Restart(crate::restart::RestartArgs),
     /// One end of the raw-TCP yardstick between two hosts (`compare --hosts` starts both).
     #[command(hide = true)]
-    RawtcpPeer(crate::rawtcp::PeerArgs),
+    RawtcpPeer(gradsync_compare::rawtcp::PeerArgs),
 }

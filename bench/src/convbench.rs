@@ -9,7 +9,7 @@ use anyhow::Context;
 use clap::Args;
 use gradsync_core::device::{Backend, Cpu, Window};
 
-use crate::table::{Table, median};
+use gradsync_compare::table::{Table, median};
 
 /// Flags of `gradsync-bench conv`.
 #[derive(Debug, Args)]

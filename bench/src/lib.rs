@@ -1,4 +1,6 @@
-//! gradsync's benchmarks, the comparison runner, charts and report.
+//! gradsync's micro-benchmarks, and `gradsync-bench`'s command line: the comparison's commands
+//! (`compare`, `plot`, `cluster`, `rawtcp-peer`) are [`gradsync_compare`]'s, the others this
+//! crate's.
 //!
 //! # Layout
 //! - [`cli`]: the subcommands of `gradsync-bench`.
@@ -18,51 +20,37 @@
 //!   state dict.
 //! - [`ps`]: parameter-server push+pull throughput for model sizes, workers and shards, tonic's
 //!   default HTTP/2 settings beside the tuned ones, as a ratio to raw TCP.
-//! - [`hosts`]: where the `ps` benchmark's sockets live: loopback, or emulated hosts with
-//!   shaped links.
-//! - [`rawtcp`]: the raw TCP bandwidth of the machine, the yardstick for every network figure.
-//! - [`table`]: plain-text tables shared by every benchmark's output.
 //! - [`pytorch`]: where the PyTorch scripts are, found at run time beside the binary or in the
 //!   working directory (`--pytorch-dir` overrides).
-//! - [`compare`]: the comparison runner (`compare`: scenario, processes, results) and the
-//!   charts and report built from run directories (`plot`), with the alpha-beta cost model.
-//! - [`net`]: emulated hosts (network namespaces, veth, a bridge, tc-shaped links).
-//! - [`cluster`]: the comparison's runs placed on emulated hosts.
 
 pub mod cli;
-pub mod cluster;
 pub mod collective;
-pub mod compare;
 pub mod convbench;
 pub mod diff;
 pub mod export;
-pub mod hosts;
-pub mod net;
 pub mod overlap;
 pub mod ps;
 pub mod pytorch;
-pub mod rawtcp;
 pub mod replay;
 pub mod restart;
 pub mod step;
-pub mod table;
 
 /// Run the parsed command line; the binary's whole body.
 pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
     match cli.command {
         cli::Command::Step(a) => step::run(&a),
         cli::Command::Conv(a) => convbench::run(&a),
-        cli::Command::Compare(a) => compare::run_compare(&a),
-        cli::Command::Plot(a) => compare::run_plot(&a),
+        cli::Command::Compare(a) => gradsync_compare::run_compare(&a),
+        cli::Command::Plot(a) => gradsync_compare::run_plot(&a),
         cli::Command::Collective(a) => collective::run(&a),
         cli::Command::CollectiveRank(a) => collective::run_rank(&a),
         cli::Command::Overlap(a) => overlap::run(&a),
         cli::Command::Diff(a) => diff::run(&a),
         cli::Command::Export(a) => export::run(&a),
         cli::Command::Ps(a) => ps::run(&a),
-        cli::Command::Cluster(a) => cluster::run(&a),
+        cli::Command::Cluster(a) => gradsync_compare::cluster::run(&a),
         cli::Command::Replay(a) => replay::run(&a),
         cli::Command::Restart(a) => restart::run(&a),
-        cli::Command::RawtcpPeer(a) => rawtcp::run_peer(&a),
+        cli::Command::RawtcpPeer(a) => gradsync_compare::rawtcp::run_peer(&a),
     }
 }

@@ -15,7 +15,7 @@ use gradsync_core::metrics::{Record, parse_line};
 use gradsync_worker::cli::Mode;
 use gradsync_worker::cli::flag::{self as wf, choice, opt, switch};
 
-use crate::table::{Table, median};
+use gradsync_compare::table::{Table, median};
 
 /// Flags of `gradsync-bench overlap`.
 #[derive(Debug, Clone, Args)]

@@ -24,10 +24,10 @@ use gradsync_server::{Config, ParamServer, ShardSpec};
 use gradsync_worker::ps::{PsClient, SharedGrads};
 use tokio::net::TcpListener;
 
-use crate::hosts::Hosts;
-use crate::net::{Cluster, Shape};
-use crate::rawtcp::process_cpu_seconds;
-use crate::table::{Table, median, ratio_cell};
+use gradsync_compare::hosts::Hosts;
+use gradsync_compare::net::{Cluster, Shape};
+use gradsync_compare::rawtcp::{Yardstick, process_cpu_seconds};
+use gradsync_compare::table::{Table, median, ratio_cell};
 
 /// Flags of `gradsync-bench ps`.
 #[derive(Debug, Clone, Args)]
@@ -280,13 +280,18 @@ async fn measure(spec: &ModelSpec, g: Group<'_>, tuning: Tuning, serial: bool) -
 }
 
 /// The plain-sockets row: the step's traffic over plain TCP sockets in the same topology
-/// ([`crate::rawtcp::Exchange`]); push and pull run at once, so both are the step's time.
+/// ([`gradsync_compare::rawtcp::Exchange`]); push and pull run at once, so both are the step's time.
 fn plain_tcp(bytes: usize, g: Group<'_>) -> anyhow::Result<Figure> {
-    let mut exchange = crate::rawtcp::Exchange::new(bytes, g.workers, g.shards, g.hosts, g.first_worker)?;
+    let mut exchange =
+        gradsync_compare::rawtcp::Exchange::new(bytes, g.workers, g.shards, g.hosts, g.first_worker)?;
     let timed = exchange.run(g.warmup, g.steps)?;
     let ms = median(&timed.ms);
     Ok(Figure { step_ms: ms, push_ms: ms, pull_ms: ms, wait_ms: 0.0, cpu_ms: timed.cpu_ms })
 }
+
+/// A row of the table as it runs: its label, its transport's tuning (`None`: plain sockets)
+/// and whether it pushes then pulls rather than both at once.
+type Setup = (String, Option<Tuning>, bool);
 
 /// Run the benchmark and print its table.
 pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
@@ -305,44 +310,80 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
     gradsync_core::heap::single_arena();
     // Shards on the first hosts, workers on the hosts after them.
     let first_worker = shards.iter().copied().max().unwrap_or(1);
-    let cluster = match a.link_gbit {
-        None => None,
-        Some(gbit) => {
-            crate::net::available().context("--link-gbit")?;
-            crate::net::guard("gradsync-bench ps");
-            let n = first_worker + workers.iter().copied().max().unwrap_or(1);
-            let shape = Shape { rate_bit: Some(gbit * 1e9), ..Shape::default() };
-            Some(Cluster::create(n, shape).context("--link-gbit: making the emulated hosts")?)
-        }
-    };
+    let cluster = emulated(a, first_worker + workers.iter().copied().max().unwrap_or(1))?;
     let hosts = cluster.as_ref().map_or(Hosts::Loopback, Hosts::Emulated);
-    // The median of three: one short measurement can land on a burst of other load. From a
-    // worker's host to a shard's, the push's direction (on loopback both are 127.0.0.1).
-    let raw_tcp = || -> anyhow::Result<f64> {
-        let d = Duration::from_secs_f64(raw_secs);
-        Ok(crate::rawtcp::Yardstick::measure(3, d, || hosts.pair(first_worker, 0))?.median())
-    };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    // (transport, push then pull rather than both at once): the serial row is the same
-    // transport without the pipelined step, for the comparison in one run.
+    let chunk = a.chunk_bytes.map(|c| c as usize);
+    let rows = setups(a, chunk);
+    let mut table = header();
+    for &mb in &sizes {
+        let spec = spec_for(mb);
+        let bytes = Layout::new(&spec).len as f64 * 4.0;
+        for &k in &shards {
+            for &w in &workers {
+                let group = Group { workers: w, shards: k, warmup, steps, hosts, first_worker, chunk };
+                // Every row once per round, in the same order, so that round `i` of each saw
+                // the same machine; ratios are taken within a round.
+                let mut raws = Vec::new();
+                let mut figs: Vec<Vec<Figure>> = vec![Vec::new(); rows.len()];
+                for _ in 0..rounds {
+                    // Measured again before every round: on a shared machine the link's speed
+                    // drifts over a run, and the ratios must compare like with like. The
+                    // median of three, from a worker's host to a shard's, the push's direction
+                    // (on loopback both are 127.0.0.1).
+                    let d = Duration::from_secs_f64(raw_secs);
+                    raws.push(Yardstick::measure(3, d, || hosts.pair(first_worker, 0))?.median());
+                    for ((row, tuning, serial), figs) in rows.iter().zip(&mut figs) {
+                        let fig = match tuning {
+                            None => plain_tcp(bytes as usize, group),
+                            Some(t) => rt.block_on(measure(&spec, group, *t, *serial)),
+                        }
+                        .with_context(|| format!("{mb} MB, {w} workers, {k} shards, {row}"))?;
+                        figs.push(fig);
+                        eprint!(".");
+                    }
+                }
+                group_rows(&mut table, &rows, &figs, median(&raws), bytes, (w, k));
+            }
+        }
+    }
+    eprintln!();
+    notes(a, rounds, &table);
+    Ok(())
+}
+
+/// With `--link-gbit`, `n` emulated hosts with links shaped to that rate; none on loopback.
+fn emulated(a: &PsBenchArgs, n: usize) -> anyhow::Result<Option<Cluster>> {
+    let Some(gbit) = a.link_gbit else { return Ok(None) };
+    gradsync_compare::net::available().context("--link-gbit")?;
+    gradsync_compare::net::guard("gradsync-bench ps");
+    let shape = Shape { rate_bit: Some(gbit * 1e9), ..Shape::default() };
+    Ok(Some(Cluster::create(n, shape).context("--link-gbit: making the emulated hosts")?))
+}
+
+/// The rows each round runs, in order: the plain-sockets row first (no transport), then
+/// gradsync's (a serial row is the same transport without the pipelined step, for the
+/// comparison in one run), each with `chunk` bytes a chunk when given.
+fn setups(a: &PsBenchArgs, chunk: Option<usize>) -> Vec<Setup> {
     let rows = match (a.only, a.tuned_only) {
         (Some(r), _) => vec![r],
         (None, true) => vec![Row::TunedSerial, Row::Tuned],
         (None, false) => vec![Row::Default, Row::TunedCodec, Row::TunedSerial, Row::Tuned],
     };
-    let chunk = a.chunk_bytes.map(|c| c as usize);
-    // (label, transport, push then pull): the plain-sockets row first (no transport), then
-    // gradsync's rows, in the order they run in every round.
     let plain = (!a.no_plain && a.only.is_none()).then(|| ("plain tcp".to_string(), None, false));
-    let rows: Vec<(String, Option<Tuning>, bool)> = plain
+    plain
         .into_iter()
         .chain(rows.into_iter().map(Row::setup).map(|(mut t, serial)| {
             t.chunk_bytes = chunk.unwrap_or(t.chunk_bytes);
             let name = if serial { format!("{} serial", t.name) } else { t.name.to_string() };
             (name, Some(t), serial)
         }))
-        .collect();
-    let mut table = Table::new(&[
+        .collect()
+}
+
+/// The table's columns.
+fn header() -> Table {
+    Table::new(&[
         "MB",
         "workers",
         "shards",
@@ -360,81 +401,65 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
         "CPU ms",
         "CPU x plain",
         "vs default",
-    ]);
-    for &mb in &sizes {
-        let spec = spec_for(mb);
-        let bytes = Layout::new(&spec).len as f64 * 4.0;
-        for &k in &shards {
-            for &w in &workers {
-                let group = Group { workers: w, shards: k, warmup, steps, hosts, first_worker, chunk };
-                // Every row once per round, in the same order, so that round `i` of each saw
-                // the same machine; ratios are taken within a round.
-                let mut raws = Vec::new();
-                let mut figs: Vec<Vec<Figure>> = vec![Vec::new(); rows.len()];
-                for _ in 0..rounds {
-                    // Measured again before every round: on a shared machine the link's speed
-                    // drifts over a run, and the ratios must compare like with like.
-                    raws.push(raw_tcp()?);
-                    for ((row, tuning, serial), figs) in rows.iter().zip(&mut figs) {
-                        let fig = match tuning {
-                            None => plain_tcp(bytes as usize, group),
-                            Some(t) => rt.block_on(measure(&spec, group, *t, *serial)),
-                        }
-                        .with_context(|| format!("{mb} MB, {w} workers, {k} shards, {row}"))?;
-                        figs.push(fig);
-                        eprint!(".");
-                    }
-                }
-                let raw = median(&raws);
-                let bound_ms = 2.0 * (bytes / raw).max(w as f64 * bytes / (k as f64 * raw)) * 1e3;
-                // Each round's ratio of `f` between row `i` and row `base`.
-                let per_round = |i: usize, base: Option<usize>, f: fn(&Figure) -> f64| -> Vec<f64> {
-                    base.map_or_else(Vec::new, |b| {
-                        figs[i].iter().zip(&figs[b]).map(|(x, y)| f(x) / f(y)).collect()
-                    })
-                };
-                let plain = rows.iter().position(|r| r.1.is_none());
-                let default =
-                    rows.iter().position(|r| r.1.is_some_and(|t| t.name == Tuning::tonic_defaults().name));
-                for (i, (name, ..)) in rows.iter().enumerate() {
-                    let mid = |f: fn(&Figure) -> f64| median(&figs[i].iter().map(f).collect::<Vec<_>>());
-                    let step_ms = mid(|f| f.step_ms);
-                    let gbs = 2.0 * w as f64 * bytes / (step_ms * 1e6);
-                    let vs = |base: Option<usize>, f: fn(&Figure) -> f64| {
-                        if base == Some(i) { String::new() } else { ratio_cell(&per_round(i, base, f), "") }
-                    };
-                    // How many times faster than tonic's defaults, per round (gradsync's rows).
-                    let faster = match default {
-                        Some(d) if d != i && rows[i].1.is_some() => {
-                            let r: Vec<f64> = per_round(d, Some(i), |f| f.step_ms);
-                            ratio_cell(&r, "x")
-                        }
-                        _ => String::new(),
-                    };
-                    table.row(vec![
-                        format!("{:.1}", bytes / 1e6),
-                        w.to_string(),
-                        k.to_string(),
-                        name.clone(),
-                        format!("{step_ms:.1}"),
-                        format!("{:.1}", mid(|f| f.push_ms)),
-                        format!("{:.1}", mid(|f| f.wait_ms)),
-                        format!("{:.1}", mid(|f| f.pull_ms)),
-                        format!("{gbs:.2}"),
-                        format!("{:.2}", raw / 1e9),
-                        format!("{:.2}", gbs * 1e9 / raw),
-                        format!("{bound_ms:.1}"),
-                        format!("{:.2}", step_ms / bound_ms),
-                        vs(plain, |f| f.step_ms),
-                        format!("{:.1}", mid(|f| f.cpu_ms)),
-                        vs(plain, |f| f.cpu_ms),
-                        faster,
-                    ]);
-                }
+    ])
+}
+
+/// The rows of one group (`bytes` a model, `w` workers, `k` shards) from every round's figures
+/// `figs` of each row of `rows`, against the raw link `raw` (bytes per second).
+fn group_rows(
+    table: &mut Table,
+    rows: &[Setup],
+    figs: &[Vec<Figure>],
+    raw: f64,
+    bytes: f64,
+    (w, k): (usize, usize),
+) {
+    let bound_ms = 2.0 * (bytes / raw).max(w as f64 * bytes / (k as f64 * raw)) * 1e3;
+    // Each round's ratio of `f` between row `i` and row `base`.
+    let per_round = |i: usize, base: Option<usize>, f: fn(&Figure) -> f64| -> Vec<f64> {
+        base.map_or_else(Vec::new, |b| figs[i].iter().zip(&figs[b]).map(|(x, y)| f(x) / f(y)).collect())
+    };
+    let plain = rows.iter().position(|r| r.1.is_none());
+    let default = rows.iter().position(|r| r.1.is_some_and(|t| t.name == Tuning::tonic_defaults().name));
+    for (i, (name, ..)) in rows.iter().enumerate() {
+        let mid = |f: fn(&Figure) -> f64| median(&figs[i].iter().map(f).collect::<Vec<_>>());
+        let step_ms = mid(|f| f.step_ms);
+        let gbs = 2.0 * w as f64 * bytes / (step_ms * 1e6);
+        let vs = |base: Option<usize>, f: fn(&Figure) -> f64| {
+            if base == Some(i) { String::new() } else { ratio_cell(&per_round(i, base, f), "") }
+        };
+        // How many times faster than tonic's defaults, per round (gradsync's rows).
+        let faster = match default {
+            Some(d) if d != i && rows[i].1.is_some() => {
+                let r: Vec<f64> = per_round(d, Some(i), |f| f.step_ms);
+                ratio_cell(&r, "x")
             }
-        }
+            _ => String::new(),
+        };
+        table.row(vec![
+            format!("{:.1}", bytes / 1e6),
+            w.to_string(),
+            k.to_string(),
+            name.clone(),
+            format!("{step_ms:.1}"),
+            format!("{:.1}", mid(|f| f.push_ms)),
+            format!("{:.1}", mid(|f| f.wait_ms)),
+            format!("{:.1}", mid(|f| f.pull_ms)),
+            format!("{gbs:.2}"),
+            format!("{:.2}", raw / 1e9),
+            format!("{:.2}", gbs * 1e9 / raw),
+            format!("{bound_ms:.1}"),
+            format!("{:.2}", step_ms / bound_ms),
+            vs(plain, |f| f.step_ms),
+            format!("{:.1}", mid(|f| f.cpu_ms)),
+            vs(plain, |f| f.cpu_ms),
+            faster,
+        ]);
     }
-    eprintln!();
+}
+
+/// Print the links and rounds, `table`, and what its columns mean.
+fn notes(a: &PsBenchArgs, rounds: usize, table: &Table) {
     let link = match a.link_gbit {
         None => "loopback (every shard and worker on 127.0.0.1)".to_string(),
         Some(g) => format!(
@@ -470,5 +495,4 @@ pub fn run(a: &PsBenchArgs) -> anyhow::Result<()> {
             None => "an eighth of the shard, 64 KiB to 1 MiB (gradsync-server's default)".into(),
         }
     );
-    Ok(())
 }

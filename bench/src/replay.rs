@@ -14,7 +14,7 @@ use gradsync_core::model::ModelSpec;
 use gradsync_core::profile::Profile;
 use gradsync_worker::cli::flag::{self as wf, opt, switch};
 
-use crate::table::{Table, median};
+use gradsync_compare::table::{Table, median};
 
 /// Flags of `gradsync-bench replay`.
 #[derive(Debug, Clone, Args)]
@@ -79,7 +79,7 @@ pub struct HonestyArgs {
     pub workers: usize,
     /// Modes (the comparison's names).
     #[arg(long, default_value = "ddp-tcp,ddp-shm,ps-bsp", value_delimiter = ',')]
-    pub modes: Vec<crate::compare::scenario::ModeKind>,
+    pub modes: Vec<gradsync_compare::scenario::ModeKind>,
     /// Steps per run.
     #[arg(long, default_value_t = 30)]
     pub steps: u64,
@@ -258,7 +258,7 @@ fn honesty(a: &HonestyArgs) -> anyhow::Result<()> {
         .status()
         .with_context(|| format!("starting {}", me.display()))?;
     anyhow::ensure!(status.success(), "the comparison failed ({status}); its runs are in {}", runs.display());
-    let c = crate::compare::results::collect(std::slice::from_ref(&runs), None)?;
+    let c = gradsync_compare::results::collect(std::slice::from_ref(&runs), None)?;
     let replay_label = gradsync_core::model::label_of(&ModelSpec::replay(p).widths_str());
     println!(
         "{} trained for real and replayed from its profile (recorded here at batch {}), {} workers, medians over \

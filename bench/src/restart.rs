@@ -14,7 +14,7 @@ use clap::Args;
 use gradsync_worker::cli::Mode;
 use gradsync_worker::cli::flag::{self as wf, choice, opt, switch};
 
-use crate::table::{Table, median};
+use gradsync_compare::table::{Table, median};
 
 /// Flags of `gradsync-bench restart`.
 #[derive(Debug, Clone, Args)]

@@ -21,7 +21,7 @@ use gradsync_core::device::{CPU_CONV_VAR, Device, DeviceRequest, WINOGRAD_FROM, 
 use gradsync_core::model::{Graph, Input, Layout, ModelSpec};
 use gradsync_core::optim::SgdConfig;
 
-use crate::table::{Table, median};
+use gradsync_compare::table::{Table, median};
 
 /// Flags of `gradsync-bench step`.
 #[derive(Debug, Clone, Args)]

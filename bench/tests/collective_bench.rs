@@ -195,7 +195,7 @@ fn a_missing_gloo_script_with_python_is_an_error_naming_where_it_looked() {
 
 #[test]
 fn on_emulated_hosts_each_rank_keeps_to_its_link() {
-    if let Err(e) = gradsync_bench::net::available() {
+    if let Err(e) = gradsync_compare::net::available() {
         eprintln!("SKIPPED on_emulated_hosts_each_rank_keeps_to_its_link: no emulated cluster here: {e}");
         return;
     }
@@ -213,7 +213,7 @@ fn on_emulated_hosts_each_rank_keeps_to_its_link() {
 #[test]
 fn several_ranks_per_emulated_host_reduce_through_the_hosts_beside_the_flat_ring() {
     let test = "several_ranks_per_emulated_host_reduce_through_the_hosts_beside_the_flat_ring";
-    if let Err(e) = gradsync_bench::net::available() {
+    if let Err(e) = gradsync_compare::net::available() {
         eprintln!("SKIPPED {test}: no emulated cluster here: {e}");
         return;
     }

@@ -6,9 +6,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use gradsync_bench::compare::scenario::Scenario;
+use gradsync_compare::scenario::Scenario;
 
-use gradsync_bench::compare::charts::NAMES as CHARTS;
+use gradsync_compare::charts::NAMES as CHARTS;
 use gradsync_testkit::Scratch;
 
 fn compare(scenario: &Path, out: &Path) -> std::process::Output {
@@ -339,8 +339,8 @@ fn a_bad_scenario_is_refused_with_its_name() {
 /// and moves the bytes the cost model gives it from the rows its batches named.
 #[test]
 fn sparse_modes_move_the_bytes_the_cost_model_gives_them() {
-    use gradsync_bench::compare::cost::{self, Sparse};
-    use gradsync_bench::compare::scenario::ModeKind;
+    use gradsync_compare::cost::{self, Sparse};
+    use gradsync_compare::scenario::ModeKind;
 
     let root = Scratch::new("sparse");
     let text = "name = 'sparse'\nmodes = ['local', 'ps-sparse', 'ddp-dense', 'ddp-allgather', 'hybrid']\n\
@@ -355,7 +355,7 @@ fn sparse_modes_move_the_bytes_the_cost_model_gives_them() {
     for x in outcomes(&out) {
         assert_eq!(x["status"], "ok", "{x}");
     }
-    let c = gradsync_bench::compare::results::collect(std::slice::from_ref(&out), None).unwrap();
+    let c = gradsync_compare::results::collect(std::slice::from_ref(&out), None).unwrap();
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);
     let row = |m: ModeKind| {
         c.summaries.iter().find(|s| s.mode == m.label()).unwrap_or_else(|| panic!("no {m} row"))

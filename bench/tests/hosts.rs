@@ -9,17 +9,21 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gradsync_bench::compare::modes::{self, Bins, Ctx, Placement};
-use gradsync_bench::compare::scenario::{ModeKind, Scenario};
-use gradsync_bench::compare::site::{Site, Slot};
-use gradsync_bench::net::{Cluster, ClusterError, Shape};
+use gradsync_compare::local::Local;
+use gradsync_compare::modes::{self, Bins, Ctx, Placement};
+use gradsync_compare::net::{Cluster, ClusterError, Shape};
+use gradsync_compare::scenario::{ModeKind, Scenario};
+use gradsync_compare::site::Slot;
 use gradsync_testkit::Scratch;
 use gradsync_testkit::process::Proc;
 
 const SSHD: &str = "/usr/sbin/sshd";
 
+// The comparison's test helpers, shared with the tests of its library in compare/tests.
+#[path = "../../compare/tests/common/mod.rs"]
 mod common;
 
 /// PS-BSP (one shard) and DDP-TCP with two workers.
@@ -58,7 +62,7 @@ fn cmdline(pid: u32) -> String {
 fn a_process_without_the_runs_tokens_is_refused() {
     let dir = Scratch::new("hosts-tokens");
     let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
-    let local = || Slot { addr: "127.0.0.1".into(), site: Site::Local };
+    let local = || Slot { addr: "127.0.0.1".into(), site: Arc::new(Local) };
     let ctx = |mode: ModeKind| {
         let mut s = scenario(4);
         s.modes = vec![mode];
@@ -84,12 +88,9 @@ fn a_process_without_the_runs_tokens_is_refused() {
     let plan = modes::plan(&c).unwrap();
     let mut server = spawn(&plan.servers[0], true, Stdio::piped());
     let out = server.child().stdout.take().unwrap();
-    let addr = gradsync_bench::compare::child::wait_for_line(
-        out,
-        "gradsync-server listening on ",
-        Duration::from_secs(60),
-    )
-    .unwrap();
+    let addr =
+        gradsync_compare::child::wait_for_line(out, "gradsync-server listening on ", Duration::from_secs(60))
+            .unwrap();
     assert!(!cmdline(server.id()).contains(&token), "the token is on the server's command line");
     let workers = (plan.workers)(&[addr]);
     assert!(workers.iter().all(|w| {
@@ -179,7 +180,7 @@ fn run(cmd: &mut Command) {
 /// it, in that sshd's own mount namespace): a host that lacks them. `None` (after saying why)
 /// where this machine cannot.
 fn ssh_hosts(test: &str, n: usize, hidden: &[usize]) -> Option<SshHosts> {
-    if let Err(why) = gradsync_bench::net::available().map_err(|e| e.to_string()).and_then(|_| openssh()) {
+    if let Err(why) = gradsync_compare::net::available().map_err(|e| e.to_string()).and_then(|_| openssh()) {
         eprintln!("SKIPPED: {test}: {why}");
         return None;
     }
@@ -647,7 +648,7 @@ fn default_scenario_across_four_ssh_hosts() {
     eprintln!("{err}\nthe default scenario across 4 ssh hosts: {:.0} s", t.elapsed().as_secs_f64());
     let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
     assert_eq!(outcomes.lines().count(), s.expand().len(), "one outcome per run");
-    for c in gradsync_bench::compare::charts::NAMES {
+    for c in gradsync_compare::charts::NAMES {
         assert!(out.join(format!("{c}.svg")).is_file(), "chart {c} missing");
     }
     let machine = std::fs::read_to_string(out.join("machine.json")).unwrap();

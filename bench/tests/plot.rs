@@ -143,7 +143,7 @@ fn plot(dirs: &[&Path], out: &Path) -> std::process::Output {
         .unwrap()
 }
 
-use gradsync_bench::compare::charts::NAMES as CHARTS;
+use gradsync_compare::charts::NAMES as CHARTS;
 use gradsync_testkit::Scratch;
 
 fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {

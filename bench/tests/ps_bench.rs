@@ -106,7 +106,7 @@ fn zero_rounds_are_refused_naming_the_flag() {
 
 #[test]
 fn quick_grid_on_shaped_links_is_held_to_the_link() {
-    if let Err(e) = gradsync_bench::net::available() {
+    if let Err(e) = gradsync_compare::net::available() {
         eprintln!("SKIPPED quick_grid_on_shaped_links_is_held_to_the_link: no emulated cluster here: {e}");
         return;
     }

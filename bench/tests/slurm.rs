@@ -3,7 +3,7 @@
 //! as the test's children with a configuration of its own in a scratch directory), and
 //! `gradsync-bench compare --slurm` run inside `salloc` on a small scenario: every run's
 //! processes start as job steps, and every run ends ok. Then two nodes: two slurmd, each in an
-//! emulated host's network namespace ([`gradsync_bench::net`]) with a `/tmp` of its own (a
+//! emulated host's network namespace ([`gradsync_compare::net`]) with a `/tmp` of its own (a
 //! tmpfs in its mount namespace), so that the link is measured between nodes and the run
 //! directory is shared with no node. Where this machine cannot (not root, no packages, the
 //! daemons do not start) the tests print SKIPPED with the reason and pass.
@@ -13,10 +13,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use gradsync_bench::compare::scenario::ModeKind;
+use gradsync_compare::scenario::ModeKind;
 use gradsync_testkit::Scratch;
 use gradsync_testkit::process::Proc;
 
+// The comparison's test helpers, shared with the tests of its library in compare/tests.
+#[path = "../../compare/tests/common/mod.rs"]
 mod common;
 
 /// The programs the cluster needs.
@@ -79,7 +81,7 @@ struct Cluster {
     daemons: Vec<(String, Proc)>,
     /// With two nodes, the emulated hosts: slurmctld and the commands on host 0, a node on
     /// each of the others. Dropped last, once the daemons are gone.
-    net: Option<gradsync_bench::net::Cluster>,
+    net: Option<gradsync_compare::net::Cluster>,
 }
 
 impl Cluster {
@@ -122,9 +124,10 @@ impl Cluster {
             return Err("not root (slurmd starts job steps as their users)".into());
         }
         slurm_packages()?;
-        gradsync_bench::net::available().map_err(|e| e.to_string())?;
-        let shape = gradsync_bench::net::Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0 };
-        let net = gradsync_bench::net::Cluster::create(3, shape).map_err(|e| e.to_string())?;
+        gradsync_compare::net::available().map_err(|e| e.to_string())?;
+        let shape =
+            gradsync_compare::net::Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0 };
+        let net = gradsync_compare::net::Cluster::create(3, shape).map_err(|e| e.to_string())?;
         let node = String::from_utf8_lossy(
             &Command::new("hostname").arg("-s").output().map_err(|e| e.to_string())?.stdout,
         )

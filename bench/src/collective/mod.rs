@@ -10,7 +10,7 @@
 //! with that address (no sleeping, no port guessing). With `--threads` gradsync's ranks are
 //! threads of this process instead (labelled so in the table; gloo stays in processes).
 //! With `--link-gbit`, each rank runs on an emulated host of its own (a network namespace,
-//! links shaped with tc; see [`crate::net`]), so no two ranks share memory; with
+//! links shaped with tc; see [`gradsync_compare::net`]), so no two ranks share memory; with
 //! `--ranks-per-host N` as well, ranks `0..N` share the first host, `N..2N` the second, and so
 //! on (torchrun's numbering), and `--hierarchy off,auto` puts the flat socket ring beside the
 //! hierarchical all-reduce (reduce inside each host, ring among the hosts' leaders, broadcast
@@ -37,10 +37,10 @@ use gradsync_core::device::Cuda;
 use gradsync_worker::collective::{After, Collective, Hierarchy, Nccl, RingConfig, TcpComm, Transport, nccl};
 use gradsync_worker::rendezvous::{RendezvousConfig, join_with_store};
 
-use crate::hosts::Hosts;
-use crate::net::{self, Cluster, Shape};
-use crate::rawtcp::Yardstick;
-use crate::table::{Table, median, spread};
+use gradsync_compare::hosts::Hosts;
+use gradsync_compare::net::{self, Cluster, Shape};
+use gradsync_compare::rawtcp::Yardstick;
+use gradsync_compare::table::{Table, median, spread};
 
 mod plain;
 mod processes;
@@ -184,13 +184,13 @@ struct Busy(Option<f64>);
 
 impl Busy {
     fn start(rank: usize) -> Busy {
-        Busy(if rank == 0 { crate::rawtcp::machine_busy_seconds() } else { None })
+        Busy(if rank == 0 { gradsync_compare::rawtcp::machine_busy_seconds() } else { None })
     }
 
     /// Busy core-seconds per iteration since [`Busy::start`].
     fn per(&self, iters: usize) -> Option<f64> {
         let start = self.0?;
-        Some((crate::rawtcp::machine_busy_seconds()? - start) / iters.max(1) as f64)
+        Some((gradsync_compare::rawtcp::machine_busy_seconds()? - start) / iters.max(1) as f64)
     }
 }
 
@@ -513,33 +513,11 @@ impl Measured {
 
 /// Run the benchmark and print its table.
 pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(a.rounds >= 1, "--rounds must be at least 1");
-    anyhow::ensure!(
-        !(a.threads && a.link_gbit.is_some()),
-        "--threads and --link-gbit do not go together: emulated hosts need one process each"
-    );
-    anyhow::ensure!(
-        a.ranks_per_host == 1 || a.link_gbit.is_some(),
-        "--ranks-per-host {} needs --link-gbit: without emulated hosts every rank is on this one",
-        a.ranks_per_host
-    );
+    check(a)?;
     let per_host = a.ranks_per_host as usize;
     let sizes = sizes(a);
     let python = if a.no_gloo { None } else { find_python(a)? };
-    let each = Duration::from_secs_f64(a.raw_secs);
-    let mut clusters = BTreeMap::new();
-    let yard = match a.link_gbit {
-        None => Yardstick::loopback("127.0.0.1", 3, each)?,
-        Some(gbit) => {
-            net::guard("gradsync-bench collective");
-            let shape = Shape { rate_bit: Some(gbit * 1e9), ..Shape::default() };
-            for &w in &a.ranks {
-                clusters.insert(w, Cluster::create(w.div_ceil(per_host).max(2), shape)?);
-            }
-            let c = clusters.values().next().context("no rank counts")?;
-            Yardstick::measure(3, each, || Hosts::Emulated(c).pair(0, 1))?
-        }
-    };
+    let (yard, clusters) = yardstick(a, per_host)?;
     let raw = yard.median() / 1e9;
     let (ranks_as, link) = match (a.threads, a.link_gbit) {
         (true, _) => ("threads", "loopback".to_string()),
@@ -573,171 +551,8 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
             Some(c) => Place::Emulated(c, per_host),
             None => Place::Loopback,
         };
-        let mut series: Vec<Series> = Vec::new();
-        for b in &a.backend {
-            match b.as_str() {
-                "tcp" => series.extend(a.transport.iter().flat_map(|&t| {
-                    a.hierarchy.iter().map(move |&h| Series {
-                        backend: b.clone(),
-                        transport: Some(t),
-                        hierarchy: h,
-                    })
-                })),
-                "nccl" => match nccl::available() {
-                    Err(e) => eprintln!("gradsync-bench collective: NCCL skipped ({world} ranks): {e}"),
-                    Ok(()) if world > 1 => eprintln!(
-                        "gradsync-bench collective: NCCL with {world} ranks needs {world} GPUs \
-                         (NCCL refuses two ranks on one GPU); measured at 1 rank only"
-                    ),
-                    Ok(()) => {
-                        series.push(Series { backend: b.clone(), transport: None, hierarchy: Hierarchy::Off })
-                    }
-                },
-                other => anyhow::bail!("--backend {other}: expected tcp or nccl"),
-            }
-        }
-        let mut measured: Vec<Measured> = series.iter().map(|_| Measured::default()).collect();
-        let mut gloo_m = Measured::default();
-        let mut plain_m = Measured::default();
-        let plain = !a.no_plain && a.backend.iter().any(|b| b == "tcp");
-        for round in 0..a.rounds {
-            for (s, m) in series.iter().zip(&mut measured) {
-                let (rows, label, path) = match (s.backend.as_str(), s.transport) {
-                    ("tcp", Some(tr)) => {
-                        let (rows, ran) = if a.threads {
-                            tcp_threads(world, &sizes, a, s)?
-                        } else {
-                            tcp_processes(world, &sizes, a, s, place)?
-                        };
-                        let label = if ran.transport == tr {
-                            tr.name().to_string()
-                        } else {
-                            format!("{} ({})", tr.name(), ran.transport.name())
-                        };
-                        let path = match ran.hosts {
-                            Some(h) => format!("{}: hier, {h} hosts", s.hierarchy.name()),
-                            None => format!("{}: ring", s.hierarchy.name()),
-                        };
-                        let path = match ran.chunk_kb {
-                            Some(kb) => format!("{path}, {kb} KiB chunks"),
-                            None => path,
-                        };
-                        (rows, label, path)
-                    }
-                    _ => (nccl_single(&sizes, a.budget_bytes)?, "-".to_string(), "-".to_string()),
-                };
-                m.add(round, &rows);
-                m.label = label;
-                m.path = path;
-            }
-            if plain {
-                plain_m.add(
-                    round,
-                    &plain_processes(world, &sizes, a, place)
-                        .with_context(|| format!("plain sockets, {world} ranks, round {round}"))?,
-                );
-            }
-            if let Some(torch) = &python {
-                match gloo(torch, world, &sizes, a, place) {
-                    Ok(rows) => gloo_m.add(round, &rows),
-                    Err(e) if torch.required => {
-                        return Err(e.context(format!(
-                            "gloo, {world} ranks, round {round} ({} with {})",
-                            torch.python.display(),
-                            torch.script.display()
-                        )));
-                    }
-                    Err(e) => {
-                        eprintln!("gradsync-bench collective: gloo, {world} ranks, round {round}: {e:#}")
-                    }
-                }
-            }
-        }
-        let gloo_med = gloo_m.medians();
-        let gloo_bus = |bytes: usize| gloo_med.get(&bytes).map(|&s| busbw(bytes as f64 / s / 1e9, world));
-        // A row's busbw over plain sockets' in the same rounds, median (least-most), percent.
-        let of_plain = |m: &Measured, bytes: usize| {
-            m.speedup_over(&plain_m, bytes)
-                .map(|(med, lo, hi)| format!("{:.0}% ({:.0}-{:.0})", med * 100.0, lo * 100.0, hi * 100.0))
-                .unwrap_or_default()
-        };
-        // A row's busbw over gloo's: the ratio of the medians, and beside it the least and most
-        // of the rounds' own ratios (none for gloo's own row, or after one round).
-        let vs_gloo = |m: &Measured, bytes: usize, bus: f64| {
-            let Some(g) = gloo_bus(bytes) else { return String::new() };
-            match m.speedup_over(&gloo_m, bytes) {
-                Some((_, lo, hi)) if a.rounds > 1 && !std::ptr::eq(m, &gloo_m) => {
-                    format!("{:.2}x ({lo:.2}-{hi:.2})", bus / g)
-                }
-                _ => format!("{:.2}x", bus / g),
-            }
-        };
-        // A hierarchical row's flat ring: the same backend and transport with --hierarchy off.
-        let flat_of = |s: &Series, m: &Measured| {
-            let hier = m.path.contains("hier");
-            series.iter().zip(&measured).find_map(|(f, fm)| {
-                (hier
-                    && f.backend == s.backend
-                    && f.transport == s.transport
-                    && f.hierarchy == Hierarchy::Off)
-                    .then_some(fm)
-            })
-        };
-        for (s, m) in series.iter().zip(&measured) {
-            let flat = flat_of(s, m);
-            for (bytes, secs) in m.medians() {
-                let row = Row { bytes, secs, wrong: m.wrong.get(&bytes).copied().unwrap_or(0), busy: None };
-                let bus = busbw(row.algbw(), world);
-                let g = gloo_bus(bytes);
-                t.row(vec![
-                    world.to_string(),
-                    if s.backend == "tcp" { ranks_as.to_string() } else { "process".to_string() },
-                    s.backend.clone(),
-                    m.label.clone(),
-                    m.path.clone(),
-                    human(row.bytes),
-                    format!("{:.1}", row.secs * 1e6),
-                    format!("{:.3}", row.algbw()),
-                    format!("{bus:.3}"),
-                    format!("{:.2}", bus / raw),
-                    of_plain(m, bytes),
-                    g.map(|g| format!("{g:.3}")).unwrap_or_default(),
-                    vs_gloo(m, bytes, bus),
-                    flat.and_then(|f| m.speedup_over(f, bytes))
-                        .map(|(med, lo, hi)| format!("{med:.2}x ({lo:.2}-{hi:.2})"))
-                        .unwrap_or_default(),
-                    row.wrong.to_string(),
-                    m.busy_cell(bytes, world),
-                ]);
-            }
-        }
-        // gloo's rows, then plain sockets': each beside gloo's busbw (for the plain row, how far
-        // above gloo the bare sockets go).
-        for (backend, m) in [("gloo", &gloo_m), ("plain", &plain_m)] {
-            for (bytes, secs) in m.medians() {
-                let row = Row { bytes, secs, wrong: m.wrong.get(&bytes).copied().unwrap_or(0), busy: None };
-                let bus = busbw(row.algbw(), world);
-                let g = gloo_bus(bytes);
-                t.row(vec![
-                    world.to_string(),
-                    "processes".into(),
-                    backend.into(),
-                    "tcp".into(),
-                    "-".into(),
-                    human(row.bytes),
-                    format!("{:.1}", row.secs * 1e6),
-                    format!("{:.3}", row.algbw()),
-                    format!("{bus:.3}"),
-                    format!("{:.2}", bus / raw),
-                    of_plain(m, bytes),
-                    g.map(|g| format!("{g:.3}")).unwrap_or_default(),
-                    vs_gloo(m, bytes, bus),
-                    String::new(),
-                    row.wrong.to_string(),
-                    m.busy_cell(bytes, world),
-                ]);
-            }
-        }
+        let rounds = measure_rounds(a, world, &sizes, place, python.as_ref())?;
+        rounds.rows(&mut t, Shown { world, ranks_as, raw, rounds: a.rounds });
     }
     print!("{}", t.render());
     println!(
@@ -764,6 +579,256 @@ pub fn run(a: &CollectiveArgs) -> anyhow::Result<()> {
         a.rounds
     );
     Ok(())
+}
+
+/// The flags that do not go together, refused.
+fn check(a: &CollectiveArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.rounds >= 1, "--rounds must be at least 1");
+    anyhow::ensure!(
+        !(a.threads && a.link_gbit.is_some()),
+        "--threads and --link-gbit do not go together: emulated hosts need one process each"
+    );
+    anyhow::ensure!(
+        a.ranks_per_host == 1 || a.link_gbit.is_some(),
+        "--ranks-per-host {} needs --link-gbit: without emulated hosts every rank is on this one",
+        a.ranks_per_host
+    );
+    Ok(())
+}
+
+/// The raw-TCP yardstick the table is read against: over loopback, or with `--link-gbit`
+/// between two emulated hosts of the clusters made for each rank count (`per_host` ranks a
+/// host), which are returned with it.
+fn yardstick(a: &CollectiveArgs, per_host: usize) -> anyhow::Result<(Yardstick, BTreeMap<usize, Cluster>)> {
+    let each = Duration::from_secs_f64(a.raw_secs);
+    let mut clusters = BTreeMap::new();
+    let yard = match a.link_gbit {
+        None => Yardstick::loopback("127.0.0.1", 3, each)?,
+        Some(gbit) => {
+            net::guard("gradsync-bench collective");
+            let shape = Shape { rate_bit: Some(gbit * 1e9), ..Shape::default() };
+            for &w in &a.ranks {
+                clusters.insert(w, Cluster::create(w.div_ceil(per_host).max(2), shape)?);
+            }
+            let c = clusters.values().next().context("no rank counts")?;
+            Yardstick::measure(3, each, || Hosts::Emulated(c).pair(0, 1))?
+        }
+    };
+    Ok((yard, clusters))
+}
+
+/// The series `--backend` asks for with `world` ranks: the TCP backend once per transport and
+/// hierarchy, NCCL at one rank where a GPU is there (said, and left out, otherwise).
+fn series_for(a: &CollectiveArgs, world: usize) -> anyhow::Result<Vec<Series>> {
+    let mut series: Vec<Series> = Vec::new();
+    for b in &a.backend {
+        match b.as_str() {
+            "tcp" => series.extend(a.transport.iter().flat_map(|&t| {
+                a.hierarchy.iter().map(move |&h| Series {
+                    backend: b.clone(),
+                    transport: Some(t),
+                    hierarchy: h,
+                })
+            })),
+            "nccl" => match nccl::available() {
+                Err(e) => eprintln!("gradsync-bench collective: NCCL skipped ({world} ranks): {e}"),
+                Ok(()) if world > 1 => eprintln!(
+                    "gradsync-bench collective: NCCL with {world} ranks needs {world} GPUs \
+                     (NCCL refuses two ranks on one GPU); measured at 1 rank only"
+                ),
+                Ok(()) => {
+                    series.push(Series { backend: b.clone(), transport: None, hierarchy: Hierarchy::Off })
+                }
+            },
+            other => anyhow::bail!("--backend {other}: expected tcp or nccl"),
+        }
+    }
+    Ok(series)
+}
+
+/// What the rounds of one rank count measured: every series, gloo and plain sockets.
+struct Rounds {
+    series: Vec<Series>,
+    measured: Vec<Measured>,
+    gloo: Measured,
+    plain: Measured,
+}
+
+/// Every round of `world` ranks placed by `place`: each series in turn, then plain sockets and
+/// gloo (a gloo failure fails the benchmark only when its Python was given).
+fn measure_rounds(
+    a: &CollectiveArgs,
+    world: usize,
+    sizes: &[usize],
+    place: Place,
+    python: Option<&processes::Torch>,
+) -> anyhow::Result<Rounds> {
+    let series = series_for(a, world)?;
+    let mut measured: Vec<Measured> = series.iter().map(|_| Measured::default()).collect();
+    let mut gloo_m = Measured::default();
+    let mut plain_m = Measured::default();
+    let plain = !a.no_plain && a.backend.iter().any(|b| b == "tcp");
+    for round in 0..a.rounds {
+        for (s, m) in series.iter().zip(&mut measured) {
+            let (rows, label, path) = measure_series(a, s, world, sizes, place)?;
+            m.add(round, &rows);
+            m.label = label;
+            m.path = path;
+        }
+        if plain {
+            plain_m.add(
+                round,
+                &plain_processes(world, sizes, a, place)
+                    .with_context(|| format!("plain sockets, {world} ranks, round {round}"))?,
+            );
+        }
+        if let Some(torch) = python {
+            match gloo(torch, world, sizes, a, place) {
+                Ok(rows) => gloo_m.add(round, &rows),
+                Err(e) if torch.required => {
+                    return Err(e.context(format!(
+                        "gloo, {world} ranks, round {round} ({} with {})",
+                        torch.python.display(),
+                        torch.script.display()
+                    )));
+                }
+                Err(e) => eprintln!("gradsync-bench collective: gloo, {world} ranks, round {round}: {e:#}"),
+            }
+        }
+    }
+    Ok(Rounds { series, measured, gloo: gloo_m, plain: plain_m })
+}
+
+/// One round of series `s`: its rows, the transport that ran (as asked, and what it became)
+/// and the all-reduce's path (ring or hierarchy, chunk size).
+fn measure_series(
+    a: &CollectiveArgs,
+    s: &Series,
+    world: usize,
+    sizes: &[usize],
+    place: Place,
+) -> anyhow::Result<(Vec<Row>, String, String)> {
+    let (Some(tr), "tcp") = (s.transport, s.backend.as_str()) else {
+        return Ok((nccl_single(sizes, a.budget_bytes)?, "-".to_string(), "-".to_string()));
+    };
+    let (rows, ran) =
+        if a.threads { tcp_threads(world, sizes, a, s)? } else { tcp_processes(world, sizes, a, s, place)? };
+    let label = if ran.transport == tr {
+        tr.name().to_string()
+    } else {
+        format!("{} ({})", tr.name(), ran.transport.name())
+    };
+    let path = match ran.hosts {
+        Some(h) => format!("{}: hier, {h} hosts", s.hierarchy.name()),
+        None => format!("{}: ring", s.hierarchy.name()),
+    };
+    let path = match ran.chunk_kb {
+        Some(kb) => format!("{path}, {kb} KiB chunks"),
+        None => path,
+    };
+    Ok((rows, label, path))
+}
+
+/// How one rank count's rows are shown: its ranks, what they are, the raw link (GB/s) and the
+/// rounds run.
+#[derive(Clone, Copy)]
+struct Shown<'a> {
+    world: usize,
+    ranks_as: &'a str,
+    raw: f64,
+    rounds: usize,
+}
+
+impl Rounds {
+    /// The rows of every series, then gloo's and plain sockets': each beside gloo's busbw (for
+    /// the plain row, how far above gloo the bare sockets go).
+    fn rows(&self, t: &mut Table, how: Shown<'_>) {
+        for (s, m) in self.series.iter().zip(&self.measured) {
+            let ranks_as = if s.backend == "tcp" { how.ranks_as } else { "process" };
+            let flat = self.flat_of(s, m);
+            for (bytes, secs) in m.medians() {
+                let vs_flat = flat
+                    .and_then(|f| m.speedup_over(f, bytes))
+                    .map(|(med, lo, hi)| format!("{med:.2}x ({lo:.2}-{hi:.2})"))
+                    .unwrap_or_default();
+                let cells = [ranks_as, &s.backend, &m.label, &m.path];
+                t.row(self.cells(how, cells, m, bytes, secs, vs_flat));
+            }
+        }
+        for (backend, m) in [("gloo", &self.gloo), ("plain", &self.plain)] {
+            for (bytes, secs) in m.medians() {
+                t.row(self.cells(how, ["processes", backend, "tcp", "-"], m, bytes, secs, String::new()));
+            }
+        }
+    }
+
+    /// One row of the table: `what` (ranks as, backend, transport, all-reduce), then the figures
+    /// of `m` for `bytes` (median `secs`) and `vs_flat`.
+    fn cells(
+        &self,
+        how: Shown<'_>,
+        what: [&str; 4],
+        m: &Measured,
+        bytes: usize,
+        secs: f64,
+        vs_flat: String,
+    ) -> Vec<String> {
+        let world = how.world;
+        let row = Row { bytes, secs, wrong: m.wrong.get(&bytes).copied().unwrap_or(0), busy: None };
+        let bus = busbw(row.algbw(), world);
+        let g = self.gloo_bus(bytes, world);
+        vec![
+            world.to_string(),
+            what[0].to_string(),
+            what[1].to_string(),
+            what[2].to_string(),
+            what[3].to_string(),
+            human(row.bytes),
+            format!("{:.1}", row.secs * 1e6),
+            format!("{:.3}", row.algbw()),
+            format!("{bus:.3}"),
+            format!("{:.2}", bus / how.raw),
+            self.of_plain(m, bytes),
+            g.map(|g| format!("{g:.3}")).unwrap_or_default(),
+            self.vs_gloo(m, bytes, bus, how),
+            vs_flat,
+            row.wrong.to_string(),
+            m.busy_cell(bytes, world),
+        ]
+    }
+
+    /// gloo's busbw for `bytes`, from its median time over rounds.
+    fn gloo_bus(&self, bytes: usize, world: usize) -> Option<f64> {
+        self.gloo.medians().get(&bytes).map(|&s| busbw(bytes as f64 / s / 1e9, world))
+    }
+
+    /// A row's busbw over plain sockets' in the same rounds, median (least-most), percent.
+    fn of_plain(&self, m: &Measured, bytes: usize) -> String {
+        m.speedup_over(&self.plain, bytes)
+            .map(|(med, lo, hi)| format!("{:.0}% ({:.0}-{:.0})", med * 100.0, lo * 100.0, hi * 100.0))
+            .unwrap_or_default()
+    }
+
+    /// A row's busbw over gloo's: the ratio of the medians, and beside it the least and most
+    /// of the rounds' own ratios (none for gloo's own row, or after one round).
+    fn vs_gloo(&self, m: &Measured, bytes: usize, bus: f64, how: Shown<'_>) -> String {
+        let Some(g) = self.gloo_bus(bytes, how.world) else { return String::new() };
+        match m.speedup_over(&self.gloo, bytes) {
+            Some((_, lo, hi)) if how.rounds > 1 && !std::ptr::eq(m, &self.gloo) => {
+                format!("{:.2}x ({lo:.2}-{hi:.2})", bus / g)
+            }
+            _ => format!("{:.2}x", bus / g),
+        }
+    }
+
+    /// A hierarchical row's flat ring: the same backend and transport with --hierarchy off.
+    fn flat_of(&self, s: &Series, m: &Measured) -> Option<&Measured> {
+        let hier = m.path.contains("hier");
+        self.series.iter().zip(&self.measured).find_map(|(f, fm)| {
+            (hier && f.backend == s.backend && f.transport == s.transport && f.hierarchy == Hierarchy::Off)
+                .then_some(fm)
+        })
+    }
 }
 
 #[cfg(test)]

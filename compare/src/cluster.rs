@@ -1,0 +1,291 @@
+//! `gradsync-bench cluster`: the comparison's runs on an emulated multi-host cluster. Each
+//! link rate gets a fresh cluster ([`crate::net`]): server shard `i` on host `i`, worker rank `r` on
+//! host `k + r`, every process started by the comparison runner's own command lines
+//! ([`crate::modes`]) inside its host's namespace. The run directory is a comparison
+//! run directory plus `cluster.json` (which run had which link), so `plot` renders it, with a
+//! section setting each measured step beside the cost model's prediction for that link.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use gradsync_worker::modes::Wire;
+use indicatif::{MultiProgress, ProgressBar};
+
+pub use crate::emulated::{CLUSTER_FILE, ClusterRun};
+use crate::machine::Machine;
+use crate::modes::{self, Placement};
+use crate::net::{self, Cluster, Shape};
+use crate::scenario::{ModeKind, Scenario};
+use crate::site::Slot;
+
+/// Steps per cluster run unless `--steps` says otherwise.
+const CLUSTER_STEPS: u64 = 30;
+
+/// Runs of each cell with a step budget unless `--repeats` says otherwise: the report ranks
+/// modes only by repeats' medians and ranges.
+const CLUSTER_REPEATS: usize = 3;
+
+/// Small-message round trips timed between two of a run's hosts for the cost model's latency
+/// (the machine's own loopback figure takes 2000; a shaped link's is steadier, and each run
+/// measures its own cluster).
+const LATENCY_ROUNDS: usize = 200;
+
+/// Flags of `gradsync-bench cluster`.
+#[derive(Debug, Clone, Args)]
+pub struct ClusterArgs {
+    /// Scenario file (TOML) for the model, batch, steps and optimiser; the built-in default
+    /// when absent. Its modes, workers and shards are replaced by the flags below.
+    pub scenario: Option<PathBuf>,
+    /// Run directory (default: runs/cluster-<UTC timestamp>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Directory holding gradsync-worker and gradsync-server (default: beside this program).
+    #[arg(long, env = "GRADSYNC_BIN_DIR")]
+    pub bin_dir: Option<PathBuf>,
+    /// Link rates to emulate, Gbit/s; one cluster each.
+    #[arg(long, value_delimiter = ',', default_value = "1,10")]
+    pub rates: Vec<f64>,
+    /// Delay added to each direction of each host's link, microseconds (host to host: twice);
+    /// needs the kernel's netem qdisc.
+    #[arg(long, default_value_t = 0)]
+    pub delay_us: u64,
+    /// Packet loss on each direction of each link, percent (a BPF classifier drops them; no
+    /// netem needed).
+    #[arg(long, default_value_t = 0.0)]
+    pub loss: f64,
+    /// Worker processes, each on its own host.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Parameter-server shards, each on its own host.
+    #[arg(long, default_value_t = 1)]
+    pub shards: usize,
+    /// Modes to run.
+    #[arg(long, value_delimiter = ',', default_value = "ps-bsp,ddp-tcp")]
+    pub modes: Vec<ModeKind>,
+    /// Override the scenario's models.
+    #[arg(long, value_delimiter = ',')]
+    pub models: Option<Vec<String>>,
+    /// Override the scenario's step budget.
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Keep the scenario's convergence measurement (its epochs or steps, evaluation, target
+    /// accuracy and repeats) instead of a short step budget with no evaluation: time to
+    /// accuracy on the emulated links, where bytes cost what the link makes them cost.
+    #[arg(long)]
+    pub to_accuracy: bool,
+    /// Runs of each cell (default: 3 with the step budget, the scenario's with
+    /// --to-accuracy). With 1 the report lists the figures without ranking them: one run has
+    /// no spread to set a difference against.
+    #[arg(long)]
+    pub repeats: Option<usize>,
+}
+
+/// The scenario a cluster runs: `s` with the flags' modes, workers, shards and models, and
+/// either a step budget with no evaluation (the step's communication), each cell run
+/// [`CLUSTER_REPEATS`] times, or, with `--to-accuracy`, the scenario's own convergence
+/// measurement; `--repeats` replaces either count.
+pub fn cluster_scenario(mut s: Scenario, a: &ClusterArgs) -> anyhow::Result<Scenario> {
+    s.modes = a.modes.clone();
+    s.workers = vec![a.workers];
+    s.shards = vec![a.shards];
+    if let Some(m) = &a.models {
+        s.models = m.clone();
+    }
+    if a.to_accuracy {
+        anyhow::ensure!(
+            s.target_accuracy.is_some() && s.eval_samples.is_some(),
+            "--to-accuracy needs a scenario with target_accuracy and eval_samples (as \
+             bench/scenarios/compression.toml has)"
+        );
+        if let Some(steps) = a.steps {
+            (s.steps, s.epochs) = (Some(steps), None);
+        }
+    } else {
+        (s.steps, s.epochs) = (Some(a.steps.unwrap_or(CLUSTER_STEPS)), None);
+        (s.repeats, s.eval_samples, s.target_accuracy) = (CLUSTER_REPEATS, None, None);
+    }
+    if let Some(r) = a.repeats {
+        anyhow::ensure!(r >= 1, "--repeats {r}: each cell must run at least once");
+        s.repeats = r;
+    }
+    Scenario::parse(&toml::to_string(&s).context("writing the scenario")?, "the cluster scenario")
+}
+
+/// Run `cluster`.
+pub fn run(a: &ClusterArgs) -> anyhow::Result<()> {
+    if let Err(e) = net::available() {
+        eprintln!("gradsync-bench cluster: skipped: {e}");
+        return Ok(());
+    }
+    net::guard("gradsync-bench cluster");
+    anyhow::ensure!(a.workers >= 1, "--workers must be at least 1");
+    anyhow::ensure!(a.shards >= 1, "--shards must be at least 1");
+    anyhow::ensure!(
+        !a.rates.is_empty() && a.rates.iter().all(|r| *r > 0.0),
+        "--rates must be positive Gbit/s"
+    );
+    anyhow::ensure!((0.0..100.0).contains(&a.loss), "--loss must be a percentage below 100");
+    let s = cluster_scenario(Scenario::load(a.scenario.as_deref())?, a)?;
+    let bins = modes::Bins::find(a.bin_dir.as_deref())?;
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("runs").join(format!("cluster-{}", crate::utc_stamp())));
+    let shape = |rate: f64| Shape {
+        rate_bit: Some(rate * 1e9),
+        delay: Duration::from_micros(a.delay_us),
+        loss_pct: a.loss,
+    };
+    run_cluster(&s, &bins, &out, &a.rates, shape)?;
+    let html = crate::plot(std::slice::from_ref(&out), &out)?;
+    eprintln!("gradsync-bench cluster: report in {}", html.display());
+    Ok(())
+}
+
+/// Run every cell of `scenario` once per rate in `rates`, each rate on a fresh cluster shaped
+/// by `shape(rate)`, into the run directory `out`. Returns the runs with their links.
+pub fn run_cluster(
+    scenario: &Scenario,
+    bins: &modes::Bins,
+    out: &Path,
+    rates: &[f64],
+    shape: impl Fn(f64) -> Shape,
+) -> anyhow::Result<Vec<ClusterRun>> {
+    anyhow::ensure!(
+        !out.join("outcomes.jsonl").exists(),
+        "{} already holds a comparison; choose another --out",
+        out.display()
+    );
+    std::fs::create_dir_all(out.join("runs")).with_context(|| format!("creating {}", out.display()))?;
+    let write = |name: &str, text: &str| -> anyhow::Result<()> {
+        let p = out.join(name);
+        std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
+    };
+    write("scenario.toml", &toml::to_string(scenario).context("writing the scenario")?)?;
+    write("machine.json", &(serde_json::to_string_pretty(&Machine::detect())? + "\n"))?;
+    let specs = scenario.expand();
+    let multi = MultiProgress::new();
+    let overall = multi.add(ProgressBar::new((specs.len() * rates.len()) as u64));
+    let outcomes_path = out.join("outcomes.jsonl");
+    let mut outcomes = std::fs::File::create(&outcomes_path)
+        .with_context(|| format!("creating {}", outcomes_path.display()))?;
+    let mut runs = Vec::new();
+    for &rate in rates {
+        let sh = shape(rate);
+        for spec in &specs {
+            let k = if spec.mode.is_ps() { spec.shards.max(1) } else { 0 };
+            let hosts = k.max(1) + spec.workers;
+            let mut spec = spec.clone();
+            spec.id = format!("{}-{}g", spec.id, fmt_rate(rate));
+            // A fresh cluster per run: no queue or socket state carries over.
+            let (placement, skip, cluster) = match Cluster::create(hosts, sh) {
+                Ok(c) => {
+                    let h = c.hosts();
+                    let slots = |h: &[crate::net::HostSlot]| h.iter().map(Slot::from).collect();
+                    let p =
+                        Placement::Hosts { servers: slots(&h[..k.max(1)]), workers: slots(&h[k.max(1)..]) };
+                    (p, None, Some(c))
+                }
+                Err(e) => (Placement::Loopback, Some(format!("{e}")), None),
+            };
+            // The link as TCP sees it: from the last host to the first, crossing two shaped ends
+            // as every message between hosts does.
+            let (measured_gbit, measured_latency_us) = cluster.as_ref().map_or((None, None), |c| {
+                let emulated = crate::hosts::Hosts::Emulated(c);
+                let said = |what: &str, e: anyhow::Error| {
+                    multi.suspend(|| eprintln!("{}: measuring the link's {what}: {e:#}", spec.id))
+                };
+                // The yardstick every benchmark uses: the median of three measurements.
+                let d = Duration::from_secs_f64(scenario.rawtcp_s / 3.0);
+                let rate = crate::rawtcp::Yardstick::measure(3, d, || emulated.pair(hosts - 1, 0));
+                let gbit = rate.map_err(|e| said("bandwidth", e)).ok().map(|y| y.median() * 8.0 / 1e9);
+                let latency = emulated
+                    .pair(hosts - 1, 0)
+                    .and_then(|(tx, rx)| crate::rawtcp::latency_between(tx, rx, LATENCY_ROUNDS));
+                (gbit, latency.map_err(|e| said("latency", e)).ok().map(|s| s * 1e6))
+            });
+            let skip = skip.or_else(|| {
+                (spec.mode.compared().wire == Wire::Nccl)
+                    .then(|| "NCCL does not run over emulated links".to_string())
+            });
+            let o = crate::run_spec(scenario, &spec, bins, out, placement, None, skip, &multi, &overall)?;
+            drop(cluster);
+            writeln!(outcomes, "{}", serde_json::to_string(&o)?)
+                .and_then(|_| outcomes.flush())
+                .with_context(|| format!("writing {}", outcomes_path.display()))?;
+            runs.push(ClusterRun {
+                id: o.id,
+                mode: spec.mode,
+                workers: spec.workers,
+                shards: spec.shards,
+                hosts,
+                rate_gbit: rate,
+                measured_gbit,
+                measured_latency_us,
+                delay_us: sh.delay.as_micros() as u64,
+                loss_pct: sh.loss_pct,
+            });
+            overall.inc(1);
+        }
+    }
+    overall.finish_and_clear();
+    write(CLUSTER_FILE, &(serde_json::to_string_pretty(&runs)? + "\n"))?;
+    Ok(runs)
+}
+
+/// `1`, `10`, `2.5`: a rate as it appears in run ids.
+fn fmt_rate(r: f64) -> String {
+    let s = format!("{r}");
+    s.replace('.', "p")
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::{ClusterArgs, Scenario, cluster_scenario};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: ClusterArgs,
+    }
+
+    fn args(flags: &[&str]) -> ClusterArgs {
+        Cli::parse_from([&["cluster"][..], flags].concat()).a
+    }
+
+    #[test]
+    fn a_step_budget_unless_asked_for_time_to_accuracy() {
+        let defaults = Scenario::load(None).unwrap();
+        let s = cluster_scenario(defaults.clone(), &args(&["--workers", "3"])).unwrap();
+        assert_eq!(
+            (s.steps, s.epochs, s.repeats),
+            (Some(super::CLUSTER_STEPS), None, super::CLUSTER_REPEATS)
+        );
+        assert!(s.repeats > 1, "a ranking needs repeats");
+        assert_eq!((s.eval_samples, s.target_accuracy, s.workers.as_slice()), (None, None, &[3][..]));
+        let s = cluster_scenario(defaults.clone(), &args(&["--repeats", "1"])).unwrap();
+        assert_eq!(s.repeats, 1);
+        let e = cluster_scenario(defaults.clone(), &args(&["--repeats", "0"])).unwrap_err().to_string();
+        assert!(e.contains("--repeats 0"), "{e}");
+
+        // --to-accuracy keeps the scenario's epochs, evaluation, target and repeats.
+        let s = cluster_scenario(defaults.clone(), &args(&["--to-accuracy"])).unwrap();
+        assert_eq!((s.steps, s.epochs, s.repeats), (defaults.steps, defaults.epochs, defaults.repeats));
+        assert!(s.repeats > 1 && s.epochs.is_some());
+        assert_eq!((s.eval_samples, s.target_accuracy), (defaults.eval_samples, defaults.target_accuracy));
+        // ... and --steps replaces only the budget.
+        let s = cluster_scenario(defaults.clone(), &args(&["--to-accuracy", "--steps", "12"])).unwrap();
+        assert_eq!((s.steps, s.epochs, s.target_accuracy), (Some(12), None, defaults.target_accuracy));
+
+        // Without a target there is no time to accuracy to measure: said, not run.
+        let mut no_target = defaults;
+        no_target.target_accuracy = None;
+        let e = cluster_scenario(no_target, &args(&["--to-accuracy"])).unwrap_err().to_string();
+        assert!(e.contains("--to-accuracy needs a scenario with target_accuracy"), "{e}");
+    }
+}

@@ -1,0 +1,306 @@
+//! Runs on emulated links (`gradsync-bench cluster`): the link each group's cost model is
+//! fitted to, the measured step and communication beside the model's prediction, and the
+//! parameter server against the ring with BytePS's claim checked, each over complete repeats.
+
+use super::page::ClusterView;
+use super::tables::{Grid, Td, Tr};
+use crate::charts::Group;
+use crate::cost::{self, Link};
+use crate::emulated::ClusterRun;
+use crate::results::{Cell, Summary, overlap};
+use crate::scenario::ModeKind;
+
+/// The emulated link of a group's runs for the cost model: the medians of the runs' measured
+/// bandwidth and latency; `None` where some run measured no latency and no delay was added,
+/// since nothing then gives the latency the model needs.
+pub fn group_link(g: &Group, cluster: &[ClusterRun]) -> Option<Link> {
+    let runs: Vec<&ClusterRun> =
+        cluster.iter().filter(|r| g.cells.iter().any(|c| c.runs.contains(&r.id))).collect();
+    let latency_known = runs.iter().all(|r| r.measured_latency_us.is_some() || r.delay_us > 0);
+    if runs.is_empty() || !latency_known {
+        return None;
+    }
+    let median = |f: fn(Link) -> f64| {
+        crate::results::median(&runs.iter().map(|r| f(cluster_link(r))).collect::<Vec<_>>())
+    };
+    Some(Link { a: median(|l| l.a)?, b: median(|l| l.b)? })
+}
+
+/// A cluster run's link for the cost model: the latency and bandwidth measured between two of
+/// its hosts (for runs that did not measure them, the two shaped hops' added delay and the
+/// shaped rate).
+fn cluster_link(r: &ClusterRun) -> Link {
+    let a = r.measured_latency_us.map_or(2.0 * r.delay_us as f64, |us| us) * 1e-6;
+    Link { a, b: cost::gbit(r.measured_gbit.unwrap_or(r.rate_gbit)) }
+}
+
+/// The gradient exchange the cost model predicts for a cluster run's link, seconds.
+pub fn cluster_prediction(r: &ClusterRun, params: usize) -> Option<f64> {
+    let s = 4.0 * params as f64;
+    let l = cluster_link(r);
+    if r.mode.is_compressed() {
+        // The model prices f32 gradients only.
+        None
+    } else if r.mode.is_ps() {
+        Some(cost::ps(r.workers, r.shards.max(1), s, l))
+    } else if r.mode == ModeKind::Zero1Tcp {
+        Some(cost::zero1(r.workers, s, l))
+    } else if r.mode.is_ring() {
+        Some(cost::ring(r.workers, s, l))
+    } else {
+        None
+    }
+}
+
+/// How far a measured PS-to-ring communication ratio may sit from BytePS's prediction for the
+/// claim to count as reproduced.
+const BYTEPS_TOLERANCE: f64 = 0.15;
+
+/// BytePS's claim (OSDI'20) checked against a measurement: with one server shard per worker a
+/// parameter server communicates in n / (2(n-1)) of the ring's time, since each worker's link
+/// carries S each way instead of the ring's 2(n-1)/n S.
+pub fn byteps_claim(n: usize, rate_gbit: f64, measured: f64) -> String {
+    let predicted = n as f64 / (2.0 * (n as f64 - 1.0));
+    let off = measured / predicted - 1.0;
+    format!(
+        "BytePS's claim at {rate_gbit} Gbit/s, {n} workers, {n} shards each on its own host: a parameter server \
+         communicates in n/(2(n-1)) = {predicted:.2} x the ring's time; measured {measured:.2} x ({:+.0}% off). \
+         The claim {} here (tolerance {:.0}%).",
+        100.0 * off,
+        if off.abs() <= BYTEPS_TOLERANCE { "holds" } else { "does not hold" },
+        100.0 * BYTEPS_TOLERANCE
+    )
+}
+
+fn opt(v: Option<f64>, digits: usize) -> String {
+    v.map(|x| format!("{x:.digits$}")).unwrap_or_else(|| "-".into())
+}
+
+/// Runs on emulated links: measured step and communication beside the model's prediction, per
+/// link rate, and the PS-to-ring ratio measured and predicted; none without such runs.
+pub fn section(runs: &[ClusterRun], all: &[Summary]) -> Option<ClusterView> {
+    if runs.is_empty() {
+        return None;
+    }
+    let words = |t: &str| Td { text: t.into(), left: true };
+    let figures = |t: &str| Td { text: t.into(), left: false };
+    let head = vec![
+        words("link"),
+        words("mode"),
+        figures("workers"),
+        figures("shards"),
+        words("status"),
+        figures("step ms"),
+        figures("communication ms"),
+        figures("model ms"),
+        figures("model ms, push then pull"),
+        figures("communication / model"),
+    ];
+    let rows = runs
+        .iter()
+        .filter_map(|r| {
+            let s = all.iter().find(|s| s.id == r.id)?;
+            let pred = cluster_prediction(r, s.params).map(|t| t * 1e3);
+            // A PS that pulls only after its whole push pays the busiest link twice.
+            let seq = r.mode.is_ps().then(|| {
+                cost::ps_sequential(r.workers, r.shards.max(1), 4.0 * s.params as f64, cluster_link(r)) * 1e3
+            });
+            // The worker's BSP step pulls the next version block by block while it pushes, so a
+            // PS run is held to the pipelined model; push-then-pull stays beside it for reference.
+            let ratio = s.comm_ms.zip(pred).map(|(m, p)| m / p);
+            let link = format!(
+                "{} Gbit/s{}, {} us delay{}, {}% loss",
+                r.rate_gbit,
+                r.measured_gbit.map(|g| format!(" ({g:.3} measured)")).unwrap_or_default(),
+                r.delay_us,
+                r.measured_latency_us
+                    .map(|us| format!(" ({us:.0} us one way, measured)"))
+                    .unwrap_or_default(),
+                r.loss_pct,
+            );
+            Some(Tr {
+                class: s.status.clone(),
+                cells: vec![
+                    words(&link),
+                    words(r.mode.label()),
+                    figures(&r.workers.to_string()),
+                    figures(&r.shards.to_string()),
+                    words(&s.status),
+                    figures(&opt(s.step_ms, 1)),
+                    figures(&opt(s.comm_ms, 1)),
+                    figures(&opt(pred, 1)),
+                    figures(&opt(seq, 1)),
+                    figures(&opt(ratio, 2)),
+                ],
+            })
+        })
+        .collect();
+    let table = Grid {
+        title: "Each run on its emulated link".into(),
+        caption: "Each process on its own host (a network namespace), every host's link shaped with tc in both \
+                  directions; the model's latency is half the round trip of a small message, its bandwidth what one \
+                  plain TCP stream carried, both between two hosts of the run's cluster, measured just before the \
+                  run (where they were not measured, the two hops' added delay and the shaped rate)."
+            .into(),
+        head,
+        rows,
+    };
+    Some(ClusterView { table, readings: ps_against_ring(runs, all) })
+}
+
+/// The cluster's readings: on each link and at each worker count, every PS-BSP cell against the
+/// ring's (DDP-TCP), each the median over its complete repeats; the step ratio beside the
+/// model's, and BytePS's claim where there is a shard per worker. A cell with fewer than two
+/// complete repeats is listed with its figures, never compared.
+fn ps_against_ring(runs: &[ClusterRun], all: &[Summary]) -> Vec<String> {
+    let mine: Vec<Summary> = all.iter().filter(|s| runs.iter().any(|r| r.id == s.id)).cloned().collect();
+    let cells = Cell::all(&mine);
+    let run_of = |id: &str| runs.iter().find(|r| r.id == id);
+    // `f` of each of a cell's complete repeats (with its cluster record).
+    let over = |c: &Cell, f: &dyn Fn(&ClusterRun, &Summary) -> Option<f64>| -> Vec<f64> {
+        c.runs
+            .iter()
+            .filter_map(|id| Some((run_of(id)?, mine.iter().find(|s| &s.id == id)?)))
+            .filter_map(|(r, s)| f(r, s))
+            .collect()
+    };
+    let mut out = Vec::new();
+    for ps in cells.iter().filter(|c| c.median.mode == ModeKind::PsBsp.label()) {
+        let m = &ps.median;
+        let Some(ring) = cells.iter().find(|c| {
+            let r = &c.median;
+            r.mode == ModeKind::DdpTcp.label()
+                && (r.link.as_str(), r.workers, &r.model, r.global_batch, r.slow_ms)
+                    == (m.link.as_str(), m.workers, &m.model, m.global_batch, m.slow_ms)
+        }) else {
+            continue;
+        };
+        let (Some(ps_t), Some(ring_t)) = (m.step_ms, ring.median.step_ms) else { continue };
+        let head = format!("At {} with {} workers", m.link, m.workers);
+        let (p, q) = (ps.runs.len(), ring.runs.len());
+        if p < 2 || q < 2 {
+            out.push(format!(
+                "{head}: a PS-BSP step ({} shard(s)) {ps_t:.1} ms ({p} of {} repeats complete), a ring step \
+                 {ring_t:.1} ms ({q} of {}). Not compared: a cell with fewer than two complete repeats has \
+                 no spread to set a difference against (run `gradsync-bench cluster --repeats 3`).",
+                m.shards, ps.attempts, ring.attempts
+            ));
+            continue;
+        }
+        let step = |c: &Cell| crate::table::spread(&over(c, &|_, s| s.step_ms)).map(|(_, lo, hi)| (lo, hi));
+        let (Some(a), Some(b)) = (step(ps), step(ring)) else { continue };
+        let predicted = |c: &Cell| crate::results::median(&over(c, &|r, s| cluster_prediction(r, s.params)));
+        let model = match (predicted(ps), predicted(ring)) {
+            (Some(x), Some(y)) => format!(
+                "; the model (push and pull pipelined) predicts {:.2} x for the gradient exchange alone",
+                x / y
+            ),
+            _ => String::new(),
+        };
+        let level = if overlap(a, b) {
+            "; the repeats' ranges overlap, so the two are level within their spread"
+        } else {
+            ""
+        };
+        out.push(format!(
+            "{head}, a PS-BSP step ({} shard(s)) takes {:.2} x a ring step (medians of {p} and {q} complete \
+             repeats: {:.1}-{:.1} against {:.1}-{:.1} ms){level}{model}.",
+            m.shards,
+            ps_t / ring_t,
+            a.0,
+            a.1,
+            b.0,
+            b.1
+        ));
+        if let (Some(pc), Some(rc)) = (m.comm_ms, ring.median.comm_ms)
+            && m.shards == m.workers
+            && m.workers > 1
+        {
+            let rate = ps.runs.first().and_then(|id| run_of(id)).map_or(0.0, |r| r.rate_gbit);
+            out.push(byteps_claim(m.workers, rate, pc / rc));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod cluster_tests {
+    use super::*;
+
+    /// A run on a 10 Gbit/s link: its cluster record and its summary.
+    fn run(mode: ModeKind, repeat: usize, status: &str, step_ms: f64) -> (ClusterRun, Summary) {
+        let id = format!("runs/{}-r{repeat}", mode.label());
+        let shards = usize::from(mode.is_ps());
+        let c = ClusterRun {
+            id: id.clone(),
+            mode,
+            workers: 2,
+            shards,
+            hosts: 2 + shards,
+            rate_gbit: 10.0,
+            measured_gbit: Some(9.0),
+            measured_latency_us: Some(30.0),
+            delay_us: 0,
+            loss_pct: 0.0,
+        };
+        let s = Summary {
+            id,
+            mode: mode.label().into(),
+            workers: 2,
+            shards,
+            model: "mnist".into(),
+            global_batch: 128,
+            link: c.label(),
+            params: 1_000_000,
+            step_ms: Some(step_ms),
+            comm_ms: Some(step_ms / 2.0),
+            status: status.into(),
+            repeat,
+            ..Summary::default()
+        };
+        (c, s)
+    }
+
+    fn reading(runs: &[(ClusterRun, Summary)]) -> Vec<String> {
+        let (c, s): (Vec<ClusterRun>, Vec<Summary>) = runs.iter().cloned().unzip();
+        ps_against_ring(&c, &s)
+    }
+
+    /// The PS-to-ring ratio is the medians' over complete repeats (not the first run of each),
+    /// with the ranges beside it; a failed repeat counts for neither.
+    #[test]
+    fn the_ps_to_ring_ratio_is_taken_over_complete_repeats() {
+        let runs = [
+            run(ModeKind::PsBsp, 0, "ok", 20.0),
+            run(ModeKind::PsBsp, 1, "ok", 22.0),
+            run(ModeKind::PsBsp, 2, "failed", 90.0),
+            run(ModeKind::DdpTcp, 0, "ok", 10.0),
+            run(ModeKind::DdpTcp, 1, "ok", 14.0),
+        ];
+        let r = reading(&runs);
+        assert_eq!(r.len(), 1, "{r:?}");
+        assert!(
+            r[0].contains("takes 1.75 x a ring step (medians of 2 and 2 complete repeats: 20.0-22.0 against 10.0-14.0 ms)"),
+            "{r:?}"
+        );
+        assert!(!r[0].contains("level"), "{r:?}");
+    }
+
+    /// With one complete repeat a cell is listed with its figures and not compared; ranges that
+    /// overlap are called level.
+    #[test]
+    fn cells_run_once_are_not_compared_and_overlaps_are_level() {
+        let once = [run(ModeKind::PsBsp, 0, "ok", 20.0), run(ModeKind::DdpTcp, 0, "ok", 10.0)];
+        let r = reading(&once);
+        assert!(r[0].contains("Not compared") && !r[0].contains(" x a ring step"), "{r:?}");
+        let close = [
+            run(ModeKind::PsBsp, 0, "ok", 11.0),
+            run(ModeKind::PsBsp, 1, "ok", 13.0),
+            run(ModeKind::DdpTcp, 0, "ok", 10.0),
+            run(ModeKind::DdpTcp, 1, "ok", 12.0),
+        ];
+        let r = reading(&close);
+        assert!(r[0].contains("level within their spread"), "{r:?}");
+    }
+}

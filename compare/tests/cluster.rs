@@ -1,0 +1,357 @@
+//! The emulated cluster with real processes: PS-BSP and DDP-TCP across three hosts, and one
+//! host's link cut mid-training (PS strict, PS elastic, DDP). Every test skips with a visible
+//! message when it cannot make network namespaces (not root, no iproute2); every namespace is
+//! deleted when its cluster drops, also when an assertion fails.
+#![allow(clippy::unwrap_used)] // a test fails loudly on anything unexpected
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use gradsync_compare::cluster;
+use gradsync_compare::modes::{self, Bins, Ctx, Placement, ProcSpec};
+use gradsync_compare::net::{Cluster, ClusterError, Shape};
+use gradsync_compare::scenario::{ModeKind, RunSpec, Scenario};
+use gradsync_compare::site::Slot;
+use gradsync_testkit::Scratch;
+
+/// A cluster, or `None` (after saying why) where this machine cannot make one.
+fn cluster_or_skip(test: &str, n: usize, shape: Shape) -> Option<Cluster> {
+    match Cluster::create(n, shape) {
+        Ok(c) => Some(c),
+        Err(ClusterError::Unavailable(why)) => {
+            eprintln!("SKIPPED {test}: no emulated cluster here: {why}");
+            None
+        }
+        Err(e) => panic!("{test}: making the cluster failed: {e}"),
+    }
+}
+
+fn tmp(name: &str) -> Scratch {
+    Scratch::new(&format!("cluster-{name}"))
+}
+
+mod common;
+
+fn scenario(steps: u64) -> Scenario {
+    common::small_scenario(steps)
+}
+
+fn namespaces() -> String {
+    String::from_utf8_lossy(&Command::new("ip").args(["netns", "list"]).output().unwrap().stdout).into_owned()
+}
+
+#[test]
+fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
+    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0 };
+    // Probe first so the skip is visible; the runner makes its own clusters.
+    let Some(probe) = cluster_or_skip("three_hosts", 3, shape) else { return };
+    let names: Vec<String> = probe.hosts().iter().map(|h| h.netns.clone()).collect();
+    assert!(names.iter().all(|n| namespaces().contains(n.as_str())));
+    drop(probe);
+    let left = namespaces();
+    assert!(names.iter().all(|n| !left.contains(n.as_str())), "namespaces left behind: {left}");
+
+    let out = tmp("three");
+    let mut s = scenario(6);
+    s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp];
+    s.workers = vec![2];
+    s.shards = vec![1];
+    let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
+    let runs = cluster::run_cluster(&s, &bins, &out, &[1.0], |_| shape).unwrap();
+    assert_eq!(runs.len(), 2);
+    assert!(runs.iter().all(|r| r.hosts == 3 && r.rate_gbit == 1.0));
+    // The link as measured on each run's cluster: TCP over a 1 Gbit/s link carries a little less,
+    // or, with the shaper's burst let through at the start of a short measurement, a hair more
+    // (1.0004 Gbit/s has been measured under load).
+    for r in &runs {
+        let g = r.measured_gbit.unwrap_or_else(|| panic!("{}: the link was not measured", r.id));
+        assert!((0.7..1.02).contains(&g), "{}: {g} Gbit/s measured over a 1 Gbit/s link", r.id);
+        // No delay was added: the latency is the namespaces' and veth's own, tens of us.
+        let us = r.measured_latency_us.unwrap_or_else(|| panic!("{}: the latency was not measured", r.id));
+        assert!(us > 0.0 && us < 5_000.0, "{}: {us} us one way between two hosts", r.id);
+    }
+    let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
+    for line in outcomes.lines() {
+        assert!(line.contains("\"status\":\"ok\""), "a run failed: {line}");
+    }
+    // Every worker trained every step; the report carries the cluster section.
+    for r in &runs {
+        for rank in 0..2 {
+            let m = std::fs::read_to_string(out.join(&r.id).join(format!("rank{rank}.jsonl"))).unwrap();
+            assert_eq!(m.matches("\"kind\":\"step\"").count(), 6, "{} rank {rank}", r.id);
+        }
+    }
+    let html = gradsync_compare::plot(&[out.to_path_buf()], &out).unwrap();
+    let html = std::fs::read_to_string(html).unwrap();
+    assert!(html.contains("Emulated cluster") && html.contains("ddp-tcp"), "no cluster section");
+    assert!(html.contains("measured)"), "the report does not show the measured link");
+    // The cost model is fitted to the measured link even with no delay added.
+    assert!(html.contains("us one way, measured)"), "the report does not show the measured latency");
+    assert!(!html.contains("no link figures"), "the cost model had no link to fit");
+}
+
+/// A process started inside a host; killed when dropped.
+struct Proc {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn start(p: &ProcSpec, extra: &[&str], logs: &Path, stdout: Stdio) -> Proc {
+        let log = logs.join(format!("{}.log", p.name));
+        let mut c = p.site.launch(&p.program, &p.args, &p.env, logs, None).command;
+        c.args(extra);
+        // Warnings on: the server says which rank it dropped.
+        let child = c
+            .env("GRADSYNC_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        Proc { name: p.name.clone(), child, log }
+    }
+
+    /// The address from the server's `gradsync-server listening on ADDR` line.
+    fn listening(&mut self) -> String {
+        let out = self.child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        loop {
+            let line = rx
+                .recv_timeout(Duration::from_secs(30))
+                .unwrap_or_else(|e| panic!("{} never listened ({e}): {}", self.name, self.log()));
+            if let Some(a) = line.strip_prefix("gradsync-server listening on ") {
+                std::thread::spawn(move || while rx.recv().is_ok() {});
+                return a.trim().to_string();
+            }
+        }
+    }
+
+    /// The exit status, waiting at most `limit`.
+    fn wait(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let until = Instant::now() + limit;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return Some(s);
+            }
+            if Instant::now() > until {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn steps_in(metrics: &Path) -> usize {
+    std::fs::read_to_string(metrics).map_or(0, |t| t.matches("\"kind\":\"step\"").count())
+}
+
+/// Wait until `metrics` holds `n` step records (training is under way on every host).
+fn wait_steps(metrics: &Path, n: usize, procs: &mut [Proc]) {
+    let until = Instant::now() + Duration::from_secs(60);
+    while steps_in(metrics) < n {
+        for p in procs.iter_mut() {
+            if let Some(st) = p.child.try_wait().unwrap() {
+                panic!("{} exited ({st}) before the cut: {}", p.name, p.log());
+            }
+        }
+        assert!(Instant::now() < until, "no progress in {}", metrics.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The command lines of `mode` with W workers on hosts 1..=W and the server on host 0.
+fn plan(c: &Cluster, mode: ModeKind, workers: usize, steps: u64, dir: &Path) -> modes::Plan {
+    let h = c.hosts();
+    let ctx = Ctx {
+        scenario: scenario(steps),
+        spec: RunSpec {
+            id: "cut".into(),
+            mode,
+            workers,
+            model: CUT_MODEL.into(),
+            global_batch: 16 * workers,
+            batch: 16,
+            shards: usize::from(mode.is_ps()),
+            slow_ms: 0,
+            repeat: 0,
+            skip: None,
+        },
+        dir: dir.to_path_buf(),
+        bins: Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap(),
+        placement: Placement::Hosts {
+            servers: h[..1].iter().map(Slot::from).collect(),
+            workers: h[1..].iter().map(Slot::from).collect(),
+        },
+        env: modes::fresh_tokens().unwrap(),
+        tls: None,
+    };
+    modes::plan(&ctx).unwrap()
+}
+
+/// 1 Gbit/s links (rate only: delay needs netem, which some kernels lack).
+const SLOW: Shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0 };
+/// A model big enough (0.8 MB of gradients) that a step takes milliseconds on [`SLOW`] links, so
+/// the cut lands mid-training.
+const CUT_MODEL: &str = "784-256-10";
+/// The server's and the collectives' timeout for a silent peer, seconds.
+const TIMEOUT_S: u64 = 3;
+
+/// PS with one host's link cut: the cut worker fails within its RPC timeout naming the server;
+/// the others either go on without it (`--elastic`) or fail naming its rank.
+fn ps_link_cut(elastic: bool) {
+    let test = if elastic { "ps_elastic_link_cut" } else { "ps_strict_link_cut" };
+    let Some(c) = cluster_or_skip(test, 4, SLOW) else { return };
+    let dir = tmp(test);
+    let steps = 200;
+    let plan = plan(&c, ModeKind::PsBsp, 3, steps, &dir);
+    let timeout = TIMEOUT_S.to_string();
+    let mut server_flags = vec!["--worker-timeout", &timeout];
+    if elastic {
+        server_flags.push("--elastic");
+    }
+    let mut server = Proc::start(&plan.servers[0], &server_flags, &dir, Stdio::piped());
+    let addr = server.listening();
+    assert!(addr.starts_with(&c.hosts()[0].addr), "server on {addr}, not on host 0");
+    let specs = (plan.workers)(std::slice::from_ref(&addr));
+    // A worker must wait on a request longer than the server waits on a silent peer, or it gives
+    // up before the server's answer (go on without it, or fail naming it) arrives.
+    let rpc_timeout = (3 * TIMEOUT_S).to_string();
+    let mut workers: Vec<Proc> =
+        specs.iter().map(|p| Proc::start(p, &["--rpc-timeout", &rpc_timeout], &dir, Stdio::null())).collect();
+    wait_steps(&specs[0].metrics, 10, &mut workers);
+    let cut_at = Instant::now();
+    c.cut(3).unwrap(); // rank 2's host
+
+    // The cut worker cannot reach the server: it fails within its RPC timeout (plus the
+    // request that was in flight), naming the server.
+    let st = workers[2].wait(Duration::from_secs(6 * TIMEOUT_S + 10)).expect("cut worker hung");
+    assert!(!st.success(), "the cut worker exited 0");
+    let log = workers[2].log();
+    assert!(log.contains(&addr) || log.contains("server"), "cut worker's error names no server: {log}");
+    for w in &mut workers[..2] {
+        let st = w.wait(Duration::from_secs(60)).unwrap_or_else(|| panic!("{} hung: {}", w.name, w.log()));
+        if elastic {
+            assert!(st.success(), "{} failed: {}", w.name, w.log());
+        } else {
+            assert!(!st.success(), "{} finished without rank 2", w.name);
+            let log = w.log();
+            assert!(log.contains('2') && log.contains("rank"), "{}'s error names no rank: {log}", w.name);
+            assert!(
+                cut_at.elapsed() < Duration::from_secs(6 * TIMEOUT_S + 20),
+                "{} failed only after {:?}",
+                w.name,
+                cut_at.elapsed()
+            );
+        }
+    }
+    if elastic {
+        // The remaining workers trained to the end.
+        for p in &specs[..2] {
+            assert_eq!(steps_in(&p.metrics), steps as usize, "{}", p.name);
+        }
+        assert!(steps_in(&specs[2].metrics) < steps as usize);
+        let log = server.log();
+        assert!(log.contains("dropping workers") && log.contains('2'), "server log: {log}");
+    }
+}
+
+#[test]
+fn ps_elastic_finishes_with_the_remaining_workers_when_a_link_is_cut() {
+    ps_link_cut(true);
+}
+
+#[test]
+fn ps_strict_fails_naming_the_rank_when_a_link_is_cut() {
+    ps_link_cut(false);
+}
+
+#[test]
+fn ddp_fails_naming_a_rank_when_a_link_is_cut() {
+    let test = "ddp_link_cut";
+    let Some(c) = cluster_or_skip(test, 4, SLOW) else { return };
+    let dir = tmp(test);
+    let plan = plan(&c, ModeKind::DdpTcp, 3, 300, &dir);
+    let specs = (plan.workers)(&[]);
+    let timeout = TIMEOUT_S.to_string();
+    let mut workers: Vec<Proc> =
+        specs.iter().map(|p| Proc::start(p, &["--comm-timeout", &timeout], &dir, Stdio::null())).collect();
+    wait_steps(&specs[0].metrics, 10, &mut workers);
+    let cut_at = Instant::now();
+    c.cut(2).unwrap(); // rank 1's host
+    for w in &mut workers {
+        let st = w.wait(Duration::from_secs(4 * TIMEOUT_S + 20)).unwrap_or_else(|| panic!("{} hung", w.name));
+        assert!(!st.success(), "{} finished with a cut ring", w.name);
+        let log = w.log();
+        assert!(log.contains("rank"), "{}'s error names no rank: {log}", w.name);
+    }
+    assert!(cut_at.elapsed() < Duration::from_secs(4 * TIMEOUT_S + 20));
+}
+
+/// `--loss` without netem: the BPF classifier drops the asked share of packets. Host to host a
+/// packet leaves through two shaped ends (the sender's eth0, the hub's port to the receiver),
+/// so 30% per end delivers 0.7 x 0.7 = 49%.
+#[test]
+fn loss_is_emulated_without_netem() {
+    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 30.0 };
+    let Some(c) = cluster_or_skip("loss_is_emulated_without_netem", 2, shape) else { return };
+    let on = |host: usize, f: Box<dyn FnOnce() -> std::net::UdpSocket + Send>| {
+        c.spawn_on(host, f).unwrap().join().unwrap().unwrap()
+    };
+    let to = format!("{}:9999", c.hosts()[1].addr);
+    let rx = on(1, Box::new(move || std::net::UdpSocket::bind(to).unwrap()));
+    let tx = on(0, Box::new(|| std::net::UdpSocket::bind("0.0.0.0:0").unwrap()));
+    let sent = 4000;
+    let dest = rx.local_addr().unwrap();
+    let mut buf = [0u8; 128];
+    // ARP is subject to the loss too: resolve the neighbour first (marked datagrams, not
+    // counted), so that none of the counted ones wait in the neighbour queue.
+    rx.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let resolved = (0..100).any(|_| {
+        tx.send_to(&[1u8; 64], dest).unwrap();
+        rx.recv(&mut buf).is_ok()
+    });
+    assert!(resolved, "no datagram crossed the lossy link in 100 tries");
+    // Read while sending: a socket buffer holds only a few hundred datagrams.
+    rx.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+    let counter = std::thread::spawn(move || {
+        let mut got = 0;
+        let mut buf = [0u8; 128];
+        while let Ok(n) = rx.recv(&mut buf) {
+            got += usize::from(n == 64 && buf[0] == 0);
+        }
+        got
+    });
+    for i in 0..sent {
+        tx.send_to(&[0u8; 64], dest).unwrap();
+        if i % 50 == 0 {
+            // Paced well below the link rate, so no queue overflows: every loss is the filter's.
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    let got = counter.join().unwrap();
+    let share = got as f64 / sent as f64;
+    eprintln!("loss_is_emulated_without_netem: delivered {got} of {sent} ({share:.3}; expected 0.49)");
+    assert!((share - 0.49).abs() < 0.05, "delivered {got} of {sent} ({share:.3}), expected about 0.49");
+}
