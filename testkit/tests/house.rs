@@ -177,28 +177,26 @@ fn closing(text: &[u8], open: usize) -> Option<usize> {
     None
 }
 
-/// Blanked text with every `#[cfg(test)] mod name { ... }` blanked too: tests are not the house.
+/// Blanked text with every item under `#[cfg(test)]` (a `mod tests { ... }`, a `use`, a
+/// function) blanked too: tests are not the house.
 fn without_tests(text: &str) -> String {
     let mut b = text.as_bytes().to_vec();
     let mut from = 0;
     while let Some(p) = find(&b, b"#[cfg(test)]", from) {
         from = p + 1;
-        let after = skip_ws(&b, p + b"#[cfg(test)]".len());
-        let rest = &b[after..];
-        let is_mod = rest.starts_with(b"mod ")
-            || rest.starts_with(b"pub mod ")
-            || rest.starts_with(b"pub(crate) mod ");
-        if !is_mod {
-            continue;
+        // Past any further attributes (`#[allow(...)]`) to the item itself.
+        let mut after = skip_ws(&b, p + b"#[cfg(test)]".len());
+        while b[after..].starts_with(b"#[") {
+            let Some(end) = b[after..].iter().position(|&c| c == b']').map(|e| after + e) else { break };
+            after = skip_ws(&b, end + 1);
         }
+        // The item ends at its first `;` outside braces, or with the brace that closes its body.
         let Some(open) = b[after..].iter().position(|&c| c == b'{' || c == b';').map(|o| after + o) else {
             continue;
         };
-        if b[open] == b';' {
-            continue;
-        }
-        if let Some(close) = closing(&b, open) {
-            for c in &mut b[p..=close] {
+        let end = if b[open] == b';' { Some(open) } else { closing(&b, open) };
+        if let Some(end) = end {
+            for c in &mut b[p..=end] {
                 if *c != b'\n' {
                     *c = b' ';
                 }
@@ -659,6 +657,10 @@ fn the_checks_see_what_they_look_for() {
     assert_eq!(long_functions(&long), vec![("long".to_string(), 1, LONGEST + 2)]);
     assert!(long_functions(&format!("// Long: a kernel's one loop nest.\n#[inline]\n{long}")).is_empty());
     assert!(long_functions(&format!("#[cfg(test)]\nmod tests {{\n{long}}}\n")).is_empty());
+    assert!(
+        long_functions(&format!("#[cfg(test)]\n#[allow(clippy::unwrap_used)]\nmod tests {{\n{long}}}\n"))
+            .is_empty()
+    );
     let braces = format!("fn short() {{ let s = \"{{{{{{\"; let c = '{{'; }}\n{long}");
     assert_eq!(long_functions(&braces).len(), 1, "braces in literals are not code");
     assert!(long_functions(&"fn f() {\n    let x = 1;\n}\n".repeat(200)).is_empty());

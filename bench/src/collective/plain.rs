@@ -18,7 +18,7 @@ use anyhow::Context;
 use gradsync_core::heap::filled;
 use gradsync_worker::collective::configure_socket;
 
-use super::{Busy, Row};
+use super::measure::{Busy, Row};
 
 /// Bytes per write and per read: the ring's own chunk where its ranks have a core each. (4 MiB
 /// pieces, as the raw stream writes, moved 8-25% less between emulated 10 Gbit/s hosts and no

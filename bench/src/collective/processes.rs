@@ -3,7 +3,16 @@
 //! rank 0 binds the store and says where, the others start after it; every child is killed
 //! and reaped when its guard drops.
 
-use super::*;
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+
+use anyhow::Context;
+use gradsync_compare::hosts::Hosts;
+use gradsync_compare::net::Cluster;
+use gradsync_worker::collective::Transport;
+
+use super::measure::{CollectiveArgs, Ran, Row, Series, slowest};
 
 /// Where the rank processes run: on this machine's loopback, or on emulated hosts, this many
 /// consecutive ranks on each.

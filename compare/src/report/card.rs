@@ -8,8 +8,8 @@
 use serde::Serialize;
 
 use super::context::{Context, SATURATED, UNRANKED};
-use super::page::Text;
 use super::ranking::factors;
+use super::text::Text;
 use super::verdict::{self, Standing};
 use crate::charts::{Group, workers};
 use crate::results::Summary;

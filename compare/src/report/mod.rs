@@ -10,7 +10,8 @@
 //! `sparse`, `runs`), all over `context` (what every reading reads from), computed from the
 //! figures and refusing to read failed, diverged or partial runs; `tables` and `cluster` (the
 //! tables, and the runs on emulated links); `page` (the page as data, rendered through
-//! `templates/report.html`, which escapes every value).
+//! `templates/report.html`, which escapes every value), over `text` (its words: text with code
+//! stretches, a reading's finding).
 
 use std::path::{Path, PathBuf};
 
@@ -33,13 +34,15 @@ mod regime;
 mod runs;
 mod sparse;
 mod tables;
+mod text;
 mod verdict;
 
 pub use cluster::{byteps_claim, cluster_prediction};
 pub use reading::reading;
 pub use runs::straggler_reading;
 
-use page::{Figure, Finding, MachineView, Page, Section, Text};
+use page::{Figure, MachineView, Page, Section};
+use text::{Finding, Text};
 
 /// The link the model is fitted to, when the run directory measured one.
 pub fn link_of(m: Option<&Machine>) -> Option<Link> {

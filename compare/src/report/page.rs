@@ -7,75 +7,10 @@ use serde::Serialize;
 
 use super::card::Card;
 use super::tables::{Grid, Results};
+use super::text::{Finding, Text};
 
 /// The page's template, built into the binary.
 const TEMPLATE: &str = include_str!("templates/report.html");
-
-/// A piece of text whose `backticked` stretches are set as code.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct Text {
-    /// Its stretches, in order.
-    pub spans: Vec<Span>,
-}
-
-/// A stretch of a [`Text`].
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Span {
-    /// The words.
-    pub text: String,
-    /// Whether it was between backticks.
-    pub code: bool,
-}
-
-impl From<&str> for Text {
-    fn from(s: &str) -> Self {
-        let spans = s
-            .split('`')
-            .enumerate()
-            .filter(|(_, t)| !t.is_empty())
-            .map(|(i, t)| Span { text: t.to_string(), code: i % 2 == 1 })
-            .collect();
-        Text { spans }
-    }
-}
-
-/// A reading folded on the page: its finding, then the rest of what it says.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Finding {
-    /// Its first sentence.
-    pub finding: Text,
-    /// The sentences after it (empty where it has one).
-    pub more: Text,
-}
-
-impl Finding {
-    /// A reading's paragraph split after its first sentence: at the first full stop outside
-    /// brackets and backticks that a space and a capital (or a backtick) follow, so "1.25x",
-    /// "e.g. a" and a sentence in brackets do not end it.
-    pub fn of(paragraph: &str) -> Finding {
-        let chars: Vec<(usize, char)> = paragraph.char_indices().collect();
-        let (mut depth, mut code) = (0i32, false);
-        let mut cut = None;
-        for (k, &(i, c)) in chars.iter().enumerate() {
-            match c {
-                '(' | '[' if !code => depth += 1,
-                ')' | ']' if !code => depth -= 1,
-                '`' => code = !code,
-                '.' if depth <= 0 && !code => {
-                    let next = chars.get(k + 1).map(|x| x.1);
-                    let after = chars.get(k + 2).map(|x| x.1);
-                    if next == Some(' ') && after.is_some_and(|a| a.is_uppercase() || a == '`') {
-                        cut = Some(i + 1);
-                        break;
-                    }
-                }
-                _ => {}
-            }
-        }
-        let (head, tail) = paragraph.split_at(cut.unwrap_or(paragraph.len()));
-        Finding { finding: Text::from(head.trim()), more: Text::from(tail.trim()) }
-    }
-}
 
 /// A chart inlined in the page.
 #[derive(Debug, Serialize)]
@@ -154,20 +89,4 @@ pub fn render(page: &Page) -> anyhow::Result<String> {
     env.add_template("report.html", TEMPLATE)?;
     let html = env.get_template("report.html")?.render(Value::from_serialize(page))?;
     Ok(html)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_finding_is_the_first_sentence_outside_brackets() {
-        let f = Finding::of("At 4 workers: a (median of 3. Odd) is 1.25x faster. Why: e.g. less. The end.");
-        assert_eq!(f.finding, Text::from("At 4 workers: a (median of 3. Odd) is 1.25x faster."));
-        assert_eq!(f.more, Text::from("Why: e.g. less. The end."));
-        assert_eq!(Finding::of("One sentence.").more, Text::default());
-        let t = Text::from("run `gradsync-bench compare` here");
-        assert_eq!(t.spans.len(), 3);
-        assert!(t.spans[1].code && t.spans[1].text == "gradsync-bench compare");
-    }
 }
