@@ -29,11 +29,14 @@
 //!   secrets from stdin into its environment, its process group stopped when the connection
 //!   closes.
 //!
-//! Errors: the two library areas return their own thiserror enums, each in the area's
-//! `error.rs` ([`collective::CollectiveError`], [`ps::PsError`]), since they share no code and
-//! fail in different words. The subcommands' bodies (`train` with its strategies, `launch` with
-//! `restarts`, `supervise`) are the binary's edge: they return `anyhow` errors, which
-//! [`main_with_args`] hands to `main` to print.
+//! Errors: each library area returns its own thiserror enum, since they fail in different
+//! words: the collectives and the rendezvous [`collective::CollectiveError`], the
+//! parameter-server client [`ps::PsError`], the strategies [`strategy::StrategyError`] (which
+//! wraps the others' as it drives them), each in the area's `error.rs`, and the checkpoints
+//! [`resume::ResumeError`], beside the one file they live in. The subcommands' bodies are the
+//! binary's edge: `train` (its flags checked in `cli` and `setup`, the loop in `train`), `launch`
+//! with `restarts`, and `supervise` return `anyhow` errors, which [`main_with_args`] hands to
+//! `main` to print with their sources.
 
 pub mod cli;
 pub mod collective;

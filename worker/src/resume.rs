@@ -26,17 +26,155 @@
 //! ([`crate::setup::ModeConfig::checkpoint_support`]). The data order needs no state of its
 //! own: the sampler's order is a function of the seed and the epoch, so the resumed run draws
 //! the batches the unbroken run would.
+//!
+//! What goes wrong is a [`ResumeError`]: a file or folder that cannot be read or written (named
+//! with what was being done to it), a checkpoint that cannot be read (its format, a checksum),
+//! one written by a run unlike this one, or none that meets the servers' version.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::state_dict::{self, Entry, Tensors};
 use gradsync_core::trace::Trace;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+
+/// Everything the checkpoints of a run refuse or fail at.
+#[derive(Debug, thiserror::Error)]
+pub enum ResumeError {
+    /// A file or folder of the checkpoints could not be listed, created, written, synced,
+    /// renamed, removed or read: `what` says which and what was being done to it.
+    #[error("{what}")]
+    Io {
+        /// What was being done, to which path.
+        what: String,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// A checkpoint's `run.json` could not be made or read as JSON.
+    #[error("{what} {RUN}")]
+    Json {
+        /// `parsing` or `serialising`.
+        what: &'static str,
+        /// The parser's error.
+        source: serde_json::Error,
+    },
+    /// Writing a step's checkpoint failed; what it had begun was removed and the checkpoints
+    /// before it stay.
+    #[error("--checkpoint {}: writing the checkpoint of step {step}", dir.display())]
+    Write {
+        /// The checkpoints' folder.
+        dir: PathBuf,
+        /// The step.
+        step: u64,
+        /// Why.
+        source: Box<ResumeError>,
+    },
+    /// A checkpoint in a format this gradsync does not read.
+    #[error("format {found} (this gradsync reads {FORMAT})")]
+    Format {
+        /// Its format.
+        found: u32,
+    },
+    /// A checkpoint file whose bytes do not match the checksum `run.json` gives.
+    #[error("{file} does not match its checksum (a torn or altered file)")]
+    Checksum {
+        /// The file.
+        file: &'static str,
+    },
+    /// A `run.json` that names the model's file without the optimiser's, or the other way.
+    #[error("{RUN} names only one of {MODEL} and {OPTIMIZER}")]
+    Incomplete,
+    /// A checkpoint written by a run unlike this one.
+    #[error("--resume {}: written by a run with {diff}; resume with the same settings", path.display())]
+    Mismatch {
+        /// The checkpoint's folder.
+        path: PathBuf,
+        /// How the runs differ (the checkpoint's value, then this run's).
+        diff: String,
+    },
+    /// An engine's run resuming from a parameter-server worker's checkpoint, which holds no
+    /// model.
+    #[error(
+        "--resume {}: holds no model (a parameter-server worker's checkpoint); resume with --mode {mode}",
+        path.display()
+    )]
+    NoModel {
+        /// The checkpoint's folder.
+        path: PathBuf,
+        /// The mode that wrote it.
+        mode: String,
+    },
+    /// A checkpoint's optimiser file that lacks one of the model's parameters, or holds it
+    /// in another shape.
+    #[error("--resume {}: {why}", path.display())]
+    Optimizer {
+        /// The file.
+        path: PathBuf,
+        /// What does not fit.
+        why: String,
+    },
+    /// Every checkpoint of a parameter-server worker was written after the version the
+    /// servers resumed at.
+    #[error(
+        "--resume {}: this worker's oldest checkpoint (step {step}) was written at the servers' version \
+         {at}, and the servers are at version {servers}: they resumed from an older checkpoint than any \
+         this worker kept, so the two do not meet. Resume the servers from a checkpoint at version {at} \
+         or later, or start the workers without --resume",
+        dir.display()
+    )]
+    AheadOfServers {
+        /// The worker's checkpoints' folder.
+        dir: PathBuf,
+        /// The step of its oldest checkpoint.
+        step: u64,
+        /// The servers' version it was written at.
+        at: u64,
+        /// The servers' version now.
+        servers: u64,
+    },
+    /// A strategy's gathered momentum whose length is not the model's.
+    #[error("the gathered momentum holds {got} values, not the model's {want}")]
+    Momentum {
+        /// Its length.
+        got: usize,
+        /// The model's.
+        want: usize,
+    },
+    /// The engine failed: its state read or written, a tensor file encoded or decoded.
+    #[error(transparent)]
+    Core(#[from] gradsync_core::Error),
+}
+
+/// The result type of the checkpoints.
+pub type Result<T, E = ResumeError> = std::result::Result<T, E>;
+
+/// Name what was being done when a file operation failed, as [`ResumeError::Io`].
+trait Doing<T> {
+    /// The error, if any, as a [`ResumeError::Io`] saying `what` was being done.
+    fn doing(self, what: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T> Doing<T> for std::io::Result<T> {
+    fn doing(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|source| ResumeError::Io { what: what(), source })
+    }
+}
+
+/// `e` and every error under it, joined as the binary's edge prints an error (for the
+/// checkpoints passed over, which are named here and not returned).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cur = c.source();
+    }
+    out
+}
 
 /// `--checkpoint` and its companions.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -194,7 +332,7 @@ impl Resume {
 
     /// The engine's state from the run's newest checkpoint, read by every rank before they
     /// agree on it (rank 0's wins); `None` from the beginning or when there is none yet.
-    pub fn engine(&self, engine: &mut Engine) -> anyhow::Result<Option<Resumed>> {
+    pub fn engine(&self, engine: &mut Engine) -> Result<Option<Resumed>> {
         let Some(ck) = &self.from else { return Ok(None) };
         let Some(r) = ck.restore(engine, &self.identity)? else { return Ok(None) };
         if self.rank == 0 {
@@ -209,7 +347,7 @@ impl Resume {
     /// under ASP and SSP). Under BSP a step is a version: the servers went on (or waited)
     /// while this worker was away, and it continues at the step their version stands for;
     /// with no checkpoint of its own yet (killed before its first), their version is the step.
-    pub fn worker(&self, servers: Option<u64>) -> anyhow::Result<Option<Resumed>> {
+    pub fn worker(&self, servers: Option<u64>) -> Result<Option<Resumed>> {
         let Some(ck) = &self.from else { return Ok(None) };
         let ck = ck.own(self.rank);
         let Some(r) = ck.restore_worker(&self.identity, servers)? else {
@@ -286,17 +424,17 @@ pub struct CheckpointAt<'a> {
 impl CheckpointAt<'_> {
     /// Write `contents` as the run's checkpoint of this step (the state every rank holds,
     /// written once). Returns its folder.
-    pub fn write(&self, contents: Contents<'_>) -> anyhow::Result<PathBuf> {
+    pub fn write(&self, contents: Contents<'_>) -> Result<PathBuf> {
         self.write_in(self.checkpoints, contents)
     }
 
     /// Write `contents` as this rank's own checkpoint of this step, in its folder `DIR/rank-R`
     /// (a parameter-server worker's). Returns its folder.
-    pub fn write_own(&self, contents: Contents<'_>) -> anyhow::Result<PathBuf> {
+    pub fn write_own(&self, contents: Contents<'_>) -> Result<PathBuf> {
         self.write_in(&self.checkpoints.own(self.rank), contents)
     }
 
-    fn write_in(&self, ck: &Checkpoints, contents: Contents<'_>) -> anyhow::Result<PathBuf> {
+    fn write_in(&self, ck: &Checkpoints, contents: Contents<'_>) -> Result<PathBuf> {
         let t = Instant::now();
         let at = ck.write_contents(contents, self.step, self.epoch, self.first_loss, self.identity)?;
         self.trace.span("checkpoint", "compute", "compute", t);
@@ -313,6 +451,11 @@ fn sha256(bytes: &[u8]) -> String {
     Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Fsync the folder `dir` (what it lists: a file made or renamed in it).
+fn sync_folder(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir).and_then(|f| f.sync_all()).doing(|| format!("syncing {}", dir.display()))
+}
+
 /// Write `bytes` to `path` and fsync it.
 fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let mut f = std::fs::File::create(path)?;
@@ -322,13 +465,13 @@ fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 /// The momentum as tensors named after their parameters: `held`, the whole of it gathered from
 /// where a strategy keeps it (ZeRO-1's shards), else the engine's.
-fn momentum_tensors(engine: &Engine, held: Option<&[f32]>) -> anyhow::Result<Tensors> {
+fn momentum_tensors(engine: &Engine, held: Option<&[f32]>) -> Result<Tensors> {
     let layout = engine.layout();
     let mut m = vec![0.0; layout.len];
     match held {
         Some(h) if h.len() == layout.len => m.copy_from_slice(h),
         Some(h) => {
-            anyhow::bail!("the gathered momentum holds {} values, not the model's {}", h.len(), layout.len)
+            return Err(ResumeError::Momentum { got: h.len(), want: layout.len });
         }
         None => engine.read_momentum(&mut m)?,
     }
@@ -362,7 +505,7 @@ impl Checkpoints {
         epoch: u64,
         first_loss: f64,
         identity: &Identity,
-    ) -> anyhow::Result<PathBuf> {
+    ) -> Result<PathBuf> {
         let contents = Contents { engine: Some(engine), momentum, ..Contents::default() };
         self.write_contents(contents, step, epoch, first_loss, identity)
     }
@@ -375,16 +518,16 @@ impl Checkpoints {
         epoch: u64,
         first_loss: f64,
         identity: &Identity,
-    ) -> anyhow::Result<PathBuf> {
+    ) -> Result<PathBuf> {
         let name = folder(step);
         let fin = self.dir.join(&name);
         let tmp = self.dir.join(format!(".{name}.tmp-{}", std::process::id()));
-        let written = (|| -> anyhow::Result<()> {
-            std::fs::create_dir_all(&self.dir).with_context(|| format!("creating {}", self.dir.display()))?;
+        let written = (|| -> Result<()> {
+            std::fs::create_dir_all(&self.dir).doing(|| format!("creating {}", self.dir.display()))?;
             if tmp.exists() {
-                std::fs::remove_dir_all(&tmp).with_context(|| format!("removing {}", tmp.display()))?;
+                std::fs::remove_dir_all(&tmp).doing(|| format!("removing {}", tmp.display()))?;
             }
-            std::fs::create_dir(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+            std::fs::create_dir(&tmp).doing(|| format!("creating {}", tmp.display()))?;
             let mut files = std::collections::BTreeMap::new();
             let mut written = Vec::new();
             if let Some(engine) = contents.engine {
@@ -397,7 +540,7 @@ impl Checkpoints {
             for (file, tensors) in written {
                 let bytes = state_dict::to_bytes(&tmp.join(file), &tensors, &[])?;
                 write_synced(&tmp.join(file), &bytes)
-                    .with_context(|| format!("writing {file} in {}", tmp.display()))?;
+                    .doing(|| format!("writing {file} in {}", tmp.display()))?;
                 files.insert(file.to_string(), sha256(&bytes));
             }
             let state = RunState {
@@ -410,40 +553,36 @@ impl Checkpoints {
                 files,
                 version: gradsync_core::VERSION.into(),
             };
-            let json = serde_json::to_vec_pretty(&state)?;
-            write_synced(&tmp.join(RUN), &json)
-                .with_context(|| format!("writing {RUN} in {}", tmp.display()))?;
-            std::fs::File::open(&tmp)?.sync_all()?;
+            let json = serde_json::to_vec_pretty(&state)
+                .map_err(|source| ResumeError::Json { what: "serialising", source })?;
+            write_synced(&tmp.join(RUN), &json).doing(|| format!("writing {RUN} in {}", tmp.display()))?;
+            sync_folder(&tmp)?;
             if fin.exists() {
                 // A checkpoint of this step from an earlier attempt of the run: replaced whole.
-                std::fs::remove_dir_all(&fin).with_context(|| format!("removing {}", fin.display()))?;
+                std::fs::remove_dir_all(&fin).doing(|| format!("removing {}", fin.display()))?;
             }
             std::fs::rename(&tmp, &fin)
-                .with_context(|| format!("renaming {} to {}", tmp.display(), fin.display()))?;
-            std::fs::File::open(&self.dir)?.sync_all()?;
-            Ok(())
+                .doing(|| format!("renaming {} to {}", tmp.display(), fin.display()))?;
+            sync_folder(&self.dir)
         })();
         if let Err(e) = written {
             let _ = std::fs::remove_dir_all(&tmp);
-            return Err(e.context(format!(
-                "--checkpoint {}: writing the checkpoint of step {step}",
-                self.dir.display()
-            )));
+            return Err(ResumeError::Write { dir: self.dir.clone(), step, source: Box::new(e) });
         }
         self.prune()?;
         Ok(fin)
     }
 
     /// The complete checkpoints, oldest first, by step.
-    fn listed(&self) -> anyhow::Result<Vec<(u64, PathBuf)>> {
+    fn listed(&self) -> Result<Vec<(u64, PathBuf)>> {
         let mut out = Vec::new();
         let entries = match std::fs::read_dir(&self.dir) {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
-            Err(e) => return Err(e).with_context(|| format!("--checkpoint {}", self.dir.display())),
+            Err(e) => return Err(e).doing(|| format!("--checkpoint {}", self.dir.display())),
         };
         for entry in entries {
-            let entry = entry.with_context(|| format!("--checkpoint {}", self.dir.display()))?;
+            let entry = entry.doing(|| format!("--checkpoint {}", self.dir.display()))?;
             let name = entry.file_name().to_string_lossy().into_owned();
             if let Some(step) = name.strip_prefix("step-").and_then(|s| s.parse::<u64>().ok()) {
                 out.push((step, entry.path()));
@@ -454,10 +593,10 @@ impl Checkpoints {
     }
 
     /// Remove all but the newest `keep` checkpoints, and what interrupted writes left.
-    fn prune(&self) -> anyhow::Result<()> {
+    fn prune(&self) -> Result<()> {
         let listed = self.listed()?;
         for (_, path) in &listed[..listed.len().saturating_sub(self.keep)] {
-            std::fs::remove_dir_all(path).with_context(|| format!("removing {}", path.display()))?;
+            std::fs::remove_dir_all(path).doing(|| format!("removing {}", path.display()))?;
         }
         self.clear_interrupted()
     }
@@ -465,14 +604,12 @@ impl Checkpoints {
     /// Remove what killed writers left (`.step-N.tmp-PID` folders, never read) once their
     /// processes are gone, so that kills during writes do not pile up copies of the model: after
     /// every write, and when a run resumes.
-    fn clear_interrupted(&self) -> anyhow::Result<()> {
+    fn clear_interrupted(&self) -> Result<()> {
         if !self.dir.is_dir() {
             return Ok(());
         }
-        for entry in
-            std::fs::read_dir(&self.dir).with_context(|| format!("--checkpoint {}", self.dir.display()))?
-        {
-            let entry = entry.with_context(|| format!("--checkpoint {}", self.dir.display()))?;
+        for entry in std::fs::read_dir(&self.dir).doing(|| format!("--checkpoint {}", self.dir.display()))? {
+            let entry = entry.doing(|| format!("--checkpoint {}", self.dir.display()))?;
             let name = entry.file_name().to_string_lossy().into_owned();
             let Some(pid) = name.strip_prefix(".step-").and_then(|r| r.rsplit_once(".tmp-")).map(|(_, p)| p)
             else {
@@ -482,7 +619,7 @@ impl Checkpoints {
                 && !Path::new("/proc").join(pid).exists();
             if gone {
                 std::fs::remove_dir_all(entry.path())
-                    .with_context(|| format!("removing {}", entry.path().display()))?;
+                    .doing(|| format!("removing {}", entry.path().display()))?;
             }
         }
         Ok(())
@@ -490,11 +627,11 @@ impl Checkpoints {
 
     /// The newest complete checkpoint whose files match their checksums, read; `None` when
     /// the folder holds none. Each one passed over is named on stderr with why.
-    fn newest(&self) -> anyhow::Result<Option<(PathBuf, Verified)>> {
+    fn newest(&self) -> Result<Option<(PathBuf, Verified)>> {
         for (_, path) in self.listed()?.into_iter().rev() {
             match verify(&path) {
                 Ok(v) => return Ok(Some((path, v))),
-                Err(e) => eprintln!("gradsync: --resume: passing over {}: {e:#}", path.display()),
+                Err(e) => eprintln!("gradsync: --resume: passing over {}: {}", path.display(), chain(&e)),
             }
         }
         Ok(None)
@@ -503,18 +640,14 @@ impl Checkpoints {
     /// Continue from the newest checkpoint (`--resume`): its state into `engine` after checking
     /// it was written by a run like this one. Returns it; `None` when there is none (the run
     /// starts from the beginning).
-    pub fn restore(&self, engine: &mut Engine, identity: &Identity) -> anyhow::Result<Option<Restored>> {
+    pub fn restore(&self, engine: &mut Engine, identity: &Identity) -> Result<Option<Restored>> {
         self.clear_interrupted()?;
         let Some((path, v)) = self.newest()? else {
             return Ok(None);
         };
         Self::check(&path, identity, &v.state)?;
         let (Some(tensors), Some(saved)) = (v.model, v.optimizer) else {
-            anyhow::bail!(
-                "--resume {}: holds no model (a parameter-server worker's checkpoint); resume with --mode {}",
-                path.display(),
-                v.state.identity.mode
-            );
+            return Err(ResumeError::NoModel { path, mode: v.state.identity.mode });
         };
         let (params, buffers) = state_dict::to_model(&path.join(MODEL), engine.layout(), &tensors)?;
         engine.write_params(0, &params)?;
@@ -533,15 +666,11 @@ impl Checkpoints {
         let mut m = vec![0.0; layout.len];
         for t in &layout.params {
             let name = format!("momentum.{}", t.name);
-            let e =
-                saved.get(&name).with_context(|| format!("--resume {}: no {name}", optimizer.display()))?;
-            anyhow::ensure!(
-                e.shape == t.shape,
-                "--resume {}: {name} is {:?}, the model's is {:?}",
-                optimizer.display(),
-                e.shape,
-                t.shape
-            );
+            let refuse = |why| ResumeError::Optimizer { path: optimizer.clone(), why };
+            let e = saved.get(&name).ok_or_else(|| refuse(format!("no {name}")))?;
+            if e.shape != t.shape {
+                return Err(refuse(format!("{name} is {:?}, the model's is {:?}", e.shape, t.shape)));
+            }
             m[t.range.clone()].copy_from_slice(&e.to_f32());
         }
         engine.write_momentum(&m)?;
@@ -553,18 +682,14 @@ impl Checkpoints {
     /// under ASP and SSP, whose versions do not count steps): a checkpoint written after the
     /// servers' version is passed over (the servers resumed from an older checkpoint of their
     /// own), and none written at or before it is refused naming both.
-    pub fn restore_worker(
-        &self,
-        identity: &Identity,
-        servers: Option<u64>,
-    ) -> anyhow::Result<Option<Restored>> {
+    pub fn restore_worker(&self, identity: &Identity, servers: Option<u64>) -> Result<Option<Restored>> {
         self.clear_interrupted()?;
         let mut ahead = Vec::new();
         for (_, path) in self.listed()?.into_iter().rev() {
             let v = match verify(&path) {
                 Ok(v) => v,
                 Err(e) => {
-                    eprintln!("gradsync: --resume: passing over {}: {e:#}", path.display());
+                    eprintln!("gradsync: --resume: passing over {}: {}", path.display(), chain(&e));
                     continue;
                 }
             };
@@ -583,27 +708,18 @@ impl Checkpoints {
             }
             return Ok(Some(Restored { path, state: v.state, extra: v.state_tensors }));
         }
-        if let (Some(theirs), Some((step, at))) = (servers, ahead.last()) {
-            anyhow::bail!(
-                "--resume {}: this worker's oldest checkpoint (step {step}) was written at the servers' version \
-                 {at}, and the servers are at version {theirs}: they resumed from an older checkpoint than any \
-                 this worker kept, so the two do not meet. Resume the servers from a checkpoint at version {at} \
-                 or later, or start the workers without --resume",
-                self.dir.display()
-            );
+        if let (Some(servers), Some(&(step, at))) = (servers, ahead.last()) {
+            return Err(ResumeError::AheadOfServers { dir: self.dir.clone(), step, at, servers });
         }
         Ok(None)
     }
 
     /// Refuse a checkpoint written by a run unlike this one, naming the differences.
-    fn check(path: &Path, identity: &Identity, state: &RunState) -> anyhow::Result<()> {
-        if let Some(diff) = identity.difference(&state.identity) {
-            anyhow::bail!(
-                "--resume {}: written by a run with {diff}; resume with the same settings",
-                path.display()
-            );
+    fn check(path: &Path, identity: &Identity, state: &RunState) -> Result<()> {
+        match identity.difference(&state.identity) {
+            Some(diff) => Err(ResumeError::Mismatch { path: path.to_path_buf(), diff }),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -625,24 +741,25 @@ struct Verified {
 }
 
 /// Read the checkpoint in `path`, checking its format and each file's checksum.
-fn verify(path: &Path) -> anyhow::Result<Verified> {
-    let json = std::fs::read(path.join(RUN)).with_context(|| format!("reading {RUN}"))?;
-    let state: RunState = serde_json::from_slice(&json).with_context(|| format!("parsing {RUN}"))?;
-    anyhow::ensure!(state.format == FORMAT, "format {} (this gradsync reads {FORMAT})", state.format);
-    let read = |file: &str| -> anyhow::Result<Option<Tensors>> {
+fn verify(path: &Path) -> Result<Verified> {
+    let json = std::fs::read(path.join(RUN)).doing(|| format!("reading {RUN}"))?;
+    let state: RunState =
+        serde_json::from_slice(&json).map_err(|source| ResumeError::Json { what: "parsing", source })?;
+    if state.format != FORMAT {
+        return Err(ResumeError::Format { found: state.format });
+    }
+    let read = |file: &'static str| -> Result<Option<Tensors>> {
         let Some(want) = state.files.get(file) else { return Ok(None) };
-        let bytes = std::fs::read(path.join(file)).with_context(|| format!("reading {file}"))?;
-        anyhow::ensure!(
-            &sha256(&bytes) == want,
-            "{file} does not match its checksum (a torn or altered file)"
-        );
+        let bytes = std::fs::read(path.join(file)).doing(|| format!("reading {file}"))?;
+        if &sha256(&bytes) != want {
+            return Err(ResumeError::Checksum { file });
+        }
         Ok(Some(state_dict::from_bytes(&path.join(file), &bytes)?))
     };
     let (model, optimizer, state_tensors) = (read(MODEL)?, read(OPTIMIZER)?, read(STATE)?);
-    anyhow::ensure!(
-        model.is_some() == optimizer.is_some(),
-        "{RUN} names only one of {MODEL} and {OPTIMIZER}"
-    );
+    if model.is_some() != optimizer.is_some() {
+        return Err(ResumeError::Incomplete);
+    }
     Ok(Verified { state, model, optimizer, state_tensors })
 }
 
@@ -765,6 +882,21 @@ mod tests {
         assert_eq!(step, 13);
         assert_eq!(how, "at step 14 (the servers' version 13; its checkpoint of step 10 was at version 10)");
         assert_eq!(continued_at(&state(None), None).0, 10, "ASP and SSP: versions do not count steps");
+    }
+
+    #[test]
+    fn a_failed_write_names_the_step_then_what_was_being_done_then_the_cause() {
+        let io = std::io::Error::other("No space left on device");
+        let e = Err::<(), _>(io)
+            .doing(|| "writing model.safetensors in ck/.step-0000000020.tmp-1".into())
+            .unwrap_err();
+        let e = ResumeError::Write { dir: "ck".into(), step: 20, source: Box::new(e) };
+        assert_eq!(e.to_string(), "--checkpoint ck: writing the checkpoint of step 20");
+        assert_eq!(
+            chain(&e),
+            "--checkpoint ck: writing the checkpoint of step 20: writing model.safetensors in \
+             ck/.step-0000000020.tmp-1: No space left on device"
+        );
     }
 
     #[test]

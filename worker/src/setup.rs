@@ -1,7 +1,8 @@
 //! From the flags to a run: [`Run::prepare`] resolves them once (rank, device, data,
 //! optimiser, budget, files) and configures the strategy `--mode` names with its own typed
 //! configuration ([`ModeConfig`]: the one match on the mode), and [`strategy`] builds it. The
-//! flags stop here: neither the training loop nor any strategy sees one.
+//! flags stop here: neither the training loop nor any strategy sees one. Part of the `train`
+//! subcommand's body, the binary's edge: a flag refused here is an `anyhow` error naming it.
 
 use std::path::PathBuf;
 use std::time::Duration;

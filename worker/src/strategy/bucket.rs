@@ -26,11 +26,12 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-use anyhow::Context;
 use gradsync_core::compress::{self, Compression, Half, Sparse, TopK};
 
 use gradsync_core::engine::DeviceGrads;
 
+use super::error::During;
+use super::{Result, StrategyError};
 use crate::collective::{self, After, BucketWork, Collective, CollectiveError, Nccl};
 
 /// What one rank keeps to reduce its buckets under a `--compress` value.
@@ -116,14 +117,14 @@ impl BucketReduce {
         comm: &mut dyn Collective,
         range: Range<usize>,
         bucket: &mut [f32],
-    ) -> anyhow::Result<()> {
+    ) -> Result<()> {
         match self {
             BucketReduce::Dense => {
-                comm.all_reduce(bucket).with_context(|| format!("all-reduce of bucket {range:?}"))
+                comm.all_reduce(bucket).during(|| format!("all-reduce of bucket {range:?}"))
             }
             BucketReduce::Half { half, packed } => {
                 collective::all_reduce_as_half(comm, bucket, *half, packed)
-                    .with_context(|| format!("{} all-reduce of bucket {range:?}", half.name()))
+                    .during(|| format!("{} all-reduce of bucket {range:?}", half.name()))
             }
             BucketReduce::TopK { ratio, residuals, restored, pairs, slots } => {
                 let residual = residuals.entry(range.start).or_insert_with(|| match restored {
@@ -135,16 +136,16 @@ impl BucketReduce {
                 slots.clear();
                 slots.resize(2 * k * world, 0.0);
                 compress::pack(pairs, &mut slots[2 * k * rank..2 * k * (rank + 1)])?;
-                comm.all_gather(slots).with_context(|| format!("all-gather of bucket {range:?}'s top-k"))?;
+                comm.all_gather(slots).during(|| format!("all-gather of bucket {range:?}'s top-k"))?;
                 compress::unpack_sum(slots, k, bucket)
-                    .with_context(|| format!("the top-k pairs gathered for bucket {range:?}"))
+                    .during(|| format!("the top-k pairs gathered for bucket {range:?}"))
             }
         }
     }
 }
 
 impl BucketWork for BucketReduce {
-    type Error = anyhow::Error;
+    type Error = StrategyError;
 
     fn name(&self) -> &'static str {
         "allreduce"
@@ -156,7 +157,7 @@ impl BucketWork for BucketReduce {
         _index: usize,
         range: Range<usize>,
         values: &mut [f32],
-    ) -> anyhow::Result<Range<usize>> {
+    ) -> Result<Range<usize>> {
         self.reduce(comm, range, values)?;
         Ok(0..values.len())
     }

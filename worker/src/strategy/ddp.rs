@@ -16,7 +16,6 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::compress::Compression;
 use gradsync_core::metrics::Step;
@@ -24,11 +23,12 @@ use gradsync_core::net::BatchLoss;
 use gradsync_core::state_dict::{Entry, Tensors};
 
 use super::bucket::BucketReduce;
+use super::error::During;
 use super::hybrid::TablePs;
 use super::ps::PsConfig;
 use super::shell::{Backend, DdpConfig, Shell};
 use super::sparse::{RowGather, SparseGrads};
-use super::{Batch, Shape, Strategy, timed_span};
+use super::{Batch, Result, Shape, Strategy, StrategyError, timed_span};
 use crate::resume::{CheckpointAt, Contents, Resume, Resumed};
 
 /// DDP over one communicator.
@@ -48,13 +48,13 @@ pub struct Ddp {
 
 impl Ddp {
     /// Meet the other ranks (rendezvous through rank 0's store) and connect the backend.
-    pub fn connect(c: DdpConfig) -> anyhow::Result<Ddp> {
+    pub fn connect(c: DdpConfig) -> Result<Ddp> {
         let reduce = BucketReduce::new(c.compression);
         // Refused before meeting the other ranks.
         if c.backend == Backend::Nccl
             && let Some(why) = reduce.device_refusal()
         {
-            anyhow::bail!(why);
+            return Err(StrategyError::Config(why));
         }
         Ok(Ddp {
             shell: Shell::connect(&c)?,
@@ -69,8 +69,10 @@ impl Ddp {
 
     /// `--mode hybrid`: DDP among the workers for everything but a sparse model's table, which
     /// lives on the servers of `ps` (started with `--table-only`).
-    pub fn connect_hybrid(c: DdpConfig, ps: PsConfig) -> anyhow::Result<Ddp> {
-        anyhow::ensure!(c.sparse_grads == SparseGrads::Servers, "--mode hybrid moves the table by rows");
+    pub fn connect_hybrid(c: DdpConfig, ps: PsConfig) -> Result<Ddp> {
+        if c.sparse_grads != SparseGrads::Servers {
+            return Err(StrategyError::Config("--mode hybrid moves the table by rows".into()));
+        }
         // The servers first: a wrong address fails before the ranks meet.
         let table = TablePs::connect(ps)?;
         Ok(Ddp { table: Some(table), ..Ddp::connect(c)? })
@@ -84,7 +86,7 @@ impl Strategy for Ddp {
 
     /// The engine's state from the checkpoint (rank 0's wins at the broadcast), then this
     /// rank's own top-k residual.
-    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> anyhow::Result<Option<Resumed>> {
+    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> Result<Option<Resumed>> {
         let resumed = resume.engine(engine)?;
         let (_, momentum) = self.shell.start(engine)?;
         engine.write_momentum(&momentum)?;
@@ -98,19 +100,13 @@ impl Strategy for Ddp {
             let name = residual_name(self.shell.rank);
             let e = saved
                 .get(&name)
-                .with_context(|| format!("the checkpoint holds no {name}"))
-                .context("restoring the strategy's state from the checkpoint")?;
+                .ok_or_else(|| StrategyError::Restore(format!("the checkpoint holds no {name}")))?;
             self.reduce.restore_residual(e.to_f32());
         }
         Ok(resumed)
     }
 
-    fn step(
-        &mut self,
-        engine: &mut Engine,
-        batch: &mut Batch<'_>,
-        rec: &mut Step,
-    ) -> anyhow::Result<BatchLoss> {
+    fn step(&mut self, engine: &mut Engine, batch: &mut Batch<'_>, rec: &mut Step) -> Result<BatchLoss> {
         let fetch_ms = match &mut self.table {
             Some(t) => t.fetch(engine, batch, &self.shell.trace)?,
             None => 0.0,
@@ -157,14 +153,14 @@ impl Strategy for Ddp {
         )
     }
 
-    fn finish(&mut self, _engine: &mut Engine) -> anyhow::Result<()> {
+    fn finish(&mut self, _engine: &mut Engine) -> Result<()> {
         if let Some(t) = &mut self.table {
             t.finish()?;
         }
         self.shell.finish()
     }
 
-    fn whole_params(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
+    fn whole_params(&mut self, engine: &mut Engine) -> Result<()> {
         match &mut self.table {
             Some(t) => t.whole_table(engine),
             None => Ok(()),
@@ -173,13 +169,16 @@ impl Strategy for Ddp {
 
     /// Every rank's top-k residual all-gathered (each rank keeps its own; rank 0 writes them
     /// all, `residual.rank<R>`) beside rank 0's engine.
-    fn checkpoint(&mut self, engine: &mut Engine, at: &CheckpointAt<'_>) -> anyhow::Result<Option<PathBuf>> {
-        let residuals = self.gathered_residuals(engine).context("gathering the checkpoint's state")?;
+    fn checkpoint(&mut self, engine: &mut Engine, at: &CheckpointAt<'_>) -> Result<Option<PathBuf>> {
+        let residuals = self
+            .gathered_residuals(engine)
+            .map_err(StrategyError::checkpoint("gathering the checkpoint's state"))?;
         if at.rank != 0 {
             return Ok(None);
         }
-        self.whole_params(engine).context("bringing the parameters in for the checkpoint")?;
-        at.write(Contents { state: residuals, ..Contents::engine(engine) }).map(Some)
+        self.whole_params(engine)
+            .map_err(StrategyError::checkpoint("bringing the parameters in for the checkpoint"))?;
+        Ok(Some(at.write(Contents { state: residuals, ..Contents::engine(engine) })?))
     }
 
     fn describe(&self) -> (String, serde_json::Map<String, serde_json::Value>) {
@@ -197,13 +196,13 @@ impl Strategy for Ddp {
 
 impl Ddp {
     /// Every rank's top-k residual, all-gathered; `None` without top-k.
-    fn gathered_residuals(&mut self, engine: &Engine) -> anyhow::Result<Option<Tensors>> {
+    fn gathered_residuals(&mut self, engine: &Engine) -> Result<Option<Tensors>> {
         let n = engine.layout().len;
         let Some(mine) = self.reduce.residual(n) else { return Ok(None) };
         let (world, rank) = (self.shell.world, self.shell.rank);
         let mut all = vec![0.0; n * world];
         all[n * rank..n * (rank + 1)].copy_from_slice(&mine);
-        self.shell.comm.get().all_gather(&mut all).context("all-gathering the top-k residuals")?;
+        self.shell.comm.get().all_gather(&mut all).during(|| "all-gathering the top-k residuals")?;
         Ok(Some(
             all.chunks_exact(n.max(1))
                 .enumerate()

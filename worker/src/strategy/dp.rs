@@ -7,7 +7,6 @@
 
 use std::time::Instant;
 
-use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::device::Device;
 use gradsync_core::metrics::Step;
@@ -17,7 +16,7 @@ use gradsync_core::optim::SgdConfig;
 
 use gradsync_core::trace::Trace;
 
-use super::{Batch, Shape, Strategy, backward, forward, ms_since, timed};
+use super::{Batch, Result, Shape, Strategy, StrategyError, backward, forward, ms_since, timed};
 use crate::collective::reduce::add_into;
 use crate::resume::{Resume, Resumed};
 
@@ -85,15 +84,18 @@ pub struct Dp {
 
 impl Dp {
     /// `cfg.replicas` replicas of the model.
-    pub fn new(cfg: DpConfig) -> anyhow::Result<Dp> {
+    pub fn new(cfg: DpConfig) -> Result<Dp> {
         let replicas = cfg.replicas;
-        anyhow::ensure!(replicas >= 1, "--replicas must be at least 1");
-        if let Some(f) = cfg.fault {
-            anyhow::ensure!(
-                f.replica < replicas,
+        if replicas < 1 {
+            return Err(StrategyError::Config("--replicas must be at least 1".into()));
+        }
+        if let Some(f) = cfg.fault
+            && f.replica >= replicas
+        {
+            return Err(StrategyError::Config(format!(
                 "--fail-replica: replica {} is not below the {replicas} replicas",
                 f.replica
-            );
+            )));
         }
         let devices = cfg.device.spread(replicas);
         Ok(Dp {
@@ -115,13 +117,13 @@ impl Dp {
 }
 
 /// A replica thread's panic as an error carrying the panic's message.
-fn panicked(payload: Box<dyn std::any::Any + Send>) -> anyhow::Error {
+fn panicked(payload: Box<dyn std::any::Any + Send>) -> StrategyError {
     let msg = payload
         .downcast_ref::<&str>()
         .map(|s| s.to_string())
         .or_else(|| payload.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "(no message)".into());
-    anyhow::anyhow!("the replica's thread panicked: {msg}")
+    StrategyError::Panicked(msg)
 }
 
 impl Strategy for Dp {
@@ -130,48 +132,42 @@ impl Strategy for Dp {
         Shape { processes: 1, rank: 0, replicas: self.replicas }
     }
 
-    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> anyhow::Result<Option<Resumed>> {
+    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> Result<Option<Resumed>> {
         // Replica 0's state (resumed) is every replica's.
         let resumed = resume.engine(engine)?;
         let p = engine.params()?;
         self.others = self.devices[1..]
             .iter()
             .enumerate()
-            .map(|(k, &d)| -> anyhow::Result<Engine> {
-                let mut e = Engine::new(d, self.spec.clone(), self.seed)
-                    .with_context(|| format!("replica {} on {}", k + 1, d.label()))?;
+            .map(|(k, &d)| -> Result<Engine> {
+                let mut e = Engine::new(d, self.spec.clone(), self.seed).map_err(|source| {
+                    StrategyError::ReplicaEngine { replica: k + 1, device: d.label(), source }
+                })?;
                 e.write_params(0, &p)?;
                 Ok(e)
             })
-            .collect::<anyhow::Result<_>>()?;
+            .collect::<Result<_>>()?;
         let n = p.len();
         self.sum = vec![0.0; n];
         self.tmp = vec![0.0; n];
         Ok(resumed)
     }
 
-    fn step(
-        &mut self,
-        engine: &mut Engine,
-        batch: &mut Batch<'_>,
-        rec: &mut Step,
-    ) -> anyhow::Result<BatchLoss> {
+    fn step(&mut self, engine: &mut Engine, batch: &mut Batch<'_>, rec: &mut Step) -> Result<BatchLoss> {
         let (x, y) = (batch.x, batch.y);
         let n = self.replicas;
-        anyhow::ensure!(
-            y.len().is_multiple_of(n),
-            "a batch of {} rows does not split over {n} replicas",
-            y.len()
-        );
+        if !y.len().is_multiple_of(n) {
+            return Err(StrategyError::Split { rows: y.len(), replicas: n });
+        }
         let (rows, dim) = (y.len() / n, x.len() / y.len().max(1));
         // Scatter: replica k takes rows k*rows..(k+1)*rows and runs forward and backward on
         // its own thread.
         self.steps += 1;
         let fault = self.fault.filter(|f| f.step == self.steps);
-        let results: Vec<anyhow::Result<(BatchLoss, f64, f64)>> = std::thread::scope(|s| {
+        let results: Vec<Result<(BatchLoss, f64, f64)>> = std::thread::scope(|s| {
             let slow = self.slow;
             let trace = &self.trace;
-            let work = move |e: &mut Engine, k: usize| -> anyhow::Result<(BatchLoss, f64, f64)> {
+            let work = move |e: &mut Engine, k: usize| -> Result<(BatchLoss, f64, f64)> {
                 if let Some((r, d)) = slow
                     && r == k
                 {
@@ -182,7 +178,7 @@ impl Strategy for Dp {
                         panic!("injected fault (--fail-replica {k}:{}:panic)", f.step)
                     }
                     Some(f) if f.replica == k => {
-                        anyhow::bail!("injected device error (--fail-replica {k}:{}:error)", f.step)
+                        return Err(StrategyError::Injected { replica: k, step: f.step });
                     }
                     _ => {}
                 }
@@ -207,7 +203,7 @@ impl Strategy for Dp {
         let mut total = BatchLoss::default();
         let mut weighted = 0.0;
         for (k, r) in results.into_iter().enumerate() {
-            let (l, f, b) = r.with_context(|| format!("replica {k}"))?;
+            let (l, f, b) = r.map_err(|e| StrategyError::Replica { replica: k, source: Box::new(e) })?;
             rec.forward_ms = rec.forward_ms.max(f);
             rec.backward_ms = rec.backward_ms.max(b);
             weighted += l.loss * l.rows as f64;
@@ -248,7 +244,7 @@ impl Strategy for Dp {
         Ok(total)
     }
 
-    fn finish(&mut self, _engine: &mut Engine) -> anyhow::Result<()> {
+    fn finish(&mut self, _engine: &mut Engine) -> Result<()> {
         self.others.clear();
         Ok(())
     }

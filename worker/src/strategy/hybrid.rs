@@ -8,14 +8,13 @@
 //! heartbeat and the fetching of a batch's rows ahead of it are those of `--mode ps`
 //! (`servers.rs`).
 
-use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
 use gradsync_core::trace::Trace;
 
-use super::Batch;
 use super::ps::PsConfig;
 use super::servers::Servers;
+use super::{Batch, Result, StrategyError};
 use crate::ps::TableRows;
 
 /// The table's parameter servers, as one hybrid worker reaches them.
@@ -26,7 +25,7 @@ pub struct TablePs {
 
 impl TablePs {
     /// Connect to the servers of `cfg` (registration waits for [`TablePs::start`]).
-    pub fn connect(cfg: PsConfig) -> anyhow::Result<Self> {
+    pub fn connect(cfg: PsConfig) -> Result<Self> {
         let mut servers = Servers::connect(&cfg, "gradsync-table")?;
         servers.client.set_table_only(true);
         Ok(TablePs { servers, cfg })
@@ -35,14 +34,18 @@ impl TablePs {
     /// Register with every server (which must hold the model's table alone) and start the
     /// heartbeat. Under anything but BSP the ranks' dense updates would not wait for the
     /// table's, so only BSP servers are taken.
-    pub fn start(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
-        let t = engine.layout().table.clone().context("--mode hybrid needs a model with a sparse table")?;
+    pub fn start(&mut self, engine: &mut Engine) -> Result<()> {
+        let t =
+            engine.layout().table.clone().ok_or_else(|| {
+                StrategyError::Config("--mode hybrid needs a model with a sparse table".into())
+            })?;
         let s = &mut self.servers;
-        anyhow::ensure!(
-            s.client.sync() == gradsync_proto::SyncMode::Bsp,
-            "--mode hybrid: the table's servers run --sync {}; the ring is synchronous, so they must run bsp",
-            s.client.sync()
-        );
+        if s.client.sync() != gradsync_proto::SyncMode::Bsp {
+            return Err(StrategyError::Config(format!(
+                "--mode hybrid: the table's servers run --sync {}; the ring is synchronous, so they must run bsp",
+                s.client.sync()
+            )));
+        }
         s.client.set_table(Some((t.range.clone(), t.rows, t.dim)));
         let (rank, world, fp, n) =
             (self.cfg.rank, self.cfg.world, self.cfg.fingerprint.clone(), engine.layout().len);
@@ -55,23 +58,20 @@ impl TablePs {
     /// Before the forward pass of `batch`: its rows current in the engine, the next batch's
     /// named for this step's pull. Returns the milliseconds it took (none when the step before
     /// fetched them).
-    pub fn fetch(
-        &mut self,
-        engine: &mut Engine,
-        batch: &mut Batch<'_>,
-        trace: &Trace,
-    ) -> anyhow::Result<f64> {
-        anyhow::ensure!(self.servers.rows.is_some(), "the table's servers used before start");
+    pub fn fetch(&mut self, engine: &mut Engine, batch: &mut Batch<'_>, trace: &Trace) -> Result<f64> {
+        if self.servers.rows.is_none() {
+            return Err(StrategyError::NotStarted("the table's servers used"));
+        }
         Ok(self.servers.fetch_rows(engine, batch, trace)?.ms)
     }
 
     /// After backward: push the gradients of the rows the batch named, pull the next batch's
     /// rows into the engine, and clear the named rows' gradients so the ranks' own update
     /// leaves the table to the servers. Records the rows and the traffic in `rec`.
-    pub fn exchange(&mut self, engine: &mut Engine, rec: &mut Step, trace: &Trace) -> anyhow::Result<()> {
+    pub fn exchange(&mut self, engine: &mut Engine, rec: &mut Step, trace: &Trace) -> Result<()> {
         let t = std::time::Instant::now();
         let s = &mut self.servers;
-        let rows = s.rows.as_mut().context("the table's servers used before start")?;
+        let rows = s.rows.as_mut().ok_or(StrategyError::NotStarted("the table's servers used"))?;
         rec.rows = Some(rows.stage(engine)? as u64);
         let (push, pull) = s.rt.block_on(s.client.rows_step(rows.step()))?;
         rows.land(engine)?;
@@ -88,12 +88,12 @@ impl TablePs {
     }
 
     /// Every row of the table into the engine (before evaluation, a checkpoint, `--save`).
-    pub fn whole_table(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
+    pub fn whole_table(&mut self, engine: &mut Engine) -> Result<()> {
         self.servers.whole_table(engine)
     }
 
     /// Leave the servers.
-    pub fn finish(&mut self) -> anyhow::Result<()> {
+    pub fn finish(&mut self) -> Result<()> {
         self.servers.leave()
     }
 

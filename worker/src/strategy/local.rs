@@ -7,7 +7,7 @@ use gradsync_core::net::BatchLoss;
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 
-use super::{Batch, Shape, Strategy, forward_backward, timed_span};
+use super::{Batch, Result, Shape, Strategy, forward_backward, timed_span};
 use crate::resume::{Resume, Resumed};
 
 /// Forward, backward, update.
@@ -31,23 +31,18 @@ impl Strategy for Local {
         self.shape
     }
 
-    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> anyhow::Result<Option<Resumed>> {
-        resume.engine(engine)
+    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> Result<Option<Resumed>> {
+        Ok(resume.engine(engine)?)
     }
 
-    fn step(
-        &mut self,
-        engine: &mut Engine,
-        batch: &mut Batch<'_>,
-        rec: &mut Step,
-    ) -> anyhow::Result<BatchLoss> {
+    fn step(&mut self, engine: &mut Engine, batch: &mut Batch<'_>, rec: &mut Step) -> Result<BatchLoss> {
         let loss = forward_backward(engine, batch.x, batch.y, rec, &self.trace)?;
         let ((), ms) = timed_span(engine, &self.trace, "update", |e| e.update(&self.sgd, 1.0))?;
         rec.update_ms = ms;
         Ok(loss)
     }
 
-    fn finish(&mut self, _engine: &mut Engine) -> anyhow::Result<()> {
+    fn finish(&mut self, _engine: &mut Engine) -> Result<()> {
         Ok(())
     }
 }

@@ -11,7 +11,8 @@
 //! all-reduce, or top-k all-gathered), the work DDP hands the communicator for each bucket;
 //! `hybrid.rs` a sparse model's table on parameter servers beside DDP (`--mode hybrid`);
 //! `servers.rs` what PS and the hybrid's table share: the client on its runtime, its heartbeat,
-//! and a sparse table's rows fetched ahead of each step and pulled whole.
+//! and a sparse table's rows fetched ahead of each step and pulled whole; `error.rs` the
+//! [`StrategyError`] every strategy returns.
 //!
 //! A strategy owns what differs between the modes, so the loop asks it nothing about which
 //! mode it is: where a resumed run's state is read and in what order ([`Strategy::start`]),
@@ -22,6 +23,7 @@
 mod bucket;
 mod ddp;
 mod dp;
+mod error;
 mod hybrid;
 mod local;
 pub mod ps;
@@ -33,7 +35,6 @@ mod zero1;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
 use gradsync_core::net::BatchLoss;
@@ -43,6 +44,7 @@ use crate::resume::{CheckpointAt, Contents, Resume, Resumed};
 
 pub use ddp::Ddp;
 pub use dp::{Dp, DpConfig, FaultKind, ReplicaFault};
+pub use error::{Result, StrategyError};
 pub use gradsync_core::metrics::ms_since;
 pub use local::Local;
 pub use ps::{Ps, PsConfig};
@@ -118,21 +120,16 @@ pub trait Strategy {
     /// ranks agree on it (rank 0's wins, [`Resume::engine`]); a parameter-server worker's own
     /// after it has met the servers, whose version says where the run is
     /// ([`Resume::worker`]). Returns where a resumed run continues (`None`: from the start).
-    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> anyhow::Result<Option<Resumed>>;
+    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> Result<Option<Resumed>>;
 
     /// One step on this rank's `batch`: forward, backward, gradient synchronisation and
     /// update. Fills the timing and traffic fields of `rec`.
-    fn step(
-        &mut self,
-        engine: &mut Engine,
-        batch: &mut Batch<'_>,
-        rec: &mut Step,
-    ) -> anyhow::Result<BatchLoss>;
+    fn step(&mut self, engine: &mut Engine, batch: &mut Batch<'_>, rec: &mut Step) -> Result<BatchLoss>;
 
     /// Make the engine's parameters whole before anything reads them outside a step
     /// (evaluation, the saved model), where the strategy keeps part of them elsewhere and
     /// brings in only what each step reads (a parameter server's table rows).
-    fn whole_params(&mut self, _engine: &mut Engine) -> anyhow::Result<()> {
+    fn whole_params(&mut self, _engine: &mut Engine) -> Result<()> {
         Ok(())
     }
 
@@ -141,16 +138,17 @@ pub trait Strategy {
     /// decides what it holds and which rank writes it. Returns the folder this rank wrote
     /// (`None`: another rank writes). By default the engine holds the run's whole state, the
     /// same on every rank, and rank 0 writes it.
-    fn checkpoint(&mut self, engine: &mut Engine, at: &CheckpointAt<'_>) -> anyhow::Result<Option<PathBuf>> {
+    fn checkpoint(&mut self, engine: &mut Engine, at: &CheckpointAt<'_>) -> Result<Option<PathBuf>> {
         if at.rank != 0 {
             return Ok(None);
         }
-        self.whole_params(engine).context("bringing the parameters in for the checkpoint")?;
-        at.write(Contents::engine(engine)).map(Some)
+        self.whole_params(engine)
+            .map_err(StrategyError::checkpoint("bringing the parameters in for the checkpoint"))?;
+        Ok(Some(at.write(Contents::engine(engine))?))
     }
 
     /// After the last step: leave cleanly (deregister, close the ring).
-    fn finish(&mut self, engine: &mut Engine) -> anyhow::Result<()>;
+    fn finish(&mut self, engine: &mut Engine) -> Result<()>;
 
     /// The optimiser applied to this run's parameters when it is not this process's own (the
     /// parameter servers'), known after [`Strategy::start`].
@@ -170,12 +168,15 @@ pub trait Strategy {
     }
 }
 
+// The compute helpers below fail only where the engine does: they return its error, which a
+// strategy's `?` turns into `StrategyError::Core`.
+
 /// Run `f` on the engine and return its result with the milliseconds it took, queued device
 /// work included.
 pub fn timed<T>(
     engine: &mut Engine,
     f: impl FnOnce(&mut Engine) -> gradsync_core::Result<T>,
-) -> anyhow::Result<(T, f64)> {
+) -> gradsync_core::Result<(T, f64)> {
     let t = Instant::now();
     let out = f(engine)?;
     engine.synchronize()?;
@@ -188,7 +189,7 @@ pub fn timed_span<T>(
     trace: &Trace,
     name: &'static str,
     f: impl FnOnce(&mut Engine) -> gradsync_core::Result<T>,
-) -> anyhow::Result<(T, f64)> {
+) -> gradsync_core::Result<(T, f64)> {
     let t = Instant::now();
     let out = timed(engine, f)?;
     trace.span(name, "compute", "compute", t);
@@ -202,7 +203,7 @@ pub fn forward(
     y: &[u32],
     rec: &mut Step,
     trace: &Trace,
-) -> anyhow::Result<BatchLoss> {
+) -> gradsync_core::Result<BatchLoss> {
     let (loss, ms) = timed_span(engine, trace, "forward", |e| e.forward(x, y, true))?;
     rec.forward_ms = ms;
     Ok(loss)
@@ -210,7 +211,12 @@ pub fn forward(
 
 /// Backward into the gradient buffer (added to it when `accumulate`), timed into `rec` and
 /// traced.
-pub fn backward(engine: &mut Engine, accumulate: bool, rec: &mut Step, trace: &Trace) -> anyhow::Result<()> {
+pub fn backward(
+    engine: &mut Engine,
+    accumulate: bool,
+    rec: &mut Step,
+    trace: &Trace,
+) -> gradsync_core::Result<()> {
     let ((), ms) = timed_span(engine, trace, "backward", |e| e.backward(accumulate))?;
     rec.backward_ms = ms;
     Ok(())
@@ -235,7 +241,7 @@ pub fn forward_unless_synced(
     rec: &mut Step,
     trace: &Trace,
     (micro, every): (&mut u64, u64),
-) -> anyhow::Result<(BatchLoss, Option<bool>)> {
+) -> gradsync_core::Result<(BatchLoss, Option<bool>)> {
     let loss = forward(engine, x, y, rec, trace)?;
     let (accumulate, sync) = micro_step(micro, every);
     if !sync {
@@ -252,7 +258,7 @@ pub fn forward_backward(
     y: &[u32],
     rec: &mut Step,
     trace: &Trace,
-) -> anyhow::Result<BatchLoss> {
+) -> gradsync_core::Result<BatchLoss> {
     let loss = forward(engine, x, y, rec, trace)?;
     backward(engine, false, rec, trace)?;
     Ok(loss)

@@ -14,7 +14,6 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::compress::{Compression, Half, Sparse, TopK};
 use gradsync_core::metrics::Step;
@@ -25,7 +24,7 @@ use gradsync_core::trace::Trace;
 use gradsync_proto::SyncMode;
 
 use super::servers::Servers;
-use super::{Batch, Shape, Strategy, forward, ms_since};
+use super::{Batch, Result, Shape, Strategy, StrategyError, forward, ms_since};
 use crate::ps::{Encoded, EngineLink, TableRows};
 use crate::resume::{CheckpointAt, Contents, Resume, Resumed};
 
@@ -65,11 +64,7 @@ impl Codec {
     /// The push of the engine's gradient, when compressed: built on the host from the whole
     /// gradient (read into `host`), since top-k's error feedback needs all of it at once; the
     /// pull still goes straight into the engine. `None`: the f32 gradient goes as it is.
-    fn encode<'a>(
-        &'a mut self,
-        engine: &Engine,
-        host: &'a mut Vec<f32>,
-    ) -> anyhow::Result<Option<Encoded<'a>>> {
+    fn encode<'a>(&'a mut self, engine: &Engine, host: &'a mut Vec<f32>) -> Result<Option<Encoded<'a>>> {
         if matches!(self, Codec::None) {
             return Ok(None);
         }
@@ -83,7 +78,7 @@ impl Codec {
                 Some(Encoded::Half(*h, host))
             }
             Codec::TopK(_, residual, pairs) => {
-                residual.as_mut().context("step before start")?.compress(host, pairs)?;
+                residual.as_mut().ok_or(StrategyError::NotStarted("step"))?.compress(host, pairs)?;
                 Some(Encoded::Sparse(pairs))
             }
         })
@@ -127,7 +122,7 @@ pub struct PsConfig {
 
 impl Ps {
     /// Connect to the servers of `cfg` (registration waits for [`Strategy::start`]).
-    pub fn new(cfg: PsConfig) -> anyhow::Result<Self> {
+    pub fn new(cfg: PsConfig) -> Result<Self> {
         gradsync_core::heap::keep_freed_memory();
         gradsync_core::heap::single_arena();
         let mut servers = Servers::connect(&cfg, "gradsync-ps")?;
@@ -153,13 +148,15 @@ impl Ps {
 
     /// Register with the servers (coming back under this rank when `rejoin`), pull the
     /// parameters of the version this worker joins at, and start the heartbeat.
-    fn join(&mut self, engine: &mut Engine, rejoin: bool) -> anyhow::Result<()> {
+    fn join(&mut self, engine: &mut Engine, rejoin: bool) -> Result<()> {
         let n = engine.layout().len;
         if let Some(t) = &engine.layout().table {
-            anyhow::ensure!(
-                matches!(self.codec, Codec::None),
-                "--compress with a sparse table: its rows move as ids and f32 values; push them uncompressed"
-            );
+            if !matches!(self.codec, Codec::None) {
+                return Err(StrategyError::Config(
+                    "--compress with a sparse table: its rows move as ids and f32 values; push them uncompressed"
+                        .into(),
+                ));
+            }
             self.servers.client.set_table(Some((t.range.clone(), t.rows, t.dim)));
             self.servers.rows = Some(TableRows::new(t.dim));
         }
@@ -188,10 +185,7 @@ impl Ps {
                         tries += 1;
                         tracing::debug!("{e:#}; pulling version {join} again");
                     }
-                    Err(e) => {
-                        break Err(anyhow::Error::from(e)
-                            .context(format!("pulling version {join}, the step this rank joins at")));
-                    }
+                    Err(source) => break Err(StrategyError::Rejoin { version: join, source }),
                 }
             }
         })?;
@@ -199,12 +193,8 @@ impl Ps {
         if rejoin && client.sync() == SyncMode::Bsp && versions.iter().any(|(_, v)| *v != versions[0].1) {
             // Killed after one shard had its whole push of a step and committed it, before
             // another had: that step's gradient is in one shard's version and not the other's.
-            anyhow::bail!(
-                "came back while the shards were at different versions ({}): the step in progress when this \
-                 rank died was applied by some shards and not by others; restart the servers from their \
-                 checkpoints and the workers with --resume",
-                versions.iter().map(|(a, v)| format!("{a} at {v}")).collect::<Vec<_>>().join(", ")
-            );
+            let versions = versions.iter().map(|(a, v)| format!("{a} at {v}")).collect::<Vec<_>>().join(", ");
+            return Err(StrategyError::Versions { versions });
         }
         self.servers.keep_alive();
         Ok(())
@@ -218,15 +208,18 @@ impl Ps {
     }
 
     /// Take back the top-k residual of a resumed worker's checkpoint (nothing without top-k).
-    fn restore_residual(&mut self, saved: &Tensors) -> anyhow::Result<()> {
+    fn restore_residual(&mut self, saved: &Tensors) -> Result<()> {
         let Codec::TopK(ratio, residual, _) = &mut self.codec else { return Ok(()) };
         let n = residual.as_ref().map_or(0, |t| t.residual().len());
-        let e = saved.get(RESIDUAL).context("the checkpoint holds no top-k residual")?;
-        anyhow::ensure!(
-            e.shape == [n],
-            "the checkpoint's top-k residual has shape {:?}, this model {n} values",
-            e.shape
-        );
+        let e = saved
+            .get(RESIDUAL)
+            .ok_or_else(|| StrategyError::Restore("the checkpoint holds no top-k residual".into()))?;
+        if e.shape != [n] {
+            return Err(StrategyError::Restore(format!(
+                "the checkpoint's top-k residual has shape {:?}, this model {n} values",
+                e.shape
+            )));
+        }
         *residual = Some(TopK::with_residual(*ratio, e.to_f32()));
         Ok(())
     }
@@ -240,11 +233,11 @@ impl Strategy for Ps {
     /// Meet the servers, then take this worker's own state from its checkpoint where their
     /// version says the run is (under `--resume`), and refuse an optimiser flag that
     /// contradicts theirs.
-    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> anyhow::Result<Option<Resumed>> {
+    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> Result<Option<Resumed>> {
         self.join(engine, resume.resuming())?;
         let resumed = resume.worker(self.server_version())?;
         if let Some(saved) = resumed.as_ref().and_then(|r| r.state.as_ref()) {
-            self.restore_residual(saved).context("restoring the strategy's state from the checkpoint")?;
+            self.restore_residual(saved)?;
         }
         // The servers' optimiser is the one applied (and recorded); a contradicting flag is
         // refused, never recorded.
@@ -254,17 +247,12 @@ impl Strategy for Ps {
             // Leave the servers as they were: without this they would hold the rank as
             // registered until it timed out, and refuse it when started again.
             let _ = self.finish(engine);
-            return Err(e.into());
+            return Err(StrategyError::Optimiser(e));
         }
         Ok(resumed)
     }
 
-    fn step(
-        &mut self,
-        engine: &mut Engine,
-        batch: &mut Batch<'_>,
-        rec: &mut Step,
-    ) -> anyhow::Result<BatchLoss> {
+    fn step(&mut self, engine: &mut Engine, batch: &mut Batch<'_>, rec: &mut Step) -> Result<BatchLoss> {
         let fetched = self.servers.fetch_rows(engine, batch, &self.trace)?;
         let (x, y) = (batch.x, batch.y);
         let loss = forward(engine, x, y, rec, &self.trace)?;
@@ -309,13 +297,13 @@ impl Strategy for Ps {
         Ok(loss)
     }
 
-    fn whole_params(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
+    fn whole_params(&mut self, engine: &mut Engine) -> Result<()> {
         self.servers.whole_table(engine)
     }
 
     /// Every worker its own, in its folder: the servers hold the parameters, so only its data
     /// position, the servers' version it stands for, and its top-k residual.
-    fn checkpoint(&mut self, _engine: &mut Engine, at: &CheckpointAt<'_>) -> anyhow::Result<Option<PathBuf>> {
+    fn checkpoint(&mut self, _engine: &mut Engine, at: &CheckpointAt<'_>) -> Result<Option<PathBuf>> {
         let state = match &self.codec {
             Codec::TopK(_, Some(t), _) => {
                 let r = t.residual();
@@ -324,10 +312,10 @@ impl Strategy for Ps {
             _ => None,
         };
         let contents = Contents { state, server_version: self.server_version(), ..Contents::default() };
-        at.write_own(contents).map(Some)
+        Ok(Some(at.write_own(contents)?))
     }
 
-    fn finish(&mut self, _engine: &mut Engine) -> anyhow::Result<()> {
+    fn finish(&mut self, _engine: &mut Engine) -> Result<()> {
         self.servers.leave()
     }
 
@@ -371,10 +359,12 @@ fn stale_gradient_advice(sync: SyncMode, policy: &str) -> Option<String> {
 /// Refuse a gradient `h` cannot carry: a finite value past its range would reach the servers
 /// as an infinity and be refused as non-finite, as if training had diverged; this says what
 /// happened instead.
-fn fits(h: Half, grads: &[f32]) -> anyhow::Result<()> {
+fn fits(h: Half, grads: &[f32]) -> Result<()> {
     match h.first_overflow(grads) {
         None => Ok(()),
-        Some((i, v)) => anyhow::bail!(h.overflow_error(&format!("gradient value {i}"), v, "push")),
+        Some((i, v)) => {
+            Err(StrategyError::Overflow(h.overflow_error(&format!("gradient value {i}"), v, "push")))
+        }
     }
 }
 

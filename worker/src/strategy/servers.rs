@@ -8,12 +8,11 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::trace::Trace;
 use gradsync_proto::tuning::Tuning;
 
-use super::{Batch, PsConfig, ms_since};
+use super::{Batch, PsConfig, Result, StrategyError, ms_since};
 use crate::ps::{PsClient, TableRows};
 
 /// How often a worker tells the servers it is alive, whatever it is doing.
@@ -42,20 +41,22 @@ impl Servers {
     /// Connect to the servers of `cfg` (waiting for them as `--connect-timeout` allows), with
     /// their sync mode asked and `cfg`'s pipelining and chunk size set; the runtime's threads
     /// are named `thread_name`. Registration is the strategy's, at its start.
-    pub fn connect(cfg: &PsConfig, thread_name: &str) -> anyhow::Result<Servers> {
+    pub fn connect(cfg: &PsConfig, thread_name: &str) -> Result<Servers> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .thread_name(thread_name)
             .build()
-            .context("starting the PS client runtime")?;
+            .map_err(StrategyError::Runtime)?;
         let mut tuning = Tuning::tuned();
         if let Some(c) = cfg.chunk_bytes {
             tuning.chunk_bytes = c;
         }
         let client = rt.block_on(async {
             let tls = match &cfg.tls {
-                Some((ca, domain)) => Some(gradsync_proto::tls::client(ca, domain.as_deref())?),
+                Some((ca, domain)) => {
+                    Some(gradsync_proto::tls::client(ca, domain.as_deref()).map_err(StrategyError::Tls)?)
+                }
                 None => None,
             };
             let mut c = PsClient::connect_waiting(
@@ -70,7 +71,7 @@ impl Servers {
             c.sync_mode().await?;
             c.set_pipeline(cfg.pipeline);
             c.set_chunk_bytes(cfg.chunk_bytes);
-            anyhow::Ok(c)
+            Ok::<_, StrategyError>(c)
         })?;
         Ok(Servers { rt, client, rows: None, heartbeat: None })
     }
@@ -98,7 +99,7 @@ impl Servers {
         engine: &mut Engine,
         batch: &mut Batch<'_>,
         trace: &Trace,
-    ) -> anyhow::Result<Fetched> {
+    ) -> Result<Fetched> {
         let Some(rows) = &mut self.rows else { return Ok(Fetched { ms: 0.0, bytes: 0 }) };
         if let Some(next) = batch.next_x() {
             rows.set_next(engine, next)?;
@@ -114,7 +115,7 @@ impl Servers {
 
     /// Every row of the table, of the servers' current version, into the engine (before
     /// evaluation or `--save`). Nothing for a model without a table.
-    pub fn whole_table(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
+    pub fn whole_table(&mut self, engine: &mut Engine) -> Result<()> {
         if let Some(rows) = &mut self.rows {
             self.rt.block_on(rows.sync(&mut self.client, engine))?;
         }
@@ -122,7 +123,7 @@ impl Servers {
     }
 
     /// Stop the heartbeat and leave the servers.
-    pub fn leave(&mut self) -> anyhow::Result<()> {
+    pub fn leave(&mut self) -> Result<()> {
         if let Some(h) = self.heartbeat.take() {
             h.abort();
         }

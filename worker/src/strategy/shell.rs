@@ -5,7 +5,6 @@
 //! micro-steps, the traffic counted, the gradient's scale), the final barrier and the header's
 //! common fields; and their configuration, [`DdpConfig`].
 
-use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::compress::Compression;
 use gradsync_core::device::Device;
@@ -15,7 +14,8 @@ use gradsync_core::net::BatchLoss;
 use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 
-use super::{forward_unless_synced, timed_span};
+use super::error::During;
+use super::{Result, StrategyError, forward_unless_synced, timed_span};
 use crate::collective::{Communicator, Hierarchy, Nccl, RingConfig, Traffic, Transport};
 use crate::rendezvous::{self, RendezvousConfig};
 
@@ -95,7 +95,7 @@ pub(super) struct StepCtx<'s> {
 
 impl Shell {
     /// Meet the other ranks (rendezvous through rank 0's store) and connect `c`'s backend.
-    pub fn connect(c: &DdpConfig) -> anyhow::Result<Shell> {
+    pub fn connect(c: &DdpConfig) -> Result<Shell> {
         let cfg = &c.rendezvous;
         let (rank, world) = (cfg.rank, cfg.world);
         let comm = match c.backend {
@@ -108,21 +108,25 @@ impl Shell {
                     ..RingConfig::default()
                 }
                 .with_chunk_kb(c.chunk_kb);
-                Communicator::Tcp(Box::new(
-                    rendezvous::connect_tcp(cfg, ring)
-                        .with_context(|| format!("joining the ring of {world} ranks at {}", cfg.master))?,
-                ))
+                let tcp = rendezvous::connect_tcp(cfg, ring).map_err(|source| StrategyError::Ring {
+                    world,
+                    master: cfg.master.clone(),
+                    source,
+                })?;
+                Communicator::Tcp(Box::new(tcp))
             }
             Backend::Nccl => {
                 let ordinal = c.device.cuda_ordinal().ok_or_else(|| {
-                    anyhow::anyhow!(
-                        "--backend nccl works on GPU memory: use --device cuda (or --backend tcp)"
+                    StrategyError::Config(
+                        "--backend nccl works on GPU memory: use --device cuda (or --backend tcp)".into(),
                     )
                 })?;
                 let id = if world == 1 {
                     crate::collective::nccl::unique_id()?
                 } else {
-                    rendezvous::join(cfg)?.nccl_id.context("the store sent no NCCL id")?
+                    rendezvous::join(cfg)?
+                        .nccl_id
+                        .ok_or_else(|| StrategyError::NoNcclId { master: cfg.master.clone() })?
                 };
                 Communicator::Nccl(Box::new(Nccl::new(ordinal, rank, world, &id, cfg.timeout)?))
             }
@@ -146,16 +150,16 @@ impl Shell {
     /// Before the first step: the bucket plan, and one set of initial parameters for every
     /// rank, rank 0's, written into `engine`. Returns the plan and rank 0's momentum (zeros
     /// unless `--load` gave one), which the strategy keeps where its optimiser state lives.
-    pub fn start(&mut self, engine: &mut Engine) -> anyhow::Result<(BucketPlan, Vec<f32>)> {
+    pub fn start(&mut self, engine: &mut Engine) -> Result<(BucketPlan, Vec<f32>)> {
         let mut plan = BucketPlan::with_cap(engine.layout(), self.bucket_values);
         if self.rows_apart {
             plan = plan.without_table(engine.layout());
         }
         let mut p = engine.params()?;
-        self.comm.get().broadcast(&mut p, 0).context("broadcasting the initial parameters")?;
+        self.comm.get().broadcast(&mut p, 0).during(|| "broadcasting the initial parameters")?;
         engine.write_params(0, &p)?;
         engine.read_momentum(&mut p)?;
-        self.comm.get().broadcast(&mut p, 0).context("broadcasting the momentum")?;
+        self.comm.get().broadcast(&mut p, 0).during(|| "broadcasting the momentum")?;
         self.plan = Some(plan.clone());
         Ok((plan, p))
     }
@@ -169,10 +173,10 @@ impl Shell {
         engine: &mut Engine,
         (x, y): (&[f32], &[u32]),
         rec: &mut Step,
-        sync: impl FnOnce(&mut S, &mut Engine, &StepCtx<'_>, &mut Step) -> anyhow::Result<()>,
-    ) -> anyhow::Result<BatchLoss> {
+        sync: impl FnOnce(&mut S, &mut Engine, &StepCtx<'_>, &mut Step) -> Result<()>,
+    ) -> Result<BatchLoss> {
         let sh = shell(this);
-        let plan = sh.plan.take().context("step before start")?;
+        let plan = sh.plan.take().ok_or(StrategyError::NotStarted("step"))?;
         let trace = sh.trace.clone();
         let out = (|| {
             let sh = shell(this);
@@ -181,7 +185,10 @@ impl Shell {
                 // DDP's broadcast_buffers: every rank's batch norms start the step from rank
                 // 0's running statistics (each normalises with its own batch's).
                 let mut b = engine.buffers()?;
-                sh.comm.get().broadcast(&mut b, 0).context("broadcasting rank 0's batch-norm statistics")?;
+                sh.comm
+                    .get()
+                    .broadcast(&mut b, 0)
+                    .during(|| "broadcasting rank 0's batch-norm statistics")?;
                 engine.write_buffers(&b)?;
             }
             let (loss, synced) = if sh.sync_bn {
@@ -216,8 +223,8 @@ impl Shell {
     }
 
     /// After the last step: nobody leaves while another rank may still be reading from it.
-    pub fn finish(&mut self) -> anyhow::Result<()> {
-        self.comm.get().barrier().context("the final barrier")
+    pub fn finish(&mut self) -> Result<()> {
+        self.comm.get().barrier().during(|| "the final barrier")
     }
 
     /// The header's fields every data-parallel strategy has, into `m`; returns the variant.

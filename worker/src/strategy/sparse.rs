@@ -6,10 +6,11 @@
 
 use std::collections::BTreeMap;
 
-use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::net::RowsOf;
 
+use super::error::During;
+use super::{Result, StrategyError};
 use crate::collective::Collective;
 
 /// How DDP synchronises a sparse model's table (`--sparse-grads`).
@@ -49,19 +50,20 @@ pub(super) struct RowGather {
 impl RowGather {
     /// Leave in `engine`'s table gradient, for every row any rank's batch named, the sum of
     /// every rank's gradient of it. Returns how many rows that was.
-    pub(super) fn all_gather(
-        &mut self,
-        comm: &mut dyn Collective,
-        engine: &mut Engine,
-    ) -> anyhow::Result<usize> {
-        let dim = engine.layout().table.as_ref().context("the model has no table")?.dim;
+    pub(super) fn all_gather(&mut self, comm: &mut dyn Collective, engine: &mut Engine) -> Result<usize> {
+        let dim = engine
+            .layout()
+            .table
+            .as_ref()
+            .ok_or_else(|| StrategyError::Config("--sparse-grads allgather: the model has no table".into()))?
+            .dim;
         let (world, rank) = (comm.world_size(), comm.rank());
         let rows = engine.batch_rows().to_vec();
         self.mine.resize(rows.len() * dim, 0.0);
         engine.read_rows(RowsOf::Grads, &rows, &mut self.mine)?;
         let mut counts = vec![0.0f32; world];
         counts[rank] = rows.len() as f32;
-        comm.all_gather(&mut counts).context("all-gather of the table's row counts")?;
+        comm.all_gather(&mut counts).during(|| "all-gather of the table's row counts")?;
         let most = counts.iter().fold(0.0f32, |a, &c| a.max(c)) as usize;
         let per = most * (1 + dim);
         self.gathered.clear();
@@ -73,13 +75,15 @@ impl RowGather {
             ids[i] = r as f32;
         }
         values[..self.mine.len()].copy_from_slice(&self.mine);
-        comm.all_gather(&mut self.gathered).context("all-gather of the table's rows")?;
+        comm.all_gather(&mut self.gathered).during(|| "all-gather of the table's rows")?;
         let mut sums: BTreeMap<u32, Vec<f32>> = BTreeMap::new();
         for (r, &count) in counts.iter().enumerate() {
             let slot = &self.gathered[per * r..per * (r + 1)];
             let (ids, values) = slot.split_at(most);
             for (i, &id) in ids[..count as usize].iter().enumerate() {
-                anyhow::ensure!(id >= 0.0 && id.fract() == 0.0, "rank {r} sent row id {id}");
+                if id < 0.0 || id.fract() != 0.0 {
+                    return Err(StrategyError::RowId { rank: r, id });
+                }
                 let sum = sums.entry(id as u32).or_insert_with(|| vec![0.0; dim]);
                 for (s, &v) in sum.iter_mut().zip(&values[i * dim..(i + 1) * dim]) {
                     *s += v;

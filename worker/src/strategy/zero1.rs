@@ -30,14 +30,14 @@ use std::ops::Range;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::Context;
 use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
 use gradsync_core::model::segment;
 use gradsync_core::net::BatchLoss;
 
+use super::error::During;
 use super::shell::Shell;
-use super::{Batch, DdpConfig, Shape, Strategy, describe_memory};
+use super::{Batch, DdpConfig, Result, Shape, Strategy, StrategyError, describe_memory};
 use crate::collective::{BucketWork, Collective};
 use crate::resume::{CheckpointAt, Contents, Resume, Resumed};
 
@@ -62,7 +62,7 @@ struct Scatter {
 }
 
 impl BucketWork for Scatter {
-    type Error = anyhow::Error;
+    type Error = StrategyError;
 
     fn name(&self) -> &'static str {
         "reduce-scatter"
@@ -74,15 +74,13 @@ impl BucketWork for Scatter {
         index: usize,
         range: Range<usize>,
         values: &mut [f32],
-    ) -> anyhow::Result<Range<usize>> {
-        let got =
-            comm.reduce_scatter(values).with_context(|| format!("reduce-scatter of bucket {range:?}"))?;
+    ) -> Result<Range<usize>> {
+        let got = comm.reduce_scatter(values).during(|| format!("reduce-scatter of bucket {range:?}"))?;
         let own = &self.owned[index];
         let want = own.start - range.start..own.end - range.start;
-        anyhow::ensure!(
-            got == want,
-            "reduce-scatter of bucket {index} left {got:?} summed here, not {want:?}"
-        );
+        if got != want {
+            return Err(StrategyError::Segment { index, got, want });
+        }
         // Only this rank's summed segment is read by the update.
         Ok(want)
     }
@@ -103,7 +101,7 @@ pub struct Zero1 {
 
 impl Zero1 {
     /// Meet the other ranks and connect the backend, as DDP does.
-    pub fn connect(c: Zero1Config) -> anyhow::Result<Zero1> {
+    pub fn connect(c: Zero1Config) -> Result<Zero1> {
         Ok(Zero1 {
             shell: Shell::connect(&c.ddp)?,
             scatter: Scatter::default(),
@@ -117,7 +115,7 @@ impl Zero1 {
 
 impl Zero1 {
     /// The whole momentum on every rank: each rank's shards all-gathered bucket by bucket.
-    fn gathered_momentum(&mut self, len: usize) -> anyhow::Result<Vec<f32>> {
+    fn gathered_momentum(&mut self, len: usize) -> Result<Vec<f32>> {
         let mut full = vec![0.0; len];
         for (own, m) in self.scatter.owned.iter().zip(&self.scatter.shard) {
             full[own.clone()].copy_from_slice(&self.momentum[m.clone()]);
@@ -127,7 +125,7 @@ impl Zero1 {
                 .comm
                 .get()
                 .all_gather(&mut full[r.clone()])
-                .with_context(|| format!("all-gather of the momentum of {r:?}"))?;
+                .during(|| format!("all-gather of the momentum of {r:?}"))?;
         }
         Ok(full)
     }
@@ -138,7 +136,7 @@ impl Strategy for Zero1 {
         Shape::processes(self.shell.world, self.shell.rank)
     }
 
-    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> anyhow::Result<Option<Resumed>> {
+    fn start(&mut self, engine: &mut Engine, resume: &Resume) -> Result<Option<Resumed>> {
         // One set of initial parameters and momentum (--load, --resume) for every rank: rank 0's.
         let resumed = resume.engine(engine)?;
         let (plan, p) = self.shell.start(engine)?;
@@ -169,12 +167,7 @@ impl Strategy for Zero1 {
         Ok(resumed)
     }
 
-    fn step(
-        &mut self,
-        engine: &mut Engine,
-        batch: &mut Batch<'_>,
-        rec: &mut Step,
-    ) -> anyhow::Result<BatchLoss> {
+    fn step(&mut self, engine: &mut Engine, batch: &mut Batch<'_>, rec: &mut Step) -> Result<BatchLoss> {
         Shell::step(
             self,
             |z| &mut z.shell,
@@ -200,13 +193,13 @@ impl Strategy for Zero1 {
                 for (i, r) in s.plan.buckets.iter().enumerate() {
                     let (own, m) = (scatter.owned[i].clone(), scatter.shard[i].clone());
                     let local = own.start - r.start..own.end - r.start;
-                    engine.with_host_buffers(r.clone(), own, scratch, |p, g| -> anyhow::Result<()> {
+                    engine.with_host_buffers(r.clone(), own, scratch, |p, g| -> Result<()> {
                         let t = Instant::now();
                         step.apply(&sh.sgd, &mut p[local], g, &mut momentum[m], s.scale);
                         update_ms += t.elapsed().as_secs_f64() * 1e3;
                         sh.trace.span("update (shard)", "compute", "compute", t);
                         let t = Instant::now();
-                        sh.comm.get().all_gather(p).with_context(|| format!("all-gather of bucket {r:?}"))?;
+                        sh.comm.get().all_gather(p).during(|| format!("all-gather of bucket {r:?}"))?;
                         gather_ms += t.elapsed().as_secs_f64() * 1e3;
                         sh.trace.span(format!("all-gather b{i}"), "comm", "comm", t);
                         Ok(())
@@ -221,7 +214,7 @@ impl Strategy for Zero1 {
         )
     }
 
-    fn finish(&mut self, engine: &mut Engine) -> anyhow::Result<()> {
+    fn finish(&mut self, engine: &mut Engine) -> Result<()> {
         if self.gather_momentum {
             // A saved file holds the whole momentum: every rank contributes its shard.
             let full = self.gathered_momentum(engine.layout().len)?;
@@ -231,13 +224,14 @@ impl Strategy for Zero1 {
     }
 
     /// The momentum shards gathered by every rank, and rank 0's engine with them.
-    fn checkpoint(&mut self, engine: &mut Engine, at: &CheckpointAt<'_>) -> anyhow::Result<Option<PathBuf>> {
-        let momentum =
-            self.gathered_momentum(engine.layout().len).context("gathering the checkpoint's momentum")?;
+    fn checkpoint(&mut self, engine: &mut Engine, at: &CheckpointAt<'_>) -> Result<Option<PathBuf>> {
+        let momentum = self
+            .gathered_momentum(engine.layout().len)
+            .map_err(StrategyError::checkpoint("gathering the checkpoint's momentum"))?;
         if at.rank != 0 {
             return Ok(None);
         }
-        at.write(Contents { momentum: Some(&momentum), ..Contents::engine(engine) }).map(Some)
+        Ok(Some(at.write(Contents { momentum: Some(&momentum), ..Contents::engine(engine) })?))
     }
 
     fn describe(&self) -> (String, serde_json::Map<String, serde_json::Value>) {

@@ -6,6 +6,10 @@
 //! modes (where a checkpoint's state is and which rank writes it, reading the next batch
 //! ahead); the loop never asks which mode it runs.
 //!
+//! This is the `train` subcommand's body, the binary's edge: its errors are `anyhow` errors,
+//! a strategy's typed one ([`crate::strategy::StrategyError`]) wrapped in the phase it ended
+//! (`starting the run`, `step N`, `finishing the run`).
+//!
 //! # Layout
 //! - `batches.rs`: each step's batch in the sampler's order, and the next one on demand.
 //! - `progress.rs`: the progress bar or log lines, and the opening and closing lines.
