@@ -291,12 +291,16 @@ fn the_hybrid_keeps_the_table_on_servers_and_rings_the_rest() {
             );
         }
     }
-    // A hybrid worker against servers that hold the whole model, and a PS worker against
-    // servers that hold the table alone.
+    // A hybrid worker against servers that hold the whole model, a PS worker against servers
+    // that hold the table alone, and a hybrid worker against table servers that would step the
+    // table with another optimiser than the ranks step the rest with (it trained on silently).
     let save = dir.join("x.ckpt");
-    for (mode, extra, want) in
-        [("hybrid", &[][..], "start them with --table-only"), ("ps", &table_only[..], "for --mode hybrid")]
-    {
+    let other_momentum = ["--table-only", "--momentum", "0.5"].map(String::from);
+    for (mode, extra, want) in [
+        ("hybrid", &[][..], "start them with --table-only"),
+        ("ps", &table_only[..], "for --mode hybrid"),
+        ("hybrid", &other_momentum[..], "the table's servers step it with --lr 0.5 --momentum 0.5"),
+    ] {
         let (_servers, addrs) = servers_with(1, "bsp", extra);
         let mut a: Vec<String> =
             ["train", "--mode", mode, "--servers", &addrs, "--rpc-timeout", "10"].map(String::from).to_vec();

@@ -91,7 +91,7 @@ impl Strategy for Ddp {
         let (_, momentum) = self.shell.start(engine)?;
         engine.write_momentum(&momentum)?;
         if let Some(t) = &mut self.table {
-            t.start(engine)?;
+            t.start(engine, &self.shell.sgd)?;
         }
         self.state_bytes = engine.optimizer_state_bytes();
         if let Some(saved) = resumed.as_ref().and_then(|r| r.state.as_ref())

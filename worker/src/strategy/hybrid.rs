@@ -10,6 +10,7 @@
 
 use gradsync_core::Engine;
 use gradsync_core::metrics::Step;
+use gradsync_core::optim::SgdConfig;
 use gradsync_core::trace::Trace;
 
 use super::ps::PsConfig;
@@ -33,8 +34,9 @@ impl TablePs {
 
     /// Register with every server (which must hold the model's table alone) and start the
     /// heartbeat. Under anything but BSP the ranks' dense updates would not wait for the
-    /// table's, so only BSP servers are taken.
-    pub fn start(&mut self, engine: &mut Engine) -> Result<()> {
+    /// table's, so only BSP servers are taken; and the servers must step the table with the
+    /// optimiser the ranks step the rest with (`dense`), or the model would train at two rates.
+    pub fn start(&mut self, engine: &mut Engine, dense: &SgdConfig) -> Result<()> {
         let t =
             engine.layout().table.clone().ok_or_else(|| {
                 StrategyError::Config("--mode hybrid needs a model with a sparse table".into())
@@ -50,6 +52,26 @@ impl TablePs {
         let (rank, world, fp, n) =
             (self.cfg.rank, self.cfg.world, self.cfg.fingerprint.clone(), engine.layout().len);
         s.rt.block_on(s.client.register(rank, world, &fp, n))?;
+        if let Some(applied) = s.client.optimiser().map(|o| o.0)
+            && applied != *dense
+        {
+            // Leave the servers as they were, so that a corrected run is taken at once.
+            let _ = s.leave();
+            return Err(StrategyError::Optimiser(gradsync_core::Error::invalid(
+                "--mode hybrid",
+                format!(
+                    "the table's servers step it with --lr {} --momentum {} --weight-decay {}, and this worker \
+                     steps the rest of the model with --lr {} --momentum {} --weight-decay {}: give the \
+                     servers and the workers the same optimiser flags",
+                    applied.lr,
+                    applied.momentum,
+                    applied.weight_decay,
+                    dense.lr,
+                    dense.momentum,
+                    dense.weight_decay
+                ),
+            )));
+        }
         s.rows = Some(TableRows::new(t.dim));
         s.keep_alive();
         Ok(())
