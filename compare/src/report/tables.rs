@@ -161,6 +161,19 @@ pub fn results(cx: &Context) -> Results {
     Results { target: g.target.map(|t| format!("{:.1}%", 100.0 * t)), rows }
 }
 
+/// One row per series of `g`: its name, then `cell` of its run at each of the worker counts
+/// `ws` (`None` where it has none there).
+fn series_by_workers(g: &Group, ws: &[usize], cell: impl Fn(Option<&Summary>, usize) -> String) -> Vec<Tr> {
+    g.by_series()
+        .into_iter()
+        .map(|(name, rows)| {
+            let mut cells = vec![word(name)];
+            cells.extend(ws.iter().map(|&w| num(cell(rows.iter().find(|r| r.workers == w).copied(), w))));
+            row(cells)
+        })
+        .collect()
+}
+
 /// Time-to-accuracy per series and worker count: the median over the complete repeats that
 /// reached the target, their range, and the epochs it took; statistical efficiency beside
 /// throughput.
@@ -169,31 +182,23 @@ pub fn convergence(g: &Group) -> Option<Grid> {
     let ws = worker_counts(g);
     let mut head = vec![word("mode")];
     head.extend(ws.iter().map(|&w| num(crate::charts::workers(w))));
-    let rows = g
-        .by_series()
-        .into_iter()
-        .map(|(name, rows)| {
-            let mut cells = vec![word(name)];
-            cells.extend(ws.iter().map(|&w| {
-                let Some(r) = rows.iter().find(|r| r.workers == w) else { return num("-") };
-                let c = g.cell_of(r);
-                let reps = c.map_or(0, |c| c.runs.len());
-                num(match (r.time_to_target_s, c.and_then(|c| c.time_to_target)) {
-                    (Some(tt), Some((lo, hi))) => format!(
-                        "{tt:.2} s ({lo:.2}-{hi:.2}); {} ep; {} /s",
-                        opt(r.epochs_to_target, 1),
-                        opt(r.samples_per_s, 0)
-                    ),
-                    _ => format!(
-                        "not reached ({}/{reps}); best {}%",
-                        c.map_or(0, |c| c.reached),
-                        opt(r.best_accuracy.map(|a| 100.0 * a), 1)
-                    ),
-                })
-            }));
-            row(cells)
-        })
-        .collect();
+    let rows = series_by_workers(g, &ws, |r, _| {
+        let Some(r) = r else { return "-".into() };
+        let c = g.cell_of(r);
+        let reps = c.map_or(0, |c| c.runs.len());
+        match (r.time_to_target_s, c.and_then(|c| c.time_to_target)) {
+            (Some(tt), Some((lo, hi))) => format!(
+                "{tt:.2} s ({lo:.2}-{hi:.2}); {} ep; {} /s",
+                opt(r.epochs_to_target, 1),
+                opt(r.samples_per_s, 0)
+            ),
+            _ => format!(
+                "not reached ({}/{reps}); best {}%",
+                c.map_or(0, |c| c.reached),
+                opt(r.best_accuracy.map(|a| 100.0 * a), 1)
+            ),
+        }
+    });
     Some(Grid {
         title: format!("Time to {:.1}% held-out accuracy", 100.0 * t),
         caption: "Training-clock seconds (evaluation left out) until rank 0 first measured the target: median over \
@@ -222,23 +227,13 @@ pub fn efficiency(g: &Group) -> Grid {
     };
     let mut head = vec![word("mode")];
     head.extend(ws.iter().map(|&w| num(format!("{w} workers"))));
-    let rows = g
-        .by_series()
-        .into_iter()
-        .map(|(name, rows)| {
-            let mut cells = vec![word(name)];
-            cells.extend(ws.iter().map(|&w| {
-                num(match rows.iter().find(|r| r.workers == w).and_then(|r| r.samples_per_s) {
-                    Some(t) => match base {
-                        Some(b) => format!("{t:.0} ({:.0}%)", 100.0 * t / (w as f64 * b)),
-                        None => format!("{t:.0}"),
-                    },
-                    None => "-".into(),
-                })
-            }));
-            row(cells)
-        })
-        .collect();
+    let rows = series_by_workers(g, &ws, |r, w| match r.and_then(|r| r.samples_per_s) {
+        Some(t) => match base {
+            Some(b) => format!("{t:.0} ({:.0}%)", 100.0 * t / (w as f64 * b)),
+            None => format!("{t:.0}"),
+        },
+        None => "-".into(),
+    });
     Grid { title: "Scaling efficiency".into(), caption, head, rows }
 }
 
