@@ -5,6 +5,7 @@ use std::ops::Range;
 
 use crate::device::staging::{StagedBucket, Staging, Streams};
 use crate::device::{Cpu, Cuda, Device, GpuStream, HalfCast};
+use crate::dilation::{Dilation, Pace, PaceTally};
 use crate::error::Result;
 use crate::model::{BucketPlan, Fingerprint, Layout, ModelSpec};
 use crate::net::{BatchLoss, Net, NormSync};
@@ -167,6 +168,7 @@ impl ComputeFence {
 #[derive(Debug, Clone, Copy)]
 pub struct PartUpdate {
     replay_ns_per_value: Option<f64>,
+    dilation: Dilation,
 }
 
 impl PartUpdate {
@@ -180,10 +182,16 @@ impl PartUpdate {
         scale: f32,
     ) {
         match self.replay_ns_per_value {
-            Some(ns) => {
-                std::thread::sleep(std::time::Duration::from_nanos((ns * params.len() as f64) as u64))
+            Some(ns) => std::thread::sleep(
+                self.dilation.stretch(std::time::Duration::from_nanos((ns * params.len() as f64) as u64)),
+            ),
+            None => {
+                // A compute phase of its own under `--dilate`.
+                let mut pace = Pace::new(self.dilation);
+                pace.begin();
+                crate::optim::sgd_step(cfg, params, grads, momentum, scale);
+                pace.end();
             }
-            None => crate::optim::sgd_step(cfg, params, grads, momentum, scale),
         }
     }
 }
@@ -363,7 +371,23 @@ impl Engine {
                 .spec()
                 .profile()
                 .map(|p| p.optimizer_ns as f64 / self.layout().len.max(1) as f64),
+            dilation: self.dilation(),
         }
+    }
+
+    /// Run the training compute under `dilation` ([`Net::set_dilation`]).
+    pub fn set_dilation(&mut self, dilation: Dilation) {
+        on_device!(self, m => m.set_dilation(dilation))
+    }
+
+    /// The dilation the training compute runs under.
+    pub fn dilation(&self) -> Dilation {
+        on_device!(self, m => m.dilation())
+    }
+
+    /// What the paced compute phases came to since the last call ([`Net::take_pace`]).
+    pub fn take_pace(&mut self) -> PaceTally {
+        on_device!(self, m => m.take_pace())
     }
 
     /// This model's profile measured on its device ([`Net::record_profile`]).

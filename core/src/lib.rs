@@ -7,6 +7,8 @@
 //!   own ([`device::GpuStream`]: core's handles to a GPU's streams, buffers and events, so no
 //!   cudarc type leaves core); `device::nvrtc` picks and compiles the kernels' target (the
 //!   device's cubin, PTX as the fallback).
+//! - [`dilation`]: dilated time (`--dilate D`): the factor, and the pacing that makes each
+//!   training compute phase last D times its thread's CPU time.
 //! - [`model`]: the presets (MLPs, ResNets, VGG, a small conv net, the sparse embedding model
 //!   with its [`model::Table`]), the layer graph they
 //!   compile to, the flat parameter [`model::Layout`] with PyTorch's tensor names, gradient
@@ -35,6 +37,7 @@ pub mod checkpoint;
 pub mod compress;
 pub mod data;
 pub mod device;
+pub mod dilation;
 pub mod engine;
 mod error;
 pub mod heap;

@@ -10,6 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+use crate::dilation::Dilation;
 use crate::error::{Error, Result};
 
 /// Bumped whenever a field changes meaning or disappears (adding fields does not bump it).
@@ -82,6 +83,10 @@ pub struct Header {
     /// Anything mode-specific (bucket size, servers, shard, staleness bound).
     #[serde(default)]
     pub extra: serde_json::Map<String, serde_json::Value>,
+    /// The time-dilation factor the run ran under (`--dilate`; absent: none). Every duration
+    /// in the file is already divided back by it: the emulated world's time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dilation: Option<f64>,
 }
 
 /// One training step of one rank. Times are wall-clock milliseconds; byte counts are this
@@ -138,6 +143,13 @@ pub struct Step {
     /// Time spent evaluating after this step, when it was evaluated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_ms: Option<f64>,
+    /// Under `--dilate`, the step's training compute phases that lasted longer than the factor
+    /// times their CPU time (the thread waited for a core): the dilation did not hold for them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub under_dilated: Option<u32>,
+    /// Under `--dilate`, by how much those phases overran, in the emulated world's time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overrun_ms: Option<f64>,
 }
 
 /// One update applied by a parameter-server shard.
@@ -169,11 +181,45 @@ pub struct ServerApply {
     pub waited_for: Option<usize>,
 }
 
+impl Record {
+    /// The record with every duration divided by `d` (real time back to a dilated run's
+    /// emulated time, [`crate::dilation`]); counts, bytes and clocks' origins unchanged.
+    pub fn dilated(&self, d: Dilation) -> Record {
+        let k = |ms: f64| d.shrink_ms(ms);
+        match self {
+            Record::Header(h) => Record::Header(Header { dilation: Some(d.factor()), ..h.clone() }),
+            Record::Step(s) => Record::Step(Step {
+                wall_ms: k(s.wall_ms),
+                step_ms: k(s.step_ms),
+                forward_ms: k(s.forward_ms),
+                backward_ms: k(s.backward_ms),
+                update_ms: k(s.update_ms),
+                comm_ms: k(s.comm_ms),
+                comm_exposed_ms: k(s.comm_exposed_ms),
+                wait_ms: k(s.wait_ms),
+                train_ms: s.train_ms.map(k),
+                eval_ms: s.eval_ms.map(k),
+                overrun_ms: s.overrun_ms.map(k),
+                ..s.clone()
+            }),
+            Record::ServerApply(a) => Record::ServerApply(ServerApply {
+                wall_ms: k(a.wall_ms),
+                queue_wait_ms: k(a.queue_wait_ms),
+                aggregate_ms: k(a.aggregate_ms),
+                apply_ms: k(a.apply_ms),
+                ..a.clone()
+            }),
+        }
+    }
+}
+
 /// Appends [`Record`]s to a file, one JSON object per line, flushed per line so a crash
 /// loses at most the line being written.
 pub struct MetricsWriter {
     path: PathBuf,
     out: BufWriter<File>,
+    /// Divides every duration written back to the emulated world's time.
+    dilation: Dilation,
 }
 
 impl MetricsWriter {
@@ -183,18 +229,30 @@ impl MetricsWriter {
             std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         }
         let f = File::create(path).map_err(|e| Error::io(path, e))?;
-        Ok(MetricsWriter { path: path.to_path_buf(), out: BufWriter::new(f) })
+        Ok(MetricsWriter { path: path.to_path_buf(), out: BufWriter::new(f), dilation: Dilation::NONE })
     }
 
     /// Add to the metrics already at `path` (a resumed run continuing its file; no header).
     pub fn append(path: &Path) -> Result<Self> {
         let f = std::fs::OpenOptions::new().append(true).open(path).map_err(|e| Error::io(path, e))?;
-        Ok(MetricsWriter { path: path.to_path_buf(), out: BufWriter::new(f) })
+        Ok(MetricsWriter { path: path.to_path_buf(), out: BufWriter::new(f), dilation: Dilation::NONE })
+    }
+
+    /// Write every record from now on in a run dilated by `d`'s time ([`Record::dilated`]):
+    /// the header says the factor, every duration is divided by it.
+    pub fn dilated(mut self, d: Dilation) -> Self {
+        self.dilation = d;
+        self
     }
 
     /// Write one record.
     pub fn write(&mut self, rec: &Record) -> Result<()> {
-        let line = serde_json::to_string(rec).map_err(|e| Error::file(&self.path, e.to_string()))?;
+        let line = if self.dilation.is_none() {
+            serde_json::to_string(rec)
+        } else {
+            serde_json::to_string(&rec.dilated(self.dilation))
+        }
+        .map_err(|e| Error::file(&self.path, e.to_string()))?;
         writeln!(self.out, "{line}").and_then(|_| self.out.flush()).map_err(|e| Error::io(&self.path, e))
     }
 }
@@ -339,5 +397,63 @@ mod tests {
         let h = Record::Header(Header { mode: "local".into(), ..Header::default() });
         assert_eq!(parse_line(&serde_json::to_string(&h).unwrap()).unwrap(), h);
         assert!(parse_line("{\"kind\":\"step\",\"step\":\"x\"}").is_err());
+    }
+
+    #[test]
+    fn a_dilated_writer_records_the_emulated_worlds_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.jsonl");
+        let d = Dilation::new("--dilate", 4.0).unwrap();
+        let mut w = MetricsWriter::create(&path).unwrap().dilated(d);
+        w.write(&Record::Header(Header { mode: "ddp".into(), ..Header::default() })).unwrap();
+        let step = Step {
+            step: 2,
+            samples: 64,
+            bytes_sent: 1000,
+            wall_ms: 400.0,
+            step_ms: 40.0,
+            forward_ms: 8.0,
+            backward_ms: 12.0,
+            update_ms: 4.0,
+            comm_ms: 20.0,
+            comm_exposed_ms: 16.0,
+            wait_ms: 2.0,
+            train_ms: Some(360.0),
+            eval_ms: Some(40.0),
+            under_dilated: Some(1),
+            overrun_ms: Some(0.8),
+            ..Step::default()
+        };
+        w.write(&Record::Step(step)).unwrap();
+        w.write(&Record::ServerApply(ServerApply {
+            wall_ms: 80.0,
+            queue_wait_ms: 4.0,
+            aggregate_ms: 2.0,
+            apply_ms: 6.0,
+            bytes_in: 9,
+            ..ServerApply::default()
+        }))
+        .unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let recs: Vec<Record> = text.lines().map(|l| parse_line(l).unwrap()).collect();
+        let Record::Header(h) = &recs[0] else { panic!("{text}") };
+        assert_eq!(h.dilation, Some(4.0));
+        let Record::Step(s) = &recs[1] else { panic!("{text}") };
+        assert_eq!(
+            (s.wall_ms, s.step_ms, s.forward_ms, s.backward_ms, s.update_ms),
+            (100.0, 10.0, 2.0, 3.0, 1.0)
+        );
+        assert_eq!((s.comm_ms, s.comm_exposed_ms, s.wait_ms), (5.0, 4.0, 0.5));
+        assert_eq!((s.train_ms, s.eval_ms, s.overrun_ms), (Some(90.0), Some(10.0), Some(0.2)));
+        // Counts and bytes are what they are, dilated or not.
+        assert_eq!((s.step, s.samples, s.bytes_sent, s.under_dilated), (2, 64, 1000, Some(1)));
+        let Record::ServerApply(a) = &recs[2] else { panic!("{text}") };
+        assert_eq!(
+            (a.wall_ms, a.queue_wait_ms, a.aggregate_ms, a.apply_ms, a.bytes_in),
+            (20.0, 1.0, 0.5, 1.5, 9)
+        );
+        // Undilated, the header says nothing of dilation.
+        let plain = serde_json::to_string(&Record::Header(Header::default())).unwrap();
+        assert!(!plain.contains("dilation"), "{plain}");
     }
 }

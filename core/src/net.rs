@@ -13,6 +13,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use crate::device::{Backend, ChannelSum, NormConfig, Window};
+use crate::dilation::{Dilation, Pace, PaceTally};
 use crate::error::{Error, Result};
 use crate::model::{
     BucketPlan, Graph, Input, InputGrad, Layout, ModelSpec, Node, Op, Table, init_buffers, init_params,
@@ -36,7 +37,7 @@ fn scaled(ns: u64, rows: usize, batch: usize) -> Duration {
 
 /// Sleep (never spin: a replayed model's compute leaves the cores to the communication) until
 /// `deadline`.
-fn wait_until(deadline: Instant) {
+pub(crate) fn sleep_until(deadline: Instant) {
     thread_local! {
         // Linux wakes a sleeping thread up to its timer slack (50 us by default) late; a
         // replayed backward sleeps once per layer, so this thread asks for 1 us.
@@ -273,6 +274,9 @@ pub struct Net<B: Backend> {
     timing: Option<Vec<u64>>,
     /// A sparse model's bags and table rows.
     bag: Option<BagState<B>>,
+    /// Paces the training compute under `--dilate` ([`crate::dilation`]): a replayed model's
+    /// waits are stretched by its factor, a real model's phases padded to it.
+    pace: Pace,
 }
 
 /// `(&v[read], &mut v[write])` for `read != write`.
@@ -317,6 +321,9 @@ struct Sink<'a, 'h, B: Backend + 'a> {
     /// A sparse model's table when the plan leaves it out: written in place, handed to nobody.
     uncovered: Option<Range<usize>>,
     on_ready: &'h mut dyn FnMut(usize, Range<usize>, B::ViewMut<'a>),
+    /// Ends a paced phase as each bucket is handed out: its gradients are ready when, dilated,
+    /// the compute behind them would have made them ready.
+    pace: &'h mut Pace,
 }
 
 impl<'a, B: Backend + 'a> Sink<'a, '_, B> {
@@ -344,6 +351,7 @@ impl<'a, B: Backend + 'a> Sink<'a, '_, B> {
         f(B::sub(view, range.start - br.start..range.end - br.start))?;
         if range.start == br.start {
             let (i, r, v) = self.open.take().unwrap_or_else(|| unreachable!("the bucket is open"));
+            self.pace.lap();
             (self.on_ready)(i, r, v);
         }
         Ok(())
@@ -410,6 +418,7 @@ impl<B: Backend> Net<B> {
             batches: 0,
             counts: Vec::new(),
             timing: None,
+            pace: Pace::new(Dilation::NONE),
             bag,
         })
     }
@@ -547,21 +556,48 @@ impl<B: Backend> Net<B> {
         self.rows = rows;
         self.batches += u64::from(train);
         if let Some(r) = &self.graph.replay {
-            // Each layer's time at the profile's batch, scaled to this one.
+            // Each layer's time at the profile's batch, scaled to this one (and dilated).
             let ns: u64 = r.layers.iter().map(|l| l.0).sum();
-            wait_until(Instant::now() + scaled(ns, rows, r.batch));
+            sleep_until(Instant::now() + self.pace.dilation().stretch(scaled(ns, rows, r.batch)));
             return Ok(BatchLoss { loss: 0.0, correct: 0, rows });
         }
-        self.counts.resize(self.graph.saved_len, 0);
-        for i in 0..self.graph.nodes.len() {
-            let t = self.tick()?;
-            self.forward_node(i, rows, train, sync.as_deref_mut())?;
-            self.tock(t)?;
+        // A training forward is a compute phase of the step; an evaluation's is not paced.
+        if train {
+            self.pace.begin();
         }
-        let t = self.tick()?;
-        let out = self.loss(train, rows);
-        self.tock(t)?;
+        self.counts.resize(self.graph.saved_len, 0);
+        let out = (|| {
+            for i in 0..self.graph.nodes.len() {
+                let t = self.tick()?;
+                self.forward_node(i, rows, train, sync.as_deref_mut())?;
+                self.tock(t)?;
+            }
+            let t = self.tick()?;
+            let out = self.loss(train, rows);
+            self.tock(t)?;
+            out
+        })();
+        if train {
+            self.pace.end();
+        }
         out
+    }
+
+    /// Run this model's training compute under `dilation` ([`crate::dilation`]): a replayed
+    /// model's waits stretched by it, a real model's forward, backward (up to each bucket it
+    /// hands out) and update each made to last its factor times the CPU time it used.
+    pub fn set_dilation(&mut self, dilation: Dilation) {
+        self.pace = Pace::new(dilation);
+    }
+
+    /// The dilation the training compute runs under.
+    pub fn dilation(&self) -> Dilation {
+        self.pace.dilation()
+    }
+
+    /// What the paced phases came to since the last call ([`Pace::take`]).
+    pub fn take_pace(&mut self) -> PaceTally {
+        self.pace.take()
     }
 
     /// With [`Net::timing`] on: the device synchronised, and the moment a node starts.
@@ -773,23 +809,26 @@ impl<B: Backend> Net<B> {
             counts,
             timing,
             bag,
+            pace,
             ..
         } = self;
+        let dilation = pace.dilation();
         let mut sink: Sink<'a, '_, B> = Sink {
             buckets: plan.buckets.clone().into_iter().enumerate(),
             rest: Some(B::view_mut(grads, 0..graph.layout.len)),
             open: None,
             uncovered: if handed_out { None } else { graph.layout.table.as_ref().map(|t| t.range.clone()) },
             on_ready,
+            pace,
         };
         if let Some(r) = &graph.replay {
-            // Each layer's gradients handed out when its backward time, scaled to the batch,
-            // has passed since backward began (deadlines, so that a late wake-up is not
-            // carried into the layers after it).
+            // Each layer's gradients handed out when its backward time, scaled to the batch
+            // (and dilated), has passed since backward began (deadlines, so that a late wake-up
+            // is not carried into the layers after it).
             let mut due = Instant::now();
             for (_, backward_ns, units) in &r.layers {
-                due += scaled(*backward_ns, rows, r.batch);
-                wait_until(due);
+                due += dilation.stretch(scaled(*backward_ns, rows, r.batch));
+                sleep_until(due);
                 for unit in units {
                     sink.unit(unit.clone(), |_| Ok(()))?;
                 }
@@ -827,6 +866,8 @@ impl<B: Backend> Net<B> {
             bag,
             clear,
         };
+        // Backward is paced in phases, each ending where a bucket is handed out ([`Sink::unit`]).
+        sink.pace.begin();
         for node in graph.nodes.iter().rev() {
             let Some(times) = timing.as_mut() else {
                 parts.backward_node(node, dacts, &mut sink)?;
@@ -838,6 +879,7 @@ impl<B: Backend> Net<B> {
             parts.backend.synchronize()?;
             times.push(t.elapsed().as_nanos() as u64);
         }
+        sink.pace.end();
         Ok(())
     }
 
@@ -924,9 +966,17 @@ impl<B: Backend> Net<B> {
     /// One optimiser step from the gradient buffer, scaled by `grad_scale`.
     pub fn update(&mut self, cfg: &SgdConfig, grad_scale: f32) -> Result<()> {
         if let Some(r) = &self.graph.replay {
-            wait_until(Instant::now() + Duration::from_nanos(r.optimizer_ns));
+            sleep_until(Instant::now() + self.pace.dilation().stretch(Duration::from_nanos(r.optimizer_ns)));
             return Ok(());
         }
+        self.pace.begin();
+        let out = self.update_now(cfg, grad_scale);
+        self.pace.end();
+        out
+    }
+
+    /// [`Net::update`] of a model trained for real, unpaced.
+    fn update_now(&mut self, cfg: &SgdConfig, grad_scale: f32) -> Result<()> {
         let n = self.graph.layout.len;
         if self.momentum.is_none() {
             self.momentum = Some(self.backend.zeros(n)?);
