@@ -10,6 +10,7 @@ use clap::{Args, Parser};
 use gradsync_core::compress::Compression;
 use gradsync_core::data::DataSource;
 use gradsync_core::model::{Fingerprint, Layout, ModelSpec};
+use gradsync_core::dilation::Dilation;
 use gradsync_core::optim::{OptimiserArgs, SgdConfig, StalenessLr};
 use gradsync_proto::tuning::Tuning;
 
@@ -50,6 +51,8 @@ pub mod flag {
     pub const TLS_KEY: &str = "tls-key";
     /// `--table-only`.
     pub const TABLE_ONLY: &str = "table-only";
+    /// `--dilate`.
+    pub const DILATE: &str = "dilate";
 }
 
 /// `I/K`: this process is shard `I` of `K`.
@@ -214,6 +217,12 @@ pub struct ServerArgs {
     /// which all-reduce the rest of the model among themselves.
     #[arg(long = flag::TABLE_ONLY)]
     pub table_only: bool,
+    /// Run in dilated time, as the workers' `--dilate` (docs/cluster.md): every timeout D
+    /// times longer, each update's summing and stepping made to last D times the CPU time it
+    /// used (the shard's host as one with cores of its own), every figure recorded divided
+    /// back by D.
+    #[arg(long = flag::DILATE, default_value_t = 1.0, env = "GRADSYNC_DILATE")]
+    pub dilate: f64,
     /// Per-update metrics (JSON lines) here.
     #[arg(long = flag::METRICS)]
     pub metrics: Option<PathBuf>,
@@ -303,6 +312,8 @@ pub struct Config {
     pub tls: Option<tonic::transport::ServerTlsConfig>,
     /// What one client may hold, and for how long.
     pub limits: Limits,
+    /// The run's time dilation (`--dilate`): the timeouts above are already stretched by it.
+    pub dilation: Dilation,
 }
 
 impl Config {
@@ -329,6 +340,7 @@ impl Config {
             tuning: Tuning::tuned(),
             tls: None,
             limits: Limits::DEFAULT,
+            dilation: Dilation::NONE,
         }
     }
 
@@ -362,7 +374,8 @@ impl Config {
                 ),
             ));
         }
-        let worker_timeout = secs("--worker-timeout", a.worker_timeout)?;
+        let dilation = Dilation::new("--dilate", a.dilate)?;
+        let worker_timeout = dilation.stretch(secs("--worker-timeout", a.worker_timeout)?);
         let beat = gradsync_proto::HEARTBEAT_INTERVAL.as_secs_f64();
         if a.elastic && a.worker_timeout <= beat {
             // Workers beat every 2 s: a shorter silence limit would drop live workers.
@@ -405,9 +418,9 @@ impl Config {
             ));
         }
         let limits = Limits {
-            handshake: secs("--handshake-timeout", a.handshake_timeout)?,
-            idle: secs("--idle-timeout", a.idle_timeout)?,
-            keepalive: secs("--keepalive", a.keepalive)?,
+            handshake: dilation.stretch(secs("--handshake-timeout", a.handshake_timeout)?),
+            idle: dilation.stretch(secs("--idle-timeout", a.idle_timeout)?),
+            keepalive: dilation.stretch(secs("--keepalive", a.keepalive)?),
             max_streams: a.max_streams,
             push_bytes: a.push_buffer_mb << 20,
         };
@@ -432,6 +445,7 @@ impl Config {
             tuning,
             tls,
             limits,
+            dilation,
         })
     }
 

@@ -18,6 +18,7 @@ use gradsync_core::checkpoint::{Checkpoint, CheckpointHeader};
 use gradsync_core::heap::zeros;
 use gradsync_core::metrics::{Header, HostInfo, MetricsWriter, Record, SCHEMA_VERSION, ServerApply, unix_ms};
 use gradsync_core::model::{Fingerprint, Layout, init_params};
+use gradsync_core::dilation::Pace;
 use gradsync_core::optim::sgd_step;
 use gradsync_core::trace::Trace;
 use gradsync_proto::frames::{Framed, MessageBuf};
@@ -204,7 +205,7 @@ impl State {
         };
         let metrics = match &cfg.metrics {
             Some(path) => {
-                let mut w = MetricsWriter::create(path)?;
+                let mut w = MetricsWriter::create(path)?.dilated(cfg.dilation);
                 w.write(&Record::Header(header(&cfg, total, &range, &fingerprint)))?;
                 Some(w)
             }
@@ -430,7 +431,8 @@ impl State {
                 sh.cfg.sgd,
                 self.expected().collect(),
             )
-            .with_rows(self.rows.is_some()),
+            .with_rows(self.rows.is_some())
+            .dilated(sh.cfg.dilation),
         );
         self.round = Some(r.clone());
         r
@@ -575,8 +577,11 @@ impl State {
         }
         let staleness = self.version - base;
         let t = Instant::now();
+        let mut pace = Pace::new(sh.cfg.dilation);
+        pace.begin();
         let (p, m) = (Arc::make_mut(self.params.values()), Arc::make_mut(&mut self.momentum));
         sgd_step(&sh.cfg.sgd, p, &grad, m, sh.cfg.staleness_lr.scale(staleness));
+        pace.end();
         sh.give_buffer(grad);
         sh.trace.span_with(
             format!("apply rank {rank}"),

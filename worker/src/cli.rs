@@ -52,6 +52,8 @@ pub mod flag {
     pub const BATCH: &str = "batch";
     /// `--device-tflops`.
     pub const DEVICE_TFLOPS: &str = "device-tflops";
+    /// `--dilate`.
+    pub const DILATE: &str = "dilate";
     /// `--device-tbps`.
     pub const DEVICE_TBPS: &str = "device-tbps";
     /// `--steps`.
@@ -376,6 +378,14 @@ pub struct TrainArgs {
     /// Print nothing but errors.
     #[arg(long = flag::QUIET, short)]
     pub quiet: bool,
+    /// Run in dilated time (docs/cluster.md): every clock of the run D times slower, every
+    /// figure recorded divided back by D. A replayed model waits D times its profile's times;
+    /// a model trained for real (on the CPU with --threads 1) has each training compute phase
+    /// last D times the CPU time it used; timeouts, heartbeats and --slow-rank stretch by D.
+    /// What an emulated cluster (`gradsync-bench cluster --dilate`) gives every process,
+    /// with its links at rate / D.
+    #[arg(long = flag::DILATE, default_value_t = 1.0, value_parser = parse_dilation, env = "GRADSYNC_DILATE")]
+    pub dilate: f64,
     /// Inject a straggler: rank R (replica R in DP) sleeps MS milliseconds before every
     /// step's forward pass. Written as R:MS, e.g. 1:50; recorded in the metrics header.
     #[arg(long = flag::SLOW_RANK, value_parser = parse_slow_rank, env = "GRADSYNC_SLOW_RANK")]
@@ -612,6 +622,12 @@ fn parse_slow_rank(s: &str) -> Result<SlowRank, String> {
     let rank = r.trim().parse().map_err(|e| format!("'{s}': rank '{r}': {e}"))?;
     let ms = ms.trim().parse().map_err(|e| format!("'{s}': milliseconds '{ms}': {e}"))?;
     Ok(SlowRank { rank, ms })
+}
+
+/// A time-dilation factor, from 1 to [`gradsync_core::dilation::Dilation::MAX`].
+pub fn parse_dilation(s: &str) -> Result<f64, String> {
+    let d: f64 = s.trim().parse().map_err(|e| format!("'{s}': {e}"))?;
+    gradsync_core::dilation::Dilation::new("--dilate", d).map(|d| d.factor()).map_err(|e| e.to_string())
 }
 
 fn parse_device(s: &str) -> Result<DeviceRequest, String> {

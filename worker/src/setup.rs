@@ -11,6 +11,7 @@ use anyhow::Context;
 use gradsync_core::compress::Compression;
 use gradsync_core::data::{DataSource, Dataset};
 use gradsync_core::device::{Device, DeviceRequest};
+use gradsync_core::dilation::Dilation;
 use gradsync_core::model::{Fingerprint, ModelSpec};
 use gradsync_core::optim::{OptimiserArgs, SgdConfig};
 use gradsync_core::trace::Trace;
@@ -61,6 +62,8 @@ pub struct Run {
     pub sgd: SgdConfig,
     /// The injected straggler, if any.
     pub slow: Option<SlowRank>,
+    /// The run's time dilation (`--dilate`; [`gradsync_core::dilation`]).
+    pub dilation: Dilation,
     /// Where this process writes its metrics (`{rank}` replaced).
     pub metrics: Option<PathBuf>,
     /// Where this process writes its timeline (`{rank}` replaced).
@@ -215,6 +218,7 @@ impl Run {
             _ => path.clone(),
         };
         let trace_path = per_rank(&args.trace);
+        let dilation = dilation(&args, &model, device)?;
         let mut run = Run {
             rank,
             world,
@@ -233,6 +237,7 @@ impl Run {
             eval: args.eval_samples.map_or(Eval::Steps(args.eval_every), Eval::Samples),
             sgd: args.optimiser.sgd(),
             slow: args.slow_rank,
+            dilation,
             metrics: per_rank(&args.metrics),
             trace: if trace_path.is_some() { Trace::new(rank) } else { Trace::disabled() },
             trace_path,
@@ -318,7 +323,7 @@ fn mode_config(args: &TrainArgs, run: &Run) -> anyhow::Result<ModeConfig> {
             spec: run.model.clone(),
             seed: run.seed,
             sgd: run.sgd,
-            slow: args.slow_rank.map(|s| (s.rank, s.delay())),
+            slow: args.slow_rank.map(|s| (s.rank, run.dilation.stretch(s.delay()))),
             fault: args.dp.fail_replica,
             trace: run.trace.clone(),
         }),
@@ -362,6 +367,33 @@ pub fn strategy(run: &Run) -> anyhow::Result<Box<dyn Strategy>> {
     })
 }
 
+/// `--dilate`, checked against what it can pace: a replayed model's waits on any device; a
+/// model trained for real only on the CPU with one thread, whose CPU time is the phase's compute
+/// (a GPU's kernels, or other threads' work, are not on the thread's clock).
+fn dilation(args: &TrainArgs, model: &ModelSpec, device: Device) -> anyhow::Result<Dilation> {
+    let d = Dilation::new("--dilate", args.dilate)?;
+    if d.is_none() || model.profile().is_some() {
+        return Ok(d);
+    }
+    anyhow::ensure!(
+        !device.is_cuda(),
+        "--dilate {} with --device {}: a model trained for real is dilated by its thread's CPU time, which          does not see a GPU's kernels (replay the model, --model profile:FILE, to dilate a GPU's compute)",
+        args.dilate,
+        device.label()
+    );
+    anyhow::ensure!(
+        args.threads == 1,
+        "--dilate {} needs --threads 1 for a model trained for real: each compute phase is made to last D          times the CPU time of the one thread that ran it",
+        args.dilate
+    );
+    anyhow::ensure!(
+        !args.ddp.sync_bn,
+        "--dilate {} with --sync-bn: the forward pass's statistics exchange would be paced as if it were          compute",
+        args.dilate
+    );
+    Ok(d)
+}
+
 /// DDP's configuration (ZeRO-1's too) from the `--mode ddp` flags of `run`, checked.
 fn ddp_config(d: &DdpArgs, compression: Compression, run: &Run) -> anyhow::Result<DdpConfig> {
     anyhow::ensure!(d.bucket_mb > 0.0 && d.bucket_mb.is_finite(), "--bucket-mb must be positive");
@@ -396,7 +428,7 @@ fn ddp_config(d: &DdpArgs, compression: Compression, run: &Run) -> anyhow::Resul
             world: run.world,
             fingerprint: run.fingerprint().text,
             token: d.ring_token.clone(),
-            timeout: Duration::from_secs_f64(d.comm_timeout),
+            timeout: run.dilation.stretch(Duration::from_secs_f64(d.comm_timeout)),
             nccl: d.backend == Backend::Nccl,
             generation: launch_generation()?,
         },
@@ -435,8 +467,9 @@ fn ps_config(args: &PsArgs, compression: Compression, run: &Run) -> anyhow::Resu
     Ok(PsConfig {
         servers: args.servers.clone(),
         token: args.token.clone(),
-        rpc_timeout: Duration::from_secs_f64(args.rpc_timeout),
-        connect_wait: Duration::from_secs_f64(args.connect_timeout),
+        rpc_timeout: run.dilation.stretch(Duration::from_secs_f64(args.rpc_timeout)),
+        connect_wait: run.dilation.stretch(Duration::from_secs_f64(args.connect_timeout)),
+        heartbeat: run.dilation.stretch(gradsync_proto::HEARTBEAT_INTERVAL),
         chunk_bytes: args.chunk_bytes,
         tls: args.tls_ca.clone().map(|ca| (ca, args.tls_domain.clone())),
         pipeline: !args.no_pipeline,

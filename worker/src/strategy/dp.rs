@@ -144,6 +144,8 @@ impl Strategy for Dp {
                     StrategyError::ReplicaEngine { replica: k + 1, device: d.label(), source }
                 })?;
                 e.write_params(0, &p)?;
+                // Each replica paces its own thread's compute under `--dilate`.
+                e.set_dilation(engine.dilation());
                 Ok(e)
             })
             .collect::<Result<_>>()?;
@@ -211,6 +213,14 @@ impl Strategy for Dp {
             total.rows += l.rows;
         }
         total.loss = weighted / total.rows.max(1) as f64;
+        // The other replicas' paced phases count with replica 0's (which the loop reads).
+        for e in &mut self.others {
+            let pace = e.take_pace();
+            if pace.phases > 0 {
+                rec.under_dilated = Some(rec.under_dilated.unwrap_or(0) + pace.under);
+                rec.overrun_ms = Some(rec.overrun_ms.unwrap_or(0.0) + pace.overrun.as_secs_f64() * 1e3);
+            }
+        }
 
         // Gather and sum on replica 0.
         let t = Instant::now();

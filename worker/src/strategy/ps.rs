@@ -99,6 +99,8 @@ pub struct PsConfig {
     pub rpc_timeout: Duration,
     /// How long to keep retrying until the servers accept connections (zero: one attempt).
     pub connect_wait: Duration,
+    /// How often the worker tells the servers it is alive (`--dilate` stretches it).
+    pub heartbeat: Duration,
     /// Payload bytes per pushed chunk, when not the tuned default.
     pub chunk_bytes: Option<usize>,
     /// TLS: the CA certificate to trust and the name the servers' certificates carry.

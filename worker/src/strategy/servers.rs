@@ -15,9 +15,6 @@ use gradsync_proto::tuning::Tuning;
 use super::{Batch, PsConfig, Result, StrategyError, ms_since};
 use crate::ps::{PsClient, TableRows};
 
-/// How often a worker tells the servers it is alive, whatever it is doing.
-const HEARTBEAT: Duration = gradsync_proto::HEARTBEAT_INTERVAL;
-
 /// One worker's connection to the servers of a [`PsConfig`].
 pub(super) struct Servers {
     /// The runtime the client's calls are driven on.
@@ -27,6 +24,8 @@ pub(super) struct Servers {
     /// A model with a sparse table: what moves its rows (made at the strategy's start).
     pub rows: Option<TableRows>,
     heartbeat: Option<tokio::task::JoinHandle<()>>,
+    /// How often it tells the servers it is alive ([`PsConfig::heartbeat`]).
+    beat: Duration,
 }
 
 /// The rows a step fetched before its forward pass.
@@ -73,15 +72,16 @@ impl Servers {
             c.set_chunk_bytes(cfg.chunk_bytes);
             Ok::<_, StrategyError>(c)
         })?;
-        Ok(Servers { rt, client, rows: None, heartbeat: None })
+        Ok(Servers { rt, client, rows: None, heartbeat: None, beat: cfg.heartbeat })
     }
 
-    /// Once registered: tell the servers every [`HEARTBEAT`] that this worker is alive, until
-    /// it leaves.
+    /// Once registered: tell the servers every [`PsConfig::heartbeat`] that this worker is
+    /// alive, whatever it is doing, until it leaves.
     pub fn keep_alive(&mut self) {
         let mut hb = self.client.share();
+        let beat = self.beat;
         self.heartbeat = Some(self.rt.spawn(async move {
-            let mut tick = tokio::time::interval(HEARTBEAT);
+            let mut tick = tokio::time::interval(beat);
             loop {
                 tick.tick().await;
                 if let Err(e) = hb.heartbeat().await {

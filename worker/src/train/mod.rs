@@ -108,6 +108,7 @@ impl<'r> Training<'r> {
     fn new(run: &'r Run, strategy: Box<dyn Strategy>) -> anyhow::Result<Self> {
         let shape = strategy.shape();
         let mut engine = Engine::new(run.device, run.model.clone(), run.seed)?;
+        engine.set_dilation(run.dilation);
         let fingerprint = run.fingerprint();
         if let Some(path) = &run.load {
             load_params(&mut engine, path, &fingerprint)?;
@@ -134,7 +135,15 @@ impl<'r> Training<'r> {
         };
         let progress = Progress::new(run.rank == 0 && !run.quiet, batches.steps(), &engine, run.batch);
         let summary =
-            Summary { steps: 0, taken: 0, first_loss: None, last_loss: None, eval: None, seconds: 0.0 };
+            Summary {
+            steps: 0,
+            taken: 0,
+            first_loss: None,
+            last_loss: None,
+            eval: None,
+            seconds: 0.0,
+            dilation: 1.0,
+        };
         let clock = Clock { t0: Instant::now(), eval_ms: 0.0, wall_base: 0.0 };
         Ok(Training {
             run,
@@ -175,9 +184,9 @@ impl<'r> Training<'r> {
         };
         let appended = self.summary.steps > 0 && path.metadata().is_ok_and(|m| m.len() > 0);
         if appended {
-            self.metrics = Some(MetricsWriter::append(path)?);
+            self.metrics = Some(MetricsWriter::append(path)?.dilated(self.run.dilation));
         } else {
-            let mut m = MetricsWriter::create(path)?;
+            let mut m = MetricsWriter::create(path)?.dilated(self.run.dilation);
             m.write(&Record::Header(self.header(unix_ms())))?;
             self.metrics = Some(m);
         }
@@ -204,7 +213,7 @@ impl<'r> Training<'r> {
             && self.shape.replicas == 1
         {
             let t = Instant::now();
-            std::thread::sleep(slow.delay());
+            std::thread::sleep(run.dilation.stretch(slow.delay()));
             run.trace.span("slow-rank delay", "compute", "compute", t);
         }
         let loss = self
@@ -212,6 +221,11 @@ impl<'r> Training<'r> {
             .step(&mut self.engine, &mut batch, &mut rec)
             .with_context(|| format!("step {step}"))?;
         rec.step_ms = ms_since(began);
+        if !run.dilation.is_none() {
+            let pace = self.engine.take_pace();
+            rec.under_dilated = Some(rec.under_dilated.unwrap_or(0) + pace.under);
+            rec.overrun_ms = Some(rec.overrun_ms.unwrap_or(0.0) + pace.overrun.as_secs_f64() * 1e3);
+        }
         rec.loss = loss.loss;
         rec.train_accuracy = loss.correct as f64 / loss.rows.max(1) as f64;
         let first = *self.summary.first_loss.get_or_insert(loss.loss);
@@ -304,7 +318,9 @@ impl<'r> Training<'r> {
             self.strategy.whole_params(&mut self.engine).context("bringing the parameters in for --save")?;
         }
         self.strategy.finish(&mut self.engine).context("finishing the run")?;
-        self.summary.seconds = self.clock.t0.elapsed().as_secs_f64();
+        // In the emulated world's time, as every figure of a dilated run.
+        self.summary.seconds = self.run.dilation.shrink_ms(self.clock.t0.elapsed().as_secs_f64());
+        self.summary.dilation = self.run.dilation.factor();
         if let Some(path) = save {
             save_params(&self.engine, path, &self.fingerprint, self.summary.steps)?;
         }
@@ -351,6 +367,8 @@ impl<'r> Training<'r> {
                 .map(Box::new),
             start_unix_ms: start_ms,
             extra: self.header_extra(extra),
+            // The writer sets it for a dilated run.
+            dilation: None,
         }
     }
 

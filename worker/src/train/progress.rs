@@ -23,8 +23,10 @@ pub struct Summary {
     pub last_loss: Option<f64>,
     /// Held-out loss and accuracy at the end (rank 0).
     pub eval: Option<(f64, f64)>,
-    /// Wall-clock seconds of the training loop.
+    /// Wall-clock seconds of the training loop (under `--dilate`, the emulated world's).
     pub seconds: f64,
+    /// The run's time-dilation factor (1: none).
+    pub dilation: f64,
 }
 
 /// A progress bar on a terminal, a log line every few steps otherwise; silent off rank 0.
@@ -117,7 +119,10 @@ impl Progress {
 /// step (`--steps 0`, the way to write a model's initial weights, or one resumed at its last
 /// step) says so and what it wrote, and names no loss.
 fn closing_line(s: &Summary, replay: bool, saved: Option<&Path>) -> String {
-    let took = gradsync_core::metrics::elapsed(s.seconds);
+    let mut took = gradsync_core::metrics::elapsed(s.seconds);
+    if s.dilation > 1.0 {
+        took += &format!(" (dilated x{}: the emulated world's time)", s.dilation);
+    }
     if s.taken == 0 {
         return match (s.steps, saved) {
             (0, Some(p)) => format!("0 steps: wrote the initial weights to {}", p.display()),
@@ -151,6 +156,7 @@ mod tests {
             last_loss: loss.map(|l| l.1),
             eval: None,
             seconds: 0.5,
+            dilation: 1.0,
         }
     }
 
