@@ -184,7 +184,7 @@ fn ssh_hosts(test: &str, n: usize, hidden: &[usize]) -> Option<SshHosts> {
         eprintln!("SKIPPED: {test}: {why}");
         return None;
     }
-    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0 };
+    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0, rto_min: None };
     let cluster = match Cluster::create(n + 1, shape) {
         Ok(c) => c,
         Err(ClusterError::Unavailable(why)) => {

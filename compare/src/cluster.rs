@@ -14,11 +14,12 @@ use clap::Args;
 use gradsync_worker::modes::Wire;
 use indicatif::{MultiProgress, ProgressBar};
 
-pub use crate::emulated::{CLUSTER_FILE, ClusterRun};
+pub use crate::emulated::{CHECKS_DIR, CLUSTER_FILE, Check, ClusterRun, DILATION_FILE, DilationRecord, Probe};
 use crate::machine::Machine;
 use crate::modes::{self, Placement};
 use crate::net::{self, Cluster, Shape};
-use crate::scenario::{ModeKind, Scenario};
+use crate::results::Outcome;
+use crate::scenario::{Dilate, ModeKind, RunSpec, Scenario};
 use crate::site::Slot;
 
 /// Steps per cluster run unless `--steps` says otherwise.
@@ -27,6 +28,22 @@ const CLUSTER_STEPS: u64 = 30;
 /// Runs of each cell with a step budget unless `--repeats` says otherwise: the report ranks
 /// modes only by repeats' medians and ranges.
 const CLUSTER_REPEATS: usize = 3;
+
+/// `dilate = auto`: the trial factor the probe starts from.
+const PROBE_START: f64 = 4.0;
+/// `dilate = auto`: steps of each probe run (fewer when the scenario has fewer).
+const PROBE_STEPS: u64 = 6;
+/// `dilate = auto`: a probe whose cores were this busy says only "more": it is run again slower.
+const PROBE_SATURATED: f64 = 0.9;
+/// `dilate = auto`: the busy share the factor is picked for (the issue's bound is half busy;
+/// a tenth of margin for the probe's noise).
+const AUTO_BUSY: f64 = 0.45;
+/// `dilate = auto`: the largest factor it picks (a 10 ms step then lasts 0.64 s; a cluster
+/// that needs more is said to, and runs at this).
+const AUTO_CAP: f64 = 64.0;
+/// The self-check: the step times at D and 2D may differ by this share before the rate's
+/// runs are flagged "D too small" and left unranked.
+const CHECK_TOLERANCE: f64 = 0.05;
 
 /// Small-message round trips timed between two of a run's hosts for the cost model's latency
 /// (the machine's own loopback figure takes 2000; a shaped link's is steadier, and each run
@@ -76,6 +93,12 @@ pub struct ClusterArgs {
     /// accuracy on the emulated links, where bytes cost what the link makes them cost.
     #[arg(long)]
     pub to_accuracy: bool,
+    /// Dilated time (docs/cluster.md): a factor from 1, every link at rate / D and every clock
+    /// of the run D times slower, its figures divided back by D; or `auto`, a factor picked
+    /// per rate from a short probe so the cores stay under half busy (at most x64). Default:
+    /// the scenario's `dilate`, else none.
+    #[arg(long)]
+    pub dilate: Option<Dilate>,
     /// Runs of each cell (default: 3 with the step budget, the scenario's with
     /// --to-accuracy). With 1 the report lists the figures without ranking them: one run has
     /// no spread to set a difference against.
@@ -138,21 +161,26 @@ pub fn run(a: &ClusterArgs) -> anyhow::Result<()> {
         rate_bit: Some(rate * 1e9),
         delay: Duration::from_micros(a.delay_us),
         loss_pct: a.loss,
+        rto_min: None,
     };
-    run_cluster(&s, &bins, &out, &a.rates, shape)?;
+    run_cluster(&s, &bins, &out, &a.rates, shape, a.dilate)?;
     let html = crate::plot(std::slice::from_ref(&out), &out)?;
     eprintln!("gradsync-bench cluster: report in {}", html.display());
     Ok(())
 }
 
 /// Run every cell of `scenario` once per rate in `rates`, each rate on a fresh cluster shaped
-/// by `shape(rate)`, into the run directory `out`. Returns the runs with their links.
+/// by `shape(rate)` (dilated as `dilate` says, the scenario's own when `None`), into the run
+/// directory `out`. A dilated cluster also reruns one cell of each rate at twice the factor
+/// (the self-check) and, under `auto`, probes the runs first; both go to `out/checks`, and
+/// what they found to `dilation.json`. Returns the runs with their links.
 pub fn run_cluster(
     scenario: &Scenario,
     bins: &modes::Bins,
     out: &Path,
     rates: &[f64],
     shape: impl Fn(f64) -> Shape,
+    dilate: Option<Dilate>,
 ) -> anyhow::Result<Vec<ClusterRun>> {
     anyhow::ensure!(
         !out.join("outcomes.jsonl").exists(),
@@ -166,74 +194,212 @@ pub fn run_cluster(
     };
     write("scenario.toml", &toml::to_string(scenario).context("writing the scenario")?)?;
     write("machine.json", &(serde_json::to_string_pretty(&Machine::detect())? + "\n"))?;
+    let dilate = dilate.or(scenario.dilate);
     let specs = scenario.expand();
     let multi = MultiProgress::new();
     let overall = multi.add(ProgressBar::new((specs.len() * rates.len()) as u64));
     let outcomes_path = out.join("outcomes.jsonl");
     let mut outcomes = std::fs::File::create(&outcomes_path)
         .with_context(|| format!("creating {}", outcomes_path.display()))?;
+    let runner = Runner { scenario, bins, multi: &multi, overall: &overall };
     let mut runs = Vec::new();
+    let mut dilations = Vec::new();
     for &rate in rates {
-        let sh = shape(rate);
+        let (d, probe) = match dilate {
+            None => (1.0, None),
+            Some(Dilate::Factor(d)) => (d, None),
+            Some(Dilate::Auto) => {
+                let p = runner.probe(&specs, rate, &shape, out)?;
+                (p.chose, Some(p))
+            }
+        };
+        let mut at_rate = Vec::new();
         for spec in &specs {
-            let k = if spec.mode.is_ps() { spec.shards.max(1) } else { 0 };
-            let hosts = k.max(1) + spec.workers;
-            let mut spec = spec.clone();
-            spec.id = format!("{}-{}g", spec.id, fmt_rate(rate));
-            // A fresh cluster per run: no queue or socket state carries over.
-            let (placement, skip, cluster) = match Cluster::create(hosts, sh) {
-                Ok(c) => {
-                    let h = c.hosts();
-                    let slots = |h: &[crate::net::HostSlot]| h.iter().map(Slot::from).collect();
-                    let p =
-                        Placement::Hosts { servers: slots(&h[..k.max(1)]), workers: slots(&h[k.max(1)..]) };
-                    (p, None, Some(c))
-                }
-                Err(e) => (Placement::Loopback, Some(format!("{e}")), None),
-            };
-            // The link as TCP sees it: from the last host to the first, crossing two shaped ends
-            // as every message between hosts does.
-            let (measured_gbit, measured_latency_us) = cluster.as_ref().map_or((None, None), |c| {
-                let emulated = crate::hosts::Hosts::Emulated(c);
-                let said = |what: &str, e: anyhow::Error| {
-                    multi.suspend(|| eprintln!("{}: measuring the link's {what}: {e:#}", spec.id))
-                };
-                // The yardstick every benchmark uses: the median of three measurements.
-                let d = Duration::from_secs_f64(scenario.rawtcp_s / 3.0);
-                let rate = crate::rawtcp::Yardstick::measure(3, d, || emulated.pair(hosts - 1, 0));
-                let gbit = rate.map_err(|e| said("bandwidth", e)).ok().map(|y| y.median() * 8.0 / 1e9);
-                let latency = emulated
-                    .pair(hosts - 1, 0)
-                    .and_then(|(tx, rx)| crate::rawtcp::latency_between(tx, rx, LATENCY_ROUNDS));
-                (gbit, latency.map_err(|e| said("latency", e)).ok().map(|s| s * 1e6))
-            });
-            let skip = skip.or_else(|| {
-                (spec.mode.compared().wire == Wire::Nccl)
-                    .then(|| "NCCL does not run over emulated links".to_string())
-            });
-            let o = crate::run_spec(scenario, &spec, bins, out, placement, None, skip, &multi, &overall)?;
-            drop(cluster);
+            let (o, run) = runner.run(spec, rate, &shape, d, out)?;
             writeln!(outcomes, "{}", serde_json::to_string(&o)?)
                 .and_then(|_| outcomes.flush())
                 .with_context(|| format!("writing {}", outcomes_path.display()))?;
-            runs.push(ClusterRun {
-                id: o.id,
-                mode: spec.mode,
-                workers: spec.workers,
-                shards: spec.shards,
-                hosts,
-                rate_gbit: rate,
-                measured_gbit,
-                measured_latency_us,
-                delay_us: sh.delay.as_micros() as u64,
-                loss_pct: sh.loss_pct,
-            });
+            at_rate.push((o, run.clone()));
+            runs.push(run);
             overall.inc(1);
         }
+        let check = if d > 1.0 { runner.check(&at_rate, rate, &shape, d, out)? } else { None };
+        dilations.push(DilationRecord { rate_gbit: rate, dilation: d, probe, check });
     }
     overall.finish_and_clear();
     write(CLUSTER_FILE, &(serde_json::to_string_pretty(&runs)? + "\n"))?;
+    if dilate.is_some() {
+        write(DILATION_FILE, &(serde_json::to_string_pretty(&dilations)? + "\n"))?;
+    }
     Ok(runs)
+}
+
+/// What one cluster run needs besides its cell.
+struct Runner<'a> {
+    scenario: &'a Scenario,
+    bins: &'a modes::Bins,
+    multi: &'a MultiProgress,
+    overall: &'a ProgressBar,
+}
+
+impl Runner<'_> {
+    /// Run `spec` at `rate` dilated `d` times on a fresh cluster, into the run directory `out`.
+    fn run(
+        &self,
+        spec: &RunSpec,
+        rate: f64,
+        shape: &dyn Fn(f64) -> Shape,
+        d: f64,
+        out: &Path,
+    ) -> anyhow::Result<(Outcome, ClusterRun)> {
+        let sh = shape(rate).dilated(d);
+        let k = if spec.mode.is_ps() { spec.shards.max(1) } else { 0 };
+        let hosts = k.max(1) + spec.workers;
+        let mut spec = spec.clone();
+        spec.id = format!("{}-{}g{}", spec.id, fmt_rate(rate), if d > 1.0 { format!("-x{}", fmt_rate(d)) } else { String::new() });
+        spec.dilate = d;
+        // A fresh cluster per run: no queue or socket state carries over.
+        let (placement, skip, cluster) = match Cluster::create(hosts, sh) {
+            Ok(c) => {
+                let h = c.hosts();
+                let slots = |h: &[crate::net::HostSlot]| h.iter().map(Slot::from).collect();
+                let p = Placement::Hosts { servers: slots(&h[..k.max(1)]), workers: slots(&h[k.max(1)..]) };
+                (p, None, Some(c))
+            }
+            Err(e) => (Placement::Loopback, Some(format!("{e}")), None),
+        };
+        // The link as TCP sees it: from the last host to the first, crossing two shaped ends
+        // as every message between hosts does (in the emulated world's units: times d).
+        let (measured_gbit, measured_latency_us) = cluster.as_ref().map_or((None, None), |c| {
+            let emulated = crate::hosts::Hosts::Emulated(c);
+            let said = |what: &str, e: anyhow::Error| {
+                self.multi.suspend(|| eprintln!("{}: measuring the link's {what}: {e:#}", spec.id))
+            };
+            // The yardstick every benchmark uses: the median of three measurements.
+            let each = Duration::from_secs_f64(self.scenario.rawtcp_s / 3.0);
+            let rate = crate::rawtcp::Yardstick::measure(3, each, || emulated.pair(hosts - 1, 0));
+            let gbit = rate.map_err(|e| said("bandwidth", e)).ok().map(|y| y.median() * 8.0 / 1e9 * d);
+            let latency = emulated
+                .pair(hosts - 1, 0)
+                .and_then(|(tx, rx)| crate::rawtcp::latency_between(tx, rx, LATENCY_ROUNDS));
+            (gbit, latency.map_err(|e| said("latency", e)).ok().map(|s| s * 1e6 / d))
+        });
+        let skip = skip.or_else(|| {
+            (spec.mode.compared().wire == Wire::Nccl).then(|| "NCCL does not run over emulated links".to_string())
+        });
+        let o =
+            crate::run_spec(self.scenario, &spec, self.bins, out, placement, None, skip, self.multi, self.overall)?;
+        drop(cluster);
+        let run = ClusterRun {
+            id: o.id.clone(),
+            mode: spec.mode,
+            workers: spec.workers,
+            shards: spec.shards,
+            hosts,
+            rate_gbit: rate,
+            measured_gbit,
+            measured_latency_us,
+            delay_us: shape(rate).delay.as_micros() as u64,
+            loss_pct: sh.loss_pct,
+            dilation: d,
+        };
+        Ok((o, run))
+    }
+
+    /// `auto`: the factor for `rate`, from short runs of each mode's largest cell. Each is run
+    /// at a trial factor (from [`PROBE_START`]); where the cores were nearly all busy the trial
+    /// says too little and is repeated four times slower; else the factor that would bring
+    /// the busiest mode's share to [`AUTO_BUSY`] is taken (the busy share falls as 1/D, the
+    /// CPU work per step staying what it is), within [`AUTO_CAP`].
+    fn probe(
+        &self,
+        specs: &[RunSpec],
+        rate: f64,
+        shape: &dyn Fn(f64) -> Shape,
+        out: &Path,
+    ) -> anyhow::Result<Probe> {
+        let dir = out.join(CHECKS_DIR);
+        let mut cells: Vec<RunSpec> = Vec::new();
+        for s in specs.iter().filter(|s| s.skip.is_none() && s.repeat == 0) {
+            match cells.iter_mut().find(|c| c.mode == s.mode) {
+                Some(c) if s.workers + s.shards > c.workers + c.shards => *c = s.clone(),
+                Some(_) => {}
+                None => cells.push(s.clone()),
+            }
+        }
+        let mut short = self.scenario.clone();
+        (short.steps, short.epochs, short.eval_samples, short.target_accuracy) =
+            (Some(self.scenario.steps.unwrap_or(PROBE_STEPS).min(PROBE_STEPS)), None, None, None);
+        let probe = Runner { scenario: &short, ..*self };
+        let mut at = PROBE_START;
+        loop {
+            let mut busiest: Option<(String, f64)> = None;
+            for c in &cells {
+                let mut c = c.clone();
+                c.id = format!("probe-{}", c.id);
+                let (o, _) = probe.run(&c, rate, shape, at, &dir)?;
+                if let Some(b) = o.cpu_busy.filter(|_| o.status == "ok")
+                    && busiest.as_ref().is_none_or(|(_, x)| b > *x)
+                {
+                    busiest = Some((o.id.clone(), b));
+                }
+            }
+            let Some((id, busy)) = busiest else {
+                anyhow::bail!("dilate = auto: no probe run at {rate} Gbit/s finished (see {})", dir.display())
+            };
+            if busy >= PROBE_SATURATED && at < AUTO_CAP {
+                at = (at * 4.0).min(AUTO_CAP);
+                continue;
+            }
+            let chose = (at * busy / AUTO_BUSY).ceil().clamp(1.0, AUTO_CAP);
+            self.multi.suspend(|| {
+                eprintln!(
+                    "gradsync-bench cluster: {rate} Gbit/s: dilating x{chose} (probed at x{at}: {id} kept the cores \
+                     {:.0}% busy)",
+                    busy * 100.0
+                )
+            });
+            return Ok(Probe { at, busy, busiest: id, chose, capped: chose >= AUTO_CAP && busy * at / AUTO_CAP > AUTO_BUSY });
+        }
+    }
+
+    /// The self-check of a rate dilated `d` times: the cell whose run kept the cores busiest
+    /// run again at 2d; their step times (emulated) should agree.
+    fn check(
+        &self,
+        at_rate: &[(Outcome, ClusterRun)],
+        rate: f64,
+        shape: &dyn Fn(f64) -> Shape,
+        d: f64,
+        out: &Path,
+    ) -> anyhow::Result<Option<Check>> {
+        let busiest = at_rate
+            .iter()
+            .filter(|(o, _)| o.status == "ok")
+            .max_by(|a, b| a.0.cpu_busy.unwrap_or(0.0).total_cmp(&b.0.cpu_busy.unwrap_or(0.0)));
+        let Some((o, _)) = busiest else { return Ok(None) };
+        let spec = self.scenario.expand().into_iter().find(|s| o.id.starts_with(&format!("runs/{}-", s.id)));
+        let Some(mut spec) = spec else { return Ok(None) };
+        spec.id = format!("check-{}", spec.id);
+        let dir = out.join(CHECKS_DIR);
+        let (again, _) = self.run(&spec, rate, shape, 2.0 * d, &dir)?;
+        let step = |root: &Path, id: &str| -> Option<f64> {
+            let c = crate::results::collect(&[root.to_path_buf()], None).ok()?;
+            c.summaries.iter().find(|s| s.id == id).and_then(|s| s.step_ms)
+        };
+        let (a, b) = (step(out, &o.id), step(&dir, &again.id));
+        Ok(Some(Check {
+            id: o.id.clone(),
+            again: format!("{CHECKS_DIR}/{}", again.id),
+            step_ms: a,
+            step_ms_2x: b,
+            differs: match (a, b) {
+                (Some(a), Some(b)) => (b - a).abs() / a > CHECK_TOLERANCE,
+                // A check that did not finish cannot vouch for the factor.
+                _ => true,
+            },
+        }))
+    }
 }
 
 /// `1`, `10`, `2.5`: a rate as it appears in run ids.

@@ -11,6 +11,73 @@ use super::scenario::ModeKind;
 /// The file in a run directory naming each run's emulated link.
 pub const CLUSTER_FILE: &str = "cluster.json";
 
+/// The file in a dilated cluster's run directory saying, per link rate, the factor it ran at,
+/// how `auto` chose it and what the self-check found.
+pub const DILATION_FILE: &str = "dilation.json";
+
+/// The folder of a run directory holding the runs that checked it (the self-check at twice
+/// the factor, `auto`'s probes): a comparison of their own, never read as the run's cells.
+pub const CHECKS_DIR: &str = "checks";
+
+/// One link rate of a dilated cluster.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DilationRecord {
+    /// The link rate, Gbit/s.
+    pub rate_gbit: f64,
+    /// The factor its runs ran at.
+    pub dilation: f64,
+    /// How `dilate = auto` chose it (none: given).
+    pub probe: Option<Probe>,
+    /// The self-check at twice the factor (none where no run finished to check).
+    pub check: Option<Check>,
+}
+
+/// What `dilate = auto`'s probe saw.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Probe {
+    /// The trial factor of the probe runs that decided.
+    pub at: f64,
+    /// The busiest probe's share of the cores busy.
+    pub busy: f64,
+    /// Which probe run that was.
+    pub busiest: String,
+    /// The factor chosen.
+    pub chose: f64,
+    /// Whether the cap held it below the factor the probe asked for.
+    pub capped: bool,
+}
+
+/// The self-check of one rate: a run repeated at twice the factor.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Check {
+    /// The run checked (`runs/<id>`).
+    pub id: String,
+    /// Its repetition at twice the factor (`checks/runs/<id>`).
+    pub again: String,
+    /// The run's mean step time (emulated), ms.
+    pub step_ms: Option<f64>,
+    /// The repetition's, ms.
+    pub step_ms_2x: Option<f64>,
+    /// Whether they differ by more than the tolerance (or one has no step time): the factor
+    /// was too small and the rate's runs are not ranked.
+    pub differs: bool,
+}
+
+impl Check {
+    /// The difference of the step at twice the factor from the step at the factor, percent.
+    pub fn diff_pct(&self) -> Option<f64> {
+        Some((self.step_ms_2x? - self.step_ms?) / self.step_ms? * 100.0)
+    }
+}
+
+/// The dilated rates recorded in `dir` ([`DILATION_FILE`]; none for an undilated run).
+pub fn load_dilation(dir: &std::path::Path) -> Vec<DilationRecord> {
+    std::fs::read_to_string(dir.join(DILATION_FILE))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default()
+}
+
 /// One run's emulated link, as recorded in `cluster.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ClusterRun {
@@ -39,6 +106,14 @@ pub struct ClusterRun {
     pub delay_us: u64,
     /// Loss per direction per link, percent.
     pub loss_pct: f64,
+    /// The time dilation the run ran under (1: none): its link was shaped at `rate_gbit` /
+    /// this, and its metrics are already divided back by it.
+    #[serde(default = "undilated")]
+    pub dilation: f64,
+}
+
+fn undilated() -> f64 {
+    1.0
 }
 
 impl ClusterRun {
@@ -50,6 +125,9 @@ impl ClusterRun {
         }
         if self.loss_pct > 0.0 {
             s += &format!(", {}% loss", self.loss_pct);
+        }
+        if self.dilation > 1.0 {
+            s += &format!(", dilated x{}", self.dilation);
         }
         s
     }

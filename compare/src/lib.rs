@@ -614,9 +614,10 @@ fn run_bar(
 /// scenario's time limits and injected faults.
 fn execute_spec(ctx: &modes::Ctx, dir: &Path, bar: &ProgressBar) -> anyhow::Result<exec::Finished> {
     let (scenario, spec) = (&ctx.scenario, &ctx.spec);
+    // A dilated run's clocks all run `dilate` times slower: so do the runner's limits.
     let waits = exec::Waits {
-        timeout: Duration::from_secs_f64(scenario.run_timeout_s),
-        budget: scenario.time_s.map(Duration::from_secs_f64),
+        timeout: Duration::from_secs_f64(scenario.run_timeout_s * spec.dilate),
+        budget: scenario.time_s.map(|t| Duration::from_secs_f64(t * spec.dilate)),
         stop_at: scenario.target_accuracy.filter(|_| scenario.stop_at_target),
     };
     let faults = exec::Faults {

@@ -241,6 +241,9 @@ impl Ctx {
         if s.trace {
             a.extend(opt(wf::TRACE, self.path(&format!("trace-{name}"), "json").display()));
         }
+        if self.spec.dilate > 1.0 {
+            a.extend(opt(wf::DILATE, self.spec.dilate));
+        }
         if s.restarts() {
             // One folder for the run's workers: DDP's rank 0 writes the state every rank reads
             // back, each PS worker its own.
@@ -322,6 +325,9 @@ fn servers(ctx: &Ctx, sync: SyncMode, table_only: bool) -> Vec<ProcSpec> {
             }
             if let Some(c) = s.ps_chunk_bytes {
                 args.extend(opt(sf::CHUNK_BYTES, c));
+            }
+            if ctx.spec.dilate > 1.0 {
+                args.extend(opt(sf::DILATE, ctx.spec.dilate));
             }
             if let Some(c) = ctx.spec.mode.compress(s.topk_ratio) {
                 args.extend(opt(sf::COMPRESS, c));

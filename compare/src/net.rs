@@ -73,6 +73,29 @@ pub struct Shape {
     pub delay: Duration,
     /// Percentage of packets dropped in each direction.
     pub loss_pct: f64,
+    /// The hosts' TCP minimum retransmission timeout, set on their route (none: the kernel's
+    /// 200 ms). A dilated cluster stretches it with every other clock ([`Shape::dilated`]).
+    pub rto_min: Option<Duration>,
+}
+
+/// Linux's minimum TCP retransmission timeout (`TCP_RTO_MIN`).
+pub const KERNEL_RTO_MIN: Duration = Duration::from_millis(200);
+
+impl Shape {
+    /// The same link in a world `d` times slower ([`gradsync_core::dilation`]): the rate
+    /// divided by `d`, the delay and the minimum retransmission timeout times `d` (the bytes
+    /// of the shaper's burst and queue stay: a byte is a byte in either world); loss unchanged.
+    pub fn dilated(self, d: f64) -> Shape {
+        if d <= 1.0 {
+            return self;
+        }
+        Shape {
+            rate_bit: self.rate_bit.map(|r| r / d),
+            delay: self.delay.mul_f64(d),
+            loss_pct: self.loss_pct,
+            rto_min: Some(self.rto_min.unwrap_or(KERNEL_RTO_MIN).mul_f64(d)),
+        }
+    }
 }
 
 /// Every namespace made by this process and not yet deleted, for [`cleanup_all`].
@@ -119,6 +142,7 @@ impl Cluster {
             ip(&["-n", &ns, "link", "add", "eth0", "type", "veth", "peer", "name", &port, "netns", &hub])?;
             ip(&["-n", &ns, "addr", "add", &format!("{addr}/16"), "dev", "eth0"])?;
             ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
+            tcp_clocks(&ns, &shape)?;
             ip(&["-n", &hub, "link", "set", &port, "master", "br0"])?;
             ip(&["-n", &hub, "link", "set", &port, "up"])?;
             shape_dev(&ns, "eth0", &shape)?;
@@ -286,6 +310,20 @@ fn delete_ns(name: &str) {
     if let Ok(mut l) = LIVE.lock() {
         l.remove(name);
     }
+}
+
+/// The host's TCP clocks that a link's shape does not set: slow start after idle off (as
+/// training clusters tune it: a gap between steps would otherwise restart every connection's
+/// window, and a dilated world's longer real gaps would restart it more often than the world
+/// it stands for), and the minimum retransmission timeout on the host's route when the shape
+/// names one.
+fn tcp_clocks(ns: &str, s: &Shape) -> Result<(), ClusterError> {
+    run("ip", &["netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"])?;
+    if let Some(rto) = s.rto_min {
+        let ms = format!("{}ms", rto.as_millis().clamp(1, 120_000));
+        ip(&["-n", ns, "route", "replace", &format!("{SUBNET}.0.0/16"), "dev", "eth0", "rto_min", &ms])?;
+    }
+    Ok(())
 }
 
 /// An htb rate for links given no rate: far above what loopback copies reach.

@@ -339,6 +339,66 @@ pub struct Scenario {
     /// (default 5).
     #[serde(default = "five")]
     pub checkpoint_every: u64,
+    /// Dilated time on an emulated cluster (`gradsync-bench cluster`; docs/cluster.md): a
+    /// factor from 1 (`dilate = 8`), or `"auto"` to pick one from a short probe of the run.
+    /// Left out: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dilate: Option<Dilate>,
+}
+
+/// How much a cluster's time is dilated (the scenario's `dilate`, `cluster --dilate`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Dilate {
+    /// This factor, from 1.
+    Factor(f64),
+    /// Picked per link from a short probe of the runs, so that the cores stay below half busy.
+    Auto,
+}
+
+impl std::str::FromStr for Dilate {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.trim() == "auto" {
+            return Ok(Dilate::Auto);
+        }
+        let d: f64 = s.trim().parse().map_err(|_| format!("'{s}': expected a factor from 1, or auto"))?;
+        gradsync_core::dilation::Dilation::new("dilate", d).map_err(|e| e.to_string())?;
+        Ok(Dilate::Factor(d))
+    }
+}
+
+impl std::fmt::Display for Dilate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Dilate::Factor(d) => write!(f, "{d}"),
+            Dilate::Auto => f.write_str("auto"),
+        }
+    }
+}
+
+impl Serialize for Dilate {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Dilate::Factor(d) => s.serialize_f64(*d),
+            Dilate::Auto => s.serialize_str("auto"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Dilate {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(f64),
+            Text(String),
+        }
+        let text = match Raw::deserialize(d)? {
+            Raw::Number(n) => n.to_string(),
+            Raw::Text(t) => t,
+        };
+        text.parse().map_err(|e: String| serde::de::Error::custom(format!("`dilate`: {e}")))
+    }
 }
 
 fn one() -> Vec<usize> {
@@ -602,6 +662,7 @@ impl Scenario {
                                     slow_ms,
                                     repeat,
                                     skip,
+                                    dilate: 1.0,
                                 });
                             }
                         }
@@ -643,6 +704,14 @@ pub struct RunSpec {
     pub repeat: usize,
     /// Why the run is not started, when it cannot be.
     pub skip: Option<String>,
+    /// The time dilation its processes run under (`--dilate`; 1: none). Set by the cluster
+    /// runner, which shapes the links to match.
+    #[serde(default = "undilated")]
+    pub dilate: f64,
+}
+
+fn undilated() -> f64 {
+    1.0
 }
 
 #[cfg(test)]

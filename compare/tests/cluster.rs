@@ -46,7 +46,7 @@ fn namespaces() -> String {
 
 #[test]
 fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
-    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0 };
+    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0, rto_min: None };
     // Probe first so the skip is visible; the runner makes its own clusters.
     let Some(probe) = cluster_or_skip("three_hosts", 3, shape) else { return };
     let names: Vec<String> = probe.hosts().iter().map(|h| h.netns.clone()).collect();
@@ -61,7 +61,7 @@ fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
     s.workers = vec![2];
     s.shards = vec![1];
     let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
-    let runs = cluster::run_cluster(&s, &bins, &out, &[1.0], |_| shape).unwrap();
+    let runs = cluster::run_cluster(&s, &bins, &out, &[1.0], |_| shape, None).unwrap();
     assert_eq!(runs.len(), 2);
     assert!(runs.iter().all(|r| r.hosts == 3 && r.rate_gbit == 1.0));
     // The link as measured on each run's cluster: TCP over a 1 Gbit/s link carries a little less,
@@ -197,6 +197,7 @@ fn plan(c: &Cluster, mode: ModeKind, workers: usize, steps: u64, dir: &Path) -> 
             slow_ms: 0,
             repeat: 0,
             skip: None,
+            dilate: 1.0,
         },
         dir: dir.to_path_buf(),
         bins: Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap(),
@@ -211,7 +212,7 @@ fn plan(c: &Cluster, mode: ModeKind, workers: usize, steps: u64, dir: &Path) -> 
 }
 
 /// 1 Gbit/s links (rate only: delay needs netem, which some kernels lack).
-const SLOW: Shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0 };
+const SLOW: Shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0, rto_min: None };
 /// A model big enough (0.8 MB of gradients) that a step takes milliseconds on [`SLOW`] links, so
 /// the cut lands mid-training.
 const CUT_MODEL: &str = "784-256-10";
@@ -314,7 +315,7 @@ fn ddp_fails_naming_a_rank_when_a_link_is_cut() {
 /// so 30% per end delivers 0.7 x 0.7 = 49%.
 #[test]
 fn loss_is_emulated_without_netem() {
-    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 30.0 };
+    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 30.0, rto_min: None };
     let Some(c) = cluster_or_skip("loss_is_emulated_without_netem", 2, shape) else { return };
     let on = |host: usize, f: Box<dyn FnOnce() -> std::net::UdpSocket + Send>| {
         c.spawn_on(host, f).unwrap().join().unwrap().unwrap()

@@ -103,7 +103,7 @@ fn a_server_and_its_worker_dilate_together() {
     cmd.args(["--listen", "127.0.0.1:0", "--model", "256-512-512-10", "--data", "synthetic:1024:256:10"])
         .args(["--seed", "5", "--dilate", "3", "--metrics", smetrics.to_str().unwrap()])
         .stderr(Stdio::inherit());
-    let (mut server, addr) = start_server(&mut cmd, false);
+    let (server, addr) = start_server(&mut cmd, false);
     let o = worker(
         &[
             &REAL[..],

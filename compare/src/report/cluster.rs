@@ -243,6 +243,7 @@ mod cluster_tests {
             measured_latency_us: Some(30.0),
             delay_us: 0,
             loss_pct: 0.0,
+            dilation: 1.0,
         };
         let s = Summary {
             id,

@@ -73,6 +73,10 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
     entries.sort();
     for p in entries {
         if p.is_dir() {
+            // A dilated cluster's probes and self-checks are a comparison of their own.
+            if p.file_name().is_some_and(|n| n == crate::emulated::CHECKS_DIR) {
+                continue;
+            }
             walk(&p, out)?;
         } else if p.extension().is_some_and(|e| e == "jsonl") {
             out.push(p);
