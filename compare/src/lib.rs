@@ -564,6 +564,7 @@ pub fn run_spec(
         status: status.into(),
         error,
         seconds: t.elapsed().as_secs_f64(),
+        cpu_s: (status != "skipped" && !remote).then(|| children_cpu_s() - cpu0),
         // The machine's cores while the steps ran; for a run too short to measure so, its
         // processes' own CPU time over the whole run (every process has been waited for, its
         // launcher's ranks by the launcher, so it is in this process's account of its

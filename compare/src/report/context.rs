@@ -13,9 +13,14 @@ use crate::results::{Summary, overlap};
 /// is the communication itself, which a saturated CPU slows.
 pub const REPLAY_BUSY: f64 = 0.8;
 
+/// The share of a dilated run's compute by which its phases may overrun D times their CPU time
+/// (a thread that waited for a core) before the run counts as the cores', not the design's.
+pub const OVERRUN_SHARE: f64 = 0.05;
+
 /// Why a run saturated the CPU, as the readings say it where nothing else on the page does.
-pub const SATURATED: &str =
-    "saturated the CPU (more processes than cores; for a replay, cores over 80% busy)";
+pub const SATURATED: &str = "saturated the CPU (more processes than cores; for a replay or a dilated run, \
+     cores over 80% busy, or a dilation too small for the cores: its compute overran the factor or its check at \
+     twice the factor differed)";
 
 /// What a reading says instead of a ranking where a cell ran once, where nothing else on the
 /// page says why.
@@ -110,6 +115,13 @@ impl<'c, 'a> Context<'c, 'a> {
     /// count as not saturated); or, for a replayed model, whose processes sleep through their
     /// compute, the cores were more than [`REPLAY_BUSY`] busy while its steps ran.
     pub fn cpu_saturated(&self, r: &Summary) -> bool {
+        if r.dilation.is_some() {
+            // Dilated, processes may outnumber the cores: what counts is whether the cores kept
+            // up with the factor.
+            return r.cpu_busy.is_some_and(|b| b > REPLAY_BUSY)
+                || r.dilation_too_small
+                || r.overrun_share.is_some_and(|o| o > OVERRUN_SHARE);
+        }
         if r.widths.starts_with(gradsync_core::model::REPLAY_TOKEN) {
             return r.cpu_busy.is_some_and(|b| b > REPLAY_BUSY);
         }

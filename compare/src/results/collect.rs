@@ -45,6 +45,7 @@ pub fn collect(roots: &[PathBuf], target: Option<f64>) -> anyhow::Result<Collect
         if let Some(o) = out.outcomes.iter().find(|o| o.id == s.id) {
             s.status = o.status.clone();
             s.cpu_busy = o.cpu_busy;
+            s.cpu_s = o.cpu_s;
             s.error = o.error.clone().unwrap_or_default();
             s.repeat = o.repeat;
             s.restarts = o.restarts.clone();
@@ -55,9 +56,16 @@ pub fn collect(roots: &[PathBuf], target: Option<f64>) -> anyhow::Result<Collect
             summaries.push(Summary::missing(o));
         }
     }
+    let too_small: Vec<(f64, f64)> = roots
+        .iter()
+        .flat_map(|d| crate::emulated::load_dilation(d))
+        .filter(|d| d.check.as_ref().is_some_and(|c| c.differs))
+        .map(|d| (d.rate_gbit, d.dilation))
+        .collect();
     for r in crate::emulated::load(roots) {
         if let Some(s) = summaries.iter_mut().find(|s| s.id == r.id) {
             s.link = r.label();
+            s.dilation_too_small = too_small.contains(&(r.rate_gbit, r.dilation));
         }
     }
     out.cells = Cell::all(&summaries);

@@ -86,6 +86,10 @@ pub struct Outcome {
     pub error: Option<String>,
     /// Seconds the run took, processes' start-up included.
     pub seconds: f64,
+    /// The CPU seconds its processes used, start-up included (this machine's children only;
+    /// absent for processes on other hosts).
+    #[serde(default)]
+    pub cpu_s: Option<f64>,
     /// How busy the machine's cores were while its steps ran (from rank 0's first step to the
     /// end; `/proc/stat`), or, for a run too short for that, its processes' CPU time over the
     /// whole run's wall time times the cores.
@@ -303,6 +307,17 @@ pub struct Summary {
     /// How busy the machine's cores were over the run ([`Outcome::cpu_busy`]), where its
     /// runner measured it.
     pub cpu_busy: Option<f64>,
+    /// The time dilation the run ran under (its header's; none: undilated). Its figures are
+    /// already the emulated world's.
+    pub dilation: Option<f64>,
+    /// Under dilation: by how much its compute phases overran D times their CPU time, as a
+    /// share of its compute (the cores were short for the factor).
+    pub overrun_share: Option<f64>,
+    /// Under dilation: its link rate's self-check at twice the factor differed by more than
+    /// its tolerance (`dilation.json`): the factor was too small.
+    pub dilation_too_small: bool,
+    /// The CPU seconds its processes used (this machine's children only), where measured.
+    pub cpu_s: Option<f64>,
 }
 
 fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
@@ -416,6 +431,14 @@ impl Summary {
             epochs_to_target: reached.map(|p| p.epoch),
             link: String::new(),
             cpu_busy: None,
+            dilation: h.dilation,
+            overrun_share: h.dilation.and_then(|_| {
+                let compute: f64 = all.iter().map(|s| s.forward_ms + s.backward_ms + s.update_ms).sum();
+                let over: f64 = all.iter().filter_map(|s| s.overrun_ms).sum();
+                (compute > 0.0).then(|| over / compute)
+            }),
+            dilation_too_small: false,
+            cpu_s: None,
         }
     }
 
