@@ -1,5 +1,6 @@
 //! Child processes of the comparison runner: a command with what its stdin must first take,
-//! and every wait on a child with a deadline (its exit, a line of its output).
+//! two commands piped one into the other (a `tar` stream to another host), and every wait on a
+//! child with a deadline (its exit, a line of its output).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::CommandExt;

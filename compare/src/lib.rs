@@ -23,7 +23,8 @@
 //! - [`binaries`]: the gradsync binaries a host or node runs, checked there at the start
 //!   (`--copy-binaries`: this machine's put where they are missing).
 //! - [`place`]: where a run's processes go on hosts or nodes, and whether they can take them.
-//! - [`child`]: the runner's child processes and every wait on one with a deadline.
+//! - [`child`]: the runner's child processes (one piped into another among them) and every
+//!   wait on one with a deadline.
 //! - [`machine`]: the machine and link record (`machine.json`) and what a machine or a host
 //!   cannot take.
 //! - [`results`]: what a run reduces to, read from its files.
