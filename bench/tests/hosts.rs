@@ -475,11 +475,11 @@ fn compare_over_ssh_names_the_host_that_fails() {
         &["--ssh-opts", &bad],
         &[&format!("host {}: ssh login refused", h.addr(1))],
     );
-    // A host without the binaries.
+    // A host without the binaries: named, with the flag that would put them there.
     fails(
         &format!("{}:2,{}:2", h.addr(1), h.addr(3)),
         &[],
-        &[&format!("host {} lacks {}", h.addr(3), bin.join("gradsync-worker").display())],
+        &[&format!("host {} lacks {}", h.addr(3), bin.join("gradsync-worker").display()), "--copy-binaries"],
     );
 
     // A worker killed on its host mid-run: that run fails naming the host, the next runs.
@@ -575,6 +575,97 @@ fn compare_over_ssh_names_the_host_that_fails() {
         assert!(Instant::now() < until, "left running: {:?}", running(remote.to_str().unwrap()));
         std::thread::sleep(Duration::from_millis(50));
     }
+    drop(h.sshd);
+}
+
+/// The SHA-256 of `path` as the sshd of `h`'s host `host` sees it (in its mount namespace),
+/// or `missing`.
+fn sha_on(h: &SshHosts, host: usize, path: &Path) -> String {
+    let pid = h.sshd[host - 1].id().to_string();
+    let o = Command::new("nsenter")
+        .args(["-t", &pid, "-m", "sh", "-c", "sha256sum < \"$0\" || echo missing"])
+        .arg(path)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&o.stdout).split_whitespace().next().unwrap_or("").to_string()
+}
+
+/// The SHA-256 of `path` here.
+fn sha_here(path: &Path) -> String {
+    let o = Command::new("sha256sum").arg(path).stdin(Stdio::null()).output().unwrap();
+    String::from_utf8_lossy(&o.stdout).split_whitespace().next().unwrap_or("").to_string()
+}
+
+/// `--copy-binaries`: a host whose binaries' directory is empty is refused without it (naming
+/// the flag); with it, this machine's three binaries arrive there whole (the same SHA-256) and
+/// a run with a rank and the yardstick's far end on that host runs with them. A binary of
+/// another build there is replaced the same way; where every host has them, nothing is copied.
+#[test]
+fn copy_binaries_puts_this_machines_binaries_on_a_host_that_lacks_them() {
+    let Some(h) = ssh_hosts("copy", 2, &[2]) else { return };
+    let bin = gradsync_testkit::process::bin_dir();
+    let names = ["gradsync-worker", "gradsync-server", "gradsync-bench"];
+    let mut s = scenario(4);
+    s.modes = vec![ModeKind::DdpTcp];
+    let scen = write_scenario(&h.dir, &s);
+    // One slot each: rank 1 and the yardstick's far end run on host 2.
+    let list = format!("{}:1,{}:1", h.addr(1), h.addr(2));
+    let remote = h.dir.join("remote");
+    let compare = |name: &str, list: &str, copy: bool| {
+        let mut args = on_hosts(&scen, &h.dir.join(name), list, &remote);
+        if copy {
+            args.push("--copy-binaries".into());
+        }
+        h.compare(&args).finish(Duration::from_secs(240))
+    };
+    assert_eq!(sha_on(&h, 2, &bin.join("gradsync-worker")), "missing");
+    let (code, err, _) = compare("out-refused", &list, false);
+    assert_ne!(code, 0, "compare without the binaries on host 2 succeeded:\n{err}");
+    let lacks = format!("host {} lacks {}", h.addr(2), bin.join("gradsync-worker").display());
+    assert!(err.contains(&lacks) && err.contains("(--copy-binaries puts this machine's there)"), "{err}");
+    assert_eq!(sha_on(&h, 2, &bin.join("gradsync-worker")), "missing", "copied without the flag");
+
+    let ran_ok = |out: &str, err: &str| {
+        let outcomes = std::fs::read_to_string(h.dir.join(out).join("outcomes.jsonl")).unwrap();
+        assert!(outcomes.contains("\"status\":\"ok\""), "{outcomes}\n{err}");
+    };
+    let copied =
+        |host: usize| format!("host {}: this machine's binaries copied into {}", h.addr(host), bin.display());
+    let (code, err, took) = compare("out-copied", &list, true);
+    assert_eq!(code, 0, "compare --copy-binaries failed:\n{err}");
+    assert!(err.contains(&copied(2)) && !err.contains(&copied(1)), "{err}");
+    ran_ok("out-copied", &err);
+    for b in names {
+        assert_eq!(sha_on(&h, 2, &bin.join(b)), sha_here(&bin.join(b)), "{b} on host 2");
+    }
+    eprintln!("compare --copy-binaries: binaries copied and one run in {:.1} s", took.as_secs_f64());
+
+    // Another build of one binary there (a byte more): replaced, the others left alone.
+    let pid = h.sshd[1].id().to_string();
+    let bench = bin.join("gradsync-bench");
+    let st = Command::new("nsenter")
+        .args(["-t", &pid, "-m", "sh", "-c", "printf x >> \"$0\""])
+        .arg(&bench)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    assert_ne!(sha_on(&h, 2, &bench), sha_here(&bench));
+    let (code, err, _) = compare("out-other", &list, true);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains(&copied(2)), "{err}");
+    ran_ok("out-other", &err);
+    assert_eq!(sha_on(&h, 2, &bench), sha_here(&bench));
+    // Every host has them now: nothing copied, said once.
+    let (code, err, _) = compare("out-nothing", &list, true);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("--copy-binaries: every host already has this machine's binaries"), "{err}");
+    assert!(!err.contains("binaries copied into"), "{err}");
+    // No temporary directory left beside the binaries.
+    let o = Command::new("nsenter").args(["-t", &pid, "-m", "ls", "-A"]).arg(&bin).output().unwrap();
+    let listed = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(!listed.contains(".gradsync-put"), "{listed}");
+    nothing_left(&remote);
     drop(h.sshd);
 }
 

@@ -5,7 +5,8 @@
 //! processes start as job steps, and every run ends ok. Then two nodes: two slurmd, each in an
 //! emulated host's network namespace ([`gradsync_compare::net`]) with a `/tmp` of its own (a
 //! tmpfs in its mount namespace), so that the link is measured between nodes and the run
-//! directory is shared with no node. Where this machine cannot (not root, no packages, the
+//! directory is shared with no node; and two nodes of which one does not see this machine's
+//! binaries (`--copy-binaries`). Where this machine cannot (not root, no packages, the
 //! daemons do not start) the tests print SKIPPED with the reason and pass.
 #![allow(clippy::unwrap_used)] // a test fails loudly on anything unexpected
 
@@ -111,14 +112,15 @@ impl Cluster {
         let files = dir.path().to_path_buf();
         let nodes = [(node.clone(), "127.0.0.1".to_string())];
         let mut c = Cluster { dir, files, node, daemons: Vec::new(), net: None };
-        c.start_daemons("127.0.0.1", &nodes)?;
+        c.start_daemons("127.0.0.1", &nodes, &[])?;
         Ok(c)
     }
 
     /// Two nodes, `gs-node1` and `gs-node2`, each a slurmd on an emulated host of its own
     /// (hosts 1 and 2, 1 Gbit/s links) whose `/tmp` is a tmpfs of its own; slurmctld and the
-    /// test's commands on host 0.
-    fn start_two() -> Result<Cluster, String> {
+    /// test's commands on host 0. To node `i` of `hidden` the gradsync binaries' directory is
+    /// an empty tmpfs: a node that does not see this machine's binaries.
+    fn start_two(hidden: &[usize]) -> Result<Cluster, String> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
             return Err("not root (slurmd starts job steps as their users)".into());
@@ -144,15 +146,21 @@ impl Cluster {
         let ctld = net.hosts()[0].addr.clone();
         let mut c =
             Cluster { dir: Scratch::new("slurm-two"), files, node, daemons: Vec::new(), net: Some(net) };
-        c.start_daemons(&ctld, &nodes)?;
+        c.start_daemons(&ctld, &nodes, hidden)?;
         c.node = nodes[0].0.clone();
         Ok(c)
     }
 
     /// Write the configuration (slurmctld at `ctld`, on this machine's host name, and `nodes`,
-    /// each a name and address) and start munged, slurmctld and a slurmd per node; ready once
-    /// every node is idle.
-    fn start_daemons(&mut self, ctld: &str, nodes: &[(String, String)]) -> Result<(), String> {
+    /// each a name and address) and start munged, slurmctld and a slurmd per node (the
+    /// binaries' directory hidden from node `i` of `hidden`, counted from 1, when it has a
+    /// host of its own); ready once every node is idle.
+    fn start_daemons(
+        &mut self,
+        ctld: &str,
+        nodes: &[(String, String)],
+        hidden: &[usize],
+    ) -> Result<(), String> {
         let host = String::from_utf8_lossy(
             &Command::new("hostname").arg("-s").output().map_err(|e| e.to_string())?.stdout,
         )
@@ -235,10 +243,16 @@ impl Cluster {
                 // tmpfs is a /tmp the other nodes and the runner do not see. (Not `ip netns
                 // exec`: its fresh /sys lacks the cgroup hierarchy slurmd reads.)
                 Some(net) => {
+                    let hide = if hidden.contains(&(i + 1)) {
+                        let bin = gradsync_testkit::process::bin_dir();
+                        format!("mount -t tmpfs gradsync-test-empty '{}' && ", bin.display())
+                    } else {
+                        String::new()
+                    };
                     let mut c = Command::new("nsenter");
                     c.arg(format!("--net=/run/netns/{}", net.hosts()[i + 1].netns))
                         .args(["unshare", "-m", "--propagation", "private", "sh", "-c"])
-                        .arg(format!("mount -t tmpfs gradsync-node-tmp /tmp && {slurmd}"));
+                        .arg(format!("mount -t tmpfs gradsync-node-tmp /tmp && {hide}{slurmd}"));
                     c
                 }
                 None => {
@@ -504,7 +518,7 @@ fn ctrl_c_ends_the_runs_steps_and_a_node_the_allocation_lacks_is_named() {
 /// stop a run at its target accuracy, and nothing is left in the nodes' /tmp.
 #[test]
 fn compare_on_two_nodes_measures_the_link_between_them_and_brings_the_files_back() {
-    let cluster = match Cluster::start_two() {
+    let cluster = match Cluster::start_two(&[]) {
         Ok(c) => c,
         Err(why) => {
             eprintln!("SKIPPED: compare --slurm on two nodes: {why}");
@@ -604,4 +618,74 @@ fn compare_on_two_nodes_measures_the_link_between_them_and_brings_the_files_back
         let left = cluster.node_tmp(i);
         assert!(!left.contains("gradsync-compare-"), "node {i}'s /tmp holds {left}");
     }
+}
+
+/// `--copy-binaries` under Slurm: of two nodes, the second does not see this machine's
+/// binaries (an empty tmpfs over their directory in its mount namespace). Without the flag the
+/// comparison is refused before any run, naming that node and the flag; with it, that node
+/// alone gets this machine's binaries in a directory of its own under its `/tmp` (the first
+/// sees them where they are, as on a shared file system), a run with a rank and the
+/// yardstick's far end there runs with them, and the copy is gone at the end. Where every node
+/// sees them, nothing is copied.
+#[test]
+fn copy_binaries_puts_them_on_a_node_that_does_not_see_them() {
+    let cluster = match Cluster::start_two(&[2]) {
+        Ok(c) => c,
+        Err(why) => {
+            eprintln!("SKIPPED: compare --slurm --copy-binaries: {why}");
+            return;
+        }
+    };
+    let bin = gradsync_testkit::process::bin_dir();
+    let mut s = common::small_scenario(4);
+    (s.workers, s.modes) = (vec![2], vec![ModeKind::DdpTcp]);
+    (s.rawtcp_s, s.run_timeout_s) = (0.2, 60.0);
+    let scenario = cluster.dir.join("scenario.toml");
+    std::fs::write(&scenario, toml::to_string(&s).unwrap()).unwrap();
+    // One task a node: rank 1, and the yardstick's far end, on gs-node2.
+    let compare = |out: &str, nodes: &[&str], copy: bool| {
+        let mut c = cluster.command("salloc");
+        c.args([&format!("-N{}", nodes.len()), "-n2", "--overcommit", "--time=5", "--quiet"])
+            .arg(format!("--nodelist={}", nodes.join(",")))
+            .arg(env!("CARGO_BIN_EXE_gradsync-bench"))
+            .args(["compare", "--slurm"])
+            .arg(&scenario)
+            .arg("--out")
+            .arg(cluster.dir.join(out))
+            .arg("--bin-dir")
+            .arg(&bin)
+            .stdout(Stdio::null());
+        if copy {
+            c.arg("--copy-binaries");
+        }
+        Proc::spawn(&mut c).finish(Duration::from_secs(240))
+    };
+    let (code, err, _) = compare("out-refused", &["gs-node1", "gs-node2"], false);
+    assert_ne!(code, 0, "compare --slurm with a node lacking the binaries succeeded:\n{err}");
+    let lacks = format!("--slurm: node gs-node2 lacks {}", bin.join("gradsync-worker").display());
+    assert!(err.contains(&lacks) && err.contains("(--copy-binaries puts this machine's there)"), "{err}");
+    assert!(!err.contains("node gs-node1 lacks"), "{err}");
+    assert!(!cluster.dir.join("out-refused/outcomes.jsonl").exists());
+
+    let (code, err, took) = compare("out-copied", &["gs-node1", "gs-node2"], true);
+    assert_eq!(code, 0, "compare --slurm --copy-binaries failed:\n{err}\nSlurm: {}", cluster.logs());
+    let copied =
+        |node: &str| format!("node {node}: this machine's binaries copied into /tmp/gradsync-compare-");
+    assert!(err.contains(&copied("gs-node2")) && !err.contains("node gs-node1: this machine's"), "{err}");
+    for o in outcomes(&cluster.dir.join("out-copied"), 1) {
+        assert_eq!(o["status"], "ok", "{o}\n{err}");
+    }
+    let machine: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(cluster.dir.join("out-copied/machine.json")).unwrap())
+            .unwrap();
+    assert_eq!(machine["link"], "gs-node1 to gs-node2", "{machine}");
+    let left = cluster.node_tmp(2);
+    assert!(!left.contains("gradsync-compare-"), "node 2's /tmp holds {left}");
+    eprintln!("compare --slurm --copy-binaries: binaries copied and one run in {:.1} s", took.as_secs_f64());
+
+    // A node that sees them where they are (a shared file system): nothing copied, said once.
+    let (code, err, _) = compare("out-shared", &["gs-node1"], true);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("--copy-binaries: every node already sees this machine's binaries"), "{err}");
+    assert!(!err.contains("binaries copied into"), "{err}");
 }

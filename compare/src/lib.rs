@@ -20,8 +20,11 @@
 //!   - [`netns`]: an emulated host's network namespace;
 //!   - [`ssh`]: `compare --hosts`, the hosts reached over ssh (read from a [`hostfile`]);
 //!   - [`slurm`]: `compare --slurm`, the nodes of a Slurm allocation, and `--emit-sbatch`.
+//! - [`binaries`]: the gradsync binaries a host or node runs, checked there at the start
+//!   (`--copy-binaries`: this machine's put where they are missing).
 //! - [`place`]: where a run's processes go on hosts or nodes, and whether they can take them.
-//! - [`child`]: the runner's child processes and every wait on one with a deadline.
+//! - [`child`]: the runner's child processes (one piped into another among them) and every
+//!   wait on one with a deadline.
 //! - [`machine`]: the machine and link record (`machine.json`) and what a machine or a host
 //!   cannot take.
 //! - [`results`]: what a run reduces to, read from its files.
@@ -35,6 +38,7 @@
 //!   `rawtcp-peer`, its two ends on two hosts.
 //! - [`table`]: plain-text tables.
 
+pub mod binaries;
 pub mod charts;
 pub mod child;
 pub mod cluster;
@@ -112,19 +116,25 @@ pub struct CompareArgs {
     pub trace: bool,
     /// Run every server and worker on these hosts over ssh: a hostfile (`node0 slots=4` a
     /// line, DeepSpeed's form) or a list (`node0:4,node1:4`, Horovod's). Each host needs the
-    /// same gradsync binaries at the same path (or --remote-bin-dir).
-    #[arg(long, value_name = "FILE|LIST", conflicts_with = "slurm")]
+    /// same gradsync binaries at the same path (or --remote-bin-dir; or --copy-binaries).
+    #[arg(long, value_name = "FILE|LIST", conflicts_with = "slurm", group = "sites")]
     pub hosts: Option<String>,
     /// Run inside the Slurm allocation this runs in (SLURM_JOB_ID, SLURM_JOB_NODELIST): every
     /// server and worker a job step started with srun on the node its run's placement gives
-    /// it. The run directory must be on a file system the nodes share.
-    #[arg(long)]
+    /// it. Each node needs the same gradsync binaries at the same path (or --copy-binaries).
+    #[arg(long, group = "sites")]
     pub slurm: bool,
     /// Write a Slurm batch script (DIR/compare.sbatch, with the scenario beside it) that runs
     /// this comparison with --slurm in an allocation sized from its largest run, instead of
     /// running it.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["slurm", "hosts", "resume", "out"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["slurm", "hosts", "resume", "out"], group = "sites")]
     pub emit_sbatch: Option<PathBuf>,
+    /// Put this machine's gradsync binaries on every host (into --remote-bin-dir) or Slurm node
+    /// (into a directory of its own, removed at the end) that lacks them or has another build,
+    /// each replacing the old by a rename, then check it again; without it such a host or node
+    /// is refused. Nothing is copied where every one has them already (a shared file system).
+    #[arg(long, requires = "sites")]
+    pub copy_binaries: bool,
     /// The processes the batch script of --emit-sbatch places on each node (its cores, or GPUs).
     #[arg(long, default_value_t = 1, requires = "emit_sbatch")]
     pub tasks_per_node: usize,
@@ -178,7 +188,8 @@ impl Launching {
             _ => None,
         };
         if a.slurm {
-            let alloc = slurm::Alloc::from_env(&bins.worker, out)?;
+            let local = binaries::LocalBinaries::of(bins)?;
+            let alloc = slurm::Alloc::from_env(&local, out, a.copy_binaries)?;
             eprintln!("gradsync-bench compare: Slurm job {}: {}", alloc.job, alloc.describe());
             return Ok(Launching { pool: Some(Box::new(alloc)), tls });
         }
@@ -188,15 +199,9 @@ impl Launching {
             ssh_opts: a.ssh_opts.clone(),
             remote_dir: a.remote_dir.clone(),
             remote_bin_dir: a.remote_bin_dir.clone(),
+            copy_binaries: a.copy_binaries,
         };
-        let dir = bins.worker.parent().unwrap_or(Path::new("."));
-        let bench = dir.join("gradsync-bench");
-        let bench = if bench.is_file() {
-            bench
-        } else {
-            std::env::current_exe().context("locating gradsync-bench")?
-        };
-        let local = [bins.worker.clone(), bins.server.clone(), bench];
+        let local = binaries::LocalBinaries::of(bins)?;
         let t = Instant::now();
         let hosts = ssh::Hosts::connect(&entries, &ssh_args, &local, out)?;
         eprintln!(
@@ -266,7 +271,14 @@ pub fn run_compare(a: &CompareArgs) -> anyhow::Result<()> {
     let scenario = Scenario::parse(&text, "the scenario with command-line overrides")?;
     if let Some(dir) = &a.emit_sbatch {
         let bench = std::env::current_exe().context("locating gradsync-bench")?;
-        let script = slurm::emit_sbatch(&scenario, dir, &bench, a.bin_dir.as_deref(), a.tasks_per_node)?;
+        let script = slurm::emit_sbatch(
+            &scenario,
+            dir,
+            &bench,
+            a.bin_dir.as_deref(),
+            a.copy_binaries,
+            a.tasks_per_node,
+        )?;
         eprintln!("gradsync-bench compare: wrote {}; submit it with sbatch", script.display());
         return Ok(());
     }
@@ -695,4 +707,31 @@ pub(crate) fn utc_stamp() -> String {
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
     format!("{y:04}{m:02}{d:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        compare: CompareArgs,
+    }
+
+    #[test]
+    fn copy_binaries_goes_with_hosts_slurm_or_a_batch_script() {
+        let parse = |args: &[&str]| Cli::try_parse_from([&["compare"], args].concat());
+        for with in [&["--hosts", "n1:2"][..], &["--slurm"], &["--emit-sbatch", "jobs/x"]] {
+            assert!(!parse(with).unwrap().compare.copy_binaries, "{with:?}");
+            let a = parse(&[with, &["--copy-binaries"]].concat()).unwrap().compare;
+            assert!(a.copy_binaries, "{with:?}");
+        }
+        let e = parse(&["--copy-binaries"]).unwrap_err().to_string();
+        assert!(e.contains("--copy-binaries") && e.contains("--hosts"), "{e}");
+        assert!(parse(&["--hosts", "n1:2", "--slurm"]).is_err());
+    }
 }

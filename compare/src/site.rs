@@ -3,14 +3,18 @@
 //! ([`crate::local`]), an emulated host's network namespace ([`crate::netns`]), another host
 //! reached over ssh ([`crate::ssh`]) or a node of a Slurm allocation ([`crate::slurm`]); each
 //! says how to run a command there, and what is the same everywhere (how a process is
-//! launched, its files copied back, the link between two sites measured) is written once,
-//! here, over that. The runner never asks which site it has.
+//! launched, files copied in before and its files copied back after, the link between two
+//! sites measured) is written once, here, over that. The runner never asks which site it has.
+//!
+//! Files travel as `tar` streams over the command's own pipes: [`Site::put`] streams a `tar`
+//! made here into one unpacking there (`--copy-binaries`: this machine's binaries onto the
+//! hosts and nodes that lack them, [`crate::binaries`]), [`Site::collect`] the other way.
 //!
 //! ```text
-//!        exec, modes, machine, lib (the callers)
+//!        exec, modes, machine, binaries, lib (the callers)
 //!             |  Arc<dyn Site>, &dyn Pool
 //!             v
-//!          site.rs  (the traits, and launch / run / collect / measure_link once)
+//!          site.rs  (the traits, and launch / run / put / collect / measure_link once)
 //!          ^   ^   ^   ^
 //!   local.rs netns.rs ssh.rs slurm.rs   (one implementation each)
 //! ```
@@ -34,12 +38,15 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
-use crate::child::{Launch, run_limited, wait_for_line, wait_until};
+use crate::child::{Launch, run_limited, run_pipe, wait_for_line, wait_until};
 use crate::rawtcp::PeerReading;
 use crate::scenario::RunSpec;
 
 /// How long bringing a run's files back from one site may take.
 const COLLECT_LIMIT: Duration = Duration::from_secs(300);
+/// How long copying files to one site may take: this machine's three binaries (some 300 MB
+/// in a debug build, 50 MB in a release one) cross a 100 Mbit/s link in under 30 s.
+const PUT_LIMIT: Duration = Duration::from_secs(600);
 
 /// Where a process runs: how a command is started there, and where its files go.
 pub trait Site: fmt::Debug + Send + Sync {
@@ -125,6 +132,41 @@ pub trait Site: fmt::Debug + Send + Sync {
     fn run(&self, script: &str, limit: Duration) -> anyhow::Result<Output> {
         let c = self.command(OsStr::new("/bin/sh"), &["-c".into(), script.into()], false);
         run_limited(c, None, limit).with_context(|| self.label().unwrap_or_else(|| "this machine".into()))
+    }
+
+    /// Copy `local` (files or directories here, followed where they are symbolic links) into
+    /// the directory `remote` there (made where missing), each under its own name and replacing
+    /// what had that name: a `tar` stream made here ([`pack_command`]) on the stdin of a command
+    /// there that unpacks it beside and renames each into place ([`unpack_script`]), within
+    /// [`PUT_LIMIT`]. A file is replaced by one rename, so a process starting it there meanwhile
+    /// runs the old whole or the new whole, never a half-written one.
+    ///
+    /// Where processes are this one's children the file system is this machine's (a namespace
+    /// of it shares it): the same two `tar`s run here, and an item whose directory already is
+    /// `remote` is left alone: it is in place, and a copy onto itself would only cost time.
+    /// The error names the site and what failed (`tar` or `mktemp` missing there, no space, no
+    /// permission, the time allowed), with what either end said.
+    fn put(&self, local: &[&Path], remote: &Path) -> anyhow::Result<()> {
+        let whence = self.label().unwrap_or_else(|| "this machine".into());
+        let mut items = put_items(local).with_context(|| format!("{whence}: copying files there"))?;
+        if self.is_child() {
+            items.retain(|(dir, _)| !same_dir(dir, remote));
+        }
+        if items.is_empty() {
+            return Ok(());
+        }
+        let names: Vec<String> = items.iter().map(|(_, n)| n.clone()).collect();
+        let script = unpack_script(remote, &names);
+        let far = if self.is_child() {
+            let mut c = Command::new("/bin/sh");
+            c.args(["-c", &script]);
+            c
+        } else {
+            self.command(OsStr::new("/bin/sh"), &["-c".into(), script.into()], true)
+        };
+        let done = run_pipe(pack_command(&items), far, PUT_LIMIT);
+        let launcher = done.as_ref().ok().and_then(|(_, there)| self.launcher_failure(there.status));
+        put_outcome(&whence, &names, remote, done, launcher)
     }
 
     /// Bring what the run's processes wrote there into `dir` (a `tar` stream on the command's
@@ -293,6 +335,119 @@ pub fn unpack_files(whence: &str, packed: anyhow::Result<Output>, dir: &Path) ->
     Ok(())
 }
 
+/// What [`Site::put`] copies: each of `local`'s directory (absolute) and name, checked here:
+/// it exists, has a name, and no two share one (they would land on one path there).
+fn put_items(local: &[&Path]) -> anyhow::Result<Vec<(PathBuf, String)>> {
+    let mut items: Vec<(PathBuf, String)> = Vec::new();
+    for p in local {
+        let abs = std::path::absolute(p).with_context(|| format!("{}", p.display()))?;
+        std::fs::metadata(&abs).with_context(|| format!("{}: cannot be read here", p.display()))?;
+        let (Some(dir), Some(name)) = (abs.parent(), abs.file_name()) else {
+            anyhow::bail!("{}: has no name to copy it under", p.display());
+        };
+        let name = name.to_string_lossy().into_owned();
+        anyhow::ensure!(
+            !items.iter().any(|(_, n)| *n == name),
+            "two files named {name} would land on one path"
+        );
+        items.push((dir.to_path_buf(), name));
+    }
+    Ok(items)
+}
+
+/// Whether `a` and `b` are one directory of this machine (`b` existing).
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// The `tar` run here that writes `items` (each a directory and a name in it) to its stdout,
+/// following symbolic links (a link to a binary sends the binary). Each name goes as `./NAME`,
+/// so that one starting with `-` is no option.
+pub fn pack_command(items: &[(PathBuf, String)]) -> Command {
+    let mut c = Command::new("tar");
+    c.args(["-c", "-h", "-f", "-"]);
+    for (dir, name) in items {
+        c.arg("-C").arg(dir).arg(format!("./{name}"));
+    }
+    c
+}
+
+/// The shell command, run there, that unpacks the `tar` stream on its stdin into the
+/// directory `remote` (made where missing), whose top-level entries are `names`: into a fresh
+/// directory beside them first (`mktemp -d`, removed however the command ends), then each
+/// renamed into place. A file replaces a file (or a link to one) by that rename alone; a
+/// directory replaces a directory, which is removed first; a file never replaces a directory.
+/// The files belong to whoever unpacks them, whatever their owner here. Every path is one
+/// quoted word; a failing step ends it with that step's status (127: a program is missing).
+pub fn unpack_script(remote: &Path, names: &[String]) -> String {
+    let names: Vec<String> = names.iter().map(|n| quote(n)).collect();
+    format!(
+        "r={r}; mkdir -p -- \"$r\" || exit; \
+         t=$(mktemp -d \"$r/.gradsync-put.XXXXXX\") || exit; trap 'rm -rf -- \"$t\"' EXIT; \
+         tar --no-same-owner -C \"$t\" -xf - || exit; \
+         for n in {names}; do \
+           if [ -L \"$r/$n\" ] && [ -d \"$r/$n\" ]; then rm -f -- \"$r/$n\" || exit; \
+           elif [ -d \"$r/$n\" ]; then \
+             if [ -d \"$t/$n\" ]; then rm -rf -- \"$r/$n\" || exit; \
+             else echo \"$r/$n is a directory: a file cannot replace it\" >&2; exit 1; fi; \
+           fi; \
+           mv -f -- \"$t/$n\" \"$r/$n\" || exit; \
+         done",
+        r = quote(&remote.display().to_string()),
+        names = names.join(" "),
+    )
+}
+
+/// What a failed copy to a site most likely met, from what the command there said and its
+/// exit status; none where it says nothing known.
+pub fn put_failure(stderr: &str, status: Option<i32>) -> Option<&'static str> {
+    let l = stderr.to_lowercase();
+    if l.contains("no space left") || l.contains("quota exceeded") {
+        Some("no space left there")
+    } else if l.contains("read-only file system") {
+        Some("the file system there is read-only")
+    } else if l.contains("permission denied") || l.contains("operation not permitted") {
+        Some("no permission to write there")
+    } else if status == Some(127) || l.contains("not found") {
+        Some("a program it needs (tar, mktemp) is missing there")
+    } else {
+        None
+    }
+}
+
+/// [`Site::put`]'s result from both ends of the pipe: the far end's failure first (the near
+/// end's broken pipe is its echo), said with `launcher` where the command itself failed
+/// ([`Site::launcher_failure`]), else with [`put_failure`]'s reading; then the near end's.
+fn put_outcome(
+    whence: &str,
+    names: &[String],
+    remote: &Path,
+    done: anyhow::Result<(Output, Output)>,
+    launcher: Option<&str>,
+) -> anyhow::Result<()> {
+    let what = format!("{whence}: copying {} into {}", names.join(", "), remote.display());
+    let (here, there) = done.with_context(|| format!("{what} failed"))?;
+    let said = |o: &Output| String::from_utf8_lossy(&o.stderr).trim().to_string();
+    if !there.status.success() {
+        let text = said(&there);
+        let why = match launcher {
+            Some(l) => l.to_string(),
+            None => put_failure(&text, there.status.code()).map(|w| format!(" ({w})")).unwrap_or_default(),
+        };
+        anyhow::bail!("{what} failed: {}{why}: {text}", there.status);
+    }
+    anyhow::ensure!(
+        here.status.success(),
+        "{what} failed: reading them here with tar ({}): {}",
+        here.status,
+        said(&here)
+    );
+    Ok(())
+}
+
 /// `s` as one word of a POSIX shell command line.
 pub fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
@@ -365,8 +520,174 @@ pub fn measure_link(
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    use gradsync_testkit::Scratch;
+
+    use crate::local::Local;
+
+    /// A site that is not this one's children, whose commands run here with `path` as their
+    /// PATH (when given) and, as a Slurm step, forward stdin only when asked.
+    #[derive(Debug, Default)]
+    struct Far {
+        path: Option<PathBuf>,
+    }
+
+    impl Site for Far {
+        fn label(&self) -> Option<String> {
+            Some("far site".into())
+        }
+
+        fn command(&self, program: &OsStr, args: &[OsString], input: bool) -> Command {
+            let mut c = Command::new("/bin/sh");
+            let forward = if input { "exec \"$0\" \"$@\"" } else { "exec \"$0\" \"$@\" </dev/null" };
+            c.args(["-c", forward]).arg(program).args(args);
+            if let Some(p) = &self.path {
+                c.env("PATH", p);
+            }
+            c
+        }
+
+        fn is_child(&self) -> bool {
+            false
+        }
+
+        fn free_port(&self) -> anyhow::Result<u16> {
+            loopback_port()
+        }
+    }
+
+    fn write(path: &Path, text: &str, mode: u32) {
+        std::fs::write(path, text).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    #[test]
+    fn the_unpack_script_and_the_tar_here_keep_every_path_one_word() {
+        let names = ["gradsync-worker".to_string(), "it's a bin".to_string(), "-rf".to_string()];
+        let s = unpack_script(Path::new("/opt/my dir/o'k"), &names);
+        assert!(s.starts_with("r='/opt/my dir/o'\\''k'; mkdir -p -- \"$r\" || exit; "), "{s}");
+        assert!(s.contains("for n in 'gradsync-worker' 'it'\\''s a bin' '-rf'; do"), "{s}");
+        // Unpacked beside, then renamed into place; the temporary directory goes however it ends.
+        assert!(s.contains("t=$(mktemp -d \"$r/.gradsync-put.XXXXXX\")"), "{s}");
+        assert!(s.contains("trap 'rm -rf -- \"$t\"' EXIT"), "{s}");
+        assert!(s.contains("mv -f -- \"$t/$n\" \"$r/$n\""), "{s}");
+        let items = [(PathBuf::from("/a b"), "it's".to_string()), (PathBuf::from("/c"), "-rf".to_string())];
+        let c = pack_command(&items);
+        let args: Vec<String> = c.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
+        assert_eq!(args, ["-c", "-h", "-f", "-", "-C", "/a b", "./it's", "-C", "/c", "./-rf"]);
+    }
+
+    #[test]
+    fn put_copies_files_and_directories_under_names_with_spaces_and_quotes() {
+        let dir = Scratch::new("put");
+        let src = dir.join("s p'ace");
+        std::fs::create_dir_all(src.join("a dir/deep")).unwrap();
+        let (bin, tree, link) = (src.join("we'ird bin"), src.join("a dir"), src.join("-link"));
+        write(&bin, "#!/bin/sh\necho new\n", 0o755);
+        write(&tree.join("deep/f"), "f1", 0o644);
+        std::os::unix::fs::symlink(&bin, &link).unwrap();
+        for (site, to) in [(&Far::default() as &dyn Site, "far"), (&Local, "here")] {
+            let dest = dir.join(format!("de st'/{to}"));
+            // A first copy, then another over it: each file replaced by a rename (a hard link to
+            // the old one keeps the old bytes), a directory replaced whole.
+            site.put(&[&bin, &tree], &dest).unwrap();
+            std::fs::hard_link(dest.join("we'ird bin"), dest.join("old")).unwrap();
+            write(&dest.join("a dir/stale"), "x", 0o644);
+            write(&bin, "#!/bin/sh\necho newer\n", 0o755);
+            site.put(&[&bin, &tree, &link], &dest).unwrap();
+            let got = std::fs::read_to_string(dest.join("we'ird bin")).unwrap();
+            assert_eq!(got, "#!/bin/sh\necho newer\n", "{to}");
+            assert_eq!(std::fs::read_to_string(dest.join("old")).unwrap(), "#!/bin/sh\necho new\n", "{to}");
+            let mode = std::fs::metadata(dest.join("we'ird bin")).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o755, "{to}");
+            assert_eq!(std::fs::read_to_string(dest.join("a dir/deep/f")).unwrap(), "f1", "{to}");
+            assert!(!dest.join("a dir/stale").exists(), "{to}: the old directory was kept");
+            // A link sends what it points to.
+            let l = std::fs::symlink_metadata(dest.join("-link")).unwrap();
+            assert!(l.is_file(), "{to}: {l:?}");
+            let left: Vec<String> = std::fs::read_dir(&dest)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(".gradsync-put"))
+                .collect();
+            assert!(left.is_empty(), "{to}: {left:?} left behind");
+            write(&bin, "#!/bin/sh\necho new\n", 0o755);
+        }
+    }
+
+    #[test]
+    fn a_put_where_the_files_are_is_nothing_here_and_harmless_elsewhere() {
+        let dir = Scratch::new("put-in-place");
+        let f = dir.join("gradsync-worker");
+        write(&f, "bytes", 0o755);
+        let inode = std::fs::metadata(&f).unwrap().ino();
+        // This machine: nothing done (the same inode), whatever way the path is written.
+        Local.put(&[&f], &dir.join(".")).unwrap();
+        assert_eq!(std::fs::metadata(&f).unwrap().ino(), inode);
+        // Another site given the same path: unpacked beside, then renamed, never over itself.
+        Far::default().put(&[&f], dir.path()).unwrap();
+        assert_eq!(std::fs::read_to_string(&f).unwrap(), "bytes");
+    }
+
+    #[test]
+    fn a_failed_put_names_the_site_and_what_failed() {
+        let dir = Scratch::new("put-fails");
+        let f = dir.join("gradsync-server");
+        write(&f, "bytes", 0o755);
+        let msg = |site: &dyn Site, local: &[&Path], remote: &Path| {
+            format!("{:#}", site.put(local, remote).unwrap_err())
+        };
+        let e = msg(&Far::default(), &[&dir.join("nope")], dir.path());
+        assert!(
+            e.contains("far site: copying files there") && e.contains("nope: cannot be read here"),
+            "{e}"
+        );
+        std::fs::create_dir_all(dir.join("other")).unwrap();
+        write(&dir.join("other/gradsync-server"), "other", 0o755);
+        let e = msg(&Far::default(), &[&f, &dir.join("other/gradsync-server")], &dir.join("d"));
+        assert!(e.contains("two files named gradsync-server"), "{e}");
+        // A destination under a file: mkdir there fails, named with the path.
+        let e = msg(&Far::default(), &[&f], &f.join("sub"));
+        assert!(
+            e.starts_with(&format!(
+                "far site: copying gradsync-server into {} failed: exit status: 1",
+                f.join("sub").display()
+            )) && e.contains("Not a directory"),
+            "{e}"
+        );
+        // A file never replaces a directory.
+        std::fs::create_dir_all(dir.join("d/gradsync-server")).unwrap();
+        let e = msg(&Local, &[&f], &dir.join("d"));
+        assert!(
+            e.starts_with("this machine: copying gradsync-server into") && e.contains("is a directory"),
+            "{e}"
+        );
+        // No tar there: named as what is missing, and nothing left behind.
+        let tools = dir.join("tools");
+        std::fs::create_dir_all(&tools).unwrap();
+        for t in ["mkdir", "mktemp", "rm", "mv"] {
+            let found =
+                ["/usr/bin", "/bin"].iter().map(|d| Path::new(d).join(t)).find(|p| p.exists()).unwrap();
+            std::os::unix::fs::symlink(found, tools.join(t)).unwrap();
+        }
+        let e = msg(&Far { path: Some(tools) }, &[&f], &dir.join("e"));
+        assert!(e.contains("exit status: 127 (a program it needs (tar, mktemp) is missing there)"), "{e}");
+        assert_eq!(std::fs::read_dir(dir.join("e")).unwrap().count(), 0, "left behind in e");
+        // What the far end says is read for its likely cause.
+        for (said, code, why) in [
+            ("tar: ./gradsync-bench: Cannot write: No space left on device", 2, "no space left there"),
+            ("mkdir: cannot create directory '/opt/g': Permission denied", 1, "no permission to write there"),
+            ("mktemp: failed to create directory via template: Read-only file system", 1, "read-only"),
+            ("sh: 1: tar: not found", 127, "is missing there"),
+        ] {
+            assert!(put_failure(said, Some(code)).unwrap().contains(why), "{said}");
+        }
+        assert_eq!(put_failure("tar: something else", Some(2)), None);
+    }
 
     #[test]
     fn quoting_keeps_every_argument_one_word() {

@@ -16,9 +16,12 @@
 //! stdout and removes it, so the nodes need share no file system with the runner. Rank 0's
 //! metrics come back as they are written on its step's stdout (`supervise --follow`).
 //!
-//! What each node is (CPU, cores, memory, GPUs) is read by a step on it at the start, and
-//! the raw-TCP yardstick is measured between the first two nodes (on the one node's loopback
-//! when the allocation has one).
+//! What each node is (CPU, cores, memory, GPUs) is read by a step on it at the start, with
+//! the gradsync binaries it sees beside this machine's (their path here; [`crate::binaries`]):
+//! a node lacking them or holding another build is refused, or with `--copy-binaries` gets
+//! this machine's in a directory of its own (`bin/` under its files' directory, removed at the
+//! end) that its steps then run. The raw-TCP yardstick is measured between the first two nodes
+//! (on the one node's loopback when the allocation has one).
 //!
 //! `compare --emit-sbatch DIR` writes a batch script that asks for an allocation sized from
 //! the scenario's largest run and runs `compare --slurm` in it, for those who submit instead.
@@ -32,11 +35,12 @@ use std::time::Duration;
 
 use anyhow::Context;
 
+use crate::binaries::{COPY_FLAG, LocalBinaries, check_script, copy_and_check, read_check, refusal};
 use crate::child::run_limited;
 use crate::place::{assign, placement_short};
 use crate::rawtcp::PeerReading;
 use crate::scenario::{RunSpec, Scenario};
-use crate::site::{FACTS_SCRIPT, HostFacts, Pool, Site, Slot, files_under, quote, random_port, read_facts};
+use crate::site::{HostFacts, Pool, Site, Slot, files_under, quote, random_port};
 
 /// How long reading a node's facts may take, the step's start included.
 const FACTS_LIMIT: Duration = Duration::from_secs(60);
@@ -52,8 +56,9 @@ pub struct Node {
     pub slots: usize,
     /// The job whose steps run there.
     job: String,
-    /// `gradsync-worker`, whose `supervise` every step runs under.
-    supervisor: PathBuf,
+    /// Where the gradsync binaries are on the node (`gradsync-worker`, whose `supervise` every
+    /// step runs under, among them): where they are here, or the copy `--copy-binaries` made.
+    bin_dir: PathBuf,
     /// What it is, as a step on it found (empty until read).
     pub facts: HostFacts,
     /// The directory on the node under which processes write (`runs/<id>/` below it).
@@ -91,9 +96,9 @@ impl Site for Node {
         random_port()
     }
 
-    /// The binary of the same name beside the supervisor (the nodes see this machine's paths).
+    /// The binary of the same name in the node's binaries' directory.
     fn binary(&self, local: &Path) -> PathBuf {
-        self.supervisor.with_file_name(local.file_name().unwrap_or(local.as_os_str()))
+        self.bin_dir.join(local.file_name().unwrap_or(local.as_os_str()))
     }
 
     fn files_dir(&self, dir: &Path) -> PathBuf {
@@ -129,9 +134,12 @@ impl Node {
         c
     }
 
-    /// What this node is: [`FACTS_SCRIPT`] run as a step on it.
-    fn read_facts(&self) -> anyhow::Result<HostFacts> {
-        let o = self.run(FACTS_SCRIPT, FACTS_LIMIT).context("reading what it is")?;
+    /// What this node is and whether it has this machine's binaries: [`check_script`] run as
+    /// a step on it. Where they are missing or another build, with `copy` this machine's are
+    /// put in a directory of the node's own and checked again, else the node is refused naming
+    /// what it lacks. Its facts, and the directory its binaries were copied to, if they were.
+    fn check(&self, local: &LocalBinaries, copy: bool) -> anyhow::Result<(HostFacts, Option<PathBuf>)> {
+        let o = self.run(&check_script(&self.bin_dir), FACTS_LIMIT).context("reading what it is")?;
         let text = String::from_utf8_lossy(&o.stdout);
         anyhow::ensure!(
             o.status.success() && text.lines().any(|l| l == "end"),
@@ -140,14 +148,20 @@ impl Node {
             o.status,
             String::from_utf8_lossy(&o.stderr).trim()
         );
-        let mut facts = HostFacts {
+        let base = HostFacts {
             name: self.name.clone(),
             addr: self.addr.clone(),
             slots: self.slots,
             ..HostFacts::default()
         };
-        read_facts(&text, &mut facts);
-        Ok(facts)
+        match read_check(&text, base.clone(), &local.expected, &self.bin_dir) {
+            Ok(facts) => Ok((facts, None)),
+            Err(_) if copy => {
+                let dir = self.remote_root.join("bin");
+                Ok((copy_and_check(self, local, &dir, base, FACTS_LIMIT)?, Some(dir)))
+            }
+            Err(problems) => anyhow::bail!(refusal(&format!("node {}", self.name), &problems)),
+        }
     }
 }
 
@@ -155,36 +169,51 @@ impl Alloc {
     /// The allocation this process runs in, from Slurm's variables (`SLURM_JOB_ID`,
     /// `SLURM_JOB_NODELIST`, `SLURM_TASKS_PER_NODE`), each node's address from
     /// `scontrol show node` and what it is from a step on it (every node at once; a node
-    /// whose step fails is named), for a comparison written to `out`.
-    pub fn from_env(supervisor: &Path, out: &Path) -> anyhow::Result<Alloc> {
+    /// whose step fails is named), for a comparison written to `out`. Every node must see
+    /// `local` (this machine's binaries) at their path here, or with `copy` gets them put in a
+    /// directory of its own (said once where no node needs it: a file system they share).
+    pub fn from_env(local: &LocalBinaries, out: &Path, copy: bool) -> anyhow::Result<Alloc> {
         let get = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-        let mut alloc = Alloc::from_vars(get, supervisor, out)?;
+        let mut alloc = Alloc::from_vars(get, &local.paths[0], out)?;
         let addrs = node_addrs(&alloc.nodes.iter().map(|n| n.name.clone()).collect::<Vec<_>>());
         let nodes: Vec<Node> = std::mem::take(&mut alloc.nodes)
             .into_iter()
             .zip(addrs)
             .map(|(n, addr)| Node { addr, ..Arc::unwrap_or_clone(n) })
             .collect();
-        let facts: Vec<anyhow::Result<HostFacts>> = std::thread::scope(|s| {
-            let handles: Vec<_> = nodes.iter().map(|n| s.spawn(|| n.read_facts())).collect();
+        type Checked = anyhow::Result<(HostFacts, Option<PathBuf>)>;
+        let checked: Vec<Checked> = std::thread::scope(|s| {
+            let handles: Vec<_> = nodes.iter().map(|n| s.spawn(|| n.check(local, copy))).collect();
             handles
                 .into_iter()
                 .map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("reading a node panicked"))))
                 .collect()
         });
-        let mut errors = Vec::new();
-        for (n, f) in nodes.into_iter().zip(facts) {
-            match f {
-                Ok(facts) => alloc.nodes.push(Arc::new(Node { facts, ..n })),
+        let (mut errors, mut copied) = (Vec::new(), 0);
+        for (n, c) in nodes.into_iter().zip(checked) {
+            match c {
+                Ok((facts, dir)) => {
+                    copied += usize::from(dir.is_some());
+                    let bin_dir = dir.unwrap_or_else(|| n.bin_dir.clone());
+                    alloc.nodes.push(Arc::new(Node { facts, bin_dir, ..n }));
+                }
                 Err(e) => errors.push(format!("{e:#}")),
             }
         }
         anyhow::ensure!(errors.is_empty(), "--slurm: {}", errors.join("; "));
+        if copy && copied == 0 {
+            let here = local.paths[0].parent().unwrap_or(Path::new("")).display();
+            eprintln!(
+                "gradsync-bench compare: {COPY_FLAG}: every node already sees this machine's binaries in \
+                 {here}; nothing copied"
+            );
+        }
         Ok(alloc)
     }
 
-    /// [`Alloc::from_env`] from the variables `get` gives, every node's address its name and
-    /// its facts unread.
+    /// [`Alloc::from_env`] from the variables `get` gives, every node's address its name, its
+    /// facts unread and its binaries taken to be beside `supervisor` (this machine's
+    /// gradsync-worker), at its path here.
     pub fn from_vars(
         get: impl Fn(&str) -> Option<String>,
         supervisor: &Path,
@@ -216,7 +245,7 @@ impl Alloc {
                     name,
                     slots,
                     job: job.clone(),
-                    supervisor: supervisor.to_path_buf(),
+                    bin_dir: supervisor.parent().unwrap_or(Path::new("")).to_path_buf(),
                     facts: HostFacts::default(),
                     remote_root: remote_root.clone(),
                     local_root: local_root.clone(),
@@ -269,12 +298,13 @@ impl Pool for Alloc {
         Ok((servers.iter().map(Slot::from).collect(), workers.iter().map(Slot::from).collect()))
     }
 
-    /// With `gradsync-bench rawtcp-peer` (beside the supervisor) as a step on each node.
+    /// With `gradsync-bench rawtcp-peer` (in each node's binaries' directory) as a step on each
+    /// node.
     fn measure_link(&self, rounds: usize, each: Duration) -> anyhow::Result<PeerReading> {
         let from = self.nodes.first().context("--slurm: the allocation has no node")?;
         let to = self.nodes.get(1).unwrap_or(from);
         let listen = if Arc::ptr_eq(from, to) { "127.0.0.1".to_string() } else { to.addr.clone() };
-        let bench = from.supervisor.with_file_name("gradsync-bench");
+        let bench = from.binary(Path::new("gradsync-bench"));
         crate::site::measure_link(
             from.as_ref(),
             to.as_ref(),
@@ -286,15 +316,19 @@ impl Pool for Alloc {
         )
     }
 
-    /// Remove the (then empty) directories the runs used on every node; once is enough, more
-    /// is harmless.
+    /// Remove the (then empty) directories the runs used on every node, and the binaries
+    /// `--copy-binaries` put there; once is enough, more is harmless.
     fn tidy(&self) {
         std::thread::scope(|s| {
             for n in &self.nodes {
                 s.spawn(|| {
                     let root = quote(&n.remote_root.display().to_string());
                     let runs = quote(&n.remote_root.join("runs").display().to_string());
-                    let _ = n.run(&format!("rmdir {runs} {root} 2>/dev/null; true"), Duration::from_secs(30));
+                    let bin = quote(&n.remote_root.join("bin").display().to_string());
+                    let _ = n.run(
+                        &format!("rm -rf -- {bin}; rmdir {runs} {root} 2>/dev/null; true"),
+                        Duration::from_secs(30),
+                    );
                 });
             }
         });
@@ -381,13 +415,15 @@ pub fn size(scenario: &Scenario, tasks_per_node: usize) -> (Size, Duration) {
 }
 
 /// The batch script of `dir` (`dir/compare.sbatch`): `#SBATCH` lines for `size` and `limit`,
-/// then `compare --slurm` with `bench` (and the binaries of `bin_dir`, when given) on
-/// `dir/scenario.toml`, the runs going to `dir/runs-<job id>`, its log beside.
+/// then `compare --slurm` with `bench` (and the binaries of `bin_dir`, when given; copied to
+/// the nodes that lack them with `copy_binaries`) on `dir/scenario.toml`, the runs going to
+/// `dir/runs-<job id>`, its log beside.
 pub fn sbatch_script(
     size: Size,
     limit: Duration,
     bench: &Path,
     bin_dir: Option<&Path>,
+    copy_binaries: bool,
     dir: &Path,
 ) -> String {
     let path = |name: &str| dir.join(name).display().to_string();
@@ -401,7 +437,7 @@ pub fn sbatch_script(
          #SBATCH --time={minutes}\n\
          #SBATCH --output={log}\n\
          set -eu\n\
-         exec {bench} compare --slurm {scenario} --out {runs}\"${{SLURM_JOB_ID}}\"{bins}\n",
+         exec {bench} compare --slurm {scenario} --out {runs}\"${{SLURM_JOB_ID}}\"{bins}{copy}\n",
         script = path("compare.sbatch"),
         nodes = size.nodes,
         tasks = size.tasks_per_node,
@@ -411,6 +447,7 @@ pub fn sbatch_script(
         scenario = quote(&path("scenario.toml")),
         runs = quote(&path("runs-")),
         bins = bin_dir.map(|d| format!(" --bin-dir {}", quote(&d.display().to_string()))).unwrap_or_default(),
+        copy = if copy_binaries { format!(" {COPY_FLAG}") } else { String::new() },
     )
 }
 
@@ -421,6 +458,7 @@ pub fn emit_sbatch(
     dir: &Path,
     bench: &Path,
     bin_dir: Option<&Path>,
+    copy_binaries: bool,
     tasks_per_node: usize,
 ) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(dir).with_context(|| format!("--emit-sbatch: creating {}", dir.display()))?;
@@ -430,7 +468,7 @@ pub fn emit_sbatch(
         .with_context(|| format!("writing {}", toml_path.display()))?;
     let (size, limit) = size(scenario, tasks_per_node);
     let script = dir.join("compare.sbatch");
-    std::fs::write(&script, sbatch_script(size, limit, bench, bin_dir, &dir))
+    std::fs::write(&script, sbatch_script(size, limit, bench, bin_dir, copy_binaries, &dir))
         .with_context(|| format!("writing {}", script.display()))?;
     std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
         .with_context(|| format!("making {} executable", script.display()))?;
@@ -561,9 +599,15 @@ mod tests {
         assert_eq!(size, Size { nodes: 3, tasks_per_node: 2 });
         assert_eq!(limit, Duration::from_secs(600 * runs as u64 + 600));
         let dir = gradsync_testkit::Scratch::new("sbatch");
-        let script =
-            emit_sbatch(&s, dir.path(), Path::new("/opt/g/gradsync-bench"), Some(Path::new("/opt/g")), 2)
-                .unwrap();
+        let script = emit_sbatch(
+            &s,
+            dir.path(),
+            Path::new("/opt/g/gradsync-bench"),
+            Some(Path::new("/opt/g")),
+            false,
+            2,
+        )
+        .unwrap();
         let text = std::fs::read_to_string(&script).unwrap();
         assert!(text.starts_with("#!/bin/bash\n"), "{text}");
         for want in ["#SBATCH --nodes=3\n", "#SBATCH --ntasks-per-node=2\n"] {
@@ -586,5 +630,15 @@ mod tests {
         // The scenario written beside it is the one given.
         let back = Scenario::parse(&std::fs::read_to_string(&toml).unwrap(), "x").unwrap();
         assert_eq!(back.expand().len(), runs);
+    }
+
+    #[test]
+    fn the_batch_script_passes_copy_binaries_on() {
+        let size = Size { nodes: 2, tasks_per_node: 1 };
+        let (bench, dir) = (Path::new("/opt/my g/gradsync-bench"), Path::new("/jobs/x"));
+        let with = sbatch_script(size, Duration::from_secs(60), bench, None, true, dir);
+        assert!(with.contains("\"${SLURM_JOB_ID}\" --copy-binaries\n"), "{with}");
+        let without = sbatch_script(size, Duration::from_secs(60), bench, None, false, dir);
+        assert!(!without.contains(COPY_FLAG), "{without}");
     }
 }

@@ -13,7 +13,9 @@
 //!
 //! Before the first run every host is checked in parallel: it answers over ssh, it has the
 //! same gradsync binaries at the same path as this machine (`--version` and a SHA-256 of each
-//! file), and what it is (CPU, cores, memory, GPUs, kernel) is recorded for the report.
+//! file, [`crate::binaries`]; with `--copy-binaries` a host lacking them gets this machine's
+//! put there and is checked again), and what it is (CPU, cores, memory, GPUs, kernel) is
+//! recorded for the report.
 
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
@@ -22,17 +24,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use sha2::Digest;
 
+use crate::binaries::{LocalBinaries, check_script, copy_and_check, read_check, refusal};
 use crate::child::run_limited;
 use crate::hostfile::HostEntry;
 use crate::place::{assign, placement_short};
 use crate::rawtcp::PeerReading;
 use crate::scenario::RunSpec;
-use crate::site::{FACTS_SCRIPT, HostFacts, Pool, Site, Slot, files_under, quote, random_port, read_facts};
-
-/// The binaries every host must have, in the same build as this machine's.
-pub const BINARIES: [&str; 3] = ["gradsync-worker", "gradsync-server", "gradsync-bench"];
+use crate::site::{HostFacts, Pool, Site, Slot, files_under, quote, random_port};
 
 /// How long ssh may take to connect (`ConnectTimeout`), unless `--ssh-opts` says otherwise.
 const CONNECT_TIMEOUT_S: u64 = 10;
@@ -79,6 +78,8 @@ pub struct SshArgs {
     pub remote_dir: Option<PathBuf>,
     /// Where the binaries are on the hosts (default: where they are here).
     pub remote_bin_dir: Option<PathBuf>,
+    /// Put this machine's binaries there on a host that lacks them or has another build.
+    pub copy_binaries: bool,
 }
 
 /// The hosts of a comparison, checked.
@@ -142,37 +143,6 @@ impl From<&Arc<Host>> for Slot {
     }
 }
 
-/// What this machine's binaries are: each one's `--version` line and SHA-256.
-fn identity(path: &Path) -> anyhow::Result<(String, String)> {
-    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    let sha = sha2::Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
-    let out = run_limited(
-        {
-            let mut c = Command::new(path);
-            c.arg("--version");
-            c
-        },
-        None,
-        Duration::from_secs(30),
-    )
-    .with_context(|| format!("{} --version", path.display()))?;
-    Ok((String::from_utf8_lossy(&out.stdout).trim().to_string(), sha))
-}
-
-/// What the check prints on a host: one `key value` a line.
-fn check_script(bin_dir: &Path) -> String {
-    let mut s = String::new();
-    for b in BINARIES {
-        let p = quote(&bin_dir.join(b).display().to_string());
-        s.push_str(&format!(
-            "if [ -x {p} ]; then echo \"bin {b} $(sha256sum < {p} | cut -d' ' -f1) $({p} --version)\"; \
-             else echo \"missing {b}\"; fi; "
-        ));
-    }
-    s.push_str(FACTS_SCRIPT);
-    s
-}
-
 /// The options of every ssh command: the user's (`--ssh-opts`, `GRADSYNC_SSH_OPTS`), then
 /// ours; and the directory of the shared connections' sockets, made here.
 fn ssh_options(a: &SshArgs) -> anyhow::Result<(Vec<String>, PathBuf)> {
@@ -233,19 +203,19 @@ fn ssh_failure(name: &str, stderr: &str) -> String {
 
 impl Hosts {
     /// Check every host of `entries` in parallel and describe it: reachable over ssh, the same
-    /// binaries as `local_bins` (this machine's gradsync-worker, gradsync-server and
-    /// gradsync-bench, in that order). Every host that fails is named, with why.
+    /// binaries as `local` (this machine's; with `a.copy_binaries` put on a host that lacks
+    /// them or has another build, then checked again). Every host that fails is named, with why.
     pub fn connect(
         entries: &[HostEntry],
         a: &SshArgs,
-        local_bins: &[PathBuf; 3],
+        local: &LocalBinaries,
         local_root: &Path,
     ) -> anyhow::Result<Hosts> {
         anyhow::ensure!(!entries.is_empty(), "--hosts: no hosts");
         let (options, control) = ssh_options(a)?;
         let bin_dir = match &a.remote_bin_dir {
             Some(d) => d.clone(),
-            None => local_bins[0].parent().map(Path::to_path_buf).context("the binaries' directory")?,
+            None => local.paths[0].parent().map(Path::to_path_buf).context("the binaries' directory")?,
         };
         anyhow::ensure!(bin_dir.is_absolute(), "--remote-bin-dir {}: must be absolute", bin_dir.display());
         let remote_root = match &a.remote_dir {
@@ -271,18 +241,14 @@ impl Hosts {
             control,
             tidied: false.into(),
         });
-        let mut expected = Vec::new();
-        for (b, p) in BINARIES.iter().zip(local_bins) {
-            let (version, sha) = identity(p).with_context(|| format!("this machine's {b}"))?;
-            expected.push((b.to_string(), version, sha));
-        }
         let script = check_script(&bin_dir);
-        let results: Vec<Result<Host, String>> = std::thread::scope(|s| {
+        let copy = a.copy_binaries;
+        let results: Vec<Result<(Host, bool), String>> = std::thread::scope(|s| {
             let handles: Vec<_> = entries
                 .iter()
                 .map(|e| {
-                    let (conn, script, expected) = (conn.clone(), &script, &expected);
-                    s.spawn(move || check_host(e, conn, script, expected))
+                    let (conn, script) = (conn.clone(), &script);
+                    s.spawn(move || check_host(e, conn, script, local, copy))
                 })
                 .collect();
             handles
@@ -292,15 +258,25 @@ impl Hosts {
         });
         let mut hosts =
             Hosts { hosts: Vec::new(), names: entries.iter().map(|e| e.name.clone()).collect(), conn };
-        let mut errors = Vec::new();
+        let (mut errors, mut copied) = (Vec::new(), 0);
         for r in results {
             match r {
-                Ok(h) => hosts.hosts.push(Arc::new(h)),
+                Ok((h, c)) => {
+                    copied += usize::from(c);
+                    hosts.hosts.push(Arc::new(h));
+                }
                 Err(e) => errors.push(e),
             }
         }
         // On failure, dropping `hosts` closes the connections the check opened.
         anyhow::ensure!(errors.is_empty(), "--hosts: {}", errors.join("; "));
+        if copy && copied == 0 {
+            eprintln!(
+                "gradsync-bench compare: --copy-binaries: every host already has this machine's binaries in {}; \
+                 nothing copied",
+                bin_dir.display()
+            );
+        }
         Ok(hosts)
     }
 
@@ -394,13 +370,16 @@ impl Drop for Hosts {
     }
 }
 
-/// Check one host: its address, that ssh logs in, its binaries, its facts.
+/// Check one host: its address, that ssh logs in, its binaries (with `copy`, this machine's
+/// put there where they are missing or another build, and checked again), its facts. The
+/// host, and whether the binaries were copied there.
 fn check_host(
     e: &HostEntry,
     conn: Arc<Conn>,
     script: &str,
-    expected: &[(String, String, String)],
-) -> Result<Host, String> {
+    local: &LocalBinaries,
+    copy: bool,
+) -> Result<(Host, bool), String> {
     let addr = match &e.addr {
         Some(a) => a.clone(),
         None => resolve(&e.name, &conn.options).map_err(|err| format!("host {}: {err:#}", e.name))?,
@@ -418,47 +397,17 @@ fn check_host(
     if !o.status.success() || !text.lines().any(|l| l == "end") {
         return Err(format!("host {}: the check failed ({}): {}", e.name, o.status, stderr.trim()));
     }
-    let facts = HostFacts { name: e.name.clone(), addr, slots: e.slots, ..HostFacts::default() };
-    let facts = read_check(&text, facts, expected, &host.conn.bin_dir)
-        .map_err(|problems| format!("host {} {}", e.name, problems.join(", and ")))?;
-    Ok(Host { facts, ..host })
-}
-
-/// What the check printed on a host ([`check_script`], [`FACTS_SCRIPT`]): its facts, or what
-/// is wrong with its binaries against `expected` (each one's name, `--version` and SHA-256 here).
-pub fn read_check(
-    text: &str,
-    mut facts: HostFacts,
-    expected: &[(String, String, String)],
-    bin_dir: &Path,
-) -> Result<HostFacts, Vec<String>> {
-    let short = |s: &str| s.chars().take(12).collect::<String>();
-    read_facts(text, &mut facts);
-    let mut problems = Vec::new();
-    for line in text.lines() {
-        let (key, rest) = line.split_once(' ').unwrap_or((line, ""));
-        match key {
-            "missing" => problems.push(format!("lacks {}", bin_dir.join(rest).display())),
-            "bin" => {
-                let mut w = rest.splitn(3, ' ');
-                let (b, sha, version) =
-                    (w.next().unwrap_or(""), w.next().unwrap_or(""), w.next().unwrap_or(""));
-                if let Some((_, v, s)) = expected.iter().find(|(n, _, _)| n == b)
-                    && (v != version || s != sha)
-                {
-                    problems.push(format!(
-                        "has another {} ({version}, sha256 {}) than this machine ({v}, sha256 {})",
-                        bin_dir.join(b).display(),
-                        short(sha),
-                        short(s)
-                    ));
-                }
-            }
-            // The facts' lines, read above.
-            _ => {}
+    let base = HostFacts { name: e.name.clone(), addr, slots: e.slots, ..HostFacts::default() };
+    let bin_dir = &host.conn.bin_dir;
+    match read_check(&text, base.clone(), &local.expected, bin_dir) {
+        Ok(facts) => Ok((Host { facts, ..host }, false)),
+        Err(_) if copy => {
+            let facts =
+                copy_and_check(&host, local, bin_dir, base, CHECK_LIMIT).map_err(|err| format!("{err:#}"))?;
+            Ok((Host { facts, ..host }, true))
         }
+        Err(problems) => Err(refusal(&format!("host {}", e.name), &problems)),
     }
-    if problems.is_empty() { Ok(facts) } else { Err(problems) }
 }
 
 /// The address ssh reaches `name` at (`ssh -G`: the `HostName` of the user's config).
@@ -477,31 +426,6 @@ fn resolve(name: &str, options: &[String]) -> anyhow::Result<String> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_check_names_a_missing_binary_and_another_build() {
-        let expected = [
-            ("gradsync-worker".to_string(), "gradsync-worker 0.1.0".to_string(), "aa".repeat(32)),
-            ("gradsync-server".to_string(), "gradsync-server 0.1.0".to_string(), "bb".repeat(32)),
-        ];
-        let same = format!(
-            "bin gradsync-worker {} gradsync-worker 0.1.0\nbin gradsync-server {} gradsync-server 0.1.0\n\
-             hostname n1\ncores 8\nkernel 6.1\ncpu EPYC\nmemkb 1024\ngpu H100\nend\n",
-            "aa".repeat(32),
-            "bb".repeat(32)
-        );
-        let f = read_check(&same, HostFacts::default(), &expected, Path::new("/opt/g")).unwrap();
-        assert_eq!((f.hostname.as_str(), f.cores, f.memory_bytes, f.gpus.len()), ("n1", 8, 1 << 20, 1));
-        let other = same.replace(&"bb".repeat(32), &"cc".repeat(32));
-        let other = format!("missing gradsync-bench\n{other}");
-        let e = read_check(&other, HostFacts::default(), &expected, Path::new("/opt/g")).unwrap_err();
-        assert_eq!(e.len(), 2, "{e:?}");
-        assert!(e[0].contains("lacks /opt/g/gradsync-bench"), "{e:?}");
-        assert!(
-            e[1].contains("has another /opt/g/gradsync-server") && e[1].contains("sha256 cccccccccccc"),
-            "{e:?}"
-        );
-    }
 
     #[test]
     fn ssh_failures_say_which_host_and_why() {
