@@ -6,7 +6,7 @@ use super::page::ClusterView;
 use super::tables::{Grid, Td, Tr};
 use crate::charts::Group;
 use crate::cost::{self, Link};
-use crate::emulated::ClusterRun;
+use crate::emulated::{ClusterRun, DilationRecord};
 use crate::results::{Cell, Summary, overlap};
 use crate::scenario::ModeKind;
 
@@ -78,7 +78,7 @@ fn opt(v: Option<f64>, digits: usize) -> String {
 
 /// Runs on emulated links: measured step and communication beside the model's prediction, per
 /// link rate, and the PS-to-ring ratio measured and predicted; none without such runs.
-pub fn section(runs: &[ClusterRun], all: &[Summary]) -> Option<ClusterView> {
+pub fn section(runs: &[ClusterRun], all: &[Summary], dilations: &[DilationRecord]) -> Option<ClusterView> {
     if runs.is_empty() {
         return None;
     }
@@ -95,6 +95,8 @@ pub fn section(runs: &[ClusterRun], all: &[Summary]) -> Option<ClusterView> {
         figures("model ms"),
         figures("model ms, push then pull"),
         figures("communication / model"),
+        figures("CPU s per GB"),
+        figures("one core keeps up with, Gbit/s"),
     ];
     let rows = runs
         .iter()
@@ -108,8 +110,9 @@ pub fn section(runs: &[ClusterRun], all: &[Summary]) -> Option<ClusterView> {
             // The worker's BSP step pulls the next version block by block while it pushes, so a
             // PS run is held to the pipelined model; push-then-pull stays beside it for reference.
             let ratio = s.comm_ms.zip(pred).map(|(m, p)| m / p);
+            let per_gb = cpu_per_gb(s);
             let link = format!(
-                "{} Gbit/s{}, {} us delay{}, {}% loss",
+                "{} Gbit/s{}, {} us delay{}, {}% loss{}",
                 r.rate_gbit,
                 r.measured_gbit.map(|g| format!(" ({g:.3} measured)")).unwrap_or_default(),
                 r.delay_us,
@@ -117,6 +120,7 @@ pub fn section(runs: &[ClusterRun], all: &[Summary]) -> Option<ClusterView> {
                     .map(|us| format!(" ({us:.0} us one way, measured)"))
                     .unwrap_or_default(),
                 r.loss_pct,
+                if r.dilation > 1.0 { format!(", dilated x{}", r.dilation) } else { String::new() },
             );
             Some(Tr {
                 class: s.status.clone(),
@@ -131,6 +135,8 @@ pub fn section(runs: &[ClusterRun], all: &[Summary]) -> Option<ClusterView> {
                     figures(&opt(pred, 1)),
                     figures(&opt(seq, 1)),
                     figures(&opt(ratio, 2)),
+                    figures(&opt(per_gb, 2)),
+                    figures(&opt(per_gb.map(core_keeps_up_gbit), 1)),
                 ],
             })
         })
@@ -145,7 +151,72 @@ pub fn section(runs: &[ClusterRun], all: &[Summary]) -> Option<ClusterView> {
         head,
         rows,
     };
-    Some(ClusterView { table, readings: ps_against_ring(runs, all) })
+    let mut readings = dilation_readings(dilations);
+    readings.extend(ps_against_ring(runs, all));
+    Some(ClusterView { table, readings })
+}
+
+/// The CPU seconds a run's processes used per GB of its workers' traffic (what each sent and
+/// received, summed over the workers), servers' CPU included, start-up included: the per-byte
+/// CPU work a dilated world shrinks by its factor.
+pub fn cpu_per_gb(s: &Summary) -> Option<f64> {
+    let traffic = s.bytes_per_step_worker? * s.workers as f64 * s.steps as f64;
+    let cpu = s.cpu_s?;
+    (traffic > 0.0 && cpu > 0.0).then(|| cpu / (traffic / 1e9))
+}
+
+/// The worker traffic one core keeps up with at `per_gb` CPU seconds per GB, Gbit/s: past it a
+/// real host's own CPU, not its link, would bound it, which a dilated emulation does not show.
+pub fn core_keeps_up_gbit(per_gb: f64) -> f64 {
+    8.0 / per_gb
+}
+
+/// What a dilated cluster says of its dilation, a line per link rate: the factor, how `auto`
+/// chose it, and the self-check at twice it.
+fn dilation_readings(dilations: &[DilationRecord]) -> Vec<String> {
+    dilations
+        .iter()
+        .map(|d| {
+            let how = match &d.probe {
+                None => "as given".to_string(),
+                Some(p) => format!(
+                    "picked by auto: probed at x{}, the busiest probe ({}) kept the cores {:.0}% busy{}",
+                    p.at,
+                    p.busiest,
+                    p.busy * 100.0,
+                    if p.capped { "; held at the cap of x64, which leaves them busier than half" } else { "" }
+                ),
+            };
+            let check = match &d.check {
+                None => " No run finished to check the factor against.".to_string(),
+                Some(c) => match (c.step_ms, c.step_ms_2x, c.diff_pct()) {
+                    (Some(a), Some(b), Some(p)) => format!(
+                        " Self-check: {} again at x{}: a step of {b:.1} ms against {a:.1} ms ({p:+.1}%){}",
+                        c.id,
+                        2.0 * d.dilation,
+                        if c.differs {
+                            ": more than 5% apart, so the factor was too small for the cores and this rate's runs \
+                             are not ranked (run again with a larger --dilate)."
+                        } else {
+                            ": within 5%."
+                        }
+                    ),
+                    _ => format!(
+                        " Self-check: {} again at x{} did not finish, so nothing vouches for the factor: this \
+                         rate's runs are not ranked.",
+                        c.id,
+                        2.0 * d.dilation
+                    ),
+                },
+            };
+            format!(
+                "At {} Gbit/s the runs ran dilated x{} ({how}): links at rate / {}, every clock {} times slower, \
+                 figures divided back.{check} Dilation shrinks per-byte CPU work by the factor too: the table's \
+                 CPU seconds per GB say where a real host's CPU, not its link, would be the limit.",
+                d.rate_gbit, d.dilation, d.dilation, d.dilation
+            )
+        })
+        .collect()
 }
 
 /// The cluster's readings: on each link and at each worker count, every PS-BSP cell against the

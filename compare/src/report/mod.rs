@@ -114,7 +114,7 @@ pub fn write(
         cards,
         sections,
         machine: machine.map(|m| machine_view(m, !cluster.is_empty())),
-        cluster: cluster::section(cluster, &c.summaries),
+        cluster: cluster::section(cluster, &c.summaries, &c.dilations),
         runs: tables::every_run(&c.summaries),
         warnings: c.warnings.clone(),
         scenario: scenario.map(str::to_string),

@@ -56,9 +56,10 @@ pub fn collect(roots: &[PathBuf], target: Option<f64>) -> anyhow::Result<Collect
             summaries.push(Summary::missing(o));
         }
     }
-    let too_small: Vec<(f64, f64)> = roots
+    out.dilations = roots.iter().flat_map(|d| crate::emulated::load_dilation(d)).collect();
+    let too_small: Vec<(f64, f64)> = out
+        .dilations
         .iter()
-        .flat_map(|d| crate::emulated::load_dilation(d))
         .filter(|d| d.check.as_ref().is_some_and(|c| c.differs))
         .map(|d| (d.rate_gbit, d.dilation))
         .collect();

@@ -628,6 +628,9 @@ pub struct Collected {
     pub target: Option<f64>,
     /// Problems with the input, each naming a path and line.
     pub warnings: Vec<String>,
+    /// A dilated cluster's rates: the factor, how it was chosen, the self-check
+    /// (`dilation.json`).
+    pub dilations: Vec<crate::emulated::DilationRecord>,
 }
 
 #[cfg(test)]
