@@ -14,7 +14,9 @@ use clap::Args;
 use gradsync_worker::modes::Wire;
 use indicatif::{MultiProgress, ProgressBar};
 
-pub use crate::emulated::{CHECKS_DIR, CLUSTER_FILE, Check, ClusterRun, DILATION_FILE, DilationRecord, Probe};
+pub use crate::emulated::{
+    CHECKS_DIR, CLUSTER_FILE, Check, ClusterRun, DILATION_FILE, DilationRecord, Probe,
+};
 use crate::machine::Machine;
 use crate::modes::{self, Placement};
 use crate::net::{self, Cluster, Shape};
@@ -256,7 +258,12 @@ impl Runner<'_> {
         let k = if spec.mode.is_ps() { spec.shards.max(1) } else { 0 };
         let hosts = k.max(1) + spec.workers;
         let mut spec = spec.clone();
-        spec.id = format!("{}-{}g{}", spec.id, fmt_rate(rate), if d > 1.0 { format!("-x{}", fmt_rate(d)) } else { String::new() });
+        spec.id = format!(
+            "{}-{}g{}",
+            spec.id,
+            fmt_rate(rate),
+            if d > 1.0 { format!("-x{}", fmt_rate(d)) } else { String::new() }
+        );
         spec.dilate = d;
         // A fresh cluster per run: no queue or socket state carries over.
         let (placement, skip, cluster) = match Cluster::create(hosts, sh) {
@@ -285,10 +292,20 @@ impl Runner<'_> {
             (gbit, latency.map_err(|e| said("latency", e)).ok().map(|s| s * 1e6 / d))
         });
         let skip = skip.or_else(|| {
-            (spec.mode.compared().wire == Wire::Nccl).then(|| "NCCL does not run over emulated links".to_string())
+            (spec.mode.compared().wire == Wire::Nccl)
+                .then(|| "NCCL does not run over emulated links".to_string())
         });
-        let o =
-            crate::run_spec(self.scenario, &spec, self.bins, out, placement, None, skip, self.multi, self.overall)?;
+        let o = crate::run_spec(
+            self.scenario,
+            &spec,
+            self.bins,
+            out,
+            placement,
+            None,
+            skip,
+            self.multi,
+            self.overall,
+        )?;
         drop(cluster);
         let run = ClusterRun {
             id: o.id.clone(),
@@ -359,7 +376,13 @@ impl Runner<'_> {
                     busy * 100.0
                 )
             });
-            return Ok(Probe { at, busy, busiest: id, chose, capped: chose >= AUTO_CAP && busy * at / AUTO_CAP > AUTO_BUSY });
+            return Ok(Probe {
+                at,
+                busy,
+                busiest: id,
+                chose,
+                capped: chose >= AUTO_CAP && busy * at / AUTO_CAP > AUTO_BUSY,
+            });
         }
     }
 

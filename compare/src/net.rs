@@ -420,3 +420,23 @@ fn run(program: &str, args: &[&str]) -> Result<(), ClusterError> {
         Err(ClusterError::Command { cmd, stderr: String::from_utf8_lossy(&o.stderr).trim().to_string() })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dilated_link_is_slower_by_the_factor_and_its_clocks_longer() {
+        let s =
+            Shape { rate_bit: Some(10e9), delay: Duration::from_micros(50), loss_pct: 0.1, rto_min: None };
+        let d = s.dilated(8.0);
+        assert_eq!(d.rate_bit, Some(1.25e9));
+        assert_eq!(d.delay, Duration::from_micros(400));
+        assert_eq!(d.loss_pct, 0.1, "loss is a share of packets: the same in either world");
+        assert_eq!(d.rto_min, Some(Duration::from_millis(1600)));
+        // Undilated, nothing changes (the kernel's own timeout stays unset).
+        assert_eq!(s.dilated(1.0), s);
+        // An unshaped link stays unshaped.
+        assert_eq!(Shape::default().dilated(4.0).rate_bit, None);
+    }
+}

@@ -720,6 +720,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn dilate_is_a_factor_from_one_or_auto_and_anything_else_is_refused_by_name() {
+        let base = toml::to_string(&Scenario::load(None).unwrap()).unwrap();
+        let with = |v: &str| Scenario::parse(&format!("dilate = {v}\n{base}"), "test");
+        assert_eq!(with("8").unwrap().dilate, Some(Dilate::Factor(8.0)));
+        assert_eq!(with("2.5").unwrap().dilate, Some(Dilate::Factor(2.5)));
+        assert_eq!(with("'auto'").unwrap().dilate, Some(Dilate::Auto));
+        for bad in ["0.5", "'fast'", "5000"] {
+            let e = format!("{:#}", with(bad).unwrap_err());
+            assert!(e.contains("dilate"), "{bad}: {e}");
+        }
+        assert_eq!(Scenario::load(None).unwrap().dilate, None);
+        assert!(Scenario::load(None).unwrap().expand().iter().all(|r| r.dilate == 1.0));
+        // The flag's spelling is the key's.
+        assert_eq!("auto".parse::<Dilate>(), Ok(Dilate::Auto));
+        assert_eq!("16".parse::<Dilate>(), Ok(Dilate::Factor(16.0)));
+        assert!("0".parse::<Dilate>().unwrap_err().contains("dilate"));
+    }
+
+    #[test]
     fn default_parses_and_expands() {
         let s = Scenario::load(None).unwrap();
         let runs = s.expand();

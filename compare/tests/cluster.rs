@@ -94,6 +94,56 @@ fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
     assert!(!html.contains("no link figures"), "the cost model had no link to fit");
 }
 
+/// A dilated cluster: every process runs with `--dilate`, its metrics say the factor, each
+/// link is shaped at rate / D, and the rate's self-check reruns its busiest run at 2D under
+/// `checks/`, which the comparison's own cells never read; `dilation.json` says what it found.
+#[test]
+fn a_dilated_cluster_dilates_every_process_and_checks_itself_at_twice_the_factor() {
+    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0, rto_min: None };
+    let Some(c) = cluster_or_skip("a_dilated_cluster", 1, shape) else { return };
+    drop(c);
+    let out = tmp("dilated");
+    let mut s = scenario(4);
+    s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp];
+    s.workers = vec![2];
+    s.shards = vec![1];
+    s.repeats = 1;
+    let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
+    let dilate = Some(gradsync_compare::scenario::Dilate::Factor(4.0));
+    let runs = cluster::run_cluster(&s, &bins, &out, &[1.0], |_| shape, dilate).unwrap();
+    assert_eq!(runs.len(), 2);
+    for r in &runs {
+        assert_eq!(r.dilation, 4.0);
+        assert!(r.id.ends_with("-1g-x4"), "{}", r.id);
+        // The link measured at 0.25 Gbit/s, reported in the emulated world's units.
+        let g = r.measured_gbit.unwrap();
+        assert!((0.7..1.1).contains(&g), "{}: {g} Gbit/s (emulated) over a dilated 1 Gbit/s link", r.id);
+        for f in ["rank0.jsonl", "rank1.jsonl"] {
+            let m = std::fs::read_to_string(out.join(&r.id).join(f)).unwrap();
+            assert!(m.lines().next().unwrap().contains("\"dilation\":4.0"), "{}: {m}", r.id);
+        }
+    }
+    let server = std::fs::read_to_string(out.join(&runs[0].id).join("server0.jsonl")).unwrap();
+    assert!(server.lines().next().unwrap().contains("\"dilation\":4.0"), "{server}");
+    let d = gradsync_compare::emulated::load_dilation(&out);
+    assert_eq!(d.len(), 1);
+    assert_eq!((d[0].rate_gbit, d[0].dilation), (1.0, 4.0));
+    let check = d[0].check.as_ref().expect("the rate was checked");
+    assert!(check.again.starts_with("checks/runs/check-") && check.again.ends_with("-1g-x8"), "{check:?}");
+    assert!(check.step_ms.is_some() && check.step_ms_2x.is_some(), "{check:?}");
+    assert!(out.join(&check.again).join("rank0.jsonl").exists());
+    // The check is not one of the comparison's runs.
+    let c = gradsync_compare::results::collect(&[out.to_path_buf()], None).unwrap();
+    assert_eq!(c.summaries.len(), 2, "{:?}", c.summaries.iter().map(|s| &s.id).collect::<Vec<_>>());
+    assert!(c.summaries.iter().all(|s| s.dilation == Some(4.0) && s.cpu_s.is_some()));
+    let html = gradsync_compare::plot(&[out.to_path_buf()], &out).unwrap();
+    let html = std::fs::read_to_string(html).unwrap();
+    assert!(
+        html.contains("dilated x4") && html.contains("Self-check"),
+        "the report does not say the dilation"
+    );
+}
+
 /// A process started inside a host; killed when dropped.
 struct Proc {
     name: String,

@@ -9,8 +9,8 @@ use std::time::Duration;
 use clap::{Args, Parser};
 use gradsync_core::compress::Compression;
 use gradsync_core::data::DataSource;
-use gradsync_core::model::{Fingerprint, Layout, ModelSpec};
 use gradsync_core::dilation::Dilation;
+use gradsync_core::model::{Fingerprint, Layout, ModelSpec};
 use gradsync_core::optim::{OptimiserArgs, SgdConfig, StalenessLr};
 use gradsync_proto::tuning::Tuning;
 

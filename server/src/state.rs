@@ -15,10 +15,10 @@ use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Instant;
 
 use gradsync_core::checkpoint::{Checkpoint, CheckpointHeader};
+use gradsync_core::dilation::Pace;
 use gradsync_core::heap::zeros;
 use gradsync_core::metrics::{Header, HostInfo, MetricsWriter, Record, SCHEMA_VERSION, ServerApply, unix_ms};
 use gradsync_core::model::{Fingerprint, Layout, init_params};
-use gradsync_core::dilation::Pace;
 use gradsync_core::optim::sgd_step;
 use gradsync_core::trace::Trace;
 use gradsync_proto::frames::{Framed, MessageBuf};

@@ -27,8 +27,18 @@ fn records(path: &std::path::Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
 
-const REAL: [&str; 10] =
-    ["--device", "cpu", "--model", "256-512-512-10", "--data", "synthetic:1024:256:10", "--batch", "64", "--seed", "5"];
+const REAL: [&str; 10] = [
+    "--device",
+    "cpu",
+    "--model",
+    "256-512-512-10",
+    "--data",
+    "synthetic:1024:256:10",
+    "--batch",
+    "64",
+    "--seed",
+    "5",
+];
 
 #[test]
 fn a_bad_or_unpaceable_factor_is_refused_by_name() {

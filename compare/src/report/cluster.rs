@@ -375,4 +375,56 @@ mod cluster_tests {
         let r = reading(&close);
         assert!(r[0].contains("level within their spread"), "{r:?}");
     }
+
+    /// Each dilated rate says its factor, how it was chosen and its self-check; a check that
+    /// differed or did not finish says the rate is not ranked.
+    #[test]
+    fn a_dilated_rate_says_its_factor_and_its_check() {
+        use crate::emulated::{Check, Probe};
+        let check = |a: Option<f64>, b: Option<f64>, differs: bool| Check {
+            id: "runs/x".into(),
+            again: "checks/runs/y".into(),
+            step_ms: a,
+            step_ms_2x: b,
+            differs,
+        };
+        let rec = |probe: Option<Probe>, check: Option<Check>| DilationRecord {
+            rate_gbit: 10.0,
+            dilation: 8.0,
+            probe,
+            check,
+        };
+        let said = dilation_readings(&[rec(None, Some(check(Some(100.0), Some(103.0), false)))]);
+        assert!(said[0].starts_with("At 10 Gbit/s the runs ran dilated x8 (as given)"), "{said:?}");
+        assert!(
+            said[0].contains("again at x16: a step of 103.0 ms against 100.0 ms (+3.0%): within 5%"),
+            "{said:?}"
+        );
+        let probe = Probe { at: 4.0, busy: 0.9, busiest: "runs/probe".into(), chose: 8.0, capped: false };
+        let said = dilation_readings(&[rec(Some(probe), Some(check(Some(100.0), Some(110.0), true)))]);
+        assert!(said[0].contains(
+            "picked by auto: probed at x4, the busiest probe (runs/probe) kept the cores 90% busy"
+        ));
+        assert!(
+            said[0].contains("(+10.0%): more than 5% apart") && said[0].contains("not ranked"),
+            "{said:?}"
+        );
+        let said = dilation_readings(&[rec(None, Some(check(Some(100.0), None, true)))]);
+        assert!(said[0].contains("did not finish") && said[0].contains("not ranked"), "{said:?}");
+    }
+
+    #[test]
+    fn cpu_per_gb_is_the_runs_cpu_over_its_workers_traffic() {
+        let s = Summary {
+            workers: 2,
+            steps: 10,
+            bytes_per_step_worker: Some(50e6),
+            cpu_s: Some(2.0),
+            ..Summary::default()
+        };
+        // 2 workers x 10 steps x 50 MB = 1 GB for 2 CPU seconds: one core keeps up with 4 Gbit/s.
+        assert_eq!(cpu_per_gb(&s), Some(2.0));
+        assert_eq!(core_keeps_up_gbit(2.0), 4.0);
+        assert_eq!(cpu_per_gb(&Summary { cpu_s: None, ..s }), None);
+    }
 }

@@ -433,6 +433,35 @@ mod tests {
         }
     }
 
+    /// A dilated run is paced: processes may outnumber the cores. It is left unranked only
+    /// where the cores were over 80% busy, its compute overran the factor by more than 5%, or
+    /// its rate's check at twice the factor differed.
+    #[test]
+    fn a_dilated_run_is_saturated_by_busy_cores_overrun_or_a_failed_check_not_by_process_count() {
+        let small = crate::machine::Machine { cores: 2, ..Default::default() };
+        let dilated = |busy: f64, overrun: f64, too_small: bool| {
+            // Four workers and a shard on two cores: saturated, were it not dilated.
+            let r = Summary {
+                workers: 4,
+                shards: 1,
+                cpu_busy: Some(busy),
+                dilation: Some(8.0),
+                overrun_share: Some(overrun),
+                dilation_too_small: too_small,
+                ..row("64-64-10", "ps-bsp", 0, 70.0, 16.0, 90.0)
+            };
+            let all = vec![r];
+            let c = Collected { cells: Cell::all(&all), summaries: all, ..Collected::default() };
+            let g = &groups(&c)[0];
+            let cx = Context::new(g, None, Some(&small), &c.summaries);
+            cx.cpu_saturated(&g.rows[0])
+        };
+        assert!(!dilated(0.3, 0.01, false), "a dilated run is not saturated by its process count");
+        assert!(dilated(0.85, 0.01, false), "cores over 80% busy");
+        assert!(dilated(0.3, 0.08, false), "compute overran the factor");
+        assert!(dilated(0.3, 0.0, true), "the check at twice the factor differed");
+    }
+
     #[test]
     fn batch_norm_is_named_only_for_a_model_that_has_it() {
         let said = |rows: Vec<Summary>| {

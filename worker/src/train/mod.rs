@@ -134,8 +134,7 @@ impl<'r> Training<'r> {
             order_seed: run.order_seed,
         };
         let progress = Progress::new(run.rank == 0 && !run.quiet, batches.steps(), &engine, run.batch);
-        let summary =
-            Summary {
+        let summary = Summary {
             steps: 0,
             taken: 0,
             first_loss: None,
