@@ -334,6 +334,33 @@ fn a_bad_scenario_is_refused_with_its_name() {
     std::fs::remove_file(&p).unwrap();
 }
 
+/// A dilated world slows its links with its clocks: `compare` has no links it can slow, and
+/// says to run the scenario with `cluster`, before starting anything.
+#[test]
+fn a_dilated_scenario_is_sent_to_the_cluster() {
+    let dir = Scratch::new("dilate-compare");
+    let p = dir.join("scenario.toml");
+    std::fs::write(
+        &p,
+        "name = 'x'\nmodes = ['local']\nworkers = [1]\nmodels = ['tiny']\nbatches = [8]\nsteps = 2\ndilate = 4\n",
+    )
+    .unwrap();
+    let out = dir.join("out");
+    let o = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
+        .args(["compare", p.to_str().unwrap(), "--out", out.to_str().unwrap()])
+        .arg("--bin-dir")
+        .arg(gradsync_testkit::process::bin_dir())
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("`dilate = 4` needs emulated links") && err.contains("gradsync-bench cluster"),
+        "{err}"
+    );
+    assert!(!out.join("outcomes.jsonl").exists(), "a run was started");
+}
+
 /// The sparse modes end to end on a small table: each starts what its name says, is read back
 /// under its name (the hybrid with its table's server), trains to local training's accuracy,
 /// and moves the bytes the cost model gives it from the rows its batches named.

@@ -330,6 +330,13 @@ fn compare_into(
     resume: bool,
     launching: &Launching,
 ) -> anyhow::Result<Vec<Outcome>> {
+    // Links that are not emulated cannot be slowed with the rest of the world.
+    if let Some(d) = scenario.dilate {
+        anyhow::bail!(
+            "the scenario's `dilate = {d}` needs emulated links, which a dilated world slows with its clocks: \
+             run it with `gradsync-bench cluster` (loopback, --hosts and --slurm links run at their own rate)"
+        );
+    }
     let outcomes_path = out.join("outcomes.jsonl");
     let mut outcomes = if resume { finished_outcomes(out)? } else { Vec::new() };
     // Old metrics left beside new ones would be merged into this comparison's results.
