@@ -728,10 +728,10 @@ mod tests {
         assert_eq!(v[0].matches("emulated links of").count(), 1, "{v:?}");
         assert!(
             v[0].contains("pick ddp-tcp (TCP sockets)")
-                && v[0].contains(
-                    "; ps-bsp k=1 (gRPC over TCP) saturated the CPU (more processes than cores; for a replay, cores \
-                     over 80% busy), so it is the only mode left there."
-                ),
+                && v[0].contains(&format!(
+                    "; ps-bsp k=1 (gRPC over TCP) {}, so it is the only mode left there.",
+                    context::SATURATED
+                )),
             "{v:?}"
         );
         assert!(v[2].contains("and 2 run(s) that saturated the CPU (more processes than cores"), "{v:?}");
