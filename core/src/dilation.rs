@@ -80,6 +80,27 @@ impl Dilation {
     }
 }
 
+/// Sleep (never spin: a replayed model's compute leaves the cores to the communication) until
+/// `deadline`.
+pub(crate) fn sleep_until(deadline: Instant) {
+    thread_local! {
+        // Linux wakes a sleeping thread up to its timer slack (50 us by default) late; a
+        // replayed backward sleeps once per layer, so this thread asks for 1 us.
+        static SLACK: () = {
+            // SAFETY: PR_SET_TIMERSLACK takes one integer and changes only the calling thread.
+            #[cfg(target_os = "linux")]
+            unsafe {
+                libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong);
+            }
+        };
+    }
+    SLACK.with(|_| ());
+    let now = Instant::now();
+    if deadline > now {
+        std::thread::sleep(deadline - now);
+    }
+}
+
 /// The CPU time the calling thread has used so far.
 pub fn thread_cpu() -> Duration {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
@@ -153,7 +174,7 @@ impl Pace {
             self.tally.under += 1;
             self.tally.overrun += now - target;
         } else if target > now {
-            crate::net::sleep_until(target);
+            sleep_until(target);
         }
         self.start = Some((Instant::now(), thread_cpu()));
     }

@@ -13,7 +13,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use crate::device::{Backend, ChannelSum, NormConfig, Window};
-use crate::dilation::{Dilation, Pace, PaceTally};
+use crate::dilation::{Dilation, Pace, PaceTally, sleep_until};
 use crate::error::{Error, Result};
 use crate::model::{
     BucketPlan, Graph, Input, InputGrad, Layout, ModelSpec, Node, Op, Table, init_buffers, init_params,
@@ -33,27 +33,6 @@ const REPLAY_GRADS: u64 = 0x6772_6164_7265_706c;
 /// `ns` at `batch` samples, scaled to `rows`.
 fn scaled(ns: u64, rows: usize, batch: usize) -> Duration {
     Duration::from_nanos((ns as u128 * rows as u128 / batch.max(1) as u128) as u64)
-}
-
-/// Sleep (never spin: a replayed model's compute leaves the cores to the communication) until
-/// `deadline`.
-pub(crate) fn sleep_until(deadline: Instant) {
-    thread_local! {
-        // Linux wakes a sleeping thread up to its timer slack (50 us by default) late; a
-        // replayed backward sleeps once per layer, so this thread asks for 1 us.
-        static SLACK: () = {
-            // SAFETY: PR_SET_TIMERSLACK takes one integer and changes only the calling thread.
-            #[cfg(target_os = "linux")]
-            unsafe {
-                libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong);
-            }
-        };
-    }
-    SLACK.with(|_| ());
-    let now = Instant::now();
-    if deadline > now {
-        std::thread::sleep(deadline - now);
-    }
 }
 
 /// The all-reduce of a [`NormSync`], behind a borrow of any length.
