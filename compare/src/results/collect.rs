@@ -424,4 +424,29 @@ mod tests {
         let got: Vec<(u64, f64)> = f.steps.iter().map(|s| (s.step, s.wall_ms)).collect();
         assert_eq!(got, [(1, 10.0), (2, 20.0), (3, 90.0), (4, 100.0)], "{warnings:?}");
     }
+
+    /// The two ranks of a dilated run start 150 ms apart on the machine's clock and record
+    /// 40 ms of emulated time (160 ms real at x4): their lifetimes overlap, so they are one
+    /// run, not two.
+    #[test]
+    fn a_dilated_runs_ranks_are_one_run_by_their_real_lifetimes() {
+        let file = |rank: usize, start: u64| MetricsFile {
+            rel: format!("runs/a/rank{rank}.jsonl"),
+            header: Header {
+                mode: "ddp".into(),
+                variant: "tcp".into(),
+                world_size: 2,
+                rank,
+                start_unix_ms: start,
+                dilation: Some(4.0),
+                ..Header::default()
+            },
+            steps: vec![Step { rank, step: 1, wall_ms: 40.0, ..Step::default() }],
+            applies: Vec::new(),
+        };
+        let mut warnings = Vec::new();
+        let runs = group(vec![file(0, 1_000), file(1, 1_150)], &mut warnings);
+        assert_eq!(runs.len(), 1, "{:?} {warnings:?}", runs.iter().map(|r| &r.id).collect::<Vec<_>>());
+        assert_eq!(runs[0].workers.len(), 2);
+    }
 }

@@ -48,6 +48,9 @@ impl MetricsFile {
         self.header.start_unix_ms as f64
     }
 
+    /// When its process last recorded, on the machine's clock: the start plus the last
+    /// record's `wall_ms`, which a dilated run records in the emulated world's time (divided
+    /// by its factor), so multiplied back here.
     fn end(&self) -> f64 {
         let last = self
             .steps
@@ -55,7 +58,7 @@ impl MetricsFile {
             .map(|s| s.wall_ms)
             .chain(self.applies.iter().map(|a| a.wall_ms))
             .fold(0.0, f64::max);
-        self.start() + last
+        self.start() + last * self.header.dilation.unwrap_or(1.0)
     }
 }
 
