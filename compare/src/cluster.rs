@@ -221,7 +221,7 @@ pub fn run_cluster(
             writeln!(outcomes, "{}", serde_json::to_string(&o)?)
                 .and_then(|_| outcomes.flush())
                 .with_context(|| format!("writing {}", outcomes_path.display()))?;
-            at_rate.push((o, run.clone()));
+            at_rate.push((spec, o));
             runs.push(run);
             overall.inc(1);
         }
@@ -390,7 +390,7 @@ impl Runner<'_> {
     /// run again at 2d; their step times (emulated) should agree.
     fn check(
         &self,
-        at_rate: &[(Outcome, ClusterRun)],
+        at_rate: &[(&RunSpec, Outcome)],
         rate: f64,
         shape: &dyn Fn(f64) -> Shape,
         d: f64,
@@ -398,11 +398,10 @@ impl Runner<'_> {
     ) -> anyhow::Result<Option<Check>> {
         let busiest = at_rate
             .iter()
-            .filter(|(o, _)| o.status == "ok")
-            .max_by(|a, b| a.0.cpu_busy.unwrap_or(0.0).total_cmp(&b.0.cpu_busy.unwrap_or(0.0)));
-        let Some((o, _)) = busiest else { return Ok(None) };
-        let spec = self.scenario.expand().into_iter().find(|s| o.id.starts_with(&format!("runs/{}-", s.id)));
-        let Some(mut spec) = spec else { return Ok(None) };
+            .filter(|(_, o)| o.status == "ok")
+            .max_by(|a, b| a.1.cpu_busy.unwrap_or(0.0).total_cmp(&b.1.cpu_busy.unwrap_or(0.0)));
+        let Some(&(spec, ref o)) = busiest else { return Ok(None) };
+        let mut spec = spec.clone();
         spec.id = format!("check-{}", spec.id);
         let dir = out.join(CHECKS_DIR);
         let (again, _) = self.run(&spec, rate, shape, 2.0 * d, &dir)?;

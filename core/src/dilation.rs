@@ -185,6 +185,16 @@ impl Pace {
         self.start = None;
     }
 
+    /// Run `f` as one compute phase paced to `dilation` (nothing paced without one): for a
+    /// phase that stands alone, whose tally nobody reads.
+    pub fn run<T>(dilation: Dilation, f: impl FnOnce() -> T) -> T {
+        let mut pace = Pace::new(dilation);
+        pace.begin();
+        let out = f();
+        pace.end();
+        out
+    }
+
     /// What the phases came to since the last call, and start counting afresh.
     pub fn take(&mut self) -> PaceTally {
         std::mem::take(&mut self.tally)

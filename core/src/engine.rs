@@ -185,13 +185,8 @@ impl PartUpdate {
             Some(ns) => std::thread::sleep(
                 self.dilation.stretch(std::time::Duration::from_nanos((ns * params.len() as f64) as u64)),
             ),
-            None => {
-                // A compute phase of its own under `--dilate`.
-                let mut pace = Pace::new(self.dilation);
-                pace.begin();
-                crate::optim::sgd_step(cfg, params, grads, momentum, scale);
-                pace.end();
-            }
+            // A compute phase of its own under `--dilate`.
+            None => Pace::run(self.dilation, || crate::optim::sgd_step(cfg, params, grads, momentum, scale)),
         }
     }
 }

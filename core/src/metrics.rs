@@ -10,7 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use crate::dilation::Dilation;
+use crate::dilation::{Dilation, PaceTally};
 use crate::error::{Error, Result};
 
 /// Bumped whenever a field changes meaning or disappears (adding fields does not bump it).
@@ -179,6 +179,15 @@ pub struct ServerApply {
     pub bytes_out: u64,
     /// The rank the update waited for longest, when any waited.
     pub waited_for: Option<usize>,
+}
+
+impl Step {
+    /// Add a pace's tally ([`crate::dilation::Pace::take`]) to the step's under-dilated phases
+    /// and their overrun.
+    pub fn count_pace(&mut self, t: PaceTally) {
+        self.under_dilated = Some(self.under_dilated.unwrap_or(0) + t.under);
+        self.overrun_ms = Some(self.overrun_ms.unwrap_or(0.0) + t.overrun.as_secs_f64() * 1e3);
+    }
 }
 
 impl Record {

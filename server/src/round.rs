@@ -605,10 +605,7 @@ impl Round {
                     .collect();
                 (c, parts, g.epoch, 1.0 / g.expected.len() as f32)
             };
-            let mut pace = Pace::new(self.dilation);
-            pace.begin();
-            let stepped = self.step_block(c, &parts, scale);
-            pace.end();
+            let stepped = Pace::run(self.dilation, || self.step_block(c, &parts, scale));
             let mut g = lock(&self.inner);
             g.stepping = false;
             if g.epoch != epoch || g.ended || g.stepped != c {

@@ -577,11 +577,10 @@ impl State {
         }
         let staleness = self.version - base;
         let t = Instant::now();
-        let mut pace = Pace::new(sh.cfg.dilation);
-        pace.begin();
         let (p, m) = (Arc::make_mut(self.params.values()), Arc::make_mut(&mut self.momentum));
-        sgd_step(&sh.cfg.sgd, p, &grad, m, sh.cfg.staleness_lr.scale(staleness));
-        pace.end();
+        Pace::run(sh.cfg.dilation, || {
+            sgd_step(&sh.cfg.sgd, p, &grad, m, sh.cfg.staleness_lr.scale(staleness))
+        });
         sh.give_buffer(grad);
         sh.trace.span_with(
             format!("apply rank {rank}"),

@@ -217,8 +217,7 @@ impl Strategy for Dp {
         for e in &mut self.others {
             let pace = e.take_pace();
             if pace.phases > 0 {
-                rec.under_dilated = Some(rec.under_dilated.unwrap_or(0) + pace.under);
-                rec.overrun_ms = Some(rec.overrun_ms.unwrap_or(0.0) + pace.overrun.as_secs_f64() * 1e3);
+                rec.count_pace(pace);
             }
         }
 

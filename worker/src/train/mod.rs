@@ -221,9 +221,7 @@ impl<'r> Training<'r> {
             .with_context(|| format!("step {step}"))?;
         rec.step_ms = ms_since(began);
         if !run.dilation.is_none() {
-            let pace = self.engine.take_pace();
-            rec.under_dilated = Some(rec.under_dilated.unwrap_or(0) + pace.under);
-            rec.overrun_ms = Some(rec.overrun_ms.unwrap_or(0.0) + pace.overrun.as_secs_f64() * 1e3);
+            rec.count_pace(self.engine.take_pace());
         }
         rec.loss = loss.loss;
         rec.train_accuracy = loss.correct as f64 / loss.rows.max(1) as f64;
