@@ -454,7 +454,7 @@ mod tests {
             let c = Collected { cells: Cell::all(&all), summaries: all, ..Collected::default() };
             let g = &groups(&c)[0];
             let cx = Context::new(g, None, Some(&small), &c.summaries);
-            cx.cpu_saturated(&g.rows[0])
+            cx.cpu_saturated(g.rows[0])
         };
         assert!(!dilated(0.3, 0.01, false), "a dilated run is not saturated by its process count");
         assert!(dilated(0.85, 0.01, false), "cores over 80% busy");
