@@ -218,9 +218,9 @@ pub struct ServerArgs {
     #[arg(long = flag::TABLE_ONLY)]
     pub table_only: bool,
     /// Run in dilated time, as the workers' `--dilate` (docs/cluster.md): every timeout D
-    /// times longer, each update's summing and stepping made to last D times the CPU time it
-    /// used (the shard's host as one with cores of its own), every figure recorded divided
-    /// back by D.
+    /// times longer, every figure recorded divided back by D. Its summing and stepping are
+    /// per-byte work, as a ring's reductions are, and are not paced: dilation shrinks them by
+    /// D (the report's CPU seconds per GB say how much they cost).
     #[arg(long = flag::DILATE, default_value_t = 1.0, env = "GRADSYNC_DILATE")]
     pub dilate: f64,
     /// Per-update metrics (JSON lines) here.

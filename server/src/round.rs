@@ -32,7 +32,6 @@ use std::sync::{Arc, Mutex as StdMutex, MutexGuard};
 use std::time::Instant;
 
 use bytes::Bytes;
-use gradsync_core::dilation::{Dilation, Pace};
 use gradsync_core::optim::{SgdConfig, sgd_step_into};
 use gradsync_proto::frames::{Framed, FramedChunk, MessageBuf};
 use gradsync_proto::pb::ParameterChunk;
@@ -204,8 +203,6 @@ pub struct Round {
     progress: watch::Sender<Progress>,
     /// Whether every rank also pushes rows of a sparse table ([`Round::add_rows`]).
     wants_rows: bool,
-    /// Paces each block's summing and stepping under `--dilate` ([`Round::dilated`]).
-    dilation: Dilation,
 }
 
 /// A poisoned lock means a stepper panicked; the data under it is still only this round's,
@@ -287,7 +284,6 @@ impl Round {
             work: StdMutex::new(w),
             progress: watch::channel(Progress::default()).0,
             wants_rows: false,
-            dilation: Dilation::NONE,
         }
     }
 
@@ -295,13 +291,6 @@ impl Round {
     /// rank has also delivered its rows.
     pub fn with_rows(mut self, yes: bool) -> Self {
         self.wants_rows = yes;
-        self
-    }
-
-    /// Each block's summing and stepping made to last `d` times the CPU time it used
-    /// ([`gradsync_core::dilation::Pace`]): the compute of a shard on a host of its own.
-    pub fn dilated(mut self, d: Dilation) -> Self {
-        self.dilation = d;
         self
     }
 
@@ -605,7 +594,7 @@ impl Round {
                     .collect();
                 (c, parts, g.epoch, 1.0 / g.expected.len() as f32)
             };
-            let stepped = Pace::run(self.dilation, || self.step_block(c, &parts, scale));
+            let stepped = self.step_block(c, &parts, scale);
             let mut g = lock(&self.inner);
             g.stepping = false;
             if g.epoch != epoch || g.ended || g.stepped != c {

@@ -15,7 +15,6 @@ use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Instant;
 
 use gradsync_core::checkpoint::{Checkpoint, CheckpointHeader};
-use gradsync_core::dilation::Pace;
 use gradsync_core::heap::zeros;
 use gradsync_core::metrics::{Header, HostInfo, MetricsWriter, Record, SCHEMA_VERSION, ServerApply, unix_ms};
 use gradsync_core::model::{Fingerprint, Layout, init_params};
@@ -431,8 +430,7 @@ impl State {
                 sh.cfg.sgd,
                 self.expected().collect(),
             )
-            .with_rows(self.rows.is_some())
-            .dilated(sh.cfg.dilation),
+            .with_rows(self.rows.is_some()),
         );
         self.round = Some(r.clone());
         r
@@ -578,9 +576,7 @@ impl State {
         let staleness = self.version - base;
         let t = Instant::now();
         let (p, m) = (Arc::make_mut(self.params.values()), Arc::make_mut(&mut self.momentum));
-        Pace::run(sh.cfg.dilation, || {
-            sgd_step(&sh.cfg.sgd, p, &grad, m, sh.cfg.staleness_lr.scale(staleness))
-        });
+        sgd_step(&sh.cfg.sgd, p, &grad, m, sh.cfg.staleness_lr.scale(staleness));
         sh.give_buffer(grad);
         sh.trace.span_with(
             format!("apply rank {rank}"),
