@@ -364,11 +364,13 @@ impl Runner<'_> {
             let Some((id, busy)) = busiest else {
                 anyhow::bail!("dilate = auto: no probe run at {rate} Gbit/s finished (see {})", dir.display())
             };
-            if busy >= PROBE_SATURATED && at < AUTO_CAP {
-                at = (at * 4.0).min(AUTO_CAP);
-                continue;
-            }
-            let chose = (at * busy / AUTO_BUSY).ceil().clamp(1.0, AUTO_CAP);
+            let chose = match auto_factor(at, busy) {
+                AutoStep::Slower(next) => {
+                    at = next;
+                    continue;
+                }
+                AutoStep::Chose(d) => d,
+            };
             self.multi.suspend(|| {
                 eprintln!(
                     "gradsync-bench cluster: {rate} Gbit/s: dilating x{chose} (probed at x{at}: {id} kept the cores \
@@ -424,6 +426,26 @@ impl Runner<'_> {
     }
 }
 
+/// What `auto` does after a probe at factor `at` kept the cores `busy` (a share).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum AutoStep {
+    /// The cores were nearly all busy: the probe says only "more"; probe again at this factor.
+    Slower(f64),
+    /// Run at this factor.
+    Chose(f64),
+}
+
+/// The factor that brings the busy share to [`AUTO_BUSY`] (it falls as 1/D, the CPU work per
+/// step staying what it is), within 1 and [`AUTO_CAP`]; or, from a probe that saturated the
+/// cores below the cap, a probe four times slower.
+fn auto_factor(at: f64, busy: f64) -> AutoStep {
+    if busy >= PROBE_SATURATED && at < AUTO_CAP {
+        AutoStep::Slower((at * 4.0).min(AUTO_CAP))
+    } else {
+        AutoStep::Chose((at * busy / AUTO_BUSY).ceil().clamp(1.0, AUTO_CAP))
+    }
+}
+
 /// `1`, `10`, `2.5`: a rate as it appears in run ids.
 fn fmt_rate(r: f64) -> String {
     let s = format!("{r}");
@@ -444,6 +466,24 @@ mod tests {
 
     fn args(flags: &[&str]) -> ClusterArgs {
         Cli::parse_from([&["cluster"][..], flags].concat()).a
+    }
+
+    /// `auto`: a saturated probe asks for one four times slower, up to the cap; else the factor
+    /// that brings the cores to 45% busy, at least 1, at most 64.
+    #[test]
+    fn auto_picks_the_factor_for_45_percent_busy_within_its_bounds() {
+        use super::{AutoStep, auto_factor};
+        assert_eq!(auto_factor(4.0, 0.95), AutoStep::Slower(16.0));
+        assert_eq!(auto_factor(16.0, 0.99), AutoStep::Slower(64.0));
+        // At the cap a saturated probe is what it is: run at the cap.
+        assert_eq!(auto_factor(64.0, 0.99), AutoStep::Chose(64.0));
+        // 4 x 0.6 / 0.45 = 5.33: x6.
+        assert_eq!(auto_factor(4.0, 0.6), AutoStep::Chose(6.0));
+        // 4 x 0.3 / 0.45 = 2.67: x3.
+        assert_eq!(auto_factor(4.0, 0.3), AutoStep::Chose(3.0));
+        // Cores nearly idle at x4: no dilation needed.
+        assert_eq!(auto_factor(4.0, 0.05), AutoStep::Chose(1.0));
+        assert_eq!(auto_factor(16.0, 0.85), AutoStep::Chose(31.0));
     }
 
     #[test]

@@ -144,6 +144,36 @@ fn a_dilated_cluster_dilates_every_process_and_checks_itself_at_twice_the_factor
     );
 }
 
+/// `dilate = auto`: each mode's largest cell is probed at x4 under `checks/`, the busiest
+/// probe decides, and the factor chosen is the one that brings the cores to 45% busy (at least
+/// 1); `dilation.json` records it and the runs ran at it.
+#[test]
+fn an_auto_dilated_cluster_probes_first_and_records_what_it_chose() {
+    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0, rto_min: None };
+    let Some(c) = cluster_or_skip("an_auto_dilated_cluster", 1, shape) else { return };
+    drop(c);
+    let out = tmp("auto");
+    let mut s = scenario(4);
+    s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp];
+    s.workers = vec![2];
+    s.shards = vec![1];
+    s.repeats = 1;
+    let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
+    let auto = Some(gradsync_compare::scenario::Dilate::Auto);
+    let runs = cluster::run_cluster(&s, &bins, &out, &[1.0], |_| shape, auto).unwrap();
+    let d = gradsync_compare::emulated::load_dilation(&out);
+    let p = d[0].probe.as_ref().expect("auto records its probe");
+    assert!(p.busiest.starts_with("runs/probe-") && out.join("checks").join(&p.busiest).is_dir(), "{p:?}");
+    // From x4, four times slower while a probe saturates the cores (other tests may share them).
+    assert!([4.0, 16.0, 64.0].contains(&p.at) && p.busy > 0.0 && (p.busy < 0.9 || p.at == 64.0), "{p:?}");
+    assert_eq!(p.chose, (p.at * p.busy / 0.45).ceil().clamp(1.0, 64.0), "{p:?}");
+    assert_eq!(d[0].dilation, p.chose);
+    assert!(runs.iter().all(|r| r.dilation == p.chose), "{runs:?}");
+    // The probes are not the comparison's runs.
+    let c = gradsync_compare::results::collect(&[out.to_path_buf()], None).unwrap();
+    assert_eq!(c.summaries.len(), 2);
+}
+
 /// A process started inside a host; killed when dropped.
 struct Proc {
     name: String,
