@@ -156,12 +156,23 @@ pub fn section(runs: &[ClusterRun], all: &[Summary], dilations: &[DilationRecord
     Some(ClusterView { table, readings })
 }
 
-/// The CPU seconds a run's processes used per GB of its workers' traffic (what each sent and
-/// received, summed over the workers), servers' CPU included, start-up included: the per-byte
-/// CPU work a dilated world shrinks by its factor.
+/// The CPU seconds a run's processes spent on communication per GB of its workers' traffic
+/// (what each sent and received, summed over the workers), servers' CPU included, start-up
+/// included: the per-byte CPU work a dilated world shrinks by its factor. A replayed model's
+/// processes compute nothing, so all their CPU counts; a dilated run trained for real has its
+/// recorded compute (its thread CPU time, which pacing made it last) taken off; an undilated run
+/// trained for real, whose recorded compute is wall time, has no figure.
 pub fn cpu_per_gb(s: &Summary) -> Option<f64> {
     let traffic = s.bytes_per_step_worker? * s.workers as f64 * s.steps as f64;
-    let cpu = s.cpu_s?;
+    let compute_s = if s.widths.starts_with(gradsync_core::model::REPLAY_TOKEN) {
+        0.0
+    } else if s.dilation.is_some() {
+        let per_step = s.forward_ms? + s.backward_ms? + s.update_ms.unwrap_or(0.0);
+        per_step * s.workers as f64 * s.steps as f64 / 1e3
+    } else {
+        return None;
+    };
+    let cpu = s.cpu_s? - compute_s;
     (traffic > 0.0 && cpu > 0.0).then(|| cpu / (traffic / 1e9))
 }
 
@@ -414,17 +425,26 @@ mod cluster_tests {
     }
 
     #[test]
-    fn cpu_per_gb_is_the_runs_cpu_over_its_workers_traffic() {
+    fn cpu_per_gb_is_the_runs_communication_cpu_over_its_workers_traffic() {
         let s = Summary {
             workers: 2,
             steps: 10,
+            widths: format!("{}resnet50", gradsync_core::model::REPLAY_TOKEN),
             bytes_per_step_worker: Some(50e6),
             cpu_s: Some(2.0),
+            forward_ms: Some(20.0),
+            backward_ms: Some(30.0),
             ..Summary::default()
         };
-        // 2 workers x 10 steps x 50 MB = 1 GB for 2 CPU seconds: one core keeps up with 4 Gbit/s.
+        // A replay: 2 workers x 10 steps x 50 MB = 1 GB for 2 CPU seconds: one core keeps up
+        // with 4 Gbit/s.
         assert_eq!(cpu_per_gb(&s), Some(2.0));
         assert_eq!(core_keeps_up_gbit(2.0), 4.0);
-        assert_eq!(cpu_per_gb(&Summary { cpu_s: None, ..s }), None);
+        assert_eq!(cpu_per_gb(&Summary { cpu_s: None, ..s.clone() }), None);
+        // Trained for real and dilated: its compute, 2 x 10 x 50 ms = 1 s, is not communication.
+        let real = Summary { widths: "64-1024-10".into(), dilation: Some(4.0), ..s.clone() };
+        assert_eq!(cpu_per_gb(&real), Some(1.0));
+        // Trained for real, undilated: its recorded compute is wall time, not CPU: no figure.
+        assert_eq!(cpu_per_gb(&Summary { dilation: None, ..real }), None);
     }
 }
