@@ -7,7 +7,7 @@
 
 use serde::Serialize;
 
-use super::context::{Context, SATURATED, UNRANKED};
+use super::context::{Context, UNRANKED};
 use super::ranking::factors;
 use super::text::Text;
 use super::verdict::{self, Standing};
@@ -97,7 +97,7 @@ pub fn card(cx: &Context) -> Card {
     let crowded: Vec<&Summary> = g.rows.iter().copied().filter(|r| cx.cpu_saturated(r)).collect();
     if !crowded.is_empty() && too_small.is_none() {
         unranked.push(Text::from(
-            format!("Not ranked, since they {SATURATED}: {}.", listing(cx, &crowded)).as_str(),
+            format!("Not ranked, since they {}: {}.", cx.saturation_reason(), listing(cx, &crowded)).as_str(),
         ));
     }
     let once: Vec<&Summary> =
@@ -140,9 +140,10 @@ fn too_small(cx: &Context) -> Option<TooSmall> {
     let need = crowded.iter().map(|r| r.workers + r.shards).max().unwrap_or(0);
     let machine = if cores > 0 { format!("this machine has {cores} cores, and ") } else { String::new() };
     let said = format!(
-        "Too small to decide: {machine}{} of the {} cells {SATURATED}, so they rank nothing ({}).",
+        "Too small to decide: {machine}{} of the {} cells {}, so they rank nothing ({}).",
         crowded.len(),
         rows.len(),
+        cx.saturation_reason(),
         listing(cx, &crowded)
     );
     // A replay saturates by how busy its cores were, not by its process count.

@@ -18,9 +18,12 @@ pub const REPLAY_BUSY: f64 = 0.8;
 pub const OVERRUN_SHARE: f64 = 0.05;
 
 /// Why a run saturated the CPU, as the readings say it where nothing else on the page does.
-pub const SATURATED: &str = "saturated the CPU (more processes than cores; for a replay or a dilated run, \
-     cores over 80% busy, or a dilation too small for the cores: its compute overran the factor or its check at \
-     twice the factor differed)";
+pub const SATURATED: &str =
+    "saturated the CPU (more processes than cores; for a replay, cores over 80% busy)";
+
+/// [`SATURATED`] for a group of dilated runs, where processes may outnumber the cores.
+pub const SATURATED_DILATED: &str = "saturated the CPU (dilated: cores over 80% busy, or a dilation too small for \
+     the cores: its compute overran the factor or its check at twice the factor differed)";
 
 /// What a reading says instead of a ranking where a cell ran once, where nothing else on the
 /// page says why.
@@ -76,7 +79,13 @@ impl<'c, 'a> Context<'c, 'a> {
     /// Why a run is not ranked when it saturated the CPU: [`SATURATED`], or its first words
     /// where the page gives the reason once.
     pub fn saturated(&self) -> &'static str {
-        if self.reasons_said { SATURATED_SAID } else { SATURATED }
+        if self.reasons_said { SATURATED_SAID } else { self.saturation_reason() }
+    }
+
+    /// Why this group's runs count as saturated, in full: [`SATURATED_DILATED`] for a dilated
+    /// group, else [`SATURATED`].
+    pub fn saturation_reason(&self) -> &'static str {
+        if self.g.rows.iter().any(|r| r.dilation.is_some()) { SATURATED_DILATED } else { SATURATED }
     }
 
     /// What a reading says instead of a ranking where a cell ran once: [`UNRANKED`], or a

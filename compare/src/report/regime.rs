@@ -454,6 +454,8 @@ mod tests {
             let c = Collected { cells: Cell::all(&all), summaries: all, ..Collected::default() };
             let g = &groups(&c)[0];
             let cx = Context::new(g, None, Some(&small), &c.summaries);
+            // A dilated group says why in its own words, which name no process count.
+            assert_eq!(cx.saturation_reason(), super::super::context::SATURATED_DILATED);
             cx.cpu_saturated(g.rows[0])
         };
         assert!(!dilated(0.3, 0.01, false), "a dilated run is not saturated by its process count");
