@@ -270,15 +270,18 @@ fn an_elastic_worker_killed_mid_step_joins_at_the_next_round() {
     let (mut srv, addr) = server(&ck, &["--elastic", "--worker-timeout", "3", "--metrics", &m]);
     let w = wck.display().to_string();
     let mine = dir.join("rank{rank}.jsonl").display().to_string();
-    let flags = ["--checkpoint", &w, "--checkpoint-every", "5", "--slow-rank", "0:200", "--metrics", &mine];
-    let mut w0 = worker(&addr, 0, &flags);
-    let mut w1 = worker(&addr, 1, &flags);
+    let flags = ["--checkpoint", &w, "--checkpoint-every", "5", "--metrics", &mine];
+    // Rank 1 is slowed too (less): alone after the drop it must not run through the last step
+    // before the restarted rank 0 is back (10 steps at least are left, a second or more).
+    let (slow0, slow1) = (["--slow-rank", "0:200"], ["--slow-rank", "1:100"]);
+    let mut w0 = worker(&addr, 0, &[&flags[..], &slow0].concat());
+    let mut w1 = worker(&addr, 1, &[&flags[..], &slow1].concat());
     let k = random_step(5);
     eprintln!("rank 0 is killed inside step {}", k + 1);
     w0.wait_line(&format!("checkpoint of step {k} in"), Duration::from_secs(60));
     w0.kill9();
     srv.wait_line("dropping workers", Duration::from_secs(30));
-    let mut again = worker(&addr, 0, &[&flags[..], &["--resume"]].concat());
+    let mut again = worker(&addr, 0, &[&flags[..], &slow0, &["--resume"]].concat());
     let err = finish_ok(&mut again, "the restarted rank 0");
     assert!(err.contains("resuming at step"), "{err}");
     finish_ok(&mut w1, "rank 1");
