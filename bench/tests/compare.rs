@@ -34,7 +34,7 @@ fn default_scenario_scaled_down_runs_end_to_end() {
     s.eval_samples = Some(64);
     s.repeats = 2;
     s.workers = vec![2];
-    s.shards = vec![1];
+    s.shards = gradsync_compare::scenario::Shards::counts(&[1]);
     s.batches = vec![32];
     s.rawtcp_s = 0.2;
     s.run_timeout_s = 60.0;
@@ -334,31 +334,38 @@ fn a_bad_scenario_is_refused_with_its_name() {
     std::fs::remove_file(&p).unwrap();
 }
 
-/// A dilated world slows its links with its clocks: `compare` has no links it can slow, and
-/// says to run the scenario with `cluster`, before starting anything.
+/// A dilated world slows its links with its clocks, and ranks placed several to a host need
+/// hosts to place them on: `compare` has neither, and says to run such a scenario with
+/// `cluster`, before starting anything.
 #[test]
-fn a_dilated_scenario_is_sent_to_the_cluster() {
+fn a_dilated_or_placed_scenario_is_sent_to_the_cluster() {
     let dir = Scratch::new("dilate-compare");
-    let p = dir.join("scenario.toml");
-    std::fs::write(
-        &p,
-        "name = 'x'\nmodes = ['local']\nworkers = [1]\nmodels = ['tiny']\nbatches = [8]\nsteps = 2\ndilate = 4\n",
-    )
-    .unwrap();
-    let out = dir.join("out");
-    let o = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
-        .args(["compare", p.to_str().unwrap(), "--out", out.to_str().unwrap()])
-        .arg("--bin-dir")
-        .arg(gradsync_testkit::process::bin_dir())
-        .output()
-        .unwrap();
-    assert!(!o.status.success());
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        err.contains("`dilate = 4` needs emulated links") && err.contains("gradsync-bench cluster"),
-        "{err}"
-    );
-    assert!(!out.join("outcomes.jsonl").exists(), "a run was started");
+    let base = "name = 'x'\nmodes = ['local']\nmodels = ['tiny']\nbatches = [8]\nsteps = 2\n";
+    for (i, (keys, says)) in [
+        ("workers = [1]\ndilate = 4\n", "`dilate = 4` needs emulated links"),
+        (
+            "workers = [2]\nranks_per_host = [2]\n",
+            "`hosts` and `ranks_per_host` place ranks on emulated hosts",
+        ),
+        ("hosts = [2]\n", "`hosts` and `ranks_per_host` place ranks on emulated hosts"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let p = dir.join(format!("scenario{i}.toml"));
+        std::fs::write(&p, format!("{base}{keys}")).unwrap();
+        let out = dir.join(format!("out{i}"));
+        let o = Command::new(env!("CARGO_BIN_EXE_gradsync-bench"))
+            .args(["compare", p.to_str().unwrap(), "--out", out.to_str().unwrap()])
+            .arg("--bin-dir")
+            .arg(gradsync_testkit::process::bin_dir())
+            .output()
+            .unwrap();
+        assert!(!o.status.success(), "{keys}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(says) && err.contains("gradsync-bench cluster"), "{keys}: {err}");
+        assert!(!out.join("outcomes.jsonl").exists(), "{keys}: a run was started");
+    }
 }
 
 /// The sparse modes end to end on a small table: each starts what its name says, is read back

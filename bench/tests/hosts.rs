@@ -30,7 +30,7 @@ mod common;
 fn scenario(steps: u64) -> Scenario {
     let mut s = common::small_scenario(steps);
     s.workers = vec![2];
-    s.shards = vec![1];
+    s.shards = gradsync_compare::scenario::Shards::counts(&[1]);
     s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp];
     s.rawtcp_s = 0.5;
     s.run_timeout_s = 60.0;

@@ -371,7 +371,7 @@ fn cluster_or_skip(test: &str) -> Option<Cluster> {
 fn compare_runs_every_process_as_a_job_step_inside_salloc() {
     let Some(cluster) = cluster_or_skip("compare --slurm") else { return };
     let mut s = common::small_scenario(4);
-    (s.workers, s.shards) = (vec![2], vec![1]);
+    (s.workers, s.shards) = (vec![2], gradsync_compare::scenario::Shards::counts(&[1]));
     s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp, ModeKind::DdpNccl];
     (s.rawtcp_s, s.run_timeout_s) = (0.2, 60.0);
     let scenario = cluster.dir.join("scenario.toml");
@@ -477,7 +477,8 @@ fn ctrl_c_ends_the_runs_steps_and_a_node_the_allocation_lacks_is_named() {
         .unwrap_or_else(|| panic!("no job in salloc's answer: {said}"))
         .to_string();
     let mut s = common::small_scenario(100_000);
-    (s.workers, s.shards, s.modes) = (vec![2], vec![1], vec![ModeKind::PsBsp]);
+    (s.workers, s.shards, s.modes) =
+        (vec![2], gradsync_compare::scenario::Shards::counts(&[1]), vec![ModeKind::PsBsp]);
     (s.rawtcp_s, s.run_timeout_s) = (0.2, 120.0);
     let scenario = cluster.dir.join("long.toml");
     std::fs::write(&scenario, toml::to_string(&s).unwrap()).unwrap();
@@ -530,7 +531,8 @@ fn compare_on_two_nodes_measures_the_link_between_them_and_brings_the_files_back
         }
     };
     let mut s = common::small_scenario(6);
-    (s.workers, s.shards, s.modes) = (vec![2], vec![1], vec![ModeKind::PsBsp, ModeKind::DdpTcp]);
+    (s.workers, s.shards, s.modes) =
+        (vec![2], gradsync_compare::scenario::Shards::counts(&[1]), vec![ModeKind::PsBsp, ModeKind::DdpTcp]);
     (s.rawtcp_s, s.run_timeout_s) = (0.5, 60.0);
     let scenario = cluster.dir.join("scenario.toml");
     std::fs::write(&scenario, toml::to_string(&s).unwrap()).unwrap();

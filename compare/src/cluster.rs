@@ -21,7 +21,7 @@ use crate::machine::Machine;
 use crate::modes::{self, Placement};
 use crate::net::{self, Cluster, Shape};
 use crate::results::Outcome;
-use crate::scenario::{Dilate, ModeKind, RunSpec, Scenario};
+use crate::scenario::{Dilate, ModeKind, RunSpec, Scenario, Shards};
 use crate::site::Slot;
 
 /// Steps per cluster run unless `--steps` says otherwise.
@@ -55,8 +55,9 @@ const LATENCY_ROUNDS: usize = 200;
 /// Flags of `gradsync-bench cluster`.
 #[derive(Debug, Clone, Args)]
 pub struct ClusterArgs {
-    /// Scenario file (TOML) for the model, batch, steps and optimiser; the built-in default
-    /// when absent. Its modes, workers and shards are replaced by the flags below.
+    /// Scenario file (TOML) for the modes, workers (or hosts and ranks per host), shards,
+    /// model, batch, steps and optimiser; the built-in default when absent (its modes, workers
+    /// and shards then the flags' defaults below). Each flag below replaces its key.
     pub scenario: Option<PathBuf>,
     /// Run directory (default: runs/cluster-<UTC timestamp>).
     #[arg(long)]
@@ -75,15 +76,20 @@ pub struct ClusterArgs {
     /// netem needed).
     #[arg(long, default_value_t = 0.0)]
     pub loss: f64,
-    /// Worker processes, each on its own host.
-    #[arg(long, default_value_t = 4)]
-    pub workers: usize,
-    /// Parameter-server shards, each on its own host.
-    #[arg(long, default_value_t = 1)]
-    pub shards: usize,
-    /// Modes to run.
-    #[arg(long, value_delimiter = ',', default_value = "ps-bsp,ddp-tcp")]
-    pub modes: Vec<ModeKind>,
+    /// Worker process counts (default without a scenario file: 4).
+    #[arg(long, value_delimiter = ',')]
+    pub workers: Option<Vec<usize>>,
+    /// Worker ranks on each worker host (default 1): that many share each host's link, and
+    /// ddp-hier reduces among them first.
+    #[arg(long, value_delimiter = ',')]
+    pub ranks_per_host: Option<Vec<usize>>,
+    /// Parameter-server shard counts, each shard on its own host: numbers, `hosts` (one per
+    /// worker host) or `hosts/N` (default without a scenario file: 1).
+    #[arg(long, value_delimiter = ',')]
+    pub shards: Option<Vec<Shards>>,
+    /// Modes to run (default without a scenario file: ps-bsp,ddp-tcp).
+    #[arg(long, value_delimiter = ',')]
+    pub modes: Option<Vec<ModeKind>>,
     /// Override the scenario's models.
     #[arg(long, value_delimiter = ',')]
     pub models: Option<Vec<String>>,
@@ -113,9 +119,22 @@ pub struct ClusterArgs {
 /// [`CLUSTER_REPEATS`] times, or, with `--to-accuracy`, the scenario's own convergence
 /// measurement; `--repeats` replaces either count.
 pub fn cluster_scenario(mut s: Scenario, a: &ClusterArgs) -> anyhow::Result<Scenario> {
-    s.modes = a.modes.clone();
-    s.workers = vec![a.workers];
-    s.shards = vec![a.shards];
+    if a.scenario.is_none() {
+        (s.modes, s.workers, s.hosts, s.shards) =
+            (vec![ModeKind::PsBsp, ModeKind::DdpTcp], vec![4], Vec::new(), vec![Shards::Count(1)]);
+    }
+    if let Some(m) = &a.modes {
+        s.modes = m.clone();
+    }
+    if let Some(w) = &a.workers {
+        (s.workers, s.hosts) = (w.clone(), Vec::new());
+    }
+    if let Some(m) = &a.ranks_per_host {
+        s.ranks_per_host = m.clone();
+    }
+    if let Some(k) = &a.shards {
+        s.shards = k.clone();
+    }
     if let Some(m) = &a.models {
         s.models = m.clone();
     }
@@ -129,8 +148,11 @@ pub fn cluster_scenario(mut s: Scenario, a: &ClusterArgs) -> anyhow::Result<Scen
             (s.steps, s.epochs) = (Some(steps), None);
         }
     } else {
-        (s.steps, s.epochs) = (Some(a.steps.unwrap_or(CLUSTER_STEPS)), None);
-        (s.repeats, s.eval_samples, s.target_accuracy) = (CLUSTER_REPEATS, None, None);
+        // A scenario file with a step budget keeps it and its repeats (sized for its cells).
+        let own = if a.scenario.is_some() { s.steps.map(|n| (n, s.repeats)) } else { None };
+        let (steps, repeats) = own.unwrap_or((CLUSTER_STEPS, CLUSTER_REPEATS));
+        (s.steps, s.epochs) = (Some(a.steps.unwrap_or(steps)), None);
+        (s.repeats, s.eval_samples, s.target_accuracy) = (repeats, None, None);
     }
     if let Some(r) = a.repeats {
         anyhow::ensure!(r >= 1, "--repeats {r}: each cell must run at least once");
@@ -146,8 +168,6 @@ pub fn run(a: &ClusterArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     net::guard("gradsync-bench cluster");
-    anyhow::ensure!(a.workers >= 1, "--workers must be at least 1");
-    anyhow::ensure!(a.shards >= 1, "--shards must be at least 1");
     anyhow::ensure!(
         !a.rates.is_empty() && a.rates.iter().all(|r| *r > 0.0),
         "--rates must be positive Gbit/s"
@@ -256,7 +276,8 @@ impl Runner<'_> {
     ) -> anyhow::Result<(Outcome, ClusterRun)> {
         let sh = shape(rate).dilated(d);
         let k = if spec.mode.is_ps() { spec.shards.max(1) } else { 0 };
-        let hosts = k.max(1) + spec.workers;
+        let m = spec.ranks_per_host.max(1);
+        let hosts = k.max(1) + spec.workers.div_ceil(m);
         let mut spec = spec.clone();
         spec.id = format!(
             "{}-{}g{}",
@@ -270,7 +291,10 @@ impl Runner<'_> {
             Ok(c) => {
                 let h = c.hosts();
                 let slots = |h: &[crate::net::HostSlot]| h.iter().map(Slot::from).collect();
-                let p = Placement::Hosts { servers: slots(&h[..k.max(1)]), workers: slots(&h[k.max(1)..]) };
+                // Rank r on worker host r / m: ranks r m .. (r + 1) m - 1 share a host.
+                let per_rank: Vec<_> =
+                    h[k.max(1)..].iter().flat_map(|x| std::iter::repeat_n(x, m)).cloned().collect();
+                let p = Placement::Hosts { servers: slots(&h[..k.max(1)]), workers: slots(&per_rank) };
                 (p, None, Some(c))
             }
             Err(e) => (Placement::Loopback, Some(format!("{e}")), None),
@@ -291,9 +315,12 @@ impl Runner<'_> {
                 .and_then(|(tx, rx)| crate::rawtcp::latency_between(tx, rx, LATENCY_ROUNDS));
             (gbit, latency.map_err(|e| said("latency", e)).ok().map(|s| s * 1e6 / d))
         });
-        let skip = skip.or_else(|| {
-            (spec.mode.compared().wire == Wire::Nccl)
-                .then(|| "NCCL does not run over emulated links".to_string())
+        let skip = skip.or_else(|| match spec.mode.compared() {
+            c if c.wire == Wire::Nccl => Some("NCCL does not run over emulated links".to_string()),
+            c if c.needs.one_host && spec.workers > m => {
+                Some("shared memory does not cross hosts".to_string())
+            }
+            _ => None,
         });
         let o = crate::run_spec(
             self.scenario,
@@ -312,6 +339,7 @@ impl Runner<'_> {
             mode: spec.mode,
             workers: spec.workers,
             shards: spec.shards,
+            ranks_per_host: m,
             hosts,
             rate_gbit: rate,
             measured_gbit,
@@ -456,7 +484,7 @@ fn fmt_rate(r: f64) -> String {
 mod tests {
     use clap::Parser;
 
-    use super::{ClusterArgs, Scenario, cluster_scenario};
+    use super::{ClusterArgs, ModeKind, Scenario, Shards, cluster_scenario};
 
     #[derive(Parser)]
     struct Cli {
@@ -466,6 +494,41 @@ mod tests {
 
     fn args(flags: &[&str]) -> ClusterArgs {
         Cli::parse_from([&["cluster"][..], flags].concat()).a
+    }
+
+    /// Without a scenario file the cluster runs ps-bsp and ddp-tcp on 4 workers and 1 shard;
+    /// a scenario file's modes, hosts, ranks per host and shards are kept; each flag replaces
+    /// its key.
+    #[test]
+    fn a_scenario_file_places_its_runs_unless_a_flag_says_otherwise() {
+        let defaults = Scenario::load(None).unwrap();
+        let s = cluster_scenario(defaults.clone(), &args(&[])).unwrap();
+        assert_eq!(
+            (s.modes.as_slice(), s.workers.as_slice()),
+            (&[ModeKind::PsBsp, ModeKind::DdpTcp][..], &[4][..])
+        );
+        assert_eq!(s.shards, [Shards::Count(1)]);
+        assert_eq!((s.steps, s.repeats), (Some(super::CLUSTER_STEPS), super::CLUSTER_REPEATS));
+        let mut file = defaults.clone();
+        (file.modes, file.workers, file.hosts) = (vec![ModeKind::Zero1Tcp], Vec::new(), vec![8, 16]);
+        (file.ranks_per_host, file.shards) = (vec![1, 2], vec![Shards::PerHosts(1), Shards::PerHosts(2)]);
+        (file.steps, file.epochs, file.repeats) = (Some(4), None, 2);
+        let s = cluster_scenario(file.clone(), &args(&["scale.toml"])).unwrap();
+        // Its step budget and repeats too, its evaluation off.
+        assert_eq!((s.steps, s.repeats, s.eval_samples), (Some(4), 2, None));
+        assert_eq!(
+            (s.modes, s.hosts, s.ranks_per_host, s.shards),
+            (file.modes.clone(), file.hosts.clone(), file.ranks_per_host.clone(), file.shards.clone())
+        );
+        let s = cluster_scenario(
+            file,
+            &args(&["scale.toml", "--workers", "4", "--ranks-per-host", "2", "--shards", "hosts/2"]),
+        )
+        .unwrap();
+        assert_eq!(
+            (s.workers, s.hosts, s.ranks_per_host, s.shards),
+            (vec![4], vec![], vec![2], vec![Shards::PerHosts(2)])
+        );
     }
 
     /// `auto`: a saturated probe asks for one four times slower, up to the cap; else the factor

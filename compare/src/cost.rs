@@ -80,8 +80,15 @@ pub fn update_bytes(shards: usize, s: f64) -> f64 {
 /// Seconds for one push and one pull of `s` bytes by each of `n` workers through `k` shards,
 /// push and pull pipelined over the two directions of the link.
 pub fn ps(n: usize, k: usize, s: f64, l: Link) -> f64 {
-    let (n, k) = (n.max(1) as f64, k.max(1) as f64);
-    2.0 * l.a + (s / l.b).max(n * s / (k * l.b))
+    ps_on_hosts(n, 1, k, s, l)
+}
+
+/// [`ps`] with the `n` workers `per_host` to a host, each host's link carrying their pushes
+/// (and pulls) together: the busiest link is a worker host's (`per_host S / B`) or a
+/// server's (`n S / (k B)`).
+pub fn ps_on_hosts(n: usize, per_host: usize, k: usize, s: f64, l: Link) -> f64 {
+    let (n, m, k) = (n.max(1) as f64, per_host.max(1) as f64, k.max(1) as f64);
+    2.0 * l.a + (m * s / l.b).max(n * s / (k * l.b))
 }
 
 /// [`ps`] with the pull starting only after the whole push.

@@ -89,6 +89,9 @@ pub struct ClusterRun {
     pub workers: usize,
     /// Server shards (0: none).
     pub shards: usize,
+    /// Workers on each worker host.
+    #[serde(default = "one")]
+    pub ranks_per_host: usize,
     /// Hosts in the cluster.
     pub hosts: usize,
     /// Link rate, Gbit/s.
@@ -117,9 +120,14 @@ fn undilated() -> f64 {
 }
 
 impl ClusterRun {
-    /// The link as the report names it: `1 Gbit/s`, `0.1 Gbit/s, 50 us delay, 0.1% loss`.
+    /// The link as the report names it, which groups runs (so ranks sharing hosts are a
+    /// group of their own): `1 Gbit/s`, `0.1 Gbit/s, 50 us delay, 0.1% loss`, `10 Gbit/s, 2
+    /// ranks a host`.
     pub fn label(&self) -> String {
         let mut s = format!("{} Gbit/s", self.rate_gbit);
+        if self.ranks_per_host > 1 {
+            s += &format!(", {} ranks a host", self.ranks_per_host);
+        }
         if self.delay_us > 0 {
             s += &format!(", {} us delay", self.delay_us);
         }
@@ -157,4 +165,8 @@ pub fn load(dirs: &[PathBuf]) -> Vec<ClusterRun> {
         }));
     }
     all
+}
+
+fn one() -> usize {
+    1
 }

@@ -337,6 +337,12 @@ fn compare_into(
              run it with `gradsync-bench cluster` (loopback, --hosts and --slurm links run at their own rate)"
         );
     }
+    // Where ranks go is the sites' to say here (one per slot), not the scenario's.
+    anyhow::ensure!(
+        scenario.hosts.is_empty() && scenario.ranks_per_host == [1],
+        "the scenario's `hosts` and `ranks_per_host` place ranks on emulated hosts: run it with \
+         `gradsync-bench cluster` (give `workers` here)"
+    );
     let outcomes_path = out.join("outcomes.jsonl");
     let mut outcomes = if resume { finished_outcomes(out)? } else { Vec::new() };
     // Old metrics left beside new ones would be merged into this comparison's results.

@@ -178,7 +178,7 @@ mod tests {
     fn placement_is_checked_against_each_hosts_memory_and_gpus() {
         let mut s = crate::scenario::Scenario::load(None).unwrap();
         (s.models, s.modes, s.workers, s.shards) =
-            (vec!["vgg11".into()], vec![ModeKind::PsBsp], vec![4], vec![2]);
+            (vec!["vgg11".into()], vec![ModeKind::PsBsp], vec![4], crate::scenario::Shards::counts(&[2]));
         let spec = s.expand().remove(0);
         let params =
             gradsync_core::model::Layout::new(&gradsync_core::model::ModelSpec::parse("vgg11").unwrap()).len;

@@ -155,20 +155,12 @@ impl ModeKind {
         self.compared().is_ring()
     }
 
-    /// The mode a metrics header describes (`mode`, `variant`, for the TCP backend the
-    /// transport it ran over, `extra.transport`, and the compression, `extra.compression`), if
-    /// any. On a model with a table (`table`) a PS worker under BSP is ps-sparse, and a DDP
-    /// rank over TCP sockets ddp-allgather or ddp-dense by its `extra.sparse_grads`.
-    pub fn from_header(
-        mode: &str,
-        variant: &str,
-        transport: Option<&str>,
-        compression: Option<&str>,
-        table: bool,
-        sparse_grads: Option<&str>,
-    ) -> Option<ModeKind> {
-        let h = modes::HeaderMode { mode, variant, transport, compression, table, sparse_grads };
-        modes::from_header(&h).map(ModeKind)
+    /// The mode a metrics header describes ([`modes::HeaderMode`]: `mode`, `variant`, for the
+    /// TCP backend the transport it ran over and its all-reduce, the compression), if any. On
+    /// a model with a table a PS worker under BSP is ps-sparse, and a DDP rank over TCP sockets
+    /// ddp-allgather or ddp-dense by its `extra.sparse_grads`.
+    pub fn from_header(h: &modes::HeaderMode) -> Option<ModeKind> {
+        modes::from_header(h).map(ModeKind)
     }
 }
 
@@ -230,8 +222,17 @@ pub struct Scenario {
     pub name: String,
     /// Modes to run.
     pub modes: Vec<ModeKind>,
-    /// Worker counts.
+    /// Worker counts (give these or `hosts`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub workers: Vec<usize>,
+    /// Worker host counts, instead of `workers`: each run has hosts x ranks_per_host workers
+    /// (an emulated cluster's hosts, `gradsync-bench cluster`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<usize>,
+    /// Worker ranks on each worker host (`gradsync-bench cluster`: that many ranks share each
+    /// host's link; ddp-hier reduces inside each host first). Default `[1]`.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub ranks_per_host: Vec<usize>,
     /// Model presets or widths.
     pub models: Vec<String>,
     /// Global batch sizes. Left out when every model is replayed: each worker then takes its
@@ -244,9 +245,10 @@ pub struct Scenario {
     /// A built-in replayed model's memory bandwidth, TB/s (`--device-tbps`).
     #[serde(default)]
     pub device_tbps: Option<f64>,
-    /// Server shard counts (PS modes).
-    #[serde(default = "one")]
-    pub shards: Vec<usize>,
+    /// Server shard counts (PS modes): numbers, or `"hosts"` (a shard per worker host) and
+    /// `"hosts/N"` (one per N worker hosts).
+    #[serde(default = "one_shard")]
+    pub shards: Vec<Shards>,
     /// SSP staleness bound.
     #[serde(default = "two")]
     pub ssp_staleness: u64,
@@ -346,6 +348,86 @@ pub struct Scenario {
     pub dilate: Option<Dilate>,
 }
 
+/// How many parameter-server shards a run has (a scenario's `shards`, `cluster --shards`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shards {
+    /// This many, from 1.
+    Count(usize),
+    /// One per this many worker hosts (`"hosts"`: 1, `"hosts/2"`: 2), at least one.
+    PerHosts(usize),
+}
+
+impl Shards {
+    /// Fixed counts.
+    pub fn counts(k: &[usize]) -> Vec<Shards> {
+        k.iter().map(|&k| Shards::Count(k)).collect()
+    }
+
+    /// The count for a run on `hosts` worker hosts.
+    pub fn of(self, hosts: usize) -> usize {
+        match self {
+            Shards::Count(k) => k,
+            Shards::PerHosts(d) => (hosts / d).max(1),
+        }
+    }
+}
+
+impl std::str::FromStr for Shards {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("shards '{s}': expected a count from 1, `hosts` or `hosts/N`");
+        let t = s.trim();
+        let per = match t.strip_prefix("hosts") {
+            Some("") => Some(1),
+            Some(rest) => Some(rest.strip_prefix('/').and_then(|n| n.trim().parse().ok()).ok_or_else(bad)?),
+            None => None,
+        };
+        match per {
+            Some(0) => Err(bad()),
+            Some(d) => Ok(Shards::PerHosts(d)),
+            None => match t.parse() {
+                Ok(k) if k > 0 => Ok(Shards::Count(k)),
+                _ => Err(bad()),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Shards {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Shards::Count(k) => write!(f, "{k}"),
+            Shards::PerHosts(1) => f.write_str("hosts"),
+            Shards::PerHosts(d) => write!(f, "hosts/{d}"),
+        }
+    }
+}
+
+impl Serialize for Shards {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Shards::Count(k) => s.serialize_u64(*k as u64),
+            Shards::PerHosts(_) => s.serialize_str(&self.to_string()),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Shards {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(i64),
+            Text(String),
+        }
+        let text = match Raw::deserialize(d)? {
+            Raw::Number(n) => n.to_string(),
+            Raw::Text(t) => t,
+        };
+        text.parse().map_err(|e: String| serde::de::Error::custom(format!("`shards`: {e}")))
+    }
+}
+
 /// How much a cluster's time is dilated (the scenario's `dilate`, `cluster --dilate`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Dilate {
@@ -403,6 +485,12 @@ impl<'de> Deserialize<'de> for Dilate {
 
 fn one() -> Vec<usize> {
     vec![1]
+}
+fn is_one(v: &[usize]) -> bool {
+    v == [1]
+}
+fn one_shard() -> Vec<Shards> {
+    vec![Shards::Count(1)]
 }
 fn two() -> u64 {
     2
@@ -500,14 +588,24 @@ impl Scenario {
             Ok(())
         };
         nonempty("modes", self.modes.len())?;
-        nonempty("workers", self.workers.len())?;
+        anyhow::ensure!(
+            self.workers.is_empty() != self.hosts.is_empty(),
+            "give `workers` (worker counts) or `hosts` (worker host counts, each of `ranks_per_host` \
+             ranks), one of them"
+        );
+        nonempty("ranks_per_host", self.ranks_per_host.len())?;
         nonempty("models", self.models.len())?;
         self.device
             .parse::<gradsync_core::device::DeviceRequest>()
             .map_err(|e| anyhow::anyhow!("`device`: {e}"))?;
         nonempty("shards", self.shards.len())?;
         nonempty("slow_ms", self.slow_ms.len())?;
-        for (name, v) in [("workers", &self.workers), ("batches", &self.batches), ("shards", &self.shards)] {
+        for (name, v) in [
+            ("workers", &self.workers),
+            ("hosts", &self.hosts),
+            ("ranks_per_host", &self.ranks_per_host),
+            ("batches", &self.batches),
+        ] {
             anyhow::ensure!(v.iter().all(|&x| x > 0), "`{name}` must hold positive numbers, not {v:?}");
         }
         match (self.steps, self.epochs) {
@@ -597,6 +695,17 @@ impl Scenario {
         Ok(())
     }
 
+    /// The worker counts it runs, each with its ranks per host: `workers` each at every
+    /// `ranks_per_host`, or `hosts` times each.
+    pub fn placements(&self) -> Vec<(usize, usize)> {
+        let per = &self.ranks_per_host;
+        if self.hosts.is_empty() {
+            self.workers.iter().flat_map(|&w| per.iter().map(move |&m| (w, m))).collect()
+        } else {
+            self.hosts.iter().flat_map(|&h| per.iter().map(move |&m| (h * m, m))).collect()
+        }
+    }
+
     /// The runs, in a fixed order: model, batch, mode, workers, shards. A combination that
     /// cannot run (a global batch that does not split over the workers) is kept with the
     /// reason, so the results say why it is missing.
@@ -617,19 +726,28 @@ impl Scenario {
                     // worker, so local training runs once per worker count at that count's
                     // global batch: the same step's compute, in the same chart group.
                     let own = own.unwrap_or(1);
-                    let mut cells: Vec<(usize, usize)> = match (mode == ModeKind::Local, batch) {
-                        (true, Some(b)) => vec![(1, b)],
-                        (true, None) => self.workers.iter().map(|&n| (1, own * n)).collect(),
-                        (false, b) => self.workers.iter().map(|&w| (w, b.unwrap_or(own * w))).collect(),
+                    let mut cells: Vec<(usize, usize, usize)> = match (mode == ModeKind::Local, batch) {
+                        (true, Some(b)) => vec![(1, 1, b)],
+                        (true, None) => self.placements().iter().map(|&(n, _)| (1, 1, own * n)).collect(),
+                        (false, b) => {
+                            self.placements().iter().map(|&(w, m)| (w, m, b.unwrap_or(own * w))).collect()
+                        }
                     };
                     cells.dedup();
-                    for (w, global_batch) in cells {
-                        let shards: Vec<usize> = if mode.is_ps() { self.shards.clone() } else { vec![0] };
+                    for (w, m, global_batch) in cells {
+                        let mut shards: Vec<usize> = if mode.is_ps() {
+                            self.shards.iter().map(|k| k.of(w.div_ceil(m))).collect()
+                        } else {
+                            vec![0]
+                        };
+                        shards.dedup();
                         for &k in &shards {
                             for (&slow_ms, repeat) in
                                 self.slow_ms.iter().flat_map(|d| (0..self.repeats).map(move |r| (d, r)))
                             {
-                                let skip = if global_batch % w != 0 {
+                                let skip = if w % m != 0 {
+                                    Some(format!("{w} workers do not fill hosts of {m} ranks"))
+                                } else if global_batch % w != 0 {
                                     Some(format!(
                                         "global batch {global_batch} does not split over {w} workers"
                                     ))
@@ -639,9 +757,10 @@ impl Scenario {
                                     None
                                 };
                                 let id = format!(
-                                    "{:03}-{}-w{w}-{}-b{global_batch}{}{}{}",
+                                    "{:03}-{}-w{w}{}-{}-b{global_batch}{}{}{}",
                                     out.len() + 1,
                                     mode.label(),
+                                    if m > 1 { format!("-m{m}") } else { String::new() },
                                     sanitize(model),
                                     if k > 0 { format!("-k{k}") } else { String::new() },
                                     if slow_ms > 0 { format!("-slow{slow_ms}") } else { String::new() },
@@ -659,6 +778,7 @@ impl Scenario {
                                     global_batch,
                                     batch: (global_batch / w).max(1),
                                     shards: k,
+                                    ranks_per_host: m,
                                     slow_ms,
                                     repeat,
                                     skip,
@@ -696,6 +816,9 @@ pub struct RunSpec {
     pub batch: usize,
     /// Server shards (0 when the mode has none).
     pub shards: usize,
+    /// Workers on each worker host (an emulated cluster's placement; 1 elsewhere).
+    #[serde(default = "one_rank")]
+    pub ranks_per_host: usize,
     /// Milliseconds the scenario's `slow_rank` is delayed per step (0: none).
     #[serde(default)]
     pub slow_ms: u64,
@@ -712,6 +835,10 @@ pub struct RunSpec {
 
 fn undilated() -> f64 {
     1.0
+}
+
+fn one_rank() -> usize {
+    1
 }
 
 #[cfg(test)]
@@ -736,6 +863,67 @@ mod tests {
         assert_eq!("auto".parse::<Dilate>(), Ok(Dilate::Auto));
         assert_eq!("16".parse::<Dilate>(), Ok(Dilate::Factor(16.0)));
         assert!("0".parse::<Dilate>().unwrap_err().contains("dilate"));
+    }
+
+    /// `shards` takes counts and shares of the worker hosts; `hosts` and `ranks_per_host`
+    /// place the workers; anything else is refused by name.
+    #[test]
+    fn hosts_ranks_per_host_and_shards_per_host_expand_to_placed_runs() {
+        let base = "name = 'x'\nmodels = ['resnet50']\nsteps = 2\nrepeats = 1\n";
+        let parse = |keys: &str| Scenario::parse(&format!("{base}{keys}"), "test");
+        let s = parse("modes = ['ps-bsp', 'ddp-hier']\nhosts = [2, 4]\nranks_per_host = [1, 2]\nshards = ['hosts', 'hosts/2', 3]\n")
+            .unwrap();
+        assert_eq!(s.placements(), [(2, 1), (4, 2), (4, 1), (8, 2)]);
+        let runs = s.expand();
+        let ps: Vec<(usize, usize, usize)> = runs
+            .iter()
+            .filter(|r| r.mode == ModeKind::PsBsp)
+            .map(|r| (r.workers, r.ranks_per_host, r.shards))
+            .collect();
+        // 2 hosts: 2, 1, 3 shards; 4 hosts: 4, 2, 3 (whatever the ranks on each).
+        assert_eq!(
+            ps,
+            [
+                (2, 1, 2),
+                (2, 1, 1),
+                (2, 1, 3),
+                (4, 2, 2),
+                (4, 2, 1),
+                (4, 2, 3),
+                (4, 1, 4),
+                (4, 1, 2),
+                (4, 1, 3),
+                (8, 2, 4),
+                (8, 2, 2),
+                (8, 2, 3)
+            ]
+        );
+        let hier: Vec<&str> =
+            runs.iter().filter(|r| r.mode == ModeKind::named("ddp-hier")).map(|r| r.id.as_str()).collect();
+        assert!(hier[1].contains("-w4-m2-") && !hier[0].contains("-m"), "{hier:?}");
+        assert!(runs.iter().all(|r| r.skip.is_none()));
+        // hosts/2 of one host is one shard, said once.
+        let one = parse("modes = ['ps-bsp']\nhosts = [1]\nshards = ['hosts', 'hosts/2']\n").unwrap().expand();
+        assert_eq!(one.iter().map(|r| r.shards).collect::<Vec<_>>(), [1]);
+        // Workers that do not fill their hosts are kept with the reason.
+        let odd = parse("modes = ['ddp-tcp']\nworkers = [3]\nranks_per_host = [2]\n").unwrap().expand();
+        assert_eq!(odd[0].skip.as_deref(), Some("3 workers do not fill hosts of 2 ranks"));
+        // The keys round-trip through the file the run directory keeps.
+        assert_eq!(Scenario::parse(&toml::to_string(&s).unwrap(), "again").unwrap(), s);
+        for (keys, says) in [
+            ("modes = ['ps-bsp']\nworkers = [2]\nhosts = [2]\n", "give `workers`"),
+            ("modes = ['ps-bsp']\n", "give `workers`"),
+            (
+                "modes = ['ps-bsp']\nhosts = [2]\nranks_per_host = [0]\n",
+                "`ranks_per_host` must hold positive",
+            ),
+            ("modes = ['ps-bsp']\nhosts = [2]\nshards = ['hosts/0']\n", "shards 'hosts/0'"),
+            ("modes = ['ps-bsp']\nhosts = [2]\nshards = ['half']\n", "shards 'half'"),
+            ("modes = ['ps-bsp']\nhosts = [2]\nshards = [0]\n", "shards '0'"),
+        ] {
+            let e = format!("{:#}", parse(keys).unwrap_err());
+            assert!(e.contains(says), "{keys}: {e}");
+        }
     }
 
     #[test]
@@ -947,7 +1135,13 @@ mod tests {
 
     /// A header of a model without a table.
     fn no_table(mode: &str, variant: &str, transport: Option<&str>, c: Option<&str>) -> Option<ModeKind> {
-        ModeKind::from_header(mode, variant, transport, c, false, None)
+        ModeKind::from_header(&modes::HeaderMode {
+            mode,
+            variant,
+            transport,
+            compression: c,
+            ..Default::default()
+        })
     }
 
     #[test]
@@ -1037,7 +1231,14 @@ mod tests {
     #[test]
     fn sparse_modes_are_read_back_from_their_headers() {
         let read = |mode, variant, transport, table, sg| {
-            ModeKind::from_header(mode, variant, transport, None, table, sg)
+            ModeKind::from_header(&modes::HeaderMode {
+                mode,
+                variant,
+                transport,
+                table,
+                sparse_grads: sg,
+                ..Default::default()
+            })
         };
         assert_eq!(read("ps", "bsp", None, true, None), Some(ModeKind::PsSparse));
         assert_eq!(read("ps", "bsp", None, false, None), Some(ModeKind::PsBsp));

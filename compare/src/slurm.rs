@@ -502,7 +502,8 @@ mod tests {
         assert_eq!(a.job, "42");
         // Placement as with --hosts: the server alone on the first node, workers spread.
         let mut s = crate::scenario::Scenario::load(None).unwrap();
-        (s.modes, s.workers, s.shards) = (vec![ModeKind::PsBsp], vec![4], vec![1]);
+        (s.modes, s.workers, s.shards) =
+            (vec![ModeKind::PsBsp], vec![4], crate::scenario::Shards::counts(&[1]));
         let spec = s.expand().remove(0);
         let (servers, workers) = a.place(&spec).unwrap();
         assert_eq!(servers.iter().map(|n| n.name.as_str()).collect::<Vec<_>>(), ["node01"]);
@@ -590,7 +591,8 @@ mod tests {
     #[test]
     fn the_batch_script_asks_for_the_largest_run() {
         let mut s = crate::scenario::Scenario::load(None).unwrap();
-        (s.modes, s.workers, s.shards) = (vec![ModeKind::PsBsp, ModeKind::DdpTcp], vec![2, 4], vec![1, 2]);
+        (s.modes, s.workers, s.shards) =
+            (vec![ModeKind::PsBsp, ModeKind::DdpTcp], vec![2, 4], crate::scenario::Shards::counts(&[1, 2]));
         s.run_timeout_s = 600.0;
         s.repeats = 1;
         let runs = s.expand().len();

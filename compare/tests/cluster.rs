@@ -59,7 +59,7 @@ fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
     let mut s = scenario(6);
     s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp];
     s.workers = vec![2];
-    s.shards = vec![1];
+    s.shards = gradsync_compare::scenario::Shards::counts(&[1]);
     let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
     let runs = cluster::run_cluster(&s, &bins, &out, &[1.0], |_| shape, None).unwrap();
     assert_eq!(runs.len(), 2);
@@ -94,6 +94,49 @@ fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
     assert!(!html.contains("no link figures"), "the cost model had no link to fit");
 }
 
+/// Two ranks to a host: ddp-hier's all-reduce goes through the two hosts (its ranks find them
+/// by network namespace), the flat ring stays flat although ranks share hosts, the PS's four
+/// workers share two hosts' links with a shard per host, and the report groups them apart
+/// from one rank a host.
+#[test]
+fn ranks_sharing_hosts_go_through_them_only_in_ddp_hier() {
+    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0, rto_min: None };
+    let Some(c) = cluster_or_skip("ranks_sharing_hosts", 1, shape) else { return };
+    drop(c);
+    let out = tmp("per-host");
+    let mut s = scenario(3);
+    s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp, "ddp-hier".parse().unwrap()];
+    (s.workers, s.hosts, s.ranks_per_host) = (Vec::new(), vec![2], vec![2]);
+    s.shards = vec!["hosts".parse().unwrap()];
+    s.repeats = 1;
+    let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
+    let runs = cluster::run_cluster(&s, &bins, &out, &[1.0], |_| shape, None).unwrap();
+    assert_eq!(runs.len(), 3);
+    let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
+    assert_eq!(outcomes.matches("\"status\":\"ok\"").count(), 3, "{outcomes}");
+    for r in &runs {
+        assert_eq!((r.workers, r.ranks_per_host), (4, 2), "{}", r.id);
+        // Two worker hosts, and the PS's two shards (a shard per host) or the ring's spare.
+        assert_eq!((r.shards, r.hosts), if r.mode == ModeKind::PsBsp { (2, 4) } else { (0, 3) }, "{}", r.id);
+        assert!(r.label().contains("2 ranks a host"), "{}", r.label());
+        if r.mode.is_ps() {
+            continue;
+        }
+        for rank in 0..4 {
+            let m = std::fs::read_to_string(out.join(&r.id).join(format!("rank{rank}.jsonl"))).unwrap();
+            let header = m.lines().next().unwrap();
+            let hier = r.mode.label() == "ddp-hier";
+            let said = if hier { "\"all_reduce\":\"hierarchical\"" } else { "\"all_reduce\":\"ring\"" };
+            assert!(header.contains(said), "{} rank {rank}: {header}", r.id);
+            assert_eq!(header.contains("\"hosts\":2"), hier, "{} rank {rank}: {header}", r.id);
+            assert_eq!(m.matches("\"kind\":\"step\"").count(), 3, "{} rank {rank}", r.id);
+        }
+    }
+    // Read back under their own names, in a group of their own.
+    let html = std::fs::read_to_string(gradsync_compare::plot(&[out.to_path_buf()], &out).unwrap()).unwrap();
+    assert!(html.contains("ddp-hier") && html.contains("4 (2 a host)"), "the report lost the placement");
+}
+
 /// A dilated cluster: every process runs with `--dilate`, its metrics say the factor, each
 /// link is shaped at rate / D, and the rate's self-check reruns its busiest run at 2D under
 /// `checks/`, which the comparison's own cells never read; `dilation.json` says what it found.
@@ -106,7 +149,7 @@ fn a_dilated_cluster_dilates_every_process_and_checks_itself_at_twice_the_factor
     let mut s = scenario(4);
     s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp];
     s.workers = vec![2];
-    s.shards = vec![1];
+    s.shards = gradsync_compare::scenario::Shards::counts(&[1]);
     s.repeats = 1;
     let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
     let dilate = Some(gradsync_compare::scenario::Dilate::Factor(4.0));
@@ -156,7 +199,7 @@ fn an_auto_dilated_cluster_probes_first_and_records_what_it_chose() {
     let mut s = scenario(4);
     s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp];
     s.workers = vec![2];
-    s.shards = vec![1];
+    s.shards = gradsync_compare::scenario::Shards::counts(&[1]);
     s.repeats = 1;
     let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
     let auto = Some(gradsync_compare::scenario::Dilate::Auto);
@@ -274,6 +317,7 @@ fn plan(c: &Cluster, mode: ModeKind, workers: usize, steps: u64, dir: &Path) -> 
             global_batch: 16 * workers,
             batch: 16,
             shards: usize::from(mode.is_ps()),
+            ranks_per_host: 1,
             slow_ms: 0,
             repeat: 0,
             skip: None,

@@ -10,6 +10,7 @@ use gradsync_proto::SyncMode;
 
 use crate::cli::flag::{self, choice};
 use crate::cli::{Backend, Mode, Transport};
+use crate::collective::Hierarchy;
 use crate::strategy::SparseGrads;
 
 /// One compared mode: a name for a set of `train` flags, and what a reader must know of it.
@@ -54,6 +55,9 @@ pub struct Ring {
     /// `--transport`, always named where the backend takes one, so that a TCP mode is sockets
     /// even when every rank shares a host.
     pub transport: Option<Transport>,
+    /// `--hierarchy`, always named where the backend takes one, so that a flat ring stays flat
+    /// when several ranks share a host (`auto` would go through the hosts there).
+    pub hierarchy: Option<Hierarchy>,
 }
 
 /// How a compared mode compresses gradients on the wire (`--compress`).
@@ -240,7 +244,8 @@ const PS_BSP: Compared = Compared {
 };
 
 /// DDP's ring over TCP sockets.
-const TCP: Ring = Ring { backend: Backend::Tcp, transport: Some(Transport::Tcp) };
+const TCP: Ring =
+    Ring { backend: Backend::Tcp, transport: Some(Transport::Tcp), hierarchy: Some(Hierarchy::Off) };
 
 /// ddp-tcp, which the other rings are written from.
 const DDP_TCP: Compared = Compared {
@@ -293,9 +298,18 @@ pub const COMPARED: &[Compared] = &[
     },
     DDP_TCP,
     Compared {
+        name: "ddp-hier",
+        about: "DDP all-reduce through the hosts over TCP sockets: reduce inside each host, ring among one \
+                leader per host, broadcast inside (`--hierarchy on`, NCCL's and Horovod's hierarchical \
+                all-reduce); with one rank a host, the flat ring",
+        ring: Some(Ring { hierarchy: Some(Hierarchy::On), ..TCP }),
+        short: "hier{n}",
+        ..DDP_TCP
+    },
+    Compared {
         name: "ddp-shm",
         about: "DDP ring all-reduce over shared memory (one host only; not a network)",
-        ring: Some(Ring { backend: Backend::Tcp, transport: Some(Transport::Shm) }),
+        ring: Some(Ring { transport: Some(Transport::Shm), ..TCP }),
         wire: Wire::Shm,
         needs: Needs { one_host: true, ..Needs::NOTHING },
         short: "shm{n}",
@@ -304,7 +318,7 @@ pub const COMPARED: &[Compared] = &[
     Compared {
         name: "ddp-nccl",
         about: "DDP over NCCL (GPU only)",
-        ring: Some(Ring { backend: Backend::Nccl, transport: None }),
+        ring: Some(Ring { backend: Backend::Nccl, transport: None, hierarchy: None }),
         wire: Wire::Nccl,
         needs: Needs { gpu: true, ..Needs::NOTHING },
         short: "nccl{n}",
@@ -472,6 +486,9 @@ impl Compared {
             if let Some(t) = r.transport {
                 out.push((flag::TRANSPORT, choice(t)));
             }
+            if let Some(h) = r.hierarchy {
+                out.push((flag::HIERARCHY, choice(h)));
+            }
         }
         if let Some(c) = self.compression(topk_ratio) {
             out.push((flag::COMPRESS, c.to_string()));
@@ -516,6 +533,12 @@ impl Compared {
         self.family == Family::Ring
             && self.codec == Codec::None
             && self.sparse_grads_run() == SparseGrads::Dense
+            && !self.through_hosts()
+    }
+
+    /// Whether its all-reduce goes through the hosts (`--hierarchy on`).
+    pub fn through_hosts(&self) -> bool {
+        self.ring.is_some_and(|r| r.hierarchy == Some(Hierarchy::On))
     }
 }
 
@@ -547,6 +570,8 @@ pub struct HeaderMode<'a> {
     pub table: bool,
     /// `extra.sparse_grads`, for DDP.
     pub sparse_grads: Option<&'a str>,
+    /// `extra.all_reduce`, for the TCP backend: `ring` or `hierarchical` (absent: the ring).
+    pub all_reduce: Option<&'a str>,
 }
 
 /// The index in [`COMPARED`] of the mode a metrics header describes, if any: the first entry
@@ -564,10 +589,16 @@ pub fn from_header(h: &HeaderMode) -> Option<usize> {
         };
         let ring = c.ring.is_none_or(|r| {
             let shm = h.transport == Some(Transport::Shm.name());
+            let through_hosts = h.all_reduce == Some("hierarchical");
             (r.backend == Backend::Nccl) == (h.variant == choice(Backend::Nccl))
                 && match r.transport {
                     Some(Transport::Shm) => shm,
                     Some(_) => !shm,
+                    None => true,
+                }
+                && match r.hierarchy {
+                    Some(Hierarchy::On) => through_hosts,
+                    Some(_) => !through_hosts,
                     None => true,
                 }
         });
@@ -611,6 +642,7 @@ mod tests {
             if let Some(r) = c.ring {
                 assert_eq!(a.ddp.backend, r.backend, "{}", c.name);
                 assert_eq!(a.ddp.transport, r.transport.unwrap_or_default(), "{}", c.name);
+                assert_eq!(a.ddp.hierarchy, r.hierarchy.unwrap_or_default(), "{}", c.name);
             }
             assert_eq!(a.compress, c.codec.compression(0.05), "{}", c.name);
             assert_eq!(a.ddp.sparse_grads, c.sparse_grads.unwrap_or_default(), "{}", c.name);
@@ -686,6 +718,10 @@ mod tests {
                 } else {
                     c.sparse_grads_run().name()
                 }),
+                all_reduce: c
+                    .ring
+                    .filter(|r| r.backend == Backend::Tcp)
+                    .map(|_| if c.through_hosts() { "hierarchical" } else { "ring" }),
             };
             let found = from_header(&h).map(|j| COMPARED[j].name);
             // ps-bsp on a model without a table reads as itself; so does every other entry.
@@ -709,5 +745,34 @@ mod tests {
         );
         let tcp: Vec<&str> = COMPARED.iter().filter(|c| !c.wire.over_tcp()).map(|c| c.name).collect();
         assert_eq!(tcp, ["local", "dp", "ddp-shm", "ddp-nccl"]);
+        // Every ring over TCP names its hierarchy: the flat ones stay flat on shared hosts.
+        assert!(
+            COMPARED
+                .iter()
+                .filter_map(|c| c.ring)
+                .all(|r| (r.backend == Backend::Tcp) == r.hierarchy.is_some())
+        );
+        assert!(
+            c("ddp-hier").through_hosts()
+                && !c("ddp-hier").is_ring()
+                && !c("ddp-hier").same_processes(&c("ddp-tcp"))
+        );
+    }
+
+    /// A flat ring's old header (no `all_reduce`) still reads as ddp-tcp; a hierarchical one
+    /// as ddp-hier.
+    #[test]
+    fn the_hierarchy_a_header_names_tells_the_rings_apart() {
+        let h = |all_reduce| HeaderMode {
+            mode: "ddp",
+            variant: "tcp",
+            transport: Some("tcp"),
+            all_reduce,
+            ..Default::default()
+        };
+        let name = |all_reduce| from_header(&h(all_reduce)).map(|i| COMPARED[i].name);
+        assert_eq!(name(None), Some("ddp-tcp"));
+        assert_eq!(name(Some("ring")), Some("ddp-tcp"));
+        assert_eq!(name(Some("hierarchical")), Some("ddp-hier"));
     }
 }

@@ -34,19 +34,27 @@ fn cluster_link(r: &ClusterRun) -> Link {
     Link { a, b: cost::gbit(r.measured_gbit.unwrap_or(r.rate_gbit)) }
 }
 
-/// The gradient exchange the cost model predicts for a cluster run's link, seconds.
+/// The gradient exchange the cost model predicts for a cluster run's link, seconds. Ranks
+/// sharing a host (`ranks_per_host`) share its link; among themselves they meet over the
+/// host's loopback, which the cluster does not shape, so ddp-hier's step inside each host is
+/// priced at nothing (dilated, it shrinks by D with the CPU work that sets it).
 pub fn cluster_prediction(r: &ClusterRun, params: usize) -> Option<f64> {
     let s = 4.0 * params as f64;
     let l = cluster_link(r);
+    let m = r.ranks_per_host.max(1);
+    let hosts = r.workers.div_ceil(m);
     if r.mode.is_compressed() {
         // The model prices f32 gradients only.
         None
     } else if r.mode.is_ps() {
-        Some(cost::ps(r.workers, r.shards.max(1), s, l))
+        Some(cost::ps_on_hosts(r.workers, m, r.shards.max(1), s, l))
     } else if r.mode == ModeKind::Zero1Tcp {
         Some(cost::zero1(r.workers, s, l))
     } else if r.mode.is_ring() {
-        Some(cost::ring(r.workers, s, l))
+        Some(cost::flat_across_hosts(hosts, m, s, l))
+    } else if r.mode.compared().through_hosts() {
+        let loopback = Link { a: 0.0, b: f64::INFINITY };
+        Some(cost::hierarchical(hosts, m, s, l, loopback))
     } else {
         None
     }
@@ -127,7 +135,11 @@ pub fn section(runs: &[ClusterRun], all: &[Summary], dilations: &[DilationRecord
                 cells: vec![
                     words(&link),
                     words(r.mode.label()),
-                    figures(&r.workers.to_string()),
+                    figures(&if r.ranks_per_host > 1 {
+                        format!("{} ({} a host)", r.workers, r.ranks_per_host)
+                    } else {
+                        r.workers.to_string()
+                    }),
                     figures(&r.shards.to_string()),
                     words(&s.status),
                     figures(&opt(s.step_ms, 1)),
@@ -294,12 +306,13 @@ fn ps_against_ring(runs: &[ClusterRun], all: &[Summary]) -> Vec<String> {
             b.0,
             b.1
         ));
-        if let (Some(pc), Some(rc)) = (m.comm_ms, ring.median.comm_ms)
+        let first = ps.runs.first().and_then(|id| run_of(id));
+        if let (Some(pc), Some(rc), Some(r)) = (m.comm_ms, ring.median.comm_ms, first)
             && m.shards == m.workers
             && m.workers > 1
+            && r.ranks_per_host == 1
         {
-            let rate = ps.runs.first().and_then(|id| run_of(id)).map_or(0.0, |r| r.rate_gbit);
-            out.push(byteps_claim(m.workers, rate, pc / rc));
+            out.push(byteps_claim(m.workers, r.rate_gbit, pc / rc));
         }
     }
     out
@@ -319,6 +332,7 @@ mod cluster_tests {
             mode,
             workers: 2,
             shards,
+            ranks_per_host: 1,
             hosts: 2 + shards,
             rate_gbit: 10.0,
             measured_gbit: Some(9.0),

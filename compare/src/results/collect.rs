@@ -246,14 +246,16 @@ fn group(files: Vec<MetricsFile>, warnings: &mut Vec<String>) -> Vec<RunData> {
             .fold((f.start(), f.end()), |(s, e), x| (s.min(x.start()), e.max(x.end())))
     };
     for f in workers {
-        let Some(mode) = ModeKind::from_header(
-            &f.header.mode,
-            &f.header.variant,
-            f.header.extra.get("transport").and_then(|v| v.as_str()),
-            f.header.extra.get("compression").and_then(|v| v.as_str()),
-            has_table(&f.header),
-            f.header.extra.get("sparse_grads").and_then(|v| v.as_str()),
-        ) else {
+        let extra = |key: &str| f.header.extra.get(key).and_then(|v| v.as_str());
+        let Some(mode) = ModeKind::from_header(&gradsync_worker::modes::HeaderMode {
+            mode: &f.header.mode,
+            variant: &f.header.variant,
+            transport: extra("transport"),
+            compression: extra("compression"),
+            table: has_table(&f.header),
+            sparse_grads: extra("sparse_grads"),
+            all_reduce: extra("all_reduce"),
+        }) else {
             warnings.push(format!("{}:1: unknown mode '{}'; file skipped", f.rel, f.header.mode));
             continue;
         };
