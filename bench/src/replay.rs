@@ -89,6 +89,15 @@ pub struct HonestyArgs {
     /// Keep the profile, scenario and runs here (default: a temporary directory).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Run both sides on an emulated cluster in dilated time (`gradsync-bench cluster --dilate`,
+    /// a factor or `auto`; needs root), so that the real run's compute, paced to D times its
+    /// CPU time, no longer takes the cores its communication needs. Default: loopback,
+    /// undilated.
+    #[arg(long)]
+    pub dilate: Option<gradsync_compare::scenario::Dilate>,
+    /// With --dilate: the emulated link, Gbit/s.
+    #[arg(long, default_value_t = 10.0)]
+    pub rate_gbit: f64,
 }
 
 /// The device rate a built-in profile is estimated at.
@@ -250,19 +259,39 @@ fn honesty(a: &HonestyArgs) -> anyhow::Result<()> {
     )?;
     let runs = root.join("compare");
     let me = std::env::current_exe()?;
-    let status = Command::new(&me)
-        .arg("compare")
-        .arg(&scenario)
-        .arg("--out")
-        .arg(&runs)
-        .status()
-        .with_context(|| format!("starting {}", me.display()))?;
+    let mut cmd = Command::new(&me);
+    match a.dilate {
+        None => cmd.arg("compare").arg(&scenario),
+        Some(d) => {
+            anyhow::ensure!(a.rate_gbit > 0.0, "--rate-gbit must be positive");
+            cmd.arg("cluster").arg(&scenario).args([
+                "--rates",
+                &a.rate_gbit.to_string(),
+                "--dilate",
+                &d.to_string(),
+            ])
+        }
+    };
+    let status =
+        cmd.arg("--out").arg(&runs).status().with_context(|| format!("starting {}", me.display()))?;
     anyhow::ensure!(status.success(), "the comparison failed ({status}); its runs are in {}", runs.display());
+    if a.dilate.is_some() && !runs.join("outcomes.jsonl").exists() {
+        // `cluster` said why it skipped (no root, no iproute2).
+        println!("replay honesty: SKIPPED: no emulated cluster here to dilate");
+        return Ok(());
+    }
     let c = gradsync_compare::results::collect(std::slice::from_ref(&runs), None)?;
     let replay_label = gradsync_core::model::label_of(&ModelSpec::replay(p).widths_str());
+    let wire = match a.dilate {
+        None => "on this machine's loopback".to_string(),
+        Some(_) => {
+            let d = gradsync_compare::emulated::load_dilation(&runs).first().map_or(1.0, |r| r.dilation);
+            format!("on emulated {} Gbit/s links, both sides dilated x{d}", a.rate_gbit)
+        }
+    };
     println!(
-        "{} trained for real and replayed from its profile (recorded here at batch {}), {} workers, medians over \
-         steps and {} repeats; replay/real within 10% is the target",
+        "{} trained for real and replayed from its profile (recorded here at batch {}), {} workers {wire}, \
+         medians over steps and {} repeats; replay/real within 10% is the target",
         a.model, a.batch, a.workers, a.repeats
     );
     let mut t = Table::new(&[

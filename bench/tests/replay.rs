@@ -145,3 +145,34 @@ fn a_run_too_large_for_memory_is_skipped_with_the_figures() {
         "{why}"
     );
 }
+
+/// `replay honesty --dilate`: gradsync's own model trained for real and replayed from the
+/// profile it records, both on an emulated cluster in dilated time (needs root and iproute2;
+/// SKIPPED otherwise), each mode's row with the real run's and the replay's figures.
+#[test]
+fn the_honesty_check_runs_both_sides_dilated_on_emulated_links() {
+    const TEST: &str = "the_honesty_check_runs_both_sides_dilated_on_emulated_links";
+    let dir = gradsync_testkit::Scratch::new("honesty-dilated");
+    let out = dir.join("out");
+    let o = Command::new(BENCH)
+        .args(["replay", "honesty", "--model", "tiny", "--batch", "16", "--workers", "2", "--steps", "4"])
+        .args(["--repeats", "1", "--modes", "ddp-tcp", "--dilate", "2", "--rate-gbit", "1", "--out"])
+        .arg(&out)
+        .env("GRADSYNC_BIN_DIR", gradsync_testkit::process::bin_dir())
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{stdout}\n{stderr}");
+    if stdout.contains("SKIPPED") {
+        eprintln!("SKIPPED {TEST}: {stdout}{stderr}");
+        return;
+    }
+    assert!(stdout.contains("on emulated 1 Gbit/s links, both sides dilated x2"), "{stdout}");
+    let row = stdout.lines().find(|l| l.contains("| ddp-tcp |")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(!row.contains("no complete run"), "{stdout}\n{stderr}");
+    // Both sides' step times are figures, and every run (the check's at 2D too) was dilated.
+    let figures: Vec<f64> = row.split('|').filter_map(|w| w.trim().parse().ok()).collect();
+    assert!(figures.len() >= 6 && figures.iter().all(|f| *f > 0.0), "{row}");
+    let cluster = std::fs::read_to_string(out.join("compare/cluster.json")).unwrap();
+    assert!(cluster.contains("\"dilation\": 2.0") && !cluster.contains("\"dilation\": 1.0"), "{cluster}");
+}
