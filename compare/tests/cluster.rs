@@ -208,8 +208,12 @@ fn an_auto_dilated_cluster_probes_first_and_records_what_it_chose() {
     let p = d[0].probe.as_ref().expect("auto records its probe");
     assert!(p.busiest.starts_with("runs/probe-") && out.join("checks").join(&p.busiest).is_dir(), "{p:?}");
     // From x4, four times slower while a probe saturates the cores (other tests may share them).
-    assert!([4.0, 16.0, 64.0].contains(&p.at) && p.busy > 0.0 && (p.busy < 0.9 || p.at == 64.0), "{p:?}");
-    assert_eq!(p.chose, (p.at * p.busy / 0.45).ceil().clamp(1.0, 64.0), "{p:?}");
+    let cap = cluster::AUTO_CAP;
+    assert!(
+        [4.0, 16.0, 64.0, 256.0, cap].contains(&p.at) && p.busy > 0.0 && (p.busy < 0.9 || p.at == cap),
+        "{p:?}"
+    );
+    assert_eq!(p.chose, (p.at * p.busy / 0.45).ceil().clamp(1.0, cap), "{p:?}");
     assert_eq!(d[0].dilation, p.chose);
     assert!(runs.iter().all(|r| r.dilation == p.chose), "{runs:?}");
     // The probes are not the comparison's runs.

@@ -207,7 +207,7 @@ fn dilation_readings(dilations: &[DilationRecord]) -> Vec<String> {
                     p.at,
                     p.busiest,
                     p.busy * 100.0,
-                    if p.capped { "; held at the cap of x64, which leaves them busier than half" } else { "" }
+                    if p.capped { "; held at the cap, which leaves them busier than half" } else { "" }
                 ),
             };
             let check = match &d.check {
