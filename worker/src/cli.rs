@@ -92,6 +92,8 @@ pub mod flag {
     pub const BACKEND: &str = "backend";
     /// `--bucket-mb`.
     pub const BUCKET_MB: &str = "bucket-mb";
+    /// `--hierarchy`.
+    pub const HIERARCHY: &str = "hierarchy";
     /// `--master-addr`.
     pub const MASTER_ADDR: &str = "master-addr";
     /// `--master-port`.
@@ -513,7 +515,7 @@ pub struct DdpArgs {
     /// there are several hosts and one holds several ranks; else one flat ring), off (always
     /// the flat ring), on (always through the hosts). Hosts are told apart by boot id and
     /// network namespace. Every rank must be given the same value.
-    #[arg(long, value_enum, default_value_t = Hierarchy::Auto, env = "GRADSYNC_HIERARCHY")]
+    #[arg(long = flag::HIERARCHY, value_enum, default_value_t = Hierarchy::Auto, env = "GRADSYNC_HIERARCHY")]
     pub hierarchy: Hierarchy,
     /// The host this rank counts as on, instead of the one it finds (boot id and network
     /// namespace), as NCCL's NCCL_HOSTID: ranks given the same value are one host to

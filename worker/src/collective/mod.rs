@@ -74,6 +74,7 @@ pub use buckets::{BucketWork, Communicator, Synced};
 pub use comm::TcpComm;
 pub use error::{CollectiveError, Result};
 pub use frame::configure_socket;
+pub use hier::pieces as hierarchical_pieces;
 pub use gradsync_core::compress::Half;
 pub use nccl::{After, Nccl};
 pub(crate) use reduce::half_shares;
