@@ -68,8 +68,8 @@ impl CodecRates {
             topk_select_s,
             topk_add_s: add / (RANKS * k.max(1)) as f64,
             source: format!(
-                "gradsync's codecs measured on this machine ({} values, fastest of {RUNS} runs)",
-                VALUES
+                "gradsync's codecs on this machine, {VALUES} values, fastest of {RUNS} runs{}",
+                if cfg!(debug_assertions) { "; a debug build, slower than a release build's" } else { "" }
             ),
         })
     }

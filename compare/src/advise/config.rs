@@ -142,17 +142,23 @@ impl Config {
         }
     }
 
-    /// What it is, without its bucket size or its server count: the configurations the
-    /// advisor's "the pick would change" tells apart.
+    /// What it is, without its bucket size, its server count or which half precision: the
+    /// configurations the verdict and "the pick would change" tell apart (`ddp-tcp
+    /// hierarchical, half precision`, `ps-bsp, servers on their own hosts, f32`).
     pub fn family(&self) -> String {
-        let mode = self.mode_text();
-        match self.exchange {
-            Exchange::Ring => format!("{mode} flat ring"),
-            Exchange::Hierarchical => format!("{mode} hierarchical"),
-            Exchange::Zero1 => mode,
-            Exchange::Ps { colocated: true, .. } => format!("{mode}, servers colocated"),
-            Exchange::Ps { colocated: false, .. } => format!("{mode}, servers on their own hosts"),
-        }
+        let kind = match self.exchange {
+            Exchange::Ring => "ddp-tcp flat ring",
+            Exchange::Hierarchical => "ddp-tcp hierarchical",
+            Exchange::Zero1 => "zero1-tcp",
+            Exchange::Ps { colocated: true, .. } => "ps-bsp, servers colocated",
+            Exchange::Ps { colocated: false, .. } => "ps-bsp, servers on their own hosts",
+        };
+        let values = match self.compression {
+            Compression::None => "f32",
+            Compression::Fp16 | Compression::Bf16 => "half precision",
+            Compression::TopK(_) => "top-k",
+        };
+        format!("{kind}, {values}")
     }
 
     /// Its name in tables: `ddp-tcp hierarchical, 25 MB buckets`, `ps-bsp, 8 servers on their
@@ -161,9 +167,9 @@ impl Config {
         let mode = self.mode_text();
         let mb = |mb: Option<f64>| mb.map_or(String::new(), |m| format!(", {m} MB buckets"));
         match self.exchange {
-            Exchange::Ring | Exchange::Hierarchical | Exchange::Zero1 => {
-                format!("{}{}", self.family(), mb(self.bucket_mb))
-            }
+            Exchange::Ring => format!("{mode} flat ring{}", mb(self.bucket_mb)),
+            Exchange::Hierarchical => format!("{mode} hierarchical{}", mb(self.bucket_mb)),
+            Exchange::Zero1 => format!("{mode}{}", mb(self.bucket_mb)),
             Exchange::Ps { servers: 1, colocated } => {
                 format!("{mode}, 1 server {}", if colocated { "colocated" } else { "on its own host" })
             }
@@ -226,6 +232,8 @@ mod tests {
         let c = cfg(Exchange::Hierarchical, Some(25.0), Compression::Fp16);
         assert_eq!(c.mode(), ModeKind::DdpTcpFp16);
         assert_eq!(c.label(), "ddp-tcp-fp16 hierarchical, 25 MB buckets");
+        assert_eq!(c.family(), "ddp-tcp hierarchical, half precision");
+        assert_eq!(c.family(), Config { compression: Compression::Bf16, ..c }.family());
         let flags: Vec<String> = c.flags().iter().map(|(k, v)| format!("--{k} {v}")).collect();
         assert_eq!(
             flags,

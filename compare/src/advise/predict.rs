@@ -58,7 +58,7 @@ use gradsync_worker::setup::bucket_values;
 use serde::Serialize;
 
 use super::codec::CodecRates;
-use super::config::{Config, Exchange};
+use super::config::{Accuracy, Config, Exchange};
 use super::error::AdviseError;
 use super::spec::ClusterSpec;
 use crate::cost::{self, Link};
@@ -201,6 +201,10 @@ pub struct Prediction {
     pub label: String,
     /// The compared mode it runs as.
     pub mode: ModeKind,
+    /// The `train` flags that make it, as a command line's words (`--mode`, `ddp`, ...).
+    pub flags: Vec<String>,
+    /// What it does to accuracy.
+    pub accuracy: Accuracy,
     /// The step, seconds.
     pub step_s: f64,
     /// Forward, seconds.
@@ -262,6 +266,8 @@ pub fn predict(
         config: *cfg,
         label: cfg.label(),
         mode: cfg.mode(),
+        flags: cfg.flags().into_iter().flat_map(|(k, v)| [format!("--{k}"), v]).collect(),
+        accuracy: cfg.accuracy(),
         step_s: t.step_s,
         forward_s: w.forward_s,
         backward_s: w.backward_s,

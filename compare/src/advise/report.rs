@@ -160,6 +160,17 @@ impl Report {
         if ranked.len() > top {
             out += &format!("({} of {} configurations; --top or --json for all)\n", top.max(1), ranked.len());
         }
+        // What each compression shown does to accuracy, once each.
+        let mut notes: Vec<String> = Vec::new();
+        for p in ranked.iter().take(top.max(1)) {
+            let note = p.config.accuracy().note(p.config.compression);
+            if p.config.accuracy() != Accuracy::Exact && !notes.contains(&note) {
+                notes.push(note);
+            }
+        }
+        for n in notes {
+            out += &format!("accuracy: {n}\n");
+        }
         out
     }
 
@@ -172,7 +183,7 @@ impl Report {
         }
         let x = &a.crossovers;
         let rate = |c: &Change| format!("{} ({})", gbit_text(c.at * 1e9 / 8.0), c.to);
-        let hosts = |c: &Change| format!("{} hosts ({})", c.at, c.to);
+        let hosts = |c: &Change| format!("{} host{} ({})", c.at, if c.at == 1.0 { "" } else { "s" }, c.to);
         let mut changes = Vec::new();
         if let Some(c) = &x.rate_below {
             changes.push(format!("with a slower NIC, at {}", rate(c)));

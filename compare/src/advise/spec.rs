@@ -76,7 +76,7 @@ impl IntraKind {
             IntraKind::Pcie => (25.0, 5.0),
             IntraKind::Shm => (5.0, 1.0),
         };
-        Link { a: us * 1e-6, b: gbyte * 1e9 }
+        Link { a: us / 1e6, b: gbyte * 1e9 }
     }
 
     fn parse(s: &str) -> Option<Self> {
@@ -179,7 +179,7 @@ impl ClusterSpec {
         let rate = parse_rate(rate).map_err(|why| bad(format!("the NIC's rate: {why}")))?;
         let latency = match items.next() {
             Some(l) => parse_latency(l).map_err(|why| bad(format!("the NIC's latency: {why}")))?,
-            None => NIC_LATENCY_US * 1e-6,
+            None => NIC_LATENCY_US / 1e6,
         };
         if let Some(extra) = items.next() {
             return Err(bad(format!("'{extra}' after the NIC's rate and latency")));
@@ -194,7 +194,7 @@ impl ClusterSpec {
         let rate = parse_rate(&f.nic).map_err(|why| format!("nic: {why}"))?;
         let latency = match &f.nic_latency {
             Some(l) => parse_latency(l).map_err(|why| format!("nic_latency: {why}"))?,
-            None => NIC_LATENCY_US * 1e-6,
+            None => NIC_LATENCY_US / 1e6,
         };
         let intra = match &f.intra {
             Some(kind) => Some(intra_of(kind, f.intra_rate.as_deref(), f.intra_latency.as_deref())?),
@@ -305,23 +305,27 @@ fn intra_of(text: &str, rate: Option<&str>, latency: Option<&str>) -> Result<Int
     Ok(Intra { kind, link })
 }
 
-/// `NUMBER` then `unit` (case-insensitive) of `units`, as a positive finite value times the
-/// unit's factor.
-fn number_with(text: &str, units: &[(&str, f64)]) -> Option<Result<f64, String>> {
+/// A unit: its spelling, and what a number of it is multiplied, then divided by (a division
+/// by a power of ten rounds once, so `10us` is exactly the `1e-5` a reader expects).
+type Unit = (&'static str, f64, f64);
+
+/// `NUMBER` then a unit (case-insensitive) of `units`, as a positive finite value in the base
+/// unit.
+fn number_with(text: &str, units: &[Unit]) -> Option<Result<f64, String>> {
     let t = text.trim();
     let lower = t.to_ascii_lowercase();
-    let (unit, factor) = units.iter().find(|(u, _)| lower.ends_with(&u.to_ascii_lowercase()))?;
+    let (unit, times, per) = units.iter().find(|(u, _, _)| lower.ends_with(&u.to_ascii_lowercase()))?;
     let number = t[..t.len() - unit.len()].trim();
     Some(match number.parse::<f64>() {
-        Ok(v) if v.is_finite() && v > 0.0 => Ok(v * factor),
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v * times / per),
         _ => Err(format!("'{number}' in '{t}' is not a positive number")),
     })
 }
 
 /// A rate, bytes per second.
 pub fn parse_rate(text: &str) -> Result<f64, String> {
-    const UNITS: &[(&str, f64)] =
-        &[("tbit", 1e12 / 8.0), ("gbit", 1e9 / 8.0), ("mbit", 1e6 / 8.0), ("GB/s", 1e9), ("MB/s", 1e6)];
+    const UNITS: &[Unit] =
+        &[("tbit", 1e12, 8.0), ("gbit", 1e9, 8.0), ("mbit", 1e6, 8.0), ("GB/s", 1e9, 1.0), ("MB/s", 1e6, 1.0)];
     number_with(text, UNITS).unwrap_or_else(|| {
         Err(format!("'{}' has no rate unit (gbit, mbit, tbit, GB/s or MB/s, e.g. 100gbit)", text.trim()))
     })
@@ -329,7 +333,7 @@ pub fn parse_rate(text: &str) -> Result<f64, String> {
 
 /// A latency, seconds.
 pub fn parse_latency(text: &str) -> Result<f64, String> {
-    const UNITS: &[(&str, f64)] = &[("ns", 1e-9), ("us", 1e-6), ("ms", 1e-3)];
+    const UNITS: &[Unit] = &[("ns", 1.0, 1e9), ("us", 1.0, 1e6), ("ms", 1.0, 1e3)];
     number_with(text, UNITS)
         .unwrap_or_else(|| Err(format!("'{}' has no time unit (ns, us or ms, e.g. 5us)", text.trim())))
 }
