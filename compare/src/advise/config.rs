@@ -5,7 +5,7 @@
 //! flags that make it, so that a check can run exactly what was predicted.
 
 use gradsync_core::compress::Compression;
-use gradsync_worker::cli::flag;
+use gradsync_worker::cli::{Mode, flag};
 use gradsync_worker::modes::Codec;
 use serde::Serialize;
 
@@ -100,6 +100,34 @@ impl Config {
             .into_iter()
             .find(|m| m.base() == base && Some(m.compared().codec) == codec)
             .unwrap_or(base)
+    }
+
+    /// The configuration a compared mode's run is, to predict it beside what it measured:
+    /// `bucket_mb` (DDP and ZeRO-1), `hierarchical` (DDP on hosts of several ranks), `servers`
+    /// and whether they share the workers' hosts (the PS), `topk_ratio` (a top-k mode's).
+    /// DDP over shared memory or NCCL is priced as the ring it runs (the predictor prices the
+    /// links, not the backend). None for a mode it does not predict: local, dp, the
+    /// asynchronous PS, and the ways of moving a sparse table.
+    pub fn of_mode(
+        mode: ModeKind,
+        bucket_mb: f64,
+        hierarchical: bool,
+        (servers, colocated): (usize, bool),
+        topk_ratio: f64,
+    ) -> Option<Config> {
+        let compression = mode.compress(topk_ratio).unwrap_or(Compression::None);
+        let c = mode.compared();
+        if c.needs.table || c.sparse_grads.is_some() || mode.is_async() {
+            return None;
+        }
+        let ring = if hierarchical { Exchange::Hierarchical } else { Exchange::Ring };
+        let (exchange, bucket_mb) = match c.mode {
+            Mode::Ddp => (ring, Some(bucket_mb)),
+            Mode::Zero1 => (Exchange::Zero1, Some(bucket_mb)),
+            Mode::Ps => (Exchange::Ps { servers, colocated }, None),
+            _ => return None,
+        };
+        Some(Config { exchange, bucket_mb, compression })
     }
 
     /// The `train` flags that make it (the mode's own from the table, then what the
@@ -252,6 +280,34 @@ mod tests {
         assert_eq!(c.accuracy(), Accuracy::Sparsified);
         assert!(c.accuracy().note(c.compression).contains("epochs to 97%"));
         assert_eq!(cfg(Exchange::Zero1, Some(25.0), Compression::None).mode(), ModeKind::Zero1Tcp);
+    }
+
+    #[test]
+    fn a_compared_modes_run_maps_back_to_its_configuration() {
+        let c = ClusterSpec::parse("4x2:10gbit:pcie").unwrap();
+        let space = [Compression::None, Compression::Fp16, Compression::TopK(0.05)];
+        for exchange in [
+            Exchange::Ring,
+            Exchange::Hierarchical,
+            Exchange::Zero1,
+            Exchange::Ps { servers: 2, colocated: true },
+            Exchange::Ps { servers: 4, colocated: false },
+        ] {
+            for compression in space {
+                let bucket_mb = (!matches!(exchange, Exchange::Ps { .. })).then_some(5.0);
+                let cfg = Config { exchange, bucket_mb, compression };
+                if cfg.check(&c).is_err() {
+                    continue;
+                }
+                let servers = cfg.servers().unwrap_or((0, false));
+                let back = Config::of_mode(cfg.mode(), 5.0, exchange == Exchange::Hierarchical, servers, 0.05);
+                assert_eq!(back, Some(cfg), "{}", cfg.label());
+            }
+        }
+        assert_eq!(Config::of_mode(ModeKind::DdpNccl, 25.0, false, (0, false), 0.01).map(|c| c.exchange), Some(Exchange::Ring));
+        for m in [ModeKind::Local, ModeKind::Dp, ModeKind::PsAsp, ModeKind::PsSparse, ModeKind::DdpAllgather, ModeKind::Hybrid] {
+            assert_eq!(Config::of_mode(m, 25.0, false, (1, false), 0.01), None, "{m}");
+        }
     }
 
     #[test]
