@@ -1,5 +1,5 @@
 //! gradsync's micro-benchmarks, and `gradsync-bench`'s command line: the comparison's commands
-//! (`compare`, `plot`, `cluster`, `rawtcp-peer`) are [`gradsync_compare`]'s, the others this
+//! (`compare`, `plot`, `cluster`, `advise`, `rawtcp-peer`) are [`gradsync_compare`]'s, the others this
 //! crate's.
 //!
 //! # Layout

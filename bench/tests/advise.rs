@@ -29,7 +29,17 @@ fn advise_prints_a_ranked_table_and_a_pick() {
     let header: Vec<&str> = table[0].split('|').map(str::trim).filter(|c| !c.is_empty()).collect();
     assert_eq!(
         header,
-        ["#", "configuration", "step ms", "exposed comm ms", "bytes/worker", "bytes/server", "memory/worker", "+hosts", "accuracy"]
+        [
+            "#",
+            "configuration",
+            "step ms",
+            "exposed comm ms",
+            "bytes/worker",
+            "bytes/server",
+            "memory/worker",
+            "+hosts",
+            "accuracy"
+        ]
     );
     // The default 15 rows of the table, the pick starred among them.
     let rows = &table[2..];
@@ -107,7 +117,10 @@ fn advise_predicts_a_profile_file() {
 #[test]
 fn bad_input_is_refused_naming_what_is_wrong() {
     for (args, want) in [
-        (&["--model", "resnet50", "--cluster", "8x8:100gbit"][..], "8 ranks a host: name the link between them"),
+        (
+            &["--model", "resnet50", "--cluster", "8x8:100gbit"][..],
+            "8 ranks a host: name the link between them",
+        ),
         (&["--model", "resnet50", "--cluster", "8x8:fast:nvlink"], "the NIC's rate: 'fast' has no rate unit"),
         (&["--model", "resnet50", "--cluster", "1x1:1gbit"], "one worker has nothing to synchronise"),
         (&["--model", "mnist", "--cluster", "4x1:1gbit"], "gradsync-bench replay record --model mnist"),

@@ -136,7 +136,13 @@ pub fn hierarchical(hosts: usize, per_host: usize, s: f64, inter: Link, intra: L
 /// host, over `intra`, the reduce of the next piece goes first, then the broadcast of this one
 /// once its ring has ended. A reduce and a broadcast each cost half an intra-host ring
 /// all-reduce of the piece (together they move what one moves, as in [`hierarchical`]).
-pub fn hierarchical_pipelined(hosts: usize, per_host: usize, pieces: &[f64], inter: Link, intra: Link) -> f64 {
+pub fn hierarchical_pipelined(
+    hosts: usize,
+    per_host: usize,
+    pieces: &[f64],
+    inter: Link,
+    intra: Link,
+) -> f64 {
     let half = |p: f64| ring(per_host, p, intra) / 2.0;
     let Some(&first) = pieces.first() else { return 0.0 };
     // When the host is free again, when piece `i` is reduced, when the leaders' link is free.
@@ -157,7 +163,15 @@ pub fn hierarchical_pipelined(hosts: usize, per_host: usize, pieces: &[f64], int
 /// pull pipelined: the busiest direction of the busiest NIC decides, plus a message each way.
 /// `colocated`: server `i` on worker host `i` (`k <= hosts`), its own workers' share of the
 /// exchange staying inside the host; otherwise each server on a host of its own.
-pub fn ps_placed(hosts: usize, per_host: usize, k: usize, colocated: bool, push: f64, pull: f64, l: Link) -> f64 {
+pub fn ps_placed(
+    hosts: usize,
+    per_host: usize,
+    k: usize,
+    colocated: bool,
+    push: f64,
+    pull: f64,
+    l: Link,
+) -> f64 {
     let (h, m, k) = (hosts.max(1) as f64, per_host.max(1) as f64, k.max(1) as f64);
     let n = h * m;
     // Bytes out and in of a worker host without a server, and of a server's host.

@@ -57,7 +57,8 @@ impl Accuracy {
                 "bf16 rounding (2^-8 of a value): not measured in gradsync's runs".into()
             }
             (Accuracy::Rounded, _) => {
-                "fp16 rounding: gradsync's runs kept their accuracy and epochs to 97% (docs/compression.md)".into()
+                "fp16 rounding: gradsync's runs kept their accuracy and epochs to 97% (docs/compression.md)"
+                    .into()
             }
             (Accuracy::Sparsified, c) => format!(
                 "{c} with error feedback: top-k 1% kept the final accuracy within 0.5 points in gradsync's \
@@ -202,7 +203,10 @@ impl Config {
                 format!("{mode}, 1 server {}", if colocated { "colocated" } else { "on its own host" })
             }
             Exchange::Ps { servers, colocated } => {
-                format!("{mode}, {servers} servers {}", if colocated { "colocated" } else { "on their own hosts" })
+                format!(
+                    "{mode}, {servers} servers {}",
+                    if colocated { "colocated" } else { "on their own hosts" }
+                )
             }
         }
     }
@@ -221,8 +225,12 @@ impl Config {
         let bad = |why: String| Err(AdviseError::invalid(self.label(), why));
         let dp = !matches!(self.exchange, Exchange::Ps { .. });
         match self.bucket_mb {
-            Some(mb) if !dp => return bad(format!("a parameter server pushes its whole gradient, not {mb} MB buckets")),
-            Some(mb) if !(mb.is_finite() && mb > 0.0) => return bad(format!("bucket size {mb} MB is not positive")),
+            Some(mb) if !dp => {
+                return bad(format!("a parameter server pushes its whole gradient, not {mb} MB buckets"));
+            }
+            Some(mb) if !(mb.is_finite() && mb > 0.0) => {
+                return bad(format!("bucket size {mb} MB is not positive"));
+            }
             None if dp => return bad("DDP and ZeRO-1 need a bucket size".into()),
             _ => {}
         }
@@ -265,7 +273,14 @@ mod tests {
         let flags: Vec<String> = c.flags().iter().map(|(k, v)| format!("--{k} {v}")).collect();
         assert_eq!(
             flags,
-            ["--mode ddp", "--backend tcp", "--transport tcp", "--compress fp16", "--hierarchy on", "--bucket-mb 25"]
+            [
+                "--mode ddp",
+                "--backend tcp",
+                "--transport tcp",
+                "--compress fp16",
+                "--hierarchy on",
+                "--bucket-mb 25"
+            ]
         );
         // bf16 has no compared mode of its own: the uncompressed one with --compress bf16.
         let c = cfg(Exchange::Ring, Some(5.0), Compression::Bf16);
@@ -300,12 +315,23 @@ mod tests {
                     continue;
                 }
                 let servers = cfg.servers().unwrap_or((0, false));
-                let back = Config::of_mode(cfg.mode(), 5.0, exchange == Exchange::Hierarchical, servers, 0.05);
+                let back =
+                    Config::of_mode(cfg.mode(), 5.0, exchange == Exchange::Hierarchical, servers, 0.05);
                 assert_eq!(back, Some(cfg), "{}", cfg.label());
             }
         }
-        assert_eq!(Config::of_mode(ModeKind::DdpNccl, 25.0, false, (0, false), 0.01).map(|c| c.exchange), Some(Exchange::Ring));
-        for m in [ModeKind::Local, ModeKind::Dp, ModeKind::PsAsp, ModeKind::PsSparse, ModeKind::DdpAllgather, ModeKind::Hybrid] {
+        assert_eq!(
+            Config::of_mode(ModeKind::DdpNccl, 25.0, false, (0, false), 0.01).map(|c| c.exchange),
+            Some(Exchange::Ring)
+        );
+        for m in [
+            ModeKind::Local,
+            ModeKind::Dp,
+            ModeKind::PsAsp,
+            ModeKind::PsSparse,
+            ModeKind::DdpAllgather,
+            ModeKind::Hybrid,
+        ] {
             assert_eq!(Config::of_mode(m, 25.0, false, (1, false), 0.01), None, "{m}");
         }
     }
@@ -320,13 +346,23 @@ mod tests {
             (cfg(Exchange::Zero1, Some(25.0), Compression::Fp16), &c, "ZeRO-1 takes no --compress"),
             (cfg(Exchange::Ring, None, Compression::None), &c, "need a bucket size"),
             (cfg(Exchange::Ring, Some(0.0), Compression::None), &c, "not positive"),
-            (cfg(Exchange::Ps { servers: 2, colocated: false }, Some(25.0), Compression::None), &c, "whole gradient"),
+            (
+                cfg(Exchange::Ps { servers: 2, colocated: false }, Some(25.0), Compression::None),
+                &c,
+                "whole gradient",
+            ),
             (cfg(Exchange::Ps { servers: 0, colocated: false }, None, Compression::None), &c, "at least one"),
-            (cfg(Exchange::Ps { servers: 8, colocated: true }, None, Compression::None), &c, "need 8 hosts, not 4"),
+            (
+                cfg(Exchange::Ps { servers: 8, colocated: true }, None, Compression::None),
+                &c,
+                "need 8 hosts, not 4",
+            ),
         ] {
             let e = config.check(on).unwrap_err().to_string();
             assert!(e.contains(want) && e.starts_with(&config.label()), "{e}");
         }
-        assert!(cfg(Exchange::Ps { servers: 8, colocated: false }, None, Compression::None).check(&c).is_ok());
+        assert!(
+            cfg(Exchange::Ps { servers: 8, colocated: false }, None, Compression::None).check(&c).is_ok()
+        );
     }
 }

@@ -78,7 +78,9 @@ pub fn from_reading(
         return Err(bad(format!("the yardstick measured no bandwidth ({:?})", reading.samples)));
     }
     if per_host > 1 && intra.is_none() {
-        return Err(bad(format!("{per_host} slots a host: name the link between them with --intra nvlink|pcie|shm")));
+        return Err(bad(format!(
+            "{per_host} slots a host: name the link between them with --intra nvlink|pcie|shm"
+        )));
     }
     let intra = intra.filter(|_| per_host > 1).map(|kind| Intra { kind, link: kind.default_link() });
     let nic = Link { a: reading.latency_s.max(0.0), b: rate };

@@ -143,7 +143,8 @@ pub fn advise(a: &AdviseArgs, cluster: ClusterSpec) -> anyhow::Result<Report> {
     let profile = profile(&a.model, a.device_tflops, a.device_tbps)?;
     let w = Workload::new(&profile, a.batch.unwrap_or(profile.batch))?;
     let space = Space::new(a.bucket_mb.clone(), (!a.no_topk).then_some(a.topk_ratio))?;
-    let codecs = if a.free_codecs { CodecRates::free() } else { CodecRates::measure(a.topk_ratio.clamp(1e-6, 1.0))? };
+    let codecs =
+        if a.free_codecs { CodecRates::free() } else { CodecRates::measure(a.topk_ratio.clamp(1e-6, 1.0))? };
     let advice = search::advise(&w, &cluster, &codecs, &space)?;
     Ok(Report {
         kind: "prediction",

@@ -358,7 +358,13 @@ fn data_parallel(w: &Workload, c: &ClusterSpec, cfg: &Config, codecs: &CodecRate
         t.codec_s += x.codec_s;
         t.bytes += x.bytes;
         let wire_bytes = cfg.compression.wire_bytes(b.values) as f64;
-        t.buckets.push(BucketSpan { values: b.values, wire_bytes, ready_s: ready, start_s: start, end_s: free });
+        t.buckets.push(BucketSpan {
+            values: b.values,
+            wire_bytes,
+            ready_s: ready,
+            start_s: start,
+            end_s: free,
+        });
     }
     t.update_s = if zero1 { w.update_s / n as f64 } else { w.update_s };
     let synced = backward_end.max(free);
@@ -398,7 +404,9 @@ fn parameter_server(
     };
     let (encode_s, decode_s) = match comp {
         Compression::None => (0.0, 0.0),
-        Compression::Fp16 | Compression::Bf16 => (p as f64 * r.half_encode_s, (n * p) as f64 / k as f64 * r.half_decode_s),
+        Compression::Fp16 | Compression::Bf16 => {
+            (p as f64 * r.half_encode_s, (n * p) as f64 / k as f64 * r.half_decode_s)
+        }
         Compression::TopK(ratio) => {
             (p as f64 * r.topk_select_s, (n * topk_count(ratio, p)) as f64 / k as f64 * r.topk_add_s)
         }
@@ -413,7 +421,13 @@ fn parameter_server(
         comm_s: encode_s + exchange_s,
         codec_s: encode_s + decode_s,
         bytes: push + pull,
-        buckets: vec![BucketSpan { values: p, wire_bytes: push, ready_s: end_backward, start_s: end_backward, end_s: sent + exchange_s }],
+        buckets: vec![BucketSpan {
+            values: p,
+            wire_bytes: push,
+            ready_s: end_backward,
+            start_s: end_backward,
+            end_s: sent + exchange_s,
+        }],
         spans: vec![
             Span { what: "forward", start_s: 0.0, end_s: w.forward_s },
             Span { what: "backward", start_s: w.forward_s, end_s: end_backward },
@@ -427,7 +441,8 @@ fn parameter_server(
 /// gradients `G` and momentum `M` (each `4 x params`), and the codec's buffers.
 fn memory(w: &Workload, c: &ClusterSpec, cfg: &Config) -> (f64, Option<f64>) {
     let (v, n) = (w.bytes(), c.workers() as f64);
-    let biggest = cfg.bucket_mb.map_or(w.params, |mb| w.buckets(mb).iter().map(|b| b.values).max().unwrap_or(0));
+    let biggest =
+        cfg.bucket_mb.map_or(w.params, |mb| w.buckets(mb).iter().map(|b| b.values).max().unwrap_or(0));
     match cfg.exchange {
         Exchange::Ring | Exchange::Hierarchical => {
             let codec = match cfg.compression {
@@ -680,11 +695,15 @@ mod tests {
 
     #[test]
     fn buckets_are_the_real_plans_and_the_batch_scales_compute() {
-        let p = gradsync_core::profile::builtin("resnet50", gradsync_core::profile::DeviceRate::H100).unwrap();
+        let p =
+            gradsync_core::profile::builtin("resnet50", gradsync_core::profile::DeviceRate::H100).unwrap();
         let w = Workload::new(&p, 64).unwrap();
         let plan = BucketPlan::with_cap(&Layout::new(&ModelSpec::replay(p.clone())), bucket_values(25.0));
         let ours = w.buckets(25.0);
-        assert_eq!(ours.iter().map(|b| b.values).collect::<Vec<_>>(), plan.buckets.iter().map(|r| r.len()).collect::<Vec<_>>());
+        assert_eq!(
+            ours.iter().map(|b| b.values).collect::<Vec<_>>(),
+            plan.buckets.iter().map(|r| r.len()).collect::<Vec<_>>()
+        );
         // Ready in backward order, the last at the end of backward.
         assert!(ours.windows(2).all(|b| b[0].ready_s <= b[1].ready_s));
         close(ours.last().unwrap().ready_s, w.backward_s);

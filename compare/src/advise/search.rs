@@ -25,6 +25,10 @@ use super::spec::ClusterSpec;
 
 /// Two steps closer than this share (relative) are a tie.
 pub const TIE: f64 = 1e-3;
+/// A pick ahead of its runner-up by less than this share is called level with it: the
+/// predictor is to be validated to a median error of 5% (docs/advisor.md), so a smaller margin
+/// is not one a reader can rely on.
+pub const LEVEL: f64 = 0.05;
 /// A link rate scan goes this far each way (a factor).
 pub const RATE_SPAN: f64 = 1e4;
 /// Each step of the rate scan multiplies the rate by this.
@@ -59,7 +63,10 @@ impl Space {
         let mut compressions = vec![Compression::None, Compression::Fp16, Compression::Bf16];
         if let Some(r) = topk_ratio {
             if !(r > 0.0 && r <= 1.0) {
-                return Err(AdviseError::invalid("--topk-ratio", format!("{r}: must be above 0 and at most 1")));
+                return Err(AdviseError::invalid(
+                    "--topk-ratio",
+                    format!("{r}: must be above 0 and at most 1"),
+                ));
             }
             compressions.push(Compression::TopK(r));
         }
@@ -77,7 +84,11 @@ impl Space {
             }
         }
         for &mb in &self.bucket_mb {
-            out.push(Config { exchange: Exchange::Zero1, bucket_mb: Some(mb), compression: Compression::None });
+            out.push(Config {
+                exchange: Exchange::Zero1,
+                bucket_mb: Some(mb),
+                compression: Compression::None,
+            });
         }
         for servers in server_counts(c.hosts) {
             for colocated in [true, false] {
@@ -109,7 +120,8 @@ pub fn rank(
     codecs: &CodecRates,
     space: &Space,
 ) -> Result<Vec<Prediction>, AdviseError> {
-    let mut all = space.configs(c).iter().map(|cfg| predict(w, c, cfg, codecs)).collect::<Result<Vec<_>, _>>()?;
+    let mut all =
+        space.configs(c).iter().map(|cfg| predict(w, c, cfg, codecs)).collect::<Result<Vec<_>, _>>()?;
     all.sort_by(|a, b| a.step_s.total_cmp(&b.step_s));
     // Each run of steps within TIE of its fastest is a tie, ordered by the bytes per worker,
     // then the extra hosts, then the step (a "within TIE" comparison is not transitive, so
@@ -162,7 +174,11 @@ pub fn verdict(ranked: &[Prediction]) -> Option<Verdict> {
         .iter()
         .position(|q| q.config.accuracy() != Accuracy::Sparsified && q.config.family() != family);
     let Some(r) = runner_up.map(|i| &ranked[i]) else {
-        let sentence = format!("{} is predicted at {} a step, the only kind of configuration here.", p.label, ms(p.step_s));
+        let sentence = format!(
+            "{} is predicted at {} a step, the only kind of configuration here.",
+            p.label,
+            ms(p.step_s)
+        );
         return Some(Verdict { pick: at, runner_up, term: "tie", sentence });
     };
     let (d_exposed, d_update) = (r.exposed_s - p.exposed_s, r.update_s - p.update_s);
@@ -204,6 +220,17 @@ pub fn verdict(ranked: &[Prediction]) -> Option<Verdict> {
         );
         ("update", sentence)
     };
+    let margin = 1.0 - p.step_s / r.step_s;
+    let sentence = if term != "tie" && margin < LEVEL {
+        format!(
+            "{} It is ahead by {:.1}%, less than the {:.0}% a prediction may be off: the two are as good as level.",
+            sentence,
+            margin * 100.0,
+            LEVEL * 100.0
+        )
+    } else {
+        sentence
+    };
     Some(Verdict { pick: at, runner_up, term, sentence })
 }
 
@@ -233,7 +260,12 @@ pub struct Crossovers {
 }
 
 /// The family picked on `c`.
-fn picked_family(w: &Workload, c: &ClusterSpec, codecs: &CodecRates, space: &Space) -> Result<String, AdviseError> {
+fn picked_family(
+    w: &Workload,
+    c: &ClusterSpec,
+    codecs: &CodecRates,
+    space: &Space,
+) -> Result<String, AdviseError> {
     let ranked = rank(w, c, codecs, space)?;
     Ok(pick(&ranked).map_or_else(|| "none".into(), |i| ranked[i].config.family()))
 }
@@ -294,8 +326,10 @@ pub fn crossovers(
     // At least two workers.
     let fewest = if c.per_host > 1 { 1 } else { 2 };
     let most = (c.hosts * HOST_SPAN).min(MAX_HOSTS).max(c.hosts);
-    let hosts_below = boundary(&here, c.hosts as f64, host_steps(c.hosts, fewest, false), &by_hosts, halfway, adjacent)?;
-    let hosts_above = boundary(&here, c.hosts as f64, host_steps(c.hosts, most, true), &by_hosts, halfway, adjacent)?;
+    let hosts_below =
+        boundary(&here, c.hosts as f64, host_steps(c.hosts, fewest, false), &by_hosts, halfway, adjacent)?;
+    let hosts_above =
+        boundary(&here, c.hosts as f64, host_steps(c.hosts, most, true), &by_hosts, halfway, adjacent)?;
     Ok(Crossovers { family: here, rate_below, rate_above, hosts_below, hosts_above })
 }
 
@@ -324,7 +358,12 @@ pub struct Advice {
 }
 
 /// The whole advice.
-pub fn advise(w: &Workload, c: &ClusterSpec, codecs: &CodecRates, space: &Space) -> Result<Advice, AdviseError> {
+pub fn advise(
+    w: &Workload,
+    c: &ClusterSpec,
+    codecs: &CodecRates,
+    space: &Space,
+) -> Result<Advice, AdviseError> {
     let ranked = rank(w, c, codecs, space)?;
     let verdict = verdict(&ranked);
     let crossovers = crossovers(w, c, codecs, space)?;
@@ -423,7 +462,8 @@ mod tests {
         let x = crossovers(&w, &c, &CodecRates::free(), &s).unwrap();
         let found = [&x.rate_below, &x.rate_above, &x.hosts_below, &x.hosts_above];
         assert!(found.iter().any(|c| c.is_some()), "{x:?}");
-        let fam = |g: f64| picked_family(&w, &c.with_nic_rate(g * 1e9 / 8.0), &CodecRates::free(), &s).unwrap();
+        let fam =
+            |g: f64| picked_family(&w, &c.with_nic_rate(g * 1e9 / 8.0), &CodecRates::free(), &s).unwrap();
         assert_eq!(fam(1.0), x.family);
         for ch in [&x.rate_below, &x.rate_above].into_iter().flatten() {
             assert_eq!(fam(ch.at), ch.to, "{ch:?}");

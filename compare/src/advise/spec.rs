@@ -159,7 +159,7 @@ impl ClusterSpec {
         if path.is_file() || arg.ends_with(".toml") {
             let bad = |why: String| AdviseError::File { path: arg.to_string(), why };
             let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
-            return Self::parse_toml(&text).map_err(|why| bad(why));
+            return Self::parse_toml(&text).map_err(bad);
         }
         Self::parse(arg)
     }
@@ -262,13 +262,10 @@ struct SpecFile {
 
 /// `HOSTSxPERHOST`.
 fn shape_of(shape: &str) -> Result<(usize, usize), String> {
-    let (h, m) = shape
-        .split_once(['x', 'X'])
-        .ok_or_else(|| format!("'{shape}' is not HOSTSxPERHOST (e.g. 8x8)"))?;
+    let (h, m) =
+        shape.split_once(['x', 'X']).ok_or_else(|| format!("'{shape}' is not HOSTSxPERHOST (e.g. 8x8)"))?;
     let count = |v: &str, what: &str| {
-        v.trim()
-            .parse::<usize>()
-            .map_err(|_| format!("{what} '{v}' is not a whole number"))
+        v.trim().parse::<usize>().map_err(|_| format!("{what} '{v}' is not a whole number"))
     };
     Ok((count(h, "hosts")?, count(m, "ranks per host")?))
 }
@@ -324,8 +321,13 @@ fn number_with(text: &str, units: &[Unit]) -> Option<Result<f64, String>> {
 
 /// A rate, bytes per second.
 pub fn parse_rate(text: &str) -> Result<f64, String> {
-    const UNITS: &[Unit] =
-        &[("tbit", 1e12, 8.0), ("gbit", 1e9, 8.0), ("mbit", 1e6, 8.0), ("GB/s", 1e9, 1.0), ("MB/s", 1e6, 1.0)];
+    const UNITS: &[Unit] = &[
+        ("tbit", 1e12, 8.0),
+        ("gbit", 1e9, 8.0),
+        ("mbit", 1e6, 8.0),
+        ("GB/s", 1e9, 1.0),
+        ("MB/s", 1e6, 1.0),
+    ];
     number_with(text, UNITS).unwrap_or_else(|| {
         Err(format!("'{}' has no rate unit (gbit, mbit, tbit, GB/s or MB/s, e.g. 100gbit)", text.trim()))
     })
