@@ -22,6 +22,9 @@ pub enum Command {
     /// Run an experiment matrix (every mode x workers x models x batches x shards) with real
     /// server and worker processes, then write tables, charts and report.html.
     Compare(Box<gradsync_compare::CompareArgs>),
+    /// Which configuration to train a model with on a cluster (ring or parameter server, how
+    /// many servers, bucket size, compression): every one predicted, ranked, the pick and why.
+    Advise(Box<gradsync_compare::advise::AdviseArgs>),
     /// Rebuild tables, charts and report.html from run directories (or any directories of
     /// metrics files, walked recursively).
     Plot(gradsync_compare::PlotArgs),

@@ -1,5 +1,5 @@
 //! gradsync's micro-benchmarks, and `gradsync-bench`'s command line: the comparison's commands
-//! (`compare`, `plot`, `cluster`, `rawtcp-peer`) are [`gradsync_compare`]'s, the others this
+//! (`compare`, `plot`, `cluster`, `advise`, `rawtcp-peer`) are [`gradsync_compare`]'s, the others this
 //! crate's.
 //!
 //! # Layout
@@ -41,6 +41,7 @@ pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
         cli::Command::Step(a) => step::run(&a),
         cli::Command::Conv(a) => convbench::run(&a),
         cli::Command::Compare(a) => gradsync_compare::run_compare(&a),
+        cli::Command::Advise(a) => gradsync_compare::advise::run(&a),
         cli::Command::Plot(a) => gradsync_compare::run_plot(&a),
         cli::Command::Collective(a) => collective::run(&a),
         cli::Command::CollectiveRank(a) => collective::run_rank(&a),

@@ -27,6 +27,19 @@
 //!   crosses each host's link once per direction and every hop carries `2(N-1)/N S`
 //!   ([`flat_across_hosts`]); the leaders' ring carries `2(h-1)/h S`. With 2 hosts of 2 ranks:
 //!   1.5 S against 1.0 S on the inter-host link, the 1.5x the hierarchy can win there.
+//!   The all-reduce cuts a buffer into pieces and overlaps them (the leaders' ring of piece `i`
+//!   while the host reduces piece `i+1` and then broadcasts piece `i`):
+//!   [`hierarchical_pipelined`] runs that pipeline piece by piece, the reduce and the broadcast
+//!   of a piece each half of an intra-host ring all-reduce of it; with one piece it is
+//!   [`hierarchical`].
+//! - A parameter server placed on hosts ([`ps_placed`]): `h` hosts of `m` workers each, `k`
+//!   servers either on hosts of their own or colocated one a host with the workers. Each host's
+//!   NIC carries, per direction, what its workers and its server send and receive across hosts;
+//!   the busiest direction of the busiest NIC decides (incast: a server's inbound direction
+//!   carries `n/k` pushes). On hosts of their own with `m = 1` it is [`ps_compressed`];
+//!   colocated, a server host's NIC carries its workers' pushes to the other `k-1` servers and
+//!   its server's pulls to the other hosts' workers: `2(h-1)/h m S` each way for `k = h`,
+//!   twice what a worker host sends with the servers apart.
 //! - A sparse model ([`Sparse`]: a table of `R` rows of `d` f32 values, and `D` bytes of dense
 //!   layers) touches `u` distinct rows per worker's batch, a small fraction `u / R` of the
 //!   table. Moved by id, a row costs `4d + 4` bytes (its values and a 4-byte id): a ps-sparse
@@ -41,7 +54,7 @@
 use gradsync_core::compress::Compression;
 
 /// The link the model is fitted to.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Link {
     /// Seconds per message.
     pub a: f64,
@@ -124,6 +137,66 @@ pub fn hierarchical(hosts: usize, per_host: usize, s: f64, inter: Link, intra: L
     ring(per_host, s, intra) + ring(hosts, s, inter)
 }
 
+/// Seconds for the hierarchical all-reduce of a buffer cut into pieces of `pieces` bytes (in
+/// order) over `hosts` hosts of `per_host` ranks: the leaders' ring of a piece over `inter` may
+/// start once the host has reduced it and the ring of the piece before has ended; inside the
+/// host, over `intra`, the reduce of the next piece goes first, then the broadcast of this one
+/// once its ring has ended. A reduce and a broadcast each cost half an intra-host ring
+/// all-reduce of the piece (together they move what one moves, as in [`hierarchical`]).
+pub fn hierarchical_pipelined(
+    hosts: usize,
+    per_host: usize,
+    pieces: &[f64],
+    inter: Link,
+    intra: Link,
+) -> f64 {
+    let half = |p: f64| ring(per_host, p, intra) / 2.0;
+    let Some(&first) = pieces.first() else { return 0.0 };
+    // When the host is free again, when piece `i` is reduced, when the leaders' link is free.
+    let (mut host, mut reduced, mut leaders) = (half(first), half(first), 0.0f64);
+    for (i, &p) in pieces.iter().enumerate() {
+        leaders = leaders.max(reduced) + ring(hosts, p, inter);
+        if let Some(&next) = pieces.get(i + 1) {
+            host += half(next);
+            reduced = host;
+        }
+        host = host.max(leaders) + half(p);
+    }
+    host
+}
+
+/// Seconds for one push of `push` bytes and one pull of `pull` bytes by each of `hosts x
+/// per_host` workers through `k` servers, on links `l` (one NIC a host, full duplex), push and
+/// pull pipelined: the busiest direction of the busiest NIC decides, plus a message each way.
+/// `colocated`: server `i` on worker host `i` (`k <= hosts`), its own workers' share of the
+/// exchange staying inside the host; otherwise each server on a host of its own.
+pub fn ps_placed(
+    hosts: usize,
+    per_host: usize,
+    k: usize,
+    colocated: bool,
+    push: f64,
+    pull: f64,
+    l: Link,
+) -> f64 {
+    let (h, m, k) = (hosts.max(1) as f64, per_host.max(1) as f64, k.max(1) as f64);
+    let n = h * m;
+    // Bytes out and in of a worker host without a server, and of a server's host.
+    let worker_host = (m * push, m * pull);
+    let server_host = if colocated {
+        // Its workers' pushes to the other servers and its server's pulls to the other hosts'
+        // workers go out; the other hosts' pushes and its workers' pulls from the others come in.
+        (m * push * (k - 1.0) / k + (n - m) * pull / k, m * pull * (k - 1.0) / k + (n - m) * push / k)
+    } else {
+        (n * pull / k, n * push / k)
+    };
+    let mut busiest = server_host.0.max(server_host.1);
+    if !colocated || k < h {
+        busiest = busiest.max(worker_host.0).max(worker_host.1);
+    }
+    2.0 * l.a + busiest / l.b
+}
+
 /// Seconds for a flat ring all-reduce of `s` bytes over `hosts x per_host` ranks laid out host
 /// by host: every hop carries `2(N-1)/N S`, and the slowest hop, the inter-host link, decides;
 /// each of the `2(N-1)` steps pays the inter-host latency on the hops that cross.
@@ -137,6 +210,27 @@ pub fn flat_across_hosts(hosts: usize, per_host: usize, s: f64, inter: Link) -> 
 /// Bytes one worker sends plus receives per step, in theory.
 pub fn ring_bytes_per_worker(n: usize, s: f64) -> f64 {
     if n <= 1 { 0.0 } else { 2.0 * 2.0 * (n as f64 - 1.0) / n as f64 * s }
+}
+
+/// Bytes one worker sends plus receives per step in an all-reduce of `s` bytes of f32 values
+/// compressed `c` ([`ring_compressed`]): the dense ring's over the smaller values, or for top-k
+/// its pairs sent to and every other rank's received from the `n-1` others.
+pub fn ring_compressed_bytes_per_worker(n: usize, s: f64, c: Compression) -> f64 {
+    let wire = c.wire_bytes((s / 4.0) as usize) as f64;
+    match c {
+        Compression::TopK(_) if n > 1 => 2.0 * (n as f64 - 1.0) * wire,
+        _ => ring_bytes_per_worker(n, wire),
+    }
+}
+
+/// Bytes the busiest worker of the hierarchical all-reduce of `s` bytes over `hosts` hosts of
+/// `per_host` ranks sends plus receives: a leader moves the leaders' ring's bytes and, from
+/// and to its host's chain, the reduced buffer in and the sum out; a rank inside a chain of
+/// three or more receives and sends the buffer on both ways.
+pub fn hierarchical_bytes_per_worker(hosts: usize, per_host: usize, s: f64) -> f64 {
+    let chain = if per_host > 1 { 2.0 * s } else { 0.0 };
+    let inner = if per_host > 2 { 4.0 * s } else { 0.0 };
+    (ring_bytes_per_worker(hosts, s) + chain).max(inner)
 }
 
 /// Bytes one PS worker sends plus receives per step (push S, pull S).
@@ -345,6 +439,43 @@ mod tests {
         assert!((hierarchical(2, 2, s, inter, free) - 100.0).abs() < 1e-9);
         // One host: no inter-host term at all.
         assert_eq!(hierarchical(1, 4, s, inter, free), 0.0);
+    }
+
+    #[test]
+    fn the_pipelined_hierarchy_overlaps_its_pieces() {
+        let inter = Link { a: 0.0, b: 1.0 };
+        let intra = Link { a: 0.0, b: 4.0 };
+        // One piece: reduce, leaders' ring, broadcast, one after the other.
+        let one = hierarchical_pipelined(2, 2, &[100.0], inter, intra);
+        assert!((one - hierarchical(2, 2, 100.0, inter, intra)).abs() < 1e-9, "{one}");
+        // Two pieces of 50 over 2 x 2: a reduce or a broadcast of 50 is half an intra-host ring
+        // of it, (2 (2-1)/2 50/4) / 2 = 6.25; a leaders' ring of 50 is 2 (2-1)/2 50/1 = 50. Reduce 0 ends at 6.25; ring 0 runs 6.25-56.25 while the
+        // host reduces piece 1 (6.25-12.5); broadcast 0 runs 56.25-62.5; ring 1 runs
+        // 56.25-106.25; broadcast 1 ends at 112.5.
+        let two = hierarchical_pipelined(2, 2, &[50.0, 50.0], inter, intra);
+        assert!((two - 112.5).abs() < 1e-9, "{two}");
+        assert!(two < hierarchical(2, 2, 100.0, inter, intra));
+        assert_eq!(hierarchical_pipelined(2, 2, &[], inter, intra), 0.0);
+    }
+
+    #[test]
+    fn a_placed_ps_is_decided_by_its_busiest_nic() {
+        let l = Link { a: 0.0, b: 1.0 };
+        let s = 100.0;
+        // One worker a host, servers apart: the PS of the alpha-beta model.
+        for (h, k) in [(4, 4), (4, 1), (8, 2)] {
+            assert!((ps_placed(h, 1, k, false, s, s, l) - ps(h, k, s, l)).abs() < 1e-9);
+            assert!((ps_placed(h, 1, k, false, 10.0, s, l) - ps_compressed(h, k, 10.0, s, l)).abs() < 1e-9);
+        }
+        // 4 hosts of 2 workers, one server a host apart: a worker host sends 2S; the server
+        // host receives 8S/4 = 2S.
+        assert!((ps_placed(4, 2, 4, false, s, s, l) - 200.0).abs() < 1e-9);
+        // Colocated, k = h = 4: out = 2S 3/4 + 6S/4 = 3S.
+        assert!((ps_placed(4, 2, 4, true, s, s, l) - 300.0).abs() < 1e-9);
+        // Colocated, one server on one of 4 hosts of one worker: it receives 3 pushes.
+        assert!((ps_placed(4, 1, 1, true, s, s, l) - 300.0).abs() < 1e-9);
+        let l = Link { a: 1.0, b: f64::INFINITY };
+        assert_eq!(ps_placed(4, 2, 2, true, s, s, l), 2.0);
     }
 
     #[test]

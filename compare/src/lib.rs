@@ -29,6 +29,8 @@
 //!   cannot take.
 //! - [`results`]: what a run reduces to, read from its files.
 //! - [`cost`]: the alpha-beta cost models.
+//! - [`advise`]: `gradsync-bench advise`, the configuration to train a model with on a cluster,
+//!   picked by a per-step timeline predictor over the cost models and the real bucket plan.
 //! - [`charts`], [`report`]: the charts and the report page.
 //! - [`emulated`]: the record of runs on emulated links (`cluster.json`).
 //! - [`cluster`]: `gradsync-bench cluster`, the comparison's runs on emulated hosts.
@@ -38,6 +40,7 @@
 //!   `rawtcp-peer`, its two ends on two hosts.
 //! - [`table`]: plain-text tables.
 
+pub mod advise;
 pub mod binaries;
 pub mod charts;
 pub mod child;

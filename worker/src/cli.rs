@@ -92,6 +92,8 @@ pub mod flag {
     pub const BACKEND: &str = "backend";
     /// `--bucket-mb`.
     pub const BUCKET_MB: &str = "bucket-mb";
+    /// `--hierarchy`.
+    pub const HIERARCHY: &str = "hierarchy";
     /// `--master-addr`.
     pub const MASTER_ADDR: &str = "master-addr";
     /// `--master-port`.

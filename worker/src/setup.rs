@@ -394,6 +394,13 @@ fn dilation(args: &TrainArgs, model: &ModelSpec, device: Device) -> anyhow::Resu
     Ok(d)
 }
 
+/// The values of f32 gradient a bucket holds at least under `--bucket-mb MB` (MiB, as
+/// PyTorch's `bucket_cap_mb`): what [`gradsync_core::model::BucketPlan::with_cap`] is given, by
+/// DDP and ZeRO-1 here and by any prediction of their buckets.
+pub fn bucket_values(mb: f64) -> usize {
+    ((mb * (1 << 20) as f64) / 4.0).max(1.0) as usize
+}
+
 /// DDP's configuration (ZeRO-1's too) from the `--mode ddp` flags of `run`, checked.
 fn ddp_config(d: &DdpArgs, compression: Compression, run: &Run) -> anyhow::Result<DdpConfig> {
     anyhow::ensure!(d.bucket_mb > 0.0 && d.bucket_mb.is_finite(), "--bucket-mb must be positive");
@@ -434,7 +441,7 @@ fn ddp_config(d: &DdpArgs, compression: Compression, run: &Run) -> anyhow::Resul
         },
         backend: d.backend,
         device: run.device,
-        bucket_values: ((d.bucket_mb * (1 << 20) as f64) / 4.0).max(1.0) as usize,
+        bucket_values: bucket_values(d.bucket_mb),
         sync_every: d.sync_every,
         overlap: !d.no_overlap,
         sync_bn: d.sync_bn,

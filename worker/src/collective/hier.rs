@@ -68,8 +68,9 @@ const MIN_PIECE: usize = 1 << 16;
 /// The lengths a buffer of `n` values is cut into, first to last (they depend on `n` only, so
 /// every host cuts alike): `n / MIN_PIECE` equal pieces, at most [`PIECES`], and, when they
 /// are larger than `2 MIN_PIECE`, the first cut into halving steps that grow towards the
-/// middle (the smallest first) and the last into the same steps reversed.
-fn pieces(n: usize) -> Vec<usize> {
+/// middle (the smallest first) and the last into the same steps reversed. Public so that a
+/// prediction of the hierarchical all-reduce cuts buffers as the all-reduce itself does.
+pub fn pieces(n: usize) -> Vec<usize> {
     let count = n.div_ceil(MIN_PIECE).clamp(1, PIECES);
     let equal: Vec<usize> = (0..count).map(|k| segment(n, count, k).len()).collect();
     if count < 2 {

@@ -75,6 +75,7 @@ pub use comm::TcpComm;
 pub use error::{CollectiveError, Result};
 pub use frame::configure_socket;
 pub use gradsync_core::compress::Half;
+pub use hier::pieces as hierarchical_pieces;
 pub use nccl::{After, Nccl};
 pub(crate) use reduce::half_shares;
 pub use reduce::{all_reduce_as_half, pack, packed_len, unpack};
