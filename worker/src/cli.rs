@@ -100,8 +100,6 @@ pub mod flag {
     pub const MASTER_PORT: &str = "master-port";
     /// `--transport`.
     pub const TRANSPORT: &str = "transport";
-    /// `--hierarchy`.
-    pub const HIERARCHY: &str = "hierarchy";
     /// `--rank`.
     pub const RANK: &str = "rank";
     /// `--world-size`.
