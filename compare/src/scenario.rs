@@ -38,6 +38,8 @@ impl ModeKind {
     pub const PsSsp: ModeKind = ModeKind::named("ps-ssp");
     /// ddp-tcp.
     pub const DdpTcp: ModeKind = ModeKind::named("ddp-tcp");
+    /// ddp-hier.
+    pub const DdpHier: ModeKind = ModeKind::named("ddp-hier");
     /// ddp-shm.
     pub const DdpShm: ModeKind = ModeKind::named("ddp-shm");
     /// ddp-nccl.
@@ -899,7 +901,7 @@ mod tests {
             ]
         );
         let hier: Vec<&str> =
-            runs.iter().filter(|r| r.mode == ModeKind::named("ddp-hier")).map(|r| r.id.as_str()).collect();
+            runs.iter().filter(|r| r.mode == ModeKind::DdpHier).map(|r| r.id.as_str()).collect();
         assert!(hier[1].contains("-w4-m2-") && !hier[0].contains("-m"), "{hier:?}");
         assert!(runs.iter().all(|r| r.skip.is_none()));
         // hosts/2 of one host is one shard, said once.

@@ -366,6 +366,15 @@ pub const COMPARED: &[Compared] = &[
         ..DDP_TCP
     },
     Compared {
+        name: "ddp-hier-fp16",
+        about: "ddp-hier with half-precision values on every hop, inside the hosts and among their leaders \
+                (`--compress fp16`)",
+        ring: Some(Ring { hierarchy: Some(Hierarchy::On), ..TCP }),
+        codec: Codec::Fp16,
+        short: "fp16-hier{n}",
+        ..DDP_TCP
+    },
+    Compared {
         name: "ps-sparse",
         about: "Parameter server, bulk-synchronous, on a model with an embedding table: each worker pushes \
                 the rows its batch named and pulls the rows its next batch names, by id (the PS's own way \

@@ -92,7 +92,8 @@ impl Config {
     /// (with `--compress` among [`Config::flags`]) where no entry compresses this way (bf16).
     pub fn mode(&self) -> ModeKind {
         let base = match self.exchange {
-            Exchange::Ring | Exchange::Hierarchical => ModeKind::DdpTcp,
+            Exchange::Ring => ModeKind::DdpTcp,
+            Exchange::Hierarchical => ModeKind::DdpHier,
             Exchange::Zero1 => ModeKind::Zero1Tcp,
             Exchange::Ps { .. } => ModeKind::PsBsp,
         };
@@ -121,7 +122,10 @@ impl Config {
         if c.needs.table || c.sparse_grads.is_some() || mode.is_async() {
             return None;
         }
-        let ring = if hierarchical { Exchange::Hierarchical } else { Exchange::Ring };
+        // ddp-hier goes through the hosts; so does a ring with --hierarchy auto where ranks
+        // share hosts (a run recorded before the rings named their hierarchy).
+        let through = hierarchical || c.through_hosts();
+        let ring = if through { Exchange::Hierarchical } else { Exchange::Ring };
         let (exchange, bucket_mb) = match c.mode {
             Mode::Ddp => (ring, Some(bucket_mb)),
             Mode::Zero1 => (Exchange::Zero1, Some(bucket_mb)),
@@ -141,11 +145,6 @@ impl Config {
             mode.compared().flags(ratio).into_iter().map(|(k, v)| (k.to_string(), v)).collect();
         if mode.compress(ratio).is_none() && !self.compression.is_none() {
             out.push((flag::COMPRESS.into(), self.compression.to_string()));
-        }
-        match self.exchange {
-            Exchange::Ring => out.push((flag::HIERARCHY.into(), "off".into())),
-            Exchange::Hierarchical => out.push((flag::HIERARCHY.into(), "on".into())),
-            _ => {}
         }
         if let Some(mb) = self.bucket_mb {
             out.push((flag::BUCKET_MB.into(), mb.to_string()));
@@ -177,7 +176,7 @@ impl Config {
     pub fn family(&self) -> String {
         let kind = match self.exchange {
             Exchange::Ring => "ddp-tcp flat ring",
-            Exchange::Hierarchical => "ddp-tcp hierarchical",
+            Exchange::Hierarchical => "ddp-hier",
             Exchange::Zero1 => "zero1-tcp",
             Exchange::Ps { colocated: true, .. } => "ps-bsp, servers colocated",
             Exchange::Ps { colocated: false, .. } => "ps-bsp, servers on their own hosts",
@@ -190,14 +189,14 @@ impl Config {
         format!("{kind}, {values}")
     }
 
-    /// Its name in tables: `ddp-tcp hierarchical, 25 MB buckets`, `ps-bsp, 8 servers on their
+    /// Its name in tables: `ddp-hier, 25 MB buckets`, `ps-bsp, 8 servers on their
     /// own hosts`.
     pub fn label(&self) -> String {
         let mode = self.mode_text();
         let mb = |mb: Option<f64>| mb.map_or(String::new(), |m| format!(", {m} MB buckets"));
         match self.exchange {
             Exchange::Ring => format!("{mode} flat ring{}", mb(self.bucket_mb)),
-            Exchange::Hierarchical => format!("{mode} hierarchical{}", mb(self.bucket_mb)),
+            Exchange::Hierarchical => format!("{mode}{}", mb(self.bucket_mb)),
             Exchange::Zero1 => format!("{mode}{}", mb(self.bucket_mb)),
             Exchange::Ps { servers: 1, colocated } => {
                 format!("{mode}, 1 server {}", if colocated { "colocated" } else { "on its own host" })
@@ -266,9 +265,9 @@ mod tests {
     #[test]
     fn a_configuration_names_its_compared_mode_and_flags() {
         let c = cfg(Exchange::Hierarchical, Some(25.0), Compression::Fp16);
-        assert_eq!(c.mode(), ModeKind::DdpTcpFp16);
-        assert_eq!(c.label(), "ddp-tcp-fp16 hierarchical, 25 MB buckets");
-        assert_eq!(c.family(), "ddp-tcp hierarchical, half precision");
+        assert_eq!(c.mode(), "ddp-hier-fp16".parse::<ModeKind>().unwrap());
+        assert_eq!(c.label(), "ddp-hier-fp16, 25 MB buckets");
+        assert_eq!(c.family(), "ddp-hier, half precision");
         assert_eq!(c.family(), Config { compression: Compression::Bf16, ..c }.family());
         let flags: Vec<String> = c.flags().iter().map(|(k, v)| format!("--{k} {v}")).collect();
         assert_eq!(
@@ -277,10 +276,18 @@ mod tests {
                 "--mode ddp",
                 "--backend tcp",
                 "--transport tcp",
-                "--compress fp16",
                 "--hierarchy on",
+                "--compress fp16",
                 "--bucket-mb 25"
             ]
+        );
+        // The flat ring's flags keep it flat where ranks share hosts.
+        let flat = cfg(Exchange::Ring, Some(25.0), Compression::Fp16);
+        assert_eq!(flat.mode(), ModeKind::DdpTcpFp16);
+        assert!(flat.flags().contains(&("hierarchy".into(), "off".into())));
+        assert_eq!(
+            Config::of_mode(ModeKind::DdpHier, 25.0, false, (0, false), 0.01).unwrap().exchange,
+            Exchange::Hierarchical
         );
         // bf16 has no compared mode of its own: the uncompressed one with --compress bf16.
         let c = cfg(Exchange::Ring, Some(5.0), Compression::Bf16);

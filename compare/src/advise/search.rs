@@ -406,12 +406,12 @@ mod tests {
         let flat = labels("4x1:10gbit");
         // Flat ring 2 x 4, ZeRO-1 2, PS: k = 4, 2, 1, colocated and apart, 4 compressions each.
         assert_eq!(flat.len(), 8 + 2 + 3 * 2 * 4, "{flat:#?}");
-        assert!(!flat.iter().any(|l| l.contains("hierarchical")));
+        assert!(!flat.iter().any(|l| l.contains("ddp-hier")));
         assert!(flat.contains(&"ps-bsp, 2 servers colocated".to_string()));
         let hier = labels("4x8:10gbit:nvlink");
         // The hierarchy adds 2 x 3 (top-k all-gathers flat).
         assert_eq!(hier.len(), flat.len() + 6);
-        assert!(hier.contains(&"ddp-tcp-fp16 hierarchical, 25 MB buckets".to_string()));
+        assert!(hier.contains(&"ddp-hier-fp16, 25 MB buckets".to_string()));
         // One host: its one colocated server; no servers apart.
         let one = labels("1x8:1gbit:shm");
         assert!(one.iter().all(|l| !l.contains("own hosts")));
