@@ -139,3 +139,56 @@ fn bad_input_is_refused_naming_what_is_wrong() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
 }
+
+/// `--check 1` on real network namespaces (SKIPPED without root and iproute2): gradsync's own
+/// MLP recorded into a profile (7.4 MB of gradients: its exchange, not the cores, sets a step
+/// at 1 Gbit/s), the advisor's pick and plain DDP run as dilated replays
+/// on a 2-host 1 Gbit/s cluster, each measured beside its prediction, and a report.html with
+/// the verdict card, the table and the chart.
+#[test]
+fn advise_check_runs_the_pick_and_plain_ddp_and_sets_measured_beside_predicted() {
+    const TEST: &str = "advise_check_runs_the_pick_and_plain_ddp_and_sets_measured_beside_predicted";
+    let dir = gradsync_testkit::Scratch::new("advise-check");
+    let profile = dir.join("mnist.json");
+    let rec = Command::new(BENCH)
+        .args(["replay", "record", "--model", "mnist", "--batch", "64", "--out"])
+        .arg(&profile)
+        .output()
+        .unwrap();
+    assert!(rec.status.success(), "{}", text(&rec.stderr));
+    let out = dir.join("check");
+    let model = format!("profile:{}", profile.display());
+    let o = Command::new(BENCH)
+        .args(["advise", "--model", &model, "--cluster", "2x1:1gbit", "--bucket-mb", "25", "--no-topk"])
+        .args(["--free-codecs", "--check", "1", "--check-steps", "4", "--out"])
+        .arg(&out)
+        .env("GRADSYNC_BIN_DIR", gradsync_testkit::process::bin_dir())
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
+    if stderr.contains("--check runs on an emulated cluster") {
+        eprintln!("SKIPPED {TEST}: {stderr}");
+        return;
+    }
+    assert!(o.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("check: measured on 2 host(s) x 1 rank(s) at 1.000 Gbit/s, emulated"),
+        "{stdout}"
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("check.json")).unwrap()).unwrap();
+    let checked = report["checked"].as_array().unwrap();
+    // The pick, and plain DDP unless the pick is plain DDP.
+    assert!((1..=2).contains(&checked.len()), "{report:#}");
+    assert!(checked.iter().any(|c| c["label"] == "ddp-tcp flat ring, 25 MB buckets"), "{report:#}");
+    for c in checked {
+        let m = c["measured_ms"].as_f64().unwrap_or_else(|| panic!("not measured: {c:#}"));
+        assert!(m > 0.0 && c["predicted_measured_link_ms"].as_f64().unwrap() > 0.0, "{c:#}");
+        assert!(c["dilation"].as_f64().unwrap() >= 1.0 && c["sound"].as_u64().unwrap() >= 1, "{c:#}");
+    }
+    assert!(report["verdict"].as_str().unwrap().starts_with("Measured fastest: "), "{report:#}");
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    let (card, table, chart) =
+        (html.find("class=\"card\"").unwrap(), html.find("<table>").unwrap(), html.find("<svg").unwrap());
+    assert!(card < table && table < chart, "verdict card, table, chart in that order");
+}

@@ -21,13 +21,18 @@
 //! - [`measure`]: a cluster from `--hosts` or `--slurm`, its NIC measured by the raw-TCP
 //!   yardstick.
 //! - [`report`]: the advice as JSON and as text.
+//! - [`check`]: `--check N`, the top configurations and plain DDP run on a dilated emulated
+//!   cluster matching the SPEC, measured beside predicted.
+//! - [`page`]: the check's table and its `report.html` (template in `templates/check.html`).
 //! - [`error`]: what the advisor refuses.
 //! - this file: the flags and the command.
 
+pub mod check;
 pub mod codec;
 pub mod config;
 pub mod error;
 pub mod measure;
+pub mod page;
 pub mod predict;
 pub mod report;
 pub mod search;
@@ -35,6 +40,7 @@ pub mod spec;
 
 use std::time::Instant;
 
+use anyhow::Context;
 use clap::Args;
 use gradsync_core::model::ModelSpec;
 use gradsync_core::profile::Profile;
@@ -98,20 +104,34 @@ pub struct AdviseArgs {
     /// Rows of the ranked table (--json holds every configuration).
     #[arg(long, default_value_t = 15)]
     pub top: usize,
-    /// Print the advice as JSON (every configuration with its bucket timeline).
+    /// Print the advice as JSON (every configuration with its bucket timeline; with --check,
+    /// the measurements too).
     #[arg(long)]
     pub json: bool,
+    /// Run the top N configurations and plain DDP as short replays on a dilated emulated
+    /// cluster matching --cluster (needs root and iproute2), put measured beside predicted and
+    /// write report.html (docs/advisor.md). 0: predict only.
+    #[arg(long, default_value_t = 0, conflicts_with_all = ["hosts", "slurm"])]
+    pub check: usize,
+    /// With --check: steps of each run (the first, the warm-up, left out of its mean).
+    #[arg(long, default_value_t = check::CHECK_STEPS, requires = "check", value_parser = clap::value_parser!(u64).range(2..))]
+    pub check_steps: u64,
+    /// With --check: the run directory (default: runs/advise-<UTC timestamp>).
+    #[arg(long, requires = "check")]
+    pub out: Option<std::path::PathBuf>,
+    /// With --check: the directory holding gradsync-worker and gradsync-server (default:
+    /// beside this program).
+    #[arg(long, env = "GRADSYNC_BIN_DIR")]
+    pub bin_dir: Option<std::path::PathBuf>,
 }
 
 /// Run `gradsync-bench advise`.
 pub fn run(a: &AdviseArgs) -> anyhow::Result<()> {
     let cluster = cluster(a)?;
     let t = Instant::now();
-    let report = advise(a, cluster)?;
+    let mut report = advise(a, cluster)?;
     let took = t.elapsed();
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
+    if !a.json {
         print!("{}", report.text(a.top));
     }
     eprintln!(
@@ -119,7 +139,41 @@ pub fn run(a: &AdviseArgs) -> anyhow::Result<()> {
         report.advice.ranked.len(),
         took.as_secs_f64() * 1e3
     );
+    if a.check > 0 {
+        let checked = run_check(a, &report)?;
+        if !a.json {
+            print!("{}", page::text(&checked));
+        }
+        report.check = Some(checked);
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    }
     Ok(())
+}
+
+/// `--check`: the plan run on emulated clusters, the page written beside the runs.
+fn run_check(a: &AdviseArgs, report: &Report) -> anyhow::Result<check::CheckReport> {
+    let bins = crate::modes::Bins::find(a.bin_dir.as_deref())?;
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| std::path::PathBuf::from("runs").join(format!("advise-{}", crate::utc_stamp())));
+    anyhow::ensure!(!out.exists(), "{} already exists; choose another --out", out.display());
+    let profile = profile(&a.model, a.device_tflops, a.device_tbps)?;
+    let w = Workload::new(&profile, a.batch.unwrap_or(profile.batch))?;
+    let mut plan =
+        check::plan(&a.model, a.batch, (a.device_tflops, a.device_tbps), &report.advice.ranked, a.check);
+    plan.steps = a.check_steps;
+    let checked = check::run(&plan, &report.cluster, &w, &report.codecs, &report.advice.ranked, &bins, &out)?;
+    let html = out.join("report.html");
+    std::fs::write(&html, page::html(&a.model, &checked)?)
+        .with_context(|| format!("writing {}", html.display()))?;
+    let json = out.join("check.json");
+    std::fs::write(&json, serde_json::to_string_pretty(&checked)? + "\n")
+        .with_context(|| format!("writing {}", json.display()))?;
+    eprintln!("gradsync-bench advise --check: report in {}", html.display());
+    Ok(checked)
 }
 
 /// The cluster the flags name: a SPEC or TOML file, or hosts measured.
@@ -147,6 +201,7 @@ pub fn advise(a: &AdviseArgs, cluster: ClusterSpec) -> anyhow::Result<Report> {
         if a.free_codecs { CodecRates::free() } else { CodecRates::measure(a.topk_ratio.clamp(1e-6, 1.0))? };
     let advice = search::advise(&w, &cluster, &codecs, &space)?;
     Ok(Report {
+        check: None,
         kind: "prediction",
         model: ModelFacts::of(&w),
         cluster,

@@ -62,7 +62,7 @@ impl ModelFacts {
 }
 
 /// Everything `advise` says.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct Report {
     /// Always `prediction`: no figure here was measured.
     pub kind: &'static str,
@@ -78,6 +78,9 @@ pub struct Report {
     pub advice: Advice,
     /// What the prediction leaves out.
     pub not_modelled: Vec<&'static str>,
+    /// With `--check`: the configurations run, measured beside predicted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub check: Option<super::check::CheckReport>,
 }
 
 /// Bytes in words: `553.4 MB`, `2.21 GB`.

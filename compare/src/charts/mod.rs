@@ -8,7 +8,7 @@
 //! family of charts, each adding its methods to [`Charts`]: `convergence` (accuracy and loss
 //! curves), `speed` (throughput, step phases, straggler slowdown), `traffic` (bytes and
 //! staleness), `model` (the cost models and their extrapolation); `group` holds what they are
-//! drawn from.
+//! drawn from. [`advice`] draws `advise --check`'s one chart, SVG only, for its own page.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -49,6 +49,7 @@ macro_rules! render {
     }};
 }
 
+pub mod advice;
 mod convergence;
 mod group;
 mod model;

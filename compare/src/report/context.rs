@@ -8,14 +8,7 @@ use crate::cost::Link;
 use crate::machine::{self, Machine};
 use crate::results::{Summary, overlap};
 
-/// The share of the cores a replayed run's processes may keep busy before its figures count as
-/// the CPU's rather than the design's: its compute is waited out, so what keeps the cores busy
-/// is the communication itself, which a saturated CPU slows.
-pub const REPLAY_BUSY: f64 = 0.8;
-
-/// The share of a dilated run's compute by which its phases may overrun D times their CPU time
-/// (a thread that waited for a core) before the run counts as the cores', not the design's.
-pub const OVERRUN_SHARE: f64 = 0.05;
+use crate::results::REPLAY_BUSY;
 
 /// Why a run saturated the CPU, as the readings say it where nothing else on the page does.
 pub const SATURATED: &str =
@@ -125,11 +118,7 @@ impl<'c, 'a> Context<'c, 'a> {
     /// compute, the cores were more than [`REPLAY_BUSY`] busy while its steps ran.
     pub fn cpu_saturated(&self, r: &Summary) -> bool {
         if r.dilation.is_some() {
-            // Dilated, processes may outnumber the cores: what counts is whether the cores kept
-            // up with the factor.
-            return r.cpu_busy.is_some_and(|b| b > REPLAY_BUSY)
-                || r.dilation_too_small
-                || r.overrun_share.is_some_and(|o| o > OVERRUN_SHARE);
+            return r.dilated_saturated();
         }
         if r.widths.starts_with(gradsync_core::model::REPLAY_TOKEN) {
             return r.cpu_busy.is_some_and(|b| b > REPLAY_BUSY);

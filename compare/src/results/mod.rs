@@ -469,7 +469,26 @@ impl Summary {
     pub fn complete(&self) -> bool {
         self.status == "ok"
     }
+
+    /// Whether a dilated run's figures are the cores' rather than the design's: processes may
+    /// outnumber the cores there, so what counts is whether the cores kept up with the factor
+    /// (busy over [`REPLAY_BUSY`], compute overrunning D times its CPU time by more than
+    /// [`OVERRUN_SHARE`], or its rate's check at twice the factor off).
+    pub fn dilated_saturated(&self) -> bool {
+        self.cpu_busy.is_some_and(|b| b > REPLAY_BUSY)
+            || self.dilation_too_small
+            || self.overrun_share.is_some_and(|o| o > OVERRUN_SHARE)
+    }
 }
+
+/// The share of the cores a replayed run's processes may keep busy before its figures count as
+/// the CPU's rather than the design's: its compute is waited out, so what keeps the cores busy
+/// is the communication itself, which a saturated CPU slows.
+pub const REPLAY_BUSY: f64 = 0.8;
+
+/// The share of a dilated run's compute by which its phases may overrun D times their CPU time
+/// (a thread that waited for a core) before the run counts as the cores', not the design's.
+pub const OVERRUN_SHARE: f64 = 0.05;
 
 /// The steps a run's workers planned (`extra.total_steps`), when every header says.
 fn planned(run: &RunData) -> Option<u64> {
