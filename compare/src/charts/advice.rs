@@ -74,6 +74,6 @@ mod tests {
         .unwrap();
         assert!(svg.starts_with("<svg") && svg.contains("measured = predicted"), "{svg}");
         assert_eq!(svg.matches("<circle").count(), 4, "two points, each filled and outlined");
-        assert!(svg.contains(">1<") && svg.contains(">2<"), "the points are numbered");
+        assert!(svg.contains(">\n1\n<") && svg.contains(">\n2\n<"), "the points are numbered: {svg}");
     }
 }
