@@ -22,7 +22,7 @@ use serde::Serialize;
 use super::codec::CodecRates;
 use super::config::{Config, Exchange};
 use super::predict::{Prediction, Workload, predict};
-use super::spec::{ClusterSpec, Intra, IntraKind};
+use super::spec::ClusterSpec;
 use crate::cost::Link;
 use crate::emulated;
 use crate::modes::Bins;
@@ -269,13 +269,9 @@ fn measured(
     })
 }
 
-/// `spec` with the NIC measured on the emulated cluster, and a host's ranks meeting over its
-/// loopback: unshaped, and dilated with everything else, so as good as free.
+/// `spec`'s hosts with the NIC measured on the emulated cluster ([`ClusterSpec::emulated`]).
 fn emulated_spec(spec: &ClusterSpec, nic: Link) -> anyhow::Result<ClusterSpec> {
-    let intra =
-        (spec.per_host > 1).then_some(Intra { kind: IntraKind::Shm, link: Link { a: 1e-7, b: 1e12 } });
-    ClusterSpec::checked(spec.hosts, spec.per_host, nic, intra, "the emulated cluster, measured")
-        .map_err(|e| anyhow::anyhow!("the emulated cluster's link: {e}"))
+    ClusterSpec::emulated(spec.hosts, spec.per_host, nic).map_err(|e| anyhow::anyhow!("the emulated cluster's link: {e}"))
 }
 
 /// The measured order, the errors and the verdict.

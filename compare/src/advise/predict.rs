@@ -147,6 +147,16 @@ impl Workload {
         })
     }
 
+    /// The same model with forward and backward lasting `forward_s` and `backward_s` (as a run
+    /// measured them), each gradient ready at the same share of backward.
+    pub fn timed_as(mut self, forward_s: f64, backward_s: f64) -> Self {
+        let k = if self.backward_s > 0.0 { backward_s / self.backward_s } else { 0.0 };
+        self.ready.values_mut().for_each(|t| *t *= k);
+        (self.forward_s, self.backward_s) = (forward_s, backward_s);
+        self.estimated = false;
+        self
+    }
+
     /// The buckets `--bucket-mb mb` makes, in the order backward fills them.
     pub fn buckets(&self, mb: f64) -> Vec<ReadyBucket> {
         BucketPlan::with_cap(&self.layout, bucket_values(mb))

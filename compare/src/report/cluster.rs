@@ -60,6 +60,25 @@ pub fn cluster_prediction(r: &ClusterRun, params: usize) -> Option<f64> {
     }
 }
 
+/// The advisor's step for a cluster run ([`crate::advise::predict`], `advise`'s per-bucket
+/// timeline): the built-in profile its replay names, with forward and backward as the run
+/// measured them, on the run's hosts, ranks a host and link as measured. None for a model
+/// trained for real or replayed from a file, for a compressed mode (its codecs would be priced
+/// at this machine's rates, not the run's), and for one worker.
+pub fn advisor_step_ms(r: &ClusterRun, s: &Summary) -> Option<f64> {
+    use crate::advise::{codec::CodecRates, config::Config, predict, spec::ClusterSpec};
+    let name = s.widths.strip_prefix(gradsync_core::model::REPLAY_TOKEN)?.split(':').next()?;
+    let profile = gradsync_core::profile::builtin(name, gradsync_core::profile::DeviceRate::H100)?;
+    if r.mode.is_compressed() {
+        return None;
+    }
+    let w = predict::Workload::new(&profile, s.batch).ok()?.timed_as(s.forward_ms? / 1e3, s.backward_ms? / 1e3);
+    let m = r.ranks_per_host.max(1);
+    let c = ClusterSpec::emulated(r.workers.div_ceil(m), m, cluster_link(r)).ok()?;
+    let cfg = Config::of_mode(r.mode, s.bucket_mb.unwrap_or(25.0), false, (r.shards, false), 0.01)?;
+    Some(predict::predict(&w, &c, &cfg, &CodecRates::free()).ok()?.step_s * 1e3)
+}
+
 /// How far a measured PS-to-ring communication ratio may sit from BytePS's prediction for the
 /// claim to count as reproduced.
 const BYTEPS_TOLERANCE: f64 = 0.15;
@@ -99,6 +118,7 @@ pub fn section(runs: &[ClusterRun], all: &[Summary], dilations: &[DilationRecord
         figures("shards"),
         words("status"),
         figures("step ms"),
+        figures("advisor's step ms (predicted)"),
         figures("communication ms"),
         figures("model ms"),
         figures("model ms, push then pull"),
@@ -143,6 +163,7 @@ pub fn section(runs: &[ClusterRun], all: &[Summary], dilations: &[DilationRecord
                     figures(&r.shards.to_string()),
                     words(&s.status),
                     figures(&opt(s.step_ms, 1)),
+                    figures(&opt(advisor_step_ms(r, s), 1)),
                     figures(&opt(s.comm_ms, 1)),
                     figures(&opt(pred, 1)),
                     figures(&opt(seq, 1)),
@@ -322,6 +343,32 @@ fn ps_against_ring(runs: &[ClusterRun], all: &[Summary]) -> Vec<String> {
 #[allow(clippy::unwrap_used)]
 mod cluster_tests {
     use super::*;
+
+    /// The advisor's line beside a replayed run: compute as the run measured it, the exchange
+    /// over the link as measured. ResNet-50's 102.2 MB over a ring of 2 at 1 Gbit/s (0.125
+    /// GB/s, 30 us): 2 x 1/2 x 102.2e6 / 0.125e9 = 818 ms of exchange, beside 30 ms of
+    /// backward, so the step is forward + about the exchange; 8x slower a link, 8x the exchange.
+    #[test]
+    fn the_advisor_predicts_a_replayed_cluster_run_from_its_own_compute_and_link() {
+        let (mut r, mut s) = run(ModeKind::DdpTcp, 0, "ok", 900.0);
+        (r.rate_gbit, r.measured_gbit) = (1.0, Some(1.0));
+        let p = gradsync_core::profile::builtin("resnet50", gradsync_core::profile::DeviceRate::H100).unwrap();
+        let spec = gradsync_core::model::ModelSpec::replay(p.clone());
+        (s.widths, s.batch, s.params) = (spec.widths_str(), p.batch, p.parameters());
+        (s.forward_ms, s.backward_ms, s.bucket_mb) = (Some(10.0), Some(30.0), Some(25.0));
+        let step = advisor_step_ms(&r, &s).unwrap();
+        let exchange = 2.0 * 0.5 * 4.0 * p.parameters() as f64 / 0.125e9 * 1e3;
+        assert!(step > 10.0 + exchange && step < 10.0 + 30.0 + exchange + 5.0, "{step} ms against {exchange} ms of exchange");
+        r.measured_gbit = Some(0.125);
+        let slow = advisor_step_ms(&r, &s).unwrap();
+        assert!(((slow - 10.0) / (step - 10.0) - 8.0).abs() < 0.3, "{slow} against {step}");
+        // A model trained for real, a compressed mode: no line.
+        let mut real = s.clone();
+        real.widths = "784-256-10".into();
+        assert_eq!(advisor_step_ms(&r, &real), None);
+        r.mode = ModeKind::DdpTcpFp16;
+        assert_eq!(advisor_step_ms(&r, &s), None);
+    }
 
     /// A run on a 10 Gbit/s link: its cluster record and its summary.
     fn run(mode: ModeKind, repeat: usize, status: &str, step_ms: f64) -> (ClusterRun, Summary) {

@@ -239,6 +239,9 @@ pub struct Summary {
     pub model: String,
     /// Layer widths.
     pub widths: String,
+    /// DDP's and ZeRO-1's bucket size, MB (from the header's `bucket_values`).
+    #[serde(skip)]
+    pub bucket_mb: Option<f64>,
     /// Parameters.
     pub params: usize,
     /// Global batch.
@@ -391,6 +394,11 @@ impl Summary {
                 h.preset.clone()
             },
             widths: h.widths.clone(),
+            bucket_mb: h
+                .extra
+                .get("bucket_values")
+                .and_then(serde_json::Value::as_u64)
+                .map(|v| v as f64 * 4.0 / f64::from(1 << 20)),
             params: h.params,
             global_batch: h.global_batch,
             batch: h.batch,
