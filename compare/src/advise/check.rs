@@ -271,7 +271,8 @@ fn measured(
 
 /// `spec`'s hosts with the NIC measured on the emulated cluster ([`ClusterSpec::emulated`]).
 fn emulated_spec(spec: &ClusterSpec, nic: Link) -> anyhow::Result<ClusterSpec> {
-    ClusterSpec::emulated(spec.hosts, spec.per_host, nic).map_err(|e| anyhow::anyhow!("the emulated cluster's link: {e}"))
+    ClusterSpec::emulated(spec.hosts, spec.per_host, nic)
+        .map_err(|e| anyhow::anyhow!("the emulated cluster's link: {e}"))
 }
 
 /// The measured order, the errors and the verdict.

@@ -72,7 +72,8 @@ pub fn advisor_step_ms(r: &ClusterRun, s: &Summary) -> Option<f64> {
     if r.mode.is_compressed() {
         return None;
     }
-    let w = predict::Workload::new(&profile, s.batch).ok()?.timed_as(s.forward_ms? / 1e3, s.backward_ms? / 1e3);
+    let w =
+        predict::Workload::new(&profile, s.batch).ok()?.timed_as(s.forward_ms? / 1e3, s.backward_ms? / 1e3);
     let m = r.ranks_per_host.max(1);
     let c = ClusterSpec::emulated(r.workers.div_ceil(m), m, cluster_link(r)).ok()?;
     let cfg = Config::of_mode(r.mode, s.bucket_mb.unwrap_or(25.0), false, (r.shards, false), 0.01)?;
@@ -352,13 +353,17 @@ mod cluster_tests {
     fn the_advisor_predicts_a_replayed_cluster_run_from_its_own_compute_and_link() {
         let (mut r, mut s) = run(ModeKind::DdpTcp, 0, "ok", 900.0);
         (r.rate_gbit, r.measured_gbit) = (1.0, Some(1.0));
-        let p = gradsync_core::profile::builtin("resnet50", gradsync_core::profile::DeviceRate::H100).unwrap();
+        let p =
+            gradsync_core::profile::builtin("resnet50", gradsync_core::profile::DeviceRate::H100).unwrap();
         let spec = gradsync_core::model::ModelSpec::replay(p.clone());
         (s.widths, s.batch, s.params) = (spec.widths_str(), p.batch, p.parameters());
         (s.forward_ms, s.backward_ms, s.bucket_mb) = (Some(10.0), Some(30.0), Some(25.0));
         let step = advisor_step_ms(&r, &s).unwrap();
         let exchange = 2.0 * 0.5 * 4.0 * p.parameters() as f64 / 0.125e9 * 1e3;
-        assert!(step > 10.0 + exchange && step < 10.0 + 30.0 + exchange + 5.0, "{step} ms against {exchange} ms of exchange");
+        assert!(
+            step > 10.0 + exchange && step < 10.0 + 30.0 + exchange + 5.0,
+            "{step} ms against {exchange} ms of exchange"
+        );
         r.measured_gbit = Some(0.125);
         let slow = advisor_step_ms(&r, &s).unwrap();
         assert!(((slow - 10.0) / (step - 10.0) - 8.0).abs() < 0.3, "{slow} against {step}");
