@@ -94,6 +94,27 @@ fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
     assert!(!html.contains("no link figures"), "the cost model had no link to fit");
 }
 
+/// Every emulated host's TCP clocks: Reno (whose window grows by round trips, which dilation
+/// stretches; CUBIC's grows by real time), slow start after idle off, and a dilated link's
+/// minimum retransmission timeout stretched on the host's route.
+#[test]
+fn every_host_runs_reno_without_slow_start_after_idle_and_a_dilated_rto() {
+    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0, rto_min: None };
+    let Some(c) = cluster_or_skip("every_host_runs_reno", 2, shape.dilated(4.0)) else { return };
+    for h in c.hosts() {
+        let sysctl = |key: &str| {
+            let o =
+                Command::new("ip").args(["netns", "exec", &h.netns, "sysctl", "-n", key]).output().unwrap();
+            String::from_utf8_lossy(&o.stdout).trim().to_string()
+        };
+        assert_eq!(sysctl("net.ipv4.tcp_congestion_control"), gradsync_compare::net::CONGESTION_CONTROL);
+        assert_eq!(sysctl("net.ipv4.tcp_slow_start_after_idle"), "0");
+        let o = Command::new("ip").args(["-n", &h.netns, "route", "show"]).output().unwrap();
+        let routes = String::from_utf8_lossy(&o.stdout);
+        assert!(routes.contains("rto_min lock 800ms"), "{}: {routes}", h.netns);
+    }
+}
+
 /// Two ranks to a host: ddp-hier's all-reduce goes through the two hosts (its ranks find them
 /// by network namespace), the flat ring stays flat although ranks share hosts, the PS's four
 /// workers share two hosts' links with a shard per host, and the report groups them apart
