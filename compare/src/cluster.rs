@@ -227,13 +227,14 @@ pub fn run_cluster(
         .with_context(|| format!("creating {}", outcomes_path.display()))?;
     let runner = Runner { scenario, bins, multi: &multi, overall: &overall };
     let mut runs = Vec::new();
-    let mut dilations = Vec::new();
+    let mut dilations: Vec<DilationRecord> = Vec::new();
     for &rate in rates {
         let (d, probe) = match dilate {
             None => (1.0, None),
             Some(Dilate::Factor(d)) => (d, None),
             Some(Dilate::Auto) => {
-                let p = runner.probe(&specs, rate, &shape, out)?;
+                let last = dilations.last().map(|r| (r.rate_gbit, r.dilation));
+                let p = runner.probe(&specs, rate, &shape, out, probe_start(last, rate))?;
                 (p.chose, Some(p))
             }
         };
@@ -364,6 +365,7 @@ impl Runner<'_> {
         rate: f64,
         shape: &dyn Fn(f64) -> Shape,
         out: &Path,
+        start: f64,
     ) -> anyhow::Result<Probe> {
         let dir = out.join(CHECKS_DIR);
         let mut cells: Vec<RunSpec> = Vec::new();
@@ -378,7 +380,7 @@ impl Runner<'_> {
         (short.steps, short.epochs, short.eval_samples, short.target_accuracy) =
             (Some(self.scenario.steps.unwrap_or(PROBE_STEPS).min(PROBE_STEPS)), None, None, None);
         let probe = Runner { scenario: &short, ..*self };
-        let mut at = PROBE_START;
+        let mut at = start;
         loop {
             let mut busiest: Option<(String, f64)> = None;
             for c in &cells {
@@ -476,6 +478,18 @@ fn auto_factor(at: f64, busy: f64) -> AutoStep {
     }
 }
 
+/// `auto`'s first trial factor at `rate`: [`PROBE_START`], or, after a rate `last` = (rate,
+/// factor chosen), that factor scaled by the rates (the CPU work per step stays what it is, so
+/// the factor that keeps the cores half busy grows with the rate), within [`PROBE_START`] and
+/// [`AUTO_CAP`]. A big cluster's probe costs its CPU work at every trial; starting near the
+/// answer saves the trials that would only say "more".
+fn probe_start(last: Option<(f64, f64)>, rate: f64) -> f64 {
+    match last {
+        Some((r, d)) if r > 0.0 => (d * rate / r).round().clamp(PROBE_START, AUTO_CAP),
+        _ => PROBE_START,
+    }
+}
+
 /// `1`, `10`, `2.5`: a rate as it appears in run ids.
 fn fmt_rate(r: f64) -> String {
     let s = format!("{r}");
@@ -531,6 +545,17 @@ mod tests {
             (s.workers, s.hosts, s.ranks_per_host, s.shards),
             (vec![4], vec![], vec![2], vec![Shards::PerHosts(2)])
         );
+    }
+
+    /// `auto` starts each rate after the first near the factor the first chose, scaled by the
+    /// rates.
+    #[test]
+    fn a_later_rates_probe_starts_from_the_last_factor_scaled_by_the_rates() {
+        use super::probe_start;
+        assert_eq!(probe_start(None, 10.0), 4.0);
+        assert_eq!(probe_start(Some((10.0, 20.0)), 25.0), 50.0);
+        assert_eq!(probe_start(Some((10.0, 200.0)), 100.0), 512.0);
+        assert_eq!(probe_start(Some((10.0, 8.0)), 1.0), 4.0);
     }
 
     /// `auto`: a saturated probe asks for one four times slower, up to the cap; else the factor
