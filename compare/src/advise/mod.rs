@@ -48,7 +48,7 @@ use gradsync_core::profile::Profile;
 use codec::CodecRates;
 use error::AdviseError;
 use predict::Workload;
-use report::{ModelFacts, NOT_MODELLED, Report};
+use report::{NOT_MODELLED, Report};
 use search::Space;
 use spec::{ClusterSpec, IntraKind};
 
@@ -203,7 +203,7 @@ pub fn advise(a: &AdviseArgs, cluster: ClusterSpec) -> anyhow::Result<Report> {
     Ok(Report {
         check: None,
         kind: "prediction",
-        model: ModelFacts::of(&w),
+        model: w,
         cluster,
         codecs,
         space,

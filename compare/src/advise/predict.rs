@@ -65,10 +65,11 @@ use crate::cost::{self, Link};
 use crate::scenario::ModeKind;
 
 /// A model as the predictor sees it: its compute at one batch, and when backward makes each
-/// tensor's gradient ready.
-#[derive(Debug, Clone)]
+/// tensor's gradient ready (the advice's JSON holds its public fields).
+#[derive(Debug, Clone, Serialize)]
 pub struct Workload {
     /// The model's name.
+    #[serde(rename = "name")]
     pub model: String,
     /// Where its profile came from.
     pub source: String,
@@ -86,9 +87,11 @@ pub struct Workload {
     pub backward_s: f64,
     /// The optimiser step over the whole model, seconds.
     pub update_s: f64,
+    #[serde(skip)]
     layout: Layout,
     /// Seconds from the start of backward until each tensor's gradient is ready, by the
     /// tensor's first value in the flat buffer.
+    #[serde(skip)]
     ready: BTreeMap<usize, f64>,
 }
 

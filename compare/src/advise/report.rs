@@ -21,53 +21,13 @@ pub const NOT_MODELLED: &[&str] = &[
     "steps to an accuracy: top-k's are stated beside it, not predicted",
 ];
 
-/// The model's side of the advice.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ModelFacts {
-    /// Its name.
-    pub name: String,
-    /// Where its profile came from.
-    pub source: String,
-    /// The device its times belong to.
-    pub device: String,
-    /// Whether the times are estimated (or scaled from another batch).
-    pub estimated: bool,
-    /// Samples per step per worker.
-    pub batch: usize,
-    /// Parameters.
-    pub params: usize,
-    /// Forward, backward and the whole update on one device, seconds.
-    pub forward_s: f64,
-    /// Backward, seconds.
-    pub backward_s: f64,
-    /// The optimiser over the whole model, seconds.
-    pub update_s: f64,
-}
-
-impl ModelFacts {
-    /// The facts of `w`.
-    pub fn of(w: &Workload) -> Self {
-        ModelFacts {
-            name: w.model.clone(),
-            source: w.source.clone(),
-            device: w.device.clone(),
-            estimated: w.estimated,
-            batch: w.batch,
-            params: w.params,
-            forward_s: w.forward_s,
-            backward_s: w.backward_s,
-            update_s: w.update_s,
-        }
-    }
-}
-
 /// Everything `advise` says.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     /// Always `prediction`: no figure here was measured.
     pub kind: &'static str,
     /// The model.
-    pub model: ModelFacts,
+    pub model: Workload,
     /// The cluster.
     pub cluster: ClusterSpec,
     /// The codec rates compression was priced at.
@@ -110,7 +70,7 @@ impl Report {
         let mut out = String::from("gradsync-bench advise: every figure below is predicted, none measured\n");
         out += &format!(
             "model    {} ({}; times {how} on {}), {:.1} M parameters, batch {} a worker\n",
-            m.name,
+            m.model,
             m.source,
             m.device,
             m.params as f64 / 1e6,
