@@ -60,8 +60,10 @@ pub struct CheckPlan<'a> {
 pub struct Checked {
     /// Its name in tables.
     pub label: String,
-    /// Its predicted rank among every configuration (1: the pick).
+    /// Its predicted rank among every configuration (1: the fastest).
     pub predicted_rank: usize,
+    /// Whether it is the advisor's pick (top-k may rank above the pick, and is never picked).
+    pub is_pick: bool,
     /// The step predicted for the SPEC, ms.
     pub predicted_ms: f64,
     /// The step predicted for the emulated cluster's link as measured, ms.
@@ -116,11 +118,15 @@ pub fn plan<'a>(
     batch: Option<usize>,
     rates: (Option<f64>, Option<f64>),
     ranked: &[Prediction],
+    pick: Option<usize>,
     n: usize,
 ) -> CheckPlan<'a> {
     let mut configs: Vec<Prediction> = Vec::new();
     let mut not_checked = Vec::new();
-    for p in ranked {
+    // The advisor's pick first (top-k may rank above it, never picked), then the ranking.
+    let first = pick.and_then(|i| ranked.get(i)).filter(|p| unrunnable(&p.config).is_none());
+    configs.extend(first.cloned());
+    for p in ranked.iter().filter(|p| first.is_none_or(|f| f.config != p.config)) {
         if configs.len() == n {
             break;
         }
@@ -190,12 +196,14 @@ pub fn scenario(plan: &CheckPlan, spec: &ClusterSpec, p: &Prediction) -> anyhow:
 
 /// Run the plan on emulated clusters under `out`, one directory per configuration, and set
 /// what each measured beside its predictions.
+#[allow(clippy::too_many_arguments)]
 pub fn run(
     plan: &CheckPlan,
     spec: &ClusterSpec,
     w: &Workload,
     codecs: &CodecRates,
     ranked: &[Prediction],
+    pick: Option<usize>,
     bins: &Bins,
     out: &Path,
 ) -> anyhow::Result<CheckReport> {
@@ -216,7 +224,9 @@ pub fn run(
         crate::cluster::run_cluster(&s, bins, &dir, &[gbit], shape, Some(Dilate::Auto))
             .with_context(|| format!("running {}", p.label))?;
         let rank = ranked.iter().position(|r| r.config == p.config).map_or(0, |r| r + 1);
-        checked.push(measured(p, rank, spec, w, codecs, &dir)?);
+        let mut c = measured(p, rank, spec, w, codecs, &dir)?;
+        c.is_pick = pick.is_some_and(|i| i + 1 == rank);
+        checked.push(c);
     }
     Ok(report(spec, checked, plan.not_checked.clone()))
 }
@@ -256,6 +266,7 @@ fn measured(
     Ok(Checked {
         label: p.label.clone(),
         predicted_rank,
+        is_pick: false,
         predicted_ms: p.step_s * 1e3,
         predicted_measured_link_ms: on_link,
         measured_ms: results::median(&sound),
@@ -310,7 +321,7 @@ fn verdict(checked: &[Checked], order: &[usize]) -> String {
             .into();
     };
     let b = &checked[best];
-    let pick = checked.iter().min_by_key(|c| c.predicted_rank);
+    let pick = checked.iter().find(|c| c.is_pick);
     let said = format!(
         "Measured fastest: {} at {:.1} ms a step (median of {}, {}), predicted {:.1} ms for the link as measured.",
         b.label,
@@ -373,7 +384,7 @@ mod tests {
     #[test]
     fn the_plan_is_the_runnable_top_n_and_plain_ddp() {
         let (_, r) = ranked("4x1:10gbit");
-        let plan = plan("resnet50", None, (None, None), &r, 3);
+        let plan = plan("resnet50", None, (None, None), &r, None, 3);
         let runnable = r.iter().filter(|p| unrunnable(&p.config).is_none()).take(3).count();
         let plain = |p: &Prediction| p.label == "ddp-tcp flat ring, 25 MB buckets";
         assert_eq!(
@@ -389,6 +400,10 @@ mod tests {
         for (label, why) in &plan.not_checked {
             assert!(why.contains("not checked"), "{label}: {why}");
         }
+        // The pick goes first, wherever it ranks (top-k may rank above it).
+        let with_pick = super::plan("resnet50", None, (None, None), &r, Some(4), 2);
+        assert_eq!(with_pick.configs[0].label, r[4].label);
+        assert_eq!(with_pick.configs.iter().filter(|p| p.label == r[4].label).count(), 1);
         // A colocated server and bf16 are what it cannot run.
         let coloc = Config {
             exchange: Exchange::Ps { servers: 2, colocated: true },
@@ -407,7 +422,7 @@ mod tests {
     #[test]
     fn a_configurations_scenario_places_it_as_the_spec_says() {
         let (c, r) = ranked("4x2:10gbit:pcie");
-        let plan = plan("resnet50", Some(32), (Some(100.0), None), &r, 50);
+        let plan = plan("resnet50", Some(32), (Some(100.0), None), &r, None, 50);
         let hier = plan
             .configs
             .iter()
@@ -433,6 +448,7 @@ mod tests {
         Checked {
             label: label.into(),
             predicted_rank: rank,
+            is_pick: rank == 1,
             predicted_ms: pred,
             predicted_measured_link_ms: Some(pred),
             measured_ms: meas,

@@ -162,10 +162,10 @@ fn run_check(a: &AdviseArgs, report: &Report) -> anyhow::Result<check::CheckRepo
     anyhow::ensure!(!out.exists(), "{} already exists; choose another --out", out.display());
     let profile = profile(&a.model, a.device_tflops, a.device_tbps)?;
     let w = Workload::new(&profile, a.batch.unwrap_or(profile.batch))?;
-    let mut plan =
-        check::plan(&a.model, a.batch, (a.device_tflops, a.device_tbps), &report.advice.ranked, a.check);
+    let (ranked, pick) = (&report.advice.ranked, report.advice.verdict.as_ref().map(|v| v.pick));
+    let mut plan = check::plan(&a.model, a.batch, (a.device_tflops, a.device_tbps), ranked, pick, a.check);
     plan.steps = a.check_steps;
-    let checked = check::run(&plan, &report.cluster, &w, &report.codecs, &report.advice.ranked, &bins, &out)?;
+    let checked = check::run(&plan, &report.cluster, &w, &report.codecs, ranked, pick, &bins, &out)?;
     let html = out.join("report.html");
     std::fs::write(&html, page::html(&a.model, &checked)?)
         .with_context(|| format!("writing {}", html.display()))?;
