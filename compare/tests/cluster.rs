@@ -230,10 +230,7 @@ fn an_auto_dilated_cluster_probes_first_and_records_what_it_chose() {
     assert!(p.busiest.starts_with("runs/probe-") && out.join("checks").join(&p.busiest).is_dir(), "{p:?}");
     // From x4, four times slower while a probe saturates the cores (other tests may share them).
     let cap = cluster::AUTO_CAP;
-    assert!(
-        [4.0, 16.0, 64.0, 256.0, cap].contains(&p.at) && p.busy > 0.0 && (p.busy < 0.9 || p.at == cap),
-        "{p:?}"
-    );
+    assert!(p.at >= 4.0 && p.at <= cap && p.busy > 0.0 && (p.busy < 0.9 || p.at == cap), "{p:?}");
     assert_eq!(p.chose, (p.at * p.busy / 0.45).ceil().clamp(1.0, cap), "{p:?}");
     assert_eq!(d[0].dilation, p.chose);
     assert!(runs.iter().all(|r| r.dilation == p.chose), "{runs:?}");
