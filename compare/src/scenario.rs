@@ -797,7 +797,7 @@ impl Scenario {
 }
 
 /// Keep file names to letters, digits and dashes.
-fn sanitize(s: &str) -> String {
+pub(crate) fn sanitize(s: &str) -> String {
     s.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect()
 }
 

@@ -358,10 +358,9 @@ fn verdict(checked: &[Checked], order: &[usize]) -> String {
     }
 }
 
-/// Keep directory names to letters, digits and dashes.
+/// A directory name: [`crate::scenario::sanitize`]'s, without runs of dashes.
 fn sanitize(s: &str) -> String {
-    let t: String = s.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect();
-    t.split('-').filter(|p| !p.is_empty()).collect::<Vec<_>>().join("-")
+    crate::scenario::sanitize(s).split('-').filter(|p| !p.is_empty()).collect::<Vec<_>>().join("-")
 }
 
 #[cfg(test)]
