@@ -322,8 +322,14 @@ fn verdict(checked: &[Checked], order: &[usize]) -> String {
     };
     let b = &checked[best];
     let pick = checked.iter().find(|c| c.is_pick);
+    // Fastest only among what was measured soundly: say so where that is not everything.
+    let among = match (order.len(), checked.len()) {
+        (k, n) if k == n => String::new(),
+        (1, n) => format!(" (the only one of the {n} checked measured soundly)"),
+        (k, n) => format!(" (of the {k} of {n} checked measured soundly)"),
+    };
     let said = format!(
-        "Measured fastest: {} at {:.1} ms a step (median of {}, {}), predicted {:.1} ms for the link as measured.",
+        "Measured fastest: {}{among} at {:.1} ms a step (median of {}, {}), predicted {:.1} ms for the link as measured.",
         b.label,
         b.measured_ms.unwrap_or(0.0),
         b.sound,

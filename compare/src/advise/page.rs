@@ -74,7 +74,7 @@ fn rows(r: &CheckReport) -> Vec<Vec<String>> {
 fn errors(r: &CheckReport) -> String {
     match (r.error_median, r.error_max) {
         (Some(m), Some(x)) => format!(
-            "Predicted for the link as measured against measured, over the {} configurations measured: median \
+            "Predicted for the link as measured against measured, over the {} configuration(s) measured: median \
              |error| {:.1}%, largest {:.1}%.",
             r.measured_order.len(),
             m * 100.0,
