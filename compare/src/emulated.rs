@@ -61,9 +61,24 @@ pub struct Check {
     /// Whether they differ by more than the tolerance (or one has no step time): the factor
     /// was too small and the rate's runs are not ranked.
     pub differs: bool,
+    /// For an asynchronous run (checked only where its rate has no synchronous one): its
+    /// pushes' overlap at the servers ([`crate::results::push_overlap`]) at the factor and
+    /// at twice it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub push_overlap: Option<(f64, f64)>,
 }
 
+/// How far the two overlaps of an asynchronous check may be apart before its workers count as
+/// having fallen into another phase: in phase they are near 1, taking turns near 0.
+const PHASE_SHIFT: f64 = 0.25;
+
 impl Check {
+    /// Whether the asynchronous run and its repetition found their workers in different
+    /// phases, which then, not the cores, set their step times apart.
+    pub fn phase_changed(&self) -> bool {
+        self.push_overlap.is_some_and(|(a, b)| (a - b).abs() > PHASE_SHIFT)
+    }
+
     /// The difference of the step at twice the factor from the step at the factor, percent.
     pub fn diff_pct(&self) -> Option<f64> {
         Some((self.step_ms_2x? - self.step_ms?) / self.step_ms? * 100.0)

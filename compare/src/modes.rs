@@ -243,6 +243,11 @@ impl Ctx {
         }
         if self.spec.dilate > 1.0 {
             a.extend(opt(wf::DILATE, self.spec.dilate));
+            if !self.spec.replayed() {
+                // The run's ranks share these cores: computing one at a time, each phase's CPU
+                // time is a host's of its own, not inflated by another's compute beside it.
+                a.extend(opt(wf::COMPUTE_TURNS, self.path("compute", "turns").display()));
+            }
         }
         if s.restarts() {
             // One folder for the run's workers: DDP's rank 0 writes the state every rank reads

@@ -835,6 +835,13 @@ pub struct RunSpec {
     pub dilate: f64,
 }
 
+impl RunSpec {
+    /// Whether its model is replayed from a profile (its compute a wait), not trained for real.
+    pub fn replayed(&self) -> bool {
+        gradsync_core::model::ModelSpec::parse(&self.model).is_ok_and(|m| m.profile().is_some())
+    }
+}
+
 fn undilated() -> f64 {
     1.0
 }

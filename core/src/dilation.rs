@@ -16,7 +16,19 @@
 //! A phase whose wall time already exceeded D times its CPU time (its thread waited for a core,
 //! or for something that is not compute) is *under-dilated*: it is counted, with the time by
 //! which it overran, so that a run where the cores were still short is flagged, not believed.
+//!
+//! A phase's CPU time is only a host's own compute where nothing else computes beside it:
+//! two processes computing at once on two cores of this machine each used 1.2x (an AMD EPYC
+//! VM) to 1.6-2.1x (an Intel Xeon VM) the CPU time one alone uses, the caches and memory they
+//! share stalling both. Processes given the same [`Turns`] file (`--compute-turns`) compute
+//! one at a time: a phase waits for its turn inside its D-times-longer window and gives it
+//! back before it waits out the rest, so with D at least the number of processes computing
+//! at once the wait costs nothing in dilated time, and where it does the phase is counted
+//! under-dilated like any other overrun.
 
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -118,12 +130,74 @@ pub fn thread_cpu() -> Duration {
 /// slack, so a phase of a few microseconds would otherwise be flagged for nothing.
 const SLACK: Duration = Duration::from_micros(50);
 
+/// Turns at computing, shared by every process that opens the same file: an exclusive
+/// `flock` on it is the turn. A process that dies gives its turn back with its descriptor, so
+/// a killed rank never stalls the others.
+#[derive(Debug, Clone)]
+pub struct Turns {
+    file: Arc<std::fs::File>,
+    path: PathBuf,
+}
+
+impl Turns {
+    /// The turns of the file at `path` (made where missing), tried once, or why they cannot be
+    /// taken there (named as `what`, the flag that gave it).
+    pub fn open(what: &str, path: &Path) -> Result<Turns> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| Error::invalid(what, format!("{}: {e}", path.display())))?;
+        let turns = Turns { file: Arc::new(file), path: path.to_path_buf() };
+        turns.take().and_then(|()| turns.give()).map_err(|e| {
+            Error::invalid(
+                what,
+                format!("{}: cannot be locked ({e}); give a file on a local disk", path.display()),
+            )
+        })?;
+        Ok(turns)
+    }
+
+    /// The file, for messages.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Wait for the turn.
+    fn take(&self) -> std::io::Result<()> {
+        self.flock(libc::LOCK_EX)
+    }
+
+    /// Give the turn back.
+    fn give(&self) -> std::io::Result<()> {
+        self.flock(libc::LOCK_UN)
+    }
+
+    fn flock(&self, op: libc::c_int) -> std::io::Result<()> {
+        loop {
+            // SAFETY: the descriptor is the open file this value owns; flock takes no pointers.
+            if unsafe { libc::flock(self.file.as_raw_fd(), op) } == 0 {
+                return Ok(());
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}
+
 /// Paces one thread's compute phases under a [`Dilation`]: [`Pace::begin`] marks where a phase
 /// starts, [`Pace::lap`] makes it last D times the CPU time the thread used since (waiting out
-/// the difference) and starts the next. Without dilation both do nothing.
+/// the difference) and starts the next. With [`Turns`] each phase computes in its turn. Without
+/// dilation both do nothing.
 #[derive(Debug, Clone)]
 pub struct Pace {
     dilation: Dilation,
+    /// The turns the phases compute in, where the cores are shared with other processes.
+    turns: Option<Turns>,
     /// The open phase's start: wall clock and the thread's CPU clock.
     start: Option<(Instant, Duration)>,
     /// What the phases so far came to.
@@ -146,7 +220,13 @@ pub struct PaceTally {
 impl Pace {
     /// A pace for `dilation`.
     pub fn new(dilation: Dilation) -> Self {
-        Pace { dilation, start: None, tally: PaceTally::default() }
+        Pace { dilation, turns: None, start: None, tally: PaceTally::default() }
+    }
+
+    /// The same, each phase computing in its turn of `turns` (none: whenever it starts).
+    pub fn with_turns(mut self, turns: Option<Turns>) -> Self {
+        self.turns = turns;
+        self
     }
 
     /// The dilation it paces to.
@@ -154,18 +234,44 @@ impl Pace {
         self.dilation
     }
 
+    /// The turns its phases compute in.
+    pub fn turns(&self) -> Option<&Turns> {
+        self.turns.as_ref()
+    }
+
     /// A phase starts now.
     pub fn begin(&mut self) {
         if !self.dilation.is_none() {
-            self.start = Some((Instant::now(), thread_cpu()));
+            self.open(Instant::now());
         }
     }
 
-    /// The open phase ends: wait until it has lasted D times the CPU time it used, count it
-    /// under-dilated where it lasted longer already, and open the next phase at once.
+    /// Open a phase wanted from `wall0`: its turn first (the wait is inside its window, not
+    /// its CPU time), then its CPU clock.
+    fn open(&mut self, wall0: Instant) {
+        if let Some(t) = &self.turns {
+            // A lock that fails once it opened (it was tried at `Turns::open`) leaves the phase
+            // to compute beside the others: its CPU time then shows it, as without turns.
+            let _ = t.take();
+        }
+        self.start = Some((wall0, thread_cpu()));
+    }
+
+    /// The open phase ends: give its turn back, wait until it has lasted D times the CPU time
+    /// it used, count it under-dilated where it lasted longer already, and open the next phase.
     pub fn lap(&mut self) {
-        let Some((wall0, cpu0)) = self.start else { return };
+        if self.close() {
+            self.open(Instant::now());
+        }
+    }
+
+    /// Close the open phase, as [`Pace::lap`] says; whether one was open.
+    fn close(&mut self) -> bool {
+        let Some((wall0, cpu0)) = self.start.take() else { return false };
         let cpu = thread_cpu().saturating_sub(cpu0);
+        if let Some(t) = &self.turns {
+            let _ = t.give();
+        }
         let target = wall0 + cpu.mul_f64(self.dilation.0);
         let now = Instant::now();
         self.tally.phases += 1;
@@ -176,19 +282,18 @@ impl Pace {
         } else if target > now {
             sleep_until(target);
         }
-        self.start = Some((Instant::now(), thread_cpu()));
+        true
     }
 
     /// The open phase ends (as [`Pace::lap`]) and no other opens.
     pub fn end(&mut self) {
-        self.lap();
-        self.start = None;
+        self.close();
     }
 
-    /// Run `f` as one compute phase paced to `dilation` (nothing paced without one): for a
-    /// phase that stands alone, whose tally nobody reads.
-    pub fn run<T>(dilation: Dilation, f: impl FnOnce() -> T) -> T {
-        let mut pace = Pace::new(dilation);
+    /// Run `f` as one compute phase paced to `dilation`, in its turn of `turns` where given
+    /// (nothing paced without dilation): for a phase that stands alone, whose tally nobody reads.
+    pub fn run<T>(dilation: Dilation, turns: Option<&Turns>, f: impl FnOnce() -> T) -> T {
+        let mut pace = Pace::new(dilation).with_turns(turns.cloned());
         pace.begin();
         let out = f();
         pace.end();
@@ -265,6 +370,62 @@ mod tests {
         let t = p.take();
         assert_eq!((t.phases, t.under), (1, 1));
         assert!(t.overrun >= Duration::from_millis(20), "{:?}", t.overrun);
+    }
+
+    /// Two holders of the same file (each its own open file, as two processes have) never
+    /// compute at once: a phase waits for the turn inside its window, its CPU time not
+    /// counting the wait; a wait past the window is an overrun.
+    #[test]
+    fn phases_given_the_same_turns_compute_one_at_a_time() {
+        let dir = std::env::temp_dir().join(format!("gradsync-turns-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("compute.turns");
+        let (a, b) =
+            (Turns::open("--compute-turns", &path).unwrap(), Turns::open("--compute-turns", &path).unwrap());
+        assert_eq!(a.path(), path);
+        // `a` holds the turn for 60 ms; `b`'s phase of 5 ms of CPU at x20 (a 100 ms window)
+        // waits for it and still fits.
+        a.take().unwrap();
+        let held = Instant::now();
+        let other = std::thread::spawn(move || {
+            let mut p = Pace::new(Dilation::new("--dilate", 20.0).unwrap()).with_turns(Some(b));
+            let t = Instant::now();
+            p.begin();
+            let computed_from = t.elapsed();
+            burn(Duration::from_millis(5));
+            p.end();
+            (computed_from, t.elapsed(), p.take())
+        });
+        std::thread::sleep(Duration::from_millis(60));
+        let released = held.elapsed();
+        a.give().unwrap();
+        let (computed_from, wall, tally) = other.join().unwrap();
+        assert!(
+            computed_from + Duration::from_millis(5) >= released.saturating_sub(Duration::from_millis(5)),
+            "{computed_from:?} against the turn given back at {released:?}"
+        );
+        assert!(tally.cpu < Duration::from_millis(20), "the wait counted as compute: {:?}", tally.cpu);
+        assert_eq!((tally.phases, tally.under), (1, 0), "{tally:?}");
+        assert!(wall >= tally.cpu * 20, "{wall:?}");
+        // At x2 the same wait is past the window: counted under-dilated.
+        let c = Turns::open("--compute-turns", &path).unwrap();
+        a.take().unwrap();
+        let late = std::thread::spawn(move || {
+            let mut p = Pace::new(Dilation::new("--dilate", 2.0).unwrap()).with_turns(Some(c));
+            p.begin();
+            burn(Duration::from_millis(2));
+            p.end();
+            p.take()
+        });
+        std::thread::sleep(Duration::from_millis(40));
+        a.give().unwrap();
+        let t = late.join().unwrap();
+        assert_eq!((t.phases, t.under), (1, 1), "{t:?}");
+        assert!(t.overrun >= Duration::from_millis(25), "{:?}", t.overrun);
+        // A path that cannot be a lock is refused naming the flag and the path.
+        let e = Turns::open("--compute-turns", &dir).unwrap_err().to_string();
+        assert!(e.contains("--compute-turns") && e.contains(&dir.display().to_string()), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

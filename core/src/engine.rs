@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use crate::device::staging::{StagedBucket, Staging, Streams};
 use crate::device::{Cpu, Cuda, Device, GpuStream, HalfCast};
-use crate::dilation::{Dilation, Pace, PaceTally};
+use crate::dilation::{Dilation, Pace, PaceTally, Turns};
 use crate::error::Result;
 use crate::model::{BucketPlan, Fingerprint, Layout, ModelSpec};
 use crate::net::{BatchLoss, Net, NormSync};
@@ -165,10 +165,11 @@ impl ComputeFence {
 }
 
 /// An optimiser step over a part of the model in host memory ([`Engine::part_update`]).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct PartUpdate {
     replay_ns_per_value: Option<f64>,
     dilation: Dilation,
+    turns: Option<Turns>,
 }
 
 impl PartUpdate {
@@ -186,7 +187,9 @@ impl PartUpdate {
                 self.dilation.stretch(std::time::Duration::from_nanos((ns * params.len() as f64) as u64)),
             ),
             // A compute phase of its own under `--dilate`.
-            None => Pace::run(self.dilation, || crate::optim::sgd_step(cfg, params, grads, momentum, scale)),
+            None => Pace::run(self.dilation, self.turns.as_ref(), || {
+                crate::optim::sgd_step(cfg, params, grads, momentum, scale)
+            }),
         }
     }
 }
@@ -367,6 +370,7 @@ impl Engine {
                 .profile()
                 .map(|p| p.optimizer_ns as f64 / self.layout().len.max(1) as f64),
             dilation: self.dilation(),
+            turns: self.turns(),
         }
     }
 
@@ -378,6 +382,16 @@ impl Engine {
     /// The dilation the training compute runs under.
     pub fn dilation(&self) -> Dilation {
         on_device!(self, m => m.dilation())
+    }
+
+    /// Compute each paced phase in its turn of `turns` ([`Net::set_turns`]).
+    pub fn set_turns(&mut self, turns: Option<Turns>) {
+        on_device!(self, m => m.set_turns(turns))
+    }
+
+    /// The turns the training compute takes, if any.
+    pub fn turns(&self) -> Option<Turns> {
+        on_device!(self, m => m.turns().cloned())
     }
 
     /// What the paced compute phases came to since the last call ([`Net::take_pace`]).

@@ -179,6 +179,12 @@ pub struct ServerApply {
     pub bytes_out: u64,
     /// The rank the update waited for longest, when any waited.
     pub waited_for: Option<usize>,
+    /// ASP and SSP: how long the applied push took to arrive, from its first chunk to its
+    /// last, ms; it ended `apply_ms` before `wall_ms`. Pushes from several ranks arriving at
+    /// once share the server's link, which is what decides an asynchronous step (the phase
+    /// the workers fall into).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receive_ms: Option<f64>,
 }
 
 impl Step {
@@ -216,6 +222,7 @@ impl Record {
                 queue_wait_ms: k(a.queue_wait_ms),
                 aggregate_ms: k(a.aggregate_ms),
                 apply_ms: k(a.apply_ms),
+                receive_ms: a.receive_ms.map(k),
                 ..a.clone()
             }),
         }

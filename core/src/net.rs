@@ -13,7 +13,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use crate::device::{Backend, ChannelSum, NormConfig, Window};
-use crate::dilation::{Dilation, Pace, PaceTally, sleep_until};
+use crate::dilation::{Dilation, Pace, PaceTally, Turns, sleep_until};
 use crate::error::{Error, Result};
 use crate::model::{
     BucketPlan, Graph, Input, InputGrad, Layout, ModelSpec, Node, Op, Table, init_buffers, init_params,
@@ -566,7 +566,21 @@ impl<B: Backend> Net<B> {
     /// model's waits stretched by it, a real model's forward, backward (up to each bucket it
     /// hands out) and update each made to last its factor times the CPU time it used.
     pub fn set_dilation(&mut self, dilation: Dilation) {
-        self.pace = Pace::new(dilation);
+        let turns = self.pace.turns().cloned();
+        self.pace = Pace::new(dilation).with_turns(turns);
+    }
+
+    /// Compute each paced phase in its turn of `turns` ([`crate::dilation::Turns`]): processes
+    /// sharing cores then compute one at a time, as on hosts of their own. A replayed model's
+    /// compute is a wait and takes no turns.
+    pub fn set_turns(&mut self, turns: Option<Turns>) {
+        let turns = if self.graph.replay.is_some() { None } else { turns };
+        self.pace = Pace::new(self.pace.dilation()).with_turns(turns);
+    }
+
+    /// The turns the training compute takes.
+    pub fn turns(&self) -> Option<&Turns> {
+        self.pace.turns()
     }
 
     /// The dilation the training compute runs under.

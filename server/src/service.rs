@@ -24,7 +24,7 @@ use crate::config::SyncMode;
 use crate::error::{Error, Result};
 use crate::round::Round;
 use crate::rows::{Rows, RowsError, decode_ids};
-use crate::state::{PullSource, Shared, State};
+use crate::state::{Arrival, PullSource, Shared, State};
 
 /// The service: the shared configuration, the state behind one async mutex, and the stop
 /// switch the Shutdown RPC pulls.
@@ -57,17 +57,18 @@ impl Service {
 
     /// Receive one gradient stream into a buffer of this shard's length. Returns the rank,
     /// base version, buffer and payload bytes.
-    async fn receive(
-        &self,
-        mut stream: Incoming<GradientChunk>,
-    ) -> Result<(usize, u64, Vec<f32>, u64), Status> {
+    async fn receive(&self, mut stream: Incoming<GradientChunk>) -> Result<Received, Status> {
         let first = self.first_chunk(&mut stream).await?;
+        let arriving = Instant::now();
         let (rank, base) = (rank_of(first.rank), first.base_version);
         self.state.lock().await.touch(rank)?;
         let mut grad = self.shared.take_buffer();
         let got = self.read(rank, base, first, stream, wire::Reassembly::new(&mut grad), |_, _| true).await;
         match got {
-            Ok(bytes) => Ok((rank, base, grad, bytes)),
+            Ok(bytes) => {
+                let how = Arrival { bytes, receive_ms: arriving.elapsed().as_secs_f64() * 1e3 };
+                Ok(Received { rank, base, grad, how })
+            }
             Err(e) => {
                 self.shared.give_buffer(grad);
                 Err(e)
@@ -288,14 +289,13 @@ impl Service {
         if self.shared.cfg.sync == SyncMode::Bsp {
             return self.push_bsp(chunks).await;
         }
-        let (rank, base, grad, bytes) = self.receive(chunks).await?;
+        let Received { rank, base, grad, how } = self.receive(chunks).await?;
         let applied = match self.shared.cfg.sync {
             SyncMode::Bsp | SyncMode::Asp => {
-                self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??
+                self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, how)).await??
             }
             SyncMode::Ssp(s) => {
-                let mut a =
-                    self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, bytes)).await??;
+                let mut a = self.with_state(move |st, sh| st.apply_now(sh, rank, base, grad, how)).await??;
                 a.wait_ms = self.ssp_wait(rank, s).await?;
                 a
             }
@@ -779,4 +779,13 @@ pub fn auth(token: Option<Arc<str>>) -> impl FnMut(Request<()>) -> Result<Reques
             None => Err(Status::unauthenticated("missing token: send `authorization: Bearer TOKEN`")),
         }
     }
+}
+
+/// One worker's whole push, read by `Service::receive`.
+struct Received {
+    rank: usize,
+    /// The version its gradient was computed from.
+    base: u64,
+    grad: Vec<f32>,
+    how: Arrival,
 }

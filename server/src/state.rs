@@ -40,6 +40,17 @@ pub struct Applied {
     pub wait_ms: f64,
 }
 
+/// How an ASP or SSP push arrived: its payload bytes, and how long it took from its first
+/// chunk to its last (recorded beside its update: pushes of several ranks arriving at once
+/// shared the link into the server).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Arrival {
+    /// Payload bytes received.
+    pub bytes: u64,
+    /// From the first chunk to the last, ms.
+    pub receive_ms: f64,
+}
+
 /// What never changes while the shard serves, and the counters updated without the lock.
 pub struct Shared {
     /// The configuration.
@@ -551,6 +562,7 @@ impl State {
             bytes_in: done.iter().map(|d| d.2).sum(),
             bytes_out: sh.bytes_out.swap(0, Ordering::Relaxed),
             waited_for: (n > 1).then_some(last.0),
+            receive_ms: None,
         };
         self.after_update(sh, rec);
         round.committed(Committed { version: self.version, at: Instant::now(), ranks });
@@ -564,7 +576,7 @@ impl State {
         rank: usize,
         base: u64,
         grad: Vec<f32>,
-        bytes: u64,
+        how: Arrival,
     ) -> Result<Applied> {
         self.touch(rank)?;
         if base > self.version {
@@ -601,11 +613,12 @@ impl State {
             queue_wait_ms: 0.0,
             aggregate_ms: 0.0,
             apply_ms,
-            bytes_in: bytes,
+            bytes_in: how.bytes,
             bytes_out: sh.bytes_out.swap(0, Ordering::Relaxed),
             // Under SSP, an update from the rank a held push waits for is what the wait
             // was for: name that straggler.
             waited_for: self.ssp_held.values().any(|b| *b == rank).then_some(rank),
+            receive_ms: Some(how.receive_ms),
         };
         self.after_update(sh, rec);
         Ok(Applied { version: self.version, staleness, wait_ms: 0.0 })

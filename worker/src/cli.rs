@@ -54,6 +54,8 @@ pub mod flag {
     pub const DEVICE_TFLOPS: &str = "device-tflops";
     /// `--dilate`.
     pub const DILATE: &str = "dilate";
+    /// `--compute-turns`.
+    pub const COMPUTE_TURNS: &str = "compute-turns";
     /// `--device-tbps`.
     pub const DEVICE_TBPS: &str = "device-tbps";
     /// `--steps`.
@@ -388,6 +390,14 @@ pub struct TrainArgs {
     /// with its links at rate / D.
     #[arg(long = flag::DILATE, default_value_t = 1.0, value_parser = parse_dilation, env = "GRADSYNC_DILATE")]
     pub dilate: f64,
+    /// With --dilate, a model trained for real: compute one phase at a time with every process
+    /// given the same FILE (an exclusive lock on it is the turn), so that processes sharing
+    /// cores compute as hosts of their own would, without one's caches and memory traffic
+    /// stalling the other's (and its CPU time, which paces the phase, growing with it). The
+    /// wait for a turn falls inside the phase's D-times-longer window; a phase it pushes past
+    /// that window counts as under-dilated. What an emulated cluster gives its workers.
+    #[arg(long = flag::COMPUTE_TURNS, value_name = "FILE", env = "GRADSYNC_COMPUTE_TURNS")]
+    pub compute_turns: Option<PathBuf>,
     /// Inject a straggler: rank R (replica R in DP) sleeps MS milliseconds before every
     /// step's forward pass. Written as R:MS, e.g. 1:50; recorded in the metrics header.
     #[arg(long = flag::SLOW_RANK, value_parser = parse_slow_rank, env = "GRADSYNC_SLOW_RANK")]

@@ -11,7 +11,7 @@ use anyhow::Context;
 use gradsync_core::compress::Compression;
 use gradsync_core::data::{DataSource, Dataset};
 use gradsync_core::device::{Device, DeviceRequest};
-use gradsync_core::dilation::Dilation;
+use gradsync_core::dilation::{Dilation, Turns};
 use gradsync_core::model::{Fingerprint, ModelSpec};
 use gradsync_core::optim::{OptimiserArgs, SgdConfig};
 use gradsync_core::trace::Trace;
@@ -64,6 +64,8 @@ pub struct Run {
     pub slow: Option<SlowRank>,
     /// The run's time dilation (`--dilate`; [`gradsync_core::dilation`]).
     pub dilation: Dilation,
+    /// The turns its compute phases take with other processes' (`--compute-turns`).
+    pub turns: Option<Turns>,
     /// Where this process writes its metrics (`{rank}` replaced).
     pub metrics: Option<PathBuf>,
     /// Where this process writes its timeline (`{rank}` replaced).
@@ -219,6 +221,7 @@ impl Run {
         };
         let trace_path = per_rank(&args.trace);
         let dilation = dilation(&args, &model, device)?;
+        let turns = turns(&args, &model, dilation)?;
         let mut run = Run {
             rank,
             world,
@@ -238,6 +241,7 @@ impl Run {
             sgd: args.optimiser.sgd(),
             slow: args.slow_rank,
             dilation,
+            turns,
             metrics: per_rank(&args.metrics),
             trace: if trace_path.is_some() { Trace::new(rank) } else { Trace::disabled() },
             trace_path,
@@ -365,6 +369,24 @@ pub fn strategy(run: &Run) -> anyhow::Result<Box<dyn Strategy>> {
         ModeConfig::Zero1(c) => Box::new(Zero1::connect(c.clone())?),
         ModeConfig::Hybrid(d, p) => Box::new(Ddp::connect_hybrid(d.clone(), p.clone())?),
     })
+}
+
+/// `--compute-turns`, where it can do something: a dilated run of a model trained for real
+/// (a replay's compute is a wait, which needs no core; undilated there is no window to wait in).
+fn turns(args: &TrainArgs, model: &ModelSpec, dilation: Dilation) -> anyhow::Result<Option<Turns>> {
+    let Some(path) = &args.compute_turns else { return Ok(None) };
+    let flag = format!("--{}", crate::cli::flag::COMPUTE_TURNS);
+    anyhow::ensure!(
+        !dilation.is_none(),
+        "{flag} {} without --dilate: turns are taken inside a dilated phase's window, and undilated there is none",
+        path.display()
+    );
+    anyhow::ensure!(
+        model.profile().is_none(),
+        "{flag} {} with a replayed model: its compute is a wait, which takes no core and so no turn",
+        path.display()
+    );
+    Ok(Some(Turns::open(&flag, path)?))
 }
 
 /// `--dilate`, checked against what it can pace: a replayed model's waits on any device; a

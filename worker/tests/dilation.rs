@@ -57,6 +57,94 @@ fn a_bad_or_unpaceable_factor_is_refused_by_name() {
 }
 
 #[test]
+fn compute_turns_are_refused_where_they_can_do_nothing() {
+    let d = Scratch::new("turns-refused");
+    let turns = d.join("compute.turns");
+    let t = turns.to_str().unwrap();
+    let o = worker(&[&REAL[..], &["--threads", "1", "--steps", "1", "--compute-turns", t]].concat());
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains(&format!("--compute-turns {t} without --dilate")), "{}", stderr(&o));
+    let o = worker(&["--model", "resnet50", "--steps", "1", "--dilate", "4", "--compute-turns", t]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("with a replayed model"), "{}", stderr(&o));
+    // A file that cannot be a lock (a directory) is named.
+    let o = worker(
+        &[
+            &REAL[..],
+            &[
+                "--threads",
+                "1",
+                "--steps",
+                "1",
+                "--dilate",
+                "2",
+                "--compute-turns",
+                d.path().to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--compute-turns") && stderr(&o).contains(d.path().to_str().unwrap()),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// Two dilated processes given the same turns file (that they compute one at a time is
+/// `gradsync_core::dilation`'s test): with D well above 2 the wait for a turn fits in each
+/// phase's window, and they learn what a process without turns learns.
+#[test]
+fn processes_given_the_same_turns_compute_one_at_a_time() {
+    let d = Scratch::new("turns");
+    let turns = d.join("compute.turns");
+    let start = |tag: &str, with_turns: bool| {
+        let (metrics, save) = (d.join(format!("{tag}.jsonl")), d.join(format!("{tag}.ckpt")));
+        let mut args: Vec<String> = REAL.iter().map(|s| s.to_string()).collect();
+        args.extend(
+            ["--threads", "1", "--steps", "8", "--eval-every", "0", "--dilate", "8", "--quiet"]
+                .map(String::from),
+        );
+        args.extend([
+            "--metrics".into(),
+            metrics.display().to_string(),
+            "--save".into(),
+            save.display().to_string(),
+        ]);
+        if with_turns {
+            args.extend(["--compute-turns".into(), turns.display().to_string()]);
+        }
+        let child = Command::new(BIN)
+            .arg("train")
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("gradsync-worker starts");
+        (child, metrics, save)
+    };
+    let (a, b) = (start("a", true), start("b", true));
+    let mut out = Vec::new();
+    for (c, m, s) in [a, b] {
+        let o = c.wait_with_output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        out.push((records(&m), std::fs::read(s).unwrap()));
+    }
+    for (recs, _) in &out {
+        let steps: Vec<&serde_json::Value> = recs.iter().filter(|r| r["kind"] == "step").collect();
+        assert_eq!(steps.len(), 8);
+        let under: u64 = steps.iter().map(|s| s["under_dilated"].as_u64().unwrap()).sum();
+        assert!(under <= 2, "{under} phases overran x8 for a turn shared by two: {steps:?}");
+    }
+    // Turns change when a phase computes, never what.
+    let (alone, _, save) = start("alone", false);
+    let o = alone.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(std::fs::read(save).unwrap(), out[0].1, "a run taking turns trained another model");
+}
+
+#[test]
 fn a_dilated_run_lasts_d_times_its_compute_records_emulated_time_and_learns_the_same() {
     let d = Scratch::new("dilate-local");
     let run = |dilate: &str, tag: &str| {

@@ -542,6 +542,9 @@ fn asp_runs_and_reports_staleness() {
         assert_eq!(applies.len(), 10, "each shard applies all 2 x 5 gradients one by one: {text}");
         assert!(applies.iter().all(|a| a.gradients == 1 && a.staleness.len() == 1));
         assert_eq!(applies.last().map(|a| a.version), Some(10));
+        // Each update says how long its push took to arrive, so that the workers' phase (pushing
+        // together or taking turns) can be read from the server's records.
+        assert!(applies.iter().all(|a| a.receive_ms.is_some_and(|r| r >= 0.0 && r < a.wall_ms)), "{text}");
     }
 }
 

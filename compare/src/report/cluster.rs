@@ -239,11 +239,23 @@ fn dilation_readings(dilations: &[DilationRecord]) -> Vec<String> {
                         " Self-check: {} again at x{}: a step of {b:.1} ms against {a:.1} ms ({p:+.1}%){}",
                         c.id,
                         2.0 * d.dilation,
-                        if c.differs {
-                            ": more than 5% apart, so the factor was too small for the cores and this rate's runs \
-                             are not ranked (run again with a larger --dilate)."
-                        } else {
-                            ": within 5%."
+                        match (c.differs, c.push_overlap) {
+                            (true, Some((x, y))) if c.phase_changed() => format!(
+                                ": more than 5% apart, and not for the cores: its asynchronous workers fell into \
+                                 another phase, their pushes overlapping at the server {:.0}% of the time at x{} \
+                                 and {:.0}% at x{} (an asynchronous step on a shared server link is set by that \
+                                 phase, which timing decides and a repetition may find otherwise at any factor). \
+                                 With no synchronous run here to vouch for the factor, this rate's runs are not \
+                                 ranked.",
+                                x * 100.0,
+                                d.dilation,
+                                y * 100.0,
+                                2.0 * d.dilation
+                            ),
+                            (true, _) => ": more than 5% apart, so the factor was too small for the cores and this \
+                                 rate's runs are not ranked (run again with a larger --dilate)."
+                                .to_string(),
+                            (false, _) => ": within 5%.".to_string(),
                         }
                     ),
                     _ => format!(
@@ -464,6 +476,7 @@ mod cluster_tests {
             step_ms: a,
             step_ms_2x: b,
             differs,
+            push_overlap: None,
         };
         let rec = |probe: Option<Probe>, check: Option<Check>| DilationRecord {
             rate_gbit: 10.0,
@@ -488,6 +501,20 @@ mod cluster_tests {
         );
         let said = dilation_readings(&[rec(None, Some(check(Some(100.0), None, true)))]);
         assert!(said[0].contains("did not finish") && said[0].contains("not ranked"), "{said:?}");
+        // An asynchronous check whose workers found another phase says so, not "too small";
+        // one in the same phase that differs is the cores' after all.
+        let phased =
+            |x: f64, y: f64| Check { push_overlap: Some((x, y)), ..check(Some(75.9), Some(146.2), true) };
+        let said = dilation_readings(&[rec(None, Some(phased(0.02, 0.97)))]);
+        assert!(
+            said[0].contains("not for the cores: its asynchronous workers fell into another phase")
+                && said[0].contains("overlapping at the server 2% of the time at x8 and 97% at x16")
+                && said[0].contains("not ranked")
+                && !said[0].contains("too small"),
+            "{said:?}"
+        );
+        let said = dilation_readings(&[rec(None, Some(phased(0.90, 0.97)))]);
+        assert!(said[0].contains("the factor was too small"), "{said:?}");
     }
 
     #[test]

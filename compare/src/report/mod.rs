@@ -300,6 +300,34 @@ mod tests {
     }
 
     #[test]
+    fn the_staleness_reading_says_the_asynchronous_workers_phase() {
+        let asp = |id: &str, repeat: usize, overlap: Option<f64>| Summary {
+            id: id.into(),
+            repeat,
+            workers: 2,
+            staleness_mean: Some(1.0),
+            staleness_max: Some(1),
+            push_overlap: overlap,
+            ..row("ps-asp", 0, 800.0)
+        };
+        let c = collected(vec![asp("a", 0, Some(0.97)), asp("b", 1, Some(0.97))]);
+        let text = reading(&crate::charts::groups(&c)[0], None, None, &c.summaries).join("\n");
+        assert!(
+            text.contains(
+                "beside another rank's 97% of the time (in phase: each push shared the server's link)"
+            ) && text.contains("a repeat may find the other"),
+            "{text}"
+        );
+        let c = collected(vec![asp("a", 0, Some(0.02)), asp("b", 1, Some(0.02))]);
+        let text = reading(&crate::charts::groups(&c)[0], None, None, &c.summaries).join("\n");
+        assert!(text.contains("2% of the time (taking turns: one pushing while another pulled)"), "{text}");
+        // An older server recorded no arrivals: staleness alone, no word of phases.
+        let c = collected(vec![asp("a", 0, None), asp("b", 1, None)]);
+        let text = reading(&crate::charts::groups(&c)[0], None, None, &c.summaries).join("\n");
+        assert!(text.contains("mean 1.00, max 1.") && !text.contains("phase"), "{text}");
+    }
+
+    #[test]
     fn the_byteps_claim_is_judged_within_its_tolerance() {
         assert!(
             byteps_claim(4, 1.0, 0.70)

@@ -119,25 +119,49 @@ pub fn staleness(cx: &Context) -> Vec<String> {
             .filter(|r| Some(r.workers) == cx.most_workers())
             .map(|r| {
                 format!(
-                    "{} at {} workers: mean {:.2}, max {}",
+                    "{} at {} workers: mean {:.2}, max {}{}",
                     Group::series(r),
                     r.workers,
                     r.staleness_mean.unwrap_or(0.0),
-                    r.staleness_max.unwrap_or(0)
+                    r.staleness_max.unwrap_or(0),
+                    r.push_overlap.map_or(String::new(), |o| format!(
+                        ", its pushes arriving at a server beside another rank's {:.0}% of the time ({})",
+                        o * 100.0,
+                        phase(o)
+                    ))
                 )
             })
             .collect();
     if stale.is_empty() {
         return Vec::new();
     }
+    let overlaps = cx.g.rows.iter().any(|r| r.push_overlap.is_some() && is_async(&r.mode));
     vec![format!(
         "Staleness of applied gradients: {}. Staleness counts the server's versions between a worker's pull \
          and the update with its gradient, and every worker's gradient makes a version under ASP and SSP: \
          with n workers it can pass the SSP bound, which limits how many of its own steps a worker runs \
-         ahead of the slowest, not how many updates others make meanwhile.",
-        stale.join("; ")
+         ahead of the slowest, not how many updates others make meanwhile.{}",
+        stale.join("; "),
+        if overlaps { PHASES } else { "" }
     )]
 }
+
+/// What an asynchronous run's push overlap says of its workers' phase.
+fn phase(overlap: f64) -> &'static str {
+    if overlap >= 0.75 {
+        "in phase: each push shared the server's link"
+    } else if overlap <= 0.25 {
+        "taking turns: one pushing while another pulled"
+    } else {
+        "between the two phases"
+    }
+}
+
+/// Why an asynchronous run's push overlap is worth reading beside its step.
+const PHASES: &str = " Asynchronous workers fall into a phase and tend to stay in it: pushing together, each push \
+     gets a share of the server's link, and a step whose time is mostly communication takes up to n times as long \
+     as when they take turns. Which phase a run finds is timing (their start, the noise of the hosts), not the \
+     design; a repeat may find the other.";
 
 /// Final held-out accuracy against local training: same initial parameters, data and global
 /// batch, so a difference comes from the mode (asynchrony, reduction order).

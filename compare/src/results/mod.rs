@@ -291,6 +291,10 @@ pub struct Summary {
     pub staleness_mean: Option<f64>,
     /// Largest staleness (PS).
     pub staleness_max: Option<u64>,
+    /// ASP and SSP: the share of the pushes' arrival time at a server during which another
+    /// rank's push arrived there too ([`push_overlap`]): near 1 the workers push in phase,
+    /// each push sharing the server's link; near 0 they take turns.
+    pub push_overlap: Option<f64>,
     /// Wall-clock seconds of the training loop (longest rank).
     pub train_s: Option<f64>,
     /// Injected straggler delay of one rank, ms per step (0: none).
@@ -324,6 +328,49 @@ pub struct Summary {
     pub dilation_too_small: bool,
     /// The CPU seconds its processes used (this machine's children only), where measured.
     pub cpu_s: Option<f64>,
+}
+
+/// The share of the asynchronous pushes' arrival time (each server's records of them, one
+/// slice a shard) during which another rank's push was arriving at the same server: each push
+/// arrived over `[end - receive_ms, end]`, `end` being its update's `wall_ms - apply_ms`. None
+/// where no update recorded its arrival (BSP, a sparse table, an older server).
+///
+/// Two asynchronous workers whose steps are all communication fall into one of two phases
+/// and stay there: pushing together, each push at half the server's link and the step twice
+/// as long (near 1), or one pushing while the other pulls (near 0). Which one a run finds is
+/// timing: measured, the same cell of ASP found the first at x8 and the second at x4.
+pub fn push_overlap<'a>(shards: impl Iterator<Item = &'a [ServerApply]>) -> Option<f64> {
+    let (mut covered, mut total) = (0.0, 0.0);
+    for applies in shards {
+        let mut pushes: Vec<(f64, f64, usize)> = applies
+            .iter()
+            .filter_map(|a| {
+                let end = a.wall_ms - a.apply_ms;
+                Some((end - a.receive_ms?, end, *a.ranks.first()?))
+            })
+            .collect();
+        pushes.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let longest = pushes.iter().map(|p| p.1 - p.0).fold(0.0, f64::max);
+        for (i, &(s, e, rank)) in pushes.iter().enumerate() {
+            // Other ranks' pushes that overlap this one start within `longest` before it.
+            let mut others: Vec<(f64, f64)> = pushes[..i]
+                .iter()
+                .rev()
+                .take_while(|p| p.0 >= s - longest)
+                .chain(pushes[i + 1..].iter().take_while(|p| p.0 < e))
+                .filter(|p| p.2 != rank && p.1 > s && p.0 < e)
+                .map(|p| (p.0.max(s), p.1.min(e)))
+                .collect();
+            others.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let mut reach = s;
+            for (a, b) in others {
+                covered += (b - a.max(reach)).max(0.0);
+                reach = reach.max(b);
+            }
+            total += e - s;
+        }
+    }
+    (total > 0.0).then(|| covered / total)
 }
 
 fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
@@ -429,6 +476,7 @@ impl Summary {
                 .next(),
             staleness_mean: mean(stale.iter().map(|&s| s as f64)),
             staleness_max: stale.iter().copied().max(),
+            push_overlap: push_overlap(run.servers.iter().map(|f| f.applies.as_slice())),
             train_s: run
                 .workers
                 .iter()
@@ -608,6 +656,7 @@ impl Cell {
                     final_accuracy: med(|r| r.final_accuracy),
                     staleness_mean: med(|r| r.staleness_mean),
                     staleness_max: ok.iter().filter_map(|r| r.staleness_max).max(),
+                    push_overlap: med(|r| r.push_overlap),
                     train_s: med(|r| r.train_s),
                     repeat: ok.len(),
                     best_accuracy: med(|r| r.best_accuracy),
@@ -683,6 +732,54 @@ mod tests {
             samples_to_target: tt.map(|t| (t * thr) as u64),
             ..Summary::default()
         }
+    }
+
+    /// An update of `rank`'s push that arrived over `[start, end]` ms and was applied in 1 ms.
+    fn arrived(rank: usize, start: f64, end: f64) -> ServerApply {
+        ServerApply {
+            ranks: vec![rank],
+            wall_ms: end + 1.0,
+            apply_ms: 1.0,
+            receive_ms: Some(end - start),
+            ..ServerApply::default()
+        }
+    }
+
+    #[test]
+    fn push_overlap_is_the_share_of_arrival_time_another_ranks_push_shared() {
+        // In phase: two ranks' pushes arrive together, step after step.
+        let together: Vec<ServerApply> = (0..4)
+            .flat_map(|k| {
+                [
+                    arrived(0, 146.0 * k as f64, 146.0 * k as f64 + 72.0),
+                    arrived(1, 146.0 * k as f64 + 2.0, 146.0 * k as f64 + 72.0),
+                ]
+            })
+            .collect();
+        let o = push_overlap([together.as_slice()].into_iter()).unwrap();
+        // Each step: rank 0's 72 ms overlapped for 70, rank 1's 70 ms for all 70.
+        assert!((o - 140.0 / 142.0).abs() < 1e-9, "{o}");
+        // Taking turns: one pushes while the other pulls.
+        let turns: Vec<ServerApply> = (0..4)
+            .flat_map(|k| {
+                [
+                    arrived(0, 75.0 * k as f64, 75.0 * k as f64 + 36.0),
+                    arrived(1, 75.0 * k as f64 + 37.0, 75.0 * k as f64 + 73.0),
+                ]
+            })
+            .collect();
+        assert_eq!(push_overlap([turns.as_slice()].into_iter()), Some(0.0));
+        // A rank's own consecutive pushes never count, nor pushes to another shard; a third
+        // rank's push covering what a second already covered counts once.
+        let own = [arrived(0, 0.0, 10.0), arrived(0, 5.0, 15.0)];
+        let other_shard = [arrived(1, 0.0, 10.0)];
+        assert_eq!(push_overlap([own.as_slice(), other_shard.as_slice()].into_iter()), Some(0.0));
+        let three = [arrived(0, 0.0, 10.0), arrived(1, 2.0, 6.0), arrived(2, 4.0, 8.0)];
+        // rank 0: 2..8 of 10 covered; rank 1: 2..6 covered by 0, all 4; rank 2: all 4.
+        let o = push_overlap([three.as_slice()].into_iter()).unwrap();
+        assert!((o - 14.0 / 18.0).abs() < 1e-9, "{o}");
+        // No arrival recorded (BSP): nothing to say.
+        assert_eq!(push_overlap([[ServerApply::default()].as_slice()].into_iter()), None);
     }
 
     #[test]

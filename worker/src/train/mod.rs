@@ -109,6 +109,7 @@ impl<'r> Training<'r> {
         let shape = strategy.shape();
         let mut engine = Engine::new(run.device, run.model.clone(), run.seed)?;
         engine.set_dilation(run.dilation);
+        engine.set_turns(run.turns.clone());
         let fingerprint = run.fingerprint();
         if let Some(path) = &run.load {
             load_params(&mut engine, path, &fingerprint)?;
