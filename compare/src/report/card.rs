@@ -172,10 +172,19 @@ fn too_small(cx: &Context) -> Option<TooSmall> {
             ),
             command: "gradsync-bench compare scenario.toml --hosts hosts.txt".into(),
         },
+        Remedy {
+            what: Text::from(
+                "Or, on this machine (as root), give each process an emulated host of its own in dilated time: \
+                 every link and clock slowed until the shared cores keep up, the figures divided back \
+                 (docs/cluster.md; it takes the factor times as long, and runs over emulated links, not this \
+                 loopback):",
+            ),
+            command: "gradsync-bench cluster scenario.toml --to-accuracy --dilate auto".into(),
+        },
     ];
     let not = Text::from(
-        "An emulated cluster (`gradsync-bench cluster`) gives each process a host with a shaped link, but every \
-         host shares this machine's cores, so it would not decide this either.",
+        "An emulated cluster without dilation would not decide it: every emulated host shares this machine's \
+         cores.",
     );
     Some(TooSmall { said: Text::from(said.as_str()), remedies, not })
 }

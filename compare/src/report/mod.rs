@@ -937,6 +937,13 @@ mod tests {
                     "{card}"
                 );
                 assert!(card.contains("at least 5 cores"), "{card}");
+                // The dilated emulated cluster decides on this machine; only an undilated one does not.
+                assert!(
+                    card.contains(
+                        "<pre>gradsync-bench cluster scenario.toml --to-accuracy --dilate auto</pre>"
+                    ) && card.contains("without dilation would not decide it"),
+                    "{card}"
+                );
                 assert!(at < html.find("<table class=\"stack\"").unwrap(), "the banner after the rows");
             }
         }
