@@ -327,6 +327,26 @@ mod tests {
         assert!(text.contains("mean 1.00, max 1.") && !text.contains("phase"), "{text}");
     }
 
+    /// "All processes share one machine" is the undilated world's caveat; a dilated group's
+    /// processes had the cores' time dilated away, and its report must not say otherwise.
+    #[test]
+    fn contention_is_said_of_undilated_runs_only() {
+        let m = Machine { cores: 2, ..Machine::default() };
+        let eight = |dilation: Option<f64>, repeat: usize| Summary {
+            id: format!("r{repeat}"),
+            repeat,
+            workers: 8,
+            dilation,
+            ..row("ddp-tcp", 0, 1000.0)
+        };
+        let c = collected(vec![eight(None, 0), eight(None, 1)]);
+        let text = reading(&crate::charts::groups(&c)[0], None, Some(&m), &c.summaries).join("\n");
+        assert!(text.contains("All processes share one machine with 2 logical cores"), "{text}");
+        let c = collected(vec![eight(Some(23.0), 0), eight(Some(23.0), 1)]);
+        let text = reading(&crate::charts::groups(&c)[0], None, Some(&m), &c.summaries).join("\n");
+        assert!(!text.contains("share one machine"), "{text}");
+    }
+
     #[test]
     fn the_byteps_claim_is_judged_within_its_tolerance() {
         assert!(

@@ -190,8 +190,13 @@ pub fn accuracy_against_local(cx: &Context) -> Vec<String> {
     vec![parts.join("; ") + "."]
 }
 
-/// Contention: every process shares this machine's cores.
+/// Contention: every process shares this machine's cores. Not said of a dilated group: its
+/// runs had the cores' time dilated away (the dilation's own reading says how, and a run whose
+/// cores could not keep up is not ranked).
 pub fn contention(cx: &Context) -> Vec<String> {
+    if !cx.g.rows.is_empty() && cx.g.rows.iter().all(|r| r.dilation.is_some()) {
+        return Vec::new();
+    }
     match (cx.machine, cx.most_workers()) {
         // On several hosts no one machine's cores are shared by every process.
         (Some(m), Some(nmax)) if m.hosts.is_empty() && nmax > m.cores => vec![format!(
