@@ -321,6 +321,10 @@ mod tests {
         let c = collected(vec![asp("a", 0, Some(0.02)), asp("b", 1, Some(0.02))]);
         let text = reading(&crate::charts::groups(&c)[0], None, None, &c.summaries).join("\n");
         assert!(text.contains("2% of the time (taking turns: one pushing while another pulled)"), "{text}");
+        // Repeats in different phases are said each, not as a median no run had.
+        let c = collected(vec![asp("a", 0, Some(0.64)), asp("b", 1, Some(0.04))]);
+        let text = reading(&crate::charts::groups(&c)[0], None, None, &c.summaries).join("\n");
+        assert!(text.contains("another rank's 64%, 4% of the time: they found different phases"), "{text}");
         // An older server recorded no arrivals: staleness alone, no word of phases.
         let c = collected(vec![asp("a", 0, None), asp("b", 1, None)]);
         let text = reading(&crate::charts::groups(&c)[0], None, None, &c.summaries).join("\n");

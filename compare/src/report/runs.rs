@@ -124,11 +124,7 @@ pub fn staleness(cx: &Context) -> Vec<String> {
                     r.workers,
                     r.staleness_mean.unwrap_or(0.0),
                     r.staleness_max.unwrap_or(0),
-                    r.push_overlap.map_or(String::new(), |o| format!(
-                        ", its pushes arriving at a server beside another rank's {:.0}% of the time ({})",
-                        o * 100.0,
-                        phase(o)
-                    ))
+                    overlap_said(cx, r)
                 )
             })
             .collect();
@@ -144,6 +140,31 @@ pub fn staleness(cx: &Context) -> Vec<String> {
         stale.join("; "),
         if overlaps { PHASES } else { "" }
     )]
+}
+
+/// An asynchronous cell's push overlap in words: the one phase its repeats agree on, or each
+/// repeat's where they fell into different phases (a median would name a phase no run was in).
+fn overlap_said(cx: &Context, r: &Summary) -> String {
+    let Some(median) = r.push_overlap else { return String::new() };
+    let each: Vec<f64> = cx
+        .g
+        .cell_of(r)
+        .map(|c| c.runs.iter().filter_map(|id| cx.all.iter().find(|s| &s.id == id)?.push_overlap).collect())
+        .unwrap_or_default();
+    let phases: Vec<&str> = each.iter().map(|&o| phase(o)).collect();
+    if phases.windows(2).any(|w| w[0] != w[1]) {
+        let listed: Vec<String> = each.iter().map(|o| format!("{:.0}%", o * 100.0)).collect();
+        return format!(
+            ", its repeats' pushes arriving at a server beside another rank's {} of the time: they found \
+             different phases, so its median step is no one phase's",
+            listed.join(", ")
+        );
+    }
+    format!(
+        ", its pushes arriving at a server beside another rank's {:.0}% of the time ({})",
+        median * 100.0,
+        phase(median)
+    )
 }
 
 /// What an asynchronous run's push overlap says of its workers' phase.
