@@ -132,6 +132,7 @@ impl Cluster {
             delay: Duration::ZERO,
             loss_pct: 0.0,
             rto_min: None,
+            queue: gradsync_compare::net::Queue::Fair,
         };
         let net = gradsync_compare::net::Cluster::create(3, shape).map_err(|e| e.to_string())?;
         let node = String::from_utf8_lossy(

@@ -19,7 +19,7 @@ pub use crate::emulated::{
 };
 use crate::machine::Machine;
 use crate::modes::{self, Placement};
-use crate::net::{self, Cluster, Shape};
+use crate::net::{self, Cluster, Queue, Shape};
 use crate::results::Outcome;
 use crate::scenario::{Dilate, ModeKind, RunSpec, Scenario, Shards};
 use crate::site::Slot;
@@ -82,6 +82,11 @@ pub struct ClusterArgs {
     /// netem needed).
     #[arg(long, default_value_t = 0.0)]
     pub loss: f64,
+    /// How each NIC's queue shares its link among the peer hosts sending through it: `fair`
+    /// (a queue per peer, served in turn: what the advisor's predictor assumes) or `fifo` (one
+    /// queue for all: TCP windows share it as unevenly as they grew; docs/cluster.md).
+    #[arg(long, value_enum, default_value_t = Queue::Fair)]
+    pub nic_queue: Queue,
     /// Worker process counts (default without a scenario file: 4).
     #[arg(long, value_delimiter = ',')]
     pub workers: Option<Vec<usize>>,
@@ -190,6 +195,7 @@ pub fn run(a: &ClusterArgs) -> anyhow::Result<()> {
         delay: Duration::from_micros(a.delay_us),
         loss_pct: a.loss,
         rto_min: None,
+        queue: a.nic_queue,
     };
     run_cluster(&s, &bins, &out, &a.rates, shape, a.dilate)?;
     let html = crate::plot(std::slice::from_ref(&out), &out)?;
@@ -353,6 +359,7 @@ impl Runner<'_> {
             measured_latency_us,
             delay_us: shape(rate).delay.as_micros() as u64,
             loss_pct: sh.loss_pct,
+            queue: sh.queue,
             dilation: d,
         };
         Ok((o, run))

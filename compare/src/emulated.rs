@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use super::net::Queue;
 use super::scenario::ModeKind;
 
 /// The file in a run directory naming each run's emulated link.
@@ -124,6 +125,10 @@ pub struct ClusterRun {
     pub delay_us: u64,
     /// Loss per direction per link, percent.
     pub loss_pct: f64,
+    /// How each NIC's queue shared the link among peers (runs recorded before the choice
+    /// existed had one FIFO).
+    #[serde(default = "fifo")]
+    pub queue: Queue,
     /// The time dilation the run ran under (1: none): its link was shaped at `rate_gbit` /
     /// this, and its metrics are already divided back by it.
     #[serde(default = "undilated")]
@@ -134,10 +139,14 @@ fn undilated() -> f64 {
     1.0
 }
 
+fn fifo() -> Queue {
+    Queue::Fifo
+}
+
 impl ClusterRun {
     /// The link as the report names it, which groups runs (so ranks sharing hosts are a
     /// group of their own): `1 Gbit/s`, `0.1 Gbit/s, 50 us delay, 0.1% loss`, `10 Gbit/s, 2
-    /// ranks a host`.
+    /// ranks a host`, `25 Gbit/s, one FIFO a NIC` (fair queues go unsaid).
     pub fn label(&self) -> String {
         let mut s = format!("{} Gbit/s", self.rate_gbit);
         if self.ranks_per_host > 1 {
@@ -148,6 +157,9 @@ impl ClusterRun {
         }
         if self.loss_pct > 0.0 {
             s += &format!(", {}% loss", self.loss_pct);
+        }
+        if self.queue == Queue::Fifo {
+            s += ", one FIFO a NIC";
         }
         if self.dilation > 1.0 {
             s += &format!(", dilated x{}", self.dilation);

@@ -14,7 +14,13 @@
 //! holds nothing (`pfifo limit 0`), where they are dropped. Delay needs netem.
 //!
 //! Each link is shaped in both directions: the host's `eth0` shapes what the host sends, the
-//! hub's end shapes what it receives. A [`Cluster`] deletes its namespaces (and kills whatever
+//! hub's end shapes what it receives. Under the rate, a NIC's queue is [`Queue::Fair`] by
+//! default: one htb class per peer host (by destination on `eth0`, by source on the hub's
+//! end), each guaranteed its share and lending the rest, so that peers with packets waiting
+//! share the link evenly whatever their TCP windows, as the fabric the advisor prices does.
+//! [`Queue::Fifo`] keeps one queue of `txqueuelen` packets for all of them: windows grown
+//! unevenly then share it unevenly (a parameter server's incast leaves some workers' pushes
+//! behind the others' and every worker waiting at the barrier for the last). A [`Cluster`] deletes its namespaces (and kills whatever
 //! still runs in them) when dropped; [`cleanup_all`] does the same from a signal handler's
 //! thread, and [`sweep_stale`] removes what a killed run left behind.
 
@@ -25,6 +31,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// One host of an emulated cluster: a network namespace and its address.
@@ -64,6 +71,29 @@ pub enum ClusterError {
     NoHost(usize, usize),
 }
 
+/// How a shaped NIC's queue shares its link among the peer hosts whose packets wait in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Queue {
+    /// A queue per peer host, served in turn (htb's deficit round robin among classes of
+    /// equal share): every backlogged peer gets its share of the link.
+    #[default]
+    Fair,
+    /// One FIFO for every peer, `txqueuelen` (1000) packets deep: TCP windows share the link
+    /// as unevenly as they grew.
+    Fifo,
+}
+
+impl Queue {
+    /// How reports name it.
+    pub fn label(self) -> &'static str {
+        match self {
+            Queue::Fair => "fair among peers",
+            Queue::Fifo => "one FIFO",
+        }
+    }
+}
+
 /// One direction of every host's link.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Shape {
@@ -76,6 +106,8 @@ pub struct Shape {
     /// The hosts' TCP minimum retransmission timeout, set on their route (none: the kernel's
     /// 200 ms). A dilated cluster stretches it with every other clock ([`Shape::dilated`]).
     pub rto_min: Option<Duration>,
+    /// How the NIC's queue shares the rate among peers (shaped links only).
+    pub queue: Queue,
 }
 
 /// Linux's minimum TCP retransmission timeout (`TCP_RTO_MIN`).
@@ -94,6 +126,7 @@ impl Shape {
             delay: self.delay.mul_f64(d),
             loss_pct: self.loss_pct,
             rto_min: Some(self.rto_min.unwrap_or(KERNEL_RTO_MIN).mul_f64(d)),
+            queue: self.queue,
         }
     }
 }
@@ -132,10 +165,10 @@ impl Cluster {
         ip(&["-n", &hub, "link", "set", "lo", "up"])?;
         ip(&["-n", &hub, "link", "add", "br0", "type", "bridge"])?;
         ip(&["-n", &hub, "link", "set", "br0", "up"])?;
-        for i in 0..n {
+        let addrs: Vec<String> = (0..n).map(host_addr).collect();
+        for (i, addr) in addrs.iter().cloned().enumerate() {
             let ns = format!("{tag}-h{i}");
             add_ns(&ns)?;
-            let addr = format!("{SUBNET}.{}.{}", (i + 1) / 250, (i + 1) % 250 + 1);
             c.hosts.push(HostSlot { netns: ns.clone(), addr: addr.clone() });
             let port = format!("h{i}");
             ip(&["-n", &ns, "link", "set", "lo", "up"])?;
@@ -145,8 +178,8 @@ impl Cluster {
             tcp_clocks(&ns, &shape)?;
             ip(&["-n", &hub, "link", "set", &port, "master", "br0"])?;
             ip(&["-n", &hub, "link", "set", &port, "up"])?;
-            shape_dev(&ns, "eth0", &shape)?;
-            shape_dev(&hub, &port, &shape)?;
+            shape_dev(&ns, "eth0", &shape, &Peers { addrs: &addrs, by: "dst" })?;
+            shape_dev(&hub, &port, &shape, &Peers { addrs: &addrs, by: "src" })?;
         }
         Ok(c)
     }
@@ -338,12 +371,29 @@ fn tcp_clocks(ns: &str, s: &Shape) -> Result<(), ClusterError> {
     Ok(())
 }
 
+/// Host `i`'s address in the cluster's subnet.
+fn host_addr(i: usize) -> String {
+    format!("{SUBNET}.{}.{}", (i + 1) / 250, (i + 1) % 250 + 1)
+}
+
+/// The hosts a NIC's queue tells apart under [`Queue::Fair`], and by which address of a
+/// packet: `dst` for what a host sends, `src` for what it receives.
+struct Peers<'a> {
+    addrs: &'a [String],
+    by: &'static str,
+}
+
+/// The first class id of a [`Queue::Fair`] NIC's peers: peer `j` is `1:(PEER_CLASS + j)`, in
+/// hex, and the class after the last takes what no peer's filter matched.
+const PEER_CLASS: usize = 0x100;
+
 /// An htb rate for links given no rate: far above what loopback copies reach.
 const UNSHAPED: &str = "100gbit";
 
 /// htb for the rate (netem's own rate drops the GSO batches veth hands it), netem under it
-/// for delay, and a BPF classifier in front of it for loss.
-fn shape_dev(ns: &str, dev: &str, s: &Shape) -> Result<(), ClusterError> {
+/// for delay, and a BPF classifier in front of it for loss. A [`Queue::Fair`] rate has a class
+/// per peer under it ([`peer_classes`]), each with its own netem for delay.
+fn shape_dev(ns: &str, dev: &str, s: &Shape, peers: &Peers) -> Result<(), ClusterError> {
     let tc = |args: &[&str]| -> Result<(), ClusterError> {
         let mut a = vec!["-n", ns];
         a.extend_from_slice(args);
@@ -359,8 +409,10 @@ fn shape_dev(ns: &str, dev: &str, s: &Shape) -> Result<(), ClusterError> {
         }
         return Ok(());
     }
+    let fair = s.queue == Queue::Fair && s.rate_bit.is_some() && peers.addrs.len() > 1;
+    let default = if fair { format!("{:x}", PEER_CLASS + peers.addrs.len()) } else { "1".into() };
     let rate = rate.as_deref().unwrap_or(UNSHAPED);
-    tc(&["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"])?;
+    tc(&["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", &default])?;
     // A burst of 64 KiB or more lets a GSO batch through at once, as a NIC would.
     let class = |id: &str| {
         tc(&[
@@ -369,7 +421,9 @@ fn shape_dev(ns: &str, dev: &str, s: &Shape) -> Result<(), ClusterError> {
         ])
     };
     class("1:1")?;
-    if !s.delay.is_zero() {
+    if fair {
+        peer_classes(ns, dev, s, peers)?;
+    } else if !s.delay.is_zero() {
         tc(&[&["qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:"][..], &netem].concat())
             .map_err(netem_err)?;
     }
@@ -386,6 +440,58 @@ fn shape_dev(ns: &str, dev: &str, s: &Shape) -> Result<(), ClusterError> {
         .map_err(lossy)?;
     }
     Ok(())
+}
+
+/// [`Queue::Fair`]'s classes under the rate class `1:1`: one per peer, guaranteed an equal
+/// share of the rate and borrowing up to all of it (so a peer alone gets the whole link), a
+/// u32 filter sending each peer's packets to its class, and one more class, htb's default,
+/// for what no filter matched (ARP). One `tc -batch` for them all: a 48-host cluster has 49
+/// classes and 48 filters on each of its 96 ends.
+fn peer_classes(ns: &str, dev: &str, s: &Shape, peers: &Peers) -> Result<(), ClusterError> {
+    let rate = s.rate_bit.unwrap_or(0.0).round() as u64;
+    let n = peers.addrs.len();
+    let share = (rate / (n as u64 + 1)).max(8_000);
+    let mut batch = String::new();
+    for j in 0..=n {
+        let id = format!("1:{:x}", PEER_CLASS + j);
+        batch += &format!(
+            "class add dev {dev} parent 1:1 classid {id} htb rate {share}bit ceil {rate}bit burst 256k cburst 256k quantum 65536\n"
+        );
+        if !s.delay.is_zero() {
+            let us = s.delay.as_micros();
+            batch += &format!("qdisc add dev {dev} parent {id} netem delay {us}us limit 100000\n");
+        }
+        if let Some(a) = peers.addrs.get(j) {
+            batch += &format!(
+                "filter add dev {dev} parent 1: protocol ip prio 2 u32 match ip {} {a}/32 flowid {id}\n",
+                peers.by
+            );
+        }
+    }
+    run_batch(ns, &batch).map_err(netem_err)
+}
+
+/// `tc -n ns -batch -` fed `commands`, one a line.
+fn run_batch(ns: &str, commands: &str) -> Result<(), ClusterError> {
+    use std::io::Write;
+    let cmd = format!("tc -n {ns} -batch - ({} commands)", commands.lines().count());
+    let unavailable = |e: std::io::Error| ClusterError::Unavailable(format!("running `{cmd}`: {e}"));
+    let mut child = Command::new("tc")
+        .args(["-n", ns, "-batch", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(unavailable)?;
+    let written = child.stdin.take().map(|mut i| i.write_all(commands.as_bytes()));
+    let o = child.wait_with_output().map_err(unavailable)?;
+    match written {
+        Some(Err(e)) if o.status.success() => Err(unavailable(e)),
+        _ if o.status.success() => Ok(()),
+        _ => {
+            Err(ClusterError::Command { cmd, stderr: String::from_utf8_lossy(&o.stderr).trim().to_string() })
+        }
+    }
 }
 
 /// Classic BPF for `tc ... bpf bytecode`: a packet goes to the dropping class (the filter's
@@ -439,8 +545,13 @@ mod tests {
 
     #[test]
     fn a_dilated_link_is_slower_by_the_factor_and_its_clocks_longer() {
-        let s =
-            Shape { rate_bit: Some(10e9), delay: Duration::from_micros(50), loss_pct: 0.1, rto_min: None };
+        let s = Shape {
+            rate_bit: Some(10e9),
+            delay: Duration::from_micros(50),
+            loss_pct: 0.1,
+            rto_min: None,
+            queue: Queue::Fair,
+        };
         let d = s.dilated(8.0);
         assert_eq!(d.rate_bit, Some(1.25e9));
         assert_eq!(d.delay, Duration::from_micros(400));

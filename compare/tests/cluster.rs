@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use gradsync_compare::cluster;
 use gradsync_compare::modes::{self, Bins, Ctx, Placement, ProcSpec};
-use gradsync_compare::net::{Cluster, ClusterError, Shape};
+use gradsync_compare::net::{Cluster, ClusterError, Queue, Shape};
 use gradsync_compare::scenario::{ModeKind, RunSpec, Scenario};
 use gradsync_compare::site::Slot;
 use gradsync_testkit::Scratch;
@@ -46,7 +46,13 @@ fn namespaces() -> String {
 
 #[test]
 fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
-    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0, rto_min: None };
+    let shape = Shape {
+        rate_bit: Some(1e9),
+        delay: Duration::ZERO,
+        loss_pct: 0.0,
+        rto_min: None,
+        queue: Queue::Fair,
+    };
     // Probe first so the skip is visible; the runner makes its own clusters.
     let Some(probe) = cluster_or_skip("three_hosts", 3, shape) else { return };
     let names: Vec<String> = probe.hosts().iter().map(|h| h.netns.clone()).collect();
@@ -99,7 +105,13 @@ fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
 /// minimum retransmission timeout stretched on the host's route.
 #[test]
 fn every_host_runs_reno_without_slow_start_after_idle_and_a_dilated_rto() {
-    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0, rto_min: None };
+    let shape = Shape {
+        rate_bit: Some(1e9),
+        delay: Duration::ZERO,
+        loss_pct: 0.0,
+        rto_min: None,
+        queue: Queue::Fair,
+    };
     let Some(c) = cluster_or_skip("every_host_runs_reno", 2, shape.dilated(4.0)) else { return };
     for h in c.hosts() {
         let sysctl = |key: &str| {
@@ -121,7 +133,13 @@ fn every_host_runs_reno_without_slow_start_after_idle_and_a_dilated_rto() {
 /// from one rank a host.
 #[test]
 fn ranks_sharing_hosts_go_through_them_only_in_ddp_hier() {
-    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0, rto_min: None };
+    let shape = Shape {
+        rate_bit: Some(1e9),
+        delay: Duration::ZERO,
+        loss_pct: 0.0,
+        rto_min: None,
+        queue: Queue::Fair,
+    };
     let Some(c) = cluster_or_skip("ranks_sharing_hosts", 1, shape) else { return };
     drop(c);
     let out = tmp("per-host");
@@ -163,7 +181,13 @@ fn ranks_sharing_hosts_go_through_them_only_in_ddp_hier() {
 /// `checks/`, which the comparison's own cells never read; `dilation.json` says what it found.
 #[test]
 fn a_dilated_cluster_dilates_every_process_and_checks_itself_at_twice_the_factor() {
-    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0, rto_min: None };
+    let shape = Shape {
+        rate_bit: Some(1e9),
+        delay: Duration::ZERO,
+        loss_pct: 0.0,
+        rto_min: None,
+        queue: Queue::Fair,
+    };
     let Some(c) = cluster_or_skip("a_dilated_cluster", 1, shape) else { return };
     drop(c);
     let out = tmp("dilated");
@@ -213,7 +237,13 @@ fn a_dilated_cluster_dilates_every_process_and_checks_itself_at_twice_the_factor
 /// 1); `dilation.json` records it and the runs ran at it.
 #[test]
 fn an_auto_dilated_cluster_probes_first_and_records_what_it_chose() {
-    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0, rto_min: None };
+    let shape = Shape {
+        rate_bit: Some(1e9),
+        delay: Duration::ZERO,
+        loss_pct: 0.0,
+        rto_min: None,
+        queue: Queue::Fair,
+    };
     let Some(c) = cluster_or_skip("an_auto_dilated_cluster", 1, shape) else { return };
     drop(c);
     let out = tmp("auto");
@@ -358,7 +388,8 @@ fn plan(c: &Cluster, mode: ModeKind, workers: usize, steps: u64, dir: &Path) -> 
 }
 
 /// 1 Gbit/s links (rate only: delay needs netem, which some kernels lack).
-const SLOW: Shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0, rto_min: None };
+const SLOW: Shape =
+    Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0, rto_min: None, queue: Queue::Fair };
 /// A model big enough (0.8 MB of gradients) that a step takes milliseconds on [`SLOW`] links, so
 /// the cut lands mid-training.
 const CUT_MODEL: &str = "784-256-10";
@@ -461,7 +492,13 @@ fn ddp_fails_naming_a_rank_when_a_link_is_cut() {
 /// so 30% per end delivers 0.7 x 0.7 = 49%.
 #[test]
 fn loss_is_emulated_without_netem() {
-    let shape = Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 30.0, rto_min: None };
+    let shape = Shape {
+        rate_bit: Some(1e9),
+        delay: Duration::ZERO,
+        loss_pct: 30.0,
+        rto_min: None,
+        queue: Queue::Fair,
+    };
     let Some(c) = cluster_or_skip("loss_is_emulated_without_netem", 2, shape) else { return };
     let on = |host: usize, f: Box<dyn FnOnce() -> std::net::UdpSocket + Send>| {
         c.spawn_on(host, f).unwrap().join().unwrap().unwrap()
@@ -501,4 +538,92 @@ fn loss_is_emulated_without_netem() {
     let share = got as f64 / sent as f64;
     eprintln!("loss_is_emulated_without_netem: delivered {got} of {sent} ({share:.3}; expected 0.49)");
     assert!((share - 0.49).abs() < 0.05, "delivered {got} of {sent} ({share:.3}), expected about 0.49");
+}
+
+/// What one of two sending hosts got of one host's link, as a share of what both got over a
+/// second: the other sends over four connections to its one.
+fn one_connections_share(queue: Queue) -> Option<f64> {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let shape = Shape { rate_bit: Some(200e6), delay: Duration::ZERO, loss_pct: 0.0, rto_min: None, queue };
+    let c = cluster_or_skip("a_fair_queue_shares", 3, shape)?;
+    let addr = format!("{}:5201", c.hosts()[2].addr);
+    let got: Arc<[AtomicU64; 2]> = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let counts = got.clone();
+    let receiver = c
+        .spawn_on(2, move || {
+            let l = TcpListener::bind("0.0.0.0:5201").unwrap();
+            ready_tx.send(()).unwrap();
+            let mut readers = Vec::new();
+            for _ in 0..5 {
+                let (mut s, _) = l.accept().unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                let mut who = [0u8; 1];
+                s.read_exact(&mut who).unwrap();
+                let counts = counts.clone();
+                readers.push(std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 1 << 16];
+                    while let Ok(n) = s.read(&mut buf) {
+                        if n == 0 {
+                            break;
+                        }
+                        counts[who[0] as usize].fetch_add(n as u64, Ordering::Relaxed);
+                    }
+                }));
+            }
+            readers.into_iter().for_each(|r| r.join().unwrap());
+        })
+        .unwrap();
+    ready_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let send = |host: usize, who: u8, connections: usize| {
+        let addr = addr.clone();
+        c.spawn_on(host, move || {
+            let until = Instant::now() + Duration::from_secs_f64(1.8);
+            let streams: Vec<_> = (0..connections)
+                .map(|_| {
+                    let addr = addr.clone();
+                    std::thread::spawn(move || {
+                        let mut s = TcpStream::connect(&addr).unwrap();
+                        s.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
+                        s.write_all(&[who]).unwrap();
+                        let buf = vec![7u8; 1 << 16];
+                        while Instant::now() < until {
+                            s.write_all(&buf).unwrap();
+                        }
+                    })
+                })
+                .collect();
+            streams.into_iter().for_each(|s| s.join().unwrap());
+        })
+        .unwrap()
+    };
+    let (many, one) = (send(0, 0, 4), send(1, 1, 1));
+    // Left out: the first 0.4 s (the connections, their slow start).
+    std::thread::sleep(Duration::from_millis(400));
+    let at = |i: usize| got[i].load(Ordering::Relaxed) as f64;
+    let (a0, b0) = (at(0), at(1));
+    std::thread::sleep(Duration::from_secs(1));
+    let (a, b) = (at(0) - a0, at(1) - b0);
+    many.join().unwrap().unwrap();
+    one.join().unwrap().unwrap();
+    receiver.join().unwrap().unwrap();
+    Some(b / (a + b))
+}
+
+/// A fair NIC queue gives each peer host sending into a busy link its share, however many
+/// connections the others open: a host of one connection beside a host of four gets half (a
+/// FIFO gives each connection its share: a fifth; printed beside).
+#[test]
+fn a_fair_queue_shares_a_busy_link_among_hosts_not_connections() {
+    let Some(fair) = one_connections_share(Queue::Fair) else { return };
+    let fifo = one_connections_share(Queue::Fifo).unwrap();
+    eprintln!(
+        "the one connection's share: {:.0}% with fair queues, {:.0}% with one FIFO",
+        fair * 100.0,
+        fifo * 100.0
+    );
+    assert!((0.4..0.6).contains(&fair), "fair queues gave the host of one connection {:.0}%", fair * 100.0);
 }

@@ -26,7 +26,7 @@ use super::spec::ClusterSpec;
 use crate::cost::Link;
 use crate::emulated;
 use crate::modes::Bins;
-use crate::net::Shape;
+use crate::net::{Queue, Shape};
 use crate::results::{self, Summary};
 use crate::scenario::{Dilate, Scenario};
 
@@ -215,6 +215,7 @@ pub fn run(
         delay: Duration::ZERO,
         loss_pct: 0.0,
         rto_min: None,
+        queue: Queue::Fair,
     };
     let mut checked = Vec::new();
     for (i, p) in plan.configs.iter().enumerate() {

@@ -141,7 +141,7 @@ pub fn section(runs: &[ClusterRun], all: &[Summary], dilations: &[DilationRecord
             let ratio = s.comm_ms.zip(pred).map(|(m, p)| m / p);
             let per_gb = cpu_per_gb(s);
             let link = format!(
-                "{} Gbit/s{}, {} us delay{}, {}% loss{}",
+                "{} Gbit/s{}, {} us delay{}, {}% loss, NIC queue {}{}",
                 r.rate_gbit,
                 r.measured_gbit.map(|g| format!(" ({g:.3} measured)")).unwrap_or_default(),
                 r.delay_us,
@@ -149,6 +149,7 @@ pub fn section(runs: &[ClusterRun], all: &[Summary], dilations: &[DilationRecord
                     .map(|us| format!(" ({us:.0} us one way, measured)"))
                     .unwrap_or_default(),
                 r.loss_pct,
+                r.queue.label(),
                 if r.dilation > 1.0 { format!(", dilated x{}", r.dilation) } else { String::new() },
             );
             Some(Tr {
@@ -403,6 +404,7 @@ mod cluster_tests {
             measured_latency_us: Some(30.0),
             delay_us: 0,
             loss_pct: 0.0,
+            queue: crate::net::Queue::Fair,
             dilation: 1.0,
         };
         let s = Summary {
