@@ -25,6 +25,10 @@ pub enum Command {
     /// Which configuration to train a model with on a cluster (ring or parameter server, how
     /// many servers, bucket size, compression): every one predicted, ranked, the pick and why.
     Advise(Box<gradsync_compare::advise::AdviseArgs>),
+    /// The advisor's predictions against emulated clusters' runs (scripts/advisor-matrix.sh):
+    /// each run's measured step beside the advisor's and the alpha-beta model's, the errors,
+    /// and each group's pick against its fastest measured design.
+    Validate(gradsync_compare::advise::validate::ValidateArgs),
     /// Rebuild tables, charts and report.html from run directories (or any directories of
     /// metrics files, walked recursively).
     Plot(gradsync_compare::PlotArgs),

@@ -627,3 +627,54 @@ fn a_fair_queue_shares_a_busy_link_among_hosts_not_connections() {
     );
     assert!((0.4..0.6).contains(&fair), "fair queues gave the host of one connection {:.0}%", fair * 100.0);
 }
+
+/// `validate` over a real cluster's runs: ResNet-50 replayed by two workers, the flat ring and
+/// a parameter server, each run measured beside the advisor's step and the alpha-beta model's,
+/// and the group's pick judged (or said why not).
+#[test]
+fn validate_sets_each_replayed_run_beside_the_advisor_and_the_alpha_beta_model() {
+    let shape = Shape {
+        rate_bit: Some(10e9),
+        delay: Duration::ZERO,
+        loss_pct: 0.0,
+        rto_min: None,
+        queue: Queue::Fair,
+    };
+    let Some(c) = cluster_or_skip("validate_sets", 1, shape) else { return };
+    drop(c);
+    let root = tmp("validate");
+    let out = root.join("resnet50-2x1-10g");
+    let mut s = scenario(2);
+    s.models = vec!["resnet50".into()];
+    s.batches = vec![];
+    s.modes = vec![ModeKind::DdpTcp, ModeKind::PsBsp];
+    s.workers = vec![2];
+    s.shards = gradsync_compare::scenario::Shards::counts(&[1]);
+    let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
+    let runs = cluster::run_cluster(&s, &bins, &out, &[10.0], |_| shape, None).unwrap();
+    assert_eq!(runs.len(), 2);
+    // The parent directory stands for its groups.
+    let v = gradsync_compare::advise::validate::validate(&[root.to_path_buf()]).unwrap();
+    assert_eq!(v.rows.len(), 2, "{:?}", v.rows);
+    for r in &v.rows {
+        assert_eq!(r.group, "resnet50-2x1-10g");
+        let m = r.measured_ms.unwrap_or_else(|| panic!("{}: not measured", r.design));
+        for (what, p) in [
+            ("advisor", r.advisor_ms),
+            ("from the profile", r.advisor_profile_ms),
+            ("alpha-beta", r.alpha_beta_ms),
+        ] {
+            let p = p.unwrap_or_else(|| panic!("{}: no {what} prediction", r.design));
+            assert!(
+                p > 0.0 && p / m > 0.2 && p / m < 5.0,
+                "{}: {what} {p} ms against {m} ms measured",
+                r.design
+            );
+        }
+    }
+    assert!(v.rows.iter().any(|r| r.design == "ps-bsp k=1") && v.rows.iter().any(|r| r.design == "ddp-tcp"));
+    assert_eq!(v.picks.len() + v.unjudged.len(), 1, "one group: {:?} {:?}", v.picks, v.unjudged);
+    assert!(!v.cpu.is_empty(), "the CPU is not named");
+    let md = gradsync_compare::advise::validate::markdown(&v);
+    assert!(md.contains("| resnet50-2x1-10g | ps-bsp k=1 |") && md.contains("CPU: "), "{md}");
+}

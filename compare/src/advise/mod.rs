@@ -23,6 +23,8 @@
 //! - [`report`]: the advice as JSON and as text.
 //! - [`check`]: `--check N`, the top configurations and plain DDP run on a dilated emulated
 //!   cluster matching the SPEC, measured beside predicted.
+//! - [`validate`]: `gradsync-bench validate`, the predictions against emulated clusters'
+//!   runs (the validation matrix): the errors, the alpha-beta model's beside, the picks.
 //! - [`page`]: the check's table and its `report.html` (template in `templates/check.html`).
 //! - [`error`]: what the advisor refuses.
 //! - this file: the flags and the command.
@@ -37,6 +39,7 @@ pub mod predict;
 pub mod report;
 pub mod search;
 pub mod spec;
+pub mod validate;
 
 use std::time::Instant;
 

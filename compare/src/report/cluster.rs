@@ -66,14 +66,22 @@ pub fn cluster_prediction(r: &ClusterRun, params: usize) -> Option<f64> {
 /// trained for real or replayed from a file, for a compressed mode (its codecs would be priced
 /// at this machine's rates, not the run's), and for one worker.
 pub fn advisor_step_ms(r: &ClusterRun, s: &Summary) -> Option<f64> {
+    advisor_prediction_ms(r, s, true)
+}
+
+/// [`advisor_step_ms`], with the run's measured compute (`measured_compute`) or the profile's
+/// own (what `advise` predicts before anything runs).
+pub fn advisor_prediction_ms(r: &ClusterRun, s: &Summary, measured_compute: bool) -> Option<f64> {
     use crate::advise::{codec::CodecRates, config::Config, predict, spec::ClusterSpec};
     let name = s.widths.strip_prefix(gradsync_core::model::REPLAY_TOKEN)?.split(':').next()?;
     let profile = gradsync_core::profile::builtin(name, gradsync_core::profile::DeviceRate::H100)?;
     if r.mode.is_compressed() {
         return None;
     }
-    let w =
-        predict::Workload::new(&profile, s.batch).ok()?.timed_as(s.forward_ms? / 1e3, s.backward_ms? / 1e3);
+    let mut w = predict::Workload::new(&profile, s.batch).ok()?;
+    if measured_compute {
+        w = w.timed_as(s.forward_ms? / 1e3, s.backward_ms? / 1e3);
+    }
     let m = r.ranks_per_host.max(1);
     let c = ClusterSpec::emulated(r.workers.div_ceil(m), m, cluster_link(r)).ok()?;
     let cfg = Config::of_mode(r.mode, s.bucket_mb.unwrap_or(25.0), false, (r.shards, false), 0.01)?;

@@ -24,7 +24,7 @@ use super::machine::Machine;
 use super::results::Collected;
 
 mod card;
-mod cluster;
+pub(crate) mod cluster;
 mod context;
 mod links;
 mod page;

@@ -1,0 +1,464 @@
+//! `gradsync-bench validate DIR...`: the advisor's predictions against dilated emulated
+//! clusters' runs (`scripts/advisor-matrix.sh` makes them, one directory a (model, hosts,
+//! link) group). For each sound run (complete, the cores keeping up with the factor): its
+//! measured step, the advisor's step ([`advisor_step_ms`]: the run's own compute and link, the
+//! per-bucket timeline) and the alpha-beta model's (the run's compute, then the exchange the
+//! cost model prices, nothing hidden behind backward), each error beside it. Then the error
+//! over every run and by design; and in each group the advisor's pick among the designs run
+//! (each predicted from the profile alone and the link as measured: what `advise` would have
+//! said before the run) against the fastest measured, within [`PICK_TOLERANCE`] or a miss
+//! named with both predictions.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use serde::Serialize;
+
+use crate::emulated::{self, ClusterRun};
+use crate::report::cluster::{advisor_prediction_ms, cluster_prediction};
+use crate::results::{self, Summary};
+
+/// How far above the fastest measured design the advisor's pick may measure and count as
+/// found.
+pub const PICK_TOLERANCE: f64 = 0.05;
+
+/// One run, measured and predicted.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    /// Its group: the directory's name.
+    pub group: String,
+    /// The design: mode, and servers for a parameter server.
+    pub design: String,
+    /// Its model.
+    pub model: String,
+    /// Worker hosts, ranks a host.
+    pub hosts: usize,
+    /// Ranks a host.
+    pub ranks_per_host: usize,
+    /// Link rate, Gbit/s.
+    pub rate_gbit: f64,
+    /// The factor it ran at.
+    pub dilation: f64,
+    /// Its cores' busy share.
+    pub cpu_busy: Option<f64>,
+    /// Complete, the cores keeping up.
+    pub sound: bool,
+    /// Measured step, ms.
+    pub measured_ms: Option<f64>,
+    /// The advisor's step from the run's compute and link, ms.
+    pub advisor_ms: Option<f64>,
+    /// The advisor's step from the profile's compute and the run's link, ms (the pick's).
+    pub advisor_profile_ms: Option<f64>,
+    /// The alpha-beta model's step, ms.
+    pub alpha_beta_ms: Option<f64>,
+}
+
+impl Row {
+    /// (advisor - measured) / measured.
+    pub fn advisor_error(&self) -> Option<f64> {
+        rel(self.advisor_ms?, self.measured_ms?)
+    }
+
+    /// (alpha-beta - measured) / measured.
+    pub fn alpha_beta_error(&self) -> Option<f64> {
+        rel(self.alpha_beta_ms?, self.measured_ms?)
+    }
+}
+
+fn rel(p: f64, m: f64) -> Option<f64> {
+    (m > 0.0).then(|| (p - m) / m)
+}
+
+/// The median and largest |error| of a set.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct Spread {
+    /// Runs.
+    pub n: usize,
+    /// Median |error|.
+    pub median: f64,
+    /// Largest |error|.
+    pub max: f64,
+}
+
+impl Spread {
+    fn of(errors: impl Iterator<Item = f64>) -> Option<Spread> {
+        let e: Vec<f64> = errors.map(f64::abs).collect();
+        Some(Spread { n: e.len(), median: results::median(&e)?, max: e.iter().copied().reduce(f64::max)? })
+    }
+}
+
+/// One group's pick against its fastest measured design.
+#[derive(Debug, Clone, Serialize)]
+pub struct Pick {
+    /// The group.
+    pub group: String,
+    /// The advisor's pick among the designs measured soundly.
+    pub pick: String,
+    /// The fastest measured.
+    pub best: String,
+    /// measured(pick) / measured(best) - 1.
+    pub gap: f64,
+    /// Within [`PICK_TOLERANCE`].
+    pub found: bool,
+    /// For a miss: both designs' predictions and measurements.
+    pub why: Option<String>,
+    /// Designs in the group measured soundly.
+    pub designs: usize,
+}
+
+/// Everything `validate` found.
+#[derive(Debug, Clone, Serialize)]
+pub struct Validation {
+    /// The CPU the runs ran on, from their machine.json.
+    pub cpu: String,
+    /// Every run.
+    pub rows: Vec<Row>,
+    /// The advisor's error over the sound runs.
+    pub advisor: Option<Spread>,
+    /// The alpha-beta model's over the same runs.
+    pub alpha_beta: Option<Spread>,
+    /// By design family: (family, advisor's, alpha-beta's).
+    pub by_family: Vec<(String, Option<Spread>, Option<Spread>)>,
+    /// Each group's pick.
+    pub picks: Vec<Pick>,
+    /// Groups with fewer than two sound designs, and why no pick is judged there.
+    pub unjudged: Vec<(String, String)>,
+}
+
+/// The group directories under `dirs`: each one holding `cluster.json`, or each child of one
+/// that does not.
+pub fn groups(dirs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for d in dirs {
+        anyhow::ensure!(d.is_dir(), "{} is not a directory", d.display());
+        if d.join(emulated::CLUSTER_FILE).exists() {
+            out.push(d.clone());
+            continue;
+        }
+        let mut kids: Vec<PathBuf> = std::fs::read_dir(d)
+            .with_context(|| format!("reading {}", d.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.join(emulated::CLUSTER_FILE).exists())
+            .collect();
+        kids.sort();
+        anyhow::ensure!(
+            !kids.is_empty(),
+            "{} holds no emulated cluster's runs ({} in it or in a directory under it)",
+            d.display(),
+            emulated::CLUSTER_FILE
+        );
+        out.extend(kids);
+    }
+    Ok(out)
+}
+
+/// Validate the runs in the groups `dirs` names ([`groups`]).
+pub fn validate(dirs: &[PathBuf]) -> anyhow::Result<Validation> {
+    let mut rows = Vec::new();
+    let mut cpu = String::new();
+    for g in groups(dirs)? {
+        rows.extend(group_rows(&g)?);
+        if cpu.is_empty() {
+            cpu = machine_cpu(&g).unwrap_or_default();
+        }
+    }
+    Ok(summarise(cpu, rows))
+}
+
+fn machine_cpu(dir: &Path) -> Option<String> {
+    let t = std::fs::read_to_string(dir.join("machine.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&t).ok()?;
+    Some(format!("{}, {} cores", v.get("cpu")?.as_str()?, v.get("cores")?.as_u64()?))
+}
+
+/// One group directory's runs.
+fn group_rows(dir: &Path) -> anyhow::Result<Vec<Row>> {
+    let name = dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+    let c = results::collect(&[dir.to_path_buf()], None)?;
+    let runs = emulated::load(&[dir.to_path_buf()]);
+    Ok(runs.iter().filter_map(|r| Some(row(&name, r, c.summaries.iter().find(|s| s.id == r.id)?))).collect())
+}
+
+/// The design a run stands for in its group.
+fn design(r: &ClusterRun) -> String {
+    if r.mode.is_ps() { format!("{} k={}", r.mode.label(), r.shards) } else { r.mode.label().to_string() }
+}
+
+fn row(group: &str, r: &ClusterRun, s: &Summary) -> Row {
+    let compute = s.forward_ms.zip(s.backward_ms).map(|(f, b)| f + b + s.update_ms.unwrap_or(0.0));
+    let exchange = cluster_prediction(r, s.params).map(|t| t * 1e3);
+    Row {
+        group: group.to_string(),
+        design: design(r),
+        model: s.model.clone(),
+        hosts: r.workers.div_ceil(r.ranks_per_host.max(1)),
+        ranks_per_host: r.ranks_per_host,
+        rate_gbit: r.rate_gbit,
+        dilation: r.dilation,
+        cpu_busy: s.cpu_busy,
+        sound: s.complete() && !s.dilated_saturated(),
+        measured_ms: s.step_ms,
+        advisor_ms: advisor_prediction_ms(r, s, true),
+        advisor_profile_ms: advisor_prediction_ms(r, s, false),
+        alpha_beta_ms: compute.zip(exchange).map(|(c, x)| c + x),
+    }
+}
+
+/// The design families errors are given by.
+const FAMILIES: [(&str, fn(&str) -> bool); 3] = [
+    ("ring, ddp-hier", |d| d == "ddp-tcp" || d == "ddp-hier"),
+    ("ZeRO-1", |d| d == "zero1-tcp"),
+    ("parameter server", |d| d.starts_with("ps-")),
+];
+
+/// The errors, by family, and each group's pick.
+pub fn summarise(cpu: String, rows: Vec<Row>) -> Validation {
+    let sound = || rows.iter().filter(|r| r.sound && r.advisor_ms.is_some() && r.alpha_beta_ms.is_some());
+    let by_family = FAMILIES
+        .iter()
+        .map(|(name, is)| {
+            let of = || sound().filter(|r| is(&r.design));
+            (
+                name.to_string(),
+                Spread::of(of().filter_map(Row::advisor_error)),
+                Spread::of(of().filter_map(Row::alpha_beta_error)),
+            )
+        })
+        .collect();
+    let mut names: Vec<&str> = rows.iter().map(|r| r.group.as_str()).collect();
+    names.dedup();
+    let (mut picks, mut unjudged) = (Vec::new(), Vec::new());
+    for g in names {
+        match pick(&rows, g) {
+            Ok(p) => picks.push(p),
+            Err(why) => unjudged.push((g.to_string(), why)),
+        }
+    }
+    Validation {
+        cpu,
+        advisor: Spread::of(sound().filter_map(Row::advisor_error)),
+        alpha_beta: Spread::of(sound().filter_map(Row::alpha_beta_error)),
+        by_family,
+        rows,
+        picks,
+        unjudged,
+    }
+}
+
+/// Group `g`'s pick: the design the advisor predicts fastest from the profile among those
+/// measured soundly, against the fastest measured.
+fn pick(rows: &[Row], g: &str) -> Result<Pick, String> {
+    let ran: Vec<&Row> = rows.iter().filter(|r| r.group == g).collect();
+    let sound: Vec<&Row> = ran
+        .iter()
+        .copied()
+        .filter(|r| r.sound && r.measured_ms.is_some() && r.advisor_profile_ms.is_some())
+        .collect();
+    if sound.len() < 2 {
+        let left: Vec<String> = ran.iter().filter(|r| !r.sound).map(|r| r.design.clone()).collect();
+        return Err(format!(
+            "{} of {} designs measured soundly{}",
+            sound.len(),
+            ran.len(),
+            if left.is_empty() { String::new() } else { format!(" (not sound: {})", left.join(", ")) }
+        ));
+    }
+    let min_by = |f: fn(&Row) -> Option<f64>| {
+        sound.iter().copied().min_by(|a, b| f(a).partial_cmp(&f(b)).unwrap_or(std::cmp::Ordering::Equal))
+    };
+    let (Some(p), Some(b)) = (min_by(|r| r.advisor_profile_ms), min_by(|r| r.measured_ms)) else {
+        return Err("nothing to rank".into());
+    };
+    let (pm, bm) = (p.measured_ms.unwrap_or(f64::NAN), b.measured_ms.unwrap_or(f64::NAN));
+    let gap = pm / bm - 1.0;
+    let found = gap <= PICK_TOLERANCE;
+    let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
+    let why = (!found).then(|| {
+        format!(
+            "picked {} (predicted {} ms, measured {} ms) over {} (predicted {} ms, measured {} ms)",
+            p.design,
+            ms(p.advisor_profile_ms),
+            ms(p.measured_ms),
+            b.design,
+            ms(b.advisor_profile_ms),
+            ms(b.measured_ms)
+        )
+    });
+    Ok(Pick {
+        group: g.to_string(),
+        pick: p.design.clone(),
+        best: b.design.clone(),
+        gap,
+        found,
+        why,
+        designs: sound.len(),
+    })
+}
+
+fn pct(v: Option<f64>) -> String {
+    v.map_or("-".into(), |v| format!("{:+.1}%", v * 100.0))
+}
+
+fn spread_text(s: &Option<Spread>) -> String {
+    s.map_or("-".into(), |s| format!("{:.1}% / {:.1}% (n = {})", s.median * 100.0, s.max * 100.0, s.n))
+}
+
+/// The validation as Markdown: the summary first, then the picks, then every run.
+pub fn markdown(v: &Validation) -> String {
+    let mut t = format!("CPU: {}\n\n", if v.cpu.is_empty() { "unknown" } else { &v.cpu });
+    t += "| runs | advisor: median / largest \\|error\\| | alpha-beta: median / largest |\n|---|---|---|\n";
+    t += &format!("| all sound runs | {} | {} |\n", spread_text(&v.advisor), spread_text(&v.alpha_beta));
+    for (name, a, b) in &v.by_family {
+        t += &format!("| {name} | {} | {} |\n", spread_text(a), spread_text(b));
+    }
+    let found = v.picks.iter().filter(|p| p.found).count();
+    t += &format!(
+        "\nThe advisor's pick within {:.0}% of the fastest measured design in {found} of {} groups{}.\n\n",
+        PICK_TOLERANCE * 100.0,
+        v.picks.len(),
+        if v.picks.is_empty() {
+            String::new()
+        } else {
+            format!(" ({:.0}%)", 100.0 * found as f64 / v.picks.len() as f64)
+        }
+    );
+    t += "| group | designs | pick | fastest measured | pick's gap | |\n|---|---:|---|---|---:|---|\n";
+    for p in &v.picks {
+        t += &format!(
+            "| {} | {} | {} | {} | {} | {} |\n",
+            p.group,
+            p.designs,
+            p.pick,
+            p.best,
+            pct(Some(p.gap)),
+            p.why.as_deref().unwrap_or("found")
+        );
+    }
+    for (g, why) in &v.unjudged {
+        t += &format!("| {g} | | | | | not judged: {why} |\n");
+    }
+    t += "\n| group | design | factor | cores busy | sound | measured ms | advisor ms | error | alpha-beta ms | error |\n\
+          |---|---|---:|---:|---|---:|---:|---:|---:|---:|\n";
+    let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
+    for r in &v.rows {
+        t += &format!(
+            "| {} | {} | x{} | {} | {} | {} | {} | {} | {} | {} |\n",
+            r.group,
+            r.design,
+            r.dilation,
+            r.cpu_busy.map_or("-".into(), |b| format!("{:.0}%", b * 100.0)),
+            if r.sound { "yes" } else { "no" },
+            ms(r.measured_ms),
+            ms(r.advisor_ms),
+            pct(r.advisor_error()),
+            ms(r.alpha_beta_ms),
+            pct(r.alpha_beta_error())
+        );
+    }
+    t
+}
+
+/// `gradsync-bench validate`'s flags.
+#[derive(Debug, clap::Args)]
+pub struct ValidateArgs {
+    /// Emulated clusters' run directories (`gradsync-bench cluster --out`), or directories
+    /// holding them (`scripts/advisor-matrix.sh OUT`).
+    #[arg(required = true)]
+    pub dirs: Vec<PathBuf>,
+    /// Print JSON instead of Markdown.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Run `gradsync-bench validate`.
+pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
+    let v = validate(&a.dirs)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print!("{}", markdown(&v));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(group: &str, design: &str, measured: f64, predicted: f64, ab: f64, sound: bool) -> Row {
+        Row {
+            group: group.into(),
+            design: design.into(),
+            model: "resnet50 (replay)".into(),
+            hosts: 4,
+            ranks_per_host: 1,
+            rate_gbit: 10.0,
+            dilation: 12.0,
+            cpu_busy: Some(0.3),
+            sound,
+            measured_ms: Some(measured),
+            advisor_ms: Some(predicted),
+            advisor_profile_ms: Some(predicted),
+            alpha_beta_ms: Some(ab),
+        }
+    }
+
+    #[test]
+    fn errors_are_over_sound_runs_and_by_family() {
+        let rows = vec![
+            r("g", "ddp-tcp", 100.0, 102.0, 110.0, true),
+            r("g", "zero1-tcp", 100.0, 96.0, 120.0, true),
+            r("g", "ps-bsp k=4", 50.0, 45.0, 60.0, true),
+            // Not sound: left out of every figure however far off.
+            r("g", "ps-bsp k=2", 80.0, 8.0, 8.0, false),
+        ];
+        let v = summarise(String::new(), rows);
+        let a = v.advisor.unwrap();
+        assert_eq!(a.n, 3);
+        assert!((a.median - 0.04).abs() < 1e-9 && (a.max - 0.10).abs() < 1e-9, "{a:?}");
+        let b = v.alpha_beta.unwrap();
+        assert!((b.median - 0.20).abs() < 1e-9 && (b.max - 0.20).abs() < 1e-9, "{b:?}");
+        let ps = &v.by_family.iter().find(|f| f.0 == "parameter server").unwrap().1;
+        assert_eq!(ps.unwrap().n, 1);
+    }
+
+    #[test]
+    fn a_pick_is_found_within_five_percent_and_a_miss_says_both_predictions() {
+        let rows = vec![
+            // The advisor predicts the ring fastest; the PS measures 3% faster: found.
+            r("a", "ddp-tcp", 103.0, 90.0, 0.0, true),
+            r("a", "ps-bsp k=4", 100.0, 95.0, 0.0, true),
+            // Here it measures 20% faster: a miss, named.
+            r("b", "ddp-tcp", 120.0, 90.0, 0.0, true),
+            r("b", "ps-bsp k=4", 100.0, 95.0, 0.0, true),
+            // One sound design: not judged.
+            r("c", "ddp-tcp", 120.0, 90.0, 0.0, true),
+            r("c", "ps-bsp k=4", 100.0, 95.0, 0.0, false),
+        ];
+        let v = summarise(String::new(), rows);
+        assert_eq!(v.picks.len(), 2);
+        assert!(v.picks[0].found && (v.picks[0].gap - 0.03).abs() < 1e-9);
+        let miss = &v.picks[1];
+        assert!(!miss.found && miss.pick == "ddp-tcp" && miss.best == "ps-bsp k=4");
+        let why = miss.why.as_deref().unwrap();
+        assert!(
+            why.contains("predicted 90.0 ms, measured 120.0 ms") && why.contains("predicted 95.0"),
+            "{why}"
+        );
+        assert_eq!(v.unjudged.len(), 1);
+        assert!(
+            v.unjudged[0].1.contains("1 of 2") && v.unjudged[0].1.contains("ps-bsp k=4"),
+            "{:?}",
+            v.unjudged
+        );
+        let md = markdown(&v);
+        assert!(md.contains("in 1 of 2 groups (50%)"), "{md}");
+    }
+
+    #[test]
+    fn a_directory_without_cluster_runs_is_refused_by_name() {
+        let d = gradsync_testkit::Scratch::new("validate-empty");
+        let e = validate(&[d.to_path_buf()]).unwrap_err().to_string();
+        assert!(e.contains("holds no emulated cluster's runs") && e.contains("cluster.json"), "{e}");
+    }
+}
