@@ -204,8 +204,11 @@ fn row(group: &str, r: &ClusterRun, s: &Summary) -> Row {
     }
 }
 
+/// Whether a design (as [`design`] names it) belongs to a family.
+type InFamily = fn(&str) -> bool;
+
 /// The design families errors are given by.
-const FAMILIES: [(&str, fn(&str) -> bool); 3] = [
+const FAMILIES: [(&str, InFamily); 3] = [
     ("ring, ddp-hier", |d| d == "ddp-tcp" || d == "ddp-hier"),
     ("ZeRO-1", |d| d == "zero1-tcp"),
     ("parameter server", |d| d.starts_with("ps-")),
