@@ -131,8 +131,41 @@ fn bad_input_is_refused_naming_what_is_wrong() {
         (&["--model", "resnet50", "--cluster", "4x1:1gbit", "--topk-ratio", "2"], "--topk-ratio"),
         (&["--model", "resnet50", "--cluster", "4x1:1gbit", "--device-tflops", "0"], "device-tflops"),
         (&["--model", "resnet50"], "--cluster"),
+        // --check on hosts: what the list says is refused before any host is reached.
+        (
+            &[
+                "--model",
+                "resnet50",
+                "--hosts",
+                "nosuchhost-a:2,nosuchhost-b:1",
+                "--intra",
+                "pcie",
+                "--check",
+                "1",
+            ],
+            "--hosts nosuchhost-a:2,nosuchhost-b:1: hosts of 2 and 1 slots: the advisor predicts for hosts alike",
+        ),
+        (
+            &["--model", "resnet50", "--hosts", "nosuchhost-a:2,nosuchhost-b:2", "--check", "1"],
+            "--hosts nosuchhost-a:2,nosuchhost-b:2: 2 slots a host: name the link between them with --intra",
+        ),
+        (
+            &["--model", "resnet50", "--hosts", "nosuchhost-a", "--check", "1"],
+            "--hosts nosuchhost-a: one worker has nothing to synchronise",
+        ),
+        (
+            &["--model", "resnet50", "--hosts", "nosuchhost-a:0", "--check", "1"],
+            "--hosts nosuchhost-a:0: host",
+        ),
+        (&["--model", "resnet50", "--slurm", "--check", "1"], "--slurm: SLURM_JOB_ID is not set"),
     ] {
-        let out = advise(args);
+        let out = Command::new(BENCH)
+            .arg("advise")
+            .args(args)
+            .env_remove("SLURM_JOB_ID")
+            .env_remove("SLURM_JOBID")
+            .output()
+            .expect("running gradsync-bench advise");
         let stderr = text(&out.stderr);
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(stderr.contains(want), "{args:?}: {stderr}");

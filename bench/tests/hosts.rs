@@ -675,6 +675,107 @@ fn copy_binaries_puts_this_machines_binaries_on_a_host_that_lacks_them() {
     drop(h.sshd);
 }
 
+/// `advise --hosts --check 1` against two sshd hosts: the advice predicted for the NIC the
+/// hosts measured, then its pick and plain DDP each replayed on those hosts as `compare
+/// --hosts` runs a scenario there (every process over ssh, its files brought back),
+/// undilated, and measured beside the prediction for the link as measured (the advice's own
+/// measurement), in check.json, report.html and the text page; nothing left on the hosts. The
+/// model's update (40 ms) makes the pick a parameter server colocated one a host (its update
+/// split over the servers, half-precision pushes), which the emulated cluster cannot check and
+/// the real hosts can.
+#[test]
+fn advise_check_runs_its_configurations_on_the_hosts() {
+    let Some(h) = ssh_hosts("advise-check", 2, &[]) else { return };
+    let model = common::tiny_profile(h.dir.path(), 40.0);
+    let out = h.dir.join("check");
+    let list = format!("{},{}", h.addr(1), h.addr(2));
+    let stdout = h.dir.join("advise.txt");
+    let mut c = h.cluster.command(0, env!("CARGO_BIN_EXE_gradsync-bench")).unwrap();
+    c.args([
+        "advise",
+        "--model",
+        &model,
+        "--hosts",
+        &list,
+        "--bucket-mb",
+        "25",
+        "--no-topk",
+        "--free-codecs",
+    ])
+    .args(["--check", "1", "--check-steps", "3", "--out"])
+    .arg(&out)
+    .arg("--bin-dir")
+    .arg(gradsync_testkit::process::bin_dir())
+    .env("GRADSYNC_SSH_OPTS", format!("-F {}", h.config().display()))
+    .stdout(std::fs::File::create(&stdout).unwrap());
+    let t = Instant::now();
+    let mut p = gradsync_testkit::process::Proc::spawn(&mut c);
+    let pid = p.id();
+    let (code, err, _) = p.finish(Duration::from_secs(180));
+    let text = std::fs::read_to_string(&stdout).unwrap();
+    assert_eq!(code, 0, "advise --hosts --check failed:\n{text}\n{err}");
+    eprintln!("advise --hosts --check 1: {:.1} s\n{err}\n{text}", t.elapsed().as_secs_f64());
+    assert!(
+        text.contains("check: measured on 2 host(s) x 1 rank(s) at ")
+            && text.contains(&format!("as measured, the real hosts of --hosts {list}")),
+        "{text}"
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("check.json")).unwrap()).unwrap();
+    assert_eq!(report["testbed"], "hosts", "{report:#}");
+    let checked = report["checked"].as_array().unwrap();
+    let labels: Vec<&str> = checked.iter().map(|c| c["label"].as_str().unwrap()).collect();
+    assert_eq!(
+        labels,
+        ["ps-bsp-fp16, 2 servers colocated", "ddp-tcp flat ring, 25 MB buckets"],
+        "{report:#}"
+    );
+    assert_eq!(
+        (checked[0]["is_pick"].as_bool(), checked[0]["predicted_rank"].as_u64()),
+        (Some(true), Some(1))
+    );
+    for c in checked {
+        let m = c["measured_ms"].as_f64().unwrap_or_else(|| panic!("not measured: {c:#}"));
+        // The link as measured is the advice's own: its prediction is the SPEC's.
+        let (spec, link) =
+            (c["predicted_ms"].as_f64().unwrap(), c["predicted_measured_link_ms"].as_f64().unwrap());
+        assert!(m > 0.0 && (spec - link).abs() < 1e-9, "{c:#}");
+        assert!(c["dilation"].is_null() && c["sound"].as_u64().unwrap() >= 1, "{c:#}");
+        // Run as a comparison on the hosts: their record, and every rank's steps brought back.
+        let dir = PathBuf::from(c["dir"].as_str().unwrap());
+        let machine: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("machine.json")).unwrap()).unwrap();
+        assert_eq!(machine["link"].as_str().unwrap(), format!("{} to {}", h.addr(1), h.addr(2)), "{machine}");
+        let outcomes = std::fs::read_to_string(dir.join("outcomes.jsonl")).unwrap();
+        assert_eq!(outcomes.lines().filter(|l| l.contains("\"status\":\"ok\"")).count(), 2, "{outcomes}");
+    }
+    // The colocated servers ran one a host, beside the workers.
+    let ps_run = std::fs::read_dir(PathBuf::from(checked[0]["dir"].as_str().unwrap()).join("runs"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    for f in ["server0.jsonl", "server1.jsonl", "rank0.jsonl", "rank1.jsonl"] {
+        assert!(ps_run.join(f).is_file(), "{}: no {f}", ps_run.display());
+    }
+    assert!(report["verdict"].as_str().unwrap().starts_with("Measured fastest: "), "{report:#}");
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    let (card, table, chart) =
+        (html.find("class=\"card\"").unwrap(), html.find("<table>").unwrap(), html.find("<svg").unwrap());
+    assert!(card < table && table < chart, "verdict card, table, chart in that order");
+    assert!(html.contains("What the check on the hosts is not") && !html.contains("dilat"), "the page");
+    // Each configuration's comparison tidied the hosts after it.
+    let left: Vec<String> = std::fs::read_dir("/tmp")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("gradsync-compare-") && n.ends_with(&format!("-{pid}")))
+        .collect();
+    assert!(left.is_empty(), "left on the hosts: {left:?}");
+    drop(h.sshd);
+}
+
 /// The start-up overhead of a run over ssh: the same one-step runs over three emulated ssh
 /// hosts and over loopback on the head, their wall times side by side (medians of five
 /// repeats). A measurement, run by hand: `cargo nextest run -p gradsync-bench --test hosts

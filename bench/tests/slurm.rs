@@ -423,6 +423,59 @@ fn compare_runs_every_process_as_a_job_step_inside_salloc() {
     eprintln!("compare --slurm: 2 runs in {:.1} s", t.elapsed().as_secs_f64());
 }
 
+/// `advise --slurm --check 1` inside `salloc` on the one node (two tasks: one host of two
+/// ranks, over shared memory as --intra says): the advice predicted for the link a step
+/// measured there, then its pick (or the best the node can run) and plain DDP each replayed as
+/// a comparison of job steps, as `compare --slurm` runs one, undilated, and measured beside
+/// the prediction; a server on a node of its own, which the one node of workers leaves no room
+/// for, listed as not checked with why.
+#[test]
+fn advise_check_runs_its_configurations_as_job_steps_inside_salloc() {
+    let Some(cluster) = cluster_or_skip("advise --slurm --check") else { return };
+    let model = common::tiny_profile(cluster.dir.path(), 40.0);
+    let out = cluster.dir.join("check");
+    let stdout = cluster.dir.join("advise.txt");
+    let mut c = cluster.command("salloc");
+    c.args(["-N1", "-n2", "--overcommit", "--time=5", "--quiet"])
+        .arg(env!("CARGO_BIN_EXE_gradsync-bench"))
+        .args(["advise", "--model", &model, "--slurm", "--intra", "shm", "--bucket-mb", "25", "--no-topk"])
+        .args(["--free-codecs", "--check", "1", "--check-steps", "3", "--out"])
+        .arg(&out)
+        .arg("--bin-dir")
+        .arg(gradsync_testkit::process::bin_dir())
+        .stdout(std::fs::File::create(&stdout).unwrap());
+    let t = Instant::now();
+    let (code, err, _) = Proc::spawn(&mut c).finish(Duration::from_secs(240));
+    let text = std::fs::read_to_string(&stdout).unwrap();
+    assert_eq!(code, 0, "advise --slurm --check failed:\n{text}\n{err}\nSlurm: {}", cluster.logs());
+    eprintln!("advise --slurm --check 1: {:.1} s\n{text}", t.elapsed().as_secs_f64());
+    assert!(
+        text.contains("check: measured on 1 host(s) x 2 rank(s) at ")
+            && text.contains("as measured, the real hosts of --slurm"),
+        "{text}"
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("check.json")).unwrap()).unwrap();
+    assert_eq!(report["testbed"], "slurm", "{report:#}");
+    let checked = report["checked"].as_array().unwrap();
+    assert!(checked.iter().any(|c| c["label"] == "ddp-tcp flat ring, 25 MB buckets"), "{report:#}");
+    for c in checked {
+        let m = c["measured_ms"].as_f64().unwrap_or_else(|| panic!("not measured: {c:#}\n{err}"));
+        assert!(m > 0.0 && c["dilation"].is_null() && c["sound"].as_u64().unwrap() >= 1, "{c:#}");
+        let dir = PathBuf::from(c["dir"].as_str().unwrap());
+        let machine: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("machine.json")).unwrap()).unwrap();
+        assert_eq!(machine["launcher"], "Slurm", "{machine}");
+        assert_eq!(machine["link"], format!("loopback (one node: {})", cluster.node), "{machine}");
+    }
+    for n in report["not_checked"].as_array().unwrap() {
+        if n[0].as_str().unwrap().contains("on their own hosts") {
+            assert!(n[1].as_str().unwrap().contains("beyond the 1 given"), "{n}");
+        }
+    }
+    assert!(out.join("report.html").is_file());
+}
+
 /// The outcomes of the comparison in `out`, `n` of them.
 fn outcomes(out: &Path, n: usize) -> Vec<serde_json::Value> {
     let text = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();

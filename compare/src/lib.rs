@@ -20,6 +20,8 @@
 //!   - [`netns`]: an emulated host's network namespace;
 //!   - [`ssh`]: `compare --hosts`, the hosts reached over ssh (read from a [`hostfile`]);
 //!   - [`slurm`]: `compare --slurm`, the nodes of a Slurm allocation, and `--emit-sbatch`.
+//! - [`pools`]: which of those pools the flags name (`--hosts`, `--slurm`), its slots as
+//!   listed, and the pool reached and checked: for `compare` and for `advise`.
 //! - [`binaries`]: the gradsync binaries a host or node runs, checked there at the start
 //!   (`--copy-binaries`: this machine's put where they are missing).
 //! - [`place`]: where a run's processes go on hosts or nodes, and whether they can take them.
@@ -56,6 +58,7 @@ pub mod modes;
 pub mod net;
 pub mod netns;
 pub mod place;
+pub mod pools;
 pub mod rawtcp;
 pub mod report;
 pub mod results;
@@ -190,35 +193,21 @@ impl Launching {
             }),
             _ => None,
         };
-        if a.slurm {
-            let local = binaries::LocalBinaries::of(bins)?;
-            let alloc = slurm::Alloc::from_env(&local, out, a.copy_binaries)?;
-            eprintln!("gradsync-bench compare: Slurm job {}: {}", alloc.job, alloc.describe());
-            return Ok(Launching { pool: Some(Box::new(alloc)), tls });
-        }
-        let Some(list) = &a.hosts else { return Ok(Launching { pool: None, tls }) };
-        let entries = hostfile::parse_arg(list)?;
-        let ssh_args = ssh::SshArgs {
-            ssh_opts: a.ssh_opts.clone(),
-            remote_dir: a.remote_dir.clone(),
-            remote_bin_dir: a.remote_bin_dir.clone(),
-            copy_binaries: a.copy_binaries,
+        let pool = match (a.slurm, &a.hosts) {
+            (true, _) => pools::PoolSpec::Slurm { copy_binaries: a.copy_binaries },
+            (false, Some(list)) => pools::PoolSpec::Hosts {
+                list: list.clone(),
+                ssh: ssh::SshArgs {
+                    ssh_opts: a.ssh_opts.clone(),
+                    remote_dir: a.remote_dir.clone(),
+                    remote_bin_dir: a.remote_bin_dir.clone(),
+                    copy_binaries: a.copy_binaries,
+                },
+            },
+            (false, None) => return Ok(Launching { pool: None, tls }),
         };
         let local = binaries::LocalBinaries::of(bins)?;
-        let t = Instant::now();
-        let hosts = ssh::Hosts::connect(&entries, &ssh_args, &local, out)?;
-        eprintln!(
-            "gradsync-bench compare: {} host(s) checked in {:.2} s: {}",
-            hosts.hosts.len(),
-            t.elapsed().as_secs_f64(),
-            hosts
-                .hosts
-                .iter()
-                .map(|h| format!("{} ({}, {} slots)", h.name, h.addr, h.slots))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        Ok(Launching { pool: Some(Box::new(hosts)), tls })
+        Ok(Launching { pool: Some(pool.connect(&local, out, "gradsync-bench compare")?), tls })
     }
 }
 
@@ -321,7 +310,18 @@ pub fn run_plot(a: &PlotArgs) -> anyhow::Result<()> {
 /// now), each run's processes, and `outcomes.jsonl`. A failed run is recorded and the next one
 /// starts.
 pub fn compare(scenario: &Scenario, bins: &modes::Bins, out: &Path) -> anyhow::Result<Vec<Outcome>> {
-    compare_into(scenario, bins, out, false, &Launching::default())
+    compare_on(scenario, bins, out, &Launching::default())
+}
+
+/// [`compare`] with its processes started as `launching` says: on the hosts or nodes of its
+/// pool (which it tidies at the end), as `compare --hosts` and `--slurm` run a scenario.
+pub fn compare_on(
+    scenario: &Scenario,
+    bins: &modes::Bins,
+    out: &Path,
+    launching: &Launching,
+) -> anyhow::Result<Vec<Outcome>> {
+    compare_into(scenario, bins, out, false, launching)
 }
 
 /// [`compare`], or with `resume` the cells of `out` that have no outcome yet (an interrupted

@@ -1,19 +1,20 @@
 //! `advise --check N`: the advice put to the test. The top N configurations the advisor
 //! ranked, and plain DDP (the flat ring at the worker's default 25 MB buckets, uncompressed),
-//! each run as a short replay of the model on an emulated cluster matching the SPEC (its hosts
-//! and ranks a host, its NIC rate), dilated so that this machine's cores are not what sets the
-//! figures (`gradsync-bench cluster --dilate auto`: each configuration probed, run twice and
-//! checked at twice the factor). Each measured step (the median of its sound repeats) is set
-//! beside the step predicted for the SPEC and for the link as the cluster measured it, and the
-//! configurations are ranked by measurement where the two orders disagree.
+//! each run as a short replay of the model where the [`Testbed`] says: on an emulated cluster
+//! matching the SPEC (its hosts and ranks a host, its NIC rate), dilated so that this machine's
+//! cores are not what sets the figures (`gradsync-bench cluster --dilate auto`: each
+//! configuration probed, run twice and checked at twice the factor); or, with `--hosts` and
+//! `--slurm`, on the very hosts the advice measured, undilated, as `compare --hosts` runs a
+//! scenario there. Each measured step (the median of its sound repeats) is set beside the step
+//! predicted for the SPEC and for the link as measured (the emulated cluster's own, or the
+//! hosts' as the advice measured it), and the configurations are ranked by measurement where
+//! the two orders disagree.
 //!
-//! What the emulated cluster cannot be is said, not hidden: a host's ranks meet over its
-//! loopback (not NVLink or PCIe), the NIC's latency is the namespaces' own (no netem here to
-//! add the SPEC's), and servers always get hosts of their own (a colocated parameter server is
-//! not checked), as is a configuration no compared mode runs (bf16).
+//! What a testbed cannot run is said, not hidden, with why ([`Testbed::unrunnable`]: a
+//! colocated parameter server on the emulated cluster, servers on hosts of their own on real
+//! hosts that the workers fill, bf16 anywhere), and so is what it is not (the page's caveats).
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use anyhow::Context;
 use gradsync_core::compress::Compression;
@@ -23,12 +24,10 @@ use super::codec::CodecRates;
 use super::config::{Config, Exchange};
 use super::predict::{Prediction, Workload, predict};
 use super::spec::ClusterSpec;
-use crate::cost::Link;
-use crate::emulated;
+use super::testbed::{Kind, Testbed};
 use crate::modes::Bins;
-use crate::net::{Queue, Shape};
-use crate::results::{self, Summary};
-use crate::scenario::{Dilate, Scenario};
+use crate::results::{self, REPLAY_BUSY, Summary};
+use crate::scenario::Scenario;
 
 /// Steps of each checked run (the first, the warm-up, left out of its mean).
 pub const CHECK_STEPS: u64 = 6;
@@ -37,17 +36,26 @@ pub const CHECK_REPEATS: usize = 2;
 /// The bucket size of plain DDP, the worker's default (`--bucket-mb`).
 const PLAIN_DDP_MB: f64 = 25.0;
 
-/// What the check needs besides the advice.
-pub struct CheckPlan<'a> {
+/// The model each checked run replays, as the flags name it.
+#[derive(Debug, Clone, Copy)]
+pub struct Replayed<'a> {
     /// The model as `--model` names it.
     pub model: &'a str,
     /// `--batch`, if given.
     pub batch: Option<usize>,
     /// `--device-tflops`, `--device-tbps`.
     pub rates: (Option<f64>, Option<f64>),
-    /// The configurations to run: the top N the cluster can run, then plain DDP.
+}
+
+/// What the check needs besides the advice.
+pub struct CheckPlan<'a> {
+    /// The model replayed.
+    pub replayed: Replayed<'a>,
+    /// Where the runs go.
+    pub testbed: &'a Testbed,
+    /// The configurations to run: the top N the testbed can run, then plain DDP.
     pub configs: Vec<Prediction>,
-    /// Configurations ranked above the last checked one that the cluster cannot run, and why.
+    /// Configurations ranked above the last checked one that the testbed cannot run, and why.
     pub not_checked: Vec<(String, String)>,
     /// Steps and repeats of each run.
     pub steps: u64,
@@ -66,17 +74,18 @@ pub struct Checked {
     pub is_pick: bool,
     /// The step predicted for the SPEC, ms.
     pub predicted_ms: f64,
-    /// The step predicted for the emulated cluster's link as measured, ms.
+    /// The step predicted for the link as measured (the emulated cluster's, or the real
+    /// hosts' as the advice measured it), ms.
     pub predicted_measured_link_ms: Option<f64>,
     /// The median step of its sound repeats, ms.
     pub measured_ms: Option<f64>,
     /// Their range, ms.
     pub range_ms: Option<(f64, f64)>,
-    /// Sound repeats (complete, the cores keeping up with the factor) of those run.
+    /// Sound repeats of those run ([`sound`]).
     pub sound: usize,
     /// Repeats run.
     pub runs: usize,
-    /// The factor its cluster ran at.
+    /// The factor its emulated cluster ran at (none on real hosts, which are not dilated).
     pub dilation: Option<f64>,
     /// Why it has no measurement, when it has none.
     pub why_not: Option<String>,
@@ -95,7 +104,9 @@ impl Checked {
 /// The check's outcome.
 #[derive(Debug, Clone, Serialize)]
 pub struct CheckReport {
-    /// The emulated cluster: hosts, ranks a host, rate.
+    /// What it ran on.
+    pub testbed: Kind,
+    /// Where: hosts, ranks a host, rate ([`Testbed::describe`]).
     pub cluster: String,
     /// Every configuration checked, in predicted order.
     pub checked: Vec<Checked>,
@@ -111,16 +122,18 @@ pub struct CheckReport {
     pub verdict: String,
 }
 
-/// The configurations `--check n` runs: the top `n` of `ranked` the emulated cluster can run,
-/// then plain DDP when it is not among them; those skipped on the way, with the reason.
+/// The configurations `--check n` runs on `testbed` for the cluster `spec`: the top `n` of
+/// `ranked` it can run, then plain DDP when it is not among them; those skipped on the way,
+/// with the reason.
 pub fn plan<'a>(
-    model: &'a str,
-    batch: Option<usize>,
-    rates: (Option<f64>, Option<f64>),
+    replayed: Replayed<'a>,
+    testbed: &'a Testbed,
+    spec: &ClusterSpec,
     ranked: &[Prediction],
     pick: Option<usize>,
     n: usize,
 ) -> CheckPlan<'a> {
+    let unrunnable = |c: &Config| testbed.unrunnable(c, spec);
     let mut configs: Vec<Prediction> = Vec::new();
     let mut not_checked = Vec::new();
     // The advisor's pick first (top-k may rank above it, never picked), then the ranking.
@@ -142,36 +155,23 @@ pub fn plan<'a>(
     {
         configs.push(p.clone());
     }
-    CheckPlan { model, batch, rates, configs, not_checked, steps: CHECK_STEPS, repeats: CHECK_REPEATS }
+    CheckPlan { replayed, testbed, configs, not_checked, steps: CHECK_STEPS, repeats: CHECK_REPEATS }
 }
 
-/// Why the emulated cluster cannot run `c`, if it cannot.
-fn unrunnable(c: &Config) -> Option<String> {
-    if let Exchange::Ps { colocated: true, .. } = c.exchange {
-        return Some(
-            "the emulated cluster gives servers hosts of their own: a colocated server is not checked".into(),
-        );
-    }
-    let mode = c.mode();
-    (mode.compress(c.compression.ratio().unwrap_or(1.0)).unwrap_or(Compression::None) != c.compression)
-        .then(|| format!("no compared mode runs {} with {}: not checked", mode.label(), c.compression))
-}
-
-/// The scenario one checked configuration runs: the model replayed on `spec`'s hosts and ranks
-/// a host, the configuration's mode, servers and bucket size, dilated automatically.
+/// The scenario one checked configuration runs: the model replayed on `spec`'s ranks, placed
+/// as the testbed places them ([`Testbed::placement`]), the configuration's mode, servers and
+/// bucket size.
 pub fn scenario(plan: &CheckPlan, spec: &ClusterSpec, p: &Prediction) -> anyhow::Result<Scenario> {
-    let c = &p.config;
+    let (c, r) = (&p.config, &plan.replayed);
     let mut t = format!(
-        "name = 'advise-check'\nmodes = ['{}']\nhosts = [{}]\nranks_per_host = [{}]\nmodels = ['{}']\n\
-         steps = {}\nrepeats = {}\nseed = 42\ndevice = 'cpu'\nthreads = 1\ndilate = 'auto'\nrun_timeout_s = 900\n\
-         rawtcp_s = 1.0\n",
+        "name = 'advise-check'\nmodes = ['{}']\nmodels = ['{}']\nsteps = {}\nrepeats = {}\nseed = 42\n\
+         device = 'cpu'\nthreads = 1\nrun_timeout_s = 900\nrawtcp_s = 1.0\n",
         p.mode.label(),
-        spec.hosts,
-        spec.per_host,
-        plan.model.replace('\'', ""),
+        r.model.replace('\'', ""),
         plan.steps,
         plan.repeats
     );
+    t += &plan.testbed.placement(spec);
     t += &match c.exchange {
         Exchange::Ps { servers, .. } => format!("shards = [{servers}]\n"),
         _ => "shards = [1]\n".into(),
@@ -179,23 +179,23 @@ pub fn scenario(plan: &CheckPlan, spec: &ClusterSpec, p: &Prediction) -> anyhow:
     if let Some(mb) = c.bucket_mb {
         t += &format!("bucket_mb = {mb}\n");
     }
-    if let Some(r) = c.compression.ratio() {
-        t += &format!("topk_ratio = {r}\n");
+    if let Some(ratio) = c.compression.ratio() {
+        t += &format!("topk_ratio = {ratio}\n");
     }
-    if let Some(b) = plan.batch {
+    if let Some(b) = r.batch {
         t += &format!("batches = [{}]\n", b * spec.workers());
     }
-    if let Some(tf) = plan.rates.0 {
+    if let Some(tf) = r.rates.0 {
         t += &format!("device_tflops = {tf}\n");
     }
-    if let Some(tb) = plan.rates.1 {
+    if let Some(tb) = r.rates.1 {
         t += &format!("device_tbps = {tb}\n");
     }
     Scenario::parse(&t, "the check's scenario")
 }
 
-/// Run the plan on emulated clusters under `out`, one directory per configuration, and set
-/// what each measured beside its predictions.
+/// Run the plan on its testbed under `out`, one directory per configuration, and set what
+/// each measured beside its predictions.
 #[allow(clippy::too_many_arguments)]
 pub fn run(
     plan: &CheckPlan,
@@ -207,61 +207,63 @@ pub fn run(
     bins: &Bins,
     out: &Path,
 ) -> anyhow::Result<CheckReport> {
-    crate::net::available().map_err(|e| anyhow::anyhow!("--check runs on an emulated cluster: {e}"))?;
-    crate::net::guard("gradsync-bench advise --check");
-    let gbit = spec.nic.b * 8.0 / 1e9;
-    let shape = move |rate: f64| Shape {
-        rate_bit: Some(rate * 1e9),
-        delay: Duration::ZERO,
-        loss_pct: 0.0,
-        rto_min: None,
-        queue: Queue::Fair,
-    };
+    plan.testbed.ready()?;
     let mut checked = Vec::new();
     for (i, p) in plan.configs.iter().enumerate() {
         let s = scenario(plan, spec, p)?;
         let dir = out.join(format!("{:02}-{}", i + 1, sanitize(&p.label)));
-        eprintln!("gradsync-bench advise --check: {} on {} ({})", p.label, spec.describe(), dir.display());
-        crate::cluster::run_cluster(&s, bins, &dir, &[gbit], shape, Some(Dilate::Auto))
-            .with_context(|| format!("running {}", p.label))?;
+        let on = plan.testbed.describe(spec);
+        eprintln!("gradsync-bench advise --check: {} on {on} ({})", p.label, dir.display());
+        plan.testbed.run(&s, spec, bins, &dir).with_context(|| format!("running {}", p.label))?;
         let rank = ranked.iter().position(|r| r.config == p.config).map_or(0, |r| r + 1);
-        let mut c = measured(p, rank, spec, w, codecs, &dir)?;
+        let link = plan.testbed.measured_link(spec, &dir)?;
+        let mut c = measured(p, rank, link.as_ref(), w, codecs, &dir)?;
         c.is_pick = pick.is_some_and(|i| i + 1 == rank);
         checked.push(c);
     }
-    Ok(report(spec, checked, plan.not_checked.clone()))
+    Ok(report(plan.testbed, spec, checked, plan.not_checked.clone()))
 }
 
-/// One configuration's measurement from its run directory.
+/// A repeat that counts: complete, and its figures the design's rather than the cores'
+/// where its summary says so: a dilated run's cores kept up with the factor
+/// ([`Summary::dilated_saturated`]); an undilated one's were at most [`REPLAY_BUSY`] busy
+/// where its runner measured them (this machine's cores say nothing of other hosts', and so
+/// a run there is not held to them).
+pub fn sound(s: &Summary) -> bool {
+    let saturated = match s.dilation {
+        Some(_) => s.dilated_saturated(),
+        None => s.cpu_busy.is_some_and(|b| b > REPLAY_BUSY),
+    };
+    s.complete() && !saturated
+}
+
+/// One configuration's measurement from its run directory, with the step predicted for
+/// `link`, the cluster as measured (none where it was not).
 fn measured(
     p: &Prediction,
     predicted_rank: usize,
-    spec: &ClusterSpec,
+    link: Option<&ClusterSpec>,
     w: &Workload,
     codecs: &CodecRates,
     dir: &Path,
 ) -> anyhow::Result<Checked> {
     let c = results::collect(&[dir.to_path_buf()], None)?;
     let ran: Vec<&Summary> = c.summaries.iter().filter(|s| s.status != "skipped").collect();
-    let sound: Vec<f64> =
-        ran.iter().filter(|s| s.complete() && !s.dilated_saturated()).filter_map(|s| s.step_ms).collect();
+    let sound: Vec<f64> = ran.iter().filter(|s| sound(s)).filter_map(|s| s.step_ms).collect();
     let why_not = if sound.is_empty() {
         Some(match c.summaries.iter().find(|s| !s.error.is_empty()) {
             Some(s) => format!("{}: {}", s.status, s.error),
             None if ran.is_empty() => "not run".into(),
-            None => "no sound repeat: the cores did not keep up with the factor".into(),
+            None if ran.iter().any(|s| s.dilation.is_some()) => {
+                "no sound repeat: the cores did not keep up with the factor".into()
+            }
+            None => format!("no sound repeat: the cores were over {:.0}% busy", REPLAY_BUSY * 100.0),
         })
     } else {
         None
     };
-    let links = emulated::load(&[dir.to_path_buf()]);
-    let med = |f: &dyn Fn(&emulated::ClusterRun) -> Option<f64>| {
-        results::median(&links.iter().filter_map(f).collect::<Vec<_>>())
-    };
-    let link = med(&|r| r.measured_gbit)
-        .map(|g| Link { a: med(&|r| r.measured_latency_us).unwrap_or(0.0) * 1e-6, b: g * 1e9 / 8.0 });
     let on_link = match link {
-        Some(l) => Some(predict(w, &emulated_spec(spec, l)?, &p.config, codecs)?.step_s * 1e3),
+        Some(l) => Some(predict(w, l, &p.config, codecs)?.step_s * 1e3),
         None => None,
     };
     Ok(Checked {
@@ -274,36 +276,31 @@ fn measured(
         range_ms: crate::table::spread(&sound).map(|(_, lo, hi)| (lo, hi)),
         sound: sound.len(),
         runs: ran.len(),
-        // What auto chose (1 where the cores were nearly idle: the run is then undilated).
+        // What auto chose (1 where the cores were nearly idle: the run is then undilated);
+        // none on real hosts.
         dilation: c.dilations.first().map(|d| d.dilation).or_else(|| ran.iter().find_map(|s| s.dilation)),
         why_not,
         dir: dir.to_path_buf(),
     })
 }
 
-/// `spec`'s hosts with the NIC measured on the emulated cluster ([`ClusterSpec::emulated`]).
-fn emulated_spec(spec: &ClusterSpec, nic: Link) -> anyhow::Result<ClusterSpec> {
-    ClusterSpec::emulated(spec.hosts, spec.per_host, nic)
-        .map_err(|e| anyhow::anyhow!("the emulated cluster's link: {e}"))
-}
-
-/// The measured order, the errors and the verdict.
-pub fn report(spec: &ClusterSpec, checked: Vec<Checked>, not_checked: Vec<(String, String)>) -> CheckReport {
+/// The measured order, the errors and the verdict of what ran on `testbed` for `spec`.
+pub fn report(
+    testbed: &Testbed,
+    spec: &ClusterSpec,
+    checked: Vec<Checked>,
+    not_checked: Vec<(String, String)>,
+) -> CheckReport {
     let mut measured_order: Vec<usize> =
         (0..checked.len()).filter(|&i| checked[i].measured_ms.is_some()).collect();
     measured_order.sort_by(|&a, &b| {
         checked[a].measured_ms.partial_cmp(&checked[b].measured_ms).unwrap_or(std::cmp::Ordering::Equal)
     });
     let errors: Vec<f64> = checked.iter().filter_map(Checked::error).map(f64::abs).collect();
-    let cluster = format!(
-        "{} host(s) x {} rank(s) at {}, emulated",
-        spec.hosts,
-        spec.per_host,
-        super::spec::gbit_text(spec.nic.b)
-    );
     let verdict = verdict(&checked, &measured_order);
     CheckReport {
-        cluster,
+        testbed: testbed.kind(),
+        cluster: testbed.describe(spec),
         checked,
         not_checked,
         measured_order,
@@ -385,69 +382,119 @@ mod tests {
         (c.clone(), rank(&w, &c, &CodecRates::free(), &space).unwrap())
     }
 
-    /// The top N the emulated cluster can run, those it cannot named with the reason, and
+    /// The real hosts of `--hosts h1,h2` (binaries never read: nothing is run).
+    fn hosts() -> Testbed {
+        let local = crate::binaries::LocalBinaries {
+            paths: ["w", "s", "b"].map(PathBuf::from),
+            expected: Vec::new(),
+        };
+        let pool = crate::pools::PoolSpec::Hosts { list: "h1,h2".into(), ssh: Default::default() };
+        Testbed::Real { pool, local }
+    }
+
+    fn replayed(batch: Option<usize>, tflops: Option<f64>) -> Replayed<'static> {
+        Replayed { model: "resnet50", batch, rates: (tflops, None) }
+    }
+
+    /// On every testbed: the top N it can run, those it cannot named with the reason, and
     /// plain DDP added where the top N leave it out.
     #[test]
     fn the_plan_is_the_runnable_top_n_and_plain_ddp() {
-        let (_, r) = ranked("4x1:10gbit");
-        let plan = plan("resnet50", None, (None, None), &r, None, 3);
-        let runnable = r.iter().filter(|p| unrunnable(&p.config).is_none()).take(3).count();
-        let plain = |p: &Prediction| p.label == "ddp-tcp flat ring, 25 MB buckets";
-        assert_eq!(
-            plan.configs.len(),
-            runnable + usize::from(!r.iter().filter(|p| unrunnable(&p.config).is_none()).take(3).any(plain))
-        );
-        assert!(
-            plan.configs.iter().any(plain),
-            "{:?}",
-            plan.configs.iter().map(|p| &p.label).collect::<Vec<_>>()
-        );
-        assert!(plan.configs.iter().all(|p| unrunnable(&p.config).is_none()));
-        for (label, why) in &plan.not_checked {
-            assert!(why.contains("not checked"), "{label}: {why}");
+        let (c, r) = ranked("4x1:10gbit");
+        for testbed in [Testbed::Emulated, hosts()] {
+            let unrunnable = |p: &Prediction| testbed.unrunnable(&p.config, &c);
+            let plan = plan(replayed(None, None), &testbed, &c, &r, None, 3);
+            let top: Vec<&Prediction> = r.iter().filter(|p| unrunnable(p).is_none()).take(3).collect();
+            let plain = |p: &Prediction| p.label == "ddp-tcp flat ring, 25 MB buckets";
+            assert_eq!(plan.configs.len(), top.len() + usize::from(!top.iter().any(|p| plain(p))));
+            assert!(
+                plan.configs.iter().any(plain),
+                "{:?}",
+                plan.configs.iter().map(|p| &p.label).collect::<Vec<_>>()
+            );
+            assert!(plan.configs.iter().all(|p| unrunnable(p).is_none()));
+            // Those skipped are the ones ranked above the last checked, each with why.
+            let last = r.iter().position(|p| p.config == top.last().unwrap().config).unwrap();
+            let skipped: Vec<&str> =
+                r[..last].iter().filter(|p| unrunnable(p).is_some()).map(|p| p.label.as_str()).collect();
+            assert_eq!(plan.not_checked.iter().map(|(l, _)| l.as_str()).collect::<Vec<_>>(), skipped);
+            for (label, why) in &plan.not_checked {
+                assert!(why.contains("not checked"), "{label}: {why}");
+            }
+            // The pick goes first, wherever it ranks (top-k may rank above it).
+            let at = r.iter().position(|p| unrunnable(p).is_none() && p.label != r[0].label).unwrap();
+            let with_pick = super::plan(replayed(None, None), &testbed, &c, &r, Some(at), 2);
+            assert_eq!(with_pick.configs[0].label, r[at].label);
+            assert_eq!(with_pick.configs.iter().filter(|p| p.label == r[at].label).count(), 1);
         }
-        // The pick goes first, wherever it ranks (top-k may rank above it).
-        let with_pick = super::plan("resnet50", None, (None, None), &r, Some(4), 2);
-        assert_eq!(with_pick.configs[0].label, r[4].label);
-        assert_eq!(with_pick.configs.iter().filter(|p| p.label == r[4].label).count(), 1);
-        // A colocated server and bf16 are what it cannot run.
-        let coloc = Config {
-            exchange: Exchange::Ps { servers: 2, colocated: true },
+        // What each cannot run differs: the emulated cluster a colocated server, the real
+        // hosts (all of them the workers') servers of their own.
+        let coloc = |colocated| Config {
+            exchange: Exchange::Ps { servers: 4, colocated },
             bucket_mb: None,
             compression: Compression::None,
         };
-        assert!(unrunnable(&coloc).unwrap().contains("colocated"));
-        let bf16 = Config { exchange: Exchange::Ring, bucket_mb: Some(25.0), compression: Compression::Bf16 };
-        assert!(unrunnable(&bf16).unwrap().contains("bf16"));
-        let fp16 = Config { compression: Compression::Fp16, ..bf16 };
-        assert_eq!(unrunnable(&fp16), None);
+        assert!(Testbed::Emulated.unrunnable(&coloc(true), &c).unwrap().contains("colocated"));
+        assert_eq!(hosts().unrunnable(&coloc(true), &c), None);
+        assert!(hosts().unrunnable(&coloc(false), &c).unwrap().contains("hosts of their own"));
+        assert_eq!(Testbed::Emulated.unrunnable(&coloc(false), &c), None);
     }
 
-    /// Each configuration's scenario: its mode, its hosts and ranks a host, its servers and
-    /// bucket size, dilated automatically.
+    /// Each configuration's scenario: its mode, its servers and bucket size, the model's
+    /// batch and rate; on the emulated cluster its hosts and ranks a host, dilated
+    /// automatically; on real hosts its ranks, undilated, as `compare --hosts` takes them.
     #[test]
-    fn a_configurations_scenario_places_it_as_the_spec_says() {
+    fn a_configurations_scenario_places_it_as_the_testbed_says() {
         let (c, r) = ranked("4x2:10gbit:pcie");
-        let plan = plan("resnet50", Some(32), (Some(100.0), None), &r, None, 50);
-        let hier = plan
-            .configs
-            .iter()
-            .find(|p| p.config.exchange == Exchange::Hierarchical && p.config.compression.is_none())
-            .unwrap();
-        let s = scenario(&plan, &c, hier).unwrap();
-        assert_eq!(
-            (s.modes[0].label(), s.hosts.as_slice(), s.ranks_per_host.as_slice()),
-            ("ddp-hier", &[4][..], &[2][..])
-        );
-        assert_eq!(
-            (s.bucket_mb, s.batches.as_slice(), s.device_tflops),
-            (hier.config.bucket_mb, &[32 * 8][..], Some(100.0))
-        );
-        assert_eq!(s.dilate, Some(Dilate::Auto));
-        let ps = plan.configs.iter().find(|p| matches!(p.config.exchange, Exchange::Ps { .. })).unwrap();
-        let s = scenario(&plan, &c, ps).unwrap();
-        let Exchange::Ps { servers, .. } = ps.config.exchange else { unreachable!() };
-        assert_eq!((s.expand()[0].shards, s.bucket_mb), (servers, None));
+        for testbed in [Testbed::Emulated, hosts()] {
+            let plan = plan(replayed(Some(32), Some(100.0)), &testbed, &c, &r, None, 50);
+            let hier = plan
+                .configs
+                .iter()
+                .find(|p| p.config.exchange == Exchange::Hierarchical && p.config.compression.is_none())
+                .unwrap();
+            let s = scenario(&plan, &c, hier).unwrap();
+            assert_eq!(s.modes[0].label(), "ddp-hier");
+            assert_eq!(
+                (s.bucket_mb, s.batches.as_slice(), s.device_tflops),
+                (hier.config.bucket_mb, &[32 * 8][..], Some(100.0))
+            );
+            let ps = plan.configs.iter().find(|p| matches!(p.config.exchange, Exchange::Ps { .. })).unwrap();
+            let ps_run = scenario(&plan, &c, ps).unwrap().expand().remove(0);
+            let Exchange::Ps { servers, .. } = ps.config.exchange else { unreachable!() };
+            assert_eq!((ps_run.shards, ps_run.workers), (servers, 8));
+            match testbed {
+                Testbed::Emulated => {
+                    assert_eq!((s.hosts.as_slice(), s.ranks_per_host.as_slice()), (&[4][..], &[2][..]));
+                    assert_eq!(s.dilate, Some(crate::scenario::Dilate::Auto));
+                }
+                Testbed::Real { .. } => {
+                    // What `compare` takes: its ranks alone, no emulated hosts, no factor.
+                    assert_eq!((s.workers.as_slice(), s.hosts.is_empty()), (&[8][..], true));
+                    assert_eq!((s.ranks_per_host.as_slice(), s.dilate), (&[1][..], None));
+                    assert_eq!(ps.config.servers(), Some((4, true)), "colocated, one a host");
+                }
+            }
+        }
+    }
+
+    /// A repeat counts when complete and, where its summary says so, not saturated: a
+    /// dilated one by its factor's checks, an undilated one by its cores' busy share, and one
+    /// on other hosts (no share measured) when complete.
+    #[test]
+    fn a_sound_repeat_is_complete_and_not_saturated_where_measured() {
+        let run = |status: &str, busy: Option<f64>, dilation: Option<f64>| Summary {
+            status: status.into(),
+            cpu_busy: busy,
+            dilation,
+            ..Summary::default()
+        };
+        assert!(sound(&run("ok", None, None)), "on real hosts: complete is enough");
+        assert!(!sound(&run("failed", None, None)));
+        assert!(sound(&run("ok", Some(0.5), None)) && !sound(&run("ok", Some(0.9), None)));
+        assert!(sound(&run("ok", Some(0.4), Some(8.0))));
+        let short = Summary { dilation_too_small: true, ..run("ok", Some(0.4), Some(8.0)) };
+        assert!(!sound(&short));
     }
 
     fn checked(label: &str, rank: usize, pred: f64, meas: Option<f64>, range: Option<(f64, f64)>) -> Checked {
@@ -473,6 +520,7 @@ mod tests {
     fn the_verdict_ranks_by_measurement_and_states_the_error() {
         let spec = ClusterSpec::parse("4x1:10gbit").unwrap();
         let lost = report(
+            &Testbed::Emulated,
             &spec,
             vec![
                 checked("a", 1, 100.0, Some(125.0), Some((120.0, 130.0))),
@@ -492,6 +540,7 @@ mod tests {
             (lost.error_max.unwrap() - 0.2).abs() < 1e-9 && (lost.error_median.unwrap() - 0.124).abs() < 1e-3
         );
         let level = report(
+            &Testbed::Emulated,
             &spec,
             vec![
                 checked("a", 1, 100.0, Some(104.0), Some((98.0, 110.0))),
@@ -500,9 +549,14 @@ mod tests {
             vec![],
         );
         assert!(level.verdict.contains("level with it"), "{}", level.verdict);
-        let held = report(&spec, vec![checked("a", 1, 100.0, Some(99.0), Some((98.0, 100.0)))], vec![]);
+        let held = report(
+            &Testbed::Emulated,
+            &spec,
+            vec![checked("a", 1, 100.0, Some(99.0), Some((98.0, 100.0)))],
+            vec![],
+        );
         assert!(held.verdict.contains("agree"), "{}", held.verdict);
-        let none = report(&spec, vec![checked("a", 1, 100.0, None, None)], vec![]);
+        let none = report(&Testbed::Emulated, &spec, vec![checked("a", 1, 100.0, None, None)], vec![]);
         assert!(none.verdict.contains("unchecked") && none.error_median.is_none());
 
         let text = crate::advise::page::text(&lost);
@@ -520,5 +574,40 @@ mod tests {
             "card, table, chart"
         );
         assert!(html.contains("Measured fastest: b") && html.contains("loopback"), "{html}");
+
+        // On real hosts: the same table and verdict, no factor anywhere, the page's caveats
+        // and its sentence on how the runs were made the hosts'.
+        let undilated = |mut c: Checked| {
+            c.dilation = None;
+            c
+        };
+        let real = report(
+            &hosts(),
+            &spec,
+            vec![undilated(checked("a", 1, 100.0, Some(99.0), Some((98.0, 100.0))))],
+            vec![(
+                "ps-bsp, 4 servers on their own hosts".into(),
+                "need 4 host(s) beyond: not checked".into(),
+            )],
+        );
+        assert_eq!(real.testbed, Kind::Hosts);
+        assert!(real.verdict.contains("agree"), "{}", real.verdict);
+        let text = crate::advise::page::text(&real);
+        assert!(
+            text.contains(
+                "check: measured on 4 host(s) x 1 rank(s) at 10 Gbit/s as measured, the real hosts of \
+                 --hosts h1,h2"
+            ) && text.contains("99.0 (2 of 2) ")
+                && text.contains("not checked: ps-bsp, 4 servers on their own hosts"),
+            "{text}"
+        );
+        let html = crate::advise::page::html("resnet50", &real).unwrap();
+        assert!(
+            html.contains("What the check on the hosts is not")
+                && html.contains("gradsync-bench compare --hosts")
+                && !html.contains("dilat")
+                && !html.contains("factor"),
+            "{html}"
+        );
     }
 }

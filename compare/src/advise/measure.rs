@@ -1,61 +1,76 @@
 //! A cluster measured rather than described: `advise --hosts` (hosts reached over ssh, as
-//! `compare --hosts` reaches them) or `--slurm` (the nodes of the allocation it runs in). The
-//! hosts are checked as the comparison checks them (reachable, gradsync's binaries there),
-//! then the raw-TCP yardstick (`gradsync-bench rawtcp-peer`, [`crate::site::measure_link`])
-//! streams between the first two: its median rate is the NIC's bandwidth and its small-message
-//! latency the NIC's. Each host's slots are its ranks; the link among them is not measured and
-//! is named with `--intra`.
+//! `compare --hosts` reaches them) or `--slurm` (the nodes of the allocation it runs in), the
+//! pool [`crate::pools::PoolSpec`] names. What the list or the allocation says of the hosts
+//! (their slots alike, `--intra` where they hold several ranks) is checked first, before any
+//! host is reached; then the hosts are checked as the comparison checks them (reachable,
+//! gradsync's binaries there), and the raw-TCP yardstick (`gradsync-bench rawtcp-peer`,
+//! [`crate::site::measure_link`]) streams between the first two: its median rate is the NIC's
+//! bandwidth and its small-message latency the NIC's. Each host's slots are its ranks; the
+//! link among them is not measured and is named with `--intra`.
 
 use std::path::Path;
 use std::time::Duration;
 
 use super::error::AdviseError;
 use super::spec::{ClusterSpec, Intra, IntraKind};
+use crate::binaries::LocalBinaries;
 use crate::cost::Link;
+use crate::pools::PoolSpec;
 use crate::rawtcp::PeerReading;
-use crate::site::Pool;
-use crate::{binaries, hostfile, modes, slurm, ssh};
 
 /// Yardstick rounds, and how long each streams.
 const ROUNDS: usize = 3;
 const EACH: Duration = Duration::from_millis(500);
 
-/// Where the hosts come from.
-#[derive(Debug, Clone)]
-pub enum Measured {
-    /// `--hosts`: a hostfile or `node0:4,node1:4`, with ssh's extra options.
-    Hosts {
-        /// The list.
-        list: String,
-        /// More ssh options (`-F FILE -o User=me`).
-        ssh_opts: Option<String>,
-    },
-    /// `--slurm`: the allocation this runs in.
-    Slurm,
-}
-
-/// The cluster the hosts make, its NIC measured; `work` is a directory the check may write in.
-pub fn cluster(m: &Measured, intra: Option<IntraKind>, work: &Path) -> anyhow::Result<ClusterSpec> {
-    let bins = modes::Bins::find(None)?;
-    let local = binaries::LocalBinaries::of(&bins)?;
-    let (pool, slots, what): (Box<dyn Pool>, Vec<usize>, String) = match m {
-        Measured::Hosts { list, ssh_opts } => {
-            let entries = hostfile::parse_arg(list)?;
-            let args = ssh::SshArgs { ssh_opts: ssh_opts.clone(), ..ssh::SshArgs::default() };
-            let hosts = ssh::Hosts::connect(&entries, &args, &local, work)?;
-            let slots = hosts.hosts.iter().map(|h| h.slots).collect();
-            (Box::new(hosts), slots, format!("--hosts {list}"))
-        }
-        Measured::Slurm => {
-            let alloc = slurm::Alloc::from_env(&local, work, false)?;
-            let slots = alloc.nodes.iter().map(|n| n.slots).collect();
-            let what = format!("--slurm (job {})", alloc.job);
-            (Box::new(alloc), slots, what)
-        }
-    };
+/// The cluster `pool`'s hosts make, its NIC measured; `local` is this machine's binaries,
+/// `work` a directory the hosts' check may write in.
+pub fn cluster(
+    pool: &PoolSpec,
+    local: &LocalBinaries,
+    intra: Option<IntraKind>,
+    work: &Path,
+) -> anyhow::Result<ClusterSpec> {
+    let (slots, what) = (listed(pool, intra)?, pool.flag());
+    let pool = pool.connect(local, work, "gradsync-bench advise")?;
     let reading = pool.measure_link(ROUNDS, EACH);
     pool.tidy();
     Ok(from_reading(&slots, &reading?, intra, &what)?)
+}
+
+/// The slots of `pool`'s hosts as the list or the allocation gives them, refused (naming the
+/// flag and what is wrong) where the advisor cannot predict for them ([`layout`]), before any
+/// host is reached.
+pub fn listed(pool: &PoolSpec, intra: Option<IntraKind>) -> anyhow::Result<Vec<usize>> {
+    let slots = pool.slots()?;
+    layout(&slots, intra, &pool.flag())?;
+    Ok(slots)
+}
+
+/// Hosts with `slots` ranks each, as the advisor takes them: every host the same (their
+/// count, the ranks a host), the link among one host's ranks named where they are several,
+/// and at least two ranks in all. `what` names the flag in the refusal.
+pub fn layout(
+    slots: &[usize],
+    intra: Option<IntraKind>,
+    what: &str,
+) -> Result<(usize, usize, Option<Intra>), AdviseError> {
+    let bad = |why: String| AdviseError::invalid(what.to_string(), why);
+    let per_host = *slots.first().ok_or_else(|| bad("no hosts".into()))?;
+    if let Some(other) = slots.iter().find(|&&s| s != per_host) {
+        return Err(bad(format!(
+            "hosts of {per_host} and {other} slots: the advisor predicts for hosts alike; give each the same slots"
+        )));
+    }
+    if per_host > 1 && intra.is_none() {
+        return Err(bad(format!(
+            "{per_host} slots a host: name the link between them with --intra nvlink|pcie|shm"
+        )));
+    }
+    if slots.len() * per_host < 2 {
+        return Err(bad("one worker has nothing to synchronise: give at least 2 ranks".into()));
+    }
+    let intra = intra.filter(|_| per_host > 1).map(|kind| Intra { kind, link: kind.default_link() });
+    Ok((slots.len(), per_host, intra))
 }
 
 /// The cluster of hosts with `slots` ranks each, whose NIC `reading` measured, the link among
@@ -66,26 +81,18 @@ pub fn from_reading(
     intra: Option<IntraKind>,
     what: &str,
 ) -> Result<ClusterSpec, AdviseError> {
-    let bad = |why: String| AdviseError::invalid(what.to_string(), why);
-    let per_host = *slots.first().ok_or_else(|| bad("no hosts".into()))?;
-    if let Some(other) = slots.iter().find(|&&s| s != per_host) {
-        return Err(bad(format!(
-            "hosts of {per_host} and {other} slots: the advisor predicts for hosts alike; give each the same slots"
-        )));
-    }
+    let (hosts, per_host, intra) = layout(slots, intra, what)?;
     let rate = crate::table::median(&reading.samples);
     if !(rate.is_finite() && rate > 0.0) {
-        return Err(bad(format!("the yardstick measured no bandwidth ({:?})", reading.samples)));
+        return Err(AdviseError::invalid(
+            what.to_string(),
+            format!("the yardstick measured no bandwidth ({:?})", reading.samples),
+        ));
     }
-    if per_host > 1 && intra.is_none() {
-        return Err(bad(format!(
-            "{per_host} slots a host: name the link between them with --intra nvlink|pcie|shm"
-        )));
-    }
-    let intra = intra.filter(|_| per_host > 1).map(|kind| Intra { kind, link: kind.default_link() });
     let nic = Link { a: reading.latency_s.max(0.0), b: rate };
     let source = format!("{what}: the NIC measured by the raw-TCP yardstick between the first two hosts");
-    ClusterSpec::checked(slots.len(), per_host, nic, intra, &source).map_err(bad)
+    ClusterSpec::checked(hosts, per_host, nic, intra, &source)
+        .map_err(|why| AdviseError::invalid(what.to_string(), why))
 }
 
 #[cfg(test)]
@@ -111,6 +118,17 @@ mod tests {
         ] {
             let e = from_reading(slots, &r, intra, "--hosts h").unwrap_err().to_string();
             assert!(e.starts_with("--hosts h: ") && e.contains(want), "{e}");
+        }
+        // What the list says is refused before any host is reached, naming the flag.
+        let pool = |list: &str| PoolSpec::Hosts { list: list.into(), ssh: Default::default() };
+        assert_eq!(listed(&pool("nosuchhost-a:2,nosuchhost-b:2"), Some(IntraKind::Shm)).unwrap(), [2, 2]);
+        for (list, intra, want) in [
+            ("nosuchhost-a:2,nosuchhost-b:1", Some(IntraKind::Pcie), "hosts of 2 and 1 slots"),
+            ("nosuchhost-a:2,nosuchhost-b:2", None, "name the link between them with --intra"),
+            ("nosuchhost-a", None, "one worker has nothing to synchronise"),
+        ] {
+            let e = listed(&pool(list), intra).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("--hosts {list}: ")) && e.contains(want), "{e}");
         }
         let none = PeerReading { samples: vec![], latency_s: 0.0 };
         assert!(from_reading(&[1, 1], &none, None, "x").unwrap_err().to_string().contains("no bandwidth"));

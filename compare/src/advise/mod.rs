@@ -21,8 +21,11 @@
 //! - [`measure`]: a cluster from `--hosts` or `--slurm`, its NIC measured by the raw-TCP
 //!   yardstick.
 //! - [`report`]: the advice as JSON and as text.
-//! - [`check`]: `--check N`, the top configurations and plain DDP run on a dilated emulated
-//!   cluster matching the SPEC, measured beside predicted.
+//! - [`check`]: `--check N`, the top configurations and plain DDP run as short replays and
+//!   measured beside predicted, written once for every testbed.
+//! - [`testbed`]: where the check runs them and what differs there: a dilated emulated
+//!   cluster matching the SPEC, or the real hosts of `--hosts` and `--slurm`, undilated; what
+//!   each can run, and where its link as measured comes from.
 //! - [`validate`]: `gradsync-bench validate`, the predictions against emulated clusters'
 //!   runs (the validation matrix): the errors, the alpha-beta model's beside, the picks.
 //! - [`page`]: the check's table and its `report.html` (template in `templates/check.html`).
@@ -39,8 +42,10 @@ pub mod predict;
 pub mod report;
 pub mod search;
 pub mod spec;
+pub mod testbed;
 pub mod validate;
 
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
@@ -48,12 +53,17 @@ use clap::Args;
 use gradsync_core::model::ModelSpec;
 use gradsync_core::profile::Profile;
 
+use crate::binaries::LocalBinaries;
+use crate::modes::Bins;
+use crate::pools::PoolSpec;
+use crate::ssh::SshArgs;
 use codec::CodecRates;
 use error::AdviseError;
 use predict::Workload;
 use report::{NOT_MODELLED, Report};
 use search::Space;
 use spec::{ClusterSpec, IntraKind};
+use testbed::Testbed;
 
 /// Flags of `gradsync-bench advise`.
 #[derive(Debug, Clone, Args)]
@@ -111,10 +121,11 @@ pub struct AdviseArgs {
     /// the measurements too).
     #[arg(long)]
     pub json: bool,
-    /// Run the top N configurations and plain DDP as short replays on a dilated emulated
-    /// cluster matching --cluster (needs root and iproute2), put measured beside predicted and
-    /// write report.html (docs/advisor.md). 0: predict only.
-    #[arg(long, default_value_t = 0, conflicts_with_all = ["hosts", "slurm"])]
+    /// Run the top N configurations and plain DDP as short replays, put measured beside
+    /// predicted and write report.html (docs/advisor.md): with --cluster on a dilated emulated
+    /// cluster matching it (needs root and iproute2); with --hosts or --slurm on those hosts
+    /// themselves, as `compare --hosts` / `--slurm` runs a scenario there. 0: predict only.
+    #[arg(long, default_value_t = 0)]
     pub check: usize,
     /// With --check: steps of each run (the first, the warm-up, left out of its mean).
     #[arg(long, default_value_t = check::CHECK_STEPS, requires = "check", value_parser = clap::value_parser!(u64).range(2..))]
@@ -130,7 +141,21 @@ pub struct AdviseArgs {
 
 /// Run `gradsync-bench advise`.
 pub fn run(a: &AdviseArgs) -> anyhow::Result<()> {
-    let cluster = cluster(a)?;
+    let pool = pool(a);
+    // What the advisor cannot predict for, and what --check cannot run with, is refused
+    // before any host is reached.
+    if let Some(p) = &pool {
+        measure::listed(p, a.intra)?;
+    }
+    let checking = match a.check {
+        0 => None,
+        _ => Some(check_setup(a)?),
+    };
+    let local = match &pool {
+        Some(_) => Some(LocalBinaries::of(&Bins::find(a.bin_dir.as_deref())?)?),
+        None => None,
+    };
+    let cluster = cluster(a, pool.as_ref().zip(local.as_ref()))?;
     let t = Instant::now();
     let mut report = advise(a, cluster)?;
     let took = t.elapsed();
@@ -142,8 +167,12 @@ pub fn run(a: &AdviseArgs) -> anyhow::Result<()> {
         report.advice.ranked.len(),
         took.as_secs_f64() * 1e3
     );
-    if a.check > 0 {
-        let checked = run_check(a, &report)?;
+    if let Some((bins, out)) = checking {
+        let testbed = match (pool, local) {
+            (Some(pool), Some(local)) => Testbed::Real { pool, local },
+            _ => Testbed::Emulated,
+        };
+        let checked = run_check(a, &report, &testbed, &bins, &out)?;
         if !a.json {
             print!("{}", page::text(&checked));
         }
@@ -155,20 +184,45 @@ pub fn run(a: &AdviseArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `--check`: the plan run on emulated clusters, the page written beside the runs.
-fn run_check(a: &AdviseArgs, report: &Report) -> anyhow::Result<check::CheckReport> {
-    let bins = crate::modes::Bins::find(a.bin_dir.as_deref())?;
-    let out = a
-        .out
-        .clone()
-        .unwrap_or_else(|| std::path::PathBuf::from("runs").join(format!("advise-{}", crate::utc_stamp())));
+/// The hosts the flags name to be measured (`--hosts`, `--slurm`), if any.
+fn pool(a: &AdviseArgs) -> Option<PoolSpec> {
+    let ssh = |list: &String| PoolSpec::Hosts {
+        list: list.clone(),
+        ssh: SshArgs { ssh_opts: a.ssh_opts.clone(), ..SshArgs::default() },
+    };
+    match (&a.hosts, a.slurm) {
+        (Some(list), _) => Some(ssh(list)),
+        (None, true) => Some(PoolSpec::Slurm { copy_binaries: false }),
+        (None, false) => None,
+    }
+}
+
+/// What `--check` runs with, found before anything is measured: the binaries and the run
+/// directory, which must not exist yet.
+fn check_setup(a: &AdviseArgs) -> anyhow::Result<(Bins, PathBuf)> {
+    let bins = Bins::find(a.bin_dir.as_deref())?;
+    let out =
+        a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(format!("advise-{}", crate::utc_stamp())));
     anyhow::ensure!(!out.exists(), "{} already exists; choose another --out", out.display());
+    Ok((bins, out))
+}
+
+/// `--check`: the plan run on `testbed`, the page written beside the runs in `out`.
+fn run_check(
+    a: &AdviseArgs,
+    report: &Report,
+    testbed: &Testbed,
+    bins: &Bins,
+    out: &Path,
+) -> anyhow::Result<check::CheckReport> {
     let profile = profile(&a.model, a.device_tflops, a.device_tbps)?;
     let w = Workload::new(&profile, a.batch.unwrap_or(profile.batch))?;
     let (ranked, pick) = (&report.advice.ranked, report.advice.verdict.as_ref().map(|v| v.pick));
-    let mut plan = check::plan(&a.model, a.batch, (a.device_tflops, a.device_tbps), ranked, pick, a.check);
+    let replayed =
+        check::Replayed { model: &a.model, batch: a.batch, rates: (a.device_tflops, a.device_tbps) };
+    let mut plan = check::plan(replayed, testbed, &report.cluster, ranked, pick, a.check);
     plan.steps = a.check_steps;
-    let checked = check::run(&plan, &report.cluster, &w, &report.codecs, ranked, pick, &bins, &out)?;
+    let checked = check::run(&plan, &report.cluster, &w, &report.codecs, ranked, pick, bins, out)?;
     let html = out.join("report.html");
     std::fs::write(&html, page::html(&a.model, &checked)?)
         .with_context(|| format!("writing {}", html.display()))?;
@@ -179,20 +233,18 @@ fn run_check(a: &AdviseArgs, report: &Report) -> anyhow::Result<check::CheckRepo
     Ok(checked)
 }
 
-/// The cluster the flags name: a SPEC or TOML file, or hosts measured.
-fn cluster(a: &AdviseArgs) -> anyhow::Result<ClusterSpec> {
-    if let Some(spec) = &a.cluster {
+/// The cluster the flags name: a SPEC or TOML file, or the hosts of `pool` measured (with
+/// this machine's binaries, which they must have).
+fn cluster(a: &AdviseArgs, pool: Option<(&PoolSpec, &LocalBinaries)>) -> anyhow::Result<ClusterSpec> {
+    let Some((pool, local)) = pool else {
+        let spec = a.cluster.as_deref().context("--cluster, --hosts or --slurm names the cluster")?;
         if a.intra.is_some() {
             anyhow::bail!("--intra goes with --hosts or --slurm; with --cluster name the link in the SPEC");
         }
         return Ok(ClusterSpec::parse_arg(spec)?);
-    }
-    let m = match &a.hosts {
-        Some(list) => measure::Measured::Hosts { list: list.clone(), ssh_opts: a.ssh_opts.clone() },
-        None => measure::Measured::Slurm,
     };
     // The hosts' check writes nothing here: their files stay on them until tidied.
-    measure::cluster(&m, a.intra, &std::env::temp_dir())
+    measure::cluster(pool, local, a.intra, &std::env::temp_dir())
 }
 
 /// The advice for the flags' model on `cluster`.

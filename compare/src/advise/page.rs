@@ -5,6 +5,7 @@ use minijinja::{Environment, Value};
 use serde::Serialize;
 
 use super::check::{CheckReport, Checked};
+use super::testbed::Kind;
 use crate::table::Table;
 
 /// The page's template, built into the binary.
@@ -18,9 +19,24 @@ pub const CAVEATS: [&str; 4] = [
      machine's kernel has no netem to add the SPEC's.",
     "Per-byte CPU costs shrink with the factor: a host whose own CPU would limit its NIC is emulated as one \
      that does not (the cluster report's CPU seconds per GB say where that starts).",
-    "Compute is the profile's, waited out (a replay); a configuration's effect on accuracy is stated beside \
-     it, not measured here.",
+    REPLAYED,
 ];
+
+/// What a check on real hosts is not, said beside every checked figure.
+pub const REAL_CAVEATS: [&str; 4] = [
+    "A host's ranks meet over its loopback (the replay runs on the CPUs, over gradsync's TCP backend): not the \
+     --intra link the predictions price them at.",
+    "The link as measured is the NIC the advice measured between the first two hosts (the raw-TCP yardstick), \
+     every host's taken to be alike; each configuration's run directory records it measured again before its \
+     runs (machine.json).",
+    "The hosts are shared: whatever else runs on them and their links (other jobs, this machine's own work) \
+     runs beside the check, and how busy their cores were is not measured from here.",
+    REPLAYED,
+];
+
+/// What neither testbed measures.
+const REPLAYED: &str = "Compute is the profile's, waited out (a replay); a configuration's effect on accuracy is \
+     stated beside it, not measured here.";
 
 /// The table's header.
 const HEAD: [&str; 9] = [
@@ -56,9 +72,11 @@ fn rows(r: &CheckReport) -> Vec<Vec<String>> {
                 ms(c.predicted_ms),
                 f(c.predicted_measured_link_ms),
                 match (&c.why_not, c.measured_ms) {
-                    (_, Some(m)) => {
-                        format!("{} ({} of {}, x{})", ms(m), c.sound, c.runs, c.dilation.unwrap_or(1.0))
-                    }
+                    // A factor only where there was one: real hosts are not dilated.
+                    (_, Some(m)) => match c.dilation {
+                        Some(d) => format!("{} ({} of {}, x{d})", ms(m), c.sound, c.runs),
+                        None => format!("{} ({} of {})", ms(m), c.sound, c.runs),
+                    },
                     (Some(why), None) => why.clone(),
                     (None, None) => "-".into(),
                 },
@@ -110,7 +128,25 @@ struct Page<'a> {
     rows: Vec<Vec<String>>,
     chart: String,
     not_checked: &'a [(String, String)],
+    caveats_title: &'static str,
     caveats: [&'static str; 4],
+}
+
+/// How the runs were made and which counted, one sentence: `r`'s testbed's.
+fn made(r: &CheckReport) -> String {
+    match r.testbed {
+        Kind::Emulated => format!(
+            "Measured on {}, each configuration twice after a probe picked its dilation, and checked at twice \
+             the factor; a run whose cores did not keep up is not counted.",
+            r.cluster
+        ),
+        Kind::Hosts | Kind::Slurm => format!(
+            "Measured on {}, each configuration twice as a comparison on them (as `gradsync-bench compare {}` \
+             runs one), at the hosts' own speed; a run counts when it completed.",
+            r.cluster,
+            if r.testbed == Kind::Slurm { "--slurm" } else { "--hosts" }
+        ),
+    }
 }
 
 /// `report.html`.
@@ -129,16 +165,16 @@ pub fn html(model: &str, r: &CheckReport) -> anyhow::Result<String> {
         model,
         verdict: &r.verdict,
         errors: errors(r),
-        at: format!(
-            "Measured on {}, each configuration twice after a probe picked its dilation, and checked at twice \
-             the factor; a run whose cores did not keep up is not counted.",
-            r.cluster
-        ),
+        at: made(r),
         head: HEAD,
         rows: rows(r),
         chart,
         not_checked: &r.not_checked,
-        caveats: CAVEATS,
+        caveats_title: match r.testbed {
+            Kind::Emulated => "What the emulated cluster is not",
+            Kind::Hosts | Kind::Slurm => "What the check on the hosts is not",
+        },
+        caveats: if r.testbed == Kind::Emulated { CAVEATS } else { REAL_CAVEATS },
     };
     let mut env = Environment::new();
     env.add_template("check.html", TEMPLATE)?;

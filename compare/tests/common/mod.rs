@@ -1,5 +1,5 @@
-//! What the tests of runs on several hosts share: the scenario they cut down, and the check of
-//! a run stopped at its target.
+//! What the tests of runs on several hosts share: the scenario they cut down, the check of a
+//! run stopped at its target, and a tiny replayed model's profile.
 
 use std::path::Path;
 
@@ -32,4 +32,25 @@ pub fn stopped_at_target(run: &Path, budget: usize, target: f64) -> (usize, f64)
     let best = steps.iter().filter_map(|s| s["accuracy"].as_f64()).fold(0.0, f64::max);
     assert!(best >= target, "stopped before the target: {best}");
     (steps.len(), best)
+}
+
+/// A profile of a tiny model (1.06 M parameters, 4.2 MB of gradients; forward 1 ms and
+/// backward 2 ms at batch 16, the whole update `update_ms`) written into `dir`, as `--model`
+/// names it (`profile:PATH`): at the same path on every host where the hosts share this
+/// machine's file system.
+#[allow(dead_code, clippy::unwrap_used)] // not every test file sharing this module replays
+pub fn tiny_profile(dir: &Path, update_ms: f64) -> String {
+    let path = dir.join("tiny-profile.json");
+    let profile = serde_json::json!({
+        "format": gradsync_core::profile::FORMAT, "version": gradsync_core::profile::VERSION,
+        "model": "tiny", "batch": 16, "device": "a test", "estimated": false, "optimizer_ms": update_ms,
+        "layers": [
+            {"name": "fc2", "forward_ms": 0.5, "backward_ms": 1.0,
+             "tensors": [{"name": "fc2.bias", "shape": [10]}, {"name": "fc2.weight", "shape": [10, 1024]}]},
+            {"name": "fc1", "forward_ms": 0.5, "backward_ms": 1.0,
+             "tensors": [{"name": "fc1.weight", "shape": [1024, 1024]}]}
+        ]
+    });
+    std::fs::write(&path, profile.to_string()).unwrap();
+    format!("profile:{}", path.display())
 }
