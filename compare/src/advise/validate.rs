@@ -43,6 +43,8 @@ pub struct Row {
     pub cpu_busy: Option<f64>,
     /// Complete, the cores keeping up.
     pub sound: bool,
+    /// Why not, where it is not.
+    pub unsound: Option<String>,
     /// Measured step, ms.
     pub measured_ms: Option<f64>,
     /// The advisor's step from the run's compute and link, ms.
@@ -197,6 +199,7 @@ fn row(group: &str, r: &ClusterRun, s: &Summary) -> Row {
         dilation: r.dilation,
         cpu_busy: s.cpu_busy,
         sound: s.complete() && !s.dilated_saturated(),
+        unsound: why_unsound(s),
         measured_ms: s.step_ms,
         advisor_ms: advisor_prediction_ms(r, s, true),
         advisor_profile_ms: advisor_prediction_ms(r, s, false),
@@ -206,6 +209,22 @@ fn row(group: &str, r: &ClusterRun, s: &Summary) -> Row {
 
 /// Whether a design (as [`design`] names it) belongs to a family.
 type InFamily = fn(&str) -> bool;
+
+/// Why a run's figures are set aside, if they are: not complete, its cores busier than
+/// [`results::REPLAY_BUSY`], its group's self-check at twice the factor differing, or its
+/// compute overrunning the factor.
+fn why_unsound(s: &Summary) -> Option<String> {
+    if !s.complete() {
+        return Some(format!("{}: {}", s.status, s.error));
+    }
+    if let Some(b) = s.cpu_busy.filter(|b| *b > results::REPLAY_BUSY) {
+        return Some(format!("its cores {:.0}% busy", b * 100.0));
+    }
+    if s.dilation_too_small {
+        return Some("its group's self-check at twice the factor differed by over 5%".into());
+    }
+    s.dilated_saturated().then(|| "its compute overran the factor".into())
+}
 
 /// The design families errors are given by.
 const FAMILIES: [(&str, InFamily); 3] = [
@@ -249,9 +268,17 @@ pub fn summarise(cpu: String, rows: Vec<Row>) -> Validation {
 }
 
 /// Group `g`'s pick: the design the advisor predicts fastest from the profile among those
-/// measured soundly, against the fastest measured.
+/// run, against the fastest measured soundly; not judged where the pick itself was not
+/// measured soundly (the best of the rest would be no test of it).
 fn pick(rows: &[Row], g: &str) -> Result<Pick, String> {
     let ran: Vec<&Row> = rows.iter().filter(|r| r.group == g).collect();
+    let predicted = ran.iter().copied().filter(|r| r.advisor_profile_ms.is_some()).min_by(|a, b| {
+        a.advisor_profile_ms.partial_cmp(&b.advisor_profile_ms).unwrap_or(std::cmp::Ordering::Equal)
+    });
+    if let Some(p) = predicted.filter(|p| !p.sound) {
+        let why = p.unsound.as_deref().map_or(String::new(), |w| format!(": {w}"));
+        return Err(format!("the pick, {}, was not measured soundly{why}", p.design));
+    }
     let sound: Vec<&Row> = ran
         .iter()
         .copied()
@@ -399,6 +426,7 @@ mod tests {
             dilation: 12.0,
             cpu_busy: Some(0.3),
             sound,
+            unsound: (!sound).then(|| "its cores 90% busy".into()),
             measured_ms: Some(measured),
             advisor_ms: Some(predicted),
             advisor_profile_ms: Some(predicted),
@@ -437,6 +465,10 @@ mod tests {
             // One sound design: not judged.
             r("c", "ddp-tcp", 120.0, 90.0, 0.0, true),
             r("c", "ps-bsp k=4", 100.0, 95.0, 0.0, false),
+            // The pick itself not sound: not judged, though two others are.
+            r("d", "ps-bsp k=4", 50.0, 40.0, 0.0, false),
+            r("d", "ddp-tcp", 120.0, 90.0, 0.0, true),
+            r("d", "zero1-tcp", 119.0, 95.0, 0.0, true),
         ];
         let v = summarise(String::new(), rows);
         assert_eq!(v.picks.len(), 2);
@@ -448,7 +480,12 @@ mod tests {
             why.contains("predicted 90.0 ms, measured 120.0 ms") && why.contains("predicted 95.0"),
             "{why}"
         );
-        assert_eq!(v.unjudged.len(), 1);
+        assert_eq!(v.unjudged.len(), 2, "{:?}", v.unjudged);
+        assert!(
+            v.unjudged[1].1 == "the pick, ps-bsp k=4, was not measured soundly: its cores 90% busy",
+            "{:?}",
+            v.unjudged
+        );
         assert!(
             v.unjudged[0].1.contains("1 of 2") && v.unjudged[0].1.contains("ps-bsp k=4"),
             "{:?}",
