@@ -357,7 +357,7 @@ fn emulated(a: &PsBenchArgs, n: usize) -> anyhow::Result<Option<Cluster>> {
     let Some(gbit) = a.link_gbit else { return Ok(None) };
     gradsync_compare::net::available().context("--link-gbit")?;
     gradsync_compare::net::guard("gradsync-bench ps");
-    let shape = Shape { rate_bit: Some(gbit * 1e9), ..Shape::default() };
+    let shape = Shape::at_rate(gbit * 1e9);
     Ok(Some(Cluster::create(n, shape).context("--link-gbit: making the emulated hosts")?))
 }
 

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use gradsync_compare::local::Local;
 use gradsync_compare::modes::{self, Bins, Ctx, Placement};
-use gradsync_compare::net::{Cluster, ClusterError, Queue, Shape};
+use gradsync_compare::net::{Cluster, ClusterError, Shape};
 use gradsync_compare::scenario::{ModeKind, Scenario};
 use gradsync_compare::site::Slot;
 use gradsync_testkit::Scratch;
@@ -184,13 +184,7 @@ fn ssh_hosts(test: &str, n: usize, hidden: &[usize]) -> Option<SshHosts> {
         eprintln!("SKIPPED: {test}: {why}");
         return None;
     }
-    let shape = Shape {
-        rate_bit: Some(1e9),
-        delay: Duration::ZERO,
-        loss_pct: 0.0,
-        rto_min: None,
-        queue: Queue::Fair,
-    };
+    let shape = Shape::at_rate(1e9);
     let cluster = match Cluster::create(n + 1, shape) {
         Ok(c) => c,
         Err(ClusterError::Unavailable(why)) => {

@@ -127,13 +127,7 @@ impl Cluster {
         }
         slurm_packages()?;
         gradsync_compare::net::available().map_err(|e| e.to_string())?;
-        let shape = gradsync_compare::net::Shape {
-            rate_bit: Some(1e9),
-            delay: Duration::ZERO,
-            loss_pct: 0.0,
-            rto_min: None,
-            queue: gradsync_compare::net::Queue::Fair,
-        };
+        let shape = gradsync_compare::net::Shape::at_rate(1e9);
         let net = gradsync_compare::net::Cluster::create(3, shape).map_err(|e| e.to_string())?;
         let node = String::from_utf8_lossy(
             &Command::new("hostname").arg("-s").output().map_err(|e| e.to_string())?.stdout,

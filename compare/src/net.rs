@@ -114,6 +114,18 @@ pub struct Shape {
 pub const KERNEL_RTO_MIN: Duration = Duration::from_millis(200);
 
 impl Shape {
+    /// A link of `rate_bit` bits per second, nothing else added (no delay, no loss, the
+    /// kernel's retransmission timeout, fair queues).
+    pub const fn at_rate(rate_bit: f64) -> Shape {
+        Shape {
+            rate_bit: Some(rate_bit),
+            delay: Duration::ZERO,
+            loss_pct: 0.0,
+            rto_min: None,
+            queue: Queue::Fair,
+        }
+    }
+
     /// The same link in a world `d` times slower ([`gradsync_core::dilation`]): the rate
     /// divided by `d`, the delay and the minimum retransmission timeout times `d` (the bytes
     /// of the shaper's burst and queue stay: a byte is a byte in either world); loss unchanged.

@@ -46,13 +46,7 @@ fn namespaces() -> String {
 
 #[test]
 fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
-    let shape = Shape {
-        rate_bit: Some(1e9),
-        delay: Duration::ZERO,
-        loss_pct: 0.0,
-        rto_min: None,
-        queue: Queue::Fair,
-    };
+    let shape = Shape::at_rate(1e9);
     // Probe first so the skip is visible; the runner makes its own clusters.
     let Some(probe) = cluster_or_skip("three_hosts", 3, shape) else { return };
     let names: Vec<String> = probe.hosts().iter().map(|h| h.netns.clone()).collect();
@@ -105,13 +99,7 @@ fn three_hosts_run_ps_bsp_and_ddp_tcp_and_clean_up() {
 /// minimum retransmission timeout stretched on the host's route.
 #[test]
 fn every_host_runs_reno_without_slow_start_after_idle_and_a_dilated_rto() {
-    let shape = Shape {
-        rate_bit: Some(1e9),
-        delay: Duration::ZERO,
-        loss_pct: 0.0,
-        rto_min: None,
-        queue: Queue::Fair,
-    };
+    let shape = Shape::at_rate(1e9);
     let Some(c) = cluster_or_skip("every_host_runs_reno", 2, shape.dilated(4.0)) else { return };
     for h in c.hosts() {
         let sysctl = |key: &str| {
@@ -133,13 +121,7 @@ fn every_host_runs_reno_without_slow_start_after_idle_and_a_dilated_rto() {
 /// from one rank a host.
 #[test]
 fn ranks_sharing_hosts_go_through_them_only_in_ddp_hier() {
-    let shape = Shape {
-        rate_bit: Some(1e9),
-        delay: Duration::ZERO,
-        loss_pct: 0.0,
-        rto_min: None,
-        queue: Queue::Fair,
-    };
+    let shape = Shape::at_rate(1e9);
     let Some(c) = cluster_or_skip("ranks_sharing_hosts", 1, shape) else { return };
     drop(c);
     let out = tmp("per-host");
@@ -181,13 +163,7 @@ fn ranks_sharing_hosts_go_through_them_only_in_ddp_hier() {
 /// `checks/`, which the comparison's own cells never read; `dilation.json` says what it found.
 #[test]
 fn a_dilated_cluster_dilates_every_process_and_checks_itself_at_twice_the_factor() {
-    let shape = Shape {
-        rate_bit: Some(1e9),
-        delay: Duration::ZERO,
-        loss_pct: 0.0,
-        rto_min: None,
-        queue: Queue::Fair,
-    };
+    let shape = Shape::at_rate(1e9);
     let Some(c) = cluster_or_skip("a_dilated_cluster", 1, shape) else { return };
     drop(c);
     let out = tmp("dilated");
@@ -237,13 +213,7 @@ fn a_dilated_cluster_dilates_every_process_and_checks_itself_at_twice_the_factor
 /// 1); `dilation.json` records it and the runs ran at it.
 #[test]
 fn an_auto_dilated_cluster_probes_first_and_records_what_it_chose() {
-    let shape = Shape {
-        rate_bit: Some(1e9),
-        delay: Duration::ZERO,
-        loss_pct: 0.0,
-        rto_min: None,
-        queue: Queue::Fair,
-    };
+    let shape = Shape::at_rate(1e9);
     let Some(c) = cluster_or_skip("an_auto_dilated_cluster", 1, shape) else { return };
     drop(c);
     let out = tmp("auto");
@@ -388,8 +358,7 @@ fn plan(c: &Cluster, mode: ModeKind, workers: usize, steps: u64, dir: &Path) -> 
 }
 
 /// 1 Gbit/s links (rate only: delay needs netem, which some kernels lack).
-const SLOW: Shape =
-    Shape { rate_bit: Some(1e9), delay: Duration::ZERO, loss_pct: 0.0, rto_min: None, queue: Queue::Fair };
+const SLOW: Shape = Shape::at_rate(1e9);
 /// A model big enough (0.8 MB of gradients) that a step takes milliseconds on [`SLOW`] links, so
 /// the cut lands mid-training.
 const CUT_MODEL: &str = "784-256-10";
@@ -633,13 +602,7 @@ fn a_fair_queue_shares_a_busy_link_among_hosts_not_connections() {
 /// and the group's pick judged (or said why not).
 #[test]
 fn validate_sets_each_replayed_run_beside_the_advisor_and_the_alpha_beta_model() {
-    let shape = Shape {
-        rate_bit: Some(10e9),
-        delay: Duration::ZERO,
-        loss_pct: 0.0,
-        rto_min: None,
-        queue: Queue::Fair,
-    };
+    let shape = Shape::at_rate(10e9);
     let Some(c) = cluster_or_skip("validate_sets", 1, shape) else { return };
     drop(c);
     let root = tmp("validate");

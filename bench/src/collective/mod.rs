@@ -400,7 +400,7 @@ fn yardstick(a: &CollectiveArgs, per_host: usize) -> anyhow::Result<(Yardstick, 
         None => Yardstick::loopback("127.0.0.1", 3, each)?,
         Some(gbit) => {
             net::guard("gradsync-bench collective");
-            let shape = Shape { rate_bit: Some(gbit * 1e9), ..Shape::default() };
+            let shape = Shape::at_rate(gbit * 1e9);
             for &w in &a.ranks {
                 clusters.insert(w, Cluster::create(w.div_ceil(per_host).max(2), shape)?);
             }

@@ -21,7 +21,6 @@
 //! Both refuse a compression no compared mode runs (bf16).
 
 use std::path::Path;
-use std::time::Duration;
 
 use anyhow::Context;
 use gradsync_core::compress::Compression;
@@ -32,7 +31,7 @@ use super::spec::{ClusterSpec, gbit_text};
 use crate::binaries::LocalBinaries;
 use crate::cost::Link;
 use crate::modes::Bins;
-use crate::net::{Queue, Shape};
+use crate::net::Shape;
 use crate::pools::PoolSpec;
 use crate::scenario::{Dilate, Scenario};
 use crate::{emulated, place, results};
@@ -123,13 +122,7 @@ impl Testbed {
     pub fn run(&self, s: &Scenario, spec: &ClusterSpec, bins: &Bins, dir: &Path) -> anyhow::Result<()> {
         match self {
             Testbed::Emulated => {
-                let shape = |rate: f64| Shape {
-                    rate_bit: Some(rate * 1e9),
-                    delay: Duration::ZERO,
-                    loss_pct: 0.0,
-                    rto_min: None,
-                    queue: Queue::Fair,
-                };
+                let shape = |rate: f64| Shape::at_rate(rate * 1e9);
                 let gbit = spec.nic.b * 8.0 / 1e9;
                 crate::cluster::run_cluster(s, bins, dir, &[gbit], shape, Some(Dilate::Auto))?;
             }
