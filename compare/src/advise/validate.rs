@@ -272,9 +272,7 @@ pub fn summarise(cpu: String, rows: Vec<Row>) -> Validation {
 /// measured soundly (the best of the rest would be no test of it).
 fn pick(rows: &[Row], g: &str) -> Result<Pick, String> {
     let ran: Vec<&Row> = rows.iter().filter(|r| r.group == g).collect();
-    let predicted = ran.iter().copied().filter(|r| r.advisor_profile_ms.is_some()).min_by(|a, b| {
-        a.advisor_profile_ms.partial_cmp(&b.advisor_profile_ms).unwrap_or(std::cmp::Ordering::Equal)
-    });
+    let predicted = fastest(ran.iter().copied(), |r| r.advisor_profile_ms);
     if let Some(p) = predicted.filter(|p| !p.sound) {
         let why = p.unsound.as_deref().map_or(String::new(), |w| format!(": {w}"));
         return Err(format!("the pick, {}, was not measured soundly{why}", p.design));
@@ -293,10 +291,7 @@ fn pick(rows: &[Row], g: &str) -> Result<Pick, String> {
             if left.is_empty() { String::new() } else { format!(" (not sound: {})", left.join(", ")) }
         ));
     }
-    let min_by = |f: fn(&Row) -> Option<f64>| {
-        sound.iter().copied().min_by(|a, b| f(a).partial_cmp(&f(b)).unwrap_or(std::cmp::Ordering::Equal))
-    };
-    let (Some(p), Some(b)) = (min_by(|r| r.advisor_profile_ms), min_by(|r| r.measured_ms)) else {
+    let (Some(p), Some(b)) = (predicted, fastest(sound.iter().copied(), |r| r.measured_ms)) else {
         return Err("nothing to rank".into());
     };
     let (pm, bm) = (p.measured_ms.unwrap_or(f64::NAN), b.measured_ms.unwrap_or(f64::NAN));
@@ -323,6 +318,11 @@ fn pick(rows: &[Row], g: &str) -> Result<Pick, String> {
         why,
         designs: sound.len(),
     })
+}
+
+/// The row of least `f` among those that have one.
+fn fastest<'a>(rows: impl Iterator<Item = &'a Row>, f: fn(&Row) -> Option<f64>) -> Option<&'a Row> {
+    rows.filter_map(|r| Some((f(r)?, r))).min_by(|a, b| a.0.total_cmp(&b.0)).map(|(_, r)| r)
 }
 
 fn pct(v: Option<f64>) -> String {
