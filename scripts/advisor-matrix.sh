@@ -3,11 +3,13 @@
 # x link rates, each (model, hosts, rate) a dilated emulated cluster of its own, then every
 # run's measured step beside the advisor's prediction and the alpha-beta model's:
 #
-#   scripts/advisor-matrix.sh OUT [GROUP-REGEX]   # needs root (namespaces), release binaries
+#   scripts/advisor-matrix.sh OUT [GROUP-REGEX [SCALE]]   # needs root (namespaces), release binaries
 #
 # Groups are named <model>-<hosts>x<ranks>-<rate>g (resnet50-8x1-25g); GROUP-REGEX runs only
 # those it matches, and a group whose directory already holds cluster.json is kept, so the
-# matrix can be run in parts and finished later. Designs: the flat ring (ddp-tcp), ZeRO-1,
+# matrix can be run in parts and finished later. SCALE (default 1) multiplies every factor
+# below: a group whose self-check differed, or whose servers' cores were too busy, runs again
+# with SCALE 2 (remove its directory first). Designs: the flat ring (ddp-tcp), ZeRO-1,
 # the parameter server with a shard per host and with half as many (servers on hosts of their
 # own); on hosts of 2 ranks also ddp-hier. 16 hosts are for ResNet-50 only: the 100M-parameter
 # models' 16 workers and 16 servers do not fit this machine's 24 GiB (the cluster refuses them
@@ -22,6 +24,8 @@
 set -euo pipefail
 OUT=${1:?usage: scripts/advisor-matrix.sh OUT [GROUP-REGEX]}
 ONLY=${2:-.}
+SCALE=${3:-1}
+awk -v s="$SCALE" 'BEGIN { exit !(s + 0 > 0) }' || { echo "SCALE must be a number above 0, not '$SCALE'" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 B=${GRADSYNC_BIN_DIR:-$PWD/target/release}/gradsync-bench
 [ -x "$B" ] || { echo "no $B: cargo build --release first" >&2; exit 2; }
@@ -35,7 +39,7 @@ group() { # model hosts ranks-a-host rate modes
   rm -rf "${OUT:?}/$name"
   local workers=$((hosts * m))
   local d
-  d=$(awk -v w="$workers" -v r="$rate" 'BEGIN { d = 0.3 * w * r; if (d < 1) d = 1; printf "%d", d + 0.5 }')
+  d=$(awk -v w="$workers" -v r="$rate" -v s="$SCALE" 'BEGIN { d = 0.3 * w * r; if (d < 1) d = 1; printf "%d", d * s + 0.5 }')
   local t=$SECONDS
   "$B" cluster bench/scenarios/scale.toml --out "$OUT/$name" --models "$model" --workers "$workers" --ranks-per-host "$m" \
     --rates "$rate" --modes "$modes" --shards hosts,hosts/2 --dilate "$d" --steps 3 --repeats 1 \

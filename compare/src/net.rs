@@ -16,8 +16,10 @@
 //! Each link is shaped in both directions: the host's `eth0` shapes what the host sends, the
 //! hub's end shapes what it receives. Under the rate, a NIC's queue is [`Queue::Fair`] by
 //! default: one htb class per peer host (by destination on `eth0`, by source on the hub's
-//! end), each guaranteed its share and lending the rest, so that peers with packets waiting
-//! share the link evenly whatever their TCP windows, as the fabric the advisor prices does.
+//! end), each guaranteed its share and lending the rest, and inside each a queue per
+//! connection (an htb of its own whose classes a BPF classifier picks by the TCP ports), so
+//! that peers with packets waiting share the link evenly, and a peer's connections its share,
+//! whatever their TCP windows, as the fabric the advisor prices does.
 //! [`Queue::Fifo`] keeps one queue of `txqueuelen` packets for all of them: windows grown
 //! unevenly then share it unevenly (a parameter server's incast leaves some workers' pushes
 //! behind the others' and every worker waiting at the barrier for the last). A [`Cluster`] deletes its namespaces (and kills whatever
@@ -27,8 +29,8 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -76,7 +78,9 @@ pub enum ClusterError {
 #[serde(rename_all = "lowercase")]
 pub enum Queue {
     /// A queue per peer host, served in turn (htb's deficit round robin among classes of
-    /// equal share): every backlogged peer gets its share of the link.
+    /// equal share): every backlogged peer gets its share of the link; and inside it a queue
+    /// per connection, served in turn: two ranks of one host sending to one peer get half of
+    /// that share each.
     #[default]
     Fair,
     /// One FIFO for every peer, `txqueuelen` (1000) packets deep: TCP windows share the link
@@ -88,7 +92,7 @@ impl Queue {
     /// How reports name it.
     pub fn label(self) -> &'static str {
         match self {
-            Queue::Fair => "fair among peers",
+            Queue::Fair => "fair among peers and connections",
             Queue::Fifo => "one FIFO",
         }
     }
@@ -158,6 +162,9 @@ pub struct Cluster {
     hub: String,
     hosts: Vec<HostSlot>,
     shape: Shape,
+    /// Under [`Queue::Fair`]: each host's connection tracker ([`track_connections`]) and the
+    /// flag that stops them.
+    trackers: Option<(Arc<AtomicBool>, Vec<std::thread::JoinHandle<std::io::Result<()>>>)>,
 }
 
 impl Cluster {
@@ -167,7 +174,7 @@ impl Cluster {
         available()?;
         let tag = format!("{PREFIX}{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
         let hub = format!("{tag}-hub");
-        let mut c = Cluster { hub: hub.clone(), hosts: Vec::new(), shape };
+        let mut c = Cluster { hub: hub.clone(), hosts: Vec::new(), shape, trackers: None };
         add_ns(&hub).map_err(|e| match e {
             ClusterError::Command { stderr, .. } => {
                 ClusterError::Unavailable(format!("`ip netns add` failed: {stderr}"))
@@ -192,6 +199,16 @@ impl Cluster {
             ip(&["-n", &hub, "link", "set", &port, "up"])?;
             shape_dev(&ns, "eth0", &shape, &Peers { addrs: &addrs, by: "dst" })?;
             shape_dev(&hub, &port, &shape, &Peers { addrs: &addrs, by: "src" })?;
+        }
+        if shape.queue == Queue::Fair && shape.rate_bit.is_some() && n > 1 {
+            let stop = Arc::new(AtomicBool::new(false));
+            let mut threads = Vec::new();
+            for i in 0..n {
+                let (hub, addrs, stop) = (hub.clone(), addrs.clone(), stop.clone());
+                let ns = c.hosts[i].netns.clone();
+                threads.push(c.spawn_on(i, move || track_connections(i, &ns, &hub, &addrs, &stop))?);
+            }
+            c.trackers = Some((stop, threads));
         }
         Ok(c)
     }
@@ -247,10 +264,38 @@ impl Cluster {
         let h = self.hosts.get(i).ok_or(ClusterError::NoHost(i, self.hosts.len()))?;
         ip(&["-n", &h.netns, "link", "set", "eth0", "up"])
     }
+
+    /// The bytes each connection queue of host `to`'s link carried from host `from` so far
+    /// (its hub end's [`Queue::Fair`] queues, in order): empty where the link has none (one
+    /// FIFO, or not shaped).
+    pub fn connection_bytes(&self, to: usize, from: usize) -> Result<Vec<u64>, ClusterError> {
+        let n = self.hosts.len();
+        for i in [to, from] {
+            if i >= n {
+                return Err(ClusterError::NoHost(i, n));
+            }
+        }
+        let dev = format!("h{to}");
+        let cmd = format!("tc -n {} -s class show dev {dev}", self.hub);
+        let o = Command::new("tc")
+            .args(["-n", &self.hub, "-s", "class", "show", "dev", &dev])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| ClusterError::Unavailable(format!("running `{cmd}`: {e}")))?;
+        if !o.status.success() {
+            let stderr = String::from_utf8_lossy(&o.stderr).trim().to_string();
+            return Err(ClusterError::Command { cmd, stderr });
+        }
+        Ok(queue_bytes(&String::from_utf8_lossy(&o.stdout), PEER_CLASS + from))
+    }
 }
 
 impl Drop for Cluster {
     fn drop(&mut self) {
+        if let Some((stop, threads)) = self.trackers.take() {
+            stop.store(true, Ordering::Relaxed);
+            threads.into_iter().for_each(|t| drop(t.join()));
+        }
         for h in &self.hosts {
             delete_ns(&h.netns);
         }
@@ -457,30 +502,198 @@ fn shape_dev(ns: &str, dev: &str, s: &Shape, peers: &Peers) -> Result<(), Cluste
 /// [`Queue::Fair`]'s classes under the rate class `1:1`: one per peer, guaranteed an equal
 /// share of the rate and borrowing up to all of it (so a peer alone gets the whole link), a
 /// u32 filter sending each peer's packets to its class, and one more class, htb's default,
-/// for what no filter matched (ARP). One `tc -batch` for them all: a 48-host cluster has 49
-/// classes and 48 filters on each of its 96 ends.
+/// for what no filter matched (ARP). Each peer's class holds an htb of its own,
+/// `<PEER_CLASS + j>:`, of [`FLOW_QUEUES`] classes that never limit (their rate far above the
+/// link's, so htb serves them in turn, a quantum each) and a BPF classifier
+/// ([`flow_program`]) choosing one by the packet's TCP ports: the outer htb shares the link
+/// among peers, the inner one a peer's share among its connections. One `tc -batch` for
+/// them all: a 16-host cluster has 16 classes, 15 filters and 15 htbs of 16 classes on each
+/// of its 32 ends.
 fn peer_classes(ns: &str, dev: &str, s: &Shape, peers: &Peers) -> Result<(), ClusterError> {
     let rate = s.rate_bit.unwrap_or(0.0).round() as u64;
     let n = peers.addrs.len();
     let share = (rate / (n as u64 + 1)).max(8_000);
+    let netem = |parent: &str| match s.delay.is_zero() {
+        true => String::new(),
+        false => format!("qdisc add dev {dev} parent {parent} netem delay {}us limit 100000\n", s.delay.as_micros()),
+    };
     let mut batch = String::new();
     for j in 0..=n {
-        let id = format!("1:{:x}", PEER_CLASS + j);
+        let major = PEER_CLASS + j;
+        let id = format!("1:{major:x}");
         batch += &format!(
             "class add dev {dev} parent 1:1 classid {id} htb rate {share}bit ceil {rate}bit burst 256k cburst 256k quantum 65536\n"
         );
-        if !s.delay.is_zero() {
-            let us = s.delay.as_micros();
-            batch += &format!("qdisc add dev {dev} parent {id} netem delay {us}us limit 100000\n");
-        }
-        if let Some(a) = peers.addrs.get(j) {
+        let Some(a) = peers.addrs.get(j) else {
+            batch += &netem(&id);
+            continue;
+        };
+        batch += &format!(
+            "filter add dev {dev} parent 1: protocol ip prio 2 u32 match ip {} {a}/32 flowid {id}\n",
+            peers.by
+        );
+        batch += &format!("qdisc add dev {dev} parent {id} handle {major:x}: htb default {FLOW_CLASS:x}\n");
+        for q in 0..FLOW_QUEUES {
+            let flow = format!("{major:x}:{:x}", FLOW_CLASS + q);
             batch += &format!(
-                "filter add dev {dev} parent 1: protocol ip prio 2 u32 match ip {} {a}/32 flowid {id}\n",
-                peers.by
+                "class add dev {dev} parent {major:x}: classid {flow} htb rate {UNSHAPED} ceil {UNSHAPED} burst 256k cburst 256k quantum 65536\n"
             );
+            batch += &netem(&flow);
         }
+        batch += &format!(
+            "filter add dev {dev} parent {major:x}: protocol all prio 2 bpf bytecode \"{}\"\n",
+            flow_program(major as u32)
+        );
     }
     run_batch(ns, &batch).map_err(netem_err)
+}
+
+/// The bytes sent by each class of htb `major:` in `tc -s class show`'s text, by class id.
+fn queue_bytes(text: &str, major: usize) -> Vec<u64> {
+    let prefix = format!("class htb {major:x}:");
+    let mut out = Vec::new();
+    let mut lines = text.lines();
+    while let Some(l) = lines.next() {
+        if !l.starts_with(&prefix) {
+            continue;
+        }
+        let sent = lines.find_map(|l| l.trim().strip_prefix("Sent ")?.split(' ').next()?.parse::<u64>().ok());
+        out.push(sent.unwrap_or(0));
+    }
+    out
+}
+
+/// How often a host's connection tracker looks for new connections.
+const TRACK_EVERY: Duration = Duration::from_millis(50);
+
+/// Host `me`'s connection tracker under [`Queue::Fair`], run on a thread inside its namespace
+/// `ns` until `stop`: every [`TRACK_EVERY`] it reads the host's established TCP connections
+/// (`/proc/thread-self/net/tcp`, this thread's namespace) and gives each new one to another
+/// host a connection queue of its own in that peer's htb at both of the host's ends (its
+/// `eth0`, and its port on the hub), in turn, by an exact u32 match on the two ports ahead
+/// of the hash ([`flow_program`]), which carries a connection until then and whatever comes
+/// after the [`FLOW_QUEUES`]th to one peer. The ports a kernel hands out are random enough
+/// that the hash alone puts two of four connections in one queue about a third of the time;
+/// a connection's first packets (its handshake, the first of its window) take the hash's
+/// queue.
+fn track_connections(me: usize, ns: &str, hub: &str, addrs: &[String], stop: &AtomicBool) {
+    let peers: Vec<Option<std::net::Ipv4Addr>> = addrs.iter().map(|a| a.parse().ok()).collect();
+    let mut seen = BTreeSet::new();
+    let mut next = vec![0usize; addrs.len()];
+    let mut warned = false;
+    while !stop.load(Ordering::Relaxed) {
+        let table = std::fs::read_to_string("/proc/thread-self/net/tcp").unwrap_or_default();
+        let (mut own, mut at_hub) = (String::new(), String::new());
+        for c in established(&table) {
+            let Some(j) = peers.iter().position(|p| *p == Some(c.remote)).filter(|&j| j != me) else { continue };
+            if !seen.insert((c.local_port, j, c.remote_port)) {
+                continue;
+            }
+            let q = FLOW_CLASS + next[j] % FLOW_QUEUES;
+            next[j] += 1;
+            let major = PEER_CLASS + j;
+            let exact = |dev: &str, sport: u16, dport: u16| {
+                let ports = (u32::from(sport) << 16) | u32::from(dport);
+                format!(
+                    "filter add dev {dev} parent {major:x}: protocol ip prio 1 u32 match ip protocol 6 0xff \
+                     match u32 {ports:#010x} 0xffffffff at 20 flowid {major:x}:{q:x}\n"
+                )
+            };
+            own += &exact("eth0", c.local_port, c.remote_port);
+            at_hub += &exact(&format!("h{me}"), c.remote_port, c.local_port);
+        }
+        for (where_, batch) in [(ns, &own), (hub, &at_hub)] {
+            if batch.is_empty() {
+                continue;
+            }
+            if let Err(e) = run_batch(where_, batch) {
+                if !std::mem::replace(&mut warned, true) {
+                    eprintln!("emulated host {me}: a connection keeps the hashed queue, not one of its own: {e}");
+                }
+            }
+        }
+        std::thread::sleep(TRACK_EVERY);
+    }
+}
+
+/// One established IPv4 TCP connection of a host, from its end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Connection {
+    local_port: u16,
+    remote: std::net::Ipv4Addr,
+    remote_port: u16,
+}
+
+/// The established connections in the text of `/proc/net/tcp` (addresses in hex as the
+/// kernel keeps them, in network order; ports in hex; state `01`).
+fn established(table: &str) -> Vec<Connection> {
+    let endpoint = |t: &str| -> Option<(std::net::Ipv4Addr, u16)> {
+        let (ip, port) = t.split_once(':')?;
+        let ip = u32::from_str_radix(ip, 16).ok()?.to_ne_bytes();
+        Some((std::net::Ipv4Addr::from(ip), u16::from_str_radix(port, 16).ok()?))
+    };
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if f.get(3) != Some(&"01") {
+                return None;
+            }
+            let ((_, local_port), (remote, remote_port)) = (endpoint(f.get(1)?)?, endpoint(f.get(2)?)?);
+            Some(Connection { local_port, remote, remote_port })
+        })
+        .collect()
+}
+
+/// The queues a [`Queue::Fair`] peer's share is split into, one a connection (a hash of its
+/// ports picks it: [`flow_program`]).
+const FLOW_QUEUES: usize = 16;
+/// The first class id of a peer's connection queues: queue `q` of peer htb `M:` is
+/// `M:(FLOW_CLASS + q)`, in hex.
+const FLOW_CLASS: usize = 0x10;
+
+/// Classic BPF for `tc ... bpf bytecode` that returns the class id of a TCP packet's
+/// connection queue in the peer htb `major:`: bits 1-4 of its source port XOR its destination
+/// port. Either end of a connection sees the same pair, and a host's connections to one
+/// address and port take ports a step of 2 apart (Linux's `connect`), so up to
+/// [`FLOW_QUEUES`] of them opened in a row fall in queues of their own. Anything else (not
+/// IPv4 TCP, or a fragment past the first) goes to the first queue. Offsets are from the
+/// Ethernet header, where a classifier on egress finds the packet.
+fn flow_program(major: u32) -> String {
+    let base = (major << 16) | FLOW_CLASS as u32;
+    let mask = (FLOW_QUEUES - 1) as u32;
+    // (code, jt, jf, k); a jump's target is the next instruction plus its offset.
+    let insns: [(u16, u8, u8, u32); 17] = [
+        (0x28, 0, 0, 12),     // 0: ldh [12]            the ethertype
+        (0x15, 0, 14, 0x800), // 1: jeq #IPv4 ? 2 : 16
+        (0x30, 0, 0, 23),     // 2: ldb [23]            the IP protocol
+        (0x15, 0, 12, 6),     // 3: jeq #TCP ? 4 : 16
+        (0x28, 0, 0, 20),     // 4: ldh [20]            flags and fragment offset
+        (0x45, 10, 0, 0x1fff), // 5: jset #offset ? 16 : 6
+        (0xb1, 0, 0, 14),     // 6: ldxb 4*([14]&0xf)   x = the IP header's length
+        (0x48, 0, 0, 14),     // 7: ldh [x+14]          the source port
+        (0x02, 0, 0, 0),      // 8: st M[0]
+        (0x48, 0, 0, 16),     // 9: ldh [x+16]          the destination port
+        (0x61, 0, 0, 0),      // 10: ldx M[0]
+        (0xac, 0, 0, 0),      // 11: xor x
+        (0x74, 0, 0, 1),      // 12: rsh #1
+        (0x54, 0, 0, mask),   // 13: and #mask
+        (0x04, 0, 0, base),   // 14: add #base
+        (0x16, 0, 0, 0),      // 15: ret a
+        (0x06, 0, 0, base),   // 16: ret #base
+    ];
+    bytecode(&insns)
+}
+
+/// `tc`'s `bpf bytecode` text for classic BPF instructions: their count, then each one's
+/// code, jt, jf and k, comma-separated.
+fn bytecode(insns: &[(u16, u8, u8, u32)]) -> String {
+    let mut out = format!("{},", insns.len());
+    for (code, jt, jf, k) in insns {
+        out.push_str(&format!("{code} {jt} {jf} {k},"));
+    }
+    out
 }
 
 /// `tc -n ns -batch -` fed `commands`, one a line.
@@ -514,12 +727,7 @@ fn drop_program(pct: f64) -> String {
     const LD_RAND: u32 = 0xffff_f000 + 56;
     let threshold = ((pct / 100.0) * 4_294_967_296.0).round().clamp(0.0, u32::MAX as f64) as u32;
     // ld rand; jge #threshold (skip 1 : fall through); ret #-1; ret #0
-    let insns = [(0x20, 0, 0, LD_RAND), (0x35, 1, 0, threshold), (0x06, 0, 0, u32::MAX), (0x06, 0, 0, 0)];
-    let mut out = format!("{},", insns.len());
-    for (code, jt, jf, k) in insns {
-        out.push_str(&format!("{code} {jt} {jf} {k},"));
-    }
-    out
+    bytecode(&[(0x20, 0, 0, LD_RAND), (0x35, 1, 0, threshold), (0x06, 0, 0, u32::MAX), (0x06, 0, 0, 0)])
 }
 
 fn netem_err(e: ClusterError) -> ClusterError {
@@ -573,5 +781,136 @@ mod tests {
         assert_eq!(s.dilated(1.0), s);
         // An unshaped link stays unshaped.
         assert_eq!(Shape::default().dilated(4.0).rate_bit, None);
+    }
+
+    /// Runs `tc` bytecode text on a packet with just the classic-BPF instructions the
+    /// programs here use; an out-of-range load ends the program with 0, as the kernel's does.
+    fn run_bpf(bytecode: &str, packet: &[u8]) -> u32 {
+        let mut parts = bytecode.trim_end_matches(',').split(',');
+        let n: usize = parts.next().unwrap().parse().unwrap();
+        let insns: Vec<[u32; 4]> = parts
+            .map(|i| {
+                let v: Vec<u32> = i.split(' ').map(|x| x.parse().unwrap()).collect();
+                [v[0], v[1], v[2], v[3]]
+            })
+            .collect();
+        assert_eq!(insns.len(), n, "the count leads the instructions");
+        let load = |at: usize, size: usize| -> Option<u32> {
+            let b = packet.get(at..at + size)?;
+            Some(b.iter().fold(0, |acc, &x| (acc << 8) | x as u32))
+        };
+        let (mut a, mut x, mut mem, mut pc) = (0u32, 0u32, [0u32; 16], 0usize);
+        loop {
+            let [code, jt, jf, k] = insns[pc];
+            pc += 1;
+            let jump = |taken: bool| if taken { jt as usize } else { jf as usize };
+            match code {
+                0x28 => match load(k as usize, 2) {
+                    Some(v) => a = v,
+                    None => return 0,
+                },
+                0x30 => match load(k as usize, 1) {
+                    Some(v) => a = v,
+                    None => return 0,
+                },
+                0x48 => match load(x as usize + k as usize, 2) {
+                    Some(v) => a = v,
+                    None => return 0,
+                },
+                0xb1 => match load(k as usize, 1) {
+                    Some(v) => x = 4 * (v & 0xf),
+                    None => return 0,
+                },
+                0x02 => mem[k as usize] = a,
+                0x61 => x = mem[k as usize],
+                0xac => a ^= x,
+                0x74 => a >>= k,
+                0x54 => a &= k,
+                0x04 => a = a.wrapping_add(k),
+                0x15 => pc += jump(a == k),
+                0x45 => pc += jump(a & k != 0),
+                0x16 => return a,
+                0x06 => return k,
+                other => panic!("opcode {other:#x} not run here"),
+            }
+        }
+    }
+
+    /// An Ethernet frame holding an IPv4 packet of `proto` (IP header of `ihl` words, the
+    /// fragment offset `frag`) and, after it, the ports `sport` and `dport`.
+    fn frame(proto: u8, ihl: u8, frag: u16, sport: u16, dport: u16) -> Vec<u8> {
+        let mut f = vec![0u8; 14];
+        f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+        let mut ip = vec![0u8; 4 * ihl as usize];
+        ip[0] = 0x40 | ihl;
+        ip[6..8].copy_from_slice(&frag.to_be_bytes());
+        ip[9] = proto;
+        f.extend(ip);
+        f.extend(sport.to_be_bytes());
+        f.extend(dport.to_be_bytes());
+        f.extend([0u8; 16]);
+        f
+    }
+
+    #[test]
+    fn a_connections_queue_is_picked_by_its_ports_the_same_at_either_end() {
+        let p = flow_program(0x103);
+        let queue = |f: &[u8]| {
+            let id = run_bpf(&p, f);
+            assert_eq!(id >> 16, 0x103, "a class of the peer's htb: {id:#x}");
+            (id & 0xffff) as usize - FLOW_CLASS
+        };
+        let listen = 5201u16;
+        // Connections one host opens in a row to one port, 2 apart: a queue each.
+        let mut seen = BTreeSet::new();
+        for i in 0..FLOW_QUEUES as u16 {
+            let eph = 40_000 + 2 * i;
+            let out = queue(&frame(6, 5, 0, eph, listen));
+            assert_eq!(out, queue(&frame(6, 5, 0, listen, eph)), "both ends of port {eph}");
+            // Bits 1-4 of the ports' XOR, by hand.
+            assert_eq!(out, (((eph ^ listen) >> 1) & 0xf) as usize);
+            // IP options move the ports; the queue stays.
+            assert_eq!(out, queue(&frame(6, 7, 0, eph, listen)));
+            seen.insert(out);
+        }
+        assert_eq!(seen.len(), FLOW_QUEUES, "{seen:?}");
+        // Not TCP, a later fragment, not IPv4, a runt: the first queue.
+        assert_eq!(queue(&frame(17, 5, 0, 40_002, listen)), 0);
+        assert_eq!(queue(&frame(6, 5, 0x20, 40_002, listen)), 0);
+        let mut arp = frame(6, 5, 0, 40_002, listen);
+        arp[12..14].copy_from_slice(&0x0806u16.to_be_bytes());
+        assert_eq!(queue(&arp), 0);
+        assert_eq!(run_bpf(&p, &[0u8; 10]), 0, "too short to read: no match");
+    }
+
+    #[test]
+    fn established_connections_are_read_from_the_kernels_table() {
+        // /proc/net/tcp: a listener, an established connection 10.77.0.2:40002 ->
+        // 10.77.0.3:5201 and one in TIME_WAIT.
+        let a = |ip: [u8; 4]| format!("{:08X}", u32::from_ne_bytes(ip));
+        let text = format!(
+            "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+             0: 00000000:1451 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1\n\
+             1: {}:9C42 {}:1451 01 00000000:00000000 00:00000000 00000000     0        0 2\n\
+             2: {}:9C44 {}:1451 06 00000000:00000000 00:00000000 00000000     0        0 0\n",
+            a([10, 77, 0, 2]),
+            a([10, 77, 0, 3]),
+            a([10, 77, 0, 2]),
+            a([10, 77, 0, 3])
+        );
+        assert_eq!(
+            established(&text),
+            vec![Connection { local_port: 40002, remote: [10, 77, 0, 3].into(), remote_port: 5201 }]
+        );
+        assert!(established("garbage\n 0: nothing here 01\n").is_empty());
+    }
+
+    #[test]
+    fn a_classes_bytes_are_read_from_tcs_statistics() {
+        let text = "class htb 101:10 parent 101: leaf 8010: prio 0 rate 100Gbit ceil 100Gbit burst 256Kb cburst 256Kb \n              Sent 4470 bytes 61 pkt (dropped 0, overlimits 0 requeues 0) \n              backlog 0b 0p requeues 0\n\
+             class htb 1:101 parent 1:1 prio 0 rate 66666Kbit ceil 200Mbit \n              Sent 999 bytes 3 pkt (dropped 0, overlimits 0 requeues 0) \n\
+             class htb 101:11 parent 101: leaf 8011: prio 0 rate 100Gbit ceil 100Gbit \n              Sent 13019646 bytes 8977 pkt (dropped 0, overlimits 0 requeues 0) \n";
+        assert_eq!(queue_bytes(text, 0x101), vec![4470, 13019646]);
+        assert!(queue_bytes(text, 0x102).is_empty());
     }
 }

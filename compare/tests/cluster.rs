@@ -510,8 +510,9 @@ fn loss_is_emulated_without_netem() {
 }
 
 /// What one of two sending hosts got of one host's link, as a share of what both got over a
-/// second: the other sends over four connections to its one.
-fn one_connections_share(queue: Queue) -> Option<f64> {
+/// second (the other sends over four connections to its one), and what the receiver's
+/// connection queues carried from the host of four.
+fn one_connections_share(queue: Queue) -> Option<(f64, Vec<u64>)> {
     use std::io::{Read, Write};
     use std::net::{TcpListener, TcpStream};
     use std::sync::Arc;
@@ -573,28 +574,38 @@ fn one_connections_share(queue: Queue) -> Option<f64> {
     // Left out: the first 0.4 s (the connections, their slow start).
     std::thread::sleep(Duration::from_millis(400));
     let at = |i: usize| got[i].load(Ordering::Relaxed) as f64;
-    let (a0, b0) = (at(0), at(1));
+    let (a0, b0, q0) = (at(0), at(1), c.connection_bytes(2, 0).unwrap());
     std::thread::sleep(Duration::from_secs(1));
-    let (a, b) = (at(0) - a0, at(1) - b0);
+    let (a, b, q1) = (at(0) - a0, at(1) - b0, c.connection_bytes(2, 0).unwrap());
     many.join().unwrap().unwrap();
     one.join().unwrap().unwrap();
     receiver.join().unwrap().unwrap();
-    Some(b / (a + b))
+    Some((b / (a + b), q1.iter().zip(q0.iter().chain(std::iter::repeat(&0))).map(|(x, y)| x - y).collect()))
 }
 
 /// A fair NIC queue gives each peer host sending into a busy link its share, however many
 /// connections the others open: a host of one connection beside a host of four gets half (a
-/// FIFO gives each connection its share: a fifth; printed beside).
+/// FIFO gives each connection its share: a fifth; printed beside); and it splits a host's
+/// share among its connections, each in a queue of its own served in turn: the four carry a
+/// quarter each.
 #[test]
-fn a_fair_queue_shares_a_busy_link_among_hosts_not_connections() {
-    let Some(fair) = one_connections_share(Queue::Fair) else { return };
-    let fifo = one_connections_share(Queue::Fifo).unwrap();
+fn a_fair_queue_shares_a_busy_link_among_hosts_then_among_their_connections() {
+    let Some((fair, queues)) = one_connections_share(Queue::Fair) else { return };
+    let (fifo, none) = one_connections_share(Queue::Fifo).unwrap();
     eprintln!(
-        "the one connection's share: {:.0}% with fair queues, {:.0}% with one FIFO",
+        "the one connection's share: {:.0}% with fair queues, {:.0}% with one FIFO; the four's queues: {queues:?}",
         fair * 100.0,
         fifo * 100.0
     );
     assert!((0.4..0.6).contains(&fair), "fair queues gave the host of one connection {:.0}%", fair * 100.0);
+    assert!(none.is_empty(), "one FIFO has no connection queues: {none:?}");
+    // Over the measured second: four queues busy, the rest (the first carries the ACKs of no
+    // data) all but idle.
+    let mut busy: Vec<u64> = queues.iter().copied().filter(|&b| b > 100_000).collect();
+    busy.sort_unstable();
+    assert_eq!(busy.len(), 4, "four connections, four busy queues: {queues:?}");
+    let (least, most) = (busy[0] as f64, busy[3] as f64);
+    assert!(least / most > 0.8, "the four connections' queues carried {busy:?}: not served in turn");
 }
 
 /// `validate` over a real cluster's runs: ResNet-50 replayed by two workers, the flat ring and

@@ -28,6 +28,8 @@
 //!   each can run, and where its link as measured comes from.
 //! - [`validate`]: `gradsync-bench validate`, the predictions against emulated clusters'
 //!   runs (the validation matrix): the errors, the alpha-beta model's beside, the picks.
+//! - [`loopback`]: `validate --loopback`, the same against `compare`'s runs of real models on
+//!   this machine's loopback, their profiles recorded by `replay record`.
 //! - [`page`]: the check's table and its `report.html` (template in `templates/check.html`).
 //! - [`error`]: what the advisor refuses.
 //! - this file: the flags and the command.
@@ -36,6 +38,7 @@ pub mod check;
 pub mod codec;
 pub mod config;
 pub mod error;
+pub mod loopback;
 pub mod measure;
 pub mod page;
 pub mod predict;

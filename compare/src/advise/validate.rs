@@ -393,20 +393,41 @@ pub fn markdown(v: &Validation) -> String {
 pub struct ValidateArgs {
     /// Emulated clusters' run directories (`gradsync-bench cluster --out`), or directories
     /// holding them (`scripts/advisor-matrix.sh OUT`).
-    #[arg(required = true)]
+    #[arg(required_unless_present = "loopback")]
     pub dirs: Vec<PathBuf>,
-    /// Print JSON instead of Markdown.
+    /// A comparison's directory on this machine's loopback (`gradsync-bench compare --out`),
+    /// its models trained for real; repeatable. Needs `--profile` for each model.
+    #[arg(long, value_name = "DIR")]
+    pub loopback: Vec<PathBuf>,
+    /// A profile of a model the `--loopback` runs trained (`gradsync-bench replay record`);
+    /// repeatable.
+    #[arg(long, value_name = "FILE", requires = "loopback")]
+    pub profile: Vec<PathBuf>,
+    /// Print JSON instead of Markdown: `{"clusters": ..., "loopback": ...}`, either null
+    /// where not asked for.
     #[arg(long)]
     pub json: bool,
 }
 
 /// Run `gradsync-bench validate`.
 pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
-    let v = validate(&a.dirs)?;
+    let clusters = (!a.dirs.is_empty()).then(|| validate(&a.dirs)).transpose()?;
+    let loopback =
+        (!a.loopback.is_empty()).then(|| super::loopback::validate(&a.loopback, &a.profile)).transpose()?;
     if a.json {
+        let v = serde_json::json!({ "clusters": clusters, "loopback": loopback });
         println!("{}", serde_json::to_string_pretty(&v)?);
-    } else {
-        print!("{}", markdown(&v));
+        return Ok(());
+    }
+    if let Some(v) = &clusters {
+        print!("{}", markdown(v));
+    }
+    if let Some(v) = &loopback {
+        if clusters.is_some() {
+            println!();
+        }
+        println!("On this machine's loopback (`compare`'s runs of models trained for real):\n");
+        print!("{}", markdown(v));
     }
     Ok(())
 }

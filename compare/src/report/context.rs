@@ -117,13 +117,7 @@ impl<'c, 'a> Context<'c, 'a> {
     /// count as not saturated); or, for a replayed model, whose processes sleep through their
     /// compute, the cores were more than [`REPLAY_BUSY`] busy while its steps ran.
     pub fn cpu_saturated(&self, r: &Summary) -> bool {
-        if r.dilation.is_some() {
-            return r.dilated_saturated();
-        }
-        if r.widths.starts_with(gradsync_core::model::REPLAY_TOKEN) {
-            return r.cpu_busy.is_some_and(|b| b > REPLAY_BUSY);
-        }
-        self.machine.is_some_and(|m| m.cores > 0 && r.workers + r.shards > m.cores)
+        cpu_saturated(r, self.machine)
     }
 
     /// "median of 3, 1000-1100", or "one run".
@@ -165,6 +159,17 @@ impl<'c, 'a> Context<'c, 'a> {
     pub fn streams(r: &Summary) -> Option<machine::Streams> {
         machine::tcp_streams(r.mode.parse().ok()?, r.workers, r.shards)
     }
+}
+
+/// [`Context::cpu_saturated`] for a run on `machine`.
+pub fn cpu_saturated(r: &Summary, machine: Option<&Machine>) -> bool {
+    if r.dilation.is_some() {
+        return r.dilated_saturated();
+    }
+    if r.widths.starts_with(gradsync_core::model::REPLAY_TOKEN) {
+        return r.cpu_busy.is_some_and(|b| b > REPLAY_BUSY);
+    }
+    machine.is_some_and(|m| m.cores > 0 && r.workers + r.shards > m.cores)
 }
 
 /// A raw TCP rate a figure is read against.

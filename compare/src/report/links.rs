@@ -61,7 +61,7 @@ fn traffic(mode: &str, n: usize, s: f64, a: f64) -> Option<(f64, f64)> {
 
 /// What the cost model says one exchange of `r` takes on `l`, seconds, with each link's
 /// bandwidth one stream's.
-fn per_link_model(r: &Summary, s: f64, l: Link) -> f64 {
+pub(crate) fn per_link_model(r: &Summary, s: f64, l: Link) -> f64 {
     match r.mode.as_str() {
         "ddp-tcp" => cost::ring(r.workers, s, l),
         "zero1-tcp" => cost::zero1(r.workers, s, l),

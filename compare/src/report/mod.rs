@@ -25,8 +25,8 @@ use super::results::Collected;
 
 mod card;
 pub(crate) mod cluster;
-mod context;
-mod links;
+pub(crate) mod context;
+pub(crate) mod links;
 mod page;
 mod ranking;
 mod reading;
