@@ -538,7 +538,10 @@ fn validate_loopback_sets_the_advisor_beside_compares_runs_of_a_real_model() {
     let bench = env!("CARGO_BIN_EXE_gradsync-bench");
     let profile = root.join("tiny.json");
     let rec = Command::new(bench)
-        .args(["replay", "record", "--model", "tiny", "--batch", "16", "--data", "digits", "--steps", "5", "--out"])
+        .args([
+            "replay", "record", "--model", "tiny", "--batch", "16", "--data", "digits", "--steps", "5",
+            "--out",
+        ])
         .arg(&profile)
         .output()
         .unwrap();
@@ -578,7 +581,10 @@ fn validate_loopback_sets_the_advisor_beside_compares_runs_of_a_real_model() {
     }
     let md = validate(&["--profile", profile.to_str().unwrap()]);
     let md = String::from_utf8_lossy(&md.stdout);
-    assert!(md.contains("On this machine's loopback") && md.contains("| tiny-2w-loopback | ddp-tcp |"), "{md}");
+    assert!(
+        md.contains("On this machine's loopback") && md.contains("| tiny-2w-loopback | ddp-tcp |"),
+        "{md}"
+    );
     // Without the model's profile: refused, naming the model and the command that records it.
     let other = root.join("other.json");
     let rec = Command::new(bench)
@@ -589,7 +595,10 @@ fn validate_loopback_sets_the_advisor_beside_compares_runs_of_a_real_model() {
     assert!(rec.status.success(), "{}", String::from_utf8_lossy(&rec.stderr));
     let o = validate(&["--profile", other.to_str().unwrap()]);
     let e = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && e.contains("no profile of tiny") && e.contains("replay record --model tiny"), "{e}");
+    assert!(
+        !o.status.success() && e.contains("no profile of tiny") && e.contains("replay record --model tiny"),
+        "{e}"
+    );
     let o = validate(&[]);
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && e.contains("--profile"), "{e}");

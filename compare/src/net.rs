@@ -164,8 +164,11 @@ pub struct Cluster {
     shape: Shape,
     /// Under [`Queue::Fair`]: each host's connection tracker ([`track_connections`]) and the
     /// flag that stops them.
-    trackers: Option<(Arc<AtomicBool>, Vec<std::thread::JoinHandle<std::io::Result<()>>>)>,
+    trackers: Option<(Arc<AtomicBool>, Vec<Tracker>)>,
 }
+
+/// A host's connection tracker's thread.
+type Tracker = std::thread::JoinHandle<std::io::Result<()>>;
 
 impl Cluster {
     /// Make `n` hosts with links shaped by `shape`. Everything made so far is deleted again
@@ -182,12 +185,30 @@ impl Cluster {
             e => e,
         })?;
         ip(&["-n", &hub, "link", "set", "lo", "up"])?;
+        // Hosts made from the hub get TCP tables of their own, small enough to read often.
+        let own_tables = run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &hub,
+                "sysctl",
+                "-q",
+                "-w",
+                &format!("net.ipv4.tcp_child_ehash_entries={HOST_EHASH}"),
+            ],
+        )
+        .is_ok();
         ip(&["-n", &hub, "link", "add", "br0", "type", "bridge"])?;
         ip(&["-n", &hub, "link", "set", "br0", "up"])?;
         let addrs: Vec<String> = (0..n).map(host_addr).collect();
         for (i, addr) in addrs.iter().cloned().enumerate() {
             let ns = format!("{tag}-h{i}");
-            add_ns(&ns)?;
+            if own_tables {
+                add_ns_from(&hub, &ns)?;
+            } else {
+                add_ns(&ns)?;
+            }
             c.hosts.push(HostSlot { netns: ns.clone(), addr: addr.clone() });
             let port = format!("h{i}");
             ip(&["-n", &ns, "link", "set", "lo", "up"])?;
@@ -206,7 +227,8 @@ impl Cluster {
             for i in 0..n {
                 let (hub, addrs, stop) = (hub.clone(), addrs.clone(), stop.clone());
                 let ns = c.hosts[i].netns.clone();
-                threads.push(c.spawn_on(i, move || track_connections(i, &ns, &hub, &addrs, &stop))?);
+                let every = if own_tables { TRACK_EVERY } else { TRACK_EVERY_SHARED };
+                threads.push(c.spawn_on(i, move || track_connections(i, &ns, &hub, &addrs, every, &stop))?);
             }
             c.trackers = Some((stop, threads));
         }
@@ -379,6 +401,62 @@ fn add_ns(name: &str) -> Result<(), ClusterError> {
     Ok(())
 }
 
+/// Buckets of a host's own TCP connection table (`tcp_child_ehash_entries` in the hub, which
+/// its hosts are made from): the machine's table has hundreds of thousands, and reading the
+/// host's connections (`/proc/net/tcp`) walks every one of them, some 7 ms a read.
+const HOST_EHASH: usize = 1024;
+
+/// `ip netns add name` made from inside `parent`'s namespace, so that the new one takes the
+/// TCP settings `parent` gives its children ([`HOST_EHASH`]): a thread moves into `parent`,
+/// unshares a namespace of its own and bind-mounts it where `ip netns` keeps them
+/// (`/var/run/netns`, which making `parent` set up).
+fn add_ns_from(parent: &str, name: &str) -> Result<(), ClusterError> {
+    use std::ffi::CString;
+    let dir = Path::new("/var/run/netns");
+    let (from, at) = (dir.join(parent), dir.join(name));
+    let failed = |what: &str, e: std::io::Error| ClusterError::Command {
+        cmd: format!("making namespace {name} from {parent}"),
+        stderr: format!("{what}: {e}"),
+    };
+    std::fs::File::create(&at).map_err(|e| failed(&format!("creating {}", at.display()), e))?;
+    if let Ok(mut l) = LIVE.lock() {
+        l.insert(name.to_string());
+    }
+    let target = CString::new(at.as_os_str().as_encoded_bytes()).map_err(|e| failed("its path", e.into()))?;
+    let made = std::thread::spawn(move || -> Result<(), (&'static str, std::io::Error)> {
+        let p = std::fs::File::open(&from).map_err(|e| ("opening the parent", e))?;
+        let last = || std::io::Error::last_os_error();
+        // SAFETY: setns and unshare read only their integer arguments and move this thread
+        // alone; mount reads the two NUL-terminated paths, which outlive the call.
+        unsafe {
+            if libc::setns(std::os::fd::AsRawFd::as_raw_fd(&p), libc::CLONE_NEWNET) != 0 {
+                return Err(("entering the parent", last()));
+            }
+            if libc::unshare(libc::CLONE_NEWNET) != 0 {
+                return Err(("unshare", last()));
+            }
+            let source = c"/proc/thread-self/ns/net";
+            if libc::mount(
+                source.as_ptr(),
+                target.as_ptr(),
+                std::ptr::null(),
+                libc::MS_BIND,
+                std::ptr::null(),
+            ) != 0
+            {
+                return Err(("bind-mounting it", last()));
+            }
+        }
+        Ok(())
+    })
+    .join();
+    match made {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err((what, e))) => Err(failed(what, e)),
+        Err(_) => Err(failed("its thread", std::io::Error::other("panicked"))),
+    }
+}
+
 /// Kill what still runs in `name`, then delete it (its veth ends go with it).
 fn delete_ns(name: &str) {
     if let Ok(o) = Command::new("ip").args(["netns", "pids", name]).stdin(Stdio::null()).output() {
@@ -515,7 +593,10 @@ fn peer_classes(ns: &str, dev: &str, s: &Shape, peers: &Peers) -> Result<(), Clu
     let share = (rate / (n as u64 + 1)).max(8_000);
     let netem = |parent: &str| match s.delay.is_zero() {
         true => String::new(),
-        false => format!("qdisc add dev {dev} parent {parent} netem delay {}us limit 100000\n", s.delay.as_micros()),
+        false => format!(
+            "qdisc add dev {dev} parent {parent} netem delay {}us limit 100000\n",
+            s.delay.as_micros()
+        ),
     };
     let mut batch = String::new();
     for j in 0..=n {
@@ -563,11 +644,16 @@ fn queue_bytes(text: &str, major: usize) -> Vec<u64> {
     out
 }
 
-/// How often a host's connection tracker looks for new connections.
+/// How often a host's connection tracker looks for new connections, in a host with a TCP
+/// table of its own ([`HOST_EHASH`]: a read takes some tens of microseconds).
 const TRACK_EVERY: Duration = Duration::from_millis(50);
+/// The same where the kernel gives hosts no table of their own (before Linux 6.1): each read
+/// then walks the machine's table.
+const TRACK_EVERY_SHARED: Duration = Duration::from_secs(1);
 
 /// Host `me`'s connection tracker under [`Queue::Fair`], run on a thread inside its namespace
-/// `ns` until `stop`: every [`TRACK_EVERY`] it reads the host's established TCP connections
+/// `ns` until `stop`: each `every` ([`TRACK_EVERY`], or [`TRACK_EVERY_SHARED`] where hosts
+/// share the machine's TCP table) it reads the host's established TCP connections
 /// (`/proc/thread-self/net/tcp`, this thread's namespace) and gives each new one to another
 /// host a connection queue of its own in that peer's htb at both of the host's ends (its
 /// `eth0`, and its port on the hub), in turn, by an exact u32 match on the two ports ahead
@@ -576,7 +662,7 @@ const TRACK_EVERY: Duration = Duration::from_millis(50);
 /// that the hash alone puts two of four connections in one queue about a third of the time;
 /// a connection's first packets (its handshake, the first of its window) take the hash's
 /// queue.
-fn track_connections(me: usize, ns: &str, hub: &str, addrs: &[String], stop: &AtomicBool) {
+fn track_connections(me: usize, ns: &str, hub: &str, addrs: &[String], every: Duration, stop: &AtomicBool) {
     let peers: Vec<Option<std::net::Ipv4Addr>> = addrs.iter().map(|a| a.parse().ok()).collect();
     let mut seen = BTreeSet::new();
     let mut next = vec![0usize; addrs.len()];
@@ -585,7 +671,9 @@ fn track_connections(me: usize, ns: &str, hub: &str, addrs: &[String], stop: &At
         let table = std::fs::read_to_string("/proc/thread-self/net/tcp").unwrap_or_default();
         let (mut own, mut at_hub) = (String::new(), String::new());
         for c in established(&table) {
-            let Some(j) = peers.iter().position(|p| *p == Some(c.remote)).filter(|&j| j != me) else { continue };
+            let Some(j) = peers.iter().position(|p| *p == Some(c.remote)).filter(|&j| j != me) else {
+                continue;
+            };
             if !seen.insert((c.local_port, j, c.remote_port)) {
                 continue;
             }
@@ -606,13 +694,13 @@ fn track_connections(me: usize, ns: &str, hub: &str, addrs: &[String], stop: &At
             if batch.is_empty() {
                 continue;
             }
-            if let Err(e) = run_batch(where_, batch) {
-                if !std::mem::replace(&mut warned, true) {
-                    eprintln!("emulated host {me}: a connection keeps the hashed queue, not one of its own: {e}");
-                }
+            if let Err(e) = run_batch(where_, batch)
+                && !std::mem::replace(&mut warned, true)
+            {
+                eprintln!("emulated host {me}: a connection keeps the hashed queue, not one of its own: {e}");
             }
         }
-        std::thread::sleep(TRACK_EVERY);
+        std::thread::sleep(every);
     }
 }
 
@@ -665,23 +753,23 @@ fn flow_program(major: u32) -> String {
     let mask = (FLOW_QUEUES - 1) as u32;
     // (code, jt, jf, k); a jump's target is the next instruction plus its offset.
     let insns: [(u16, u8, u8, u32); 17] = [
-        (0x28, 0, 0, 12),     // 0: ldh [12]            the ethertype
-        (0x15, 0, 14, 0x800), // 1: jeq #IPv4 ? 2 : 16
-        (0x30, 0, 0, 23),     // 2: ldb [23]            the IP protocol
-        (0x15, 0, 12, 6),     // 3: jeq #TCP ? 4 : 16
-        (0x28, 0, 0, 20),     // 4: ldh [20]            flags and fragment offset
+        (0x28, 0, 0, 12),      // 0: ldh [12]            the ethertype
+        (0x15, 0, 14, 0x800),  // 1: jeq #IPv4 ? 2 : 16
+        (0x30, 0, 0, 23),      // 2: ldb [23]            the IP protocol
+        (0x15, 0, 12, 6),      // 3: jeq #TCP ? 4 : 16
+        (0x28, 0, 0, 20),      // 4: ldh [20]            flags and fragment offset
         (0x45, 10, 0, 0x1fff), // 5: jset #offset ? 16 : 6
-        (0xb1, 0, 0, 14),     // 6: ldxb 4*([14]&0xf)   x = the IP header's length
-        (0x48, 0, 0, 14),     // 7: ldh [x+14]          the source port
-        (0x02, 0, 0, 0),      // 8: st M[0]
-        (0x48, 0, 0, 16),     // 9: ldh [x+16]          the destination port
-        (0x61, 0, 0, 0),      // 10: ldx M[0]
-        (0xac, 0, 0, 0),      // 11: xor x
-        (0x74, 0, 0, 1),      // 12: rsh #1
-        (0x54, 0, 0, mask),   // 13: and #mask
-        (0x04, 0, 0, base),   // 14: add #base
-        (0x16, 0, 0, 0),      // 15: ret a
-        (0x06, 0, 0, base),   // 16: ret #base
+        (0xb1, 0, 0, 14),      // 6: ldxb 4*([14]&0xf)   x = the IP header's length
+        (0x48, 0, 0, 14),      // 7: ldh [x+14]          the source port
+        (0x02, 0, 0, 0),       // 8: st M[0]
+        (0x48, 0, 0, 16),      // 9: ldh [x+16]          the destination port
+        (0x61, 0, 0, 0),       // 10: ldx M[0]
+        (0xac, 0, 0, 0),       // 11: xor x
+        (0x74, 0, 0, 1),       // 12: rsh #1
+        (0x54, 0, 0, mask),    // 13: and #mask
+        (0x04, 0, 0, base),    // 14: add #base
+        (0x16, 0, 0, 0),       // 15: ret a
+        (0x06, 0, 0, base),    // 16: ret #base
     ];
     bytecode(&insns)
 }

@@ -4,8 +4,8 @@
 //!
 //! Each cell of the comparison (mode, workers, shards over their repeats) becomes a
 //! [`Row`]: its median step beside the advisor's (`predict.rs`'s timeline, with the cell's
-//! own forward, backward and update and the loopback as the run directory's probe measured
-//! it) and the alpha-beta model's (the same compute, then the exchange priced as `compare`'s
+//! own forward, backward, update and the rest of its step outside them, the batch's
+//! assembly, and the loopback as the run directory's probe measured it) and the alpha-beta model's (the same compute, then the exchange priced as `compare`'s
 //! report prices it: one raw stream's rate a link, nothing hidden behind backward). Every
 //! process on one machine shares its cores and its loopback, so the link the advisor is
 //! given is each process's share of what the loopback carried with as many raw TCP streams
@@ -39,9 +39,11 @@ const PRICED: [ModeKind; 3] = [ModeKind::DdpTcp, ModeKind::Zero1Tcp, ModeKind::P
 /// predicted from the profile in `profiles` that names it.
 pub fn rows(dir: &Path, profiles: &[Profile]) -> anyhow::Result<(String, Vec<Row>)> {
     let machine_path = dir.join("machine.json");
-    let text = std::fs::read_to_string(&machine_path)
-        .with_context(|| format!("{} is not a comparison's directory: reading {}", dir.display(), machine_path.display()))?;
-    let m: Machine = serde_json::from_str(&text).with_context(|| format!("reading {}", machine_path.display()))?;
+    let text = std::fs::read_to_string(&machine_path).with_context(|| {
+        format!("{} is not a comparison's directory: reading {}", dir.display(), machine_path.display())
+    })?;
+    let m: Machine =
+        serde_json::from_str(&text).with_context(|| format!("reading {}", machine_path.display()))?;
     anyhow::ensure!(
         !dir.join(crate::emulated::CLUSTER_FILE).exists(),
         "{} holds an emulated cluster's runs: give it to validate without --loopback",
@@ -66,6 +68,8 @@ pub fn rows(dir: &Path, profiles: &[Profile]) -> anyhow::Result<(String, Vec<Row
         })?;
         out.push(row(cell, mode, profile, &m));
     }
+    // Each (model, workers) group's rows together.
+    out.sort_by(|a, b| a.group.cmp(&b.group));
     anyhow::ensure!(
         !out.is_empty(),
         "{} holds no runs of {} with two or more workers",
@@ -77,7 +81,10 @@ pub fn rows(dir: &Path, profiles: &[Profile]) -> anyhow::Result<(String, Vec<Row
 
 /// Validate the comparisons in `dirs` against the profiles in `profile_files`.
 pub fn validate(dirs: &[PathBuf], profile_files: &[PathBuf]) -> anyhow::Result<Validation> {
-    anyhow::ensure!(!profile_files.is_empty(), "--loopback needs --profile FILE for each model the runs trained");
+    anyhow::ensure!(
+        !profile_files.is_empty(),
+        "--loopback needs --profile FILE for each model the runs trained"
+    );
     let profiles = profile_files
         .iter()
         .map(|f| Profile::load(f).map_err(anyhow::Error::from))
@@ -100,8 +107,7 @@ pub fn validate(dirs: &[PathBuf], profile_files: &[PathBuf]) -> anyhow::Result<V
 /// the probe's small-message one. None where the directory measured no loopback.
 pub fn share_of_loopback(m: &Machine, mode: ModeKind, workers: usize, shards: usize) -> Option<Link> {
     let streams = machine::tcp_streams(mode, workers, shards)?;
-    let measured: Vec<usize> =
-        std::iter::once(1).chain(m.tcp_parallel.iter().map(|p| p.streams)).collect();
+    let measured: Vec<usize> = std::iter::once(1).chain(m.tcp_parallel.iter().map(|p| p.streams)).collect();
     let nearest = measured.into_iter().min_by_key(|&n| n.abs_diff(streams.total))?;
     let together = m.streams_bandwidth(nearest)?;
     let movers = if mode.is_ps() { shards.clamp(1, workers) } else { workers };
@@ -111,21 +117,27 @@ pub fn share_of_loopback(m: &Machine, mode: ModeKind, workers: usize, shards: us
 /// One cell, measured and predicted.
 fn row(cell: &Cell, mode: ModeKind, profile: &Profile, m: &Machine) -> Row {
     let s = &cell.median;
-    let design = if mode.is_ps() { format!("{} k={}", mode.label(), s.shards) } else { mode.label().to_string() };
+    let design =
+        if mode.is_ps() { format!("{} k={}", mode.label(), s.shards) } else { mode.label().to_string() };
     let link = share_of_loopback(m, mode, s.workers, s.shards);
     let predicted = |measured_compute: bool| -> Option<f64> {
         let mut w = Workload::new(profile, s.batch).ok()?;
         if measured_compute {
-            w = w.timed_as(s.forward_ms? / 1e3, s.backward_ms? / 1e3);
+            // The rest of the run's step (the batch's assembly) comes before its forward.
+            w = w.timed_as((s.forward_ms? + s.other_ms.unwrap_or(0.0)) / 1e3, s.backward_ms? / 1e3);
             w.update_s = s.update_ms? / 1e3;
         }
         let l = link?;
-        let c = ClusterSpec::checked(1, s.workers, l, Some(Intra { kind: IntraKind::Shm, link: l }), "loopback")
-            .ok()?;
+        let c =
+            ClusterSpec::checked(1, s.workers, l, Some(Intra { kind: IntraKind::Shm, link: l }), "loopback")
+                .ok()?;
         let cfg = Config::of_mode(mode, s.bucket_mb.unwrap_or(25.0), false, (s.shards, false), 0.01)?;
         Some(predict::predict(&w, &c, &cfg, &CodecRates::free()).ok()?.step_s * 1e3)
     };
-    let compute = s.forward_ms.zip(s.backward_ms).map(|(f, b)| f + b + s.update_ms.unwrap_or(0.0));
+    let compute = s
+        .forward_ms
+        .zip(s.backward_ms)
+        .map(|(f, b)| f + b + s.update_ms.unwrap_or(0.0) + s.other_ms.unwrap_or(0.0));
     let one_stream = crate::report::link_of(Some(m));
     let exchange = one_stream.map(|l| per_link_model(s, 4.0 * s.params as f64, l) * 1e3);
     let unsound = why_not_ranked(cell, m);
@@ -154,7 +166,8 @@ fn why_not_ranked(cell: &Cell, m: &Machine) -> Option<String> {
     if cell.runs.len() < 2 {
         return Some(format!("{} of {} repeats complete", cell.runs.len(), cell.attempts));
     }
-    cpu_saturated(s, Some(m)).then(|| format!("CPU-saturated: {} processes on {} cores", s.workers + s.shards, m.cores))
+    cpu_saturated(s, Some(m))
+        .then(|| format!("CPU-saturated: {} processes on {} cores", s.workers + s.shards, m.cores))
 }
 
 #[cfg(test)]
@@ -164,7 +177,8 @@ mod tests {
     use crate::rawtcp::Yardstick;
 
     fn machine() -> Machine {
-        let at = |streams: usize, gb: f64| Parallel { streams, yardstick: Yardstick { samples: vec![gb * 1e9] } };
+        let at =
+            |streams: usize, gb: f64| Parallel { streams, yardstick: Yardstick { samples: vec![gb * 1e9] } };
         Machine {
             cores: 2,
             tcp_bandwidth: 3e9,
@@ -199,7 +213,7 @@ mod tests {
     #[test]
     fn a_directory_that_is_not_a_comparison_is_refused_by_name() {
         let d = gradsync_testkit::Scratch::new("loopback-empty");
-        let e = rows(&d.to_path_buf(), &[]).unwrap_err().to_string();
+        let e = rows(&d, &[]).unwrap_err().to_string();
         assert!(e.contains("is not a comparison's directory") && e.contains("machine.json"), "{e}");
     }
 }

@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::emulated::{self, ClusterRun};
 use crate::report::cluster::{advisor_prediction_ms, cluster_prediction};
@@ -23,7 +23,7 @@ use crate::results::{self, Summary};
 pub const PICK_TOLERANCE: f64 = 0.05;
 
 /// One run, measured and predicted.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Row {
     /// Its group: the directory's name.
     pub group: String,
@@ -72,7 +72,7 @@ fn rel(p: f64, m: f64) -> Option<f64> {
 }
 
 /// The median and largest |error| of a set.
-#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
 pub struct Spread {
     /// Runs.
     pub n: usize,
@@ -90,7 +90,7 @@ impl Spread {
 }
 
 /// One group's pick against its fastest measured design.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Pick {
     /// The group.
     pub group: String,
@@ -109,7 +109,7 @@ pub struct Pick {
 }
 
 /// Everything `validate` found.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Validation {
     /// The CPU the runs ran on, from their machine.json.
     pub cpu: String,
@@ -233,6 +233,47 @@ const FAMILIES: [(&str, InFamily); 3] = [
     ("parameter server", |d| d.starts_with("ps-")),
 ];
 
+/// `fresh` over `saved` (a validation kept from earlier runs, `--with`): every group `fresh`
+/// holds from its runs, and `saved`'s rows, picks and verdicts for the groups it does not; the
+/// errors over them all. So the matrix can be run in parts, on other days, and only the parts
+/// that changed run again.
+pub fn merged(fresh: Validation, saved: Validation) -> Validation {
+    let ran: std::collections::BTreeSet<String> = fresh.rows.iter().map(|r| r.group.clone()).collect();
+    let kept = |g: &str| !ran.contains(g);
+    let mut rows: Vec<Row> = saved.rows.into_iter().filter(|r| kept(&r.group)).collect();
+    rows.extend(fresh.rows);
+    // Stable: each group's rows keep their order.
+    rows.sort_by(|a, b| a.group.cmp(&b.group));
+    let cpu = match (fresh.cpu.as_str(), saved.cpu.as_str()) {
+        (f, s) if f == s || s.is_empty() => f.to_string(),
+        ("", s) => s.to_string(),
+        (f, s) => format!("{f} (the groups run again); {s} (the rest)"),
+    };
+    let mut v = summarise(cpu, rows);
+    v.picks.retain(|p| !kept(&p.group));
+    v.unjudged.retain(|(g, _)| !kept(g));
+    v.picks.extend(saved.picks.into_iter().filter(|p| kept(&p.group)));
+    v.unjudged.extend(saved.unjudged.into_iter().filter(|(g, _)| kept(g)));
+    v.picks.sort_by(|a, b| a.group.cmp(&b.group));
+    v.unjudged.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// A validation saved by `validate --json`: the whole output (its `clusters`) or one
+/// [`Validation`] alone.
+pub fn load_saved(path: &Path) -> anyhow::Result<Validation> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+    if let Some(c) = v.get_mut("clusters") {
+        v = c.take();
+    }
+    anyhow::ensure!(!v.is_null(), "{}: its `clusters` is null (a validation of no clusters)", path.display());
+    serde_json::from_value(v).with_context(|| {
+        format!("{}: not a validation saved by `gradsync-bench validate --json`", path.display())
+    })
+}
+
 /// The errors, by family, and each group's pick.
 pub fn summarise(cpu: String, rows: Vec<Row>) -> Validation {
     let sound = || rows.iter().filter(|r| r.sound && r.advisor_ms.is_some() && r.alpha_beta_ms.is_some());
@@ -247,8 +288,9 @@ pub fn summarise(cpu: String, rows: Vec<Row>) -> Validation {
             )
         })
         .collect();
-    let mut names: Vec<&str> = rows.iter().map(|r| r.group.as_str()).collect();
-    names.dedup();
+    // Each group once, in the order first met (its rows need not be together).
+    let mut seen = std::collections::BTreeSet::new();
+    let names: Vec<&str> = rows.iter().map(|r| r.group.as_str()).filter(|g| seen.insert(*g)).collect();
     let (mut picks, mut unjudged) = (Vec::new(), Vec::new());
     for g in names {
         match pick(&rows, g) {
@@ -393,8 +435,12 @@ pub fn markdown(v: &Validation) -> String {
 pub struct ValidateArgs {
     /// Emulated clusters' run directories (`gradsync-bench cluster --out`), or directories
     /// holding them (`scripts/advisor-matrix.sh OUT`).
-    #[arg(required_unless_present = "loopback")]
+    #[arg(required_unless_present_any = ["loopback", "with"])]
     pub dirs: Vec<PathBuf>,
+    /// A validation saved with `--json` (docs/advisor-matrix.json): its groups that the
+    /// directories do not hold are kept beside theirs, and the errors are over both.
+    #[arg(long, value_name = "FILE")]
+    pub with: Option<PathBuf>,
     /// A comparison's directory on this machine's loopback (`gradsync-bench compare --out`),
     /// its models trained for real; repeatable. Needs `--profile` for each model.
     #[arg(long, value_name = "DIR")]
@@ -411,7 +457,12 @@ pub struct ValidateArgs {
 
 /// Run `gradsync-bench validate`.
 pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
-    let clusters = (!a.dirs.is_empty()).then(|| validate(&a.dirs)).transpose()?;
+    let fresh = (!a.dirs.is_empty()).then(|| validate(&a.dirs)).transpose()?;
+    let saved = a.with.as_deref().map(load_saved).transpose()?;
+    let clusters = match (fresh, saved) {
+        (Some(f), Some(s)) => Some(merged(f, s)),
+        (f, s) => f.or(s),
+    };
     let loopback =
         (!a.loopback.is_empty()).then(|| super::loopback::validate(&a.loopback, &a.profile)).transpose()?;
     if a.json {
@@ -514,6 +565,52 @@ mod tests {
         );
         let md = markdown(&v);
         assert!(md.contains("in 1 of 2 groups (50%)"), "{md}");
+        // A group's rows apart from one another: still one verdict for it.
+        let rows = vec![
+            r("a", "ddp-tcp", 103.0, 90.0, 0.0, true),
+            r("b", "ddp-tcp", 120.0, 90.0, 0.0, true),
+            r("a", "ps-bsp k=4", 100.0, 95.0, 0.0, true),
+            r("b", "ps-bsp k=4", 100.0, 95.0, 0.0, false),
+        ];
+        let v = summarise(String::new(), rows);
+        assert_eq!((v.picks.len(), v.unjudged.len()), (1, 1), "{:?} {:?}", v.picks, v.unjudged);
+    }
+
+    #[test]
+    fn a_saved_validation_keeps_the_groups_not_run_again_and_the_errors_are_over_both() {
+        let saved = summarise(
+            "AMD EPYC, 2 cores".into(),
+            vec![
+                r("a", "ddp-tcp", 100.0, 102.0, 110.0, true),
+                r("a", "ps-bsp k=4", 50.0, 40.0, 60.0, true),
+                r("b", "ddp-tcp", 100.0, 90.0, 110.0, true),
+                r("b", "ps-bsp k=4", 50.0, 45.0, 60.0, true),
+            ],
+        );
+        // Saved and read back as `--json` writes it.
+        let d = gradsync_testkit::Scratch::new("validate-saved");
+        let path = d.join("saved.json");
+        let json = serde_json::json!({ "clusters": saved, "loopback": null });
+        std::fs::write(&path, json.to_string()).unwrap();
+        let saved = load_saved(&path).unwrap();
+        // Group b run again: its new rows replace the old; a stays, pick and all.
+        let fresh = summarise(
+            "AMD EPYC, 2 cores".into(),
+            vec![r("b", "ddp-tcp", 100.0, 101.0, 110.0, true), r("b", "ps-bsp k=4", 50.0, 49.0, 60.0, true)],
+        );
+        let v = merged(fresh, saved);
+        let groups: Vec<(&str, f64)> =
+            v.rows.iter().map(|r| (r.group.as_str(), r.advisor_ms.unwrap())).collect();
+        assert_eq!(groups, vec![("a", 102.0), ("a", 40.0), ("b", 101.0), ("b", 49.0)]);
+        let a = v.advisor.unwrap();
+        assert_eq!(a.n, 4);
+        assert!((a.max - 0.20).abs() < 1e-9, "a's PS, 20% off, is still in: {a:?}");
+        assert_eq!(v.picks.iter().map(|p| p.group.as_str()).collect::<Vec<_>>(), vec!["a", "b"]);
+        assert_eq!(v.cpu, "AMD EPYC, 2 cores");
+        // Not a validation: refused by name.
+        std::fs::write(&path, "{\"clusters\": {\"rows\": 3}}").unwrap();
+        let e = format!("{:#}", load_saved(&path).unwrap_err());
+        assert!(e.contains("saved.json") && e.contains("not a validation"), "{e}");
     }
 
     #[test]
