@@ -28,7 +28,7 @@ pub enum Command {
     /// The advisor's predictions against emulated clusters' runs (scripts/advisor-matrix.sh):
     /// each run's measured step beside the advisor's and the alpha-beta model's, the errors,
     /// and each group's pick against its fastest measured design.
-    Validate(gradsync_compare::advise::validate::ValidateArgs),
+    Validate(gradsync_compare::advise::ValidateArgs),
     /// Rebuild tables, charts and report.html from run directories (or any directories of
     /// metrics files, walked recursively).
     Plot(gradsync_compare::PlotArgs),

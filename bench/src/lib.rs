@@ -42,7 +42,7 @@ pub fn main_with_args(cli: cli::Cli) -> anyhow::Result<()> {
         cli::Command::Conv(a) => convbench::run(&a),
         cli::Command::Compare(a) => gradsync_compare::run_compare(&a),
         cli::Command::Advise(a) => gradsync_compare::advise::run(&a),
-        cli::Command::Validate(a) => gradsync_compare::advise::validate::run(&a),
+        cli::Command::Validate(a) => gradsync_compare::advise::run_validate(&a),
         cli::Command::Plot(a) => gradsync_compare::run_plot(&a),
         cli::Command::Collective(a) => collective::run(&a),
         cli::Command::CollectiveRank(a) => collective::run_rank(&a),

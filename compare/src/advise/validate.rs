@@ -430,59 +430,6 @@ pub fn markdown(v: &Validation) -> String {
     t
 }
 
-/// `gradsync-bench validate`'s flags.
-#[derive(Debug, clap::Args)]
-pub struct ValidateArgs {
-    /// Emulated clusters' run directories (`gradsync-bench cluster --out`), or directories
-    /// holding them (`scripts/advisor-matrix.sh OUT`).
-    #[arg(required_unless_present_any = ["loopback", "with"])]
-    pub dirs: Vec<PathBuf>,
-    /// A validation saved with `--json` (docs/advisor-matrix.json): its groups that the
-    /// directories do not hold are kept beside theirs, and the errors are over both.
-    #[arg(long, value_name = "FILE")]
-    pub with: Option<PathBuf>,
-    /// A comparison's directory on this machine's loopback (`gradsync-bench compare --out`),
-    /// its models trained for real; repeatable. Needs `--profile` for each model.
-    #[arg(long, value_name = "DIR")]
-    pub loopback: Vec<PathBuf>,
-    /// A profile of a model the `--loopback` runs trained (`gradsync-bench replay record`);
-    /// repeatable.
-    #[arg(long, value_name = "FILE", requires = "loopback")]
-    pub profile: Vec<PathBuf>,
-    /// Print JSON instead of Markdown: `{"clusters": ..., "loopback": ...}`, either null
-    /// where not asked for.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// Run `gradsync-bench validate`.
-pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
-    let fresh = (!a.dirs.is_empty()).then(|| validate(&a.dirs)).transpose()?;
-    let saved = a.with.as_deref().map(load_saved).transpose()?;
-    let clusters = match (fresh, saved) {
-        (Some(f), Some(s)) => Some(merged(f, s)),
-        (f, s) => f.or(s),
-    };
-    let loopback =
-        (!a.loopback.is_empty()).then(|| super::loopback::validate(&a.loopback, &a.profile)).transpose()?;
-    if a.json {
-        let v = serde_json::json!({ "clusters": clusters, "loopback": loopback });
-        println!("{}", serde_json::to_string_pretty(&v)?);
-        return Ok(());
-    }
-    if let Some(v) = &clusters {
-        print!("{}", markdown(v));
-    }
-    if let Some(v) = &loopback {
-        if clusters.is_some() {
-            println!();
-        }
-        println!("On this machine's loopback (`compare`'s runs of models trained for real):\n");
-        print!("{}", markdown(v));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
