@@ -5,8 +5,11 @@
 #
 #   scripts/advisor-matrix.sh OUT [GROUP-REGEX [SCALE]]   # needs root (namespaces), release binaries
 #
-# Groups are named <model>-<hosts>x<ranks>-<rate>g (resnet50-8x1-25g); GROUP-REGEX runs only
-# those it matches, and a group whose directory already holds cluster.json is kept, so the
+# Groups are named <model>-<hosts>x<ranks>-<rate>g (resnet50-8x1-25g), each with a part
+# <group>+colocated: the parameter server with a shard on each worker host, run apart (its own
+# cluster and self-check) so that the matrix of servers on hosts of their own stays as it was
+# measured; `validate` joins the part to its group and also judges the pick among the designs
+# on the worker hosts alone. GROUP-REGEX runs only the groups and parts it matches, and a group whose directory already holds cluster.json is kept, so the
 # matrix can be run in parts and finished later. SCALE (default 1) multiplies every factor
 # below: a group whose self-check differed, or whose servers' cores were too busy, runs again
 # with SCALE 2 (remove its directory first). Designs: the flat ring (ddp-tcp), ZeRO-1,
@@ -32,8 +35,13 @@ B=${GRADSYNC_BIN_DIR:-$PWD/target/release}/gradsync-bench
 [ "$(id -u)" = 0 ] || { echo "SKIPPED: emulated hosts need root" >&2; exit 0; }
 mkdir -p "$OUT"
 group() { # model hosts ranks-a-host rate modes
-  local model=$1 hosts=$2 m=$3 rate=$4 modes=$5
-  local name="$model-${hosts}x$m-${rate}g"
+  part "$@" "" --shards hosts,hosts/2
+  part "$1" "$2" "$3" "$4" ps-bsp +colocated --shards hosts --servers colocated
+}
+part() { # model hosts ranks-a-host rate modes suffix flags...
+  local model=$1 hosts=$2 m=$3 rate=$4 modes=$5 suffix=$6
+  shift 6
+  local name="$model-${hosts}x$m-${rate}g$suffix"
   [[ $name =~ $ONLY ]] || return 0
   [ -f "$OUT/$name/cluster.json" ] && { echo "$name: kept"; return 0; }
   rm -rf "${OUT:?}/$name"
@@ -42,7 +50,7 @@ group() { # model hosts ranks-a-host rate modes
   d=$(awk -v w="$workers" -v r="$rate" -v s="$SCALE" 'BEGIN { d = 0.3 * w * r; if (d < 1) d = 1; printf "%d", d * s + 0.5 }')
   local t=$SECONDS
   "$B" cluster bench/scenarios/scale.toml --out "$OUT/$name" --models "$model" --workers "$workers" --ranks-per-host "$m" \
-    --rates "$rate" --modes "$modes" --shards hosts,hosts/2 --dilate "$d" --steps 3 --repeats 1 \
+    --rates "$rate" --modes "$modes" "$@" --dilate "$d" --steps 3 --repeats 1 \
     >"$OUT/$name.log" 2>&1 || true
   echo "$name: x$d, $((SECONDS - t)) s" | tee -a "$OUT/times.txt"
 }

@@ -334,8 +334,8 @@ fn a_bad_scenario_is_refused_with_its_name() {
     std::fs::remove_file(&p).unwrap();
 }
 
-/// A dilated world slows its links with its clocks, and ranks placed several to a host need
-/// hosts to place them on: `compare` has neither, and says to run such a scenario with
+/// A dilated world slows its links with its clocks, and ranks placed several to a host (or
+/// shards beside them) need hosts to place them on: `compare` has neither, and says to run such a scenario with
 /// `cluster`, before starting anything.
 #[test]
 fn a_dilated_or_placed_scenario_is_sent_to_the_cluster() {
@@ -348,6 +348,7 @@ fn a_dilated_or_placed_scenario_is_sent_to_the_cluster() {
             "`hosts` and `ranks_per_host` place ranks on emulated hosts",
         ),
         ("hosts = [2]\n", "`hosts` and `ranks_per_host` place ranks on emulated hosts"),
+        ("workers = [2]\nservers = ['colocated']\n", "`servers` places shards on emulated worker hosts"),
     ]
     .into_iter()
     .enumerate()

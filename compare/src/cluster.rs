@@ -1,6 +1,7 @@
 //! `gradsync-bench cluster`: the comparison's runs on an emulated multi-host cluster. Each
-//! link rate gets a fresh cluster ([`crate::net`]): server shard `i` on host `i`, worker rank `r` on
-//! host `k + r`, every process started by the comparison runner's own command lines
+//! run gets a fresh cluster ([`crate::net`]): server shard `i` on host `i` and worker rank `r`
+//! on host `k + r / m` (`m` ranks a host), or with `--servers colocated` shard `i` on worker
+//! host `i` beside its workers, every process started by the comparison runner's own command lines
 //! ([`crate::modes`]) inside its host's namespace. The run directory is a comparison
 //! run directory plus `cluster.json` (which run had which link), so `plot` renders it, with a
 //! section setting each measured step beside the cost model's prediction for that link.
@@ -21,7 +22,7 @@ use crate::machine::Machine;
 use crate::modes::{self, Placement};
 use crate::net::{self, Cluster, Queue, Shape};
 use crate::results::Outcome;
-use crate::scenario::{Dilate, ModeKind, RunSpec, Scenario, Shards};
+use crate::scenario::{Dilate, ModeKind, RunSpec, Scenario, Servers, Shards};
 use crate::site::Slot;
 
 /// Steps per cluster run unless `--steps` says otherwise.
@@ -98,6 +99,11 @@ pub struct ClusterArgs {
     /// worker host) or `hosts/N` (default without a scenario file: 1).
     #[arg(long, value_delimiter = ',')]
     pub shards: Option<Vec<Shards>>,
+    /// Where the parameter server's shards go: `apart` (each on a host of its own) or
+    /// `colocated` (shard `i` on worker host `i`, sharing its NIC); both, comma-separated, run
+    /// every PS cell both ways (default: the scenario's `servers`, else apart).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub servers: Option<Vec<Servers>>,
     /// Modes to run (default without a scenario file: ps-bsp,ddp-tcp).
     #[arg(long, value_delimiter = ',')]
     pub modes: Option<Vec<ModeKind>>,
@@ -145,6 +151,9 @@ pub fn cluster_scenario(mut s: Scenario, a: &ClusterArgs) -> anyhow::Result<Scen
     }
     if let Some(k) = &a.shards {
         s.shards = k.clone();
+    }
+    if let Some(p) = &a.servers {
+        s.servers = p.clone();
     }
     if let Some(m) = &a.models {
         s.models = m.clone();
@@ -290,7 +299,11 @@ impl Runner<'_> {
         let sh = shape(rate).dilated(d);
         let k = if spec.mode.is_ps() { spec.shards.max(1) } else { 0 };
         let m = spec.ranks_per_host.max(1);
-        let hosts = k.max(1) + spec.workers.div_ceil(m);
+        // Colocated shards sit on the first worker hosts; else hosts 0 .. k hold the servers
+        // (one, unused, for the modes without: the first worker host stays host 1).
+        let colocated = spec.colocated && k > 0;
+        let first_worker = if colocated { 0 } else { k.max(1) };
+        let hosts = first_worker + spec.workers.div_ceil(m);
         let mut spec = spec.clone();
         spec.id = format!(
             "{}-{}g{}",
@@ -306,7 +319,7 @@ impl Runner<'_> {
                 let slots = |h: &[crate::net::HostSlot]| h.iter().map(Slot::from).collect();
                 // Rank r on worker host r / m: ranks r m .. (r + 1) m - 1 share a host.
                 let per_rank: Vec<_> =
-                    h[k.max(1)..].iter().flat_map(|x| std::iter::repeat_n(x, m)).cloned().collect();
+                    h[first_worker..].iter().flat_map(|x| std::iter::repeat_n(x, m)).cloned().collect();
                 let p = Placement::Hosts { servers: slots(&h[..k.max(1)]), workers: slots(&per_rank) };
                 (p, None, Some(c))
             }
@@ -352,6 +365,7 @@ impl Runner<'_> {
             mode: spec.mode,
             workers: spec.workers,
             shards: spec.shards,
+            colocated,
             ranks_per_host: m,
             hosts,
             rate_gbit: rate,
@@ -554,6 +568,7 @@ mod tests {
             global_batch: 64,
             batch: 32,
             shards: 1,
+            colocated: false,
             ranks_per_host: 1,
             slow_ms: 0,
             repeat: 0,

@@ -105,6 +105,10 @@ pub struct ClusterRun {
     pub workers: usize,
     /// Server shards (0: none).
     pub shards: usize,
+    /// Its shards on worker hosts, shard `i` on worker host `i` (runs recorded before the
+    /// choice existed had them on hosts of their own).
+    #[serde(default)]
+    pub colocated: bool,
     /// Workers on each worker host.
     #[serde(default = "one")]
     pub ranks_per_host: usize,

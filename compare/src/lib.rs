@@ -346,6 +346,11 @@ fn compare_into(
         "the scenario's `hosts` and `ranks_per_host` place ranks on emulated hosts: run it with \
          `gradsync-bench cluster` (give `workers` here)"
     );
+    anyhow::ensure!(
+        scenario.servers == [scenario::Servers::Apart],
+        "the scenario's `servers` places shards on emulated worker hosts: run it with `gradsync-bench cluster` \
+         (here the sites place the servers: on loopback all share one machine, across hosts `place.rs` puts them)"
+    );
     let outcomes_path = out.join("outcomes.jsonl");
     let mut outcomes = if resume { finished_outcomes(out)? } else { Vec::new() };
     // Old metrics left beside new ones would be merged into this comparison's results.

@@ -251,6 +251,12 @@ pub struct Scenario {
     /// `"hosts/N"` (one per N worker hosts).
     #[serde(default = "one_shard")]
     pub shards: Vec<Shards>,
+    /// Where an emulated cluster puts a parameter server's shards (`gradsync-bench cluster`):
+    /// `"apart"`, each on a host of its own (the default), and `"colocated"`, shard `i` on
+    /// worker host `i`, sharing its NIC with that host's workers (it needs no more shards than
+    /// worker hosts). Given both, every PS cell runs both ways.
+    #[serde(default = "apart", skip_serializing_if = "is_apart")]
+    pub servers: Vec<Servers>,
     /// SSP staleness bound.
     #[serde(default = "two")]
     pub ssp_staleness: u64,
@@ -348,6 +354,18 @@ pub struct Scenario {
     /// Left out: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dilate: Option<Dilate>,
+}
+
+/// Where a parameter server's shards go on an emulated cluster (a scenario's `servers`,
+/// `cluster --servers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Servers {
+    /// Each shard on a host of its own, beside the worker hosts.
+    Apart,
+    /// Shard `i` on worker host `i`: its own workers' share of the exchange stays inside the
+    /// host, and the host's NIC carries its workers' traffic and its shard's.
+    Colocated,
 }
 
 /// How many parameter-server shards a run has (a scenario's `shards`, `cluster --shards`).
@@ -494,6 +512,12 @@ fn is_one(v: &[usize]) -> bool {
 fn one_shard() -> Vec<Shards> {
     vec![Shards::Count(1)]
 }
+fn apart() -> Vec<Servers> {
+    vec![Servers::Apart]
+}
+fn is_apart(v: &[Servers]) -> bool {
+    v == [Servers::Apart]
+}
 fn two() -> u64 {
     2
 }
@@ -601,6 +625,7 @@ impl Scenario {
             .parse::<gradsync_core::device::DeviceRequest>()
             .map_err(|e| anyhow::anyhow!("`device`: {e}"))?;
         nonempty("shards", self.shards.len())?;
+        nonempty("servers", self.servers.len())?;
         nonempty("slow_ms", self.slow_ms.len())?;
         for (name, v) in [
             ("workers", &self.workers),
@@ -743,12 +768,25 @@ impl Scenario {
                             vec![0]
                         };
                         shards.dedup();
-                        for &k in &shards {
+                        let mut places: Vec<bool> = if mode.is_ps() {
+                            self.servers.iter().map(|s| *s == Servers::Colocated).collect()
+                        } else {
+                            vec![false]
+                        };
+                        places.sort_unstable();
+                        places.dedup();
+                        for (k, colocated) in shards.iter().flat_map(|&k| places.iter().map(move |&c| (k, c)))
+                        {
                             for (&slow_ms, repeat) in
                                 self.slow_ms.iter().flat_map(|d| (0..self.repeats).map(move |r| (d, r)))
                             {
                                 let skip = if w % m != 0 {
                                     Some(format!("{w} workers do not fill hosts of {m} ranks"))
+                                } else if colocated && k > w / m {
+                                    Some(format!(
+                                        "{k} shards colocated one a worker host need {k} worker hosts, not {}",
+                                        w / m
+                                    ))
                                 } else if global_batch % w != 0 {
                                     Some(format!(
                                         "global batch {global_batch} does not split over {w} workers"
@@ -759,12 +797,13 @@ impl Scenario {
                                     None
                                 };
                                 let id = format!(
-                                    "{:03}-{}-w{w}{}-{}-b{global_batch}{}{}{}",
+                                    "{:03}-{}-w{w}{}-{}-b{global_batch}{}{}{}{}",
                                     out.len() + 1,
                                     mode.label(),
                                     if m > 1 { format!("-m{m}") } else { String::new() },
                                     sanitize(model),
                                     if k > 0 { format!("-k{k}") } else { String::new() },
+                                    if colocated { "-colocated" } else { "" },
                                     if slow_ms > 0 { format!("-slow{slow_ms}") } else { String::new() },
                                     if self.repeats > 1 {
                                         format!("-r{}", repeat + 1)
@@ -780,6 +819,7 @@ impl Scenario {
                                     global_batch,
                                     batch: (global_batch / w).max(1),
                                     shards: k,
+                                    colocated,
                                     ranks_per_host: m,
                                     slow_ms,
                                     repeat,
@@ -818,6 +858,10 @@ pub struct RunSpec {
     pub batch: usize,
     /// Server shards (0 when the mode has none).
     pub shards: usize,
+    /// Its shards on worker hosts, one a host (the scenario's `servers`: an emulated
+    /// cluster's placement); else each on a host of its own.
+    #[serde(default)]
+    pub colocated: bool,
     /// Workers on each worker host (an emulated cluster's placement; 1 elsewhere).
     #[serde(default = "one_rank")]
     pub ranks_per_host: usize,
@@ -931,6 +975,44 @@ mod tests {
             ("modes = ['ps-bsp']\nhosts = [2]\nshards = [0]\n", "shards '0'"),
         ] {
             let e = format!("{:#}", parse(keys).unwrap_err());
+            assert!(e.contains(says), "{keys}: {e}");
+        }
+    }
+
+    /// `servers` runs each PS cell apart and colocated, the other modes once; colocated shards
+    /// beyond the worker hosts are kept with the reason; anything but the two places is refused.
+    #[test]
+    fn servers_run_each_parameter_server_cell_apart_and_colocated() {
+        let base = "name = 'x'\nmodels = ['resnet50']\nsteps = 2\nrepeats = 1\nhosts = [4]\n";
+        let parse = |keys: &str| Scenario::parse(&format!("{base}{keys}"), "test");
+        let s =
+            parse("modes = ['ps-bsp', 'ddp-tcp']\nshards = ['hosts', 8]\nservers = ['colocated', 'apart']\n")
+                .unwrap();
+        let runs = s.expand();
+        let ps: Vec<(usize, bool, Option<&str>)> = runs
+            .iter()
+            .filter(|r| r.mode == ModeKind::PsBsp)
+            .map(|r| (r.shards, r.colocated, r.skip.as_deref()))
+            .collect();
+        let beyond = Some("8 shards colocated one a worker host need 8 worker hosts, not 4");
+        assert_eq!(ps, [(4, false, None), (4, true, None), (8, false, None), (8, true, beyond)]);
+        let ids: std::collections::BTreeSet<&str> = runs.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids.len(), runs.len(), "every run its own directory");
+        assert!(
+            runs.iter()
+                .filter(|r| r.colocated)
+                .all(|r| r.id.ends_with("-k4-colocated") || r.id.ends_with("-k8-colocated"))
+        );
+        let rings: Vec<_> = runs.iter().filter(|r| r.mode == ModeKind::DdpTcp).collect();
+        assert!(rings.len() == 1 && !rings[0].colocated);
+        // Round-trips; left out, every shard is apart and the key is not written.
+        assert_eq!(Scenario::parse(&toml::to_string(&s).unwrap(), "again").unwrap(), s);
+        let apart = parse("modes = ['ps-bsp']\n").unwrap();
+        assert_eq!(apart.servers, [Servers::Apart]);
+        assert!(apart.expand().iter().all(|r| !r.colocated));
+        assert!(!toml::to_string(&apart).unwrap().contains("servers"));
+        for (keys, says) in [("servers = ['near']\n", "near"), ("servers = []\n", "`servers` is empty")] {
+            let e = format!("{:#}", parse(&format!("modes = ['ps-bsp']\n{keys}")).unwrap_err());
             assert!(e.contains(says), "{keys}: {e}");
         }
     }

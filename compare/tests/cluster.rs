@@ -158,6 +158,65 @@ fn ranks_sharing_hosts_go_through_them_only_in_ddp_hier() {
     assert!(html.contains("ddp-hier") && html.contains("4 (2 a host)"), "the report lost the placement");
 }
 
+/// `servers = ['apart', 'colocated']`: each PS cell runs with its shards on hosts of their own
+/// and again with shard `i` on worker host `i`. The colocated run's cluster has only the worker
+/// hosts, its workers reach the shards at two of those hosts' addresses, the ring is run once,
+/// and the report and the cells keep the two placements apart, each under its own name.
+#[test]
+fn colocated_shards_run_on_the_worker_hosts_as_a_design_of_their_own() {
+    let shape = Shape::at_rate(1e9);
+    let Some(c) = cluster_or_skip("colocated_shards", 1, shape) else { return };
+    drop(c);
+    let out = tmp("colocated");
+    let mut s = scenario(3);
+    s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp];
+    (s.workers, s.hosts, s.ranks_per_host) = (Vec::new(), vec![2], vec![1]);
+    s.shards = vec!["hosts".parse().unwrap()];
+    s.servers =
+        vec![gradsync_compare::scenario::Servers::Apart, gradsync_compare::scenario::Servers::Colocated];
+    s.repeats = 1;
+    let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
+    let runs = cluster::run_cluster(&s, &bins, &out, &[1.0], |_| shape, None).unwrap();
+    let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
+    assert_eq!(outcomes.matches("\"status\":\"ok\"").count(), 3, "{outcomes}");
+    let placed: Vec<(ModeKind, bool, usize)> = runs.iter().map(|r| (r.mode, r.colocated, r.hosts)).collect();
+    // Apart: 2 shard hosts + 2 worker hosts; colocated: the 2 worker hosts; the ring its spare.
+    assert_eq!(
+        placed,
+        [(ModeKind::PsBsp, false, 4), (ModeKind::PsBsp, true, 2), (ModeKind::DdpTcp, false, 3)]
+    );
+    // The servers each worker was given: two addresses, the same for both workers.
+    let servers_of = |id: &str, rank: usize| -> Vec<String> {
+        let m = std::fs::read_to_string(out.join(id).join(format!("rank{rank}.jsonl"))).unwrap();
+        let header: serde_json::Value = serde_json::from_str(m.lines().next().unwrap()).unwrap();
+        let list = header["extra"]["servers"].as_array().unwrap();
+        list.iter().map(|a| a.as_str().unwrap().rsplit_once(':').unwrap().0.to_string()).collect()
+    };
+    let (apart, colocated) = (&runs[0].id, &runs[1].id);
+    assert!(colocated.ends_with("-colocated-1g"), "{colocated}");
+    for id in [apart, colocated] {
+        let a = servers_of(id, 0);
+        assert_eq!(
+            (a.len(), a.iter().collect::<std::collections::BTreeSet<_>>().len()),
+            (2, 2),
+            "{id}: {a:?}"
+        );
+        assert_eq!(a, servers_of(id, 1), "{id}");
+    }
+    // Read back as three cells, the colocated PS under its own name.
+    let c = gradsync_compare::results::collect(&[out.to_path_buf()], None).unwrap();
+    assert_eq!(c.cells.len(), 3);
+    let names: Vec<String> = c.summaries.iter().map(|s| s.design()).collect();
+    assert!(
+        names.contains(&"ps-bsp k=2 colocated".to_string()) && names.contains(&"ps-bsp k=2".to_string()),
+        "{names:?}"
+    );
+    let html = std::fs::read_to_string(gradsync_compare::plot(&[out.to_path_buf()], &out).unwrap()).unwrap();
+    assert!(
+        html.contains("ps-bsp k=2 colocated") && html.contains("(servers colocated)"),
+        "the report lost the placement"
+    );
+}
 /// A dilated cluster: every process runs with `--dilate`, its metrics say the factor, each
 /// link is shaped at rate / D, and the rate's self-check reruns its busiest run at 2D under
 /// `checks/`, which the comparison's own cells never read; `dilation.json` says what it found.
@@ -339,6 +398,7 @@ fn plan(c: &Cluster, mode: ModeKind, workers: usize, steps: u64, dir: &Path) -> 
             global_batch: 16 * workers,
             batch: 16,
             shards: usize::from(mode.is_ps()),
+            colocated: false,
             ranks_per_host: 1,
             slow_ms: 0,
             repeat: 0,

@@ -171,7 +171,7 @@ pub fn scenario(plan: &CheckPlan, spec: &ClusterSpec, p: &Prediction) -> anyhow:
         plan.steps,
         plan.repeats
     );
-    t += &plan.testbed.placement(spec);
+    t += &plan.testbed.placement(spec, c);
     t += &match c.exchange {
         Exchange::Ps { servers, .. } => format!("shards = [{servers}]\n"),
         _ => "shards = [1]\n".into(),
@@ -427,14 +427,14 @@ mod tests {
             assert_eq!(with_pick.configs[0].label, r[at].label);
             assert_eq!(with_pick.configs.iter().filter(|p| p.label == r[at].label).count(), 1);
         }
-        // What each cannot run differs: the emulated cluster a colocated server, the real
-        // hosts (all of them the workers') servers of their own.
+        // What each cannot run differs: the emulated cluster places servers either way, the
+        // real hosts (all of them the workers') cannot give servers hosts of their own.
         let coloc = |colocated| Config {
             exchange: Exchange::Ps { servers: 4, colocated },
             bucket_mb: None,
             compression: Compression::None,
         };
-        assert!(Testbed::Emulated.unrunnable(&coloc(true), &c).unwrap().contains("colocated"));
+        assert_eq!(Testbed::Emulated.unrunnable(&coloc(true), &c), None);
         assert_eq!(hosts().unrunnable(&coloc(true), &c), None);
         assert!(hosts().unrunnable(&coloc(false), &c).unwrap().contains("hosts of their own"));
         assert_eq!(Testbed::Emulated.unrunnable(&coloc(false), &c), None);
@@ -467,12 +467,15 @@ mod tests {
                 Testbed::Emulated => {
                     assert_eq!((s.hosts.as_slice(), s.ranks_per_host.as_slice()), (&[4][..], &[2][..]));
                     assert_eq!(s.dilate, Some(crate::scenario::Dilate::Auto));
+                    // The servers where the configuration puts them.
+                    assert_eq!(Some(ps_run.colocated), ps.config.servers().map(|(_, c)| c));
                 }
                 Testbed::Real { .. } => {
                     // What `compare` takes: its ranks alone, no emulated hosts, no factor.
                     assert_eq!((s.workers.as_slice(), s.hosts.is_empty()), (&[8][..], true));
                     assert_eq!((s.ranks_per_host.as_slice(), s.dilate), (&[1][..], None));
                     assert_eq!(ps.config.servers(), Some((4, true)), "colocated, one a host");
+                    assert!(!ps_run.colocated, "compare's placement puts the servers");
                 }
             }
         }

@@ -4,11 +4,12 @@
 //! scenario, reading the runs, the verdict, the page) is written once in [`super::check`].
 //!
 //! - **An emulated cluster** matching the SPEC (`--cluster`): network namespaces on this
-//!   machine, a fresh cluster for every run, servers on hosts of their own, dilated
+//!   machine, a fresh cluster for every run, servers on hosts of their own or colocated (shard
+//!   `i` on worker host `i`) as the configuration says, dilated
 //!   (`--dilate auto`: probed, run, checked at twice the factor) so that this machine's cores
 //!   do not set the figures ([`crate::cluster::run_cluster`]). The link as measured is the
 //!   cluster's own (`cluster.json`), a host's ranks meeting over its loopback, as good as free
-//!   under dilation. A colocated parameter server is what it cannot place.
+//!   under dilation.
 //! - **The real hosts** the advice measured (`--hosts`, `--slurm`): each configuration a
 //!   comparison on them, as `compare --hosts` and `--slurm` run one ([`crate::compare_on`]:
 //!   the hosts checked, the processes placed by [`crate::place::assign`], their files brought
@@ -26,7 +27,7 @@ use anyhow::Context;
 use gradsync_core::compress::Compression;
 use serde::Serialize;
 
-use super::config::{Config, Exchange};
+use super::config::Config;
 use super::spec::{ClusterSpec, gbit_text};
 use crate::binaries::LocalBinaries;
 use crate::cost::Link;
@@ -96,21 +97,27 @@ impl Testbed {
             ));
         }
         match self {
-            Testbed::Emulated => matches!(c.exchange, Exchange::Ps { colocated: true, .. }).then(|| {
-                "the emulated cluster gives servers hosts of their own: a colocated server is not checked"
-                    .into()
-            }),
+            // Config's own checks keep colocated servers to at most one a host.
+            Testbed::Emulated => None,
             Testbed::Real { .. } => unplaceable(c, spec),
         }
     }
 
-    /// The scenario's keys that place its runs: an emulated cluster's hosts and ranks a host,
-    /// dilated automatically; on real hosts every rank of the cluster, one a slot, undilated
-    /// (`compare` refuses a factor: real links run at their own rate).
-    pub fn placement(&self, spec: &ClusterSpec) -> String {
+    /// The scenario's keys that place the runs of `c`: an emulated cluster's hosts and ranks
+    /// a host, dilated automatically, and colocated servers where `c` has them; on real hosts
+    /// every rank of the cluster, one a slot, undilated (`compare` refuses a factor: real links
+    /// run at their own rate), the comparison's placement putting the servers.
+    pub fn placement(&self, spec: &ClusterSpec, c: &Config) -> String {
         match self {
             Testbed::Emulated => {
-                format!("hosts = [{}]\nranks_per_host = [{}]\ndilate = 'auto'\n", spec.hosts, spec.per_host)
+                let servers = match c.servers() {
+                    Some((_, true)) => "servers = ['colocated']\n",
+                    _ => "",
+                };
+                format!(
+                    "hosts = [{}]\nranks_per_host = [{}]\ndilate = 'auto'\n{servers}",
+                    spec.hosts, spec.per_host
+                )
             }
             Testbed::Real { .. } => format!("workers = [{}]\n", spec.workers()),
         }
@@ -197,6 +204,7 @@ fn unplaceable(c: &Config, spec: &ClusterSpec) -> Option<String> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::advise::config::Exchange;
     use crate::advise::search::Space;
 
     fn hosts() -> Testbed {
@@ -213,18 +221,17 @@ mod tests {
         }
     }
 
-    /// Each testbed decides for itself: the emulated cluster refuses a colocated server, the
-    /// real hosts servers of their own (every host holds workers) and fewer colocated servers
-    /// than hosts (placed apart); what the comparison's placement can put where the
-    /// configuration says is run. Both refuse bf16.
+    /// Each testbed decides for itself: the emulated cluster places every parameter server,
+    /// the real hosts refuse servers of their own (every host holds workers) and fewer
+    /// colocated servers than hosts (placed apart); what the comparison's placement can put
+    /// where the configuration says is run. Both refuse bf16.
     #[test]
     fn what_each_testbed_can_run() {
         let spec = ClusterSpec::parse("4x2:10gbit:pcie").unwrap();
         let (emulated, real) = (Testbed::Emulated, hosts());
-        assert!(
-            emulated.unrunnable(&ps(4, true), &spec).unwrap().contains("colocated server is not checked")
-        );
-        assert_eq!(emulated.unrunnable(&ps(4, false), &spec), None);
+        for (k, colocated) in [(4, true), (2, true), (4, false), (2, false)] {
+            assert_eq!(emulated.unrunnable(&ps(k, colocated), &spec), None, "{k} {colocated}");
+        }
         assert_eq!(real.unrunnable(&ps(4, true), &spec), None);
         let apart = real.unrunnable(&ps(2, false), &spec).unwrap();
         assert!(
@@ -301,16 +308,22 @@ mod tests {
         assert_eq!(Testbed::Emulated.describe(&spec), "2 host(s) x 2 rank(s) at 10 Gbit/s, emulated");
     }
 
-    /// The scenario's placement: an emulated cluster's hosts, ranks a host and dilation; on
-    /// real hosts the ranks alone, which `compare` places one a slot.
+    /// The scenario's placement: an emulated cluster's hosts, ranks a host, dilation and
+    /// colocated servers; on real hosts the ranks alone, which `compare` places one a slot.
     #[test]
     fn the_placement_keys_are_the_testbeds() {
         let spec = ClusterSpec::parse("4x2:10gbit:pcie").unwrap();
+        let ring = Config { exchange: Exchange::Ring, bucket_mb: Some(25.0), compression: Compression::None };
+        let keys = "hosts = [4]\nranks_per_host = [2]\ndilate = 'auto'\n";
+        assert_eq!(Testbed::Emulated.placement(&spec, &ring), keys);
+        assert_eq!(Testbed::Emulated.placement(&spec, &ps(4, false)), keys);
         assert_eq!(
-            Testbed::Emulated.placement(&spec),
-            "hosts = [4]\nranks_per_host = [2]\ndilate = 'auto'\n"
+            Testbed::Emulated.placement(&spec, &ps(4, true)),
+            format!("{keys}servers = ['colocated']\n")
         );
-        assert_eq!(hosts().placement(&spec), "workers = [8]\n");
+        for c in [&ring, &ps(4, true)] {
+            assert_eq!(hosts().placement(&spec, c), "workers = [8]\n");
+        }
         assert_eq!((Testbed::Emulated.kind(), hosts().kind()), (Kind::Emulated, Kind::Hosts));
     }
 }

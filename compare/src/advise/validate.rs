@@ -1,6 +1,6 @@
 //! `gradsync-bench validate DIR...`: the advisor's predictions against dilated emulated
 //! clusters' runs (`scripts/advisor-matrix.sh` makes them, one directory a (model, hosts,
-//! link) group). For each sound run (complete, the cores keeping up with the factor): its
+//! link) group; a directory `<group>+<part>` holds more designs of `<group>`, run apart). For each sound run (complete, the cores keeping up with the factor): its
 //! measured step, the advisor's step ([`advisor_step_ms`]: the run's own compute and link, the
 //! per-bucket timeline) and the alpha-beta model's (the run's compute, then the exchange the
 //! cost model prices, nothing hidden behind backward), each error beside it. Then the error
@@ -25,7 +25,8 @@ pub const PICK_TOLERANCE: f64 = 0.05;
 /// One run, measured and predicted.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Row {
-    /// Its group: the directory's name.
+    /// Its group: the directory's name, up to a `+` (`resnet50-8x1-10g+colocated` is more of
+    /// `resnet50-8x1-10g`).
     pub group: String,
     /// The design: mode, and servers for a parameter server.
     pub design: String,
@@ -125,6 +126,19 @@ pub struct Validation {
     pub picks: Vec<Pick>,
     /// Groups with fewer than two sound designs, and why no pick is judged there.
     pub unjudged: Vec<(String, String)>,
+    /// In each group that ran servers colocated: the pick among the designs on the worker
+    /// hosts alone (rings, ZeRO-1, colocated servers; no host added for servers), the
+    /// question of a cluster whose hosts are all it has.
+    #[serde(default)]
+    pub picks_on_workers: Vec<Pick>,
+    /// Such groups whose pick on the worker hosts is not judged, and why.
+    #[serde(default)]
+    pub unjudged_on_workers: Vec<(String, String)>,
+}
+
+/// Whether a design (as [`design`] names it) adds hosts for its servers.
+fn adds_hosts(design: &str) -> bool {
+    design.starts_with("ps-") && !design.ends_with(" colocated")
 }
 
 /// The group directories under `dirs`: each one holding `cluster.json`, or each child of one
@@ -176,6 +190,7 @@ fn machine_cpu(dir: &Path) -> Option<String> {
 /// One group directory's runs.
 fn group_rows(dir: &Path) -> anyhow::Result<Vec<Row>> {
     let name = dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+    let name = name.split('+').next().unwrap_or_default().to_string();
     let c = results::collect(&[dir.to_path_buf()], None)?;
     let runs = emulated::load(&[dir.to_path_buf()]);
     Ok(runs.iter().filter_map(|r| Some(row(&name, r, c.summaries.iter().find(|s| s.id == r.id)?))).collect())
@@ -183,7 +198,7 @@ fn group_rows(dir: &Path) -> anyhow::Result<Vec<Row>> {
 
 /// The design a run stands for in its group.
 fn design(r: &ClusterRun) -> String {
-    if r.mode.is_ps() { format!("{} k={}", r.mode.label(), r.shards) } else { r.mode.label().to_string() }
+    results::design_name(r.mode.label(), if r.mode.is_ps() { r.shards } else { 0 }, r.colocated)
 }
 
 fn row(group: &str, r: &ClusterRun, s: &Summary) -> Row {
@@ -233,14 +248,19 @@ const FAMILIES: [(&str, InFamily); 3] = [
     ("parameter server", |d| d.starts_with("ps-")),
 ];
 
-/// `fresh` over `saved` (a validation kept from earlier runs, `--with`): every group `fresh`
-/// holds from its runs, and `saved`'s rows, picks and verdicts for the groups it does not; the
-/// errors over them all. So the matrix can be run in parts, on other days, and only the parts
-/// that changed run again.
+/// `fresh` over `saved` (a validation kept from earlier runs, `--with`): every (group, design)
+/// `fresh` holds from its runs, `saved`'s rows for the others, and `saved`'s picks and
+/// verdicts for the groups `fresh` has no row of (a group with a fresh row is judged again over
+/// all its rows); the errors over them all. So the matrix can be run in parts, on other days,
+/// and only the parts that changed, or the designs added, run again.
 pub fn merged(fresh: Validation, saved: Validation) -> Validation {
-    let ran: std::collections::BTreeSet<String> = fresh.rows.iter().map(|r| r.group.clone()).collect();
-    let kept = |g: &str| !ran.contains(g);
-    let mut rows: Vec<Row> = saved.rows.into_iter().filter(|r| kept(&r.group)).collect();
+    use std::collections::BTreeSet;
+    let ran: BTreeSet<(String, String)> =
+        fresh.rows.iter().map(|r| (r.group.clone(), r.design.clone())).collect();
+    let judged: BTreeSet<String> = fresh.rows.iter().map(|r| r.group.clone()).collect();
+    let kept = |g: &str| !judged.contains(g);
+    let mut rows: Vec<Row> =
+        saved.rows.into_iter().filter(|r| !ran.contains(&(r.group.clone(), r.design.clone()))).collect();
     rows.extend(fresh.rows);
     // Stable: each group's rows keep their order.
     rows.sort_by(|a, b| a.group.cmp(&b.group));
@@ -250,12 +270,20 @@ pub fn merged(fresh: Validation, saved: Validation) -> Validation {
         (f, s) => format!("{f} (the groups run again); {s} (the rest)"),
     };
     let mut v = summarise(cpu, rows);
-    v.picks.retain(|p| !kept(&p.group));
-    v.unjudged.retain(|(g, _)| !kept(g));
-    v.picks.extend(saved.picks.into_iter().filter(|p| kept(&p.group)));
-    v.unjudged.extend(saved.unjudged.into_iter().filter(|(g, _)| kept(g)));
-    v.picks.sort_by(|a, b| a.group.cmp(&b.group));
-    v.unjudged.sort_by(|a, b| a.0.cmp(&b.0));
+    let keep = |fresh: &mut Vec<Pick>, saved: Vec<Pick>| {
+        fresh.retain(|p| !kept(&p.group));
+        fresh.extend(saved.into_iter().filter(|p| kept(&p.group)));
+        fresh.sort_by(|a, b| a.group.cmp(&b.group));
+    };
+    keep(&mut v.picks, saved.picks);
+    keep(&mut v.picks_on_workers, saved.picks_on_workers);
+    let keep = |fresh: &mut Vec<(String, String)>, saved: Vec<(String, String)>| {
+        fresh.retain(|(g, _)| !kept(g));
+        fresh.extend(saved.into_iter().filter(|(g, _)| kept(g)));
+        fresh.sort_by(|a, b| a.0.cmp(&b.0));
+    };
+    keep(&mut v.unjudged, saved.unjudged);
+    keep(&mut v.unjudged_on_workers, saved.unjudged_on_workers);
     v
 }
 
@@ -292,10 +320,17 @@ pub fn summarise(cpu: String, rows: Vec<Row>) -> Validation {
     let mut seen = std::collections::BTreeSet::new();
     let names: Vec<&str> = rows.iter().map(|r| r.group.as_str()).filter(|g| seen.insert(*g)).collect();
     let (mut picks, mut unjudged) = (Vec::new(), Vec::new());
+    let (mut picks_on_workers, mut unjudged_on_workers) = (Vec::new(), Vec::new());
     for g in names {
-        match pick(&rows, g) {
+        match pick(&rows, g, |_| true) {
             Ok(p) => picks.push(p),
             Err(why) => unjudged.push((g.to_string(), why)),
+        }
+        if rows.iter().any(|r| r.group == g && r.design.ends_with(" colocated")) {
+            match pick(&rows, g, |r| !adds_hosts(&r.design)) {
+                Ok(p) => picks_on_workers.push(p),
+                Err(why) => unjudged_on_workers.push((g.to_string(), why)),
+            }
         }
     }
     Validation {
@@ -306,18 +341,26 @@ pub fn summarise(cpu: String, rows: Vec<Row>) -> Validation {
         rows,
         picks,
         unjudged,
+        picks_on_workers,
+        unjudged_on_workers,
     }
 }
 
-/// Group `g`'s pick: the design the advisor predicts fastest from the profile among those
-/// run, against the fastest measured soundly; not judged where the pick itself was not
-/// measured soundly (the best of the rest would be no test of it).
-fn pick(rows: &[Row], g: &str) -> Result<Pick, String> {
-    let ran: Vec<&Row> = rows.iter().filter(|r| r.group == g).collect();
+/// Group `g`'s pick among the designs `among` keeps: the design the advisor predicts fastest
+/// from the profile among those run, against the fastest measured soundly; not judged where
+/// the pick itself was not measured soundly (the best of the rest would be no test of it).
+fn pick(rows: &[Row], g: &str, among: fn(&Row) -> bool) -> Result<Pick, String> {
+    let ran: Vec<&Row> = rows.iter().filter(|r| r.group == g && among(r)).collect();
     let predicted = fastest(ran.iter().copied(), |r| r.advisor_profile_ms);
     if let Some(p) = predicted.filter(|p| !p.sound) {
         let why = p.unsound.as_deref().map_or(String::new(), |w| format!(": {w}"));
         return Err(format!("the pick, {}, was not measured soundly{why}", p.design));
+    }
+    // A row kept without its runs (rebuilt from a table) may lack the profile's prediction: the
+    // pick over the rest would not be the pick over the group.
+    if let Some(r) = ran.iter().find(|r| r.sound && r.advisor_ms.is_some() && r.advisor_profile_ms.is_none())
+    {
+        return Err(format!("{} has no prediction from the profile alone to pick by", r.design));
     }
     let sound: Vec<&Row> = ran
         .iter()
@@ -375,27 +418,21 @@ fn spread_text(s: &Option<Spread>) -> String {
     s.map_or("-".into(), |s| format!("{:.1}% / {:.1}% (n = {})", s.median * 100.0, s.max * 100.0, s.n))
 }
 
-/// The validation as Markdown: the summary first, then the picks, then every run.
-pub fn markdown(v: &Validation) -> String {
-    let mut t = format!("CPU: {}\n\n", if v.cpu.is_empty() { "unknown" } else { &v.cpu });
-    t += "| runs | advisor: median / largest \\|error\\| | alpha-beta: median / largest |\n|---|---|---|\n";
-    t += &format!("| all sound runs | {} | {} |\n", spread_text(&v.advisor), spread_text(&v.alpha_beta));
-    for (name, a, b) in &v.by_family {
-        t += &format!("| {name} | {} | {} |\n", spread_text(a), spread_text(b));
-    }
-    let found = v.picks.iter().filter(|p| p.found).count();
-    t += &format!(
-        "\nThe advisor's pick within {:.0}% of the fastest measured design in {found} of {} groups{}.\n\n",
+/// The picks' sentence and table: `among` says which designs they were picked from.
+fn picks_markdown(among: &str, picks: &[Pick], unjudged: &[(String, String)]) -> String {
+    let found = picks.iter().filter(|p| p.found).count();
+    let mut t = format!(
+        "\nThe advisor's pick{among} within {:.0}% of the fastest measured design in {found} of {} groups{}.\n\n",
         PICK_TOLERANCE * 100.0,
-        v.picks.len(),
-        if v.picks.is_empty() {
+        picks.len(),
+        if picks.is_empty() {
             String::new()
         } else {
-            format!(" ({:.0}%)", 100.0 * found as f64 / v.picks.len() as f64)
+            format!(" ({:.0}%)", 100.0 * found as f64 / picks.len() as f64)
         }
     );
     t += "| group | designs | pick | fastest measured | pick's gap | |\n|---|---:|---|---|---:|---|\n";
-    for p in &v.picks {
+    for p in picks {
         t += &format!(
             "| {} | {} | {} | {} | {} | {} |\n",
             p.group,
@@ -406,8 +443,27 @@ pub fn markdown(v: &Validation) -> String {
             p.why.as_deref().unwrap_or("found")
         );
     }
-    for (g, why) in &v.unjudged {
+    for (g, why) in unjudged {
         t += &format!("| {g} | | | | | not judged: {why} |\n");
+    }
+    t
+}
+
+/// The validation as Markdown: the summary first, then the picks, then every run.
+pub fn markdown(v: &Validation) -> String {
+    let mut t = format!("CPU: {}\n\n", if v.cpu.is_empty() { "unknown" } else { &v.cpu });
+    t += "| runs | advisor: median / largest \\|error\\| | alpha-beta: median / largest |\n|---|---|---|\n";
+    t += &format!("| all sound runs | {} | {} |\n", spread_text(&v.advisor), spread_text(&v.alpha_beta));
+    for (name, a, b) in &v.by_family {
+        t += &format!("| {name} | {} | {} |\n", spread_text(a), spread_text(b));
+    }
+    t += &picks_markdown("", &v.picks, &v.unjudged);
+    if !v.picks_on_workers.is_empty() || !v.unjudged_on_workers.is_empty() {
+        t += &picks_markdown(
+            " among the designs on the worker hosts alone (rings, ZeRO-1, servers colocated)",
+            &v.picks_on_workers,
+            &v.unjudged_on_workers,
+        );
     }
     t += "\n| group | design | factor | cores busy | sound | measured ms | advisor ms | error | alpha-beta ms | error |\n\
           |---|---|---:|---:|---|---:|---:|---:|---:|---:|\n";
@@ -554,6 +610,37 @@ mod tests {
         assert!((a.max - 0.20).abs() < 1e-9, "a's PS, 20% off, is still in: {a:?}");
         assert_eq!(v.picks.iter().map(|p| p.group.as_str()).collect::<Vec<_>>(), vec!["a", "b"]);
         assert_eq!(v.cpu, "AMD EPYC, 2 cores");
+        // A design added to group a apart (`a+colocated`): a keeps its saved rows beside it, and
+        // its pick is judged again over all three.
+        let added = summarise(
+            "AMD EPYC, 2 cores".into(),
+            vec![r("a", "ps-bsp k=4 colocated", 45.0, 30.0, 60.0, true)],
+        );
+        let v = merged(added, v);
+        let a: Vec<&str> = v.rows.iter().filter(|r| r.group == "a").map(|r| r.design.as_str()).collect();
+        assert_eq!(a, ["ddp-tcp", "ps-bsp k=4", "ps-bsp k=4 colocated"]);
+        let pick = v.picks.iter().find(|p| p.group == "a").unwrap();
+        assert_eq!(
+            (pick.pick.as_str(), pick.best.as_str(), pick.designs),
+            ("ps-bsp k=4 colocated", "ps-bsp k=4 colocated", 3)
+        );
+        // On the worker hosts alone: the ring and the colocated servers, in a only.
+        let on: Vec<(&str, &str, usize)> =
+            v.picks_on_workers.iter().map(|p| (p.group.as_str(), p.pick.as_str(), p.designs)).collect();
+        assert_eq!(on, [("a", "ps-bsp k=4 colocated", 2)]);
+        assert!(markdown(&v).contains("among the designs on the worker hosts alone (rings, ZeRO-1, servers colocated) within 5% of the fastest measured design in 1 of 1 groups"));
+        assert_eq!(v.rows.iter().filter(|r| r.group == "b").count(), 2);
+        // A group judged again where a kept row has no profile prediction: not judged, said why.
+        let mut old = r("c", "ddp-tcp", 100.0, 90.0, 110.0, true);
+        old.advisor_profile_ms = None;
+        let v = merged(
+            summarise(String::new(), vec![r("c", "zero1-tcp", 99.0, 95.0, 110.0, true)]),
+            summarise(String::new(), vec![old]),
+        );
+        assert_eq!(
+            v.unjudged,
+            [("c".to_string(), "ddp-tcp has no prediction from the profile alone to pick by".to_string())]
+        );
         // Not a validation: refused by name.
         std::fs::write(&path, "{\"clusters\": {\"rows\": 3}}").unwrap();
         let e = format!("{:#}", load_saved(&path).unwrap_err());

@@ -56,7 +56,7 @@ impl Group<'_> {
     /// traffic crosses, so no label compares two wires unannounced.
     pub fn series(r: &Summary) -> String {
         let wire = r.mode.parse::<ModeKind>().map(ModeKind::wire).unwrap_or("");
-        let name = if r.shards > 0 { format!("{} k={}", r.mode, r.shards) } else { r.mode.clone() };
+        let name = r.design();
         match wire {
             "" | "none" => name,
             w => format!("{name} ({w})"),

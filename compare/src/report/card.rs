@@ -108,9 +108,9 @@ pub fn card(cx: &Context) -> Card {
     Card { title, too_small, headline, rows, notes, unranked }
 }
 
-/// A row's mode in a list: the mode, with its shard count.
+/// A row's mode in a list: the mode, with its shard count (and their place when colocated).
 fn name(r: &Summary) -> String {
-    if r.shards > 0 { format!("{} k={}", r.mode, r.shards) } else { r.mode.clone() }
+    r.design()
 }
 
 /// `rs` listed by worker count: "at 2 workers: ps-bsp k=1, ps-asp k=1; at 4 workers: every

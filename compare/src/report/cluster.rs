@@ -47,7 +47,7 @@ pub fn cluster_prediction(r: &ClusterRun, params: usize) -> Option<f64> {
         // The model prices f32 gradients only.
         None
     } else if r.mode.is_ps() {
-        Some(cost::ps_on_hosts(r.workers, m, r.shards.max(1), s, l))
+        Some(cost::ps_placed(hosts, m, r.shards.max(1), r.colocated, s, s, l))
     } else if r.mode == ModeKind::Zero1Tcp {
         Some(cost::zero1(r.workers, s, l))
     } else if r.mode.is_ring() {
@@ -84,7 +84,7 @@ pub fn advisor_prediction_ms(r: &ClusterRun, s: &Summary, measured_compute: bool
     }
     let m = r.ranks_per_host.max(1);
     let c = ClusterSpec::emulated(r.workers.div_ceil(m), m, cluster_link(r)).ok()?;
-    let cfg = Config::of_mode(r.mode, s.bucket_mb.unwrap_or(25.0), false, (r.shards, false), 0.01)?;
+    let cfg = Config::of_mode(r.mode, s.bucket_mb.unwrap_or(25.0), false, (r.shards, r.colocated), 0.01)?;
     Some(predict::predict(&w, &c, &cfg, &CodecRates::free()).ok()?.step_s * 1e3)
 }
 
@@ -141,9 +141,7 @@ pub fn section(runs: &[ClusterRun], all: &[Summary], dilations: &[DilationRecord
             let s = all.iter().find(|s| s.id == r.id)?;
             let pred = cluster_prediction(r, s.params).map(|t| t * 1e3);
             // A PS that pulls only after its whole push pays the busiest link twice.
-            let seq = r.mode.is_ps().then(|| {
-                cost::ps_sequential(r.workers, r.shards.max(1), 4.0 * s.params as f64, cluster_link(r)) * 1e3
-            });
+            let seq = pred.filter(|_| r.mode.is_ps()).map(|p| 2.0 * p - 2e3 * cluster_link(r).a);
             // The worker's BSP step pulls the next version block by block while it pushes, so a
             // PS run is held to the pipelined model; push-then-pull stays beside it for reference.
             let ratio = s.comm_ms.zip(pred).map(|(m, p)| m / p);
@@ -164,7 +162,11 @@ pub fn section(runs: &[ClusterRun], all: &[Summary], dilations: &[DilationRecord
                 class: s.status.clone(),
                 cells: vec![
                     words(&link),
-                    words(r.mode.label()),
+                    words(&if r.colocated {
+                        format!("{} (servers colocated)", r.mode.label())
+                    } else {
+                        r.mode.label().to_string()
+                    }),
                     figures(&if r.ranks_per_host > 1 {
                         format!("{} ({} a host)", r.workers, r.ranks_per_host)
                     } else {
@@ -186,8 +188,8 @@ pub fn section(runs: &[ClusterRun], all: &[Summary], dilations: &[DilationRecord
         .collect();
     let table = Grid {
         title: "Each run on its emulated link".into(),
-        caption: "Each process on its own host (a network namespace), every host's link shaped with tc in both \
-                  directions; the model's latency is half the round trip of a small message, its bandwidth what one \
+        caption: "Each host a network namespace (a worker's ranks, and a colocated shard, sharing it), every \
+                  host's link shaped with tc in both directions; the model's latency is half the round trip of a small message, its bandwidth what one \
                   plain TCP stream carried, both between two hosts of the run's cluster, measured just before the \
                   run (where they were not measured, the two hops' added delay and the shaped rate)."
             .into(),
@@ -352,6 +354,7 @@ fn ps_against_ring(runs: &[ClusterRun], all: &[Summary]) -> Vec<String> {
         let first = ps.runs.first().and_then(|id| run_of(id));
         if let (Some(pc), Some(rc), Some(r)) = (m.comm_ms, ring.median.comm_ms, first)
             && m.shards == m.workers
+            && !m.colocated
             && m.workers > 1
             && r.ranks_per_host == 1
         {
@@ -405,6 +408,7 @@ mod cluster_tests {
             mode,
             workers: 2,
             shards,
+            colocated: false,
             ranks_per_host: 1,
             hosts: 2 + shards,
             rate_gbit: 10.0,

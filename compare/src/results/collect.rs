@@ -66,6 +66,7 @@ pub fn collect(roots: &[PathBuf], target: Option<f64>) -> anyhow::Result<Collect
     for r in crate::emulated::load(roots) {
         if let Some(s) = summaries.iter_mut().find(|s| s.id == r.id) {
             s.link = r.label();
+            s.colocated = r.colocated;
             s.dilation_too_small = too_small.contains(&(r.rate_gbit, r.dilation));
         }
     }

@@ -328,6 +328,10 @@ pub struct Summary {
     pub dilation_too_small: bool,
     /// The CPU seconds its processes used (this machine's children only), where measured.
     pub cpu_s: Option<f64>,
+    /// Its shards sat on worker hosts, one a host (an emulated cluster's `--servers
+    /// colocated`, as `cluster.json` records it): a design of its own, never a repeat of the
+    /// same shards apart.
+    pub colocated: bool,
 }
 
 /// The share of the asynchronous pushes' arrival time (each server's records of them, one
@@ -498,6 +502,7 @@ impl Summary {
             }),
             dilation_too_small: false,
             cpu_s: None,
+            colocated: false,
         }
     }
 
@@ -518,6 +523,12 @@ impl Summary {
             restarts: o.restarts.clone(),
             ..Summary::default()
         }
+    }
+
+    /// The design it ran, as lists name it: the mode, with the shard count for PS modes and
+    /// where colocated shards sat (`ps-bsp k=4 colocated`).
+    pub fn design(&self) -> String {
+        design_name(&self.mode, self.shards, self.colocated)
     }
 
     /// Whether the run finished as planned: only such runs feed charts and readings
@@ -613,7 +624,9 @@ impl Cell {
         let mut by: BTreeMap<CellKey, Vec<&Summary>> = BTreeMap::new();
         for r in rows {
             let key = (r.model.clone(), r.global_batch, r.link.clone());
-            by.entry((key, r.mode.clone(), r.workers, r.shards, r.slow_ms)).or_default().push(r);
+            by.entry((key, r.mode.clone(), r.workers, (r.shards, r.colocated), r.slow_ms))
+                .or_default()
+                .push(r);
         }
         by.into_values()
             .filter_map(|all| {
@@ -683,9 +696,19 @@ impl Cell {
     }
 }
 
-/// What makes runs repeats of one cell: (model, global batch, link), mode, workers, shards,
-/// straggler delay.
-type CellKey = ((String, usize, String), String, usize, usize, u64);
+/// What makes runs repeats of one cell: (model, global batch, link), mode, workers, (shards,
+/// colocated), straggler delay.
+type CellKey = ((String, usize, String), String, usize, (usize, bool), u64);
+
+/// A design as lists name it: `mode`, with ` k=<shards>` where it has shards and ` colocated`
+/// where they sat on worker hosts.
+pub fn design_name(mode: &str, shards: usize, colocated: bool) -> String {
+    match (shards, colocated) {
+        (0, _) => mode.to_string(),
+        (k, false) => format!("{mode} k={k}"),
+        (k, true) => format!("{mode} k={k} colocated"),
+    }
+}
 
 /// Whether two (min, max) ranges overlap: the modes behind them are level.
 pub fn overlap(a: (f64, f64), b: (f64, f64)) -> bool {
