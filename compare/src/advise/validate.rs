@@ -107,6 +107,10 @@ pub struct Pick {
     pub why: Option<String>,
     /// Designs in the group measured soundly.
     pub designs: usize,
+    /// Picked by the predictions from each run's own compute, since a row kept without its
+    /// runs held no prediction from the profile alone.
+    #[serde(default)]
+    pub by_runs_compute: bool,
 }
 
 /// Everything `validate` found.
@@ -351,22 +355,20 @@ pub fn summarise(cpu: String, rows: Vec<Row>) -> Validation {
 /// the pick itself was not measured soundly (the best of the rest would be no test of it).
 fn pick(rows: &[Row], g: &str, among: fn(&Row) -> bool) -> Result<Pick, String> {
     let ran: Vec<&Row> = rows.iter().filter(|r| r.group == g && among(r)).collect();
-    let predicted = fastest(ran.iter().copied(), |r| r.advisor_profile_ms);
+    // A row kept without its runs (rebuilt from a table) may lack the profile's prediction:
+    // then every design of the group is picked by its prediction from its run's own compute
+    // (a replay's compute is the profile's, waited out), and the pick says so.
+    let by_runs_compute =
+        ran.iter().any(|r| r.sound && r.advisor_ms.is_some() && r.advisor_profile_ms.is_none());
+    let by: fn(&Row) -> Option<f64> =
+        if by_runs_compute { |r| r.advisor_ms } else { |r| r.advisor_profile_ms };
+    let predicted = fastest(ran.iter().copied(), by);
     if let Some(p) = predicted.filter(|p| !p.sound) {
         let why = p.unsound.as_deref().map_or(String::new(), |w| format!(": {w}"));
         return Err(format!("the pick, {}, was not measured soundly{why}", p.design));
     }
-    // A row kept without its runs (rebuilt from a table) may lack the profile's prediction: the
-    // pick over the rest would not be the pick over the group.
-    if let Some(r) = ran.iter().find(|r| r.sound && r.advisor_ms.is_some() && r.advisor_profile_ms.is_none())
-    {
-        return Err(format!("{} has no prediction from the profile alone to pick by", r.design));
-    }
-    let sound: Vec<&Row> = ran
-        .iter()
-        .copied()
-        .filter(|r| r.sound && r.measured_ms.is_some() && r.advisor_profile_ms.is_some())
-        .collect();
+    let sound: Vec<&Row> =
+        ran.iter().copied().filter(|r| r.sound && r.measured_ms.is_some() && by(r).is_some()).collect();
     if sound.len() < 2 {
         let left: Vec<String> = ran.iter().filter(|r| !r.sound).map(|r| r.design.clone()).collect();
         return Err(format!(
@@ -387,10 +389,10 @@ fn pick(rows: &[Row], g: &str, among: fn(&Row) -> bool) -> Result<Pick, String> 
         format!(
             "picked {} (predicted {} ms, measured {} ms) over {} (predicted {} ms, measured {} ms)",
             p.design,
-            ms(p.advisor_profile_ms),
+            ms(by(p)),
             ms(p.measured_ms),
             b.design,
-            ms(b.advisor_profile_ms),
+            ms(by(b)),
             ms(b.measured_ms)
         )
     });
@@ -402,6 +404,7 @@ fn pick(rows: &[Row], g: &str, among: fn(&Row) -> bool) -> Result<Pick, String> 
         found,
         why,
         designs: sound.len(),
+        by_runs_compute,
     })
 }
 
@@ -440,7 +443,12 @@ fn picks_markdown(among: &str, picks: &[Pick], unjudged: &[(String, String)]) ->
             p.pick,
             p.best,
             pct(Some(p.gap)),
-            p.why.as_deref().unwrap_or("found")
+            p.why.as_deref().unwrap_or("found").to_string()
+                + if p.by_runs_compute {
+                    " (picked by the runs' own compute: kept rows hold no profile-only prediction)"
+                } else {
+                    ""
+                }
         );
     }
     for (g, why) in unjudged {
@@ -630,17 +638,17 @@ mod tests {
         assert_eq!(on, [("a", "ps-bsp k=4 colocated", 2)]);
         assert!(markdown(&v).contains("among the designs on the worker hosts alone (rings, ZeRO-1, servers colocated) within 5% of the fastest measured design in 1 of 1 groups"));
         assert_eq!(v.rows.iter().filter(|r| r.group == "b").count(), 2);
-        // A group judged again where a kept row has no profile prediction: not judged, said why.
+        // A group judged again where a kept row has no profile prediction: every design picked
+        // by its run's own compute (the ring's 90 ms over ZeRO-1's 95, though ZeRO-1's
+        // profile-only prediction says 80), and said so.
         let mut old = r("c", "ddp-tcp", 100.0, 90.0, 110.0, true);
         old.advisor_profile_ms = None;
-        let v = merged(
-            summarise(String::new(), vec![r("c", "zero1-tcp", 99.0, 95.0, 110.0, true)]),
-            summarise(String::new(), vec![old]),
-        );
-        assert_eq!(
-            v.unjudged,
-            [("c".to_string(), "ddp-tcp has no prediction from the profile alone to pick by".to_string())]
-        );
+        let mut fresh = r("c", "zero1-tcp", 99.0, 95.0, 110.0, true);
+        fresh.advisor_profile_ms = Some(80.0);
+        let v = merged(summarise(String::new(), vec![fresh]), summarise(String::new(), vec![old]));
+        let c = v.picks.iter().find(|p| p.group == "c").unwrap();
+        assert!(c.by_runs_compute && c.pick == "ddp-tcp" && c.found, "{c:?}");
+        assert!(markdown(&v).contains("found (picked by the runs' own compute"));
         // Not a validation: refused by name.
         std::fs::write(&path, "{\"clusters\": {\"rows\": 3}}").unwrap();
         let e = format!("{:#}", load_saved(&path).unwrap_err());
