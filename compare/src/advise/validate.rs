@@ -274,21 +274,18 @@ pub fn merged(fresh: Validation, saved: Validation) -> Validation {
         (f, s) => format!("{f} (the groups run again); {s} (the rest)"),
     };
     let mut v = summarise(cpu, rows);
-    let keep = |fresh: &mut Vec<Pick>, saved: Vec<Pick>| {
-        fresh.retain(|p| !kept(&p.group));
-        fresh.extend(saved.into_iter().filter(|p| kept(&p.group)));
-        fresh.sort_by(|a, b| a.group.cmp(&b.group));
-    };
-    keep(&mut v.picks, saved.picks);
-    keep(&mut v.picks_on_workers, saved.picks_on_workers);
-    let keep = |fresh: &mut Vec<(String, String)>, saved: Vec<(String, String)>| {
-        fresh.retain(|(g, _)| !kept(g));
-        fresh.extend(saved.into_iter().filter(|(g, _)| kept(g)));
-        fresh.sort_by(|a, b| a.0.cmp(&b.0));
-    };
-    keep(&mut v.unjudged, saved.unjudged);
-    keep(&mut v.unjudged_on_workers, saved.unjudged_on_workers);
+    keep_saved(&mut v.picks, saved.picks, |p| &p.group, &kept);
+    keep_saved(&mut v.picks_on_workers, saved.picks_on_workers, |p| &p.group, &kept);
+    keep_saved(&mut v.unjudged, saved.unjudged, |u| &u.0, &kept);
+    keep_saved(&mut v.unjudged_on_workers, saved.unjudged_on_workers, |u| &u.0, &kept);
     v
+}
+
+/// `fresh` with its verdicts for the `kept` groups replaced by `saved`'s, in group order.
+fn keep_saved<T>(fresh: &mut Vec<T>, saved: Vec<T>, group: fn(&T) -> &String, kept: &dyn Fn(&str) -> bool) {
+    fresh.retain(|x| !kept(group(x)));
+    fresh.extend(saved.into_iter().filter(|x| kept(group(x))));
+    fresh.sort_by(|a, b| group(a).cmp(group(b)));
 }
 
 /// A validation saved by `validate --json`: the whole output (its `clusters`) or one
