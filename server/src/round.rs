@@ -65,6 +65,9 @@ pub struct Committed {
     pub at: Instant,
     /// The ranks whose gradients the update holds.
     pub ranks: Vec<usize>,
+    /// When the last of them began its push: until then a push that began earlier waited for
+    /// a slower worker; after it, for bytes on their way (the exchange itself).
+    pub last_began: Option<Instant>,
 }
 
 /// One rank's pieces that overlap a block: (rank, [(value offset, payload)]).
@@ -75,6 +78,8 @@ type Part = (usize, Vec<(usize, Bytes)>);
 struct Contribution {
     pieces: Vec<(usize, Bytes)>,
     received: usize,
+    /// When its push began (its first chunk joined the round).
+    began: Option<Instant>,
     /// When the stream ended cleanly, and its payload bytes.
     done: Option<(Instant, u64)>,
     /// Which push this is ([`Round::serial`]).
@@ -187,6 +192,8 @@ pub struct Finished {
     pub ranks: Vec<(usize, Instant, u64)>,
     /// Their rows of a sparse table, in the same order (none for a model without one).
     pub rows: Vec<Rows>,
+    /// When the last of their dense pushes began (None for a round of rows alone).
+    pub last_began: Option<Instant>,
 }
 
 /// The step from `version - 1` to `version`.
@@ -367,12 +374,18 @@ impl Round {
         }
         g.joins += 1;
         let serial = g.joins;
-        g.ranks.insert(rank, Contribution { serial, ..Contribution::default() });
+        let began = Some(Instant::now());
+        g.ranks.insert(rank, Contribution { serial, began, ..Contribution::default() });
         g.heard = Instant::now();
         if g.refused.remove(&rank) {
             self.publish(&g, None);
         }
         Ok(())
+    }
+
+    /// When `rank`'s push into this round began (None if it has not joined, or was withdrawn).
+    pub fn began(&self, rank: usize) -> Option<Instant> {
+        lock(&self.inner).ranks.get(&rank).and_then(|c| c.began)
     }
 
     /// Whether `rank` is pushing (or has pushed) into this round.
@@ -718,6 +731,7 @@ impl Round {
             })
             .collect();
         let rows = ranks.iter().filter_map(|(r, ..)| rows.remove(r).map(|rw| rw.2)).collect();
+        let last_began = ranks.iter().filter_map(|(r, ..)| g.ranks.get(r).and_then(|c| c.began)).max();
         g.ranks.clear();
         w.params = Params::default();
         w.momentum = Arc::default();
@@ -729,6 +743,7 @@ impl Round {
             image_bufs: w.bufs.iter_mut().filter_map(Option::take).collect(),
             ranks,
             rows,
+            last_began,
         })
     }
 

@@ -4,7 +4,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use gradsync_core::compress::{self, Compression, Half};
 use gradsync_proto::frames::{Framed, FramedChunk, Incoming};
@@ -22,7 +22,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::config::SyncMode;
 use crate::error::{Error, Result};
-use crate::round::Round;
+use crate::round::{Committed, Round};
 use crate::rows::{Rows, RowsError, decode_ids};
 use crate::state::{Arrival, PullSource, Shared, State};
 
@@ -40,6 +40,20 @@ pub struct Service {
 
 fn rank_of(r: u32) -> usize {
     r as usize
+}
+
+/// How long a committed round held a push (which began at `began` and was whole at `arrived`)
+/// for workers that began theirs later: the straggler's share of the hold. The rest of it went
+/// on bytes already on their way, which is the exchange, not waiting: with servers on the
+/// workers' hosts a worker's own shard is whole at once and then holds it for every other
+/// worker's bytes through that host's link, the whole exchange, and none of that is a
+/// straggler's.
+fn held_for_later_pushes(c: &Committed, began: Option<Instant>, arrived: Instant) -> Duration {
+    let held = c.at.saturating_duration_since(arrived);
+    match (began, c.last_began) {
+        (Some(b), Some(last)) => held.min(last.saturating_duration_since(b)),
+        _ => held,
+    }
 }
 
 impl Service {
@@ -131,7 +145,7 @@ impl Service {
         let first = self.first_chunk(&mut stream).await?;
         let (rank, base) = (rank_of(first.rank), first.base_version);
         let round = self.state.lock().await.join_round(&self.shared, rank, base)?;
-        let serial = round.serial(rank);
+        let (serial, began) = (round.serial(rank), round.began(rank));
         let check = wire::Reassembly::checking(self.shared.range.len());
         let fed = self.read(rank, base, first, stream, check, |at, data| round.add(rank, at, data)).await;
         let bytes = match fed {
@@ -173,7 +187,7 @@ impl Service {
             Some(Ok(c)) if c.ranks.contains(&rank) => Ok(PushReply {
                 version: c.version,
                 staleness: 0,
-                wait_ms: c.at.saturating_duration_since(arrived).as_secs_f64() * 1e3,
+                wait_ms: held_for_later_pushes(&c, began, arrived).as_secs_f64() * 1e3,
             }),
             Some(Ok(c)) => Err(Status::aborted(format!(
                 "rank {rank} was dropped from step {} before it completed; its gradient is not in it",

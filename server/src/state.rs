@@ -518,6 +518,7 @@ impl State {
         self.spare = Arc::try_unwrap(old_m).ok();
         self.version += 1;
         self.snapshot = Some((self.version, image));
+        let last_began = fin.last_began;
         let mut done = fin.ranks;
         let n = done.len();
         for (rank, ..) in &done {
@@ -565,7 +566,7 @@ impl State {
             receive_ms: None,
         };
         self.after_update(sh, rec);
-        round.committed(Committed { version: self.version, at: Instant::now(), ranks });
+        round.committed(Committed { version: self.version, at: Instant::now(), ranks, last_began });
         true
     }
 

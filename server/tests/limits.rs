@@ -2,7 +2,9 @@
 //! sockets: raw TCP, raw HTTP/2 frames, and the `h2` client sending what a gRPC client never
 //! would (half requests, half messages). Every wait for a client's bytes must end within the
 //! limit its flag sets (small here, so the tests are quick), and what incomplete pushes hold
-//! must stay within `--push-buffer-mb`.
+//! must stay within `--push-buffer-mb`. And a slow client's cost to the others is named for
+//! what it is: a push held for a worker that began late waited; one held for bytes already on
+//! their way was part of the exchange.
 
 use std::io::{Read, Write};
 use std::net::TcpStream as StdTcp;
@@ -532,4 +534,66 @@ async fn memory_while_partial_pushes_are_held() {
         t.abort();
     }
     drop((keep, senders));
+}
+
+/// A BSP push held for bytes already on their way is not waiting (a colocated server's own
+/// worker holds its shard whole at once, then for every other worker's bytes through its host's
+/// link); one held for a worker that began its push later is.
+#[tokio::test]
+async fn a_round_counts_as_waiting_only_the_hold_for_pushes_that_began_later() {
+    use tokio::sync::mpsc;
+    use tokio_stream::wrappers::ReceiverStream;
+    let (_server, addr) = server(&["--worker-timeout", "10"]);
+    let mut len = 0;
+    for rank in [0, 1] {
+        let r = client(&addr)
+            .await
+            .register(RegisterRequest {
+                rank,
+                world_size: 2,
+                fingerprint: fingerprint(),
+                ..RegisterRequest::default()
+            })
+            .await;
+        let r = r.expect("register").into_inner();
+        len = (r.end - r.start) as usize;
+    }
+    let chunk = |rank: u32, base: u64, from: usize, to: usize| GradientChunk {
+        rank,
+        base_version: base,
+        offset: from as u64,
+        data: gradsync_proto::wire::encode(&vec![0.25; to - from], bytes::BytesMut::new()),
+        ..GradientChunk::default()
+    };
+    let hold = Duration::from_millis(400);
+    // Push `rank`'s gradient from `base` in two chunks: the first after `before`, the second
+    // `between` after it; returns the reply's wait_ms.
+    let push = |rank: u32, base: u64, before: Duration, between: Duration| {
+        let addr = addr.clone();
+        tokio::spawn(async move {
+            let (tx, rx) = mpsc::channel(2);
+            let mut c = client(&addr).await;
+            let sender = tokio::spawn(async move {
+                tokio::time::sleep(before).await;
+                tx.send(chunk(rank, base, 0, len / 2)).await.expect("first chunk");
+                tokio::time::sleep(between).await;
+                tx.send(chunk(rank, base, len / 2, len)).await.expect("second chunk");
+            });
+            let reply = c.push_gradients(ReceiverStream::new(rx)).await.expect("push").into_inner();
+            sender.await.expect("sender");
+            reply.wait_ms
+        })
+    };
+    // Both begin at once; rank 1's bytes take `hold` to arrive. Rank 0's push is whole at once
+    // and held until rank 1's is: the exchange, not a straggler.
+    let zero = Duration::ZERO;
+    let (a, b) = (push(0, 0, zero, zero), push(1, 0, zero, hold));
+    let (a, b) = (a.await.expect("rank 0"), b.await.expect("rank 1"));
+    assert!(a < 150.0, "rank 0 was held {a:.1} ms for bytes on their way, counted as waiting");
+    assert!(b < 150.0, "rank 1, the last to arrive, waited {b:.1} ms");
+    // Rank 1 begins `hold` late: rank 0 waited for it.
+    let (a, b) = (push(0, 1, zero, zero), push(1, 1, hold, zero));
+    let (a, b) = (a.await.expect("rank 0"), b.await.expect("rank 1"));
+    assert!(a >= 350.0, "rank 0 waited {a:.1} ms for a push that began 400 ms after its own");
+    assert!(b < 150.0, "rank 1, the straggler, waited {b:.1} ms");
 }

@@ -138,7 +138,7 @@ fn row(cell: &Cell, mode: ModeKind, profile: &Profile, m: &Machine) -> Row {
         .zip(s.backward_ms)
         .map(|(f, b)| f + b + s.update_ms.unwrap_or(0.0) + s.other_ms.unwrap_or(0.0));
     let one_stream = crate::report::link_of(Some(m));
-    let exchange = one_stream.map(|l| per_link_model(s, 4.0 * s.params as f64, l) * 1e3);
+    let exchange = one_stream.and_then(|l| per_link_model(s, 4.0 * s.params as f64, l)).map(|t| t * 1e3);
     let unsound = why_not_ranked(cell, m);
     Row {
         group: format!("{}-{}w-loopback", s.model, s.workers),

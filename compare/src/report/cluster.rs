@@ -39,8 +39,11 @@ fn cluster_link(r: &ClusterRun) -> Link {
 /// host's loopback, which the cluster does not shape, so ddp-hier's step inside each host is
 /// priced at nothing (dilated, it shrinks by D with the CPU work that sets it).
 pub fn cluster_prediction(r: &ClusterRun, params: usize) -> Option<f64> {
-    let s = 4.0 * params as f64;
-    let l = cluster_link(r);
+    placed_prediction(r, 4.0 * params as f64, cluster_link(r))
+}
+
+/// [`cluster_prediction`] for `s` bytes of gradients on link `l`.
+pub(crate) fn placed_prediction(r: &ClusterRun, s: f64, l: Link) -> Option<f64> {
     let m = r.ranks_per_host.max(1);
     let hosts = r.workers.div_ceil(m);
     if r.mode.is_compressed() {

@@ -5,10 +5,13 @@
 
 use crate::charts::Group;
 use crate::cost::Link;
+use crate::emulated::ClusterRun;
 use crate::machine::{self, Machine};
 use crate::results::{Summary, overlap};
 
 use crate::results::REPLAY_BUSY;
+
+use super::links::per_link_model;
 
 /// Why a run saturated the CPU, as the readings say it where nothing else on the page does.
 pub const SATURATED: &str =
@@ -41,6 +44,9 @@ pub struct Context<'c, 'a> {
     pub machine: Option<&'c Machine>,
     /// Every run, complete or not.
     pub all: &'c [Summary],
+    /// The emulated cluster's record of each run it placed (none for runs on loopback or on
+    /// real hosts).
+    pub cluster: &'c [ClusterRun],
     /// The group's worker counts, ascending.
     pub workers: Vec<usize>,
     /// Whether the page says once, elsewhere, why runs are left unranked, so a reading names
@@ -59,7 +65,24 @@ impl<'c, 'a> Context<'c, 'a> {
         let mut workers: Vec<usize> = g.rows.iter().map(|r| r.workers).collect();
         workers.sort_unstable();
         workers.dedup();
-        Context { g, link, machine, all, workers, reasons_said: false }
+        Context { g, link, machine, all, cluster: &[], workers, reasons_said: false }
+    }
+
+    /// The same context with the emulated cluster's record of the runs it placed, which the
+    /// cost model's lines then price as placed ([`Context::exchange_model`]).
+    pub fn with_cluster(self, cluster: &'c [ClusterRun]) -> Self {
+        Context { cluster, ..self }
+    }
+
+    /// What the cost model says one exchange of row `r` (`s` bytes of gradients) takes on
+    /// link `l`, seconds: for a run the emulated cluster placed, as placed (ranks sharing a
+    /// host share its link; servers on the workers' hosts or their own); otherwise each rank
+    /// on a host of its own ([`per_link_model`]). None for a mode the model does not price.
+    pub fn exchange_model(&self, r: &Summary, s: f64, l: Link) -> Option<f64> {
+        match self.cluster.iter().find(|c| c.id == r.id) {
+            Some(c) => super::cluster::placed_prediction(c, s, l),
+            None => per_link_model(r, s, l),
+        }
     }
 
     /// The same context for a page that explains once why runs are left unranked: the

@@ -7,6 +7,7 @@ use super::context::{Context, Yardstick};
 use crate::charts::Group;
 use crate::cost::{self, Link};
 use crate::results::Summary;
+use crate::scenario::ModeKind;
 
 /// The busiest parameter-server shard: bytes per second in and out against what as many raw
 /// TCP streams as it has connections carry together, and where its throughput stops growing.
@@ -60,12 +61,15 @@ fn traffic(mode: &str, n: usize, s: f64, a: f64) -> Option<(f64, f64)> {
 }
 
 /// What the cost model says one exchange of `r` takes on `l`, seconds, with each link's
-/// bandwidth one stream's.
-pub(crate) fn per_link_model(r: &Summary, s: f64, l: Link) -> f64 {
-    match r.mode.as_str() {
-        "ddp-tcp" => cost::ring(r.workers, s, l),
-        "zero1-tcp" => cost::zero1(r.workers, s, l),
-        _ => cost::ps(r.workers, r.shards, s, l),
+/// bandwidth one stream's and each rank on a host of its own: the ring's for the flat ring,
+/// ZeRO-1's, one push and pull through its shards for a bulk-synchronous parameter server
+/// (on the workers' hosts where the run colocated them). None for a mode it does not price.
+pub(crate) fn per_link_model(r: &Summary, s: f64, l: Link) -> Option<f64> {
+    match r.mode.parse::<ModeKind>().ok()? {
+        ModeKind::DdpTcp => Some(cost::ring(r.workers, s, l)),
+        ModeKind::Zero1Tcp => Some(cost::zero1(r.workers, s, l)),
+        ModeKind::PsBsp => Some(cost::ps_placed(r.workers, 1, r.shards.max(1), r.colocated, s, s, l)),
+        _ => None,
     }
 }
 
@@ -95,7 +99,8 @@ pub fn communication_against_raw(cx: &Context) -> Vec<String> {
                 ),
             )
         } else {
-            let t = per_link_model(r, s, l) * 1e3;
+            let Some(t) = cx.exchange_model(r, s, l) else { continue };
+            let t = t * 1e3;
             (t, format!("the alpha-beta model, one stream's rate per link, predicts {t:.2} ms"))
         };
         out.push(format!(

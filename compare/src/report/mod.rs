@@ -82,7 +82,8 @@ pub fn write(
         // The cost model's link: the machine's loopback, or the group's emulated link.
         let link = if g.link.is_empty() { link } else { cluster::group_link(g, cluster) };
         // The card says once why runs are left unranked; the readings name the cause.
-        let cx = context::Context::new(g, link, machine, &c.summaries).reasons_said_once();
+        let cx =
+            context::Context::new(g, link, machine, &c.summaries).with_cluster(cluster).reasons_said_once();
         cards.push(card::card(&cx));
         charts.draw_group(g, link)?;
         let figures = charts

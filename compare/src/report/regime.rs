@@ -7,20 +7,8 @@ use gradsync_worker::modes::Family;
 
 use super::context::Context;
 use crate::charts::Group;
-use crate::cost::{self, Link};
 use crate::results::Summary;
 use crate::scenario::ModeKind;
-
-/// The cost model's seconds for a row's exchange of `s` gradient bytes per step: the ring's for
-/// the rings, one push and pull through its shards for a parameter server.
-fn modelled(r: &Summary, s: f64, l: Link) -> Option<f64> {
-    match r.mode.parse::<ModeKind>().ok()? {
-        ModeKind::DdpTcp => Some(cost::ring(r.workers, s, l)),
-        ModeKind::Zero1Tcp => Some(cost::zero1(r.workers, s, l)),
-        ModeKind::PsBsp => Some(cost::ps(r.workers, r.shards, s, l)),
-        _ => None,
-    }
-}
 
 /// A row's compute per step (forward and backward, measured in the run) and communication
 /// (measured), in ms.
@@ -53,7 +41,7 @@ pub fn compute_against_communication(cx: &Context) -> Vec<String> {
             let (compute, comm) = compute_and_comm(r)?;
             let model = cx
                 .link
-                .and_then(|l| modelled(r, s, l))
+                .and_then(|l| cx.exchange_model(r, s, l))
                 .map_or(String::new(), |t| format!(", {:.1} ms by the cost model", t * 1e3));
             Some(format!(
                 "{} computes {compute:.1} ms and communicates {comm:.1} ms measured{model}: {}",
@@ -307,6 +295,69 @@ mod tests {
         assert_eq!(regime(380.0, 38.0), "compute-bound (communication 10% of compute)");
         assert_eq!(regime(100.0, 130.0), "communication-bound (1.3x compute)");
         assert_eq!(standing(all, "cnn8:1x8x8-10", "", 2), None);
+    }
+
+    /// The cost model prices a run as placed: servers on the workers' hosts (`cost::ps_placed`)
+    /// put the servers' traffic on the workers' NICs too, 2(n-1)/n of the gradient each way
+    /// against one gradient for servers apart (`cost::ps`), so 1.5x at 4 workers.
+    #[test]
+    fn the_cost_model_line_prices_a_placed_run_as_placed() {
+        use crate::cost::{self, Link};
+        use crate::emulated::ClusterRun;
+        let at = |id: &str, colocated: bool| Summary {
+            id: id.into(),
+            workers: 4,
+            colocated,
+            params: 25_557_032,
+            ..row("replay:resnet50", "ps-bsp", 4, 20.0, 10.0, 120.0)
+        };
+        let all = vec![at("apart", false), at("colocated", true)];
+        let placed = |id: &str, colocated: bool| ClusterRun {
+            id: id.into(),
+            mode: ModeKind::PsBsp,
+            workers: 4,
+            shards: 4,
+            colocated,
+            ranks_per_host: 1,
+            hosts: if colocated { 4 } else { 8 },
+            rate_gbit: 10.0,
+            measured_gbit: None,
+            measured_latency_us: None,
+            delay_us: 0,
+            loss_pct: 0.0,
+            queue: crate::net::Queue::Fair,
+            dilation: 1.0,
+        };
+        let two = ClusterRun { ranks_per_host: 2, hosts: 6, ..placed("two-a-host", false) };
+        let cluster = vec![placed("apart", false), placed("colocated", true), two];
+        let c = Collected { cells: Cell::all(&all), summaries: all, ..Collected::default() };
+        let g = &groups(&c)[0];
+        let l = Link { a: 20e-6, b: cost::gbit(10.0) };
+        let s = g.grad_bytes();
+        let ms = |t: f64| format!("{:.1} ms by the cost model", t * 1e3);
+        let (apart, colocated) = (cost::ps(4, 4, s, l), cost::ps_placed(4, 1, 4, true, s, s, l));
+        assert!((colocated / apart - 1.5).abs() < 0.01, "{colocated} against {apart}");
+        for cx in [
+            Context::new(g, Some(l), None, &c.summaries),
+            Context::new(g, Some(l), None, &c.summaries).with_cluster(&cluster),
+        ] {
+            let said = compute_against_communication(&cx).join(" ");
+            assert!(said.contains(&ms(apart)), "{said}");
+            assert!(said.contains(&ms(colocated)), "the colocated run priced as apart: {said}");
+            assert!(said.contains("communication-bound (12.0x compute)"), "{said}");
+        }
+        let (one_a_host, two_a_host) = (cost::ps(4, 4, s, l), cost::ps_placed(2, 2, 4, false, s, s, l));
+        assert!(two_a_host > 1.5 * one_a_host, "{two_a_host} against {one_a_host}");
+        // Two workers a host: the host's NIC carries both pushes (known only from the cluster's
+        // record).
+        let all = vec![at("two-a-host", false)];
+        let c = Collected { cells: Cell::all(&all), summaries: all, ..Collected::default() };
+        let g = &groups(&c)[0];
+        let unplaced = compute_against_communication(&Context::new(g, Some(l), None, &c.summaries)).join(" ");
+        assert!(unplaced.contains(&ms(one_a_host)), "{unplaced}");
+        let placed = Context::new(g, Some(l), None, &c.summaries).with_cluster(&cluster);
+        let placed = compute_against_communication(&placed).join(" ");
+        assert!(placed.contains(&ms(two_a_host)) && !placed.contains(&ms(one_a_host)), "{placed}");
     }
 
     /// A direction across models is read only from cells that ran twice or more.

@@ -288,8 +288,10 @@ impl Strategy for Ps {
         let pull_from = if client.pipelined() { t_comm } else { at(push.ms) };
         self.trace.span("pull", "comm", "comm", pull_from);
         engine.synchronize()?;
-        // The time the servers held the push for other workers is waiting, not communication:
-        // the step's parts (exposed communication + wait + ...) then add up to at most the step.
+        // The time the servers held the push for workers that began theirs later is waiting,
+        // not communication (the rest of a hold is other workers' bytes on their way through a
+        // shared link, which is the exchange): the step's parts (exposed communication + wait
+        // + ...) then add up to at most the step.
         rec.wait_ms = push.wait_ms.min(ms_since(t));
         rec.comm_ms = ms_since(t) - rec.wait_ms + fetched.ms;
         rec.comm_exposed_ms = rec.comm_ms;
