@@ -115,26 +115,43 @@ fn every_host_runs_reno_without_slow_start_after_idle_and_a_dilated_rto() {
     }
 }
 
+/// `modes` on 2 worker hosts at 1 Gbit/s, a shard per host, 3 steps and one run each, the
+/// scenario changed by `more`; every one of the `ok` runs it should make checked complete.
+/// None (SKIPPED said) where no cluster can be made here.
+fn placed_runs(
+    name: &str,
+    modes: &[ModeKind],
+    ok: usize,
+    more: impl FnOnce(&mut Scenario),
+) -> Option<(Scratch, Vec<gradsync_compare::emulated::ClusterRun>)> {
+    let shape = Shape::at_rate(1e9);
+    drop(cluster_or_skip(name, 1, shape)?);
+    let out = tmp(name);
+    let mut s = scenario(3);
+    s.modes = modes.to_vec();
+    (s.workers, s.hosts, s.ranks_per_host) = (Vec::new(), vec![2], vec![1]);
+    s.shards = vec!["hosts".parse().unwrap()];
+    s.repeats = 1;
+    more(&mut s);
+    let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
+    let runs = cluster::run_cluster(&s, &bins, &out, &[1.0], |_| shape, None).unwrap();
+    let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
+    assert_eq!(outcomes.matches("\"status\":\"ok\"").count(), ok, "{outcomes}");
+    Some((out, runs))
+}
+
 /// Two ranks to a host: ddp-hier's all-reduce goes through the two hosts (its ranks find them
 /// by network namespace), the flat ring stays flat although ranks share hosts, the PS's four
 /// workers share two hosts' links with a shard per host, and the report groups them apart
 /// from one rank a host.
 #[test]
 fn ranks_sharing_hosts_go_through_them_only_in_ddp_hier() {
-    let shape = Shape::at_rate(1e9);
-    let Some(c) = cluster_or_skip("ranks_sharing_hosts", 1, shape) else { return };
-    drop(c);
-    let out = tmp("per-host");
-    let mut s = scenario(3);
-    s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp, "ddp-hier".parse().unwrap()];
-    (s.workers, s.hosts, s.ranks_per_host) = (Vec::new(), vec![2], vec![2]);
-    s.shards = vec!["hosts".parse().unwrap()];
-    s.repeats = 1;
-    let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
-    let runs = cluster::run_cluster(&s, &bins, &out, &[1.0], |_| shape, None).unwrap();
+    let modes = [ModeKind::PsBsp, ModeKind::DdpTcp, "ddp-hier".parse().unwrap()];
+    let Some((out, runs)) = placed_runs("ranks_sharing_hosts", &modes, 3, |s| s.ranks_per_host = vec![2])
+    else {
+        return;
+    };
     assert_eq!(runs.len(), 3);
-    let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
-    assert_eq!(outcomes.matches("\"status\":\"ok\"").count(), 3, "{outcomes}");
     for r in &runs {
         assert_eq!((r.workers, r.ranks_per_host), (4, 2), "{}", r.id);
         // Two worker hosts, and the PS's two shards (a shard per host) or the ring's spare.
@@ -164,21 +181,12 @@ fn ranks_sharing_hosts_go_through_them_only_in_ddp_hier() {
 /// and the report and the cells keep the two placements apart, each under its own name.
 #[test]
 fn colocated_shards_run_on_the_worker_hosts_as_a_design_of_their_own() {
-    let shape = Shape::at_rate(1e9);
-    let Some(c) = cluster_or_skip("colocated_shards", 1, shape) else { return };
-    drop(c);
-    let out = tmp("colocated");
-    let mut s = scenario(3);
-    s.modes = vec![ModeKind::PsBsp, ModeKind::DdpTcp];
-    (s.workers, s.hosts, s.ranks_per_host) = (Vec::new(), vec![2], vec![1]);
-    s.shards = vec!["hosts".parse().unwrap()];
-    s.servers =
-        vec![gradsync_compare::scenario::Servers::Apart, gradsync_compare::scenario::Servers::Colocated];
-    s.repeats = 1;
-    let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
-    let runs = cluster::run_cluster(&s, &bins, &out, &[1.0], |_| shape, None).unwrap();
-    let outcomes = std::fs::read_to_string(out.join("outcomes.jsonl")).unwrap();
-    assert_eq!(outcomes.matches("\"status\":\"ok\"").count(), 3, "{outcomes}");
+    use gradsync_compare::scenario::Servers;
+    let Some((out, runs)) = placed_runs("colocated_shards", &[ModeKind::PsBsp, ModeKind::DdpTcp], 3, |s| {
+        s.servers = vec![Servers::Apart, Servers::Colocated];
+    }) else {
+        return;
+    };
     let placed: Vec<(ModeKind, bool, usize)> = runs.iter().map(|r| (r.mode, r.colocated, r.hosts)).collect();
     // Apart: 2 shard hosts + 2 worker hosts; colocated: the 2 worker hosts; the ring its spare.
     assert_eq!(

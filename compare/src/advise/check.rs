@@ -87,6 +87,10 @@ pub struct Checked {
     pub runs: usize,
     /// The factor its emulated cluster ran at (none on real hosts, which are not dilated).
     pub dilation: Option<f64>,
+    /// The codecs' time the advice prices a step at this machine's rates, ms (0 uncompressed).
+    /// Dilated, the cluster ran them `dilation` times faster ([`CodecRates::dilated`]), so
+    /// its measurement does not test them.
+    pub codec_ms: f64,
     /// Why it has no measurement, when it has none.
     pub why_not: Option<String>,
     /// Its run directory.
@@ -94,6 +98,27 @@ pub struct Checked {
 }
 
 impl Checked {
+    /// The codec time a dilated run left out of its measurement, ms: what the advice prices at
+    /// this machine's rates less what the cluster, `dilation` times faster, spent. None where
+    /// nothing was left out (uncompressed, or undilated).
+    pub fn untested_codec_ms(&self) -> Option<f64> {
+        let d = self.dilation.filter(|&d| d > 1.0)?;
+        (self.codec_ms > 0.0).then(|| self.codec_ms * (1.0 - 1.0 / d))
+    }
+
+    /// "X's codecs (12.3 ms a step at this machine's rates) ran 8x faster on the dilated
+    /// cluster ...": why its measurement does not test them.
+    fn codecs_note(&self) -> String {
+        format!(
+            "{}'s codecs ({:.1} ms a step at this machine's rates) ran {}x faster on the dilated cluster, \
+             which shrinks every per-byte CPU step but compute by its factor, so its measurement tests its \
+             bytes and not its codecs",
+            self.label,
+            self.codec_ms,
+            self.dilation.unwrap_or(1.0)
+        )
+    }
+
     /// (predicted on the measured link - measured) / measured, where both exist.
     pub fn error(&self) -> Option<f64> {
         let m = self.measured_ms?;
@@ -262,10 +287,10 @@ fn measured(
     } else {
         None
     };
-    let on_link = match link {
-        Some(l) => Some(predict(w, l, &p.config, codecs)?.step_s * 1e3),
-        None => None,
-    };
+    // What auto chose (1 where the cores were nearly idle: the run is then undilated); none on
+    // real hosts.
+    let dilation = c.dilations.first().map(|d| d.dilation).or_else(|| ran.iter().find_map(|s| s.dilation));
+    let on_link = on_measured_link(p, link, w, codecs, dilation)?;
     Ok(Checked {
         label: p.label.clone(),
         predicted_rank,
@@ -276,11 +301,27 @@ fn measured(
         range_ms: crate::table::spread(&sound).map(|(_, lo, hi)| (lo, hi)),
         sound: sound.len(),
         runs: ran.len(),
-        // What auto chose (1 where the cores were nearly idle: the run is then undilated);
-        // none on real hosts.
-        dilation: c.dilations.first().map(|d| d.dilation).or_else(|| ran.iter().find_map(|s| s.dilation)),
+        dilation,
+        codec_ms: p.codec_s * 1e3,
         why_not,
         dir: dir.to_path_buf(),
+    })
+}
+
+/// The step predicted beside a measurement, ms: for the link as measured (none where it was
+/// not), and the codecs as the run had them, a cluster dilated D times running them D times
+/// faster than this machine's core ([`CodecRates::dilated`]).
+fn on_measured_link(
+    p: &Prediction,
+    link: Option<&ClusterSpec>,
+    w: &Workload,
+    codecs: &CodecRates,
+    dilation: Option<f64>,
+) -> anyhow::Result<Option<f64>> {
+    let world = codecs.dilated(dilation.unwrap_or(1.0));
+    Ok(match link {
+        Some(l) => Some(predict(w, l, &p.config, &world)?.step_s * 1e3),
+        None => None,
     })
 }
 
@@ -334,7 +375,11 @@ fn verdict(checked: &[Checked], order: &[usize]) -> String {
         b.range_ms.map_or("one run".into(), |(lo, hi)| format!("{lo:.1}-{hi:.1}")),
         b.predicted_measured_link_ms.unwrap_or(b.predicted_ms)
     );
-    match pick {
+    let verdict = match pick {
+        Some(p) if p.label == b.label && b.untested_codec_ms().is_some() => format!(
+            "{said} It is the advisor's pick, and measurement and prediction agree on its bytes; {}.",
+            b.codecs_note()
+        ),
         Some(p) if p.label == b.label => {
             format!("{said} It is the advisor's pick: measurement and prediction agree.")
         }
@@ -349,17 +394,44 @@ fn verdict(checked: &[Checked], order: &[usize]) -> String {
                      either will do.",
                     p.label
                 ),
-                Some(m) => format!(
-                    "{said} The advisor picked {}, which measured {m:.1} ms ({:+.0}%): they disagree, and the \
-                     measured order is the one to go by.",
-                    p.label,
-                    (m / b.measured_ms.unwrap_or(m) - 1.0) * 100.0
-                ),
+                Some(m) => match b.untested_codec_ms() {
+                    // The measured fastest won on codecs the dilated cluster ran D times faster.
+                    Some(left_out) => {
+                        let estimate = b.measured_ms.unwrap_or(0.0) + left_out;
+                        format!(
+                            "{said} The advisor picked {}, which measured {m:.1} ms ({:+.0}%), but {}: with the rest \
+                             of that codec time added back it would take about {estimate:.1} ms a step (an \
+                             estimate), {}.",
+                            p.label,
+                            (m / b.measured_ms.unwrap_or(m) - 1.0) * 100.0,
+                            b.codecs_note(),
+                            if estimate > m {
+                                "slower than the pick: the advice's order stands"
+                            } else {
+                                "still faster than the pick: the measured order is the one to go by"
+                            }
+                        )
+                    }
+                    None => format!(
+                        "{said} The advisor picked {}, which measured {m:.1} ms ({:+.0}%): they disagree, and \
+                         the measured order is the one to go by.",
+                        p.label,
+                        (m / b.measured_ms.unwrap_or(m) - 1.0) * 100.0
+                    ),
+                },
                 None => format!("{said} The advisor's pick, {}, has no sound measurement.", p.label),
             }
         }
         None => said,
-    }
+    };
+    // Every compressed configuration measured dilated is read with the caveat, once.
+    let others: Vec<String> = checked
+        .iter()
+        .filter(|c| c.measured_ms.is_some() && c.untested_codec_ms().is_some())
+        .map(Checked::codecs_note)
+        .filter(|note| !verdict.contains(note.as_str()))
+        .collect();
+    if others.is_empty() { verdict } else { format!("{verdict} Beside it, {}.", others.join("; ")) }
 }
 
 /// A directory name: [`crate::scenario::sanitize`]'s, without runs of dashes.
@@ -512,9 +584,61 @@ mod tests {
             sound: usize::from(meas.is_some()) * 2,
             runs: 2,
             dilation: Some(8.0),
+            codec_ms: 0.0,
             why_not: meas.is_none().then(|| "skipped: needs about 30 GiB".into()),
             dir: PathBuf::new(),
         }
+    }
+
+    /// A dilated run's codecs ran D times faster: the prediction beside it prices them so, and
+    /// the verdict says what its measurement leaves out rather than taking its order as the
+    /// one to go by.
+    #[test]
+    fn a_dilated_compressed_run_is_predicted_and_read_with_its_codecs_d_times_faster() {
+        let (c, r) = ranked("4x1:10gbit");
+        let w = Workload::new(&builtin("resnet50", DeviceRate::H100).unwrap(), 64).unwrap();
+        let codecs = CodecRates {
+            half_encode_s: 1e-9,
+            half_decode_s: 1e-9,
+            topk_select_s: 3e-9,
+            topk_add_s: 5e-9,
+            source: "test".into(),
+        };
+        let fp16 = r.iter().find(|p| p.config.compression == Compression::Fp16).unwrap();
+        let at = |d: Option<f64>| on_measured_link(fp16, Some(&c), &w, &codecs, d).unwrap().unwrap();
+        let plain = predict(&w, &c, &fp16.config, &codecs).unwrap().step_s * 1e3;
+        let fast = predict(&w, &c, &fp16.config, &codecs.dilated(8.0)).unwrap().step_s * 1e3;
+        assert!(fast < plain, "{fast} against {plain}");
+        assert_eq!((at(None), at(Some(1.0)), at(Some(8.0))), (plain, plain, fast));
+
+        let spec = ClusterSpec::parse("4x1:10gbit").unwrap();
+        let compressed = |codec_ms: f64, meas: f64| Checked {
+            codec_ms,
+            is_pick: false,
+            ..checked("fp16", 2, 95.0, Some(meas), Some((meas - 1.0, meas + 1.0)))
+        };
+        let pick = checked("ring", 1, 100.0, Some(100.0), Some((99.0, 101.0)));
+        // 90 ms measured with 40 ms of codecs priced, 35 of them left out at x8: about 125.
+        let stands = report(&Testbed::Emulated, &spec, vec![pick.clone(), compressed(40.0, 90.0)], vec![]);
+        let v = &stands.verdict;
+        assert!(v.contains("Measured fastest: fp16") && v.contains("ran 8x faster"), "{v}");
+        assert!(v.contains("about 125.0 ms") && v.contains("the advice's order stands"), "{v}");
+        assert!(!v.contains("they disagree, and the measured order"), "{v}");
+        // 2 ms of codecs: 91.8 ms, still faster.
+        let still = report(&Testbed::Emulated, &spec, vec![pick.clone(), compressed(2.0, 90.0)], vec![]);
+        assert!(still.verdict.contains("still faster than the pick"), "{}", still.verdict);
+        // The pick fastest, a compressed one behind it: the caveat is said of it too, once.
+        let behind = report(&Testbed::Emulated, &spec, vec![pick.clone(), compressed(40.0, 110.0)], vec![]);
+        let v = &behind.verdict;
+        assert!(v.contains("agree") && v.matches("fp16's codecs").count() == 1, "{v}");
+        // Undilated, nothing is left out and nothing is said.
+        let real = |mut c: Checked| {
+            c.dilation = None;
+            c
+        };
+        let undilated = report(&hosts(), &spec, vec![real(pick), real(compressed(40.0, 90.0))], vec![]);
+        let v = &undilated.verdict;
+        assert!(v.contains("they disagree, and the measured order") && !v.contains("codecs"), "{v}");
     }
 
     /// Ranked by measurement; the errors over the measured ones; the verdict says whether the

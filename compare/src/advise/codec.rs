@@ -74,6 +74,23 @@ impl CodecRates {
         })
     }
 
+    /// The rates a cluster dilated `d` times runs these codecs at: `d` times faster, since
+    /// dilation shrinks every per-byte CPU step that is not compute by its factor, the codecs'
+    /// as the kernel's TCP, the ring's sums and the servers' steps (docs/cluster.md). What a
+    /// prediction set beside a dilated run's measurement prices them at.
+    pub fn dilated(&self, d: f64) -> CodecRates {
+        if d <= 1.0 {
+            return self.clone();
+        }
+        CodecRates {
+            half_encode_s: self.half_encode_s / d,
+            half_decode_s: self.half_decode_s / d,
+            topk_select_s: self.topk_select_s / d,
+            topk_add_s: self.topk_add_s / d,
+            source: format!("{}, run {d} times faster dilated x{d}", self.source),
+        }
+    }
+
     /// The rates in words: `fp16 1.2 GB/s encode, ...` (bytes of f32 values per second).
     pub fn describe(&self) -> String {
         let rate = |s: f64| if s > 0.0 { format!("{:.2} GB/s", 4.0 / s / 1e9) } else { "free".into() };
@@ -113,5 +130,13 @@ mod tests {
         }
         assert!(r.describe().contains("GB/s"));
         assert_eq!(CodecRates::free().half_encode_s, 0.0);
+        // Dilated D times: each step D times faster; undilated, the same.
+        let d = r.dilated(8.0);
+        let each = |c: &CodecRates| [c.half_encode_s, c.half_decode_s, c.topk_select_s, c.topk_add_s];
+        for (a, b) in each(&r).into_iter().zip(each(&d)) {
+            assert!((a / b - 8.0).abs() < 1e-9, "{a} against {b}");
+        }
+        assert!(d.source.contains("dilated x8"), "{}", d.source);
+        assert_eq!(r.dilated(1.0), r);
     }
 }

@@ -18,7 +18,9 @@ pub const CAVEATS: [&str; 4] = [
     "The NIC's latency is the network namespaces' own, a few microseconds, divided by the factor: this \
      machine's kernel has no netem to add the SPEC's.",
     "Per-byte CPU costs shrink with the factor: a host whose own CPU would limit its NIC is emulated as one \
-     that does not (the cluster report's CPU seconds per GB say where that starts).",
+     that does not (the cluster report's CPU seconds per GB say where that starts), and compression's codecs \
+     run that many times faster than this machine's core, so a compressed configuration's measurement tests \
+     its bytes, not its codecs (the prediction beside it prices them so).",
     REPLAYED,
 ];
 
