@@ -11,8 +11,6 @@ use crate::results::{Summary, overlap};
 
 use crate::results::REPLAY_BUSY;
 
-use super::links::per_link_model;
-
 /// Why a run saturated the CPU, as the readings say it where nothing else on the page does.
 pub const SATURATED: &str =
     "saturated the CPU (more processes than cores; for a replay, cores over 80% busy)";
@@ -69,20 +67,9 @@ impl<'c, 'a> Context<'c, 'a> {
     }
 
     /// The same context with the emulated cluster's record of the runs it placed, which the
-    /// cost model's lines then price as placed ([`Context::exchange_model`]).
+    /// cost model's lines then price as placed ([`super::links::exchange_model`]).
     pub fn with_cluster(self, cluster: &'c [ClusterRun]) -> Self {
         Context { cluster, ..self }
-    }
-
-    /// What the cost model says one exchange of row `r` (`s` bytes of gradients) takes on
-    /// link `l`, seconds: for a run the emulated cluster placed, as placed (ranks sharing a
-    /// host share its link; servers on the workers' hosts or their own); otherwise each rank
-    /// on a host of its own ([`per_link_model`]). None for a mode the model does not price.
-    pub fn exchange_model(&self, r: &Summary, s: f64, l: Link) -> Option<f64> {
-        match self.cluster.iter().find(|c| c.id == r.id) {
-            Some(c) => super::cluster::placed_prediction(c, s, l),
-            None => per_link_model(r, s, l),
-        }
     }
 
     /// The same context for a page that explains once why runs are left unranked: the

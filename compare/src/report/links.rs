@@ -73,6 +73,17 @@ pub(crate) fn per_link_model(r: &Summary, s: f64, l: Link) -> Option<f64> {
     }
 }
 
+/// What the cost model says one exchange of row `r` (`s` bytes of gradients) takes on link
+/// `l`, seconds: for a run the emulated cluster placed (`cx.cluster`), as placed (ranks sharing
+/// a host share its link; servers on the workers' hosts or their own); otherwise each rank on a
+/// host of its own ([`per_link_model`]). None for a mode the model does not price.
+pub(crate) fn exchange_model(cx: &Context, r: &Summary, s: f64, l: Link) -> Option<f64> {
+    match cx.cluster.iter().find(|c| c.id == r.id) {
+        Some(c) => super::cluster::placed_prediction(c, s, l),
+        None => per_link_model(r, s, l),
+    }
+}
+
 /// Measured communication at the most workers against what the raw wire allows. On loopback,
 /// where every socket shares one machine, that is all the ranks' bytes at what as many raw
 /// streams carry together as the run keeps busy, plus the model's latencies; on an emulated
@@ -99,7 +110,7 @@ pub fn communication_against_raw(cx: &Context) -> Vec<String> {
                 ),
             )
         } else {
-            let Some(t) = cx.exchange_model(r, s, l) else { continue };
+            let Some(t) = exchange_model(cx, r, s, l) else { continue };
             let t = t * 1e3;
             (t, format!("the alpha-beta model, one stream's rate per link, predicts {t:.2} ms"))
         };

@@ -41,7 +41,7 @@ pub fn compute_against_communication(cx: &Context) -> Vec<String> {
             let (compute, comm) = compute_and_comm(r)?;
             let model = cx
                 .link
-                .and_then(|l| cx.exchange_model(r, s, l))
+                .and_then(|l| super::links::exchange_model(cx, r, s, l))
                 .map_or(String::new(), |t| format!(", {:.1} ms by the cost model", t * 1e3));
             Some(format!(
                 "{} computes {compute:.1} ms and communicates {comm:.1} ms measured{model}: {}",
