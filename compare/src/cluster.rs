@@ -124,6 +124,13 @@ pub struct ClusterArgs {
     /// the scenario's `dilate`, else none.
     #[arg(long)]
     pub dilate: Option<Dilate>,
+    /// A design dilated by a factor of its own, `DESIGN=FACTOR` as the report names the design
+    /// (`ddp-tcp=12`, `ps-bsp k=4=12`, `ps-bsp k=8 colocated=20`); repeat for more. Its runs
+    /// and its self-check run at it instead of --dilate's: a design that costs the cores less
+    /// CPU a byte measures the same link at a smaller factor, in less wall time. Default: the
+    /// scenario's `dilate_for`.
+    #[arg(long, value_name = "DESIGN=FACTOR", value_parser = design_factor)]
+    pub dilate_for: Vec<(String, f64)>,
     /// Runs of each cell (default: 3 with the step budget, the scenario's with
     /// --to-accuracy). With 1 the report lists the figures without ranking them: one run has
     /// no spread to set a difference against.
@@ -178,7 +185,24 @@ pub fn cluster_scenario(mut s: Scenario, a: &ClusterArgs) -> anyhow::Result<Scen
         anyhow::ensure!(r >= 1, "--repeats {r}: each cell must run at least once");
         s.repeats = r;
     }
+    if let Some(d) = a.dilate {
+        s.dilate = Some(d);
+    }
+    if !a.dilate_for.is_empty() {
+        s.dilate_for = a.dilate_for.iter().cloned().collect();
+    }
     Scenario::parse(&toml::to_string(&s).context("writing the scenario")?, "the cluster scenario")
+}
+
+/// `--dilate-for DESIGN=FACTOR`: the design's name (which holds `=` in `k=4`) before the last
+/// `=`, the factor after it.
+fn design_factor(v: &str) -> Result<(String, f64), String> {
+    let (name, d) = v
+        .rsplit_once('=')
+        .ok_or_else(|| format!("'{v}': give DESIGN=FACTOR, as in ddp-tcp=12 or 'ps-bsp k=4=12'"))?;
+    let d: f64 = d.trim().parse().map_err(|_| format!("'{v}': the factor '{d}' is not a number"))?;
+    gradsync_core::dilation::Dilation::new(&format!("'{v}'"), d).map_err(|e| e.to_string())?;
+    Ok((name.trim().to_string(), d))
 }
 
 /// Run `cluster`.
@@ -206,7 +230,7 @@ pub fn run(a: &ClusterArgs) -> anyhow::Result<()> {
         rto_min: None,
         queue: a.nic_queue,
     };
-    run_cluster(&s, &bins, &out, &a.rates, shape, a.dilate)?;
+    run_cluster(&s, &bins, &out, &a.rates, shape, s.dilate)?;
     let html = crate::plot(std::slice::from_ref(&out), &out)?;
     eprintln!("gradsync-bench cluster: report in {}", html.display());
     Ok(())
@@ -252,14 +276,20 @@ pub fn run_cluster(
             None => (1.0, None),
             Some(Dilate::Factor(d)) => (d, None),
             Some(Dilate::Auto) => {
+                // The designs given factors of their own are not probed.
+                let probed: Vec<RunSpec> = specs
+                    .iter()
+                    .filter(|s| !scenario.dilate_for.contains_key(&s.design()))
+                    .cloned()
+                    .collect();
                 let last = dilations.last().map(|r| (r.rate_gbit, r.dilation));
-                let p = runner.probe(&specs, rate, &shape, out, probe_start(last, rate))?;
+                let p = runner.probe(&probed, rate, &shape, out, probe_start(last, rate))?;
                 (p.chose, Some(p))
             }
         };
         let mut at_rate = Vec::new();
         for spec in &specs {
-            let (o, run) = runner.run(spec, rate, &shape, d, out)?;
+            let (o, run) = runner.run(spec, rate, &shape, runner.factor(spec, d), out)?;
             writeln!(outcomes, "{}", serde_json::to_string(&o)?)
                 .and_then(|_| outcomes.flush())
                 .with_context(|| format!("writing {}", outcomes_path.display()))?;
@@ -267,12 +297,14 @@ pub fn run_cluster(
             runs.push(run);
             overall.inc(1);
         }
-        let check = if d > 1.0 { runner.check(&at_rate, rate, &shape, d, out)? } else { None };
-        dilations.push(DilationRecord { rate_gbit: rate, dilation: d, probe, check });
+        let dilated = d > 1.0 || scenario.dilate_for.values().any(|&f| f > 1.0);
+        let check = if dilated { runner.check(&at_rate, rate, &shape, d, out)? } else { None };
+        let designs = scenario.dilate_for.clone();
+        dilations.push(DilationRecord { rate_gbit: rate, dilation: d, designs, probe, check });
     }
     overall.finish_and_clear();
     write(CLUSTER_FILE, &(serde_json::to_string_pretty(&runs)? + "\n"))?;
-    if dilate.is_some() {
+    if dilate.is_some() || !scenario.dilate_for.is_empty() {
         write(DILATION_FILE, &(serde_json::to_string_pretty(&dilations)? + "\n"))?;
     }
     Ok(runs)
@@ -287,6 +319,12 @@ struct Runner<'a> {
 }
 
 impl Runner<'_> {
+    /// The factor `spec` runs at where the rate's is `d`: its design's own (`dilate_for`), else
+    /// `d`.
+    fn factor(&self, spec: &RunSpec, d: f64) -> f64 {
+        self.scenario.dilate_for.get(&spec.design()).copied().unwrap_or(d)
+    }
+
     /// Run `spec` at `rate` dilated `d` times on a fresh cluster, into the run directory `out`.
     fn run(
         &self,
@@ -468,10 +506,11 @@ impl Runner<'_> {
         out: &Path,
     ) -> anyhow::Result<Option<Check>> {
         let Some(&(spec, ref o)) = check_cell(at_rate) else { return Ok(None) };
+        let at = 2.0 * self.factor(spec, d);
         let mut spec = spec.clone();
         spec.id = format!("check-{}", spec.id);
         let dir = out.join(CHECKS_DIR);
-        let (again, _) = self.run(&spec, rate, shape, 2.0 * d, &dir)?;
+        let (again, _) = self.run(&spec, rate, shape, at, &dir)?;
         let summary = |root: &Path, id: &str| -> Option<crate::results::Summary> {
             let c = crate::results::collect(&[root.to_path_buf()], None).ok()?;
             c.summaries.into_iter().find(|s| s.id == id)
@@ -487,6 +526,7 @@ impl Runner<'_> {
         Ok(Some(Check {
             id: o.id.clone(),
             again: format!("{CHECKS_DIR}/{}", again.id),
+            at: Some(at),
             step_ms: step_a,
             step_ms_2x: step_b,
             differs: match (step_a, step_b) {
@@ -656,6 +696,47 @@ mod tests {
             (s.workers, s.hosts, s.ranks_per_host, s.shards),
             (vec![4], vec![], vec![2], vec![Shards::PerHosts(2)])
         );
+    }
+
+    /// `--dilate-for DESIGN=FACTOR` names a design the way the report does (`k=4` holds its
+    /// own `=`) and joins `--dilate` in the scenario; a design the cluster does not run, a
+    /// factor below 1 or one without `--dilate` is refused by name.
+    #[test]
+    fn a_design_takes_a_factor_of_its_own_by_the_name_the_report_gives_it() {
+        let base =
+            ["--modes", "ddp-tcp,ps-bsp", "--workers", "4", "--shards", "hosts,hosts/2", "--dilate", "12"];
+        let with = |extra: &[&str]| {
+            cluster_scenario(Scenario::load(None).unwrap(), &args(&[&base[..], extra].concat()))
+        };
+        let s = with(&["--dilate-for", "ddp-tcp=6", "--dilate-for", "ps-bsp k=2=6.5"]).unwrap();
+        assert_eq!(s.dilate, Some(crate::scenario::Dilate::Factor(12.0)));
+        assert_eq!(s.dilate_for, [("ddp-tcp".to_string(), 6.0), ("ps-bsp k=2".to_string(), 6.5)].into());
+        // Each run finds its own by its design.
+        let designs: Vec<(String, f64)> = s
+            .expand()
+            .iter()
+            .map(|r| (r.design(), s.dilate_for.get(&r.design()).copied().unwrap_or(12.0)))
+            .collect();
+        assert!(
+            designs.contains(&("ps-bsp k=4".into(), 12.0)) && designs.contains(&("ps-bsp k=2".into(), 6.5))
+        );
+        let e = format!("{:#}", with(&["--dilate-for", "ps-bsp k=3=6"]).unwrap_err());
+        assert!(
+            e.contains("'ps-bsp k=3': no run of this scenario is that design; it runs 'ddp-tcp', 'ps-bsp k=2', 'ps-bsp k=4'"),
+            "{e}"
+        );
+        for (bad, says) in
+            [("ddp-tcp", "give DESIGN=FACTOR"), ("ddp-tcp=fast", "not a number"), ("ddp-tcp=0.5", "from 1")]
+        {
+            let e = Cli::try_parse_from(["cluster", "--dilate-for", bad]).err().expect("refused").to_string();
+            assert!(e.contains(bad) && e.contains("--dilate-for") && e.contains(says), "{bad}: {e}");
+        }
+        let e = format!(
+            "{:#}",
+            cluster_scenario(Scenario::load(None).unwrap(), &args(&["--dilate-for", "ddp-tcp=6"]))
+                .unwrap_err()
+        );
+        assert!(e.contains("`dilate_for` needs `dilate` (--dilate)"), "{e}");
     }
 
     /// `auto` starts each rate after the first near the factor the first chose, scaled by the

@@ -27,6 +27,10 @@ pub struct DilationRecord {
     pub rate_gbit: f64,
     /// The factor its runs ran at.
     pub dilation: f64,
+    /// The designs that ran at factors of their own instead (`dilate_for`: the report's
+    /// design name, its factor).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub designs: std::collections::BTreeMap<String, f64>,
     /// How `dilate = auto` chose it (none: given).
     pub probe: Option<Probe>,
     /// The self-check at twice the factor (none where no run finished to check).
@@ -53,6 +57,10 @@ pub struct Probe {
 pub struct Check {
     /// The run checked (`runs/<id>`).
     pub id: String,
+    /// The factor of the repetition: twice the checked run's own (absent in records made
+    /// before designs had factors of their own: twice the rate's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<f64>,
     /// Its repetition at twice the factor (`checks/runs/<id>`).
     pub again: String,
     /// The run's mean step time (emulated), ms.
@@ -150,7 +158,9 @@ fn fifo() -> Queue {
 impl ClusterRun {
     /// The link as the report names it, which groups runs (so ranks sharing hosts are a
     /// group of their own): `1 Gbit/s`, `0.1 Gbit/s, 50 us delay, 0.1% loss`, `10 Gbit/s, 2
-    /// ranks a host`, `25 Gbit/s, one FIFO a NIC` (fair queues go unsaid).
+    /// ranks a host`, `25 Gbit/s, one FIFO a NIC` (fair queues go unsaid). The dilation is
+    /// not part of it: runs of one link at factors of their own (`dilate_for`) emulate the same
+    /// link, and each run's factor is said beside it.
     pub fn label(&self) -> String {
         let mut s = format!("{} Gbit/s", self.rate_gbit);
         if self.ranks_per_host > 1 {
@@ -164,9 +174,6 @@ impl ClusterRun {
         }
         if self.queue == Queue::Fifo {
             s += ", one FIFO a NIC";
-        }
-        if self.dilation > 1.0 {
-            s += &format!(", dilated x{}", self.dilation);
         }
         s
     }

@@ -354,6 +354,13 @@ pub struct Scenario {
     /// Left out: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dilate: Option<Dilate>,
+    /// Designs dilated by a factor of their own (`gradsync-bench cluster --dilate-for`),
+    /// named as the report names them (`ddp-tcp`, `ps-bsp k=4`, `ps-bsp k=4 colocated`): each
+    /// such run, and its self-check at twice it, at this factor instead of `dilate`'s. A ring
+    /// costs the cores about half a parameter server's CPU per byte, so at one factor it idles
+    /// them; at its own it measures the same emulated link in less wall time. Needs `dilate`.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub dilate_for: std::collections::BTreeMap<String, f64>,
 }
 
 /// Where a parameter server's shards go on an emulated cluster (a scenario's `servers`,
@@ -608,6 +615,30 @@ impl Scenario {
         }
     }
 
+    /// `dilate_for`: each factor from 1, `dilate` given (the factor of every other design),
+    /// and each name a design this scenario runs (else the error lists the ones it runs).
+    fn check_dilate_for(&self) -> anyhow::Result<()> {
+        if self.dilate_for.is_empty() {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            self.dilate.is_some(),
+            "`dilate_for` needs `dilate` (--dilate): the factor of the designs it does not name"
+        );
+        let runs = self.expand();
+        let designs: std::collections::BTreeSet<String> =
+            runs.iter().filter(|r| r.skip.is_none()).map(RunSpec::design).collect();
+        for (name, &d) in &self.dilate_for {
+            gradsync_core::dilation::Dilation::new(&format!("`dilate_for` '{name}'"), d)?;
+            anyhow::ensure!(
+                designs.contains(name),
+                "`dilate_for` '{name}': no run of this scenario is that design; it runs {}",
+                designs.iter().map(|d| format!("'{d}'")).collect::<Vec<_>>().join(", ")
+            );
+        }
+        Ok(())
+    }
+
     fn validate(&self) -> anyhow::Result<()> {
         let nonempty = |name: &str, n: usize| -> anyhow::Result<()> {
             anyhow::ensure!(n > 0, "`{name}` is empty");
@@ -675,6 +706,7 @@ impl Scenario {
             self.topk_ratio
         );
         anyhow::ensure!(self.rawtcp_s > 0.0 && self.rawtcp_s <= 60.0, "`rawtcp_s` must be in (0, 60]");
+        self.check_dilate_for()?;
         if let Some(t) = self.time_s {
             anyhow::ensure!(t > 0.0, "`time_s` must be positive");
         }
@@ -841,6 +873,16 @@ pub(crate) fn sanitize(s: &str) -> String {
     s.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect()
 }
 
+/// A design as lists name it: `mode`, with ` k=<shards>` where it has shards and ` colocated`
+/// where they sat on worker hosts.
+pub fn design_name(mode: &str, shards: usize, colocated: bool) -> String {
+    match (shards, colocated) {
+        (0, _) => mode.to_string(),
+        (k, false) => format!("{mode} k={k}"),
+        (k, true) => format!("{mode} k={k} colocated"),
+    }
+}
+
 /// One cell of the matrix.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunSpec {
@@ -880,6 +922,11 @@ pub struct RunSpec {
 }
 
 impl RunSpec {
+    /// The design it runs, as the report names it ([`design_name`]).
+    pub fn design(&self) -> String {
+        design_name(self.mode.label(), self.shards, self.colocated)
+    }
+
     /// Whether its model is replayed from a profile (its compute a wait), not trained for real.
     pub fn replayed(&self) -> bool {
         gradsync_core::model::ModelSpec::parse(&self.model).is_ok_and(|m| m.profile().is_some())

@@ -226,8 +226,10 @@ fn colocated_shards_run_on_the_worker_hosts_as_a_design_of_their_own() {
     );
 }
 /// A dilated cluster: every process runs with `--dilate`, its metrics say the factor, each
-/// link is shaped at rate / D, and the rate's self-check reruns its busiest run at 2D under
-/// `checks/`, which the comparison's own cells never read; `dilation.json` says what it found.
+/// link is shaped at rate / D, and the rate's self-check reruns its busiest run at twice its
+/// factor under `checks/`, which the comparison's own cells never read; `dilation.json` says
+/// what it found. A design given a factor of its own (`dilate_for`) runs at it and stays in
+/// the same group of the report as the others on its link.
 #[test]
 fn a_dilated_cluster_dilates_every_process_and_checks_itself_at_twice_the_factor() {
     let shape = Shape::at_rate(1e9);
@@ -239,38 +241,56 @@ fn a_dilated_cluster_dilates_every_process_and_checks_itself_at_twice_the_factor
     s.workers = vec![2];
     s.shards = gradsync_compare::scenario::Shards::counts(&[1]);
     s.repeats = 1;
+    s.dilate_for = [("ddp-tcp".to_string(), 2.0)].into();
     let bins = Bins::find(Some(&gradsync_testkit::process::bin_dir())).unwrap();
     let dilate = Some(gradsync_compare::scenario::Dilate::Factor(4.0));
     let runs = cluster::run_cluster(&s, &bins, &out, &[1.0], |_| shape, dilate).unwrap();
     assert_eq!(runs.len(), 2);
+    let own = |r: &gradsync_compare::emulated::ClusterRun| if r.mode == ModeKind::DdpTcp { 2.0 } else { 4.0 };
     for r in &runs {
-        assert_eq!(r.dilation, 4.0);
-        assert!(r.id.ends_with("-1g-x4"), "{}", r.id);
-        // The link measured at 0.25 Gbit/s, reported in the emulated world's units.
+        assert_eq!(r.dilation, own(r), "{}", r.id);
+        assert!(r.id.ends_with(&format!("-1g-x{}", own(r))), "{}", r.id);
+        // The link measured at 1 / D Gbit/s, reported in the emulated world's units.
         let g = r.measured_gbit.unwrap();
         assert!((0.7..1.1).contains(&g), "{}: {g} Gbit/s (emulated) over a dilated 1 Gbit/s link", r.id);
         for f in ["rank0.jsonl", "rank1.jsonl"] {
             let m = std::fs::read_to_string(out.join(&r.id).join(f)).unwrap();
-            assert!(m.lines().next().unwrap().contains("\"dilation\":4.0"), "{}: {m}", r.id);
+            let said = format!("\"dilation\":{:.1}", own(r));
+            assert!(m.lines().next().unwrap().contains(&said), "{}: {m}", r.id);
         }
     }
-    let server = std::fs::read_to_string(out.join(&runs[0].id).join("server0.jsonl")).unwrap();
+    let ps = runs.iter().find(|r| r.mode == ModeKind::PsBsp).unwrap();
+    let server = std::fs::read_to_string(out.join(&ps.id).join("server0.jsonl")).unwrap();
     assert!(server.lines().next().unwrap().contains("\"dilation\":4.0"), "{server}");
     let d = gradsync_compare::emulated::load_dilation(&out);
     assert_eq!(d.len(), 1);
     assert_eq!((d[0].rate_gbit, d[0].dilation), (1.0, 4.0));
+    assert_eq!(d[0].designs, s.dilate_for);
     let check = d[0].check.as_ref().expect("the rate was checked");
-    assert!(check.again.starts_with("checks/runs/check-") && check.again.ends_with("-1g-x8"), "{check:?}");
+    let checked = runs.iter().find(|r| check.id == r.id).expect("the check names a run");
+    let at = 2.0 * own(checked);
+    assert_eq!(check.at, Some(at));
+    assert!(
+        check.again.starts_with("checks/runs/check-") && check.again.ends_with(&format!("-1g-x{at}")),
+        "{check:?}"
+    );
     assert!(check.step_ms.is_some() && check.step_ms_2x.is_some(), "{check:?}");
     assert!(out.join(&check.again).join("rank0.jsonl").exists());
-    // The check is not one of the comparison's runs.
+    // The check is not one of the comparison's runs; the two factors are one link's group.
     let c = gradsync_compare::results::collect(&[out.to_path_buf()], None).unwrap();
     assert_eq!(c.summaries.len(), 2, "{:?}", c.summaries.iter().map(|s| &s.id).collect::<Vec<_>>());
-    assert!(c.summaries.iter().all(|s| s.dilation == Some(4.0) && s.cpu_s.is_some()));
+    assert!(c.summaries.iter().all(|s| s.cpu_s.is_some()));
+    for r in &runs {
+        let sum = c.summaries.iter().find(|s| s.id == r.id).unwrap();
+        assert_eq!(sum.dilation, Some(own(r)), "{}", r.id);
+    }
+    assert_eq!(c.summaries[0].link, c.summaries[1].link, "one link, one group");
     let html = gradsync_compare::plot(&[out.to_path_buf()], &out).unwrap();
     let html = std::fs::read_to_string(html).unwrap();
     assert!(
-        html.contains("dilated x4") && html.contains("Self-check"),
+        html.contains("dilated x4")
+            && html.contains("ddp-tcp x2 at factors of their own")
+            && html.contains("Self-check"),
         "the report does not say the dilation"
     );
 }

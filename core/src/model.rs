@@ -1485,36 +1485,62 @@ impl fmt::Display for Fingerprint {
 /// generator per layer, seeded from `seed`, its weight drawn first), batch-norm weights 1 and
 /// biases 0.
 pub fn init_params(layout: &Layout, seed: u64) -> Vec<f32> {
-    let mut p: Vec<f32> = crate::heap::zeros(layout.len);
-    fill(&layout.params, &mut p, seed);
+    init_params_in(layout, seed, 0..layout.len)
+}
+
+/// `init_params(layout, seed)[range]`, without the rest: a parameter-server shard's values
+/// cost its own range's memory, not the whole model's (eight shards of a 440 MB model each
+/// zeroed and filled all of it). The generators still run from each layer's start, so every
+/// value is the one the whole model would hold.
+pub fn init_params_in(layout: &Layout, seed: u64, range: Range<usize>) -> Vec<f32> {
+    assert!(range.start <= range.end && range.end <= layout.len, "{range:?} outside 0..{}", layout.len);
+    let mut p: Vec<f32> = crate::heap::zeros(range.len());
+    fill(&layout.params, &mut p, range.start, seed);
     p
 }
 
 /// The buffers' starting values: running means 0, running variances 1.
 pub fn init_buffers(layout: &Layout) -> Vec<f32> {
     let mut b = vec![0.0; layout.buffers_len];
-    fill(&layout.buffers, &mut b, 0);
+    fill(&layout.buffers, &mut b, 0, 0);
     b
 }
 
-fn fill(tensors: &[Tensor], out: &mut [f32], seed: u64) {
+/// Each tensor's initial values, where they fall in `out`, which holds the flat values from
+/// `offset` on. A layer's generator is drawn through every value before the window's end
+/// (the uniform stream runs on across a layer's tensors, its weight first), so a window's
+/// values are the whole buffer's.
+fn fill(tensors: &[Tensor], out: &mut [f32], offset: usize, seed: u64) {
+    let end = offset + out.len();
     let mut stream: Option<(usize, Rng)> = None;
-    for t in tensors {
+    // Tensors from the window's end on hold none of its values and feed no stream before it.
+    for t in tensors.iter().filter(|t| t.range.start < end) {
+        // The tensor's values in the window: flat indices lo..hi.
+        let (lo, hi) = (t.range.start.max(offset), t.range.end.min(end));
+        let mut put = |i: usize, v: f32| {
+            if (lo..hi).contains(&i) {
+                out[i - offset] = v;
+            }
+        };
         match t.init {
-            Init::Fill(v) => out[t.range.clone()].fill(v),
-            Init::Normal { layer } => {
+            Init::Fill(v) if lo < hi => out[lo - offset..hi - offset].fill(v),
+            Init::Fill(_) => {}
+            // A generator of its own: drawn only where the tensor meets the window.
+            Init::Normal { layer } if lo < hi => {
                 let mut rng = Rng::new(seed, 0x1417 + layer as u64);
-                for v in &mut out[t.range.clone()] {
-                    *v = rng.normal();
+                for i in t.range.start..hi {
+                    put(i, rng.normal());
                 }
             }
+            Init::Normal { .. } => {}
+            // The layer's stream runs on into its next tensor: drawn through the whole tensor.
             Init::Uniform { bound, layer } => {
                 let rng = match &mut stream {
                     Some((l, rng)) if *l == layer => rng,
                     slot => &mut slot.insert((layer, Rng::new(seed, 0x1417 + layer as u64))).1,
                 };
-                for v in &mut out[t.range.clone()] {
-                    *v = rng.uniform_in(-bound, bound);
+                for i in t.range.clone() {
+                    put(i, rng.uniform_in(-bound, bound));
                 }
             }
         }
@@ -1618,6 +1644,28 @@ mod tests {
             assert_eq!(end, 0);
         }
         assert_eq!(BucketPlan::with_cap(&l, 1).buckets.len(), 6);
+    }
+
+    /// A window of the initial parameters is the whole buffer's values there, wherever it
+    /// starts and ends: inside a tensor, across a layer's weight and bias (one uniform
+    /// stream), across batch-norm fills, or empty.
+    #[test]
+    fn a_window_of_the_initial_parameters_is_the_whole_buffers_values() {
+        for model in ["tiny", "cnn8", "64-1024-10", "embedding:1000:8:16"] {
+            let l = Layout::new(&ModelSpec::parse(model).unwrap());
+            let whole = init_params(&l, 11);
+            let n = l.len;
+            let cuts = [0, 1, 7, n / 3, n / 2 + 5, n - 1, n];
+            for &a in &cuts {
+                for &b in cuts.iter().filter(|&&b| b >= a) {
+                    assert_eq!(init_params_in(&l, 11, a..b), whole[a..b], "{model} {a}..{b}");
+                }
+            }
+            for t in &l.params {
+                let r = t.range.clone();
+                assert_eq!(init_params_in(&l, 11, r.clone()), whole[r.clone()], "{model} {r:?}");
+            }
+        }
     }
 
     #[test]

@@ -342,17 +342,16 @@ impl<B: Backend> Net<B> {
     pub fn new(backend: B, spec: ModelSpec, seed: u64) -> Result<Self> {
         let graph = Graph::new(&spec)?;
         let layout = &graph.layout;
-        let mut params = backend.zeros(layout.len)?;
-        backend.write(&mut params, 0, &init_params(layout, seed))?;
-        let mut grads = backend.zeros(layout.len)?;
-        if graph.replay.is_some() {
+        let params = backend.from_host(init_params(layout, seed))?;
+        let grads = if graph.replay.is_some() {
             // A replayed backward writes nothing: the gradients are these values, drawn once
             // (what a step's communication moves, and compression and checksums see, is real
             // data of the model's sizes; after an all-reduce, their mean over the ranks).
-            backend.write(&mut grads, 0, &init_params(layout, seed ^ REPLAY_GRADS))?;
-        }
-        let mut buffers = backend.zeros(layout.buffers_len)?;
-        backend.write(&mut buffers, 0, &init_buffers(layout))?;
+            backend.from_host(init_params(layout, seed ^ REPLAY_GRADS))?
+        } else {
+            backend.zeros(layout.len)?
+        };
+        let buffers = backend.from_host(init_buffers(layout))?;
         let saved = backend.zeros(graph.saved_len)?;
         let bag = match (&layout.table, spec.input, &spec.arch) {
             (Some(table), Input::Bag { slots, .. }, crate::model::Arch::Embedding { mean, .. }) => {

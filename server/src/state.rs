@@ -17,7 +17,7 @@ use std::time::Instant;
 use gradsync_core::checkpoint::{Checkpoint, CheckpointHeader};
 use gradsync_core::heap::zeros;
 use gradsync_core::metrics::{Header, HostInfo, MetricsWriter, Record, SCHEMA_VERSION, ServerApply, unix_ms};
-use gradsync_core::model::{Fingerprint, Layout, init_params};
+use gradsync_core::model::{Fingerprint, Layout, init_params_in};
 use gradsync_core::optim::sgd_step;
 use gradsync_core::trace::Trace;
 use gradsync_proto::frames::{Framed, MessageBuf};
@@ -199,18 +199,14 @@ impl State {
                 let n = range.len();
                 (ck.params, ck.momentum.unwrap_or_else(|| zeros(n)), ck.header.step)
             }
-            _ => {
-                let p = init_params(&layout, cfg.seed);
-                (p[range.clone()].to_vec(), zeros(range.len()), 0)
-            }
+            _ => (init_params_in(&layout, cfg.seed, range.clone()), zeros(range.len()), 0),
         };
         let rows = match (&table, &cfg.checkpoint, cfg.resume) {
             (None, ..) => None,
             (Some(t), Some(path), true) => Some(resume_rows(path, t, &fingerprint, version)?),
             (Some(t), ..) => {
-                let p = init_params(&layout, cfg.seed);
                 let flat = t.flat();
-                Some(RowStore::new(t.dim, p[flat.clone()].to_vec(), zeros(flat.len())))
+                Some(RowStore::new(t.dim, init_params_in(&layout, cfg.seed, flat.clone()), zeros(flat.len())))
             }
         };
         let metrics = match &cfg.metrics {

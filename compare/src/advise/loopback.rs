@@ -117,7 +117,7 @@ pub fn share_of_loopback(m: &Machine, mode: ModeKind, workers: usize, shards: us
 /// One cell, measured and predicted.
 fn row(cell: &Cell, mode: ModeKind, profile: &Profile, m: &Machine) -> Row {
     let s = &cell.median;
-    let design = crate::results::design_name(mode.label(), if mode.is_ps() { s.shards } else { 0 }, false);
+    let design = crate::scenario::design_name(mode.label(), if mode.is_ps() { s.shards } else { 0 }, false);
     let link = share_of_loopback(m, mode, s.workers, s.shards);
     let predicted = |measured_compute: bool| -> Option<f64> {
         let mut w = Workload::new(profile, s.batch).ok()?;

@@ -202,7 +202,7 @@ fn group_rows(dir: &Path) -> anyhow::Result<Vec<Row>> {
 
 /// The design a run stands for in its group.
 fn design(r: &ClusterRun) -> String {
-    results::design_name(r.mode.label(), if r.mode.is_ps() { r.shards } else { 0 }, r.colocated)
+    crate::scenario::design_name(r.mode.label(), if r.mode.is_ps() { r.shards } else { 0 }, r.colocated)
 }
 
 fn row(group: &str, r: &ClusterRun, s: &Summary) -> Row {

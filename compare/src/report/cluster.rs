@@ -246,13 +246,15 @@ fn dilation_readings(dilations: &[DilationRecord]) -> Vec<String> {
                     if p.capped { "; held at the cap, which leaves them busier than half" } else { "" }
                 ),
             };
+            // The checked run's own factor and its repetition's.
+            let again = |c: &crate::emulated::Check| c.at.unwrap_or(2.0 * d.dilation);
             let check = match &d.check {
                 None => " No run finished to check the factor against.".to_string(),
                 Some(c) => match (c.step_ms, c.step_ms_2x, c.diff_pct()) {
                     (Some(a), Some(b), Some(p)) => format!(
                         " Self-check: {} again at x{}: a step of {b:.1} ms against {a:.1} ms ({p:+.1}%){}",
                         c.id,
-                        2.0 * d.dilation,
+                        again(c),
                         match (c.differs, c.push_overlap) {
                             (true, Some((x, y))) if c.phase_changed() => format!(
                                 ": more than 5% apart, and not for the cores: its asynchronous workers fell into \
@@ -262,9 +264,9 @@ fn dilation_readings(dilations: &[DilationRecord]) -> Vec<String> {
                                  With no synchronous run here to vouch for the factor, this rate's runs are not \
                                  ranked.",
                                 x * 100.0,
-                                d.dilation,
+                                again(c) / 2.0,
                                 y * 100.0,
-                                2.0 * d.dilation
+                                again(c)
                             ),
                             (true, _) => ": more than 5% apart, so the factor was too small for the cores and this \
                                  rate's runs are not ranked (run again with a larger --dilate)."
@@ -276,15 +278,25 @@ fn dilation_readings(dilations: &[DilationRecord]) -> Vec<String> {
                         " Self-check: {} again at x{} did not finish, so nothing vouches for the factor: this \
                          rate's runs are not ranked.",
                         c.id,
-                        2.0 * d.dilation
+                        again(c)
                     ),
                 },
             };
+            // Designs at factors of their own: each measures the same link, at a factor that
+            // keeps the cores about as busy as the others' keeps them.
+            let own = if d.designs.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; {} at factors of their own",
+                    d.designs.iter().map(|(n, f)| format!("{n} x{f}")).collect::<Vec<_>>().join(", ")
+                )
+            };
             format!(
-                "At {} Gbit/s the runs ran dilated x{} ({how}): links at rate / {}, every clock {} times slower, \
-                 figures divided back.{check} Dilation shrinks per-byte CPU work by the factor too: the table's \
-                 CPU seconds per GB say where a real host's CPU, not its link, would be the limit.",
-                d.rate_gbit, d.dilation, d.dilation, d.dilation
+                "At {} Gbit/s the runs ran dilated x{} ({how}{own}): links at rate / the factor, every clock that \
+                 many times slower, figures divided back.{check} Dilation shrinks per-byte CPU work by the factor \
+                 too: the table's CPU seconds per GB say where a real host's CPU, not its link, would be the limit.",
+                d.rate_gbit, d.dilation
             )
         })
         .collect()
@@ -489,6 +501,7 @@ mod cluster_tests {
         use crate::emulated::{Check, Probe};
         let check = |a: Option<f64>, b: Option<f64>, differs: bool| Check {
             id: "runs/x".into(),
+            at: None,
             again: "checks/runs/y".into(),
             step_ms: a,
             step_ms_2x: b,
@@ -498,6 +511,7 @@ mod cluster_tests {
         let rec = |probe: Option<Probe>, check: Option<Check>| DilationRecord {
             rate_gbit: 10.0,
             dilation: 8.0,
+            designs: Default::default(),
             probe,
             check,
         };
@@ -532,6 +546,20 @@ mod cluster_tests {
         );
         let said = dilation_readings(&[rec(None, Some(phased(0.90, 0.97)))]);
         assert!(said[0].contains("the factor was too small"), "{said:?}");
+        // A design at a factor of its own is named with it, and a check of one of its runs
+        // says the factor it ran again at, twice that run's own.
+        let own = DilationRecord {
+            designs: [("ddp-tcp".to_string(), 4.0)].into(),
+            ..rec(None, Some(Check { at: Some(8.0), ..check(Some(100.0), Some(101.0), false) }))
+        };
+        let said = dilation_readings(&[own]);
+        assert!(
+            said[0].starts_with(
+                "At 10 Gbit/s the runs ran dilated x8 (as given; ddp-tcp x4 at factors of their own)"
+            ),
+            "{said:?}"
+        );
+        assert!(said[0].contains("again at x8: a step of 101.0 ms"), "{said:?}");
     }
 
     #[test]

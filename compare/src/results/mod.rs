@@ -528,7 +528,7 @@ impl Summary {
     /// The design it ran, as lists name it: the mode, with the shard count for PS modes and
     /// where colocated shards sat (`ps-bsp k=4 colocated`).
     pub fn design(&self) -> String {
-        design_name(&self.mode, self.shards, self.colocated)
+        crate::scenario::design_name(&self.mode, self.shards, self.colocated)
     }
 
     /// Whether the run finished as planned: only such runs feed charts and readings
@@ -699,16 +699,6 @@ impl Cell {
 /// What makes runs repeats of one cell: (model, global batch, link), mode, workers, (shards,
 /// colocated), straggler delay.
 type CellKey = ((String, usize, String), String, usize, (usize, bool), u64);
-
-/// A design as lists name it: `mode`, with ` k=<shards>` where it has shards and ` colocated`
-/// where they sat on worker hosts.
-pub fn design_name(mode: &str, shards: usize, colocated: bool) -> String {
-    match (shards, colocated) {
-        (0, _) => mode.to_string(),
-        (k, false) => format!("{mode} k={k}"),
-        (k, true) => format!("{mode} k={k} colocated"),
-    }
-}
 
 /// Whether two (min, max) ranges overlap: the modes behind them are level.
 pub fn overlap(a: (f64, f64), b: (f64, f64)) -> bool {

@@ -144,6 +144,13 @@ pub trait Backend: Sized {
     fn describe(&self) -> String;
     /// A zero-filled buffer of `n` values.
     fn zeros(&self, n: usize) -> Result<Self::Buf>;
+    /// A buffer holding `src`'s values. The CPU keeps `src` itself, so a model's initial
+    /// parameters cost their pages once, not again in a copy; a GPU uploads them.
+    fn from_host(&self, src: Vec<f32>) -> Result<Self::Buf> {
+        let mut buf = self.zeros(src.len())?;
+        self.write(&mut buf, 0, &src)?;
+        Ok(buf)
+    }
     /// Copy `src` into `dst[offset..offset + src.len()]`.
     fn write(&self, dst: &mut Self::Buf, offset: usize, src: &[f32]) -> Result<()>;
     /// Copy `src[range]` into `dst` (`dst.len() == range.len()`).

@@ -142,6 +142,10 @@ impl Backend for Cpu {
         Ok(crate::heap::zeros(n))
     }
 
+    fn from_host(&self, src: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(src)
+    }
+
     fn write(&self, dst: &mut Vec<f32>, offset: usize, src: &[f32]) -> Result<()> {
         dst[offset..offset + src.len()].copy_from_slice(src);
         Ok(())
