@@ -342,16 +342,16 @@ impl<B: Backend> Net<B> {
     pub fn new(backend: B, spec: ModelSpec, seed: u64) -> Result<Self> {
         let graph = Graph::new(&spec)?;
         let layout = &graph.layout;
-        let params = backend.from_host(init_params(layout, seed))?;
+        let params = backend.upload(init_params(layout, seed))?;
         let grads = if graph.replay.is_some() {
             // A replayed backward writes nothing: the gradients are these values, drawn once
             // (what a step's communication moves, and compression and checksums see, is real
             // data of the model's sizes; after an all-reduce, their mean over the ranks).
-            backend.from_host(init_params(layout, seed ^ REPLAY_GRADS))?
+            backend.upload(init_params(layout, seed ^ REPLAY_GRADS))?
         } else {
             backend.zeros(layout.len)?
         };
-        let buffers = backend.from_host(init_buffers(layout))?;
+        let buffers = backend.upload(init_buffers(layout))?;
         let saved = backend.zeros(graph.saved_len)?;
         let bag = match (&layout.table, spec.input, &spec.arch) {
             (Some(table), Input::Bag { slots, .. }, crate::model::Arch::Embedding { mean, .. }) => {

@@ -14,7 +14,7 @@ fn peak_resident() -> Option<u64> {
 
 /// A replayed ResNet-50 (25.6 M parameters, 102 MB) holds its parameters and its drawn
 /// gradients, and at its peak not much more: the initial values become the model's buffers
-/// (`Backend::from_host`), not copies of them, so the start does not fault in and zero two more
+/// (`Backend::upload`), not copies of them, so the start does not fault in and zero two more
 /// buffers of the model's size (measured: a BERT-base replay worker spent 4.1 s of a 4.6 s start
 /// in the kernel zeroing pages). Before, the peak was three buffers' worth.
 #[test]

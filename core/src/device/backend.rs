@@ -146,7 +146,7 @@ pub trait Backend: Sized {
     fn zeros(&self, n: usize) -> Result<Self::Buf>;
     /// A buffer holding `src`'s values. The CPU keeps `src` itself, so a model's initial
     /// parameters cost their pages once, not again in a copy; a GPU uploads them.
-    fn from_host(&self, src: Vec<f32>) -> Result<Self::Buf> {
+    fn upload(&self, src: Vec<f32>) -> Result<Self::Buf> {
         let mut buf = self.zeros(src.len())?;
         self.write(&mut buf, 0, &src)?;
         Ok(buf)

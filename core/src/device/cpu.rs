@@ -142,7 +142,7 @@ impl Backend for Cpu {
         Ok(crate::heap::zeros(n))
     }
 
-    fn from_host(&self, src: Vec<f32>) -> Result<Vec<f32>> {
+    fn upload(&self, src: Vec<f32>) -> Result<Vec<f32>> {
         Ok(src)
     }
 
