@@ -309,7 +309,7 @@ fn run_plan(
         killed: None,
         pending: None,
         ended: Ended::Finished,
-        steady: None,
+        steady: Steady::default(),
     };
     loop {
         run.watch_rank0();
@@ -423,8 +423,40 @@ struct Running<'a> {
     killed: Option<(usize, Instant)>,
     pending: Option<Pending>,
     ended: Ended,
-    /// The machine's CPU from rank 0's first finished step on.
-    steady: Option<(u64, u64)>,
+    /// The machine's CPU while rank 0's steps after the first ran.
+    steady: Steady,
+}
+
+/// The window a run's cores are judged busy over: from rank 0's first step recorded (the
+/// warm-up, and every rank's start, behind it) to its last one, so neither the start (a large
+/// model's processes fault in and zero gigabytes of pages) nor the exit (freeing them) counts.
+/// With only the first step recorded, the window ends when the workers have exited.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub(crate) struct Steady {
+    /// The machine's [`super::machine::cpu_ticks`] when rank 0 had recorded its first step.
+    start: Option<(u64, u64)>,
+    /// Those of the latest step after it: (steps recorded, ticks).
+    last: Option<(u64, (u64, u64))>,
+}
+
+impl Steady {
+    /// Rank 0 has recorded `count` steps, the machine's cores standing at `ticks`.
+    pub(crate) fn saw(&mut self, count: u64, ticks: impl FnOnce() -> Option<(u64, u64)>) {
+        match (self.start, self.last) {
+            (None, _) if count >= 1 => self.start = ticks().map(|t| (t.0, t.1)),
+            (Some(_), last) if count >= 2 && last.is_none_or(|(n, _)| count > n) => {
+                self.last = ticks().map(|t| (count, t));
+            }
+            _ => {}
+        }
+    }
+
+    /// The share of the cores busy over the window, `now` ending it where no later step was
+    /// seen; `None` for a window of under `min_ticks`.
+    pub(crate) fn busy(&self, now: Option<(u64, u64)>, min_ticks: u64) -> Option<f64> {
+        let end = self.last.map(|(_, t)| t).or(now)?;
+        super::machine::busy_between(self.start?, end, min_ticks)
+    }
 }
 
 impl Running<'_> {
@@ -434,8 +466,8 @@ impl Running<'_> {
     fn watch_rank0(&mut self) {
         let Some(c) = self.follow.as_mut() else { return };
         self.bar.set_position(c.count());
-        if self.here && self.steady.is_none() && c.count() >= 1 {
-            self.steady = super::machine::cpu_ticks();
+        if self.here {
+            self.steady.saw(c.count(), super::machine::cpu_ticks);
         }
         if self.stop_at.is_some_and(|t| c.best_accuracy >= t) && self.ended == Ended::Finished {
             self.ended = Ended::Target;
@@ -583,10 +615,7 @@ impl Running<'_> {
         }
         // Half a second of the machine's ticks (its cores together) at the least.
         let ticks_per_s = 100 * std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
-        let cpu_busy = self
-            .steady
-            .zip(super::machine::cpu_ticks())
-            .and_then(|(a, b)| super::machine::busy_between(a, b, ticks_per_s / 2));
+        let cpu_busy = self.steady.busy(super::machine::cpu_ticks(), ticks_per_s / 2);
         for s in self.servers.iter_mut() {
             s.terminate();
         }
@@ -747,6 +776,26 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// The busy window runs from rank 0's first step to its last: the cores' ticks at the exit
+    /// (here all busy, as a large model's processes freeing their pages keep them) do not count
+    /// where a later step was seen; with the first step alone, the exit ends it.
+    #[test]
+    fn the_cores_are_judged_busy_from_the_first_step_to_the_last_not_to_the_exit() {
+        let mut s = Steady::default();
+        s.saw(0, || Some((0, 0)));
+        assert_eq!(s, Steady::default(), "nothing before the first step");
+        s.saw(1, || Some((100, 200)));
+        assert_eq!(s.busy(Some((400, 500)), 10), Some(1.0), "one step: to the exit");
+        s.saw(2, || Some((150, 300)));
+        s.saw(2, || panic!("a step seen once is read once"));
+        assert_eq!(s.busy(Some((400, 500)), 10), Some(0.5), "50 of 100 ticks busy between the steps");
+        s.saw(3, || Some((160, 400)));
+        assert_eq!(s.busy(Some((400, 500)), 10), Some(0.3));
+        // Too short a window says nothing.
+        assert_eq!(s.busy(None, 1000), None);
+        assert_eq!(Steady::default().busy(Some((1, 2)), 1), None);
+    }
 
     /// A step record as rank 0's metrics file holds it, with the fields the counter reads.
     fn step(n: u64, accuracy: Option<f64>) -> String {

@@ -11,9 +11,7 @@
 //!
 //! Large buffers (parameters, gradients, momentum, all-reduce buffers) come from [`zeros`],
 //! which asks for transparent huge pages: the kernel's socket copies and the sums walk them
-//! with a 512th of the TLB misses. Its memory is the kernel's fresh zeros, touched only where
-//! a value is written: a replayed model's momentum, which its update never writes, costs no
-//! page at all, and a process does not zero its buffers twice (the kernel's, then its own).
+//! with a 512th of the TLB misses.
 
 /// Keep freed memory in the process rather than handing it back to the kernel at once.
 ///
@@ -56,58 +54,9 @@ const HUGE_PAGE: usize = 2 << 20;
 /// sums, and measured on 2 cores, 4 and 8 ranks moved 1.4% and 2.8% more with them (median of
 /// six interleaved rounds each, `docs/benchmarks.md`). With THP `never`, or outside Linux, the
 /// advice is not given or ignored and the buffer is the same zeros.
-///
-/// A buffer that spans a huge page is the allocator's zeroed memory (`alloc_zeroed`: for a
-/// buffer this size glibc maps fresh pages and writes nothing), so no page is faulted in until
-/// it is written. Measured: a BERT-base replay worker (110 M parameters) spent 4.1 s of its
-/// 4.6 s start in the kernel zeroing the 1.3 GB its buffers wrote at once (`clear_page_erms`,
-/// 2-core AMD EPYC VM); eight such workers and their servers share these two cores on an
-/// emulated cluster.
-pub fn zeros<T: Zeroable>(n: usize) -> Vec<T> {
-    let layout = match std::alloc::Layout::array::<T>(n) {
-        Ok(l) if l.size() >= HUGE_PAGE => l,
-        _ => return filled(n, T::default()),
-    };
-    // SAFETY: the layout's size is at least a huge page, so not zero.
-    let at = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<T>();
-    if at.is_null() {
-        std::alloc::handle_alloc_error(layout);
-    }
-    // SAFETY: `at` holds `n` values of `T` allocated by the global allocator with the layout of
-    // a `[T; n]`, each of them all-zero bytes, which `Zeroable` says is a valid `T`; so it is a
-    // `Vec<T>` of length and capacity `n`.
-    let mut v = unsafe { Vec::from_raw_parts(at, n, n) };
-    advise_huge_pages(&mut v);
-    v
+pub fn zeros<T: Copy + Default>(n: usize) -> Vec<T> {
+    filled(n, T::default())
 }
-
-/// Element types whose all-zero bytes are their `Default` zero, so [`zeros`] may hand out the
-/// allocator's zeroed memory as values.
-///
-/// # Safety
-///
-/// Implement it only for types for which every byte zero is a valid value equal to
-/// `T::default()`.
-pub unsafe trait Zeroable: Copy + Default {}
-
-// SAFETY: all-zero bytes are 0 (0.0 for the floats) for each of these.
-unsafe impl Zeroable for f32 {}
-// SAFETY: as above.
-unsafe impl Zeroable for f64 {}
-// SAFETY: as above.
-unsafe impl Zeroable for u8 {}
-// SAFETY: as above.
-unsafe impl Zeroable for u16 {}
-// SAFETY: as above.
-unsafe impl Zeroable for u32 {}
-// SAFETY: as above.
-unsafe impl Zeroable for u64 {}
-// SAFETY: as above.
-unsafe impl Zeroable for i32 {}
-// SAFETY: as above.
-unsafe impl Zeroable for i64 {}
-// SAFETY: as above.
-unsafe impl Zeroable for usize {}
 
 /// `n` copies of `value`, in memory allocated as [`zeros`]'s is.
 pub fn filled<T: Copy>(n: usize, value: T) -> Vec<T> {
@@ -141,10 +90,9 @@ fn advise_huge_pages<T>(buf: &mut [T]) {
 mod tests {
     use super::*;
 
-    /// The field `key` (`VmFlags:`, `Rss:`) of the mapping in `/proc/self/smaps` that holds
-    /// address `at`.
+    /// The `VmFlags` of the mapping in `/proc/self/smaps` that holds address `at`.
     #[cfg(target_os = "linux")]
-    fn smaps_field(at: usize, key: &str) -> String {
+    fn vm_flags(at: usize) -> String {
         let smaps = std::fs::read_to_string("/proc/self/smaps").expect("reading /proc/self/smaps");
         let mut inside = false;
         for line in smaps.lines() {
@@ -153,46 +101,16 @@ mod tests {
                 && let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
             {
                 inside = (lo..hi).contains(&at);
-            } else if inside && let Some(v) = line.strip_prefix(key) {
-                return v.trim().to_string();
+            } else if inside && let Some(flags) = line.strip_prefix("VmFlags:") {
+                return flags.trim().to_string();
             }
         }
         panic!("no mapping holds {at:#x}");
     }
 
-    #[cfg(target_os = "linux")]
-    fn vm_flags(at: usize) -> String {
-        smaps_field(at, "VmFlags:")
-    }
-
-    /// The resident kB of the mapping that holds `at`.
-    #[cfg(target_os = "linux")]
-    fn resident_kb(at: usize) -> u64 {
-        smaps_field(at, "Rss:").trim_end_matches("kB").trim().parse().expect("an Rss in kB")
-    }
-
-    /// A large buffer of zeros costs no memory until it is written: its pages are the kernel's
-    /// fresh ones, faulted in only where a value lands (a replay's momentum, never written,
-    /// costs none); reading them reads zeros.
-    #[cfg(target_os = "linux")]
-    #[test]
-    fn a_large_buffer_of_zeros_is_resident_only_where_it_is_written() {
-        const MB: usize = 1 << 20;
-        let mut big: Vec<f32> = zeros(64 * MB / 4);
-        let at = big.as_ptr() as usize + 32 * MB;
-        let before = resident_kb(at);
-        assert!(before < 4 * 1024, "64 MB of zeros already hold {before} kB");
-        let mid = big.len() / 2;
-        big[mid] = 1.0;
-        let after = resident_kb(at);
-        assert!(after > before && after <= before + 4 * 1024, "one write made {before} kB {after} kB");
-        assert_eq!(big.iter().filter(|&&x| x != 0.0).count(), 1, "the rest reads as zeros");
-        assert_eq!(big.capacity(), big.len());
-    }
-
     #[test]
     fn zeros_are_zeros_of_any_size() {
-        for n in [0, 1, 1000, (HUGE_PAGE / 4) * 3 + 5, HUGE_PAGE / 4 + 1, 3 * HUGE_PAGE] {
+        for n in [0, 1, 1000, (HUGE_PAGE / 4) * 3 + 5] {
             let v: Vec<f32> = zeros(n);
             assert_eq!(v.len(), n);
             assert!(v.iter().all(|&x| x == 0.0));

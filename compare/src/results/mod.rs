@@ -93,8 +93,8 @@ pub struct Outcome {
     /// absent for processes on other hosts).
     #[serde(default)]
     pub cpu_s: Option<f64>,
-    /// How busy the machine's cores were while its steps ran (from rank 0's first step to the
-    /// end; `/proc/stat`), or, for a run too short for that, its processes' CPU time over the
+    /// How busy the machine's cores were while its steps ran (from rank 0's first step to its
+    /// last, `/proc/stat`: `exec::Steady`), or, for a run too short for that, its processes' CPU time over the
     /// whole run's wall time times the cores.
     #[serde(default)]
     pub cpu_busy: Option<f64>,
