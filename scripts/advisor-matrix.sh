@@ -18,14 +18,18 @@
 # models' 16 workers and 16 servers do not fit this machine's 24 GiB (the cluster refuses them
 # with the figures).
 #
-# Each group runs at a fixed factor, D = 0.3 x workers x Gbit/s (at least 1), from the scale
-# scenario's probes: a parameter server's cores are some 12% busy per (worker x Gbit/s / D),
-# so this D holds them near 40% busy; `auto`'s probes would cost as much as the runs. The
-# 100M-parameter models' PS of 8 servers ran 54-89% busy at that D (ResNet-50's near 40%), so
-# their 8-host groups run at twice it. The
-# self-check (the busiest synchronous run again at 2D) vouches for each factor. 3 steps (the
-# first, the warm-up, left out) and 1 repeat a design: the matrix's error is over cells, and
-# each group's check reruns one of them.
+# Each group runs at a factor, D = 0.3 x workers x Gbit/s (at least 1), from the scale
+# scenario's probes: a parameter server of a shard a host keeps the cores some 50-70% busy
+# over its steps at it. The 100M-parameter models' 8-host groups and every 16-host group run at
+# twice it (their PS ran 54-89% busy at the formula's factor, and 16-host self-checks differed
+# at it). Each other design runs at a factor of its own (--dilate-for) that keeps the cores
+# about as busy, from their busy shares beside the PS's within a group over the steps alone:
+# the rings and ZeRO-1 (0.37-0.44 of the PS's) at D / 2, the PS of half as many servers
+# (0.51-0.55) at 0.75 D, the colocated PS at 0.75 D (docs/advisor.md, "Its wall time"). The
+# self-check (the busiest synchronous run again at twice its factor) vouches for each part.
+# 2 steps (the first, the warm-up, left out) and 1 repeat a design: one measured step is
+# within 1.6% of the mean of two (0.05% median over the matrix's runs of three), and the
+# matrix's error is over cells, each group's check rerunning one of them.
 set -euo pipefail
 OUT=${1:?usage: scripts/advisor-matrix.sh OUT [GROUP-REGEX]}
 ONLY=${2:-.}
@@ -37,25 +41,43 @@ B=${GRADSYNC_BIN_DIR:-$PWD/target/release}/gradsync-bench
 [ "$(id -u)" = 0 ] || { echo "SKIPPED: emulated hosts need root" >&2; exit 0; }
 mkdir -p "$OUT"
 group() { # model hosts ranks-a-host rate modes
-  part "$@" "" --shards hosts,hosts/2
-  part "$1" "$2" "$3" "$4" ps-bsp +colocated --shards hosts --servers colocated
+  part "$@" "" 1 --shards hosts,hosts/2
+  part "$1" "$2" "$3" "$4" ps-bsp +colocated 0.75 --shards hosts --servers colocated
 }
-part() { # model hosts ranks-a-host rate modes suffix flags...
-  local model=$1 hosts=$2 m=$3 rate=$4 modes=$5 suffix=$6
-  shift 6
+part() { # model hosts ranks-a-host rate modes suffix share flags...
+  local model=$1 hosts=$2 m=$3 rate=$4 modes=$5 suffix=$6 share=$7
+  shift 7
   local name="$model-${hosts}x$m-${rate}g$suffix"
   [[ $name =~ $ONLY ]] || return 0
   [ -f "$OUT/$name/cluster.json" ] && { echo "$name: kept"; return 0; }
   rm -rf "${OUT:?}/$name"
   local workers=$((hosts * m)) big=1
   [ "$model" != resnet50 ] && [ "$hosts" -ge 8 ] && big=2
+  [ "$hosts" -ge 16 ] && big=2
   local d
-  d=$(awk -v w="$workers" -v r="$rate" -v s="$SCALE" -v b="$big" 'BEGIN { d = 0.3 * w * r; if (d < 1) d = 1; printf "%d", d * s * b + 0.5 }')
+  d=$(factor "$workers" "$rate" "$big" "$share")
+  # The designs that cost the cores half the PS's CPU per emulated second: the rings and
+  # ZeRO-1 (half its CPU a byte), the PS of half as many servers (the same bytes in a step
+  # twice as long).
+  local half three own=()
+  half=$(factor "$workers" "$rate" "$big" "$(awk -v s="$share" 'BEGIN { print s / 2 }')")
+  three=$(factor "$workers" "$rate" "$big" "$(awk -v s="$share" 'BEGIN { print s * 0.75 }')")
+  if [ "$suffix" = "" ]; then
+    for design in ddp-tcp zero1-tcp ddp-hier; do
+      [[ $design == ddp-hier && $m == 1 ]] && continue
+      own+=(--dilate-for "$design=$half")
+    done
+    own+=(--dilate-for "ps-bsp k=$((hosts / 2))=$three")
+  fi
   local t=$SECONDS
   "$B" cluster bench/scenarios/scale.toml --out "$OUT/$name" --models "$model" --workers "$workers" --ranks-per-host "$m" \
-    --rates "$rate" --modes "$modes" "$@" --dilate "$d" --steps 3 --repeats 1 \
+    --rates "$rate" --modes "$modes" "$@" --dilate "$d" "${own[@]}" --steps 2 --repeats 1 \
     >"$OUT/$name.log" 2>&1 || true
-  echo "$name: x$d, $((SECONDS - t)) s" | tee -a "$OUT/times.txt"
+  echo "$name: x$d${own:+ (rings and ZeRO-1 x$half, half the servers x$three)}, $((SECONDS - t)) s" | tee -a "$OUT/times.txt"
+}
+factor() { # workers rate big share: the formula's factor x SCALE x big x share, at least 1
+  awk -v w="$1" -v r="$2" -v b="$3" -v f="$4" -v s="$SCALE" \
+    'BEGIN { d = 0.3 * w * r; if (d < 1) d = 1; d = int(d * s * b * f + 0.5); if (d < 1) d = 1; print d }'
 }
 FLAT=ddp-tcp,ps-bsp,zero1-tcp
 for rate in 1 10 25; do
