@@ -443,7 +443,7 @@ impl Steady {
     /// Rank 0 has recorded `count` steps, the machine's cores standing at `ticks`.
     pub(crate) fn saw(&mut self, count: u64, ticks: impl FnOnce() -> Option<(u64, u64)>) {
         match (self.start, self.last) {
-            (None, _) if count >= 1 => self.start = ticks().map(|t| (t.0, t.1)),
+            (None, _) if count >= 1 => self.start = ticks(),
             (Some(_), last) if count >= 2 && last.is_none_or(|(n, _)| count > n) => {
                 self.last = ticks().map(|t| (count, t));
             }
