@@ -420,6 +420,20 @@ impl Engine {
         on_device!(self, m => m.read_params(range, dst))
     }
 
+    /// Hand `f` the parameters of `range` in order, `chunk` values at a time, through one
+    /// buffer of that size: a pass over them (a digest) that never holds a copy of the whole.
+    pub fn scan_params(&self, range: Range<usize>, chunk: usize, mut f: impl FnMut(&[f32])) -> Result<()> {
+        let mut buf = vec![0.0; chunk.max(1).min(range.len())];
+        let mut at = range.start;
+        while at < range.end {
+            let n = buf.len().min(range.end - at);
+            self.read_params(at..at + n, &mut buf[..n])?;
+            f(&buf[..n]);
+            at += n;
+        }
+        Ok(())
+    }
+
     /// Overwrite parameters from host memory at `offset`.
     pub fn write_params(&mut self, offset: usize, src: &[f32]) -> Result<()> {
         on_device!(self, m => m.write_params(offset, src))
@@ -513,6 +527,16 @@ impl Engine {
     /// momentum write has allocated it, else nothing.
     pub fn optimizer_state_bytes(&self) -> usize {
         on_device!(self, m => m.optimizer_state_bytes())
+    }
+
+    /// Bytes of optimiser state the engine holds once it has updated: the momentum buffer,
+    /// which the first update allocates where no momentum write did; none for a replayed
+    /// model, whose update is a wait.
+    pub fn updated_state_bytes(&self) -> usize {
+        match self.spec().profile() {
+            Some(_) => self.optimizer_state_bytes(),
+            None => self.layout().len * size_of::<f32>(),
+        }
     }
 
     /// The parameters and gradients as host slices, when they live in host memory (the CPU);

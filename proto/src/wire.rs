@@ -26,6 +26,43 @@ pub fn put_f32(src: &[f32], buf: &mut BytesMut) {
     }
 }
 
+/// SHA-256 of f32 values as they travel (their little-endian bits), fed in pieces in order.
+/// A parameter server says it of its shard when a worker registers (`RegisterReply.digest`),
+/// and a worker that holds values of the same digest (drawn from the same seed) starts from
+/// them rather than pulling them; ranks of a ring compare theirs the same way.
+#[derive(Debug, Clone, Default)]
+pub struct Digest(sha2::Sha256);
+
+impl Digest {
+    /// Values, next in order.
+    pub fn values(&mut self, v: &[f32]) {
+        if cfg!(target_endian = "little") {
+            sha2::Digest::update(&mut self.0, bytemuck::cast_slice::<f32, u8>(v));
+        } else {
+            for x in v {
+                sha2::Digest::update(&mut self.0, x.to_le_bytes());
+            }
+        }
+    }
+
+    /// A payload's little-endian values, next in order.
+    pub fn payload(&mut self, le: &[u8]) {
+        sha2::Digest::update(&mut self.0, le);
+    }
+
+    /// The digest of everything fed.
+    pub fn finish(self) -> [u8; 32] {
+        sha2::Digest::finalize(self.0).into()
+    }
+
+    /// The digest of `v` alone.
+    pub fn of(v: &[f32]) -> [u8; 32] {
+        let mut d = Digest::default();
+        d.values(v);
+        d.finish()
+    }
+}
+
 /// Take back the allocation of an encoded buffer once every slice of it has been dropped (the
 /// RPC that sent it finished), or start a fresh one.
 pub fn reclaim(b: Option<Bytes>) -> BytesMut {

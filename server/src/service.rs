@@ -559,10 +559,16 @@ impl ParameterServer for Service {
         let sh = &self.shared;
         check_compression(sh, rank_of(r.rank), &r.compression)?;
         let (rank, world) = (rank_of(r.rank), r.world_size as usize);
-        let reg = if r.rejoin {
-            self.state.lock().await.rejoin(sh, rank, world, &r.fingerprint, r.join_at)?
-        } else {
-            self.state.lock().await.register(sh, rank, world, &r.fingerprint)?
+        let (reg, digest) = {
+            let mut state = self.state.lock().await;
+            let reg = if r.rejoin {
+                state.rejoin(sh, rank, world, &r.fingerprint, r.join_at)?
+            } else {
+                state.register(sh, rank, world, &r.fingerprint)?
+            };
+            // Of the version the reply names (the state is locked until then).
+            let digest = (state.version() == reg.version).then(|| state.digest()).flatten();
+            (reg, digest)
         };
         Ok(Response::new(RegisterReply {
             shard: sh.cfg.shard.index as u32,
@@ -582,6 +588,7 @@ impl ParameterServer for Service {
             rows_end: sh.table.as_ref().map_or(0, |t| t.rows.end as u64),
             row_len: sh.table.as_ref().map_or(0, |t| t.dim as u32),
             join_version: reg.join,
+            digest: digest.map_or_else(bytes::Bytes::new, |d| bytes::Bytes::copy_from_slice(&d)),
         }))
     }
 

@@ -127,6 +127,8 @@ pub struct State {
     /// chunk), shared (zero-copy) by every pull until the next update; encoded on the first
     /// pull after an update.
     snapshot: Option<(u64, Framed)>,
+    /// The digest of the parameters at `.0`'s version ([`State::digest`]).
+    digest: Option<(u64, Option<[u8; 32]>)>,
     world: Option<usize>,
     members: BTreeMap<usize, Member>,
     departed: BTreeSet<usize>,
@@ -239,6 +241,7 @@ impl State {
             image_bufs: Vec::new(),
             spare_image: Vec::new(),
             snapshot: None,
+            digest: None,
             world: None,
             members: BTreeMap::new(),
             departed: BTreeSet::new(),
@@ -255,6 +258,37 @@ impl State {
     /// Updates applied so far.
     pub fn version(&self) -> u64 {
         self.version
+    }
+
+    /// SHA-256 of the parameters at the current version, over their little-endian bits
+    /// ([`gradsync_proto::wire::Digest`], what a registration reply says), computed once a
+    /// version; `None` where a step's image holds them in chunks that do not run in order.
+    pub fn digest(&mut self) -> Option<[u8; 32]> {
+        if let Some((v, d)) = self.digest
+            && v == self.version
+        {
+            return d;
+        }
+        let mut d = gradsync_proto::wire::Digest::default();
+        let made = match self.params.image() {
+            Some(f) => {
+                let mut at = 0u64;
+                (0..f.len()).all(|i| {
+                    let (offset, payload) = f.payload(i);
+                    d.payload(&payload);
+                    let next = offset == at;
+                    at += payload.len() as u64 / 4;
+                    next
+                })
+            }
+            None => {
+                d.values(self.params.values());
+                true
+            }
+        };
+        let d = made.then(|| d.finish());
+        self.digest = Some((self.version, d));
+        d
     }
 
     /// The registered ranks.

@@ -1252,3 +1252,46 @@ fn malformed_compressed_pushes_are_refused_with_the_fault_named() {
         assert_eq!(moved, [0, n - 1], "only the two values pushed moved");
     });
 }
+
+/// A worker whose own parameters are the shards' (drawn from the same seed) starts from them:
+/// each registration reply carries the digest of its shard at the version it names, and the
+/// first pull moves nothing. A worker that registers once the shards have moved on (an ASP
+/// push applied) pulls them, and its engine ends with the servers' values. A registration
+/// reply's digest is that of the values a pull then returns.
+#[test]
+fn a_worker_starts_from_the_values_it_holds_and_pulls_the_shards_that_moved() {
+    use gradsync_core::Engine;
+    use gradsync_core::device::Device;
+    use gradsync_proto::wire::Digest;
+    use gradsync_worker::ps::EngineLink;
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let (_servers, addrs) = start_shards(2, &["--sync", "asp"]);
+    let addrs: Vec<String> = addrs.split(',').map(String::from).collect();
+    let seed = SEED.parse().expect("seed");
+    let n = Layout::new(&spec()).len;
+    let fp = Fingerprint::new(&spec(), seed).text;
+    let init = init_params(&Layout::new(&spec()), seed);
+    let worker = |rank: usize| {
+        let mut engine = Engine::new(Device::Cpu { threads: 1 }, spec(), seed).expect("engine");
+        let link = EngineLink::new(&mut engine);
+        let mut c =
+            rt.block_on(PsClient::connect(&addrs, None, Duration::from_secs(30), Tuning::tuned())).expect("connect");
+        rt.block_on(c.register(rank, 2, &fp, n)).expect("register");
+        (engine, link, c)
+    };
+    let (mut e0, mut l0, mut c0) = worker(0);
+    let t = rt.block_on(l0.pull_unless_held(&mut c0, &mut e0)).expect("start of rank 0");
+    assert_eq!(t.bytes, 0, "rank 0 pulled values it held");
+    assert_eq!(e0.params().expect("params"), init);
+    // Rank 0's push moves both shards on (ASP applies it at once).
+    let mut after = vec![0f32; n];
+    rt.block_on(c0.step(&vec![0.5; n], &mut after)).expect("a step");
+    assert_ne!(after, init);
+    let (mut e1, mut l1, mut c1) = worker(1);
+    let t = rt.block_on(l1.pull_unless_held(&mut c1, &mut e1)).expect("start of rank 1");
+    assert_eq!(t.bytes, 4 * n as u64, "rank 1 did not pull the shards that moved");
+    assert_eq!(e1.params().expect("params"), after);
+    // The digests rank 1's registration gave are those of the values it then pulled.
+    let held = c1.held(|r| Ok(Digest::of(&after[r]))).expect("held");
+    assert_eq!(held, [true, true], "the registration digests are not those of the values pulled");
+}

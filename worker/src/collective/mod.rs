@@ -67,6 +67,7 @@ pub mod tcp;
 use std::ops::Range;
 use std::time::Duration;
 
+use gradsync_core::Engine;
 pub use gradsync_core::model::segment;
 use serde::{Deserialize, Serialize};
 
@@ -149,6 +150,48 @@ pub trait Collective {
     fn recv(&mut self, buf: &mut [f32], peer: usize) -> Result<()>;
     /// Return once every rank has called it.
     fn barrier(&mut self) -> Result<()>;
+}
+
+/// Every rank ends with `root`'s `buf`, as [`Collective::broadcast`] leaves it, but the values
+/// travel only where some rank holds others ([`held_everywhere`]). Returns whether they were
+/// sent.
+pub fn broadcast_unless_held(c: &mut dyn Collective, buf: &mut [f32], root: usize) -> Result<bool> {
+    if held_everywhere(c, gradsync_proto::wire::Digest::of(buf), root)? {
+        return Ok(false);
+    }
+    c.broadcast(buf, root)?;
+    Ok(true)
+}
+
+/// Whether every rank holds the values `root` holds, each rank giving the
+/// [`gradsync_proto::wire::Digest`] of its own: `root`'s goes to every rank (as sixteen 16-bit
+/// pieces, each exact in an `f32`), each compares it with its own, and the sum of the
+/// disagreements, all-reduced, decides, the same on every rank. A run's start is the case it
+/// is for: every rank draws the same initial parameters from one seed, and two messages of a
+/// few values replace a broadcast of the whole model, which on a slow or dilated link takes as
+/// long as a step.
+pub fn held_everywhere(c: &mut dyn Collective, digest: [u8; 32], root: usize) -> Result<bool> {
+    check_rank("root", root, c.world_size())?;
+    if c.world_size() == 1 {
+        return Ok(true);
+    }
+    let mut own = [0.0f32; 16];
+    for (o, pair) in own.iter_mut().zip(digest.chunks_exact(2)) {
+        *o = f32::from(u16::from_le_bytes([pair[0], pair[1]]));
+    }
+    let mut theirs = own;
+    c.broadcast(&mut theirs, root)?;
+    let mut differ = [f32::from(u8::from(theirs != own))];
+    c.all_reduce(&mut differ)?;
+    Ok(differ[0] == 0.0)
+}
+
+/// The [`gradsync_proto::wire::Digest`] of `engine`'s parameters in `range`, read through a
+/// small buffer (no copy of the whole model).
+pub fn params_digest(engine: &Engine, range: Range<usize>) -> gradsync_core::Result<[u8; 32]> {
+    let mut d = gradsync_proto::wire::Digest::default();
+    engine.scan_params(range, 1 << 16, |v| d.values(v))?;
+    Ok(d.finish())
 }
 
 /// How ring neighbours exchange data.

@@ -1,8 +1,9 @@
 //! The collectives' protocol edge cases on the simulated network (`sim`): the ring
 //! (all-reduce, reduce-scatter, all-gather) and chain (broadcast, reduce) algorithms under a
 //! dead rank, a silent rank, a slow rank, a slow or silent link, a cut connection and a torn
-//! frame. Each case must end, on every rank, in the right values or an error naming the right
-//! rank, within a bounded (virtual) time. Every case runs under several seeds, that is, several
+//! frame; and the broadcast that sends only where a rank holds other values. Each case must
+//! end, on every rank, in the right values or an error naming the right rank, within a bounded
+//! (virtual) time. Every case runs under several seeds, that is, several
 //! interleavings of the ranks, each the same on every run.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -387,4 +388,45 @@ fn a_seed_is_one_interleaving_and_seeds_differ() {
     }
     let schedules: std::collections::BTreeSet<(u64, u64)> = (0..16).map(|s| once(s).2).collect();
     assert!(schedules.len() > 8, "16 seeds gave {} interleavings", schedules.len());
+}
+
+#[test]
+fn the_broadcast_unless_held_sends_the_values_only_where_a_rank_holds_others() {
+    let n = 1000;
+    let root_values = |r: usize| (0..n).map(|i| (i * 7 + r) as f32 * 0.25).collect::<Vec<f32>>();
+    for seed in 0..SEEDS {
+        // Every rank holds root's values: two small messages, nothing of the buffer.
+        let o = sim::run(4, cfg(), seed, &[], |mut c| {
+            let mut b = root_values(0);
+            let sent = super::broadcast_unless_held(&mut c, &mut b, 1).unwrap();
+            (sent, b, c.traffic())
+        });
+        for (r, (sent, b, t)) in o.results.iter().enumerate() {
+            assert!(!sent, "rank {r} sent values every rank held");
+            assert_eq!(*b, root_values(0), "rank {r}");
+            assert!(t.sent + t.recv < 4 * n as u64 / 4, "rank {r} moved {t:?} for a {n}-value buffer");
+        }
+        // One bit of one value on rank 2 differs: every rank takes root's values.
+        let o = sim::run(4, cfg(), seed, &[], |mut c| {
+            let r = Collective::rank(&c);
+            let mut b = root_values(0);
+            if r == 2 {
+                b[n / 2] = f32::from_bits(b[n / 2].to_bits() ^ 1);
+            }
+            let sent = super::broadcast_unless_held(&mut c, &mut b, 1).unwrap();
+            (sent, b)
+        });
+        for (r, (sent, b)) in o.results.iter().enumerate() {
+            assert!(sent, "rank {r} did not send though rank 2 differed");
+            assert_eq!(*b, root_values(0), "rank {r}");
+        }
+        // Root differs from all the others: they all end with root's.
+        let o = sim::run(3, cfg(), seed, &[], |mut c| {
+            let r = Collective::rank(&c);
+            let mut b = root_values(usize::from(r == 0));
+            super::broadcast_unless_held(&mut c, &mut b, 0).unwrap();
+            b
+        });
+        assert!(o.results.iter().all(|b| *b == root_values(1)), "seed {seed}");
+    }
 }

@@ -122,6 +122,7 @@ impl PsClient {
                     range: 0..0,
                     rows: 0..0,
                     version: 0,
+                    digest: None,
                     chunk: tuning.chunk_bytes,
                 })
             }
@@ -478,6 +479,11 @@ impl PsClient {
 
     /// Each shard's disjoint slice of `buf` (ranges are contiguous, in order, from the first
     /// shard's start).
+    /// `buf` (the whole flat buffer) as one sink a shard, in shard order.
+    pub fn host_sinks<'a>(&self, buf: &'a mut [f32]) -> Vec<HostSlice<'a>> {
+        self.split(buf).into_iter().map(HostSlice).collect()
+    }
+
     fn split<'a>(&self, buf: &'a mut [f32]) -> Vec<&'a mut [f32]> {
         let first = self.shards.first().map_or(0, |s| s.range.start);
         let mut rest = &mut buf[first..];
@@ -520,12 +526,36 @@ impl PsClient {
     /// Pull every shard's parameters into `sinks` (one per shard, in shard order),
     /// concurrently, each chunk handed over as it arrives.
     pub async fn pull_into<S: ChunkSink>(&mut self, sinks: Vec<S>) -> Result<Transfer> {
+        self.pull_into_except(sinks, &[]).await
+    }
+
+    /// Which shards' parameters at the version each registered this worker at this worker
+    /// holds already: those whose registration digest equals `own`'s of the worker's values in
+    /// their range (by shard, in shard order; `false` for a shard that gave none).
+    pub fn held(&self, mut own: impl FnMut(Range<usize>) -> Result<[u8; 32]>) -> Result<Vec<bool>> {
+        self.shards
+            .iter()
+            .map(|s| match s.digest {
+                Some(d) => Ok(own(s.range.clone())? == d),
+                None => Ok(false),
+            })
+            .collect()
+    }
+
+    /// [`PsClient::pull_into`] from the shards not `held` (by shard, as [`PsClient::held`]
+    /// says; a shard past its end is pulled), leaving those sinks as they are.
+    pub async fn pull_into_except<S: ChunkSink>(&mut self, sinks: Vec<S>, held: &[bool]) -> Result<Transfer> {
         self.check_sinks(sinks.len())?;
         let t = Instant::now();
         let o = self.opts();
-        let got = try_join_all(self.shards.iter().zip(sinks).map(|(s, mut dst)| {
-            let o = &o;
-            async move { pull_shard(o, s, &mut dst, None).await }
+        let got = try_join_all(self.shards.iter().zip(sinks).enumerate().map(|(i, (s, mut dst))| {
+            let (o, keep) = (&o, held.get(i).copied().unwrap_or(false));
+            async move {
+                match keep {
+                    true => Ok((s.version, 0)),
+                    false => pull_shard(o, s, &mut dst, None).await,
+                }
+            }
         }))
         .await?;
         for (s, (v, _)) in self.shards.iter_mut().zip(&got) {
@@ -784,6 +814,7 @@ impl PsClient {
                     range: s.range.clone(),
                     rows: s.rows.clone(),
                     version: s.version,
+                    digest: s.digest,
                     chunk: s.chunk,
                 })
                 .collect(),
@@ -928,6 +959,7 @@ fn place(
     }
     s.range = if fit.alone { end..end } else { r.start as usize..r.end as usize };
     s.version = r.version;
+    s.digest = <[u8; 32]>::try_from(&r.digest[..]).ok();
     // A server that announces no size (older ones) gets the size its range suggests.
     let announced = match r.chunk_bytes as usize {
         0 => Tuning::chunk_for_shard(s.range.len() * 4),

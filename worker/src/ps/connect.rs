@@ -204,6 +204,9 @@ pub(super) struct Shard {
     pub(super) rows: Range<usize>,
     /// Version of the parameters last pulled from it.
     pub(super) version: u64,
+    /// The digest of its parameters at `version` its registration reply gave, if it gave one
+    /// (`RegisterReply.digest`).
+    pub(super) digest: Option<[u8; 32]>,
     /// Payload bytes per pushed chunk: the size the shard steps and streams its blocks in, as
     /// it announced at registration, unless the client chose one (`PsClient::set_chunk_bytes`).
     pub(super) chunk: usize,

@@ -140,6 +140,33 @@ impl EngineLink {
         }
     }
 
+    /// [`EngineLink::pull`], but only from the shards whose parameters the engine does not
+    /// hold already ([`PsClient::held`]): at a run's start every worker and shard draws the
+    /// same initial values from the seed, and the first pull of the whole model, which on a
+    /// slow or dilated link takes about as long as a step's, is skipped.
+    pub async fn pull_unless_held(&mut self, client: &mut PsClient, engine: &mut Engine) -> Result<Transfer> {
+        let held = client.held(|range| Ok(crate::collective::params_digest(engine, range)?))?;
+        let (params, dense) = match self {
+            EngineLink::InPlace { .. } => {
+                let engine = RefCell::new(engine);
+                return client.pull_into_except(ranges(client, &engine), &held).await;
+            }
+            EngineLink::Staged { params, .. } => {
+                let n = params.len();
+                (params, 0..n)
+            }
+            EngineLink::Sparse { params, dense, .. } => (params, dense.clone()),
+        };
+        // The host copy is written back whole: the values kept come from the engine.
+        for (range, _) in client.ranges().zip(&held).filter(|(_, h)| **h) {
+            engine.read_params(range.clone(), &mut params[range])?;
+        }
+        let sinks = client.host_sinks(params);
+        let t = client.pull_into_except(sinks, &held).await?;
+        engine.write_params(dense.start, &params[dense])?;
+        Ok(t)
+    }
+
     /// One step of a model with a sparse table: the dense values exchanged as
     /// [`EngineLink::exchange`] does, the table's rows beside them ([`RowsStep`]). Returns when
     /// the communication began and the push's and the pull's traffic.

@@ -89,11 +89,13 @@ impl Strategy for Ddp {
     fn start(&mut self, engine: &mut Engine, resume: &Resume) -> Result<Option<Resumed>> {
         let resumed = resume.engine(engine)?;
         let (_, momentum) = self.shell.start(engine)?;
-        engine.write_momentum(&momentum)?;
+        if let Some(m) = momentum {
+            engine.write_momentum(&m)?;
+        }
         if let Some(t) = &mut self.table {
             t.start(engine, &self.shell.sgd)?;
         }
-        self.state_bytes = engine.optimizer_state_bytes();
+        self.state_bytes = engine.updated_state_bytes();
         if let Some(saved) = resumed.as_ref().and_then(|r| r.state.as_ref())
             && matches!(self.compression, Compression::TopK(_))
         {

@@ -174,7 +174,7 @@ impl Ps {
             let version = client.register(rank, world, fp, n).await?;
             let join = client.join_version();
             if join <= version {
-                return Ok(link.pull(client, engine).await?);
+                return Ok(link.pull_unless_held(client, engine).await?);
             }
             // Back during a step that does not wait for it: its first gradient is computed from
             // the version that step makes. A pull of it streamed while the step runs fails if

@@ -1,6 +1,6 @@
 //! The shell DDP and ZeRO-1 share, so that each file holds only where its algorithm differs:
-//! meeting the other ranks and connecting the communicator, the bucket plan, the initial
-//! broadcast of rank 0's parameters and momentum, and the start and end of every step (rank
+//! meeting the other ranks and connecting the communicator, the bucket plan, rank 0's initial
+//! parameters and momentum on every rank (sent only where a rank holds others), and the start and end of every step (rank
 //! 0's batch-norm statistics broadcast as DDP's `broadcast_buffers` does, `no_sync`
 //! micro-steps, the traffic counted, the gradient's scale), the final barrier and the header's
 //! common fields; and their configuration, [`DdpConfig`].
@@ -16,7 +16,10 @@ use gradsync_core::trace::Trace;
 
 use super::error::During;
 use super::{Result, StrategyError, forward_unless_synced, timed_span};
-use crate::collective::{Communicator, Hierarchy, Nccl, RingConfig, Traffic, Transport};
+use crate::collective::{
+    Communicator, Hierarchy, Nccl, RingConfig, Traffic, Transport, broadcast_unless_held, held_everywhere,
+    params_digest,
+};
 use crate::rendezvous::{self, RendezvousConfig};
 
 /// What DDP needs to know (ZeRO-1 too, beside its own).
@@ -148,20 +151,35 @@ impl Shell {
     }
 
     /// Before the first step: the bucket plan, and one set of initial parameters for every
-    /// rank, rank 0's, written into `engine`. Returns the plan and rank 0's momentum (zeros
-    /// unless `--load` gave one), which the strategy keeps where its optimiser state lives.
-    pub fn start(&mut self, engine: &mut Engine) -> Result<(BucketPlan, Vec<f32>)> {
+    /// rank, rank 0's, written into `engine`. Returns the plan and rank 0's momentum where some
+    /// rank holds one (`--load` gave it), which the strategy keeps where its optimiser state
+    /// lives; `None` where none does, the usual start: momentum is zero until an update makes
+    /// it, and a zero buffer of the model's size is neither sent nor written.
+    pub fn start(&mut self, engine: &mut Engine) -> Result<(BucketPlan, Option<Vec<f32>>)> {
         let mut plan = BucketPlan::with_cap(engine.layout(), self.bucket_values);
         if self.rows_apart {
             plan = plan.without_table(engine.layout());
         }
-        let mut p = engine.params()?;
-        self.comm.get().broadcast(&mut p, 0).during(|| "broadcasting the initial parameters")?;
-        engine.write_params(0, &p)?;
-        engine.read_momentum(&mut p)?;
-        self.comm.get().broadcast(&mut p, 0).during(|| "broadcasting the momentum")?;
+        // Sent only where some rank holds other values (`--load` on one rank, say): ranks that
+        // drew the same ones from the seed compare digests instead.
+        let own = params_digest(engine, 0..engine.layout().len)?;
+        if !held_everywhere(self.comm.get(), own, 0).during(|| "comparing the initial parameters")? {
+            let mut p = engine.params()?;
+            self.comm.get().broadcast(&mut p, 0).during(|| "broadcasting the initial parameters")?;
+            engine.write_params(0, &p)?;
+        }
+        let mut without = [f32::from(u8::from(engine.optimizer_state_bytes() == 0))];
+        self.comm.get().all_reduce(&mut without).during(|| "asking which ranks hold momentum")?;
+        let momentum = if without[0] as usize == self.world {
+            None
+        } else {
+            let mut p = vec![0.0; engine.layout().len];
+            engine.read_momentum(&mut p)?;
+            broadcast_unless_held(self.comm.get(), &mut p, 0).during(|| "broadcasting the momentum")?;
+            Some(p)
+        };
         self.plan = Some(plan.clone());
-        Ok((plan, p))
+        Ok((plan, momentum))
     }
 
     /// One step: forward; on a `no_sync` micro-step the local backward and nothing more;

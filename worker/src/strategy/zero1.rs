@@ -158,7 +158,10 @@ impl Strategy for Zero1 {
                 m
             })
             .collect();
-        self.momentum = owned.iter().flat_map(|o| p[o.clone()].iter().copied()).collect();
+        self.momentum = match &p {
+            Some(p) => owned.iter().flat_map(|o| p[o.clone()].iter().copied()).collect(),
+            None => vec![0.0; owned.iter().map(|o| o.len()).sum()],
+        };
         self.scatter = Scatter { owned, shard };
         drop(p);
         // The shard is the optimiser state from here on; the engine holds none.
