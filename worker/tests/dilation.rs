@@ -94,7 +94,9 @@ fn compute_turns_are_refused_where_they_can_do_nothing() {
 
 /// Two dilated processes given the same turns file (that they compute one at a time is
 /// `gradsync_core::dilation`'s test): with D well above 2 the wait for a turn fits in each
-/// phase's window, and they learn what a process without turns learns.
+/// phase's window, and they learn what a process without turns learns. At x16, not x8: a
+/// phase of 2 ms that the machine stalls to 14 ms (seen once in CI, its neighbour's turn then
+/// waited out) still fits its window.
 #[test]
 fn processes_given_the_same_turns_compute_one_at_a_time() {
     let d = Scratch::new("turns");
@@ -103,7 +105,7 @@ fn processes_given_the_same_turns_compute_one_at_a_time() {
         let (metrics, save) = (d.join(format!("{tag}.jsonl")), d.join(format!("{tag}.ckpt")));
         let mut args: Vec<String> = REAL.iter().map(|s| s.to_string()).collect();
         args.extend(
-            ["--threads", "1", "--steps", "8", "--eval-every", "0", "--dilate", "8", "--quiet"]
+            ["--threads", "1", "--steps", "8", "--eval-every", "0", "--dilate", "16", "--quiet"]
                 .map(String::from),
         );
         args.extend([
@@ -135,7 +137,7 @@ fn processes_given_the_same_turns_compute_one_at_a_time() {
         let steps: Vec<&serde_json::Value> = recs.iter().filter(|r| r["kind"] == "step").collect();
         assert_eq!(steps.len(), 8);
         let under: u64 = steps.iter().map(|s| s["under_dilated"].as_u64().unwrap()).sum();
-        assert!(under <= 2, "{under} phases overran x8 for a turn shared by two: {steps:?}");
+        assert!(under <= 2, "{under} phases overran x16 for a turn shared by two: {steps:?}");
     }
     // Turns change when a phase computes, never what.
     let (alone, _, save) = start("alone", false);
