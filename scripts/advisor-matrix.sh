@@ -56,6 +56,10 @@ part() { # model hosts ranks-a-host rate modes suffix share flags...
   [ "$hosts" -ge 16 ] && big=2
   local d
   d=$(factor "$workers" "$rate" "$big" "$share")
+  # At least x2: an undilated group has no self-check, and its parameter server, 71-75% busy
+  # at x1 (VGG-16 4x1 at 1 Gbit/s), measured 12-22% slower than at x2, where it was 58% busy and
+  # within 0.6% of the advisor: under the 80% a run may be busy, but held back by the cores.
+  [ "$d" -lt 2 ] && d=2
   # The designs that cost the cores half the PS's CPU per emulated second: the rings and
   # ZeRO-1 (half its CPU a byte), the PS of half as many servers (the same bytes in a step
   # twice as long).
