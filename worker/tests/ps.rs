@@ -1274,8 +1274,9 @@ fn a_worker_starts_from_the_values_it_holds_and_pulls_the_shards_that_moved() {
     let worker = |rank: usize| {
         let mut engine = Engine::new(Device::Cpu { threads: 1 }, spec(), seed).expect("engine");
         let link = EngineLink::new(&mut engine);
-        let mut c =
-            rt.block_on(PsClient::connect(&addrs, None, Duration::from_secs(30), Tuning::tuned())).expect("connect");
+        let mut c = rt
+            .block_on(PsClient::connect(&addrs, None, Duration::from_secs(30), Tuning::tuned()))
+            .expect("connect");
         rt.block_on(c.register(rank, 2, &fp, n)).expect("register");
         (engine, link, c)
     };
