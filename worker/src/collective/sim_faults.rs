@@ -3,8 +3,8 @@
 //! dead rank, a silent rank, a slow rank, a slow or silent link, a cut connection and a torn
 //! frame; and the broadcast that sends only where a rank holds other values. Each case must
 //! end, on every rank, in the right values or an error naming the right rank, within a bounded
-//! (virtual) time. Every case runs under several seeds, that is, several
-//! interleavings of the ranks, each the same on every run.
+//! (virtual) time. Every case runs under several seeds, that is, several interleavings of the
+//! ranks, each the same on every run.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

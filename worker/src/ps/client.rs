@@ -188,8 +188,7 @@ impl PsClient {
 
     /// [`PsClient::pull_version_into`] the whole flat buffer `params`.
     pub async fn pull_version(&mut self, params: &mut [f32], want: u64) -> Result<Transfer> {
-        self.check_len("pull", params.len())?;
-        let sinks = self.split(params).into_iter().map(HostSlice).collect();
+        let sinks = self.host_sinks(params)?;
         self.pull_version_into(sinks, want).await
     }
 
@@ -477,13 +476,15 @@ impl PsClient {
         }
     }
 
-    /// Each shard's disjoint slice of `buf` (ranges are contiguous, in order, from the first
-    /// shard's start).
-    /// `buf` (the whole flat buffer) as one sink a shard, in shard order.
-    pub fn host_sinks<'a>(&self, buf: &'a mut [f32]) -> Vec<HostSlice<'a>> {
-        self.split(buf).into_iter().map(HostSlice).collect()
+    /// `buf` (the whole flat buffer, its length checked) as one sink a shard, in shard order,
+    /// for a pull.
+    pub fn host_sinks<'a>(&self, buf: &'a mut [f32]) -> Result<Vec<HostSlice<'a>>> {
+        self.check_len("pull", buf.len())?;
+        Ok(self.split(buf).into_iter().map(HostSlice).collect())
     }
 
+    /// Each shard's disjoint slice of `buf` (ranges are contiguous, in order, from the first
+    /// shard's start).
     fn split<'a>(&self, buf: &'a mut [f32]) -> Vec<&'a mut [f32]> {
         let first = self.shards.first().map_or(0, |s| s.range.start);
         let mut rest = &mut buf[first..];
@@ -518,8 +519,7 @@ impl PsClient {
     /// Pull every shard's parameters into `params` (the whole flat buffer), concurrently,
     /// decoding each chunk straight into place.
     pub async fn pull(&mut self, params: &mut [f32]) -> Result<Transfer> {
-        self.check_len("pull", params.len())?;
-        let sinks = self.split(params).into_iter().map(HostSlice).collect();
+        let sinks = self.host_sinks(params)?;
         self.pull_into(sinks).await
     }
 
@@ -572,8 +572,7 @@ impl PsClient {
         grads: &G,
         params: &mut [f32],
     ) -> Result<(Transfer, Transfer)> {
-        self.check_len("pull", params.len())?;
-        let sinks = self.split(params).into_iter().map(HostSlice).collect();
+        let sinks = self.host_sinks(params)?;
         self.exchange(grads, sinks).await
     }
 
@@ -585,8 +584,7 @@ impl PsClient {
         params: &mut [f32],
         rows: RowsStep<'_>,
     ) -> Result<(Transfer, Transfer)> {
-        self.check_len("pull", params.len())?;
-        let sinks = self.split(params).into_iter().map(HostSlice).collect();
+        let sinks = self.host_sinks(params)?;
         self.exchange_with_rows(grads, sinks, Some(rows)).await
     }
 
@@ -613,8 +611,7 @@ impl PsClient {
     /// `params` (both the whole flat buffer). See [`PsClient::exchange`].
     pub async fn step(&mut self, grads: &[f32], params: &mut [f32]) -> Result<(Transfer, Transfer)> {
         self.check_len("push", grads.len())?;
-        self.check_len("pull", params.len())?;
-        let sinks = self.split(params).into_iter().map(HostSlice).collect();
+        let sinks = self.host_sinks(params)?;
         self.exchange(&HostGrads(grads), sinks).await
     }
 

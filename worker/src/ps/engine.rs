@@ -122,22 +122,7 @@ impl EngineLink {
 
     /// Pull every shard's current parameters into the engine.
     pub async fn pull(&mut self, client: &mut PsClient, engine: &mut Engine) -> Result<Transfer> {
-        match self {
-            EngineLink::InPlace { .. } => {
-                let engine = RefCell::new(engine);
-                client.pull_into(ranges(client, &engine)).await
-            }
-            EngineLink::Staged { params, .. } => {
-                let t = client.pull(params).await?;
-                engine.write_params(0, params)?;
-                Ok(t)
-            }
-            EngineLink::Sparse { params, dense, .. } => {
-                let t = client.pull(params).await?;
-                engine.write_params(dense.start, &params[dense.clone()])?;
-                Ok(t)
-            }
-        }
+        self.pull_except(client, engine, &[]).await
     }
 
     /// [`EngineLink::pull`], but only from the shards whose parameters the engine does not
@@ -146,10 +131,20 @@ impl EngineLink {
     /// slow or dilated link takes about as long as a step's, is skipped.
     pub async fn pull_unless_held(&mut self, client: &mut PsClient, engine: &mut Engine) -> Result<Transfer> {
         let held = client.held(|range| Ok(crate::collective::params_digest(engine, range)?))?;
+        self.pull_except(client, engine, &held).await
+    }
+
+    /// Pull the shards not `held` (by shard) into the engine, leaving the held ones as they are.
+    async fn pull_except(
+        &mut self,
+        client: &mut PsClient,
+        engine: &mut Engine,
+        held: &[bool],
+    ) -> Result<Transfer> {
         let (params, dense) = match self {
             EngineLink::InPlace { .. } => {
                 let engine = RefCell::new(engine);
-                return client.pull_into_except(ranges(client, &engine), &held).await;
+                return client.pull_into_except(ranges(client, &engine), held).await;
             }
             EngineLink::Staged { params, .. } => {
                 let n = params.len();
@@ -158,11 +153,11 @@ impl EngineLink {
             EngineLink::Sparse { params, dense, .. } => (params, dense.clone()),
         };
         // The host copy is written back whole: the values kept come from the engine.
-        for (range, _) in client.ranges().zip(&held).filter(|(_, h)| **h) {
+        for (range, _) in client.ranges().zip(held).filter(|(_, h)| **h) {
             engine.read_params(range.clone(), &mut params[range])?;
         }
-        let sinks = client.host_sinks(params);
-        let t = client.pull_into_except(sinks, &held).await?;
+        let sinks = client.host_sinks(params)?;
+        let t = client.pull_into_except(sinks, held).await?;
         engine.write_params(dense.start, &params[dense])?;
         Ok(t)
     }

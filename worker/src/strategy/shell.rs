@@ -1,9 +1,10 @@
 //! The shell DDP and ZeRO-1 share, so that each file holds only where its algorithm differs:
 //! meeting the other ranks and connecting the communicator, the bucket plan, rank 0's initial
-//! parameters and momentum on every rank (sent only where a rank holds others), and the start and end of every step (rank
-//! 0's batch-norm statistics broadcast as DDP's `broadcast_buffers` does, `no_sync`
-//! micro-steps, the traffic counted, the gradient's scale), the final barrier and the header's
-//! common fields; and their configuration, [`DdpConfig`].
+//! parameters and momentum on every rank (sent only where a rank holds others), and the start
+//! and end of every step (rank 0's batch-norm statistics broadcast as DDP's
+//! `broadcast_buffers` does, `no_sync` micro-steps, the traffic counted, the gradient's
+//! scale), the final barrier and the header's common fields; and their configuration,
+//! [`DdpConfig`].
 
 use gradsync_core::Engine;
 use gradsync_core::compress::Compression;
