@@ -9,7 +9,8 @@
 # <group>+colocated: the parameter server with a shard on each worker host, run apart (its own
 # cluster and self-check) so that the matrix of servers on hosts of their own stays as it was
 # measured; `validate` joins the part to its group and also judges the pick among the designs
-# on the worker hosts alone. GROUP-REGEX runs only the groups and parts it matches, and a group whose directory already holds cluster.json is kept, so the
+# on the worker hosts alone. And parts <group>+buckets1 and +buckets100: the rings and ZeRO-1
+# at other bucket sizes (below). GROUP-REGEX runs only the groups and parts it matches, and a group whose directory already holds cluster.json is kept, so the
 # matrix can be run in parts and finished later. SCALE (default 1) multiplies every factor
 # below: a group whose self-check differed, or whose servers' cores were too busy, runs again
 # with SCALE 2 (remove its directory first). Designs: the flat ring (ddp-tcp), ZeRO-1,
@@ -97,5 +98,20 @@ for model in vgg16 bert-base gpt2; do
 done
 for rate in 1 10 25; do
   for hosts in 4 8; do group resnet50 "$hosts" 2 "$rate" "ddp-tcp,ddp-hier,ps-bsp,zero1-tcp"; done
+done
+# Bucket sizes: the rings and ZeRO-1 at 1 and 100 MB beside their group's 25 (the worker's
+# default), each size a part of its own (`<group>+buckets1`, `+buckets100`) at the rings'
+# factor, on the models of one rank a host that fit 8 hosts. `validate` names those runs
+# `ddp-tcp, 1 MB buckets` and so on in their group: the pick is then also the bucket size, and
+# the overlap with backward (one bucket of the whole model at 100 MB, none hidden; hundreds at
+# 1 MB) is what decides between them.
+for model in resnet50 vgg16; do
+  for rate in 1 10 25; do
+    for hosts in 4 8; do
+      for mb in 1 100; do
+        part "$model" "$hosts" 1 "$rate" ddp-tcp,zero1-tcp "+buckets$mb" 0.5 --bucket-mb "$mb"
+      done
+    done
+  done
 done
 "$B" validate "$OUT" | tee "$OUT/validation.md"

@@ -131,6 +131,10 @@ pub struct ClusterArgs {
     /// scenario's `dilate_for`.
     #[arg(long, value_name = "DESIGN=FACTOR", value_parser = design_factor)]
     pub dilate_for: Vec<(String, f64)>,
+    /// DDP's and ZeRO-1's bucket size, MB (default: the scenario's `bucket_mb`, else the
+    /// worker's 25).
+    #[arg(long)]
+    pub bucket_mb: Option<f64>,
     /// Runs of each cell (default: 3 with the step budget, the scenario's with
     /// --to-accuracy). With 1 the report lists the figures without ranking them: one run has
     /// no spread to set a difference against.
@@ -184,6 +188,13 @@ pub fn cluster_scenario(mut s: Scenario, a: &ClusterArgs) -> anyhow::Result<Scen
     if let Some(r) = a.repeats {
         anyhow::ensure!(r >= 1, "--repeats {r}: each cell must run at least once");
         s.repeats = r;
+    }
+    if let Some(mb) = a.bucket_mb {
+        anyhow::ensure!(
+            mb > 0.0 && mb.is_finite(),
+            "--bucket-mb {mb}: a bucket must hold a positive size in MB"
+        );
+        s.bucket_mb = Some(mb);
     }
     if let Some(d) = a.dilate {
         s.dilate = Some(d);
@@ -696,6 +707,19 @@ mod tests {
             (s.workers, s.hosts, s.ranks_per_host, s.shards),
             (vec![4], vec![], vec![2], vec![Shards::PerHosts(2)])
         );
+    }
+
+    /// `--bucket-mb` replaces the scenario's bucket size; a size not above 0 is refused by name.
+    #[test]
+    fn the_bucket_size_flag_replaces_the_scenarios_and_refuses_nonsense() {
+        let defaults = Scenario::load(None).unwrap();
+        let s = cluster_scenario(defaults.clone(), &args(&["--bucket-mb", "1"])).unwrap();
+        assert_eq!(s.bucket_mb, Some(1.0));
+        assert_eq!(cluster_scenario(defaults.clone(), &args(&[])).unwrap().bucket_mb, defaults.bucket_mb);
+        for bad in ["0", "-5", "inf"] {
+            let e = cluster_scenario(defaults.clone(), &args(&["--bucket-mb", bad])).unwrap_err().to_string();
+            assert!(e.contains("--bucket-mb"), "{e}");
+        }
     }
 
     /// `--dilate-for DESIGN=FACTOR` names a design the way the report does (`k=4` holds its

@@ -94,6 +94,8 @@ pub mod flag {
     pub const BACKEND: &str = "backend";
     /// `--bucket-mb`.
     pub const BUCKET_MB: &str = "bucket-mb";
+    /// `--bucket-mb`'s default (PyTorch DDP's `bucket_cap_mb`).
+    pub const DEFAULT_BUCKET_MB: f64 = 25.0;
     /// `--hierarchy`.
     pub const HIERARCHY: &str = "hierarchy";
     /// `--master-addr`.
@@ -486,7 +488,7 @@ pub struct DdpArgs {
     #[arg(long = flag::BACKEND, value_enum, default_value_t = Backend::Tcp)]
     pub backend: Backend,
     /// Gradient bucket size in MB (DDP's bucket_cap_mb).
-    #[arg(long = flag::BUCKET_MB, default_value_t = 25.0)]
+    #[arg(long = flag::BUCKET_MB, default_value_t = flag::DEFAULT_BUCKET_MB)]
     pub bucket_mb: f64,
     /// Synchronise gradients every K steps, accumulating in between (DDP's no_sync).
     #[arg(long, default_value_t = 1)]

@@ -130,7 +130,13 @@ fn row(cell: &Cell, mode: ModeKind, profile: &Profile, m: &Machine) -> Row {
         let c =
             ClusterSpec::checked(1, s.workers, l, Some(Intra { kind: IntraKind::Shm, link: l }), "loopback")
                 .ok()?;
-        let cfg = Config::of_mode(mode, s.bucket_mb.unwrap_or(25.0), false, (s.shards, false), 0.01)?;
+        let cfg = Config::of_mode(
+            mode,
+            s.bucket_mb.unwrap_or(gradsync_worker::cli::flag::DEFAULT_BUCKET_MB),
+            false,
+            (s.shards, false),
+            0.01,
+        )?;
         Some(predict::predict(&w, &c, &cfg, &CodecRates::free()).ok()?.step_s * 1e3)
     };
     let compute = s

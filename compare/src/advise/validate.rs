@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::emulated::{self, ClusterRun};
 use crate::report::cluster::{advisor_prediction_ms, cluster_prediction};
 use crate::results::{self, Summary};
+use gradsync_worker::cli::flag::DEFAULT_BUCKET_MB;
 
 /// How far above the fastest measured design the advisor's pick may measure and count as
 /// found.
@@ -200,9 +201,21 @@ fn group_rows(dir: &Path) -> anyhow::Result<Vec<Row>> {
     Ok(runs.iter().filter_map(|r| Some(row(&name, r, c.summaries.iter().find(|s| s.id == r.id)?))).collect())
 }
 
-/// The design a run stands for in its group.
-fn design(r: &ClusterRun) -> String {
-    crate::scenario::design_name(r.mode.label(), if r.mode.is_ps() { r.shards } else { 0 }, r.colocated)
+/// The design a run stands for in its group: with its bucket size where a ring's or ZeRO-1's
+/// run had other buckets than the worker's default, so that a group's parts at other bucket
+/// sizes are designs of their own beside it.
+fn design(r: &ClusterRun, s: &Summary) -> String {
+    let name =
+        crate::scenario::design_name(r.mode.label(), if r.mode.is_ps() { r.shards } else { 0 }, r.colocated);
+    with_buckets(name, (!r.mode.is_ps()).then_some(s.bucket_mb).flatten())
+}
+
+/// `name` with `, N MB buckets` where `bucket_mb` is not the worker's default.
+fn with_buckets(name: String, bucket_mb: Option<f64>) -> String {
+    match bucket_mb {
+        Some(mb) if (mb - DEFAULT_BUCKET_MB).abs() > 1e-6 => format!("{name}, {mb} MB buckets"),
+        _ => name,
+    }
 }
 
 fn row(group: &str, r: &ClusterRun, s: &Summary) -> Row {
@@ -210,7 +223,7 @@ fn row(group: &str, r: &ClusterRun, s: &Summary) -> Row {
     let exchange = cluster_prediction(r, s.params).map(|t| t * 1e3);
     Row {
         group: group.to_string(),
-        design: design(r),
+        design: design(r, s),
         model: s.model.clone(),
         hosts: r.workers.div_ceil(r.ranks_per_host.max(1)),
         ranks_per_host: r.ranks_per_host,
@@ -247,8 +260,8 @@ fn why_unsound(s: &Summary) -> Option<String> {
 
 /// The design families errors are given by.
 const FAMILIES: [(&str, InFamily); 3] = [
-    ("ring, ddp-hier", |d| d == "ddp-tcp" || d == "ddp-hier"),
-    ("ZeRO-1", |d| d == "zero1-tcp"),
+    ("ring, ddp-hier", |d| d.starts_with("ddp-tcp") || d.starts_with("ddp-hier")),
+    ("ZeRO-1", |d| d.starts_with("zero1-tcp")),
     ("parameter server", |d| d.starts_with("ps-")),
 ];
 
@@ -512,6 +525,19 @@ mod tests {
             advisor_profile_ms: Some(predicted),
             alpha_beta_ms: Some(ab),
         }
+    }
+
+    #[test]
+    fn a_run_at_other_buckets_than_the_default_is_a_design_of_its_own() {
+        assert_eq!(with_buckets("ddp-tcp".into(), Some(DEFAULT_BUCKET_MB)), "ddp-tcp");
+        assert_eq!(with_buckets("ddp-tcp".into(), None), "ddp-tcp");
+        assert_eq!(with_buckets("zero1-tcp".into(), Some(1.0)), "zero1-tcp, 1 MB buckets");
+        assert_eq!(with_buckets("ddp-tcp".into(), Some(100.0)), "ddp-tcp, 100 MB buckets");
+        // The families keep them.
+        let ring = FAMILIES[0].1;
+        let zero = FAMILIES[1].1;
+        assert!(ring("ddp-tcp, 1 MB buckets") && ring("ddp-hier") && !ring("zero1-tcp"));
+        assert!(zero("zero1-tcp, 100 MB buckets") && !zero("ps-bsp k=4"));
     }
 
     #[test]

@@ -87,7 +87,13 @@ pub fn advisor_prediction_ms(r: &ClusterRun, s: &Summary, measured_compute: bool
     }
     let m = r.ranks_per_host.max(1);
     let c = ClusterSpec::emulated(r.workers.div_ceil(m), m, cluster_link(r)).ok()?;
-    let cfg = Config::of_mode(r.mode, s.bucket_mb.unwrap_or(25.0), false, (r.shards, r.colocated), 0.01)?;
+    let cfg = Config::of_mode(
+        r.mode,
+        s.bucket_mb.unwrap_or(gradsync_worker::cli::flag::DEFAULT_BUCKET_MB),
+        false,
+        (r.shards, r.colocated),
+        0.01,
+    )?;
     Some(predict::predict(&w, &c, &cfg, &CodecRates::free()).ok()?.step_s * 1e3)
 }
 
