@@ -716,8 +716,8 @@ mod tests {
         let s = cluster_scenario(defaults.clone(), &args(&["--bucket-mb", "1"])).unwrap();
         assert_eq!(s.bucket_mb, Some(1.0));
         assert_eq!(cluster_scenario(defaults.clone(), &args(&[])).unwrap().bucket_mb, defaults.bucket_mb);
-        for bad in ["0", "-5", "inf"] {
-            let e = cluster_scenario(defaults.clone(), &args(&["--bucket-mb", bad])).unwrap_err().to_string();
+        for bad in ["--bucket-mb=0", "--bucket-mb=-5", "--bucket-mb=inf"] {
+            let e = cluster_scenario(defaults.clone(), &args(&[bad])).unwrap_err().to_string();
             assert!(e.contains("--bucket-mb"), "{e}");
         }
     }
