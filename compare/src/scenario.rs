@@ -687,6 +687,12 @@ impl Scenario {
         if let Some(d) = &self.data {
             d.parse::<gradsync_core::data::DataSource>().map_err(|e| anyhow::anyhow!("`data`: {e}"))?;
         }
+        if let Some(mb) = self.bucket_mb {
+            anyhow::ensure!(
+                mb > 0.0 && mb.is_finite(),
+                "`bucket_mb` must be a positive size in MB, not {mb}"
+            );
+        }
         anyhow::ensure!(self.run_timeout_s > 0.0, "`run_timeout_s` must be positive");
         anyhow::ensure!(self.checkpoint_every >= 1, "`checkpoint_every` must be at least 1");
         if self.kills > 0 {
@@ -945,6 +951,20 @@ fn one_rank() -> usize {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bucket_size_not_above_zero_is_refused_by_name() {
+        let base = toml::to_string(&Scenario::load(None).unwrap()).unwrap();
+        for bad in ["0", "-5.0"] {
+            let e =
+                format!("{:#}", Scenario::parse(&format!("bucket_mb = {bad}\n{base}"), "test").unwrap_err());
+            assert!(e.contains("`bucket_mb`"), "{e}");
+        }
+        assert_eq!(
+            Scenario::parse(&format!("bucket_mb = 1.0\n{base}"), "test").unwrap().bucket_mb,
+            Some(1.0)
+        );
+    }
 
     #[test]
     fn dilate_is_a_factor_from_one_or_auto_and_anything_else_is_refused_by_name() {
